@@ -1,0 +1,178 @@
+package grpcx
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"runtime/debug"
+	"time"
+
+	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/logging"
+	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/recovery"
+	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/validator"
+	"github.com/rs/zerolog"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/health"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/keepalive"
+	"google.golang.org/grpc/reflection"
+	"google.golang.org/grpc/status"
+)
+
+// Limits shared by servers and clients.
+const (
+	// MaxRecvMsgSize bounds any single gRPC message we accept (16 MiB).
+	MaxRecvMsgSize = 16 << 20
+	// MaxSendMsgSize bounds any single gRPC message we send.
+	MaxSendMsgSize = 16 << 20
+	// ClientKeepaliveTime is how often our clients ping an idle connection; the server
+	// enforcement below allows it.
+	ClientKeepaliveTime = 10 * time.Second
+	// ClientKeepaliveTimeout is how long a client waits for a ping ack.
+	ClientKeepaliveTimeout = 5 * time.Second
+)
+
+// Server is a gRPC server with its health service.
+type Server struct {
+	*grpc.Server
+	Health *health.Server
+	log    zerolog.Logger
+}
+
+// Option adjusts a Server before it is built.
+type Option func(*options)
+
+type options struct {
+	extra      []grpc.ServerOption
+	logCalls   bool
+	unaryInts  []grpc.UnaryServerInterceptor
+	streamInts []grpc.StreamServerInterceptor
+}
+
+// WithServerOptions appends raw grpc.ServerOptions (credentials, for example).
+func WithServerOptions(o ...grpc.ServerOption) Option {
+	return func(opts *options) { opts.extra = append(opts.extra, o...) }
+}
+
+// WithCallLogging logs the start and finish of every call (debug level is used for finish of
+// successful calls, so production logs stay quiet).
+func WithCallLogging(on bool) Option { return func(o *options) { o.logCalls = on } }
+
+// WithUnaryInterceptors adds interceptors after the standard chain.
+func WithUnaryInterceptors(i ...grpc.UnaryServerInterceptor) Option {
+	return func(o *options) { o.unaryInts = append(o.unaryInts, i...) }
+}
+
+// WithStreamInterceptors adds interceptors after the standard chain.
+func WithStreamInterceptors(i ...grpc.StreamServerInterceptor) Option {
+	return func(o *options) { o.streamInts = append(o.streamInts, i...) }
+}
+
+// NewServer builds the standard server. Register services on it, then call Serve.
+func NewServer(log zerolog.Logger, opt ...Option) *Server {
+	o := options{logCalls: true}
+	for _, f := range opt {
+		f(&o)
+	}
+	lg := InterceptorLogger(log)
+	logOpts := []logging.Option{logging.WithLogOnEvents(logging.FinishCall)}
+	rec := recovery.WithRecoveryHandler(func(p any) error {
+		log.Error().Interface("panic", p).Bytes("stack", debug.Stack()).Msg("grpc handler panic")
+		return status.Errorf(codes.Internal, "internal error")
+	})
+	unary := []grpc.UnaryServerInterceptor{recovery.UnaryServerInterceptor(rec)}
+	stream := []grpc.StreamServerInterceptor{recovery.StreamServerInterceptor(rec)}
+	if o.logCalls {
+		unary = append(unary, logging.UnaryServerInterceptor(lg, logOpts...))
+		stream = append(stream, logging.StreamServerInterceptor(lg, logOpts...))
+	}
+	unary = append(unary, validator.UnaryServerInterceptor())
+	stream = append(stream, validator.StreamServerInterceptor())
+	unary = append(unary, o.unaryInts...)
+	stream = append(stream, o.streamInts...)
+
+	sopts := []grpc.ServerOption{
+		grpc.MaxRecvMsgSize(MaxRecvMsgSize),
+		grpc.MaxSendMsgSize(MaxSendMsgSize),
+		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{
+			MinTime:             ClientKeepaliveTime / 2,
+			PermitWithoutStream: true,
+		}),
+		grpc.KeepaliveParams(keepalive.ServerParameters{
+			Time:    30 * time.Second,
+			Timeout: 10 * time.Second,
+		}),
+		grpc.ChainUnaryInterceptor(unary...),
+		grpc.ChainStreamInterceptor(stream...),
+	}
+	sopts = append(sopts, o.extra...)
+	s := grpc.NewServer(sopts...)
+	h := health.NewServer()
+	healthpb.RegisterHealthServer(s, h)
+	reflection.Register(s)
+	return &Server{Server: s, Health: h, log: log}
+}
+
+// Serve serves on lis until ctx is done, then stops gracefully (bounded by grace, after which
+// remaining calls are cut).
+func (s *Server) Serve(ctx context.Context, lis net.Listener, grace time.Duration) error {
+	errc := make(chan error, 1)
+	go func() { errc <- s.Server.Serve(lis) }()
+	select {
+	case err := <-errc:
+		if err != nil {
+			return fmt.Errorf("grpc serve %s: %w", lis.Addr(), err)
+		}
+		return nil
+	case <-ctx.Done():
+	}
+	s.Health.Shutdown()
+	done := make(chan struct{})
+	go func() { s.Server.GracefulStop(); close(done) }()
+	t := time.NewTimer(grace)
+	defer t.Stop()
+	select {
+	case <-done:
+	case <-t.C:
+		s.Server.Stop()
+		<-done
+	}
+	<-errc
+	return nil
+}
+
+// InterceptorLogger adapts zerolog to go-grpc-middleware's logging.Logger.
+func InterceptorLogger(l zerolog.Logger) logging.Logger {
+	return logging.LoggerFunc(func(_ context.Context, lvl logging.Level, msg string, fields ...any) {
+		ll := l.With().Fields(fields).Logger()
+		switch lvl {
+		case logging.LevelDebug:
+			ll.Debug().Msg(msg)
+		case logging.LevelInfo:
+			ll.Debug().Msg(msg) // every finished call at info would flood; keep it at debug
+		case logging.LevelWarn:
+			ll.Warn().Msg(msg)
+		case logging.LevelError:
+			ll.Error().Msg(msg)
+		default:
+			ll.Info().Msg(msg)
+		}
+	})
+}
+
+// ClientOptions are the dial options our clients use (keepalive matching the server policy,
+// size limits).
+func ClientOptions() []grpc.DialOption {
+	return []grpc.DialOption{
+		grpc.WithKeepaliveParams(keepalive.ClientParameters{
+			Time:                ClientKeepaliveTime,
+			Timeout:             ClientKeepaliveTimeout,
+			PermitWithoutStream: true,
+		}),
+		grpc.WithDefaultCallOptions(
+			grpc.MaxCallRecvMsgSize(MaxRecvMsgSize),
+			grpc.MaxCallSendMsgSize(MaxSendMsgSize),
+		),
+	}
+}

@@ -1,0 +1,14 @@
+// Package rdma is kvcentric's transfer engine: every KV byte (P→D seeds, D→P snapshots,
+// snapshot→D′ reseeds) moves through it. It follows Mooncake's transfer-engine model — register
+// local memory, open a peer segment by name (a handshake exchanges registered regions), allocate
+// a batch, submit READ/WRITE requests {source, target segment, target address, length}, poll or
+// wait for per-task status, free the batch — so the Mooncake backend is a thin binding and
+// sidecars never care which backend runs.
+//
+// Backends are chosen by name and never substituted silently: "tcp" (pure Go, parallel
+// connections), "cuda" (same-node GPU↔GPU via CUDA IPC, libcuda loaded at run time) and
+// "mooncake" (Mooncake's C API loaded from libtransfer_engine.so at run time).
+//
+// The layout helpers describe a KV pool as SGLang registers it (per-layer K and V buffers, page
+// size, bytes per page per buffer) and turn page maps or token ranges into the fewest requests.
+package rdma

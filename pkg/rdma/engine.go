@@ -1,0 +1,157 @@
+package rdma
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+)
+
+// Opcode is the direction of a request, seen from the local side.
+type Opcode uint8
+
+const (
+	// OpRead copies remote bytes (target) into local memory (source).
+	OpRead Opcode = 1
+	// OpWrite copies local bytes (source) into remote memory (target).
+	OpWrite Opcode = 2
+)
+
+func (o Opcode) String() string {
+	switch o {
+	case OpRead:
+		return "READ"
+	case OpWrite:
+		return "WRITE"
+	}
+	return fmt.Sprintf("Opcode(%d)", uint8(o))
+}
+
+// MemKind says what kind of memory a registered region is.
+type MemKind uint8
+
+const (
+	// MemHost is ordinary process memory.
+	MemHost MemKind = 1
+	// MemShared is a shared-memory file mapped from another process (the CPU analog of CUDA IPC).
+	MemShared MemKind = 2
+	// MemCUDA is CUDA device memory (an address in the CUDA unified address space).
+	MemCUDA MemKind = 3
+)
+
+// Region is a registered memory region. Addr is an address in the owning process.
+type Region struct {
+	Addr uint64
+	Len  uint64
+	Kind MemKind
+	// Location names where it lives: "cpu", "cuda:0", a shm path.
+	Location string
+}
+
+// Contains reports whether [addr, addr+n) lies inside r.
+func (r Region) Contains(addr, n uint64) bool {
+	return n > 0 && addr >= r.Addr && addr+n >= addr && addr+n <= r.Addr+r.Len
+}
+
+// SegmentID is a handle to an opened peer segment.
+type SegmentID int32
+
+// BatchID is a handle to an allocated batch.
+type BatchID uint64
+
+// Request is one READ or WRITE: Length bytes between local address Source and address
+// TargetAddr in the registered memory of segment Target.
+type Request struct {
+	Op         Opcode
+	Source     uint64
+	Target     SegmentID
+	TargetAddr uint64
+	Length     uint64
+}
+
+// TaskState is the state of one request of a batch.
+type TaskState uint8
+
+const (
+	TaskWaiting   TaskState = iota // submitted, not started
+	TaskPending                    // in flight
+	TaskCompleted                  // all bytes moved
+	TaskFailed                     // refused or broken
+	TaskTimeout                    // deadline passed
+	TaskCanceled                   // canceled by the caller
+)
+
+func (s TaskState) String() string {
+	return [...]string{"waiting", "pending", "completed", "failed", "timeout", "canceled"}[s]
+}
+
+// Done reports whether the state is final.
+func (s TaskState) Done() bool { return s >= TaskCompleted }
+
+// TaskStatus is the status of one request.
+type TaskStatus struct {
+	State     TaskState
+	BytesDone uint64
+	Err       error
+}
+
+// Engine is the transfer engine of one sidecar, in Mooncake's model: register local memory,
+// open peer segments by name, allocate batches, submit READ/WRITE requests, poll or wait for
+// per-task status, free batches. Implementations are safe for concurrent use.
+type Engine interface {
+	// Backend names the backend ("tcp", "cuda", "mooncake").
+	Backend() string
+	// SegmentName is the name peers open this engine by (host:port for tcp).
+	SegmentName() string
+	// RegisterMemory makes a local region available as source and as target for peers.
+	RegisterMemory(r Region) error
+	// UnregisterMemory withdraws the region starting at addr; later requests touching it fail.
+	UnregisterMemory(addr uint64) error
+	// OpenSegment connects to a peer and exchanges registered regions (the handshake).
+	OpenSegment(ctx context.Context, name string) (SegmentID, error)
+	// CloseSegment releases a peer segment handle.
+	CloseSegment(id SegmentID) error
+	// RemoteRegions lists a peer's registered regions as of the last handshake.
+	RemoteRegions(id SegmentID) ([]Region, error)
+	// AllocateBatch reserves a batch able to hold capacity requests.
+	AllocateBatch(capacity int) (BatchID, error)
+	// Submit adds requests to a batch and starts them; invalid requests fail as tasks.
+	Submit(ctx context.Context, b BatchID, reqs []Request) error
+	// Status returns the status of task i (submission order) of batch b.
+	Status(b BatchID, task int) (TaskStatus, error)
+	// Wait blocks until every task of b is final or ctx is done, and returns all statuses.
+	Wait(ctx context.Context, b BatchID) ([]TaskStatus, error)
+	// Cancel cancels the tasks of b that are not final.
+	Cancel(b BatchID) error
+	// FreeBatch releases b; it is refused (ErrBatchBusy) while tasks are waiting or pending.
+	FreeBatch(b BatchID) error
+	// Close stops the engine and fails every unfinished task.
+	Close() error
+}
+
+// Errors shared by every backend.
+var (
+	ErrUnknownBackend = errors.New("rdma: unknown backend")
+	ErrUnavailable    = errors.New("rdma: backend unavailable on this machine")
+	ErrUnknownSegment = errors.New("rdma: unknown segment")
+	ErrUnknownBatch   = errors.New("rdma: unknown batch")
+	ErrBatchBusy      = errors.New("rdma: batch has unfinished tasks")
+	ErrBatchFull      = errors.New("rdma: batch capacity exceeded")
+	ErrOutOfBounds    = errors.New("rdma: address range outside registered memory")
+	ErrInvalidRequest = errors.New("rdma: invalid request")
+	ErrClosed         = errors.New("rdma: engine closed")
+	ErrPeerGone       = errors.New("rdma: peer disconnected")
+	ErrLayoutMismatch = errors.New("rdma: KV layout mismatch")
+)
+
+// Deadline is the time budget of a synchronous transfer, base + bytes × per-byte, as SGLang
+// computes its transfer timeouts.
+type Deadline struct {
+	Base    time.Duration
+	PerByte time.Duration // may be 0; use PerGB for readability
+}
+
+// For returns the budget for n bytes.
+func (d Deadline) For(n uint64) time.Duration {
+	return d.Base + time.Duration(float64(d.PerByte)*float64(n))
+}
