@@ -1,0 +1,116 @@
+package cpclient
+
+import (
+	"math/rand/v2"
+	"sync"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+// NotLeaderError builds the UNAVAILABLE error a standby returns for leader-only calls, carrying
+// the leader's address (when known) as a kvc.v1.LeaderHint detail.
+func NotLeaderError(hint *kvcv1.LeaderHint) error {
+	msg := "not the leader"
+	if hint.GetLeaderAddr() != "" {
+		msg += "; leader is " + hint.GetLeaderId() + " at " + hint.GetLeaderAddr()
+	} else {
+		msg += "; no leader elected yet"
+	}
+	st := status.New(codes.Unavailable, msg)
+	if hint != nil {
+		if withHint, err := st.WithDetails(hint); err == nil {
+			st = withHint
+		}
+	}
+	return st.Err()
+}
+
+// LeaderHintFrom extracts the leader hint from an error, if it carries one.
+func LeaderHintFrom(err error) (*kvcv1.LeaderHint, bool) {
+	st, ok := status.FromError(err)
+	if !ok || st.Code() != codes.Unavailable {
+		return nil, false
+	}
+	for _, d := range st.Details() {
+		if h, ok := d.(*kvcv1.LeaderHint); ok && h.GetLeaderAddr() != "" {
+			return h, true
+		}
+	}
+	return nil, false
+}
+
+// Endpoints is a list of control plane addresses that remembers the last known leader. Next
+// returns the address to try: the hinted leader first, else the endpoints in rotation.
+type Endpoints struct {
+	mu     sync.Mutex
+	addrs  []string
+	next   int
+	leader string
+}
+
+// NewEndpoints returns an endpoint list; addrs must not be empty.
+func NewEndpoints(addrs []string) *Endpoints {
+	return &Endpoints{addrs: append([]string(nil), addrs...)}
+}
+
+// Next returns the address to dial now.
+func (e *Endpoints) Next() string {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.leader != "" {
+		l := e.leader
+		e.leader = ""
+		return l
+	}
+	if len(e.addrs) == 0 {
+		return ""
+	}
+	a := e.addrs[e.next%len(e.addrs)]
+	e.next++
+	return a
+}
+
+// Hint records the leader named by err (if any) so that the next Next returns it. It reports
+// whether a hint was found.
+func (e *Endpoints) Hint(err error) bool {
+	h, ok := LeaderHintFrom(err)
+	if !ok {
+		return false
+	}
+	e.mu.Lock()
+	e.leader = h.GetLeaderAddr()
+	e.mu.Unlock()
+	return true
+}
+
+// Backoff is jittered exponential backoff for reconnect loops.
+type Backoff struct {
+	Min, Max time.Duration
+	cur      time.Duration
+}
+
+// Next returns the next delay (full jitter between Min and the current ceiling).
+func (b *Backoff) Next() time.Duration {
+	if b.Min <= 0 {
+		b.Min = 50 * time.Millisecond
+	}
+	if b.Max <= 0 {
+		b.Max = 2 * time.Second
+	}
+	if b.cur < b.Min {
+		b.cur = b.Min
+	} else {
+		b.cur *= 2
+		if b.cur > b.Max {
+			b.cur = b.Max
+		}
+	}
+	return b.Min/2 + time.Duration(rand.Int64N(int64(b.cur)))
+}
+
+// Reset returns the backoff to its minimum after a success.
+func (b *Backoff) Reset() { b.cur = 0 }
