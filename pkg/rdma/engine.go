@@ -46,6 +46,17 @@ type Region struct {
 	Kind MemKind
 	// Location names where it lives: "cpu", "cuda:0", a shm path.
 	Location string
+	// CUDA describes device memory (Kind == MemCUDA): how a peer on the same node imports it.
+	CUDA *CUDAMemory
+}
+
+// CUDAMemory is what a peer needs to import a device region through CUDA IPC.
+type CUDAMemory struct {
+	Device int
+	// IPCHandle is the cudaIpcMemHandle_t (64 bytes) of the allocation holding the region.
+	IPCHandle []byte
+	// Offset of Addr from the start of that allocation.
+	Offset uint64
 }
 
 // Contains reports whether [addr, addr+n) lies inside r.
@@ -127,6 +138,56 @@ type Engine interface {
 	FreeBatch(b BatchID) error
 	// Close stops the engine and fails every unfinished task.
 	Close() error
+}
+
+// Config selects and configures a backend. Backend is required; there is no default and no
+// fallback: asking for a backend that cannot run here is an error (ErrUnavailable).
+type Config struct {
+	Backend string
+	// ListenAddr is where the engine accepts peers (tcp: host:port, port 0 allowed).
+	ListenAddr string
+	// AdvertiseAddr overrides the segment name peers use (default: the bound ListenAddr).
+	AdvertiseAddr string
+	// Conns is the number of parallel connections per peer (tcp).
+	Conns int
+	// SliceBytes splits large requests into slices spread over the connections (tcp).
+	SliceBytes uint64
+	// CUDADevice is the device the engine's copies run on (cuda).
+	CUDADevice int
+	// MooncakeLib is the path of libtransfer_engine.so (mooncake; env KVC_MOONCAKE_LIB).
+	MooncakeLib string
+	// MooncakeMetadata is Mooncake's metadata connection string (e.g. "P2PHANDSHAKE").
+	MooncakeMetadata string
+	// MooncakeProtocol is Mooncake's transport ("tcp", "rdma").
+	MooncakeProtocol string
+	// MooncakeDevices is the RDMA device list (mooncake, rdma protocol).
+	MooncakeDevices string
+}
+
+// Factory builds an engine for a Config.
+type Factory func(ctx context.Context, cfg Config) (Engine, error)
+
+var backends = map[string]Factory{}
+
+// register makes a backend available to New; called from init in each backend's file.
+func register(name string, f Factory) { backends[name] = f }
+
+// Backends lists the backend names compiled in.
+func Backends() []string {
+	out := make([]string, 0, len(backends))
+	for n := range backends {
+		out = append(out, n)
+	}
+	return out
+}
+
+// New builds the engine named by cfg.Backend.
+func New(ctx context.Context, cfg Config) (Engine, error) {
+	f, ok := backends[cfg.Backend]
+	if !ok {
+		return nil, fmt.Errorf("%w %q (compiled in: %v)", ErrUnknownBackend, cfg.Backend, Backends())
+	}
+	return f(ctx, cfg)
 }
 
 // Errors shared by every backend.
