@@ -1073,8 +1073,11 @@ type SetSnapshotTargetCommand struct {
 	PrefillWorkerId  string                 `protobuf:"bytes,2,opt,name=prefill_worker_id,json=prefillWorkerId,proto3" json:"prefill_worker_id,omitempty"`
 	PeerAddr         string                 `protobuf:"bytes,3,opt,name=peer_addr,json=peerAddr,proto3" json:"peer_addr,omitempty"`
 	TransferEndpoint string                 `protobuf:"bytes,4,opt,name=transfer_endpoint,json=transferEndpoint,proto3" json:"transfer_endpoint,omitempty"`
-	unknownFields    protoimpl.UnknownFields
-	sizeCache        protoimpl.SizeCache
+	// Generation of the session's KV on this D (the control plane's count); snapshots are tagged
+	// with it so a store never mixes two residencies of one session.
+	Generation    uint64 `protobuf:"varint,5,opt,name=generation,proto3" json:"generation,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *SetSnapshotTargetCommand) Reset() {
@@ -1133,6 +1136,13 @@ func (x *SetSnapshotTargetCommand) GetTransferEndpoint() string {
 		return x.TransferEndpoint
 	}
 	return ""
+}
+
+func (x *SetSnapshotTargetCommand) GetGeneration() uint64 {
+	if x != nil {
+		return x.Generation
+	}
+	return 0
 }
 
 // ReleaseSessionCommand asks a decode sidecar to stop tracking (and pushing) a session.
@@ -1529,13 +1539,16 @@ const file_kvc_v1_sidecar_proto_rawDesc = "" +
 	"\rpush_snapshot\x18\x05 \x01(\v2\x1b.kvc.v1.PushSnapshotCommandH\x00R\fpushSnapshot\x12,\n" +
 	"\x05drain\x18\x06 \x01(\v2\x14.kvc.v1.DrainCommandH\x00R\x05drain\x12B\n" +
 	"\rupdate_policy\x18\a \x01(\v2\x1b.kvc.v1.UpdatePolicyCommandH\x00R\fupdatePolicyB\b\n" +
-	"\x06action\"\xaf\x01\n" +
+	"\x06action\"\xcf\x01\n" +
 	"\x18SetSnapshotTargetCommand\x12\x1d\n" +
 	"\n" +
 	"session_id\x18\x01 \x01(\tR\tsessionId\x12*\n" +
 	"\x11prefill_worker_id\x18\x02 \x01(\tR\x0fprefillWorkerId\x12\x1b\n" +
 	"\tpeer_addr\x18\x03 \x01(\tR\bpeerAddr\x12+\n" +
-	"\x11transfer_endpoint\x18\x04 \x01(\tR\x10transferEndpoint\"N\n" +
+	"\x11transfer_endpoint\x18\x04 \x01(\tR\x10transferEndpoint\x12\x1e\n" +
+	"\n" +
+	"generation\x18\x05 \x01(\x04R\n" +
+	"generation\"N\n" +
 	"\x15ReleaseSessionCommand\x12\x1d\n" +
 	"\n" +
 	"session_id\x18\x01 \x01(\tR\tsessionId\x12\x16\n" +
