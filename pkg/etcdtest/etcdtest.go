@@ -1,0 +1,264 @@
+package etcdtest
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/url"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.etcd.io/etcd/server/v3/embed"
+	"go.uber.org/zap"
+)
+
+// StartTimeout bounds how long a member (or the whole cluster) may take to become ready.
+const StartTimeout = 30 * time.Second
+
+// Cluster is a running embedded etcd cluster. Every method is safe for concurrent use.
+type Cluster struct {
+	tb      testing.TB
+	token   string
+	members []*Member
+}
+
+// Member is one etcd member of a Cluster.
+type Member struct {
+	Name      string
+	Dir       string
+	ClientURL string // http://127.0.0.1:PORT
+	PeerURL   string // http://127.0.0.1:PORT
+
+	cluster *Cluster
+	mu      sync.Mutex
+	e       *embed.Etcd
+}
+
+// Start starts a single-member cluster and registers its shutdown with tb.Cleanup.
+func Start(tb testing.TB) *Cluster { return StartN(tb, 1) }
+
+// StartN starts an n-member cluster (n = 1 or 3 in practice) on loopback and waits until it
+// serves. It fails the test when the cluster does not start within StartTimeout.
+func StartN(tb testing.TB, n int) *Cluster {
+	tb.Helper()
+	if n < 1 {
+		tb.Fatalf("etcdtest: cluster size %d", n)
+	}
+	var lastErr error
+	for attempt := 0; attempt < 5; attempt++ {
+		c, err := tryStart(tb, n, attempt)
+		if err == nil {
+			tb.Cleanup(c.Close)
+			return c
+		}
+		lastErr = err
+		if !isAddrInUse(err) {
+			break
+		}
+	}
+	tb.Fatalf("etcdtest: start %d-member cluster: %v", n, lastErr)
+	return nil
+}
+
+func tryStart(tb testing.TB, n, attempt int) (*Cluster, error) {
+	base := tb.TempDir()
+	c := &Cluster{tb: tb, token: fmt.Sprintf("etcdtest-%d", attempt)}
+	ports, err := freePorts(2 * n)
+	if err != nil {
+		return nil, err
+	}
+	var initial []string
+	for i := 0; i < n; i++ {
+		m := &Member{
+			Name:      fmt.Sprintf("m%d", i),
+			Dir:       filepath.Join(base, fmt.Sprintf("m%d", i)),
+			ClientURL: fmt.Sprintf("http://127.0.0.1:%d", ports[2*i]),
+			PeerURL:   fmt.Sprintf("http://127.0.0.1:%d", ports[2*i+1]),
+			cluster:   c,
+		}
+		c.members = append(c.members, m)
+		initial = append(initial, m.Name+"="+m.PeerURL)
+	}
+	initialCluster := strings.Join(initial, ",")
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	for i, m := range c.members {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[i] = m.start(initialCluster, embed.ClusterStateFlagNew)
+		}()
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		c.Close()
+		return nil, err
+	}
+	return c, nil
+}
+
+func (m *Member) config(initialCluster, state string) (*embed.Config, error) {
+	cfg := embed.NewConfig()
+	cfg.Name = m.Name
+	cfg.Dir = m.Dir
+	cu, err := url.Parse(m.ClientURL)
+	if err != nil {
+		return nil, err
+	}
+	pu, err := url.Parse(m.PeerURL)
+	if err != nil {
+		return nil, err
+	}
+	cfg.ListenClientUrls = []url.URL{*cu}
+	cfg.AdvertiseClientUrls = []url.URL{*cu}
+	cfg.ListenPeerUrls = []url.URL{*pu}
+	cfg.AdvertisePeerUrls = []url.URL{*pu}
+	cfg.InitialCluster = initialCluster
+	cfg.InitialClusterToken = m.cluster.token
+	cfg.ClusterState = state
+	cfg.UnsafeNoFsync = true
+	cfg.ZapLoggerBuilder = embed.NewZapLoggerBuilder(zap.NewNop())
+	return cfg, nil
+}
+
+func (m *Member) start(initialCluster, state string) error {
+	cfg, err := m.config(initialCluster, state)
+	if err != nil {
+		return err
+	}
+	e, err := embed.StartEtcd(cfg)
+	if err != nil {
+		return fmt.Errorf("member %s: %w", m.Name, err)
+	}
+	select {
+	case <-e.Server.ReadyNotify():
+	case err := <-e.Err():
+		e.Close()
+		return fmt.Errorf("member %s: %w", m.Name, err)
+	case <-time.After(StartTimeout):
+		e.Server.Stop()
+		e.Close()
+		return fmt.Errorf("member %s: not ready after %s", m.Name, StartTimeout)
+	}
+	m.mu.Lock()
+	m.e = e
+	m.mu.Unlock()
+	return nil
+}
+
+// Endpoints returns the client URLs of all members (also of stopped ones).
+func (c *Cluster) Endpoints() []string {
+	out := make([]string, len(c.members))
+	for i, m := range c.members {
+		out[i] = m.ClientURL
+	}
+	return out
+}
+
+// Members returns the members in start order.
+func (c *Cluster) Members() []*Member { return c.members }
+
+// Member returns member i.
+func (c *Cluster) Member(i int) *Member { return c.members[i] }
+
+// Client returns a client for all endpoints, closed at test cleanup.
+func (c *Cluster) Client(tb testing.TB) *clientv3.Client {
+	tb.Helper()
+	cli, err := clientv3.New(clientv3.Config{
+		Endpoints:   c.Endpoints(),
+		DialTimeout: 5 * time.Second,
+		Logger:      zap.NewNop(),
+	})
+	if err != nil {
+		tb.Fatalf("etcdtest: client: %v", err)
+	}
+	tb.Cleanup(func() { _ = cli.Close() })
+	return cli
+}
+
+// Close stops every running member.
+func (c *Cluster) Close() {
+	for _, m := range c.members {
+		m.Kill()
+	}
+}
+
+// Kill stops the member at once (no leadership transfer). Data stays in Dir.
+func (m *Member) Kill() {
+	m.mu.Lock()
+	e := m.e
+	m.e = nil
+	m.mu.Unlock()
+	if e == nil {
+		return
+	}
+	e.Server.HardStop()
+	e.Close()
+}
+
+// Running reports whether the member is started.
+func (m *Member) Running() bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.e != nil
+}
+
+// Restart starts a killed member again on the same ports with its data.
+func (m *Member) Restart(tb testing.TB) {
+	tb.Helper()
+	if m.Running() {
+		tb.Fatalf("etcdtest: member %s is running", m.Name)
+	}
+	var initial []string
+	for _, o := range m.cluster.members {
+		initial = append(initial, o.Name+"="+o.PeerURL)
+	}
+	if err := m.start(strings.Join(initial, ","), embed.ClusterStateFlagExisting); err != nil {
+		tb.Fatalf("etcdtest: restart: %v", err)
+	}
+}
+
+// WaitHealthy waits until a quorum answers a linearizable read, or ctx ends.
+func (c *Cluster) WaitHealthy(ctx context.Context, cli *clientv3.Client) error {
+	for {
+		rctx, cancel := context.WithTimeout(ctx, time.Second)
+		_, err := cli.Get(rctx, "etcdtest-health")
+		cancel()
+		if err == nil {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("etcdtest: not healthy: %w", err)
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
+
+func freePorts(n int) ([]int, error) {
+	var lis []net.Listener
+	defer func() {
+		for _, l := range lis {
+			_ = l.Close()
+		}
+	}()
+	ports := make([]int, 0, n)
+	for i := 0; i < n; i++ {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return nil, err
+		}
+		lis = append(lis, l)
+		ports = append(ports, l.Addr().(*net.TCPAddr).Port)
+	}
+	return ports, nil
+}
+
+func isAddrInUse(err error) bool {
+	return err != nil && strings.Contains(err.Error(), "address already in use")
+}
