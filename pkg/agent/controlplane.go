@@ -1,0 +1,339 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/rs/zerolog"
+	"golang.org/x/sync/errgroup"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+
+	"github.com/kvcentric/kvcentric/pkg/cpclient"
+	"github.com/kvcentric/kvcentric/pkg/grpcx"
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+// Handler is what a sidecar gives the control-plane loop. Every method must be quick: Apply must
+// not wait for a transfer (start it and return).
+type Handler interface {
+	// Hello returns the sidecar's hello (last_epoch_seen is filled in by the loop).
+	Hello() *kvcv1.Hello
+	// Resync returns the sidecar's full residency truth (full_sync is set by the loop).
+	Resync() *kvcv1.ResidentSessions
+	// Load returns the current load report.
+	Load() *kvcv1.WorkerLoad
+	// Policy is called with the policy of every welcome and UpdatePolicyCommand.
+	Policy(p *kvcv1.Policy)
+	// Apply carries out a command (at most once per command; epoch already checked).
+	Apply(ctx context.Context, cmd *kvcv1.Command) error
+}
+
+// CPConfig configures the control-plane loop.
+type CPConfig struct {
+	Endpoints []string
+	// Heartbeat is the load report interval (1s).
+	Heartbeat time.Duration
+	// Backoff bounds the reconnect delay (50ms..2s, jittered).
+	BackoffMin, BackoffMax time.Duration
+	// DialOptions override the default (insecure) transport credentials.
+	DialOptions []grpc.DialOption
+}
+
+// ControlPlane keeps one Connect stream to the control-plane leader alive: it follows leader
+// hints, reconnects with jittered backoff, sends hello and a full resync on every connection,
+// heartbeats load, reports session events and applies commands at most once, only with an epoch
+// at least the highest seen, acking each.
+type ControlPlane struct {
+	cfg CPConfig
+	h   Handler
+	log zerolog.Logger
+
+	events chan *kvcv1.SessionEvent
+
+	mu        sync.Mutex
+	maxEpoch  int64
+	applied   map[cmdKey]appliedResult
+	order     []cmdKey
+	connected bool
+	leader    string
+	connects  int
+	connCh    chan struct{} // closed and replaced on every successful welcome
+}
+
+type cmdKey struct {
+	epoch int64
+	id    uint64
+}
+
+type appliedResult struct{ err string }
+
+const maxRemembered = 4096
+
+// NewControlPlane builds the loop; call Run.
+func NewControlPlane(cfg CPConfig, h Handler, log zerolog.Logger) *ControlPlane {
+	if cfg.Heartbeat <= 0 {
+		cfg.Heartbeat = time.Second
+	}
+	return &ControlPlane{
+		cfg: cfg, h: h, log: log,
+		events:  make(chan *kvcv1.SessionEvent, 4096),
+		applied: map[cmdKey]appliedResult{},
+		connCh:  make(chan struct{}),
+	}
+}
+
+// Report queues a session event for the control plane. Events raised while disconnected are
+// dropped when the queue is full; the full resync on reconnect carries the residency truth.
+func (c *ControlPlane) Report(ev *kvcv1.SessionEvent) {
+	if ev.UnixMs == 0 {
+		ev.UnixMs = time.Now().UnixMilli()
+	}
+	select {
+	case c.events <- ev:
+	default:
+		c.log.Warn().Str("session", ev.GetSessionId()).Stringer("kind", ev.GetKind()).Msg("event queue full; dropped")
+	}
+}
+
+// MaxEpoch is the highest command/welcome epoch seen.
+func (c *ControlPlane) MaxEpoch() int64 {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.maxEpoch
+}
+
+// Connected reports whether a stream is up and the address of the leader it goes to.
+func (c *ControlPlane) Connected() (bool, string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.connected, c.leader
+}
+
+// Connects counts successful connections (welcomes) so far.
+func (c *ControlPlane) Connects() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.connects
+}
+
+// Run connects and reconnects until ctx is done. It returns nil on cancellation.
+func (c *ControlPlane) Run(ctx context.Context) error {
+	if len(c.cfg.Endpoints) == 0 {
+		return errors.New("control plane: no endpoints")
+	}
+	eps := cpclient.NewEndpoints(c.cfg.Endpoints)
+	bo := cpclient.Backoff{Min: c.cfg.BackoffMin, Max: c.cfg.BackoffMax}
+	for ctx.Err() == nil {
+		addr := eps.Next()
+		welcomed, err := c.session(ctx, addr)
+		if ctx.Err() != nil {
+			return nil
+		}
+		if welcomed {
+			bo.Reset()
+		}
+		followed := eps.Hint(err)
+		c.log.Warn().Err(err).Str("addr", addr).Bool("leader_hint", followed).Msg("control plane stream ended")
+		if followed && !welcomed {
+			continue // go straight to the named leader
+		}
+		t := time.NewTimer(bo.Next())
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return nil
+		case <-t.C:
+		}
+	}
+	return nil
+}
+
+// errStaleLeader ends a stream to a leader whose epoch is below one already seen.
+var errStaleLeader = errors.New("control plane: leader epoch below the highest seen")
+
+func (c *ControlPlane) session(ctx context.Context, addr string) (welcomed bool, err error) {
+	opts := append(grpcx.ClientOptions(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	opts = append(opts, c.cfg.DialOptions...)
+	conn, err := grpc.NewClient(addr, opts...)
+	if err != nil {
+		return false, fmt.Errorf("dial %s: %w", addr, err)
+	}
+	defer conn.Close()
+	sctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	stream, err := kvcv1.NewSidecarServiceClient(conn).Connect(sctx)
+	if err != nil {
+		return false, err
+	}
+	hello := c.h.Hello()
+	hello.LastEpochSeen = c.MaxEpoch()
+	if err := stream.Send(&kvcv1.ConnectRequest{Msg: &kvcv1.ConnectRequest_Hello{Hello: hello}}); err != nil {
+		return false, recvErr(stream, err)
+	}
+	first, err := stream.Recv()
+	if err != nil {
+		return false, err
+	}
+	w := first.GetWelcome()
+	if w == nil {
+		return false, errors.New("control plane: first message is not a welcome")
+	}
+	if w.GetEpoch() < c.MaxEpoch() {
+		return false, fmt.Errorf("%w (%d < %d)", errStaleLeader, w.GetEpoch(), c.MaxEpoch())
+	}
+	c.seeEpoch(w.GetEpoch())
+	if w.GetPolicy() != nil {
+		c.h.Policy(w.GetPolicy())
+	}
+	// Events queued before this resync are superseded by it.
+	c.drainEvents()
+	rs := c.h.Resync()
+	rs.FullSync = true
+	if err := stream.Send(&kvcv1.ConnectRequest{Msg: &kvcv1.ConnectRequest_ResidentSessions{ResidentSessions: rs}}); err != nil {
+		return false, recvErr(stream, err)
+	}
+	if err := stream.Send(&kvcv1.ConnectRequest{Msg: &kvcv1.ConnectRequest_Load{Load: &kvcv1.LoadReport{Load: c.h.Load()}}}); err != nil {
+		return false, recvErr(stream, err)
+	}
+	c.mu.Lock()
+	c.connected, c.leader = true, addr
+	c.connects++
+	close(c.connCh)
+	c.connCh = make(chan struct{})
+	c.mu.Unlock()
+	defer func() {
+		c.mu.Lock()
+		c.connected = false
+		c.mu.Unlock()
+	}()
+	c.log.Info().Str("addr", addr).Int64("epoch", w.GetEpoch()).Str("leader", w.GetLeaderId()).
+		Int("sessions", len(rs.GetSessions())).Int("snapshots", len(rs.GetSnapshots())).Msg("connected to control plane")
+
+	acks := make(chan *kvcv1.CommandAck, 256)
+	g, gctx := errgroup.WithContext(sctx)
+	g.Go(func() error { // receive and apply commands
+		for {
+			m, err := stream.Recv()
+			if err != nil {
+				return err
+			}
+			cmd := m.GetCommand()
+			if cmd == nil {
+				continue
+			}
+			ack := c.apply(gctx, cmd)
+			select {
+			case acks <- ack:
+			case <-gctx.Done():
+				return gctx.Err()
+			}
+		}
+	})
+	g.Go(func() error { // the only sender
+		t := time.NewTicker(c.cfg.Heartbeat)
+		defer t.Stop()
+		for {
+			var msg *kvcv1.ConnectRequest
+			select {
+			case <-gctx.Done():
+				return gctx.Err()
+			case <-t.C:
+				msg = &kvcv1.ConnectRequest{Msg: &kvcv1.ConnectRequest_Load{Load: &kvcv1.LoadReport{Load: c.h.Load()}}}
+			case ev := <-c.events:
+				msg = &kvcv1.ConnectRequest{Msg: &kvcv1.ConnectRequest_SessionEvent{SessionEvent: ev}}
+			case a := <-acks:
+				msg = &kvcv1.ConnectRequest{Msg: &kvcv1.ConnectRequest_Ack{Ack: a}}
+			}
+			if err := stream.Send(msg); err != nil {
+				return err
+			}
+		}
+	})
+	err = g.Wait()
+	return true, err
+}
+
+// recvErr returns the stream's real status when Send failed with io.EOF.
+func recvErr(stream grpc.BidiStreamingClient[kvcv1.ConnectRequest, kvcv1.ConnectResponse], sendErr error) error {
+	if _, err := stream.Recv(); err != nil {
+		return err
+	}
+	return sendErr
+}
+
+func (c *ControlPlane) drainEvents() {
+	for {
+		select {
+		case <-c.events:
+		default:
+			return
+		}
+	}
+}
+
+func (c *ControlPlane) seeEpoch(e int64) {
+	c.mu.Lock()
+	if e > c.maxEpoch {
+		c.maxEpoch = e
+	}
+	c.mu.Unlock()
+}
+
+// apply runs a command at most once and only with a current epoch; it returns the ack.
+func (c *ControlPlane) apply(ctx context.Context, cmd *kvcv1.Command) *kvcv1.CommandAck {
+	k := cmdKey{cmd.GetEpoch(), cmd.GetCommandId()}
+	c.mu.Lock()
+	if cmd.GetEpoch() < c.maxEpoch {
+		max := c.maxEpoch
+		c.mu.Unlock()
+		c.log.Warn().Uint64("command_id", k.id).Int64("epoch", k.epoch).Int64("max_epoch", max).Msg("stale command refused")
+		return &kvcv1.CommandAck{CommandId: k.id, Ok: false, Error: fmt.Sprintf("stale epoch %d < %d", k.epoch, max)}
+	}
+	if r, dup := c.applied[k]; dup {
+		c.mu.Unlock()
+		return &kvcv1.CommandAck{CommandId: k.id, Ok: r.err == "", Error: r.err}
+	}
+	c.maxEpoch = cmd.GetEpoch()
+	c.mu.Unlock()
+
+	var err error
+	if up := cmd.GetUpdatePolicy(); up != nil {
+		c.h.Policy(up.GetPolicy())
+	} else {
+		err = c.h.Apply(ctx, cmd)
+	}
+	res := appliedResult{}
+	if err != nil {
+		res.err = err.Error()
+	}
+	c.mu.Lock()
+	c.applied[k] = res
+	c.order = append(c.order, k)
+	if len(c.order) > maxRemembered {
+		delete(c.applied, c.order[0])
+		c.order = c.order[1:]
+	}
+	c.mu.Unlock()
+	return &kvcv1.CommandAck{CommandId: k.id, Ok: err == nil, Error: res.err}
+}
+
+// WaitConnected blocks until a connection count above after is reached or ctx is done.
+func (c *ControlPlane) WaitConnected(ctx context.Context, after int) error {
+	for {
+		c.mu.Lock()
+		n, ch := c.connects, c.connCh
+		c.mu.Unlock()
+		if n > after {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-ch:
+		}
+	}
+}

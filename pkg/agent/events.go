@@ -1,0 +1,158 @@
+package agent
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// Event names written to the event log (and counted in kvc_sidecar_events_total).
+const (
+	EvPushEnqueued   = "snapshot_push_enqueued"
+	EvPushSent       = "snapshot_push_sent"
+	EvPushFailed     = "snapshot_push_failed"
+	EvPushAborted    = "snapshot_push_aborted"
+	EvRecvIngested   = "snapshot_recv_ingested"
+	EvRecvRejected   = "snapshot_recv_rejected"
+	EvEvicted        = "snapshot_evicted"
+	EvBypassHit      = "snapshot_bypass_hit"
+	EvBypassMiss     = "snapshot_bypass_miss"
+	EvTransferDone   = "transfer_done"
+	EvTransferFailed = "transfer_failed"
+	EvSessionCommit  = "session_committed"
+	EvSessionRelease = "session_released"
+)
+
+// Event is one line of the JSON-lines event log. Zero fields are left out.
+type Event struct {
+	TS         time.Time `json:"ts"`
+	Event      string    `json:"event"`
+	Worker     string    `json:"worker,omitempty"`
+	Session    string    `json:"session,omitempty"`
+	Generation uint64    `json:"generation,omitempty"`
+	BaseLen    int64     `json:"base_len,omitempty"`
+	Tokens     int64     `json:"tokens,omitempty"`
+	Seqlen     int64     `json:"seqlen,omitempty"`
+	Bytes      int64     `json:"bytes,omitempty"`
+	DurationMs float64   `json:"duration_ms,omitempty"`
+	Room       int64     `json:"room,omitempty"`
+	Kind       string    `json:"kind,omitempty"`
+	Peer       string    `json:"peer,omitempty"`
+	Reason     string    `json:"reason,omitempty"`
+	Attempt    int       `json:"attempt,omitempty"`
+}
+
+// EventLog writes events as JSON lines and mirrors them into Prometheus metrics. A nil writer
+// only counts. Safe for concurrent use.
+type EventLog struct {
+	mu     sync.Mutex
+	w      io.Writer
+	closer io.Closer
+	worker string
+
+	events    *prometheus.CounterVec
+	pushBytes prometheus.Histogram
+	pushDur   prometheus.Histogram
+	xferBytes *prometheus.HistogramVec
+	xferDur   *prometheus.HistogramVec
+}
+
+// OpenEventLog opens (appends to) path; an empty path logs nowhere but still counts metrics.
+func OpenEventLog(path, worker string, reg prometheus.Registerer) (*EventLog, error) {
+	var w io.Writer
+	var c io.Closer
+	if path != "" {
+		f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+		if err != nil {
+			return nil, fmt.Errorf("event log: %w", err)
+		}
+		w, c = f, f
+	}
+	l := NewEventLog(w, worker, reg)
+	l.closer = c
+	return l, nil
+}
+
+// NewEventLog logs to w (may be nil) and registers its metrics on reg (may be nil).
+func NewEventLog(w io.Writer, worker string, reg prometheus.Registerer) *EventLog {
+	byteBuckets := prometheus.ExponentialBuckets(4096, 4, 12)
+	durBuckets := prometheus.ExponentialBuckets(0.0005, 2, 16)
+	l := &EventLog{
+		w:      w,
+		worker: worker,
+		events: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvc_sidecar_events_total", Help: "Sidecar events by name (see the event log).",
+		}, []string{"event"}),
+		pushBytes: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name: "kvc_snapshot_push_bytes", Help: "Bytes moved per successful D->P snapshot push.",
+			Buckets: byteBuckets,
+		}),
+		pushDur: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name: "kvc_snapshot_push_duration_seconds", Help: "Duration of successful D->P snapshot pushes.",
+			Buckets: durBuckets,
+		}),
+		xferBytes: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "kvc_transfer_bytes", Help: "Bytes per completed KV transfer by kind (seed, snapshot).",
+			Buckets: byteBuckets,
+		}, []string{"kind"}),
+		xferDur: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "kvc_transfer_duration_seconds", Help: "Duration of completed KV transfers by kind.",
+			Buckets: durBuckets,
+		}, []string{"kind"}),
+	}
+	if reg != nil {
+		reg.MustRegister(l.events, l.pushBytes, l.pushDur, l.xferBytes, l.xferDur)
+	}
+	return l
+}
+
+// Emit stamps and writes e and updates the metrics.
+func (l *EventLog) Emit(e Event) {
+	if l == nil {
+		return
+	}
+	if e.TS.IsZero() {
+		e.TS = time.Now()
+	}
+	if e.Worker == "" {
+		e.Worker = l.worker
+	}
+	l.events.WithLabelValues(e.Event).Inc()
+	switch e.Event {
+	case EvPushSent:
+		l.pushBytes.Observe(float64(e.Bytes))
+		l.pushDur.Observe(e.DurationMs / 1e3)
+	case EvTransferDone:
+		l.xferBytes.WithLabelValues(e.Kind).Observe(float64(e.Bytes))
+		l.xferDur.WithLabelValues(e.Kind).Observe(e.DurationMs / 1e3)
+	}
+	if l.w == nil {
+		return
+	}
+	b, err := json.Marshal(e)
+	if err != nil {
+		return
+	}
+	b = append(b, '\n')
+	l.mu.Lock()
+	_, _ = l.w.Write(b)
+	l.mu.Unlock()
+}
+
+// Close closes the underlying file, if any.
+func (l *EventLog) Close() error {
+	if l == nil || l.closer == nil {
+		return nil
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.closer.Close()
+}
+
+// Ms converts a duration to float milliseconds for Event.DurationMs.
+func Ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }

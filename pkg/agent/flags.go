@@ -1,0 +1,123 @@
+package agent
+
+import (
+	"flag"
+	"fmt"
+	"strings"
+	"time"
+)
+
+// EnvName is the environment variable of a flag: KVC_ plus the name in upper snake case.
+func EnvName(flagName string) string {
+	return "KVC_" + strings.ToUpper(strings.ReplaceAll(flagName, "-", "_"))
+}
+
+// ParseFlags parses args, then fills every flag not given on the command line from its KVC_*
+// environment variable (the flag wins). Errors name the flag or variable.
+func ParseFlags(fs *flag.FlagSet, args []string, getenv func(string) string) error {
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("unexpected arguments: %v", fs.Args())
+	}
+	set := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+	var err error
+	fs.VisitAll(func(f *flag.Flag) {
+		if err != nil || set[f.Name] {
+			return
+		}
+		if v := getenv(EnvName(f.Name)); v != "" {
+			if e := fs.Set(f.Name, v); e != nil {
+				err = fmt.Errorf("%s=%q: %v", EnvName(f.Name), v, e)
+			}
+		}
+	})
+	return err
+}
+
+// Common holds the flags both sidecars take.
+type Common struct {
+	WorkerID          string
+	Node              string
+	GPUIndex          int
+	WorkerURL         string
+	ControlPlane      string
+	BridgeSocket      string
+	PeerAddr          string
+	AdvertisePeerAddr string
+	HTTPAddr          string
+	Transport         string
+	TransferAddr      string
+	TransferAdvertise string
+	TransferConns     int
+	EventLog          string
+	KVCapacityTokens  int64
+	ReadyFile         string
+	LogLevel          string
+	LogFormat         string
+	Heartbeat         time.Duration
+	FaultDelay        time.Duration
+}
+
+// Register defines the common flags on fs.
+func (c *Common) Register(fs *flag.FlagSet) {
+	fs.StringVar(&c.WorkerID, "worker-id", "", "worker id reported to the control plane (required)")
+	fs.StringVar(&c.Node, "node", "", "node name (default: hostname)")
+	fs.IntVar(&c.GPUIndex, "gpu-index", 0, "GPU index of the worker")
+	fs.StringVar(&c.WorkerURL, "worker-url", "", "HTTP URL of the SGLang worker (reported in hello)")
+	fs.StringVar(&c.ControlPlane, "control-plane", "", "comma list of control plane gRPC addresses (empty: run without a control plane)")
+	fs.StringVar(&c.BridgeSocket, "bridge-socket", "", "Unix socket path of the WorkerBridge service (mode 0600; required)")
+	fs.StringVar(&c.PeerAddr, "peer-addr", "127.0.0.1:0", "listen address of the TransferPeerService")
+	fs.StringVar(&c.AdvertisePeerAddr, "advertise-peer-addr", "", "peer address other sidecars use (default: the bound address)")
+	fs.StringVar(&c.HTTPAddr, "http-addr", "127.0.0.1:0", "listen address of /metrics, /healthz, /readyz and the sidecar HTTP API")
+	fs.StringVar(&c.Transport, "transport", "tcp", "transfer backend: tcp, cuda or mooncake")
+	fs.StringVar(&c.TransferAddr, "transfer-addr", "127.0.0.1:0", "transfer engine listen address (tcp)")
+	fs.StringVar(&c.TransferAdvertise, "transfer-advertise-addr", "", "transfer segment name peers use (default: the bound address)")
+	fs.IntVar(&c.TransferConns, "transfer-conns", 4, "parallel connections per peer (tcp)")
+	fs.StringVar(&c.EventLog, "event-log", "", "JSON-lines event log path (empty: none)")
+	fs.Int64Var(&c.KVCapacityTokens, "kv-capacity-tokens", 0, "KV capacity reported to the control plane (0: what the pool implies)")
+	fs.StringVar(&c.ReadyFile, "ready-file", "", "write a JSON ready file with the bound addresses here")
+	fs.StringVar(&c.LogLevel, "log-level", "info", "debug, info, warn or error")
+	fs.StringVar(&c.LogFormat, "log-format", "json", "json or console")
+	fs.DurationVar(&c.Heartbeat, "heartbeat", time.Second, "load report interval")
+	fs.DurationVar(&c.FaultDelay, "fault-transfer-delay", 0, "fault injection: delay before each transfer request (tests only)")
+}
+
+// Check validates the common flags.
+func (c *Common) Check() error {
+	switch {
+	case c.WorkerID == "":
+		return fmt.Errorf("--worker-id is required")
+	case c.BridgeSocket == "":
+		return fmt.Errorf("--bridge-socket is required")
+	case c.TransferConns < 1 || c.TransferConns > 64:
+		return fmt.Errorf("--transfer-conns %d out of range [1, 64]", c.TransferConns)
+	case c.GPUIndex < 0:
+		return fmt.Errorf("--gpu-index must be >= 0")
+	case c.KVCapacityTokens < 0:
+		return fmt.Errorf("--kv-capacity-tokens must be >= 0")
+	case c.Heartbeat < 10*time.Millisecond:
+		return fmt.Errorf("--heartbeat %v too short", c.Heartbeat)
+	case c.FaultDelay < 0:
+		return fmt.Errorf("--fault-transfer-delay must be >= 0")
+	}
+	switch c.Transport {
+	case "tcp", "cuda", "mooncake":
+	default:
+		return fmt.Errorf("--transport %q: want tcp, cuda or mooncake", c.Transport)
+	}
+	return nil
+}
+
+// Endpoints splits --control-plane.
+func (c *Common) Endpoints() []string {
+	var out []string
+	for _, s := range strings.Split(c.ControlPlane, ",") {
+		if s = strings.TrimSpace(s); s != "" {
+			out = append(out, s)
+		}
+	}
+	return out
+}

@@ -1,0 +1,474 @@
+package store
+
+import (
+	"container/list"
+	"fmt"
+	"sort"
+	"sync"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+)
+
+// Evict reasons.
+const (
+	ReasonCapacity = "capacity"
+	ReasonReplaced = "replaced"
+	ReasonReleased = "released"
+)
+
+// Entry is one session's snapshot. Pages[i] holds tokens [i·page_size, (i+1)·page_size).
+type Entry struct {
+	Session    string
+	Generation uint64
+	Seqlen     int64
+	Pages      []int64
+	Source     string
+	Updated    time.Time
+
+	elem    *list.Element
+	readers int
+	dead    bool // removed from the index; pages freed when the last reader leaves
+}
+
+// View is a read-only copy of an entry.
+type View struct {
+	Session    string
+	Generation uint64
+	Seqlen     int64
+	Pages      []int64
+	Source     string
+	Updated    time.Time
+	Bytes      int64
+}
+
+// Reservation is the answer to Reserve: the store pages that cover tokens
+// [FirstPage·page_size, base_len+tokens).
+type Reservation struct {
+	ID        uint64
+	Pages     []int64
+	FirstPage int64
+}
+
+type pending struct {
+	id       uint64
+	session  string
+	gen      uint64
+	base     int64
+	tokens   int64
+	source   string
+	full     bool
+	entry    *Entry // the entry appended to (nil for a full push)
+	pages    []int64
+	owned    []int64
+	created  time.Time
+	deadline time.Time
+}
+
+// EvictFunc is called (without the store lock) for every entry that leaves the store for a
+// reason other than a commit of the same session.
+type EvictFunc func(v View, reason string)
+
+// Config sizes the store.
+type Config struct {
+	PageSize int64
+	// PageBytes is the bytes of one store page over all buffers (2·layers·item_len).
+	PageBytes int64
+	PageCount int64
+	// ReserveTimeout frees a reservation left without commit or abort (30s).
+	ReserveTimeout time.Duration
+	OnEvict        EvictFunc
+	Now            func() time.Time
+}
+
+// Store is safe for concurrent use.
+type Store struct {
+	cfg Config
+
+	mu       sync.Mutex
+	free     []bool // free[p]
+	nfree    int64
+	entries  map[string]*Entry
+	lru      *list.List // front = most recent
+	pend     map[uint64]*pending
+	bySess   map[string]uint64
+	nextID   uint64
+	pinsByID map[string]int // pins taken by PushSnapshot commands before the offer arrives
+}
+
+// New builds an empty store.
+func New(cfg Config) (*Store, error) {
+	if cfg.PageSize <= 0 || cfg.PageBytes <= 0 || cfg.PageCount <= 0 {
+		return nil, fmt.Errorf("store: bad geometry (page size %d, page bytes %d, pages %d)", cfg.PageSize, cfg.PageBytes, cfg.PageCount)
+	}
+	if cfg.ReserveTimeout <= 0 {
+		cfg.ReserveTimeout = 30 * time.Second
+	}
+	if cfg.Now == nil {
+		cfg.Now = time.Now
+	}
+	s := &Store{cfg: cfg, free: make([]bool, cfg.PageCount), nfree: cfg.PageCount,
+		entries: map[string]*Entry{}, lru: list.New(), pend: map[uint64]*pending{}, bySess: map[string]uint64{}}
+	for i := range s.free {
+		s.free[i] = true
+	}
+	return s, nil
+}
+
+// CapacityBytes is the store size in bytes.
+func (s *Store) CapacityBytes() int64 { return s.cfg.PageCount * s.cfg.PageBytes }
+
+// UsedBytes is the bytes of allocated pages (entries and reservations).
+func (s *Store) UsedBytes() int64 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return (s.cfg.PageCount - s.nfree) * s.cfg.PageBytes
+}
+
+func ceilDiv(a, b int64) int64 { return (a + b - 1) / b }
+
+func (s *Store) view(e *Entry) View {
+	return View{Session: e.Session, Generation: e.Generation, Seqlen: e.Seqlen, Pages: append([]int64(nil), e.Pages...),
+		Source: e.Source, Updated: e.Updated, Bytes: int64(len(e.Pages)) * s.cfg.PageBytes}
+}
+
+// Reserve reserves store pages for tokens [base, base+tokens) of (session, gen). base 0 starts a
+// full snapshot that replaces the current one at commit; any other base must equal the seqlen of
+// the stored generation (else FAILED_PRECONDITION naming that seqlen). Older generations are
+// refused; eviction of least recently used entries makes room.
+func (s *Store) Reserve(session string, gen uint64, base, tokens int64, source string) (Reservation, error) {
+	if tokens <= 0 || base < 0 {
+		return Reservation{}, status.Errorf(codes.InvalidArgument, "bad range: base_len %d, tokens %d", base, tokens)
+	}
+	if base+tokens < base {
+		return Reservation{}, status.Error(codes.InvalidArgument, "range overflows")
+	}
+	var evicted []View
+	defer func() {
+		for _, v := range evicted {
+			s.notify(v, ReasonCapacity)
+		}
+	}()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	now := s.cfg.Now()
+	s.expireLocked(now)
+	if id, busy := s.bySess[session]; busy {
+		return Reservation{}, status.Errorf(codes.Aborted, "session %s already has ingest %d in flight", session, id)
+	}
+	e := s.entries[session]
+	if e != nil && gen < e.Generation {
+		return Reservation{}, status.Errorf(codes.FailedPrecondition, "generation %d is older than the stored generation %d (seqlen %d)", gen, e.Generation, e.Seqlen)
+	}
+	ps := s.cfg.PageSize
+	p := &pending{session: session, gen: gen, base: base, tokens: tokens, source: source, created: now, deadline: now.Add(s.cfg.ReserveTimeout)}
+	var need int64
+	var firstPage int64
+	if base == 0 {
+		p.full = true
+		need = ceilDiv(tokens, ps)
+	} else {
+		var seqlen int64
+		if e != nil && e.Generation == gen {
+			seqlen = e.Seqlen
+		}
+		if seqlen != base {
+			return Reservation{}, status.Errorf(codes.FailedPrecondition, "base_len %d does not match the stored seqlen %d of generation %d", base, seqlen, gen)
+		}
+		p.entry = e
+		firstPage = base / ps
+		have := int64(len(e.Pages))
+		need = ceilDiv(base+tokens, ps) - have
+		p.pages = append(p.pages, e.Pages[firstPage:]...)
+	}
+	if need > s.cfg.PageCount {
+		return Reservation{}, status.Errorf(codes.ResourceExhausted, "reserve of %d pages (%d bytes) is larger than the store (%d pages, %d bytes)",
+			need, need*s.cfg.PageBytes, s.cfg.PageCount, s.CapacityBytes())
+	}
+	for s.nfree < need {
+		v, ok := s.evictOneLocked(e, p.full)
+		if !ok {
+			return Reservation{}, status.Errorf(codes.ResourceExhausted, "store full: %d pages free, %d needed, nothing evictable", s.nfree, need)
+		}
+		evicted = append(evicted, v)
+	}
+	p.owned = s.allocLocked(need)
+	p.pages = append(p.pages, p.owned...)
+	s.nextID++
+	p.id = s.nextID
+	s.pend[p.id] = p
+	s.bySess[session] = p.id
+	return Reservation{ID: p.id, Pages: append([]int64(nil), p.pages...), FirstPage: firstPage}, nil
+}
+
+// evictOneLocked removes the least recently used evictable entry other than keep (the session's
+// own entry); keep goes last, only for a full push (which replaces it anyway) and only if nothing
+// else is left.
+func (s *Store) evictOneLocked(keep *Entry, allowKeep bool) (View, bool) {
+	for el := s.lru.Back(); el != nil; el = el.Prev() {
+		e := el.Value.(*Entry)
+		if e == keep || e.readers > 0 || s.pinsByID[e.Session] > 0 {
+			continue
+		}
+		if _, busy := s.bySess[e.Session]; busy && e != keep {
+			// an append to e is reserved; evicting it would strand that ingest
+			if pe := s.pend[s.bySess[e.Session]]; pe != nil && pe.entry == e {
+				continue
+			}
+		}
+		v := s.view(e)
+		s.removeLocked(e)
+		return v, true
+	}
+	if allowKeep && keep != nil && keep.readers == 0 && !keep.dead && s.pinsByID[keep.Session] == 0 {
+		v := s.view(keep)
+		s.removeLocked(keep)
+		return v, true
+	}
+	return View{}, false
+}
+
+// removeLocked drops e from the index and frees its pages (now, or when its last reader leaves).
+func (s *Store) removeLocked(e *Entry) {
+	if s.entries[e.Session] == e {
+		delete(s.entries, e.Session)
+	}
+	if e.elem != nil {
+		s.lru.Remove(e.elem)
+		e.elem = nil
+	}
+	e.dead = true
+	if e.readers == 0 {
+		s.freeLocked(e.Pages)
+		e.Pages = nil
+	}
+}
+
+// allocLocked takes n free pages, as one contiguous run when there is one (first fit), else the
+// lowest free pages. The caller checked nfree ≥ n.
+func (s *Store) allocLocked(n int64) []int64 {
+	if n == 0 {
+		return nil
+	}
+	out := make([]int64, 0, n)
+	var run int64
+	for i := int64(0); i < s.cfg.PageCount; i++ {
+		if !s.free[i] {
+			run = 0
+			continue
+		}
+		run++
+		if run == n {
+			for p := i - n + 1; p <= i; p++ {
+				s.free[p] = false
+				out = append(out, p)
+			}
+			s.nfree -= n
+			return out
+		}
+	}
+	for i := int64(0); i < s.cfg.PageCount && int64(len(out)) < n; i++ {
+		if s.free[i] {
+			s.free[i] = false
+			out = append(out, i)
+		}
+	}
+	s.nfree -= n
+	return out
+}
+
+func (s *Store) freeLocked(pages []int64) {
+	for _, p := range pages {
+		if !s.free[p] {
+			s.free[p] = true
+			s.nfree++
+		}
+	}
+}
+
+// Commit makes a reservation's tokens part of the snapshot and returns the new seqlen.
+func (s *Store) Commit(id uint64) (View, error) {
+	var replaced *View
+	s.mu.Lock()
+	p, ok := s.pend[id]
+	if !ok {
+		s.mu.Unlock()
+		return View{}, status.Errorf(codes.NotFound, "ingest %d unknown (expired, aborted or committed)", id)
+	}
+	delete(s.pend, id)
+	delete(s.bySess, p.session)
+	now := s.cfg.Now()
+	cur := s.entries[p.session]
+	var e *Entry
+	if p.full {
+		if cur != nil && cur.Generation > p.gen {
+			s.freeLocked(p.owned)
+			s.mu.Unlock()
+			return View{}, status.Errorf(codes.FailedPrecondition, "generation %d was replaced by %d", p.gen, cur.Generation)
+		}
+		if cur != nil {
+			if cur.Generation != p.gen {
+				v := s.view(cur)
+				replaced = &v
+			}
+			s.removeLocked(cur)
+		}
+		e = &Entry{Session: p.session, Generation: p.gen, Pages: p.owned}
+		e.elem = s.lru.PushFront(e)
+		s.entries[p.session] = e
+	} else {
+		e = p.entry
+		if e.dead || cur != e || e.Seqlen != p.base {
+			s.freeLocked(p.owned)
+			s.mu.Unlock()
+			return View{}, status.Errorf(codes.FailedPrecondition, "snapshot of %s changed during the ingest; base_len %d no longer matches", p.session, p.base)
+		}
+		e.Pages = append(e.Pages, p.owned...)
+		s.lru.MoveToFront(e.elem)
+	}
+	e.Seqlen = p.base + p.tokens
+	e.Source = p.source
+	e.Updated = now
+	v := s.view(e)
+	s.mu.Unlock()
+	if replaced != nil {
+		s.notify(*replaced, ReasonReplaced)
+	}
+	return v, nil
+}
+
+// Abort frees a reservation; the existing snapshot stays valid for what it covers.
+func (s *Store) Abort(id uint64) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	p, ok := s.pend[id]
+	if !ok {
+		return status.Errorf(codes.NotFound, "ingest %d unknown", id)
+	}
+	s.abortLocked(p)
+	return nil
+}
+
+func (s *Store) abortLocked(p *pending) {
+	delete(s.pend, p.id)
+	delete(s.bySess, p.session)
+	s.freeLocked(p.owned)
+}
+
+func (s *Store) expireLocked(now time.Time) {
+	for _, p := range s.pend {
+		if now.After(p.deadline) {
+			s.abortLocked(p)
+		}
+	}
+}
+
+// Expire frees reservations past their deadline (called periodically).
+func (s *Store) Expire() {
+	s.mu.Lock()
+	s.expireLocked(s.cfg.Now())
+	s.mu.Unlock()
+}
+
+// Release drops a session's snapshot.
+func (s *Store) Release(session string) bool {
+	s.mu.Lock()
+	e, ok := s.entries[session]
+	var v View
+	if ok {
+		v = s.view(e)
+		s.removeLocked(e)
+	}
+	s.mu.Unlock()
+	if ok {
+		s.notify(v, ReasonReleased)
+	}
+	return ok
+}
+
+// Acquire pins a session's snapshot for reading (a reseed) and touches it in the LRU. The
+// returned release must be called once the read is over; until then the pages stay allocated.
+func (s *Store) Acquire(session string) (View, func(), bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	e, ok := s.entries[session]
+	if !ok {
+		return View{}, nil, false
+	}
+	e.readers++
+	s.lru.MoveToFront(e.elem)
+	var once sync.Once
+	return s.view(e), func() {
+		once.Do(func() {
+			s.mu.Lock()
+			e.readers--
+			if e.readers == 0 && e.dead {
+				s.freeLocked(e.Pages)
+				e.Pages = nil
+			}
+			s.mu.Unlock()
+		})
+	}, true
+}
+
+// Pin protects a session's snapshot from eviction (a reseed was decided and its offer is on the
+// way); Unpin undoes it.
+func (s *Store) Pin(session string) {
+	s.mu.Lock()
+	if s.pinsByID == nil {
+		s.pinsByID = map[string]int{}
+	}
+	s.pinsByID[session]++
+	if e, ok := s.entries[session]; ok {
+		s.lru.MoveToFront(e.elem)
+	}
+	s.mu.Unlock()
+}
+
+// Unpin releases a Pin.
+func (s *Store) Unpin(session string) {
+	s.mu.Lock()
+	if s.pinsByID[session] > 1 {
+		s.pinsByID[session]--
+	} else {
+		delete(s.pinsByID, session)
+	}
+	s.mu.Unlock()
+}
+
+// Get returns a session's snapshot.
+func (s *Store) Get(session string) (View, bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	e, ok := s.entries[session]
+	if !ok {
+		return View{}, false
+	}
+	return s.view(e), true
+}
+
+// List returns every snapshot, sorted by session.
+func (s *Store) List() []View {
+	s.mu.Lock()
+	out := make([]View, 0, len(s.entries))
+	for _, e := range s.entries {
+		out = append(out, s.view(e))
+	}
+	s.mu.Unlock()
+	sort.Slice(out, func(i, j int) bool { return out[i].Session < out[j].Session })
+	return out
+}
+
+// Pending is the number of open reservations.
+func (s *Store) Pending() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.pend)
+}
+
+func (s *Store) notify(v View, reason string) {
+	if s.cfg.OnEvict != nil {
+		s.cfg.OnEvict(v, reason)
+	}
+}
