@@ -1,0 +1,29 @@
+// Package kvstore is the etcd-backed store of the control plane: workers, sessions and the
+// routing policy, as protobuf values under a configurable prefix (default /kvc/v1/).
+//
+// # Keyspace
+//
+//	<prefix>leader/<lease>   election keys (concurrency.Election)
+//	<prefix>workers/<id>     kvc.v1.Worker
+//	<prefix>sessions/<id>    kvc.v1.SessionRecord
+//	<prefix>policy           kvc.v1.Policy (the operator's overrides; defaults are filled by readers)
+//
+// # Fencing
+//
+// Every write by the leader goes through a Fence: one Txn guarded by
+// CreateRevision(leaderKey) == leaderRev, so once a leader has been deposed (its election key
+// deleted or replaced), its writes fail atomically with ErrFenced. Session records are plain
+// keys, never bound to the leader's lease, so they survive lease loss.
+//
+// # Write-behind
+//
+// A Batcher coalesces writes per key (the latest value wins) and flushes within a bounded delay
+// (MaxDelay, default 50 ms) in Txns of at most MaxOps (128) operations and MaxBytes (1.5 MiB,
+// etcd's default request limit, including a margin for the Txn's own encoding).
+//
+// # Concurrency Model
+//
+// Store is stateless apart from its client and safe for concurrent use. A Batcher accepts
+// writes from any goroutine; one goroutine (Run) sends Txns, one at a time, in the order the
+// flushes were cut.
+package kvstore

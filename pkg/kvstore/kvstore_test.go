@@ -1,0 +1,479 @@
+package kvstore
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.etcd.io/etcd/client/v3/concurrency"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/kvcentric/kvcentric/pkg/etcdtest"
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+// leader campaigns under the store's election prefix and returns its fence and session.
+func leader(t *testing.T, s *Store, id string) (Fence, *concurrency.Session, *concurrency.Election) {
+	t.Helper()
+	sess, err := concurrency.NewSession(s.Client(), concurrency.WithTTL(5))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = sess.Close() })
+	el := concurrency.NewElection(sess, s.ElectionPrefix())
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+	if err := el.Campaign(ctx, id); err != nil {
+		t.Fatal(err)
+	}
+	return Fence{Key: el.Key(), Rev: el.Rev()}, sess, el
+}
+
+func newStore(t *testing.T, cli *clientv3.Client, prefix string) *Store {
+	t.Helper()
+	s, err := New(cli, WithPrefix(prefix))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+func TestNewValidatesPrefix(t *testing.T) {
+	c := etcdtest.Start(t)
+	cli := c.Client(t)
+	for _, tc := range []struct {
+		prefix string
+		ok     bool
+	}{
+		{"/kvc/v1/", true}, {"/x/", true}, {"kvc/", false}, {"/kvc", false}, {"/", false},
+	} {
+		_, err := New(cli, WithPrefix(tc.prefix))
+		if (err == nil) != tc.ok {
+			t.Errorf("prefix %q: err=%v, want ok=%v", tc.prefix, err, tc.ok)
+		}
+	}
+	if _, err := New(nil); err == nil {
+		t.Error("nil client accepted")
+	}
+}
+
+func TestFencing(t *testing.T) {
+	c := etcdtest.Start(t)
+	cli := c.Client(t)
+	s := newStore(t, cli, "/fence/")
+	ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
+	defer cancel()
+
+	f1, sess1, _ := leader(t, s, "a")
+	rec := &kvcv1.SessionRecord{SessionId: "s1", DecodeWorker: "d0", Epoch: f1.Rev}
+	b, _ := proto.Marshal(rec)
+	if err := s.Apply(ctx, f1, []Op{{Key: s.SessionKey("s1"), Value: b}}); err != nil {
+		t.Fatalf("leader write: %v", err)
+	}
+	// Depose leader 1: its lease goes away (as when it expires), leader 2 takes over.
+	if err := sess1.Close(); err != nil {
+		t.Fatal(err)
+	}
+	f2, _, _ := leader(t, s, "b")
+	if f2.Rev <= f1.Rev {
+		t.Fatalf("epoch did not grow: %d <= %d", f2.Rev, f1.Rev)
+	}
+	stale := &kvcv1.SessionRecord{SessionId: "s1", DecodeWorker: "STALE", Epoch: f1.Rev}
+	b2, _ := proto.Marshal(stale)
+	err := s.Apply(ctx, f1, []Op{{Key: s.SessionKey("s1"), Value: b2}, {Key: s.SessionKey("s2"), Value: b2}})
+	if !errors.Is(err, ErrFenced) {
+		t.Fatalf("deposed write: err = %v, want ErrFenced", err)
+	}
+	got, ok, err := s.GetSession(ctx, "s1")
+	if err != nil || !ok || got.GetDecodeWorker() != "d0" {
+		t.Fatalf("record after fenced write: %v %v %v", got, ok, err)
+	}
+	if _, ok, _ := s.GetSession(ctx, "s2"); ok {
+		t.Fatal("fenced txn wrote part of its ops")
+	}
+	// The deposed leader's batcher fails terminally with ErrFenced too.
+	bt := NewBatcher(s, f1)
+	errc := make(chan error, 1)
+	go func() { errc <- bt.Run(ctx) }()
+	if err := bt.PutSession(stale); err != nil {
+		t.Fatal(err)
+	}
+	if err := bt.Flush(ctx); !errors.Is(err, ErrFenced) {
+		t.Fatalf("batcher flush: %v", err)
+	}
+	if err := <-errc; !errors.Is(err, ErrFenced) {
+		t.Fatalf("batcher run: %v", err)
+	}
+	if err := bt.PutSession(stale); !errors.Is(err, ErrFenced) {
+		t.Fatalf("put after fenced: %v", err)
+	}
+	// The new leader writes fine.
+	if err := s.Apply(ctx, f2, []Op{{Key: s.SessionKey("s1"), Value: b2}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Apply(ctx, Fence{}, nil); err == nil {
+		t.Fatal("zero fence accepted")
+	}
+}
+
+func TestSessionsSurviveLeaderLease(t *testing.T) {
+	c := etcdtest.Start(t)
+	cli := c.Client(t)
+	s := newStore(t, cli, "/lease/")
+	ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
+	defer cancel()
+	f, sess, _ := leader(t, s, "a")
+	bt := NewBatcher(s, f)
+	go func() { _ = bt.Run(ctx) }()
+	for i := range 10 {
+		if err := bt.PutSession(&kvcv1.SessionRecord{SessionId: fmt.Sprint("s", i)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := bt.Flush(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := sess.Close(); err != nil { // revokes the leader lease
+		t.Fatal(err)
+	}
+	recs, next, err := s.ListSessions(ctx, "", 100, nil)
+	if err != nil || len(recs) != 10 || next != "" {
+		t.Fatalf("after lease revoke: %d records, next %q, err %v", len(recs), next, err)
+	}
+}
+
+func TestBatcherCoalesces(t *testing.T) {
+	c := etcdtest.Start(t)
+	cli := c.Client(t)
+	s := newStore(t, cli, "/coalesce/")
+	ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
+	defer cancel()
+	f, _, _ := leader(t, s, "a")
+	var mu sync.Mutex
+	var infos []FlushInfo
+	bt := NewBatcher(s, f, WithMaxDelay(time.Hour), WithOnTxn(func(i FlushInfo) {
+		mu.Lock()
+		infos = append(infos, i)
+		mu.Unlock()
+	}))
+	go func() { _ = bt.Run(ctx) }()
+	for i := range 500 {
+		if err := bt.PutSession(&kvcv1.SessionRecord{SessionId: "hot", KvCommittedLen: int64(i)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := bt.PutSession(&kvcv1.SessionRecord{SessionId: "gone"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := bt.DeleteSession("gone"); err != nil {
+		t.Fatal(err)
+	}
+	if got := bt.Pending(); got != 2 {
+		t.Fatalf("pending = %d, want 2 (coalesced)", got)
+	}
+	if err := bt.Flush(ctx); err != nil {
+		t.Fatal(err)
+	}
+	mu.Lock()
+	if len(infos) != 1 || infos[0].Ops != 2 {
+		t.Fatalf("txns = %+v, want one txn of 2 ops", infos)
+	}
+	mu.Unlock()
+	resp, err := cli.Get(ctx, s.SessionKey("hot"))
+	if err != nil || len(resp.Kvs) != 1 {
+		t.Fatal(err)
+	}
+	if resp.Kvs[0].Version != 1 {
+		t.Fatalf("hot key written %d times, want 1", resp.Kvs[0].Version)
+	}
+	got, _, _ := s.GetSession(ctx, "hot")
+	if got.GetKvCommittedLen() != 499 {
+		t.Fatalf("latest value lost: %d", got.GetKvCommittedLen())
+	}
+	if _, ok, _ := s.GetSession(ctx, "gone"); ok {
+		t.Fatal("deleted key present")
+	}
+}
+
+func TestBatcherLimits(t *testing.T) {
+	c := etcdtest.Start(t)
+	cli := c.Client(t)
+	ctx, cancel := context.WithTimeout(t.Context(), 60*time.Second)
+	defer cancel()
+	for _, tc := range []struct {
+		name     string
+		keys     int
+		valBytes int
+		maxOps   int // per txn
+	}{
+		{"many small", 1000, 100, DefaultMaxOps},
+		{"large values", 40, 200 << 10, 7}, // 8 × 200 KiB would pass 1.5 MiB
+		{"near limit", 3, DefaultMaxBytes - 200, 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			prefix := "/limits/" + strings.ReplaceAll(tc.name, " ", "-") + "/"
+			s := newStore(t, cli, prefix)
+			f, _, _ := leader(t, s, "a")
+			var mu sync.Mutex
+			var infos []FlushInfo
+			bt := NewBatcher(s, f, WithMaxDelay(time.Hour), WithOnTxn(func(i FlushInfo) {
+				mu.Lock()
+				infos = append(infos, i)
+				mu.Unlock()
+			}))
+			rctx, rcancel := context.WithCancel(ctx)
+			defer rcancel()
+			go func() { _ = bt.Run(rctx) }()
+			val := []byte(strings.Repeat("v", tc.valBytes))
+			for i := range tc.keys {
+				val[0] = 'a' + byte(i%26)
+				if err := bt.Put(s.Prefix()+fmt.Sprintf("blob/%05d", i), &kvcv1.SessionRecord{SessionId: string(val)}); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if err := bt.Flush(ctx); err != nil {
+				t.Fatal(err)
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			total := 0
+			for _, in := range infos {
+				if in.Err != nil {
+					t.Fatalf("txn failed: %v", in.Err)
+				}
+				if in.Ops > DefaultMaxOps || in.Ops > tc.maxOps {
+					t.Fatalf("txn of %d ops, limit %d", in.Ops, tc.maxOps)
+				}
+				if in.Bytes > DefaultMaxBytes {
+					t.Fatalf("txn of %d bytes > %d", in.Bytes, DefaultMaxBytes)
+				}
+				total += in.Ops
+			}
+			if total != tc.keys {
+				t.Fatalf("wrote %d ops, want %d", total, tc.keys)
+			}
+			resp, err := cli.Get(ctx, s.Prefix()+"blob/", clientv3.WithPrefix(), clientv3.WithCountOnly())
+			if err != nil || resp.Count != int64(tc.keys) {
+				t.Fatalf("etcd holds %d keys (err %v), want %d", resp.Count, err, tc.keys)
+			}
+		})
+	}
+	s := newStore(t, cli, "/limits/")
+	bt := NewBatcher(s, Fence{Key: "x", Rev: 1})
+	if err := bt.Put("k", &kvcv1.SessionRecord{SessionId: string(make([]byte, DefaultMaxBytes))}); !errors.Is(err, ErrTooLarge) {
+		t.Fatalf("oversized value: %v", err)
+	}
+}
+
+func TestBatcherFlushesAfterDelay(t *testing.T) {
+	c := etcdtest.Start(t)
+	cli := c.Client(t)
+	s := newStore(t, cli, "/delay/")
+	ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
+	defer cancel()
+	f, _, _ := leader(t, s, "a")
+	const delay = 40 * time.Millisecond
+	txns := make(chan FlushInfo, 16)
+	bt := NewBatcher(s, f, WithMaxDelay(delay), WithOnTxn(func(i FlushInfo) { txns <- i }))
+	go func() { _ = bt.Run(ctx) }()
+	if err := bt.PutSession(&kvcv1.SessionRecord{SessionId: "a"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := bt.PutSession(&kvcv1.SessionRecord{SessionId: "b"}); err != nil {
+		t.Fatal(err)
+	}
+	// No Flush call: the timer must write it.
+	select {
+	case in := <-txns:
+		if in.Err != nil || in.Ops != 2 {
+			t.Fatalf("flush %+v", in)
+		}
+		if in.OldestAge < delay {
+			t.Fatalf("flushed after %s, before the %s coalescing window", in.OldestAge, delay)
+		}
+	case <-ctx.Done():
+		t.Fatal("no flush without an explicit Flush")
+	}
+	if _, ok, _ := s.GetSession(ctx, "b"); !ok {
+		t.Fatal("record not in etcd after the timed flush")
+	}
+}
+
+func TestBatcherRetriesWhileEtcdDown(t *testing.T) {
+	c := etcdtest.Start(t)
+	cli := c.Client(t)
+	s := newStore(t, cli, "/retry/")
+	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+	defer cancel()
+	f, _, _ := leader(t, s, "a")
+	bt := NewBatcher(s, f, WithMaxDelay(5*time.Millisecond), WithRetryDelay(20*time.Millisecond))
+	go func() { _ = bt.Run(ctx) }()
+	c.Member(0).Kill()
+	if err := bt.PutSession(&kvcv1.SessionRecord{SessionId: "kept", Turn: 1}); err != nil {
+		t.Fatal(err)
+	}
+	short, scancel := context.WithTimeout(ctx, 300*time.Millisecond)
+	err := bt.Flush(short)
+	scancel()
+	if err == nil {
+		t.Fatal("flush succeeded with etcd down")
+	}
+	if err := bt.PutSession(&kvcv1.SessionRecord{SessionId: "kept", Turn: 2}); err != nil {
+		t.Fatal(err)
+	}
+	c.Member(0).Restart(t)
+	if err := bt.Flush(ctx); err != nil {
+		t.Fatalf("flush after restart: %v", err)
+	}
+	got, ok, err := s.GetSession(ctx, "kept")
+	if err != nil || !ok || got.GetTurn() != 2 {
+		t.Fatalf("after retry: %v %v %v", got, ok, err)
+	}
+}
+
+func TestListAndLoad(t *testing.T) {
+	c := etcdtest.Start(t)
+	cli := c.Client(t)
+	s := newStore(t, cli, "/list/")
+	ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
+	defer cancel()
+	f, _, _ := leader(t, s, "a")
+	bt := NewBatcher(s, f)
+	go func() { _ = bt.Run(ctx) }()
+	for i := range 25 {
+		w := "d0"
+		if i%2 == 1 {
+			w = "d1"
+		}
+		if err := bt.PutSession(&kvcv1.SessionRecord{SessionId: fmt.Sprintf("s%02d", i), DecodeWorker: w}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := bt.PutWorker(&kvcv1.Worker{WorkerId: "d0", Role: kvcv1.WorkerRole_WORKER_ROLE_DECODE}); err != nil {
+		t.Fatal(err)
+	}
+	if err := bt.Flush(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.PutPolicy(ctx, f, &kvcv1.Policy{SeedMinTurn: proto.Int32(2), Version: 3}); err != nil {
+		t.Fatal(err)
+	}
+	// A malformed record must not break loading.
+	if _, err := cli.Put(ctx, s.SessionKey("zz-bad"), "\xff\xff\xff"); err != nil {
+		t.Fatal(err)
+	}
+	var ids []string
+	tok := ""
+	for {
+		recs, next, err := s.ListSessions(ctx, tok, 4, func(r *kvcv1.SessionRecord) bool { return r.GetDecodeWorker() == "d1" })
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, r := range recs {
+			ids = append(ids, r.GetSessionId())
+		}
+		if next == "" {
+			break
+		}
+		tok = next
+	}
+	if len(ids) != 12 || ids[0] != "s01" || ids[11] != "s23" {
+		t.Fatalf("paged filter = %v", ids)
+	}
+	snap, err := s.LoadAll(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(snap.Sessions) != 25 || len(snap.Workers) != 1 || snap.Policy.GetSeedMinTurn() != 2 || snap.Malformed != 1 {
+		t.Fatalf("load: %d sessions %d workers policy %v malformed %d", len(snap.Sessions), len(snap.Workers), snap.Policy, snap.Malformed)
+	}
+	ws, err := s.ListWorkers(ctx)
+	if err != nil || len(ws) != 1 {
+		t.Fatalf("workers %v %v", ws, err)
+	}
+}
+
+func TestExpireIdleSessions(t *testing.T) {
+	c := etcdtest.Start(t)
+	cli := c.Client(t)
+	s := newStore(t, cli, "/ttl/")
+	ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
+	defer cancel()
+	f, _, _ := leader(t, s, "a")
+	now := time.UnixMilli(10_000_000)
+	ttl := time.Minute
+	recs := []*kvcv1.SessionRecord{
+		{SessionId: "fresh", LastSeenUnixMs: now.Add(-time.Second).UnixMilli()},
+		{SessionId: "idle", LastSeenUnixMs: now.Add(-2 * time.Minute).UnixMilli()},
+		{SessionId: "edge", LastSeenUnixMs: now.Add(-ttl).UnixMilli()},
+		{SessionId: "never-seen-old", CreatedUnixMs: now.Add(-time.Hour).UnixMilli()},
+	}
+	var ops []Op
+	for _, r := range recs {
+		b, _ := proto.Marshal(r)
+		ops = append(ops, Op{Key: s.SessionKey(r.GetSessionId()), Value: b})
+	}
+	if err := s.Apply(ctx, f, ops); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		id   string
+		idle bool
+	}{{"fresh", false}, {"idle", true}, {"edge", true}, {"never-seen-old", true}} {
+		r, _, _ := s.GetSession(ctx, tc.id)
+		if got := IsIdle(r, ttl, now); got != tc.idle {
+			t.Errorf("IsIdle(%s) = %v", tc.id, got)
+		}
+		if IsIdle(r, 0, now) {
+			t.Errorf("ttl 0 expired %s", tc.id)
+		}
+	}
+	n, err := s.ExpireIdleSessions(ctx, f, ttl, now)
+	if err != nil || n != 3 {
+		t.Fatalf("expired %d, err %v; want 3", n, err)
+	}
+	left, _, _ := s.ListSessions(ctx, "", 10, nil)
+	if len(left) != 1 || left[0].GetSessionId() != "fresh" {
+		t.Fatalf("left %v", left)
+	}
+}
+
+func TestWatchPolicy(t *testing.T) {
+	c := etcdtest.Start(t)
+	cli := c.Client(t)
+	s := newStore(t, cli, "/watch/")
+	ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
+	defer cancel()
+	f, _, _ := leader(t, s, "a")
+	if err := s.PutPolicy(ctx, f, &kvcv1.Policy{Version: 1}); err != nil {
+		t.Fatal(err)
+	}
+	got := make(chan int64, 8)
+	wctx, wcancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		_ = s.WatchPolicy(wctx, func(p *kvcv1.Policy) { got <- p.GetVersion() })
+	}()
+	if v := <-got; v != 1 {
+		t.Fatalf("initial version %d", v)
+	}
+	if err := s.PutPolicy(ctx, f, &kvcv1.Policy{Version: 2}); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case v := <-got:
+		if v != 2 {
+			t.Fatalf("watched version %d", v)
+		}
+	case <-ctx.Done():
+		t.Fatal("no watch event")
+	}
+	wcancel()
+	<-done
+}

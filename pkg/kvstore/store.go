@@ -1,0 +1,442 @@
+package kvstore
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"google.golang.org/protobuf/proto"
+
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+// DefaultPrefix is the default key prefix.
+const DefaultPrefix = "/kvc/v1/"
+
+// Errors.
+var (
+	// ErrFenced means the writer is no longer the leader: the fencing compare failed and
+	// nothing was written.
+	ErrFenced = errors.New("kvstore: fenced: writer is not the leader any more")
+	// ErrTooLarge means a single value cannot fit in one Txn.
+	ErrTooLarge = errors.New("kvstore: value too large for one transaction")
+	// ErrClosed means the batcher no longer accepts writes.
+	ErrClosed = errors.New("kvstore: batcher closed")
+)
+
+// Store reads and writes kvcentric records in etcd.
+type Store struct {
+	cli     *clientv3.Client
+	prefix  string
+	metrics *metrics
+}
+
+// Option configures a Store.
+type Option func(*Store) error
+
+// WithPrefix sets the key prefix; it must start and end with '/'.
+func WithPrefix(p string) Option {
+	return func(s *Store) error {
+		if !strings.HasPrefix(p, "/") || !strings.HasSuffix(p, "/") || len(p) < 2 {
+			return fmt.Errorf("kvstore: prefix %q must start and end with '/'", p)
+		}
+		s.prefix = p
+		return nil
+	}
+}
+
+// WithRegisterer registers the store's metrics (flushes, ops, bytes, failures) with reg.
+func WithRegisterer(reg prometheus.Registerer) Option {
+	return func(s *Store) error {
+		s.metrics = newMetrics(reg)
+		return nil
+	}
+}
+
+// New returns a Store over cli.
+func New(cli *clientv3.Client, opts ...Option) (*Store, error) {
+	if cli == nil {
+		return nil, errors.New("kvstore: nil etcd client")
+	}
+	s := &Store{cli: cli, prefix: DefaultPrefix}
+	for _, o := range opts {
+		if err := o(s); err != nil {
+			return nil, err
+		}
+	}
+	if s.metrics == nil {
+		s.metrics = newMetrics(nil)
+	}
+	return s, nil
+}
+
+// Client returns the underlying etcd client.
+func (s *Store) Client() *clientv3.Client { return s.cli }
+
+// Prefix returns the key prefix.
+func (s *Store) Prefix() string { return s.prefix }
+
+// ElectionPrefix is the prefix under which replicas campaign.
+func (s *Store) ElectionPrefix() string { return s.prefix + "leader/" }
+
+// WorkerKey is the key of a worker record.
+func (s *Store) WorkerKey(id string) string { return s.prefix + "workers/" + id }
+
+// SessionKey is the key of a session record.
+func (s *Store) SessionKey(id string) string { return s.prefix + "sessions/" + id }
+
+// PolicyKey is the key of the policy record.
+func (s *Store) PolicyKey() string { return s.prefix + "policy" }
+
+func (s *Store) workersPrefix() string  { return s.prefix + "workers/" }
+func (s *Store) sessionsPrefix() string { return s.prefix + "sessions/" }
+
+// Fence is the fencing token of a leader: its election key and that key's create revision
+// (the epoch).
+type Fence struct {
+	Key string
+	Rev int64
+}
+
+func (f Fence) cmp() clientv3.Cmp {
+	return clientv3.Compare(clientv3.CreateRevision(f.Key), "=", f.Rev)
+}
+
+// Op is one write in a fenced transaction: a put of Value (already marshaled) or a delete.
+type Op struct {
+	Key    string
+	Value  []byte
+	Delete bool
+}
+
+// size estimates the op's share of an encoded TxnRequest.
+func (o Op) size() int { return len(o.Key) + len(o.Value) + opOverhead }
+
+// opOverhead bounds the protobuf framing of one RequestOp (tags and length varints).
+const opOverhead = 16
+
+func (o Op) clientOp() clientv3.Op {
+	if o.Delete {
+		return clientv3.OpDelete(o.Key)
+	}
+	return clientv3.OpPut(o.Key, string(o.Value))
+}
+
+// Apply writes ops in one Txn guarded by f. It returns ErrFenced when f no longer holds.
+func (s *Store) Apply(ctx context.Context, f Fence, ops []Op) error {
+	if f.Key == "" || f.Rev <= 0 {
+		return fmt.Errorf("kvstore: invalid fence %q@%d", f.Key, f.Rev)
+	}
+	cops := make([]clientv3.Op, len(ops))
+	for i, o := range ops {
+		cops[i] = o.clientOp()
+	}
+	resp, err := s.cli.Txn(ctx).If(f.cmp()).Then(cops...).Commit()
+	if err != nil {
+		return fmt.Errorf("kvstore: txn: %w", err)
+	}
+	if !resp.Succeeded {
+		return ErrFenced
+	}
+	return nil
+}
+
+// PutPolicy stores the policy (the operator's overrides) under the fence, synchronously.
+func (s *Store) PutPolicy(ctx context.Context, f Fence, p *kvcv1.Policy) error {
+	b, err := proto.Marshal(p)
+	if err != nil {
+		return err
+	}
+	return s.Apply(ctx, f, []Op{{Key: s.PolicyKey(), Value: b}})
+}
+
+// PutWorker stores a worker record under the fence, synchronously.
+func (s *Store) PutWorker(ctx context.Context, f Fence, w *kvcv1.Worker) error {
+	b, err := proto.Marshal(w)
+	if err != nil {
+		return err
+	}
+	return s.Apply(ctx, f, []Op{{Key: s.WorkerKey(w.GetWorkerId()), Value: b}})
+}
+
+// GetPolicy reads the stored policy. ok is false when none is stored.
+func (s *Store) GetPolicy(ctx context.Context) (p *kvcv1.Policy, ok bool, err error) {
+	p = &kvcv1.Policy{}
+	ok, err = s.get(ctx, s.PolicyKey(), p)
+	return p, ok, err
+}
+
+// GetWorker reads one worker record.
+func (s *Store) GetWorker(ctx context.Context, id string) (*kvcv1.Worker, bool, error) {
+	w := &kvcv1.Worker{}
+	ok, err := s.get(ctx, s.WorkerKey(id), w)
+	return w, ok, err
+}
+
+// GetSession reads one session record.
+func (s *Store) GetSession(ctx context.Context, id string) (*kvcv1.SessionRecord, bool, error) {
+	r := &kvcv1.SessionRecord{}
+	ok, err := s.get(ctx, s.SessionKey(id), r)
+	return r, ok, err
+}
+
+func (s *Store) get(ctx context.Context, key string, m proto.Message) (bool, error) {
+	resp, err := s.cli.Get(ctx, key)
+	if err != nil {
+		return false, fmt.Errorf("kvstore: get %s: %w", key, err)
+	}
+	if len(resp.Kvs) == 0 {
+		return false, nil
+	}
+	if err := proto.Unmarshal(resp.Kvs[0].Value, m); err != nil {
+		return false, fmt.Errorf("kvstore: decode %s: %w", key, err)
+	}
+	return true, nil
+}
+
+// ListWorkers reads every worker record.
+func (s *Store) ListWorkers(ctx context.Context) ([]*kvcv1.Worker, error) {
+	var out []*kvcv1.Worker
+	err := s.scan(ctx, s.workersPrefix(), "", 0, 0, func(_ string, v []byte) (bool, error) {
+		w := &kvcv1.Worker{}
+		if proto.Unmarshal(v, w) != nil {
+			return true, nil // a malformed record is skipped, never fatal for the listing
+		}
+		out = append(out, w)
+		return true, nil
+	})
+	return out, err
+}
+
+// ListSessions returns up to limit session records with id > after, in id order, that pass
+// keep (nil keeps all). next is the last returned id when more may follow, else "".
+func (s *Store) ListSessions(ctx context.Context, after string, limit int, keep func(*kvcv1.SessionRecord) bool) (recs []*kvcv1.SessionRecord, next string, err error) {
+	if limit <= 0 {
+		limit = 100
+	}
+	more := false
+	err = s.scan(ctx, s.sessionsPrefix(), after, 0, 0, func(_ string, v []byte) (bool, error) {
+		r := &kvcv1.SessionRecord{}
+		if proto.Unmarshal(v, r) != nil {
+			return true, nil // a malformed record is skipped, never fatal for the listing
+		}
+		if keep != nil && !keep(r) {
+			return true, nil
+		}
+		if len(recs) == limit {
+			more = true
+			return false, nil
+		}
+		recs = append(recs, r)
+		return true, nil
+	})
+	if err != nil {
+		return nil, "", err
+	}
+	if more && len(recs) > 0 {
+		next = recs[len(recs)-1].GetSessionId()
+	}
+	return recs, next, nil
+}
+
+// Snapshot is everything a new leader loads before serving, read at one revision.
+type Snapshot struct {
+	Revision  int64
+	Workers   []*kvcv1.Worker
+	Sessions  []*kvcv1.SessionRecord
+	Policy    *kvcv1.Policy // nil when none stored
+	Malformed int           // records that failed to decode (skipped, logged by the caller)
+}
+
+// LoadAll reads all workers, sessions and the policy at a single revision, in pages.
+func (s *Store) LoadAll(ctx context.Context) (*Snapshot, error) {
+	resp, err := s.cli.Get(ctx, s.PolicyKey())
+	if err != nil {
+		return nil, fmt.Errorf("kvstore: load policy: %w", err)
+	}
+	snap := &Snapshot{Revision: resp.Header.Revision}
+	if len(resp.Kvs) == 1 {
+		p := &kvcv1.Policy{}
+		if err := proto.Unmarshal(resp.Kvs[0].Value, p); err != nil {
+			snap.Malformed++
+		} else {
+			snap.Policy = p
+		}
+	}
+	err = s.scan(ctx, s.workersPrefix(), "", snap.Revision, 0, func(_ string, v []byte) (bool, error) {
+		w := &kvcv1.Worker{}
+		if proto.Unmarshal(v, w) != nil {
+			snap.Malformed++
+			return true, nil
+		}
+		snap.Workers = append(snap.Workers, w)
+		return true, nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	err = s.scan(ctx, s.sessionsPrefix(), "", snap.Revision, 0, func(_ string, v []byte) (bool, error) {
+		r := &kvcv1.SessionRecord{}
+		if proto.Unmarshal(v, r) != nil {
+			snap.Malformed++
+			return true, nil
+		}
+		snap.Sessions = append(snap.Sessions, r)
+		return true, nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	return snap, nil
+}
+
+const scanPage = 1000
+
+// scan visits keys under prefix with name > after, in key order, pageSize at a time, at rev
+// (0 = latest), until fn returns false.
+func (s *Store) scan(ctx context.Context, prefix, after string, rev int64, pageSize int, fn func(name string, v []byte) (bool, error)) error {
+	if pageSize <= 0 {
+		pageSize = scanPage
+	}
+	end := clientv3.GetPrefixRangeEnd(prefix)
+	start := prefix
+	if after != "" {
+		start = prefix + after + "\x00"
+	}
+	for {
+		opts := []clientv3.OpOption{clientv3.WithRange(end), clientv3.WithLimit(int64(pageSize)),
+			clientv3.WithSort(clientv3.SortByKey, clientv3.SortAscend)}
+		if rev > 0 {
+			opts = append(opts, clientv3.WithRev(rev))
+		}
+		resp, err := s.cli.Get(ctx, start, opts...)
+		if err != nil {
+			return fmt.Errorf("kvstore: scan %s: %w", prefix, err)
+		}
+		for _, kv := range resp.Kvs {
+			goOn, err := fn(strings.TrimPrefix(string(kv.Key), prefix), kv.Value)
+			if err != nil {
+				return fmt.Errorf("kvstore: decode %s: %w", kv.Key, err)
+			}
+			if !goOn {
+				return nil
+			}
+		}
+		if !resp.More || len(resp.Kvs) == 0 {
+			return nil
+		}
+		start = string(resp.Kvs[len(resp.Kvs)-1].Key) + "\x00"
+	}
+}
+
+// WatchPolicy calls fn with every stored policy: the current one first (if any), then each
+// change, until ctx ends. A deleted policy is reported as nil. The watch is re-established
+// after errors.
+func (s *Store) WatchPolicy(ctx context.Context, fn func(*kvcv1.Policy)) error {
+	for ctx.Err() == nil {
+		resp, err := s.cli.Get(ctx, s.PolicyKey())
+		if err != nil {
+			if !sleepCtx(ctx, 500*time.Millisecond) {
+				break
+			}
+			continue
+		}
+		if len(resp.Kvs) == 1 {
+			p := &kvcv1.Policy{}
+			if proto.Unmarshal(resp.Kvs[0].Value, p) == nil {
+				fn(p)
+			}
+		}
+		wch := s.cli.Watch(clientv3.WithRequireLeader(ctx), s.PolicyKey(), clientv3.WithRev(resp.Header.Revision+1))
+		for wr := range wch {
+			if wr.Err() != nil {
+				break
+			}
+			for _, ev := range wr.Events {
+				if ev.Type == clientv3.EventTypeDelete {
+					fn(nil)
+					continue
+				}
+				p := &kvcv1.Policy{}
+				if proto.Unmarshal(ev.Kv.Value, p) == nil {
+					fn(p)
+				}
+			}
+		}
+		if !sleepCtx(ctx, 200*time.Millisecond) {
+			break
+		}
+	}
+	return nil
+}
+
+// IsIdle reports whether a session has been idle for at least ttl at now (last_seen, or
+// created when never seen). A ttl <= 0 never expires anything.
+func IsIdle(r *kvcv1.SessionRecord, ttl time.Duration, now time.Time) bool {
+	if ttl <= 0 {
+		return false
+	}
+	last := r.GetLastSeenUnixMs()
+	if last == 0 {
+		last = r.GetCreatedUnixMs()
+	}
+	return now.UnixMilli()-last >= ttl.Milliseconds()
+}
+
+// ExpireIdleSessions deletes, under the fence, every stored session idle for at least ttl at
+// now. Each delete is guarded by the record's mod revision too, so a record updated meanwhile
+// is kept. It returns the number deleted.
+func (s *Store) ExpireIdleSessions(ctx context.Context, f Fence, ttl time.Duration, now time.Time) (int, error) {
+	type victim struct {
+		key string
+		rev int64
+	}
+	var victims []victim
+	end := clientv3.GetPrefixRangeEnd(s.sessionsPrefix())
+	resp, err := s.cli.Get(ctx, s.sessionsPrefix(), clientv3.WithRange(end))
+	if err != nil {
+		return 0, fmt.Errorf("kvstore: expire scan: %w", err)
+	}
+	for _, kv := range resp.Kvs {
+		r := &kvcv1.SessionRecord{}
+		if proto.Unmarshal(kv.Value, r) != nil {
+			continue
+		}
+		if IsIdle(r, ttl, now) {
+			victims = append(victims, victim{string(kv.Key), kv.ModRevision})
+		}
+	}
+	n := 0
+	for _, v := range victims {
+		tr, err := s.cli.Txn(ctx).
+			If(f.cmp(), clientv3.Compare(clientv3.ModRevision(v.key), "=", v.rev)).
+			Then(clientv3.OpDelete(v.key)).Commit()
+		if err != nil {
+			return n, fmt.Errorf("kvstore: expire: %w", err)
+		}
+		if !tr.Succeeded {
+			fr, err := s.cli.Txn(ctx).If(f.cmp()).Commit()
+			if err == nil && !fr.Succeeded {
+				return n, ErrFenced
+			}
+			continue
+		}
+		n++
+	}
+	return n, nil
+}
+
+func sleepCtx(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+		return true
+	}
+}
