@@ -1,0 +1,76 @@
+package api
+
+import (
+	"encoding/json"
+	"time"
+)
+
+// RouteInfo is what the gateway tells a client about how its request was served (also sent as
+// X-KVC-* headers). It appears as the "kvc" field of OpenAI answers.
+type RouteInfo struct {
+	Mode       string          `json:"mode"`
+	Reason     string          `json:"reason"`
+	DecisionID string          `json:"decision_id,omitempty"`
+	FailOpen   bool            `json:"fail_open,omitempty"`
+	Retries    int             `json:"retries,omitempty"`
+	Worker     json.RawMessage `json:"worker,omitempty"` // the decode worker's meta_info.kvc
+}
+
+// Usage is OpenAI's token usage object.
+type Usage struct {
+	PromptTokens     int64 `json:"prompt_tokens"`
+	CompletionTokens int64 `json:"completion_tokens"`
+	TotalTokens      int64 `json:"total_tokens"`
+}
+
+func object(k Kind, stream bool) string {
+	switch {
+	case k == Chat && stream:
+		return "chat.completion.chunk"
+	case k == Chat:
+		return "chat.completion"
+	default:
+		return "text_completion"
+	}
+}
+
+// Chunk encodes one OpenAI streaming chunk carrying delta text (finish empty while streaming).
+func Chunk(k Kind, id, model, delta string, first bool, finish string, usage *Usage, info *RouteInfo) []byte {
+	choice := map[string]any{"index": 0, "finish_reason": nil}
+	if finish != "" {
+		choice["finish_reason"] = finish
+	}
+	if k == Chat {
+		d := map[string]any{}
+		if first {
+			d["role"] = "assistant"
+		}
+		if delta != "" || finish == "" {
+			d["content"] = delta
+		}
+		choice["delta"] = d
+	} else {
+		choice["text"] = delta
+	}
+	m := map[string]any{"id": id, "object": object(k, true), "created": time.Now().Unix(), "model": model, "choices": []any{choice}}
+	if usage != nil {
+		m["usage"] = usage
+	}
+	if info != nil {
+		m["kvc"] = info
+	}
+	b, _ := json.Marshal(m)
+	return b
+}
+
+// Full encodes a non-streaming OpenAI answer.
+func Full(k Kind, id, model, text, finish string, usage Usage, info *RouteInfo) []byte {
+	choice := map[string]any{"index": 0, "finish_reason": finish}
+	if k == Chat {
+		choice["message"] = map[string]string{"role": "assistant", "content": text}
+	} else {
+		choice["text"] = text
+	}
+	b, _ := json.Marshal(map[string]any{"id": id, "object": object(k, false), "created": time.Now().Unix(), "model": model, "choices": []any{choice}, "usage": usage, "kvc": info})
+	return b
+}

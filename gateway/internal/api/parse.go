@@ -1,0 +1,323 @@
+package api
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"strconv"
+	"strings"
+
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+// Kind is the client API a request came in on.
+type Kind int
+
+// The accepted APIs.
+const (
+	Chat Kind = iota + 1
+	Completion
+	Generate
+)
+
+func (k Kind) String() string {
+	switch k {
+	case Chat:
+		return "chat"
+	case Completion:
+		return "completions"
+	case Generate:
+		return "generate"
+	}
+	return "unknown"
+}
+
+// Limits on what a client may ask for.
+const (
+	MaxInputTokens  = 10_000_000
+	MaxOutputTokens = 1_000_000
+	// CharsPerToken estimates tokens from text when the client gives no count.
+	CharsPerToken = 4
+)
+
+// Request is a parsed client request.
+type Request struct {
+	Kind        Kind
+	SessionID   string
+	Turn        int32
+	Multiturn   bool
+	InputTokens int64
+	// Estimated is true when InputTokens was estimated from text length.
+	Estimated bool
+	MaxTokens int64
+	Stream    bool
+	// Text is the prompt (chat messages rendered as "role: content" lines).
+	Text     string
+	InputIDs []int64
+	Model    string
+	RID      string
+}
+
+// Error is a client-facing error: an HTTP status and an OpenAI-style error object.
+type Error struct {
+	Status  int    `json:"-"`
+	Code    string `json:"code"`
+	Message string `json:"message"`
+}
+
+func (e *Error) Error() string { return e.Code + ": " + e.Message }
+
+// Body is the JSON error document.
+func (e *Error) Body() []byte {
+	b, _ := json.Marshal(map[string]any{"error": map[string]string{"code": e.Code, "message": e.Message, "type": e.Code}})
+	return b
+}
+
+// BadRequest builds a 400 bad_request error.
+func BadRequest(format string, a ...any) *Error {
+	return &Error{Status: http.StatusBadRequest, Code: "bad_request", Message: fmt.Sprintf(format, a...)}
+}
+
+// kvcExt is the optional "kvc" extension object clients may send.
+type kvcExt struct {
+	InputTokens *int64 `json:"input_tokens"`
+	Turn        *int32 `json:"turn"`
+	Multiturn   *bool  `json:"multiturn"`
+}
+
+type sessionParams struct {
+	ID json.RawMessage `json:"id"`
+}
+
+type chatMessage struct {
+	Role    string          `json:"role"`
+	Content json.RawMessage `json:"content"`
+}
+
+type body struct {
+	Model string `json:"model"`
+	// OpenAI
+	Messages            []chatMessage   `json:"messages"`
+	Prompt              json.RawMessage `json:"prompt"`
+	MaxTokens           *int64          `json:"max_tokens"`
+	MaxCompletionTokens *int64          `json:"max_completion_tokens"`
+	Stream              bool            `json:"stream"`
+	// SGLang
+	Text           json.RawMessage `json:"text"`
+	InputIDs       json.RawMessage `json:"input_ids"`
+	SamplingParams *struct {
+		MaxNewTokens *int64 `json:"max_new_tokens"`
+	} `json:"sampling_params"`
+	RID json.RawMessage `json:"rid"`
+	// Both
+	SessionParams *sessionParams `json:"session_params"`
+	KVC           *kvcExt        `json:"kvc"`
+}
+
+// Options are the gateway's defaults for parsing.
+type Options struct {
+	RequireSession bool
+	DefaultMaxTok  int64
+}
+
+// Parse decodes body for kind, reading the session id from X-Session-ID (or session_params.id)
+// and the optional X-KVC-Input-Tokens / X-KVC-Turn / X-KVC-Multiturn headers.
+func Parse(kind Kind, h http.Header, raw []byte, opt Options) (*Request, *Error) {
+	if len(bytes.TrimSpace(raw)) == 0 {
+		return nil, BadRequest("empty request body")
+	}
+	var b body
+	dec := json.NewDecoder(bytes.NewReader(raw))
+	dec.UseNumber()
+	if err := dec.Decode(&b); err != nil {
+		return nil, BadRequest("malformed JSON body: %v", err)
+	}
+	if dec.More() {
+		return nil, BadRequest("trailing data after the JSON body")
+	}
+	r := &Request{Kind: kind, Stream: b.Stream, Model: b.Model}
+	if len(b.RID) > 0 {
+		var rid string
+		if err := json.Unmarshal(b.RID, &rid); err != nil {
+			return nil, BadRequest("rid must be a string (batch requests are not supported)")
+		}
+		r.RID = rid
+	}
+
+	// Prompt.
+	switch kind {
+	case Chat:
+		if len(b.Messages) == 0 {
+			return nil, BadRequest("messages must be a non-empty array")
+		}
+		var sb strings.Builder
+		for i, m := range b.Messages {
+			if m.Role == "" {
+				return nil, BadRequest("messages[%d].role is required", i)
+			}
+			text, err := contentText(m.Content)
+			if err != nil {
+				return nil, BadRequest("messages[%d].content: %v", i, err)
+			}
+			sb.WriteString(m.Role)
+			sb.WriteString(": ")
+			sb.WriteString(text)
+			sb.WriteByte('\n')
+		}
+		r.Text = sb.String()
+	case Completion:
+		if len(b.Prompt) == 0 {
+			return nil, BadRequest("prompt is required")
+		}
+		if err := promptInto(b.Prompt, r); err != nil {
+			return nil, BadRequest("prompt: %v", err)
+		}
+	case Generate:
+		if len(b.Text) == 0 && len(b.InputIDs) == 0 && (b.KVC == nil || b.KVC.InputTokens == nil) && h.Get("X-KVC-Input-Tokens") == "" {
+			return nil, BadRequest("one of text, input_ids or kvc.input_tokens is required")
+		}
+		if len(b.Text) > 0 {
+			if err := json.Unmarshal(b.Text, &r.Text); err != nil {
+				return nil, BadRequest("text must be a string (batch requests are not supported)")
+			}
+		}
+		if len(b.InputIDs) > 0 {
+			if err := json.Unmarshal(b.InputIDs, &r.InputIDs); err != nil {
+				return nil, BadRequest("input_ids must be an array of integers (batch requests are not supported)")
+			}
+		}
+	default:
+		return nil, BadRequest("unknown API")
+	}
+
+	// Session.
+	r.SessionID = strings.TrimSpace(h.Get("X-Session-ID"))
+	if r.SessionID == "" && b.SessionParams != nil && len(b.SessionParams.ID) > 0 {
+		var sid string
+		if err := json.Unmarshal(b.SessionParams.ID, &sid); err != nil {
+			return nil, BadRequest("session_params.id must be a string")
+		}
+		r.SessionID = sid
+	}
+	if r.SessionID == "" {
+		if opt.RequireSession {
+			return nil, &Error{Status: http.StatusBadRequest, Code: "missing_session_id", Message: "no session id: set the X-Session-ID header or session_params.id"}
+		}
+	} else if err := kvcv1.ValidateID("session id", r.SessionID); err != nil {
+		return nil, BadRequest("%v", err)
+	}
+
+	// Output length.
+	r.MaxTokens = opt.DefaultMaxTok
+	for _, v := range []*int64{b.MaxTokens, b.MaxCompletionTokens, samplingMax(&b)} {
+		if v != nil {
+			r.MaxTokens = *v
+		}
+	}
+	if r.MaxTokens < 1 || r.MaxTokens > MaxOutputTokens {
+		return nil, BadRequest("max tokens %d out of range [1, %d]", r.MaxTokens, MaxOutputTokens)
+	}
+
+	// Input length: client count (header, then kvc.input_tokens), then input_ids, then estimate.
+	switch {
+	case h.Get("X-KVC-Input-Tokens") != "":
+		n, err := strconv.ParseInt(strings.TrimSpace(h.Get("X-KVC-Input-Tokens")), 10, 64)
+		if err != nil {
+			return nil, BadRequest("X-KVC-Input-Tokens: %v", err)
+		}
+		r.InputTokens = n
+	case b.KVC != nil && b.KVC.InputTokens != nil:
+		r.InputTokens = *b.KVC.InputTokens
+	case len(r.InputIDs) > 0:
+		r.InputTokens = int64(len(r.InputIDs))
+	default:
+		r.InputTokens = (int64(len(r.Text)) + CharsPerToken - 1) / CharsPerToken
+		r.Estimated = true
+	}
+	if r.InputTokens < 1 || r.InputTokens > MaxInputTokens {
+		return nil, BadRequest("input tokens %d out of range [1, %d]", r.InputTokens, MaxInputTokens)
+	}
+
+	// Turn and multi-turn hint.
+	if v := h.Get("X-KVC-Turn"); v != "" {
+		n, err := strconv.ParseInt(strings.TrimSpace(v), 10, 32)
+		if err != nil {
+			return nil, BadRequest("X-KVC-Turn: %v", err)
+		}
+		r.Turn = int32(n)
+	} else if b.KVC != nil && b.KVC.Turn != nil {
+		r.Turn = *b.KVC.Turn
+	}
+	if r.Turn < 0 {
+		return nil, BadRequest("turn %d is negative", r.Turn)
+	}
+	if v := h.Get("X-KVC-Multiturn"); v != "" {
+		m, err := strconv.ParseBool(v)
+		if err != nil {
+			return nil, BadRequest("X-KVC-Multiturn: %v", err)
+		}
+		r.Multiturn = m
+	} else if b.KVC != nil && b.KVC.Multiturn != nil {
+		r.Multiturn = *b.KVC.Multiturn
+	}
+	if r.Turn > 0 {
+		r.Multiturn = true
+	}
+	return r, nil
+}
+
+func samplingMax(b *body) *int64 {
+	if b.SamplingParams == nil {
+		return nil
+	}
+	return b.SamplingParams.MaxNewTokens
+}
+
+// contentText accepts a string or an array of {"type":"text","text":...} parts.
+func contentText(raw json.RawMessage) (string, error) {
+	if len(raw) == 0 || string(raw) == "null" {
+		return "", nil
+	}
+	var s string
+	if err := json.Unmarshal(raw, &s); err == nil {
+		return s, nil
+	}
+	var parts []struct {
+		Type string `json:"type"`
+		Text string `json:"text"`
+	}
+	if err := json.Unmarshal(raw, &parts); err != nil {
+		return "", fmt.Errorf("want a string or an array of content parts")
+	}
+	var sb strings.Builder
+	for _, p := range parts {
+		if p.Type == "text" {
+			sb.WriteString(p.Text)
+		}
+	}
+	return sb.String(), nil
+}
+
+// promptInto accepts a string, a one-element string array, or an array of token ids.
+func promptInto(raw json.RawMessage, r *Request) error {
+	var s string
+	if err := json.Unmarshal(raw, &s); err == nil {
+		r.Text = s
+		return nil
+	}
+	var ss []string
+	if err := json.Unmarshal(raw, &ss); err == nil {
+		if len(ss) != 1 {
+			return fmt.Errorf("exactly one prompt per request (got %d)", len(ss))
+		}
+		r.Text = ss[0]
+		return nil
+	}
+	var ids []int64
+	if err := json.Unmarshal(raw, &ids); err == nil {
+		r.InputIDs = ids
+		return nil
+	}
+	return fmt.Errorf("want a string or an array of token ids")
+}

@@ -1,0 +1,164 @@
+package config
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net/url"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/rs/zerolog"
+)
+
+// Config is kvc-gateway's configuration.
+type Config struct {
+	LogLevel       string
+	LogFormat      string
+	HTTPAddr       string
+	ReadyFile      string
+	ControlPlanes  []string
+	RequestTimeout time.Duration
+	RouteTimeout   time.Duration
+	ConnectTimeout time.Duration
+	WorkerRefresh  time.Duration
+	PrefillURLs    []Worker
+	DecodeURLs     []Worker
+	RequireSession bool
+	MaxBodyBytes   int64
+	DefaultMaxTok  int64
+}
+
+// Worker is a fail-open worker: its HTTP URL and (for prefill) its sidecar peer address, written
+// on the command line as URL or URL|PEER_ADDR.
+type Worker struct {
+	URL      string
+	PeerAddr string
+}
+
+// ErrHelp is returned when -h/--help was asked for (exit 0 after the usage text).
+var ErrHelp = flag.ErrHelp
+
+// Parse parses args (without the program name), filling unset flags from env (KVC_<UPPER_SNAKE>
+// of the flag name). getenv is os.Getenv in production.
+func Parse(args []string, getenv func(string) string, usage io.Writer) (*Config, error) {
+	fs := flag.NewFlagSet("kvc-gateway", flag.ContinueOnError)
+	fs.SetOutput(usage)
+	c := &Config{}
+	var cps, pre, dec string
+	fs.StringVar(&c.LogLevel, "log-level", "info", "log level: debug, info, warn, error")
+	fs.StringVar(&c.LogFormat, "log-format", "json", "log format: json or console")
+	fs.StringVar(&c.HTTPAddr, "http-addr", "127.0.0.1:8080", "listen address of the HTTP API, /metrics, /healthz, /readyz")
+	fs.StringVar(&c.ReadyFile, "ready-file", "", "write a JSON ready file here once serving")
+	fs.StringVar(&cps, "control-plane", "", "comma list of control plane gRPC addresses (empty: always fail-open)")
+	fs.DurationVar(&c.RequestTimeout, "request-timeout", 180*time.Second, "timeout of one client request, end to end")
+	fs.DurationVar(&c.RouteTimeout, "route-timeout", 2*time.Second, "how long to wait for a routing decision before failing open")
+	fs.DurationVar(&c.ConnectTimeout, "connect-timeout", 5*time.Second, "TCP connect timeout to workers")
+	fs.DurationVar(&c.WorkerRefresh, "worker-refresh", 5*time.Second, "how often fail-open worker lists are refreshed from AdminService/ListWorkers")
+	fs.StringVar(&pre, "prefill-urls", "", "fail-open prefill workers: comma list of URL or URL|PEER_ADDR")
+	fs.StringVar(&dec, "decode-urls", "", "fail-open decode workers: comma list of URLs")
+	fs.BoolVar(&c.RequireSession, "require-session", true, "reject requests without a session id (400); false serves them as single-shot plain P/D")
+	fs.Int64Var(&c.MaxBodyBytes, "max-body-bytes", 32<<20, "largest accepted request body")
+	fs.Int64Var(&c.DefaultMaxTok, "default-max-tokens", 256, "max output tokens when the client names none")
+	if err := fs.Parse(args); err != nil {
+		return nil, err
+	}
+	if fs.NArg() > 0 {
+		return nil, fmt.Errorf("unexpected arguments: %q", fs.Args())
+	}
+	if err := ApplyEnv(fs, getenv); err != nil {
+		return nil, err
+	}
+	c.ControlPlanes = splitList(cps)
+	var err error
+	if c.PrefillURLs, err = parseWorkers("prefill-urls", pre); err != nil {
+		return nil, err
+	}
+	if c.DecodeURLs, err = parseWorkers("decode-urls", dec); err != nil {
+		return nil, err
+	}
+	return c, c.validate()
+}
+
+func (c *Config) validate() error {
+	var errs []error
+	if _, err := zerolog.ParseLevel(strings.ToLower(c.LogLevel)); err != nil || c.LogLevel == "" {
+		errs = append(errs, fmt.Errorf("--log-level %q: want debug, info, warn or error", c.LogLevel))
+	}
+	if c.LogFormat != "json" && c.LogFormat != "console" {
+		errs = append(errs, fmt.Errorf("--log-format %q: want json or console", c.LogFormat))
+	}
+	if c.HTTPAddr == "" {
+		errs = append(errs, errors.New("--http-addr is required"))
+	}
+	for name, d := range map[string]time.Duration{"request-timeout": c.RequestTimeout, "route-timeout": c.RouteTimeout, "connect-timeout": c.ConnectTimeout, "worker-refresh": c.WorkerRefresh} {
+		if d <= 0 {
+			errs = append(errs, fmt.Errorf("--%s must be positive, got %v", name, d))
+		}
+	}
+	if c.RouteTimeout > 0 && c.RequestTimeout > 0 && c.RouteTimeout >= c.RequestTimeout {
+		errs = append(errs, fmt.Errorf("--route-timeout (%v) must be shorter than --request-timeout (%v)", c.RouteTimeout, c.RequestTimeout))
+	}
+	if c.MaxBodyBytes < 1024 {
+		errs = append(errs, fmt.Errorf("--max-body-bytes must be at least 1024, got %d", c.MaxBodyBytes))
+	}
+	if c.DefaultMaxTok < 1 || c.DefaultMaxTok > 1_000_000 {
+		errs = append(errs, fmt.Errorf("--default-max-tokens must be in [1, 1000000], got %d", c.DefaultMaxTok))
+	}
+	if len(c.ControlPlanes) == 0 && (len(c.PrefillURLs) == 0 || len(c.DecodeURLs) == 0) {
+		errs = append(errs, errors.New("give --control-plane, or both --prefill-urls and --decode-urls"))
+	}
+	return errors.Join(errs...)
+}
+
+// ApplyEnv sets every flag of fs not given on the command line from KVC_<UPPER_SNAKE>.
+func ApplyEnv(fs *flag.FlagSet, getenv func(string) string) error {
+	set := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+	var errs []error
+	fs.VisitAll(func(f *flag.Flag) {
+		if set[f.Name] {
+			return
+		}
+		env := EnvName(f.Name)
+		if v := getenv(env); v != "" {
+			if err := f.Value.Set(v); err != nil {
+				errs = append(errs, fmt.Errorf("%s=%q: %v", env, v, err))
+			}
+		}
+	})
+	return errors.Join(errs...)
+}
+
+// EnvName is the env var of a flag: KVC_ + upper snake case.
+func EnvName(flagName string) string {
+	return "KVC_" + strings.ToUpper(strings.ReplaceAll(flagName, "-", "_"))
+}
+
+func splitList(s string) []string {
+	var out []string
+	for _, p := range strings.Split(s, ",") {
+		if p = strings.TrimSpace(p); p != "" {
+			out = append(out, p)
+		}
+	}
+	return out
+}
+
+func parseWorkers(flagName, s string) ([]Worker, error) {
+	var out []Worker
+	for _, item := range splitList(s) {
+		u, peer, _ := strings.Cut(item, "|")
+		pu, err := url.Parse(u)
+		if err != nil || (pu.Scheme != "http" && pu.Scheme != "https") || pu.Host == "" {
+			return nil, fmt.Errorf("--%s: %q is not an http(s) URL", flagName, u)
+		}
+		out = append(out, Worker{URL: strings.TrimRight(u, "/"), PeerAddr: peer})
+	}
+	return out, nil
+}
+
+// Getenv is os.Getenv (handy for callers).
+var Getenv = os.Getenv

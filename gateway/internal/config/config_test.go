@@ -1,0 +1,62 @@
+package config
+
+import (
+	"io"
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestParse(t *testing.T) {
+	tests := []struct {
+		name    string
+		args    []string
+		env     map[string]string
+		wantErr string
+		check   func(t *testing.T, c *Config)
+	}{
+		{name: "defaults with cp", args: []string{"--control-plane", "a:1, b:2"}, check: func(t *testing.T, c *Config) {
+			if len(c.ControlPlanes) != 2 || c.ControlPlanes[1] != "b:2" || c.RequestTimeout != 180*time.Second || c.RouteTimeout != 2*time.Second {
+				t.Fatalf("got %+v", c)
+			}
+		}},
+		{name: "env fills", args: []string{"--control-plane", "a:1"}, env: map[string]string{"KVC_ROUTE_TIMEOUT": "500ms"}, check: func(t *testing.T, c *Config) {
+			if c.RouteTimeout != 500*time.Millisecond {
+				t.Fatalf("route timeout %v", c.RouteTimeout)
+			}
+		}},
+		{name: "flag wins over env", args: []string{"--control-plane", "a:1", "--route-timeout", "1s"}, env: map[string]string{"KVC_ROUTE_TIMEOUT": "500ms"}, check: func(t *testing.T, c *Config) {
+			if c.RouteTimeout != time.Second {
+				t.Fatalf("route timeout %v", c.RouteTimeout)
+			}
+		}},
+		{name: "workers with peer", args: []string{"--prefill-urls", "http://p:1|127.0.0.1:9", "--decode-urls", "http://d:1/,http://d:2"}, check: func(t *testing.T, c *Config) {
+			if c.PrefillURLs[0].PeerAddr != "127.0.0.1:9" || c.DecodeURLs[0].URL != "http://d:1" || len(c.DecodeURLs) != 2 {
+				t.Fatalf("got %+v %+v", c.PrefillURLs, c.DecodeURLs)
+			}
+		}},
+		{name: "no backend", args: nil, wantErr: "give --control-plane"},
+		{name: "bad url", args: []string{"--prefill-urls", "p:1", "--decode-urls", "http://d"}, wantErr: "not an http(s) URL"},
+		{name: "bad env", args: []string{"--control-plane", "a"}, env: map[string]string{"KVC_REQUEST_TIMEOUT": "forever"}, wantErr: "KVC_REQUEST_TIMEOUT"},
+		{name: "route longer than request", args: []string{"--control-plane", "a", "--route-timeout", "5s", "--request-timeout", "1s"}, wantErr: "shorter than"},
+		{name: "bad level", args: []string{"--control-plane", "a", "--log-level", "loud"}, wantErr: "--log-level"},
+		{name: "unknown flag", args: []string{"--nope"}, wantErr: "flag provided but not defined"},
+		{name: "stray arg", args: []string{"--control-plane", "a", "x"}, wantErr: "unexpected arguments"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			getenv := func(k string) string { return tt.env[k] }
+			c, err := Parse(tt.args, getenv, io.Discard)
+			if tt.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), tt.wantErr) {
+					t.Fatalf("err = %v, want %q", err, tt.wantErr)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			tt.check(t, c)
+		})
+	}
+}

@@ -1,0 +1,180 @@
+package routeclient
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/rs/zerolog"
+	"google.golang.org/grpc/codes"
+
+	"github.com/kvcentric/kvcentric/gateway/internal/fakecp"
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+func direct(q *kvcv1.RouteQuery) *kvcv1.RouteResponse {
+	return fakecp.Decision(q, kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT, nil, &kvcv1.WorkerRef{WorkerId: "d0"})
+}
+
+// start runs a client against addrs and waits until its stream is up (when wantUp).
+func start(t *testing.T, addrs []string, timeout time.Duration, obs Observer) *Client {
+	t.Helper()
+	c := New(addrs, timeout, zerolog.Nop(), obs)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { _ = c.Run(ctx); close(done) }()
+	t.Cleanup(func() { cancel(); <-done })
+	return c
+}
+
+func TestDecide(t *testing.T) {
+	tests := []struct {
+		name     string
+		decide   fakecp.Decider
+		wantMode kvcv1.RouteMode
+		wantErr  func(error) bool
+	}{
+		{"decision", direct, kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, nil},
+		{"route error", func(q *kvcv1.RouteQuery) *kvcv1.RouteResponse {
+			return &kvcv1.RouteResponse{Kind: &kvcv1.RouteResponse_Error{Error: &kvcv1.RouteError{RequestId: q.GetRequestId(), Code: 3, Message: "bad session"}}}
+		}, 0, func(err error) bool {
+			var re *RejectedError
+			return errors.As(err, &re) && re.Code == codes.InvalidArgument
+		}},
+		{"no answer", func(*kvcv1.RouteQuery) *kvcv1.RouteResponse { return nil }, 0, func(err error) bool { return errors.Is(err, ErrUnavailable) }},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			cp := fakecp.Start(t, tt.decide)
+			c := start(t, []string{cp.Addr}, 300*time.Millisecond, Observer{})
+			d, err := c.Decide(context.Background(), &kvcv1.RouteQuery{SessionId: "s", InputTokens: 10})
+			if tt.wantErr != nil {
+				if !tt.wantErr(err) {
+					t.Fatalf("err = %v", err)
+				}
+				return
+			}
+			if err != nil || d.GetMode() != tt.wantMode {
+				t.Fatalf("got %v, %v", d, err)
+			}
+		})
+	}
+}
+
+func TestConcurrentDecideAndReport(t *testing.T) {
+	cp := fakecp.Start(t, direct)
+	c := start(t, []string{cp.Addr}, 2*time.Second, Observer{})
+	const n = 64
+	var wg sync.WaitGroup
+	errs := make(chan error, n)
+	for i := 0; i < n; i++ {
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			sid := fmt.Sprintf("s%d", i)
+			d, err := c.Decide(context.Background(), &kvcv1.RouteQuery{SessionId: sid, InputTokens: 10})
+			if err != nil {
+				errs <- err
+				return
+			}
+			if d.GetRequestId() == "" || d.GetDecisionId() != "d-"+d.GetRequestId() {
+				errs <- fmt.Errorf("mismatched decision %v", d)
+				return
+			}
+			if err := c.Report(&kvcv1.RouteOutcome{DecisionId: d.GetDecisionId(), Success: true}); err != nil {
+				errs <- err
+			}
+		}(i)
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	for i := 0; i < n; i++ {
+		select {
+		case <-cp.Outcomes:
+		case <-time.After(5 * time.Second):
+			t.Fatalf("only %d outcomes arrived", i)
+		}
+	}
+}
+
+func TestFollowsLeaderHint(t *testing.T) {
+	leader := fakecp.Start(t, direct)
+	standby := fakecp.Start(t, direct)
+	standby.SetStandby(leader.Addr)
+	up := make(chan string, 8)
+	c := start(t, []string{standby.Addr}, time.Second, Observer{Connected: func(addr string, ok bool) {
+		if ok {
+			up <- addr
+		}
+	}})
+	deadline := time.After(5 * time.Second)
+	for {
+		d, err := c.Decide(context.Background(), &kvcv1.RouteQuery{SessionId: "s", InputTokens: 1})
+		if err == nil && d.GetMode() == kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D {
+			break
+		}
+		select {
+		case <-deadline:
+			t.Fatalf("never reached the leader: %v", err)
+		case <-up: // a stream came up: try again
+		}
+	}
+	select {
+	case q := <-leader.Queries:
+		if q.GetSessionId() != "s" {
+			t.Fatalf("leader got %v", q)
+		}
+	default:
+		t.Fatal("the leader saw no query")
+	}
+}
+
+func TestFailsFastWhenDown(t *testing.T) {
+	cp := fakecp.Start(t, direct)
+	addr := cp.Addr
+	cp.Stop()
+	c := start(t, []string{addr}, time.Second, Observer{})
+	// The first call may wait up to the route timeout (start-up grace); after that, at once.
+	if _, err := c.Decide(context.Background(), &kvcv1.RouteQuery{SessionId: "s", InputTokens: 1}); !errors.Is(err, ErrUnavailable) {
+		t.Fatalf("err = %v", err)
+	}
+	t0 := time.Now()
+	if _, err := c.Decide(context.Background(), &kvcv1.RouteQuery{SessionId: "s", InputTokens: 1}); !errors.Is(err, ErrUnavailable) {
+		t.Fatalf("err = %v", err)
+	}
+	if el := time.Since(t0); el > 500*time.Millisecond {
+		// Not a performance claim: a down control plane must not cost every request the timeout.
+		t.Fatalf("second Decide waited %v", el)
+	}
+}
+
+func TestOrphanDecisionIsReleased(t *testing.T) {
+	release := make(chan struct{})
+	var once sync.Once
+	cp := fakecp.Start(t, func(q *kvcv1.RouteQuery) *kvcv1.RouteResponse {
+		<-release // answer only after the client gave up
+		return direct(q)
+	})
+	orphans := make(chan struct{}, 1)
+	c := start(t, []string{cp.Addr}, 100*time.Millisecond, Observer{Orphan: func() { orphans <- struct{}{} }})
+	_, err := c.Decide(context.Background(), &kvcv1.RouteQuery{SessionId: "s", InputTokens: 1})
+	if !errors.Is(err, ErrUnavailable) {
+		t.Fatalf("err = %v", err)
+	}
+	once.Do(func() { close(release) })
+	select {
+	case o := <-cp.Outcomes:
+		if o.GetErrorKind() != kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_ABORTED || o.GetSuccess() {
+			t.Fatalf("outcome %v", o)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("no release outcome for the orphaned decision")
+	}
+	<-orphans
+}

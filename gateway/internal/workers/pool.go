@@ -1,0 +1,143 @@
+package workers
+
+import (
+	"context"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/rs/zerolog"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+
+	"github.com/kvcentric/kvcentric/pkg/grpcx"
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+// Worker is one worker the gateway can send to.
+type Worker struct {
+	ID       string
+	URL      string
+	PeerAddr string // prefill only: the sidecar's TransferPeerService address
+}
+
+// Ref converts w into the proto form a decision carries.
+func (w Worker) Ref() *kvcv1.WorkerRef {
+	return &kvcv1.WorkerRef{WorkerId: w.ID, WorkerUrl: w.URL, PeerAddr: w.PeerAddr}
+}
+
+// Pool is the round-robin fail-open pool.
+type Pool struct {
+	mu      sync.RWMutex
+	prefill []Worker
+	decode  []Worker
+	pn, dn  atomic.Uint64
+}
+
+// NewPool starts from the static lists.
+func NewPool(prefill, decode []Worker) *Pool {
+	return &Pool{prefill: prefill, decode: decode}
+}
+
+// Pick returns the next prefill and decode worker round robin; ok is false when either list is
+// empty.
+func (p *Pool) Pick() (pre, dec Worker, ok bool) {
+	p.mu.RLock()
+	defer p.mu.RUnlock()
+	if len(p.prefill) == 0 || len(p.decode) == 0 {
+		return Worker{}, Worker{}, false
+	}
+	pre = p.prefill[int((p.pn.Add(1)-1)%uint64(len(p.prefill)))]
+	dec = p.decode[int((p.dn.Add(1)-1)%uint64(len(p.decode)))]
+	return pre, dec, true
+}
+
+// Sizes reports the list lengths.
+func (p *Pool) Sizes() (prefill, decode int) {
+	p.mu.RLock()
+	defer p.mu.RUnlock()
+	return len(p.prefill), len(p.decode)
+}
+
+// Set replaces the lists (an empty list leaves that role unchanged).
+func (p *Pool) Set(prefill, decode []Worker) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if len(prefill) > 0 {
+		p.prefill = prefill
+	}
+	if len(decode) > 0 {
+		p.decode = decode
+	}
+}
+
+// FromList splits a ListWorkers answer into usable (ready, not draining) prefill and decode
+// workers with an HTTP URL.
+func FromList(ws []*kvcv1.Worker) (prefill, decode []Worker) {
+	for _, w := range ws {
+		if w.GetWorkerUrl() == "" || w.GetDraining() || w.GetState() != kvcv1.WorkerState_WORKER_STATE_READY {
+			continue
+		}
+		x := Worker{ID: w.GetWorkerId(), URL: strings.TrimRight(w.GetWorkerUrl(), "/"), PeerAddr: w.GetPeerAddr()}
+		switch w.GetRole() {
+		case kvcv1.WorkerRole_WORKER_ROLE_PREFILL:
+			prefill = append(prefill, x)
+		case kvcv1.WorkerRole_WORKER_ROLE_DECODE:
+			decode = append(decode, x)
+		}
+	}
+	return prefill, decode
+}
+
+// Refresh asks the control plane replicas in turn (any replica answers reads) every interval
+// until ctx ends. onResult is called after each attempt (metrics); it may be nil.
+func (p *Pool) Refresh(ctx context.Context, addrs []string, interval time.Duration, log zerolog.Logger, onResult func(ok bool)) error {
+	if len(addrs) == 0 {
+		return nil
+	}
+	opts := append(grpcx.ClientOptions(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	clients := make([]kvcv1.AdminServiceClient, 0, len(addrs))
+	for _, a := range addrs {
+		cc, err := grpc.NewClient(a, opts...)
+		if err != nil {
+			log.Warn().Err(err).Str("addr", a).Msg("admin client")
+			continue
+		}
+		defer cc.Close()
+		clients = append(clients, kvcv1.NewAdminServiceClient(cc))
+	}
+	if len(clients) == 0 {
+		return nil
+	}
+	t := time.NewTicker(interval)
+	defer t.Stop()
+	next := 0
+	for {
+		ok := false
+		for i := 0; i < len(clients) && !ok; i++ {
+			c := clients[(next+i)%len(clients)]
+			cctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+			resp, err := c.ListWorkers(cctx, &kvcv1.ListWorkersRequest{})
+			cancel()
+			if err != nil {
+				continue
+			}
+			pre, dec := FromList(resp.GetWorkers())
+			p.Set(pre, dec)
+			ok = true
+			next = (next + i) % len(clients)
+		}
+		if !ok {
+			next++
+		}
+		if onResult != nil {
+			onResult(ok)
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-t.C:
+		}
+	}
+}

@@ -1,0 +1,83 @@
+package workers
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/rs/zerolog"
+
+	"github.com/kvcentric/kvcentric/gateway/internal/fakecp"
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+func TestPickRoundRobin(t *testing.T) {
+	tests := []struct {
+		name     string
+		pre, dec []Worker
+		wantOK   bool
+		wantDecs []string
+	}{
+		{"empty", nil, []Worker{{URL: "d1"}}, false, nil},
+		{"rotate", []Worker{{URL: "p"}}, []Worker{{URL: "d1"}, {URL: "d2"}, {URL: "d3"}}, true, []string{"d1", "d2", "d3", "d1"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			p := NewPool(tt.pre, tt.dec)
+			for i, want := range tt.wantDecs {
+				_, d, ok := p.Pick()
+				if !ok || d.URL != want {
+					t.Fatalf("pick %d = %v %v, want %s", i, d, ok, want)
+				}
+			}
+			if _, _, ok := p.Pick(); ok != tt.wantOK {
+				t.Fatalf("ok = %v", ok)
+			}
+		})
+	}
+}
+
+func TestFromList(t *testing.T) {
+	ready := kvcv1.WorkerState_WORKER_STATE_READY
+	ws := []*kvcv1.Worker{
+		{WorkerId: "p0", Role: kvcv1.WorkerRole_WORKER_ROLE_PREFILL, WorkerUrl: "http://p0/", PeerAddr: "x:1", State: ready},
+		{WorkerId: "d0", Role: kvcv1.WorkerRole_WORKER_ROLE_DECODE, WorkerUrl: "http://d0", State: ready},
+		{WorkerId: "d1", Role: kvcv1.WorkerRole_WORKER_ROLE_DECODE, WorkerUrl: "http://d1", State: ready, Draining: true},
+		{WorkerId: "d2", Role: kvcv1.WorkerRole_WORKER_ROLE_DECODE, WorkerUrl: "http://d2", State: kvcv1.WorkerState_WORKER_STATE_UNREACHABLE},
+		{WorkerId: "d3", Role: kvcv1.WorkerRole_WORKER_ROLE_DECODE, State: ready},
+	}
+	pre, dec := FromList(ws)
+	if len(pre) != 1 || pre[0].URL != "http://p0" || pre[0].PeerAddr != "x:1" || len(dec) != 1 || dec[0].ID != "d0" {
+		t.Fatalf("got %+v %+v", pre, dec)
+	}
+}
+
+func TestRefreshFromAdmin(t *testing.T) {
+	cp := fakecp.Start(t, nil)
+	ready := kvcv1.WorkerState_WORKER_STATE_READY
+	cp.SetWorkers([]*kvcv1.Worker{
+		{WorkerId: "p9", Role: kvcv1.WorkerRole_WORKER_ROLE_PREFILL, WorkerUrl: "http://p9", PeerAddr: "127.0.0.1:9", State: ready},
+		{WorkerId: "d9", Role: kvcv1.WorkerRole_WORKER_ROLE_DECODE, WorkerUrl: "http://d9", State: ready},
+	})
+	p := NewPool([]Worker{{URL: "http://static-p"}}, []Worker{{URL: "http://static-d"}})
+	ctx, cancel := context.WithCancel(context.Background())
+	results := make(chan bool, 16)
+	done := make(chan struct{})
+	go func() {
+		_ = p.Refresh(ctx, []string{"127.0.0.1:1", cp.Addr}, 20*time.Millisecond, zerolog.Nop(), func(ok bool) { results <- ok })
+		close(done)
+	}()
+	defer func() { cancel(); <-done }()
+	select {
+	case ok := <-results:
+		if !ok {
+			t.Fatal("refresh failed although one replica answers")
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("no refresh")
+	}
+	pre, dec, _ := p.Pick()
+	if pre.URL != "http://p9" || pre.PeerAddr != "127.0.0.1:9" || dec.URL != "http://d9" {
+		t.Fatalf("got %+v %+v", pre, dec)
+	}
+}
