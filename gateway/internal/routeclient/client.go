@@ -69,10 +69,10 @@ type result struct {
 // New returns a client for the control-plane addresses; routeTimeout bounds each Decide.
 func New(addrs []string, routeTimeout time.Duration, log zerolog.Logger, obs Observer) *Client {
 	return &Client{
-		eps:     cpclient.NewEndpoints(addrs),
-		timeout: routeTimeout,
-		log:     log,
-		obs:     obs,
+		eps:       cpclient.NewEndpoints(addrs),
+		timeout:   routeTimeout,
+		log:       log,
+		obs:       obs,
 		waiters:   map[string]chan result{},
 		upCh:      make(chan struct{}),
 		downSince: time.Now(),
