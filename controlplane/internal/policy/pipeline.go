@@ -1,0 +1,430 @@
+package policy
+
+import (
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+// Query is one validated routing request.
+type Query struct {
+	SessionID       string
+	Turn            int32 // the session's turn as the control plane counts it
+	InputTokens     int64
+	MaxOutputTokens int64
+	MultiturnHint   bool
+}
+
+// Reserved is what the control plane itself has committed on one worker and not yet seen an
+// outcome for.
+type Reserved struct {
+	Tokens    int64 // decode: KV tokens reserved
+	Transfers int32 // decode: seeds and reseeds in flight
+	Seeds     int32 // decode: seeds in flight
+	Prefills  int32 // prefill: decisions that make the worker prefill, in flight
+}
+
+// Ledger is the reservation view Decide reads (the router's ledger, read under its lock).
+type Ledger interface {
+	Reserved(workerID string) Reserved
+	// TransferPending reports a seed or reseed of the session still in flight.
+	TransferPending(sessionID string) bool
+}
+
+// Input is everything a decision depends on.
+type Input struct {
+	Knobs   *Knobs
+	Query   Query
+	Session *kvcv1.SessionRecord // nil for a session never seen
+	Workers []*kvcv1.Worker
+	Ledger  Ledger
+	NowMs   int64
+	// NoSnapshot forces snapshots to count as missing (the holder could not be commanded).
+	NoSnapshot bool
+	// Unavailable: the control plane cannot vouch for its state (not leading); plain P/D.
+	Unavailable bool
+}
+
+// Decision is the policy's answer. Worker pointers point into Input.Workers.
+type Decision struct {
+	Mode   kvcv1.RouteMode
+	Reason kvcv1.RouteReason
+	// Cause says why a session lost its residency (D_DRAINING, D_UNREACHABLE, SESSION_EVICTED)
+	// or MIGRATED_AFTER_REJECTS; UNSPECIFIED when it did not. For logs and metrics.
+	Cause   kvcv1.RouteReason
+	Prefill *kvcv1.Worker
+	Decode  *kvcv1.Worker
+	// ReservedTokens on Decode until the outcome (or the reservation timeout).
+	ReservedTokens int64
+	Transfer       bool // takes one of Decode's transfer slots
+	Seed           bool // counts toward Decode's in-flight seeds
+	UsesPrefill    bool // Prefill computes (counts toward its in-flight prefills)
+	CachedTokens   int64
+	// PrefillPriority: PrefillPriorityLow for sessions predicted to go direct-to-D next.
+	PrefillPriority    int32
+	PauseMs            int64
+	SnapshotSeqlen     int64
+	SnapshotGeneration uint64
+	// LocalReject names the decode worker the control plane refused for lack of capacity; the
+	// router counts it as a rejection of this session by that worker.
+	LocalReject string
+	// From is the decode worker the session was (or last was) resident on, for reseeds.
+	From string
+}
+
+// Gate is a named yes/no check on the request; the first gate of a profile that blocks makes
+// the decision PD_FALLBACK with the gate's reason.
+type Gate struct {
+	Name   string
+	Reason kvcv1.RouteReason
+	Blocks func(c *Cycle) bool
+}
+
+// Filter is a named predicate over decode candidates.
+type Filter struct {
+	Name string
+	// Reason reported when this filter is the deepest one any candidate reached before the set
+	// went empty.
+	Reason func(c *Cycle) kvcv1.RouteReason
+	Keep   func(c *Cycle, w *Cand) bool
+}
+
+// Scorer gives a candidate a score in [0, 1] (clamped), weighted.
+type Scorer struct {
+	Name   string
+	Weight float64
+	Score  func(c *Cycle, w *Cand) float64
+}
+
+// Profile is one decode selection: filters then scorers, highest total wins.
+type Profile struct {
+	Name    string
+	Filters []Filter
+	Scorers []Scorer
+}
+
+// Cand is a decode candidate with its reservations.
+type Cand struct {
+	W   *kvcv1.Worker
+	Res Reserved
+}
+
+// Cycle is the state of one decision.
+type Cycle struct {
+	In *Input
+	K  *Knobs
+	Q  *Query
+	S  *kvcv1.SessionRecord
+	// Need is the KV tokens the chosen decode worker must hold for this request.
+	Need int64
+	// Cause of lost residency (see Decision.Cause).
+	Cause kvcv1.RouteReason
+	// Current is the decode worker the session is resident on (migration), if any.
+	Current string
+}
+
+// Decide is the routing policy. It is pure: the same Input gives the same Decision.
+func Decide(in *Input) Decision {
+	c := &Cycle{In: in, K: in.Knobs, Q: &in.Query, S: in.Session}
+	if in.Unavailable {
+		return c.fallback(kvcv1.RouteReason_ROUTE_REASON_CONTROL_PLANE_UNAVAILABLE)
+	}
+	if !c.K.KVCentricEnabled {
+		return c.fallback(kvcv1.RouteReason_ROUTE_REASON_KV_CENTRIC_DISABLED)
+	}
+	rec := c.S
+	if rec != nil && rec.DecodeWorker != "" {
+		d := findWorker(in.Workers, rec.DecodeWorker, kvcv1.WorkerRole_WORKER_ROLE_DECODE)
+		switch {
+		case d == nil || d.State == kvcv1.WorkerState_WORKER_STATE_UNREACHABLE:
+			return c.lost(kvcv1.RouteReason_ROUTE_REASON_D_UNREACHABLE, rec.DecodeWorker)
+		case isDraining(d):
+			return c.lost(kvcv1.RouteReason_ROUTE_REASON_D_DRAINING, rec.DecodeWorker)
+		}
+		return c.resident(d)
+	}
+	if rec != nil && (rec.Generation > 0 || rec.PreviousDecodeWorker != "") {
+		return c.lost(kvcv1.RouteReason_ROUTE_REASON_SESSION_EVICTED, rec.PreviousDecodeWorker)
+	}
+	return c.seed()
+}
+
+// resident: the session lives on d, a routable decode worker.
+func (c *Cycle) resident(d *kvcv1.Worker) Decision {
+	if c.S.DRejects[d.WorkerId] >= c.K.MigrationRejectThreshold {
+		c.Current = d.WorkerId
+		if dec, ok := c.reseed(kvcv1.RouteReason_ROUTE_REASON_MIGRATED_AFTER_REJECTS, d.WorkerId, MigrateProfile, true); ok {
+			return dec
+		}
+		// Nowhere to migrate: serve it in place if d admits it.
+	}
+	committed := c.S.KvCommittedLen
+	cached := min(committed, c.Q.InputTokens)
+	uncached := c.Q.InputTokens - cached
+	if uncached > c.K.DirectMaxUncachedTokens {
+		return c.fallback(kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND)
+	}
+	c.Need = uncached + c.Q.MaxOutputTokens
+	cand := Cand{W: d, Res: c.In.Ledger.Reserved(d.WorkerId)}
+	if !fits(c, &cand) {
+		dec := c.fallback(kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY)
+		dec.LocalReject = d.WorkerId
+		return dec
+	}
+	return Decision{
+		Mode:           kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D,
+		Reason:         kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT,
+		Decode:         d,
+		ReservedTokens: c.Need,
+		CachedTokens:   cached,
+		PauseMs:        c.pause(&cand),
+		From:           d.WorkerId,
+	}
+}
+
+// lost: the session had a decode worker and lost it.
+func (c *Cycle) lost(cause kvcv1.RouteReason, from string) Decision {
+	c.Cause = cause
+	dec, _ := c.reseed(0, from, ReseedProfile, false)
+	return dec
+}
+
+// reseed places a lost or migrating session on a new decode worker. With optional set, an
+// empty candidate set returns ok=false instead of a fallback.
+func (c *Cycle) reseed(reason kvcv1.RouteReason, from string, prof *Profile, optional bool) (Decision, bool) {
+	if g := firstBlocking(c, ReseedGates); g != nil {
+		if optional {
+			return Decision{}, false
+		}
+		return c.fallback(g.Reason), true
+	}
+	c.Need = c.Q.InputTokens + c.Q.MaxOutputTokens
+	d, why := c.pick(prof)
+	if d == nil {
+		if optional {
+			return Decision{}, false
+		}
+		return c.fallback(why), true
+	}
+	snapP, snapReason := c.snapshot()
+	dec := Decision{
+		Decode:         d.W,
+		ReservedTokens: c.Need,
+		Transfer:       true,
+		Cause:          c.Cause,
+		PauseMs:        c.pause(d),
+		From:           from,
+	}
+	if reason == 0 {
+		reason = snapReason
+	}
+	dec.Reason = reason
+	if snapP != nil {
+		s := c.S.Snapshot
+		dec.Mode = kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT
+		dec.Prefill = snapP
+		dec.CachedTokens = s.Seqlen
+		dec.SnapshotSeqlen = s.Seqlen
+		dec.SnapshotGeneration = s.Generation
+		dec.PrefillPriority = PrefillPriorityNormal
+		if c.Cause == 0 {
+			dec.Cause = kvcv1.RouteReason_ROUTE_REASON_MIGRATED_AFTER_REJECTS
+		}
+		return dec, true
+	}
+	p := c.leastLoadedPrefill()
+	if p == nil {
+		return c.fallback(kvcv1.RouteReason_ROUTE_REASON_NO_PREFILL_WORKER), true
+	}
+	dec.Mode = kvcv1.RouteMode_ROUTE_MODE_RESEED_PREFILL
+	dec.Prefill = p
+	dec.UsesPrefill = true
+	dec.PrefillPriority = PrefillPriorityLow
+	if c.Cause == 0 {
+		dec.Cause = kvcv1.RouteReason_ROUTE_REASON_MIGRATED_AFTER_REJECTS
+	}
+	return dec, true
+}
+
+// seed: a session with no residency history.
+func (c *Cycle) seed() Decision {
+	if g := firstBlocking(c, SeedGates); g != nil {
+		return c.fallback(g.Reason)
+	}
+	c.Need = c.Q.InputTokens + c.Q.MaxOutputTokens
+	d, why := c.pick(SeedProfile)
+	if d == nil {
+		return c.fallback(why)
+	}
+	p := c.leastLoadedPrefill()
+	if p == nil {
+		return c.fallback(kvcv1.RouteReason_ROUTE_REASON_NO_PREFILL_WORKER)
+	}
+	return Decision{
+		Mode:            kvcv1.RouteMode_ROUTE_MODE_SEED,
+		Reason:          kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION,
+		Prefill:         p,
+		Decode:          d.W,
+		ReservedTokens:  c.Need,
+		Transfer:        true,
+		Seed:            true,
+		UsesPrefill:     true,
+		PrefillPriority: PrefillPriorityLow,
+		PauseMs:         c.pause(d),
+	}
+}
+
+// fallback is plain P/D: least-loaded P, the routable D with most headroom, no reservation.
+// Without any routable P the reason becomes NO_PREFILL_WORKER (the fallback cannot run
+// either; the gateway uses its own worker list).
+func (c *Cycle) fallback(reason kvcv1.RouteReason) Decision {
+	dec := Decision{Mode: kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, Reason: reason, Cause: c.Cause}
+	dec.Prefill = c.leastLoadedPrefill()
+	if dec.Prefill == nil {
+		dec.Reason = kvcv1.RouteReason_ROUTE_REASON_NO_PREFILL_WORKER
+	} else {
+		dec.UsesPrefill = true
+	}
+	c.Need = 0
+	if d, _ := c.pick(FallbackProfile); d != nil {
+		dec.Decode = d.W
+		dec.PauseMs = c.pause(d)
+	}
+	return dec
+}
+
+// pick runs a profile over the decode workers. With no survivor it returns the reason of the
+// deepest filter any candidate reached.
+func (c *Cycle) pick(p *Profile) (*Cand, kvcv1.RouteReason) {
+	var best Cand
+	bestScore := -1.0
+	found := false
+	deepest := -1
+	for _, w := range c.In.Workers {
+		if w.Role != kvcv1.WorkerRole_WORKER_ROLE_DECODE {
+			continue
+		}
+		cand := Cand{W: w, Res: c.In.Ledger.Reserved(w.WorkerId)}
+		failed := -1
+		for i := range p.Filters {
+			if !p.Filters[i].Keep(c, &cand) {
+				failed = i
+				break
+			}
+		}
+		if failed >= 0 {
+			deepest = max(deepest, failed)
+			continue
+		}
+		score := 0.0
+		for i := range p.Scorers {
+			s := p.Scorers[i].Score(c, &cand)
+			if s < 0 {
+				s = 0
+			} else if s > 1 {
+				s = 1
+			}
+			score += s * p.Scorers[i].Weight
+		}
+		if !found || score > bestScore || (score == bestScore && w.WorkerId < best.W.WorkerId) {
+			best, bestScore, found = cand, score, true
+		}
+	}
+	if found {
+		return &best, 0
+	}
+	if deepest < 0 {
+		return nil, kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY
+	}
+	return nil, p.Filters[deepest].Reason(c)
+}
+
+// snapshot returns the prefill worker holding a usable snapshot, or nil and the reason why
+// not (SNAPSHOT_HIT when usable).
+func (c *Cycle) snapshot() (*kvcv1.Worker, kvcv1.RouteReason) {
+	if !c.K.SnapshotsEnabled {
+		return nil, kvcv1.RouteReason_ROUTE_REASON_SNAPSHOTS_DISABLED
+	}
+	s := c.S.GetSnapshot()
+	if c.In.NoSnapshot || s == nil || s.PrefillWorker == "" || s.Seqlen <= 0 {
+		return nil, kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_MISSING
+	}
+	p := findWorker(c.In.Workers, s.PrefillWorker, kvcv1.WorkerRole_WORKER_ROLE_PREFILL)
+	if p == nil || p.State != kvcv1.WorkerState_WORKER_STATE_READY && p.State != kvcv1.WorkerState_WORKER_STATE_DRAINING {
+		return nil, kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_MISSING
+	}
+	if m := c.K.SnapshotMaxStalenessMs; m > 0 && c.In.NowMs-s.UpdatedUnixMs > m {
+		return nil, kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_STALE
+	}
+	if s.Seqlen < c.Q.InputTokens-c.K.TailToleranceTokens || s.Seqlen > c.Q.InputTokens {
+		return nil, kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_STALE
+	}
+	return p, kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_HIT
+}
+
+// leastLoadedPrefill: routable prefill worker with the fewest running+waiting requests plus
+// the prefills the control plane has in flight on it; ties to the smallest id.
+func (c *Cycle) leastLoadedPrefill() *kvcv1.Worker {
+	var best *kvcv1.Worker
+	var bestLoad int64
+	for _, w := range c.In.Workers {
+		if w.Role != kvcv1.WorkerRole_WORKER_ROLE_PREFILL || !routable(w) {
+			continue
+		}
+		l := w.GetLoad()
+		load := int64(l.GetRunningRequests()) + int64(l.GetWaitingRequests()) + int64(c.In.Ledger.Reserved(w.WorkerId).Prefills)
+		if best == nil || load < bestLoad || (load == bestLoad && w.WorkerId < best.WorkerId) {
+			best, bestLoad = w, load
+		}
+	}
+	return best
+}
+
+// pause is the backpressure hint for the chosen decode worker.
+func (c *Cycle) pause(d *Cand) int64 {
+	l := d.W.GetLoad()
+	tq := max(l.GetTransferQueueDepth(), d.Res.Transfers)
+	if (c.K.BackpressureTransferQ > 0 && tq > c.K.BackpressureTransferQ) ||
+		(c.K.BackpressurePreallocQ > 0 && l.GetPreallocQueueDepth() > c.K.BackpressurePreallocQ) {
+		return c.K.BackpressurePauseMs
+	}
+	return 0
+}
+
+func firstBlocking(c *Cycle, gates []Gate) *Gate {
+	for i := range gates {
+		if gates[i].Blocks(c) {
+			return &gates[i]
+		}
+	}
+	return nil
+}
+
+func findWorker(ws []*kvcv1.Worker, id string, role kvcv1.WorkerRole) *kvcv1.Worker {
+	for _, w := range ws {
+		if w.WorkerId == id && w.Role == role {
+			return w
+		}
+	}
+	return nil
+}
+
+func isDraining(w *kvcv1.Worker) bool {
+	return w.Draining || w.State == kvcv1.WorkerState_WORKER_STATE_DRAINING
+}
+
+// routable: connected, ready and not draining.
+func routable(w *kvcv1.Worker) bool {
+	return w.State == kvcv1.WorkerState_WORKER_STATE_READY && !w.Draining
+}
+
+// effectiveCapacity is kv_capacity_tokens × (1 − headroom).
+func effectiveCapacity(c *Cycle, w *kvcv1.Worker) int64 {
+	return int64(float64(w.KvCapacityTokens) * (1 - c.K.DCapacityHeadroom))
+}
+
+// fits: used (last load) + reserved + needed ≤ capacity × (1 − headroom).
+func fits(c *Cycle, d *Cand) bool {
+	if d.W.KvCapacityTokens <= 0 {
+		return false
+	}
+	return d.W.GetLoad().GetUsedTokens()+d.Res.Tokens+c.Need <= effectiveCapacity(c, d.W)
+}

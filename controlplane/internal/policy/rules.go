@@ -1,0 +1,117 @@
+package policy
+
+import (
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+func constReason(r kvcv1.RouteReason) func(*Cycle) kvcv1.RouteReason {
+	return func(*Cycle) kvcv1.RouteReason { return r }
+}
+
+// Gates.
+var (
+	// GatePendingTransfer: a seed or reseed of this session is still in flight; a second one
+	// would race it.
+	GatePendingTransfer = Gate{"pending-transfer", kvcv1.RouteReason_ROUTE_REASON_SESSION_NOT_RESIDENT,
+		func(c *Cycle) bool { return c.In.Ledger.TransferPending(c.Q.SessionID) }}
+	// GateEarlyTurn: seed_min_turn.
+	GateEarlyTurn = Gate{"seed-min-turn", kvcv1.RouteReason_ROUTE_REASON_SEED_FILTER_EARLY_TURN,
+		func(c *Cycle) bool { return c.Q.Turn < c.K.SeedMinTurn }}
+	// GateOutputTokens: seed_max_output_tokens.
+	GateOutputTokens = Gate{"seed-max-output-tokens", kvcv1.RouteReason_ROUTE_REASON_SEED_FILTER_OUTPUT_TOKENS,
+		func(c *Cycle) bool {
+			return c.K.SeedMaxOutputTokens > 0 && c.Q.MaxOutputTokens > c.K.SeedMaxOutputTokens
+		}}
+	// GateResidentTokens: seed_max_resident_tokens (input + max output would be resident).
+	GateResidentTokens = Gate{"seed-max-resident-tokens", kvcv1.RouteReason_ROUTE_REASON_SEED_FILTER_RESIDENT_TOKENS,
+		func(c *Cycle) bool {
+			return c.K.SeedMaxResidentTokens > 0 && c.Q.InputTokens+c.Q.MaxOutputTokens > c.K.SeedMaxResidentTokens
+		}}
+	// GateSingleTurn: seed_only_multiturn; a turn > 0 or the client's hint proves multi-turn.
+	GateSingleTurn = Gate{"seed-only-multiturn", kvcv1.RouteReason_ROUTE_REASON_SEED_FILTER_SINGLE_TURN,
+		func(c *Cycle) bool { return c.K.SeedOnlyMultiturn && !c.Q.MultiturnHint && c.Q.Turn == 0 }}
+)
+
+// SeedGates run, in order, before a new session is seeded.
+var SeedGates = []Gate{GatePendingTransfer, GateEarlyTurn, GateOutputTokens, GateResidentTokens, GateSingleTurn}
+
+// ReseedGates run before a lost or migrating session is reseeded: the size limits still hold
+// (a huge reseed is what storms the transfer path); turn and multi-turn do not (the session
+// has proved itself).
+var ReseedGates = []Gate{GatePendingTransfer, GateOutputTokens, GateResidentTokens}
+
+// Filters.
+var (
+	// FilterRoutable: connected, READY, not draining. Emptying here on a lost session reports
+	// why it lost its D.
+	FilterRoutable = Filter{"routable", func(c *Cycle) kvcv1.RouteReason {
+		if c.Cause != 0 {
+			return c.Cause
+		}
+		return kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY
+	}, func(_ *Cycle, w *Cand) bool { return routable(w.W) }}
+	// FilterNotCurrent: a migration goes elsewhere.
+	FilterNotCurrent = Filter{"not-current", constReason(kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY),
+		func(c *Cycle, w *Cand) bool { return w.W.WorkerId != c.Current }}
+	// FilterNotRejecter: never place a session on a D that rejected it since its last success.
+	FilterNotRejecter = Filter{"not-rejecter", constReason(kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY),
+		func(c *Cycle, w *Cand) bool { return c.S.GetDRejects()[w.W.WorkerId] == 0 }}
+	// FilterCapacity: used + reserved + needed ≤ capacity × (1 − headroom).
+	FilterCapacity = Filter{"capacity", constReason(kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY), fits}
+	// FilterTransferBudget: per-D max_concurrent_transfers, counted from local reservations.
+	FilterTransferBudget = Filter{"transfer-budget", constReason(kvcv1.RouteReason_ROUTE_REASON_TRANSFER_BUDGET),
+		func(c *Cycle, w *Cand) bool {
+			b := c.K.TransferBudget(w.W.WorkerId)
+			return b == 0 || w.Res.Transfers < b
+		}}
+	// FilterSeedInflight: seed_max_inflight_decode.
+	FilterSeedInflight = Filter{"seed-max-inflight", constReason(kvcv1.RouteReason_ROUTE_REASON_SEED_FILTER_INFLIGHT),
+		func(c *Cycle, w *Cand) bool {
+			return c.K.SeedMaxInflightDecode == 0 || w.Res.Seeds < c.K.SeedMaxInflightDecode
+		}}
+)
+
+// Scorers.
+var (
+	// ScoreHeadroom: the fraction of capacity still free after this request.
+	ScoreHeadroom = Scorer{"headroom", 2, func(c *Cycle, w *Cand) float64 {
+		capTok := effectiveCapacity(c, w.W)
+		if capTok <= 0 {
+			return 0
+		}
+		return float64(capTok-w.W.GetLoad().GetUsedTokens()-w.Res.Tokens-c.Need) / float64(capTok)
+	}}
+	// ScoreQueues: short transfer and prealloc queues, counting local in-flight transfers.
+	ScoreQueues = Scorer{"queues", 1, func(_ *Cycle, w *Cand) float64 {
+		l := w.W.GetLoad()
+		q := max(l.GetTransferQueueDepth(), w.Res.Transfers) + l.GetPreallocQueueDepth()
+		return 1 / (1 + float64(q))
+	}}
+)
+
+// Profiles.
+var (
+	// SeedProfile places a new session.
+	SeedProfile = &Profile{"seed",
+		[]Filter{FilterRoutable, FilterCapacity, FilterTransferBudget, FilterSeedInflight},
+		[]Scorer{ScoreHeadroom, ScoreQueues}}
+	// ReseedProfile places a session that lost its D.
+	ReseedProfile = &Profile{"reseed",
+		[]Filter{FilterRoutable, FilterNotRejecter, FilterCapacity, FilterTransferBudget},
+		[]Scorer{ScoreHeadroom, ScoreQueues}}
+	// MigrateProfile moves a session off a D that rejected it migration_reject_threshold times.
+	MigrateProfile = &Profile{"migrate",
+		[]Filter{FilterRoutable, FilterNotCurrent, FilterNotRejecter, FilterCapacity, FilterTransferBudget},
+		[]Scorer{ScoreHeadroom, ScoreQueues, ScoreNotPrevious}}
+	// FallbackProfile picks the D of a plain P/D request.
+	FallbackProfile = &Profile{"fallback", []Filter{FilterRoutable}, []Scorer{ScoreHeadroom, ScoreQueues}}
+)
+
+// ScoreNotPrevious keeps a migration from bouncing back to the D the session just left: that
+// D wins only when no other D survives the filters.
+var ScoreNotPrevious = Scorer{"not-previous", 1000, func(c *Cycle, w *Cand) float64 {
+	if w.W.WorkerId == c.S.GetPreviousDecodeWorker() {
+		return 0
+	}
+	return 1
+}}

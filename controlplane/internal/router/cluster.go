@@ -1,0 +1,23 @@
+package router
+
+import (
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+// Cluster is the router's view of the cluster (implemented by controlplane/internal/state).
+type Cluster interface {
+	// Policy returns the current policy with every default filled in. Read-only.
+	Policy() *kvcv1.Policy
+	// Epoch is the leader epoch (create revision of the leader key); 0 when not leading.
+	Epoch() int64
+	// Workers returns an immutable snapshot of all workers with state and last load. Do not mutate.
+	Workers() []*kvcv1.Worker
+	// Session returns a copy of the session record.
+	Session(id string) (*kvcv1.SessionRecord, bool)
+	// UpdateSession applies fn to the live record (created with session_id set if missing) under
+	// the state lock, then persists it write-behind. fn must be quick and must not call Cluster.
+	UpdateSession(id string, fn func(rec *kvcv1.SessionRecord))
+	// SendCommand queues a command on the worker's sidecar stream; command_id and epoch are filled
+	// in. It fails when the worker has no live stream.
+	SendCommand(workerID string, cmd *kvcv1.Command) error
+}

@@ -1,0 +1,106 @@
+package router
+
+import (
+	"strings"
+
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+type metrics struct {
+	decisions      *prometheus.CounterVec
+	decisionByKey  map[[2]int32]prometheus.Counter
+	latency        prometheus.Histogram
+	outcomes       *prometheus.CounterVec
+	ttft           *prometheus.HistogramVec
+	errors         *prometheus.CounterVec
+	expired        prometheus.Counter
+	migrations     prometheus.Counter
+	admitted       *prometheus.CounterVec
+	rejected       *prometheus.CounterVec
+	commands       *prometheus.CounterVec
+	reservations   prometheus.GaugeFunc
+	reservedTokens prometheus.GaugeFunc
+}
+
+// ModeName is the short label of a mode (DIRECT_TO_D, SEED, ...).
+func ModeName(m kvcv1.RouteMode) string {
+	return strings.TrimPrefix(m.String(), "ROUTE_MODE_")
+}
+
+// ReasonName is the short label of a reason (SESSION_RESIDENT, ...).
+func ReasonName(r kvcv1.RouteReason) string {
+	return strings.TrimPrefix(r.String(), "ROUTE_REASON_")
+}
+
+func errorKindName(k kvcv1.RouteErrorKind) string {
+	return strings.TrimPrefix(k.String(), "ROUTE_ERROR_KIND_")
+}
+
+func newMetrics(reg prometheus.Registerer, s *Service) *metrics {
+	m := &metrics{
+		decisions: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvc_router_decisions_total", Help: "Routing decisions by mode and reason.",
+		}, []string{"mode", "reason"}),
+		decisionByKey: make(map[[2]int32]prometheus.Counter),
+		latency: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name: "kvc_router_decision_seconds", Help: "Time to answer one query (validation, policy, reservation, effects).",
+			Buckets: prometheus.ExponentialBuckets(1e-6, 2, 16),
+		}),
+		outcomes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvc_router_outcomes_total", Help: "Outcomes reported by gateways, by decided mode and error kind.",
+		}, []string{"mode", "error_kind"}),
+		ttft: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "kvc_router_ttft_seconds", Help: "Time to first token of successful requests, by mode.",
+			Buckets: prometheus.ExponentialBuckets(0.005, 2, 14),
+		}, []string{"mode"}),
+		errors: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvc_router_errors_total", Help: "RouteError answers by gRPC code.",
+		}, []string{"code"}),
+		expired: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvc_router_reservations_expired_total", Help: "Reservations released by timeout (no outcome).",
+		}),
+		migrations: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvc_router_migrations_total", Help: "Sessions moved to another decode worker (successful outcome).",
+		}),
+		admitted: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvc_router_worker_admitted_total", Help: "Session decisions (direct, seed, reseed) placed on a decode worker.",
+		}, []string{"worker"}),
+		rejected: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvc_router_worker_rejected_total", Help: "Rejections of a session by a decode worker: source=d (REJECTED_BY_D outcome) or local (no capacity after reservations).",
+		}, []string{"worker", "source"}),
+		commands: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvc_router_commands_total", Help: "Commands sent to sidecars, by kind and result.",
+		}, []string{"kind", "result"}),
+	}
+	m.reservations = prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "kvc_router_reservations", Help: "Reservations held (decisions awaiting an outcome).",
+	}, func() float64 {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		return float64(len(s.led.pending))
+	})
+	m.reservedTokens = prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "kvc_router_reserved_tokens", Help: "KV tokens reserved on decode workers, all workers together.",
+	}, func() float64 {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		return float64(s.led.heldTokens)
+	})
+	for mv := range kvcv1.RouteMode_name {
+		for rv := range kvcv1.RouteReason_name {
+			m.decisionByKey[[2]int32{mv, rv}] = m.decisions.WithLabelValues(ModeName(kvcv1.RouteMode(mv)), ReasonName(kvcv1.RouteReason(rv)))
+		}
+	}
+	if reg != nil {
+		reg.MustRegister(m.decisions, m.latency, m.outcomes, m.ttft, m.errors, m.expired, m.migrations,
+			m.admitted, m.rejected, m.commands, m.reservations, m.reservedTokens)
+	}
+	return m
+}
+
+func (m *metrics) decision(mode kvcv1.RouteMode, reason kvcv1.RouteReason) {
+	if c, ok := m.decisionByKey[[2]int32{int32(mode), int32(reason)}]; ok {
+		c.Inc()
+	}
+}

@@ -1,0 +1,167 @@
+package router
+
+import (
+	"strings"
+
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+	"google.golang.org/grpc/codes"
+)
+
+func isTransferMode(m kvcv1.RouteMode) bool {
+	return m == kvcv1.RouteMode_ROUTE_MODE_SEED || m == kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT ||
+		m == kvcv1.RouteMode_ROUTE_MODE_RESEED_PREFILL
+}
+
+func (s *Service) outcome(o *kvcv1.RouteOutcome) *kvcv1.RouteResponse {
+	if err := validateOutcome(o); err != nil {
+		return s.errResp("", o.DecisionId, codes.InvalidArgument, err.Error())
+	}
+	seq, ok := s.parseID(o.DecisionId)
+	if !ok {
+		return s.errResp("", o.DecisionId, codes.NotFound, "unknown decision id (not issued by this leader)")
+	}
+	s.mu.Lock()
+	r, ok := s.led.remove(seq)
+	issued := seq <= s.nextSeq
+	s.mu.Unlock()
+	if !ok {
+		if issued {
+			return s.errResp("", o.DecisionId, codes.FailedPrecondition, "decision already completed or its reservation expired")
+		}
+		return s.errResp("", o.DecisionId, codes.NotFound, "unknown decision id")
+	}
+	s.apply(r, o)
+	return &kvcv1.RouteResponse{Kind: &kvcv1.RouteResponse_OutcomeAck{OutcomeAck: &kvcv1.OutcomeAck{DecisionId: o.DecisionId}}}
+}
+
+// apply carries out an outcome's effects; r's reservation is already released.
+func (s *Service) apply(r *reservation, o *kvcv1.RouteOutcome) {
+	kind := o.ErrorKind
+	if o.Success {
+		kind = kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_NONE
+	}
+	s.m.outcomes.WithLabelValues(ModeName(r.mode), errorKindName(kind)).Inc()
+	exec := o.ExecutedMode
+	if exec == kvcv1.RouteMode_ROUTE_MODE_UNSPECIFIED {
+		exec = r.mode
+	}
+	if o.Success && o.TtftUs > 0 {
+		s.m.ttft.WithLabelValues(ModeName(exec)).Observe(float64(o.TtftUs) / 1e6)
+	}
+	kvLen := o.KvLenAfter
+	if kvLen <= 0 {
+		kvLen = r.input + r.maxOut
+	}
+	nowMs := s.now().UnixMilli()
+	switch {
+	case o.Success && exec == r.mode && isTransferMode(r.mode):
+		s.resident(r, kvLen, nowMs)
+	case o.Success && exec == r.mode && r.mode == kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D:
+		s.c.UpdateSession(r.session, func(rec *kvcv1.SessionRecord) {
+			if rec.DecodeWorker != r.decode {
+				return // moved meanwhile; this outcome is about an old residency
+			}
+			rec.KvCommittedLen = kvLen
+			rec.DRejects = nil
+			rec.LastSeenUnixMs = nowMs
+		})
+	case !o.Success && kind == kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D &&
+		r.decode != "" && r.mode != kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK:
+		s.c.UpdateSession(r.session, func(rec *kvcv1.SessionRecord) {
+			if rec.DRejects == nil {
+				rec.DRejects = make(map[string]int32, 1)
+			}
+			if rec.DRejects[r.decode] < 1<<30 {
+				rec.DRejects[r.decode]++
+			}
+		})
+		s.m.rejected.WithLabelValues(r.decode, "d").Inc()
+	case !o.Success && kind == kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_SNAPSHOT_FAILED &&
+		r.mode == kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT:
+		// A failed snapshot is not trusted again: the next reseed re-prefills.
+		s.c.UpdateSession(r.session, func(rec *kvcv1.SessionRecord) {
+			if sn := rec.Snapshot; sn != nil && sn.PrefillWorker == r.prefill && sn.Generation == r.snapGen {
+				rec.Snapshot = nil
+			}
+		})
+	}
+}
+
+// resident makes the session resident on r.decode after a successful seed or reseed, then
+// names its snapshot target and releases it on the D it left.
+func (s *Service) resident(r *reservation, kvLen, nowMs int64) {
+	var gen uint64
+	var moved bool
+	var snapP string
+	s.c.UpdateSession(r.session, func(rec *kvcv1.SessionRecord) {
+		rec.DecodeWorker = r.decode
+		rec.KvCommittedLen = kvLen
+		rec.Generation++
+		gen = rec.Generation
+		if r.from != "" && r.from != r.decode {
+			rec.Migrations++
+			rec.PreviousDecodeWorker = r.from
+			moved = true
+		}
+		rec.DRejects = nil
+		rec.LastSeenUnixMs = nowMs
+		if rec.Snapshot != nil {
+			snapP = rec.Snapshot.PrefillWorker
+		}
+	})
+	if moved {
+		s.m.migrations.Inc()
+		cmd := &kvcv1.Command{Action: &kvcv1.Command_ReleaseSession{ReleaseSession: &kvcv1.ReleaseSessionCommand{
+			SessionId: r.session, Reason: "moved to " + r.decode,
+		}}}
+		if err := s.send(r.from, "release_session", cmd); err != nil {
+			s.log.Debug().Err(err).Str("session", r.session).Str("worker", r.from).Msg("release_session not sent")
+		}
+	}
+	if !s.policyKnobs().SnapshotsEnabled {
+		return
+	}
+	p := snapshotTarget(s.c.Workers(), snapP)
+	if p == nil {
+		s.log.Warn().Str("session", r.session).Msg("no live prefill worker to keep the snapshot")
+		return
+	}
+	cmd := &kvcv1.Command{Action: &kvcv1.Command_SetSnapshotTarget{SetSnapshotTarget: &kvcv1.SetSnapshotTargetCommand{
+		SessionId: r.session, PrefillWorkerId: p.WorkerId, PeerAddr: p.PeerAddr,
+		TransferEndpoint: p.TransferEndpoint, Generation: gen,
+	}}}
+	if err := s.send(r.decode, "set_snapshot_target", cmd); err != nil {
+		s.log.Warn().Err(err).Str("session", r.session).Str("worker", r.decode).Msg("set_snapshot_target not sent")
+	}
+}
+
+// snapshotTarget: the prefill worker already holding the session's snapshot when it is
+// connected, else the routable prefill worker with the least snapshot memory in use (as a
+// fraction of its capacity), then fewest snapshot sessions, then smallest id.
+func snapshotTarget(ws []*kvcv1.Worker, current string) *kvcv1.Worker {
+	var best *kvcv1.Worker
+	var bestFrac float64
+	for _, w := range ws {
+		if w.Role != kvcv1.WorkerRole_WORKER_ROLE_PREFILL {
+			continue
+		}
+		if current != "" && w.WorkerId == current && w.State != kvcv1.WorkerState_WORKER_STATE_UNREACHABLE &&
+			w.State != kvcv1.WorkerState_WORKER_STATE_UNSPECIFIED {
+			return w
+		}
+		if w.State != kvcv1.WorkerState_WORKER_STATE_READY || w.Draining {
+			continue
+		}
+		l := w.GetLoad()
+		frac := float64(l.GetSnapshotBytesUsed())
+		if c := l.GetSnapshotBytesCapacity(); c > 0 {
+			frac /= float64(c)
+		}
+		if best == nil || frac < bestFrac ||
+			(frac == bestFrac && (l.GetSnapshotSessions() < best.GetLoad().GetSnapshotSessions() ||
+				(l.GetSnapshotSessions() == best.GetLoad().GetSnapshotSessions() && strings.Compare(w.WorkerId, best.WorkerId) < 0))) {
+			best, bestFrac = w, frac
+		}
+	}
+	return best
+}

@@ -1,0 +1,396 @@
+package router
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/binary"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvcentric/kvcentric/controlplane/internal/policy"
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/rs/zerolog"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+)
+
+// expiryTick is how often Run releases timed-out reservations.
+const expiryTick = 250 * time.Millisecond
+
+// Service implements kvcv1.RouterServiceServer.
+type Service struct {
+	kvcv1.UnimplementedRouterServiceServer
+
+	c   Cluster
+	log zerolog.Logger
+	m   *metrics
+	now func() time.Time
+
+	prefix   string // decision ids are prefix + decimal sequence number
+	roomBase uint64
+
+	knobs atomic.Pointer[compiledPolicy]
+
+	mu      sync.Mutex
+	led     *ledger
+	nextSeq uint64 // last sequence number issued
+}
+
+type compiledPolicy struct {
+	src *kvcv1.Policy
+	k   *policy.Knobs
+}
+
+var _ kvcv1.RouterServiceServer = (*Service)(nil)
+
+// New returns the router over c. Metrics register on reg (nil: not registered). Call Run to
+// expire reservations that never get an outcome.
+func New(c Cluster, log zerolog.Logger, reg prometheus.Registerer) *Service {
+	var b [12]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		binary.LittleEndian.PutUint64(b[:8], uint64(time.Now().UnixNano()))
+	}
+	s := &Service{
+		c:        c,
+		log:      log.With().Str("part", "router").Logger(),
+		now:      time.Now,
+		prefix:   "d" + hex.EncodeToString(b[:4]) + "-",
+		roomBase: binary.LittleEndian.Uint64(b[4:]) >> 1,
+		led:      newLedger(),
+	}
+	s.m = newMetrics(reg, s)
+	return s
+}
+
+// Register registers the service on a gRPC server.
+func (s *Service) Register(r grpc.ServiceRegistrar) { kvcv1.RegisterRouterServiceServer(r, s) }
+
+// Run releases reservations whose outcome did not come within reservation_timeout_ms, until
+// ctx is done. It returns nil on cancellation.
+func (s *Service) Run(ctx context.Context) error {
+	t := time.NewTicker(expiryTick)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-t.C:
+			s.expire(s.now())
+		}
+	}
+}
+
+func (s *Service) expire(now time.Time) int {
+	s.mu.Lock()
+	rs := s.led.expired(now)
+	s.mu.Unlock()
+	for _, r := range rs {
+		s.log.Info().Str("decision_id", s.id(r.seq)).Str("session", r.session).Str("mode", ModeName(r.mode)).
+			Str("decode", r.decode).Msg("reservation expired without an outcome")
+	}
+	s.m.expired.Add(float64(len(rs)))
+	return len(rs)
+}
+
+// Route serves one gateway stream: every query gets a decision or a RouteError naming it,
+// every outcome an OutcomeAck or a RouteError; bad messages never end the stream.
+func (s *Service) Route(stream grpc.BidiStreamingServer[kvcv1.RouteRequest, kvcv1.RouteResponse]) error {
+	for {
+		req, err := stream.Recv()
+		if errors.Is(err, io.EOF) {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		if err := stream.Send(s.Handle(req)); err != nil {
+			return err
+		}
+	}
+}
+
+// Handle answers one message of the Route stream.
+func (s *Service) Handle(req *kvcv1.RouteRequest) *kvcv1.RouteResponse {
+	switch k := req.GetKind().(type) {
+	case *kvcv1.RouteRequest_Query:
+		if k.Query == nil {
+			return s.errResp("", "", codes.InvalidArgument, "empty query")
+		}
+		return s.query(k.Query)
+	case *kvcv1.RouteRequest_Outcome:
+		if k.Outcome == nil {
+			return s.errResp("", "", codes.InvalidArgument, "empty outcome")
+		}
+		return s.outcome(k.Outcome)
+	default:
+		return s.errResp("", "", codes.InvalidArgument, "request carries neither a query nor an outcome")
+	}
+}
+
+func (s *Service) errResp(requestID, decisionID string, code codes.Code, msg string) *kvcv1.RouteResponse {
+	s.m.errors.WithLabelValues(code.String()).Inc()
+	return &kvcv1.RouteResponse{Kind: &kvcv1.RouteResponse_Error{Error: &kvcv1.RouteError{
+		RequestId: requestID, DecisionId: decisionID, Code: int32(code), Message: msg,
+	}}}
+}
+
+// policyKnobs compiles the cluster's policy when it changed (new pointer and new version).
+func (s *Service) policyKnobs() *policy.Knobs {
+	p := s.c.Policy()
+	if cur := s.knobs.Load(); cur != nil &&
+		(cur.src == p || (p != nil && p.Version != 0 && cur.src != nil && p.Version == cur.src.Version)) {
+		return cur.k
+	}
+	k := policy.Compile(p)
+	s.knobs.Store(&compiledPolicy{src: p, k: k})
+	return k
+}
+
+func (s *Service) id(seq uint64) string { return s.prefix + strconv.FormatUint(seq, 10) }
+
+func (s *Service) parseID(id string) (uint64, bool) {
+	rest, ok := strings.CutPrefix(id, s.prefix)
+	if !ok {
+		return 0, false
+	}
+	seq, err := strconv.ParseUint(rest, 10, 64)
+	if err != nil || seq == 0 {
+		return 0, false
+	}
+	return seq, true
+}
+
+func (s *Service) room(seq uint64) int64 { return int64((s.roomBase + seq) & (1<<63 - 1)) }
+
+// effectiveTurn: the client's turn when it gives one (> 0), else one more than the last turn
+// seen for a known session, else 0.
+func effectiveTurn(q *kvcv1.RouteQuery, rec *kvcv1.SessionRecord) int32 {
+	if q.Turn > 0 {
+		return q.Turn
+	}
+	if rec != nil && rec.LastSeenUnixMs > 0 && rec.Turn < 1<<30 {
+		return rec.Turn + 1
+	}
+	return 0
+}
+
+func validateQuery(q *kvcv1.RouteQuery) error {
+	if len(q.RequestId) > kvcv1.MaxIDLen {
+		return fmt.Errorf("request_id is %d bytes, longer than %d", len(q.RequestId), kvcv1.MaxIDLen)
+	}
+	if err := kvcv1.ValidateID("session_id", q.SessionId); err != nil {
+		return err
+	}
+	if q.InputTokens < 1 || q.InputTokens > policy.MaxInputTokens {
+		return fmt.Errorf("input_tokens %d out of range [1, %d]", q.InputTokens, policy.MaxInputTokens)
+	}
+	if q.MaxOutputTokens < 0 || q.MaxOutputTokens > policy.MaxOutputTokens {
+		return fmt.Errorf("max_output_tokens %d out of range [0, %d]", q.MaxOutputTokens, policy.MaxOutputTokens)
+	}
+	if q.Turn < 0 {
+		return fmt.Errorf("turn %d is negative", q.Turn)
+	}
+	return nil
+}
+
+const maxOutcomeUs = 24 * 3600 * 1_000_000
+
+func validateOutcome(o *kvcv1.RouteOutcome) error {
+	if err := kvcv1.ValidateID("decision_id", o.DecisionId); err != nil {
+		return err
+	}
+	if o.TtftUs < 0 || o.TtftUs > maxOutcomeUs {
+		return fmt.Errorf("ttft_us %d out of range [0, %d]", o.TtftUs, int64(maxOutcomeUs))
+	}
+	if o.LatencyUs < 0 || o.LatencyUs > maxOutcomeUs {
+		return fmt.Errorf("latency_us %d out of range [0, %d]", o.LatencyUs, int64(maxOutcomeUs))
+	}
+	if o.KvLenAfter < 0 || o.KvLenAfter > policy.MaxInputTokens+policy.MaxOutputTokens {
+		return fmt.Errorf("kv_len_after %d out of range [0, %d]", o.KvLenAfter, policy.MaxInputTokens+policy.MaxOutputTokens)
+	}
+	if _, ok := kvcv1.RouteErrorKind_name[int32(o.ErrorKind)]; !ok {
+		return fmt.Errorf("unknown error_kind %d", o.ErrorKind)
+	}
+	if _, ok := kvcv1.RouteMode_name[int32(o.ExecutedMode)]; !ok {
+		return fmt.Errorf("unknown executed_mode %d", o.ExecutedMode)
+	}
+	noErr := o.ErrorKind == kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_UNSPECIFIED || o.ErrorKind == kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_NONE
+	if o.Success && !noErr {
+		return fmt.Errorf("success with error_kind %s", o.ErrorKind)
+	}
+	if !o.Success && noErr {
+		return errors.New("a failed outcome needs an error_kind")
+	}
+	if len(o.Detail) > 4096 {
+		return fmt.Errorf("detail is %d bytes, longer than 4096", len(o.Detail))
+	}
+	return nil
+}
+
+func ref(w *kvcv1.Worker) *kvcv1.WorkerRef {
+	if w == nil {
+		return nil
+	}
+	return &kvcv1.WorkerRef{WorkerId: w.WorkerId, WorkerUrl: w.WorkerUrl, PeerAddr: w.PeerAddr, TransferEndpoint: w.TransferEndpoint}
+}
+
+func workerID(w *kvcv1.Worker) string {
+	if w == nil {
+		return ""
+	}
+	return w.WorkerId
+}
+
+// record assigns the decision its sequence number and takes its reservation. Caller holds mu.
+func (s *Service) record(in *policy.Input, d *policy.Decision, now time.Time) *reservation {
+	s.nextSeq++
+	r := &reservation{
+		seq:      s.nextSeq,
+		session:  in.Query.SessionID,
+		mode:     d.Mode,
+		reason:   d.Reason,
+		decode:   workerID(d.Decode),
+		prefill:  workerID(d.Prefill),
+		from:     d.From,
+		tokens:   d.ReservedTokens,
+		transfer: d.Transfer,
+		seed:     d.Seed,
+		prefills: d.UsesPrefill,
+		input:    in.Query.InputTokens,
+		maxOut:   in.Query.MaxOutputTokens,
+		snapGen:  d.SnapshotGeneration,
+		deadline: now.Add(in.Knobs.ReservationTimeout),
+	}
+	s.led.add(r)
+	return r
+}
+
+func (s *Service) query(q *kvcv1.RouteQuery) *kvcv1.RouteResponse {
+	start := time.Now()
+	if err := validateQuery(q); err != nil {
+		return s.errResp(q.RequestId, "", codes.InvalidArgument, err.Error())
+	}
+	k := s.policyKnobs()
+	epoch := s.c.Epoch()
+	workers := s.c.Workers()
+	rec, known := s.c.Session(q.SessionId)
+	if !known {
+		rec = nil
+	}
+	now := s.now()
+	turn := effectiveTurn(q, rec)
+	in := policy.Input{
+		Knobs: k,
+		Query: policy.Query{SessionID: q.SessionId, Turn: turn, InputTokens: q.InputTokens,
+			MaxOutputTokens: q.MaxOutputTokens, MultiturnHint: q.MultiturnHint},
+		Session:     rec,
+		Workers:     workers,
+		NowMs:       now.UnixMilli(),
+		Unavailable: epoch == 0,
+	}
+
+	s.mu.Lock()
+	in.Ledger = s.led
+	d := policy.Decide(&in)
+	r := s.record(&in, &d, now)
+	s.mu.Unlock()
+
+	if d.Mode == kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT {
+		if err := s.pushSnapshot(q.SessionId, &d, r.seq); err != nil {
+			// The holder cannot be commanded: decide again without the snapshot.
+			s.log.Warn().Err(err).Str("session", q.SessionId).Str("prefill", workerID(d.Prefill)).
+				Msg("push_snapshot not sent; reseeding by prefill")
+			s.mu.Lock()
+			s.led.remove(r.seq)
+			in.NoSnapshot = true
+			d = policy.Decide(&in)
+			r = s.record(&in, &d, now)
+			s.mu.Unlock()
+		}
+	}
+
+	if !in.Unavailable {
+		nowMs := now.UnixMilli()
+		reject := d.LocalReject
+		s.c.UpdateSession(q.SessionId, func(rec *kvcv1.SessionRecord) {
+			rec.Turn = max(rec.Turn, turn)
+			rec.LastSeenUnixMs = nowMs
+			if rec.CreatedUnixMs == 0 {
+				rec.CreatedUnixMs = nowMs
+			}
+			rec.Epoch = epoch
+			if reject != "" {
+				if rec.DRejects == nil {
+					rec.DRejects = make(map[string]int32, 1)
+				}
+				rec.DRejects[reject]++
+			}
+		})
+	}
+
+	if d.LocalReject != "" {
+		s.m.rejected.WithLabelValues(d.LocalReject, "local").Inc()
+	}
+	if d.Decode != nil && d.Mode != kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK {
+		s.m.admitted.WithLabelValues(d.Decode.WorkerId).Inc()
+	}
+	s.m.decision(d.Mode, d.Reason)
+	out := &kvcv1.RouteDecision{
+		RequestId:          q.RequestId,
+		DecisionId:         s.id(r.seq),
+		Mode:               d.Mode,
+		Reason:             d.Reason,
+		Prefill:            ref(d.Prefill),
+		Decode:             ref(d.Decode),
+		ReservedTokens:     d.ReservedTokens,
+		CachedTokens:       d.CachedTokens,
+		PrefillPriority:    d.PrefillPriority,
+		RecommendedPauseMs: d.PauseMs,
+		SnapshotSeqlen:     d.SnapshotSeqlen,
+		SnapshotGeneration: d.SnapshotGeneration,
+		Epoch:              epoch,
+		Turn:               turn,
+	}
+	if d.Mode != kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D {
+		out.BootstrapRoom = s.room(r.seq)
+	}
+	if e := s.log.Debug(); e.Enabled() {
+		e.Str("decision_id", out.DecisionId).Str("session", q.SessionId).Str("mode", ModeName(d.Mode)).
+			Str("reason", ReasonName(d.Reason)).Str("cause", ReasonName(d.Cause)).Str("prefill", workerID(d.Prefill)).
+			Str("decode", workerID(d.Decode)).Int64("reserved", d.ReservedTokens).Msg("decision")
+	}
+	s.m.latency.Observe(time.Since(start).Seconds())
+	return &kvcv1.RouteResponse{Kind: &kvcv1.RouteResponse_Decision{Decision: out}}
+}
+
+func (s *Service) pushSnapshot(session string, d *policy.Decision, seq uint64) error {
+	cmd := &kvcv1.Command{Action: &kvcv1.Command_PushSnapshot{PushSnapshot: &kvcv1.PushSnapshotCommand{
+		SessionId:              session,
+		Generation:             d.SnapshotGeneration,
+		Seqlen:                 d.SnapshotSeqlen,
+		DecodeWorkerId:         d.Decode.WorkerId,
+		DecodePeerAddr:         d.Decode.PeerAddr,
+		DecodeTransferEndpoint: d.Decode.TransferEndpoint,
+		Room:                   s.room(seq),
+		DecisionId:             s.id(seq),
+	}}}
+	return s.send(d.Prefill.WorkerId, "push_snapshot", cmd)
+}
+
+func (s *Service) send(worker, kind string, cmd *kvcv1.Command) error {
+	err := s.c.SendCommand(worker, cmd)
+	result := "ok"
+	if err != nil {
+		result = "error"
+	}
+	s.m.commands.WithLabelValues(kind, result).Inc()
+	return err
+}
