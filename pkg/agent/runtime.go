@@ -1,0 +1,153 @@
+package agent
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/rs/zerolog"
+	"golang.org/x/sync/errgroup"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+
+	"github.com/kvcentric/kvcentric/pkg/grpcx"
+	"github.com/kvcentric/kvcentric/pkg/obs"
+	"github.com/kvcentric/kvcentric/pkg/rdma"
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+// Runtime is what a sidecar binary builds before its core: logger, metrics, event log, transfer
+// engine and the peer listener (whose address the core advertises).
+type Runtime struct {
+	C        *Common
+	Log      zerolog.Logger
+	Reg      *prometheus.Registry
+	Events   *EventLog
+	Engine   rdma.Engine
+	PeerLis  net.Listener
+	PeerAddr string // advertised
+	Node     string
+	Ready    obs.Ready
+}
+
+// Start builds the runtime for a sidecar binary (component names it in logs).
+func Start(ctx context.Context, c *Common, component string, logw io.Writer) (*Runtime, error) {
+	log, err := obs.NewLogger(logw, c.LogLevel, c.LogFormat, component)
+	if err != nil {
+		return nil, err
+	}
+	log = log.With().Str("worker_id", c.WorkerID).Logger()
+	rt := &Runtime{C: c, Log: log, Reg: obs.NewRegistry(), Node: c.Node}
+	if rt.Node == "" {
+		rt.Node, _ = os.Hostname()
+	}
+	rt.Events, err = OpenEventLog(c.EventLog, c.WorkerID, rt.Reg)
+	if err != nil {
+		return nil, err
+	}
+	eng, err := rdma.New(ctx, rdma.Config{Backend: c.Transport, ListenAddr: c.TransferAddr, AdvertiseAddr: c.TransferAdvertise,
+		Conns: c.TransferConns, CUDADevice: c.GPUIndex})
+	if err != nil {
+		_ = rt.Events.Close()
+		return nil, fmt.Errorf("transfer engine: %w", err)
+	}
+	if c.FaultDelay > 0 {
+		log.Warn().Dur("delay", c.FaultDelay).Msg("fault injection: every transfer request is delayed")
+		eng = NewSlowEngine(eng, c.FaultDelay)
+	}
+	rt.Engine = eng
+	rt.PeerLis, err = net.Listen("tcp", c.PeerAddr)
+	if err != nil {
+		_ = eng.Close()
+		_ = rt.Events.Close()
+		return nil, fmt.Errorf("peer listen: %w", err)
+	}
+	rt.PeerAddr = c.AdvertisePeerAddr
+	if rt.PeerAddr == "" {
+		rt.PeerAddr = rt.PeerLis.Addr().String()
+	}
+	return rt, nil
+}
+
+// Core is a sidecar's core, served by Runtime.Serve.
+type Core interface {
+	kvcv1.WorkerBridgeServiceServer
+	kvcv1.TransferPeerServiceServer
+	Handler
+	// Registered is closed once the worker registered its KV pool.
+	Registered() <-chan struct{}
+	// Run does the core's background work until ctx is done.
+	Run(ctx context.Context) error
+	// Mount adds the core's HTTP handlers.
+	Mount(mux *http.ServeMux)
+}
+
+// Serve runs the bridge (Unix socket), the peer service, HTTP and — once the worker registered
+// its pool — the control-plane loop, until ctx is done. It writes the ready file once serving.
+func (rt *Runtime) Serve(ctx context.Context, core Core, setReporter func(*ControlPlane)) error {
+	c := rt.C
+	defer rt.Events.Close()
+	defer rt.Engine.Close()
+	bridgeLis, err := ListenUnix(c.BridgeSocket)
+	if err != nil {
+		_ = rt.PeerLis.Close()
+		return fmt.Errorf("bridge socket: %w", err)
+	}
+	defer os.Remove(c.BridgeSocket)
+	httpLis, err := net.Listen("tcp", c.HTTPAddr)
+	if err != nil {
+		_ = rt.PeerLis.Close()
+		_ = bridgeLis.Close()
+		return fmt.Errorf("http listen: %w", err)
+	}
+	bridge := grpcx.NewServer(rt.Log.With().Str("server", "bridge").Logger())
+	kvcv1.RegisterWorkerBridgeServiceServer(bridge, core)
+	peer := grpcx.NewServer(rt.Log.With().Str("server", "peer").Logger())
+	kvcv1.RegisterTransferPeerServiceServer(peer, core)
+	hs := obs.NewHTTPServer(rt.Reg, &rt.Ready)
+	core.Mount(hs.Mux)
+
+	var cp *ControlPlane
+	if eps := c.Endpoints(); len(eps) > 0 {
+		cp = NewControlPlane(CPConfig{Endpoints: eps, Heartbeat: c.Heartbeat}, core, rt.Log.With().Str("part", "cpclient").Logger())
+		if setReporter != nil {
+			setReporter(cp)
+		}
+	}
+	g, gctx := errgroup.WithContext(ctx)
+	g.Go(func() error { return bridge.Serve(gctx, bridgeLis, 5*time.Second) })
+	g.Go(func() error { return peer.Serve(gctx, rt.PeerLis, 5*time.Second) })
+	g.Go(func() error { return hs.Serve(gctx, httpLis) })
+	g.Go(func() error { return core.Run(gctx) })
+	g.Go(func() error {
+		select {
+		case <-gctx.Done():
+			return nil
+		case <-core.Registered():
+		}
+		rt.Ready.Set(true)
+		bridge.Health.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
+		if cp == nil {
+			rt.Log.Warn().Msg("no --control-plane: running standalone")
+			return nil
+		}
+		return cp.Run(gctx)
+	})
+	peer.Health.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
+	if err := obs.WriteReadyFile(c.ReadyFile, map[string]any{
+		"pid": os.Getpid(), "worker_id": c.WorkerID, "http_addr": httpLis.Addr().String(), "peer_addr": rt.PeerAddr,
+		"transfer_endpoint": rt.Engine.SegmentName(), "bridge_socket": c.BridgeSocket,
+	}); err != nil {
+		rt.Log.Error().Err(err).Msg("ready file")
+	}
+	_, _ = obs.SdNotify("READY=1")
+	rt.Log.Info().Str("bridge", c.BridgeSocket).Str("peer", rt.PeerAddr).Str("http", httpLis.Addr().String()).
+		Str("transfer", rt.Engine.SegmentName()).Str("transport", rt.Engine.Backend()).Msg("sidecar serving")
+	err = g.Wait()
+	_, _ = obs.SdNotify("STOPPING=1")
+	return err
+}

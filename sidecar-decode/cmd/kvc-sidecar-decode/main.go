@@ -1,0 +1,72 @@
+// Command kvc-sidecar-decode runs beside one SGLang decode worker (one GPU): it owns the transfer
+// engine, serves the worker's WorkerBridge on a Unix socket, tracks the sessions the worker holds
+// (reported to the control plane), pushes D→P snapshots of them to their prefill sidecar and
+// receives seed and reseed transfers into the worker's pages.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"syscall"
+	"time"
+
+	"github.com/kvcentric/kvcentric/pkg/agent"
+	"github.com/kvcentric/kvcentric/sidecar-decode/internal/decode"
+)
+
+var version = "dev"
+
+func main() { os.Exit(run(os.Args[1:], os.Getenv, os.Stderr)) }
+
+func run(args []string, getenv func(string) string, stderr io.Writer) int {
+	fs := flag.NewFlagSet("kvc-sidecar-decode", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	var c agent.Common
+	c.Register(fs)
+	delta := fs.Int64("snapshot-delta-tokens", 1024, "push a snapshot when committed - last pushed >= this (the control plane's policy overrides)")
+	workers := fs.Int("push-workers", 2, "concurrent snapshot pushes")
+	pushTimeout := fs.Duration("push-timeout", 120*time.Second, "budget of one snapshot push attempt")
+	roomTimeout := fs.Duration("room-timeout", 120*time.Second, "a prepared room without TransferDone fails after this")
+	if err := agent.ParseFlags(fs, args, getenv); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return 0
+		}
+		fmt.Fprintln(stderr, "kvc-sidecar-decode:", err)
+		return 2
+	}
+	err := c.Check()
+	switch {
+	case err != nil:
+	case *delta <= 0:
+		err = fmt.Errorf("--snapshot-delta-tokens must be positive")
+	case *workers < 1 || *workers > 64:
+		err = fmt.Errorf("--push-workers %d out of range [1, 64]", *workers)
+	case *pushTimeout <= 0 || *roomTimeout <= 0:
+		err = fmt.Errorf("--push-timeout and --room-timeout must be positive")
+	}
+	if err != nil {
+		fmt.Fprintln(stderr, "kvc-sidecar-decode:", err)
+		return 2
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	rt, err := agent.Start(ctx, &c, "kvc-sidecar-decode", stderr)
+	if err != nil {
+		fmt.Fprintln(stderr, "kvc-sidecar-decode:", err)
+		return 1
+	}
+	core := decode.New(decode.Config{WorkerID: c.WorkerID, Node: rt.Node, GPUIndex: int32(c.GPUIndex), WorkerURL: c.WorkerURL,
+		Transport: c.Transport, PeerAddr: rt.PeerAddr, KVCapacity: c.KVCapacityTokens, DeltaTokens: *delta, PushWorkers: *workers,
+		PushTimeout: *pushTimeout, RoomTimeout: *roomTimeout, Version: version}, rt.Engine, rt.Events, rt.Log)
+	defer core.Close()
+	if err := rt.Serve(ctx, core, func(cp *agent.ControlPlane) { core.SetReporter(cp) }); err != nil {
+		rt.Log.Error().Err(err).Msg("sidecar stopped")
+		return 1
+	}
+	return 0
+}

@@ -1,0 +1,120 @@
+package decode
+
+import (
+	"context"
+	"fmt"
+
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+// Hello describes this sidecar.
+func (s *Sidecar) Hello() *kvcv1.Hello {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	h := &kvcv1.Hello{WorkerId: s.cfg.WorkerID, Role: kvcv1.WorkerRole_WORKER_ROLE_DECODE, Node: s.cfg.Node, GpuIndex: s.cfg.GPUIndex,
+		WorkerUrl: s.cfg.WorkerURL, TransferEndpoint: s.eng.SegmentName(), Transport: s.cfg.Transport, PeerAddr: s.cfg.PeerAddr, Version: s.cfg.Version}
+	if s.pool != nil {
+		h.KvCapacityTokens = s.pool.CapacityTokens()
+		h.KvBytesPerToken = s.pool.BytesPerToken()
+	}
+	if s.cfg.KVCapacity > 0 {
+		h.KvCapacityTokens = s.cfg.KVCapacity
+	}
+	return h
+}
+
+// Resync lists the sessions the worker holds.
+func (s *Sidecar) Resync() *kvcv1.ResidentSessions {
+	rs := &kvcv1.ResidentSessions{}
+	for _, si := range s.Sessions() {
+		rs.Sessions = append(rs.Sessions, &kvcv1.ResidentSession{SessionId: si.SessionID, KvCommittedLen: si.CommittedLen, Generation: si.Generation})
+	}
+	return rs
+}
+
+// Load reports used tokens (sum of committed lengths) and queue depths.
+func (s *Sidecar) Load() *kvcv1.WorkerLoad {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	l := &kvcv1.WorkerLoad{ResidentSessions: int32(len(s.sessions)), InflightPushes: int32(s.inflight)}
+	for _, ss := range s.sessions {
+		l.UsedTokens += ss.committed
+	}
+	for _, r := range s.rooms {
+		if r.res == nil {
+			l.TransferQueueDepth++
+		}
+	}
+	l.PreallocQueueDepth = int32(len(s.queue))
+	return l
+}
+
+// Policy applies snapshot_delta_tokens and snapshots_enabled.
+func (s *Sidecar) Policy(p *kvcv1.Policy) {
+	if p == nil {
+		return
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if p.SnapshotDeltaTokens != nil && p.GetSnapshotDeltaTokens() > 0 {
+		s.delta = p.GetSnapshotDeltaTokens()
+	}
+	if p.SnapshotsEnabled != nil {
+		s.enabled = p.GetSnapshotsEnabled()
+	}
+}
+
+// Apply carries out SetSnapshotTarget, ReleaseSession and Drain commands.
+func (s *Sidecar) Apply(_ context.Context, cmd *kvcv1.Command) error {
+	switch a := cmd.GetAction().(type) {
+	case *kvcv1.Command_SetSnapshotTarget:
+		return s.setTarget(a.SetSnapshotTarget)
+	case *kvcv1.Command_ReleaseSession:
+		id := a.ReleaseSession.GetSessionId()
+		if id == "" {
+			return fmt.Errorf("release_session without session_id")
+		}
+		go s.drop(id) // waits out an in-flight push; must not block the command stream
+		return nil
+	case *kvcv1.Command_Drain:
+		return nil
+	default:
+		return fmt.Errorf("command %T is not for a decode sidecar", a)
+	}
+}
+
+const maxPendingTargets = 65536
+
+func (s *Sidecar) setTarget(t *kvcv1.SetSnapshotTargetCommand) error {
+	if err := kvcv1.ValidateID("session_id", t.GetSessionId()); err != nil {
+		return err
+	}
+	if t.GetPrefillWorkerId() != "" && (t.GetPeerAddr() == "" || t.GetTransferEndpoint() == "") {
+		return fmt.Errorf("set_snapshot_target for %s names %s without peer_addr and transfer_endpoint", t.GetSessionId(), t.GetPrefillWorkerId())
+	}
+	id := t.GetSessionId()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	ss, ok := s.sessions[id]
+	if t.GetPrefillWorkerId() == "" { // stop pushes
+		delete(s.targets, id)
+		if ok {
+			ss.target = nil
+		}
+		return nil
+	}
+	if !ok {
+		if len(s.targets) >= maxPendingTargets {
+			return fmt.Errorf("too many targets for sessions not committed yet")
+		}
+		s.targets[id] = t
+		return nil
+	}
+	old := ss.target
+	if old == nil || old.GetGeneration() != t.GetGeneration() || old.GetPrefillWorkerId() != t.GetPrefillWorkerId() {
+		ss.lastPushed = 0
+	}
+	ss.target, ss.gen = t, t.GetGeneration()
+	s.maybeEnqueueLocked(ss)
+	return nil
+}

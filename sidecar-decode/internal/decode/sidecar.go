@@ -1,0 +1,508 @@
+package decode
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"net/http"
+	"sort"
+	"sync"
+	"time"
+
+	"github.com/rs/zerolog"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/kvcentric/kvcentric/pkg/agent"
+	"github.com/kvcentric/kvcentric/pkg/rdma"
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+// Reporter sends session events to the control plane (agent.ControlPlane).
+type Reporter interface {
+	Report(ev *kvcv1.SessionEvent)
+}
+
+type nopReporter struct{}
+
+func (nopReporter) Report(*kvcv1.SessionEvent) {}
+
+// Config configures the sidecar.
+type Config struct {
+	WorkerID    string
+	Node        string
+	GPUIndex    int32
+	WorkerURL   string
+	Transport   string
+	PeerAddr    string // advertised TransferPeerService address
+	KVCapacity  int64  // override of what the pool implies (0 = pool)
+	DeltaTokens int64  // push when committed − last pushed ≥ this (1024; the policy overrides)
+	PushWorkers int    // concurrent pushes (2)
+	PushTimeout time.Duration
+	RoomTimeout time.Duration
+	Version     string
+}
+
+// errReleased cancels the push of a released session.
+var errReleased = errors.New("session released")
+
+// Sidecar is the decode sidecar; build it with New.
+type Sidecar struct {
+	kvcv1.UnimplementedWorkerBridgeServiceServer
+	kvcv1.UnimplementedTransferPeerServiceServer
+
+	cfg   Config
+	log   zerolog.Logger
+	ev    *agent.EventLog
+	eng   rdma.Engine
+	segs  *agent.Segments
+	peers *agent.Peers
+	rep   Reporter
+
+	registered chan struct{}
+	regOnce    sync.Once
+
+	mu       sync.Mutex
+	pool     *agent.Pool
+	sessions map[string]*session
+	targets  map[string]*kvcv1.SetSnapshotTargetCommand // targets named before the first commit
+	rooms    map[int64]*recvRoom
+	delta    int64
+	enabled  bool
+	queue    []string
+	wake     chan struct{}
+	inflight int
+}
+
+type session struct {
+	id         string
+	committed  int64
+	pages      []int64
+	gen        uint64
+	target     *kvcv1.SetSnapshotTargetCommand
+	lastPushed int64
+	queued     bool
+	push       *pushRun
+	gone       bool
+}
+
+type pushRun struct {
+	cancel   context.CancelCauseFunc
+	readDone chan struct{} // closed when no transfer of the push touches the pages any more
+}
+
+type recvRoom struct {
+	req     *kvcv1.PrepareReceiveRequest
+	created time.Time
+	done    chan struct{}
+	res     *kvcv1.TransferDoneRequest
+}
+
+// New builds the sidecar; the event log may be nil.
+func New(cfg Config, eng rdma.Engine, ev *agent.EventLog, log zerolog.Logger) *Sidecar {
+	if cfg.DeltaTokens <= 0 {
+		cfg.DeltaTokens = 1024
+	}
+	if cfg.PushWorkers <= 0 {
+		cfg.PushWorkers = 2
+	}
+	if cfg.PushTimeout <= 0 {
+		cfg.PushTimeout = 120 * time.Second
+	}
+	if cfg.RoomTimeout <= 0 {
+		cfg.RoomTimeout = 120 * time.Second
+	}
+	return &Sidecar{cfg: cfg, log: log, ev: ev, eng: eng, segs: agent.NewSegments(eng), peers: agent.NewPeers(), rep: nopReporter{},
+		registered: make(chan struct{}), sessions: map[string]*session{}, targets: map[string]*kvcv1.SetSnapshotTargetCommand{},
+		rooms: map[int64]*recvRoom{}, delta: cfg.DeltaTokens, enabled: true, wake: make(chan struct{}, 1)}
+}
+
+// SetReporter sets where session events go.
+func (s *Sidecar) SetReporter(r Reporter) { s.rep = r }
+
+// Registered is closed once the worker registered its KV pool.
+func (s *Sidecar) Registered() <-chan struct{} { return s.registered }
+
+// Close releases the pool mapping and peer connections (after Run returned).
+func (s *Sidecar) Close() {
+	s.peers.Close()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.pool != nil {
+		s.pool.Close()
+	}
+}
+
+// Run runs the push workers and the room janitor until ctx is done; in-flight pushes are
+// aborted (and their transfers settled) before it returns.
+func (s *Sidecar) Run(ctx context.Context) error {
+	var wg sync.WaitGroup
+	for i := 0; i < s.cfg.PushWorkers; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				id, ok := s.next(ctx)
+				if !ok {
+					return
+				}
+				s.pushSession(ctx, id)
+			}
+		}()
+	}
+	t := time.NewTicker(time.Second)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			wg.Wait()
+			return nil
+		case now := <-t.C:
+			s.expireRooms(now)
+		}
+	}
+}
+
+func (s *Sidecar) next(ctx context.Context) (string, bool) {
+	for {
+		s.mu.Lock()
+		if len(s.queue) > 0 {
+			id := s.queue[0]
+			s.queue = s.queue[1:]
+			if len(s.queue) > 0 {
+				select {
+				case s.wake <- struct{}{}:
+				default:
+				}
+			}
+			s.mu.Unlock()
+			return id, true
+		}
+		s.mu.Unlock()
+		select {
+		case <-ctx.Done():
+			return "", false
+		case <-s.wake:
+		}
+	}
+}
+
+// maybeEnqueueLocked queues a push of ss when its unpushed tail reached delta. It reports
+// whether a push (queued or about to be re-queued) will carry the current commit.
+func (s *Sidecar) maybeEnqueueLocked(ss *session) bool {
+	if ss.gone || ss.target == nil || !s.enabled || ss.committed-ss.lastPushed < s.delta {
+		return false
+	}
+	if ss.queued || ss.push != nil { // the queued push reads the newest commit; a running one re-queues
+		return true
+	}
+	ss.queued = true
+	s.queue = append(s.queue, ss.id)
+	select {
+	case s.wake <- struct{}{}:
+	default:
+	}
+	s.ev.Emit(agent.Event{Event: agent.EvPushEnqueued, Session: ss.id, Generation: ss.target.GetGeneration(), BaseLen: ss.lastPushed,
+		Tokens: ss.committed - ss.lastPushed, Peer: ss.target.GetPrefillWorkerId()})
+	return true
+}
+
+func (s *Sidecar) expireRooms(now time.Time) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for id, r := range s.rooms {
+		if now.Sub(r.created) > s.cfg.RoomTimeout {
+			if r.res == nil {
+				r.res = &kvcv1.TransferDoneRequest{Room: id, Error: "timeout: no TransferDone from the prefill side"}
+				close(r.done)
+			}
+			delete(s.rooms, id)
+		}
+	}
+}
+
+// ---- WorkerBridge ----
+
+// RegisterKVPool maps the worker's pool and registers it with the engine.
+func (s *Sidecar) RegisterKVPool(_ context.Context, req *kvcv1.RegisterKVPoolRequest) (*kvcv1.RegisterKVPoolResponse, error) {
+	p, err := agent.MapPool(req)
+	if err != nil {
+		return nil, err
+	}
+	if err := p.Register(s.eng, "shm"); err != nil {
+		p.Close()
+		return nil, status.Errorf(codes.Internal, "register pool: %v", err)
+	}
+	s.mu.Lock()
+	if s.pool != nil {
+		s.mu.Unlock()
+		p.Close()
+		return nil, status.Error(codes.AlreadyExists, "a KV pool is already registered; restart the sidecar with the worker")
+	}
+	s.pool = p
+	s.mu.Unlock()
+	s.regOnce.Do(func() { close(s.registered) })
+	s.log.Info().Int32("page_size", p.PageSize).Int64("item_len", p.ItemLen).Int64("pages", p.PageCount).Int32("layers", p.NumLayers).Msg("worker KV pool registered")
+	return &kvcv1.RegisterKVPoolResponse{KvBytesPerToken: p.BytesPerToken(), TransferEndpoint: s.eng.SegmentName()}, nil
+}
+
+func (s *Sidecar) registeredPool() (*agent.Pool, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.pool == nil {
+		return nil, status.Error(codes.FailedPrecondition, "no KV pool registered")
+	}
+	return s.pool, nil
+}
+
+// CommitSession records a committed step: pages cover [0, committed_len).
+func (s *Sidecar) CommitSession(_ context.Context, req *kvcv1.CommitSessionRequest) (*kvcv1.CommitSessionResponse, error) {
+	if err := kvcv1.ValidateID("session_id", req.GetSessionId()); err != nil {
+		return nil, status.Error(codes.InvalidArgument, err.Error())
+	}
+	pool, err := s.registeredPool()
+	if err != nil {
+		return nil, err
+	}
+	n := req.GetCommittedLen()
+	if n <= 0 {
+		return nil, status.Errorf(codes.InvalidArgument, "committed_len %d must be positive", n)
+	}
+	if want := (n + int64(pool.PageSize) - 1) / int64(pool.PageSize); int64(len(req.GetPages())) != want {
+		return nil, status.Errorf(codes.InvalidArgument, "%d pages for %d tokens; want %d", len(req.GetPages()), n, want)
+	}
+	if err := pool.CheckPages(req.GetPages()); err != nil {
+		return nil, err
+	}
+	s.mu.Lock()
+	ss, ok := s.sessions[req.GetSessionId()]
+	if ok && n < ss.committed {
+		s.mu.Unlock()
+		return nil, status.Errorf(codes.FailedPrecondition, "committed_len of %s shrinks from %d to %d", ss.id, ss.committed, n)
+	}
+	if !ok {
+		ss = &session{id: req.GetSessionId()}
+		if t := s.targets[ss.id]; t != nil {
+			delete(s.targets, ss.id)
+			ss.target, ss.gen = t, t.GetGeneration()
+		}
+		s.sessions[ss.id] = ss
+	}
+	ss.committed = n
+	ss.pages = append(ss.pages[:0:0], req.GetPages()...)
+	enq := s.maybeEnqueueLocked(ss)
+	gen := ss.gen
+	s.mu.Unlock()
+	s.rep.Report(&kvcv1.SessionEvent{SessionId: req.GetSessionId(), Kind: kvcv1.SessionEventKind_SESSION_EVENT_KIND_COMMITTED, KvLen: n, Generation: gen})
+	return &kvcv1.CommitSessionResponse{PushEnqueued: enq}, nil
+}
+
+// ReleaseSession forgets a session; it returns only after an in-flight push of the session has
+// been aborted and no longer reads its pages.
+func (s *Sidecar) ReleaseSession(_ context.Context, req *kvcv1.ReleaseSessionRequest) (*kvcv1.ReleaseSessionResponse, error) {
+	if err := kvcv1.ValidateID("session_id", req.GetSessionId()); err != nil {
+		return nil, status.Error(codes.InvalidArgument, err.Error())
+	}
+	ss, aborted, ok := s.drop(req.GetSessionId())
+	if !ok {
+		return nil, status.Errorf(codes.NotFound, "session %s unknown", req.GetSessionId())
+	}
+	kind, reason := kvcv1.SessionEventKind_SESSION_EVENT_KIND_RELEASED, "released"
+	if req.GetReason() == kvcv1.ReleaseReason_RELEASE_REASON_EVICTED {
+		kind, reason = kvcv1.SessionEventKind_SESSION_EVENT_KIND_EVICTED, "evicted"
+	}
+	s.ev.Emit(agent.Event{Event: agent.EvSessionRelease, Session: ss.id, Generation: ss.gen, Seqlen: ss.committed, Reason: reason})
+	s.rep.Report(&kvcv1.SessionEvent{SessionId: ss.id, Kind: kind, KvLen: ss.committed, Generation: ss.gen, Detail: reason})
+	return &kvcv1.ReleaseSessionResponse{PushAborted: aborted}, nil
+}
+
+// drop removes a session, aborting and waiting out its push.
+func (s *Sidecar) drop(id string) (*session, bool, bool) {
+	s.mu.Lock()
+	delete(s.targets, id)
+	ss, ok := s.sessions[id]
+	if !ok {
+		s.mu.Unlock()
+		return nil, false, false
+	}
+	ss.gone = true
+	delete(s.sessions, id)
+	run := ss.push
+	s.mu.Unlock()
+	if run == nil {
+		return ss, false, true
+	}
+	run.cancel(errReleased)
+	<-run.readDone
+	return ss, true, true
+}
+
+// PrepareReceive registers the worker's pages for a room and offers them to the sending
+// prefill sidecar.
+func (s *Sidecar) PrepareReceive(ctx context.Context, req *kvcv1.PrepareReceiveRequest) (*kvcv1.PrepareReceiveResponse, error) {
+	pool, err := s.registeredPool()
+	if err != nil {
+		return nil, err
+	}
+	switch {
+	case req.GetRoom() == 0:
+		return nil, status.Error(codes.InvalidArgument, "room is required")
+	case req.GetTokens() <= 0:
+		return nil, status.Errorf(codes.InvalidArgument, "tokens %d must be positive", req.GetTokens())
+	case req.GetKind() != kvcv1.TransferKind_TRANSFER_KIND_SEED && req.GetKind() != kvcv1.TransferKind_TRANSFER_KIND_SNAPSHOT:
+		return nil, status.Errorf(codes.InvalidArgument, "unknown transfer kind %v", req.GetKind())
+	case req.GetSourcePeerAddr() == "":
+		return nil, status.Error(codes.InvalidArgument, "source_peer_addr is required")
+	}
+	if err := kvcv1.ValidateID("session_id", req.GetSessionId()); err != nil {
+		return nil, status.Error(codes.InvalidArgument, err.Error())
+	}
+	if want := (req.GetTokens() + int64(pool.PageSize) - 1) / int64(pool.PageSize); int64(len(req.GetPages())) != want {
+		return nil, status.Errorf(codes.InvalidArgument, "%d pages for %d tokens; want %d", len(req.GetPages()), req.GetTokens(), want)
+	}
+	if err := pool.CheckPages(req.GetPages()); err != nil {
+		return nil, err
+	}
+	r := &recvRoom{req: req, created: time.Now(), done: make(chan struct{})}
+	s.mu.Lock()
+	if _, dup := s.rooms[req.GetRoom()]; dup {
+		s.mu.Unlock()
+		return nil, status.Errorf(codes.AlreadyExists, "room %d is already prepared", req.GetRoom())
+	}
+	s.rooms[req.GetRoom()] = r
+	s.mu.Unlock()
+	c, err := s.peers.Client(req.GetSourcePeerAddr())
+	if err == nil {
+		octx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		_, err = c.OfferReceive(octx, &kvcv1.OfferReceiveRequest{Room: req.GetRoom(), SessionId: req.GetSessionId(), Kind: req.GetKind(),
+			DecodeWorkerId: s.cfg.WorkerID, DecodeTransferEndpoint: s.eng.SegmentName(), DecodeLayout: pool.Layout(),
+			Pages: req.GetPages(), Tokens: req.GetTokens(), DecodePeerAddr: s.cfg.PeerAddr})
+		cancel()
+	}
+	if err != nil {
+		s.mu.Lock()
+		delete(s.rooms, req.GetRoom())
+		s.mu.Unlock()
+		return nil, status.Errorf(codes.Unavailable, "offer to prefill sidecar %s: %v", req.GetSourcePeerAddr(), err)
+	}
+	return &kvcv1.PrepareReceiveResponse{}, nil
+}
+
+// WaitReceive blocks until the room's transfer is done or failed (or timeout_ms passes).
+func (s *Sidecar) WaitReceive(ctx context.Context, req *kvcv1.WaitReceiveRequest) (*kvcv1.WaitReceiveResponse, error) {
+	s.mu.Lock()
+	r, ok := s.rooms[req.GetRoom()]
+	s.mu.Unlock()
+	if !ok {
+		return nil, status.Errorf(codes.NotFound, "room %d unknown (never prepared, or already waited for)", req.GetRoom())
+	}
+	wait := time.Duration(req.GetTimeoutMs()) * time.Millisecond
+	if wait <= 0 {
+		wait = s.cfg.RoomTimeout
+	}
+	t := time.NewTimer(wait)
+	defer t.Stop()
+	select {
+	case <-r.done:
+	case <-ctx.Done():
+		return nil, status.FromContextError(ctx.Err()).Err()
+	case <-t.C:
+		return nil, status.Errorf(codes.DeadlineExceeded, "room %d not done within %v", req.GetRoom(), wait)
+	}
+	s.mu.Lock()
+	if s.rooms[req.GetRoom()] == r {
+		delete(s.rooms, req.GetRoom())
+	}
+	s.mu.Unlock()
+	return &kvcv1.WaitReceiveResponse{Ok: r.res.GetOk(), Bytes: r.res.GetBytes(), Tokens: r.res.GetTokens(), Error: r.res.GetError(),
+		DurationUs: time.Since(r.created).Microseconds()}, nil
+}
+
+// SendKV is a prefill-side call.
+func (s *Sidecar) SendKV(context.Context, *kvcv1.SendKVRequest) (*kvcv1.SendKVResponse, error) {
+	return nil, status.Error(codes.FailedPrecondition, "SendKV is a prefill-worker call; this is a decode sidecar")
+}
+
+// SnapshotStatus reports what this sidecar pushed of a session.
+func (s *Sidecar) SnapshotStatus(_ context.Context, req *kvcv1.SnapshotStatusRequest) (*kvcv1.SnapshotStatusResponse, error) {
+	if err := kvcv1.ValidateID("session_id", req.GetSessionId()); err != nil {
+		return nil, status.Error(codes.InvalidArgument, err.Error())
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	ss, ok := s.sessions[req.GetSessionId()]
+	if !ok {
+		return nil, status.Errorf(codes.NotFound, "session %s unknown", req.GetSessionId())
+	}
+	return &kvcv1.SnapshotStatusResponse{Exists: ss.lastPushed > 0, Seqlen: ss.lastPushed, Generation: ss.gen,
+		PrefillWorker: ss.target.GetPrefillWorkerId(), LastPushedLen: ss.lastPushed}, nil
+}
+
+// ---- peer service ----
+
+// TransferDone completes a room.
+func (s *Sidecar) TransferDone(_ context.Context, req *kvcv1.TransferDoneRequest) (*kvcv1.TransferDoneResponse, error) {
+	s.mu.Lock()
+	r, ok := s.rooms[req.GetRoom()]
+	if !ok || r.res != nil {
+		s.mu.Unlock()
+		return nil, status.Errorf(codes.NotFound, "room %d unknown or already done", req.GetRoom())
+	}
+	r.res = req
+	close(r.done)
+	s.mu.Unlock()
+	kind := "seed"
+	if r.req.GetKind() == kvcv1.TransferKind_TRANSFER_KIND_SNAPSHOT {
+		kind = "snapshot"
+	}
+	e := agent.Event{Event: agent.EvTransferDone, Kind: kind, Session: r.req.GetSessionId(), Room: req.GetRoom(), Tokens: req.GetTokens(),
+		Bytes: req.GetBytes(), DurationMs: agent.Ms(time.Since(r.created)), Reason: req.GetError()}
+	ev := &kvcv1.SessionEvent{SessionId: r.req.GetSessionId(), Kind: kvcv1.SessionEventKind_SESSION_EVENT_KIND_TRANSFER_DONE,
+		KvLen: req.GetTokens(), Bytes: req.GetBytes(), Room: req.GetRoom(), Detail: kind}
+	if !req.GetOk() {
+		e.Event = agent.EvTransferFailed
+		ev.Kind = kvcv1.SessionEventKind_SESSION_EVENT_KIND_TRANSFER_FAILED
+		ev.Detail = kind + ": " + req.GetError()
+	}
+	s.ev.Emit(e)
+	s.rep.Report(ev)
+	return &kvcv1.TransferDoneResponse{}, nil
+}
+
+// OfferReceive goes to prefill sidecars.
+func (s *Sidecar) OfferReceive(context.Context, *kvcv1.OfferReceiveRequest) (*kvcv1.OfferReceiveResponse, error) {
+	return nil, status.Error(codes.FailedPrecondition, "OfferReceive goes to a prefill sidecar; this is a decode sidecar")
+}
+
+// ---- HTTP ----
+
+// SessionInfo is one line of GET /v1/sessions.
+type SessionInfo struct {
+	SessionID     string `json:"session_id"`
+	CommittedLen  int64  `json:"committed_len"`
+	Generation    uint64 `json:"generation"`
+	PrefillWorker string `json:"prefill_worker,omitempty"`
+	LastPushedLen int64  `json:"last_pushed_len"`
+	Pushing       bool   `json:"pushing"`
+}
+
+// Sessions lists the sessions the worker holds (the residency truth).
+func (s *Sidecar) Sessions() []SessionInfo {
+	s.mu.Lock()
+	out := make([]SessionInfo, 0, len(s.sessions))
+	for _, ss := range s.sessions {
+		out = append(out, SessionInfo{SessionID: ss.id, CommittedLen: ss.committed, Generation: ss.gen,
+			PrefillWorker: ss.target.GetPrefillWorkerId(), LastPushedLen: ss.lastPushed, Pushing: ss.push != nil})
+	}
+	s.mu.Unlock()
+	sort.Slice(out, func(i, j int) bool { return out[i].SessionID < out[j].SessionID })
+	return out
+}
+
+// Mount adds GET /v1/sessions.
+func (s *Sidecar) Mount(mux *http.ServeMux) {
+	mux.HandleFunc("GET /v1/sessions", func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		_ = json.NewEncoder(w).Encode(s.Sessions())
+	})
+}

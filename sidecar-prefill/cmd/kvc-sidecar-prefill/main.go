@@ -1,0 +1,71 @@
+// Command kvc-sidecar-prefill runs beside one SGLang prefill worker (one GPU): it owns the
+// transfer engine, serves the worker's WorkerBridge on a Unix socket, keeps the
+// PrefillSnapshotStore (D→P snapshots, in its own host memory), writes seeds and reseeds into
+// decode workers' pages, and reports to the control plane.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"syscall"
+	"time"
+
+	"github.com/kvcentric/kvcentric/pkg/agent"
+	"github.com/kvcentric/kvcentric/sidecar-prefill/internal/prefill"
+)
+
+var version = "dev"
+
+func main() { os.Exit(run(os.Args[1:], os.Getenv, os.Stderr)) }
+
+func run(args []string, getenv func(string) string, stderr io.Writer) int {
+	fs := flag.NewFlagSet("kvc-sidecar-prefill", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	var c agent.Common
+	c.Register(fs)
+	storeBytes := fs.Int64("store-capacity-bytes", 8<<30, "snapshot store capacity in bytes")
+	storeMem := fs.String("store-memory", "host", "snapshot store memory: host")
+	roomTimeout := fs.Duration("room-timeout", 60*time.Second, "a transfer room whose other half never comes is failed after this")
+	if err := agent.ParseFlags(fs, args, getenv); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return 0
+		}
+		fmt.Fprintln(stderr, "kvc-sidecar-prefill:", err)
+		return 2
+	}
+	err := c.Check()
+	switch {
+	case err != nil:
+	case *storeBytes <= 0:
+		err = fmt.Errorf("--store-capacity-bytes must be positive")
+	case *storeMem != "host":
+		err = fmt.Errorf("--store-memory %q: only host memory is supported", *storeMem)
+	case *roomTimeout <= 0:
+		err = fmt.Errorf("--room-timeout must be positive")
+	}
+	if err != nil {
+		fmt.Fprintln(stderr, "kvc-sidecar-prefill:", err)
+		return 2
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	rt, err := agent.Start(ctx, &c, "kvc-sidecar-prefill", stderr)
+	if err != nil {
+		fmt.Fprintln(stderr, "kvc-sidecar-prefill:", err)
+		return 1
+	}
+	core := prefill.New(prefill.Config{WorkerID: c.WorkerID, Node: rt.Node, GPUIndex: int32(c.GPUIndex), WorkerURL: c.WorkerURL,
+		Transport: c.Transport, PeerAddr: rt.PeerAddr, StoreBytes: *storeBytes, KVCapacity: c.KVCapacityTokens,
+		RoomTimeout: *roomTimeout, Version: version}, rt.Engine, rt.Events, rt.Log)
+	defer core.Close()
+	if err := rt.Serve(ctx, core, func(cp *agent.ControlPlane) { core.SetReporter(cp) }); err != nil {
+		rt.Log.Error().Err(err).Msg("sidecar stopped")
+		return 1
+	}
+	return 0
+}

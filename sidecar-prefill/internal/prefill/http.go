@@ -1,0 +1,105 @@
+package prefill
+
+import (
+	"encoding/json"
+	"net/http"
+	"time"
+
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+// Mount adds the snapshot HTTP API to mux:
+//
+//	GET /v1/sessions/{sid}/snapshot_status → {"exists", "seqlen", "generation", "freshness_s", "bytes"}
+//	GET /v1/sessions/{sid}/snapshot_kv     → the snapshot's bytes, buffer by buffer, tokens [0, seqlen)
+//	GET /v1/snapshots                      → every snapshot held
+func (s *Sidecar) Mount(mux *http.ServeMux) {
+	mux.HandleFunc("GET /v1/sessions/{sid}/snapshot_status", s.httpStatus)
+	mux.HandleFunc("GET /v1/sessions/{sid}/snapshot_kv", s.httpKV)
+	mux.HandleFunc("GET /v1/snapshots", s.httpList)
+}
+
+type snapshotStatus struct {
+	SessionID  string  `json:"session_id"`
+	Exists     bool    `json:"exists"`
+	Seqlen     int64   `json:"seqlen"`
+	Generation uint64  `json:"generation"`
+	FreshnessS float64 `json:"freshness_s"`
+	Bytes      int64   `json:"bytes"`
+	Source     string  `json:"source_worker,omitempty"`
+}
+
+func writeJSON(w http.ResponseWriter, code int, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(code)
+	_ = json.NewEncoder(w).Encode(v)
+}
+
+func httpError(w http.ResponseWriter, code int, stable, msg string) {
+	writeJSON(w, code, map[string]any{"error": map[string]string{"code": stable, "message": msg}})
+}
+
+func (s *Sidecar) httpStatus(w http.ResponseWriter, r *http.Request) {
+	sid := r.PathValue("sid")
+	if err := kvcv1.ValidateID("session_id", sid); err != nil {
+		httpError(w, http.StatusBadRequest, "bad_request", err.Error())
+		return
+	}
+	out := snapshotStatus{SessionID: sid}
+	if st := s.Store(); st != nil {
+		if v, ok := st.Get(sid); ok {
+			out = snapshotStatus{SessionID: sid, Exists: true, Seqlen: v.Seqlen, Generation: v.Generation,
+				FreshnessS: time.Since(v.Updated).Seconds(), Bytes: v.Bytes, Source: v.Source}
+		}
+	}
+	writeJSON(w, http.StatusOK, out)
+}
+
+func (s *Sidecar) httpList(w http.ResponseWriter, _ *http.Request) {
+	out := []snapshotStatus{}
+	if st := s.Store(); st != nil {
+		for _, v := range st.List() {
+			out = append(out, snapshotStatus{SessionID: v.Session, Exists: true, Seqlen: v.Seqlen, Generation: v.Generation,
+				FreshnessS: time.Since(v.Updated).Seconds(), Bytes: v.Bytes, Source: v.Source})
+		}
+	}
+	writeJSON(w, http.StatusOK, out)
+}
+
+// httpKV streams the snapshot's KV (for verification and debugging): for each buffer (layer 0 K,
+// layer 0 V, ...), tokens 0..seqlen-1, each ItemLen/PageSize bytes. The entry is pinned while
+// streaming.
+func (s *Sidecar) httpKV(w http.ResponseWriter, r *http.Request) {
+	sid := r.PathValue("sid")
+	if err := kvcv1.ValidateID("session_id", sid); err != nil {
+		httpError(w, http.StatusBadRequest, "bad_request", err.Error())
+		return
+	}
+	st, arena, err := s.storeAndArena()
+	if err != nil {
+		httpError(w, http.StatusServiceUnavailable, "unavailable", err.Error())
+		return
+	}
+	v, release, ok := st.Acquire(sid)
+	if !ok {
+		httpError(w, http.StatusNotFound, "snapshot_missing", "no snapshot of "+sid)
+		return
+	}
+	defer release()
+	w.Header().Set("Content-Type", "application/octet-stream")
+	w.Header().Set("X-Kvc-Seqlen", itoa(v.Seqlen))
+	w.Header().Set("X-Kvc-Generation", itoa(int64(v.Generation)))
+	w.Header().Set("X-Kvc-Token-Bytes", itoa(arena.TokenBytes()))
+	for b := 0; b < arena.Buffers(); b++ {
+		for t := int64(0); t < v.Seqlen; t++ {
+			if _, err := w.Write(arena.TokenSlot(v.Pages, t, b)); err != nil {
+				return
+			}
+		}
+	}
+}
+
+func itoa(v int64) string {
+	b, _ := json.Marshal(v)
+	return string(b)
+}

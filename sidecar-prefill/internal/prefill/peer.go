@@ -1,0 +1,307 @@
+package prefill
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/kvcentric/kvcentric/pkg/agent"
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+	"github.com/kvcentric/kvcentric/sidecar-prefill/internal/store"
+)
+
+type ingest struct {
+	session string
+	gen     uint64
+	base    int64
+	tokens  int64
+	source  string
+	started time.Time
+}
+
+func (s *Sidecar) storeAndArena() (*store.Store, *agent.Pool, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.st == nil {
+		return nil, nil, status.Error(codes.Unavailable, "snapshot store not ready: the prefill worker has not registered its KV pool")
+	}
+	return s.st, s.arena, nil
+}
+
+// ReserveSnapshot reserves store pages for tokens [base_len, base_len+tokens) of a session.
+func (s *Sidecar) ReserveSnapshot(_ context.Context, req *kvcv1.ReserveSnapshotRequest) (*kvcv1.ReserveSnapshotResponse, error) {
+	if err := kvcv1.ValidateID("session_id", req.GetSessionId()); err != nil {
+		return nil, status.Error(codes.InvalidArgument, err.Error())
+	}
+	st, arena, err := s.storeAndArena()
+	if err != nil {
+		return nil, err
+	}
+	if err := agent.CompatibleLayouts(req.GetSourceLayout(), arena.Layout()); err != nil {
+		return nil, err
+	}
+	res, err := st.Reserve(req.GetSessionId(), req.GetGeneration(), req.GetBaseLen(), req.GetTokens(), req.GetSourceWorkerId())
+	if err != nil {
+		s.ev.Emit(agent.Event{Event: agent.EvRecvRejected, Session: req.GetSessionId(), Generation: req.GetGeneration(),
+			BaseLen: req.GetBaseLen(), Tokens: req.GetTokens(), Peer: req.GetSourceWorkerId(), Reason: err.Error()})
+		return nil, err
+	}
+	s.mu.Lock()
+	if s.ingests == nil {
+		s.ingests = map[uint64]ingest{}
+	}
+	s.ingests[res.ID] = ingest{session: req.GetSessionId(), gen: req.GetGeneration(), base: req.GetBaseLen(), tokens: req.GetTokens(), source: req.GetSourceWorkerId(), started: time.Now()}
+	s.mu.Unlock()
+	return &kvcv1.ReserveSnapshotResponse{IngestId: res.ID, StoreLayout: arena.Layout(), Pages: res.Pages, StoreTransferEndpoint: s.eng.SegmentName()}, nil
+}
+
+func (s *Sidecar) takeIngest(id uint64) (ingest, bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	in, ok := s.ingests[id]
+	delete(s.ingests, id)
+	return in, ok
+}
+
+// CommitSnapshot makes the written range part of the snapshot.
+func (s *Sidecar) CommitSnapshot(_ context.Context, req *kvcv1.CommitSnapshotRequest) (*kvcv1.CommitSnapshotResponse, error) {
+	st, arena, err := s.storeAndArena()
+	if err != nil {
+		return nil, err
+	}
+	in, _ := s.takeIngest(req.GetIngestId())
+	v, err := st.Commit(req.GetIngestId())
+	if err != nil {
+		return nil, err
+	}
+	bytes := in.tokens * arena.BytesPerToken()
+	s.ev.Emit(agent.Event{Event: agent.EvRecvIngested, Session: v.Session, Generation: v.Generation, BaseLen: in.base,
+		Tokens: in.tokens, Seqlen: v.Seqlen, Bytes: bytes, Peer: v.Source, DurationMs: agent.Ms(time.Since(in.started))})
+	s.rep.Report(&kvcv1.SessionEvent{SessionId: v.Session, Kind: kvcv1.SessionEventKind_SESSION_EVENT_KIND_SNAPSHOT_INGESTED,
+		KvLen: v.Seqlen, Generation: v.Generation, Bytes: v.Bytes, PeerWorker: v.Source})
+	return &kvcv1.CommitSnapshotResponse{Seqlen: v.Seqlen}, nil
+}
+
+// AbortSnapshot frees a reservation.
+func (s *Sidecar) AbortSnapshot(_ context.Context, req *kvcv1.AbortSnapshotRequest) (*kvcv1.AbortSnapshotResponse, error) {
+	st, _, err := s.storeAndArena()
+	if err != nil {
+		return nil, err
+	}
+	in, _ := s.takeIngest(req.GetIngestId())
+	if err := st.Abort(req.GetIngestId()); err != nil {
+		return nil, err
+	}
+	s.ev.Emit(agent.Event{Event: agent.EvRecvRejected, Session: in.session, Generation: in.gen, BaseLen: in.base,
+		Tokens: in.tokens, Peer: in.source, Reason: "aborted by sender: " + req.GetReason()})
+	return &kvcv1.AbortSnapshotResponse{}, nil
+}
+
+// TransferDone goes to decode sidecars.
+func (s *Sidecar) TransferDone(context.Context, *kvcv1.TransferDoneRequest) (*kvcv1.TransferDoneResponse, error) {
+	return nil, status.Error(codes.FailedPrecondition, "TransferDone goes to a decode sidecar; this is a prefill sidecar")
+}
+
+// OfferReceive records the decode side's pages for a room. A seed room is then written by the
+// worker's SendKV calls; a snapshot room is written from the store right away.
+func (s *Sidecar) OfferReceive(_ context.Context, req *kvcv1.OfferReceiveRequest) (*kvcv1.OfferReceiveResponse, error) {
+	switch {
+	case req.GetRoom() == 0:
+		return nil, status.Error(codes.InvalidArgument, "room is required")
+	case req.GetTokens() <= 0:
+		return nil, status.Errorf(codes.InvalidArgument, "tokens %d must be positive", req.GetTokens())
+	case req.GetDecodeLayout() == nil:
+		return nil, status.Error(codes.InvalidArgument, "decode_layout is required")
+	case req.GetDecodePeerAddr() == "" || req.GetDecodeTransferEndpoint() == "":
+		return nil, status.Error(codes.InvalidArgument, "decode_peer_addr and decode_transfer_endpoint are required")
+	case req.GetKind() != kvcv1.TransferKind_TRANSFER_KIND_SEED && req.GetKind() != kvcv1.TransferKind_TRANSFER_KIND_SNAPSHOT:
+		return nil, status.Errorf(codes.InvalidArgument, "unknown transfer kind %v", req.GetKind())
+	}
+	if ps := int64(req.GetDecodeLayout().GetPageSize()); ps <= 0 || int64(len(req.GetPages())) < (req.GetTokens()+ps-1)/ps {
+		return nil, status.Errorf(codes.InvalidArgument, "%d pages do not cover %d tokens", len(req.GetPages()), req.GetTokens())
+	}
+	if err := kvcv1.ValidateID("session_id", req.GetSessionId()); err != nil {
+		return nil, status.Error(codes.InvalidArgument, err.Error())
+	}
+	r := s.room(req.GetRoom())
+	s.mu.Lock()
+	if r.offer != nil {
+		s.mu.Unlock()
+		return nil, status.Errorf(codes.AlreadyExists, "room %d already has an offer", req.GetRoom())
+	}
+	r.offer = req
+	close(r.offerCh)
+	s.mu.Unlock()
+	if req.GetKind() == kvcv1.TransferKind_TRANSFER_KIND_SNAPSHOT {
+		s.wg.Add(1)
+		go func() {
+			defer s.wg.Done()
+			s.reseed(r)
+		}()
+	}
+	return &kvcv1.OfferReceiveResponse{}, nil
+}
+
+// reseed writes the session's snapshot into the decode side's pages and signals done.
+func (s *Sidecar) reseed(r *room) {
+	off := r.offer
+	s.mu.Lock()
+	if s.rooms[r.id] == r {
+		delete(s.rooms, r.id)
+	}
+	pinned := r.pinned
+	r.pinned = false
+	st, arena := s.st, s.arena
+	s.mu.Unlock()
+	if pinned {
+		defer st.Unpin(r.push.GetSessionId())
+	}
+	miss := func(reason string) {
+		s.ev.Emit(agent.Event{Event: agent.EvBypassMiss, Session: off.GetSessionId(), Room: off.GetRoom(), Tokens: off.GetTokens(),
+			Peer: off.GetDecodeWorkerId(), Reason: reason})
+		s.done(off, false, 0, reason)
+	}
+	if st == nil {
+		miss("snapshot_missing: store not ready")
+		return
+	}
+	v, release, ok := st.Acquire(off.GetSessionId())
+	if !ok {
+		miss("snapshot_missing")
+		return
+	}
+	defer release()
+	if v.Seqlen < off.GetTokens() {
+		miss(fmt.Sprintf("snapshot_short: seqlen %d < %d tokens", v.Seqlen, off.GetTokens()))
+		return
+	}
+	start := time.Now()
+	ctx, cancel := context.WithTimeout(context.Background(), s.cfg.TransferLimit)
+	defer cancel()
+	seg, err := s.segs.Open(ctx, off.GetDecodeTransferEndpoint())
+	var moved uint64
+	if err == nil {
+		reqs, perr := agent.PlanTokens(agent.PageMap{Layout: arena.Layout(), Pages: v.Pages},
+			agent.PageMap{Layout: off.GetDecodeLayout(), Pages: off.GetPages()}, seg, 0, off.GetTokens())
+		err = perr
+		if err == nil {
+			moved, err = agent.Transfer(ctx, s.eng, reqs)
+		}
+		if err != nil {
+			s.segs.Forget(off.GetDecodeTransferEndpoint())
+		}
+	}
+	if err != nil {
+		s.ev.Emit(agent.Event{Event: agent.EvTransferFailed, Kind: "snapshot", Session: off.GetSessionId(), Room: off.GetRoom(),
+			Tokens: off.GetTokens(), Peer: off.GetDecodeWorkerId(), Reason: err.Error()})
+		s.done(off, false, int64(moved), "snapshot write failed: "+err.Error())
+		return
+	}
+	s.ev.Emit(agent.Event{Event: agent.EvBypassHit, Session: off.GetSessionId(), Generation: v.Generation, Room: off.GetRoom(),
+		Tokens: off.GetTokens(), Seqlen: v.Seqlen, Bytes: int64(moved), DurationMs: agent.Ms(time.Since(start)), Peer: off.GetDecodeWorkerId()})
+	s.done(off, true, int64(moved), "")
+}
+
+// onEvict reports a snapshot that left the store.
+func (s *Sidecar) onEvict(v store.View, reason string) {
+	s.ev.Emit(agent.Event{Event: agent.EvEvicted, Session: v.Session, Generation: v.Generation, Seqlen: v.Seqlen, Bytes: v.Bytes, Reason: reason})
+	if reason == store.ReasonReplaced {
+		return // the ingest of the newer generation is reported instead
+	}
+	s.rep.Report(&kvcv1.SessionEvent{SessionId: v.Session, Kind: kvcv1.SessionEventKind_SESSION_EVENT_KIND_SNAPSHOT_EVICTED,
+		KvLen: v.Seqlen, Generation: v.Generation, Bytes: v.Bytes, Detail: reason})
+}
+
+// ---- control plane (agent.Handler) ----
+
+// Hello describes this sidecar.
+func (s *Sidecar) Hello() *kvcv1.Hello {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	h := &kvcv1.Hello{WorkerId: s.cfg.WorkerID, Role: kvcv1.WorkerRole_WORKER_ROLE_PREFILL, Node: s.cfg.Node, GpuIndex: s.cfg.GPUIndex,
+		WorkerUrl: s.cfg.WorkerURL, TransferEndpoint: s.eng.SegmentName(), Transport: s.cfg.Transport, PeerAddr: s.cfg.PeerAddr, Version: s.cfg.Version}
+	if s.pool != nil {
+		h.KvCapacityTokens = s.pool.CapacityTokens()
+		h.KvBytesPerToken = s.pool.BytesPerToken()
+	}
+	if s.cfg.KVCapacity > 0 {
+		h.KvCapacityTokens = s.cfg.KVCapacity
+	}
+	return h
+}
+
+// Resync lists every snapshot held.
+func (s *Sidecar) Resync() *kvcv1.ResidentSessions {
+	rs := &kvcv1.ResidentSessions{}
+	st := s.Store()
+	if st == nil {
+		return rs
+	}
+	for _, v := range st.List() {
+		rs.Snapshots = append(rs.Snapshots, &kvcv1.SnapshotHeld{SessionId: v.Session, Seqlen: v.Seqlen, Generation: v.Generation,
+			Bytes: v.Bytes, SourceWorker: v.Source, UpdatedUnixMs: v.Updated.UnixMilli()})
+	}
+	return rs
+}
+
+// Load reports store usage and pending rooms.
+func (s *Sidecar) Load() *kvcv1.WorkerLoad {
+	s.mu.Lock()
+	rooms := len(s.rooms)
+	s.mu.Unlock()
+	l := &kvcv1.WorkerLoad{TransferQueueDepth: int32(rooms)}
+	if st := s.Store(); st != nil {
+		l.SnapshotBytesUsed = st.UsedBytes()
+		l.SnapshotBytesCapacity = st.CapacityBytes()
+		l.SnapshotSessions = int32(len(st.List()))
+	}
+	return l
+}
+
+// Policy records the current policy.
+func (s *Sidecar) Policy(p *kvcv1.Policy) {
+	s.mu.Lock()
+	s.policy = p
+	s.mu.Unlock()
+}
+
+// Apply handles PushSnapshotCommand (reseed via snapshot); other commands are for decode sidecars.
+func (s *Sidecar) Apply(_ context.Context, cmd *kvcv1.Command) error {
+	switch a := cmd.GetAction().(type) {
+	case *kvcv1.Command_PushSnapshot:
+		return s.pushSnapshot(a.PushSnapshot)
+	case *kvcv1.Command_Drain:
+		return nil
+	default:
+		return fmt.Errorf("command %T is not for a prefill sidecar", a)
+	}
+}
+
+func (s *Sidecar) pushSnapshot(c *kvcv1.PushSnapshotCommand) error {
+	if c.GetRoom() == 0 || c.GetSessionId() == "" {
+		return fmt.Errorf("push_snapshot needs room and session_id")
+	}
+	st := s.Store()
+	r := s.room(c.GetRoom())
+	s.mu.Lock()
+	r.push = c
+	started := r.offer != nil
+	_, have := (func() (store.View, bool) {
+		if st == nil {
+			return store.View{}, false
+		}
+		return st.Get(c.GetSessionId())
+	})()
+	if !started && have && !r.pinned {
+		r.pinned = true
+		st.Pin(c.GetSessionId())
+	}
+	s.mu.Unlock()
+	if !have && !started {
+		return fmt.Errorf("snapshot_missing: no snapshot of %s here; the offer for room %d will be failed", c.GetSessionId(), c.GetRoom())
+	}
+	return nil
+}

@@ -1,0 +1,373 @@
+package prefill
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/rs/zerolog"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/kvcentric/kvcentric/pkg/agent"
+	"github.com/kvcentric/kvcentric/pkg/rdma"
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+	"github.com/kvcentric/kvcentric/sidecar-prefill/internal/store"
+)
+
+// Reporter sends session events to the control plane (agent.ControlPlane).
+type Reporter interface {
+	Report(ev *kvcv1.SessionEvent)
+}
+
+type nopReporter struct{}
+
+func (nopReporter) Report(*kvcv1.SessionEvent) {}
+
+// Config configures the sidecar.
+type Config struct {
+	WorkerID      string
+	Node          string
+	GPUIndex      int32
+	WorkerURL     string
+	Transport     string
+	PeerAddr      string // advertised TransferPeerService address
+	StoreBytes    int64
+	KVCapacity    int64 // override of what the pool implies (0 = pool)
+	RoomTimeout   time.Duration
+	TransferLimit time.Duration // budget of one reseed write
+	Version       string
+}
+
+// Sidecar is the prefill sidecar. Its zero value is not usable; call New.
+type Sidecar struct {
+	kvcv1.UnimplementedWorkerBridgeServiceServer
+	kvcv1.UnimplementedTransferPeerServiceServer
+
+	cfg   Config
+	log   zerolog.Logger
+	ev    *agent.EventLog
+	eng   rdma.Engine
+	segs  *agent.Segments
+	peers *agent.Peers
+	rep   Reporter
+
+	registered chan struct{}
+	regOnce    sync.Once
+
+	mu      sync.Mutex
+	pool    *agent.Pool // the worker's pool
+	arena   *agent.Pool // the store's memory
+	st      *store.Store
+	rooms   map[int64]*room
+	policy  *kvcv1.Policy
+	ingests map[uint64]ingest
+
+	wg sync.WaitGroup // background writes
+}
+
+// room is one transfer room seen by this sidecar: a seed (SendKV chunks) or a reseed
+// (PushSnapshotCommand and/or the decode side's offer).
+type room struct {
+	id      int64
+	created time.Time
+	offer   *kvcv1.OfferReceiveRequest
+	offerCh chan struct{} // closed when the offer arrives
+	push    *kvcv1.PushSnapshotCommand
+	pinned  bool
+	mu      sync.Mutex // serialises the chunks of a seed
+	bytes   int64
+	started time.Time
+	closed  bool
+}
+
+// New builds a sidecar around an engine; the event log may be nil.
+func New(cfg Config, eng rdma.Engine, ev *agent.EventLog, log zerolog.Logger) *Sidecar {
+	if cfg.RoomTimeout <= 0 {
+		cfg.RoomTimeout = 60 * time.Second
+	}
+	if cfg.TransferLimit <= 0 {
+		cfg.TransferLimit = 120 * time.Second
+	}
+	return &Sidecar{cfg: cfg, log: log, ev: ev, eng: eng, segs: agent.NewSegments(eng), peers: agent.NewPeers(),
+		rep: nopReporter{}, registered: make(chan struct{}), rooms: map[int64]*room{}}
+}
+
+// SetReporter sets where session events go (the control-plane loop).
+func (s *Sidecar) SetReporter(r Reporter) { s.rep = r }
+
+// Registered is closed once the worker registered its KV pool.
+func (s *Sidecar) Registered() <-chan struct{} { return s.registered }
+
+// Store returns the snapshot store (nil before registration).
+func (s *Sidecar) Store() *store.Store {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.st
+}
+
+// Close stops background work and releases memory.
+func (s *Sidecar) Close() {
+	s.wg.Wait()
+	s.peers.Close()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.pool != nil {
+		s.pool.Close()
+	}
+	if s.arena != nil {
+		s.arena.Close()
+	}
+}
+
+// Run expires rooms and reservations until ctx is done.
+func (s *Sidecar) Run(ctx context.Context) error {
+	t := time.NewTicker(time.Second)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-t.C:
+			s.expire(time.Now())
+		}
+	}
+}
+
+func (s *Sidecar) expire(now time.Time) {
+	if st := s.Store(); st != nil {
+		st.Expire()
+	}
+	var stale []*room
+	s.mu.Lock()
+	for id, r := range s.rooms {
+		if now.Sub(r.created) > s.cfg.RoomTimeout {
+			delete(s.rooms, id)
+			stale = append(stale, r)
+		}
+	}
+	s.mu.Unlock()
+	for _, r := range stale {
+		if r.pinned {
+			s.Store().Unpin(r.push.GetSessionId())
+		}
+		if r.offer != nil && !r.closed {
+			s.done(r.offer, false, 0, "timeout: the prefill side never sent this room")
+		}
+	}
+}
+
+// ---- WorkerBridge ----
+
+// RegisterKVPool maps the worker's pool, registers it with the engine and, the first time,
+// allocates the snapshot store with the same geometry.
+func (s *Sidecar) RegisterKVPool(_ context.Context, req *kvcv1.RegisterKVPoolRequest) (*kvcv1.RegisterKVPoolResponse, error) {
+	p, err := agent.MapPool(req)
+	if err != nil {
+		return nil, err
+	}
+	if err := p.Register(s.eng, "shm"); err != nil {
+		p.Close()
+		return nil, status.Errorf(codes.Internal, "register pool: %v", err)
+	}
+	s.mu.Lock()
+	if s.arena != nil && (s.arena.PageSize != p.PageSize || s.arena.ItemLen != p.ItemLen || s.arena.NumLayers != p.NumLayers) {
+		s.mu.Unlock()
+		p.Close()
+		return nil, status.Errorf(codes.FailedPrecondition, "pool geometry differs from the snapshot store's (page_size %d, item_len %d, layers %d)", s.arena.PageSize, s.arena.ItemLen, s.arena.NumLayers)
+	}
+	if s.arena == nil {
+		pageBytes := p.ItemLen * int64(p.Buffers())
+		pages := s.cfg.StoreBytes / pageBytes
+		if pages < 1 {
+			s.mu.Unlock()
+			p.Close()
+			return nil, status.Errorf(codes.FailedPrecondition, "store capacity %d bytes is below one page (%d bytes)", s.cfg.StoreBytes, pageBytes)
+		}
+		arena, err := agent.NewArena(p.PageSize, p.ItemLen, pages, p.NumLayers)
+		if err == nil {
+			err = arena.Register(s.eng, "host")
+			if err != nil {
+				arena.Close()
+			}
+		}
+		if err != nil {
+			s.mu.Unlock()
+			p.Close()
+			return nil, status.Errorf(codes.ResourceExhausted, "snapshot store of %d pages: %v", pages, err)
+		}
+		st, err := store.New(store.Config{PageSize: int64(p.PageSize), PageBytes: pageBytes, PageCount: pages, OnEvict: s.onEvict})
+		if err != nil {
+			s.mu.Unlock()
+			arena.Close()
+			p.Close()
+			return nil, status.Error(codes.Internal, err.Error())
+		}
+		s.arena, s.st = arena, st
+	}
+	old := s.pool
+	s.pool = p
+	s.mu.Unlock()
+	if old != nil {
+		old.Close()
+	}
+	s.regOnce.Do(func() { close(s.registered) })
+	s.log.Info().Int32("page_size", p.PageSize).Int64("item_len", p.ItemLen).Int64("pages", p.PageCount).
+		Int32("layers", p.NumLayers).Int64("store_bytes", s.st.CapacityBytes()).Msg("worker KV pool registered")
+	return &kvcv1.RegisterKVPoolResponse{KvBytesPerToken: p.BytesPerToken(), TransferEndpoint: s.eng.SegmentName()}, nil
+}
+
+// CommitSession is a decode-side call.
+func (s *Sidecar) CommitSession(context.Context, *kvcv1.CommitSessionRequest) (*kvcv1.CommitSessionResponse, error) {
+	return nil, status.Error(codes.FailedPrecondition, "CommitSession is a decode-worker call; this is a prefill sidecar")
+}
+
+// ReleaseSession is a decode-side call.
+func (s *Sidecar) ReleaseSession(context.Context, *kvcv1.ReleaseSessionRequest) (*kvcv1.ReleaseSessionResponse, error) {
+	return nil, status.Error(codes.FailedPrecondition, "ReleaseSession is a decode-worker call; this is a prefill sidecar")
+}
+
+// PrepareReceive is a decode-side call.
+func (s *Sidecar) PrepareReceive(context.Context, *kvcv1.PrepareReceiveRequest) (*kvcv1.PrepareReceiveResponse, error) {
+	return nil, status.Error(codes.FailedPrecondition, "PrepareReceive is a decode-worker call; this is a prefill sidecar")
+}
+
+// WaitReceive is a decode-side call.
+func (s *Sidecar) WaitReceive(context.Context, *kvcv1.WaitReceiveRequest) (*kvcv1.WaitReceiveResponse, error) {
+	return nil, status.Error(codes.FailedPrecondition, "WaitReceive is a decode-worker call; this is a prefill sidecar")
+}
+
+// SnapshotStatus reports the store's snapshot of a session.
+func (s *Sidecar) SnapshotStatus(_ context.Context, req *kvcv1.SnapshotStatusRequest) (*kvcv1.SnapshotStatusResponse, error) {
+	if err := kvcv1.ValidateID("session_id", req.GetSessionId()); err != nil {
+		return nil, status.Error(codes.InvalidArgument, err.Error())
+	}
+	st := s.Store()
+	if st == nil {
+		return &kvcv1.SnapshotStatusResponse{}, nil
+	}
+	v, ok := st.Get(req.GetSessionId())
+	if !ok {
+		return &kvcv1.SnapshotStatusResponse{PrefillWorker: s.cfg.WorkerID}, nil
+	}
+	return &kvcv1.SnapshotStatusResponse{Exists: true, Seqlen: v.Seqlen, Generation: v.Generation,
+		FreshnessS: time.Since(v.Updated).Seconds(), PrefillWorker: s.cfg.WorkerID}, nil
+}
+
+// SendKV writes a chunk of a seed transfer (the worker's pages) into the decode side's pages,
+// waiting for the decode side's offer if it has not arrived yet. With last, TransferDone is sent.
+func (s *Sidecar) SendKV(ctx context.Context, req *kvcv1.SendKVRequest) (*kvcv1.SendKVResponse, error) {
+	if req.GetRoom() == 0 {
+		return nil, status.Error(codes.InvalidArgument, "room is required")
+	}
+	if req.GetFirstPage() < 0 || len(req.GetPages()) == 0 && !req.GetLast() {
+		return nil, status.Errorf(codes.InvalidArgument, "bad chunk: first_page %d, %d pages", req.GetFirstPage(), len(req.GetPages()))
+	}
+	s.mu.Lock()
+	pool := s.pool
+	s.mu.Unlock()
+	if pool == nil {
+		return nil, status.Error(codes.FailedPrecondition, "no KV pool registered")
+	}
+	if err := pool.CheckPages(req.GetPages()); err != nil {
+		return nil, err
+	}
+	r := s.room(req.GetRoom())
+	wait := s.cfg.RoomTimeout
+	t := time.NewTimer(wait)
+	defer t.Stop()
+	select {
+	case <-r.offerCh:
+	case <-ctx.Done():
+		return nil, status.FromContextError(ctx.Err()).Err()
+	case <-t.C:
+		return nil, status.Errorf(codes.DeadlineExceeded, "room %d: no offer from the decode side within %v", req.GetRoom(), wait)
+	}
+	off := r.offer
+	if off.GetKind() != kvcv1.TransferKind_TRANSFER_KIND_SEED {
+		return nil, status.Errorf(codes.FailedPrecondition, "room %d is a %s transfer, not a seed", req.GetRoom(), off.GetKind())
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.closed {
+		return nil, status.Errorf(codes.FailedPrecondition, "room %d is already finished", req.GetRoom())
+	}
+	if r.started.IsZero() {
+		r.started = time.Now()
+	}
+	ps := int64(pool.PageSize)
+	from := req.GetFirstPage() * ps
+	to := min((req.GetFirstPage()+int64(len(req.GetPages())))*ps, off.GetTokens())
+	if req.GetLast() && req.GetTokens() > 0 && req.GetTokens() != off.GetTokens() {
+		err := fmt.Sprintf("seed of %d tokens, but the decode side prepared %d", req.GetTokens(), off.GetTokens())
+		r.closed = true
+		s.finish(r, false, err)
+		return nil, status.Error(codes.FailedPrecondition, err)
+	}
+	var moved uint64
+	if to > from {
+		seg, err := s.segs.Open(ctx, off.GetDecodeTransferEndpoint())
+		if err == nil {
+			var reqs []rdma.Request
+			reqs, err = agent.PlanTokens(agent.PageMap{Layout: pool.Layout(), Pages: req.GetPages(), First: req.GetFirstPage()},
+				agent.PageMap{Layout: off.GetDecodeLayout(), Pages: off.GetPages()}, seg, from, to)
+			if err == nil {
+				moved, err = agent.Transfer(ctx, s.eng, reqs)
+			}
+			if err != nil && !errors.Is(err, agent.ErrAborted) {
+				s.segs.Forget(off.GetDecodeTransferEndpoint())
+			}
+		}
+		if err != nil {
+			r.closed = true
+			reason := err.Error()
+			if ctx.Err() != nil {
+				reason = "prefill worker went away mid-transfer: " + reason
+			}
+			s.finish(r, false, reason)
+			return nil, status.Errorf(codes.Aborted, "room %d: %s", req.GetRoom(), reason)
+		}
+	}
+	r.bytes += int64(moved)
+	if req.GetLast() {
+		r.closed = true
+		s.finish(r, true, "")
+	}
+	return &kvcv1.SendKVResponse{Bytes: int64(moved)}, nil
+}
+
+// room returns (creating) the room.
+func (s *Sidecar) room(id int64) *room {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	r, ok := s.rooms[id]
+	if !ok {
+		r = &room{id: id, created: time.Now(), offerCh: make(chan struct{})}
+		s.rooms[id] = r
+	}
+	return r
+}
+
+// finish sends TransferDone for a room and forgets it.
+func (s *Sidecar) finish(r *room, ok bool, reason string) {
+	s.mu.Lock()
+	if s.rooms[r.id] == r {
+		delete(s.rooms, r.id)
+	}
+	s.mu.Unlock()
+	s.done(r.offer, ok, r.bytes, reason)
+}
+
+func (s *Sidecar) done(off *kvcv1.OfferReceiveRequest, ok bool, bytes int64, reason string) {
+	c, err := s.peers.Client(off.GetDecodePeerAddr())
+	if err == nil {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		_, err = c.TransferDone(ctx, &kvcv1.TransferDoneRequest{Room: off.GetRoom(), Ok: ok, Bytes: bytes, Tokens: off.GetTokens(), Error: reason})
+		cancel()
+	}
+	if err != nil {
+		s.log.Warn().Err(err).Int64("room", off.GetRoom()).Str("peer", off.GetDecodePeerAddr()).Msg("TransferDone not delivered")
+	}
+}
