@@ -1,0 +1,470 @@
+package policy
+
+import (
+	"math/rand/v2"
+	"testing"
+
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+type fakeLedger struct {
+	res     map[string]Reserved
+	pending map[string]bool
+}
+
+func (l fakeLedger) Reserved(id string) Reserved   { return l.res[id] }
+func (l fakeLedger) TransferPending(s string) bool { return l.pending[s] }
+func ledger(res map[string]Reserved, pending ...string) fakeLedger {
+	p := map[string]bool{}
+	for _, s := range pending {
+		p[s] = true
+	}
+	return fakeLedger{res: res, pending: p}
+}
+
+func dW(id string, capTok, used int64) *kvcv1.Worker {
+	return &kvcv1.Worker{WorkerId: id, Role: kvcv1.WorkerRole_WORKER_ROLE_DECODE, State: kvcv1.WorkerState_WORKER_STATE_READY,
+		KvCapacityTokens: capTok, Load: &kvcv1.WorkerLoad{UsedTokens: used}, PeerAddr: id + ":1"}
+}
+
+func pW(id string, running int32) *kvcv1.Worker {
+	return &kvcv1.Worker{WorkerId: id, Role: kvcv1.WorkerRole_WORKER_ROLE_PREFILL, State: kvcv1.WorkerState_WORKER_STATE_READY,
+		Load: &kvcv1.WorkerLoad{RunningRequests: running}}
+}
+
+func with(w *kvcv1.Worker, f func(*kvcv1.Worker)) *kvcv1.Worker { f(w); return w }
+
+func draining(w *kvcv1.Worker) *kvcv1.Worker {
+	return with(w, func(w *kvcv1.Worker) { w.Draining = true; w.State = kvcv1.WorkerState_WORKER_STATE_DRAINING })
+}
+func unreachable(w *kvcv1.Worker) *kvcv1.Worker {
+	return with(w, func(w *kvcv1.Worker) { w.State = kvcv1.WorkerState_WORKER_STATE_UNREACHABLE })
+}
+
+const nowMs = 1_000_000
+
+func resident(d string, committed int64) *kvcv1.SessionRecord {
+	return &kvcv1.SessionRecord{SessionId: "s", DecodeWorker: d, KvCommittedLen: committed, Turn: 3, Generation: 1,
+		LastSeenUnixMs: nowMs - 10}
+}
+
+func snap(p string, seqlen int64) *kvcv1.SnapshotInfo {
+	return &kvcv1.SnapshotInfo{PrefillWorker: p, Seqlen: seqlen, Generation: 1, UpdatedUnixMs: nowMs - 1000}
+}
+
+func knobs(f func(p *kvcv1.Policy)) *Knobs {
+	p := Defaults()
+	if f != nil {
+		f(p)
+	}
+	return Compile(p)
+}
+
+type tc struct {
+	name    string
+	k       func(p *kvcv1.Policy)
+	q       Query
+	rec     *kvcv1.SessionRecord
+	workers []*kvcv1.Worker
+	led     fakeLedger
+	unavail bool
+
+	mode    kvcv1.RouteMode
+	reason  kvcv1.RouteReason
+	prefill string
+	decode  string
+	check   func(t *testing.T, d Decision)
+}
+
+var (
+	mDirect   = kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D
+	mSeed     = kvcv1.RouteMode_ROUTE_MODE_SEED
+	mSnap     = kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT
+	mPrefill  = kvcv1.RouteMode_ROUTE_MODE_RESEED_PREFILL
+	mFallback = kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK
+)
+
+func q(input, out int64, turn int32) Query {
+	return Query{SessionID: "s", Turn: turn, InputTokens: input, MaxOutputTokens: out, MultiturnHint: true}
+}
+
+// Two P, two D: the standard cluster of the table.
+func cluster() []*kvcv1.Worker {
+	return []*kvcv1.Worker{pW("p1", 2), pW("p2", 0), dW("d1", 100_000, 10_000), dW("d2", 100_000, 50_000)}
+}
+
+func TestDecideEveryModeAndReason(t *testing.T) {
+	R := func(r kvcv1.RouteReason) kvcv1.RouteReason { return r }
+	cases := []tc{
+		// --- DIRECT_TO_D ---
+		{name: "resident small append goes direct", q: q(12_000, 100, 4), rec: resident("d2", 10_000), workers: cluster(),
+			mode: mDirect, reason: R(kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT), decode: "d2",
+			check: func(t *testing.T, d Decision) {
+				if d.CachedTokens != 10_000 || d.ReservedTokens != 2_100 || d.Prefill != nil || d.Transfer {
+					t.Errorf("direct: cached %d reserved %d prefill %v transfer %v", d.CachedTokens, d.ReservedTokens, d.Prefill, d.Transfer)
+				}
+			}},
+		{name: "append exactly at the limit is direct", q: q(18_192, 0, 4), rec: resident("d1", 10_000), workers: cluster(),
+			mode: mDirect, reason: R(kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT), decode: "d1"},
+		{name: "input shorter than committed: nothing uncached", q: q(5_000, 10, 4), rec: resident("d1", 10_000), workers: cluster(),
+			mode: mDirect, reason: R(kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT), decode: "d1",
+			check: func(t *testing.T, d Decision) {
+				if d.CachedTokens != 5_000 || d.ReservedTokens != 10 {
+					t.Errorf("cached %d reserved %d", d.CachedTokens, d.ReservedTokens)
+				}
+			}},
+		{name: "rejections below threshold stay direct", q: q(11_000, 10, 4),
+			rec:     with2(resident("d1", 10_000), func(r *kvcv1.SessionRecord) { r.DRejects = map[string]int32{"d1": 2} }),
+			workers: cluster(), mode: mDirect, reason: R(kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT), decode: "d1"},
+		// --- REAL_LARGE_APPEND ---
+		{name: "append over the limit falls back", q: q(18_193, 0, 4), rec: resident("d1", 10_000), workers: cluster(),
+			mode: mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND), prefill: "p2", decode: "d1",
+			check: func(t *testing.T, d Decision) {
+				if d.ReservedTokens != 0 || d.PrefillPriority != PrefillPriorityNormal || !d.UsesPrefill {
+					t.Errorf("fallback reserved %d prio %d uses %v", d.ReservedTokens, d.PrefillPriority, d.UsesPrefill)
+				}
+			}},
+		{name: "direct limit is a knob", k: func(p *kvcv1.Policy) { p.DirectMaxUncachedTokens = i64(2048) },
+			q: q(12_049, 0, 4), rec: resident("d1", 10_000), workers: cluster(),
+			mode: mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND)},
+		// --- NO_D_CAPACITY ---
+		{name: "resident D full counts a local reject", q: q(12_000, 100, 4), rec: resident("d1", 10_000),
+			workers: []*kvcv1.Worker{pW("p1", 0), dW("d1", 100_000, 94_000), dW("d2", 100_000, 0)},
+			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY), decode: "d2",
+			check: func(t *testing.T, d Decision) {
+				if d.LocalReject != "d1" {
+					t.Errorf("LocalReject %q, want d1", d.LocalReject)
+				}
+			}},
+		{name: "reservations count against the resident D", q: q(11_000, 100, 4), rec: resident("d1", 10_000),
+			workers: cluster(), led: ledger(map[string]Reserved{"d1": {Tokens: 84_000}}),
+			mode: mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY)},
+		{name: "seed with every D full", q: q(20_000, 100, 1),
+			workers: []*kvcv1.Worker{pW("p1", 0), dW("d1", 100_000, 90_000), dW("d2", 100_000, 81_000)},
+			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY)},
+		{name: "seed with no decode worker at all", q: q(20_000, 100, 1), workers: []*kvcv1.Worker{pW("p1", 0)},
+			mode: mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY), prefill: "p1"},
+		{name: "seed with every D draining", q: q(20_000, 100, 1),
+			workers: []*kvcv1.Worker{pW("p1", 0), draining(dW("d1", 100_000, 0))},
+			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY)},
+		{name: "headroom knob", k: func(p *kvcv1.Policy) { p.DCapacityHeadroom = f64(0.5) }, q: q(20_000, 100, 1),
+			workers: []*kvcv1.Worker{pW("p1", 0), dW("d1", 100_000, 30_000)},
+			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY)},
+		{name: "migration target full", q: q(20_000, 100, 5),
+			rec:     with2(resident("d1", 19_000), func(r *kvcv1.SessionRecord) { r.DRejects = map[string]int32{"d1": 3} }),
+			workers: []*kvcv1.Worker{pW("p1", 0), dW("d1", 100_000, 94_000), dW("d2", 100_000, 90_000)},
+			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY)},
+		// --- SEED / NEW_SESSION ---
+		{name: "new session seeds on the D with most headroom", q: q(20_000, 100, 0), workers: cluster(),
+			mode: mSeed, reason: R(kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION), prefill: "p2", decode: "d1",
+			check: func(t *testing.T, d Decision) {
+				if !d.Transfer || !d.Seed || d.ReservedTokens != 20_100 || d.PrefillPriority != PrefillPriorityLow {
+					t.Errorf("seed: %+v", d)
+				}
+			}},
+		{name: "seed avoids reserved D", q: q(20_000, 100, 0), workers: cluster(),
+			led:  ledger(map[string]Reserved{"d1": {Tokens: 60_000}}),
+			mode: mSeed, reason: R(kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION), decode: "d2"},
+		{name: "prefill in-flight reservations steer P", q: q(20_000, 100, 0), workers: cluster(),
+			led:  ledger(map[string]Reserved{"p2": {Prefills: 5}}),
+			mode: mSeed, reason: R(kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION), prefill: "p1"},
+		{name: "record without residency history seeds", q: q(20_000, 100, 2),
+			rec: &kvcv1.SessionRecord{SessionId: "s", Turn: 1}, workers: cluster(),
+			mode: mSeed, reason: R(kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION)},
+		// --- seed filters ---
+		{name: "seed in flight for the session", q: q(20_000, 100, 1), workers: cluster(), led: ledger(nil, "s"),
+			mode: mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_SESSION_NOT_RESIDENT)},
+		{name: "seed_min_turn", k: func(p *kvcv1.Policy) { p.SeedMinTurn = i32(2) }, q: q(20_000, 100, 1), workers: cluster(),
+			mode: mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_SEED_FILTER_EARLY_TURN),
+			check: func(t *testing.T, d Decision) {
+				if d.PrefillPriority != PrefillPriorityNormal {
+					t.Errorf("early-turn fallback should keep normal P priority (its prefix seeds later)")
+				}
+			}},
+		{name: "seed_min_turn reached", k: func(p *kvcv1.Policy) { p.SeedMinTurn = i32(2) }, q: q(20_000, 100, 2), workers: cluster(),
+			mode: mSeed, reason: R(kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION)},
+		{name: "seed_max_output_tokens", k: func(p *kvcv1.Policy) { p.SeedMaxOutputTokens = i64(99) }, q: q(20_000, 100, 1), workers: cluster(),
+			mode: mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_SEED_FILTER_OUTPUT_TOKENS)},
+		{name: "seed_max_resident_tokens", k: func(p *kvcv1.Policy) { p.SeedMaxResidentTokens = i64(20_099) }, q: q(20_000, 100, 1), workers: cluster(),
+			mode: mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_SEED_FILTER_RESIDENT_TOKENS)},
+		{name: "seed_only_multiturn without hint on turn 0", k: func(p *kvcv1.Policy) { p.SeedOnlyMultiturn = b(true) },
+			q: Query{SessionID: "s", InputTokens: 100, MaxOutputTokens: 10}, workers: cluster(),
+			mode: mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_SEED_FILTER_SINGLE_TURN)},
+		{name: "seed_only_multiturn with hint", k: func(p *kvcv1.Policy) { p.SeedOnlyMultiturn = b(true) },
+			q: Query{SessionID: "s", InputTokens: 100, MaxOutputTokens: 10, MultiturnHint: true}, workers: cluster(),
+			mode: mSeed, reason: R(kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION)},
+		{name: "seed_only_multiturn on turn 1", k: func(p *kvcv1.Policy) { p.SeedOnlyMultiturn = b(true) },
+			q: Query{SessionID: "s", InputTokens: 100, Turn: 1}, workers: cluster(),
+			mode: mSeed, reason: R(kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION)},
+		{name: "seed_max_inflight_decode", k: func(p *kvcv1.Policy) { p.SeedMaxInflightDecode = i32(1) }, q: q(20_000, 100, 1),
+			workers: cluster(), led: ledger(map[string]Reserved{"d1": {Seeds: 1, Transfers: 1}, "d2": {Seeds: 1, Transfers: 1}}),
+			mode: mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_SEED_FILTER_INFLIGHT)},
+		{name: "gate order: early turn before output", k: func(p *kvcv1.Policy) { p.SeedMinTurn = i32(5); p.SeedMaxOutputTokens = i64(1) },
+			q: q(20_000, 100, 1), workers: cluster(),
+			mode: mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_SEED_FILTER_EARLY_TURN)},
+		// --- TRANSFER_BUDGET ---
+		{name: "transfer budget exhausted everywhere", q: q(20_000, 100, 1), workers: cluster(),
+			led:  ledger(map[string]Reserved{"d1": {Transfers: 4}, "d2": {Transfers: 4}}),
+			mode: mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_TRANSFER_BUDGET)},
+		{name: "transfer budget exhausted on one D only", q: q(20_000, 100, 1), workers: cluster(),
+			led:  ledger(map[string]Reserved{"d1": {Transfers: 4}}),
+			mode: mSeed, reason: R(kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION), decode: "d2"},
+		{name: "per-worker budget override", k: func(p *kvcv1.Policy) { p.MaxConcurrentTransfersPerWorker = map[string]int32{"d1": 1} },
+			q: q(20_000, 100, 1), workers: cluster(), led: ledger(map[string]Reserved{"d1": {Transfers: 1}}),
+			mode: mSeed, reason: R(kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION), decode: "d2"},
+		{name: "budget 0 means no limit", k: func(p *kvcv1.Policy) { p.MaxConcurrentTransfers = i32(0) },
+			q: q(20_000, 100, 1), workers: cluster(), led: ledger(map[string]Reserved{"d1": {Transfers: 400}, "d2": {Transfers: 400}}),
+			mode: mSeed, reason: R(kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION), decode: "d1"},
+		{name: "capacity and budget both bite: deepest filter wins", q: q(20_000, 100, 1),
+			workers: []*kvcv1.Worker{pW("p1", 0), dW("d1", 100_000, 90_000), dW("d2", 100_000, 0)},
+			led:     ledger(map[string]Reserved{"d2": {Transfers: 4}}),
+			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_TRANSFER_BUDGET)},
+		// --- lost residency: reseed ---
+		{name: "D draining, snapshot usable", q: q(30_000, 100, 5),
+			rec:     with2(resident("d1", 25_000), func(r *kvcv1.SessionRecord) { r.Snapshot = snap("p1", 25_000) }),
+			workers: []*kvcv1.Worker{pW("p1", 9), pW("p2", 0), draining(dW("d1", 100_000, 0)), dW("d2", 100_000, 0)},
+			mode:    mSnap, reason: R(kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_HIT), prefill: "p1", decode: "d2",
+			check: func(t *testing.T, d Decision) {
+				if d.Cause != kvcv1.RouteReason_ROUTE_REASON_D_DRAINING || d.SnapshotSeqlen != 25_000 || d.CachedTokens != 25_000 ||
+					d.UsesPrefill || !d.Transfer || d.Seed || d.ReservedTokens != 30_100 || d.From != "d1" {
+					t.Errorf("snapshot reseed: %+v", d)
+				}
+			}},
+		{name: "D unreachable, no snapshot", q: q(30_000, 100, 5), rec: resident("d1", 25_000),
+			workers: []*kvcv1.Worker{pW("p1", 0), unreachable(dW("d1", 100_000, 0)), dW("d2", 100_000, 0)},
+			mode:    mPrefill, reason: R(kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_MISSING), prefill: "p1", decode: "d2",
+			check: func(t *testing.T, d Decision) {
+				if d.Cause != kvcv1.RouteReason_ROUTE_REASON_D_UNREACHABLE || !d.UsesPrefill || d.PrefillPriority != PrefillPriorityLow {
+					t.Errorf("prefill reseed: %+v", d)
+				}
+			}},
+		{name: "D gone from the worker list", q: q(30_000, 100, 5), rec: resident("dX", 25_000), workers: cluster(),
+			mode: mPrefill, reason: R(kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_MISSING), decode: "d1"},
+		{name: "evicted (no D, generation > 0), snapshot hit", q: q(30_000, 100, 5),
+			rec:     &kvcv1.SessionRecord{SessionId: "s", Generation: 2, PreviousDecodeWorker: "d2", Snapshot: snap("p2", 29_000)},
+			workers: cluster(), mode: mSnap, reason: R(kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_HIT), prefill: "p2", decode: "d1",
+			check: func(t *testing.T, d Decision) {
+				if d.Cause != kvcv1.RouteReason_ROUTE_REASON_SESSION_EVICTED || d.From != "d2" {
+					t.Errorf("evicted: %+v", d)
+				}
+			}},
+		{name: "snapshot too short: stale", q: q(40_000, 100, 5),
+			rec:     &kvcv1.SessionRecord{SessionId: "s", Generation: 1, Snapshot: snap("p1", 31_807)},
+			workers: cluster(), mode: mPrefill, reason: R(kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_STALE)},
+		{name: "snapshot within tail tolerance", q: q(40_000, 100, 5),
+			rec:     &kvcv1.SessionRecord{SessionId: "s", Generation: 1, Snapshot: snap("p1", 31_808)},
+			workers: cluster(), mode: mSnap, reason: R(kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_HIT)},
+		{name: "snapshot longer than the input: stale", q: q(20_000, 100, 5),
+			rec:     &kvcv1.SessionRecord{SessionId: "s", Generation: 1, Snapshot: snap("p1", 20_001)},
+			workers: cluster(), mode: mPrefill, reason: R(kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_STALE)},
+		{name: "snapshot too old: stale", k: func(p *kvcv1.Policy) { p.SnapshotMaxStalenessMs = i64(999) }, q: q(30_000, 100, 5),
+			rec:     &kvcv1.SessionRecord{SessionId: "s", Generation: 1, Snapshot: snap("p1", 29_000)},
+			workers: cluster(), mode: mPrefill, reason: R(kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_STALE)},
+		{name: "snapshot holder unreachable: missing", q: q(30_000, 100, 5),
+			rec:     &kvcv1.SessionRecord{SessionId: "s", Generation: 1, Snapshot: snap("p1", 29_000)},
+			workers: []*kvcv1.Worker{unreachable(pW("p1", 0)), pW("p2", 0), dW("d1", 100_000, 0)},
+			mode:    mPrefill, reason: R(kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_MISSING), prefill: "p2"},
+		{name: "snapshot holder draining still pushes", q: q(30_000, 100, 5),
+			rec:     &kvcv1.SessionRecord{SessionId: "s", Generation: 1, Snapshot: snap("p1", 29_000)},
+			workers: []*kvcv1.Worker{draining(pW("p1", 0)), pW("p2", 0), dW("d1", 100_000, 0)},
+			mode:    mSnap, reason: R(kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_HIT), prefill: "p1"},
+		{name: "snapshots disabled", k: func(p *kvcv1.Policy) { p.SnapshotsEnabled = b(false) }, q: q(30_000, 100, 5),
+			rec:     &kvcv1.SessionRecord{SessionId: "s", Generation: 1, Snapshot: snap("p1", 29_000)},
+			workers: cluster(), mode: mPrefill, reason: R(kvcv1.RouteReason_ROUTE_REASON_SNAPSHOTS_DISABLED)},
+		{name: "lost D draining and no other D", q: q(30_000, 100, 5), rec: resident("d1", 25_000),
+			workers: []*kvcv1.Worker{pW("p1", 0), draining(dW("d1", 100_000, 0))},
+			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_D_DRAINING)},
+		{name: "lost D unreachable and no other D", q: q(30_000, 100, 5), rec: resident("d1", 25_000),
+			workers: []*kvcv1.Worker{pW("p1", 0), unreachable(dW("d1", 100_000, 0))},
+			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_D_UNREACHABLE)},
+		{name: "evicted and every D draining", q: q(30_000, 100, 5),
+			rec:     &kvcv1.SessionRecord{SessionId: "s", Generation: 1},
+			workers: []*kvcv1.Worker{pW("p1", 0), draining(dW("d1", 100_000, 0))},
+			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_SESSION_EVICTED)},
+		{name: "reseed: no capacity on the other Ds", q: q(30_000, 100, 5), rec: resident("d1", 25_000),
+			workers: []*kvcv1.Worker{pW("p1", 0), draining(dW("d1", 100_000, 0)), dW("d2", 100_000, 80_000)},
+			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY)},
+		{name: "reseed: budget", q: q(30_000, 100, 5), rec: resident("d1", 25_000),
+			workers: []*kvcv1.Worker{pW("p1", 0), draining(dW("d1", 100_000, 0)), dW("d2", 100_000, 0)},
+			led:     ledger(map[string]Reserved{"d2": {Transfers: 4}}),
+			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_TRANSFER_BUDGET)},
+		{name: "reseed: resident-tokens gate applies", k: func(p *kvcv1.Policy) { p.SeedMaxResidentTokens = i64(10_000) },
+			q: q(30_000, 100, 5), rec: resident("d1", 25_000),
+			workers: []*kvcv1.Worker{pW("p1", 0), draining(dW("d1", 100_000, 0)), dW("d2", 100_000, 0)},
+			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_SEED_FILTER_RESIDENT_TOKENS)},
+		{name: "reseed: turn gate does not apply", k: func(p *kvcv1.Policy) { p.SeedMinTurn = i32(100) },
+			q: q(30_000, 100, 5), rec: resident("d1", 25_000),
+			workers: []*kvcv1.Worker{pW("p1", 0), draining(dW("d1", 100_000, 0)), dW("d2", 100_000, 0)},
+			mode:    mPrefill, reason: R(kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_MISSING)},
+		{name: "reseed: seed of the session already in flight", q: q(30_000, 100, 5), rec: resident("d1", 25_000),
+			workers: []*kvcv1.Worker{pW("p1", 0), draining(dW("d1", 100_000, 0)), dW("d2", 100_000, 0)},
+			led:     ledger(nil, "s"), mode: mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_SESSION_NOT_RESIDENT)},
+		{name: "reseed avoids a D that rejected the session", q: q(30_000, 100, 5),
+			rec:     with2(resident("d1", 25_000), func(r *kvcv1.SessionRecord) { r.DRejects = map[string]int32{"d2": 1} }),
+			workers: []*kvcv1.Worker{pW("p1", 0), draining(dW("d1", 100_000, 0)), dW("d2", 100_000, 0), dW("d3", 100_000, 50_000)},
+			mode:    mPrefill, reason: R(kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_MISSING), decode: "d3"},
+		// --- MIGRATED_AFTER_REJECTS ---
+		{name: "migrate after threshold with snapshot", q: q(20_000, 100, 5),
+			rec: with2(resident("d1", 19_000), func(r *kvcv1.SessionRecord) {
+				r.DRejects = map[string]int32{"d1": 3}
+				r.Snapshot = snap("p1", 19_000)
+			}),
+			workers: cluster(), mode: mSnap, reason: R(kvcv1.RouteReason_ROUTE_REASON_MIGRATED_AFTER_REJECTS), prefill: "p1", decode: "d2",
+			check: func(t *testing.T, d Decision) {
+				if d.From != "d1" || d.Cause != kvcv1.RouteReason_ROUTE_REASON_MIGRATED_AFTER_REJECTS {
+					t.Errorf("migration: %+v", d)
+				}
+			}},
+		{name: "migrate after threshold without snapshot", q: q(20_000, 100, 5),
+			rec:     with2(resident("d1", 19_000), func(r *kvcv1.SessionRecord) { r.DRejects = map[string]int32{"d1": 3} }),
+			workers: cluster(), mode: mPrefill, reason: R(kvcv1.RouteReason_ROUTE_REASON_MIGRATED_AFTER_REJECTS), prefill: "p2", decode: "d2"},
+		{name: "migration threshold is a knob", k: func(p *kvcv1.Policy) { p.MigrationRejectThreshold = i32(5) }, q: q(20_000, 100, 5),
+			rec:     with2(resident("d1", 19_000), func(r *kvcv1.SessionRecord) { r.DRejects = map[string]int32{"d1": 4} }),
+			workers: cluster(), mode: mDirect, reason: R(kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT)},
+		{name: "migration skips earlier rejecters", q: q(20_000, 100, 5),
+			rec:     with2(resident("d1", 19_000), func(r *kvcv1.SessionRecord) { r.DRejects = map[string]int32{"d1": 3, "d2": 1} }),
+			workers: []*kvcv1.Worker{pW("p1", 0), dW("d1", 100_000, 0), dW("d2", 100_000, 0), dW("d3", 100_000, 70_000)},
+			mode:    mPrefill, reason: R(kvcv1.RouteReason_ROUTE_REASON_MIGRATED_AFTER_REJECTS), decode: "d3"},
+		{name: "migration does not bounce back to the previous D", q: q(20_000, 100, 5),
+			rec: with2(resident("d1", 19_000), func(r *kvcv1.SessionRecord) {
+				r.DRejects = map[string]int32{"d1": 3}
+				r.PreviousDecodeWorker = "d2"
+			}),
+			workers: []*kvcv1.Worker{pW("p1", 0), dW("d1", 100_000, 0), dW("d2", 100_000, 0), dW("d3", 100_000, 70_000)},
+			mode:    mPrefill, reason: R(kvcv1.RouteReason_ROUTE_REASON_MIGRATED_AFTER_REJECTS), decode: "d3"},
+		{name: "previous D only when nothing else is left", q: q(20_000, 100, 5),
+			rec: with2(resident("d1", 19_000), func(r *kvcv1.SessionRecord) {
+				r.DRejects = map[string]int32{"d1": 3}
+				r.PreviousDecodeWorker = "d2"
+			}),
+			workers: cluster(), mode: mPrefill, reason: R(kvcv1.RouteReason_ROUTE_REASON_MIGRATED_AFTER_REJECTS), decode: "d2"},
+		{name: "no migration target: served in place if it fits", q: q(20_000, 100, 5),
+			rec:     with2(resident("d1", 19_000), func(r *kvcv1.SessionRecord) { r.DRejects = map[string]int32{"d1": 3, "d2": 1} }),
+			workers: cluster(), mode: mDirect, reason: R(kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT), decode: "d1"},
+		// --- NO_PREFILL_WORKER ---
+		{name: "seed without P", q: q(20_000, 100, 1), workers: []*kvcv1.Worker{dW("d1", 100_000, 0)},
+			mode: mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_NO_PREFILL_WORKER), decode: "d1",
+			check: func(t *testing.T, d Decision) {
+				if d.UsesPrefill || d.Prefill != nil {
+					t.Errorf("no P: %+v", d)
+				}
+			}},
+		{name: "every P draining", q: q(20_000, 100, 1), workers: []*kvcv1.Worker{draining(pW("p1", 0)), dW("d1", 100_000, 0)},
+			mode: mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_NO_PREFILL_WORKER)},
+		{name: "direct needs no P", q: q(11_000, 10, 4), rec: resident("d1", 10_000), workers: []*kvcv1.Worker{dW("d1", 100_000, 0)},
+			mode: mDirect, reason: R(kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT)},
+		{name: "reseed by prefill without P", q: q(30_000, 100, 5), rec: &kvcv1.SessionRecord{SessionId: "s", Generation: 1},
+			workers: []*kvcv1.Worker{dW("d1", 100_000, 0)},
+			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_NO_PREFILL_WORKER)},
+		// --- switches ---
+		{name: "kv-centric disabled", k: func(p *kvcv1.Policy) { p.KvCentricEnabled = b(false) }, q: q(11_000, 10, 4),
+			rec: resident("d1", 10_000), workers: cluster(),
+			mode: mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_KV_CENTRIC_DISABLED), prefill: "p2", decode: "d1"},
+		{name: "control plane unavailable", unavail: true, q: q(11_000, 10, 4), rec: resident("d1", 10_000), workers: cluster(),
+			mode: mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_CONTROL_PLANE_UNAVAILABLE)},
+		// --- backpressure ---
+		{name: "backpressure on the chosen D's transfer queue", k: func(p *kvcv1.Policy) { p.BackpressureTransferQueue = i32(3) },
+			q: q(11_000, 10, 4), rec: resident("d1", 10_000),
+			workers: []*kvcv1.Worker{pW("p1", 0), with(dW("d1", 100_000, 0), func(w *kvcv1.Worker) { w.Load.TransferQueueDepth = 4 })},
+			mode:    mDirect, reason: R(kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT),
+			check: func(t *testing.T, d Decision) {
+				if d.PauseMs != DefaultBackpressurePauseMs {
+					t.Errorf("pause %d", d.PauseMs)
+				}
+			}},
+		{name: "backpressure counts local transfers", k: func(p *kvcv1.Policy) { p.BackpressureTransferQueue = i32(1) },
+			q: q(11_000, 10, 4), rec: resident("d1", 10_000), workers: cluster(), led: ledger(map[string]Reserved{"d1": {Transfers: 2}}),
+			mode: mDirect, reason: R(kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT),
+			check: func(t *testing.T, d Decision) {
+				if d.PauseMs == 0 {
+					t.Error("no pause")
+				}
+			}},
+		{name: "backpressure on prealloc queue", k: func(p *kvcv1.Policy) { p.BackpressurePreallocQueue = i32(10); p.BackpressurePauseMs = i64(50) },
+			q:       q(20_000, 10, 1),
+			workers: []*kvcv1.Worker{pW("p1", 0), with(dW("d1", 100_000, 0), func(w *kvcv1.Worker) { w.Load.PreallocQueueDepth = 11 })},
+			mode:    mSeed, reason: R(kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION),
+			check: func(t *testing.T, d Decision) {
+				if d.PauseMs != 50 {
+					t.Errorf("pause %d", d.PauseMs)
+				}
+			}},
+		{name: "no backpressure below thresholds", k: func(p *kvcv1.Policy) { p.BackpressurePreallocQueue = i32(10) },
+			q:       q(20_000, 10, 1),
+			workers: []*kvcv1.Worker{pW("p1", 0), with(dW("d1", 100_000, 0), func(w *kvcv1.Worker) { w.Load.PreallocQueueDepth = 10 })},
+			mode:    mSeed, reason: R(kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION),
+			check: func(t *testing.T, d Decision) {
+				if d.PauseMs != 0 {
+					t.Errorf("pause %d", d.PauseMs)
+				}
+			}},
+	}
+	for _, tt := range cases {
+		t.Run(tt.name, func(t *testing.T) {
+			led := tt.led
+			if led.res == nil {
+				led.res = map[string]Reserved{}
+			}
+			in := &Input{Knobs: knobs(tt.k), Query: tt.q, Session: tt.rec, Workers: tt.workers, Ledger: led, NowMs: nowMs, Unavailable: tt.unavail}
+			d := Decide(in)
+			if d.Mode != tt.mode || d.Reason != tt.reason {
+				t.Fatalf("got %s/%s, want %s/%s", d.Mode, d.Reason, tt.mode, tt.reason)
+			}
+			if tt.prefill != "" && workerIDOf(d.Prefill) != tt.prefill {
+				t.Errorf("prefill %q, want %q", workerIDOf(d.Prefill), tt.prefill)
+			}
+			if tt.decode != "" && workerIDOf(d.Decode) != tt.decode {
+				t.Errorf("decode %q, want %q", workerIDOf(d.Decode), tt.decode)
+			}
+			if d.Mode == mDirect && d.Prefill != nil {
+				t.Error("direct decision names a prefill worker")
+			}
+			if d.Mode != mFallback && d.Mode != mDirect && d.Decode == nil {
+				t.Error("session decision without a decode worker")
+			}
+			if tt.check != nil {
+				tt.check(t, d)
+			}
+			// Pure and order-independent: shuffled workers give the same answer.
+			ws := append([]*kvcv1.Worker(nil), tt.workers...)
+			rand.New(rand.NewPCG(1, 2)).Shuffle(len(ws), func(i, j int) { ws[i], ws[j] = ws[j], ws[i] })
+			in2 := *in
+			in2.Workers = ws
+			d2 := Decide(&in2)
+			if d2.Mode != d.Mode || d2.Reason != d.Reason || workerIDOf(d2.Decode) != workerIDOf(d.Decode) ||
+				workerIDOf(d2.Prefill) != workerIDOf(d.Prefill) || d2.ReservedTokens != d.ReservedTokens {
+				t.Errorf("not deterministic under worker order: %+v vs %+v", d, d2)
+			}
+		})
+	}
+	// Every mode and every reason the policy can give is exercised above.
+	seenMode := map[kvcv1.RouteMode]bool{}
+	seenReason := map[kvcv1.RouteReason]bool{}
+	for _, c := range cases {
+		seenMode[c.mode] = true
+		seenReason[c.reason] = true
+	}
+	for v := range kvcv1.RouteMode_name {
+		if m := kvcv1.RouteMode(v); m != 0 && !seenMode[m] {
+			t.Errorf("mode %s not covered", m)
+		}
+	}
+	for v := range kvcv1.RouteReason_name {
+		if r := kvcv1.RouteReason(v); r != 0 && !seenReason[r] {
+			t.Errorf("reason %s not covered", r)
+		}
+	}
+}
+
+func workerIDOf(w *kvcv1.Worker) string {
+	if w == nil {
+		return ""
+	}
+	return w.WorkerId
+}
+
+func with2(r *kvcv1.SessionRecord, f func(*kvcv1.SessionRecord)) *kvcv1.SessionRecord { f(r); return r }
+func i64(v int64) *int64                                                              { return &v }
+func i32(v int32) *int32                                                              { return &v }
+func f64(v float64) *float64                                                          { return &v }
+func b(v bool) *bool                                                                  { return &v }
