@@ -162,6 +162,10 @@ type Config struct {
 	MooncakeProtocol string
 	// MooncakeDevices is the RDMA device list (mooncake, rdma protocol).
 	MooncakeDevices string
+	// Layout, when set, is the KV layout this engine serves (tcp): a peer whose layout has a
+	// different page size, item length or layer count is refused at the handshake
+	// (ErrLayoutMismatch). Only the shape is compared, not addresses.
+	Layout *Layout
 }
 
 // Factory builds an engine for a Config.

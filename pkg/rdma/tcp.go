@@ -1,0 +1,971 @@
+package rdma
+
+import (
+	"bufio"
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"sort"
+	"sync"
+	"sync/atomic"
+	"time"
+	"unsafe"
+)
+
+func init() { register("tcp", newTCP) }
+
+const (
+	tcpDefaultConns      = 4
+	tcpMaxConns          = 64
+	tcpDefaultSliceBytes = 256 << 10
+	tcpMaxInflight       = 4096 // unacknowledged slices per connection
+	tcpHandshakeTimeout  = 10 * time.Second
+	tcpReadBufSize       = 256 << 10
+	tcpWriteBufSize      = 256 << 10
+)
+
+// memAt is the registered memory [addr, addr+n). Only called after a bounds check against a
+// registered region whose read lock is held.
+func memAt(addr, n uint64) []byte {
+	p := *(*unsafe.Pointer)(unsafe.Pointer(&addr))
+	return unsafe.Slice((*byte)(p), n)
+}
+
+// memRegion is a registered region; its lock is held (read) while its bytes are copied, and
+// taken (write) by UnregisterMemory, so no copy touches a withdrawn region.
+type memRegion struct {
+	Region
+	mu   sync.RWMutex
+	gone bool
+}
+
+// regionTable is a sorted set of non-overlapping regions.
+type regionTable struct {
+	mu   sync.RWMutex
+	regs []*memRegion
+}
+
+func (t *regionTable) add(r Region) error {
+	if r.Len == 0 || r.Addr == 0 || r.Addr+r.Len < r.Addr {
+		return fmt.Errorf("%w: region [%#x, +%d)", ErrInvalidRequest, r.Addr, r.Len)
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	i := sort.Search(len(t.regs), func(i int) bool { return t.regs[i].Addr >= r.Addr })
+	if i < len(t.regs) && t.regs[i].Addr < r.Addr+r.Len || i > 0 && t.regs[i-1].Addr+t.regs[i-1].Len > r.Addr {
+		return fmt.Errorf("%w: region [%#x, +%d) overlaps a registered region", ErrInvalidRequest, r.Addr, r.Len)
+	}
+	t.regs = append(t.regs, nil)
+	copy(t.regs[i+1:], t.regs[i:])
+	t.regs[i] = &memRegion{Region: r}
+	return nil
+}
+
+func (t *regionTable) remove(addr uint64) error {
+	t.mu.Lock()
+	i := sort.Search(len(t.regs), func(i int) bool { return t.regs[i].Addr >= addr })
+	if i == len(t.regs) || t.regs[i].Addr != addr {
+		t.mu.Unlock()
+		return fmt.Errorf("%w: no region registered at %#x", ErrInvalidRequest, addr)
+	}
+	r := t.regs[i]
+	t.regs = append(t.regs[:i], t.regs[i+1:]...)
+	t.mu.Unlock()
+	r.mu.Lock() // waits for copies in flight
+	r.gone = true
+	r.mu.Unlock()
+	return nil
+}
+
+// find returns the region holding [addr, addr+n), or nil.
+func (t *regionTable) find(addr, n uint64) *memRegion {
+	t.mu.RLock()
+	defer t.mu.RUnlock()
+	i := sort.Search(len(t.regs), func(i int) bool { return t.regs[i].Addr > addr })
+	if i == 0 {
+		return nil
+	}
+	if r := t.regs[i-1]; r.Contains(addr, n) {
+		return r
+	}
+	return nil
+}
+
+// acquire returns the region holding [addr, addr+n) read-locked, or nil.
+func (t *regionTable) acquire(addr, n uint64) *memRegion {
+	r := t.find(addr, n)
+	if r == nil {
+		return nil
+	}
+	r.mu.RLock()
+	if r.gone {
+		r.mu.RUnlock()
+		return nil
+	}
+	return r
+}
+
+func (t *regionTable) list() []Region {
+	t.mu.RLock()
+	defer t.mu.RUnlock()
+	out := make([]Region, len(t.regs))
+	for i, r := range t.regs {
+		out[i] = r.Region
+	}
+	return out
+}
+
+type tcpEngine struct {
+	conns      int
+	sliceBytes uint64
+	tcpShape   tcpShape
+	ln         net.Listener
+	name       string
+	regions    regionTable
+	batches    batchTable
+
+	mu       sync.Mutex
+	closed   bool
+	segs     map[SegmentID]*tcpSegment
+	nextSeg  SegmentID
+	accepted map[net.Conn]struct{}
+	wg       sync.WaitGroup
+
+	// serverHook, when set (tests), runs before the owner handles each WRITE or READ frame.
+	serverHook func(typ uint8)
+}
+
+func newTCP(_ context.Context, cfg Config) (Engine, error) {
+	e := &tcpEngine{
+		conns:      cfg.Conns,
+		sliceBytes: cfg.SliceBytes,
+		tcpShape:   tcpShapeOf(cfg.Layout),
+		segs:       map[SegmentID]*tcpSegment{},
+		accepted:   map[net.Conn]struct{}{},
+	}
+	if e.conns == 0 {
+		e.conns = tcpDefaultConns
+	}
+	if e.conns < 0 || e.conns > tcpMaxConns {
+		return nil, fmt.Errorf("%w: tcp: %d connections per peer (1..%d)", ErrInvalidRequest, cfg.Conns, tcpMaxConns)
+	}
+	if e.sliceBytes == 0 {
+		e.sliceBytes = tcpDefaultSliceBytes
+	}
+	if e.sliceBytes > tcpMaxSlice {
+		return nil, fmt.Errorf("%w: tcp: slice of %d bytes (at most %d)", ErrInvalidRequest, cfg.SliceBytes, tcpMaxSlice)
+	}
+	if cfg.Layout != nil {
+		if err := cfg.Layout.Validate(); err != nil {
+			return nil, fmt.Errorf("tcp: layout: %w", err)
+		}
+	}
+	addr := cfg.ListenAddr
+	if addr == "" {
+		addr = "127.0.0.1:0"
+	}
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("%w: tcp: listen on %s: %v", ErrUnavailable, addr, err)
+	}
+	e.ln = ln
+	e.name = ln.Addr().String()
+	if cfg.AdvertiseAddr != "" {
+		e.name = cfg.AdvertiseAddr
+	}
+	e.wg.Add(1)
+	go e.acceptLoop()
+	return e, nil
+}
+
+func (e *tcpEngine) Backend() string     { return "tcp" }
+func (e *tcpEngine) SegmentName() string { return e.name }
+
+func (e *tcpEngine) RegisterMemory(r Region) error {
+	if r.Kind == MemCUDA {
+		return fmt.Errorf("%w: the tcp backend cannot access CUDA device memory", ErrInvalidRequest)
+	}
+	if e.isClosed() {
+		return ErrClosed
+	}
+	return e.regions.add(r)
+}
+
+func (e *tcpEngine) UnregisterMemory(addr uint64) error { return e.regions.remove(addr) }
+
+func (e *tcpEngine) isClosed() bool {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.closed
+}
+
+// ---- owner side ----
+
+func (e *tcpEngine) acceptLoop() {
+	defer e.wg.Done()
+	for {
+		c, err := e.ln.Accept()
+		if err != nil {
+			return
+		}
+		e.mu.Lock()
+		if e.closed {
+			e.mu.Unlock()
+			c.Close()
+			return
+		}
+		e.accepted[c] = struct{}{}
+		e.wg.Add(1)
+		e.mu.Unlock()
+		go func() {
+			defer e.wg.Done()
+			_ = e.serveConn(c)
+			c.Close()
+			e.mu.Lock()
+			delete(e.accepted, c)
+			e.mu.Unlock()
+		}()
+	}
+}
+
+// serveConn answers one peer connection: the handshake, then WRITE and READ frames in order.
+func (e *tcpEngine) serveConn(c net.Conn) error {
+	br := bufio.NewReaderSize(c, tcpReadBufSize)
+	bw := bufio.NewWriterSize(c, tcpWriteBufSize)
+	_ = c.SetDeadline(time.Now().Add(tcpHandshakeTimeout))
+	ok, err := e.serveHandshake(br, bw)
+	if err != nil || !ok {
+		return err
+	}
+	_ = c.SetDeadline(time.Time{})
+	return e.serveData(br, bw)
+}
+
+func (e *tcpEngine) serveHandshake(br *bufio.Reader, bw *bufio.Writer) (bool, error) {
+	typ, n, err := tcpReadHeader(br)
+	if err != nil {
+		return false, err
+	}
+	if typ != tcpFtHello {
+		return false, fmt.Errorf("%w: expected HELLO, got tcpFrame type %d", tcpErrProtocol, typ)
+	}
+	body, err := tcpReadBody(br, n)
+	if err != nil {
+		return false, err
+	}
+	h, err := tcpDecodeHello(body)
+	if err != nil {
+		return false, err
+	}
+	ack := tcpHelloAck{version: tcpWireVersion, tcpShape: e.tcpShape}
+	switch {
+	case h.version != tcpWireVersion:
+		ack.status, ack.msg = tcpStVersion, fmt.Sprintf("version %d not supported (want %d)", h.version, tcpWireVersion)
+	case e.tcpShape.compatible(h.tcpShape) != nil:
+		ack.status, ack.msg = tcpStLayout, e.tcpShape.compatible(h.tcpShape).Error()
+	default:
+		ack.regions = e.regions.list()
+	}
+	if _, err := bw.Write(tcpEncodeHelloAck(ack)); err != nil {
+		return false, err
+	}
+	return ack.status == tcpStOK, bw.Flush()
+}
+
+// serveData handles data frames until the peer goes away. Every target range is checked against
+// the registered regions before a byte is touched; refused WRITE payloads are discarded.
+func (e *tcpEngine) serveData(br *bufio.Reader, bw *bufio.Writer) error {
+	var hdr [20]byte
+	var out []byte
+	for {
+		if br.Buffered() == 0 {
+			if err := bw.Flush(); err != nil {
+				return err
+			}
+		}
+		typ, n, err := tcpReadHeader(br)
+		if err != nil {
+			return err
+		}
+		if e.serverHook != nil {
+			e.serverHook(typ)
+		}
+		switch typ {
+		case tcpFtWrite:
+			if _, err := io.ReadFull(br, hdr[:16]); err != nil {
+				return err
+			}
+			id, addr, plen := binary.LittleEndian.Uint64(hdr[:]), binary.LittleEndian.Uint64(hdr[8:]), uint64(n-16)
+			status, msg := tcpStOK, ""
+			if plen == 0 {
+				status, msg = tcpStInvalid, "zero-length write"
+			} else if r := e.regions.acquire(addr, plen); r == nil {
+				status, msg = tcpStOutOfBounds, fmt.Sprintf("write [%#x, +%d) outside registered memory", addr, plen)
+			} else {
+				_, err = io.ReadFull(br, memAt(addr, plen))
+				r.mu.RUnlock()
+				if err != nil {
+					return err
+				}
+			}
+			if status != tcpStOK {
+				if _, err := br.Discard(int(plen)); err != nil {
+					return err
+				}
+			}
+			out = tcpAppendWriteAck(out[:0], id, status, msg)
+			if _, err := bw.Write(out); err != nil {
+				return err
+			}
+		case tcpFtRead:
+			if _, err := io.ReadFull(br, hdr[:20]); err != nil {
+				return err
+			}
+			id, addr, rlen := binary.LittleEndian.Uint64(hdr[:]), binary.LittleEndian.Uint64(hdr[8:]), uint64(binary.LittleEndian.Uint32(hdr[16:]))
+			var r *memRegion
+			status, msg := tcpStOK, ""
+			if rlen == 0 || rlen > tcpMaxSlice {
+				status, msg = tcpStInvalid, fmt.Sprintf("read of %d bytes", rlen)
+			} else if r = e.regions.acquire(addr, rlen); r == nil {
+				status, msg = tcpStOutOfBounds, fmt.Sprintf("read [%#x, +%d) outside registered memory", addr, rlen)
+			}
+			out = out[:0]
+			if status == tcpStOK {
+				out = binary.LittleEndian.AppendUint32(out, uint32(1+8+1+rlen))
+				out = append(out, tcpFtReadResp)
+				out = binary.LittleEndian.AppendUint64(out, id)
+				out = append(out, tcpStOK)
+				_, err := bw.Write(out)
+				if err == nil {
+					_, err = bw.Write(memAt(addr, rlen))
+				}
+				r.mu.RUnlock()
+				if err != nil {
+					return err
+				}
+				continue
+			}
+			out = binary.LittleEndian.AppendUint32(out, uint32(1+8+1+2+len(msg)))
+			out = append(out, tcpFtReadResp)
+			out = binary.LittleEndian.AppendUint64(out, id)
+			out = append(out, status)
+			out = binary.LittleEndian.AppendUint16(out, uint16(len(msg)))
+			out = append(out, msg...)
+			if _, err := bw.Write(out); err != nil {
+				return err
+			}
+		default:
+			return fmt.Errorf("%w: unexpected tcpFrame type %d", tcpErrProtocol, typ)
+		}
+	}
+}
+
+// ---- dialing side ----
+
+type tcpSegment struct {
+	id      SegmentID
+	name    string
+	regions []Region
+	conns   []*tcpConn
+	refs    int
+	next    atomic.Uint64
+}
+
+func (s *tcpSegment) broken() bool {
+	for _, c := range s.conns {
+		select {
+		case <-c.done:
+			return true
+		default:
+		}
+	}
+	return false
+}
+
+func (e *tcpEngine) OpenSegment(ctx context.Context, name string) (SegmentID, error) {
+	e.mu.Lock()
+	if e.closed {
+		e.mu.Unlock()
+		return 0, ErrClosed
+	}
+	for _, s := range e.segs {
+		if s.name == name && !s.broken() {
+			s.refs++
+			e.mu.Unlock()
+			return s.id, nil
+		}
+	}
+	e.mu.Unlock()
+
+	seg := &tcpSegment{name: name, refs: 1}
+	for i := 0; i < e.conns; i++ {
+		c, ack, err := e.dial(ctx, name, i)
+		if err != nil {
+			for _, c := range seg.conns {
+				c.kill(ErrClosed)
+			}
+			return 0, err
+		}
+		if i == 0 {
+			seg.regions = ack.regions
+		}
+		seg.conns = append(seg.conns, c)
+	}
+	e.mu.Lock()
+	if e.closed {
+		e.mu.Unlock()
+		for _, c := range seg.conns {
+			c.kill(ErrClosed)
+		}
+		return 0, ErrClosed
+	}
+	e.nextSeg++
+	seg.id = e.nextSeg
+	e.segs[seg.id] = seg
+	for _, c := range seg.conns {
+		e.wg.Add(2)
+		go c.writeLoop()
+		go c.readLoop()
+	}
+	e.mu.Unlock()
+	return seg.id, nil
+}
+
+// dial opens connection i to the peer and runs the handshake.
+func (e *tcpEngine) dial(ctx context.Context, name string, i int) (*tcpConn, tcpHelloAck, error) {
+	d := net.Dialer{Timeout: tcpHandshakeTimeout}
+	nc, err := d.DialContext(ctx, "tcp", name)
+	if err != nil {
+		return nil, tcpHelloAck{}, fmt.Errorf("%w %q: %v", ErrUnknownSegment, name, err)
+	}
+	dl := time.Now().Add(tcpHandshakeTimeout)
+	if t, ok := ctx.Deadline(); ok && t.Before(dl) {
+		dl = t
+	}
+	_ = nc.SetDeadline(dl)
+	stop := context.AfterFunc(ctx, func() { _ = nc.SetDeadline(time.Now()) })
+	ack, err := e.handshake(nc, i)
+	stop()
+	if err != nil {
+		nc.Close()
+		if ctx.Err() != nil {
+			err = fmt.Errorf("%w (%v)", ctx.Err(), err)
+		}
+		return nil, tcpHelloAck{}, fmt.Errorf("rdma: tcp handshake with %s: %w", name, err)
+	}
+	_ = nc.SetDeadline(time.Time{})
+	c := &tcpConn{
+		e:      e,
+		nc:     nc,
+		br:     bufio.NewReaderSize(nc, tcpReadBufSize),
+		bw:     bufio.NewWriterSize(nc, tcpWriteBufSize),
+		wake:   make(chan struct{}, 1),
+		done:   make(chan struct{}),
+		tokens: make(chan struct{}, tcpMaxInflight),
+	}
+	return c, ack, nil
+}
+
+func (e *tcpEngine) handshake(nc net.Conn, i int) (tcpHelloAck, error) {
+	if _, err := nc.Write(tcpEncodeHello(tcpHello{version: tcpWireVersion, conn: uint16(i), tcpShape: e.tcpShape, name: e.name})); err != nil {
+		return tcpHelloAck{}, err
+	}
+	br := bufio.NewReaderSize(nc, 4096)
+	typ, n, err := tcpReadHeader(br)
+	if err != nil {
+		return tcpHelloAck{}, err
+	}
+	if typ != tcpFtHelloAck {
+		return tcpHelloAck{}, fmt.Errorf("%w: expected HELLO_ACK, got tcpFrame type %d", tcpErrProtocol, typ)
+	}
+	body, err := tcpReadBody(br, n)
+	if err != nil {
+		return tcpHelloAck{}, err
+	}
+	if br.Buffered() != 0 {
+		return tcpHelloAck{}, fmt.Errorf("%w: data after HELLO_ACK", tcpErrProtocol)
+	}
+	ack, err := tcpDecodeHelloAck(body)
+	if err != nil {
+		return tcpHelloAck{}, err
+	}
+	if err := tcpStatusErr(ack.status, ack.msg); err != nil {
+		return tcpHelloAck{}, err
+	}
+	if ack.version != tcpWireVersion {
+		return tcpHelloAck{}, fmt.Errorf("%w: peer speaks version %d", tcpErrProtocol, ack.version)
+	}
+	if err := e.tcpShape.compatible(ack.tcpShape); err != nil {
+		return tcpHelloAck{}, err
+	}
+	return ack, nil
+}
+
+func (e *tcpEngine) CloseSegment(id SegmentID) error {
+	e.mu.Lock()
+	s, ok := e.segs[id]
+	if !ok {
+		e.mu.Unlock()
+		return fmt.Errorf("%w: %d", ErrUnknownSegment, id)
+	}
+	s.refs--
+	if s.refs > 0 {
+		e.mu.Unlock()
+		return nil
+	}
+	delete(e.segs, id)
+	e.mu.Unlock()
+	for _, c := range s.conns {
+		c.kill(fmt.Errorf("%w: segment closed", ErrClosed))
+	}
+	return nil
+}
+
+func (e *tcpEngine) RemoteRegions(id SegmentID) ([]Region, error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	s, ok := e.segs[id]
+	if !ok {
+		return nil, fmt.Errorf("%w: %d", ErrUnknownSegment, id)
+	}
+	return append([]Region(nil), s.regions...), nil
+}
+
+// sliceOp is one frame's worth of a task.
+type sliceOp struct {
+	t     *task
+	op    Opcode
+	local *memRegion
+	laddr uint64
+	raddr uint64
+	n     uint64
+	id    uint64
+}
+
+func (s *sliceOp) done(err error) {
+	if err != nil {
+		s.t.finish(TaskFailed, err)
+		return
+	}
+	s.t.bytes.Add(s.n)
+	if s.t.left.Add(-1) == 0 {
+		s.t.finish(TaskCompleted, nil)
+	}
+}
+
+// tcpConn is one connection to a peer: a writer goroutine sends queued slices, a reader goroutine
+// matches the owner's in-order answers with the in-flight slices.
+type tcpConn struct {
+	e  *tcpEngine
+	nc net.Conn
+	br *bufio.Reader
+	bw *bufio.Writer
+
+	mu       sync.Mutex
+	queue    []sliceOp
+	inflight []sliceOp // FIFO, head at ihead
+	ihead    int
+	dead     bool
+	deadErr  error
+
+	wake   chan struct{}
+	done   chan struct{}
+	tokens chan struct{}
+	nextID uint64
+}
+
+// enqueue hands slices to the writer; on a dead connection they fail at once.
+func (c *tcpConn) enqueue(ops []sliceOp) {
+	c.mu.Lock()
+	if c.dead {
+		err := c.deadErr
+		c.mu.Unlock()
+		for i := range ops {
+			ops[i].done(err)
+		}
+		return
+	}
+	c.queue = append(c.queue, ops...)
+	c.mu.Unlock()
+	select {
+	case c.wake <- struct{}{}:
+	default:
+	}
+}
+
+// kill breaks the connection: every queued and in-flight slice fails with err.
+func (c *tcpConn) kill(err error) {
+	c.mu.Lock()
+	if c.dead {
+		c.mu.Unlock()
+		return
+	}
+	c.dead, c.deadErr = true, err
+	q, inf := c.queue, c.inflight[c.ihead:]
+	c.queue, c.inflight, c.ihead = nil, nil, 0
+	close(c.done)
+	c.mu.Unlock()
+	c.nc.Close()
+	for i := range inf {
+		inf[i].done(err)
+	}
+	for i := range q {
+		q[i].done(err)
+	}
+}
+
+func (c *tcpConn) pushInflight(s sliceOp) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.dead {
+		return false
+	}
+	if c.ihead > 0 && c.ihead == len(c.inflight) {
+		c.inflight, c.ihead = c.inflight[:0], 0
+	}
+	c.inflight = append(c.inflight, s)
+	return true
+}
+
+func (c *tcpConn) popInflight() (sliceOp, bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.ihead == len(c.inflight) {
+		return sliceOp{}, false
+	}
+	s := c.inflight[c.ihead]
+	c.inflight[c.ihead] = sliceOp{}
+	c.ihead++
+	return s, true
+}
+
+func (c *tcpConn) writeLoop() {
+	defer c.e.wg.Done()
+	var hdr []byte
+	for {
+		c.mu.Lock()
+		for len(c.queue) == 0 && !c.dead {
+			c.mu.Unlock()
+			if err := c.bw.Flush(); err != nil {
+				c.kill(fmt.Errorf("%w: %s: %v", ErrPeerGone, c.nc.RemoteAddr(), err))
+				return
+			}
+			select {
+			case <-c.wake:
+			case <-c.done:
+			}
+			c.mu.Lock()
+		}
+		if c.dead {
+			c.mu.Unlock()
+			return // kill failed the queue
+		}
+		q := c.queue
+		c.queue = nil
+		c.mu.Unlock()
+		for i := range q {
+			s := &q[i]
+			if s.t.final() {
+				continue
+			}
+			select {
+			case c.tokens <- struct{}{}:
+			default:
+				if err := c.bw.Flush(); err != nil {
+					c.kill(fmt.Errorf("%w: %s: %v", ErrPeerGone, c.nc.RemoteAddr(), err))
+				}
+				select {
+				case c.tokens <- struct{}{}:
+				case <-c.done:
+				}
+			}
+			if err := c.send(s, &hdr); err != nil {
+				c.kill(fmt.Errorf("%w: %s: %v", ErrPeerGone, c.nc.RemoteAddr(), err))
+			}
+			if c.isDead() {
+				for j := i + 1; j < len(q); j++ {
+					q[j].done(c.deadErr)
+				}
+				return
+			}
+		}
+	}
+}
+
+func (c *tcpConn) isDead() bool {
+	select {
+	case <-c.done:
+		return true
+	default:
+		return false
+	}
+}
+
+// send writes one slice's frame. A slice whose local region was withdrawn fails without being sent.
+func (c *tcpConn) send(s *sliceOp, hdr *[]byte) error {
+	if c.isDead() {
+		s.done(c.deadErr)
+		return nil
+	}
+	c.nextID++
+	s.id = c.nextID
+	h := (*hdr)[:0]
+	if s.op == OpRead {
+		if !c.pushInflight(*s) {
+			s.done(c.deadErr)
+			return nil
+		}
+		s.t.start()
+		h = binary.LittleEndian.AppendUint32(h, 1+20)
+		h = append(h, tcpFtRead)
+		h = binary.LittleEndian.AppendUint64(h, s.id)
+		h = binary.LittleEndian.AppendUint64(h, s.raddr)
+		h = binary.LittleEndian.AppendUint32(h, uint32(s.n))
+		*hdr = h
+		_, err := c.bw.Write(h)
+		return err
+	}
+	s.local.mu.RLock()
+	defer s.local.mu.RUnlock()
+	if s.local.gone {
+		<-c.tokens
+		s.done(fmt.Errorf("%w: local source [%#x, +%d) was unregistered", ErrOutOfBounds, s.laddr, s.n))
+		return nil
+	}
+	if !c.pushInflight(*s) {
+		s.done(c.deadErr)
+		return nil
+	}
+	s.t.start()
+	h = binary.LittleEndian.AppendUint32(h, uint32(1+16+s.n))
+	h = append(h, tcpFtWrite)
+	h = binary.LittleEndian.AppendUint64(h, s.id)
+	h = binary.LittleEndian.AppendUint64(h, s.raddr)
+	*hdr = h
+	if _, err := c.bw.Write(h); err != nil {
+		return err
+	}
+	_, err := c.bw.Write(memAt(s.laddr, s.n))
+	return err
+}
+
+func (c *tcpConn) readLoop() {
+	defer c.e.wg.Done()
+	err := c.readResponses()
+	c.kill(fmt.Errorf("%w: %s: %v", ErrPeerGone, c.nc.RemoteAddr(), err))
+}
+
+func (c *tcpConn) readResponses() error {
+	var hdr [11 + tcpMaxMsg]byte
+	for {
+		typ, n, err := tcpReadHeader(c.br)
+		if err != nil {
+			return err
+		}
+		s, ok := c.popInflight()
+		if !ok {
+			return fmt.Errorf("%w: answer with nothing in flight", tcpErrProtocol)
+		}
+		<-c.tokens
+		switch typ {
+		case tcpFtWriteAck:
+			if s.op != OpWrite {
+				return fmt.Errorf("%w: WRITE_ACK for a READ", tcpErrProtocol)
+			}
+			if _, err := io.ReadFull(c.br, hdr[:n]); err != nil {
+				return err
+			}
+			id, status := binary.LittleEndian.Uint64(hdr[:]), hdr[8]
+			ml := int(binary.LittleEndian.Uint16(hdr[9:]))
+			if id != s.id || 11+ml != int(n) {
+				return fmt.Errorf("%w: bad WRITE_ACK", tcpErrProtocol)
+			}
+			s.done(tcpStatusErr(status, string(hdr[11:11+ml])))
+		case tcpFtReadResp:
+			if s.op != OpRead {
+				return fmt.Errorf("%w: READ_RESP for a WRITE", tcpErrProtocol)
+			}
+			if _, err := io.ReadFull(c.br, hdr[:9]); err != nil {
+				return err
+			}
+			id, status := binary.LittleEndian.Uint64(hdr[:]), hdr[8]
+			if id != s.id {
+				return fmt.Errorf("%w: READ_RESP for request %d, want %d", tcpErrProtocol, id, s.id)
+			}
+			rest := uint64(n - 9)
+			if status != tcpStOK {
+				if rest < 2 || rest > 2+tcpMaxMsg {
+					return fmt.Errorf("%w: bad READ_RESP", tcpErrProtocol)
+				}
+				if _, err := io.ReadFull(c.br, hdr[:rest]); err != nil {
+					return err
+				}
+				ml := int(binary.LittleEndian.Uint16(hdr[:]))
+				if uint64(2+ml) != rest {
+					return fmt.Errorf("%w: bad READ_RESP message", tcpErrProtocol)
+				}
+				s.done(tcpStatusErr(status, string(hdr[2:2+ml])))
+				continue
+			}
+			if rest != s.n {
+				return fmt.Errorf("%w: READ_RESP of %d bytes, asked %d", tcpErrProtocol, rest, s.n)
+			}
+			if err := c.receive(&s); err != nil {
+				return err
+			}
+		default:
+			return fmt.Errorf("%w: unexpected tcpFrame type %d", tcpErrProtocol, typ)
+		}
+	}
+}
+
+// receive lands a READ payload in local memory, or discards it when the task is already final
+// (canceled) or the local region was withdrawn.
+func (c *tcpConn) receive(s *sliceOp) error {
+	s.local.mu.RLock()
+	if s.local.gone || s.t.final() {
+		gone := s.local.gone
+		s.local.mu.RUnlock()
+		if _, err := c.br.Discard(int(s.n)); err != nil {
+			return err
+		}
+		if gone {
+			s.done(fmt.Errorf("%w: local destination [%#x, +%d) was unregistered", ErrOutOfBounds, s.laddr, s.n))
+		}
+		return nil
+	}
+	_, err := io.ReadFull(c.br, memAt(s.laddr, s.n))
+	s.local.mu.RUnlock()
+	if err != nil {
+		return err
+	}
+	s.done(nil)
+	return nil
+}
+
+// ---- batches ----
+
+func (e *tcpEngine) AllocateBatch(capacity int) (BatchID, error) {
+	if e.isClosed() {
+		return 0, ErrClosed
+	}
+	return e.batches.allocate(capacity)
+}
+
+func (e *tcpEngine) Submit(ctx context.Context, id BatchID, reqs []Request) error {
+	if e.isClosed() {
+		return ErrClosed
+	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	b, err := e.batches.get(id)
+	if err != nil {
+		return err
+	}
+	tasks, err := b.add(len(reqs))
+	if err != nil {
+		return err
+	}
+	perConn := map[*tcpConn][]sliceOp{}
+	e.mu.Lock()
+	segs := e.segs
+	for i, r := range reqs {
+		t := tasks[i]
+		if r.Op != OpRead && r.Op != OpWrite {
+			t.finish(TaskFailed, fmt.Errorf("%w: opcode %v", ErrInvalidRequest, r.Op))
+			continue
+		}
+		if r.Length == 0 {
+			t.finish(TaskFailed, fmt.Errorf("%w: zero length", ErrInvalidRequest))
+			continue
+		}
+		seg, ok := segs[r.Target]
+		if !ok {
+			t.finish(TaskFailed, fmt.Errorf("%w: %d", ErrUnknownSegment, r.Target))
+			continue
+		}
+		if r.TargetAddr+r.Length < r.TargetAddr {
+			t.finish(TaskFailed, fmt.Errorf("%w: target [%#x, +%d) wraps", ErrOutOfBounds, r.TargetAddr, r.Length))
+			continue
+		}
+		local := e.regions.find(r.Source, r.Length)
+		if local == nil {
+			t.finish(TaskFailed, fmt.Errorf("%w: local [%#x, +%d) is not registered", ErrOutOfBounds, r.Source, r.Length))
+			continue
+		}
+		nsl := (r.Length + e.sliceBytes - 1) / e.sliceBytes
+		t.left.Store(int64(nsl))
+		for off := uint64(0); off < r.Length; off += e.sliceBytes {
+			n := min(e.sliceBytes, r.Length-off)
+			c := seg.conns[seg.next.Add(1)%uint64(len(seg.conns))]
+			perConn[c] = append(perConn[c], sliceOp{t: t, op: r.Op, local: local, laddr: r.Source + off, raddr: r.TargetAddr + off, n: n})
+		}
+	}
+	e.mu.Unlock()
+	for c, ops := range perConn {
+		c.enqueue(ops)
+	}
+	return nil
+}
+
+func (e *tcpEngine) Status(id BatchID, i int) (TaskStatus, error) {
+	b, err := e.batches.get(id)
+	if err != nil {
+		return TaskStatus{}, err
+	}
+	return b.status(i)
+}
+
+func (e *tcpEngine) Wait(ctx context.Context, id BatchID) ([]TaskStatus, error) {
+	b, err := e.batches.get(id)
+	if err != nil {
+		return nil, err
+	}
+	return b.wait(ctx)
+}
+
+func (e *tcpEngine) Cancel(id BatchID) error {
+	b, err := e.batches.get(id)
+	if err != nil {
+		return err
+	}
+	b.cancel(TaskCanceled, context.Canceled)
+	return nil
+}
+
+func (e *tcpEngine) FreeBatch(id BatchID) error { return e.batches.free(id) }
+
+func (e *tcpEngine) Close() error {
+	e.mu.Lock()
+	if e.closed {
+		e.mu.Unlock()
+		return nil
+	}
+	e.closed = true
+	segs := e.segs
+	e.segs = map[SegmentID]*tcpSegment{}
+	accepted := make([]net.Conn, 0, len(e.accepted))
+	for c := range e.accepted {
+		accepted = append(accepted, c)
+	}
+	e.mu.Unlock()
+	err := e.ln.Close()
+	for _, s := range segs {
+		for _, c := range s.conns {
+			c.kill(ErrClosed)
+		}
+	}
+	for _, c := range accepted {
+		c.Close()
+	}
+	e.batches.failAll(ErrClosed)
+	e.wg.Wait()
+	if errors.Is(err, net.ErrClosed) {
+		err = nil
+	}
+	return err
+}
