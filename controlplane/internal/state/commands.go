@@ -1,0 +1,61 @@
+package state
+
+import (
+	"fmt"
+	"time"
+
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+// SendCommand queues a command on the worker's sidecar stream; command_id (monotonic) and
+// epoch are filled in. It fails when the worker has no live stream or its queue is full.
+func (s *State) SendCommand(workerID string, cmd *kvcv1.Command) error {
+	if cmd == nil {
+		return fmt.Errorf("state: nil command")
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	e, ok := s.workers[workerID]
+	if !ok || e.stream == nil || s.term == nil {
+		s.m.commands.WithLabelValues("no_stream").Inc()
+		return fmt.Errorf("%w: %s", ErrNoStream, workerID)
+	}
+	return s.sendLocked(e.stream, cmd)
+}
+
+func (s *State) sendLocked(st *Stream, cmd *kvcv1.Command) error {
+	cmd.CommandId = s.nextCmdID.Add(1)
+	cmd.Epoch = s.epoch.Load()
+	select {
+	case st.q <- &kvcv1.ConnectResponse{Msg: &kvcv1.ConnectResponse_Command{Command: cmd}}:
+	default:
+		s.m.commands.WithLabelValues("queue_full").Inc()
+		return fmt.Errorf("%w: %s", ErrQueueFull, st.WorkerID)
+	}
+	st.mu.Lock()
+	if len(st.pending) < maxPendingAcks {
+		st.pending[cmd.CommandId] = time.Now()
+	}
+	st.mu.Unlock()
+	s.m.commands.WithLabelValues("sent").Inc()
+	return nil
+}
+
+// Ack records a sidecar's ack of a command. It reports false for an ack of a command this
+// stream was never sent (or already acked).
+func (s *State) Ack(st *Stream, a *kvcv1.CommandAck) bool {
+	st.mu.Lock()
+	_, ok := st.pending[a.GetCommandId()]
+	delete(st.pending, a.GetCommandId())
+	st.mu.Unlock()
+	if !ok {
+		return false
+	}
+	if a.GetOk() {
+		s.m.commands.WithLabelValues("acked").Inc()
+	} else {
+		s.m.commands.WithLabelValues("failed").Inc()
+		s.log.Warn().Str("worker", st.WorkerID).Uint64("command_id", a.GetCommandId()).Str("error", a.GetError()).Msg("command failed on sidecar")
+	}
+	return true
+}

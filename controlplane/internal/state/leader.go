@@ -1,0 +1,237 @@
+package state
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"google.golang.org/protobuf/proto"
+
+	"github.com/kvcentric/kvcentric/pkg/kvstore"
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+// ErrInvalidPolicy wraps the range errors of a rejected policy update.
+var ErrInvalidPolicy = errors.New("invalid policy")
+
+// Term is one period of leadership: the fence, the batcher writing under it, and the
+// goroutines (batcher, sweeper) bound to it.
+type Term struct {
+	fence   kvstore.Fence
+	batcher *kvstore.Batcher
+	cancel  context.CancelFunc
+	done    chan struct{} // batcher.Run returned
+	deposed chan struct{} // closed when a write was fenced off
+	sweeper chan struct{} // sweeper returned
+}
+
+// Fence returns the term's fencing token.
+func (t *Term) Fence() kvstore.Fence { return t.fence }
+
+// Deposed is closed when a write of this term was rejected by the fence: another replica
+// leads; the caller must end the term.
+func (t *Term) Deposed() <-chan struct{} { return t.deposed }
+
+// Lead loads every record from etcd, then starts a term under fence. Only after it returns
+// does the replica serve as leader. ctx bounds the load only; call EndTerm to end the term.
+func (s *State) Lead(ctx context.Context, fence kvstore.Fence) (*Term, error) {
+	start := time.Now()
+	snap, err := s.cfg.Store.LoadAll(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("state: load: %w", err)
+	}
+	if snap.Malformed > 0 {
+		s.log.Warn().Int("records", snap.Malformed).Msg("skipped malformed records while loading etcd")
+	}
+	tctx, cancel := context.WithCancel(context.Background())
+	t := &Term{
+		fence:   fence,
+		batcher: kvstore.NewBatcher(s.cfg.Store, fence, kvstore.WithMaxDelay(s.cfg.FlushDelay)),
+		cancel:  cancel,
+		done:    make(chan struct{}),
+		deposed: make(chan struct{}),
+		sweeper: make(chan struct{}),
+	}
+	s.SetStoredPolicy(snap.Policy)
+
+	now := time.Now().UnixMilli()
+	s.mu.Lock()
+	s.resetLocked()
+	s.term = t
+	s.epoch.Store(fence.Rev)
+	for _, r := range snap.Sessions {
+		id := r.GetSessionId()
+		if kvcv1.ValidateID("session_id", id) != nil {
+			continue
+		}
+		s.sessions[id] = r
+		index(s.byDecode, r.GetDecodeWorker(), id)
+		index(s.bySnap, r.GetSnapshot().GetPrefillWorker(), id)
+	}
+	s.nSessions.Store(int64(len(s.sessions)))
+	for _, w := range snap.Workers {
+		if kvcv1.ValidateID("worker_id", w.GetWorkerId()) != nil {
+			continue
+		}
+		if w.GetState() != kvcv1.WorkerState_WORKER_STATE_UNREACHABLE || w.GetUnreachableSinceUnixMs() == 0 {
+			w.UnreachableSinceUnixMs = now
+		}
+		w.State = kvcv1.WorkerState_WORKER_STATE_UNREACHABLE
+		w.ConnectedTo = ""
+		e := &workerEntry{w: w}
+		s.workers[w.GetWorkerId()] = e
+		s.startGraceLocked(e)
+	}
+	s.publishWorkersLocked()
+	s.mu.Unlock()
+
+	go func() {
+		defer close(t.done)
+		if err := t.batcher.Run(tctx); errors.Is(err, kvstore.ErrFenced) {
+			s.log.Warn().Int64("epoch", fence.Rev).Msg("write fenced off: this replica was deposed")
+			close(t.deposed)
+		}
+	}()
+	go func() {
+		defer close(t.sweeper)
+		s.sweep(tctx)
+	}()
+	s.m.loadSeconds.Set(time.Since(start).Seconds())
+	s.log.Info().Int64("epoch", fence.Rev).Int("sessions", len(snap.Sessions)).Int("workers", len(snap.Workers)).
+		Dur("load", time.Since(start)).Msg("leader state loaded")
+	return t, nil
+}
+
+// Flush waits until every change made so far in the current term is in etcd.
+func (s *State) Flush(ctx context.Context) error {
+	s.mu.Lock()
+	t := s.term
+	s.mu.Unlock()
+	if t == nil {
+		return ErrNotLeader
+	}
+	return t.batcher.Flush(ctx)
+}
+
+// EndTerm ends t: no more writes are accepted, live streams are closed, what is pending is
+// flushed (while the fence still holds), and the tables are cleared.
+func (s *State) EndTerm(t *Term) {
+	s.mu.Lock()
+	if s.term != t {
+		s.mu.Unlock()
+		return
+	}
+	s.epoch.Store(0)
+	for _, e := range s.workers {
+		if e.grace != nil {
+			e.grace.Stop()
+		}
+		if e.stream != nil {
+			e.stream.close()
+		}
+	}
+	s.mu.Unlock()
+	t.cancel()
+	<-t.done
+	<-t.sweeper
+	s.mu.Lock()
+	s.term = nil
+	s.resetLocked()
+	s.publishWorkersLocked()
+	s.mu.Unlock()
+}
+
+// sweep expires idle sessions until ctx ends.
+func (s *State) sweep(ctx context.Context) {
+	for {
+		ttl := time.Duration(s.Policy().GetSessionTtlMs()) * time.Millisecond
+		every := min(max(ttl/10, time.Second), time.Minute)
+		t := time.NewTimer(every)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return
+		case <-t.C:
+		}
+		s.ExpireIdle(time.Now())
+	}
+}
+
+// ExpireIdle deletes every session idle for the policy's session TTL at now and returns how
+// many it deleted.
+func (s *State) ExpireIdle(now time.Time) int {
+	ttl := time.Duration(s.Policy().GetSessionTtlMs()) * time.Millisecond
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.term == nil {
+		return 0
+	}
+	var ids []string
+	for id, r := range s.sessions {
+		if kvstore.IsIdle(r, ttl, now) {
+			ids = append(ids, id)
+		}
+	}
+	for _, id := range ids {
+		s.deleteSessionLocked(id)
+	}
+	s.m.expired.Add(float64(len(ids)))
+	return len(ids)
+}
+
+// SetStoredPolicy installs the operator's overrides as read from etcd (nil: none stored). An
+// older version than the one installed is ignored.
+func (s *State) SetStoredPolicy(p *kvcv1.Policy) {
+	if p != nil {
+		if cur := s.stored.Load(); cur != nil && cur.GetVersion() > p.GetVersion() {
+			return
+		}
+	}
+	s.stored.Store(p)
+	s.policy.Store(FillPolicy(s.defaults, p))
+}
+
+// UpdatePolicy merges the set fields of update into the stored policy, validates the result
+// with defaults filled in, bumps the version, writes it to etcd under the fence (synchronously)
+// and pushes it to every connected sidecar. It returns the new filled policy.
+func (s *State) UpdatePolicy(ctx context.Context, update *kvcv1.Policy) (*kvcv1.Policy, error) {
+	s.policyMu.Lock()
+	defer s.policyMu.Unlock()
+	s.mu.Lock()
+	t := s.term
+	s.mu.Unlock()
+	if t == nil {
+		return nil, ErrNotLeader
+	}
+	if err := ValidatePolicy(update); err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrInvalidPolicy, err)
+	}
+	stored := s.stored.Load()
+	merged := MergePolicyUpdate(stored, update)
+	full := FillPolicy(s.defaults, merged)
+	if err := ValidatePolicy(full); err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrInvalidPolicy, err)
+	}
+	merged.Version = stored.GetVersion() + 1
+	full.Version = merged.Version
+	if err := s.cfg.Store.PutPolicy(ctx, t.fence, merged); err != nil {
+		if errors.Is(err, kvstore.ErrFenced) {
+			return nil, ErrNotLeader
+		}
+		return nil, err
+	}
+	s.SetStoredPolicy(merged)
+	s.log.Info().Int64("version", merged.Version).Msg("policy updated")
+	s.mu.Lock()
+	for _, e := range s.workers {
+		if e.stream != nil {
+			cmd := &kvcv1.Command{Action: &kvcv1.Command_UpdatePolicy{UpdatePolicy: &kvcv1.UpdatePolicyCommand{
+				Policy: proto.Clone(full).(*kvcv1.Policy),
+			}}}
+			_ = s.sendLocked(e.stream, cmd)
+		}
+	}
+	s.mu.Unlock()
+	return full, nil
+}

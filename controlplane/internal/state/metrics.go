@@ -1,0 +1,56 @@
+package state
+
+import "github.com/prometheus/client_golang/prometheus"
+
+type metrics struct {
+	workers       *prometheus.GaugeVec   // by state
+	commands      *prometheus.CounterVec // by result: sent, acked, failed, queue_full, no_stream
+	events        *prometheus.CounterVec // session events by kind
+	transfers     *prometheus.CounterVec // TRANSFER_DONE / TRANSFER_FAILED
+	expired       prometheus.Counter
+	dropped       prometheus.Counter // residencies dropped after the unreachable grace
+	loadSeconds   prometheus.Gauge
+	writeFailures prometheus.Counter
+}
+
+func newMetrics(reg prometheus.Registerer, sessions func() float64) *metrics {
+	m := &metrics{
+		workers: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "kvc_cp_workers", Help: "Workers by state (leader only).",
+		}, []string{"state"}),
+		commands: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvc_cp_commands_total", Help: "Commands to sidecars by result (sent, acked, failed, queue_full, no_stream).",
+		}, []string{"result"}),
+		events: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvc_cp_session_events_total", Help: "Session events from sidecars by kind.",
+		}, []string{"kind"}),
+		transfers: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvc_cp_transfers_reported_total", Help: "Transfers reported by sidecars by result.",
+		}, []string{"result"}),
+		expired: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvc_cp_sessions_expired_total", Help: "Idle sessions expired after the session TTL.",
+		}),
+		dropped: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvc_cp_residency_dropped_total", Help: "Session residencies or snapshots dropped because their worker stayed unreachable past the grace period.",
+		}),
+		loadSeconds: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "kvc_cp_leader_load_seconds", Help: "Time the last new leader took to load etcd before serving.",
+		}),
+		writeFailures: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvc_cp_persist_enqueue_failures_total", Help: "Writes that could not be queued for etcd (deposed or closed batcher).",
+		}),
+	}
+	for _, s := range []string{"ready", "draining", "unreachable"} {
+		m.workers.WithLabelValues(s)
+	}
+	for _, r := range []string{"sent", "acked", "failed", "queue_full", "no_stream"} {
+		m.commands.WithLabelValues(r)
+	}
+	if reg != nil {
+		reg.MustRegister(m.workers, m.commands, m.events, m.transfers, m.expired, m.dropped, m.loadSeconds, m.writeFailures,
+			prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+				Name: "kvc_cp_sessions", Help: "Session records held in memory (leader only).",
+			}, sessions))
+	}
+	return m
+}

@@ -1,0 +1,152 @@
+package state
+
+import (
+	"time"
+
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+// Reconcile applies a residency report (already validated). A decode worker's sessions
+// follow its report (decode_worker, kv_committed_len, generation); with full_sync, sessions
+// the table believed resident there but not listed become not resident. A prefill worker's
+// snapshots set session.snapshot; with full_sync, its snapshots not listed are cleared.
+func (s *State) Reconcile(st *Stream, rs *kvcv1.ResidentSessions) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	e, ok := s.workers[st.WorkerID]
+	if !ok || e.stream != st || s.term == nil {
+		return ErrNoStream
+	}
+	w := st.WorkerID
+	now := time.Now().UnixMilli()
+	switch st.Role {
+	case kvcv1.WorkerRole_WORKER_ROLE_DECODE:
+		seen := make(map[string]struct{}, len(rs.GetSessions()))
+		for _, r := range rs.GetSessions() {
+			seen[r.GetSessionId()] = struct{}{}
+			rec := s.getOrCreateLocked(r.GetSessionId())
+			oldD, oldP := rec.GetDecodeWorker(), rec.GetSnapshot().GetPrefillWorker()
+			if oldD == w && rec.GetKvCommittedLen() == r.GetKvCommittedLen() &&
+				(r.GetGeneration() == 0 || r.GetGeneration() == rec.GetGeneration()) {
+				continue
+			}
+			if oldD != w && oldD != "" {
+				rec.PreviousDecodeWorker = oldD
+			}
+			rec.DecodeWorker = w
+			rec.KvCommittedLen = r.GetKvCommittedLen()
+			if r.GetGeneration() != 0 {
+				rec.Generation = r.GetGeneration()
+			}
+			s.changedLocked(rec, oldD, oldP)
+		}
+		if rs.GetFullSync() {
+			for _, sid := range keys(s.byDecode[w]) {
+				if _, ok := seen[sid]; ok {
+					continue
+				}
+				rec := s.sessions[sid]
+				rec.PreviousDecodeWorker = w
+				rec.DecodeWorker = ""
+				s.changedLocked(rec, w, rec.GetSnapshot().GetPrefillWorker())
+			}
+		}
+	case kvcv1.WorkerRole_WORKER_ROLE_PREFILL:
+		seen := make(map[string]struct{}, len(rs.GetSnapshots()))
+		for _, sn := range rs.GetSnapshots() {
+			seen[sn.GetSessionId()] = struct{}{}
+			rec := s.getOrCreateLocked(sn.GetSessionId())
+			oldD, oldP := rec.GetDecodeWorker(), rec.GetSnapshot().GetPrefillWorker()
+			upd := sn.GetUpdatedUnixMs()
+			if upd == 0 {
+				upd = now
+			}
+			rec.Snapshot = &kvcv1.SnapshotInfo{PrefillWorker: w, Seqlen: sn.GetSeqlen(), Generation: sn.GetGeneration(),
+				UpdatedUnixMs: upd, Bytes: sn.GetBytes()}
+			s.changedLocked(rec, oldD, oldP)
+		}
+		if rs.GetFullSync() {
+			for _, sid := range keys(s.bySnap[w]) {
+				if _, ok := seen[sid]; ok {
+					continue
+				}
+				rec := s.sessions[sid]
+				rec.Snapshot = nil
+				s.changedLocked(rec, rec.GetDecodeWorker(), w)
+			}
+		}
+	}
+	return nil
+}
+
+// ApplyEvent applies a session event (already validated) from the stream's worker.
+func (s *State) ApplyEvent(st *Stream, ev *kvcv1.SessionEvent) error {
+	s.m.events.WithLabelValues(ev.GetKind().String()).Inc()
+	switch ev.GetKind() {
+	case kvcv1.SessionEventKind_SESSION_EVENT_KIND_TRANSFER_DONE:
+		s.m.transfers.WithLabelValues("done").Inc()
+		s.log.Debug().Str("worker", st.WorkerID).Str("session", ev.GetSessionId()).Int64("room", ev.GetRoom()).Int64("bytes", ev.GetBytes()).Msg("transfer done")
+		return nil
+	case kvcv1.SessionEventKind_SESSION_EVENT_KIND_TRANSFER_FAILED:
+		s.m.transfers.WithLabelValues("failed").Inc()
+		s.log.Warn().Str("worker", st.WorkerID).Str("session", ev.GetSessionId()).Int64("room", ev.GetRoom()).Str("detail", ev.GetDetail()).Msg("transfer failed")
+		return nil
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	e, ok := s.workers[st.WorkerID]
+	if !ok || e.stream != st || s.term == nil {
+		return ErrNoStream
+	}
+	w := st.WorkerID
+	id := ev.GetSessionId()
+	rec, exists := s.sessions[id]
+	switch ev.GetKind() {
+	case kvcv1.SessionEventKind_SESSION_EVENT_KIND_COMMITTED:
+		if !exists {
+			rec = s.getOrCreateLocked(id)
+		}
+		oldD, oldP := rec.GetDecodeWorker(), rec.GetSnapshot().GetPrefillWorker()
+		if oldD == "" {
+			rec.DecodeWorker = w
+		}
+		if rec.GetDecodeWorker() == w {
+			rec.KvCommittedLen = ev.GetKvLen()
+			if ev.GetGeneration() != 0 {
+				rec.Generation = ev.GetGeneration()
+			}
+		}
+		rec.LastSeenUnixMs = time.Now().UnixMilli()
+		s.changedLocked(rec, oldD, oldP)
+	case kvcv1.SessionEventKind_SESSION_EVENT_KIND_RELEASED, kvcv1.SessionEventKind_SESSION_EVENT_KIND_EVICTED:
+		if !exists || rec.GetDecodeWorker() != w {
+			return nil
+		}
+		oldP := rec.GetSnapshot().GetPrefillWorker()
+		rec.PreviousDecodeWorker = w
+		rec.DecodeWorker = ""
+		s.changedLocked(rec, w, oldP)
+	case kvcv1.SessionEventKind_SESSION_EVENT_KIND_SNAPSHOT_INGESTED:
+		if !exists {
+			rec = s.getOrCreateLocked(id)
+		}
+		oldD, oldP := rec.GetDecodeWorker(), rec.GetSnapshot().GetPrefillWorker()
+		at := ev.GetUnixMs()
+		if at == 0 {
+			at = time.Now().UnixMilli()
+		}
+		rec.Snapshot = &kvcv1.SnapshotInfo{PrefillWorker: w, Seqlen: ev.GetKvLen(), Generation: ev.GetGeneration(),
+			UpdatedUnixMs: at, Bytes: ev.GetBytes()}
+		s.changedLocked(rec, oldD, oldP)
+	case kvcv1.SessionEventKind_SESSION_EVENT_KIND_SNAPSHOT_EVICTED:
+		if !exists || rec.GetSnapshot().GetPrefillWorker() != w {
+			return nil
+		}
+		if ev.GetGeneration() != 0 && rec.GetSnapshot().GetGeneration() != ev.GetGeneration() {
+			return nil // an older generation was evicted; the current snapshot stays
+		}
+		rec.Snapshot = nil
+		s.changedLocked(rec, rec.GetDecodeWorker(), w)
+	}
+	return nil
+}

@@ -1,0 +1,294 @@
+package state
+
+import (
+	"errors"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/rs/zerolog"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/kvcentric/kvcentric/pkg/kvstore"
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+// Errors returned to the sidecar and admin services (they map them to gRPC codes).
+var (
+	ErrNotLeader     = errors.New("state: not the leader")
+	ErrNoStream      = errors.New("state: worker has no live stream")
+	ErrQueueFull     = errors.New("state: worker's command queue is full")
+	ErrDuplicate     = errors.New("state: worker already has a live stream")
+	ErrStaleLeader   = errors.New("state: a sidecar has seen a newer epoch; this leader is stale")
+	ErrUnknownWorker = errors.New("state: unknown worker")
+)
+
+// Config configures a State.
+type Config struct {
+	NodeID string
+	Store  *kvstore.Store
+	Log    zerolog.Logger
+	Reg    prometheus.Registerer
+	// Defaults for session_ttl_ms and unreachable_grace_ms (0 = built-in defaults).
+	SessionTTL       time.Duration
+	UnreachableGrace time.Duration
+	// Write-behind delay (0 = kvstore.DefaultMaxDelay).
+	FlushDelay time.Duration
+	// CommandQueue is the per-stream command queue length (default 256).
+	CommandQueue int
+}
+
+// State is the leader's tables. The zero value is not usable; call New.
+type State struct {
+	cfg      Config
+	log      zerolog.Logger
+	m        *metrics
+	defaults *kvcv1.Policy
+
+	policy    atomic.Pointer[kvcv1.Policy] // filled
+	stored    atomic.Pointer[kvcv1.Policy] // operator overrides as stored (may be nil)
+	policyMu  sync.Mutex                   // serialises UpdatePolicy
+	epoch     atomic.Int64
+	snapshot  atomic.Pointer[[]*kvcv1.Worker]
+	nextCmdID atomic.Uint64
+	nSessions atomic.Int64
+
+	mu       sync.Mutex
+	term     *Term // nil when not leading
+	sessions map[string]*kvcv1.SessionRecord
+	workers  map[string]*workerEntry
+	byDecode map[string]map[string]struct{} // decode worker -> session ids resident there
+	bySnap   map[string]map[string]struct{} // prefill worker -> session ids with a snapshot there
+}
+
+type workerEntry struct {
+	w      *kvcv1.Worker // immutable once published; replaced on change
+	stream *Stream
+	gen    uint64 // bumped on every attach and detach
+	grace  *time.Timer
+}
+
+// New returns a State that is not leading.
+func New(cfg Config) *State {
+	if cfg.CommandQueue <= 0 {
+		cfg.CommandQueue = 256
+	}
+	s := &State{cfg: cfg, log: cfg.Log, defaults: DefaultPolicy(cfg.SessionTTL, cfg.UnreachableGrace)}
+	s.m = newMetrics(cfg.Reg, func() float64 { return float64(s.nSessions.Load()) })
+	s.policy.Store(FillPolicy(s.defaults, nil))
+	empty := []*kvcv1.Worker{}
+	s.snapshot.Store(&empty)
+	s.resetLocked()
+	return s
+}
+
+func (s *State) resetLocked() {
+	s.sessions = make(map[string]*kvcv1.SessionRecord)
+	s.workers = make(map[string]*workerEntry)
+	s.byDecode = make(map[string]map[string]struct{})
+	s.bySnap = make(map[string]map[string]struct{})
+	s.nSessions.Store(0)
+}
+
+// Defaults returns the default policy (with the configured TTL and grace).
+func (s *State) Defaults() *kvcv1.Policy { return proto.Clone(s.defaults).(*kvcv1.Policy) }
+
+// Policy returns the current policy with every default filled in. Read-only.
+func (s *State) Policy() *kvcv1.Policy { return s.policy.Load() }
+
+// StoredPolicy returns the operator's overrides as last seen in etcd (nil when none).
+func (s *State) StoredPolicy() *kvcv1.Policy { return s.stored.Load() }
+
+// Epoch is the leader epoch (create revision of the leader key); 0 when not leading.
+func (s *State) Epoch() int64 { return s.epoch.Load() }
+
+// Leading reports whether this replica currently holds a term.
+func (s *State) Leading() bool { return s.epoch.Load() != 0 }
+
+// Workers returns an immutable snapshot of all workers with state and last load.
+func (s *State) Workers() []*kvcv1.Worker { return *s.snapshot.Load() }
+
+// Worker returns the worker's current record (immutable; do not modify).
+func (s *State) Worker(id string) (*kvcv1.Worker, bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	e, ok := s.workers[id]
+	if !ok {
+		return nil, false
+	}
+	return e.w, true
+}
+
+// Session returns a copy of the session record.
+func (s *State) Session(id string) (*kvcv1.SessionRecord, bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	r, ok := s.sessions[id]
+	if !ok {
+		return nil, false
+	}
+	return proto.Clone(r).(*kvcv1.SessionRecord), true
+}
+
+// SessionCount returns the number of session records in memory.
+func (s *State) SessionCount() int { return int(s.nSessions.Load()) }
+
+// UpdateSession applies fn to the live record (created with session_id set if missing) under
+// the state lock, then persists it write-behind. fn must be quick and must not call State.
+// On a replica that is not leading it does nothing.
+func (s *State) UpdateSession(id string, fn func(rec *kvcv1.SessionRecord)) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.term == nil {
+		return
+	}
+	rec := s.getOrCreateLocked(id)
+	oldD, oldP := rec.GetDecodeWorker(), rec.GetSnapshot().GetPrefillWorker()
+	fn(rec)
+	rec.SessionId = id
+	s.changedLocked(rec, oldD, oldP)
+}
+
+// ListSessions pages through the in-memory records in id order: up to limit records with
+// id > after (resident on worker, when worker is set). next is "" on the last page.
+func (s *State) ListSessions(after string, limit int, worker string) (recs []*kvcv1.SessionRecord, next string) {
+	if limit <= 0 {
+		limit = 100
+	}
+	s.mu.Lock()
+	var ids []string
+	collect := func(id string) {
+		if id > after {
+			ids = append(ids, id)
+		}
+	}
+	if worker != "" {
+		for id := range s.byDecode[worker] {
+			collect(id)
+		}
+	} else {
+		for id := range s.sessions {
+			collect(id)
+		}
+	}
+	slices.Sort(ids)
+	more := len(ids) > limit
+	if more {
+		ids = ids[:limit]
+	}
+	for _, id := range ids {
+		recs = append(recs, proto.Clone(s.sessions[id]).(*kvcv1.SessionRecord))
+	}
+	s.mu.Unlock()
+	if more {
+		next = ids[len(ids)-1]
+	}
+	return recs, next
+}
+
+func (s *State) getOrCreateLocked(id string) *kvcv1.SessionRecord {
+	rec, ok := s.sessions[id]
+	if !ok {
+		now := time.Now().UnixMilli()
+		rec = &kvcv1.SessionRecord{SessionId: id, CreatedUnixMs: now, LastSeenUnixMs: now}
+		s.sessions[id] = rec
+		s.nSessions.Add(1)
+	}
+	return rec
+}
+
+// changedLocked re-indexes rec after a change and persists it.
+func (s *State) changedLocked(rec *kvcv1.SessionRecord, oldD, oldP string) {
+	id := rec.GetSessionId()
+	if d := rec.GetDecodeWorker(); d != oldD {
+		unindex(s.byDecode, oldD, id)
+		index(s.byDecode, d, id)
+	}
+	if p := rec.GetSnapshot().GetPrefillWorker(); p != oldP {
+		unindex(s.bySnap, oldP, id)
+		index(s.bySnap, p, id)
+	}
+	rec.Epoch = s.epoch.Load()
+	s.persistSessionLocked(rec)
+}
+
+func (s *State) persistSessionLocked(rec *kvcv1.SessionRecord) {
+	if s.term == nil {
+		return
+	}
+	if err := s.term.batcher.PutSession(rec); err != nil {
+		s.m.writeFailures.Inc()
+	}
+}
+
+func (s *State) deleteSessionLocked(id string) {
+	rec, ok := s.sessions[id]
+	if !ok {
+		return
+	}
+	unindex(s.byDecode, rec.GetDecodeWorker(), id)
+	unindex(s.bySnap, rec.GetSnapshot().GetPrefillWorker(), id)
+	delete(s.sessions, id)
+	s.nSessions.Add(-1)
+	if s.term != nil {
+		if err := s.term.batcher.DeleteSession(id); err != nil {
+			s.m.writeFailures.Inc()
+		}
+	}
+}
+
+func index(ix map[string]map[string]struct{}, w, id string) {
+	if w == "" {
+		return
+	}
+	set, ok := ix[w]
+	if !ok {
+		set = make(map[string]struct{})
+		ix[w] = set
+	}
+	set[id] = struct{}{}
+}
+
+func unindex(ix map[string]map[string]struct{}, w, id string) {
+	if w == "" {
+		return
+	}
+	if set, ok := ix[w]; ok {
+		delete(set, id)
+		if len(set) == 0 {
+			delete(ix, w)
+		}
+	}
+}
+
+// publishWorkersLocked swaps in a new immutable worker snapshot and updates the gauges.
+func (s *State) publishWorkersLocked() {
+	out := make([]*kvcv1.Worker, 0, len(s.workers))
+	counts := map[kvcv1.WorkerState]int{}
+	for _, e := range s.workers {
+		out = append(out, e.w)
+		counts[e.w.GetState()]++
+	}
+	slices.SortFunc(out, func(a, b *kvcv1.Worker) int { return strings.Compare(a.GetWorkerId(), b.GetWorkerId()) })
+	s.snapshot.Store(&out)
+	s.m.workers.WithLabelValues("ready").Set(float64(counts[kvcv1.WorkerState_WORKER_STATE_READY]))
+	s.m.workers.WithLabelValues("draining").Set(float64(counts[kvcv1.WorkerState_WORKER_STATE_DRAINING]))
+	s.m.workers.WithLabelValues("unreachable").Set(float64(counts[kvcv1.WorkerState_WORKER_STATE_UNREACHABLE]))
+}
+
+// setWorkerLocked replaces a worker's record (cloned and modified by fn), publishes the new
+// snapshot and, when persist is set, writes it behind.
+func (s *State) setWorkerLocked(e *workerEntry, persist bool, fn func(w *kvcv1.Worker)) {
+	nw := proto.Clone(e.w).(*kvcv1.Worker)
+	fn(nw)
+	e.w = nw
+	s.publishWorkersLocked()
+	if persist && s.term != nil {
+		if err := s.term.batcher.PutWorker(nw); err != nil {
+			s.m.writeFailures.Inc()
+		}
+	}
+}

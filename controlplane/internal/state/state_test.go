@@ -1,0 +1,426 @@
+package state
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/rs/zerolog"
+	"go.etcd.io/etcd/client/v3/concurrency"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/kvcentric/kvcentric/pkg/etcdtest"
+	"github.com/kvcentric/kvcentric/pkg/kvstore"
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+type fixture struct {
+	st    *State
+	store *kvstore.Store
+	term  *Term
+	sess  *concurrency.Session
+}
+
+func newFixture(t *testing.T, cfg Config) *fixture {
+	t.Helper()
+	c := etcdtest.Start(t)
+	cli := c.Client(t)
+	store, err := kvstore.New(cli)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return leadOn(t, store, cfg)
+}
+
+func leadOn(t *testing.T, store *kvstore.Store, cfg Config) *fixture {
+	t.Helper()
+	sess, err := concurrency.NewSession(store.Client(), concurrency.WithTTL(5))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = sess.Close() })
+	el := concurrency.NewElection(sess, store.ElectionPrefix())
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+	if err := el.Campaign(ctx, "n"); err != nil {
+		t.Fatal(err)
+	}
+	cfg.Store = store
+	cfg.Log = zerolog.Nop()
+	if cfg.NodeID == "" {
+		cfg.NodeID = "cp-test"
+	}
+	st := New(cfg)
+	term, err := st.Lead(ctx, kvstore.Fence{Key: el.Key(), Rev: el.Rev()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { st.EndTerm(term) })
+	return &fixture{st: st, store: store, term: term, sess: sess}
+}
+
+func hello(id string, role kvcv1.WorkerRole) *kvcv1.Hello {
+	return &kvcv1.Hello{WorkerId: id, Role: role, Node: "n1", KvCapacityTokens: 1000, WorkerUrl: "http://" + id}
+}
+
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(5 * time.Millisecond) // polling a condition with a deadline
+	}
+}
+
+func TestSessionsPersistAndClone(t *testing.T) {
+	f := newFixture(t, Config{})
+	st := f.st
+	if st.Epoch() == 0 || !st.Leading() {
+		t.Fatal("not leading after Lead")
+	}
+	st.UpdateSession("s1", func(r *kvcv1.SessionRecord) { r.DecodeWorker = "d0"; r.Turn = 3 })
+	got, ok := st.Session("s1")
+	if !ok || got.GetDecodeWorker() != "d0" || got.GetEpoch() != st.Epoch() || got.GetCreatedUnixMs() == 0 {
+		t.Fatalf("session %v", got)
+	}
+	got.DecodeWorker = "mutated"
+	again, _ := st.Session("s1")
+	if again.GetDecodeWorker() != "d0" {
+		t.Fatal("Session did not return a copy")
+	}
+	if err := st.Flush(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	rec, ok, err := f.store.GetSession(t.Context(), "s1")
+	if err != nil || !ok || rec.GetTurn() != 3 {
+		t.Fatalf("etcd: %v %v %v", rec, ok, err)
+	}
+	recs, next := st.ListSessions("", 10, "d0")
+	if len(recs) != 1 || next != "" {
+		t.Fatalf("list by worker: %v %q", recs, next)
+	}
+	// A second leader (after this one ends) loads everything.
+	st.EndTerm(f.term)
+	if st.Leading() || st.SessionCount() != 0 {
+		t.Fatal("tables kept after EndTerm")
+	}
+	st.UpdateSession("ignored", func(r *kvcv1.SessionRecord) {})
+	if err := f.sess.Close(); err != nil {
+		t.Fatal(err)
+	}
+	f2 := leadOn(t, f.store, Config{NodeID: "cp-2"})
+	if r, ok := f2.st.Session("s1"); !ok || r.GetDecodeWorker() != "d0" {
+		t.Fatalf("new leader lost s1: %v", r)
+	}
+	if _, ok := f2.st.Session("ignored"); ok {
+		t.Fatal("a write after EndTerm was kept")
+	}
+}
+
+func TestAttachDetachGrace(t *testing.T) {
+	f := newFixture(t, Config{UnreachableGrace: 50 * time.Millisecond})
+	st := f.st
+	snapBefore := st.Workers()
+	s1, err := st.Attach(hello("d0", kvcv1.WorkerRole_WORKER_ROLE_DECODE))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(snapBefore) != 0 {
+		t.Fatal("old snapshot changed")
+	}
+	ws := st.Workers()
+	if len(ws) != 1 || ws[0].GetState() != kvcv1.WorkerState_WORKER_STATE_READY || ws[0].GetConnectedTo() != "cp-test" {
+		t.Fatalf("workers %v", ws)
+	}
+	if _, err := st.Attach(hello("d0", kvcv1.WorkerRole_WORKER_ROLE_DECODE)); !errors.Is(err, ErrDuplicate) {
+		t.Fatalf("duplicate: %v", err)
+	}
+	stale := hello("d1", kvcv1.WorkerRole_WORKER_ROLE_DECODE)
+	stale.LastEpochSeen = st.Epoch() + 1
+	if _, err := st.Attach(stale); !errors.Is(err, ErrStaleLeader) {
+		t.Fatalf("stale: %v", err)
+	}
+	if err := st.Reconcile(s1, &kvcv1.ResidentSessions{FullSync: true, Sessions: []*kvcv1.ResidentSession{
+		{SessionId: "a", KvCommittedLen: 10}, {SessionId: "b", KvCommittedLen: 20},
+	}}); err != nil {
+		t.Fatal(err)
+	}
+	// Reconnect within the grace keeps residency.
+	st.Detach(s1)
+	if w, _ := st.Worker("d0"); w.GetState() != kvcv1.WorkerState_WORKER_STATE_UNREACHABLE || w.GetUnreachableSinceUnixMs() == 0 {
+		t.Fatalf("after detach: %v", w)
+	}
+	s2, err := st.Attach(hello("d0", kvcv1.WorkerRole_WORKER_ROLE_DECODE))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := st.ApplyLoad(s1, &kvcv1.WorkerLoad{UsedTokens: 5}); !errors.Is(err, ErrNoStream) {
+		t.Fatalf("load on a replaced stream: %v", err)
+	}
+	if err := st.ApplyLoad(s2, &kvcv1.WorkerLoad{UsedTokens: 5}); err != nil {
+		t.Fatal(err)
+	}
+	if w, _ := st.Worker("d0"); w.GetLoad().GetUsedTokens() != 5 {
+		t.Fatal("load not applied")
+	}
+	// Stay away past the grace: residency dropped.
+	st.Detach(s2)
+	waitFor(t, "residency drop", func() bool {
+		r, _ := st.Session("a")
+		return r.GetDecodeWorker() == ""
+	})
+	r, _ := st.Session("b")
+	if r.GetDecodeWorker() != "" || r.GetPreviousDecodeWorker() != "d0" {
+		t.Fatalf("b after grace: %v", r)
+	}
+}
+
+func TestReconcileAndEvents(t *testing.T) {
+	f := newFixture(t, Config{})
+	st := f.st
+	d0, _ := st.Attach(hello("d0", kvcv1.WorkerRole_WORKER_ROLE_DECODE))
+	d1, _ := st.Attach(hello("d1", kvcv1.WorkerRole_WORKER_ROLE_DECODE))
+	p0, _ := st.Attach(hello("p0", kvcv1.WorkerRole_WORKER_ROLE_PREFILL))
+	st.UpdateSession("x", func(r *kvcv1.SessionRecord) { r.DecodeWorker = "d0" })
+	st.UpdateSession("y", func(r *kvcv1.SessionRecord) { r.DecodeWorker = "d0" })
+	// d0 says it holds only y; d1 says it holds x (moved).
+	must(t, st.Reconcile(d0, &kvcv1.ResidentSessions{FullSync: true, Sessions: []*kvcv1.ResidentSession{{SessionId: "y", KvCommittedLen: 7, Generation: 2}}}))
+	must(t, st.Reconcile(d1, &kvcv1.ResidentSessions{FullSync: true, Sessions: []*kvcv1.ResidentSession{{SessionId: "x", KvCommittedLen: 9}}}))
+	x, _ := st.Session("x")
+	y, _ := st.Session("y")
+	if x.GetDecodeWorker() != "d1" || x.GetKvCommittedLen() != 9 || y.GetDecodeWorker() != "d0" || y.GetGeneration() != 2 {
+		t.Fatalf("x %v y %v", x, y)
+	}
+	if recs, _ := st.ListSessions("", 10, "d0"); len(recs) != 1 || recs[0].GetSessionId() != "y" {
+		t.Fatalf("index d0: %v", recs)
+	}
+	must(t, st.Reconcile(p0, &kvcv1.ResidentSessions{FullSync: true, Snapshots: []*kvcv1.SnapshotHeld{{SessionId: "x", Seqlen: 4096, Generation: 1}}}))
+	x, _ = st.Session("x")
+	if x.GetSnapshot().GetPrefillWorker() != "p0" || x.GetSnapshot().GetSeqlen() != 4096 {
+		t.Fatalf("snapshot %v", x.GetSnapshot())
+	}
+	must(t, st.Reconcile(p0, &kvcv1.ResidentSessions{FullSync: true}))
+	if x, _ = st.Session("x"); x.GetSnapshot() != nil {
+		t.Fatal("snapshot kept after full sync without it")
+	}
+	for _, tc := range []struct {
+		name  string
+		from  *Stream
+		ev    *kvcv1.SessionEvent
+		check func(r *kvcv1.SessionRecord) bool
+	}{
+		{"commit new session makes it resident", d0, &kvcv1.SessionEvent{SessionId: "n", Kind: kvcv1.SessionEventKind_SESSION_EVENT_KIND_COMMITTED, KvLen: 100},
+			func(r *kvcv1.SessionRecord) bool { return r.GetDecodeWorker() == "d0" && r.GetKvCommittedLen() == 100 }},
+		{"commit from another D does not move it", d1, &kvcv1.SessionEvent{SessionId: "n", Kind: kvcv1.SessionEventKind_SESSION_EVENT_KIND_COMMITTED, KvLen: 999},
+			func(r *kvcv1.SessionRecord) bool { return r.GetDecodeWorker() == "d0" && r.GetKvCommittedLen() == 100 }},
+		{"release from another D is ignored", d1, &kvcv1.SessionEvent{SessionId: "n", Kind: kvcv1.SessionEventKind_SESSION_EVENT_KIND_RELEASED},
+			func(r *kvcv1.SessionRecord) bool { return r.GetDecodeWorker() == "d0" }},
+		{"evict clears residency", d0, &kvcv1.SessionEvent{SessionId: "n", Kind: kvcv1.SessionEventKind_SESSION_EVENT_KIND_EVICTED},
+			func(r *kvcv1.SessionRecord) bool { return r.GetDecodeWorker() == "" && r.GetPreviousDecodeWorker() == "d0" }},
+		{"snapshot ingested", p0, &kvcv1.SessionEvent{SessionId: "n", Kind: kvcv1.SessionEventKind_SESSION_EVENT_KIND_SNAPSHOT_INGESTED, KvLen: 64, Generation: 3, Bytes: 1 << 20},
+			func(r *kvcv1.SessionRecord) bool {
+				return r.GetSnapshot().GetSeqlen() == 64 && r.GetSnapshot().GetGeneration() == 3
+			}},
+		{"evict of an older generation keeps the snapshot", p0, &kvcv1.SessionEvent{SessionId: "n", Kind: kvcv1.SessionEventKind_SESSION_EVENT_KIND_SNAPSHOT_EVICTED, Generation: 2},
+			func(r *kvcv1.SessionRecord) bool { return r.GetSnapshot() != nil }},
+		{"snapshot evicted", p0, &kvcv1.SessionEvent{SessionId: "n", Kind: kvcv1.SessionEventKind_SESSION_EVENT_KIND_SNAPSHOT_EVICTED, Generation: 3},
+			func(r *kvcv1.SessionRecord) bool { return r.GetSnapshot() == nil }},
+		{"transfer failed changes nothing", d0, &kvcv1.SessionEvent{SessionId: "n", Kind: kvcv1.SessionEventKind_SESSION_EVENT_KIND_TRANSFER_FAILED},
+			func(r *kvcv1.SessionRecord) bool { return r.GetDecodeWorker() == "" }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			must(t, st.ApplyEvent(tc.from, tc.ev))
+			r, ok := st.Session("n")
+			if !ok || !tc.check(r) {
+				t.Fatalf("record %v", r)
+			}
+		})
+	}
+}
+
+func TestCommands(t *testing.T) {
+	f := newFixture(t, Config{CommandQueue: 2})
+	st := f.st
+	s0, _ := st.Attach(hello("d0", kvcv1.WorkerRole_WORKER_ROLE_DECODE))
+	if err := st.SendCommand("nobody", &kvcv1.Command{}); !errors.Is(err, ErrNoStream) {
+		t.Fatalf("no stream: %v", err)
+	}
+	c1 := &kvcv1.Command{Action: &kvcv1.Command_Drain{Drain: &kvcv1.DrainCommand{}}}
+	c2 := &kvcv1.Command{Action: &kvcv1.Command_Drain{Drain: &kvcv1.DrainCommand{}}}
+	must(t, st.SendCommand("d0", c1))
+	must(t, st.SendCommand("d0", c2))
+	if err := st.SendCommand("d0", &kvcv1.Command{}); !errors.Is(err, ErrQueueFull) {
+		t.Fatalf("full queue: %v", err)
+	}
+	if c1.GetEpoch() != st.Epoch() || c2.GetCommandId() <= c1.GetCommandId() {
+		t.Fatalf("ids/epoch: %v %v", c1, c2)
+	}
+	got := <-s0.Queue()
+	if got.GetCommand().GetCommandId() != c1.GetCommandId() {
+		t.Fatal("queue order")
+	}
+	if !st.Ack(s0, &kvcv1.CommandAck{CommandId: c1.GetCommandId(), Ok: true}) {
+		t.Fatal("ack of a sent command refused")
+	}
+	if st.Ack(s0, &kvcv1.CommandAck{CommandId: c1.GetCommandId(), Ok: true}) {
+		t.Fatal("double ack accepted")
+	}
+	if st.Ack(s0, &kvcv1.CommandAck{CommandId: 999999}) {
+		t.Fatal("ack of an unknown command accepted")
+	}
+	// Drain: persisted flag, DRAINING state, command queued.
+	<-s0.Queue()
+	w, err := st.Drain("d0", true)
+	if err != nil || !w.GetDraining() || w.GetState() != kvcv1.WorkerState_WORKER_STATE_DRAINING {
+		t.Fatalf("drain: %v %v", w, err)
+	}
+	if !(<-s0.Queue()).GetCommand().GetDrain().GetDraining() {
+		t.Fatal("no drain command")
+	}
+	if _, err := st.Drain("nobody", true); !errors.Is(err, ErrUnknownWorker) {
+		t.Fatalf("drain unknown: %v", err)
+	}
+	must(t, st.Flush(t.Context()))
+	pw, ok, _ := f.store.GetWorker(t.Context(), "d0")
+	if !ok || !pw.GetDraining() {
+		t.Fatalf("persisted worker %v", pw)
+	}
+}
+
+func TestUpdatePolicy(t *testing.T) {
+	f := newFixture(t, Config{SessionTTL: time.Hour})
+	st := f.st
+	s0, _ := st.Attach(hello("d0", kvcv1.WorkerRole_WORKER_ROLE_DECODE))
+	if st.Policy().GetSessionTtlMs() != time.Hour.Milliseconds() || st.Policy().GetDirectMaxUncachedTokens() != 8192 {
+		t.Fatalf("defaults %v", st.Policy())
+	}
+	p, err := st.UpdatePolicy(t.Context(), &kvcv1.Policy{SeedMinTurn: proto.Int32(2), Version: 77})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p.GetSeedMinTurn() != 2 || p.GetVersion() != 1 || p.GetMigrationRejectThreshold() != 3 {
+		t.Fatalf("merged %v", p)
+	}
+	p, err = st.UpdatePolicy(t.Context(), &kvcv1.Policy{DCapacityHeadroom: proto.Float64(0.1)})
+	if err != nil || p.GetSeedMinTurn() != 2 || p.GetVersion() != 2 {
+		t.Fatalf("second update %v %v", p, err)
+	}
+	_, err = st.UpdatePolicy(t.Context(), &kvcv1.Policy{MigrationRejectThreshold: proto.Int32(0)})
+	if !errors.Is(err, ErrInvalidPolicy) || !strings.Contains(err.Error(), "migration_reject_threshold") {
+		t.Fatalf("invalid update: %v", err)
+	}
+	if st.Policy().GetVersion() != 2 {
+		t.Fatal("rejected update changed the policy")
+	}
+	stored, ok, _ := f.store.GetPolicy(t.Context())
+	if !ok || stored.GetVersion() != 2 || stored.DirectMaxUncachedTokens != nil {
+		t.Fatalf("stored overrides %v", stored)
+	}
+	n := 0
+	for len(s0.Queue()) > 0 {
+		if (<-s0.Queue()).GetCommand().GetUpdatePolicy() != nil {
+			n++
+		}
+	}
+	if n != 2 {
+		t.Fatalf("%d policy pushes, want 2", n)
+	}
+}
+
+func TestValidatePolicy(t *testing.T) {
+	full := DefaultPolicy(0, 0)
+	if err := ValidatePolicy(full); err != nil {
+		t.Fatalf("defaults invalid: %v", err)
+	}
+	for _, tc := range []struct {
+		name string
+		p    *kvcv1.Policy
+		want string
+	}{
+		{"nil", nil, "required"},
+		{"negative direct", &kvcv1.Policy{DirectMaxUncachedTokens: proto.Int64(-1)}, "direct_max_uncached_tokens"},
+		{"threshold 0", &kvcv1.Policy{MigrationRejectThreshold: proto.Int32(0)}, "migration_reject_threshold"},
+		{"headroom 1", &kvcv1.Policy{DCapacityHeadroom: proto.Float64(1)}, "d_capacity_headroom"},
+		{"headroom negative", &kvcv1.Policy{DCapacityHeadroom: proto.Float64(-0.1)}, "d_capacity_headroom"},
+		{"unknown enum", &kvcv1.Policy{PrefillBackupPolicy: kvcv1.PrefillBackupPolicy(42).Enum()}, "prefill_backup_policy"},
+		{"unspecified enum", &kvcv1.Policy{PrefillBackupPolicy: kvcv1.PrefillBackupPolicy_PREFILL_BACKUP_POLICY_UNSPECIFIED.Enum()}, "prefill_backup_policy"},
+		{"delta 0", &kvcv1.Policy{SnapshotDeltaTokens: proto.Int64(0)}, "snapshot_delta_tokens"},
+		{"ttl tiny", &kvcv1.Policy{SessionTtlMs: proto.Int64(5)}, "session_ttl_ms"},
+		{"bad worker key", &kvcv1.Policy{MaxConcurrentTransfersPerWorker: map[string]int32{"a/b": 1}}, "forbidden"},
+		{"negative grace", &kvcv1.Policy{UnreachableGraceMs: proto.Int64(-1)}, "unreachable_grace_ms"},
+		{"ok partial", &kvcv1.Policy{SeedMinTurn: proto.Int32(1)}, ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			err := ValidatePolicy(tc.p)
+			if tc.want == "" {
+				if err != nil {
+					t.Fatal(err)
+				}
+				return
+			}
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("err %v, want mention of %q", err, tc.want)
+			}
+		})
+	}
+	m := MergePolicyUpdate(&kvcv1.Policy{MaxConcurrentTransfersPerWorker: map[string]int32{"a": 1, "b": 2}},
+		&kvcv1.Policy{MaxConcurrentTransfersPerWorker: map[string]int32{"a": -1, "c": 3}})
+	if len(m.MaxConcurrentTransfersPerWorker) != 2 || m.MaxConcurrentTransfersPerWorker["c"] != 3 {
+		t.Fatalf("per-worker merge %v", m.MaxConcurrentTransfersPerWorker)
+	}
+}
+
+func TestExpireIdle(t *testing.T) {
+	f := newFixture(t, Config{SessionTTL: time.Minute})
+	st := f.st
+	now := time.Now()
+	st.UpdateSession("old", func(r *kvcv1.SessionRecord) { r.LastSeenUnixMs = now.Add(-2 * time.Minute).UnixMilli(); r.DecodeWorker = "d0" })
+	st.UpdateSession("new", func(r *kvcv1.SessionRecord) { r.LastSeenUnixMs = now.UnixMilli() })
+	if n := st.ExpireIdle(now); n != 1 {
+		t.Fatalf("expired %d", n)
+	}
+	if _, ok := st.Session("old"); ok {
+		t.Fatal("old kept")
+	}
+	if recs, _ := st.ListSessions("", 10, "d0"); len(recs) != 0 {
+		t.Fatal("index kept an expired session")
+	}
+	must(t, st.Flush(t.Context()))
+	if _, ok, _ := f.store.GetSession(t.Context(), "old"); ok {
+		t.Fatal("expired session still in etcd")
+	}
+}
+
+func TestListSessionsPaging(t *testing.T) {
+	f := newFixture(t, Config{})
+	for i := range 25 {
+		f.st.UpdateSession(fmt.Sprintf("s%02d", i), func(r *kvcv1.SessionRecord) {})
+	}
+	var all []string
+	tok := ""
+	for {
+		recs, next := f.st.ListSessions(tok, 10, "")
+		for _, r := range recs {
+			all = append(all, r.GetSessionId())
+		}
+		if next == "" {
+			break
+		}
+		tok = next
+	}
+	if len(all) != 25 || all[0] != "s00" || all[24] != "s24" {
+		t.Fatalf("paged %v", all)
+	}
+}
+
+func must(t *testing.T, err error) {
+	t.Helper()
+	if err != nil {
+		t.Fatal(err)
+	}
+}

@@ -1,0 +1,214 @@
+package state
+
+import (
+	"sync"
+	"time"
+
+	"google.golang.org/protobuf/proto"
+
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+// maxPendingAcks bounds the commands tracked per stream while waiting for their acks.
+const maxPendingAcks = 4096
+
+// Stream is a live sidecar stream as the state sees it: an outgoing command queue and the
+// commands awaiting acks.
+type Stream struct {
+	WorkerID string
+	Role     kvcv1.WorkerRole
+
+	q         chan *kvcv1.ConnectResponse
+	done      chan struct{}
+	closeOnce sync.Once
+
+	mu      sync.Mutex
+	pending map[uint64]time.Time
+}
+
+// Queue is the stream's outgoing messages, for its send loop.
+func (st *Stream) Queue() <-chan *kvcv1.ConnectResponse { return st.q }
+
+// Done is closed when the state closes the stream (leadership ended).
+func (st *Stream) Done() <-chan struct{} { return st.done }
+
+func (st *Stream) close() { st.closeOnce.Do(func() { close(st.done) }) }
+
+// Attach registers a sidecar's stream after its hello (already validated). It refuses a
+// second live stream for the same worker id (ErrDuplicate) and a hello that has seen a newer
+// epoch than ours (ErrStaleLeader).
+func (s *State) Attach(h *kvcv1.Hello) (*Stream, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.term == nil {
+		return nil, ErrNotLeader
+	}
+	if h.GetLastEpochSeen() > s.epoch.Load() {
+		return nil, ErrStaleLeader
+	}
+	id := h.GetWorkerId()
+	e, ok := s.workers[id]
+	if ok && e.stream != nil {
+		return nil, ErrDuplicate
+	}
+	now := time.Now().UnixMilli()
+	if !ok {
+		e = &workerEntry{w: &kvcv1.Worker{WorkerId: id, RegisteredUnixMs: now}}
+		s.workers[id] = e
+	}
+	if e.grace != nil {
+		e.grace.Stop()
+		e.grace = nil
+	}
+	if old := e.w.GetRole(); old != kvcv1.WorkerRole_WORKER_ROLE_UNSPECIFIED && old != h.GetRole() {
+		s.dropResidencyLocked(id) // the worker changed role: what it held before is gone
+	}
+	e.gen++
+	st := &Stream{
+		WorkerID: id, Role: h.GetRole(),
+		q:       make(chan *kvcv1.ConnectResponse, s.cfg.CommandQueue),
+		done:    make(chan struct{}),
+		pending: make(map[uint64]time.Time),
+	}
+	e.stream = st
+	s.setWorkerLocked(e, true, func(w *kvcv1.Worker) {
+		w.Role = h.GetRole()
+		w.Node = h.GetNode()
+		w.GpuIndex = h.GetGpuIndex()
+		w.WorkerUrl = h.GetWorkerUrl()
+		w.TransferEndpoint = h.GetTransferEndpoint()
+		w.Transport = h.GetTransport()
+		w.KvCapacityTokens = h.GetKvCapacityTokens()
+		w.KvBytesPerToken = h.GetKvBytesPerToken()
+		w.PeerAddr = h.GetPeerAddr()
+		w.State = kvcv1.WorkerState_WORKER_STATE_READY
+		if w.GetDraining() {
+			w.State = kvcv1.WorkerState_WORKER_STATE_DRAINING
+		}
+		w.UnreachableSinceUnixMs = 0
+		w.LastHeartbeatUnixMs = now
+		w.ConnectedTo = s.cfg.NodeID
+		if w.RegisteredUnixMs == 0 {
+			w.RegisteredUnixMs = now
+		}
+	})
+	s.log.Info().Str("worker", id).Str("role", h.GetRole().String()).Msg("sidecar connected")
+	return st, nil
+}
+
+// Detach marks the stream's worker UNREACHABLE at once and starts its grace timer: unless it
+// reconnects, its residency is dropped when the grace period ends.
+func (s *State) Detach(st *Stream) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	st.close()
+	e, ok := s.workers[st.WorkerID]
+	if !ok || e.stream != st {
+		return
+	}
+	e.stream = nil
+	e.gen++
+	if s.term == nil {
+		return
+	}
+	s.setWorkerLocked(e, true, func(w *kvcv1.Worker) {
+		w.State = kvcv1.WorkerState_WORKER_STATE_UNREACHABLE
+		w.UnreachableSinceUnixMs = time.Now().UnixMilli()
+		w.ConnectedTo = ""
+	})
+	s.startGraceLocked(e)
+	s.log.Warn().Str("worker", st.WorkerID).Msg("sidecar stream dropped: worker unreachable")
+}
+
+func (s *State) startGraceLocked(e *workerEntry) {
+	grace := time.Duration(s.Policy().GetUnreachableGraceMs()) * time.Millisecond
+	id, gen, term := e.w.GetWorkerId(), e.gen, s.term
+	e.grace = time.AfterFunc(grace, func() { s.graceExpired(term, id, gen) })
+}
+
+func (s *State) graceExpired(term *Term, id string, gen uint64) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.term != term || term == nil {
+		return
+	}
+	e, ok := s.workers[id]
+	if !ok || e.gen != gen || e.stream != nil {
+		return
+	}
+	n := s.dropResidencyLocked(id)
+	s.log.Warn().Str("worker", id).Int("sessions", n).Msg("unreachable grace over: residency dropped")
+}
+
+// dropResidencyLocked clears every session's residency and snapshot on worker id.
+func (s *State) dropResidencyLocked(id string) int {
+	n := 0
+	for _, sid := range keys(s.byDecode[id]) {
+		rec := s.sessions[sid]
+		oldP := rec.GetSnapshot().GetPrefillWorker()
+		rec.PreviousDecodeWorker = id
+		rec.DecodeWorker = ""
+		s.changedLocked(rec, id, oldP)
+		n++
+	}
+	for _, sid := range keys(s.bySnap[id]) {
+		rec := s.sessions[sid]
+		rec.Snapshot = nil
+		s.changedLocked(rec, rec.GetDecodeWorker(), id)
+		n++
+	}
+	s.m.dropped.Add(float64(n))
+	return n
+}
+
+func keys(m map[string]struct{}) []string {
+	out := make([]string, 0, len(m))
+	for k := range m {
+		out = append(out, k)
+	}
+	return out
+}
+
+// ApplyLoad records a load report (memory only: load is not persisted).
+func (s *State) ApplyLoad(st *Stream, load *kvcv1.WorkerLoad) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	e, ok := s.workers[st.WorkerID]
+	if !ok || e.stream != st {
+		return ErrNoStream
+	}
+	s.setWorkerLocked(e, false, func(w *kvcv1.Worker) {
+		w.Load = proto.Clone(load).(*kvcv1.WorkerLoad)
+		w.LastHeartbeatUnixMs = time.Now().UnixMilli()
+	})
+	return nil
+}
+
+// Drain sets (or clears) a worker's draining flag, persists it and, when the worker is
+// connected, sends it a DrainCommand.
+func (s *State) Drain(id string, draining bool) (*kvcv1.Worker, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.term == nil {
+		return nil, ErrNotLeader
+	}
+	e, ok := s.workers[id]
+	if !ok {
+		return nil, ErrUnknownWorker
+	}
+	s.setWorkerLocked(e, true, func(w *kvcv1.Worker) {
+		w.Draining = draining
+		if w.GetState() != kvcv1.WorkerState_WORKER_STATE_UNREACHABLE {
+			w.State = kvcv1.WorkerState_WORKER_STATE_READY
+			if draining {
+				w.State = kvcv1.WorkerState_WORKER_STATE_DRAINING
+			}
+		}
+	})
+	if e.stream != nil {
+		if err := s.sendLocked(e.stream, &kvcv1.Command{Action: &kvcv1.Command_Drain{Drain: &kvcv1.DrainCommand{Draining: draining}}}); err != nil {
+			s.log.Warn().Err(err).Str("worker", id).Msg("drain command not sent")
+		}
+	}
+	return e.w, nil
+}
