@@ -221,7 +221,9 @@ func TestReconcileAndEvents(t *testing.T) {
 		{"release from another D is ignored", d1, &kvcv1.SessionEvent{SessionId: "n", Kind: kvcv1.SessionEventKind_SESSION_EVENT_KIND_RELEASED},
 			func(r *kvcv1.SessionRecord) bool { return r.GetDecodeWorker() == "d0" }},
 		{"evict clears residency", d0, &kvcv1.SessionEvent{SessionId: "n", Kind: kvcv1.SessionEventKind_SESSION_EVENT_KIND_EVICTED},
-			func(r *kvcv1.SessionRecord) bool { return r.GetDecodeWorker() == "" && r.GetPreviousDecodeWorker() == "d0" }},
+			func(r *kvcv1.SessionRecord) bool {
+				return r.GetDecodeWorker() == "" && r.GetPreviousDecodeWorker() == "d0"
+			}},
 		{"snapshot ingested", p0, &kvcv1.SessionEvent{SessionId: "n", Kind: kvcv1.SessionEventKind_SESSION_EVENT_KIND_SNAPSHOT_INGESTED, KvLen: 64, Generation: 3, Bytes: 1 << 20},
 			func(r *kvcv1.SessionRecord) bool {
 				return r.GetSnapshot().GetSeqlen() == 64 && r.GetSnapshot().GetGeneration() == 3
@@ -379,7 +381,10 @@ func TestExpireIdle(t *testing.T) {
 	f := newFixture(t, Config{SessionTTL: time.Minute})
 	st := f.st
 	now := time.Now()
-	st.UpdateSession("old", func(r *kvcv1.SessionRecord) { r.LastSeenUnixMs = now.Add(-2 * time.Minute).UnixMilli(); r.DecodeWorker = "d0" })
+	st.UpdateSession("old", func(r *kvcv1.SessionRecord) {
+		r.LastSeenUnixMs = now.Add(-2 * time.Minute).UnixMilli()
+		r.DecodeWorker = "d0"
+	})
 	st.UpdateSession("new", func(r *kvcv1.SessionRecord) { r.LastSeenUnixMs = now.UnixMilli() })
 	if n := st.ExpireIdle(now); n != 1 {
 		t.Fatalf("expired %d", n)
