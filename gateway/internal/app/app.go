@@ -1,0 +1,97 @@
+package app
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"os"
+
+	"golang.org/x/sync/errgroup"
+
+	"github.com/kvcentric/kvcentric/gateway/internal/api"
+	"github.com/kvcentric/kvcentric/gateway/internal/config"
+	"github.com/kvcentric/kvcentric/gateway/internal/routeclient"
+	"github.com/kvcentric/kvcentric/gateway/internal/server"
+	"github.com/kvcentric/kvcentric/gateway/internal/workers"
+	"github.com/kvcentric/kvcentric/pkg/obs"
+)
+
+// Run serves until ctx ends. logOut receives the logs.
+func Run(ctx context.Context, cfg *config.Config, logOut io.Writer) error {
+	log, err := obs.NewLogger(logOut, cfg.LogLevel, cfg.LogFormat, "kvc-gateway")
+	if err != nil {
+		return err
+	}
+	reg := obs.NewRegistry()
+	m := server.NewMetrics(reg)
+
+	conv := func(ws []config.Worker) []workers.Worker {
+		out := make([]workers.Worker, 0, len(ws))
+		for i, w := range ws {
+			out = append(out, workers.Worker{ID: fmt.Sprintf("static-%d", i), URL: w.URL, PeerAddr: w.PeerAddr})
+		}
+		return out
+	}
+	pool := workers.NewPool(conv(cfg.PrefillURLs), conv(cfg.DecodeURLs))
+
+	var rc *routeclient.Client
+	var router server.Router
+	if len(cfg.ControlPlanes) > 0 {
+		rc = routeclient.New(cfg.ControlPlanes, cfg.RouteTimeout, log, routeclient.Observer{
+			Connected: func(addr string, up bool) {
+				if up {
+					m.CPConnected.Set(1)
+					log.Info().Str("addr", addr).Msg("route stream up")
+				} else {
+					m.CPConnected.Set(0)
+				}
+			},
+			Orphan: m.Orphans.Inc,
+		})
+		router = rc
+	}
+	srv := server.New(router, pool, server.Options{
+		RequestTimeout: cfg.RequestTimeout, ConnectTimeout: cfg.ConnectTimeout, MaxBodyBytes: cfg.MaxBodyBytes,
+		Parse: api.Options{RequireSession: cfg.RequireSession, DefaultMaxTok: cfg.DefaultMaxTok},
+	}, log, m)
+	defer srv.Close()
+
+	lis, err := net.Listen("tcp", cfg.HTTPAddr)
+	if err != nil {
+		return fmt.Errorf("listen %s: %w", cfg.HTTPAddr, err)
+	}
+	var ready obs.Ready
+	hs := obs.NewHTTPServer(reg, &ready)
+	srv.Register(hs.Mux)
+
+	g, gctx := errgroup.WithContext(ctx)
+	g.Go(func() error { return hs.Serve(gctx, lis) })
+	if rc != nil {
+		g.Go(func() error { return rc.Run(gctx) })
+		g.Go(func() error {
+			return pool.Refresh(gctx, cfg.ControlPlanes, cfg.WorkerRefresh, log, func(ok bool) {
+				if ok {
+					m.Refresh.WithLabelValues("ok").Inc()
+				} else {
+					m.Refresh.WithLabelValues("failed").Inc()
+				}
+			})
+		})
+	}
+	// Fail-open serving works without a control plane, so the gateway is ready once it listens.
+	ready.Set(true)
+	addr := lis.Addr().String()
+	if err := obs.WriteReadyFile(cfg.ReadyFile, map[string]any{"pid": os.Getpid(), "http_addr": addr}); err != nil {
+		log.Error().Err(err).Msg("ready file")
+	}
+	if _, err := obs.SdNotify("READY=1"); err != nil {
+		log.Warn().Err(err).Msg("sd_notify")
+	}
+	np, nd := pool.Sizes()
+	log.Info().Str("http_addr", addr).Strs("control_planes", cfg.ControlPlanes).Int("failopen_prefill", np).Int("failopen_decode", nd).
+		Dur("request_timeout", cfg.RequestTimeout).Dur("route_timeout", cfg.RouteTimeout).Msg("kvc-gateway serving")
+	err = g.Wait()
+	_, _ = obs.SdNotify("STOPPING=1")
+	return err
+}

@@ -1,0 +1,54 @@
+package server
+
+import (
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// Metrics are the gateway's Prometheus series.
+type Metrics struct {
+	Requests     *prometheus.CounterVec
+	FailOpen     *prometheus.CounterVec
+	BadRequests  *prometheus.CounterVec
+	TTFT         *prometheus.HistogramVec
+	Latency      *prometheus.HistogramVec
+	RouteLatency prometheus.Histogram
+	Retries      prometheus.Counter
+	Inflight     prometheus.Gauge
+	CPConnected  prometheus.Gauge
+	Orphans      prometheus.Counter
+	Refresh      *prometheus.CounterVec
+	Outcomes     *prometheus.CounterVec
+}
+
+// NewMetrics registers the series on reg.
+func NewMetrics(reg prometheus.Registerer) *Metrics {
+	buckets := []float64{.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 180}
+	m := &Metrics{
+		Requests: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvc_gateway_requests_total",
+			Help: "Client requests finished, by API, executed mode and result (ok or an error kind)."}, []string{"api", "mode", "result"}),
+		FailOpen: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvc_gateway_failopen_total",
+			Help: "Requests served as plain P/D round robin without a control-plane decision, by reason."}, []string{"reason"}),
+		BadRequests: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvc_gateway_bad_requests_total",
+			Help: "Requests refused before routing, by error code."}, []string{"code"}),
+		TTFT: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "kvc_gateway_ttft_seconds",
+			Help: "Time to first token measured at the gateway, by executed mode.", Buckets: buckets}, []string{"mode"}),
+		Latency: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "kvc_gateway_request_seconds",
+			Help: "End-to-end request latency at the gateway, by executed mode.", Buckets: buckets}, []string{"mode"}),
+		RouteLatency: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "kvc_gateway_route_seconds",
+			Help: "Time to get a routing decision over the Route stream.", Buckets: prometheus.ExponentialBuckets(0.0001, 4, 10)}),
+		Retries: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_gateway_retries_total",
+			Help: "Requests retried through a new decision after D answered 409 session_not_resident."}),
+		Inflight: prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvc_gateway_inflight_requests", Help: "Requests in flight."}),
+		CPConnected: prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvc_gateway_control_plane_connected",
+			Help: "1 while a Route stream to the control-plane leader is up; 0 means the gateway fails open."}),
+		Orphans: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_gateway_orphan_decisions_total",
+			Help: "Decisions that arrived after the route timeout (released at once with an ABORTED outcome)."}),
+		Refresh: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvc_gateway_worker_refresh_total",
+			Help: "Fail-open worker list refreshes from AdminService/ListWorkers, by result."}, []string{"result"}),
+		Outcomes: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvc_gateway_outcomes_reported_total",
+			Help: "RouteOutcomes sent to the control plane, by result (sent or lost)."}, []string{"result"}),
+	}
+	reg.MustRegister(m.Requests, m.FailOpen, m.BadRequests, m.TTFT, m.Latency, m.RouteLatency, m.Retries,
+		m.Inflight, m.CPConnected, m.Orphans, m.Refresh, m.Outcomes)
+	return m
+}

@@ -1,0 +1,186 @@
+package server
+
+import (
+	"encoding/json"
+	"net/http"
+	"strconv"
+	"strings"
+
+	"github.com/kvcentric/kvcentric/gateway/internal/api"
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+// sink writes the client's answer: SSE for streaming requests (OpenAI chunks or SGLang chunks
+// passed through), one JSON document otherwise. Nothing is written before the first token, so a
+// request can still be retried or answered with a plain HTTP error until then.
+type sink struct {
+	w       http.ResponseWriter
+	rc      *http.ResponseController
+	req     *api.Request
+	started bool // headers and status written
+	retries int
+
+	acc        strings.Builder // text so far (deltas)
+	chunks     int
+	cumulative bool // the worker streams cumulative text (SGLang's default)
+	id         string
+}
+
+func newSink(w http.ResponseWriter, req *api.Request) *sink {
+	prefix := "cmpl-"
+	if req.Kind == api.Chat {
+		prefix = "chatcmpl-"
+	}
+	return &sink{w: w, rc: http.NewResponseController(w), req: req, id: prefix + req.RID}
+}
+
+func (s *sink) routeHeaders(p *plan, req *api.Request) {
+	h := s.w.Header()
+	h.Set("X-KVC-Mode", modeName(p.mode))
+	h.Set("X-KVC-Reason", p.reason)
+	if p.decisionID != "" {
+		h.Set("X-KVC-Decision-Id", p.decisionID)
+	}
+	h.Set("X-KVC-Fail-Open", strconv.FormatBool(p.failOpen))
+	h.Set("X-KVC-Retries", strconv.Itoa(s.retries))
+	h.Set("X-KVC-Input-Tokens", strconv.FormatInt(req.InputTokens, 10))
+	h.Set("X-KVC-Cached-Tokens", strconv.FormatInt(p.cached, 10))
+	if p.decode != nil {
+		h.Set("X-KVC-Decode-Worker", p.decode.GetWorkerId())
+	}
+	h.Set("X-Request-Id", req.RID)
+}
+
+func (s *sink) begin(p *plan, req *api.Request) {
+	if s.started || !req.Stream {
+		return
+	}
+	s.routeHeaders(p, req)
+	h := s.w.Header()
+	h.Set("Content-Type", "text/event-stream")
+	h.Set("Cache-Control", "no-cache")
+	s.w.WriteHeader(http.StatusOK)
+	s.started = true
+}
+
+func (s *sink) event(payload []byte) error {
+	if _, err := s.w.Write([]byte("data: ")); err != nil {
+		return err
+	}
+	if _, err := s.w.Write(payload); err != nil {
+		return err
+	}
+	if _, err := s.w.Write([]byte("\n\n")); err != nil {
+		return err
+	}
+	return s.rc.Flush()
+}
+
+// delta turns a worker chunk's text into the new text, whether the worker streams cumulative
+// text (SGLang's default) or increments; the style is fixed by the second chunk.
+func (s *sink) delta(text string) string {
+	s.chunks++
+	acc := s.acc.String()
+	if s.chunks == 2 && len(acc) > 0 && len(text) > len(acc) && strings.HasPrefix(text, acc) {
+		s.cumulative = true
+	}
+	d := text
+	if s.cumulative {
+		if strings.HasPrefix(text, acc) {
+			d = text[len(acc):]
+		}
+	}
+	s.acc.WriteString(d)
+	return d
+}
+
+func (s *sink) chunk(raw []byte, text string) error {
+	d := s.delta(text)
+	if !s.req.Stream {
+		return nil
+	}
+	if s.req.Kind == api.Generate {
+		return s.event(raw) // SGLang format: pass the worker's chunk through (meta_info.kvc included)
+	}
+	return s.event(api.Chunk(s.req.Kind, s.id, s.req.Model, d, s.chunks == 1, "", nil, nil))
+}
+
+func (s *sink) info(p *plan, res result) *api.RouteInfo {
+	ri := &api.RouteInfo{Mode: modeName(p.mode), Reason: p.reason, DecisionID: p.decisionID, FailOpen: p.failOpen, Retries: s.retries}
+	if len(res.meta) > 0 {
+		var mi struct {
+			KVC json.RawMessage `json:"kvc"`
+		}
+		if json.Unmarshal(res.meta, &mi) == nil {
+			ri.Worker = mi.KVC
+		}
+	}
+	return ri
+}
+
+func (s *sink) usage(res result) api.Usage {
+	prompt := res.promptTok
+	if prompt == 0 {
+		prompt = s.req.InputTokens
+	}
+	return api.Usage{PromptTokens: prompt, CompletionTokens: res.outputTok, TotalTokens: prompt + res.outputTok}
+}
+
+func finishReason(res result, max int64) string {
+	if res.outputTok >= max {
+		return "length"
+	}
+	return "stop"
+}
+
+func (s *sink) finish(p *plan, res result) {
+	if s.req.Stream {
+		if !s.started { // no token at all (an empty answer)
+			s.begin(p, s.req)
+		}
+		if s.req.Kind != api.Generate {
+			u := s.usage(res)
+			_ = s.event(api.Chunk(s.req.Kind, s.id, s.req.Model, "", false, finishReason(res, s.req.MaxTokens), &u, s.info(p, res)))
+		}
+		_ = s.event([]byte("[DONE]"))
+		return
+	}
+	s.routeHeaders(p, s.req)
+	s.w.Header().Set("Content-Type", "application/json")
+	var body []byte
+	if s.req.Kind == api.Generate {
+		meta := res.meta
+		if len(meta) == 0 {
+			meta = json.RawMessage("{}")
+		}
+		body, _ = json.Marshal(map[string]any{"text": s.acc.String(), "meta_info": meta, "kvc_route": s.info(p, res)})
+	} else {
+		body = api.Full(s.req.Kind, s.id, s.req.Model, s.acc.String(), finishReason(res, s.req.MaxTokens), s.usage(res), s.info(p, res))
+	}
+	s.w.WriteHeader(http.StatusOK)
+	_, _ = s.w.Write(body)
+}
+
+func (s *sink) fail(p *plan, res result) {
+	e := &api.Error{Status: res.status, Code: res.code, Message: res.message}
+	if e.Status == 0 {
+		e.Status, e.Code, e.Message = http.StatusBadGateway, "worker_error", res.detail
+	}
+	errKind := strings.TrimPrefix(res.kind.String(), "ROUTE_ERROR_KIND_")
+	if res.kind == kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_UNSPECIFIED {
+		errKind = "WORKER_ERROR"
+	}
+	if s.started {
+		// Mid-stream: an error event, then the end of the stream.
+		b, _ := json.Marshal(map[string]any{"error": map[string]string{"code": e.Code, "message": e.Message, "kind": errKind}})
+		_ = s.event(b)
+		_ = s.event([]byte("[DONE]"))
+		return
+	}
+	if e.Status == 499 {
+		return // the client is gone; nobody reads this
+	}
+	s.routeHeaders(p, s.req)
+	s.w.Header().Set("X-KVC-Error-Kind", errKind)
+	writeErr(s.w, e, nil)
+}
