@@ -167,4 +167,3 @@ func TestFailOpen(t *testing.T) {
 		})
 	}
 }
-
