@@ -1,0 +1,548 @@
+package worker
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+// KVCMeta is meta_info.kvc of an answer (docs/interfaces.md).
+type KVCMeta struct {
+	Mode            string  `json:"mode"`
+	Role            string  `json:"role"`
+	WorkerID        string  `json:"worker_id"`
+	KVLenAfter      int64   `json:"kv_len_after"`
+	ReceivedBytes   int64   `json:"received_bytes"`
+	VerifiedBytes   int64   `json:"verified_bytes"`
+	VerifyFailures  int64   `json:"verify_failures"`
+	SentBytes       int64   `json:"sent_bytes,omitempty"`
+	TransferMS      float64 `json:"transfer_ms"`
+	TransferRealMS  float64 `json:"transfer_real_ms"`
+	TransferModelMS float64 `json:"transfer_model_ms"`
+	PrefillTokens   int64   `json:"prefill_tokens"`
+	PrefillMS       float64 `json:"prefill_ms"`
+	EvictedSessions int     `json:"evicted_sessions"`
+}
+
+type metaInfo struct {
+	ID               string          `json:"id"`
+	PromptTokens     int64           `json:"prompt_tokens"`
+	CompletionTokens int64           `json:"completion_tokens"`
+	CachedTokens     int64           `json:"cached_tokens"`
+	FinishReason     json.RawMessage `json:"finish_reason,omitempty"`
+	E2ELatency       float64         `json:"e2e_latency,omitempty"`
+	KVC              *KVCMeta        `json:"kvc"`
+}
+
+type answer struct {
+	Text     string   `json:"text"`
+	MetaInfo metaInfo `json:"meta_info"`
+}
+
+func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
+
+func roleName(r kvcv1.WorkerRole) string {
+	if r == kvcv1.WorkerRole_WORKER_ROLE_PREFILL {
+		return "prefill"
+	}
+	return "decode"
+}
+
+// Handler serves the worker HTTP API: POST /generate, GET /health, GET /get_model_info,
+// GET /kvc/sessions.
+func (w *Worker) Register(mux *http.ServeMux) {
+	mux.HandleFunc("POST /generate", w.handleGenerate)
+	mux.HandleFunc("GET /health", func(rw http.ResponseWriter, _ *http.Request) {
+		rw.Header().Set("Content-Type", "text/plain")
+		_, _ = io.WriteString(rw, "ok\n")
+	})
+	mux.HandleFunc("GET /get_model_info", func(rw http.ResponseWriter, _ *http.Request) {
+		writeJSON(rw, http.StatusOK, map[string]any{
+			"model_path": w.cfg.Model, "is_generation": true, "kvc_role": roleName(w.cfg.Role),
+			"worker_id": w.cfg.WorkerID, "page_size": w.cfg.Geometry.PageSize,
+			"kv_capacity_tokens": w.CapacityTokens(),
+		})
+	})
+	mux.HandleFunc("GET /kvc/sessions", func(rw http.ResponseWriter, _ *http.Request) {
+		writeJSON(rw, http.StatusOK, map[string]any{
+			"worker_id": w.cfg.WorkerID, "role": roleName(w.cfg.Role), "stats": w.stats(), "sessions": w.Sessions(),
+		})
+	})
+}
+
+func writeJSON(rw http.ResponseWriter, status int, v any) {
+	rw.Header().Set("Content-Type", "application/json")
+	rw.WriteHeader(status)
+	_ = json.NewEncoder(rw).Encode(v)
+}
+
+func writeError(rw http.ResponseWriter, e *apiError) {
+	writeJSON(rw, e.status, map[string]any{"error": map[string]string{"code": e.code, "message": e.msg}})
+}
+
+func (w *Worker) handleGenerate(rw http.ResponseWriter, r *http.Request) {
+	start := time.Now()
+	mode := "unknown"
+	code := "ok"
+	defer func() { w.m.requests.WithLabelValues(mode, code).Inc() }()
+	fail := func(e *apiError) {
+		code = e.code
+		w.log.Debug().Str("mode", mode).Str("code", e.code).Msg(e.msg)
+		writeError(rw, e)
+	}
+	body, err := io.ReadAll(http.MaxBytesReader(rw, r.Body, maxBodyBytes))
+	if err != nil {
+		fail(errf(http.StatusBadRequest, "bad_request", "reading body: %v", err))
+		return
+	}
+	p, err := parseGenerate(body, w.cfg.Role, w.CapacityTokens())
+	if err != nil {
+		fail(errf(http.StatusBadRequest, "bad_request", "%v", err))
+		return
+	}
+	mode = p.mode.String()
+	if p.rid == "" {
+		p.rid = "sim-" + strconv.FormatInt(time.Now().UnixNano(), 36)
+	}
+	meta := &KVCMeta{Mode: mode, Role: roleName(w.cfg.Role), WorkerID: w.cfg.WorkerID}
+	if w.cfg.Role == kvcv1.WorkerRole_WORKER_ROLE_PREFILL {
+		if e := w.servePrefill(r.Context(), p, meta); e != nil {
+			fail(e)
+			return
+		}
+		w.m.ttft.WithLabelValues(mode).Observe(time.Since(start).Seconds())
+		a := answer{MetaInfo: metaInfo{ID: p.rid, PromptTokens: p.input, CachedTokens: 0, KVC: meta,
+			FinishReason: json.RawMessage(`{"type":"length","length":0}`), E2ELatency: time.Since(start).Seconds()}}
+		if p.stream {
+			sse := newSSE(rw)
+			_ = sse.send(a)
+			sse.done()
+			return
+		}
+		writeJSON(rw, http.StatusOK, a)
+		return
+	}
+	t, e := w.begin(r.Context(), p, meta)
+	if e != nil {
+		fail(e)
+		return
+	}
+	ok := false
+	defer func() { w.finish(t, ok) }()
+	if e := w.decode(r.Context(), rw, t, start); e != nil {
+		code = e.code
+		return
+	}
+	ok = true
+}
+
+// servePrefill runs the prefill half: prefill every input token (P's own prefix cache is out
+// of scope), write their known bytes into this worker's pages, hand them to the sidecar
+// (SendKV) and free them once sent (release-after-transfer).
+func (w *Worker) servePrefill(ctx context.Context, p *plan, meta *KVCMeta) *apiError {
+	pages, _, e := w.allocate(ctx, pagesFor(p.input, w.cfg.Geometry.PageSize), "")
+	if e != nil {
+		return e
+	}
+	defer w.freePages(pages)
+	t0 := time.Now()
+	select {
+	case w.prefillGPU <- struct{}{}:
+	case <-ctx.Done():
+		return ctxError(ctx, "waiting for the prefill GPU")
+	}
+	err := sleepCtx(ctx, w.cfg.Timing.Prefill(p.input))
+	<-w.prefillGPU
+	if err != nil {
+		return ctxError(ctx, "during prefill")
+	}
+	if e := w.fill(p.seedKey, pages, 0, p.input); e != nil {
+		return e
+	}
+	meta.PrefillTokens = p.input
+	meta.PrefillMS = ms(time.Since(t0))
+	w.m.prefillTokens.Add(float64(p.input))
+	t1 := time.Now()
+	sctx, cancel := context.WithTimeout(ctx, w.cfg.TransferTimeout)
+	resp, err := w.bridge.SendKV(sctx, &kvcv1.SendKVRequest{
+		Room: p.room, SessionId: p.seedKey, Pages: pages, FirstPage: 0, Last: true, Tokens: p.input,
+	})
+	cancel()
+	if err != nil {
+		w.m.bridgeErrors.WithLabelValues("SendKV").Inc()
+		return errf(http.StatusBadGateway, "transfer_failed", "SendKV room %d: %v", p.room, err)
+	}
+	meta.SentBytes = resp.GetBytes()
+	meta.TransferRealMS = ms(time.Since(t1))
+	meta.TransferMS = meta.TransferRealMS
+	w.m.sentBytes.Add(float64(resp.GetBytes()))
+	return nil
+}
+
+func ctxError(ctx context.Context, where string) *apiError {
+	if errors.Is(ctx.Err(), context.DeadlineExceeded) {
+		return errf(http.StatusGatewayTimeout, "timeout", "request timed out %s", where)
+	}
+	return errf(499, "aborted", "client went away %s", where)
+}
+
+// turn is one decode request in flight.
+type turn struct {
+	p      *plan
+	meta   *KVCMeta
+	s      *session // nil for a single-shot (anonymous) request
+	pages  []int64  // anonymous requests only
+	unlock func()
+	kv     int64 // tokens of KV computed
+}
+
+func (t *turn) pageList() []int64 {
+	if t.s != nil {
+		return t.s.pages
+	}
+	return t.pages
+}
+
+// begin does everything before the first decode step: lock the session's turn, find or drop
+// its resident KV, allocate pages (evicting if needed), receive and verify transferred KV,
+// append-prefill uncached tokens.
+func (w *Worker) begin(ctx context.Context, p *plan, meta *KVCMeta) (*turn, *apiError) {
+	t := &turn{p: p, meta: meta}
+	ps := w.cfg.Geometry.PageSize
+	need := pagesFor(p.input+p.maxNew, ps)
+	anonymous := p.mode == ModePDFallback && !p.keep
+	if !anonymous {
+		unlock, err := w.lockTurn(ctx, p.sessionID)
+		if err != nil {
+			return nil, ctxError(ctx, "waiting for the session's previous turn")
+		}
+		t.unlock = unlock
+	}
+	fail := func(e *apiError) (*turn, *apiError) {
+		w.finish(t, false)
+		return nil, e
+	}
+	if p.mode == ModeDirectToD {
+		w.mu.Lock()
+		s := w.sessions[p.sessionID]
+		if s == nil || s.kvLen < p.cached {
+			have := int64(-1)
+			if s != nil {
+				have = s.kvLen
+			}
+			w.mu.Unlock()
+			if have < 0 {
+				return fail(errf(http.StatusConflict, "session_not_resident", "session %q is not resident on %s", p.sessionID, w.cfg.WorkerID))
+			}
+			return fail(errf(http.StatusConflict, "session_not_resident",
+				"session %q holds %d tokens on %s, fewer than cached_tokens %d", p.sessionID, have, w.cfg.WorkerID, p.cached))
+		}
+		s.pinned++
+		w.touch(s)
+		t.s = s
+		have := int64(len(s.pages))
+		w.mu.Unlock()
+		if need > have {
+			pages, ev, e := w.allocate(ctx, need-have, p.sessionID)
+			meta.EvictedSessions = ev
+			if e != nil {
+				return fail(e)
+			}
+			w.mu.Lock()
+			s.pages = append(s.pages, pages...)
+			w.mu.Unlock()
+		}
+		t.kv = p.cached
+		if e := w.appendPrefill(ctx, t, p.cached, p.input); e != nil {
+			return fail(e)
+		}
+		return t, nil
+	}
+
+	// The KV arrives by transfer: any resident copy of the session here is stale.
+	if !anonymous {
+		w.mu.Lock()
+		old := w.sessions[p.sessionID]
+		w.mu.Unlock()
+		if old != nil {
+			w.dropSession(old, kvcv1.ReleaseReason_RELEASE_REASON_RELEASED)
+		}
+	}
+	pages, ev, e := w.allocate(ctx, need, p.sessionID)
+	meta.EvictedSessions = ev
+	if e != nil {
+		return fail(e)
+	}
+	if anonymous {
+		t.pages = pages
+	} else {
+		s := &session{id: p.sessionID, pages: pages, pinned: 1}
+		w.mu.Lock()
+		w.touch(s)
+		w.sessions[s.id] = s
+		w.mu.Unlock()
+		t.s = s
+	}
+	kind := kvcv1.TransferKind_TRANSFER_KIND_SEED
+	tokens := p.input
+	if p.mode == ModeReseedSnapshot {
+		kind = kvcv1.TransferKind_TRANSFER_KIND_SNAPSHOT
+		tokens = p.seqlen
+	}
+	if e := w.receive(ctx, t, kind, tokens); e != nil {
+		return fail(e)
+	}
+	t.kv = tokens
+	if p.mode == ModeReseedSnapshot {
+		if e := w.appendPrefill(ctx, t, tokens, p.input); e != nil {
+			return fail(e)
+		}
+	}
+	return t, nil
+}
+
+// receive pre-allocates the pages of tokens [0, tokens) with the sidecar, waits for the
+// transfer, verifies every received token, then adds the modeled link time.
+func (w *Worker) receive(ctx context.Context, t *turn, kind kvcv1.TransferKind, tokens int64) *apiError {
+	p := t.p
+	pages := t.pageList()[:pagesFor(tokens, w.cfg.Geometry.PageSize)]
+	t0 := time.Now()
+	pctx, cancel := context.WithTimeout(ctx, w.cfg.BridgeTimeout)
+	_, err := w.bridge.PrepareReceive(pctx, &kvcv1.PrepareReceiveRequest{
+		Room: p.room, SessionId: p.seedKey, Kind: kind, Pages: pages, Tokens: tokens, SourcePeerAddr: p.peer,
+	})
+	cancel()
+	if err != nil {
+		w.m.bridgeErrors.WithLabelValues("PrepareReceive").Inc()
+		if ctx.Err() != nil {
+			return ctxError(ctx, "in PrepareReceive")
+		}
+		return errf(http.StatusBadGateway, "transfer_failed", "PrepareReceive room %d: %v", p.room, err)
+	}
+	timeout := w.cfg.TransferTimeout
+	if dl, ok := ctx.Deadline(); ok && time.Until(dl) < timeout {
+		timeout = max(time.Until(dl), time.Millisecond)
+	}
+	wctx, cancel := context.WithTimeout(ctx, timeout+5*time.Second)
+	resp, err := w.bridge.WaitReceive(wctx, &kvcv1.WaitReceiveRequest{Room: p.room, TimeoutMs: timeout.Milliseconds()})
+	cancel()
+	realDur := time.Since(t0)
+	w.m.transferSeconds.Observe(realDur.Seconds())
+	if err != nil {
+		w.m.bridgeErrors.WithLabelValues("WaitReceive").Inc()
+		if ctx.Err() != nil {
+			return ctxError(ctx, "waiting for the KV transfer")
+		}
+		return errf(http.StatusBadGateway, "transfer_failed", "WaitReceive room %d: %v", p.room, err)
+	}
+	if !resp.GetOk() {
+		return errf(http.StatusBadGateway, "transfer_failed", "transfer of room %d failed: %s", p.room, resp.GetError())
+	}
+	if resp.GetTokens() != 0 && resp.GetTokens() != tokens {
+		return errf(http.StatusBadGateway, "transfer_failed", "transfer of room %d carried %d tokens, want %d", p.room, resp.GetTokens(), tokens)
+	}
+	checked, bad, err := w.check(p.seedKey, t.pageList(), 0, tokens)
+	if err != nil {
+		return errf(http.StatusInternalServerError, "internal", "verifying room %d: %v", p.room, err)
+	}
+	t.meta.ReceivedBytes = resp.GetBytes()
+	t.meta.VerifyFailures = bad
+	t.meta.VerifiedBytes = checked - bad*int64(w.cfg.Geometry.BytesPerToken)
+	w.m.receivedBytes.Add(float64(resp.GetBytes()))
+	w.m.verifiedBytes.Add(float64(t.meta.VerifiedBytes))
+	w.m.verifyFailures.Add(float64(bad))
+	if bad > 0 {
+		w.log.Error().Str("session", p.seedKey).Int64("room", p.room).Int64("bad_slots", bad).Msg("received KV does not verify")
+		return errf(http.StatusInternalServerError, "kv_verify_failed",
+			"%d of %d received (token, buffer) slots of room %d do not hold the session's known bytes",
+			bad, tokens*int64(w.cfg.Geometry.Buffers()), p.room)
+	}
+	model := w.cfg.Timing.Transfer(tokens)
+	if err := sleepCtx(ctx, model); err != nil {
+		return ctxError(ctx, "during the modeled transfer")
+	}
+	t.meta.TransferRealMS = ms(realDur)
+	t.meta.TransferModelMS = ms(model)
+	t.meta.TransferMS = ms(realDur + model)
+	return nil
+}
+
+// appendPrefill models the (append-)prefill of tokens [from, to) and writes their known bytes.
+func (w *Worker) appendPrefill(ctx context.Context, t *turn, from, to int64) *apiError {
+	t0 := time.Now()
+	if err := sleepCtx(ctx, w.cfg.Timing.Prefill(to-from)); err != nil {
+		return ctxError(ctx, "during append-prefill")
+	}
+	if e := w.fill(t.p.seedKey, t.pageList(), from, to); e != nil {
+		return e
+	}
+	t.kv = to
+	t.meta.PrefillTokens += to - from
+	t.meta.PrefillMS += ms(time.Since(t0))
+	w.m.prefillTokens.Add(float64(to - from))
+	return nil
+}
+
+// decode runs the decode steps, streaming each token.
+func (w *Worker) decode(ctx context.Context, rw http.ResponseWriter, t *turn, start time.Time) *apiError {
+	p := t.p
+	var sse *sseWriter
+	if p.stream {
+		sse = newSSE(rw)
+	}
+	mi := func(n int64) metaInfo {
+		t.meta.KVLenAfter = p.input + n
+		m := *t.meta
+		return metaInfo{ID: p.rid, PromptTokens: p.input, CompletionTokens: n, CachedTokens: p.cached, KVC: &m}
+	}
+	var text strings.Builder
+	for i := int64(0); i < p.maxNew; i++ {
+		if err := sleepCtx(ctx, w.cfg.Timing.Decode()); err != nil {
+			return ctxError(ctx, "during decode")
+		}
+		if e := w.fill(p.seedKey, t.pageList(), t.kv, t.kv+1); e != nil {
+			return e
+		}
+		t.kv++
+		w.m.decodeTokens.Inc()
+		tok := fmt.Sprintf(" t%d", t.kv-1)
+		if i == 0 {
+			w.m.ttft.WithLabelValues(p.mode.String()).Observe(time.Since(start).Seconds())
+		}
+		if sse != nil {
+			m := mi(i + 1)
+			if i == p.maxNew-1 {
+				m.FinishReason = json.RawMessage(fmt.Sprintf(`{"type":"length","length":%d}`, p.maxNew))
+				m.E2ELatency = time.Since(start).Seconds()
+			}
+			if err := sse.send(answer{Text: tok, MetaInfo: m}); err != nil {
+				return errf(499, "aborted", "client went away during streaming: %v", err)
+			}
+		} else {
+			text.WriteString(tok)
+		}
+	}
+	if p.maxNew == 0 {
+		w.m.ttft.WithLabelValues(p.mode.String()).Observe(time.Since(start).Seconds())
+	}
+	final := mi(p.maxNew)
+	final.FinishReason = json.RawMessage(fmt.Sprintf(`{"type":"length","length":%d}`, p.maxNew))
+	final.E2ELatency = time.Since(start).Seconds()
+	if sse != nil {
+		if p.maxNew == 0 {
+			_ = sse.send(answer{MetaInfo: final})
+		}
+		sse.done()
+		return nil
+	}
+	writeJSON(rw, http.StatusOK, answer{Text: text.String(), MetaInfo: final})
+	return nil
+}
+
+// finish ends a decode turn: a kept session that succeeded is trimmed to its KV and committed
+// to the sidecar (which pushes snapshots from it). A failed direct-to-D turn leaves the session
+// as it was (its KV [0, kv_len) is intact); a failed transfer turn or a not-kept session is
+// dropped.
+func (w *Worker) finish(t *turn, ok bool) {
+	defer func() {
+		if t.unlock != nil {
+			t.unlock()
+		}
+	}()
+	if t.s == nil {
+		w.freePages(t.pages)
+		return
+	}
+	s := t.s
+	w.mu.Lock()
+	s.pinned--
+	w.mu.Unlock()
+	switch {
+	case !t.p.keep:
+		w.dropSession(s, kvcv1.ReleaseReason_RELEASE_REASON_RELEASED)
+		return
+	case !ok && t.p.mode == ModeDirectToD:
+		w.trim(s, s.kvLen)
+		return
+	case !ok:
+		w.dropSession(s, kvcv1.ReleaseReason_RELEASE_REASON_RELEASED)
+		return
+	}
+	pages := w.trim(s, t.kv)
+	ctx, cancel := w.bridgeCtx()
+	_, err := w.bridge.CommitSession(ctx, &kvcv1.CommitSessionRequest{SessionId: s.id, CommittedLen: t.kv, Pages: pages})
+	cancel()
+	if err != nil {
+		w.m.bridgeErrors.WithLabelValues("CommitSession").Inc()
+		w.log.Error().Err(err).Str("session", s.id).Int64("kv_len", t.kv).Msg("CommitSession failed")
+		return
+	}
+	w.mu.Lock()
+	s.committed = true
+	w.mu.Unlock()
+}
+
+// trim sets the session's KV length to kv and frees the pages beyond it; it returns a copy of
+// the remaining page list.
+func (w *Worker) trim(s *session, kv int64) []int64 {
+	keep := pagesFor(kv, w.cfg.Geometry.PageSize)
+	w.mu.Lock()
+	surplus := append([]int64(nil), s.pages[keep:]...)
+	s.pages = s.pages[:keep:keep]
+	s.kvLen = kv
+	pages := append([]int64(nil), s.pages...)
+	w.touch(s)
+	w.mu.Unlock()
+	w.freePages(surplus)
+	return pages
+}
+
+type sseWriter struct {
+	rw      http.ResponseWriter
+	fl      http.Flusher
+	started bool
+}
+
+func newSSE(rw http.ResponseWriter) *sseWriter {
+	fl, _ := rw.(http.Flusher)
+	return &sseWriter{rw: rw, fl: fl}
+}
+
+func (s *sseWriter) send(v any) error {
+	if !s.started {
+		s.rw.Header().Set("Content-Type", "text/event-stream")
+		s.rw.Header().Set("Cache-Control", "no-cache")
+		s.rw.WriteHeader(http.StatusOK)
+		s.started = true
+	}
+	b, err := json.Marshal(v)
+	if err != nil {
+		return err
+	}
+	if _, err := fmt.Fprintf(s.rw, "data: %s\n\n", b); err != nil {
+		return err
+	}
+	if s.fl != nil {
+		s.fl.Flush()
+	}
+	return nil
+}
+
+func (s *sseWriter) done() {
+	if !s.started {
+		s.rw.Header().Set("Content-Type", "text/event-stream")
+		s.rw.WriteHeader(http.StatusOK)
+	}
+	_, _ = io.WriteString(s.rw, "data: [DONE]\n\n")
+	if s.fl != nil {
+		s.fl.Flush()
+	}
+}

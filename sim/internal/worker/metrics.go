@@ -1,0 +1,60 @@
+package worker
+
+import "github.com/prometheus/client_golang/prometheus"
+
+type metrics struct {
+	requests        *prometheus.CounterVec // mode, code
+	ttft            *prometheus.HistogramVec
+	receivedBytes   prometheus.Counter
+	verifiedBytes   prometheus.Counter
+	verifyFailures  prometheus.Counter
+	sentBytes       prometheus.Counter
+	prefillTokens   prometheus.Counter
+	decodeTokens    prometheus.Counter
+	evictions       prometheus.Counter
+	capacityRejects prometheus.Counter
+	bridgeErrors    *prometheus.CounterVec // call
+	transferSeconds prometheus.Histogram
+	residentGauge   prometheus.GaugeFunc
+	usedPagesGauge  prometheus.GaugeFunc
+	freePagesGauge  prometheus.GaugeFunc
+}
+
+func newMetrics(reg prometheus.Registerer, w *Worker) *metrics {
+	m := &metrics{
+		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvc_sim_requests_total", Help: "Generate requests by mode and result code.",
+		}, []string{"mode", "code"}),
+		ttft: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "kvc_sim_ttft_seconds", Help: "Time to first token at the worker, by mode.",
+			Buckets: prometheus.ExponentialBuckets(0.005, 2, 14),
+		}, []string{"mode"}),
+		receivedBytes:   prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_received_bytes_total", Help: "KV bytes received into this worker's pages (real bytes)."}),
+		verifiedBytes:   prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_verified_bytes_total", Help: "Received KV bytes that matched the known pattern."}),
+		verifyFailures:  prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_verify_failures_total", Help: "Received token slots (token x buffer) that did not match the known pattern."}),
+		sentBytes:       prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_sent_bytes_total", Help: "KV bytes this prefill worker's sidecar sent (SendKV)."}),
+		prefillTokens:   prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_prefill_tokens_total", Help: "Tokens (append-)prefilled by the timing model."}),
+		decodeTokens:    prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_decode_tokens_total", Help: "Output tokens decoded."}),
+		evictions:       prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_evictions_total", Help: "Sessions evicted (LRU) to make room."}),
+		capacityRejects: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_capacity_rejections_total", Help: "Requests rejected with no_capacity."}),
+		bridgeErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvc_sim_bridge_errors_total", Help: "Failed WorkerBridge calls to the sidecar.",
+		}, []string{"call"}),
+		transferSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name: "kvc_sim_transfer_wait_seconds", Help: "Real time from PrepareReceive to WaitReceive's answer.",
+			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 16),
+		}),
+	}
+	m.residentGauge = prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvc_sim_resident_sessions", Help: "Sessions resident in the KV pool."},
+		func() float64 { return float64(w.stats().Sessions) })
+	m.usedPagesGauge = prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvc_sim_used_pages", Help: "KV pages in use."},
+		func() float64 { s := w.stats(); return float64(s.PageCount - s.FreePages) })
+	m.freePagesGauge = prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvc_sim_free_pages", Help: "KV pages free."},
+		func() float64 { return float64(w.stats().FreePages) })
+	if reg != nil {
+		reg.MustRegister(m.requests, m.ttft, m.receivedBytes, m.verifiedBytes, m.verifyFailures, m.sentBytes,
+			m.prefillTokens, m.decodeTokens, m.evictions, m.capacityRejects, m.bridgeErrors, m.transferSeconds,
+			m.residentGauge, m.usedPagesGauge, m.freePagesGauge)
+	}
+	return m
+}

@@ -1,0 +1,264 @@
+package worker
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+// Mode is the execution mode of one request on this worker (kvc.mode).
+type Mode int
+
+// Modes, named as in docs/interfaces.md (and RouteMode without its prefix).
+const (
+	ModeDirectToD Mode = iota + 1
+	ModeSeed
+	ModeReseedSnapshot
+	ModeReseedPrefill
+	ModePDFallback
+)
+
+var modeNames = map[Mode]string{
+	ModeDirectToD: "DIRECT_TO_D", ModeSeed: "SEED", ModeReseedSnapshot: "RESEED_SNAPSHOT",
+	ModeReseedPrefill: "RESEED_PREFILL", ModePDFallback: "PD_FALLBACK",
+}
+
+func (m Mode) String() string {
+	if s, ok := modeNames[m]; ok {
+		return s
+	}
+	return "UNKNOWN"
+}
+
+// ParseMode accepts "SEED" or "ROUTE_MODE_SEED" (any case).
+func ParseMode(s string) (Mode, error) {
+	u := strings.TrimPrefix(strings.ToUpper(strings.TrimSpace(s)), "ROUTE_MODE_")
+	for m, n := range modeNames {
+		if n == u {
+			return m, nil
+		}
+	}
+	return 0, fmt.Errorf("unknown kvc.mode %q (want DIRECT_TO_D, SEED, RESEED_SNAPSHOT, RESEED_PREFILL or PD_FALLBACK)", s)
+}
+
+// Limits on what a request may ask for.
+const (
+	maxBodyBytes     = 8 << 20
+	maxNewTokenLimit = 1 << 20
+	defaultMaxNew    = 128
+)
+
+// generateRequest is the subset of SGLang's GenerateReqInput kvc-sim reads, plus the kvc block.
+type generateRequest struct {
+	RID            json.RawMessage `json:"rid"`
+	Text           json.RawMessage `json:"text"`
+	InputIDs       json.RawMessage `json:"input_ids"`
+	SamplingParams *struct {
+		MaxNewTokens *int64 `json:"max_new_tokens"`
+	} `json:"sampling_params"`
+	Stream        bool `json:"stream"`
+	SessionParams *struct {
+		ID string `json:"id"`
+	} `json:"session_params"`
+	BootstrapRoom *json.Number `json:"bootstrap_room"`
+	KVC           *struct {
+		DecisionID      string       `json:"decision_id"`
+		Mode            string       `json:"mode"`
+		Role            string       `json:"role"`
+		SessionID       string       `json:"session_id"`
+		InputTokens     *int64       `json:"input_tokens"`
+		CachedTokens    *int64       `json:"cached_tokens"`
+		Room            *json.Number `json:"room"`
+		PrefillPeerAddr string       `json:"prefill_peer_addr"`
+		SnapshotSeqlen  int64        `json:"snapshot_seqlen"`
+		KeepSession     *bool        `json:"keep_session"`
+	} `json:"kvc"`
+}
+
+// plan is a validated request.
+type plan struct {
+	rid        string
+	decisionID string
+	mode       Mode
+	role       kvcv1.WorkerRole
+	sessionID  string // "" for a single-shot request
+	seedKey    string // key of the known-bytes pattern: session id, else rid, else room
+	input      int64
+	cached     int64
+	maxNew     int64
+	room       int64
+	hasRoom    bool
+	peer       string
+	seqlen     int64
+	keep       bool
+	stream     bool
+}
+
+// transfers reports whether the mode moves KV into (decode) or out of (prefill) this worker.
+func (p *plan) transfers() bool { return p.mode != ModeDirectToD }
+
+func parseRoom(n *json.Number) (int64, bool, error) {
+	if n == nil {
+		return 0, false, nil
+	}
+	v, err := strconv.ParseInt(n.String(), 10, 64)
+	if err != nil || v < 0 {
+		return 0, false, fmt.Errorf("room %q is not an integer in [0, 2^63)", n.String())
+	}
+	return v, true, nil
+}
+
+// parseGenerate validates a /generate body for a worker of role with capacity tokens of KV.
+// Every error is a bad_request.
+func parseGenerate(body []byte, role kvcv1.WorkerRole, capacity int64) (*plan, error) {
+	dec := json.NewDecoder(bytes.NewReader(body))
+	dec.UseNumber()
+	var r generateRequest
+	if err := dec.Decode(&r); err != nil {
+		return nil, fmt.Errorf("malformed JSON body: %v", err)
+	}
+	if dec.More() {
+		return nil, errors.New("malformed JSON body: trailing data after the object")
+	}
+	p := &plan{role: role, stream: r.Stream, maxNew: defaultMaxNew}
+	if len(r.RID) > 0 && string(r.RID) != "null" {
+		if err := json.Unmarshal(r.RID, &p.rid); err != nil {
+			return nil, errors.New("rid must be a string (batch requests are not supported)")
+		}
+		if err := kvcv1.ValidateOptionalID("rid", p.rid); err != nil {
+			return nil, err
+		}
+	}
+	var text string
+	if len(r.Text) > 0 && string(r.Text) != "null" {
+		if err := json.Unmarshal(r.Text, &text); err != nil {
+			return nil, errors.New("text must be a string (batch requests are not supported)")
+		}
+	}
+	var ids []int64
+	if len(r.InputIDs) > 0 && string(r.InputIDs) != "null" {
+		if err := json.Unmarshal(r.InputIDs, &ids); err != nil {
+			return nil, errors.New("input_ids must be a list of integers (batch requests are not supported)")
+		}
+	}
+	if r.SamplingParams != nil && r.SamplingParams.MaxNewTokens != nil {
+		p.maxNew = *r.SamplingParams.MaxNewTokens
+	}
+	room, hasRoom, err := parseRoom(r.BootstrapRoom)
+	if err != nil {
+		return nil, fmt.Errorf("bootstrap_room: %v", err)
+	}
+	p.room, p.hasRoom = room, hasRoom
+	if r.SessionParams != nil {
+		p.sessionID = r.SessionParams.ID
+	}
+	p.mode = ModePDFallback
+	keepSet := false
+	if k := r.KVC; k != nil {
+		p.decisionID = k.DecisionID
+		if k.Mode != "" {
+			if p.mode, err = ParseMode(k.Mode); err != nil {
+				return nil, err
+			}
+		}
+		switch strings.ToLower(k.Role) {
+		case "":
+		case "prefill":
+			if role != kvcv1.WorkerRole_WORKER_ROLE_PREFILL {
+				return nil, errors.New("kvc.role is prefill but this is a decode worker")
+			}
+		case "decode":
+			if role != kvcv1.WorkerRole_WORKER_ROLE_DECODE {
+				return nil, errors.New("kvc.role is decode but this is a prefill worker")
+			}
+		default:
+			return nil, fmt.Errorf("unknown kvc.role %q (want prefill or decode)", k.Role)
+		}
+		if k.SessionID != "" {
+			if p.sessionID != "" && p.sessionID != k.SessionID {
+				return nil, fmt.Errorf("kvc.session_id %q differs from session_params.id %q", k.SessionID, p.sessionID)
+			}
+			p.sessionID = k.SessionID
+		}
+		if k.InputTokens != nil {
+			p.input = *k.InputTokens
+			if p.input <= 0 {
+				return nil, fmt.Errorf("kvc.input_tokens %d must be > 0", p.input)
+			}
+		}
+		if k.CachedTokens != nil {
+			p.cached = *k.CachedTokens
+		}
+		kr, kHas, err := parseRoom(k.Room)
+		if err != nil {
+			return nil, fmt.Errorf("kvc.room: %v", err)
+		}
+		if kHas {
+			if p.hasRoom && p.room != kr {
+				return nil, fmt.Errorf("kvc.room %d differs from bootstrap_room %d", kr, p.room)
+			}
+			p.room, p.hasRoom = kr, true
+		}
+		p.peer = k.PrefillPeerAddr
+		p.seqlen = k.SnapshotSeqlen
+		if k.KeepSession != nil {
+			p.keep, keepSet = *k.KeepSession, true
+		}
+	}
+	if !keepSet {
+		p.keep = p.mode != ModePDFallback
+	}
+	if p.input == 0 {
+		switch {
+		case len(ids) > 0:
+			p.input = int64(len(ids))
+		case text != "":
+			p.input = max(1, int64(len(text))/4) // ~4 characters per token
+		default:
+			return nil, errors.New("no input: give kvc.input_tokens, input_ids or text")
+		}
+	}
+	if p.sessionID != "" {
+		if err := kvcv1.ValidateID("session id", p.sessionID); err != nil {
+			return nil, err
+		}
+	}
+	if p.sessionID == "" && (p.mode != ModePDFallback || p.keep) {
+		return nil, fmt.Errorf("missing session id: a request without one is single-shot and may only run as PD_FALLBACK without keep_session (mode %s)", p.mode)
+	}
+	if p.input > capacity {
+		return nil, fmt.Errorf("input_tokens %d exceeds this worker's KV capacity of %d tokens", p.input, capacity)
+	}
+	if p.cached < 0 || p.cached > p.input {
+		return nil, fmt.Errorf("cached_tokens %d out of range [0, input_tokens %d]", p.cached, p.input)
+	}
+	if p.maxNew < 0 || p.maxNew > maxNewTokenLimit {
+		return nil, fmt.Errorf("max_new_tokens %d out of range [0, %d]", p.maxNew, maxNewTokenLimit)
+	}
+	if role == kvcv1.WorkerRole_WORKER_ROLE_DECODE && p.input+p.maxNew > capacity {
+		return nil, fmt.Errorf("input_tokens %d + max_new_tokens %d exceed this worker's KV capacity of %d tokens", p.input, p.maxNew, capacity)
+	}
+	if role == kvcv1.WorkerRole_WORKER_ROLE_PREFILL && (p.mode == ModeDirectToD || p.mode == ModeReseedSnapshot) {
+		return nil, fmt.Errorf("mode %s has no prefill half", p.mode)
+	}
+	if p.transfers() && !p.hasRoom {
+		return nil, fmt.Errorf("mode %s moves KV and needs a room (kvc.room or bootstrap_room)", p.mode)
+	}
+	if p.mode == ModeReseedSnapshot && (p.seqlen <= 0 || p.seqlen > p.input) {
+		return nil, fmt.Errorf("kvc.snapshot_seqlen %d out of range [1, input_tokens %d]", p.seqlen, p.input)
+	}
+	switch {
+	case p.sessionID != "":
+		p.seedKey = p.sessionID
+	case p.rid != "":
+		p.seedKey = p.rid
+	default:
+		p.seedKey = "room-" + strconv.FormatInt(p.room, 10)
+	}
+	return p, nil
+}

@@ -1,0 +1,75 @@
+package worker
+
+import (
+	"testing"
+
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+func TestParseGenerateDefaults(t *testing.T) {
+	dec := kvcv1.WorkerRole_WORKER_ROLE_DECODE
+	tests := []struct {
+		name     string
+		body     string
+		mode     Mode
+		input    int64
+		keep     bool
+		seedKey  string
+		maxNew   int64
+		hasRoom  bool
+		roomWant int64
+	}{
+		{"plain sglang request", `{"rid":"r1","text":"abcdefgh","bootstrap_room":7}`, ModePDFallback, 2, false, "r1", defaultMaxNew, true, 7},
+		{"input ids", `{"input_ids":[1,2,3],"bootstrap_room":1,"sampling_params":{"max_new_tokens":0}}`, ModePDFallback, 3, false, "room-1", 0, true, 1},
+		{"seed keeps", `{"kvc":{"mode":"ROUTE_MODE_SEED","session_id":"s","input_tokens":9,"room":4611686018427387904}}`, ModeSeed, 9, true, "s", defaultMaxNew, true, 1 << 62},
+		{"session params", `{"session_params":{"id":"s2"},"kvc":{"mode":"direct_to_d","input_tokens":9}}`, ModeDirectToD, 9, true, "s2", defaultMaxNew, false, 0},
+		{"fallback with session", `{"kvc":{"mode":"PD_FALLBACK","session_id":"s","input_tokens":9,"room":2}}`, ModePDFallback, 9, false, "s", defaultMaxNew, true, 2},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			p, err := parseGenerate([]byte(tt.body), dec, 1000)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if p.mode != tt.mode || p.input != tt.input || p.keep != tt.keep || p.seedKey != tt.seedKey ||
+				p.maxNew != tt.maxNew || p.hasRoom != tt.hasRoom || p.room != tt.roomWant {
+				t.Fatalf("got %+v", p)
+			}
+		})
+	}
+}
+
+func FuzzParseGenerate(f *testing.F) {
+	for _, s := range []string{
+		`{"rid":"r1","text":"abcdefgh","bootstrap_room":7}`,
+		`{"kvc":{"mode":"SEED","session_id":"s","input_tokens":9,"room":1,"cached_tokens":3}}`,
+		`{"kvc":{"mode":"RESEED_SNAPSHOT","session_id":"s","input_tokens":9,"room":1,"snapshot_seqlen":4}}`,
+		`{"kvc":{"mode":"DIRECT_TO_D","session_id":"s","input_tokens":9,"cached_tokens":9}}`,
+		`{"sampling_params":{"max_new_tokens":-1}}`, `{`, `null`, `[]`, `{"bootstrap_room":1e99}`,
+	} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, b []byte) {
+		for _, role := range []kvcv1.WorkerRole{kvcv1.WorkerRole_WORKER_ROLE_PREFILL, kvcv1.WorkerRole_WORKER_ROLE_DECODE} {
+			p, err := parseGenerate(b, role, 4096)
+			if err != nil {
+				continue
+			}
+			if p.input <= 0 || p.input > 4096 || p.cached < 0 || p.cached > p.input || p.maxNew < 0 || p.seedKey == "" {
+				t.Fatalf("accepted an invalid plan %+v from %q", p, b)
+			}
+			if role == kvcv1.WorkerRole_WORKER_ROLE_DECODE && p.input+p.maxNew > 4096 {
+				t.Fatalf("accepted a plan beyond capacity %+v", p)
+			}
+			if p.transfers() && (!p.hasRoom || p.room < 0) {
+				t.Fatalf("transfer without room %+v", p)
+			}
+			if p.sessionID == "" && (p.mode != ModePDFallback || p.keep) {
+				t.Fatalf("stateful request without session %+v", p)
+			}
+			if p.mode == ModeReseedSnapshot && (p.seqlen <= 0 || p.seqlen > p.input) {
+				t.Fatalf("bad seqlen %+v", p)
+			}
+		}
+	})
+}

@@ -1,0 +1,377 @@
+package worker
+
+import (
+	"cmp"
+	"context"
+	"fmt"
+	"net/http"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/rs/zerolog"
+
+	"github.com/kvcentric/kvcentric/pkg/kvpool"
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+// Config configures one simulated worker.
+type Config struct {
+	Role     kvcv1.WorkerRole
+	WorkerID string
+	Geometry Geometry
+	Timing   Timing
+	// Model is reported by /get_model_info and RegisterKVPool.
+	Model string
+	// TransferTimeout bounds one WaitReceive (and a SendKV).
+	TransferTimeout time.Duration
+	// BridgeTimeout bounds the quick bridge calls (commit, release, prepare).
+	BridgeTimeout time.Duration
+}
+
+// Bridge is the part of the sidecar's WorkerBridgeService the worker calls.
+type Bridge = kvcv1.WorkerBridgeServiceClient
+
+// apiError is an error answer of the worker HTTP API.
+type apiError struct {
+	status int
+	code   string
+	msg    string
+}
+
+func (e *apiError) Error() string { return e.code + ": " + e.msg }
+
+func errf(status int, code, format string, a ...any) *apiError {
+	return &apiError{status: status, code: code, msg: fmt.Sprintf(format, a...)}
+}
+
+type session struct {
+	id         string
+	pages      []int64 // token order; covers at least kvLen tokens
+	kvLen      int64
+	lastUsed   uint64 // LRU clock
+	lastUsedAt time.Time
+	pinned     int  // requests using the session's pages
+	committed  bool // the sidecar knows it (CommitSession succeeded once)
+}
+
+type turnLock struct {
+	ch   chan struct{}
+	refs int
+}
+
+// Worker is one simulated SGLang worker.
+type Worker struct {
+	cfg    Config
+	log    zerolog.Logger
+	mem    *kvpool.Pool
+	bridge Bridge
+	m      *metrics
+
+	// allocMu serializes allocations (including their eviction calls), so that pages freed by an
+	// eviction go to the allocation that caused it.
+	allocMu sync.Mutex
+
+	mu          sync.Mutex // guards everything below
+	alloc       *allocator
+	sessions    map[string]*session
+	clock       uint64
+	freed       chan struct{} // closed and replaced whenever pages are freed
+	quarantined int64         // pages not returned because their release failed
+
+	turnMu sync.Mutex
+	turns  map[string]*turnLock
+
+	prefillGPU chan struct{} // one prefill pass at a time (the GPU)
+}
+
+// New builds a worker over mem (its KV pool) talking to its sidecar through bridge.
+func New(cfg Config, mem *kvpool.Pool, bridge Bridge, reg prometheus.Registerer, log zerolog.Logger) (*Worker, error) {
+	if err := cfg.Geometry.Validate(); err != nil {
+		return nil, err
+	}
+	if err := cfg.Timing.Validate(); err != nil {
+		return nil, err
+	}
+	if cfg.Role != kvcv1.WorkerRole_WORKER_ROLE_PREFILL && cfg.Role != kvcv1.WorkerRole_WORKER_ROLE_DECODE {
+		return nil, fmt.Errorf("role must be prefill or decode, got %v", cfg.Role)
+	}
+	if err := kvcv1.ValidateID("worker id", cfg.WorkerID); err != nil {
+		return nil, err
+	}
+	if cfg.TransferTimeout <= 0 {
+		cfg.TransferTimeout = 60 * time.Second
+	}
+	if cfg.BridgeTimeout <= 0 {
+		cfg.BridgeTimeout = 30 * time.Second
+	}
+	if cfg.Model == "" {
+		cfg.Model = "Qwen/Qwen3-30B-A3B (kvc-sim)"
+	}
+	w := &Worker{
+		cfg:        cfg,
+		log:        log,
+		mem:        mem,
+		bridge:     bridge,
+		alloc:      newAllocator(cfg.Geometry.PageCount, kvpool.SessionSeed(cfg.WorkerID)),
+		sessions:   map[string]*session{},
+		freed:      make(chan struct{}),
+		turns:      map[string]*turnLock{},
+		prefillGPU: make(chan struct{}, 1),
+	}
+	w.m = newMetrics(reg, w)
+	return w, nil
+}
+
+// CapacityTokens is the pool's capacity in tokens.
+func (w *Worker) CapacityTokens() int64 {
+	return w.cfg.Geometry.PageCount * int64(w.cfg.Geometry.PageSize)
+}
+
+// RegisterPool hands the KV pool to the sidecar (RegisterKVPool), retrying until ctx is done
+// (the sidecar may still be starting).
+func (w *Worker) RegisterPool(ctx context.Context) (*kvcv1.RegisterKVPoolResponse, error) {
+	g := w.cfg.Geometry
+	req := &kvcv1.RegisterKVPoolRequest{
+		PageSize:  int32(g.PageSize),
+		ItemLen:   g.ItemLen(),
+		PageCount: g.PageCount,
+		NumLayers: int32(g.Layers),
+		Buffers:   poolRefs(w.mem, g),
+		Model:     w.cfg.Model,
+	}
+	var lastErr error
+	for backoff := 50 * time.Millisecond; ; backoff = min(2*backoff, time.Second) {
+		cctx, cancel := context.WithTimeout(ctx, w.cfg.BridgeTimeout)
+		resp, err := w.bridge.RegisterKVPool(cctx, req)
+		cancel()
+		if err == nil {
+			return resp, nil
+		}
+		lastErr = err
+		w.log.Debug().Err(err).Msg("RegisterKVPool failed; retrying")
+		if sleepCtx(ctx, backoff) != nil {
+			return nil, fmt.Errorf("register kv pool with the sidecar: %w (last error: %v)", ctx.Err(), lastErr)
+		}
+	}
+}
+
+// Stats is a snapshot of the pool.
+type Stats struct {
+	PageCount   int64 `json:"page_count"`
+	FreePages   int64 `json:"free_pages"`
+	Quarantined int64 `json:"quarantined_pages"`
+	Sessions    int   `json:"sessions"`
+}
+
+func (w *Worker) stats() Stats {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return Stats{PageCount: w.cfg.Geometry.PageCount, FreePages: w.alloc.available(), Quarantined: w.quarantined, Sessions: len(w.sessions)}
+}
+
+// SessionInfo describes one resident session (GET /kvc/sessions).
+type SessionInfo struct {
+	SessionID      string `json:"session_id"`
+	KVLen          int64  `json:"kv_len"`
+	Pages          int    `json:"pages"`
+	Pinned         int    `json:"running_requests"`
+	Committed      bool   `json:"committed"`
+	LastUsedUnixMS int64  `json:"last_used_unix_ms"`
+}
+
+// Sessions lists the resident sessions, most recently used first.
+func (w *Worker) Sessions() []SessionInfo {
+	w.mu.Lock()
+	ss := make([]*session, 0, len(w.sessions))
+	for _, s := range w.sessions {
+		ss = append(ss, s)
+	}
+	slices.SortFunc(ss, func(a, b *session) int { return cmp.Compare(b.lastUsed, a.lastUsed) })
+	out := make([]SessionInfo, 0, len(ss))
+	for _, s := range ss {
+		out = append(out, SessionInfo{SessionID: s.id, KVLen: s.kvLen, Pages: len(s.pages), Pinned: s.pinned,
+			Committed: s.committed, LastUsedUnixMS: s.lastUsedAt.UnixMilli()})
+	}
+	w.mu.Unlock()
+	return out
+}
+
+func (w *Worker) touch(s *session) {
+	w.clock++
+	s.lastUsed = w.clock
+	s.lastUsedAt = time.Now()
+}
+
+// lockTurn serializes the turns of one session (SGLang streaming sessions are sequential).
+func (w *Worker) lockTurn(ctx context.Context, id string) (func(), error) {
+	w.turnMu.Lock()
+	tl := w.turns[id]
+	if tl == nil {
+		tl = &turnLock{ch: make(chan struct{}, 1)}
+		w.turns[id] = tl
+	}
+	tl.refs++
+	w.turnMu.Unlock()
+	drop := func() {
+		w.turnMu.Lock()
+		tl.refs--
+		if tl.refs == 0 {
+			delete(w.turns, id)
+		}
+		w.turnMu.Unlock()
+	}
+	select {
+	case tl.ch <- struct{}{}:
+		return func() { <-tl.ch; drop() }, nil
+	case <-ctx.Done():
+		drop()
+		return nil, ctx.Err()
+	}
+}
+
+// freePages returns pages to the free list and wakes waiting allocations.
+func (w *Worker) freePages(pages []int64) {
+	if len(pages) == 0 {
+		return
+	}
+	w.mu.Lock()
+	w.alloc.put(pages)
+	close(w.freed)
+	w.freed = make(chan struct{})
+	w.mu.Unlock()
+}
+
+// bridgeCtx is a context for a cleanup call that must run even when the request is gone.
+func (w *Worker) bridgeCtx() (context.Context, context.CancelFunc) {
+	return context.WithTimeout(context.Background(), w.cfg.BridgeTimeout)
+}
+
+// release tells the sidecar a session is gone; it returns after any push of it was aborted, so
+// the pages may be freed afterwards. Tried twice.
+func (w *Worker) release(id string, reason kvcv1.ReleaseReason) error {
+	var err error
+	for attempt := 0; attempt < 2; attempt++ {
+		ctx, cancel := w.bridgeCtx()
+		_, err = w.bridge.ReleaseSession(ctx, &kvcv1.ReleaseSessionRequest{SessionId: id, Reason: reason})
+		cancel()
+		if err == nil {
+			return nil
+		}
+	}
+	w.m.bridgeErrors.WithLabelValues("ReleaseSession").Inc()
+	w.log.Error().Err(err).Str("session", id).Stringer("reason", reason).Msg("ReleaseSession failed")
+	return err
+}
+
+// dropSession removes a resident session and frees its pages (after ReleaseSession when the
+// sidecar knows it). Pages whose release failed are quarantined, never reused: the sidecar may
+// still be reading them.
+func (w *Worker) dropSession(s *session, reason kvcv1.ReleaseReason) {
+	w.mu.Lock()
+	if w.sessions[s.id] == s {
+		delete(w.sessions, s.id)
+	}
+	w.mu.Unlock()
+	if s.committed {
+		if err := w.release(s.id, reason); err != nil {
+			w.mu.Lock()
+			w.quarantined += int64(len(s.pages))
+			w.mu.Unlock()
+			return
+		}
+	}
+	w.freePages(s.pages)
+}
+
+// allocate takes n pages. On a decode worker it evicts least-recently-used sessions that no
+// request is using (never exclude) when the free list is short, and rejects with no_capacity when
+// even that cannot make room. On a prefill worker it waits for running prefills to free pages.
+func (w *Worker) allocate(ctx context.Context, n int64, exclude string) ([]int64, int, *apiError) {
+	if w.cfg.Role == kvcv1.WorkerRole_WORKER_ROLE_PREFILL {
+		for {
+			w.mu.Lock()
+			pages := w.alloc.take(n)
+			ch := w.freed
+			w.mu.Unlock()
+			if pages != nil {
+				return pages, 0, nil
+			}
+			select {
+			case <-ch:
+			case <-ctx.Done():
+				w.m.capacityRejects.Inc()
+				return nil, 0, errf(http.StatusServiceUnavailable, "no_capacity", "waited for %d free pages until the request ended: %v", n, ctx.Err())
+			}
+		}
+	}
+	w.allocMu.Lock()
+	defer w.allocMu.Unlock()
+	w.mu.Lock()
+	if pages := w.alloc.take(n); pages != nil {
+		w.mu.Unlock()
+		return pages, 0, nil
+	}
+	var cands []*session
+	for _, s := range w.sessions {
+		if s.pinned == 0 && s.id != exclude {
+			cands = append(cands, s)
+		}
+	}
+	slices.SortFunc(cands, func(a, b *session) int { return cmp.Compare(a.lastUsed, b.lastUsed) })
+	have := w.alloc.available()
+	var victims []*session
+	for _, s := range cands {
+		if have >= n {
+			break
+		}
+		victims = append(victims, s)
+		have += int64(len(s.pages))
+	}
+	if have < n {
+		free := w.alloc.available()
+		w.mu.Unlock()
+		w.m.capacityRejects.Inc()
+		return nil, 0, errf(http.StatusServiceUnavailable, "no_capacity",
+			"need %d pages, %d free and %d more evictable (the rest is used by running requests)", n, free, have-free)
+	}
+	for _, v := range victims {
+		delete(w.sessions, v.id)
+	}
+	w.mu.Unlock()
+	for _, v := range victims {
+		w.log.Info().Str("session", v.id).Int64("kv_len", v.kvLen).Msg("evicting session (LRU)")
+		w.m.evictions.Inc()
+		w.dropSession(v, kvcv1.ReleaseReason_RELEASE_REASON_EVICTED)
+	}
+	w.mu.Lock()
+	pages := w.alloc.take(n)
+	w.mu.Unlock()
+	if pages == nil {
+		w.m.capacityRejects.Inc()
+		return nil, len(victims), errf(http.StatusServiceUnavailable, "no_capacity",
+			"need %d pages: evicted %d sessions but their release failed", n, len(victims))
+	}
+	return pages, len(victims), nil
+}
+
+// fill writes the known bytes of tokens [from, to) of seedKey into pages, every buffer.
+func (w *Worker) fill(seedKey string, pages []int64, from, to int64) *apiError {
+	if err := kvpool.FillTokens(w.mem, kvpool.SessionSeed(seedKey), pages, from, to); err != nil {
+		// The worker computed the page list itself: this is a bug, not bad input.
+		w.log.Error().Err(err).Int64("from", from).Int64("to", to).Int("pages", len(pages)).Msg("fill tokens")
+		return errf(http.StatusInternalServerError, "internal", "writing KV of tokens [%d, %d): %v", from, to, err)
+	}
+	return nil
+}
+
+// check verifies tokens [from, to) of seedKey in pages; it returns the bytes checked and the
+// number of (token, buffer) slots that did not match.
+func (w *Worker) check(seedKey string, pages []int64, from, to int64) (checked, bad int64, err error) {
+	bad, err = kvpool.CheckTokens(w.mem, kvpool.SessionSeed(seedKey), pages, from, to)
+	return (to - from) * int64(w.cfg.Geometry.Buffers()) * int64(w.cfg.Geometry.BytesPerToken), bad, err
+}
+
+// Close frees nothing on the sidecar (it notices the worker is gone) and unmaps the pool.
+func (w *Worker) Close() error { return w.mem.Close() }

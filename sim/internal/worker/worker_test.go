@@ -1,0 +1,486 @@
+package worker
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/rs/zerolog"
+
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+type testWorker struct {
+	w   *Worker
+	sc  *fakeSidecar
+	url string
+}
+
+func newTestWorker(t *testing.T, h *hub, role kvcv1.WorkerRole, id string, capacityTokens int64, tm Timing) *testWorker {
+	t.Helper()
+	sc, bridge := startFakeSidecar(t, h, id)
+	g := Geometry{PageSize: 4, Layers: 3, BytesPerToken: 8, PageCount: capacityTokens / 4}
+	pool, err := CreatePool(t.TempDir(), id, g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w, err := New(Config{Role: role, WorkerID: id, Geometry: g, Timing: tm, TransferTimeout: 5 * time.Second},
+		pool, bridge, prometheus.NewRegistry(), zerolog.Nop())
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if _, err := w.RegisterPool(ctx); err != nil {
+		t.Fatal(err)
+	}
+	mux := http.NewServeMux()
+	w.Register(mux)
+	srv := httptest.NewServer(mux)
+	t.Cleanup(func() {
+		srv.Close()
+		_ = w.Close()
+	})
+	return &testWorker{w: w, sc: sc, url: srv.URL}
+}
+
+func zeroTiming() Timing {
+	tm := DefaultTiming()
+	tm.Scale = 0
+	return tm
+}
+
+type kvcReq struct {
+	Mode         string `json:"mode"`
+	Role         string `json:"role"`
+	SessionID    string `json:"session_id,omitempty"`
+	InputTokens  int64  `json:"input_tokens"`
+	CachedTokens int64  `json:"cached_tokens"`
+	Room         *int64 `json:"room,omitempty"`
+	Seqlen       int64  `json:"snapshot_seqlen,omitempty"`
+	Keep         *bool  `json:"keep_session,omitempty"`
+}
+
+func body(rid string, maxNew int64, stream bool, k kvcReq) []byte {
+	b, _ := json.Marshal(map[string]any{
+		"rid": rid, "text": "hello", "stream": stream,
+		"sampling_params": map[string]any{"max_new_tokens": maxNew}, "kvc": k,
+	})
+	return b
+}
+
+type result struct {
+	status int
+	code   string
+	ans    answer
+	chunks []answer
+}
+
+func post(t *testing.T, ctx context.Context, url string, b []byte) result {
+	t.Helper()
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, url+"/generate", bytes.NewReader(b))
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return result{status: -1, code: err.Error()}
+	}
+	defer resp.Body.Close()
+	r := result{status: resp.StatusCode}
+	if resp.StatusCode != http.StatusOK {
+		var e struct {
+			Error struct{ Code, Message string }
+		}
+		raw, _ := io.ReadAll(resp.Body)
+		if err := json.Unmarshal(raw, &e); err != nil {
+			t.Fatalf("error body %q: %v", raw, err)
+		}
+		r.code = e.Error.Code
+		if r.code == "" || e.Error.Message == "" {
+			t.Fatalf("error without code or message: %s", raw)
+		}
+		return r
+	}
+	if strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream") {
+		sc := bufio.NewScanner(resp.Body)
+		sawDone := false
+		for sc.Scan() {
+			line := sc.Text()
+			if line == "" {
+				continue
+			}
+			data, ok := strings.CutPrefix(line, "data: ")
+			if !ok {
+				t.Fatalf("bad SSE line %q", line)
+			}
+			if data == "[DONE]" {
+				sawDone = true
+				continue
+			}
+			var a answer
+			if err := json.Unmarshal([]byte(data), &a); err != nil {
+				t.Fatalf("chunk %q: %v", data, err)
+			}
+			r.chunks = append(r.chunks, a)
+		}
+		if !sawDone || len(r.chunks) == 0 {
+			t.Fatalf("stream without [DONE] or chunks: %d chunks", len(r.chunks))
+		}
+		r.ans = r.chunks[len(r.chunks)-1]
+		return r
+	}
+	if err := json.NewDecoder(resp.Body).Decode(&r.ans); err != nil {
+		t.Fatal(err)
+	}
+	return r
+}
+
+func i64(v int64) *int64 { return &v }
+func bptr(v bool) *bool  { return &v }
+
+// pd runs one request the way SGLang's P/D router does: the same body to P and D at once.
+func pd(t *testing.T, p, d *testWorker, rid string, maxNew int64, k kvcReq) (pr, dr result) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	kp, kd := k, k
+	kp.Role, kd.Role = "prefill", "decode"
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		pr = post(t, ctx, p.url, body(rid, maxNew, false, kp))
+	}()
+	dr = post(t, ctx, d.url, body(rid, maxNew, false, kd))
+	if dr.status != http.StatusOK {
+		cancel() // as a router would: the decode half failed, abandon the prefill half
+	}
+	wg.Wait()
+	return pr, dr
+}
+
+func sessionsOf(t *testing.T, tw *testWorker) map[string]SessionInfo {
+	out := map[string]SessionInfo{}
+	for _, s := range tw.w.Sessions() {
+		out[s.SessionID] = s
+	}
+	return out
+}
+
+func TestSeedThenDirectToD(t *testing.T) {
+	h := newHub()
+	p := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_PREFILL, "p0", 4096, zeroTiming())
+	d := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_DECODE, "d0", 4096, zeroTiming())
+
+	pr, dr := pd(t, p, d, "r1", 10, kvcReq{Mode: "SEED", SessionID: "s1", InputTokens: 101, Room: i64(1)})
+	if pr.status != 200 || dr.status != 200 {
+		t.Fatalf("seed: P %d %s, D %d %s", pr.status, pr.code, dr.status, dr.code)
+	}
+	k := dr.ans.MetaInfo.KVC
+	wantBytes := int64(101 * 6 * 8)
+	if k.ReceivedBytes != wantBytes || k.VerifiedBytes != wantBytes || k.VerifyFailures != 0 || k.KVLenAfter != 111 {
+		t.Fatalf("seed meta %+v, want %d bytes received and verified, kv 111", k, wantBytes)
+	}
+	if pr.ans.MetaInfo.KVC.SentBytes != wantBytes || pr.ans.MetaInfo.KVC.PrefillTokens != 101 {
+		t.Fatalf("prefill meta %+v", pr.ans.MetaInfo.KVC)
+	}
+	if dr.ans.MetaInfo.CompletionTokens != 10 || strings.Count(dr.ans.Text, " t") != 10 {
+		t.Fatalf("answer %+v", dr.ans)
+	}
+	if st := p.w.stats(); st.FreePages != st.PageCount {
+		t.Fatalf("prefill worker holds pages after the transfer: %+v", st)
+	}
+	commits, _ := d.sc.snapshotOf()
+	if len(commits) != 1 || commits[0].GetCommittedLen() != 111 || len(commits[0].GetPages()) != 28 {
+		t.Fatalf("commits %v", commits)
+	}
+
+	// Turn 2: direct-to-D, streaming, appending 40 tokens.
+	res := post(t, context.Background(), d.url, body("r2", 5, true,
+		kvcReq{Mode: "DIRECT_TO_D", Role: "decode", SessionID: "s1", InputTokens: 151, CachedTokens: 111}))
+	if res.status != 200 {
+		t.Fatalf("direct: %d %s", res.status, res.code)
+	}
+	if len(res.chunks) != 5 {
+		t.Fatalf("%d chunks, want 5 (one per token)", len(res.chunks))
+	}
+	last := res.ans.MetaInfo
+	if last.KVC.PrefillTokens != 40 || last.KVC.KVLenAfter != 156 || last.KVC.ReceivedBytes != 0 || last.FinishReason == nil {
+		t.Fatalf("direct meta %+v kvc %+v", last, last.KVC)
+	}
+	commits, _ = d.sc.snapshotOf()
+	if len(commits) != 2 || commits[1].GetCommittedLen() != 156 || len(commits[1].GetPages()) != 39 {
+		t.Fatalf("commits after turn 2: %v", commits)
+	}
+	// The fake sidecar copied the committed KV out: every byte must be the known pattern, which
+	// the receiving side of a reseed checks below.
+	d2 := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_DECODE, "d1", 4096, zeroTiming())
+	res = post(t, context.Background(), d2.url, body("r3", 3, false,
+		kvcReq{Mode: "RESEED_SNAPSHOT", Role: "decode", SessionID: "s1", InputTokens: 170, CachedTokens: 156, Room: i64(2), Seqlen: 156}))
+	if res.status != 200 {
+		t.Fatalf("reseed: %d %s", res.status, res.code)
+	}
+	k = res.ans.MetaInfo.KVC
+	if k.VerifiedBytes != 156*48 || k.VerifyFailures != 0 || k.PrefillTokens != 14 || k.KVLenAfter != 173 {
+		t.Fatalf("reseed meta %+v", k)
+	}
+
+	// The worker's own answer on a session it does not hold: 409.
+	res = post(t, context.Background(), d2.url, body("r4", 3, false,
+		kvcReq{Mode: "DIRECT_TO_D", Role: "decode", SessionID: "nope", InputTokens: 10, CachedTokens: 5}))
+	if res.status != http.StatusConflict || res.code != "session_not_resident" {
+		t.Fatalf("direct to unknown session: %d %s", res.status, res.code)
+	}
+	// cached_tokens beyond what D holds: 409 too.
+	res = post(t, context.Background(), d2.url, body("r5", 3, false,
+		kvcReq{Mode: "DIRECT_TO_D", Role: "decode", SessionID: "s1", InputTokens: 400, CachedTokens: 300}))
+	if res.status != http.StatusConflict || res.code != "session_not_resident" {
+		t.Fatalf("direct beyond kv_len: %d %s", res.status, res.code)
+	}
+	if s := sessionsOf(t, d2)["s1"]; s.KVLen != 173 {
+		t.Fatalf("a rejected turn changed the session: %+v", s)
+	}
+}
+
+func TestSingleShotFallbackFreesPages(t *testing.T) {
+	h := newHub()
+	p := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_PREFILL, "p0", 1024, zeroTiming())
+	d := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_DECODE, "d0", 1024, zeroTiming())
+	pr, dr := pd(t, p, d, "single-1", 4, kvcReq{Mode: "PD_FALLBACK", InputTokens: 50, Room: i64(9)})
+	if pr.status != 200 || dr.status != 200 {
+		t.Fatalf("P %d %s, D %d %s", pr.status, pr.code, dr.status, dr.code)
+	}
+	if dr.ans.MetaInfo.KVC.VerifiedBytes != 50*48 {
+		t.Fatalf("meta %+v", dr.ans.MetaInfo.KVC)
+	}
+	if st := d.w.stats(); st.FreePages != st.PageCount || st.Sessions != 0 {
+		t.Fatalf("single-shot request left state: %+v", st)
+	}
+	if commits, _ := d.sc.snapshotOf(); len(commits) != 0 {
+		t.Fatalf("single-shot request committed: %v", commits)
+	}
+}
+
+func TestLRUEvictionAndCapacityRejection(t *testing.T) {
+	h := newHub()
+	p := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_PREFILL, "p0", 1024, zeroTiming())
+	d := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_DECODE, "d0", 256, zeroTiming()) // 64 pages
+	seed := func(sess string, room, input int64) (result, result) {
+		return pd(t, p, d, "r-"+sess, 0, kvcReq{Mode: "SEED", SessionID: sess, InputTokens: input, Room: i64(room)})
+	}
+	for i, s := range []string{"a", "b", "c"} { // 3 × 80 tokens = 60 pages
+		if _, dr := seed(s, int64(i+1), 80); dr.status != 200 {
+			t.Fatalf("seed %s: %d %s", s, dr.status, dr.code)
+		}
+	}
+	// Touch a, so b is the least recently used.
+	if r := post(t, context.Background(), d.url, body("ra", 0, false,
+		kvcReq{Mode: "DIRECT_TO_D", Role: "decode", SessionID: "a", InputTokens: 80, CachedTokens: 80})); r.status != 200 {
+		t.Fatalf("direct a: %d %s", r.status, r.code)
+	}
+	_, dr := seed("e", 10, 60) // needs 15 pages, 4 free: evict b (20 pages)
+	if dr.status != 200 || dr.ans.MetaInfo.KVC.EvictedSessions != 1 {
+		t.Fatalf("seed e: %d %s %+v", dr.status, dr.code, dr.ans.MetaInfo.KVC)
+	}
+	ss := sessionsOf(t, d)
+	if _, ok := ss["b"]; ok || len(ss) != 3 {
+		t.Fatalf("after eviction: %v", ss)
+	}
+	_, rel := d.sc.snapshotOf()
+	if len(rel) != 1 || rel[0].GetSessionId() != "b" || rel[0].GetReason() != kvcv1.ReleaseReason_RELEASE_REASON_EVICTED {
+		t.Fatalf("releases %v", rel)
+	}
+	if r := post(t, context.Background(), d.url, body("rb", 1, false,
+		kvcReq{Mode: "DIRECT_TO_D", Role: "decode", SessionID: "b", InputTokens: 90, CachedTokens: 80})); r.status != http.StatusConflict {
+		t.Fatalf("direct to evicted b: %d %s", r.status, r.code)
+	}
+
+	// Pin pages: a seed whose sender never comes holds its pages (the request is running), and
+	// evicts everything else to get them. Another request then cannot get room: 503 no_capacity.
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan result, 1)
+	go func() {
+		done <- post(t, ctx, d.url, body("big", 8, false,
+			kvcReq{Mode: "SEED", Role: "decode", SessionID: "big", InputTokens: 200, Room: i64(50)}))
+	}()
+	waitFor(t, func() bool { return sessionsOf(t, d)["big"].Pinned == 1 })
+	if ss := sessionsOf(t, d); len(ss) != 1 || ss["big"].Pages != 52 {
+		t.Fatalf("sessions while big runs: %v", ss)
+	}
+	_, dr = seed("f", 20, 60)
+	if dr.status != http.StatusServiceUnavailable || dr.code != "no_capacity" {
+		t.Fatalf("want no_capacity, got %d %s", dr.status, dr.code)
+	}
+	cancel()
+	<-done
+	waitFor(t, func() bool { st := d.w.stats(); return st.FreePages == st.PageCount && st.Sessions == 0 })
+}
+
+// waitFor polls cond until it holds, failing the test after 10 s.
+func waitFor(t *testing.T, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	tick := time.NewTicker(time.Millisecond)
+	defer tick.Stop()
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatal("condition not reached within 10s")
+		}
+		<-tick.C
+	}
+}
+
+func TestVerifyFailureAndTransferFailure(t *testing.T) {
+	h := newHub()
+	p := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_PREFILL, "p0", 1024, zeroTiming())
+	d := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_DECODE, "d0", 1024, zeroTiming())
+	h.corrupt = true
+	_, dr := pd(t, p, d, "r1", 2, kvcReq{Mode: "SEED", SessionID: "s1", InputTokens: 33, Room: i64(1)})
+	if dr.status != http.StatusInternalServerError || dr.code != "kv_verify_failed" {
+		t.Fatalf("corrupted transfer: %d %s", dr.status, dr.code)
+	}
+	if st := d.w.stats(); st.FreePages != st.PageCount || st.Sessions != 0 {
+		t.Fatalf("failed seed left state: %+v", st)
+	}
+	h.corrupt = false
+	// No sender ever comes: the sidecar's wait fails, the worker answers 502.
+	h.wait = 100 * time.Millisecond
+	res := post(t, context.Background(), d.url, body("r2", 2, false, kvcReq{Mode: "SEED", Role: "decode", SessionID: "s2", InputTokens: 10, Room: i64(2)}))
+	if res.status != http.StatusBadGateway || res.code != "transfer_failed" {
+		t.Fatalf("missing sender: %d %s", res.status, res.code)
+	}
+	// Snapshot missing: 502 as well.
+	res = post(t, context.Background(), d.url, body("r3", 2, false,
+		kvcReq{Mode: "RESEED_SNAPSHOT", Role: "decode", SessionID: "zz", InputTokens: 10, Seqlen: 8, Room: i64(3)}))
+	if res.status != http.StatusBadGateway || res.code != "transfer_failed" {
+		t.Fatalf("missing snapshot: %d %s", res.status, res.code)
+	}
+}
+
+func TestBadInput(t *testing.T) {
+	h := newHub()
+	d := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_DECODE, "d0", 1024, zeroTiming())
+	p := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_PREFILL, "p0", 1024, zeroTiming())
+	tests := []struct {
+		name string
+		url  string
+		body string
+	}{
+		{"malformed json", d.url, `{"kvc": `},
+		{"not an object", d.url, `[1,2]`},
+		{"trailing data", d.url, `{"text":"x"} {}`},
+		{"no input", d.url, `{"kvc":{"mode":"PD_FALLBACK","room":1}}`},
+		{"missing session id", d.url, `{"kvc":{"mode":"SEED","input_tokens":10,"room":1}}`},
+		{"direct without session", d.url, `{"kvc":{"mode":"DIRECT_TO_D","input_tokens":10}}`},
+		{"keep without session", d.url, `{"kvc":{"mode":"PD_FALLBACK","input_tokens":10,"room":1,"keep_session":true}}`},
+		{"absurd input", d.url, `{"kvc":{"mode":"SEED","session_id":"s","input_tokens":999999999999,"room":1}}`},
+		{"negative input", d.url, `{"kvc":{"mode":"SEED","session_id":"s","input_tokens":-5,"room":1}}`},
+		{"absurd output", d.url, `{"sampling_params":{"max_new_tokens":99999999},"kvc":{"mode":"SEED","session_id":"s","input_tokens":5,"room":1}}`},
+		{"cached > input", d.url, `{"kvc":{"mode":"DIRECT_TO_D","session_id":"s","input_tokens":5,"cached_tokens":6}}`},
+		{"unknown mode", d.url, `{"kvc":{"mode":"TELEPORT","session_id":"s","input_tokens":5,"room":1}}`},
+		{"wrong role", d.url, `{"kvc":{"mode":"SEED","role":"prefill","session_id":"s","input_tokens":5,"room":1}}`},
+		{"no room", d.url, `{"kvc":{"mode":"SEED","session_id":"s","input_tokens":5}}`},
+		{"negative room", d.url, `{"bootstrap_room":-1,"kvc":{"mode":"SEED","session_id":"s","input_tokens":5}}`},
+		{"rooms differ", d.url, `{"bootstrap_room":2,"kvc":{"mode":"SEED","session_id":"s","input_tokens":5,"room":3}}`},
+		{"sessions differ", d.url, `{"session_params":{"id":"a"},"kvc":{"mode":"SEED","session_id":"b","input_tokens":5,"room":3}}`},
+		{"bad session id", d.url, `{"kvc":{"mode":"SEED","session_id":"a/b","input_tokens":5,"room":3}}`},
+		{"snapshot seqlen", d.url, `{"kvc":{"mode":"RESEED_SNAPSHOT","session_id":"s","input_tokens":5,"snapshot_seqlen":9,"room":3}}`},
+		{"batch text", d.url, `{"text":["a","b"],"kvc":{"mode":"SEED","session_id":"s","input_tokens":5,"room":3}}`},
+		{"direct on prefill", p.url, `{"kvc":{"mode":"DIRECT_TO_D","session_id":"s","input_tokens":5}}`},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			res := post(t, context.Background(), tt.url, []byte(tt.body))
+			if res.status != http.StatusBadRequest || res.code != "bad_request" {
+				t.Fatalf("got %d %s, want 400 bad_request", res.status, res.code)
+			}
+		})
+	}
+	// The other endpoints.
+	for _, path := range []string{"/health", "/get_model_info", "/kvc/sessions"} {
+		resp, err := http.Get(d.url + path)
+		if err != nil || resp.StatusCode != 200 {
+			t.Fatalf("%s: %v %v", path, err, resp)
+		}
+		resp.Body.Close()
+	}
+}
+
+func TestTimingModelApplied(t *testing.T) {
+	h := newHub()
+	tm := DefaultTiming()
+	tm.Scale = 0.05 // 2000 tokens: 115 ms × 0.05 ≈ 5.75 ms prefill
+	p := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_PREFILL, "p0", 4096, tm)
+	d := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_DECODE, "d0", 4096, tm)
+	pr, dr := pd(t, p, d, "r1", 3, kvcReq{Mode: "SEED", SessionID: "s", InputTokens: 2000, Room: i64(1)})
+	if pr.status != 200 || dr.status != 200 {
+		t.Fatalf("P %d %s D %d %s", pr.status, pr.code, dr.status, dr.code)
+	}
+	if got, want := pr.ans.MetaInfo.KVC.PrefillMS, ms(tm.Prefill(2000)); got < want {
+		t.Fatalf("prefill took %v ms, less than the model's %v ms", got, want)
+	}
+	if got, want := dr.ans.MetaInfo.KVC.TransferModelMS, ms(tm.Transfer(2000)); got != want {
+		t.Fatalf("modeled transfer %v ms, want %v", got, want)
+	}
+	if dr.ans.MetaInfo.E2ELatency < (3 * tm.Decode()).Seconds() {
+		t.Fatalf("latency %v below 3 decode steps", dr.ans.MetaInfo.E2ELatency)
+	}
+}
+
+func TestConcurrentSessions(t *testing.T) {
+	h := newHub()
+	p := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_PREFILL, "p0", 2048, zeroTiming())
+	d := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_DECODE, "d0", 1024, zeroTiming())
+	var wg sync.WaitGroup
+	errs := make(chan string, 64)
+	for i := 0; i < 8; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			sess := fmt.Sprintf("s%d", i)
+			_, dr := pd(t, p, d, sess+"-0", 4, kvcReq{Mode: "SEED", SessionID: sess, InputTokens: 100, Room: i64(int64(100 + i))})
+			if dr.status != 200 {
+				errs <- fmt.Sprintf("%s seed: %d %s", sess, dr.status, dr.code)
+				return
+			}
+			kv := int64(104)
+			for turn := 1; turn < 4; turn++ {
+				r := post(t, context.Background(), d.url, body(fmt.Sprintf("%s-%d", sess, turn), 4, turn%2 == 0,
+					kvcReq{Mode: "DIRECT_TO_D", Role: "decode", SessionID: sess, InputTokens: kv + 20, CachedTokens: kv}))
+				switch {
+				case r.status == 200:
+					kv += 24
+				case r.status == http.StatusConflict: // evicted by another session: fine
+					return
+				default:
+					errs <- fmt.Sprintf("%s turn %d: %d %s", sess, turn, r.status, r.code)
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for e := range errs {
+		t.Error(e)
+	}
+	st := d.w.stats()
+	used := int64(0)
+	for _, s := range d.w.Sessions() {
+		used += int64(s.Pages)
+		if s.Pinned != 0 {
+			t.Errorf("session %s still pinned", s.SessionID)
+		}
+	}
+	if used+st.FreePages != st.PageCount {
+		t.Fatalf("pages leaked: %d used + %d free != %d", used, st.FreePages, st.PageCount)
+	}
+}
