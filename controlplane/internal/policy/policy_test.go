@@ -332,12 +332,12 @@ func TestDecideEveryModeAndReason(t *testing.T) {
 			}),
 			workers: []*kvcv1.Worker{pW("p1", 0), dW("d1", 100_000, 0), dW("d2", 100_000, 0), dW("d3", 100_000, 70_000)},
 			mode:    mPrefill, reason: R(kvcv1.RouteReason_ROUTE_REASON_MIGRATED_AFTER_REJECTS), decode: "d3"},
-		{name: "previous D only when nothing else is left", q: q(20_000, 100, 5),
+		{name: "only the previous D left: served in place", q: q(20_000, 100, 5),
 			rec: with2(resident("d1", 19_000), func(r *kvcv1.SessionRecord) {
 				r.DRejects = map[string]int32{"d1": 3}
 				r.PreviousDecodeWorker = "d2"
 			}),
-			workers: cluster(), mode: mPrefill, reason: R(kvcv1.RouteReason_ROUTE_REASON_MIGRATED_AFTER_REJECTS), decode: "d2"},
+			workers: cluster(), mode: mDirect, reason: R(kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT), decode: "d1"},
 		{name: "no migration target: served in place if it fits", q: q(20_000, 100, 5),
 			rec:     with2(resident("d1", 19_000), func(r *kvcv1.SessionRecord) { r.DRejects = map[string]int32{"d1": 3, "d2": 1} }),
 			workers: cluster(), mode: mDirect, reason: R(kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT), decode: "d1"},

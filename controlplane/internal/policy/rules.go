@@ -101,17 +101,13 @@ var (
 		[]Scorer{ScoreHeadroom, ScoreQueues}}
 	// MigrateProfile moves a session off a D that rejected it migration_reject_threshold times.
 	MigrateProfile = &Profile{"migrate",
-		[]Filter{FilterRoutable, FilterNotCurrent, FilterNotRejecter, FilterCapacity, FilterTransferBudget},
-		[]Scorer{ScoreHeadroom, ScoreQueues, ScoreNotPrevious}}
+		[]Filter{FilterRoutable, FilterNotCurrent, FilterNotPrevious, FilterNotRejecter, FilterCapacity, FilterTransferBudget},
+		[]Scorer{ScoreHeadroom, ScoreQueues}}
 	// FallbackProfile picks the D of a plain P/D request.
 	FallbackProfile = &Profile{"fallback", []Filter{FilterRoutable}, []Scorer{ScoreHeadroom, ScoreQueues}}
 )
 
-// ScoreNotPrevious keeps a migration from bouncing back to the D the session just left: that
-// D wins only when no other D survives the filters.
-var ScoreNotPrevious = Scorer{"not-previous", 1000, func(c *Cycle, w *Cand) float64 {
-	if w.W.WorkerId == c.S.GetPreviousDecodeWorker() {
-		return 0
-	}
-	return 1
-}}
+// FilterNotPrevious: a migration never bounces back to the D the session last left (no
+// ping-pong between two full workers); with no other target the session is served in place.
+var FilterNotPrevious = Filter{"not-previous", constReason(kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY),
+	func(c *Cycle, w *Cand) bool { return w.W.WorkerId != c.S.GetPreviousDecodeWorker() }}
