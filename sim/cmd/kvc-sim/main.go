@@ -1,0 +1,218 @@
+// Command kvc-sim is a simulated SGLang worker (prefill or decode) with a real KV pool in shared
+// memory registered with its real sidecar, the worker HTTP API the gateway uses, streaming
+// sessions with LRU eviction, and a timing model. See docs/simulator.md.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"os/signal"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/rs/zerolog"
+	"golang.org/x/sync/errgroup"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+
+	"github.com/kvcentric/kvcentric/pkg/grpcx"
+	"github.com/kvcentric/kvcentric/pkg/obs"
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+	"github.com/kvcentric/kvcentric/sim/internal/flagenv"
+	"github.com/kvcentric/kvcentric/sim/internal/worker"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	code := run(ctx, os.Args[1:], os.Getenv, os.Stderr)
+	stop()
+	os.Exit(code)
+}
+
+type options struct {
+	role, workerID, httpAddr, bridgeSocket, shmDir, model string
+	logLevel, logFormat, readyFile                        string
+	capacity                                              int64
+	pageSize, layers, bytesPerToken                       int
+	modelBytesPerToken                                    int64
+	prefillTPS, prefillOverheadMS, decodeMS, linkGbps     float64
+	timeScale                                             float64
+	bridgeWait, transferTimeout                           time.Duration
+}
+
+func parse(args []string, getenv func(string) string, stderr io.Writer) (*options, worker.Config, error) {
+	o := &options{}
+	def := worker.DefaultTiming()
+	fs := flag.NewFlagSet("kvc-sim", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.StringVar(&o.role, "role", "", "prefill or decode (required)")
+	fs.StringVar(&o.workerID, "worker-id", "", "worker id (required; the sidecar's --worker-id)")
+	fs.StringVar(&o.httpAddr, "http-addr", "127.0.0.1:0", "listen address of the worker HTTP API and /metrics")
+	fs.StringVar(&o.bridgeSocket, "bridge-socket", "", "Unix socket of the sidecar's WorkerBridgeService (required; waited for)")
+	fs.DurationVar(&o.bridgeWait, "bridge-wait", 60*time.Second, "how long to wait for the sidecar's socket and RegisterKVPool")
+	fs.Int64Var(&o.capacity, "kv-capacity-tokens", 92104, "KV pool capacity in tokens (rounded down to whole pages)")
+	fs.IntVar(&o.pageSize, "page-size", 16, "tokens per KV page")
+	fs.IntVar(&o.layers, "layers", 48, "model layers (the pool has a K and a V buffer per layer)")
+	fs.IntVar(&o.bytesPerToken, "bytes-per-token-per-buffer", 16, "real KV bytes per token per buffer (the real model has 1024; scaled down for CPU-only runs)")
+	fs.Int64Var(&o.modelBytesPerToken, "model-bytes-per-token", def.ModelBytesPerToken, "the real model's KV bytes per token, for the transfer time model")
+	fs.Float64Var(&o.prefillTPS, "prefill-tokens-per-s", def.PrefillTokensPerS, "modeled prefill throughput (uncached tokens per second)")
+	fs.Float64Var(&o.prefillOverheadMS, "prefill-overhead-ms", float64(def.PrefillOverhead)/1e6, "modeled fixed cost of one prefill pass (ms)")
+	fs.Float64Var(&o.decodeMS, "decode-ms-per-token", float64(def.DecodePerToken)/1e6, "modeled time per output token (ms)")
+	fs.Float64Var(&o.linkGbps, "link-gbps", def.LinkGbps, "modeled KV transfer link bandwidth (Gb/s)")
+	fs.Float64Var(&o.timeScale, "time-scale", 1, "multiplies every modeled duration (0.1 = ten times faster)")
+	fs.DurationVar(&o.transferTimeout, "transfer-timeout", 60*time.Second, "bound of one KV transfer wait")
+	fs.StringVar(&o.shmDir, "shm-dir", "/dev/shm", "directory of the shared-memory KV pool file")
+	fs.StringVar(&o.model, "model", "Qwen/Qwen3-30B-A3B (kvc-sim)", "model name reported by /get_model_info")
+	fs.StringVar(&o.logLevel, "log-level", "info", "debug, info, warn, error")
+	fs.StringVar(&o.logFormat, "log-format", "json", "json or console")
+	fs.StringVar(&o.readyFile, "ready-file", "", "write a JSON ready file here once serving")
+	if err := flagenv.Parse(fs, args, getenv); err != nil {
+		return nil, worker.Config{}, err
+	}
+	var role kvcv1.WorkerRole
+	switch o.role {
+	case "prefill":
+		role = kvcv1.WorkerRole_WORKER_ROLE_PREFILL
+	case "decode":
+		role = kvcv1.WorkerRole_WORKER_ROLE_DECODE
+	default:
+		return nil, worker.Config{}, fmt.Errorf("--role must be prefill or decode, got %q", o.role)
+	}
+	if err := kvcv1.ValidateID("--worker-id", o.workerID); err != nil {
+		return nil, worker.Config{}, err
+	}
+	if o.bridgeSocket == "" {
+		return nil, worker.Config{}, errors.New("--bridge-socket is required")
+	}
+	if o.bridgeWait <= 0 || o.transferTimeout <= 0 {
+		return nil, worker.Config{}, errors.New("--bridge-wait and --transfer-timeout must be > 0")
+	}
+	if o.pageSize <= 0 || o.capacity < int64(o.pageSize) {
+		return nil, worker.Config{}, fmt.Errorf("--kv-capacity-tokens %d must hold at least one page of --page-size %d", o.capacity, o.pageSize)
+	}
+	if o.prefillOverheadMS < 0 || o.decodeMS < 0 {
+		return nil, worker.Config{}, errors.New("--prefill-overhead-ms and --decode-ms-per-token must be >= 0")
+	}
+	cfg := worker.Config{
+		Role:     role,
+		WorkerID: o.workerID,
+		Geometry: worker.Geometry{PageSize: o.pageSize, Layers: o.layers, BytesPerToken: o.bytesPerToken,
+			PageCount: o.capacity / int64(o.pageSize)},
+		Timing: worker.Timing{
+			PrefillTokensPerS:  o.prefillTPS,
+			PrefillOverhead:    time.Duration(o.prefillOverheadMS * 1e6),
+			DecodePerToken:     time.Duration(o.decodeMS * 1e6),
+			LinkGbps:           o.linkGbps,
+			ModelBytesPerToken: o.modelBytesPerToken,
+			Scale:              o.timeScale,
+		},
+		Model:           o.model,
+		TransferTimeout: o.transferTimeout,
+	}
+	if err := cfg.Geometry.Validate(); err != nil {
+		return nil, worker.Config{}, err
+	}
+	if err := cfg.Timing.Validate(); err != nil {
+		return nil, worker.Config{}, err
+	}
+	return o, cfg, nil
+}
+
+// run runs kvc-sim until ctx is done; it returns the exit code (2 for bad flags).
+func run(ctx context.Context, args []string, getenv func(string) string, stderr io.Writer) int {
+	o, cfg, err := parse(args, getenv, stderr)
+	if err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return 0
+		}
+		fmt.Fprintf(stderr, "kvc-sim: %v\n", err)
+		return 2
+	}
+	log, err := obs.NewLogger(stderr, o.logLevel, o.logFormat, "kvc-sim")
+	if err != nil {
+		fmt.Fprintf(stderr, "kvc-sim: %v\n", err)
+		return 2
+	}
+	log = log.With().Str("worker_id", o.workerID).Str("role", o.role).Logger()
+	if err := serve(ctx, o, cfg, log); err != nil {
+		log.Error().Err(err).Msg("kvc-sim failed")
+		return 1
+	}
+	return 0
+}
+
+// waitSocket waits until path exists and is a socket.
+func waitSocket(ctx context.Context, path string) error {
+	tick := time.NewTicker(50 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		if st, err := os.Stat(path); err == nil && st.Mode()&os.ModeSocket != 0 {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("sidecar socket %s did not appear: %w", path, ctx.Err())
+		case <-tick.C:
+		}
+	}
+}
+
+func serve(ctx context.Context, o *options, cfg worker.Config, log zerolog.Logger) error {
+	wctx, cancel := context.WithTimeout(ctx, o.bridgeWait)
+	defer cancel()
+	if err := waitSocket(wctx, o.bridgeSocket); err != nil {
+		return err
+	}
+	conn, err := grpc.NewClient("unix://"+o.bridgeSocket,
+		append(grpcx.ClientOptions(), grpc.WithTransportCredentials(insecure.NewCredentials()))...)
+	if err != nil {
+		return fmt.Errorf("dial sidecar: %w", err)
+	}
+	defer conn.Close()
+	pool, err := worker.CreatePool(o.shmDir, o.workerID, cfg.Geometry)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	reg := obs.NewRegistry()
+	w, err := worker.New(cfg, pool, kvcv1.NewWorkerBridgeServiceClient(conn), reg, log)
+	if err != nil {
+		return err
+	}
+	resp, err := w.RegisterPool(wctx)
+	if err != nil {
+		return err
+	}
+	log.Info().Str("pool", pool.Path()).Int64("kv_capacity_tokens", w.CapacityTokens()).
+		Str("transfer_endpoint", resp.GetTransferEndpoint()).Msg("KV pool registered with the sidecar")
+
+	lis, err := net.Listen("tcp", o.httpAddr)
+	if err != nil {
+		return fmt.Errorf("listen %s: %w", o.httpAddr, err)
+	}
+	ready := &obs.Ready{}
+	hs := obs.NewHTTPServer(reg, ready)
+	w.Register(hs.Mux)
+	g, gctx := errgroup.WithContext(ctx)
+	g.Go(func() error { return hs.Serve(gctx, lis) })
+	ready.Set(true)
+	addr := lis.Addr().String()
+	if err := obs.WriteReadyFile(o.readyFile, map[string]any{
+		"pid": os.Getpid(), "worker_id": o.workerID, "http_addr": addr, "role": o.role,
+		"shm_path": pool.Path(), "kv_capacity_tokens": w.CapacityTokens(),
+	}); err != nil {
+		return err
+	}
+	_, _ = obs.SdNotify("READY=1")
+	log.Info().Str("http_addr", addr).Str("url", "http://"+strings.TrimSpace(addr)).Msg("kvc-sim serving")
+	err = g.Wait()
+	_, _ = obs.SdNotify("STOPPING=1")
+	log.Info().Msg("kvc-sim stopped")
+	return err
+}
