@@ -89,11 +89,12 @@ bench-transfer:
 bench-policy:
 	cd controlplane && $(GO) test -run '^$$' -bench . -benchtime 1x ./internal/policybench/... | grep '^policy:' | tail -1
 
-## bench-gpu: static binaries for the device machine and the script it runs
+## bench-gpu: static test binary for the GPU machine; prints the command to run there
 bench-gpu:
 	@mkdir -p $(BIN)/gpu
-	cd pkg && CGO_ENABLED=0 $(GO) test -c -o $(BIN)/gpu/rdma.test ./rdma/
-	@echo "run on the device (repository root):  bash deploy/gpu/bench-gpu.sh"
+	cd pkg && CGO_ENABLED=0 $(GO) test -c -trimpath -o $(BIN)/gpu/rdma.test ./rdma/
+	@echo "on the GPU machine, from the repository root (carry bin/gpu):  bash deploy/gpu/bench-gpu.sh"
+	@echo "it writes out/gpu/gpu-tests.txt and out/gpu/gpu-bench.txt (or \$$OUT/...); see docs/gpu.md"
 
 ## test-mooncake: bytes through Mooncake's own transport (needs libtransfer_engine.so)
 test-mooncake:

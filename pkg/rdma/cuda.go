@@ -1,0 +1,1106 @@
+package rdma
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+	"unsafe"
+
+	"github.com/kvcentric/kvcentric/pkg/rdma/internal/cuda"
+)
+
+func init() {
+	register("cuda", func(ctx context.Context, cfg Config) (Engine, error) {
+		return NewCUDA(ctx, cfg, CUDAOptions{})
+	})
+}
+
+// CUDACopy selects how the cuda backend moves bytes.
+type CUDACopy int
+
+const (
+	// CUDACopyKernel (the default) batches all requests of a submission into copy descriptors
+	// executed by a page-gather/scatter kernel (one CTA per descriptor, 16-byte vector accesses).
+	CUDACopyKernel CUDACopy = iota
+	// CUDACopyMemcpy issues one cuMemcpyAsync per request. It is launch-bound on fragmented KV
+	// (about 1 GB/s) and exists only to be compared against, never as a silent fallback.
+	CUDACopyMemcpy
+)
+
+func (c CUDACopy) String() string {
+	if c == CUDACopyMemcpy {
+		return "memcpy"
+	}
+	return "kernel"
+}
+
+// CUDAOptions tunes the cuda backend; zero values take the defaults.
+type CUDAOptions struct {
+	Copy CUDACopy
+	// ChunkBytes is the most bytes one kernel descriptor (one CTA) copies; a multiple of 16.
+	// Default 32 KiB.
+	ChunkBytes uint64
+	// BlockThreads is the number of threads per CTA. Default 256.
+	BlockThreads int
+	// GroupDescs is the number of descriptors per kernel launch; descriptors of a submission
+	// are uploaded and launched in groups of this size so that building the next group
+	// overlaps copying the previous one. Default 16384.
+	GroupDescs int
+}
+
+func (o *CUDAOptions) defaults() error {
+	if o.ChunkBytes == 0 {
+		o.ChunkBytes = 32 << 10
+	}
+	if o.BlockThreads == 0 {
+		o.BlockThreads = 256
+	}
+	if o.GroupDescs == 0 {
+		o.GroupDescs = 1 << 14
+	}
+	switch {
+	case o.ChunkBytes%16 != 0:
+		return fmt.Errorf("%w: cuda chunk bytes %d not a multiple of 16", ErrInvalidRequest, o.ChunkBytes)
+	case o.BlockThreads < 32 || o.BlockThreads > 1024 || o.BlockThreads%32 != 0:
+		return fmt.Errorf("%w: cuda block threads %d", ErrInvalidRequest, o.BlockThreads)
+	case o.GroupDescs < 1:
+		return fmt.Errorf("%w: cuda group descriptors %d", ErrInvalidRequest, o.GroupDescs)
+	case o.Copy != CUDACopyKernel && o.Copy != CUDACopyMemcpy:
+		return fmt.Errorf("%w: cuda copy mode %d", ErrInvalidRequest, o.Copy)
+	}
+	return nil
+}
+
+// CUDAEngine is the cuda backend: same-node GPU↔GPU (and GPU↔pinned host) transfers. Peers'
+// device memory is imported from the CUDA IPC handles of the handshake and copied one-sided by
+// the opener, on the GPU that owns the destination, with peer access over NVLink.
+type CUDAEngine struct {
+	drv    *cuda.Driver
+	opt    CUDAOptions
+	defDev int
+	pid    uint32
+	ln     net.Listener
+	name   string
+
+	devMu  sync.Mutex
+	devs   map[int]*cudaDev
+	peerOK map[[2]int]error
+
+	impMu   sync.Mutex
+	imports map[string]cudaImport
+
+	// subMu is held shared by submissions and exclusively by Close, so that no copy is queued
+	// on a device being shut down.
+	subMu sync.RWMutex
+	shut  atomic.Bool
+
+	mu        sync.RWMutex
+	local     cudaSpans
+	adv       []cudaWireRegion
+	conns     map[*cudaConn]struct{}
+	peers     map[SegmentID]*cudaPeer
+	nextSeg   SegmentID
+	batches   map[BatchID]*cudaBatch
+	nextBatch BatchID
+	closed    bool
+
+	wg sync.WaitGroup
+}
+
+type cudaImport struct {
+	ctx *cuda.Context
+	ptr uint64
+}
+
+type cudaConn struct {
+	c  net.Conn
+	wm sync.Mutex
+}
+
+type cudaPeer struct {
+	name  string
+	conn  net.Conn
+	pid   uint32
+	regs  atomic.Pointer[[]cudaWireRegion]
+	spans atomic.Pointer[cudaSpans]
+	gone  atomic.Pointer[error]
+	done  chan struct{}
+}
+
+// cudaDev is the per-device state: primary context, copy stream, kernel, descriptor buffers
+// and the completion queue (events complete in stream order).
+type cudaDev struct {
+	ord     int
+	ctx     *cuda.Context
+	stream  cuda.Stream
+	mod     cuda.Module
+	fn      cuda.Function
+	pending chan *cudaGroup
+
+	poolMu sync.Mutex
+	free   []*cudaDescBuf
+	all    []*cudaDescBuf
+}
+
+type cudaDescBuf struct {
+	host, dev uint64
+	descs     []cudaDesc // view of host
+}
+
+// cudaDesc mirrors the kernel's descriptor (cuda.DescSize bytes).
+type cudaDesc struct{ src, dst, n, _ uint64 }
+
+type cudaGroup struct {
+	dev  *cudaDev
+	ev   cuda.Event
+	buf  *cudaDescBuf
+	done chan struct{}
+	err  error
+}
+
+type cudaBatch struct {
+	mu       sync.Mutex
+	cap      int
+	lens     []uint64
+	group    []int32 // index into groups of the task's last copy; -1: failed at submission
+	errs     map[int]error
+	groups   []*cudaGroup
+	canceled map[int32]bool
+}
+
+var _ Engine = (*CUDAEngine)(nil)
+
+// NewCUDA starts a cuda engine: it loads libcuda (ErrUnavailable when it cannot, or when
+// cfg.CUDADevice does not exist), prepares cfg.CUDADevice and listens for peers on
+// cfg.ListenAddr ("127.0.0.1:0" by default; "unix:/path" for a Unix socket).
+func NewCUDA(ctx context.Context, cfg Config, opt CUDAOptions) (*CUDAEngine, error) {
+	if err := opt.defaults(); err != nil {
+		return nil, err
+	}
+	drv, err := cuda.Load()
+	if err != nil {
+		return nil, fmt.Errorf("%w: %v", ErrUnavailable, err)
+	}
+	n, err := drv.DeviceCount()
+	if err != nil {
+		return nil, fmt.Errorf("%w: %v", ErrUnavailable, err)
+	}
+	if cfg.CUDADevice < 0 || cfg.CUDADevice >= n {
+		return nil, fmt.Errorf("%w: CUDA device %d of %d", ErrUnavailable, cfg.CUDADevice, n)
+	}
+	e := &CUDAEngine{
+		drv: drv, opt: opt, defDev: cfg.CUDADevice, pid: uint32(os.Getpid()),
+		devs: map[int]*cudaDev{}, peerOK: map[[2]int]error{}, imports: map[string]cudaImport{},
+		conns: map[*cudaConn]struct{}{}, peers: map[SegmentID]*cudaPeer{}, batches: map[BatchID]*cudaBatch{},
+		nextSeg: 1, nextBatch: 1,
+	}
+	if _, err := e.device(cfg.CUDADevice); err != nil {
+		e.release()
+		return nil, err
+	}
+	network, addr := splitCUDAAddr(cfg.ListenAddr)
+	if addr == "" {
+		network, addr = "tcp", "127.0.0.1:0"
+	}
+	var lc net.ListenConfig
+	ln, err := lc.Listen(ctx, network, addr)
+	if err != nil {
+		_ = e.Close()
+		return nil, fmt.Errorf("rdma/cuda: listen %s: %w", cfg.ListenAddr, err)
+	}
+	e.ln = ln
+	e.name = ln.Addr().String()
+	if network == "unix" {
+		e.name = "unix:" + e.name
+	}
+	if cfg.AdvertiseAddr != "" {
+		e.name = cfg.AdvertiseAddr
+	}
+	e.wg.Add(1)
+	go e.acceptLoop()
+	return e, nil
+}
+
+func splitCUDAAddr(a string) (network, addr string) {
+	if rest, ok := strings.CutPrefix(a, "unix:"); ok {
+		return "unix", rest
+	}
+	if strings.HasPrefix(a, "/") {
+		return "unix", a
+	}
+	return "tcp", a
+}
+
+// Backend implements Engine.
+func (e *CUDAEngine) Backend() string { return "cuda" }
+
+// SegmentName implements Engine: the control socket address.
+func (e *CUDAEngine) SegmentName() string { return e.name }
+
+// Options returns the options in effect.
+func (e *CUDAEngine) Options() CUDAOptions { return e.opt }
+
+// device returns the state of device ord, preparing it on first use: primary context, stream,
+// the copy kernel (JIT from PTX) and its completion goroutine.
+func (e *CUDAEngine) device(ord int) (*cudaDev, error) {
+	e.devMu.Lock()
+	defer e.devMu.Unlock()
+	if d, ok := e.devs[ord]; ok {
+		return d, nil
+	}
+	if e.shut.Load() {
+		return nil, ErrClosed
+	}
+	ctx, err := e.drv.PrimaryContext(ord)
+	if err != nil {
+		return nil, fmt.Errorf("%w: device %d: %v", ErrUnavailable, ord, err)
+	}
+	d := &cudaDev{ord: ord, ctx: ctx, pending: make(chan *cudaGroup, 4096)}
+	if d.stream, err = ctx.StreamCreate(); err != nil {
+		_ = ctx.Release()
+		return nil, fmt.Errorf("rdma/cuda: device %d: %w", ord, err)
+	}
+	if d.mod, err = ctx.ModuleLoadData(cuda.CopyKernelPTX); err == nil {
+		d.fn, err = ctx.ModuleFunction(d.mod, cuda.CopyKernelName)
+	}
+	if err != nil {
+		_ = ctx.StreamDestroy(d.stream)
+		_ = ctx.Release()
+		return nil, fmt.Errorf("rdma/cuda: device %d: load copy kernel: %w", ord, err)
+	}
+	e.devs[ord] = d
+	e.wg.Add(1)
+	go e.completions(d)
+	return d, nil
+}
+
+// completions finishes groups of d in submission order.
+func (e *CUDAEngine) completions(d *cudaDev) {
+	defer e.wg.Done()
+	for g := range d.pending {
+		g.err = d.ctx.EventSynchronize(g.ev)
+		_ = d.ctx.EventDestroy(g.ev)
+		if g.buf != nil {
+			d.putBuf(g.buf)
+		}
+		close(g.done)
+	}
+}
+
+func (d *cudaDev) getBuf(n int) (*cudaDescBuf, error) {
+	d.poolMu.Lock()
+	defer d.poolMu.Unlock()
+	for len(d.free) > 0 {
+		b := d.free[len(d.free)-1]
+		d.free = d.free[:len(d.free)-1]
+		if cap(b.descs) >= n { // buffers of a smaller group size (options changed) stay unused
+			return b, nil
+		}
+	}
+	size := uint64(n) * cuda.DescSize
+	host, err := d.ctx.MemHostAlloc(size)
+	if err != nil {
+		return nil, err
+	}
+	dev, err := d.ctx.MemAlloc(size)
+	if err != nil {
+		_ = d.ctx.MemFreeHost(host)
+		return nil, err
+	}
+	b := &cudaDescBuf{host: host, dev: dev}
+	b.descs = unsafe.Slice((*cudaDesc)(unsafe.Add(unsafe.Pointer(nil), uintptr(host))), n)[:0]
+	d.all = append(d.all, b)
+	return b, nil
+}
+
+func (d *cudaDev) putBuf(b *cudaDescBuf) {
+	d.poolMu.Lock()
+	b.descs = b.descs[:0]
+	d.free = append(d.free, b)
+	d.poolMu.Unlock()
+}
+
+// ensurePeer enables access from device a to device b's memory.
+func (e *CUDAEngine) ensurePeer(a, b int) error {
+	if a < 0 || b < 0 || a == b {
+		return nil
+	}
+	e.devMu.Lock()
+	err, ok := e.peerOK[[2]int{a, b}]
+	e.devMu.Unlock()
+	if ok {
+		return err
+	}
+	da, err := e.device(a)
+	if err != nil {
+		return err
+	}
+	db, err := e.device(b)
+	if err != nil {
+		return err
+	}
+	can, err := e.drv.CanAccessPeer(a, b)
+	if err == nil && !can {
+		err = fmt.Errorf("%w: device %d cannot access device %d (no peer access)", ErrUnavailable, a, b)
+	}
+	if err == nil {
+		err = da.ctx.EnablePeerAccess(db.ctx)
+	}
+	e.devMu.Lock()
+	e.peerOK[[2]int{a, b}] = err
+	e.devMu.Unlock()
+	return err
+}
+
+// importHandle opens (once per engine) the allocation behind an IPC handle on its device.
+func (e *CUDAEngine) importHandle(m *CUDAMemory) (uint64, error) {
+	if len(m.IPCHandle) != cuda.IPCHandleSize {
+		return 0, fmt.Errorf("%w: IPC handle of %d bytes", ErrInvalidRequest, len(m.IPCHandle))
+	}
+	key := fmt.Sprintf("%d/%x", m.Device, m.IPCHandle)
+	e.impMu.Lock()
+	defer e.impMu.Unlock()
+	if im, ok := e.imports[key]; ok {
+		return im.ptr, nil
+	}
+	d, err := e.device(m.Device)
+	if err != nil {
+		return 0, err
+	}
+	var h cuda.IPCHandle
+	copy(h[:], m.IPCHandle)
+	p, err := d.ctx.IPCOpen(h)
+	if err != nil {
+		return 0, fmt.Errorf("rdma/cuda: import IPC handle on device %d: %w", m.Device, err)
+	}
+	e.imports[key] = cudaImport{ctx: d.ctx, ptr: p}
+	return p, nil
+}
+
+// RegisterMemory implements Engine. Kinds:
+//   - MemCUDA with r.CUDA.IPCHandle set: another process's device memory (a worker's KV pool);
+//     it is imported here and Addr is the owner's address, used only as the region's name.
+//   - MemCUDA without a handle: device memory allocated by this process at Addr; its IPC
+//     handle is derived so that peers can import it.
+//   - MemHost: pinned host memory of this process (cuMemHostAlloc or registered); usable as a
+//     local source or target, not importable by other processes.
+func (e *CUDAEngine) RegisterMemory(r Region) error {
+	if r.Len == 0 || r.Addr+r.Len < r.Addr {
+		return fmt.Errorf("%w: region [%#x,+%d)", ErrInvalidRequest, r.Addr, r.Len)
+	}
+	sp := cudaSpan{addr: r.Addr, len: r.Len}
+	adv := cudaWireRegion{Region: r}
+	switch {
+	case r.Kind == MemCUDA && r.CUDA != nil && len(r.CUDA.IPCHandle) > 0:
+		if r.CUDA.Device < 0 {
+			return fmt.Errorf("%w: device %d", ErrInvalidRequest, r.CUDA.Device)
+		}
+		base, err := e.importHandle(r.CUDA)
+		if err != nil {
+			return err
+		}
+		sp.ptr, sp.dev = base+r.CUDA.Offset, r.CUDA.Device
+		c := *r.CUDA
+		c.IPCHandle = append([]byte(nil), r.CUDA.IPCHandle...)
+		adv.CUDA = &c
+	case r.Kind == MemCUDA:
+		d, err := e.device(e.defDev)
+		if err != nil {
+			return err
+		}
+		mt, ord, err := d.ctx.PointerInfo(r.Addr)
+		if err != nil || mt != cuda.MemoryDevice {
+			return fmt.Errorf("%w: %#x is not device memory of this process (%v)", ErrInvalidRequest, r.Addr, err)
+		}
+		od, err := e.device(ord)
+		if err != nil {
+			return err
+		}
+		base, size, err := od.ctx.AddressRange(r.Addr)
+		if err != nil {
+			return fmt.Errorf("%w: %v", ErrInvalidRequest, err)
+		}
+		if r.Addr+r.Len > base+size {
+			return fmt.Errorf("%w: region [%#x,+%d) exceeds its allocation", ErrInvalidRequest, r.Addr, r.Len)
+		}
+		h, err := od.ctx.IPCGetHandle(base)
+		if err != nil {
+			return fmt.Errorf("rdma/cuda: IPC handle: %w", err)
+		}
+		sp.ptr, sp.dev = r.Addr, ord
+		adv.CUDA = &CUDAMemory{Device: ord, IPCHandle: h[:], Offset: r.Addr - base}
+		if adv.Location == "" {
+			adv.Location = fmt.Sprintf("cuda:%d", ord)
+		}
+	case r.Kind == MemHost:
+		d, err := e.device(e.defDev)
+		if err != nil {
+			return err
+		}
+		mt, _, err := d.ctx.PointerInfo(r.Addr)
+		if err != nil || mt != cuda.MemoryHost {
+			return fmt.Errorf("%w: %#x is not pinned host memory (%v)", ErrInvalidRequest, r.Addr, err)
+		}
+		dp, err := d.ctx.HostDevicePointer(r.Addr)
+		if err != nil {
+			return fmt.Errorf("%w: %#x is not mapped pinned host memory (%v)", ErrInvalidRequest, r.Addr, err)
+		}
+		sp.ptr, sp.dev = dp, -1
+		adv.CUDA = nil
+		if adv.Location == "" {
+			adv.Location = "cpu"
+		}
+	default:
+		return fmt.Errorf("%w: the cuda backend takes MemCUDA or pinned MemHost regions, not kind %d", ErrInvalidRequest, r.Kind)
+	}
+	adv.Ptr = sp.ptr
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.closed {
+		return ErrClosed
+	}
+	for _, s := range e.local {
+		if r.Addr < s.addr+s.len && s.addr < r.Addr+r.Len {
+			return fmt.Errorf("%w: region [%#x,+%d) overlaps a registered one", ErrInvalidRequest, r.Addr, r.Len)
+		}
+	}
+	local := append(append(cudaSpans(nil), e.local...), sp).sorted()
+	e.local = local
+	e.adv = append(e.adv, adv)
+	e.broadcastLocked()
+	return nil
+}
+
+// UnregisterMemory implements Engine. Peers learn it from the next snapshot; the caller must
+// make sure no copy into or out of the region is still running.
+func (e *CUDAEngine) UnregisterMemory(addr uint64) error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	for i, s := range e.local {
+		if s.addr == addr {
+			local := append(append(cudaSpans(nil), e.local[:i]...), e.local[i+1:]...)
+			e.local = local
+			for j, a := range e.adv {
+				if a.Addr == addr {
+					e.adv = append(e.adv[:j:j], e.adv[j+1:]...)
+					break
+				}
+			}
+			e.broadcastLocked()
+			return nil
+		}
+	}
+	return fmt.Errorf("%w: no region at %#x", ErrInvalidRequest, addr)
+}
+
+func (e *CUDAEngine) broadcastLocked() {
+	msg := cudaEncodeRegions(e.pid, e.adv)
+	for c := range e.conns {
+		c.send(msg)
+	}
+}
+
+func (c *cudaConn) send(msg []byte) {
+	c.wm.Lock()
+	defer c.wm.Unlock()
+	_ = c.c.SetWriteDeadline(time.Now().Add(5 * time.Second))
+	if err := cudaWriteFrame(c.c, msg); err != nil {
+		_ = c.c.Close()
+	}
+}
+
+func (e *CUDAEngine) acceptLoop() {
+	defer e.wg.Done()
+	for {
+		c, err := e.ln.Accept()
+		if err != nil {
+			return
+		}
+		e.wg.Add(1)
+		go e.serve(c)
+	}
+}
+
+// serve answers one opener: hello, then snapshots until either side closes.
+func (e *CUDAEngine) serve(c net.Conn) {
+	defer e.wg.Done()
+	defer c.Close()
+	_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	b, err := cudaReadFrame(c)
+	if err != nil {
+		return
+	}
+	if _, err := cudaDecodeHello(b); err != nil {
+		return
+	}
+	_ = c.SetReadDeadline(time.Time{})
+	cc := &cudaConn{c: c}
+	e.mu.Lock()
+	if e.closed {
+		e.mu.Unlock()
+		return
+	}
+	e.conns[cc] = struct{}{}
+	cc.send(cudaEncodeRegions(e.pid, e.adv))
+	e.mu.Unlock()
+	defer func() {
+		e.mu.Lock()
+		delete(e.conns, cc)
+		e.mu.Unlock()
+	}()
+	// The opener sends nothing more; a read returns when it closes (or misbehaves).
+	var one [1]byte
+	_, _ = c.Read(one[:])
+}
+
+// OpenSegment implements Engine: connect to the peer's control socket, receive its regions and
+// import its device memory.
+func (e *CUDAEngine) OpenSegment(ctx context.Context, name string) (SegmentID, error) {
+	network, addr := splitCUDAAddr(name)
+	if addr == "" {
+		return 0, fmt.Errorf("%w: empty segment name", ErrUnknownSegment)
+	}
+	var d net.Dialer
+	c, err := d.DialContext(ctx, network, addr)
+	if err != nil {
+		return 0, fmt.Errorf("%w %q: %v", ErrUnknownSegment, name, err)
+	}
+	dl, ok := ctx.Deadline()
+	if !ok {
+		dl = time.Now().Add(10 * time.Second)
+	}
+	_ = c.SetDeadline(dl)
+	p := &cudaPeer{name: name, conn: c, done: make(chan struct{})}
+	err = cudaWriteFrame(c, cudaEncodeHello(e.pid))
+	var first []byte
+	if err == nil {
+		first, err = cudaReadFrame(c)
+	}
+	if err == nil {
+		err = e.applySnapshot(p, first)
+	}
+	if err != nil {
+		_ = c.Close()
+		return 0, fmt.Errorf("%w %q: handshake: %v", ErrUnknownSegment, name, err)
+	}
+	_ = c.SetDeadline(time.Time{})
+	e.mu.Lock()
+	if e.closed {
+		e.mu.Unlock()
+		_ = c.Close()
+		return 0, ErrClosed
+	}
+	id := e.nextSeg
+	e.nextSeg++
+	e.peers[id] = p
+	e.mu.Unlock()
+	e.wg.Add(1)
+	go e.follow(p)
+	return id, nil
+}
+
+// applySnapshot decodes a peer's region snapshot and resolves it for this process.
+func (e *CUDAEngine) applySnapshot(p *cudaPeer, msg []byte) error {
+	pid, regs, err := cudaDecodeRegions(msg)
+	if err != nil {
+		return err
+	}
+	spans := make(cudaSpans, len(regs))
+	for i, r := range regs {
+		s := cudaSpan{addr: r.Addr, len: r.Len, dev: -1}
+		if r.CUDA != nil {
+			s.dev = r.CUDA.Device
+		}
+		switch {
+		case pid == e.pid:
+			s.ptr = r.Ptr // same process: the owner's pointer is valid here
+		case r.CUDA != nil:
+			base, err := e.importHandle(r.CUDA)
+			if err != nil {
+				s.err = err
+			} else {
+				s.ptr = base + r.CUDA.Offset
+			}
+		default:
+			s.err = errors.New("host memory of another process is not reachable through CUDA IPC")
+		}
+		spans[i] = s
+	}
+	p.pid = pid
+	p.regs.Store(&regs)
+	p.spans.Store(&spans)
+	return nil
+}
+
+// follow applies the peer's later snapshots until the connection ends.
+func (e *CUDAEngine) follow(p *cudaPeer) {
+	defer e.wg.Done()
+	defer close(p.done)
+	for {
+		msg, err := cudaReadFrame(p.conn)
+		if err == nil {
+			err = e.applySnapshot(p, msg)
+		}
+		if err != nil {
+			gone := fmt.Errorf("%w: %s: %v", ErrPeerGone, p.name, err)
+			p.gone.Store(&gone)
+			_ = p.conn.Close()
+			return
+		}
+	}
+}
+
+// CloseSegment implements Engine.
+func (e *CUDAEngine) CloseSegment(id SegmentID) error {
+	e.mu.Lock()
+	p, ok := e.peers[id]
+	delete(e.peers, id)
+	e.mu.Unlock()
+	if !ok {
+		return fmt.Errorf("%w: %d", ErrUnknownSegment, id)
+	}
+	_ = p.conn.Close()
+	<-p.done
+	return nil
+}
+
+// RemoteRegions implements Engine.
+func (e *CUDAEngine) RemoteRegions(id SegmentID) ([]Region, error) {
+	e.mu.RLock()
+	p, ok := e.peers[id]
+	e.mu.RUnlock()
+	if !ok {
+		return nil, fmt.Errorf("%w: %d", ErrUnknownSegment, id)
+	}
+	regs := *p.regs.Load()
+	out := make([]Region, len(regs))
+	for i, r := range regs {
+		out[i] = r.Region
+	}
+	return out, nil
+}
+
+// AllocateBatch implements Engine.
+func (e *CUDAEngine) AllocateBatch(capacity int) (BatchID, error) {
+	if capacity <= 0 {
+		return 0, fmt.Errorf("%w: batch capacity %d", ErrInvalidRequest, capacity)
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.closed {
+		return 0, ErrClosed
+	}
+	id := e.nextBatch
+	e.nextBatch++
+	e.batches[id] = &cudaBatch{cap: capacity, errs: map[int]error{}, canceled: map[int32]bool{}}
+	return id, nil
+}
+
+func (e *CUDAEngine) batch(id BatchID) (*cudaBatch, error) {
+	e.mu.RLock()
+	defer e.mu.RUnlock()
+	if e.closed {
+		return nil, ErrClosed
+	}
+	b, ok := e.batches[id]
+	if !ok {
+		return nil, fmt.Errorf("%w: %d", ErrUnknownBatch, id)
+	}
+	return b, nil
+}
+
+// builder accumulates the descriptors of one device for one submission.
+type cudaBuilder struct {
+	d     *cudaDev
+	buf   *cudaDescBuf
+	tasks []int // tasks whose last descriptor is in buf
+}
+
+// Submit implements Engine. Every request is bounds-checked against the local regions and the
+// peer's advertised regions before any byte moves; refused requests fail as tasks. The rest
+// are turned into copy descriptors and launched in groups, each followed by an event.
+func (e *CUDAEngine) Submit(ctx context.Context, id BatchID, reqs []Request) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	e.subMu.RLock()
+	defer e.subMu.RUnlock()
+	if e.shut.Load() {
+		return ErrClosed
+	}
+	b, err := e.batch(id)
+	if err != nil {
+		return err
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if len(b.lens)+len(reqs) > b.cap {
+		return fmt.Errorf("%w: %d + %d > %d", ErrBatchFull, len(b.lens), len(reqs), b.cap)
+	}
+	e.mu.RLock()
+	local := e.local
+	peers := e.peers
+	var segs map[SegmentID]*cudaPeer
+	for _, r := range reqs { // snapshot the peers this submission uses
+		if p, ok := peers[r.Target]; ok {
+			if segs == nil {
+				segs = map[SegmentID]*cudaPeer{}
+			}
+			segs[r.Target] = p
+		}
+	}
+	e.mu.RUnlock()
+
+	builders := map[int]*cudaBuilder{}
+	var last *cudaBuilder
+	var peersOK [3]int // last (dev, srcDev, dstDev) whose peer access is known good
+	peersOKSet := false
+	var lastSeg SegmentID = -1
+	var remote cudaSpans
+	var segErr error
+	lh, rh := -1, -1
+	base := len(b.lens)
+	for i, r := range reqs {
+		t := base + i
+		b.lens = append(b.lens, r.Length)
+		b.group = append(b.group, -1)
+		if r.Target != lastSeg {
+			lastSeg, rh, segErr = r.Target, -1, nil
+			p, ok := segs[r.Target]
+			switch {
+			case !ok:
+				segErr = fmt.Errorf("%w: %d", ErrUnknownSegment, r.Target)
+			case p.gone.Load() != nil:
+				segErr = *p.gone.Load()
+			default:
+				remote = *p.spans.Load()
+			}
+		}
+		if segErr != nil {
+			b.errs[t] = segErr
+			continue
+		}
+		rt, err := cudaRouteRequest(r, local, remote, e.defDev, &lh, &rh)
+		if err == nil && (!peersOKSet || peersOK != [3]int{rt.dev, rt.srcDev, rt.dstDev}) {
+			if err = e.ensurePeer(rt.dev, rt.srcDev); err == nil {
+				err = e.ensurePeer(rt.dev, rt.dstDev)
+			}
+			if err == nil {
+				peersOK, peersOKSet = [3]int{rt.dev, rt.srcDev, rt.dstDev}, true
+			}
+		}
+		if err != nil {
+			b.errs[t] = err
+			continue
+		}
+		bd := last
+		if bd == nil || bd.d.ord != rt.dev {
+			bd = builders[rt.dev]
+		}
+		if bd == nil {
+			d, err := e.device(rt.dev)
+			if err != nil {
+				b.errs[t] = err
+				continue
+			}
+			bd = &cudaBuilder{d: d}
+			builders[rt.dev] = bd
+		}
+		last = bd
+		if err := e.add(b, bd, rt); err != nil {
+			b.errs[t] = err
+			continue
+		}
+		bd.tasks = append(bd.tasks, t)
+	}
+	var firstErr error
+	for _, bd := range builders {
+		if err := e.flush(b, bd); err != nil && firstErr == nil {
+			firstErr = err
+		}
+	}
+	return firstErr
+}
+
+// add appends the descriptors of one route, launching full groups on the way.
+func (e *CUDAEngine) add(b *cudaBatch, bd *cudaBuilder, rt cudaRoute) error {
+	chunk := e.opt.ChunkBytes
+	if e.opt.Copy == CUDACopyMemcpy {
+		chunk = rt.n
+	}
+	for off := uint64(0); off < rt.n; off += chunk {
+		if bd.buf == nil {
+			buf, err := bd.d.getBuf(e.opt.GroupDescs)
+			if err != nil {
+				return err
+			}
+			bd.buf = buf
+		}
+		bd.buf.descs = append(bd.buf.descs, cudaDesc{src: rt.src + off, dst: rt.dst + off, n: min(chunk, rt.n-off)})
+		if len(bd.buf.descs) == e.opt.GroupDescs {
+			if err := e.flush(b, bd); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// flush launches the builder's descriptors as one group and assigns it to the tasks whose last
+// descriptor it holds. On a launch error those tasks fail.
+func (e *CUDAEngine) flush(b *cudaBatch, bd *cudaBuilder) error {
+	buf := bd.buf
+	bd.buf = nil
+	tasks := bd.tasks
+	bd.tasks = nil
+	if buf == nil || len(buf.descs) == 0 {
+		if buf != nil {
+			bd.d.putBuf(buf)
+		}
+		if len(tasks) == 0 {
+			return nil
+		}
+		// Tasks whose descriptors all went out in an earlier group of this submission.
+		return e.finishTasks(b, bd, tasks)
+	}
+	g, err := e.launch(bd.d, buf)
+	if err != nil {
+		bd.d.putBuf(buf)
+		for _, t := range tasks {
+			b.errs[t] = err
+		}
+		return err
+	}
+	b.groups = append(b.groups, g)
+	gi := int32(len(b.groups) - 1)
+	for _, t := range tasks {
+		b.group[t] = gi
+	}
+	return nil
+}
+
+// finishTasks attaches tasks to an empty group that completes after everything queued before
+// it on the device's stream.
+func (e *CUDAEngine) finishTasks(b *cudaBatch, bd *cudaBuilder, tasks []int) error {
+	g, err := e.record(bd.d, nil)
+	if err != nil {
+		for _, t := range tasks {
+			b.errs[t] = err
+		}
+		return err
+	}
+	b.groups = append(b.groups, g)
+	gi := int32(len(b.groups) - 1)
+	for _, t := range tasks {
+		b.group[t] = gi
+	}
+	return nil
+}
+
+// launch uploads a group's descriptors and runs them (kernel, or one memcpy each), then
+// records the group's event.
+func (e *CUDAEngine) launch(d *cudaDev, buf *cudaDescBuf) (*cudaGroup, error) {
+	n := len(buf.descs)
+	if e.opt.Copy == CUDACopyMemcpy {
+		for _, ds := range buf.descs {
+			if err := d.ctx.MemcpyAsync(ds.dst, ds.src, ds.n, d.stream); err != nil {
+				return nil, err
+			}
+		}
+		return e.record(d, buf)
+	}
+	if err := d.ctx.MemcpyHtoDAsync(buf.dev, buf.host, uint64(n)*cuda.DescSize, d.stream); err != nil {
+		return nil, err
+	}
+	if err := d.ctx.LaunchCopy(d.fn, buf.dev, uint32(n), uint32(n), uint32(e.opt.BlockThreads), d.stream); err != nil {
+		return nil, err
+	}
+	return e.record(d, buf)
+}
+
+func (e *CUDAEngine) record(d *cudaDev, buf *cudaDescBuf) (*cudaGroup, error) {
+	ev, err := d.ctx.EventCreate(false)
+	if err != nil {
+		return nil, err
+	}
+	if err := d.ctx.EventRecord(ev, d.stream); err != nil {
+		_ = d.ctx.EventDestroy(ev)
+		return nil, err
+	}
+	g := &cudaGroup{dev: d, ev: ev, buf: buf, done: make(chan struct{})}
+	d.pending <- g
+	return g, nil
+}
+
+func (b *cudaBatch) status(t int) TaskStatus {
+	gi := b.group[t]
+	if gi < 0 {
+		return TaskStatus{State: TaskFailed, Err: b.errs[t]}
+	}
+	g := b.groups[gi]
+	select {
+	case <-g.done:
+		if b.canceled[gi] {
+			return TaskStatus{State: TaskCanceled, Err: context.Canceled}
+		}
+		if g.err != nil {
+			return TaskStatus{State: TaskFailed, Err: g.err}
+		}
+		return TaskStatus{State: TaskCompleted, BytesDone: b.lens[t]}
+	default:
+		if b.canceled[gi] {
+			return TaskStatus{State: TaskCanceled, Err: context.Canceled}
+		}
+		return TaskStatus{State: TaskPending}
+	}
+}
+
+// Status implements Engine.
+func (e *CUDAEngine) Status(id BatchID, task int) (TaskStatus, error) {
+	b, err := e.batch(id)
+	if err != nil {
+		return TaskStatus{}, err
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if task < 0 || task >= len(b.lens) {
+		return TaskStatus{}, fmt.Errorf("%w: task %d of %d", ErrInvalidRequest, task, len(b.lens))
+	}
+	return b.status(task), nil
+}
+
+// Wait implements Engine.
+func (e *CUDAEngine) Wait(ctx context.Context, id BatchID) ([]TaskStatus, error) {
+	b, err := e.batch(id)
+	if err != nil {
+		return nil, err
+	}
+	b.mu.Lock()
+	groups := append([]*cudaGroup(nil), b.groups...)
+	b.mu.Unlock()
+	var werr error
+	for _, g := range groups {
+		select {
+		case <-g.done:
+		case <-ctx.Done():
+			werr = ctx.Err()
+		}
+		if werr != nil {
+			break
+		}
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	out := make([]TaskStatus, len(b.lens))
+	for t := range out {
+		out[t] = b.status(t)
+	}
+	return out, werr
+}
+
+// Cancel implements Engine. Copies already launched cannot be stopped: their tasks report
+// canceled (the target bytes are undefined) and FreeBatch waits for the GPU to finish them.
+func (e *CUDAEngine) Cancel(id BatchID) error {
+	b, err := e.batch(id)
+	if err != nil {
+		return err
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	for i, g := range b.groups {
+		select {
+		case <-g.done:
+		default:
+			b.canceled[int32(i)] = true
+		}
+	}
+	return nil
+}
+
+// FreeBatch implements Engine: refused (ErrBatchBusy) while copies are in flight, except for a
+// canceled batch, whose in-flight copies it waits out.
+func (e *CUDAEngine) FreeBatch(id BatchID) error {
+	b, err := e.batch(id)
+	if err != nil {
+		return err
+	}
+	b.mu.Lock()
+	for i, g := range b.groups {
+		select {
+		case <-g.done:
+		default:
+			if !b.canceled[int32(i)] {
+				b.mu.Unlock()
+				return ErrBatchBusy
+			}
+			<-g.done
+		}
+	}
+	b.mu.Unlock()
+	e.mu.Lock()
+	delete(e.batches, id)
+	e.mu.Unlock()
+	return nil
+}
+
+// Close implements Engine: it stops accepting peers, waits for copies in flight, and releases
+// imported memory, buffers, kernels, streams and contexts.
+func (e *CUDAEngine) Close() error {
+	e.subMu.Lock()
+	e.shut.Store(true)
+	e.subMu.Unlock()
+	e.mu.Lock()
+	if e.closed {
+		e.mu.Unlock()
+		return ErrClosed
+	}
+	e.closed = true
+	peers := e.peers
+	e.peers = map[SegmentID]*cudaPeer{}
+	for c := range e.conns {
+		_ = c.c.Close()
+	}
+	e.mu.Unlock()
+	if e.ln != nil {
+		_ = e.ln.Close()
+	}
+	for _, p := range peers {
+		_ = p.conn.Close()
+	}
+	e.devMu.Lock()
+	for _, d := range e.devs {
+		_ = d.ctx.StreamSynchronize(d.stream)
+		close(d.pending)
+	}
+	e.devMu.Unlock()
+	e.wg.Wait()
+	e.release()
+	return nil
+}
+
+func (e *CUDAEngine) release() {
+	e.impMu.Lock()
+	for k, im := range e.imports {
+		_ = im.ctx.IPCClose(im.ptr)
+		delete(e.imports, k)
+	}
+	e.impMu.Unlock()
+	e.devMu.Lock()
+	defer e.devMu.Unlock()
+	for ord, d := range e.devs {
+		for _, b := range d.all {
+			_ = d.ctx.MemFreeHost(b.host)
+			_ = d.ctx.MemFree(b.dev)
+		}
+		_ = d.ctx.ModuleUnload(d.mod)
+		_ = d.ctx.StreamDestroy(d.stream)
+		_ = d.ctx.Release()
+		delete(e.devs, ord)
+	}
+}

@@ -1,0 +1,244 @@
+package rdma
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"math/rand/v2"
+	"testing"
+	"time"
+	"unsafe"
+
+	"github.com/kvcentric/kvcentric/pkg/rdma/internal/cuda"
+)
+
+// cudaTestDriver returns the driver, or skips the test when libcuda or a device is missing.
+func cudaTestDriver(t testing.TB) *cuda.Driver {
+	t.Helper()
+	d, err := cuda.Load()
+	if err != nil {
+		t.Skipf("no CUDA here: %v", err)
+	}
+	return d
+}
+
+func TestCUDAUnavailableWithoutDriver(t *testing.T) {
+	if _, err := cuda.Load(); err == nil {
+		t.Skip("a CUDA driver and device are present")
+	}
+	_, err := New(context.Background(), Config{Backend: "cuda"})
+	if !errors.Is(err, ErrUnavailable) {
+		t.Fatalf("New(cuda) without a driver: %v, want ErrUnavailable", err)
+	}
+}
+
+func TestCUDAOptionsRejected(t *testing.T) {
+	for _, o := range []CUDAOptions{{ChunkBytes: 100}, {BlockThreads: 48}, {GroupDescs: -1}, {Copy: 7}} {
+		if _, err := NewCUDA(context.Background(), Config{Backend: "cuda"}, o); !errors.Is(err, ErrInvalidRequest) {
+			t.Fatalf("%+v: %v", o, err)
+		}
+	}
+}
+
+// TestCUDAEngineInProcess moves fragmented, unaligned and refused requests between two engines
+// of this process (device 0 and the last device), in both copy modes, and checks every byte.
+func TestCUDAEngineInProcess(t *testing.T) {
+	drv := cudaTestDriver(t)
+	n, err := drv.DeviceCount()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mode := range []CUDACopy{CUDACopyKernel, CUDACopyMemcpy} {
+		t.Run(mode.String(), func(t *testing.T) {
+			// Small chunks and groups so that requests split over descriptors and groups.
+			opt := CUDAOptions{Copy: mode, ChunkBytes: 1024, GroupDescs: 7}
+			testCUDAEngines(t, drv, 0, n-1, opt)
+		})
+	}
+}
+
+func testCUDAEngines(t *testing.T, drv *cuda.Driver, devA, devB int, opt CUDAOptions) {
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	a, err := NewCUDA(ctx, Config{Backend: "cuda", CUDADevice: devA}, opt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	b, err := NewCUDA(ctx, Config{Backend: "cuda", CUDADevice: devB, ListenAddr: "unix:" + t.TempDir() + "/b.sock"}, opt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	ca, err := drv.PrimaryContext(devA)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ca.Release()
+	cb, err := drv.PrimaryContext(devB)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cb.Release()
+
+	const size = 1 << 20
+	src, err := ca.MemAlloc(size)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ca.MemFree(src)
+	dst, err := cb.MemAlloc(size)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cb.MemFree(dst)
+	host, err := ca.MemHostAlloc(size)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ca.MemFreeHost(host)
+	pattern := make([]byte, size)
+	rng := rand.New(rand.NewPCG(1, 2))
+	for i := range pattern {
+		pattern[i] = byte(rng.Uint32())
+	}
+	if err := ca.MemcpyHtoD(src, unsafe.Pointer(&pattern[0]), size); err != nil {
+		t.Fatal(err)
+	}
+	if err := cb.MemsetD8(dst, 0, size); err != nil {
+		t.Fatal(err)
+	}
+	hb := cuda.HostBytes(host, size)
+	clear(hb)
+
+	must := func(err error) {
+		t.Helper()
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	must(a.RegisterMemory(Region{Addr: src, Len: size / 2, Kind: MemCUDA}))
+	must(a.RegisterMemory(Region{Addr: src + size/2, Len: size / 2, Kind: MemCUDA}))
+	must(a.RegisterMemory(Region{Addr: host, Len: size, Kind: MemHost}))
+	must(b.RegisterMemory(Region{Addr: dst, Len: size, Kind: MemCUDA}))
+	if err := a.RegisterMemory(Region{Addr: src + 16, Len: 32, Kind: MemCUDA}); !errors.Is(err, ErrInvalidRequest) {
+		t.Fatalf("overlapping registration: %v", err)
+	}
+	if err := a.RegisterMemory(Region{Addr: uint64(uintptr(unsafe.Pointer(&pattern[0]))), Len: 64, Kind: MemHost}); !errors.Is(err, ErrInvalidRequest) {
+		t.Fatalf("unpinned host registration: %v", err)
+	}
+
+	seg, err := a.OpenSegment(ctx, b.SegmentName())
+	must(err)
+	regs, err := a.RemoteRegions(seg)
+	must(err)
+	if len(regs) != 1 || regs[0].Addr != dst || regs[0].CUDA == nil || regs[0].CUDA.Device != devB {
+		t.Fatalf("remote regions %+v", regs)
+	}
+
+	// WRITE: pages of 4 KiB in a shuffled map (runs cross the two local regions' boundary
+	// only where both sides line up), one unaligned piece, and refused requests.
+	const page = 4096
+	perm := rng.Perm(size / page)
+	var reqs []Request
+	var want []bool
+	for i := 0; i < size/page; i += 3 { // every third page, to a shuffled destination page
+		reqs = append(reqs, Request{Op: OpWrite, Source: src + uint64(i*page), Target: seg, TargetAddr: dst + uint64(perm[i]*page), Length: page})
+		want = append(want, true)
+	}
+	odd := Request{Op: OpWrite, Source: src + 1*page + 3, Target: seg, TargetAddr: dst + uint64(perm[1]*page) + 5, Length: 1001}
+	reqs = append(reqs, odd)
+	want = append(want, true)
+	bad := []Request{
+		{Op: OpWrite, Source: src, Target: seg, TargetAddr: dst + size - 8, Length: 16},      // past the peer's region
+		{Op: OpWrite, Source: src + size - 8, Target: seg, TargetAddr: dst, Length: 16},      // past the local regions
+		{Op: OpWrite, Source: src + size/2 - 8, Target: seg, TargetAddr: dst, Length: 16},    // across two local regions
+		{Op: OpWrite, Source: src, Target: seg + 100, TargetAddr: dst, Length: 16},           // unknown segment
+		{Op: OpWrite, Source: src, Target: seg, TargetAddr: dst, Length: 0},                  // empty
+		{Op: Opcode(9), Source: src, Target: seg, TargetAddr: dst, Length: 16},               // bad opcode
+		{Op: OpWrite, Source: src, Target: seg, TargetAddr: dst + size, Length: math1(size)}, // wraps
+	}
+	for _, r := range bad {
+		reqs = append(reqs, r)
+		want = append(want, false)
+	}
+	if _, err := a.AllocateBatch(0); !errors.Is(err, ErrInvalidRequest) {
+		t.Fatalf("zero capacity: %v", err)
+	}
+	bid, err := a.AllocateBatch(len(reqs))
+	must(err)
+	if err := a.Submit(ctx, bid, append(reqs, reqs[0])); !errors.Is(err, ErrBatchFull) {
+		t.Fatalf("over capacity: %v", err)
+	}
+	must(a.Submit(ctx, bid, reqs))
+	st, err := a.Wait(ctx, bid)
+	must(err)
+	for i, s := range st {
+		if want[i] && (s.State != TaskCompleted || s.BytesDone != reqs[i].Length) {
+			t.Fatalf("task %d: %+v", i, s)
+		}
+		if !want[i] && s.State != TaskFailed {
+			t.Fatalf("refused task %d: %+v", i, s)
+		}
+	}
+	if s, err := a.Status(bid, len(reqs)-1); err != nil || s.State != TaskFailed ||
+		!(errors.Is(s.Err, ErrOutOfBounds) || errors.Is(s.Err, ErrInvalidRequest)) {
+		t.Fatalf("status of a refused task: %+v %v", s, err)
+	}
+	if _, err := a.Status(bid, len(reqs)); !errors.Is(err, ErrInvalidRequest) {
+		t.Fatalf("status past the end: %v", err)
+	}
+	must(a.FreeBatch(bid))
+	if _, err := a.Status(bid, 0); !errors.Is(err, ErrUnknownBatch) {
+		t.Fatalf("freed batch: %v", err)
+	}
+
+	got := make([]byte, size)
+	must(cb.MemcpyDtoH(unsafe.Pointer(&got[0]), dst, size))
+	exp := make([]byte, size)
+	for i := 0; i < size/page; i += 3 {
+		copy(exp[perm[i]*page:][:page], pattern[i*page:][:page])
+	}
+	copy(exp[perm[1]*page+5:][:1001], pattern[page+3:][:1001])
+	if !bytes.Equal(got, exp) {
+		t.Fatalf("destination differs from expected at %d", firstDiff(got, exp))
+	}
+
+	// READ the destination back into pinned host memory (the kernel runs on devB and writes
+	// host memory), as two requests.
+	bid, err = a.AllocateBatch(2)
+	must(err)
+	must(a.Submit(ctx, bid, []Request{
+		{Op: OpRead, Source: host, Target: seg, TargetAddr: dst, Length: size / 2},
+		{Op: OpRead, Source: host + size/2, Target: seg, TargetAddr: dst + size/2, Length: size / 2},
+	}))
+	st, err = a.Wait(ctx, bid)
+	must(err)
+	for i, s := range st {
+		if s.State != TaskCompleted {
+			t.Fatalf("read task %d: %+v", i, s)
+		}
+	}
+	if !bytes.Equal(hb, exp) {
+		t.Fatalf("host copy differs at %d", firstDiff(hb, exp))
+	}
+	must(a.FreeBatch(bid))
+	must(a.CloseSegment(seg))
+	if err := a.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Close(); !errors.Is(err, ErrClosed) {
+		t.Fatalf("second close: %v", err)
+	}
+}
+
+func math1(n uint64) uint64 { return ^uint64(0) - n + 2 }
+
+func firstDiff(a, b []byte) int {
+	for i := range a {
+		if a[i] != b[i] {
+			return i
+		}
+	}
+	return -1
+}
