@@ -1,0 +1,179 @@
+package app
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"net"
+	"os"
+	"strings"
+	"time"
+
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+// Options are kvc-controlplane's settings.
+type Options struct {
+	NodeID                 string
+	GRPCAddr               string
+	HTTPAddr               string
+	AdvertiseAddr          string
+	EtcdEndpoints          string
+	EtcdPrefix             string
+	DataDir                string
+	EmbeddedEtcdClientAddr string
+	EmbeddedEtcdPeerAddr   string
+	ElectionTTL            time.Duration
+	UnreachableGrace       time.Duration
+	SessionTTL             time.Duration
+	FlushDelay             time.Duration
+	ShutdownGrace          time.Duration
+	EtcdDialTimeout        time.Duration
+	ReadyFile              string
+	LogLevel               string
+	LogFormat              string
+}
+
+// NewOptions returns the defaults.
+func NewOptions() *Options {
+	host, _ := os.Hostname()
+	if kvcv1.ValidateID("node_id", host) != nil {
+		host = "kvc-controlplane"
+	}
+	return &Options{
+		NodeID:                 host,
+		GRPCAddr:               "127.0.0.1:7400",
+		HTTPAddr:               "127.0.0.1:7401",
+		EtcdPrefix:             "/kvc/v1/",
+		DataDir:                "kvc-controlplane-data",
+		EmbeddedEtcdClientAddr: "127.0.0.1:2379",
+		EmbeddedEtcdPeerAddr:   "127.0.0.1:2380",
+		ElectionTTL:            5 * time.Second,
+		UnreachableGrace:       30 * time.Second,
+		SessionTTL:             24 * time.Hour,
+		FlushDelay:             50 * time.Millisecond,
+		ShutdownGrace:          5 * time.Second,
+		EtcdDialTimeout:        5 * time.Second,
+		LogLevel:               "info",
+		LogFormat:              "json",
+	}
+}
+
+// AddFlags registers every option on fs.
+func (o *Options) AddFlags(fs *flag.FlagSet) {
+	fs.StringVar(&o.NodeID, "node-id", o.NodeID, "this replica's id (unique among replicas)")
+	fs.StringVar(&o.GRPCAddr, "grpc-addr", o.GRPCAddr, "gRPC listen address (port 0 picks one)")
+	fs.StringVar(&o.HTTPAddr, "http-addr", o.HTTPAddr, "HTTP listen address for /metrics, /healthz, /readyz")
+	fs.StringVar(&o.AdvertiseAddr, "advertise-addr", o.AdvertiseAddr, "gRPC address other parts dial to reach this replica (default: the bound --grpc-addr)")
+	fs.StringVar(&o.EtcdEndpoints, "etcd-endpoints", o.EtcdEndpoints, "comma-separated etcd client URLs; empty starts an embedded single-member etcd in --data-dir")
+	fs.StringVar(&o.EtcdPrefix, "etcd-prefix", o.EtcdPrefix, "etcd key prefix (must start and end with '/')")
+	fs.StringVar(&o.DataDir, "data-dir", o.DataDir, "embedded etcd data directory")
+	fs.StringVar(&o.EmbeddedEtcdClientAddr, "embedded-etcd-client-addr", o.EmbeddedEtcdClientAddr, "embedded etcd client listen address (port 0 picks one)")
+	fs.StringVar(&o.EmbeddedEtcdPeerAddr, "embedded-etcd-peer-addr", o.EmbeddedEtcdPeerAddr, "embedded etcd peer listen address (port 0 picks one)")
+	fs.DurationVar(&o.ElectionTTL, "election-ttl", o.ElectionTTL, "leader lease TTL (whole seconds, >= 2s): a dead leader is replaced after about this long")
+	fs.DurationVar(&o.UnreachableGrace, "unreachable-grace", o.UnreachableGrace, "default unreachable_grace_ms: an unreachable worker's residency is dropped after this")
+	fs.DurationVar(&o.SessionTTL, "session-ttl", o.SessionTTL, "default session_ttl_ms: idle sessions expire after this")
+	fs.DurationVar(&o.FlushDelay, "flush-delay", o.FlushDelay, "write-behind delay: every change reaches etcd within about this long")
+	fs.DurationVar(&o.ShutdownGrace, "shutdown-grace", o.ShutdownGrace, "how long a stop waits for calls to finish")
+	fs.DurationVar(&o.EtcdDialTimeout, "etcd-dial-timeout", o.EtcdDialTimeout, "etcd dial timeout")
+	fs.StringVar(&o.ReadyFile, "ready-file", o.ReadyFile, "write a JSON ready file here once serving")
+	fs.StringVar(&o.LogLevel, "log-level", o.LogLevel, "debug, info, warn or error")
+	fs.StringVar(&o.LogFormat, "log-format", o.LogFormat, "json or console")
+}
+
+// EnvName is the environment variable for a flag: KVC_ + upper snake case.
+func EnvName(flagName string) string {
+	return "KVC_" + strings.ToUpper(strings.ReplaceAll(flagName, "-", "_"))
+}
+
+// ApplyEnv sets every flag not given on the command line from its KVC_* variable (the flag
+// wins). lookup is os.LookupEnv in production.
+func ApplyEnv(fs *flag.FlagSet, lookup func(string) (string, bool)) error {
+	set := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+	var errs []error
+	fs.VisitAll(func(f *flag.Flag) {
+		if set[f.Name] {
+			return
+		}
+		if v, ok := lookup(EnvName(f.Name)); ok {
+			if err := fs.Set(f.Name, v); err != nil {
+				errs = append(errs, fmt.Errorf("%s=%q: %w", EnvName(f.Name), v, err))
+			}
+		}
+	})
+	return errors.Join(errs...)
+}
+
+// Endpoints returns the etcd endpoints (nil: embedded).
+func (o *Options) Endpoints() []string {
+	var out []string
+	for _, e := range strings.Split(o.EtcdEndpoints, ",") {
+		if e = strings.TrimSpace(e); e != "" {
+			out = append(out, e)
+		}
+	}
+	return out
+}
+
+// Validate checks the options; every problem is reported.
+func (o *Options) Validate() error {
+	var errs []error
+	if err := kvcv1.ValidateID("--node-id", o.NodeID); err != nil {
+		errs = append(errs, err)
+	}
+	addr := func(name, v string, optional bool) {
+		if v == "" && optional {
+			return
+		}
+		if _, _, err := net.SplitHostPort(v); err != nil {
+			errs = append(errs, fmt.Errorf("%s %q: want host:port", name, v))
+		}
+	}
+	addr("--grpc-addr", o.GRPCAddr, false)
+	addr("--http-addr", o.HTTPAddr, false)
+	addr("--advertise-addr", o.AdvertiseAddr, true)
+	if len(o.Endpoints()) == 0 {
+		if o.DataDir == "" {
+			errs = append(errs, errors.New("--data-dir is required for the embedded etcd (no --etcd-endpoints)"))
+		}
+		addr("--embedded-etcd-client-addr", o.EmbeddedEtcdClientAddr, false)
+		addr("--embedded-etcd-peer-addr", o.EmbeddedEtcdPeerAddr, false)
+	}
+	for _, e := range o.Endpoints() {
+		if !strings.Contains(e, "://") {
+			if _, _, err := net.SplitHostPort(e); err != nil {
+				errs = append(errs, fmt.Errorf("--etcd-endpoints entry %q: want a URL or host:port", e))
+			}
+		}
+	}
+	if !strings.HasPrefix(o.EtcdPrefix, "/") || !strings.HasSuffix(o.EtcdPrefix, "/") || len(o.EtcdPrefix) < 2 {
+		errs = append(errs, fmt.Errorf("--etcd-prefix %q must start and end with '/'", o.EtcdPrefix))
+	}
+	if o.ElectionTTL < 2*time.Second || o.ElectionTTL%time.Second != 0 {
+		errs = append(errs, fmt.Errorf("--election-ttl %s must be whole seconds and at least 2s", o.ElectionTTL))
+	}
+	pos := func(name string, d time.Duration, allowZero bool) {
+		if d < 0 || (d == 0 && !allowZero) {
+			errs = append(errs, fmt.Errorf("%s %s must be positive", name, d))
+		}
+	}
+	pos("--unreachable-grace", o.UnreachableGrace, true)
+	if o.SessionTTL < time.Second {
+		errs = append(errs, fmt.Errorf("--session-ttl %s must be at least 1s", o.SessionTTL))
+	}
+	pos("--flush-delay", o.FlushDelay, false)
+	pos("--shutdown-grace", o.ShutdownGrace, false)
+	pos("--etcd-dial-timeout", o.EtcdDialTimeout, false)
+	switch o.LogFormat {
+	case "json", "console":
+	default:
+		errs = append(errs, fmt.Errorf("--log-format %q: want json or console", o.LogFormat))
+	}
+	switch strings.ToLower(o.LogLevel) {
+	case "debug", "info", "warn", "error":
+	default:
+		errs = append(errs, fmt.Errorf("--log-level %q: want debug, info, warn or error", o.LogLevel))
+	}
+	return errors.Join(errs...)
+}

@@ -1,0 +1,207 @@
+package app
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"os/signal"
+	"syscall"
+	"time"
+
+	"github.com/rs/zerolog"
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap"
+	"golang.org/x/sync/errgroup"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+
+	"github.com/kvcentric/kvcentric/controlplane/internal/election"
+	"github.com/kvcentric/kvcentric/controlplane/internal/embedetcd"
+	"github.com/kvcentric/kvcentric/controlplane/internal/router"
+	"github.com/kvcentric/kvcentric/controlplane/internal/server"
+	"github.com/kvcentric/kvcentric/controlplane/internal/state"
+	"github.com/kvcentric/kvcentric/pkg/grpcx"
+	"github.com/kvcentric/kvcentric/pkg/kvstore"
+	"github.com/kvcentric/kvcentric/pkg/obs"
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+// Main parses args (and KVC_* env), then runs until SIGINT/SIGTERM. It returns the exit code:
+// 0 after a clean stop, 1 on a runtime failure, 2 on bad flags.
+func Main(args []string, stderr io.Writer) int {
+	opts := NewOptions()
+	fs := flag.NewFlagSet("kvc-controlplane", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	opts.AddFlags(fs)
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return 0
+		}
+		return 2
+	}
+	if fs.NArg() > 0 {
+		fmt.Fprintf(stderr, "kvc-controlplane: unexpected arguments: %v\n", fs.Args())
+		return 2
+	}
+	if err := ApplyEnv(fs, os.LookupEnv); err != nil {
+		fmt.Fprintf(stderr, "kvc-controlplane: %v\n", err)
+		return 2
+	}
+	if err := opts.Validate(); err != nil {
+		fmt.Fprintf(stderr, "kvc-controlplane: %v\n", err)
+		return 2
+	}
+	log, err := obs.NewLogger(stderr, opts.LogLevel, opts.LogFormat, "kvc-controlplane")
+	if err != nil {
+		fmt.Fprintf(stderr, "kvc-controlplane: %v\n", err)
+		return 2
+	}
+	log = log.With().Str("node", opts.NodeID).Logger()
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if err := Run(ctx, opts, log); err != nil {
+		log.Error().Err(err).Msg("control plane failed")
+		return 1
+	}
+	return 0
+}
+
+// readyInfo is the ready file's content (docs/interfaces.md).
+type readyInfo struct {
+	PID            int    `json:"pid"`
+	NodeID         string `json:"node_id"`
+	GRPCAddr       string `json:"grpc_addr"`
+	HTTPAddr       string `json:"http_addr"`
+	EtcdClientAddr string `json:"etcd_client_addr,omitempty"`
+}
+
+// Run runs the control plane until ctx ends.
+func Run(ctx context.Context, opts *Options, log zerolog.Logger) error {
+	reg := obs.NewRegistry()
+	endpoints := opts.Endpoints()
+	info := readyInfo{PID: os.Getpid(), NodeID: opts.NodeID}
+	if len(endpoints) == 0 {
+		sctx, cancel := context.WithTimeout(ctx, 60*time.Second)
+		srv, err := embedetcd.Start(sctx, embedetcd.Config{
+			Name: opts.NodeID, Dir: opts.DataDir,
+			ClientAddr: opts.EmbeddedEtcdClientAddr, PeerAddr: opts.EmbeddedEtcdPeerAddr,
+		})
+		cancel()
+		if err != nil {
+			return err
+		}
+		defer srv.Close()
+		endpoints = []string{srv.ClientURL()}
+		info.EtcdClientAddr = srv.ClientAddr()
+		log.Info().Str("dir", opts.DataDir).Str("client", srv.ClientURL()).Msg("embedded etcd started")
+	}
+	cli, err := clientv3.New(clientv3.Config{
+		Endpoints:            endpoints,
+		DialTimeout:          opts.EtcdDialTimeout,
+		DialKeepAliveTime:    5 * time.Second,
+		DialKeepAliveTimeout: 3 * time.Second,
+		Logger:               zap.NewNop(),
+	})
+	if err != nil {
+		return fmt.Errorf("etcd client: %w", err)
+	}
+	defer func() { _ = cli.Close() }()
+	store, err := kvstore.New(cli, kvstore.WithPrefix(opts.EtcdPrefix), kvstore.WithRegisterer(reg))
+	if err != nil {
+		return err
+	}
+
+	glis, err := net.Listen("tcp", opts.GRPCAddr)
+	if err != nil {
+		return fmt.Errorf("grpc listen: %w", err)
+	}
+	defer func() { _ = glis.Close() }()
+	hlis, err := net.Listen("tcp", opts.HTTPAddr)
+	if err != nil {
+		return fmt.Errorf("http listen: %w", err)
+	}
+	defer func() { _ = hlis.Close() }()
+	info.GRPCAddr, info.HTTPAddr = glis.Addr().String(), hlis.Addr().String()
+	advertise := opts.AdvertiseAddr
+	if advertise == "" {
+		advertise = info.GRPCAddr
+	}
+
+	st := state.New(state.Config{
+		NodeID: opts.NodeID, Store: store, Log: log, Reg: reg,
+		SessionTTL: opts.SessionTTL, UnreachableGrace: opts.UnreachableGrace, FlushDelay: opts.FlushDelay,
+	})
+	el, err := election.New(election.Config{
+		Client: cli, Prefix: store.ElectionPrefix(), NodeID: opts.NodeID, Addr: advertise,
+		TTL: opts.ElectionTTL, Log: log, Reg: reg,
+	})
+	if err != nil {
+		return err
+	}
+	gate := server.NewGate(el.NotLeaderError, nil)
+	gsrv := grpcx.NewServer(log, grpcx.WithUnaryInterceptors(gate.Unary), grpcx.WithStreamInterceptors(gate.Stream))
+	gate.SetHealth(gsrv.Health)
+	kvcv1.RegisterAdminServiceServer(gsrv, &server.Admin{NodeID: opts.NodeID, State: st, Store: store, Lead: el})
+	kvcv1.RegisterSidecarServiceServer(gsrv, server.NewSidecar(server.Sidecar{
+		NodeID: opts.NodeID, Addr: advertise, State: st, Log: log,
+		OnStale: func() { el.StepDown("a sidecar has seen a newer epoch") },
+	}, reg))
+	rt := router.New(st, log, reg)
+	rt.Register(gsrv)
+	onLeadership := func(bool) {}
+	if l, ok := any(rt).(interface{ OnLeadershipChange(bool) }); ok {
+		onLeadership = l.OnLeadershipChange
+	}
+	gsrv.Health.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
+	gsrv.Health.SetServingStatus(kvcv1.AdminService_ServiceDesc.ServiceName, healthpb.HealthCheckResponse_SERVING)
+
+	ready := &obs.Ready{}
+	hsrv := obs.NewHTTPServer(reg, ready)
+
+	lead := func(lctx context.Context, fence kvstore.Fence) error {
+		term, err := st.Lead(lctx, fence)
+		if err != nil {
+			return err
+		}
+		tctx, cancel := context.WithCancel(lctx)
+		gate.Open(tctx)
+		onLeadership(true)
+		log.Info().Int64("epoch", fence.Rev).Str("addr", advertise).Msg("serving as leader")
+		var deposed error
+		select {
+		case <-lctx.Done():
+		case <-term.Deposed():
+			deposed = kvstore.ErrFenced
+		}
+		gate.Close()
+		cancel()
+		onLeadership(false)
+		st.EndTerm(term)
+		log.Info().Int64("epoch", fence.Rev).Msg("stopped leading")
+		return deposed
+	}
+
+	g, gctx := errgroup.WithContext(ctx)
+	g.Go(func() error { return gsrv.Serve(gctx, glis, opts.ShutdownGrace) })
+	g.Go(func() error { return hsrv.Serve(gctx, hlis) })
+	g.Go(func() error { return el.Observe(gctx) })
+	g.Go(func() error { return store.WatchPolicy(gctx, st.SetStoredPolicy) })
+	g.Go(func() error { return el.Run(gctx, lead) })
+	g.Go(func() error { return rt.Run(gctx) })
+
+	ready.Set(true)
+	if err := obs.WriteReadyFile(opts.ReadyFile, info); err != nil {
+		log.Error().Err(err).Msg("ready file")
+	}
+	if _, err := obs.SdNotify("READY=1"); err != nil {
+		log.Warn().Err(err).Msg("sd_notify")
+	}
+	log.Info().Str("grpc", info.GRPCAddr).Str("http", info.HTTPAddr).Str("advertise", advertise).
+		Strs("etcd", endpoints).Msg("control plane serving")
+	err = g.Wait()
+	_, _ = obs.SdNotify("STOPPING=1")
+	return err
+}

@@ -1,0 +1,101 @@
+// Package embedetcd runs a single-member etcd inside the control plane process: the
+// development default when no --etcd-endpoints are given. Data lives in the data directory;
+// client and peer listen addresses are host:port (port 0 picks a free port).
+package embedetcd
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"net/url"
+	"time"
+
+	"go.etcd.io/etcd/server/v3/embed"
+	"go.uber.org/zap"
+)
+
+// Server is a running embedded etcd.
+type Server struct {
+	e         *embed.Etcd
+	clientURL string
+}
+
+// Config for Start.
+type Config struct {
+	Name       string
+	Dir        string
+	ClientAddr string // host:port
+	PeerAddr   string // host:port
+}
+
+// Start starts the member and waits until it serves (bounded by ctx).
+func Start(ctx context.Context, c Config) (*Server, error) {
+	cu, err := resolve(c.ClientAddr)
+	if err != nil {
+		return nil, fmt.Errorf("embedded etcd client addr: %w", err)
+	}
+	pu, err := resolve(c.PeerAddr)
+	if err != nil {
+		return nil, fmt.Errorf("embedded etcd peer addr: %w", err)
+	}
+	cfg := embed.NewConfig()
+	cfg.Name = c.Name
+	cfg.Dir = c.Dir
+	cfg.ListenClientUrls = []url.URL{*cu}
+	cfg.AdvertiseClientUrls = []url.URL{*cu}
+	cfg.ListenPeerUrls = []url.URL{*pu}
+	cfg.AdvertisePeerUrls = []url.URL{*pu}
+	cfg.InitialCluster = c.Name + "=" + pu.String()
+	cfg.ZapLoggerBuilder = embed.NewZapLoggerBuilder(zap.NewNop())
+	e, err := embed.StartEtcd(cfg)
+	if err != nil {
+		return nil, fmt.Errorf("embedded etcd: %w", err)
+	}
+	select {
+	case <-e.Server.ReadyNotify():
+	case err := <-e.Err():
+		e.Close()
+		return nil, fmt.Errorf("embedded etcd: %w", err)
+	case <-ctx.Done():
+		e.Server.Stop()
+		e.Close()
+		return nil, fmt.Errorf("embedded etcd: not ready: %w", ctx.Err())
+	case <-time.After(60 * time.Second):
+		e.Server.Stop()
+		e.Close()
+		return nil, fmt.Errorf("embedded etcd: not ready after 60s")
+	}
+	return &Server{e: e, clientURL: cu.String()}, nil
+}
+
+// ClientURL is the client URL to dial (http://host:port).
+func (s *Server) ClientURL() string { return s.clientURL }
+
+// ClientAddr is the client host:port.
+func (s *Server) ClientAddr() string {
+	u, _ := url.Parse(s.clientURL)
+	return u.Host
+}
+
+// Err reports a fatal server error.
+func (s *Server) Err() <-chan error { return s.e.Err() }
+
+// Close stops the member.
+func (s *Server) Close() { s.e.Close() }
+
+// resolve turns host:port into an http URL, replacing port 0 with a free port.
+func resolve(addr string) (*url.URL, error) {
+	host, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		return nil, err
+	}
+	if port == "0" {
+		l, err := net.Listen("tcp", net.JoinHostPort(host, "0"))
+		if err != nil {
+			return nil, err
+		}
+		port = fmt.Sprint(l.Addr().(*net.TCPAddr).Port)
+		_ = l.Close()
+	}
+	return url.Parse("http://" + net.JoinHostPort(host, port))
+}

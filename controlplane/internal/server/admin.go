@@ -1,0 +1,178 @@
+package server
+
+import (
+	"context"
+	"errors"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/kvcentric/kvcentric/controlplane/internal/election"
+	"github.com/kvcentric/kvcentric/controlplane/internal/state"
+	"github.com/kvcentric/kvcentric/pkg/kvstore"
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+// Leadership is what the services need to know about the election.
+type Leadership interface {
+	IsLeader() bool
+	Current() (election.Leader, bool)
+	NotLeaderError() error
+}
+
+// Admin implements kvc.v1.AdminService.
+type Admin struct {
+	kvcv1.UnimplementedAdminServiceServer
+	NodeID string
+	State  *state.State
+	Store  *kvstore.Store
+	Lead   Leadership
+}
+
+// leaderReads reports whether reads come from memory (this replica leads and has loaded).
+func (a *Admin) leaderReads() bool { return a.Lead.IsLeader() && a.State.Leading() }
+
+func etcdErr(err error) error {
+	if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
+		return status.FromContextError(err).Err()
+	}
+	return status.Errorf(codes.Unavailable, "etcd: %v", err)
+}
+
+// GetLeader names the current leader. Any replica answers.
+func (a *Admin) GetLeader(context.Context, *kvcv1.GetLeaderRequest) (*kvcv1.GetLeaderResponse, error) {
+	resp := &kvcv1.GetLeaderResponse{ResponderId: a.NodeID, ResponderIsLeader: a.Lead.IsLeader()}
+	if l, ok := a.Lead.Current(); ok {
+		resp.LeaderId, resp.LeaderAddr, resp.Epoch = l.NodeID, l.Addr, l.Epoch
+	}
+	return resp, nil
+}
+
+// ListWorkers lists workers, optionally of one role.
+func (a *Admin) ListWorkers(ctx context.Context, req *kvcv1.ListWorkersRequest) (*kvcv1.ListWorkersResponse, error) {
+	var ws []*kvcv1.Worker
+	if a.leaderReads() {
+		ws = a.State.Workers()
+	} else {
+		var err error
+		if ws, err = a.Store.ListWorkers(ctx); err != nil {
+			return nil, etcdErr(err)
+		}
+	}
+	out := &kvcv1.ListWorkersResponse{}
+	for _, w := range ws {
+		if req.GetRole() == kvcv1.WorkerRole_WORKER_ROLE_UNSPECIFIED || w.GetRole() == req.GetRole() {
+			out.Workers = append(out.Workers, w)
+		}
+	}
+	return out, nil
+}
+
+// GetWorker returns one worker.
+func (a *Admin) GetWorker(ctx context.Context, req *kvcv1.GetWorkerRequest) (*kvcv1.GetWorkerResponse, error) {
+	var w *kvcv1.Worker
+	var ok bool
+	if a.leaderReads() {
+		w, ok = a.State.Worker(req.GetWorkerId())
+	} else {
+		var err error
+		if w, ok, err = a.Store.GetWorker(ctx, req.GetWorkerId()); err != nil {
+			return nil, etcdErr(err)
+		}
+	}
+	if !ok {
+		return nil, status.Errorf(codes.NotFound, "worker %q not found", req.GetWorkerId())
+	}
+	return &kvcv1.GetWorkerResponse{Worker: w}, nil
+}
+
+// ListSessions pages through sessions (page token: the last session id of the previous page).
+func (a *Admin) ListSessions(ctx context.Context, req *kvcv1.ListSessionsRequest) (*kvcv1.ListSessionsResponse, error) {
+	size := int(req.GetPageSize())
+	if size == 0 {
+		size = 100
+	}
+	if a.leaderReads() {
+		recs, next := a.State.ListSessions(req.GetPageToken(), size, req.GetWorkerId())
+		return &kvcv1.ListSessionsResponse{Sessions: recs, NextPageToken: next}, nil
+	}
+	var keep func(*kvcv1.SessionRecord) bool
+	if w := req.GetWorkerId(); w != "" {
+		keep = func(r *kvcv1.SessionRecord) bool { return r.GetDecodeWorker() == w }
+	}
+	recs, next, err := a.Store.ListSessions(ctx, req.GetPageToken(), size, keep)
+	if err != nil {
+		return nil, etcdErr(err)
+	}
+	return &kvcv1.ListSessionsResponse{Sessions: recs, NextPageToken: next}, nil
+}
+
+// GetSession returns one session record.
+func (a *Admin) GetSession(ctx context.Context, req *kvcv1.GetSessionRequest) (*kvcv1.GetSessionResponse, error) {
+	var r *kvcv1.SessionRecord
+	var ok bool
+	if a.leaderReads() {
+		r, ok = a.State.Session(req.GetSessionId())
+	} else {
+		var err error
+		if r, ok, err = a.Store.GetSession(ctx, req.GetSessionId()); err != nil {
+			return nil, etcdErr(err)
+		}
+	}
+	if !ok {
+		return nil, status.Errorf(codes.NotFound, "session %q not found", req.GetSessionId())
+	}
+	return &kvcv1.GetSessionResponse{Session: r}, nil
+}
+
+// GetPolicy returns the policy with defaults filled in.
+func (a *Admin) GetPolicy(ctx context.Context, _ *kvcv1.GetPolicyRequest) (*kvcv1.GetPolicyResponse, error) {
+	if a.leaderReads() {
+		return &kvcv1.GetPolicyResponse{Policy: proto.Clone(a.State.Policy()).(*kvcv1.Policy)}, nil
+	}
+	p, ok, err := a.Store.GetPolicy(ctx)
+	if err != nil {
+		return nil, etcdErr(err)
+	}
+	if !ok {
+		p = nil
+	}
+	return &kvcv1.GetPolicyResponse{Policy: state.FillPolicy(a.State.Defaults(), p)}, nil
+}
+
+// UpdatePolicy merges, validates and stores a policy update (leader only).
+func (a *Admin) UpdatePolicy(ctx context.Context, req *kvcv1.UpdatePolicyRequest) (*kvcv1.UpdatePolicyResponse, error) {
+	if !a.Lead.IsLeader() {
+		return nil, a.Lead.NotLeaderError()
+	}
+	p, err := a.State.UpdatePolicy(ctx, req.GetPolicy())
+	switch {
+	case err == nil:
+		return &kvcv1.UpdatePolicyResponse{Policy: p}, nil
+	case errors.Is(err, state.ErrInvalidPolicy):
+		return nil, status.Error(codes.InvalidArgument, err.Error())
+	case errors.Is(err, state.ErrNotLeader):
+		return nil, a.Lead.NotLeaderError()
+	default:
+		return nil, etcdErr(err)
+	}
+}
+
+// DrainWorker sets or clears a worker's draining flag (leader only).
+func (a *Admin) DrainWorker(_ context.Context, req *kvcv1.DrainWorkerRequest) (*kvcv1.DrainWorkerResponse, error) {
+	if !a.Lead.IsLeader() {
+		return nil, a.Lead.NotLeaderError()
+	}
+	w, err := a.State.Drain(req.GetWorkerId(), !req.GetUndrain())
+	switch {
+	case err == nil:
+		return &kvcv1.DrainWorkerResponse{Worker: w}, nil
+	case errors.Is(err, state.ErrUnknownWorker):
+		return nil, status.Errorf(codes.NotFound, "worker %q not found", req.GetWorkerId())
+	case errors.Is(err, state.ErrNotLeader):
+		return nil, a.Lead.NotLeaderError()
+	default:
+		return nil, status.Error(codes.Internal, err.Error())
+	}
+}
