@@ -136,7 +136,12 @@ func load() (*Driver, error) {
 	return d, nil
 }
 
-// call invokes entry point name and converts a non-zero CUresult into *Error.
+// call invokes entry point name and converts a non-zero CUresult into *Error. Arguments may be
+// pointers converted to uintptr in the call expression: uintptrescapes moves what they point
+// to to the heap and keeps it alive for the call, so a stack copy cannot leave the driver
+// writing to a stale address.
+//
+//go:uintptrescapes
 func (d *Driver) call(name string, args ...uintptr) error {
 	r, _, _ := purego.SyscallN(d.fn[name], args...)
 	if code := int32(r); code != 0 {
@@ -274,7 +279,10 @@ func (c *Context) Release() error {
 // Driver returns the driver the context belongs to.
 func (c *Context) Driver() *Driver { return c.d }
 
-// do runs the driver call name with the context current on a locked OS thread.
+// do runs the driver call name with the context current on a locked OS thread (arguments as
+// for call).
+//
+//go:uintptrescapes
 func (c *Context) do(name string, args ...uintptr) error {
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
