@@ -161,7 +161,7 @@ func Run(ctx context.Context, opts *Options, log zerolog.Logger) error {
 	ready := &obs.Ready{}
 	hsrv := obs.NewHTTPServer(reg, ready)
 
-	lead := func(lctx context.Context, fence kvstore.Fence) error {
+	lead := func(lctx context.Context, fence kvstore.Fence, serving func()) error {
 		term, err := st.Lead(lctx, fence)
 		if err != nil {
 			return err
@@ -169,6 +169,7 @@ func Run(ctx context.Context, opts *Options, log zerolog.Logger) error {
 		tctx, cancel := context.WithCancel(lctx)
 		gate.Open(tctx)
 		onLeadership(true)
+		serving()
 		log.Info().Int64("epoch", fence.Rev).Str("addr", advertise).Msg("serving as leader")
 		var deposed error
 		select {

@@ -108,8 +108,10 @@ func (e *Elector) StepDown(reason string) {
 	}
 }
 
-// LeadFunc runs while this replica leads; it must return soon after ctx is cancelled.
-type LeadFunc func(ctx context.Context, fence kvstore.Fence) error
+// LeadFunc runs while this replica holds the election; it calls serving once it has loaded
+// its state and serves as leader (only then does IsLeader report true), and must return soon
+// after ctx is cancelled.
+type LeadFunc func(ctx context.Context, fence kvstore.Fence, serving func()) error
 
 // Run campaigns and leads until ctx ends.
 func (e *Elector) Run(ctx context.Context, lead LeadFunc) error {
@@ -182,10 +184,12 @@ func (e *Elector) term(ctx context.Context, ttl int, val string, lead LeadFunc) 
 		}
 		lcancel()
 	}()
-	e.leading.Store(true)
-	e.gLeader.Set(1)
-	e.current.Store(&Leader{NodeID: e.cfg.NodeID, Addr: e.cfg.Addr, Epoch: fence.Rev})
-	lerr := lead(lctx, fence)
+	serving := func() {
+		e.leading.Store(true)
+		e.gLeader.Set(1)
+		e.current.Store(&Leader{NodeID: e.cfg.NodeID, Addr: e.cfg.Addr, Epoch: fence.Rev})
+	}
+	lerr := lead(lctx, fence, serving)
 	lcancel()
 	why := <-reason
 	e.leading.Store(false)

@@ -1,0 +1,104 @@
+package app
+
+import (
+	"bytes"
+	"flag"
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestEnvAndFlags(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		args    []string
+		env     map[string]string
+		check   func(o *Options) bool
+		wantErr string
+	}{
+		{"defaults", nil, nil, func(o *Options) bool { return o.ElectionTTL == 5*time.Second && o.EtcdPrefix == "/kvc/v1/" }, ""},
+		{"env sets", nil, map[string]string{"KVC_ELECTION_TTL": "3s", "KVC_NODE_ID": "cp-9", "KVC_ETCD_ENDPOINTS": "http://a:2379, b:2379"},
+			func(o *Options) bool {
+				return o.ElectionTTL == 3*time.Second && o.NodeID == "cp-9" && len(o.Endpoints()) == 2
+			}, ""},
+		{"flag wins", []string{"--node-id", "flag"}, map[string]string{"KVC_NODE_ID": "env"},
+			func(o *Options) bool { return o.NodeID == "flag" }, ""},
+		{"bad env value", nil, map[string]string{"KVC_SESSION_TTL": "forever"}, nil, "KVC_SESSION_TTL"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			o := NewOptions()
+			fs := flag.NewFlagSet("x", flag.ContinueOnError)
+			o.AddFlags(fs)
+			if err := fs.Parse(tc.args); err != nil {
+				t.Fatal(err)
+			}
+			err := ApplyEnv(fs, func(k string) (string, bool) { v, ok := tc.env[k]; return v, ok })
+			if tc.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+					t.Fatalf("err %v, want %q", err, tc.wantErr)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !tc.check(o) {
+				t.Fatalf("options %+v", o)
+			}
+		})
+	}
+}
+
+func TestValidate(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		mod  func(o *Options)
+		want string
+	}{
+		{"ok", func(o *Options) {}, ""},
+		{"empty node id", func(o *Options) { o.NodeID = "" }, "--node-id"},
+		{"slash in node id", func(o *Options) { o.NodeID = "a/b" }, "--node-id"},
+		{"bad grpc addr", func(o *Options) { o.GRPCAddr = "nope" }, "--grpc-addr"},
+		{"ttl below 2s", func(o *Options) { o.ElectionTTL = time.Second }, "--election-ttl"},
+		{"ttl fractional", func(o *Options) { o.ElectionTTL = 2500 * time.Millisecond }, "--election-ttl"},
+		{"prefix", func(o *Options) { o.EtcdPrefix = "kvc" }, "--etcd-prefix"},
+		{"embedded needs data dir", func(o *Options) { o.DataDir = "" }, "--data-dir"},
+		{"external needs no data dir", func(o *Options) { o.DataDir = ""; o.EtcdEndpoints = "127.0.0.1:2379" }, ""},
+		{"bad endpoint", func(o *Options) { o.EtcdEndpoints = "nohostport" }, "--etcd-endpoints"},
+		{"negative grace", func(o *Options) { o.UnreachableGrace = -time.Second }, "--unreachable-grace"},
+		{"log format", func(o *Options) { o.LogFormat = "xml" }, "--log-format"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			o := NewOptions()
+			o.NodeID = "cp"
+			tc.mod(o)
+			err := o.Validate()
+			if tc.want == "" {
+				if err != nil {
+					t.Fatal(err)
+				}
+				return
+			}
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("err %v, want %q", err, tc.want)
+			}
+		})
+	}
+}
+
+func TestMainBadFlagsExit2(t *testing.T) {
+	for _, args := range [][]string{
+		{"--no-such-flag"},
+		{"--election-ttl", "1s"},
+		{"--grpc-addr", "bad"},
+		{"extra-arg"},
+	} {
+		var buf bytes.Buffer
+		if code := Main(args, &buf); code != 2 {
+			t.Errorf("%v: exit %d, want 2 (%s)", args, code, buf.String())
+		}
+		if buf.Len() == 0 {
+			t.Errorf("%v: no message", args)
+		}
+	}
+}
