@@ -347,7 +347,10 @@ func TestAdminBadInputAndCommands(t *testing.T) {
 			_, err := c.admin.GetSession(ctx, &kvcv1.GetSessionRequest{SessionId: "nope"})
 			return err
 		}, codes.NotFound},
-		{"drain missing", func() error { _, err := c.admin.DrainWorker(ctx, &kvcv1.DrainWorkerRequest{WorkerId: "nope"}); return err }, codes.NotFound},
+		{"drain missing", func() error {
+			_, err := c.admin.DrainWorker(ctx, &kvcv1.DrainWorkerRequest{WorkerId: "nope"})
+			return err
+		}, codes.NotFound},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			if got := code(tc.call()); got != tc.want {
