@@ -1,0 +1,191 @@
+package cluster
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"io"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+// binDir is $KVC_BIN_DIR, else the repository's bin/. The test skips only when binaries are
+// missing AND KVC_BIN_DIR is unset; under `make test` it is set, so it runs.
+func binDir(t *testing.T) string {
+	dir := os.Getenv("KVC_BIN_DIR")
+	set := dir != ""
+	if !set {
+		abs, err := filepath.Abs("../../../bin")
+		if err != nil {
+			t.Fatal(err)
+		}
+		dir = abs
+	}
+	if miss := MissingBinaries(dir, true); len(miss) > 0 {
+		if set {
+			t.Fatalf("KVC_BIN_DIR=%s lacks %v", dir, miss)
+		}
+		t.Skipf("binaries missing in %s (%v); run make build or set KVC_BIN_DIR", dir, miss)
+	}
+	return dir
+}
+
+type genResult struct {
+	status int
+	header http.Header
+	body   string
+	meta   map[string]any
+}
+
+// generate sends one SGLang /generate request through the gateway (streaming) and returns the
+// last chunk's meta_info.
+func generate(t *testing.T, url, session string, text string) genResult {
+	t.Helper()
+	b, _ := json.Marshal(map[string]any{
+		"text": text, "stream": true, "session_params": map[string]any{"id": session},
+		"sampling_params": map[string]any{"max_new_tokens": 8},
+	})
+	req, _ := http.NewRequest(http.MethodPost, url+"/generate", strings.NewReader(string(b)))
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("X-Session-ID", session)
+	cl := &http.Client{Timeout: 60 * time.Second}
+	resp, err := cl.Do(req)
+	if err != nil {
+		t.Fatalf("generate: %v", err)
+	}
+	defer resp.Body.Close()
+	r := genResult{status: resp.StatusCode, header: resp.Header}
+	if resp.StatusCode != http.StatusOK {
+		raw, _ := io.ReadAll(resp.Body)
+		r.body = string(raw)
+		return r
+	}
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		data, ok := strings.CutPrefix(sc.Text(), "data: ")
+		if !ok || data == "[DONE]" {
+			continue
+		}
+		var chunk struct {
+			MetaInfo map[string]any `json:"meta_info"`
+		}
+		if json.Unmarshal([]byte(data), &chunk) == nil && chunk.MetaInfo != nil {
+			r.meta = chunk.MetaInfo
+		}
+		r.body += data + "\n"
+	}
+	return r
+}
+
+func TestLocalClusterEndToEnd(t *testing.T) {
+	dir := binDir(t)
+	work := t.TempDir()
+	var log strings.Builder
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	c, err := Start(ctx, Config{
+		BinDir: dir, WorkDir: work, Prefill: 1, Decode: 2, Gateway: true, Log: &log,
+		DecodeCapacityTokens: 16384, PrefillCapacityTokens: 16384,
+		SimArgs:          []string{"--time-scale", "0.05", "--layers", "4", "--bytes-per-token-per-buffer", "16"},
+		Policy:           &kvcv1.Policy{SnapshotDeltaTokens: ptr(int64(16))},
+		ControlPlaneArgs: []string{"--election-ttl", "2s"},
+	})
+	if err != nil {
+		t.Fatalf("start: %v\n%s", err, log.String())
+	}
+	stopped := false
+	defer func() {
+		if !stopped {
+			_ = c.Stop()
+		}
+	}()
+	if len(c.Workers) != 3 || c.GatewayURL == "" || len(c.ControlPlaneAddrs) != 2 {
+		t.Fatalf("cluster %+v", c)
+	}
+	var addrs strings.Builder
+	c.PrintAddrs(&addrs)
+	for _, want := range []string{"grpcurl -plaintext", c.GatewayURL, "decode-1"} {
+		if !strings.Contains(addrs.String(), want) {
+			t.Fatalf("PrintAddrs lacks %q:\n%s", want, addrs.String())
+		}
+	}
+
+	// Two turns of one session through the gateway: the first seeds, the second should find it
+	// resident. Every transferred byte is verified by the decode worker.
+	text := strings.Repeat("lorem ipsum ", 100)
+	r1 := generate(t, c.GatewayURL, "it-1", text)
+	if r1.status != http.StatusOK {
+		t.Fatalf("turn 1: %d %s\n%s", r1.status, r1.body, logs(c))
+	}
+	kvc1, _ := r1.meta["kvc"].(map[string]any)
+	if kvc1 == nil || kvc1["verify_failures"] != float64(0) {
+		t.Fatalf("turn 1 meta %v", r1.meta)
+	}
+	r2 := generate(t, c.GatewayURL, "it-1", text+" more words please")
+	if r2.status != http.StatusOK {
+		t.Fatalf("turn 2: %d %s\n%s", r2.status, r2.body, logs(c))
+	}
+
+	// Failover: kill the leader; a request still gets served (by the new leader or fail-open).
+	oldLeader, _, err := c.Leader(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.KillLeader(); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.retry(ctx, "new leader", func(ctx context.Context) error {
+		id, _, err := c.Leader(ctx)
+		if err == nil && id == oldLeader {
+			return errNotYet
+		}
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if r := generate(t, c.GatewayURL, "it-2", text); r.status != http.StatusOK {
+		t.Fatalf("after failover: %d %s", r.status, r.body)
+	}
+
+	shm := []string{}
+	for _, w := range c.Workers {
+		shm = append(shm, w.ShmPath)
+	}
+	stopped = true
+	// The killed leader is already gone; the rest must stop cleanly.
+	if err := c.Stop(); err != nil {
+		t.Fatalf("stop: %v", err)
+	}
+	for _, p := range c.Processes {
+		if p.Alive() {
+			t.Errorf("%s still alive", p.Name)
+		}
+	}
+	for _, s := range shm {
+		if _, err := os.Stat(s); !os.IsNotExist(err) {
+			t.Errorf("pool file %s left behind", s)
+		}
+	}
+}
+
+type notYet struct{}
+
+func (notYet) Error() string { return "not yet" }
+
+var errNotYet = notYet{}
+
+func ptr[T any](v T) *T { return &v }
+
+func logs(c *Cluster) string {
+	var b strings.Builder
+	for _, p := range c.Processes {
+		b.WriteString("== " + p.Name + "\n" + p.logTail(15) + "\n")
+	}
+	return b.String()
+}
