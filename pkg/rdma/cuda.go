@@ -78,8 +78,9 @@ func (o *CUDAOptions) defaults() error {
 }
 
 // CUDAEngine is the cuda backend: same-node GPU↔GPU (and GPU↔pinned host) transfers. Peers'
-// device memory is imported from the CUDA IPC handles of the handshake and copied one-sided by
-// the opener, on the GPU that owns the destination, with peer access over NVLink.
+// device memory is imported from the CUDA IPC handles of the handshake into the context of the
+// engine's device (Config.CUDADevice) and copied one-sided by the opener: the copy kernel runs
+// on the engine's device and reaches the other GPU over NVLink (peer access).
 type CUDAEngine struct {
 	drv    *cuda.Driver
 	opt    CUDAOptions
@@ -358,7 +359,8 @@ func (e *CUDAEngine) ensurePeer(a, b int) error {
 	return err
 }
 
-// importHandle opens (once per engine) the allocation behind an IPC handle on its device.
+// importHandle opens (once per engine) the allocation behind an IPC handle in the context of
+// the engine's device, with peer access enabled lazily when the memory lives on another GPU.
 func (e *CUDAEngine) importHandle(m *CUDAMemory) (uint64, error) {
 	if len(m.IPCHandle) != cuda.IPCHandleSize {
 		return 0, fmt.Errorf("%w: IPC handle of %d bytes", ErrInvalidRequest, len(m.IPCHandle))
@@ -369,7 +371,7 @@ func (e *CUDAEngine) importHandle(m *CUDAMemory) (uint64, error) {
 	if im, ok := e.imports[key]; ok {
 		return im.ptr, nil
 	}
-	d, err := e.device(m.Device)
+	d, err := e.device(e.defDev)
 	if err != nil {
 		return 0, err
 	}

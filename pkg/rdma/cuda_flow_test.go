@@ -422,10 +422,10 @@ func (c *cudaChild) expect(t *testing.T, prefix string, timeout time.Duration) s
 // ---- the P side (this process) ----
 
 type cudaFlowResult struct {
-	baseline, push, pushHost, hostBaseline, reseed time.Duration
-	requests                                       int
-	sweep                                          []string
-	checked, mismatches                            int64
+	baseline, push, pull, pushHost, hostBaseline, reseed time.Duration
+	requests                                             int
+	sweep                                                []string
+	checked, mismatches                                  int64
 }
 
 // cudaTestDriver returns the driver, or skips the test when libcuda or a device is missing.
@@ -511,11 +511,6 @@ func runCUDAFlow(t *testing.T, s cudaShape, reps int, sweep []rdma.CUDAOptions) 
 		t.Fatal(err)
 	}
 	defer sctx.Release()
-	ctx0, err := drv.PrimaryContext(0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ctx0.Release()
 
 	store, err := sctx.MemAlloc(s.poolLen())
 	if err != nil {
@@ -591,7 +586,7 @@ func runCUDAFlow(t *testing.T, s cudaShape, reps int, sweep []rdma.CUDAOptions) 
 		return cudaMedian(ds)
 	}
 	n := s.sessionBytes()
-	res.baseline = timeCopy(func() error { return sctx.MemcpyPeerAsync(store, sctx, dBase, ctx0, n, stream) })
+	res.baseline = timeCopy(func() error { return sctx.MemcpyDtoDAsync(store, dBase, n, stream) })
 	res.hostBaseline = timeCopy(func() error { return sctx.MemcpyDtoHAsync(host, dBase, n, stream) })
 	if err := sctx.MemsetD8(store, 0, s.poolLen()); err != nil {
 		t.Fatal(err)
@@ -614,13 +609,31 @@ func runCUDAFlow(t *testing.T, s cudaShape, reps int, sweep []rdma.CUDAOptions) 
 		t.Fatal(err)
 	}
 
-	// Push D -> P into pinned host memory: the P side reads (the copy runs on GPU 0).
+	// Pull D -> P store: the P side reads D over NVLink (the kernel runs on the store's GPU).
+	if err := sctx.MemsetD8(store, 0, s.poolLen()); err != nil {
+		t.Fatal(err)
+	}
 	dl := s.layout(w.D.Base)
-	reqs, err := rdma.PlanPages(rdma.OpRead, dl, s.layout(host), s.pages("D"), s.pages("H"), dsid)
+	reqs, err := rdma.PlanPages(rdma.OpRead, dl, s.layout(store), s.pages("D"), s.pages("P"), dsid)
 	if err != nil {
 		t.Fatal(err)
 	}
 	ts, err := cudaTimeBatches(p, reqs, reps)
+	if err != nil {
+		t.Fatal(err)
+	}
+	res.pull = cudaMedian(ts)
+	if err := cudaVerify(s, sctx, store, false, s.pages("P"), stage, stagePtr, &res); err != nil {
+		t.Fatal(err)
+	}
+
+	// Push D -> P into pinned host memory: the P side reads (the kernel runs on the P side's
+	// GPU, reads D over NVLink and writes host memory over PCIe).
+	reqs, err = rdma.PlanPages(rdma.OpRead, dl, s.layout(host), s.pages("D"), s.pages("H"), dsid)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ts, err = cudaTimeBatches(p, reqs, reps)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -649,7 +662,7 @@ func runCUDAFlow(t *testing.T, s cudaShape, reps int, sweep []rdma.CUDAOptions) 
 		res.sweep = append(res.sweep, fmt.Sprintf("reseed chunk=%-6d block=%-4d group=%-6d copy=%-6s %7.1f GB/s (median of %d, %d requests)",
 			o.ChunkBytes, o.BlockThreads, o.GroupDescs, o.Copy, gbps(n, d), reps, len(reqs)))
 	}
-	if err := cudaVerify(s, ctx0, d2Base, false, s.pages("D2"), stage, stagePtr, &res); err != nil {
+	if err := cudaVerify(s, sctx, d2Base, false, s.pages("D2"), stage, stagePtr, &res); err != nil {
 		t.Fatal(err)
 	}
 	return res
@@ -664,7 +677,7 @@ func TestCUDAFlow(t *testing.T) {
 	if res.mismatches != 0 {
 		t.Fatalf("%d of %d token slots (and stray pages) mismatched", res.mismatches, res.checked)
 	}
-	if res.checked != int64(3*s.Tokens*s.buffers()) {
+	if res.checked != int64(4*s.Tokens*s.buffers()) {
 		t.Fatalf("checked %d token slots", res.checked)
 	}
 }
@@ -719,9 +732,11 @@ func TestCUDABenchGPU(t *testing.T) {
 	for _, l := range res.sweep {
 		fmt.Println(l)
 	}
+	fmt.Printf("pull: P reads the session from D over NVLink (copy kernel on GPU 1) %.1f GB/s, ratio %.2f\n",
+		gbps(n, res.pull), float64(res.baseline)/float64(res.pull))
 	fmt.Printf("host: push to pinned host %.1f GB/s, contiguous device-to-host baseline %.1f GB/s, ratio %.2f\n",
 		gbps(n, res.pushHost), gbps(n, res.hostBaseline), float64(res.hostBaseline)/float64(res.pushHost))
-	fmt.Printf("verify: %d token slots checked (x %d B) in 3 copies plus every page outside the session, %d mismatches; bench took %v\n",
+	fmt.Printf("verify: %d token slots checked (x %d B) in 4 copies plus every page outside the session, %d mismatches; bench took %v\n",
 		res.checked, s.TokenBytes, res.mismatches, time.Since(start).Round(time.Second))
 	push, reseed, base := gbps(n, res.push), gbps(n, res.reseed), gbps(n, res.baseline)
 	fmt.Printf("gpu: push %.1f GB/s, reseed %.1f GB/s, peer-copy baseline %.1f GB/s, ratio %.2f\n",

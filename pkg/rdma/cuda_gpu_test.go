@@ -204,8 +204,8 @@ func testCUDAEngines(t *testing.T, drv *cuda.Driver, devA, devB int, opt CUDAOpt
 		t.Fatalf("destination differs from expected at %d", firstDiff(got, exp))
 	}
 
-	// READ the destination back into pinned host memory (the kernel runs on devB and writes
-	// host memory), as two requests.
+	// READ the destination back into pinned host memory (the kernel runs on devA, reads devB
+	// over NVLink and writes host memory), as two requests.
 	bid, err = a.AllocateBatch(2)
 	must(err)
 	must(a.Submit(ctx, bid, []Request{

@@ -47,11 +47,11 @@ type cudaRoute struct {
 	srcDev, dstDev int
 }
 
-// cudaRouteRequest checks a request against the local and remote regions (bounds first, before any
-// byte moves) and resolves it. The copy runs on the destination's device when the destination
-// is device memory (reads over NVLink, as measured fastest), else on the source's device, else
-// on defDev.
-func cudaRouteRequest(r Request, local, remote cudaSpans, defDev int, lh, rh *int) (cudaRoute, error) {
+// cudaRouteRequest checks a request against the local and remote regions (bounds first,
+// before any byte moves) and resolves it. The copy runs on the engine's device dev, the device
+// in whose context peers' memory is imported (the pattern of NCCL and PyTorch IPC: each process
+// maps foreign allocations into its own device and its kernels reach them over NVLink).
+func cudaRouteRequest(r Request, local, remote cudaSpans, dev int, lh, rh *int) (cudaRoute, error) {
 	if r.Op != OpRead && r.Op != OpWrite {
 		return cudaRoute{}, fmt.Errorf("%w: opcode %d", ErrInvalidRequest, r.Op)
 	}
@@ -79,13 +79,6 @@ func cudaRouteRequest(r Request, local, remote cudaSpans, defDev int, lh, rh *in
 	} else {
 		rt.src, rt.srcDev, rt.dst, rt.dstDev = rp, rs.dev, lp, ls.dev
 	}
-	switch {
-	case rt.dstDev >= 0:
-		rt.dev = rt.dstDev
-	case rt.srcDev >= 0:
-		rt.dev = rt.srcDev
-	default:
-		rt.dev = defDev
-	}
+	rt.dev = dev
 	return rt, nil
 }

@@ -21,12 +21,12 @@ func TestCUDARouteRequest(t *testing.T) {
 		want    cudaRoute
 		wantErr error
 	}{
-		{"write dev0->dev1 runs on dst", Request{Op: OpWrite, Source: 0x1010, TargetAddr: 0x100020, Length: 0x40},
-			cudaRoute{src: 0xa010, dst: 0xd00020, n: 0x40, dev: 1, srcDev: 0, dstDev: 1}, nil},
-		{"read dev1->host runs on src", Request{Op: OpRead, Source: 0x4000, TargetAddr: 0x10fff0, Length: 0x10},
-			cudaRoute{src: 0xd0fff0, dst: 0x4000, n: 0x10, dev: 1, srcDev: 1, dstDev: -1}, nil},
-		{"read dev1->dev0 runs on dst", Request{Op: OpRead, Source: 0x1ff0, TargetAddr: 0x100000, Length: 0x10},
-			cudaRoute{src: 0xd00000, dst: 0xaff0, n: 0x10, dev: 0, srcDev: 1, dstDev: 0}, nil},
+		{"write dev0->dev1", Request{Op: OpWrite, Source: 0x1010, TargetAddr: 0x100020, Length: 0x40},
+			cudaRoute{src: 0xa010, dst: 0xd00020, n: 0x40, dev: 2, srcDev: 0, dstDev: 1}, nil},
+		{"read dev1->host", Request{Op: OpRead, Source: 0x4000, TargetAddr: 0x10fff0, Length: 0x10},
+			cudaRoute{src: 0xd0fff0, dst: 0x4000, n: 0x10, dev: 2, srcDev: 1, dstDev: -1}, nil},
+		{"read dev1->dev0", Request{Op: OpRead, Source: 0x1ff0, TargetAddr: 0x100000, Length: 0x10},
+			cudaRoute{src: 0xd00000, dst: 0xaff0, n: 0x10, dev: 2, srcDev: 1, dstDev: 0}, nil},
 		{"local past end", Request{Op: OpWrite, Source: 0x1ff0, TargetAddr: 0x100000, Length: 0x11}, cudaRoute{}, ErrOutOfBounds},
 		{"remote past end", Request{Op: OpWrite, Source: 0x1000, TargetAddr: 0x10fff0, Length: 0x20}, cudaRoute{}, ErrOutOfBounds},
 		{"remote between regions", Request{Op: OpWrite, Source: 0x1000, TargetAddr: 0x1f0000, Length: 0x10}, cudaRoute{}, ErrOutOfBounds},
@@ -39,7 +39,7 @@ func TestCUDARouteRequest(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			lh, rh := -1, -1
-			got, err := cudaRouteRequest(tt.req, local, remote, 0, &lh, &rh)
+			got, err := cudaRouteRequest(tt.req, local, remote, 2, &lh, &rh)
 			if tt.wantErr != nil {
 				if !errors.Is(err, tt.wantErr) {
 					t.Fatalf("err %v, want %v", err, tt.wantErr)
