@@ -1,0 +1,193 @@
+// Command kvc-bench replays a workload against a gateway — its own local cluster per arm with
+// --local (E1 plain P/D, E3 KV-centric, E4 KV-centric with D→P snapshots), or any gateway URL —
+// and writes per-request metrics.jsonl, summary.json, report.md and PNG plots.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/kvcentric/kvcentric/sim/internal/bench"
+	"github.com/kvcentric/kvcentric/sim/internal/flagenv"
+	"github.com/kvcentric/kvcentric/sim/internal/report"
+	"github.com/kvcentric/kvcentric/sim/internal/trace"
+	"github.com/kvcentric/kvcentric/sim/internal/workload"
+)
+
+func main() { os.Exit(run(os.Args[1:], os.Stderr)) }
+
+type opts struct {
+	local          bool
+	gatewayURL     string
+	arms           string
+	workload       string
+	tracePath      string
+	maxRequests    int
+	timeScale      float64
+	simTimeScale   float64
+	out            string
+	binDir         string
+	seed           uint64
+	sessions       int
+	capacity       int64
+	bytesPerToken  int
+	simArgs        string
+	requestTimeout time.Duration
+	sendText       bool
+}
+
+func parse(args []string, stderr io.Writer) (*opts, error) {
+	o := &opts{}
+	fs := flag.NewFlagSet("kvc-bench", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	def := workload.DefaultAgentic()
+	fs.BoolVar(&o.local, "local", false, "start a fresh local cluster (1 P + 3 D, 2 control planes, gateway) per arm")
+	fs.StringVar(&o.gatewayURL, "gateway-url", "", "replay one arm against this gateway instead of --local")
+	fs.StringVar(&o.arms, "arms", "E1,E3,E4", "arms to run with --local (E1 plain P/D, E3 KV-centric, E4 KV-centric + D→P snapshots); with --gateway-url, the one arm's label")
+	fs.StringVar(&o.workload, "workload", "builtin", "builtin (agentic sessions) or mooncake (a trace in Mooncake's format, --trace)")
+	fs.StringVar(&o.tracePath, "trace", "", "trace file for --workload mooncake")
+	fs.IntVar(&o.maxRequests, "max-requests", 0, "replay at most this many requests (0 = all)")
+	fs.Float64Var(&o.timeScale, "time-scale", 1, "multiplies the workload clock (arrival and think times); 0.5 replays twice as fast")
+	fs.Float64Var(&o.simTimeScale, "sim-time-scale", 1, "with --local: kvc-sim's --time-scale (multiplies every modeled GPU/transfer duration)")
+	fs.StringVar(&o.out, "out", "out/bench", "output directory")
+	fs.StringVar(&o.binDir, "bin-dir", "", "directory of the kvc-* binaries (default: next to kvc-bench)")
+	fs.Uint64Var(&o.seed, "seed", def.Seed, "seed of the built-in workload")
+	fs.IntVar(&o.sessions, "sessions", def.Sessions, "sessions of the built-in workload")
+	fs.Int64Var(&o.capacity, "decode-capacity-tokens", 120000, "with --local: KV capacity of each decode worker in tokens (below the working set, so some sessions get evicted)")
+	fs.IntVar(&o.bytesPerToken, "bytes-per-token-per-buffer", 8, "with --local: real KV bytes per token per layer buffer in kvc-sim (scaled down from 1024 for CPU-only runs)")
+	fs.StringVar(&o.simArgs, "sim-args", "", "with --local: extra kvc-sim flags, space separated")
+	fs.DurationVar(&o.requestTimeout, "request-timeout", 200*time.Second, "client-side bound of one request")
+	fs.BoolVar(&o.sendText, "send-text", false, "send a synthetic prompt of the request's length (for real SGLang workers behind a real gateway)")
+	if err := flagenv.Parse(fs, args, os.Getenv); err != nil {
+		return nil, err
+	}
+	var errs []error
+	if o.local == (o.gatewayURL != "") {
+		errs = append(errs, errors.New("give exactly one of --local and --gateway-url"))
+	}
+	if o.gatewayURL != "" && !strings.HasPrefix(o.gatewayURL, "http://") && !strings.HasPrefix(o.gatewayURL, "https://") {
+		errs = append(errs, fmt.Errorf("--gateway-url %q is not an http(s) URL", o.gatewayURL))
+	}
+	for _, a := range splitList(o.arms) {
+		if _, err := bench.ArmPolicy(a); err != nil && o.local {
+			errs = append(errs, fmt.Errorf("--arms: %v", err))
+		}
+	}
+	if len(splitList(o.arms)) == 0 {
+		errs = append(errs, errors.New("--arms is empty"))
+	}
+	if !o.local && len(splitList(o.arms)) != 1 {
+		errs = append(errs, errors.New("--gateway-url runs one arm: give --arms NAME"))
+	}
+	switch o.workload {
+	case "builtin":
+	case "mooncake":
+		if o.tracePath == "" {
+			errs = append(errs, errors.New("--workload mooncake needs --trace PATH"))
+		}
+	default:
+		errs = append(errs, fmt.Errorf("--workload %q: want builtin or mooncake", o.workload))
+	}
+	if o.maxRequests < 0 {
+		errs = append(errs, fmt.Errorf("--max-requests must be >= 0"))
+	}
+	if !(o.timeScale > 0) || !(o.simTimeScale > 0) {
+		errs = append(errs, fmt.Errorf("--time-scale and --sim-time-scale must be > 0"))
+	}
+	if o.sessions < 1 {
+		errs = append(errs, fmt.Errorf("--sessions must be >= 1"))
+	}
+	if o.capacity < 0 || o.bytesPerToken < 1 || o.bytesPerToken > 1024 {
+		errs = append(errs, fmt.Errorf("--decode-capacity-tokens must be >= 0 and --bytes-per-token-per-buffer in [1, 1024]"))
+	}
+	if o.requestTimeout <= 0 {
+		errs = append(errs, fmt.Errorf("--request-timeout must be positive"))
+	}
+	return o, errors.Join(errs...)
+}
+
+func splitList(s string) []string {
+	var out []string
+	for _, p := range strings.Split(s, ",") {
+		if p = strings.TrimSpace(p); p != "" {
+			out = append(out, p)
+		}
+	}
+	return out
+}
+
+func run(args []string, stderr io.Writer) int {
+	o, err := parse(args, stderr)
+	if errors.Is(err, flag.ErrHelp) {
+		return 0
+	}
+	if err != nil {
+		fmt.Fprintln(stderr, "kvc-bench:", err)
+		return 2
+	}
+	var wl *workload.Workload
+	switch o.workload {
+	case "builtin":
+		c := workload.DefaultAgentic()
+		c.Seed, c.Sessions = o.seed, o.sessions
+		wl, err = workload.Agentic(c)
+	case "mooncake":
+		var f *os.File
+		f, err = os.Open(o.tracePath)
+		if err == nil {
+			wl, _, err = trace.Read(f, trace.Options{MaxRequests: o.maxRequests, Name: "mooncake:" + filepath.Base(o.tracePath)})
+			f.Close()
+		}
+	}
+	if err != nil {
+		fmt.Fprintln(stderr, "kvc-bench: workload:", err)
+		return 2
+	}
+	wl.Limit(o.maxRequests)
+	if wl.Requests() == 0 {
+		fmt.Fprintln(stderr, "kvc-bench: the workload has no requests")
+		return 2
+	}
+	simArgs := []string{"--bytes-per-token-per-buffer", fmt.Sprint(o.bytesPerToken), "--time-scale", fmt.Sprint(o.simTimeScale)}
+	simArgs = append(simArgs, strings.Fields(o.simArgs)...)
+	target := o.gatewayURL
+	if o.local {
+		target = "local cluster per arm: 1 prefill + 3 decode kvc-sim workers with their sidecars (tcp transfer engine), 2 control planes (HA pair, embedded etcd), kvc-gateway"
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	cfg := bench.Config{
+		Local: o.local, GatewayURL: o.gatewayURL, Arms: splitList(o.arms), BinDir: o.binDir, OutDir: o.out, Workload: wl,
+		Replay: bench.Options{TimeScale: o.timeScale, RequestTimeout: o.requestTimeout, SendText: o.sendText},
+		Log:    stderr, TTY: bench.IsTerminal(os.Stderr),
+		Meta: report.Meta{
+			Command: "kvc-bench " + strings.Join(args, " "), Target: target, Workload: wl.Name, Stats: wl.Describe(), Notes: wl.Notes,
+			TimeScale: o.timeScale, Started: time.Now(),
+		},
+	}
+	if o.local {
+		cfg.DecodeCapacityTokens, cfg.SimArgs = o.capacity, simArgs
+		cfg.Meta.SimTimeScale, cfg.Meta.DecodeCapacityTokens, cfg.Meta.SimArgs = o.simTimeScale, o.capacity, simArgs
+	}
+	arms, err := bench.Run(ctx, cfg)
+	for _, a := range arms {
+		s := a.Summary
+		fmt.Fprintf(stderr, "%s: ok %d/%d  TTFT p50 %.3fs p99 %.3fs  direct-to-D %.1f%%  reseeds %d (p50 %.3fs, snapshot %.0f%%)  bytes %d  verify failures %d\n",
+			a.Name, s.OK, s.Total, s.TTFTP50, s.TTFTP99, 100*s.DirectToDShare, s.ReseedCount, s.ReseedTTFTP50, 100*s.SnapshotHitRate, s.BytesMoved, s.KVVerifyFailures)
+	}
+	fmt.Fprintf(stderr, "report: %s\n", filepath.Join(o.out, report.ReportFile))
+	if err != nil {
+		fmt.Fprintln(stderr, "kvc-bench:", err)
+		return 1
+	}
+	return 0
+}

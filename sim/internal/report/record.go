@@ -1,0 +1,42 @@
+package report
+
+// Record is one request's line in metrics.jsonl.
+type Record struct {
+	Arm          string  `json:"arm"`
+	SessionID    string  `json:"session_id"`
+	Turn         int     `json:"turn"`
+	StartS       float64 `json:"start_s"` // since the start of the arm's replay
+	InputTokens  int64   `json:"input_tokens"`
+	OutputTokens int64   `json:"output_tokens"` // asked for
+	GotTokens    int64   `json:"completion_tokens"`
+	// CachedTokens is what the decision said was already in KV (D's session or the snapshot).
+	CachedTokens   int64  `json:"cached_tokens"`
+	UncachedTokens int64  `json:"uncached_tokens"`
+	Mode           string `json:"execution_mode"`
+	Reason         string `json:"reason"`
+	DecisionID     string `json:"decision_id,omitempty"`
+	DecodeWorker   string `json:"decode_worker,omitempty"`
+	FailOpen       bool   `json:"fail_open"`
+	Retries        int    `json:"retries"`
+	SnapshotUsed   bool   `json:"snapshot_used"`
+
+	OK        bool    `json:"ok"`
+	Status    int     `json:"http_status"`
+	ErrorKind string  `json:"error_kind,omitempty"` // TIMEOUT, REJECTED_BY_D, ... or CLIENT_* on the bench side
+	ErrorCode string  `json:"error_code,omitempty"`
+	ErrorMsg  string  `json:"error_message,omitempty"`
+	TTFTS     float64 `json:"ttft_s"` // measured by the bench client; 0 when no token came
+	LatencyS  float64 `json:"latency_s"`
+
+	// Real bytes, from the decode worker's meta_info.kvc.
+	ReceivedBytes  int64   `json:"received_bytes"`
+	VerifiedBytes  int64   `json:"verified_bytes"`
+	VerifyFailures int64   `json:"verify_failures"`
+	TransferMS     float64 `json:"transfer_ms"`
+	KVLenAfter     int64   `json:"kv_len_after"`
+}
+
+// Reseed reports whether the request was a reseed (via snapshot or re-prefill).
+func (r *Record) Reseed() bool {
+	return r.Mode == "RESEED_SNAPSHOT" || r.Mode == "RESEED_PREFILL"
+}

@@ -1,0 +1,144 @@
+package report
+
+import (
+	"math"
+	"sort"
+)
+
+// Summary is one arm's line of summary.json (exactly these fields).
+type Summary struct {
+	OK               int     `json:"ok"`
+	Total            int     `json:"total"`
+	TTFTP50          float64 `json:"ttft_p50_s"`
+	TTFTP90          float64 `json:"ttft_p90_s"`
+	TTFTP99          float64 `json:"ttft_p99_s"`
+	LatencyP50       float64 `json:"latency_p50_s"`
+	LatencyP99       float64 `json:"latency_p99_s"`
+	DirectToDShare   float64 `json:"direct_to_d_share"`
+	ReseedCount      int     `json:"reseed_count"`
+	ReseedTTFTP50    float64 `json:"reseed_ttft_p50_s"`
+	SnapshotHitRate  float64 `json:"snapshot_hit_rate"`
+	BytesMoved       int64   `json:"bytes_moved"`
+	KVVerifyFailures int64   `json:"kv_verify_failures"`
+}
+
+// ModeStats are per-mode figures.
+type ModeStats struct {
+	Count, OK            int
+	TTFTP50, TTFTP99     float64
+	MeanUncached         float64
+	BytesMoved, Verified int64
+}
+
+// Arm is everything the report says about one arm.
+type Arm struct {
+	Name       string
+	Summary    Summary
+	Modes      map[string]*ModeStats
+	Reasons    map[string]int
+	ErrorKinds map[string]int
+	FailOpen   int
+	Retries    int
+	Verified   int64
+	TTFTs      []float64 // successful requests, sorted (for the CDF plot)
+	WallS      float64
+}
+
+// Percentile is the nearest-rank percentile (q in [0,1]) of sorted values; 0 when empty.
+func Percentile(sorted []float64, q float64) float64 {
+	if len(sorted) == 0 {
+		return 0
+	}
+	i := int(math.Ceil(q*float64(len(sorted)))) - 1
+	i = min(max(i, 0), len(sorted)-1)
+	return sorted[i]
+}
+
+func round(x float64) float64 { return math.Round(x*1e6) / 1e6 }
+
+// Compute builds an arm's statistics from its records. TTFT and latency percentiles are over
+// successful requests; failures are counted in ok/total and by kind.
+func Compute(name string, recs []Record) *Arm {
+	a := &Arm{Name: name, Modes: map[string]*ModeStats{}, Reasons: map[string]int{}, ErrorKinds: map[string]int{}}
+	var lat, reseedTTFT []float64
+	var snap, reseed int
+	uncached := map[string]int64{}
+	modeTTFT := map[string][]float64{}
+	for i := range recs {
+		r := &recs[i]
+		a.Summary.Total++
+		mode := r.Mode
+		if mode == "" {
+			mode = "NONE"
+		}
+		ms := a.Modes[mode]
+		if ms == nil {
+			ms = &ModeStats{}
+			a.Modes[mode] = ms
+		}
+		ms.Count++
+		ms.BytesMoved += r.ReceivedBytes
+		ms.Verified += r.VerifiedBytes
+		uncached[mode] += r.UncachedTokens
+		if r.Reason != "" {
+			a.Reasons[r.Reason]++
+		}
+		if r.FailOpen {
+			a.FailOpen++
+		}
+		a.Retries += r.Retries
+		a.Summary.BytesMoved += r.ReceivedBytes
+		a.Verified += r.VerifiedBytes
+		a.Summary.KVVerifyFailures += r.VerifyFailures
+		if r.ErrorCode == "kv_verify_failed" {
+			a.Summary.KVVerifyFailures++
+		}
+		if r.Reseed() {
+			reseed++
+			if r.SnapshotUsed {
+				snap++
+			}
+		}
+		if r.Mode == "DIRECT_TO_D" {
+			a.Summary.DirectToDShare++
+		}
+		if !r.OK {
+			kind := r.ErrorKind
+			if kind == "" {
+				kind = "UNKNOWN"
+			}
+			a.ErrorKinds[kind]++
+			continue
+		}
+		a.Summary.OK++
+		ms.OK++
+		a.TTFTs = append(a.TTFTs, r.TTFTS)
+		lat = append(lat, r.LatencyS)
+		modeTTFT[mode] = append(modeTTFT[mode], r.TTFTS)
+		if r.Reseed() {
+			reseedTTFT = append(reseedTTFT, r.TTFTS)
+		}
+	}
+	sort.Float64s(a.TTFTs)
+	sort.Float64s(lat)
+	sort.Float64s(reseedTTFT)
+	s := &a.Summary
+	s.TTFTP50, s.TTFTP90, s.TTFTP99 = round(Percentile(a.TTFTs, .5)), round(Percentile(a.TTFTs, .9)), round(Percentile(a.TTFTs, .99))
+	s.LatencyP50, s.LatencyP99 = round(Percentile(lat, .5)), round(Percentile(lat, .99))
+	if s.Total > 0 {
+		s.DirectToDShare = round(s.DirectToDShare / float64(s.Total))
+	}
+	s.ReseedCount = reseed
+	s.ReseedTTFTP50 = round(Percentile(reseedTTFT, .5))
+	if reseed > 0 {
+		s.SnapshotHitRate = round(float64(snap) / float64(reseed))
+	}
+	for m, v := range modeTTFT {
+		sort.Float64s(v)
+		a.Modes[m].TTFTP50, a.Modes[m].TTFTP99 = Percentile(v, .5), Percentile(v, .99)
+	}
+	for m, ms := range a.Modes {
+		ms.MeanUncached = float64(uncached[m]) / float64(ms.Count)
+	}
+	return a
+}

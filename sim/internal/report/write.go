@@ -1,0 +1,264 @@
+package report
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"time"
+
+	"github.com/kvcentric/kvcentric/sim/internal/plot"
+	"github.com/kvcentric/kvcentric/sim/internal/workload"
+)
+
+// Meta describes the run for the report's header.
+type Meta struct {
+	Command   string
+	Target    string // "local cluster: 1 P + 3 D, 2 control planes" or the gateway URL
+	Workload  string
+	Stats     workload.Stats
+	Notes     []string
+	TimeScale float64 // workload clock
+	// Local cluster only.
+	SimTimeScale         float64
+	DecodeCapacityTokens int64
+	SimArgs              []string
+	ArmPolicies          map[string]string
+	Started              time.Time
+	ArmWall              map[string]time.Duration
+	Aborted              string // why the run stopped early, if it did
+}
+
+// Files written by Write.
+const (
+	SummaryFile = "summary.json"
+	ReportFile  = "report.md"
+	CDFFile     = "ttft_cdf.png"
+	ModesFile   = "mode_shares.png"
+)
+
+// Write writes summary.json, report.md and the two PNGs into dir.
+func Write(dir string, meta Meta, arms []*Arm) error {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	sum := map[string]Summary{}
+	for _, a := range arms {
+		sum[a.Name] = a.Summary
+	}
+	b, err := json.MarshalIndent(sum, "", "  ")
+	if err != nil {
+		return err
+	}
+	if err := os.WriteFile(filepath.Join(dir, SummaryFile), append(b, '\n'), 0o644); err != nil {
+		return err
+	}
+	var series []plot.Series
+	var bars []plot.Bar
+	for _, a := range arms {
+		series = append(series, plot.Series{Name: a.Name + " " + armTitle(a.Name), Values: a.TTFTs})
+		counts := map[string]int{}
+		for m, ms := range a.Modes {
+			counts[m] += ms.OK
+			counts["FAILED"] += ms.Count - ms.OK
+		}
+		bars = append(bars, plot.Bar{Name: a.Name, Counts: counts})
+	}
+	var buf bytes.Buffer
+	if err := plot.TTFTCDF(&buf, "Time to first token per arm (successful requests)", series); err != nil {
+		return err
+	}
+	if err := os.WriteFile(filepath.Join(dir, CDFFile), buf.Bytes(), 0o644); err != nil {
+		return err
+	}
+	buf.Reset()
+	if err := plot.ModeShares(&buf, "Execution mode of every request, per arm", bars); err != nil {
+		return err
+	}
+	if err := os.WriteFile(filepath.Join(dir, ModesFile), buf.Bytes(), 0o644); err != nil {
+		return err
+	}
+	return os.WriteFile(filepath.Join(dir, ReportFile), []byte(Markdown(meta, arms)), 0o644)
+}
+
+func armTitle(name string) string {
+	switch name {
+	case "E1":
+		return "plain P/D"
+	case "E3":
+		return "KV-centric, no snapshots"
+	case "E4":
+		return "KV-centric + D→P snapshots"
+	}
+	return ""
+}
+
+func ms(s float64) string {
+	if s >= 1 {
+		return fmt.Sprintf("%.2f s", s)
+	}
+	return fmt.Sprintf("%.0f ms", s*1000)
+}
+
+func pct(x float64) string { return fmt.Sprintf("%.1f%%", x*100) }
+
+func mib(b int64) string { return fmt.Sprintf("%.1f MiB", float64(b)/(1<<20)) }
+
+// Markdown renders the report.
+func Markdown(meta Meta, arms []*Arm) string {
+	var w strings.Builder
+	p := func(format string, a ...any) { fmt.Fprintf(&w, format+"\n", a...) }
+	p("# kvc-bench report")
+	p("")
+	p("Generated %s by `%s`.", meta.Started.UTC().Format(time.RFC3339), meta.Command)
+	p("")
+	if meta.Aborted != "" {
+		p("> **The run stopped early:** %s. The numbers below cover what finished.", meta.Aborted)
+		p("")
+	}
+	p("- Target: %s", meta.Target)
+	st := meta.Stats
+	p("- Workload: %s — %d sessions (%d multi-turn, up to %d turns), %d requests; mean input %.0f tokens (max %.0f), mean append %.0f tokens (median %.0f), mean output %.0f tokens",
+		meta.Workload, st.Sessions, st.MultiTurnSessions, st.MaxTurns, st.Requests, st.MeanInput, st.MaxInput, st.MeanAppend, st.MedianAppend, st.MeanOutput)
+	for _, n := range meta.Notes {
+		p("  - %s", n)
+	}
+	p("- Workload clock scale (arrivals, think times): %g", meta.TimeScale)
+	if meta.DecodeCapacityTokens > 0 || len(meta.SimArgs) > 0 {
+		p("- Simulated workers: decode KV capacity %d tokens each; kvc-sim modeled-time scale %g; extra kvc-sim flags `%s`",
+			meta.DecodeCapacityTokens, meta.SimTimeScale, strings.Join(meta.SimArgs, " "))
+	}
+	for _, a := range arms {
+		if pol := meta.ArmPolicies[a.Name]; pol != "" {
+			p("- %s (%s): policy `%s`; wall time %s", a.Name, armTitle(a.Name), pol, meta.ArmWall[a.Name].Round(time.Second))
+		}
+	}
+	p("")
+	p("## What is modeled and what is real")
+	p("")
+	p("- **Modeled (timing):** every duration a GPU would spend — prefill, append-prefill, decode steps and the KV transfer time over the configured link — comes from kvc-sim's timing model (docs/simulator.md), calibrated to the seeds' H100/H200 measurements of Qwen3-30B-A3B%s. TTFT and latency below are wall-clock times measured by this client around real HTTP requests through the real gateway, control plane and sidecars, so they include the real software overheads on top of the modeled GPU time.", scaleNote(meta.SimTimeScale))
+	p("- **Real:** routing decisions (control plane over gRPC), residency, evictions and capacity rejections in the simulated workers, and every KV byte: transfers move real bytes through the sidecars' transfer engines (tcp backend on loopback) into shared-memory KV pools, and the receiver checks each token against the known-bytes pattern. *Bytes moved* and *verify failures* are those real counts (at a reduced bytes-per-token, see the kvc-sim flags above), as reported by the decode worker in `meta_info.kvc`. Background D→P snapshot pushes are not included in the per-request bytes.")
+	p("")
+	p("## Summary")
+	p("")
+	p("| arm | ok / total | TTFT p50 | TTFT p90 | TTFT p99 | latency p50 | latency p99 | direct-to-D | reseeds | reseed TTFT p50 | snapshot hit rate | bytes moved | KV verify failures |")
+	p("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+	for _, a := range arms {
+		s := a.Summary
+		p("| %s %s | %d / %d | %s | %s | %s | %s | %s | %s | %d | %s | %s | %s | %d |", a.Name, armTitle(a.Name), s.OK, s.Total,
+			ms(s.TTFTP50), ms(s.TTFTP90), ms(s.TTFTP99), ms(s.LatencyP50), ms(s.LatencyP99), pct(s.DirectToDShare), s.ReseedCount,
+			ms(s.ReseedTTFTP50), pct(s.SnapshotHitRate), mib(s.BytesMoved), s.KVVerifyFailures)
+	}
+	p("")
+	p("TTFT and latency percentiles are over successful requests; failures are in ok/total and by kind below.")
+	p("")
+	p("![TTFT CDF per arm](%s)", CDFFile)
+	p("")
+	p("![Execution mode shares per arm](%s)", ModesFile)
+	p("")
+	if checks := targetChecks(arms); len(checks) > 0 {
+		p("## Demo targets")
+		p("")
+		p("| target | measured | result |")
+		p("|---|---|---|")
+		for _, c := range checks {
+			p("| %s | %s | %s |", c[0], c[1], c[2])
+		}
+		p("")
+	}
+	p("## Execution modes")
+	p("")
+	p("| arm | mode | requests | share | ok | TTFT p50 | TTFT p99 | mean uncached tokens | bytes moved (real) | bytes verified |")
+	p("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+	for _, a := range arms {
+		for _, m := range sortedKeys(a.Modes) {
+			x := a.Modes[m]
+			p("| %s | %s | %d | %s | %d | %s | %s | %.0f | %s | %s |", a.Name, m, x.Count, pct(float64(x.Count)/float64(max(a.Summary.Total, 1))), x.OK,
+				ms(x.TTFTP50), ms(x.TTFTP99), x.MeanUncached, mib(x.BytesMoved), mib(x.Verified))
+		}
+	}
+	p("")
+	p("## Reasons (every decision carries one)")
+	p("")
+	p("| arm | reason | requests |")
+	p("|---|---|---:|")
+	for _, a := range arms {
+		for _, r := range sortedCounts(a.Reasons) {
+			p("| %s | %s | %d |", a.Name, r, a.Reasons[r])
+		}
+	}
+	p("")
+	p("## Failures and fallbacks")
+	p("")
+	p("| arm | failed | error kinds | fail-open requests | retries after 409 |")
+	p("|---|---:|---|---:|---:|")
+	for _, a := range arms {
+		var kinds []string
+		for _, k := range sortedCounts(a.ErrorKinds) {
+			kinds = append(kinds, fmt.Sprintf("%s %d", k, a.ErrorKinds[k]))
+		}
+		if len(kinds) == 0 {
+			kinds = []string{"none"}
+		}
+		p("| %s | %d | %s | %d | %d |", a.Name, a.Summary.Total-a.Summary.OK, strings.Join(kinds, ", "), a.FailOpen, a.Retries)
+	}
+	p("")
+	p("Per-request records (mode, reason, TTFT, latency, uncached tokens, snapshot used, bytes, error kind) are in `metrics.jsonl`.")
+	return w.String()
+}
+
+func scaleNote(s float64) string {
+	if s == 0 || s == 1 {
+		return " (run at real speed: time scale 1)"
+	}
+	return fmt.Sprintf(" and multiplied by kvc-sim's time scale %g (so real-speed figures are about 1/%g of the measured ones, overheads aside)", s, s)
+}
+
+func sortedKeys[V any](m map[string]V) []string {
+	var ks []string
+	for k := range m {
+		ks = append(ks, k)
+	}
+	sort.Strings(ks)
+	return ks
+}
+
+func sortedCounts(m map[string]int) []string {
+	ks := sortedKeys(m)
+	sort.SliceStable(ks, func(i, j int) bool { return m[ks[i]] > m[ks[j]] })
+	return ks
+}
+
+// targetChecks evaluates the demo's done-when targets when E1, E3 and E4 are all present.
+func targetChecks(arms []*Arm) [][3]string {
+	by := map[string]*Arm{}
+	for _, a := range arms {
+		by[a.Name] = a
+	}
+	e1, e3, e4 := by["E1"], by["E3"], by["E4"]
+	if e1 == nil || e3 == nil || e4 == nil {
+		return nil
+	}
+	res := func(ok bool) string {
+		if ok {
+			return "met"
+		}
+		return "**missed**"
+	}
+	var out [][3]string
+	out = append(out, [3]string{"E3 direct-to-D share ≥ 85%", pct(e3.Summary.DirectToDShare), res(e3.Summary.DirectToDShare >= 0.85)})
+	out = append(out, [3]string{"E3 reseeds take seconds (reseed TTFT p50 ≥ 1 s)", fmt.Sprintf("%s over %d reseeds", ms(e3.Summary.ReseedTTFTP50), e3.Summary.ReseedCount),
+		res(e3.Summary.ReseedCount > 0 && e3.Summary.ReseedTTFTP50 >= 1)})
+	out = append(out, [3]string{"E4 reseed TTFT p50 ≤ 0.25 × E3's", fmt.Sprintf("%s vs 0.25 × %s = %s", ms(e4.Summary.ReseedTTFTP50), ms(e3.Summary.ReseedTTFTP50), ms(0.25*e3.Summary.ReseedTTFTP50)),
+		res(e4.Summary.ReseedCount > 0 && e3.Summary.ReseedCount > 0 && e4.Summary.ReseedTTFTP50 <= 0.25*e3.Summary.ReseedTTFTP50)})
+	out = append(out, [3]string{"E4 TTFT p99 ≤ E1 TTFT p99", fmt.Sprintf("%s vs %s", ms(e4.Summary.TTFTP99), ms(e1.Summary.TTFTP99)), res(e4.Summary.TTFTP99 <= e1.Summary.TTFTP99)})
+	var vf int64
+	for _, a := range arms {
+		vf += a.Summary.KVVerifyFailures
+	}
+	out = append(out, [3]string{"zero KV verification failures", fmt.Sprint(vf), res(vf == 0)})
+	return out
+}

@@ -1,0 +1,228 @@
+package workload
+
+import (
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"sort"
+	"time"
+)
+
+// Turn is one request of a session.
+type Turn struct {
+	// At is the earliest start, as an offset from the start of the run (open-loop arrival
+	// time; 0 = no constraint).
+	At time.Duration
+	// Think is the pause after the previous turn's answer before this turn is sent.
+	Think time.Duration
+	// InputTokens is the whole input of the turn (context + new append).
+	InputTokens int64
+	// OutputTokens is how many tokens the turn asks for.
+	OutputTokens int64
+}
+
+// Session is one multi-turn conversation; its turns run one after another.
+type Session struct {
+	ID    string
+	Start time.Duration
+	Turns []Turn
+}
+
+// Workload is a set of sessions.
+type Workload struct {
+	Name     string
+	Sessions []Session
+	// Notes are human-readable lines about how it was built (skipped lines and so on).
+	Notes []string
+}
+
+// Requests is the number of turns of all sessions.
+func (w *Workload) Requests() int {
+	n := 0
+	for _, s := range w.Sessions {
+		n += len(s.Turns)
+	}
+	return n
+}
+
+// Stats summarises a workload for reports.
+type Stats struct {
+	Sessions, Requests, MultiTurnSessions int
+	MaxTurns                              int
+	MeanAppend, MedianAppend              float64 // continuing turns: input - previous input - previous output
+	MeanInput, MaxInput                   float64
+	MeanOutput                            float64
+	Span                                  time.Duration // last session start
+}
+
+// Describe computes Stats.
+func (w *Workload) Describe() Stats {
+	st := Stats{Sessions: len(w.Sessions)}
+	var appends []float64
+	var inSum, outSum float64
+	for _, s := range w.Sessions {
+		st.Requests += len(s.Turns)
+		if len(s.Turns) > 1 {
+			st.MultiTurnSessions++
+		}
+		st.MaxTurns = max(st.MaxTurns, len(s.Turns))
+		if s.Start > st.Span {
+			st.Span = s.Start
+		}
+		for i, t := range s.Turns {
+			inSum += float64(t.InputTokens)
+			outSum += float64(t.OutputTokens)
+			st.MaxInput = math.Max(st.MaxInput, float64(t.InputTokens))
+			if i > 0 {
+				p := s.Turns[i-1]
+				appends = append(appends, float64(t.InputTokens-p.InputTokens-p.OutputTokens))
+			}
+		}
+	}
+	if st.Requests > 0 {
+		st.MeanInput, st.MeanOutput = inSum/float64(st.Requests), outSum/float64(st.Requests)
+	}
+	if len(appends) > 0 {
+		sort.Float64s(appends)
+		sum := 0.0
+		for _, a := range appends {
+			sum += a
+		}
+		st.MeanAppend, st.MedianAppend = sum/float64(len(appends)), appends[len(appends)/2]
+	}
+	return st
+}
+
+// AgenticConfig parameterises the built-in generator. Token counts are model tokens; times are
+// workload time (kvc-bench's --time-scale multiplies them).
+type AgenticConfig struct {
+	Seed     uint64
+	Sessions int
+	// Session starts are spread uniformly (sorted random) over ArrivalSpan.
+	ArrivalSpan time.Duration
+	// Turns per session, uniform in [MinTurns, MaxTurns].
+	MinTurns, MaxTurns int
+	// First-turn context (system prompt, task, repository files), log-uniform in [Min, Max].
+	InitialMin, InitialMax int64
+	// New tokens appended per turn (tool output, user message): exponential with this mean,
+	// clipped to [16, 4096].
+	AppendMean float64
+	// Probability that a turn appends a large block (a big file or log), uniform in
+	// [LargeAppendMin, LargeAppendMax]; above the direct-to-D limit these are "real large
+	// appends".
+	LargeAppendProb                float64
+	LargeAppendMin, LargeAppendMax int64
+	// Output tokens per turn: exponential with this mean, clipped to [8, OutputMax].
+	OutputMean float64
+	OutputMax  int64
+	// Think time between turns: uniform in [ThinkMin, ThinkMax]; with LongThinkProb a long
+	// pause (a slow tool, a human) uniform in [LongThinkMin, LongThinkMax].
+	ThinkMin, ThinkMax         time.Duration
+	LongThinkProb              float64
+	LongThinkMin, LongThinkMax time.Duration
+}
+
+// DefaultAgentic is the demo workload: 20 sessions of 10-30 turns (about 400 requests), contexts
+// of 4K-16K tokens growing by ~341 appended tokens per turn to tens of thousands, short agent
+// think times with occasional long pauses — the pauses are what lets a session be evicted from
+// a full decode worker and need a reseed.
+func DefaultAgentic() AgenticConfig {
+	return AgenticConfig{
+		Seed: 1, Sessions: 20, ArrivalSpan: 30 * time.Second,
+		MinTurns: 10, MaxTurns: 30,
+		InitialMin: 4000, InitialMax: 16000,
+		AppendMean:      341,
+		LargeAppendProb: 0.004, LargeAppendMin: 9000, LargeAppendMax: 16000,
+		OutputMean: 80, OutputMax: 512,
+		ThinkMin: 300 * time.Millisecond, ThinkMax: 2 * time.Second,
+		LongThinkProb: 0.05, LongThinkMin: 10 * time.Second, LongThinkMax: 25 * time.Second,
+	}
+}
+
+// Validate checks c.
+func (c AgenticConfig) Validate() error {
+	switch {
+	case c.Sessions < 1 || c.Sessions > 1_000_000:
+		return fmt.Errorf("sessions must be in [1, 1000000], got %d", c.Sessions)
+	case c.MinTurns < 1 || c.MaxTurns < c.MinTurns || c.MaxTurns > 10_000:
+		return fmt.Errorf("turns range [%d, %d] invalid", c.MinTurns, c.MaxTurns)
+	case c.InitialMin < 1 || c.InitialMax < c.InitialMin:
+		return fmt.Errorf("initial context range [%d, %d] invalid", c.InitialMin, c.InitialMax)
+	case c.AppendMean <= 0 || c.OutputMean <= 0 || c.OutputMax < 8:
+		return fmt.Errorf("append mean, output mean and output max must be positive")
+	case c.LargeAppendProb < 0 || c.LargeAppendProb > 1 || c.LongThinkProb < 0 || c.LongThinkProb > 1:
+		return fmt.Errorf("probabilities must be in [0, 1]")
+	case c.ThinkMax < c.ThinkMin || c.LongThinkMax < c.LongThinkMin || c.ThinkMin < 0 || c.ArrivalSpan < 0:
+		return fmt.Errorf("time ranges invalid")
+	}
+	return nil
+}
+
+// Agentic generates the built-in workload; the same config always yields the same workload.
+func Agentic(c AgenticConfig) (*Workload, error) {
+	if err := c.Validate(); err != nil {
+		return nil, err
+	}
+	rng := rand.New(rand.NewPCG(c.Seed, 0x6b7663))
+	uniDur := func(a, b time.Duration) time.Duration {
+		if b <= a {
+			return a
+		}
+		return a + time.Duration(rng.Int64N(int64(b-a)))
+	}
+	starts := make([]time.Duration, c.Sessions)
+	for i := range starts {
+		starts[i] = uniDur(0, c.ArrivalSpan)
+	}
+	sort.Slice(starts, func(i, j int) bool { return starts[i] < starts[j] })
+	w := &Workload{Name: "builtin-agentic"}
+	for i := 0; i < c.Sessions; i++ {
+		s := Session{ID: fmt.Sprintf("agent-%d-%04d", c.Seed, i), Start: starts[i]}
+		n := c.MinTurns + rng.IntN(c.MaxTurns-c.MinTurns+1)
+		lo, hi := math.Log(float64(c.InitialMin)), math.Log(float64(c.InitialMax))
+		input := int64(math.Exp(lo + rng.Float64()*(hi-lo)))
+		for k := 0; k < n; k++ {
+			t := Turn{}
+			if k > 0 {
+				prev := s.Turns[k-1]
+				var app int64
+				if rng.Float64() < c.LargeAppendProb {
+					app = c.LargeAppendMin + rng.Int64N(c.LargeAppendMax-c.LargeAppendMin+1)
+				} else {
+					app = int64(math.Round(rng.ExpFloat64() * c.AppendMean))
+					app = min(max(app, 16), 4096)
+				}
+				input = prev.InputTokens + prev.OutputTokens + app
+				t.Think = uniDur(c.ThinkMin, c.ThinkMax)
+				if rng.Float64() < c.LongThinkProb {
+					t.Think = uniDur(c.LongThinkMin, c.LongThinkMax)
+				}
+			}
+			t.InputTokens = input
+			t.OutputTokens = min(max(int64(math.Round(rng.ExpFloat64()*c.OutputMean)), 8), c.OutputMax)
+			s.Turns = append(s.Turns, t)
+		}
+		w.Sessions = append(w.Sessions, s)
+	}
+	return w, nil
+}
+
+// Limit keeps at most n requests: whole sessions in start order, the last one cut short.
+func (w *Workload) Limit(n int) {
+	if n <= 0 {
+		return
+	}
+	left := n
+	var out []Session
+	for _, s := range w.Sessions {
+		if left == 0 {
+			break
+		}
+		if len(s.Turns) > left {
+			s.Turns = s.Turns[:left]
+		}
+		left -= len(s.Turns)
+		out = append(out, s)
+	}
+	w.Sessions = out
+}

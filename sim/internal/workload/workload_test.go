@@ -1,0 +1,68 @@
+package workload
+
+import (
+	"reflect"
+	"testing"
+)
+
+func TestAgenticDeterministicAndShaped(t *testing.T) {
+	c := DefaultAgentic()
+	a, err := Agentic(c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := Agentic(c)
+	if !reflect.DeepEqual(a, b) {
+		t.Fatal("same seed, different workloads")
+	}
+	c.Seed = 2
+	other, _ := Agentic(c)
+	if reflect.DeepEqual(a, other) {
+		t.Fatal("different seeds, same workload")
+	}
+	st := a.Describe()
+	if st.Sessions != 20 || st.Requests < 200 || st.Requests > 600 {
+		t.Fatalf("size %+v", st)
+	}
+	// The seeds' shape: small appends (mean ~341) on contexts of tens of thousands of tokens.
+	if st.MeanAppend < 250 || st.MeanAppend > 500 || st.MaxInput < 20000 {
+		t.Fatalf("shape %+v", st)
+	}
+	for _, s := range a.Sessions {
+		for i := 1; i < len(s.Turns); i++ {
+			p, cur := s.Turns[i-1], s.Turns[i]
+			if cur.InputTokens <= p.InputTokens+p.OutputTokens || cur.Think <= 0 {
+				t.Fatalf("session %s turn %d does not extend the previous: %+v -> %+v", s.ID, i, p, cur)
+			}
+		}
+	}
+}
+
+func TestAgenticValidate(t *testing.T) {
+	tests := []struct {
+		name string
+		mut  func(*AgenticConfig)
+	}{
+		{"no sessions", func(c *AgenticConfig) { c.Sessions = 0 }},
+		{"turns", func(c *AgenticConfig) { c.MaxTurns = c.MinTurns - 1 }},
+		{"initial", func(c *AgenticConfig) { c.InitialMin = 0 }},
+		{"prob", func(c *AgenticConfig) { c.LongThinkProb = 2 }},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			c := DefaultAgentic()
+			tt.mut(&c)
+			if _, err := Agentic(c); err == nil {
+				t.Fatal("accepted")
+			}
+		})
+	}
+}
+
+func TestLimit(t *testing.T) {
+	w := &Workload{Sessions: []Session{{ID: "a", Turns: make([]Turn, 3)}, {ID: "b", Turns: make([]Turn, 3)}, {ID: "c", Turns: make([]Turn, 3)}}}
+	w.Limit(4)
+	if w.Requests() != 4 || len(w.Sessions) != 2 || len(w.Sessions[1].Turns) != 1 {
+		t.Fatalf("%+v", w)
+	}
+}
