@@ -34,12 +34,49 @@ func memAt(addr, n uint64) []byte {
 	return unsafe.Slice((*byte)(p), n)
 }
 
-// memRegion is a registered region; its lock is held (read) while its bytes are copied, and
-// taken (write) by UnregisterMemory, so no copy touches a withdrawn region.
+// memRegion is a registered region. Copies hold a reference (use/release) while they touch its
+// bytes; UnregisterMemory marks it gone and waits until no reference is left, so no copy ever
+// touches a withdrawn region. References nest (a sender holds many while one writev runs).
 type memRegion struct {
 	Region
-	mu   sync.RWMutex
-	gone bool
+	users atomic.Int64
+	gone  atomic.Bool
+	mu    sync.Mutex
+	cond  *sync.Cond
+}
+
+func newMemRegion(r Region) *memRegion {
+	m := &memRegion{Region: r}
+	m.cond = sync.NewCond(&m.mu)
+	return m
+}
+
+// use takes a reference; it fails once the region is withdrawn.
+func (m *memRegion) use() bool {
+	m.users.Add(1)
+	if m.gone.Load() {
+		m.release()
+		return false
+	}
+	return true
+}
+
+func (m *memRegion) release() {
+	if m.users.Add(-1) == 0 && m.gone.Load() {
+		m.mu.Lock()
+		m.cond.Broadcast()
+		m.mu.Unlock()
+	}
+}
+
+// withdraw marks the region gone and waits for the copies in flight.
+func (m *memRegion) withdraw() {
+	m.mu.Lock()
+	m.gone.Store(true)
+	for m.users.Load() > 0 {
+		m.cond.Wait()
+	}
+	m.mu.Unlock()
 }
 
 // regionTable is a sorted set of non-overlapping regions.
@@ -60,7 +97,7 @@ func (t *regionTable) add(r Region) error {
 	}
 	t.regs = append(t.regs, nil)
 	copy(t.regs[i+1:], t.regs[i:])
-	t.regs[i] = &memRegion{Region: r}
+	t.regs[i] = newMemRegion(r)
 	return nil
 }
 
@@ -74,9 +111,7 @@ func (t *regionTable) remove(addr uint64) error {
 	r := t.regs[i]
 	t.regs = append(t.regs[:i], t.regs[i+1:]...)
 	t.mu.Unlock()
-	r.mu.Lock() // waits for copies in flight
-	r.gone = true
-	r.mu.Unlock()
+	r.withdraw()
 	return nil
 }
 
@@ -94,15 +129,10 @@ func (t *regionTable) find(addr, n uint64) *memRegion {
 	return nil
 }
 
-// acquire returns the region holding [addr, addr+n) read-locked, or nil.
+// acquire returns the region holding [addr, addr+n) with a reference taken, or nil.
 func (t *regionTable) acquire(addr, n uint64) *memRegion {
 	r := t.find(addr, n)
-	if r == nil {
-		return nil
-	}
-	r.mu.RLock()
-	if r.gone {
-		r.mu.RUnlock()
+	if r == nil || !r.use() {
 		return nil
 	}
 	return r
@@ -277,11 +307,27 @@ func (e *tcpEngine) serveHandshake(br *bufio.Reader, bw *bufio.Writer) (bool, er
 
 // serveData handles data frames until the peer goes away. Every target range is checked against
 // the registered regions before a byte is touched; refused WRITE payloads are discarded.
+// Successful WRITEs are acknowledged cumulatively (WRITE_ACK_UPTO) before any other answer and
+// whenever the input runs dry, so answers stay in request order.
 func (e *tcpEngine) serveData(br *bufio.Reader, bw *bufio.Writer) error {
 	var hdr [20]byte
 	var out []byte
+	var ackID uint64
+	ackPending := false
+	flushAck := func() error {
+		if !ackPending {
+			return nil
+		}
+		ackPending = false
+		out = tcpAppendAckUpTo(out[:0], ackID)
+		_, err := bw.Write(out)
+		return err
+	}
 	for {
 		if br.Buffered() == 0 {
+			if err := flushAck(); err != nil {
+				return err
+			}
 			if err := bw.Flush(); err != nil {
 				return err
 			}
@@ -306,15 +352,18 @@ func (e *tcpEngine) serveData(br *bufio.Reader, bw *bufio.Writer) error {
 				status, msg = tcpStOutOfBounds, fmt.Sprintf("write [%#x, +%d) outside registered memory", addr, plen)
 			} else {
 				_, err = io.ReadFull(br, memAt(addr, plen))
-				r.mu.RUnlock()
+				r.release()
 				if err != nil {
 					return err
 				}
+				ackID, ackPending = id, true
+				continue
 			}
-			if status != tcpStOK {
-				if _, err := br.Discard(int(plen)); err != nil {
-					return err
-				}
+			if _, err := br.Discard(int(plen)); err != nil {
+				return err
+			}
+			if err := flushAck(); err != nil {
+				return err
 			}
 			out = tcpAppendWriteAck(out[:0], id, status, msg)
 			if _, err := bw.Write(out); err != nil {
@@ -322,6 +371,9 @@ func (e *tcpEngine) serveData(br *bufio.Reader, bw *bufio.Writer) error {
 			}
 		case tcpFtRead:
 			if _, err := io.ReadFull(br, hdr[:20]); err != nil {
+				return err
+			}
+			if err := flushAck(); err != nil {
 				return err
 			}
 			id, addr, rlen := binary.LittleEndian.Uint64(hdr[:]), binary.LittleEndian.Uint64(hdr[8:]), uint64(binary.LittleEndian.Uint32(hdr[16:]))
@@ -342,7 +394,7 @@ func (e *tcpEngine) serveData(br *bufio.Reader, bw *bufio.Writer) error {
 				if err == nil {
 					_, err = bw.Write(memAt(addr, rlen))
 				}
-				r.mu.RUnlock()
+				r.release()
 				if err != nil {
 					return err
 				}
@@ -358,7 +410,7 @@ func (e *tcpEngine) serveData(br *bufio.Reader, bw *bufio.Writer) error {
 				return err
 			}
 		default:
-			return fmt.Errorf("%w: unexpected tcpFrame type %d", tcpErrProtocol, typ)
+			return fmt.Errorf("%w: unexpected frame type %d", tcpErrProtocol, typ)
 		}
 	}
 }
@@ -458,13 +510,12 @@ func (e *tcpEngine) dial(ctx context.Context, name string, i int) (*tcpConn, tcp
 	}
 	_ = nc.SetDeadline(time.Time{})
 	c := &tcpConn{
-		e:      e,
-		nc:     nc,
-		br:     bufio.NewReaderSize(nc, tcpReadBufSize),
-		bw:     bufio.NewWriterSize(nc, tcpWriteBufSize),
-		wake:   make(chan struct{}, 1),
-		done:   make(chan struct{}),
-		tokens: make(chan struct{}, tcpMaxInflight),
+		e:     e,
+		nc:    nc,
+		br:    bufio.NewReaderSize(nc, tcpReadBufSize),
+		wake:  make(chan struct{}, 1),
+		space: make(chan struct{}, 1),
+		done:  make(chan struct{}),
 	}
 	return c, ack, nil
 }
@@ -556,13 +607,13 @@ func (s *sliceOp) done(err error) {
 	}
 }
 
-// tcpConn is one connection to a peer: a writer goroutine sends queued slices, a reader goroutine
-// matches the owner's in-order answers with the in-flight slices.
+// tcpConn is one connection to a peer: a writer goroutine sends queued slices (WRITE payloads go
+// straight from registered memory with writev), a reader goroutine matches the owner's in-order
+// answers with the in-flight slices.
 type tcpConn struct {
 	e  *tcpEngine
 	nc net.Conn
 	br *bufio.Reader
-	bw *bufio.Writer
 
 	mu       sync.Mutex
 	queue    []sliceOp
@@ -570,11 +621,11 @@ type tcpConn struct {
 	ihead    int
 	dead     bool
 	deadErr  error
+	waiting  bool // the writer waits for in-flight room
 
-	wake   chan struct{}
-	done   chan struct{}
-	tokens chan struct{}
-	nextID uint64
+	wake  chan struct{} // new work
+	space chan struct{} // in-flight room
+	done  chan struct{}
 }
 
 // enqueue hands slices to the writer; on a dead connection they fail at once.
@@ -617,40 +668,183 @@ func (c *tcpConn) kill(err error) {
 	}
 }
 
-func (c *tcpConn) pushInflight(s sliceOp) bool {
+func (c *tcpConn) isDead() bool {
+	select {
+	case <-c.done:
+		return true
+	default:
+		return false
+	}
+}
+
+func (c *tcpConn) err() error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	return c.deadErr
+}
+
+// sender accumulates frames for one writev: headers (and small payloads) in a fixed arena,
+// large payloads referenced in place, with a reference held on their regions until written.
+type sender struct {
+	c     *tcpConn
+	pend  []sliceOp
+	bufs  net.Buffers
+	iov   [][]byte // backing array of bufs
+	arena []byte
+	ext   bool // the last iovec ends at the arena's end and may grow
+	held  []*memRegion
+	next  uint64
+}
+
+const sendMaxIov = 1024
+
+// Send tuning: frames are gathered in an arena of sendArena bytes; payloads up to sendInline
+// bytes are copied next to their header, larger ones are written in place (writev).
+var (
+	sendArena  = 64 << 10
+	sendInline = 1024
+)
+
+func (w *sender) appendArena(b []byte) {
+	start := len(w.arena)
+	w.arena = append(w.arena, b...)
+	if w.ext {
+		last := &w.iov[len(w.iov)-1]
+		*last = w.arena[start-len(*last) : len(w.arena)]
+		return
+	}
+	w.iov = append(w.iov, w.arena[start:])
+	w.ext = true
+}
+
+// add queues one slice; it flushes first when the arena, the iovecs or the in-flight window are full.
+func (w *sender) add(s *sliceOp) error {
+	need := 25
+	if s.op == OpWrite && s.n <= uint64(sendInline) {
+		need += int(s.n)
+	}
+	if len(w.arena)+need > cap(w.arena) || len(w.iov)+2 > sendMaxIov || len(w.pend) >= tcpMaxInflight/2 {
+		if err := w.flush(); err != nil {
+			return err
+		}
+	}
+	if err := w.room(); err != nil {
+		return err
+	}
+	w.next++
+	s.id = w.next
+	var h [25]byte
+	if s.op == OpRead {
+		binary.LittleEndian.PutUint32(h[:], 1+20)
+		h[4] = tcpFtRead
+		binary.LittleEndian.PutUint64(h[5:], s.id)
+		binary.LittleEndian.PutUint64(h[13:], s.raddr)
+		binary.LittleEndian.PutUint32(h[21:], uint32(s.n))
+		w.appendArena(h[:25])
+	} else {
+		if !s.local.use() {
+			s.done(fmt.Errorf("%w: local source [%#x, +%d) was unregistered", ErrOutOfBounds, s.laddr, s.n))
+			return nil
+		}
+		binary.LittleEndian.PutUint32(h[:], uint32(1+16+s.n))
+		h[4] = tcpFtWrite
+		binary.LittleEndian.PutUint64(h[5:], s.id)
+		binary.LittleEndian.PutUint64(h[13:], s.raddr)
+		w.appendArena(h[:21])
+		if s.n <= uint64(sendInline) {
+			w.appendArena(memAt(s.laddr, s.n))
+			s.local.release()
+		} else {
+			w.iov = append(w.iov, memAt(s.laddr, s.n))
+			w.ext = false
+			w.held = append(w.held, s.local)
+		}
+	}
+	s.t.start()
+	w.pend = append(w.pend, *s)
+	return nil
+}
+
+// room waits until the in-flight window has space for the pending frames plus one.
+func (w *sender) room() error {
+	c := w.c
+	for {
+		c.mu.Lock()
+		if c.dead {
+			c.mu.Unlock()
+			return c.err()
+		}
+		if len(c.inflight)-c.ihead+len(w.pend) < tcpMaxInflight {
+			c.mu.Unlock()
+			return nil
+		}
+		c.waiting = true
+		c.mu.Unlock()
+		if err := w.flush(); err != nil {
+			return err
+		}
+		select {
+		case <-c.space:
+		case <-c.done:
+		}
+	}
+}
+
+// flush moves the pending frames in flight and writes them with one writev.
+func (w *sender) flush() error {
+	if len(w.pend) == 0 {
+		return nil
+	}
+	c := w.c
+	c.mu.Lock()
 	if c.dead {
-		return false
+		c.mu.Unlock()
+		err := c.err()
+		for i := range w.pend {
+			w.pend[i].done(err)
+		}
+		w.reset()
+		return err
 	}
 	if c.ihead > 0 && c.ihead == len(c.inflight) {
 		c.inflight, c.ihead = c.inflight[:0], 0
 	}
-	c.inflight = append(c.inflight, s)
-	return true
+	c.inflight = append(c.inflight, w.pend...)
+	c.mu.Unlock()
+	w.bufs = w.iov
+	_, err := w.bufs.WriteTo(c.nc)
+	w.reset()
+	if err != nil {
+		err = fmt.Errorf("%w: %s: %v", ErrPeerGone, c.nc.RemoteAddr(), err)
+		c.kill(err)
+		return err
+	}
+	return nil
 }
 
-func (c *tcpConn) popInflight() (sliceOp, bool) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if c.ihead == len(c.inflight) {
-		return sliceOp{}, false
+func (w *sender) reset() {
+	for _, r := range w.held {
+		r.release()
 	}
-	s := c.inflight[c.ihead]
-	c.inflight[c.ihead] = sliceOp{}
-	c.ihead++
-	return s, true
+	clear(w.held)
+	w.held = w.held[:0]
+	clear(w.iov)
+	w.iov = w.iov[:0]
+	w.arena = w.arena[:0]
+	w.ext = false
+	clear(w.pend)
+	w.pend = w.pend[:0]
 }
 
 func (c *tcpConn) writeLoop() {
 	defer c.e.wg.Done()
-	var hdr []byte
+	w := &sender{c: c, arena: make([]byte, 0, sendArena), iov: make([][]byte, 0, sendMaxIov)}
+	defer w.reset()
 	for {
 		c.mu.Lock()
 		for len(c.queue) == 0 && !c.dead {
 			c.mu.Unlock()
-			if err := c.bw.Flush(); err != nil {
-				c.kill(fmt.Errorf("%w: %s: %v", ErrPeerGone, c.nc.RemoteAddr(), err))
+			if err := w.flush(); err != nil {
 				return
 			}
 			select {
@@ -667,89 +861,20 @@ func (c *tcpConn) writeLoop() {
 		c.queue = nil
 		c.mu.Unlock()
 		for i := range q {
-			s := &q[i]
-			if s.t.final() {
+			if q[i].t.final() {
 				continue
 			}
-			select {
-			case c.tokens <- struct{}{}:
-			default:
-				if err := c.bw.Flush(); err != nil {
-					c.kill(fmt.Errorf("%w: %s: %v", ErrPeerGone, c.nc.RemoteAddr(), err))
+			if err := w.add(&q[i]); err != nil {
+				for j := range w.pend {
+					w.pend[j].done(err)
 				}
-				select {
-				case c.tokens <- struct{}{}:
-				case <-c.done:
-				}
-			}
-			if err := c.send(s, &hdr); err != nil {
-				c.kill(fmt.Errorf("%w: %s: %v", ErrPeerGone, c.nc.RemoteAddr(), err))
-			}
-			if c.isDead() {
-				for j := i + 1; j < len(q); j++ {
-					q[j].done(c.deadErr)
+				for j := i; j < len(q); j++ {
+					q[j].done(err)
 				}
 				return
 			}
 		}
 	}
-}
-
-func (c *tcpConn) isDead() bool {
-	select {
-	case <-c.done:
-		return true
-	default:
-		return false
-	}
-}
-
-// send writes one slice's frame. A slice whose local region was withdrawn fails without being sent.
-func (c *tcpConn) send(s *sliceOp, hdr *[]byte) error {
-	if c.isDead() {
-		s.done(c.deadErr)
-		return nil
-	}
-	c.nextID++
-	s.id = c.nextID
-	h := (*hdr)[:0]
-	if s.op == OpRead {
-		if !c.pushInflight(*s) {
-			s.done(c.deadErr)
-			return nil
-		}
-		s.t.start()
-		h = binary.LittleEndian.AppendUint32(h, 1+20)
-		h = append(h, tcpFtRead)
-		h = binary.LittleEndian.AppendUint64(h, s.id)
-		h = binary.LittleEndian.AppendUint64(h, s.raddr)
-		h = binary.LittleEndian.AppendUint32(h, uint32(s.n))
-		*hdr = h
-		_, err := c.bw.Write(h)
-		return err
-	}
-	s.local.mu.RLock()
-	defer s.local.mu.RUnlock()
-	if s.local.gone {
-		<-c.tokens
-		s.done(fmt.Errorf("%w: local source [%#x, +%d) was unregistered", ErrOutOfBounds, s.laddr, s.n))
-		return nil
-	}
-	if !c.pushInflight(*s) {
-		s.done(c.deadErr)
-		return nil
-	}
-	s.t.start()
-	h = binary.LittleEndian.AppendUint32(h, uint32(1+16+s.n))
-	h = append(h, tcpFtWrite)
-	h = binary.LittleEndian.AppendUint64(h, s.id)
-	h = binary.LittleEndian.AppendUint64(h, s.raddr)
-	*hdr = h
-	if _, err := c.bw.Write(h); err != nil {
-		return err
-	}
-	_, err := c.bw.Write(memAt(s.laddr, s.n))
-	return err
 }
 
 func (c *tcpConn) readLoop() {
@@ -758,44 +883,77 @@ func (c *tcpConn) readLoop() {
 	c.kill(fmt.Errorf("%w: %s: %v", ErrPeerGone, c.nc.RemoteAddr(), err))
 }
 
+// pop takes the in-flight slices up to and including id, which must be in flight.
+func (c *tcpConn) pop(id uint64, upTo bool, buf []sliceOp) ([]sliceOp, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	k := c.ihead
+	for k < len(c.inflight) && c.inflight[k].id < id && upTo {
+		k++
+	}
+	if k == len(c.inflight) || c.inflight[k].id != id {
+		return buf, fmt.Errorf("%w: answer for request %d, which is not next in flight", tcpErrProtocol, id)
+	}
+	buf = append(buf, c.inflight[c.ihead:k+1]...)
+	clear(c.inflight[c.ihead : k+1])
+	c.ihead = k + 1
+	if c.waiting {
+		c.waiting = false
+		select {
+		case c.space <- struct{}{}:
+		default:
+		}
+	}
+	return buf, nil
+}
+
 func (c *tcpConn) readResponses() error {
 	var hdr [11 + tcpMaxMsg]byte
+	var got []sliceOp
 	for {
 		typ, n, err := tcpReadHeader(c.br)
 		if err != nil {
 			return err
 		}
-		s, ok := c.popInflight()
-		if !ok {
-			return fmt.Errorf("%w: answer with nothing in flight", tcpErrProtocol)
+		if _, err := io.ReadFull(c.br, hdr[:min(n, 9)]); err != nil {
+			return err
 		}
-		<-c.tokens
+		id := binary.LittleEndian.Uint64(hdr[:])
 		switch typ {
-		case tcpFtWriteAck:
-			if s.op != OpWrite {
-				return fmt.Errorf("%w: WRITE_ACK for a READ", tcpErrProtocol)
-			}
-			if _, err := io.ReadFull(c.br, hdr[:n]); err != nil {
+		case tcpFtWriteAckUpTo:
+			if got, err = c.pop(id, true, got[:0]); err != nil {
 				return err
 			}
-			id, status := binary.LittleEndian.Uint64(hdr[:]), hdr[8]
+			for i := range got {
+				if got[i].op != OpWrite {
+					return fmt.Errorf("%w: WRITE_ACK_UPTO covers a READ", tcpErrProtocol)
+				}
+			}
+			for i := range got {
+				got[i].done(nil)
+			}
+		case tcpFtWriteAck:
+			if got, err = c.pop(id, false, got[:0]); err != nil {
+				return err
+			}
+			s := &got[0]
+			if _, err := io.ReadFull(c.br, hdr[9:n]); err != nil {
+				return err
+			}
 			ml := int(binary.LittleEndian.Uint16(hdr[9:]))
-			if id != s.id || 11+ml != int(n) {
+			if s.op != OpWrite || 11+ml != int(n) {
 				return fmt.Errorf("%w: bad WRITE_ACK", tcpErrProtocol)
 			}
-			s.done(tcpStatusErr(status, string(hdr[11:11+ml])))
+			s.done(tcpStatusErr(hdr[8], string(hdr[11:11+ml])))
 		case tcpFtReadResp:
+			if got, err = c.pop(id, false, got[:0]); err != nil {
+				return err
+			}
+			s := &got[0]
 			if s.op != OpRead {
 				return fmt.Errorf("%w: READ_RESP for a WRITE", tcpErrProtocol)
 			}
-			if _, err := io.ReadFull(c.br, hdr[:9]); err != nil {
-				return err
-			}
-			id, status := binary.LittleEndian.Uint64(hdr[:]), hdr[8]
-			if id != s.id {
-				return fmt.Errorf("%w: READ_RESP for request %d, want %d", tcpErrProtocol, id, s.id)
-			}
-			rest := uint64(n - 9)
+			status, rest := hdr[8], uint64(n-9)
 			if status != tcpStOK {
 				if rest < 2 || rest > 2+tcpMaxMsg {
 					return fmt.Errorf("%w: bad READ_RESP", tcpErrProtocol)
@@ -813,11 +971,11 @@ func (c *tcpConn) readResponses() error {
 			if rest != s.n {
 				return fmt.Errorf("%w: READ_RESP of %d bytes, asked %d", tcpErrProtocol, rest, s.n)
 			}
-			if err := c.receive(&s); err != nil {
+			if err := c.receive(s); err != nil {
 				return err
 			}
 		default:
-			return fmt.Errorf("%w: unexpected tcpFrame type %d", tcpErrProtocol, typ)
+			return fmt.Errorf("%w: unexpected frame type %d", tcpErrProtocol, typ)
 		}
 	}
 }
@@ -825,20 +983,17 @@ func (c *tcpConn) readResponses() error {
 // receive lands a READ payload in local memory, or discards it when the task is already final
 // (canceled) or the local region was withdrawn.
 func (c *tcpConn) receive(s *sliceOp) error {
-	s.local.mu.RLock()
-	if s.local.gone || s.t.final() {
-		gone := s.local.gone
-		s.local.mu.RUnlock()
+	if s.t.final() || !s.local.use() {
 		if _, err := c.br.Discard(int(s.n)); err != nil {
 			return err
 		}
-		if gone {
+		if !s.t.final() {
 			s.done(fmt.Errorf("%w: local destination [%#x, +%d) was unregistered", ErrOutOfBounds, s.laddr, s.n))
 		}
 		return nil
 	}
 	_, err := io.ReadFull(c.br, memAt(s.laddr, s.n))
-	s.local.mu.RUnlock()
+	s.local.release()
 	if err != nil {
 		return err
 	}

@@ -24,6 +24,9 @@ import (
 //	WRITE_ACK  id u64 | status u8 | msg (u16 len + bytes)
 //	READ       id u64 | addr u64 | length u32 (1..tcpMaxSlice)
 //	READ_RESP  id u64 | status u8 | payload (status OK: the length asked) or msg (u16 len + bytes)
+//	WRITE_ACK_UPTO  id u64: every WRITE in flight up to and including id succeeded
+//
+// Successful WRITEs are acknowledged cumulatively; a refused WRITE gets its own WRITE_ACK.
 const (
 	tcpWireMagic   = 0x5443564b // "KVCT"
 	tcpWireVersion = 1
@@ -34,6 +37,8 @@ const (
 	tcpFtWriteAck = 4
 	tcpFtRead     = 5
 	tcpFtReadResp = 6
+	// tcpFtWriteAckUpTo acknowledges every WRITE in flight up to and including an id.
+	tcpFtWriteAckUpTo = 7
 
 	tcpStOK          uint8 = 0
 	tcpStOutOfBounds uint8 = 1
@@ -298,6 +303,8 @@ func tcpReadHeader(r *bufio.Reader) (typ uint8, body uint32, err error) {
 		ok = body == 20
 	case tcpFtReadResp:
 		ok = body >= 9 && body <= 9+tcpMaxSlice
+	case tcpFtWriteAckUpTo:
+		ok = body == 8
 	default:
 		return 0, 0, fmt.Errorf("%w: unknown tcpFrame type %d", tcpErrProtocol, typ)
 	}
@@ -325,6 +332,12 @@ func tcpAppendWriteAck(b []byte, id uint64, status uint8, msg string) []byte {
 	b = append(b, status)
 	b = binary.LittleEndian.AppendUint16(b, uint16(len(msg)))
 	return append(b, msg...)
+}
+
+func tcpAppendAckUpTo(b []byte, id uint64) []byte {
+	b = binary.LittleEndian.AppendUint32(b, 1+8)
+	b = append(b, tcpFtWriteAckUpTo)
+	return binary.LittleEndian.AppendUint64(b, id)
 }
 
 // tcpStatusErr maps a wire status and message to an error.

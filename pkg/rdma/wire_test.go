@@ -132,6 +132,8 @@ func FuzzTCPResponses(f *testing.F) {
 	f.Add(append(ack, resp...))
 	f.Add(append(tcpAppendWriteAck(nil, 1, tcpStOutOfBounds, "no"), resp[:20]...))
 	f.Add([]byte{9, 0, 0, 0, tcpFtReadResp, 2, 0, 0, 0, 0, 0, 0, 0, 0})
+	f.Add(append(tcpAppendAckUpTo(nil, 1), resp...))
+	f.Add(tcpAppendAckUpTo(nil, 2))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		for i := range mem {
 			mem[i] = 0xa5
@@ -139,9 +141,7 @@ func FuzzTCPResponses(f *testing.F) {
 		local := &memRegion{Region: Region{Addr: dst, Len: size}}
 		bt := &batch{capacity: 2}
 		tasks, _ := bt.add(2)
-		c := &tcpConn{br: bufio.NewReader(bytes.NewReader(b)), tokens: make(chan struct{}, 2), done: make(chan struct{})}
-		c.tokens <- struct{}{}
-		c.tokens <- struct{}{}
+		c := &tcpConn{br: bufio.NewReader(bytes.NewReader(b)), space: make(chan struct{}, 1), done: make(chan struct{})}
 		c.inflight = []sliceOp{
 			{t: tasks[0], op: OpWrite, local: local, laddr: dst, raddr: 1 << 40, n: size, id: 1},
 			{t: tasks[1], op: OpRead, local: local, laddr: dst, raddr: 1 << 40, n: size, id: 2},
