@@ -394,7 +394,7 @@ func (c *Cluster) retry(ctx context.Context, what string, f func(ctx context.Con
 			return nil
 		}
 		for _, p := range c.Processes {
-			if !p.Alive() {
+			if !p.Alive() && !p.killed.Load() {
 				return fmt.Errorf("%s: %s (pid %d) exited (%v); last log lines of %s:\n%s",
 					what, p.Name, p.PID, p.exitErr, p.LogPath, p.logTail(25))
 			}

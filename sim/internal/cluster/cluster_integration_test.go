@@ -124,12 +124,16 @@ func TestLocalClusterEndToEnd(t *testing.T) {
 		t.Fatalf("turn 1: %d %s\n%s", r1.status, r1.body, logs(c))
 	}
 	kvc1, _ := r1.meta["kvc"].(map[string]any)
-	if kvc1 == nil || kvc1["verify_failures"] != float64(0) {
-		t.Fatalf("turn 1 meta %v", r1.meta)
+	if kvc1 == nil || kvc1["verify_failures"] != float64(0) || kvc1["received_bytes"] == float64(0) ||
+		kvc1["received_bytes"] != kvc1["verified_bytes"] || r1.header.Get("X-Kvc-Mode") != "SEED" {
+		t.Fatalf("turn 1 (%s) meta %v", r1.header.Get("X-Kvc-Mode"), r1.meta)
 	}
 	r2 := generate(t, c.GatewayURL, "it-1", text+" more words please")
 	if r2.status != http.StatusOK {
 		t.Fatalf("turn 2: %d %s\n%s", r2.status, r2.body, logs(c))
+	}
+	if m := r2.header.Get("X-Kvc-Mode"); m != "DIRECT_TO_D" {
+		t.Fatalf("turn 2 ran as %s (%s), want DIRECT_TO_D", m, r2.header.Get("X-Kvc-Reason"))
 	}
 
 	// Failover: kill the leader; a request still gets served (by the new leader or fail-open).

@@ -10,6 +10,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"time"
 )
@@ -27,6 +28,7 @@ type Process struct {
 	logFile   *os.File
 	exited    chan struct{}
 	exitErr   error
+	killed    atomic.Bool // killed on purpose (KillLeader): its exit is not a failure
 }
 
 // Exited is closed when the process has exited.
@@ -155,6 +157,7 @@ func (p *Process) stop(grace time.Duration) error {
 
 // kill sends SIGKILL and waits for the exit.
 func (p *Process) kill() {
+	p.killed.Store(true)
 	if p.Alive() {
 		_ = p.cmd.Process.Kill()
 	}
