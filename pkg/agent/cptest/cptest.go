@@ -112,6 +112,7 @@ func (s *Server) Connect(stream grpc.BidiStreamingServer[kvcv1.ConnectRequest, k
 	cmds := make(chan *kvcv1.Command, 1024)
 	s.mu.Lock()
 	s.hellos[id] = h
+	delete(s.resyncs, id) // the resync of this connection follows
 	s.streams[id] = cmds
 	s.conns[id]++
 	ep, pol, kick := s.epoch, s.policy, s.kick

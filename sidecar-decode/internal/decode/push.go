@@ -101,9 +101,13 @@ func (s *Sidecar) pushOnce(ctx context.Context, pool *agent.Pool, job pushJob) (
 	if err != nil {
 		return 0, 0, err
 	}
+	// Control RPCs are not cut by a release (a reservation made must be known to be aborted);
+	// only the transfer, which reads the pages, is.
+	rpcCtx, rpcCancel := context.WithTimeout(context.WithoutCancel(ctx), s.cfg.PushTimeout)
+	defer rpcCancel()
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.PushTimeout)
 	defer cancel()
-	res, err := c.ReserveSnapshot(ctx, &kvcv1.ReserveSnapshotRequest{SessionId: job.session, Generation: job.gen, BaseLen: job.base,
+	res, err := c.ReserveSnapshot(rpcCtx, &kvcv1.ReserveSnapshotRequest{SessionId: job.session, Generation: job.gen, BaseLen: job.base,
 		Tokens: job.end - job.base, SourceWorkerId: s.cfg.WorkerID, SourceLayout: pool.Layout()})
 	if err != nil {
 		return 0, 0, fmt.Errorf("reserve: %w", err)
@@ -114,6 +118,10 @@ func (s *Sidecar) pushOnce(ctx context.Context, pool *agent.Pool, job pushJob) (
 		if _, err := c.AbortSnapshot(actx, &kvcv1.AbortSnapshotRequest{IngestId: res.GetIngestId(), Reason: reason}); err != nil {
 			s.log.Warn().Err(err).Str("session", job.session).Msg("abort snapshot ingest")
 		}
+	}
+	if ctx.Err() != nil {
+		go abort(context.Cause(ctx).Error())
+		return 0, 0, fmt.Errorf("%w: %v", agent.ErrAborted, context.Cause(ctx))
 	}
 	ep := res.GetStoreTransferEndpoint()
 	if ep == "" {
@@ -139,7 +147,7 @@ func (s *Sidecar) pushOnce(ctx context.Context, pool *agent.Pool, job pushJob) (
 		go abort(err.Error())
 		return 0, moved, err
 	}
-	cres, err := c.CommitSnapshot(ctx, &kvcv1.CommitSnapshotRequest{IngestId: res.GetIngestId()})
+	cres, err := c.CommitSnapshot(rpcCtx, &kvcv1.CommitSnapshotRequest{IngestId: res.GetIngestId()})
 	if err != nil {
 		return 0, moved, fmt.Errorf("commit: %w", err)
 	}
