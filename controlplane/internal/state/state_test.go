@@ -429,3 +429,37 @@ func must(t *testing.T, err error) {
 		t.Fatal(err)
 	}
 }
+
+func TestDeposedLeaderWritesAreFenced(t *testing.T) {
+	c := etcdtest.Start(t)
+	store, err := kvstore.New(c.Client(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	f1 := leadOn(t, store, Config{NodeID: "cp-1"})
+	f1.st.UpdateSession("s", func(r *kvcv1.SessionRecord) { r.Turn = 1 })
+	must(t, f1.st.Flush(t.Context()))
+	// cp-1 loses its lease without noticing (as after a long pause); cp-2 is elected.
+	if _, err := store.Client().Revoke(t.Context(), f1.sess.Lease()); err != nil {
+		t.Fatal(err)
+	}
+	f2 := leadOn(t, store, Config{NodeID: "cp-2"})
+	f1.st.UpdateSession("s", func(r *kvcv1.SessionRecord) { r.Turn = 99; r.DecodeWorker = "zombie" })
+	select {
+	case <-f1.term.Deposed():
+	case <-time.After(10 * time.Second):
+		t.Fatal("deposed leader's term not ended by the fence")
+	}
+	if err := f1.st.Flush(t.Context()); !errors.Is(err, kvstore.ErrFenced) {
+		t.Fatalf("flush of the deposed leader: %v", err)
+	}
+	rec, ok, err := store.GetSession(t.Context(), "s")
+	if err != nil || !ok || rec.GetTurn() != 1 || rec.GetDecodeWorker() != "" {
+		t.Fatalf("etcd after the zombie write: %v %v %v", rec, ok, err)
+	}
+	f2.st.UpdateSession("s", func(r *kvcv1.SessionRecord) { r.Turn = 2 })
+	must(t, f2.st.Flush(t.Context()))
+	if rec, _, _ := store.GetSession(t.Context(), "s"); rec.GetTurn() != 2 || rec.GetEpoch() != f2.st.Epoch() {
+		t.Fatalf("new leader's write: %v", rec)
+	}
+}
