@@ -16,9 +16,27 @@ import (
 
 func init() { register("mooncake", newMooncake) }
 
-// MooncakeLibEnv names the environment variable with the path of libtransfer_engine.so, used
-// when Config.MooncakeLib is empty.
-const MooncakeLibEnv = "KVC_MOONCAKE_LIB"
+// Environment variables read by the mooncake backend when the matching Config field is empty.
+const (
+	// MooncakeLibEnv is the path of libtransfer_engine.so.
+	MooncakeLibEnv = "KVC_MOONCAKE_LIB"
+	// MooncakeProtocolEnv is Mooncake's transport ("rdma" by default, as SGLang; "tcp").
+	MooncakeProtocolEnv = "KVC_MOONCAKE_PROTOCOL"
+	// MooncakeMetadataEnv is Mooncake's metadata connection string ("P2PHANDSHAKE" by default).
+	MooncakeMetadataEnv = "KVC_MOONCAKE_METADATA"
+	// MooncakeDevicesEnv is the NIC priority matrix JSON passed to installTransport.
+	MooncakeDevicesEnv = "KVC_MOONCAKE_DEVICES"
+)
+
+func orEnv(v, env, def string) string {
+	if v != "" {
+		return v
+	}
+	if v = os.Getenv(env); v != "" {
+		return v
+	}
+	return def
+}
 
 // Constants of transfer_engine_c.h.
 const (
@@ -145,10 +163,7 @@ type mooncakeEngine struct {
 }
 
 func newMooncake(_ context.Context, cfg Config) (Engine, error) {
-	path := cfg.MooncakeLib
-	if path == "" {
-		path = os.Getenv(MooncakeLibEnv)
-	}
+	path := orEnv(cfg.MooncakeLib, MooncakeLibEnv, "")
 	if path == "" {
 		return nil, fmt.Errorf("%w: mooncake: no library path (set Config.MooncakeLib or %s to libtransfer_engine.so; see docs/transfer-engine.md)", ErrUnavailable, MooncakeLibEnv)
 	}
@@ -156,14 +171,9 @@ func newMooncake(_ context.Context, cfg Config) (Engine, error) {
 	if err != nil {
 		return nil, err
 	}
-	metadata := cfg.MooncakeMetadata
-	if metadata == "" {
-		metadata = "P2PHANDSHAKE"
-	}
-	proto := cfg.MooncakeProtocol
-	if proto == "" {
-		proto = "tcp"
-	}
+	metadata := orEnv(cfg.MooncakeMetadata, MooncakeMetadataEnv, "P2PHANDSHAKE")
+	proto := orEnv(cfg.MooncakeProtocol, MooncakeProtocolEnv, "rdma")
+	devices := orEnv(cfg.MooncakeDevices, MooncakeDevicesEnv, "")
 	listen := cfg.ListenAddr
 	if listen == "" {
 		listen = "127.0.0.1:0"
@@ -184,8 +194,8 @@ func newMooncake(_ context.Context, cfg Config) (Engine, error) {
 	// installTransport reads args[0] (an optional NIC priority matrix JSON) and args[1].
 	args := new([2]unsafe.Pointer)
 	var matrix []byte
-	if cfg.MooncakeDevices != "" {
-		matrix = append([]byte(cfg.MooncakeDevices), 0)
+	if devices != "" {
+		matrix = append([]byte(devices), 0)
 		args[0] = unsafe.Pointer(&matrix[0])
 	}
 	tr := api.installTransport(eng, proto, unsafe.Pointer(args))
