@@ -3,16 +3,13 @@ module github.com/kvcentric/kvcentric/sidecar-prefill
 go 1.26.8
 
 require (
-	github.com/bufbuild/protocompile v0.14.1
-	github.com/ebitengine/purego v0.11.3
-	github.com/grpc-ecosystem/go-grpc-middleware/v2 v2.3.4
-	github.com/prometheus/client_golang v1.25.0
+	github.com/ebitengine/purego v0.11.3 // indirect
+	github.com/grpc-ecosystem/go-grpc-middleware/v2 v2.3.4 // indirect
+	github.com/prometheus/client_golang v1.25.0 // indirect
 	github.com/rs/zerolog v1.35.1
-	go.etcd.io/etcd/client/v3 v3.7.3
-	go.etcd.io/etcd/server/v3 v3.7.3
-	golang.org/x/sync v0.25.0
+	golang.org/x/sync v0.25.0 // indirect
 	google.golang.org/grpc v1.85.0
-	google.golang.org/protobuf v1.36.12
+	google.golang.org/protobuf v1.36.12 // indirect
 )
 
 require github.com/kvcentric/kvcentric/proto v0.0.0-00010101000000-000000000000
@@ -20,5 +17,20 @@ require github.com/kvcentric/kvcentric/proto v0.0.0-00010101000000-000000000000
 replace github.com/kvcentric/kvcentric/proto => ../proto
 
 require github.com/kvcentric/kvcentric/pkg v0.0.0-00010101000000-000000000000
+
+require (
+	github.com/beorn7/perks v1.0.1 // indirect
+	github.com/cespare/xxhash/v2 v2.3.0 // indirect
+	github.com/mattn/go-colorable v0.1.14 // indirect
+	github.com/mattn/go-isatty v0.0.20 // indirect
+	github.com/munnerz/goautoneg v0.0.0-20191010083416-a7dc8b61c822 // indirect
+	github.com/prometheus/client_model v0.6.3 // indirect
+	github.com/prometheus/common v0.72.0 // indirect
+	github.com/prometheus/procfs v0.22.0 // indirect
+	golang.org/x/net v0.61.0 // indirect
+	golang.org/x/sys v0.49.0 // indirect
+	golang.org/x/text v0.43.0 // indirect
+	google.golang.org/genproto/googleapis/rpc v0.0.0-20260817212433-ac3dfec99bb1 // indirect
+)
 
 replace github.com/kvcentric/kvcentric/pkg => ../pkg

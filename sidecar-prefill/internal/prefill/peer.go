@@ -127,6 +127,9 @@ func (s *Sidecar) OfferReceive(_ context.Context, req *kvcv1.OfferReceiveRequest
 		return nil, status.Error(codes.InvalidArgument, err.Error())
 	}
 	r := s.room(req.GetRoom())
+	if r == nil {
+		return nil, status.Errorf(codes.AlreadyExists, "room %d was already served", req.GetRoom())
+	}
 	s.mu.Lock()
 	if r.offer != nil {
 		s.mu.Unlock()
@@ -152,6 +155,7 @@ func (s *Sidecar) reseed(r *room) {
 	if s.rooms[r.id] == r {
 		delete(s.rooms, r.id)
 	}
+	s.finished[r.id] = time.Now()
 	pinned := r.pinned
 	r.pinned = false
 	st, arena := s.st, s.arena
@@ -286,6 +290,9 @@ func (s *Sidecar) pushSnapshot(c *kvcv1.PushSnapshotCommand) error {
 	}
 	st := s.Store()
 	r := s.room(c.GetRoom())
+	if r == nil {
+		return nil // the decode side's offer came first and the room is already served
+	}
 	s.mu.Lock()
 	r.push = c
 	started := r.offer != nil

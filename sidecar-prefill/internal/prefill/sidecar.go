@@ -57,13 +57,14 @@ type Sidecar struct {
 	registered chan struct{}
 	regOnce    sync.Once
 
-	mu      sync.Mutex
-	pool    *agent.Pool // the worker's pool
-	arena   *agent.Pool // the store's memory
-	st      *store.Store
-	rooms   map[int64]*room
-	policy  *kvcv1.Policy
-	ingests map[uint64]ingest
+	mu       sync.Mutex
+	pool     *agent.Pool // the worker's pool
+	arena    *agent.Pool // the store's memory
+	st       *store.Store
+	rooms    map[int64]*room
+	finished map[int64]time.Time // rooms already served (kept RoomTimeout): a late other half is recognised
+	policy   *kvcv1.Policy
+	ingests  map[uint64]ingest
 
 	wg sync.WaitGroup // background writes
 }
@@ -92,7 +93,7 @@ func New(cfg Config, eng rdma.Engine, ev *agent.EventLog, log zerolog.Logger) *S
 		cfg.TransferLimit = 120 * time.Second
 	}
 	return &Sidecar{cfg: cfg, log: log, ev: ev, eng: eng, segs: agent.NewSegments(eng), peers: agent.NewPeers(),
-		rep: nopReporter{}, registered: make(chan struct{}), rooms: map[int64]*room{}}
+		rep: nopReporter{}, registered: make(chan struct{}), rooms: map[int64]*room{}, finished: map[int64]time.Time{}}
 }
 
 // SetReporter sets where session events go (the control-plane loop).
@@ -142,6 +143,11 @@ func (s *Sidecar) expire(now time.Time) {
 	}
 	var stale []*room
 	s.mu.Lock()
+	for id, at := range s.finished {
+		if now.Sub(at) > s.cfg.RoomTimeout {
+			delete(s.finished, id)
+		}
+	}
 	for id, r := range s.rooms {
 		if now.Sub(r.created) > s.cfg.RoomTimeout {
 			delete(s.rooms, id)
@@ -275,6 +281,9 @@ func (s *Sidecar) SendKV(ctx context.Context, req *kvcv1.SendKVRequest) (*kvcv1.
 		return nil, err
 	}
 	r := s.room(req.GetRoom())
+	if r == nil {
+		return nil, status.Errorf(codes.FailedPrecondition, "room %d is already finished", req.GetRoom())
+	}
 	wait := s.cfg.RoomTimeout
 	t := time.NewTimer(wait)
 	defer t.Stop()
@@ -338,10 +347,13 @@ func (s *Sidecar) SendKV(ctx context.Context, req *kvcv1.SendKVRequest) (*kvcv1.
 	return &kvcv1.SendKVResponse{Bytes: int64(moved)}, nil
 }
 
-// room returns (creating) the room.
+// room returns (creating) the room; nil when the room was already served.
 func (s *Sidecar) room(id int64) *room {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if _, done := s.finished[id]; done {
+		return nil
+	}
 	r, ok := s.rooms[id]
 	if !ok {
 		r = &room{id: id, created: time.Now(), offerCh: make(chan struct{})}
@@ -356,6 +368,7 @@ func (s *Sidecar) finish(r *room, ok bool, reason string) {
 	if s.rooms[r.id] == r {
 		delete(s.rooms, r.id)
 	}
+	s.finished[r.id] = time.Now()
 	s.mu.Unlock()
 	s.done(r.offer, ok, r.bytes, reason)
 }
