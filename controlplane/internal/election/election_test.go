@@ -1,0 +1,124 @@
+package election
+
+import (
+	"context"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/rs/zerolog"
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/kvcentric/kvcentric/pkg/etcdtest"
+	"github.com/kvcentric/kvcentric/pkg/kvstore"
+)
+
+type replica struct {
+	el     *Elector
+	terms  chan kvstore.Fence // a term started (after serving)
+	ended  chan kvstore.Fence // a term ended
+	cancel context.CancelFunc
+	done   chan struct{}
+}
+
+func startReplica(t *testing.T, cli *clientv3.Client, id string) *replica {
+	t.Helper()
+	el, err := New(Config{Client: cli, Prefix: "/e/leader/", NodeID: id, Addr: id + ":7400", TTL: 2 * time.Second, Log: zerolog.Nop()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	r := &replica{el: el, terms: make(chan kvstore.Fence, 8), ended: make(chan kvstore.Fence, 8), cancel: cancel, done: make(chan struct{})}
+	go func() { _ = el.Observe(ctx) }()
+	go func() {
+		defer close(r.done)
+		_ = el.Run(ctx, func(lctx context.Context, f kvstore.Fence, serving func()) error {
+			serving()
+			r.terms <- f
+			<-lctx.Done()
+			r.ended <- f
+			return nil
+		})
+	}()
+	t.Cleanup(func() { cancel(); <-r.done })
+	return r
+}
+
+func recv(t *testing.T, ch chan kvstore.Fence, what string) kvstore.Fence {
+	t.Helper()
+	select {
+	case f := <-ch:
+		return f
+	case <-time.After(15 * time.Second):
+		t.Fatalf("timed out waiting for %s", what)
+	}
+	return kvstore.Fence{}
+}
+
+func TestElection(t *testing.T) {
+	c := etcdtest.Start(t)
+	cli := c.Client(t)
+	a := startReplica(t, cli, "a")
+	fa := recv(t, a.terms, "a leads")
+	if !a.el.IsLeader() {
+		t.Fatal("a not leader after serving")
+	}
+	b := startReplica(t, cli, "b")
+	var seen atomic.Bool
+	deadline := time.Now().Add(10 * time.Second)
+	for !seen.Load() && time.Now().Before(deadline) {
+		l, ok := b.el.Current()
+		seen.Store(ok && l.NodeID == "a" && l.Addr == "a:7400" && l.Epoch == fa.Rev)
+		time.Sleep(10 * time.Millisecond) // polling a condition with a deadline
+	}
+	if !seen.Load() || b.el.IsLeader() {
+		t.Fatal("standby does not observe a as leader")
+	}
+	if h := b.el.Hint(); h.GetLeaderAddr() != "a:7400" || h.GetEpoch() != fa.Rev {
+		t.Fatalf("hint %v", h)
+	}
+
+	// Step down: a resigns, b takes over with a higher epoch.
+	a.el.StepDown("test")
+	recv(t, a.ended, "a's term ends")
+	fb := recv(t, b.terms, "b leads")
+	if fb.Rev <= fa.Rev || a.el.IsLeader() {
+		t.Fatalf("epochs a %d b %d", fa.Rev, fb.Rev)
+	}
+
+	// Session loss: revoke b's lease behind its back; its term must end, and a replica leads
+	// again with a higher epoch (b may win again: a waits one TTL after stepping down).
+	resp, err := cli.Get(t.Context(), fb.Key)
+	if err != nil || len(resp.Kvs) != 1 {
+		t.Fatal(err)
+	}
+	if _, err := cli.Revoke(t.Context(), clientv3.LeaseID(resp.Kvs[0].Lease)); err != nil {
+		t.Fatal(err)
+	}
+	recv(t, b.ended, "b's term ends after session loss")
+	var next kvstore.Fence
+	select {
+	case next = <-a.terms:
+	case next = <-b.terms:
+	case <-time.After(15 * time.Second):
+		t.Fatal("no leader after b's session was lost")
+	}
+	if next.Rev <= fb.Rev || next.Key == fb.Key {
+		t.Fatalf("epoch did not grow: %d <= %d", next.Rev, fb.Rev)
+	}
+}
+
+func TestNewValidates(t *testing.T) {
+	c := etcdtest.Start(t)
+	cli := c.Client(t)
+	for _, cfg := range []Config{
+		{Prefix: "/p/", NodeID: "a", TTL: 2 * time.Second},
+		{Client: cli, NodeID: "a", TTL: 2 * time.Second},
+		{Client: cli, Prefix: "/p/", TTL: 2 * time.Second},
+		{Client: cli, Prefix: "/p/", NodeID: "a", TTL: 100 * time.Millisecond},
+	} {
+		if _, err := New(cfg); err == nil {
+			t.Errorf("config %+v accepted", cfg)
+		}
+	}
+}
