@@ -112,6 +112,10 @@ func BenchmarkTransfer(b *testing.B) {
 		tokenBytes: uint64(benchEnvInt("KVC_BENCH_TOKEN_BYTES", 128)),
 	}
 	reps := int(benchEnvInt("KVC_BENCH_REPS", 3))
+	backend := os.Getenv("KVC_BENCH_BACKEND") // tcp by default; mooncake needs KVC_MOONCAKE_LIB
+	if backend == "" {
+		backend = "tcp"
+	}
 	conns := int(benchEnvInt("KVC_BENCH_CONNS", 4))
 	rdma.SetSendTuning(int(benchEnvInt("KVC_BENCH_SEND_ARENA", 0)), int(benchEnvInt("KVC_BENCH_SEND_INLINE", 0)))
 	sessionPages := (s.tokens + int64(s.pageSize) - 1) / int64(s.pageSize)
@@ -125,22 +129,22 @@ func BenchmarkTransfer(b *testing.B) {
 	}
 
 	ctx := context.Background()
-	sender, err := rdma.New(ctx, rdma.Config{Backend: "tcp", ListenAddr: "127.0.0.1:0", Conns: conns, Layout: &srcL})
+	sender, err := rdma.New(ctx, rdma.Config{Backend: backend, ListenAddr: "127.0.0.1:0", Conns: conns, Layout: &srcL, MooncakeProtocol: "tcp"})
 	if err != nil {
 		b.Fatal(err)
 	}
 	defer sender.Close()
-	owner, err := rdma.New(ctx, rdma.Config{Backend: "tcp", ListenAddr: "127.0.0.1:0", Conns: conns, Layout: &dstL})
+	owner, err := rdma.New(ctx, rdma.Config{Backend: backend, ListenAddr: "127.0.0.1:0", Conns: conns, Layout: &dstL, MooncakeProtocol: "tcp"})
 	if err != nil {
 		b.Fatal(err)
 	}
 	defer owner.Close()
-	for _, reg := range srcL.Regions(rdma.MemHost, "cpu") {
+	for _, reg := range srcL.Regions(rdma.MemHost, "cpu:0") {
 		if err := sender.RegisterMemory(reg); err != nil {
 			b.Fatal(err)
 		}
 	}
-	for _, reg := range dstL.Regions(rdma.MemHost, "cpu") {
+	for _, reg := range dstL.Regions(rdma.MemHost, "cpu:0") {
 		if err := owner.RegisterMemory(reg); err != nil {
 			b.Fatal(err)
 		}
@@ -192,8 +196,8 @@ func BenchmarkTransfer(b *testing.B) {
 		b.Fatalf("verification: %d (token, buffer) slots wrong, %v", bad, err)
 	}
 	gbps := func(d time.Duration) float64 { return float64(total) / d.Seconds() / 1e9 }
-	fmt.Printf("session: %d tokens, %d layers x K,V, page size %d, %d bytes per token per buffer (scaled from 1024), %d bytes, every byte verified; tcp with %d connections, best of %d\n",
-		s.tokens, s.layers, s.pageSize, s.tokenBytes, total, conns, reps)
+	fmt.Printf("session: %d tokens, %d layers x K,V, page size %d, %d bytes per token per buffer (scaled from 1024), %d bytes, every byte verified; %s backend (%d connections for tcp), best of %d\n",
+		s.tokens, s.layers, s.pageSize, s.tokenBytes, total, backend, conns, reps)
 	fmt.Printf("requests: %d after merging vs %d before (%d runs per buffer, %d buffers)\n", st.Merged, st.Unmerged, st.Runs, srcL.NumBuffers())
-	fmt.Printf("transfer: tcp %.2f GB/s vs raw socket %.2f GB/s = %.2f\n", gbps(best), gbps(bestRaw), bestRaw.Seconds()/best.Seconds())
+	fmt.Printf("transfer: %s %.2f GB/s vs raw socket %.2f GB/s = %.2f\n", backend, gbps(best), gbps(bestRaw), bestRaw.Seconds()/best.Seconds())
 }

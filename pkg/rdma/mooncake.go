@@ -441,32 +441,41 @@ func (e *mooncakeEngine) Status(id BatchID, i int) (TaskStatus, error) {
 }
 
 // Wait polls task status (the C API has no completion notification), backing off from 20µs to
-// 1ms between rounds.
+// 1ms between rounds. Each round resumes at the first unfinished task and stops at the next one
+// still running, so a large batch costs one status call per finished task plus one per round.
 func (e *mooncakeEngine) Wait(ctx context.Context, id BatchID) ([]TaskStatus, error) {
 	b, err := e.batch(id)
 	if err != nil {
 		return nil, err
 	}
+	e.mu.Lock()
+	n := len(b.tasks)
+	e.mu.Unlock()
+	out := make([]TaskStatus, n)
+	lo := 0
 	pause := 20 * time.Microsecond
 	for {
-		e.mu.Lock()
-		n := len(b.tasks)
-		e.mu.Unlock()
-		out := make([]TaskStatus, n)
-		all := true
-		for i := range out {
-			if out[i], err = e.Status(id, i); err != nil {
+		for lo < n {
+			st, err := e.Status(id, lo)
+			if err != nil {
 				return nil, err
 			}
-			all = all && out[i].State.Done()
+			out[lo] = st
+			if !st.State.Done() {
+				break
+			}
+			lo++
 		}
-		if all {
+		if lo == n {
 			return out, nil
 		}
 		t := time.NewTimer(pause)
 		select {
 		case <-ctx.Done():
 			t.Stop()
+			for i := lo + 1; i < n; i++ {
+				out[i], _ = e.Status(id, i)
+			}
 			return out, ctx.Err()
 		case <-t.C:
 		}
