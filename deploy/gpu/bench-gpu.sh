@@ -9,7 +9,7 @@
 # Output goes to stdout and to $OUT (default out/gpu): gpu-tests.txt, gpu-bench.txt. The last
 # line of the benchmark is "gpu: push … GB/s, reseed … GB/s, peer-copy baseline … GB/s, ratio …".
 # Benchmark knobs (environment): KVC_GPU_BENCH_TOKENS (50000), KVC_GPU_BENCH_REPS (5),
-# KVC_GPU_BENCH_SWEEP ("chunk:block:group:copy,…", the first is the reported configuration).
+# KVC_GPU_BENCH_SWEEP ("chunk:block:group:copy[:workers],…", the first is the reported configuration).
 set -euo pipefail
 T=${KVC_GPU_TEST_BIN:-bin/gpu/rdma.test}
 OUT=${OUT:-out/gpu}

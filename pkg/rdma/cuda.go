@@ -6,11 +6,15 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"runtime"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
 	"unsafe"
+
+	"golang.org/x/sync/errgroup"
 
 	"github.com/kvcentric/kvcentric/pkg/rdma/internal/cuda"
 )
@@ -52,6 +56,9 @@ type CUDAOptions struct {
 	// are uploaded and launched in groups of this size so that building the next group
 	// overlaps copying the previous one. Default 16384.
 	GroupDescs int
+	// Workers is the number of goroutines that build the descriptors of one submission, each
+	// over a contiguous shard of at least 8,192 requests. Default min(8, GOMAXPROCS).
+	Workers int
 }
 
 func (o *CUDAOptions) defaults() error {
@@ -64,6 +71,9 @@ func (o *CUDAOptions) defaults() error {
 	if o.GroupDescs == 0 {
 		o.GroupDescs = 1 << 14
 	}
+	if o.Workers == 0 {
+		o.Workers = min(8, runtime.GOMAXPROCS(0))
+	}
 	switch {
 	case o.ChunkBytes%16 != 0:
 		return fmt.Errorf("%w: cuda chunk bytes %d not a multiple of 16", ErrInvalidRequest, o.ChunkBytes)
@@ -71,6 +81,8 @@ func (o *CUDAOptions) defaults() error {
 		return fmt.Errorf("%w: cuda block threads %d", ErrInvalidRequest, o.BlockThreads)
 	case o.GroupDescs < 1:
 		return fmt.Errorf("%w: cuda group descriptors %d", ErrInvalidRequest, o.GroupDescs)
+	case o.Workers < 1:
+		return fmt.Errorf("%w: cuda workers %d", ErrInvalidRequest, o.Workers)
 	case o.Copy != CUDACopyKernel && o.Copy != CUDACopyMemcpy:
 		return fmt.Errorf("%w: cuda copy mode %d", ErrInvalidRequest, o.Copy)
 	}
@@ -100,6 +112,9 @@ type CUDAEngine struct {
 	// on a device being shut down.
 	subMu sync.RWMutex
 	shut  atomic.Bool
+
+	testSink cudaSink // tests of the submission logic only; nil: the GPU
+	shardMin int      // tests only; 0: cudaShardMin
 
 	mu        sync.RWMutex
 	local     cudaSpans
@@ -166,12 +181,13 @@ type cudaGroup struct {
 }
 
 type cudaBatch struct {
-	mu       sync.Mutex
+	mu       sync.Mutex // held by Submit for the whole call and by every reader
 	cap      int
 	lens     []uint64
-	group    []int32 // index into groups of the task's last copy; -1: failed at submission
-	errs     map[int]error
-	groups   []*cudaGroup
+	group    []int32 // index into groups of the task's last copy; <0: failed (cudaTaskFailed)
+	gmu      sync.Mutex
+	errs     map[int]error // under gmu while a Submit's shards run
+	groups   []*cudaGroup  // under gmu while a Submit's shards run
 	canceled map[int32]bool
 }
 
@@ -717,16 +733,84 @@ func (e *CUDAEngine) batch(id BatchID) (*cudaBatch, error) {
 	return b, nil
 }
 
-// builder accumulates the descriptors of one device for one submission.
-type cudaBuilder struct {
-	d     *cudaDev
-	buf   *cudaDescBuf
-	tasks []int // tasks whose last descriptor is in buf
+// cudaSink runs groups of copy descriptors in order, like one CUDA stream. The engine's sink is
+// the GPU (cudaGPUSink); tests of the submission logic use a host sink.
+type cudaSink interface {
+	// buffer returns an empty descriptor buffer with room for n descriptors.
+	buffer(n int) (*cudaDescBuf, error)
+	// release returns a buffer that was not run.
+	release(buf *cudaDescBuf)
+	// run starts the copies of buf (nil: none) and returns a group that completes after them
+	// and after everything run before. On error the sink keeps buf.
+	run(buf *cudaDescBuf) (*cudaGroup, error)
 }
+
+// cudaGPUSink runs descriptors with the copy kernel (or per-descriptor memcpy) on one device.
+type cudaGPUSink struct {
+	e *CUDAEngine
+	d *cudaDev
+}
+
+func (s cudaGPUSink) buffer(n int) (*cudaDescBuf, error) { return s.d.getBuf(n) }
+func (s cudaGPUSink) release(buf *cudaDescBuf)           { s.d.putBuf(buf) }
+func (s cudaGPUSink) run(buf *cudaDescBuf) (*cudaGroup, error) {
+	if buf == nil {
+		return s.e.record(s.d, nil)
+	}
+	g, err := s.e.launch(s.d, buf)
+	if err != nil {
+		s.d.putBuf(buf)
+	}
+	return g, err
+}
+
+func (e *CUDAEngine) sink() (cudaSink, error) {
+	if e.testSink != nil {
+		return e.testSink, nil
+	}
+	d, err := e.device(e.defDev)
+	if err != nil {
+		return nil, err
+	}
+	return cudaGPUSink{e: e, d: d}, nil
+}
+
+// Task group markers (cudaBatch.group values below zero).
+const (
+	cudaTaskFailed     int32 = -1
+	cudaTaskUnassigned int32 = -2
+)
+
+func (b *cudaBatch) fail(t int, err error) {
+	b.group[t] = cudaTaskFailed
+	b.gmu.Lock()
+	b.errs[t] = err
+	b.gmu.Unlock()
+}
+
+func (b *cudaBatch) addGroup(g *cudaGroup) int32 {
+	b.gmu.Lock()
+	defer b.gmu.Unlock()
+	b.groups = append(b.groups, g)
+	return int32(len(b.groups) - 1)
+}
+
+// shards is the number of goroutines that build the descriptors of n requests.
+func (e *CUDAEngine) shards(n int) int {
+	per := e.shardMin
+	if per <= 0 {
+		per = cudaShardMin
+	}
+	return max(1, min(e.opt.Workers, (n+per-1)/per))
+}
+
+// cudaShardMin is the fewest requests worth a descriptor-building goroutine of their own.
+const cudaShardMin = 8192
 
 // Submit implements Engine. Every request is bounds-checked against the local regions and the
 // peer's advertised regions before any byte moves; refused requests fail as tasks. The rest
-// are turned into copy descriptors and launched in groups, each followed by an event.
+// are turned into copy descriptors — by up to Workers goroutines, each over a contiguous shard
+// of the requests — and run in groups, each followed by an event.
 func (e *CUDAEngine) Submit(ctx context.Context, id BatchID, reqs []Request) error {
 	if err := ctx.Err(); err != nil {
 		return err
@@ -747,10 +831,14 @@ func (e *CUDAEngine) Submit(ctx context.Context, id BatchID, reqs []Request) err
 	}
 	e.mu.RLock()
 	local := e.local
-	peers := e.peers
 	var segs map[SegmentID]*cudaPeer
+	var last SegmentID = -1
 	for _, r := range reqs { // snapshot the peers this submission uses
-		if p, ok := peers[r.Target]; ok {
+		if r.Target == last {
+			continue
+		}
+		last = r.Target
+		if p, ok := e.peers[r.Target]; ok {
 			if segs == nil {
 				segs = map[SegmentID]*cudaPeer{}
 			}
@@ -759,19 +847,96 @@ func (e *CUDAEngine) Submit(ctx context.Context, id BatchID, reqs []Request) err
 	}
 	e.mu.RUnlock()
 
-	builders := map[int]*cudaBuilder{}
-	var last *cudaBuilder
-	var peersOK [3]int // last (dev, srcDev, dstDev) whose peer access is known good
-	peersOKSet := false
+	// The task slots are sized here and filled by the shards (each owns its range).
+	base := len(b.lens)
+	b.lens = slices.Grow(b.lens, len(reqs))[:base+len(reqs)]
+	b.group = slices.Grow(b.group, len(reqs))[:base+len(reqs)]
+	sink, err := e.sink()
+	if err != nil {
+		for i, r := range reqs {
+			b.lens[base+i] = r.Length
+			b.fail(base+i, err)
+		}
+		return err
+	}
+	n := len(reqs)
+	shards := e.shards(n)
+	if shards == 1 {
+		return e.submitShard(b, sink, reqs, base, local, segs)
+	}
+	size := (n + shards - 1) / shards
+	var g errgroup.Group
+	for lo := 0; lo < n; lo += size {
+		hi := min(n, lo+size)
+		g.Go(func() error { return e.submitShard(b, sink, reqs[lo:hi], base+lo, local, segs) })
+	}
+	return g.Wait()
+}
+
+// submitShard routes reqs (tasks base, base+1, …), fills descriptor buffers and runs each
+// full one. A task is attached to the group holding its last descriptor: groups run in order,
+// so that group's completion means all of the task's bytes have moved.
+func (e *CUDAEngine) submitShard(b *cudaBatch, sink cudaSink, reqs []Request, base int, local cudaSpans, segs map[SegmentID]*cudaPeer) error {
+	chunk, groupN := e.opt.ChunkBytes, e.opt.GroupDescs
+	end := base + len(reqs)
+	var buf *cudaDescBuf
+	pend := base // first task not yet attached to a group
+	// flush runs buf (or, with no descriptors but tasks waiting, an empty group) and attaches
+	// tasks [pend, upto) to it.
+	flush := func(upto int) error {
+		waiting := false
+		for t := pend; t < upto && !waiting; t++ {
+			waiting = b.group[t] != cudaTaskFailed
+		}
+		if buf != nil && len(buf.descs) == 0 {
+			sink.release(buf)
+			buf = nil
+		}
+		if buf == nil && !waiting {
+			pend = upto
+			return nil
+		}
+		g, err := sink.run(buf)
+		buf = nil
+		if err != nil {
+			return err
+		}
+		gi := b.addGroup(g)
+		for t := pend; t < upto; t++ {
+			if b.group[t] != cudaTaskFailed {
+				b.group[t] = gi
+			}
+		}
+		pend = upto
+		return nil
+	}
+	cur := base - 1 // last task whose slot is filled
+	abort := func(err error) error {
+		if buf != nil {
+			sink.release(buf)
+			buf = nil
+		}
+		for t := pend; t < end; t++ {
+			if t > cur {
+				b.lens[t] = reqs[t-base].Length
+			} else if b.group[t] == cudaTaskFailed {
+				continue // keeps its own reason
+			}
+			b.fail(t, err)
+		}
+		return err
+	}
+
 	var lastSeg SegmentID = -1
 	var remote cudaSpans
 	var segErr error
 	lh, rh := -1, -1
-	base := len(b.lens)
-	for i, r := range reqs {
+	var peersOK [3]int
+	peersOKSet := false
+	for i := range reqs {
 		t := base + i
-		b.lens = append(b.lens, r.Length)
-		b.group = append(b.group, -1)
+		r := &reqs[i]
+		b.lens[t], b.group[t], cur = r.Length, cudaTaskUnassigned, t
 		if r.Target != lastSeg {
 			lastSeg, rh, segErr = r.Target, -1, nil
 			p, ok := segs[r.Target]
@@ -785,7 +950,7 @@ func (e *CUDAEngine) Submit(ctx context.Context, id BatchID, reqs []Request) err
 			}
 		}
 		if segErr != nil {
-			b.errs[t] = segErr
+			b.fail(t, segErr)
 			continue
 		}
 		rt, err := cudaRouteRequest(r, local, remote, e.defDev, &lh, &rh)
@@ -798,109 +963,30 @@ func (e *CUDAEngine) Submit(ctx context.Context, id BatchID, reqs []Request) err
 			}
 		}
 		if err != nil {
-			b.errs[t] = err
+			b.fail(t, err)
 			continue
 		}
-		bd := last
-		if bd == nil || bd.d.ord != rt.dev {
-			bd = builders[rt.dev]
+		step := chunk
+		if e.opt.Copy == CUDACopyMemcpy {
+			step = rt.n
 		}
-		if bd == nil {
-			d, err := e.device(rt.dev)
-			if err != nil {
-				b.errs[t] = err
-				continue
+		for off := uint64(0); off < rt.n; off += step {
+			if buf == nil {
+				if buf, err = sink.buffer(groupN); err != nil {
+					buf = nil
+					return abort(err)
+				}
 			}
-			bd = &cudaBuilder{d: d}
-			builders[rt.dev] = bd
-		}
-		last = bd
-		if err := e.add(b, bd, rt); err != nil {
-			b.errs[t] = err
-			continue
-		}
-		bd.tasks = append(bd.tasks, t)
-	}
-	var firstErr error
-	for _, bd := range builders {
-		if err := e.flush(b, bd); err != nil && firstErr == nil {
-			firstErr = err
-		}
-	}
-	return firstErr
-}
-
-// add appends the descriptors of one route, launching full groups on the way.
-func (e *CUDAEngine) add(b *cudaBatch, bd *cudaBuilder, rt cudaRoute) error {
-	chunk := e.opt.ChunkBytes
-	if e.opt.Copy == CUDACopyMemcpy {
-		chunk = rt.n
-	}
-	for off := uint64(0); off < rt.n; off += chunk {
-		if bd.buf == nil {
-			buf, err := bd.d.getBuf(e.opt.GroupDescs)
-			if err != nil {
-				return err
-			}
-			bd.buf = buf
-		}
-		bd.buf.descs = append(bd.buf.descs, cudaDesc{src: rt.src + off, dst: rt.dst + off, n: min(chunk, rt.n-off)})
-		if len(bd.buf.descs) == e.opt.GroupDescs {
-			if err := e.flush(b, bd); err != nil {
-				return err
+			buf.descs = append(buf.descs, cudaDesc{src: rt.src + off, dst: rt.dst + off, n: min(step, rt.n-off)})
+			if len(buf.descs) == groupN {
+				if err := flush(t); err != nil {
+					return abort(err)
+				}
 			}
 		}
 	}
-	return nil
-}
-
-// flush launches the builder's descriptors as one group and assigns it to the tasks whose last
-// descriptor it holds. On a launch error those tasks fail.
-func (e *CUDAEngine) flush(b *cudaBatch, bd *cudaBuilder) error {
-	buf := bd.buf
-	bd.buf = nil
-	tasks := bd.tasks
-	bd.tasks = nil
-	if buf == nil || len(buf.descs) == 0 {
-		if buf != nil {
-			bd.d.putBuf(buf)
-		}
-		if len(tasks) == 0 {
-			return nil
-		}
-		// Tasks whose descriptors all went out in an earlier group of this submission.
-		return e.finishTasks(b, bd, tasks)
-	}
-	g, err := e.launch(bd.d, buf)
-	if err != nil {
-		bd.d.putBuf(buf)
-		for _, t := range tasks {
-			b.errs[t] = err
-		}
-		return err
-	}
-	b.groups = append(b.groups, g)
-	gi := int32(len(b.groups) - 1)
-	for _, t := range tasks {
-		b.group[t] = gi
-	}
-	return nil
-}
-
-// finishTasks attaches tasks to an empty group that completes after everything queued before
-// it on the device's stream.
-func (e *CUDAEngine) finishTasks(b *cudaBatch, bd *cudaBuilder, tasks []int) error {
-	g, err := e.record(bd.d, nil)
-	if err != nil {
-		for _, t := range tasks {
-			b.errs[t] = err
-		}
-		return err
-	}
-	b.groups = append(b.groups, g)
-	gi := int32(len(b.groups) - 1)
-	for _, t := range tasks {
-		b.group[t] = gi
+	if err := flush(end); err != nil {
+		return abort(err)
 	}
 	return nil
 }
@@ -943,7 +1029,11 @@ func (e *CUDAEngine) record(d *cudaDev, buf *cudaDescBuf) (*cudaGroup, error) {
 func (b *cudaBatch) status(t int) TaskStatus {
 	gi := b.group[t]
 	if gi < 0 {
-		return TaskStatus{State: TaskFailed, Err: b.errs[t]}
+		err := b.errs[t]
+		if err == nil {
+			err = fmt.Errorf("%w: not submitted", ErrInvalidRequest)
+		}
+		return TaskStatus{State: TaskFailed, Err: err}
 	}
 	g := b.groups[gi]
 	select {
@@ -999,11 +1089,50 @@ func (e *CUDAEngine) Wait(ctx context.Context, id BatchID) ([]TaskStatus, error)
 	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
+	return b.statuses(), werr
+}
+
+// statuses is status for every task, looking at each group once.
+func (b *cudaBatch) statuses() []TaskStatus {
+	const (
+		pending = iota
+		completed
+		failed
+		canceled
+	)
+	gs := make([]uint8, len(b.groups))
+	for i, g := range b.groups {
+		select {
+		case <-g.done:
+			gs[i] = completed
+			if g.err != nil {
+				gs[i] = failed
+			}
+		default:
+		}
+		if b.canceled[int32(i)] {
+			gs[i] = canceled
+		}
+	}
 	out := make([]TaskStatus, len(b.lens))
 	for t := range out {
-		out[t] = b.status(t)
+		gi := b.group[t]
+		if gi < 0 {
+			out[t] = b.status(t)
+			continue
+		}
+		switch gs[gi] {
+		case completed:
+			out[t] = TaskStatus{State: TaskCompleted, BytesDone: b.lens[t]}
+		case failed:
+			out[t] = TaskStatus{State: TaskFailed, Err: b.groups[gi].err}
+		case canceled:
+			out[t] = TaskStatus{State: TaskCanceled, Err: context.Canceled}
+		default:
+			out[t] = TaskStatus{State: TaskPending}
+		}
 	}
-	return out, werr
+	return out
 }
 
 // Cancel implements Engine. Copies already launched cannot be stopped: their tasks report

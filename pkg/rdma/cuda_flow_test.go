@@ -201,7 +201,7 @@ func cudaDSidecarMain(s cudaShape) error {
 	sc := bufio.NewScanner(os.Stdin)
 	for sc.Scan() {
 		f := strings.Fields(sc.Text())
-		if len(f) != 7 || f[0] != "push" {
+		if len(f) != 8 || f[0] != "push" {
 			return fmt.Errorf("bad command %q", sc.Text())
 		}
 		seg, ok := segs[f[1]]
@@ -247,18 +247,23 @@ func cudaDSidecarMain(s cudaShape) error {
 	return sc.Err()
 }
 
+// cudaParseOptions parses "chunk block group copy [workers]".
 func cudaParseOptions(f []string) (rdma.CUDAOptions, error) {
 	var o rdma.CUDAOptions
-	if len(f) != 4 {
+	if len(f) != 4 && len(f) != 5 {
 		return o, fmt.Errorf("options %q", f)
 	}
 	c, err1 := strconv.ParseUint(f[0], 10, 64)
 	b, err2 := strconv.Atoi(f[1])
 	g, err3 := strconv.Atoi(f[2])
-	if err1 != nil || err2 != nil || err3 != nil {
+	w, err4 := 0, error(nil)
+	if len(f) == 5 {
+		w, err4 = strconv.Atoi(f[4])
+	}
+	if err1 != nil || err2 != nil || err3 != nil || err4 != nil {
 		return o, fmt.Errorf("options %q", f)
 	}
-	o = rdma.CUDAOptions{ChunkBytes: c, BlockThreads: b, GroupDescs: g}
+	o = rdma.CUDAOptions{ChunkBytes: c, BlockThreads: b, GroupDescs: g, Workers: w}
 	if f[3] == "memcpy" {
 		o.Copy = rdma.CUDACopyMemcpy
 	}
@@ -266,7 +271,7 @@ func cudaParseOptions(f []string) (rdma.CUDAOptions, error) {
 }
 
 func cudaArgs(o rdma.CUDAOptions) string {
-	return fmt.Sprintf("%d %d %d %s", o.ChunkBytes, o.BlockThreads, o.GroupDescs, o.Copy)
+	return fmt.Sprintf("%d %d %d %s %d", o.ChunkBytes, o.BlockThreads, o.GroupDescs, o.Copy, o.Workers)
 }
 
 // cudaTimeBatches runs reqs as one batch reps+1 times (the first is a warm-up: kernel JIT,
@@ -602,8 +607,8 @@ func runCUDAFlow(t *testing.T, s cudaShape, reps int, sweep []rdma.CUDAOptions) 
 		if i == 0 {
 			res.push = d
 		}
-		res.sweep = append(res.sweep, fmt.Sprintf("push   chunk=%-6d block=%-4d group=%-6d copy=%-6s %7.1f GB/s (median of %d, %d requests)",
-			o.ChunkBytes, o.BlockThreads, o.GroupDescs, o.Copy, gbps(n, d), reps, res.requests))
+		res.sweep = append(res.sweep, fmt.Sprintf("push   chunk=%-6d block=%-4d group=%-6d copy=%-6s workers=%-2d %7.1f GB/s (median of %d, %d requests)",
+			o.ChunkBytes, o.BlockThreads, o.GroupDescs, o.Copy, o.Workers, gbps(n, d), reps, res.requests))
 	}
 	if err := cudaVerify(s, sctx, store, false, s.pages("P"), stage, stagePtr, &res); err != nil {
 		t.Fatal(err)
@@ -659,8 +664,8 @@ func runCUDAFlow(t *testing.T, s cudaShape, reps int, sweep []rdma.CUDAOptions) 
 		if i == 0 {
 			res.reseed = d
 		}
-		res.sweep = append(res.sweep, fmt.Sprintf("reseed chunk=%-6d block=%-4d group=%-6d copy=%-6s %7.1f GB/s (median of %d, %d requests)",
-			o.ChunkBytes, o.BlockThreads, o.GroupDescs, o.Copy, gbps(n, d), reps, len(reqs)))
+		res.sweep = append(res.sweep, fmt.Sprintf("reseed chunk=%-6d block=%-4d group=%-6d copy=%-6s workers=%-2d %7.1f GB/s (median of %d, %d requests)",
+			o.ChunkBytes, o.BlockThreads, o.GroupDescs, o.Copy, o.Workers, gbps(n, d), reps, len(reqs)))
 	}
 	if err := cudaVerify(s, sctx, d2Base, false, s.pages("D2"), stage, stagePtr, &res); err != nil {
 		t.Fatal(err)
@@ -684,7 +689,7 @@ func TestCUDAFlow(t *testing.T) {
 
 // TestCUDABenchGPU is the H200 benchmark (make bench-gpu; deploy/gpu/bench-gpu.sh). Knobs:
 // KVC_GPU_BENCH=1 to run, KVC_GPU_BENCH_TOKENS (50000), KVC_GPU_BENCH_REPS (5),
-// KVC_GPU_BENCH_SWEEP ("chunk:block:group:copy,..."; the first is the reported one).
+// KVC_GPU_BENCH_SWEEP ("chunk:block:group:copy[:workers],..."; the first is the reported one).
 func TestCUDABenchGPU(t *testing.T) {
 	if os.Getenv("KVC_GPU_BENCH") != "1" {
 		t.Skip("set KVC_GPU_BENCH=1 to run the GPU benchmark")

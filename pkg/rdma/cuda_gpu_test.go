@@ -33,7 +33,7 @@ func TestCUDAUnavailableWithoutDriver(t *testing.T) {
 }
 
 func TestCUDAOptionsRejected(t *testing.T) {
-	for _, o := range []CUDAOptions{{ChunkBytes: 100}, {BlockThreads: 48}, {GroupDescs: -1}, {Copy: 7}} {
+	for _, o := range []CUDAOptions{{ChunkBytes: 100}, {BlockThreads: 48}, {GroupDescs: -1}, {Copy: 7}, {Workers: -2}} {
 		if _, err := NewCUDA(context.Background(), Config{Backend: "cuda"}, o); !errors.Is(err, ErrInvalidRequest) {
 			t.Fatalf("%+v: %v", o, err)
 		}
@@ -48,16 +48,25 @@ func TestCUDAEngineInProcess(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, mode := range []CUDACopy{CUDACopyKernel, CUDACopyMemcpy} {
-		t.Run(mode.String(), func(t *testing.T) {
-			// Small chunks and groups so that requests split over descriptors and groups.
-			opt := CUDAOptions{Copy: mode, ChunkBytes: 1024, GroupDescs: 7}
-			testCUDAEngines(t, drv, 0, n-1, opt)
+	// Small chunks, groups and shards so that requests split over descriptors, groups and
+	// descriptor-building goroutines.
+	tests := []struct {
+		name     string
+		opt      CUDAOptions
+		shardMin int
+	}{
+		{"kernel", CUDAOptions{ChunkBytes: 1024, GroupDescs: 7, Workers: 1}, 0},
+		{"kernel sharded", CUDAOptions{ChunkBytes: 1024, GroupDescs: 7, Workers: 4}, 16},
+		{"memcpy", CUDAOptions{Copy: CUDACopyMemcpy, GroupDescs: 7, Workers: 2}, 16},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			testCUDAEngines(t, drv, 0, n-1, tt.opt, tt.shardMin)
 		})
 	}
 }
 
-func testCUDAEngines(t *testing.T, drv *cuda.Driver, devA, devB int, opt CUDAOptions) {
+func testCUDAEngines(t *testing.T, drv *cuda.Driver, devA, devB int, opt CUDAOptions, shardMin int) {
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
 	a, err := NewCUDA(ctx, Config{Backend: "cuda", CUDADevice: devA}, opt)
@@ -65,6 +74,7 @@ func testCUDAEngines(t *testing.T, drv *cuda.Driver, devA, devB int, opt CUDAOpt
 		t.Fatal(err)
 	}
 	defer a.Close()
+	a.shardMin = shardMin
 	b, err := NewCUDA(ctx, Config{Backend: "cuda", CUDADevice: devB, ListenAddr: "unix:" + t.TempDir() + "/b.sock"}, opt)
 	if err != nil {
 		t.Fatal(err)

@@ -51,7 +51,7 @@ type cudaRoute struct {
 // before any byte moves) and resolves it. The copy runs on the engine's device dev, the device
 // in whose context peers' memory is imported (the pattern of NCCL and PyTorch IPC: each process
 // maps foreign allocations into its own device and its kernels reach them over NVLink).
-func cudaRouteRequest(r Request, local, remote cudaSpans, dev int, lh, rh *int) (cudaRoute, error) {
+func cudaRouteRequest(r *Request, local, remote cudaSpans, dev int, lh, rh *int) (cudaRoute, error) {
 	if r.Op != OpRead && r.Op != OpWrite {
 		return cudaRoute{}, fmt.Errorf("%w: opcode %d", ErrInvalidRequest, r.Op)
 	}

@@ -39,7 +39,7 @@ func TestCUDARouteRequest(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			lh, rh := -1, -1
-			got, err := cudaRouteRequest(tt.req, local, remote, 2, &lh, &rh)
+			got, err := cudaRouteRequest(&tt.req, local, remote, 2, &lh, &rh)
 			if tt.wantErr != nil {
 				if !errors.Is(err, tt.wantErr) {
 					t.Fatalf("err %v, want %v", err, tt.wantErr)
@@ -90,8 +90,8 @@ func BenchmarkCUDARoute(b *testing.B) {
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
 		lh, rh := -1, -1
-		for _, r := range reqs {
-			if _, err := cudaRouteRequest(r, local, remote, 0, &lh, &rh); err != nil {
+		for i := range reqs {
+			if _, err := cudaRouteRequest(&reqs[i], local, remote, 0, &lh, &rh); err != nil {
 				b.Fatal(err)
 			}
 		}
