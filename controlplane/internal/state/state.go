@@ -69,7 +69,12 @@ type workerEntry struct {
 	stream *Stream
 	gen    uint64 // bumped on every attach and detach
 	grace  *time.Timer
+	saved  time.Time // last time the record was written to etcd
 }
+
+// loadPersistEvery bounds how often a worker's live load is written to etcd (load reports
+// arrive every second or so; standbys and a new leader only need a recent value).
+const loadPersistEvery = 5 * time.Second
 
 // New returns a State that is not leading.
 func New(cfg Config) *State {
@@ -287,6 +292,7 @@ func (s *State) setWorkerLocked(e *workerEntry, persist bool, fn func(w *kvcv1.W
 	e.w = nw
 	s.publishWorkersLocked()
 	if persist && s.term != nil {
+		e.saved = time.Now()
 		if err := s.term.batcher.PutWorker(nw); err != nil {
 			s.m.writeFailures.Inc()
 		}

@@ -169,7 +169,8 @@ func keys(m map[string]struct{}) []string {
 	return out
 }
 
-// ApplyLoad records a load report (memory only: load is not persisted).
+// ApplyLoad records a load report in memory; the worker record (with its load) is written
+// to etcd at most every loadPersistEvery.
 func (s *State) ApplyLoad(st *Stream, load *kvcv1.WorkerLoad) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -177,7 +178,7 @@ func (s *State) ApplyLoad(st *Stream, load *kvcv1.WorkerLoad) error {
 	if !ok || e.stream != st {
 		return ErrNoStream
 	}
-	s.setWorkerLocked(e, false, func(w *kvcv1.Worker) {
+	s.setWorkerLocked(e, time.Since(e.saved) >= loadPersistEvery, func(w *kvcv1.Worker) {
 		w.Load = proto.Clone(load).(*kvcv1.WorkerLoad)
 		w.LastHeartbeatUnixMs = time.Now().UnixMilli()
 	})
