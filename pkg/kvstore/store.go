@@ -396,19 +396,28 @@ func (s *Store) ExpireIdleSessions(ctx context.Context, f Fence, ttl time.Durati
 		rev int64
 	}
 	var victims []victim
-	end := clientv3.GetPrefixRangeEnd(s.sessionsPrefix())
-	resp, err := s.cli.Get(ctx, s.sessionsPrefix(), clientv3.WithRange(end))
-	if err != nil {
-		return 0, fmt.Errorf("kvstore: expire scan: %w", err)
-	}
-	for _, kv := range resp.Kvs {
-		r := &kvcv1.SessionRecord{}
-		if proto.Unmarshal(kv.Value, r) != nil {
-			continue
+	prefix := s.sessionsPrefix()
+	end := clientv3.GetPrefixRangeEnd(prefix)
+	start := prefix
+	for {
+		resp, err := s.cli.Get(ctx, start, clientv3.WithRange(end), clientv3.WithLimit(scanPage),
+			clientv3.WithSort(clientv3.SortByKey, clientv3.SortAscend))
+		if err != nil {
+			return 0, fmt.Errorf("kvstore: expire scan: %w", err)
 		}
-		if IsIdle(r, ttl, now) {
-			victims = append(victims, victim{string(kv.Key), kv.ModRevision})
+		for _, kv := range resp.Kvs {
+			r := &kvcv1.SessionRecord{}
+			if proto.Unmarshal(kv.Value, r) != nil {
+				continue
+			}
+			if IsIdle(r, ttl, now) {
+				victims = append(victims, victim{string(kv.Key), kv.ModRevision})
+			}
 		}
+		if !resp.More || len(resp.Kvs) == 0 {
+			break
+		}
+		start = string(resp.Kvs[len(resp.Kvs)-1].Key) + "\x00"
 	}
 	n := 0
 	for _, v := range victims {
