@@ -115,6 +115,7 @@ func (s *Sidecar) setTarget(t *kvcv1.SetSnapshotTargetCommand) error {
 		ss.lastPushed = 0
 	}
 	ss.target, ss.gen = t, t.GetGeneration()
+	ss.failedLen = 0 // a new target deserves a new attempt
 	s.maybeEnqueueLocked(ss)
 	return nil
 }

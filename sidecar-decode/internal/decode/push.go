@@ -46,6 +46,9 @@ func (s *Sidecar) pushSession(ctx context.Context, id string) {
 	if err == nil && !ss.gone && ss.target == job.target {
 		ss.lastPushed = seqlen
 	}
+	if err != nil {
+		ss.failedLen = job.end // dropped: the old snapshot stays valid for what it covers
+	}
 	if !ss.gone {
 		s.maybeEnqueueLocked(ss)
 	}

@@ -81,6 +81,7 @@ type session struct {
 	gen        uint64
 	target     *kvcv1.SetSnapshotTargetCommand
 	lastPushed int64
+	failedLen  int64 // committed length whose push failed (retried once); wait for a newer commit
 	queued     bool
 	push       *pushRun
 	gone       bool
@@ -190,7 +191,7 @@ func (s *Sidecar) next(ctx context.Context) (string, bool) {
 // maybeEnqueueLocked queues a push of ss when its unpushed tail reached delta. It reports
 // whether a push (queued or about to be re-queued) will carry the current commit.
 func (s *Sidecar) maybeEnqueueLocked(ss *session) bool {
-	if ss.gone || ss.target == nil || !s.enabled || ss.committed-ss.lastPushed < s.delta {
+	if ss.gone || ss.target == nil || !s.enabled || ss.committed-ss.lastPushed < s.delta || ss.committed == ss.failedLen {
 		return false
 	}
 	if ss.queued || ss.push != nil { // the queued push reads the newest commit; a running one re-queues

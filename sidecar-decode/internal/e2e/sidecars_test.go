@@ -3,6 +3,8 @@ package e2e
 import (
 	"bytes"
 	"context"
+	"io"
+	"net/http"
 	"strconv"
 	"strings"
 	"sync"
@@ -298,6 +300,77 @@ func TestSidecars(t *testing.T) {
 		if m := filterEvents(readEvents(t, c.p1.events), agent.EvBypassMiss, "lru-a"); len(m) != 1 || m[0].Reason != "snapshot_missing" {
 			t.Fatalf("bypass miss events %+v", m)
 		}
+
+		// d1 still believes 160 tokens of lru-a are on p1: the next push meets a base mismatch and
+		// falls back to a full push from 0
+		pages := []int64{}
+		var ss []struct {
+			SessionID string `json:"session_id"`
+		}
+		getJSON(t, "http://"+c.d1.httpAddr+"/v1/sessions", &ss)
+		pages = append(pages, c.wd1.alloc(10, 1)...) // the worker's pages of lru-a are re-filled below
+		if err := kvpool.FillTokens(c.wd1.pool, kvpool.SessionSeed("lru-a"), pages, 0, 160); err != nil {
+			t.Fatal(err)
+		}
+		more := append(pages, c.wd1.alloc(5, 1)...)
+		if err := kvpool.FillTokens(c.wd1.pool, kvpool.SessionSeed("lru-a"), more, 160, 240); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := c.d1.bridge.CommitSession(ctxT(t, 5*time.Second), &kvcv1.CommitSessionRequest{SessionId: "lru-a", CommittedLen: 240, Pages: more}); err != nil {
+			t.Fatal(err)
+		}
+		c.waitIngested(t, c.p1, "lru-a", 240)
+		var sent []agent.Event
+		waitFor(t, "the full push logged", 5*time.Second, func() bool {
+			sent = filterEvents(readEvents(t, c.d1.events), agent.EvPushSent, "lru-a")
+			return len(sent) == 2
+		})
+		failed := filterEvents(readEvents(t, c.d1.events), agent.EvPushFailed, "lru-a")
+		if len(failed) != 1 || failed[0].BaseLen != 160 || !strings.Contains(failed[0].Reason, "does not match the stored seqlen 0") {
+			t.Fatalf("mismatch events %+v", failed)
+		}
+		if sent[1].BaseLen != 0 || sent[1].Tokens != 240 || sent[1].Bytes != 240*bpt {
+			t.Fatalf("full push %+v", sent[1])
+		}
+		if got, want := snapshotKV(t, c.p1, "lru-a"), kvBytes(c.wd1, more, 240); !bytes.Equal(got, want) {
+			t.Fatal("snapshot after the full push differs from D's KV")
+		}
+	})
+
+	t.Run("a failing push is retried once, then dropped", func(t *testing.T) {
+		const s = "sess-dead-target"
+		id, err := c.cp.Send("d2", &kvcv1.Command{Action: &kvcv1.Command_SetSnapshotTarget{SetSnapshotTarget: &kvcv1.SetSnapshotTargetCommand{
+			SessionId: s, PrefillWorkerId: "p-gone", PeerAddr: "127.0.0.1:1", TransferEndpoint: "127.0.0.1:1", Generation: 1}}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		c.ack(t, id, true)
+		c.turns(t, c.d2, c.wd2, nil, s, []int64{100}, 1)
+		var failed []agent.Event
+		waitFor(t, "two failed attempts", 30*time.Second, func() bool {
+			failed = filterEvents(readEvents(t, c.d2.events), agent.EvPushFailed, s)
+			return len(failed) >= 2
+		})
+		if len(failed) != 2 || failed[0].Attempt != 1 || failed[1].Attempt != 2 {
+			t.Fatalf("failed attempts %+v", failed)
+		}
+		var st []struct {
+			SessionID     string `json:"session_id"`
+			LastPushedLen int64  `json:"last_pushed_len"`
+			Pushing       bool   `json:"pushing"`
+		}
+		waitFor(t, "the push to be dropped", 5*time.Second, func() bool {
+			getJSON(t, "http://"+c.d2.httpAddr+"/v1/sessions", &st)
+			for _, x := range st {
+				if x.SessionID == s {
+					return !x.Pushing && x.LastPushedLen == 0
+				}
+			}
+			return false
+		})
+		if n := len(filterEvents(readEvents(t, c.d2.events), agent.EvPushFailed, s)); n != 2 {
+			t.Fatalf("%d failed attempts after the drop", n)
+		}
 	})
 
 	t.Run("seed P to D with SendKV before and after the offer", func(t *testing.T) {
@@ -436,6 +509,25 @@ func TestSidecars(t *testing.T) {
 		}
 		if !found {
 			t.Fatalf("session after bad commits: %+v", ss)
+		}
+	})
+
+	t.Run("metrics mirror the event log", func(t *testing.T) {
+		for _, sc := range []*sidecar{c.d1, c.p0} {
+			resp, err := http.Get("http://" + sc.httpAddr + "/metrics")
+			if err != nil {
+				t.Fatal(err)
+			}
+			b, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			for _, want := range map[string][]string{
+				"d1": {`kvc_sidecar_events_total{event="snapshot_push_sent"}`, "kvc_snapshot_push_bytes_sum", "kvc_snapshot_push_duration_seconds_count"},
+				"p0": {`kvc_sidecar_events_total{event="snapshot_recv_ingested"}`, `kvc_sidecar_events_total{event="snapshot_bypass_hit"}`},
+			}[sc.id] {
+				if !strings.Contains(string(b), want) {
+					t.Fatalf("%s /metrics lacks %s", sc.id, want)
+				}
+			}
 		}
 	})
 

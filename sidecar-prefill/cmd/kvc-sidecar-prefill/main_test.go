@@ -1,0 +1,44 @@
+package main
+
+import (
+	"bytes"
+	"strings"
+	"testing"
+)
+
+func TestBadFlags(t *testing.T) {
+	base := []string{"--worker-id", "w", "--bridge-socket", "/tmp/x.sock"}
+	tests := []struct {
+		name string
+		args []string
+		env  map[string]string
+		want string
+	}{
+		{"unknown flag", []string{"--nope"}, nil, "flag provided but not defined"},
+		{"missing worker id", []string{"--bridge-socket", "/tmp/x.sock"}, nil, "--worker-id is required"},
+		{"missing socket", []string{"--worker-id", "w"}, nil, "--bridge-socket is required"},
+		{"bad transport", append(base, "--transport", "carrier-pigeon"), nil, "--transport"},
+		{"bad conns from env", base, map[string]string{"KVC_TRANSFER_CONNS": "0"}, "--transfer-conns"},
+		{"unparsable env", base, map[string]string{"KVC_GPU_INDEX": "x"}, "KVC_GPU_INDEX"},
+		{"stray argument", append(base, "extra"), nil, "unexpected arguments"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			var stderr bytes.Buffer
+			code := run(tt.args, func(k string) string { return tt.env[k] }, &stderr)
+			if code != 2 || !strings.Contains(stderr.String(), tt.want) {
+				t.Fatalf("exit %d, stderr %q; want 2 and %q", code, stderr.String(), tt.want)
+			}
+		})
+	}
+}
+
+func TestFlagWinsOverEnv(t *testing.T) {
+	var stderr bytes.Buffer
+	// the env would be valid; the flag is not and wins
+	code := run([]string{"--worker-id", "w", "--bridge-socket", "/tmp/x.sock", "--transfer-conns", "0"},
+		func(k string) string { return map[string]string{"KVC_TRANSFER_CONNS": "4"}[k] }, &stderr)
+	if code != 2 {
+		t.Fatalf("exit %d: %s", code, stderr.String())
+	}
+}
