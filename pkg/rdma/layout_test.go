@@ -232,3 +232,50 @@ func TestPlanTokens(t *testing.T) {
 		})
 	}
 }
+
+// FuzzPlanPages: whatever the page lists, a plan either fails with ErrBadPages or stays inside
+// both layouts' buffers and never writes a destination byte twice.
+func FuzzPlanPages(f *testing.F) {
+	f.Add([]byte{0, 1, 2, 3}, []byte{5, 6, 7, 8}, uint8(0), uint8(16))
+	f.Add([]byte{3, 3}, []byte{1, 2}, uint8(1), uint8(2))
+	f.Add([]byte{}, []byte{}, uint8(0), uint8(0))
+	f.Add([]byte{200}, []byte{1}, uint8(0), uint8(1))
+	src := testLayout(2, 4, 2, 32, 0x10000)
+	dst := testLayout(2, 4, 2, 32, 0x90000)
+	f.Fuzz(func(t *testing.T, sp, dp []byte, from, to uint8) {
+		sPages, dPages := make([]int64, len(sp)), make([]int64, len(dp))
+		for i, b := range sp {
+			sPages[i] = int64(int8(b))
+		}
+		for i, b := range dp {
+			dPages[i] = int64(int8(b))
+		}
+		check := func(reqs []Request, err error) {
+			if err != nil {
+				if !errors.Is(err, ErrBadPages) {
+					t.Fatalf("unexpected error %v", err)
+				}
+				return
+			}
+			written := map[uint64]bool{}
+			for _, r := range reqs {
+				inSrc, inDst := false, false
+				for b := range src.BufferAddrs {
+					inSrc = inSrc || (Region{Addr: src.BufferAddrs[b], Len: src.BufferLen()}).Contains(r.Source, r.Length)
+					inDst = inDst || (Region{Addr: dst.BufferAddrs[b], Len: dst.BufferLen()}).Contains(r.TargetAddr, r.Length)
+				}
+				if !inSrc || !inDst {
+					t.Fatalf("request %+v leaves the buffers", r)
+				}
+				for k := uint64(0); k < r.Length; k++ {
+					if written[r.TargetAddr+k] {
+						t.Fatalf("destination byte %#x written twice", r.TargetAddr+k)
+					}
+					written[r.TargetAddr+k] = true
+				}
+			}
+		}
+		check(PlanPages(OpWrite, src, dst, sPages, dPages, 1))
+		check(PlanTokens(OpWrite, src, dst, sPages, dPages, int64(from), int64(to), 1))
+	})
+}

@@ -381,6 +381,12 @@ func TestTCPCancel(t *testing.T) {
 	case <-ctx.Done():
 		t.Fatal("owner never saw a frame")
 	}
+	if st, err := cli.Status(b, 0); err != nil || st.State != TaskPending {
+		t.Fatalf("task 0 before cancel: %+v %v", st, err)
+	}
+	if _, err := cli.Status(b, 8); !errors.Is(err, ErrInvalidRequest) {
+		t.Fatalf("status of task 8: %v", err)
+	}
 	if err := cli.FreeBatch(b); !errors.Is(err, ErrBatchBusy) {
 		t.Fatalf("free with pending tasks: %v", err)
 	}
