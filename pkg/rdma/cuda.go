@@ -147,6 +147,8 @@ type cudaPeer struct {
 	spans atomic.Pointer[cudaSpans]
 	gone  atomic.Pointer[error]
 	done  chan struct{}
+	// updated receives a value (without blocking) after each applied snapshot.
+	updated chan struct{}
 }
 
 // cudaDev is the per-device state: primary context, copy stream, kernel, descriptor buffers
@@ -211,16 +213,30 @@ func NewCUDA(ctx context.Context, cfg Config, opt CUDAOptions) (*CUDAEngine, err
 	if cfg.CUDADevice < 0 || cfg.CUDADevice >= n {
 		return nil, fmt.Errorf("%w: CUDA device %d of %d", ErrUnavailable, cfg.CUDADevice, n)
 	}
-	e := &CUDAEngine{
-		drv: drv, opt: opt, defDev: cfg.CUDADevice, pid: uint32(os.Getpid()),
-		devs: map[int]*cudaDev{}, peerOK: map[[2]int]error{}, imports: map[string]cudaImport{},
-		conns: map[*cudaConn]struct{}{}, peers: map[SegmentID]*cudaPeer{}, batches: map[BatchID]*cudaBatch{},
-		nextSeg: 1, nextBatch: 1,
-	}
+	e := newCUDAEngine(opt, cfg.CUDADevice)
+	e.drv = drv
 	if _, err := e.device(cfg.CUDADevice); err != nil {
 		e.release()
 		return nil, err
 	}
+	if err := e.listen(ctx, cfg); err != nil {
+		_ = e.Close()
+		return nil, err
+	}
+	return e, nil
+}
+
+func newCUDAEngine(opt CUDAOptions, dev int) *CUDAEngine {
+	return &CUDAEngine{
+		opt: opt, defDev: dev, pid: uint32(os.Getpid()),
+		devs: map[int]*cudaDev{}, peerOK: map[[2]int]error{}, imports: map[string]cudaImport{},
+		conns: map[*cudaConn]struct{}{}, peers: map[SegmentID]*cudaPeer{}, batches: map[BatchID]*cudaBatch{},
+		nextSeg: 1, nextBatch: 1,
+	}
+}
+
+// listen opens the control socket and starts accepting peers.
+func (e *CUDAEngine) listen(ctx context.Context, cfg Config) error {
 	network, addr := splitCUDAAddr(cfg.ListenAddr)
 	if addr == "" {
 		network, addr = "tcp", "127.0.0.1:0"
@@ -228,8 +244,7 @@ func NewCUDA(ctx context.Context, cfg Config, opt CUDAOptions) (*CUDAEngine, err
 	var lc net.ListenConfig
 	ln, err := lc.Listen(ctx, network, addr)
 	if err != nil {
-		_ = e.Close()
-		return nil, fmt.Errorf("rdma/cuda: listen %s: %w", cfg.ListenAddr, err)
+		return fmt.Errorf("rdma/cuda: listen %s: %w", cfg.ListenAddr, err)
 	}
 	e.ln = ln
 	e.name = ln.Addr().String()
@@ -241,7 +256,7 @@ func NewCUDA(ctx context.Context, cfg Config, opt CUDAOptions) (*CUDAEngine, err
 	}
 	e.wg.Add(1)
 	go e.acceptLoop()
-	return e, nil
+	return nil
 }
 
 func splitCUDAAddr(a string) (network, addr string) {
@@ -478,6 +493,12 @@ func (e *CUDAEngine) RegisterMemory(r Region) error {
 		return fmt.Errorf("%w: the cuda backend takes MemCUDA or pinned MemHost regions, not kind %d", ErrInvalidRequest, r.Kind)
 	}
 	adv.Ptr = sp.ptr
+	return e.addRegion(sp, adv)
+}
+
+// addRegion records a resolved local region and advertises it to connected peers.
+func (e *CUDAEngine) addRegion(sp cudaSpan, adv cudaWireRegion) error {
+	r := adv.Region
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.closed {
@@ -594,7 +615,7 @@ func (e *CUDAEngine) OpenSegment(ctx context.Context, name string) (SegmentID, e
 		dl = time.Now().Add(10 * time.Second)
 	}
 	_ = c.SetDeadline(dl)
-	p := &cudaPeer{name: name, conn: c, done: make(chan struct{})}
+	p := &cudaPeer{name: name, conn: c, done: make(chan struct{}), updated: make(chan struct{}, 1)}
 	err = cudaWriteFrame(c, cudaEncodeHello(e.pid))
 	var first []byte
 	if err == nil {
@@ -653,6 +674,10 @@ func (e *CUDAEngine) applySnapshot(p *cudaPeer, msg []byte) error {
 	p.pid = pid
 	p.regs.Store(&regs)
 	p.spans.Store(&spans)
+	select {
+	case p.updated <- struct{}{}:
+	default:
+	}
 	return nil
 }
 
@@ -1202,7 +1227,9 @@ func (e *CUDAEngine) Close() error {
 		_ = e.ln.Close()
 	}
 	for _, p := range peers {
-		_ = p.conn.Close()
+		if p.conn != nil {
+			_ = p.conn.Close()
+		}
 	}
 	e.devMu.Lock()
 	for _, d := range e.devs {

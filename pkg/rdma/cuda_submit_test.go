@@ -90,12 +90,8 @@ func hostEngine(t *testing.T, opt CUDAOptions, shardMin int, gated bool) (*CUDAE
 		src[i] = byte(rng.Uint32())
 	}
 	sink := newHostSink(map[uint64][]byte{1 << 40: src, 2 << 40: dst}, gated)
-	e := &CUDAEngine{
-		opt: opt, testSink: sink, shardMin: shardMin,
-		devs: map[int]*cudaDev{}, peerOK: map[[2]int]error{}, imports: map[string]cudaImport{},
-		conns: map[*cudaConn]struct{}{}, peers: map[SegmentID]*cudaPeer{}, batches: map[BatchID]*cudaBatch{},
-		nextSeg: 2, nextBatch: 1, defDev: 0,
-	}
+	e := newCUDAEngine(opt, 0)
+	e.testSink, e.shardMin, e.nextSeg = sink, shardMin, 2
 	e.local = cudaSpans{{addr: 0x1000, len: size / 2, ptr: 1 << 40, dev: -1}, {addr: 0x1000 + size/2, len: size / 2, ptr: 1<<40 + size/2, dev: -1}}
 	p := &cudaPeer{name: "host", done: make(chan struct{})}
 	spans := cudaSpans{{addr: 0x9000000, len: size, ptr: 2 << 40, dev: -1}}
