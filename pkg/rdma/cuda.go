@@ -120,6 +120,7 @@ type CUDAEngine struct {
 	local     cudaSpans
 	adv       []cudaWireRegion
 	conns     map[*cudaConn]struct{}
+	greeting  map[net.Conn]struct{}
 	peers     map[SegmentID]*cudaPeer
 	nextSeg   SegmentID
 	batches   map[BatchID]*cudaBatch
@@ -230,7 +231,7 @@ func newCUDAEngine(opt CUDAOptions, dev int) *CUDAEngine {
 	return &CUDAEngine{
 		opt: opt, defDev: dev, pid: uint32(os.Getpid()),
 		devs: map[int]*cudaDev{}, peerOK: map[[2]int]error{}, imports: map[string]cudaImport{},
-		conns: map[*cudaConn]struct{}{}, peers: map[SegmentID]*cudaPeer{}, batches: map[BatchID]*cudaBatch{},
+		conns: map[*cudaConn]struct{}{}, greeting: map[net.Conn]struct{}{}, peers: map[SegmentID]*cudaPeer{}, batches: map[BatchID]*cudaBatch{},
 		nextSeg: 1, nextBatch: 1,
 	}
 }
@@ -570,8 +571,18 @@ func (e *CUDAEngine) acceptLoop() {
 func (e *CUDAEngine) serve(c net.Conn) {
 	defer e.wg.Done()
 	defer c.Close()
+	e.mu.Lock()
+	if e.closed {
+		e.mu.Unlock()
+		return
+	}
+	e.greeting[c] = struct{}{} // closed by Close while waiting for the hello
+	e.mu.Unlock()
 	_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
 	b, err := cudaReadFrame(c)
+	e.mu.Lock()
+	delete(e.greeting, c)
+	e.mu.Unlock()
 	if err != nil {
 		return
 	}
@@ -1221,6 +1232,9 @@ func (e *CUDAEngine) Close() error {
 	e.peers = map[SegmentID]*cudaPeer{}
 	for c := range e.conns {
 		_ = c.c.Close()
+	}
+	for c := range e.greeting {
+		_ = c.Close()
 	}
 	e.mu.Unlock()
 	if e.ln != nil {

@@ -118,9 +118,22 @@ func TestCUDAControlProtocol(t *testing.T) {
 	}
 	c.Close()
 
-	// The owner goes away: the segment is gone and submissions to it fail as tasks.
-	if err := owner.Close(); err != nil {
+	// The owner goes away — with an opener that never says hello still connected, which must
+	// not hold Close up — and the segment is gone: submissions to it fail as tasks.
+	silent, err := net.Dial("unix", owner.SegmentName()[len("unix:"):])
+	if err != nil {
 		t.Fatal(err)
+	}
+	defer silent.Close()
+	closed := make(chan error, 1)
+	go func() { closed <- owner.Close() }()
+	select {
+	case err := <-closed:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(5 * time.Second): // the hello deadline is 10 s
+		t.Fatal("Close waited for an opener's hello")
 	}
 	opener.mu.RLock()
 	p := opener.peers[seg]
