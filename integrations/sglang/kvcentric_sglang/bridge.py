@@ -1,0 +1,145 @@
+"""kvc.v1.WorkerBridgeService client (see proto/kvc/v1/bridge.proto for the contract)."""
+
+from dataclasses import dataclass
+from typing import Iterable, List, Optional, Sequence
+
+import grpc
+
+from . import wire
+
+KV_KIND_K, KV_KIND_V = 1, 2
+RELEASE_RELEASED, RELEASE_EVICTED = 1, 2
+TRANSFER_SEED, TRANSFER_SNAPSHOT = 1, 2
+
+_SERVICE = "/kvc.v1.WorkerBridgeService/"
+
+
+class BridgeError(Exception):
+    """A call failed; .code is the grpc.StatusCode (stable: INVALID_ARGUMENT, NOT_FOUND,
+    FAILED_PRECONDITION, OUT_OF_RANGE, ...) and .details the sidecar's message."""
+
+    def __init__(self, method: str, code, details: str):
+        super().__init__("%s: %s: %s" % (method, code, details))
+        self.method, self.code, self.details = method, code, details
+
+
+@dataclass
+class KVBuffer:
+    """One layer buffer (K or V) of the worker's KV pool, as a shared-memory file region or a
+    CUDA IPC handle. Buffers go in the order layer 0 K, layer 0 V, layer 1 K, ..."""
+
+    layer: int
+    kind: int  # KV_KIND_K or KV_KIND_V
+    size_bytes: int
+    shm_path: str = ""
+    shm_offset: int = 0
+    cuda_ipc_handle: bytes = b""
+    cuda_device: int = 0
+    cuda_offset: int = 0
+
+    def _encode(self) -> wire.Writer:
+        w = wire.Writer().int(1, self.layer).int(2, self.kind)
+        if self.cuda_ipc_handle:
+            w.msg(4, wire.Writer().bytes(1, self.cuda_ipc_handle).int(2, self.cuda_device).int(3, self.cuda_offset))
+        else:
+            w.msg(3, wire.Writer().str(1, self.shm_path).int(2, self.shm_offset))
+        return w.int(5, self.size_bytes)
+
+
+@dataclass
+class TransferResult:
+    ok: bool
+    bytes: int
+    tokens: int
+    error: str
+    duration_us: int
+
+
+@dataclass
+class SnapshotStatus:
+    exists: bool
+    seqlen: int
+    generation: int
+    freshness_s: float
+    prefill_worker: str
+    last_pushed_len: int
+
+
+class WorkerBridge:
+    """Client of the sidecar's WorkerBridge on a Unix socket.
+
+    Typical SGLang hook points (see README.md): register_kv_pool once the KV pool exists;
+    commit_session after each committed step of a session; release_session before freeing a
+    session's pages (it returns only once no snapshot push reads them); prepare_receive /
+    wait_receive around a P->D or snapshot transfer on decode; send_kv after each prefill chunk.
+    """
+
+    def __init__(self, socket_path: str, timeout_s: float = 30.0):
+        self._ch = grpc.insecure_channel("unix://" + socket_path)
+        self._timeout = timeout_s
+
+    def close(self) -> None:
+        self._ch.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _call(self, method: str, body: bytes, timeout: Optional[float] = None) -> dict:
+        fn = self._ch.unary_unary(_SERVICE + method, request_serializer=None, response_deserializer=None)
+        try:
+            raw = fn(body, timeout=timeout or self._timeout)
+        except grpc.RpcError as e:
+            raise BridgeError(method, e.code(), e.details()) from None
+        return wire.parse(raw)
+
+    def register_kv_pool(self, page_size: int, item_len: int, page_count: int, num_layers: int,
+                         buffers: Sequence[KVBuffer], model: str = ""):
+        """Hands the pool to the sidecar. Returns (kv_bytes_per_token, transfer_endpoint)."""
+        w = wire.Writer().int(1, page_size).int(2, item_len).int(3, page_count).int(4, num_layers)
+        for b in buffers:
+            w.msg(5, b._encode())
+        w.str(6, model)
+        r = self._call("RegisterKVPool", w.done())
+        return wire.as_int64(r.get(1)), wire.as_str(r.get(2))
+
+    def commit_session(self, session_id: str, committed_len: int, pages: Iterable[int]) -> bool:
+        """pages cover tokens [0, committed_len) in order. Returns whether a push was enqueued."""
+        w = wire.Writer().str(1, session_id).int(2, committed_len).packed(3, pages)
+        return bool(self._call("CommitSession", w.done()).get(1))
+
+    def release_session(self, session_id: str, evicted: bool = False) -> bool:
+        """Returns after any in-flight push of the session was aborted; the pages may then be
+        freed. Returns whether a push was aborted."""
+        w = wire.Writer().str(1, session_id).int(2, RELEASE_EVICTED if evicted else RELEASE_RELEASED)
+        return bool(self._call("ReleaseSession", w.done()).get(1))
+
+    def prepare_receive(self, room: int, session_id: str, kind: int, pages: Sequence[int], tokens: int,
+                        source_peer_addr: str) -> None:
+        """Decode side: these pages (covering [0, tokens)) receive the transfer of room."""
+        w = (wire.Writer().int(1, room).str(2, session_id).int(3, kind).packed(4, pages)
+             .int(5, tokens).str(6, source_peer_addr))
+        self._call("PrepareReceive", w.done())
+
+    def wait_receive(self, room: int, timeout_s: float = 60.0) -> TransferResult:
+        """Decode side: blocks until the room's transfer is done or failed."""
+        w = wire.Writer().int(1, room).int(2, int(timeout_s * 1000))
+        r = self._call("WaitReceive", w.done(), timeout=timeout_s + 5)
+        return TransferResult(ok=bool(r.get(1)), bytes=wire.as_int64(r.get(2)), tokens=wire.as_int64(r.get(3)),
+                              error=wire.as_str(r.get(4)), duration_us=wire.as_int64(r.get(5)))
+
+    def send_kv(self, room: int, session_id: str, pages: Sequence[int], first_page: int = 0,
+                last: bool = False, tokens: int = 0) -> int:
+        """Prefill side: send these pages (chunk starting at first_page of the transfer) to the
+        decode side of room; with last, tokens is the transfer's total. Returns bytes moved."""
+        w = (wire.Writer().int(1, room).str(2, session_id).packed(3, pages).int(4, first_page)
+             .bool(5, last).int(6, tokens))
+        return wire.as_int64(self._call("SendKV", w.done()).get(1))
+
+    def snapshot_status(self, session_id: str) -> SnapshotStatus:
+        r = self._call("SnapshotStatus", wire.Writer().str(1, session_id).done())
+        return SnapshotStatus(exists=bool(r.get(1)), seqlen=wire.as_int64(r.get(2)), generation=r.get(3) or 0,
+                              freshness_s=wire.as_double(r.get(4)), prefill_worker=wire.as_str(r.get(5)),
+                              last_pushed_len=wire.as_int64(r.get(6)))
