@@ -108,6 +108,9 @@ type CUDAEngine struct {
 	impMu   sync.Mutex
 	imports map[string]cudaImport
 
+	allocMu sync.Mutex
+	allocs  map[uint64]bool // AllocDevice/AllocPinned allocations; true: pinned host
+
 	// subMu is held shared by submissions and exclusively by Close, so that no copy is queued
 	// on a device being shut down.
 	subMu sync.RWMutex
@@ -231,7 +234,8 @@ func newCUDAEngine(opt CUDAOptions, dev int) *CUDAEngine {
 	return &CUDAEngine{
 		opt: opt, defDev: dev, pid: uint32(os.Getpid()),
 		devs: map[int]*cudaDev{}, peerOK: map[[2]int]error{}, imports: map[string]cudaImport{},
-		conns: map[*cudaConn]struct{}{}, greeting: map[net.Conn]struct{}{}, peers: map[SegmentID]*cudaPeer{}, batches: map[BatchID]*cudaBatch{},
+		allocs: map[uint64]bool{},
+		conns:  map[*cudaConn]struct{}{}, greeting: map[net.Conn]struct{}{}, peers: map[SegmentID]*cudaPeer{}, batches: map[BatchID]*cudaBatch{},
 		nextSeg: 1, nextBatch: 1,
 	}
 }
@@ -415,6 +419,65 @@ func (e *CUDAEngine) importHandle(m *CUDAMemory) (uint64, error) {
 	}
 	e.imports[key] = cudaImport{ctx: d.ctx, ptr: p}
 	return p, nil
+}
+
+// AllocDevice allocates n bytes of device memory on the engine's device, for a store or pool
+// that this process owns; register it as a MemCUDA region without a handle. Close frees it.
+func (e *CUDAEngine) AllocDevice(n uint64) (uint64, error) {
+	return e.alloc(n, false)
+}
+
+// AllocPinned allocates n bytes of pinned, device-mapped host memory (a host-side snapshot
+// store the copy kernel can reach); register it as a MemHost region. The slice views it and
+// must not be used after FreeMemory or Close.
+func (e *CUDAEngine) AllocPinned(n uint64) (uint64, []byte, error) {
+	p, err := e.alloc(n, true)
+	if err != nil {
+		return 0, nil, err
+	}
+	return p, cuda.HostBytes(p, n), nil
+}
+
+func (e *CUDAEngine) alloc(n uint64, host bool) (uint64, error) {
+	if n == 0 {
+		return 0, fmt.Errorf("%w: zero-byte allocation", ErrInvalidRequest)
+	}
+	d, err := e.device(e.defDev)
+	if err != nil {
+		return 0, err
+	}
+	var p uint64
+	if host {
+		p, err = d.ctx.MemHostAlloc(n)
+	} else {
+		p, err = d.ctx.MemAlloc(n)
+	}
+	if err != nil {
+		return 0, fmt.Errorf("rdma/cuda: allocate %d bytes: %w", n, err)
+	}
+	e.allocMu.Lock()
+	e.allocs[p] = host
+	e.allocMu.Unlock()
+	return p, nil
+}
+
+// FreeMemory frees memory from AllocDevice or AllocPinned. Unregister it first.
+func (e *CUDAEngine) FreeMemory(p uint64) error {
+	e.allocMu.Lock()
+	host, ok := e.allocs[p]
+	delete(e.allocs, p)
+	e.allocMu.Unlock()
+	if !ok {
+		return fmt.Errorf("%w: %#x was not allocated by this engine", ErrInvalidRequest, p)
+	}
+	d, err := e.device(e.defDev)
+	if err != nil {
+		return err
+	}
+	if host {
+		return d.ctx.MemFreeHost(p)
+	}
+	return d.ctx.MemFree(p)
 }
 
 // RegisterMemory implements Engine. Kinds:
@@ -1265,6 +1328,18 @@ func (e *CUDAEngine) release() {
 	e.impMu.Unlock()
 	e.devMu.Lock()
 	defer e.devMu.Unlock()
+	e.allocMu.Lock()
+	if d := e.devs[e.defDev]; d != nil {
+		for p, host := range e.allocs {
+			if host {
+				_ = d.ctx.MemFreeHost(p)
+			} else {
+				_ = d.ctx.MemFree(p)
+			}
+		}
+	}
+	clear(e.allocs)
+	e.allocMu.Unlock()
 	for ord, d := range e.devs {
 		for _, b := range d.all {
 			_ = d.ctx.MemFreeHost(b.host)

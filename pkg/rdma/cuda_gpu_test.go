@@ -252,3 +252,73 @@ func firstDiff(a, b []byte) int {
 	}
 	return -1
 }
+
+// TestCUDAEngineAlloc moves bytes pinned host -> device -> pinned host through memory the
+// engine allocated, over a segment the engine opened to itself.
+func TestCUDAEngineAlloc(t *testing.T) {
+	cudaTestDriver(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	e, err := NewCUDA(ctx, Config{Backend: "cuda"}, CUDAOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Close()
+	const size = 3 << 20
+	in, inb, err := e.AllocPinned(size)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, outb, err := e.AllocPinned(size)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dev, err := e.AllocDevice(size)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range inb {
+		inb[i] = byte(i*7 + i>>11)
+	}
+	clear(outb)
+	for _, r := range []Region{{Addr: in, Len: size, Kind: MemHost}, {Addr: out, Len: size, Kind: MemHost}, {Addr: dev, Len: size, Kind: MemCUDA}} {
+		if err := e.RegisterMemory(r); err != nil {
+			t.Fatal(err)
+		}
+	}
+	seg, err := e.OpenSegment(ctx, e.SegmentName())
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range []Request{
+		{Op: OpWrite, Source: in, Target: seg, TargetAddr: dev, Length: size},
+		{Op: OpRead, Source: out, Target: seg, TargetAddr: dev, Length: size},
+	} {
+		b, err := e.AllocateBatch(1)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := e.Submit(ctx, b, []Request{r}); err != nil {
+			t.Fatal(err)
+		}
+		st, err := e.Wait(ctx, b)
+		if err != nil || st[0].State != TaskCompleted {
+			t.Fatalf("%v: %+v %v", r.Op, st, err)
+		}
+		if err := e.FreeBatch(b); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if !bytes.Equal(inb, outb) {
+		t.Fatalf("round trip differs at %d", firstDiff(inb, outb))
+	}
+	if err := e.UnregisterMemory(dev); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.FreeMemory(dev); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.FreeMemory(dev); !errors.Is(err, ErrInvalidRequest) {
+		t.Fatalf("second free: %v", err)
+	}
+}

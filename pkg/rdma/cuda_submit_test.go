@@ -349,3 +349,13 @@ func BenchmarkCUDASubmitHost(b *testing.B) {
 			len(reqs), serial, float64(serial.Nanoseconds())/float64(len(reqs)), def.Workers, sharded, float64(serial)/float64(sharded))
 	}
 }
+
+func TestCUDAAllocRejects(t *testing.T) {
+	e := newCUDAEngine(CUDAOptions{}, 0)
+	if _, err := e.AllocDevice(0); !errors.Is(err, ErrInvalidRequest) {
+		t.Fatalf("zero-byte allocation: %v", err)
+	}
+	if err := e.FreeMemory(0x1234); !errors.Is(err, ErrInvalidRequest) {
+		t.Fatalf("free of foreign memory: %v", err)
+	}
+}
