@@ -26,9 +26,9 @@ import (
 // decode sidecars (d1, d2) and a slow decode sidecar (d3, every transfer request delayed).
 type cluster struct {
 	cp             *cptest.Server
-	p0, p1         *sidecar
+	p0, p1, p2     *sidecar
 	d1, d2, d3     *sidecar
-	wp0, wp1       *worker
+	wp0, wp1, wp2  *worker
 	wd1, wd2, wd3  *worker
 	storeSmallPage int64
 }
@@ -48,13 +48,14 @@ func newCluster(t *testing.T) *cluster {
 	c.storeSmallPage = 24
 	c.p0 = startSidecar(t, "prefill", "p0", cp.Addr, "--store-capacity-bytes", "8388608")
 	c.p1 = startSidecar(t, "prefill", "p1", cp.Addr, "--store-capacity-bytes", itoa(c.storeSmallPage*pageBytes))
+	c.p2 = startSidecar(t, "prefill", "p2", cp.Addr, "--fault-transfer-delay", "40ms")
 	c.d1 = startSidecar(t, "decode", "d1", cp.Addr)
 	c.d2 = startSidecar(t, "decode", "d2", cp.Addr)
 	c.d3 = startSidecar(t, "decode", "d3", cp.Addr, "--fault-transfer-delay", "40ms")
-	c.wp0, c.wp1 = newWorker(t, c.p0, 256), newWorker(t, c.p1, 256)
+	c.wp0, c.wp1, c.wp2 = newWorker(t, c.p0, 256), newWorker(t, c.p1, 256), newWorker(t, c.p2, 256)
 	c.wd1, c.wd2, c.wd3 = newWorker(t, c.d1, 2048), newWorker(t, c.d2, 2048), newWorker(t, c.d3, 2048)
 	if err := cp.Wait(ctxT(t, 20*time.Second), func(v *cptest.View) bool {
-		for _, id := range []string{"p0", "p1", "d1", "d2", "d3"} {
+		for _, id := range []string{"p0", "p1", "p2", "d1", "d2", "d3"} {
 			if !v.Connected(id) || v.Resync(id) == nil {
 				return false
 			}
@@ -408,6 +409,33 @@ func TestSidecars(t *testing.T) {
 		}
 		if bad, err := kvpool.CheckTokens(c.wd2.pool, kvpool.SessionSeed(s), dpages, 0, n); err != nil || bad != 0 {
 			t.Fatalf("D2 pages after seed: %d mismatches, %v", bad, err)
+		}
+	})
+
+	t.Run("prefill worker gone mid-transfer: the decode side is told, nothing hangs", func(t *testing.T) {
+		const s, room = "sess-gone", int64(7004)
+		n := int64(32 * pageSize)
+		ppages := c.wp2.alloc(32, 2) // scattered: one slow request per page per buffer
+		if err := kvpool.FillTokens(c.wp2.pool, kvpool.SessionSeed(s), ppages, 0, n); err != nil {
+			t.Fatal(err)
+		}
+		dpages := c.wd2.alloc(32, 1)
+		if _, err := c.d2.bridge.PrepareReceive(ctxT(t, 5*time.Second), &kvcv1.PrepareReceiveRequest{Room: room, SessionId: s,
+			Kind: kvcv1.TransferKind_TRANSFER_KIND_SEED, Pages: dpages, Tokens: n, SourcePeerAddr: c.p2.peerAddr}); err != nil {
+			t.Fatal(err)
+		}
+		// the worker's call dies after 300 ms, in the middle of a ~10 s transfer
+		_, err := c.p2.bridge.SendKV(ctxT(t, 300*time.Millisecond), &kvcv1.SendKVRequest{Room: room, SessionId: s, Pages: ppages, Last: true, Tokens: n})
+		if status.Code(err) != codes.DeadlineExceeded {
+			t.Fatalf("SendKV: %v", err)
+		}
+		res, err := c.d2.bridge.WaitReceive(ctxT(t, 10*time.Second), &kvcv1.WaitReceiveRequest{Room: room, TimeoutMs: 8000})
+		if err != nil || res.GetOk() || !strings.Contains(res.GetError(), "went away") {
+			t.Fatalf("decode side after the prefill worker left: %v %v", res, err)
+		}
+		// the room is closed on P: a late chunk is refused, not written
+		if _, err := c.p2.bridge.SendKV(ctxT(t, 5*time.Second), &kvcv1.SendKVRequest{Room: room, SessionId: s, Pages: ppages[:1]}); status.Code(err) != codes.FailedPrecondition {
+			t.Fatalf("late chunk: %v", err)
 		}
 	})
 
