@@ -32,13 +32,13 @@ type cp struct {
 	grpcAddr string
 	httpAddr string
 	cancel   context.CancelFunc
-	done     chan error
+	done     chan struct{}
 	conn     *grpc.ClientConn
 	admin    kvcv1.AdminServiceClient
 }
 
 // startCP runs a control plane in this process (real gRPC and HTTP on loopback port 0).
-func startCP(t *testing.T, endpoints []string, node string) *cp {
+func startCP(t *testing.T, endpoints []string, node string, mods ...func(*Options)) *cp {
 	t.Helper()
 	o := NewOptions()
 	o.NodeID = node
@@ -49,12 +49,15 @@ func startCP(t *testing.T, endpoints []string, node string) *cp {
 	o.FlushDelay = 10 * time.Millisecond
 	o.ShutdownGrace = 2 * time.Second
 	o.ReadyFile = filepath.Join(t.TempDir(), "ready.json")
+	for _, m := range mods {
+		m(o)
+	}
 	if err := o.Validate(); err != nil {
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	c := &cp{node: node, cancel: cancel, done: make(chan error, 1)}
-	go func() { c.done <- Run(ctx, o, zerolog.Nop()) }()
+	c := &cp{node: node, cancel: cancel, done: make(chan struct{})}
+	go func() { _ = Run(ctx, o, zerolog.Nop()); close(c.done) }()
 	t.Cleanup(c.stop)
 	var info readyInfo
 	waitFor(t, "ready file", func() bool {
@@ -76,6 +79,7 @@ func (c *cp) stop() {
 	select {
 	case <-c.done:
 	case <-time.After(15 * time.Second):
+		panic("control plane did not stop within 15s")
 	}
 }
 
@@ -502,5 +506,39 @@ func TestStaleEpochHelloStepsDown(t *testing.T) {
 	}
 	if errors.Is(err, context.Canceled) {
 		t.Fatal("unreachable")
+	}
+}
+
+// TestGracefulHandover: a stopped leader flushes what it has not written yet and resigns, so
+// the standby leads at once with every record.
+func TestGracefulHandover(t *testing.T) {
+	e := etcdtest.Start(t)
+	a := startCP(t, e.Endpoints(), "cp-a", func(o *Options) { o.FlushDelay = time.Hour })
+	a.waitLeader(t)
+	b := startCP(t, e.Endpoints(), "cp-b")
+	waitFor(t, "standby sees leader", func() bool { return b.leader(t).GetLeaderId() == "cp-a" })
+	s, _, err := open(t, a, decodeHello("d0"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.send(resident(true, "s1", "s2")); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "leader applied the sync", func() bool {
+		_, err := a.admin.GetSession(t.Context(), &kvcv1.GetSessionRequest{SessionId: "s2"})
+		return err == nil
+	})
+	if _, err := b.admin.GetSession(t.Context(), &kvcv1.GetSessionRequest{SessionId: "s2"}); code(err) != codes.NotFound {
+		t.Fatalf("written before the flush delay: %v", err)
+	}
+	stopped := time.Now()
+	a.stop()
+	waitFor(t, "cp-b leads", func() bool { return b.leader(t).GetResponderIsLeader() })
+	t.Logf("graceful handover took %s", time.Since(stopped))
+	for _, id := range []string{"s1", "s2"} {
+		r, err := b.admin.GetSession(t.Context(), &kvcv1.GetSessionRequest{SessionId: id})
+		if err != nil || r.GetSession().GetDecodeWorker() != "d0" {
+			t.Fatalf("%s on the new leader: %v %v", id, r, err)
+		}
 	}
 }
