@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net"
 	"net/url"
+	"strings"
 	"time"
 
 	"go.etcd.io/etcd/server/v3/embed"
@@ -25,8 +26,19 @@ type Config struct {
 	PeerAddr   string // host:port
 }
 
-// Start starts the member and waits until it serves (bounded by ctx).
+// Start starts the member and waits until it serves (bounded by ctx). When a port is 0 it
+// picks a free one, and picks again if another process takes it first.
 func Start(ctx context.Context, c Config) (*Server, error) {
+	anyPort := strings.HasSuffix(c.ClientAddr, ":0") || strings.HasSuffix(c.PeerAddr, ":0")
+	for attempt := 0; ; attempt++ {
+		s, err := start(ctx, c)
+		if err == nil || !anyPort || attempt == 4 || !strings.Contains(err.Error(), "address already in use") {
+			return s, err
+		}
+	}
+}
+
+func start(ctx context.Context, c Config) (*Server, error) {
 	cu, err := resolve(c.ClientAddr)
 	if err != nil {
 		return nil, fmt.Errorf("embedded etcd client addr: %w", err)
