@@ -225,11 +225,14 @@ func (p *Pool) unregister() {
 	p.regions = nil
 }
 
+// unmap releases the mappings. bufs keeps its (now dangling) slice headers so that a
+// concurrent Layout of a replaced pool reads stale addresses, which the engine no longer has
+// registered, instead of racing with this write.
 func (p *Pool) unmap() {
 	for _, m := range p.maps {
 		_ = syscall.Munmap(m)
 	}
-	p.maps, p.bufs = nil, nil
+	p.maps = nil
 }
 
 // Close unregisters the buffers from the engine and unmaps them. The caller guarantees no

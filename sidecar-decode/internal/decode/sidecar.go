@@ -235,13 +235,37 @@ func (s *Sidecar) RegisterKVPool(_ context.Context, req *kvcv1.RegisterKVPoolReq
 		return nil, status.Errorf(codes.Internal, "register pool: %v", err)
 	}
 	s.mu.Lock()
-	if s.pool != nil {
-		s.mu.Unlock()
-		p.Close()
-		return nil, status.Error(codes.AlreadyExists, "a KV pool is already registered; restart the sidecar with the worker")
+	old := s.pool
+	var lost []*session
+	if old != nil {
+		// The worker restarted: everything it held is gone. Stop every push and fail every
+		// room before the old mapping goes away.
+		for _, ss := range s.sessions {
+			lost = append(lost, ss)
+		}
+	}
+	s.mu.Unlock()
+	for _, ss := range lost {
+		if dropped, _, ok := s.drop(ss.id); ok {
+			s.ev.Emit(agent.Event{Event: agent.EvSessionRelease, Session: dropped.id, Generation: dropped.gen, Seqlen: dropped.committed, Reason: "worker re-registered its pool"})
+			s.rep.Report(&kvcv1.SessionEvent{SessionId: dropped.id, Kind: kvcv1.SessionEventKind_SESSION_EVENT_KIND_EVICTED,
+				KvLen: dropped.committed, Generation: dropped.gen, Detail: "worker restarted"})
+		}
+	}
+	s.mu.Lock()
+	for id, r := range s.rooms {
+		if r.res == nil {
+			r.res = &kvcv1.TransferDoneRequest{Room: id, Error: "the worker re-registered its KV pool"}
+			close(r.done)
+		}
+		delete(s.rooms, id)
 	}
 	s.pool = p
 	s.mu.Unlock()
+	if old != nil {
+		old.Close() // unregistering waits for in-flight engine requests on the old pool
+		s.log.Warn().Int("sessions_dropped", len(lost)).Msg("worker re-registered its KV pool")
+	}
 	s.regOnce.Do(func() { close(s.registered) })
 	s.log.Info().Int32("page_size", p.PageSize).Int64("item_len", p.ItemLen).Int64("pages", p.PageCount).Int32("layers", p.NumLayers).Msg("worker KV pool registered")
 	return &kvcv1.RegisterKVPoolResponse{KvBytesPerToken: p.BytesPerToken(), TransferEndpoint: s.eng.SegmentName()}, nil

@@ -132,3 +132,30 @@ func TestCommitValidation(t *testing.T) {
 		t.Fatalf("release unknown: %v", err)
 	}
 }
+
+func TestReRegisterDropsSessions(t *testing.T) {
+	s := newTestSidecar(t)
+	ctx := context.Background()
+	if _, err := s.CommitSession(ctx, &kvcv1.CommitSessionRequest{SessionId: "a", CommittedLen: 8, Pages: pages(2)}); err != nil {
+		t.Fatal(err)
+	}
+	p, err := kvpool.Create(t.TempDir(), kvpool.Spec{PageSize: 4, ItemLen: 32, NumLayers: 1, PageCount: 16})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	req := &kvcv1.RegisterKVPoolRequest{PageSize: 4, ItemLen: 32, PageCount: 16, NumLayers: 1}
+	for i, k := range []kvcv1.KVKind{kvcv1.KVKind_KV_KIND_K, kvcv1.KVKind_KV_KIND_V} {
+		req.Buffers = append(req.Buffers, &kvcv1.KVBuffer{Layer: 0, Kind: k, Memory: &kvcv1.KVBuffer_Shm{Shm: &kvcv1.SharedMemoryRef{Path: p.Path(), Offset: p.Offset(i)}}})
+	}
+	if _, err := s.RegisterKVPool(ctx, req); err != nil {
+		t.Fatal(err)
+	}
+	if si := s.Sessions(); len(si) != 0 {
+		t.Fatalf("sessions survived the worker restart: %+v", si)
+	}
+	// the new pool's bounds apply
+	if _, err := s.CommitSession(ctx, &kvcv1.CommitSessionRequest{SessionId: "b", CommittedLen: 8, Pages: []int64{0, 16}}); status.Code(err) != codes.OutOfRange {
+		t.Fatalf("page 16 of a 16-page pool: %v", err)
+	}
+}
