@@ -52,6 +52,11 @@ type Common struct {
 	TransferAddr      string
 	TransferAdvertise string
 	TransferConns     int
+	TransferSlice     uint64
+	MooncakeLib       string
+	MooncakeMetadata  string
+	MooncakeProtocol  string
+	MooncakeDevices   string
 	EventLog          string
 	KVCapacityTokens  int64
 	ReadyFile         string
@@ -76,6 +81,11 @@ func (c *Common) Register(fs *flag.FlagSet) {
 	fs.StringVar(&c.TransferAddr, "transfer-addr", "127.0.0.1:0", "transfer engine listen address (tcp)")
 	fs.StringVar(&c.TransferAdvertise, "transfer-advertise-addr", "", "transfer segment name peers use (default: the bound address)")
 	fs.IntVar(&c.TransferConns, "transfer-conns", 4, "parallel connections per peer (tcp)")
+	fs.Uint64Var(&c.TransferSlice, "transfer-slice-bytes", 0, "split large requests into slices of this size over the connections (tcp; 0: backend default)")
+	fs.StringVar(&c.MooncakeLib, "mooncake-lib", "", "path of libtransfer_engine.so (mooncake)")
+	fs.StringVar(&c.MooncakeMetadata, "mooncake-metadata", "P2PHANDSHAKE", "Mooncake metadata connection string (mooncake)")
+	fs.StringVar(&c.MooncakeProtocol, "mooncake-protocol", "rdma", "Mooncake transport protocol: rdma or tcp (mooncake)")
+	fs.StringVar(&c.MooncakeDevices, "mooncake-devices", "", "RDMA devices, comma list (mooncake, rdma protocol)")
 	fs.StringVar(&c.EventLog, "event-log", "", "JSON-lines event log path (empty: none)")
 	fs.Int64Var(&c.KVCapacityTokens, "kv-capacity-tokens", 0, "KV capacity reported to the control plane (0: what the pool implies)")
 	fs.StringVar(&c.ReadyFile, "ready-file", "", "write a JSON ready file with the bound addresses here")

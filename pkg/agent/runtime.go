@@ -50,7 +50,8 @@ func Start(ctx context.Context, c *Common, component string, logw io.Writer) (*R
 		return nil, err
 	}
 	eng, err := rdma.New(ctx, rdma.Config{Backend: c.Transport, ListenAddr: c.TransferAddr, AdvertiseAddr: c.TransferAdvertise,
-		Conns: c.TransferConns, CUDADevice: c.GPUIndex})
+		Conns: c.TransferConns, SliceBytes: c.TransferSlice, CUDADevice: c.GPUIndex, MooncakeLib: c.MooncakeLib,
+		MooncakeMetadata: c.MooncakeMetadata, MooncakeProtocol: c.MooncakeProtocol, MooncakeDevices: c.MooncakeDevices})
 	if err != nil {
 		_ = rt.Events.Close()
 		return nil, fmt.Errorf("transfer engine: %w", err)
