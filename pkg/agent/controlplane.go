@@ -127,6 +127,7 @@ func (c *ControlPlane) Run(ctx context.Context) error {
 	}
 	eps := cpclient.NewEndpoints(c.cfg.Endpoints)
 	bo := cpclient.Backoff{Min: c.cfg.BackoffMin, Max: c.cfg.BackoffMax}
+	hops := 0 // leader hints followed in a row without a welcome
 	for ctx.Err() == nil {
 		addr := eps.Next()
 		welcomed, err := c.session(ctx, addr)
@@ -138,8 +139,10 @@ func (c *ControlPlane) Run(ctx context.Context) error {
 		}
 		followed := eps.Hint(err)
 		c.log.Warn().Err(err).Str("addr", addr).Bool("leader_hint", followed).Msg("control plane stream ended")
-		if followed && !welcomed {
-			continue // go straight to the named leader
+		if welcomed || !followed {
+			hops = 0
+		} else if hops++; hops <= 2 {
+			continue // go straight to the named leader (bounded: stale hints may point in a circle)
 		}
 		t := time.NewTimer(bo.Next())
 		select {
