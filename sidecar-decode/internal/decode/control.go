@@ -32,7 +32,8 @@ func (s *Sidecar) Resync() *kvcv1.ResidentSessions {
 	return rs
 }
 
-// Load reports used tokens (sum of committed lengths) and queue depths.
+// Load reports used tokens (sum of committed lengths), rooms waiting for their transfer and
+// snapshot pushes running or queued.
 func (s *Sidecar) Load() *kvcv1.WorkerLoad {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -45,7 +46,8 @@ func (s *Sidecar) Load() *kvcv1.WorkerLoad {
 			l.TransferQueueDepth++
 		}
 	}
-	l.PreallocQueueDepth = int32(len(s.queue))
+	// pushes running plus queued; the worker's own prealloc/retracted queues are not visible here
+	l.InflightPushes += int32(len(s.queue))
 	return l
 }
 
