@@ -542,3 +542,64 @@ func TestGracefulHandover(t *testing.T) {
 		}
 	}
 }
+
+// TestRouterAndGraceWiring: the leader's Route stream decides over the live state (workers
+// registered through Connect), with the leader's epoch; a dropped sidecar stream makes the
+// worker UNREACHABLE at once and its residency goes after the grace.
+func TestRouterAndGraceWiring(t *testing.T) {
+	e := etcdtest.Start(t)
+	c := startCP(t, e.Endpoints(), "cp-a", func(o *Options) { o.UnreachableGrace = 300 * time.Millisecond })
+	epoch := c.waitLeader(t)
+	ctx := t.Context()
+	d0, _, err := open(t, c, decodeHello("d0"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := open(t, c, &kvcv1.Hello{WorkerId: "p0", Role: kvcv1.WorkerRole_WORKER_ROLE_PREFILL, Node: "n1",
+		KvCapacityTokens: 100000, WorkerUrl: "http://p0"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := d0.send(resident(true, "resident-1")); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "session resident", func() bool {
+		r, err := c.admin.GetSession(ctx, &kvcv1.GetSessionRequest{SessionId: "resident-1"})
+		return err == nil && r.GetSession().GetDecodeWorker() == "d0"
+	})
+	rs, err := kvcv1.NewRouterServiceClient(c.conn).Route(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := rs.Send(&kvcv1.RouteRequest{Kind: &kvcv1.RouteRequest_Query{Query: &kvcv1.RouteQuery{
+		RequestId: "r1", SessionId: "new-session", InputTokens: 1000, MaxOutputTokens: 64,
+	}}}); err != nil {
+		t.Fatal(err)
+	}
+	resp, err := rs.Recv()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d := resp.GetDecision(); d == nil || d.GetRequestId() != "r1" || d.GetEpoch() != epoch {
+		t.Fatalf("route answer %v (epoch %d)", resp, epoch)
+	}
+	if err := rs.Send(&kvcv1.RouteRequest{Kind: &kvcv1.RouteRequest_Query{Query: &kvcv1.RouteQuery{RequestId: "bad", InputTokens: -1}}}); err != nil {
+		t.Fatal(err)
+	}
+	if resp, err := rs.Recv(); err != nil || resp.GetError() == nil {
+		t.Fatalf("bad query answer %v %v", resp, err)
+	}
+
+	// Drop d0's stream: UNREACHABLE at once, residency dropped after the grace.
+	d0.cancel()
+	waitFor(t, "d0 unreachable", func() bool {
+		w, err := c.admin.GetWorker(ctx, &kvcv1.GetWorkerRequest{WorkerId: "d0"})
+		return err == nil && w.GetWorker().GetState() == kvcv1.WorkerState_WORKER_STATE_UNREACHABLE
+	})
+	waitFor(t, "residency dropped after the grace", func() bool {
+		r, err := c.admin.GetSession(ctx, &kvcv1.GetSessionRequest{SessionId: "resident-1"})
+		return err == nil && r.GetSession().GetDecodeWorker() == "" && r.GetSession().GetPreviousDecodeWorker() == "d0"
+	})
+	if !metric(t, c, "kvc_cp_residency_dropped_total 1") {
+		t.Fatal("drop not counted")
+	}
+}
