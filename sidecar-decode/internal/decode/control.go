@@ -76,6 +76,12 @@ func (s *Sidecar) Apply(_ context.Context, cmd *kvcv1.Command) error {
 		if id == "" {
 			return fmt.Errorf("release_session without session_id")
 		}
+		s.mu.Lock()
+		if len(s.dropped) >= maxPendingTargets {
+			s.dropped = map[string]struct{}{}
+		}
+		s.dropped[id] = struct{}{}
+		s.mu.Unlock()
 		go s.drop(id) // waits out an in-flight push; must not block the command stream
 		return nil
 	case *kvcv1.Command_Drain:

@@ -66,6 +66,9 @@ type Sidecar struct {
 	pool     *agent.Pool
 	sessions map[string]*session
 	targets  map[string]*kvcv1.SetSnapshotTargetCommand // targets named before the first commit
+	// dropped: sessions the control plane told us to stop tracking while the worker may still
+	// hold them; the worker's later ReleaseSession of one is answered OK, not NOT_FOUND.
+	dropped  map[string]struct{}
 	rooms    map[int64]*recvRoom
 	delta    int64
 	enabled  bool
@@ -115,7 +118,7 @@ func New(cfg Config, eng rdma.Engine, ev *agent.EventLog, log zerolog.Logger) *S
 	}
 	return &Sidecar{cfg: cfg, log: log, ev: ev, eng: eng, segs: agent.NewSegments(eng), peers: agent.NewPeers(), rep: nopReporter{},
 		registered: make(chan struct{}), sessions: map[string]*session{}, targets: map[string]*kvcv1.SetSnapshotTargetCommand{},
-		rooms: map[int64]*recvRoom{}, delta: cfg.DeltaTokens, enabled: true, wake: make(chan struct{}, 1)}
+		rooms: map[int64]*recvRoom{}, dropped: map[string]struct{}{}, delta: cfg.DeltaTokens, enabled: true, wake: make(chan struct{}, 1)}
 }
 
 // SetReporter sets where session events go.
@@ -306,6 +309,7 @@ func (s *Sidecar) CommitSession(_ context.Context, req *kvcv1.CommitSessionReque
 		return nil, status.Errorf(codes.FailedPrecondition, "committed_len of %s shrinks from %d to %d", ss.id, ss.committed, n)
 	}
 	if !ok {
+		delete(s.dropped, req.GetSessionId())
 		ss = &session{id: req.GetSessionId()}
 		if t := s.targets[ss.id]; t != nil {
 			delete(s.targets, ss.id)
@@ -330,6 +334,13 @@ func (s *Sidecar) ReleaseSession(_ context.Context, req *kvcv1.ReleaseSessionReq
 	}
 	ss, aborted, ok := s.drop(req.GetSessionId())
 	if !ok {
+		s.mu.Lock()
+		_, wasDropped := s.dropped[req.GetSessionId()]
+		delete(s.dropped, req.GetSessionId())
+		s.mu.Unlock()
+		if wasDropped {
+			return &kvcv1.ReleaseSessionResponse{}, nil
+		}
 		return nil, status.Errorf(codes.NotFound, "session %s unknown", req.GetSessionId())
 	}
 	kind, reason := kvcv1.SessionEventKind_SESSION_EVENT_KIND_RELEASED, "released"

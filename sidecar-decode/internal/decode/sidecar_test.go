@@ -2,7 +2,9 @@ package decode
 
 import (
 	"context"
+	"runtime"
 	"testing"
+	"time"
 
 	"github.com/rs/zerolog"
 	"google.golang.org/grpc/codes"
@@ -157,5 +159,31 @@ func TestReRegisterDropsSessions(t *testing.T) {
 	// the new pool's bounds apply
 	if _, err := s.CommitSession(ctx, &kvcv1.CommitSessionRequest{SessionId: "b", CommittedLen: 8, Pages: []int64{0, 16}}); status.Code(err) != codes.OutOfRange {
 		t.Fatalf("page 16 of a 16-page pool: %v", err)
+	}
+}
+
+func TestReleaseCommandThenWorkerRelease(t *testing.T) {
+	s := newTestSidecar(t)
+	ctx := context.Background()
+	if _, err := s.CommitSession(ctx, &kvcv1.CommitSessionRequest{SessionId: "m", CommittedLen: 4, Pages: pages(1)}); err != nil {
+		t.Fatal(err)
+	}
+	// the control plane moved the session elsewhere; the command drops it without blocking
+	if err := s.Apply(ctx, &kvcv1.Command{Action: &kvcv1.Command_ReleaseSession{ReleaseSession: &kvcv1.ReleaseSessionCommand{SessionId: "m"}}}); err != nil {
+		t.Fatal(err)
+	}
+	// the worker frees it later: that is not an error
+	deadline := time.Now().Add(5 * time.Second)
+	for len(s.Sessions()) != 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("session not dropped")
+		}
+		runtime.Gosched()
+	}
+	if _, err := s.ReleaseSession(ctx, &kvcv1.ReleaseSessionRequest{SessionId: "m"}); err != nil {
+		t.Fatalf("worker release after the command: %v", err)
+	}
+	if _, err := s.ReleaseSession(ctx, &kvcv1.ReleaseSessionRequest{SessionId: "m"}); status.Code(err) != codes.NotFound {
+		t.Fatalf("second release: %v", err)
 	}
 }
