@@ -238,11 +238,11 @@ func cudaDSidecarMain(s cudaShape) error {
 		if err != nil {
 			return err
 		}
-		times, err := cudaTimeBatches(e, reqs, reps)
+		times, subs, err := cudaTimeBatches(e, reqs, reps)
 		if err != nil {
 			return err
 		}
-		fmt.Printf("PUSHED %d %s\n", len(reqs), cudaDurations(times))
+		fmt.Printf("PUSHED %d %s %s\n", len(reqs), cudaDurations(times), cudaDurations(subs))
 	}
 	return sc.Err()
 }
@@ -275,39 +275,40 @@ func cudaArgs(o rdma.CUDAOptions) string {
 }
 
 // cudaTimeBatches runs reqs as one batch reps+1 times (the first is a warm-up: kernel JIT,
-// buffers, lazy peer mappings) and returns the wall time from Submit to Wait of each timed run.
-// Any task that does not complete is an error.
-func cudaTimeBatches(e rdma.Engine, reqs []rdma.Request, reps int) ([]time.Duration, error) {
+// buffers, lazy peer mappings) and returns the wall time from Submit to Wait of each timed run,
+// and the time Submit alone took (the host side: every copy queued). Any task that does not
+// complete is an error.
+func cudaTimeBatches(e rdma.Engine, reqs []rdma.Request, reps int) (total, submit []time.Duration, err error) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
-	var out []time.Duration
 	for i := 0; i <= reps; i++ {
 		b, err := e.AllocateBatch(len(reqs))
 		if err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 		start := time.Now()
 		if err := e.Submit(ctx, b, reqs); err != nil {
-			return nil, err
+			return nil, nil, err
 		}
+		sd := time.Since(start)
 		st, err := e.Wait(ctx, b)
 		d := time.Since(start)
 		if err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 		for j, s := range st {
 			if s.State != rdma.TaskCompleted {
-				return nil, fmt.Errorf("task %d: %v %v", j, s.State, s.Err)
+				return nil, nil, fmt.Errorf("task %d: %v %v", j, s.State, s.Err)
 			}
 		}
 		if err := e.FreeBatch(b); err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 		if i > 0 {
-			out = append(out, d)
+			total, submit = append(total, d), append(submit, sd)
 		}
 	}
-	return out, nil
+	return total, submit, nil
 }
 
 func cudaDurations(ds []time.Duration) string {
@@ -428,6 +429,7 @@ func (c *cudaChild) expect(t *testing.T, prefix string, timeout time.Duration) s
 
 type cudaFlowResult struct {
 	baseline, push, pull, pushHost, hostBaseline, reseed time.Duration
+	pullSubmit                                           time.Duration
 	requests                                             int
 	sweep                                                []string
 	checked, mismatches                                  int64
@@ -444,6 +446,8 @@ func cudaTestDriver(t testing.TB) *cuda.Driver {
 }
 
 func gbps(bytes uint64, d time.Duration) float64 { return float64(bytes) / d.Seconds() / 1e9 }
+
+func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
 
 // cudaVerify copies each buffer of the pool at base back to host memory and checks every token
 // slot of the session against the pattern and every other page for zeros.
@@ -598,8 +602,14 @@ func runCUDAFlow(t *testing.T, s cudaShape, reps int, sweep []rdma.CUDAOptions) 
 	}
 	clear(cuda.HostBytes(host, s.poolLen()))
 
-	// Push D -> P (GPU store), by the D sidecar, for each option set of the sweep.
+	// Push D -> P (GPU store), by the D sidecar, for each option set of the sweep; the store
+	// is cleared before and checked after each.
 	for i, o := range sweep {
+		if i > 0 {
+			if err := sctx.MemsetD8(store, 0, s.poolLen()); err != nil {
+				t.Fatal(err)
+			}
+		}
 		fmt.Fprintf(dside.in, "push %s %d %s\n", p.SegmentName(), reps, cudaArgs(o))
 		f := strings.Fields(dside.expect(t, "PUSHED", 10*time.Minute))
 		res.requests, _ = strconv.Atoi(f[0])
@@ -607,11 +617,11 @@ func runCUDAFlow(t *testing.T, s cudaShape, reps int, sweep []rdma.CUDAOptions) 
 		if i == 0 {
 			res.push = d
 		}
-		res.sweep = append(res.sweep, fmt.Sprintf("push   chunk=%-6d block=%-4d group=%-6d copy=%-6s workers=%-2d %7.1f GB/s (median of %d, %d requests)",
-			o.ChunkBytes, o.BlockThreads, o.GroupDescs, o.Copy, o.Workers, gbps(n, d), reps, res.requests))
-	}
-	if err := cudaVerify(s, sctx, store, false, s.pages("P"), stage, stagePtr, &res); err != nil {
-		t.Fatal(err)
+		res.sweep = append(res.sweep, fmt.Sprintf("push   chunk=%-6d block=%-4d group=%-6d copy=%-6s workers=%-2d %7.1f GB/s %6.2f ms, Submit %5.2f ms (medians of %d, %d requests)",
+			o.ChunkBytes, o.BlockThreads, o.GroupDescs, o.Copy, o.Workers, gbps(n, d), ms(d), ms(cudaMedian(cudaParseDurations(f[2]))), reps, res.requests))
+		if err := cudaVerify(s, sctx, store, false, s.pages("P"), stage, stagePtr, &res); err != nil {
+			t.Fatal(err)
+		}
 	}
 
 	// Pull D -> P store: the P side reads D over NVLink (the kernel runs on the store's GPU).
@@ -623,11 +633,11 @@ func runCUDAFlow(t *testing.T, s cudaShape, reps int, sweep []rdma.CUDAOptions) 
 	if err != nil {
 		t.Fatal(err)
 	}
-	ts, err := cudaTimeBatches(p, reqs, reps)
+	ts, subs, err := cudaTimeBatches(p, reqs, reps)
 	if err != nil {
 		t.Fatal(err)
 	}
-	res.pull = cudaMedian(ts)
+	res.pull, res.pullSubmit = cudaMedian(ts), cudaMedian(subs)
 	if err := cudaVerify(s, sctx, store, false, s.pages("P"), stage, stagePtr, &res); err != nil {
 		t.Fatal(err)
 	}
@@ -638,7 +648,7 @@ func runCUDAFlow(t *testing.T, s cudaShape, reps int, sweep []rdma.CUDAOptions) 
 	if err != nil {
 		t.Fatal(err)
 	}
-	ts, err = cudaTimeBatches(p, reqs, reps)
+	ts, _, err = cudaTimeBatches(p, reqs, reps)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -647,7 +657,8 @@ func runCUDAFlow(t *testing.T, s cudaShape, reps int, sweep []rdma.CUDAOptions) 
 		t.Fatal(err)
 	}
 
-	// Reseed P (GPU store) -> D2 (GPU 0), by the P sidecar, for each option set.
+	// Reseed P (GPU store) -> D2 (GPU 0), by the P sidecar, for each option set. D2 starts
+	// zeroed: it is checked after the first (reported) option set and after the last.
 	reqs, err = rdma.PlanPages(rdma.OpWrite, s.layout(store), s.layout(w.D2.Base), s.pages("P"), s.pages("D2"), dsid)
 	if err != nil {
 		t.Fatal(err)
@@ -656,7 +667,7 @@ func runCUDAFlow(t *testing.T, s cudaShape, reps int, sweep []rdma.CUDAOptions) 
 		if err := p.SetOptionsForTest(o); err != nil {
 			t.Fatal(err)
 		}
-		ts, err := cudaTimeBatches(p, reqs, reps)
+		ts, subs, err := cudaTimeBatches(p, reqs, reps)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -664,11 +675,13 @@ func runCUDAFlow(t *testing.T, s cudaShape, reps int, sweep []rdma.CUDAOptions) 
 		if i == 0 {
 			res.reseed = d
 		}
-		res.sweep = append(res.sweep, fmt.Sprintf("reseed chunk=%-6d block=%-4d group=%-6d copy=%-6s workers=%-2d %7.1f GB/s (median of %d, %d requests)",
-			o.ChunkBytes, o.BlockThreads, o.GroupDescs, o.Copy, o.Workers, gbps(n, d), reps, len(reqs)))
-	}
-	if err := cudaVerify(s, sctx, d2Base, false, s.pages("D2"), stage, stagePtr, &res); err != nil {
-		t.Fatal(err)
+		res.sweep = append(res.sweep, fmt.Sprintf("reseed chunk=%-6d block=%-4d group=%-6d copy=%-6s workers=%-2d %7.1f GB/s %6.2f ms, Submit %5.2f ms (medians of %d, %d requests)",
+			o.ChunkBytes, o.BlockThreads, o.GroupDescs, o.Copy, o.Workers, gbps(n, d), ms(d), ms(cudaMedian(subs)), reps, len(reqs)))
+		if i == 0 || i == len(sweep)-1 {
+			if err := cudaVerify(s, sctx, d2Base, false, s.pages("D2"), stage, stagePtr, &res); err != nil {
+				t.Fatal(err)
+			}
+		}
 	}
 	return res
 }
@@ -734,11 +747,12 @@ func TestCUDABenchGPU(t *testing.T) {
 	start := time.Now()
 	res := runCUDAFlow(t, s, reps, sweep)
 	n := s.sessionBytes()
+	fmt.Printf("baseline: one contiguous peer copy GPU 0 -> GPU 1 of the same bytes %.1f GB/s, %.2f ms\n", gbps(n, res.baseline), ms(res.baseline))
 	for _, l := range res.sweep {
 		fmt.Println(l)
 	}
-	fmt.Printf("pull: P reads the session from D over NVLink (copy kernel on GPU 1) %.1f GB/s, ratio %.2f\n",
-		gbps(n, res.pull), float64(res.baseline)/float64(res.pull))
+	fmt.Printf("pull: P reads the session from D over NVLink (copy kernel on GPU 1) %.1f GB/s, %.2f ms, Submit %.2f ms, ratio %.2f\n",
+		gbps(n, res.pull), ms(res.pull), ms(res.pullSubmit), float64(res.baseline)/float64(res.pull))
 	fmt.Printf("host: push to pinned host %.1f GB/s, contiguous device-to-host baseline %.1f GB/s, ratio %.2f\n",
 		gbps(n, res.pushHost), gbps(n, res.hostBaseline), float64(res.hostBaseline)/float64(res.pushHost))
 	fmt.Printf("verify: %d token slots checked (x %d B) in 4 copies plus every page outside the session, %d mismatches; bench took %v\n",

@@ -5,8 +5,10 @@ import (
 	"context"
 	"errors"
 	"math/rand/v2"
+	"runtime"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -23,6 +25,7 @@ type hostSink struct {
 	gate   chan struct{} // closed: groups may run
 	failAt int           // run call that fails (1-based); 0: none
 	runs   int
+	sizes  []int // descriptors of each group run, in order
 }
 
 func newHostSink(mem map[uint64][]byte, gated bool) *hostSink {
@@ -71,6 +74,9 @@ func (s *hostSink) run(buf *cudaDescBuf) (*cudaGroup, error) {
 	}
 	g := &cudaGroup{buf: buf, done: make(chan struct{})}
 	s.work[g] = buf
+	if buf != nil {
+		s.sizes = append(s.sizes, len(buf.descs))
+	}
 	s.mu.Unlock()
 	s.queue <- g
 	return g, nil
@@ -262,7 +268,10 @@ func TestCUDASubmitLaunchFailure(t *testing.T) {
 // nullSink completes every group at once without copying: it isolates the host-side cost of
 // a submission (routing, bounds checks, descriptor building, task bookkeeping). Buffers are
 // reused, as the GPU sink's are.
-type nullSink struct{ pool *sync.Pool }
+type nullSink struct {
+	pool *sync.Pool
+	last *atomic.Int64 // when the last group was run (UnixNano)
+}
 
 func (s nullSink) buffer(n int) (*cudaDescBuf, error) {
 	if b, ok := s.pool.Get().(*cudaDescBuf); ok && cap(b.descs) >= n {
@@ -278,6 +287,7 @@ func (s nullSink) run(b *cudaDescBuf) (*cudaGroup, error) {
 	}
 	g := &cudaGroup{done: make(chan struct{})}
 	close(g.done)
+	s.last.Store(time.Now().UnixNano())
 	return g, nil
 }
 
@@ -308,12 +318,15 @@ func BenchmarkCUDASubmitHost(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	run := func(workers int) time.Duration {
+	// run returns the best time from Submit to the last group run (when the GPU would have
+	// all its work) and from Submit to Wait's return.
+	run := func(workers int) (fed, total time.Duration) {
 		opt := CUDAOptions{Workers: workers}
 		if err := opt.defaults(); err != nil {
 			b.Fatal(err)
 		}
-		e := &CUDAEngine{opt: opt, testSink: nullSink{pool: &sync.Pool{}}, peers: map[SegmentID]*cudaPeer{}, batches: map[BatchID]*cudaBatch{}, nextBatch: 1}
+		sink := nullSink{pool: &sync.Pool{}, last: &atomic.Int64{}}
+		e := &CUDAEngine{opt: opt, testSink: sink, peers: map[SegmentID]*cudaPeer{}, batches: map[BatchID]*cudaBatch{}, nextBatch: 1}
 		for i := range src.BufferAddrs {
 			e.local = append(e.local, cudaSpan{addr: src.BufferAddrs[i], len: src.BufferLen(), ptr: src.BufferAddrs[i], dev: -1})
 		}
@@ -324,8 +337,8 @@ func BenchmarkCUDASubmitHost(b *testing.B) {
 		p := &cudaPeer{}
 		p.spans.Store(&spans)
 		e.peers[1] = p
-		best := time.Duration(1 << 62)
-		for i := 0; i < 3; i++ {
+		fed, total = time.Duration(1<<62), time.Duration(1<<62)
+		for i := 0; i < 5; i++ {
 			id, _ := e.AllocateBatch(len(reqs))
 			start := time.Now()
 			if err := e.Submit(context.Background(), id, reqs); err != nil {
@@ -337,16 +350,17 @@ func BenchmarkCUDASubmitHost(b *testing.B) {
 				b.Fatalf("%v %+v", err, st[len(st)-1])
 			}
 			_ = e.FreeBatch(id)
-			best = min(best, d)
+			fed = min(fed, time.Duration(sink.last.Load()-start.UnixNano()))
+			total = min(total, d)
 		}
-		return best
+		return fed, total
 	}
 	for i := 0; i < b.N; i++ {
-		serial := run(1)
-		def, _ := CUDADefaultsForTest(CUDAOptions{})
-		sharded := run(def.Workers)
-		b.Logf("cuda-submit: %d requests, 1 worker %v (%.0f ns/request), %d workers %v, speedup %.2f",
-			len(reqs), serial, float64(serial.Nanoseconds())/float64(len(reqs)), def.Workers, sharded, float64(serial)/float64(sharded))
+		sFed, sTotal := run(1)
+		w := min(4, runtime.GOMAXPROCS(0))
+		pFed, pTotal := run(w)
+		b.Logf("cuda-submit: %d requests; 1 worker (the default): all groups run after %v (%.1f ns/request), Wait returns after %v; %d workers: %v, %v; speedup %.2f",
+			len(reqs), sFed, float64(sFed.Nanoseconds())/float64(len(reqs)), sTotal, w, pFed, pTotal, float64(sFed)/float64(pFed))
 	}
 }
 
@@ -357,5 +371,225 @@ func TestCUDAAllocRejects(t *testing.T) {
 	}
 	if err := e.FreeMemory(0x1234); !errors.Is(err, ErrInvalidRequest) {
 		t.Fatalf("free of foreign memory: %v", err)
+	}
+}
+
+// TestCUDASubmitRoutes runs requests that move between regions, directions and segments, and
+// refused ones right after accepted ones in the same region: the cached window of the fast
+// path must never accept what the full route refuses, nor miss a region change.
+func TestCUDASubmitRoutes(t *testing.T) {
+	const half = 1 << 19 // local spans: [0x1000, +half) and [0x1000+half, +half); peer 0x9000000, 1 MiB
+	type want int
+	const (
+		ok want = iota
+		oob
+		invalid
+		unknown
+	)
+	w := func(src, dst, n uint64) Request {
+		return Request{Op: OpWrite, Source: src, Target: 1, TargetAddr: dst, Length: n}
+	}
+	tests := []struct {
+		name string
+		req  Request
+		want want
+	}{
+		{"write in span 0", w(0x1000, 0x9000000, 4096), ok},
+		{"write in span 0 again", w(0x1000+4096, 0x9000000+4096, 4096), ok},
+		{"straddles the local spans", w(0x1000+half-16, 0x9000000+8192, 32), oob},
+		{"write in span 1", w(0x1000+half, 0x9000000+8192, 4096), ok},
+		{"ends past span 1", w(0x1000+2*half-16, 0x9000000+16384, 32), oob},
+		{"ends past the peer region", w(0x1000+half+4096, 0x9000000+(1<<20)-16, 32), oob},
+		{"source wraps", w(^uint64(0)-15, 0x9000000, 32), oob},
+		{"target wraps", w(0x1000+half+4096, ^uint64(0)-15, 32), oob},
+		{"zero length", w(0x1000+half+4096, 0x9000000+20480, 0), invalid},
+		{"bad opcode", Request{Op: 9, Source: 0x1000 + half + 4096, Target: 1, TargetAddr: 0x9000000 + 20480, Length: 16}, invalid},
+		{"read into span 1", Request{Op: OpRead, Source: 0x1000 + half + 8192, Target: 1, TargetAddr: 0x9000000 + half, Length: 4096}, ok},
+		{"unknown segment", Request{Op: OpWrite, Source: 0x1000, Target: 5, TargetAddr: 0x9000000, Length: 16}, unknown},
+		{"back to the peer, unaligned", w(0x1000+100, 0x9000000+40960+3, 999), ok},
+		{"before span 0", w(0x0f00, 0x9000000, 16), oob},
+		{"split into chunks", w(0x1000+8192, 0x9000000+65536, 5000), ok},
+	}
+	for _, workers := range []int{1, 3} {
+		e, _, src, dst := hostEngine(t, CUDAOptions{ChunkBytes: 1024, GroupDescs: 3, Workers: workers}, 2, false)
+		srcAt := func(a uint64) []byte { return src[a-0x1000:] }
+		exp := slices.Clone(dst)
+		reqs := make([]Request, len(tests))
+		for i, tt := range tests {
+			reqs[i] = tt.req
+		}
+		// What the requests do, on copies of the memory (no two of them touch the same bytes,
+		// so the order in which shards run them does not matter).
+		want := slices.Clone(src)
+		for _, tt := range tests {
+			r := tt.req
+			if tt.want != ok {
+				continue
+			}
+			if r.Op == OpWrite {
+				copy(exp[r.TargetAddr-0x9000000:][:r.Length], srcAt(r.Source)[:r.Length])
+			} else {
+				copy(want[r.Source-0x1000:][:r.Length], exp[r.TargetAddr-0x9000000:][:r.Length])
+			}
+		}
+		ctx := context.Background()
+		b, err := e.AllocateBatch(len(reqs))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := e.Submit(ctx, b, reqs); err != nil {
+			t.Fatal(err)
+		}
+		st, err := e.Wait(ctx, b)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i, tt := range tests {
+			s := st[i]
+			var good bool
+			switch tt.want {
+			case ok:
+				good = s.State == TaskCompleted && s.BytesDone == tt.req.Length
+			case oob:
+				good = s.State == TaskFailed && errors.Is(s.Err, ErrOutOfBounds)
+			case invalid:
+				good = s.State == TaskFailed && errors.Is(s.Err, ErrInvalidRequest)
+			case unknown:
+				good = s.State == TaskFailed && errors.Is(s.Err, ErrUnknownSegment)
+			}
+			if !good {
+				t.Errorf("workers %d, %s: %+v", workers, tt.name, s)
+			}
+		}
+		if !bytes.Equal(dst, exp) {
+			t.Fatalf("workers %d: peer memory differs at %d", workers, firstDiff(dst, exp))
+		}
+		if !bytes.Equal(src, want) {
+			t.Fatalf("workers %d: local memory differs at %d", workers, firstDiff(src, want))
+		}
+	}
+}
+
+// TestCUDASubmitGroupRamp checks that a submission's first group is small and later ones
+// double up to GroupDescs, so that the GPU starts early.
+func TestCUDASubmitGroupRamp(t *testing.T) {
+	tests := []struct {
+		name   string
+		group  int
+		reqs   int
+		chunk  uint64
+		length uint64
+		want   []int
+	}{
+		{"ramp to the cap", 4096, 10000, 1024, 16, []int{1024, 2048, 4096, 2832}},
+		{"cap below the first group", 100, 250, 1024, 16, []int{100, 100, 50}},
+		{"chunked requests", 1 << 14, 1000, 1024, 3000, []int{1024, 1976}},
+		{"one small group", 1 << 14, 10, 1024, 16, []int{10}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			e, sink, _, _ := hostEngine(t, CUDAOptions{ChunkBytes: tt.chunk, GroupDescs: tt.group, Workers: 1}, 0, false)
+			reqs := make([]Request, tt.reqs)
+			for i := range reqs {
+				off := uint64(i) * 16 % (1<<19 - tt.length)
+				reqs[i] = Request{Op: OpWrite, Source: 0x1000 + off, Target: 1, TargetAddr: 0x9000000 + off, Length: tt.length}
+			}
+			ctx := context.Background()
+			b, _ := e.AllocateBatch(len(reqs))
+			if err := e.Submit(ctx, b, reqs); err != nil {
+				t.Fatal(err)
+			}
+			st, err := e.Wait(ctx, b)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for i, s := range st {
+				if s.State != TaskCompleted {
+					t.Fatalf("task %d: %+v", i, s)
+				}
+			}
+			sink.mu.Lock()
+			got := slices.Clone(sink.sizes)
+			sink.mu.Unlock()
+			if !slices.Equal(got, tt.want) {
+				t.Fatalf("group sizes %v, want %v", got, tt.want)
+			}
+		})
+	}
+}
+
+// TestCUDAWaitStatuses checks the statuses Wait prepares during a submission: handed out once
+// (a second Wait builds its own), the same as computed ones, refused tasks included, and not
+// used for a batch with two submissions or a canceled one.
+func TestCUDAWaitStatuses(t *testing.T) {
+	e, _, _, _ := hostEngine(t, CUDAOptions{ChunkBytes: 1024, GroupDescs: 4, Workers: 1}, 0, false)
+	reqs := make([]Request, 20)
+	for i := range reqs {
+		reqs[i] = Request{Op: OpWrite, Source: 0x1000 + uint64(i)*4096, Target: 1, TargetAddr: 0x9000000 + uint64(i)*4096, Length: 4096}
+	}
+	reqs[7].Length = 0 // refused
+	check := func(st []TaskStatus, n int) {
+		t.Helper()
+		if len(st) != n {
+			t.Fatalf("%d statuses, want %d", len(st), n)
+		}
+		for i, s := range st {
+			if i%len(reqs) == 7 {
+				if s.State != TaskFailed || !errors.Is(s.Err, ErrInvalidRequest) {
+					t.Fatalf("task %d: %+v", i, s)
+				}
+			} else if s.State != TaskCompleted || s.BytesDone != 4096 {
+				t.Fatalf("task %d: %+v", i, s)
+			}
+		}
+	}
+	ctx := context.Background()
+
+	b, _ := e.AllocateBatch(len(reqs))
+	if err := e.Submit(ctx, b, reqs); err != nil {
+		t.Fatal(err)
+	}
+	first, err := e.Wait(ctx, b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	check(first, len(reqs))
+	first[0] = TaskStatus{} // the caller owns what Wait returned
+	second, err := e.Wait(ctx, b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	check(second, len(reqs))
+
+	b2, _ := e.AllocateBatch(2 * len(reqs))
+	for range 2 {
+		if err := e.Submit(ctx, b2, reqs); err != nil {
+			t.Fatal(err)
+		}
+	}
+	st, err := e.Wait(ctx, b2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	check(st, 2*len(reqs))
+
+	// Canceled while the "GPU" is held: every task that had not finished reports canceled.
+	e2, sink2, _, _ := hostEngine(t, CUDAOptions{ChunkBytes: 1024, GroupDescs: 4, Workers: 1}, 0, true)
+	b3, _ := e2.AllocateBatch(len(reqs))
+	if err := e2.Submit(ctx, b3, reqs); err != nil {
+		t.Fatal(err)
+	}
+	if err := e2.Cancel(b3); err != nil {
+		t.Fatal(err)
+	}
+	close(sink2.gate)
+	st, err = e2.Wait(ctx, b3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, s := range st {
+		if i != 7 && s.State != TaskCanceled {
+			t.Fatalf("canceled batch, task %d: %+v", i, s)
+		}
 	}
 }

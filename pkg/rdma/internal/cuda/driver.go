@@ -88,6 +88,7 @@ var required = [][]string{
 	{"cuMemcpyHtoDAsync_v2", "cuMemcpyHtoDAsync"}, {"cuMemcpyDtoHAsync_v2", "cuMemcpyDtoHAsync"},
 	{"cuMemcpyDtoDAsync_v2", "cuMemcpyDtoDAsync"}, {"cuMemcpyPeerAsync"}, {"cuMemcpyAsync"},
 	{"cuStreamCreate"}, {"cuStreamDestroy_v2", "cuStreamDestroy"}, {"cuStreamSynchronize"},
+	{"cuStreamWaitEvent"},
 	{"cuEventCreate"}, {"cuEventDestroy_v2", "cuEventDestroy"}, {"cuEventRecord"},
 	{"cuEventQuery"}, {"cuEventSynchronize"}, {"cuEventElapsedTime_v2", "cuEventElapsedTime"},
 	{"cuModuleLoadData"}, {"cuModuleUnload"}, {"cuModuleGetFunction"}, {"cuLaunchKernel"},
@@ -441,6 +442,12 @@ func (c *Context) StreamDestroy(s Stream) error { return c.do("cuStreamDestroy_v
 
 // StreamSynchronize waits for all work on s.
 func (c *Context) StreamSynchronize(s Stream) error { return c.do("cuStreamSynchronize", uintptr(s)) }
+
+// StreamWaitEvent makes later work on s wait until the work recorded in e (as of this call)
+// has completed, without blocking the host.
+func (c *Context) StreamWaitEvent(s Stream, e Event) error {
+	return c.do("cuStreamWaitEvent", uintptr(s), uintptr(e), 0)
+}
 
 // Event is a CUevent.
 type Event uintptr
