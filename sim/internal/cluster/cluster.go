@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net/http"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -313,7 +314,8 @@ func (c *Cluster) start(ctx context.Context) error {
 		}
 		c.Workers = append(c.Workers, w)
 		if w.Role == "prefill" {
-			prefillURLs = append(prefillURLs, w.WorkerURL)
+			// URL|PEER_ADDR: fail-open P/D needs the prefill sidecar's peer address too.
+			prefillURLs = append(prefillURLs, w.WorkerURL+"|"+w.PeerAddr)
 		} else {
 			decodeURLs = append(decodeURLs, w.WorkerURL)
 		}
@@ -336,6 +338,9 @@ func (c *Cluster) start(ctx context.Context) error {
 			return err
 		}
 		c.GatewayURL = httpURL(gw.ReadyString("http_addr"))
+		if err := c.WaitGatewayConnected(ctx); err != nil {
+			return err
+		}
 		c.logf("gateway         %s", c.GatewayURL)
 	}
 	return nil
@@ -463,6 +468,34 @@ func (c *Cluster) waitWorkers(ctx context.Context) error {
 	})
 }
 
+// WaitGatewayConnected waits (up to the start timeout) until the gateway reports its Route
+// stream to the control-plane leader up (metric kvc_gateway_control_plane_connected 1); until
+// then it serves fail-open.
+func (c *Cluster) WaitGatewayConnected(ctx context.Context) error {
+	if c.GatewayURL == "" {
+		return nil
+	}
+	cl := &http.Client{Timeout: 2 * time.Second}
+	return c.retry(ctx, "wait for the gateway's route stream", func(ctx context.Context) error {
+		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, c.GatewayURL+"/metrics", nil)
+		resp, err := cl.Do(req)
+		if err != nil {
+			return err
+		}
+		defer resp.Body.Close()
+		b, err := io.ReadAll(resp.Body)
+		if err != nil {
+			return err
+		}
+		for _, line := range strings.Split(string(b), "\n") {
+			if v, ok := strings.CutPrefix(line, "kvc_gateway_control_plane_connected "); ok && strings.TrimSpace(v) == "1" {
+				return nil
+			}
+		}
+		return errors.New("route stream not up")
+	})
+}
+
 // Process returns the process named name (nil when none).
 func (c *Cluster) Process(name string) *Process {
 	for _, p := range c.Processes {
@@ -491,13 +524,14 @@ func (c *Cluster) KillLeader() error {
 	return nil
 }
 
-// Stop stops every process (gateway first, then workers and sidecars, then control planes) with
+// Stop stops every process (gateway, workers, decode then prefill sidecars, control planes) with
 // SIGTERM, SIGKILL after the grace period, stops etcd and removes sockets and leftover KV pool
 // files. It reports processes that did not stop cleanly. Safe to call more than once.
 func (c *Cluster) Stop() error {
 	c.stopOnce.Do(func() {
 		var errs []error
-		groups := [][]string{{"gateway"}, {"sim-prefill", "sim-decode"}, {"sidecar-prefill", "sidecar-decode"}, {"controlplane"}}
+		// Decode sidecars push snapshots to prefill sidecars: stop them first.
+		groups := [][]string{{"gateway"}, {"sim-prefill", "sim-decode"}, {"sidecar-decode"}, {"sidecar-prefill"}, {"controlplane"}}
 		for _, g := range groups {
 			var wg sync.WaitGroup
 			var mu sync.Mutex

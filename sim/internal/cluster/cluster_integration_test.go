@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
 	"os"
@@ -86,6 +87,9 @@ func generate(t *testing.T, url, session string, text string) genResult {
 func TestLocalClusterEndToEnd(t *testing.T) {
 	dir := binDir(t)
 	work := t.TempDir()
+	if d := os.Getenv("CLUSTER_IT_WORKDIR"); d != "" {
+		work = d // keep the logs for a post-mortem
+	}
 	var log strings.Builder
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
@@ -128,7 +132,7 @@ func TestLocalClusterEndToEnd(t *testing.T) {
 		kvc1["received_bytes"] != kvc1["verified_bytes"] || r1.header.Get("X-Kvc-Mode") != "SEED" {
 		t.Fatalf("turn 1 (%s) meta %v", r1.header.Get("X-Kvc-Mode"), r1.meta)
 	}
-	r2 := generate(t, c.GatewayURL, "it-1", text+" more words please")
+	r2 := generate(t, c.GatewayURL, "it-1", text+strings.Repeat(" more words please", 10))
 	if r2.status != http.StatusOK {
 		t.Fatalf("turn 2: %d %s\n%s", r2.status, r2.body, logs(c))
 	}
@@ -153,8 +157,27 @@ func TestLocalClusterEndToEnd(t *testing.T) {
 	}); err != nil {
 		t.Fatal(err)
 	}
-	if r := generate(t, c.GatewayURL, "it-2", text); r.status != http.StatusOK {
-		t.Fatalf("after failover: %d %s", r.status, r.body)
+	// The sidecars and the gateway re-home to the new leader.
+	if err := c.waitWorkers(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.WaitGatewayConnected(ctx); err != nil {
+		t.Fatal(err)
+	}
+	r3 := generate(t, c.GatewayURL, "it-2", text)
+	if r3.status != http.StatusOK {
+		t.Fatalf("after failover: %d %s", r3.status, r3.body)
+	}
+
+	// D->P snapshots: the prefill sidecar ends up holding every committed token of both sessions
+	// (the decode worker committed kv_len_after before answering).
+	waitSnapshot(t, c, "it-1", int64(r2.meta["kvc"].(map[string]any)["kv_len_after"].(float64)))
+	if m := r3.header.Get("X-Kvc-Mode"); m == "SEED" {
+		waitSnapshot(t, c, "it-2", int64(r3.meta["kvc"].(map[string]any)["kv_len_after"].(float64)))
+	} else {
+		// Right after a failover the gateway may not have its Route stream back yet and serves
+		// fail-open (plain P/D, no session kept): nothing to snapshot.
+		t.Logf("after failover it-2 ran as %s (%s, fail-open %s)", m, r3.header.Get("X-Kvc-Reason"), r3.header.Get("X-Kvc-Fail-Open"))
 	}
 
 	shm := []string{}
@@ -164,7 +187,7 @@ func TestLocalClusterEndToEnd(t *testing.T) {
 	stopped = true
 	// The killed leader is already gone; the rest must stop cleanly.
 	if err := c.Stop(); err != nil {
-		t.Fatalf("stop: %v", err)
+		t.Fatalf("stop: %v\n%s", err, logs(c))
 	}
 	for _, p := range c.Processes {
 		if p.Alive() {
@@ -192,4 +215,44 @@ func logs(c *Cluster) string {
 		b.WriteString("== " + p.Name + "\n" + p.logTail(15) + "\n")
 	}
 	return b.String()
+}
+
+// waitSnapshot waits until the prefill sidecar's snapshot of session covers seqlen tokens.
+func waitSnapshot(t *testing.T, c *Cluster, session string, seqlen int64) {
+	t.Helper()
+	var url string
+	for _, w := range c.Workers {
+		if w.Role == "prefill" {
+			url = w.SidecarHTTP + "/v1/sessions/" + session + "/snapshot_status"
+		}
+	}
+	var last string
+	waitFor(t, func() bool {
+		resp, err := http.Get(url)
+		if err != nil {
+			last = err.Error()
+			return false
+		}
+		defer resp.Body.Close()
+		var st struct {
+			Exists bool  `json:"exists"`
+			Seqlen int64 `json:"seqlen"`
+		}
+		b, _ := io.ReadAll(resp.Body)
+		last = string(b)
+		return json.Unmarshal(b, &st) == nil && st.Exists && st.Seqlen == seqlen
+	}, func() string {
+		return fmt.Sprintf("snapshot of %s never reached %d tokens; last status %s", session, seqlen, last)
+	})
+}
+
+func waitFor(t *testing.T, cond func() bool, why func() string) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatal(why())
+		}
+		time.Sleep(20 * time.Millisecond) // polling files written by other processes
+	}
 }

@@ -135,13 +135,14 @@ func (w *Worker) handleGenerate(rw http.ResponseWriter, r *http.Request) {
 		fail(e)
 		return
 	}
-	ok := false
-	defer func() { w.finish(t, ok) }()
+	defer func() {
+		if !t.finished {
+			w.finish(t, false)
+		}
+	}()
 	if e := w.decode(r.Context(), rw, t, start); e != nil {
 		code = e.code
-		return
 	}
-	ok = true
 }
 
 // servePrefill runs the prefill half: prefill every input token (P's own prefix cache is out
@@ -202,6 +203,9 @@ type turn struct {
 	pages  []int64  // anonymous requests only
 	unlock func()
 	kv     int64 // tokens of KV computed
+	// finished: finish ran (decode runs it before the last write, so that a client that has the
+	// whole answer knows the session is committed on the sidecar).
+	finished bool
 }
 
 func (t *turn) pageList() []int64 {
@@ -433,6 +437,7 @@ func (w *Worker) decode(ctx context.Context, rw http.ResponseWriter, t *turn, st
 	if p.maxNew == 0 {
 		w.m.ttft.WithLabelValues(p.mode.String()).Observe(time.Since(start).Seconds())
 	}
+	w.finish(t, true)
 	final := mi(p.maxNew)
 	final.FinishReason = json.RawMessage(fmt.Sprintf(`{"type":"length","length":%d}`, p.maxNew))
 	final.E2ELatency = time.Since(start).Seconds()
@@ -452,6 +457,7 @@ func (w *Worker) decode(ctx context.Context, rw http.ResponseWriter, t *turn, st
 // as it was (its KV [0, kv_len) is intact); a failed transfer turn or a not-kept session is
 // dropped.
 func (w *Worker) finish(t *turn, ok bool) {
+	t.finished = true
 	defer func() {
 		if t.unlock != nil {
 			t.unlock()
