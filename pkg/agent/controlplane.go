@@ -138,7 +138,11 @@ func (c *ControlPlane) Run(ctx context.Context) error {
 			bo.Reset()
 		}
 		followed := eps.Hint(err)
-		c.log.Warn().Err(err).Str("addr", addr).Bool("leader_hint", followed).Msg("control plane stream ended")
+		if followed {
+			c.log.Info().Err(err).Str("addr", addr).Msg("not the leader; following its hint")
+		} else {
+			c.log.Warn().Err(err).Str("addr", addr).Msg("control plane stream ended")
+		}
 		if welcomed || !followed {
 			hops = 0
 		} else if hops++; hops <= 2 {

@@ -24,7 +24,6 @@ const (
 	EvBypassMiss     = "snapshot_bypass_miss"
 	EvTransferDone   = "transfer_done"
 	EvTransferFailed = "transfer_failed"
-	EvSessionCommit  = "session_committed"
 	EvSessionRelease = "session_released"
 )
 
