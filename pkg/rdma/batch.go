@@ -58,8 +58,10 @@ func (b *batch) add(n int) ([]*task, error) {
 		b.done = make(chan struct{})
 	}
 	out := make([]*task, n)
+	block := make([]task, n)
 	for i := range out {
-		out[i] = &task{b: b}
+		block[i].b = b
+		out[i] = &block[i]
 	}
 	b.tasks = append(b.tasks, out...)
 	b.pending += n

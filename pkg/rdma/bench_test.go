@@ -117,7 +117,7 @@ func BenchmarkTransfer(b *testing.B) {
 		backend = "tcp"
 	}
 	conns := int(benchEnvInt("KVC_BENCH_CONNS", 4))
-	rdma.SetSendTuning(int(benchEnvInt("KVC_BENCH_SEND_ARENA", 0)), int(benchEnvInt("KVC_BENCH_SEND_INLINE", 0)))
+	rdma.SetSendTuning(int(benchEnvInt("KVC_BENCH_SEND_ARENA", 0)), int(benchEnvInt("KVC_BENCH_SEND_COPY", 0)))
 	sessionPages := (s.tokens + int64(s.pageSize) - 1) / int64(s.pageSize)
 	srcL, src := arenaPool(b, s, 2*sessionPages)
 	dstL, dst := arenaPool(b, s, 2*sessionPages)

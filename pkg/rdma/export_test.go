@@ -1,11 +1,11 @@
 package rdma
 
-// SetSendTuning lets benchmarks try other send arena and inline sizes.
-func SetSendTuning(arena, inline int) {
+// SetSendTuning lets benchmarks try other sender arena and copy thresholds.
+func SetSendTuning(arena, copyMax int) {
 	if arena > 0 {
 		sendArena = arena
 	}
-	if inline > 0 {
-		sendInline = inline
+	if copyMax >= 0 {
+		sendCopyMax = copyMax
 	}
 }

@@ -81,6 +81,17 @@ func fragmentedPages(r *rand.Rand, n int, count int64) []int64 {
 }
 
 func TestTCPFragmentedWriteAndRead(t *testing.T) {
+	// Both ways of sending WRITE payloads: in place (writev) and copied next to their headers.
+	for _, copyMax := range []int{0, 64 << 10} {
+		t.Run(fmt.Sprintf("copy<=%d", copyMax), func(t *testing.T) {
+			defer func(old int) { sendCopyMax = old }(sendCopyMax)
+			sendCopyMax = copyMax
+			testFragmentedWriteAndRead(t)
+		})
+	}
+}
+
+func testFragmentedWriteAndRead(t *testing.T) {
 	const layers, ps, tb, pages = 3, 16, 24, 64
 	srcMem := mmapArena(t, 2*layers*ps*tb*pages)
 	dstMem := mmapArena(t, 2*layers*ps*tb*pages)
@@ -561,7 +572,7 @@ const helperEnv = "KVC_RDMA_TEST_HELPER"
 
 // TestHelperProcess is the peer process of the two-process tests (it does nothing in a normal run).
 // It serves a registered region filled with pattern 42, prints "READY name addr len", and exits
-// when stdin closes; in mode "die" it exits abruptly on the 5th data frame.
+// when stdin closes; in mode "die" it exits abruptly on the 2nd data frame.
 func TestHelperProcess(t *testing.T) {
 	mode := os.Getenv(helperEnv)
 	if mode == "" {
@@ -579,7 +590,7 @@ func TestHelperProcess(t *testing.T) {
 	if mode == "die" {
 		var frames atomic.Int32
 		e.(*tcpEngine).serverHook = func(uint8) {
-			if frames.Add(1) == 5 {
+			if frames.Add(1) == 2 {
 				os.Exit(3)
 			}
 		}
@@ -692,10 +703,21 @@ func TestTCPTwoProcessesPeerDeath(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// 64 writes of 64 KiB: each connection carries one WRITE_BATCH; the helper exits when it has
+	// read the second frame's header, so at least that frame's writes never land.
+	var reqs []Request
+	for i := uint64(0); i < 64; i++ {
+		reqs = append(reqs, Request{OpWrite, tAddr(local) + i<<16, seg, h.addr + i<<16, 1 << 16})
+	}
 	start := time.Now()
-	res, err := TransferSync(ctx, cli, []Request{{OpWrite, tAddr(local), seg, h.addr, h.size}}, Deadline{Base: 15 * time.Second})
-	if !errors.Is(err, ErrPeerGone) || res.Tasks[0].State != TaskFailed {
-		t.Fatalf("got %v %+v", err, res.Tasks)
+	res, err := TransferSync(ctx, cli, reqs, Deadline{Base: 15 * time.Second})
+	if !errors.Is(err, ErrPeerGone) || res.Failed < 1 {
+		t.Fatalf("got %v, %d failed", err, res.Failed)
+	}
+	for i, st := range res.Tasks {
+		if st.State != TaskCompleted && (st.State != TaskFailed || !errors.Is(st.Err, ErrPeerGone)) {
+			t.Fatalf("task %d: %+v", i, st)
+		}
 	}
 	if el := time.Since(start); el > 10*time.Second {
 		t.Fatalf("peer death noticed after %v", el)

@@ -25,6 +25,8 @@ import (
 //	READ       id u64 | addr u64 | length u32 (1..tcpMaxSlice)
 //	READ_RESP  id u64 | status u8 | payload (status OK: the length asked) or msg (u16 len + bytes)
 //	WRITE_ACK_UPTO  id u64: every WRITE in flight up to and including id succeeded
+//	WRITE_BATCH  first id u64 | count u32 (1..tcpMaxBatch) | count × (addr u64 | len u32) |
+//	             the payloads back to back (sum of len, at most tcpMaxBatchBytes); ids first..first+count-1
 //
 // Successful WRITEs are acknowledged cumulatively; a refused WRITE gets its own WRITE_ACK.
 const (
@@ -39,6 +41,9 @@ const (
 	tcpFtReadResp = 6
 	// tcpFtWriteAckUpTo acknowledges every WRITE in flight up to and including an id.
 	tcpFtWriteAckUpTo = 7
+	// tcpFtWriteBatch carries several WRITEs: descriptors first, then the payloads back to back,
+	// so the owner can land them with one readv straight into registered memory.
+	tcpFtWriteBatch = 8
 
 	tcpStOK          uint8 = 0
 	tcpStOutOfBounds uint8 = 1
@@ -50,7 +55,10 @@ const (
 	tcpMaxHandshake = 1 << 20  // largest HELLO / HELLO_ACK
 	tcpMaxRegions   = 4096
 	tcpMaxMsg       = 1024
-	tcpMaxName      = 1024
+	// A WRITE_BATCH holds at most tcpMaxBatch writes and tcpMaxBatchBytes of payload.
+	tcpMaxBatch      = 256
+	tcpMaxBatchBytes = 16 << 20
+	tcpMaxName       = 1024
 )
 
 var tcpErrProtocol = errors.New("rdma: tcp protocol error")
@@ -305,6 +313,8 @@ func tcpReadHeader(r *bufio.Reader) (typ uint8, body uint32, err error) {
 		ok = body >= 9 && body <= 9+tcpMaxSlice
 	case tcpFtWriteAckUpTo:
 		ok = body == 8
+	case tcpFtWriteBatch:
+		ok = body >= 12+12 && body <= 12+12*tcpMaxBatch+tcpMaxBatchBytes
 	default:
 		return 0, 0, fmt.Errorf("%w: unknown tcpFrame type %d", tcpErrProtocol, typ)
 	}

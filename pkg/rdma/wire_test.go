@@ -78,6 +78,22 @@ func writeFrame(id, addr uint64, payload []byte) []byte {
 	return append(b, payload...)
 }
 
+func writeBatchFrame(first uint64, addrs []uint64, payloads [][]byte) []byte {
+	var body []byte
+	body = binary.LittleEndian.AppendUint64(body, first)
+	body = binary.LittleEndian.AppendUint32(body, uint32(len(addrs)))
+	for i, a := range addrs {
+		body = binary.LittleEndian.AppendUint64(body, a)
+		body = binary.LittleEndian.AppendUint32(body, uint32(len(payloads[i])))
+	}
+	for _, p := range payloads {
+		body = append(body, p...)
+	}
+	b := binary.LittleEndian.AppendUint32(nil, uint32(1+len(body)))
+	b = append(b, tcpFtWriteBatch)
+	return append(b, body...)
+}
+
 func readFrame(id, addr uint64, n uint32) []byte {
 	b := binary.LittleEndian.AppendUint32(nil, 1+20)
 	b = append(b, tcpFtRead)
@@ -103,12 +119,14 @@ func FuzzTCPServe(f *testing.F) {
 	f.Add(append(readFrame(4, ra, 16), readFrame(5, ra+size, 1)...))
 	f.Add(append(writeFrame(6, ra, nil), 0xff))
 	f.Add([]byte{0, 0, 0, 0, 1})
+	f.Add(writeBatchFrame(7, []uint64{ra, ra + 100, ra + size - 3}, [][]byte{[]byte("abc"), []byte("de"), []byte("fghij")}))
+	f.Add(writeBatchFrame(9, []uint64{ra + 10, ra - 1}, [][]byte{[]byte("ok"), []byte("no")}))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		for i := range mem {
 			mem[i] = 0xa5
 		}
 		var out bytes.Buffer
-		_ = e.serveData(bufio.NewReader(bytes.NewReader(b)), bufio.NewWriter(&out))
+		_ = e.serveData(bufio.NewReader(bytes.NewReader(b)), bufio.NewWriter(&out), nil)
 		for i := 0; i < guard; i++ {
 			if mem[i] != 0xa5 || mem[guard+size+i] != 0xa5 {
 				t.Fatalf("byte outside the region changed (offset %d)", i)
