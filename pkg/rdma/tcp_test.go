@@ -11,6 +11,7 @@ import (
 	"net"
 	"os"
 	"os/exec"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -724,5 +725,41 @@ func TestTCPTwoProcessesPeerDeath(t *testing.T) {
 	}
 	if err := h.cmd.Wait(); err == nil || h.cmd.ProcessState.ExitCode() != 3 {
 		t.Fatalf("helper exit: %v", err)
+	}
+}
+
+// TestRegionWithdrawWaitsForCopies: UnregisterMemory does not return while a copy holds the
+// region, and no new copy can start once it began.
+func TestRegionWithdrawWaitsForCopies(t *testing.T) {
+	var tbl regionTable
+	if err := tbl.add(Region{Addr: 1 << 20, Len: 4096}); err != nil {
+		t.Fatal(err)
+	}
+	r := tbl.acquire(1<<20+10, 100)
+	if r == nil {
+		t.Fatal("acquire inside the region failed")
+	}
+	if tbl.acquire(1<<20+4000, 100) != nil {
+		t.Fatal("acquire across the end succeeded")
+	}
+	done := make(chan error)
+	go func() { done <- tbl.remove(1 << 20) }()
+	for !r.gone.Load() {
+		runtime.Gosched() // wait until the withdrawal has started
+	}
+	if r.use() {
+		t.Fatal("a new copy started on a region being withdrawn")
+	}
+	select {
+	case err := <-done:
+		t.Fatalf("UnregisterMemory returned (%v) while a copy held the region", err)
+	default:
+	}
+	r.release()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if tbl.acquire(1<<20+10, 100) != nil {
+		t.Fatal("acquire after withdrawal succeeded")
 	}
 }
