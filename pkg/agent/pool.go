@@ -34,6 +34,11 @@ type Pool struct {
 	maps    [][]byte // mappings to unmap on Close
 	regions []rdma.Region
 	eng     rdma.Engine
+	// addrs, when set, are the buffers' addresses for a pool without a CPU view (a worker's
+	// GPU pool imported by CUDA IPC, pool_cuda.go); bufs is then empty.
+	addrs []uint64
+	// frees release memory that is not a mapping (pinned host memory), after unregistering.
+	frees []func()
 }
 
 // Buffers is the number of buffers (2·layers).
@@ -54,6 +59,10 @@ func (p *Pool) CapacityTokens() int64 { return p.PageCount * int64(p.PageSize) }
 // Layout describes the pool with its local addresses (what peers target).
 func (p *Pool) Layout() *kvcv1.KVLayout {
 	l := &kvcv1.KVLayout{PageSize: p.PageSize, ItemLen: p.ItemLen, NumLayers: p.NumLayers, PageCount: p.PageCount}
+	if p.addrs != nil {
+		l.BufferAddrs = append(l.BufferAddrs, p.addrs...)
+		return l
+	}
 	for _, b := range p.bufs {
 		l.BufferAddrs = append(l.BufferAddrs, addrOf(b))
 	}
@@ -198,6 +207,7 @@ func mapShared(path string, off, size int64) (mem, whole []byte, err error) {
 
 // Register registers every buffer with the engine (once).
 func (p *Pool) Register(eng rdma.Engine, location string) error {
+	p.eng = eng // set first: a failure below unregisters what was registered
 	for i, b := range p.bufs {
 		r := rdma.Region{Addr: addrOf(b), Len: uint64(len(b)), Kind: rdma.MemShared, Location: location}
 		if location == "host" {
@@ -233,6 +243,10 @@ func (p *Pool) unmap() {
 		_ = syscall.Munmap(m)
 	}
 	p.maps = nil
+	for _, f := range p.frees {
+		f()
+	}
+	p.frees = nil
 }
 
 // Close unregisters the buffers from the engine and unmaps them. The caller guarantees no

@@ -229,13 +229,9 @@ func (s *Sidecar) expireRooms(now time.Time) {
 
 // RegisterKVPool maps the worker's pool and registers it with the engine.
 func (s *Sidecar) RegisterKVPool(_ context.Context, req *kvcv1.RegisterKVPoolRequest) (*kvcv1.RegisterKVPoolResponse, error) {
-	p, err := agent.MapPool(req)
+	p, err := agent.OpenWorkerPool(req, s.eng) // shared memory, or GPU memory by CUDA IPC (--transport cuda)
 	if err != nil {
 		return nil, err
-	}
-	if err := p.Register(s.eng, "shm"); err != nil {
-		p.Close()
-		return nil, status.Errorf(codes.Internal, "register pool: %v", err)
 	}
 	s.mu.Lock()
 	old := s.pool

@@ -170,13 +170,9 @@ func (s *Sidecar) expire(now time.Time) {
 // RegisterKVPool maps the worker's pool, registers it with the engine and, the first time,
 // allocates the snapshot store with the same geometry.
 func (s *Sidecar) RegisterKVPool(_ context.Context, req *kvcv1.RegisterKVPoolRequest) (*kvcv1.RegisterKVPoolResponse, error) {
-	p, err := agent.MapPool(req)
+	p, err := agent.OpenWorkerPool(req, s.eng) // shared memory, or GPU memory by CUDA IPC (--transport cuda)
 	if err != nil {
 		return nil, err
-	}
-	if err := p.Register(s.eng, "shm"); err != nil {
-		p.Close()
-		return nil, status.Errorf(codes.Internal, "register pool: %v", err)
 	}
 	s.mu.Lock()
 	if s.arena != nil && (s.arena.PageSize != p.PageSize || s.arena.ItemLen != p.ItemLen || s.arena.NumLayers != p.NumLayers) {
@@ -192,13 +188,7 @@ func (s *Sidecar) RegisterKVPool(_ context.Context, req *kvcv1.RegisterKVPoolReq
 			p.Close()
 			return nil, status.Errorf(codes.FailedPrecondition, "store capacity %d bytes is below one page (%d bytes)", s.cfg.StoreBytes, pageBytes)
 		}
-		arena, err := agent.NewArena(p.PageSize, p.ItemLen, pages, p.NumLayers)
-		if err == nil {
-			err = arena.Register(s.eng, "host")
-			if err != nil {
-				arena.Close()
-			}
-		}
+		arena, err := agent.NewStoreArena(s.eng, p.PageSize, p.ItemLen, pages, p.NumLayers) // pinned with --transport cuda
 		if err != nil {
 			s.mu.Unlock()
 			p.Close()
