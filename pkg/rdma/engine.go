@@ -164,7 +164,7 @@ type Config struct {
 	MooncakeDevices string
 	// Layout, when set, is the KV layout this engine serves (tcp): a peer whose layout has a
 	// different page size, item length or layer count is refused at the handshake
-	// (ErrLayoutMismatch). Only the shape is compared, not addresses.
+	// (ErrLayoutMismatch). Only the shape is compared, not addresses (BufferAddrs may be empty).
 	Layout *Layout
 }
 

@@ -191,9 +191,10 @@ func newTCP(_ context.Context, cfg Config) (Engine, error) {
 	if e.sliceBytes > tcpMaxSlice {
 		return nil, fmt.Errorf("%w: tcp: slice of %d bytes (at most %d)", ErrInvalidRequest, cfg.SliceBytes, tcpMaxSlice)
 	}
-	if cfg.Layout != nil {
-		if err := cfg.Layout.Validate(); err != nil {
-			return nil, fmt.Errorf("tcp: layout: %w", err)
+	if l := cfg.Layout; l != nil {
+		// Only the shape is exchanged; buffer addresses may not be known yet.
+		if l.PageSize <= 0 || l.ItemLen == 0 || l.ItemLen%uint64(l.PageSize) != 0 || l.NumLayers <= 0 {
+			return nil, fmt.Errorf("%w: tcp: layout shape: page size %d, item length %d, layers %d", ErrInvalidRequest, l.PageSize, l.ItemLen, l.NumLayers)
 		}
 	}
 	addr := cfg.ListenAddr

@@ -323,7 +323,8 @@ func TestTCPRegisterErrors(t *testing.T) {
 	if _, err := e.OpenSegment(context.Background(), "127.0.0.1:1"); !errors.Is(err, ErrUnknownSegment) {
 		t.Fatalf("open unreachable segment: %v", err)
 	}
-	for _, cfg := range []Config{{Backend: "tcp", Conns: -1}, {Backend: "tcp", Conns: 1000}, {Backend: "tcp", SliceBytes: 1 << 30}} {
+	for _, cfg := range []Config{{Backend: "tcp", Conns: -1}, {Backend: "tcp", Conns: 1000}, {Backend: "tcp", SliceBytes: 1 << 30},
+		{Backend: "tcp", Layout: &Layout{PageSize: 16, ItemLen: 100, NumLayers: 2}}} {
 		if _, err := New(context.Background(), cfg); !errors.Is(err, ErrInvalidRequest) {
 			t.Errorf("New(%+v) = %v", cfg, err)
 		}
