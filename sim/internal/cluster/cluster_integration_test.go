@@ -95,7 +95,7 @@ func TestLocalClusterEndToEnd(t *testing.T) {
 	defer cancel()
 	c, err := Start(ctx, Config{
 		BinDir: dir, WorkDir: work, Prefill: 1, Decode: 2, Gateway: true, Log: &log,
-		DecodeCapacityTokens: 16384, PrefillCapacityTokens: 16384,
+		DecodeCapacityTokens: 1536, PrefillCapacityTokens: 16384,
 		SimArgs:          []string{"--time-scale", "0.05", "--layers", "4", "--bytes-per-token-per-buffer", "16"},
 		Policy:           &kvcv1.Policy{SnapshotDeltaTokens: ptr(int64(16))},
 		ControlPlaneArgs: []string{"--election-ttl", "2s"},
@@ -168,6 +168,40 @@ func TestLocalClusterEndToEnd(t *testing.T) {
 	if r3.status != http.StatusOK {
 		t.Fatalf("after failover: %d %s", r3.status, r3.body)
 	}
+
+	// Capacity: five sessions of ~720 tokens do not fit in 2 × 1,536 tokens, so decode workers
+	// evict (ReleaseSession EVICTED to the real sidecar, then free) and evicted sessions come back
+	// through a reseed. Every byte that arrives anywhere is verified.
+	evicted, reseeds := 0, 0
+	texts := map[string]string{}
+	for round := 0; round < 2; round++ {
+		for i := 0; i < 5; i++ {
+			sess := fmt.Sprintf("ev-%d", i)
+			texts[sess] += strings.Repeat(fmt.Sprintf("%s words ", sess), 150/(round+1))
+			r := generate(t, c.GatewayURL, sess, texts[sess])
+			if r.status != http.StatusOK {
+				t.Fatalf("%s round %d: %d %s", sess, round, r.status, r.body)
+			}
+			k, _ := r.meta["kvc"].(map[string]any)
+			if k == nil || k["verify_failures"] != float64(0) || k["received_bytes"] != k["verified_bytes"] {
+				t.Fatalf("%s round %d meta %v", sess, round, r.meta)
+			}
+			evicted += int(k["evicted_sessions"].(float64))
+			mode := r.header.Get("X-Kvc-Mode")
+			if strings.HasPrefix(mode, "RESEED") {
+				reseeds++
+				if k["received_bytes"] == float64(0) {
+					t.Fatalf("%s reseeded without bytes: %v", sess, k)
+				}
+			}
+			t.Logf("%s round %d: %s %s on %s, kv %v, evicted %v", sess, round, mode, r.header.Get("X-Kvc-Reason"),
+				r.header.Get("X-Kvc-Decode-Worker"), k["kv_len_after"], k["evicted_sessions"])
+		}
+	}
+	if evicted == 0 {
+		t.Fatal("no eviction although the working set exceeds the decode capacity")
+	}
+	t.Logf("%d evictions, %d reseeds", evicted, reseeds)
 
 	// D->P snapshots: the prefill sidecar ends up holding every committed token of both sessions
 	// (the decode worker committed kv_len_after before answering).

@@ -77,6 +77,9 @@ type fakeSidecar struct {
 	g        Geometry
 	commits  []*kvcv1.CommitSessionRequest
 	releases []*kvcv1.ReleaseSessionRequest
+	// releaseGate, when set, holds ReleaseSession until closed (a push being aborted).
+	releaseGate chan struct{}
+	releasing   chan string
 }
 
 func (f *fakeSidecar) RegisterKVPool(_ context.Context, req *kvcv1.RegisterKVPoolRequest) (*kvcv1.RegisterKVPoolResponse, error) {
@@ -122,11 +125,22 @@ func (f *fakeSidecar) CommitSession(_ context.Context, req *kvcv1.CommitSessionR
 	return &kvcv1.CommitSessionResponse{PushEnqueued: true}, nil
 }
 
-func (f *fakeSidecar) ReleaseSession(_ context.Context, req *kvcv1.ReleaseSessionRequest) (*kvcv1.ReleaseSessionResponse, error) {
+func (f *fakeSidecar) ReleaseSession(ctx context.Context, req *kvcv1.ReleaseSessionRequest) (*kvcv1.ReleaseSessionResponse, error) {
+	f.mu.Lock()
+	gate, releasing := f.releaseGate, f.releasing
+	f.mu.Unlock()
+	if gate != nil {
+		releasing <- req.GetSessionId()
+		select {
+		case <-gate:
+		case <-ctx.Done():
+			return nil, status.FromContextError(ctx.Err()).Err()
+		}
+	}
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.releases = append(f.releases, req)
-	return &kvcv1.ReleaseSessionResponse{}, nil
+	return &kvcv1.ReleaseSessionResponse{PushAborted: gate != nil}, nil
 }
 
 func (f *fakeSidecar) PrepareReceive(_ context.Context, req *kvcv1.PrepareReceiveRequest) (*kvcv1.PrepareReceiveResponse, error) {

@@ -484,3 +484,46 @@ func TestConcurrentSessions(t *testing.T) {
 		t.Fatalf("pages leaked: %d used + %d free != %d", used, st.FreePages, st.PageCount)
 	}
 }
+
+// An evicted session's pages are freed only after ReleaseSession returned (the sidecar may be
+// reading them for a snapshot push until then).
+func TestEvictionFreesPagesOnlyAfterRelease(t *testing.T) {
+	h := newHub()
+	p := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_PREFILL, "p0", 1024, zeroTiming())
+	d := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_DECODE, "d0", 256, zeroTiming()) // 64 pages
+	if _, dr := pd(t, p, d, "ra", 0, kvcReq{Mode: "SEED", SessionID: "a", InputTokens: 160, Room: i64(1)}); dr.status != 200 {
+		t.Fatalf("seed a: %d %s", dr.status, dr.code)
+	}
+	gate := make(chan struct{})
+	d.sc.mu.Lock()
+	d.sc.releaseGate, d.sc.releasing = gate, make(chan string, 1)
+	d.sc.mu.Unlock()
+	done := make(chan result, 1)
+	go func() {
+		_, dr := pd(t, p, d, "rb", 0, kvcReq{Mode: "SEED", SessionID: "b", InputTokens: 160, Room: i64(2)})
+		done <- dr
+	}()
+	if got := <-d.sc.releasing; got != "a" {
+		t.Fatalf("released %q, want a", got)
+	}
+	// Release is in progress: a is no longer resident, but its 40 pages are not free yet.
+	if _, ok := sessionsOf(t, d)["a"]; ok {
+		t.Fatal("a still resident while being evicted")
+	}
+	if st := d.w.stats(); st.FreePages != 24 {
+		t.Fatalf("%d pages free during the release, want 24 (a's 40 still held)", st.FreePages)
+	}
+	select {
+	case r := <-done:
+		t.Fatalf("b finished before a's release returned: %+v", r)
+	default:
+	}
+	close(gate)
+	if r := <-done; r.status != 200 || r.ans.MetaInfo.KVC.EvictedSessions != 1 {
+		t.Fatalf("seed b: %d %s %+v", r.status, r.code, r.ans.MetaInfo.KVC)
+	}
+	_, rel := d.sc.snapshotOf()
+	if len(rel) != 1 || rel[0].GetReason() != kvcv1.ReleaseReason_RELEASE_REASON_EVICTED {
+		t.Fatalf("releases %v", rel)
+	}
+}
