@@ -524,6 +524,18 @@ func (c *Cluster) KillLeader() error {
 	return nil
 }
 
+// Kill SIGKILLs the process named name (e.g. "sim-decode-1", a worker dying mid-run) and
+// returns after it exited. It is not restarted.
+func (c *Cluster) Kill(name string) error {
+	p := c.Process(name)
+	if p == nil {
+		return fmt.Errorf("kill: no process %q", name)
+	}
+	c.logf("killing %s (pid %d)", p.Name, p.PID)
+	p.kill()
+	return nil
+}
+
 // Stop stops every process (gateway, workers, decode then prefill sidecars, control planes) with
 // SIGTERM, SIGKILL after the grace period, stops etcd and removes sockets and leftover KV pool
 // files. It reports processes that did not stop cleanly. Safe to call more than once.

@@ -214,6 +214,22 @@ func TestLocalClusterEndToEnd(t *testing.T) {
 		t.Logf("after failover it-2 ran as %s (%s, fail-open %s)", m, r3.header.Get("X-Kvc-Reason"), r3.header.Get("X-Kvc-Fail-Open"))
 	}
 
+	// A decode worker dies mid-run: the next turn of a session it held gets an answer (served
+	// elsewhere, or a clear error), never a hang.
+	r4 := generate(t, c.GatewayURL, "it-3", text)
+	if r4.status != http.StatusOK {
+		t.Fatalf("it-3: %d %s", r4.status, r4.body)
+	}
+	victim := r4.header.Get("X-Kvc-Decode-Worker")
+	if err := c.Kill("sim-" + victim); err != nil {
+		t.Fatal(err)
+	}
+	r5 := generate(t, c.GatewayURL, "it-3", text+strings.Repeat(" again", 10))
+	if r5.status != http.StatusOK && !strings.Contains(r5.body, `"code"`) {
+		t.Fatalf("after %s died: %d %q", victim, r5.status, r5.body)
+	}
+	t.Logf("after %s died: %d %s %s %s", victim, r5.status, r5.header.Get("X-Kvc-Mode"), r5.header.Get("X-Kvc-Decode-Worker"), r5.body)
+
 	shm := []string{}
 	for _, w := range c.Workers {
 		shm = append(shm, w.ShmPath)

@@ -80,6 +80,8 @@ type fakeSidecar struct {
 	// releaseGate, when set, holds ReleaseSession until closed (a push being aborted).
 	releaseGate chan struct{}
 	releasing   chan string
+	// stop kills the fake sidecar's server (a sidecar that dies).
+	stop func()
 }
 
 func (f *fakeSidecar) RegisterKVPool(_ context.Context, req *kvcv1.RegisterKVPoolRequest) (*kvcv1.RegisterKVPoolResponse, error) {
@@ -234,6 +236,7 @@ func startFakeSidecar(t *testing.T, h *hub, name string) (*fakeSidecar, Bridge) 
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { _ = srv.Serve(ctx, lis, time.Second); close(done) }()
+	f.stop = func() { srv.Stop() }
 	conn, err := grpc.NewClient("unix://"+sock, append(grpcx.ClientOptions(), grpc.WithTransportCredentials(insecure.NewCredentials()))...)
 	if err != nil {
 		t.Fatal(err)

@@ -527,3 +527,33 @@ func TestEvictionFreesPagesOnlyAfterRelease(t *testing.T) {
 		t.Fatalf("releases %v", rel)
 	}
 }
+
+// The sidecar dies mid-run: transfers fail with a clear 502, a resident session still serves
+// direct-to-D (its KV is local), nothing hangs or panics.
+func TestSidecarDies(t *testing.T) {
+	h := newHub()
+	p := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_PREFILL, "p0", 1024, zeroTiming())
+	d := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_DECODE, "d0", 1024, zeroTiming())
+	if _, dr := pd(t, p, d, "r1", 2, kvcReq{Mode: "SEED", SessionID: "s", InputTokens: 50, Room: i64(1)}); dr.status != 200 {
+		t.Fatalf("seed: %d %s", dr.status, dr.code)
+	}
+	d.sc.stop()
+	p.sc.stop()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	res := post(t, ctx, d.url, body("r2", 2, false, kvcReq{Mode: "SEED", Role: "decode", SessionID: "s2", InputTokens: 10, Room: i64(2)}))
+	if res.status != http.StatusBadGateway || res.code != "transfer_failed" {
+		t.Fatalf("seed with a dead sidecar: %d %s", res.status, res.code)
+	}
+	res = post(t, ctx, p.url, body("r3", 2, false, kvcReq{Mode: "SEED", Role: "prefill", SessionID: "s3", InputTokens: 10, Room: i64(3)}))
+	if res.status != http.StatusBadGateway || res.code != "transfer_failed" {
+		t.Fatalf("prefill with a dead sidecar: %d %s", res.status, res.code)
+	}
+	res = post(t, ctx, d.url, body("r4", 2, false, kvcReq{Mode: "DIRECT_TO_D", Role: "decode", SessionID: "s", InputTokens: 60, CachedTokens: 52}))
+	if res.status != http.StatusOK || res.ans.MetaInfo.KVC.KVLenAfter != 62 {
+		t.Fatalf("direct with a dead sidecar: %d %s", res.status, res.code)
+	}
+	if st := d.w.stats(); st.FreePages+int64(sessionsOf(t, d)["s"].Pages) != st.PageCount {
+		t.Fatalf("pages leaked: %+v", st)
+	}
+}
