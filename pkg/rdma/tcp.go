@@ -279,8 +279,14 @@ func (e *tcpEngine) serveConn(c net.Conn) error {
 	if sc, ok := c.(syscall.Conn); ok {
 		raw, _ = sc.SyscallConn()
 	}
-	return e.serveData(br, bw, raw)
+	return e.serveData(br, bw, raw, c)
 }
+
+// tcpPayloadTimeout bounds how long the owner waits for the payload of a WRITE it has started to
+// land: a stalled peer must not keep a region referenced (and UnregisterMemory waiting) forever.
+var tcpPayloadTimeout = 30 * time.Second
+
+type readDeadliner interface{ SetReadDeadline(time.Time) error }
 
 func (e *tcpEngine) serveHandshake(br *bufio.Reader, bw *bufio.Writer) (bool, error) {
 	typ, n, err := tcpReadHeader(br)
@@ -317,7 +323,17 @@ func (e *tcpEngine) serveHandshake(br *bufio.Reader, bw *bufio.Writer) (bool, er
 // the registered regions before a byte is touched; refused WRITE payloads are discarded.
 // Successful WRITEs are acknowledged cumulatively (WRITE_ACK_UPTO) before any other answer and
 // whenever the input runs dry, so answers stay in request order.
-func (e *tcpEngine) serveData(br *bufio.Reader, bw *bufio.Writer, raw syscall.RawConn) error {
+func (e *tcpEngine) serveData(br *bufio.Reader, bw *bufio.Writer, raw syscall.RawConn, dl readDeadliner) error {
+	payloadDeadline := func(on bool) {
+		if dl == nil {
+			return
+		}
+		t := time.Time{}
+		if on {
+			t = time.Now().Add(tcpPayloadTimeout)
+		}
+		_ = dl.SetReadDeadline(t)
+	}
 	var hdr [20]byte
 	var out []byte
 	wb := &writeBatch{}
@@ -360,8 +376,10 @@ func (e *tcpEngine) serveData(br *bufio.Reader, bw *bufio.Writer, raw syscall.Ra
 			} else if r := e.regions.acquire(addr, plen); r == nil {
 				status, msg = tcpStOutOfBounds, fmt.Sprintf("write [%#x, +%d) outside registered memory", addr, plen)
 			} else {
+				payloadDeadline(true)
 				_, err = io.ReadFull(br, memAt(addr, plen))
 				r.release()
+				payloadDeadline(false)
 				if err != nil {
 					return err
 				}
@@ -379,7 +397,10 @@ func (e *tcpEngine) serveData(br *bufio.Reader, bw *bufio.Writer, raw syscall.Ra
 				return err
 			}
 		case tcpFtWriteBatch:
-			if err := wb.receive(e, br, raw, n); err != nil {
+			payloadDeadline(true)
+			err := wb.receive(e, br, raw, n)
+			payloadDeadline(false)
+			if err != nil {
 				return err
 			}
 			for i, st := range wb.status {

@@ -764,3 +764,54 @@ func TestRegionWithdrawWaitsForCopies(t *testing.T) {
 		t.Fatal("acquire after withdrawal succeeded")
 	}
 }
+
+// TestTCPStalledPeerReleasesRegion: a peer that announces a WRITE_BATCH and never sends the payload
+// loses its connection after the payload timeout, so UnregisterMemory does not wait forever.
+func TestTCPStalledPeerReleasesRegion(t *testing.T) {
+	defer func(old time.Duration) { tcpPayloadTimeout = old }(tcpPayloadTimeout)
+	tcpPayloadTimeout = 200 * time.Millisecond
+	mem := mmapArena(t, 1<<16)
+	owner := newTCPEngine(t, Config{})
+	entered := make(chan struct{}, 1)
+	owner.serverHook = func(uint8) { entered <- struct{}{} }
+	if err := owner.RegisterMemory(Region{Addr: tAddr(mem), Len: 1 << 16, Kind: MemHost}); err != nil {
+		t.Fatal(err)
+	}
+	c, err := net.Dial("tcp", owner.SegmentName())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if _, err := c.Write(tcpEncodeHello(tcpHello{version: tcpWireVersion})); err != nil {
+		t.Fatal(err)
+	}
+	br := bufio.NewReader(c)
+	if _, n, err := tcpReadHeader(br); err != nil {
+		t.Fatal(err)
+	} else if _, err := tcpReadBody(br, n); err != nil {
+		t.Fatal(err)
+	}
+	frame := writeBatchFrame(1, []uint64{tAddr(mem)}, [][]byte{make([]byte, 4096)})
+	if _, err := c.Write(frame[:len(frame)-4000]); err != nil { // descriptor and 96 payload bytes
+		t.Fatal(err)
+	}
+	<-entered
+	r := owner.regions.find(tAddr(mem), 1)
+	for deadline := time.Now().Add(10 * time.Second); r.users.Load() == 0; runtime.Gosched() {
+		if time.Now().After(deadline) {
+			t.Fatal("the owner never took the region for the payload")
+		}
+	}
+	done := make(chan error, 1)
+	go func() { done <- owner.UnregisterMemory(tAddr(mem)) }()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("UnregisterMemory still waiting for a stalled peer")
+	}
+	// The owner dropped the stalled connection: reading from it ends.
+	_, _ = io.Copy(io.Discard, br)
+}

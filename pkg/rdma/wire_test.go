@@ -126,7 +126,7 @@ func FuzzTCPServe(f *testing.F) {
 			mem[i] = 0xa5
 		}
 		var out bytes.Buffer
-		_ = e.serveData(bufio.NewReader(bytes.NewReader(b)), bufio.NewWriter(&out), nil)
+		_ = e.serveData(bufio.NewReader(bytes.NewReader(b)), bufio.NewWriter(&out), nil, nil)
 		for i := 0; i < guard; i++ {
 			if mem[i] != 0xa5 || mem[guard+size+i] != 0xa5 {
 				t.Fatalf("byte outside the region changed (offset %d)", i)
