@@ -70,9 +70,15 @@ func (l *ledger) worker(id string) *policy.Reserved {
 	return r
 }
 
+// holdsDecode: r takes something on its decode worker (a plain P/D fallback names a D but
+// reserves nothing there).
+func (r *reservation) holdsDecode() bool {
+	return r.decode != "" && (r.tokens != 0 || r.transfer || r.seed)
+}
+
 // add records r and takes its resources.
 func (l *ledger) add(r *reservation) {
-	if r.decode != "" {
+	if r.holdsDecode() {
 		w := l.worker(r.decode)
 		w.Tokens += r.tokens
 		if r.transfer {
@@ -101,7 +107,7 @@ func (l *ledger) remove(seq uint64) (*reservation, bool) {
 	}
 	delete(l.pending, seq)
 	heap.Remove(&l.expiry, r.idx)
-	if r.decode != "" {
+	if r.holdsDecode() {
 		w := l.workers[r.decode]
 		w.Tokens -= r.tokens
 		if r.transfer {

@@ -2,6 +2,7 @@ package router
 
 import (
 	"strings"
+	"sync"
 
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 	"github.com/prometheus/client_golang/prometheus"
@@ -21,6 +22,23 @@ type metrics struct {
 	commands       *prometheus.CounterVec
 	reservations   prometheus.GaugeFunc
 	reservedTokens prometheus.GaugeFunc
+
+	admittedMu  sync.RWMutex
+	admittedFor map[string]prometheus.Counter
+}
+
+// admit counts a session decision placed on worker (counters cached per worker).
+func (m *metrics) admit(worker string) {
+	m.admittedMu.RLock()
+	c, ok := m.admittedFor[worker]
+	m.admittedMu.RUnlock()
+	if !ok {
+		c = m.admitted.WithLabelValues(worker)
+		m.admittedMu.Lock()
+		m.admittedFor[worker] = c
+		m.admittedMu.Unlock()
+	}
+	c.Inc()
 }
 
 // ModeName is the short label of a mode (DIRECT_TO_D, SEED, ...).
@@ -43,6 +61,7 @@ func newMetrics(reg prometheus.Registerer, s *Service) *metrics {
 			Name: "kvc_router_decisions_total", Help: "Routing decisions by mode and reason.",
 		}, []string{"mode", "reason"}),
 		decisionByKey: make(map[[2]int32]prometheus.Counter),
+		admittedFor:   make(map[string]prometheus.Counter),
 		latency: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name: "kvc_router_decision_seconds", Help: "Time to answer one query (validation, policy, reservation, effects).",
 			Buckets: prometheus.ExponentialBuckets(1e-6, 2, 16),

@@ -340,7 +340,7 @@ func (s *Service) query(q *kvcv1.RouteQuery) *kvcv1.RouteResponse {
 		s.m.rejected.WithLabelValues(d.LocalReject, "local").Inc()
 	}
 	if d.Decode != nil && d.Mode != kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK {
-		s.m.admitted.WithLabelValues(d.Decode.WorkerId).Inc()
+		s.m.admit(d.Decode.WorkerId)
 	}
 	s.m.decision(d.Mode, d.Reason)
 	out := &kvcv1.RouteDecision{

@@ -92,7 +92,7 @@ func (f *fixture) checkLedger() {
 	want := map[string]policy.Reserved{}
 	var tokens int64
 	for _, r := range f.s.led.pending {
-		if r.decode != "" {
+		if r.holdsDecode() {
 			w := want[r.decode]
 			w.Tokens += r.tokens
 			if r.transfer {
@@ -518,4 +518,23 @@ func TestConcurrentDecisionsDoNotOverAdmit(t *testing.T) {
 	if f.s.led.workers["d0"] != nil || f.s.led.heldTokens != 0 || len(f.s.led.pending) != goroutines*each-100 {
 		t.Fatalf("left over: %v %d %d", f.s.led.workers["d0"], f.s.led.heldTokens, len(f.s.led.pending))
 	}
+}
+
+// Regression: a fallback names a D but reserves nothing there; releasing it after the D's last
+// real reservation is gone must not touch the (deleted) per-worker entry.
+func TestFallbackOutcomeAfterDirectOutcome(t *testing.T) {
+	f := newFixture(t, routertest.Prefill("p1"), routertest.Decode("d1", 200_000, 0))
+	f.c.PutSession(&kvcv1.SessionRecord{SessionId: "s", DecodeWorker: "d1", KvCommittedLen: 1000, Generation: 1, LastSeenUnixMs: 1})
+	direct := f.decide("s", 1, 1500, 10)
+	if err := f.c.SetPolicy(&kvcv1.Policy{KvCentricEnabled: proto.Bool(false)}); err != nil {
+		t.Fatal(err)
+	}
+	fb := f.decide("t", 2, 1500, 10)
+	if direct.Mode != kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D || fb.Mode != kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK || fb.Decode.GetWorkerId() != "d1" {
+		t.Fatalf("setup: %s %s", direct.Mode, fb.Mode)
+	}
+	f.report(direct.DecisionId, true, okKind, 0)
+	f.checkLedger()
+	f.report(fb.DecisionId, true, okKind, 0)
+	f.checkLedger()
 }

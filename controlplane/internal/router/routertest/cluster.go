@@ -69,7 +69,28 @@ func (c *Cluster) Session(id string) (*kvcv1.SessionRecord, bool) {
 	if !ok {
 		return nil, false
 	}
-	return proto.Clone(r).(*kvcv1.SessionRecord), true
+	return CopyRecord(r), true
+}
+
+// CopyRecord is a field-by-field deep copy of a session record (what a state implementation
+// hands out; cheaper than proto.Clone's reflection).
+func CopyRecord(r *kvcv1.SessionRecord) *kvcv1.SessionRecord {
+	out := &kvcv1.SessionRecord{
+		SessionId: r.SessionId, DecodeWorker: r.DecodeWorker, KvCommittedLen: r.KvCommittedLen, Turn: r.Turn,
+		LastSeenUnixMs: r.LastSeenUnixMs, Epoch: r.Epoch, CreatedUnixMs: r.CreatedUnixMs, Generation: r.Generation,
+		Migrations: r.Migrations, PreviousDecodeWorker: r.PreviousDecodeWorker,
+	}
+	if s := r.Snapshot; s != nil {
+		out.Snapshot = &kvcv1.SnapshotInfo{PrefillWorker: s.PrefillWorker, Seqlen: s.Seqlen, Generation: s.Generation,
+			UpdatedUnixMs: s.UpdatedUnixMs, Bytes: s.Bytes}
+	}
+	if len(r.DRejects) > 0 {
+		out.DRejects = make(map[string]int32, len(r.DRejects))
+		for k, v := range r.DRejects {
+			out.DRejects[k] = v
+		}
+	}
+	return out
 }
 
 // UpdateSession implements router.Cluster.

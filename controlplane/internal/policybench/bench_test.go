@@ -1,0 +1,307 @@
+package policybench
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"net"
+	"runtime"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/kvcentric/kvcentric/controlplane/internal/policy"
+	"github.com/kvcentric/kvcentric/controlplane/internal/router"
+	"github.com/kvcentric/kvcentric/controlplane/internal/router/routertest"
+	"github.com/kvcentric/kvcentric/pkg/grpcx"
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+	"github.com/rs/zerolog"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+)
+
+const (
+	// streamWindow: queries in flight on the stream (a gateway pipelines this many).
+	streamWindow = 4
+	numP         = 8
+	numD         = 32
+	numSessions  = 100_000
+	dCapacity    = 20_000_000 // tokens per decode worker
+)
+
+// cluster builds 8 P, 32 D and 100,000 sessions resident on the Ds (snapshots on the Ps).
+func cluster() (*routertest.Cluster, []string) {
+	var ws []*kvcv1.Worker
+	for i := range numP {
+		ws = append(ws, routertest.Prefill(fmt.Sprintf("p%d", i)))
+	}
+	for i := range numD {
+		ws = append(ws, routertest.Decode(fmt.Sprintf("d%02d", i), dCapacity, 0))
+	}
+	c := routertest.New(ws...)
+	used := make([]int64, numD)
+	ids := make([]string, numSessions)
+	for i := range numSessions {
+		ids[i] = fmt.Sprintf("sess-%06d", i)
+		d := i % numD
+		kv := int64(2000 + i%4000)
+		used[d] += kv
+		c.PutSession(&kvcv1.SessionRecord{
+			SessionId: ids[i], DecodeWorker: fmt.Sprintf("d%02d", d), KvCommittedLen: kv, Turn: 3,
+			LastSeenUnixMs: 1, Generation: 1,
+			Snapshot: &kvcv1.SnapshotInfo{PrefillWorker: fmt.Sprintf("p%d", i%numP), Seqlen: kv, Generation: 1,
+				UpdatedUnixMs: time.Now().UnixMilli()},
+		})
+	}
+	for d := range numD {
+		c.UpdateWorker(fmt.Sprintf("d%02d", d), func(w *kvcv1.Worker) { w.Load.UsedTokens = used[d] })
+	}
+	return c, ids
+}
+
+// workload: the trace's mix — mostly direct-to-D appends of resident sessions, some new
+// sessions, some large appends.
+type workload struct {
+	ids  []string
+	rng  *rand.Rand
+	next int
+}
+
+func (w *workload) query(i int) *kvcv1.RouteQuery {
+	r := w.rng.IntN(100)
+	switch {
+	case r < 90: // resident, small append
+		id := w.ids[w.rng.IntN(len(w.ids))]
+		return &kvcv1.RouteQuery{RequestId: fmt.Sprint(i), SessionId: id, InputTokens: 6500, MaxOutputTokens: 256}
+	case r < 97: // new session
+		w.next++
+		return &kvcv1.RouteQuery{RequestId: fmt.Sprint(i), SessionId: fmt.Sprintf("new-%d", w.next), InputTokens: 3000, MaxOutputTokens: 256, MultiturnHint: true}
+	default: // large append
+		id := w.ids[w.rng.IntN(len(w.ids))]
+		return &kvcv1.RouteQuery{RequestId: fmt.Sprint(i), SessionId: id, InputTokens: 40_000, MaxOutputTokens: 256}
+	}
+}
+
+func wrapQ(q *kvcv1.RouteQuery) *kvcv1.RouteRequest {
+	return &kvcv1.RouteRequest{Kind: &kvcv1.RouteRequest_Query{Query: q}}
+}
+
+func wrapO(id string) *kvcv1.RouteRequest {
+	return &kvcv1.RouteRequest{Kind: &kvcv1.RouteRequest_Outcome{Outcome: &kvcv1.RouteOutcome{
+		DecisionId: id, Success: true, ErrorKind: kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_NONE, TtftUs: 40_000}}}
+}
+
+// inProcess measures Service.Handle on queries (validation, policy, reservation, session
+// update), with each batch's outcomes reported untimed so reservations do not pile up.
+func inProcess(s *router.Service, w *workload, n int) (nsPerDecision float64, modes map[string]int) {
+	modes = map[string]int{}
+	const batch = 1000
+	reqs := make([]*kvcv1.RouteRequest, batch)
+	ids := make([]string, batch)
+	var total time.Duration
+	for done := 0; done < n; done += batch {
+		for i := range reqs {
+			reqs[i] = wrapQ(w.query(done + i))
+		}
+		start := time.Now()
+		for i, r := range reqs {
+			ids[i] = s.Handle(r).GetDecision().GetDecisionId()
+		}
+		total += time.Since(start)
+		for i, id := range ids {
+			if id == "" {
+				panic(fmt.Sprintf("query %v got no decision", reqs[i]))
+			}
+			resp := s.Handle(wrapO(id))
+			if resp.GetOutcomeAck() == nil {
+				panic(fmt.Sprint(resp))
+			}
+		}
+	}
+	return float64(total.Nanoseconds()) / float64(n), modes
+}
+
+// pureDecide measures policy.Decide alone on the same cluster (no locks, no state).
+func pureDecide(c *routertest.Cluster, w *workload, n int) float64 {
+	k := policy.Compile(c.Policy())
+	workers := c.Workers()
+	led := emptyLedger{}
+	ins := make([]policy.Input, 1000)
+	var total time.Duration
+	for done := 0; done < n; done += len(ins) {
+		for i := range ins {
+			q := w.query(i)
+			rec, _ := c.Session(q.SessionId)
+			ins[i] = policy.Input{Knobs: k, Query: policy.Query{SessionID: q.SessionId, InputTokens: q.InputTokens,
+				MaxOutputTokens: q.MaxOutputTokens, MultiturnHint: q.MultiturnHint, Turn: 4}, Session: rec, Workers: workers, Ledger: led}
+		}
+		start := time.Now()
+		for i := range ins {
+			_ = policy.Decide(&ins[i])
+		}
+		total += time.Since(start)
+	}
+	return float64(total.Nanoseconds()) / float64(n)
+}
+
+type emptyLedger struct{}
+
+func (emptyLedger) Reserved(string) policy.Reserved { return policy.Reserved{} }
+func (emptyLedger) TransferPending(string) bool     { return false }
+
+// overStream sends n queries pipelined (at most window unanswered) on one Route stream over
+// loopback, reports every decision's outcome on the same stream, and measures decisions/s and
+// the p99 of query-to-decision latency.
+func overStream(b *testing.B, s *router.Service, w *workload, n, window int) (perSec float64, p99 time.Duration) {
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		b.Fatal(err)
+	}
+	srv := grpcx.NewServer(zerolog.Nop(), grpcx.WithCallLogging(false))
+	s.Register(srv)
+	ctx, cancel := context.WithCancel(context.Background())
+	var serveWG sync.WaitGroup
+	serveWG.Add(1)
+	go func() { defer serveWG.Done(); _ = srv.Serve(ctx, lis, time.Second) }()
+	defer func() { cancel(); serveWG.Wait() }()
+	conn, err := grpc.NewClient(lis.Addr().String(), append(grpcx.ClientOptions(), grpc.WithTransportCredentials(insecure.NewCredentials()))...)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer conn.Close()
+	st, err := kvcv1.NewRouterServiceClient(conn).Route(ctx)
+	if err != nil {
+		b.Fatal(err)
+	}
+	reqs := make([]*kvcv1.RouteRequest, n)
+	for i := range reqs {
+		reqs[i] = wrapQ(w.query(i))
+	}
+	sent := make([]time.Time, n)
+	lat := make([]time.Duration, 0, n)
+	slots := make(chan struct{}, window)
+	outcomes := make(chan string, n) // never blocks the receiver (no send/recv cycle through flow control)
+	recvErr := make(chan error, 1)
+	start := time.Now()
+	go func() {
+		got := 0
+		acks := 0
+		for got < n || acks < n {
+			resp, err := st.Recv()
+			if err != nil {
+				recvErr <- err
+				return
+			}
+			switch {
+			case resp.GetDecision() != nil:
+				d := resp.GetDecision()
+				var i int
+				fmt.Sscan(d.RequestId, &i)
+				lat = append(lat, time.Since(sent[i]))
+				got++
+				<-slots
+				outcomes <- d.DecisionId
+			case resp.GetOutcomeAck() != nil:
+				acks++
+			default:
+				recvErr <- fmt.Errorf("error answer: %v", resp)
+				return
+			}
+		}
+		close(outcomes)
+		recvErr <- nil
+	}()
+	i := 0
+	for i < n {
+		select {
+		case id := <-outcomes:
+			if err := st.Send(wrapO(id)); err != nil {
+				b.Fatal(err)
+			}
+		case slots <- struct{}{}:
+			sent[i] = time.Now()
+			if err := st.Send(reqs[i]); err != nil {
+				b.Fatal(err)
+			}
+			i++
+		}
+	}
+	for id := range outcomes {
+		if err := st.Send(wrapO(id)); err != nil {
+			b.Fatal(err)
+		}
+	}
+	if err := <-recvErr; err != nil {
+		b.Fatal(err)
+	}
+	elapsed := time.Since(start)
+	_ = st.CloseSend()
+	slices.Sort(lat)
+	return float64(n) / elapsed.Seconds(), lat[len(lat)*99/100]
+}
+
+// sessionMemory: bytes of 1,000,000 session records held as the state holds them (a map of
+// id to *SessionRecord with a snapshot, strings not shared).
+func sessionMemory(n int) (total uint64, perSession float64) {
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	m := make(map[string]*kvcv1.SessionRecord)
+	now := time.Now().UnixMilli()
+	for i := range n {
+		id := fmt.Sprintf("sess-%07d-%08x", i, uint32(i)*2654435761)
+		m[id] = &kvcv1.SessionRecord{
+			SessionId: strings.Clone(id), DecodeWorker: fmt.Sprintf("decode-%02d", i%32), KvCommittedLen: int64(1000 + i%90_000),
+			Turn: int32(i % 50), LastSeenUnixMs: now, Epoch: 7, CreatedUnixMs: now, Generation: 1,
+			Snapshot: &kvcv1.SnapshotInfo{PrefillWorker: fmt.Sprintf("prefill-%d", i%8), Seqlen: int64(1000 + i%90_000),
+				Generation: 1, UpdatedUnixMs: now, Bytes: int64(i) * 98_304},
+		}
+	}
+	runtime.GC()
+	runtime.ReadMemStats(&after)
+	runtime.KeepAlive(m)
+	total = after.HeapAlloc - before.HeapAlloc
+	return total, float64(total) / float64(n)
+}
+
+// BenchmarkPolicy is `make bench-policy`: it prints the detail lines, then the summary line.
+func BenchmarkPolicy(b *testing.B) {
+	c, ids := cluster()
+	s := router.New(c, zerolog.Nop(), nil)
+	w := &workload{ids: ids, rng: rand.New(rand.NewPCG(1, 2))}
+	inProcess(s, w, 20_000) // warm up
+	ns, _ := inProcess(s, w, 200_000)
+	pure := pureDecide(c, w, 100_000)
+	perSec, p99 := overStream(b, router.New(c, zerolog.Nop(), nil), w, 100_000, streamWindow)
+	memTotal, memPer := sessionMemory(1_000_000)
+	b.ReportMetric(ns, "ns/decision")
+	b.ReportMetric(perSec, "decisions/s")
+	b.ReportMetric(float64(p99.Microseconds()), "p99-µs")
+	fmt.Printf("policy-detail: policy.Decide alone %.0f ns/decision (8 P, 32 D, %d resident sessions; %d CPUs)\n",
+		pure, numSessions, runtime.GOMAXPROCS(0))
+	fmt.Printf("policy-detail: Route stream: %d queries pipelined (at most %d unanswered), each outcome reported on the same stream\n",
+		100_000, streamWindow)
+	fmt.Printf("policy-memory: 1,000,000 session records take %.0f MiB (%.0f bytes/session; target <= 1024 MiB)\n",
+		float64(memTotal)/(1<<20), memPer)
+	fmt.Printf("policy: %.0f ns/decision in-process, %.0f decisions/s over one Route stream, p99 %d µs\n",
+		ns, perSec, p99.Microseconds())
+}
+
+// BenchmarkHandle is one query and its outcome through Service.Handle, for profiling
+// (go test -bench Handle -cpuprofile cpu.out).
+func BenchmarkHandle(b *testing.B) {
+	c, ids := cluster()
+	s := router.New(c, zerolog.Nop(), nil)
+	w := &workload{ids: ids, rng: rand.New(rand.NewPCG(1, 2))}
+	reqs := make([]*kvcv1.RouteRequest, 4096)
+	for i := range reqs {
+		reqs[i] = wrapQ(w.query(i))
+	}
+	b.ResetTimer()
+	for i := range b.N {
+		id := s.Handle(reqs[i%len(reqs)]).GetDecision().GetDecisionId()
+		s.Handle(wrapO(id))
+	}
+}
