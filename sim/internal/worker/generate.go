@@ -26,6 +26,7 @@ type KVCMeta struct {
 	SentBytes       int64   `json:"sent_bytes,omitempty"`
 	TransferMS      float64 `json:"transfer_ms"`
 	TransferRealMS  float64 `json:"transfer_real_ms"`
+	ReceiveWaitMS   float64 `json:"receive_wait_ms,omitempty"`
 	TransferModelMS float64 `json:"transfer_model_ms"`
 	PrefillTokens   int64   `json:"prefill_tokens"`
 	PrefillMS       float64 `json:"prefill_ms"`
@@ -373,9 +374,16 @@ func (w *Worker) receive(ctx context.Context, t *turn, kind kvcv1.TransferKind, 
 	if err := sleepCtx(ctx, model); err != nil {
 		return ctxError(ctx, "during the modeled transfer")
 	}
-	t.meta.TransferRealMS = ms(realDur)
+	// The sidecar measures the transfer itself; the wall time from PrepareReceive also holds the
+	// wait for the sender (in SEED modes the prefill).
+	moved := realDur
+	if us := resp.GetDurationUs(); us > 0 && time.Duration(us)*time.Microsecond < realDur {
+		moved = time.Duration(us) * time.Microsecond
+	}
+	t.meta.ReceiveWaitMS = ms(realDur)
+	t.meta.TransferRealMS = ms(moved)
 	t.meta.TransferModelMS = ms(model)
-	t.meta.TransferMS = ms(realDur + model)
+	t.meta.TransferMS = ms(moved + model)
 	return nil
 }
 
