@@ -1,6 +1,7 @@
 // Command kvc-sidecar-prefill runs beside one SGLang prefill worker (one GPU): it owns the
 // transfer engine, serves the worker's WorkerBridge on a Unix socket, keeps the
-// PrefillSnapshotStore (D→P snapshots, in its own host memory), writes seeds and reseeds into
+// PrefillSnapshotStore (D→P snapshots, in its own host memory or, with --store-memory cuda, in
+// GPU memory), writes seeds and reseeds into
 // decode workers' pages, and reports to the control plane.
 package main
 
@@ -29,7 +30,7 @@ func run(args []string, getenv func(string) string, stderr io.Writer) int {
 	var c agent.Common
 	c.Register(fs)
 	storeBytes := fs.Int64("store-capacity-bytes", 8<<30, "snapshot store capacity in bytes")
-	storeMem := fs.String("store-memory", "host", "snapshot store memory: host")
+	storeMem := fs.String("store-memory", agent.StoreMemoryHost, "snapshot store memory: host (pinned with --transport cuda) or cuda (device memory of --gpu-index; --transport cuda only)")
 	roomTimeout := fs.Duration("room-timeout", 60*time.Second, "a transfer room whose other half never comes is failed after this")
 	if err := agent.ParseFlags(fs, args, getenv); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
@@ -43,8 +44,10 @@ func run(args []string, getenv func(string) string, stderr io.Writer) int {
 	case err != nil:
 	case *storeBytes <= 0:
 		err = fmt.Errorf("--store-capacity-bytes must be positive")
-	case *storeMem != "host":
-		err = fmt.Errorf("--store-memory %q: only host memory is supported", *storeMem)
+	case *storeMem != agent.StoreMemoryHost && *storeMem != agent.StoreMemoryCUDA:
+		err = fmt.Errorf("--store-memory %q: want host or cuda", *storeMem)
+	case *storeMem == agent.StoreMemoryCUDA && c.Transport != "cuda":
+		err = fmt.Errorf("--store-memory cuda needs --transport cuda (got %s)", c.Transport)
 	case *roomTimeout <= 0:
 		err = fmt.Errorf("--room-timeout must be positive")
 	}
@@ -60,7 +63,7 @@ func run(args []string, getenv func(string) string, stderr io.Writer) int {
 		return 1
 	}
 	core := prefill.New(prefill.Config{WorkerID: c.WorkerID, Node: rt.Node, GPUIndex: int32(c.GPUIndex), WorkerURL: c.WorkerURL,
-		Transport: c.Transport, PeerAddr: rt.PeerAddr, StoreBytes: *storeBytes, KVCapacity: c.KVCapacityTokens,
+		Transport: c.Transport, PeerAddr: rt.PeerAddr, StoreBytes: *storeBytes, StoreMemory: *storeMem, KVCapacity: c.KVCapacityTokens,
 		RoomTimeout: *roomTimeout, Version: version}, rt.Engine, rt.Events, rt.Log)
 	defer core.Close()
 	if err := rt.Serve(ctx, core, func(cp *agent.ControlPlane) { core.SetReporter(cp) }); err != nil {

@@ -5,8 +5,12 @@ import (
 	"net/http"
 	"time"
 
+	"github.com/kvcentric/kvcentric/pkg/agent"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
+
+// readerBounce is the pinned bounce buffer of one snapshot_kv read of a store in device memory.
+const readerBounce = 64 << 20
 
 // Mount adds the snapshot HTTP API to mux:
 //
@@ -68,7 +72,8 @@ func (s *Sidecar) httpList(w http.ResponseWriter, _ *http.Request) {
 
 // httpKV streams the snapshot's KV (for verification and debugging): for each buffer (layer 0 K,
 // layer 0 V, ...), tokens 0..seqlen-1, each ItemLen/PageSize bytes. The entry is pinned while
-// streaming.
+// streaming. A store in GPU memory (--store-memory cuda) is copied out through the engine, 64 MiB
+// at a time, into a pinned bounce buffer.
 func (s *Sidecar) httpKV(w http.ResponseWriter, r *http.Request) {
 	sid := r.PathValue("sid")
 	if err := kvcv1.ValidateID("session_id", sid); err != nil {
@@ -86,10 +91,34 @@ func (s *Sidecar) httpKV(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	defer release()
+	var rd *agent.Reader
+	if !arena.HostVisible() {
+		// A store in GPU memory: copy through the engine into a pinned bounce buffer.
+		seg, err := s.segs.Open(r.Context(), s.eng.SegmentName())
+		if err == nil {
+			rd, err = agent.NewReader(s.eng, seg, readerBounce)
+		}
+		if err != nil {
+			httpError(w, http.StatusServiceUnavailable, "unavailable", "store in device memory: cannot copy it out through the engine: "+err.Error())
+			return
+		}
+		defer rd.Close()
+	}
 	w.Header().Set("Content-Type", "application/octet-stream")
 	w.Header().Set("X-Kvc-Seqlen", itoa(v.Seqlen))
 	w.Header().Set("X-Kvc-Generation", itoa(int64(v.Generation)))
 	w.Header().Set("X-Kvc-Token-Bytes", itoa(arena.TokenBytes()))
+	w.Header().Set("Content-Length", itoa(v.Seqlen*arena.BytesPerToken()))
+	if rd != nil {
+		m := agent.PageMap{Layout: arena.Layout(), Pages: v.Pages}
+		for b := 0; b < arena.Buffers(); b++ {
+			if err := rd.Tokens(r.Context(), m, b, 0, v.Seqlen, w); err != nil {
+				s.log.Warn().Err(err).Str("session", sid).Msg("snapshot_kv from device memory cut short")
+				return // the client sees a short body (Content-Length)
+			}
+		}
+		return
+	}
 	for b := 0; b < arena.Buffers(); b++ {
 		for t := int64(0); t < v.Seqlen; t++ {
 			if _, err := w.Write(arena.TokenSlot(v.Pages, t, b)); err != nil {

@@ -35,7 +35,8 @@ type Config struct {
 	Transport     string
 	PeerAddr      string // advertised TransferPeerService address
 	StoreBytes    int64
-	KVCapacity    int64 // override of what the pool implies (0 = pool)
+	StoreMemory   string // agent.StoreMemoryHost (default) or agent.StoreMemoryCUDA
+	KVCapacity    int64  // override of what the pool implies (0 = pool)
 	RoomTimeout   time.Duration
 	TransferLimit time.Duration // budget of one reseed write
 	Version       string
@@ -188,7 +189,11 @@ func (s *Sidecar) RegisterKVPool(_ context.Context, req *kvcv1.RegisterKVPoolReq
 			p.Close()
 			return nil, status.Errorf(codes.FailedPrecondition, "store capacity %d bytes is below one page (%d bytes)", s.cfg.StoreBytes, pageBytes)
 		}
-		arena, err := agent.NewStoreArena(s.eng, p.PageSize, p.ItemLen, pages, p.NumLayers) // pinned with --transport cuda
+		newArena := agent.NewStoreArena // pinned with --transport cuda
+		if s.cfg.StoreMemory == agent.StoreMemoryCUDA {
+			newArena = agent.NewDeviceStoreArena // GPU memory of this sidecar's device
+		}
+		arena, err := newArena(s.eng, p.PageSize, p.ItemLen, pages, p.NumLayers)
 		if err != nil {
 			s.mu.Unlock()
 			p.Close()
@@ -211,7 +216,7 @@ func (s *Sidecar) RegisterKVPool(_ context.Context, req *kvcv1.RegisterKVPoolReq
 	}
 	s.regOnce.Do(func() { close(s.registered) })
 	s.log.Info().Int32("page_size", p.PageSize).Int64("item_len", p.ItemLen).Int64("pages", p.PageCount).
-		Int32("layers", p.NumLayers).Int64("store_bytes", s.st.CapacityBytes()).Msg("worker KV pool registered")
+		Int32("layers", p.NumLayers).Int64("store_bytes", s.st.CapacityBytes()).Bool("store_on_gpu", !s.arena.HostVisible()).Msg("worker KV pool registered")
 	return &kvcv1.RegisterKVPoolResponse{KvBytesPerToken: p.BytesPerToken(), TransferEndpoint: s.eng.SegmentName()}, nil
 }
 
