@@ -88,6 +88,18 @@ func (s *Service) Run(ctx context.Context) error {
 	}
 }
 
+// OnLeadershipChange drops every reservation when this replica starts or stops leading: a
+// reservation belongs to the term that made it (its streams are cancelled on step-down, and a
+// new term starts from the sidecars' live load). Outcomes for dropped decisions get
+// FAILED_PRECONDITION.
+func (s *Service) OnLeadershipChange(leading bool) {
+	s.mu.Lock()
+	n := len(s.led.pending)
+	s.led = newLedger()
+	s.mu.Unlock()
+	s.log.Info().Bool("leading", leading).Int("dropped_reservations", n).Msg("router ledger reset")
+}
+
 func (s *Service) expire(now time.Time) int {
 	s.mu.Lock()
 	rs := s.led.expired(now)

@@ -538,3 +538,20 @@ func TestFallbackOutcomeAfterDirectOutcome(t *testing.T) {
 	f.report(fb.DecisionId, true, okKind, 0)
 	f.checkLedger()
 }
+
+func TestLeadershipChangeDropsReservations(t *testing.T) {
+	f := newFixture(t, basicCluster()...)
+	d := f.decide("a", 0, 1000, 10)
+	f.s.OnLeadershipChange(false)
+	if f.pending() != 0 {
+		t.Fatal("reservations kept across a term")
+	}
+	f.checkLedger()
+	if e := f.s.Handle(outcome(d.DecisionId, true, okKind, 0)).GetError(); e.GetCode() != int32(codes.FailedPrecondition) {
+		t.Fatalf("outcome of a dropped decision: %v", e)
+	}
+	f.s.OnLeadershipChange(true)
+	if d2 := f.decide("b", 0, 1000, 10); d2.DecisionId == d.DecisionId {
+		t.Fatal("decision id reused")
+	}
+}
