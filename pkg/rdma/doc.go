@@ -11,4 +11,10 @@
 //
 // The layout helpers describe a KV pool as SGLang registers it (per-layer K and V buffers, page
 // size, bytes per page per buffer) and turn page maps or token ranges into the fewest requests.
+//
+// Registered memory is addressed by its numeric address and must stay mapped and in place while
+// registered: use mmap'ed memory (pkg/kvpool's Create, Map, Arena), CUDA allocations or C memory,
+// never Go heap memory. The owner of a target range bounds-checks every request against its own
+// registered regions before touching a byte. docs/transfer-engine.md describes the tcp wire format,
+// the Mooncake binding and the benchmark.
 package rdma
