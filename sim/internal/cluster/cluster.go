@@ -110,6 +110,15 @@ func (cfg *Config) defaults() error {
 	if cfg.WorkDir == "" {
 		return errors.New("cluster: WorkDir is required")
 	}
+	// Children get absolute paths (sockets, logs, data), whatever their working directory.
+	abs, err := filepath.Abs(cfg.WorkDir)
+	if err != nil {
+		return fmt.Errorf("cluster: work dir: %w", err)
+	}
+	cfg.WorkDir = abs
+	if cfg.BinDir, err = filepath.Abs(cfg.BinDir); err != nil {
+		return fmt.Errorf("cluster: bin dir: %w", err)
+	}
 	if cfg.Prefill == 0 {
 		cfg.Prefill = 1
 	}
