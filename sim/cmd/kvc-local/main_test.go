@@ -3,8 +3,16 @@ package main
 import (
 	"bytes"
 	"context"
+	"encoding/json"
+	"net/http"
+	"os"
+	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
+	"time"
+
+	"github.com/kvcentric/kvcentric/sim/internal/cluster"
 )
 
 func TestFlags(t *testing.T) {
@@ -41,4 +49,78 @@ func TestFlags(t *testing.T) {
 	if got := strings.Join(o.cfg.SimArgs, " "); got != "--time-scale 0.1 --layers 4 --page-size 8" || !o.cfg.Gateway {
 		t.Fatalf("sim args %q gateway %v", got, o.cfg.Gateway)
 	}
+}
+
+// The binary's life with the real binaries: up, ready file, SIGTERM-equivalent (ctx), exit 0.
+// Skipped only when the binaries are missing and KVC_BIN_DIR is unset.
+func TestRunCluster(t *testing.T) {
+	dir := os.Getenv("KVC_BIN_DIR")
+	set := dir != ""
+	if !set {
+		dir, _ = filepath.Abs("../../../bin")
+	}
+	if miss := cluster.MissingBinaries(dir, true); len(miss) > 0 {
+		if set {
+			t.Fatalf("KVC_BIN_DIR=%s lacks %v", dir, miss)
+		}
+		t.Skipf("binaries missing in %s: %v", dir, miss)
+	}
+	work := t.TempDir()
+	ready := filepath.Join(work, "ready.json")
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var out, errb syncBuffer
+	code := make(chan int, 1)
+	go func() {
+		code <- run(ctx, []string{"--bin-dir", dir, "--work-dir", filepath.Join(work, "c"), "--decode", "1",
+			"--time-scale", "0", "--sim-args", "--layers 2", "--ready-file", ready}, func(string) string { return "" }, &out, &errb)
+	}()
+	deadline := time.Now().Add(2 * time.Minute)
+	var rf struct {
+		GatewayURL string `json:"gateway_url"`
+	}
+	for {
+		if b, err := os.ReadFile(ready); err == nil && json.Unmarshal(b, &rf) == nil {
+			break
+		}
+		select {
+		case c := <-code:
+			t.Fatalf("kvc-local exited %d before ready:\n%s", c, errb.String())
+		default:
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("not ready:\n%s", errb.String())
+		}
+		time.Sleep(20 * time.Millisecond) // polling a file the cluster writes
+	}
+	resp, err := http.Get(rf.GatewayURL + "/healthz")
+	if err != nil || resp.StatusCode != 200 {
+		t.Fatalf("gateway health: %v", err)
+	}
+	resp.Body.Close()
+	if !strings.Contains(out.String(), "grpcurl -plaintext") || !strings.Contains(out.String(), rf.GatewayURL) {
+		t.Fatalf("addresses not printed:\n%s", out.String())
+	}
+	cancel()
+	if c := <-code; c != 0 {
+		t.Fatalf("exit %d:\n%s", c, errb.String())
+	}
+}
+
+// syncBuffer is a bytes.Buffer safe for the writer goroutine and the test.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
 }
