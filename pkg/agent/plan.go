@@ -51,6 +51,11 @@ func (m PageMap) addr(buf int, tok int64) (uint64, error) {
 // PlanTokens returns WRITE requests that copy tokens [from, to) of every buffer from the local
 // page map src to the remote page map dst in segment seg, merging runs that are contiguous on
 // both sides (one request per run per buffer).
+//
+// Every buffer of a pool has the same page geometry, so the runs are worked out once, as
+// offsets from the first buffer, with every page checked against both maps, and then laid over
+// each buffer: a 50,000-token session of 96 buffers costs one pass over its 3,125 pages plus
+// one store per request, not 96 passes through the page maps.
 func PlanTokens(src, dst PageMap, seg rdma.SegmentID, from, to int64) ([]rdma.Request, error) {
 	if err := CompatibleLayouts(src.Layout, dst.Layout); err != nil {
 		return nil, err
@@ -63,28 +68,33 @@ func PlanTokens(src, dst PageMap, seg rdma.SegmentID, from, to int64) ([]rdma.Re
 	}
 	ps := int64(src.Layout.GetPageSize())
 	tb := uint64(src.Layout.GetItemLen() / ps)
-	nbuf := len(src.Layout.GetBufferAddrs())
-	var reqs []rdma.Request
-	for b := 0; b < nbuf; b++ {
-		var cur *rdma.Request
-		for t := from; t < to; {
-			end := min((t/ps+1)*ps, to)
-			s, err := src.addr(b, t)
-			if err != nil {
-				return nil, fmt.Errorf("source: %w", err)
-			}
-			d, err := dst.addr(b, t)
-			if err != nil {
-				return nil, fmt.Errorf("target: %w", err)
-			}
-			n := uint64(end-t) * tb
-			if cur != nil && cur.Source+cur.Length == s && cur.TargetAddr+cur.Length == d {
-				cur.Length += n
-			} else {
-				reqs = append(reqs, rdma.Request{Op: rdma.OpWrite, Source: s, Target: seg, TargetAddr: d, Length: n})
-				cur = &reqs[len(reqs)-1]
-			}
-			t = end
+	sAddrs, dAddrs := src.Layout.GetBufferAddrs(), dst.Layout.GetBufferAddrs()
+	type run struct{ s, d, n uint64 }
+	var runs []run
+	for t := from; t < to; {
+		end := min((t/ps+1)*ps, to)
+		s, err := src.addr(0, t)
+		if err != nil {
+			return nil, fmt.Errorf("source: %w", err)
+		}
+		d, err := dst.addr(0, t)
+		if err != nil {
+			return nil, fmt.Errorf("target: %w", err)
+		}
+		s, d = s-sAddrs[0], d-dAddrs[0]
+		n := uint64(end-t) * tb
+		if k := len(runs) - 1; k >= 0 && runs[k].s+runs[k].n == s && runs[k].d+runs[k].n == d {
+			runs[k].n += n
+		} else {
+			runs = append(runs, run{s, d, n})
+		}
+		t = end
+	}
+	reqs := make([]rdma.Request, 0, len(runs)*len(sAddrs))
+	for b := range sAddrs {
+		sb, db := sAddrs[b], dAddrs[b]
+		for _, r := range runs {
+			reqs = append(reqs, rdma.Request{Op: rdma.OpWrite, Source: sb + r.s, Target: seg, TargetAddr: db + r.d, Length: r.n})
 		}
 	}
 	return reqs, nil

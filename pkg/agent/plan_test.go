@@ -1,6 +1,9 @@
 package agent
 
 import (
+	"fmt"
+	"math/rand/v2"
+	"slices"
 	"testing"
 
 	"github.com/kvcentric/kvcentric/pkg/rdma"
@@ -78,4 +81,84 @@ func FuzzPlanTokens(f *testing.F) {
 			}
 		}
 	})
+}
+
+// planTokensRef is the straightforward planner (token page by token page, buffer by buffer):
+// PlanTokens must return exactly what it returns.
+func planTokensRef(src, dst PageMap, seg rdma.SegmentID, from, to int64) ([]rdma.Request, error) {
+	if err := CompatibleLayouts(src.Layout, dst.Layout); err != nil {
+		return nil, err
+	}
+	if from < 0 || to < from {
+		return nil, fmt.Errorf("bad token range")
+	}
+	ps := int64(src.Layout.GetPageSize())
+	tb := uint64(src.Layout.GetItemLen() / ps)
+	var reqs []rdma.Request
+	for b := range src.Layout.GetBufferAddrs() {
+		var cur *rdma.Request
+		for t := from; t < to; {
+			end := min((t/ps+1)*ps, to)
+			s, err := src.addr(b, t)
+			if err != nil {
+				return nil, err
+			}
+			d, err := dst.addr(b, t)
+			if err != nil {
+				return nil, err
+			}
+			n := uint64(end-t) * tb
+			if cur != nil && cur.Source+cur.Length == s && cur.TargetAddr+cur.Length == d {
+				cur.Length += n
+			} else {
+				reqs = append(reqs, rdma.Request{Op: rdma.OpWrite, Source: s, Target: seg, TargetAddr: d, Length: n})
+				cur = &reqs[len(reqs)-1]
+			}
+			t = end
+		}
+	}
+	return reqs, nil
+}
+
+func TestPlanTokensMatchesReference(t *testing.T) {
+	rng := rand.New(rand.NewPCG(7, 11))
+	planned := 0
+	for i := 0; i < 300; i++ {
+		pages := int64(4 + rng.IntN(60))
+		src, dst := layout(0x10000, 64), layout(0x90000, 64)
+		pick := func(n int) []int64 {
+			out := make([]int64, n)
+			for j := range out {
+				switch rng.IntN(3) {
+				case 0:
+					out[j] = int64(j) // runs
+				case 1:
+					if j > 0 {
+						out[j] = out[j-1] + 1
+					}
+				default:
+					out[j] = rng.Int64N(pages+2) - 1 // jumps, sometimes out of range
+				}
+			}
+			return out
+		}
+		sp, dp := pick(8), pick(8)
+		first := rng.Int64N(3)
+		from := rng.Int64N(40)
+		to := from + rng.Int64N(40) - 4
+		got, err := PlanTokens(PageMap{Layout: src, Pages: sp}, PageMap{Layout: dst, Pages: dp, First: first}, 3, from, to)
+		want, werr := planTokensRef(PageMap{Layout: src, Pages: sp}, PageMap{Layout: dst, Pages: dp, First: first}, 3, from, to)
+		if (err != nil) != (werr != nil) {
+			t.Fatalf("case %d (%v %v first %d [%d,%d)): err %v, reference %v", i, sp, dp, first, from, to, err, werr)
+		}
+		if err == nil && !slices.Equal(got, want) {
+			t.Fatalf("case %d (%v %v first %d [%d,%d)):\n got %+v\nwant %+v", i, sp, dp, first, from, to, got, want)
+		}
+		if len(got) > 0 {
+			planned++
+		}
+	}
+	if planned < 30 {
+		t.Fatalf("only %d of 300 random cases planned requests", planned)
+	}
 }
