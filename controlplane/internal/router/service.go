@@ -63,7 +63,7 @@ func New(c Cluster, log zerolog.Logger, reg prometheus.Registerer) *Service {
 		log:      log.With().Str("part", "router").Logger(),
 		now:      time.Now,
 		prefix:   "d" + hex.EncodeToString(b[:4]) + "-",
-		roomBase: binary.LittleEndian.Uint64(b[4:]) >> 1,
+		roomBase: binary.LittleEndian.Uint64(b[4:]) & maxRoom,
 		led:      newLedger(),
 	}
 	s.m = newMetrics(reg, s)
@@ -180,7 +180,13 @@ func (s *Service) parseID(id string) (uint64, bool) {
 	return seq, true
 }
 
-func (s *Service) room(seq uint64) int64 { return int64((s.roomBase + seq) & (1<<63 - 1)) }
+// maxRoom keeps bootstrap rooms exact in JSON (2^53): SGLang takes them from JSON bodies, and
+// jq or JavaScript would round a 63-bit room.
+const maxRoom = 1<<53 - 1
+
+// room is the bootstrap room of decision seq: a random base per Service plus the sequence
+// number, unique for 2^53 decisions and, across leaders, with overwhelming probability.
+func (s *Service) room(seq uint64) int64 { return int64((s.roomBase+seq)&maxRoom) + 1 }
 
 // effectiveTurn: the client's turn when it gives one (> 0), else one more than the last turn
 // seen for a known session, else 0.

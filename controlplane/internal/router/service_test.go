@@ -249,6 +249,9 @@ func TestSessionLifecycle(t *testing.T) {
 		t.Fatalf("seed: %v", d)
 	}
 	seedD := d.Decode.WorkerId
+	if d.BootstrapRoom <= 0 || d.BootstrapRoom > 1<<53 {
+		t.Errorf("room %d not in (0, 2^53]", d.BootstrapRoom)
+	}
 	if d.Decode.PeerAddr != seedD+":7000" || d.Decode.TransferEndpoint != seedD+":7001" || d.Decode.WorkerUrl != "http://"+seedD {
 		t.Errorf("worker ref %v", d.Decode)
 	}
