@@ -803,8 +803,8 @@ type tcpConn struct {
 	br *bufio.Reader
 
 	mu       sync.Mutex
-	queue    []sliceOp
-	inflight []sliceOp // FIFO, head at ihead
+	queue    [][]sliceOp // chunks handed over by Submit
+	inflight []sliceOp   // FIFO, head at ihead
 	ihead    int
 	dead     bool
 	deadErr  error
@@ -815,7 +815,8 @@ type tcpConn struct {
 	done  chan struct{}
 }
 
-// enqueue hands slices to the writer; on a dead connection they fail at once.
+// enqueue hands a chunk of slices to the writer, which owns it from now on; on a dead connection
+// they fail at once.
 func (c *tcpConn) enqueue(ops []sliceOp) {
 	c.mu.Lock()
 	if c.dead {
@@ -826,7 +827,7 @@ func (c *tcpConn) enqueue(ops []sliceOp) {
 		}
 		return
 	}
-	c.queue = append(c.queue, ops...)
+	c.queue = append(c.queue, ops)
 	c.mu.Unlock()
 	select {
 	case c.wake <- struct{}{}:
@@ -850,8 +851,10 @@ func (c *tcpConn) kill(err error) {
 	for i := range inf {
 		inf[i].done(err)
 	}
-	for i := range q {
-		q[i].done(err)
+	for _, ch := range q {
+		for i := range ch {
+			ch[i].done(err)
+		}
 	}
 }
 
@@ -1101,21 +1104,28 @@ func (c *tcpConn) writeLoop() {
 			c.mu.Unlock()
 			return // kill failed the queue
 		}
-		q := c.queue
+		chunks := c.queue
 		c.queue = nil
 		c.mu.Unlock()
-		for i := range q {
-			if q[i].t.final() {
-				continue
-			}
-			if err := w.add(&q[i]); err != nil {
-				for j := range w.pend {
-					w.pend[j].done(err)
+		for k, q := range chunks {
+			for i := range q {
+				if q[i].t.final() {
+					continue
 				}
-				for j := i; j < len(q); j++ {
-					q[j].done(err)
+				if err := w.add(&q[i]); err != nil {
+					for j := range w.pend {
+						w.pend[j].done(err)
+					}
+					for j := i; j < len(q); j++ {
+						q[j].done(err)
+					}
+					for _, rest := range chunks[k+1:] {
+						for j := range rest {
+							rest[j].done(err)
+						}
+					}
+					return
 				}
-				return
 			}
 		}
 	}
@@ -1335,8 +1345,8 @@ func (e *tcpEngine) Submit(ctx context.Context, id BatchID, reqs []Request) erro
 			}
 			q = append(q, sliceOp{t: t, op: r.Op, local: local, laddr: r.Source + off, raddr: r.TargetAddr + off, n: n})
 			if len(q) == chunk {
-				seg.conns[ci].enqueue(q) // copies q
-				q = q[:0]
+				seg.conns[ci].enqueue(q) // the writer owns q now
+				q = nil
 			}
 			lastQ.q[ci] = q
 		}
