@@ -220,6 +220,9 @@ func TestLocalClusterEndToEnd(t *testing.T) {
 	if r4.status != http.StatusOK {
 		t.Fatalf("it-3: %d %s", r4.status, r4.body)
 	}
+	if r4.header.Get("X-Kvc-Mode") != "PD_FALLBACK" {
+		waitSnapshot(t, c, "it-3", int64(r4.meta["kvc"].(map[string]any)["kv_len_after"].(float64)))
+	}
 	victim := r4.header.Get("X-Kvc-Decode-Worker")
 	if err := c.Kill("sim-" + victim); err != nil {
 		t.Fatal(err)
@@ -229,6 +232,10 @@ func TestLocalClusterEndToEnd(t *testing.T) {
 		t.Fatalf("after %s died: %d %q", victim, r5.status, r5.body)
 	}
 	t.Logf("after %s died: %d %s %s %s", victim, r5.status, r5.header.Get("X-Kvc-Mode"), r5.header.Get("X-Kvc-Decode-Worker"), r5.body)
+	if m := r5.header.Get("X-Kvc-Mode"); r5.status == http.StatusOK && m != "PD_FALLBACK" {
+		// Served elsewhere and kept: let its snapshot push finish before stopping.
+		waitSnapshot(t, c, "it-3", int64(r5.meta["kvc"].(map[string]any)["kv_len_after"].(float64)))
+	}
 
 	shm := []string{}
 	for _, w := range c.Workers {
