@@ -60,7 +60,7 @@ func parse(args []string, getenv func(string) string, stderr io.Writer) (*option
 	fs.StringVar(&o.simArgs, "sim-args", "", "extra kvc-sim flags, space separated (e.g. \"--bytes-per-token-per-buffer 8\")")
 	fs.StringVar(&o.policy, "policy-json", "", "policy to apply after start, as kvc.v1.Policy JSON (e.g. '{\"snapshotsEnabled\": false}')")
 	fs.BoolVar(&o.noGateway, "no-gateway", false, "do not start kvc-gateway")
-	fs.DurationVar(&o.cfg.StartTimeout, "start-timeout", 60*time.Second, "bound of each start-up step")
+	fs.DurationVar(&o.cfg.StartTimeout, "start-timeout", 120*time.Second, "bound of each start-up step")
 	fs.DurationVar(&o.cfg.StopGrace, "stop-grace", 10*time.Second, "SIGTERM to SIGKILL grace when stopping")
 	fs.StringVar(&o.httpAddr, "http-addr", "127.0.0.1:0", "kvc-local's own /metrics, /healthz, /readyz")
 	fs.StringVar(&o.readyFile, "ready-file", "", "write a JSON ready file (gateway URL, control planes, workers) once the cluster is up")

@@ -166,9 +166,11 @@ func waitSocket(ctx context.Context, path string) error {
 func serve(ctx context.Context, o *options, cfg worker.Config, log zerolog.Logger) error {
 	wctx, cancel := context.WithTimeout(ctx, o.bridgeWait)
 	defer cancel()
+	log.Info().Str("bridge_socket", o.bridgeSocket).Dur("wait", o.bridgeWait).Msg("waiting for the sidecar's socket")
 	if err := waitSocket(wctx, o.bridgeSocket); err != nil {
 		return err
 	}
+	log.Info().Msg("sidecar socket found; registering the KV pool")
 	conn, err := grpc.NewClient("unix://"+o.bridgeSocket,
 		append(grpcx.ClientOptions(), grpc.WithTransportCredentials(insecure.NewCredentials()))...)
 	if err != nil {

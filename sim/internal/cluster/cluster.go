@@ -42,7 +42,8 @@ type Config struct {
 	GatewayArgs      []string
 	// PrefillCapacityTokens is --kv-capacity-tokens of every prefill kvc-sim (0: default).
 	PrefillCapacityTokens int64
-	// StartTimeout bounds each process's start-up and the wait for all workers (default 60s).
+	// StartTimeout bounds each start-up step (a group of processes getting ready, the wait for all
+	// workers, the gateway's route stream); default 120s, generous for a loaded 2-core machine.
 	StartTimeout time.Duration
 	// StopGrace is how long Stop waits after SIGTERM before SIGKILL (default 10s).
 	StopGrace time.Duration
@@ -139,7 +140,7 @@ func (cfg *Config) defaults() error {
 		return errors.New("cluster: negative capacity")
 	}
 	if cfg.StartTimeout <= 0 {
-		cfg.StartTimeout = 60 * time.Second
+		cfg.StartTimeout = 120 * time.Second
 	}
 	if cfg.StopGrace <= 0 {
 		cfg.StopGrace = 10 * time.Second

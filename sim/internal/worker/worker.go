@@ -142,7 +142,7 @@ func (w *Worker) RegisterPool(ctx context.Context) (*kvcv1.RegisterKVPoolRespons
 		Model:     w.cfg.Model,
 	}
 	var lastErr error
-	for backoff := 50 * time.Millisecond; ; backoff = min(2*backoff, time.Second) {
+	for attempt, backoff := 1, 50*time.Millisecond; ; attempt, backoff = attempt+1, min(2*backoff, time.Second) {
 		cctx, cancel := context.WithTimeout(ctx, w.cfg.BridgeTimeout)
 		resp, err := w.bridge.RegisterKVPool(cctx, req)
 		cancel()
@@ -150,7 +150,11 @@ func (w *Worker) RegisterPool(ctx context.Context) (*kvcv1.RegisterKVPoolRespons
 			return resp, nil
 		}
 		lastErr = err
-		w.log.Debug().Err(err).Msg("RegisterKVPool failed; retrying")
+		ev := w.log.Debug()
+		if attempt%5 == 1 {
+			ev = w.log.Warn() // visible in the log tail a supervisor shows
+		}
+		ev.Err(err).Int("attempt", attempt).Msg("RegisterKVPool failed; retrying")
 		if sleepCtx(ctx, backoff) != nil {
 			return nil, fmt.Errorf("register kv pool with the sidecar: %w (last error: %v)", ctx.Err(), lastErr)
 		}
