@@ -56,7 +56,7 @@ const (
 	tcpMaxRegions   = 4096
 	tcpMaxMsg       = 1024
 	// A WRITE_BATCH holds at most tcpMaxBatch writes and tcpMaxBatchBytes of payload.
-	tcpMaxBatch      = 256
+	tcpMaxBatch      = 1000
 	tcpMaxBatchBytes = 16 << 20
 	tcpMaxName       = 1024
 )
