@@ -43,7 +43,7 @@ type options struct {
 	modelBytesPerToken                                    int64
 	prefillTPS, prefillOverheadMS, decodeMS, linkGbps     float64
 	timeScale                                             float64
-	bridgeWait, transferTimeout                           time.Duration
+	bridgeWait, transferTimeout, preallocWait             time.Duration
 }
 
 func parse(args []string, getenv func(string) string, stderr io.Writer) (*options, worker.Config, error) {
@@ -67,6 +67,7 @@ func parse(args []string, getenv func(string) string, stderr io.Writer) (*option
 	fs.Float64Var(&o.linkGbps, "link-gbps", def.LinkGbps, "modeled KV transfer link bandwidth (Gb/s)")
 	fs.Float64Var(&o.timeScale, "time-scale", 1, "multiplies every modeled duration (0.1 = ten times faster)")
 	fs.DurationVar(&o.transferTimeout, "transfer-timeout", 60*time.Second, "bound of one KV transfer wait")
+	fs.DurationVar(&o.preallocWait, "prealloc-wait", 0, "decode: how long a request that cannot get KV pages even by eviction waits for running requests to free some (SGLang's prealloc queue) before 503 no_capacity; 0 rejects at once")
 	fs.StringVar(&o.shmDir, "shm-dir", "/dev/shm", "directory of the shared-memory KV pool file")
 	fs.StringVar(&o.model, "model", "Qwen/Qwen3-30B-A3B (kvc-sim)", "model name reported by /get_model_info")
 	fs.StringVar(&o.logLevel, "log-level", "info", "debug, info, warn, error")
@@ -93,6 +94,9 @@ func parse(args []string, getenv func(string) string, stderr io.Writer) (*option
 	if o.bridgeWait <= 0 || o.transferTimeout <= 0 {
 		return nil, worker.Config{}, errors.New("--bridge-wait and --transfer-timeout must be > 0")
 	}
+	if o.preallocWait < 0 {
+		return nil, worker.Config{}, errors.New("--prealloc-wait must be >= 0")
+	}
 	if o.pageSize <= 0 || o.capacity < int64(o.pageSize) {
 		return nil, worker.Config{}, fmt.Errorf("--kv-capacity-tokens %d must hold at least one page of --page-size %d", o.capacity, o.pageSize)
 	}
@@ -114,6 +118,7 @@ func parse(args []string, getenv func(string) string, stderr io.Writer) (*option
 		},
 		Model:           o.model,
 		TransferTimeout: o.transferTimeout,
+		PreallocWait:    o.preallocWait,
 	}
 	if err := cfg.Geometry.Validate(); err != nil {
 		return nil, worker.Config{}, err

@@ -13,6 +13,7 @@ type metrics struct {
 	decodeTokens    prometheus.Counter
 	evictions       prometheus.Counter
 	capacityRejects prometheus.Counter
+	preallocWaits   prometheus.Counter
 	bridgeErrors    *prometheus.CounterVec // call
 	transferSeconds prometheus.Histogram
 	residentGauge   prometheus.GaugeFunc
@@ -37,6 +38,7 @@ func newMetrics(reg prometheus.Registerer, w *Worker) *metrics {
 		decodeTokens:    prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_decode_tokens_total", Help: "Output tokens decoded."}),
 		evictions:       prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_evictions_total", Help: "Sessions evicted (LRU) to make room."}),
 		capacityRejects: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_capacity_rejections_total", Help: "Requests rejected with no_capacity."}),
+		preallocWaits:   prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_prealloc_waits_total", Help: "Times a decode allocation waited for running requests to free pages."}),
 		bridgeErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvc_sim_bridge_errors_total", Help: "Failed WorkerBridge calls to the sidecar.",
 		}, []string{"call"}),
@@ -53,7 +55,7 @@ func newMetrics(reg prometheus.Registerer, w *Worker) *metrics {
 		func() float64 { return float64(w.stats().FreePages) })
 	if reg != nil {
 		reg.MustRegister(m.requests, m.ttft, m.receivedBytes, m.verifiedBytes, m.verifyFailures, m.sentBytes,
-			m.prefillTokens, m.decodeTokens, m.evictions, m.capacityRejects, m.bridgeErrors, m.transferSeconds,
+			m.prefillTokens, m.decodeTokens, m.evictions, m.capacityRejects, m.preallocWaits, m.bridgeErrors, m.transferSeconds,
 			m.residentGauge, m.usedPagesGauge, m.freePagesGauge)
 	}
 	return m

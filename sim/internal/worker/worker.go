@@ -28,6 +28,9 @@ type Config struct {
 	TransferTimeout time.Duration
 	// BridgeTimeout bounds the quick bridge calls (commit, release, prepare).
 	BridgeTimeout time.Duration
+	// PreallocWait (decode) is how long a request that cannot get pages even by eviction waits
+	// for running requests to free some before it is rejected with no_capacity (0: at once).
+	PreallocWait time.Duration
 }
 
 // Bridge is the part of the sidecar's WorkerBridgeService the worker calls.
@@ -310,6 +313,40 @@ func (w *Worker) allocate(ctx context.Context, n int64, exclude string) ([]int64
 			}
 		}
 	}
+	// A request that cannot get room even by eviction (pages pinned by running requests) waits up
+	// to PreallocWait for running requests to free pages (SGLang's decode prealloc queue), then is
+	// rejected with no_capacity.
+	var deadline <-chan time.Time
+	if w.cfg.PreallocWait > 0 {
+		tm := time.NewTimer(w.cfg.PreallocWait)
+		defer tm.Stop()
+		deadline = tm.C
+	}
+	for {
+		w.mu.Lock()
+		ch := w.freed
+		w.mu.Unlock()
+		pages, ev, e := w.allocateOnce(n, exclude)
+		if e == nil || e.code != "no_capacity" || deadline == nil || ev > 0 {
+			if e != nil {
+				w.m.capacityRejects.Inc()
+			}
+			return pages, ev, e
+		}
+		w.m.preallocWaits.Inc()
+		select {
+		case <-ch:
+		case <-deadline:
+			w.m.capacityRejects.Inc()
+			return nil, 0, errf(e.status, e.code, "%s; waited %s in the prealloc queue", e.msg, w.cfg.PreallocWait)
+		case <-ctx.Done():
+			return nil, 0, ctxError(ctx, "waiting for KV pages")
+		}
+	}
+}
+
+// allocateOnce is one allocation attempt with LRU eviction on a decode worker.
+func (w *Worker) allocateOnce(n int64, exclude string) ([]int64, int, *apiError) {
 	w.allocMu.Lock()
 	defer w.allocMu.Unlock()
 	w.mu.Lock()
@@ -336,7 +373,6 @@ func (w *Worker) allocate(ctx context.Context, n int64, exclude string) ([]int64
 	if have < n {
 		free := w.alloc.available()
 		w.mu.Unlock()
-		w.m.capacityRejects.Inc()
 		return nil, 0, errf(http.StatusServiceUnavailable, "no_capacity",
 			"need %d pages, %d free and %d more evictable (the rest is used by running requests)", n, free, have-free)
 	}
@@ -353,7 +389,6 @@ func (w *Worker) allocate(ctx context.Context, n int64, exclude string) ([]int64
 	pages := w.alloc.take(n)
 	w.mu.Unlock()
 	if pages == nil {
-		w.m.capacityRejects.Inc()
 		return nil, len(victims), errf(http.StatusServiceUnavailable, "no_capacity",
 			"need %d pages: evicted %d sessions but their release failed", n, len(victims))
 	}

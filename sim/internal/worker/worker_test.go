@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/rs/zerolog"
 
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
@@ -28,13 +29,18 @@ type testWorker struct {
 
 func newTestWorker(t *testing.T, h *hub, role kvcv1.WorkerRole, id string, capacityTokens int64, tm Timing) *testWorker {
 	t.Helper()
+	return newTestWorkerCfg(t, h, role, id, capacityTokens, tm, 0)
+}
+
+func newTestWorkerCfg(t *testing.T, h *hub, role kvcv1.WorkerRole, id string, capacityTokens int64, tm Timing, preallocWait time.Duration) *testWorker {
+	t.Helper()
 	sc, bridge := startFakeSidecar(t, h, id)
 	g := Geometry{PageSize: 4, Layers: 3, BytesPerToken: 8, PageCount: capacityTokens / 4}
 	pool, err := CreatePool(t.TempDir(), id, g)
 	if err != nil {
 		t.Fatal(err)
 	}
-	w, err := New(Config{Role: role, WorkerID: id, Geometry: g, Timing: tm, TransferTimeout: 5 * time.Second},
+	w, err := New(Config{Role: role, WorkerID: id, Geometry: g, Timing: tm, TransferTimeout: 5 * time.Second, PreallocWait: preallocWait},
 		pool, bridge, prometheus.NewRegistry(), zerolog.Nop())
 	if err != nil {
 		t.Fatal(err)
@@ -555,5 +561,39 @@ func TestSidecarDies(t *testing.T) {
 	}
 	if st := d.w.stats(); st.FreePages+int64(sessionsOf(t, d)["s"].Pages) != st.PageCount {
 		t.Fatalf("pages leaked: %+v", st)
+	}
+}
+
+// With a prealloc wait, a request that cannot get pages (all pinned by a running request) waits
+// for them instead of failing, like SGLang's decode prealloc queue.
+func TestPreallocWait(t *testing.T) {
+	h := newHub()
+	p := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_PREFILL, "p0", 1024, zeroTiming())
+	d := newTestWorkerCfg(t, h, kvcv1.WorkerRole_WORKER_ROLE_DECODE, "d0", 256, zeroTiming(), 20*time.Second) // 64 pages
+	ctx, cancel := context.WithCancel(context.Background())
+	bigDone := make(chan result, 1)
+	go func() { // holds 52 pages until cancelled: its sender never comes
+		bigDone <- post(t, ctx, d.url, body("big", 8, false,
+			kvcReq{Mode: "SEED", Role: "decode", SessionID: "big", InputTokens: 200, Room: i64(50)}))
+	}()
+	waitFor(t, func() bool { return sessionsOf(t, d)["big"].Pinned == 1 })
+	fDone := make(chan result, 1)
+	go func() {
+		_, dr := pd(t, p, d, "rf", 2, kvcReq{Mode: "SEED", SessionID: "f", InputTokens: 60, Room: i64(20)})
+		fDone <- dr
+	}()
+	waitFor(t, func() bool { return testutil.ToFloat64(d.w.m.preallocWaits) >= 1 })
+	select {
+	case r := <-fDone:
+		t.Fatalf("f finished while the pages were pinned: %+v", r)
+	default:
+	}
+	cancel()
+	<-bigDone
+	if r := <-fDone; r.status != 200 || r.ans.MetaInfo.KVC.VerifyFailures != 0 {
+		t.Fatalf("f after the wait: %d %s", r.status, r.code)
+	}
+	if testutil.ToFloat64(d.w.m.capacityRejects) != 0 {
+		t.Fatal("a waited request was counted as rejected")
 	}
 }
