@@ -11,16 +11,18 @@ import (
 	"google.golang.org/protobuf/proto"
 )
 
-// Default knob values (DESIGN §4 and the lessons of the seed experiments).
+// Default knob values: the same as the control plane's state fills in (state.DefaultPolicy,
+// docs/architecture.md); the router only falls back to these when a field is unset.
 const (
 	DefaultDirectMaxUncachedTokens  = 8192
 	DefaultMigrationRejectThreshold = 3
 	DefaultMaxConcurrentTransfers   = 4
 	DefaultDCapacityHeadroom        = 0.05
-	DefaultReservationTimeoutMs     = 200_000 // request timeout (180 s) plus slack
-	DefaultBackpressurePauseMs      = 200
+	DefaultReservationTimeoutMs     = 30_000
+	DefaultBackpressurePauseMs      = 50
+	DefaultBackpressureQueue        = 8
 	DefaultSnapshotDeltaTokens      = 1024
-	DefaultTailToleranceTokens      = 8192
+	DefaultTailToleranceTokens      = 2048
 	DefaultSessionTTLMs             = 24 * 3600 * 1000
 	DefaultUnreachableGraceMs       = 30_000
 )
@@ -52,8 +54,8 @@ func Defaults() *kvcv1.Policy {
 		MaxConcurrentTransfers:    proto.Int32(DefaultMaxConcurrentTransfers),
 		DCapacityHeadroom:         proto.Float64(DefaultDCapacityHeadroom),
 		ReservationTimeoutMs:      proto.Int64(DefaultReservationTimeoutMs),
-		BackpressureTransferQueue: proto.Int32(0),
-		BackpressurePreallocQueue: proto.Int32(0),
+		BackpressureTransferQueue: proto.Int32(DefaultBackpressureQueue),
+		BackpressurePreallocQueue: proto.Int32(DefaultBackpressureQueue),
 		BackpressurePauseMs:       proto.Int64(DefaultBackpressurePauseMs),
 		PrefillBackupPolicy:       kvcv1.PrefillBackupPolicy_PREFILL_BACKUP_POLICY_RELEASE_AFTER_TRANSFER.Enum(),
 		SnapshotDeltaTokens:       proto.Int64(DefaultSnapshotDeltaTokens),

@@ -221,11 +221,11 @@ func TestDecideEveryModeAndReason(t *testing.T) {
 			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_TRANSFER_BUDGET)},
 		// --- lost residency: reseed ---
 		{name: "D draining, snapshot usable", q: q(30_000, 100, 5),
-			rec:     with2(resident("d1", 25_000), func(r *kvcv1.SessionRecord) { r.Snapshot = snap("p1", 25_000) }),
+			rec:     with2(resident("d1", 25_000), func(r *kvcv1.SessionRecord) { r.Snapshot = snap("p1", 28_000) }),
 			workers: []*kvcv1.Worker{pW("p1", 9), pW("p2", 0), draining(dW("d1", 100_000, 0)), dW("d2", 100_000, 0)},
 			mode:    mSnap, reason: R(kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_HIT), prefill: "p1", decode: "d2",
 			check: func(t *testing.T, d Decision) {
-				if d.Cause != kvcv1.RouteReason_ROUTE_REASON_D_DRAINING || d.SnapshotSeqlen != 25_000 || d.CachedTokens != 25_000 ||
+				if d.Cause != kvcv1.RouteReason_ROUTE_REASON_D_DRAINING || d.SnapshotSeqlen != 28_000 || d.CachedTokens != 28_000 ||
 					d.UsesPrefill || !d.Transfer || d.Seed || d.ReservedTokens != 30_100 || d.From != "d1" {
 					t.Errorf("snapshot reseed: %+v", d)
 				}
@@ -249,10 +249,10 @@ func TestDecideEveryModeAndReason(t *testing.T) {
 				}
 			}},
 		{name: "snapshot too short: stale", q: q(40_000, 100, 5),
-			rec:     &kvcv1.SessionRecord{SessionId: "s", Generation: 1, Snapshot: snap("p1", 31_807)},
+			rec:     &kvcv1.SessionRecord{SessionId: "s", Generation: 1, Snapshot: snap("p1", 37_951)},
 			workers: cluster(), mode: mPrefill, reason: R(kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_STALE)},
 		{name: "snapshot within tail tolerance", q: q(40_000, 100, 5),
-			rec:     &kvcv1.SessionRecord{SessionId: "s", Generation: 1, Snapshot: snap("p1", 31_808)},
+			rec:     &kvcv1.SessionRecord{SessionId: "s", Generation: 1, Snapshot: snap("p1", 37_952)},
 			workers: cluster(), mode: mSnap, reason: R(kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_HIT)},
 		{name: "snapshot longer than the input: stale", q: q(20_000, 100, 5),
 			rec:     &kvcv1.SessionRecord{SessionId: "s", Generation: 1, Snapshot: snap("p1", 20_001)},
