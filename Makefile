@@ -79,7 +79,8 @@ proto-check: proto
 
 ## demo: the main job — local cluster, E1/E3/E4 on the built-in workload, report in out/demo/
 demo: build
-	$(BIN)/kvc-bench --local --bin-dir $(BIN) --arms E1,E3,E4 --out out/demo
+	$(BIN)/kvc-bench --local --bin-dir $(BIN) --arms E1,E3,E4 --time-scale 0.4 \
+		--decode-capacity-tokens 64000 --decode-advertised-tokens 200000 --out out/demo
 
 ## bench-transfer: pkg/rdma tcp backend vs a raw socket copy
 bench-transfer:
@@ -89,12 +90,15 @@ bench-transfer:
 bench-policy:
 	cd controlplane && $(GO) test -run '^$$' -bench . -benchtime 1x ./internal/policybench/... | grep '^policy:' | tail -1
 
-## bench-gpu: static test binary for the GPU machine; prints the command to run there
+## bench-gpu: static binaries for the GPU machine (bin/gpu); prints the command to run there
 bench-gpu:
 	@mkdir -p $(BIN)/gpu
-	cd pkg && CGO_ENABLED=0 $(GO) test -c -trimpath -o $(BIN)/gpu/rdma.test ./rdma/
+	cd pkg && CGO_ENABLED=0 $(GO) test -c -trimpath -ldflags="-s -w" -o $(BIN)/gpu/rdma.test ./rdma/
+	cd sidecar-decode && CGO_ENABLED=0 $(GO) test -c -trimpath -ldflags="-s -w" -o $(BIN)/gpu/gpubench.test ./internal/gpubench/
+	cd sidecar-decode && CGO_ENABLED=0 $(GO) build -trimpath -ldflags="-s -w" -o $(BIN)/gpu/kvc-sidecar-decode ./cmd/kvc-sidecar-decode
+	cd sidecar-prefill && CGO_ENABLED=0 $(GO) build -trimpath -ldflags="-s -w" -o $(BIN)/gpu/kvc-sidecar-prefill ./cmd/kvc-sidecar-prefill
 	@echo "on the GPU machine, from the repository root (carry bin/gpu):  bash deploy/gpu/bench-gpu.sh"
-	@echo "it writes out/gpu/gpu-tests.txt and out/gpu/gpu-bench.txt (or \$$OUT/...); see docs/gpu.md"
+	@echo "it writes out/gpu/gpu-tests.txt, gpu-bench.txt and gpu-sidecars.txt (or \$$OUT/...); see docs/gpu.md"
 
 ## test-mooncake: bytes through Mooncake's own transport (needs libtransfer_engine.so)
 test-mooncake:

@@ -43,6 +43,8 @@ type opts struct {
 	simArgs        string
 	requestTimeout time.Duration
 	sendText       bool
+	advertised     int64
+	agentic        workload.AgenticConfig
 }
 
 func parse(args []string, stderr io.Writer) (*opts, error) {
@@ -56,14 +58,25 @@ func parse(args []string, stderr io.Writer) (*opts, error) {
 	fs.StringVar(&o.workload, "workload", "builtin", "builtin (agentic sessions) or mooncake (a trace in Mooncake's format, --trace)")
 	fs.StringVar(&o.tracePath, "trace", "", "trace file for --workload mooncake")
 	fs.IntVar(&o.maxRequests, "max-requests", 0, "replay at most this many requests (0 = all)")
-	fs.Float64Var(&o.timeScale, "time-scale", 1, "multiplies the workload clock (arrival and think times); 0.5 replays twice as fast")
-	fs.Float64Var(&o.simTimeScale, "sim-time-scale", 1, "with --local: kvc-sim's --time-scale (multiplies every modeled GPU/transfer duration)")
+	fs.Float64Var(&o.timeScale, "time-scale", 1, "multiplies the workload clock (arrival and think times) and, with --local, kvc-sim's modeled durations: 0.5 runs everything twice as fast")
+	fs.Float64Var(&o.simTimeScale, "sim-time-scale", 0, "with --local: kvc-sim's --time-scale, multiplying every modeled GPU/transfer duration (0: the same as --time-scale, so the whole system runs at one speed and times are reported in model seconds)")
 	fs.StringVar(&o.out, "out", "out/bench", "output directory")
 	fs.StringVar(&o.binDir, "bin-dir", "", "directory of the kvc-* binaries (default: next to kvc-bench)")
 	fs.Uint64Var(&o.seed, "seed", def.Seed, "seed of the built-in workload")
 	fs.IntVar(&o.sessions, "sessions", def.Sessions, "sessions of the built-in workload")
-	fs.Int64Var(&o.capacity, "decode-capacity-tokens", 120000, "with --local: KV capacity of each decode worker in tokens (below the working set, so some sessions get evicted)")
-	fs.IntVar(&o.bytesPerToken, "bytes-per-token-per-buffer", 8, "with --local: real KV bytes per token per layer buffer in kvc-sim (scaled down from 1024 for CPU-only runs)")
+	o.agentic = def
+	fs.DurationVar(&o.agentic.ArrivalSpan, "arrival-span", def.ArrivalSpan, "built-in workload: session starts spread over this long")
+	fs.IntVar(&o.agentic.MinTurns, "min-turns", def.MinTurns, "built-in workload: fewest turns per session")
+	fs.IntVar(&o.agentic.MaxTurns, "max-turns", def.MaxTurns, "built-in workload: most turns per session")
+	fs.Int64Var(&o.agentic.InitialMin, "initial-min-tokens", def.InitialMin, "built-in workload: smallest first-turn context")
+	fs.Int64Var(&o.agentic.InitialMax, "initial-max-tokens", def.InitialMax, "built-in workload: largest first-turn context")
+	fs.DurationVar(&o.agentic.ThinkMin, "think-min", def.ThinkMin, "built-in workload: shortest think time between turns")
+	fs.DurationVar(&o.agentic.ThinkMax, "think-max", def.ThinkMax, "built-in workload: longest ordinary think time")
+	fs.Float64Var(&o.agentic.LongThinkProb, "long-think-prob", def.LongThinkProb, "built-in workload: probability of a long pause before a turn")
+	fs.Float64Var(&o.agentic.LargeAppendProb, "large-append-prob", def.LargeAppendProb, "built-in workload: probability that a turn appends 9K-16K tokens (above the direct-to-D limit)")
+	fs.Int64Var(&o.advertised, "decode-advertised-tokens", 0, "with --local: KV capacity the decode sidecars report to the control plane (0: the pool's); above the pool, the control plane admits by its own count and the worker's LRU evicts idle sessions")
+	fs.Int64Var(&o.capacity, "decode-capacity-tokens", 60000, "with --local: KV capacity of each decode worker in tokens (below the working set, so some sessions get evicted)")
+	fs.IntVar(&o.bytesPerToken, "bytes-per-token-per-buffer", 2, "with --local: real KV bytes per token per layer buffer in kvc-sim (scaled down from 1024 for CPU-only runs)")
 	fs.StringVar(&o.simArgs, "sim-args", "", "with --local: extra kvc-sim flags, space separated")
 	fs.DurationVar(&o.requestTimeout, "request-timeout", 200*time.Second, "client-side bound of one request")
 	fs.BoolVar(&o.sendText, "send-text", false, "send a synthetic prompt of the request's length (for real SGLang workers behind a real gateway)")
@@ -100,8 +113,11 @@ func parse(args []string, stderr io.Writer) (*opts, error) {
 	if o.maxRequests < 0 {
 		errs = append(errs, fmt.Errorf("--max-requests must be >= 0"))
 	}
-	if !(o.timeScale > 0) || !(o.simTimeScale > 0) {
-		errs = append(errs, fmt.Errorf("--time-scale and --sim-time-scale must be > 0"))
+	if o.simTimeScale == 0 {
+		o.simTimeScale = o.timeScale
+	}
+	if !(o.timeScale > 0) || !(o.simTimeScale > 0) || o.timeScale > 100 || o.simTimeScale > 100 {
+		errs = append(errs, fmt.Errorf("--time-scale and --sim-time-scale must be in (0, 100]"))
 	}
 	if o.sessions < 1 {
 		errs = append(errs, fmt.Errorf("--sessions must be >= 1"))
@@ -137,7 +153,7 @@ func run(args []string, stderr io.Writer) int {
 	var wl *workload.Workload
 	switch o.workload {
 	case "builtin":
-		c := workload.DefaultAgentic()
+		c := o.agentic
 		c.Seed, c.Sessions = o.seed, o.sessions
 		wl, err = workload.Agentic(c)
 	case "mooncake":
@@ -176,12 +192,19 @@ func run(args []string, stderr io.Writer) int {
 	}
 	if o.local {
 		cfg.DecodeCapacityTokens, cfg.SimArgs = o.capacity, simArgs
+		if o.advertised > 0 {
+			cfg.SidecarArgs = []string{"--kv-capacity-tokens", fmt.Sprint(o.advertised)}
+			cfg.Meta.Notes = append(cfg.Meta.Notes, fmt.Sprintf("decode sidecars report %d tokens of capacity to the control plane (the pools hold %d): the control plane admits by that count and each decode worker's LRU evicts idle sessions when it runs short", o.advertised, o.capacity))
+		}
 		cfg.Meta.SimTimeScale, cfg.Meta.DecodeCapacityTokens, cfg.Meta.SimArgs = o.simTimeScale, o.capacity, simArgs
+		if o.simTimeScale == o.timeScale {
+			cfg.Meta.TimeDiv = o.timeScale
+		}
 	}
 	arms, err := bench.Run(ctx, cfg)
 	for _, a := range arms {
 		s := a.Summary
-		fmt.Fprintf(stderr, "%s: ok %d/%d  TTFT p50 %.3fs p99 %.3fs  direct-to-D %.1f%%  reseeds %d (p50 %.3fs, snapshot %.0f%%)  bytes %d  verify failures %d\n",
+		fmt.Fprintf(stderr, "%s (model s): ok %d/%d  TTFT p50 %.3fs p99 %.3fs  direct-to-D %.1f%%  reseeds %d (p50 %.3fs, snapshot %.0f%%)  bytes %d  verify failures %d\n",
 			a.Name, s.OK, s.Total, s.TTFTP50, s.TTFTP99, 100*s.DirectToDShare, s.ReseedCount, s.ReseedTTFTP50, 100*s.SnapshotHitRate, s.BytesMoved, s.KVVerifyFailures)
 	}
 	fmt.Fprintf(stderr, "report: %s\n", filepath.Join(o.out, report.ReportFile))

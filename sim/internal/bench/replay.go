@@ -156,8 +156,8 @@ type streamChunk struct {
 }
 
 // send runs one request and records it; it never fails the replay.
-func send(ctx context.Context, hc *http.Client, baseURL, session string, turn int, t workload.Turn, opt Options) report.Record {
-	r := report.Record{Arm: opt.Arm, SessionID: session, Turn: turn, InputTokens: t.InputTokens, OutputTokens: t.OutputTokens}
+func send(ctx context.Context, hc *http.Client, baseURL, session string, turn int, t workload.Turn, opt Options) (r report.Record) {
+	r = report.Record{Arm: opt.Arm, SessionID: session, Turn: turn, InputTokens: t.InputTokens, OutputTokens: t.OutputTokens}
 	body := map[string]any{
 		"stream":          true,
 		"sampling_params": map[string]any{"max_new_tokens": t.OutputTokens},

@@ -47,15 +47,22 @@ type Config struct {
 	// Cluster shape and worker flags for Local.
 	DecodeCapacityTokens int64
 	SimArgs              []string
+	SidecarArgs          []string
 	// Policy is merged over each arm's policy (nil: none).
-	Policy   *kvcv1.Policy
-	Log      io.Writer // progress lines
-	TTY      bool
+	Policy *kvcv1.Policy
+	Log    io.Writer // progress lines
+	TTY    bool
 }
 
 // Run replays the workload for every arm, then writes metrics.jsonl, summary.json, report.md
 // and the plots into OutDir. It returns the arms' statistics.
 func Run(ctx context.Context, cfg Config) ([]*report.Arm, error) {
+	// Absolute: the cluster puts Unix sockets under it, and gRPC wants absolute socket paths.
+	abs, err := filepath.Abs(cfg.OutDir)
+	if err != nil {
+		return nil, err
+	}
+	cfg.OutDir = abs
 	if err := os.MkdirAll(cfg.OutDir, 0o755); err != nil {
 		return nil, err
 	}
@@ -74,7 +81,7 @@ func Run(ctx context.Context, cfg Config) ([]*report.Arm, error) {
 		recs, err := runArm(ctx, cfg, arm, mf, &meta)
 		meta.ArmWall[arm] = time.Since(t0)
 		if len(recs) > 0 || err == nil {
-			arms = append(arms, report.Compute(arm, recs))
+			arms = append(arms, report.Compute(arm, recs, meta.TimeDiv))
 		}
 		if err != nil {
 			runErr = fmt.Errorf("arm %s: %w", arm, err)
@@ -104,7 +111,7 @@ func runArm(ctx context.Context, cfg Config, arm string, out io.Writer, meta *re
 		fmt.Fprintf(cfg.Log, "%s: starting a local cluster (1 P + 3 D, 2 control planes, gateway) in %s\n", arm, work)
 		c, err := cluster.Start(ctx, cluster.Config{
 			BinDir: cfg.BinDir, WorkDir: work, Prefill: 1, Decode: 3, ControlPlanes: 2,
-			DecodeCapacityTokens: cfg.DecodeCapacityTokens, Policy: pol, SimArgs: cfg.SimArgs,
+			DecodeCapacityTokens: cfg.DecodeCapacityTokens, Policy: pol, SimArgs: cfg.SimArgs, SidecarArgs: cfg.SidecarArgs,
 			Gateway: true, Log: prefixWriter{cfg.Log, arm + ": "},
 		})
 		if err != nil {

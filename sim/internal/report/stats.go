@@ -41,7 +41,9 @@ type Arm struct {
 	Retries    int
 	Verified   int64
 	TTFTs      []float64 // successful requests, sorted (for the CDF plot)
-	WallS      float64
+	// PrefillTokens is the work of the prefill worker (whole inputs of SEED, RESEED_PREFILL and
+	// PD_FALLBACK); AppendTokens the uncached tokens decode workers append-prefilled.
+	PrefillTokens, AppendTokens int64
 }
 
 // Percentile is the nearest-rank percentile (q in [0,1]) of sorted values; 0 when empty.
@@ -57,8 +59,12 @@ func Percentile(sorted []float64, q float64) float64 {
 func round(x float64) float64 { return math.Round(x*1e6) / 1e6 }
 
 // Compute builds an arm's statistics from its records. TTFT and latency percentiles are over
-// successful requests; failures are counted in ok/total and by kind.
-func Compute(name string, recs []Record) *Arm {
+// successful requests; failures are counted in ok/total and by kind. Times are divided by div
+// (the run's time scale, to report model seconds; 1 = as measured).
+func Compute(name string, recs []Record, div float64) *Arm {
+	if !(div > 0) {
+		div = 1
+	}
 	a := &Arm{Name: name, Modes: map[string]*ModeStats{}, Reasons: map[string]int{}, ErrorKinds: map[string]int{}}
 	var lat, reseedTTFT []float64
 	var snap, reseed int
@@ -99,8 +105,14 @@ func Compute(name string, recs []Record) *Arm {
 				snap++
 			}
 		}
-		if r.Mode == "DIRECT_TO_D" {
+		switch r.Mode {
+		case "DIRECT_TO_D":
 			a.Summary.DirectToDShare++
+			a.AppendTokens += r.UncachedTokens
+		case "RESEED_SNAPSHOT":
+			a.AppendTokens += r.UncachedTokens
+		case "SEED", "RESEED_PREFILL", "PD_FALLBACK":
+			a.PrefillTokens += r.InputTokens
 		}
 		if !r.OK {
 			kind := r.ErrorKind
@@ -112,11 +124,12 @@ func Compute(name string, recs []Record) *Arm {
 		}
 		a.Summary.OK++
 		ms.OK++
-		a.TTFTs = append(a.TTFTs, r.TTFTS)
-		lat = append(lat, r.LatencyS)
-		modeTTFT[mode] = append(modeTTFT[mode], r.TTFTS)
+		ttft := r.TTFTS / div
+		a.TTFTs = append(a.TTFTs, ttft)
+		lat = append(lat, r.LatencyS/div)
+		modeTTFT[mode] = append(modeTTFT[mode], ttft)
 		if r.Reseed() {
-			reseedTTFT = append(reseedTTFT, r.TTFTS)
+			reseedTTFT = append(reseedTTFT, ttft)
 		}
 	}
 	sort.Float64s(a.TTFTs)

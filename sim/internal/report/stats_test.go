@@ -33,7 +33,7 @@ func TestCompute(t *testing.T) {
 		{Mode: "DIRECT_TO_D", OK: false, ErrorKind: "REJECTED_BY_D"},
 		{Mode: "SEED", OK: false, ErrorKind: "TRANSFER_FAILED", ErrorCode: "kv_verify_failed"},
 	}
-	a := Compute("E4", recs)
+	a := Compute("E4", recs, 1)
 	s := a.Summary
 	if s.OK != 5 || s.Total != 7 || s.ReseedCount != 2 || s.SnapshotHitRate != .5 || s.BytesMoved != 220 || s.KVVerifyFailures != 1 {
 		t.Fatalf("%+v", s)
@@ -41,7 +41,10 @@ func TestCompute(t *testing.T) {
 	if s.DirectToDShare != round(3.0/7) || s.TTFTP50 != .2 || s.TTFTP99 != 2 || s.ReseedTTFTP50 != .2 {
 		t.Fatalf("%+v", s)
 	}
-	if a.ErrorKinds["REJECTED_BY_D"] != 1 || a.Modes["SEED"].Count != 2 || a.Modes["SEED"].OK != 1 {
+	if half := Compute("E4", recs, 0.5); half.Summary.TTFTP99 != 4 || half.Summary.LatencyP50 != 2*s.LatencyP50 {
+		t.Fatalf("scaled %+v", half.Summary)
+	}
+	if a.PrefillTokens != 0 || a.ErrorKinds["REJECTED_BY_D"] != 1 || a.Modes["SEED"].Count != 2 || a.Modes["SEED"].OK != 1 {
 		t.Fatalf("%+v %+v", a.ErrorKinds, a.Modes["SEED"])
 	}
 }

@@ -22,6 +22,9 @@ type Meta struct {
 	Stats     workload.Stats
 	Notes     []string
 	TimeScale float64 // workload clock
+	// TimeDiv divides every measured time in the report (the common time scale of workload and
+	// kvc-sim, so times read as model seconds); 1 = as measured.
+	TimeDiv float64
 	// Local cluster only.
 	SimTimeScale         float64
 	DecodeCapacityTokens int64
@@ -127,6 +130,9 @@ func Markdown(meta Meta, arms []*Arm) string {
 		p("  - %s", n)
 	}
 	p("- Workload clock scale (arrivals, think times): %g", meta.TimeScale)
+	if meta.TimeDiv > 0 && meta.TimeDiv != 1 {
+		p("- **Times in this report are model seconds:** the whole system ran at time scale %g (workload clock and every modeled GPU/transfer duration), so each measured wall time is divided by %g. Raw measured seconds are in metrics.jsonl. Real software overheads (HTTP, gRPC, real byte movement on loopback) are inflated by the same 1/%g in this view, which makes the fast paths look slower than they would at real speed, never faster.", meta.TimeDiv, meta.TimeDiv, meta.TimeDiv)
+	}
 	if meta.DecodeCapacityTokens > 0 || len(meta.SimArgs) > 0 {
 		p("- Simulated workers: decode KV capacity %d tokens each; kvc-sim modeled-time scale %g; extra kvc-sim flags `%s`",
 			meta.DecodeCapacityTokens, meta.SimTimeScale, strings.Join(meta.SimArgs, " "))
@@ -190,6 +196,16 @@ func Markdown(meta Meta, arms []*Arm) string {
 			p("| %s | %s | %d |", a.Name, r, a.Reasons[r])
 		}
 	}
+	p("")
+	p("## Work")
+	p("")
+	p("| arm | tokens prefilled on P (whole inputs) | tokens append-prefilled on D | real KV bytes moved | real KV bytes verified |")
+	p("|---|---:|---:|---:|---:|")
+	for _, a := range arms {
+		p("| %s | %d | %d | %s | %s |", a.Name, a.PrefillTokens, a.AppendTokens, mib(a.Summary.BytesMoved), mib(a.Verified))
+	}
+	p("")
+	p("kvc-sim's prefill worker keeps no prefix cache, so every plain P/D request (all of E1, the fallbacks elsewhere) prefills its whole input; a real SGLang prefill worker's radix cache would reuse part of it, so E1 here is a pessimistic baseline. With one prefill worker, E1 is bounded by its throughput (queueing shows up in TTFT).")
 	p("")
 	p("## Failures and fallbacks")
 	p("")

@@ -122,19 +122,20 @@ type AgenticConfig struct {
 	LongThinkMin, LongThinkMax time.Duration
 }
 
-// DefaultAgentic is the demo workload: 20 sessions of 10-30 turns (about 400 requests), contexts
-// of 4K-16K tokens growing by ~341 appended tokens per turn to tens of thousands, short agent
-// think times with occasional long pauses — the pauses are what lets a session be evicted from
-// a full decode worker and need a reseed.
+// DefaultAgentic is the demo workload: 10 sessions of 16-32 turns (about 260 requests),
+// first-turn contexts of 6K-20K tokens growing by ~341 appended tokens (plus the previous answer)
+// per turn to tens of thousands, agent think times of 1-6 s with occasional long pauses — the
+// pauses are what lets a full decode worker evict a session that then needs a reseed. Appends
+// above the direct-to-D limit are off by default (LargeAppendProb; see docs/benchmark.md).
 func DefaultAgentic() AgenticConfig {
 	return AgenticConfig{
-		Seed: 1, Sessions: 20, ArrivalSpan: 30 * time.Second,
-		MinTurns: 10, MaxTurns: 30,
-		InitialMin: 4000, InitialMax: 16000,
+		Seed: 1, Sessions: 10, ArrivalSpan: 30 * time.Second,
+		MinTurns: 16, MaxTurns: 32,
+		InitialMin: 6000, InitialMax: 20000,
 		AppendMean:      341,
-		LargeAppendProb: 0.004, LargeAppendMin: 9000, LargeAppendMax: 16000,
+		LargeAppendProb: 0, LargeAppendMin: 9000, LargeAppendMax: 16000,
 		OutputMean: 80, OutputMax: 512,
-		ThinkMin: 300 * time.Millisecond, ThinkMax: 2 * time.Second,
+		ThinkMin: 1 * time.Second, ThinkMax: 6 * time.Second,
 		LongThinkProb: 0.05, LongThinkMin: 10 * time.Second, LongThinkMax: 25 * time.Second,
 	}
 }
