@@ -1,24 +1,30 @@
 #!/usr/bin/env bash
-# The GPU checks and benchmark of the cuda transfer backend, run on the GPU machine from the
-# repository root. The machine needs the NVIDIA driver (libcuda.so.1) and no Go toolchain: build
-# the static test binary first, on any machine, with `make bench-gpu` (bin/gpu/rdma.test).
+# The GPU checks and benchmarks of the cuda transfer backend and of the sidecars, run on the GPU
+# machine (two GPUs) from the repository root. The machine needs the NVIDIA driver
+# (libcuda.so.1) and no Go toolchain: build the static binaries first, on any machine, with
+# `make bench-gpu` (bin/gpu/: rdma.test, gpubench.test, kvc-sidecar-decode, kvc-sidecar-prefill).
 #
-#   bash deploy/gpu/bench-gpu.sh            # GPU unit tests, then the benchmark
-#   KVC_GPU_STEPS=bench bash deploy/gpu/bench-gpu.sh
+#   bash deploy/gpu/bench-gpu.sh            # GPU unit tests, engine benchmark, sidecar benchmark
+#   KVC_GPU_STEPS=tests,sidecars bash deploy/gpu/bench-gpu.sh
 #
-# Output goes to stdout and to $OUT (default out/gpu): gpu-tests.txt, gpu-bench.txt. The last
-# line of the benchmark is "gpu: push … GB/s, reseed … GB/s, peer-copy baseline … GB/s, ratio …".
+# Output goes to stdout and to $OUT (default out/gpu): gpu-tests.txt, gpu-bench.txt (engine
+# level) and gpu-sidecars.txt (the real sidecar binaries). The last line of each benchmark is
+# "gpu: push … GB/s, reseed … GB/s, peer-copy baseline … GB/s, ratio …"; the script ends with the
+# sidecar benchmark's.
 # Benchmark knobs (environment): KVC_GPU_BENCH_TOKENS (50000), KVC_GPU_BENCH_REPS (5),
 # KVC_GPU_BENCH_SWEEP ("chunk:block:group:copy[:workers],…", the first is the reported configuration).
 set -euo pipefail
 T=${KVC_GPU_TEST_BIN:-bin/gpu/rdma.test}
+S=${KVC_GPU_SIDECAR_BIN:-bin/gpu/gpubench.test}
 OUT=${OUT:-out/gpu}
-STEPS=${KVC_GPU_STEPS:-tests,bench}
+STEPS=${KVC_GPU_STEPS:-tests,bench,sidecars}
 mkdir -p "$OUT"
-if [[ ! -x $T ]]; then
-	echo "missing $T: run 'make bench-gpu' first" >&2
-	exit 2
-fi
+for f in "$T" "$S" bin/gpu/kvc-sidecar-decode bin/gpu/kvc-sidecar-prefill; do
+	if [[ ! -x $f ]]; then
+		echo "missing $f: run 'make bench-gpu' first" >&2
+		exit 2
+	fi
+done
 
 header() {
 	echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
@@ -47,5 +53,11 @@ fi
 if [[ ,$STEPS, == *,bench,* ]]; then
 	step gpu-bench env KVC_GPU_BENCH=1 "$T" -test.run '^TestCUDABenchGPU$' -test.v -test.count=1 -test.timeout 900s || status=$?
 	grep '^gpu:' "$OUT/gpu-bench.txt" | tail -1 || true
+fi
+if [[ ,$STEPS, == *,sidecars,* ]]; then
+	# The sidecar benchmark runs the real binaries of bin/gpu (KVC_BIN_DIR); knobs
+	# KVC_GPU_BENCH_TOKENS (50000) and KVC_GPU_BENCH_REPS (5).
+	step gpu-sidecars env KVC_GPU_BENCH=1 KVC_BIN_DIR="$PWD/bin/gpu" "$S" -test.run '^TestSidecarBenchGPU$' -test.v -test.count=1 -test.timeout 900s || status=$?
+	grep '^gpu:' "$OUT/gpu-sidecars.txt" | tail -1 || true
 fi
 exit $status

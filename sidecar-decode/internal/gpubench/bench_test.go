@@ -318,6 +318,8 @@ func run(t *testing.T, cfg config) result {
 	res.slots += s.Tokens * int64(s.buffers())
 	fmt.Fprintf(w, "verify: store of %s (%s memory) read through snapshot_kv in %.1f s: %d of %d token slots wrong\n", pGPU.id, cfg.storeMem, time.Since(start).Seconds(), res.storeBad, s.Tokens*int64(s.buffers()))
 
+	probeOverheads(t, ctx, w, s, pGPU, dPages)
+
 	// 2. P store → D2 (the second decode sidecar's pool on the decode GPU).
 	if err := d2.clear(ctx, d2Pages); err != nil {
 		t.Fatal(err)
@@ -608,4 +610,56 @@ func peerBaseline(t *testing.T, ctx context.Context) func(n int64) (time.Duratio
 		_, err := agent.Transfer(ctx, e0, []rdma.Request{{Op: rdma.OpWrite, Source: src, Target: seg, TargetAddr: dst, Length: uint64(n)}})
 		return time.Since(start), err
 	}
+}
+
+// probeOverheads measures, in this process, what a push costs besides the copy: the plan of
+// the session's requests (agent.PlanTokens, the same call and shape as the decode sidecar's)
+// and a ReserveSnapshot + AbortSnapshot round trip to the prefill sidecar (another session, so
+// the stored snapshot is untouched). Medians of 5.
+func probeOverheads(t *testing.T, ctx context.Context, w io.Writer, s shape, p *sidecar, dPages []int64) {
+	t.Helper()
+	lay := func(base uint64) *kvcv1.KVLayout {
+		l := &kvcv1.KVLayout{PageSize: int32(s.PageSize), ItemLen: s.itemLen(), NumLayers: int32(s.Layers), PageCount: s.poolPages()}
+		for b := 0; b < s.buffers(); b++ {
+			l.BufferAddrs = append(l.BufferAddrs, base+uint64(b)*uint64(s.poolPages()*s.itemLen()))
+		}
+		return l
+	}
+	storePages := make([]int64, s.sessionPages())
+	for i := range storePages {
+		storePages[i] = int64(i)
+	}
+	var planMs, rpcMs []float64
+	var nreq int
+	for i := 0; i < 5; i++ {
+		start := time.Now()
+		reqs, err := agent.PlanTokens(agent.PageMap{Layout: lay(1 << 40), Pages: dPages}, agent.PageMap{Layout: lay(1 << 50), Pages: storePages}, 1, 0, s.Tokens)
+		planMs = append(planMs, float64(time.Since(start).Microseconds())/1e3)
+		if err != nil {
+			t.Fatal(err)
+		}
+		nreq = len(reqs)
+	}
+	conn, err := grpc.NewClient(p.peer, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	c := kvcv1.NewTransferPeerServiceClient(conn)
+	for i := 0; i <= 5; i++ {
+		start := time.Now()
+		r, err := c.ReserveSnapshot(ctx, &kvcv1.ReserveSnapshotRequest{SessionId: "probe-session", Generation: 1, Tokens: s.Tokens,
+			SourceWorkerId: "probe", SourceLayout: lay(1 << 40)})
+		if err != nil {
+			t.Fatalf("probe reserve: %v", err)
+		}
+		if _, err := c.AbortSnapshot(ctx, &kvcv1.AbortSnapshotRequest{IngestId: r.GetIngestId(), Reason: "probe"}); err != nil {
+			t.Fatalf("probe abort: %v", err)
+		}
+		if i > 0 {
+			rpcMs = append(rpcMs, float64(time.Since(start).Microseconds())/1e3)
+		}
+	}
+	fmt.Fprintf(w, "overheads (this process, medians of 5): PlanTokens of the session %.2f ms (%d requests); ReserveSnapshot+AbortSnapshot round trip %.2f ms\n",
+		median(planMs), nreq, median(rpcMs))
 }
