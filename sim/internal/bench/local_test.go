@@ -1,0 +1,78 @@
+package bench
+
+import (
+	"context"
+	"encoding/json"
+	"io"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/kvcentric/kvcentric/sim/internal/cluster"
+	"github.com/kvcentric/kvcentric/sim/internal/report"
+	"github.com/kvcentric/kvcentric/sim/internal/workload"
+)
+
+// TestLocalArm runs a tiny E4 arm on a real local cluster (every binary, real gRPC, real bytes)
+// and checks the outputs. It needs the binaries: under make test KVC_BIN_DIR names them.
+func TestLocalArm(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts a whole cluster")
+	}
+	bin := os.Getenv("KVC_BIN_DIR")
+	if bin == "" {
+		bin, _ = filepath.Abs("../../../bin")
+		if len(cluster.MissingBinaries(bin, true)) > 0 {
+			t.Skip("binaries not built and KVC_BIN_DIR unset")
+		}
+	}
+	if miss := cluster.MissingBinaries(bin, true); len(miss) > 0 {
+		t.Fatalf("KVC_BIN_DIR=%s lacks %v", bin, miss)
+	}
+	out := t.TempDir()
+	wl := &workload.Workload{Name: "tiny", Sessions: []workload.Session{
+		{ID: "tiny-a", Turns: []workload.Turn{{InputTokens: 3000, OutputTokens: 4}, {Think: 50 * time.Millisecond, InputTokens: 3300, OutputTokens: 4}, {Think: 50 * time.Millisecond, InputTokens: 3600, OutputTokens: 4}}},
+		{ID: "tiny-b", Start: 100 * time.Millisecond, Turns: []workload.Turn{{InputTokens: 2000, OutputTokens: 4}, {Think: 50 * time.Millisecond, InputTokens: 2300, OutputTokens: 4}}},
+	}}
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	arms, err := Run(ctx, Config{
+		Local: true, Arms: []string{"E4"}, BinDir: bin, OutDir: out, Workload: wl,
+		Meta:                 report.Meta{Command: "test", Workload: wl.Name, Stats: wl.Describe(), TimeScale: 0.2, TimeDiv: 0.2, Started: time.Now()},
+		Replay:               Options{TimeScale: 0.2, RequestTimeout: time.Minute},
+		DecodeCapacityTokens: 20000,
+		SimArgs:              []string{"--bytes-per-token-per-buffer", "2", "--time-scale", "0.2"},
+		Log:                  io.Discard,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := arms[0].Summary
+	if s.Total != 5 || s.OK != 5 || s.KVVerifyFailures != 0 || s.BytesMoved <= 0 || s.DirectToDShare < 0.5 {
+		t.Fatalf("summary %+v modes %+v errors %v", s, arms[0].Modes, arms[0].ErrorKinds)
+	}
+	raw, err := os.ReadFile(filepath.Join(out, report.SummaryFile))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var sum map[string]map[string]any
+	if err := json.Unmarshal(raw, &sum); err != nil {
+		t.Fatal(err)
+	}
+	fields := []string{"ok", "total", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "latency_p50_s", "latency_p99_s", "direct_to_d_share",
+		"reseed_count", "reseed_ttft_p50_s", "snapshot_hit_rate", "bytes_moved", "kv_verify_failures"}
+	if len(sum["E4"]) != len(fields) {
+		t.Fatalf("summary fields %v", sum["E4"])
+	}
+	for _, f := range fields {
+		if _, ok := sum["E4"][f]; !ok {
+			t.Fatalf("summary lacks %s", f)
+		}
+	}
+	for _, f := range []string{report.ReportFile, report.CDFFile, report.ModesFile, "metrics.jsonl"} {
+		if st, err := os.Stat(filepath.Join(out, f)); err != nil || st.Size() == 0 {
+			t.Fatalf("%s: %v", f, err)
+		}
+	}
+}

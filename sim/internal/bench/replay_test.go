@@ -1,0 +1,187 @@
+package bench
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/kvcentric/kvcentric/sim/internal/report"
+	"github.com/kvcentric/kvcentric/sim/internal/workload"
+)
+
+// fakeGateway answers /generate like kvc-gateway: X-KVC-* headers, SGLang SSE chunks with
+// meta_info.kvc. behave picks the answer per (session, turn).
+func fakeGateway(t *testing.T, behave func(session string, turn int) string) (*httptest.Server, *sync.Map) {
+	var seen sync.Map // session -> []time.Time of arrivals
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		var body struct {
+			KVC struct {
+				InputTokens int64 `json:"input_tokens"`
+				Turn        int   `json:"turn"`
+			} `json:"kvc"`
+			SamplingParams struct {
+				MaxNewTokens int64 `json:"max_new_tokens"`
+			} `json:"sampling_params"`
+		}
+		if err := json.NewDecoder(r.Body).Decode(&body); err != nil {
+			http.Error(w, "bad", 400)
+			return
+		}
+		sid := r.Header.Get("X-Session-ID")
+		v, _ := seen.LoadOrStore(sid, &[]int{})
+		*(v.(*[]int)) = append(*(v.(*[]int)), body.KVC.Turn)
+		mode := "DIRECT_TO_D"
+		if body.KVC.Turn == 0 {
+			mode = "SEED"
+		}
+		w.Header().Set("X-KVC-Mode", mode)
+		w.Header().Set("X-KVC-Reason", "SESSION_RESIDENT")
+		w.Header().Set("X-KVC-Cached-Tokens", "100")
+		switch behave(sid, body.KVC.Turn) {
+		case "503":
+			w.Header().Set("X-KVC-Error-Kind", "REJECTED_BY_D")
+			w.Header().Set("Content-Type", "application/json")
+			w.WriteHeader(503)
+			fmt.Fprint(w, `{"error":{"code":"no_capacity","message":"full"}}`)
+			return
+		case "midstream":
+			w.Header().Set("Content-Type", "text/event-stream")
+			fmt.Fprint(w, "data: {\"text\":\"a\",\"meta_info\":{\"completion_tokens\":1}}\n\n")
+			fmt.Fprint(w, "data: {\"error\":{\"code\":\"worker_stream_ended\",\"message\":\"gone\",\"kind\":\"WORKER_ERROR\"}}\n\ndata: [DONE]\n\n")
+			return
+		case "cut":
+			w.Header().Set("Content-Type", "text/event-stream")
+			fmt.Fprint(w, "data: {\"text\":\"a\",\"meta_info\":{\"completion_tokens\":1}}\n\n")
+			return // no [DONE]
+		}
+		w.Header().Set("Content-Type", "text/event-stream")
+		for i := int64(1); i <= body.SamplingParams.MaxNewTokens; i++ {
+			fmt.Fprintf(w, "data: {\"text\":\"t\",\"meta_info\":{\"completion_tokens\":%d,\"kvc\":{\"kv_len_after\":%d,\"received_bytes\":64,\"verified_bytes\":64}}}\n\n", i, body.KVC.InputTokens+i)
+		}
+		fmt.Fprint(w, "data: [DONE]\n\n")
+	}))
+	t.Cleanup(srv.Close)
+	return srv, &seen
+}
+
+func testWorkload() *workload.Workload {
+	mk := func(id string) workload.Session {
+		return workload.Session{ID: id, Turns: []workload.Turn{
+			{InputTokens: 1000, OutputTokens: 3},
+			{Think: 20 * time.Millisecond, InputTokens: 1400, OutputTokens: 2},
+			{Think: 20 * time.Millisecond, InputTokens: 1800, OutputTokens: 4},
+		}}
+	}
+	return &workload.Workload{Name: "t", Sessions: []workload.Session{mk("s-a"), mk("s-b")}}
+}
+
+func TestReplayRecordsEveryRequest(t *testing.T) {
+	gw, seen := fakeGateway(t, func(session string, turn int) string {
+		switch {
+		case session == "s-b" && turn == 1:
+			return "503"
+		case session == "s-b" && turn == 2:
+			return "midstream"
+		case session == "s-a" && turn == 2:
+			return "cut"
+		}
+		return ""
+	})
+	var out bytes.Buffer
+	var progress []int
+	recs, err := Replay(context.Background(), gw.URL, testWorkload(), Options{Arm: "E9", TimeScale: 1, Out: &out,
+		Progress: func(done, total int, _ *report.Record) { progress = append(progress, done*100+total) }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(recs) != 6 || len(progress) != 6 || progress[5] != 606 {
+		t.Fatalf("%d records, progress %v", len(recs), progress)
+	}
+	if n := strings.Count(out.String(), "\n"); n != 6 {
+		t.Fatalf("%d metrics lines", n)
+	}
+	by := map[string]report.Record{}
+	for _, r := range recs {
+		by[fmt.Sprintf("%s/%d", r.SessionID, r.Turn)] = r
+	}
+	ok := by["s-a/0"]
+	if !ok.OK || ok.Mode != "SEED" || ok.ReceivedBytes != 64 || ok.KVLenAfter != 1003 || ok.TTFTS <= 0 || ok.LatencyS < ok.TTFTS || ok.UncachedTokens != 900 || ok.GotTokens != 3 {
+		t.Fatalf("ok record %+v", ok)
+	}
+	tests := []struct {
+		key, kind, code string
+	}{
+		{"s-b/1", "REJECTED_BY_D", "no_capacity"},
+		{"s-b/2", "WORKER_ERROR", "worker_stream_ended"},
+		{"s-a/2", "CONNECTION_ERROR", ""},
+	}
+	for _, tt := range tests {
+		r := by[tt.key]
+		if r.OK || r.ErrorKind != tt.kind || r.ErrorCode != tt.code {
+			t.Fatalf("%s: %+v", tt.key, r)
+		}
+	}
+	// Turns of a session are sent in order, one after another.
+	v, _ := seen.Load("s-a")
+	if got := *(v.(*[]int)); fmt.Sprint(got) != "[0 1 2]" {
+		t.Fatalf("turn order %v", got)
+	}
+}
+
+func TestReplayGatewayDown(t *testing.T) {
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := lis.Addr().String()
+	lis.Close()
+	recs, err := Replay(context.Background(), "http://"+addr, testWorkload(), Options{Arm: "E9", TimeScale: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(recs) != 6 {
+		t.Fatalf("%d records", len(recs))
+	}
+	for _, r := range recs {
+		if r.OK || r.ErrorKind != "CONNECTION_ERROR" {
+			t.Fatalf("%+v", r)
+		}
+	}
+	s := report.Compute("E9", recs, 1).Summary
+	if s.OK != 0 || s.Total != 6 {
+		t.Fatalf("%+v", s)
+	}
+}
+
+func TestReplayRejectsBadScale(t *testing.T) {
+	if _, err := Replay(context.Background(), "http://127.0.0.1:1", testWorkload(), Options{TimeScale: 0}); err == nil {
+		t.Fatal("accepted time scale 0")
+	}
+}
+
+func TestArmPolicy(t *testing.T) {
+	tests := []struct {
+		arm       string
+		kvc, snap bool
+		wantErr   bool
+	}{
+		{"E1", false, false, false}, {"E3", true, false, false}, {"E4", true, true, false}, {"E2", false, false, true},
+	}
+	for _, tt := range tests {
+		p, err := ArmPolicy(tt.arm)
+		if (err != nil) != tt.wantErr {
+			t.Fatalf("%s: %v", tt.arm, err)
+		}
+		if err == nil && (p.GetKvCentricEnabled() != tt.kvc || p.GetSnapshotsEnabled() != tt.snap) {
+			t.Fatalf("%s: %v", tt.arm, p)
+		}
+	}
+}
