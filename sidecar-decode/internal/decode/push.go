@@ -49,7 +49,9 @@ func (s *Sidecar) pushSession(ctx context.Context, id string) {
 	if err != nil {
 		ss.failedLen = job.end // dropped: the old snapshot stays valid for what it covers
 	}
-	if !ss.gone {
+	// A push cut off by shutdown is not re-queued: the sidecar is stopping, and re-queueing
+	// would spin the worker pool until it exits.
+	if !ss.gone && ctx.Err() == nil {
 		s.maybeEnqueueLocked(ss)
 	}
 	s.mu.Unlock()
