@@ -75,13 +75,14 @@ type Reader struct {
 }
 
 // NewReader allocates and registers a bounce buffer of size bytes (pinned host memory with the
-// cuda backend, anonymous memory otherwise) and uses seg, a segment of eng's own name
-// (eng.OpenSegment(ctx, eng.SegmentName()), which the caller keeps and closes).
-func NewReader(eng rdma.Engine, seg rdma.SegmentID, size int) (*Reader, error) {
+// cuda backend, anonymous memory otherwise), then opens eng's own segment: the handshake
+// carries every region registered so far, the bounce buffer included (a segment opened
+// earlier learns of it only asynchronously).
+func NewReader(ctx context.Context, eng rdma.Engine, size int) (*Reader, error) {
 	if size <= 0 {
 		return nil, fmt.Errorf("reader: bounce of %d bytes", size)
 	}
-	r := &Reader{eng: eng, seg: seg}
+	r := &Reader{eng: eng}
 	if eng.Backend() == "cuda" {
 		alloc, ok := eng.(pinnedAllocator)
 		if !ok {
@@ -103,11 +104,19 @@ func NewReader(eng rdma.Engine, seg rdma.SegmentID, size int) (*Reader, error) {
 		r.free()
 		return nil, fmt.Errorf("reader: register bounce: %w", err)
 	}
+	seg, err := eng.OpenSegment(ctx, eng.SegmentName())
+	if err != nil {
+		_ = eng.UnregisterMemory(r.addr)
+		r.free()
+		return nil, fmt.Errorf("reader: open own segment: %w", err)
+	}
+	r.seg = seg
 	return r, nil
 }
 
-// Close unregisters and frees the bounce buffer.
+// Close closes the segment, unregisters and frees the bounce buffer.
 func (r *Reader) Close() {
+	_ = r.eng.CloseSegment(r.seg)
 	_ = r.eng.UnregisterMemory(r.addr)
 	r.free()
 }

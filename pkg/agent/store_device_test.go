@@ -91,11 +91,6 @@ func TestReader(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	seg, err := eng.OpenSegment(ctx, eng.SegmentName())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = eng.CloseSegment(seg) })
 	pm := []int64{7, 8, 9, 2, 30, 31, 0, 15} // runs and jumps
 	m := PageMap{Layout: src.Layout(), Pages: pm}
 	for _, c := range []struct {
@@ -109,7 +104,7 @@ func TestReader(t *testing.T) {
 		{"empty range", 64, 9, 9},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			r, err := NewReader(eng, seg, c.bounce)
+			r, err := NewReader(ctx, eng, c.bounce)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -128,7 +123,7 @@ func TestReader(t *testing.T) {
 			}
 		})
 	}
-	r, err := NewReader(eng, seg, 8)
+	r, err := NewReader(ctx, eng, 8)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -144,7 +139,7 @@ func TestReader(t *testing.T) {
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			if c.name != "bounce below one slot" {
-				r2, err := NewReader(eng, seg, 64)
+				r2, err := NewReader(ctx, eng, 64)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -159,7 +154,7 @@ func TestReader(t *testing.T) {
 			}
 		})
 	}
-	if _, err := NewReader(eng, seg, 0); err == nil {
+	if _, err := NewReader(ctx, eng, 0); err == nil {
 		t.Fatal("zero-byte bounce accepted")
 	}
 }

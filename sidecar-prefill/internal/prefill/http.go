@@ -94,11 +94,8 @@ func (s *Sidecar) httpKV(w http.ResponseWriter, r *http.Request) {
 	var rd *agent.Reader
 	if !arena.HostVisible() {
 		// A store in GPU memory: copy through the engine into a pinned bounce buffer.
-		seg, err := s.segs.Open(r.Context(), s.eng.SegmentName())
-		if err == nil {
-			rd, err = agent.NewReader(s.eng, seg, readerBounce)
-		}
-		if err != nil {
+		var err error
+		if rd, err = agent.NewReader(r.Context(), s.eng, readerBounce); err != nil {
 			httpError(w, http.StatusServiceUnavailable, "unavailable", "store in device memory: cannot copy it out through the engine: "+err.Error())
 			return
 		}
