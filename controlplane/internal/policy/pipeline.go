@@ -119,6 +119,8 @@ type Cycle struct {
 	Cause kvcv1.RouteReason
 	// Current is the decode worker the session is resident on (migration), if any.
 	Current string
+
+	cand, best Cand // scratch of pick
 }
 
 // Decide is the routing policy. It is pure: the same Input gives the same Decision.
@@ -294,18 +296,18 @@ func (c *Cycle) fallback(reason kvcv1.RouteReason) Decision {
 // pick runs a profile over the decode workers. With no survivor it returns the reason of the
 // deepest filter any candidate reached.
 func (c *Cycle) pick(p *Profile) (*Cand, kvcv1.RouteReason) {
-	var best Cand
 	bestScore := -1.0
 	found := false
 	deepest := -1
+	cand := &c.cand // reused: no allocation per candidate
 	for _, w := range c.In.Workers {
 		if w.Role != kvcv1.WorkerRole_WORKER_ROLE_DECODE {
 			continue
 		}
-		cand := Cand{W: w, Res: c.In.Ledger.Reserved(w.WorkerId)}
+		*cand = Cand{W: w, Res: c.In.Ledger.Reserved(w.WorkerId)}
 		failed := -1
 		for i := range p.Filters {
-			if !p.Filters[i].Keep(c, &cand) {
+			if !p.Filters[i].Keep(c, cand) {
 				failed = i
 				break
 			}
@@ -316,7 +318,7 @@ func (c *Cycle) pick(p *Profile) (*Cand, kvcv1.RouteReason) {
 		}
 		score := 0.0
 		for i := range p.Scorers {
-			s := p.Scorers[i].Score(c, &cand)
+			s := p.Scorers[i].Score(c, cand)
 			if s < 0 {
 				s = 0
 			} else if s > 1 {
@@ -324,12 +326,12 @@ func (c *Cycle) pick(p *Profile) (*Cand, kvcv1.RouteReason) {
 			}
 			score += s * p.Scorers[i].Weight
 		}
-		if !found || score > bestScore || (score == bestScore && w.WorkerId < best.W.WorkerId) {
-			best, bestScore, found = cand, score, true
+		if !found || score > bestScore || (score == bestScore && w.WorkerId < c.best.W.WorkerId) {
+			c.best, bestScore, found = *cand, score, true
 		}
 	}
 	if found {
-		return &best, 0
+		return &c.best, 0 // valid until the next pick
 	}
 	if deepest < 0 {
 		return nil, kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY

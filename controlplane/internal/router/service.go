@@ -291,68 +291,95 @@ func (s *Service) record(in *policy.Input, d *policy.Decision, now time.Time) *r
 	return r
 }
 
+// queryCtx is one query being decided (one allocation for the whole decision).
+type queryCtx struct {
+	s       *Service
+	q       *kvcv1.RouteQuery
+	in      policy.Input
+	d       policy.Decision
+	r       *reservation
+	decided bool
+	now     time.Time
+	epoch   int64
+}
+
+// decide runs the policy on rec (the live record; nil when not leading) and takes the
+// reservation, under the ledger lock.
+func (x *queryCtx) decide(rec *kvcv1.SessionRecord) {
+	x.in.Session = rec
+	x.in.Query.Turn = effectiveTurn(x.q, rec)
+	x.s.mu.Lock()
+	x.in.Ledger = x.s.led
+	x.d = policy.Decide(&x.in)
+	x.r = x.s.record(&x.in, &x.d, x.now)
+	x.s.mu.Unlock()
+	x.decided = true
+}
+
+// onRecord is the UpdateSession callback: decide on the live record, then apply the
+// decision's effects on it (turn, last seen, a local rejection) in the same step.
+func (x *queryCtx) onRecord(rec *kvcv1.SessionRecord) {
+	x.decide(rec)
+	nowMs := x.in.NowMs
+	rec.Turn = max(rec.Turn, x.in.Query.Turn)
+	rec.LastSeenUnixMs = nowMs
+	if rec.CreatedUnixMs == 0 {
+		rec.CreatedUnixMs = nowMs
+	}
+	rec.Epoch = x.epoch
+	if reject := x.d.LocalReject; reject != "" {
+		if rec.DRejects == nil {
+			rec.DRejects = make(map[string]int32, 1)
+		}
+		if rec.DRejects[reject] < 1<<30 {
+			rec.DRejects[reject]++
+		}
+	}
+}
+
+// run decides: inside UpdateSession when leading (no record copy, no race with a concurrent
+// decision of the same session), else without session state.
+func (x *queryCtx) run() {
+	x.decided = false
+	if !x.in.Unavailable {
+		x.s.c.UpdateSession(x.q.SessionId, x.onRecord)
+		if x.decided {
+			return
+		}
+		x.in.Unavailable = true // the state refused the write: it is not leading after all
+	}
+	x.decide(nil)
+}
+
 func (s *Service) query(q *kvcv1.RouteQuery) *kvcv1.RouteResponse {
 	start := time.Now()
 	if err := validateQuery(q); err != nil {
 		return s.errResp(q.RequestId, "", codes.InvalidArgument, err.Error())
 	}
-	k := s.policyKnobs()
 	epoch := s.c.Epoch()
-	workers := s.c.Workers()
-	rec, known := s.c.Session(q.SessionId)
-	if !known {
-		rec = nil
-	}
 	now := s.now()
-	turn := effectiveTurn(q, rec)
-	in := policy.Input{
-		Knobs: k,
-		Query: policy.Query{SessionID: q.SessionId, Turn: turn, InputTokens: q.InputTokens,
+	x := &queryCtx{s: s, q: q, now: now, epoch: epoch, in: policy.Input{
+		Knobs: s.policyKnobs(),
+		Query: policy.Query{SessionID: q.SessionId, InputTokens: q.InputTokens,
 			MaxOutputTokens: q.MaxOutputTokens, MultiturnHint: q.MultiturnHint},
-		Session:     rec,
-		Workers:     workers,
+		Workers:     s.c.Workers(),
 		NowMs:       now.UnixMilli(),
 		Unavailable: epoch == 0,
-	}
-
-	s.mu.Lock()
-	in.Ledger = s.led
-	d := policy.Decide(&in)
-	r := s.record(&in, &d, now)
-	s.mu.Unlock()
-
-	if d.Mode == kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT {
-		if err := s.pushSnapshot(q.SessionId, &d, r.seq); err != nil {
+	}}
+	x.run()
+	if x.d.Mode == kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT {
+		if err := s.pushSnapshot(q.SessionId, &x.d, x.r.seq); err != nil {
 			// The holder cannot be commanded: decide again without the snapshot.
-			s.log.Warn().Err(err).Str("session", q.SessionId).Str("prefill", workerID(d.Prefill)).
+			s.log.Warn().Err(err).Str("session", q.SessionId).Str("prefill", workerID(x.d.Prefill)).
 				Msg("push_snapshot not sent; reseeding by prefill")
 			s.mu.Lock()
-			s.led.remove(r.seq)
-			in.NoSnapshot = true
-			d = policy.Decide(&in)
-			r = s.record(&in, &d, now)
+			s.led.remove(x.r.seq)
 			s.mu.Unlock()
+			x.in.NoSnapshot = true
+			x.run()
 		}
 	}
-
-	if !in.Unavailable {
-		nowMs := now.UnixMilli()
-		reject := d.LocalReject
-		s.c.UpdateSession(q.SessionId, func(rec *kvcv1.SessionRecord) {
-			rec.Turn = max(rec.Turn, turn)
-			rec.LastSeenUnixMs = nowMs
-			if rec.CreatedUnixMs == 0 {
-				rec.CreatedUnixMs = nowMs
-			}
-			rec.Epoch = epoch
-			if reject != "" {
-				if rec.DRejects == nil {
-					rec.DRejects = make(map[string]int32, 1)
-				}
-				rec.DRejects[reject]++
-			}
-		})
-	}
+	d, r, turn := &x.d, x.r, x.in.Query.Turn
 
 	if d.LocalReject != "" {
 		s.m.rejected.WithLabelValues(d.LocalReject, "local").Inc()
