@@ -88,7 +88,7 @@ bench-transfer:
 
 ## bench-policy: routing decisions in process and over one Route stream
 bench-policy:
-	cd controlplane && $(GO) test -run '^$$' -bench . -benchtime 1x ./internal/policybench/... | grep '^policy:' | tail -1
+	cd controlplane && $(GO) test -run '^$$' -bench 'Policy$$' -benchtime 1x ./internal/policybench/... | grep -E '^policy(-detail|-memory)?:'
 
 ## bench-gpu: static binaries for the GPU machine (bin/gpu); prints the command to run there
 bench-gpu:
