@@ -198,3 +198,34 @@ func TestScenarioSeedStormHeldToBudget(t *testing.T) {
 	}
 	f.checkLedger()
 }
+
+// Concurrent first queries of one session: exactly one seed, the others go plain P/D
+// (SESSION_NOT_RESIDENT) instead of racing it.
+func TestConcurrentQueriesOfOneSessionSeedOnce(t *testing.T) {
+	f := newFixture(t, manyDecode(4, 1_000_000)...)
+	const n = 32
+	modes := make(chan *kvcv1.RouteDecision, n)
+	var wg sync.WaitGroup
+	for range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			modes <- f.s.Handle(query("same", 0, 5000, 10)).GetDecision()
+		}()
+	}
+	wg.Wait()
+	close(modes)
+	seeds := 0
+	for d := range modes {
+		switch {
+		case d.GetMode() == kvcv1.RouteMode_ROUTE_MODE_SEED:
+			seeds++
+		case d.GetReason() != kvcv1.RouteReason_ROUTE_REASON_SESSION_NOT_RESIDENT:
+			t.Errorf("unexpected %s/%s", d.GetMode(), d.GetReason())
+		}
+	}
+	if seeds != 1 {
+		t.Fatalf("%d seeds of one session", seeds)
+	}
+	f.checkLedger()
+}
