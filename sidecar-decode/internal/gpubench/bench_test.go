@@ -319,6 +319,11 @@ func run(t *testing.T, cfg config) result {
 	fmt.Fprintf(w, "verify: store of %s (%s memory) read through snapshot_kv in %.1f s: %d of %d token slots wrong\n", pGPU.id, cfg.storeMem, time.Since(start).Seconds(), res.storeBad, s.Tokens*int64(s.buffers()))
 
 	probeOverheads(t, ctx, w, s, pGPU, dPages)
+	eng, local, err := d.local(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pushPhases(t, ctx, w, s, eng, local, pGPU, dPages)
 
 	// 2. P store → D2 (the second decode sidecar's pool on the decode GPU).
 	if err := d2.clear(ctx, d2Pages); err != nil {
@@ -662,4 +667,76 @@ func probeOverheads(t *testing.T, ctx context.Context, w io.Writer, s shape, p *
 	}
 	fmt.Fprintf(w, "overheads (this process, medians of 5): PlanTokens of the session %.2f ms (%d requests); ReserveSnapshot+AbortSnapshot round trip %.2f ms\n",
 		median(planMs), nreq, median(rpcMs))
+}
+
+// pushPhases replays the decode sidecar's push (its pushOnce: ReserveSnapshot, PlanTokens,
+// Transfer, then CommitSnapshot — here AbortSnapshot, so that the store keeps only the
+// session) from this process, which owns D's memory, into the same prefill sidecar's store, and
+// times each phase: where the push's time beyond the copy goes. Medians of 5 after a warm-up.
+func pushPhases(t *testing.T, ctx context.Context, w io.Writer, s shape, eng rdma.Engine, local *kvcv1.KVLayout, p *sidecar, dPages []int64) {
+	t.Helper()
+	conn, err := grpc.NewClient(p.peer, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	c := kvcv1.NewTransferPeerServiceClient(conn)
+	seg, err := eng.OpenSegment(ctx, p.xfer)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer eng.CloseSegment(seg)
+	ms := func(d time.Duration) float64 { return float64(d.Microseconds()) / 1e3 }
+	var reserve, plan, submit, xfer, abort, total []float64
+	var nreq int
+	for i := 0; i <= 5; i++ {
+		t0 := time.Now()
+		r, err := c.ReserveSnapshot(ctx, &kvcv1.ReserveSnapshotRequest{SessionId: "phase-probe", Generation: uint64(i + 1), Tokens: s.Tokens,
+			SourceWorkerId: "probe", SourceLayout: local})
+		if err != nil {
+			t.Fatalf("phase probe reserve: %v", err)
+		}
+		t1 := time.Now()
+		reqs, err := agent.PlanTokens(agent.PageMap{Layout: local, Pages: dPages}, agent.PageMap{Layout: r.GetStoreLayout(), Pages: r.GetPages()}, seg, 0, s.Tokens)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t2 := time.Now()
+		b, err := eng.AllocateBatch(len(reqs))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := eng.Submit(ctx, b, reqs); err != nil {
+			t.Fatal(err)
+		}
+		t3 := time.Now()
+		sts, err := eng.Wait(ctx, b)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var moved uint64
+		for _, st := range sts {
+			if st.State != rdma.TaskCompleted {
+				t.Fatalf("phase probe task %v: %v", st.State, st.Err)
+			}
+			moved += st.BytesDone
+		}
+		_ = eng.FreeBatch(b)
+		t4 := time.Now()
+		if _, err := c.AbortSnapshot(ctx, &kvcv1.AbortSnapshotRequest{IngestId: r.GetIngestId(), Reason: "phase probe"}); err != nil {
+			t.Fatal(err)
+		}
+		t5 := time.Now()
+		if int64(moved) != s.sessionBytes() {
+			t.Fatalf("phase probe moved %d bytes", moved)
+		}
+		nreq = len(reqs)
+		if i == 0 {
+			continue
+		}
+		reserve, plan, submit = append(reserve, ms(t1.Sub(t0))), append(plan, ms(t2.Sub(t1))), append(submit, ms(t3.Sub(t2)))
+		xfer, abort, total = append(xfer, ms(t4.Sub(t2))), append(abort, ms(t5.Sub(t4))), append(total, ms(t5.Sub(t0)))
+	}
+	fmt.Fprintf(w, "push phases (the sidecar's push replayed from the worker process into %s, %d requests, medians of 5): reserve RPC %.2f ms, PlanTokens %.2f ms, AllocateBatch+Submit %.2f ms, transfer (AllocateBatch to Wait) %.2f ms = %.1f GB/s, abort RPC %.2f ms, total %.2f ms = %.1f GB/s\n",
+		p.id, nreq, median(reserve), median(plan), median(submit), median(xfer), gbps(s.sessionBytes(), median(xfer)), median(abort), median(total), gbps(s.sessionBytes(), median(total)))
 }

@@ -4,8 +4,10 @@ import (
 	"context"
 	"fmt"
 	"runtime"
+	"slices"
 	"sync"
 	"sync/atomic"
+	"unsafe"
 
 	"github.com/kvcentric/kvcentric/pkg/agent"
 	"github.com/kvcentric/kvcentric/pkg/kvpool"
@@ -40,6 +42,9 @@ type workerPool interface {
 	check(ctx context.Context, seed uint64, pages []int64, n int64) (int64, error)
 	// clear zeroes pages.
 	clear(ctx context.Context, pages []int64) error
+	// local is an engine of this process with the pool registered, and the pool's layout in
+	// this process's addresses (to replay a sidecar's push from here).
+	local(ctx context.Context) (rdma.Engine, *kvcv1.KVLayout, error)
 }
 
 func kvBuffer(i int, size int64) *kvcv1.KVBuffer {
@@ -59,6 +64,29 @@ type shmPool struct {
 	s     shape
 	pages int64
 	p     *kvpool.Pool
+	eng   rdma.Engine // a tcp engine of this process, made by local
+}
+
+func (w *shmPool) local(ctx context.Context) (rdma.Engine, *kvcv1.KVLayout, error) {
+	l := &kvcv1.KVLayout{PageSize: int32(w.s.PageSize), ItemLen: w.s.itemLen(), NumLayers: int32(w.s.Layers), PageCount: w.pages}
+	for i := 0; i < w.s.buffers(); i++ {
+		l.BufferAddrs = append(l.BufferAddrs, uint64(uintptr(unsafe.Pointer(&w.p.Buffer(i)[0]))))
+	}
+	if w.eng != nil {
+		return w.eng, l, nil
+	}
+	eng, err := rdma.New(ctx, rdma.Config{Backend: "tcp", ListenAddr: "127.0.0.1:0", Conns: 2})
+	if err != nil {
+		return nil, nil, err
+	}
+	for i, a := range l.BufferAddrs {
+		if err := eng.RegisterMemory(rdma.Region{Addr: a, Len: uint64(len(w.p.Buffer(i))), Kind: rdma.MemShared}); err != nil {
+			_ = eng.Close()
+			return nil, nil, err
+		}
+	}
+	w.eng = eng
+	return eng, l, nil
 }
 
 func newShmPool(dir string, s shape, pages int64, name string) (*shmPool, error) {
@@ -69,7 +97,12 @@ func newShmPool(dir string, s shape, pages int64, name string) (*shmPool, error)
 	return &shmPool{s: s, pages: pages, p: p}, nil
 }
 
-func (w *shmPool) close() { _ = w.p.Close() }
+func (w *shmPool) close() {
+	if w.eng != nil {
+		_ = w.eng.Close()
+	}
+	_ = w.p.Close()
+}
 
 func (w *shmPool) register(model string) *kvcv1.RegisterKVPoolRequest {
 	req := registerReq(w.s, w.pages, model)
@@ -183,6 +216,13 @@ func (g *gpuWorker) exportAll(ctx context.Context, pools ...*gpuPool) error {
 		}
 	}
 	return nil
+}
+
+// local is the worker's engine, where the pool is registered, and the pool with this process's
+// addresses.
+func (p *gpuPool) local(context.Context) (rdma.Engine, *kvcv1.KVLayout, error) {
+	s := p.g.s
+	return p.g.eng, &kvcv1.KVLayout{PageSize: int32(s.PageSize), ItemLen: s.itemLen(), NumLayers: int32(s.Layers), PageCount: p.pages, BufferAddrs: slices.Clone(p.addrs)}, nil
 }
 
 func (p *gpuPool) register(model string) *kvcv1.RegisterKVPoolRequest {
