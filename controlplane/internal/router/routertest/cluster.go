@@ -1,6 +1,3 @@
-// Package routertest is an in-memory router.Cluster for tests and benchmarks: the same
-// contract as the control plane's state (copies out, fn applied under a lock, commands queued
-// per worker), without etcd.
 package routertest
 
 import (
