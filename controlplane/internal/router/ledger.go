@@ -35,24 +35,78 @@ type ledger struct {
 	pending  map[uint64]*reservation
 	sessions map[string]uint64 // session -> seq of its in-flight seed/reseed
 	expiry   expiryHeap
+	// settling: tokens that successful outcomes added to a decode worker and that its load
+	// report does not show yet (admitted after its last heartbeat). Without them a D looks
+	// emptier than it is for up to one heartbeat after every success, and consecutive new
+	// sessions all land on it.
+	settling  map[string][]settle
+	settleTok map[string]int64
 	// totals for metrics
 	heldTokens int64
 }
 
+// settle is one success's tokens, admitted at atMs.
+type settle struct {
+	tokens int64
+	atMs   int64
+}
+
+// settleMarginMs: a heartbeat must be this much newer than a success to be trusted to include
+// it (the sidecar computes its load a moment before the control plane receives it).
+const settleMarginMs = 50
+
 func newLedger() *ledger {
 	return &ledger{
-		workers:  make(map[string]*policy.Reserved),
-		pending:  make(map[uint64]*reservation),
-		sessions: make(map[string]uint64),
+		workers:   make(map[string]*policy.Reserved),
+		pending:   make(map[uint64]*reservation),
+		sessions:  make(map[string]uint64),
+		settling:  make(map[string][]settle),
+		settleTok: make(map[string]int64),
+	}
+}
+
+// settle records tokens a successful outcome added to decode worker id at nowMs.
+func (l *ledger) settle(id string, tokens, nowMs int64) {
+	if id == "" || tokens <= 0 {
+		return
+	}
+	l.settling[id] = append(l.settling[id], settle{tokens: tokens, atMs: nowMs})
+	l.settleTok[id] += tokens
+}
+
+// prune drops settling tokens that the workers' latest load reports already include.
+func (l *ledger) prune(workers []*kvcv1.Worker) {
+	if len(l.settling) == 0 {
+		return
+	}
+	for _, w := range workers {
+		list, ok := l.settling[w.WorkerId]
+		if !ok {
+			continue
+		}
+		hb := w.GetLastHeartbeatUnixMs()
+		n := 0
+		for n < len(list) && list[n].atMs+settleMarginMs < hb {
+			l.settleTok[w.WorkerId] -= list[n].tokens
+			n++
+		}
+		if n == len(list) {
+			delete(l.settling, w.WorkerId)
+			delete(l.settleTok, w.WorkerId)
+			continue
+		}
+		l.settling[w.WorkerId] = list[n:]
 	}
 }
 
 // Reserved implements policy.Ledger.
 func (l *ledger) Reserved(workerID string) policy.Reserved {
+	var out policy.Reserved
 	if r := l.workers[workerID]; r != nil {
-		return *r
+		out = *r
 	}
-	return policy.Reserved{}
+	out.Tokens += l.settleTok[workerID]
+	return out
 }
 
 // TransferPending implements policy.Ledger.

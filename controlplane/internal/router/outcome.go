@@ -22,6 +22,9 @@ func (s *Service) outcome(o *kvcv1.RouteOutcome) *kvcv1.RouteResponse {
 	}
 	s.mu.Lock()
 	r, ok := s.led.remove(seq)
+	if ok && o.Success && r.holdsDecode() {
+		s.led.settle(r.decode, r.tokens, s.now().UnixMilli())
+	}
 	issued := seq <= s.nextSeq
 	s.mu.Unlock()
 	if !ok {

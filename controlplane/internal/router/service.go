@@ -309,6 +309,7 @@ func (x *queryCtx) decide(rec *kvcv1.SessionRecord) {
 	x.in.Session = rec
 	x.in.Query.Turn = effectiveTurn(x.q, rec)
 	x.s.mu.Lock()
+	x.s.led.prune(x.in.Workers)
 	x.in.Ledger = x.s.led
 	x.d = policy.Decide(&x.in)
 	x.r = x.s.record(&x.in, &x.d, x.now)
