@@ -132,7 +132,7 @@ func Validate(p *kvcv1.Policy) error {
 		{"snapshot_delta_tokens", p.SnapshotDeltaTokens, 1, MaxInputTokens},
 		{"tail_tolerance_tokens", p.TailToleranceTokens, 0, MaxInputTokens},
 		{"snapshot_max_staleness_ms", p.SnapshotMaxStalenessMs, 0, 30 * 24 * 3600 * 1000},
-		{"session_ttl_ms", p.SessionTtlMs, 0, 365 * 24 * 3600 * 1000},
+		{"session_ttl_ms", p.SessionTtlMs, 1000, 365 * 24 * 3600 * 1000},
 		{"unreachable_grace_ms", p.UnreachableGraceMs, 0, 3_600_000},
 	}
 	for _, r := range i64 {
