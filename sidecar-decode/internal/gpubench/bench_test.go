@@ -247,7 +247,11 @@ func run(t *testing.T, cfg config) result {
 			return len(failed) >= 2
 		})
 		if sent.Event == "" {
-			return sent, failed[len(failed)-1].Reason
+			var reasons []string
+			for _, e := range failed {
+				reasons = append(reasons, fmt.Sprintf("attempt %d: %s", e.Attempt, e.Reason))
+			}
+			return sent, strings.Join(reasons, "; ")
 		}
 		return sent, ""
 	}
