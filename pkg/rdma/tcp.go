@@ -886,6 +886,8 @@ type sender struct {
 	ext   bool // the last iovec ends at the arena's end and may grow
 	held  []*memRegion
 	next  uint64
+	// lastEnd is the address just past the last zero-copy payload iovec (valid while !ext).
+	lastEnd uint64
 
 	// The open WRITE_BATCH: its header iovec, reserved arena bytes, count and payload bytes.
 	grp      int // index in iov, -1 when none is open
@@ -1000,9 +1002,19 @@ func (w *sender) add(s *sliceOp) error {
 			w.appendArena(memAt(s.laddr, s.n))
 			s.local.release()
 		} else {
-			w.iov = append(w.iov, memAt(s.laddr, s.n))
-			w.ext = false
-			w.held = append(w.held, s.local)
+			if nh := len(w.held); nh > 0 && w.held[nh-1] == s.local {
+				s.local.release() // the reference taken for an earlier slice covers this one
+			} else {
+				w.held = append(w.held, s.local)
+			}
+			if last := len(w.iov) - 1; !w.ext && last > w.grp && w.lastEnd == s.laddr {
+				// Contiguous with the previous payload of this WRITE_BATCH: one iovec.
+				w.iov[last] = memAt(s.laddr-uint64(len(w.iov[last])), uint64(len(w.iov[last]))+s.n)
+			} else {
+				w.iov = append(w.iov, memAt(s.laddr, s.n))
+				w.ext = false
+			}
+			w.lastEnd = s.laddr + s.n
 		}
 	}
 	s.t.start()
@@ -1108,6 +1120,9 @@ func (c *tcpConn) writeLoop() {
 		c.queue = nil
 		c.mu.Unlock()
 		for k, q := range chunks {
+			if k > 0 {
+				putChunk(chunks[k-1]) // add copied its slices
+			}
 			for i := range q {
 				if q[i].t.final() {
 					continue
@@ -1127,6 +1142,9 @@ func (c *tcpConn) writeLoop() {
 					return
 				}
 			}
+		}
+		if len(chunks) > 0 {
+			putChunk(chunks[len(chunks)-1])
 		}
 	}
 }
@@ -1257,6 +1275,29 @@ func (c *tcpConn) receive(s *sliceOp) error {
 
 // ---- batches ----
 
+// sliceChunk is how many slices Submit hands to a writer at once; chunks are recycled.
+const sliceChunk = 1024
+
+var chunkPool = sync.Pool{New: func() any { return new([]sliceOp) }}
+
+func getChunk() []sliceOp {
+	p := chunkPool.Get().(*[]sliceOp)
+	if cap(*p) < sliceChunk {
+		return make([]sliceOp, 0, sliceChunk)
+	}
+	return (*p)[:0]
+}
+
+// putChunk recycles a chunk whose slices the writer has taken.
+func putChunk(q []sliceOp) {
+	if cap(q) != sliceChunk {
+		return
+	}
+	clear(q)
+	q = q[:0]
+	chunkPool.Put(&q)
+}
+
 func (e *tcpEngine) AllocateBatch(capacity int) (BatchID, error) {
 	if e.isClosed() {
 		return 0, ErrClosed
@@ -1280,11 +1321,15 @@ func (e *tcpEngine) Submit(ctx context.Context, id BatchID, reqs []Request) erro
 		return err
 	}
 	// Slices are handed to each connection's writer in chunks as they are planned, so the
-	// first bytes leave while the rest of a large batch is still being cut.
-	const chunk = 4096
+	// first bytes leave while the rest of a large batch is still being cut. Consecutive slices
+	// stay on one connection until it has about SliceBytes of them, so each writer walks memory
+	// in order (contiguous payloads share an iovec) while large requests still spread over all
+	// connections.
 	type segQueues struct {
-		seg *tcpSegment
-		q   [][]sliceOp
+		seg   *tcpSegment
+		q     [][]sliceOp
+		ci    int    // the connection taking slices now
+		bytes uint64 // bytes given to it since it was picked
 	}
 	var (
 		queues     []*segQueues
@@ -1317,7 +1362,7 @@ func (e *tcpEngine) Submit(ctx context.Context, id BatchID, reqs []Request) erro
 				}
 			}
 			if lastQ == nil {
-				lastQ = &segQueues{seg: seg, q: make([][]sliceOp, len(seg.conns))}
+				lastQ = &segQueues{seg: seg, q: make([][]sliceOp, len(seg.conns)), ci: int(seg.next.Add(1) % uint64(len(seg.conns)))}
 				queues = append(queues, lastQ)
 			}
 			lastTarget = r.Target
@@ -1338,13 +1383,17 @@ func (e *tcpEngine) Submit(ctx context.Context, id BatchID, reqs []Request) erro
 		t.left.Store(int64((r.Length + e.sliceBytes - 1) / e.sliceBytes))
 		for off := uint64(0); off < r.Length; off += e.sliceBytes {
 			n := min(e.sliceBytes, r.Length-off)
-			ci := int(seg.next.Add(1) % uint64(len(seg.conns)))
+			if lastQ.bytes >= e.sliceBytes {
+				lastQ.ci, lastQ.bytes = int(seg.next.Add(1)%uint64(len(seg.conns))), 0
+			}
+			ci := lastQ.ci
+			lastQ.bytes += n
 			q := lastQ.q[ci]
 			if q == nil {
-				q = make([]sliceOp, 0, chunk)
+				q = getChunk()
 			}
 			q = append(q, sliceOp{t: t, op: r.Op, local: local, laddr: r.Source + off, raddr: r.TargetAddr + off, n: n})
-			if len(q) == chunk {
+			if len(q) == cap(q) {
 				seg.conns[ci].enqueue(q) // the writer owns q now
 				q = nil
 			}
