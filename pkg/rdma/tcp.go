@@ -469,6 +469,7 @@ type writeBatch struct {
 	desc   []byte
 	regs   []*memRegion
 	dst    [][]byte
+	iov    [][]byte // dst with back-to-back ranges joined
 	status []uint8
 	msg    []string
 }
@@ -507,6 +508,7 @@ func (wb *writeBatch) receive(e *tcpEngine, br *bufio.Reader, raw syscall.RawCon
 	}()
 	var sum uint64
 	allOK := true
+	var last *memRegion // holds a reference taken for an earlier write of this batch
 	for i := uint32(0); i < count; i++ {
 		addr, l := binary.LittleEndian.Uint64(desc[12*i:]), uint64(binary.LittleEndian.Uint32(desc[12*i+8:]))
 		sum += l
@@ -514,11 +516,15 @@ func (wb *writeBatch) receive(e *tcpEngine, br *bufio.Reader, raw syscall.RawCon
 		st, msg := tcpStOK, ""
 		if l == 0 {
 			st, msg = tcpStInvalid, "zero-length write"
+		} else if last != nil && last.Contains(addr, l) {
+			r = last // checked against the same region; its reference covers this write too
 		} else if r = e.regions.acquire(addr, l); r == nil {
 			st, msg = tcpStOutOfBounds, fmt.Sprintf("write [%#x, +%d) outside registered memory", addr, l)
+		} else {
+			wb.regs = append(wb.regs, r)
+			last = r
 		}
 		allOK = allOK && st == tcpStOK
-		wb.regs = append(wb.regs, r)
 		if r != nil {
 			wb.dst = append(wb.dst, memAt(addr, l))
 		} else {
@@ -543,7 +549,17 @@ func (wb *writeBatch) receive(e *tcpEngine, br *bufio.Reader, raw syscall.RawCon
 		}
 		return nil
 	}
-	iovs := wb.dst
+	// Every write was accepted: payloads that land back to back share one iovec.
+	iovs := wb.iov[:0]
+	for _, d := range wb.dst {
+		if n := len(iovs); n > 0 && unsafe.Add(unsafe.Pointer(unsafe.SliceData(iovs[n-1])), len(iovs[n-1])) == unsafe.Pointer(unsafe.SliceData(d)) {
+			iovs[n-1] = unsafe.Slice(unsafe.SliceData(iovs[n-1]), len(iovs[n-1])+len(d))
+			continue
+		}
+		iovs = append(iovs, d)
+	}
+	wb.iov = iovs
+	defer clear(wb.iov)
 	for len(iovs) > 0 && br.Buffered() > 0 {
 		k, err := br.Read(iovs[0])
 		if err != nil {
