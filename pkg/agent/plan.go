@@ -1,8 +1,6 @@
 package agent
 
 import (
-	"fmt"
-
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
@@ -57,47 +55,11 @@ func (m PageMap) addr(buf int, tok int64) (uint64, error) {
 // each buffer: a 50,000-token session of 96 buffers costs one pass over its 3,125 pages plus
 // one store per request, not 96 passes through the page maps.
 func PlanTokens(src, dst PageMap, seg rdma.SegmentID, from, to int64) ([]rdma.Request, error) {
-	if err := CompatibleLayouts(src.Layout, dst.Layout); err != nil {
+	p, err := PlanRuns(src, dst, from, to)
+	if err != nil {
 		return nil, err
 	}
-	if from < 0 || to < from {
-		return nil, status.Errorf(codes.InvalidArgument, "bad token range [%d, %d)", from, to)
-	}
-	if from == to {
-		return nil, nil
-	}
-	ps := int64(src.Layout.GetPageSize())
-	tb := uint64(src.Layout.GetItemLen() / ps)
-	sAddrs, dAddrs := src.Layout.GetBufferAddrs(), dst.Layout.GetBufferAddrs()
-	type run struct{ s, d, n uint64 }
-	var runs []run
-	for t := from; t < to; {
-		end := min((t/ps+1)*ps, to)
-		s, err := src.addr(0, t)
-		if err != nil {
-			return nil, fmt.Errorf("source: %w", err)
-		}
-		d, err := dst.addr(0, t)
-		if err != nil {
-			return nil, fmt.Errorf("target: %w", err)
-		}
-		s, d = s-sAddrs[0], d-dAddrs[0]
-		n := uint64(end-t) * tb
-		if k := len(runs) - 1; k >= 0 && runs[k].s+runs[k].n == s && runs[k].d+runs[k].n == d {
-			runs[k].n += n
-		} else {
-			runs = append(runs, run{s, d, n})
-		}
-		t = end
-	}
-	reqs := make([]rdma.Request, 0, len(runs)*len(sAddrs))
-	for b := range sAddrs {
-		sb, db := sAddrs[b], dAddrs[b]
-		for _, r := range runs {
-			reqs = append(reqs, rdma.Request{Op: rdma.OpWrite, Source: sb + r.s, Target: seg, TargetAddr: db + r.d, Length: r.n})
-		}
-	}
-	return reqs, nil
+	return p.Requests(seg), nil
 }
 
 // Bytes sums the lengths of reqs.

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"sync"
 	"time"
 
 	"google.golang.org/grpc/codes"
@@ -101,6 +102,57 @@ func (s *Sidecar) doPush(ctx context.Context, pool *agent.Pool, job pushJob) (in
 	}
 }
 
+// pendingAborts tracks AbortSnapshot calls that run in the background (after a push cut off by
+// a release or shutdown, so that the release does not wait for an RPC), so that a later
+// reservation for the same session waits until the store has dropped the old one instead of
+// being refused with "already has ingest N in flight". The zero value is ready.
+type pendingAborts struct {
+	mu sync.Mutex
+	m  map[string]chan struct{}
+}
+
+// start registers an abort for session and returns the function that marks it finished.
+func (p *pendingAborts) start(session string) func() {
+	done := make(chan struct{})
+	p.mu.Lock()
+	if p.m == nil {
+		p.m = map[string]chan struct{}{}
+	}
+	prev := p.m[session]
+	p.m[session] = done
+	p.mu.Unlock()
+	return func() {
+		if prev != nil {
+			<-prev // keep the order: a later abort finishes after an earlier one
+		}
+		p.mu.Lock()
+		if p.m[session] == done {
+			delete(p.m, session)
+		}
+		p.mu.Unlock()
+		close(done)
+	}
+}
+
+// wait blocks until no abort of session is running or ctx ends.
+func (p *pendingAborts) wait(ctx context.Context, session string) error {
+	p.mu.Lock()
+	done := p.m[session]
+	p.mu.Unlock()
+	if done == nil {
+		return nil
+	}
+	select {
+	case <-done:
+		return nil
+	case <-ctx.Done():
+		return context.Cause(ctx)
+	}
+}
+
+// abortTimeout bounds one AbortSnapshot call.
+const abortTimeout = 5 * time.Second
+
 func (s *Sidecar) pushOnce(ctx context.Context, pool *agent.Pool, job pushJob) (int64, uint64, error) {
 	c, err := s.peers.Client(job.target.GetPeerAddr())
 	if err != nil {
@@ -112,20 +164,33 @@ func (s *Sidecar) pushOnce(ctx context.Context, pool *agent.Pool, job pushJob) (
 	defer rpcCancel()
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.PushTimeout)
 	defer cancel()
+	// A reservation of an earlier attempt being aborted in the background must be gone first.
+	if err := s.aborts.wait(rpcCtx, job.session); err != nil {
+		return 0, 0, fmt.Errorf("reserve: waiting for the previous reservation's abort: %w", err)
+	}
 	res, err := c.ReserveSnapshot(rpcCtx, &kvcv1.ReserveSnapshotRequest{SessionId: job.session, Generation: job.gen, BaseLen: job.base,
 		Tokens: job.end - job.base, SourceWorkerId: s.cfg.WorkerID, SourceLayout: pool.Layout()})
 	if err != nil {
 		return 0, 0, fmt.Errorf("reserve: %w", err)
 	}
 	abort := func(reason string) {
-		actx, acancel := context.WithTimeout(context.Background(), 5*time.Second)
+		actx, acancel := context.WithTimeout(context.Background(), abortTimeout)
 		defer acancel()
 		if _, err := c.AbortSnapshot(actx, &kvcv1.AbortSnapshotRequest{IngestId: res.GetIngestId(), Reason: reason}); err != nil {
 			s.log.Warn().Err(err).Str("session", job.session).Msg("abort snapshot ingest")
 		}
 	}
+	// abortAsync aborts in the background (the push was cut off: its caller, a release, must
+	// not wait for an RPC); the next reservation of the session waits for it.
+	abortAsync := func(reason string) {
+		finished := s.aborts.start(job.session)
+		go func() {
+			defer finished()
+			abort(reason)
+		}()
+	}
 	if ctx.Err() != nil {
-		go abort(context.Cause(ctx).Error())
+		abortAsync(context.Cause(ctx).Error())
 		return 0, 0, fmt.Errorf("%w: %v", agent.ErrAborted, context.Cause(ctx))
 	}
 	ep := res.GetStoreTransferEndpoint()
@@ -138,18 +203,23 @@ func (s *Sidecar) pushOnce(ctx context.Context, pool *agent.Pool, job pushJob) (
 		return 0, 0, err
 	}
 	ps := int64(pool.PageSize)
-	reqs, err := agent.PlanTokens(agent.PageMap{Layout: pool.Layout(), Pages: job.pages},
-		agent.PageMap{Layout: res.GetStoreLayout(), Pages: res.GetPages(), First: job.base / ps}, seg, job.base, job.end)
+	// The runs are checked against both page maps before any byte moves; the requests are then
+	// laid out a few buffers at a time while the engine copies the previous ones.
+	plan, err := agent.PlanRuns(agent.PageMap{Layout: pool.Layout(), Pages: job.pages},
+		agent.PageMap{Layout: res.GetStoreLayout(), Pages: res.GetPages(), First: job.base / ps}, job.base, job.end)
 	if err != nil {
 		abort(err.Error())
 		return 0, 0, fmt.Errorf("plan: %w", err)
 	}
-	moved, err := agent.Transfer(ctx, s.eng, reqs)
+	moved, err := plan.Transfer(ctx, s.eng, seg)
 	if err != nil {
 		if !errors.Is(err, agent.ErrAborted) {
 			s.segs.Forget(ep)
+			// A retry may follow at once: the store must have dropped this reservation first.
+			abort(err.Error())
+		} else {
+			abortAsync(err.Error())
 		}
-		go abort(err.Error())
 		return 0, moved, err
 	}
 	cres, err := c.CommitSnapshot(rpcCtx, &kvcv1.CommitSnapshotRequest{IngestId: res.GetIngestId()})

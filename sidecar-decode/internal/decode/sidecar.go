@@ -75,6 +75,8 @@ type Sidecar struct {
 	queue    []string
 	wake     chan struct{}
 	inflight int
+
+	aborts pendingAborts // AbortSnapshot calls still running, by session (push.go)
 }
 
 type session struct {

@@ -188,11 +188,13 @@ func (s *Sidecar) reseed(r *room) {
 	seg, err := s.segs.Open(ctx, off.GetDecodeTransferEndpoint())
 	var moved uint64
 	if err == nil {
-		reqs, perr := agent.PlanTokens(agent.PageMap{Layout: arena.Layout(), Pages: v.Pages},
-			agent.PageMap{Layout: off.GetDecodeLayout(), Pages: off.GetPages()}, seg, 0, off.GetTokens())
+		// Every page is checked first; the requests are then laid out a few buffers at a time
+		// while the engine copies the previous ones.
+		plan, perr := agent.PlanRuns(agent.PageMap{Layout: arena.Layout(), Pages: v.Pages},
+			agent.PageMap{Layout: off.GetDecodeLayout(), Pages: off.GetPages()}, 0, off.GetTokens())
 		err = perr
 		if err == nil {
-			moved, err = agent.Transfer(ctx, s.eng, reqs)
+			moved, err = plan.Transfer(ctx, s.eng, seg)
 		}
 		if err != nil {
 			s.segs.Forget(off.GetDecodeTransferEndpoint())

@@ -314,11 +314,11 @@ func (s *Sidecar) SendKV(ctx context.Context, req *kvcv1.SendKVRequest) (*kvcv1.
 	if to > from {
 		seg, err := s.segs.Open(ctx, off.GetDecodeTransferEndpoint())
 		if err == nil {
-			var reqs []rdma.Request
-			reqs, err = agent.PlanTokens(agent.PageMap{Layout: pool.Layout(), Pages: req.GetPages(), First: req.GetFirstPage()},
-				agent.PageMap{Layout: off.GetDecodeLayout(), Pages: off.GetPages()}, seg, from, to)
+			var plan *agent.TokenPlan
+			plan, err = agent.PlanRuns(agent.PageMap{Layout: pool.Layout(), Pages: req.GetPages(), First: req.GetFirstPage()},
+				agent.PageMap{Layout: off.GetDecodeLayout(), Pages: off.GetPages()}, from, to)
 			if err == nil {
-				moved, err = agent.Transfer(ctx, s.eng, reqs)
+				moved, err = plan.Transfer(ctx, s.eng, seg)
 			}
 			if err != nil && !errors.Is(err, agent.ErrAborted) {
 				s.segs.Forget(off.GetDecodeTransferEndpoint())
