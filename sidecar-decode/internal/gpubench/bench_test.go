@@ -678,10 +678,12 @@ func probeOverheads(t *testing.T, ctx context.Context, w io.Writer, s shape, p *
 		median(planMs), nreq, median(rpcMs))
 }
 
-// pushPhases replays the decode sidecar's push (its pushOnce: ReserveSnapshot, PlanTokens,
-// Transfer, then CommitSnapshot — here AbortSnapshot, so that the store keeps only the
-// session) from this process, which owns D's memory, into the same prefill sidecar's store, and
-// times each phase: where the push's time beyond the copy goes. Medians of 5 after a warm-up.
+// pushPhases replays the decode sidecar's push (its pushOnce: ReserveSnapshot, PlanRuns, the
+// streamed TokenPlan.Transfer, then CommitSnapshot — here AbortSnapshot, so that the store keeps
+// only the session) from this process, which owns D's memory, into the same prefill sidecar's
+// store, and times each phase: where the push's time beyond the copy goes. For comparison it
+// also replays the previous path (the whole request list planned with PlanTokens, then one
+// batch). Medians of 5 after a warm-up.
 func pushPhases(t *testing.T, ctx context.Context, w io.Writer, s shape, eng rdma.Engine, local *kvcv1.KVLayout, p *sidecar, dPages []int64) {
 	t.Helper()
 	conn, err := grpc.NewClient(p.peer, grpc.WithTransportCredentials(insecure.NewCredentials()))
@@ -698,64 +700,69 @@ func pushPhases(t *testing.T, ctx context.Context, w io.Writer, s shape, eng rdm
 	}
 	defer eng.CloseSegment(seg)
 	ms := func(d time.Duration) float64 { return float64(d.Microseconds()) / 1e3 }
-	var reserve, plan, submit, xfer, abort, total []float64
-	var nreq int
-	for i := 0; i <= 5; i++ {
-		t0 := time.Now()
-		r, err := c.ReserveSnapshot(ctx, &kvcv1.ReserveSnapshotRequest{SessionId: "phase-probe", Generation: uint64(i + 1), Tokens: s.Tokens,
-			SourceWorkerId: "probe", SourceLayout: local})
-		if err != nil {
-			t.Errorf("phase probe reserve: %v", err)
-			return
-		}
-		t1 := time.Now()
-		reqs, err := agent.PlanTokens(agent.PageMap{Layout: local, Pages: dPages}, agent.PageMap{Layout: r.GetStoreLayout(), Pages: r.GetPages()}, seg, 0, s.Tokens)
-		if err != nil {
-			t.Error(err)
-			return
-		}
-		t2 := time.Now()
-		b, err := eng.AllocateBatch(len(reqs))
-		if err != nil {
-			t.Error(err)
-			return
-		}
-		if err := eng.Submit(ctx, b, reqs); err != nil {
-			t.Error(err)
-			return
-		}
-		t3 := time.Now()
-		sts, err := eng.Wait(ctx, b)
-		if err != nil {
-			t.Error(err)
-			return
-		}
-		var moved uint64
-		for _, st := range sts {
-			if st.State != rdma.TaskCompleted {
-				t.Errorf("phase probe task %v: %v", st.State, st.Err)
+	for _, streamed := range []bool{true, false} {
+		var reserve, plan, xfer, abort, total []float64
+		var nreq int
+		for i := 0; i <= 5; i++ {
+			t0 := time.Now()
+			r, err := c.ReserveSnapshot(ctx, &kvcv1.ReserveSnapshotRequest{SessionId: "phase-probe", Generation: uint64(i + 1), Tokens: s.Tokens,
+				SourceWorkerId: "probe", SourceLayout: local})
+			if err != nil {
+				t.Errorf("phase probe reserve: %v", err)
 				return
 			}
-			moved += st.BytesDone
+			t1 := time.Now()
+			src, dst := agent.PageMap{Layout: local, Pages: dPages}, agent.PageMap{Layout: r.GetStoreLayout(), Pages: r.GetPages()}
+			var t2 time.Time
+			var moved uint64
+			if streamed {
+				pl, err := agent.PlanRuns(src, dst, 0, s.Tokens)
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				t2 = time.Now()
+				nreq = pl.Len()
+				moved, err = pl.Transfer(ctx, eng, seg)
+				if err != nil {
+					t.Errorf("phase probe transfer: %v", err)
+					return
+				}
+			} else {
+				reqs, err := agent.PlanTokens(src, dst, seg, 0, s.Tokens)
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				t2 = time.Now()
+				nreq = len(reqs)
+				moved, err = agent.Transfer(ctx, eng, reqs)
+				if err != nil {
+					t.Errorf("phase probe transfer: %v", err)
+					return
+				}
+			}
+			t4 := time.Now()
+			if _, err := c.AbortSnapshot(ctx, &kvcv1.AbortSnapshotRequest{IngestId: r.GetIngestId(), Reason: "phase probe"}); err != nil {
+				t.Error(err)
+				return
+			}
+			t5 := time.Now()
+			if int64(moved) != s.sessionBytes() {
+				t.Errorf("phase probe moved %d bytes", moved)
+				return
+			}
+			if i == 0 {
+				continue
+			}
+			reserve, plan = append(reserve, ms(t1.Sub(t0))), append(plan, ms(t2.Sub(t1)))
+			xfer, abort, total = append(xfer, ms(t4.Sub(t2))), append(abort, ms(t5.Sub(t4))), append(total, ms(t5.Sub(t0)))
 		}
-		_ = eng.FreeBatch(b)
-		t4 := time.Now()
-		if _, err := c.AbortSnapshot(ctx, &kvcv1.AbortSnapshotRequest{IngestId: r.GetIngestId(), Reason: "phase probe"}); err != nil {
-			t.Error(err)
-			return
+		how := "streamed (now): PlanRuns %.2f ms, TokenPlan.Transfer (lay out + submit in growing batches + copy + wait)"
+		if !streamed {
+			how = "one batch (before): PlanTokens %.2f ms, agent.Transfer (AllocateBatch + Submit + copy + wait)"
 		}
-		t5 := time.Now()
-		if int64(moved) != s.sessionBytes() {
-			t.Errorf("phase probe moved %d bytes", moved)
-			return
-		}
-		nreq = len(reqs)
-		if i == 0 {
-			continue
-		}
-		reserve, plan, submit = append(reserve, ms(t1.Sub(t0))), append(plan, ms(t2.Sub(t1))), append(submit, ms(t3.Sub(t2)))
-		xfer, abort, total = append(xfer, ms(t4.Sub(t2))), append(abort, ms(t5.Sub(t4))), append(total, ms(t5.Sub(t0)))
+		fmt.Fprintf(w, "push phases, "+how+" %.2f ms = %.1f GB/s; reserve RPC %.2f ms, abort RPC %.2f ms, total %.2f ms = %.1f GB/s (replayed from the worker process into %s, %d requests, medians of 5)\n",
+			median(plan), median(xfer), gbps(s.sessionBytes(), median(xfer)), median(reserve), median(abort), median(total), gbps(s.sessionBytes(), median(total)), p.id, nreq)
 	}
-	fmt.Fprintf(w, "push phases (the sidecar's push replayed from the worker process into %s, %d requests, medians of 5): reserve RPC %.2f ms, PlanTokens %.2f ms, AllocateBatch+Submit %.2f ms, transfer (AllocateBatch to Wait) %.2f ms = %.1f GB/s, abort RPC %.2f ms, total %.2f ms = %.1f GB/s\n",
-		p.id, nreq, median(reserve), median(plan), median(submit), median(xfer), gbps(s.sessionBytes(), median(xfer)), median(abort), median(total), gbps(s.sessionBytes(), median(total)))
 }
