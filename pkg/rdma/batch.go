@@ -57,15 +57,17 @@ func (b *batch) add(n int) ([]*task, error) {
 	if n > 0 && b.pending == 0 {
 		b.done = make(chan struct{})
 	}
-	out := make([]*task, n)
-	block := make([]task, n)
-	for i := range out {
-		block[i].b = b
-		out[i] = &block[i]
+	if b.tasks == nil {
+		b.tasks = make([]*task, 0, n)
 	}
-	b.tasks = append(b.tasks, out...)
+	block := make([]task, n)
+	for i := range block {
+		block[i].b = b
+		b.tasks = append(b.tasks, &block[i])
+	}
 	b.pending += n
-	return out, nil
+	// Callers only read the returned slice; a later add may move b.tasks but not these pointers.
+	return b.tasks[len(b.tasks)-n:], nil
 }
 
 func (b *batch) statusLocked(t *task) TaskStatus {

@@ -27,7 +27,10 @@ const (
 	tcpMaxInflight       = 4096 // unacknowledged slices per connection
 	tcpHandshakeTimeout  = 10 * time.Second
 	tcpReadBufSize       = 256 << 10
-	tcpWriteBufSize      = 256 << 10
+	// tcpServeBufSize is the owner's read buffer: a WRITE_BATCH header and its descriptors fit,
+	// and little payload is read into it (and then copied) before readv lands the rest in place.
+	tcpServeBufSize = 32 << 10
+	tcpWriteBufSize = 256 << 10
 )
 
 // memAt is the registered memory [addr, addr+n). Only called after a bounds check against a
@@ -267,7 +270,7 @@ func (e *tcpEngine) acceptLoop() {
 
 // serveConn answers one peer connection: the handshake, then WRITE and READ frames in order.
 func (e *tcpEngine) serveConn(c net.Conn) error {
-	br := bufio.NewReaderSize(c, tcpReadBufSize)
+	br := bufio.NewReaderSize(c, tcpServeBufSize)
 	bw := bufio.NewWriterSize(c, tcpWriteBufSize)
 	_ = c.SetDeadline(time.Now().Add(tcpHandshakeTimeout))
 	ok, err := e.serveHandshake(br, bw)
@@ -904,6 +907,8 @@ type sender struct {
 	next  uint64
 	// lastEnd is the address just past the last zero-copy payload iovec (valid while !ext).
 	lastEnd uint64
+	// credit: room for this many pending frames was seen in the in-flight window.
+	credit int
 
 	// The open WRITE_BATCH: its header iovec, reserved arena bytes, count and payload bytes.
 	grp      int // index in iov, -1 when none is open
@@ -1038,8 +1043,13 @@ func (w *sender) add(s *sliceOp) error {
 	return nil
 }
 
-// room waits until the in-flight window has space for the pending frames plus one.
+// room waits until the in-flight window has space for the pending frames plus one. The space
+// seen last is remembered (credit): answers only ever free more, so the lock is taken again only
+// once that much is pending (flush resets it).
 func (w *sender) room() error {
+	if len(w.pend) < w.credit {
+		return nil
+	}
 	c := w.c
 	for {
 		c.mu.Lock()
@@ -1047,7 +1057,8 @@ func (w *sender) room() error {
 			c.mu.Unlock()
 			return c.err()
 		}
-		if len(c.inflight)-c.ihead+len(w.pend) < tcpMaxInflight {
+		if free := tcpMaxInflight - (len(c.inflight) - c.ihead); len(w.pend) < free {
+			w.credit = free
 			c.mu.Unlock()
 			return nil
 		}
@@ -1107,6 +1118,7 @@ func (w *sender) reset() {
 	w.arena = w.arena[:0]
 	w.ext = false
 	w.grp = -1
+	w.credit = 0
 	clear(w.pend)
 	w.pend = w.pend[:0]
 }
