@@ -3,14 +3,16 @@ package rdma
 import (
 	"context"
 	"fmt"
+	"sort"
 	"sync"
 	"sync/atomic"
 )
 
 // task is one request of a batch. Its state moves waiting → pending → a final state once; the
-// final transition happens under the batch lock so Wait sees a consistent count.
+// final transition happens under the batch lock so Wait sees a consistent count. A task does not
+// point back to its batch (its callers know it), so a batch's tasks are one pointer-free-but-err
+// block that add does not have to touch.
 type task struct {
-	b     *batch
 	state atomic.Uint32
 	bytes atomic.Uint64
 	left  atomic.Int64 // slices not yet acknowledged
@@ -22,9 +24,9 @@ func (t *task) final() bool { return TaskState(t.state.Load()).Done() }
 // start marks the task in flight.
 func (t *task) start() { t.state.CompareAndSwap(uint32(TaskWaiting), uint32(TaskPending)) }
 
-// finish moves the task to a final state; it reports false when it already was final.
-func (t *task) finish(st TaskState, err error) bool {
-	b := t.b
+// finish moves the task, which belongs to b, to a final state; it reports false when it already
+// was final.
+func (t *task) finish(b *batch, st TaskState, err error) bool {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if t.final() {
@@ -42,35 +44,41 @@ func (t *task) finish(st TaskState, err error) bool {
 type batch struct {
 	capacity int
 	mu       sync.Mutex
-	tasks    []*task
+	blocks   [][]task // one per add, in task order
+	starts   []int    // index of each block's first task
+	n        int      // tasks in all blocks
 	pending  int
 	done     chan struct{} // closed when pending reaches 0
 }
 
-// add creates n waiting tasks.
-func (b *batch) add(n int) ([]*task, error) {
+// add creates n waiting tasks (TaskWaiting is the zero state) and returns them.
+func (b *batch) add(n int) ([]task, error) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if len(b.tasks)+n > b.capacity {
-		return nil, fmt.Errorf("%w: %d tasks + %d > capacity %d", ErrBatchFull, len(b.tasks), n, b.capacity)
+	if b.n+n > b.capacity {
+		return nil, fmt.Errorf("%w: %d tasks + %d > capacity %d", ErrBatchFull, b.n, n, b.capacity)
 	}
-	if n > 0 && b.pending == 0 {
+	if n == 0 {
+		return nil, nil
+	}
+	if b.pending == 0 {
 		b.done = make(chan struct{})
 	}
-	if b.tasks == nil {
-		b.tasks = make([]*task, 0, n)
-	}
 	block := make([]task, n)
-	for i := range block {
-		block[i].b = b
-		b.tasks = append(b.tasks, &block[i])
-	}
+	b.blocks = append(b.blocks, block)
+	b.starts = append(b.starts, b.n)
+	b.n += n
 	b.pending += n
-	// Callers only read the returned slice; a later add may move b.tasks but not these pointers.
-	return b.tasks[len(b.tasks)-n:], nil
+	return block, nil
 }
 
-func (b *batch) statusLocked(t *task) TaskStatus {
+// taskLocked returns task i, which must exist.
+func (b *batch) taskLocked(i int) *task {
+	k := sort.Search(len(b.starts), func(k int) bool { return b.starts[k] > i }) - 1
+	return &b.blocks[k][i-b.starts[k]]
+}
+
+func statusOf(t *task) TaskStatus {
 	st := TaskStatus{State: TaskState(t.state.Load()), BytesDone: t.bytes.Load()}
 	if st.State.Done() {
 		st.Err = t.err
@@ -81,18 +89,20 @@ func (b *batch) statusLocked(t *task) TaskStatus {
 func (b *batch) status(i int) (TaskStatus, error) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if i < 0 || i >= len(b.tasks) {
-		return TaskStatus{}, fmt.Errorf("%w: task %d of %d", ErrInvalidRequest, i, len(b.tasks))
+	if i < 0 || i >= b.n {
+		return TaskStatus{}, fmt.Errorf("%w: task %d of %d", ErrInvalidRequest, i, b.n)
 	}
-	return b.statusLocked(b.tasks[i]), nil
+	return statusOf(b.taskLocked(i)), nil
 }
 
 func (b *batch) all() []TaskStatus {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	out := make([]TaskStatus, len(b.tasks))
-	for i, t := range b.tasks {
-		out[i] = b.statusLocked(t)
+	out := make([]TaskStatus, 0, b.n)
+	for _, blk := range b.blocks {
+		for i := range blk {
+			out = append(out, statusOf(&blk[i]))
+		}
 	}
 	return out
 }
@@ -114,11 +124,13 @@ func (b *batch) wait(ctx context.Context) ([]TaskStatus, error) {
 // cancel finishes every task that is not final.
 func (b *batch) cancel(st TaskState, err error) {
 	b.mu.Lock()
-	tasks := append([]*task(nil), b.tasks...)
+	blocks := append([][]task(nil), b.blocks...)
 	b.mu.Unlock()
-	for _, t := range tasks {
-		if !t.final() {
-			t.finish(st, err)
+	for _, blk := range blocks {
+		for i := range blk {
+			if t := &blk[i]; !t.final() {
+				t.finish(b, st, err)
+			}
 		}
 	}
 }

@@ -794,6 +794,7 @@ func (e *tcpEngine) RemoteRegions(id SegmentID) ([]Region, error) {
 // sliceOp is one frame's worth of a task.
 type sliceOp struct {
 	t     *task
+	b     *batch // t's
 	op    Opcode
 	local *memRegion
 	laddr uint64
@@ -804,12 +805,12 @@ type sliceOp struct {
 
 func (s *sliceOp) done(err error) {
 	if err != nil {
-		s.t.finish(TaskFailed, err)
+		s.t.finish(s.b, TaskFailed, err)
 		return
 	}
 	s.t.bytes.Add(s.n)
 	if s.t.left.Add(-1) == 0 {
-		s.t.finish(TaskCompleted, nil)
+		s.t.finish(s.b, TaskCompleted, nil)
 	}
 }
 
@@ -1366,13 +1367,13 @@ func (e *tcpEngine) Submit(ctx context.Context, id BatchID, reqs []Request) erro
 		lastLocal  *memRegion
 	)
 	for i, r := range reqs {
-		t := tasks[i]
+		t := &tasks[i]
 		if r.Op != OpRead && r.Op != OpWrite {
-			t.finish(TaskFailed, fmt.Errorf("%w: opcode %v", ErrInvalidRequest, r.Op))
+			t.finish(b, TaskFailed, fmt.Errorf("%w: opcode %v", ErrInvalidRequest, r.Op))
 			continue
 		}
 		if r.Length == 0 {
-			t.finish(TaskFailed, fmt.Errorf("%w: zero length", ErrInvalidRequest))
+			t.finish(b, TaskFailed, fmt.Errorf("%w: zero length", ErrInvalidRequest))
 			continue
 		}
 		if lastQ == nil || r.Target != lastTarget {
@@ -1380,7 +1381,7 @@ func (e *tcpEngine) Submit(ctx context.Context, id BatchID, reqs []Request) erro
 			seg, ok := e.segs[r.Target]
 			e.mu.Unlock()
 			if !ok {
-				t.finish(TaskFailed, fmt.Errorf("%w: %d", ErrUnknownSegment, r.Target))
+				t.finish(b, TaskFailed, fmt.Errorf("%w: %d", ErrUnknownSegment, r.Target))
 				continue
 			}
 			lastQ = nil
@@ -1396,13 +1397,13 @@ func (e *tcpEngine) Submit(ctx context.Context, id BatchID, reqs []Request) erro
 			lastTarget = r.Target
 		}
 		if r.TargetAddr+r.Length < r.TargetAddr {
-			t.finish(TaskFailed, fmt.Errorf("%w: target [%#x, +%d) wraps", ErrOutOfBounds, r.TargetAddr, r.Length))
+			t.finish(b, TaskFailed, fmt.Errorf("%w: target [%#x, +%d) wraps", ErrOutOfBounds, r.TargetAddr, r.Length))
 			continue
 		}
 		local := lastLocal
 		if local == nil || !local.Contains(r.Source, r.Length) {
 			if local = e.regions.find(r.Source, r.Length); local == nil {
-				t.finish(TaskFailed, fmt.Errorf("%w: local [%#x, +%d) is not registered", ErrOutOfBounds, r.Source, r.Length))
+				t.finish(b, TaskFailed, fmt.Errorf("%w: local [%#x, +%d) is not registered", ErrOutOfBounds, r.Source, r.Length))
 				continue
 			}
 			lastLocal = local
@@ -1420,7 +1421,7 @@ func (e *tcpEngine) Submit(ctx context.Context, id BatchID, reqs []Request) erro
 			if q == nil {
 				q = getChunk()
 			}
-			q = append(q, sliceOp{t: t, op: r.Op, local: local, laddr: r.Source + off, raddr: r.TargetAddr + off, n: n})
+			q = append(q, sliceOp{t: t, b: b, op: r.Op, local: local, laddr: r.Source + off, raddr: r.TargetAddr + off, n: n})
 			if len(q) == cap(q) {
 				seg.conns[ci].enqueue(q) // the writer owns q now
 				q = nil

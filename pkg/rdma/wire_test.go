@@ -161,8 +161,8 @@ func FuzzTCPResponses(f *testing.F) {
 		tasks, _ := bt.add(2)
 		c := &tcpConn{br: bufio.NewReader(bytes.NewReader(b)), space: make(chan struct{}, 1), done: make(chan struct{})}
 		c.inflight = []sliceOp{
-			{t: tasks[0], op: OpWrite, local: local, laddr: dst, raddr: 1 << 40, n: size, id: 1},
-			{t: tasks[1], op: OpRead, local: local, laddr: dst, raddr: 1 << 40, n: size, id: 2},
+			{t: &tasks[0], b: bt, op: OpWrite, local: local, laddr: dst, raddr: 1 << 40, n: size, id: 1},
+			{t: &tasks[1], b: bt, op: OpRead, local: local, laddr: dst, raddr: 1 << 40, n: size, id: 2},
 		}
 		tasks[0].left.Store(1)
 		tasks[1].left.Store(1)
