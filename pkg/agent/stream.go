@@ -91,11 +91,15 @@ func (p *TokenPlan) Requests(seg rdma.SegmentID) []rdma.Request {
 	return out
 }
 
-// Chunking of Transfer: the first batch holds about streamFirst requests, later ones double up
-// to streamMax (always whole buffers). Small plans go as one batch.
+// Chunking of Transfer: the first batch holds about streamFirst requests (the copy starts
+// after a few microseconds of laying out), later ones grow fourfold up to streamMax (always
+// whole buffers): the host lays requests out several times faster than the GPU copies them,
+// so after the first batch it is far enough ahead for large batches, and every batch boundary
+// costs a partial descriptor group (a kernel boundary) and a Wait. Small plans go as one batch.
 const (
-	streamFirst = 2048
-	streamMax   = 32768
+	streamFirst  = 2048
+	streamGrowth = 4
+	streamMax    = 65536
 )
 
 // Transfer moves the plan into segment seg the way the package-level Transfer moves a request
@@ -149,7 +153,7 @@ func (p *TokenPlan) Transfer(ctx context.Context, eng rdma.Engine, seg rdma.Segm
 			return fail(fmt.Errorf("submit: %w", err))
 		}
 		batches = append(batches, id)
-		b0, target = b1, min(streamMax, 2*target)
+		b0, target = b1, min(streamMax, streamGrowth*target)
 	}
 	var firstErr error
 	for i, id := range batches {

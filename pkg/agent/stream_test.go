@@ -69,8 +69,10 @@ func TestTokenPlanTransfer(t *testing.T) {
 		wantBatches int
 	}{
 		{"one batch", 2, 64, 100, 1},
-		// 512 runs per buffer, 16 buffers: 8,192 requests in batches of 4, 8 and 4 buffers
-		{"streamed", 8, 1024, 2048, 3},
+		// 512 runs per buffer, 16 buffers: 8,192 requests in batches of 4 and 12 buffers
+		{"streamed", 8, 1024, 2048, 2},
+		// 64 buffers: 32,768 requests in batches of 4, 16 and 44 buffers (growth 4)
+		{"streamed, three batches", 32, 1024, 2048, 3},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -169,6 +169,9 @@ type cudaDev struct {
 	mod     cuda.Module
 	fn      cuda.Function
 	pending chan *cudaGroup
+	// queued is the number of descriptors launched on the copy stream whose group has not
+	// completed yet: the GPU's backlog, which sizes a submission's first group.
+	queued atomic.Int64
 
 	poolMu sync.Mutex
 	free   []*cudaDescBuf
@@ -190,6 +193,7 @@ type cudaGroup struct {
 	dev  *cudaDev
 	ev   cuda.Event
 	buf  *cudaDescBuf
+	n    int64 // descriptors of buf, counted in dev.queued until the group completes
 	done chan struct{}
 	err  error
 }
@@ -340,6 +344,7 @@ func (e *CUDAEngine) completions(d *cudaDev) {
 	for g := range d.pending {
 		g.err = d.ctx.EventSynchronize(g.ev)
 		_ = d.ctx.EventDestroy(g.ev)
+		d.queued.Add(-g.n)
 		if g.buf != nil {
 			d.putBuf(g.buf)
 		}
@@ -897,6 +902,26 @@ func (s cudaGPUSink) run(buf *cudaDescBuf) (*cudaGroup, error) {
 	return g, err
 }
 
+// backlog is the number of descriptors run on the device and not yet completed.
+func (s cudaGPUSink) backlog() int { return int(s.d.queued.Load()) }
+
+// cudaBacklogger is a sink that knows how many descriptors it still has to copy.
+type cudaBacklogger interface{ backlog() int }
+
+// firstGroup is the size of a submission's first descriptor group: cudaFirstGroup when the
+// sink is idle, so that the copy starts after a few microseconds of building; when the sink
+// is still copying earlier groups (the next batch of a streamed transfer), as many
+// descriptors as it has queued, up to groupMax: building them takes a fraction of the time
+// the sink needs for its backlog, and every group boundary is a kernel boundary at which the
+// GPU drains (restarting at 1,024 for every batch of a stream made many small kernels).
+func firstGroup(sink cudaSink, groupMax int) int {
+	n := min(groupMax, cudaFirstGroup)
+	if b, ok := sink.(cudaBacklogger); ok {
+		n = min(groupMax, max(n, b.backlog()))
+	}
+	return n
+}
+
 func (e *CUDAEngine) sink() (cudaSink, error) {
 	if e.testSink != nil {
 		return e.testSink, nil
@@ -1046,7 +1071,7 @@ const cudaFirstGroup = 1024
 func (e *CUDAEngine) submitShard(b *cudaBatch, sink cudaSink, reqs []Request, base int, local cudaSpans, segs map[SegmentID]*cudaPeer) error {
 	chunk, groupMax := e.opt.ChunkBytes, e.opt.GroupDescs
 	memcpy := e.opt.Copy == CUDACopyMemcpy
-	groupN := min(groupMax, cudaFirstGroup)
+	groupN := firstGroup(sink, groupMax)
 	end := base + len(reqs)
 	lens, group := b.lens[base:end], b.group[base:end]
 	var buf *cudaDescBuf
@@ -1233,6 +1258,10 @@ func (e *CUDAEngine) record(d *cudaDev, buf *cudaDescBuf) (*cudaGroup, error) {
 		return nil, err
 	}
 	g := &cudaGroup{dev: d, ev: ev, buf: buf, done: make(chan struct{})}
+	if buf != nil {
+		g.n = int64(len(buf.descs))
+		d.queued.Add(g.n)
+	}
 	d.pending <- g
 	return g, nil
 }

@@ -26,6 +26,7 @@ type hostSink struct {
 	failAt int           // run call that fails (1-based); 0: none
 	runs   int
 	sizes  []int // descriptors of each group run, in order
+	queued int   // descriptors run and not yet copied
 }
 
 func newHostSink(mem map[uint64][]byte, gated bool) *hostSink {
@@ -43,6 +44,9 @@ func newHostSink(mem map[uint64][]byte, gated bool) *hostSink {
 				for _, d := range buf.descs {
 					copy(s.at(d.dst, d.n), s.at(d.src, d.n))
 				}
+				s.mu.Lock()
+				s.queued -= len(buf.descs)
+				s.mu.Unlock()
 			}
 			close(g.done)
 		}
@@ -65,6 +69,12 @@ func (s *hostSink) buffer(n int) (*cudaDescBuf, error) {
 
 func (s *hostSink) release(*cudaDescBuf) {}
 
+func (s *hostSink) backlog() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.queued
+}
+
 func (s *hostSink) run(buf *cudaDescBuf) (*cudaGroup, error) {
 	s.mu.Lock()
 	s.runs++
@@ -76,6 +86,7 @@ func (s *hostSink) run(buf *cudaDescBuf) (*cudaGroup, error) {
 	s.work[g] = buf
 	if buf != nil {
 		s.sizes = append(s.sizes, len(buf.descs))
+		s.queued += len(buf.descs)
 	}
 	s.mu.Unlock()
 	s.queue <- g
@@ -513,6 +524,76 @@ func TestCUDASubmitGroupRamp(t *testing.T) {
 			sink.mu.Unlock()
 			if !slices.Equal(got, tt.want) {
 				t.Fatalf("group sizes %v, want %v", got, tt.want)
+			}
+		})
+	}
+}
+
+// TestCUDASubmitGroupBacklog checks that a submission made while earlier groups are still
+// queued (the next batch of a streamed transfer) starts with a group as large as the backlog
+// (up to GroupDescs) instead of restarting the ramp at 1,024, and that both batches complete
+// with the right bytes.
+func TestCUDASubmitGroupBacklog(t *testing.T) {
+	tests := []struct {
+		name         string
+		group        int
+		first, later int
+		want         []int
+	}{
+		{"backlog below the cap", 4096, 3000, 10000, []int{1024, 1976, 3000, 4096, 2904}},
+		{"backlog above the cap", 2048, 5000, 3000, []int{1024, 2048, 1928, 2048, 952}},
+		{"idle sink ramps", 4096, 0, 3000, []int{1024, 1976}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			e, sink, src, dst := hostEngine(t, CUDAOptions{ChunkBytes: 1024, GroupDescs: tt.group, Workers: 1}, 0, true)
+			mk := func(from, n int) []Request {
+				reqs := make([]Request, n)
+				for i := range reqs {
+					off := uint64(from+i) * 16
+					reqs[i] = Request{Op: OpWrite, Source: 0x1000 + off, Target: 1, TargetAddr: 0x9000000 + off, Length: 16}
+				}
+				return reqs
+			}
+			ctx := context.Background()
+			var ids []BatchID
+			for _, r := range [][]Request{mk(0, tt.first), mk(tt.first, tt.later)} {
+				if len(r) == 0 {
+					continue
+				}
+				b, err := e.AllocateBatch(len(r))
+				if err != nil {
+					t.Fatal(err)
+				}
+				if err := e.Submit(ctx, b, r); err != nil {
+					t.Fatal(err)
+				}
+				ids = append(ids, b)
+			}
+			sink.mu.Lock()
+			got := slices.Clone(sink.sizes)
+			sink.mu.Unlock()
+			close(sink.gate)
+			for _, b := range ids {
+				st, err := e.Wait(ctx, b)
+				if err != nil {
+					t.Fatal(err)
+				}
+				for i, s := range st {
+					if s.State != TaskCompleted {
+						t.Fatalf("batch %d task %d: %+v", b, i, s)
+					}
+				}
+			}
+			if !slices.Equal(got, tt.want) {
+				t.Fatalf("group sizes %v, want %v", got, tt.want)
+			}
+			n := 16 * (tt.first + tt.later)
+			if !bytes.Equal(dst[:n], src[:n]) {
+				t.Fatal("copied bytes differ")
+			}
+			if q := sink.backlog(); q != 0 {
+				t.Fatalf("backlog %d after the copies", q)
 			}
 		})
 	}
