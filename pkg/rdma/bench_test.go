@@ -137,7 +137,7 @@ func BenchmarkTransfer(b *testing.B) {
 		pageSize:   16,
 		tokenBytes: uint64(benchEnvInt("KVC_BENCH_TOKEN_BYTES", 128)),
 	}
-	reps := int(benchEnvInt("KVC_BENCH_REPS", 3))
+	reps := int(benchEnvInt("KVC_BENCH_REPS", 5))
 	backend := os.Getenv("KVC_BENCH_BACKEND") // tcp by default; mooncake needs KVC_MOONCAKE_LIB
 	if backend == "" {
 		backend = "tcp"
