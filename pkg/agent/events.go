@@ -44,6 +44,19 @@ type Event struct {
 	Peer       string    `json:"peer,omitempty"`
 	Reason     string    `json:"reason,omitempty"`
 	Attempt    int       `json:"attempt,omitempty"`
+	// Phases splits a push's duration (snapshot_push_sent) into its steps.
+	Phases *PushPhases `json:"phases,omitempty"`
+}
+
+// PushPhases are the steps of one push attempt, in milliseconds: the ReserveSnapshot RPC, the
+// plan (runs checked against both page maps, before the first copy), the transfer (lay out,
+// submit, copy, wait) and the CommitSnapshot RPC. Their sum is the event's duration less the
+// sidecar's own bookkeeping between them.
+type PushPhases struct {
+	ReserveMs  float64 `json:"reserve_ms"`
+	PlanMs     float64 `json:"plan_ms"`
+	TransferMs float64 `json:"transfer_ms"`
+	CommitMs   float64 `json:"commit_ms"`
 }
 
 // EventLog writes events as JSON lines and mirrors them into Prometheus metrics. A nil writer

@@ -38,19 +38,27 @@ func PlanRuns(src, dst PageMap, from, to int64) (*TokenPlan, error) {
 		return p, nil
 	}
 	ps := int64(src.Layout.GetPageSize())
-	tb := uint64(src.Layout.GetItemLen() / ps)
-	s0, d0 := p.sAddrs[0], p.dAddrs[0]
+	ib := src.Layout.GetItemLen() // the same on both sides (CompatibleLayouts)
+	tb := uint64(ib / ps)
+	sCount, dCount := src.Layout.GetPageCount(), dst.Layout.GetPageCount()
+	// One pass over the range's pages with the layouts' fields hoisted: this runs between
+	// ReserveSnapshot and the first copy of a push. A page outside a map or a pool takes the
+	// checked path (PageMap.addr) for its error.
+	p.runs = make([]tokenRun, 0, min((to-from)/ps+1, 1<<16))
 	for t := from; t < to; {
-		end := min((t/ps+1)*ps, to)
-		s, err := src.addr(0, t)
-		if err != nil {
+		pi := t / ps
+		end := min((pi+1)*ps, to)
+		si, di := pi-src.First, pi-dst.First
+		if si < 0 || si >= int64(len(src.Pages)) || src.Pages[si] < 0 || (sCount > 0 && src.Pages[si] >= sCount) {
+			_, err := src.addr(0, t)
 			return nil, fmt.Errorf("source: %w", err)
 		}
-		d, err := dst.addr(0, t)
-		if err != nil {
+		if di < 0 || di >= int64(len(dst.Pages)) || dst.Pages[di] < 0 || (dCount > 0 && dst.Pages[di] >= dCount) {
+			_, err := dst.addr(0, t)
 			return nil, fmt.Errorf("target: %w", err)
 		}
-		s, d = s-s0, d-d0
+		off := uint64(t%ps) * tb
+		s, d := uint64(src.Pages[si]*ib)+off, uint64(dst.Pages[di]*ib)+off
 		n := uint64(end-t) * tb
 		if k := len(p.runs) - 1; k >= 0 && p.runs[k].s+p.runs[k].n == s && p.runs[k].d+p.runs[k].n == d {
 			p.runs[k].n += n

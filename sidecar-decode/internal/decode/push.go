@@ -72,11 +72,12 @@ func (s *Sidecar) doPush(ctx context.Context, pool *agent.Pool, job pushJob) (in
 	fullTried := job.base == 0
 	for attempt := 1; ; {
 		start := time.Now()
-		seqlen, moved, err := s.pushOnce(ctx, pool, job)
+		var ph agent.PushPhases
+		seqlen, moved, err := s.pushOnce(ctx, pool, job, &ph)
 		ev := agent.Event{Session: job.session, Generation: job.gen, BaseLen: job.base, Tokens: job.end - job.base,
 			Bytes: int64(moved), DurationMs: agent.Ms(time.Since(start)), Peer: job.target.GetPrefillWorkerId(), Attempt: attempt}
 		if err == nil {
-			ev.Event, ev.Seqlen = agent.EvPushSent, seqlen
+			ev.Event, ev.Seqlen, ev.Phases = agent.EvPushSent, seqlen, &ph
 			s.ev.Emit(ev)
 			return seqlen, nil
 		}
@@ -153,7 +154,8 @@ func (p *pendingAborts) wait(ctx context.Context, session string) error {
 // abortTimeout bounds one AbortSnapshot call.
 const abortTimeout = 5 * time.Second
 
-func (s *Sidecar) pushOnce(ctx context.Context, pool *agent.Pool, job pushJob) (int64, uint64, error) {
+// pushOnce runs one attempt; ph receives the durations of its steps.
+func (s *Sidecar) pushOnce(ctx context.Context, pool *agent.Pool, job pushJob, ph *agent.PushPhases) (int64, uint64, error) {
 	c, err := s.peers.Client(job.target.GetPeerAddr())
 	if err != nil {
 		return 0, 0, err
@@ -168,11 +170,13 @@ func (s *Sidecar) pushOnce(ctx context.Context, pool *agent.Pool, job pushJob) (
 	if err := s.aborts.wait(rpcCtx, job.session); err != nil {
 		return 0, 0, fmt.Errorf("reserve: waiting for the previous reservation's abort: %w", err)
 	}
+	t0 := time.Now()
 	res, err := c.ReserveSnapshot(rpcCtx, &kvcv1.ReserveSnapshotRequest{SessionId: job.session, Generation: job.gen, BaseLen: job.base,
 		Tokens: job.end - job.base, SourceWorkerId: s.cfg.WorkerID, SourceLayout: pool.Layout()})
 	if err != nil {
 		return 0, 0, fmt.Errorf("reserve: %w", err)
 	}
+	ph.ReserveMs = agent.Ms(time.Since(t0))
 	abort := func(reason string) {
 		actx, acancel := context.WithTimeout(context.Background(), abortTimeout)
 		defer acancel()
@@ -203,6 +207,7 @@ func (s *Sidecar) pushOnce(ctx context.Context, pool *agent.Pool, job pushJob) (
 		return 0, 0, err
 	}
 	ps := int64(pool.PageSize)
+	t1 := time.Now()
 	// The runs are checked against both page maps before any byte moves; the requests are then
 	// laid out a few buffers at a time while the engine copies the previous ones.
 	plan, err := agent.PlanRuns(agent.PageMap{Layout: pool.Layout(), Pages: job.pages},
@@ -211,7 +216,11 @@ func (s *Sidecar) pushOnce(ctx context.Context, pool *agent.Pool, job pushJob) (
 		abort(err.Error())
 		return 0, 0, fmt.Errorf("plan: %w", err)
 	}
+	t2 := time.Now()
+	ph.PlanMs = agent.Ms(t2.Sub(t1))
 	moved, err := plan.Transfer(ctx, s.eng, seg)
+	t3 := time.Now()
+	ph.TransferMs = agent.Ms(t3.Sub(t2))
 	if err != nil {
 		if !errors.Is(err, agent.ErrAborted) {
 			s.segs.Forget(ep)
@@ -223,6 +232,7 @@ func (s *Sidecar) pushOnce(ctx context.Context, pool *agent.Pool, job pushJob) (
 		return 0, moved, err
 	}
 	cres, err := c.CommitSnapshot(rpcCtx, &kvcv1.CommitSnapshotRequest{IngestId: res.GetIngestId()})
+	ph.CommitMs = agent.Ms(time.Since(t3))
 	if err != nil {
 		return 0, moved, fmt.Errorf("commit: %w", err)
 	}

@@ -19,6 +19,7 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
 	"github.com/kvcentric/kvcentric/pkg/agent"
 	"github.com/kvcentric/kvcentric/pkg/agent/cptest"
@@ -156,8 +157,9 @@ func checkSnapshotKV(ctx context.Context, s shape, httpAddr string, seed uint64)
 
 // result is what a run measured.
 type result struct {
-	pushMs, pushBytes                 []float64 // snapshot_push_sent (decode sidecar's event log)
-	reseedMs, reseedWaitMs            []float64 // snapshot_bypass_hit (prefill event log); WaitReceive duration_us
+	pushMs, pushBytes                 []float64          // snapshot_push_sent (decode sidecar's event log)
+	pushPhases                        []agent.PushPhases // the same events' steps
+	reseedMs, reseedWaitMs            []float64          // snapshot_bypass_hit (prefill event log); WaitReceive duration_us
 	reseedBytes                       int64
 	baseMs                            []float64
 	storeBad, reseedBad, hostBad      int64
@@ -309,11 +311,20 @@ func run(t *testing.T, cfg config) result {
 		if e.Bytes != s.sessionBytes() || e.Seqlen != s.Tokens {
 			t.Fatalf("push event %+v: want %d bytes, seqlen %d", e, s.sessionBytes(), s.Tokens)
 		}
+		ph := e.Phases
+		if ph == nil {
+			t.Fatalf("push event %+v without its phases", e)
+		}
+		if sum := ph.ReserveMs + ph.PlanMs + ph.TransferMs + ph.CommitMs; ph.TransferMs <= 0 || sum > e.DurationMs+0.001 {
+			t.Fatalf("push phases %+v (sum %.3f ms) do not fit the push's %.3f ms", *ph, sum, e.DurationMs)
+		}
 		if i > 0 {
 			res.pushMs = append(res.pushMs, e.DurationMs)
 			res.pushBytes = append(res.pushBytes, float64(e.Bytes))
+			res.pushPhases = append(res.pushPhases, *ph)
 		}
-		fmt.Fprintf(w, "push   %s gen %2d: %d bytes in %8.2f ms (snapshot_push_sent) %7.1f GB/s%s\n", pGPU.id, gen, e.Bytes, e.DurationMs, gbps(e.Bytes, e.DurationMs), map[bool]string{true: " (warm-up)"}[i == 0])
+		fmt.Fprintf(w, "push   %s gen %2d: %d bytes in %8.2f ms (snapshot_push_sent) %7.1f GB/s [reserve %.2f, plan %.2f, transfer %.2f, commit %.2f ms]%s\n", pGPU.id, gen, e.Bytes, e.DurationMs, gbps(e.Bytes, e.DurationMs),
+			ph.ReserveMs, ph.PlanMs, ph.TransferMs, ph.CommitMs, map[bool]string{true: " (warm-up)"}[i == 0])
 	}
 	start = time.Now()
 	if res.storeBad, err = checkSnapshotKV(ctx, s, pGPU.http, seed); err != nil {
@@ -418,6 +429,12 @@ func report(w io.Writer, s shape, res result, label string) (push, reseed, base,
 	ratio = min(push, reseed) / base
 	fmt.Fprintf(w, "summary (medians of %d after one warm-up):\n", len(res.pushMs))
 	fmt.Fprintf(w, "  push   D -> P store: %.2f ms, %.1f GB/s (%.2f of baseline); event snapshot_push_sent: reserve + plan + transfer + commit\n", median(res.pushMs), push, push/base)
+	var rs, pl, tr, cm []float64
+	for _, p := range res.pushPhases {
+		rs, pl, tr, cm = append(rs, p.ReserveMs), append(pl, p.PlanMs), append(tr, p.TransferMs), append(cm, p.CommitMs)
+	}
+	fmt.Fprintf(w, "  push phases in the decode sidecar (medians): ReserveSnapshot %.2f ms, plan %.2f ms, transfer %.2f ms (%.1f GB/s, %.2f of baseline), CommitSnapshot %.2f ms\n",
+		median(rs), median(pl), median(tr), gbps(n, median(tr)), gbps(n, median(tr))/base, median(cm))
 	fmt.Fprintf(w, "  reseed P store -> D2: %.2f ms, %.1f GB/s (%.2f of baseline); event snapshot_bypass_hit: plan + transfer\n", median(res.reseedMs), reseed, reseed/base)
 	fmt.Fprintf(w, "  reseed end to end (PrepareReceive -> offer -> transfer -> TransferDone -> WaitReceive): %.2f ms, %.1f GB/s (%.2f of baseline)\n", median(res.reseedWaitMs), reseedWait, reseedWait/base)
 	fmt.Fprintf(w, "  baseline %s: %.2f ms, %.1f GB/s\n", label, median(res.baseMs), base)
@@ -765,4 +782,34 @@ func pushPhases(t *testing.T, ctx context.Context, w io.Writer, s shape, eng rdm
 		fmt.Fprintf(w, "push phases, "+how+" %.2f ms = %.1f GB/s; reserve RPC %.2f ms, abort RPC %.2f ms, total %.2f ms = %.1f GB/s (replayed from the worker process into %s, %d requests, medians of 5)\n",
 			median(plan), median(xfer), gbps(s.sessionBytes(), median(xfer)), median(reserve), median(abort), median(total), gbps(s.sessionBytes(), median(total)), p.id, nreq)
 	}
+	rpcIdleProbe(t, ctx, w, conn, p.id)
+}
+
+// rpcIdleProbe separates an RPC's transport (and wake-up) cost from its handler: a health
+// Check (no work in the handler) to the prefill sidecar after an idle gap as long as a push's
+// copy, and again at once (warm), medians of 5. The gap is an idle period on purpose (what the
+// commit follows), not a synchronization.
+func rpcIdleProbe(t *testing.T, ctx context.Context, w io.Writer, conn *grpc.ClientConn, id string) {
+	t.Helper()
+	h := healthpb.NewHealthClient(conn)
+	ms := func(d time.Duration) float64 { return float64(d.Microseconds()) / 1e3 }
+	var cold, warm []float64
+	for i := 0; i <= 5; i++ {
+		time.Sleep(14 * time.Millisecond)
+		t0 := time.Now()
+		if _, err := h.Check(ctx, &healthpb.HealthCheckRequest{}); err != nil {
+			t.Errorf("health probe: %v", err)
+			return
+		}
+		t1 := time.Now()
+		if _, err := h.Check(ctx, &healthpb.HealthCheckRequest{}); err != nil {
+			t.Errorf("health probe: %v", err)
+			return
+		}
+		t2 := time.Now()
+		if i > 0 {
+			cold, warm = append(cold, ms(t1.Sub(t0))), append(warm, ms(t2.Sub(t1)))
+		}
+	}
+	fmt.Fprintf(w, "rpc probe (health Check to %s, empty handler): after 14 ms idle %.2f ms, right after %.2f ms (medians of 5)\n", id, median(cold), median(warm))
 }
