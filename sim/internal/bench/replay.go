@@ -94,7 +94,7 @@ func Replay(ctx context.Context, baseURL string, w *workload.Workload, opt Optio
 				if !sleepUntil(ctx, at) {
 					return
 				}
-				r := send(ctx, hc, baseURL, s.ID, i, t, opt)
+				r := send(ctx, hc, baseURL, s.ID, i, len(s.Turns) > 1, t, opt)
 				r.StartS = time.Since(start).Seconds() - r.LatencyS
 				prevEnd = time.Now()
 				add(r)
@@ -156,13 +156,13 @@ type streamChunk struct {
 }
 
 // send runs one request and records it; it never fails the replay.
-func send(ctx context.Context, hc *http.Client, baseURL, session string, turn int, t workload.Turn, opt Options) (r report.Record) {
+func send(ctx context.Context, hc *http.Client, baseURL, session string, turn int, multiturn bool, t workload.Turn, opt Options) (r report.Record) {
 	r = report.Record{Arm: opt.Arm, SessionID: session, Turn: turn, InputTokens: t.InputTokens, OutputTokens: t.OutputTokens}
 	body := map[string]any{
 		"stream":          true,
 		"sampling_params": map[string]any{"max_new_tokens": t.OutputTokens},
 		"session_params":  map[string]any{"id": session},
-		"kvc":             map[string]any{"input_tokens": t.InputTokens, "turn": turn, "multiturn": true},
+		"kvc":             map[string]any{"input_tokens": t.InputTokens, "turn": turn, "multiturn": multiturn},
 	}
 	if opt.SendText {
 		body["text"] = synthText(session, t.InputTokens)

@@ -109,11 +109,18 @@ func runArm(ctx context.Context, cfg Config, arm string, out io.Writer, meta *re
 		work := filepath.Join(cfg.OutDir, "cluster-"+arm)
 		_ = os.RemoveAll(work)
 		fmt.Fprintf(cfg.Log, "%s: starting a local cluster (1 P + 3 D, 2 control planes, gateway) in %s\n", arm, work)
-		c, err := cluster.Start(ctx, cluster.Config{
+		ccfg := cluster.Config{
 			BinDir: cfg.BinDir, WorkDir: work, Prefill: 1, Decode: 3, ControlPlanes: 2,
 			DecodeCapacityTokens: cfg.DecodeCapacityTokens, Policy: pol, SimArgs: cfg.SimArgs, SidecarArgs: cfg.SidecarArgs,
 			Gateway: true, Log: prefixWriter{cfg.Log, arm + ": "},
-		})
+		}
+		c, err := cluster.Start(ctx, ccfg)
+		if err != nil && ctx.Err() == nil {
+			// One more try: a start can lose a race for a free port with another program.
+			fmt.Fprintf(cfg.Log, "%s: cluster start failed (%v); trying once more\n", arm, err)
+			_ = os.RemoveAll(work)
+			c, err = cluster.Start(ctx, ccfg)
+		}
 		if err != nil {
 			return nil, err
 		}

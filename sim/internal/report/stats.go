@@ -44,6 +44,8 @@ type Arm struct {
 	// PrefillTokens is the work of the prefill worker (whole inputs of SEED, RESEED_PREFILL and
 	// PD_FALLBACK); AppendTokens the uncached tokens decode workers append-prefilled.
 	PrefillTokens, AppendTokens int64
+	// LatencyP90 is reported in report.md only (summary.json has a fixed field set).
+	LatencyP90 float64
 }
 
 // Percentile is the nearest-rank percentile (q in [0,1]) of sorted values; 0 when empty.
@@ -138,6 +140,7 @@ func Compute(name string, recs []Record, div float64) *Arm {
 	s := &a.Summary
 	s.TTFTP50, s.TTFTP90, s.TTFTP99 = round(Percentile(a.TTFTs, .5)), round(Percentile(a.TTFTs, .9)), round(Percentile(a.TTFTs, .99))
 	s.LatencyP50, s.LatencyP99 = round(Percentile(lat, .5)), round(Percentile(lat, .99))
+	a.LatencyP90 = round(Percentile(lat, .9))
 	if s.Total > 0 {
 		s.DirectToDShare = round(s.DirectToDShare / float64(s.Total))
 	}

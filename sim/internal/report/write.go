@@ -150,12 +150,12 @@ func Markdown(meta Meta, arms []*Arm) string {
 	p("")
 	p("## Summary")
 	p("")
-	p("| arm | ok / total | TTFT p50 | TTFT p90 | TTFT p99 | latency p50 | latency p99 | direct-to-D | reseeds | reseed TTFT p50 | snapshot hit rate | bytes moved | KV verify failures |")
-	p("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+	p("| arm | ok / total | TTFT p50 | TTFT p90 | TTFT p99 | latency p50 | latency p90 | latency p99 | direct-to-D | reseeds | reseed TTFT p50 | snapshot hit rate | bytes moved | KV verify failures |")
+	p("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 	for _, a := range arms {
 		s := a.Summary
-		p("| %s %s | %d / %d | %s | %s | %s | %s | %s | %s | %d | %s | %s | %s | %d |", a.Name, armTitle(a.Name), s.OK, s.Total,
-			ms(s.TTFTP50), ms(s.TTFTP90), ms(s.TTFTP99), ms(s.LatencyP50), ms(s.LatencyP99), pct(s.DirectToDShare), s.ReseedCount,
+		p("| %s %s | %d / %d | %s | %s | %s | %s | %s | %s | %s | %d | %s | %s | %s | %d |", a.Name, armTitle(a.Name), s.OK, s.Total,
+			ms(s.TTFTP50), ms(s.TTFTP90), ms(s.TTFTP99), ms(s.LatencyP50), ms(a.LatencyP90), ms(s.LatencyP99), pct(s.DirectToDShare), s.ReseedCount,
 			ms(s.ReseedTTFTP50), pct(s.SnapshotHitRate), mib(s.BytesMoved), s.KVVerifyFailures)
 	}
 	p("")

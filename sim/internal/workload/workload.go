@@ -122,16 +122,16 @@ type AgenticConfig struct {
 	LongThinkMin, LongThinkMax time.Duration
 }
 
-// DefaultAgentic is the demo workload: 10 sessions of 16-32 turns (about 260 requests),
-// first-turn contexts of 6K-20K tokens growing by ~341 appended tokens (plus the previous answer)
+// DefaultAgentic is the demo workload: 10 sessions of 14-26 turns (about 200 requests),
+// first-turn contexts of 10K-30K tokens growing by ~341 appended tokens (plus the previous answer)
 // per turn to tens of thousands, agent think times of 1-6 s with occasional long pauses — the
 // pauses are what lets a full decode worker evict a session that then needs a reseed. Appends
 // above the direct-to-D limit are off by default (LargeAppendProb; see docs/benchmark.md).
 func DefaultAgentic() AgenticConfig {
 	return AgenticConfig{
 		Seed: 1, Sessions: 10, ArrivalSpan: 30 * time.Second,
-		MinTurns: 16, MaxTurns: 32,
-		InitialMin: 6000, InitialMax: 20000,
+		MinTurns: 14, MaxTurns: 26,
+		InitialMin: 10000, InitialMax: 30000,
 		AppendMean:      341,
 		LargeAppendProb: 0, LargeAppendMin: 9000, LargeAppendMax: 16000,
 		OutputMean: 80, OutputMax: 512,
