@@ -178,3 +178,43 @@ func TestOrphanDecisionIsReleased(t *testing.T) {
 	}
 	<-orphans
 }
+
+// TestRehomesOnFailover: the serving replica dies; the stream re-homes on the other one and
+// decisions continue.
+func TestRehomesOnFailover(t *testing.T) {
+	a := fakecp.Start(t, direct)
+	b := fakecp.Start(t, direct)
+	up := make(chan string, 16)
+	c := start(t, []string{a.Addr, b.Addr}, time.Second, Observer{Connected: func(addr string, ok bool) {
+		if ok {
+			up <- addr
+		}
+	}})
+	if got := <-up; got != a.Addr {
+		t.Fatalf("first stream to %s", got)
+	}
+	if _, err := c.Decide(context.Background(), &kvcv1.RouteQuery{SessionId: "s", InputTokens: 1}); err != nil {
+		t.Fatal(err)
+	}
+	a.Stop()
+	deadline := time.After(10 * time.Second)
+	for {
+		select {
+		case addr := <-up:
+			if addr != b.Addr {
+				continue // a reconnect attempt to the dead one may still come up first
+			}
+		case <-deadline:
+			t.Fatal("never re-homed")
+		}
+		break
+	}
+	if _, err := c.Decide(context.Background(), &kvcv1.RouteQuery{SessionId: "s", InputTokens: 1}); err != nil {
+		t.Fatalf("after failover: %v", err)
+	}
+	select {
+	case <-b.Queries:
+	default:
+		t.Fatal("the second replica saw no query")
+	}
+}

@@ -5,9 +5,12 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -182,6 +185,28 @@ func TestArmPolicy(t *testing.T) {
 		}
 		if err == nil && (p.GetKvCentricEnabled() != tt.kvc || p.GetSnapshotsEnabled() != tt.snap) {
 			t.Fatalf("%s: %v", tt.arm, p)
+		}
+	}
+}
+
+func TestRunAgainstGatewayURL(t *testing.T) {
+	gw, _ := fakeGateway(t, func(string, int) string { return "" })
+	out := t.TempDir()
+	wl := testWorkload()
+	arms, err := Run(context.Background(), Config{
+		GatewayURL: gw.URL, Arms: []string{"ext"}, OutDir: out, Workload: wl,
+		Meta:   report.Meta{Command: "test", Workload: wl.Name, Stats: wl.Describe(), TimeScale: 1},
+		Replay: Options{TimeScale: 1}, Log: io.Discard,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(arms) != 1 || arms[0].Summary.OK != 6 || arms[0].Summary.BytesMoved != 6*64 {
+		t.Fatalf("%+v", arms[0].Summary)
+	}
+	for _, f := range []string{report.ReportFile, report.SummaryFile, report.CDFFile, report.ModesFile, "metrics.jsonl"} {
+		if st, err := os.Stat(filepath.Join(out, f)); err != nil || st.Size() == 0 {
+			t.Fatalf("%s: %v", f, err)
 		}
 	}
 }
