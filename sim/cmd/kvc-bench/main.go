@@ -45,6 +45,7 @@ type opts struct {
 	sendText       bool
 	advertised     int64
 	agentic        workload.AgenticConfig
+	multiTurnOnly  bool
 }
 
 func parse(args []string, stderr io.Writer) (*opts, error) {
@@ -57,6 +58,7 @@ func parse(args []string, stderr io.Writer) (*opts, error) {
 	fs.StringVar(&o.arms, "arms", "E1,E3,E4", "arms to run with --local (E1 plain P/D, E3 KV-centric, E4 KV-centric + D→P snapshots); with --gateway-url, the one arm's label")
 	fs.StringVar(&o.workload, "workload", "builtin", "builtin (agentic sessions) or mooncake (a trace in Mooncake's format, --trace)")
 	fs.StringVar(&o.tracePath, "trace", "", "trace file for --workload mooncake")
+	fs.BoolVar(&o.multiTurnOnly, "multi-turn-only", false, "--workload mooncake: keep only rebuilt multi-turn sessions (whole sessions, times shifted to 0); --max-requests then cuts whole sessions in start order")
 	fs.IntVar(&o.maxRequests, "max-requests", 0, "replay at most this many requests (0 = all)")
 	fs.Float64Var(&o.timeScale, "time-scale", 1, "multiplies the workload clock (arrival and think times) and, with --local, kvc-sim's modeled durations: 0.5 runs everything twice as fast")
 	fs.Float64Var(&o.simTimeScale, "sim-time-scale", 0, "with --local: kvc-sim's --time-scale, multiplying every modeled GPU/transfer duration (0: the same as --time-scale, so the whole system runs at one speed and times are reported in model seconds)")
@@ -160,8 +162,15 @@ func run(args []string, stderr io.Writer) int {
 		var f *os.File
 		f, err = os.Open(o.tracePath)
 		if err == nil {
-			wl, _, err = trace.Read(f, trace.Options{MaxRequests: o.maxRequests, Name: "mooncake:" + filepath.Base(o.tracePath)})
+			maxLines := o.maxRequests
+			if o.multiTurnOnly {
+				maxLines = 0 // sessions need the whole file; cut whole sessions below
+			}
+			wl, _, err = trace.Read(f, trace.Options{MaxRequests: maxLines, Name: "mooncake:" + filepath.Base(o.tracePath)})
 			f.Close()
+			if err == nil && o.multiTurnOnly {
+				wl.MultiTurnOnly()
+			}
 		}
 	}
 	if err != nil {

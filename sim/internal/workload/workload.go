@@ -227,3 +227,30 @@ func (w *Workload) Limit(n int) {
 	}
 	w.Sessions = out
 }
+
+// MultiTurnOnly drops single-turn sessions and shifts every time so that the first remaining
+// session starts at 0 (a trace subset that exercises session residency).
+func (w *Workload) MultiTurnOnly() {
+	var out []Session
+	for _, s := range w.Sessions {
+		if len(s.Turns) > 1 {
+			out = append(out, s)
+		}
+	}
+	sort.SliceStable(out, func(i, j int) bool { return out[i].Start < out[j].Start })
+	if len(out) > 0 {
+		base := out[0].Start
+		for i := range out {
+			out[i].Start -= base
+			turns := append([]Turn(nil), out[i].Turns...)
+			for k := range turns {
+				if turns[k].At >= base {
+					turns[k].At -= base
+				}
+			}
+			out[i].Turns = turns
+		}
+	}
+	w.Sessions = out
+	w.Notes = append(w.Notes, fmt.Sprintf("multi-turn sessions only: %d sessions, %d requests, times shifted to start at 0", len(out), w.Requests()))
+}

@@ -3,6 +3,7 @@ package workload
 import (
 	"reflect"
 	"testing"
+	"time"
 )
 
 func TestAgenticDeterministicAndShaped(t *testing.T) {
@@ -64,5 +65,16 @@ func TestLimit(t *testing.T) {
 	w.Limit(4)
 	if w.Requests() != 4 || len(w.Sessions) != 2 || len(w.Sessions[1].Turns) != 1 {
 		t.Fatalf("%+v", w)
+	}
+}
+
+func TestMultiTurnOnly(t *testing.T) {
+	w := &Workload{Sessions: []Session{
+		{ID: "single", Start: 1 * time.Second, Turns: []Turn{{At: time.Second}}},
+		{ID: "multi", Start: 5 * time.Second, Turns: []Turn{{At: 5 * time.Second}, {At: 9 * time.Second}}},
+	}}
+	w.MultiTurnOnly()
+	if len(w.Sessions) != 1 || w.Sessions[0].ID != "multi" || w.Sessions[0].Start != 0 || w.Sessions[0].Turns[1].At != 4*time.Second {
+		t.Fatalf("%+v", w.Sessions)
 	}
 }
