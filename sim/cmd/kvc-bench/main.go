@@ -211,10 +211,14 @@ func run(args []string, stderr io.Writer) int {
 		}
 	}
 	arms, err := bench.Run(ctx, cfg)
+	unit := "s"
+	if cfg.Meta.TimeDiv > 0 && cfg.Meta.TimeDiv != 1 {
+		unit = "model s"
+	}
 	for _, a := range arms {
 		s := a.Summary
-		fmt.Fprintf(stderr, "%s (model s): ok %d/%d  TTFT p50 %.3fs p99 %.3fs  direct-to-D %.1f%%  reseeds %d (p50 %.3fs, snapshot %.0f%%)  bytes %d  verify failures %d\n",
-			a.Name, s.OK, s.Total, s.TTFTP50, s.TTFTP99, 100*s.DirectToDShare, s.ReseedCount, s.ReseedTTFTP50, 100*s.SnapshotHitRate, s.BytesMoved, s.KVVerifyFailures)
+		fmt.Fprintf(stderr, "%s (%s): ok %d/%d  TTFT p50 %.3fs p99 %.3fs  direct-to-D %.1f%%  reseeds %d (p50 %.3fs, snapshot %.0f%%)  bytes %d  verify failures %d\n",
+			a.Name, unit, s.OK, s.Total, s.TTFTP50, s.TTFTP99, 100*s.DirectToDShare, s.ReseedCount, s.ReseedTTFTP50, 100*s.SnapshotHitRate, s.BytesMoved, s.KVVerifyFailures)
 	}
 	fmt.Fprintf(stderr, "report: %s\n", filepath.Join(o.out, report.ReportFile))
 	if err != nil {
