@@ -423,10 +423,19 @@ func effectiveCapacity(c *Cycle, w *kvcv1.Worker) int64 {
 	return int64(float64(w.KvCapacityTokens) * (1 - c.K.DCapacityHeadroom))
 }
 
-// fits: used (last load) + reserved + needed ≤ capacity × (1 − headroom).
+// fits: pinned (used − evictable, last load) + reserved + needed ≤ capacity × (1 − headroom).
+// Idle resident sessions are the decode worker's cache: it evicts them (LRU) to admit new work,
+// so they do not block admission; they still lower the headroom score, so new sessions prefer
+// emptier workers and evictions stay rare.
 func fits(c *Cycle, d *Cand) bool {
 	if d.W.KvCapacityTokens <= 0 {
 		return false
 	}
-	return d.W.GetLoad().GetUsedTokens()+d.Res.Tokens+c.Need <= effectiveCapacity(c, d.W)
+	return pinnedTokens(d.W)+d.Res.Tokens+c.Need <= effectiveCapacity(c, d.W)
+}
+
+// pinnedTokens is the part of a worker's used KV that it cannot evict.
+func pinnedTokens(w *kvcv1.Worker) int64 {
+	l := w.GetLoad()
+	return max(0, l.GetUsedTokens()-max(0, l.GetEvictableTokens()))
 }

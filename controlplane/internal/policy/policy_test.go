@@ -154,6 +154,12 @@ func TestDecideEveryModeAndReason(t *testing.T) {
 			rec:     with2(resident("d1", 19_000), func(r *kvcv1.SessionRecord) { r.DRejects = map[string]int32{"d1": 3} }),
 			workers: []*kvcv1.Worker{pW("p1", 0), dW("d1", 100_000, 94_000), dW("d2", 100_000, 90_000)},
 			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY)},
+		{name: "idle resident sessions do not block a seed (the D evicts them)", q: q(20_000, 100, 0),
+			workers: []*kvcv1.Worker{pW("p1", 0), evictable(dW("d1", 100_000, 94_000), 94_000)},
+			mode:    mSeed, reason: R(kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION), decode: "d1"},
+		{name: "only the evictable part of used frees room", q: q(20_000, 100, 0),
+			workers: []*kvcv1.Worker{pW("p1", 0), evictable(dW("d1", 100_000, 94_000), 10_000)},
+			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY)},
 		// --- SEED / NEW_SESSION ---
 		{name: "new session seeds on the D with most headroom", q: q(20_000, 100, 0), workers: cluster(),
 			mode: mSeed, reason: R(kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION), prefill: "p2", decode: "d1",
@@ -468,3 +474,9 @@ func i64(v int64) *int64                                                        
 func i32(v int32) *int32                                                              { return &v }
 func f64(v float64) *float64                                                          { return &v }
 func b(v bool) *bool                                                                  { return &v }
+
+// evictable marks n of w's used tokens as idle sessions the worker may evict.
+func evictable(w *kvcv1.Worker, n int64) *kvcv1.Worker {
+	w.Load.EvictableTokens = n
+	return w
+}

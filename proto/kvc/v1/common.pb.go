@@ -241,8 +241,11 @@ type WorkerLoad struct {
 	ResidentSessions      int32                  `protobuf:"varint,9,opt,name=resident_sessions,json=residentSessions,proto3" json:"resident_sessions,omitempty"`
 	SnapshotSessions      int32                  `protobuf:"varint,10,opt,name=snapshot_sessions,json=snapshotSessions,proto3" json:"snapshot_sessions,omitempty"`
 	InflightPushes        int32                  `protobuf:"varint,11,opt,name=inflight_pushes,json=inflightPushes,proto3" json:"inflight_pushes,omitempty"`
-	unknownFields         protoimpl.UnknownFields
-	sizeCache             protoimpl.SizeCache
+	// Of used_tokens, the tokens of idle resident sessions the worker may evict to admit new
+	// work (its KV cache, not pinned by a transfer or push). Admission counts used - evictable.
+	EvictableTokens int64 `protobuf:"varint,12,opt,name=evictable_tokens,json=evictableTokens,proto3" json:"evictable_tokens,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *WorkerLoad) Reset() {
@@ -348,6 +351,13 @@ func (x *WorkerLoad) GetSnapshotSessions() int32 {
 func (x *WorkerLoad) GetInflightPushes() int32 {
 	if x != nil {
 		return x.InflightPushes
+	}
+	return 0
+}
+
+func (x *WorkerLoad) GetEvictableTokens() int64 {
+	if x != nil {
+		return x.EvictableTokens
 	}
 	return 0
 }
@@ -1075,7 +1085,7 @@ var File_kvc_v1_common_proto protoreflect.FileDescriptor
 
 const file_kvc_v1_common_proto_rawDesc = "" +
 	"\n" +
-	"\x13kvc/v1/common.proto\x12\x06kvc.v1\"\x86\x04\n" +
+	"\x13kvc/v1/common.proto\x12\x06kvc.v1\"\xb1\x04\n" +
 	"\n" +
 	"WorkerLoad\x12\x1f\n" +
 	"\vused_tokens\x18\x01 \x01(\x03R\n" +
@@ -1090,7 +1100,8 @@ const file_kvc_v1_common_proto_rawDesc = "" +
 	"\x11resident_sessions\x18\t \x01(\x05R\x10residentSessions\x12+\n" +
 	"\x11snapshot_sessions\x18\n" +
 	" \x01(\x05R\x10snapshotSessions\x12'\n" +
-	"\x0finflight_pushes\x18\v \x01(\x05R\x0einflightPushes\"\x90\x05\n" +
+	"\x0finflight_pushes\x18\v \x01(\x05R\x0einflightPushes\x12)\n" +
+	"\x10evictable_tokens\x18\f \x01(\x03R\x0fevictableTokens\"\x90\x05\n" +
 	"\x06Worker\x12\x1b\n" +
 	"\tworker_id\x18\x01 \x01(\tR\bworkerId\x12&\n" +
 	"\x04role\x18\x02 \x01(\x0e2\x12.kvc.v1.WorkerRoleR\x04role\x12\x12\n" +

@@ -32,7 +32,8 @@ func (s *Sidecar) Resync() *kvcv1.ResidentSessions {
 	return rs
 }
 
-// Load reports used tokens (sum of committed lengths), rooms waiting for their transfer and
+// Load reports used tokens (sum of committed lengths; those of sessions no push pins are
+// evictable), rooms waiting for their transfer and
 // snapshot pushes running or queued.
 func (s *Sidecar) Load() *kvcv1.WorkerLoad {
 	s.mu.Lock()
@@ -40,6 +41,9 @@ func (s *Sidecar) Load() *kvcv1.WorkerLoad {
 	l := &kvcv1.WorkerLoad{ResidentSessions: int32(len(s.sessions)), InflightPushes: int32(s.inflight)}
 	for _, ss := range s.sessions {
 		l.UsedTokens += ss.committed
+		if ss.push == nil {
+			l.EvictableTokens += ss.committed // the worker's LRU may evict it; a push pins it
+		}
 	}
 	for _, r := range s.rooms {
 		if r.res == nil {
