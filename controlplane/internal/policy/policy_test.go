@@ -117,13 +117,31 @@ func TestDecideEveryModeAndReason(t *testing.T) {
 			rec:     with2(resident("d1", 10_000), func(r *kvcv1.SessionRecord) { r.DRejects = map[string]int32{"d1": 2} }),
 			workers: cluster(), mode: mDirect, reason: R(kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT), decode: "d1"},
 		// --- REAL_LARGE_APPEND ---
-		{name: "append over the limit falls back", q: q(18_193, 0, 4), rec: resident("d1", 10_000), workers: cluster(),
-			mode: mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND), prefill: "p2", decode: "d1",
+		{name: "append over the limit falls back onto the session's own D", q: q(18_193, 7, 4), rec: resident("d2", 10_000), workers: cluster(),
+			mode: mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND), prefill: "p2", decode: "d2",
 			check: func(t *testing.T, d Decision) {
-				if d.ReservedTokens != 0 || d.PrefillPriority != PrefillPriorityNormal || !d.UsesPrefill {
-					t.Errorf("fallback reserved %d prio %d uses %v", d.ReservedTokens, d.PrefillPriority, d.UsesPrefill)
+				// d2 has less headroom than d1: a plain fallback would pick d1. The whole input is
+				// reserved on d2 (it receives every token); no transfer slot, low P priority (the
+				// next turn goes direct-to-D).
+				if d.ReservedTokens != 18_200 || d.PrefillPriority != PrefillPriorityLow || !d.UsesPrefill ||
+					d.Transfer || d.Seed || d.LocalReject != "" || d.From != "d2" {
+					t.Errorf("large append: %+v", d)
 				}
 			}},
+		{name: "large append with the session's D full counts a local reject", q: q(30_000, 100, 4), rec: resident("d1", 10_000),
+			workers: []*kvcv1.Worker{pW("p1", 0), dW("d1", 100_000, 65_000), dW("d2", 100_000, 0)},
+			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY), prefill: "p1", decode: "d2",
+			check: func(t *testing.T, d Decision) {
+				if d.LocalReject != "d1" || d.ReservedTokens != 0 {
+					t.Errorf("LocalReject %q reserved %d, want d1 and 0", d.LocalReject, d.ReservedTokens)
+				}
+			}},
+		{name: "large append counts reservations on the session's D", q: q(30_000, 100, 4), rec: resident("d1", 10_000),
+			workers: cluster(), led: ledger(map[string]Reserved{"d1": {Tokens: 60_000}}),
+			mode: mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY)},
+		{name: "large append without a prefill worker", q: q(30_000, 100, 4), rec: resident("d1", 10_000),
+			workers: []*kvcv1.Worker{dW("d1", 100_000, 10_000)},
+			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_NO_PREFILL_WORKER)},
 		{name: "direct limit is a knob", k: func(p *kvcv1.Policy) { p.DirectMaxUncachedTokens = i64(2048) },
 			q: q(12_049, 0, 4), rec: resident("d1", 10_000), workers: cluster(),
 			mode: mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND)},

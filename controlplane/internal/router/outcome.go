@@ -12,6 +12,18 @@ func isTransferMode(m kvcv1.RouteMode) bool {
 		m == kvcv1.RouteMode_ROUTE_MODE_RESEED_PREFILL
 }
 
+// isLargeAppend: a PD_FALLBACK of a resident session onto its own decode worker, which adopts
+// the received KV as the session's (keep_session), like a direct-to-D turn.
+func isLargeAppend(mode kvcv1.RouteMode, reason kvcv1.RouteReason) bool {
+	return mode == kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK && reason == kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND
+}
+
+// extendsSession: the decision's decode worker serves the session where it is resident and
+// keeps it (DIRECT_TO_D, or a REAL_LARGE_APPEND fallback onto the session's own D).
+func (r *reservation) extendsSession() bool {
+	return r.decode != "" && (r.mode == kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D || isLargeAppend(r.mode, r.reason))
+}
+
 func (s *Service) outcome(o *kvcv1.RouteOutcome) *kvcv1.RouteResponse {
 	if err := validateOutcome(o); err != nil {
 		return s.errResp("", o.DecisionId, codes.InvalidArgument, err.Error())
@@ -59,7 +71,7 @@ func (s *Service) apply(r *reservation, o *kvcv1.RouteOutcome) {
 	switch {
 	case o.Success && exec == r.mode && isTransferMode(r.mode):
 		s.resident(r, kvLen, nowMs)
-	case o.Success && exec == r.mode && r.mode == kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D:
+	case o.Success && exec == r.mode && r.extendsSession():
 		s.c.UpdateSession(r.session, func(rec *kvcv1.SessionRecord) {
 			if rec.DecodeWorker != r.decode {
 				return // moved meanwhile; this outcome is about an old residency
@@ -69,7 +81,7 @@ func (s *Service) apply(r *reservation, o *kvcv1.RouteOutcome) {
 			rec.LastSeenUnixMs = nowMs
 		})
 	case !o.Success && kind == kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D &&
-		r.decode != "" && r.mode != kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK:
+		r.decode != "" && (r.mode != kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK || isLargeAppend(r.mode, r.reason)):
 		s.c.UpdateSession(r.session, func(rec *kvcv1.SessionRecord) {
 			if rec.DRejects == nil {
 				rec.DRejects = make(map[string]int32, 1)

@@ -385,7 +385,7 @@ func (s *Service) query(q *kvcv1.RouteQuery) *kvcv1.RouteResponse {
 	if d.LocalReject != "" {
 		s.m.rejected.WithLabelValues(d.LocalReject, "local").Inc()
 	}
-	if d.Decode != nil && d.Mode != kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK {
+	if d.Decode != nil && (d.Mode != kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK || isLargeAppend(d.Mode, d.Reason)) {
 		s.m.admit(d.Decode.WorkerId)
 	}
 	s.m.decision(d.Mode, d.Reason)

@@ -276,27 +276,39 @@ func TestSessionLifecycle(t *testing.T) {
 	if rec = f.session("s"); rec.KvCommittedLen != 4700 || rec.Turn != 1 {
 		t.Fatalf("after direct: %v", rec)
 	}
-	// Turn 2: append over the limit -> PD_FALLBACK / REAL_LARGE_APPEND; residency unchanged.
+	// Turn 2: append over the limit -> PD_FALLBACK / REAL_LARGE_APPEND onto the session's own D,
+	// which keeps the received KV as the session's: kv_committed_len catches up.
 	d = f.decide("s", 2, 4700+9000, 100)
 	if d.Mode != kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK || d.Reason != kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND ||
-		d.PrefillPriority != policy.PrefillPriorityNormal || d.BootstrapRoom == 0 {
+		d.PrefillPriority != policy.PrefillPriorityLow || d.BootstrapRoom == 0 || d.Prefill == nil ||
+		d.Decode.GetWorkerId() != seedD || d.ReservedTokens != 13_800 {
 		t.Fatalf("large append: %v", d)
 	}
-	f.report(d.DecisionId, true, okKind, 0)
-	if rec = f.session("s"); rec.DecodeWorker != seedD || rec.KvCommittedLen != 4700 {
-		t.Fatalf("a fallback changed residency: %v", rec)
+	f.report(d.DecisionId, true, okKind, 13_800)
+	if rec = f.session("s"); rec.DecodeWorker != seedD || rec.KvCommittedLen != 13_800 || rec.Generation != 1 {
+		t.Fatalf("after the large append: %v", rec)
 	}
+	if c := f.c.Commands(seedD); len(c) != 1 {
+		t.Errorf("a large append on the same D sends no command: %v", c)
+	}
+	// Turn 3: the next small append goes direct again, against the new length.
+	d = f.decide("s", 3, 14_000, 100)
+	if d.Mode != kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D || d.Decode.GetWorkerId() != seedD || d.CachedTokens != 13_800 ||
+		d.ReservedTokens != 300 {
+		t.Fatalf("after a large append the session must go direct again: %v", d)
+	}
+	f.report(d.DecisionId, true, okKind, 14_100)
 	// The D releases the session; p2 holds a snapshot (what state does on RELEASED and
 	// SNAPSHOT_INGESTED events).
 	f.c.UpdateSession("s", func(r *kvcv1.SessionRecord) {
 		r.PreviousDecodeWorker = r.DecodeWorker
 		r.DecodeWorker = ""
-		r.Snapshot = &kvcv1.SnapshotInfo{PrefillWorker: "p2", Seqlen: 4700, Generation: 1, UpdatedUnixMs: f.now.UnixMilli()}
+		r.Snapshot = &kvcv1.SnapshotInfo{PrefillWorker: "p2", Seqlen: 14_100, Generation: 1, UpdatedUnixMs: f.now.UnixMilli()}
 	})
 	f.c.UpdateWorker(seedD, func(w *kvcv1.Worker) { w.Load.UsedTokens = 199_000 }) // and it is full now
-	d = f.decide("s", 3, 4700+2000, 100)
+	d = f.decide("s", 4, 14_100+2000, 100)
 	if d.Mode != kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT || d.Reason != kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_HIT ||
-		d.Prefill.WorkerId != "p2" || d.SnapshotSeqlen != 4700 || d.SnapshotGeneration != 1 || d.CachedTokens != 4700 {
+		d.Prefill.WorkerId != "p2" || d.SnapshotSeqlen != 14_100 || d.SnapshotGeneration != 1 || d.CachedTokens != 14_100 {
 		t.Fatalf("reseed: %v", d)
 	}
 	newD := d.Decode.WorkerId
@@ -310,18 +322,18 @@ func TestSessionLifecycle(t *testing.T) {
 	ps := push[0].GetPushSnapshot()
 	if ps.GetSessionId() != "s" || ps.GetDecodeWorkerId() != newD || ps.GetDecodePeerAddr() != newD+":7000" ||
 		ps.GetDecodeTransferEndpoint() != newD+":7001" || ps.GetRoom() != d.BootstrapRoom || ps.GetDecisionId() != d.DecisionId ||
-		ps.GetSeqlen() != 4700 || ps.GetGeneration() != 1 {
+		ps.GetSeqlen() != 14_100 || ps.GetGeneration() != 1 {
 		t.Fatalf("push_snapshot: %v", ps)
 	}
 	// A second query of the same session while the reseed is in flight does not race it.
-	d2 := f.decide("s", 3, 4700+2000, 100)
+	d2 := f.decide("s", 4, 14_100+2000, 100)
 	if d2.Mode != kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK || d2.Reason != kvcv1.RouteReason_ROUTE_REASON_SESSION_NOT_RESIDENT {
 		t.Fatalf("concurrent reseed: %v", d2)
 	}
 	f.report(d2.DecisionId, true, okKind, 0)
-	f.report(d.DecisionId, true, okKind, 6800)
+	f.report(d.DecisionId, true, okKind, 16_200)
 	rec = f.session("s")
-	if rec.DecodeWorker != newD || rec.Generation != 2 || rec.Migrations != 1 || rec.PreviousDecodeWorker != seedD || rec.KvCommittedLen != 6800 {
+	if rec.DecodeWorker != newD || rec.Generation != 2 || rec.Migrations != 1 || rec.PreviousDecodeWorker != seedD || rec.KvCommittedLen != 16_200 {
 		t.Fatalf("after reseed: %v", rec)
 	}
 	if c := f.c.Commands(seedD); len(c) != 2 || c[1].GetReleaseSession().GetSessionId() != "s" {
@@ -333,10 +345,13 @@ func TestSessionLifecycle(t *testing.T) {
 	if got := testutil.ToFloat64(f.s.m.migrations); got != 1 {
 		t.Errorf("migrations metric %v", got)
 	}
-	for _, mr := range [][2]string{{"SEED", "NEW_SESSION"}, {"DIRECT_TO_D", "SESSION_RESIDENT"}, {"PD_FALLBACK", "REAL_LARGE_APPEND"},
-		{"RESEED_SNAPSHOT", "SNAPSHOT_HIT"}, {"PD_FALLBACK", "SESSION_NOT_RESIDENT"}} {
-		if got := testutil.ToFloat64(f.s.m.decisions.WithLabelValues(mr[0], mr[1])); got != 1 {
-			t.Errorf("decisions{%s,%s} = %v", mr[0], mr[1], got)
+	for _, mr := range []struct {
+		mode, reason string
+		n            float64
+	}{{"SEED", "NEW_SESSION", 1}, {"DIRECT_TO_D", "SESSION_RESIDENT", 2}, {"PD_FALLBACK", "REAL_LARGE_APPEND", 1},
+		{"RESEED_SNAPSHOT", "SNAPSHOT_HIT", 1}, {"PD_FALLBACK", "SESSION_NOT_RESIDENT", 1}} {
+		if got := testutil.ToFloat64(f.s.m.decisions.WithLabelValues(mr.mode, mr.reason)); got != mr.n {
+			t.Errorf("decisions{%s,%s} = %v, want %v", mr.mode, mr.reason, got, mr.n)
 		}
 	}
 	f.checkLedger()
@@ -556,5 +571,66 @@ func TestLeadershipChangeDropsReservations(t *testing.T) {
 	f.s.OnLeadershipChange(true)
 	if d2 := f.decide("b", 0, 1000, 10); d2.DecisionId == d.DecisionId {
 		t.Fatal("decision id reused")
+	}
+}
+
+// A large append is a PD_FALLBACK onto the session's own D: a rejection by D counts like one
+// of a direct turn, a success catches kv_committed_len up (so every later turn is measured
+// against the new length and goes direct), and an outcome for a residency the session has
+// meanwhile left changes nothing.
+func TestLargeAppendOutcomes(t *testing.T) {
+	f := newFixture(t, basicCluster()...)
+	f.c.PutSession(&kvcv1.SessionRecord{SessionId: "s", DecodeWorker: "d2", KvCommittedLen: 10_000, Generation: 1, LastSeenUnixMs: 1})
+	large := kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND
+
+	d := f.decide("s", 1, 20_000, 100)
+	if d.Mode != kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK || d.Reason != large || d.Decode.GetWorkerId() != "d2" || d.ReservedTokens != 20_100 {
+		t.Fatalf("large append: %v", d)
+	}
+	f.s.mu.Lock()
+	held := f.s.led.Reserved("d2").Tokens
+	f.s.mu.Unlock()
+	if held != 20_100 {
+		t.Errorf("reserved on d2: %d, want 20100", held)
+	}
+	f.report(d.DecisionId, false, kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D, 0)
+	if rec := f.session("s"); rec.DRejects["d2"] != 1 || rec.KvCommittedLen != 10_000 {
+		t.Fatalf("after a rejection: %v", rec)
+	}
+	if got := testutil.ToFloat64(f.s.m.rejected.WithLabelValues("d2", "d")); got != 1 {
+		t.Errorf("rejected{d2,d} = %v", got)
+	}
+
+	d = f.decide("s", 1, 20_000, 100)
+	f.report(d.DecisionId, true, okKind, 20_100)
+	if rec := f.session("s"); rec.DecodeWorker != "d2" || rec.KvCommittedLen != 20_100 || len(rec.DRejects) != 0 || rec.Generation != 1 {
+		t.Fatalf("after a large append: %v", rec)
+	}
+	for turn := int32(2); turn < 6; turn++ {
+		in := 20_100 + int64(turn)*300
+		d = f.decide("s", turn, in, 10)
+		if d.Mode != kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D || d.Decode.GetWorkerId() != "d2" {
+			t.Fatalf("turn %d after the large append: %v", turn, d)
+		}
+		f.report(d.DecisionId, true, okKind, in+10)
+	}
+
+	// A large append whose session moves before its outcome arrives.
+	d = f.decide("s", 6, 40_000, 100)
+	if d.Reason != large {
+		t.Fatalf("second large append: %v", d)
+	}
+	f.c.UpdateSession("s", func(r *kvcv1.SessionRecord) { r.DecodeWorker, r.PreviousDecodeWorker = "", "d2" })
+	before := f.session("s").KvCommittedLen
+	f.report(d.DecisionId, true, okKind, 40_100)
+	if rec := f.session("s"); rec.DecodeWorker != "" || rec.KvCommittedLen != before {
+		t.Fatalf("an outcome for a left residency changed the session: %v", rec)
+	}
+	if c := f.c.Commands("d2"); len(c) != 0 {
+		t.Errorf("large appends on the same D send no command: %v", c)
+	}
+	f.checkLedger()
+	if f.pending() != 0 {
+		t.Errorf("%d reservations left", f.pending())
 	}
 }
