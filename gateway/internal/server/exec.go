@@ -11,6 +11,7 @@ import (
 	"net"
 	"net/http"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/kvcentric/kvcentric/gateway/internal/api"
@@ -87,6 +88,20 @@ func classify(we *workerError, mode kvcv1.RouteMode, ctx, clientCtx context.Cont
 	return r
 }
 
+// keepSession: the decode worker keeps the session resident afterwards. Every session mode
+// but PD_FALLBACK; and a PD_FALLBACK for a REAL_LARGE_APPEND, which the control plane sends to
+// the session's own decode worker: it adopts the received KV as the session's, so the next
+// turn goes direct-to-D against the new length (docs/routing.md §1).
+func (p *plan) keepSession(req *api.Request) bool {
+	if req.SessionID == "" || p.failOpen {
+		return false
+	}
+	return p.mode != kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK || p.reason == reasonLargeAppend
+}
+
+// reasonLargeAppend is plan.reason of a REAL_LARGE_APPEND decision.
+var reasonLargeAppend = strings.TrimPrefix(kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND.String(), "ROUTE_REASON_")
+
 // workerBody is the SGLang /generate body for one half of the request (role prefill or decode).
 func workerBody(p *plan, req *api.Request, role string) []byte {
 	b := map[string]any{
@@ -105,7 +120,7 @@ func workerBody(p *plan, req *api.Request, role string) []byte {
 	}
 	kvc := map[string]any{
 		"mode": modeName(p.mode), "role": role, "input_tokens": req.InputTokens,
-		"cached_tokens": p.cached, "keep_session": p.mode != kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK && req.SessionID != "",
+		"cached_tokens": p.cached, "keep_session": p.keepSession(req),
 	}
 	if p.decisionID != "" {
 		kvc["decision_id"] = p.decisionID

@@ -282,6 +282,12 @@ func TestModes(t *testing.T) {
 				t.Fatalf("fallback keeps no session: %+v", dr)
 			}
 		}},
+		{"pd fallback for a large append keeps the session", kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, true, func(t *testing.T, pr, dr workerReq) {
+			if !dr.KVC.KeepSession || dr.KVC.Mode != "PD_FALLBACK" || dr.BootstrapRoom != 4242 || dr.KVC.Room != 4242 ||
+				dr.KVC.SessionID != "s1" || pr.KVC.Mode != "PD_FALLBACK" || pr.KVC.Role != "prefill" {
+				t.Fatalf("large append: prefill %+v decode %+v", pr, dr)
+			}
+		}},
 		{"reseed snapshot", kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT, false, func(t *testing.T, _, dr workerReq) {
 			if dr.KVC.Mode != "RESEED_SNAPSHOT" || dr.KVC.SnapshotSeqlen != 800 || dr.KVC.Room != 4242 || dr.KVC.PrefillPeerAddr != "127.0.0.1:7001" || dr.BootstrapRoom != 0 {
 				t.Fatalf("got %+v", dr)
@@ -290,7 +296,11 @@ func TestModes(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			e := setup(t, decideMode(tt.mode, kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION), nil, nil, 0)
+			reason := kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION
+			if strings.Contains(tt.name, "large append") {
+				reason = kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND
+			}
+			e := setup(t, decideMode(tt.mode, reason), nil, nil, 0)
 			prCh := make(chan workerReq, 1)
 			if tt.wantPrefill {
 				e.d.arrived = make(chan struct{})
@@ -301,7 +311,7 @@ func TestModes(t *testing.T) {
 				}()
 			}
 			resp := post(t, e.gw.URL, "/generate", "s1", genBody)
-			if resp.StatusCode != 200 || resp.Header.Get("X-KVC-Mode") != modeName(tt.mode) || resp.Header.Get("X-KVC-Reason") != "NEW_SESSION" {
+			if resp.StatusCode != 200 || resp.Header.Get("X-KVC-Mode") != modeName(tt.mode) || resp.Header.Get("X-KVC-Reason") != strings.TrimPrefix(reason.String(), "ROUTE_REASON_") {
 				t.Fatalf("status %d headers %v", resp.StatusCode, resp.Header)
 			}
 			events := sse(t, resp.Body)
@@ -326,5 +336,27 @@ func TestModes(t *testing.T) {
 			}
 			tt.check(t, pr, dr)
 		})
+	}
+}
+
+func TestKeepSession(t *testing.T) {
+	withSession, anon := &api.Request{SessionID: "s1"}, &api.Request{}
+	for _, tc := range []struct {
+		name string
+		p    plan
+		req  *api.Request
+		want bool
+	}{
+		{"direct", plan{mode: kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, reason: "SESSION_RESIDENT"}, withSession, true},
+		{"seed", plan{mode: kvcv1.RouteMode_ROUTE_MODE_SEED, reason: "NEW_SESSION"}, withSession, true},
+		{"reseed snapshot", plan{mode: kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT, reason: "SNAPSHOT_HIT"}, withSession, true},
+		{"fallback", plan{mode: kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, reason: "NO_D_CAPACITY"}, withSession, false},
+		{"large append", plan{mode: kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, reason: "REAL_LARGE_APPEND"}, withSession, true},
+		{"large append without a session", plan{mode: kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, reason: "REAL_LARGE_APPEND"}, anon, false},
+		{"fail-open", plan{mode: kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, reason: "CONTROL_PLANE_UNAVAILABLE", failOpen: true}, withSession, false},
+	} {
+		if got := tc.p.keepSession(tc.req); got != tc.want {
+			t.Errorf("%s: keepSession %v, want %v", tc.name, got, tc.want)
+		}
 	}
 }
