@@ -11,6 +11,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/kvcentric/kvcentric/pkg/kvpool"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -198,18 +199,25 @@ func ctxError(ctx context.Context, where string) *apiError {
 
 // turn is one decode request in flight.
 type turn struct {
-	p      *plan
-	meta   *KVCMeta
-	s      *session // nil for a single-shot (anonymous) request
-	pages  []int64  // anonymous requests only
-	unlock func()
-	kv     int64 // tokens of KV computed
+	p     *plan
+	meta  *KVCMeta
+	s     *session // nil for a single-shot (anonymous) request
+	pages []int64  // anonymous requests only
+	// scratch receives a large append's full context for the held session s (extend); it is
+	// adopted into s once verified.
+	scratch []int64
+	extend  bool // a keep_session PD_FALLBACK extending the held session s
+	unlock  func()
+	kv      int64 // tokens of KV computed
 	// finished: finish ran (decode runs it before the last write, so that a client that has the
 	// whole answer knows the session is committed on the sidecar).
 	finished bool
 }
 
 func (t *turn) pageList() []int64 {
+	if t.scratch != nil {
+		return t.scratch
+	}
 	if t.s != nil {
 		return t.s.pages
 	}
@@ -272,6 +280,37 @@ func (w *Worker) begin(ctx context.Context, p *plan, meta *KVCMeta) (*turn, *api
 		return t, nil
 	}
 
+	if p.mode == ModePDFallback && p.keep {
+		// A large append of a session this worker holds: receive the whole context, then
+		// extend the session with it (extend). Without a held prefix of it, plain P/D.
+		w.mu.Lock()
+		s := w.sessions[p.sessionID]
+		if s != nil && s.kvLen > 0 && s.kvLen <= p.input {
+			s.pinned++
+			w.touch(s)
+			t.s, t.extend = s, true
+		}
+		w.mu.Unlock()
+		if !t.extend {
+			p.keep, anonymous = false, true
+		}
+	}
+	if t.extend {
+		scratch, ev, e := w.allocate(ctx, need, p.sessionID)
+		meta.EvictedSessions = ev
+		if e != nil {
+			return fail(e)
+		}
+		t.scratch = scratch
+		if e := w.receive(ctx, t, kvcv1.TransferKind_TRANSFER_KIND_SEED, p.input); e != nil {
+			return fail(e)
+		}
+		if e := w.adopt(t); e != nil {
+			return fail(e)
+		}
+		return t, nil
+	}
+
 	// The KV arrives by transfer: any resident copy of the session here is stale.
 	if !anonymous {
 		w.mu.Lock()
@@ -312,6 +351,61 @@ func (w *Worker) begin(ctx context.Context, p *plan, meta *KVCMeta) (*turn, *api
 		}
 	}
 	return t, nil
+}
+
+// adopt makes a large append's verified full context (t.scratch) the held session's KV: the
+// session keeps its own pages for [0, kv_len) — a snapshot push of the session may be reading
+// them, so they are neither moved nor freed — and takes the received pages for the rest; the
+// received tokens that fall into its last, partial page are copied there. The received
+// pages of the prefix go back to the free list. The session's kv_len stays until finish
+// commits the turn (CommitSession with the longer length and the same prefix pages).
+func (w *Worker) adopt(t *turn) *apiError {
+	s, ps := t.s, int64(w.cfg.Geometry.PageSize)
+	w.mu.Lock()
+	kv := s.kvLen
+	k := pagesFor(kv, int(ps))
+	own := s.pages[:k:k]
+	surplus := append([]int64(nil), s.pages[k:]...)
+	w.mu.Unlock()
+	if err := copyTokens(w.mem, t.scratch, own, kv, min(k*ps, t.p.input)); err != nil {
+		w.log.Error().Err(err).Str("session", s.id).Msg("copy received tokens into the session's last page")
+		return errf(http.StatusInternalServerError, "internal", "adopting the received KV: %v", err)
+	}
+	pages := append(own, t.scratch[k:]...)
+	w.mu.Lock()
+	s.pages = pages
+	w.mu.Unlock()
+	w.freePages(t.scratch[:k])
+	w.freePages(surplus)
+	t.scratch = nil
+	t.kv = t.p.input
+	return nil
+}
+
+// copyTokens copies tokens [from, to) of every buffer from the pages src to the pages dst
+// (both in token order); one copy per page run.
+func copyTokens(p kvpool.Buffers, src, dst []int64, from, to int64) error {
+	if to <= from {
+		return nil
+	}
+	l := p.Layout()
+	ps := int64(l.PageSize)
+	if from < 0 || (to-1)/ps >= int64(len(src)) || (to-1)/ps >= int64(len(dst)) {
+		return fmt.Errorf("tokens [%d, %d) outside %d source and %d destination pages", from, to, len(src), len(dst))
+	}
+	tb := l.TokenBytes()
+	for b := 0; b < l.NumBuffers(); b++ {
+		buf := p.Buffer(b)
+		for t := from; t < to; {
+			end := min(to, (t/ps+1)*ps)
+			n := uint64(end-t) * tb
+			so := uint64(src[t/ps])*l.ItemLen + uint64(t%ps)*tb
+			do := uint64(dst[t/ps])*l.ItemLen + uint64(t%ps)*tb
+			copy(buf[do:do+n], buf[so:so+n])
+			t = end
+		}
+	}
+	return nil
 }
 
 // receive pre-allocates the pages of tokens [0, tokens) with the sidecar, waits for the
@@ -479,11 +573,15 @@ func (w *Worker) finish(t *turn, ok bool) {
 	w.mu.Lock()
 	s.pinned--
 	w.mu.Unlock()
+	if t.scratch != nil { // a large append that failed before adopt
+		w.freePages(t.scratch)
+		t.scratch = nil
+	}
 	switch {
 	case !t.p.keep:
 		w.dropSession(s, kvcv1.ReleaseReason_RELEASE_REASON_RELEASED)
 		return
-	case !ok && t.p.mode == ModeDirectToD:
+	case !ok && (t.p.mode == ModeDirectToD || t.extend):
 		w.trim(s, s.kvLen)
 		return
 	case !ok:

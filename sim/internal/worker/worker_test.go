@@ -18,6 +18,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/rs/zerolog"
 
+	"github.com/kvcentric/kvcentric/pkg/kvpool"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -595,5 +596,116 @@ func TestPreallocWait(t *testing.T) {
 	}
 	if testutil.ToFloat64(d.w.m.capacityRejects) != 0 {
 		t.Fatal("a waited request was counted as rejected")
+	}
+}
+
+// A large append of a session D holds (PD_FALLBACK with keep_session): D receives the whole
+// context, verifies it, keeps its own pages of the prefix (a snapshot push may be reading
+// them), takes the received pages for the rest, frees the received prefix pages, and commits
+// the longer session — so the next turn is direct-to-D against the new length. A failed
+// transfer leaves the held session as it was; without a held session it is plain P/D.
+func TestLargeAppendExtendsHeldSession(t *testing.T) {
+	h := newHub()
+	p := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_PREFILL, "p0", 4096, zeroTiming())
+	d := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_DECODE, "d0", 4096, zeroTiming())
+	pageCount := d.w.stats().PageCount
+
+	// Seed: 101 tokens + 10 decoded = 111 (28 pages of 4; the last one holds 3 tokens).
+	if pr, dr := pd(t, p, d, "r1", 10, kvcReq{Mode: "SEED", SessionID: "s1", InputTokens: 101, Room: i64(1)}); pr.status != 200 || dr.status != 200 {
+		t.Fatalf("seed: P %d %s, D %d %s", pr.status, pr.code, dr.status, dr.code)
+	}
+	commits, _ := d.sc.snapshotOf()
+	seedPages := commits[0].GetPages()
+
+	// Large append: 300 tokens of context (the 111 D holds are a prefix), 5 new.
+	pr, dr := pd(t, p, d, "r2", 5, kvcReq{Mode: "PD_FALLBACK", SessionID: "s1", InputTokens: 300, Room: i64(2), Keep: bptr(true)})
+	if pr.status != 200 || dr.status != 200 {
+		t.Fatalf("large append: P %d %s, D %d %s", pr.status, pr.code, dr.status, dr.code)
+	}
+	k := dr.ans.MetaInfo.KVC
+	if k.ReceivedBytes != 300*48 || k.VerifiedBytes != 300*48 || k.VerifyFailures != 0 || k.KVLenAfter != 305 {
+		t.Fatalf("large append meta %+v", k)
+	}
+	commits, releases := d.sc.snapshotOf()
+	if len(releases) != 0 {
+		t.Fatalf("the held session was released: %v", releases)
+	}
+	if len(commits) != 2 || commits[1].GetCommittedLen() != 305 || len(commits[1].GetPages()) != 77 {
+		t.Fatalf("commits %v", commits)
+	}
+	pages := commits[1].GetPages()
+	for i, pg := range seedPages {
+		if pages[i] != pg {
+			t.Fatalf("page %d of the prefix moved from %d to %d", i, pg, pages[i])
+		}
+	}
+	if bad, err := kvpool.CheckTokens(d.w.mem, kvpool.SessionSeed("s1"), pages, 0, 305); err != nil || bad != 0 {
+		t.Fatalf("session KV after the large append: %d bad slots, %v", bad, err)
+	}
+	if st := d.w.stats(); st.FreePages != pageCount-77 || st.Sessions != 1 {
+		t.Fatalf("pages leaked or lost: %+v (want %d free)", st, pageCount-77)
+	}
+	if s := sessionsOf(t, d)["s1"]; s.KVLen != 305 || s.Pages != 77 || !s.Committed {
+		t.Fatalf("session %+v", s)
+	}
+	// The next turn is direct against the new length.
+	res := post(t, context.Background(), d.url, body("r3", 2, false,
+		kvcReq{Mode: "DIRECT_TO_D", Role: "decode", SessionID: "s1", InputTokens: 320, CachedTokens: 305}))
+	if res.status != 200 || res.ans.MetaInfo.KVC.PrefillTokens != 15 || res.ans.MetaInfo.KVC.KVLenAfter != 322 {
+		t.Fatalf("direct after the large append: %d %s %+v", res.status, res.code, res.ans.MetaInfo.KVC)
+	}
+
+	// A corrupted large append fails and leaves the session as it was.
+	h.corrupt = true
+	_, dr = pd(t, p, d, "r4", 5, kvcReq{Mode: "PD_FALLBACK", SessionID: "s1", InputTokens: 500, Room: i64(4), Keep: bptr(true)})
+	h.corrupt = false
+	if dr.status != http.StatusInternalServerError || dr.code != "kv_verify_failed" {
+		t.Fatalf("corrupted large append: %d %s", dr.status, dr.code)
+	}
+	if s := sessionsOf(t, d)["s1"]; s.KVLen != 322 || s.Pages != 81 {
+		t.Fatalf("a failed large append changed the session: %+v", s)
+	}
+	if st := d.w.stats(); st.FreePages != pageCount-81 {
+		t.Fatalf("a failed large append leaked pages: %+v", st)
+	}
+
+	// keep_session for a session D does not hold: plain P/D, nothing kept.
+	pr, dr = pd(t, p, d, "r5", 5, kvcReq{Mode: "PD_FALLBACK", SessionID: "s9", InputTokens: 200, Room: i64(5), Keep: bptr(true)})
+	if pr.status != 200 || dr.status != 200 || dr.ans.MetaInfo.KVC.VerifiedBytes != 200*48 {
+		t.Fatalf("large append of an unheld session: P %d, D %d %s", pr.status, dr.status, dr.code)
+	}
+	if _, ok := sessionsOf(t, d)["s9"]; ok {
+		t.Fatal("an unheld session became resident through a fallback")
+	}
+	if st := d.w.stats(); st.FreePages != pageCount-81 || st.Sessions != 1 {
+		t.Fatalf("state after an unheld large append: %+v", st)
+	}
+	if commits, _ := d.sc.snapshotOf(); len(commits) != 3 {
+		t.Fatalf("commits %d, want 3 (seed, large append, direct)", len(commits))
+	}
+}
+
+func TestCopyTokens(t *testing.T) {
+	g := Geometry{PageSize: 4, Layers: 2, BytesPerToken: 8, PageCount: 16}
+	pool, err := CreatePool(t.TempDir(), "c0", g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	seed := kvpool.SessionSeed("s")
+	src, dst := []int64{3, 9, 1}, []int64{7, 2, 12}
+	if err := kvpool.FillTokens(pool, seed, src, 0, 12); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct{ from, to int64 }{{0, 0}, {1, 3}, {3, 9}, {0, 12}} {
+		if err := copyTokens(pool, src, dst, tc.from, tc.to); err != nil {
+			t.Fatalf("[%d, %d): %v", tc.from, tc.to, err)
+		}
+		if bad, err := kvpool.CheckTokens(pool, seed, dst, tc.from, tc.to); err != nil || bad != 0 {
+			t.Fatalf("[%d, %d): %d bad slots, %v", tc.from, tc.to, bad, err)
+		}
+	}
+	if err := copyTokens(pool, src, dst[:2], 0, 12); err == nil {
+		t.Fatal("copy beyond the destination pages: no error")
 	}
 }
