@@ -125,15 +125,16 @@ type AgenticConfig struct {
 // DefaultAgentic is the demo workload: 10 sessions of 14-26 turns (about 200 requests),
 // first-turn contexts of 10K-30K tokens growing by ~341 appended tokens (plus the previous answer)
 // per turn to tens of thousands, agent think times of 1-6 s with occasional long pauses — the
-// pauses are what lets a full decode worker evict a session that then needs a reseed. Appends
-// above the direct-to-D limit are off by default (LargeAppendProb; see docs/benchmark.md).
+// pauses are what lets a full decode worker evict a session that then needs a reseed. About 1%
+// of the turns append 9K-16K tokens (a big file or log), above the direct-to-D limit: with seed
+// 1, two real large appends (docs/routing.md §1: PD_FALLBACK onto the session's own D).
 func DefaultAgentic() AgenticConfig {
 	return AgenticConfig{
 		Seed: 1, Sessions: 10, ArrivalSpan: 30 * time.Second,
 		MinTurns: 14, MaxTurns: 26,
 		InitialMin: 10000, InitialMax: 30000,
 		AppendMean:      341,
-		LargeAppendProb: 0, LargeAppendMin: 9000, LargeAppendMax: 16000,
+		LargeAppendProb: 0.01, LargeAppendMin: 9000, LargeAppendMax: 16000,
 		OutputMean: 80, OutputMax: 512,
 		ThinkMin: 1 * time.Second, ThinkMax: 6 * time.Second,
 		LongThinkProb: 0.05, LongThinkMin: 10 * time.Second, LongThinkMax: 25 * time.Second,

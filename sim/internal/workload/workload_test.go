@@ -29,13 +29,21 @@ func TestAgenticDeterministicAndShaped(t *testing.T) {
 	if st.MeanAppend < 250 || st.MeanAppend > 500 || st.MaxInput < 20000 {
 		t.Fatalf("shape %+v", st)
 	}
+	large := 0
 	for _, s := range a.Sessions {
 		for i := 1; i < len(s.Turns); i++ {
 			p, cur := s.Turns[i-1], s.Turns[i]
 			if cur.InputTokens <= p.InputTokens+p.OutputTokens || cur.Think <= 0 {
 				t.Fatalf("session %s turn %d does not extend the previous: %+v -> %+v", s.ID, i, p, cur)
 			}
+			if cur.InputTokens-p.InputTokens-p.OutputTokens > 8192 {
+				large++
+			}
 		}
+	}
+	// The demo exercises real large appends (above the 8,192-token direct-to-D limit).
+	if large < 1 || large > 5 {
+		t.Fatalf("%d appends above the direct-to-D limit, want 1-5", large)
 	}
 }
 
