@@ -96,8 +96,10 @@ func TestLocalClusterEndToEnd(t *testing.T) {
 	c, err := Start(ctx, Config{
 		BinDir: dir, WorkDir: work, Prefill: 1, Decode: 2, Gateway: true, Log: &log,
 		DecodeCapacityTokens: 1536, PrefillCapacityTokens: 16384,
-		SimArgs:          []string{"--time-scale", "0.05", "--layers", "4", "--bytes-per-token-per-buffer", "16"},
-		Policy:           &kvcv1.Policy{SnapshotDeltaTokens: ptr(int64(16))},
+		SimArgs: []string{"--time-scale", "0.05", "--layers", "4", "--bytes-per-token-per-buffer", "16"},
+		// A direct-to-D limit of 300 tokens lets a 400-token append be a real large append
+		// within these small decode pools.
+		Policy:           &kvcv1.Policy{SnapshotDeltaTokens: ptr(int64(16)), DirectMaxUncachedTokens: ptr(int64(300))},
 		ControlPlaneArgs: []string{"--election-ttl", "2s"},
 	})
 	if err != nil {
@@ -138,6 +140,25 @@ func TestLocalClusterEndToEnd(t *testing.T) {
 	}
 	if m := r2.header.Get("X-Kvc-Mode"); m != "DIRECT_TO_D" {
 		t.Fatalf("turn 2 ran as %s (%s), want DIRECT_TO_D", m, r2.header.Get("X-Kvc-Reason"))
+	}
+	// Turn 3 appends ~400 tokens, over the direct-to-D limit: plain P/D onto the session's own
+	// decode worker, which keeps the received KV as the session's; turn 4 is direct again.
+	text3 := text + strings.Repeat(" more words please", 10) + strings.Repeat(" a large tool output", 80)
+	la3 := generate(t, c.GatewayURL, "it-1", text3)
+	kla, _ := la3.meta["kvc"].(map[string]any)
+	if la3.status != http.StatusOK || kla == nil || kla["verify_failures"] != float64(0) || kla["received_bytes"] == float64(0) ||
+		kla["received_bytes"] != kla["verified_bytes"] {
+		t.Fatalf("turn 3: %d %s meta %v\n%s", la3.status, la3.body, la3.meta, logs(c))
+	}
+	if m, why, d := la3.header.Get("X-Kvc-Mode"), la3.header.Get("X-Kvc-Reason"), la3.header.Get("X-Kvc-Decode-Worker"); m != "PD_FALLBACK" ||
+		why != "REAL_LARGE_APPEND" || d != r2.header.Get("X-Kvc-Decode-Worker") {
+		t.Fatalf("turn 3 ran as %s (%s) on %s, want PD_FALLBACK (REAL_LARGE_APPEND) on %s", m, why, d, r2.header.Get("X-Kvc-Decode-Worker"))
+	}
+	la4 := generate(t, c.GatewayURL, "it-1", text3+strings.Repeat(" thanks", 10))
+	if m := la4.header.Get("X-Kvc-Mode"); la4.status != http.StatusOK || m != "DIRECT_TO_D" ||
+		la4.header.Get("X-Kvc-Cached-Tokens") != fmt.Sprint(kla["kv_len_after"]) {
+		t.Fatalf("turn 4 after the large append: %d %s (%s), cached %s, want DIRECT_TO_D on %v cached tokens\n%s", la4.status, m,
+			la4.header.Get("X-Kvc-Reason"), la4.header.Get("X-Kvc-Cached-Tokens"), kla["kv_len_after"], la4.body)
 	}
 
 	// Failover: kill the leader; a request still gets served (by the new leader or fail-open).
@@ -205,7 +226,8 @@ func TestLocalClusterEndToEnd(t *testing.T) {
 
 	// D->P snapshots: the prefill sidecar ends up holding every committed token of both sessions
 	// (the decode worker committed kv_len_after before answering).
-	waitSnapshot(t, c, "it-1", int64(r2.meta["kvc"].(map[string]any)["kv_len_after"].(float64)))
+	// it-1's snapshot grew through its large append (pushed incrementally from the adopted pages).
+	waitSnapshot(t, c, "it-1", int64(la4.meta["kvc"].(map[string]any)["kv_len_after"].(float64)))
 	if m := r3.header.Get("X-Kvc-Mode"); m == "SEED" {
 		waitSnapshot(t, c, "it-2", int64(r3.meta["kvc"].(map[string]any)["kv_len_after"].(float64)))
 	} else {
