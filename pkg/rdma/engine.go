@@ -166,6 +166,25 @@ type Config struct {
 	// different page size, item length or layer count is refused at the handshake
 	// (ErrLayoutMismatch). Only the shape is compared, not addresses (BufferAddrs may be empty).
 	Layout *Layout
+	// WriteGuard, when set, is asked by the owner of registered memory (tcp) about every range a
+	// peer WRITEs, after the range was found inside a registered region and before any byte of it
+	// lands; a refused range fails that task only (ErrOutOfBounds naming the guard's reason).
+	// One-sided backends (cuda, mooncake), where the peer copies without the owner's help, cannot
+	// apply it. See also WriteGuarded.
+	WriteGuard WriteGuard
+}
+
+// WriteGuard decides whether a peer may WRITE [addr, addr+n) of this engine's registered memory;
+// a nil result allows it. peer is the segment name the peer announced at the handshake (tcp: its
+// own SegmentName), which the peer chooses itself. It runs once per incoming write on the owner's
+// receive path (hundreds of thousands per large push): it must be fast and must not block.
+type WriteGuard func(peer string, addr, n uint64) error
+
+// WriteGuarded is implemented by engines that can apply a WriteGuard installed after they were
+// built (the tcp backend): SetWriteGuard replaces the guard (nil removes it) for the writes that
+// arrive from then on.
+type WriteGuarded interface {
+	SetWriteGuard(g WriteGuard)
 }
 
 // Factory builds an engine for a Config.

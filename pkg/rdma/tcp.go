@@ -172,6 +172,8 @@ type tcpEngine struct {
 
 	// serverHook, when set (tests), runs before the owner handles each WRITE or READ frame.
 	serverHook func(typ uint8)
+	// guard, when set, is asked about every incoming WRITE range (Config.WriteGuard).
+	guard atomic.Pointer[WriteGuard]
 }
 
 func newTCP(_ context.Context, cfg Config) (Engine, error) {
@@ -182,6 +184,7 @@ func newTCP(_ context.Context, cfg Config) (Engine, error) {
 		segs:       map[SegmentID]*tcpSegment{},
 		accepted:   map[net.Conn]struct{}{},
 	}
+	e.SetWriteGuard(cfg.WriteGuard)
 	if e.conns == 0 {
 		e.conns = tcpDefaultConns
 	}
@@ -233,6 +236,28 @@ func (e *tcpEngine) RegisterMemory(r Region) error {
 
 func (e *tcpEngine) UnregisterMemory(addr uint64) error { return e.regions.remove(addr) }
 
+// SetWriteGuard installs g (nil removes the guard); frames read from then on are checked by it.
+func (e *tcpEngine) SetWriteGuard(g WriteGuard) {
+	if g == nil {
+		e.guard.Store(nil)
+		return
+	}
+	e.guard.Store(&g)
+}
+
+// checkGuard asks the installed write guard, if any, about one incoming write.
+func (e *tcpEngine) checkGuard(peer string, addr, n uint64) error {
+	if g := e.guard.Load(); g != nil {
+		return (*g)(peer, addr, n)
+	}
+	return nil
+}
+
+// guardRefusal is the owner's message for a write its guard refused.
+func guardRefusal(addr, n uint64, err error) string {
+	return fmt.Sprintf("write [%#x, +%d) refused by the owner's write guard: %v", addr, n, err)
+}
+
 func (e *tcpEngine) isClosed() bool {
 	e.mu.Lock()
 	defer e.mu.Unlock()
@@ -273,7 +298,7 @@ func (e *tcpEngine) serveConn(c net.Conn) error {
 	br := bufio.NewReaderSize(c, tcpServeBufSize)
 	bw := bufio.NewWriterSize(c, tcpWriteBufSize)
 	_ = c.SetDeadline(time.Now().Add(tcpHandshakeTimeout))
-	ok, err := e.serveHandshake(br, bw)
+	ok, peer, err := e.serveHandshake(br, bw)
 	if err != nil || !ok {
 		return err
 	}
@@ -282,7 +307,7 @@ func (e *tcpEngine) serveConn(c net.Conn) error {
 	if sc, ok := c.(syscall.Conn); ok {
 		raw, _ = sc.SyscallConn()
 	}
-	return e.serveData(br, bw, raw, c)
+	return e.servePeer(br, bw, raw, c, peer)
 }
 
 // tcpPayloadTimeout bounds how long the owner waits for the payload of a WRITE it has started to
@@ -291,21 +316,23 @@ var tcpPayloadTimeout = 30 * time.Second
 
 type readDeadliner interface{ SetReadDeadline(time.Time) error }
 
-func (e *tcpEngine) serveHandshake(br *bufio.Reader, bw *bufio.Writer) (bool, error) {
+// serveHandshake answers the HELLO; it returns whether data frames follow and the name the peer
+// announced (its own segment name, what a WriteGuard is told).
+func (e *tcpEngine) serveHandshake(br *bufio.Reader, bw *bufio.Writer) (bool, string, error) {
 	typ, n, err := tcpReadHeader(br)
 	if err != nil {
-		return false, err
+		return false, "", err
 	}
 	if typ != tcpFtHello {
-		return false, fmt.Errorf("%w: expected HELLO, got tcpFrame type %d", tcpErrProtocol, typ)
+		return false, "", fmt.Errorf("%w: expected HELLO, got tcpFrame type %d", tcpErrProtocol, typ)
 	}
 	body, err := tcpReadBody(br, n)
 	if err != nil {
-		return false, err
+		return false, "", err
 	}
 	h, err := tcpDecodeHello(body)
 	if err != nil {
-		return false, err
+		return false, "", err
 	}
 	ack := tcpHelloAck{version: tcpWireVersion, tcpShape: e.tcpShape}
 	switch {
@@ -317,16 +344,22 @@ func (e *tcpEngine) serveHandshake(br *bufio.Reader, bw *bufio.Writer) (bool, er
 		ack.regions = e.regions.list()
 	}
 	if _, err := bw.Write(tcpEncodeHelloAck(ack)); err != nil {
-		return false, err
+		return false, "", err
 	}
-	return ack.status == tcpStOK, bw.Flush()
+	return ack.status == tcpStOK, h.name, bw.Flush()
 }
 
 // serveData handles data frames until the peer goes away. Every target range is checked against
-// the registered regions before a byte is touched; refused WRITE payloads are discarded.
+// the registered regions, and every WRITE range then against the write guard (if one is
+// installed), before a byte is touched; refused WRITE payloads are discarded.
 // Successful WRITEs are acknowledged cumulatively (WRITE_ACK_UPTO) before any other answer and
 // whenever the input runs dry, so answers stay in request order.
 func (e *tcpEngine) serveData(br *bufio.Reader, bw *bufio.Writer, raw syscall.RawConn, dl readDeadliner) error {
+	return e.servePeer(br, bw, raw, dl, "")
+}
+
+// servePeer is serveData for the peer that announced itself as peer at the handshake.
+func (e *tcpEngine) servePeer(br *bufio.Reader, bw *bufio.Writer, raw syscall.RawConn, dl readDeadliner, peer string) error {
 	payloadDeadline := func(on bool) {
 		if dl == nil {
 			return
@@ -378,6 +411,9 @@ func (e *tcpEngine) serveData(br *bufio.Reader, bw *bufio.Writer, raw syscall.Ra
 				status, msg = tcpStInvalid, "zero-length write"
 			} else if r := e.regions.acquire(addr, plen); r == nil {
 				status, msg = tcpStOutOfBounds, fmt.Sprintf("write [%#x, +%d) outside registered memory", addr, plen)
+			} else if err := e.checkGuard(peer, addr, plen); err != nil {
+				r.release()
+				status, msg = tcpStOutOfBounds, guardRefusal(addr, plen, err)
 			} else {
 				payloadDeadline(true)
 				_, err = io.ReadFull(br, memAt(addr, plen))
@@ -401,7 +437,7 @@ func (e *tcpEngine) serveData(br *bufio.Reader, bw *bufio.Writer, raw syscall.Ra
 			}
 		case tcpFtWriteBatch:
 			payloadDeadline(true)
-			err := wb.receive(e, br, raw, n)
+			err := wb.receive(e, br, raw, n, peer)
 			payloadDeadline(false)
 			if err != nil {
 				return err
@@ -478,10 +514,10 @@ type writeBatch struct {
 }
 
 // receive reads one WRITE_BATCH body (n bytes): it checks every descriptor against the registered
-// regions, then lands the payloads of the accepted writes straight in memory — what is already
+// regions and the write guard (if one is installed; asked with peer), then lands the payloads of the accepted writes straight in memory — what is already
 // buffered is copied, the rest is read with readv into the target ranges — and discards the
 // payloads of refused ones. status/msg say, per write, what to acknowledge.
-func (wb *writeBatch) receive(e *tcpEngine, br *bufio.Reader, raw syscall.RawConn, n uint32) error {
+func (wb *writeBatch) receive(e *tcpEngine, br *bufio.Reader, raw syscall.RawConn, n uint32, peer string) error {
 	var h [12]byte
 	if _, err := io.ReadFull(br, h[:]); err != nil {
 		return err
@@ -512,6 +548,10 @@ func (wb *writeBatch) receive(e *tcpEngine, br *bufio.Reader, raw syscall.RawCon
 	var sum uint64
 	allOK := true
 	var last *memRegion // holds a reference taken for an earlier write of this batch
+	var guard WriteGuard
+	if g := e.guard.Load(); g != nil {
+		guard = *g
+	}
 	for i := uint32(0); i < count; i++ {
 		addr, l := binary.LittleEndian.Uint64(desc[12*i:]), uint64(binary.LittleEndian.Uint32(desc[12*i+8:]))
 		sum += l
@@ -526,6 +566,12 @@ func (wb *writeBatch) receive(e *tcpEngine, br *bufio.Reader, raw syscall.RawCon
 		} else {
 			wb.regs = append(wb.regs, r)
 			last = r
+		}
+		if r != nil && guard != nil {
+			if err := guard(peer, addr, l); err != nil {
+				r = nil // its reference, if taken here, is in wb.regs and released below
+				st, msg = tcpStOutOfBounds, guardRefusal(addr, l, err)
+			}
 		}
 		allOK = allOK && st == tcpStOK
 		if r != nil {
