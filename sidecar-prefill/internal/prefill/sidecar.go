@@ -199,7 +199,15 @@ func (s *Sidecar) RegisterKVPool(_ context.Context, req *kvcv1.RegisterKVPoolReq
 			p.Close()
 			return nil, status.Errorf(codes.ResourceExhausted, "snapshot store of %d pages: %v", pages, err)
 		}
-		st, err := store.New(store.Config{PageSize: int64(p.PageSize), PageBytes: pageBytes, PageCount: pages, OnEvict: s.onEvict})
+		scfg := store.Config{PageSize: int64(p.PageSize), PageBytes: pageBytes, PageCount: pages, OnEvict: s.onEvict}
+		// The decode sidecars WRITE into the store; an engine whose owner side sees every write
+		// (tcp) refuses, through the store's guard, every byte outside the token span of an
+		// ingest in flight. One-sided backends (cuda) copy without the owner: bounds only.
+		guarded, canGuard := s.eng.(rdma.WriteGuarded)
+		if canGuard {
+			scfg.Buffers = arena.Layout().GetBufferAddrs()
+		}
+		st, err := store.New(scfg)
 		if err != nil {
 			s.mu.Unlock()
 			arena.Close()
@@ -207,6 +215,11 @@ func (s *Sidecar) RegisterKVPool(_ context.Context, req *kvcv1.RegisterKVPoolReq
 			return nil, status.Error(codes.Internal, err.Error())
 		}
 		s.arena, s.st = arena, st
+		if canGuard {
+			guarded.SetWriteGuard(st.CheckWrite)
+		} else {
+			s.log.Info().Str("backend", s.eng.Backend()).Msg("store write guard not applicable: peers copy one-sided; only the engine's bounds against the registered regions apply")
+		}
 	}
 	old := s.pool
 	s.pool = p

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"sort"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"google.golang.org/grpc/codes"
@@ -64,6 +65,7 @@ type pending struct {
 	owned    []int64
 	created  time.Time
 	deadline time.Time
+	guard    *guardRes // its writable span in the write guard (nil without Config.Buffers)
 }
 
 // EvictFunc is called (without the store lock) for every entry that leaves the store for a
@@ -80,6 +82,10 @@ type Config struct {
 	ReserveTimeout time.Duration
 	OnEvict        EvictFunc
 	Now            func() time.Time
+	// Buffers, when set, are the addresses of the store's 2·layers buffers (page p of buffer b at
+	// Buffers[b] + p·PageBytes/len(Buffers)); the store then keeps a write guard over them
+	// (CheckWrite, installed as the transfer engine's rdma.WriteGuard).
+	Buffers []uint64
 }
 
 // Store is safe for concurrent use.
@@ -95,12 +101,18 @@ type Store struct {
 	bySess   map[string]uint64
 	nextID   uint64
 	pinsByID map[string]int // pins taken by PushSnapshot commands before the offer arrives
+
+	guard   atomic.Pointer[guardTable] // writable ranges (guard.go)
+	lastHit atomic.Pointer[guardSpan]
 }
 
 // New builds an empty store.
 func New(cfg Config) (*Store, error) {
 	if cfg.PageSize <= 0 || cfg.PageBytes <= 0 || cfg.PageCount <= 0 {
 		return nil, fmt.Errorf("store: bad geometry (page size %d, page bytes %d, pages %d)", cfg.PageSize, cfg.PageBytes, cfg.PageCount)
+	}
+	if nb := int64(len(cfg.Buffers)); nb > 0 && (cfg.PageBytes%nb != 0 || cfg.PageBytes/nb%cfg.PageSize != 0) {
+		return nil, fmt.Errorf("store: %d page bytes do not split into %d buffers of whole tokens (page size %d)", cfg.PageBytes, nb, cfg.PageSize)
 	}
 	if cfg.ReserveTimeout <= 0 {
 		cfg.ReserveTimeout = 30 * time.Second
@@ -199,6 +211,7 @@ func (s *Store) Reserve(session string, gen uint64, base, tokens int64, source s
 	p.id = s.nextID
 	s.pend[p.id] = p
 	s.bySess[session] = p.id
+	s.guardLocked(p, firstPage)
 	return Reservation{ID: p.id, Pages: append([]int64(nil), p.pages...), FirstPage: firstPage}, nil
 }
 
@@ -298,6 +311,7 @@ func (s *Store) Commit(id uint64) (View, error) {
 	}
 	delete(s.pend, id)
 	delete(s.bySess, p.session)
+	s.unguardLocked(p)
 	now := s.cfg.Now()
 	cur := s.entries[p.session]
 	var e *Entry
@@ -353,6 +367,7 @@ func (s *Store) Abort(id uint64) error {
 func (s *Store) abortLocked(p *pending) {
 	delete(s.pend, p.id)
 	delete(s.bySess, p.session)
+	s.unguardLocked(p)
 	s.freeLocked(p.owned)
 }
 

@@ -1,0 +1,149 @@
+package store
+
+import (
+	"strings"
+	"testing"
+	"time"
+)
+
+// Guard geometry: 4 tokens a page, 8 bytes a token per buffer, 2 buffers (1 layer).
+const gPS, gTB, gItem = 4, 8, 4 * 8
+
+var gBufs = []uint64{0x100000, 0x200000}
+
+// gAddr is the address of token tok (within its page) of page pg in buffer b.
+func gAddr(b int, pg, tok int64) uint64 { return gBufs[b] + uint64(pg*gItem+tok*gTB) }
+
+func newGuardedStore(t *testing.T, now func() time.Time) *Store {
+	t.Helper()
+	s, err := New(Config{PageSize: gPS, PageBytes: 2 * gItem, PageCount: 16, Buffers: gBufs, Now: now, ReserveTimeout: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+func TestWriteGuard(t *testing.T) {
+	clock := time.Unix(1000, 0)
+	s := newGuardedStore(t, func() time.Time { return clock })
+	// a: tokens [0, 6) committed (pages 0, 1), then an append of [6, 11) in flight: the tail of
+	// page 1 (tokens 2..3 of it) and a new page for tokens [8, 11).
+	_, va := mustIngest(t, s, "a", 1, 0, 6)
+	ra, err := s.Reserve("a", 1, 6, 5, "d0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	tail, next := va.Pages[1], ra.Pages[1]
+	// b: a full push of [0, 4) in flight; c: committed, nothing in flight.
+	rb, err := s.Reserve("b", 1, 0, 4, "d1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, vc := mustIngest(t, s, "c", 1, 0, 8)
+	pb := rb.Pages[0]
+	free := int64(15)
+
+	tests := []struct {
+		name      string
+		peer      string
+		addr, n   uint64
+		refuse    string // "" allowed, else part of the error
+		afterward func()
+	}{
+		{"append tail by its pusher", "A", gAddr(0, tail, 2), 2 * gTB, "", nil},
+		{"append new page, buffer 1", "A", gAddr(1, next, 0), 3 * gTB, "", nil},
+		{"append tail, last token", "A", gAddr(1, tail, 3), gTB, "", nil},
+		{"committed token of the shared page", "A", gAddr(0, tail, 1), gTB, "not inside", nil},
+		{"straddles base_len in the shared page", "A", gAddr(0, tail, 1), 2 * gTB, "not inside", nil},
+		{"committed first page", "A", gAddr(0, va.Pages[0], 0), gTB, "not inside", nil},
+		{"past the last reserved token", "A", gAddr(0, next, 2), 2 * gTB, "runs past", nil},
+		{"after the last reserved token", "A", gAddr(0, next, 3), gTB, "not inside", nil},
+		{"free page", "A", gAddr(0, free, 0), gTB, "not inside", nil},
+		{"other committed snapshot", "A", gAddr(1, vc.Pages[1], 0), gTB, "not inside", nil},
+		{"between the buffers", "A", gBufs[0] + 16*gItem, 8, "not inside", nil},
+		{"another session's reservation, first writer binds it", "B", gAddr(0, pb, 0), gPS * gTB, "", nil},
+		{"that reservation by another peer", "A", gAddr(1, pb, 1), gTB, `written by peer "B"`, nil},
+		{"the first reservation by that other peer", "B", gAddr(0, tail, 2), gTB, `written by peer "A"`, nil},
+		{"empty", "A", gAddr(0, tail, 2), 0, "empty or wraps", nil},
+		{"wraps", "A", ^uint64(0) - 3, 8, "empty or wraps", nil},
+		{"still allowed before the commit", "A", gAddr(0, next, 0), gTB, "", func() {
+			if _, err := s.Commit(ra.ID); err != nil {
+				t.Fatal(err)
+			}
+		}},
+		{"committed append", "A", gAddr(0, next, 0), gTB, "not inside", func() {
+			if err := s.Abort(rb.ID); err != nil {
+				t.Fatal(err)
+			}
+		}},
+		{"aborted reservation", "B", gAddr(0, pb, 0), gTB, "not inside", nil},
+	}
+	for _, tt := range tests {
+		err := s.CheckWrite(tt.peer, tt.addr, tt.n)
+		switch {
+		case tt.refuse == "" && err != nil:
+			t.Fatalf("%s: refused: %v", tt.name, err)
+		case tt.refuse != "" && (err == nil || !strings.Contains(err.Error(), tt.refuse)):
+			t.Fatalf("%s: got %v, want a refusal naming %q", tt.name, err, tt.refuse)
+		}
+		if tt.afterward != nil {
+			tt.afterward()
+		}
+	}
+	if tb := s.guard.Load(); tb == nil || len(tb.spans) != 0 {
+		t.Fatalf("spans left with nothing in flight: %+v", tb)
+	}
+
+	// An expired reservation is no longer writable.
+	rd, err := s.Reserve("d", 1, 0, 2, "d0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.CheckWrite("A", gAddr(1, rd.Pages[0], 0), 2*gTB); err != nil {
+		t.Fatal(err)
+	}
+	clock = clock.Add(2 * time.Second)
+	s.Expire()
+	if err := s.CheckWrite("A", gAddr(1, rd.Pages[0], 0), 2*gTB); err == nil {
+		t.Fatal("expired reservation still writable")
+	}
+}
+
+// TestWriteGuardSpans checks the writable ranges of reservations against a byte map built token
+// by token.
+func TestWriteGuardSpans(t *testing.T) {
+	s := newGuardedStore(t, nil)
+	mustIngest(t, s, "x", 1, 0, 3)  // page 0 holds tokens 0..2
+	mustIngest(t, s, "y", 1, 0, 4)  // a page between
+	mustIngest(t, s, "x2", 1, 0, 5) // two more
+	r, err := s.Reserve("x", 1, 3, 10, "d")
+	if err != nil {
+		t.Fatal(err)
+	}
+	writable := map[uint64]bool{}
+	for tok := int64(3); tok < 13; tok++ {
+		pg := r.Pages[tok/gPS-r.FirstPage]
+		for b := range gBufs {
+			for k := uint64(0); k < gTB; k++ {
+				writable[gAddr(b, pg, tok%gPS)+k] = true
+			}
+		}
+	}
+	for b := range gBufs {
+		for a := gBufs[b]; a < gBufs[b]+16*gItem; a++ {
+			if got := s.CheckWrite("p", a, 1) == nil; got != writable[a] {
+				t.Fatalf("byte %#x: writable %v, want %v", a, got, writable[a])
+			}
+		}
+	}
+}
+
+func TestWriteGuardUnguarded(t *testing.T) {
+	s := newStore(t, 4, nil, nil)
+	if err := s.CheckWrite("p", 123, 4); err != nil {
+		t.Fatalf("store without buffers refused a write: %v", err)
+	}
+	if _, err := New(Config{PageSize: 4, PageBytes: 100, PageCount: 4, Buffers: gBufs}); err == nil {
+		t.Fatal("100 page bytes over 2 buffers of 4-token pages accepted")
+	}
+}
