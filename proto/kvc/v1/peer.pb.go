@@ -286,9 +286,13 @@ type ReserveSnapshotRequest struct {
 	Tokens         int64                  `protobuf:"varint,4,opt,name=tokens,proto3" json:"tokens,omitempty"`
 	SourceWorkerId string                 `protobuf:"bytes,5,opt,name=source_worker_id,json=sourceWorkerId,proto3" json:"source_worker_id,omitempty"`
 	// The decode pool's layout; must match the store's geometry.
-	SourceLayout  *KVLayout `protobuf:"bytes,6,opt,name=source_layout,json=sourceLayout,proto3" json:"source_layout,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	SourceLayout *KVLayout `protobuf:"bytes,6,opt,name=source_layout,json=sourceLayout,proto3" json:"source_layout,omitempty"`
+	// The transfer endpoint (engine segment name) the decode side writes the reserved pages from.
+	// When set, the store accepts writes into this reservation from that peer only (tcp); when
+	// empty, the first peer that writes into it is the only one accepted afterwards.
+	SourceTransferEndpoint string `protobuf:"bytes,7,opt,name=source_transfer_endpoint,json=sourceTransferEndpoint,proto3" json:"source_transfer_endpoint,omitempty"`
+	unknownFields          protoimpl.UnknownFields
+	sizeCache              protoimpl.SizeCache
 }
 
 func (x *ReserveSnapshotRequest) Reset() {
@@ -361,6 +365,13 @@ func (x *ReserveSnapshotRequest) GetSourceLayout() *KVLayout {
 		return x.SourceLayout
 	}
 	return nil
+}
+
+func (x *ReserveSnapshotRequest) GetSourceTransferEndpoint() string {
+	if x != nil {
+		return x.SourceTransferEndpoint
+	}
+	return ""
 }
 
 type ReserveSnapshotResponse struct {
@@ -631,7 +642,7 @@ const file_kvc_v1_peer_proto_rawDesc = "" +
 	"\x05bytes\x18\x03 \x01(\x03R\x05bytes\x12\x16\n" +
 	"\x06tokens\x18\x04 \x01(\x03R\x06tokens\x12\x14\n" +
 	"\x05error\x18\x05 \x01(\tR\x05error\"\x16\n" +
-	"\x14TransferDoneResponse\"\xeb\x01\n" +
+	"\x14TransferDoneResponse\"\xa5\x02\n" +
 	"\x16ReserveSnapshotRequest\x12\x1d\n" +
 	"\n" +
 	"session_id\x18\x01 \x01(\tR\tsessionId\x12\x1e\n" +
@@ -641,7 +652,8 @@ const file_kvc_v1_peer_proto_rawDesc = "" +
 	"\bbase_len\x18\x03 \x01(\x03R\abaseLen\x12\x16\n" +
 	"\x06tokens\x18\x04 \x01(\x03R\x06tokens\x12(\n" +
 	"\x10source_worker_id\x18\x05 \x01(\tR\x0esourceWorkerId\x125\n" +
-	"\rsource_layout\x18\x06 \x01(\v2\x10.kvc.v1.KVLayoutR\fsourceLayout\"\xb9\x01\n" +
+	"\rsource_layout\x18\x06 \x01(\v2\x10.kvc.v1.KVLayoutR\fsourceLayout\x128\n" +
+	"\x18source_transfer_endpoint\x18\a \x01(\tR\x16sourceTransferEndpoint\"\xb9\x01\n" +
 	"\x17ReserveSnapshotResponse\x12\x1b\n" +
 	"\tingest_id\x18\x01 \x01(\x04R\bingestId\x123\n" +
 	"\fstore_layout\x18\x02 \x01(\v2\x10.kvc.v1.KVLayoutR\vstoreLayout\x12\x14\n" +
