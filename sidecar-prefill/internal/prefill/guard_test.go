@@ -4,9 +4,13 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	"github.com/kvcentric/kvcentric/pkg/agent"
 	"github.com/kvcentric/kvcentric/pkg/kvpool"
@@ -107,10 +111,10 @@ func TestWriteGuardRefusesForeignWrites(t *testing.T) {
 		r, _ := rdma.TransferSync(ctx, p.eng, reqs, rdma.Deadline{Base: 10 * time.Second})
 		return r
 	}
-	reserve := func(session string, base, tokens int64) *kvcv1.ReserveSnapshotResponse {
+	reserve := func(session string, base, tokens int64, writer string) *kvcv1.ReserveSnapshotResponse {
 		t.Helper()
 		res, err := s.ReserveSnapshot(ctx, &kvcv1.ReserveSnapshotRequest{SessionId: session, Generation: 1, BaseLen: base, Tokens: tokens,
-			SourceLayout: d1.pool.Layout(), SourceWorkerId: "d"})
+			SourceLayout: d1.pool.Layout(), SourceWorkerId: "d", SourceTransferEndpoint: writer})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -124,7 +128,7 @@ func TestWriteGuardRefusesForeignWrites(t *testing.T) {
 	}
 
 	// s1: tokens [0, 10) pushed by d1 and committed (store pages 0..2; page 2 holds tokens 8, 9).
-	r1 := reserve("s1", 0, 10)
+	r1 := reserve("s1", 0, 10, "")
 	if res := xfer(d1, d1.plan(t, pages1, r1, 0, 10)); res.Failed != 0 {
 		t.Fatalf("push of s1: %+v", res.Tasks)
 	}
@@ -134,8 +138,8 @@ func TestWriteGuardRefusesForeignWrites(t *testing.T) {
 
 	// In flight: d1 appends [10, 15) to s1 (the tail of the shared page, then a new page); d2
 	// pushes s2 [0, 8) and writes it all before d1 misbehaves.
-	r1b := reserve("s1", 10, 5)
-	r2 := reserve("s2", 0, 8)
+	r1b := reserve("s1", 10, 5, d1.eng.SegmentName())
+	r2 := reserve("s2", 0, 8, "") // bound to d2 by its first write
 	if res := xfer(d2, d2.plan(t, pages2, r2, 0, 8)); res.Failed != 0 {
 		t.Fatalf("push of s2: %+v", res.Tasks)
 	}
@@ -206,6 +210,19 @@ func TestWriteGuardRefusesForeignWrites(t *testing.T) {
 	verifySnapshot(t, s, "s1", 15)
 	verifySnapshot(t, s, "s2", 8)
 
+	// A reservation naming its writer refuses every other peer, even before the writer's first byte.
+	r3 := reserve("s3", 0, 8, d2.eng.SegmentName())
+	d2.fill("s3", pages2, 8)
+	res = xfer(d1, []rdma.Request{{Op: rdma.OpWrite, Source: junk, Target: d1.seg, TargetAddr: storeAddr(0, r3.GetPages()[0], 0), Length: 4 * tb}})
+	if res.Failed != 1 || !strings.Contains(res.Tasks[0].Err.Error(), "belongs to peer "+strconv.Quote(d2.eng.SegmentName())) {
+		t.Fatalf("write into a reservation named for another peer: %+v", res.Tasks)
+	}
+	if res := xfer(d2, d2.plan(t, pages2, r3, 0, 8)); res.Failed != 0 {
+		t.Fatalf("push of s3 by its named writer: %+v", res.Tasks)
+	}
+	commit(r3.GetIngestId())
+	verifySnapshot(t, s, "s3", 8)
+
 	// Committed now: even the peer that pushed them cannot write them any more.
 	v2, _ := st.Get("s2")
 	res = xfer(d2, []rdma.Request{{Op: rdma.OpWrite, Source: d2.pool.Layout().GetBufferAddrs()[0], Target: d2.seg,
@@ -215,4 +232,16 @@ func TestWriteGuardRefusesForeignWrites(t *testing.T) {
 	}
 	verifySnapshot(t, s, "s1", 15)
 	verifySnapshot(t, s, "s2", 8)
+}
+
+func TestReserveEndpointTooLong(t *testing.T) {
+	s := newTestSidecar(t, true)
+	_, err := s.ReserveSnapshot(context.Background(), &kvcv1.ReserveSnapshotRequest{SessionId: "a", Tokens: 4, SourceLayout: layout(),
+		SourceTransferEndpoint: strings.Repeat("x", maxEndpoint+1)})
+	if status.Code(err) != codes.InvalidArgument {
+		t.Fatalf("reserve with a %d-byte endpoint: %v", maxEndpoint+1, err)
+	}
+	if st, _, _ := s.storeAndArena(); st.Pending() != 0 {
+		t.Fatal("a refused reserve left a reservation")
+	}
 }

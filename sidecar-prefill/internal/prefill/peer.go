@@ -13,6 +13,9 @@ import (
 	"github.com/kvcentric/kvcentric/sidecar-prefill/internal/store"
 )
 
+// maxEndpoint bounds ReserveSnapshotRequest.source_transfer_endpoint (a host:port or unix path).
+const maxEndpoint = 1024
+
 type ingest struct {
 	session string
 	gen     uint64
@@ -43,7 +46,13 @@ func (s *Sidecar) ReserveSnapshot(_ context.Context, req *kvcv1.ReserveSnapshotR
 	if err := agent.CompatibleLayouts(req.GetSourceLayout(), arena.Layout()); err != nil {
 		return nil, err
 	}
-	res, err := st.Reserve(req.GetSessionId(), req.GetGeneration(), req.GetBaseLen(), req.GetTokens(), req.GetSourceWorkerId())
+	if n := len(req.GetSourceTransferEndpoint()); n > maxEndpoint {
+		return nil, status.Errorf(codes.InvalidArgument, "source_transfer_endpoint of %d bytes (at most %d)", n, maxEndpoint)
+	}
+	// With the endpoint named, the store's write guard accepts writes into the reservation from
+	// that peer only; without, from the first peer that writes into it.
+	res, err := st.ReserveFor(req.GetSessionId(), req.GetGeneration(), req.GetBaseLen(), req.GetTokens(), req.GetSourceWorkerId(),
+		req.GetSourceTransferEndpoint())
 	if err != nil {
 		s.ev.Emit(agent.Event{Event: agent.EvRecvRejected, Session: req.GetSessionId(), Generation: req.GetGeneration(),
 			BaseLen: req.GetBaseLen(), Tokens: req.GetTokens(), Peer: req.GetSourceWorkerId(), Reason: err.Error()})

@@ -10,8 +10,9 @@ import (
 // of the reserved token span of an ingest in flight are writable — in the partly filled first
 // page of an incremental push only the tokens ≥ base_len, in the last page only the tokens
 // < base_len+tokens — in every buffer. Committed snapshot bytes, free pages and the other
-// reservations' bytes are not. The first peer that writes into a reservation binds it: writes
-// from any other peer into it are refused from then on.
+// reservations' bytes are not. A reservation belongs to the writer named at ReserveFor or, when
+// none was named, to the first peer that writes into it: writes from any other peer into it are
+// refused.
 //
 // The writable ranges live in an immutable table sorted by address, replaced (copy on write,
 // under the store lock) when a reservation starts or ends; CheckWrite reads it without a lock:
@@ -37,7 +38,7 @@ func (r *guardRes) admit(peer string) error {
 		p = r.peer.Load()
 	}
 	if *p != peer {
-		return fmt.Errorf("ingest %d (session %s) is written by peer %q, not by %q", r.id, r.session, *p, peer)
+		return fmt.Errorf("ingest %d (session %s) belongs to peer %q, not to %q", r.id, r.session, *p, peer)
 	}
 	return nil
 }
@@ -105,11 +106,14 @@ func (s *Store) spansOf(p *pending, firstPage int64, res *guardRes) []guardSpan 
 }
 
 // guardLocked makes a new reservation's token span writable.
-func (s *Store) guardLocked(p *pending, firstPage int64) {
+func (s *Store) guardLocked(p *pending, firstPage int64, writer string) {
 	if !s.guarded() {
 		return
 	}
 	p.guard = &guardRes{id: p.id, session: p.session}
+	if writer != "" {
+		p.guard.peer.Store(&writer)
+	}
 	add := s.spansOf(p, firstPage, p.guard)
 	var cur []guardSpan
 	if t := s.guard.Load(); t != nil {

@@ -62,8 +62,8 @@ func TestWriteGuard(t *testing.T) {
 		{"other committed snapshot", "A", gAddr(1, vc.Pages[1], 0), gTB, "not inside", nil},
 		{"between the buffers", "A", gBufs[0] + 16*gItem, 8, "not inside", nil},
 		{"another session's reservation, first writer binds it", "B", gAddr(0, pb, 0), gPS * gTB, "", nil},
-		{"that reservation by another peer", "A", gAddr(1, pb, 1), gTB, `written by peer "B"`, nil},
-		{"the first reservation by that other peer", "B", gAddr(0, tail, 2), gTB, `written by peer "A"`, nil},
+		{"that reservation by another peer", "A", gAddr(1, pb, 1), gTB, `belongs to peer "B"`, nil},
+		{"the first reservation by that other peer", "B", gAddr(0, tail, 2), gTB, `belongs to peer "A"`, nil},
 		{"empty", "A", gAddr(0, tail, 2), 0, "empty or wraps", nil},
 		{"wraps", "A", ^uint64(0) - 3, 8, "empty or wraps", nil},
 		{"still allowed before the commit", "A", gAddr(0, next, 0), gTB, "", func() {
@@ -135,6 +135,24 @@ func TestWriteGuardSpans(t *testing.T) {
 				t.Fatalf("byte %#x: writable %v, want %v", a, got, writable[a])
 			}
 		}
+	}
+}
+
+func TestWriteGuardNamedWriter(t *testing.T) {
+	s := newGuardedStore(t, nil)
+	r, err := s.ReserveFor("n", 1, 0, 4, "d0", "W")
+	if err != nil {
+		t.Fatal(err)
+	}
+	a := gAddr(0, r.Pages[0], 0)
+	if err := s.CheckWrite("X", a, gTB); err == nil || !strings.Contains(err.Error(), `belongs to peer "W", not to "X"`) {
+		t.Fatalf("first write by another peer: %v", err)
+	}
+	if err := s.CheckWrite("W", a, gPS*gTB); err != nil {
+		t.Fatalf("the named writer: %v", err)
+	}
+	if err := s.CheckWrite("X", a, gTB); err == nil {
+		t.Fatal("another peer after the named writer wrote")
 	}
 }
 

@@ -150,6 +150,13 @@ func (s *Store) view(e *Entry) View {
 // the stored generation (else FAILED_PRECONDITION naming that seqlen). Older generations are
 // refused; eviction of least recently used entries makes room.
 func (s *Store) Reserve(session string, gen uint64, base, tokens int64, source string) (Reservation, error) {
+	return s.ReserveFor(session, gen, base, tokens, source, "")
+}
+
+// ReserveFor is Reserve for a known writer: with the write guard (Config.Buffers), only writes
+// from peer writer (the segment name its engine announces) are accepted into the reservation.
+// An empty writer binds the reservation to the first peer that writes into it.
+func (s *Store) ReserveFor(session string, gen uint64, base, tokens int64, source, writer string) (Reservation, error) {
 	if tokens <= 0 || base < 0 {
 		return Reservation{}, status.Errorf(codes.InvalidArgument, "bad range: base_len %d, tokens %d", base, tokens)
 	}
@@ -211,7 +218,7 @@ func (s *Store) Reserve(session string, gen uint64, base, tokens int64, source s
 	p.id = s.nextID
 	s.pend[p.id] = p
 	s.bySess[session] = p.id
-	s.guardLocked(p, firstPage)
+	s.guardLocked(p, firstPage, writer)
 	return Reservation{ID: p.id, Pages: append([]int64(nil), p.pages...), FirstPage: firstPage}, nil
 }
 
