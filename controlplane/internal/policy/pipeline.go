@@ -162,7 +162,7 @@ func (c *Cycle) resident(d *kvcv1.Worker) Decision {
 	cached := min(committed, c.Q.InputTokens)
 	uncached := c.Q.InputTokens - cached
 	if uncached > c.K.DirectMaxUncachedTokens {
-		return c.largeAppend(d)
+		return c.largeAppend(d, uncached)
 	}
 	c.Need = uncached + c.Q.MaxOutputTokens
 	cand := Cand{W: d, Res: c.In.Ledger.Reserved(d.WorkerId)}
@@ -183,14 +183,14 @@ func (c *Cycle) resident(d *kvcv1.Worker) Decision {
 }
 
 // largeAppend: the uncached append is too large for D's append-prefill, so P prefills the
-// whole input (plain P/D, PD_FALLBACK) — into the session's own D, which holds its capacity:
-// D adopts the received KV as the session's (the gateway sends keep_session), so
-// kv_committed_len catches up and the next turn goes direct-to-D again. D reserves the whole
-// input (it receives every token before it frees its copy of the prefix). When D cannot admit
-// it, that is NO_D_CAPACITY and a rejection by D, as for a direct-to-D turn: enough of them
-// migrate the session.
-func (c *Cycle) largeAppend(d *kvcv1.Worker) Decision {
-	c.Need = c.Q.InputTokens + c.Q.MaxOutputTokens
+// whole input (plain P/D, PD_FALLBACK) — into the session's own D, which keeps it: D receives
+// the context into the session's pages (the prefix lands on the pages that already hold it) and
+// the gateway sends keep_session, so kv_committed_len catches up and the next turn goes
+// direct-to-D again. D needs and reserves what a direct turn would: append + max_output. When D
+// cannot admit it, that is NO_D_CAPACITY and a rejection by D, as for a direct-to-D turn:
+// enough of them migrate the session.
+func (c *Cycle) largeAppend(d *kvcv1.Worker, uncached int64) Decision {
+	c.Need = uncached + c.Q.MaxOutputTokens
 	cand := Cand{W: d, Res: c.In.Ledger.Reserved(d.WorkerId)}
 	if !fits(c, &cand) {
 		dec := c.fallback(kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY)

@@ -120,16 +120,16 @@ func TestDecideEveryModeAndReason(t *testing.T) {
 		{name: "append over the limit falls back onto the session's own D", q: q(18_193, 7, 4), rec: resident("d2", 10_000), workers: cluster(),
 			mode: mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND), prefill: "p2", decode: "d2",
 			check: func(t *testing.T, d Decision) {
-				// d2 has less headroom than d1: a plain fallback would pick d1. The whole input is
-				// reserved on d2 (it receives every token); no transfer slot, low P priority (the
-				// next turn goes direct-to-D).
-				if d.ReservedTokens != 18_200 || d.PrefillPriority != PrefillPriorityLow || !d.UsesPrefill ||
+				// d2 has less headroom than d1: a plain fallback would pick d1. The append and
+				// the output are reserved on d2, as for a direct turn; no transfer slot, low P
+				// priority (the next turn goes direct-to-D).
+				if d.ReservedTokens != 8_200 || d.PrefillPriority != PrefillPriorityLow || !d.UsesPrefill ||
 					d.Transfer || d.Seed || d.LocalReject != "" || d.From != "d2" {
 					t.Errorf("large append: %+v", d)
 				}
 			}},
 		{name: "large append with the session's D full counts a local reject", q: q(30_000, 100, 4), rec: resident("d1", 10_000),
-			workers: []*kvcv1.Worker{pW("p1", 0), dW("d1", 100_000, 65_000), dW("d2", 100_000, 0)},
+			workers: []*kvcv1.Worker{pW("p1", 0), dW("d1", 100_000, 75_000), dW("d2", 100_000, 0)},
 			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY), prefill: "p1", decode: "d2",
 			check: func(t *testing.T, d Decision) {
 				if d.LocalReject != "d1" || d.ReservedTokens != 0 {
@@ -137,8 +137,11 @@ func TestDecideEveryModeAndReason(t *testing.T) {
 				}
 			}},
 		{name: "large append counts reservations on the session's D", q: q(30_000, 100, 4), rec: resident("d1", 10_000),
-			workers: cluster(), led: ledger(map[string]Reserved{"d1": {Tokens: 60_000}}),
+			workers: cluster(), led: ledger(map[string]Reserved{"d1": {Tokens: 65_000}}),
 			mode: mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY)},
+		{name: "large append that just fits", q: q(30_000, 100, 4), rec: resident("d1", 10_000),
+			workers: cluster(), led: ledger(map[string]Reserved{"d1": {Tokens: 64_900}}),
+			mode: mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND), decode: "d1"},
 		{name: "large append without a prefill worker", q: q(30_000, 100, 4), rec: resident("d1", 10_000),
 			workers: []*kvcv1.Worker{dW("d1", 100_000, 10_000)},
 			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_NO_PREFILL_WORKER)},

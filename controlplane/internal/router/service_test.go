@@ -281,7 +281,7 @@ func TestSessionLifecycle(t *testing.T) {
 	d = f.decide("s", 2, 4700+9000, 100)
 	if d.Mode != kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK || d.Reason != kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND ||
 		d.PrefillPriority != policy.PrefillPriorityLow || d.BootstrapRoom == 0 || d.Prefill == nil ||
-		d.Decode.GetWorkerId() != seedD || d.ReservedTokens != 13_800 {
+		d.Decode.GetWorkerId() != seedD || d.ReservedTokens != 9_100 {
 		t.Fatalf("large append: %v", d)
 	}
 	f.report(d.DecisionId, true, okKind, 13_800)
@@ -584,14 +584,14 @@ func TestLargeAppendOutcomes(t *testing.T) {
 	large := kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND
 
 	d := f.decide("s", 1, 20_000, 100)
-	if d.Mode != kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK || d.Reason != large || d.Decode.GetWorkerId() != "d2" || d.ReservedTokens != 20_100 {
+	if d.Mode != kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK || d.Reason != large || d.Decode.GetWorkerId() != "d2" || d.ReservedTokens != 10_100 {
 		t.Fatalf("large append: %v", d)
 	}
 	f.s.mu.Lock()
 	held := f.s.led.Reserved("d2").Tokens
 	f.s.mu.Unlock()
-	if held != 20_100 {
-		t.Errorf("reserved on d2: %d, want 20100", held)
+	if held != 10_100 {
+		t.Errorf("reserved on d2: %d, want 10100 (the append and the output)", held)
 	}
 	f.report(d.DecisionId, false, kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D, 0)
 	if rec := f.session("s"); rec.DRejects["d2"] != 1 || rec.KvCommittedLen != 10_000 {

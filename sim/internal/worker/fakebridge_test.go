@@ -27,8 +27,10 @@ type hub struct {
 	mu        sync.Mutex
 	rooms     map[int64]*room
 	snapshots map[string]*snapshot // D->P snapshots, taken at CommitSession
-	corrupt   bool                 // flip one byte of every transfer
-	wait      time.Duration        // how long a receiver waits for its sender
+	corrupt   bool                 // flip one byte of every transfer (of the last token of a seed)
+	// corruptFirst: with corrupt, a seed transfer flips a byte of its first token instead
+	corruptFirst bool
+	wait         time.Duration // how long a receiver waits for its sender
 }
 
 type room struct {
@@ -209,7 +211,11 @@ func (f *fakeSidecar) SendKV(ctx context.Context, req *kvcv1.SendKVRequest) (*kv
 		}
 	}
 	if f.h.corrupt {
-		r.dst.slot(1, r.pages, req.GetTokens()-1)[0] ^= 0x01
+		at := req.GetTokens() - 1
+		if f.h.corruptFirst {
+			at = 0
+		}
+		r.dst.slot(1, r.pages, at)[0] ^= 0x01
 	}
 	r.ok, r.bytes = true, n
 	close(r.done)

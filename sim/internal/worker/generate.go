@@ -11,7 +11,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/kvcentric/kvcentric/pkg/kvpool"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -203,21 +202,20 @@ type turn struct {
 	meta  *KVCMeta
 	s     *session // nil for a single-shot (anonymous) request
 	pages []int64  // anonymous requests only
-	// scratch receives a large append's full context for the held session s (extend); it is
-	// adopted into s once verified.
-	scratch []int64
-	extend  bool // a keep_session PD_FALLBACK extending the held session s
-	unlock  func()
-	kv      int64 // tokens of KV computed
+	// extend: a keep_session PD_FALLBACK (large append) extending the held session s; prefixKV
+	// is the session's kv_len before it, and dirty says the transfer may have written into the
+	// session's own pages of that prefix and not yet been verified.
+	extend   bool
+	prefixKV int64
+	dirty    bool
+	unlock   func()
+	kv       int64 // tokens of KV computed
 	// finished: finish ran (decode runs it before the last write, so that a client that has the
 	// whole answer knows the session is committed on the sidecar).
 	finished bool
 }
 
 func (t *turn) pageList() []int64 {
-	if t.scratch != nil {
-		return t.scratch
-	}
 	if t.s != nil {
 		return t.s.pages
 	}
@@ -296,18 +294,15 @@ func (w *Worker) begin(ctx context.Context, p *plan, meta *KVCMeta) (*turn, *api
 		}
 	}
 	if t.extend {
-		scratch, ev, e := w.allocate(ctx, need, p.sessionID)
-		meta.EvictedSessions = ev
-		if e != nil {
+		if e := w.extendPages(ctx, t, need); e != nil {
 			return fail(e)
 		}
-		t.scratch = scratch
+		t.dirty = true
 		if e := w.receive(ctx, t, kvcv1.TransferKind_TRANSFER_KIND_SEED, p.input); e != nil {
 			return fail(e)
 		}
-		if e := w.adopt(t); e != nil {
-			return fail(e)
-		}
+		t.dirty = false
+		t.kv = p.input
 		return t, nil
 	}
 
@@ -353,58 +348,31 @@ func (w *Worker) begin(ctx context.Context, p *plan, meta *KVCMeta) (*turn, *api
 	return t, nil
 }
 
-// adopt makes a large append's verified full context (t.scratch) the held session's KV: the
-// session keeps its own pages for [0, kv_len) — a snapshot push of the session may be reading
-// them, so they are neither moved nor freed — and takes the received pages for the rest; the
-// received tokens that fall into its last, partial page are copied there. The received
-// pages of the prefix go back to the free list. The session's kv_len stays until finish
-// commits the turn (CommitSession with the longer length and the same prefix pages).
-func (w *Worker) adopt(t *turn) *apiError {
-	s, ps := t.s, int64(w.cfg.Geometry.PageSize)
+// extendPages gives the held session t.s pages for need pages in all for a large append: its
+// own pages of [0, kv_len) stay, new ones follow. The whole context is then received into
+// them: the prefix arrives again into the pages that already hold it, with the same bytes (the
+// known-bytes pattern, as real KV would be), so a snapshot push reading them meanwhile reads
+// the same bytes, and D needs room only for the append and the output, as for a direct turn.
+func (w *Worker) extendPages(ctx context.Context, t *turn, need int64) *apiError {
+	s := t.s
 	w.mu.Lock()
-	kv := s.kvLen
-	k := pagesFor(kv, int(ps))
+	t.prefixKV = s.kvLen
+	k := pagesFor(s.kvLen, w.cfg.Geometry.PageSize)
 	own := s.pages[:k:k]
 	surplus := append([]int64(nil), s.pages[k:]...)
 	w.mu.Unlock()
-	if err := copyTokens(w.mem, t.scratch, own, kv, min(k*ps, t.p.input)); err != nil {
-		w.log.Error().Err(err).Str("session", s.id).Msg("copy received tokens into the session's last page")
-		return errf(http.StatusInternalServerError, "internal", "adopting the received KV: %v", err)
-	}
-	pages := append(own, t.scratch[k:]...)
-	w.mu.Lock()
-	s.pages = pages
-	w.mu.Unlock()
-	w.freePages(t.scratch[:k])
 	w.freePages(surplus)
-	t.scratch = nil
-	t.kv = t.p.input
-	return nil
-}
-
-// copyTokens copies tokens [from, to) of every buffer from the pages src to the pages dst
-// (both in token order); one copy per page run.
-func copyTokens(p kvpool.Buffers, src, dst []int64, from, to int64) error {
-	if to <= from {
-		return nil
+	more, ev, e := w.allocate(ctx, need-k, s.id)
+	t.meta.EvictedSessions = ev
+	if e != nil {
+		w.mu.Lock()
+		s.pages = own
+		w.mu.Unlock()
+		return e
 	}
-	l := p.Layout()
-	ps := int64(l.PageSize)
-	if from < 0 || (to-1)/ps >= int64(len(src)) || (to-1)/ps >= int64(len(dst)) {
-		return fmt.Errorf("tokens [%d, %d) outside %d source and %d destination pages", from, to, len(src), len(dst))
-	}
-	tb := l.TokenBytes()
-	for b := 0; b < l.NumBuffers(); b++ {
-		buf := p.Buffer(b)
-		for t := from; t < to; {
-			end := min(to, (t/ps+1)*ps)
-			n := uint64(end-t) * tb
-			so := uint64(src[t/ps])*l.ItemLen + uint64(t%ps)*tb
-			do := uint64(dst[t/ps])*l.ItemLen + uint64(t%ps)*tb
-			copy(buf[do:do+n], buf[so:so+n])
-			t = end
-		}
-	}
+	w.mu.Lock()
+	s.pages = append(own, more...)
+	w.mu.Unlock()
 	return nil
 }
 
@@ -573,9 +541,16 @@ func (w *Worker) finish(t *turn, ok bool) {
 	w.mu.Lock()
 	s.pinned--
 	w.mu.Unlock()
-	if t.scratch != nil { // a large append that failed before adopt
-		w.freePages(t.scratch)
-		t.scratch = nil
+	if !ok && t.dirty {
+		// A large append failed while its transfer may have written into the session's own
+		// prefix pages: keep the session only if its KV [0, kv_len) still verifies.
+		checked, bad, err := w.check(t.p.seedKey, s.pages, 0, t.prefixKV)
+		if err != nil || bad > 0 {
+			w.log.Warn().Str("session", s.id).Int64("kv_len", t.prefixKV).Int64("bad_slots", bad).Int64("checked_bytes", checked).
+				Msg("failed large append damaged the session's KV; dropping it")
+			w.dropSession(s, kvcv1.ReleaseReason_RELEASE_REASON_RELEASED)
+			return
+		}
 	}
 	switch {
 	case !t.p.keep:

@@ -600,10 +600,10 @@ func TestPreallocWait(t *testing.T) {
 }
 
 // A large append of a session D holds (PD_FALLBACK with keep_session): D receives the whole
-// context, verifies it, keeps its own pages of the prefix (a snapshot push may be reading
-// them), takes the received pages for the rest, frees the received prefix pages, and commits
-// the longer session — so the next turn is direct-to-D against the new length. A failed
-// transfer leaves the held session as it was; without a held session it is plain P/D.
+// context into the session's own pages of the prefix plus new pages for the rest, verifies
+// every token, and commits the longer session without releasing it — so the next turn is
+// direct-to-D against the new length. A failed transfer keeps the session as it was when its
+// prefix still verifies and drops it when not; without a held session it is plain P/D.
 func TestLargeAppendExtendsHeldSession(t *testing.T) {
 	h := newHub()
 	p := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_PREFILL, "p0", 4096, zeroTiming())
@@ -655,7 +655,7 @@ func TestLargeAppendExtendsHeldSession(t *testing.T) {
 		t.Fatalf("direct after the large append: %d %s %+v", res.status, res.code, res.ans.MetaInfo.KVC)
 	}
 
-	// A corrupted large append fails and leaves the session as it was.
+	// A large append corrupted beyond the prefix fails and leaves the session as it was.
 	h.corrupt = true
 	_, dr = pd(t, p, d, "r4", 5, kvcReq{Mode: "PD_FALLBACK", SessionID: "s1", InputTokens: 500, Room: i64(4), Keep: bptr(true)})
 	h.corrupt = false
@@ -683,29 +683,41 @@ func TestLargeAppendExtendsHeldSession(t *testing.T) {
 	if commits, _ := d.sc.snapshotOf(); len(commits) != 3 {
 		t.Fatalf("commits %d, want 3 (seed, large append, direct)", len(commits))
 	}
+
+	// A large append corrupted inside the prefix damaged the session's own pages: it is dropped
+	// (released to the sidecar, then its pages freed).
+	h.corrupt, h.corruptFirst = true, true
+	_, dr = pd(t, p, d, "r6", 5, kvcReq{Mode: "PD_FALLBACK", SessionID: "s1", InputTokens: 500, Room: i64(6), Keep: bptr(true)})
+	h.corrupt, h.corruptFirst = false, false
+	if dr.status != http.StatusInternalServerError || dr.code != "kv_verify_failed" {
+		t.Fatalf("large append corrupted in the prefix: %d %s", dr.status, dr.code)
+	}
+	if _, rel := d.sc.snapshotOf(); len(rel) != 1 || rel[0].GetSessionId() != "s1" || rel[0].GetReason() != kvcv1.ReleaseReason_RELEASE_REASON_RELEASED {
+		t.Fatalf("releases %v, want s1 released", rel)
+	}
+	if st := d.w.stats(); st.FreePages != pageCount || st.Sessions != 0 {
+		t.Fatalf("state after a damaged large append: %+v", st)
+	}
 }
 
-func TestCopyTokens(t *testing.T) {
-	g := Geometry{PageSize: 4, Layers: 2, BytesPerToken: 8, PageCount: 16}
-	pool, err := CreatePool(t.TempDir(), "c0", g)
-	if err != nil {
-		t.Fatal(err)
+// A large append needs room only for what it adds: a session of 200 tokens on a 400-token
+// decode worker takes a 350-token context (+10 new) although the session and a second copy of
+// the whole context would not fit together.
+func TestLargeAppendNeedsOnlyTheGrowth(t *testing.T) {
+	h := newHub()
+	p := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_PREFILL, "p0", 1024, zeroTiming())
+	d := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_DECODE, "d0", 400, zeroTiming())
+	if _, dr := pd(t, p, d, "r1", 0, kvcReq{Mode: "SEED", SessionID: "s1", InputTokens: 200, Room: i64(1)}); dr.status != 200 {
+		t.Fatalf("seed: %d %s", dr.status, dr.code)
 	}
-	defer pool.Close()
-	seed := kvpool.SessionSeed("s")
-	src, dst := []int64{3, 9, 1}, []int64{7, 2, 12}
-	if err := kvpool.FillTokens(pool, seed, src, 0, 12); err != nil {
-		t.Fatal(err)
+	_, dr := pd(t, p, d, "r2", 10, kvcReq{Mode: "PD_FALLBACK", SessionID: "s1", InputTokens: 350, Room: i64(2), Keep: bptr(true)})
+	if dr.status != 200 || dr.ans.MetaInfo.KVC.VerifiedBytes != 350*48 || dr.ans.MetaInfo.KVC.EvictedSessions != 0 {
+		t.Fatalf("large append in a small pool: %d %s %+v", dr.status, dr.code, dr.ans.MetaInfo.KVC)
 	}
-	for _, tc := range []struct{ from, to int64 }{{0, 0}, {1, 3}, {3, 9}, {0, 12}} {
-		if err := copyTokens(pool, src, dst, tc.from, tc.to); err != nil {
-			t.Fatalf("[%d, %d): %v", tc.from, tc.to, err)
-		}
-		if bad, err := kvpool.CheckTokens(pool, seed, dst, tc.from, tc.to); err != nil || bad != 0 {
-			t.Fatalf("[%d, %d): %d bad slots, %v", tc.from, tc.to, bad, err)
-		}
+	if s := sessionsOf(t, d)["s1"]; s.KVLen != 360 || s.Pages != 90 {
+		t.Fatalf("session %+v", s)
 	}
-	if err := copyTokens(pool, src, dst[:2], 0, 12); err == nil {
-		t.Fatal("copy beyond the destination pages: no error")
+	if st := d.w.stats(); st.FreePages != 10 {
+		t.Fatalf("free pages %d, want 10", st.FreePages)
 	}
 }
