@@ -538,12 +538,10 @@ func (w *Worker) finish(t *turn, ok bool) {
 		return
 	}
 	s := t.s
-	w.mu.Lock()
-	s.pinned--
-	w.mu.Unlock()
 	if !ok && t.dirty {
 		// A large append failed while its transfer may have written into the session's own
-		// prefix pages: keep the session only if its KV [0, kv_len) still verifies.
+		// prefix pages: keep the session only if its KV [0, kv_len) still verifies. Checked
+		// and dropped while still pinned, so no eviction takes it meanwhile.
 		checked, bad, err := w.check(t.p.seedKey, s.pages, 0, t.prefixKV)
 		if err != nil || bad > 0 {
 			w.log.Warn().Str("session", s.id).Int64("kv_len", t.prefixKV).Int64("bad_slots", bad).Int64("checked_bytes", checked).
@@ -552,6 +550,9 @@ func (w *Worker) finish(t *turn, ok bool) {
 			return
 		}
 	}
+	w.mu.Lock()
+	s.pinned--
+	w.mu.Unlock()
 	switch {
 	case !t.p.keep:
 		w.dropSession(s, kvcv1.ReleaseReason_RELEASE_REASON_RELEASED)
