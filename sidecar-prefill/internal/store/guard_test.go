@@ -165,3 +165,80 @@ func TestWriteGuardUnguarded(t *testing.T) {
 		t.Fatal("100 page bytes over 2 buffers of 4-token pages accepted")
 	}
 }
+
+// FuzzWriteGuard drives reservations, appends, commits and aborts from the input and checks
+// CheckWrite on ranges from the input against a byte map built from the open reservations.
+func FuzzWriteGuard(f *testing.F) {
+	f.Add([]byte{0, 9, 1, 0, 0, 3, 7, 2, 5, 200, 17, 4, 1, 0})
+	f.Add([]byte{0, 16, 0, 30, 1, 0, 0, 6, 2, 1, 4, 0, 255, 255, 3, 0, 3, 1})
+	f.Fuzz(func(t *testing.T, in []byte) {
+		s := newGuardedStore(t, nil)
+		type open struct {
+			id    uint64
+			bytes map[uint64]bool
+		}
+		opens := map[string]*open{}
+		next := func() byte {
+			if len(in) == 0 {
+				return 0
+			}
+			b := in[0]
+			in = in[1:]
+			return b
+		}
+		sessions := []string{"a", "b", "c"}
+		for steps := 0; len(in) > 0 && steps < 64; steps++ {
+			sess := sessions[int(next())%len(sessions)]
+			switch next() % 4 {
+			case 0: // reserve: a full push or an append to the stored seqlen
+				tokens := int64(next()%20) + 1
+				var base int64
+				if v, ok := s.Get(sess); ok && next()%2 == 0 {
+					base = v.Seqlen
+				}
+				r, err := s.Reserve(sess, 1, base, tokens, "d")
+				if err != nil {
+					continue
+				}
+				o := &open{id: r.ID, bytes: map[uint64]bool{}}
+				for tok := base; tok < base+tokens; tok++ {
+					pg := r.Pages[tok/gPS-r.FirstPage]
+					for b := range gBufs {
+						for k := uint64(0); k < gTB; k++ {
+							o.bytes[gAddr(b, pg, tok%gPS)+k] = true
+						}
+					}
+				}
+				opens[sess] = o
+			case 1:
+				if o := opens[sess]; o != nil {
+					_, _ = s.Commit(o.id)
+					delete(opens, sess)
+				}
+			case 2:
+				if o := opens[sess]; o != nil {
+					_ = s.Abort(o.id)
+					delete(opens, sess)
+				}
+			case 3: // a write: buffer, page, token, byte offset and length from the input
+				b, pg, tok, off := int(next())%len(gBufs), int64(next())%17, int64(next())%gPS, uint64(next()%gTB)
+				n := uint64(next()) + 1
+				addr := gAddr(b, pg, tok) + off
+				want := false
+				for _, o := range opens {
+					all := true
+					for a := addr; a < addr+n; a++ {
+						if !o.bytes[a] {
+							all = false
+							break
+						}
+					}
+					want = want || all
+				}
+				if got := s.CheckWrite("p", addr, n) == nil; got != want {
+					t.Fatalf("write [%#x, +%d): allowed %v, want %v", addr, n, got, want)
+				}
+			}
+		}
+	})
+}
