@@ -14,9 +14,11 @@ import (
 // none was named, to the first peer that writes into it: writes from any other peer into it are
 // refused.
 //
-// The writable ranges live in an immutable table sorted by address, replaced (copy on write,
-// under the store lock) when a reservation starts or ends; CheckWrite reads it without a lock:
-// a last-hit cache, then a binary search.
+// The writable bytes are kept per store page: one atomic pointer per page to {reservation, byte
+// range within the page} (the same in every buffer), set (under the store lock) when a
+// reservation starts and cleared when it ends. CheckWrite takes no lock and writes nothing
+// shared: a binary search over the buffers' start addresses (2·layers of them), then one atomic
+// load per page the write touches.
 
 // guardRes is the guard's view of one reservation.
 type guardRes struct {
@@ -43,69 +45,48 @@ func (r *guardRes) admit(peer string) error {
 	return nil
 }
 
-// guardSpan is a writable byte range [lo, hi) of one reservation.
-type guardSpan struct {
-	lo, hi uint64
+// pageGuard is the writable byte range [lo, hi) of one store page (in every buffer).
+type pageGuard struct {
 	res    *guardRes
-}
-
-// guardTable is a sorted set of non-overlapping spans; never modified once published.
-type guardTable struct {
-	spans []guardSpan
+	lo, hi uint64
 }
 
 // guarded reports whether the store keeps a write guard (Config.Buffers set).
-func (s *Store) guarded() bool { return len(s.cfg.Buffers) > 0 }
+func (s *Store) guarded() bool { return len(s.gbufs) > 0 }
 
-// spansOf lays the token span [p.base, p.base+p.tokens) of a reservation whose pages hold the
-// token-pages firstPage, firstPage+1, ... over every buffer, sorted, touching spans joined.
-func (s *Store) spansOf(p *pending, firstPage int64, res *guardRes) []guardSpan {
-	ps := s.cfg.PageSize
-	itemLen := uint64(s.cfg.PageBytes) / uint64(len(s.cfg.Buffers))
-	tb := itemLen / uint64(ps)
-	end := p.base + p.tokens
-	out := make([]guardSpan, 0, len(s.cfg.Buffers))
-	for _, buf := range s.cfg.Buffers {
-		for i, pg := range p.pages {
-			start := (firstPage + int64(i)) * ps
-			lo, hi := max(p.base, start)-start, min(end, start+ps)-start
-			if hi <= lo {
-				continue
+// initGuard sets up the guard's page table; the buffers must not overlap.
+func (s *Store) initGuard() error {
+	nb := int64(len(s.cfg.Buffers))
+	if nb == 0 {
+		return nil
+	}
+	if s.cfg.PageBytes%nb != 0 || s.cfg.PageBytes/nb%s.cfg.PageSize != 0 {
+		return fmt.Errorf("store: %d page bytes do not split into %d buffers of whole tokens (page size %d)", s.cfg.PageBytes, nb, s.cfg.PageSize)
+	}
+	s.gItem = uint64(s.cfg.PageBytes / nb)
+	s.gBufLen = s.gItem * uint64(s.cfg.PageCount)
+	bufs := slices.Clone(s.cfg.Buffers)
+	slices.Sort(bufs)
+	for i, b := range bufs {
+		if b+s.gBufLen < b || i > 0 && bufs[i-1]+s.gBufLen > b {
+			return fmt.Errorf("store: buffer at %#x overlaps another or wraps (%d bytes each)", b, s.gBufLen)
+		}
+	}
+	s.gbufs = bufs
+	if len(bufs) > 1 {
+		s.gStride = bufs[1] - bufs[0]
+		for i := 2; i < len(bufs) && s.gStride != 0; i++ {
+			if bufs[i]-bufs[i-1] != s.gStride {
+				s.gStride = 0
 			}
-			a := buf + uint64(pg)*itemLen + uint64(lo)*tb
-			z := buf + uint64(pg)*itemLen + uint64(hi)*tb
-			if n := len(out); n > 0 && out[n-1].hi == a {
-				out[n-1].hi = z
-				continue
-			}
-			out = append(out, guardSpan{lo: a, hi: z, res: res})
 		}
 	}
-	slices.SortFunc(out, func(a, b guardSpan) int {
-		switch {
-		case a.lo < b.lo:
-			return -1
-		case a.lo > b.lo:
-			return 1
-		}
-		return 0
-	})
-	j := 0
-	for i := 1; i < len(out); i++ {
-		if out[j].hi == out[i].lo {
-			out[j].hi = out[i].hi
-			continue
-		}
-		j++
-		out[j] = out[i]
-	}
-	if len(out) > 0 {
-		out = out[:j+1]
-	}
-	return out
+	s.gpages = make([]atomic.Pointer[pageGuard], s.cfg.PageCount)
+	return nil
 }
 
-// guardLocked makes a new reservation's token span writable.
+// guardLocked makes a new reservation's token span writable; its pages hold the token-pages
+// firstPage, firstPage+1, ...
 func (s *Store) guardLocked(p *pending, firstPage int64, writer string) {
 	if !s.guarded() {
 		return
@@ -114,48 +95,34 @@ func (s *Store) guardLocked(p *pending, firstPage int64, writer string) {
 	if writer != "" {
 		p.guard.peer.Store(&writer)
 	}
-	add := s.spansOf(p, firstPage, p.guard)
-	var cur []guardSpan
-	if t := s.guard.Load(); t != nil {
-		cur = t.spans
-	}
-	merged := make([]guardSpan, 0, len(cur)+len(add))
-	i, j := 0, 0
-	for i < len(cur) || j < len(add) {
-		if j == len(add) || i < len(cur) && cur[i].lo < add[j].lo {
-			merged = append(merged, cur[i])
-			i++
-		} else {
-			merged = append(merged, add[j])
-			j++
+	ps := s.cfg.PageSize
+	tb := s.gItem / uint64(ps)
+	end := p.base + p.tokens
+	for i, pg := range p.pages {
+		start := (firstPage + int64(i)) * ps
+		lo, hi := max(p.base, start)-start, min(end, start+ps)-start
+		if hi > lo {
+			s.gpages[pg].Store(&pageGuard{res: p.guard, lo: uint64(lo) * tb, hi: uint64(hi) * tb})
 		}
 	}
-	s.guard.Store(&guardTable{spans: merged})
 }
 
-// unguardLocked withdraws a reservation's writable span (commit, abort, expiry).
+// unguardLocked withdraws a reservation's writable bytes (commit, abort, expiry).
 func (s *Store) unguardLocked(p *pending) {
 	if p.guard == nil {
 		return
 	}
-	p.guard.revoked.Store(true)
-	t := s.guard.Load()
-	if t == nil {
-		return
-	}
-	kept := make([]guardSpan, 0, len(t.spans))
-	for _, sp := range t.spans {
-		if sp.res != p.guard {
-			kept = append(kept, sp)
+	for _, pg := range p.pages {
+		if g := s.gpages[pg].Load(); g != nil && g.res == p.guard {
+			s.gpages[pg].Store(nil)
 		}
 	}
-	s.guard.Store(&guardTable{spans: kept})
 }
 
-// CheckWrite is the store's rdma.WriteGuard: it allows peer to WRITE [addr, addr+n) only if the
-// range lies inside the reserved token span of one ingest in flight that no other peer has
-// written. A store without Config.Buffers allows everything. Safe for concurrent use; it takes
-// no lock.
+// CheckWrite is the store's rdma.WriteGuard: it allows peer to WRITE [addr, addr+n) only if every
+// byte lies inside the reserved token span of one ingest in flight that belongs to peer (the
+// writer named at ReserveFor, else the first peer that wrote into it). A store without
+// Config.Buffers allows everything. Safe for concurrent use; it takes no lock.
 func (s *Store) CheckWrite(peer string, addr, n uint64) error {
 	if !s.guarded() {
 		return nil
@@ -164,30 +131,57 @@ func (s *Store) CheckWrite(peer string, addr, n uint64) error {
 	if end <= addr {
 		return fmt.Errorf("store: write [%#x, +%d) is empty or wraps", addr, n)
 	}
-	if sp := s.lastHit.Load(); sp != nil && addr >= sp.lo && end <= sp.hi && !sp.res.revoked.Load() {
-		return sp.res.admit(peer)
-	}
-	var spans []guardSpan
-	if t := s.guard.Load(); t != nil {
-		spans = t.spans
-	}
-	// The first span starting after addr; the one before it is the only candidate.
-	i, j := 0, len(spans)
-	for i < j {
-		h := int(uint(i+j) >> 1)
-		if spans[h].lo <= addr {
-			i = h + 1
-		} else {
-			j = h
+	// The last buffer starting at or before addr: by division when the buffers are equally
+	// spaced (one arena), else by binary search.
+	bufs := s.gbufs
+	var i int
+	if s.gStride != 0 {
+		if addr >= bufs[0] {
+			i = int(min((addr-bufs[0])/s.gStride, uint64(len(bufs)-1))) + 1
+		}
+	} else {
+		j := len(bufs)
+		for i < j {
+			h := int(uint(i+j) >> 1)
+			if bufs[h] <= addr {
+				i = h + 1
+			} else {
+				j = h
+			}
 		}
 	}
-	if i == 0 || addr >= spans[i-1].hi {
-		return fmt.Errorf("store: write [%#x, +%d) is not inside the reserved token range of any ingest in flight (committed snapshots, free pages and tokens outside a reservation are read-only for peers)", addr, n)
+	if i == 0 || addr-bufs[i-1] >= s.gBufLen {
+		return s.notReserved(addr, n)
 	}
-	sp := &spans[i-1]
-	if end > sp.hi {
-		return fmt.Errorf("store: write [%#x, +%d) runs past the reserved token range of ingest %d (session %s)", addr, n, sp.res.id, sp.res.session)
+	off := addr - bufs[i-1]
+	item := s.gItem
+	p0, p1 := off/item, (off+n-1)/item
+	if p1 >= uint64(len(s.gpages)) {
+		return fmt.Errorf("store: write [%#x, +%d) runs past the end of a store buffer", addr, n)
 	}
-	s.lastHit.Store(sp)
-	return sp.res.admit(peer)
+	var res *guardRes
+	for pg := p0; pg <= p1; pg++ {
+		g := s.gpages[pg].Load()
+		from, to := uint64(0), item
+		if pg == p0 {
+			from = off - pg*item
+		}
+		if pg == p1 {
+			to = off + n - pg*item
+		}
+		switch {
+		case g == nil || from < g.lo || from >= g.hi:
+			return s.notReserved(addr, n)
+		case pg > p0 && g.res != res:
+			return fmt.Errorf("store: write [%#x, +%d) crosses from ingest %d into ingest %d", addr, n, res.id, g.res.id)
+		case to > g.hi:
+			return fmt.Errorf("store: write [%#x, +%d) runs past the reserved token range of ingest %d (session %s)", addr, n, g.res.id, g.res.session)
+		}
+		res = g.res
+	}
+	return res.admit(peer)
+}
+
+func (s *Store) notReserved(addr, n uint64) error {
+	return fmt.Errorf("store: write [%#x, +%d) is not inside the reserved token range of any ingest in flight (committed snapshots, free pages and tokens outside a reservation are read-only for peers)", addr, n)
 }

@@ -1,6 +1,7 @@
 package store
 
 import (
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -16,7 +17,7 @@ func gAddr(b int, pg, tok int64) uint64 { return gBufs[b] + uint64(pg*gItem+tok*
 
 func newGuardedStore(t *testing.T, now func() time.Time) *Store {
 	t.Helper()
-	s, err := New(Config{PageSize: gPS, PageBytes: 2 * gItem, PageCount: 16, Buffers: gBufs, Now: now, ReserveTimeout: time.Second})
+	s, err := New(Config{PageSize: gPS, PageBytes: int64(len(gBufs)) * gItem, PageCount: 16, Buffers: gBufs, Now: now, ReserveTimeout: time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -90,8 +91,10 @@ func TestWriteGuard(t *testing.T) {
 			tt.afterward()
 		}
 	}
-	if tb := s.guard.Load(); tb == nil || len(tb.spans) != 0 {
-		t.Fatalf("spans left with nothing in flight: %+v", tb)
+	for pg := range s.gpages {
+		if g := s.gpages[pg].Load(); g != nil {
+			t.Fatalf("page %d still writable with nothing in flight: %+v", pg, g)
+		}
 	}
 
 	// An expired reservation is no longer writable.
@@ -109,9 +112,19 @@ func TestWriteGuard(t *testing.T) {
 	}
 }
 
-// TestWriteGuardSpans checks the writable ranges of reservations against a byte map built token
-// by token.
+// TestWriteGuardSpans checks the writable bytes of reservations against a byte map built token
+// by token, with equally spaced buffers (found by division) and with buffers in no order, two of
+// them back to back (found by binary search).
 func TestWriteGuardSpans(t *testing.T) {
+	saved := gBufs
+	defer func() { gBufs = saved }()
+	for _, bufs := range [][]uint64{saved, {0x380000, 0x100000 + 16*gItem, 0x300000, 0x100000}} {
+		gBufs = bufs
+		t.Run(fmt.Sprintf("%d buffers", len(bufs)), testWriteGuardSpans)
+	}
+}
+
+func testWriteGuardSpans(t *testing.T) {
 	s := newGuardedStore(t, nil)
 	mustIngest(t, s, "x", 1, 0, 3)  // page 0 holds tokens 0..2
 	mustIngest(t, s, "y", 1, 0, 4)  // a page between
@@ -130,7 +143,7 @@ func TestWriteGuardSpans(t *testing.T) {
 		}
 	}
 	for b := range gBufs {
-		for a := gBufs[b]; a < gBufs[b]+16*gItem; a++ {
+		for a := gBufs[b] - 1; a < gBufs[b]+16*gItem+1; a++ {
 			if got := s.CheckWrite("p", a, 1) == nil; got != writable[a] {
 				t.Fatalf("byte %#x: writable %v, want %v", a, got, writable[a])
 			}

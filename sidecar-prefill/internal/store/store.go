@@ -102,17 +102,19 @@ type Store struct {
 	nextID   uint64
 	pinsByID map[string]int // pins taken by PushSnapshot commands before the offer arrives
 
-	guard   atomic.Pointer[guardTable] // writable ranges (guard.go)
-	lastHit atomic.Pointer[guardSpan]
+	// The write guard (guard.go): buffer start addresses sorted, bytes of a page per buffer and of
+	// a buffer, and per store page its writable bytes.
+	gbufs   []uint64
+	gItem   uint64
+	gBufLen uint64
+	gStride uint64 // distance between consecutive buffers when they are equally spaced, else 0
+	gpages  []atomic.Pointer[pageGuard]
 }
 
 // New builds an empty store.
 func New(cfg Config) (*Store, error) {
 	if cfg.PageSize <= 0 || cfg.PageBytes <= 0 || cfg.PageCount <= 0 {
 		return nil, fmt.Errorf("store: bad geometry (page size %d, page bytes %d, pages %d)", cfg.PageSize, cfg.PageBytes, cfg.PageCount)
-	}
-	if nb := int64(len(cfg.Buffers)); nb > 0 && (cfg.PageBytes%nb != 0 || cfg.PageBytes/nb%cfg.PageSize != 0) {
-		return nil, fmt.Errorf("store: %d page bytes do not split into %d buffers of whole tokens (page size %d)", cfg.PageBytes, nb, cfg.PageSize)
 	}
 	if cfg.ReserveTimeout <= 0 {
 		cfg.ReserveTimeout = 30 * time.Second
@@ -124,6 +126,9 @@ func New(cfg Config) (*Store, error) {
 		entries: map[string]*Entry{}, lru: list.New(), pend: map[uint64]*pending{}, bySess: map[string]uint64{}}
 	for i := range s.free {
 		s.free[i] = true
+	}
+	if err := s.initGuard(); err != nil {
+		return nil, err
 	}
 	return s, nil
 }
