@@ -17,8 +17,8 @@ import (
 // The writable bytes are kept per store page: one atomic pointer per page to {reservation, byte
 // range within the page} (the same in every buffer), set (under the store lock) when a
 // reservation starts and cleared when it ends. CheckWrite takes no lock and writes nothing
-// shared: a binary search over the buffers' start addresses (2·layers of them), then one atomic
-// load per page the write touches.
+// shared: the buffer by division (equally spaced buffers) or binary search over their start
+// addresses, then one atomic load per page the write touches.
 
 // guardRes is the guard's view of one reservation.
 type guardRes struct {
