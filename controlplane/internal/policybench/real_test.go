@@ -1,0 +1,230 @@
+package policybench
+
+import (
+	"context"
+	"fmt"
+	"runtime"
+	"testing"
+	"time"
+
+	"github.com/rs/zerolog"
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.etcd.io/etcd/client/v3/concurrency"
+	"golang.org/x/sync/errgroup"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/kvcentric/kvcentric/controlplane/internal/state"
+	"github.com/kvcentric/kvcentric/pkg/etcdtest"
+	"github.com/kvcentric/kvcentric/pkg/kvstore"
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+// realEnv is the control plane's real leader path: a state.State leading under a fence won
+// on an embedded etcd (its batcher flushing to it), with 8 P and 32 D attached the way the
+// sidecar service attaches them and their residency reported the way sidecars report it.
+type realEnv struct {
+	cli   *clientv3.Client
+	store *kvstore.Store
+	st    *state.State
+	term  *state.Term
+	fence kvstore.Fence
+	ids   []string
+	setup time.Duration // attach + reconcile + flush of the 100,000 sessions
+}
+
+// lead campaigns on store's election prefix and makes a new State lead under the won fence.
+// The election session and the term end with tb's cleanup.
+func lead(tb testing.TB, store *kvstore.Store, node string) (*state.State, *state.Term, kvstore.Fence) {
+	tb.Helper()
+	sess, err := concurrency.NewSession(store.Client(), concurrency.WithTTL(30))
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { _ = sess.Close() })
+	el := concurrency.NewElection(sess, store.ElectionPrefix())
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	if err := el.Campaign(ctx, node); err != nil {
+		tb.Fatal(err)
+	}
+	fence := kvstore.Fence{Key: el.Key(), Rev: el.Rev()}
+	st := state.New(state.Config{NodeID: node, Store: store, Log: zerolog.Nop()})
+	term, err := st.Lead(ctx, fence)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { st.EndTerm(term) })
+	return st, term, fence
+}
+
+// serveCommands plays the sidecar end of a stream's command queue: every command is acked
+// (as a sidecar acks a command it accepted) until the state closes the stream.
+func serveCommands(st *state.State, s *state.Stream) {
+	for {
+		select {
+		case <-s.Done():
+			return
+		case m := <-s.Queue():
+			if c := m.GetCommand(); c != nil {
+				st.Ack(s, &kvcv1.CommandAck{CommandId: c.GetCommandId(), Ok: true})
+			}
+		}
+	}
+}
+
+// newRealEnv starts etcd (removed by tb's cleanup), leads, attaches the workers, reports
+// their load and their 100,000 resident sessions (D) and snapshots (P), and waits until
+// every record is in etcd.
+func newRealEnv(tb testing.TB) *realEnv {
+	tb.Helper()
+	c := etcdtest.Start(tb)
+	cli := c.Client(tb)
+	store, err := kvstore.New(cli, kvstore.WithPrefix("/bench/"))
+	if err != nil {
+		tb.Fatal(err)
+	}
+	st, term, fence := lead(tb, store, "cp-bench")
+	env := &realEnv{cli: cli, store: store, st: st, term: term, fence: fence}
+	start := time.Now()
+	attach := func(h *kvcv1.Hello) *state.Stream {
+		s, err := st.Attach(h)
+		if err != nil {
+			tb.Fatalf("attach %s: %v", h.WorkerId, err)
+		}
+		go serveCommands(st, s)
+		return s
+	}
+	ps := make([]*state.Stream, numP)
+	for i := range numP {
+		id := fmt.Sprintf("p%d", i)
+		ps[i] = attach(&kvcv1.Hello{WorkerId: id, Role: kvcv1.WorkerRole_WORKER_ROLE_PREFILL, Node: "n" + id,
+			WorkerUrl: "http://" + id, PeerAddr: id + ":7000", TransferEndpoint: id + ":7001", Transport: "tcp"})
+	}
+	ds := make([]*state.Stream, numD)
+	for i := range numD {
+		id := fmt.Sprintf("d%02d", i)
+		ds[i] = attach(&kvcv1.Hello{WorkerId: id, Role: kvcv1.WorkerRole_WORKER_ROLE_DECODE, Node: "n" + id,
+			WorkerUrl: "http://" + id, PeerAddr: id + ":7000", TransferEndpoint: id + ":7001", Transport: "tcp",
+			KvCapacityTokens: dCapacity})
+	}
+	used := make([]int64, numD)
+	dRep := make([]*kvcv1.ResidentSessions, numD)
+	pRep := make([]*kvcv1.ResidentSessions, numP)
+	for i := range dRep {
+		dRep[i] = &kvcv1.ResidentSessions{FullSync: true}
+	}
+	for i := range pRep {
+		pRep[i] = &kvcv1.ResidentSessions{FullSync: true}
+	}
+	env.ids = make([]string, numSessions)
+	for i := range numSessions {
+		id := fmt.Sprintf("sess-%06d", i)
+		env.ids[i] = id
+		d, kv := i%numD, int64(2000+i%4000)
+		used[d] += kv
+		dRep[d].Sessions = append(dRep[d].Sessions, &kvcv1.ResidentSession{SessionId: id, KvCommittedLen: kv, Generation: 1})
+		pRep[i%numP].Snapshots = append(pRep[i%numP].Snapshots, &kvcv1.SnapshotHeld{SessionId: id, Seqlen: kv, Generation: 1,
+			Bytes: kv * 98_304})
+	}
+	for i, s := range ds {
+		if err := st.Reconcile(s, dRep[i]); err != nil {
+			tb.Fatal(err)
+		}
+		if err := st.ApplyLoad(s, &kvcv1.WorkerLoad{UsedTokens: used[i]}); err != nil {
+			tb.Fatal(err)
+		}
+	}
+	for i, s := range ps {
+		if err := st.Reconcile(s, pRep[i]); err != nil {
+			tb.Fatal(err)
+		}
+		if err := st.ApplyLoad(s, &kvcv1.WorkerLoad{SnapshotBytesCapacity: 1 << 40}); err != nil {
+			tb.Fatal(err)
+		}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	if err := st.Flush(ctx); err != nil {
+		tb.Fatal(err)
+	}
+	env.setup = time.Since(start)
+	if n := st.SessionCount(); n != numSessions {
+		tb.Fatalf("state holds %d sessions, want %d", n, numSessions)
+	}
+	return env
+}
+
+// stateMemory writes n realistic session records into etcd under their own prefix (as a
+// previous leader's batcher left them), then measures the heap a new State leader holds
+// after loading them (runtime.MemStats HeapAlloc after GC, before and after Lead). The etcd
+// member runs in this process: its own memory grows while the records are written, before
+// the first reading, and is not counted.
+func stateMemory(tb testing.TB, cli *clientv3.Client, n int) (total uint64, loaded int, loadTime time.Duration) {
+	tb.Helper()
+	store, err := kvstore.New(cli, kvstore.WithPrefix("/bench-mem/"))
+	if err != nil {
+		tb.Fatal(err)
+	}
+	sess, err := concurrency.NewSession(cli, concurrency.WithTTL(30))
+	if err != nil {
+		tb.Fatal(err)
+	}
+	defer func() { _ = sess.Close() }()
+	el := concurrency.NewElection(sess, store.ElectionPrefix())
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	if err := el.Campaign(ctx, "cp-mem"); err != nil {
+		tb.Fatal(err)
+	}
+	fence := kvstore.Fence{Key: el.Key(), Rev: el.Rev()}
+	now := time.Now().UnixMilli()
+	const perTxn = kvstore.DefaultMaxOps
+	g, gctx := errgroup.WithContext(ctx)
+	g.SetLimit(4)
+	for lo := 0; lo < n; lo += perTxn {
+		hi := min(lo+perTxn, n)
+		g.Go(func() error {
+			ops := make([]kvstore.Op, 0, hi-lo)
+			for i := lo; i < hi; i++ {
+				id := fmt.Sprintf("agent-run-%08d-session-%06d", i/7, i)
+				b, err := proto.Marshal(&kvcv1.SessionRecord{
+					SessionId: id, DecodeWorker: fmt.Sprintf("d%02d", i%numD),
+					KvCommittedLen: int64(1000 + i%90_000), Turn: int32(i % 50), LastSeenUnixMs: now, CreatedUnixMs: now,
+					Epoch: fence.Rev, Generation: 3,
+					Snapshot: &kvcv1.SnapshotInfo{PrefillWorker: fmt.Sprintf("p%d", i%numP), Seqlen: int64(1000 + i%90_000),
+						Generation: 3, UpdatedUnixMs: now, Bytes: int64(1000+i%90_000) * 98_304},
+				})
+				if err != nil {
+					return err
+				}
+				ops = append(ops, kvstore.Op{Key: store.SessionKey(id), Value: b})
+			}
+			return store.Apply(gctx, fence, ops)
+		})
+	}
+	if err := g.Wait(); err != nil {
+		tb.Fatal(err)
+	}
+	st := state.New(state.Config{NodeID: "cp-mem", Store: store, Log: zerolog.Nop()})
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	start := time.Now()
+	term, err := st.Lead(ctx, fence)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	loadTime = time.Since(start)
+	runtime.GC()
+	runtime.ReadMemStats(&after)
+	loaded = st.SessionCount()
+	st.EndTerm(term)
+	if after.HeapAlloc > before.HeapAlloc {
+		total = after.HeapAlloc - before.HeapAlloc
+	}
+	// Leave etcd small again for whatever runs next in this process.
+	if _, err := cli.Delete(ctx, store.Prefix(), clientv3.WithPrefix()); err != nil {
+		tb.Fatal(err)
+	}
+	return total, loaded, loadTime
+}
