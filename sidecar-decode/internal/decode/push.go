@@ -172,7 +172,9 @@ func (s *Sidecar) pushOnce(ctx context.Context, pool *agent.Pool, job pushJob, p
 	}
 	t0 := time.Now()
 	res, err := c.ReserveSnapshot(rpcCtx, &kvcv1.ReserveSnapshotRequest{SessionId: job.session, Generation: job.gen, BaseLen: job.base,
-		Tokens: job.end - job.base, SourceWorkerId: s.cfg.WorkerID, SourceLayout: pool.Layout()})
+		Tokens: job.end - job.base, SourceWorkerId: s.cfg.WorkerID, SourceLayout: pool.Layout(),
+		// binds the reservation to this engine: the store's write guard refuses other writers
+		SourceTransferEndpoint: s.eng.SegmentName()})
 	if err != nil {
 		return 0, 0, fmt.Errorf("reserve: %w", err)
 	}
