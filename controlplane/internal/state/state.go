@@ -198,7 +198,9 @@ func (s *State) getOrCreateLocked(id string) *kvcv1.SessionRecord {
 	rec, ok := s.sessions[id]
 	if !ok {
 		now := time.Now().UnixMilli()
-		rec = &kvcv1.SessionRecord{SessionId: id, CreatedUnixMs: now, LastSeenUnixMs: now}
+		// last_seen stays 0 until a request is routed (idle expiry falls back to created): the
+		// router reads a record never seen as turn 0.
+		rec = &kvcv1.SessionRecord{SessionId: id, CreatedUnixMs: now}
 		s.sessions[id] = rec
 		s.nSessions.Add(1)
 	}

@@ -83,7 +83,15 @@ func TestSessionsPersistAndClone(t *testing.T) {
 	if st.Epoch() == 0 || !st.Leading() {
 		t.Fatal("not leading after Lead")
 	}
-	st.UpdateSession("s1", func(r *kvcv1.SessionRecord) { r.DecodeWorker = "d0"; r.Turn = 3 })
+	var seenAtCreate int64 = -1
+	st.UpdateSession("s1", func(r *kvcv1.SessionRecord) {
+		seenAtCreate = r.LastSeenUnixMs
+		r.DecodeWorker = "d0"
+		r.Turn = 3
+	})
+	if seenAtCreate != 0 {
+		t.Fatalf("a new record has last_seen %d; the router would read it as already seen (turn 1)", seenAtCreate)
+	}
 	got, ok := st.Session("s1")
 	if !ok || got.GetDecodeWorker() != "d0" || got.GetEpoch() != st.Epoch() || got.GetCreatedUnixMs() == 0 {
 		t.Fatalf("session %v", got)
