@@ -21,6 +21,8 @@ PROTOC_GEN_GO_GRPC_VERSION := v1.6.0
 BUF_VERSION := v1.75.0
 GRPCURL_VERSION := v1.9.3
 
+
+.PHONY: grpcurl
 .PHONY: all build test test-short lint fmt proto proto-check tools demo bench bench-transfer bench-policy bench-gpu test-mooncake tidy clean
 
 all: build
@@ -67,6 +69,9 @@ $(BIN)/buf:
 	GOBIN=$(BIN) $(GO) install github.com/bufbuild/buf/cmd/buf@$(BUF_VERSION)
 $(BIN)/grpcurl:
 	GOBIN=$(BIN) $(GO) install github.com/fullstorydev/grpcurl/cmd/grpcurl@$(GRPCURL_VERSION)
+
+## grpcurl: the pinned grpcurl into bin/ (for the operations and routing docs' examples)
+grpcurl: $(BIN)/grpcurl
 
 ## proto: lint and regenerate proto/kvc/v1 (generated code is committed)
 proto: tools
