@@ -3,16 +3,19 @@ package policybench
 import (
 	"context"
 	"fmt"
+	"math/rand/v2"
 	"runtime"
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/rs/zerolog"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.etcd.io/etcd/client/v3/concurrency"
 	"golang.org/x/sync/errgroup"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/kvcentric/kvcentric/controlplane/internal/router"
 	"github.com/kvcentric/kvcentric/controlplane/internal/state"
 	"github.com/kvcentric/kvcentric/pkg/etcdtest"
 	"github.com/kvcentric/kvcentric/pkg/kvstore"
@@ -25,11 +28,32 @@ import (
 type realEnv struct {
 	cli   *clientv3.Client
 	store *kvstore.Store
+	reg   *prometheus.Registry // the store's metrics
 	st    *state.State
 	term  *state.Term
 	fence kvstore.Fence
 	ids   []string
 	setup time.Duration // attach + reconcile + flush of the 100,000 sessions
+}
+
+// writes returns the operations and the Txns the store has written to etcd so far.
+func (e *realEnv) writes(tb testing.TB) (ops, txns float64) {
+	tb.Helper()
+	mfs, err := e.reg.Gather()
+	if err != nil {
+		tb.Fatal(err)
+	}
+	for _, mf := range mfs {
+		for _, m := range mf.GetMetric() {
+			switch mf.GetName() {
+			case "kvc_kvstore_ops_total":
+				ops += m.GetCounter().GetValue()
+			case "kvc_kvstore_txns_total":
+				txns += m.GetCounter().GetValue()
+			}
+		}
+	}
+	return ops, txns
 }
 
 // lead campaigns on store's election prefix and makes a new State lead under the won fence.
@@ -79,12 +103,13 @@ func newRealEnv(tb testing.TB) *realEnv {
 	tb.Helper()
 	c := etcdtest.Start(tb)
 	cli := c.Client(tb)
-	store, err := kvstore.New(cli, kvstore.WithPrefix("/bench/"))
+	reg := prometheus.NewRegistry()
+	store, err := kvstore.New(cli, kvstore.WithPrefix("/bench/"), kvstore.WithRegisterer(reg))
 	if err != nil {
 		tb.Fatal(err)
 	}
 	st, term, fence := lead(tb, store, "cp-bench")
-	env := &realEnv{cli: cli, store: store, st: st, term: term, fence: fence}
+	env := &realEnv{cli: cli, store: store, reg: reg, st: st, term: term, fence: fence}
 	start := time.Now()
 	attach := func(h *kvcv1.Hello) *state.Stream {
 		s, err := st.Attach(h)
@@ -227,4 +252,22 @@ func stateMemory(tb testing.TB, cli *clientv3.Client, n int) (total uint64, load
 		tb.Fatal(err)
 	}
 	return total, loaded, loadTime
+}
+
+// BenchmarkRealHandle is one query and its outcome through Service.Handle on the real leader
+// (state.State under a fence, batcher flushing to embedded etcd), for profiling
+// (go test -bench RealHandle -cpuprofile cpu.out).
+func BenchmarkRealHandle(b *testing.B) {
+	env := newRealEnv(b)
+	s := router.New(env.st, zerolog.Nop(), nil)
+	w := &workload{ids: env.ids, rng: rand.New(rand.NewPCG(1, 2))}
+	reqs := make([]*kvcv1.RouteRequest, 4096)
+	for i := range reqs {
+		reqs[i] = wrapQ(w.query(i))
+	}
+	b.ResetTimer()
+	for i := range b.N {
+		id := s.Handle(reqs[i%len(reqs)]).GetDecision().GetDecisionId()
+		s.Handle(wrapO(id))
+	}
 }
