@@ -7,6 +7,7 @@ import (
 	"net"
 	"runtime"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -61,6 +62,41 @@ func cluster() (*routertest.Cluster, []string) {
 	return c, ids
 }
 
+// loadEvery is how often every worker reports its load (a sidecar reports about once a
+// second); each report lets the router drop the tokens it settled before it.
+const loadEvery = time.Second
+
+// reportLoads calls report every loadEvery until the returned stop is called.
+func reportLoads(report func()) (stop func()) {
+	done := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		t := time.NewTicker(loadEvery)
+		defer t.Stop()
+		for {
+			select {
+			case <-done:
+				return
+			case <-t.C:
+				report()
+			}
+		}
+	}()
+	return func() { close(done); wg.Wait() }
+}
+
+// fakeReport refreshes every worker's heartbeat in the fake cluster (load unchanged: steady state).
+func fakeReport(c *routertest.Cluster) func() {
+	return func() {
+		now := time.Now().UnixMilli()
+		for _, w := range c.Workers() {
+			c.UpdateWorker(w.WorkerId, func(w *kvcv1.Worker) { w.LastHeartbeatUnixMs = now })
+		}
+	}
+}
+
 // workload: the trace's mix — mostly direct-to-D appends of resident sessions, some new
 // sessions, some large appends.
 type workload struct {
@@ -99,7 +135,7 @@ func inProcess(s *router.Service, w *workload, n int) (nsPerDecision float64, mo
 	modes = map[string]int{}
 	const batch = 1000
 	reqs := make([]*kvcv1.RouteRequest, batch)
-	ids := make([]string, batch)
+	decs := make([]*kvcv1.RouteDecision, batch)
 	var total time.Duration
 	for done := 0; done < n; done += batch {
 		for i := range reqs {
@@ -107,14 +143,15 @@ func inProcess(s *router.Service, w *workload, n int) (nsPerDecision float64, mo
 		}
 		start := time.Now()
 		for i, r := range reqs {
-			ids[i] = s.Handle(r).GetDecision().GetDecisionId()
+			decs[i] = s.Handle(r).GetDecision()
 		}
 		total += time.Since(start)
-		for i, id := range ids {
-			if id == "" {
+		for i, d := range decs {
+			if d.GetDecisionId() == "" {
 				panic(fmt.Sprintf("query %v got no decision", reqs[i]))
 			}
-			resp := s.Handle(wrapO(id))
+			modes[router.ModeName(d.GetMode())+"/"+router.ReasonName(d.GetReason())]++
+			resp := s.Handle(wrapO(d.GetDecisionId()))
 			if resp.GetOutcomeAck() == nil {
 				panic(fmt.Sprint(resp))
 			}
@@ -242,6 +279,22 @@ func overStream(b *testing.B, s *router.Service, w *workload, n, window int) (pe
 	return float64(n) / elapsed.Seconds(), lat[len(lat)*99/100]
 }
 
+// modeMix formats a count of decisions by mode as percentages, modes in name order.
+func modeMix(m map[string]int) string {
+	total := 0
+	names := make([]string, 0, len(m))
+	for k, n := range m {
+		total += n
+		names = append(names, k)
+	}
+	slices.Sort(names)
+	parts := make([]string, len(names))
+	for i, k := range names {
+		parts[i] = fmt.Sprintf("%s %.1f%%", k, 100*float64(m[k])/float64(total))
+	}
+	return strings.Join(parts, ", ")
+}
+
 // BenchmarkPolicy is `make bench-policy`. It prints, in order: the fake-cluster lines
 // (routertest.Cluster: the policy and the router's ledger with no state behind them), the
 // memory of 1,000,000 sessions held by a real state.State leader, and last the headline
@@ -252,17 +305,21 @@ func BenchmarkPolicy(b *testing.B) {
 	// Fake cluster: isolates the policy and the router from the state.
 	c, ids := cluster()
 	fs := router.New(c, zerolog.Nop(), nil)
+	fakeReport(c)()
+	stopFake := reportLoads(fakeReport(c))
 	fw := &workload{ids: ids, rng: rand.New(rand.NewPCG(1, 2))}
 	inProcess(fs, fw, 20_000) // warm up
-	fakeNs, _ := inProcess(fs, fw, 100_000)
+	fakeNs, fakeModes := inProcess(fs, fw, 100_000)
 	pure := pureDecide(c, fw, 100_000)
 	fakePerSec, fakeP99 := overStream(b, router.New(c, zerolog.Nop(), nil), fw, 100_000, streamWindow)
+	stopFake()
 	c, fs = nil, nil
 	runtime.GC()
 
 	// Real leader path.
 	env := newRealEnv(b)
 	rs := router.New(env.st, zerolog.Nop(), nil)
+	stopReal := reportLoads(env.report)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	go func() { _ = rs.Run(ctx) }()
@@ -274,11 +331,12 @@ func BenchmarkPolicy(b *testing.B) {
 		b.Fatal(err)
 	}
 	ops0, txns0 := env.writes(b)
-	ns, _ := inProcess(rs, w, realQueries)
+	ns, realModes := inProcess(rs, w, realQueries)
 	perSec, p99 := overStream(b, rs, w, realQueries, streamWindow)
 	if err := env.st.Flush(fctx); err != nil { // every change of the run reached etcd under the fence
 		b.Fatal(err)
 	}
+	stopReal()
 	ops1, txns1 := env.writes(b)
 	sessions := env.st.SessionCount()
 
@@ -297,6 +355,7 @@ func BenchmarkPolicy(b *testing.B) {
 		pure, fakeNs, fakePerSec, fakeP99.Microseconds())
 	fmt.Printf("policy-detail: real leader: state.State under an etcd fence, write-behind batcher; 8 P, 32 D attached, %d resident sessions reported (setup+flush %.1f s, %d sessions after the run); %d CPUs\n",
 		numSessions, env.setup.Seconds(), sessions, runtime.GOMAXPROCS(0))
+	fmt.Printf("policy-detail: decisions in process: fake cluster %s; real leader %s\n", modeMix(fakeModes), modeMix(realModes))
 	fmt.Printf("policy-detail: real leader wrote %.0f records to etcd in %.0f fenced Txns for the %d timed decisions (in process and over the stream) with their outcomes: %.2f writes/decision\n",
 		ops1-ops0, txns1-txns0, 2*realQueries, (ops1-ops0)/float64(2*realQueries))
 	fmt.Printf("policy-detail: Route stream: %d queries (fake: %d) pipelined (at most %d unanswered), each outcome reported on the same stream; grpcx server on 127.0.0.1:0\n",

@@ -34,6 +34,8 @@ type realEnv struct {
 	fence kvstore.Fence
 	ids   []string
 	setup time.Duration // attach + reconcile + flush of the 100,000 sessions
+	// report sends every worker's load report once (a sidecar sends one every loadEvery).
+	report func()
 }
 
 // writes returns the operations and the Txns the store has written to etcd so far.
@@ -151,11 +153,22 @@ func newRealEnv(tb testing.TB) *realEnv {
 		pRep[i%numP].Snapshots = append(pRep[i%numP].Snapshots, &kvcv1.SnapshotHeld{SessionId: id, Seqlen: kv, Generation: 1,
 			Bytes: kv * 98_304})
 	}
+	// Steady state: each D's KV usage stays where it is (evictions balance growth), so its
+	// reports carry the same figure; what the router settled since is pruned by each report.
+	env.report = func() {
+		for i, s := range ds {
+			if err := st.ApplyLoad(s, &kvcv1.WorkerLoad{UsedTokens: used[i]}); err != nil {
+				panic(err)
+			}
+		}
+		for _, s := range ps {
+			if err := st.ApplyLoad(s, &kvcv1.WorkerLoad{SnapshotBytesCapacity: 1 << 40}); err != nil {
+				panic(err)
+			}
+		}
+	}
 	for i, s := range ds {
 		if err := st.Reconcile(s, dRep[i]); err != nil {
-			tb.Fatal(err)
-		}
-		if err := st.ApplyLoad(s, &kvcv1.WorkerLoad{UsedTokens: used[i]}); err != nil {
 			tb.Fatal(err)
 		}
 	}
@@ -163,10 +176,8 @@ func newRealEnv(tb testing.TB) *realEnv {
 		if err := st.Reconcile(s, pRep[i]); err != nil {
 			tb.Fatal(err)
 		}
-		if err := st.ApplyLoad(s, &kvcv1.WorkerLoad{SnapshotBytesCapacity: 1 << 40}); err != nil {
-			tb.Fatal(err)
-		}
 	}
+	env.report()
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
 	if err := st.Flush(ctx); err != nil {
