@@ -271,6 +271,7 @@ func stateMemory(tb testing.TB, cli *clientv3.Client, n int) (total uint64, load
 func BenchmarkRealHandle(b *testing.B) {
 	env := newRealEnv(b)
 	s := router.New(env.st, zerolog.Nop(), nil)
+	defer reportLoads(env.report)()
 	w := &workload{ids: env.ids, rng: rand.New(rand.NewPCG(1, 2))}
 	reqs := make([]*kvcv1.RouteRequest, 4096)
 	for i := range reqs {
