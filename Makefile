@@ -84,8 +84,8 @@ proto-check: proto
 
 ## demo: the main job — local cluster, E1/E3/E4 on the built-in workload, report in out/demo/
 demo: build
-	$(BIN)/kvc-bench --local --bin-dir $(BIN) --arms E1,E3,E4 --time-scale 0.4 --sim-args "--page-size 64" \
-		--decode-capacity-tokens 84000 --out out/demo
+	$(BIN)/kvc-bench --local --bin-dir $(BIN) --arms E1,E3,E4 --time-scale 0.4 --sim-args "--page-size 64 --prealloc-wait 20s" \
+		--decode-capacity-tokens 88000 --out out/demo
 
 ## bench-transfer: pkg/rdma tcp backend vs a raw socket copy
 bench-transfer:
