@@ -27,6 +27,7 @@ type Options struct {
 	UnreachableGrace       time.Duration
 	SessionTTL             time.Duration
 	FlushDelay             time.Duration
+	VolatileFlush          time.Duration
 	ShutdownGrace          time.Duration
 	EtcdDialTimeout        time.Duration
 	ReadyFile              string
@@ -52,6 +53,7 @@ func NewOptions() *Options {
 		UnreachableGrace:       30 * time.Second,
 		SessionTTL:             24 * time.Hour,
 		FlushDelay:             50 * time.Millisecond,
+		VolatileFlush:          2 * time.Second,
 		ShutdownGrace:          5 * time.Second,
 		EtcdDialTimeout:        5 * time.Second,
 		LogLevel:               "info",
@@ -74,6 +76,7 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 	fs.DurationVar(&o.UnreachableGrace, "unreachable-grace", o.UnreachableGrace, "default unreachable_grace_ms: an unreachable worker's residency is dropped after this")
 	fs.DurationVar(&o.SessionTTL, "session-ttl", o.SessionTTL, "default session_ttl_ms: idle sessions expire after this")
 	fs.DurationVar(&o.FlushDelay, "flush-delay", o.FlushDelay, "write-behind delay: every change reaches etcd within about this long")
+	fs.DurationVar(&o.VolatileFlush, "volatile-flush", o.VolatileFlush, "how often changes to a session's volatile fields only (turn, last_seen, kv_committed_len, d_rejects) are persisted; residency changes are written at once (0: write every change at once)")
 	fs.DurationVar(&o.ShutdownGrace, "shutdown-grace", o.ShutdownGrace, "how long a stop waits for calls to finish")
 	fs.DurationVar(&o.EtcdDialTimeout, "etcd-dial-timeout", o.EtcdDialTimeout, "etcd dial timeout")
 	fs.StringVar(&o.ReadyFile, "ready-file", o.ReadyFile, "write a JSON ready file here once serving")
@@ -163,6 +166,7 @@ func (o *Options) Validate() error {
 		errs = append(errs, fmt.Errorf("--session-ttl %s must be at least 1s", o.SessionTTL))
 	}
 	pos("--flush-delay", o.FlushDelay, false)
+	pos("--volatile-flush", o.VolatileFlush, true)
 	pos("--shutdown-grace", o.ShutdownGrace, false)
 	pos("--etcd-dial-timeout", o.EtcdDialTimeout, false)
 	switch o.LogFormat {

@@ -133,6 +133,7 @@ func Run(ctx context.Context, opts *Options, log zerolog.Logger) error {
 	st := state.New(state.Config{
 		NodeID: opts.NodeID, Store: store, Log: log, Reg: reg,
 		SessionTTL: opts.SessionTTL, UnreachableGrace: opts.UnreachableGrace, FlushDelay: opts.FlushDelay,
+		VolatileFlush: volatileFlush(opts.VolatileFlush),
 	})
 	el, err := election.New(election.Config{
 		Client: cli, Prefix: store.ElectionPrefix(), NodeID: opts.NodeID, Addr: advertise,
@@ -205,4 +206,13 @@ func Run(ctx context.Context, opts *Options, log zerolog.Logger) error {
 	err = g.Wait()
 	_, _ = obs.SdNotify("STOPPING=1")
 	return err
+}
+
+// volatileFlush maps --volatile-flush to state.Config.VolatileFlush (0 there is the default;
+// the flag's 0 means "write every change at once").
+func volatileFlush(d time.Duration) time.Duration {
+	if d == 0 {
+		return -1
+	}
+	return d
 }

@@ -24,6 +24,7 @@ type Term struct {
 	done    chan struct{} // batcher.Run returned
 	deposed chan struct{} // closed when a write was fenced off
 	sweeper chan struct{} // sweeper returned
+	flusher chan struct{} // volatile flusher returned
 }
 
 // Fence returns the term's fencing token.
@@ -52,6 +53,7 @@ func (s *State) Lead(ctx context.Context, fence kvstore.Fence) (*Term, error) {
 		done:    make(chan struct{}),
 		deposed: make(chan struct{}),
 		sweeper: make(chan struct{}),
+		flusher: make(chan struct{}),
 	}
 	s.SetStoredPolicy(snap.Policy)
 
@@ -97,16 +99,24 @@ func (s *State) Lead(ctx context.Context, fence kvstore.Fence) (*Term, error) {
 		defer close(t.sweeper)
 		s.sweep(tctx)
 	}()
+	go func() {
+		defer close(t.flusher)
+		s.flushVolatile(tctx)
+	}()
 	s.m.loadSeconds.Set(time.Since(start).Seconds())
 	s.log.Info().Int64("epoch", fence.Rev).Int("sessions", len(snap.Sessions)).Int("workers", len(snap.Workers)).
 		Dur("load", time.Since(start)).Msg("leader state loaded")
 	return t, nil
 }
 
-// Flush waits until every change made so far in the current term is in etcd.
+// Flush waits until every change made so far in the current term is in etcd, deferred
+// volatile changes included.
 func (s *State) Flush(ctx context.Context) error {
 	s.mu.Lock()
 	t := s.term
+	if t != nil {
+		s.flushDirtyLocked()
+	}
 	s.mu.Unlock()
 	if t == nil {
 		return ErrNotLeader
@@ -114,8 +124,9 @@ func (s *State) Flush(ctx context.Context) error {
 	return t.batcher.Flush(ctx)
 }
 
-// EndTerm ends t: no more writes are accepted, live streams are closed, what is pending is
-// flushed (while the fence still holds), and the tables are cleared.
+// EndTerm ends t: no more writes are accepted, live streams are closed, what is pending
+// (deferred volatile changes included) is flushed while the fence still holds, and the tables
+// are cleared.
 func (s *State) EndTerm(t *Term) {
 	s.mu.Lock()
 	if s.term != t {
@@ -123,6 +134,7 @@ func (s *State) EndTerm(t *Term) {
 		return
 	}
 	s.epoch.Store(0)
+	s.flushDirtyLocked() // the batcher's Run writes them on its way out
 	for _, e := range s.workers {
 		if e.grace != nil {
 			e.grace.Stop()
@@ -135,11 +147,33 @@ func (s *State) EndTerm(t *Term) {
 	t.cancel()
 	<-t.done
 	<-t.sweeper
+	<-t.flusher
 	s.mu.Lock()
 	s.term = nil
 	s.resetLocked()
 	s.publishWorkersLocked()
 	s.mu.Unlock()
+}
+
+// flushVolatile hands deferred volatile session changes to the batcher every
+// Config.VolatileFlush until ctx ends (EndTerm hands over the rest).
+func (s *State) flushVolatile(ctx context.Context) {
+	if s.cfg.VolatileFlush <= 0 {
+		return
+	}
+	tick := time.NewTicker(s.cfg.VolatileFlush)
+	defer tick.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-tick.C:
+		}
+		s.mu.Lock()
+		n := s.flushDirtyLocked()
+		s.mu.Unlock()
+		s.m.volatileFlushed.Add(float64(n))
+	}
 }
 
 // sweep expires idle sessions until ctx ends.

@@ -11,6 +11,8 @@ type metrics struct {
 	dropped       prometheus.Counter // residencies dropped after the unreachable grace
 	loadSeconds   prometheus.Gauge
 	writeFailures prometheus.Counter
+	// session records written by the volatile flusher (changes of volatile fields only)
+	volatileFlushed prometheus.Counter
 }
 
 func newMetrics(reg prometheus.Registerer, sessions func() float64) *metrics {
@@ -39,6 +41,9 @@ func newMetrics(reg prometheus.Registerer, sessions func() float64) *metrics {
 		writeFailures: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvc_cp_persist_enqueue_failures_total", Help: "Writes that could not be queued for etcd (deposed or closed batcher).",
 		}),
+		volatileFlushed: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvc_cp_sessions_volatile_flushed_total", Help: "Session records persisted by the periodic flush of volatile-only changes (turn, last_seen, kv_committed_len, d_rejects).",
+		}),
 	}
 	for _, s := range []string{"ready", "draining", "unreachable"} {
 		m.workers.WithLabelValues(s)
@@ -47,7 +52,7 @@ func newMetrics(reg prometheus.Registerer, sessions func() float64) *metrics {
 		m.commands.WithLabelValues(r)
 	}
 	if reg != nil {
-		reg.MustRegister(m.workers, m.commands, m.events, m.transfers, m.expired, m.dropped, m.loadSeconds, m.writeFailures,
+		reg.MustRegister(m.workers, m.commands, m.events, m.transfers, m.expired, m.dropped, m.loadSeconds, m.writeFailures, m.volatileFlushed,
 			prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 				Name: "kvc_cp_sessions", Help: "Session records held in memory (leader only).",
 			}, sessions))

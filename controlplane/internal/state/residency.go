@@ -106,8 +106,8 @@ func (s *State) ApplyEvent(st *Stream, ev *kvcv1.SessionEvent) error {
 		if !exists {
 			rec = s.getOrCreateLocked(id)
 		}
-		oldD, oldP := rec.GetDecodeWorker(), rec.GetSnapshot().GetPrefillWorker()
-		if oldD == "" {
+		before := durableOf(rec)
+		if before.decode == "" {
 			rec.DecodeWorker = w
 		}
 		if rec.GetDecodeWorker() == w {
@@ -117,7 +117,7 @@ func (s *State) ApplyEvent(st *Stream, ev *kvcv1.SessionEvent) error {
 			}
 		}
 		rec.LastSeenUnixMs = time.Now().UnixMilli()
-		s.changedLocked(rec, oldD, oldP)
+		s.updatedLocked(rec, before, !exists)
 	case kvcv1.SessionEventKind_SESSION_EVENT_KIND_RELEASED, kvcv1.SessionEventKind_SESSION_EVENT_KIND_EVICTED:
 		if !exists || rec.GetDecodeWorker() != w {
 			return nil

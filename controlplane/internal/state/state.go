@@ -39,7 +39,16 @@ type Config struct {
 	FlushDelay time.Duration
 	// CommandQueue is the per-stream command queue length (default 256).
 	CommandQueue int
+	// VolatileFlush is how often changes to an existing session's volatile fields only (turn,
+	// last_seen_unix_ms, kv_committed_len, epoch, d_rejects) are persisted; they wait in a
+	// dirty set until then (or Flush / EndTerm). Creations and changes of residency, snapshot,
+	// generation, migrations or previous_decode_worker are written behind at once. 0 =
+	// DefaultVolatileFlush; negative = persist every change at once.
+	VolatileFlush time.Duration
 }
+
+// DefaultVolatileFlush is the default Config.VolatileFlush.
+const DefaultVolatileFlush = 2 * time.Second
 
 // State is the leader's tables. The zero value is not usable; call New.
 type State struct {
@@ -62,6 +71,7 @@ type State struct {
 	workers  map[string]*workerEntry
 	byDecode map[string]map[string]struct{} // decode worker -> session ids resident there
 	bySnap   map[string]map[string]struct{} // prefill worker -> session ids with a snapshot there
+	dirty    map[string]struct{}            // sessions with volatile changes not yet handed to the batcher
 }
 
 type workerEntry struct {
@@ -81,6 +91,9 @@ func New(cfg Config) *State {
 	if cfg.CommandQueue <= 0 {
 		cfg.CommandQueue = 256
 	}
+	if cfg.VolatileFlush == 0 {
+		cfg.VolatileFlush = DefaultVolatileFlush
+	}
 	s := &State{cfg: cfg, log: cfg.Log, defaults: DefaultPolicy(cfg.SessionTTL, cfg.UnreachableGrace)}
 	s.m = newMetrics(cfg.Reg, func() float64 { return float64(s.nSessions.Load()) })
 	s.policy.Store(FillPolicy(s.defaults, nil))
@@ -95,6 +108,7 @@ func (s *State) resetLocked() {
 	s.workers = make(map[string]*workerEntry)
 	s.byDecode = make(map[string]map[string]struct{})
 	s.bySnap = make(map[string]map[string]struct{})
+	s.dirty = make(map[string]struct{})
 	s.nSessions.Store(0)
 }
 
@@ -150,11 +164,12 @@ func (s *State) UpdateSession(id string, fn func(rec *kvcv1.SessionRecord)) {
 	if s.term == nil {
 		return
 	}
+	_, existed := s.sessions[id]
 	rec := s.getOrCreateLocked(id)
-	oldD, oldP := rec.GetDecodeWorker(), rec.GetSnapshot().GetPrefillWorker()
+	before := durableOf(rec)
 	fn(rec)
 	rec.SessionId = id
-	s.changedLocked(rec, oldD, oldP)
+	s.updatedLocked(rec, before, !existed)
 }
 
 // ListSessions pages through the in-memory records in id order: up to limit records with
@@ -207,7 +222,63 @@ func (s *State) getOrCreateLocked(id string) *kvcv1.SessionRecord {
 	return rec
 }
 
-// changedLocked re-indexes rec after a change and persists it.
+// durable is what of a session record must reach etcd at once when it changes: residency,
+// snapshot, generation, migrations, creation. Everything else (turn, last_seen,
+// kv_committed_len, epoch, d_rejects) is volatile: the sidecars' full resync restores
+// kv_committed_len, and turn / last_seen are advisory.
+type durable struct {
+	decode, previous string
+	hasSnap          bool
+	snap             snapVals
+	generation       uint64
+	migrations       int32
+	created          int64
+}
+
+type snapVals struct {
+	prefill                string
+	seqlen, updated, bytes int64
+	generation             uint64
+}
+
+func durableOf(r *kvcv1.SessionRecord) durable {
+	d := durable{decode: r.GetDecodeWorker(), previous: r.GetPreviousDecodeWorker(), generation: r.GetGeneration(),
+		migrations: r.GetMigrations(), created: r.GetCreatedUnixMs()}
+	if sn := r.GetSnapshot(); sn != nil {
+		d.hasSnap = true
+		d.snap = snapVals{prefill: sn.GetPrefillWorker(), seqlen: sn.GetSeqlen(), updated: sn.GetUpdatedUnixMs(),
+			bytes: sn.GetBytes(), generation: sn.GetGeneration()}
+	}
+	return d
+}
+
+// updatedLocked re-indexes rec after a change and persists it: at once when it was just
+// created or a durable field changed, else at the next volatile flush.
+func (s *State) updatedLocked(rec *kvcv1.SessionRecord, before durable, created bool) {
+	if created || s.cfg.VolatileFlush < 0 || durableOf(rec) != before {
+		s.changedLocked(rec, before.decode, before.snap.prefill)
+		return
+	}
+	rec.Epoch = s.epoch.Load()
+	if s.term != nil {
+		s.dirty[rec.GetSessionId()] = struct{}{}
+	}
+}
+
+// flushDirtyLocked hands every session with deferred volatile changes to the batcher.
+func (s *State) flushDirtyLocked() int {
+	n := 0
+	for id := range s.dirty {
+		if rec, ok := s.sessions[id]; ok {
+			s.persistSessionLocked(rec)
+			n++
+		}
+	}
+	clear(s.dirty)
+	return n
+}
+
+// changedLocked re-indexes rec after a change and persists it (write-behind, not deferred).
 func (s *State) changedLocked(rec *kvcv1.SessionRecord, oldD, oldP string) {
 	id := rec.GetSessionId()
 	if d := rec.GetDecodeWorker(); d != oldD {
@@ -226,6 +297,7 @@ func (s *State) persistSessionLocked(rec *kvcv1.SessionRecord) {
 	if s.term == nil {
 		return
 	}
+	delete(s.dirty, rec.GetSessionId()) // the whole record, volatile fields included, goes now
 	if err := s.term.batcher.PutSession(rec); err != nil {
 		s.m.writeFailures.Inc()
 	}
@@ -239,6 +311,7 @@ func (s *State) deleteSessionLocked(id string) {
 	unindex(s.byDecode, rec.GetDecodeWorker(), id)
 	unindex(s.bySnap, rec.GetSnapshot().GetPrefillWorker(), id)
 	delete(s.sessions, id)
+	delete(s.dirty, id)
 	s.nSessions.Add(-1)
 	if s.term != nil {
 		if err := s.term.batcher.DeleteSession(id); err != nil {

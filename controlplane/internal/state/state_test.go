@@ -471,3 +471,122 @@ func TestDeposedLeaderWritesAreFenced(t *testing.T) {
 		t.Fatalf("new leader's write: %v", rec)
 	}
 }
+
+// TestVolatileUpdatesDeferred: an update of an existing session that changes only volatile
+// fields is not handed to the batcher; it waits in the dirty set (coalesced: one etcd write
+// for many updates) until Flush, the periodic flusher or EndTerm. Creations and residency,
+// snapshot, generation or migration changes reach etcd through the batcher at once.
+func TestVolatileUpdatesDeferred(t *testing.T) {
+	f := newFixture(t, Config{FlushDelay: 5 * time.Millisecond, VolatileFlush: time.Hour})
+	st, ctx := f.st, t.Context()
+	key := f.store.SessionKey("s")
+	version := func() int64 { // etcd's per-key count of writes
+		t.Helper()
+		r, err := f.store.Client().Get(ctx, key)
+		if err != nil || len(r.Kvs) != 1 {
+			t.Fatalf("get %s: %v %v", key, r, err)
+		}
+		return r.Kvs[0].Version
+	}
+	stored := func() *kvcv1.SessionRecord {
+		t.Helper()
+		rec, ok, err := f.store.GetSession(ctx, "s")
+		if err != nil || !ok {
+			t.Fatalf("etcd: %v %v", ok, err)
+		}
+		return rec
+	}
+	st.UpdateSession("s", func(r *kvcv1.SessionRecord) { r.Turn = 1 }) // a creation: at once
+	must(t, f.term.batcher.Flush(ctx))
+	if stored().GetTurn() != 1 {
+		t.Fatal("a new session was deferred")
+	}
+	cases := []struct {
+		name      string
+		fn        func(r *kvcv1.SessionRecord)
+		immediate bool
+	}{
+		{"turn and last_seen", func(r *kvcv1.SessionRecord) { r.Turn++; r.LastSeenUnixMs = time.Now().UnixMilli() }, false},
+		{"kv_committed_len", func(r *kvcv1.SessionRecord) { r.KvCommittedLen += 100 }, false},
+		{"d_rejects", func(r *kvcv1.SessionRecord) { r.DRejects = map[string]int32{"d9": r.DRejects["d9"] + 1} }, false},
+		{"epoch only", func(r *kvcv1.SessionRecord) { r.Epoch = 1 }, false},
+		{"decode_worker", func(r *kvcv1.SessionRecord) { r.DecodeWorker = "d" + fmt.Sprint(r.Turn); r.Turn++ }, true},
+		{"previous_decode_worker", func(r *kvcv1.SessionRecord) { r.PreviousDecodeWorker = "p" + fmt.Sprint(r.Turn); r.Turn++ }, true},
+		{"generation", func(r *kvcv1.SessionRecord) { r.Generation++; r.Turn++ }, true},
+		{"migrations", func(r *kvcv1.SessionRecord) { r.Migrations++; r.Turn++ }, true},
+		{"snapshot set", func(r *kvcv1.SessionRecord) {
+			r.Snapshot = &kvcv1.SnapshotInfo{PrefillWorker: "p0", Seqlen: 10, Generation: uint64(r.Turn)}
+			r.Turn++
+		}, true},
+		{"snapshot changed in place", func(r *kvcv1.SessionRecord) { r.Snapshot.Seqlen++; r.Turn++ }, true},
+		{"snapshot cleared and set", func(r *kvcv1.SessionRecord) {
+			if r.Snapshot != nil {
+				r.Snapshot = nil
+			} else {
+				r.Snapshot = &kvcv1.SnapshotInfo{PrefillWorker: "p1"}
+			}
+			r.Turn++
+		}, true},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			must(t, st.Flush(ctx))
+			v0 := version()
+			const updates = 20
+			for range updates {
+				st.UpdateSession("s", tc.fn)
+				must(t, f.term.batcher.Flush(ctx)) // whatever was handed to the batcher is in etcd
+			}
+			mem, _ := st.Session("s")
+			if tc.immediate {
+				if got := version() - v0; got != updates {
+					t.Fatalf("%d etcd writes for %d durable updates", got, updates)
+				}
+				if !proto.Equal(stored(), mem) {
+					t.Fatalf("etcd %v, memory %v", stored(), mem)
+				}
+				return
+			}
+			if got := version(); got != v0 {
+				t.Fatalf("volatile updates written before a flush (%d writes)", got-v0)
+			}
+			must(t, st.Flush(ctx))
+			if got := version() - v0; got != 1 {
+				t.Fatalf("%d etcd writes for %d coalesced volatile updates, want 1", got, updates)
+			}
+			if !proto.Equal(stored(), mem) {
+				t.Fatalf("after Flush etcd %v, memory %v", stored(), mem)
+			}
+		})
+	}
+
+	// A durable change carries the pending volatile ones with it (and clears them).
+	st.UpdateSession("s", func(r *kvcv1.SessionRecord) { r.KvCommittedLen = 777 })
+	st.UpdateSession("s", func(r *kvcv1.SessionRecord) { r.DecodeWorker = "dx" })
+	must(t, f.term.batcher.Flush(ctx))
+	if r := stored(); r.GetKvCommittedLen() != 777 || r.GetDecodeWorker() != "dx" {
+		t.Fatalf("durable write lost the volatile change: %v", r)
+	}
+
+	// EndTerm hands over what is still deferred: the next leader loads it.
+	st.UpdateSession("s", func(r *kvcv1.SessionRecord) { r.Turn = 99 })
+	st.EndTerm(f.term)
+	must(t, f.sess.Close())
+	f2 := leadOn(t, f.store, Config{NodeID: "cp-2"})
+	if r, ok := f2.st.Session("s"); !ok || r.GetTurn() != 99 || r.GetDecodeWorker() != "dx" {
+		t.Fatalf("new leader after a graceful end: %v", r)
+	}
+}
+
+// TestVolatileFlusher: without any Flush call, the periodic flusher persists deferred
+// volatile changes (within the interval; the wait is bounded only by the test deadline).
+func TestVolatileFlusher(t *testing.T) {
+	f := newFixture(t, Config{FlushDelay: 5 * time.Millisecond, VolatileFlush: 50 * time.Millisecond})
+	st, ctx := f.st, t.Context()
+	st.UpdateSession("s", func(r *kvcv1.SessionRecord) { r.DecodeWorker = "d0" })
+	st.UpdateSession("s", func(r *kvcv1.SessionRecord) { r.KvCommittedLen = 4242 })
+	waitFor(t, "the flusher persisted the volatile change", func() bool {
+		rec, ok, err := f.store.GetSession(ctx, "s")
+		return err == nil && ok && rec.GetKvCommittedLen() == 4242
+	})
+}
