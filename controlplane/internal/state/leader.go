@@ -169,11 +169,43 @@ func (s *State) flushVolatile(ctx context.Context) {
 			return
 		case <-tick.C:
 		}
-		s.mu.Lock()
-		n := s.flushDirtyLocked()
-		s.mu.Unlock()
-		s.m.volatileFlushed.Add(float64(n))
+		s.m.volatileFlushed.Add(float64(s.flushDirtyChunked()))
 	}
+}
+
+// flushDirtyChunked hands the dirty sessions to the batcher a chunk at a time, so that
+// decisions are not held up behind one long critical section. A session dirtied again
+// meanwhile is written with its latest value (and leaves the dirty set then).
+func (s *State) flushDirtyChunked() int {
+	const chunk = 256
+	s.mu.Lock()
+	ids := make([]string, 0, len(s.dirty))
+	for id := range s.dirty {
+		ids = append(ids, id)
+	}
+	s.mu.Unlock()
+	n := 0
+	for len(ids) > 0 {
+		c := ids[:min(chunk, len(ids))]
+		ids = ids[len(c):]
+		s.mu.Lock()
+		if s.term == nil {
+			s.mu.Unlock()
+			return n
+		}
+		for _, id := range c {
+			if _, dirty := s.dirty[id]; !dirty {
+				continue // written meanwhile with a durable change, or deleted
+			}
+			if rec, ok := s.sessions[id]; ok {
+				s.persistSessionLocked(rec)
+				n++
+			}
+			delete(s.dirty, id)
+		}
+		s.mu.Unlock()
+	}
+	return n
 }
 
 // sweep expires idle sessions until ctx ends.
