@@ -6,6 +6,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/kvcentric/kvcentric/pkg/kvpool"
 	"github.com/kvcentric/kvcentric/pkg/rdma"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
@@ -93,7 +94,7 @@ func OpenWorkerPool(req *kvcv1.RegisterKVPoolRequest, eng rdma.Engine) (*Pool, e
 	return p, nil
 }
 
-// pinnedAllocator is the part of the cuda engine (rdma.CUDAEngine) NewStoreArena needs.
+// pinnedAllocator is the part of the cuda engine (rdma.CUDAEngine) NewReader needs.
 type pinnedAllocator interface {
 	AllocPinned(n uint64) (uint64, []byte, error)
 	FreeMemory(p uint64) error
@@ -101,9 +102,13 @@ type pinnedAllocator interface {
 
 // NewStoreArena allocates a prefill snapshot store of the given geometry and registers it with
 // eng: anonymous host memory (NewArena) for the tcp and mooncake backends; with the cuda
-// backend pinned, device-mapped host memory from the engine (AllocPinned), which its copy
-// kernel reaches over PCIe, so the store keeps a CPU view (the HTTP snapshot endpoint reads
-// it). Close unregisters and frees it.
+// backend a shared-memory file (a memfd, reachable by path as /proc/<pid>/fd/<n> to processes
+// of the same user while this one lives) mapped here and registered as one rdma.MemShared
+// region with its path as Location. The cuda engine page-locks and device-maps it, and so does
+// a peer's engine that opens this segment (it maps the file by that path), so a decode
+// sidecar's copy kernel pushes into it one-sided, as into its own pinned memory. The store
+// keeps a CPU view (the HTTP snapshot endpoint reads it). Close unregisters, unmaps and
+// releases it.
 func NewStoreArena(eng rdma.Engine, pageSize int32, itemLen, pageCount int64, layers int32) (*Pool, error) {
 	if eng.Backend() != "cuda" {
 		arena, err := NewArena(pageSize, itemLen, pageCount, layers)
@@ -116,27 +121,33 @@ func NewStoreArena(eng rdma.Engine, pageSize int32, itemLen, pageCount int64, la
 		}
 		return arena, nil
 	}
-	alloc, ok := eng.(pinnedAllocator)
-	if !ok {
-		return nil, fmt.Errorf("the %T engine cannot allocate pinned memory for the store", eng)
-	}
 	if err := checkGeometry(pageSize, itemLen, pageCount, layers); err != nil {
 		return nil, err
 	}
+	return newSharedStore(eng, kvpool.MemfdDir, pageSize, itemLen, pageCount, layers)
+}
+
+// newSharedStore creates the store as one kvpool file under dir (kvpool.MemfdDir for a memfd)
+// and registers the whole file as a MemShared region named by its path.
+func newSharedStore(eng rdma.Engine, dir string, pageSize int32, itemLen, pageCount int64, layers int32) (*Pool, error) {
+	kp, err := kvpool.Create(dir, kvpool.Spec{PageSize: int(pageSize), ItemLen: uint64(itemLen), NumLayers: int(layers), PageCount: pageCount, Name: "kvc-store"})
+	if err != nil {
+		return nil, fmt.Errorf("arena: shared store: %w", err)
+	}
 	p := &Pool{PageSize: pageSize, ItemLen: itemLen, PageCount: pageCount, NumLayers: layers}
-	n := uint64(itemLen * pageCount)
-	for i := 0; i < p.Buffers(); i++ {
-		ptr, mem, err := alloc.AllocPinned(n)
-		if err != nil {
-			p.unmap()
-			return nil, fmt.Errorf("arena: pinned %d bytes: %w", n, err)
-		}
-		p.bufs = append(p.bufs, mem)
-		p.frees = append(p.frees, func() { _ = alloc.FreeMemory(ptr) })
+	for i := 0; i < kp.NumBuffers(); i++ {
+		p.bufs = append(p.bufs, kp.Buffer(i))
 	}
-	if err := p.Register(eng, "host"); err != nil {
+	p.frees = append(p.frees, func() { _ = kp.Close() })
+	r := rdma.Region{
+		Addr: addrOf(kp.Buffer(0)), Len: kp.Spec().BufferStride() * uint64(kp.NumBuffers()),
+		Kind: rdma.MemShared, Location: kp.Path(),
+	}
+	p.eng = eng
+	if err := eng.RegisterMemory(r); err != nil {
 		p.unmap()
-		return nil, err
+		return nil, fmt.Errorf("arena: register shared store %s: %w", r.Location, err)
 	}
+	p.regions = append(p.regions, r)
 	return p, nil
 }

@@ -111,9 +111,13 @@ type CUDAEngine struct {
 
 	impMu   sync.Mutex
 	imports map[string]cudaImport
+	shms    map[string]*cudaShm // peers' shared-memory files mapped here (cuda_shm.go)
 
 	allocMu sync.Mutex
 	allocs  map[uint64]bool // AllocDevice/AllocPinned allocations; true: pinned host
+	// hostRegs are this process's MemShared regions that RegisterMemory page-locked
+	// (cuMemHostRegister); UnregisterMemory and Close undo it.
+	hostRegs map[uint64]bool
 
 	// subMu is held shared by submissions and exclusively by Close, so that no copy is queued
 	// on a device being shut down.
@@ -121,7 +125,10 @@ type CUDAEngine struct {
 	shut  atomic.Bool
 
 	testSink cudaSink // tests of the submission logic only; nil: the GPU
-	shardMin int      // tests only; 0: cudaShardMin
+	// testForeign makes peers of this process look like other processes (tests of the
+	// cross-process import paths in one process only).
+	testForeign bool
+	shardMin    int // tests only; 0: cudaShardMin
 
 	mu        sync.RWMutex
 	local     cudaSpans
@@ -249,8 +256,8 @@ func newCUDAEngine(opt CUDAOptions, dev int) *CUDAEngine {
 	return &CUDAEngine{
 		opt: opt, defDev: dev, pid: uint32(os.Getpid()),
 		devs: map[int]*cudaDev{}, peerOK: map[[2]int]error{}, imports: map[string]cudaImport{},
-		allocs: map[uint64]bool{},
-		conns:  map[*cudaConn]struct{}{}, greeting: map[net.Conn]struct{}{}, peers: map[SegmentID]*cudaPeer{}, batches: map[BatchID]*cudaBatch{},
+		allocs: map[uint64]bool{}, hostRegs: map[uint64]bool{}, shms: map[string]*cudaShm{},
+		conns: map[*cudaConn]struct{}{}, greeting: map[net.Conn]struct{}{}, peers: map[SegmentID]*cudaPeer{}, batches: map[BatchID]*cudaBatch{},
 		nextSeg: 1, nextBatch: 1,
 	}
 }
@@ -515,6 +522,11 @@ func (e *CUDAEngine) FreeMemory(p uint64) error {
 //     handle is derived so that peers can import it.
 //   - MemHost: pinned host memory of this process (cuMemHostAlloc or registered); usable as a
 //     local source or target, not importable by other processes.
+//   - MemShared: this process's mapping of a shared-memory file whose absolute path is
+//     Location (a /dev/shm file, or a memfd as /proc/<pid>/fd/<n>), mapped from offset 0 over
+//     Len bytes; it is page-locked and device-mapped here (cuMemHostRegister) unless pinned
+//     already, and peers that open this segment map the file by its path and copy into it
+//     one-sided (cuda_shm.go).
 func (e *CUDAEngine) RegisterMemory(r Region) error {
 	if r.Len == 0 || r.Addr+r.Len < r.Addr {
 		return fmt.Errorf("%w: region [%#x,+%d)", ErrInvalidRequest, r.Addr, r.Len)
@@ -581,11 +593,24 @@ func (e *CUDAEngine) RegisterMemory(r Region) error {
 		if adv.Location == "" {
 			adv.Location = "cpu"
 		}
+	case r.Kind == MemShared:
+		dp, err := e.registerShared(r)
+		if err != nil {
+			return err
+		}
+		sp.ptr, sp.dev = dp, -1
+		adv.CUDA = nil
 	default:
-		return fmt.Errorf("%w: the cuda backend takes MemCUDA or pinned MemHost regions, not kind %d", ErrInvalidRequest, r.Kind)
+		return fmt.Errorf("%w: the cuda backend takes MemCUDA, pinned MemHost or MemShared regions, not kind %d", ErrInvalidRequest, r.Kind)
 	}
 	adv.Ptr = sp.ptr
-	return e.addRegion(sp, adv)
+	if err := e.addRegion(sp, adv); err != nil {
+		if r.Kind == MemShared {
+			e.unregisterShared(r.Addr)
+		}
+		return err
+	}
+	return nil
 }
 
 // addRegion records a resolved local region and advertises it to connected peers.
@@ -611,6 +636,14 @@ func (e *CUDAEngine) addRegion(sp cudaSpan, adv cudaWireRegion) error {
 // UnregisterMemory implements Engine. Peers learn it from the next snapshot; the caller must
 // make sure no copy into or out of the region is still running.
 func (e *CUDAEngine) UnregisterMemory(addr uint64) error {
+	if err := e.unregisterLocal(addr); err != nil {
+		return err
+	}
+	e.unregisterShared(addr)
+	return nil
+}
+
+func (e *CUDAEngine) unregisterLocal(addr uint64) error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	for i, s := range e.local {
@@ -759,7 +792,7 @@ func (e *CUDAEngine) applySnapshot(p *cudaPeer, msg []byte) error {
 			s.dev = r.CUDA.Device
 		}
 		switch {
-		case pid == e.pid:
+		case pid == e.pid && !e.testForeign:
 			s.ptr = r.Ptr // same process: the owner's pointer is valid here
 		case r.CUDA != nil:
 			base, err := e.importHandle(r.CUDA)
@@ -767,6 +800,10 @@ func (e *CUDAEngine) applySnapshot(p *cudaPeer, msg []byte) error {
 				s.err = err
 			} else {
 				s.ptr = base + r.CUDA.Offset
+			}
+		case r.Kind == MemShared:
+			if s.ptr, err = e.importShared(r); err != nil {
+				s.err = err
 			}
 		default:
 			s.err = errors.New("host memory of another process is not reachable through CUDA IPC")
@@ -1492,6 +1529,10 @@ func (e *CUDAEngine) release() {
 		delete(e.imports, k)
 	}
 	e.impMu.Unlock()
+	e.devMu.Lock()
+	d0 := e.devs[e.defDev]
+	e.devMu.Unlock()
+	e.releaseShared(d0)
 	e.devMu.Lock()
 	defer e.devMu.Unlock()
 	e.allocMu.Lock()

@@ -119,7 +119,8 @@ func (r *cudaWireReader) u64() uint64 {
 }
 
 // cudaDecodeRegions decodes and validates a region snapshot: every region non-empty, without
-// address overflow, of a known kind, with a well-formed IPC handle, and no two overlapping.
+// address overflow, of a known kind, with a well-formed IPC handle (shared memory: an absolute
+// file path as Location and no handle), and no two overlapping.
 // The result is sorted by address.
 func cudaDecodeRegions(b []byte) (uint32, []cudaWireRegion, error) {
 	r := &cudaWireReader{b: b}
@@ -164,6 +165,9 @@ func cudaDecodeRegions(b []byte) (uint32, []cudaWireRegion, error) {
 		case len(h) == 0 && dev == -1 && off == 0:
 		default:
 			return 0, nil, fmt.Errorf("%w: region %d: bad CUDA info", errCUDAWire, i)
+		}
+		if w.Kind == MemShared && (w.CUDA != nil || cudaShmPath(w.Location) != nil) {
+			return 0, nil, fmt.Errorf("%w: region %d: shared memory without a file path", errCUDAWire, i)
 		}
 		if w.Kind == MemCUDA && w.CUDA == nil && w.Ptr == 0 {
 			return 0, nil, fmt.Errorf("%w: region %d: device region without handle", errCUDAWire, i)

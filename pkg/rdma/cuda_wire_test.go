@@ -12,6 +12,7 @@ func testWireRegions() []cudaWireRegion {
 		{Region: Region{Addr: 0x7f0000000000, Len: 1 << 20, Kind: MemCUDA, Location: "cuda:1",
 			CUDA: &CUDAMemory{Device: 1, IPCHandle: h, Offset: 4096}}, Ptr: 0x7f0000000000},
 		{Region: Region{Addr: 0x1000, Len: 64, Kind: MemHost, Location: "cpu"}, Ptr: 0x1000},
+		{Region: Region{Addr: 0x7e0000000000, Len: 3 << 20, Kind: MemShared, Location: "/proc/77/fd/9"}, Ptr: 0x7e0000000000},
 	}
 }
 
@@ -21,14 +22,18 @@ func TestCUDAWireRoundTrip(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if pid != 42 || len(out) != 2 {
+	if pid != 42 || len(out) != 3 {
 		t.Fatalf("pid %d, %d regions", pid, len(out))
 	}
 	// sorted by address: the host region first
 	if out[0].Addr != 0x1000 || out[0].CUDA != nil || out[0].Location != "cpu" || out[0].Kind != MemHost {
 		t.Fatalf("host region: %+v", out[0])
 	}
-	c := out[1]
+	// the shared-memory region carries its file path and length, no handle
+	if sh := out[1]; sh.Kind != MemShared || sh.Location != "/proc/77/fd/9" || sh.Len != 3<<20 || sh.CUDA != nil || sh.Ptr != in[2].Ptr {
+		t.Fatalf("shared region: %+v", sh)
+	}
+	c := out[2]
 	if c.Addr != in[0].Addr || c.Len != in[0].Len || c.Ptr != in[0].Ptr || c.CUDA == nil ||
 		c.CUDA.Device != 1 || c.CUDA.Offset != 4096 || !bytes.Equal(c.CUDA.IPCHandle, in[0].CUDA.IPCHandle) {
 		t.Fatalf("cuda region: %+v %+v", c, c.CUDA)
@@ -68,6 +73,9 @@ func TestCUDAWireRejects(t *testing.T) {
 		{"negative device", mutate(func(r []cudaWireRegion) { r[0].CUDA.Device = -3 })},
 		{"overlap", mutate(func(r []cudaWireRegion) { r[1].Addr = r[0].Addr + 100 })},
 		{"device without handle", mutate(func(r []cudaWireRegion) { r[0].CUDA = nil; r[0].Ptr = 0 })},
+		{"shared without path", mutate(func(r []cudaWireRegion) { r[2].Location = "" })},
+		{"shared relative path", mutate(func(r []cudaWireRegion) { r[2].Location = "dev/shm/x" })},
+		{"shared with handle", mutate(func(r []cudaWireRegion) { r[2].CUDA = &CUDAMemory{Device: 0, IPCHandle: r[0].CUDA.IPCHandle} })},
 		{"too many", append(append([]byte(cudaWireMagic), 0, 0, 0, 1), 0xff, 0xff, 0xff, 0xff)},
 	}
 	for _, tt := range tests {

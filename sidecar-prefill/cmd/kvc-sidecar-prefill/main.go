@@ -30,7 +30,7 @@ func run(args []string, getenv func(string) string, stderr io.Writer) int {
 	var c agent.Common
 	c.Register(fs)
 	storeBytes := fs.Int64("store-capacity-bytes", 8<<30, "snapshot store capacity in bytes")
-	storeMem := fs.String("store-memory", agent.StoreMemoryHost, "snapshot store memory: host (pinned with --transport cuda) or cuda (device memory of --gpu-index; --transport cuda only)")
+	storeMem := fs.String("store-memory", agent.StoreMemoryHost, "snapshot store memory: host (with --transport cuda a page-locked shared-memory file, a memfd, that decode sidecars map and push into) or cuda (device memory of --gpu-index; --transport cuda only)")
 	roomTimeout := fs.Duration("room-timeout", 60*time.Second, "a transfer room whose other half never comes is failed after this")
 	if err := agent.ParseFlags(fs, args, getenv); err != nil {
 		if errors.Is(err, flag.ErrHelp) {

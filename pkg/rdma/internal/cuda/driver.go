@@ -34,6 +34,8 @@ const (
 	codeNoDevice                  = 100
 	memHostAllocPortable          = 0x01
 	memHostAllocDeviceMap         = 0x02
+	memHostRegisterPortable       = 0x01
+	memHostRegisterDeviceMap      = 0x02
 	ipcMemLazyEnablePeerAccess    = 0x1
 	eventBlockingSync             = 0x1
 	eventDisableTiming            = 0x2
@@ -81,6 +83,7 @@ var required = [][]string{
 	{"cuCtxSetCurrent"}, {"cuCtxEnablePeerAccess"}, {"cuCtxSynchronize"},
 	{"cuMemAlloc_v2", "cuMemAlloc"}, {"cuMemFree_v2", "cuMemFree"},
 	{"cuMemHostAlloc"}, {"cuMemFreeHost"}, {"cuMemGetInfo_v2", "cuMemGetInfo"},
+	{"cuMemHostRegister_v2", "cuMemHostRegister"}, {"cuMemHostUnregister"},
 	{"cuMemGetAddressRange_v2", "cuMemGetAddressRange"}, {"cuPointerGetAttribute"},
 	{"cuMemsetD8_v2", "cuMemsetD8"},
 	{"cuIpcGetMemHandle"}, {"cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle"}, {"cuIpcCloseMemHandle"},
@@ -323,6 +326,17 @@ func (c *Context) MemHostAlloc(n uint64) (uint64, error) {
 	err := c.do("cuMemHostAlloc", uintptr(unsafe.Pointer(&p)), uintptr(n), memHostAllocPortable|memHostAllocDeviceMap)
 	return uint64(p), err
 }
+
+// MemHostRegister page-locks n bytes of existing host memory at p (such as a shared-memory
+// file mapped by this process), portable across contexts and mapped into the device address
+// space, so that copies and kernels reach it as they reach MemHostAlloc memory. p and n should
+// be page aligned. Undo with MemHostUnregister before unmapping.
+func (c *Context) MemHostRegister(p, n uint64) error {
+	return c.do("cuMemHostRegister_v2", uintptr(p), uintptr(n), memHostRegisterPortable|memHostRegisterDeviceMap)
+}
+
+// MemHostUnregister undoes MemHostRegister of the memory at p.
+func (c *Context) MemHostUnregister(p uint64) error { return c.do("cuMemHostUnregister", uintptr(p)) }
 
 // MemFreeHost frees pinned host memory.
 func (c *Context) MemFreeHost(p uint64) error { return c.do("cuMemFreeHost", uintptr(p)) }
