@@ -169,14 +169,16 @@ func (s *State) flushVolatile(ctx context.Context) {
 			return
 		case <-tick.C:
 		}
-		s.m.volatileFlushed.Add(float64(s.flushDirtyChunked()))
+		s.m.volatileFlushed.Add(float64(s.flushDirtyPaced(ctx, s.cfg.VolatileFlush/2)))
 	}
 }
 
-// flushDirtyChunked hands the dirty sessions to the batcher a chunk at a time, so that
-// decisions are not held up behind one long critical section. A session dirtied again
-// meanwhile is written with its latest value (and leaves the dirty set then).
-func (s *State) flushDirtyChunked() int {
+// flushDirtyPaced hands the dirty sessions to the batcher a chunk at a time, spread over
+// about spread, so that decisions are not held up behind one long critical section and etcd
+// sees a steady stream of Txns rather than one burst per interval. A session dirtied again
+// meanwhile is written with its latest value (and leaves the dirty set then). When ctx ends
+// it stops; EndTerm hands over what is left.
+func (s *State) flushDirtyPaced(ctx context.Context, spread time.Duration) int {
 	const chunk = 256
 	s.mu.Lock()
 	ids := make([]string, 0, len(s.dirty))
@@ -184,6 +186,12 @@ func (s *State) flushDirtyChunked() int {
 		ids = append(ids, id)
 	}
 	s.mu.Unlock()
+	var pause time.Duration
+	if chunks := (len(ids) + chunk - 1) / chunk; chunks > 1 {
+		pause = spread / time.Duration(chunks)
+	}
+	timer := time.NewTimer(time.Hour)
+	defer timer.Stop()
 	n := 0
 	for len(ids) > 0 {
 		c := ids[:min(chunk, len(ids))]
@@ -204,6 +212,14 @@ func (s *State) flushDirtyChunked() int {
 			delete(s.dirty, id)
 		}
 		s.mu.Unlock()
+		if len(ids) > 0 && pause > 0 {
+			timer.Reset(pause)
+			select {
+			case <-ctx.Done():
+				return n
+			case <-timer.C:
+			}
+		}
 	}
 	return n
 }
