@@ -124,6 +124,9 @@ func (s *State) Flush(ctx context.Context) error {
 	return t.batcher.Flush(ctx)
 }
 
+// endTermFlush bounds how long EndTerm waits for pending writes to reach etcd.
+const endTermFlush = 5 * time.Second
+
 // EndTerm ends t: no more writes are accepted, live streams are closed, what is pending
 // (deferred volatile changes included) is flushed while the fence still holds, and the tables
 // are cleared.
@@ -134,7 +137,7 @@ func (s *State) EndTerm(t *Term) {
 		return
 	}
 	s.epoch.Store(0)
-	s.flushDirtyLocked() // the batcher's Run writes them on its way out
+	s.flushDirtyLocked()
 	for _, e := range s.workers {
 		if e.grace != nil {
 			e.grace.Stop()
@@ -144,6 +147,14 @@ func (s *State) EndTerm(t *Term) {
 		}
 	}
 	s.mu.Unlock()
+	// Write out what is pending (a whole interval of deferred volatile changes can be tens of
+	// thousands of records) before stopping the batcher, whose own last attempt is short. A
+	// deposed term's batcher answers at once with ErrFenced.
+	fctx, fcancel := context.WithTimeout(context.Background(), endTermFlush)
+	if err := t.batcher.Flush(fctx); err != nil && !errors.Is(err, kvstore.ErrFenced) {
+		s.log.Warn().Err(err).Int("pending", t.batcher.Pending()).Msg("end of term: not every pending write reached etcd")
+	}
+	fcancel()
 	t.cancel()
 	<-t.done
 	<-t.sweeper
