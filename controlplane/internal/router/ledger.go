@@ -2,6 +2,7 @@ package router
 
 import (
 	"container/heap"
+	"math"
 	"time"
 
 	"github.com/kvcentric/kvcentric/controlplane/internal/policy"
@@ -41,6 +42,10 @@ type ledger struct {
 	// sessions all land on it.
 	settling  map[string][]settle
 	settleTok map[string]int64
+	// minFront is a lower bound on the first entry's atMs of every settling list (meaningful
+	// while settling is not empty): prune skips the per-worker lookups when no first entry
+	// can be old enough for any worker's heartbeat.
+	minFront int64
 	// totals for metrics
 	heldTokens int64
 }
@@ -70,6 +75,9 @@ func (l *ledger) settle(id string, tokens, nowMs int64) {
 	if id == "" || tokens <= 0 {
 		return
 	}
+	if len(l.settling) == 0 || nowMs < l.minFront {
+		l.minFront = nowMs
+	}
 	l.settling[id] = append(l.settling[id], settle{tokens: tokens, atMs: nowMs})
 	l.settleTok[id] += tokens
 }
@@ -79,6 +87,16 @@ func (l *ledger) prune(workers []*kvcv1.Worker) {
 	if len(l.settling) == 0 {
 		return
 	}
+	// Exact shortcut: an entry is dropped only when atMs+margin < its worker's heartbeat, and
+	// only from the front of its list; every front is >= minFront.
+	maxHb := int64(math.MinInt64)
+	for _, w := range workers {
+		maxHb = max(maxHb, w.GetLastHeartbeatUnixMs())
+	}
+	if l.minFront+settleMarginMs >= maxHb {
+		return
+	}
+	defer l.resetMinFront()
 	for _, w := range workers {
 		list, ok := l.settling[w.WorkerId]
 		if !ok {
@@ -96,6 +114,17 @@ func (l *ledger) prune(workers []*kvcv1.Worker) {
 			continue
 		}
 		l.settling[w.WorkerId] = list[n:]
+	}
+}
+
+// resetMinFront recomputes minFront from the settling lists' first entries.
+func (l *ledger) resetMinFront() {
+	first := true
+	for _, list := range l.settling {
+		if first || list[0].atMs < l.minFront {
+			l.minFront = list[0].atMs
+			first = false
+		}
 	}
 }
 

@@ -291,7 +291,7 @@ func (s *Service) record(in *policy.Input, d *policy.Decision, now time.Time) *r
 	return r
 }
 
-// queryCtx is one query being decided (one allocation for the whole decision).
+// queryCtx is one query being decided (pooled: no allocation of its own per decision).
 type queryCtx struct {
 	s       *Service
 	q       *kvcv1.RouteQuery
@@ -301,7 +301,16 @@ type queryCtx struct {
 	decided bool
 	now     time.Time
 	epoch   int64
+	onRec   func(rec *kvcv1.SessionRecord) // x.onRecord, bound once per pooled queryCtx
 }
+
+// queryPool recycles queryCtx values (and their bound onRecord callback) across decisions;
+// Cluster.UpdateSession calls fn synchronously and keeps no reference to it.
+var queryPool = sync.Pool{New: func() any {
+	x := new(queryCtx)
+	x.onRec = x.onRecord
+	return x
+}}
 
 // decide runs the policy on rec (the live record; nil when not leading) and takes the
 // reservation, under the ledger lock.
@@ -343,7 +352,7 @@ func (x *queryCtx) onRecord(rec *kvcv1.SessionRecord) {
 func (x *queryCtx) run() {
 	x.decided = false
 	if !x.in.Unavailable {
-		x.s.c.UpdateSession(x.q.SessionId, x.onRecord)
+		x.s.c.UpdateSession(x.q.SessionId, x.onRec)
 		if x.decided {
 			return
 		}
@@ -359,7 +368,13 @@ func (s *Service) query(q *kvcv1.RouteQuery) *kvcv1.RouteResponse {
 	}
 	epoch := s.c.Epoch()
 	now := s.now()
-	x := &queryCtx{s: s, q: q, now: now, epoch: epoch, in: policy.Input{
+	x := queryPool.Get().(*queryCtx)
+	onRec := x.onRec
+	defer func() {
+		*x = queryCtx{onRec: onRec} // drop references (records, workers, query) before reuse
+		queryPool.Put(x)
+	}()
+	*x = queryCtx{s: s, q: q, now: now, epoch: epoch, onRec: onRec, in: policy.Input{
 		Knobs: s.policyKnobs(),
 		Query: policy.Query{SessionID: q.SessionId, InputTokens: q.InputTokens,
 			MaxOutputTokens: q.MaxOutputTokens, MultiturnHint: q.MultiturnHint},

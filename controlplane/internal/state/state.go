@@ -164,8 +164,10 @@ func (s *State) UpdateSession(id string, fn func(rec *kvcv1.SessionRecord)) {
 	if s.term == nil {
 		return
 	}
-	_, existed := s.sessions[id]
-	rec := s.getOrCreateLocked(id)
+	rec, existed := s.sessions[id]
+	if !existed {
+		rec = s.getOrCreateLocked(id)
+	}
 	before := durableOf(rec)
 	fn(rec)
 	rec.SessionId = id
