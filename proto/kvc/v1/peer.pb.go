@@ -444,8 +444,14 @@ func (x *ReserveSnapshotResponse) GetStoreTransferEndpoint() string {
 }
 
 type CommitSnapshotRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	IngestId      uint64                 `protobuf:"varint,1,opt,name=ingest_id,json=ingestId,proto3" json:"ingest_id,omitempty"`
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	IngestId uint64                 `protobuf:"varint,1,opt,name=ingest_id,json=ingestId,proto3" json:"ingest_id,omitempty"`
+	// Optional CUDA IPC event handle (64 bytes, cuIpcGetEventHandle) the decode side recorded after
+	// the reservation's last copy (cuda backend). When set, the copy may still be running when this
+	// request arrives: the store waits (bounded) for the event before it commits, so the answer
+	// still means every byte landed, but the RPC's latency overlaps the copy. Empty: the bytes
+	// have already landed.
+	ReadyEvent    []byte `protobuf:"bytes,2,opt,name=ready_event,json=readyEvent,proto3" json:"ready_event,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -485,6 +491,13 @@ func (x *CommitSnapshotRequest) GetIngestId() uint64 {
 		return x.IngestId
 	}
 	return 0
+}
+
+func (x *CommitSnapshotRequest) GetReadyEvent() []byte {
+	if x != nil {
+		return x.ReadyEvent
+	}
+	return nil
 }
 
 type CommitSnapshotResponse struct {
@@ -658,9 +671,11 @@ const file_kvc_v1_peer_proto_rawDesc = "" +
 	"\tingest_id\x18\x01 \x01(\x04R\bingestId\x123\n" +
 	"\fstore_layout\x18\x02 \x01(\v2\x10.kvc.v1.KVLayoutR\vstoreLayout\x12\x14\n" +
 	"\x05pages\x18\x03 \x03(\x03R\x05pages\x126\n" +
-	"\x17store_transfer_endpoint\x18\x04 \x01(\tR\x15storeTransferEndpoint\"4\n" +
+	"\x17store_transfer_endpoint\x18\x04 \x01(\tR\x15storeTransferEndpoint\"U\n" +
 	"\x15CommitSnapshotRequest\x12\x1b\n" +
-	"\tingest_id\x18\x01 \x01(\x04R\bingestId\"0\n" +
+	"\tingest_id\x18\x01 \x01(\x04R\bingestId\x12\x1f\n" +
+	"\vready_event\x18\x02 \x01(\fR\n" +
+	"readyEvent\"0\n" +
 	"\x16CommitSnapshotResponse\x12\x16\n" +
 	"\x06seqlen\x18\x01 \x01(\x03R\x06seqlen\"K\n" +
 	"\x14AbortSnapshotRequest\x12\x1b\n" +
