@@ -638,8 +638,12 @@ type SessionRecord struct {
 	Migrations int32 `protobuf:"varint,11,opt,name=migrations,proto3" json:"migrations,omitempty"`
 	// Decode worker the session was last resident on (for "never bounce back").
 	PreviousDecodeWorker string `protobuf:"bytes,12,opt,name=previous_decode_worker,json=previousDecodeWorker,proto3" json:"previous_decode_worker,omitempty"`
-	unknownFields        protoimpl.UnknownFields
-	sizeCache            protoimpl.SizeCache
+	// Volatile journal sequence when this record was written: the leader's last allocated
+	// journal key. A journal entry (VolatileBatch) for this session applies over the record
+	// only when its key's seq is greater (the journal entry is newer than the record).
+	VolatileSeq   uint64 `protobuf:"varint,13,opt,name=volatile_seq,json=volatileSeq,proto3" json:"volatile_seq,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *SessionRecord) Reset() {
@@ -754,6 +758,13 @@ func (x *SessionRecord) GetPreviousDecodeWorker() string {
 		return x.PreviousDecodeWorker
 	}
 	return ""
+}
+
+func (x *SessionRecord) GetVolatileSeq() uint64 {
+	if x != nil {
+		return x.VolatileSeq
+	}
+	return 0
 }
 
 // Policy holds every routing and snapshot knob. Every field is optional so that an update
@@ -1081,6 +1092,151 @@ func (x *KVLayout) GetPageCount() int64 {
 	return 0
 }
 
+// VolatileEntry is one session's volatile fields as written in the volatile journal: what
+// changed since its SessionRecord was written in full (turn, last_seen_unix_ms,
+// kv_committed_len, d_rejects; epoch is the batch's).
+type VolatileEntry struct {
+	state          protoimpl.MessageState `protogen:"open.v1"`
+	SessionId      string                 `protobuf:"bytes,1,opt,name=session_id,json=sessionId,proto3" json:"session_id,omitempty"`
+	Turn           int32                  `protobuf:"varint,2,opt,name=turn,proto3" json:"turn,omitempty"`
+	LastSeenUnixMs int64                  `protobuf:"varint,3,opt,name=last_seen_unix_ms,json=lastSeenUnixMs,proto3" json:"last_seen_unix_ms,omitempty"`
+	KvCommittedLen int64                  `protobuf:"varint,4,opt,name=kv_committed_len,json=kvCommittedLen,proto3" json:"kv_committed_len,omitempty"`
+	DRejects       map[string]int32       `protobuf:"bytes,5,rep,name=d_rejects,json=dRejects,proto3" json:"d_rejects,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"varint,2,opt,name=value"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
+}
+
+func (x *VolatileEntry) Reset() {
+	*x = VolatileEntry{}
+	mi := &file_kvc_v1_common_proto_msgTypes[6]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *VolatileEntry) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*VolatileEntry) ProtoMessage() {}
+
+func (x *VolatileEntry) ProtoReflect() protoreflect.Message {
+	mi := &file_kvc_v1_common_proto_msgTypes[6]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use VolatileEntry.ProtoReflect.Descriptor instead.
+func (*VolatileEntry) Descriptor() ([]byte, []int) {
+	return file_kvc_v1_common_proto_rawDescGZIP(), []int{6}
+}
+
+func (x *VolatileEntry) GetSessionId() string {
+	if x != nil {
+		return x.SessionId
+	}
+	return ""
+}
+
+func (x *VolatileEntry) GetTurn() int32 {
+	if x != nil {
+		return x.Turn
+	}
+	return 0
+}
+
+func (x *VolatileEntry) GetLastSeenUnixMs() int64 {
+	if x != nil {
+		return x.LastSeenUnixMs
+	}
+	return 0
+}
+
+func (x *VolatileEntry) GetKvCommittedLen() int64 {
+	if x != nil {
+		return x.KvCommittedLen
+	}
+	return 0
+}
+
+func (x *VolatileEntry) GetDRejects() map[string]int32 {
+	if x != nil {
+		return x.DRejects
+	}
+	return nil
+}
+
+// VolatileBatch is the value of one volatile journal key, <prefix>volatile/<16-hex seq>: many
+// sessions' volatile fields written in one put by the leader's periodic flush. A new leader
+// applies an entry to a session only when seq > the record's volatile_seq; for one session,
+// the entry of the highest seq wins; entries of sessions without a record are ignored.
+type VolatileBatch struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The key's sequence number (also in the key's name).
+	Seq uint64 `protobuf:"varint,1,opt,name=seq,proto3" json:"seq,omitempty"`
+	// Epoch (leader revision) of the writer; the entries' sessions take it as their epoch.
+	Epoch         int64            `protobuf:"varint,2,opt,name=epoch,proto3" json:"epoch,omitempty"`
+	Entries       []*VolatileEntry `protobuf:"bytes,3,rep,name=entries,proto3" json:"entries,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *VolatileBatch) Reset() {
+	*x = VolatileBatch{}
+	mi := &file_kvc_v1_common_proto_msgTypes[7]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *VolatileBatch) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*VolatileBatch) ProtoMessage() {}
+
+func (x *VolatileBatch) ProtoReflect() protoreflect.Message {
+	mi := &file_kvc_v1_common_proto_msgTypes[7]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use VolatileBatch.ProtoReflect.Descriptor instead.
+func (*VolatileBatch) Descriptor() ([]byte, []int) {
+	return file_kvc_v1_common_proto_rawDescGZIP(), []int{7}
+}
+
+func (x *VolatileBatch) GetSeq() uint64 {
+	if x != nil {
+		return x.Seq
+	}
+	return 0
+}
+
+func (x *VolatileBatch) GetEpoch() int64 {
+	if x != nil {
+		return x.Epoch
+	}
+	return 0
+}
+
+func (x *VolatileBatch) GetEntries() []*VolatileEntry {
+	if x != nil {
+		return x.Entries
+	}
+	return nil
+}
+
 var File_kvc_v1_common_proto protoreflect.FileDescriptor
 
 const file_kvc_v1_common_proto_rawDesc = "" +
@@ -1129,7 +1285,7 @@ const file_kvc_v1_common_proto_rawDesc = "" +
 	"generation\x18\x03 \x01(\x04R\n" +
 	"generation\x12&\n" +
 	"\x0fupdated_unix_ms\x18\x04 \x01(\x03R\rupdatedUnixMs\x12\x14\n" +
-	"\x05bytes\x18\x05 \x01(\x03R\x05bytes\"\xa1\x04\n" +
+	"\x05bytes\x18\x05 \x01(\x03R\x05bytes\"\xc4\x04\n" +
 	"\rSessionRecord\x12\x1d\n" +
 	"\n" +
 	"session_id\x18\x01 \x01(\tR\tsessionId\x12#\n" +
@@ -1148,7 +1304,8 @@ const file_kvc_v1_common_proto_rawDesc = "" +
 	"\n" +
 	"migrations\x18\v \x01(\x05R\n" +
 	"migrations\x124\n" +
-	"\x16previous_decode_worker\x18\f \x01(\tR\x14previousDecodeWorker\x1a;\n" +
+	"\x16previous_decode_worker\x18\f \x01(\tR\x14previousDecodeWorker\x12!\n" +
+	"\fvolatile_seq\x18\r \x01(\x04R\vvolatileSeq\x1a;\n" +
 	"\rDRejectsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\x05R\x05value:\x028\x01\"\x80\x10\n" +
@@ -1209,7 +1366,21 @@ const file_kvc_v1_common_proto_rawDesc = "" +
 	"num_layers\x18\x03 \x01(\x05R\tnumLayers\x12!\n" +
 	"\fbuffer_addrs\x18\x04 \x03(\x04R\vbufferAddrs\x12\x1d\n" +
 	"\n" +
-	"page_count\x18\x05 \x01(\x03R\tpageCount*Z\n" +
+	"page_count\x18\x05 \x01(\x03R\tpageCount\"\x96\x02\n" +
+	"\rVolatileEntry\x12\x1d\n" +
+	"\n" +
+	"session_id\x18\x01 \x01(\tR\tsessionId\x12\x12\n" +
+	"\x04turn\x18\x02 \x01(\x05R\x04turn\x12)\n" +
+	"\x11last_seen_unix_ms\x18\x03 \x01(\x03R\x0elastSeenUnixMs\x12(\n" +
+	"\x10kv_committed_len\x18\x04 \x01(\x03R\x0ekvCommittedLen\x12@\n" +
+	"\td_rejects\x18\x05 \x03(\v2#.kvc.v1.VolatileEntry.DRejectsEntryR\bdRejects\x1a;\n" +
+	"\rDRejectsEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\x05R\x05value:\x028\x01\"h\n" +
+	"\rVolatileBatch\x12\x10\n" +
+	"\x03seq\x18\x01 \x01(\x04R\x03seq\x12\x14\n" +
+	"\x05epoch\x18\x02 \x01(\x03R\x05epoch\x12/\n" +
+	"\aentries\x18\x03 \x03(\v2\x15.kvc.v1.VolatileEntryR\aentries*Z\n" +
 	"\n" +
 	"WorkerRole\x12\x1b\n" +
 	"\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n" +
@@ -1242,7 +1413,7 @@ func file_kvc_v1_common_proto_rawDescGZIP() []byte {
 }
 
 var file_kvc_v1_common_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
-var file_kvc_v1_common_proto_msgTypes = make([]protoimpl.MessageInfo, 8)
+var file_kvc_v1_common_proto_msgTypes = make([]protoimpl.MessageInfo, 11)
 var file_kvc_v1_common_proto_goTypes = []any{
 	(WorkerRole)(0),          // 0: kvc.v1.WorkerRole
 	(WorkerState)(0),         // 1: kvc.v1.WorkerState
@@ -1254,22 +1425,27 @@ var file_kvc_v1_common_proto_goTypes = []any{
 	(*SessionRecord)(nil),    // 7: kvc.v1.SessionRecord
 	(*Policy)(nil),           // 8: kvc.v1.Policy
 	(*KVLayout)(nil),         // 9: kvc.v1.KVLayout
-	nil,                      // 10: kvc.v1.SessionRecord.DRejectsEntry
-	nil,                      // 11: kvc.v1.Policy.MaxConcurrentTransfersPerWorkerEntry
+	(*VolatileEntry)(nil),    // 10: kvc.v1.VolatileEntry
+	(*VolatileBatch)(nil),    // 11: kvc.v1.VolatileBatch
+	nil,                      // 12: kvc.v1.SessionRecord.DRejectsEntry
+	nil,                      // 13: kvc.v1.Policy.MaxConcurrentTransfersPerWorkerEntry
+	nil,                      // 14: kvc.v1.VolatileEntry.DRejectsEntry
 }
 var file_kvc_v1_common_proto_depIdxs = []int32{
 	0,  // 0: kvc.v1.Worker.role:type_name -> kvc.v1.WorkerRole
 	1,  // 1: kvc.v1.Worker.state:type_name -> kvc.v1.WorkerState
 	4,  // 2: kvc.v1.Worker.load:type_name -> kvc.v1.WorkerLoad
 	6,  // 3: kvc.v1.SessionRecord.snapshot:type_name -> kvc.v1.SnapshotInfo
-	10, // 4: kvc.v1.SessionRecord.d_rejects:type_name -> kvc.v1.SessionRecord.DRejectsEntry
-	11, // 5: kvc.v1.Policy.max_concurrent_transfers_per_worker:type_name -> kvc.v1.Policy.MaxConcurrentTransfersPerWorkerEntry
+	12, // 4: kvc.v1.SessionRecord.d_rejects:type_name -> kvc.v1.SessionRecord.DRejectsEntry
+	13, // 5: kvc.v1.Policy.max_concurrent_transfers_per_worker:type_name -> kvc.v1.Policy.MaxConcurrentTransfersPerWorkerEntry
 	2,  // 6: kvc.v1.Policy.prefill_backup_policy:type_name -> kvc.v1.PrefillBackupPolicy
-	7,  // [7:7] is the sub-list for method output_type
-	7,  // [7:7] is the sub-list for method input_type
-	7,  // [7:7] is the sub-list for extension type_name
-	7,  // [7:7] is the sub-list for extension extendee
-	0,  // [0:7] is the sub-list for field type_name
+	14, // 7: kvc.v1.VolatileEntry.d_rejects:type_name -> kvc.v1.VolatileEntry.DRejectsEntry
+	10, // 8: kvc.v1.VolatileBatch.entries:type_name -> kvc.v1.VolatileEntry
+	9,  // [9:9] is the sub-list for method output_type
+	9,  // [9:9] is the sub-list for method input_type
+	9,  // [9:9] is the sub-list for extension type_name
+	9,  // [9:9] is the sub-list for extension extendee
+	0,  // [0:9] is the sub-list for field type_name
 }
 
 func init() { file_kvc_v1_common_proto_init() }
@@ -1284,7 +1460,7 @@ func file_kvc_v1_common_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvc_v1_common_proto_rawDesc), len(file_kvc_v1_common_proto_rawDesc)),
 			NumEnums:      4,
-			NumMessages:   8,
+			NumMessages:   11,
 			NumExtensions: 0,
 			NumServices:   0,
 		},
