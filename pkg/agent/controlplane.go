@@ -7,6 +7,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/rs/zerolog"
 	"golang.org/x/sync/errgroup"
 	"google.golang.org/grpc"
@@ -41,18 +42,28 @@ type CPConfig struct {
 	BackoffMin, BackoffMax time.Duration
 	// DialOptions override the default (insecure) transport credentials.
 	DialOptions []grpc.DialOption
+	// EventBuffer bounds the session events kept while the stream is down or slow
+	// (DefaultEventBuffer); when full the oldest is dropped and counted.
+	EventBuffer int
+	// Registerer takes the loop's metrics (may be nil).
+	Registerer prometheus.Registerer
 }
 
 // ControlPlane keeps one Connect stream to the control-plane leader alive: it follows leader
 // hints, reconnects with jittered backoff, sends hello and a full resync on every connection,
 // heartbeats load, reports session events and applies commands at most once, only with an epoch
 // at least the highest seen, acking each.
+//
+// Session events are buffered (bounded, oldest dropped first) and sent in the order raised.
+// Events raised while no stream was up are sent on the next connection right after the hello,
+// before the full resync, so that the resync — the sidecar's residency truth at that moment — is
+// what the control plane applies last; events raised after the resync follow it.
 type ControlPlane struct {
 	cfg CPConfig
 	h   Handler
 	log zerolog.Logger
 
-	events chan *kvcv1.SessionEvent
+	events *eventBuffer
 
 	mu        sync.Mutex
 	maxEpoch  int64
@@ -80,24 +91,26 @@ func NewControlPlane(cfg CPConfig, h Handler, log zerolog.Logger) *ControlPlane 
 	}
 	return &ControlPlane{
 		cfg: cfg, h: h, log: log,
-		events:  make(chan *kvcv1.SessionEvent, 4096),
+		events:  newEventBuffer(cfg.EventBuffer, cfg.Registerer),
 		applied: map[cmdKey]appliedResult{},
 		connCh:  make(chan struct{}),
 	}
 }
 
-// Report queues a session event for the control plane. Events raised while disconnected are
-// dropped when the queue is full; the full resync on reconnect carries the residency truth.
+// Report queues a session event for the control plane; it never blocks. Events raised while
+// disconnected are kept and sent on the next connection; when the buffer is full the oldest
+// queued event is dropped (kvc_sidecar_cp_events_dropped_total).
 func (c *ControlPlane) Report(ev *kvcv1.SessionEvent) {
 	if ev.UnixMs == 0 {
 		ev.UnixMs = time.Now().UnixMilli()
 	}
-	select {
-	case c.events <- ev:
-	default:
-		c.log.Warn().Str("session", ev.GetSessionId()).Stringer("kind", ev.GetKind()).Msg("event queue full; dropped")
+	if d := c.events.push(ev); d != nil {
+		c.log.Warn().Str("session", d.GetSessionId()).Stringer("kind", d.GetKind()).Msg("event buffer full; oldest event dropped")
 	}
 }
+
+// PendingEvents is the number of session events not yet sent.
+func (c *ControlPlane) PendingEvents() int { return c.events.len() }
 
 // MaxEpoch is the highest command/welcome epoch seen.
 func (c *ControlPlane) MaxEpoch() int64 {
@@ -196,8 +209,14 @@ func (c *ControlPlane) session(ctx context.Context, addr string) (welcomed bool,
 	if w.GetPolicy() != nil {
 		c.h.Policy(w.GetPolicy())
 	}
-	// Events queued before this resync are superseded by it.
-	c.drainEvents()
+	// Events raised while disconnected go first, in order: the resync that follows is the truth
+	// at a later moment, so the control plane ends on it whatever those events said.
+	if n, err := c.sendBuffered(stream, 0); err != nil {
+		return false, recvErr(stream, err)
+	} else if n > 0 {
+		c.events.replayed.Add(float64(n))
+		c.log.Info().Int("events", n).Msg("sent events raised while disconnected")
+	}
 	rs := c.h.Resync()
 	rs.FullSync = true
 	if err := stream.Send(&kvcv1.ConnectRequest{Msg: &kvcv1.ConnectRequest_ResidentSessions{ResidentSessions: rs}}); err != nil {
@@ -250,8 +269,14 @@ func (c *ControlPlane) session(ctx context.Context, addr string) (welcomed bool,
 				return gctx.Err()
 			case <-t.C:
 				msg = &kvcv1.ConnectRequest{Msg: &kvcv1.ConnectRequest_Load{Load: &kvcv1.LoadReport{Load: c.h.Load()}}}
-			case ev := <-c.events:
-				msg = &kvcv1.ConnectRequest{Msg: &kvcv1.ConnectRequest_SessionEvent{SessionEvent: ev}}
+			case <-c.events.ready:
+				if _, err := c.sendBuffered(stream, eventBurst); err != nil {
+					return err
+				}
+				if c.events.len() > 0 {
+					c.events.signal() // more queued: take turns with acks and heartbeats
+				}
+				continue
 			case a := <-acks:
 				msg = &kvcv1.ConnectRequest{Msg: &kvcv1.ConnectRequest_Ack{Ack: a}}
 			}
@@ -272,14 +297,20 @@ func recvErr(stream grpc.BidiStreamingClient[kvcv1.ConnectRequest, kvcv1.Connect
 	return sendErr
 }
 
-func (c *ControlPlane) drainEvents() {
-	for {
-		select {
-		case <-c.events:
-		default:
-			return
+// eventBurst is how many events the sender sends before it looks at acks and heartbeats again.
+const eventBurst = 64
+
+// sendBuffered sends up to max queued events (all when max <= 0) in order. An event whose Send
+// failed goes back to the front of the buffer with those not tried, for the next connection.
+func (c *ControlPlane) sendBuffered(stream grpc.BidiStreamingClient[kvcv1.ConnectRequest, kvcv1.ConnectResponse], max int) (int, error) {
+	evs := c.events.take(max)
+	for i, ev := range evs {
+		if err := stream.Send(&kvcv1.ConnectRequest{Msg: &kvcv1.ConnectRequest_SessionEvent{SessionEvent: ev}}); err != nil {
+			c.events.putBack(evs[i:])
+			return i, err
 		}
 	}
+	return len(evs), nil
 }
 
 func (c *ControlPlane) seeEpoch(e int64) {

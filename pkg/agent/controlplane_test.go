@@ -2,10 +2,13 @@ package agent_test
 
 import (
 	"context"
+	"fmt"
+	"slices"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/rs/zerolog"
 
 	"github.com/kvcentric/kvcentric/pkg/agent"
@@ -185,4 +188,120 @@ func TestControlPlaneRefusesStaleLeader(t *testing.T) {
 	if err := cp.WaitConnected(ctx, 1); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// Events raised while the stream is down are kept and sent on the next connection, in order,
+// after the hello and before the full resync; over the bound the oldest are dropped and counted.
+func TestControlPlaneEventsRaisedWhileDisconnected(t *testing.T) {
+	tests := []struct {
+		name        string
+		buffer      int
+		raised      int
+		wantFrom    int // first raised event expected to arrive
+		wantDropped float64
+	}{
+		{"all kept", 16, 6, 0, 0},
+		{"bound hit: oldest dropped", 4, 6, 2, 2},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			srv, err := cptest.Start(1, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer srv.Close()
+			reg := prometheus.NewRegistry()
+			h := &fakeHandler{id: "d9"}
+			cp := agent.NewControlPlane(agent.CPConfig{Endpoints: []string{srv.Addr}, Heartbeat: time.Hour,
+				BackoffMin: 5 * time.Millisecond, BackoffMax: 20 * time.Millisecond, EventBuffer: tt.buffer, Registerer: reg},
+				h, zerolog.Nop())
+			runCtx, cancel := context.WithCancel(context.Background())
+			done := make(chan struct{})
+			go func() { _ = cp.Run(runCtx); close(done) }()
+			defer func() { cancel(); <-done }()
+			ctx := wctx(t)
+			if err := cp.WaitConnected(ctx, 0); err != nil {
+				t.Fatal(err)
+			}
+			// Connected: an event goes out at once.
+			cp.Report(&kvcv1.SessionEvent{SessionId: "live", Kind: kvcv1.SessionEventKind_SESSION_EVENT_KIND_COMMITTED, KvLen: 1})
+			if err := srv.Wait(ctx, func(v *cptest.View) bool { return len(v.Events()) == 1 }); err != nil {
+				t.Fatal(err)
+			}
+			// Cut the stream and refuse reconnects until the sidecar has seen a refusal: from then
+			// on its loop is between connections.
+			srv.SetStandby(&kvcv1.LeaderHint{})
+			srv.Kick()
+			if err := srv.Wait(ctx, func(v *cptest.View) bool { return v.Refused() > 0 }); err != nil {
+				t.Fatal(err)
+			}
+			if ok, _ := cp.Connected(); ok {
+				t.Fatal("still connected after the cut")
+			}
+			kinds := []kvcv1.SessionEventKind{kvcv1.SessionEventKind_SESSION_EVENT_KIND_TRANSFER_DONE,
+				kvcv1.SessionEventKind_SESSION_EVENT_KIND_COMMITTED, kvcv1.SessionEventKind_SESSION_EVENT_KIND_TRANSFER_FAILED}
+			for i := 0; i < tt.raised; i++ {
+				cp.Report(&kvcv1.SessionEvent{SessionId: fmt.Sprintf("s%d", i), Kind: kinds[i%len(kinds)], Room: int64(i)})
+			}
+			if n, want := cp.PendingEvents(), tt.raised-int(tt.wantDropped); n != want {
+				t.Fatalf("%d events pending, want %d", n, want)
+			}
+			srv.SetStandby(nil)
+			if err := cp.WaitConnected(ctx, 1); err != nil {
+				t.Fatal(err)
+			}
+			var second []cptest.Msg
+			if err := srv.Wait(ctx, func(v *cptest.View) bool {
+				second = second[:0]
+				for _, m := range v.Messages("d9") {
+					if m.Conn == 2 {
+						second = append(second, m)
+					}
+				}
+				return len(second) > 0 && second[len(second)-1].Type == "load"
+			}); err != nil {
+				t.Fatal(err)
+			}
+			var got []string
+			for _, m := range second {
+				if m.Type == "event" {
+					got = append(got, "event "+m.Ev.GetSessionId())
+				} else {
+					got = append(got, m.Type)
+				}
+			}
+			want := []string{"hello"}
+			for i := tt.wantFrom; i < tt.raised; i++ {
+				want = append(want, fmt.Sprintf("event s%d", i))
+			}
+			want = append(want, "resync", "load")
+			if !slices.Equal(got, want) {
+				t.Fatalf("second connection sent\n %v\nwant\n %v", got, want)
+			}
+			if n := cp.PendingEvents(); n != 0 {
+				t.Fatalf("%d events still pending", n)
+			}
+			if d := counterValue(t, reg, "kvc_sidecar_cp_events_dropped_total"); d != tt.wantDropped {
+				t.Fatalf("dropped counter %v, want %v", d, tt.wantDropped)
+			}
+			if r := counterValue(t, reg, "kvc_sidecar_cp_events_replayed_total"); r != float64(tt.raised)-tt.wantDropped {
+				t.Fatalf("replayed counter %v, want %v", r, float64(tt.raised)-tt.wantDropped)
+			}
+		})
+	}
+}
+
+func counterValue(t *testing.T, g prometheus.Gatherer, name string) float64 {
+	t.Helper()
+	mfs, err := g.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() == name {
+			return mf.GetMetric()[0].GetCounter().GetValue()
+		}
+	}
+	t.Fatalf("metric %s not registered", name)
+	return 0
 }

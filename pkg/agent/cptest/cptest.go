@@ -24,6 +24,15 @@ type Event struct {
 	Ev     *kvcv1.SessionEvent
 }
 
+// Msg is one message received on a worker's stream, in arrival order: its type ("hello",
+// "resync", "load", "event", "ack"), the connection it came on (1 = first) and, for an event,
+// the event.
+type Msg struct {
+	Conn int
+	Type string
+	Ev   *kvcv1.SessionEvent
+}
+
 // Server is the scripted control plane.
 type Server struct {
 	kvcv1.UnimplementedSidecarServiceServer
@@ -44,6 +53,8 @@ type Server struct {
 	events  []Event
 	acks    map[uint64]*kvcv1.CommandAck
 	conns   map[string]int
+	msgs    map[string][]Msg
+	refused int
 	kick    chan struct{}
 }
 
@@ -55,7 +66,7 @@ func Start(epoch int64, policy *kvcv1.Policy) (*Server, error) {
 	}
 	s := &Server{Addr: lis.Addr().String(), srv: grpc.NewServer(), changed: make(chan struct{}), epoch: epoch, policy: policy,
 		streams: map[string]chan *kvcv1.Command{}, hellos: map[string]*kvcv1.Hello{}, resyncs: map[string]*kvcv1.ResidentSessions{},
-		loads: map[string]*kvcv1.WorkerLoad{}, acks: map[uint64]*kvcv1.CommandAck{}, conns: map[string]int{}, kick: make(chan struct{})}
+		loads: map[string]*kvcv1.WorkerLoad{}, acks: map[uint64]*kvcv1.CommandAck{}, conns: map[string]int{}, msgs: map[string][]Msg{}, kick: make(chan struct{})}
 	kvcv1.RegisterSidecarServiceServer(s.srv, s)
 	go func() { _ = s.srv.Serve(lis) }()
 	return s, nil
@@ -96,6 +107,8 @@ func (s *Server) Connect(stream grpc.BidiStreamingServer[kvcv1.ConnectRequest, k
 	s.mu.Lock()
 	if s.standby != nil {
 		h := s.standby
+		s.refused++
+		s.bumpLocked()
 		s.mu.Unlock()
 		return cpclient.NotLeaderError(h)
 	}
@@ -115,6 +128,8 @@ func (s *Server) Connect(stream grpc.BidiStreamingServer[kvcv1.ConnectRequest, k
 	delete(s.resyncs, id) // the resync of this connection follows
 	s.streams[id] = cmds
 	s.conns[id]++
+	conn := s.conns[id]
+	s.msgs[id] = append(s.msgs[id], Msg{Conn: conn, Type: "hello"})
 	ep, pol, kick := s.epoch, s.policy, s.kick
 	s.bumpLocked()
 	s.mu.Unlock()
@@ -141,12 +156,16 @@ func (s *Server) Connect(stream grpc.BidiStreamingServer[kvcv1.ConnectRequest, k
 			switch x := m.GetMsg().(type) {
 			case *kvcv1.ConnectRequest_ResidentSessions:
 				s.resyncs[id] = x.ResidentSessions
+				s.msgs[id] = append(s.msgs[id], Msg{Conn: conn, Type: "resync"})
 			case *kvcv1.ConnectRequest_Load:
 				s.loads[id] = x.Load.GetLoad()
+				s.msgs[id] = append(s.msgs[id], Msg{Conn: conn, Type: "load"})
 			case *kvcv1.ConnectRequest_SessionEvent:
 				s.events = append(s.events, Event{Worker: id, Ev: x.SessionEvent})
+				s.msgs[id] = append(s.msgs[id], Msg{Conn: conn, Type: "event", Ev: x.SessionEvent})
 			case *kvcv1.ConnectRequest_Ack:
 				s.acks[x.Ack.GetCommandId()] = x.Ack
+				s.msgs[id] = append(s.msgs[id], Msg{Conn: conn, Type: "ack"})
 			}
 			s.bumpLocked()
 			s.mu.Unlock()
@@ -224,6 +243,12 @@ func (v *View) Load(worker string) *kvcv1.WorkerLoad { return v.s.loads[worker] 
 
 // Ack returns the ack of a command.
 func (v *View) Ack(id uint64) *kvcv1.CommandAck { return v.s.acks[id] }
+
+// Refused counts Connect calls refused as a standby.
+func (v *View) Refused() int { return v.s.refused }
+
+// Messages returns every message the worker sent so far, in arrival order.
+func (v *View) Messages(worker string) []Msg { return v.s.msgs[worker] }
 
 // Events returns every event so far.
 func (v *View) Events() []Event { return v.s.events }
