@@ -20,7 +20,15 @@ import (
 
 func init() {
 	register("cuda", func(ctx context.Context, cfg Config) (Engine, error) {
-		return NewCUDA(ctx, cfg, CUDAOptions{})
+		var opt CUDAOptions
+		if v := os.Getenv(CUDACopyEnv); v != "" {
+			c, err := ParseCUDACopy(v)
+			if err != nil {
+				return nil, fmt.Errorf("%s: %w", CUDACopyEnv, err)
+			}
+			opt.Copy = c
+		}
+		return NewCUDA(ctx, cfg, opt)
 	})
 }
 
@@ -34,14 +42,37 @@ const (
 	// CUDACopyMemcpy issues one cuMemcpyAsync per request. It is launch-bound on fragmented KV
 	// (about 1 GB/s) and exists only to be compared against, never as a silent fallback.
 	CUDACopyMemcpy
+	// CUDACopyWarp runs the descriptors with a persistent kernel: a grid that fills the device
+	// once, each warp copying whole descriptors (eight 16-byte accesses per thread in flight),
+	// instead of one CTA per descriptor.
+	CUDACopyWarp
+	// CUDACopyBatch hands each descriptor group to the driver's cuMemcpyBatchAsync (CUDA 12.8+,
+	// copy engines instead of SMs). NewCUDA fails with ErrUnavailable when the driver lacks it.
+	CUDACopyBatch
 )
 
+var cudaCopyNames = [...]string{CUDACopyKernel: "kernel", CUDACopyMemcpy: "memcpy", CUDACopyWarp: "warp", CUDACopyBatch: "batch"}
+
 func (c CUDACopy) String() string {
-	if c == CUDACopyMemcpy {
-		return "memcpy"
+	if c >= 0 && int(c) < len(cudaCopyNames) {
+		return cudaCopyNames[c]
 	}
-	return "kernel"
+	return fmt.Sprintf("CUDACopy(%d)", int(c))
 }
+
+// ParseCUDACopy parses a copy mode name: kernel, warp, batch or memcpy.
+func ParseCUDACopy(s string) (CUDACopy, error) {
+	for i, n := range cudaCopyNames {
+		if s == n {
+			return CUDACopy(i), nil
+		}
+	}
+	return 0, fmt.Errorf("%w: cuda copy mode %q (kernel, warp, batch or memcpy)", ErrInvalidRequest, s)
+}
+
+// CUDACopyEnv names the environment variable that picks the copy mode of engines made with
+// New (the sidecars'): a ParseCUDACopy name; unset means the default (kernel).
+const CUDACopyEnv = "KVC_CUDA_COPY"
 
 // CUDAOptions tunes the cuda backend; zero values take the defaults.
 type CUDAOptions struct {
@@ -87,7 +118,7 @@ func (o *CUDAOptions) defaults() error {
 		return fmt.Errorf("%w: cuda group descriptors %d", ErrInvalidRequest, o.GroupDescs)
 	case o.Workers < 1:
 		return fmt.Errorf("%w: cuda workers %d", ErrInvalidRequest, o.Workers)
-	case o.Copy != CUDACopyKernel && o.Copy != CUDACopyMemcpy:
+	case o.Copy < CUDACopyKernel || o.Copy > CUDACopyBatch:
 		return fmt.Errorf("%w: cuda copy mode %d", ErrInvalidRequest, o.Copy)
 	}
 	return nil
@@ -141,6 +172,8 @@ type CUDAEngine struct {
 	nextBatch BatchID
 	closed    bool
 
+	ready cudaReady // interprocess ready events (cuda_ready.go)
+
 	wg sync.WaitGroup
 }
 
@@ -174,7 +207,9 @@ type cudaDev struct {
 	stream  cuda.Stream // copies (kernels, memcpy) in submission order
 	up      cuda.Stream // descriptor uploads, overlapping the copies of earlier groups
 	mod     cuda.Module
-	fn      cuda.Function
+	fn      cuda.Function // CopyKernelName: one CTA per descriptor
+	warpFn  cuda.Function // WarpKernelName: persistent, one warp per descriptor
+	sms     int           // multiprocessors (sizes the persistent grid)
 	pending chan *cudaGroup
 	// queued is the number of descriptors launched on the copy stream whose group has not
 	// completed yet: the GPU's backlog, which sizes a submission's first group.
@@ -188,6 +223,9 @@ type cudaDev struct {
 type cudaDescBuf struct {
 	host, dev uint64
 	descs     []cudaDesc // view of host
+	// batch is pinned host memory for CUDACopyBatch's three arrays (dsts, srcs, sizes), each of
+	// cap(descs) values; allocated on first use, freed with the buffer.
+	batch uint64
 	// up is recorded on the upload stream after the copy of descs to dev; the copy stream
 	// waits for it before the kernel reads them.
 	up cuda.Event
@@ -238,6 +276,9 @@ func NewCUDA(ctx context.Context, cfg Config, opt CUDAOptions) (*CUDAEngine, err
 	}
 	if cfg.CUDADevice < 0 || cfg.CUDADevice >= n {
 		return nil, fmt.Errorf("%w: CUDA device %d of %d", ErrUnavailable, cfg.CUDADevice, n)
+	}
+	if opt.Copy == CUDACopyBatch && !drv.HasBatchMemcpy() {
+		return nil, fmt.Errorf("%w: copy mode batch: the driver has no cuMemcpyBatchAsync (CUDA 12.8+)", ErrUnavailable)
 	}
 	e := newCUDAEngine(opt, cfg.CUDADevice)
 	e.drv = drv
@@ -332,6 +373,12 @@ func (e *CUDAEngine) device(ord int) (*cudaDev, error) {
 	}
 	if d.mod, err = ctx.ModuleLoadData(cuda.CopyKernelPTX); err == nil {
 		d.fn, err = ctx.ModuleFunction(d.mod, cuda.CopyKernelName)
+		if err == nil {
+			d.warpFn, err = ctx.ModuleFunction(d.mod, cuda.WarpKernelName)
+		}
+		if err == nil {
+			d.sms, err = e.drv.DeviceAttribute(ord, cuda.DeviceAttrMultiprocessorCount)
+		}
 	}
 	if err != nil {
 		_ = ctx.StreamDestroy(d.up)
@@ -1107,7 +1154,8 @@ const cudaFirstGroup = 1024
 // precise errors) and, when it succeeds, becomes the new cached window.
 func (e *CUDAEngine) submitShard(b *cudaBatch, sink cudaSink, reqs []Request, base int, local cudaSpans, segs map[SegmentID]*cudaPeer) error {
 	chunk, groupMax := e.opt.ChunkBytes, e.opt.GroupDescs
-	memcpy := e.opt.Copy == CUDACopyMemcpy
+	// memcpy and batch copies are not split into chunks: one copy per request
+	whole := e.opt.Copy == CUDACopyMemcpy || e.opt.Copy == CUDACopyBatch
 	groupN := firstGroup(sink, groupMax)
 	end := base + len(reqs)
 	lens, group := b.lens[base:end], b.group[base:end]
@@ -1225,7 +1273,7 @@ func (e *CUDAEngine) submitShard(b *cudaBatch, sink cudaSink, reqs []Request, ba
 			src, dst = rt.src, rt.dst
 		}
 		step := chunk
-		if memcpy {
+		if whole {
 			step = n
 		}
 		for off := uint64(0); off < n; off += step {
@@ -1260,11 +1308,33 @@ func (e *CUDAEngine) submitShard(b *cudaBatch, sink cudaSink, reqs []Request, ba
 // records the group's event.
 func (e *CUDAEngine) launch(d *cudaDev, buf *cudaDescBuf) (*cudaGroup, error) {
 	n := len(buf.descs)
-	if e.opt.Copy == CUDACopyMemcpy {
+	switch e.opt.Copy {
+	case CUDACopyMemcpy:
 		for _, ds := range buf.descs {
 			if err := d.ctx.MemcpyAsync(ds.dst, ds.src, ds.n, d.stream); err != nil {
 				return nil, err
 			}
+		}
+		return e.record(d, buf)
+	case CUDACopyBatch:
+		if n == 0 {
+			return e.record(d, buf)
+		}
+		c := uint64(cap(buf.descs))
+		if buf.batch == 0 {
+			p, err := d.ctx.MemHostAlloc(3 * 8 * c)
+			if err != nil {
+				return nil, err
+			}
+			buf.batch = p
+		}
+		arr := unsafe.Slice((*uint64)(unsafe.Add(unsafe.Pointer(nil), uintptr(buf.batch))), 3*c)
+		dsts, srcs, sizes := arr[:n], arr[c:c+uint64(n)], arr[2*c:2*c+uint64(n)]
+		for i, ds := range buf.descs {
+			dsts[i], srcs[i], sizes[i] = ds.dst, ds.src, ds.n
+		}
+		if err := d.ctx.MemcpyBatchAsync(buf.batch, buf.batch+8*c, buf.batch+16*c, n, d.stream); err != nil {
+			return nil, err
 		}
 		return e.record(d, buf)
 	}
@@ -1279,7 +1349,15 @@ func (e *CUDAEngine) launch(d *cudaDev, buf *cudaDescBuf) (*cudaGroup, error) {
 	if err := d.ctx.StreamWaitEvent(d.stream, buf.up); err != nil {
 		return nil, err
 	}
-	if err := d.ctx.LaunchCopy(d.fn, buf.dev, uint32(n), uint32(n), uint32(e.opt.BlockThreads), d.stream); err != nil {
+	fn, grid, block := d.fn, uint32(n), uint32(e.opt.BlockThreads)
+	if e.opt.Copy == CUDACopyWarp {
+		// enough CTAs to fill every multiprocessor once (2,048 threads each), fewer when the
+		// group has fewer descriptors than the grid has warps
+		warps := block / 32
+		grid = min(uint32(max(1, d.sms))*(2048/block), (uint32(n)+warps-1)/warps)
+		fn = d.warpFn
+	}
+	if err := d.ctx.LaunchCopy(fn, buf.dev, uint32(n), max(grid, 1), block, d.stream); err != nil {
 		return nil, err
 	}
 	return e.record(d, buf)
@@ -1547,9 +1625,15 @@ func (e *CUDAEngine) release() {
 	}
 	clear(e.allocs)
 	e.allocMu.Unlock()
+	if d := e.devs[e.defDev]; d != nil {
+		e.closeReady(d)
+	}
 	for ord, d := range e.devs {
 		for _, b := range d.all {
 			_ = d.ctx.MemFreeHost(b.host)
+			if b.batch != 0 {
+				_ = d.ctx.MemFreeHost(b.batch)
+			}
 			_ = d.ctx.MemFree(b.dev)
 			_ = d.ctx.EventDestroy(b.up)
 		}

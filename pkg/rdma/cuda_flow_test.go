@@ -201,6 +201,12 @@ func cudaDSidecarMain(s cudaShape) error {
 	sc := bufio.NewScanner(os.Stdin)
 	for sc.Scan() {
 		f := strings.Fields(sc.Text())
+		if len(f) == 2 && f[0] == "ready" {
+			if err := cudaReadyPush(ctx, e, s, w, f[1], segs); err != nil {
+				return err
+			}
+			continue
+		}
 		if len(f) != 8 || f[0] != "push" {
 			return fmt.Errorf("bad command %q", sc.Text())
 		}
@@ -247,6 +253,63 @@ func cudaDSidecarMain(s cudaShape) error {
 	return sc.Err()
 }
 
+// cudaReadyPush pushes the session once into segment name's device store and, right after
+// Submit, records a ready event and prints its handle ("READY <hex>") before it waits for the
+// copy ("READYDONE"): the other process waits on the handle and checks the store at once.
+func cudaReadyPush(ctx context.Context, e *rdma.CUDAEngine, s cudaShape, w cudaWorkerInfo, name string, segs map[string]rdma.SegmentID) error {
+	seg, ok := segs[name]
+	if !ok {
+		var err error
+		if seg, err = e.OpenSegment(ctx, name); err != nil {
+			return err
+		}
+		segs[name] = seg
+	}
+	regs, err := e.RemoteRegions(seg)
+	if err != nil {
+		return err
+	}
+	var store []uint64
+	for _, r := range regs {
+		if r.Kind == rdma.MemCUDA {
+			store = append(store, r.Addr)
+		}
+	}
+	sort.Slice(store, func(i, j int) bool { return store[i] < store[j] })
+	if len(store) != s.buffers() {
+		return fmt.Errorf("peer has %d device regions, want %d", len(store), s.buffers())
+	}
+	reqs, err := rdma.PlanPages(rdma.OpWrite, s.layout(w.D.Base), s.layout(store[0]), s.pages("D"), s.pages("P"), seg)
+	if err != nil {
+		return err
+	}
+	b, err := e.AllocateBatch(len(reqs))
+	if err != nil {
+		return err
+	}
+	defer e.FreeBatch(b)
+	if err := e.Submit(ctx, b, reqs); err != nil {
+		return err
+	}
+	h, release, err := e.ReadyEvent(b)
+	if err != nil {
+		return err
+	}
+	fmt.Printf("READY %s\n", hex.EncodeToString(h))
+	sts, err := e.Wait(ctx, b)
+	if err != nil {
+		return err
+	}
+	for t, st := range sts {
+		if st.State != rdma.TaskCompleted {
+			return fmt.Errorf("task %d: %s %v", t, st.State, st.Err)
+		}
+	}
+	release()
+	fmt.Printf("READYDONE %d\n", len(reqs))
+	return nil
+}
+
 // cudaParseOptions parses "chunk block group copy [workers]".
 func cudaParseOptions(f []string) (rdma.CUDAOptions, error) {
 	var o rdma.CUDAOptions
@@ -264,8 +327,8 @@ func cudaParseOptions(f []string) (rdma.CUDAOptions, error) {
 		return o, fmt.Errorf("options %q", f)
 	}
 	o = rdma.CUDAOptions{ChunkBytes: c, BlockThreads: b, GroupDescs: g, Workers: w}
-	if f[3] == "memcpy" {
-		o.Copy = rdma.CUDACopyMemcpy
+	if o.Copy, err1 = rdma.ParseCUDACopy(f[3]); err1 != nil {
+		return o, err1
 	}
 	return rdma.CUDADefaultsForTest(o)
 }
@@ -429,7 +492,7 @@ func (c *cudaChild) expect(t *testing.T, prefix string, timeout time.Duration) s
 
 type cudaFlowResult struct {
 	baseline, push, pull, pushHost, hostBaseline, reseed time.Duration
-	pullSubmit                                           time.Duration
+	pullSubmit, readyWait                                time.Duration
 	requests                                             int
 	sweep                                                []string
 	checked, mismatches                                  int64
@@ -624,6 +687,31 @@ func runCUDAFlow(t *testing.T, s cudaShape, reps int, sweep []rdma.CUDAOptions) 
 		}
 	}
 
+	// Ready event across processes: the D sidecar submits a push, records a ready event right
+	// after Submit and sends its handle before it waits; this process waits on the handle and
+	// checks the whole store at once, before the D side reports its own Wait.
+	if err := sctx.MemsetD8(store, 0, s.poolLen()); err != nil {
+		t.Fatal(err)
+	}
+	fmt.Fprintf(dside.in, "ready %s\n", p.SegmentName())
+	hexh := strings.TrimSpace(dside.expect(t, "READY", time.Minute))
+	h, err := hex.DecodeString(hexh)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wctx, wcancel := context.WithTimeout(ctx, time.Minute)
+	t0 := time.Now()
+	err = p.WaitReady(wctx, h)
+	wcancel()
+	if err != nil {
+		t.Fatalf("WaitReady: %v", err)
+	}
+	res.readyWait = time.Since(t0)
+	if err := cudaVerify(s, sctx, store, false, s.pages("P"), stage, stagePtr, &res); err != nil {
+		t.Fatalf("store after WaitReady: %v", err)
+	}
+	dside.expect(t, "READYDONE", time.Minute)
+
 	// Pull D -> P store: the P side reads D over NVLink (the kernel runs on the store's GPU).
 	if err := sctx.MemsetD8(store, 0, s.poolLen()); err != nil {
 		t.Fatal(err)
@@ -753,6 +841,7 @@ func TestCUDABenchGPU(t *testing.T) {
 	}
 	fmt.Printf("pull: P reads the session from D over NVLink (copy kernel on GPU 1) %.1f GB/s, %.2f ms, Submit %.2f ms, ratio %.2f\n",
 		gbps(n, res.pull), ms(res.pull), ms(res.pullSubmit), float64(res.baseline)/float64(res.pull))
+	fmt.Printf("ready event: the P side's WaitReady on the D side's event (recorded right after Submit) returned after %.2f ms; the store, checked at once, was complete\n", ms(res.readyWait))
 	fmt.Printf("host: push to pinned host %.1f GB/s, contiguous device-to-host baseline %.1f GB/s, ratio %.2f\n",
 		gbps(n, res.pushHost), gbps(n, res.hostBaseline), float64(res.hostBaseline)/float64(res.pushHost))
 	fmt.Printf("verify: %d token slots checked (x %d B) in %d destination images (each push of the sweep, pull, host, first and last reseed) plus every page outside the session, %d mismatches; bench took %v\n",

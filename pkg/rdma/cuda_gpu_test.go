@@ -58,9 +58,15 @@ func TestCUDAEngineInProcess(t *testing.T) {
 		{"kernel", CUDAOptions{ChunkBytes: 1024, GroupDescs: 7, Workers: 1}, 0},
 		{"kernel sharded", CUDAOptions{ChunkBytes: 1024, GroupDescs: 7, Workers: 4}, 16},
 		{"memcpy", CUDAOptions{Copy: CUDACopyMemcpy, GroupDescs: 7, Workers: 2}, 16},
+		{"warp", CUDAOptions{Copy: CUDACopyWarp, ChunkBytes: 1024, GroupDescs: 7, Workers: 1}, 0},
+		{"warp large chunks", CUDAOptions{Copy: CUDACopyWarp, ChunkBytes: 64 << 10, GroupDescs: 5, Workers: 2}, 16},
+		{"batch", CUDAOptions{Copy: CUDACopyBatch, GroupDescs: 7, Workers: 2}, 16},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
+			if tt.opt.Copy == CUDACopyBatch && !drv.HasBatchMemcpy() {
+				t.Skip("the driver has no cuMemcpyBatchAsync")
+			}
 			testCUDAEngines(t, drv, 0, n-1, tt.opt, tt.shardMin)
 		})
 	}
@@ -320,5 +326,47 @@ func TestCUDAEngineAlloc(t *testing.T) {
 	}
 	if err := e.FreeMemory(dev); !errors.Is(err, ErrInvalidRequest) {
 		t.Fatalf("second free: %v", err)
+	}
+}
+
+func TestParseCUDACopy(t *testing.T) {
+	for _, tt := range []struct {
+		in   string
+		want CUDACopy
+		ok   bool
+	}{
+		{"kernel", CUDACopyKernel, true}, {"memcpy", CUDACopyMemcpy, true}, {"warp", CUDACopyWarp, true},
+		{"batch", CUDACopyBatch, true}, {"", 0, false}, {"Kernel", 0, false}, {"dma", 0, false},
+	} {
+		got, err := ParseCUDACopy(tt.in)
+		if tt.ok != (err == nil) || (tt.ok && got != tt.want) {
+			t.Errorf("ParseCUDACopy(%q) = %v, %v", tt.in, got, err)
+		}
+		if err != nil && !errors.Is(err, ErrInvalidRequest) {
+			t.Errorf("ParseCUDACopy(%q): %v, want ErrInvalidRequest", tt.in, err)
+		}
+		if tt.ok && got.String() != tt.in {
+			t.Errorf("%v.String() = %q", got, got.String())
+		}
+	}
+	if s := CUDACopy(9).String(); s != "CUDACopy(9)" {
+		t.Errorf("String of an unknown mode: %q", s)
+	}
+}
+
+func TestCUDACopyEnvRejected(t *testing.T) {
+	t.Setenv(CUDACopyEnv, "dma")
+	_, err := New(context.Background(), Config{Backend: "cuda"})
+	if !errors.Is(err, ErrInvalidRequest) {
+		t.Fatalf("New(cuda) with %s=dma: %v, want ErrInvalidRequest", CUDACopyEnv, err)
+	}
+}
+
+func TestCUDAReadyEventHandleSize(t *testing.T) {
+	e := newCUDAEngine(CUDAOptions{}, 0)
+	for _, n := range []int{0, 63, 65} {
+		if err := e.WaitReady(context.Background(), make([]byte, n)); !errors.Is(err, ErrInvalidRequest) {
+			t.Errorf("WaitReady with a %d-byte handle: %v, want ErrInvalidRequest", n, err)
+		}
 	}
 }

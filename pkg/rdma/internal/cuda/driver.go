@@ -39,6 +39,7 @@ const (
 	ipcMemLazyEnablePeerAccess    = 0x1
 	eventBlockingSync             = 0x1
 	eventDisableTiming            = 0x2
+	eventInterprocess             = 0x4
 	streamNonBlocking             = 0x1
 	attrMemoryType                = 2
 	attrDevicePointer             = 3
@@ -48,6 +49,9 @@ const (
 	deviceAttrUnifiedAddressing   = 41
 	deviceAttrMultiprocessorCount = 16
 )
+
+// DeviceAttrMultiprocessorCount is CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT.
+const DeviceAttrMultiprocessorCount = deviceAttrMultiprocessorCount
 
 // MemoryType values returned by Context.PointerInfo.
 const (
@@ -95,6 +99,13 @@ var required = [][]string{
 	{"cuEventCreate"}, {"cuEventDestroy_v2", "cuEventDestroy"}, {"cuEventRecord"},
 	{"cuEventQuery"}, {"cuEventSynchronize"}, {"cuEventElapsedTime_v2", "cuEventElapsedTime"},
 	{"cuModuleLoadData"}, {"cuModuleUnload"}, {"cuModuleGetFunction"}, {"cuLaunchKernel"},
+	{"cuIpcGetEventHandle"}, {"cuIpcOpenEventHandle"},
+}
+
+// optional lists entry points that newer drivers export; Load records the first name found.
+// cuMemcpyBatchAsync (CUDA 12.8) took a failIdx argument that CUDA 13's _v2 dropped.
+var optional = [][]string{
+	{"cuMemcpyBatchAsync_v2", "cuMemcpyBatchAsync"},
 }
 
 // Load loads libcuda.so.1 (or $KVC_LIBCUDA) once and calls cuInit. It returns an error wrapping
@@ -126,6 +137,14 @@ func load() (*Driver, error) {
 			return nil, fmt.Errorf("%w: %s lacks %s", ErrNoDriver, path, names[0])
 		}
 		d.fn[names[0]] = addr
+	}
+	for _, names := range optional {
+		for _, n := range names {
+			if a, err := purego.Dlsym(lib, n); err == nil && a != 0 {
+				d.fn[n] = a
+				break
+			}
+		}
 	}
 	if err := d.call("cuInit", 0); err != nil {
 		return nil, fmt.Errorf("%w: %v", ErrNoDriver, err)
@@ -559,4 +578,81 @@ func HostBytes(p, n uint64) []byte {
 		return nil
 	}
 	return unsafe.Slice((*byte)(unsafe.Add(unsafe.Pointer(nil), uintptr(p))), int(n))
+}
+
+// IPCEventHandleSize is the size of a CUipcEventHandle.
+const IPCEventHandleSize = 64
+
+// IPCEventHandle is a CUipcEventHandle.
+type IPCEventHandle [IPCEventHandleSize]byte
+
+// EventCreateIPC creates an event another process can open with IPCOpenEvent (interprocess,
+// no timing, blocking sync).
+func (c *Context) EventCreateIPC() (Event, error) {
+	var e uintptr
+	err := c.do("cuEventCreate", uintptr(unsafe.Pointer(&e)), eventBlockingSync|eventDisableTiming|eventInterprocess)
+	return Event(e), err
+}
+
+// IPCEventHandle returns the interprocess handle of e (created by EventCreateIPC).
+func (c *Context) IPCEventHandle(e Event) (IPCEventHandle, error) {
+	var h IPCEventHandle
+	err := c.do("cuIpcGetEventHandle", uintptr(unsafe.Pointer(&h[0])), uintptr(e))
+	return h, err
+}
+
+// IPCOpenEvent opens another process's interprocess event in this context; the result is
+// queried like a local event and released with EventDestroy. Recording it again in the owner
+// makes it reflect the new record.
+func (c *Context) IPCOpenEvent(h IPCEventHandle) (Event, error) {
+	var e uintptr
+	// CUipcEventHandle is a 64-byte struct passed by value: class MEMORY in the SysV AMD64 ABI,
+	// on the stack after the six integer registers (see IPCOpen).
+	w := (*[8]uint64)(unsafe.Pointer(&h[0]))
+	err := c.do("cuIpcOpenEventHandle", uintptr(unsafe.Pointer(&e)), 0, 0, 0, 0, 0,
+		uintptr(w[0]), uintptr(w[1]), uintptr(w[2]), uintptr(w[3]), uintptr(w[4]), uintptr(w[5]), uintptr(w[6]), uintptr(w[7]))
+	return Event(e), err
+}
+
+// HasBatchMemcpy reports whether the driver exports cuMemcpyBatchAsync (CUDA 12.8+).
+func (d *Driver) HasBatchMemcpy() bool {
+	return d.fn["cuMemcpyBatchAsync_v2"] != 0 || d.fn["cuMemcpyBatchAsync"] != 0
+}
+
+// memcpyAttributes mirrors CUmemcpyAttributes: srcAccessOrder, srcLocHint {type, id},
+// dstLocHint {type, id}, flags (24 bytes).
+type memcpyAttributes struct {
+	srcAccessOrder uint32
+	srcLocType     int32
+	srcLocID       int32
+	dstLocType     int32
+	dstLocID       int32
+	flags          uint32
+}
+
+// memcpySrcAccessOrderStream: the source is read in stream order.
+const memcpySrcAccessOrderStream = 1
+
+// MemcpyBatchAsync enqueues count pointer-to-pointer copies dsts[i] <- srcs[i] of sizes[i]
+// bytes on s with cuMemcpyBatchAsync (copies of one call may run in any order; the call as a
+// whole is stream ordered). dsts, srcs and sizes are host arrays of count 64-bit values (pinned
+// memory of this process, valid until the copies complete).
+func (c *Context) MemcpyBatchAsync(dsts, srcs, sizes uint64, count int, s Stream) error {
+	attrs := &memcpyAttributes{srcAccessOrder: memcpySrcAccessOrderStream}
+	idx := new(uint64)
+	var pin runtime.Pinner
+	pin.Pin(attrs)
+	pin.Pin(idx)
+	defer pin.Unpin()
+	if c.d.fn["cuMemcpyBatchAsync_v2"] != 0 {
+		return c.do("cuMemcpyBatchAsync_v2", uintptr(dsts), uintptr(srcs), uintptr(sizes), uintptr(count),
+			uintptr(unsafe.Pointer(attrs)), uintptr(unsafe.Pointer(idx)), 1, uintptr(s))
+	}
+	if c.d.fn["cuMemcpyBatchAsync"] == 0 {
+		return &Error{Call: "cuMemcpyBatchAsync", Code: -1, Name: "NOT_EXPORTED", Msg: "the driver has no cuMemcpyBatchAsync (CUDA 12.8+)"}
+	}
+	fail := new(uint64)
+	pin.Pin(fail)
+	return c.do("cuMemcpyBatchAsync", uintptr(dsts), uintptr(srcs), uintptr(sizes), uintptr(count),
+		uintptr(unsafe.Pointer(attrs)), uintptr(unsafe.Pointer(idx)), 1, uintptr(unsafe.Pointer(fail)), uintptr(s))
 }
