@@ -3,6 +3,7 @@ package agent
 import (
 	"context"
 	"fmt"
+	"slices"
 	"sync"
 
 	"google.golang.org/grpc/codes"
@@ -119,6 +120,15 @@ const (
 // ctx ends it cancels every batch submitted and waits until no task is in flight, exactly like
 // Transfer. It returns the bytes moved.
 func (p *TokenPlan) Transfer(ctx context.Context, eng rdma.Engine, seg rdma.SegmentID) (uint64, error) {
+	return p.TransferThen(ctx, eng, seg, nil)
+}
+
+// TransferThen is Transfer with a hook: submitted, when not nil, is called once after the last
+// batch was submitted and before the first Wait, with every batch of the transfer (in order),
+// so that the caller can overlap work with the copy — e.g. record a ready event after the
+// copies (rdma.CUDAEngine.ReadyEvent) and send its commit while the bytes still move. It is
+// not called when a submission fails or ctx ends first.
+func (p *TokenPlan) TransferThen(ctx context.Context, eng rdma.Engine, seg rdma.SegmentID, submitted func([]rdma.BatchID)) (uint64, error) {
 	n := p.Len()
 	if n == 0 {
 		return 0, nil
@@ -162,6 +172,9 @@ func (p *TokenPlan) Transfer(ctx context.Context, eng rdma.Engine, seg rdma.Segm
 		}
 		batches = append(batches, id)
 		b0, target = b1, min(streamMax, streamGrowth*target)
+	}
+	if submitted != nil {
+		submitted(slices.Clone(batches))
 	}
 	var firstErr error
 	for i, id := range batches {

@@ -206,3 +206,76 @@ func getReqsNew(n int) *[]rdma.Request {
 	s := make([]rdma.Request, n)
 	return &s
 }
+
+// orderEngine logs Submit and Wait calls.
+type orderEngine struct {
+	rdma.Engine
+	mu  sync.Mutex
+	log []string
+	ids []rdma.BatchID
+}
+
+func (o *orderEngine) Submit(ctx context.Context, b rdma.BatchID, reqs []rdma.Request) error {
+	o.mu.Lock()
+	o.log = append(o.log, "submit")
+	o.ids = append(o.ids, b)
+	o.mu.Unlock()
+	return o.Engine.Submit(ctx, b, reqs)
+}
+
+func (o *orderEngine) Wait(ctx context.Context, b rdma.BatchID) ([]rdma.TaskStatus, error) {
+	o.mu.Lock()
+	o.log = append(o.log, "wait")
+	o.mu.Unlock()
+	return o.Engine.Wait(ctx, b)
+}
+
+func TestTokenPlanTransferThen(t *testing.T) {
+	src, dst, engS, seg := streamPools(t, 32, 1024)
+	const tokens = 2048
+	np := int64(tokens / 4)
+	sp, dp := make([]int64, np), make([]int64, np)
+	for i := range sp {
+		sp[i], dp[i] = int64(2*i), int64(i)
+	}
+	plan, err := PlanRuns(PageMap{Layout: src.Layout(), Pages: sp}, PageMap{Layout: dst.Layout(), Pages: dp}, 0, tokens)
+	if err != nil {
+		t.Fatal(err)
+	}
+	oe := &orderEngine{Engine: engS}
+	var got [][]rdma.BatchID
+	moved, err := plan.TransferThen(context.Background(), oe, seg, func(b []rdma.BatchID) {
+		oe.mu.Lock()
+		oe.log = append(oe.log, "hook")
+		oe.mu.Unlock()
+		got = append(got, b)
+	})
+	if err != nil || moved != plan.Bytes() {
+		t.Fatalf("transfer: %d of %d bytes, %v", moved, plan.Bytes(), err)
+	}
+	want := []string{"submit", "submit", "submit", "hook", "wait", "wait", "wait"}
+	if len(oe.log) != len(want) {
+		t.Fatalf("calls %v, want %v", oe.log, want)
+	}
+	for i := range want {
+		if oe.log[i] != want[i] {
+			t.Fatalf("calls %v, want %v", oe.log, want)
+		}
+	}
+	if len(got) != 1 || len(got[0]) != len(oe.ids) {
+		t.Fatalf("hook got %v, submitted %v", got, oe.ids)
+	}
+	for i := range oe.ids {
+		if got[0][i] != oe.ids[i] {
+			t.Fatalf("hook got %v, submitted %v", got, oe.ids)
+		}
+	}
+
+	// ctx ended before the first submission: no hook
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	called := false
+	if _, err := plan.TransferThen(ctx, engS, seg, func([]rdma.BatchID) { called = true }); !errors.Is(err, ErrAborted) || called {
+		t.Fatalf("canceled transfer: %v, hook called %v", err, called)
+	}
+}
