@@ -2,4 +2,9 @@
 // health, zerolog request logging and panic recovery through go-grpc-middleware v2, request
 // validation (messages with a Validate() error method), message size limits, keepalive
 // enforcement matching our clients, and a graceful stop tied to a context.
+//
+// Transport security: WithTLS(src) turns a server into a mutual-TLS server whose calls are
+// authorized per method by the caller's certificate role (package tlsx: roles, the table,
+// rotation). Clients dial with DialOptions(src, serverRoles...), which is plaintext when src is
+// nil. Servers on Unix sockets (the WorkerBridge) stay plaintext.
 package grpcx
