@@ -231,7 +231,10 @@ func TestTLSHandshakeRejections(t *testing.T) {
 		{"client does not trust the server's CA", grpcx.Credentials(distrust, tlsx.RoleControlPlane)},
 		{"server has the wrong role", grpcx.Credentials(goodSrc, tlsx.RoleSidecar)},
 		{"TLS 1.2 client", credentials.NewTLS(&tls.Config{RootCAs: pool, MaxVersion: tls.VersionTLS12,
-			GetClientCertificate: func(*tls.CertificateRequestInfo) (*tls.Certificate, error) { c, err := tls.LoadX509KeyPair(good.Cert, good.Key); return &c, err }})},
+			GetClientCertificate: func(*tls.CertificateRequestInfo) (*tls.Certificate, error) {
+				c, err := tls.LoadX509KeyPair(good.Cert, good.Key)
+				return &c, err
+			}})},
 		{"plaintext client", grpcx.Credentials(nil)},
 	}
 	for _, tc := range tests {
