@@ -10,6 +10,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/rs/zerolog"
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.etcd.io/etcd/client/v3/concurrency"
 
@@ -32,9 +33,20 @@ type Config struct {
 	NodeID string
 	Addr   string // advertised gRPC address
 	TTL    time.Duration
-	Log    zerolog.Logger
-	Reg    prometheus.Registerer
+	// RenewDeadline is how long after the last lease renewal it sent (by this process's
+	// monotonic clock) the replica may act as leader; it must be below TTL so that a leader
+	// that cannot reach etcd stops acting before etcd expires its lease and a standby takes
+	// over. 0 means DefaultRenewDeadline(TTL).
+	RenewDeadline time.Duration
+	// RenewInterval is how often the lease is renewed (each attempt bounded by the interval).
+	// 0 means RenewDeadline/4.
+	RenewInterval time.Duration
+	Log           zerolog.Logger
+	Reg           prometheus.Registerer
 }
+
+// DefaultRenewDeadline is two thirds of the TTL (client-go's 10 s of 15 s).
+func DefaultRenewDeadline(ttl time.Duration) time.Duration { return ttl * 2 / 3 }
 
 // Elector campaigns for leadership and observes the current leader.
 type Elector struct {
@@ -44,9 +56,15 @@ type Elector struct {
 	stepDown chan string
 	changed  chan struct{}
 
+	// base is the reference of the monotonic clock; validUntil (nanoseconds since base) is
+	// the renew deadline: the last renewal's send time plus RenewDeadline.
+	base       time.Time
+	validUntil atomic.Int64
+
 	gLeader   prometheus.Gauge
 	elections prometheus.Counter
 	lost      *prometheus.CounterVec
+	renewals  *prometheus.CounterVec
 }
 
 // New returns an Elector. TTL is rounded up to whole seconds (etcd leases are in seconds).
@@ -57,8 +75,20 @@ func New(cfg Config) (*Elector, error) {
 	if cfg.TTL < time.Second {
 		return nil, fmt.Errorf("election: ttl %s is below 1s", cfg.TTL)
 	}
+	if cfg.RenewDeadline == 0 {
+		cfg.RenewDeadline = DefaultRenewDeadline(cfg.TTL)
+	}
+	if cfg.RenewDeadline <= 0 || cfg.RenewDeadline >= cfg.TTL {
+		return nil, fmt.Errorf("election: renew deadline %s must be positive and below the ttl %s", cfg.RenewDeadline, cfg.TTL)
+	}
+	if cfg.RenewInterval == 0 {
+		cfg.RenewInterval = cfg.RenewDeadline / 4
+	}
+	if cfg.RenewInterval <= 0 || cfg.RenewInterval >= cfg.RenewDeadline {
+		return nil, fmt.Errorf("election: renew interval %s must be positive and below the renew deadline %s", cfg.RenewInterval, cfg.RenewDeadline)
+	}
 	e := &Elector{
-		cfg: cfg, stepDown: make(chan string, 1), changed: make(chan struct{}, 1),
+		cfg: cfg, stepDown: make(chan string, 1), changed: make(chan struct{}, 1), base: time.Now(),
 		gLeader: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "kvc_cp_leader", Help: "1 while this replica is the leader.",
 		}),
@@ -66,11 +96,14 @@ func New(cfg Config) (*Elector, error) {
 			Name: "kvc_cp_elections_won_total", Help: "Elections this replica won.",
 		}),
 		lost: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvc_cp_leadership_lost_total", Help: "Terms ended, by reason (session_lost, step_down, lead_error, shutdown).",
+			Name: "kvc_cp_leadership_lost_total", Help: "Terms ended, by reason (session_lost, renew_deadline, step_down, lead_error, shutdown).",
 		}, []string{"reason"}),
+		renewals: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvc_cp_lease_renewals_total", Help: "Election lease renewals sent by this replica, by result (ok, error, lost).",
+		}, []string{"result"}),
 	}
 	if cfg.Reg != nil {
-		cfg.Reg.MustRegister(e.gLeader, e.elections, e.lost)
+		cfg.Reg.MustRegister(e.gLeader, e.elections, e.lost, e.renewals)
 	}
 	return e, nil
 }
@@ -84,8 +117,66 @@ func (e *Elector) Current() (Leader, bool) {
 	return *l, true
 }
 
-// IsLeader reports whether this replica leads now.
-func (e *Elector) IsLeader() bool { return e.leading.Load() }
+// IsLeader reports whether this replica leads now: it holds a term that serves and its lease
+// was renewed within the renew deadline. The deadline is checked on every call against the
+// monotonic clock, so a process resumed after a pause (SIGSTOP, a long GC or scheduler stall)
+// or cut off from etcd answers false at once, before the term's own goroutines notice.
+func (e *Elector) IsLeader() bool { return e.leading.Load() && e.leaseValid() }
+
+// RenewDeadline is the configured renew deadline.
+func (e *Elector) RenewDeadline() time.Duration { return e.cfg.RenewDeadline }
+
+func (e *Elector) mono() time.Duration { return time.Since(e.base) }
+
+// leaseValid reports whether the renew deadline has not passed.
+func (e *Elector) leaseValid() bool { return int64(e.mono()) < e.validUntil.Load() }
+
+// extend moves the renew deadline to sent+RenewDeadline (never backwards).
+func (e *Elector) extend(sent time.Duration) {
+	until := int64(sent + e.cfg.RenewDeadline)
+	for {
+		cur := e.validUntil.Load()
+		if until <= cur || e.validUntil.CompareAndSwap(cur, until) {
+			return
+		}
+	}
+}
+
+// renew renews the session's lease every RenewInterval until ctx ends, extending the renew
+// deadline from each successful renewal's send time. When etcd says the lease is gone it
+// voids the deadline and closes gone.
+func (e *Elector) renew(ctx context.Context, lease clientv3.LeaseID, gone chan<- struct{}) {
+	t := time.NewTimer(e.cfg.RenewInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		sent := e.mono()
+		cctx, cancel := context.WithTimeout(ctx, e.cfg.RenewInterval)
+		_, err := e.cfg.Client.KeepAliveOnce(cctx, lease)
+		cancel()
+		switch {
+		case err == nil:
+			e.extend(sent)
+			e.renewals.WithLabelValues("ok").Inc()
+		case errors.Is(err, rpctypes.ErrLeaseNotFound):
+			e.validUntil.Store(0)
+			e.renewals.WithLabelValues("lost").Inc()
+			close(gone)
+			return
+		default:
+			if ctx.Err() != nil {
+				return
+			}
+			e.renewals.WithLabelValues("error").Inc()
+		}
+		// Pace from the send time: a hung attempt already used its interval.
+		t.Reset(max(e.cfg.RenewInterval-(e.mono()-sent), 0))
+	}
+}
 
 // Hint returns the leader hint for NotLeader errors (nil fields when no leader is known).
 func (e *Elector) Hint() *kvcv1.LeaderHint {
@@ -140,11 +231,19 @@ func (e *Elector) Run(ctx context.Context, lead LeadFunc) error {
 
 // term runs one session: campaign, lead, resign. It returns how long to wait before the next.
 func (e *Elector) term(ctx context.Context, ttl int, val string, lead LeadFunc) (time.Duration, error) {
+	granted := e.mono() // the lease cannot expire before granted+TTL
 	sess, err := concurrency.NewSession(e.cfg.Client, concurrency.WithTTL(ttl), concurrency.WithContext(ctx))
 	if err != nil {
 		return 0, fmt.Errorf("session: %w", err)
 	}
 	defer func() { _ = sess.Close() }() // revokes the lease: our key (if any) goes at once
+	e.validUntil.Store(0)
+	e.extend(granted)
+	renewCtx, rstop := context.WithCancel(ctx)
+	gone := make(chan struct{})
+	renewing := make(chan struct{})
+	go func() { defer close(renewing); e.renew(renewCtx, sess.Lease(), gone) }()
+	defer func() { rstop(); <-renewing }()
 	el := concurrency.NewElection(sess, e.cfg.Prefix)
 
 	cctx, cancel := context.WithCancel(ctx)
@@ -167,6 +266,14 @@ func (e *Elector) term(ctx context.Context, ttl int, val string, lead LeadFunc) 
 	if err != nil || !resp.Succeeded {
 		return 0, fmt.Errorf("campaign won but not confirmed (err %v)", err)
 	}
+	if !e.leaseValid() {
+		// Won, but the lease was not renewed within the renew deadline: it may expire any
+		// moment. Give the key back and campaign again.
+		rctx, rcancel = context.WithTimeout(ctx, 2*time.Second)
+		_ = el.Resign(rctx)
+		rcancel()
+		return 0, errors.New("campaign won after the renew deadline passed")
+	}
 	fence := kvstore.Fence{Key: el.Key(), Rev: el.Rev()}
 	e.elections.Inc()
 	e.cfg.Log.Info().Int64("epoch", fence.Rev).Msg("elected leader")
@@ -174,14 +281,7 @@ func (e *Elector) term(ctx context.Context, ttl int, val string, lead LeadFunc) 
 	lctx, lcancel := context.WithCancel(ctx)
 	reason := make(chan string, 1)
 	go func() {
-		select {
-		case <-sess.Done():
-			reason <- "session_lost"
-		case r := <-e.stepDown:
-			reason <- "step_down: " + r
-		case <-lctx.Done():
-			reason <- "shutdown"
-		}
+		reason <- e.watch(lctx, sess, gone)
 		lcancel()
 	}()
 	serving := func() {
@@ -194,6 +294,10 @@ func (e *Elector) term(ctx context.Context, ttl int, val string, lead LeadFunc) 
 	why := <-reason
 	e.leading.Store(false)
 	e.gLeader.Set(0)
+	if l := e.current.Load(); l != nil && l.NodeID == e.cfg.NodeID && l.Epoch == fence.Rev {
+		// Do not name ourselves in hints any more; Observe fills in the next leader.
+		e.current.CompareAndSwap(l, nil)
+	}
 	if lerr != nil && ctx.Err() == nil && why == "shutdown" {
 		why = "lead_error"
 	}
@@ -207,16 +311,42 @@ func (e *Elector) term(ctx context.Context, ttl int, val string, lead LeadFunc) 
 	rctx, rcancel = context.WithTimeout(context.Background(), 2*time.Second)
 	_ = el.Resign(rctx)
 	rcancel()
-	if why != "shutdown" && why != "session_lost" {
+	if why != "shutdown" && why != "session_lost" && why != "renew_deadline" {
 		return e.cfg.TTL, nil // stepped down or deposed: let the other replica lead
 	}
 	return 0, nil
 }
 
+// watch waits for the end of a term and returns why. Its timer ends the term at the renew
+// deadline unless renewals moved it; IsLeader checks the deadline on every call as well.
+func (e *Elector) watch(lctx context.Context, sess *concurrency.Session, gone <-chan struct{}) string {
+	wd := time.NewTimer(time.Duration(e.validUntil.Load()) - e.mono())
+	defer wd.Stop()
+	for {
+		select {
+		case <-sess.Done():
+			return "session_lost"
+		case <-gone:
+			return "session_lost"
+		case <-wd.C:
+			if !e.leaseValid() {
+				return "renew_deadline"
+			}
+			wd.Reset(time.Duration(e.validUntil.Load()) - e.mono())
+		case r := <-e.stepDown:
+			return "step_down: " + r
+		case <-lctx.Done():
+			return "shutdown"
+		}
+	}
+}
+
 // Observe keeps Current up to date (the first-created key under the prefix) until ctx ends.
 func (e *Elector) Observe(ctx context.Context) error {
 	for ctx.Err() == nil {
-		resp, err := e.cfg.Client.Get(ctx, e.cfg.Prefix, clientv3.WithFirstCreate()...)
+		gctx, gcancel := context.WithTimeout(ctx, e.cfg.TTL) // a cut-off etcd must not hang us
+		resp, err := e.cfg.Client.Get(gctx, e.cfg.Prefix, clientv3.WithFirstCreate()...)
+		gcancel()
 		if err == nil {
 			e.setFrom(resp)
 			wch := e.cfg.Client.Watch(clientv3.WithRequireLeader(ctx), e.cfg.Prefix, clientv3.WithPrefix(),
@@ -225,7 +355,9 @@ func (e *Elector) Observe(ctx context.Context) error {
 				if wr.Err() != nil {
 					break
 				}
-				r, err := e.cfg.Client.Get(ctx, e.cfg.Prefix, clientv3.WithFirstCreate()...)
+				gctx, gcancel := context.WithTimeout(ctx, e.cfg.TTL)
+				r, err := e.cfg.Client.Get(gctx, e.cfg.Prefix, clientv3.WithFirstCreate()...)
+				gcancel()
 				if err != nil {
 					break
 				}

@@ -2,15 +2,20 @@ package election
 
 import (
 	"context"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/rs/zerolog"
 	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap"
 
 	"github.com/kvcentric/kvcentric/pkg/etcdtest"
 	"github.com/kvcentric/kvcentric/pkg/kvstore"
+	"github.com/kvcentric/kvcentric/pkg/netproxy"
 )
 
 type replica struct {
@@ -23,7 +28,7 @@ type replica struct {
 
 func startReplica(t *testing.T, cli *clientv3.Client, id string) *replica {
 	t.Helper()
-	el, err := New(Config{Client: cli, Prefix: "/e/leader/", NodeID: id, Addr: id + ":7400", TTL: 2 * time.Second, Log: zerolog.Nop()})
+	el, err := New(Config{Client: cli, Prefix: "/e/leader/", NodeID: id, Addr: id + ":7400", TTL: 2 * time.Second, Log: zerolog.Nop(), Reg: prometheus.NewRegistry()})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -116,9 +121,82 @@ func TestNewValidates(t *testing.T) {
 		{Client: cli, NodeID: "a", TTL: 2 * time.Second},
 		{Client: cli, Prefix: "/p/", TTL: 2 * time.Second},
 		{Client: cli, Prefix: "/p/", NodeID: "a", TTL: 100 * time.Millisecond},
+		{Client: cli, Prefix: "/p/", NodeID: "a", TTL: 2 * time.Second, RenewDeadline: 2 * time.Second},
+		{Client: cli, Prefix: "/p/", NodeID: "a", TTL: 2 * time.Second, RenewDeadline: -time.Second},
+		{Client: cli, Prefix: "/p/", NodeID: "a", TTL: 2 * time.Second, RenewDeadline: time.Second, RenewInterval: time.Second},
 	} {
 		if _, err := New(cfg); err == nil {
 			t.Errorf("config %+v accepted", cfg)
 		}
+	}
+}
+
+// TestRenewDeadlineStepsDown cuts the leader off from etcd (a black hole, no connection
+// closed): it must stop being leader on its own clock within the renew deadline, before etcd
+// expires its lease; the other replica leads after the TTL; after Heal the first one is a
+// standby observing the new leader.
+func TestRenewDeadlineStepsDown(t *testing.T) {
+	c := etcdtest.Start(t)
+	px, err := netproxy.New(strings.TrimPrefix(c.Endpoints()[0], "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = px.Close() })
+	cutCli, err := clientv3.New(clientv3.Config{
+		Endpoints: []string{"http://" + px.Addr()}, DialTimeout: 5 * time.Second,
+		DialKeepAliveTime: time.Second, DialKeepAliveTimeout: time.Second, Logger: zap.NewNop(),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = cutCli.Close() })
+
+	a := startReplica(t, cutCli, "a")
+	fa := recv(t, a.terms, "a leads")
+	b := startReplica(t, c.Client(t), "b")
+	waitCond(t, "b observes a", 10*time.Second, func() bool {
+		l, ok := b.el.Current()
+		return ok && l.NodeID == "a"
+	})
+
+	cut := time.Now()
+	px.Blackhole()
+	waitCond(t, "a stops leading", 2*time.Second, func() bool { return !a.el.IsLeader() })
+	stepped := time.Since(cut)
+	recv(t, a.ended, "a's term ends")
+	if ttl := 2 * time.Second; stepped >= ttl {
+		t.Fatalf("a stopped leading %s after the cut, want < TTL %s", stepped, ttl)
+	}
+	fb := recv(t, b.terms, "b leads")
+	took := time.Since(cut)
+	t.Logf("cut-off leader stepped down after %s (renew deadline %s); b leads after %s", stepped, a.el.RenewDeadline(), took)
+	if fb.Rev <= fa.Rev {
+		t.Fatalf("epoch %d after %d", fb.Rev, fa.Rev)
+	}
+	if took < 2*time.Second-a.el.RenewDeadline() {
+		t.Fatalf("b led %s after the cut: before a's lease could expire", took)
+	}
+	if n := testutil.ToFloat64(a.el.lost.WithLabelValues("renew_deadline")); n != 1 {
+		t.Fatalf("renew_deadline terms %v, want 1", n)
+	}
+
+	px.Heal()
+	waitCond(t, "a observes b", 15*time.Second, func() bool {
+		l, ok := a.el.Current()
+		return ok && l.NodeID == "b" && l.Epoch == fb.Rev
+	})
+	if a.el.IsLeader() || !b.el.IsLeader() {
+		t.Fatalf("after heal: a leader %v, b leader %v", a.el.IsLeader(), b.el.IsLeader())
+	}
+}
+
+func waitCond(t *testing.T, what string, limit time.Duration, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(limit)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %s waiting for %s", limit, what)
+		}
+		time.Sleep(5 * time.Millisecond) // polling a condition with a deadline
 	}
 }
