@@ -30,10 +30,12 @@ type result struct {
 
 	ttft       time.Duration
 	kvLenAfter int64
-	retry      bool
-	meta       json.RawMessage // the decode worker's last meta_info
-	promptTok  int64
-	outputTok  int64
+	// retry: a new decision may serve the request, provided nothing went to the client and no
+	// token came from D (see retryable).
+	retry     bool
+	meta      json.RawMessage // the decode worker's last meta_info
+	promptTok int64
+	outputTok int64
 }
 
 func failure(kind kvcv1.RouteErrorKind, status int, code, msg string) result {
@@ -56,7 +58,13 @@ func (e *workerError) Error() string {
 	return fmt.Sprintf("%s worker answered %d %s: %s", e.role, e.status, e.code, e.message)
 }
 
-// classify maps a worker failure to an outcome error kind and a client-facing error.
+// codeNoCapacity is a live worker's 503: it is full, not gone (the control plane's rejection
+// counters handle it; retrying at once would only add load).
+const codeNoCapacity = "no_capacity"
+
+// classify maps a worker failure to an outcome error kind and a client-facing error. A worker
+// that is gone — the connection refused, reset or closed (while the request is still alive), or
+// a 503 other than no_capacity — is marked retryable, as is D's 409 session_not_resident.
 func classify(we *workerError, mode kvcv1.RouteMode, ctx, clientCtx context.Context) result {
 	if we.status == 0 {
 		switch {
@@ -65,7 +73,9 @@ func classify(we *workerError, mode kvcv1.RouteMode, ctx, clientCtx context.Cont
 		case errors.Is(ctx.Err(), context.DeadlineExceeded):
 			return failure(kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_TIMEOUT, http.StatusGatewayTimeout, "timeout", "request timed out")
 		}
-		return failure(kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_WORKER_ERROR, http.StatusBadGateway, "worker_unreachable", we.Error())
+		r := failure(kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_WORKER_ERROR, http.StatusBadGateway, "worker_unreachable", we.Error())
+		r.retry = ctx.Err() == nil
+		return r
 	}
 	code := we.code
 	if code == "" {
@@ -77,6 +87,9 @@ func classify(we *workerError, mode kvcv1.RouteMode, ctx, clientCtx context.Cont
 		r.kind, r.retry = kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D, true
 	case we.status == http.StatusServiceUnavailable && we.role == "decode":
 		r.kind = kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D
+		r.retry = code != codeNoCapacity
+	case we.status == http.StatusServiceUnavailable:
+		r.retry = code != codeNoCapacity
 	case we.status == http.StatusBadGateway || code == "transfer_failed" || code == "kv_verify_failed":
 		r.kind = kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_TRANSFER_FAILED
 		if mode == kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT {
@@ -345,6 +358,7 @@ func (s *Server) decode(ctx context.Context, start time.Time, p *plan, req *api.
 			}
 			r := failure(kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_WORKER_ERROR, http.StatusBadGateway, "worker_stream_ended", "decode worker ended the stream before [DONE]")
 			r.ttft = res.ttft
+			r.retry = res.ttft == 0 // D went away before its first token
 			return r
 		}
 	}

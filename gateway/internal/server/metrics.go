@@ -12,7 +12,7 @@ type Metrics struct {
 	TTFT         *prometheus.HistogramVec
 	Latency      *prometheus.HistogramVec
 	RouteLatency prometheus.Histogram
-	Retries      prometheus.Counter
+	Retries      *prometheus.CounterVec
 	Inflight     prometheus.Gauge
 	CPConnected  prometheus.Gauge
 	Orphans      prometheus.Counter
@@ -36,8 +36,9 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Help: "End-to-end request latency at the gateway, by executed mode.", Buckets: buckets}, []string{"mode"}),
 		RouteLatency: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "kvc_gateway_route_seconds",
 			Help: "Time to get a routing decision over the Route stream.", Buckets: prometheus.ExponentialBuckets(0.0001, 4, 10)}),
-		Retries: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_gateway_retries_total",
-			Help: "Requests retried through a new decision after D answered 409 session_not_resident."}),
+		Retries: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvc_gateway_retries_total",
+			Help: "Requests retried through a new decision before any byte went to the client, by reason (session_not_resident: D answered 409; worker_unavailable: a worker refused or dropped the connection, or answered 503 other than no_capacity)."},
+			[]string{"reason"}),
 		Inflight: prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvc_gateway_inflight_requests", Help: "Requests in flight."}),
 		CPConnected: prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvc_gateway_control_plane_connected",
 			Help: "1 while a Route stream to the control-plane leader is up; 0 means the gateway fails open."}),

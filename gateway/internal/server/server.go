@@ -156,10 +156,15 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request, kind api.Kind) {
 		}
 		out.retries = attempt
 		res = s.execute(ctx, r.Context(), start, p, req, out)
-		s.report(p, res, start)
-		if res.retry && attempt == 0 && !out.started {
-			s.m.Retries.Inc()
-			s.log.Debug().Str("session", req.SessionID).Str("decision", p.decisionID).Msg("D no longer holds the session; new decision")
+		s.report(p, res, start) // before the retry's query: the control plane decides knowing it
+		if attempt < maxRetries && retryable(res, out) && ctx.Err() == nil {
+			why := "worker_unavailable"
+			if res.code == "session_not_resident" {
+				why = "session_not_resident"
+			}
+			s.m.Retries.WithLabelValues(why).Inc()
+			s.log.Debug().Str("session", req.SessionID).Str("decision", p.decisionID).Str("why", why).
+				Str("detail", res.detail).Msg("retrying through a new decision")
 			continue
 		}
 		break
@@ -184,6 +189,16 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request, kind api.Kind) {
 	ev.Str("rid", req.RID).Str("session", req.SessionID).Str("mode", mode).Str("reason", p.reason).
 		Str("decision", p.decisionID).Bool("ok", res.ok).Str("error_kind", res.kind.String()).
 		Str("detail", res.detail).Dur("ttft", res.ttft).Dur("latency", time.Since(start)).Msg("request")
+}
+
+// maxRetries bounds the new decisions one request may take after a retryable failure.
+const maxRetries = 1
+
+// retryable: the attempt failed in a way a new decision may fix (res.retry) and retrying is
+// safe — nothing was written to the client and D sent no token (so a non-streaming client's
+// buffered text is empty too).
+func retryable(res result, out *sink) bool {
+	return !res.ok && res.retry && !out.started && res.ttft == 0 && out.chunks == 0
 }
 
 // route gets a decision, or a fail-open plan when the control plane cannot give one in time.

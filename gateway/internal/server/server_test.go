@@ -50,7 +50,8 @@ type workerReq struct {
 }
 
 // fakeWorker is an SGLang-compatible worker over real HTTP. behave decides the answer to the
-// n-th call (0-based): "" streams tokens; "409", "503", "502" answer that error; "die" drops the
+// n-th call (0-based): "" streams tokens; "409", "503", "502" answer that error; "503gone" a 503
+// other than no_capacity; "close" drops the connection before answering; "die" drops the
 // connection after one token; "slow" waits for the caller to go away.
 type fakeWorker struct {
 	*httptest.Server
@@ -108,6 +109,16 @@ func (fw *fakeWorker) serve(w http.ResponseWriter, r *http.Request) {
 		return
 	case "502":
 		writeWorkerErr(w, 502, "transfer_failed")
+		return
+	case "503gone": // a worker on its way down (or the proxy in front of a dead one)
+		writeWorkerErr(w, 503, "unavailable")
+		return
+	case "close": // the connection drops before any answer
+		if hj, ok := w.(http.Hijacker); ok {
+			if conn, _, err := hj.Hijack(); err == nil {
+				conn.Close()
+			}
+		}
 		return
 	case "slow":
 		<-r.Context().Done()
