@@ -12,6 +12,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/kvcentric/kvcentric/pkg/agent"
+	"github.com/kvcentric/kvcentric/pkg/rdma"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -151,6 +152,17 @@ func (p *pendingAborts) wait(ctx context.Context, session string) error {
 	}
 }
 
+// readyEventer is an engine that can mark every copy submitted so far with an event another
+// process waits on (rdma.CUDAEngine): the push then commits while the copy runs.
+type readyEventer interface {
+	ReadyEvent(batches ...rdma.BatchID) ([]byte, func(), error)
+}
+
+type commitResult struct {
+	res *kvcv1.CommitSnapshotResponse
+	err error
+}
+
 // abortTimeout bounds one AbortSnapshot call.
 const abortTimeout = 5 * time.Second
 
@@ -220,9 +232,48 @@ func (s *Sidecar) pushOnce(ctx context.Context, pool *agent.Pool, job pushJob, p
 	}
 	t2 := time.Now()
 	ph.PlanMs = agent.Ms(t2.Sub(t1))
-	moved, err := plan.Transfer(ctx, s.eng, seg)
+	// With an engine that can mark its copies with an interprocess event (cuda), the commit
+	// goes out right after the last submission, carrying the event: the store waits for the
+	// event before it commits, so the answer still means every byte landed, while the RPC's
+	// round trip overlaps the copy instead of following it.
+	var early chan commitResult
+	moved, err := plan.TransferThen(ctx, s.eng, seg, func(batches []rdma.BatchID) {
+		re, ok := s.eng.(readyEventer)
+		if !ok {
+			return
+		}
+		h, release, err := re.ReadyEvent(batches...)
+		if err != nil {
+			s.log.Debug().Err(err).Str("session", job.session).Msg("no ready event: commit after the copy")
+			return
+		}
+		early = make(chan commitResult, 1)
+		go func() {
+			r, err := c.CommitSnapshot(rpcCtx, &kvcv1.CommitSnapshotRequest{IngestId: res.GetIngestId(), ReadyEvent: h})
+			release() // the store has answered: it no longer waits on the event
+			early <- commitResult{r, err}
+		}()
+	})
 	t3 := time.Now()
 	ph.TransferMs = agent.Ms(t3.Sub(t2))
+	if early != nil {
+		cr := <-early
+		ph.CommitMs = agent.Ms(time.Since(t3)) // what the commit added after the copy
+		switch {
+		case cr.err == nil:
+			// The store saw the event complete: every copy before it ran (a copy cut off by a
+			// release still runs to the end on the GPU, and a refused one makes ReadyEvent
+			// fail), so the snapshot it committed is whole even if the local Wait failed.
+			if err != nil {
+				s.log.Warn().Err(err).Str("session", job.session).Msg("push: local wait failed after the store committed on the ready event")
+			}
+			return cr.res.GetSeqlen(), plan.Bytes(), nil
+		case err == nil:
+			abort(cr.err.Error()) // no-op when the store already dropped the ingest
+			return 0, moved, fmt.Errorf("commit: %w", cr.err)
+		}
+		// both failed: handled as a failed transfer below (abort, forget the segment)
+	}
 	if err != nil {
 		if !errors.Is(err, agent.ErrAborted) {
 			s.segs.Forget(ep)

@@ -13,6 +13,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/kvcentric/kvcentric/pkg/agent"
 	"github.com/kvcentric/kvcentric/pkg/grpcx"
 	"github.com/kvcentric/kvcentric/pkg/rdma"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
@@ -162,5 +163,188 @@ func TestPendingAborts(t *testing.T) {
 	p.mu.Unlock()
 	if n != 0 {
 		t.Fatalf("%d aborts still tracked", n)
+	}
+}
+
+// readyEngine gives a tcp engine a ReadyEvent, like the cuda engine's, and holds every Wait
+// until waitGate is closed: a push that sent its commit only after the copy completed would
+// never get past Wait.
+type readyEngine struct {
+	rdma.Engine
+	waitGate chan struct{}
+	readyErr error
+
+	mu       sync.Mutex
+	readies  int
+	released int
+}
+
+func (r *readyEngine) ReadyEvent(batches ...rdma.BatchID) ([]byte, func(), error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.readyErr != nil {
+		return nil, nil, r.readyErr
+	}
+	r.readies++
+	h := make([]byte, rdma.ReadyEventSize)
+	h[0] = byte(len(batches))
+	return h, func() { r.mu.Lock(); r.released++; r.mu.Unlock() }, nil
+}
+
+func (r *readyEngine) Wait(ctx context.Context, b rdma.BatchID) ([]rdma.TaskStatus, error) {
+	select {
+	case <-r.waitGate:
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+	return r.Engine.Wait(ctx, b)
+}
+
+// readyStore is a snapshot store's TransferPeerService over a real arena: it records the
+// commit's ready event and opens the engine's waits when the commit arrives.
+type readyStore struct {
+	kvcv1.UnimplementedTransferPeerServiceServer
+	endpoint  string
+	layout    *kvcv1.KVLayout
+	commitErr error
+	onCommit  func()
+
+	mu     sync.Mutex
+	events [][]byte
+	log    []string
+}
+
+func (f *readyStore) ReserveSnapshot(_ context.Context, req *kvcv1.ReserveSnapshotRequest) (*kvcv1.ReserveSnapshotResponse, error) {
+	f.mu.Lock()
+	f.log = append(f.log, "reserve")
+	f.mu.Unlock()
+	return &kvcv1.ReserveSnapshotResponse{IngestId: 7, StoreLayout: f.layout, Pages: []int64{3, 4}, StoreTransferEndpoint: f.endpoint}, nil
+}
+
+func (f *readyStore) CommitSnapshot(_ context.Context, req *kvcv1.CommitSnapshotRequest) (*kvcv1.CommitSnapshotResponse, error) {
+	f.mu.Lock()
+	f.log = append(f.log, "commit")
+	f.events = append(f.events, req.GetReadyEvent())
+	f.mu.Unlock()
+	f.onCommit()
+	if f.commitErr != nil {
+		return nil, f.commitErr
+	}
+	return &kvcv1.CommitSnapshotResponse{Seqlen: 8}, nil
+}
+
+func (f *readyStore) AbortSnapshot(context.Context, *kvcv1.AbortSnapshotRequest) (*kvcv1.AbortSnapshotResponse, error) {
+	f.mu.Lock()
+	f.log = append(f.log, "abort")
+	f.mu.Unlock()
+	return &kvcv1.AbortSnapshotResponse{}, nil
+}
+
+// TestPushCommitOverlapsCopy: with an engine that has ready events, the push sends its commit,
+// carrying the event, before it waits for the copy; the bytes land; a failed commit is the
+// push's error and aborts the reservation; no ready event means the commit follows the copy.
+func TestPushCommitOverlapsCopy(t *testing.T) {
+	tests := []struct {
+		name      string
+		readyErr  error
+		commitErr error
+		wantLog   string
+		wantEvent bool
+	}{
+		{"overlapped", nil, nil, "reserve,commit", true},
+		{"commit refused", nil, status.Error(codes.Aborted, "ready event: boom"), "reserve,commit,abort", true},
+		{"no ready event", errors.New("no event"), nil, "reserve,commit", false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			re := &readyEngine{waitGate: make(chan struct{}), readyErr: tt.readyErr}
+			if tt.readyErr != nil {
+				close(re.waitGate) // the commit follows the copy: the waits must pass
+			}
+			s := newTestSidecarWith(t, func(e rdma.Engine) rdma.Engine { re.Engine = e; return re })
+			pool, err := s.registeredPool()
+			if err != nil {
+				t.Fatal(err)
+			}
+			for b := 0; b < pool.Buffers(); b++ {
+				for i := range pool.Buffer(b) {
+					pool.Buffer(b)[i] = byte(i*7 + b + 1)
+				}
+			}
+			storeEng, err := rdma.New(context.Background(), rdma.Config{Backend: "tcp", ListenAddr: "127.0.0.1:0", Conns: 1})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = storeEng.Close() })
+			store, err := agent.NewArena(4, 32, 16, 1)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { store.Close() })
+			if err := store.Register(storeEng, "host"); err != nil {
+				t.Fatal(err)
+			}
+			var once sync.Once
+			f := &readyStore{endpoint: storeEng.SegmentName(), layout: store.Layout(), commitErr: tt.commitErr,
+				onCommit: func() {
+					if tt.readyErr == nil {
+						once.Do(func() { close(re.waitGate) })
+					}
+				}}
+			srv := grpcx.NewServer(zerolog.Nop())
+			kvcv1.RegisterTransferPeerServiceServer(srv, f)
+			lis, err := net.Listen("tcp", "127.0.0.1:0")
+			if err != nil {
+				t.Fatal(err)
+			}
+			ctx, cancel := context.WithCancel(context.Background())
+			served := make(chan struct{})
+			go func() { defer close(served); _ = srv.Serve(ctx, lis, time.Second) }()
+			t.Cleanup(func() { cancel(); <-served })
+
+			job := pushJob{session: "s", gen: 1, base: 0, end: 8, pages: []int64{5, 9},
+				target: &kvcv1.SetSnapshotTargetCommand{SessionId: "s", PrefillWorkerId: "p", PeerAddr: lis.Addr().String(), Generation: 1}}
+			var ph agent.PushPhases
+			done := make(chan error, 1)
+			go func() {
+				_, _, err := s.pushOnce(context.Background(), pool, job, &ph)
+				done <- err
+			}()
+			select {
+			case err = <-done:
+			case <-time.After(20 * time.Second):
+				t.Fatal("push did not finish: the commit did not go out before the wait")
+			}
+			if (tt.commitErr == nil) != (err == nil) {
+				t.Fatalf("push: %v, commit error %v", err, tt.commitErr)
+			}
+			f.mu.Lock()
+			log, events := strings.Join(f.log, ","), f.events
+			f.mu.Unlock()
+			if log != tt.wantLog {
+				t.Fatalf("store saw %s, want %s", log, tt.wantLog)
+			}
+			if len(events) != 1 || (len(events[0]) == rdma.ReadyEventSize) != tt.wantEvent {
+				t.Fatalf("commit ready events %d (%v), want one with an event: %v", len(events), events, tt.wantEvent)
+			}
+			re.mu.Lock()
+			if tt.wantEvent && (re.readies != 1 || re.released != 1) {
+				t.Fatalf("ready events %d recorded, %d released", re.readies, re.released)
+			}
+			re.mu.Unlock()
+			if err != nil {
+				return
+			}
+			// tokens 0..7 of pages 5, 9 landed in store pages 3, 4
+			for b := 0; b < pool.Buffers(); b++ {
+				for p, sp := range []int64{5, 9} {
+					src := pool.Buffer(b)[sp*4*32/4:][:4*32/4]
+					dst := store.Buffer(b)[int64(3+p)*4*32/4:][:4*32/4]
+					if string(src) != string(dst) {
+						t.Fatalf("buffer %d page %d: bytes differ", b, p)
+					}
+				}
+			}
+		})
 	}
 }

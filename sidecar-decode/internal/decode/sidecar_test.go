@@ -19,11 +19,20 @@ import (
 // so queued pushes stay queued and the enqueue decisions are observable.
 func newTestSidecar(t *testing.T) *Sidecar {
 	t.Helper()
+	return newTestSidecarWith(t, nil)
+}
+
+// newTestSidecarWith is newTestSidecar whose tcp engine is wrapped by wrap (nil: none).
+func newTestSidecarWith(t *testing.T, wrap func(rdma.Engine) rdma.Engine) *Sidecar {
+	t.Helper()
 	eng, err := rdma.New(context.Background(), rdma.Config{Backend: "tcp", ListenAddr: "127.0.0.1:0", Conns: 1})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = eng.Close() })
+	if wrap != nil {
+		eng = wrap(eng)
+	}
 	s := New(Config{WorkerID: "d", DeltaTokens: 8}, eng, nil, zerolog.Nop())
 	t.Cleanup(s.Close)
 	p, err := kvpool.Create(t.TempDir(), kvpool.Spec{PageSize: 4, ItemLen: 4 * 8, NumLayers: 1, PageCount: 64})
