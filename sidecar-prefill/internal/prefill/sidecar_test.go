@@ -18,11 +18,20 @@ import (
 
 func newTestSidecar(t *testing.T, register bool) *Sidecar {
 	t.Helper()
+	return newTestSidecarWith(t, register, nil)
+}
+
+// newTestSidecarWith is newTestSidecar whose tcp engine is wrapped by wrap (nil: none).
+func newTestSidecarWith(t *testing.T, register bool, wrap func(rdma.Engine) rdma.Engine) *Sidecar {
+	t.Helper()
 	eng, err := rdma.New(context.Background(), rdma.Config{Backend: "tcp", ListenAddr: "127.0.0.1:0", Conns: 1})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = eng.Close() })
+	if wrap != nil {
+		eng = wrap(eng)
+	}
 	s := New(Config{WorkerID: "p", StoreBytes: 16 * 2 * 32}, eng, nil, zerolog.Nop())
 	t.Cleanup(s.Close)
 	if !register {
@@ -162,4 +171,72 @@ func TestSnapshotStatusHTTP(t *testing.T) {
 	if w.Code != 200 || w.Body.Len() != 6*8*2 {
 		t.Fatalf("snapshot_kv: HTTP %d, %d bytes", w.Code, w.Body.Len())
 	}
+}
+
+// waitEngine gives a tcp engine a WaitReady, like the cuda engine's.
+type waitEngine struct {
+	rdma.Engine
+	err     error
+	handles [][]byte
+}
+
+func (w *waitEngine) WaitReady(_ context.Context, h []byte) error {
+	w.handles = append(w.handles, h)
+	return w.err
+}
+
+// TestCommitReadyEvent: a commit carrying a ready event waits for it and commits; a failed
+// wait aborts the ingest (the session can reserve again); a bad handle or an engine without
+// ready events is refused and leaves the ingest as it was.
+func TestCommitReadyEvent(t *testing.T) {
+	ctx := context.Background()
+	ev := make([]byte, rdma.ReadyEventSize)
+	ev[3] = 9
+	reserve := func(t *testing.T, s *Sidecar) uint64 {
+		t.Helper()
+		r, err := s.ReserveSnapshot(ctx, &kvcv1.ReserveSnapshotRequest{SessionId: "a", Generation: 1, Tokens: 8, SourceLayout: layout()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return r.GetIngestId()
+	}
+	t.Run("waits then commits", func(t *testing.T) {
+		w := &waitEngine{}
+		s := newTestSidecarWith(t, true, func(e rdma.Engine) rdma.Engine { w.Engine = e; return w })
+		c, err := s.CommitSnapshot(ctx, &kvcv1.CommitSnapshotRequest{IngestId: reserve(t, s), ReadyEvent: ev})
+		if err != nil || c.GetSeqlen() != 8 {
+			t.Fatalf("commit: %v %v", c, err)
+		}
+		if len(w.handles) != 1 || string(w.handles[0]) != string(ev) {
+			t.Fatalf("waited on %v", w.handles)
+		}
+	})
+	t.Run("failed wait aborts", func(t *testing.T) {
+		w := &waitEngine{err: context.DeadlineExceeded}
+		s := newTestSidecarWith(t, true, func(e rdma.Engine) rdma.Engine { w.Engine = e; return w })
+		id := reserve(t, s)
+		if _, err := s.CommitSnapshot(ctx, &kvcv1.CommitSnapshotRequest{IngestId: id, ReadyEvent: ev}); status.Code(err) != codes.Aborted {
+			t.Fatalf("commit after a failed wait: %v, want Aborted", err)
+		}
+		if _, err := s.CommitSnapshot(ctx, &kvcv1.CommitSnapshotRequest{IngestId: id}); err == nil {
+			t.Fatal("the aborted ingest committed")
+		}
+		if rs := s.Resync(); len(rs.GetSnapshots()) != 0 {
+			t.Fatalf("snapshots after an aborted ingest: %v", rs.GetSnapshots())
+		}
+		reserve(t, s) // the session's reservation is gone: a new one is accepted
+	})
+	t.Run("refused", func(t *testing.T) {
+		s := newTestSidecar(t, true) // plain tcp: no ready events
+		id := reserve(t, s)
+		if _, err := s.CommitSnapshot(ctx, &kvcv1.CommitSnapshotRequest{IngestId: id, ReadyEvent: ev[:10]}); status.Code(err) != codes.InvalidArgument {
+			t.Fatalf("short handle: %v, want InvalidArgument", err)
+		}
+		if _, err := s.CommitSnapshot(ctx, &kvcv1.CommitSnapshotRequest{IngestId: id, ReadyEvent: ev}); status.Code(err) != codes.FailedPrecondition {
+			t.Fatalf("ready event on tcp: %v, want FailedPrecondition", err)
+		}
+		if c, err := s.CommitSnapshot(ctx, &kvcv1.CommitSnapshotRequest{IngestId: id}); err != nil || c.GetSeqlen() != 8 {
+			t.Fatalf("the refused commits left the ingest unusable: %v %v", c, err)
+		}
+	})
 }
