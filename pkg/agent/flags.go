@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"strings"
 	"time"
+
+	"github.com/kvcentric/kvcentric/pkg/tlsx"
 )
 
 // EnvName is the environment variable of a flag: KVC_ plus the name in upper snake case.
@@ -64,6 +66,9 @@ type Common struct {
 	LogFormat         string
 	Heartbeat         time.Duration
 	FaultDelay        time.Duration
+	// TLS is the mTLS identity (--tls-cert/--tls-key/--tls-ca): control-plane stream, peer
+	// server and peer clients. None: plaintext.
+	TLS tlsx.Files
 }
 
 // Register defines the common flags on fs.
@@ -93,6 +98,7 @@ func (c *Common) Register(fs *flag.FlagSet) {
 	fs.StringVar(&c.LogFormat, "log-format", "json", "json or console")
 	fs.DurationVar(&c.Heartbeat, "heartbeat", time.Second, "load report interval")
 	fs.DurationVar(&c.FaultDelay, "fault-transfer-delay", 0, "fault injection: delay before each transfer request (tests only)")
+	c.TLS.Register(fs, tlsx.GRPCNames, "of this sidecar (role sidecar) for mutual TLS to the control plane and peer sidecars")
 }
 
 // Check validates the common flags.
@@ -112,6 +118,9 @@ func (c *Common) Check() error {
 		return fmt.Errorf("--heartbeat %v too short", c.Heartbeat)
 	case c.FaultDelay < 0:
 		return fmt.Errorf("--fault-transfer-delay must be >= 0")
+	}
+	if err := c.TLS.Check(tlsx.GRPCNames); err != nil {
+		return err
 	}
 	switch c.Transport {
 	case "tcp", "cuda", "mooncake":

@@ -12,11 +12,13 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/rs/zerolog"
 	"golang.org/x/sync/errgroup"
+	"google.golang.org/grpc"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
 	"github.com/kvcentric/kvcentric/pkg/grpcx"
 	"github.com/kvcentric/kvcentric/pkg/obs"
 	"github.com/kvcentric/kvcentric/pkg/rdma"
+	"github.com/kvcentric/kvcentric/pkg/tlsx"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -32,6 +34,18 @@ type Runtime struct {
 	PeerAddr string // advertised
 	Node     string
 	Ready    obs.Ready
+	// TLS is the mTLS identity from --tls-*; nil: plaintext.
+	TLS *tlsx.Source
+}
+
+// PeerDialOptions are the extra dial options of connections to other sidecars' peer services
+// (mutual TLS requiring a sidecar certificate when --tls-* is set; none otherwise). Pass them to
+// NewPeers.
+func (rt *Runtime) PeerDialOptions() []grpc.DialOption {
+	if rt.TLS == nil {
+		return nil
+	}
+	return []grpc.DialOption{grpc.WithTransportCredentials(rt.TLS.ClientCredentials(tlsx.RoleSidecar))}
 }
 
 // Start builds the runtime for a sidecar binary (component names it in logs).
@@ -44,6 +58,16 @@ func Start(ctx context.Context, c *Common, component string, logw io.Writer) (*R
 	rt := &Runtime{C: c, Log: log, Reg: obs.NewRegistry(), Node: c.Node}
 	if rt.Node == "" {
 		rt.Node, _ = os.Hostname()
+	}
+	rt.TLS, err = tlsx.Load(c.TLS, tlsx.WithLogger(log))
+	if err != nil {
+		return nil, err
+	}
+	if rt.TLS != nil {
+		if r := rt.TLS.Role(); r != tlsx.RoleSidecar {
+			return nil, fmt.Errorf("--tls-cert %s has role %q; a sidecar needs %s", c.TLS.Cert, r, tlsx.RoleSidecar.URI())
+		}
+		log.Info().Str("cert", c.TLS.Cert).Time("not_after", rt.TLS.NotAfter()).Msg("mutual TLS on")
 	}
 	rt.Events, err = OpenEventLog(c.EventLog, c.WorkerID, rt.Reg)
 	if err != nil {
@@ -107,7 +131,9 @@ func (rt *Runtime) Serve(ctx context.Context, core Core, setReporter func(*Contr
 	}
 	bridge := grpcx.NewServer(rt.Log.With().Str("server", "bridge").Logger())
 	kvcv1.RegisterWorkerBridgeServiceServer(bridge, core)
-	peer := grpcx.NewServer(rt.Log.With().Str("server", "peer").Logger())
+	// The bridge is a 0600 Unix socket to the local worker: plaintext. The peer port is TCP:
+	// mutual TLS when configured.
+	peer := grpcx.NewServer(rt.Log.With().Str("server", "peer").Logger(), grpcx.WithTLS(rt.TLS))
 	kvcv1.RegisterTransferPeerServiceServer(peer, core)
 	hs := obs.NewHTTPServer(rt.Reg, &rt.Ready)
 	core.Mount(hs.Mux)

@@ -62,7 +62,7 @@ func run(args []string, getenv func(string) string, stderr io.Writer) int {
 	}
 	core := decode.New(decode.Config{WorkerID: c.WorkerID, Node: rt.Node, GPUIndex: int32(c.GPUIndex), WorkerURL: c.WorkerURL,
 		Transport: c.Transport, PeerAddr: rt.PeerAddr, KVCapacity: c.KVCapacityTokens, DeltaTokens: *delta, PushWorkers: *workers,
-		PushTimeout: *pushTimeout, RoomTimeout: *roomTimeout, Version: version}, rt.Engine, rt.Events, rt.Log)
+		PushTimeout: *pushTimeout, RoomTimeout: *roomTimeout, Version: version, PeerDial: rt.PeerDialOptions()}, rt.Engine, rt.Events, rt.Log)
 	defer core.Close()
 	if err := rt.Serve(ctx, core, func(cp *agent.ControlPlane) { core.SetReporter(cp) }); err != nil {
 		rt.Log.Error().Err(err).Msg("sidecar stopped")

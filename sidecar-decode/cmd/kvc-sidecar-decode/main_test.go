@@ -21,6 +21,8 @@ func TestBadFlags(t *testing.T) {
 		{"bad conns from env", base, map[string]string{"KVC_TRANSFER_CONNS": "0"}, "--transfer-conns"},
 		{"unparsable env", base, map[string]string{"KVC_GPU_INDEX": "x"}, "KVC_GPU_INDEX"},
 		{"stray argument", append(base, "extra"), nil, "unexpected arguments"},
+		{"partial tls", append(base, "--tls-cert", "c.pem", "--tls-key", "k.pem"), nil, "--tls-ca missing"},
+		{"partial tls from env", base, map[string]string{"KVC_TLS_CA": "ca.pem"}, "--tls-cert, --tls-key missing"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

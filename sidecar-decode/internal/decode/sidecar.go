@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/rs/zerolog"
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
@@ -41,6 +42,8 @@ type Config struct {
 	PushTimeout time.Duration
 	RoomTimeout time.Duration
 	Version     string
+	// PeerDial are extra dial options of connections to peer sidecars (mTLS credentials).
+	PeerDial []grpc.DialOption
 }
 
 // errReleased cancels the push of a released session.
@@ -118,7 +121,7 @@ func New(cfg Config, eng rdma.Engine, ev *agent.EventLog, log zerolog.Logger) *S
 	if cfg.RoomTimeout <= 0 {
 		cfg.RoomTimeout = 120 * time.Second
 	}
-	return &Sidecar{cfg: cfg, log: log, ev: ev, eng: eng, segs: agent.NewSegments(eng), peers: agent.NewPeers(), rep: nopReporter{},
+	return &Sidecar{cfg: cfg, log: log, ev: ev, eng: eng, segs: agent.NewSegments(eng), peers: agent.NewPeers(cfg.PeerDial...), rep: nopReporter{},
 		registered: make(chan struct{}), sessions: map[string]*session{}, targets: map[string]*kvcv1.SetSnapshotTargetCommand{},
 		rooms: map[int64]*recvRoom{}, dropped: map[string]struct{}{}, delta: cfg.DeltaTokens, enabled: true, wake: make(chan struct{}, 1)}
 }

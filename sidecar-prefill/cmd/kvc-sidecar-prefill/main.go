@@ -64,7 +64,7 @@ func run(args []string, getenv func(string) string, stderr io.Writer) int {
 	}
 	core := prefill.New(prefill.Config{WorkerID: c.WorkerID, Node: rt.Node, GPUIndex: int32(c.GPUIndex), WorkerURL: c.WorkerURL,
 		Transport: c.Transport, PeerAddr: rt.PeerAddr, StoreBytes: *storeBytes, StoreMemory: *storeMem, KVCapacity: c.KVCapacityTokens,
-		RoomTimeout: *roomTimeout, Version: version}, rt.Engine, rt.Events, rt.Log)
+		RoomTimeout: *roomTimeout, Version: version, PeerDial: rt.PeerDialOptions()}, rt.Engine, rt.Events, rt.Log)
 	defer core.Close()
 	if err := rt.Serve(ctx, core, func(cp *agent.ControlPlane) { core.SetReporter(cp) }); err != nil {
 		rt.Log.Error().Err(err).Msg("sidecar stopped")

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/rs/zerolog"
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
@@ -40,6 +41,8 @@ type Config struct {
 	RoomTimeout   time.Duration
 	TransferLimit time.Duration // budget of one reseed write
 	Version       string
+	// PeerDial are extra dial options of connections to peer sidecars (mTLS credentials).
+	PeerDial []grpc.DialOption
 }
 
 // Sidecar is the prefill sidecar. Its zero value is not usable; call New.
@@ -93,7 +96,7 @@ func New(cfg Config, eng rdma.Engine, ev *agent.EventLog, log zerolog.Logger) *S
 	if cfg.TransferLimit <= 0 {
 		cfg.TransferLimit = 120 * time.Second
 	}
-	return &Sidecar{cfg: cfg, log: log, ev: ev, eng: eng, segs: agent.NewSegments(eng), peers: agent.NewPeers(),
+	return &Sidecar{cfg: cfg, log: log, ev: ev, eng: eng, segs: agent.NewSegments(eng), peers: agent.NewPeers(cfg.PeerDial...),
 		rep: nopReporter{}, registered: make(chan struct{}), rooms: map[int64]*room{}, finished: map[int64]time.Time{}}
 }
 
