@@ -9,8 +9,12 @@ import (
 	"strings"
 	"time"
 
+	"github.com/kvcentric/kvcentric/pkg/tlsx"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
+
+// EtcdTLSNames are the flags of the etcd client certificate (etcdctl's names).
+var EtcdTLSNames = tlsx.Names{Cert: "etcd-cert", Key: "etcd-key", CA: "etcd-cacert"}
 
 // Options are kvc-controlplane's settings.
 type Options struct {
@@ -33,6 +37,10 @@ type Options struct {
 	ReadyFile              string
 	LogLevel               string
 	LogFormat              string
+	// TLS is the gRPC server's mTLS identity (role controlplane); none: plaintext.
+	TLS tlsx.Files
+	// EtcdTLS is the client certificate for an external etcd with client-cert auth.
+	EtcdTLS tlsx.Files
 }
 
 // NewOptions returns the defaults.
@@ -82,6 +90,8 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.ReadyFile, "ready-file", o.ReadyFile, "write a JSON ready file here once serving")
 	fs.StringVar(&o.LogLevel, "log-level", o.LogLevel, "debug, info, warn or error")
 	fs.StringVar(&o.LogFormat, "log-format", o.LogFormat, "json or console")
+	o.TLS.Register(fs, tlsx.GRPCNames, "of this replica (role controlplane): mutual TLS on the gRPC port, per-method authorization by the caller's role")
+	o.EtcdTLS.Register(fs, EtcdTLSNames, "for an external etcd with client-certificate auth (https:// endpoints)")
 }
 
 // EnvName is the environment variable for a flag: KVC_ + upper snake case.
@@ -169,6 +179,15 @@ func (o *Options) Validate() error {
 	pos("--volatile-flush", o.VolatileFlush, true)
 	pos("--shutdown-grace", o.ShutdownGrace, false)
 	pos("--etcd-dial-timeout", o.EtcdDialTimeout, false)
+	if err := o.TLS.Check(tlsx.GRPCNames); err != nil {
+		errs = append(errs, err)
+	}
+	if err := o.EtcdTLS.Check(EtcdTLSNames); err != nil {
+		errs = append(errs, err)
+	}
+	if o.EtcdTLS.Enabled() && len(o.Endpoints()) == 0 {
+		errs = append(errs, errors.New("--etcd-cert/--etcd-key/--etcd-cacert need --etcd-endpoints (the embedded etcd is plaintext on loopback)"))
+	}
 	switch o.LogFormat {
 	case "json", "console":
 	default:

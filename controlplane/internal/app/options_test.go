@@ -67,6 +67,14 @@ func TestValidate(t *testing.T) {
 		{"bad endpoint", func(o *Options) { o.EtcdEndpoints = "nohostport" }, "--etcd-endpoints"},
 		{"negative grace", func(o *Options) { o.UnreachableGrace = -time.Second }, "--unreachable-grace"},
 		{"log format", func(o *Options) { o.LogFormat = "xml" }, "--log-format"},
+		{"tls all three", func(o *Options) { o.TLS.Cert, o.TLS.Key, o.TLS.CA = "c", "k", "a" }, ""},
+		{"tls without ca", func(o *Options) { o.TLS.Cert, o.TLS.Key = "c", "k" }, "--tls-ca missing"},
+		{"etcd tls needs external etcd", func(o *Options) { o.EtcdTLS.Cert, o.EtcdTLS.Key, o.EtcdTLS.CA = "c", "k", "a" }, "need --etcd-endpoints"},
+		{"etcd tls partial", func(o *Options) { o.EtcdEndpoints = "https://e:2379"; o.EtcdTLS.CA = "a" }, "--etcd-cert, --etcd-key missing"},
+		{"etcd tls external", func(o *Options) {
+			o.EtcdEndpoints = "https://e:2379"
+			o.EtcdTLS.Cert, o.EtcdTLS.Key, o.EtcdTLS.CA = "c", "k", "a"
+		}, ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			o := NewOptions()
@@ -92,6 +100,7 @@ func TestMainBadFlagsExit2(t *testing.T) {
 		{"--election-ttl", "1s"},
 		{"--grpc-addr", "bad"},
 		{"extra-arg"},
+		{"--tls-cert", "c.pem"},
 	} {
 		var buf bytes.Buffer
 		if code := Main(args, &buf); code != 2 {

@@ -26,6 +26,7 @@ import (
 	"github.com/kvcentric/kvcentric/pkg/grpcx"
 	"github.com/kvcentric/kvcentric/pkg/kvstore"
 	"github.com/kvcentric/kvcentric/pkg/obs"
+	"github.com/kvcentric/kvcentric/pkg/tlsx"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -81,6 +82,20 @@ type readyInfo struct {
 // Run runs the control plane until ctx ends.
 func Run(ctx context.Context, opts *Options, log zerolog.Logger) error {
 	reg := obs.NewRegistry()
+	tlsSrc, err := tlsx.Load(opts.TLS, tlsx.WithLogger(log))
+	if err != nil {
+		return err
+	}
+	if tlsSrc != nil {
+		if r := tlsSrc.Role(); r != tlsx.RoleControlPlane {
+			return fmt.Errorf("--tls-cert %s has role %q; the control plane needs %s", opts.TLS.Cert, r, tlsx.RoleControlPlane.URI())
+		}
+		log.Info().Str("cert", opts.TLS.Cert).Time("not_after", tlsSrc.NotAfter()).Msg("mutual TLS on the gRPC port")
+	}
+	etcdTLS, err := tlsx.Load(opts.EtcdTLS, tlsx.WithLogger(log.With().Str("part", "etcd-client").Logger()))
+	if err != nil {
+		return fmt.Errorf("etcd client TLS: %w", err)
+	}
 	endpoints := opts.Endpoints()
 	info := readyInfo{PID: os.Getpid(), NodeID: opts.NodeID}
 	if len(endpoints) == 0 {
@@ -98,13 +113,17 @@ func Run(ctx context.Context, opts *Options, log zerolog.Logger) error {
 		info.EtcdClientAddr = srv.ClientAddr()
 		log.Info().Str("dir", opts.DataDir).Str("client", srv.ClientURL()).Msg("embedded etcd started")
 	}
-	cli, err := clientv3.New(clientv3.Config{
+	ecfg := clientv3.Config{
 		Endpoints:            endpoints,
 		DialTimeout:          opts.EtcdDialTimeout,
 		DialKeepAliveTime:    5 * time.Second,
 		DialKeepAliveTimeout: 3 * time.Second,
 		Logger:               zap.NewNop(),
-	})
+	}
+	if etcdTLS != nil {
+		ecfg.TLS = etcdTLS.ClientConfig()
+	}
+	cli, err := clientv3.New(ecfg)
 	if err != nil {
 		return fmt.Errorf("etcd client: %w", err)
 	}
@@ -143,7 +162,7 @@ func Run(ctx context.Context, opts *Options, log zerolog.Logger) error {
 		return err
 	}
 	gate := server.NewGate(el.NotLeaderError, nil)
-	gsrv := grpcx.NewServer(log, grpcx.WithUnaryInterceptors(gate.Unary), grpcx.WithStreamInterceptors(gate.Stream))
+	gsrv := grpcx.NewServer(log, grpcx.WithTLS(tlsSrc), grpcx.WithUnaryInterceptors(gate.Unary), grpcx.WithStreamInterceptors(gate.Stream))
 	gate.SetHealth(gsrv.Health)
 	kvcv1.RegisterAdminServiceServer(gsrv, &server.Admin{NodeID: opts.NodeID, State: st, Store: store, Lead: el})
 	kvcv1.RegisterSidecarServiceServer(gsrv, server.NewSidecar(server.Sidecar{
