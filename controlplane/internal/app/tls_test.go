@@ -19,6 +19,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/kvcentric/kvcentric/pkg/grpcx"
 	"github.com/kvcentric/kvcentric/pkg/tlsx"
@@ -107,14 +108,14 @@ func TestTLS(t *testing.T) {
 	// cannot write.
 	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
 	defer cancel()
-	if _, err := admin.UpdatePolicy(ctx, &kvcv1.UpdatePolicyRequest{Policy: &kvcv1.Policy{SeedMinTurn: ptr(int32(3))}}); err != nil {
+	if _, err := admin.UpdatePolicy(ctx, &kvcv1.UpdatePolicyRequest{Policy: &kvcv1.Policy{SeedMinTurn: proto.Int32(3)}}); err != nil {
 		t.Fatalf("operator-admin UpdatePolicy: %v", err)
 	}
 	p, err := reader.GetPolicy(ctx, &kvcv1.GetPolicyRequest{})
 	if err != nil || p.GetPolicy().GetSeedMinTurn() != 3 {
 		t.Fatalf("operator-read GetPolicy: %v %v", p, err)
 	}
-	_, err = reader.UpdatePolicy(ctx, &kvcv1.UpdatePolicyRequest{Policy: &kvcv1.Policy{SeedMinTurn: ptr(int32(1))}})
+	_, err = reader.UpdatePolicy(ctx, &kvcv1.UpdatePolicyRequest{Policy: &kvcv1.Policy{SeedMinTurn: proto.Int32(1)}})
 	if code(err) != codes.PermissionDenied || !strings.Contains(err.Error(), `role "operator-read" may not call /kvc.v1.AdminService/UpdatePolicy`) {
 		t.Fatalf("operator-read UpdatePolicy: %v", err)
 	}
@@ -183,5 +184,3 @@ func TestTLSWrongRole(t *testing.T) {
 		t.Fatalf("Run with a sidecar certificate: %v", err)
 	}
 }
-
-func ptr[T any](v T) *T { return &v }
