@@ -2,19 +2,23 @@ package app
 
 import (
 	"context"
+	"crypto/tls"
 	"fmt"
 	"io"
 	"net"
 	"os"
 
 	"golang.org/x/sync/errgroup"
+	"google.golang.org/grpc"
 
 	"github.com/kvcentric/kvcentric/gateway/internal/api"
 	"github.com/kvcentric/kvcentric/gateway/internal/config"
 	"github.com/kvcentric/kvcentric/gateway/internal/routeclient"
 	"github.com/kvcentric/kvcentric/gateway/internal/server"
 	"github.com/kvcentric/kvcentric/gateway/internal/workers"
+	"github.com/kvcentric/kvcentric/pkg/grpcx"
 	"github.com/kvcentric/kvcentric/pkg/obs"
+	"github.com/kvcentric/kvcentric/pkg/tlsx"
 )
 
 // Run serves until ctx ends. logOut receives the logs.
@@ -25,6 +29,23 @@ func Run(ctx context.Context, cfg *config.Config, logOut io.Writer) error {
 	}
 	reg := obs.NewRegistry()
 	m := server.NewMetrics(reg)
+	// mTLS to the control plane (the server must hold a controlplane certificate).
+	cpTLS, err := tlsx.Load(cfg.TLS, tlsx.WithLogger(log))
+	if err != nil {
+		return err
+	}
+	var cpDial []grpc.DialOption
+	if cpTLS != nil {
+		if r := cpTLS.Role(); r != tlsx.RoleGateway {
+			return fmt.Errorf("--tls-cert %s has role %q; the gateway needs %s", cfg.TLS.Cert, r, tlsx.RoleGateway.URI())
+		}
+		cpDial = []grpc.DialOption{grpc.WithTransportCredentials(grpcx.Credentials(cpTLS, tlsx.RoleControlPlane))}
+		log.Info().Str("cert", cfg.TLS.Cert).Time("not_after", cpTLS.NotAfter()).Msg("mutual TLS to the control plane")
+	}
+	httpTLS, err := tlsx.Load(cfg.HTTPTLS, tlsx.WithLogger(log.With().Str("part", "https").Logger()))
+	if err != nil {
+		return fmt.Errorf("https: %w", err)
+	}
 
 	conv := func(ws []config.Worker) []workers.Worker {
 		out := make([]workers.Worker, 0, len(ws))
@@ -48,7 +69,7 @@ func Run(ctx context.Context, cfg *config.Config, logOut io.Writer) error {
 				}
 			},
 			Orphan: m.Orphans.Inc,
-		})
+		}, cpDial...)
 		router = rc
 	}
 	srv := server.New(router, pool, server.Options{
@@ -60,6 +81,10 @@ func Run(ctx context.Context, cfg *config.Config, logOut io.Writer) error {
 	lis, err := net.Listen("tcp", cfg.HTTPAddr)
 	if err != nil {
 		return fmt.Errorf("listen %s: %w", cfg.HTTPAddr, err)
+	}
+	scheme := "http"
+	if httpTLS != nil {
+		lis, scheme = tls.NewListener(lis, httpTLS.ServerConfig()), "https" // certificate re-read on rotation
 	}
 	var ready obs.Ready
 	hs := obs.NewHTTPServer(reg, &ready)
@@ -76,20 +101,20 @@ func Run(ctx context.Context, cfg *config.Config, logOut io.Writer) error {
 				} else {
 					m.Refresh.WithLabelValues("failed").Inc()
 				}
-			})
+			}, cpDial...)
 		})
 	}
 	// Fail-open serving works without a control plane, so the gateway is ready once it listens.
 	ready.Set(true)
 	addr := lis.Addr().String()
-	if err := obs.WriteReadyFile(cfg.ReadyFile, map[string]any{"pid": os.Getpid(), "http_addr": addr}); err != nil {
+	if err := obs.WriteReadyFile(cfg.ReadyFile, map[string]any{"pid": os.Getpid(), "http_addr": addr, "scheme": scheme}); err != nil {
 		log.Error().Err(err).Msg("ready file")
 	}
 	if _, err := obs.SdNotify("READY=1"); err != nil {
 		log.Warn().Err(err).Msg("sd_notify")
 	}
 	np, nd := pool.Sizes()
-	log.Info().Str("http_addr", addr).Strs("control_planes", cfg.ControlPlanes).Int("failopen_prefill", np).Int("failopen_decode", nd).
+	log.Info().Str("http_addr", addr).Str("scheme", scheme).Strs("control_planes", cfg.ControlPlanes).Int("failopen_prefill", np).Int("failopen_decode", nd).
 		Dur("request_timeout", cfg.RequestTimeout).Dur("route_timeout", cfg.RouteTimeout).Msg("kvc-gateway serving")
 	err = g.Wait()
 	_, _ = obs.SdNotify("STOPPING=1")

@@ -11,7 +11,12 @@ import (
 	"time"
 
 	"github.com/rs/zerolog"
+
+	"github.com/kvcentric/kvcentric/pkg/tlsx"
 )
+
+// HTTPTLSNames are the flags of the HTTPS front door's certificate.
+var HTTPTLSNames = tlsx.Names{Cert: "http-tls-cert", Key: "http-tls-key"}
 
 // Config is kvc-gateway's configuration.
 type Config struct {
@@ -29,6 +34,10 @@ type Config struct {
 	RequireSession bool
 	MaxBodyBytes   int64
 	DefaultMaxTok  int64
+	// TLS is the mTLS identity (role gateway) for the control plane; none: plaintext.
+	TLS tlsx.Files
+	// HTTPTLS serves the HTTP front door over HTTPS; none: plain HTTP.
+	HTTPTLS tlsx.Files
 }
 
 // Worker is a fail-open worker: its HTTP URL and (for prefill) its sidecar peer address, written
@@ -62,6 +71,8 @@ func Parse(args []string, getenv func(string) string, usage io.Writer) (*Config,
 	fs.BoolVar(&c.RequireSession, "require-session", true, "reject requests without a session id (400); false serves them as single-shot plain P/D")
 	fs.Int64Var(&c.MaxBodyBytes, "max-body-bytes", 32<<20, "largest accepted request body")
 	fs.Int64Var(&c.DefaultMaxTok, "default-max-tokens", 256, "max output tokens when the client names none")
+	c.TLS.Register(fs, tlsx.GRPCNames, "of this gateway (role gateway) for mutual TLS to the control plane")
+	c.HTTPTLS.Register(fs, HTTPTLSNames, "of the HTTPS front door (API, /metrics, probes); with --http-tls-key serves HTTPS instead of HTTP")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
 	}
@@ -106,6 +117,12 @@ func (c *Config) validate() error {
 	}
 	if c.DefaultMaxTok < 1 || c.DefaultMaxTok > 1_000_000 {
 		errs = append(errs, fmt.Errorf("--default-max-tokens must be in [1, 1000000], got %d", c.DefaultMaxTok))
+	}
+	if err := c.TLS.Check(tlsx.GRPCNames); err != nil {
+		errs = append(errs, err)
+	}
+	if err := c.HTTPTLS.Check(HTTPTLSNames); err != nil {
+		errs = append(errs, err)
 	}
 	if len(c.ControlPlanes) == 0 && (len(c.PrefillURLs) == 0 || len(c.DecodeURLs) == 0) {
 		errs = append(errs, errors.New("give --control-plane, or both --prefill-urls and --decode-urls"))

@@ -40,6 +40,14 @@ func TestParse(t *testing.T) {
 		{name: "bad env", args: []string{"--control-plane", "a"}, env: map[string]string{"KVC_REQUEST_TIMEOUT": "forever"}, wantErr: "KVC_REQUEST_TIMEOUT"},
 		{name: "route longer than request", args: []string{"--control-plane", "a", "--route-timeout", "5s", "--request-timeout", "1s"}, wantErr: "shorter than"},
 		{name: "bad level", args: []string{"--control-plane", "a", "--log-level", "loud"}, wantErr: "--log-level"},
+		{name: "partial tls", args: []string{"--control-plane", "a", "--tls-cert", "c.pem"}, wantErr: "--tls-key, --tls-ca missing"},
+		{name: "partial tls from env", args: []string{"--control-plane", "a"}, env: map[string]string{"KVC_TLS_KEY": "k.pem"}, wantErr: "--tls-cert, --tls-ca missing"},
+		{name: "https needs a key", args: []string{"--control-plane", "a", "--http-tls-cert", "c.pem"}, wantErr: "--http-tls-key missing"},
+		{name: "tls from env", args: []string{"--control-plane", "a"}, env: map[string]string{"KVC_TLS_CERT": "c", "KVC_TLS_KEY": "k", "KVC_TLS_CA": "a"}, check: func(t *testing.T, c *Config) {
+			if c.TLS.Cert != "c" || c.TLS.Key != "k" || c.TLS.CA != "a" {
+				t.Fatalf("tls %+v", c.TLS)
+			}
+		}},
 		{name: "unknown flag", args: []string{"--nope"}, wantErr: "flag provided but not defined"},
 		{name: "stray arg", args: []string{"--control-plane", "a", "x"}, wantErr: "unexpected arguments"},
 	}

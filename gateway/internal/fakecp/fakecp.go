@@ -34,15 +34,16 @@ type Server struct {
 	srv     *grpcx.Server
 }
 
-// Start serves a fake control plane on 127.0.0.1:0 until the test ends.
-func Start(t testing.TB, decide Decider) *Server {
+// Start serves a fake control plane on 127.0.0.1:0 until the test ends; opts are extra server
+// options (grpcx.WithTLS for a mutual-TLS control plane).
+func Start(t testing.TB, decide Decider, opts ...grpcx.Option) *Server {
 	t.Helper()
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
 	s := &Server{Addr: lis.Addr().String(), decide: decide, Outcomes: make(chan *kvcv1.RouteOutcome, 1024), Queries: make(chan *kvcv1.RouteQuery, 1024)}
-	s.srv = grpcx.NewServer(zerolog.Nop(), grpcx.WithCallLogging(false))
+	s.srv = grpcx.NewServer(zerolog.Nop(), append([]grpcx.Option{grpcx.WithCallLogging(false)}, opts...)...)
 	kvcv1.RegisterRouterServiceServer(s.srv, s)
 	kvcv1.RegisterAdminServiceServer(s.srv, s)
 	ctx, cancel := context.WithCancel(context.Background())

@@ -12,7 +12,6 @@ import (
 	"github.com/rs/zerolog"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/credentials/insecure"
 
 	"github.com/kvcentric/kvcentric/pkg/cpclient"
 	"github.com/kvcentric/kvcentric/pkg/grpcx"
@@ -45,6 +44,7 @@ type Client struct {
 	timeout time.Duration
 	log     zerolog.Logger
 	obs     Observer
+	dial    []grpc.DialOption
 
 	seq atomic.Uint64
 
@@ -66,9 +66,11 @@ type result struct {
 	err error
 }
 
-// New returns a client for the control-plane addresses; routeTimeout bounds each Decide.
-func New(addrs []string, routeTimeout time.Duration, log zerolog.Logger, obs Observer) *Client {
+// New returns a client for the control-plane addresses; routeTimeout bounds each Decide. dial
+// are extra dial options (transport credentials: grpcx.DialOptions); none is plaintext.
+func New(addrs []string, routeTimeout time.Duration, log zerolog.Logger, obs Observer, dial ...grpc.DialOption) *Client {
 	return &Client{
+		dial:      dial,
 		eps:       cpclient.NewEndpoints(addrs),
 		timeout:   routeTimeout,
 		log:       log,
@@ -118,7 +120,7 @@ func (c *Client) Run(ctx context.Context) error {
 // session runs one stream; it reports whether the error carried a leader hint and whether the
 // stream answered anything.
 func (c *Client) session(ctx context.Context, addr string) (hinted, served bool, err error) {
-	opts := append(grpcx.ClientOptions(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	opts := append(grpcx.DialOptions(nil), c.dial...) // later credentials win over the plaintext default
 	cc, err := grpc.NewClient(addr, opts...)
 	if err != nil {
 		return false, false, err

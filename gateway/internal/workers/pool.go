@@ -9,7 +9,6 @@ import (
 
 	"github.com/rs/zerolog"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
 
 	"github.com/kvcentric/kvcentric/pkg/grpcx"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
@@ -92,11 +91,12 @@ func FromList(ws []*kvcv1.Worker) (prefill, decode []Worker) {
 
 // Refresh asks the control plane replicas in turn (any replica answers reads) every interval
 // until ctx ends. onResult is called after each attempt (metrics); it may be nil.
-func (p *Pool) Refresh(ctx context.Context, addrs []string, interval time.Duration, log zerolog.Logger, onResult func(ok bool)) error {
+// dial are extra dial options (transport credentials); none is plaintext.
+func (p *Pool) Refresh(ctx context.Context, addrs []string, interval time.Duration, log zerolog.Logger, onResult func(ok bool), dial ...grpc.DialOption) error {
 	if len(addrs) == 0 {
 		return nil
 	}
-	opts := append(grpcx.ClientOptions(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	opts := append(grpcx.DialOptions(nil), dial...) // later credentials win over the plaintext default
 	clients := make([]kvcv1.AdminServiceClient, 0, len(addrs))
 	for _, a := range addrs {
 		cc, err := grpc.NewClient(a, opts...)
