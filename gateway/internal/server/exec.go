@@ -261,7 +261,14 @@ func (s *Server) execute(ctx, clientCtx context.Context, start time.Time, p *pla
 		// Transport failure on D: decide with the right contexts.
 		r := classify(&workerError{role: "decode", err: errors.New(res.detail)}, p.mode, ctx, clientCtx)
 		r.ttft = res.ttft
-		return r
+		res = r
+	}
+	if !res.ok && res.retry && res.ttft == 0 && res.kind == kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_WORKER_ERROR {
+		// D refused or dropped the connection before its first token: it did not take the
+		// request. Reported as REJECTED_BY_D so that the control plane counts it against this
+		// (session, D) like any rejection and migrates the session past the threshold; the
+		// detail keeps what happened (worker_unreachable / worker_stream_ended).
+		res.kind = kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D
 	}
 	return res
 }
@@ -288,7 +295,8 @@ func (s *Server) decode(ctx context.Context, start time.Time, p *plan, req *api.
 	resp, we := s.post(ctx, p.decode.GetWorkerUrl(), workerBody(p, req, "decode"), "decode")
 	if we != nil {
 		if we.status == 0 {
-			return result{kind: kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_WORKER_ERROR, detail: we.Error()}
+			// execute classifies it (with the role) once it knows whether P failed first.
+			return result{kind: kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_WORKER_ERROR, detail: we.err.Error()}
 		}
 		return classify(we, p.mode, ctx, ctx)
 	}

@@ -46,9 +46,11 @@ func TestRetryAfterWorkerGone(t *testing.T) {
 		wantDetail string               // prefix of the first outcome's detail
 	}{
 		{"decode refused", direct, "", dead, genBody, 200, true,
-			kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_WORKER_ERROR, "worker_unreachable: decode worker"},
+			kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D, "worker_unreachable: decode worker: Post"},
 		{"decode drops the connection", direct, "", "close", genBody, 200, true,
-			kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_WORKER_ERROR, "worker_unreachable: decode worker"},
+			kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D, "worker_unreachable: decode worker: Post"},
+		{"seed's decode refused", seed, "", dead, genBody, 200, true,
+			kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D, "worker_unreachable: decode worker: Post"},
 		{"decode 503 going away", direct, "", "503gone", genBody, 200, true,
 			kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D, "unavailable: decode worker"},
 		{"prefill refused", seed, dead, "", genBody, 200, true,
@@ -142,12 +144,13 @@ func TestRetryBounded(t *testing.T) {
 	e := setup(t, decide, nil, nil, 0)
 	resp := post(t, e.gw.URL, "/generate", "s1", genBody)
 	code, _ := errBody(t, resp.Body)
-	if resp.StatusCode != http.StatusBadGateway || code != "worker_unreachable" || resp.Header.Get("X-KVC-Error-Kind") != "WORKER_ERROR" ||
+	if resp.StatusCode != http.StatusBadGateway || code != "worker_unreachable" || resp.Header.Get("X-KVC-Error-Kind") != "REJECTED_BY_D" ||
 		resp.Header.Get("X-KVC-Retries") != "1" {
 		t.Fatalf("got %d %s, headers %v", resp.StatusCode, code, resp.Header)
 	}
 	a, b := outcome(t, e.cp), outcome(t, e.cp)
-	if a.GetSuccess() || b.GetSuccess() || a.GetDecisionId() == b.GetDecisionId() {
+	if a.GetSuccess() || b.GetSuccess() || a.GetDecisionId() == b.GetDecisionId() ||
+		a.GetErrorKind() != kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D || b.GetErrorKind() != kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D {
 		t.Fatalf("outcomes %v / %v", a, b)
 	}
 	if got := testutil.ToFloat64(e.m.Retries.WithLabelValues("worker_unavailable")); got != 1 {
