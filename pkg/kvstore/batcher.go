@@ -127,6 +127,12 @@ func (b *Batcher) Put(key string, m proto.Message) error {
 	return b.enqueue(Op{Key: key, Value: v})
 }
 
+// PutBytes queues a put of an already encoded value at key. The batcher keeps v until it is
+// written: the caller must not modify it afterwards.
+func (b *Batcher) PutBytes(key string, v []byte) error {
+	return b.enqueue(Op{Key: key, Value: v})
+}
+
 // Delete queues a delete of key.
 func (b *Batcher) Delete(key string) error { return b.enqueue(Op{Key: key, Delete: true}) }
 

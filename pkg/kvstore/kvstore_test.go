@@ -477,3 +477,87 @@ func TestWatchPolicy(t *testing.T) {
 	wcancel()
 	<-done
 }
+
+func TestVolatileKeyNames(t *testing.T) {
+	s := &Store{prefix: "/p/"}
+	for _, seq := range []uint64{0, 1, 0xabc, 1 << 40, ^uint64(0)} {
+		key := s.VolatileKey(seq)
+		if !strings.HasPrefix(key, s.VolatilePrefix()) {
+			t.Fatalf("%d: key %q outside %q", seq, key, s.VolatilePrefix())
+		}
+		got, ok := ParseVolatileName(strings.TrimPrefix(key, s.VolatilePrefix()))
+		if !ok || got != seq {
+			t.Fatalf("%d: parsed %d %v from %q", seq, got, ok, key)
+		}
+	}
+	if s.VolatileKey(9) >= s.VolatileKey(10) || s.VolatileKey(0xff) >= s.VolatileKey(0x100) {
+		t.Fatal("key order is not seq order")
+	}
+	for _, bad := range []string{"", "1", "000000000000000g", "000000000000000A", "0000000000000000/", "00000000000000000"} {
+		if _, ok := ParseVolatileName(bad); ok {
+			t.Fatalf("%q parsed", bad)
+		}
+	}
+}
+
+func FuzzParseVolatileName(f *testing.F) {
+	for _, s := range []string{"", "0000000000000001", "ffffffffffffffff", "000000000000000G", "x"} {
+		f.Add(s)
+	}
+	s := &Store{prefix: "/p/"}
+	f.Fuzz(func(t *testing.T, name string) {
+		seq, ok := ParseVolatileName(name)
+		if !ok {
+			return
+		}
+		if got := strings.TrimPrefix(s.VolatileKey(seq), s.VolatilePrefix()); got != name {
+			t.Fatalf("%q parsed as %d, which names %q", name, seq, got)
+		}
+	})
+}
+
+func TestLoadAllVolatile(t *testing.T) {
+	c := etcdtest.Start(t)
+	cli := c.Client(t)
+	s := newStore(t, cli, "/vol/")
+	ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
+	defer cancel()
+	f, _, _ := leader(t, s, "a")
+	bt := NewBatcher(s, f)
+	go func() { _ = bt.Run(ctx) }()
+	for _, seq := range []uint64{0x11, 2, 0x100} {
+		v, err := proto.Marshal(&kvcv1.VolatileBatch{Seq: 999, Epoch: 7, Entries: []*kvcv1.VolatileEntry{{SessionId: fmt.Sprint("s", seq), Turn: int32(seq)}}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := bt.PutBytes(s.VolatileKey(seq), v); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := bt.PutBytes(s.VolatilePrefix()+"not-a-seq", []byte{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := bt.PutBytes(s.VolatileKey(5), []byte{0xff, 0xff}); err != nil {
+		t.Fatal(err)
+	}
+	if err := bt.Flush(ctx); err != nil {
+		t.Fatal(err)
+	}
+	snap, err := s.LoadAll(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var seqs []uint64
+	for _, b := range snap.Volatile {
+		seqs = append(seqs, b.GetSeq())
+		if b.GetEpoch() != 7 || len(b.GetEntries()) != 1 || b.GetEntries()[0].GetTurn() != int32(b.GetSeq()) {
+			t.Fatalf("batch %v", b)
+		}
+	}
+	if fmt.Sprint(seqs) != "[2 17 256]" {
+		t.Fatalf("journal seqs %v, want [2 17 256] (key order, the name's seq)", seqs)
+	}
+	if snap.Malformed != 2 || len(snap.MalformedVolatile) != 2 {
+		t.Fatalf("malformed %d %v", snap.Malformed, snap.MalformedVolatile)
+	}
+}

@@ -92,6 +92,41 @@ func (s *Store) SessionKey(id string) string { return s.prefix + "sessions/" + i
 // PolicyKey is the key of the policy record.
 func (s *Store) PolicyKey() string { return s.prefix + "policy" }
 
+// VolatilePrefix is the prefix of the volatile journal's keys.
+func (s *Store) VolatilePrefix() string { return s.prefix + "volatile/" }
+
+// VolatileKey is the key of the volatile journal entry batch with sequence number seq:
+// <prefix>volatile/<16 lower-case hex digits>, so that key order is seq order.
+func (s *Store) VolatileKey(seq uint64) string {
+	const hexDigits = "0123456789abcdef"
+	var b [16]byte
+	for i := 15; i >= 0; i-- {
+		b[i] = hexDigits[seq&0xf]
+		seq >>= 4
+	}
+	return s.VolatilePrefix() + string(b[:])
+}
+
+// ParseVolatileName returns the sequence number of a journal key's name (the part after
+// VolatilePrefix); ok is false unless it is exactly 16 lower-case hex digits.
+func ParseVolatileName(name string) (seq uint64, ok bool) {
+	if len(name) != 16 {
+		return 0, false
+	}
+	for i := 0; i < len(name); i++ {
+		c := name[i]
+		switch {
+		case c >= '0' && c <= '9':
+			seq = seq<<4 | uint64(c-'0')
+		case c >= 'a' && c <= 'f':
+			seq = seq<<4 | uint64(c-'a'+10)
+		default:
+			return 0, false
+		}
+	}
+	return seq, true
+}
+
 func (s *Store) workersPrefix() string  { return s.prefix + "workers/" }
 func (s *Store) sessionsPrefix() string { return s.prefix + "sessions/" }
 
@@ -245,11 +280,16 @@ func (s *Store) ListSessions(ctx context.Context, after string, limit int, keep 
 
 // Snapshot is everything a new leader loads before serving, read at one revision.
 type Snapshot struct {
-	Revision  int64
-	Workers   []*kvcv1.Worker
-	Sessions  []*kvcv1.SessionRecord
-	Policy    *kvcv1.Policy // nil when none stored
-	Malformed int           // records that failed to decode (skipped, logged by the caller)
+	Revision int64
+	Workers  []*kvcv1.Worker
+	Sessions []*kvcv1.SessionRecord
+	Policy   *kvcv1.Policy // nil when none stored
+	// Volatile is the volatile journal in seq order (see VolatileKey); applying it over
+	// Sessions is the reader's job (kvc.v1.VolatileBatch says how).
+	Volatile  []*kvcv1.VolatileBatch
+	Malformed int // records that failed to decode (skipped, logged by the caller)
+	// MalformedVolatile are journal keys whose name or value did not decode (full keys).
+	MalformedVolatile []string
 }
 
 // LoadAll reads all workers, sessions and the policy at a single revision, in pages.
@@ -286,6 +326,22 @@ func (s *Store) LoadAll(ctx context.Context) (*Snapshot, error) {
 			return true, nil
 		}
 		snap.Sessions = append(snap.Sessions, r)
+		return true, nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	vp := s.VolatilePrefix()
+	err = s.scan(ctx, vp, "", snap.Revision, 0, func(name string, v []byte) (bool, error) {
+		seq, ok := ParseVolatileName(name)
+		b := &kvcv1.VolatileBatch{}
+		if !ok || proto.Unmarshal(v, b) != nil {
+			snap.Malformed++
+			snap.MalformedVolatile = append(snap.MalformedVolatile, vp+name)
+			return true, nil
+		}
+		b.Seq = seq // the key's name is authoritative
+		snap.Volatile = append(snap.Volatile, b)
 		return true, nil
 	})
 	if err != nil {

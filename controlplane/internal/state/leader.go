@@ -62,16 +62,16 @@ func (s *State) Lead(ctx context.Context, fence kvstore.Fence) (*Term, error) {
 	s.resetLocked()
 	s.term = t
 	s.epoch.Store(fence.Rev)
-	for _, r := range snap.Sessions {
-		id := r.GetSessionId()
-		if kvcv1.ValidateID("session_id", id) != nil {
-			continue
+	journalled := s.loadSessionsLocked(snap)
+	if s.cfg.VolatileFlush < 0 {
+		// No journal in this mode: write the journalled sessions in full (their entries die,
+		// and with them the keys).
+		for _, e := range s.sessions {
+			if e.jseq != 0 {
+				s.persistSessionLocked(e.rec)
+			}
 		}
-		s.sessions[id] = r
-		index(s.byDecode, r.GetDecodeWorker(), id)
-		index(s.bySnap, r.GetSnapshot().GetPrefillWorker(), id)
 	}
-	s.nSessions.Store(int64(len(s.sessions)))
 	for _, w := range snap.Workers {
 		if kvcv1.ValidateID("worker_id", w.GetWorkerId()) != nil {
 			continue
@@ -104,9 +104,30 @@ func (s *State) Lead(ctx context.Context, fence kvstore.Fence) (*Term, error) {
 		s.flushVolatile(tctx)
 	}()
 	s.m.loadSeconds.Set(time.Since(start).Seconds())
+	if len(snap.MalformedVolatile) > 0 {
+		s.log.Warn().Strs("keys", snap.MalformedVolatile).Msg("skipped malformed volatile journal keys")
+	}
 	s.log.Info().Int64("epoch", fence.Rev).Int("sessions", len(snap.Sessions)).Int("workers", len(snap.Workers)).
+		Int("journal_keys", len(snap.Volatile)).Int("journal_entries_applied", journalled).
 		Dur("load", time.Since(start)).Msg("leader state loaded")
 	return t, nil
+}
+
+// loadSessionsLocked fills the session table from a loaded snapshot: the records, then the
+// volatile journal over them. It returns the journal entries applied.
+func (s *State) loadSessionsLocked(snap *kvstore.Snapshot) int {
+	for _, r := range snap.Sessions {
+		id := r.GetSessionId()
+		if kvcv1.ValidateID("session_id", id) != nil {
+			continue
+		}
+		s.sessions[id] = sessEntry{rec: r}
+		index(s.byDecode, r.GetDecodeWorker(), id)
+		index(s.bySnap, r.GetSnapshot().GetPrefillWorker(), id)
+		s.jr.seq = max(s.jr.seq, r.GetVolatileSeq())
+	}
+	s.nSessions.Store(int64(len(s.sessions)))
+	return s.applyJournalLocked(snap.Volatile)
 }
 
 // Flush waits until every change made so far in the current term is in etcd, deferred
@@ -166,8 +187,8 @@ func (s *State) EndTerm(t *Term) {
 	s.mu.Unlock()
 }
 
-// flushVolatile hands deferred volatile session changes to the batcher every
-// Config.VolatileFlush until ctx ends (EndTerm hands over the rest).
+// flushVolatile writes deferred volatile session changes to the journal every
+// Config.VolatileFlush until ctx ends (EndTerm writes the rest).
 func (s *State) flushVolatile(ctx context.Context) {
 	if s.cfg.VolatileFlush <= 0 {
 		return
@@ -180,59 +201,8 @@ func (s *State) flushVolatile(ctx context.Context) {
 			return
 		case <-tick.C:
 		}
-		s.m.volatileFlushed.Add(float64(s.flushDirtyPaced(ctx, s.cfg.VolatileFlush/2)))
+		s.flushDirtyPaced(ctx, s.cfg.VolatileFlush/2)
 	}
-}
-
-// flushDirtyPaced hands the dirty sessions to the batcher a chunk at a time, spread over
-// about spread, so that decisions are not held up behind one long critical section and etcd
-// sees a steady stream of Txns rather than one burst per interval. A session dirtied again
-// meanwhile is written with its latest value (and leaves the dirty set then). When ctx ends
-// it stops; EndTerm hands over what is left.
-func (s *State) flushDirtyPaced(ctx context.Context, spread time.Duration) int {
-	const chunk = 256
-	s.mu.Lock()
-	ids := make([]string, 0, len(s.dirty))
-	for id := range s.dirty {
-		ids = append(ids, id)
-	}
-	s.mu.Unlock()
-	var pause time.Duration
-	if chunks := (len(ids) + chunk - 1) / chunk; chunks > 1 {
-		pause = spread / time.Duration(chunks)
-	}
-	timer := time.NewTimer(time.Hour)
-	defer timer.Stop()
-	n := 0
-	for len(ids) > 0 {
-		c := ids[:min(chunk, len(ids))]
-		ids = ids[len(c):]
-		s.mu.Lock()
-		if s.term == nil {
-			s.mu.Unlock()
-			return n
-		}
-		for _, id := range c {
-			if _, dirty := s.dirty[id]; !dirty {
-				continue // written meanwhile with a durable change, or deleted
-			}
-			if rec, ok := s.sessions[id]; ok {
-				s.persistSessionLocked(rec)
-				n++
-			}
-			delete(s.dirty, id)
-		}
-		s.mu.Unlock()
-		if len(ids) > 0 && pause > 0 {
-			timer.Reset(pause)
-			select {
-			case <-ctx.Done():
-				return n
-			case <-timer.C:
-			}
-		}
-	}
-	return n
 }
 
 // sweep expires idle sessions until ctx ends.
@@ -262,7 +232,7 @@ func (s *State) ExpireIdle(now time.Time) int {
 	}
 	var ids []string
 	for id, r := range s.sessions {
-		if kvstore.IsIdle(r, ttl, now) {
+		if kvstore.IsIdle(r.rec, ttl, now) {
 			ids = append(ids, id)
 		}
 	}

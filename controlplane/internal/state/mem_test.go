@@ -30,7 +30,7 @@ func BenchmarkSessionMemory(b *testing.B) {
 				Snapshot: &kvcv1.SnapshotInfo{PrefillWorker: fmt.Sprintf("gpu-node-%02d-prefill-0", i%16), Seqlen: 39_000,
 					Generation: 3, UpdatedUnixMs: now, Bytes: 39_000 * 98_304},
 			}
-			st.sessions[id] = rec
+			st.sessions[id] = sessEntry{rec: rec}
 			index(st.byDecode, rec.DecodeWorker, id)
 			index(st.bySnap, rec.Snapshot.PrefillWorker, id)
 		}

@@ -11,8 +11,12 @@ type metrics struct {
 	dropped       prometheus.Counter // residencies dropped after the unreachable grace
 	loadSeconds   prometheus.Gauge
 	writeFailures prometheus.Counter
-	// session records written by the volatile flusher (changes of volatile fields only)
+	// sessions' volatile states written to the volatile journal
 	volatileFlushed prometheus.Counter
+	journalWritten  prometheus.Counter
+	journalDeleted  prometheus.Counter
+	journalKeys     prometheus.Gauge
+	journalBytes    prometheus.Gauge
 }
 
 func newMetrics(reg prometheus.Registerer, sessions func() float64) *metrics {
@@ -42,7 +46,19 @@ func newMetrics(reg prometheus.Registerer, sessions func() float64) *metrics {
 			Name: "kvc_cp_persist_enqueue_failures_total", Help: "Writes that could not be queued for etcd (deposed or closed batcher).",
 		}),
 		volatileFlushed: prometheus.NewCounter(prometheus.CounterOpts{
-			Name: "kvc_cp_sessions_volatile_flushed_total", Help: "Session records persisted by the periodic flush of volatile-only changes (turn, last_seen, kv_committed_len, d_rejects).",
+			Name: "kvc_cp_sessions_volatile_flushed_total", Help: "Sessions' volatile-only changes (turn, last_seen, kv_committed_len, d_rejects) written to the volatile journal (entries carried forward by compaction included).",
+		}),
+		journalWritten: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvc_cp_volatile_journal_keys_written_total", Help: "Volatile journal keys written (each holds up to 1024 sessions' volatile fields).",
+		}),
+		journalDeleted: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvc_cp_volatile_journal_keys_deleted_total", Help: "Volatile journal keys deleted once none of their entries was live.",
+		}),
+		journalKeys: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "kvc_cp_volatile_journal_keys", Help: "Volatile journal keys in etcd (leader only).",
+		}),
+		journalBytes: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "kvc_cp_volatile_journal_bytes", Help: "Value bytes of the volatile journal keys in etcd (leader only).",
 		}),
 	}
 	for _, s := range []string{"ready", "draining", "unreachable"} {
@@ -53,6 +69,7 @@ func newMetrics(reg prometheus.Registerer, sessions func() float64) *metrics {
 	}
 	if reg != nil {
 		reg.MustRegister(m.workers, m.commands, m.events, m.transfers, m.expired, m.dropped, m.loadSeconds, m.writeFailures, m.volatileFlushed,
+			m.journalWritten, m.journalDeleted, m.journalKeys, m.journalBytes,
 			prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 				Name: "kvc_cp_sessions", Help: "Session records held in memory (leader only).",
 			}, sessions))

@@ -45,7 +45,7 @@ func (s *State) Reconcile(st *Stream, rs *kvcv1.ResidentSessions) error {
 				if _, ok := seen[sid]; ok {
 					continue
 				}
-				rec := s.sessions[sid]
+				rec := s.sessions[sid].rec
 				rec.PreviousDecodeWorker = w
 				rec.DecodeWorker = ""
 				s.changedLocked(rec, w, rec.GetSnapshot().GetPrefillWorker())
@@ -70,7 +70,7 @@ func (s *State) Reconcile(st *Stream, rs *kvcv1.ResidentSessions) error {
 				if _, ok := seen[sid]; ok {
 					continue
 				}
-				rec := s.sessions[sid]
+				rec := s.sessions[sid].rec
 				rec.Snapshot = nil
 				s.changedLocked(rec, rec.GetDecodeWorker(), w)
 			}
@@ -94,17 +94,18 @@ func (s *State) ApplyEvent(st *Stream, ev *kvcv1.SessionEvent) error {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	e, ok := s.workers[st.WorkerID]
-	if !ok || e.stream != st || s.term == nil {
+	if we, ok := s.workers[st.WorkerID]; !ok || we.stream != st || s.term == nil {
 		return ErrNoStream
 	}
 	w := st.WorkerID
 	id := ev.GetSessionId()
-	rec, exists := s.sessions[id]
+	e, exists := s.sessions[id]
+	rec := e.rec
 	switch ev.GetKind() {
 	case kvcv1.SessionEventKind_SESSION_EVENT_KIND_COMMITTED:
 		if !exists {
-			rec = s.getOrCreateLocked(id)
+			e = s.createLocked(id)
+			rec = e.rec
 		}
 		before := durableOf(rec)
 		if before.decode == "" {
@@ -117,7 +118,7 @@ func (s *State) ApplyEvent(st *Stream, ev *kvcv1.SessionEvent) error {
 			}
 		}
 		rec.LastSeenUnixMs = time.Now().UnixMilli()
-		s.updatedLocked(rec, before, !exists)
+		s.updatedLocked(e, before, !exists)
 	case kvcv1.SessionEventKind_SESSION_EVENT_KIND_RELEASED, kvcv1.SessionEventKind_SESSION_EVENT_KIND_EVICTED:
 		if !exists || rec.GetDecodeWorker() != w {
 			return nil

@@ -41,10 +41,15 @@ type Config struct {
 	CommandQueue int
 	// VolatileFlush is how often changes to an existing session's volatile fields only (turn,
 	// last_seen_unix_ms, kv_committed_len, epoch, d_rejects) are persisted; they wait in a
-	// dirty set until then (or Flush / EndTerm). Creations and changes of residency, snapshot,
-	// generation, migrations or previous_decode_worker are written behind at once. 0 =
-	// DefaultVolatileFlush; negative = persist every change at once.
+	// dirty set until then (or Flush / EndTerm) and are then written to the volatile journal
+	// (many sessions per etcd key, see journal.go), not as full records. Creations and
+	// changes of residency, snapshot, generation, migrations or previous_decode_worker are
+	// written behind at once as full records. 0 = DefaultVolatileFlush; negative = persist
+	// every change at once as a full record (no journal).
 	VolatileFlush time.Duration
+
+	// journalMax is the sessions per journal key (0: journalMaxEntries); tests lower it.
+	journalMax int
 }
 
 // DefaultVolatileFlush is the default Config.VolatileFlush.
@@ -67,11 +72,28 @@ type State struct {
 
 	mu       sync.Mutex
 	term     *Term // nil when not leading
-	sessions map[string]*kvcv1.SessionRecord
+	sessions map[string]sessEntry
 	workers  map[string]*workerEntry
 	byDecode map[string]map[string]struct{} // decode worker -> session ids resident there
 	bySnap   map[string]map[string]struct{} // prefill worker -> session ids with a snapshot there
-	dirty    map[string]struct{}            // sessions with volatile changes not yet handed to the batcher
+	// dirty lists the sessions whose volatile changes wait for the next journal flush (the
+	// entry's dirty flag is the truth; an id may appear more than once or be stale).
+	dirty []string
+	// flushing is the list a journal flush is working through (flushing[fpos:] is left).
+	flushing []string
+	fpos     int
+	jr       journal
+}
+
+// sessEntry is a session in the leader's table.
+type sessEntry struct {
+	rec *kvcv1.SessionRecord
+	// jseq is the journal key holding the session's latest persisted volatile fields; 0 when
+	// the record in sessions/ holds them.
+	jseq uint64
+	// dirty: volatile changes not yet handed to the batcher (the id is in State.dirty or
+	// State.flushing).
+	dirty bool
 }
 
 type workerEntry struct {
@@ -94,6 +116,9 @@ func New(cfg Config) *State {
 	if cfg.VolatileFlush == 0 {
 		cfg.VolatileFlush = DefaultVolatileFlush
 	}
+	if cfg.journalMax <= 0 {
+		cfg.journalMax = journalMaxEntries
+	}
 	s := &State{cfg: cfg, log: cfg.Log, defaults: DefaultPolicy(cfg.SessionTTL, cfg.UnreachableGrace)}
 	s.m = newMetrics(cfg.Reg, func() float64 { return float64(s.nSessions.Load()) })
 	s.policy.Store(FillPolicy(s.defaults, nil))
@@ -104,11 +129,13 @@ func New(cfg Config) *State {
 }
 
 func (s *State) resetLocked() {
-	s.sessions = make(map[string]*kvcv1.SessionRecord)
+	s.sessions = make(map[string]sessEntry)
 	s.workers = make(map[string]*workerEntry)
 	s.byDecode = make(map[string]map[string]struct{})
 	s.bySnap = make(map[string]map[string]struct{})
-	s.dirty = make(map[string]struct{})
+	s.dirty, s.flushing, s.fpos = nil, nil, 0
+	s.jr.reset()
+	s.publishJournalLocked()
 	s.nSessions.Store(0)
 }
 
@@ -145,11 +172,11 @@ func (s *State) Worker(id string) (*kvcv1.Worker, bool) {
 func (s *State) Session(id string) (*kvcv1.SessionRecord, bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	r, ok := s.sessions[id]
+	e, ok := s.sessions[id]
 	if !ok {
 		return nil, false
 	}
-	return proto.Clone(r).(*kvcv1.SessionRecord), true
+	return proto.Clone(e.rec).(*kvcv1.SessionRecord), true
 }
 
 // SessionCount returns the number of session records in memory.
@@ -164,14 +191,15 @@ func (s *State) UpdateSession(id string, fn func(rec *kvcv1.SessionRecord)) {
 	if s.term == nil {
 		return
 	}
-	rec, existed := s.sessions[id]
+	e, existed := s.sessions[id]
 	if !existed {
-		rec = s.getOrCreateLocked(id)
+		e = s.createLocked(id)
 	}
+	rec := e.rec
 	before := durableOf(rec)
 	fn(rec)
 	rec.SessionId = id
-	s.updatedLocked(rec, before, !existed)
+	s.updatedLocked(e, before, !existed)
 }
 
 // ListSessions pages through the in-memory records in id order: up to limit records with
@@ -202,7 +230,7 @@ func (s *State) ListSessions(after string, limit int, worker string) (recs []*kv
 		ids = ids[:limit]
 	}
 	for _, id := range ids {
-		recs = append(recs, proto.Clone(s.sessions[id]).(*kvcv1.SessionRecord))
+		recs = append(recs, proto.Clone(s.sessions[id].rec).(*kvcv1.SessionRecord))
 	}
 	s.mu.Unlock()
 	if more {
@@ -212,16 +240,21 @@ func (s *State) ListSessions(after string, limit int, worker string) (recs []*kv
 }
 
 func (s *State) getOrCreateLocked(id string) *kvcv1.SessionRecord {
-	rec, ok := s.sessions[id]
+	e, ok := s.sessions[id]
 	if !ok {
-		now := time.Now().UnixMilli()
-		// last_seen stays 0 until a request is routed (idle expiry falls back to created): the
-		// router reads a record never seen as turn 0.
-		rec = &kvcv1.SessionRecord{SessionId: id, CreatedUnixMs: now}
-		s.sessions[id] = rec
-		s.nSessions.Add(1)
+		e = s.createLocked(id)
 	}
-	return rec
+	return e.rec
+}
+
+// createLocked adds a new session (not persisted yet: the caller's update writes it).
+func (s *State) createLocked(id string) sessEntry {
+	// last_seen stays 0 until a request is routed (idle expiry falls back to created): the
+	// router reads a record never seen as turn 0.
+	e := sessEntry{rec: &kvcv1.SessionRecord{SessionId: id, CreatedUnixMs: time.Now().UnixMilli()}}
+	s.sessions[id] = e
+	s.nSessions.Add(1)
+	return e
 }
 
 // durable is what of a session record must reach etcd at once when it changes: residency,
@@ -254,30 +287,19 @@ func durableOf(r *kvcv1.SessionRecord) durable {
 	return d
 }
 
-// updatedLocked re-indexes rec after a change and persists it: at once when it was just
-// created or a durable field changed, else at the next volatile flush.
-func (s *State) updatedLocked(rec *kvcv1.SessionRecord, before durable, created bool) {
+// updatedLocked re-indexes e's record after a change and persists it: at once (a full
+// record) when it was just created or a durable field changed, else in the volatile journal
+// at the next flush.
+func (s *State) updatedLocked(e sessEntry, before durable, created bool) {
+	rec := e.rec
 	if created || s.cfg.VolatileFlush < 0 || durableOf(rec) != before {
 		s.changedLocked(rec, before.decode, before.snap.prefill)
 		return
 	}
 	rec.Epoch = s.epoch.Load()
 	if s.term != nil {
-		s.dirty[rec.GetSessionId()] = struct{}{}
+		s.markDirtyLocked(rec.SessionId, e)
 	}
-}
-
-// flushDirtyLocked hands every session with deferred volatile changes to the batcher.
-func (s *State) flushDirtyLocked() int {
-	n := 0
-	for id := range s.dirty {
-		if rec, ok := s.sessions[id]; ok {
-			s.persistSessionLocked(rec)
-			n++
-		}
-	}
-	clear(s.dirty)
-	return n
 }
 
 // changedLocked re-indexes rec after a change and persists it (write-behind, not deferred).
@@ -295,30 +317,40 @@ func (s *State) changedLocked(rec *kvcv1.SessionRecord, oldD, oldP string) {
 	s.persistSessionLocked(rec)
 }
 
+// persistSessionLocked writes the whole record behind, volatile fields included: it is no
+// longer dirty, and its journal entry (if any) is dead from now on.
 func (s *State) persistSessionLocked(rec *kvcv1.SessionRecord) {
 	if s.term == nil {
 		return
 	}
-	delete(s.dirty, rec.GetSessionId()) // the whole record, volatile fields included, goes now
+	id := rec.GetSessionId()
+	rec.VolatileSeq = s.jr.seq // journal keys up to this one are older than this record
 	if err := s.term.batcher.PutSession(rec); err != nil {
 		s.m.writeFailures.Inc()
+	}
+	if e, ok := s.sessions[id]; ok && (e.dirty || e.jseq != 0) {
+		old := e.jseq
+		e.dirty, e.jseq = false, 0
+		s.sessions[id] = e
+		s.dropJournalLocked(old) // queued after the record's put
 	}
 }
 
 func (s *State) deleteSessionLocked(id string) {
-	rec, ok := s.sessions[id]
+	e, ok := s.sessions[id]
 	if !ok {
 		return
 	}
+	rec := e.rec
 	unindex(s.byDecode, rec.GetDecodeWorker(), id)
 	unindex(s.bySnap, rec.GetSnapshot().GetPrefillWorker(), id)
 	delete(s.sessions, id)
-	delete(s.dirty, id)
 	s.nSessions.Add(-1)
 	if s.term != nil {
 		if err := s.term.batcher.DeleteSession(id); err != nil {
 			s.m.writeFailures.Inc()
 		}
+		s.dropJournalLocked(e.jseq)
 	}
 }
 

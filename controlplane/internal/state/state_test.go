@@ -8,7 +8,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/rs/zerolog"
+	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.etcd.io/etcd/client/v3/concurrency"
 	"google.golang.org/protobuf/proto"
 
@@ -465,9 +467,17 @@ func TestDeposedLeaderWritesAreFenced(t *testing.T) {
 	if err != nil || !ok || rec.GetTurn() != 1 || rec.GetDecodeWorker() != "" {
 		t.Fatalf("etcd after the zombie write: %v %v %v", rec, ok, err)
 	}
+	// A volatile-only change of the deposed leader: its journal flush writes nothing.
+	f1.st.UpdateSession("s", func(r *kvcv1.SessionRecord) { r.Turn = 98 })
+	if err := f1.st.Flush(t.Context()); !errors.Is(err, kvstore.ErrFenced) {
+		t.Fatalf("journal flush of the deposed leader: %v", err)
+	}
+	if n := journalKeys(t, store); n != 0 {
+		t.Fatalf("%d journal keys after the deposed leader's flush", n)
+	}
 	f2.st.UpdateSession("s", func(r *kvcv1.SessionRecord) { r.Turn = 2 })
 	must(t, f2.st.Flush(t.Context()))
-	if rec, _, _ := store.GetSession(t.Context(), "s"); rec.GetTurn() != 2 || rec.GetEpoch() != f2.st.Epoch() {
+	if rec := loadedView(t, store)["s"]; rec.GetTurn() != 2 || rec.GetEpoch() != f2.st.Epoch() {
 		t.Fatalf("new leader's write: %v", rec)
 	}
 }
@@ -550,12 +560,16 @@ func TestVolatileUpdatesDeferred(t *testing.T) {
 			if got := version(); got != v0 {
 				t.Fatalf("volatile updates written before a flush (%d writes)", got-v0)
 			}
+			k0 := journalWrites(t, st)
 			must(t, st.Flush(ctx))
-			if got := version() - v0; got != 1 {
-				t.Fatalf("%d etcd writes for %d coalesced volatile updates, want 1", got, updates)
+			if got := version() - v0; got != 0 {
+				t.Fatalf("%d writes of the full record for %d volatile updates, want 0 (journal)", got, updates)
 			}
-			if !proto.Equal(stored(), mem) {
-				t.Fatalf("after Flush etcd %v, memory %v", stored(), mem)
+			if got := journalWrites(t, st) - k0; got != 1 {
+				t.Fatalf("%d journal keys written for %d coalesced volatile updates, want 1", got, updates)
+			}
+			if view := loadedView(t, f.store)["s"]; !proto.Equal(view, mem) {
+				t.Fatalf("after Flush a new leader would load %v, memory %v", view, mem)
 			}
 		})
 	}
@@ -566,6 +580,9 @@ func TestVolatileUpdatesDeferred(t *testing.T) {
 	must(t, f.term.batcher.Flush(ctx))
 	if r := stored(); r.GetKvCommittedLen() != 777 || r.GetDecodeWorker() != "dx" {
 		t.Fatalf("durable write lost the volatile change: %v", r)
+	}
+	if n := journalKeys(t, f.store); n != 0 {
+		t.Fatalf("%d journal keys left after the full record superseded them", n)
 	}
 
 	// EndTerm hands over what is still deferred: the next leader loads it.
@@ -585,8 +602,43 @@ func TestVolatileFlusher(t *testing.T) {
 	st, ctx := f.st, t.Context()
 	st.UpdateSession("s", func(r *kvcv1.SessionRecord) { r.DecodeWorker = "d0" })
 	st.UpdateSession("s", func(r *kvcv1.SessionRecord) { r.KvCommittedLen = 4242 })
+	_ = ctx
 	waitFor(t, "the flusher persisted the volatile change", func() bool {
-		rec, ok, err := f.store.GetSession(ctx, "s")
-		return err == nil && ok && rec.GetKvCommittedLen() == 4242
+		return loadedView(t, f.store)["s"].GetKvCommittedLen() == 4242
 	})
+}
+
+// loadedView is what a new leader would load from store: the records with the volatile
+// journal applied (the same code as Lead, on a State that does not lead).
+func loadedView(t *testing.T, store *kvstore.Store) map[string]*kvcv1.SessionRecord {
+	t.Helper()
+	snap, err := store.LoadAll(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	st := New(Config{Log: zerolog.Nop()})
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	st.loadSessionsLocked(snap)
+	out := make(map[string]*kvcv1.SessionRecord, len(st.sessions))
+	for id, e := range st.sessions {
+		out[id] = e.rec
+	}
+	return out
+}
+
+// journalKeys counts the volatile journal keys in etcd.
+func journalKeys(t *testing.T, store *kvstore.Store) int {
+	t.Helper()
+	r, err := store.Client().Get(t.Context(), store.VolatilePrefix(), clientv3.WithPrefix(), clientv3.WithCountOnly())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return int(r.Count)
+}
+
+// journalWrites is the state's count of journal keys written.
+func journalWrites(t *testing.T, st *State) int {
+	t.Helper()
+	return int(testutil.ToFloat64(st.m.journalWritten))
 }

@@ -144,7 +144,7 @@ func (s *State) graceExpired(term *Term, id string, gen uint64) {
 func (s *State) dropResidencyLocked(id string) int {
 	n := 0
 	for _, sid := range keys(s.byDecode[id]) {
-		rec := s.sessions[sid]
+		rec := s.sessions[sid].rec
 		oldP := rec.GetSnapshot().GetPrefillWorker()
 		rec.PreviousDecodeWorker = id
 		rec.DecodeWorker = ""
@@ -152,7 +152,7 @@ func (s *State) dropResidencyLocked(id string) int {
 		n++
 	}
 	for _, sid := range keys(s.bySnap[id]) {
-		rec := s.sessions[sid]
+		rec := s.sessions[sid].rec
 		rec.Snapshot = nil
 		s.changedLocked(rec, rec.GetDecodeWorker(), id)
 		n++
