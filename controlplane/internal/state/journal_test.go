@@ -92,10 +92,14 @@ func TestJournalLoad(t *testing.T) {
 	}
 	must(t, st.Flush(ctx))
 	for _, id := range []string{"newer-journal", "newer-record", "deleted", "several"} {
-		st.UpdateSession(id, func(r *kvcv1.SessionRecord) { r.Turn = 5; r.KvCommittedLen = 500; r.DRejects = map[string]int32{"d1": 2} })
+		st.UpdateSession(id, func(r *kvcv1.SessionRecord) {
+			r.Turn = 5
+			r.KvCommittedLen = 500
+			r.DRejects = map[string]int32{"d1": 2}
+		})
 	}
 	st.UpdateSession("deleted", func(r *kvcv1.SessionRecord) { r.LastSeenUnixMs = 1 }) // idle since 1970
-	must(t, st.Flush(ctx)) // journal key 1
+	must(t, st.Flush(ctx))                                                             // journal key 1
 	first, _ := journalBatches(t, f.store)
 	if len(first) != 1 || len(first[0].GetEntries()) != 4 || first[0].GetEpoch() != st.Epoch() {
 		t.Fatalf("first flush: %v", first)
@@ -108,7 +112,7 @@ func TestJournalLoad(t *testing.T) {
 	}
 	st.UpdateSession("several", func(r *kvcv1.SessionRecord) { r.Turn = 7 })
 	st.UpdateSession("untouched", func(r *kvcv1.SessionRecord) { r.Turn = 2 }) // keeps key 2 live
-	must(t, st.Flush(ctx)) // key 2
+	must(t, st.Flush(ctx))                                                     // key 2
 	st.UpdateSession("several", func(r *kvcv1.SessionRecord) { r.KvCommittedLen = 900; r.DRejects = nil })
 	must(t, st.Flush(ctx)) // key 3
 
