@@ -35,6 +35,7 @@ type Member struct {
 	PeerURL   string // http://127.0.0.1:PORT
 
 	cluster *Cluster
+	logPath string // etcd's own log at level error ("" discards it)
 	mu      sync.Mutex
 	e       *embed.Etcd
 }
@@ -122,7 +123,12 @@ func (m *Member) config(initialCluster, state string) (*embed.Config, error) {
 	cfg.InitialClusterToken = m.cluster.token
 	cfg.ClusterState = state
 	cfg.UnsafeNoFsync = true
-	cfg.ZapLoggerBuilder = embed.NewZapLoggerBuilder(zap.NewNop())
+	if m.logPath != "" {
+		cfg.LogLevel = "error"
+		cfg.LogOutputs = []string{m.logPath}
+	} else {
+		cfg.ZapLoggerBuilder = embed.NewZapLoggerBuilder(zap.NewNop())
+	}
 	return cfg, nil
 }
 

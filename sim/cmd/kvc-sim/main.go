@@ -37,7 +37,7 @@ func main() {
 
 type options struct {
 	role, workerID, httpAddr, bridgeSocket, shmDir, model string
-	logLevel, logFormat, readyFile                        string
+	logLevel, logFormat, readyFile, addrFile              string
 	capacity                                              int64
 	pageSize, layers, bytesPerToken                       int
 	modelBytesPerToken                                    int64
@@ -73,6 +73,7 @@ func parse(args []string, getenv func(string) string, stderr io.Writer) (*option
 	fs.StringVar(&o.logLevel, "log-level", "info", "debug, info, warn, error")
 	fs.StringVar(&o.logFormat, "log-format", "json", "json or console")
 	fs.StringVar(&o.readyFile, "ready-file", "", "write a JSON ready file here once serving")
+	fs.StringVar(&o.addrFile, "addr-file", "", "write {\"pid\", \"http_addr\"} here as soon as the HTTP port is bound, before the sidecar is waited for (a supervisor passes the worker URL to the sidecar it starts next)")
 	if err := flagenv.Parse(fs, args, getenv); err != nil {
 		return nil, worker.Config{}, err
 	}
@@ -169,6 +170,18 @@ func waitSocket(ctx context.Context, path string) error {
 }
 
 func serve(ctx context.Context, o *options, cfg worker.Config, log zerolog.Logger) error {
+	// Bind first (port 0 resolved) and say where: the sidecar, started after this, advertises
+	// the worker's URL. Connections wait in the backlog until the pool is registered; nobody
+	// sends any before the sidecar has registered with the control plane.
+	lis, err := net.Listen("tcp", o.httpAddr)
+	if err != nil {
+		return fmt.Errorf("listen %s: %w", o.httpAddr, err)
+	}
+	defer lis.Close()
+	addr := lis.Addr().String()
+	if err := obs.WriteReadyFile(o.addrFile, map[string]any{"pid": os.Getpid(), "http_addr": addr}); err != nil {
+		return err
+	}
 	wctx, cancel := context.WithTimeout(ctx, o.bridgeWait)
 	defer cancel()
 	log.Info().Str("bridge_socket", o.bridgeSocket).Dur("wait", o.bridgeWait).Msg("waiting for the sidecar's socket")
@@ -199,17 +212,12 @@ func serve(ctx context.Context, o *options, cfg worker.Config, log zerolog.Logge
 	log.Info().Str("pool", pool.Path()).Int64("kv_capacity_tokens", w.CapacityTokens()).
 		Str("transfer_endpoint", resp.GetTransferEndpoint()).Msg("KV pool registered with the sidecar")
 
-	lis, err := net.Listen("tcp", o.httpAddr)
-	if err != nil {
-		return fmt.Errorf("listen %s: %w", o.httpAddr, err)
-	}
 	ready := &obs.Ready{}
 	hs := obs.NewHTTPServer(reg, ready)
 	w.Register(hs.Mux)
 	g, gctx := errgroup.WithContext(ctx)
 	g.Go(func() error { return hs.Serve(gctx, lis) })
 	ready.Set(true)
-	addr := lis.Addr().String()
 	if err := obs.WriteReadyFile(o.readyFile, map[string]any{
 		"pid": os.Getpid(), "worker_id": o.workerID, "http_addr": addr, "role": o.role,
 		"shm_path": pool.Path(), "kv_capacity_tokens": w.CapacityTokens(),

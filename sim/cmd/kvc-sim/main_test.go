@@ -65,20 +65,53 @@ func (r *registerOnly) RegisterKVPool(_ context.Context, req *kvcv1.RegisterKVPo
 	return &kvcv1.RegisterKVPoolResponse{KvBytesPerToken: 1, TransferEndpoint: "x"}, nil
 }
 
-// The binary's life: wait for the sidecar socket (created late), register, serve, write the
-// ready file, stop on cancel and remove the pool file.
+// readJSONFile polls path (written atomically by the binary under test in another goroutine)
+// until it holds a JSON object.
+func readJSONFile(t *testing.T, path string) map[string]any {
+	t.Helper()
+	var m map[string]any
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		b, err := os.ReadFile(path)
+		if err == nil && json.Unmarshal(b, &m) == nil {
+			return m
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no %s", path)
+		}
+		time.Sleep(10 * time.Millisecond) // polling a file another goroutine writes
+	}
+}
+
+// The binary's life: bind port 0 and write the addr file before the sidecar exists, wait for
+// the sidecar socket (created late), register, serve on the address it wrote, write the ready
+// file, stop on cancel and remove the pool file.
 func TestServeLifecycle(t *testing.T) {
 	dir := t.TempDir()
 	sock := filepath.Join(dir, "b.sock")
 	ready := filepath.Join(dir, "ready.json")
+	addrFile := filepath.Join(dir, "addr.json")
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	code := make(chan int, 1)
 	go func() {
-		code <- run(ctx, []string{"--role", "decode", "--worker-id", "d0", "--bridge-socket", sock,
-			"--ready-file", ready, "--shm-dir", dir, "--kv-capacity-tokens", "1024", "--layers", "2"},
+		code <- run(ctx, []string{"--role", "decode", "--worker-id", "d0", "--bridge-socket", sock, "--http-addr", "127.0.0.1:0",
+			"--ready-file", ready, "--addr-file", addrFile, "--shm-dir", dir, "--kv-capacity-tokens", "1024", "--layers", "2"},
 			func(string) string { return "" }, &bytes.Buffer{})
 	}()
+	// The bound address is known before the sidecar is up (the supervisor gives it to the
+	// sidecar as --worker-url), and the port is held already.
+	bound, _ := readJSONFile(t, addrFile)["http_addr"].(string)
+	if !strings.HasPrefix(bound, "127.0.0.1:") || strings.HasSuffix(bound, ":0") {
+		t.Fatalf("addr file http_addr %q", bound)
+	}
+	if _, err := os.Stat(ready); !os.IsNotExist(err) {
+		t.Fatalf("ready before the sidecar registered the pool: %v", err)
+	}
+	if l, err := net.Listen("tcp", bound); err == nil {
+		l.Close()
+		t.Fatalf("%s is not bound", bound)
+	}
 	// The sidecar comes up after the worker.
 	lis, err := net.Listen("unix", sock)
 	if err != nil {
@@ -99,17 +132,9 @@ func TestServeLifecycle(t *testing.T) {
 	if req.GetPageCount() != 64 || len(req.GetBuffers()) != 4 || req.GetItemLen() != 16*16 {
 		t.Fatalf("register %v", req)
 	}
-	var rf map[string]any
-	deadline := time.Now().Add(20 * time.Second)
-	for {
-		b, err := os.ReadFile(ready)
-		if err == nil && json.Unmarshal(b, &rf) == nil {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("no ready file")
-		}
-		time.Sleep(10 * time.Millisecond) // polling a file another goroutine writes
+	rf := readJSONFile(t, ready)
+	if rf["http_addr"] != bound {
+		t.Fatalf("serving on %v, addr file said %s", rf["http_addr"], bound)
 	}
 	for _, path := range []string{"/health", "/metrics", "/kvc/sessions"} {
 		resp, err := http.Get("http://" + rf["http_addr"].(string) + path)

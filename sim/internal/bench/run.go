@@ -57,7 +57,8 @@ type Config struct {
 // Run replays the workload for every arm, then writes metrics.jsonl, summary.json, report.md
 // and the plots into OutDir. It returns the arms' statistics.
 func Run(ctx context.Context, cfg Config) ([]*report.Arm, error) {
-	// Absolute: the cluster puts Unix sockets under it, and gRPC wants absolute socket paths.
+	// Absolute, so that paths in the report and in logs do not depend on the working directory
+	// (the cluster makes its own WorkDir absolute too).
 	abs, err := filepath.Abs(cfg.OutDir)
 	if err != nil {
 		return nil, err
@@ -114,13 +115,8 @@ func runArm(ctx context.Context, cfg Config, arm string, out io.Writer, meta *re
 			DecodeCapacityTokens: cfg.DecodeCapacityTokens, Policy: pol, SimArgs: cfg.SimArgs, SidecarArgs: cfg.SidecarArgs,
 			Gateway: true, Log: prefixWriter{cfg.Log, arm + ": "},
 		}
+		// Every process binds port 0 and reports what it bound: no port race to retry.
 		c, err := cluster.Start(ctx, ccfg)
-		if err != nil && ctx.Err() == nil {
-			// One more try: a start can lose a race for a free port with another program.
-			fmt.Fprintf(cfg.Log, "%s: cluster start failed (%v); trying once more\n", arm, err)
-			_ = os.RemoveAll(work)
-			c, err = cluster.Start(ctx, ccfg)
-		}
 		if err != nil {
 			return nil, err
 		}

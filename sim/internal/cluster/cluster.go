@@ -17,6 +17,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 
+	"github.com/kvcentric/kvcentric/pkg/etcdtest"
 	"github.com/kvcentric/kvcentric/pkg/grpcx"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
@@ -220,7 +221,7 @@ func (c *Cluster) start(ctx context.Context) error {
 	}
 
 	c.logf("starting embedded etcd")
-	e, ep, err := startEtcd(cfg.WorkDir)
+	e, ep, err := etcdtest.StartSingle(cfg.WorkDir, filepath.Join(cfg.WorkDir, "etcd.log"))
 	if err != nil {
 		return err
 	}
@@ -256,59 +257,68 @@ func (c *Cluster) start(ctx context.Context) error {
 	}
 
 	cpList := strings.Join(c.ControlPlaneAddrs, ",")
+	// Every port is bound by the process that serves on it (port 0) and read back from what it
+	// writes: kvc-sim first (its addr file, written once bound), since its sidecar advertises the
+	// worker's URL; then the sidecars; then both ready files.
 	type pair struct {
 		w            Worker
+		gpu          int
 		sidecar, sim *Process
 	}
 	var pairs []*pair
 	var all []*Process
-	add := func(role string, i int) error {
-		id := fmt.Sprintf("%s-%d", role, i)
-		ports, err := freePorts(1)
-		if err != nil {
-			return err
+	for _, rc := range []struct {
+		role string
+		n    int
+	}{{"prefill", cfg.Prefill}, {"decode", cfg.Decode}} {
+		for i := 0; i < rc.n; i++ {
+			id := fmt.Sprintf("%s-%d", rc.role, i)
+			w := Worker{ID: id, Role: rc.role,
+				BridgeSocket: filepath.Join(c.sockDir, id+".sock"),
+				EventLog:     filepath.Join(cfg.WorkDir, id+".events.jsonl")}
+			_ = os.Remove(w.BridgeSocket)
+			simArgs := []string{"--role", rc.role, "--worker-id", id, "--http-addr", "127.0.0.1:0", "--bridge-socket", w.BridgeSocket,
+				"--addr-file", c.addrFile("sim-" + id)}
+			capTokens := cfg.DecodeCapacityTokens
+			if rc.role == "prefill" {
+				capTokens = cfg.PrefillCapacityTokens
+			}
+			if capTokens > 0 {
+				simArgs = append(simArgs, "--kv-capacity-tokens", strconv.FormatInt(capTokens, 10))
+			}
+			simArgs = append(simArgs, cfg.SimArgs...)
+			sim, err := c.spawnProc("kvc-sim", "sim-"+id, "sim-"+rc.role, simArgs)
+			if err != nil {
+				return err
+			}
+			pairs = append(pairs, &pair{w: w, gpu: i, sim: sim})
 		}
-		simAddr := "127.0.0.1:" + strconv.Itoa(ports[0])
-		w := Worker{ID: id, Role: role, WorkerURL: "http://" + simAddr,
-			BridgeSocket: filepath.Join(c.sockDir, id+".sock"),
-			EventLog:     filepath.Join(cfg.WorkDir, id+".events.jsonl")}
-		_ = os.Remove(w.BridgeSocket)
+	}
+	sims := make([]*Process, len(pairs))
+	for i, pr := range pairs {
+		sims[i] = pr.sim
+	}
+	addrs, err := c.waitAddrs(ctx, sims)
+	if err != nil {
+		return err
+	}
+	for i, pr := range pairs {
+		pr.w.WorkerURL = httpURL(addrs[i])
+	}
+	for _, pr := range pairs {
+		w := pr.w
 		scArgs := append([]string{
-			"--worker-id", id, "--node", "local", "--gpu-index", strconv.Itoa(i),
+			"--worker-id", w.ID, "--node", "local", "--gpu-index", strconv.Itoa(pr.gpu),
 			"--worker-url", w.WorkerURL, "--control-plane", cpList, "--bridge-socket", w.BridgeSocket,
 			"--http-addr", "127.0.0.1:0", "--peer-addr", "127.0.0.1:0", "--transport", "tcp",
 			"--transfer-addr", "127.0.0.1:0", "--event-log", w.EventLog,
 		}, cfg.SidecarArgs...)
-		sc, err := c.spawnProc("kvc-sidecar-"+role, "sidecar-"+id, "sidecar-"+role, scArgs)
+		sc, err := c.spawnProc("kvc-sidecar-"+w.Role, "sidecar-"+w.ID, "sidecar-"+w.Role, scArgs)
 		if err != nil {
 			return err
 		}
-		simArgs := []string{"--role", role, "--worker-id", id, "--http-addr", simAddr, "--bridge-socket", w.BridgeSocket}
-		capTokens := cfg.DecodeCapacityTokens
-		if role == "prefill" {
-			capTokens = cfg.PrefillCapacityTokens
-		}
-		if capTokens > 0 {
-			simArgs = append(simArgs, "--kv-capacity-tokens", strconv.FormatInt(capTokens, 10))
-		}
-		simArgs = append(simArgs, cfg.SimArgs...)
-		sim, err := c.spawnProc("kvc-sim", "sim-"+id, "sim-"+role, simArgs)
-		if err != nil {
-			return err
-		}
-		pairs = append(pairs, &pair{w: w, sidecar: sc, sim: sim})
-		all = append(all, sc, sim)
-		return nil
-	}
-	for i := 0; i < cfg.Prefill; i++ {
-		if err := add("prefill", i); err != nil {
-			return err
-		}
-	}
-	for i := 0; i < cfg.Decode; i++ {
-		if err := add("decode", i); err != nil {
-			return err
-		}
+		pr.sidecar = sc
+		all = append(all, sc, pr.sim)
 	}
 	if err := c.waitAll(ctx, all...); err != nil {
 		return err
@@ -319,8 +329,8 @@ func (c *Cluster) start(ctx context.Context) error {
 		w.SidecarHTTP = httpURL(pr.sidecar.ReadyString("http_addr"))
 		w.PeerAddr = pr.sidecar.ReadyString("peer_addr")
 		w.ShmPath = pr.sim.ReadyString("shm_path")
-		if a := pr.sim.ReadyString("http_addr"); a != "" {
-			w.WorkerURL = httpURL(a)
+		if a := httpURL(pr.sim.ReadyString("http_addr")); a != w.WorkerURL {
+			return fmt.Errorf("%s: serving on %q, but its addr file said %q", pr.sim.Name, a, w.WorkerURL)
 		}
 		c.Workers = append(c.Workers, w)
 		if w.Role == "prefill" {
@@ -354,6 +364,28 @@ func (c *Cluster) start(ctx context.Context) error {
 		c.logf("gateway         %s", c.GatewayURL)
 	}
 	return nil
+}
+
+func (c *Cluster) addrFile(name string) string {
+	return filepath.Join(c.cfg.WorkDir, name+".addr.json")
+}
+
+// waitAddrs waits for each process's addr file (written once its HTTP port is bound; a process
+// that exits first fails the wait with its log tail) and returns their http_addr, in order.
+func (c *Cluster) waitAddrs(ctx context.Context, ps []*Process) ([]string, error) {
+	wctx, cancel := context.WithTimeout(ctx, c.cfg.StartTimeout)
+	defer cancel()
+	out := make([]string, len(ps))
+	for i, p := range ps {
+		m, err := p.waitJSON(wctx, c.addrFile(p.Name), "listening")
+		if err != nil {
+			return nil, err
+		}
+		if out[i], _ = m["http_addr"].(string); out[i] == "" {
+			return nil, fmt.Errorf("%s: addr file %s has no http_addr", p.Name, c.addrFile(p.Name))
+		}
+	}
+	return out, nil
 }
 
 func httpURL(addr string) string {

@@ -109,24 +109,34 @@ func (p *Process) logTail(n int) string {
 // waitReady polls the ready file until it holds a JSON object, failing fast (with the log's
 // tail) when the process exits first.
 func (p *Process) waitReady(ctx context.Context) error {
+	m, err := p.waitJSON(ctx, p.readyPath, "ready")
+	if err != nil {
+		return err
+	}
+	p.Ready = m
+	return nil
+}
+
+// waitJSON polls path — a file the process writes atomically (obs.WriteReadyFile) — until it
+// holds a JSON object; what says what the file means ("ready", "listening") in errors.
+func (p *Process) waitJSON(ctx context.Context, path, what string) (map[string]any, error) {
 	tick := time.NewTicker(20 * time.Millisecond)
 	defer tick.Stop()
 	for {
-		if b, err := os.ReadFile(p.readyPath); err == nil && len(bytes.TrimSpace(b)) > 0 {
+		if b, err := os.ReadFile(path); err == nil && len(bytes.TrimSpace(b)) > 0 {
 			var m map[string]any
 			if err := json.Unmarshal(b, &m); err != nil {
-				return fmt.Errorf("%s: bad ready file %s: %v", p.Name, p.readyPath, err)
+				return nil, fmt.Errorf("%s: bad %s file %s: %v", p.Name, what, path, err)
 			}
-			p.Ready = m
-			return nil
+			return m, nil
 		}
 		select {
 		case <-p.exited:
-			return fmt.Errorf("%s (pid %d) exited before it was ready (%v); last log lines of %s:\n%s",
-				p.Name, p.PID, p.exitErr, p.LogPath, p.logTail(25))
+			return nil, fmt.Errorf("%s (pid %d) exited before it was %s (%v); last log lines of %s:\n%s",
+				p.Name, p.PID, what, p.exitErr, p.LogPath, p.logTail(25))
 		case <-ctx.Done():
-			return fmt.Errorf("%s (pid %d) not ready: %w; last log lines of %s:\n%s",
-				p.Name, p.PID, ctx.Err(), p.LogPath, p.logTail(25))
+			return nil, fmt.Errorf("%s (pid %d) not %s: %w; last log lines of %s:\n%s",
+				p.Name, p.PID, what, ctx.Err(), p.LogPath, p.logTail(25))
 		case <-tick.C:
 		}
 	}

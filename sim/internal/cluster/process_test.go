@@ -128,13 +128,39 @@ func TestStartRejectsBadConfig(t *testing.T) {
 	}
 }
 
-func TestEmbeddedEtcd(t *testing.T) {
-	e, ep, err := startEtcd(t.TempDir())
+// A relative WorkDir (or BinDir) works: the cluster makes both absolute before anything uses
+// them, so children started elsewhere and gRPC's unix:// dials get absolute socket paths.
+func TestConfigDefaultsAbsolutePaths(t *testing.T) {
+	wd, err := os.Getwd()
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer e.Close()
-	if !strings.HasPrefix(ep, "http://127.0.0.1:") {
-		t.Fatalf("endpoint %q", ep)
+	tests := []struct {
+		name, work, bin string
+	}{
+		{"relative", "run/w", "bin"},
+		{"dot-relative", "./w", "../bin"},
+		{"absolute", filepath.Join(wd, "w"), filepath.Join(wd, "bin")},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			cfg := Config{WorkDir: tt.work, BinDir: tt.bin}
+			if err := cfg.defaults(); err != nil {
+				t.Fatal(err)
+			}
+			want := func(p string) string {
+				if filepath.IsAbs(p) {
+					return filepath.Clean(p)
+				}
+				return filepath.Join(wd, p)
+			}
+			if cfg.WorkDir != want(tt.work) || cfg.BinDir != want(tt.bin) {
+				t.Fatalf("work %q bin %q; want %q %q", cfg.WorkDir, cfg.BinDir, want(tt.work), want(tt.bin))
+			}
+			c := &Cluster{cfg: cfg}
+			if f := c.addrFile("sim-decode-0"); !filepath.IsAbs(f) {
+				t.Fatalf("addr file %q not absolute", f)
+			}
+		})
 	}
 }
