@@ -257,6 +257,9 @@ func cudaDSidecarMain(s cudaShape) error {
 // Submit, records a ready event and prints its handle ("READY <hex>") before it waits for the
 // copy ("READYDONE"): the other process waits on the handle and checks the store at once.
 func cudaReadyPush(ctx context.Context, e *rdma.CUDAEngine, s cudaShape, w cudaWorkerInfo, name string, segs map[string]rdma.SegmentID) error {
+	if err := e.SetOptionsForTest(rdma.CUDAOptions{}); err != nil { // the default copy mode
+		return err
+	}
 	seg, ok := segs[name]
 	if !ok {
 		var err error
@@ -783,7 +786,7 @@ func TestCUDAFlow(t *testing.T) {
 	if res.mismatches != 0 {
 		t.Fatalf("%d of %d token slots (and stray pages) mismatched", res.mismatches, res.checked)
 	}
-	if res.checked != int64(4*s.Tokens*s.buffers()) {
+	if res.checked != int64(5*s.Tokens*s.buffers()) { // push, ready push, pull, host, reseed
 		t.Fatalf("checked %d token slots", res.checked)
 	}
 }

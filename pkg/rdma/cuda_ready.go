@@ -3,6 +3,7 @@ package rdma
 import (
 	"context"
 	"fmt"
+	"runtime"
 	"sync"
 	"time"
 
@@ -104,8 +105,15 @@ func (e *CUDAEngine) ReadyEvent(batches ...BatchID) ([]byte, func(), error) {
 	return append([]byte(nil), re.h[:]...), func() { once.Do(put) }, nil
 }
 
-// readyPoll is how often WaitReady queries a peer's event.
-const readyPoll = 20 * time.Microsecond
+// WaitReady queries a peer's event in a tight loop (yielding the processor between queries)
+// for up to readySpin, then every readyPoll. A sleep of a few microseconds is no option: an
+// idle Go process wakes from a timer through epoll with millisecond resolution, which would
+// add up to a millisecond to every commit; a spin finds the event within microseconds. A
+// 50,000-token push takes about 15 ms over NVLink and 100 ms into host memory.
+const (
+	readySpin = 250 * time.Millisecond
+	readyPoll = time.Millisecond
+)
 
 // WaitReady waits until the event of handle (another process's ReadyEvent) has completed, or
 // ctx ends. A handle that does not open, or an event that reports an error, is an error: the
@@ -148,8 +156,8 @@ func (e *CUDAEngine) WaitReady(ctx context.Context, handle []byte) error {
 		}
 		r.mu.Unlock()
 	}
-	t := time.NewTimer(readyPoll)
-	defer t.Stop()
+	spinUntil := time.Now().Add(readySpin)
+	var t *time.Timer
 	for {
 		done, err := d.ctx.EventQuery(ev)
 		if err != nil {
@@ -158,7 +166,19 @@ func (e *CUDAEngine) WaitReady(ctx context.Context, handle []byte) error {
 		if done {
 			return nil
 		}
-		t.Reset(readyPoll)
+		if err := ctx.Err(); err != nil {
+			return context.Cause(ctx)
+		}
+		if time.Now().Before(spinUntil) {
+			runtime.Gosched()
+			continue
+		}
+		if t == nil {
+			t = time.NewTimer(readyPoll)
+			defer t.Stop()
+		} else {
+			t.Reset(readyPoll)
+		}
 		select {
 		case <-ctx.Done():
 			return context.Cause(ctx)
