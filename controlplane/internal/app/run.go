@@ -169,7 +169,7 @@ func Run(ctx context.Context, opts *Options, log zerolog.Logger) error {
 		NodeID: opts.NodeID, Addr: advertise, State: st, Log: log,
 		OnStale: func() { el.StepDown("a sidecar has seen a newer epoch") },
 	}, reg))
-	rt := router.New(st, log, reg)
+	rt := router.New(leaderGuard{State: st, lead: el}, log, reg)
 	rt.Register(gsrv)
 	onLeadership := func(bool) {}
 	if l, ok := any(rt).(interface{ OnLeadershipChange(bool) }); ok {

@@ -108,10 +108,12 @@ func New(cfg Config) (*Elector, error) {
 	return e, nil
 }
 
-// Current returns the observed leader (ok false when none is known).
+// Current returns the observed leader (ok false when none is known). It never names this
+// replica unless IsLeader holds: a replica past its renew deadline may still see its own key
+// in etcd (or not see etcd at all), and must not send callers back to itself.
 func (e *Elector) Current() (Leader, bool) {
 	l := e.current.Load()
-	if l == nil {
+	if l == nil || (l.NodeID == e.cfg.NodeID && !e.IsLeader()) {
 		return Leader{}, false
 	}
 	return *l, true

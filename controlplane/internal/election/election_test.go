@@ -163,6 +163,9 @@ func TestRenewDeadlineStepsDown(t *testing.T) {
 	px.Blackhole()
 	waitCond(t, "a stops leading", 2*time.Second, func() bool { return !a.el.IsLeader() })
 	stepped := time.Since(cut)
+	if l, ok := a.el.Current(); ok && l.NodeID == "a" {
+		t.Fatalf("a names itself as leader after stepping down: %+v", l)
+	}
 	recv(t, a.ended, "a's term ends")
 	if ttl := 2 * time.Second; stepped >= ttl {
 		t.Fatalf("a stopped leading %s after the cut, want < TTL %s", stepped, ttl)

@@ -56,16 +56,18 @@ func setup(m *testing.M) (int, error) {
 }
 
 type proc struct {
-	node  string
-	cmd   *exec.Cmd
-	addr  string
-	conn  *grpc.ClientConn
-	admin kvcv1.AdminServiceClient
-	log   string
-	exit  chan struct{}
+	node     string
+	cmd      *exec.Cmd
+	addr     string
+	httpAddr string
+	conn     *grpc.ClientConn
+	admin    kvcv1.AdminServiceClient
+	log      string
+	exit     chan struct{}
 }
 
-func start(t *testing.T, node string, endpoints []string, prefix string) *proc {
+// start runs a kvc-controlplane with the test's flags plus extra.
+func start(t *testing.T, node string, endpoints []string, prefix string, extra ...string) *proc {
 	t.Helper()
 	dir := t.TempDir()
 	ready := filepath.Join(dir, "ready.json")
@@ -74,10 +76,12 @@ func start(t *testing.T, node string, endpoints []string, prefix string) *proc {
 	if err != nil {
 		t.Fatal(err)
 	}
-	p.cmd = exec.Command(binary,
+	args := []string{
 		"--node-id", node, "--grpc-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0",
 		"--etcd-endpoints", strings.Join(endpoints, ","), "--etcd-prefix", prefix,
-		"--election-ttl", electionTTL.String(), "--flush-delay", "20ms", "--ready-file", ready)
+		"--election-ttl", electionTTL.String(), "--flush-delay", "20ms", "--ready-file", ready,
+	}
+	p.cmd = exec.Command(binary, append(args, extra...)...)
 	p.cmd.Stderr = logf
 	if err := p.cmd.Start(); err != nil {
 		t.Fatal(err)
@@ -93,12 +97,13 @@ func start(t *testing.T, node string, endpoints []string, prefix string) *proc {
 	})
 	var info struct {
 		GRPCAddr string `json:"grpc_addr"`
+		HTTPAddr string `json:"http_addr"`
 	}
 	waitFor(t, node+" ready file", 20*time.Second, func() bool {
 		b, err := os.ReadFile(ready)
 		return err == nil && json.Unmarshal(b, &info) == nil && info.GRPCAddr != ""
 	})
-	p.addr = info.GRPCAddr
+	p.addr, p.httpAddr = info.GRPCAddr, info.HTTPAddr
 	p.conn = dialConn(t, p.addr)
 	p.admin = kvcv1.NewAdminServiceClient(p.conn)
 	return p
