@@ -140,7 +140,9 @@ func (rt *Runtime) Serve(ctx context.Context, core Core, setReporter func(*Contr
 
 	var cp *ControlPlane
 	if eps := c.Endpoints(); len(eps) > 0 {
-		cp = NewControlPlane(CPConfig{Endpoints: eps, Heartbeat: c.Heartbeat, Registerer: rt.Reg}, core, rt.Log.With().Str("part", "cpclient").Logger())
+		cp = NewControlPlane(CPConfig{Endpoints: eps, Heartbeat: c.Heartbeat, Registerer: rt.Reg,
+			DialOptions: []grpc.DialOption{grpc.WithTransportCredentials(grpcx.Credentials(rt.TLS, tlsx.RoleControlPlane))}},
+			core, rt.Log.With().Str("part", "cpclient").Logger())
 		if setReporter != nil {
 			setReporter(cp)
 		}
