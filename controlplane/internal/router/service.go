@@ -20,6 +20,7 @@ import (
 	"github.com/rs/zerolog"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 )
 
 // expiryTick is how often Run releases timed-out reservations.
@@ -113,17 +114,43 @@ func (s *Service) expire(now time.Time) int {
 }
 
 // Route serves one gateway stream: every query gets a decision or a RouteError naming it,
-// every outcome an OutcomeAck or a RouteError; bad messages never end the stream.
+// every outcome an OutcomeAck or a RouteError; bad messages never end the stream. The stream
+// ends with UNAVAILABLE when its context does (the leadership gate cancels it when the term
+// ends), even while the gateway sends nothing, so the gateway re-homes to the new leader.
 func (s *Service) Route(stream grpc.BidiStreamingServer[kvcv1.RouteRequest, kvcv1.RouteResponse]) error {
+	ctx := stream.Context()
+	type recvd struct {
+		req *kvcv1.RouteRequest
+		err error
+	}
+	in := make(chan recvd)
+	go func() { // ends when the handler returns (Recv fails then)
+		for {
+			req, err := stream.Recv()
+			select {
+			case in <- recvd{req, err}:
+			case <-ctx.Done():
+				return
+			}
+			if err != nil {
+				return
+			}
+		}
+	}()
 	for {
-		req, err := stream.Recv()
-		if errors.Is(err, io.EOF) {
+		var r recvd
+		select {
+		case r = <-in:
+		case <-ctx.Done():
+			return status.Error(codes.Unavailable, "route stream ended (leadership ended or server stopping); reconnect to the leader")
+		}
+		if errors.Is(r.err, io.EOF) {
 			return nil
 		}
-		if err != nil {
-			return err
+		if r.err != nil {
+			return r.err
 		}
-		if err := stream.Send(s.Handle(req)); err != nil {
+		if err := stream.Send(s.Handle(r.req)); err != nil {
 			return err
 		}
 	}
