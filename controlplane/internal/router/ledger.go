@@ -48,6 +48,9 @@ type ledger struct {
 	minFront int64
 	// totals for metrics
 	heldTokens int64
+	// free recycles the per-worker entries deleted when they fell to zero (a worker's
+	// reservations come and go with every decision and its outcome).
+	free []*policy.Reserved
 }
 
 // settle is one success's tokens, admitted at atMs.
@@ -147,10 +150,22 @@ func (l *ledger) TransferPending(sessionID string) bool {
 func (l *ledger) worker(id string) *policy.Reserved {
 	r := l.workers[id]
 	if r == nil {
-		r = &policy.Reserved{}
+		if n := len(l.free); n > 0 {
+			r, l.free = l.free[n-1], l.free[:n-1] // zero: deleted only when zero
+		} else {
+			r = &policy.Reserved{}
+		}
 		l.workers[id] = r
 	}
 	return r
+}
+
+// drop deletes worker id's entry w (zero) and keeps it for reuse.
+func (l *ledger) drop(id string, w *policy.Reserved) {
+	delete(l.workers, id)
+	if len(l.free) < 64 {
+		l.free = append(l.free, w)
+	}
 }
 
 // holdsDecode: r takes something on its decode worker (a plain P/D fallback names a D but
@@ -200,14 +215,14 @@ func (l *ledger) remove(seq uint64) (*reservation, bool) {
 			w.Seeds--
 		}
 		if *w == (policy.Reserved{}) {
-			delete(l.workers, r.decode)
+			l.drop(r.decode, w)
 		}
 	}
 	if r.prefills && r.prefill != "" {
 		w := l.workers[r.prefill]
 		w.Prefills--
 		if *w == (policy.Reserved{}) {
-			delete(l.workers, r.prefill)
+			l.drop(r.prefill, w)
 		}
 	}
 	if r.transfer && l.sessions[r.session] == r.seq {

@@ -2,6 +2,7 @@ package router
 
 import (
 	"strings"
+	"sync"
 
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 	"google.golang.org/grpc/codes"
@@ -72,58 +73,109 @@ func (s *Service) apply(r *reservation, o *kvcv1.RouteOutcome) {
 	case o.Success && exec == r.mode && isTransferMode(r.mode):
 		s.resident(r, kvLen, nowMs)
 	case o.Success && exec == r.mode && r.extendsSession():
-		s.c.UpdateSession(r.session, func(rec *kvcv1.SessionRecord) {
-			if rec.DecodeWorker != r.decode {
-				return // moved meanwhile; this outcome is about an old residency
-			}
-			rec.KvCommittedLen = kvLen
-			rec.DRejects = nil
-			rec.LastSeenUnixMs = nowMs
-		})
+		s.updateSession(r, kvLen, nowMs, (*outcomeCtx).extended).release()
 	case !o.Success && kind == kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D &&
 		r.decode != "" && (r.mode != kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK || isLargeAppend(r.mode, r.reason)):
-		s.c.UpdateSession(r.session, func(rec *kvcv1.SessionRecord) {
-			if rec.DRejects == nil {
-				rec.DRejects = make(map[string]int32, 1)
-			}
-			if rec.DRejects[r.decode] < 1<<30 {
-				rec.DRejects[r.decode]++
-			}
-		})
+		s.updateSession(r, kvLen, nowMs, (*outcomeCtx).rejected).release()
 		s.m.rejected.WithLabelValues(r.decode, "d").Inc()
 	case !o.Success && kind == kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_SNAPSHOT_FAILED &&
 		r.mode == kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT:
 		// A failed snapshot is not trusted again: the next reseed re-prefills.
-		s.c.UpdateSession(r.session, func(rec *kvcv1.SessionRecord) {
-			if sn := rec.Snapshot; sn != nil && sn.PrefillWorker == r.prefill && sn.Generation == r.snapGen {
-				rec.Snapshot = nil
-			}
-		})
+		s.updateSession(r, kvLen, nowMs, (*outcomeCtx).snapshotFailed).release()
+	}
+}
+
+// outcomeCtx carries an outcome's effect on its session record into Cluster.UpdateSession
+// without a closure allocation per outcome: pooled, with its callback bound once.
+type outcomeCtx struct {
+	r      *reservation
+	kvLen  int64
+	nowMs  int64
+	effect func(x *outcomeCtx, rec *kvcv1.SessionRecord)
+	// results of resident
+	gen   uint64
+	moved bool
+	snapP string
+	fn    func(rec *kvcv1.SessionRecord) // x.apply, bound once per pooled outcomeCtx
+}
+
+var outcomePool = sync.Pool{New: func() any {
+	x := new(outcomeCtx)
+	x.fn = x.apply
+	return x
+}}
+
+func (x *outcomeCtx) apply(rec *kvcv1.SessionRecord) { x.effect(x, rec) }
+
+// updateSession runs effect on r's session record inside Cluster.UpdateSession (which calls
+// it synchronously and keeps no reference to it) and returns the context for its results;
+// the caller hands it back with release.
+func (s *Service) updateSession(r *reservation, kvLen, nowMs int64, effect func(*outcomeCtx, *kvcv1.SessionRecord)) *outcomeCtx {
+	x := outcomePool.Get().(*outcomeCtx)
+	fn := x.fn
+	*x = outcomeCtx{r: r, kvLen: kvLen, nowMs: nowMs, effect: effect, fn: fn}
+	s.c.UpdateSession(r.session, fn)
+	return x
+}
+
+func (x *outcomeCtx) release() {
+	fn := x.fn
+	*x = outcomeCtx{fn: fn} // drop references before reuse
+	outcomePool.Put(x)
+}
+
+// extended: a DIRECT_TO_D turn (or a large append onto the session's own D) succeeded.
+func (x *outcomeCtx) extended(rec *kvcv1.SessionRecord) {
+	if rec.DecodeWorker != x.r.decode {
+		return // moved meanwhile; this outcome is about an old residency
+	}
+	rec.KvCommittedLen = x.kvLen
+	rec.DRejects = nil
+	rec.LastSeenUnixMs = x.nowMs
+}
+
+// rejected: the session's D rejected the request.
+func (x *outcomeCtx) rejected(rec *kvcv1.SessionRecord) {
+	if rec.DRejects == nil {
+		rec.DRejects = make(map[string]int32, 1)
+	}
+	if rec.DRejects[x.r.decode] < 1<<30 {
+		rec.DRejects[x.r.decode]++
+	}
+}
+
+// snapshotFailed: the snapshot a reseed used failed; it is dropped if still the same.
+func (x *outcomeCtx) snapshotFailed(rec *kvcv1.SessionRecord) {
+	if sn := rec.Snapshot; sn != nil && sn.PrefillWorker == x.r.prefill && sn.Generation == x.r.snapGen {
+		rec.Snapshot = nil
+	}
+}
+
+// becameResident: a seed or reseed succeeded; the session now lives on r.decode.
+func (x *outcomeCtx) becameResident(rec *kvcv1.SessionRecord) {
+	r := x.r
+	rec.DecodeWorker = r.decode
+	rec.KvCommittedLen = x.kvLen
+	rec.Generation++
+	x.gen = rec.Generation
+	if r.from != "" && r.from != r.decode {
+		rec.Migrations++
+		rec.PreviousDecodeWorker = r.from
+		x.moved = true
+	}
+	rec.DRejects = nil
+	rec.LastSeenUnixMs = x.nowMs
+	if rec.Snapshot != nil {
+		x.snapP = rec.Snapshot.PrefillWorker
 	}
 }
 
 // resident makes the session resident on r.decode after a successful seed or reseed, then
 // names its snapshot target and releases it on the D it left.
 func (s *Service) resident(r *reservation, kvLen, nowMs int64) {
-	var gen uint64
-	var moved bool
-	var snapP string
-	s.c.UpdateSession(r.session, func(rec *kvcv1.SessionRecord) {
-		rec.DecodeWorker = r.decode
-		rec.KvCommittedLen = kvLen
-		rec.Generation++
-		gen = rec.Generation
-		if r.from != "" && r.from != r.decode {
-			rec.Migrations++
-			rec.PreviousDecodeWorker = r.from
-			moved = true
-		}
-		rec.DRejects = nil
-		rec.LastSeenUnixMs = nowMs
-		if rec.Snapshot != nil {
-			snapP = rec.Snapshot.PrefillWorker
-		}
-	})
+	x := s.updateSession(r, kvLen, nowMs, (*outcomeCtx).becameResident)
+	gen, moved, snapP := x.gen, x.moved, x.snapP
+	x.release()
 	if moved {
 		s.m.migrations.Inc()
 		cmd := &kvcv1.Command{Action: &kvcv1.Command_ReleaseSession{ReleaseSession: &kvcv1.ReleaseSessionCommand{
