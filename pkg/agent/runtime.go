@@ -68,6 +68,9 @@ func Start(ctx context.Context, c *Common, component string, logw io.Writer) (*R
 			return nil, fmt.Errorf("--tls-cert %s has role %q; a sidecar needs %s", c.TLS.Cert, r, tlsx.RoleSidecar.URI())
 		}
 		log.Info().Str("cert", c.TLS.Cert).Time("not_after", rt.TLS.NotAfter()).Msg("mutual TLS on")
+		if err := tlsx.RegisterMetrics(rt.Reg, "grpc", rt.TLS); err != nil {
+			return nil, err
+		}
 	}
 	rt.Events, err = OpenEventLog(c.EventLog, c.WorkerID, rt.Reg)
 	if err != nil {

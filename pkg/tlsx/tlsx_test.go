@@ -3,11 +3,14 @@ package tlsx_test
 import (
 	"crypto/x509"
 	"flag"
+	"fmt"
 	"net/url"
 	"os"
 	"strings"
 	"testing"
 
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/reflect/protoreflect"
@@ -294,4 +297,35 @@ func writeFile(t *testing.T, dir, name, content string) string {
 		t.Fatal(err)
 	}
 	return p
+}
+
+func TestMetrics(t *testing.T) {
+	dir := t.TempDir()
+	ca := tlstest.NewCA(t, dir, "ca")
+	files := ca.Issue(t, "cp", tlstest.Spec{Role: tlsx.RoleControlPlane})
+	src, err := tlsx.Load(files)
+	if err != nil {
+		t.Fatal(err)
+	}
+	reg := prometheus.NewRegistry()
+	if err := tlsx.RegisterMetrics(reg, "grpc", src); err != nil {
+		t.Fatal(err)
+	}
+	if err := tlsx.RegisterMetrics(reg, "etcd", nil); err != nil {
+		t.Fatal(err)
+	}
+	ca.Issue(t, "cp", tlstest.Spec{Role: tlsx.RoleControlPlane})
+	notAfter := src.Leaf().NotAfter.Unix() // picks up the rotation
+	want := fmt.Sprintf(`
+# HELP kvc_tls_cert_expiry_timestamp_seconds NotAfter of the TLS certificate in use (Unix seconds); files are re-read on change.
+# TYPE kvc_tls_cert_expiry_timestamp_seconds gauge
+kvc_tls_cert_expiry_timestamp_seconds{identity="grpc"} %d
+# HELP kvc_tls_reloads_total Reloads of TLS files after a change on disk, by result (failed: the previous certificates stay in use).
+# TYPE kvc_tls_reloads_total counter
+kvc_tls_reloads_total{identity="grpc",result="failed"} 0
+kvc_tls_reloads_total{identity="grpc",result="ok"} 1
+`, notAfter)
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(want)); err != nil {
+		t.Fatal(err)
+	}
 }

@@ -96,6 +96,9 @@ func Run(ctx context.Context, opts *Options, log zerolog.Logger) error {
 	if err != nil {
 		return fmt.Errorf("etcd client TLS: %w", err)
 	}
+	if err := errors.Join(tlsx.RegisterMetrics(reg, "grpc", tlsSrc), tlsx.RegisterMetrics(reg, "etcd", etcdTLS)); err != nil {
+		return err
+	}
 	endpoints := opts.Endpoints()
 	info := readyInfo{PID: os.Getpid(), NodeID: opts.NodeID}
 	if len(endpoints) == 0 {

@@ -142,6 +142,12 @@ func TestTLS(t *testing.T) {
 		t.Fatalf("gateway Connect: %v", err)
 	}
 
+	for _, id := range []string{"grpc", "etcd"} {
+		if !metric(t, c, `kvc_tls_cert_expiry_timestamp_seconds{identity="`+id+`"}`) {
+			t.Fatalf("no certificate expiry gauge for %s", id)
+		}
+	}
+
 	// No client certificate: rejected at the handshake, before any handler.
 	pool := x509.NewCertPool()
 	pool.AddCert(ca.Cert)

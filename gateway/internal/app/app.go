@@ -3,6 +3,7 @@ package app
 import (
 	"context"
 	"crypto/tls"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -45,6 +46,9 @@ func Run(ctx context.Context, cfg *config.Config, logOut io.Writer) error {
 	httpTLS, err := tlsx.Load(cfg.HTTPTLS, tlsx.WithLogger(log.With().Str("part", "https").Logger()))
 	if err != nil {
 		return fmt.Errorf("https: %w", err)
+	}
+	if err := errors.Join(tlsx.RegisterMetrics(reg, "grpc", cpTLS), tlsx.RegisterMetrics(reg, "https", httpTLS)); err != nil {
+		return err
 	}
 
 	conv := func(ws []config.Worker) []workers.Worker {

@@ -82,6 +82,11 @@ func TestRunTLS(t *testing.T) {
 		case <-time.After(20 * time.Millisecond): // polling metrics served by another goroutine
 		}
 	}
+	for _, id := range []string{"grpc", "https"} {
+		if !strings.Contains(metrics, `kvc_tls_cert_expiry_timestamp_seconds{identity="`+id+`"}`) {
+			t.Fatalf("no expiry gauge for %s:\n%s", id, metrics)
+		}
+	}
 	if rf.Scheme != "https" {
 		t.Fatalf("ready file scheme %q", rf.Scheme)
 	}

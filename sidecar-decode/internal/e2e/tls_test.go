@@ -2,12 +2,15 @@ package e2e
 
 import (
 	"bytes"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
 
 	"github.com/kvcentric/kvcentric/pkg/etcdtest"
@@ -129,6 +132,20 @@ func TestMutualTLS(t *testing.T) {
 	})
 	if got, want := snapshotKV(t, p0, S), kvBytes(d1.w, d1.pages[S], input+output); !bytes.Equal(got, want) {
 		t.Fatalf("p0's snapshot: %d bytes differ from d1's KV (%d bytes)", len(got), len(want))
+	}
+
+	// The control plane's certificate is rotated on disk: the next connection gets the new one,
+	// without a restart; the sidecars' streams stay up.
+	ca.Issue(t, "cp", tlstest.Spec{Role: tlsx.RoleControlPlane})
+	var pr peer.Peer
+	if _, err := kvcv1.NewAdminServiceClient(dialAs(tlsx.RoleOperatorRead)).GetLeader(ctxT(t, 5*time.Second), &kvcv1.GetLeaderRequest{}, grpc.Peer(&pr)); err != nil {
+		t.Fatal(err)
+	}
+	if got, want := pr.AuthInfo.(credentials.TLSInfo).State.PeerCertificates[0].SerialNumber, tlstest.Serial(t, filepath.Join(dir, "cp.pem")); got.Cmp(want) != 0 {
+		t.Fatalf("control plane serves certificate %v after rotation, want %v", got, want)
+	}
+	if r, err := admin.GetWorker(ctxT(t, 5*time.Second), &kvcv1.GetWorkerRequest{WorkerId: "d1"}); err != nil || r.GetWorker().GetState() != kvcv1.WorkerState_WORKER_STATE_READY {
+		t.Fatalf("d1 after the rotation: %v %v", r, err)
 	}
 
 	// A sidecar without certificates cannot reach the control plane: it keeps retrying and is
