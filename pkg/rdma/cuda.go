@@ -1364,7 +1364,7 @@ func (e *CUDAEngine) launch(d *cudaDev, buf *cudaDescBuf) (*cudaGroup, error) {
 }
 
 func (e *CUDAEngine) record(d *cudaDev, buf *cudaDescBuf) (*cudaGroup, error) {
-	ev, err := d.ctx.EventCreate(false)
+	ev, err := d.ctx.EventCreateSpin() // the completion goroutine's wait ends the transfer: no sleeping thread to wake
 	if err != nil {
 		return nil, err
 	}

@@ -497,6 +497,16 @@ func (c *Context) EventCreate(timing bool) (Event, error) {
 	return Event(e), err
 }
 
+// EventCreateSpin creates an event whose waiters follow the context's scheduling policy (the
+// primary context's default, CU_CTX_SCHED_AUTO, spins when the host has more cores than
+// active contexts): cuEventSynchronize returns microseconds after the work, instead of after
+// the wake-up of a sleeping thread.
+func (c *Context) EventCreateSpin() (Event, error) {
+	var e uintptr
+	err := c.do("cuEventCreate", uintptr(unsafe.Pointer(&e)), eventDisableTiming)
+	return Event(e), err
+}
+
 // EventDestroy destroys e.
 func (c *Context) EventDestroy(e Event) error { return c.do("cuEventDestroy_v2", uintptr(e)) }
 
