@@ -82,6 +82,10 @@ type fakeSidecar struct {
 	// releaseGate, when set, holds ReleaseSession until closed (a push being aborted).
 	releaseGate chan struct{}
 	releasing   chan string
+	// commitGate, when set, holds CommitSession until closed (a slow sidecar); commits in
+	// progress are announced on committing.
+	commitGate chan struct{}
+	committing chan string
 	// stop kills the fake sidecar's server (a sidecar that dies).
 	stop func()
 }
@@ -110,7 +114,18 @@ func (f *fakeSidecar) slot(b int, pages []int64, t int64) []byte {
 	return f.bufs[b][off : off+int64(f.g.BytesPerToken)]
 }
 
-func (f *fakeSidecar) CommitSession(_ context.Context, req *kvcv1.CommitSessionRequest) (*kvcv1.CommitSessionResponse, error) {
+func (f *fakeSidecar) CommitSession(ctx context.Context, req *kvcv1.CommitSessionRequest) (*kvcv1.CommitSessionResponse, error) {
+	f.mu.Lock()
+	gate, committing := f.commitGate, f.committing
+	f.mu.Unlock()
+	if gate != nil {
+		committing <- req.GetSessionId()
+		select {
+		case <-gate:
+		case <-ctx.Done():
+			return nil, status.FromContextError(ctx.Err()).Err()
+		}
+	}
 	f.mu.Lock()
 	f.commits = append(f.commits, req)
 	f.mu.Unlock()

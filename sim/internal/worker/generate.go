@@ -538,6 +538,10 @@ func (w *Worker) finish(t *turn, ok bool) {
 		return
 	}
 	s := t.s
+	// The session stays pinned until its pages are final (dropped, trimmed, committed): an
+	// eviction in between would free pages that trim frees again or that the commit hands to
+	// the sidecar for snapshot pushes.
+	defer w.unpin(s)
 	if !ok && t.dirty {
 		// A large append failed while its transfer may have written into the session's own
 		// prefix pages: keep the session only if its KV [0, kv_len) still verifies. Checked
@@ -550,9 +554,6 @@ func (w *Worker) finish(t *turn, ok bool) {
 			return
 		}
 	}
-	w.mu.Lock()
-	s.pinned--
-	w.mu.Unlock()
 	switch {
 	case !t.p.keep:
 		w.dropSession(s, kvcv1.ReleaseReason_RELEASE_REASON_RELEASED)
@@ -575,6 +576,17 @@ func (w *Worker) finish(t *turn, ok bool) {
 	}
 	w.mu.Lock()
 	s.committed = true
+	w.mu.Unlock()
+}
+
+// unpin ends a request's use of s; once no request uses it, it may be evicted, so allocations
+// waiting for room (the prealloc queue) are woken to try.
+func (w *Worker) unpin(s *session) {
+	w.mu.Lock()
+	s.pinned--
+	if s.pinned == 0 {
+		w.wakeLocked()
+	}
 	w.mu.Unlock()
 }
 

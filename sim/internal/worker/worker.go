@@ -80,7 +80,7 @@ type Worker struct {
 	alloc       *allocator
 	sessions    map[string]*session
 	clock       uint64
-	freed       chan struct{} // closed and replaced whenever pages are freed
+	freed       chan struct{} // closed and replaced whenever pages are freed or a session becomes evictable
 	quarantined int64         // pages not returned because their release failed
 
 	turnMu sync.Mutex
@@ -245,9 +245,15 @@ func (w *Worker) freePages(pages []int64) {
 	}
 	w.mu.Lock()
 	w.alloc.put(pages)
+	w.wakeLocked()
+	w.mu.Unlock()
+}
+
+// wakeLocked wakes the allocations waiting for room (w.mu held): pages were freed, or a session
+// was unpinned and can now be evicted.
+func (w *Worker) wakeLocked() {
 	close(w.freed)
 	w.freed = make(chan struct{})
-	w.mu.Unlock()
 }
 
 // bridgeCtx is a context for a cleanup call that must run even when the request is gone.
