@@ -35,6 +35,14 @@ const (
 	ClientKeepaliveTime = 10 * time.Second
 	// ClientKeepaliveTimeout is how long a client waits for a ping ack.
 	ClientKeepaliveTimeout = 5 * time.Second
+	// ServerKeepaliveTime is how long a server waits without reading anything from a client
+	// before it pings; with ServerKeepaliveTimeout it bounds how long a half-open connection
+	// (a peer gone without FIN or RST) keeps its streams: a sidecar behind a dead link is
+	// detached, and its worker marked unreachable, within Time + Timeout (13 s). Override
+	// with WithServerOptions(grpc.KeepaliveParams(...)).
+	ServerKeepaliveTime = 10 * time.Second
+	// ServerKeepaliveTimeout is how long a server waits for a ping ack.
+	ServerKeepaliveTimeout = 3 * time.Second
 )
 
 // Server is a gRPC server with its health service.
@@ -116,8 +124,8 @@ func NewServer(log zerolog.Logger, opt ...Option) *Server {
 			PermitWithoutStream: true,
 		}),
 		grpc.KeepaliveParams(keepalive.ServerParameters{
-			Time:    30 * time.Second,
-			Timeout: 10 * time.Second,
+			Time:    ServerKeepaliveTime,
+			Timeout: ServerKeepaliveTimeout,
 		}),
 		grpc.ChainUnaryInterceptor(unary...),
 		grpc.ChainStreamInterceptor(stream...),
