@@ -325,3 +325,46 @@ func TestTableCoversServer(t *testing.T) {
 		t.Fatalf("only %d methods served", n)
 	}
 }
+
+// TestTLSCARotation follows the documented CA rotation: add the new CA to the bundles, move the
+// leaves to it, drop the old CA; no restart, no new credentials objects.
+func TestTLSCARotation(t *testing.T) {
+	f := start(t) // server: f.dir/cp.pem from the old CA, bundle f.ca.Path (shared by the client)
+	newCA := tlstest.NewCA(t, t.TempDir(), "ca2")
+	cli, err := tlsx.Load(f.ca.Issue(t, "op", tlstest.Spec{Role: tlsx.RoleOperatorRead}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	call := func(src *tlsx.Source) error {
+		cc := f.dial(t, grpcx.Credentials(src, tlsx.RoleControlPlane))
+		defer cc.Close()
+		_, err := kvcv1.NewAdminServiceClient(cc).GetLeader(callCtx(t), &kvcv1.GetLeaderRequest{})
+		return err
+	}
+	if err := call(cli); err != nil {
+		t.Fatal(err)
+	}
+	// A client certificate from the new CA before the server trusts that CA: refused.
+	newCA.IssueAt(t, f.dir, "op", tlstest.Spec{Role: tlsx.RoleOperatorRead})
+	wantCode(t, call(cli), codes.Unavailable)
+	// Step 1: the bundle holds both CAs: accepted at the next handshake.
+	tlstest.WriteBundle(t, f.ca.Path, f.ca, newCA)
+	if err := call(cli); err != nil {
+		t.Fatalf("after adding the new CA to the bundle: %v", err)
+	}
+	// Step 2: the server's certificate moves to the new CA; step 3: the old CA leaves the bundle.
+	newCA.IssueAt(t, f.dir, "cp", tlstest.Spec{Role: tlsx.RoleControlPlane})
+	tlstest.WriteBundle(t, f.ca.Path, newCA)
+	if err := call(cli); err != nil {
+		t.Fatalf("after removing the old CA: %v", err)
+	}
+	// A certificate of the old CA is refused now.
+	old, err := tlsx.Load(f.ca.Issue(t, "old", tlstest.Spec{Role: tlsx.RoleOperatorRead}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	wantCode(t, call(old), codes.Unavailable)
+	if f.srv.Reloads() < 2 || cli.Reloads() < 2 {
+		t.Fatalf("reloads: server %d client %d", f.srv.Reloads(), cli.Reloads())
+	}
+}

@@ -52,7 +52,8 @@ func (r Role) URI() *url.URL {
 }
 
 // RoleOf returns the role named in cert's URI SANs. Exactly one spiffe://kvcentric/role/ URI
-// must be present and name a known role; other URI SANs are ignored.
+// must be present, plain (no user, query, fragment or escapes) and name a known role; other URI
+// SANs are ignored.
 func RoleOf(cert *x509.Certificate) (Role, error) {
 	if cert == nil {
 		return "", fmt.Errorf("no certificate")
@@ -61,6 +62,9 @@ func RoleOf(cert *x509.Certificate) (Role, error) {
 	for _, u := range cert.URIs {
 		if u == nil || u.Scheme != "spiffe" || u.Host != TrustDomain || !strings.HasPrefix(u.Path, "/role/") {
 			continue
+		}
+		if u.User != nil || u.RawQuery != "" || u.ForceQuery || u.Fragment != "" || u.EscapedPath() != u.Path {
+			return "", fmt.Errorf("certificate %q carries a malformed role URI %q", cert.Subject.CommonName, u.String())
 		}
 		found = append(found, Role(strings.TrimPrefix(u.Path, "/role/")))
 	}

@@ -87,6 +87,9 @@ func TestRoleOf(t *testing.T) {
 		{name: "other trust domain", uris: uri("spiffe://elsewhere/role/sidecar"), wantErr: "carries no"},
 		{name: "two roles", uris: uri("spiffe://kvcentric/role/sidecar", "spiffe://kvcentric/role/gateway"), wantErr: "exactly one"},
 		{name: "unknown role", uris: uri("spiffe://kvcentric/role/root"), wantErr: "unknown role"},
+		{name: "query", uris: uri("spiffe://kvcentric/role/operator-admin?x=1"), wantErr: "malformed"},
+		{name: "escaped", uris: uri("spiffe://kvcentric/role/side%63ar"), wantErr: "malformed"},
+		{name: "user info", uris: uri("spiffe://me@kvcentric/role/sidecar"), wantErr: "malformed"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -328,4 +331,38 @@ kvc_tls_reloads_total{identity="grpc",result="ok"} 1
 	if err := testutil.GatherAndCompare(reg, strings.NewReader(want)); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// FuzzRoleOf feeds arbitrary URI SANs (untrusted: any CA-signed certificate may carry them):
+// RoleOf never panics and only ever returns a known role whose URI was present.
+func FuzzRoleOf(f *testing.F) {
+	for _, s := range []string{"spiffe://kvcentric/role/sidecar", "spiffe://kvcentric/role/", "spiffe://kvcentric/role/../role/gateway",
+		"spiffe://KVCENTRIC/role/gateway", "spiffe://kvcentric/role/operator-admin?x=1", "spiffe://kvcentric/role/sidecar#frag",
+		"spiffe://kvcentric/role/side%63ar", "urn:x", ""} {
+		f.Add(s, "spiffe://kvcentric/role/gateway")
+	}
+	f.Fuzz(func(t *testing.T, a, b string) {
+		var uris []*url.URL
+		for _, s := range []string{a, b} {
+			if u, err := url.Parse(s); err == nil {
+				uris = append(uris, u)
+			}
+		}
+		r, err := tlsx.RoleOf(&x509.Certificate{URIs: uris})
+		if err != nil {
+			return
+		}
+		if !r.Valid() {
+			t.Fatalf("invalid role %q accepted from %q %q", r, a, b)
+		}
+		found := false
+		for _, u := range uris {
+			if u.String() == r.URI().String() {
+				found = true
+			}
+		}
+		if !found {
+			t.Fatalf("role %q not named by %q %q", r, a, b)
+		}
+	})
 }

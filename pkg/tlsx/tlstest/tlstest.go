@@ -71,6 +71,13 @@ type Spec struct {
 // atomically (rename), as a certificate rotation does.
 func (ca *CA) Issue(t testing.TB, name string, spec Spec) tlsx.Files {
 	t.Helper()
+	return ca.IssueAt(t, ca.dir, name, spec)
+}
+
+// IssueAt is Issue into dir (dir/<name>.pem, dir/<name>-key.pem): a CA rotation replaces files
+// that an older CA issued.
+func (ca *CA) IssueAt(t testing.TB, dir, name string, spec Spec) tlsx.Files {
+	t.Helper()
 	key := newKey(t)
 	nb, na := time.Now().Add(-time.Hour), time.Now().Add(12*time.Hour)
 	if spec.Expired {
@@ -113,7 +120,7 @@ func (ca *CA) Issue(t testing.TB, name string, spec Spec) tlsx.Files {
 	if err != nil {
 		t.Fatal(err)
 	}
-	f := tlsx.Files{Cert: filepath.Join(ca.dir, name+".pem"), Key: filepath.Join(ca.dir, name+"-key.pem"), CA: ca.Path}
+	f := tlsx.Files{Cert: filepath.Join(dir, name+".pem"), Key: filepath.Join(dir, name+"-key.pem"), CA: ca.Path}
 	// Key first, then certificate: a reader that sees the new certificate also sees its key.
 	writeAtomic(t, f.Key, pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: kder}), 0o600)
 	writeAtomic(t, f.Cert, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), 0o644)
@@ -172,4 +179,15 @@ func writeAtomic(t testing.TB, path string, data []byte, mode os.FileMode) {
 	if err := os.Rename(tmp.Name(), path); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// WriteBundle writes the certificates of cas into path as one PEM bundle (atomically), as an
+// operator does while rotating a CA.
+func WriteBundle(t testing.TB, path string, cas ...*CA) {
+	t.Helper()
+	var out []byte
+	for _, ca := range cas {
+		out = append(out, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: ca.Cert.Raw})...)
+	}
+	writeAtomic(t, path, out, 0o644)
 }
