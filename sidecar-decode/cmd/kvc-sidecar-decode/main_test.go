@@ -2,8 +2,12 @@ package main
 
 import (
 	"bytes"
+	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/kvcentric/kvcentric/pkg/tlsx"
+	"github.com/kvcentric/kvcentric/pkg/tlsx/tlstest"
 )
 
 func TestBadFlags(t *testing.T) {
@@ -42,5 +46,16 @@ func TestFlagWinsOverEnv(t *testing.T) {
 		func(k string) string { return map[string]string{"KVC_TRANSFER_CONNS": "4"}[k] }, &stderr)
 	if code != 2 {
 		t.Fatalf("exit %d: %s", code, stderr.String())
+	}
+}
+
+func TestWrongCertificateRole(t *testing.T) {
+	dir := t.TempDir()
+	f := tlstest.NewCA(t, dir, "ca").Issue(t, "d0", tlstest.Spec{Role: tlsx.RoleGateway})
+	var stderr bytes.Buffer
+	code := run([]string{"--worker-id", "w", "--bridge-socket", filepath.Join(dir, "b.sock"), "--tls-cert", f.Cert, "--tls-key", f.Key, "--tls-ca", f.CA},
+		func(string) string { return "" }, &stderr)
+	if code == 0 || !strings.Contains(stderr.String(), "spiffe://kvcentric/role/sidecar") {
+		t.Fatalf("exit %d, stderr %q", code, stderr.String())
 	}
 }
