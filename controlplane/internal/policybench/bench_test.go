@@ -330,14 +330,14 @@ func BenchmarkPolicy(b *testing.B) {
 	if err := env.st.Flush(fctx); err != nil {
 		b.Fatal(err)
 	}
-	ops0, txns0 := env.writes(b)
+	w0 := env.writes(b)
 	ns, realModes := inProcess(rs, w, realQueries)
 	perSec, p99 := overStream(b, rs, w, realQueries, streamWindow)
 	if err := env.st.Flush(fctx); err != nil { // every change of the run reached etcd under the fence
 		b.Fatal(err)
 	}
 	stopReal()
-	ops1, txns1 := env.writes(b)
+	wr := env.writes(b).sub(w0)
 	sessions := env.st.SessionCount()
 
 	// 1,000,000 records take about 35 s to write into etcd on 2 cores; measure a quarter
@@ -356,8 +356,9 @@ func BenchmarkPolicy(b *testing.B) {
 	fmt.Printf("policy-detail: real leader: state.State under an etcd fence, write-behind batcher; 8 P, 32 D attached, %d resident sessions reported (setup+flush %.1f s, %d sessions after the run); %d CPUs\n",
 		numSessions, env.setup.Seconds(), sessions, runtime.GOMAXPROCS(0))
 	fmt.Printf("policy-detail: decisions in process: fake cluster %s; real leader %s\n", modeMix(fakeModes), modeMix(realModes))
-	fmt.Printf("policy-detail: real leader wrote %.0f records to etcd in %.0f fenced Txns for the %d timed decisions (in process and over the stream) with their outcomes: %.2f writes/decision\n",
-		ops1-ops0, txns1-txns0, 2*realQueries, (ops1-ops0)/float64(2*realQueries))
+	fmt.Printf("policy-detail: real leader wrote %.0f records, %.0f volatile journal keys (%.0f sessions' volatile changes) and %.0f journal deletes to etcd, %.1f MB, in %.0f fenced Txns for the %d timed decisions (in process and over the stream) with their outcomes: %.3f writes/decision\n",
+		wr.ops-wr.journalKeys-wr.journalDeletes, wr.journalKeys, wr.journalEntries, wr.journalDeletes, wr.bytes/1e6, wr.txns,
+		2*realQueries, wr.ops/float64(2*realQueries))
 	fmt.Printf("policy-detail: Route stream: %d queries (fake: %d) pipelined (at most %d unanswered), each outcome reported on the same stream; grpcx server on 127.0.0.1:0\n",
 		realQueries, 100_000, streamWindow)
 	per := float64(memTotal) / float64(memN)

@@ -28,7 +28,7 @@ import (
 type realEnv struct {
 	cli   *clientv3.Client
 	store *kvstore.Store
-	reg   *prometheus.Registry // the store's metrics
+	reg   *prometheus.Registry // the store's and the state's metrics
 	st    *state.State
 	term  *state.Term
 	fence kvstore.Fence
@@ -38,8 +38,20 @@ type realEnv struct {
 	report func()
 }
 
-// writes returns the operations and the Txns the store has written to etcd so far.
-func (e *realEnv) writes(tb testing.TB) (ops, txns float64) {
+// etcdWrites counts what the leader has written to etcd so far.
+type etcdWrites struct {
+	ops, txns, bytes float64 // the store's: every put and delete, fenced Txns, bytes
+	// the state's volatile journal: keys put, keys deleted, session entries written
+	journalKeys, journalDeletes, journalEntries float64
+}
+
+func (w etcdWrites) sub(o etcdWrites) etcdWrites {
+	return etcdWrites{w.ops - o.ops, w.txns - o.txns, w.bytes - o.bytes,
+		w.journalKeys - o.journalKeys, w.journalDeletes - o.journalDeletes, w.journalEntries - o.journalEntries}
+}
+
+// writes returns what the store and the state's journal have written to etcd so far.
+func (e *realEnv) writes(tb testing.TB) (w etcdWrites) {
 	tb.Helper()
 	mfs, err := e.reg.Gather()
 	if err != nil {
@@ -47,20 +59,29 @@ func (e *realEnv) writes(tb testing.TB) (ops, txns float64) {
 	}
 	for _, mf := range mfs {
 		for _, m := range mf.GetMetric() {
+			v := m.GetCounter().GetValue()
 			switch mf.GetName() {
 			case "kvc_kvstore_ops_total":
-				ops += m.GetCounter().GetValue()
+				w.ops += v
 			case "kvc_kvstore_txns_total":
-				txns += m.GetCounter().GetValue()
+				w.txns += v
+			case "kvc_kvstore_bytes_total":
+				w.bytes += v
+			case "kvc_cp_volatile_journal_keys_written_total":
+				w.journalKeys += v
+			case "kvc_cp_volatile_journal_keys_deleted_total":
+				w.journalDeletes += v
+			case "kvc_cp_sessions_volatile_flushed_total":
+				w.journalEntries += v
 			}
 		}
 	}
-	return ops, txns
+	return w
 }
 
 // lead campaigns on store's election prefix and makes a new State lead under the won fence.
 // The election session and the term end with tb's cleanup.
-func lead(tb testing.TB, store *kvstore.Store, node string) (*state.State, *state.Term, kvstore.Fence) {
+func lead(tb testing.TB, store *kvstore.Store, node string, reg prometheus.Registerer) (*state.State, *state.Term, kvstore.Fence) {
 	tb.Helper()
 	sess, err := concurrency.NewSession(store.Client(), concurrency.WithTTL(30))
 	if err != nil {
@@ -74,7 +95,7 @@ func lead(tb testing.TB, store *kvstore.Store, node string) (*state.State, *stat
 		tb.Fatal(err)
 	}
 	fence := kvstore.Fence{Key: el.Key(), Rev: el.Rev()}
-	st := state.New(state.Config{NodeID: node, Store: store, Log: zerolog.Nop()})
+	st := state.New(state.Config{NodeID: node, Store: store, Log: zerolog.Nop(), Reg: reg})
 	term, err := st.Lead(ctx, fence)
 	if err != nil {
 		tb.Fatal(err)
@@ -110,7 +131,7 @@ func newRealEnv(tb testing.TB) *realEnv {
 	if err != nil {
 		tb.Fatal(err)
 	}
-	st, term, fence := lead(tb, store, "cp-bench")
+	st, term, fence := lead(tb, store, "cp-bench", reg)
 	env := &realEnv{cli: cli, store: store, reg: reg, st: st, term: term, fence: fence}
 	start := time.Now()
 	attach := func(h *kvcv1.Hello) *state.Stream {

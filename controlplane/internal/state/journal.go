@@ -110,14 +110,14 @@ func (s *State) journalLocked(ids []string) (used, n int) {
 		id := ids[used]
 		used++
 		e, ok := s.sessions[id]
-		if !ok || !e.dirty {
+		if !ok || !e.dirty() {
 			continue // written in full meanwhile, deleted, or listed twice
 		}
 		buf = j.appendEntry(buf, e.rec)
-		if e.jseq != 0 {
-			j.moved = append(j.moved, e.jseq)
+		if e.jseq() != 0 {
+			j.moved = append(j.moved, e.jseq())
 		}
-		e.dirty, e.jseq = false, seq
+		e.js = seq // not dirty
 		s.sessions[id] = e
 		if kids == nil {
 			kids = make([]string, 0, min(len(ids)-used+1, s.cfg.journalMax))
@@ -193,10 +193,10 @@ func (j *journal) appendEntry(b []byte, rec *kvcv1.SessionRecord) []byte {
 
 // markDirtyLocked lists a session for the next journal flush.
 func (s *State) markDirtyLocked(id string, e sessEntry) {
-	if e.dirty {
+	if e.dirty() {
 		return
 	}
-	e.dirty = true
+	e.js |= dirtyBit
 	s.sessions[id] = e
 	s.dirty = append(s.dirty, id)
 }
@@ -218,7 +218,7 @@ func (s *State) compactJournalLocked() int {
 			continue
 		}
 		for _, id := range k.ids {
-			if e, ok := s.sessions[id]; ok && e.jseq == seq && !e.dirty {
+			if e, ok := s.sessions[id]; ok && e.jseq() == seq && !e.dirty() {
 				s.markDirtyLocked(id, e)
 				marked++
 			}
@@ -319,14 +319,14 @@ func (s *State) applyJournalLocked(batches []*kvcv1.VolatileBatch) int {
 	applied := 0
 	for _, b := range batches {
 		seq := b.GetSeq()
-		if seq == 0 {
+		if seq == 0 || seq >= dirtyBit {
 			continue // never allocated: not a key this code wrote
 		}
 		s.jr.seq = max(s.jr.seq, seq)
 		k := &jkey{n: len(b.GetEntries()), bytes: proto.Size(b)}
 		for _, en := range b.GetEntries() {
 			e, ok := s.sessions[en.GetSessionId()]
-			if !ok || seq <= e.rec.GetVolatileSeq() || seq <= e.jseq {
+			if !ok || seq <= e.rec.GetVolatileSeq() || seq <= e.jseq() {
 				continue
 			}
 			rec := e.rec
@@ -338,10 +338,10 @@ func (s *State) applyJournalLocked(batches []*kvcv1.VolatileBatch) int {
 				rec.DRejects = nil
 			}
 			rec.Epoch = b.GetEpoch()
-			if old := s.jr.keys[e.jseq]; old != nil {
+			if old := s.jr.keys[e.jseq()]; old != nil {
 				old.live--
 			}
-			e.jseq = seq
+			e.js = seq
 			s.sessions[rec.SessionId] = e
 			k.live++
 			k.ids = append(k.ids, rec.SessionId)

@@ -234,7 +234,7 @@ func TestJournalBounded(t *testing.T) {
 		st.mu.Lock()
 		live := 0
 		for _, e := range st.sessions {
-			if e.jseq != 0 {
+			if e.jseq() != 0 {
 				live++
 			}
 		}
@@ -316,6 +316,7 @@ func FuzzApplyJournal(f *testing.F) {
 	f.Add(seed, uint64(3), uint64(1))
 	f.Add([]byte{}, uint64(0), uint64(0))
 	f.Add([]byte{0x1a, 0x03, 0x0a, 0x01, 'b'}, uint64(9), uint64(9))
+	f.Add(seed, uint64(1<<63+1), uint64(1<<63))
 	f.Fuzz(func(t *testing.T, v []byte, seq, recSeq uint64) {
 		b := &kvcv1.VolatileBatch{}
 		if proto.Unmarshal(v, b) != nil {
@@ -332,8 +333,8 @@ func FuzzApplyJournal(f *testing.F) {
 		st.loadSessionsLocked(snap)
 		live := map[uint64]int{}
 		for _, e := range st.sessions {
-			if e.jseq != 0 {
-				live[e.jseq]++
+			if e.jseq() != 0 {
+				live[e.jseq()]++
 			}
 		}
 		for seq, k := range st.jr.keys {
@@ -341,7 +342,13 @@ func FuzzApplyJournal(f *testing.F) {
 				t.Fatalf("key %d: live %d, sessions pointing at it %d", seq, k.live, live[seq])
 			}
 		}
-		if len(st.jr.keys) != len(live) || st.jr.seq < max(seq, recSeq) {
+		var want uint64 // the largest valid seq loaded, from keys or records
+		for _, v := range []uint64{seq, seq + 1, recSeq} {
+			if v < dirtyBit {
+				want = max(want, v)
+			}
+		}
+		if len(st.jr.keys) != len(live) || st.jr.seq != want {
 			t.Fatalf("keys %d, live keys %d, seq %d", len(st.jr.keys), len(live), st.jr.seq)
 		}
 	})

@@ -67,7 +67,7 @@ func (s *State) Lead(ctx context.Context, fence kvstore.Fence) (*Term, error) {
 		// No journal in this mode: write the journalled sessions in full (their entries die,
 		// and with them the keys).
 		for _, e := range s.sessions {
-			if e.jseq != 0 {
+			if e.jseq() != 0 {
 				s.persistSessionLocked(e.rec)
 			}
 		}
@@ -124,7 +124,9 @@ func (s *State) loadSessionsLocked(snap *kvstore.Snapshot) int {
 		s.sessions[id] = sessEntry{rec: r}
 		index(s.byDecode, r.GetDecodeWorker(), id)
 		index(s.bySnap, r.GetSnapshot().GetPrefillWorker(), id)
-		s.jr.seq = max(s.jr.seq, r.GetVolatileSeq())
+		if vs := r.GetVolatileSeq(); vs < dirtyBit {
+			s.jr.seq = max(s.jr.seq, vs)
+		}
 	}
 	s.nSessions.Store(int64(len(s.sessions)))
 	return s.applyJournalLocked(snap.Volatile)

@@ -85,16 +85,22 @@ type State struct {
 	jr       journal
 }
 
-// sessEntry is a session in the leader's table.
+// sessEntry is a session in the leader's table (16 bytes: a million of them sit in a map).
 type sessEntry struct {
 	rec *kvcv1.SessionRecord
-	// jseq is the journal key holding the session's latest persisted volatile fields; 0 when
-	// the record in sessions/ holds them.
-	jseq uint64
-	// dirty: volatile changes not yet handed to the batcher (the id is in State.dirty or
-	// State.flushing).
-	dirty bool
+	// js is jseq | dirtyBit when dirty.
+	js uint64
 }
+
+const dirtyBit = 1 << 63
+
+// jseq is the journal key holding the session's latest persisted volatile fields; 0 when the
+// record in sessions/ holds them.
+func (e sessEntry) jseq() uint64 { return e.js &^ dirtyBit }
+
+// dirty: volatile changes not yet handed to the batcher (the id is in State.dirty or
+// State.flushing).
+func (e sessEntry) dirty() bool { return e.js&dirtyBit != 0 }
 
 type workerEntry struct {
 	w      *kvcv1.Worker // immutable once published; replaced on change
@@ -328,9 +334,9 @@ func (s *State) persistSessionLocked(rec *kvcv1.SessionRecord) {
 	if err := s.term.batcher.PutSession(rec); err != nil {
 		s.m.writeFailures.Inc()
 	}
-	if e, ok := s.sessions[id]; ok && (e.dirty || e.jseq != 0) {
-		old := e.jseq
-		e.dirty, e.jseq = false, 0
+	if e, ok := s.sessions[id]; ok && e.js != 0 {
+		old := e.jseq()
+		e.js = 0
 		s.sessions[id] = e
 		s.dropJournalLocked(old) // queued after the record's put
 	}
@@ -350,7 +356,7 @@ func (s *State) deleteSessionLocked(id string) {
 		if err := s.term.batcher.DeleteSession(id); err != nil {
 			s.m.writeFailures.Inc()
 		}
-		s.dropJournalLocked(e.jseq)
+		s.dropJournalLocked(e.jseq())
 	}
 }
 
