@@ -7,6 +7,7 @@ import (
 	"net"
 	"os"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -27,6 +28,13 @@ func init() {
 				return nil, fmt.Errorf("%s: %w", CUDACopyEnv, err)
 			}
 			opt.Copy = c
+		}
+		if v := os.Getenv(CUDAChunkEnv); v != "" {
+			n, err := strconv.ParseUint(v, 10, 64)
+			if err != nil || n == 0 {
+				return nil, fmt.Errorf("%s=%q: %w: want a positive multiple of 16", CUDAChunkEnv, v, ErrInvalidRequest)
+			}
+			opt.ChunkBytes = n
 		}
 		return NewCUDA(ctx, cfg, opt)
 	})
@@ -69,6 +77,10 @@ func ParseCUDACopy(s string) (CUDACopy, error) {
 	}
 	return 0, fmt.Errorf("%w: cuda copy mode %q (kernel, warp, batch or memcpy)", ErrInvalidRequest, s)
 }
+
+// CUDAChunkEnv names the environment variable that sets CUDAOptions.ChunkBytes of engines made
+// with New (a multiple of 16; unset: 32 KiB).
+const CUDAChunkEnv = "KVC_CUDA_CHUNK_BYTES"
 
 // CUDACopyEnv names the environment variable that picks the copy mode of engines made with
 // New (the sidecars'): a ParseCUDACopy name; unset means the default (kernel).

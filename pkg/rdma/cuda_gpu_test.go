@@ -370,3 +370,12 @@ func TestCUDAReadyEventHandleSize(t *testing.T) {
 		}
 	}
 }
+
+func TestCUDAChunkEnvRejected(t *testing.T) {
+	for _, v := range []string{"0", "-1", "x", "100"} {
+		t.Setenv(CUDAChunkEnv, v)
+		if _, err := New(context.Background(), Config{Backend: "cuda"}); !errors.Is(err, ErrInvalidRequest) {
+			t.Fatalf("New(cuda) with %s=%s: %v, want ErrInvalidRequest", CUDAChunkEnv, v, err)
+		}
+	}
+}
