@@ -15,6 +15,7 @@ import (
 	"google.golang.org/grpc"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
+	"github.com/kvcentric/kvcentric/pkg/cpclient"
 	"github.com/kvcentric/kvcentric/pkg/grpcx"
 	"github.com/kvcentric/kvcentric/pkg/obs"
 	"github.com/kvcentric/kvcentric/pkg/rdma"
@@ -144,7 +145,7 @@ func (rt *Runtime) Serve(ctx context.Context, core Core, setReporter func(*Contr
 	var cp *ControlPlane
 	if eps := c.Endpoints(); len(eps) > 0 {
 		cp = NewControlPlane(CPConfig{Endpoints: eps, Heartbeat: c.Heartbeat, Registerer: rt.Reg,
-			DialOptions: []grpc.DialOption{grpc.WithTransportCredentials(grpcx.Credentials(rt.TLS, tlsx.RoleControlPlane))}},
+			DialOptions: []grpc.DialOption{cpclient.DialCredentials(rt.TLS)}},
 			core, rt.Log.With().Str("part", "cpclient").Logger())
 		if setReporter != nil {
 			setReporter(cp)

@@ -17,7 +17,7 @@ import (
 	"github.com/kvcentric/kvcentric/gateway/internal/routeclient"
 	"github.com/kvcentric/kvcentric/gateway/internal/server"
 	"github.com/kvcentric/kvcentric/gateway/internal/workers"
-	"github.com/kvcentric/kvcentric/pkg/grpcx"
+	"github.com/kvcentric/kvcentric/pkg/cpclient"
 	"github.com/kvcentric/kvcentric/pkg/obs"
 	"github.com/kvcentric/kvcentric/pkg/tlsx"
 )
@@ -40,7 +40,7 @@ func Run(ctx context.Context, cfg *config.Config, logOut io.Writer) error {
 		if r := cpTLS.Role(); r != tlsx.RoleGateway {
 			return fmt.Errorf("--tls-cert %s has role %q; the gateway needs %s", cfg.TLS.Cert, r, tlsx.RoleGateway.URI())
 		}
-		cpDial = []grpc.DialOption{grpc.WithTransportCredentials(grpcx.Credentials(cpTLS, tlsx.RoleControlPlane))}
+		cpDial = []grpc.DialOption{cpclient.DialCredentials(cpTLS)}
 		log.Info().Str("cert", cfg.TLS.Cert).Time("not_after", cpTLS.NotAfter()).Msg("mutual TLS to the control plane")
 	}
 	httpTLS, err := tlsx.Load(cfg.HTTPTLS, tlsx.WithLogger(log.With().Str("part", "https").Logger()))
