@@ -9,6 +9,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/kvcentric/kvcentric/pkg/grpcx"
 	"github.com/kvcentric/kvcentric/pkg/tlsx"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
@@ -34,6 +35,8 @@ type Options struct {
 	VolatileFlush          time.Duration
 	ShutdownGrace          time.Duration
 	EtcdDialTimeout        time.Duration
+	GRPCKeepaliveTime      time.Duration
+	GRPCKeepaliveTimeout   time.Duration
 	ReadyFile              string
 	LogLevel               string
 	LogFormat              string
@@ -64,6 +67,8 @@ func NewOptions() *Options {
 		VolatileFlush:          2 * time.Second,
 		ShutdownGrace:          5 * time.Second,
 		EtcdDialTimeout:        5 * time.Second,
+		GRPCKeepaliveTime:      grpcx.ServerKeepaliveTime,
+		GRPCKeepaliveTimeout:   grpcx.ServerKeepaliveTimeout,
 		LogLevel:               "info",
 		LogFormat:              "json",
 	}
@@ -87,6 +92,8 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 	fs.DurationVar(&o.VolatileFlush, "volatile-flush", o.VolatileFlush, "how often changes to a session's volatile fields only (turn, last_seen, kv_committed_len, d_rejects) are persisted; residency changes are written at once (0: write every change at once)")
 	fs.DurationVar(&o.ShutdownGrace, "shutdown-grace", o.ShutdownGrace, "how long a stop waits for calls to finish")
 	fs.DurationVar(&o.EtcdDialTimeout, "etcd-dial-timeout", o.EtcdDialTimeout, "etcd dial timeout")
+	fs.DurationVar(&o.GRPCKeepaliveTime, "grpc-keepalive-time", o.GRPCKeepaliveTime, "the gRPC server pings a client it has read nothing from for this long (>= 1s); a sidecar behind a dead link is marked unreachable within this plus --grpc-keepalive-timeout")
+	fs.DurationVar(&o.GRPCKeepaliveTimeout, "grpc-keepalive-timeout", o.GRPCKeepaliveTimeout, "how long the gRPC server waits for a ping ack before it closes the connection")
 	fs.StringVar(&o.ReadyFile, "ready-file", o.ReadyFile, "write a JSON ready file here once serving")
 	fs.StringVar(&o.LogLevel, "log-level", o.LogLevel, "debug, info, warn or error")
 	fs.StringVar(&o.LogFormat, "log-format", o.LogFormat, "json or console")
@@ -179,6 +186,10 @@ func (o *Options) Validate() error {
 	pos("--volatile-flush", o.VolatileFlush, true)
 	pos("--shutdown-grace", o.ShutdownGrace, false)
 	pos("--etcd-dial-timeout", o.EtcdDialTimeout, false)
+	if o.GRPCKeepaliveTime < time.Second {
+		errs = append(errs, fmt.Errorf("--grpc-keepalive-time %s must be at least 1s", o.GRPCKeepaliveTime))
+	}
+	pos("--grpc-keepalive-timeout", o.GRPCKeepaliveTimeout, false)
 	if err := o.TLS.Check(tlsx.GRPCNames); err != nil {
 		errs = append(errs, err)
 	}

@@ -67,6 +67,8 @@ func TestValidate(t *testing.T) {
 		{"bad endpoint", func(o *Options) { o.EtcdEndpoints = "nohostport" }, "--etcd-endpoints"},
 		{"negative grace", func(o *Options) { o.UnreachableGrace = -time.Second }, "--unreachable-grace"},
 		{"log format", func(o *Options) { o.LogFormat = "xml" }, "--log-format"},
+		{"keepalive time below 1s", func(o *Options) { o.GRPCKeepaliveTime = 500 * time.Millisecond }, "--grpc-keepalive-time"},
+		{"keepalive timeout zero", func(o *Options) { o.GRPCKeepaliveTimeout = 0 }, "--grpc-keepalive-timeout"},
 		{"tls all three", func(o *Options) { o.TLS.Cert, o.TLS.Key, o.TLS.CA = "c", "k", "a" }, ""},
 		{"tls without ca", func(o *Options) { o.TLS.Cert, o.TLS.Key = "c", "k" }, "--tls-ca missing"},
 		{"etcd tls needs external etcd", func(o *Options) { o.EtcdTLS.Cert, o.EtcdTLS.Key, o.EtcdTLS.CA = "c", "k", "a" }, "need --etcd-endpoints"},

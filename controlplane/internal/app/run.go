@@ -16,7 +16,9 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
 	"golang.org/x/sync/errgroup"
+	"google.golang.org/grpc"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/keepalive"
 
 	"github.com/kvcentric/kvcentric/controlplane/internal/election"
 	"github.com/kvcentric/kvcentric/controlplane/internal/embedetcd"
@@ -165,7 +167,10 @@ func Run(ctx context.Context, opts *Options, log zerolog.Logger) error {
 		return err
 	}
 	gate := server.NewGate(el.NotLeaderError, nil)
-	gsrv := grpcx.NewServer(log, grpcx.WithTLS(tlsSrc), grpcx.WithUnaryInterceptors(gate.Unary), grpcx.WithStreamInterceptors(gate.Stream))
+	gsrv := grpcx.NewServer(log, grpcx.WithTLS(tlsSrc), grpcx.WithUnaryInterceptors(gate.Unary), grpcx.WithStreamInterceptors(gate.Stream),
+		grpcx.WithServerOptions(grpc.KeepaliveParams(keepalive.ServerParameters{
+			Time: opts.GRPCKeepaliveTime, Timeout: opts.GRPCKeepaliveTimeout,
+		})))
 	gate.SetHealth(gsrv.Health)
 	kvcv1.RegisterAdminServiceServer(gsrv, &server.Admin{NodeID: opts.NodeID, State: st, Store: store, Lead: el})
 	kvcv1.RegisterSidecarServiceServer(gsrv, server.NewSidecar(server.Sidecar{
