@@ -53,9 +53,10 @@ func TestRetryAfterWorkerGone(t *testing.T) {
 			kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D, "worker_unreachable: decode worker: Post"},
 		{"decode 503 going away", direct, "", "503gone", genBody, 200, true,
 			kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D, "unavailable: decode worker"},
-		{"prefill refused", seed, dead, "", genBody, 200, true,
+		// D waits for P's KV (as a real D does) until P's failure cancels it
+		{"prefill refused", seed, dead, "slow", genBody, 200, true,
 			kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_WORKER_ERROR, "worker_unreachable: prefill worker"},
-		{"prefill 503 going away", seed, "503gone", "", genBody, 200, true,
+		{"prefill 503 going away", seed, "503gone", "slow", genBody, 200, true,
 			kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_WORKER_ERROR, "unavailable: prefill worker"},
 		{"decode full is not retried", direct, "", "503", genBody, 503, false,
 			kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D, "no_capacity: decode worker"},
