@@ -21,6 +21,8 @@ import (
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/kvcentric/kvcentric/pkg/agent"
+	"github.com/kvcentric/kvcentric/pkg/cpclient"
 	"github.com/kvcentric/kvcentric/pkg/grpcx"
 	"github.com/kvcentric/kvcentric/pkg/tlsx"
 	"github.com/kvcentric/kvcentric/pkg/tlsx/tlstest"
@@ -173,6 +175,66 @@ func TestTLS(t *testing.T) {
 	if err == nil {
 		t.Fatal("etcd accepted a client without a certificate")
 	}
+}
+
+// tlsHandler is a minimal sidecar for agent.ControlPlane.
+type tlsHandler struct{ id string }
+
+func (h tlsHandler) Hello() *kvcv1.Hello                         { return decodeHello(h.id) }
+func (h tlsHandler) Resync() *kvcv1.ResidentSessions             { return &kvcv1.ResidentSessions{} }
+func (h tlsHandler) Load() *kvcv1.WorkerLoad                     { return &kvcv1.WorkerLoad{} }
+func (h tlsHandler) Policy(*kvcv1.Policy)                        {}
+func (h tlsHandler) Apply(context.Context, *kvcv1.Command) error { return nil }
+
+// TestTLSLeaderHint: an HA pair over mTLS (each replica with its own certificate); a sidecar
+// that only knows the standby follows its leader hint to the leader, over mTLS.
+func TestTLSLeaderHint(t *testing.T) {
+	dir := t.TempDir()
+	ca := tlstest.NewCA(t, dir, "ca")
+	ep := startTLSEtcd(t, ca.Issue(t, "etcd", tlstest.Spec{}))
+	etcdCli := ca.Issue(t, "kvc-controlplane", tlstest.Spec{})
+	a := startCP(t, []string{ep}, "cp-a", func(o *Options) {
+		o.TLS, o.EtcdTLS = ca.Issue(t, "cp-a", tlstest.Spec{Role: tlsx.RoleControlPlane}), etcdCli
+	})
+	opSrc, err := tlsx.Load(ca.Issue(t, "op", tlstest.Spec{Role: tlsx.RoleOperatorRead}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	adminOf := func(addr string) kvcv1.AdminServiceClient {
+		conn, err := grpc.NewClient(addr, grpcx.DialOptions(opSrc, tlsx.RoleControlPlane)...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = conn.Close() })
+		return kvcv1.NewAdminServiceClient(conn)
+	}
+	aAdmin := adminOf(a.grpcAddr)
+	waitFor(t, "cp-a leading", func() bool {
+		r, err := aAdmin.GetLeader(t.Context(), &kvcv1.GetLeaderRequest{})
+		return err == nil && r.GetResponderIsLeader()
+	})
+	b := startCP(t, []string{ep}, "cp-b", func(o *Options) {
+		o.TLS, o.EtcdTLS = ca.Issue(t, "cp-b", tlstest.Spec{Role: tlsx.RoleControlPlane}), etcdCli
+	})
+	bAdmin := adminOf(b.grpcAddr)
+	waitFor(t, "cp-b standing by and knowing the leader", func() bool {
+		r, err := bAdmin.GetLeader(t.Context(), &kvcv1.GetLeaderRequest{})
+		return err == nil && !r.GetResponderIsLeader() && r.GetLeaderAddr() == a.grpcAddr
+	})
+	scSrc, err := tlsx.Load(ca.Issue(t, "d7", tlstest.Spec{Role: tlsx.RoleSidecar}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	loop := agent.NewControlPlane(agent.CPConfig{Endpoints: []string{b.grpcAddr}, Heartbeat: 50 * time.Millisecond,
+		DialOptions: []grpc.DialOption{cpclient.DialCredentials(scSrc)}}, tlsHandler{id: "d7"}, zerolog.Nop())
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan struct{})
+	go func() { _ = loop.Run(ctx); close(done) }()
+	defer func() { cancel(); <-done }()
+	waitFor(t, "d7 registered on cp-a through cp-b's hint", func() bool {
+		r, err := aAdmin.GetWorker(t.Context(), &kvcv1.GetWorkerRequest{WorkerId: "d7"})
+		return err == nil && r.GetWorker().GetState() == kvcv1.WorkerState_WORKER_STATE_READY && r.GetWorker().GetConnectedTo() == "cp-a"
+	})
 }
 
 // TestTLSWrongRole refuses to start with a certificate of another role.
