@@ -2,10 +2,13 @@ package agent
 
 import (
 	"fmt"
+	"io"
 	"slices"
 	"testing"
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
+	"github.com/rs/zerolog"
+	"google.golang.org/grpc"
 
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
@@ -60,5 +63,38 @@ func TestEventBuffer(t *testing.T) {
 				t.Fatalf("buffered gauge %v after taking all", g)
 			}
 		})
+	}
+}
+
+// failingStream accepts ok Sends, then fails every one.
+type failingStream struct {
+	grpc.BidiStreamingClient[kvcv1.ConnectRequest, kvcv1.ConnectResponse]
+	ok   int
+	sent []string
+}
+
+func (s *failingStream) Send(m *kvcv1.ConnectRequest) error {
+	if len(s.sent) >= s.ok {
+		return io.EOF
+	}
+	s.sent = append(s.sent, m.GetSessionEvent().GetSessionId())
+	return nil
+}
+
+// Events whose Send failed stay queued, in order, ahead of those raised meanwhile.
+func TestSendBufferedKeepsUnsent(t *testing.T) {
+	c := NewControlPlane(CPConfig{Endpoints: []string{"x"}, EventBuffer: 8}, nil, zerolog.Nop())
+	for i := 0; i < 5; i++ {
+		c.Report(&kvcv1.SessionEvent{SessionId: fmt.Sprintf("s%d", i)})
+	}
+	st := &failingStream{ok: 2}
+	n, err := c.sendBuffered(st, 0)
+	if n != 2 || err == nil || !slices.Equal(st.sent, []string{"s0", "s1"}) {
+		t.Fatalf("sent %d %v, err %v", n, st.sent, err)
+	}
+	c.Report(&kvcv1.SessionEvent{SessionId: "s5"})
+	st = &failingStream{ok: 100}
+	if n, err := c.sendBuffered(st, 0); n != 4 || err != nil || !slices.Equal(st.sent, []string{"s2", "s3", "s4", "s5"}) {
+		t.Fatalf("then sent %d %v, err %v", n, st.sent, err)
 	}
 }
