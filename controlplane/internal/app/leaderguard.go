@@ -1,8 +1,13 @@
 package app
 
 import (
+	"context"
 	"fmt"
+	"strings"
 
+	"google.golang.org/grpc"
+
+	"github.com/kvcentric/kvcentric/controlplane/internal/server"
 	"github.com/kvcentric/kvcentric/controlplane/internal/state"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
@@ -42,4 +47,37 @@ func (g leaderGuard) SendCommand(workerID string, cmd *kvcv1.Command) error {
 		return fmt.Errorf("%w: renew deadline passed or term ended", state.ErrNotLeader)
 	}
 	return g.State.SendCommand(workerID, cmd)
+}
+
+// leaseCheck refuses new calls to the leader-only services (server.LeaderOnlyServices) while
+// the election says this replica may not act as leader, before the gate, whose term context
+// is cancelled only when the watchdog ends the term: no stream attaches in between.
+type leaseCheck struct {
+	lead      leaseHolder
+	notLeader func() error
+}
+
+func leaderOnly(method string) bool {
+	for _, s := range server.LeaderOnlyServices {
+		if strings.HasPrefix(method, "/"+s+"/") {
+			return true
+		}
+	}
+	return false
+}
+
+// Unary is the unary interceptor.
+func (c leaseCheck) Unary(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
+	if leaderOnly(info.FullMethod) && !c.lead.IsLeader() {
+		return nil, c.notLeader()
+	}
+	return h(ctx, req)
+}
+
+// Stream is the stream interceptor.
+func (c leaseCheck) Stream(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, h grpc.StreamHandler) error {
+	if leaderOnly(info.FullMethod) && !c.lead.IsLeader() {
+		return c.notLeader()
+	}
+	return h(srv, ss)
 }

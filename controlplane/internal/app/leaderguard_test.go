@@ -1,11 +1,13 @@
 package app
 
 import (
+	"context"
 	"errors"
 	"sync/atomic"
 	"testing"
 
 	"github.com/rs/zerolog"
+	"google.golang.org/grpc"
 
 	"github.com/kvcentric/kvcentric/controlplane/internal/state"
 	"github.com/kvcentric/kvcentric/pkg/etcdtest"
@@ -75,5 +77,37 @@ func TestLeaderGuard(t *testing.T) {
 				t.Fatalf("not leading: err %v, queued %v", err, queued)
 			}
 		})
+	}
+}
+
+func TestLeaseCheck(t *testing.T) {
+	errNL := errors.New("not leader")
+	lease := &fakeLease{}
+	c := leaseCheck{lead: lease, notLeader: func() error { return errNL }}
+	for _, tc := range []struct {
+		method  string
+		leading bool
+		refused bool
+	}{
+		{"/kvc.v1.SidecarService/Connect", false, true},
+		{"/kvc.v1.RouterService/Route", false, true},
+		{"/kvc.v1.SidecarService/Connect", true, false},
+		{"/kvc.v1.RouterService/Route", true, false},
+		{"/kvc.v1.AdminService/GetLeader", false, false},
+		{"/grpc.health.v1.Health/Check", false, false},
+	} {
+		lease.ok.Store(tc.leading)
+		called := false
+		_, uerr := c.Unary(t.Context(), nil, &grpc.UnaryServerInfo{FullMethod: tc.method}, func(context.Context, any) (any, error) {
+			called = true
+			return nil, nil
+		})
+		serr := c.Stream(nil, nil, &grpc.StreamServerInfo{FullMethod: tc.method}, func(any, grpc.ServerStream) error {
+			called = true
+			return nil
+		})
+		if refused := errors.Is(uerr, errNL) && errors.Is(serr, errNL) && !called; refused != tc.refused {
+			t.Errorf("%s leading=%v: unary %v stream %v called %v", tc.method, tc.leading, uerr, serr, called)
+		}
 	}
 }

@@ -167,7 +167,9 @@ func Run(ctx context.Context, opts *Options, log zerolog.Logger) error {
 		return err
 	}
 	gate := server.NewGate(el.NotLeaderError, nil)
-	gsrv := grpcx.NewServer(log, grpcx.WithTLS(tlsSrc), grpcx.WithUnaryInterceptors(gate.Unary), grpcx.WithStreamInterceptors(gate.Stream),
+	lc := leaseCheck{lead: el, notLeader: el.NotLeaderError}
+	gsrv := grpcx.NewServer(log, grpcx.WithTLS(tlsSrc),
+		grpcx.WithUnaryInterceptors(lc.Unary, gate.Unary), grpcx.WithStreamInterceptors(lc.Stream, gate.Stream),
 		grpcx.WithServerOptions(grpc.KeepaliveParams(keepalive.ServerParameters{
 			Time: opts.GRPCKeepaliveTime, Timeout: opts.GRPCKeepaliveTimeout,
 		})))
