@@ -82,6 +82,11 @@ const (
 	WorkerState_WORKER_STATE_DRAINING WorkerState = 2
 	// Its sidecar stream dropped; residency is dropped after the grace period.
 	WorkerState_WORKER_STATE_UNREACHABLE WorkerState = 3
+	// Its sidecar is connected but reports the worker process (SGLang / kvc-sim) gone: the
+	// WorkerBridge connection closed and /health failed, or /health failed N times in a row.
+	// Takes no new work; a decode worker's sessions are lost (reseeded elsewhere); a prefill
+	// sidecar still serves RESEED_SNAPSHOT from its snapshot store (sidecar memory).
+	WorkerState_WORKER_STATE_WORKER_DOWN WorkerState = 4
 )
 
 // Enum value maps for WorkerState.
@@ -91,12 +96,14 @@ var (
 		1: "WORKER_STATE_READY",
 		2: "WORKER_STATE_DRAINING",
 		3: "WORKER_STATE_UNREACHABLE",
+		4: "WORKER_STATE_WORKER_DOWN",
 	}
 	WorkerState_value = map[string]int32{
 		"WORKER_STATE_UNSPECIFIED": 0,
 		"WORKER_STATE_READY":       1,
 		"WORKER_STATE_DRAINING":    2,
 		"WORKER_STATE_UNREACHABLE": 3,
+		"WORKER_STATE_WORKER_DOWN": 4,
 	}
 )
 
@@ -244,8 +251,14 @@ type WorkerLoad struct {
 	// Of used_tokens, the tokens of idle resident sessions the worker may evict to admit new
 	// work (its KV cache, not pinned by a transfer or push). Admission counts used - evictable.
 	EvictableTokens int64 `protobuf:"varint,12,opt,name=evictable_tokens,json=evictableTokens,proto3" json:"evictable_tokens,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// The sidecar's worker process is gone (bridge connection closed and /health failed, or
+	// /health failed N times in a row); cleared when the worker re-registers its KV pool or
+	// /health succeeds again. Sent at once on every change, not only with the heartbeat.
+	WorkerDown bool `protobuf:"varint,13,opt,name=worker_down,json=workerDown,proto3" json:"worker_down,omitempty"`
+	// Why the worker is down (empty when up).
+	WorkerDownReason string `protobuf:"bytes,14,opt,name=worker_down_reason,json=workerDownReason,proto3" json:"worker_down_reason,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
 }
 
 func (x *WorkerLoad) Reset() {
@@ -362,6 +375,20 @@ func (x *WorkerLoad) GetEvictableTokens() int64 {
 	return 0
 }
 
+func (x *WorkerLoad) GetWorkerDown() bool {
+	if x != nil {
+		return x.WorkerDown
+	}
+	return false
+}
+
+func (x *WorkerLoad) GetWorkerDownReason() string {
+	if x != nil {
+		return x.WorkerDownReason
+	}
+	return ""
+}
+
 // Worker is one registered worker (one GPU) and its sidecar.
 type Worker struct {
 	state    protoimpl.MessageState `protogen:"open.v1"`
@@ -386,9 +413,13 @@ type Worker struct {
 	UnreachableSinceUnixMs int64       `protobuf:"varint,15,opt,name=unreachable_since_unix_ms,json=unreachableSinceUnixMs,proto3" json:"unreachable_since_unix_ms,omitempty"`
 	Draining               bool        `protobuf:"varint,16,opt,name=draining,proto3" json:"draining,omitempty"`
 	// node id of the control plane replica holding this worker's stream.
-	ConnectedTo   string `protobuf:"bytes,17,opt,name=connected_to,json=connectedTo,proto3" json:"connected_to,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	ConnectedTo string `protobuf:"bytes,17,opt,name=connected_to,json=connectedTo,proto3" json:"connected_to,omitempty"`
+	// When its sidecar reported the worker process down (state WORKER_DOWN); 0 when up.
+	WorkerDownSinceUnixMs int64 `protobuf:"varint,18,opt,name=worker_down_since_unix_ms,json=workerDownSinceUnixMs,proto3" json:"worker_down_since_unix_ms,omitempty"`
+	// Why, as the sidecar reported it (empty when up).
+	WorkerDownReason string `protobuf:"bytes,19,opt,name=worker_down_reason,json=workerDownReason,proto3" json:"worker_down_reason,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
 }
 
 func (x *Worker) Reset() {
@@ -536,6 +567,20 @@ func (x *Worker) GetDraining() bool {
 func (x *Worker) GetConnectedTo() string {
 	if x != nil {
 		return x.ConnectedTo
+	}
+	return ""
+}
+
+func (x *Worker) GetWorkerDownSinceUnixMs() int64 {
+	if x != nil {
+		return x.WorkerDownSinceUnixMs
+	}
+	return 0
+}
+
+func (x *Worker) GetWorkerDownReason() string {
+	if x != nil {
+		return x.WorkerDownReason
 	}
 	return ""
 }
@@ -1241,7 +1286,7 @@ var File_kvc_v1_common_proto protoreflect.FileDescriptor
 
 const file_kvc_v1_common_proto_rawDesc = "" +
 	"\n" +
-	"\x13kvc/v1/common.proto\x12\x06kvc.v1\"\xb1\x04\n" +
+	"\x13kvc/v1/common.proto\x12\x06kvc.v1\"\x80\x05\n" +
 	"\n" +
 	"WorkerLoad\x12\x1f\n" +
 	"\vused_tokens\x18\x01 \x01(\x03R\n" +
@@ -1257,7 +1302,10 @@ const file_kvc_v1_common_proto_rawDesc = "" +
 	"\x11snapshot_sessions\x18\n" +
 	" \x01(\x05R\x10snapshotSessions\x12'\n" +
 	"\x0finflight_pushes\x18\v \x01(\x05R\x0einflightPushes\x12)\n" +
-	"\x10evictable_tokens\x18\f \x01(\x03R\x0fevictableTokens\"\x90\x05\n" +
+	"\x10evictable_tokens\x18\f \x01(\x03R\x0fevictableTokens\x12\x1f\n" +
+	"\vworker_down\x18\r \x01(\bR\n" +
+	"workerDown\x12,\n" +
+	"\x12worker_down_reason\x18\x0e \x01(\tR\x10workerDownReason\"\xf8\x05\n" +
 	"\x06Worker\x12\x1b\n" +
 	"\tworker_id\x18\x01 \x01(\tR\bworkerId\x12&\n" +
 	"\x04role\x18\x02 \x01(\x0e2\x12.kvc.v1.WorkerRoleR\x04role\x12\x12\n" +
@@ -1277,7 +1325,9 @@ const file_kvc_v1_common_proto_rawDesc = "" +
 	"\x16last_heartbeat_unix_ms\x18\x0e \x01(\x03R\x13lastHeartbeatUnixMs\x129\n" +
 	"\x19unreachable_since_unix_ms\x18\x0f \x01(\x03R\x16unreachableSinceUnixMs\x12\x1a\n" +
 	"\bdraining\x18\x10 \x01(\bR\bdraining\x12!\n" +
-	"\fconnected_to\x18\x11 \x01(\tR\vconnectedTo\"\xab\x01\n" +
+	"\fconnected_to\x18\x11 \x01(\tR\vconnectedTo\x128\n" +
+	"\x19worker_down_since_unix_ms\x18\x12 \x01(\x03R\x15workerDownSinceUnixMs\x12,\n" +
+	"\x12worker_down_reason\x18\x13 \x01(\tR\x10workerDownReason\"\xab\x01\n" +
 	"\fSnapshotInfo\x12%\n" +
 	"\x0eprefill_worker\x18\x01 \x01(\tR\rprefillWorker\x12\x16\n" +
 	"\x06seqlen\x18\x02 \x01(\x03R\x06seqlen\x12\x1e\n" +
@@ -1385,12 +1435,13 @@ const file_kvc_v1_common_proto_rawDesc = "" +
 	"WorkerRole\x12\x1b\n" +
 	"\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n" +
 	"\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n" +
-	"\x12WORKER_ROLE_DECODE\x10\x02*|\n" +
+	"\x12WORKER_ROLE_DECODE\x10\x02*\x9a\x01\n" +
 	"\vWorkerState\x12\x1c\n" +
 	"\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x16\n" +
 	"\x12WORKER_STATE_READY\x10\x01\x12\x19\n" +
 	"\x15WORKER_STATE_DRAINING\x10\x02\x12\x1c\n" +
-	"\x18WORKER_STATE_UNREACHABLE\x10\x03*\x99\x01\n" +
+	"\x18WORKER_STATE_UNREACHABLE\x10\x03\x12\x1c\n" +
+	"\x18WORKER_STATE_WORKER_DOWN\x10\x04*\x99\x01\n" +
 	"\x13PrefillBackupPolicy\x12%\n" +
 	"!PREFILL_BACKUP_POLICY_UNSPECIFIED\x10\x00\x120\n" +
 	",PREFILL_BACKUP_POLICY_RELEASE_AFTER_TRANSFER\x10\x01\x12)\n" +

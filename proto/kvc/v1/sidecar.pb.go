@@ -229,10 +229,13 @@ type Hello struct {
 	// Highest command epoch this sidecar has seen; higher than the leader's means the leader is stale.
 	LastEpochSeen int64 `protobuf:"varint,10,opt,name=last_epoch_seen,json=lastEpochSeen,proto3" json:"last_epoch_seen,omitempty"`
 	// gRPC address of the sidecar's TransferPeerService.
-	PeerAddr      string `protobuf:"bytes,11,opt,name=peer_addr,json=peerAddr,proto3" json:"peer_addr,omitempty"`
-	Version       string `protobuf:"bytes,12,opt,name=version,proto3" json:"version,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	PeerAddr string `protobuf:"bytes,11,opt,name=peer_addr,json=peerAddr,proto3" json:"peer_addr,omitempty"`
+	Version  string `protobuf:"bytes,12,opt,name=version,proto3" json:"version,omitempty"`
+	// The worker process is down at connect time (see WorkerLoad.worker_down).
+	WorkerDown       bool   `protobuf:"varint,13,opt,name=worker_down,json=workerDown,proto3" json:"worker_down,omitempty"`
+	WorkerDownReason string `protobuf:"bytes,14,opt,name=worker_down_reason,json=workerDownReason,proto3" json:"worker_down_reason,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
 }
 
 func (x *Hello) Reset() {
@@ -345,6 +348,20 @@ func (x *Hello) GetPeerAddr() string {
 func (x *Hello) GetVersion() string {
 	if x != nil {
 		return x.Version
+	}
+	return ""
+}
+
+func (x *Hello) GetWorkerDown() bool {
+	if x != nil {
+		return x.WorkerDown
+	}
+	return false
+}
+
+func (x *Hello) GetWorkerDownReason() string {
+	if x != nil {
+		return x.WorkerDownReason
 	}
 	return ""
 }
@@ -1460,7 +1477,7 @@ const file_kvc_v1_sidecar_proto_rawDesc = "" +
 	"\x11resident_sessions\x18\x03 \x01(\v2\x18.kvc.v1.ResidentSessionsH\x00R\x10residentSessions\x12;\n" +
 	"\rsession_event\x18\x04 \x01(\v2\x14.kvc.v1.SessionEventH\x00R\fsessionEvent\x12&\n" +
 	"\x03ack\x18\x05 \x01(\v2\x12.kvc.v1.CommandAckH\x00R\x03ackB\x05\n" +
-	"\x03msg\"\xa1\x03\n" +
+	"\x03msg\"\xf0\x03\n" +
 	"\x05Hello\x12\x1b\n" +
 	"\tworker_id\x18\x01 \x01(\tR\bworkerId\x12&\n" +
 	"\x04role\x18\x02 \x01(\x0e2\x12.kvc.v1.WorkerRoleR\x04role\x12\x12\n" +
@@ -1475,7 +1492,10 @@ const file_kvc_v1_sidecar_proto_rawDesc = "" +
 	"\x0flast_epoch_seen\x18\n" +
 	" \x01(\x03R\rlastEpochSeen\x12\x1b\n" +
 	"\tpeer_addr\x18\v \x01(\tR\bpeerAddr\x12\x18\n" +
-	"\aversion\x18\f \x01(\tR\aversion\"4\n" +
+	"\aversion\x18\f \x01(\tR\aversion\x12\x1f\n" +
+	"\vworker_down\x18\r \x01(\bR\n" +
+	"workerDown\x12,\n" +
+	"\x12worker_down_reason\x18\x0e \x01(\tR\x10workerDownReason\"4\n" +
 	"\n" +
 	"LoadReport\x12&\n" +
 	"\x04load\x18\x01 \x01(\v2\x12.kvc.v1.WorkerLoadR\x04load\"z\n" +
