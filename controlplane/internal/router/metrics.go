@@ -13,7 +13,9 @@ type metrics struct {
 	decisionByKey  map[[2]int32]prometheus.Counter
 	latency        prometheus.Histogram
 	outcomes       *prometheus.CounterVec
+	outcomeByKey   map[[2]int32]prometheus.Counter // by mode, error kind (every pair, made up front)
 	ttft           *prometheus.HistogramVec
+	ttftByMode     map[int32]prometheus.Observer
 	errors         *prometheus.CounterVec
 	expired        prometheus.Counter
 	migrations     prometheus.Counter
@@ -106,16 +108,40 @@ func newMetrics(reg prometheus.Registerer, s *Service) *metrics {
 		defer s.mu.Unlock()
 		return float64(s.led.heldTokens)
 	})
+	m.outcomeByKey = make(map[[2]int32]prometheus.Counter)
+	m.ttftByMode = make(map[int32]prometheus.Observer)
 	for mv := range kvcv1.RouteMode_name {
 		for rv := range kvcv1.RouteReason_name {
 			m.decisionByKey[[2]int32{mv, rv}] = m.decisions.WithLabelValues(ModeName(kvcv1.RouteMode(mv)), ReasonName(kvcv1.RouteReason(rv)))
 		}
+		for kv := range kvcv1.RouteErrorKind_name {
+			m.outcomeByKey[[2]int32{mv, kv}] = m.outcomes.WithLabelValues(ModeName(kvcv1.RouteMode(mv)), errorKindName(kvcv1.RouteErrorKind(kv)))
+		}
+		m.ttftByMode[mv] = m.ttft.WithLabelValues(ModeName(kvcv1.RouteMode(mv)))
 	}
 	if reg != nil {
 		reg.MustRegister(m.decisions, m.latency, m.outcomes, m.ttft, m.errors, m.expired, m.migrations,
 			m.admitted, m.rejected, m.commands, m.reservations, m.reservedTokens)
 	}
 	return m
+}
+
+// outcome counts an outcome of a decision of mode with error kind (NONE on success).
+func (m *metrics) outcome(mode kvcv1.RouteMode, kind kvcv1.RouteErrorKind) {
+	if c, ok := m.outcomeByKey[[2]int32{int32(mode), int32(kind)}]; ok {
+		c.Inc()
+		return
+	}
+	m.outcomes.WithLabelValues(ModeName(mode), errorKindName(kind)).Inc() // an unknown value
+}
+
+// observeTTFT records a successful request's time to first token, by executed mode.
+func (m *metrics) observeTTFT(mode kvcv1.RouteMode, seconds float64) {
+	if o, ok := m.ttftByMode[int32(mode)]; ok {
+		o.Observe(seconds)
+		return
+	}
+	m.ttft.WithLabelValues(ModeName(mode)).Observe(seconds)
 }
 
 func (m *metrics) decision(mode kvcv1.RouteMode, reason kvcv1.RouteReason) {

@@ -56,13 +56,13 @@ func (s *Service) apply(r *reservation, o *kvcv1.RouteOutcome) {
 	if o.Success {
 		kind = kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_NONE
 	}
-	s.m.outcomes.WithLabelValues(ModeName(r.mode), errorKindName(kind)).Inc()
+	s.m.outcome(r.mode, kind)
 	exec := o.ExecutedMode
 	if exec == kvcv1.RouteMode_ROUTE_MODE_UNSPECIFIED {
 		exec = r.mode
 	}
 	if o.Success && o.TtftUs > 0 {
-		s.m.ttft.WithLabelValues(ModeName(exec)).Observe(float64(o.TtftUs) / 1e6)
+		s.m.observeTTFT(exec, float64(o.TtftUs)/1e6)
 	}
 	kvLen := o.KvLenAfter
 	if kvLen <= 0 {
