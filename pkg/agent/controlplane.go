@@ -73,6 +73,11 @@ type ControlPlane struct {
 	leader    string
 	connects  int
 	connCh    chan struct{} // closed and replaced on every successful welcome
+
+	// worker process health (SetWorkerDown), stamped on every hello and load report
+	workerDown   bool
+	workerReason string
+	loadKick     chan struct{} // cap 1: send a load report now
 }
 
 type cmdKey struct {
@@ -91,10 +96,42 @@ func NewControlPlane(cfg CPConfig, h Handler, log zerolog.Logger) *ControlPlane 
 	}
 	return &ControlPlane{
 		cfg: cfg, h: h, log: log,
-		events:  newEventBuffer(cfg.EventBuffer, cfg.Registerer),
-		applied: map[cmdKey]appliedResult{},
-		connCh:  make(chan struct{}),
+		events:   newEventBuffer(cfg.EventBuffer, cfg.Registerer),
+		applied:  map[cmdKey]appliedResult{},
+		connCh:   make(chan struct{}),
+		loadKick: make(chan struct{}, 1),
 	}
+}
+
+// SetWorkerDown records whether the worker process beside the sidecar is down (and why). The
+// state goes in every hello and load report; a change is sent at once as a load report, not at
+// the next heartbeat. It never blocks.
+func (c *ControlPlane) SetWorkerDown(down bool, reason string) {
+	if !down {
+		reason = ""
+	}
+	c.mu.Lock()
+	changed := c.workerDown != down || c.workerReason != reason
+	c.workerDown, c.workerReason = down, reason
+	c.mu.Unlock()
+	if changed {
+		select {
+		case c.loadKick <- struct{}{}:
+		default:
+		}
+	}
+}
+
+// load is the handler's load report stamped with the worker's health.
+func (c *ControlPlane) load() *kvcv1.ConnectRequest {
+	l := c.h.Load()
+	if l == nil {
+		l = &kvcv1.WorkerLoad{}
+	}
+	c.mu.Lock()
+	l.WorkerDown, l.WorkerDownReason = c.workerDown, c.workerReason
+	c.mu.Unlock()
+	return &kvcv1.ConnectRequest{Msg: &kvcv1.ConnectRequest_Load{Load: &kvcv1.LoadReport{Load: l}}}
 }
 
 // Report queues a session event for the control plane; it never blocks. Events raised while
@@ -191,6 +228,9 @@ func (c *ControlPlane) session(ctx context.Context, addr string) (welcomed bool,
 	}
 	hello := c.h.Hello()
 	hello.LastEpochSeen = c.MaxEpoch()
+	c.mu.Lock()
+	hello.WorkerDown, hello.WorkerDownReason = c.workerDown, c.workerReason
+	c.mu.Unlock()
 	if err := stream.Send(&kvcv1.ConnectRequest{Msg: &kvcv1.ConnectRequest_Hello{Hello: hello}}); err != nil {
 		return false, recvErr(stream, err)
 	}
@@ -222,7 +262,7 @@ func (c *ControlPlane) session(ctx context.Context, addr string) (welcomed bool,
 	if err := stream.Send(&kvcv1.ConnectRequest{Msg: &kvcv1.ConnectRequest_ResidentSessions{ResidentSessions: rs}}); err != nil {
 		return false, recvErr(stream, err)
 	}
-	if err := stream.Send(&kvcv1.ConnectRequest{Msg: &kvcv1.ConnectRequest_Load{Load: &kvcv1.LoadReport{Load: c.h.Load()}}}); err != nil {
+	if err := stream.Send(c.load()); err != nil {
 		return false, recvErr(stream, err)
 	}
 	c.mu.Lock()
@@ -268,7 +308,9 @@ func (c *ControlPlane) session(ctx context.Context, addr string) (welcomed bool,
 			case <-gctx.Done():
 				return gctx.Err()
 			case <-t.C:
-				msg = &kvcv1.ConnectRequest{Msg: &kvcv1.ConnectRequest_Load{Load: &kvcv1.LoadReport{Load: c.h.Load()}}}
+				msg = c.load()
+			case <-c.loadKick:
+				msg = c.load()
 			case <-c.events.ready:
 				if _, err := c.sendBuffered(stream, eventBurst); err != nil {
 					return err

@@ -66,6 +66,11 @@ type Common struct {
 	LogFormat         string
 	Heartbeat         time.Duration
 	FaultDelay        time.Duration
+	// Worker process health (WorkerHealth): probe interval (0: no periodic probe), failures in
+	// a row that mark the worker down, and the timeout of one probe.
+	WorkerHealthInterval  time.Duration
+	WorkerHealthThreshold int
+	WorkerHealthTimeout   time.Duration
 	// TLS is the mTLS identity (--tls-cert/--tls-key/--tls-ca): control-plane stream, peer
 	// server and peer clients. None: plaintext.
 	TLS tlsx.Files
@@ -98,6 +103,9 @@ func (c *Common) Register(fs *flag.FlagSet) {
 	fs.StringVar(&c.LogFormat, "log-format", "json", "json or console")
 	fs.DurationVar(&c.Heartbeat, "heartbeat", time.Second, "load report interval")
 	fs.DurationVar(&c.FaultDelay, "fault-transfer-delay", 0, "fault injection: delay before each transfer request (tests only)")
+	fs.DurationVar(&c.WorkerHealthInterval, "worker-health-interval", DefaultHealthInterval, "probe GET <worker-url>/health this often (0: only when the worker's bridge connection closes)")
+	fs.IntVar(&c.WorkerHealthThreshold, "worker-health-threshold", DefaultHealthThreshold, "failed /health probes in a row that mark the worker down (out of routing)")
+	fs.DurationVar(&c.WorkerHealthTimeout, "worker-health-timeout", DefaultHealthTimeout, "timeout of one /health probe")
 	c.TLS.Register(fs, tlsx.GRPCNames, "of this sidecar (role sidecar) for mutual TLS to the control plane and peer sidecars")
 }
 
@@ -118,6 +126,12 @@ func (c *Common) Check() error {
 		return fmt.Errorf("--heartbeat %v too short", c.Heartbeat)
 	case c.FaultDelay < 0:
 		return fmt.Errorf("--fault-transfer-delay must be >= 0")
+	case c.WorkerHealthInterval != 0 && c.WorkerHealthInterval < 10*time.Millisecond:
+		return fmt.Errorf("--worker-health-interval %v: want 0 (off) or at least 10ms", c.WorkerHealthInterval)
+	case c.WorkerHealthThreshold < 1 || c.WorkerHealthThreshold > 1000:
+		return fmt.Errorf("--worker-health-threshold %d out of range [1, 1000]", c.WorkerHealthThreshold)
+	case c.WorkerHealthTimeout < time.Millisecond:
+		return fmt.Errorf("--worker-health-timeout %v too short", c.WorkerHealthTimeout)
 	}
 	if err := c.TLS.Check(tlsx.GRPCNames); err != nil {
 		return err

@@ -102,6 +102,13 @@ func Start(ctx context.Context, c *Common, component string, logw io.Writer) (*R
 	return rt, nil
 }
 
+// WorkerListener is implemented by a core that acts when its worker process goes down or comes
+// back (WorkerHealth): a decode core drops every session, whose KV died with the worker. Called
+// one transition at a time, before the control plane hears of it.
+type WorkerListener interface {
+	WorkerHealth(down bool, reason string)
+}
+
 // Core is a sidecar's core, served by Runtime.Serve.
 type Core interface {
 	kvcv1.WorkerBridgeServiceServer
@@ -133,7 +140,17 @@ func (rt *Runtime) Serve(ctx context.Context, core Core, setReporter func(*Contr
 		_ = bridgeLis.Close()
 		return fmt.Errorf("http listen: %w", err)
 	}
-	bridge := grpcx.NewServer(rt.Log.With().Str("server", "bridge").Logger())
+	var cp *ControlPlane
+	health := NewWorkerHealth(HealthConfig{URL: c.WorkerURL, Interval: c.WorkerHealthInterval, Threshold: c.WorkerHealthThreshold,
+		Timeout: c.WorkerHealthTimeout, Registerer: rt.Reg, OnChange: func(down bool, reason string) {
+			if l, ok := core.(WorkerListener); ok {
+				l.WorkerHealth(down, reason) // first: a decode core drops (and reports) the lost sessions
+			}
+			if cp != nil {
+				cp.SetWorkerDown(down, reason)
+			}
+		}}, rt.Log.With().Str("part", "worker-health").Logger())
+	bridge := grpcx.NewServer(rt.Log.With().Str("server", "bridge").Logger(), health.ServerOptions()...)
 	kvcv1.RegisterWorkerBridgeServiceServer(bridge, core)
 	// The bridge is a 0600 Unix socket to the local worker: plaintext. The peer port is TCP:
 	// mutual TLS when configured.
@@ -142,7 +159,6 @@ func (rt *Runtime) Serve(ctx context.Context, core Core, setReporter func(*Contr
 	hs := obs.NewHTTPServer(rt.Reg, &rt.Ready)
 	core.Mount(hs.Mux)
 
-	var cp *ControlPlane
 	if eps := c.Endpoints(); len(eps) > 0 {
 		cp = NewControlPlane(CPConfig{Endpoints: eps, Heartbeat: c.Heartbeat, Registerer: rt.Reg,
 			DialOptions: []grpc.DialOption{cpclient.DialCredentials(rt.TLS)}},
@@ -156,6 +172,7 @@ func (rt *Runtime) Serve(ctx context.Context, core Core, setReporter func(*Contr
 	g.Go(func() error { return peer.Serve(gctx, rt.PeerLis, 5*time.Second) })
 	g.Go(func() error { return hs.Serve(gctx, httpLis) })
 	g.Go(func() error { return core.Run(gctx) })
+	g.Go(func() error { return health.Run(gctx) })
 	g.Go(func() error {
 		select {
 		case <-gctx.Done():
