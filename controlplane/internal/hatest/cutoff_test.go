@@ -148,4 +148,19 @@ func TestLeaderCutOffFromEtcd(t *testing.T) {
 		t.Fatalf("stream to cp-b ended: %v", err)
 	default:
 	}
+	// cp-a is a working standby again: it campaigns, and takes over when cp-b dies.
+	killed := time.Now()
+	if err := b.cmd.Process.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	<-b.exit
+	waitFor(t, "cp-a leads again", electionTTL+10*time.Second, func() bool { return a.leader(t).GetResponderIsLeader() })
+	if took := time.Since(killed); took > electionTTL+2*time.Second {
+		t.Fatalf("cp-a took %s to take over from the killed cp-b", took)
+	} else {
+		t.Logf("the healed old leader took over %s after cp-b was killed", took)
+	}
+	if e := a.leader(t).GetEpoch(); e <= epochB {
+		t.Fatalf("cp-a epoch %d after %d", e, epochB)
+	}
 }
