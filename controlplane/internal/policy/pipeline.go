@@ -136,7 +136,8 @@ func Decide(in *Input) Decision {
 	if rec != nil && rec.DecodeWorker != "" {
 		d := findWorker(in.Workers, rec.DecodeWorker, kvcv1.WorkerRole_WORKER_ROLE_DECODE)
 		switch {
-		case d == nil || d.State == kvcv1.WorkerState_WORKER_STATE_UNREACHABLE:
+		case d == nil || d.State == kvcv1.WorkerState_WORKER_STATE_UNREACHABLE || d.State == kvcv1.WorkerState_WORKER_STATE_WORKER_DOWN:
+			// WORKER_DOWN: the sidecar is up but its worker process died, and the session's KV with it.
 			return c.lost(kvcv1.RouteReason_ROUTE_REASON_D_UNREACHABLE, rec.DecodeWorker)
 		case isDraining(d):
 			return c.lost(kvcv1.RouteReason_ROUTE_REASON_D_DRAINING, rec.DecodeWorker)
@@ -382,7 +383,7 @@ func (c *Cycle) snapshot() (*kvcv1.Worker, kvcv1.RouteReason) {
 		return nil, kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_MISSING
 	}
 	p := findWorker(c.In.Workers, s.PrefillWorker, kvcv1.WorkerRole_WORKER_ROLE_PREFILL)
-	if p == nil || p.State != kvcv1.WorkerState_WORKER_STATE_READY && p.State != kvcv1.WorkerState_WORKER_STATE_DRAINING {
+	if p == nil || !servesSnapshots(p) {
 		return nil, kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_MISSING
 	}
 	if m := c.K.SnapshotMaxStalenessMs; m > 0 && c.In.NowMs-s.UpdatedUnixMs > m {
@@ -443,6 +444,17 @@ func findWorker(ws []*kvcv1.Worker, id string, role kvcv1.WorkerRole) *kvcv1.Wor
 
 func isDraining(w *kvcv1.Worker) bool {
 	return w.Draining || w.State == kvcv1.WorkerState_WORKER_STATE_DRAINING
+}
+
+// servesSnapshots: a prefill sidecar that can write a snapshot into a decode worker — its stream
+// is up (READY, DRAINING, or WORKER_DOWN: the snapshot store is the sidecar's memory, not the
+// dead worker's, and a reseed via snapshot needs no prefill compute).
+func servesSnapshots(p *kvcv1.Worker) bool {
+	switch p.State {
+	case kvcv1.WorkerState_WORKER_STATE_READY, kvcv1.WorkerState_WORKER_STATE_DRAINING, kvcv1.WorkerState_WORKER_STATE_WORKER_DOWN:
+		return true
+	}
+	return false
 }
 
 // routable: connected, ready and not draining.

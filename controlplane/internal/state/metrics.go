@@ -9,6 +9,7 @@ type metrics struct {
 	transfers     *prometheus.CounterVec // TRANSFER_DONE / TRANSFER_FAILED
 	expired       prometheus.Counter
 	dropped       prometheus.Counter // residencies dropped after the unreachable grace
+	workerDown    prometheus.Counter // sidecars' reports of their worker process down
 	loadSeconds   prometheus.Gauge
 	writeFailures prometheus.Counter
 	// sessions' volatile states written to the volatile journal
@@ -39,6 +40,9 @@ func newMetrics(reg prometheus.Registerer, sessions func() float64) *metrics {
 		dropped: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvc_cp_residency_dropped_total", Help: "Session residencies or snapshots dropped because their worker stayed unreachable past the grace period.",
 		}),
+		workerDown: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvc_cp_worker_down_total", Help: "Times a connected sidecar reported its worker process down (the worker left routing; a decode worker's sessions were dropped).",
+		}),
 		loadSeconds: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "kvc_cp_leader_load_seconds", Help: "Time the last new leader took to load etcd before serving.",
 		}),
@@ -61,14 +65,14 @@ func newMetrics(reg prometheus.Registerer, sessions func() float64) *metrics {
 			Name: "kvc_cp_volatile_journal_bytes", Help: "Value bytes of the volatile journal keys in etcd (leader only).",
 		}),
 	}
-	for _, s := range []string{"ready", "draining", "unreachable"} {
+	for _, s := range []string{"ready", "draining", "unreachable", "worker_down"} {
 		m.workers.WithLabelValues(s)
 	}
 	for _, r := range []string{"sent", "acked", "failed", "queue_full", "no_stream"} {
 		m.commands.WithLabelValues(r)
 	}
 	if reg != nil {
-		reg.MustRegister(m.workers, m.commands, m.events, m.transfers, m.expired, m.dropped, m.loadSeconds, m.writeFailures, m.volatileFlushed,
+		reg.MustRegister(m.workers, m.commands, m.events, m.transfers, m.expired, m.dropped, m.workerDown, m.loadSeconds, m.writeFailures, m.volatileFlushed,
 			m.journalWritten, m.journalDeleted, m.journalKeys, m.journalBytes,
 			prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 				Name: "kvc_cp_sessions", Help: "Session records held in memory (leader only).",

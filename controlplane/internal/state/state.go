@@ -397,6 +397,7 @@ func (s *State) publishWorkersLocked() {
 	s.m.workers.WithLabelValues("ready").Set(float64(counts[kvcv1.WorkerState_WORKER_STATE_READY]))
 	s.m.workers.WithLabelValues("draining").Set(float64(counts[kvcv1.WorkerState_WORKER_STATE_DRAINING]))
 	s.m.workers.WithLabelValues("unreachable").Set(float64(counts[kvcv1.WorkerState_WORKER_STATE_UNREACHABLE]))
+	s.m.workers.WithLabelValues("worker_down").Set(float64(counts[kvcv1.WorkerState_WORKER_STATE_WORKER_DOWN]))
 }
 
 // setWorkerLocked replaces a worker's record (cloned and modified by fn), publishes the new

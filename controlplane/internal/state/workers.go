@@ -91,8 +91,12 @@ func (s *State) Attach(h *kvcv1.Hello) (*Stream, error) {
 		if w.RegisteredUnixMs == 0 {
 			w.RegisteredUnixMs = now
 		}
+		setWorkerDown(w, h.GetWorkerDown(), h.GetWorkerDownReason(), now)
 	})
 	s.log.Info().Str("worker", id).Str("role", h.GetRole().String()).Msg("sidecar connected")
+	if h.GetWorkerDown() {
+		s.workerDownLocked(e, h.GetWorkerDownReason())
+	}
 	return st, nil
 }
 
@@ -178,11 +182,62 @@ func (s *State) ApplyLoad(st *Stream, load *kvcv1.WorkerLoad) error {
 	if !ok || e.stream != st {
 		return ErrNoStream
 	}
-	s.setWorkerLocked(e, time.Since(e.saved) >= loadPersistEvery, func(w *kvcv1.Worker) {
+	down, reason := load.GetWorkerDown(), load.GetWorkerDownReason()
+	changed := down != (e.w.GetState() == kvcv1.WorkerState_WORKER_STATE_WORKER_DOWN)
+	s.setWorkerLocked(e, changed || time.Since(e.saved) >= loadPersistEvery, func(w *kvcv1.Worker) {
 		w.Load = proto.Clone(load).(*kvcv1.WorkerLoad)
 		w.LastHeartbeatUnixMs = time.Now().UnixMilli()
+		if changed {
+			setWorkerDown(w, down, reason, w.LastHeartbeatUnixMs)
+		}
 	})
+	switch {
+	case changed && down:
+		s.workerDownLocked(e, reason)
+	case changed:
+		s.log.Info().Str("worker", st.WorkerID).Msg("sidecar reports its worker up again: routable")
+	}
 	return nil
+}
+
+// setWorkerDown sets a connected worker's state from its sidecar's worker_down report:
+// WORKER_DOWN (since the first report) or back to READY / DRAINING.
+func setWorkerDown(w *kvcv1.Worker, down bool, reason string, nowMs int64) {
+	if down {
+		if w.GetWorkerDownSinceUnixMs() == 0 {
+			w.WorkerDownSinceUnixMs = nowMs
+		}
+		w.WorkerDownReason = reason
+		w.State = kvcv1.WorkerState_WORKER_STATE_WORKER_DOWN
+		return
+	}
+	w.WorkerDownSinceUnixMs, w.WorkerDownReason = 0, ""
+	w.State = kvcv1.WorkerState_WORKER_STATE_READY
+	if w.GetDraining() {
+		w.State = kvcv1.WorkerState_WORKER_STATE_DRAINING
+	}
+}
+
+// workerDownLocked acts on a worker whose sidecar reports the worker process down: it takes
+// no new work (state WORKER_DOWN: not routable). A decode worker's sessions died with it: their
+// residency is dropped now (the sidecar reports them evicted too), so their next turn reseeds
+// on another decode worker — from the snapshot when usable. A prefill worker keeps its
+// snapshots: they live in the sidecar's store, which still serves RESEED_SNAPSHOT.
+func (s *State) workerDownLocked(e *workerEntry, reason string) {
+	id := e.w.GetWorkerId()
+	s.m.workerDown.Inc()
+	n := 0
+	if e.w.GetRole() == kvcv1.WorkerRole_WORKER_ROLE_DECODE {
+		for _, sid := range keys(s.byDecode[id]) {
+			rec := s.sessions[sid].rec
+			rec.PreviousDecodeWorker = id
+			rec.DecodeWorker = ""
+			s.changedLocked(rec, id, rec.GetSnapshot().GetPrefillWorker())
+			n++
+		}
+	}
+	s.log.Warn().Str("worker", id).Str("role", e.w.GetRole().String()).Str("reason", reason).Int("sessions_dropped", n).
+		Msg("sidecar reports its worker down: not routable")
 }
 
 // Drain sets (or clears) a worker's draining flag, persists it and, when the worker is
@@ -199,7 +254,7 @@ func (s *State) Drain(id string, draining bool) (*kvcv1.Worker, error) {
 	}
 	s.setWorkerLocked(e, true, func(w *kvcv1.Worker) {
 		w.Draining = draining
-		if w.GetState() != kvcv1.WorkerState_WORKER_STATE_UNREACHABLE {
+		if st := w.GetState(); st != kvcv1.WorkerState_WORKER_STATE_UNREACHABLE && st != kvcv1.WorkerState_WORKER_STATE_WORKER_DOWN {
 			w.State = kvcv1.WorkerState_WORKER_STATE_READY
 			if draining {
 				w.State = kvcv1.WorkerState_WORKER_STATE_DRAINING
