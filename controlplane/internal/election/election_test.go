@@ -203,3 +203,57 @@ func waitCond(t *testing.T, what string, limit time.Duration, cond func() bool) 
 		time.Sleep(5 * time.Millisecond) // polling a condition with a deadline
 	}
 }
+
+// TestCampaignSessionLost is reliability scenario 5: the standby's lease is revoked while it
+// waits in Campaign. It must notice, create a new session and campaign again, never
+// reporting leadership without its key; when the leader steps down it leads under the key of
+// its new session.
+func TestCampaignSessionLost(t *testing.T) {
+	c := etcdtest.Start(t)
+	cli := c.Client(t)
+	a := startReplica(t, cli, "a")
+	fa := recv(t, a.terms, "a leads")
+	b := startReplica(t, cli, "b")
+	var first *mvccKV
+	waitCond(t, "b campaigns", 10*time.Second, func() bool {
+		first = campaignKey(t, cli, "b")
+		return first != nil
+	})
+	if _, err := cli.Revoke(t.Context(), clientv3.LeaseID(first.lease)); err != nil {
+		t.Fatal(err)
+	}
+	var second *mvccKV
+	waitCond(t, "b campaigns again with a new session", 10*time.Second, func() bool {
+		second = campaignKey(t, cli, "b")
+		return second != nil && second.key != first.key
+	})
+	if b.el.IsLeader() {
+		t.Fatal("b reports leadership while a leads")
+	}
+	a.el.StepDown("test")
+	fb := recv(t, b.terms, "b leads")
+	if fb.Key != second.key || fb.Rev != second.createRev || fb.Rev <= fa.Rev {
+		t.Fatalf("b leads with %+v, want its new key %+v", fb, second)
+	}
+}
+
+type mvccKV struct {
+	key       string
+	createRev int64
+	lease     int64
+}
+
+// campaignKey returns node's election key (nil when it has none).
+func campaignKey(t *testing.T, cli *clientv3.Client, node string) *mvccKV {
+	t.Helper()
+	resp, err := cli.Get(t.Context(), "/e/leader/", clientv3.WithPrefix())
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, kv := range resp.Kvs {
+		if strings.Contains(string(kv.Value), `"node_id":"`+node+`"`) {
+			return &mvccKV{key: string(kv.Key), createRev: kv.CreateRevision, lease: kv.Lease}
+		}
+	}
+	return nil
+}
