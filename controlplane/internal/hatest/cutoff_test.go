@@ -22,6 +22,9 @@ import (
 // The other replica leads by TTL + 2 s, the sidecar re-homes to it, and after Heal the old
 // leader rejoins as a standby naming the new one.
 func TestLeaderCutOffFromEtcd(t *testing.T) {
+	if testing.Short() {
+		t.Skip("process-level scenario in -short")
+	}
 	if os.Getenv("KVC_TEST_ETCD_ENDPOINTS") != "" {
 		t.Skip("needs the embedded etcd")
 	}

@@ -18,6 +18,9 @@ import (
 // Timeout (+3 s of slack for a loaded machine); meanwhile no decision sends a session to it; after Heal the
 // sidecar reconnects and resyncs, and residency matches what it reports (none orphaned).
 func TestHalfOpenSidecarStream(t *testing.T) {
+	if testing.Short() {
+		t.Skip("process-level scenario in -short")
+	}
 	if os.Getenv("KVC_TEST_ETCD_ENDPOINTS") != "" {
 		t.Skip("needs the embedded etcd")
 	}

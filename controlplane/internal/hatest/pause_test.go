@@ -24,6 +24,9 @@ import (
 // takeover, its queued route query is not decided under its epoch, and it ends up a standby
 // (health NOT_SERVING, GetLeader naming the new leader).
 func TestLeaderPause(t *testing.T) {
+	if testing.Short() {
+		t.Skip("process-level scenario in -short")
+	}
 	if os.Getenv("KVC_TEST_ETCD_ENDPOINTS") != "" {
 		t.Skip("needs the embedded etcd (reads its keys directly)")
 	}
