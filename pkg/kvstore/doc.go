@@ -6,6 +6,8 @@
 //	<prefix>leader/<lease>   election keys (concurrency.Election)
 //	<prefix>workers/<id>     kvc.v1.Worker
 //	<prefix>sessions/<id>    kvc.v1.SessionRecord
+//	<prefix>volatile/<seq>   kvc.v1.VolatileBatch: the leader's volatile journal (seq: 16 hex digits);
+//	                         LoadAll returns it, applying it over the sessions is the reader's job
 //	<prefix>policy           kvc.v1.Policy (the operator's overrides; defaults are filled by readers)
 //
 // # Fencing

@@ -353,3 +353,39 @@ func FuzzApplyJournal(f *testing.F) {
 		}
 	})
 }
+
+// BenchmarkJournalKey is one journal key of journalMaxEntries dirty sessions written under
+// the state lock (what one step of the paced flush holds the lock for).
+func BenchmarkJournalKey(b *testing.B) {
+	f := newFixture(b, Config{VolatileFlush: time.Hour})
+	st, term := f.st, f.term
+	ids := make([]string, journalMaxEntries)
+	for i := range ids {
+		ids[i] = fmt.Sprintf("sess-%06d", i)
+		st.UpdateSession(ids[i], func(r *kvcv1.SessionRecord) { r.DecodeWorker = "d0"; r.Turn = 3; r.KvCommittedLen = 40_000 })
+	}
+	b.ResetTimer()
+	for range b.N {
+		b.StopTimer()
+		st.mu.Lock()
+		for _, id := range ids {
+			e := st.sessions[id]
+			e.rec.Turn++
+			e.rec.LastSeenUnixMs = time.Now().UnixMilli()
+			st.markDirtyLocked(id, e)
+		}
+		b.StartTimer()
+		if _, n := st.journalLocked(ids); n != len(ids) {
+			b.Fatalf("wrote %d", n)
+		}
+		b.StopTimer()
+		clear(st.dirty)
+		st.dirty = st.dirty[:0]
+		st.mu.Unlock()
+		if err := term.batcher.Flush(b.Context()); err != nil {
+			b.Fatal(err)
+		}
+		b.StartTimer()
+	}
+	b.ReportMetric(float64(st.jr.bytes)/float64(len(st.jr.keys))/journalMaxEntries, "journal-bytes/session")
+}

@@ -26,7 +26,7 @@ type fixture struct {
 	sess  *concurrency.Session
 }
 
-func newFixture(t *testing.T, cfg Config) *fixture {
+func newFixture(t testing.TB, cfg Config) *fixture {
 	t.Helper()
 	c := etcdtest.Start(t)
 	cli := c.Client(t)
@@ -37,7 +37,7 @@ func newFixture(t *testing.T, cfg Config) *fixture {
 	return leadOn(t, store, cfg)
 }
 
-func leadOn(t *testing.T, store *kvstore.Store, cfg Config) *fixture {
+func leadOn(t testing.TB, store *kvstore.Store, cfg Config) *fixture {
 	t.Helper()
 	sess, err := concurrency.NewSession(store.Client(), concurrency.WithTTL(5))
 	if err != nil {
