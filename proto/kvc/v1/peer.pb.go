@@ -291,8 +291,18 @@ type ReserveSnapshotRequest struct {
 	// When set, the store accepts writes into this reservation from that peer only (tcp); when
 	// empty, the first peer that writes into it is the only one accepted afterwards.
 	SourceTransferEndpoint string `protobuf:"bytes,7,opt,name=source_transfer_endpoint,json=sourceTransferEndpoint,proto3" json:"source_transfer_endpoint,omitempty"`
-	unknownFields          protoimpl.UnknownFields
-	sizeCache              protoimpl.SizeCache
+	// Store credit (needs source_transfer_endpoint, the writer): top the writer's credit up to
+	// this many free store pages after this reservation, pages it may write into before it holds
+	// a reservation. 0: no credit wanted (the writer's credit is left as it is).
+	CreditPages int64 `protobuf:"varint,8,opt,name=credit_pages,json=creditPages,proto3" json:"credit_pages,omitempty"`
+	// A full push (base_len 0) whose first use_credit_pages pages are the writer's first credit
+	// pages, already written (tokens [0, use_credit_pages·page_size) or fewer). Needs credit_id.
+	UseCreditPages int64 `protobuf:"varint,9,opt,name=use_credit_pages,json=useCreditPages,proto3" json:"use_credit_pages,omitempty"`
+	// The credit the writer used, as last returned in ReserveSnapshotResponse.credit_id. A wrong
+	// or old id is FAILED_PRECONDITION and consumes nothing.
+	CreditId      uint64 `protobuf:"varint,10,opt,name=credit_id,json=creditId,proto3" json:"credit_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ReserveSnapshotRequest) Reset() {
@@ -374,6 +384,27 @@ func (x *ReserveSnapshotRequest) GetSourceTransferEndpoint() string {
 	return ""
 }
 
+func (x *ReserveSnapshotRequest) GetCreditPages() int64 {
+	if x != nil {
+		return x.CreditPages
+	}
+	return 0
+}
+
+func (x *ReserveSnapshotRequest) GetUseCreditPages() int64 {
+	if x != nil {
+		return x.UseCreditPages
+	}
+	return 0
+}
+
+func (x *ReserveSnapshotRequest) GetCreditId() uint64 {
+	if x != nil {
+		return x.CreditId
+	}
+	return 0
+}
+
 type ReserveSnapshotResponse struct {
 	state       protoimpl.MessageState `protogen:"open.v1"`
 	IngestId    uint64                 `protobuf:"varint,1,opt,name=ingest_id,json=ingestId,proto3" json:"ingest_id,omitempty"`
@@ -381,8 +412,12 @@ type ReserveSnapshotResponse struct {
 	// Store pages covering tokens [floor(base_len / page_size) * page_size, base_len + tokens).
 	Pages                 []int64 `protobuf:"varint,3,rep,packed,name=pages,proto3" json:"pages,omitempty"`
 	StoreTransferEndpoint string  `protobuf:"bytes,4,opt,name=store_transfer_endpoint,json=storeTransferEndpoint,proto3" json:"store_transfer_endpoint,omitempty"`
-	unknownFields         protoimpl.UnknownFields
-	sizeCache             protoimpl.SizeCache
+	// The writer's credit after this call, in the order the writer must use them (empty: none).
+	CreditPages []int64 `protobuf:"varint,5,rep,packed,name=credit_pages,json=creditPages,proto3" json:"credit_pages,omitempty"`
+	// Names this exact credit page list; unique per store instance (random base plus a counter).
+	CreditId      uint64 `protobuf:"varint,6,opt,name=credit_id,json=creditId,proto3" json:"credit_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ReserveSnapshotResponse) Reset() {
@@ -441,6 +476,20 @@ func (x *ReserveSnapshotResponse) GetStoreTransferEndpoint() string {
 		return x.StoreTransferEndpoint
 	}
 	return ""
+}
+
+func (x *ReserveSnapshotResponse) GetCreditPages() []int64 {
+	if x != nil {
+		return x.CreditPages
+	}
+	return nil
+}
+
+func (x *ReserveSnapshotResponse) GetCreditId() uint64 {
+	if x != nil {
+		return x.CreditId
+	}
+	return 0
 }
 
 type CommitSnapshotRequest struct {
@@ -655,7 +704,7 @@ const file_kvc_v1_peer_proto_rawDesc = "" +
 	"\x05bytes\x18\x03 \x01(\x03R\x05bytes\x12\x16\n" +
 	"\x06tokens\x18\x04 \x01(\x03R\x06tokens\x12\x14\n" +
 	"\x05error\x18\x05 \x01(\tR\x05error\"\x16\n" +
-	"\x14TransferDoneResponse\"\xa5\x02\n" +
+	"\x14TransferDoneResponse\"\x8f\x03\n" +
 	"\x16ReserveSnapshotRequest\x12\x1d\n" +
 	"\n" +
 	"session_id\x18\x01 \x01(\tR\tsessionId\x12\x1e\n" +
@@ -666,12 +715,18 @@ const file_kvc_v1_peer_proto_rawDesc = "" +
 	"\x06tokens\x18\x04 \x01(\x03R\x06tokens\x12(\n" +
 	"\x10source_worker_id\x18\x05 \x01(\tR\x0esourceWorkerId\x125\n" +
 	"\rsource_layout\x18\x06 \x01(\v2\x10.kvc.v1.KVLayoutR\fsourceLayout\x128\n" +
-	"\x18source_transfer_endpoint\x18\a \x01(\tR\x16sourceTransferEndpoint\"\xb9\x01\n" +
+	"\x18source_transfer_endpoint\x18\a \x01(\tR\x16sourceTransferEndpoint\x12!\n" +
+	"\fcredit_pages\x18\b \x01(\x03R\vcreditPages\x12(\n" +
+	"\x10use_credit_pages\x18\t \x01(\x03R\x0euseCreditPages\x12\x1b\n" +
+	"\tcredit_id\x18\n" +
+	" \x01(\x04R\bcreditId\"\xf9\x01\n" +
 	"\x17ReserveSnapshotResponse\x12\x1b\n" +
 	"\tingest_id\x18\x01 \x01(\x04R\bingestId\x123\n" +
 	"\fstore_layout\x18\x02 \x01(\v2\x10.kvc.v1.KVLayoutR\vstoreLayout\x12\x14\n" +
 	"\x05pages\x18\x03 \x03(\x03R\x05pages\x126\n" +
-	"\x17store_transfer_endpoint\x18\x04 \x01(\tR\x15storeTransferEndpoint\"U\n" +
+	"\x17store_transfer_endpoint\x18\x04 \x01(\tR\x15storeTransferEndpoint\x12!\n" +
+	"\fcredit_pages\x18\x05 \x03(\x03R\vcreditPages\x12\x1b\n" +
+	"\tcredit_id\x18\x06 \x01(\x04R\bcreditId\"U\n" +
 	"\x15CommitSnapshotRequest\x12\x1b\n" +
 	"\tingest_id\x18\x01 \x01(\x04R\bingestId\x12\x1f\n" +
 	"\vready_event\x18\x02 \x01(\fR\n" +
