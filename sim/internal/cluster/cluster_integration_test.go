@@ -249,11 +249,34 @@ func TestLocalClusterEndToEnd(t *testing.T) {
 	if err := c.Kill("sim-" + victim); err != nil {
 		t.Fatal(err)
 	}
-	r5 := generate(t, c.GatewayURL, "it-3", text+strings.Repeat(" again", 10))
-	if r5.status != http.StatusOK && !strings.Contains(r5.body, `"code"`) {
-		t.Fatalf("after %s died: %d %q", victim, r5.status, r5.body)
+	// Only the worker process died: its sidecar stays up and reports it (bridge closed, /health
+	// refused), so the control plane lists it WORKER_DOWN and routes nothing there.
+	if err := c.retry(ctx, "victim WORKER_DOWN", func(ctx context.Context) error {
+		return c.onLeader(ctx, func(ctx context.Context, cl kvcv1.AdminServiceClient) error {
+			resp, err := cl.ListWorkers(ctx, &kvcv1.ListWorkersRequest{})
+			if err != nil {
+				return err
+			}
+			for _, w := range resp.GetWorkers() {
+				if w.GetWorkerId() == victim && w.GetState() == kvcv1.WorkerState_WORKER_STATE_WORKER_DOWN && w.GetWorkerDownReason() != "" {
+					return nil
+				}
+			}
+			return errNotYet
+		})
+	}); err != nil {
+		t.Fatalf("%v\n%s", err, logs(c))
 	}
+	r5 := generate(t, c.GatewayURL, "it-3", text+strings.Repeat(" again", 10))
 	t.Logf("after %s died: %d %s %s %s", victim, r5.status, r5.header.Get("X-Kvc-Mode"), r5.header.Get("X-Kvc-Decode-Worker"), r5.body)
+	if r5.status != http.StatusOK || r5.header.Get("X-Kvc-Decode-Worker") == victim {
+		t.Fatalf("after %s died: %d on %q %q", victim, r5.status, r5.header.Get("X-Kvc-Decode-Worker"), r5.body)
+	}
+	// The session lost its D: reseeded on the other D, or plain P/D when that one is full
+	// (this cluster's decode capacity is small on purpose); never direct-to-D.
+	if m := r5.header.Get("X-Kvc-Mode"); m == "DIRECT_TO_D" {
+		t.Fatalf("the next turn of a session resident on the dead %s ran as %s (%s)", victim, m, r5.header.Get("X-Kvc-Reason"))
+	}
 	if m := r5.header.Get("X-Kvc-Mode"); r5.status == http.StatusOK && m != "PD_FALLBACK" {
 		// Served elsewhere and kept: let its snapshot push finish before stopping.
 		waitSnapshot(t, c, "it-3", int64(r5.meta["kvc"].(map[string]any)["kv_len_after"].(float64)))
