@@ -283,10 +283,15 @@ func (e *Elector) term(ctx context.Context, ttl int, val string, lead LeadFunc) 
 	lctx, lcancel := context.WithCancel(ctx)
 	reason := make(chan string, 1)
 	go func() {
-		reason <- e.watch(lctx, sess, gone)
+		why := e.watch(lctx, sess, gone)
+		e.leading.Store(false) // IsLeader is false from the moment the term is known to end
+		reason <- why
 		lcancel()
 	}()
 	serving := func() {
+		if lctx.Err() != nil {
+			return // the term ended while loading
+		}
 		e.leading.Store(true)
 		e.gLeader.Set(1)
 		e.current.Store(&Leader{NodeID: e.cfg.NodeID, Addr: e.cfg.Addr, Epoch: fence.Rev})
