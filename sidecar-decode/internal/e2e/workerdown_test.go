@@ -46,16 +46,22 @@ func startMortal(t *testing.T, id, cps string) *mortalWorker {
 	return m
 }
 
-// connect is the worker (re)starting: a new bridge connection and a new KV pool.
-func (m *mortalWorker) connect(t *testing.T) {
+// ownBridge gives sc's worker a bridge connection of its own (closing it is the worker dying).
+func ownBridge(t *testing.T, sc *sidecar) *grpc.ClientConn {
 	t.Helper()
-	conn, err := grpc.NewClient("unix://"+m.sc.ready["bridge_socket"].(string), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	conn, err := grpc.NewClient("unix://"+sc.ready["bridge_socket"].(string), grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = conn.Close() })
-	m.conn = conn
-	m.sc.bridge = kvcv1.NewWorkerBridgeServiceClient(conn)
+	sc.bridge = kvcv1.NewWorkerBridgeServiceClient(conn)
+	return conn
+}
+
+// connect is the worker (re)starting: a new bridge connection and a new KV pool.
+func (m *mortalWorker) connect(t *testing.T) {
+	t.Helper()
+	m.conn = ownBridge(t, m.sc)
 	m.alive.Store(true)
 	m.w = newWorker(t, m.sc, 1024)
 	m.pages = map[string][]int64{}
@@ -84,6 +90,7 @@ func TestWorkerProcessDeath(t *testing.T) {
 		t.Fatal(err)
 	}
 	p0 := startSidecar(t, "prefill", "p0", cp.addr, "--store-capacity-bytes", itoa(64*2*numLayers*itemLen))
+	pconn := ownBridge(t, p0)
 	pw := newWorker(t, p0, 1024)
 	byID := map[string]*mortalWorker{"d1": startMortal(t, "d1", cp.addr), "d2": startMortal(t, "d2", cp.addr)}
 	workers := func() map[string]*kvcv1.Worker {
@@ -203,5 +210,34 @@ func TestWorkerProcessDeath(t *testing.T) {
 	})
 	if d := rt.query(t, "after-restart", 0, 100, 10); d.GetMode() != kvcv1.RouteMode_ROUTE_MODE_SEED || d.GetDecode().GetWorkerId() != dead.sc.id {
 		t.Fatalf("after the restart a new session went %s to %s; the restarted worker is the emptiest", d.GetMode(), d.GetDecode().GetWorkerId())
+	}
+
+	// The prefill worker dies: p0 prefills nothing more, but its snapshot store is the
+	// sidecar's memory, so it still reseeds A (whose new residency was snapshotted at 208).
+	waitFor(t, "A's snapshot at 208 on p0", 20*time.Second, func() bool {
+		s := session(A)
+		return s.GetSnapshot().GetSeqlen() == 208 && s.GetSnapshot().GetPrefillWorker() == "p0"
+	})
+	_ = pconn.Close()
+	waitFor(t, "p0 WORKER_DOWN", 20*time.Second, func() bool {
+		return workers()["p0"].GetState() == kvcv1.WorkerState_WORKER_STATE_WORKER_DOWN
+	})
+	if s := session(A); s.GetSnapshot().GetSeqlen() != 208 {
+		t.Fatalf("A's snapshot lost with p0's worker: %v", s.GetSnapshot())
+	}
+	if d := rt.query(t, "no-prefill", 0, 100, 10); d.GetMode() != kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK ||
+		d.GetReason() != kvcv1.RouteReason_ROUTE_REASON_NO_PREFILL_WORKER || d.GetPrefill() != nil {
+		t.Fatalf("a new session with the only P down: %s (%s) via %v", d.GetMode(), d.GetReason(), d.GetPrefill().GetWorkerId())
+	}
+	other.release(t, A)
+	waitFor(t, "A not resident", 10*time.Second, func() bool { return session(A).GetDecodeWorker() == "" })
+	dec = rt.query(t, A, 3, 220, 8)
+	if dec.GetMode() != kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT || dec.GetPrefill().GetWorkerId() != "p0" || dec.GetSnapshotSeqlen() != 208 {
+		t.Fatalf("A with p0's worker down: %s (%s) via %s, seqlen %d", dec.GetMode(), dec.GetReason(), dec.GetPrefill().GetWorkerId(), dec.GetSnapshotSeqlen())
+	}
+	to := byID[dec.GetDecode().GetWorkerId()]
+	res = to.receive(t, A, dec, kvcv1.TransferKind_TRANSFER_KIND_SNAPSHOT, 208, nil)
+	if !res.GetOk() || res.GetBytes() != 208*bpt {
+		t.Fatalf("snapshot reseed from p0 with its worker down: %v", res)
 	}
 }
