@@ -16,7 +16,8 @@ import (
 //
 // The writable bytes are kept per store page: one atomic pointer per page to {reservation, byte
 // range within the page} (the same in every buffer), set (under the store lock) when a
-// reservation starts and cleared when it ends. CheckWrite takes no lock and writes nothing
+// reservation starts and cleared when it ends. A writer's store credit (credit.go) is writable
+// by that writer only, whole pages, until a reservation takes the pages over or it expires. CheckWrite takes no lock and writes nothing
 // shared: the buffer by division (equally spaced buffers) or binary search over their start
 // addresses, then one atomic load per page the write touches.
 
@@ -25,6 +26,7 @@ type guardRes struct {
 	id      uint64
 	session string
 	peer    atomic.Pointer[string] // the peer that wrote first
+	writer  string                 // the writer named when it was made ("" = first writer binds it)
 	revoked atomic.Bool            // committed, aborted or expired
 }
 
@@ -91,10 +93,7 @@ func (s *Store) guardLocked(p *pending, firstPage int64, writer string) {
 	if !s.guarded() {
 		return
 	}
-	p.guard = &guardRes{id: p.id, session: p.session}
-	if writer != "" {
-		p.guard.peer.Store(&writer)
-	}
+	p.guard = newGuardRes(p.id, p.session, writer)
 	ps := s.cfg.PageSize
 	tb := s.gItem / uint64(ps)
 	end := p.base + p.tokens
@@ -105,6 +104,14 @@ func (s *Store) guardLocked(p *pending, firstPage int64, writer string) {
 			s.gpages[pg].Store(&pageGuard{res: p.guard, lo: uint64(lo) * tb, hi: uint64(hi) * tb})
 		}
 	}
+}
+
+func newGuardRes(id uint64, session, writer string) *guardRes {
+	g := &guardRes{id: id, session: session, writer: writer}
+	if writer != "" {
+		g.peer.Store(&writer)
+	}
+	return g
 }
 
 // unguardLocked withdraws a reservation's writable bytes (commit, abort, expiry).
@@ -172,7 +179,9 @@ func (s *Store) CheckWrite(peer string, addr, n uint64) error {
 		switch {
 		case g == nil || from < g.lo || from >= g.hi:
 			return s.notReserved(addr, n)
-		case pg > p0 && g.res != res:
+		case pg > p0 && g.res != res && (g.res.writer == "" || g.res.writer != res.writer):
+			// Two spans of one named writer may be crossed (its credit pages next to the
+			// reservation that is taking them over); any other crossing is refused.
 			return fmt.Errorf("store: write [%#x, +%d) crosses from ingest %d into ingest %d", addr, n, res.id, g.res.id)
 		case to > g.hi:
 			return fmt.Errorf("store: write [%#x, +%d) runs past the reserved token range of ingest %d (session %s)", addr, n, g.res.id, g.res.session)

@@ -50,6 +50,8 @@ type Reservation struct {
 	ID        uint64
 	Pages     []int64
 	FirstPage int64
+	// Credit is the writer's store credit after the reservation (credit.go); zero without one.
+	Credit Credit
 }
 
 type pending struct {
@@ -86,6 +88,10 @@ type Config struct {
 	// Buffers[b] + p·PageBytes/len(Buffers)); the store then keeps a write guard over them
 	// (CheckWrite, installed as the transfer engine's rdma.WriteGuard).
 	Buffers []uint64
+	// CreditTimeout frees a writer's credit left unused this long (5m); CreditMaxPages caps all
+	// credits together (0: a tenth of the store; negative: no credits). See credit.go.
+	CreditTimeout  time.Duration
+	CreditMaxPages int64
 }
 
 // Store is safe for concurrent use.
@@ -101,6 +107,10 @@ type Store struct {
 	bySess   map[string]uint64
 	nextID   uint64
 	pinsByID map[string]int // pins taken by PushSnapshot commands before the offer arrives
+
+	credits     map[string]*credit // by writer (credit.go)
+	creditPages int64              // pages in all credits
+	creditSeq   uint64             // the last credit id handed out (starts at a random base)
 
 	// The write guard (guard.go): buffer start addresses sorted, bytes of a page per buffer and of
 	// a buffer, and per store page its writable bytes.
@@ -122,8 +132,15 @@ func New(cfg Config) (*Store, error) {
 	if cfg.Now == nil {
 		cfg.Now = time.Now
 	}
+	if cfg.CreditTimeout <= 0 {
+		cfg.CreditTimeout = 5 * time.Minute
+	}
+	if cfg.CreditMaxPages == 0 {
+		cfg.CreditMaxPages = cfg.PageCount / 10
+	}
 	s := &Store{cfg: cfg, free: make([]bool, cfg.PageCount), nfree: cfg.PageCount,
-		entries: map[string]*Entry{}, lru: list.New(), pend: map[uint64]*pending{}, bySess: map[string]uint64{}}
+		entries: map[string]*Entry{}, lru: list.New(), pend: map[uint64]*pending{}, bySess: map[string]uint64{},
+		credits: map[string]*credit{}, creditSeq: creditBase()}
 	for i := range s.free {
 		s.free[i] = true
 	}
@@ -162,6 +179,14 @@ func (s *Store) Reserve(session string, gen uint64, base, tokens int64, source s
 // from peer writer (the segment name its engine announces) are accepted into the reservation.
 // An empty writer binds the reservation to the first peer that writes into it.
 func (s *Store) ReserveFor(session string, gen uint64, base, tokens int64, source, writer string) (Reservation, error) {
+	return s.ReserveCredit(session, gen, base, tokens, source, writer, CreditRequest{})
+}
+
+// ReserveCredit is ReserveFor with store credit (credit.go): the reservation's first cr.Use
+// pages are the writer's first credit pages (checked against cr.ID; a full push only), and the
+// writer's credit is topped up to cr.Pages free pages afterwards. Reservation.Credit is the
+// writer's credit after the call.
+func (s *Store) ReserveCredit(session string, gen uint64, base, tokens int64, source, writer string, cr CreditRequest) (Reservation, error) {
 	if tokens <= 0 || base < 0 {
 		return Reservation{}, status.Errorf(codes.InvalidArgument, "bad range: base_len %d, tokens %d", base, tokens)
 	}
@@ -178,6 +203,9 @@ func (s *Store) ReserveFor(session string, gen uint64, base, tokens int64, sourc
 	defer s.mu.Unlock()
 	now := s.cfg.Now()
 	s.expireLocked(now)
+	if err := s.checkCreditLocked(base, tokens, writer, cr); err != nil {
+		return Reservation{}, err
+	}
 	if id, busy := s.bySess[session]; busy {
 		return Reservation{}, status.Errorf(codes.Aborted, "session %s already has ingest %d in flight", session, id)
 	}
@@ -210,21 +238,23 @@ func (s *Store) ReserveFor(session string, gen uint64, base, tokens int64, sourc
 		return Reservation{}, status.Errorf(codes.ResourceExhausted, "reserve of %d pages (%d bytes) is larger than the store (%d pages, %d bytes)",
 			need, need*s.cfg.PageBytes, s.cfg.PageCount, s.CapacityBytes())
 	}
-	for s.nfree < need {
+	use := cr.Use
+	for s.nfree < need-use {
 		v, ok := s.evictOneLocked(e, p.full)
 		if !ok {
 			return Reservation{}, status.Errorf(codes.ResourceExhausted, "store full: %d pages free, %d needed, nothing evictable", s.nfree, need)
 		}
 		evicted = append(evicted, v)
 	}
-	p.owned = s.allocLocked(need)
+	p.owned = append(s.takeCreditLocked(writer, use), s.allocLocked(need-use)...)
 	p.pages = append(p.pages, p.owned...)
 	s.nextID++
 	p.id = s.nextID
 	s.pend[p.id] = p
 	s.bySess[session] = p.id
 	s.guardLocked(p, firstPage, writer)
-	return Reservation{ID: p.id, Pages: append([]int64(nil), p.pages...), FirstPage: firstPage}, nil
+	c := s.topUpCreditLocked(writer, cr.Pages, use > 0, now)
+	return Reservation{ID: p.id, Pages: append([]int64(nil), p.pages...), FirstPage: firstPage, Credit: c}, nil
 }
 
 // evictOneLocked removes the least recently used evictable entry other than keep (the session's
@@ -389,6 +419,7 @@ func (s *Store) expireLocked(now time.Time) {
 			s.abortLocked(p)
 		}
 	}
+	s.expireCreditsLocked(now)
 }
 
 // Expire frees reservations past their deadline (called periodically).
