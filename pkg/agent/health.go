@@ -49,8 +49,9 @@ type HealthConfig struct {
 // WorkerHealth tracks whether the worker process beside the sidecar (SGLang or kvc-sim) is
 // alive. The worker is down when its WorkerBridge connection closes and a /health probe right
 // after fails (or there is no URL to probe), or when Threshold probes in a row fail. It is up
-// again when the worker registers its KV pool again or a probe succeeds. Nothing is judged
-// before the worker's first RegisterKVPool.
+// again when the worker registers its KV pool again or a probe succeeds (without a URL: or the
+// worker calls the bridge again after a drop). Nothing is judged before the worker's first
+// RegisterKVPool.
 //
 // A closed bridge connection alone is not proof: a gRPC client closes an idle connection (30
 // minutes by default) and opens a new one on its next call, so the probe decides.
@@ -60,11 +61,13 @@ type WorkerHealth struct {
 
 	closed chan struct{} // a bridge connection ended (cap 1)
 	reg    chan struct{} // RegisterKVPool succeeded (cap 1)
+	call   chan struct{} // another bridge call succeeded (cap 1; only without a URL)
 
 	mu         sync.Mutex
 	conns      int
 	registered bool
 	down       bool
+	cause      string // bridge or health, while down
 	reason     string
 	since      time.Time
 
@@ -87,7 +90,7 @@ func NewWorkerHealth(cfg HealthConfig, log zerolog.Logger) *WorkerHealth {
 		cfg.Client = &http.Client{Transport: &http.Transport{DisableKeepAlives: true}}
 	}
 	cfg.URL = strings.TrimRight(cfg.URL, "/")
-	h := &WorkerHealth{cfg: cfg, log: log, closed: make(chan struct{}, 1), reg: make(chan struct{}, 1),
+	h := &WorkerHealth{cfg: cfg, log: log, closed: make(chan struct{}, 1), reg: make(chan struct{}, 1), call: make(chan struct{}, 1),
 		up: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "kvc_sidecar_worker_up",
 			Help: "1 while the worker process beside this sidecar is alive (bridge connected or /health ok), 0 once judged down.",
@@ -116,12 +119,27 @@ func (h *WorkerHealth) ServerOptions() []grpcx.Option {
 		grpcx.WithServerOptions(grpc.StatsHandler(connWatcher{h})),
 		grpcx.WithUnaryInterceptors(func(ctx context.Context, req any, info *grpc.UnaryServerInfo, next grpc.UnaryHandler) (any, error) {
 			resp, err := next(ctx, req)
-			if err == nil && info.FullMethod == kvcv1.WorkerBridgeService_RegisterKVPool_FullMethodName {
+			switch {
+			case err != nil:
+			case info.FullMethod == kvcv1.WorkerBridgeService_RegisterKVPool_FullMethodName:
 				h.Registered()
+			case h.cfg.URL == "" && strings.HasPrefix(info.FullMethod, "/kvc.v1.WorkerBridgeService/") && h.downByBridge():
+				// Without a URL to probe, a worker calling again after its bridge connection
+				// closed proves it alive (that close was an idle one).
+				select {
+				case h.call <- struct{}{}:
+				default:
+				}
 			}
 			return resp, err
 		}),
 	}
+}
+
+func (h *WorkerHealth) downByBridge() bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.down && h.cause == "bridge"
 }
 
 // Registered tells the tracker the worker registered its KV pool: it is up.
@@ -186,6 +204,14 @@ func (h *WorkerHealth) Run(ctx context.Context) error {
 			h.mu.Unlock()
 			h.set(false, "worker registered its KV pool", "")
 			h.hook("registered")
+		case <-h.call:
+			h.mu.Lock()
+			cause := h.cause
+			h.mu.Unlock()
+			if cause == "bridge" {
+				h.set(false, "worker called the bridge again", "")
+			}
+			h.hook("called")
 		case <-h.closed:
 			h.mu.Lock()
 			open, registered, down := h.conns, h.registered, h.down
@@ -251,9 +277,9 @@ func (h *WorkerHealth) set(down bool, reason, cause string) {
 	}
 	h.down = down
 	h.since = time.Now()
-	h.reason = ""
+	h.reason, h.cause = "", ""
 	if down {
-		h.reason = reason
+		h.reason, h.cause = reason, cause
 	}
 	h.mu.Unlock()
 	if down {

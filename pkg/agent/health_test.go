@@ -169,6 +169,10 @@ type fakeBridge struct {
 	kvcv1.UnimplementedWorkerBridgeServiceServer
 }
 
+func (fakeBridge) CommitSession(context.Context, *kvcv1.CommitSessionRequest) (*kvcv1.CommitSessionResponse, error) {
+	return &kvcv1.CommitSessionResponse{}, nil
+}
+
 func (fakeBridge) RegisterKVPool(context.Context, *kvcv1.RegisterKVPoolRequest) (*kvcv1.RegisterKVPoolResponse, error) {
 	return &kvcv1.RegisterKVPoolResponse{TransferEndpoint: "x"}, nil
 }
@@ -241,6 +245,24 @@ func TestWorkerHealthBridgeDrop(t *testing.T) {
 			tr := waitChange(t, changes, true)
 			if !strings.Contains(tr.reason, tc.reason) {
 				t.Fatalf("reason %q; want it to mention %q", tr.reason, tc.reason)
+			}
+			if tc.url == "" {
+				// Without a URL, a call on a new connection (the close was an idle one) is
+				// proof of life.
+				c2, err := grpc.NewClient("unix://"+path, grpc.WithTransportCredentials(insecure.NewCredentials()))
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer c2.Close()
+				ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+				defer cancel()
+				if _, err := kvcv1.NewWorkerBridgeServiceClient(c2).CommitSession(ctx, &kvcv1.CommitSessionRequest{SessionId: "s"}); err != nil {
+					t.Fatal(err)
+				}
+				if tr := waitChange(t, changes, false); !strings.Contains(tr.reason, "called the bridge again") {
+					t.Fatalf("up reason %q", tr.reason)
+				}
+				return
 			}
 			// The restarted worker connects and registers its pool again: up.
 			conn = workerConnect(t, path)
