@@ -32,6 +32,7 @@ func run(args []string, getenv func(string) string, stderr io.Writer) int {
 	storeBytes := fs.Int64("store-capacity-bytes", 8<<30, "snapshot store capacity in bytes")
 	storeMem := fs.String("store-memory", agent.StoreMemoryHost, "snapshot store memory: host (with --transport cuda a page-locked shared-memory file, a memfd, that decode sidecars map and push into) or cuda (device memory of --gpu-index; --transport cuda only)")
 	roomTimeout := fs.Duration("room-timeout", 60*time.Second, "a transfer room whose other half never comes is failed after this")
+	creditTimeout := fs.Duration("snapshot-credit-timeout", 5*time.Minute, "a decode writer's store credit (free pages it may push into before its reservation) left unused this long is freed")
 	if err := agent.ParseFlags(fs, args, getenv); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return 0
@@ -50,6 +51,8 @@ func run(args []string, getenv func(string) string, stderr io.Writer) int {
 		err = fmt.Errorf("--store-memory cuda needs --transport cuda (got %s)", c.Transport)
 	case *roomTimeout <= 0:
 		err = fmt.Errorf("--room-timeout must be positive")
+	case *creditTimeout <= 0:
+		err = fmt.Errorf("--snapshot-credit-timeout must be positive")
 	}
 	if err != nil {
 		fmt.Fprintln(stderr, "kvc-sidecar-prefill:", err)
@@ -64,7 +67,7 @@ func run(args []string, getenv func(string) string, stderr io.Writer) int {
 	}
 	core := prefill.New(prefill.Config{WorkerID: c.WorkerID, Node: rt.Node, GPUIndex: int32(c.GPUIndex), WorkerURL: c.WorkerURL,
 		Transport: c.Transport, PeerAddr: rt.PeerAddr, StoreBytes: *storeBytes, StoreMemory: *storeMem, KVCapacity: c.KVCapacityTokens,
-		RoomTimeout: *roomTimeout, Version: version, PeerDial: rt.PeerDialOptions()}, rt.Engine, rt.Events, rt.Log)
+		RoomTimeout: *roomTimeout, CreditTimeout: *creditTimeout, Version: version, PeerDial: rt.PeerDialOptions()}, rt.Engine, rt.Events, rt.Log)
 	defer core.Close()
 	if err := rt.Serve(ctx, core, func(cp *agent.ControlPlane) { core.SetReporter(cp) }); err != nil {
 		rt.Log.Error().Err(err).Msg("sidecar stopped")

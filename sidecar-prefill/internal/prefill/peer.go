@@ -52,8 +52,10 @@ func (s *Sidecar) ReserveSnapshot(_ context.Context, req *kvcv1.ReserveSnapshotR
 	}
 	// With the endpoint named, the store's write guard accepts writes into the reservation from
 	// that peer only; without, from the first peer that writes into it.
-	res, err := st.ReserveFor(req.GetSessionId(), req.GetGeneration(), req.GetBaseLen(), req.GetTokens(), req.GetSourceWorkerId(),
-		req.GetSourceTransferEndpoint())
+	// Store credit (store/credit.go): the writer's first use_credit_pages credit pages, already
+	// written, lead a full push's reservation; its credit is topped up to credit_pages after.
+	res, err := st.ReserveCredit(req.GetSessionId(), req.GetGeneration(), req.GetBaseLen(), req.GetTokens(), req.GetSourceWorkerId(),
+		req.GetSourceTransferEndpoint(), store.CreditRequest{Pages: req.GetCreditPages(), Use: req.GetUseCreditPages(), ID: req.GetCreditId()})
 	if err != nil {
 		s.ev.Emit(agent.Event{Event: agent.EvRecvRejected, Session: req.GetSessionId(), Generation: req.GetGeneration(),
 			BaseLen: req.GetBaseLen(), Tokens: req.GetTokens(), Peer: req.GetSourceWorkerId(), Reason: err.Error()})
@@ -65,7 +67,8 @@ func (s *Sidecar) ReserveSnapshot(_ context.Context, req *kvcv1.ReserveSnapshotR
 	}
 	s.ingests[res.ID] = ingest{session: req.GetSessionId(), gen: req.GetGeneration(), base: req.GetBaseLen(), tokens: req.GetTokens(), source: req.GetSourceWorkerId(), started: time.Now()}
 	s.mu.Unlock()
-	return &kvcv1.ReserveSnapshotResponse{IngestId: res.ID, StoreLayout: arena.Layout(), Pages: res.Pages, StoreTransferEndpoint: s.eng.SegmentName()}, nil
+	return &kvcv1.ReserveSnapshotResponse{IngestId: res.ID, StoreLayout: arena.Layout(), Pages: res.Pages, StoreTransferEndpoint: s.eng.SegmentName(),
+		CreditPages: res.Credit.Pages, CreditId: res.Credit.ID}, nil
 }
 
 func (s *Sidecar) takeIngest(id uint64) (ingest, bool) {

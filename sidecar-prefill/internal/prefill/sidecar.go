@@ -40,6 +40,8 @@ type Config struct {
 	KVCapacity    int64  // override of what the pool implies (0 = pool)
 	RoomTimeout   time.Duration
 	TransferLimit time.Duration // budget of one reseed write
+	// CreditTimeout frees a decode writer's store credit left unused this long (5m).
+	CreditTimeout time.Duration
 	Version       string
 	// PeerDial are extra dial options of connections to peer sidecars (mTLS credentials).
 	PeerDial []grpc.DialOption
@@ -202,7 +204,8 @@ func (s *Sidecar) RegisterKVPool(_ context.Context, req *kvcv1.RegisterKVPoolReq
 			p.Close()
 			return nil, status.Errorf(codes.ResourceExhausted, "snapshot store of %d pages: %v", pages, err)
 		}
-		scfg := store.Config{PageSize: int64(p.PageSize), PageBytes: pageBytes, PageCount: pages, OnEvict: s.onEvict}
+		scfg := store.Config{PageSize: int64(p.PageSize), PageBytes: pageBytes, PageCount: pages, OnEvict: s.onEvict,
+			CreditTimeout: s.cfg.CreditTimeout}
 		// The decode sidecars WRITE into the store; an engine whose owner side sees every write
 		// (tcp) refuses, through the store's guard, every byte outside the token span of an
 		// ingest in flight. One-sided backends (cuda) copy without the owner: bounds only.
