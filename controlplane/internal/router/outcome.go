@@ -33,10 +33,11 @@ func (s *Service) outcome(o *kvcv1.RouteOutcome) *kvcv1.RouteResponse {
 	if !ok {
 		return s.errResp("", o.DecisionId, codes.NotFound, "unknown decision id (not issued by this leader)")
 	}
+	nowMs := s.clock().UnixMilli()
 	s.mu.Lock()
 	r, ok := s.led.remove(seq)
 	if ok && o.Success && r.holdsDecode() {
-		s.led.settle(r.decode, r.tokens, s.now().UnixMilli())
+		s.led.settle(r.decode, r.tokens, nowMs)
 	}
 	issued := seq <= s.nextSeq
 	s.mu.Unlock()
@@ -46,12 +47,12 @@ func (s *Service) outcome(o *kvcv1.RouteOutcome) *kvcv1.RouteResponse {
 		}
 		return s.errResp("", o.DecisionId, codes.NotFound, "unknown decision id")
 	}
-	s.apply(r, o)
+	s.apply(r, o, nowMs)
 	return &kvcv1.RouteResponse{Kind: &kvcv1.RouteResponse_OutcomeAck{OutcomeAck: &kvcv1.OutcomeAck{DecisionId: o.DecisionId}}}
 }
 
 // apply carries out an outcome's effects; r's reservation is already released.
-func (s *Service) apply(r *reservation, o *kvcv1.RouteOutcome) {
+func (s *Service) apply(r *reservation, o *kvcv1.RouteOutcome, nowMs int64) {
 	kind := o.ErrorKind
 	if o.Success {
 		kind = kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_NONE
@@ -68,7 +69,6 @@ func (s *Service) apply(r *reservation, o *kvcv1.RouteOutcome) {
 	if kvLen <= 0 {
 		kvLen = r.input + r.maxOut
 	}
-	nowMs := s.now().UnixMilli()
 	switch {
 	case o.Success && exec == r.mode && isTransferMode(r.mode):
 		s.resident(r, kvLen, nowMs)

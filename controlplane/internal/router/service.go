@@ -33,7 +33,7 @@ type Service struct {
 	c   Cluster
 	log zerolog.Logger
 	m   *metrics
-	now func() time.Time
+	now func() time.Time // the clock; nil: time.Now (tests set it)
 
 	prefix   string // decision ids are prefix + decimal sequence number
 	roomBase uint64
@@ -62,7 +62,6 @@ func New(c Cluster, log zerolog.Logger, reg prometheus.Registerer) *Service {
 	s := &Service{
 		c:        c,
 		log:      log.With().Str("part", "router").Logger(),
-		now:      time.Now,
 		prefix:   "d" + hex.EncodeToString(b[:4]) + "-",
 		roomBase: binary.LittleEndian.Uint64(b[4:]) & maxRoom,
 		led:      newLedger(),
@@ -84,7 +83,7 @@ func (s *Service) Run(ctx context.Context) error {
 		case <-ctx.Done():
 			return nil
 		case <-t.C:
-			s.expire(s.now())
+			s.expire(s.clock())
 		}
 	}
 }
@@ -394,7 +393,10 @@ func (s *Service) query(q *kvcv1.RouteQuery) *kvcv1.RouteResponse {
 		return s.errResp(q.RequestId, "", codes.InvalidArgument, err.Error())
 	}
 	epoch := s.c.Epoch()
-	now := s.now()
+	now := start
+	if s.now != nil {
+		now = s.now()
+	}
 	x := queryPool.Get().(*queryCtx)
 	onRec := x.onRec
 	defer func() {
@@ -481,4 +483,12 @@ func (s *Service) send(worker, kind string, cmd *kvcv1.Command) error {
 	}
 	s.m.commands.WithLabelValues(kind, result).Inc()
 	return err
+}
+
+// clock is the service's time (s.now when a test set it, else time.Now).
+func (s *Service) clock() time.Time {
+	if s.now != nil {
+		return s.now()
+	}
+	return time.Now()
 }
