@@ -50,13 +50,28 @@ type Event struct {
 
 // PushPhases are the steps of one push attempt, in milliseconds: the ReserveSnapshot RPC, the
 // plan (runs checked against both page maps, before the first copy), the transfer (lay out,
-// submit, copy, wait) and the CommitSnapshot RPC. Their sum is the event's duration less the
-// sidecar's own bookkeeping between them.
+// submit, copy, wait) and the CommitSnapshot RPC. With store credit (ReserveOverlapped) the
+// reserve runs in parallel with CreditMs, the plan and copy of the push's first tokens into the
+// writer's credit pages; PlanMs and TransferMs are then those of the rest. CriticalMs, the steps
+// on the critical path, is the event's duration less the sidecar's own bookkeeping.
 type PushPhases struct {
 	ReserveMs  float64 `json:"reserve_ms"`
 	PlanMs     float64 `json:"plan_ms"`
 	TransferMs float64 `json:"transfer_ms"`
 	CommitMs   float64 `json:"commit_ms"`
+	// CreditMs is the copy into credit pages, overlapped with the reserve (0 without credit).
+	CreditMs          float64 `json:"credit_ms,omitempty"`
+	ReserveOverlapped bool    `json:"reserve_overlapped,omitempty"`
+}
+
+// CriticalMs is the time of the steps one after another: the reserve (or, overlapped, the
+// longer of the reserve and the credit copy), then plan, transfer and commit.
+func (p PushPhases) CriticalMs() float64 {
+	first := p.ReserveMs
+	if p.ReserveOverlapped {
+		first = max(p.ReserveMs, p.CreditMs)
+	}
+	return first + p.PlanMs + p.TransferMs + p.CommitMs
 }
 
 // EventLog writes events as JSON lines and mirrors them into Prometheus metrics. A nil writer

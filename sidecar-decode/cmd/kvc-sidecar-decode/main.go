@@ -32,6 +32,7 @@ func run(args []string, getenv func(string) string, stderr io.Writer) int {
 	workers := fs.Int("push-workers", 2, "concurrent snapshot pushes")
 	pushTimeout := fs.Duration("push-timeout", 120*time.Second, "budget of one snapshot push attempt")
 	roomTimeout := fs.Duration("room-timeout", 120*time.Second, "a prepared room without TransferDone fails after this")
+	creditPages := fs.Int64("snapshot-credit-pages", 256, "store credit kept at each snapshot store: free store pages a full push copies its first tokens into while its reservation is on the way (0 disables)")
 	if err := agent.ParseFlags(fs, args, getenv); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return 0
@@ -46,6 +47,8 @@ func run(args []string, getenv func(string) string, stderr io.Writer) int {
 		err = fmt.Errorf("--snapshot-delta-tokens must be positive")
 	case *workers < 1 || *workers > 64:
 		err = fmt.Errorf("--push-workers %d out of range [1, 64]", *workers)
+	case *creditPages < 0:
+		err = fmt.Errorf("--snapshot-credit-pages must not be negative")
 	case *pushTimeout <= 0 || *roomTimeout <= 0:
 		err = fmt.Errorf("--push-timeout and --room-timeout must be positive")
 	}
@@ -62,7 +65,7 @@ func run(args []string, getenv func(string) string, stderr io.Writer) int {
 	}
 	core := decode.New(decode.Config{WorkerID: c.WorkerID, Node: rt.Node, GPUIndex: int32(c.GPUIndex), WorkerURL: c.WorkerURL,
 		Transport: c.Transport, PeerAddr: rt.PeerAddr, KVCapacity: c.KVCapacityTokens, DeltaTokens: *delta, PushWorkers: *workers,
-		PushTimeout: *pushTimeout, RoomTimeout: *roomTimeout, Version: version, PeerDial: rt.PeerDialOptions()}, rt.Engine, rt.Events, rt.Log)
+		PushTimeout: *pushTimeout, RoomTimeout: *roomTimeout, SnapshotCreditPages: *creditPages, Version: version, PeerDial: rt.PeerDialOptions()}, rt.Engine, rt.Events, rt.Log)
 	defer core.Close()
 	if err := rt.Serve(ctx, core, func(cp *agent.ControlPlane) { core.SetReporter(cp) }); err != nil {
 		rt.Log.Error().Err(err).Msg("sidecar stopped")

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -182,15 +183,72 @@ func (s *Sidecar) pushOnce(ctx context.Context, pool *agent.Pool, job pushJob, p
 	if err := s.aborts.wait(rpcCtx, job.session); err != nil {
 		return 0, 0, fmt.Errorf("reserve: waiting for the previous reservation's abort: %w", err)
 	}
-	t0 := time.Now()
-	res, err := c.ReserveSnapshot(rpcCtx, &kvcv1.ReserveSnapshotRequest{SessionId: job.session, Generation: job.gen, BaseLen: job.base,
+	addr := job.target.GetPeerAddr()
+	ps := int64(pool.PageSize)
+	req := &kvcv1.ReserveSnapshotRequest{SessionId: job.session, Generation: job.gen, BaseLen: job.base,
 		Tokens: job.end - job.base, SourceWorkerId: s.cfg.WorkerID, SourceLayout: pool.Layout(),
 		// binds the reservation to this engine: the store's write guard refuses other writers
-		SourceTransferEndpoint: s.eng.SegmentName()})
-	if err != nil {
-		return 0, 0, fmt.Errorf("reserve: %w", err)
+		SourceTransferEndpoint: s.eng.SegmentName(),
+		// keep a standing credit at the store, so that the next full push starts copying at once
+		CreditPages: max(s.cfg.SnapshotCreditPages, 0)}
+	// A full push with store credit copies its first tokens into the credit pages while its
+	// reservation is on the way (credit.go).
+	var cr *peerCredit
+	if job.base == 0 && s.cfg.SnapshotCreditPages > 0 {
+		if cr = s.credits.claim(addr, time.Now()); cr != nil {
+			// the credit belongs to the segment it came with: a re-opened segment (a restarted
+			// store, or one forgotten after a failure) drops it
+			if seg, err := s.segs.Open(ctx, cr.endpoint); err != nil || seg != cr.seg {
+				s.credits.settle(addr, nil)
+				cr = nil
+			}
+		}
 	}
-	ph.ReserveMs = agent.Ms(time.Since(t0))
+	t0 := time.Now()
+	var res *kvcv1.ReserveSnapshotResponse
+	var creditTokens int64
+	var creditMoved uint64
+	var creditErr error
+	if cr != nil {
+		k := min(int64(len(cr.pages)), (job.end+ps-1)/ps)
+		creditTokens = min(k*ps, job.end)
+		req.UseCreditPages, req.CreditId = k, cr.id
+		type reply struct {
+			res *kvcv1.ReserveSnapshotResponse
+			err error
+			at  time.Time
+		}
+		rc := make(chan reply, 1)
+		go func() {
+			r, err := c.ReserveSnapshot(rpcCtx, req)
+			rc <- reply{r, err, time.Now()}
+		}()
+		// tokens [0, creditTokens) into the credit pages, without a hook: this copy is waited
+		// for here, so the commit's ready event (if any) needs to cover only the rest
+		cplan, err := agent.PlanRuns(agent.PageMap{Layout: pool.Layout(), Pages: job.pages},
+			agent.PageMap{Layout: cr.layout, Pages: cr.pages[:k]}, 0, creditTokens)
+		if err == nil {
+			creditMoved, err = cplan.TransferThen(ctx, s.eng, cr.seg, nil)
+		}
+		creditErr = err
+		ph.CreditMs, ph.ReserveOverlapped = agent.Ms(time.Since(t0)), true
+		rep := <-rc
+		ph.ReserveMs = agent.Ms(rep.at.Sub(t0))
+		if rep.err != nil {
+			s.credits.settle(addr, nil)
+			if creditErr != nil && !errors.Is(creditErr, agent.ErrAborted) {
+				s.segs.Forget(cr.endpoint)
+			}
+			return 0, creditMoved, fmt.Errorf("reserve (with %d credit pages): %w", k, rep.err)
+		}
+		res = rep.res
+	} else {
+		res, err = c.ReserveSnapshot(rpcCtx, req)
+		if err != nil {
+			return 0, 0, fmt.Errorf("reserve: %w", err)
+		}
+		ph.ReserveMs = agent.Ms(time.Since(t0))
+	}
 	abort := func(reason string) {
 		actx, acancel := context.WithTimeout(context.Background(), abortTimeout)
 		defer acancel()
@@ -207,28 +265,47 @@ func (s *Sidecar) pushOnce(ctx context.Context, pool *agent.Pool, job pushJob, p
 			abort(reason)
 		}()
 	}
-	if ctx.Err() != nil {
-		abortAsync(context.Cause(ctx).Error())
-		return 0, 0, fmt.Errorf("%w: %v", agent.ErrAborted, context.Cause(ctx))
-	}
 	ep := res.GetStoreTransferEndpoint()
 	if ep == "" {
 		ep = job.target.GetTransferEndpoint()
 	}
+	if cr != nil {
+		if creditErr == nil {
+			creditErr = checkCreditUse(res, cr, ep, int(req.GetUseCreditPages()))
+		}
+		if creditErr != nil {
+			s.credits.settle(addr, nil)
+			if errors.Is(creditErr, agent.ErrAborted) {
+				abortAsync(creditErr.Error())
+				return 0, creditMoved, creditErr
+			}
+			s.segs.Forget(cr.endpoint)
+			abort(creditErr.Error())
+			return 0, creditMoved, fmt.Errorf("credit: %w", creditErr)
+		}
+		s.credits.settle(addr, creditFrom(res, ep, cr.seg, time.Now()))
+	}
+	if ctx.Err() != nil {
+		abortAsync(context.Cause(ctx).Error())
+		return 0, creditMoved, fmt.Errorf("%w: %v", agent.ErrAborted, context.Cause(ctx))
+	}
 	seg, err := s.segs.Open(ctx, ep)
 	if err != nil {
 		abort(err.Error())
-		return 0, 0, err
+		return 0, creditMoved, err
 	}
-	ps := int64(pool.PageSize)
+	if cr == nil && s.cfg.SnapshotCreditPages > 0 {
+		s.credits.offer(addr, creditFrom(res, ep, seg, time.Now()))
+	}
 	t1 := time.Now()
 	// The runs are checked against both page maps before any byte moves; the requests are then
-	// laid out a few buffers at a time while the engine copies the previous ones.
+	// laid out a few buffers at a time while the engine copies the previous ones. With credit,
+	// tokens [0, creditTokens) are already in the reservation's first pages.
 	plan, err := agent.PlanRuns(agent.PageMap{Layout: pool.Layout(), Pages: job.pages},
-		agent.PageMap{Layout: res.GetStoreLayout(), Pages: res.GetPages(), First: job.base / ps}, job.base, job.end)
+		agent.PageMap{Layout: res.GetStoreLayout(), Pages: res.GetPages(), First: job.base / ps}, job.base+creditTokens, job.end)
 	if err != nil {
 		abort(err.Error())
-		return 0, 0, fmt.Errorf("plan: %w", err)
+		return 0, creditMoved, fmt.Errorf("plan: %w", err)
 	}
 	t2 := time.Now()
 	ph.PlanMs = agent.Ms(t2.Sub(t1))
@@ -267,10 +344,10 @@ func (s *Sidecar) pushOnce(ctx context.Context, pool *agent.Pool, job pushJob, p
 			if err != nil {
 				s.log.Warn().Err(err).Str("session", job.session).Msg("push: local wait failed after the store committed on the ready event")
 			}
-			return cr.res.GetSeqlen(), plan.Bytes(), nil
+			return cr.res.GetSeqlen(), creditMoved + plan.Bytes(), nil
 		case err == nil:
 			abort(cr.err.Error()) // no-op when the store already dropped the ingest
-			return 0, moved, fmt.Errorf("commit: %w", cr.err)
+			return 0, creditMoved + moved, fmt.Errorf("commit: %w", cr.err)
 		}
 		// both failed: handled as a failed transfer below (abort, forget the segment)
 	}
@@ -282,12 +359,26 @@ func (s *Sidecar) pushOnce(ctx context.Context, pool *agent.Pool, job pushJob, p
 		} else {
 			abortAsync(err.Error())
 		}
-		return 0, moved, err
+		return 0, creditMoved + moved, err
 	}
 	cres, err := c.CommitSnapshot(rpcCtx, &kvcv1.CommitSnapshotRequest{IngestId: res.GetIngestId()})
 	ph.CommitMs = agent.Ms(time.Since(t3))
 	if err != nil {
-		return 0, moved, fmt.Errorf("commit: %w", err)
+		return 0, creditMoved + moved, fmt.Errorf("commit: %w", err)
 	}
-	return cres.GetSeqlen(), moved, nil
+	return cres.GetSeqlen(), creditMoved + moved, nil
+}
+
+// checkCreditUse checks that a reservation made with use credit pages starts with exactly the
+// credit pages the push copied into, at the store (endpoint and layout) they came from.
+func checkCreditUse(res *kvcv1.ReserveSnapshotResponse, cr *peerCredit, ep string, use int) error {
+	switch {
+	case ep != cr.endpoint:
+		return fmt.Errorf("the store answered from endpoint %s, the credit is at %s", ep, cr.endpoint)
+	case !slices.Equal(res.GetStoreLayout().GetBufferAddrs(), cr.layout.GetBufferAddrs()):
+		return errors.New("the store's layout changed since the credit was granted")
+	case len(res.GetPages()) < use || !slices.Equal(res.GetPages()[:use], cr.pages[:use]):
+		return fmt.Errorf("reservation pages %v do not start with the %d credit pages used %v", res.GetPages()[:min(use, len(res.GetPages()))], use, cr.pages[:use])
+	}
+	return nil
 }

@@ -41,7 +41,11 @@ type Config struct {
 	PushWorkers int    // concurrent pushes (2)
 	PushTimeout time.Duration
 	RoomTimeout time.Duration
-	Version     string
+	// SnapshotCreditPages is the store credit a push keeps at each snapshot store (push.go,
+	// credit.go): free store pages the next full push copies its first tokens into while its
+	// reservation is on the way. 0 disables credits.
+	SnapshotCreditPages int64
+	Version             string
 	// PeerDial are extra dial options of connections to peer sidecars (mTLS credentials).
 	PeerDial []grpc.DialOption
 }
@@ -79,7 +83,8 @@ type Sidecar struct {
 	wake     chan struct{}
 	inflight int
 
-	aborts pendingAborts // AbortSnapshot calls still running, by session (push.go)
+	aborts  pendingAborts // AbortSnapshot calls still running, by session (push.go)
+	credits creditBook    // store credits by store peer (credit.go)
 }
 
 type session struct {

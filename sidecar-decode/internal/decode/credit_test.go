@@ -1,0 +1,312 @@
+package decode
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/rs/zerolog"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/kvcentric/kvcentric/pkg/agent"
+	"github.com/kvcentric/kvcentric/pkg/grpcx"
+	"github.com/kvcentric/kvcentric/pkg/rdma"
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+// waitSignalEngine announces every completed Wait (a copy of the push landed) to whoever waits
+// on changed().
+type waitSignalEngine struct {
+	rdma.Engine
+	mu sync.Mutex
+	ch chan struct{}
+}
+
+func (w *waitSignalEngine) changed() <-chan struct{} {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.ch == nil {
+		w.ch = make(chan struct{})
+	}
+	return w.ch
+}
+
+func (w *waitSignalEngine) Wait(ctx context.Context, b rdma.BatchID) ([]rdma.TaskStatus, error) {
+	st, err := w.Engine.Wait(ctx, b)
+	w.mu.Lock()
+	if w.ch != nil {
+		close(w.ch)
+	}
+	w.ch = make(chan struct{})
+	w.mu.Unlock()
+	return st, err
+}
+
+// creditStore is a snapshot store's TransferPeerService over a real arena that grants credit
+// like the prefill store: a reservation using credit takes the credit's first pages, and tops
+// the credit up afterwards. A reservation using credit answers only once the credit pages hold
+// the push's bytes (written checks them): a push that reserved before it copied would hang.
+type creditStore struct {
+	kvcv1.UnimplementedTransferPeerServiceServer
+	endpoint string
+	layout   *kvcv1.KVLayout
+	written  func(ctx context.Context, pages []int64, tokens int64) error
+
+	mu      sync.Mutex
+	next    int64 // next free store page
+	ingest  uint64
+	credit  []int64
+	id      uint64
+	log     []string
+	reserve map[uint64][]int64
+}
+
+func (f *creditStore) ReserveSnapshot(ctx context.Context, req *kvcv1.ReserveSnapshotRequest) (*kvcv1.ReserveSnapshotResponse, error) {
+	use := req.GetUseCreditPages()
+	f.mu.Lock()
+	f.log = append(f.log, fmt.Sprintf("reserve(use=%d)", use))
+	if use > 0 && (req.GetCreditId() != f.id || use > int64(len(f.credit))) {
+		f.mu.Unlock()
+		return nil, status.Errorf(codes.FailedPrecondition, "credit %d is stale: its credit is now %d", req.GetCreditId(), f.id)
+	}
+	used := slices.Clone(f.credit[:use])
+	f.mu.Unlock()
+	if use > 0 {
+		wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		err := f.written(wctx, used, min(use*4, req.GetTokens()))
+		cancel()
+		if err != nil {
+			return nil, status.Errorf(codes.DeadlineExceeded, "credit pages never written before the reservation: %v", err)
+		}
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	pages := slices.Clone(used)
+	f.credit = f.credit[use:]
+	for int64(len(pages)) < (req.GetTokens()+3)/4 {
+		pages = append(pages, f.next)
+		f.next++
+	}
+	changed := use > 0
+	for int64(len(f.credit)) < req.GetCreditPages() {
+		f.credit = append(f.credit, f.next)
+		f.next++
+		changed = true
+	}
+	if changed {
+		f.id++
+	}
+	f.ingest++
+	f.reserve[f.ingest] = pages
+	return &kvcv1.ReserveSnapshotResponse{IngestId: f.ingest, StoreLayout: f.layout, Pages: pages, StoreTransferEndpoint: f.endpoint,
+		CreditPages: slices.Clone(f.credit), CreditId: f.id}, nil
+}
+
+func (f *creditStore) CommitSnapshot(_ context.Context, req *kvcv1.CommitSnapshotRequest) (*kvcv1.CommitSnapshotResponse, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.log = append(f.log, "commit")
+	return &kvcv1.CommitSnapshotResponse{Seqlen: 12}, nil
+}
+
+func (f *creditStore) AbortSnapshot(context.Context, *kvcv1.AbortSnapshotRequest) (*kvcv1.AbortSnapshotResponse, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.log = append(f.log, "abort")
+	return &kvcv1.AbortSnapshotResponse{}, nil
+}
+
+func (f *creditStore) takeLog() string {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	l := strings.Join(f.log, ",")
+	f.log = nil
+	return l
+}
+
+// TestPushWithCredit: a full push with store credit copies its first tokens into the credit
+// pages before the reservation answers (the store answers only after they hold the bytes), then
+// the rest into the reserved pages; every byte lands where the reservation says; the credit is
+// used, then topped up under a new id; a stale credit id fails the attempt cleanly and the
+// retry pushes without credit.
+func TestPushWithCredit(t *testing.T) {
+	we := &waitSignalEngine{}
+	s := newTestSidecarWith(t, func(e rdma.Engine) rdma.Engine { we.Engine = e; return we })
+	s.cfg.SnapshotCreditPages = 2
+	pool, err := s.registeredPool()
+	if err != nil {
+		t.Fatal(err)
+	}
+	storeEng, err := rdma.New(context.Background(), rdma.Config{Backend: "tcp", ListenAddr: "127.0.0.1:0", Conns: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = storeEng.Close() })
+	store, err := agent.NewArena(4, 32, 64, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { store.Close() })
+	if err := store.Register(storeEng, "host"); err != nil {
+		t.Fatal(err)
+	}
+	var srcPages []int64 // the pages of the push being checked
+	var srcMu sync.Mutex
+	// landed reports whether tokens [0, tokens) of the push's source pages are in store pages.
+	landed := func(pages []int64, tokens int64) bool {
+		srcMu.Lock()
+		src := srcPages
+		srcMu.Unlock()
+		for b := 0; b < pool.Buffers(); b++ {
+			for tok := int64(0); tok < tokens; tok++ {
+				if string(pool.TokenSlot(src, tok, b)) != string(store.TokenSlot(pages, tok, b)) {
+					return false
+				}
+			}
+		}
+		return true
+	}
+	f := &creditStore{endpoint: storeEng.SegmentName(), layout: store.Layout(), reserve: map[uint64][]int64{},
+		written: func(ctx context.Context, pages []int64, tokens int64) error {
+			for {
+				ch := we.changed()
+				if landed(pages, tokens) {
+					return nil
+				}
+				select {
+				case <-ch:
+				case <-ctx.Done():
+					return ctx.Err()
+				}
+			}
+		}}
+	srv := grpcx.NewServer(zerolog.Nop())
+	kvcv1.RegisterTransferPeerServiceServer(srv, f)
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	served := make(chan struct{})
+	go func() { defer close(served); _ = srv.Serve(ctx, lis, time.Second) }()
+	t.Cleanup(func() { cancel(); <-served })
+	addr := lis.Addr().String()
+	target := &kvcv1.SetSnapshotTargetCommand{SessionId: "s", PrefillWorkerId: "p", PeerAddr: addr, Generation: 1}
+
+	steps := []struct {
+		name       string
+		pages      []int64 // source pages (12 tokens)
+		before     func()
+		wantLog    string
+		overlapped bool
+	}{
+		{"first push: no credit yet, asks for some", []int64{5, 9, 2}, nil, "reserve(use=0),commit", false},
+		{"second push: copies into the credit first", []int64{7, 1, 11}, nil, "reserve(use=2),commit", true},
+		{"third push: uses the topped-up credit", []int64{3, 4, 6}, nil, "reserve(use=2),commit", true},
+		{"stale credit id: the attempt fails, the retry goes without", []int64{8, 10, 12}, func() {
+			f.mu.Lock()
+			f.id += 100 // as if the store had dropped and re-granted the credit
+			f.mu.Unlock()
+		}, "reserve(use=2),reserve(use=0),commit", false},
+		{"credit again after the fallback", []int64{13, 14, 15}, nil, "reserve(use=2),commit", true},
+	}
+	for i, st := range steps {
+		for b := 0; b < pool.Buffers(); b++ {
+			for _, p := range st.pages {
+				for j := range pool.Buffer(b)[p*32:][:32] {
+					pool.Buffer(b)[p*32+int64(j)] = byte(i*31 + int(p)*7 + j + b*3 + 1)
+				}
+			}
+		}
+		srcMu.Lock()
+		srcPages = st.pages
+		srcMu.Unlock()
+		if st.before != nil {
+			st.before()
+		}
+		before, hadCredit := s.credits.get(addr)
+		job := pushJob{session: fmt.Sprintf("s%d", i), gen: 1, base: 0, end: 12, pages: st.pages, target: target}
+		var ph agent.PushPhases
+		var seqlen int64
+		if st.before != nil {
+			seqlen, err = s.doPush(context.Background(), pool, job)
+		} else {
+			seqlen, _, err = s.pushOnce(context.Background(), pool, job, &ph)
+		}
+		if err != nil || seqlen != 12 {
+			t.Fatalf("%s: push: seqlen %d, %v", st.name, seqlen, err)
+		}
+		if got := f.takeLog(); got != st.wantLog {
+			t.Fatalf("%s: store saw %s, want %s", st.name, got, st.wantLog)
+		}
+		f.mu.Lock()
+		pages := f.reserve[f.ingest]
+		credit, id := slices.Clone(f.credit), f.id
+		f.mu.Unlock()
+		if !landed(pages, 12) {
+			t.Fatalf("%s: bytes did not land in store pages %v", st.name, pages)
+		}
+		if st.overlapped {
+			if !hadCredit || !slices.Equal(pages[:2], before.pages) {
+				t.Fatalf("%s: reservation %v does not start with the credit %+v", st.name, pages, before)
+			}
+			if !ph.ReserveOverlapped || ph.CreditMs <= 0 || ph.TransferMs <= 0 || ph.CriticalMs() < ph.ReserveMs {
+				t.Fatalf("%s: phases %+v", st.name, ph)
+			}
+		}
+		after, ok := s.credits.get(addr)
+		if !ok || after.id != id || !slices.Equal(after.pages, credit) || after.busy {
+			t.Fatalf("%s: credit held %+v (%v), the store's is %v id %d", st.name, after, ok, credit, id)
+		}
+	}
+}
+
+func TestCreditBook(t *testing.T) {
+	now := time.Unix(1000, 0)
+	c := func(id uint64, seg rdma.SegmentID) *peerCredit {
+		return &peerCredit{endpoint: "e", seg: seg, id: id, pages: []int64{int64(id)}, granted: now}
+	}
+	var b creditBook
+	steps := []struct {
+		name   string
+		do     func()
+		wantID uint64 // 0: none held
+	}{
+		{"offer", func() { b.offer("a", c(5, 1)) }, 5},
+		{"older offer ignored", func() { b.offer("a", c(4, 1)) }, 5},
+		{"newer offer taken", func() { b.offer("a", c(6, 1)) }, 6},
+		{"another segment replaces", func() { b.offer("a", c(2, 2)) }, 2},
+		{"claim, then offers are ignored", func() {
+			if b.claim("a", now) == nil || b.claim("a", now) != nil {
+				t.Fatal("claim: want one holder")
+			}
+			b.offer("a", c(9, 2))
+		}, 2},
+		{"settle with the claimer's answer", func() { b.settle("a", c(7, 2)) }, 7},
+		{"no credit in an answer drops it", func() { b.offer("a", nil) }, 0},
+		{"too old to use", func() {
+			b.offer("a", c(8, 2))
+			if b.claim("a", now.Add(creditMaxAge+time.Second)) != nil {
+				t.Fatal("an old credit was claimed")
+			}
+		}, 0},
+		{"settle nil drops", func() {
+			b.offer("a", c(9, 2))
+			b.claim("a", now)
+			b.settle("a", nil)
+		}, 0},
+	}
+	for _, st := range steps {
+		st.do()
+		got, ok := b.get("a")
+		if ok != (st.wantID != 0) || got.id != st.wantID {
+			t.Fatalf("%s: holding %+v (%v), want id %d", st.name, got, ok, st.wantID)
+		}
+	}
+}
