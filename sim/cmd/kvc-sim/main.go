@@ -189,8 +189,10 @@ func serve(ctx context.Context, o *options, cfg worker.Config, log zerolog.Logge
 		return err
 	}
 	log.Info().Msg("sidecar socket found; registering the KV pool")
+	// No idle timeout: the sidecar reads this connection closing as a hint that the worker died
+	// (confirmed by /health), so keep it open for the process's life.
 	conn, err := grpc.NewClient("unix://"+o.bridgeSocket,
-		append(grpcx.ClientOptions(), grpc.WithTransportCredentials(insecure.NewCredentials()))...)
+		append(grpcx.ClientOptions(), grpc.WithTransportCredentials(insecure.NewCredentials()), grpc.WithIdleTimeout(0))...)
 	if err != nil {
 		return fmt.Errorf("dial sidecar: %w", err)
 	}
