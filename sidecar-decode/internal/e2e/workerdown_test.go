@@ -154,12 +154,15 @@ func TestWorkerProcessDeath(t *testing.T) {
 	}
 
 	// The worker process dies; its sidecar stays up and connected.
+	died := time.Now()
 	dead.die()
 	waitFor(t, "the dead worker WORKER_DOWN in the admin listing", 20*time.Second, func() bool {
 		w := workers()[dead.sc.id]
 		return w.GetState() == kvcv1.WorkerState_WORKER_STATE_WORKER_DOWN && w.GetWorkerDownSinceUnixMs() > 0 &&
 			strings.Contains(w.GetWorkerDownReason(), "bridge connection closed") && w.GetConnectedTo() != ""
 	})
+	t.Logf("worker death to WORKER_DOWN on the control plane: %v (admin polled every 10 ms); reason %q",
+		time.Since(died).Round(time.Millisecond), workers()[dead.sc.id].GetWorkerDownReason())
 	if s := session(A); s.GetDecodeWorker() != "" || s.GetPreviousDecodeWorker() != dead.sc.id {
 		t.Fatalf("A still resident on the dead worker: %v", s)
 	}
