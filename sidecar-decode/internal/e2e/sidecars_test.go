@@ -588,4 +588,34 @@ func TestSidecars(t *testing.T) {
 			}
 		}
 	})
+
+	t.Run("a full push of a new generation copies into store credit first", func(t *testing.T) {
+		const s = "sess-credit"
+		const n = 300
+		c.target(t, c.d1, c.p0, s, 1)
+		pages, _ := c.turns(t, c.d1, c.wd1, c.p0, s, []int64{n}, 1)
+		// generation 2 re-pushes everything from 0: a full push, now with the credit that the
+		// first push's reservation asked for (d1's: it pushed to p0 first, and its credit holds
+		// the cap on all credits at p0 — a tenth of the store)
+		c.target(t, c.d1, c.p0, s, 2)
+		var sent []agent.Event
+		waitFor(t, "the push of generation 2", 10*time.Second, func() bool {
+			sent = filterEvents(readEvents(t, c.d1.events), agent.EvPushSent, s)
+			return len(sent) == 2
+		})
+		e := sent[1]
+		if e.Generation != 2 || e.BaseLen != 0 || e.Bytes != n*bpt || e.Phases == nil {
+			t.Fatalf("push of generation 2: %+v", e)
+		}
+		if ph := e.Phases; !ph.ReserveOverlapped || ph.CreditMs <= 0 || ph.CriticalMs() > e.DurationMs+0.001 {
+			t.Fatalf("push of generation 2 did not copy into credit while reserving: %+v (%.3f ms)", *ph, e.DurationMs)
+		}
+		waitFor(t, "generation 2 committed", 10*time.Second, func() bool {
+			st := snapshotStatus(t, c.p0, s)
+			return st.Exists && st.Generation == 2 && st.Seqlen == n
+		})
+		if got, want := snapshotKV(t, c.p0, s), kvBytes(c.wd1, pages, n); !bytes.Equal(got, want) {
+			t.Fatalf("snapshot differs from D's KV (%d vs %d bytes)", len(got), len(want))
+		}
+	})
 }
