@@ -29,6 +29,7 @@ type Options struct {
 	EmbeddedEtcdClientAddr string
 	EmbeddedEtcdPeerAddr   string
 	ElectionTTL            time.Duration
+	ElectionRenewDeadline  time.Duration
 	UnreachableGrace       time.Duration
 	SessionTTL             time.Duration
 	FlushDelay             time.Duration
@@ -86,6 +87,7 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.EmbeddedEtcdClientAddr, "embedded-etcd-client-addr", o.EmbeddedEtcdClientAddr, "embedded etcd client listen address (port 0 picks one)")
 	fs.StringVar(&o.EmbeddedEtcdPeerAddr, "embedded-etcd-peer-addr", o.EmbeddedEtcdPeerAddr, "embedded etcd peer listen address (port 0 picks one)")
 	fs.DurationVar(&o.ElectionTTL, "election-ttl", o.ElectionTTL, "leader lease TTL (whole seconds, >= 2s): a dead leader is replaced after about this long")
+	fs.DurationVar(&o.ElectionRenewDeadline, "election-renew-deadline", o.ElectionRenewDeadline, "the leader stops acting this long after the last lease renewal etcd answered; below --election-ttl (0: two thirds of it)")
 	fs.DurationVar(&o.UnreachableGrace, "unreachable-grace", o.UnreachableGrace, "default unreachable_grace_ms: an unreachable worker's residency is dropped after this")
 	fs.DurationVar(&o.SessionTTL, "session-ttl", o.SessionTTL, "default session_ttl_ms: idle sessions expire after this")
 	fs.DurationVar(&o.FlushDelay, "flush-delay", o.FlushDelay, "write-behind delay: every change reaches etcd within about this long")
@@ -172,6 +174,9 @@ func (o *Options) Validate() error {
 	}
 	if o.ElectionTTL < 2*time.Second || o.ElectionTTL%time.Second != 0 {
 		errs = append(errs, fmt.Errorf("--election-ttl %s must be whole seconds and at least 2s", o.ElectionTTL))
+	}
+	if o.ElectionRenewDeadline < 0 || (o.ElectionRenewDeadline > 0 && o.ElectionRenewDeadline >= o.ElectionTTL) {
+		errs = append(errs, fmt.Errorf("--election-renew-deadline %s must be below --election-ttl %s (0: two thirds of it)", o.ElectionRenewDeadline, o.ElectionTTL))
 	}
 	pos := func(name string, d time.Duration, allowZero bool) {
 		if d < 0 || (d == 0 && !allowZero) {

@@ -161,7 +161,7 @@ func Run(ctx context.Context, opts *Options, log zerolog.Logger) error {
 	})
 	el, err := election.New(election.Config{
 		Client: cli, Prefix: store.ElectionPrefix(), NodeID: opts.NodeID, Addr: advertise,
-		TTL: opts.ElectionTTL, Log: log, Reg: reg,
+		TTL: opts.ElectionTTL, RenewDeadline: opts.ElectionRenewDeadline, Log: log, Reg: reg,
 	})
 	if err != nil {
 		return err
