@@ -12,6 +12,8 @@
 //   - TestLeaderCutOffFromEtcd: the leader's etcd link black-holed (pkg/netproxy); it demotes
 //     itself within its renew deadline (< TTL); the standby leads, the sidecar re-homes; after
 //     Heal the old leader is a standby.
+//   - TestEtcdLeaderKilled: the etcd raft leader of 3 killed; at most one control-plane
+//     failover, writes resume, sessions intact (measures the write stall).
 //   - TestEtcdQuorumLoss: 2 of 3 etcd members stopped for 3×TTL; nobody leads and nothing is
 //     acked meanwhile, no epoch claimed twice, one leader with sessions intact after restart.
 //   - TestHalfOpenSidecarStream: a sidecar's link black-holed; server keepalive cuts it, the
