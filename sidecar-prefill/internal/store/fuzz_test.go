@@ -1,23 +1,32 @@
 package store
 
-import "testing"
+import (
+	"testing"
+	"time"
+)
 
-// FuzzStoreOps runs random sequences of reserve/commit/abort/acquire/release/expire and checks
-// the page accounting after every step: every allocated page belongs to exactly one entry or
-// open reservation (or a dead entry still being read), and the free count matches.
+// FuzzStoreOps runs random sequences of reserve (with and without store credit)/commit/abort/
+// acquire/release/credit expiry and checks the page accounting after every step: every allocated
+// page belongs to exactly one entry, open reservation or credit (or a dead entry still being
+// read), the free count matches, credits stay under their cap, and the write guard marks every
+// credit page for its writer and no free page.
 func FuzzStoreOps(f *testing.F) {
 	f.Add([]byte{0, 1, 2, 10, 1, 0, 0, 2, 3, 4, 5, 6, 7, 8, 9})
 	f.Add([]byte{0, 0, 0, 0, 0, 0, 1, 1, 1, 3, 3, 3, 4, 4, 5, 5})
+	f.Add([]byte{6, 3, 1, 1, 0, 0, 6, 2, 12, 2, 0, 0, 6, 1, 4, 7, 0, 200, 6, 4, 28, 1, 1, 1})
 	f.Fuzz(func(t *testing.T, ops []byte) {
-		s, err := New(Config{PageSize: 4, PageBytes: 8, PageCount: 12})
+		clock := &fakeClock{now: time.Unix(1000, 0)}
+		s, err := New(Config{PageSize: 4, PageBytes: 8, PageCount: 12, Buffers: []uint64{0x1000, 0x2000}, Now: clock.Now,
+			ReserveTimeout: time.Hour, CreditTimeout: time.Minute, CreditMaxPages: 4})
 		if err != nil {
 			t.Fatal(err)
 		}
+		writers := []string{"W", "V", ""}
 		var ids []uint64
 		var releases []func()
 		sessions := []string{"a", "b", "c"}
 		for i := 0; i+2 < len(ops); i += 3 {
-			op, x, y := ops[i]%6, ops[i+1], ops[i+2]
+			op, x, y := ops[i]%8, ops[i+1], ops[i+2]
 			sess := sessions[int(x)%len(sessions)]
 			switch op {
 			case 0: // reserve
@@ -54,6 +63,28 @@ func FuzzStoreOps(f *testing.F) {
 				}
 			case 5:
 				s.Release(sess)
+			case 6: // a reservation with credit: asks for some, uses some (maybe a stale id)
+				w := writers[int(y)%len(writers)]
+				c := s.CreditOf(w)
+				cr := CreditRequest{Pages: int64(x % 5)}
+				if y&4 != 0 && len(c.Pages) > 0 {
+					cr.Use, cr.ID = int64(x)%int64(len(c.Pages))+1, c.ID
+					if y&8 != 0 {
+						cr.ID++ // stale
+					}
+				}
+				r, err := s.ReserveCredit(sess, uint64(x%3), 0, int64(y%40)+1, "d", w, cr)
+				if err == nil {
+					ids = append(ids, r.ID)
+					if cr.Use > 0 && (len(r.Pages) < int(cr.Use) || r.Pages[0] != c.Pages[0]) {
+						t.Fatalf("reservation %v does not start with credit %v (use %d)", r.Pages, c.Pages, cr.Use)
+					}
+				} else if after := s.CreditOf(w); after.ID != c.ID || len(after.Pages) != len(c.Pages) {
+					t.Fatalf("refused reservation %+v changed the credit %+v -> %+v: %v", cr, c, after, err)
+				}
+			case 7: // time passes: idle credits expire
+				clock.Add(time.Duration(y%90) * time.Second)
+				s.Expire()
 			}
 			checkAccounting(t, s, releases)
 		}
@@ -66,6 +97,9 @@ func FuzzStoreOps(f *testing.F) {
 		for _, sess := range sessions {
 			s.Release(sess)
 		}
+		clock.Add(2 * time.Minute)
+		s.Expire()
+		checkAccounting(t, s, nil)
 		if s.UsedBytes() != 0 {
 			t.Fatalf("pages leaked: %d bytes still used", s.UsedBytes())
 		}
@@ -99,6 +133,33 @@ func checkAccounting(t *testing.T, s *Store, _ []func()) {
 			claim(pg, "reservation "+p.session)
 		}
 		_ = id
+	}
+	var credited int64
+	for w, c := range s.credits {
+		if len(c.pages) == 0 || c.id == 0 {
+			t.Fatalf("credit of %s: %d pages, id %d", w, len(c.pages), c.id)
+		}
+		for _, pg := range c.pages {
+			claim(pg, "credit of "+w)
+			if g := s.gpages[pg].Load(); g == nil || g.res != c.guard || g.res.writer != w {
+				t.Fatalf("credit page %d of %s not guarded for it: %+v", pg, w, g)
+			}
+		}
+		credited += int64(len(c.pages))
+	}
+	if credited != s.creditPages || credited > s.cfg.CreditMaxPages {
+		t.Fatalf("%d credit pages, counted %d, cap %d", credited, s.creditPages, s.cfg.CreditMaxPages)
+	}
+	// A free page is writable only by an open reservation: an append whose shared first page was
+	// freed by a release of the entry meanwhile (it can no longer commit); never by a credit.
+	open := map[*guardRes]bool{}
+	for _, p := range s.pend {
+		open[p.guard] = true
+	}
+	for pg := range s.free {
+		if g := s.gpages[pg].Load(); s.free[pg] && g != nil && !open[g.res] {
+			t.Fatalf("free page %d is writable by %+v", pg, g.res)
+		}
 	}
 	used := s.cfg.PageCount - s.nfree
 	if int64(len(owner)) > used {
