@@ -16,6 +16,8 @@ type Cluster interface {
 	Session(id string) (*kvcv1.SessionRecord, bool)
 	// UpdateSession applies fn to the live record (created with session_id set if missing) under
 	// the state lock, then persists it write-behind. fn must be quick and must not call Cluster.
+	// To change the snapshot, fn replaces rec.Snapshot (or sets it to nil), never modifies the
+	// SnapshotInfo in place.
 	UpdateSession(id string, fn func(rec *kvcv1.SessionRecord))
 	// SendCommand queues a command on the worker's sidecar stream; command_id and epoch are filled
 	// in. It fails when the worker has no live stream.

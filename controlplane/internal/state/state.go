@@ -190,7 +190,9 @@ func (s *State) SessionCount() int { return int(s.nSessions.Load()) }
 
 // UpdateSession applies fn to the live record (created with session_id set if missing) under
 // the state lock, then persists it write-behind. fn must be quick and must not call State.
-// On a replica that is not leading it does nothing.
+// To change the snapshot, fn replaces rec.Snapshot (or sets it to nil); it must not modify
+// the SnapshotInfo in place (the change would be taken for a volatile one). On a replica that
+// is not leading it does nothing.
 func (s *State) UpdateSession(id string, fn func(rec *kvcv1.SessionRecord)) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -267,30 +269,21 @@ func (s *State) createLocked(id string) sessEntry {
 // snapshot, generation, migrations, creation. Everything else (turn, last_seen,
 // kv_committed_len, epoch, d_rejects) is volatile: the sidecars' full resync restores
 // kv_committed_len, and turn / last_seen are advisory.
+//
+// The snapshot is compared by identity: a change of it replaces rec.Snapshot (UpdateSession's
+// contract), so the check does not read the SnapshotInfo (a cache miss per decision, since a
+// resident session's decision never looks at it).
 type durable struct {
 	decode, previous string
-	hasSnap          bool
-	snap             snapVals
+	snap             *kvcv1.SnapshotInfo
 	generation       uint64
 	migrations       int32
 	created          int64
 }
 
-type snapVals struct {
-	prefill                string
-	seqlen, updated, bytes int64
-	generation             uint64
-}
-
 func durableOf(r *kvcv1.SessionRecord) durable {
-	d := durable{decode: r.GetDecodeWorker(), previous: r.GetPreviousDecodeWorker(), generation: r.GetGeneration(),
-		migrations: r.GetMigrations(), created: r.GetCreatedUnixMs()}
-	if sn := r.GetSnapshot(); sn != nil {
-		d.hasSnap = true
-		d.snap = snapVals{prefill: sn.GetPrefillWorker(), seqlen: sn.GetSeqlen(), updated: sn.GetUpdatedUnixMs(),
-			bytes: sn.GetBytes(), generation: sn.GetGeneration()}
-	}
-	return d
+	return durable{decode: r.GetDecodeWorker(), previous: r.GetPreviousDecodeWorker(), snap: r.GetSnapshot(),
+		generation: r.GetGeneration(), migrations: r.GetMigrations(), created: r.GetCreatedUnixMs()}
 }
 
 // updatedLocked re-indexes e's record after a change and persists it: at once (a full
@@ -299,7 +292,7 @@ func durableOf(r *kvcv1.SessionRecord) durable {
 func (s *State) updatedLocked(e sessEntry, before durable, created bool) {
 	rec := e.rec
 	if created || s.cfg.VolatileFlush < 0 || durableOf(rec) != before {
-		s.changedLocked(rec, before.decode, before.snap.prefill)
+		s.changedLocked(rec, before.decode, before.snap.GetPrefillWorker())
 		return
 	}
 	rec.Epoch = s.epoch.Load()

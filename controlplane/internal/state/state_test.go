@@ -528,7 +528,12 @@ func TestVolatileUpdatesDeferred(t *testing.T) {
 			r.Snapshot = &kvcv1.SnapshotInfo{PrefillWorker: "p0", Seqlen: 10, Generation: uint64(r.Turn)}
 			r.Turn++
 		}, true},
-		{"snapshot changed in place", func(r *kvcv1.SessionRecord) { r.Snapshot.Seqlen++; r.Turn++ }, true},
+		{"snapshot replaced", func(r *kvcv1.SessionRecord) {
+			sn := proto.Clone(r.Snapshot).(*kvcv1.SnapshotInfo)
+			sn.Seqlen++
+			r.Snapshot = sn
+			r.Turn++
+		}, true},
 		{"snapshot cleared and set", func(r *kvcv1.SessionRecord) {
 			if r.Snapshot != nil {
 				r.Snapshot = nil
