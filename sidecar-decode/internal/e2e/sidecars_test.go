@@ -595,8 +595,8 @@ func TestSidecars(t *testing.T) {
 		c.target(t, c.d1, c.p0, s, 1)
 		pages, _ := c.turns(t, c.d1, c.wd1, c.p0, s, []int64{n}, 1)
 		// generation 2 re-pushes everything from 0: a full push, now with the credit that the
-		// first push's reservation asked for (d1's: it pushed to p0 first, and its credit holds
-		// the cap on all credits at p0 — a tenth of the store)
+		// first push's reservation asked for (d1's: it pushed to p0 before, so it already holds
+		// credit there)
 		c.target(t, c.d1, c.p0, s, 2)
 		var sent []agent.Event
 		waitFor(t, "the push of generation 2", 10*time.Second, func() bool {

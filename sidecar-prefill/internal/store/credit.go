@@ -13,7 +13,9 @@ import (
 // free store pages it may write into before it has a reservation, so that a full push starts
 // copying at once and its ReserveSnapshot round trip overlaps the copy. A credit
 //   - is allocated from free pages only (it never evicts a snapshot; with too few free pages, or
-//     at the cap on all credits together, fewer pages are granted, possibly none);
+//     at the cap on all credits together, fewer pages are granted, possibly none); a top-up
+//     goes to at most an equal share of the cap among the writers holding credit (a credit is
+//     never shrunk, but a writer that holds more than its share gets less back after a use);
 //   - counts as used, and is writable by its writer only (the write guard, whole pages);
 //   - is taken first by the writer's next full reservation that names it (CreditRequest.Use,
 //     checked against CreditRequest.ID): the reservation's first Use pages are credit[:Use],
@@ -106,7 +108,11 @@ func (s *Store) topUpCreditLocked(writer string, want int64, changed bool, now t
 		s.credits[writer] = c
 	}
 	c.used = now
-	if add := min(want-int64(len(c.pages)), s.nfree, s.cfg.CreditMaxPages-s.creditPages); add > 0 {
+	// Each writer's share of the cap: a writer tops up to at most cap / (writers holding credit),
+	// so a writer that came first gives room to later ones as it uses its credit.
+	share := s.cfg.CreditMaxPages / int64(len(s.credits))
+	have := int64(len(c.pages))
+	if add := min(want-have, share-have, s.nfree, s.cfg.CreditMaxPages-s.creditPages); add > 0 {
 		pages := s.allocLocked(add)
 		s.creditPages += add
 		c.pages = append(c.pages, pages...)

@@ -210,9 +210,10 @@ func TestCreditFreePagesOnlyAndCap(t *testing.T) {
 	}{
 		{"fewer than asked: only the free pages", "W", 8, 2}, // 1 page reserved, 2 left free
 		// this reservation evicts a (for itself); its writer's credit then comes from free
-		// pages, up to the cap on all credits (6 − 2)
-		{"up to the cap", "V", 5, 4},
-		{"cap reached", "U", 1, 0},
+		// pages, up to its share of the cap (6 / 2 writers)
+		{"up to its share of the cap", "V", 5, 3},
+		{"what is left of the cap", "U", 2, 1},
+		{"cap reached", "X", 1, 0},
 	}
 	for i, tt := range tests {
 		r := mustCredit(t, s, "s"+string(rune('0'+i)), 0, 1, tt.writer, CreditRequest{Pages: tt.want})
@@ -233,6 +234,13 @@ func TestCreditFreePagesOnlyAndCap(t *testing.T) {
 	r2 := mustCredit(t, s2, "y", 0, 1, "V", CreditRequest{Pages: 4})
 	if len(r.Credit.Pages) != 4 || len(r2.Credit.Pages) != 2 || s2.CreditPages() != 6 {
 		t.Fatalf("credits %v and %v (%d pages)", r.Credit.Pages, r2.Credit.Pages, s2.CreditPages())
+	}
+	// W holds more than its share (3 of 6 with two writers): after a use it gets back up to its
+	// share only, and V's next reservation takes the room up to its own share.
+	r3 := mustCredit(t, s2, "z", 0, 8, "W", CreditRequest{Pages: 4, Use: 2, ID: r.Credit.ID})
+	r4 := mustCredit(t, s2, "z2", 0, 1, "V", CreditRequest{Pages: 4})
+	if len(r3.Credit.Pages) != 3 || len(r4.Credit.Pages) != 3 || s2.CreditPages() != 6 {
+		t.Fatalf("credits after a use %v and %v (%d pages)", r3.Credit.Pages, r4.Credit.Pages, s2.CreditPages())
 	}
 	// No credits at all with a negative cap.
 	s3, err := New(Config{PageSize: 4, PageBytes: 100, PageCount: 16, CreditMaxPages: -1})
