@@ -59,8 +59,10 @@ type PushPhases struct {
 	PlanMs     float64 `json:"plan_ms"`
 	TransferMs float64 `json:"transfer_ms"`
 	CommitMs   float64 `json:"commit_ms"`
-	// CreditMs is the copy into credit pages, overlapped with the reserve (0 without credit).
+	// CreditMs is the copy of the first CreditTokens tokens into credit pages, overlapped with
+	// the reserve (0 without credit).
 	CreditMs          float64 `json:"credit_ms,omitempty"`
+	CreditTokens      int64   `json:"credit_tokens,omitempty"`
 	ReserveOverlapped bool    `json:"reserve_overlapped,omitempty"`
 }
 

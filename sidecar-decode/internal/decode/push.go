@@ -231,7 +231,7 @@ func (s *Sidecar) pushOnce(ctx context.Context, pool *agent.Pool, job pushJob, p
 			creditMoved, err = cplan.TransferThen(ctx, s.eng, cr.seg, nil)
 		}
 		creditErr = err
-		ph.CreditMs, ph.ReserveOverlapped = agent.Ms(time.Since(t0)), true
+		ph.CreditMs, ph.CreditTokens, ph.ReserveOverlapped = agent.Ms(time.Since(t0)), creditTokens, true
 		rep := <-rc
 		ph.ReserveMs = agent.Ms(rep.at.Sub(t0))
 		if rep.err != nil {

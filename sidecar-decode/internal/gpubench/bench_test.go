@@ -184,7 +184,10 @@ func run(t *testing.T, cfg config) result {
 	defer cp.Close()
 
 	d, d2, pw, baseline := cfg.newPools(t, ctx)
-	storeBytes := (2*s.sessionPages() + 16) * s.itemLen() * int64(s.buffers())
+	// Room for the stored generation, the next one being pushed, and the decode sidecar's store
+	// credit (--snapshot-credit-pages, 256 by default): credits are granted from free pages only,
+	// so a store of exactly two sessions would leave a push's credit at a few pages.
+	storeBytes := (2*s.sessionPages() + 16 + 256) * s.itemLen() * int64(s.buffers())
 	pGPU := startSidecar(t, cfg, "prefill", "p-store", cp.Addr, cfg.pGPU, "--store-memory", cfg.storeMem, "--store-capacity-bytes", strconv.FormatInt(storeBytes, 10))
 	pHost := startSidecar(t, cfg, "prefill", "p-host", cp.Addr, cfg.pGPU, "--store-memory", "host", "--store-capacity-bytes", strconv.FormatInt(storeBytes, 10))
 	d1 := startSidecar(t, cfg, "decode", "d1", cp.Addr, cfg.dGPU, "--push-workers", "1")
@@ -895,5 +898,5 @@ func creditNote(ph agent.PushPhases) string {
 	if !ph.ReserveOverlapped {
 		return ""
 	}
-	return fmt.Sprintf(" overlapped with credit copy %.2f", ph.CreditMs)
+	return fmt.Sprintf(" overlapped with credit copy of %d tokens %.2f", ph.CreditTokens, ph.CreditMs)
 }
