@@ -52,8 +52,9 @@ type Event struct {
 // plan (runs checked against both page maps, before the first copy), the transfer (lay out,
 // submit, copy, wait) and the CommitSnapshot RPC. With store credit (ReserveOverlapped) the
 // reserve runs in parallel with CreditMs, the plan and copy of the push's first tokens into the
-// writer's credit pages; PlanMs and TransferMs are then those of the rest. CriticalMs, the steps
-// on the critical path, is the event's duration less the sidecar's own bookkeeping.
+// writer's credit pages, and the plan of the rest (PlanMs) follows the reserve's answer while
+// that copy still runs; TransferMs is then the rest's. CriticalMs, the steps on the critical
+// path, is the event's duration less the sidecar's own bookkeeping.
 type PushPhases struct {
 	ReserveMs  float64 `json:"reserve_ms"`
 	PlanMs     float64 `json:"plan_ms"`
@@ -66,14 +67,14 @@ type PushPhases struct {
 	ReserveOverlapped bool    `json:"reserve_overlapped,omitempty"`
 }
 
-// CriticalMs is the time of the steps one after another: the reserve (or, overlapped, the
-// longer of the reserve and the credit copy), then plan, transfer and commit.
+// CriticalMs is the time of the steps one after another: reserve and plan (or, overlapped, the
+// longer of the credit copy and reserve + plan), then transfer and commit.
 func (p PushPhases) CriticalMs() float64 {
-	first := p.ReserveMs
+	first := p.ReserveMs + p.PlanMs
 	if p.ReserveOverlapped {
-		first = max(p.ReserveMs, p.CreditMs)
+		first = max(first, p.CreditMs)
 	}
-	return first + p.PlanMs + p.TransferMs + p.CommitMs
+	return first + p.TransferMs + p.CommitMs
 }
 
 // EventLog writes events as JSON lines and mirrors them into Prometheus metrics. A nil writer

@@ -20,15 +20,22 @@ import (
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
-// waitSignalEngine announces every completed Wait (a copy of the push landed) to whoever waits
-// on changed().
-type waitSignalEngine struct {
+// syncEngine runs every batch to completion inside Submit (the bytes have landed when Submit
+// returns; Wait hands back the results) and announces each completed batch to whoever waits on
+// changed(): the store below can wait for bytes to land without polling.
+type syncEngine struct {
 	rdma.Engine
-	mu sync.Mutex
-	ch chan struct{}
+	mu   sync.Mutex
+	ch   chan struct{}
+	done map[rdma.BatchID]syncResult
 }
 
-func (w *waitSignalEngine) changed() <-chan struct{} {
+type syncResult struct {
+	sts []rdma.TaskStatus
+	err error
+}
+
+func (w *syncEngine) changed() <-chan struct{} {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	if w.ch == nil {
@@ -37,15 +44,33 @@ func (w *waitSignalEngine) changed() <-chan struct{} {
 	return w.ch
 }
 
-func (w *waitSignalEngine) Wait(ctx context.Context, b rdma.BatchID) ([]rdma.TaskStatus, error) {
-	st, err := w.Engine.Wait(ctx, b)
+func (w *syncEngine) Submit(ctx context.Context, id rdma.BatchID, reqs []rdma.Request) error {
+	if err := w.Engine.Submit(ctx, id, reqs); err != nil {
+		return err
+	}
+	sts, err := w.Engine.Wait(ctx, id)
 	w.mu.Lock()
+	if w.done == nil {
+		w.done = map[rdma.BatchID]syncResult{}
+	}
+	w.done[id] = syncResult{sts, err}
 	if w.ch != nil {
 		close(w.ch)
 	}
 	w.ch = make(chan struct{})
 	w.mu.Unlock()
-	return st, err
+	return nil
+}
+
+func (w *syncEngine) Wait(ctx context.Context, id rdma.BatchID) ([]rdma.TaskStatus, error) {
+	w.mu.Lock()
+	r, ok := w.done[id]
+	delete(w.done, id)
+	w.mu.Unlock()
+	if !ok {
+		return w.Engine.Wait(ctx, id)
+	}
+	return r.sts, r.err
 }
 
 // creditStore is a snapshot store's TransferPeerService over a real arena that grants credit
@@ -136,7 +161,7 @@ func (f *creditStore) takeLog() string {
 // used, then topped up under a new id; a stale credit id fails the attempt cleanly and the
 // retry pushes without credit.
 func TestPushWithCredit(t *testing.T) {
-	we := &waitSignalEngine{}
+	we := &syncEngine{}
 	s := newTestSidecarWith(t, func(e rdma.Engine) rdma.Engine { we.Engine = e; return we })
 	s.cfg.SnapshotCreditPages = 2
 	pool, err := s.registeredPool()

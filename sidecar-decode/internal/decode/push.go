@@ -209,6 +209,8 @@ func (s *Sidecar) pushOnce(ctx context.Context, pool *agent.Pool, job pushJob, p
 	var creditTokens int64
 	var creditMoved uint64
 	var creditErr error
+	var plan *agent.TokenPlan // the rest's plan, made while the credit copy runs
+	var planErr error
 	if cr != nil {
 		k := min(int64(len(cr.pages)), (job.end+ps-1)/ps)
 		creditTokens = min(k*ps, job.end)
@@ -223,16 +225,30 @@ func (s *Sidecar) pushOnce(ctx context.Context, pool *agent.Pool, job pushJob, p
 			r, err := c.ReserveSnapshot(rpcCtx, req)
 			rc <- reply{r, err, time.Now()}
 		}()
-		// tokens [0, creditTokens) into the credit pages, without a hook: this copy is waited
-		// for here, so the commit's ready event (if any) needs to cover only the rest
+		// Tokens [0, creditTokens) into the credit pages. Once they are submitted, the hook
+		// waits for the reservation and plans the rest while they copy; this copy is waited for
+		// here, so the commit's ready event (if any) needs to cover only the rest.
+		var rep reply
+		got := false
+		await := func() {
+			rep, got = <-rc, true
+			if rep.err == nil {
+				tp := time.Now()
+				plan, planErr = agent.PlanRuns(agent.PageMap{Layout: pool.Layout(), Pages: job.pages},
+					agent.PageMap{Layout: rep.res.GetStoreLayout(), Pages: rep.res.GetPages()}, creditTokens, job.end)
+				ph.PlanMs = agent.Ms(time.Since(tp))
+			}
+		}
 		cplan, err := agent.PlanRuns(agent.PageMap{Layout: pool.Layout(), Pages: job.pages},
 			agent.PageMap{Layout: cr.layout, Pages: cr.pages[:k]}, 0, creditTokens)
 		if err == nil {
-			creditMoved, err = cplan.TransferThen(ctx, s.eng, cr.seg, nil)
+			creditMoved, err = cplan.TransferThen(ctx, s.eng, cr.seg, func([]rdma.BatchID) { await() })
 		}
 		creditErr = err
 		ph.CreditMs, ph.CreditTokens, ph.ReserveOverlapped = agent.Ms(time.Since(t0)), creditTokens, true
-		rep := <-rc
+		if !got { // the hook did not run (the copy failed to start)
+			await()
+		}
 		ph.ReserveMs = agent.Ms(rep.at.Sub(t0))
 		if rep.err != nil {
 			s.credits.settle(addr, nil)
@@ -297,18 +313,21 @@ func (s *Sidecar) pushOnce(ctx context.Context, pool *agent.Pool, job pushJob, p
 	if cr == nil && s.cfg.SnapshotCreditPages > 0 {
 		s.credits.offer(addr, creditFrom(res, ep, seg, time.Now()))
 	}
-	t1 := time.Now()
 	// The runs are checked against both page maps before any byte moves; the requests are then
 	// laid out a few buffers at a time while the engine copies the previous ones. With credit,
-	// tokens [0, creditTokens) are already in the reservation's first pages.
-	plan, err := agent.PlanRuns(agent.PageMap{Layout: pool.Layout(), Pages: job.pages},
-		agent.PageMap{Layout: res.GetStoreLayout(), Pages: res.GetPages(), First: job.base / ps}, job.base+creditTokens, job.end)
-	if err != nil {
-		abort(err.Error())
-		return 0, creditMoved, fmt.Errorf("plan: %w", err)
+	// tokens [0, creditTokens) are already in the reservation's first pages and the rest was
+	// planned during their copy.
+	if cr == nil {
+		t1 := time.Now()
+		plan, planErr = agent.PlanRuns(agent.PageMap{Layout: pool.Layout(), Pages: job.pages},
+			agent.PageMap{Layout: res.GetStoreLayout(), Pages: res.GetPages(), First: job.base / ps}, job.base, job.end)
+		ph.PlanMs = agent.Ms(time.Since(t1))
+	}
+	if planErr != nil {
+		abort(planErr.Error())
+		return 0, creditMoved, fmt.Errorf("plan: %w", planErr)
 	}
 	t2 := time.Now()
-	ph.PlanMs = agent.Ms(t2.Sub(t1))
 	// With an engine that can mark its copies with an interprocess event (cuda), the commit
 	// goes out right after the last submission, carrying the event: the store waits for the
 	// event before it commits, so the answer still means every byte landed, while the RPC's
