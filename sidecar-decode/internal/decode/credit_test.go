@@ -240,6 +240,8 @@ func TestPushWithCredit(t *testing.T) {
 			f.mu.Unlock()
 		}, "reserve(use=2),reserve(use=0),commit", false},
 		{"credit again after the fallback", []int64{13, 14, 15}, nil, "reserve(use=2),commit", true},
+		{"a re-opened segment drops the credit", []int64{16, 17, 18}, func() { s.segs.Forget(f.endpoint) }, "reserve(use=0),commit", false},
+		{"credit again after the re-open", []int64{19, 20, 21}, nil, "reserve(use=2),commit", true},
 	}
 	for i, st := range steps {
 		for b := 0; b < pool.Buffers(); b++ {
