@@ -397,7 +397,7 @@ func checkCreditUse(res *kvcv1.ReserveSnapshotResponse, cr *peerCredit, ep strin
 	case !slices.Equal(res.GetStoreLayout().GetBufferAddrs(), cr.layout.GetBufferAddrs()):
 		return errors.New("the store's layout changed since the credit was granted")
 	case len(res.GetPages()) < use || !slices.Equal(res.GetPages()[:use], cr.pages[:use]):
-		return fmt.Errorf("reservation pages %v do not start with the %d credit pages used %v", res.GetPages()[:min(use, len(res.GetPages()))], use, cr.pages[:use])
+		return fmt.Errorf("the reservation's %d pages do not start with the %d credit pages used", len(res.GetPages()), use)
 	}
 	return nil
 }
