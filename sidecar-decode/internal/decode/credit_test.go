@@ -337,3 +337,30 @@ func TestCreditBook(t *testing.T) {
 		}
 	}
 }
+
+func TestCheckCreditUse(t *testing.T) {
+	lay := &kvcv1.KVLayout{BufferAddrs: []uint64{1 << 20, 2 << 20}}
+	cr := &peerCredit{endpoint: "store", layout: lay, pages: []int64{4, 5, 6}}
+	tests := []struct {
+		name  string
+		ep    string
+		addrs []uint64
+		pages []int64
+		use   int
+		want  string // "" ok
+	}{
+		{"starts with the credit", "store", lay.BufferAddrs, []int64{4, 5, 9}, 2, ""},
+		{"all of it", "store", lay.BufferAddrs, []int64{4, 5, 6}, 3, ""},
+		{"other endpoint", "other", lay.BufferAddrs, []int64{4, 5, 9}, 2, "endpoint"},
+		{"other layout", "store", []uint64{1 << 20, 3 << 20}, []int64{4, 5, 9}, 2, "layout"},
+		{"other pages", "store", lay.BufferAddrs, []int64{5, 4, 9}, 2, "do not start"},
+		{"too few pages", "store", lay.BufferAddrs, []int64{4}, 2, "do not start"},
+	}
+	for _, tt := range tests {
+		res := &kvcv1.ReserveSnapshotResponse{StoreLayout: &kvcv1.KVLayout{BufferAddrs: tt.addrs}, Pages: tt.pages}
+		err := checkCreditUse(res, cr, tt.ep, tt.use)
+		if (tt.want == "") != (err == nil) || err != nil && !strings.Contains(err.Error(), tt.want) {
+			t.Fatalf("%s: %v, want %q", tt.name, err, tt.want)
+		}
+	}
+}
