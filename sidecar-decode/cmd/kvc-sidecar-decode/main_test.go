@@ -27,6 +27,8 @@ func TestBadFlags(t *testing.T) {
 		{"stray argument", append(base, "extra"), nil, "unexpected arguments"},
 		{"partial tls", append(base, "--tls-cert", "c.pem", "--tls-key", "k.pem"), nil, "--tls-ca missing"},
 		{"partial tls from env", base, map[string]string{"KVC_TLS_CA": "ca.pem"}, "--tls-cert, --tls-key missing"},
+		{"negative credit", append(base, "--snapshot-credit-pages", "-1"), nil, "--snapshot-credit-pages"},
+		{"negative credit from env", base, map[string]string{"KVC_SNAPSHOT_CREDIT_PAGES": "-5"}, "--snapshot-credit-pages"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

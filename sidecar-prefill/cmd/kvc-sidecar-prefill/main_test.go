@@ -23,6 +23,8 @@ func TestBadFlags(t *testing.T) {
 		{"stray argument", append(base, "extra"), nil, "unexpected arguments"},
 		{"partial tls", append(base, "--tls-cert", "c.pem", "--tls-key", "k.pem"), nil, "--tls-ca missing"},
 		{"partial tls from env", base, map[string]string{"KVC_TLS_CA": "ca.pem"}, "--tls-cert, --tls-key missing"},
+		{"zero credit timeout", append(base, "--snapshot-credit-timeout", "0s"), nil, "--snapshot-credit-timeout"},
+		{"bad credit timeout from env", base, map[string]string{"KVC_SNAPSHOT_CREDIT_TIMEOUT": "soon"}, "KVC_SNAPSHOT_CREDIT_TIMEOUT"},
 		{"bad store memory", append(base, "--store-memory", "disk"), nil, "--store-memory \"disk\": want host or cuda"},
 		{"GPU store without cuda", append(base, "--store-memory", "cuda"), nil, "--store-memory cuda needs --transport cuda"},
 		{"GPU store from env on tcp", base, map[string]string{"KVC_STORE_MEMORY": "cuda", "KVC_TRANSPORT": "tcp"}, "needs --transport cuda"},
