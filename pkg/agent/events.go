@@ -53,8 +53,9 @@ type Event struct {
 // submit, copy, wait) and the CommitSnapshot RPC. With store credit (ReserveOverlapped) the
 // reserve runs in parallel with CreditMs, the plan and copy of the push's first tokens into the
 // writer's credit pages, and the plan of the rest (PlanMs) follows the reserve's answer while
-// that copy still runs; TransferMs is then the rest's. CriticalMs, the steps on the critical
-// path, is the event's duration less the sidecar's own bookkeeping.
+// that copy still runs, and the rest is submitted behind it at once; TransferMs is then the
+// rest's time after the credit copy ended. CriticalMs, the steps on the critical path, is the
+// event's duration less the sidecar's own bookkeeping.
 type PushPhases struct {
 	ReserveMs  float64 `json:"reserve_ms"`
 	PlanMs     float64 `json:"plan_ms"`

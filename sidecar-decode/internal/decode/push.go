@@ -164,6 +164,44 @@ type commitResult struct {
 	err error
 }
 
+// transferRun is one TokenPlan transfer of a push, run by startTransfer: done closes when it
+// returned; early, when not nil, receives the result of the commit sent with its ready event.
+type transferRun struct {
+	done   chan struct{}
+	moved  uint64
+	err    error
+	early  chan commitResult
+	t2, t3 time.Time
+}
+
+// startTransfer runs plan into seg in a goroutine. With an engine that has ready events (cuda),
+// the commit of ingest goes out right after the last submission, carrying the event.
+func (s *Sidecar) startTransfer(ctx, rpcCtx context.Context, c kvcv1.TransferPeerServiceClient, plan *agent.TokenPlan, seg rdma.SegmentID, ingest uint64, session string) *transferRun {
+	r := &transferRun{done: make(chan struct{}), t2: time.Now()}
+	go func() {
+		defer close(r.done)
+		r.moved, r.err = plan.TransferThen(ctx, s.eng, seg, func(batches []rdma.BatchID) {
+			re, ok := s.eng.(readyEventer)
+			if !ok {
+				return
+			}
+			h, release, err := re.ReadyEvent(batches...)
+			if err != nil {
+				s.log.Debug().Err(err).Str("session", session).Msg("no ready event: commit after the copy")
+				return
+			}
+			r.early = make(chan commitResult, 1)
+			go func() {
+				res, err := c.CommitSnapshot(rpcCtx, &kvcv1.CommitSnapshotRequest{IngestId: ingest, ReadyEvent: h})
+				release() // the store has answered: it no longer waits on the event
+				r.early <- commitResult{res, err}
+			}()
+		})
+		r.t3 = time.Now()
+	}()
+	return r
+}
+
 // abortTimeout bounds one AbortSnapshot call.
 const abortTimeout = 5 * time.Second
 
@@ -211,6 +249,8 @@ func (s *Sidecar) pushOnce(ctx context.Context, pool *agent.Pool, job pushJob, p
 	var creditErr error
 	var plan *agent.TokenPlan // the rest's plan, made while the credit copy runs
 	var planErr error
+	var rest *transferRun // the rest's transfer, started behind the credit copy
+	var creditEnd time.Time // when the credit copy was done (the rest may have started before)
 	if cr != nil {
 		k := min(int64(len(cr.pages)), (job.end+ps-1)/ps)
 		creditTokens = min(k*ps, job.end)
@@ -230,24 +270,53 @@ func (s *Sidecar) pushOnce(ctx context.Context, pool *agent.Pool, job pushJob, p
 		// here, so the commit's ready event (if any) needs to cover only the rest.
 		var rep reply
 		got := false
-		await := func() {
+		await := func(creditBatches []rdma.BatchID) {
 			rep, got = <-rc, true
-			if rep.err == nil {
-				tp := time.Now()
-				plan, planErr = agent.PlanRuns(agent.PageMap{Layout: pool.Layout(), Pages: job.pages},
-					agent.PageMap{Layout: rep.res.GetStoreLayout(), Pages: rep.res.GetPages()}, creditTokens, job.end)
-				ph.PlanMs = agent.Ms(time.Since(tp))
+			if rep.err != nil {
+				return
 			}
+			tp := time.Now()
+			plan, planErr = agent.PlanRuns(agent.PageMap{Layout: pool.Layout(), Pages: job.pages},
+				agent.PageMap{Layout: rep.res.GetStoreLayout(), Pages: rep.res.GetPages()}, creditTokens, job.end)
+			ph.PlanMs = agent.Ms(time.Since(tp))
+			if planErr != nil || creditBatches == nil || ctx.Err() != nil {
+				return
+			}
+			ep := rep.res.GetStoreTransferEndpoint()
+			if ep == "" {
+				ep = job.target.GetTransferEndpoint()
+			}
+			if checkCreditUse(rep.res, cr, ep, int(k)) != nil {
+				return // handled below, after the credit copy
+			}
+			if re, ok := s.eng.(readyEventer); ok {
+				// the rest's ready event will cover the credit copy too: none of its tasks
+				// may have been refused (ReadyEvent checks)
+				if _, release, err := re.ReadyEvent(creditBatches...); err != nil {
+					return
+				} else {
+					release()
+				}
+			}
+			// Submit the rest now, behind the credit copy on the same stream, so the GPU does
+			// not drain between the two; its ready event and commit follow its submission.
+			rest = s.startTransfer(ctx, rpcCtx, c, plan, cr.seg, rep.res.GetIngestId(), job.session)
 		}
 		cplan, err := agent.PlanRuns(agent.PageMap{Layout: pool.Layout(), Pages: job.pages},
 			agent.PageMap{Layout: cr.layout, Pages: cr.pages[:k]}, 0, creditTokens)
 		if err == nil {
-			creditMoved, err = cplan.TransferThen(ctx, s.eng, cr.seg, func([]rdma.BatchID) { await() })
+			creditMoved, err = cplan.TransferThen(ctx, s.eng, cr.seg, await)
 		}
 		creditErr = err
-		ph.CreditMs, ph.CreditTokens, ph.ReserveOverlapped = agent.Ms(time.Since(t0)), creditTokens, true
+		creditEnd = time.Now()
+		ph.CreditMs, ph.CreditTokens, ph.ReserveOverlapped = agent.Ms(creditEnd.Sub(t0)), creditTokens, true
 		if !got { // the hook did not run (the copy failed to start)
-			await()
+			await(nil)
+		}
+		if rest != nil && (err != nil || rep.err != nil) {
+			// the rest must stop reading the pages before anything is aborted
+			cancel()
+			<-rest.done
 		}
 		ph.ReserveMs = agent.Ms(rep.at.Sub(t0))
 		if rep.err != nil {
@@ -301,14 +370,20 @@ func (s *Sidecar) pushOnce(ctx context.Context, pool *agent.Pool, job pushJob, p
 		}
 		s.credits.settle(addr, creditFrom(res, ep, cr.seg, time.Now()))
 	}
-	if ctx.Err() != nil {
+	// With the rest already copying into this reservation (started behind the credit copy, to
+	// the credit's segment), its outcome decides below, as for a transfer started there.
+	if rest == nil && ctx.Err() != nil {
 		abortAsync(context.Cause(ctx).Error())
 		return 0, creditMoved, fmt.Errorf("%w: %v", agent.ErrAborted, context.Cause(ctx))
 	}
-	seg, err := s.segs.Open(ctx, ep)
-	if err != nil {
-		abort(err.Error())
-		return 0, creditMoved, err
+	var seg rdma.SegmentID
+	if rest == nil {
+		if seg, err = s.segs.Open(ctx, ep); err != nil {
+			abort(err.Error())
+			return 0, creditMoved, err
+		}
+	} else {
+		seg = cr.seg
 	}
 	if cr == nil && s.cfg.SnapshotCreditPages > 0 {
 		s.credits.offer(addr, creditFrom(res, ep, seg, time.Now()))
@@ -327,31 +402,21 @@ func (s *Sidecar) pushOnce(ctx context.Context, pool *agent.Pool, job pushJob, p
 		abort(planErr.Error())
 		return 0, creditMoved, fmt.Errorf("plan: %w", planErr)
 	}
-	t2 := time.Now()
 	// With an engine that can mark its copies with an interprocess event (cuda), the commit
 	// goes out right after the last submission, carrying the event: the store waits for the
 	// event before it commits, so the answer still means every byte landed, while the RPC's
 	// round trip overlaps the copy instead of following it.
-	var early chan commitResult
-	moved, err := plan.TransferThen(ctx, s.eng, seg, func(batches []rdma.BatchID) {
-		re, ok := s.eng.(readyEventer)
-		if !ok {
-			return
-		}
-		h, release, err := re.ReadyEvent(batches...)
-		if err != nil {
-			s.log.Debug().Err(err).Str("session", job.session).Msg("no ready event: commit after the copy")
-			return
-		}
-		early = make(chan commitResult, 1)
-		go func() {
-			r, err := c.CommitSnapshot(rpcCtx, &kvcv1.CommitSnapshotRequest{IngestId: res.GetIngestId(), ReadyEvent: h})
-			release() // the store has answered: it no longer waits on the event
-			early <- commitResult{r, err}
-		}()
-	})
-	t3 := time.Now()
-	ph.TransferMs = agent.Ms(t3.Sub(t2))
+	if rest == nil {
+		rest = s.startTransfer(ctx, rpcCtx, c, plan, seg, res.GetIngestId(), job.session)
+	}
+	<-rest.done
+	moved, err, early, t3 := rest.moved, rest.err, rest.early, rest.t3
+	// The rest's time on the critical path: from its start, or, when it was started behind
+	// the credit copy, from the end of that copy (CreditMs covers what came before).
+	ph.TransferMs = agent.Ms(t3.Sub(rest.t2))
+	if rest.t2.Before(creditEnd) {
+		ph.TransferMs = agent.Ms(max(0, t3.Sub(creditEnd)))
+	}
 	if early != nil {
 		cr := <-early
 		ph.CommitMs = agent.Ms(time.Since(t3)) // what the commit added after the copy
