@@ -249,7 +249,7 @@ func (s *Sidecar) pushOnce(ctx context.Context, pool *agent.Pool, job pushJob, p
 	var creditErr error
 	var plan *agent.TokenPlan // the rest's plan, made while the credit copy runs
 	var planErr error
-	var rest *transferRun // the rest's transfer, started behind the credit copy
+	var rest *transferRun   // the rest's transfer, started behind the credit copy
 	var creditEnd time.Time // when the credit copy was done (the rest may have started before)
 	if cr != nil {
 		k := min(int64(len(cr.pages)), (job.end+ps-1)/ps)
