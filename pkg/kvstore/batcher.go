@@ -72,6 +72,21 @@ func WithRetryDelay(d time.Duration) BatcherOption {
 	}
 }
 
+// DefaultTxnTimeout bounds one Txn of a flush. A Txn sent to an etcd member that just lost
+// leadership, or over a connection that went dark, otherwise waits for etcd's own request
+// timeout (about 7 s) before the batcher can retry; a bounded Txn is retried after the retry
+// delay, and retrying is harmless: every op is a fenced put or delete of a whole value.
+const DefaultTxnTimeout = 2 * time.Second
+
+// WithTxnTimeout bounds each Txn of a flush (default DefaultTxnTimeout).
+func WithTxnTimeout(d time.Duration) BatcherOption {
+	return func(b *Batcher) {
+		if d > 0 {
+			b.txnTimeout = d
+		}
+	}
+}
+
 type pendingOp struct {
 	op  Op
 	seq uint64
@@ -88,6 +103,8 @@ type Batcher struct {
 	maxBytes int
 	retry    time.Duration
 	onTxn    func(FlushInfo)
+	// txnTimeout bounds one Txn (WithTxnTimeout).
+	txnTimeout time.Duration
 
 	mu       sync.Mutex
 	pending  map[string]*pendingOp
@@ -104,7 +121,7 @@ func NewBatcher(s *Store, f Fence, opts ...BatcherOption) *Batcher {
 	b := &Batcher{
 		store: s, fence: f,
 		maxDelay: DefaultMaxDelay, maxOps: DefaultMaxOps, maxBytes: DefaultMaxBytes,
-		retry:    100 * time.Millisecond,
+		retry: 100 * time.Millisecond, txnTimeout: DefaultTxnTimeout,
 		pending:  make(map[string]*pendingOp),
 		kick:     make(chan struct{}, 1),
 		progress: make(chan struct{}),
@@ -316,7 +333,9 @@ func (b *Batcher) flushOnce(ctx context.Context) error {
 		}
 		age := time.Since(oldest)
 		b.store.metrics.oldestMs.Observe(float64(age.Microseconds()) / 1000)
-		err := b.store.Apply(ctx, b.fence, batch)
+		tctx, tcancel := context.WithTimeout(ctx, b.txnTimeout)
+		err := b.store.Apply(tctx, b.fence, batch)
+		tcancel()
 		if b.onTxn != nil {
 			b.onTxn(FlushInfo{Ops: n, Bytes: size, OldestAge: age, Err: err})
 		}

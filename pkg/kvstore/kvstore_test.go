@@ -11,9 +11,12 @@ import (
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.etcd.io/etcd/client/v3/concurrency"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
 	"github.com/kvcentric/kvcentric/pkg/etcdtest"
+	"github.com/kvcentric/kvcentric/pkg/netproxy"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -559,5 +562,61 @@ func TestLoadAllVolatile(t *testing.T) {
 	}
 	if snap.Malformed != 2 || len(snap.MalformedVolatile) != 2 {
 		t.Fatalf("malformed %d %v", snap.Malformed, snap.MalformedVolatile)
+	}
+}
+
+// TestBatcherTxnTimeout: a Txn sent over a connection that goes dark (black-holed, not closed)
+// is abandoned after the Txn timeout and retried, so writes resume as soon as etcd is
+// reachable again instead of after the client's own request timeout.
+func TestBatcherTxnTimeout(t *testing.T) {
+	c := etcdtest.Start(t)
+	px, err := netproxy.New(strings.TrimPrefix(c.Endpoints()[0], "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = px.Close() })
+	cli, err := clientv3.New(clientv3.Config{Endpoints: []string{px.Addr()}, DialTimeout: 5 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = cli.Close() })
+	s := newStore(t, cli, "/txntimeout/")
+	direct := newStore(t, c.Client(t), "/txntimeout/")
+	ctx, cancel := context.WithTimeout(t.Context(), 60*time.Second)
+	defer cancel()
+	f, _, _ := leader(t, direct, "a") // the fence's lease is kept alive around the proxy
+	timedOut := make(chan struct{}, 1)
+	bt := NewBatcher(s, f, WithMaxDelay(5*time.Millisecond), WithRetryDelay(20*time.Millisecond), WithTxnTimeout(300*time.Millisecond),
+		WithOnTxn(func(fi FlushInfo) {
+			if errors.Is(fi.Err, context.DeadlineExceeded) || status.Code(fi.Err) == codes.DeadlineExceeded {
+				select {
+				case timedOut <- struct{}{}:
+				default:
+				}
+			}
+		}))
+	go func() { _ = bt.Run(ctx) }()
+	if err := bt.PutSession(&kvcv1.SessionRecord{SessionId: "before", Turn: 1}); err != nil {
+		t.Fatal(err)
+	}
+	if err := bt.Flush(ctx); err != nil {
+		t.Fatal(err)
+	}
+	px.Blackhole()
+	if err := bt.PutSession(&kvcv1.SessionRecord{SessionId: "during", Turn: 1}); err != nil {
+		t.Fatal(err)
+	}
+	select { // a Txn was abandoned on its timeout while the connection is dark
+	case <-timedOut:
+	case <-time.After(20 * time.Second):
+		t.Fatal("no Txn timed out while etcd was black-holed")
+	}
+	px.Heal()
+	if err := bt.Flush(ctx); err != nil {
+		t.Fatalf("flush after heal: %v", err)
+	}
+	got, ok, err := direct.GetSession(ctx, "during")
+	if err != nil || !ok || got.GetTurn() != 1 {
+		t.Fatalf("after heal: %v %v %v", got, ok, err)
 	}
 }
