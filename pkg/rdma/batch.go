@@ -17,6 +17,9 @@ type task struct {
 	bytes atomic.Uint64
 	left  atomic.Int64 // slices not yet acknowledged
 	err   error        // set with the final state, under b.mu
+	// serr is the first error of a slice (tcp): the task fails with it once every slice has
+	// been answered, so that no byte of a failed task is still on its way when Wait returns.
+	serr atomic.Pointer[error]
 }
 
 func (t *task) final() bool { return TaskState(t.state.Load()).Done() }

@@ -849,14 +849,22 @@ type sliceOp struct {
 	id    uint64
 }
 
+// done accounts for one answered (or failed) slice. The task ends when its last slice does: a
+// refused slice fails the task, but only after its other slices are answered too, so that when
+// Wait reports the failure none of the task's bytes is still in flight (allowed slices of a
+// failed task may have landed; nothing lands later).
 func (s *sliceOp) done(err error) {
 	if err != nil {
-		s.t.finish(s.b, TaskFailed, err)
-		return
+		s.t.serr.CompareAndSwap(nil, &err)
+	} else {
+		s.t.bytes.Add(s.n)
 	}
-	s.t.bytes.Add(s.n)
 	if s.t.left.Add(-1) == 0 {
-		s.t.finish(s.b, TaskCompleted, nil)
+		if e := s.t.serr.Load(); e != nil {
+			s.t.finish(s.b, TaskFailed, *e)
+		} else {
+			s.t.finish(s.b, TaskCompleted, nil)
+		}
 	}
 }
 
