@@ -2,8 +2,11 @@ package decode
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"net"
+	"net/http"
+	"net/http/httptest"
 	"slices"
 	"strings"
 	"sync"
@@ -362,5 +365,27 @@ func TestCheckCreditUse(t *testing.T) {
 		if (tt.want == "") != (err == nil) || err != nil && !strings.Contains(err.Error(), tt.want) {
 			t.Fatalf("%s: %v, want %q", tt.name, err, tt.want)
 		}
+	}
+}
+
+func TestCreditsEndpoint(t *testing.T) {
+	s := newTestSidecar(t)
+	now := time.Now()
+	s.credits.settle("p0:1", &peerCredit{endpoint: "e0", id: 7, pages: []int64{1, 2, 3}, granted: now.Add(-2 * time.Second)})
+	s.credits.settle("p1:1", &peerCredit{endpoint: "e1", id: 9, pages: []int64{4}, granted: now})
+	if c := s.credits.claim("p1:1", now); c == nil {
+		t.Fatal("claim p1")
+	}
+	mux := http.NewServeMux()
+	s.Mount(mux)
+	rec := httptest.NewRecorder()
+	mux.ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/v1/credits", nil))
+	var got []CreditInfo
+	if err := json.Unmarshal(rec.Body.Bytes(), &got); err != nil || rec.Code != http.StatusOK {
+		t.Fatalf("GET /v1/credits: %d %s (%v)", rec.Code, rec.Body.String(), err)
+	}
+	if len(got) != 2 || got[0].Peer != "p0:1" || got[0].Pages != 3 || got[0].ID != 7 || got[0].InUse || got[0].AgeMs < 2000 ||
+		got[1].Peer != "p1:1" || got[1].Pages != 1 || !got[1].InUse {
+		t.Fatalf("credits %+v", got)
 	}
 }

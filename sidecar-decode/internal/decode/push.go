@@ -416,6 +416,9 @@ func (s *Sidecar) pushOnce(ctx context.Context, pool *agent.Pool, job pushJob, p
 	ph.TransferMs = agent.Ms(t3.Sub(rest.t2))
 	if rest.t2.Before(creditEnd) {
 		ph.TransferMs = agent.Ms(max(0, t3.Sub(creditEnd)))
+		if t3.Before(creditEnd) { // the rest ended first (or was empty): the commit follows both
+			t3 = creditEnd
+		}
 	}
 	if early != nil {
 		cr := <-early

@@ -541,10 +541,39 @@ func (s *Sidecar) Sessions() []SessionInfo {
 	return out
 }
 
-// Mount adds GET /v1/sessions.
+// Mount adds GET /v1/sessions and GET /v1/credits.
 func (s *Sidecar) Mount(mux *http.ServeMux) {
 	mux.HandleFunc("GET /v1/sessions", func(w http.ResponseWriter, _ *http.Request) {
 		w.Header().Set("Content-Type", "application/json")
 		_ = json.NewEncoder(w).Encode(s.Sessions())
 	})
+	mux.HandleFunc("GET /v1/credits", func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		_ = json.NewEncoder(w).Encode(s.Credits())
+	})
+}
+
+// CreditInfo is the store credit this sidecar holds at one snapshot store (GET /v1/credits).
+type CreditInfo struct {
+	// Peer is the store's TransferPeerService address (the snapshot target's peer_addr).
+	Peer     string `json:"peer"`
+	Endpoint string `json:"endpoint"`
+	ID       uint64 `json:"credit_id"`
+	Pages    int    `json:"pages"`
+	AgeMs    int64  `json:"age_ms"`
+	InUse    bool   `json:"in_use"`
+}
+
+// Credits lists the store credits held, by store peer address.
+func (s *Sidecar) Credits() []CreditInfo {
+	now := time.Now()
+	s.credits.mu.Lock()
+	out := make([]CreditInfo, 0, len(s.credits.m))
+	for addr, c := range s.credits.m {
+		out = append(out, CreditInfo{Peer: addr, Endpoint: c.endpoint, ID: c.id, Pages: len(c.pages),
+			AgeMs: now.Sub(c.granted).Milliseconds(), InUse: c.busy})
+	}
+	s.credits.mu.Unlock()
+	sort.Slice(out, func(i, j int) bool { return out[i].Peer < out[j].Peer })
+	return out
 }
