@@ -25,6 +25,7 @@ type reservation struct {
 	input    int64
 	maxOut   int64
 	snapGen  uint64
+	sessGen  uint64 // the session's generation at the decision (SESSION_NOT_RESIDENT outcomes)
 	deadline time.Time
 	idx      int // position in the expiry heap
 }

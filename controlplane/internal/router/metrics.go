@@ -88,7 +88,7 @@ func newMetrics(reg prometheus.Registerer, s *Service) *metrics {
 			Name: "kvc_router_worker_admitted_total", Help: "Session decisions (direct, seed, reseed) placed on a decode worker.",
 		}, []string{"worker"}),
 		rejected: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "kvc_router_worker_rejected_total", Help: "Rejections of a session by a decode worker: source=d (REJECTED_BY_D outcome) or local (no capacity after reservations).",
+			Name: "kvc_router_worker_rejected_total", Help: "Rejections of a session by a decode worker: source=d (REJECTED_BY_D outcome), not_resident (SESSION_NOT_RESIDENT outcome: D had evicted it) or local (no capacity after reservations).",
 		}, []string{"worker", "source"}),
 		commands: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvc_router_commands_total", Help: "Commands sent to sidecars, by kind and result.",

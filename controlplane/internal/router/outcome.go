@@ -78,6 +78,11 @@ func (s *Service) apply(r *reservation, o *kvcv1.RouteOutcome, nowMs int64) {
 		r.decode != "" && (r.mode != kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK || isLargeAppend(r.mode, r.reason)):
 		s.updateSession(r, kvLen, nowMs, (*outcomeCtx).rejected).release()
 		s.m.rejected.WithLabelValues(r.decode, "d").Inc()
+	case !o.Success && kind == kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_SESSION_NOT_RESIDENT && r.decode != "":
+		// D says it does not hold the session (it evicted it; its EVICTED event may still be on
+		// the way): drop the residency now, so that the retry reseeds instead of coming back.
+		s.updateSession(r, kvLen, nowMs, (*outcomeCtx).notResident).release()
+		s.m.rejected.WithLabelValues(r.decode, "not_resident").Inc()
 	case !o.Success && kind == kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_SNAPSHOT_FAILED &&
 		r.mode == kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT:
 		// A failed snapshot is not trusted again: the next reseed re-prefills.
@@ -141,6 +146,15 @@ func (x *outcomeCtx) rejected(rec *kvcv1.SessionRecord) {
 	}
 	if rec.DRejects[x.r.decode] < 1<<30 {
 		rec.DRejects[x.r.decode]++
+	}
+}
+
+// notResident: the decision's D does not hold the session; its residency there is dropped if
+// it is still the one the decision saw (same D, same generation: a reseed since then stands).
+func (x *outcomeCtx) notResident(rec *kvcv1.SessionRecord) {
+	if rec.DecodeWorker == x.r.decode && rec.Generation == x.r.sessGen {
+		rec.PreviousDecodeWorker = rec.DecodeWorker
+		rec.DecodeWorker = ""
 	}
 }
 

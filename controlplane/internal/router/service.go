@@ -313,6 +313,9 @@ func (s *Service) record(in *policy.Input, d *policy.Decision, now time.Time) *r
 		snapGen:  d.SnapshotGeneration,
 		deadline: now.Add(in.Knobs.ReservationTimeout),
 	}
+	if in.Session != nil {
+		r.sessGen = in.Session.Generation
+	}
 	s.led.add(r)
 	return r
 }

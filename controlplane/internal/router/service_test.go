@@ -634,3 +634,48 @@ func TestLargeAppendOutcomes(t *testing.T) {
 		t.Errorf("%d reservations left", f.pending())
 	}
 }
+
+// TestSessionNotResidentOutcome: D answered that it no longer holds the session (it evicted it
+// before the control plane heard): the residency is dropped at once and the retry reseeds from
+// the snapshot; a report against a generation that has moved on changes nothing.
+func TestSessionNotResidentOutcome(t *testing.T) {
+	tests := []struct {
+		name        string
+		reseedFirst bool // the session was reseeded (new generation) before the report arrived
+		wantMode    kvcv1.RouteMode
+	}{
+		{"drops residency, retry reseeds", false, kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT},
+		{"stale report keeps the newer residency", true, kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			f := newFixture(t, basicCluster()...)
+			f.c.PutSession(&kvcv1.SessionRecord{SessionId: "s", DecodeWorker: "d1", KvCommittedLen: 5000, Generation: 3, Turn: 4, LastSeenUnixMs: 1,
+				Snapshot: &kvcv1.SnapshotInfo{PrefillWorker: "p1", Seqlen: 5000, Generation: 3, UpdatedUnixMs: f.now.UnixMilli()}})
+			d := f.decide("s", 5, 5200, 10)
+			if d.Mode != kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D || d.Decode.GetWorkerId() != "d1" {
+				t.Fatalf("first decision: %s on %s", d.Mode, d.Decode.GetWorkerId())
+			}
+			if tt.reseedFirst {
+				f.c.UpdateSession("s", func(r *kvcv1.SessionRecord) { r.Generation = 4 })
+			}
+			f.report(d.DecisionId, false, kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_SESSION_NOT_RESIDENT, 0)
+			rec := f.session("s")
+			if tt.reseedFirst {
+				if rec.DecodeWorker != "d1" {
+					t.Fatalf("a stale report dropped the newer residency: %v", rec)
+				}
+			} else if rec.DecodeWorker != "" || rec.PreviousDecodeWorker != "d1" || len(rec.DRejects) != 0 {
+				t.Fatalf("after SESSION_NOT_RESIDENT: %v", rec)
+			}
+			d = f.decide("s", 5, 5200, 10)
+			if d.Mode != tt.wantMode {
+				t.Fatalf("retry: %s/%s, want %s", d.Mode, d.Reason, tt.wantMode)
+			}
+			if got := testutil.ToFloat64(f.s.m.rejected.WithLabelValues("d1", "not_resident")); got != 1 {
+				t.Fatalf("not_resident rejections %v", got)
+			}
+			f.checkLedger()
+		})
+	}
+}

@@ -87,7 +87,7 @@ func TestRetryAfter409(t *testing.T) {
 		t.Fatalf("events %v", ev)
 	}
 	first, second := outcome(t, e.cp), outcome(t, e.cp)
-	if first.GetErrorKind() != kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D || !second.GetSuccess() || first.GetDecisionId() == second.GetDecisionId() {
+	if first.GetErrorKind() != kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_SESSION_NOT_RESIDENT || !second.GetSuccess() || first.GetDecisionId() == second.GetDecisionId() {
 		t.Fatalf("outcomes %v / %v", first, second)
 	}
 }

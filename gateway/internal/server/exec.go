@@ -83,6 +83,10 @@ func classify(we *workerError, mode kvcv1.RouteMode, ctx, clientCtx context.Cont
 	}
 	r := failure(kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_WORKER_ERROR, we.status, code, we.role+" worker: "+we.message)
 	switch {
+	case we.status == http.StatusConflict && we.role == "decode" && code == "session_not_resident":
+		// D evicted the session before the control plane heard: it drops the residency at
+		// once, so the retry's new decision reseeds instead of coming back here.
+		r.kind, r.retry = kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_SESSION_NOT_RESIDENT, true
 	case we.status == http.StatusConflict && we.role == "decode":
 		r.kind, r.retry = kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D, true
 	case we.status == http.StatusServiceUnavailable && we.role == "decode":

@@ -205,6 +205,10 @@ const (
 	RouteErrorKind_ROUTE_ERROR_KIND_ABORTED         RouteErrorKind = 5
 	RouteErrorKind_ROUTE_ERROR_KIND_WORKER_ERROR    RouteErrorKind = 6
 	RouteErrorKind_ROUTE_ERROR_KIND_SNAPSHOT_FAILED RouteErrorKind = 7
+	// The decision's decode worker does not hold the session (it evicted it before the control
+	// plane heard): the control plane drops the session's residency on that D at once, so the
+	// next decision (the gateway's retry) reseeds instead of sending it back there.
+	RouteErrorKind_ROUTE_ERROR_KIND_SESSION_NOT_RESIDENT RouteErrorKind = 8
 )
 
 // Enum value maps for RouteErrorKind.
@@ -218,16 +222,18 @@ var (
 		5: "ROUTE_ERROR_KIND_ABORTED",
 		6: "ROUTE_ERROR_KIND_WORKER_ERROR",
 		7: "ROUTE_ERROR_KIND_SNAPSHOT_FAILED",
+		8: "ROUTE_ERROR_KIND_SESSION_NOT_RESIDENT",
 	}
 	RouteErrorKind_value = map[string]int32{
-		"ROUTE_ERROR_KIND_UNSPECIFIED":     0,
-		"ROUTE_ERROR_KIND_NONE":            1,
-		"ROUTE_ERROR_KIND_TIMEOUT":         2,
-		"ROUTE_ERROR_KIND_TRANSFER_FAILED": 3,
-		"ROUTE_ERROR_KIND_REJECTED_BY_D":   4,
-		"ROUTE_ERROR_KIND_ABORTED":         5,
-		"ROUTE_ERROR_KIND_WORKER_ERROR":    6,
-		"ROUTE_ERROR_KIND_SNAPSHOT_FAILED": 7,
+		"ROUTE_ERROR_KIND_UNSPECIFIED":          0,
+		"ROUTE_ERROR_KIND_NONE":                 1,
+		"ROUTE_ERROR_KIND_TIMEOUT":              2,
+		"ROUTE_ERROR_KIND_TRANSFER_FAILED":      3,
+		"ROUTE_ERROR_KIND_REJECTED_BY_D":        4,
+		"ROUTE_ERROR_KIND_ABORTED":              5,
+		"ROUTE_ERROR_KIND_WORKER_ERROR":         6,
+		"ROUTE_ERROR_KIND_SNAPSHOT_FAILED":      7,
+		"ROUTE_ERROR_KIND_SESSION_NOT_RESIDENT": 8,
 	}
 )
 
@@ -1078,7 +1084,7 @@ const file_kvc_v1_router_proto_rawDesc = "" +
 	"\x1eROUTE_REASON_NO_PREFILL_WORKER\x10\x13\x12$\n" +
 	" ROUTE_REASON_KV_CENTRIC_DISABLED\x10\x14\x12*\n" +
 	"&ROUTE_REASON_CONTROL_PLANE_UNAVAILABLE\x10\x15\x12#\n" +
-	"\x1fROUTE_REASON_SNAPSHOTS_DISABLED\x10\x16*\x9c\x02\n" +
+	"\x1fROUTE_REASON_SNAPSHOTS_DISABLED\x10\x16*\xc7\x02\n" +
 	"\x0eRouteErrorKind\x12 \n" +
 	"\x1cROUTE_ERROR_KIND_UNSPECIFIED\x10\x00\x12\x19\n" +
 	"\x15ROUTE_ERROR_KIND_NONE\x10\x01\x12\x1c\n" +
@@ -1087,7 +1093,8 @@ const file_kvc_v1_router_proto_rawDesc = "" +
 	"\x1eROUTE_ERROR_KIND_REJECTED_BY_D\x10\x04\x12\x1c\n" +
 	"\x18ROUTE_ERROR_KIND_ABORTED\x10\x05\x12!\n" +
 	"\x1dROUTE_ERROR_KIND_WORKER_ERROR\x10\x06\x12$\n" +
-	" ROUTE_ERROR_KIND_SNAPSHOT_FAILED\x10\a2I\n" +
+	" ROUTE_ERROR_KIND_SNAPSHOT_FAILED\x10\a\x12)\n" +
+	"%ROUTE_ERROR_KIND_SESSION_NOT_RESIDENT\x10\b2I\n" +
 	"\rRouterService\x128\n" +
 	"\x05Route\x12\x14.kvc.v1.RouteRequest\x1a\x15.kvc.v1.RouteResponse(\x010\x01B3Z1github.com/kvcentric/kvcentric/proto/kvc/v1;kvcv1b\x06proto3"
 
