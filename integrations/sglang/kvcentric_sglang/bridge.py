@@ -75,7 +75,9 @@ class WorkerBridge:
     """
 
     def __init__(self, socket_path: str, timeout_s: float = 30.0):
-        self._ch = grpc.insecure_channel("unix://" + socket_path)
+        # No idle timeout: the sidecar reads a closed bridge connection as a possible worker
+        # death (it then probes /health), so the channel stays open while the worker lives.
+        self._ch = grpc.insecure_channel("unix://" + socket_path, options=[("grpc.client_idle_timeout_ms", 2**31 - 1)])
         self._timeout = timeout_s
 
     def close(self) -> None:
