@@ -58,6 +58,9 @@ func NewCA(t testing.TB, dir, name string) *CA {
 type Spec struct {
 	// Role goes into the spiffe://kvcentric/role/<role> URI SAN; empty: no role URI.
 	Role tlsx.Role
+	// Workers go into spiffe://kvcentric/worker/<id> URI SANs, one each: the worker ids a
+	// sidecar certificate may act as.
+	Workers []string
 	// ExtraURIs are added as they are (tests of malformed roles).
 	ExtraURIs []string
 	// Expired makes a certificate whose validity ended an hour ago.
@@ -104,6 +107,9 @@ func (ca *CA) IssueAt(t testing.TB, dir, name string, spec Spec) tlsx.Files {
 	}
 	if spec.Role != "" {
 		tmpl.URIs = append(tmpl.URIs, spec.Role.URI())
+	}
+	for _, w := range spec.Workers {
+		tmpl.URIs = append(tmpl.URIs, tlsx.WorkerURI(w))
 	}
 	for _, s := range spec.ExtraURIs {
 		u, err := url.Parse(s)
