@@ -86,9 +86,9 @@ func TestTLS(t *testing.T) {
 	cpFiles := ca.Issue(t, "cp-tls", tlstest.Spec{Role: tlsx.RoleControlPlane})
 	c := startCP(t, []string{ep}, "cp-tls", func(o *Options) { o.TLS, o.EtcdTLS = cpFiles, etcdCli })
 
-	as := func(role tlsx.Role) *grpc.ClientConn {
+	as := func(role tlsx.Role, workers ...string) *grpc.ClientConn {
 		t.Helper()
-		src, err := tlsx.Load(ca.Issue(t, "client-"+string(role), tlstest.Spec{Role: role}))
+		src, err := tlsx.Load(ca.Issue(t, strings.Join(append([]string{"client", string(role)}, workers...), "-"), tlstest.Spec{Role: role, Workers: workers}))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -126,9 +126,35 @@ func TestTLS(t *testing.T) {
 		t.Fatalf("operator-read DrainWorker: %v", err)
 	}
 
+	// A sidecar certificate names the workers it may register as: one for d1 cannot register
+	// as d2, nor can one that names no worker; it can as d1.
+	for _, tc := range []struct {
+		workers []string
+		hello   string
+		want    string
+	}{
+		{[]string{"d1"}, "d2", `may not act as worker "d2"`},
+		{nil, "d1", "names no worker"},
+	} {
+		_, _, err := open(t, &cp{conn: as(tlsx.RoleSidecar, tc.workers...)}, decodeHello(tc.hello))
+		if code(err) != codes.PermissionDenied || !strings.Contains(err.Error(), tc.want) {
+			t.Fatalf("certificate for %v registering as %s: %v", tc.workers, tc.hello, err)
+		}
+		if _, err := reader.GetWorker(ctx, &kvcv1.GetWorkerRequest{WorkerId: tc.hello}); code(err) != codes.NotFound {
+			t.Fatalf("%s registered by a certificate for %v: %v", tc.hello, tc.workers, err)
+		}
+	}
+	if !metric(t, c, `kvc_cp_stream_messages_rejected_total{reason="worker_not_in_certificate"} 2`) {
+		t.Fatal("refused hellos not counted")
+	}
+	d1 := &cp{conn: as(tlsx.RoleSidecar, "d1")}
+	if _, w, err := open(t, d1, decodeHello("d1")); err != nil || w == nil {
+		t.Fatalf("d1 certificate registering as d1: welcome %v, %v", w, err)
+	}
+
 	// A sidecar registers; a sidecar certificate cannot change the policy; a gateway
 	// certificate cannot pose as a sidecar.
-	sc := &cp{conn: as(tlsx.RoleSidecar)}
+	sc := &cp{conn: as(tlsx.RoleSidecar, "d0")}
 	if _, w, err := open(t, sc, decodeHello("d0")); err != nil || w == nil {
 		t.Fatalf("sidecar over mTLS: welcome %v, %v", w, err)
 	}
@@ -221,7 +247,7 @@ func TestTLSLeaderHint(t *testing.T) {
 		r, err := bAdmin.GetLeader(t.Context(), &kvcv1.GetLeaderRequest{})
 		return err == nil && !r.GetResponderIsLeader() && r.GetLeaderAddr() == a.grpcAddr
 	})
-	scSrc, err := tlsx.Load(ca.Issue(t, "d7", tlstest.Spec{Role: tlsx.RoleSidecar}))
+	scSrc, err := tlsx.Load(ca.Issue(t, "d7", tlstest.Spec{Role: tlsx.RoleSidecar, Workers: []string{"d7"}}))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -13,6 +13,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/kvcentric/kvcentric/controlplane/internal/state"
+	"github.com/kvcentric/kvcentric/pkg/tlsx"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -108,6 +109,13 @@ func (s *Sidecar) Connect(stream grpc.BidiStreamingServer[kvcv1.ConnectRequest, 
 	if err := validateHello(h); err != nil {
 		s.reject("invalid_hello")
 		return status.Errorf(codes.InvalidArgument, "hello: %v", err)
+	}
+	// Under mTLS the sidecar's certificate must name the worker it registers as (nil in
+	// plaintext mode).
+	if err := tlsx.PeerAllowsWorker(ctx, h.GetWorkerId()); err != nil {
+		s.reject("worker_not_in_certificate")
+		s.Log.Warn().Str("worker", h.GetWorkerId()).Str("reason", status.Convert(err).Message()).Msg("hello refused")
+		return err
 	}
 	st, err := s.State.Attach(h)
 	switch {
