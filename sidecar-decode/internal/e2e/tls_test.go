@@ -28,7 +28,9 @@ func tlsArgs(f tlsx.Files) []string {
 // TestMutualTLS runs the real binaries with mutual TLS everywhere: kvc-controlplane with a
 // controlplane certificate, a prefill and a decode sidecar with sidecar certificates. The
 // sidecars register over mTLS, a seed transfer and the D→P snapshot pushes after it go through
-// the sidecars' TransferPeerService over mTLS, and a plaintext sidecar is turned away.
+// the sidecars' TransferPeerService over mTLS, and a plaintext sidecar is turned away. Sidecar
+// certificates name their worker ids: one cannot act as another worker, neither towards the
+// control plane nor towards a peer sidecar.
 func TestMutualTLS(t *testing.T) {
 	if testing.Short() {
 		t.Skip("integration test")
@@ -66,8 +68,8 @@ func TestMutualTLS(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	p0 := startSidecar(t, "prefill", "p0", cpAddr, tlsArgs(ca.Issue(t, "p0", tlstest.Spec{Role: tlsx.RoleSidecar}))...)
-	d1 := &dworker{sc: startSidecar(t, "decode", "d1", cpAddr, tlsArgs(ca.Issue(t, "d1", tlstest.Spec{Role: tlsx.RoleSidecar}))...),
+	p0 := startSidecar(t, "prefill", "p0", cpAddr, tlsArgs(ca.Issue(t, "p0", tlstest.Spec{Role: tlsx.RoleSidecar, Workers: []string{"p0"}}))...)
+	d1 := &dworker{sc: startSidecar(t, "decode", "d1", cpAddr, tlsArgs(ca.Issue(t, "d1", tlstest.Spec{Role: tlsx.RoleSidecar, Workers: []string{"d1"}}))...),
 		pages: map[string][]int64{}}
 	pw := newWorker(t, p0, 256)
 	d1.w = newWorker(t, d1.sc, 256)
@@ -97,6 +99,32 @@ func TestMutualTLS(t *testing.T) {
 		if status.Code(err) != codes.PermissionDenied {
 			t.Fatalf("%s calling a sidecar's AbortSnapshot: %v", role, err)
 		}
+	}
+
+	// A sidecar certificate acts only as the workers it names: one for d1 cannot reserve p0's
+	// store pages as source d2, nor offer receive pages as decode worker d2 (the certificate
+	// for d1 acting as d1 is what the seed and the snapshot pushes below do).
+	d1Src, err := tlsx.Load(ca.Issue(t, "d1-client", tlstest.Spec{Role: tlsx.RoleSidecar, Workers: []string{"d1"}}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	d1Conn, err := grpc.NewClient(p0.peerAddr, grpcx.DialOptions(d1Src, tlsx.RoleSidecar)...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d1Conn.Close()
+	asD1 := kvcv1.NewTransferPeerServiceClient(d1Conn)
+	layout := &kvcv1.KVLayout{PageSize: pageSize, ItemLen: 64, NumLayers: 1, BufferAddrs: []uint64{0, 0}, PageCount: 8}
+	_, err = asD1.ReserveSnapshot(ctxT(t, 5*time.Second), &kvcv1.ReserveSnapshotRequest{SessionId: "sess-x", Generation: 1, Tokens: 16,
+		SourceWorkerId: "d2", SourceLayout: layout})
+	if status.Code(err) != codes.PermissionDenied || !strings.Contains(err.Error(), `may not act as worker "d2"`) {
+		t.Fatalf("ReserveSnapshot as d2 with d1's certificate: %v", err)
+	}
+	_, err = asD1.OfferReceive(ctxT(t, 5*time.Second), &kvcv1.OfferReceiveRequest{Room: 7, SessionId: "sess-x",
+		Kind: kvcv1.TransferKind_TRANSFER_KIND_SEED, DecodeWorkerId: "d2", DecodeTransferEndpoint: "127.0.0.1:1", DecodeLayout: layout,
+		Pages: []int64{0}, Tokens: 16, DecodePeerAddr: "127.0.0.1:1"})
+	if status.Code(err) != codes.PermissionDenied || !strings.Contains(err.Error(), `may not act as worker "d2"`) {
+		t.Fatalf("OfferReceive as d2 with d1's certificate: %v", err)
 	}
 
 	// A gateway's Route stream: SEED into d1, P→D transfer through the peer services, then the
@@ -157,5 +185,15 @@ func TestMutualTLS(t *testing.T) {
 	})
 	if _, err := admin.GetWorker(ctxT(t, 5*time.Second), &kvcv1.GetWorkerRequest{WorkerId: "d-plain"}); status.Code(err) != codes.NotFound {
 		t.Fatalf("plaintext sidecar registered? %v", err)
+	}
+
+	// A sidecar whose certificate names another worker is refused at its hello, naming the id.
+	wrong := startSidecar(t, "decode", "d3", cpAddr, tlsArgs(ca.Issue(t, "d3", tlstest.Spec{Role: tlsx.RoleSidecar, Workers: []string{"d9"}}))...)
+	newWorker(t, wrong, 64)
+	waitFor(t, "the sidecar with another worker's certificate turned away", 20*time.Second, func() bool {
+		return strings.Count(wrong.stderr.String(), `may not act as worker \"d3\"`) >= 2
+	})
+	if _, err := admin.GetWorker(ctxT(t, 5*time.Second), &kvcv1.GetWorkerRequest{WorkerId: "d3"}); status.Code(err) != codes.NotFound {
+		t.Fatalf("d3 registered with a certificate for d9? %v", err)
 	}
 }

@@ -10,6 +10,7 @@ import (
 
 	"github.com/kvcentric/kvcentric/pkg/agent"
 	"github.com/kvcentric/kvcentric/pkg/rdma"
+	"github.com/kvcentric/kvcentric/pkg/tlsx"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 	"github.com/kvcentric/kvcentric/sidecar-prefill/internal/store"
 )
@@ -36,9 +37,13 @@ func (s *Sidecar) storeAndArena() (*store.Store, *agent.Pool, error) {
 }
 
 // ReserveSnapshot reserves store pages for tokens [base_len, base_len+tokens) of a session.
-func (s *Sidecar) ReserveSnapshot(_ context.Context, req *kvcv1.ReserveSnapshotRequest) (*kvcv1.ReserveSnapshotResponse, error) {
+func (s *Sidecar) ReserveSnapshot(ctx context.Context, req *kvcv1.ReserveSnapshotRequest) (*kvcv1.ReserveSnapshotResponse, error) {
 	if err := kvcv1.ValidateID("session_id", req.GetSessionId()); err != nil {
 		return nil, status.Error(codes.InvalidArgument, err.Error())
+	}
+	// Under mTLS the caller's certificate must name the source worker (nil in plaintext mode).
+	if err := tlsx.PeerAllowsWorker(ctx, req.GetSourceWorkerId()); err != nil {
+		return nil, err
 	}
 	st, arena, err := s.storeAndArena()
 	if err != nil {
@@ -152,7 +157,7 @@ func (s *Sidecar) TransferDone(context.Context, *kvcv1.TransferDoneRequest) (*kv
 
 // OfferReceive records the decode side's pages for a room. A seed room is then written by the
 // worker's SendKV calls; a snapshot room is written from the store right away.
-func (s *Sidecar) OfferReceive(_ context.Context, req *kvcv1.OfferReceiveRequest) (*kvcv1.OfferReceiveResponse, error) {
+func (s *Sidecar) OfferReceive(ctx context.Context, req *kvcv1.OfferReceiveRequest) (*kvcv1.OfferReceiveResponse, error) {
 	switch {
 	case req.GetRoom() == 0:
 		return nil, status.Error(codes.InvalidArgument, "room is required")
@@ -170,6 +175,10 @@ func (s *Sidecar) OfferReceive(_ context.Context, req *kvcv1.OfferReceiveRequest
 	}
 	if err := kvcv1.ValidateID("session_id", req.GetSessionId()); err != nil {
 		return nil, status.Error(codes.InvalidArgument, err.Error())
+	}
+	// Under mTLS the caller's certificate must name the decode worker (nil in plaintext mode).
+	if err := tlsx.PeerAllowsWorker(ctx, req.GetDecodeWorkerId()); err != nil {
+		return nil, err
 	}
 	r := s.room(req.GetRoom())
 	if r == nil {
