@@ -20,4 +20,11 @@
 // role and method. Clients (ClientCredentials) verify the server's chain against the CA and its
 // host name as usual, and also the server's role (a sidecar certificate cannot pose as the
 // control plane).
+//
+// Worker identity: a sidecar certificate also names every worker id its holder may act as, one
+// URI SAN each, spiffe://kvcentric/worker/<worker_id> (WorkerURIPrefix, WorkerURI, WorkersOf).
+// Handlers whose request carries the caller's own worker id (the control plane's hello, a
+// prefill sidecar's ReserveSnapshot and OfferReceive) call PeerAllowsWorker: nil on a plaintext
+// connection, PERMISSION_DENIED naming the id when the certificate does not name it (or names
+// no worker at all).
 package tlsx
