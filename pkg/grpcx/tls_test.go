@@ -180,11 +180,11 @@ func TestTLSAuthorizationPerRole(t *testing.T) {
 			// Route is a stream: the denial arrives on the first Recv.
 			st, err := kvcv1.NewRouterServiceClient(cc).Route(callCtx(t))
 			if err == nil {
-				err = st.Send(&kvcv1.RouteRequest{Kind: &kvcv1.RouteRequest_Query{Query: &kvcv1.RouteQuery{RequestId: "r1", SessionId: "s1", InputTokens: 10}}})
+				// A Send on a stream the server already ended returns io.EOF; the stream's
+				// status (the denial) is what the next Recv returns.
+				_ = st.Send(&kvcv1.RouteRequest{Kind: &kvcv1.RouteRequest_Query{Query: &kvcv1.RouteQuery{RequestId: "r1", SessionId: "s1", InputTokens: 10}}})
 				var m *kvcv1.RouteResponse
-				if err == nil {
-					m, err = st.Recv()
-				}
+				m, err = st.Recv()
 				if err == nil && m.GetDecision().GetRequestId() != "r1" {
 					t.Fatalf("route answer %v", m)
 				}
