@@ -13,6 +13,7 @@ import (
 	"github.com/rs/zerolog"
 	"golang.org/x/sync/errgroup"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/status"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
 	"github.com/kvcentric/kvcentric/pkg/cpclient"
@@ -67,6 +68,11 @@ func Start(ctx context.Context, c *Common, component string, logw io.Writer) (*R
 	if rt.TLS != nil {
 		if r := rt.TLS.Role(); r != tlsx.RoleSidecar {
 			return nil, fmt.Errorf("--tls-cert %s has role %q; a sidecar needs %s", c.TLS.Cert, r, tlsx.RoleSidecar.URI())
+		}
+		// The control plane and peer sidecars accept this sidecar only as a worker its
+		// certificate names: say so now rather than at every refused hello.
+		if err := tlsx.CertAllowsWorker(rt.TLS.Leaf(), c.WorkerID); err != nil {
+			return nil, fmt.Errorf("--tls-cert %s: %s (issue it with worker:%s, deploy/tls/make-certs.sh)", c.TLS.Cert, status.Convert(err).Message(), c.WorkerID)
 		}
 		log.Info().Str("cert", c.TLS.Cert).Time("not_after", rt.TLS.NotAfter()).Msg("mutual TLS on")
 		if err := tlsx.RegisterMetrics(rt.Reg, "grpc", rt.TLS); err != nil {

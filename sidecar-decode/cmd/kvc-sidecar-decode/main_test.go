@@ -61,3 +61,14 @@ func TestWrongCertificateRole(t *testing.T) {
 		t.Fatalf("exit %d, stderr %q", code, stderr.String())
 	}
 }
+
+func TestCertificateWithoutTheWorkerID(t *testing.T) {
+	dir := t.TempDir()
+	f := tlstest.NewCA(t, dir, "ca").Issue(t, "d0", tlstest.Spec{Role: tlsx.RoleSidecar, Workers: []string{"d0"}})
+	var stderr bytes.Buffer
+	code := run([]string{"--worker-id", "d1", "--bridge-socket", filepath.Join(dir, "b.sock"), "--tls-cert", f.Cert, "--tls-key", f.Key, "--tls-ca", f.CA},
+		func(string) string { return "" }, &stderr)
+	if code == 0 || !strings.Contains(stderr.String(), `"d1"`) || !strings.Contains(stderr.String(), "worker:d1") {
+		t.Fatalf("exit %d, stderr %q", code, stderr.String())
+	}
+}

@@ -76,6 +76,18 @@ func (s *Sidecar) ReserveSnapshot(ctx context.Context, req *kvcv1.ReserveSnapsho
 		CreditPages: res.Credit.Pages, CreditId: res.Credit.ID}, nil
 }
 
+// checkIngestCaller refuses a commit or abort of ingest id from a caller whose certificate
+// does not name the worker that reserved it (TLS only; unknown ingests are the store's to refuse).
+func (s *Sidecar) checkIngestCaller(ctx context.Context, id uint64) error {
+	s.mu.Lock()
+	in, ok := s.ingests[id]
+	s.mu.Unlock()
+	if !ok {
+		return nil
+	}
+	return tlsx.PeerAllowsWorker(ctx, in.source)
+}
+
 func (s *Sidecar) takeIngest(id uint64) (ingest, bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -99,6 +111,9 @@ const readyWaitMax = 30 * time.Second
 func (s *Sidecar) CommitSnapshot(ctx context.Context, req *kvcv1.CommitSnapshotRequest) (*kvcv1.CommitSnapshotResponse, error) {
 	st, arena, err := s.storeAndArena()
 	if err != nil {
+		return nil, err
+	}
+	if err := s.checkIngestCaller(ctx, req.GetIngestId()); err != nil {
 		return nil, err
 	}
 	if ev := req.GetReadyEvent(); len(ev) > 0 {
@@ -136,9 +151,12 @@ func (s *Sidecar) CommitSnapshot(ctx context.Context, req *kvcv1.CommitSnapshotR
 }
 
 // AbortSnapshot frees a reservation.
-func (s *Sidecar) AbortSnapshot(_ context.Context, req *kvcv1.AbortSnapshotRequest) (*kvcv1.AbortSnapshotResponse, error) {
+func (s *Sidecar) AbortSnapshot(ctx context.Context, req *kvcv1.AbortSnapshotRequest) (*kvcv1.AbortSnapshotResponse, error) {
 	st, _, err := s.storeAndArena()
 	if err != nil {
+		return nil, err
+	}
+	if err := s.checkIngestCaller(ctx, req.GetIngestId()); err != nil {
 		return nil, err
 	}
 	in, _ := s.takeIngest(req.GetIngestId())
