@@ -13,8 +13,8 @@ import (
 	"github.com/rs/zerolog"
 	"golang.org/x/sync/errgroup"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/status"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/status"
 
 	"github.com/kvcentric/kvcentric/pkg/cpclient"
 	"github.com/kvcentric/kvcentric/pkg/grpcx"
