@@ -31,12 +31,12 @@ func startCP(t *testing.T, node string, endpoints []string) *cpProc {
 	t.Helper()
 	p := start(t, node, bins["kvc-controlplane"], "--node-id", node, "--grpc-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0",
 		"--etcd-endpoints", strings.Join(endpoints, ","), "--etcd-prefix", "/kvc-e2e/", "--election-ttl", "2s", "--flush-delay", "20ms")
-	conn, err := grpc.NewClient(p.str("grpc_addr"), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	conn, err := grpc.NewClient(p.Str("grpc_addr"), grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = conn.Close() })
-	return &cpProc{proc: p, node: node, addr: p.str("grpc_addr"), admin: kvcv1.NewAdminServiceClient(conn)}
+	return &cpProc{proc: p, node: node, addr: p.Str("grpc_addr"), admin: kvcv1.NewAdminServiceClient(conn)}
 }
 
 // leaderOf waits until one of cps leads and returns it.
@@ -312,7 +312,7 @@ func TestWithControlPlane(t *testing.T) {
 		if lead == a {
 			other = b
 		}
-		lead.kill()
+		lead.Kill()
 		newLead := leaderOf(t, other)
 		waitFor(t, "every sidecar re-homed", 30*time.Second, func() bool {
 			r, err := newLead.admin.ListWorkers(ctxT(t, time.Second), &kvcv1.ListWorkersRequest{})

@@ -1,18 +1,13 @@
 package e2e
 
 import (
-	"bufio"
-	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
 	"io"
 	"net/http"
 	"os"
-	"os/exec"
 	"path/filepath"
-	"sync"
-	"syscall"
 	"testing"
 	"time"
 
@@ -22,53 +17,27 @@ import (
 	"github.com/kvcentric/kvcentric/pkg/agent"
 	"github.com/kvcentric/kvcentric/pkg/kvpool"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+	"github.com/kvcentric/kvcentric/sidecar-decode/internal/proctest"
 )
 
 var bins = map[string]string{}
 
 // TestMain finds (in $KVC_BIN_DIR) or builds the binaries the tests run.
 func TestMain(m *testing.M) {
-	dir := os.Getenv("KVC_BIN_DIR")
-	tmp := ""
-	need := map[string]string{
+	var cleanup func()
+	var err error
+	bins, cleanup, err = proctest.Binaries(os.Getenv("KVC_BIN_DIR"), map[string]string{
 		"kvc-sidecar-decode":  "../..",
 		"kvc-sidecar-prefill": "../../../sidecar-prefill",
 		"kvc-controlplane":    "../../../controlplane",
-	}
-	for name, mod := range need {
-		if dir != "" {
-			if _, err := os.Stat(filepath.Join(dir, name)); err == nil {
-				bins[name] = filepath.Join(dir, name)
-				continue
-			}
-		}
-		if _, err := os.Stat(filepath.Join(mod, "cmd", name)); err != nil {
-			continue // not written yet (kvc-controlplane): tests needing it say so
-		}
-		if tmp == "" {
-			var err error
-			if tmp, err = os.MkdirTemp("", "kvc-e2e-bin-"); err != nil {
-				fmt.Fprintln(os.Stderr, err)
-				os.Exit(1)
-			}
-		}
-		out := filepath.Join(tmp, name)
-		cmd := exec.Command("go", "build", "-o", out, "./cmd/"+name)
-		cmd.Dir = mod
-		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-		if b, err := cmd.CombinedOutput(); err != nil {
-			fmt.Fprintf(os.Stderr, "build %s: %v\n%s", name, err, b)
-			if name != "kvc-controlplane" {
-				os.Exit(1)
-			}
-			continue
-		}
-		bins[name] = out
+	}, "kvc-controlplane") // tests needing the control plane say so when it is missing
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		cleanup()
+		os.Exit(1)
 	}
 	code := m.Run()
-	if tmp != "" {
-		_ = os.RemoveAll(tmp)
-	}
+	cleanup()
 	os.Exit(code)
 }
 
@@ -81,98 +50,16 @@ const (
 	bpt        = 2 * numLayers * tokenBytes // KV bytes per token
 )
 
-type lockedBuf struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuf) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuf) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}
-
 // proc is a running binary.
-type proc struct {
-	name   string
-	cmd    *exec.Cmd
-	ready  map[string]any
-	stderr *lockedBuf
-	exited chan struct{}
-}
-
-func (p *proc) str(k string) string { s, _ := p.ready[k].(string); return s }
-
-// stop sends SIGTERM and waits (SIGKILL after 10 s).
-func (p *proc) stop() {
-	_ = p.cmd.Process.Signal(syscall.SIGTERM)
-	select {
-	case <-p.exited:
-	case <-time.After(10 * time.Second):
-		_ = p.cmd.Process.Kill()
-		<-p.exited
-	}
-}
-
-// kill sends SIGKILL and waits.
-func (p *proc) kill() {
-	_ = p.cmd.Process.Kill()
-	<-p.exited
-}
+type proc = proctest.Proc
 
 // start runs bin with args plus --ready-file and waits for the ready file.
 func start(t *testing.T, name, bin string, args ...string) *proc {
 	t.Helper()
-	if bin == "" {
-		t.Fatalf("binary for %s not available", name)
-	}
-	rf := filepath.Join(t.TempDir(), "ready.json")
-	cmd := exec.Command(bin, append(args, "--ready-file", rf)...)
-	p := &proc{name: name, cmd: cmd, stderr: &lockedBuf{}, exited: make(chan struct{})}
-	cmd.Stderr = p.stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	go func() { _ = cmd.Wait(); close(p.exited) }()
-	t.Cleanup(func() {
-		p.stop()
-		if t.Failed() {
-			t.Logf("---- %s stderr (tail) ----\n%s", name, tail(p.stderr.String(), 6000))
-		}
-	})
-	deadline := time.NewTimer(30 * time.Second)
-	defer deadline.Stop()
-	tick := time.NewTicker(20 * time.Millisecond)
-	defer tick.Stop()
-	for {
-		if b, err := os.ReadFile(rf); err == nil {
-			if err := json.Unmarshal(b, &p.ready); err != nil {
-				t.Fatalf("%s ready file: %v", name, err)
-			}
-			return p
-		}
-		select {
-		case <-p.exited:
-			t.Fatalf("%s exited before ready: %s", name, tail(p.stderr.String(), 4000))
-		case <-deadline.C:
-			t.Fatalf("%s not ready in time: %s", name, tail(p.stderr.String(), 4000))
-		case <-tick.C:
-		}
-	}
+	return proctest.Start(t, name, bin, 30*time.Second, args...)
 }
 
-func tail(s string, n int) string {
-	if len(s) > n {
-		return s[len(s)-n:]
-	}
-	return s
-}
+func tail(s string, n int) string { return proctest.Tail(s, n) }
 
 // sidecar is a running sidecar and its worker's bridge client.
 type sidecar struct {
@@ -203,7 +90,7 @@ func startSidecar(t *testing.T, role, id, cp string, extra ...string) *sidecar {
 	}
 	t.Cleanup(func() { _ = conn.Close() })
 	return &sidecar{proc: p, id: id, events: evlog, bridge: kvcv1.NewWorkerBridgeServiceClient(conn),
-		peerAddr: p.str("peer_addr"), httpAddr: p.str("http_addr"), transfer: p.str("transfer_endpoint")}
+		peerAddr: p.Str("peer_addr"), httpAddr: p.Str("http_addr"), transfer: p.Str("transfer_endpoint")}
 }
 
 // worker is the test's stand-in for an SGLang worker: a shared-memory pool and a page allocator.
@@ -257,25 +144,7 @@ func ctxT(t *testing.T, d time.Duration) context.Context {
 // readEvents parses a sidecar's event log.
 func readEvents(t *testing.T, path string) []agent.Event {
 	t.Helper()
-	f, err := os.Open(path)
-	if os.IsNotExist(err) {
-		return nil
-	}
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	var out []agent.Event
-	sc := bufio.NewScanner(f)
-	sc.Buffer(make([]byte, 1<<20), 1<<20)
-	for sc.Scan() {
-		var e agent.Event
-		if err := json.Unmarshal(sc.Bytes(), &e); err != nil {
-			t.Fatalf("event log line %q: %v", sc.Text(), err)
-		}
-		out = append(out, e)
-	}
-	return out
+	return proctest.ReadEvents(t, path)
 }
 
 func filterEvents(evs []agent.Event, name, session string) []agent.Event {
@@ -291,17 +160,7 @@ func filterEvents(evs []agent.Event, name, session string) []agent.Event {
 // waitFor polls cond (a read of a file or an HTTP endpoint of another process) until it holds.
 func waitFor(t *testing.T, what string, d time.Duration, cond func() bool) {
 	t.Helper()
-	deadline := time.NewTimer(d)
-	defer deadline.Stop()
-	tick := time.NewTicker(10 * time.Millisecond)
-	defer tick.Stop()
-	for !cond() {
-		select {
-		case <-deadline.C:
-			t.Fatalf("timed out waiting for %s", what)
-		case <-tick.C:
-		}
-	}
+	proctest.WaitFor(t, what, d, 10*time.Millisecond, cond)
 }
 
 func getJSON(t *testing.T, url string, v any) int {

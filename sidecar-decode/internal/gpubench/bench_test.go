@@ -70,7 +70,7 @@ func startSidecar(t *testing.T, cfg config, role, id, cp string, gpu int, extra 
 	}
 	t.Cleanup(func() { _ = conn.Close() })
 	return &sidecar{proc: p, id: id, events: ev, bridge: kvcv1.NewWorkerBridgeServiceClient(conn),
-		peer: p.str("peer_addr"), http: p.str("http_addr"), xfer: p.str("transfer_endpoint")}
+		peer: p.Str("peer_addr"), http: p.Str("http_addr"), xfer: p.Str("transfer_endpoint")}
 }
 
 // fragmented is a sorted random half (pool factor 2) of a pool's pages: the session's page map.

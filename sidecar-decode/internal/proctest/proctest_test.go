@@ -1,0 +1,48 @@
+package proctest
+
+import (
+	"os"
+	"path/filepath"
+	"testing"
+)
+
+func TestReadEvents(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "events.jsonl")
+	if got := ReadEvents(t, path); got != nil {
+		t.Fatalf("missing log: %v", got)
+	}
+	tests := []struct {
+		name, body string
+		want       int
+	}{
+		{"empty", "", 0},
+		{"two lines", `{"event":"a"}` + "\n" + `{"event":"b"}` + "\n", 2},
+		{"partial last line left for later", `{"event":"a"}` + "\n" + `{"event":`, 1},
+		{"only a partial line", `{"ev`, 0},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			if err := os.WriteFile(path, []byte(tt.body), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			if got := ReadEvents(t, path); len(got) != tt.want {
+				t.Fatalf("%d events, want %d: %+v", len(got), tt.want, got)
+			}
+		})
+	}
+}
+
+func TestBinariesMissingCommand(t *testing.T) {
+	dir := t.TempDir()
+	bins, cleanup, err := Binaries("", map[string]string{"kvc-nothing": dir})
+	defer cleanup()
+	if err == nil {
+		t.Fatalf("a binary without cmd/: %v", bins)
+	}
+	bins, cleanup2, err := Binaries("", map[string]string{"kvc-nothing": dir}, "kvc-nothing")
+	defer cleanup2()
+	if err != nil || len(bins) != 0 {
+		t.Fatalf("optional binary without cmd/: %v %v", bins, err)
+	}
+}
