@@ -21,6 +21,59 @@ const (
 	_ = protoimpl.EnforceVersion(protoimpl.MaxVersion - 20)
 )
 
+// PoolLayout is the shape of a worker's KV pool.
+type PoolLayout int32
+
+const (
+	// Treated as POOL_LAYOUT_MHA (what every worker registered before the field existed).
+	PoolLayout_POOL_LAYOUT_UNSPECIFIED PoolLayout = 0
+	// Per layer a K and a V buffer (SGLang's MHATokenToKVPool): buffers K0, V0, K1, V1, ...
+	PoolLayout_POOL_LAYOUT_MHA PoolLayout = 1
+	// One buffer per layer (SGLang's MLATokenToKVPool): buffers of kind KV_KIND_COMBINED, C0, C1, ...
+	PoolLayout_POOL_LAYOUT_MLA PoolLayout = 2
+)
+
+// Enum value maps for PoolLayout.
+var (
+	PoolLayout_name = map[int32]string{
+		0: "POOL_LAYOUT_UNSPECIFIED",
+		1: "POOL_LAYOUT_MHA",
+		2: "POOL_LAYOUT_MLA",
+	}
+	PoolLayout_value = map[string]int32{
+		"POOL_LAYOUT_UNSPECIFIED": 0,
+		"POOL_LAYOUT_MHA":         1,
+		"POOL_LAYOUT_MLA":         2,
+	}
+)
+
+func (x PoolLayout) Enum() *PoolLayout {
+	p := new(PoolLayout)
+	*p = x
+	return p
+}
+
+func (x PoolLayout) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (PoolLayout) Descriptor() protoreflect.EnumDescriptor {
+	return file_kvc_v1_bridge_proto_enumTypes[0].Descriptor()
+}
+
+func (PoolLayout) Type() protoreflect.EnumType {
+	return &file_kvc_v1_bridge_proto_enumTypes[0]
+}
+
+func (x PoolLayout) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use PoolLayout.Descriptor instead.
+func (PoolLayout) EnumDescriptor() ([]byte, []int) {
+	return file_kvc_v1_bridge_proto_rawDescGZIP(), []int{0}
+}
+
 type ReleaseReason int32
 
 const (
@@ -56,11 +109,11 @@ func (x ReleaseReason) String() string {
 }
 
 func (ReleaseReason) Descriptor() protoreflect.EnumDescriptor {
-	return file_kvc_v1_bridge_proto_enumTypes[0].Descriptor()
+	return file_kvc_v1_bridge_proto_enumTypes[1].Descriptor()
 }
 
 func (ReleaseReason) Type() protoreflect.EnumType {
-	return &file_kvc_v1_bridge_proto_enumTypes[0]
+	return &file_kvc_v1_bridge_proto_enumTypes[1]
 }
 
 func (x ReleaseReason) Number() protoreflect.EnumNumber {
@@ -69,7 +122,7 @@ func (x ReleaseReason) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use ReleaseReason.Descriptor instead.
 func (ReleaseReason) EnumDescriptor() ([]byte, []int) {
-	return file_kvc_v1_bridge_proto_rawDescGZIP(), []int{0}
+	return file_kvc_v1_bridge_proto_rawDescGZIP(), []int{1}
 }
 
 type TransferKind int32
@@ -107,11 +160,11 @@ func (x TransferKind) String() string {
 }
 
 func (TransferKind) Descriptor() protoreflect.EnumDescriptor {
-	return file_kvc_v1_bridge_proto_enumTypes[1].Descriptor()
+	return file_kvc_v1_bridge_proto_enumTypes[2].Descriptor()
 }
 
 func (TransferKind) Type() protoreflect.EnumType {
-	return &file_kvc_v1_bridge_proto_enumTypes[1]
+	return &file_kvc_v1_bridge_proto_enumTypes[2]
 }
 
 func (x TransferKind) Number() protoreflect.EnumNumber {
@@ -120,7 +173,63 @@ func (x TransferKind) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use TransferKind.Descriptor instead.
 func (TransferKind) EnumDescriptor() ([]byte, []int) {
-	return file_kvc_v1_bridge_proto_rawDescGZIP(), []int{1}
+	return file_kvc_v1_bridge_proto_rawDescGZIP(), []int{2}
+}
+
+type WorkerCommandReason int32
+
+const (
+	WorkerCommandReason_WORKER_COMMAND_REASON_UNSPECIFIED WorkerCommandReason = 0
+	// The sidecar frees room before the pool is full (priority eviction of idle sessions whose
+	// snapshot is current).
+	WorkerCommandReason_WORKER_COMMAND_REASON_CAPACITY WorkerCommandReason = 1
+	// The control plane asked (drain, operator release).
+	WorkerCommandReason_WORKER_COMMAND_REASON_CONTROL_PLANE WorkerCommandReason = 2
+	// The session's prompt no longer matches its resident prefix past keep_tokens.
+	WorkerCommandReason_WORKER_COMMAND_REASON_PREFIX_MISMATCH WorkerCommandReason = 3
+)
+
+// Enum value maps for WorkerCommandReason.
+var (
+	WorkerCommandReason_name = map[int32]string{
+		0: "WORKER_COMMAND_REASON_UNSPECIFIED",
+		1: "WORKER_COMMAND_REASON_CAPACITY",
+		2: "WORKER_COMMAND_REASON_CONTROL_PLANE",
+		3: "WORKER_COMMAND_REASON_PREFIX_MISMATCH",
+	}
+	WorkerCommandReason_value = map[string]int32{
+		"WORKER_COMMAND_REASON_UNSPECIFIED":     0,
+		"WORKER_COMMAND_REASON_CAPACITY":        1,
+		"WORKER_COMMAND_REASON_CONTROL_PLANE":   2,
+		"WORKER_COMMAND_REASON_PREFIX_MISMATCH": 3,
+	}
+)
+
+func (x WorkerCommandReason) Enum() *WorkerCommandReason {
+	p := new(WorkerCommandReason)
+	*p = x
+	return p
+}
+
+func (x WorkerCommandReason) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (WorkerCommandReason) Descriptor() protoreflect.EnumDescriptor {
+	return file_kvc_v1_bridge_proto_enumTypes[3].Descriptor()
+}
+
+func (WorkerCommandReason) Type() protoreflect.EnumType {
+	return &file_kvc_v1_bridge_proto_enumTypes[3]
+}
+
+func (x WorkerCommandReason) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use WorkerCommandReason.Descriptor instead.
+func (WorkerCommandReason) EnumDescriptor() ([]byte, []int) {
+	return file_kvc_v1_bridge_proto_rawDescGZIP(), []int{3}
 }
 
 type SharedMemoryRef struct {
@@ -351,9 +460,19 @@ type RegisterKVPoolRequest struct {
 	ItemLen   int64 `protobuf:"varint,2,opt,name=item_len,json=itemLen,proto3" json:"item_len,omitempty"`
 	PageCount int64 `protobuf:"varint,3,opt,name=page_count,json=pageCount,proto3" json:"page_count,omitempty"`
 	NumLayers int32 `protobuf:"varint,4,opt,name=num_layers,json=numLayers,proto3" json:"num_layers,omitempty"`
-	// 2 * num_layers buffers, layer 0 K, layer 0 V, layer 1 K, ...
-	Buffers       []*KVBuffer `protobuf:"bytes,5,rep,name=buffers,proto3" json:"buffers,omitempty"`
-	Model         string      `protobuf:"bytes,6,opt,name=model,proto3" json:"model,omitempty"`
+	// MHA: 2 * num_layers buffers, layer 0 K, layer 0 V, layer 1 K, ...
+	// MLA: num_layers buffers of kind KV_KIND_COMBINED, layer 0, layer 1, ...
+	Buffers []*KVBuffer `protobuf:"bytes,5,rep,name=buffers,proto3" json:"buffers,omitempty"`
+	Model   string      `protobuf:"bytes,6,opt,name=model,proto3" json:"model,omitempty"`
+	Layout  PoolLayout  `protobuf:"varint,7,opt,name=layout,proto3,enum=kvc.v1.PoolLayout" json:"layout,omitempty"`
+	// Tensor parallelism: this worker process is rank tp_rank of tp_size (one sidecar per rank;
+	// transfers pair rank r with rank r). 0/0 means no tensor parallelism (rank 0 of 1).
+	TpRank int32 `protobuf:"varint,8,opt,name=tp_rank,json=tpRank,proto3" json:"tp_rank,omitempty"`
+	TpSize int32 `protobuf:"varint,9,opt,name=tp_size,json=tpSize,proto3" json:"tp_size,omitempty"`
+	// Bytes of each row of the worker's aux (metadata) buffers, in SGLang's MetadataBuffers order
+	// (output ids, cached tokens, logprobs, ...). A receiver's WaitReceive returns one row per
+	// buffer; a sender's last SendKV carries them. Empty: the worker uses no aux rows.
+	AuxItemLens   []int64 `protobuf:"varint,10,rep,packed,name=aux_item_lens,json=auxItemLens,proto3" json:"aux_item_lens,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -428,6 +547,34 @@ func (x *RegisterKVPoolRequest) GetModel() string {
 		return x.Model
 	}
 	return ""
+}
+
+func (x *RegisterKVPoolRequest) GetLayout() PoolLayout {
+	if x != nil {
+		return x.Layout
+	}
+	return PoolLayout_POOL_LAYOUT_UNSPECIFIED
+}
+
+func (x *RegisterKVPoolRequest) GetTpRank() int32 {
+	if x != nil {
+		return x.TpRank
+	}
+	return 0
+}
+
+func (x *RegisterKVPoolRequest) GetTpSize() int32 {
+	if x != nil {
+		return x.TpSize
+	}
+	return 0
+}
+
+func (x *RegisterKVPoolRequest) GetAuxItemLens() []int64 {
+	if x != nil {
+		return x.AuxItemLens
+	}
+	return nil
 }
 
 type RegisterKVPoolResponse struct {
@@ -859,12 +1006,15 @@ func (x *WaitReceiveRequest) GetTimeoutMs() int64 {
 }
 
 type WaitReceiveResponse struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Ok            bool                   `protobuf:"varint,1,opt,name=ok,proto3" json:"ok,omitempty"`
-	Bytes         int64                  `protobuf:"varint,2,opt,name=bytes,proto3" json:"bytes,omitempty"`
-	Tokens        int64                  `protobuf:"varint,3,opt,name=tokens,proto3" json:"tokens,omitempty"`
-	Error         string                 `protobuf:"bytes,4,opt,name=error,proto3" json:"error,omitempty"`
-	DurationUs    int64                  `protobuf:"varint,5,opt,name=duration_us,json=durationUs,proto3" json:"duration_us,omitempty"`
+	state      protoimpl.MessageState `protogen:"open.v1"`
+	Ok         bool                   `protobuf:"varint,1,opt,name=ok,proto3" json:"ok,omitempty"`
+	Bytes      int64                  `protobuf:"varint,2,opt,name=bytes,proto3" json:"bytes,omitempty"`
+	Tokens     int64                  `protobuf:"varint,3,opt,name=tokens,proto3" json:"tokens,omitempty"`
+	Error      string                 `protobuf:"bytes,4,opt,name=error,proto3" json:"error,omitempty"`
+	DurationUs int64                  `protobuf:"varint,5,opt,name=duration_us,json=durationUs,proto3" json:"duration_us,omitempty"`
+	// The sender's aux rows (SendKVRequest.aux of the last chunk), one per aux buffer; empty for
+	// a snapshot transfer (the store holds no aux: the receiving worker computes its first token).
+	Aux           [][]byte `protobuf:"bytes,6,rep,name=aux,proto3" json:"aux,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -934,6 +1084,13 @@ func (x *WaitReceiveResponse) GetDurationUs() int64 {
 	return 0
 }
 
+func (x *WaitReceiveResponse) GetAux() [][]byte {
+	if x != nil {
+		return x.Aux
+	}
+	return nil
+}
+
 type SendKVRequest struct {
 	state     protoimpl.MessageState `protogen:"open.v1"`
 	Room      int64                  `protobuf:"varint,1,opt,name=room,proto3" json:"room,omitempty"`
@@ -944,7 +1101,11 @@ type SendKVRequest struct {
 	FirstPage int64 `protobuf:"varint,4,opt,name=first_page,json=firstPage,proto3" json:"first_page,omitempty"`
 	Last      bool  `protobuf:"varint,5,opt,name=last,proto3" json:"last,omitempty"`
 	// Tokens in the whole transfer (with last).
-	Tokens        int64 `protobuf:"varint,6,opt,name=tokens,proto3" json:"tokens,omitempty"`
+	Tokens int64 `protobuf:"varint,6,opt,name=tokens,proto3" json:"tokens,omitempty"`
+	// With last: the request's aux rows (SGLang's metadata row: first output token, cached-token
+	// counts, logprobs, bootstrap room ...), one per aux buffer, at most 64 KiB in all. They reach
+	// the receiver's WaitReceiveResponse.aux before it reports success.
+	Aux           [][]byte `protobuf:"bytes,7,rep,name=aux,proto3" json:"aux,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1019,6 +1180,13 @@ func (x *SendKVRequest) GetTokens() int64 {
 		return x.Tokens
 	}
 	return 0
+}
+
+func (x *SendKVRequest) GetAux() [][]byte {
+	if x != nil {
+		return x.Aux
+	}
+	return nil
 }
 
 type SendKVResponse struct {
@@ -1193,6 +1361,438 @@ func (x *SnapshotStatusResponse) GetLastPushedLen() int64 {
 	return 0
 }
 
+type WatchCommandsRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Identifies this worker process (e.g. its pid and start time); a sidecar keeps one watcher:
+	// a newer one replaces the older stream.
+	WorkerInstance string `protobuf:"bytes,1,opt,name=worker_instance,json=workerInstance,proto3" json:"worker_instance,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
+}
+
+func (x *WatchCommandsRequest) Reset() {
+	*x = WatchCommandsRequest{}
+	mi := &file_kvc_v1_bridge_proto_msgTypes[17]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *WatchCommandsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*WatchCommandsRequest) ProtoMessage() {}
+
+func (x *WatchCommandsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_kvc_v1_bridge_proto_msgTypes[17]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use WatchCommandsRequest.ProtoReflect.Descriptor instead.
+func (*WatchCommandsRequest) Descriptor() ([]byte, []int) {
+	return file_kvc_v1_bridge_proto_rawDescGZIP(), []int{17}
+}
+
+func (x *WatchCommandsRequest) GetWorkerInstance() string {
+	if x != nil {
+		return x.WorkerInstance
+	}
+	return ""
+}
+
+// AttachStatus is the first message of every WatchCommands stream.
+type AttachStatus struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Random id of the sidecar process; changes when the sidecar restarts.
+	SidecarInstance string `protobuf:"bytes,1,opt,name=sidecar_instance,json=sidecarInstance,proto3" json:"sidecar_instance,omitempty"`
+	// The sidecar holds a registered pool. False: register it (RegisterKVPool) and re-commit
+	// every resident session (CommitSession) before serving transfers.
+	PoolRegistered bool `protobuf:"varint,2,opt,name=pool_registered,json=poolRegistered,proto3" json:"pool_registered,omitempty"`
+	// Sessions the sidecar knows as resident on this worker (decode only).
+	ResidentSessions int32 `protobuf:"varint,3,opt,name=resident_sessions,json=residentSessions,proto3" json:"resident_sessions,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
+}
+
+func (x *AttachStatus) Reset() {
+	*x = AttachStatus{}
+	mi := &file_kvc_v1_bridge_proto_msgTypes[18]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *AttachStatus) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*AttachStatus) ProtoMessage() {}
+
+func (x *AttachStatus) ProtoReflect() protoreflect.Message {
+	mi := &file_kvc_v1_bridge_proto_msgTypes[18]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use AttachStatus.ProtoReflect.Descriptor instead.
+func (*AttachStatus) Descriptor() ([]byte, []int) {
+	return file_kvc_v1_bridge_proto_rawDescGZIP(), []int{18}
+}
+
+func (x *AttachStatus) GetSidecarInstance() string {
+	if x != nil {
+		return x.SidecarInstance
+	}
+	return ""
+}
+
+func (x *AttachStatus) GetPoolRegistered() bool {
+	if x != nil {
+		return x.PoolRegistered
+	}
+	return false
+}
+
+func (x *AttachStatus) GetResidentSessions() int32 {
+	if x != nil {
+		return x.ResidentSessions
+	}
+	return 0
+}
+
+// WorkerReleaseCommand: free the session's pages (the worker calls ReleaseSession itself, as
+// on any free, and then frees).
+type WorkerReleaseCommand struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	SessionId     string                 `protobuf:"bytes,1,opt,name=session_id,json=sessionId,proto3" json:"session_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *WorkerReleaseCommand) Reset() {
+	*x = WorkerReleaseCommand{}
+	mi := &file_kvc_v1_bridge_proto_msgTypes[19]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *WorkerReleaseCommand) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*WorkerReleaseCommand) ProtoMessage() {}
+
+func (x *WorkerReleaseCommand) ProtoReflect() protoreflect.Message {
+	mi := &file_kvc_v1_bridge_proto_msgTypes[19]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use WorkerReleaseCommand.ProtoReflect.Descriptor instead.
+func (*WorkerReleaseCommand) Descriptor() ([]byte, []int) {
+	return file_kvc_v1_bridge_proto_rawDescGZIP(), []int{19}
+}
+
+func (x *WorkerReleaseCommand) GetSessionId() string {
+	if x != nil {
+		return x.SessionId
+	}
+	return ""
+}
+
+// WorkerTruncateCommand: keep only the first keep_tokens tokens (a page boundary) of the
+// session's KV and free the rest; the worker then commits the shorter length.
+type WorkerTruncateCommand struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	SessionId     string                 `protobuf:"bytes,1,opt,name=session_id,json=sessionId,proto3" json:"session_id,omitempty"`
+	KeepTokens    int64                  `protobuf:"varint,2,opt,name=keep_tokens,json=keepTokens,proto3" json:"keep_tokens,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *WorkerTruncateCommand) Reset() {
+	*x = WorkerTruncateCommand{}
+	mi := &file_kvc_v1_bridge_proto_msgTypes[20]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *WorkerTruncateCommand) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*WorkerTruncateCommand) ProtoMessage() {}
+
+func (x *WorkerTruncateCommand) ProtoReflect() protoreflect.Message {
+	mi := &file_kvc_v1_bridge_proto_msgTypes[20]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use WorkerTruncateCommand.ProtoReflect.Descriptor instead.
+func (*WorkerTruncateCommand) Descriptor() ([]byte, []int) {
+	return file_kvc_v1_bridge_proto_rawDescGZIP(), []int{20}
+}
+
+func (x *WorkerTruncateCommand) GetSessionId() string {
+	if x != nil {
+		return x.SessionId
+	}
+	return ""
+}
+
+func (x *WorkerTruncateCommand) GetKeepTokens() int64 {
+	if x != nil {
+		return x.KeepTokens
+	}
+	return 0
+}
+
+// WatchCommandsResponse is one message of the WatchCommands stream: the attach status first, then
+// commands.
+type WatchCommandsResponse struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	CommandId uint64                 `protobuf:"varint,1,opt,name=command_id,json=commandId,proto3" json:"command_id,omitempty"`
+	Reason    WorkerCommandReason    `protobuf:"varint,2,opt,name=reason,proto3,enum=kvc.v1.WorkerCommandReason" json:"reason,omitempty"`
+	// Types that are valid to be assigned to Command:
+	//
+	//	*WatchCommandsResponse_Attach
+	//	*WatchCommandsResponse_Release
+	//	*WatchCommandsResponse_Truncate
+	Command       isWatchCommandsResponse_Command `protobuf_oneof:"command"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *WatchCommandsResponse) Reset() {
+	*x = WatchCommandsResponse{}
+	mi := &file_kvc_v1_bridge_proto_msgTypes[21]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *WatchCommandsResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*WatchCommandsResponse) ProtoMessage() {}
+
+func (x *WatchCommandsResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_kvc_v1_bridge_proto_msgTypes[21]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use WatchCommandsResponse.ProtoReflect.Descriptor instead.
+func (*WatchCommandsResponse) Descriptor() ([]byte, []int) {
+	return file_kvc_v1_bridge_proto_rawDescGZIP(), []int{21}
+}
+
+func (x *WatchCommandsResponse) GetCommandId() uint64 {
+	if x != nil {
+		return x.CommandId
+	}
+	return 0
+}
+
+func (x *WatchCommandsResponse) GetReason() WorkerCommandReason {
+	if x != nil {
+		return x.Reason
+	}
+	return WorkerCommandReason_WORKER_COMMAND_REASON_UNSPECIFIED
+}
+
+func (x *WatchCommandsResponse) GetCommand() isWatchCommandsResponse_Command {
+	if x != nil {
+		return x.Command
+	}
+	return nil
+}
+
+func (x *WatchCommandsResponse) GetAttach() *AttachStatus {
+	if x != nil {
+		if x, ok := x.Command.(*WatchCommandsResponse_Attach); ok {
+			return x.Attach
+		}
+	}
+	return nil
+}
+
+func (x *WatchCommandsResponse) GetRelease() *WorkerReleaseCommand {
+	if x != nil {
+		if x, ok := x.Command.(*WatchCommandsResponse_Release); ok {
+			return x.Release
+		}
+	}
+	return nil
+}
+
+func (x *WatchCommandsResponse) GetTruncate() *WorkerTruncateCommand {
+	if x != nil {
+		if x, ok := x.Command.(*WatchCommandsResponse_Truncate); ok {
+			return x.Truncate
+		}
+	}
+	return nil
+}
+
+type isWatchCommandsResponse_Command interface {
+	isWatchCommandsResponse_Command()
+}
+
+type WatchCommandsResponse_Attach struct {
+	Attach *AttachStatus `protobuf:"bytes,3,opt,name=attach,proto3,oneof"`
+}
+
+type WatchCommandsResponse_Release struct {
+	Release *WorkerReleaseCommand `protobuf:"bytes,4,opt,name=release,proto3,oneof"`
+}
+
+type WatchCommandsResponse_Truncate struct {
+	Truncate *WorkerTruncateCommand `protobuf:"bytes,5,opt,name=truncate,proto3,oneof"`
+}
+
+func (*WatchCommandsResponse_Attach) isWatchCommandsResponse_Command() {}
+
+func (*WatchCommandsResponse_Release) isWatchCommandsResponse_Command() {}
+
+func (*WatchCommandsResponse_Truncate) isWatchCommandsResponse_Command() {}
+
+type AckCommandRequest struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	CommandId uint64                 `protobuf:"varint,1,opt,name=command_id,json=commandId,proto3" json:"command_id,omitempty"`
+	Ok        bool                   `protobuf:"varint,2,opt,name=ok,proto3" json:"ok,omitempty"`
+	Error     string                 `protobuf:"bytes,3,opt,name=error,proto3" json:"error,omitempty"`
+	// Tokens freed by the command.
+	FreedTokens   int64 `protobuf:"varint,4,opt,name=freed_tokens,json=freedTokens,proto3" json:"freed_tokens,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *AckCommandRequest) Reset() {
+	*x = AckCommandRequest{}
+	mi := &file_kvc_v1_bridge_proto_msgTypes[22]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *AckCommandRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*AckCommandRequest) ProtoMessage() {}
+
+func (x *AckCommandRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_kvc_v1_bridge_proto_msgTypes[22]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use AckCommandRequest.ProtoReflect.Descriptor instead.
+func (*AckCommandRequest) Descriptor() ([]byte, []int) {
+	return file_kvc_v1_bridge_proto_rawDescGZIP(), []int{22}
+}
+
+func (x *AckCommandRequest) GetCommandId() uint64 {
+	if x != nil {
+		return x.CommandId
+	}
+	return 0
+}
+
+func (x *AckCommandRequest) GetOk() bool {
+	if x != nil {
+		return x.Ok
+	}
+	return false
+}
+
+func (x *AckCommandRequest) GetError() string {
+	if x != nil {
+		return x.Error
+	}
+	return ""
+}
+
+func (x *AckCommandRequest) GetFreedTokens() int64 {
+	if x != nil {
+		return x.FreedTokens
+	}
+	return 0
+}
+
+type AckCommandResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *AckCommandResponse) Reset() {
+	*x = AckCommandResponse{}
+	mi := &file_kvc_v1_bridge_proto_msgTypes[23]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *AckCommandResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*AckCommandResponse) ProtoMessage() {}
+
+func (x *AckCommandResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_kvc_v1_bridge_proto_msgTypes[23]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use AckCommandResponse.ProtoReflect.Descriptor instead.
+func (*AckCommandResponse) Descriptor() ([]byte, []int) {
+	return file_kvc_v1_bridge_proto_rawDescGZIP(), []int{23}
+}
+
 var File_kvc_v1_bridge_proto protoreflect.FileDescriptor
 
 const file_kvc_v1_bridge_proto_rawDesc = "" +
@@ -1214,7 +1814,7 @@ const file_kvc_v1_bridge_proto_rawDesc = "" +
 	"\x04cuda\x18\x04 \x01(\v2\x12.kvc.v1.CudaIpcRefH\x00R\x04cuda\x12\x1d\n" +
 	"\n" +
 	"size_bytes\x18\x05 \x01(\x03R\tsizeBytesB\b\n" +
-	"\x06memory\"\xcf\x01\n" +
+	"\x06memory\"\xd1\x02\n" +
 	"\x15RegisterKVPoolRequest\x12\x1b\n" +
 	"\tpage_size\x18\x01 \x01(\x05R\bpageSize\x12\x19\n" +
 	"\bitem_len\x18\x02 \x01(\x03R\aitemLen\x12\x1d\n" +
@@ -1223,7 +1823,12 @@ const file_kvc_v1_bridge_proto_rawDesc = "" +
 	"\n" +
 	"num_layers\x18\x04 \x01(\x05R\tnumLayers\x12*\n" +
 	"\abuffers\x18\x05 \x03(\v2\x10.kvc.v1.KVBufferR\abuffers\x12\x14\n" +
-	"\x05model\x18\x06 \x01(\tR\x05model\"r\n" +
+	"\x05model\x18\x06 \x01(\tR\x05model\x12*\n" +
+	"\x06layout\x18\a \x01(\x0e2\x12.kvc.v1.PoolLayoutR\x06layout\x12\x17\n" +
+	"\atp_rank\x18\b \x01(\x05R\x06tpRank\x12\x17\n" +
+	"\atp_size\x18\t \x01(\x05R\x06tpSize\x12\"\n" +
+	"\raux_item_lens\x18\n" +
+	" \x03(\x03R\vauxItemLens\"r\n" +
 	"\x16RegisterKVPoolResponse\x12+\n" +
 	"\x12kv_bytes_per_token\x18\x01 \x01(\x03R\x0fkvBytesPerToken\x12+\n" +
 	"\x11transfer_endpoint\x18\x02 \x01(\tR\x10transferEndpoint\"p\n" +
@@ -1252,14 +1857,15 @@ const file_kvc_v1_bridge_proto_rawDesc = "" +
 	"\x12WaitReceiveRequest\x12\x12\n" +
 	"\x04room\x18\x01 \x01(\x03R\x04room\x12\x1d\n" +
 	"\n" +
-	"timeout_ms\x18\x02 \x01(\x03R\ttimeoutMs\"\x8a\x01\n" +
+	"timeout_ms\x18\x02 \x01(\x03R\ttimeoutMs\"\x9c\x01\n" +
 	"\x13WaitReceiveResponse\x12\x0e\n" +
 	"\x02ok\x18\x01 \x01(\bR\x02ok\x12\x14\n" +
 	"\x05bytes\x18\x02 \x01(\x03R\x05bytes\x12\x16\n" +
 	"\x06tokens\x18\x03 \x01(\x03R\x06tokens\x12\x14\n" +
 	"\x05error\x18\x04 \x01(\tR\x05error\x12\x1f\n" +
 	"\vduration_us\x18\x05 \x01(\x03R\n" +
-	"durationUs\"\xa3\x01\n" +
+	"durationUs\x12\x10\n" +
+	"\x03aux\x18\x06 \x03(\fR\x03aux\"\xb5\x01\n" +
 	"\rSendKVRequest\x12\x12\n" +
 	"\x04room\x18\x01 \x01(\x03R\x04room\x12\x1d\n" +
 	"\n" +
@@ -1268,7 +1874,8 @@ const file_kvc_v1_bridge_proto_rawDesc = "" +
 	"\n" +
 	"first_page\x18\x04 \x01(\x03R\tfirstPage\x12\x12\n" +
 	"\x04last\x18\x05 \x01(\bR\x04last\x12\x16\n" +
-	"\x06tokens\x18\x06 \x01(\x03R\x06tokens\"&\n" +
+	"\x06tokens\x18\x06 \x01(\x03R\x06tokens\x12\x10\n" +
+	"\x03aux\x18\a \x03(\fR\x03aux\"&\n" +
 	"\x0eSendKVResponse\x12\x14\n" +
 	"\x05bytes\x18\x01 \x01(\x03R\x05bytes\"6\n" +
 	"\x15SnapshotStatusRequest\x12\x1d\n" +
@@ -1283,7 +1890,41 @@ const file_kvc_v1_bridge_proto_rawDesc = "" +
 	"\vfreshness_s\x18\x04 \x01(\x01R\n" +
 	"freshnessS\x12%\n" +
 	"\x0eprefill_worker\x18\x05 \x01(\tR\rprefillWorker\x12&\n" +
-	"\x0flast_pushed_len\x18\x06 \x01(\x03R\rlastPushedLen*h\n" +
+	"\x0flast_pushed_len\x18\x06 \x01(\x03R\rlastPushedLen\"?\n" +
+	"\x14WatchCommandsRequest\x12'\n" +
+	"\x0fworker_instance\x18\x01 \x01(\tR\x0eworkerInstance\"\x8f\x01\n" +
+	"\fAttachStatus\x12)\n" +
+	"\x10sidecar_instance\x18\x01 \x01(\tR\x0fsidecarInstance\x12'\n" +
+	"\x0fpool_registered\x18\x02 \x01(\bR\x0epoolRegistered\x12+\n" +
+	"\x11resident_sessions\x18\x03 \x01(\x05R\x10residentSessions\"5\n" +
+	"\x14WorkerReleaseCommand\x12\x1d\n" +
+	"\n" +
+	"session_id\x18\x01 \x01(\tR\tsessionId\"W\n" +
+	"\x15WorkerTruncateCommand\x12\x1d\n" +
+	"\n" +
+	"session_id\x18\x01 \x01(\tR\tsessionId\x12\x1f\n" +
+	"\vkeep_tokens\x18\x02 \x01(\x03R\n" +
+	"keepTokens\"\x9d\x02\n" +
+	"\x15WatchCommandsResponse\x12\x1d\n" +
+	"\n" +
+	"command_id\x18\x01 \x01(\x04R\tcommandId\x123\n" +
+	"\x06reason\x18\x02 \x01(\x0e2\x1b.kvc.v1.WorkerCommandReasonR\x06reason\x12.\n" +
+	"\x06attach\x18\x03 \x01(\v2\x14.kvc.v1.AttachStatusH\x00R\x06attach\x128\n" +
+	"\arelease\x18\x04 \x01(\v2\x1c.kvc.v1.WorkerReleaseCommandH\x00R\arelease\x12;\n" +
+	"\btruncate\x18\x05 \x01(\v2\x1d.kvc.v1.WorkerTruncateCommandH\x00R\btruncateB\t\n" +
+	"\acommand\"{\n" +
+	"\x11AckCommandRequest\x12\x1d\n" +
+	"\n" +
+	"command_id\x18\x01 \x01(\x04R\tcommandId\x12\x0e\n" +
+	"\x02ok\x18\x02 \x01(\bR\x02ok\x12\x14\n" +
+	"\x05error\x18\x03 \x01(\tR\x05error\x12!\n" +
+	"\ffreed_tokens\x18\x04 \x01(\x03R\vfreedTokens\"\x14\n" +
+	"\x12AckCommandResponse*S\n" +
+	"\n" +
+	"PoolLayout\x12\x1b\n" +
+	"\x17POOL_LAYOUT_UNSPECIFIED\x10\x00\x12\x13\n" +
+	"\x0fPOOL_LAYOUT_MHA\x10\x01\x12\x13\n" +
+	"\x0fPOOL_LAYOUT_MLA\x10\x02*h\n" +
 	"\rReleaseReason\x12\x1e\n" +
 	"\x1aRELEASE_REASON_UNSPECIFIED\x10\x00\x12\x1b\n" +
 	"\x17RELEASE_REASON_RELEASED\x10\x01\x12\x1a\n" +
@@ -1291,7 +1932,12 @@ const file_kvc_v1_bridge_proto_rawDesc = "" +
 	"\fTransferKind\x12\x1d\n" +
 	"\x19TRANSFER_KIND_UNSPECIFIED\x10\x00\x12\x16\n" +
 	"\x12TRANSFER_KIND_SEED\x10\x01\x12\x1a\n" +
-	"\x16TRANSFER_KIND_SNAPSHOT\x10\x022\xa8\x04\n" +
+	"\x16TRANSFER_KIND_SNAPSHOT\x10\x02*\xb4\x01\n" +
+	"\x13WorkerCommandReason\x12%\n" +
+	"!WORKER_COMMAND_REASON_UNSPECIFIED\x10\x00\x12\"\n" +
+	"\x1eWORKER_COMMAND_REASON_CAPACITY\x10\x01\x12'\n" +
+	"#WORKER_COMMAND_REASON_CONTROL_PLANE\x10\x02\x12)\n" +
+	"%WORKER_COMMAND_REASON_PREFIX_MISMATCH\x10\x032\xbd\x05\n" +
 	"\x13WorkerBridgeService\x12O\n" +
 	"\x0eRegisterKVPool\x12\x1d.kvc.v1.RegisterKVPoolRequest\x1a\x1e.kvc.v1.RegisterKVPoolResponse\x12L\n" +
 	"\rCommitSession\x12\x1c.kvc.v1.CommitSessionRequest\x1a\x1d.kvc.v1.CommitSessionResponse\x12O\n" +
@@ -1299,7 +1945,10 @@ const file_kvc_v1_bridge_proto_rawDesc = "" +
 	"\x0ePrepareReceive\x12\x1d.kvc.v1.PrepareReceiveRequest\x1a\x1e.kvc.v1.PrepareReceiveResponse\x12F\n" +
 	"\vWaitReceive\x12\x1a.kvc.v1.WaitReceiveRequest\x1a\x1b.kvc.v1.WaitReceiveResponse\x127\n" +
 	"\x06SendKV\x12\x15.kvc.v1.SendKVRequest\x1a\x16.kvc.v1.SendKVResponse\x12O\n" +
-	"\x0eSnapshotStatus\x12\x1d.kvc.v1.SnapshotStatusRequest\x1a\x1e.kvc.v1.SnapshotStatusResponseB3Z1github.com/kvcentric/kvcentric/proto/kvc/v1;kvcv1b\x06proto3"
+	"\x0eSnapshotStatus\x12\x1d.kvc.v1.SnapshotStatusRequest\x1a\x1e.kvc.v1.SnapshotStatusResponse\x12N\n" +
+	"\rWatchCommands\x12\x1c.kvc.v1.WatchCommandsRequest\x1a\x1d.kvc.v1.WatchCommandsResponse0\x01\x12C\n" +
+	"\n" +
+	"AckCommand\x12\x19.kvc.v1.AckCommandRequest\x1a\x1a.kvc.v1.AckCommandResponseB3Z1github.com/kvcentric/kvcentric/proto/kvc/v1;kvcv1b\x06proto3"
 
 var (
 	file_kvc_v1_bridge_proto_rawDescOnce sync.Once
@@ -1313,56 +1962,74 @@ func file_kvc_v1_bridge_proto_rawDescGZIP() []byte {
 	return file_kvc_v1_bridge_proto_rawDescData
 }
 
-var file_kvc_v1_bridge_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_kvc_v1_bridge_proto_msgTypes = make([]protoimpl.MessageInfo, 17)
+var file_kvc_v1_bridge_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
+var file_kvc_v1_bridge_proto_msgTypes = make([]protoimpl.MessageInfo, 24)
 var file_kvc_v1_bridge_proto_goTypes = []any{
-	(ReleaseReason)(0),             // 0: kvc.v1.ReleaseReason
-	(TransferKind)(0),              // 1: kvc.v1.TransferKind
-	(*SharedMemoryRef)(nil),        // 2: kvc.v1.SharedMemoryRef
-	(*CudaIpcRef)(nil),             // 3: kvc.v1.CudaIpcRef
-	(*KVBuffer)(nil),               // 4: kvc.v1.KVBuffer
-	(*RegisterKVPoolRequest)(nil),  // 5: kvc.v1.RegisterKVPoolRequest
-	(*RegisterKVPoolResponse)(nil), // 6: kvc.v1.RegisterKVPoolResponse
-	(*CommitSessionRequest)(nil),   // 7: kvc.v1.CommitSessionRequest
-	(*CommitSessionResponse)(nil),  // 8: kvc.v1.CommitSessionResponse
-	(*ReleaseSessionRequest)(nil),  // 9: kvc.v1.ReleaseSessionRequest
-	(*ReleaseSessionResponse)(nil), // 10: kvc.v1.ReleaseSessionResponse
-	(*PrepareReceiveRequest)(nil),  // 11: kvc.v1.PrepareReceiveRequest
-	(*PrepareReceiveResponse)(nil), // 12: kvc.v1.PrepareReceiveResponse
-	(*WaitReceiveRequest)(nil),     // 13: kvc.v1.WaitReceiveRequest
-	(*WaitReceiveResponse)(nil),    // 14: kvc.v1.WaitReceiveResponse
-	(*SendKVRequest)(nil),          // 15: kvc.v1.SendKVRequest
-	(*SendKVResponse)(nil),         // 16: kvc.v1.SendKVResponse
-	(*SnapshotStatusRequest)(nil),  // 17: kvc.v1.SnapshotStatusRequest
-	(*SnapshotStatusResponse)(nil), // 18: kvc.v1.SnapshotStatusResponse
-	(KVKind)(0),                    // 19: kvc.v1.KVKind
+	(PoolLayout)(0),                // 0: kvc.v1.PoolLayout
+	(ReleaseReason)(0),             // 1: kvc.v1.ReleaseReason
+	(TransferKind)(0),              // 2: kvc.v1.TransferKind
+	(WorkerCommandReason)(0),       // 3: kvc.v1.WorkerCommandReason
+	(*SharedMemoryRef)(nil),        // 4: kvc.v1.SharedMemoryRef
+	(*CudaIpcRef)(nil),             // 5: kvc.v1.CudaIpcRef
+	(*KVBuffer)(nil),               // 6: kvc.v1.KVBuffer
+	(*RegisterKVPoolRequest)(nil),  // 7: kvc.v1.RegisterKVPoolRequest
+	(*RegisterKVPoolResponse)(nil), // 8: kvc.v1.RegisterKVPoolResponse
+	(*CommitSessionRequest)(nil),   // 9: kvc.v1.CommitSessionRequest
+	(*CommitSessionResponse)(nil),  // 10: kvc.v1.CommitSessionResponse
+	(*ReleaseSessionRequest)(nil),  // 11: kvc.v1.ReleaseSessionRequest
+	(*ReleaseSessionResponse)(nil), // 12: kvc.v1.ReleaseSessionResponse
+	(*PrepareReceiveRequest)(nil),  // 13: kvc.v1.PrepareReceiveRequest
+	(*PrepareReceiveResponse)(nil), // 14: kvc.v1.PrepareReceiveResponse
+	(*WaitReceiveRequest)(nil),     // 15: kvc.v1.WaitReceiveRequest
+	(*WaitReceiveResponse)(nil),    // 16: kvc.v1.WaitReceiveResponse
+	(*SendKVRequest)(nil),          // 17: kvc.v1.SendKVRequest
+	(*SendKVResponse)(nil),         // 18: kvc.v1.SendKVResponse
+	(*SnapshotStatusRequest)(nil),  // 19: kvc.v1.SnapshotStatusRequest
+	(*SnapshotStatusResponse)(nil), // 20: kvc.v1.SnapshotStatusResponse
+	(*WatchCommandsRequest)(nil),   // 21: kvc.v1.WatchCommandsRequest
+	(*AttachStatus)(nil),           // 22: kvc.v1.AttachStatus
+	(*WorkerReleaseCommand)(nil),   // 23: kvc.v1.WorkerReleaseCommand
+	(*WorkerTruncateCommand)(nil),  // 24: kvc.v1.WorkerTruncateCommand
+	(*WatchCommandsResponse)(nil),  // 25: kvc.v1.WatchCommandsResponse
+	(*AckCommandRequest)(nil),      // 26: kvc.v1.AckCommandRequest
+	(*AckCommandResponse)(nil),     // 27: kvc.v1.AckCommandResponse
+	(KVKind)(0),                    // 28: kvc.v1.KVKind
 }
 var file_kvc_v1_bridge_proto_depIdxs = []int32{
-	19, // 0: kvc.v1.KVBuffer.kind:type_name -> kvc.v1.KVKind
-	2,  // 1: kvc.v1.KVBuffer.shm:type_name -> kvc.v1.SharedMemoryRef
-	3,  // 2: kvc.v1.KVBuffer.cuda:type_name -> kvc.v1.CudaIpcRef
-	4,  // 3: kvc.v1.RegisterKVPoolRequest.buffers:type_name -> kvc.v1.KVBuffer
-	0,  // 4: kvc.v1.ReleaseSessionRequest.reason:type_name -> kvc.v1.ReleaseReason
-	1,  // 5: kvc.v1.PrepareReceiveRequest.kind:type_name -> kvc.v1.TransferKind
-	5,  // 6: kvc.v1.WorkerBridgeService.RegisterKVPool:input_type -> kvc.v1.RegisterKVPoolRequest
-	7,  // 7: kvc.v1.WorkerBridgeService.CommitSession:input_type -> kvc.v1.CommitSessionRequest
-	9,  // 8: kvc.v1.WorkerBridgeService.ReleaseSession:input_type -> kvc.v1.ReleaseSessionRequest
-	11, // 9: kvc.v1.WorkerBridgeService.PrepareReceive:input_type -> kvc.v1.PrepareReceiveRequest
-	13, // 10: kvc.v1.WorkerBridgeService.WaitReceive:input_type -> kvc.v1.WaitReceiveRequest
-	15, // 11: kvc.v1.WorkerBridgeService.SendKV:input_type -> kvc.v1.SendKVRequest
-	17, // 12: kvc.v1.WorkerBridgeService.SnapshotStatus:input_type -> kvc.v1.SnapshotStatusRequest
-	6,  // 13: kvc.v1.WorkerBridgeService.RegisterKVPool:output_type -> kvc.v1.RegisterKVPoolResponse
-	8,  // 14: kvc.v1.WorkerBridgeService.CommitSession:output_type -> kvc.v1.CommitSessionResponse
-	10, // 15: kvc.v1.WorkerBridgeService.ReleaseSession:output_type -> kvc.v1.ReleaseSessionResponse
-	12, // 16: kvc.v1.WorkerBridgeService.PrepareReceive:output_type -> kvc.v1.PrepareReceiveResponse
-	14, // 17: kvc.v1.WorkerBridgeService.WaitReceive:output_type -> kvc.v1.WaitReceiveResponse
-	16, // 18: kvc.v1.WorkerBridgeService.SendKV:output_type -> kvc.v1.SendKVResponse
-	18, // 19: kvc.v1.WorkerBridgeService.SnapshotStatus:output_type -> kvc.v1.SnapshotStatusResponse
-	13, // [13:20] is the sub-list for method output_type
-	6,  // [6:13] is the sub-list for method input_type
-	6,  // [6:6] is the sub-list for extension type_name
-	6,  // [6:6] is the sub-list for extension extendee
-	0,  // [0:6] is the sub-list for field type_name
+	28, // 0: kvc.v1.KVBuffer.kind:type_name -> kvc.v1.KVKind
+	4,  // 1: kvc.v1.KVBuffer.shm:type_name -> kvc.v1.SharedMemoryRef
+	5,  // 2: kvc.v1.KVBuffer.cuda:type_name -> kvc.v1.CudaIpcRef
+	6,  // 3: kvc.v1.RegisterKVPoolRequest.buffers:type_name -> kvc.v1.KVBuffer
+	0,  // 4: kvc.v1.RegisterKVPoolRequest.layout:type_name -> kvc.v1.PoolLayout
+	1,  // 5: kvc.v1.ReleaseSessionRequest.reason:type_name -> kvc.v1.ReleaseReason
+	2,  // 6: kvc.v1.PrepareReceiveRequest.kind:type_name -> kvc.v1.TransferKind
+	3,  // 7: kvc.v1.WatchCommandsResponse.reason:type_name -> kvc.v1.WorkerCommandReason
+	22, // 8: kvc.v1.WatchCommandsResponse.attach:type_name -> kvc.v1.AttachStatus
+	23, // 9: kvc.v1.WatchCommandsResponse.release:type_name -> kvc.v1.WorkerReleaseCommand
+	24, // 10: kvc.v1.WatchCommandsResponse.truncate:type_name -> kvc.v1.WorkerTruncateCommand
+	7,  // 11: kvc.v1.WorkerBridgeService.RegisterKVPool:input_type -> kvc.v1.RegisterKVPoolRequest
+	9,  // 12: kvc.v1.WorkerBridgeService.CommitSession:input_type -> kvc.v1.CommitSessionRequest
+	11, // 13: kvc.v1.WorkerBridgeService.ReleaseSession:input_type -> kvc.v1.ReleaseSessionRequest
+	13, // 14: kvc.v1.WorkerBridgeService.PrepareReceive:input_type -> kvc.v1.PrepareReceiveRequest
+	15, // 15: kvc.v1.WorkerBridgeService.WaitReceive:input_type -> kvc.v1.WaitReceiveRequest
+	17, // 16: kvc.v1.WorkerBridgeService.SendKV:input_type -> kvc.v1.SendKVRequest
+	19, // 17: kvc.v1.WorkerBridgeService.SnapshotStatus:input_type -> kvc.v1.SnapshotStatusRequest
+	21, // 18: kvc.v1.WorkerBridgeService.WatchCommands:input_type -> kvc.v1.WatchCommandsRequest
+	26, // 19: kvc.v1.WorkerBridgeService.AckCommand:input_type -> kvc.v1.AckCommandRequest
+	8,  // 20: kvc.v1.WorkerBridgeService.RegisterKVPool:output_type -> kvc.v1.RegisterKVPoolResponse
+	10, // 21: kvc.v1.WorkerBridgeService.CommitSession:output_type -> kvc.v1.CommitSessionResponse
+	12, // 22: kvc.v1.WorkerBridgeService.ReleaseSession:output_type -> kvc.v1.ReleaseSessionResponse
+	14, // 23: kvc.v1.WorkerBridgeService.PrepareReceive:output_type -> kvc.v1.PrepareReceiveResponse
+	16, // 24: kvc.v1.WorkerBridgeService.WaitReceive:output_type -> kvc.v1.WaitReceiveResponse
+	18, // 25: kvc.v1.WorkerBridgeService.SendKV:output_type -> kvc.v1.SendKVResponse
+	20, // 26: kvc.v1.WorkerBridgeService.SnapshotStatus:output_type -> kvc.v1.SnapshotStatusResponse
+	25, // 27: kvc.v1.WorkerBridgeService.WatchCommands:output_type -> kvc.v1.WatchCommandsResponse
+	27, // 28: kvc.v1.WorkerBridgeService.AckCommand:output_type -> kvc.v1.AckCommandResponse
+	20, // [20:29] is the sub-list for method output_type
+	11, // [11:20] is the sub-list for method input_type
+	11, // [11:11] is the sub-list for extension type_name
+	11, // [11:11] is the sub-list for extension extendee
+	0,  // [0:11] is the sub-list for field type_name
 }
 
 func init() { file_kvc_v1_bridge_proto_init() }
@@ -1375,13 +2042,18 @@ func file_kvc_v1_bridge_proto_init() {
 		(*KVBuffer_Shm)(nil),
 		(*KVBuffer_Cuda)(nil),
 	}
+	file_kvc_v1_bridge_proto_msgTypes[21].OneofWrappers = []any{
+		(*WatchCommandsResponse_Attach)(nil),
+		(*WatchCommandsResponse_Release)(nil),
+		(*WatchCommandsResponse_Truncate)(nil),
+	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvc_v1_bridge_proto_rawDesc), len(file_kvc_v1_bridge_proto_rawDesc)),
-			NumEnums:      2,
-			NumMessages:   17,
+			NumEnums:      4,
+			NumMessages:   24,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

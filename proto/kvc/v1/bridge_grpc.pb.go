@@ -26,6 +26,8 @@ const (
 	WorkerBridgeService_WaitReceive_FullMethodName    = "/kvc.v1.WorkerBridgeService/WaitReceive"
 	WorkerBridgeService_SendKV_FullMethodName         = "/kvc.v1.WorkerBridgeService/SendKV"
 	WorkerBridgeService_SnapshotStatus_FullMethodName = "/kvc.v1.WorkerBridgeService/SnapshotStatus"
+	WorkerBridgeService_WatchCommands_FullMethodName  = "/kvc.v1.WorkerBridgeService/WatchCommands"
+	WorkerBridgeService_AckCommand_FullMethodName     = "/kvc.v1.WorkerBridgeService/AckCommand"
 )
 
 // WorkerBridgeServiceClient is the client API for WorkerBridgeService service.
@@ -47,6 +49,16 @@ type WorkerBridgeServiceClient interface {
 	// SendKV (prefill): send these pages of a seed transfer to the decode side of room.
 	SendKV(ctx context.Context, in *SendKVRequest, opts ...grpc.CallOption) (*SendKVResponse, error)
 	SnapshotStatus(ctx context.Context, in *SnapshotStatusRequest, opts ...grpc.CallOption) (*SnapshotStatusResponse, error)
+	// WatchCommands is the worker's standing stream from its sidecar (opened right after the
+	// worker starts, kept open for its life). The first message is always an attach status
+	// (WatchCommandsResponse.attach) saying whether this sidecar instance holds the worker's pool: when it
+	// does not (the sidecar restarted), the worker registers its pool again and re-commits every
+	// resident session. Later messages are commands the worker carries out and acknowledges with
+	// AckCommand: release a session for capacity, truncate a session to a prefix. The worker
+	// reconnects with backoff whenever the stream breaks.
+	WatchCommands(ctx context.Context, in *WatchCommandsRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[WatchCommandsResponse], error)
+	// AckCommand reports the result of a command of WatchCommands.
+	AckCommand(ctx context.Context, in *AckCommandRequest, opts ...grpc.CallOption) (*AckCommandResponse, error)
 }
 
 type workerBridgeServiceClient struct {
@@ -127,6 +139,35 @@ func (c *workerBridgeServiceClient) SnapshotStatus(ctx context.Context, in *Snap
 	return out, nil
 }
 
+func (c *workerBridgeServiceClient) WatchCommands(ctx context.Context, in *WatchCommandsRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[WatchCommandsResponse], error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	stream, err := c.cc.NewStream(ctx, &WorkerBridgeService_ServiceDesc.Streams[0], WorkerBridgeService_WatchCommands_FullMethodName, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &grpc.GenericClientStream[WatchCommandsRequest, WatchCommandsResponse]{ClientStream: stream}
+	if err := x.ClientStream.SendMsg(in); err != nil {
+		return nil, err
+	}
+	if err := x.ClientStream.CloseSend(); err != nil {
+		return nil, err
+	}
+	return x, nil
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type WorkerBridgeService_WatchCommandsClient = grpc.ServerStreamingClient[WatchCommandsResponse]
+
+func (c *workerBridgeServiceClient) AckCommand(ctx context.Context, in *AckCommandRequest, opts ...grpc.CallOption) (*AckCommandResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(AckCommandResponse)
+	err := c.cc.Invoke(ctx, WorkerBridgeService_AckCommand_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // WorkerBridgeServiceServer is the server API for WorkerBridgeService service.
 // All implementations must embed UnimplementedWorkerBridgeServiceServer
 // for forward compatibility.
@@ -146,6 +187,16 @@ type WorkerBridgeServiceServer interface {
 	// SendKV (prefill): send these pages of a seed transfer to the decode side of room.
 	SendKV(context.Context, *SendKVRequest) (*SendKVResponse, error)
 	SnapshotStatus(context.Context, *SnapshotStatusRequest) (*SnapshotStatusResponse, error)
+	// WatchCommands is the worker's standing stream from its sidecar (opened right after the
+	// worker starts, kept open for its life). The first message is always an attach status
+	// (WatchCommandsResponse.attach) saying whether this sidecar instance holds the worker's pool: when it
+	// does not (the sidecar restarted), the worker registers its pool again and re-commits every
+	// resident session. Later messages are commands the worker carries out and acknowledges with
+	// AckCommand: release a session for capacity, truncate a session to a prefix. The worker
+	// reconnects with backoff whenever the stream breaks.
+	WatchCommands(*WatchCommandsRequest, grpc.ServerStreamingServer[WatchCommandsResponse]) error
+	// AckCommand reports the result of a command of WatchCommands.
+	AckCommand(context.Context, *AckCommandRequest) (*AckCommandResponse, error)
 	mustEmbedUnimplementedWorkerBridgeServiceServer()
 }
 
@@ -176,6 +227,12 @@ func (UnimplementedWorkerBridgeServiceServer) SendKV(context.Context, *SendKVReq
 }
 func (UnimplementedWorkerBridgeServiceServer) SnapshotStatus(context.Context, *SnapshotStatusRequest) (*SnapshotStatusResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method SnapshotStatus not implemented")
+}
+func (UnimplementedWorkerBridgeServiceServer) WatchCommands(*WatchCommandsRequest, grpc.ServerStreamingServer[WatchCommandsResponse]) error {
+	return status.Error(codes.Unimplemented, "method WatchCommands not implemented")
+}
+func (UnimplementedWorkerBridgeServiceServer) AckCommand(context.Context, *AckCommandRequest) (*AckCommandResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method AckCommand not implemented")
 }
 func (UnimplementedWorkerBridgeServiceServer) mustEmbedUnimplementedWorkerBridgeServiceServer() {}
 func (UnimplementedWorkerBridgeServiceServer) testEmbeddedByValue()                             {}
@@ -324,6 +381,35 @@ func _WorkerBridgeService_SnapshotStatus_Handler(srv interface{}, ctx context.Co
 	return interceptor(ctx, in, info, handler)
 }
 
+func _WorkerBridgeService_WatchCommands_Handler(srv interface{}, stream grpc.ServerStream) error {
+	m := new(WatchCommandsRequest)
+	if err := stream.RecvMsg(m); err != nil {
+		return err
+	}
+	return srv.(WorkerBridgeServiceServer).WatchCommands(m, &grpc.GenericServerStream[WatchCommandsRequest, WatchCommandsResponse]{ServerStream: stream})
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type WorkerBridgeService_WatchCommandsServer = grpc.ServerStreamingServer[WatchCommandsResponse]
+
+func _WorkerBridgeService_AckCommand_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(AckCommandRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(WorkerBridgeServiceServer).AckCommand(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: WorkerBridgeService_AckCommand_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(WorkerBridgeServiceServer).AckCommand(ctx, req.(*AckCommandRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // WorkerBridgeService_ServiceDesc is the grpc.ServiceDesc for WorkerBridgeService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -359,7 +445,17 @@ var WorkerBridgeService_ServiceDesc = grpc.ServiceDesc{
 			MethodName: "SnapshotStatus",
 			Handler:    _WorkerBridgeService_SnapshotStatus_Handler,
 		},
+		{
+			MethodName: "AckCommand",
+			Handler:    _WorkerBridgeService_AckCommand_Handler,
+		},
 	},
-	Streams:  []grpc.StreamDesc{},
+	Streams: []grpc.StreamDesc{
+		{
+			StreamName:    "WatchCommands",
+			Handler:       _WorkerBridgeService_WatchCommands_Handler,
+			ServerStreams: true,
+		},
+	},
 	Metadata: "kvc/v1/bridge.proto",
 }

@@ -191,6 +191,8 @@ const (
 	KVKind_KV_KIND_UNSPECIFIED KVKind = 0
 	KVKind_KV_KIND_K           KVKind = 1
 	KVKind_KV_KIND_V           KVKind = 2
+	// One buffer per layer holding the whole latent KV (MLA pools: SGLang's MLATokenToKVPool).
+	KVKind_KV_KIND_COMBINED KVKind = 3
 )
 
 // Enum value maps for KVKind.
@@ -199,11 +201,13 @@ var (
 		0: "KV_KIND_UNSPECIFIED",
 		1: "KV_KIND_K",
 		2: "KV_KIND_V",
+		3: "KV_KIND_COMBINED",
 	}
 	KVKind_value = map[string]int32{
 		"KV_KIND_UNSPECIFIED": 0,
 		"KV_KIND_K":           1,
 		"KV_KIND_V":           2,
+		"KV_KIND_COMBINED":    3,
 	}
 )
 
@@ -1445,11 +1449,12 @@ const file_kvc_v1_common_proto_rawDesc = "" +
 	"\x13PrefillBackupPolicy\x12%\n" +
 	"!PREFILL_BACKUP_POLICY_UNSPECIFIED\x10\x00\x120\n" +
 	",PREFILL_BACKUP_POLICY_RELEASE_AFTER_TRANSFER\x10\x01\x12)\n" +
-	"%PREFILL_BACKUP_POLICY_CAPACITY_BACKUP\x10\x02*?\n" +
+	"%PREFILL_BACKUP_POLICY_CAPACITY_BACKUP\x10\x02*U\n" +
 	"\x06KVKind\x12\x17\n" +
 	"\x13KV_KIND_UNSPECIFIED\x10\x00\x12\r\n" +
 	"\tKV_KIND_K\x10\x01\x12\r\n" +
-	"\tKV_KIND_V\x10\x02B3Z1github.com/kvcentric/kvcentric/proto/kvc/v1;kvcv1b\x06proto3"
+	"\tKV_KIND_V\x10\x02\x12\x14\n" +
+	"\x10KV_KIND_COMBINED\x10\x03B3Z1github.com/kvcentric/kvcentric/proto/kvc/v1;kvcv1b\x06proto3"
 
 var (
 	file_kvc_v1_common_proto_rawDescOnce sync.Once

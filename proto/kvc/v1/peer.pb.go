@@ -167,12 +167,14 @@ func (*OfferReceiveResponse) Descriptor() ([]byte, []int) {
 }
 
 type TransferDoneRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Room          int64                  `protobuf:"varint,1,opt,name=room,proto3" json:"room,omitempty"`
-	Ok            bool                   `protobuf:"varint,2,opt,name=ok,proto3" json:"ok,omitempty"`
-	Bytes         int64                  `protobuf:"varint,3,opt,name=bytes,proto3" json:"bytes,omitempty"`
-	Tokens        int64                  `protobuf:"varint,4,opt,name=tokens,proto3" json:"tokens,omitempty"`
-	Error         string                 `protobuf:"bytes,5,opt,name=error,proto3" json:"error,omitempty"`
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	Room   int64                  `protobuf:"varint,1,opt,name=room,proto3" json:"room,omitempty"`
+	Ok     bool                   `protobuf:"varint,2,opt,name=ok,proto3" json:"ok,omitempty"`
+	Bytes  int64                  `protobuf:"varint,3,opt,name=bytes,proto3" json:"bytes,omitempty"`
+	Tokens int64                  `protobuf:"varint,4,opt,name=tokens,proto3" json:"tokens,omitempty"`
+	Error  string                 `protobuf:"bytes,5,opt,name=error,proto3" json:"error,omitempty"`
+	// The sender's aux rows (the last SendKV's aux), delivered to the receiver's WaitReceive.
+	Aux           [][]byte `protobuf:"bytes,6,rep,name=aux,proto3" json:"aux,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -240,6 +242,13 @@ func (x *TransferDoneRequest) GetError() string {
 		return x.Error
 	}
 	return ""
+}
+
+func (x *TransferDoneRequest) GetAux() [][]byte {
+	if x != nil {
+		return x.Aux
+	}
+	return nil
 }
 
 type TransferDoneResponse struct {
@@ -697,13 +706,14 @@ const file_kvc_v1_peer_proto_rawDesc = "" +
 	"\x05pages\x18\a \x03(\x03R\x05pages\x12\x16\n" +
 	"\x06tokens\x18\b \x01(\x03R\x06tokens\x12(\n" +
 	"\x10decode_peer_addr\x18\t \x01(\tR\x0edecodePeerAddr\"\x16\n" +
-	"\x14OfferReceiveResponse\"}\n" +
+	"\x14OfferReceiveResponse\"\x8f\x01\n" +
 	"\x13TransferDoneRequest\x12\x12\n" +
 	"\x04room\x18\x01 \x01(\x03R\x04room\x12\x0e\n" +
 	"\x02ok\x18\x02 \x01(\bR\x02ok\x12\x14\n" +
 	"\x05bytes\x18\x03 \x01(\x03R\x05bytes\x12\x16\n" +
 	"\x06tokens\x18\x04 \x01(\x03R\x06tokens\x12\x14\n" +
-	"\x05error\x18\x05 \x01(\tR\x05error\"\x16\n" +
+	"\x05error\x18\x05 \x01(\tR\x05error\x12\x10\n" +
+	"\x03aux\x18\x06 \x03(\fR\x03aux\"\x16\n" +
 	"\x14TransferDoneResponse\"\x8f\x03\n" +
 	"\x16ReserveSnapshotRequest\x12\x1d\n" +
 	"\n" +
