@@ -358,8 +358,13 @@ type RouteQuery struct {
 	MaxOutputTokens int64 `protobuf:"varint,5,opt,name=max_output_tokens,json=maxOutputTokens,proto3" json:"max_output_tokens,omitempty"`
 	// The client says this session is (or will be) multi-turn.
 	MultiturnHint bool `protobuf:"varint,6,opt,name=multiturn_hint,json=multiturnHint,proto3" json:"multiturn_hint,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	// Workers the decision must not use (ids): a gateway's retry lists the worker that refused or
+	// dropped the first attempt's connection, so the new decision does not send it back there. A
+	// session resident on an excluded decode worker counts as having lost it (D_UNREACHABLE).
+	// At most 16 entries, each a valid id.
+	ExcludeWorkers []string `protobuf:"bytes,7,rep,name=exclude_workers,json=excludeWorkers,proto3" json:"exclude_workers,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *RouteQuery) Reset() {
@@ -432,6 +437,13 @@ func (x *RouteQuery) GetMultiturnHint() bool {
 		return x.MultiturnHint
 	}
 	return false
+}
+
+func (x *RouteQuery) GetExcludeWorkers() []string {
+	if x != nil {
+		return x.ExcludeWorkers
+	}
+	return nil
 }
 
 type RouteOutcome struct {
@@ -627,7 +639,10 @@ type RouteDecision struct {
 	SnapshotGeneration uint64 `protobuf:"varint,13,opt,name=snapshot_generation,json=snapshotGeneration,proto3" json:"snapshot_generation,omitempty"`
 	Epoch              int64  `protobuf:"varint,14,opt,name=epoch,proto3" json:"epoch,omitempty"`
 	// Session turn as the control plane counts it.
-	Turn          int32 `protobuf:"varint,15,opt,name=turn,proto3" json:"turn,omitempty"`
+	Turn int32 `protobuf:"varint,15,opt,name=turn,proto3" json:"turn,omitempty"`
+	// How to carry the decision out. The policy fills it for every decision; the gateway
+	// executes it and applies no routing rule of its own.
+	Execution     *RouteExecution `protobuf:"bytes,16,opt,name=execution,proto3" json:"execution,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -767,6 +782,141 @@ func (x *RouteDecision) GetTurn() int32 {
 	return 0
 }
 
+func (x *RouteDecision) GetExecution() *RouteExecution {
+	if x != nil {
+		return x.Execution
+	}
+	return nil
+}
+
+// RouteExecution is a decision's execution plan: which workers to call with what, what happens
+// to the session on the decode worker, and what to report when something fails.
+type RouteExecution struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Call the prefill worker (decision.prefill) with the full context and no session_params;
+	// bootstrap_host/bootstrap_port = prefill.peer_addr, bootstrap_room = decision.bootstrap_room.
+	// P and D are called at the same time.
+	CallPrefill bool `protobuf:"varint,1,opt,name=call_prefill,json=callPrefill,proto3" json:"call_prefill,omitempty"`
+	// Call the decode worker (decision.decode). Always true for a decision that names one.
+	CallDecode bool `protobuf:"varint,2,opt,name=call_decode,json=callDecode,proto3" json:"call_decode,omitempty"`
+	// How KV reaches D before its append-prefill: UNSPECIFIED = none (D holds the session's KV
+	// [0, cached_tokens) and append-prefills the rest), SEED = the prefill worker's prefill,
+	// SNAPSHOT = the prefill sidecar's snapshot store, tokens [0, snapshot_seqlen).
+	Transfer TransferKind `protobuf:"varint,3,opt,name=transfer,proto3,enum=kvc.v1.TransferKind" json:"transfer,omitempty"`
+	// D keeps the session resident afterwards: the decode call carries session_params {id}.
+	KeepSession bool `protobuf:"varint,4,opt,name=keep_session,json=keepSession,proto3" json:"keep_session,omitempty"`
+	// Open a streaming session on D before the call (POST /open_session): this decision makes the
+	// session resident there (SEED, RESEED_*). A copy D may still hold is stale and replaced.
+	OpenSession bool `protobuf:"varint,5,opt,name=open_session,json=openSession,proto3" json:"open_session,omitempty"`
+	// The session leaves these decode workers with this decision: after the request succeeded,
+	// close it there (POST /close_session).
+	CloseSessionOn []*WorkerRef `protobuf:"bytes,6,rep,name=close_session_on,json=closeSessionOn,proto3" json:"close_session_on,omitempty"`
+	// Report this error kind when D refuses or drops the connection before its first token, or
+	// answers a 503 other than no_capacity or a 409 other than session_not_resident (D did not
+	// take the request).
+	OnDecodeRefused RouteErrorKind `protobuf:"varint,7,opt,name=on_decode_refused,json=onDecodeRefused,proto3,enum=kvc.v1.RouteErrorKind" json:"on_decode_refused,omitempty"`
+	// Report this error kind when the KV transfer fails (transfer_failed, kv_verify_failed).
+	OnTransferFailed RouteErrorKind `protobuf:"varint,8,opt,name=on_transfer_failed,json=onTransferFailed,proto3,enum=kvc.v1.RouteErrorKind" json:"on_transfer_failed,omitempty"`
+	// A retryable failure (D's session_not_resident, a worker gone before D's first token) may be
+	// retried once through a new decision.
+	RetryAllowed  bool `protobuf:"varint,9,opt,name=retry_allowed,json=retryAllowed,proto3" json:"retry_allowed,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RouteExecution) Reset() {
+	*x = RouteExecution{}
+	mi := &file_kvc_v1_router_proto_msgTypes[5]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RouteExecution) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RouteExecution) ProtoMessage() {}
+
+func (x *RouteExecution) ProtoReflect() protoreflect.Message {
+	mi := &file_kvc_v1_router_proto_msgTypes[5]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RouteExecution.ProtoReflect.Descriptor instead.
+func (*RouteExecution) Descriptor() ([]byte, []int) {
+	return file_kvc_v1_router_proto_rawDescGZIP(), []int{5}
+}
+
+func (x *RouteExecution) GetCallPrefill() bool {
+	if x != nil {
+		return x.CallPrefill
+	}
+	return false
+}
+
+func (x *RouteExecution) GetCallDecode() bool {
+	if x != nil {
+		return x.CallDecode
+	}
+	return false
+}
+
+func (x *RouteExecution) GetTransfer() TransferKind {
+	if x != nil {
+		return x.Transfer
+	}
+	return TransferKind_TRANSFER_KIND_UNSPECIFIED
+}
+
+func (x *RouteExecution) GetKeepSession() bool {
+	if x != nil {
+		return x.KeepSession
+	}
+	return false
+}
+
+func (x *RouteExecution) GetOpenSession() bool {
+	if x != nil {
+		return x.OpenSession
+	}
+	return false
+}
+
+func (x *RouteExecution) GetCloseSessionOn() []*WorkerRef {
+	if x != nil {
+		return x.CloseSessionOn
+	}
+	return nil
+}
+
+func (x *RouteExecution) GetOnDecodeRefused() RouteErrorKind {
+	if x != nil {
+		return x.OnDecodeRefused
+	}
+	return RouteErrorKind_ROUTE_ERROR_KIND_UNSPECIFIED
+}
+
+func (x *RouteExecution) GetOnTransferFailed() RouteErrorKind {
+	if x != nil {
+		return x.OnTransferFailed
+	}
+	return RouteErrorKind_ROUTE_ERROR_KIND_UNSPECIFIED
+}
+
+func (x *RouteExecution) GetRetryAllowed() bool {
+	if x != nil {
+		return x.RetryAllowed
+	}
+	return false
+}
+
 type RouteError struct {
 	state      protoimpl.MessageState `protogen:"open.v1"`
 	RequestId  string                 `protobuf:"bytes,1,opt,name=request_id,json=requestId,proto3" json:"request_id,omitempty"`
@@ -780,7 +930,7 @@ type RouteError struct {
 
 func (x *RouteError) Reset() {
 	*x = RouteError{}
-	mi := &file_kvc_v1_router_proto_msgTypes[5]
+	mi := &file_kvc_v1_router_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -792,7 +942,7 @@ func (x *RouteError) String() string {
 func (*RouteError) ProtoMessage() {}
 
 func (x *RouteError) ProtoReflect() protoreflect.Message {
-	mi := &file_kvc_v1_router_proto_msgTypes[5]
+	mi := &file_kvc_v1_router_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -805,7 +955,7 @@ func (x *RouteError) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RouteError.ProtoReflect.Descriptor instead.
 func (*RouteError) Descriptor() ([]byte, []int) {
-	return file_kvc_v1_router_proto_rawDescGZIP(), []int{5}
+	return file_kvc_v1_router_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *RouteError) GetRequestId() string {
@@ -845,7 +995,7 @@ type OutcomeAck struct {
 
 func (x *OutcomeAck) Reset() {
 	*x = OutcomeAck{}
-	mi := &file_kvc_v1_router_proto_msgTypes[6]
+	mi := &file_kvc_v1_router_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -857,7 +1007,7 @@ func (x *OutcomeAck) String() string {
 func (*OutcomeAck) ProtoMessage() {}
 
 func (x *OutcomeAck) ProtoReflect() protoreflect.Message {
-	mi := &file_kvc_v1_router_proto_msgTypes[6]
+	mi := &file_kvc_v1_router_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -870,7 +1020,7 @@ func (x *OutcomeAck) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use OutcomeAck.ProtoReflect.Descriptor instead.
 func (*OutcomeAck) Descriptor() ([]byte, []int) {
-	return file_kvc_v1_router_proto_rawDescGZIP(), []int{6}
+	return file_kvc_v1_router_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *OutcomeAck) GetDecisionId() string {
@@ -894,7 +1044,7 @@ type RouteResponse struct {
 
 func (x *RouteResponse) Reset() {
 	*x = RouteResponse{}
-	mi := &file_kvc_v1_router_proto_msgTypes[7]
+	mi := &file_kvc_v1_router_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -906,7 +1056,7 @@ func (x *RouteResponse) String() string {
 func (*RouteResponse) ProtoMessage() {}
 
 func (x *RouteResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvc_v1_router_proto_msgTypes[7]
+	mi := &file_kvc_v1_router_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -919,7 +1069,7 @@ func (x *RouteResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RouteResponse.ProtoReflect.Descriptor instead.
 func (*RouteResponse) Descriptor() ([]byte, []int) {
-	return file_kvc_v1_router_proto_rawDescGZIP(), []int{7}
+	return file_kvc_v1_router_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *RouteResponse) GetKind() isRouteResponse_Kind {
@@ -982,11 +1132,11 @@ var File_kvc_v1_router_proto protoreflect.FileDescriptor
 
 const file_kvc_v1_router_proto_rawDesc = "" +
 	"\n" +
-	"\x13kvc/v1/router.proto\x12\x06kvc.v1\"t\n" +
+	"\x13kvc/v1/router.proto\x12\x06kvc.v1\x1a\x13kvc/v1/bridge.proto\"t\n" +
 	"\fRouteRequest\x12*\n" +
 	"\x05query\x18\x01 \x01(\v2\x12.kvc.v1.RouteQueryH\x00R\x05query\x120\n" +
 	"\aoutcome\x18\x02 \x01(\v2\x14.kvc.v1.RouteOutcomeH\x00R\aoutcomeB\x06\n" +
-	"\x04kind\"\xd4\x01\n" +
+	"\x04kind\"\xfd\x01\n" +
 	"\n" +
 	"RouteQuery\x12\x1d\n" +
 	"\n" +
@@ -996,7 +1146,8 @@ const file_kvc_v1_router_proto_rawDesc = "" +
 	"\x04turn\x18\x03 \x01(\x05R\x04turn\x12!\n" +
 	"\finput_tokens\x18\x04 \x01(\x03R\vinputTokens\x12*\n" +
 	"\x11max_output_tokens\x18\x05 \x01(\x03R\x0fmaxOutputTokens\x12%\n" +
-	"\x0emultiturn_hint\x18\x06 \x01(\bR\rmultiturnHint\"\xaa\x02\n" +
+	"\x0emultiturn_hint\x18\x06 \x01(\bR\rmultiturnHint\x12'\n" +
+	"\x0fexclude_workers\x18\a \x03(\tR\x0eexcludeWorkers\"\xaa\x02\n" +
 	"\fRouteOutcome\x12\x1f\n" +
 	"\vdecision_id\x18\x01 \x01(\tR\n" +
 	"decisionId\x12\x18\n" +
@@ -1015,7 +1166,7 @@ const file_kvc_v1_router_proto_rawDesc = "" +
 	"\n" +
 	"worker_url\x18\x02 \x01(\tR\tworkerUrl\x12\x1b\n" +
 	"\tpeer_addr\x18\x03 \x01(\tR\bpeerAddr\x12+\n" +
-	"\x11transfer_endpoint\x18\x04 \x01(\tR\x10transferEndpoint\"\xd1\x04\n" +
+	"\x11transfer_endpoint\x18\x04 \x01(\tR\x10transferEndpoint\"\x87\x05\n" +
 	"\rRouteDecision\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x01 \x01(\tR\trequestId\x12\x1f\n" +
@@ -1034,7 +1185,19 @@ const file_kvc_v1_router_proto_rawDesc = "" +
 	"\x0fsnapshot_seqlen\x18\f \x01(\x03R\x0esnapshotSeqlen\x12/\n" +
 	"\x13snapshot_generation\x18\r \x01(\x04R\x12snapshotGeneration\x12\x14\n" +
 	"\x05epoch\x18\x0e \x01(\x03R\x05epoch\x12\x12\n" +
-	"\x04turn\x18\x0f \x01(\x05R\x04turn\"z\n" +
+	"\x04turn\x18\x0f \x01(\x05R\x04turn\x124\n" +
+	"\texecution\x18\x10 \x01(\v2\x16.kvc.v1.RouteExecutionR\texecution\"\xb8\x03\n" +
+	"\x0eRouteExecution\x12!\n" +
+	"\fcall_prefill\x18\x01 \x01(\bR\vcallPrefill\x12\x1f\n" +
+	"\vcall_decode\x18\x02 \x01(\bR\n" +
+	"callDecode\x120\n" +
+	"\btransfer\x18\x03 \x01(\x0e2\x14.kvc.v1.TransferKindR\btransfer\x12!\n" +
+	"\fkeep_session\x18\x04 \x01(\bR\vkeepSession\x12!\n" +
+	"\fopen_session\x18\x05 \x01(\bR\vopenSession\x12;\n" +
+	"\x10close_session_on\x18\x06 \x03(\v2\x11.kvc.v1.WorkerRefR\x0ecloseSessionOn\x12B\n" +
+	"\x11on_decode_refused\x18\a \x01(\x0e2\x16.kvc.v1.RouteErrorKindR\x0fonDecodeRefused\x12D\n" +
+	"\x12on_transfer_failed\x18\b \x01(\x0e2\x16.kvc.v1.RouteErrorKindR\x10onTransferFailed\x12#\n" +
+	"\rretry_allowed\x18\t \x01(\bR\fretryAllowed\"z\n" +
 	"\n" +
 	"RouteError\x12\x1d\n" +
 	"\n" +
@@ -1111,19 +1274,21 @@ func file_kvc_v1_router_proto_rawDescGZIP() []byte {
 }
 
 var file_kvc_v1_router_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_kvc_v1_router_proto_msgTypes = make([]protoimpl.MessageInfo, 8)
+var file_kvc_v1_router_proto_msgTypes = make([]protoimpl.MessageInfo, 9)
 var file_kvc_v1_router_proto_goTypes = []any{
-	(RouteMode)(0),        // 0: kvc.v1.RouteMode
-	(RouteReason)(0),      // 1: kvc.v1.RouteReason
-	(RouteErrorKind)(0),   // 2: kvc.v1.RouteErrorKind
-	(*RouteRequest)(nil),  // 3: kvc.v1.RouteRequest
-	(*RouteQuery)(nil),    // 4: kvc.v1.RouteQuery
-	(*RouteOutcome)(nil),  // 5: kvc.v1.RouteOutcome
-	(*WorkerRef)(nil),     // 6: kvc.v1.WorkerRef
-	(*RouteDecision)(nil), // 7: kvc.v1.RouteDecision
-	(*RouteError)(nil),    // 8: kvc.v1.RouteError
-	(*OutcomeAck)(nil),    // 9: kvc.v1.OutcomeAck
-	(*RouteResponse)(nil), // 10: kvc.v1.RouteResponse
+	(RouteMode)(0),         // 0: kvc.v1.RouteMode
+	(RouteReason)(0),       // 1: kvc.v1.RouteReason
+	(RouteErrorKind)(0),    // 2: kvc.v1.RouteErrorKind
+	(*RouteRequest)(nil),   // 3: kvc.v1.RouteRequest
+	(*RouteQuery)(nil),     // 4: kvc.v1.RouteQuery
+	(*RouteOutcome)(nil),   // 5: kvc.v1.RouteOutcome
+	(*WorkerRef)(nil),      // 6: kvc.v1.WorkerRef
+	(*RouteDecision)(nil),  // 7: kvc.v1.RouteDecision
+	(*RouteExecution)(nil), // 8: kvc.v1.RouteExecution
+	(*RouteError)(nil),     // 9: kvc.v1.RouteError
+	(*OutcomeAck)(nil),     // 10: kvc.v1.OutcomeAck
+	(*RouteResponse)(nil),  // 11: kvc.v1.RouteResponse
+	(TransferKind)(0),      // 12: kvc.v1.TransferKind
 }
 var file_kvc_v1_router_proto_depIdxs = []int32{
 	4,  // 0: kvc.v1.RouteRequest.query:type_name -> kvc.v1.RouteQuery
@@ -1134,16 +1299,21 @@ var file_kvc_v1_router_proto_depIdxs = []int32{
 	1,  // 5: kvc.v1.RouteDecision.reason:type_name -> kvc.v1.RouteReason
 	6,  // 6: kvc.v1.RouteDecision.prefill:type_name -> kvc.v1.WorkerRef
 	6,  // 7: kvc.v1.RouteDecision.decode:type_name -> kvc.v1.WorkerRef
-	7,  // 8: kvc.v1.RouteResponse.decision:type_name -> kvc.v1.RouteDecision
-	9,  // 9: kvc.v1.RouteResponse.outcome_ack:type_name -> kvc.v1.OutcomeAck
-	8,  // 10: kvc.v1.RouteResponse.error:type_name -> kvc.v1.RouteError
-	3,  // 11: kvc.v1.RouterService.Route:input_type -> kvc.v1.RouteRequest
-	10, // 12: kvc.v1.RouterService.Route:output_type -> kvc.v1.RouteResponse
-	12, // [12:13] is the sub-list for method output_type
-	11, // [11:12] is the sub-list for method input_type
-	11, // [11:11] is the sub-list for extension type_name
-	11, // [11:11] is the sub-list for extension extendee
-	0,  // [0:11] is the sub-list for field type_name
+	8,  // 8: kvc.v1.RouteDecision.execution:type_name -> kvc.v1.RouteExecution
+	12, // 9: kvc.v1.RouteExecution.transfer:type_name -> kvc.v1.TransferKind
+	6,  // 10: kvc.v1.RouteExecution.close_session_on:type_name -> kvc.v1.WorkerRef
+	2,  // 11: kvc.v1.RouteExecution.on_decode_refused:type_name -> kvc.v1.RouteErrorKind
+	2,  // 12: kvc.v1.RouteExecution.on_transfer_failed:type_name -> kvc.v1.RouteErrorKind
+	7,  // 13: kvc.v1.RouteResponse.decision:type_name -> kvc.v1.RouteDecision
+	10, // 14: kvc.v1.RouteResponse.outcome_ack:type_name -> kvc.v1.OutcomeAck
+	9,  // 15: kvc.v1.RouteResponse.error:type_name -> kvc.v1.RouteError
+	3,  // 16: kvc.v1.RouterService.Route:input_type -> kvc.v1.RouteRequest
+	11, // 17: kvc.v1.RouterService.Route:output_type -> kvc.v1.RouteResponse
+	17, // [17:18] is the sub-list for method output_type
+	16, // [16:17] is the sub-list for method input_type
+	16, // [16:16] is the sub-list for extension type_name
+	16, // [16:16] is the sub-list for extension extendee
+	0,  // [0:16] is the sub-list for field type_name
 }
 
 func init() { file_kvc_v1_router_proto_init() }
@@ -1151,11 +1321,12 @@ func file_kvc_v1_router_proto_init() {
 	if File_kvc_v1_router_proto != nil {
 		return
 	}
+	file_kvc_v1_bridge_proto_init()
 	file_kvc_v1_router_proto_msgTypes[0].OneofWrappers = []any{
 		(*RouteRequest_Query)(nil),
 		(*RouteRequest_Outcome)(nil),
 	}
-	file_kvc_v1_router_proto_msgTypes[7].OneofWrappers = []any{
+	file_kvc_v1_router_proto_msgTypes[8].OneofWrappers = []any{
 		(*RouteResponse_Decision)(nil),
 		(*RouteResponse_OutcomeAck)(nil),
 		(*RouteResponse_Error)(nil),
@@ -1166,7 +1337,7 @@ func file_kvc_v1_router_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvc_v1_router_proto_rawDesc), len(file_kvc_v1_router_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   8,
+			NumMessages:   9,
 			NumExtensions: 0,
 			NumServices:   1,
 		},
