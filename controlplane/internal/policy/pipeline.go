@@ -6,8 +6,9 @@ import (
 
 // Query is one validated routing request.
 type Query struct {
-	SessionID       string
-	Turn            int32 // the session's turn as the control plane counts it
+	SessionID string
+	// Turn is the client's turn number; 0 when it gave none (Decide infers it, InferTurn).
+	Turn            int32
 	InputTokens     int64
 	MaxOutputTokens int64
 	MultiturnHint   bool
@@ -41,6 +42,10 @@ type Input struct {
 	NoSnapshot bool
 	// Unavailable: the control plane cannot vouch for its state (not leading); plain P/D.
 	Unavailable bool
+	// Exclude lists worker ids the decision must not use (a gateway's retry after a worker's
+	// death): they are treated as unroutable, and a session resident on an excluded decode
+	// worker as having lost it (D_UNREACHABLE).
+	Exclude []string
 }
 
 // Decision is the policy's answer. Worker pointers point into Input.Workers.
@@ -68,6 +73,10 @@ type Decision struct {
 	LocalReject string
 	// From is the decode worker the session was (or last was) resident on, for reseeds.
 	From string
+	// Turn is the session's turn as the control plane counts it (InferTurn).
+	Turn int32
+	// Exec is how the gateway carries the decision out (execution.go).
+	Exec Execution
 }
 
 // Gate is a named yes/no check on the request; the first gate of a profile that blocks makes
@@ -119,13 +128,39 @@ type Cycle struct {
 	Cause kvcv1.RouteReason
 	// Current is the decode worker the session is resident on (migration), if any.
 	Current string
+	// Turn is the session's turn (InferTurn of the client's turn and the record).
+	Turn int32
 
 	cand, best Cand // scratch of pick
 }
 
-// Decide is the routing policy. It is pure: the same Input gives the same Decision.
+// Decide is the routing policy. It is pure: the same Input gives the same Decision, execution
+// plan included.
 func Decide(in *Input) Decision {
-	c := &Cycle{In: in, K: in.Knobs, Q: &in.Query, S: in.Session}
+	c := &Cycle{In: in, K: in.Knobs, Q: &in.Query, S: in.Session, Turn: InferTurn(in.Query.Turn, in.Session)}
+	if in.Unavailable {
+		c.Turn = in.Query.Turn // no session state to count from
+	}
+	d := c.decide()
+	d.Turn = c.Turn
+	d.Exec = execution(&d, in.Unavailable)
+	return d
+}
+
+// InferTurn is the session's turn: the client's when it gives one (> 0), else one more than
+// the last turn the control plane saw for a known session, else 0.
+func InferTurn(clientTurn int32, rec *kvcv1.SessionRecord) int32 {
+	if clientTurn > 0 {
+		return clientTurn
+	}
+	if rec != nil && rec.LastSeenUnixMs > 0 && rec.Turn < 1<<30 {
+		return rec.Turn + 1
+	}
+	return 0
+}
+
+func (c *Cycle) decide() Decision {
+	in := c.In
 	if in.Unavailable {
 		return c.fallback(kvcv1.RouteReason_ROUTE_REASON_CONTROL_PLANE_UNAVAILABLE)
 	}
@@ -136,11 +171,25 @@ func Decide(in *Input) Decision {
 	if rec != nil && rec.DecodeWorker != "" {
 		d := findWorker(in.Workers, rec.DecodeWorker, kvcv1.WorkerRole_WORKER_ROLE_DECODE)
 		switch {
-		case d == nil || d.State == kvcv1.WorkerState_WORKER_STATE_UNREACHABLE || d.State == kvcv1.WorkerState_WORKER_STATE_WORKER_DOWN:
-			// WORKER_DOWN: the sidecar is up but its worker process died, and the session's KV with it.
+		case d == nil || d.State == kvcv1.WorkerState_WORKER_STATE_UNREACHABLE || d.State == kvcv1.WorkerState_WORKER_STATE_WORKER_DOWN ||
+			c.excluded(d.WorkerId):
+			// WORKER_DOWN: the sidecar is up but its worker process died, and the session's KV
+			// with it. Excluded: a gateway saw it refuse or drop a connection just now.
 			return c.lost(kvcv1.RouteReason_ROUTE_REASON_D_UNREACHABLE, rec.DecodeWorker)
 		case isDraining(d):
-			return c.lost(kvcv1.RouteReason_ROUTE_REASON_D_DRAINING, rec.DecodeWorker)
+			dec := c.lost(kvcv1.RouteReason_ROUTE_REASON_D_DRAINING, rec.DecodeWorker)
+			if dec.Mode != kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK || dec.Reason == kvcv1.RouteReason_ROUTE_REASON_SESSION_NOT_RESIDENT ||
+				!servesResident(d) {
+				return dec
+			}
+			// Nowhere to move it: a draining worker still serves the sessions it holds. A direct
+			// turn says why it was not moved (D_DRAINING); a large append keeps its reason.
+			c.Cause = kvcv1.RouteReason_ROUTE_REASON_D_DRAINING
+			dec = c.resident(d)
+			if dec.Mode == kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D {
+				dec.Reason = kvcv1.RouteReason_ROUTE_REASON_D_DRAINING
+			}
+			return dec
 		}
 		return c.resident(d)
 	}
@@ -152,7 +201,7 @@ func Decide(in *Input) Decision {
 
 // resident: the session lives on d, a routable decode worker.
 func (c *Cycle) resident(d *kvcv1.Worker) Decision {
-	if c.S.DRejects[d.WorkerId] >= c.K.MigrationRejectThreshold {
+	if c.S.DRejects[d.WorkerId] >= c.K.MigrationRejectThreshold && !isDraining(d) {
 		c.Current = d.WorkerId
 		if dec, ok := c.reseed(kvcv1.RouteReason_ROUTE_REASON_MIGRATED_AFTER_REJECTS, d.WorkerId, MigrateProfile, true); ok {
 			return dec
@@ -175,6 +224,7 @@ func (c *Cycle) resident(d *kvcv1.Worker) Decision {
 	return Decision{
 		Mode:           kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D,
 		Reason:         kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT,
+		Cause:          c.Cause,
 		Decode:         d,
 		ReservedTokens: c.Need,
 		CachedTokens:   cached,
@@ -205,6 +255,7 @@ func (c *Cycle) largeAppend(d *kvcv1.Worker, uncached int64) Decision {
 	return Decision{
 		Mode:            kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK,
 		Reason:          kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND,
+		Cause:           c.Cause,
 		Prefill:         p,
 		Decode:          d,
 		ReservedTokens:  c.Need,
@@ -383,7 +434,7 @@ func (c *Cycle) snapshot() (*kvcv1.Worker, kvcv1.RouteReason) {
 		return nil, kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_MISSING
 	}
 	p := findWorker(c.In.Workers, s.PrefillWorker, kvcv1.WorkerRole_WORKER_ROLE_PREFILL)
-	if p == nil || !servesSnapshots(p) {
+	if p == nil || !servesSnapshots(p) || c.excluded(p.WorkerId) {
 		return nil, kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_MISSING
 	}
 	if m := c.K.SnapshotMaxStalenessMs; m > 0 && c.In.NowMs-s.UpdatedUnixMs > m {
@@ -401,7 +452,7 @@ func (c *Cycle) leastLoadedPrefill() *kvcv1.Worker {
 	var best *kvcv1.Worker
 	var bestLoad int64
 	for _, w := range c.In.Workers {
-		if w.Role != kvcv1.WorkerRole_WORKER_ROLE_PREFILL || !routable(w) {
+		if w.Role != kvcv1.WorkerRole_WORKER_ROLE_PREFILL || !routable(w) || c.excluded(w.WorkerId) {
 			continue
 		}
 		l := w.GetLoad()
@@ -444,6 +495,22 @@ func findWorker(ws []*kvcv1.Worker, id string, role kvcv1.WorkerRole) *kvcv1.Wor
 
 func isDraining(w *kvcv1.Worker) bool {
 	return w.Draining || w.State == kvcv1.WorkerState_WORKER_STATE_DRAINING
+}
+
+// excluded reports a worker the query asked to avoid.
+func (c *Cycle) excluded(id string) bool {
+	for _, x := range c.In.Exclude {
+		if x == id {
+			return true
+		}
+	}
+	return false
+}
+
+// servesResident: a draining decode worker whose sidecar and worker are up still serves the
+// sessions it holds.
+func servesResident(d *kvcv1.Worker) bool {
+	return d.State == kvcv1.WorkerState_WORKER_STATE_READY || d.State == kvcv1.WorkerState_WORKER_STATE_DRAINING
 }
 
 // servesSnapshots: a prefill sidecar that can write a snapshot into a decode worker — its stream

@@ -68,6 +68,7 @@ type tc struct {
 	workers []*kvcv1.Worker
 	led     fakeLedger
 	unavail bool
+	exclude []string
 
 	mode    kvcv1.RouteMode
 	reason  kvcv1.RouteReason
@@ -298,9 +299,40 @@ func TestDecideEveryModeAndReason(t *testing.T) {
 		{name: "snapshots disabled", k: func(p *kvcv1.Policy) { p.SnapshotsEnabled = b(false) }, q: q(30_000, 100, 5),
 			rec:     &kvcv1.SessionRecord{SessionId: "s", Generation: 1, Snapshot: snap("p1", 29_000)},
 			workers: cluster(), mode: mPrefill, reason: R(kvcv1.RouteReason_ROUTE_REASON_SNAPSHOTS_DISABLED)},
-		{name: "lost D draining and no other D", q: q(30_000, 100, 5), rec: resident("d1", 25_000),
+		{name: "draining D and no other D serves its session in place", q: q(30_000, 100, 5), rec: resident("d1", 25_000),
 			workers: []*kvcv1.Worker{pW("p1", 0), draining(dW("d1", 100_000, 0))},
-			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_D_DRAINING)},
+			mode:    mDirect, reason: R(kvcv1.RouteReason_ROUTE_REASON_D_DRAINING), decode: "d1",
+			check: func(t *testing.T, d Decision) {
+				if d.CachedTokens != 25_000 || d.Cause != kvcv1.RouteReason_ROUTE_REASON_D_DRAINING || !d.Exec.KeepSession || d.Exec.OpenSession {
+					t.Errorf("in place: %+v", d)
+				}
+			}},
+		{name: "draining D, the only other D full: served in place", q: q(30_000, 100, 5), rec: resident("d1", 25_000),
+			workers: []*kvcv1.Worker{pW("p1", 0), draining(dW("d1", 100_000, 0)), dW("d2", 100_000, 80_000)},
+			mode:    mDirect, reason: R(kvcv1.RouteReason_ROUTE_REASON_D_DRAINING), decode: "d1"},
+		{name: "draining D, large append with nowhere to move: in place", q: q(40_000, 100, 5), rec: resident("d1", 25_000),
+			workers: []*kvcv1.Worker{pW("p1", 0), draining(dW("d1", 100_000, 0))},
+			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND), prefill: "p1", decode: "d1"},
+		{name: "draining D and a reseed of the session in flight", q: q(30_000, 100, 5), rec: resident("d1", 25_000),
+			workers: []*kvcv1.Worker{pW("p1", 0), draining(dW("d1", 100_000, 0)), dW("d2", 100_000, 0)}, led: ledger(nil, "s"),
+			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_SESSION_NOT_RESIDENT), prefill: "p1", decode: "d2"},
+		{name: "resident D excluded by the query: lost, reseeded elsewhere", q: q(30_000, 100, 5), rec: resident("d1", 25_000),
+			workers: cluster(), exclude: []string{"d1"},
+			mode:    mPrefill, reason: R(kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_MISSING), prefill: "p2", decode: "d2",
+			check: func(t *testing.T, d Decision) {
+				if d.Cause != kvcv1.RouteReason_ROUTE_REASON_D_UNREACHABLE || d.Exec.CloseSessionOn != "" {
+					t.Errorf("excluded resident D: cause %v close %q", d.Cause, d.Exec.CloseSessionOn)
+				}
+			}},
+		{name: "excluded P and D are not chosen", q: q(3_000, 100, 1), workers: cluster(), exclude: []string{"p2", "d1"},
+			mode: mSeed, reason: R(kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION), prefill: "p1", decode: "d2"},
+		{name: "every D excluded: no decode worker", q: q(3_000, 100, 1), workers: cluster(), exclude: []string{"d1", "d2"},
+			mode: mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY), prefill: "p2",
+			check: func(t *testing.T, d Decision) {
+				if d.Decode != nil || d.Exec.CallDecode {
+					t.Errorf("decode %v call %v", d.Decode, d.Exec.CallDecode)
+				}
+			}},
 		{name: "lost D unreachable and no other D", q: q(30_000, 100, 5), rec: resident("d1", 25_000),
 			workers: []*kvcv1.Worker{pW("p1", 0), unreachable(dW("d1", 100_000, 0))},
 			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_D_UNREACHABLE)},
@@ -309,15 +341,15 @@ func TestDecideEveryModeAndReason(t *testing.T) {
 			workers: []*kvcv1.Worker{pW("p1", 0), draining(dW("d1", 100_000, 0))},
 			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_SESSION_EVICTED)},
 		{name: "reseed: no capacity on the other Ds", q: q(30_000, 100, 5), rec: resident("d1", 25_000),
-			workers: []*kvcv1.Worker{pW("p1", 0), draining(dW("d1", 100_000, 0)), dW("d2", 100_000, 80_000)},
+			workers: []*kvcv1.Worker{pW("p1", 0), unreachable(dW("d1", 100_000, 0)), dW("d2", 100_000, 80_000)},
 			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY)},
 		{name: "reseed: budget", q: q(30_000, 100, 5), rec: resident("d1", 25_000),
-			workers: []*kvcv1.Worker{pW("p1", 0), draining(dW("d1", 100_000, 0)), dW("d2", 100_000, 0)},
+			workers: []*kvcv1.Worker{pW("p1", 0), unreachable(dW("d1", 100_000, 0)), dW("d2", 100_000, 0)},
 			led:     ledger(map[string]Reserved{"d2": {Transfers: 4}}),
 			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_TRANSFER_BUDGET)},
 		{name: "reseed: resident-tokens gate applies", k: func(p *kvcv1.Policy) { p.SeedMaxResidentTokens = i64(10_000) },
 			q: q(30_000, 100, 5), rec: resident("d1", 25_000),
-			workers: []*kvcv1.Worker{pW("p1", 0), draining(dW("d1", 100_000, 0)), dW("d2", 100_000, 0)},
+			workers: []*kvcv1.Worker{pW("p1", 0), unreachable(dW("d1", 100_000, 0)), dW("d2", 100_000, 0)},
 			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_SEED_FILTER_RESIDENT_TOKENS)},
 		{name: "reseed: turn gate does not apply", k: func(p *kvcv1.Policy) { p.SeedMinTurn = i32(100) },
 			q: q(30_000, 100, 5), rec: resident("d1", 25_000),
@@ -432,7 +464,7 @@ func TestDecideEveryModeAndReason(t *testing.T) {
 			if led.res == nil {
 				led.res = map[string]Reserved{}
 			}
-			in := &Input{Knobs: knobs(tt.k), Query: tt.q, Session: tt.rec, Workers: tt.workers, Ledger: led, NowMs: nowMs, Unavailable: tt.unavail}
+			in := &Input{Knobs: knobs(tt.k), Query: tt.q, Session: tt.rec, Workers: tt.workers, Ledger: led, NowMs: nowMs, Unavailable: tt.unavail, Exclude: tt.exclude}
 			d := Decide(in)
 			if d.Mode != tt.mode || d.Reason != tt.reason {
 				t.Fatalf("got %s/%s, want %s/%s", d.Mode, d.Reason, tt.mode, tt.reason)

@@ -16,7 +16,7 @@ var (
 		func(c *Cycle) bool { return c.In.Ledger.TransferPending(c.Q.SessionID) }}
 	// GateEarlyTurn: seed_min_turn.
 	GateEarlyTurn = Gate{"seed-min-turn", kvcv1.RouteReason_ROUTE_REASON_SEED_FILTER_EARLY_TURN,
-		func(c *Cycle) bool { return c.Q.Turn < c.K.SeedMinTurn }}
+		func(c *Cycle) bool { return c.Turn < c.K.SeedMinTurn }}
 	// GateOutputTokens: seed_max_output_tokens.
 	GateOutputTokens = Gate{"seed-max-output-tokens", kvcv1.RouteReason_ROUTE_REASON_SEED_FILTER_OUTPUT_TOKENS,
 		func(c *Cycle) bool {
@@ -29,7 +29,7 @@ var (
 		}}
 	// GateSingleTurn: seed_only_multiturn; a turn > 0 or the client's hint proves multi-turn.
 	GateSingleTurn = Gate{"seed-only-multiturn", kvcv1.RouteReason_ROUTE_REASON_SEED_FILTER_SINGLE_TURN,
-		func(c *Cycle) bool { return c.K.SeedOnlyMultiturn && !c.Q.MultiturnHint && c.Q.Turn == 0 }}
+		func(c *Cycle) bool { return c.K.SeedOnlyMultiturn && !c.Q.MultiturnHint && c.Turn == 0 }}
 )
 
 // SeedGates run, in order, before a new session is seeded.
@@ -49,7 +49,7 @@ var (
 			return c.Cause
 		}
 		return kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY
-	}, func(_ *Cycle, w *Cand) bool { return routable(w.W) }}
+	}, func(c *Cycle, w *Cand) bool { return routable(w.W) && !c.excluded(w.W.WorkerId) }}
 	// FilterNotCurrent: a migration goes elsewhere.
 	FilterNotCurrent = Filter{"not-current", constReason(kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY),
 		func(c *Cycle, w *Cand) bool { return w.W.WorkerId != c.Current }}

@@ -26,6 +26,8 @@ type reservation struct {
 	maxOut   int64
 	snapGen  uint64
 	sessGen  uint64 // the session's generation at the decision (SESSION_NOT_RESIDENT outcomes)
+	keep     bool   // the decision's D keeps the session (policy.Execution.KeepSession)
+	opens    bool   // the decision makes the session resident on its D (OpenSession)
 	deadline time.Time
 	idx      int // position in the expiry heap
 }

@@ -1,29 +1,18 @@
 package router
 
 import (
-	"strings"
 	"sync"
+
+	"github.com/kvcentric/kvcentric/controlplane/internal/policy"
 
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 	"google.golang.org/grpc/codes"
 )
 
-func isTransferMode(m kvcv1.RouteMode) bool {
-	return m == kvcv1.RouteMode_ROUTE_MODE_SEED || m == kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT ||
-		m == kvcv1.RouteMode_ROUTE_MODE_RESEED_PREFILL
-}
-
-// isLargeAppend: a PD_FALLBACK of a resident session onto its own decode worker, which adopts
-// the received KV as the session's (keep_session), like a direct-to-D turn.
-func isLargeAppend(mode kvcv1.RouteMode, reason kvcv1.RouteReason) bool {
-	return mode == kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK && reason == kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND
-}
-
 // extendsSession: the decision's decode worker serves the session where it is resident and
-// keeps it (DIRECT_TO_D, or a REAL_LARGE_APPEND fallback onto the session's own D).
-func (r *reservation) extendsSession() bool {
-	return r.decode != "" && (r.mode == kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D || isLargeAppend(r.mode, r.reason))
-}
+// keeps it (DIRECT_TO_D, or a REAL_LARGE_APPEND fallback onto the session's own D): the
+// execution plan keeps the session without opening it.
+func (r *reservation) extendsSession() bool { return r.decode != "" && r.keep && !r.opens }
 
 func (s *Service) outcome(o *kvcv1.RouteOutcome) *kvcv1.RouteResponse {
 	if err := validateOutcome(o); err != nil {
@@ -65,17 +54,17 @@ func (s *Service) apply(r *reservation, o *kvcv1.RouteOutcome, nowMs int64) {
 	if o.Success && o.TtftUs > 0 {
 		s.m.observeTTFT(exec, float64(o.TtftUs)/1e6)
 	}
+	// kv_committed_len has one writer: the decode worker's commit, reported by its sidecar
+	// (COMMITTED) and by the worker's own kv_len_after in the outcome. Without it the outcome
+	// only guarantees the input is committed (a floor; input + max_output would overstate
+	// after an early stop).
 	kvLen := o.KvLenAfter
-	if kvLen <= 0 {
-		kvLen = r.input + r.maxOut
-	}
 	switch {
-	case o.Success && exec == r.mode && isTransferMode(r.mode):
+	case o.Success && exec == r.mode && r.opens && r.decode != "":
 		s.resident(r, kvLen, nowMs)
 	case o.Success && exec == r.mode && r.extendsSession():
 		s.updateSession(r, kvLen, nowMs, (*outcomeCtx).extended).release()
-	case !o.Success && kind == kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D &&
-		r.decode != "" && (r.mode != kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK || isLargeAppend(r.mode, r.reason)):
+	case !o.Success && kind == kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D && r.decode != "" && r.keep:
 		s.updateSession(r, kvLen, nowMs, (*outcomeCtx).rejected).release()
 		s.m.rejected.WithLabelValues(r.decode, "d").Inc()
 	case !o.Success && kind == kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_SESSION_NOT_RESIDENT && r.decode != "":
@@ -134,9 +123,19 @@ func (x *outcomeCtx) extended(rec *kvcv1.SessionRecord) {
 	if rec.DecodeWorker != x.r.decode {
 		return // moved meanwhile; this outcome is about an old residency
 	}
-	rec.KvCommittedLen = x.kvLen
+	rec.KvCommittedLen = x.committed(rec.KvCommittedLen)
 	rec.DRejects = nil
 	rec.LastSeenUnixMs = x.nowMs
+}
+
+// committed is the session's kv_committed_len after a successful turn on its D, given what the
+// record holds for that D: the worker's own kv_len_after when reported, else at least the
+// input (committed by the turn; the sidecar's COMMITTED event brings the exact length).
+func (x *outcomeCtx) committed(have int64) int64 {
+	if x.kvLen > 0 {
+		return x.kvLen
+	}
+	return max(have, x.r.input)
 }
 
 // rejected: the session's D rejected the request.
@@ -168,8 +167,12 @@ func (x *outcomeCtx) snapshotFailed(rec *kvcv1.SessionRecord) {
 // becameResident: a seed or reseed succeeded; the session now lives on r.decode.
 func (x *outcomeCtx) becameResident(rec *kvcv1.SessionRecord) {
 	r := x.r
+	have := int64(0)
+	if rec.DecodeWorker == r.decode {
+		have = rec.KvCommittedLen // the new D's commit arrived first
+	}
 	rec.DecodeWorker = r.decode
-	rec.KvCommittedLen = x.kvLen
+	rec.KvCommittedLen = x.committed(have)
 	rec.Generation++
 	x.gen = rec.Generation
 	if r.from != "" && r.from != r.decode {
@@ -202,7 +205,7 @@ func (s *Service) resident(r *reservation, kvLen, nowMs int64) {
 	if !s.policyKnobs().SnapshotsEnabled {
 		return
 	}
-	p := snapshotTarget(s.c.Workers(), snapP)
+	p := policy.SnapshotTarget(s.c.Workers(), snapP)
 	if p == nil {
 		s.log.Warn().Str("session", r.session).Msg("no live prefill worker to keep the snapshot")
 		return
@@ -214,35 +217,4 @@ func (s *Service) resident(r *reservation, kvLen, nowMs int64) {
 	if err := s.send(r.decode, "set_snapshot_target", cmd); err != nil {
 		s.log.Warn().Err(err).Str("session", r.session).Str("worker", r.decode).Msg("set_snapshot_target not sent")
 	}
-}
-
-// snapshotTarget: the prefill worker already holding the session's snapshot when it is
-// connected, else the routable prefill worker with the least snapshot memory in use (as a
-// fraction of its capacity), then fewest snapshot sessions, then smallest id.
-func snapshotTarget(ws []*kvcv1.Worker, current string) *kvcv1.Worker {
-	var best *kvcv1.Worker
-	var bestFrac float64
-	for _, w := range ws {
-		if w.Role != kvcv1.WorkerRole_WORKER_ROLE_PREFILL {
-			continue
-		}
-		if current != "" && w.WorkerId == current && w.State != kvcv1.WorkerState_WORKER_STATE_UNREACHABLE &&
-			w.State != kvcv1.WorkerState_WORKER_STATE_UNSPECIFIED {
-			return w
-		}
-		if w.State != kvcv1.WorkerState_WORKER_STATE_READY || w.Draining {
-			continue
-		}
-		l := w.GetLoad()
-		frac := float64(l.GetSnapshotBytesUsed())
-		if c := l.GetSnapshotBytesCapacity(); c > 0 {
-			frac /= float64(c)
-		}
-		if best == nil || frac < bestFrac ||
-			(frac == bestFrac && (l.GetSnapshotSessions() < best.GetLoad().GetSnapshotSessions() ||
-				(l.GetSnapshotSessions() == best.GetLoad().GetSnapshotSessions() && strings.Compare(w.WorkerId, best.WorkerId) < 0))) {
-			best, bestFrac = w, frac
-		}
-	}
-	return best
 }

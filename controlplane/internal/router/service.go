@@ -214,18 +214,6 @@ const maxRoom = 1<<53 - 1
 // number, unique for 2^53 decisions and, across leaders, with overwhelming probability.
 func (s *Service) room(seq uint64) int64 { return int64((s.roomBase+seq)&maxRoom) + 1 }
 
-// effectiveTurn: the client's turn when it gives one (> 0), else one more than the last turn
-// seen for a known session, else 0.
-func effectiveTurn(q *kvcv1.RouteQuery, rec *kvcv1.SessionRecord) int32 {
-	if q.Turn > 0 {
-		return q.Turn
-	}
-	if rec != nil && rec.LastSeenUnixMs > 0 && rec.Turn < 1<<30 {
-		return rec.Turn + 1
-	}
-	return 0
-}
-
 func validateQuery(q *kvcv1.RouteQuery) error {
 	if len(q.RequestId) > kvcv1.MaxIDLen {
 		return fmt.Errorf("request_id is %d bytes, longer than %d", len(q.RequestId), kvcv1.MaxIDLen)
@@ -242,8 +230,20 @@ func validateQuery(q *kvcv1.RouteQuery) error {
 	if q.Turn < 0 {
 		return fmt.Errorf("turn %d is negative", q.Turn)
 	}
+	if len(q.ExcludeWorkers) > maxExclude {
+		return fmt.Errorf("exclude_workers has %d entries, more than %d", len(q.ExcludeWorkers), maxExclude)
+	}
+	for i, id := range q.ExcludeWorkers {
+		if err := kvcv1.ValidateID(fmt.Sprintf("exclude_workers[%d]", i), id); err != nil {
+			return err
+		}
+	}
 	return nil
 }
+
+// maxExclude bounds RouteQuery.exclude_workers (a retry excludes the one or two workers of the
+// failed attempt).
+const maxExclude = 16
 
 const maxOutcomeUs = 24 * 3600 * 1_000_000
 
@@ -311,6 +311,8 @@ func (s *Service) record(in *policy.Input, d *policy.Decision, now time.Time) *r
 		input:    in.Query.InputTokens,
 		maxOut:   in.Query.MaxOutputTokens,
 		snapGen:  d.SnapshotGeneration,
+		keep:     d.Exec.KeepSession,
+		opens:    d.Exec.OpenSession,
 		deadline: now.Add(in.Knobs.ReservationTimeout),
 	}
 	if in.Session != nil {
@@ -345,7 +347,6 @@ var queryPool = sync.Pool{New: func() any {
 // reservation, under the ledger lock.
 func (x *queryCtx) decide(rec *kvcv1.SessionRecord) {
 	x.in.Session = rec
-	x.in.Query.Turn = effectiveTurn(x.q, rec)
 	x.s.mu.Lock()
 	x.s.led.prune(x.in.Workers)
 	x.in.Ledger = x.s.led
@@ -360,7 +361,7 @@ func (x *queryCtx) decide(rec *kvcv1.SessionRecord) {
 func (x *queryCtx) onRecord(rec *kvcv1.SessionRecord) {
 	x.decide(rec)
 	nowMs := x.in.NowMs
-	rec.Turn = max(rec.Turn, x.in.Query.Turn)
+	rec.Turn = max(rec.Turn, x.d.Turn)
 	rec.LastSeenUnixMs = nowMs
 	if rec.CreatedUnixMs == 0 {
 		rec.CreatedUnixMs = nowMs
@@ -408,8 +409,9 @@ func (s *Service) query(q *kvcv1.RouteQuery) *kvcv1.RouteResponse {
 	}()
 	*x = queryCtx{s: s, q: q, now: now, epoch: epoch, onRec: onRec, in: policy.Input{
 		Knobs: s.policyKnobs(),
-		Query: policy.Query{SessionID: q.SessionId, InputTokens: q.InputTokens,
+		Query: policy.Query{SessionID: q.SessionId, Turn: q.Turn, InputTokens: q.InputTokens,
 			MaxOutputTokens: q.MaxOutputTokens, MultiturnHint: q.MultiturnHint},
+		Exclude:     q.ExcludeWorkers,
 		Workers:     s.c.Workers(),
 		NowMs:       now.UnixMilli(),
 		Unavailable: epoch == 0,
@@ -427,12 +429,12 @@ func (s *Service) query(q *kvcv1.RouteQuery) *kvcv1.RouteResponse {
 			x.run()
 		}
 	}
-	d, r, turn := &x.d, x.r, x.in.Query.Turn
+	d, r, turn := &x.d, x.r, x.d.Turn
 
 	if d.LocalReject != "" {
 		s.m.rejected.WithLabelValues(d.LocalReject, "local").Inc()
 	}
-	if d.Decode != nil && (d.Mode != kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK || isLargeAppend(d.Mode, d.Reason)) {
+	if d.Exec.KeepSession {
 		s.m.admit(d.Decode.WorkerId)
 	}
 	s.m.decision(d.Mode, d.Reason)
@@ -451,6 +453,7 @@ func (s *Service) query(q *kvcv1.RouteQuery) *kvcv1.RouteResponse {
 		SnapshotGeneration: d.SnapshotGeneration,
 		Epoch:              epoch,
 		Turn:               turn,
+		Execution:          s.execution(&d.Exec),
 	}
 	if d.Mode != kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D {
 		out.BootstrapRoom = s.room(r.seq)
@@ -462,6 +465,31 @@ func (s *Service) query(q *kvcv1.RouteQuery) *kvcv1.RouteResponse {
 	}
 	s.m.latency.Observe(time.Since(start).Seconds())
 	return &kvcv1.RouteResponse{Kind: &kvcv1.RouteResponse_Decision{Decision: out}}
+}
+
+// execution is the proto form of the policy's execution plan.
+func (s *Service) execution(e *policy.Execution) *kvcv1.RouteExecution {
+	out := &kvcv1.RouteExecution{
+		CallPrefill:      e.CallPrefill,
+		CallDecode:       e.CallDecode,
+		Transfer:         e.Transfer,
+		KeepSession:      e.KeepSession,
+		OpenSession:      e.OpenSession,
+		OnDecodeRefused:  e.OnDecodeRefused,
+		OnTransferFailed: e.OnTransferFailed,
+		RetryAllowed:     e.RetryAllowed,
+	}
+	if e.CloseSessionOn != "" {
+		// The worker's address as the cluster knows it now; a worker no longer listed has
+		// nothing to close.
+		for _, w := range s.c.Workers() {
+			if w.WorkerId == e.CloseSessionOn && w.Role == kvcv1.WorkerRole_WORKER_ROLE_DECODE {
+				out.CloseSessionOn = []*kvcv1.WorkerRef{ref(w)}
+				break
+			}
+		}
+	}
+	return out
 }
 
 func (s *Service) pushSnapshot(session string, d *policy.Decision, seq uint64) error {

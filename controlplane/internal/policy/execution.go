@@ -1,0 +1,116 @@
+package policy
+
+import (
+	"strings"
+
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+// Execution is how the gateway carries a decision out (kvcv1.RouteExecution). Every rule that
+// decides it lives here, so the gateway executes the fields and decides nothing itself.
+type Execution struct {
+	// CallPrefill: the prefill worker computes (full context, no session_params, bootstrap
+	// host/port = its sidecar's peer address).
+	CallPrefill bool
+	// CallDecode: the decode worker serves the request (every decision naming one).
+	CallDecode bool
+	// Transfer is how KV reaches D before its append-prefill: UNSPECIFIED (none: D holds the
+	// session), SEED (P's prefill) or SNAPSHOT (the prefill sidecar's store).
+	Transfer kvcv1.TransferKind
+	// KeepSession: D keeps the session resident afterwards (its call carries session_params).
+	KeepSession bool
+	// OpenSession: this decision makes the session resident on D; open a streaming session
+	// there first.
+	OpenSession bool
+	// CloseSessionOn is the decode worker the session leaves with this decision (a migration,
+	// a drain), where the gateway closes it after the request succeeded; "" for none.
+	CloseSessionOn string
+	// OnDecodeRefused is reported when D does not take the request (refused or dropped the
+	// connection before its first token, 503, 409 other than session_not_resident).
+	OnDecodeRefused kvcv1.RouteErrorKind
+	// OnTransferFailed is reported when the KV transfer into D fails.
+	OnTransferFailed kvcv1.RouteErrorKind
+	// RetryAllowed: a retryable failure may be retried once through a new decision.
+	RetryAllowed bool
+}
+
+// execution derives a decision's execution plan from its mode, reason and cause.
+//
+//   - keep-session: every session mode keeps the session on D, and so does the large append
+//     (PD_FALLBACK / REAL_LARGE_APPEND onto the session's own D, docs/routing.md §1); no other
+//     PD_FALLBACK does, and nothing does when the control plane is unavailable.
+//   - open-session: SEED and the reseeds make the session resident on their D.
+//   - close-session: a reseed that moves the session off a D that still runs (a migration after
+//     rejections, a drain) closes it there; a D that died or already evicted the session has
+//     nothing to close.
+//   - the prefill worker computes for SEED, RESEED_PREFILL and every PD_FALLBACK; for
+//     RESEED_SNAPSHOT its sidecar pushes the snapshot on the control plane's command instead.
+//   - a D that does not take the request is a rejection by D (REJECTED_BY_D), whatever the
+//     transport said; a failed transfer of a snapshot is SNAPSHOT_FAILED (the control plane then
+//     drops the snapshot), of anything else TRANSFER_FAILED.
+func execution(d *Decision, unavailable bool) Execution {
+	e := Execution{
+		CallPrefill:      d.UsesPrefill && d.Prefill != nil,
+		CallDecode:       d.Decode != nil,
+		Transfer:         kvcv1.TransferKind_TRANSFER_KIND_SEED,
+		OnDecodeRefused:  kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D,
+		OnTransferFailed: kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_TRANSFER_FAILED,
+		RetryAllowed:     true,
+	}
+	switch d.Mode {
+	case kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D:
+		e.Transfer = kvcv1.TransferKind_TRANSFER_KIND_UNSPECIFIED
+		e.KeepSession = true
+	case kvcv1.RouteMode_ROUTE_MODE_SEED, kvcv1.RouteMode_ROUTE_MODE_RESEED_PREFILL:
+		e.KeepSession, e.OpenSession = true, true
+	case kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT:
+		e.KeepSession, e.OpenSession = true, true
+		e.Transfer = kvcv1.TransferKind_TRANSFER_KIND_SNAPSHOT
+		e.OnTransferFailed = kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_SNAPSHOT_FAILED
+	case kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK:
+		e.KeepSession = d.Reason == kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND && !unavailable
+	}
+	if !e.CallDecode {
+		e.KeepSession, e.OpenSession = false, false
+	}
+	if e.OpenSession && d.From != "" && d.Decode != nil && d.From != d.Decode.WorkerId {
+		switch d.Cause {
+		case kvcv1.RouteReason_ROUTE_REASON_MIGRATED_AFTER_REJECTS, kvcv1.RouteReason_ROUTE_REASON_D_DRAINING:
+			e.CloseSessionOn = d.From
+		}
+	}
+	return e
+}
+
+// SnapshotTarget chooses the prefill worker that keeps a session's snapshot when it becomes
+// resident on a decode worker: the one already holding it (current) while its sidecar is
+// connected, else the READY, non-draining prefill worker with the least snapshot memory in use
+// (as a fraction of its capacity), then fewest snapshot sessions, then smallest id. nil when
+// there is none.
+func SnapshotTarget(ws []*kvcv1.Worker, current string) *kvcv1.Worker {
+	var best *kvcv1.Worker
+	var bestFrac float64
+	for _, w := range ws {
+		if w.Role != kvcv1.WorkerRole_WORKER_ROLE_PREFILL {
+			continue
+		}
+		if current != "" && w.WorkerId == current && w.State != kvcv1.WorkerState_WORKER_STATE_UNREACHABLE &&
+			w.State != kvcv1.WorkerState_WORKER_STATE_UNSPECIFIED {
+			return w
+		}
+		if !routable(w) {
+			continue
+		}
+		l := w.GetLoad()
+		frac := float64(l.GetSnapshotBytesUsed())
+		if c := l.GetSnapshotBytesCapacity(); c > 0 {
+			frac /= float64(c)
+		}
+		if best == nil || frac < bestFrac ||
+			(frac == bestFrac && (l.GetSnapshotSessions() < best.GetLoad().GetSnapshotSessions() ||
+				(l.GetSnapshotSessions() == best.GetLoad().GetSnapshotSessions() && strings.Compare(w.WorkerId, best.WorkerId) < 0))) {
+			best, bestFrac = w, frac
+		}
+	}
+	return best
+}
