@@ -315,10 +315,10 @@ func TestDecideEveryModeAndReason(t *testing.T) {
 			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND), prefill: "p1", decode: "d1"},
 		{name: "draining D and a reseed of the session in flight", q: q(30_000, 100, 5), rec: resident("d1", 25_000),
 			workers: []*kvcv1.Worker{pW("p1", 0), draining(dW("d1", 100_000, 0)), dW("d2", 100_000, 0)}, led: ledger(nil, "s"),
-			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_SESSION_NOT_RESIDENT), prefill: "p1", decode: "d2"},
+			mode: mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_SESSION_NOT_RESIDENT), prefill: "p1", decode: "d2"},
 		{name: "resident D excluded by the query: lost, reseeded elsewhere", q: q(30_000, 100, 5), rec: resident("d1", 25_000),
 			workers: cluster(), exclude: []string{"d1"},
-			mode:    mPrefill, reason: R(kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_MISSING), prefill: "p2", decode: "d2",
+			mode: mPrefill, reason: R(kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_MISSING), prefill: "p2", decode: "d2",
 			check: func(t *testing.T, d Decision) {
 				if d.Cause != kvcv1.RouteReason_ROUTE_REASON_D_UNREACHABLE || d.Exec.CloseSessionOn != "" {
 					t.Errorf("excluded resident D: cause %v close %q", d.Cause, d.Exec.CloseSessionOn)
