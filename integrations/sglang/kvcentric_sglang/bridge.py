@@ -1,13 +1,15 @@
 """kvc.v1.WorkerBridgeService client (see proto/kvc/v1/bridge.proto for the contract)."""
 
-from dataclasses import dataclass
-from typing import Iterable, List, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, List, Optional, Sequence
 
 import grpc
 
 from . import wire
 
-KV_KIND_K, KV_KIND_V = 1, 2
+KV_KIND_K, KV_KIND_V, KV_KIND_COMBINED = 1, 2, 3
+POOL_LAYOUT_MHA, POOL_LAYOUT_MLA = 1, 2
+REASON_CAPACITY, REASON_CONTROL_PLANE, REASON_PREFIX_MISMATCH = 1, 2, 3
 RELEASE_RELEASED, RELEASE_EVICTED = 1, 2
 TRANSFER_SEED, TRANSFER_SNAPSHOT = 1, 2
 
@@ -29,7 +31,7 @@ class KVBuffer:
     CUDA IPC handle. Buffers go in the order layer 0 K, layer 0 V, layer 1 K, ..."""
 
     layer: int
-    kind: int  # KV_KIND_K or KV_KIND_V
+    kind: int  # KV_KIND_K, KV_KIND_V or KV_KIND_COMBINED (MLA)
     size_bytes: int
     shm_path: str = ""
     shm_offset: int = 0
@@ -53,6 +55,7 @@ class TransferResult:
     tokens: int
     error: str
     duration_us: int
+    aux: List[bytes] = field(default_factory=list)  # the sender's aux rows (SEED); empty for a snapshot
 
 
 @dataclass
@@ -63,6 +66,57 @@ class SnapshotStatus:
     freshness_s: float
     prefill_worker: str
     last_pushed_len: int
+
+
+@dataclass
+class AttachStatus:
+    sidecar_instance: str
+    pool_registered: bool
+    resident_sessions: int
+
+
+@dataclass
+class WorkerCommand:
+    """One message of WatchCommands: exactly one of attach, release (a session id) or
+    truncate ((session id, keep_tokens)) is set."""
+
+    command_id: int
+    reason: int
+    attach: Optional[AttachStatus] = None
+    release: Optional[str] = None
+    truncate: Optional[tuple] = None
+
+
+def decode_worker_command(raw: bytes) -> WorkerCommand:
+    f = wire.parse(raw)
+    c = WorkerCommand(command_id=f.get(1) or 0, reason=f.get(2) or 0)
+    if 3 in f:
+        a = wire.parse(f[3])
+        c.attach = AttachStatus(wire.as_str(a.get(1)), bool(a.get(2)), wire.as_int64(a.get(3)))
+    elif 4 in f:
+        c.release = wire.as_str(wire.parse(f[4]).get(1))
+    elif 5 in f:
+        t = wire.parse(f[5])
+        c.truncate = (wire.as_str(t.get(1)), wire.as_int64(t.get(2)))
+    return c
+
+
+class CommandStream:
+    """An open WatchCommands stream: iterate for WorkerCommands; cancel() ends it (the iterator
+    then raises BridgeError with code CANCELLED)."""
+
+    def __init__(self, call):
+        self._call = call
+
+    def __iter__(self) -> Iterator[WorkerCommand]:
+        try:
+            for raw in self._call:
+                yield decode_worker_command(raw)
+        except grpc.RpcError as e:
+            raise BridgeError("WatchCommands", e.code(), e.details()) from None
+
+    def cancel(self) -> None:
+        self._call.cancel()
 
 
 class WorkerBridge:
@@ -98,12 +152,16 @@ class WorkerBridge:
         return wire.parse(raw)
 
     def register_kv_pool(self, page_size: int, item_len: int, page_count: int, num_layers: int,
-                         buffers: Sequence[KVBuffer], model: str = ""):
-        """Hands the pool to the sidecar. Returns (kv_bytes_per_token, transfer_endpoint)."""
+                         buffers: Sequence[KVBuffer], model: str = "", layout: int = 0, tp_rank: int = 0,
+                         tp_size: int = 0, aux_item_lens: Sequence[int] = ()):
+        """Hands the pool to the sidecar. layout is POOL_LAYOUT_MHA (K0, V0, K1, V1, ...) or
+        POOL_LAYOUT_MLA (one KV_KIND_COMBINED buffer per layer); tp_rank/tp_size name this rank;
+        aux_item_lens are the bytes of one row of each aux (metadata) buffer.
+        Returns (kv_bytes_per_token, transfer_endpoint)."""
         w = wire.Writer().int(1, page_size).int(2, item_len).int(3, page_count).int(4, num_layers)
         for b in buffers:
             w.msg(5, b._encode())
-        w.str(6, model)
+        w.str(6, model).int(7, layout).int(8, tp_rank).int(9, tp_size).packed(10, aux_item_lens)
         r = self._call("RegisterKVPool", w.done())
         return wire.as_int64(r.get(1)), wire.as_str(r.get(2))
 
@@ -128,20 +186,39 @@ class WorkerBridge:
     def wait_receive(self, room: int, timeout_s: float = 60.0) -> TransferResult:
         """Decode side: blocks until the room's transfer is done or failed."""
         w = wire.Writer().int(1, room).int(2, int(timeout_s * 1000))
-        r = self._call("WaitReceive", w.done(), timeout=timeout_s + 5)
+        fn = self._ch.unary_unary(_SERVICE + "WaitReceive", request_serializer=None, response_deserializer=None)
+        try:
+            raw = fn(w.done(), timeout=timeout_s + 5)
+        except grpc.RpcError as e:
+            raise BridgeError("WaitReceive", e.code(), e.details()) from None
+        a = wire.parse_all(raw)
+        r = {k: v[-1] for k, v in a.items()}
         return TransferResult(ok=bool(r.get(1)), bytes=wire.as_int64(r.get(2)), tokens=wire.as_int64(r.get(3)),
-                              error=wire.as_str(r.get(4)), duration_us=wire.as_int64(r.get(5)))
+                              error=wire.as_str(r.get(4)), duration_us=wire.as_int64(r.get(5)),
+                              aux=[bytes(x) for x in a.get(6, [])])
 
     def send_kv(self, room: int, session_id: str, pages: Sequence[int], first_page: int = 0,
-                last: bool = False, tokens: int = 0) -> int:
+                last: bool = False, tokens: int = 0, aux: Sequence[bytes] = (), timeout_s: Optional[float] = None) -> int:
         """Prefill side: send these pages (chunk starting at first_page of the transfer) to the
-        decode side of room; with last, tokens is the transfer's total. Returns bytes moved."""
+        decode side of room; with last, tokens is the transfer's total and aux the request's aux
+        rows (one per aux buffer), which reach the receiver's WaitReceive. Blocks until the
+        decode side prepared the room and the bytes moved. Returns bytes moved."""
         w = (wire.Writer().int(1, room).str(2, session_id).packed(3, pages).int(4, first_page)
-             .bool(5, last).int(6, tokens))
-        return wire.as_int64(self._call("SendKV", w.done()).get(1))
+             .bool(5, last).int(6, tokens).rbytes(7, aux))
+        return wire.as_int64(self._call("SendKV", w.done(), timeout=timeout_s).get(1))
 
     def snapshot_status(self, session_id: str) -> SnapshotStatus:
         r = self._call("SnapshotStatus", wire.Writer().str(1, session_id).done())
         return SnapshotStatus(exists=bool(r.get(1)), seqlen=wire.as_int64(r.get(2)), generation=r.get(3) or 0,
                               freshness_s=wire.as_double(r.get(4)), prefill_worker=wire.as_str(r.get(5)),
                               last_pushed_len=wire.as_int64(r.get(6)))
+
+    def watch_commands(self, worker_instance: str) -> CommandStream:
+        """Opens the worker's standing WatchCommands stream (no deadline): the attach status
+        first, then release / truncate commands to carry out and acknowledge with ack_command."""
+        fn = self._ch.unary_stream(_SERVICE + "WatchCommands", request_serializer=None, response_deserializer=None)
+        return CommandStream(fn(wire.Writer().str(1, worker_instance).done()))
+
+    def ack_command(self, command_id: int, ok: bool, error: str = "", freed_tokens: int = 0) -> None:
+        w = wire.Writer().int(1, command_id).bool(2, ok).str(3, error).int(4, freed_tokens)
+        self._call("AckCommand", w.done())

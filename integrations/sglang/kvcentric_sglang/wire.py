@@ -55,6 +55,13 @@ class Writer:
         self._b += _key(num, _LEN) + _varint(len(body)) + body
         return self
 
+    def rbytes(self, num: int, vals) -> "Writer":
+        """A repeated bytes field: every element is written, empty ones included."""
+        for v in vals:
+            v = bytes(v)
+            self._b += _key(num, _LEN) + _varint(len(v)) + v
+        return self
+
     def packed(self, num: int, vals) -> "Writer":
         vals = list(vals)
         if vals:
@@ -84,6 +91,12 @@ def _read_varint(b: bytes, i: int):
 def parse(b: bytes) -> dict:
     """Returns {field number: last value} (varints as unsigned ints, LEN fields as bytes,
     fixed64 as raw 8 bytes). Unknown fields are kept; malformed input raises ValueError."""
+    return {num: vals[-1] for num, vals in parse_all(b).items()}
+
+
+def parse_all(b: bytes) -> dict:
+    """Like parse, but {field number: [every value in order]}: repeated fields (repeated bytes,
+    repeated messages, unpacked repeated scalars) keep all their elements."""
     out = {}
     i = 0
     while i < len(b):
@@ -102,7 +115,16 @@ def parse(b: bytes) -> dict:
             raise ValueError("unsupported wire type %d" % wt)
         if i > len(b):
             raise ValueError("truncated field %d" % num)
-        out[num] = v
+        out.setdefault(num, []).append(v)
+    return out
+
+
+def unpack_varints(v) -> list:
+    """The elements of a packed repeated varint field (as unsigned ints)."""
+    out, i, v = [], 0, v or b""
+    while i < len(v):
+        x, i = _read_varint(v, i)
+        out.append(x)
     return out
 
 

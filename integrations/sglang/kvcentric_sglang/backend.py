@@ -1,0 +1,354 @@
+"""The ``kvcentric`` P/D transfer backend (``--disaggregation-transfer-backend kvcentric``).
+
+Built on SGLang's own base classes (``sglang.srt.disaggregation.base.conn``) and mapped onto the
+sidecar's WorkerBridge:
+
+===============================  ==============================================================
+SGLang                           WorkerBridge
+===============================  ==============================================================
+KvcKVManager(kv_args, mode)      RegisterKVPool (pool.from_kv_args: K..K,V..V -> K0,V0,...; MLA;
+                                 aux_item_lens; tp rank/size)
+KvcKVSender.send(pages, ...)     SendKV per chunk on the room's own ordered worker thread (the
+                                 scheduler never blocks: SendKV waits until the decode side
+                                 prepared the room); the last chunk carries the aux rows read
+                                 from the metadata buffers (set_buf ran before the last send)
+KvcKVReceiver.send_metadata      PrepareReceive(room, session, kind, pages, tokens, P's peer
+                                 address = bootstrap_host:bootstrap_port), then a background
+                                 WaitReceive; the aux rows are written into this request's
+                                 metadata row BEFORE poll() reports KVPoll.Success
+KvcKVBootstrapServer             nothing to serve (the sidecars pair the two sides by room)
+===============================  ==============================================================
+
+Session id and transfer kind come from the request's kv_hints ("kvc" action) through the
+create_sender / _create_receiver_and_enqueue AFTER hooks (plugin.py): ``sender.session_id``,
+``receiver.session_id``, ``receiver.kind``, ``receiver.tokens``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from types import SimpleNamespace
+from typing import List, Optional
+
+import numpy as np
+
+from sglang.srt.disaggregation.base.conn import (BaseKVBootstrapServer, BaseKVManager, BaseKVReceiver, BaseKVSender,
+                                                 KVArgs, KVPoll, KVTransferMetric)
+
+from . import pool as kvpool
+from . import runtime
+from .bridge import TRANSFER_SEED, BridgeError
+
+logger = logging.getLogger(__name__)
+
+# SendKV blocks until the decode side prepared the room (the prefill sidecar's --room-timeout,
+# 60 s by default) and the bytes moved.
+SEND_TIMEOUT_S = 180.0
+WAIT_TIMEOUT_S = 180.0
+
+
+class KvcTransferError(Exception):
+    """A kvcentric transfer failed; the message carries the sidecar's gRPC code and detail."""
+
+
+class _PrefillInfo(SimpleNamespace):
+    pass
+
+
+class _PrefillInfoTable:
+    """The decode scheduler asks the manager for the prefill side's DP layout per bootstrap
+    address. kvcentric pairs P and D rank to rank through the sidecars, so every address is one
+    DP rank (dp_size 1)."""
+
+    def get(self, addr, default=None):
+        return _PrefillInfo(dp_size=1, follow_bootstrap_room=True, tp_size=1, attn_tp_size=1)
+
+
+class KvcKVManager(BaseKVManager):
+    """Registers this worker's KV pool (and aux row sizes) with its sidecar."""
+
+    supports_role_switch = False
+    supports_deferred_decode_kv_release = False
+    enable_deferred_decode_kv_release = False
+    supports_host_destination = False
+
+    def __init__(self, args: KVArgs, disaggregation_mode, server_args, is_mla_backend: Optional[bool] = False):
+        self.kv_args = args
+        self.disaggregation_mode = disaggregation_mode
+        self.server_args = server_args
+        self.is_mla_backend = bool(is_mla_backend)
+        mode = getattr(disaggregation_mode, "value", str(disaggregation_mode))
+        self.role = "prefill" if mode == "prefill" else "decode"
+        self.prefill_info_table = _PrefillInfoTable()
+        self.enable_all_cp_ranks_for_transfer = False
+        self.attn_cp_size, self.attn_cp_rank = 1, 0
+        self.transfer_infos = {}
+        tp_size = int(getattr(server_args, "tp_size", 1) or 1)
+        tp_rank = int(getattr(args, "engine_rank", 0) or 0) if tp_size > 1 else 0
+        self.aux_ptrs: List[int] = list(getattr(args, "aux_data_ptrs", None) or [])
+        self.aux_item_lens: List[int] = list(getattr(args, "aux_item_lens", None) or [])
+        for p in self.aux_ptrs:
+            if kvpool._device_of(p) is not None:
+                raise kvpool.PoolUnsupported(
+                    "SGLang's metadata (aux) buffers are in GPU memory (SGLANG_MOONCAKE_CUSTOM_MEM_POOL="
+                    "INTRA_NODE_NVLINK?); kvcentric reads and writes aux rows in host memory: unset it")
+        self.registration = kvpool.from_kv_args(args, self.is_mla_backend, tp_rank=tp_rank,
+                                                tp_size=tp_size if tp_size > 1 else 0,
+                                                model=str(getattr(server_args, "served_model_name", "") or ""))
+        path = getattr(server_args, "kvc_bridge_socket", None) or runtime.socket_path(self.role, int(args.gpu_id))
+        self.bridge = runtime.bridge_for(path)
+        self.kv_bytes_per_token, self.transfer_endpoint = self.registration.register(self.bridge)
+        runtime.state.bridge = self.bridge
+        runtime.state.registration = self.registration
+        runtime.state.page_size = self.registration.page_size
+        runtime.state.role = self.role
+        logger.info("kvcentric: registered %s pool with %s: %d layers, %d pages of %d tokens, %d B/token",
+                    self.role, path, self.registration.num_layers, self.registration.page_count,
+                    self.registration.page_size, self.kv_bytes_per_token)
+
+    def register_to_bootstrap(self):
+        """Nothing to register: the gateway gives decode the prefill sidecar's peer address."""
+
+    def try_ensure_parallel_info(self, bootstrap_addr) -> bool:
+        return True
+
+    def clear_deferred_abort_state(self, room) -> None:
+        pass
+
+    def should_verify_kv_checksum(self, bootstrap_addr: str) -> bool:
+        return False
+
+    def _ensure_prefill_recompute_executor(self):
+        raise KvcTransferError("kvcentric has no prefill DP-rank queries (every bootstrap address is one rank)")
+
+    def submit_prefill_recompute(self, *a, **kw):
+        raise KvcTransferError("kvcentric does not support retraction re-bootstrap")
+
+    def register_buffer_to_engine(self):
+        self.registration.register(self.bridge)
+
+    def deregister_buffer_to_engine(self):
+        pass
+
+
+class KvcKVSender(BaseKVSender):
+    """Prefill side of one room: SendKV per chunk, in order, on the room's own thread."""
+
+    def __init__(self, mgr: KvcKVManager, bootstrap_addr: str, bootstrap_room: int,
+                 req_has_disagg_prefill_dp_rank: bool = False):
+        self.kv_mgr = mgr
+        self.bootstrap_addr = bootstrap_addr
+        self.bootstrap_room = int(bootstrap_room) if bootstrap_room is not None else 0
+        self.session_id = ""  # set by the create_sender hook from the request
+        self.num_pages = 0
+        self.aux_index: Optional[int] = None
+        self._sent_pages = 0
+        self._sent_tokens = 0
+        self._q: "queue.Queue" = queue.Queue()
+        self._thread: Optional[threading.Thread] = None
+        self._lock = threading.Lock()
+        self._state = KVPoll.WaitingForInput
+        self._error: Optional[str] = None
+        self._bytes = 0
+        self._started = None
+        self._latency = None
+        self._early_send_wait_event = None
+        self.conclude_state = None
+
+    def init(self, num_kv_indices: int, aux_index: Optional[int] = None):
+        self.num_pages = int(num_kv_indices)
+        self.aux_index = aux_index
+
+    def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
+        return num_pages > 0 or last_chunk
+
+    def send(self, kv_indices, state_indices=None, num_kv_tokens: Optional[int] = None, indices_event=None):
+        if state_indices is not None and any(s is not None for s in state_indices):
+            self._fail("state components cannot be transferred by kvcentric")
+            return
+        if indices_event is not None:
+            indices_event.synchronize()
+        if self._early_send_wait_event is not None:
+            self._early_send_wait_event.synchronize()
+        pages = [int(x) for x in np.asarray(kv_indices).reshape(-1)]
+        first = self._sent_pages
+        self._sent_pages += len(pages)
+        self._sent_tokens += int(num_kv_tokens) if num_kv_tokens is not None else len(pages) * self.kv_mgr.registration.page_size
+        last = self.num_pages > 0 and self._sent_pages >= self.num_pages
+        aux: List[bytes] = []
+        if last and self.kv_mgr.aux_ptrs and self.aux_index is not None:
+            # set_buf(req) ran before the last send; the row is reused once the request leaves,
+            # so it is read now, on the scheduler thread.
+            aux = kvpool.read_aux_rows(self.kv_mgr.aux_ptrs, self.kv_mgr.aux_item_lens, self.aux_index)
+        with self._lock:
+            if self._state == KVPoll.Failed:
+                return
+            self._state = KVPoll.Transferring
+            if self._started is None:
+                self._started = time.monotonic()
+        self._q.put((pages, first, last, self._sent_tokens if last else 0, aux))
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kvc-send-%d" % self.bootstrap_room, daemon=True)
+            self._thread.start()
+
+    def _run(self):
+        while True:
+            pages, first, last, tokens, aux = self._q.get()
+            try:
+                n = self.kv_mgr.bridge.send_kv(self.bootstrap_room, self.session_id, pages, first_page=first, last=last,
+                                               tokens=tokens, aux=aux, timeout_s=SEND_TIMEOUT_S)
+            except BridgeError as e:
+                self._fail("SendKV room %d chunk at page %d: %s" % (self.bootstrap_room, first, e))
+                return
+            with self._lock:
+                self._bytes += n
+                if last:
+                    self._state = KVPoll.Success
+                    self._latency = time.monotonic() - self._started
+                    return
+
+    def _fail(self, msg: str):
+        with self._lock:
+            self._state = KVPoll.Failed
+            self._error = msg
+        logger.warning("kvcentric: %s", msg)
+
+    def poll(self) -> KVPoll:
+        with self._lock:
+            return self._state
+
+    def poll_pp_consensus(self) -> KVPoll:
+        return self.poll()
+
+    def failure_exception(self):
+        raise KvcTransferError(self._error or "kvcentric transfer of room %d failed" % self.bootstrap_room)
+
+    def get_transfer_metric(self) -> KVTransferMetric:
+        return KVTransferMetric(transfer_latency_s=self._latency, transfer_total_bytes=self._bytes or None)
+
+    def mark_prefill_complete(self) -> None:
+        pass
+
+    def abort(self):
+        self._fail("aborted")
+
+    def clear(self):
+        pass
+
+
+class KvcKVReceiver(BaseKVReceiver):
+    """Decode side of one room: PrepareReceive, then WaitReceive on a background thread."""
+
+    def __init__(self, mgr: KvcKVManager, bootstrap_addr: str, bootstrap_room: Optional[int] = None):
+        self.kv_mgr = mgr
+        self.bootstrap_addr = bootstrap_addr  # the prefill sidecar's peer address (set by the gateway)
+        self.bootstrap_room = int(bootstrap_room) if bootstrap_room is not None else 0
+        # set by the _create_receiver_and_enqueue hook from the request
+        self.session_id = ""
+        self.kind = TRANSFER_SEED
+        self.tokens = 0
+        self.require_staging = False
+        self.abort_notified = False
+        self.bootstrap_infos = None
+        self.conclude_state = None
+        self._lock = threading.Lock()
+        self._state = KVPoll.Bootstrapping
+        self._error: Optional[str] = None
+        self.result = None  # bridge.TransferResult once done
+
+    def init(self, prefill_dp_rank: int = 0):
+        with self._lock:
+            if self._state == KVPoll.Bootstrapping:
+                self._state = KVPoll.WaitingForInput
+
+    def send_metadata(self, kv_indices, aux_index: Optional[int] = None, state_indices=None,
+                      decode_prefix_len: Optional[int] = None, destination=None):
+        if decode_prefix_len:
+            self._fail("decode_prefix_len %d: kvcentric moves whole transfers (run the PD decode worker without "
+                       "--disaggregation-decode-enable-radix-cache; kvcentric decode workers are colocated)" %
+                       decode_prefix_len)
+            return
+        if state_indices is not None and any(s is not None for s in state_indices):
+            self._fail("state components cannot be received by kvcentric")
+            return
+        pages = [int(x) for x in np.asarray(kv_indices).reshape(-1)]
+        ps = self.kv_mgr.registration.page_size
+        tokens = self.tokens or len(pages) * ps
+        need = (tokens + ps - 1) // ps
+        if need > len(pages):
+            self._fail("%d pages cannot hold %d tokens" % (len(pages), tokens))
+            return
+        pages = pages[:need]
+        self.aux_index = aux_index
+        try:
+            self.kv_mgr.bridge.prepare_receive(self.bootstrap_room, self.session_id, self.kind, pages, tokens,
+                                               self.bootstrap_addr)
+        except BridgeError as e:
+            self._fail("PrepareReceive room %d: %s" % (self.bootstrap_room, e))
+            return
+        with self._lock:
+            if self._state != KVPoll.Failed:
+                self._state = KVPoll.Transferring
+        threading.Thread(target=self._wait, name="kvc-recv-%d" % self.bootstrap_room, daemon=True).start()
+
+    def _wait(self):
+        try:
+            res = self.kv_mgr.bridge.wait_receive(self.bootstrap_room, timeout_s=WAIT_TIMEOUT_S)
+        except BridgeError as e:
+            self._fail("WaitReceive room %d: %s" % (self.bootstrap_room, e))
+            return
+        self.result = res
+        if not res.ok:
+            self._fail("transfer of room %d failed: %s" % (self.bootstrap_room, res.error))
+            return
+        if self.kv_mgr.aux_ptrs and self.aux_index is not None and self.kind == TRANSFER_SEED:
+            try:
+                kvpool.write_aux_rows(self.kv_mgr.aux_ptrs, self.kv_mgr.aux_item_lens, self.aux_index, res.aux)
+            except ValueError as e:
+                self._fail("room %d: aux rows: %s" % (self.bootstrap_room, e))
+                return
+        with self._lock:
+            if self._state != KVPoll.Failed:
+                self._state = KVPoll.Success
+
+    def _fail(self, msg: str):
+        with self._lock:
+            self._state = KVPoll.Failed
+            self._error = msg
+        logger.warning("kvcentric: %s", msg)
+
+    def poll(self) -> KVPoll:
+        with self._lock:
+            return self._state
+
+    def failure_exception(self):
+        raise KvcTransferError(self._error or "kvcentric transfer of room %d failed" % self.bootstrap_room)
+
+    def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
+        """The decode sidecar fails the room itself (its --room-timeout); nothing to notify."""
+
+    def is_abort_release_safe(self) -> bool:
+        return True
+
+    def abort(self):
+        self._fail("aborted")
+
+    def clear(self):
+        pass
+
+
+class KvcKVBootstrapServer(BaseKVBootstrapServer):
+    """SGLang starts a bootstrap server on prefill; kvcentric needs none (the sidecars pair the
+    two sides of a room), so this one only records its address."""
+
+    def __init__(self, host: str, port: int, *args, **kwargs):
+        self.host, self.port = host, port
+
+    def run(self):
+        pass
+
+    def close(self):
+        pass

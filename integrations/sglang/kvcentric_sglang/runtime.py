@@ -1,0 +1,126 @@
+"""Process-wide state of the plugin inside one SGLang scheduler process: the bridge to this
+GPU's sidecar, what was registered, and the request -> kvcentric hint lookup.
+
+One SGLang scheduler process drives one GPU (one TP rank), and one sidecar serves that GPU, so
+one WorkerBridge per process is right. The socket path comes from KVC_SGLANG_BRIDGE_SOCKET, a
+template with {role} (prefill / decode) and {gpu_id}; the default matches the sidecars' systemd
+units: /run/kvcentric-{role}-{gpu_id}/bridge.sock.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+from .bridge import TRANSFER_SEED, TRANSFER_SNAPSHOT, WorkerBridge
+
+DEFAULT_SOCKET = "/run/kvcentric-{role}-{gpu_id}/bridge.sock"
+ACTION_TYPE = "kvc"
+
+_lock = threading.Lock()
+_bridges: Dict[str, WorkerBridge] = {}
+
+
+def socket_path(role: str, gpu_id: int) -> str:
+    tmpl = os.environ.get("KVC_SGLANG_BRIDGE_SOCKET", DEFAULT_SOCKET)
+    return tmpl.format(role=role, gpu_id=gpu_id, gpu=gpu_id)
+
+
+def bridge_for(path: str) -> WorkerBridge:
+    """The process's WorkerBridge on this socket (one channel per path)."""
+    with _lock:
+        b = _bridges.get(path)
+        if b is None:
+            b = _bridges[path] = WorkerBridge(path, timeout_s=float(os.environ.get("KVC_SGLANG_BRIDGE_TIMEOUT_S", "30")))
+        return b
+
+
+class _State:
+    """What the process registered; set by the KV manager (P/D) or the linker (colocated D)."""
+
+    def __init__(self):
+        self.bridge: Optional[WorkerBridge] = None
+        self.registration = None  # pool.PoolRegistration
+        self.page_size: int = 0
+        self.req_to_token = None  # torch tensor [rows, max_len] of token slots (decode)
+        self.role: str = ""
+        self.watch = None  # watch.WatchClient
+
+    def reset(self):
+        self.__init__()
+
+
+state = _State()
+
+
+# ---- kv_hints ----------------------------------------------------------------------------------
+
+
+@dataclass
+class KvcHint:
+    """The gateway's "kvc" action of a request's kv_hints (action_type "kvc")."""
+
+    mode: str = ""
+    session_id: str = ""
+    room: Optional[int] = None
+    prefill_peer_addr: str = ""
+    snapshot_seqlen: int = 0
+    role: str = ""
+    input_tokens: int = 0
+    decision_id: str = ""
+    full_context: bool = True
+
+    @property
+    def transfer_kind(self) -> int:
+        return TRANSFER_SNAPSHOT if self.mode == "RESEED_SNAPSHOT" else TRANSFER_SEED
+
+
+def _get(o: Any, k: str, default=None):
+    if isinstance(o, dict):
+        return o.get(k, default)
+    return getattr(o, k, default)
+
+
+def parse_hint(kv_hints: Any) -> Optional[KvcHint]:
+    """The kvc action of a KvHintsEnvelope (or its dict form), or None. A kvc payload of the
+    wrong shape raises ValueError."""
+    if kv_hints is None:
+        return None
+    for a in _get(kv_hints, "actions", None) or []:
+        if _get(a, "action_type") != ACTION_TYPE:
+            continue
+        p = _get(a, "payload", None) or {}
+        if not isinstance(p, dict):
+            raise ValueError("kv_hints kvc payload must be an object, got %s" % type(p).__name__)
+        room = p.get("room")
+        try:
+            return KvcHint(mode=str(p.get("mode", "")), session_id=str(p.get("session_id", "") or ""),
+                           room=int(room) if room is not None else None,
+                           prefill_peer_addr=str(p.get("prefill_peer_addr", "") or ""),
+                           snapshot_seqlen=int(p.get("snapshot_seqlen", 0) or 0), role=str(p.get("role", "") or ""),
+                           input_tokens=int(p.get("input_tokens", 0) or 0),
+                           decision_id=str(p.get("decision_id", "") or ""),
+                           full_context=bool(p.get("full_context", True)))
+        except (TypeError, ValueError) as e:
+            raise ValueError("malformed kv_hints kvc payload %r: %s" % (p, e)) from None
+    return None
+
+
+def hint_of_req(req: Any) -> Optional[KvcHint]:
+    """The kvc hint of an SGLang Req (its kv_hints), or None."""
+    return parse_hint(getattr(req, "kv_hints", None))
+
+
+def session_id_of_req(req: Any) -> str:
+    """The kvcentric session id of a request: the kvc hint's, else the streaming session's,
+    else SGLang's top-level session id."""
+    h = hint_of_req(req)
+    if h is not None and h.session_id:
+        return h.session_id
+    s = getattr(req, "session", None)
+    if s is not None and getattr(s, "session_id", None):
+        return s.session_id
+    sid = getattr(req, "session_id", None)
+    return sid or ""
