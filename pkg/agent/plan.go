@@ -17,17 +17,22 @@ type PageMap struct {
 }
 
 // CompatibleLayouts checks that two pools have the same geometry (page size, bytes per page,
-// layers, buffers).
+// layers) and the same shape: both MHA (K and V per layer) or both MLA (one buffer per layer).
 func CompatibleLayouts(a, b *kvcv1.KVLayout) error {
+	for _, l := range []*kvcv1.KVLayout{a, b} {
+		n := len(l.GetBufferAddrs())
+		if l.GetNumLayers() <= 0 || (n != int(2*l.GetNumLayers()) && n != int(l.GetNumLayers())) || l.GetPageSize() <= 0 || l.GetItemLen()%int64(l.GetPageSize()) != 0 {
+			return status.Errorf(codes.InvalidArgument, "malformed KV layout (%d buffers, %d layers, page_size %d, item_len %d)",
+				n, l.GetNumLayers(), l.GetPageSize(), l.GetItemLen())
+		}
+	}
 	if a.GetPageSize() != b.GetPageSize() || a.GetItemLen() != b.GetItemLen() || a.GetNumLayers() != b.GetNumLayers() {
 		return status.Errorf(codes.FailedPrecondition, "KV layout mismatch: page_size %d/%d, item_len %d/%d, layers %d/%d",
 			a.GetPageSize(), b.GetPageSize(), a.GetItemLen(), b.GetItemLen(), a.GetNumLayers(), b.GetNumLayers())
 	}
-	for _, l := range []*kvcv1.KVLayout{a, b} {
-		if len(l.GetBufferAddrs()) != int(2*l.GetNumLayers()) || l.GetPageSize() <= 0 || l.GetItemLen()%int64(l.GetPageSize()) != 0 {
-			return status.Errorf(codes.InvalidArgument, "malformed KV layout (%d buffers, %d layers, page_size %d, item_len %d)",
-				len(l.GetBufferAddrs()), l.GetNumLayers(), l.GetPageSize(), l.GetItemLen())
-		}
+	if LayoutIsMLA(a) != LayoutIsMLA(b) {
+		return status.Errorf(codes.FailedPrecondition, "KV layout mismatch: %s on one side, %s on the other (MLA and MHA pools cannot exchange KV)",
+			layoutName(a), layoutName(b))
 	}
 	return nil
 }

@@ -21,14 +21,21 @@ const (
 	MaxItemLen   = 1 << 30
 )
 
-// Pool is a paged KV pool mapped into this process: 2·layers buffers (layer 0 K, layer 0 V, ...)
-// of PageCount pages of ItemLen bytes. It is either a worker's pool (shared-memory files mapped
-// from RegisterKVPool) or the sidecar's own arena (the prefill snapshot store).
+// Pool is a paged KV pool mapped into this process: 2·layers buffers (layer 0 K, layer 0 V, ...;
+// an MHA pool) or, for an MLA pool, one buffer per layer (KV_KIND_COMBINED), of PageCount pages
+// of ItemLen bytes. It is either a worker's pool (shared-memory files mapped from
+// RegisterKVPool) or the sidecar's own arena (the prefill snapshot store).
 type Pool struct {
 	PageSize  int32
 	ItemLen   int64
 	PageCount int64
 	NumLayers int32
+	// MLA: one buffer per layer (SGLang's MLATokenToKVPool) instead of K and V.
+	MLA bool
+	// Registration metadata of a worker's pool (zero for an arena): tensor-parallel rank and
+	// size (TPSize ≥ 1) and the bytes of each aux (metadata) row.
+	TPRank, TPSize int32
+	AuxItemLens    []int64
 
 	bufs    [][]byte
 	maps    [][]byte // mappings to unmap on Close
@@ -41,8 +48,21 @@ type Pool struct {
 	frees []func()
 }
 
-// Buffers is the number of buffers (2·layers).
-func (p *Pool) Buffers() int { return int(2 * p.NumLayers) }
+// Buffers is the number of buffers (2·layers; layers for an MLA pool).
+func (p *Pool) Buffers() int {
+	if p.MLA {
+		return int(p.NumLayers)
+	}
+	return int(2 * p.NumLayers)
+}
+
+// LayoutName is "MLA" or "MHA".
+func (p *Pool) LayoutName() string {
+	if p.MLA {
+		return "MLA"
+	}
+	return "MHA"
+}
 
 // Buffer returns buffer b's memory.
 func (p *Pool) Buffer(b int) []byte { return p.bufs[b] }
@@ -117,24 +137,12 @@ func MapPool(req *kvcv1.RegisterKVPoolRequest) (*Pool, error) {
 	if err := checkGeometry(req.GetPageSize(), req.GetItemLen(), req.GetPageCount(), req.GetNumLayers()); err != nil {
 		return nil, err
 	}
-	p := &Pool{PageSize: req.GetPageSize(), ItemLen: req.GetItemLen(), PageCount: req.GetPageCount(), NumLayers: req.GetNumLayers()}
-	if len(req.GetBuffers()) != p.Buffers() {
-		return nil, status.Errorf(codes.InvalidArgument, "%d buffers for %d layers; want %d (K and V per layer)", len(req.GetBuffers()), p.NumLayers, p.Buffers())
+	p, err := checkRegistration(req)
+	if err != nil {
+		return nil, err
 	}
 	need := p.ItemLen * p.PageCount
 	for i, b := range req.GetBuffers() {
-		wantKind := kvcv1.KVKind_KV_KIND_K
-		if i%2 == 1 {
-			wantKind = kvcv1.KVKind_KV_KIND_V
-		}
-		if int(b.GetLayer()) != i/2 || b.GetKind() != wantKind {
-			p.unmap()
-			return nil, status.Errorf(codes.InvalidArgument, "buffer %d is layer %d %s; want layer %d %s", i, b.GetLayer(), b.GetKind(), i/2, wantKind)
-		}
-		if b.GetSizeBytes() != 0 && b.GetSizeBytes() < need {
-			p.unmap()
-			return nil, status.Errorf(codes.InvalidArgument, "buffer %d is %d bytes; %d pages x %d need %d", i, b.GetSizeBytes(), p.PageCount, p.ItemLen, need)
-		}
 		switch m := b.GetMemory().(type) {
 		case *kvcv1.KVBuffer_Shm:
 			mem, whole, err := mapShared(m.Shm.GetPath(), m.Shm.GetOffset(), need)
@@ -157,10 +165,14 @@ func MapPool(req *kvcv1.RegisterKVPoolRequest) (*Pool, error) {
 
 // NewArena allocates a pool in this process's own (anonymous, page-aligned) memory.
 func NewArena(pageSize int32, itemLen, pageCount int64, layers int32) (*Pool, error) {
+	return newArena(pageSize, itemLen, pageCount, layers, false)
+}
+
+func newArena(pageSize int32, itemLen, pageCount int64, layers int32, mla bool) (*Pool, error) {
 	if err := checkGeometry(pageSize, itemLen, pageCount, layers); err != nil {
 		return nil, err
 	}
-	p := &Pool{PageSize: pageSize, ItemLen: itemLen, PageCount: pageCount, NumLayers: layers}
+	p := &Pool{PageSize: pageSize, ItemLen: itemLen, PageCount: pageCount, NumLayers: layers, MLA: mla}
 	n := itemLen * pageCount
 	for i := 0; i < p.Buffers(); i++ {
 		mem, err := syscall.Mmap(-1, 0, int(n), syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_ANON|syscall.MAP_PRIVATE)

@@ -47,26 +47,15 @@ func OpenWorkerPool(req *kvcv1.RegisterKVPoolRequest, eng rdma.Engine) (*Pool, e
 	if cudaBufs != len(req.GetBuffers()) {
 		return nil, status.Errorf(codes.InvalidArgument, "%d of %d buffers are CUDA IPC handles; a pool is all GPU or all shared memory", cudaBufs, len(req.GetBuffers()))
 	}
-	if err := checkGeometry(req.GetPageSize(), req.GetItemLen(), req.GetPageCount(), req.GetNumLayers()); err != nil {
+	p, err := checkRegistration(req)
+	if err != nil {
 		return nil, err
-	}
-	p := &Pool{PageSize: req.GetPageSize(), ItemLen: req.GetItemLen(), PageCount: req.GetPageCount(), NumLayers: req.GetNumLayers()}
-	if len(req.GetBuffers()) != p.Buffers() {
-		return nil, status.Errorf(codes.InvalidArgument, "%d buffers for %d layers; want %d (K and V per layer)", len(req.GetBuffers()), p.NumLayers, p.Buffers())
 	}
 	need := p.ItemLen * p.PageCount
 	stride := (uint64(need) + 0xffff) &^ 0xffff // checkGeometry: need <= 1<<46, so 2048 buffers fit below 1<<58
 	for i, b := range req.GetBuffers() {
-		wantKind := kvcv1.KVKind_KV_KIND_K
-		if i%2 == 1 {
-			wantKind = kvcv1.KVKind_KV_KIND_V
-		}
 		c := b.GetCuda()
 		switch {
-		case int(b.GetLayer()) != i/2 || b.GetKind() != wantKind:
-			return nil, status.Errorf(codes.InvalidArgument, "buffer %d is layer %d %s; want layer %d %s", i, b.GetLayer(), b.GetKind(), i/2, wantKind)
-		case b.GetSizeBytes() != 0 && b.GetSizeBytes() < need:
-			return nil, status.Errorf(codes.InvalidArgument, "buffer %d is %d bytes; %d pages x %d need %d", i, b.GetSizeBytes(), p.PageCount, p.ItemLen, need)
 		case len(c.GetIpcHandle()) != 64:
 			return nil, status.Errorf(codes.InvalidArgument, "buffer %d: CUDA IPC handle of %d bytes, want 64", i, len(c.GetIpcHandle()))
 		case c.GetDevice() < 0:
@@ -110,8 +99,22 @@ type pinnedAllocator interface {
 // keeps a CPU view (the HTTP snapshot endpoint reads it). Close unregisters, unmaps and
 // releases it.
 func NewStoreArena(eng rdma.Engine, pageSize int32, itemLen, pageCount int64, layers int32) (*Pool, error) {
+	return newStoreArena(eng, pageSize, itemLen, pageCount, layers, false)
+}
+
+// NewStoreArenaLike allocates a snapshot store of pageCount pages with the shape of a worker's
+// pool (page size, item length, layers, MHA or MLA) in memory (StoreMemoryHost, the default,
+// as NewStoreArena; StoreMemoryCUDA as NewDeviceStoreArena).
+func NewStoreArenaLike(eng rdma.Engine, memory string, like *Pool, pageCount int64) (*Pool, error) {
+	if memory == StoreMemoryCUDA {
+		return newDeviceStoreArena(eng, like.PageSize, like.ItemLen, pageCount, like.NumLayers, like.MLA)
+	}
+	return newStoreArena(eng, like.PageSize, like.ItemLen, pageCount, like.NumLayers, like.MLA)
+}
+
+func newStoreArena(eng rdma.Engine, pageSize int32, itemLen, pageCount int64, layers int32, mla bool) (*Pool, error) {
 	if eng.Backend() != "cuda" {
-		arena, err := NewArena(pageSize, itemLen, pageCount, layers)
+		arena, err := newArena(pageSize, itemLen, pageCount, layers, mla)
 		if err != nil {
 			return nil, err
 		}
@@ -124,17 +127,17 @@ func NewStoreArena(eng rdma.Engine, pageSize int32, itemLen, pageCount int64, la
 	if err := checkGeometry(pageSize, itemLen, pageCount, layers); err != nil {
 		return nil, err
 	}
-	return newSharedStore(eng, kvpool.MemfdDir, pageSize, itemLen, pageCount, layers)
+	return newSharedStore(eng, kvpool.MemfdDir, pageSize, itemLen, pageCount, layers, mla)
 }
 
 // newSharedStore creates the store as one kvpool file under dir (kvpool.MemfdDir for a memfd)
 // and registers the whole file as a MemShared region named by its path.
-func newSharedStore(eng rdma.Engine, dir string, pageSize int32, itemLen, pageCount int64, layers int32) (*Pool, error) {
-	kp, err := kvpool.Create(dir, kvpool.Spec{PageSize: int(pageSize), ItemLen: uint64(itemLen), NumLayers: int(layers), PageCount: pageCount, Name: "kvc-store"})
+func newSharedStore(eng rdma.Engine, dir string, pageSize int32, itemLen, pageCount int64, layers int32, mla bool) (*Pool, error) {
+	kp, err := kvpool.Create(dir, kvpool.Spec{PageSize: int(pageSize), ItemLen: uint64(itemLen), NumLayers: int(layers), PageCount: pageCount, Name: "kvc-store", MLA: mla})
 	if err != nil {
 		return nil, fmt.Errorf("arena: shared store: %w", err)
 	}
-	p := &Pool{PageSize: pageSize, ItemLen: itemLen, PageCount: pageCount, NumLayers: layers}
+	p := &Pool{PageSize: pageSize, ItemLen: itemLen, PageCount: pageCount, NumLayers: layers, MLA: mla}
 	for i := 0; i < kp.NumBuffers(); i++ {
 		p.bufs = append(p.bufs, kp.Buffer(i))
 	}

@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -115,6 +116,15 @@ type WorkerListener interface {
 	WorkerHealth(down bool, reason string)
 }
 
+// ReadinessReporter is implemented by a core that can say what it waits for before it is ready
+// (Attach.WaitingFor): /readyz answers it, and the runtime logs it at start and every
+// readinessLogEvery while waiting.
+type ReadinessReporter interface {
+	WaitingFor() string
+}
+
+const readinessLogEvery = 10 * time.Second
+
 // Core is a sidecar's core, served by Runtime.Serve.
 type Core interface {
 	kvcv1.WorkerBridgeServiceServer
@@ -164,6 +174,15 @@ func (rt *Runtime) Serve(ctx context.Context, core Core, setReporter func(*Contr
 	kvcv1.RegisterTransferPeerServiceServer(peer, core)
 	hs := obs.NewHTTPServer(rt.Reg, &rt.Ready)
 	core.Mount(hs.Mux)
+	waiting := func() string {
+		if rr, ok := core.(ReadinessReporter); ok {
+			if w := rr.WaitingFor(); w != "" {
+				return w
+			}
+		}
+		return "waiting for worker to register its KV pool"
+	}
+	httpSrv := &http.Server{Handler: readyzHandler(hs.Mux, &rt.Ready, waiting), ReadHeaderTimeout: 5 * time.Second}
 
 	if eps := c.Endpoints(); len(eps) > 0 {
 		cp = NewControlPlane(CPConfig{Endpoints: eps, Heartbeat: c.Heartbeat, Registerer: rt.Reg,
@@ -176,15 +195,25 @@ func (rt *Runtime) Serve(ctx context.Context, core Core, setReporter func(*Contr
 	g, gctx := errgroup.WithContext(ctx)
 	g.Go(func() error { return bridge.Serve(gctx, bridgeLis, 5*time.Second) })
 	g.Go(func() error { return peer.Serve(gctx, rt.PeerLis, 5*time.Second) })
-	g.Go(func() error { return hs.Serve(gctx, httpLis) })
+	g.Go(func() error { return serveHTTP(gctx, httpSrv, httpLis) })
 	g.Go(func() error { return core.Run(gctx) })
 	g.Go(func() error { return health.Run(gctx) })
 	g.Go(func() error {
-		select {
-		case <-gctx.Done():
-			return nil
-		case <-core.Registered():
+		t := time.NewTicker(readinessLogEvery)
+		defer t.Stop()
+		rt.Log.Info().Str("waiting_for", waiting()).Msg("not ready")
+	wait:
+		for {
+			select {
+			case <-gctx.Done():
+				return nil
+			case <-core.Registered():
+				break wait
+			case <-t.C:
+				rt.Log.Warn().Str("waiting_for", waiting()).Msg("not ready")
+			}
 		}
+		rt.Log.Info().Msg("ready: worker attached")
 		rt.Ready.Set(true)
 		bridge.Health.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
 		if cp == nil {
@@ -206,4 +235,41 @@ func (rt *Runtime) Serve(ctx context.Context, core Core, setReporter func(*Contr
 	err = g.Wait()
 	_, _ = obs.SdNotify("STOPPING=1")
 	return err
+}
+
+// readyzHandler answers GET /readyz with "ready" or 503 and what the sidecar waits for, and
+// passes everything else to next.
+func readyzHandler(next http.Handler, ready *obs.Ready, waiting func() string) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != "/readyz" || r.Method != http.MethodGet {
+			next.ServeHTTP(w, r)
+			return
+		}
+		w.Header().Set("Content-Type", "text/plain")
+		if !ready.Get() {
+			w.WriteHeader(http.StatusServiceUnavailable)
+			_, _ = io.WriteString(w, "not ready: "+waiting()+"\n")
+			return
+		}
+		_, _ = io.WriteString(w, "ready\n")
+	})
+}
+
+// serveHTTP serves srv on lis until ctx is done, then shuts it down (5 s grace).
+func serveHTTP(ctx context.Context, srv *http.Server, lis net.Listener) error {
+	errc := make(chan error, 1)
+	go func() { errc <- srv.Serve(lis) }()
+	select {
+	case err := <-errc:
+		if errors.Is(err, http.ErrServerClosed) {
+			return nil
+		}
+		return err
+	case <-ctx.Done():
+	}
+	sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	_ = srv.Shutdown(sctx)
+	<-errc
+	return nil
 }

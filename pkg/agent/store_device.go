@@ -27,6 +27,10 @@ type deviceAllocator interface {
 // has addresses (Layout) but no CPU view: HostVisible is false, and its bytes are read with a
 // Reader (a copy through the engine). It needs the cuda backend. Close unregisters and frees it.
 func NewDeviceStoreArena(eng rdma.Engine, pageSize int32, itemLen, pageCount int64, layers int32) (*Pool, error) {
+	return newDeviceStoreArena(eng, pageSize, itemLen, pageCount, layers, false)
+}
+
+func newDeviceStoreArena(eng rdma.Engine, pageSize int32, itemLen, pageCount int64, layers int32, mla bool) (*Pool, error) {
 	alloc, ok := eng.(deviceAllocator)
 	if eng.Backend() != "cuda" || !ok {
 		return nil, fmt.Errorf("a device-memory snapshot store needs the cuda transport, not %s", eng.Backend())
@@ -34,7 +38,7 @@ func NewDeviceStoreArena(eng rdma.Engine, pageSize int32, itemLen, pageCount int
 	if err := checkGeometry(pageSize, itemLen, pageCount, layers); err != nil {
 		return nil, err
 	}
-	p := &Pool{PageSize: pageSize, ItemLen: itemLen, PageCount: pageCount, NumLayers: layers, addrs: []uint64{}}
+	p := &Pool{PageSize: pageSize, ItemLen: itemLen, PageCount: pageCount, NumLayers: layers, MLA: mla, addrs: []uint64{}}
 	n := uint64(itemLen * pageCount)
 	for i := 0; i < p.Buffers(); i++ {
 		ptr, err := alloc.AllocDevice(n)

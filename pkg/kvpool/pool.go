@@ -27,13 +27,15 @@ const DefaultDir = "/dev/shm"
 // ErrBadSpec is wrapped by errors about pool shapes and page lists.
 var ErrBadSpec = errors.New("kvpool: bad pool spec")
 
-// Spec is the shape of a KV pool: 2×NumLayers buffers (layer 0 K, layer 0 V, ...) of PageCount
-// pages of ItemLen bytes (PageSize tokens per page).
+// Spec is the shape of a KV pool: 2×NumLayers buffers (layer 0 K, layer 0 V, ...; MLA: one
+// buffer per layer) of PageCount pages of ItemLen bytes (PageSize tokens per page).
 type Spec struct {
 	PageSize  int
 	ItemLen   uint64
 	NumLayers int
 	PageCount int64
+	// MLA: one buffer per layer (SGLang's MLATokenToKVPool) instead of K and V.
+	MLA bool
 	// Name is a prefix of the file name (default "kvc-pool").
 	Name string
 }
@@ -51,6 +53,14 @@ func (s Spec) Validate() error {
 		return fmt.Errorf("%w: %d pages of %d bytes is too large", ErrBadSpec, s.PageCount, s.ItemLen)
 	}
 	return nil
+}
+
+// NumBuffers is 2×NumLayers, or NumLayers for an MLA pool.
+func (s Spec) NumBuffers() int {
+	if s.MLA {
+		return s.NumLayers
+	}
+	return 2 * s.NumLayers
 }
 
 // BufferStride is the distance between buffers in the pool file: the buffer length rounded up to
@@ -92,7 +102,7 @@ func Create(dir string, s Spec) (*Pool, error) {
 		s.Name = "kvc-pool"
 	}
 	stride := s.BufferStride()
-	nb := 2 * s.NumLayers
+	nb := s.NumBuffers()
 	size := stride * uint64(nb)
 	if size/uint64(nb) != stride || size > 1<<46 {
 		return nil, fmt.Errorf("%w: pool of %d buffers of %d bytes is too large", ErrBadSpec, nb, stride)
@@ -152,6 +162,23 @@ func (p *Pool) cleanup() {
 	}
 }
 
+// Unlink removes a file pool's name from its directory right away (a memfd pool has none):
+// the memory lives on for this process's mappings and descriptor, and for every process that
+// already mapped it, but nothing is left behind in the directory when the process dies, even by
+// kill -9. Path then becomes /proc/<pid>/fd/<n>, which a process of the same user can open
+// (and map) while this one lives — as for a memfd pool.
+func (p *Pool) Unlink() error {
+	if !p.owner || p.memfd || p.file == nil {
+		return nil
+	}
+	if err := os.Remove(p.path); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("kvpool: unlink pool file: %w", err)
+	}
+	p.memfd = true // no name left to remove at Close
+	p.path = fmt.Sprintf("/proc/%d/fd/%d", os.Getpid(), p.file.Fd())
+	return nil
+}
+
 // Spec returns the pool's shape.
 func (p *Pool) Spec() Spec { return p.spec }
 
@@ -164,12 +191,12 @@ func (p *Pool) Offset(i int) int64 { return int64(uint64(i) * p.spec.BufferStrid
 // Buffer returns buffer i (0 ≤ i < 2×layers; layer l K is 2l, V is 2l+1).
 func (p *Pool) Buffer(i int) []byte { return p.bufs[i] }
 
-// NumBuffers is 2×layers.
+// NumBuffers is 2×layers (layers for an MLA pool).
 func (p *Pool) NumBuffers() int { return len(p.bufs) }
 
 // Layout describes the pool with this process's addresses.
 func (p *Pool) Layout() rdma.Layout {
-	l := rdma.Layout{PageSize: p.spec.PageSize, ItemLen: p.spec.ItemLen, NumLayers: p.spec.NumLayers, PageCount: p.spec.PageCount}
+	l := rdma.Layout{PageSize: p.spec.PageSize, ItemLen: p.spec.ItemLen, NumLayers: p.spec.NumLayers, PageCount: p.spec.PageCount, MLA: p.spec.MLA}
 	for _, b := range p.bufs {
 		l.BufferAddrs = append(l.BufferAddrs, addrOf(b))
 	}

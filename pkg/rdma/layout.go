@@ -19,6 +19,9 @@ type Layout struct {
 	NumLayers   int
 	BufferAddrs []uint64
 	PageCount   int64
+	// MLA: one buffer per layer (SGLang's MLATokenToKVPool, KV_KIND_COMBINED) instead of a K
+	// and a V buffer. On the wire (kvcv1.KVLayout) it is implied by the buffer count.
+	MLA bool
 }
 
 // LayoutFromProto converts the wire form; the result is validated.
@@ -35,6 +38,7 @@ func LayoutFromProto(p *kvcv1.KVLayout) (Layout, error) {
 		NumLayers:   int(p.GetNumLayers()),
 		BufferAddrs: append([]uint64(nil), p.GetBufferAddrs()...),
 		PageCount:   p.GetPageCount(),
+		MLA:         p.GetNumLayers() > 0 && len(p.GetBufferAddrs()) == int(p.GetNumLayers()),
 	}
 	return l, l.Validate()
 }
@@ -50,8 +54,13 @@ func (l Layout) ToProto() *kvcv1.KVLayout {
 	}
 }
 
-// NumBuffers is 2×NumLayers (K and V per layer).
-func (l Layout) NumBuffers() int { return 2 * l.NumLayers }
+// NumBuffers is 2×NumLayers (K and V per layer), or NumLayers for an MLA pool.
+func (l Layout) NumBuffers() int {
+	if l.MLA {
+		return l.NumLayers
+	}
+	return 2 * l.NumLayers
+}
 
 // TokenBytes is the bytes of one token in one buffer (ItemLen / PageSize).
 func (l Layout) TokenBytes() uint64 {
@@ -79,7 +88,11 @@ func (l Layout) Validate() error {
 	case l.NumLayers <= 0:
 		return fmt.Errorf("%w: %d layers", ErrInvalidRequest, l.NumLayers)
 	case len(l.BufferAddrs) != l.NumBuffers():
-		return fmt.Errorf("%w: %d buffer addresses for %d layers (want K and V per layer)", ErrInvalidRequest, len(l.BufferAddrs), l.NumLayers)
+		want := "K and V per layer"
+		if l.MLA {
+			want = "one buffer per layer (MLA)"
+		}
+		return fmt.Errorf("%w: %d buffer addresses for %d layers (want %s)", ErrInvalidRequest, len(l.BufferAddrs), l.NumLayers, want)
 	case l.PageCount <= 0:
 		return fmt.Errorf("%w: page count %d", ErrInvalidRequest, l.PageCount)
 	}
@@ -104,6 +117,9 @@ func (l Layout) Compatible(o Layout) error {
 	if l.PageSize != o.PageSize || l.ItemLen != o.ItemLen || l.NumLayers != o.NumLayers {
 		return fmt.Errorf("%w: page size %d/%d, item length %d/%d, layers %d/%d", ErrLayoutMismatch,
 			l.PageSize, o.PageSize, l.ItemLen, o.ItemLen, l.NumLayers, o.NumLayers)
+	}
+	if l.MLA != o.MLA {
+		return fmt.Errorf("%w: MLA (one buffer per layer) on one side, MHA (K and V per layer) on the other", ErrLayoutMismatch)
 	}
 	return nil
 }
