@@ -33,6 +33,9 @@ func run(args []string, getenv func(string) string, stderr io.Writer) int {
 	pushTimeout := fs.Duration("push-timeout", 120*time.Second, "budget of one snapshot push attempt")
 	roomTimeout := fs.Duration("room-timeout", 120*time.Second, "a prepared room without TransferDone fails after this")
 	creditPages := fs.Int64("snapshot-credit-pages", 256, "store credit kept at each snapshot store: free store pages a full push copies its first tokens into while its reservation is on the way (0 disables)")
+	relHigh := fs.Float64("release-high-watermark", 0, "capacity release: above this fraction of the KV pool, release idle sessions whose snapshot is current (WorkerReleaseCommand to the worker); 0 disables (for workers that never evict, e.g. SGLang streaming sessions: 0.9)")
+	relLow := fs.Float64("release-low-watermark", 0.8, "capacity release: release down to this fraction of the KV pool (below the high watermark)")
+	relIdle := fs.Duration("release-min-idle", 5*time.Second, "capacity release: never release a session committed more recently than this")
 	if err := agent.ParseFlags(fs, args, getenv); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return 0
@@ -52,6 +55,12 @@ func run(args []string, getenv func(string) string, stderr io.Writer) int {
 	case *pushTimeout <= 0 || *roomTimeout <= 0:
 		err = fmt.Errorf("--push-timeout and --room-timeout must be positive")
 	}
+	rel := decode.ReleaseConfig{High: *relHigh, Low: *relLow, MinIdle: *relIdle}
+	if err == nil {
+		if verr := rel.Validate(); verr != nil {
+			err = fmt.Errorf("--release-high-watermark/--release-low-watermark/--release-min-idle: %v", verr)
+		}
+	}
 	if err != nil {
 		fmt.Fprintln(stderr, "kvc-sidecar-decode:", err)
 		return 2
@@ -65,7 +74,8 @@ func run(args []string, getenv func(string) string, stderr io.Writer) int {
 	}
 	core := decode.New(decode.Config{WorkerID: c.WorkerID, Node: rt.Node, GPUIndex: int32(c.GPUIndex), WorkerURL: c.WorkerURL,
 		Transport: c.Transport, PeerAddr: rt.PeerAddr, KVCapacity: c.KVCapacityTokens, DeltaTokens: *delta, PushWorkers: *workers,
-		PushTimeout: *pushTimeout, RoomTimeout: *roomTimeout, SnapshotCreditPages: *creditPages, Version: version, PeerDial: rt.PeerDialOptions()}, rt.Engine, rt.Events, rt.Log)
+		PushTimeout: *pushTimeout, RoomTimeout: *roomTimeout, SnapshotCreditPages: *creditPages, Version: version, PeerDial: rt.PeerDialOptions(),
+		Release: rel}, rt.Engine, rt.Events, rt.Log)
 	defer core.Close()
 	if err := rt.Serve(ctx, core, func(cp *agent.ControlPlane) { core.SetReporter(cp) }); err != nil {
 		rt.Log.Error().Err(err).Msg("sidecar stopped")

@@ -29,6 +29,11 @@ func TestBadFlags(t *testing.T) {
 		{"partial tls from env", base, map[string]string{"KVC_TLS_CA": "ca.pem"}, "--tls-cert, --tls-key missing"},
 		{"negative credit", append(base, "--snapshot-credit-pages", "-1"), nil, "--snapshot-credit-pages"},
 		{"negative credit from env", base, map[string]string{"KVC_SNAPSHOT_CREDIT_PAGES": "-5"}, "--snapshot-credit-pages"},
+		{"release high above 1", append(base, "--release-high-watermark", "1.5"), nil, "release high watermark"},
+		{"release low above high", append(base, "--release-high-watermark", "0.7", "--release-low-watermark", "0.8"), nil, "release low watermark"},
+		{"release low from env", append(base, "--release-high-watermark", "0.9"), map[string]string{"KVC_RELEASE_LOW_WATERMARK": "-0.1"}, "release low watermark"},
+		{"release high from env", base, map[string]string{"KVC_RELEASE_HIGH_WATERMARK": "-1"}, "release high watermark"},
+		{"release idle negative", append(base, "--release-high-watermark", "0.9", "--release-min-idle", "-1s"), nil, "minimum idle"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -41,7 +41,14 @@ func (s *Sidecar) Load() *kvcv1.WorkerLoad {
 	l := &kvcv1.WorkerLoad{ResidentSessions: int32(len(s.sessions)), InflightPushes: int32(s.inflight)}
 	for _, ss := range s.sessions {
 		l.UsedTokens += ss.committed
-		if ss.push == nil {
+		switch {
+		case s.rel.enabled():
+			// What the capacity release can free: sessions whose snapshot is or can be made
+			// current (release.go); a worker that never evicts frees nothing else.
+			if s.releasableLocked(ss) {
+				l.EvictableTokens += ss.committed
+			}
+		case ss.push == nil:
 			l.EvictableTokens += ss.committed // the worker's LRU may evict it; a push pins it
 		}
 	}

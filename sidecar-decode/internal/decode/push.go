@@ -46,6 +46,7 @@ func (s *Sidecar) pushSession(ctx context.Context, id string) {
 	s.mu.Lock()
 	s.inflight--
 	ss.push = nil
+	ss.forcePush = false
 	if err == nil && !ss.gone && ss.target == job.target {
 		ss.lastPushed = seqlen
 	}
@@ -262,7 +263,7 @@ func (s *Sidecar) pushOnce(ctx context.Context, pool *agent.Pool, job pushJob, p
 		}
 		rc := make(chan reply, 1)
 		go func() {
-			r, err := c.ReserveSnapshot(rpcCtx, req)
+			r, err := c.ReserveSnapshot(agent.WithTP(rpcCtx, pool), req)
 			rc <- reply{r, err, time.Now()}
 		}()
 		// Tokens [0, creditTokens) into the credit pages. Once they are submitted, the hook
@@ -328,7 +329,7 @@ func (s *Sidecar) pushOnce(ctx context.Context, pool *agent.Pool, job pushJob, p
 		}
 		res = rep.res
 	} else {
-		res, err = c.ReserveSnapshot(rpcCtx, req)
+		res, err = c.ReserveSnapshot(agent.WithTP(rpcCtx, pool), req)
 		if err != nil {
 			return 0, 0, fmt.Errorf("reserve: %w", err)
 		}

@@ -48,6 +48,8 @@ type Config struct {
 	Version             string
 	// PeerDial are extra dial options of connections to peer sidecars (mTLS credentials).
 	PeerDial []grpc.DialOption
+	// Release configures the capacity release of idle sessions (release.go); zero: off.
+	Release ReleaseConfig
 }
 
 // errReleased cancels the push of a released session.
@@ -66,8 +68,7 @@ type Sidecar struct {
 	peers *agent.Peers
 	rep   Reporter
 
-	registered chan struct{}
-	regOnce    sync.Once
+	att *agent.Attach // the worker's command watcher and the readiness gate (attach.go)
 
 	mu       sync.Mutex
 	pool     *agent.Pool
@@ -85,6 +86,8 @@ type Sidecar struct {
 
 	aborts  pendingAborts // AbortSnapshot calls still running, by session (push.go)
 	credits creditBook    // store credits by store peer (credit.go)
+
+	rel releaser // capacity release of idle sessions (release.go)
 }
 
 type session struct {
@@ -98,6 +101,9 @@ type session struct {
 	queued     bool
 	push       *pushRun
 	gone       bool
+	lastCommit time.Time // when the worker last committed it (its idle time starts here)
+	forcePush  bool      // push even below delta: the capacity release waits for a current snapshot
+	releasing  bool      // a capacity release command is out for it
 }
 
 type pushRun struct {
@@ -126,16 +132,42 @@ func New(cfg Config, eng rdma.Engine, ev *agent.EventLog, log zerolog.Logger) *S
 	if cfg.RoomTimeout <= 0 {
 		cfg.RoomTimeout = 120 * time.Second
 	}
-	return &Sidecar{cfg: cfg, log: log, ev: ev, eng: eng, segs: agent.NewSegments(eng), peers: agent.NewPeers(cfg.PeerDial...), rep: nopReporter{},
-		registered: make(chan struct{}), sessions: map[string]*session{}, targets: map[string]*kvcv1.SetSnapshotTargetCommand{},
+	s := &Sidecar{cfg: cfg, log: log, ev: ev, eng: eng, segs: agent.NewSegments(eng), peers: agent.NewPeers(cfg.PeerDial...), rep: nopReporter{},
+		sessions: map[string]*session{}, targets: map[string]*kvcv1.SetSnapshotTargetCommand{},
 		rooms: map[int64]*recvRoom{}, dropped: map[string]struct{}{}, delta: cfg.DeltaTokens, enabled: true, wake: make(chan struct{}, 1)}
+	s.att = agent.NewAttach(s.attachState, log.With().Str("part", "attach").Logger())
+	s.rel = newReleaser(cfg.Release)
+	return s
+}
+
+func (s *Sidecar) attachState() (bool, int32) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.pool != nil, int32(len(s.sessions))
 }
 
 // SetReporter sets where session events go.
 func (s *Sidecar) SetReporter(r Reporter) { s.rep = r }
 
-// Registered is closed once the worker registered its KV pool.
-func (s *Sidecar) Registered() <-chan struct{} { return s.registered }
+// Registered is closed once the worker registered its KV pool (and, after this sidecar
+// restarted under a live worker, re-committed its sessions: agent.Attach).
+func (s *Sidecar) Registered() <-chan struct{} { return s.att.Registered() }
+
+// WaitingFor says what the sidecar waits for before it is ready ("" when ready).
+func (s *Sidecar) WaitingFor() string { return s.att.WaitingFor() }
+
+// Instance is this sidecar process's random attach id.
+func (s *Sidecar) Instance() string { return s.att.Instance() }
+
+// WatchCommands is the worker's standing command stream (agent.Attach).
+func (s *Sidecar) WatchCommands(req *kvcv1.WatchCommandsRequest, stream grpc.ServerStreamingServer[kvcv1.WatchCommandsResponse]) error {
+	return s.att.Watch(req, stream)
+}
+
+// AckCommand is the worker's result of a command (or its acknowledgement of the attach status).
+func (s *Sidecar) AckCommand(_ context.Context, req *kvcv1.AckCommandRequest) (*kvcv1.AckCommandResponse, error) {
+	return s.att.Ack(req)
+}
 
 // Close releases the pool mapping and peer connections (after Run returned).
 func (s *Sidecar) Close() {
@@ -164,6 +196,11 @@ func (s *Sidecar) Run(ctx context.Context) error {
 			}
 		}()
 	}
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		s.runRelease(ctx)
+	}()
 	t := time.NewTicker(time.Second)
 	defer t.Stop()
 	for {
@@ -204,7 +241,7 @@ func (s *Sidecar) next(ctx context.Context) (string, bool) {
 // maybeEnqueueLocked queues a push of ss when its unpushed tail reached delta. It reports
 // whether a push (queued or about to be re-queued) will carry the current commit.
 func (s *Sidecar) maybeEnqueueLocked(ss *session) bool {
-	if ss.gone || ss.target == nil || !s.enabled || ss.committed-ss.lastPushed < s.delta || ss.committed == ss.failedLen {
+	if ss.gone || ss.target == nil || !s.enabled || (ss.committed-ss.lastPushed < s.delta && !ss.forcePush) || ss.committed <= ss.lastPushed || ss.committed == ss.failedLen {
 		return false
 	}
 	if ss.queued || ss.push != nil { // the queued push reads the newest commit; a running one re-queues
@@ -275,8 +312,9 @@ func (s *Sidecar) RegisterKVPool(_ context.Context, req *kvcv1.RegisterKVPoolReq
 		old.Close() // unregistering waits for in-flight engine requests on the old pool
 		s.log.Warn().Int("sessions_dropped", len(lost)).Msg("worker re-registered its KV pool")
 	}
-	s.regOnce.Do(func() { close(s.registered) })
-	s.log.Info().Int32("page_size", p.PageSize).Int64("item_len", p.ItemLen).Int64("pages", p.PageCount).Int32("layers", p.NumLayers).Msg("worker KV pool registered")
+	s.att.PoolRegistered()
+	s.log.Info().Int32("page_size", p.PageSize).Int64("item_len", p.ItemLen).Int64("pages", p.PageCount).Int32("layers", p.NumLayers).
+		Str("layout", p.LayoutName()).Str("tp", p.TPString()).Ints64("aux_item_lens", p.AuxItemLens).Msg("worker KV pool registered")
 	return &kvcv1.RegisterKVPoolResponse{KvBytesPerToken: p.BytesPerToken(), TransferEndpoint: s.eng.SegmentName()}, nil
 }
 
@@ -325,6 +363,7 @@ func (s *Sidecar) CommitSession(_ context.Context, req *kvcv1.CommitSessionReque
 	}
 	ss.committed = n
 	ss.pages = append(ss.pages[:0:0], req.GetPages()...)
+	ss.lastCommit = time.Now()
 	enq := s.maybeEnqueueLocked(ss)
 	gen := ss.gen
 	s.mu.Unlock()
@@ -348,6 +387,10 @@ func (s *Sidecar) ReleaseSession(_ context.Context, req *kvcv1.ReleaseSessionReq
 			return &kvcv1.ReleaseSessionResponse{}, nil
 		}
 		return nil, status.Errorf(codes.NotFound, "session %s unknown", req.GetSessionId())
+	}
+	if ss.releasing { // the worker carries out this sidecar's capacity release
+		s.reportCapacityRelease(ss)
+		return &kvcv1.ReleaseSessionResponse{PushAborted: aborted}, nil
 	}
 	kind, reason := kvcv1.SessionEventKind_SESSION_EVENT_KIND_RELEASED, "released"
 	if req.GetReason() == kvcv1.ReleaseReason_RELEASE_REASON_EVICTED {
@@ -415,7 +458,7 @@ func (s *Sidecar) PrepareReceive(ctx context.Context, req *kvcv1.PrepareReceiveR
 	s.mu.Unlock()
 	c, err := s.peers.Client(req.GetSourcePeerAddr())
 	if err == nil {
-		octx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		octx, cancel := context.WithTimeout(agent.WithTP(ctx, pool), 10*time.Second)
 		_, err = c.OfferReceive(octx, &kvcv1.OfferReceiveRequest{Room: req.GetRoom(), SessionId: req.GetSessionId(), Kind: req.GetKind(),
 			DecodeWorkerId: s.cfg.WorkerID, DecodeTransferEndpoint: s.eng.SegmentName(), DecodeLayout: pool.Layout(),
 			Pages: req.GetPages(), Tokens: req.GetTokens(), DecodePeerAddr: s.cfg.PeerAddr})
@@ -425,6 +468,10 @@ func (s *Sidecar) PrepareReceive(ctx context.Context, req *kvcv1.PrepareReceiveR
 		s.mu.Lock()
 		delete(s.rooms, req.GetRoom())
 		s.mu.Unlock()
+		// A refusal (bad layout, unequal tensor parallelism, ...) keeps its code and message.
+		if st, ok := status.FromError(err); ok && (st.Code() == codes.FailedPrecondition || st.Code() == codes.InvalidArgument) {
+			return nil, status.Errorf(st.Code(), "prefill sidecar %s refused the offer: %s", req.GetSourcePeerAddr(), st.Message())
+		}
 		return nil, status.Errorf(codes.Unavailable, "offer to prefill sidecar %s: %v", req.GetSourcePeerAddr(), err)
 	}
 	return &kvcv1.PrepareReceiveResponse{}, nil
@@ -456,8 +503,12 @@ func (s *Sidecar) WaitReceive(ctx context.Context, req *kvcv1.WaitReceiveRequest
 		delete(s.rooms, req.GetRoom())
 	}
 	s.mu.Unlock()
-	return &kvcv1.WaitReceiveResponse{Ok: r.res.GetOk(), Bytes: r.res.GetBytes(), Tokens: r.res.GetTokens(), Error: r.res.GetError(),
-		DurationUs: time.Since(r.created).Microseconds()}, nil
+	resp := &kvcv1.WaitReceiveResponse{Ok: r.res.GetOk(), Bytes: r.res.GetBytes(), Tokens: r.res.GetTokens(), Error: r.res.GetError(),
+		DurationUs: time.Since(r.created).Microseconds()}
+	if resp.Ok {
+		resp.Aux = r.res.GetAux() // the sender's aux rows arrive with success, never after it
+	}
+	return resp, nil
 }
 
 // SendKV is a prefill-side call.
@@ -489,6 +540,12 @@ func (s *Sidecar) TransferDone(_ context.Context, req *kvcv1.TransferDoneRequest
 	if !ok || r.res != nil {
 		s.mu.Unlock()
 		return nil, status.Errorf(codes.NotFound, "room %d unknown or already done", req.GetRoom())
+	}
+	if len(req.GetAux()) > 0 && r.req.GetKind() == kvcv1.TransferKind_TRANSFER_KIND_SNAPSHOT {
+		req.Ok, req.Error, req.Aux = false, "aux rows on a snapshot transfer (snapshots carry none)", nil
+	} else if err := s.pool.CheckAux(req.GetAux()); err != nil && req.GetOk() {
+		// The receiving worker could not place them in its metadata rows: fail the room.
+		req.Ok, req.Error, req.Aux = false, "aux rows refused by the receiver: "+status.Convert(err).Message(), nil
 	}
 	r.res = req
 	close(r.done)
@@ -541,8 +598,20 @@ func (s *Sidecar) Sessions() []SessionInfo {
 	return out
 }
 
-// Mount adds GET /v1/sessions and GET /v1/credits.
+// Status is GET /v1/status: attach state, pool shape (layout, tensor parallelism, aux rows).
+func (s *Sidecar) Status() agent.Status {
+	s.mu.Lock()
+	p := s.pool
+	s.mu.Unlock()
+	return s.att.Status(s.cfg.WorkerID, p)
+}
+
+// Mount adds GET /v1/sessions, GET /v1/credits and GET /v1/status.
 func (s *Sidecar) Mount(mux *http.ServeMux) {
+	mux.HandleFunc("GET /v1/status", func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		_ = json.NewEncoder(w).Encode(s.Status())
+	})
 	mux.HandleFunc("GET /v1/sessions", func(w http.ResponseWriter, _ *http.Request) {
 		w.Header().Set("Content-Type", "application/json")
 		_ = json.NewEncoder(w).Encode(s.Sessions())

@@ -21,6 +21,10 @@ func (s *Sidecar) Mount(mux *http.ServeMux) {
 	mux.HandleFunc("GET /v1/sessions/{sid}/snapshot_status", s.httpStatus)
 	mux.HandleFunc("GET /v1/sessions/{sid}/snapshot_kv", s.httpKV)
 	mux.HandleFunc("GET /v1/snapshots", s.httpList)
+	mux.HandleFunc("GET /v1/status", func(w http.ResponseWriter, _ *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		_ = json.NewEncoder(w).Encode(s.Status())
+	})
 }
 
 type snapshotStatus struct {

@@ -52,6 +52,9 @@ func (s *Sidecar) ReserveSnapshot(ctx context.Context, req *kvcv1.ReserveSnapsho
 	if err := agent.CompatibleLayouts(req.GetSourceLayout(), arena.Layout()); err != nil {
 		return nil, err
 	}
+	if err := s.checkPeerTP(ctx); err != nil {
+		return nil, err
+	}
 	if n := len(req.GetSourceTransferEndpoint()); n > maxEndpoint {
 		return nil, status.Errorf(codes.InvalidArgument, "source_transfer_endpoint of %d bytes (at most %d)", n, maxEndpoint)
 	}
@@ -74,6 +77,17 @@ func (s *Sidecar) ReserveSnapshot(ctx context.Context, req *kvcv1.ReserveSnapsho
 	s.mu.Unlock()
 	return &kvcv1.ReserveSnapshotResponse{IngestId: res.ID, StoreLayout: arena.Layout(), Pages: res.Pages, StoreTransferEndpoint: s.eng.SegmentName(),
 		CreditPages: res.Credit.Pages, CreditId: res.Credit.ID}, nil
+}
+
+// checkPeerTP refuses a peer whose worker's tensor parallelism differs from this worker's.
+func (s *Sidecar) checkPeerTP(ctx context.Context) error {
+	s.mu.Lock()
+	p := s.pool
+	s.mu.Unlock()
+	if p == nil {
+		return nil // nothing registered yet: the store or the room refuses on its own
+	}
+	return agent.CheckPeerTP(ctx, p)
 }
 
 // checkIngestCaller refuses a commit or abort of ingest id from a caller whose certificate
@@ -197,6 +211,22 @@ func (s *Sidecar) OfferReceive(ctx context.Context, req *kvcv1.OfferReceiveReque
 	// Under mTLS the caller's certificate must name the decode worker (nil in plaintext mode).
 	if err := tlsx.PeerAllowsWorker(ctx, req.GetDecodeWorkerId()); err != nil {
 		return nil, err
+	}
+	// Refused before the room exists: unequal tensor parallelism, or an MLA pool on one side
+	// and MHA on the other (nothing could ever be written).
+	if err := s.checkPeerTP(ctx); err != nil {
+		return nil, err
+	}
+	s.mu.Lock()
+	mine := s.pool
+	if s.arena != nil && req.GetKind() == kvcv1.TransferKind_TRANSFER_KIND_SNAPSHOT {
+		mine = s.arena
+	}
+	s.mu.Unlock()
+	if mine != nil {
+		if err := agent.CompatibleLayouts(mine.Layout(), req.GetDecodeLayout()); err != nil {
+			return nil, err
+		}
 	}
 	r := s.room(req.GetRoom())
 	if r == nil {

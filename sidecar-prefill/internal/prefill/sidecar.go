@@ -60,8 +60,7 @@ type Sidecar struct {
 	peers *agent.Peers
 	rep   Reporter
 
-	registered chan struct{}
-	regOnce    sync.Once
+	att *agent.Attach // the worker's command watcher and the readiness gate
 
 	mu       sync.Mutex
 	pool     *agent.Pool // the worker's pool
@@ -88,6 +87,7 @@ type room struct {
 	bytes   int64
 	started time.Time
 	closed  bool
+	aux     [][]byte // the last chunk's aux rows, carried in TransferDone
 }
 
 // New builds a sidecar around an engine; the event log may be nil.
@@ -98,15 +98,46 @@ func New(cfg Config, eng rdma.Engine, ev *agent.EventLog, log zerolog.Logger) *S
 	if cfg.TransferLimit <= 0 {
 		cfg.TransferLimit = 120 * time.Second
 	}
-	return &Sidecar{cfg: cfg, log: log, ev: ev, eng: eng, segs: agent.NewSegments(eng), peers: agent.NewPeers(cfg.PeerDial...),
-		rep: nopReporter{}, registered: make(chan struct{}), rooms: map[int64]*room{}, finished: map[int64]time.Time{}}
+	s := &Sidecar{cfg: cfg, log: log, ev: ev, eng: eng, segs: agent.NewSegments(eng), peers: agent.NewPeers(cfg.PeerDial...),
+		rep: nopReporter{}, rooms: map[int64]*room{}, finished: map[int64]time.Time{}}
+	s.att = agent.NewAttach(func() (bool, int32) {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		return s.pool != nil, 0
+	}, log.With().Str("part", "attach").Logger())
+	return s
 }
 
 // SetReporter sets where session events go (the control-plane loop).
 func (s *Sidecar) SetReporter(r Reporter) { s.rep = r }
 
-// Registered is closed once the worker registered its KV pool.
-func (s *Sidecar) Registered() <-chan struct{} { return s.registered }
+// Registered is closed once the worker registered its KV pool (agent.Attach).
+func (s *Sidecar) Registered() <-chan struct{} { return s.att.Registered() }
+
+// WaitingFor says what the sidecar waits for before it is ready ("" when ready).
+func (s *Sidecar) WaitingFor() string { return s.att.WaitingFor() }
+
+// Instance is this sidecar process's random attach id.
+func (s *Sidecar) Instance() string { return s.att.Instance() }
+
+// WatchCommands is the worker's standing command stream (agent.Attach). A prefill sidecar
+// sends no commands today; the attach status tells a worker whether to register again.
+func (s *Sidecar) WatchCommands(req *kvcv1.WatchCommandsRequest, stream grpc.ServerStreamingServer[kvcv1.WatchCommandsResponse]) error {
+	return s.att.Watch(req, stream)
+}
+
+// AckCommand is the worker's acknowledgement of its attach status.
+func (s *Sidecar) AckCommand(_ context.Context, req *kvcv1.AckCommandRequest) (*kvcv1.AckCommandResponse, error) {
+	return s.att.Ack(req)
+}
+
+// Status is GET /v1/status: attach state, pool shape (layout, tensor parallelism, aux rows).
+func (s *Sidecar) Status() agent.Status {
+	s.mu.Lock()
+	p := s.pool
+	s.mu.Unlock()
+	return s.att.Status(s.cfg.WorkerID, p)
+}
 
 // Store returns the snapshot store (nil before registration).
 func (s *Sidecar) Store() *store.Store {
@@ -181,10 +212,10 @@ func (s *Sidecar) RegisterKVPool(_ context.Context, req *kvcv1.RegisterKVPoolReq
 		return nil, err
 	}
 	s.mu.Lock()
-	if s.arena != nil && (s.arena.PageSize != p.PageSize || s.arena.ItemLen != p.ItemLen || s.arena.NumLayers != p.NumLayers) {
+	if s.arena != nil && (s.arena.PageSize != p.PageSize || s.arena.ItemLen != p.ItemLen || s.arena.NumLayers != p.NumLayers || s.arena.MLA != p.MLA) {
 		s.mu.Unlock()
 		p.Close()
-		return nil, status.Errorf(codes.FailedPrecondition, "pool geometry differs from the snapshot store's (page_size %d, item_len %d, layers %d)", s.arena.PageSize, s.arena.ItemLen, s.arena.NumLayers)
+		return nil, status.Errorf(codes.FailedPrecondition, "pool geometry differs from the snapshot store's (%s, page_size %d, item_len %d, layers %d)", s.arena.LayoutName(), s.arena.PageSize, s.arena.ItemLen, s.arena.NumLayers)
 	}
 	if s.arena == nil {
 		pageBytes := p.ItemLen * int64(p.Buffers())
@@ -194,11 +225,9 @@ func (s *Sidecar) RegisterKVPool(_ context.Context, req *kvcv1.RegisterKVPoolReq
 			p.Close()
 			return nil, status.Errorf(codes.FailedPrecondition, "store capacity %d bytes is below one page (%d bytes)", s.cfg.StoreBytes, pageBytes)
 		}
-		newArena := agent.NewStoreArena // pinned with --transport cuda
-		if s.cfg.StoreMemory == agent.StoreMemoryCUDA {
-			newArena = agent.NewDeviceStoreArena // GPU memory of this sidecar's device
-		}
-		arena, err := newArena(s.eng, p.PageSize, p.ItemLen, pages, p.NumLayers)
+		// Host memory (pinned with --transport cuda) or GPU memory of this sidecar's device
+		// (--store-memory cuda), shaped like the worker's pool (MHA or MLA).
+		arena, err := agent.NewStoreArenaLike(s.eng, s.cfg.StoreMemory, p, pages)
 		if err != nil {
 			s.mu.Unlock()
 			p.Close()
@@ -233,9 +262,9 @@ func (s *Sidecar) RegisterKVPool(_ context.Context, req *kvcv1.RegisterKVPoolReq
 	if old != nil {
 		old.Close()
 	}
-	s.regOnce.Do(func() { close(s.registered) })
+	s.att.PoolRegistered()
 	s.log.Info().Int32("page_size", p.PageSize).Int64("item_len", p.ItemLen).Int64("pages", p.PageCount).
-		Int32("layers", p.NumLayers).Int64("store_bytes", s.st.CapacityBytes()).Bool("store_on_gpu", !s.arena.HostVisible()).Msg("worker KV pool registered")
+		Int32("layers", p.NumLayers).Str("layout", p.LayoutName()).Str("tp", p.TPString()).Ints64("aux_item_lens", p.AuxItemLens).Int64("store_bytes", s.st.CapacityBytes()).Bool("store_on_gpu", !s.arena.HostVisible()).Msg("worker KV pool registered")
 	return &kvcv1.RegisterKVPoolResponse{KvBytesPerToken: p.BytesPerToken(), TransferEndpoint: s.eng.SegmentName()}, nil
 }
 
@@ -285,11 +314,17 @@ func (s *Sidecar) SendKV(ctx context.Context, req *kvcv1.SendKVRequest) (*kvcv1.
 	if req.GetFirstPage() < 0 || len(req.GetPages()) == 0 && !req.GetLast() {
 		return nil, status.Errorf(codes.InvalidArgument, "bad chunk: first_page %d, %d pages", req.GetFirstPage(), len(req.GetPages()))
 	}
+	if len(req.GetAux()) > 0 && !req.GetLast() {
+		return nil, status.Error(codes.InvalidArgument, "aux rows go with the last chunk only")
+	}
 	s.mu.Lock()
 	pool := s.pool
 	s.mu.Unlock()
 	if pool == nil {
 		return nil, status.Error(codes.FailedPrecondition, "no KV pool registered")
+	}
+	if err := pool.CheckAux(req.GetAux()); err != nil {
+		return nil, err
 	}
 	if err := pool.CheckPages(req.GetPages()); err != nil {
 		return nil, err
@@ -356,6 +391,7 @@ func (s *Sidecar) SendKV(ctx context.Context, req *kvcv1.SendKVRequest) (*kvcv1.
 	r.bytes += int64(moved)
 	if req.GetLast() {
 		r.closed = true
+		r.aux = req.GetAux()
 		s.finish(r, true, "")
 	}
 	return &kvcv1.SendKVResponse{Bytes: int64(moved)}, nil
@@ -384,14 +420,19 @@ func (s *Sidecar) finish(r *room, ok bool, reason string) {
 	}
 	s.finished[r.id] = time.Now()
 	s.mu.Unlock()
-	s.done(r.offer, ok, r.bytes, reason)
+	var aux [][]byte
+	if ok {
+		aux = r.aux
+	}
+	s.done(r.offer, ok, r.bytes, reason, aux...)
 }
 
-func (s *Sidecar) done(off *kvcv1.OfferReceiveRequest, ok bool, bytes int64, reason string) {
+// done sends TransferDone for a room; aux are the sender's aux rows (a seed's last chunk).
+func (s *Sidecar) done(off *kvcv1.OfferReceiveRequest, ok bool, bytes int64, reason string, aux ...[]byte) {
 	c, err := s.peers.Client(off.GetDecodePeerAddr())
 	if err == nil {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		_, err = c.TransferDone(ctx, &kvcv1.TransferDoneRequest{Room: off.GetRoom(), Ok: ok, Bytes: bytes, Tokens: off.GetTokens(), Error: reason})
+		_, err = c.TransferDone(ctx, &kvcv1.TransferDoneRequest{Room: off.GetRoom(), Ok: ok, Bytes: bytes, Tokens: off.GetTokens(), Error: reason, Aux: aux})
 		cancel()
 	}
 	if err != nil {

@@ -1,0 +1,236 @@
+package decode
+
+import (
+	"cmp"
+	"context"
+	"fmt"
+	"slices"
+	"time"
+
+	"google.golang.org/grpc/status"
+
+	"github.com/kvcentric/kvcentric/pkg/agent"
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+// ReleaseConfig configures the capacity release of idle sessions (a worker such as SGLang
+// 0.5.23 never evicts a streaming session for capacity, so the sidecar does it for it).
+type ReleaseConfig struct {
+	// High is the fraction of the pool's capacity above which idle sessions are released; 0
+	// disables the release.
+	High float64
+	// Low is the fraction the release brings the pool down to (Low < High).
+	Low float64
+	// MinIdle: a session committed more recently than this is never released (it is in use).
+	MinIdle time.Duration
+	// Interval between checks (1s).
+	Interval time.Duration
+	// AckTimeout bounds the wait for the worker's ack of one release command (10s).
+	AckTimeout time.Duration
+}
+
+// Validate checks the settings (the binary exits with code 2 on an error).
+func (c ReleaseConfig) Validate() error {
+	switch {
+	case c.High == 0:
+		return nil
+	case c.High < 0 || c.High > 1:
+		return fmt.Errorf("release high watermark %v out of range (0, 1]", c.High)
+	case c.Low < 0 || c.Low >= c.High:
+		return fmt.Errorf("release low watermark %v must be in [0, high watermark %v)", c.Low, c.High)
+	case c.MinIdle < 0:
+		return fmt.Errorf("release minimum idle time %v is negative", c.MinIdle)
+	case c.Interval < 0 || c.AckTimeout < 0:
+		return fmt.Errorf("release interval and ack timeout must not be negative")
+	}
+	return nil
+}
+
+type releaser struct {
+	cfg ReleaseConfig
+}
+
+func newReleaser(c ReleaseConfig) releaser {
+	if c.Interval <= 0 {
+		c.Interval = time.Second
+	}
+	if c.AckTimeout <= 0 {
+		c.AckTimeout = 10 * time.Second
+	}
+	return releaser{cfg: c}
+}
+
+func (r releaser) enabled() bool { return r.cfg.High > 0 }
+
+// releasableLocked reports whether ss may ever be released for capacity: it has a snapshot
+// target while snapshots are on (so its snapshot can be made current), no release is out for
+// it and no transfer into it is open.
+func (s *Sidecar) releasableLocked(ss *session) bool {
+	if ss.gone || ss.releasing || ss.target == nil || !s.enabled {
+		return false
+	}
+	for _, r := range s.rooms {
+		if r.res == nil && r.req.GetSessionId() == ss.id {
+			return false
+		}
+	}
+	return true
+}
+
+// capacityLocked is the pool's capacity in tokens (the --kv-capacity-tokens override wins).
+func (s *Sidecar) capacityLocked() int64 {
+	if s.cfg.KVCapacity > 0 {
+		return s.cfg.KVCapacity
+	}
+	if s.pool == nil {
+		return 0
+	}
+	return s.pool.CapacityTokens()
+}
+
+// ReleasePlan is one pass of the capacity release: the sessions to release now (snapshot
+// current) and those whose snapshot was pushed first (released by a later pass), in priority
+// order.
+type ReleasePlan struct {
+	Used, Capacity int64
+	Release        []string
+	PushFirst      []string
+}
+
+// planReleaseLocked picks, when the pool is above the high watermark, the idle sessions that
+// bring it down to the low watermark, lowest priority first. Rank: idle time (whole seconds
+// since the last commit, longest first), then size (committed tokens, largest first), then
+// session id; sessions idle less than MinIdle or not releasable (releasableLocked) are never
+// picked — they are what the worker is using. A session whose snapshot is current (everything
+// committed is pushed, no push queued or running) is released now; one that needs a push gets
+// one queued at once whatever delta_tokens says, and is released by a later pass once that
+// push has landed.
+func (s *Sidecar) planReleaseLocked(now time.Time) ReleasePlan {
+	p := ReleasePlan{Capacity: s.capacityLocked()}
+	if !s.rel.enabled() || s.pool == nil || p.Capacity <= 0 {
+		return p
+	}
+	for _, ss := range s.sessions {
+		p.Used += ss.committed
+	}
+	for _, r := range s.rooms {
+		if r.res == nil {
+			p.Used += r.req.GetTokens()
+		}
+	}
+	if float64(p.Used) <= s.rel.cfg.High*float64(p.Capacity) {
+		return p
+	}
+	type cand struct {
+		ss   *session
+		idle int64
+	}
+	var cands []cand
+	for _, ss := range s.sessions {
+		idle := now.Sub(ss.lastCommit)
+		if idle < s.rel.cfg.MinIdle || !s.releasableLocked(ss) {
+			continue
+		}
+		cands = append(cands, cand{ss, int64(idle / time.Second)})
+	}
+	slices.SortFunc(cands, func(a, b cand) int {
+		if c := cmp.Compare(b.idle, a.idle); c != 0 {
+			return c
+		}
+		if c := cmp.Compare(b.ss.committed, a.ss.committed); c != 0 {
+			return c
+		}
+		return cmp.Compare(a.ss.id, b.ss.id)
+	})
+	need := p.Used - int64(s.rel.cfg.Low*float64(p.Capacity))
+	for _, c := range cands {
+		if need <= 0 {
+			break
+		}
+		ss := c.ss
+		need -= ss.committed
+		if ss.push == nil && !ss.queued && ss.lastPushed >= ss.committed {
+			ss.releasing = true
+			p.Release = append(p.Release, ss.id)
+			continue
+		}
+		p.PushFirst = append(p.PushFirst, ss.id)
+		if ss.push == nil && !ss.queued {
+			ss.forcePush = true
+			s.maybeEnqueueLocked(ss)
+		}
+	}
+	return p
+}
+
+// releaseTick runs one pass: it plans and sends each release (WorkerReleaseCommand, reason
+// CAPACITY) in priority order, waiting for the worker's ack of each.
+func (s *Sidecar) releaseTick(ctx context.Context) ReleasePlan {
+	s.mu.Lock()
+	p := s.planReleaseLocked(time.Now())
+	s.mu.Unlock()
+	if len(p.Release) > 0 || len(p.PushFirst) > 0 {
+		s.log.Info().Int64("used_tokens", p.Used).Int64("capacity_tokens", p.Capacity).Strs("release", p.Release).
+			Strs("push_first", p.PushFirst).Msg("pool above the release watermark: releasing idle sessions")
+	}
+	for _, id := range p.Release {
+		s.releaseOne(ctx, id)
+	}
+	return p
+}
+
+// releaseOne asks the worker to free a session (it calls ReleaseSession, then frees the pages,
+// then acks). A refusal (the session is in use) or a missing watcher leaves the session as it is.
+func (s *Sidecar) releaseOne(ctx context.Context, id string) {
+	actx, cancel := context.WithTimeout(ctx, s.rel.cfg.AckTimeout)
+	ack, err := s.att.Send(actx, &kvcv1.WatchCommandsResponse{Reason: kvcv1.WorkerCommandReason_WORKER_COMMAND_REASON_CAPACITY,
+		Command: &kvcv1.WatchCommandsResponse_Release{Release: &kvcv1.WorkerReleaseCommand{SessionId: id}}})
+	cancel()
+	if err == nil && !ack.GetOk() {
+		err = fmt.Errorf("worker refused: %s", ack.GetError())
+	}
+	if err != nil {
+		s.mu.Lock()
+		if ss := s.sessions[id]; ss != nil {
+			ss.releasing = false
+		}
+		s.mu.Unlock()
+		s.log.Warn().Str("session", id).Str("error", status.Convert(err).Message()).Msg("capacity release not done")
+		return
+	}
+	s.log.Info().Str("session", id).Int64("freed_tokens", ack.GetFreedTokens()).Msg("session released for capacity")
+	// The worker's ReleaseSession dropped and reported it; a worker that acked without calling
+	// it is not trusted to still hold the session.
+	s.mu.Lock()
+	ss := s.sessions[id]
+	still := ss != nil && ss.releasing
+	s.mu.Unlock()
+	if still {
+		if dropped, _, ok := s.drop(id); ok {
+			s.reportCapacityRelease(dropped)
+		}
+	}
+}
+
+func (s *Sidecar) reportCapacityRelease(ss *session) {
+	s.ev.Emit(agent.Event{Event: agent.EvSessionRelease, Session: ss.id, Generation: ss.gen, Seqlen: ss.committed, Reason: "capacity"})
+	s.rep.Report(&kvcv1.SessionEvent{SessionId: ss.id, Kind: kvcv1.SessionEventKind_SESSION_EVENT_KIND_EVICTED, KvLen: ss.committed,
+		Generation: ss.gen, Detail: "capacity release (snapshot current)"})
+}
+
+// runRelease checks the watermarks every Interval until ctx is done.
+func (s *Sidecar) runRelease(ctx context.Context) {
+	if !s.rel.enabled() {
+		return
+	}
+	t := time.NewTicker(s.rel.cfg.Interval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			s.releaseTick(ctx)
+		}
+	}
+}
