@@ -21,6 +21,9 @@ replace github.com/kvcentric/kvcentric/proto => ../proto
 
 require github.com/kvcentric/kvcentric/pkg v0.0.0-00010101000000-000000000000
 
-require golang.org/x/image v0.48.0 // indirect
+require (
+	github.com/anishathalye/porcupine v1.3.1 // indirect
+	golang.org/x/image v0.48.0 // indirect
+)
 
 replace github.com/kvcentric/kvcentric/pkg => ../pkg

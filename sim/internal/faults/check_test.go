@@ -1,0 +1,89 @@
+package faults
+
+import (
+	"testing"
+	"time"
+)
+
+func TestCheckHistory(t *testing.T) {
+	t0 := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+	at := func(ms int) time.Time { return t0.Add(time.Duration(ms) * time.Millisecond) }
+	op := func(kind opKind, w string, call, ret int) Op {
+		return Op{Session: "s", Kind: kind, Worker: w, Call: at(call), Return: at(ret), Source: "test"}
+	}
+	tests := []struct {
+		name    string
+		ops     []Op
+		illegal bool
+		lost    int
+	}{
+		{"write then read it", []Op{op(opWrite, "d0", 0, 10), op(opRead, "d0", 20, 30)}, false, 0},
+		{"write forgotten", []Op{op(opWrite, "d0", 0, 10), op(opRead, "", 20, 30)}, true, 1},
+		{"write overwritten by a phantom", []Op{op(opWrite, "d0", 0, 10), op(opRead, "d1", 20, 30)}, true, 1},
+		{"read concurrent with the write may see the old value",
+			[]Op{op(opWrite, "d0", 0, 10), op(opWrite, "d1", 20, 40), op(opRead, "d0", 25, 30)}, false, 0},
+		{"stale read after a newer write returned",
+			[]Op{op(opWrite, "d0", 0, 10), op(opWrite, "d1", 20, 30), op(opRead, "d0", 40, 50)}, true, 1},
+		{"a drop of the worker explains the empty read",
+			[]Op{op(opWrite, "d0", 0, 10), op(opDrop, "d0", 15, 35), op(opRead, "", 40, 50)}, false, 0},
+		{"a drop of another worker explains nothing",
+			[]Op{op(opWrite, "d0", 0, 10), op(opDrop, "d1", 15, 35), op(opRead, "", 40, 50)}, true, 0},
+		{"a failed request may have written",
+			[]Op{op(opWrite, "d0", 0, 10), op(opMaybe, "d1", 15, 35), op(opRead, "d1", 40, 50)}, false, 0},
+		{"a failed request may have dropped",
+			[]Op{op(opWrite, "d0", 0, 10), op(opMaybe, "", 15, 35), op(opRead, "", 40, 50)}, false, 0},
+		{"two workers at once (read d0 and d1 with no write between)",
+			[]Op{op(opWrite, "d0", 0, 10), op(opRead, "d0", 20, 30), op(opRead, "d1", 40, 50), op(opRead, "d0", 60, 70)}, true, 1},
+		{"seed of a new session", []Op{op(opSeed, "d0", 0, 10), op(opRead, "d0", 20, 30)}, false, 0},
+		{"seed of a session acked resident: forgotten",
+			[]Op{op(opSeed, "d0", 0, 10), op(opRead, "d0", 20, 30), op(opSeed, "d1", 40, 50)}, true, 1},
+		{"seed after a legitimate drop",
+			[]Op{op(opWrite, "d0", 0, 10), op(opDrop, "d0", 15, 35), op(opSeed, "d1", 40, 50)}, false, 0},
+		{"initial state is not resident", []Op{op(opRead, "", 0, 10)}, false, 0},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			v := CheckHistory(tc.ops, 5*time.Second)
+			if got := len(v.Illegal) > 0; got != tc.illegal {
+				t.Errorf("illegal = %v, want %v", got, tc.illegal)
+			}
+			if v.Lost != tc.lost {
+				t.Errorf("lost = %d, want %d (%v)", v.Lost, tc.lost, v.LostDetails)
+			}
+			if len(v.Unknown) != 0 {
+				t.Errorf("checker gave up: %v", v.Unknown)
+			}
+		})
+	}
+}
+
+func TestOpsFromResults(t *testing.T) {
+	t0 := time.Now()
+	rs := []Result{
+		{Session: "a", OK: true, Status: 200, Mode: "SEED", Worker: "d0"},
+		{Session: "a", OK: true, Status: 200, Mode: "DIRECT_TO_D", Worker: "d0"},
+		{Session: "a", OK: true, Status: 200, Mode: "RESEED_SNAPSHOT", Worker: "d1"},
+		{Session: "a", OK: true, Status: 200, Mode: "RESEED_PREFILL", Worker: "d2"},
+		{Session: "a", OK: true, Status: 200, Mode: "PD_FALLBACK", Worker: "d2", FailOpen: true},
+		{Session: "a", OK: true, Status: 200, Mode: "PD_FALLBACK", Worker: "d2"},
+		{Session: "a", Status: 502, Mode: "SEED", Worker: "d1"},
+		{Session: "a", Status: 502, Mode: "DIRECT_TO_D", Worker: "d1"},
+		{Session: "a", Err: "transport: refused"},
+	}
+	for i := range rs {
+		rs[i].Call, rs[i].Return = t0, t0
+	}
+	want := []struct {
+		kind opKind
+		w    string
+	}{{opSeed, "d0"}, {opRead, "d0"}, {opWrite, "d1"}, {opWrite, "d2"}, {opMaybe, ""}, {opMaybe, "d1"}, {opMaybe, ""}, {opMaybe, ""}}
+	got := OpsFromResults(rs)
+	if len(got) != len(want) {
+		t.Fatalf("%d ops, want %d: %+v", len(got), len(want), got)
+	}
+	for i, w := range want {
+		if got[i].Kind != w.kind || got[i].Worker != w.w {
+			t.Errorf("op %d = %s(%q), want %s(%q)", i, got[i].Kind, got[i].Worker, w.kind, w.w)
+		}
+	}
+}

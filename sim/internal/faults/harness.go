@@ -1,0 +1,512 @@
+package faults
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"encoding/json"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
+
+	"github.com/kvcentric/kvcentric/pkg/etcdtest"
+	"github.com/kvcentric/kvcentric/pkg/grpcx"
+	"github.com/kvcentric/kvcentric/pkg/netproxy"
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+// Settings of the cluster under test.
+const (
+	// ElectionTTL is the control planes' --election-ttl; the leader-kill bound is TTL + 2 s.
+	ElectionTTL = 3 * time.Second
+	// keepalive of the control planes' gRPC servers: a half-open sidecar link is cut within
+	// time + timeout.
+	kaTime, kaTimeout = time.Second, 2 * time.Second
+	startLimit        = 60 * time.Second
+)
+
+// Config says where the binaries are and where the cluster writes.
+type Config struct {
+	BinDir  string
+	WorkDir string
+	Log     io.Writer // progress lines (nil: none)
+}
+
+// Harness is a running cluster of real processes: a 3-member etcd (embedded in the test
+// process, pkg/etcdtest), two control planes reaching etcd through one black-holing proxy
+// per member each, 1 prefill + 3 decode kvc-sim workers with their sidecars, and kvc-gateway.
+// One decode sidecar (HalfOpenWorker) reaches the control planes through proxies too.
+type Harness struct {
+	cfg  Config
+	tb   testing.TB
+	etcd *etcdtest.Cluster
+
+	CPs      []*proc
+	cpAddrs  []string
+	cpHTTP   []string
+	etcdPx   map[string][]*netproxy.Proxy // control plane name -> its proxies to the etcd members
+	sidePx   []*netproxy.Proxy            // HalfOpenWorker's sidecar -> each control plane
+	Sims     map[string]*proc             // worker id -> kvc-sim
+	Sidecars map[string]*proc             // worker id -> sidecar
+	Gateway  *proc
+	GWURL    string
+	workers  []string // worker ids, prefill first
+	decode   []string
+	simURL   map[string]string
+
+	connMu sync.Mutex
+	conns  map[string]*grpc.ClientConn
+}
+
+// HalfOpenWorker is the decode worker whose sidecar reaches the control planes through
+// proxies (the half-open link scenario black-holes them).
+const HalfOpenWorker = "decode-2"
+
+func (h *Harness) logf(format string, a ...any) {
+	if h.cfg.Log != nil {
+		fmt.Fprintf(h.cfg.Log, time.Now().UTC().Format("15:04:05.000")+" "+format+"\n", a...)
+	}
+}
+
+// Start brings the cluster up and waits until the leader lists every worker READY and the
+// gateway's route stream is up. Everything is stopped at the test's cleanup.
+func Start(t testing.TB, ctx context.Context, cfg Config) (*Harness, error) {
+	h := &Harness{cfg: cfg, tb: t, etcdPx: map[string][]*netproxy.Proxy{}, Sims: map[string]*proc{},
+		Sidecars: map[string]*proc{}, simURL: map[string]string{}, conns: map[string]*grpc.ClientConn{}}
+	t.Cleanup(h.stop)
+	if err := os.MkdirAll(cfg.WorkDir, 0o755); err != nil {
+		return nil, err
+	}
+	h.etcd = etcdtest.StartN(t, 3)
+	h.logf("etcd: 3 members %s", strings.Join(h.etcd.Endpoints(), ","))
+	bin := func(n string) string { return filepath.Join(cfg.BinDir, n) }
+	for _, n := range []string{"kvc-controlplane", "kvc-sidecar-prefill", "kvc-sidecar-decode", "kvc-sim", "kvc-gateway"} {
+		if _, err := os.Stat(bin(n)); err != nil {
+			return nil, fmt.Errorf("missing %s (make build)", bin(n))
+		}
+	}
+	prefix := fmt.Sprintf("/kvc-faults-%d/", time.Now().UnixNano())
+	for i := 0; i < 2; i++ {
+		name := fmt.Sprintf("cp-%d", i)
+		var eps []string
+		for _, m := range h.etcd.Members() {
+			px, err := netproxy.New(strings.TrimPrefix(m.ClientURL, "http://"))
+			if err != nil {
+				return nil, err
+			}
+			h.etcdPx[name] = append(h.etcdPx[name], px)
+			eps = append(eps, "http://"+px.Addr())
+		}
+		ga, err := freeAddr()
+		if err != nil {
+			return nil, err
+		}
+		ha, err := freeAddr()
+		if err != nil {
+			return nil, err
+		}
+		h.cpAddrs = append(h.cpAddrs, ga)
+		h.cpHTTP = append(h.cpHTTP, ha)
+		h.CPs = append(h.CPs, &proc{name: name, role: "controlplane", bin: bin("kvc-controlplane"), dir: cfg.WorkDir, args: []string{
+			"--node-id", name, "--grpc-addr", ga, "--http-addr", ha,
+			"--etcd-endpoints", strings.Join(eps, ","), "--etcd-prefix", prefix,
+			"--election-ttl", ElectionTTL.String(), "--flush-delay", "20ms",
+			"--grpc-keepalive-time", kaTime.String(), "--grpc-keepalive-timeout", kaTimeout.String(),
+			"--log-level", "info",
+		}})
+	}
+	// cp-0 first, so that it leads and the half-open sidecar (which tries cp-0's proxy first)
+	// attaches to the leader through its proxy.
+	if err := h.CPs[0].start(ctx, startLimit); err != nil {
+		return nil, err
+	}
+	if err := h.waitFor(ctx, "cp-0 leads", startLimit, func(ctx context.Context) error {
+		id, err := h.Leader(ctx)
+		if err == nil && id != "cp-0" {
+			err = fmt.Errorf("leader %s", id)
+		}
+		return err
+	}); err != nil {
+		return nil, err
+	}
+	if err := h.CPs[1].start(ctx, startLimit); err != nil {
+		return nil, err
+	}
+	for _, a := range h.cpAddrs {
+		px, err := netproxy.New(a)
+		if err != nil {
+			return nil, err
+		}
+		h.sidePx = append(h.sidePx, px)
+	}
+	h.logf("control planes: %s", strings.Join(h.cpAddrs, ","))
+
+	sockDir, err := os.MkdirTemp("", "kvc-faults-")
+	if err != nil {
+		return nil, err
+	}
+	t.Cleanup(func() { _ = os.RemoveAll(sockDir) })
+	// KV pool files in a directory of their own: a kill -9 leaves its worker's file behind.
+	shmDir, err := os.MkdirTemp("/dev/shm", "kvc-faults-")
+	if err != nil {
+		return nil, err
+	}
+	t.Cleanup(func() { _ = os.RemoveAll(shmDir) })
+	h.workers = []string{"prefill-0", "decode-0", "decode-1", "decode-2"}
+	h.decode = h.workers[1:]
+	var prefillURLs, decodeURLs []string
+	for i, id := range h.workers {
+		role, gpu := "decode", i-1
+		if strings.HasPrefix(id, "prefill") {
+			role, gpu = "prefill", 0
+		}
+		addrs := make([]string, 4) // sim http, sidecar http, peer, transfer
+		for j := range addrs {
+			if addrs[j], err = freeAddr(); err != nil {
+				return nil, err
+			}
+		}
+		sock := filepath.Join(sockDir, id+".sock")
+		h.simURL[id] = "http://" + addrs[0]
+		h.Sims[id] = &proc{name: "sim-" + id, role: "sim-" + role, id: id, bin: bin("kvc-sim"), dir: cfg.WorkDir, args: []string{
+			"--role", role, "--worker-id", id, "--http-addr", addrs[0], "--bridge-socket", sock,
+			"--time-scale", "0.05", "--bridge-wait", "10m", "--layers", "4", "--shm-dir", shmDir,
+		}}
+		cps := strings.Join(h.cpAddrs, ",")
+		if id == HalfOpenWorker {
+			cps = h.sidePx[0].Addr() + "," + h.sidePx[1].Addr()
+		}
+		h.Sidecars[id] = &proc{name: "sidecar-" + id, role: "sidecar-" + role, id: id, bin: bin("kvc-sidecar-" + role), dir: cfg.WorkDir, args: []string{
+			"--worker-id", id, "--node", "local", "--gpu-index", strconv.Itoa(gpu),
+			"--worker-url", h.simURL[id], "--control-plane", cps, "--bridge-socket", sock,
+			"--http-addr", addrs[1], "--peer-addr", addrs[2], "--transport", "tcp", "--transfer-addr", addrs[3],
+			"--event-log", filepath.Join(cfg.WorkDir, id+".events.jsonl"),
+		}}
+		if role == "prefill" {
+			prefillURLs = append(prefillURLs, h.simURL[id]+"|"+addrs[2])
+		} else {
+			decodeURLs = append(decodeURLs, h.simURL[id])
+		}
+	}
+	var all []*proc
+	for _, id := range h.workers {
+		all = append(all, h.Sims[id], h.Sidecars[id])
+	}
+	for _, p := range all {
+		if err := p.spawn(); err != nil {
+			return nil, err
+		}
+	}
+	if err := waitAll(ctx, startLimit, all...); err != nil {
+		return nil, err
+	}
+	if err := h.waitFor(ctx, "every worker READY", startLimit, h.checkWhole); err != nil {
+		return nil, err
+	}
+	h.logf("workers: %s", strings.Join(h.workers, ","))
+	ga, err := freeAddr()
+	if err != nil {
+		return nil, err
+	}
+	h.GWURL = "http://" + ga
+	h.Gateway = &proc{name: "gateway", role: "gateway", bin: bin("kvc-gateway"), dir: cfg.WorkDir, args: []string{
+		"--http-addr", ga, "--control-plane", strings.Join(h.cpAddrs, ","),
+		"--prefill-urls", strings.Join(prefillURLs, ","), "--decode-urls", strings.Join(decodeURLs, ","),
+		"--request-timeout", "20s", "--worker-refresh", "1s",
+	}}
+	if err := h.Gateway.start(ctx, startLimit); err != nil {
+		return nil, err
+	}
+	if err := h.waitFor(ctx, "gateway route stream", startLimit, h.gatewayConnected); err != nil {
+		return nil, err
+	}
+	h.logf("gateway: %s", h.GWURL)
+	return h, nil
+}
+
+// restartEtcd restarts killed etcd members together (a lone member of three cannot get ready
+// without a quorum) and waits until they serve.
+func (h *Harness) restartEtcd(ms ...*etcdtest.Member) error {
+	var wg sync.WaitGroup
+	for _, m := range ms {
+		wg.Add(1)
+		go func() { defer wg.Done(); m.Restart(h.tb) }()
+	}
+	wg.Wait()
+	for _, m := range ms {
+		if !m.Running() {
+			return fmt.Errorf("etcd member %s did not restart", m.Name)
+		}
+	}
+	return nil
+}
+
+func waitAll(ctx context.Context, limit time.Duration, ps ...*proc) error {
+	errs := make([]error, len(ps))
+	var wg sync.WaitGroup
+	for i, p := range ps {
+		wg.Add(1)
+		go func() { defer wg.Done(); errs[i] = p.waitReady(ctx, limit) }()
+	}
+	wg.Wait()
+	return errors.Join(errs...)
+}
+
+// waitFor calls f every 50 ms until it succeeds or limit passes.
+func (h *Harness) waitFor(ctx context.Context, what string, limit time.Duration, f func(ctx context.Context) error) error {
+	ctx, cancel := context.WithTimeout(ctx, limit)
+	defer cancel()
+	tick := time.NewTicker(50 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		cctx, ccancel := context.WithTimeout(ctx, 2*time.Second)
+		err := f(cctx)
+		ccancel()
+		if err == nil {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("%s: not within %s (last: %v)", what, limit, err)
+		case <-tick.C:
+		}
+	}
+}
+
+func (h *Harness) conn(addr string) (*grpc.ClientConn, error) {
+	h.connMu.Lock()
+	defer h.connMu.Unlock()
+	if c, ok := h.conns[addr]; ok {
+		return c, nil
+	}
+	c, err := grpc.NewClient(addr, append(grpcx.ClientOptions(), grpc.WithTransportCredentials(insecure.NewCredentials()))...)
+	if err != nil {
+		return nil, err
+	}
+	h.conns[addr] = c
+	return c, nil
+}
+
+func (h *Harness) admin(i int) (kvcv1.AdminServiceClient, error) {
+	c, err := h.conn(h.cpAddrs[i])
+	if err != nil {
+		return nil, err
+	}
+	return kvcv1.NewAdminServiceClient(c), nil
+}
+
+// Leader returns the node id of the replica that says it leads (asked on every live one).
+func (h *Harness) Leader(ctx context.Context) (string, error) {
+	err := errors.New("no control plane alive")
+	for i, p := range h.CPs {
+		if !p.alive() {
+			continue
+		}
+		a, e := h.admin(i)
+		if e != nil {
+			err = e
+			continue
+		}
+		r, e := a.GetLeader(ctx, &kvcv1.GetLeaderRequest{})
+		if e != nil {
+			err = fmt.Errorf("%s: %w", p.name, e)
+			continue
+		}
+		if r.GetResponderIsLeader() {
+			return p.name, nil
+		}
+		err = fmt.Errorf("%s: not leader (names %q)", p.name, r.GetLeaderId())
+	}
+	return "", err
+}
+
+func (h *Harness) cpIndex(name string) int {
+	for i, p := range h.CPs {
+		if p.name == name {
+			return i
+		}
+	}
+	return -1
+}
+
+func (h *Harness) leaderAdmin(ctx context.Context) (kvcv1.AdminServiceClient, string, error) {
+	id, err := h.Leader(ctx)
+	if err != nil {
+		return nil, "", err
+	}
+	a, err := h.admin(h.cpIndex(id))
+	return a, id, err
+}
+
+// WorkerStates is the leader's view of every worker.
+func (h *Harness) WorkerStates(ctx context.Context) (map[string]kvcv1.WorkerState, error) {
+	a, _, err := h.leaderAdmin(ctx)
+	if err != nil {
+		return nil, err
+	}
+	r, err := a.ListWorkers(ctx, &kvcv1.ListWorkersRequest{})
+	if err != nil {
+		return nil, err
+	}
+	out := map[string]kvcv1.WorkerState{}
+	for _, w := range r.GetWorkers() {
+		out[w.GetWorkerId()] = w.GetState()
+	}
+	return out, nil
+}
+
+// checkWhole succeeds when a leader lists every worker READY.
+func (h *Harness) checkWhole(ctx context.Context) error {
+	st, err := h.WorkerStates(ctx)
+	if err != nil {
+		return err
+	}
+	var bad []string
+	for _, id := range h.workers {
+		if st[id] != kvcv1.WorkerState_WORKER_STATE_READY {
+			bad = append(bad, id+"="+strings.TrimPrefix(st[id].String(), "WORKER_STATE_"))
+		}
+	}
+	if len(bad) > 0 {
+		return fmt.Errorf("not ready: %s", strings.Join(bad, ","))
+	}
+	return nil
+}
+
+// GetSession reads a session's resident decode worker from the leader ("" when the session is
+// unknown or not resident).
+func (h *Harness) GetSession(ctx context.Context, id string) (string, error) {
+	a, _, err := h.leaderAdmin(ctx)
+	if err != nil {
+		return "", err
+	}
+	r, err := a.GetSession(ctx, &kvcv1.GetSessionRequest{SessionId: id})
+	if status.Code(err) == codes.NotFound {
+		return "", nil
+	}
+	if err != nil {
+		return "", err
+	}
+	return r.GetSession().GetDecodeWorker(), nil
+}
+
+// DecodeHoldings lists, per decode worker, the sessions its kvc-sim holds (GET /kvc/sessions).
+func (h *Harness) DecodeHoldings(ctx context.Context) (map[string][]string, error) {
+	out := map[string][]string{}
+	for _, id := range h.decode {
+		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, h.simURL[id]+"/kvc/sessions", nil)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", id, err)
+		}
+		var body struct {
+			Sessions []struct {
+				SessionID string `json:"session_id"`
+			} `json:"sessions"`
+		}
+		err = json.NewDecoder(resp.Body).Decode(&body)
+		resp.Body.Close()
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", id, err)
+		}
+		for _, s := range body.Sessions {
+			out[id] = append(out[id], s.SessionID)
+		}
+	}
+	return out, nil
+}
+
+func (h *Harness) gatewayConnected(ctx context.Context) error {
+	v, err := scrape(ctx, h.GWURL+"/metrics", "kvc_gateway_control_plane_connected")
+	if err != nil {
+		return err
+	}
+	if v != 1 {
+		return errors.New("gateway route stream down")
+	}
+	return nil
+}
+
+// scrape returns the value of the sample named exactly series (0 when absent).
+func scrape(ctx context.Context, url, series string) (float64, error) {
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return 0, err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return 0, err
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(line, series+" "); ok {
+			return strconv.ParseFloat(strings.TrimSpace(v), 64)
+		}
+	}
+	return 0, nil
+}
+
+// rssMiB is a process's resident set (VmRSS) in MiB.
+func rssMiB(pid int) float64 {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		return 0
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(l, "VmRSS:"); ok {
+			f := strings.Fields(v)
+			if len(f) > 0 {
+				kb, _ := strconv.ParseFloat(f[0], 64)
+				return kb / 1024
+			}
+		}
+	}
+	return 0
+}
+
+// stop ends every process (gateway, workers, sidecars, control planes) and closes the proxies;
+// leftover KV pool files of killed workers are removed.
+func (h *Harness) stop() {
+	if h.Gateway != nil {
+		h.Gateway.stop(5 * time.Second)
+	}
+	var ps []*proc
+	for _, id := range h.workers {
+		ps = append(ps, h.Sims[id])
+	}
+	for _, id := range h.workers {
+		ps = append(ps, h.Sidecars[id])
+	}
+	for _, p := range ps {
+		p.stop(5 * time.Second)
+	}
+	for _, p := range h.CPs {
+		p.stop(5 * time.Second)
+	}
+	for _, pxs := range h.etcdPx {
+		for _, px := range pxs {
+			_ = px.Close()
+		}
+	}
+	for _, px := range h.sidePx {
+		_ = px.Close()
+	}
+	h.connMu.Lock()
+	for _, c := range h.conns {
+		_ = c.Close()
+	}
+	h.connMu.Unlock()
+}

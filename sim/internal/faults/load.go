@@ -1,0 +1,216 @@
+package faults
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"strconv"
+	"sync"
+	"time"
+
+	"golang.org/x/sync/errgroup"
+)
+
+// Result is one client request through the gateway as the load generator saw it.
+type Result struct {
+	Session  string
+	Turn     int
+	Call     time.Time
+	Return   time.Time
+	Status   int
+	OK       bool   // 200 and the stream ended with [DONE], no error event
+	Err      string // why not OK
+	Mode     string // X-KVC-Mode
+	Reason   string // X-KVC-Reason
+	Worker   string // X-KVC-Decode-Worker
+	FailOpen bool   // X-KVC-Fail-Open
+	Retries  int    // X-KVC-Retries
+}
+
+// LoadConfig shapes the session traffic.
+type LoadConfig struct {
+	URL          string
+	Sessions     int           // concurrent sessions (default 24)
+	Clients      int           // goroutines (default 4); each owns every Clients-th session
+	Rate         float64       // requests per second in all (default 30)
+	Turns        int           // turns per session before a new session id replaces it (default 16)
+	Timeout      time.Duration // one request (default 15 s)
+	OutputTokens int           // max_new_tokens (default 8)
+}
+
+// Load is a bounded session load generator: Clients goroutines send multi-turn sessions
+// (SGLang /generate, streaming, X-Session-ID) through the gateway at a total of Rate requests
+// per second. Every answer is kept (Results), in completion order.
+type Load struct {
+	cfg  LoadConfig
+	hc   *http.Client
+	sess []*loadSession
+
+	mu      sync.Mutex
+	results []Result
+	gen     int
+}
+
+type loadSession struct {
+	id   string
+	turn int
+}
+
+// NewLoad returns a generator with its sessions at turn 0.
+func NewLoad(cfg LoadConfig) *Load {
+	if cfg.Sessions <= 0 {
+		cfg.Sessions = 24
+	}
+	if cfg.Clients <= 0 {
+		cfg.Clients = 4
+	}
+	if cfg.Rate <= 0 {
+		cfg.Rate = 30
+	}
+	if cfg.Turns <= 0 {
+		cfg.Turns = 16
+	}
+	if cfg.Timeout <= 0 {
+		cfg.Timeout = 15 * time.Second
+	}
+	if cfg.OutputTokens <= 0 {
+		cfg.OutputTokens = 8
+	}
+	l := &Load{cfg: cfg, hc: &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: cfg.Clients * 2}}}
+	for i := 0; i < cfg.Sessions; i++ {
+		l.sess = append(l.sess, &loadSession{id: fmt.Sprintf("fs-%02d-0", i)})
+	}
+	return l
+}
+
+// Run sends requests until ctx ends, then waits for those in flight (each bounded by the
+// request timeout) and returns.
+func (l *Load) Run(ctx context.Context) {
+	tokens := make(chan struct{})
+	g, gctx := errgroup.WithContext(ctx)
+	g.Go(func() error { // the pacer: one token per 1/Rate
+		t := time.NewTicker(time.Duration(float64(time.Second) / l.cfg.Rate))
+		defer t.Stop()
+		for {
+			select {
+			case <-gctx.Done():
+				return nil
+			case <-t.C:
+				select {
+				case tokens <- struct{}{}:
+				default: // every client busy: the generator stays bounded, it does not queue
+				}
+			}
+		}
+	})
+	for c := 0; c < l.cfg.Clients; c++ {
+		g.Go(func() error {
+			for i := c; ; i += l.cfg.Clients {
+				if i >= len(l.sess) {
+					i = c
+				}
+				select {
+				case <-gctx.Done():
+					return nil
+				case <-tokens:
+				}
+				s := l.sess[i]
+				// A request already started finishes (bounded by its timeout) even when ctx
+				// ends: its answer is part of the history.
+				r := l.send(context.WithoutCancel(gctx), s.id, s.turn)
+				l.mu.Lock()
+				l.results = append(l.results, r)
+				s.turn++
+				if s.turn >= l.cfg.Turns {
+					l.gen++
+					s.id, s.turn = fmt.Sprintf("fs-%02d-%d", i, l.gen), 0
+				}
+				l.mu.Unlock()
+			}
+		})
+	}
+	_ = g.Wait()
+}
+
+// Results returns the answers from index from on, and the index to continue from.
+func (l *Load) Results(from int) ([]Result, int) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return append([]Result(nil), l.results[from:]...), len(l.results)
+}
+
+// Sessions returns the ids of the sessions in use now.
+func (l *Load) Sessions() []string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	out := make([]string, len(l.sess))
+	for i, s := range l.sess {
+		out[i] = s.id
+	}
+	return out
+}
+
+// inputTokens grows a session by 240 tokens a turn: a small append (direct-to-D).
+func inputTokens(turn int) int64 { return 400 + 240*int64(turn) }
+
+func (l *Load) send(ctx context.Context, session string, turn int) (r Result) {
+	r = Result{Session: session, Turn: turn, Call: time.Now()}
+	defer func() { r.Return = time.Now() }()
+	body, _ := json.Marshal(map[string]any{
+		"stream":          true,
+		"sampling_params": map[string]any{"max_new_tokens": l.cfg.OutputTokens},
+		"session_params":  map[string]any{"id": session},
+		"kvc":             map[string]any{"input_tokens": inputTokens(turn), "turn": turn, "multiturn": true},
+	})
+	ctx, cancel := context.WithTimeout(ctx, l.cfg.Timeout)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, l.cfg.URL+"/generate", bytes.NewReader(body))
+	if err != nil {
+		r.Err = err.Error()
+		return r
+	}
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("X-Session-ID", session)
+	resp, err := l.hc.Do(req)
+	if err != nil {
+		r.Err = "transport: " + err.Error()
+		return r
+	}
+	defer resp.Body.Close()
+	h := resp.Header
+	r.Status = resp.StatusCode
+	r.Mode, r.Reason, r.Worker = h.Get("X-KVC-Mode"), h.Get("X-KVC-Reason"), h.Get("X-KVC-Decode-Worker")
+	r.FailOpen = h.Get("X-KVC-Fail-Open") == "true"
+	r.Retries, _ = strconv.Atoi(h.Get("X-KVC-Retries"))
+	br := bufio.NewReaderSize(resp.Body, 64<<10)
+	if resp.StatusCode != http.StatusOK {
+		b, _ := br.Peek(300)
+		r.Err = fmt.Sprintf("HTTP %d %s: %s", resp.StatusCode, h.Get("X-KVC-Error-Kind"), bytes.TrimSpace(b))
+		return r
+	}
+	for {
+		line, err := br.ReadBytes('\n')
+		if p, ok := bytes.CutPrefix(bytes.TrimSpace(line), []byte("data:")); ok {
+			p = bytes.TrimSpace(p)
+			if bytes.Equal(p, []byte("[DONE]")) {
+				r.OK = r.Err == ""
+				return r
+			}
+			var c struct {
+				Error *struct{ Code, Message, Kind string } `json:"error"`
+			}
+			if json.Unmarshal(p, &c) == nil && c.Error != nil {
+				r.Err = fmt.Sprintf("stream error %s %s: %s", c.Error.Kind, c.Error.Code, c.Error.Message)
+			}
+		}
+		if err != nil {
+			if r.Err == "" {
+				r.Err = "stream ended without [DONE]: " + err.Error()
+			}
+			return r
+		}
+	}
+}

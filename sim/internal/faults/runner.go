@@ -1,0 +1,413 @@
+package faults
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"time"
+)
+
+// Scenario is one fault injected under load.
+type Scenario struct {
+	Name      string
+	CI        bool   // part of the default (CI) subset of make test-faults
+	Criterion string // the pass criterion, for the report and docs/reliability.md
+	// Bound is the recovery bound, counted from the reference time Inject returns.
+	Bound time.Duration
+	// Inject injects the fault and returns the reference time recovery is counted from (the
+	// fault, or the moment the restarted process is back), and the decode workers whose
+	// residency the fault may legitimately forget (their kvc-sim lost its memory).
+	Inject func(ctx context.Context, h *Harness, s *Step) (ref time.Time, drops []string, err error)
+	// Restore brings the cluster back to full strength after the recovery was measured (e.g.
+	// restarts a killed control plane); nil when nothing is needed.
+	Restore func(ctx context.Context, h *Harness, s *Step) error
+}
+
+// Step lets a scenario leave notes for its report.
+type Step struct {
+	notes []string
+	// faultAt is set by the runner just before Inject; Inject may move it (when the fault is
+	// the end of a setup, e.g. a black hole after a check).
+	faultAt time.Time
+}
+
+// Note adds a line to the scenario's report.
+func (s *Step) Note(format string, a ...any) { s.notes = append(s.notes, fmt.Sprintf(format, a...)) }
+
+// Outcome is a scenario's measured result.
+type Outcome struct {
+	Name       string         `json:"name"`
+	Criterion  string         `json:"criterion"`
+	Bound      float64        `json:"bound_s"`
+	Recovered  bool           `json:"recovered"` // within the bound
+	Recovery   float64        `json:"recovery_s"`
+	NeverBack  bool           `json:"never_back"` // not whole again within the wait limit
+	Requests   int            `json:"requests"`
+	Failed     int            `json:"failed"`
+	FailOpen   int            `json:"fail_open"`
+	Lost       int            `json:"lost"`
+	Duplicated int            `json:"duplicated"`
+	Phantom    int            `json:"phantom"` // the leader names a worker that does not hold the session
+	Illegal    int            `json:"illegal_sessions"`
+	Unknown    int            `json:"unknown_sessions"`
+	Writes     int            `json:"acked_writes"`
+	Ops        int            `json:"ops"`
+	Modes      map[string]int `json:"modes"`
+	Errors     []string       `json:"errors,omitempty"`
+	Notes      []string       `json:"notes,omitempty"`
+	Passed     bool           `json:"passed"`
+}
+
+// RunConfig shapes a run.
+type RunConfig struct {
+	Out       io.Writer // the fault: lines and details
+	Warm      time.Duration
+	After     time.Duration // load kept after recovery
+	WaitLimit time.Duration // longest wait for recovery
+	Settle    time.Duration // after the load stops, before the quiescent reads
+}
+
+// Runner runs scenarios one after another on one cluster under one load generator.
+type Runner struct {
+	h    *Harness
+	load *Load
+	cfg  RunConfig
+	// last quiescent read per session: the register's value where the next segment starts
+	base     map[string]string
+	baseAt   time.Time
+	consumed int
+}
+
+// NewRunner returns a runner; Baseline must run before the first scenario.
+func NewRunner(h *Harness, l *Load, cfg RunConfig) *Runner {
+	if cfg.Warm <= 0 {
+		cfg.Warm = 2 * time.Second
+	}
+	if cfg.After <= 0 {
+		cfg.After = 2 * time.Second
+	}
+	if cfg.WaitLimit <= 0 {
+		cfg.WaitLimit = 45 * time.Second
+	}
+	if cfg.Settle <= 0 {
+		cfg.Settle = 500 * time.Millisecond
+	}
+	return &Runner{h: h, load: l, cfg: cfg, base: map[string]string{}}
+}
+
+func (r *Runner) printf(format string, a ...any) {
+	if r.cfg.Out != nil {
+		fmt.Fprintf(r.cfg.Out, format+"\n", a...)
+	}
+}
+
+// Baseline runs the load on the healthy cluster for d, then takes the first quiescent reads.
+// It reports the requests that failed (there should be none).
+func (r *Runner) Baseline(ctx context.Context, d time.Duration) (Outcome, error) {
+	sc := Scenario{Name: "baseline", Criterion: "healthy cluster: no failed request, history linearizable",
+		Bound: 5 * time.Second, Inject: func(context.Context, *Harness, *Step) (time.Time, []string, error) {
+			return time.Now(), nil, nil
+		}}
+	old := r.cfg.Warm
+	r.cfg.Warm = d
+	defer func() { r.cfg.Warm = old }()
+	return r.Run(ctx, sc)
+}
+
+// Run runs one scenario: load, fault, recovery, restore, quiescent reads, checks.
+func (r *Runner) Run(ctx context.Context, sc Scenario) (Outcome, error) {
+	out := Outcome{Name: sc.Name, Criterion: sc.Criterion, Bound: sc.Bound.Seconds(), Modes: map[string]int{}}
+	segStart := time.Now()
+	lctx, stopLoad := context.WithCancel(ctx)
+	loadDone := make(chan struct{})
+	go func() { defer close(loadDone); r.load.Run(lctx) }()
+	defer func() { stopLoad(); <-loadDone }()
+	select {
+	case <-time.After(r.cfg.Warm):
+	case <-ctx.Done():
+		return out, ctx.Err()
+	}
+	st := &Step{faultAt: time.Now()}
+	ref, drops, err := sc.Inject(ctx, r.h, st)
+	if err != nil {
+		st.Note("inject: %v", err)
+	}
+	if ref.IsZero() {
+		ref = time.Now()
+	}
+	// Recovery: whole (a leader lists every worker READY and the gateway's route stream is up),
+	// and every session served by a control-plane decision in a request started after ref.
+	whole, wholeErr := r.waitWhole(ctx, ref)
+	served, servedErr := r.waitServed(ctx, ref)
+	end := whole
+	if served.After(end) {
+		end = served
+	}
+	switch {
+	case wholeErr != nil || servedErr != nil:
+		out.NeverBack = true
+		out.Recovery = r.cfg.WaitLimit.Seconds()
+		if wholeErr != nil {
+			st.Note("never whole: %v", wholeErr)
+		}
+		if servedErr != nil {
+			st.Note("sessions not served: %v", servedErr)
+		}
+	default:
+		st.Note("whole %.1f s, every session served by a decision %.1f s after the reference", whole.Sub(ref).Seconds(), served.Sub(ref).Seconds())
+		out.Recovery = end.Sub(ref).Seconds()
+		out.Recovered = end.Sub(ref) <= sc.Bound
+	}
+	if sc.Restore != nil {
+		if err := sc.Restore(ctx, r.h, st); err != nil {
+			st.Note("restore: %v", err)
+		}
+		if _, err := r.waitWhole(ctx, time.Now()); err != nil {
+			st.Note("not whole after restore: %v", err)
+		}
+	}
+	select {
+	case <-time.After(r.cfg.After):
+	case <-ctx.Done():
+	}
+	stopLoad()
+	<-loadDone
+	segEnd := time.Now()
+
+	results, next := r.load.Results(r.consumed)
+	r.consumed = next
+	r.dump(sc.Name, results)
+	ops := []Op{}
+	// The register's value at the segment's start: the previous quiescent read, as a write.
+	for id, w := range r.base {
+		ops = append(ops, Op{Session: id, Kind: opWrite, Worker: w, Call: r.baseAt, Return: r.baseAt, Source: "previous quiescent read"})
+	}
+	ops = append(ops, OpsFromResults(results)...)
+	sessions := map[string]bool{}
+	for _, res := range results {
+		sessions[res.Session] = true
+		out.Requests++
+		if res.FailOpen {
+			out.FailOpen++
+		}
+		if !res.OK {
+			out.Failed++
+			if len(out.Errors) < 8 {
+				out.Errors = append(out.Errors, fmt.Sprintf("%s turn %d at %s: %s", res.Session, res.Turn, res.Call.UTC().Format("15:04:05.000"), res.Err))
+			}
+		}
+		m := res.Mode
+		if res.FailOpen {
+			m += "(fail-open)"
+		}
+		out.Modes[m]++
+	}
+	for _, d := range drops {
+		for id := range sessions {
+			ops = append(ops, Op{Session: id, Kind: opDrop, Worker: d, Call: st.faultAt, Return: segEnd, Source: "fault"})
+		}
+		for id := range r.base {
+			if !sessions[id] {
+				ops = append(ops, Op{Session: id, Kind: opDrop, Worker: d, Call: st.faultAt, Return: segEnd, Source: "fault"})
+			}
+		}
+	}
+	// Quiescent reads: the load is stopped and every answer is in; the gateway reports each
+	// outcome on its route stream after the answer, so wait Settle before reading.
+	select {
+	case <-time.After(r.cfg.Settle):
+	case <-ctx.Done():
+	}
+	r.base = map[string]string{}
+	readIDs := make([]string, 0, len(sessions))
+	for id := range sessions {
+		readIDs = append(readIDs, id)
+	}
+	sort.Strings(readIDs)
+	holdings, herr := r.h.DecodeHoldings(ctx)
+	if herr != nil {
+		st.Note("decode holdings: %v", herr)
+	}
+	held := map[string][]string{}
+	for w, ss := range holdings {
+		for _, s := range ss {
+			held[s] = append(held[s], w)
+		}
+	}
+	for _, id := range readIDs {
+		call := time.Now()
+		var w string
+		var err error
+		for attempt := 0; attempt < 3; attempt++ { // a read is retried only when it fails
+			cctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+			w, err = r.h.GetSession(cctx, id)
+			cancel()
+			if err == nil {
+				break
+			}
+		}
+		if err != nil {
+			st.Note("GetSession %s: %v", id, err)
+			continue
+		}
+		ret := time.Now()
+		ops = append(ops, Op{Session: id, Kind: opRead, Worker: w, Call: call, Return: ret, Source: "GetSession"})
+		r.base[id] = w
+		if len(held[id]) > 1 {
+			out.Duplicated++
+			st.Note("duplicated: %s held by %s (leader says %q)", id, strings.Join(held[id], ","), w)
+		}
+		if w != "" && herr == nil && !contains(held[id], w) {
+			out.Phantom++
+			if out.Phantom <= 3 {
+				st.Note("phantom: leader says %s is resident on %s, which does not hold it", id, w)
+			}
+		}
+	}
+	r.baseAt = time.Now()
+	_ = segStart
+	v := CheckHistory(ops, 20*time.Second)
+	out.Lost, out.Illegal, out.Unknown, out.Writes, out.Ops = v.Lost, len(v.Illegal), len(v.Unknown), v.Writes, v.Ops
+	if len(v.Illegal) > 0 && v.Lost == 0 {
+		// Not linearizable although no single write was contradicted cleanly: count each such
+		// session once.
+		out.Lost = len(v.Illegal)
+	}
+	for i, d := range v.LostDetails {
+		if i == 5 {
+			st.Note("lost: … %d more", len(v.LostDetails)-5)
+			break
+		}
+		st.Note("lost: %s", d)
+	}
+	if len(v.Illegal) > 0 {
+		st.Note("not linearizable: %s", strings.Join(first(v.Illegal, 6), ","))
+	}
+	out.Notes = st.notes
+	out.Passed = out.Recovered && out.Failed == 0 && out.Lost == 0 && out.Duplicated == 0 && out.Illegal == 0
+	r.report(out)
+	return out, nil
+}
+
+// dump writes a scenario's requests as JSON lines into the work directory.
+func (r *Runner) dump(name string, rs []Result) {
+	f, err := os.Create(filepath.Join(r.h.cfg.WorkDir, "requests-"+name+".jsonl"))
+	if err != nil {
+		return
+	}
+	defer f.Close()
+	enc := json.NewEncoder(f)
+	for _, x := range rs {
+		_ = enc.Encode(x)
+	}
+}
+
+func first(s []string, n int) []string {
+	if len(s) > n {
+		return append(append([]string(nil), s[:n]...), fmt.Sprintf("(+%d)", len(s)-n))
+	}
+	return s
+}
+
+func contains(xs []string, s string) bool {
+	for _, x := range xs {
+		if x == s {
+			return true
+		}
+	}
+	return false
+}
+
+func (r *Runner) report(o Outcome) {
+	verdict := "PASS"
+	if !o.Passed {
+		verdict = "FAIL"
+	}
+	modes := make([]string, 0, len(o.Modes))
+	for m, n := range o.Modes {
+		modes = append(modes, fmt.Sprintf("%s=%d", m, n))
+	}
+	sort.Strings(modes)
+	r.printf("  %s %s: bound %.1f s (%s); %d requests (%s), %d acked writes, %d ops checked, %d phantom, %d sessions unknown to the checker",
+		verdict, o.Name, o.Bound, o.Criterion, o.Requests, strings.Join(modes, " "), o.Writes, o.Ops, o.Phantom, o.Unknown)
+	for _, n := range o.Notes {
+		r.printf("    note: %s", n)
+	}
+	for _, e := range o.Errors {
+		r.printf("    failed: %s", e)
+	}
+	rec := fmt.Sprintf("%.1f", o.Recovery)
+	if o.NeverBack {
+		rec = ">" + rec
+	}
+	prefix := "fault:"
+	if o.Name == "baseline" {
+		prefix = "baseline:"
+	}
+	r.printf("%s %s recovery %s s, failed %d, lost %d, duplicated %d", prefix, o.Name, rec, o.Failed, o.Lost, o.Duplicated)
+}
+
+// waitWhole waits until a leader lists every worker READY and the gateway's route stream is
+// up; it returns when that was first seen.
+func (r *Runner) waitWhole(ctx context.Context, from time.Time) (time.Time, error) {
+	limit := r.cfg.WaitLimit - time.Since(from)
+	if limit < time.Second {
+		limit = time.Second
+	}
+	err := r.h.waitFor(ctx, "whole", limit, func(ctx context.Context) error {
+		if err := r.h.checkWhole(ctx); err != nil {
+			return err
+		}
+		return r.h.gatewayConnected(ctx)
+	})
+	return time.Now(), err
+}
+
+// waitServed waits until every session in use has an answer from a control-plane decision
+// (200, not failed open) to a request started at or after ref; it returns the latest of
+// those answers' return times.
+func (r *Runner) waitServed(ctx context.Context, ref time.Time) (time.Time, error) {
+	deadline := ref.Add(r.cfg.WaitLimit)
+	tick := time.NewTicker(50 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		res, _ := r.load.Results(r.consumed)
+		firstOK := map[string]time.Time{}
+		for _, x := range res {
+			if x.OK && !x.FailOpen && !x.Call.Before(ref) {
+				if t, ok := firstOK[x.Session]; !ok || x.Return.Before(t) {
+					firstOK[x.Session] = x.Return
+				}
+			}
+		}
+		var latest time.Time
+		missing := 0
+		for _, id := range r.load.Sessions() {
+			t, ok := firstOK[id]
+			if !ok {
+				// A session that started after ref is served when its first answer is.
+				missing++
+				continue
+			}
+			if t.After(latest) {
+				latest = t
+			}
+		}
+		if missing == 0 {
+			return latest, nil
+		}
+		if time.Now().After(deadline) {
+			return time.Time{}, fmt.Errorf("%d sessions without a decision-served answer %s after the reference", missing, r.cfg.WaitLimit)
+		}
+		select {
+		case <-ctx.Done():
+			return time.Time{}, ctx.Err()
+		case <-tick.C:
+		}
+	}
+}

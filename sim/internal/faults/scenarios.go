@@ -1,0 +1,368 @@
+package faults
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"strings"
+	"sync"
+	"time"
+
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+// Bounds stated in docs/reliability.md.
+const (
+	// RestartBound: a restarted sidecar or worker serves again within 5 s of being back.
+	RestartBound = 5 * time.Second
+	// LeaderBound: a killed leader is replaced within TTL + 2 s.
+	LeaderBound = ElectionTTL + 2*time.Second
+	// EtcdBound: after etcd is back (restart or quorum), one lease TTL for the old leader's
+	// lease to expire, plus an etcd election (≈1 s) and 2 s.
+	EtcdBound = ElectionTTL + 3*time.Second
+	// restartLimit bounds the wait for a restarted process's ready file.
+	restartLimit = 30 * time.Second
+)
+
+const noFail = "no request fails (the gateway fails open to its worker lists), L = 0, D = 0, history linearizable"
+
+// Scenarios is every scenario, in the order they run on one cluster.
+func Scenarios() []Scenario {
+	return []Scenario{
+		{
+			Name: "half-open-sidecar-link", CI: true, Bound: RestartBound,
+			Criterion: fmt.Sprintf("%s's links to both control planes black-holed 8 s: UNREACHABLE within keepalive %s + %s (+3 s); whole ≤ 5 s after heal; %s", HalfOpenWorker, kaTime, kaTimeout, noFail),
+			Inject:    halfOpen,
+		},
+		{
+			Name: "leader-etcd-partition", CI: true, Bound: LeaderBound,
+			Criterion: "the leader's links to all 3 etcd members black-holed: the standby leads and serves ≤ TTL + 2 s after the cut; healed once recovered; " + noFail,
+			Inject:    leaderEtcdPartition,
+		},
+		{
+			Name: "leader-kill", CI: true, Bound: LeaderBound,
+			Criterion: "kill -9 of the leader: whole ≤ TTL + 2 s after the kill (restarted afterwards as the new standby); " + noFail,
+			Inject:    killCP(true), Restore: restartDeadCPs,
+		},
+		{
+			Name: "standby-kill", CI: true, Bound: RestartBound,
+			Criterion: "kill -9 of the standby: nothing stops (whole ≤ 5 s); restarted afterwards; " + noFail,
+			Inject:    killCP(false), Restore: restartDeadCPs,
+		},
+		{
+			Name: "decode-sidecar-restart", CI: true, Bound: RestartBound,
+			Criterion: "kill -9 of decode-0's sidecar, restarted 1 s later while its kvc-sim stays up: whole ≤ 5 s after the sidecar is back (ready file), sessions kept; " + noFail,
+			Inject:    restartProcs(func(h *Harness) []*proc { return []*proc{h.Sidecars["decode-0"]} }, nil),
+			Restore:   repairWorkers,
+		},
+		{
+			Name: "prefill-sidecar-restart", CI: true, Bound: RestartBound,
+			Criterion: "kill -9 of prefill-0's sidecar, restarted 1 s later while its kvc-sim stays up: whole ≤ 5 s after it is back; " + noFail,
+			Inject:    restartProcs(func(h *Harness) []*proc { return []*proc{h.Sidecars["prefill-0"]} }, nil),
+			Restore:   repairWorkers,
+		},
+		{
+			Name: "decode-worker-restart", CI: true, Bound: RestartBound,
+			Criterion: "kill -9 of decode-1's kvc-sim, restarted 1 s later (its sessions are legitimately lost: Drop(decode-1)): whole ≤ 5 s after it is back; " + noFail,
+			Inject:    restartProcs(func(h *Harness) []*proc { return []*proc{h.Sims["decode-1"]} }, []string{"decode-1"}),
+			Restore:   repairWorkers,
+		},
+		{
+			Name: "all-sidecars-restart", CI: true, Bound: RestartBound,
+			Criterion: "kill -9 of all 4 sidecars, restarted 1 s later while every kvc-sim stays up: whole ≤ 5 s after they are back; " + noFail,
+			Inject: restartProcs(func(h *Harness) []*proc {
+				var ps []*proc
+				for _, id := range h.workers {
+					ps = append(ps, h.Sidecars[id])
+				}
+				return ps
+			}, nil),
+			Restore: repairWorkers,
+		},
+		{
+			Name: "etcd-restart", CI: true, Bound: EtcdBound,
+			Criterion: "all 3 etcd members killed, restarted 2 s later: whole ≤ TTL + 3 s after etcd is back; " + noFail,
+			Inject:    etcdRestart,
+		},
+		{
+			Name: "etcd-quorum-loss", CI: false, Bound: EtcdBound,
+			Criterion: "2 of 3 etcd members stopped for 3 × TTL, then restarted: whole ≤ TTL + 3 s after the quorum is back; " + noFail,
+			Inject:    etcdQuorumLoss,
+		},
+		{
+			Name: "gateway-body-flood", CI: false, Bound: RestartBound,
+			Criterion: "8 concurrent 31 MiB request bodies to the gateway: session traffic unaffected (whole ≤ 5 s), gateway RSS growth reported; " + noFail,
+			Inject:    bodyFlood,
+		},
+	}
+}
+
+func halfOpen(ctx context.Context, h *Harness, s *Step) (time.Time, []string, error) {
+	lead, err := h.Leader(ctx)
+	if err != nil {
+		return time.Time{}, nil, err
+	}
+	px := h.sidePx[h.cpIndex(lead)]
+	if px.Conns() == 0 {
+		s.Note("%s's sidecar is not attached through the proxy to the leader %s (it followed a leader hint to the direct address): the black hole cuts nothing", HalfOpenWorker, lead)
+	}
+	s.faultAt = time.Now()
+	for _, p := range h.sidePx {
+		p.Blackhole()
+	}
+	var detected time.Duration
+	deadline := time.Now().Add(8 * time.Second)
+	for time.Now().Before(deadline) {
+		cctx, cancel := context.WithTimeout(ctx, time.Second)
+		st, err := h.WorkerStates(cctx)
+		cancel()
+		if err == nil && detected == 0 && st[HalfOpenWorker] != kvcv1.WorkerState_WORKER_STATE_READY {
+			detected = time.Since(s.faultAt)
+		}
+		select { // polling cadence of the observation
+		case <-time.After(100 * time.Millisecond):
+		case <-ctx.Done():
+			return time.Time{}, nil, ctx.Err()
+		}
+	}
+	limit := kaTime + kaTimeout + 3*time.Second
+	if detected == 0 {
+		s.Note("%s still READY after 8 s of black hole (limit %s)", HalfOpenWorker, limit)
+	} else {
+		s.Note("%s left READY %.1f s after the cut (limit %s)", HalfOpenWorker, detected.Seconds(), limit)
+	}
+	for _, p := range h.sidePx {
+		p.Heal()
+	}
+	if detected == 0 || detected > limit {
+		return time.Now(), nil, errors.New("half-open link not detected in time")
+	}
+	return time.Now(), nil, nil
+}
+
+func leaderEtcdPartition(ctx context.Context, h *Harness, s *Step) (time.Time, []string, error) {
+	lead, err := h.Leader(ctx)
+	if err != nil {
+		return time.Time{}, nil, err
+	}
+	s.faultAt = time.Now()
+	for _, px := range h.etcdPx[lead] {
+		px.Blackhole()
+	}
+	ref := s.faultAt
+	// Heal once another replica leads (or after a bound), so the rest of the run has an HA pair.
+	err = h.waitFor(ctx, "another leader", 3*LeaderBound, func(ctx context.Context) error {
+		id, err := h.Leader(ctx)
+		if err == nil && id == lead {
+			err = errors.New("old leader still leads")
+		}
+		return err
+	})
+	if err != nil {
+		s.Note("%v", err)
+	} else {
+		s.Note("standby led %.1f s after the cut", time.Since(ref).Seconds())
+	}
+	go func() { // heal after the recovery is measured, off the measuring path
+		t := time.NewTimer(LeaderBound + 2*time.Second)
+		defer t.Stop()
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+		}
+		for _, px := range h.etcdPx[lead] {
+			px.Heal()
+		}
+	}()
+	return ref, nil, nil
+}
+
+func killCP(leader bool) func(ctx context.Context, h *Harness, s *Step) (time.Time, []string, error) {
+	return func(ctx context.Context, h *Harness, s *Step) (time.Time, []string, error) {
+		lead, err := h.Leader(ctx)
+		if err != nil {
+			return time.Time{}, nil, err
+		}
+		for _, p := range h.CPs {
+			if (p.name == lead) == leader {
+				s.faultAt = time.Now()
+				p.kill()
+				s.Note("killed %s (leader: %v)", p.name, leader)
+				return s.faultAt, nil, nil
+			}
+		}
+		return time.Time{}, nil, errors.New("no such control plane")
+	}
+}
+
+func restartDeadCPs(ctx context.Context, h *Harness, s *Step) error {
+	var errs []error
+	for _, p := range h.CPs {
+		if !p.alive() {
+			if err := p.start(ctx, restartLimit); err != nil {
+				errs = append(errs, err)
+			}
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// restartProcs kills the processes with SIGKILL, starts them again 1 s later and returns the
+// moment the last one is ready (its ready file) as the reference.
+func restartProcs(pick func(h *Harness) []*proc, drops []string) func(ctx context.Context, h *Harness, s *Step) (time.Time, []string, error) {
+	return func(ctx context.Context, h *Harness, s *Step) (time.Time, []string, error) {
+		ps := pick(h)
+		s.faultAt = time.Now()
+		for _, p := range ps {
+			p.kill()
+		}
+		select {
+		case <-time.After(time.Second): // the time a supervisor takes to restart it
+		case <-ctx.Done():
+			return time.Time{}, drops, ctx.Err()
+		}
+		for _, p := range ps {
+			if err := p.spawn(); err != nil {
+				return time.Time{}, drops, err
+			}
+		}
+		if err := waitAll(ctx, restartLimit, ps...); err != nil {
+			s.Note("not back: %v", firstLine(err.Error()))
+			return time.Now(), drops, err
+		}
+		names := make([]string, len(ps))
+		for i, p := range ps {
+			names[i] = p.name
+		}
+		s.Note("%s back (ready) %.1f s after the kill", strings.Join(names, ","), time.Since(s.faultAt).Seconds())
+		return time.Now(), drops, nil
+	}
+}
+
+func firstLine(s string) string {
+	if i := strings.IndexByte(s, '\n'); i >= 0 {
+		return s[:i]
+	}
+	return s
+}
+
+// repairWorkers restarts, after the measurement, every worker pair that is not whole: a
+// sidecar that is not running, or a worker the leader does not list READY (kvc-sim restarted
+// with its sidecar: the manual repair an operator does when re-attach does not work).
+func repairWorkers(ctx context.Context, h *Harness, s *Step) error {
+	cctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	st, err := h.WorkerStates(cctx)
+	cancel()
+	if err != nil {
+		return err
+	}
+	var errs []error
+	for _, id := range h.workers {
+		sc, sim := h.Sidecars[id], h.Sims[id]
+		if st[id] == kvcv1.WorkerState_WORKER_STATE_READY && sc.alive() && sim.alive() {
+			continue
+		}
+		s.Note("repair: %s is %s after the measurement: restarting its kvc-sim and sidecar", id, strings.TrimPrefix(st[id].String(), "WORKER_STATE_"))
+		sim.kill()
+		sc.kill()
+		if err := sim.spawn(); err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		if err := sc.spawn(); err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		if err := waitAll(ctx, restartLimit, sim, sc); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func etcdRestart(ctx context.Context, h *Harness, s *Step) (time.Time, []string, error) {
+	s.faultAt = time.Now()
+	for _, m := range h.etcd.Members() {
+		m.Kill()
+	}
+	select {
+	case <-time.After(2 * time.Second):
+	case <-ctx.Done():
+		return time.Time{}, nil, ctx.Err()
+	}
+	if err := h.restartEtcd(h.etcd.Members()...); err != nil {
+		return time.Time{}, nil, err
+	}
+	s.Note("etcd back %.1f s after the kill", time.Since(s.faultAt).Seconds())
+	return time.Now(), nil, nil
+}
+
+func etcdQuorumLoss(ctx context.Context, h *Harness, s *Step) (time.Time, []string, error) {
+	ms := h.etcd.Members()[1:]
+	s.faultAt = time.Now()
+	for _, m := range ms {
+		m.Kill()
+	}
+	select {
+	case <-time.After(3 * ElectionTTL):
+	case <-ctx.Done():
+		return time.Time{}, nil, ctx.Err()
+	}
+	if err := h.restartEtcd(ms...); err != nil {
+		return time.Time{}, nil, err
+	}
+	s.Note("quorum back %.1f s after the stop", time.Since(s.faultAt).Seconds())
+	return time.Now(), nil, nil
+}
+
+func bodyFlood(ctx context.Context, h *Harness, s *Step) (time.Time, []string, error) {
+	pid := h.Gateway.pid()
+	before := rssMiB(pid)
+	s.faultAt = time.Now()
+	const n, size = 8, 31 << 20
+	body := make([]byte, size)
+	for i := range body {
+		body[i] = 'a'
+	}
+	payload := append(append([]byte(`{"text": "`), body...), []byte(`", "sampling_params": {"max_new_tokens": 1}}`)...)
+	var wg sync.WaitGroup
+	codes := make([]int, n)
+	done, sampled := make(chan struct{}), make(chan struct{})
+	peak := before
+	go func() {
+		defer close(sampled)
+		t := time.NewTicker(20 * time.Millisecond)
+		defer t.Stop()
+		for {
+			select {
+			case <-done:
+				return
+			case <-t.C:
+				peak = max(peak, rssMiB(pid))
+			}
+		}
+	}()
+	for i := 0; i < n; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			cctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+			defer cancel()
+			req, _ := http.NewRequestWithContext(cctx, http.MethodPost, h.GWURL+"/generate", strings.NewReader(string(payload)))
+			req.Header.Set("X-Session-ID", fmt.Sprintf("flood-%d", i))
+			resp, err := http.DefaultClient.Do(req)
+			if err != nil {
+				codes[i] = -1
+				return
+			}
+			codes[i] = resp.StatusCode
+			resp.Body.Close()
+		}()
+	}
+	wg.Wait()
+	close(done)
+	<-sampled
+	s.Note("gateway RSS %.0f MiB before, peak %.0f MiB during %d × 31 MiB bodies (answers %v)", before, peak, n, codes)
+	return time.Now(), nil, nil
+}
