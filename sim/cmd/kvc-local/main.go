@@ -43,6 +43,7 @@ type options struct {
 	httpAddr  string
 	readyFile string
 	noGateway bool
+	refArgs   string
 }
 
 func parse(args []string, getenv func(string) string, stderr io.Writer) (*options, error) {
@@ -60,6 +61,9 @@ func parse(args []string, getenv func(string) string, stderr io.Writer) (*option
 	fs.StringVar(&o.simArgs, "sim-args", "", "extra kvc-sim flags, space separated (e.g. \"--bytes-per-token-per-buffer 8\")")
 	fs.StringVar(&o.policy, "policy-json", "", "policy to apply after start, as kvc.v1.Policy JSON (e.g. '{\"snapshotsEnabled\": false}')")
 	fs.BoolVar(&o.noGateway, "no-gateway", false, "do not start kvc-gateway")
+	fs.StringVar(&o.cfg.WorkerKind, "worker-kind", "sim", "what runs next to each sidecar: sim (kvc-sim) or refworker (kvc-refworker, a real model: integrations/refworker)")
+	fs.StringVar(&o.cfg.RefworkerPython, "refworker-python", "python3", "Python that runs -m kvc_refworker (e.g. the venv of integrations/sglang/scripts/make-venv.sh)")
+	fs.StringVar(&o.refArgs, "refworker-args", "", "extra kvc-refworker flags, space separated (e.g. \"--model tiny --verify-recompute\")")
 	fs.DurationVar(&o.cfg.StartTimeout, "start-timeout", 120*time.Second, "bound of each start-up step")
 	fs.DurationVar(&o.cfg.StopGrace, "stop-grace", 10*time.Second, "SIGTERM to SIGKILL grace when stopping")
 	fs.StringVar(&o.httpAddr, "http-addr", "127.0.0.1:0", "kvc-local's own /metrics, /healthz, /readyz")
@@ -76,6 +80,8 @@ func parse(args []string, getenv func(string) string, stderr io.Writer) (*option
 		return nil, fmt.Errorf("--control-planes %d out of range [1, 5]", o.cfg.ControlPlanes)
 	case o.cfg.DecodeCapacityTokens < 0 || o.cfg.PrefillCapacityTokens < 0:
 		return nil, errors.New("capacities must be >= 0")
+	case o.cfg.WorkerKind != cluster.WorkerKindSim && o.cfg.WorkerKind != cluster.WorkerKindRefworker:
+		return nil, fmt.Errorf("--worker-kind %q (want sim or refworker)", o.cfg.WorkerKind)
 	case !(o.timeScale >= 0):
 		return nil, fmt.Errorf("--time-scale %v must be >= 0", o.timeScale)
 	case o.cfg.StartTimeout <= 0 || o.cfg.StopGrace <= 0:
@@ -89,6 +95,7 @@ func parse(args []string, getenv func(string) string, stderr io.Writer) (*option
 		o.cfg.Policy = p
 	}
 	o.cfg.SimArgs = append([]string{"--time-scale", strconv.FormatFloat(o.timeScale, 'g', -1, 64)}, strings.Fields(o.simArgs)...)
+	o.cfg.RefworkerArgs = strings.Fields(o.refArgs)
 	o.cfg.Gateway = !o.noGateway
 	return o, nil
 }

@@ -7,7 +7,9 @@ import (
 	"io"
 	"net/http"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -48,7 +50,27 @@ type Config struct {
 	StartTimeout time.Duration
 	// StopGrace is how long Stop waits after SIGTERM before SIGKILL (default 10s).
 	StopGrace time.Duration
+
+	// WorkerKind is what runs next to each sidecar: "sim" (kvc-sim, the default) or
+	// "refworker" (kvc-refworker: a real model's attention KV, integrations/refworker). A
+	// refworker gets the same role, id, address, socket and capacity flags as kvc-sim, then
+	// RefworkerArgs instead of SimArgs.
+	WorkerKind string
+	// RefworkerPython is the Python interpreter that runs "-m kvc_refworker" (default python3
+	// on PATH; the venv of integrations/sglang/scripts/make-venv.sh has torch, transformers and
+	// sglang).
+	RefworkerPython string
+	// RefworkerPath is prepended to PYTHONPATH for refworkers (default: the repository's
+	// integrations/refworker and integrations/sglang, found from BinDir/..).
+	RefworkerPath []string
+	RefworkerArgs []string
 }
+
+// Worker kinds.
+const (
+	WorkerKindSim       = "sim"
+	WorkerKindRefworker = "refworker"
+)
 
 // Worker is one simulated worker and its sidecar.
 type Worker struct {
@@ -112,6 +134,13 @@ func (cfg *Config) defaults() error {
 	if cfg.WorkDir == "" {
 		return errors.New("cluster: WorkDir is required")
 	}
+	switch cfg.WorkerKind {
+	case "":
+		cfg.WorkerKind = WorkerKindSim
+	case WorkerKindSim, WorkerKindRefworker:
+	default:
+		return fmt.Errorf("cluster: worker kind %q (want sim or refworker)", cfg.WorkerKind)
+	}
 	// Children get absolute paths (sockets, logs, data), whatever their working directory.
 	abs, err := filepath.Abs(cfg.WorkDir)
 	if err != nil {
@@ -120,6 +149,20 @@ func (cfg *Config) defaults() error {
 	cfg.WorkDir = abs
 	if cfg.BinDir, err = filepath.Abs(cfg.BinDir); err != nil {
 		return fmt.Errorf("cluster: bin dir: %w", err)
+	}
+	if cfg.WorkerKind == WorkerKindRefworker {
+		if cfg.RefworkerPython == "" {
+			cfg.RefworkerPython = "python3"
+		}
+		if len(cfg.RefworkerPath) == 0 {
+			root := filepath.Dir(cfg.BinDir)
+			cfg.RefworkerPath = []string{filepath.Join(root, "integrations", "refworker"), filepath.Join(root, "integrations", "sglang")}
+		}
+		for i, d := range cfg.RefworkerPath {
+			if cfg.RefworkerPath[i], err = filepath.Abs(d); err != nil {
+				return fmt.Errorf("cluster: refworker path: %w", err)
+			}
+		}
 	}
 	if cfg.Prefill == 0 {
 		cfg.Prefill = 1
@@ -157,7 +200,11 @@ func Start(ctx context.Context, cfg Config) (*Cluster, error) {
 	if err := cfg.defaults(); err != nil {
 		return nil, err
 	}
-	if miss := MissingBinaries(cfg.BinDir, cfg.Gateway); len(miss) > 0 {
+	miss := MissingBinaries(cfg.BinDir, cfg.Gateway)
+	if cfg.WorkerKind == WorkerKindRefworker {
+		miss = slices.DeleteFunc(miss, func(b string) bool { return b == "kvc-sim" })
+	}
+	if len(miss) > 0 {
 		return nil, fmt.Errorf("cluster: missing binaries in %s: %s (run make build)", cfg.BinDir, strings.Join(miss, ", "))
 	}
 	if err := os.MkdirAll(cfg.WorkDir, 0o755); err != nil {
@@ -175,6 +222,30 @@ func (c *Cluster) bin(name string) string { return filepath.Join(c.cfg.BinDir, n
 
 func (c *Cluster) spawnProc(bin, name, role string, args []string) (*Process, error) {
 	p, err := spawn(c.bin(bin), name, role, c.cfg.WorkDir, args)
+	if err != nil {
+		return nil, err
+	}
+	c.Processes = append(c.Processes, p)
+	return p, nil
+}
+
+// spawnRefworker starts "python -m kvc_refworker args" with the refworker packages on
+// PYTHONPATH (the process is named and stopped like a kvc-sim).
+func (c *Cluster) spawnRefworker(name, role string, args []string) (*Process, error) {
+	py := c.cfg.RefworkerPython
+	if !strings.ContainsRune(py, filepath.Separator) {
+		lp, err := exec.LookPath(py)
+		if err != nil {
+			return nil, fmt.Errorf("%s: refworker python: %w", name, err)
+		}
+		py = lp
+	}
+	path := strings.Join(c.cfg.RefworkerPath, string(os.PathListSeparator))
+	if old := os.Getenv("PYTHONPATH"); old != "" {
+		path += string(os.PathListSeparator) + old
+	}
+	p, err := spawnEnv(py, name, role, c.cfg.WorkDir, append([]string{"-m", "kvc_refworker"}, args...),
+		[]string{"PYTHONPATH=" + path, "PYTHONUNBUFFERED=1"})
 	if err != nil {
 		return nil, err
 	}
@@ -286,8 +357,13 @@ func (c *Cluster) start(ctx context.Context) error {
 			if capTokens > 0 {
 				simArgs = append(simArgs, "--kv-capacity-tokens", strconv.FormatInt(capTokens, 10))
 			}
-			simArgs = append(simArgs, cfg.SimArgs...)
-			sim, err := c.spawnProc("kvc-sim", "sim-"+id, "sim-"+rc.role, simArgs)
+			var sim *Process
+			var err error
+			if cfg.WorkerKind == WorkerKindRefworker {
+				sim, err = c.spawnRefworker("sim-"+id, "sim-"+rc.role, append(simArgs, cfg.RefworkerArgs...))
+			} else {
+				sim, err = c.spawnProc("kvc-sim", "sim-"+id, "sim-"+rc.role, append(simArgs, cfg.SimArgs...))
+			}
 			if err != nil {
 				return err
 			}

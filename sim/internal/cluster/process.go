@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"syscall"
@@ -64,6 +65,11 @@ func childEnv() []string {
 
 // spawn starts bin with args (plus --ready-file), output to logDir/name.log.
 func spawn(bin, name, role, logDir string, args []string) (*Process, error) {
+	return spawnEnv(bin, name, role, logDir, args, nil)
+}
+
+// spawnEnv is spawn with extra environment variables (replacing the parent's of the same name).
+func spawnEnv(bin, name, role, logDir string, args, env []string) (*Process, error) {
 	logPath := filepath.Join(logDir, name+".log")
 	lf, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_TRUNC, 0o644)
 	if err != nil {
@@ -76,6 +82,11 @@ func spawn(bin, name, role, logDir string, args []string) (*Process, error) {
 	cmd.Stdout = lf
 	cmd.Stderr = lf
 	cmd.Env = childEnv()
+	for _, kv := range env {
+		k, _, _ := strings.Cut(kv, "=")
+		cmd.Env = slices.DeleteFunc(cmd.Env, func(e string) bool { return strings.HasPrefix(e, k+"=") })
+		cmd.Env = append(cmd.Env, kv)
+	}
 	// Children die with the supervisor (SIGKILL when it goes away) and get their own process
 	// group, so a terminal's Ctrl-C reaches only the supervisor, which then stops them in order.
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL, Setpgid: true}

@@ -1,0 +1,179 @@
+"""kvc-refworker: command line. Every flag also as KVC_<UPPER_SNAKE> in the environment (the
+flag wins), as the Go binaries do. Exit codes: 0 after SIGTERM/SIGINT, 1 on a start-up failure,
+2 on bad flags."""
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+FLAGS = [
+    # name, type, default, help
+    ("role", str, "", "prefill | decode (required)"),
+    ("worker-id", str, "", "worker id, as its sidecar's --worker-id (required)"),
+    ("bridge-socket", str, "", "the sidecar's WorkerBridge Unix socket (required; waited for up to --bridge-wait)"),
+    ("bridge-wait", float, 60.0, "seconds to wait for the sidecar's socket and RegisterKVPool"),
+    ("http-addr", str, "127.0.0.1:0", "HTTP listen address (port 0: any)"),
+    ("addr-file", str, "", "JSON {pid, http_addr} written as soon as the HTTP port is bound"),
+    ("ready-file", str, "", "JSON ready file written once the pool is registered and the API serves"),
+    ("model", str, "tiny", "tiny | qwen3-8b-shape"),
+    ("dtype", str, "", "override the model's dtype (float32 | bfloat16 | float16)"),
+    ("device", str, "cpu", "cpu | cuda | cuda:N"),
+    ("seed", int, 1234, "weight seed (every worker of a run must use the same)"),
+    ("kv-capacity-tokens", int, 0, "KV pool capacity in tokens (0: 16384 for tiny, 65536 otherwise)"),
+    ("page-size", int, 16, "tokens per KV page (every worker and sidecar of a run the same)"),
+    ("shm-dir", str, "/dev/shm", "where the CPU pool file lives (the sidecar maps it)"),
+    ("transfer-timeout", float, 60.0, "seconds for WaitReceive / SendKV"),
+    ("prealloc-wait", float, 0.0, "seconds a request may wait for pages before 503 no_capacity"),
+    ("atol", float, -1.0, "recompute tolerance on logits and KV (-1: 1e-4 for float32, 0.25 for 16-bit)"),
+    ("log-level", str, "info", "debug | info | warning | error"),
+    ("log-format", str, "json", "json | console"),
+]
+BOOLS = [
+    ("verify-recompute", "recompute every request from scratch in this worker and report mismatches in meta_info.kvc"),
+    ("no-bitwise-strict", "treat bitwise-expected comparisons as allclose too"),
+    ("no-sglang-pool", "use the built-in pool even when sglang is importable"),
+]
+
+
+def _env(name):
+    return os.environ.get("KVC_" + name.upper().replace("-", "_"))
+
+
+def parse(argv):
+    ap = argparse.ArgumentParser(prog="kvc-refworker", description="kvcentric reference worker (real model, real KV)")
+    for name, typ, default, hlp in FLAGS:
+        e = _env(name)
+        if e is not None:
+            try:
+                default = typ(e)
+            except ValueError:
+                ap.error("KVC_%s=%r is not a %s" % (name.upper().replace("-", "_"), e, typ.__name__))
+        ap.add_argument("--" + name, type=typ, default=default, help=hlp + " (default %(default)s)")
+    for name, hlp in BOOLS:
+        e = _env(name)
+        ap.add_argument("--" + name, action="store_true", default=e is not None and e.lower() in ("1", "true", "yes"), help=hlp)
+    a = ap.parse_args(argv)
+    if a.role not in ("prefill", "decode"):
+        ap.error("--role must be prefill or decode")
+    if not a.worker_id or not a.bridge_socket:
+        ap.error("--worker-id and --bridge-socket are required")
+    if a.page_size <= 0 or a.kv_capacity_tokens < 0 or a.transfer_timeout <= 0 or a.prealloc_wait < 0:
+        ap.error("--page-size, --transfer-timeout must be > 0; capacities and waits >= 0")
+    return a
+
+
+class _JSONFormatter(logging.Formatter):
+    def format(self, r):
+        d = {"level": r.levelname.lower(), "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(r.created)),
+             "component": "kvc-refworker", "message": r.getMessage()}
+        if r.exc_info:
+            d["error"] = self.formatException(r.exc_info)
+        return json.dumps(d)
+
+
+def _write_json(path, obj):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+    os.replace(tmp, path)
+
+
+def main(argv=None) -> int:
+    try:
+        a = parse(sys.argv[1:] if argv is None else argv)
+    except SystemExit as e:
+        return 0 if e.code == 0 else 2
+    h = logging.StreamHandler(sys.stderr)
+    h.setFormatter(_JSONFormatter() if a.log_format == "json" else logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    log = logging.getLogger("kvc_refworker")
+    log.addHandler(h)
+    log.setLevel(getattr(logging, a.log_level.upper(), logging.INFO))
+    log.propagate = False
+
+    from .server import Server, serve_in_thread
+
+    host, _, port = a.http_addr.rpartition(":")
+    info = {"model_path": "kvc-refworker/" + a.model, "kvc_role": a.role, "worker_id": a.worker_id,
+            "page_size": a.page_size, "worker_kind": "refworker"}
+    try:
+        srv = Server((host or "127.0.0.1", int(port)), info)
+    except (OSError, ValueError) as e:
+        log.error("listen %s: %s", a.http_addr, e)
+        return 2
+    http_addr = "%s:%d" % srv.server_address[:2]
+    if a.addr_file:
+        _write_json(a.addr_file, {"pid": os.getpid(), "http_addr": http_addr})
+    serve_in_thread(srv)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+
+    pool = bridge = None
+    try:
+        import torch
+
+        from kvcentric_sglang.bridge import BridgeError, WorkerBridge
+
+        from . import model as M
+        from .pool import KVPool
+        from .worker import Config, Worker
+
+        torch.set_num_threads(max(1, min(torch.get_num_threads(), int(os.environ.get("KVC_REFWORKER_THREADS", "0")) or 64)))
+        spec = M.spec_for(a.model, a.dtype)
+        t0 = time.monotonic()
+        model = M.build(spec, a.device, a.seed)
+        log.info("model %s built on %s in %.1fs (%s, %d layers, hidden %d, %d/%d heads, head_dim %d)", spec.name, a.device,
+                 time.monotonic() - t0, spec.dtype, spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+        cap = a.kv_capacity_tokens or (16384 if a.model == "tiny" else 65536)
+        pool = KVPool(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype, cap, a.page_size, a.device,
+                      shm_dir=a.shm_dir, name="kvc-refworker-" + a.worker_id, use_sglang=not a.no_sglang_pool,
+                      seed=hash(a.worker_id) & 0xFFFF)
+        log.info("KV pool: %s, %d pages of %d tokens, %d bytes per page per buffer, %s", pool.source, pool.num_pages,
+                 a.page_size, pool.item_len, pool.shm_path or a.device)
+        deadline = time.monotonic() + a.bridge_wait
+        while not os.path.exists(a.bridge_socket):
+            if stop.is_set() or time.monotonic() > deadline:
+                raise RuntimeError("bridge socket %s did not appear within %.0fs" % (a.bridge_socket, a.bridge_wait))
+            time.sleep(0.05)
+        bridge = WorkerBridge(a.bridge_socket, timeout_s=a.transfer_timeout + 5)
+        while True:
+            try:
+                bpt, endpoint = bridge.register_kv_pool(a.page_size, pool.item_len, pool.rows // a.page_size,
+                                                        spec.num_layers, pool.bridge_buffers(), model=spec.name)
+                break
+            except BridgeError as e:
+                if time.monotonic() > deadline or stop.is_set():
+                    raise
+                log.info("RegisterKVPool: %s; retrying", e)
+                time.sleep(0.2)
+        log.info("pool registered: %d KV bytes per token, transfer endpoint %s", bpt, endpoint)
+        atol = a.atol if a.atol >= 0 else (1e-4 if spec.dtype == torch.float32 else 0.25)
+        cfg = Config(role=a.role, worker_id=a.worker_id, model_name=spec.name, transfer_timeout_s=a.transfer_timeout,
+                     prealloc_wait_s=a.prealloc_wait, verify_recompute=a.verify_recompute, atol=atol,
+                     bitwise_strict=not a.no_bitwise_strict)
+        srv.set_worker(Worker(cfg, model, spec, pool, bridge))
+        srv.info.update(kv_capacity_tokens=pool.size, kv_bytes_per_token=bpt, pool=pool.source, dtype=str(spec.dtype),
+                        verify_recompute=a.verify_recompute, atol=atol)
+        if a.ready_file:
+            _write_json(a.ready_file, {"pid": os.getpid(), "worker_id": a.worker_id, "http_addr": http_addr, "role": a.role,
+                                       "shm_path": pool.shm_path, "kv_capacity_tokens": pool.size, "pool": pool.source,
+                                       "model": spec.name})
+        log.info("serving %s worker %s on http://%s (verify_recompute=%s, atol=%g)", a.role, a.worker_id, http_addr,
+                 a.verify_recompute, atol)
+        stop.wait()
+        log.info("stopping")
+        return 0
+    except Exception as e:  # noqa: BLE001
+        log.exception("start-up failed: %s", e)
+        return 1
+    finally:
+        srv.shutdown()
+        if bridge is not None:
+            bridge.close()
+        if pool is not None:
+            pool.close()

@@ -1,0 +1,136 @@
+"""The reference model: a Qwen3-style causal LM built from a config, weights from a fixed seed.
+
+Every worker of a run builds the same weights without any download: each parameter is filled by
+its own generator seeded from (seed, parameter name), on the target device, so the weights do
+not depend on construction order or on transformers' own init. (On CUDA the same seed gives the
+same weights on the same GPU type and torch version; a run uses one of each.)
+
+The forward pass is transformers' own Qwen3 (the same code SGLang's reference numerics are
+compared against); KV lives in the paged pool (pool.py) and is gathered into a DynamicCache for
+each forward and the new tokens' KV scattered back.
+"""
+
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    max_positions: int
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+
+
+SPECS = {
+    # CPU tests: Qwen3-like, GQA (4 heads over 2 KV heads), fp32 so that equalities are exact.
+    "tiny": ModelSpec("tiny", vocab_size=1024, hidden_size=128, intermediate_size=384, num_layers=3,
+                      num_heads=4, num_kv_heads=2, head_dim=32, dtype=torch.float32, max_positions=1 << 17),
+    # GPU timing: Qwen3-8B's full configuration (config.json of Qwen/Qwen3-8B), random weights.
+    "qwen3-8b-shape": ModelSpec("qwen3-8b-shape", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                                num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
+                                max_positions=40960),
+}
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def spec_for(name: str, dtype: str = "") -> ModelSpec:
+    if name not in SPECS:
+        raise ValueError("unknown model %r (want one of %s)" % (name, ", ".join(sorted(SPECS))))
+    s = SPECS[name]
+    if dtype:
+        if dtype not in DTYPES:
+            raise ValueError("unknown dtype %r (want one of %s)" % (dtype, ", ".join(sorted(DTYPES))))
+        s = ModelSpec(**{**s.__dict__, "dtype": DTYPES[dtype]})
+    return s
+
+
+def _config(spec: ModelSpec):
+    from transformers import Qwen3Config
+
+    kw = dict(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+              num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
+              num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+              max_position_embeddings=spec.max_positions, rms_norm_eps=spec.rms_norm_eps,
+              tie_word_embeddings=False, use_sliding_window=False, attention_dropout=0.0)
+    try:  # transformers 5.x: rope settings live in rope_parameters
+        cfg = Qwen3Config(**kw, rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta})
+    except TypeError:
+        cfg = Qwen3Config(**kw, rope_theta=spec.rope_theta)
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def _fill(model: torch.nn.Module, seed: int) -> None:
+    """Deterministic weights: N(0, 0.02) for matrices and embeddings, 1 for norms."""
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+                continue
+            g = torch.Generator(device=p.device)
+            g.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) & 0x7FFF_FFFF_FFFF_FFFF)
+            p.normal_(0.0, 0.02, generator=g)
+
+
+def build(spec: ModelSpec, device: str, seed: int = 1234):
+    """Builds the model on device in spec.dtype with the seed's weights (eval mode, no grad)."""
+    from transformers import Qwen3ForCausalLM
+
+    cfg = _config(spec)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(spec.dtype if spec.dtype.is_floating_point else prev)
+    try:
+        with torch.device(device):
+            model = Qwen3ForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    model.to(device=device, dtype=spec.dtype)
+    _fill(model, seed)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def new_cache(model, k_layers=None, v_layers=None):
+    """A DynamicCache holding per-layer K/V of shape (tokens, kv_heads, head_dim) (or empty)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    if k_layers is not None and k_layers[0].shape[0] > 0:
+        for l, (k, v) in enumerate(zip(k_layers, v_layers)):
+            cache.update(k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), l)
+    return cache
+
+
+def cache_len(cache) -> int:
+    return cache.get_seq_length()
+
+
+def cache_kv(cache, layer: int, start: int, end: int):
+    """K and V of tokens [start, end) of a layer as (tokens, kv_heads, head_dim)."""
+    lay = cache.layers[layer]
+    return (lay.keys[0, :, start:end, :].transpose(0, 1), lay.values[0, :, start:end, :].transpose(0, 1))
+
+
+@torch.no_grad()
+def forward(model, ids, cache, all_logits: bool = False):
+    """Runs ids (a list or 1-D tensor) after the cache's tokens; returns float32 logits of the
+    last position (or of every position with all_logits) and the cache, extended."""
+    dev = next(model.parameters()).device
+    t = torch.as_tensor(ids, dtype=torch.long, device=dev).reshape(1, -1)
+    out = model(input_ids=t, past_key_values=cache, use_cache=True, logits_to_keep=0 if all_logits else 1)
+    logits = out.logits[0].float()
+    return (logits if all_logits else logits[-1]), out.past_key_values

@@ -1,0 +1,541 @@
+"""The reference worker: real attention KV in a paged pool, moved by the real sidecars.
+
+Prefill role: prefill every input token in one forward, write the KV into the pool's pages,
+SendKV them to the decode side of the room, free them (release-after-transfer).
+
+Decode role, per kvc mode (docs/interfaces.md, docs/simulator.md "Execution per mode"):
+- DIRECT_TO_D: the session's resident KV, up to the longest common prefix of its tokens and the
+  prompt, is gathered from the pool; the rest of the prompt is append-prefilled on it.
+- SEED / RESEED_PREFILL / PD_FALLBACK: PrepareReceive(SEED) + WaitReceive: P's KV lands in this
+  worker's pages; the first token is computed here from the received KV (the last prompt token
+  run over [0, n-1); P's own first token would come in the aux row once the sidecars carry it).
+- RESEED_SNAPSHOT: PrepareReceive(SNAPSHOT): the prefill sidecar writes the session's snapshot
+  (D->P pushes of the real KV of an earlier decode worker); the tail is append-prefilled.
+Then greedy decode steps (each new token's KV scattered into the pool), and with keep_session
+the session is trimmed to input + output tokens and committed (CommitSession): the decode
+sidecar pushes D->P snapshots of exactly these bytes.
+
+With verify_recompute every request is recomputed from scratch in the same worker (one full
+prefill of the prompt, then the same decode steps, teacher-forced on the tokens served) and
+compared: see Verifier.
+"""
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from kvcentric_sglang.bridge import BridgeError, RELEASE_EVICTED, RELEASE_RELEASED, TRANSFER_SEED, TRANSFER_SNAPSHOT
+
+from . import model as M
+from .pool import KVPool, pages_for
+from .request import Plan, scripted_tokens
+
+log = logging.getLogger("kvc_refworker")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, code: str, msg: str):
+        super().__init__(msg)
+        self.status, self.code, self.msg = status, code, msg
+
+
+def _ms(dt: float) -> float:
+    return round(dt * 1000.0, 3)
+
+
+@dataclass
+class Config:
+    role: str
+    worker_id: str
+    model_name: str
+    transfer_timeout_s: float = 60.0
+    prealloc_wait_s: float = 0.0
+    verify_recompute: bool = False
+    atol: float = 1e-4  # logits and KV, allclose modes; bitwise where the arithmetic allows
+    bitwise_strict: bool = True
+
+
+@dataclass
+class Session:
+    id: str
+    pages: List[int]
+    kv_len: int = 0
+    tokens: List[int] = field(default_factory=list)
+    pinned: int = 0
+    committed: bool = False
+    last_used: float = 0.0
+    turn_lock: threading.Lock = field(default_factory=threading.Lock)
+    gone: bool = False
+
+
+class Turn:
+    """One decode request in flight."""
+
+    def __init__(self, p: Plan, ids: List[int]):
+        self.p, self.ids = p, ids
+        self.meta: Dict = {}
+        self.s: Optional[Session] = None
+        self.pages: List[int] = []  # anonymous requests
+        self.cache = None  # DynamicCache of the served path
+        self.kv = 0  # tokens of KV held in the pool for this turn
+        self.logits: List[torch.Tensor] = []  # served logits per step (verify only)
+        self.fed: List[int] = []  # token placed at position n + i after step i
+        self.out: List[int] = []  # greedy tokens served
+        self.pending: Optional[torch.Tensor] = None  # logits of the next token to emit
+        self.first_local = False  # step 0 computed here from received KV (allclose, not bitwise)
+        self.bitwise = False  # the KV came from a full prefill (P's): decode from it is bitwise
+        self.start = 0  # tokens of resident/received KV the append-prefill started from
+        self.dirty = False  # resident KV of the session was overwritten (a failure must drop it)
+        self.extend = False
+        self.unlock: Optional[Callable[[], None]] = None
+        self.finished = False
+
+    def page_list(self) -> List[int]:
+        return self.s.pages if self.s is not None else self.pages
+
+
+class Worker:
+    def __init__(self, cfg: Config, model, spec: M.ModelSpec, pool: KVPool, bridge):
+        self.cfg, self.model, self.spec, self.pool, self.bridge = cfg, model, spec, pool, bridge
+        self.gpu = threading.Lock()  # one forward at a time (one GPU)
+        self.mu = threading.Condition()
+        self.sessions: Dict[str, Session] = {}
+        self._turn_locks: Dict[str, threading.Lock] = {}
+        self.stats = {"requests": 0, "errors": 0, "recompute_checked": 0, "recompute_mismatches": 0,
+                      "evictions": 0, "received_bytes": 0, "sent_bytes": 0, "prefill_tokens": 0, "decode_tokens": 0}
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.pool.size
+
+    # -- compute ------------------------------------------------------------------------------
+
+    def _forward(self, ids, cache, all_logits=False):
+        with self.gpu:
+            logits, cache = M.forward(self.model, ids, cache, all_logits)
+            if logits.is_cuda:
+                torch.cuda.synchronize(logits.device)
+            return logits, cache
+
+    def _cache_from_pool(self, pages, end: int):
+        k, v = self.pool.gather(pages, 0, end)
+        return M.new_cache(self.model, k, v)
+
+    def _write_back(self, pages, cache, start: int, end: int) -> None:
+        if end <= start:
+            return
+        ks, vs = [], []
+        for l in range(self.spec.num_layers):
+            k, v = M.cache_kv(cache, l, start, end)
+            ks.append(k)
+            vs.append(v)
+        self.pool.scatter(pages, start, ks, vs)
+
+    def tokens_for(self, p: Plan) -> List[int]:
+        if p.ids is not None:
+            return list(p.ids)
+        return scripted_tokens(p.seed_key, 0, p.input, self.spec.vocab_size)
+
+    # -- pages and sessions ---------------------------------------------------------------------
+
+    def _touch(self, s: Session) -> None:
+        s.last_used = time.monotonic()
+
+    def allocate(self, n: int, for_session: str) -> (List[int], int):
+        """n pages, evicting least-recently-used idle sessions (ReleaseSession(EVICTED) first,
+        then free); 503 no_capacity when even that cannot make room (after prealloc_wait)."""
+        evicted = 0
+        deadline = time.monotonic() + self.cfg.prealloc_wait_s
+        while True:
+            pages = self.pool.alloc(n)
+            if pages is not None:
+                return pages, evicted
+            with self.mu:
+                idle = sorted((s for s in self.sessions.values() if s.pinned == 0 and s.id != for_session),
+                              key=lambda s: s.last_used)
+                victims, room = [], self.pool.free_pages
+                for s in idle:
+                    if room >= n:
+                        break
+                    victims.append(s)
+                    room += len(s.pages)
+                if room < n:
+                    victims = []
+                for s in victims:
+                    del self.sessions[s.id]
+                    s.gone = True
+                if not victims:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise ApiError(503, "no_capacity", "%d pages needed, %d free and no idle session to evict on %s" % (
+                            n, self.pool.free_pages, self.cfg.worker_id))
+                    self.mu.wait(timeout=min(left, 0.5))
+                    continue
+            for s in victims:
+                self._release_and_free(s, evicted=True)
+                evicted += 1
+                self.stats["evictions"] += 1
+
+    def _release_and_free(self, s: Session, evicted: bool) -> None:
+        try:
+            self.bridge.release_session(s.id, evicted=evicted)
+        except BridgeError as e:
+            if "NOT_FOUND" not in str(e.code):
+                # The sidecar may still read these pages: never reuse them.
+                log.error("ReleaseSession %s failed (%s); quarantining %d pages", s.id, e, len(s.pages))
+                s.pages = []
+                return
+        self.pool.free(s.pages)
+        s.pages = []
+        with self.mu:
+            self.mu.notify_all()
+
+    def drop_session(self, s: Session) -> None:
+        with self.mu:
+            if self.sessions.get(s.id) is s:
+                del self.sessions[s.id]
+            s.gone = True
+        self._release_and_free(s, evicted=False)
+
+    def _lock_turn(self, sid: str) -> Callable[[], None]:
+        # Turns of one session are serialized (SGLang streaming sessions are sequential).
+        with self.mu:
+            lk = self._turn_locks.setdefault(sid, threading.Lock())
+        lk.acquire()
+        return lk.release
+
+    def session_list(self) -> List[Dict]:
+        with self.mu:
+            return [{"session_id": s.id, "kv_len": s.kv_len, "pages": len(s.pages), "pinned": s.pinned,
+                     "committed": s.committed} for s in self.sessions.values()]
+
+    # -- prefill role ---------------------------------------------------------------------------
+
+    def serve_prefill(self, p: Plan) -> Dict:
+        ids = self.tokens_for(p)
+        meta = {"mode": p.mode, "role": "prefill", "worker_id": self.cfg.worker_id}
+        pages, _ = self.allocate(pages_for(p.input, self.pool.page_size), "")
+        try:
+            t0 = time.monotonic()
+            logits, cache = self._forward(ids, M.new_cache(self.model))
+            self._write_back(pages, cache, 0, p.input)
+            if self.pool.device.type == "cuda":
+                torch.cuda.synchronize(self.pool.device)
+            del cache
+            meta["prefill_tokens"] = p.input
+            meta["prefill_ms"] = _ms(time.monotonic() - t0)
+            meta["first_token"] = int(logits.argmax())
+            self.stats["prefill_tokens"] += p.input
+            t1 = time.monotonic()
+            try:
+                sent = self.bridge.send_kv(p.room, p.seed_key, pages, first_page=0, last=True, tokens=p.input)
+            except BridgeError as e:
+                raise ApiError(502, "transfer_failed", "SendKV room %d: %s" % (p.room, e))
+            meta["sent_bytes"] = sent
+            meta["transfer_real_ms"] = meta["transfer_ms"] = _ms(time.monotonic() - t1)
+            self.stats["sent_bytes"] += sent
+        finally:
+            self.pool.free(pages)
+            with self.mu:
+                self.mu.notify_all()
+        return meta
+
+    # -- decode role ----------------------------------------------------------------------------
+
+    def begin(self, p: Plan) -> Turn:
+        t = Turn(p, self.tokens_for(p))
+        t.meta = {"mode": p.mode, "role": "decode", "worker_id": self.cfg.worker_id, "received_bytes": 0,
+                  "verified_bytes": 0, "verify_failures": 0, "transfer_ms": 0.0, "transfer_real_ms": 0.0,
+                  "transfer_model_ms": 0.0, "prefill_tokens": 0, "prefill_ms": 0.0, "evicted_sessions": 0}
+        anonymous = p.mode == "PD_FALLBACK" and not p.keep
+        if not anonymous:
+            t.unlock = self._lock_turn(p.session_id)
+        try:
+            self._begin(t, anonymous)
+        except BaseException:
+            self.finish(t, ok=False)
+            raise
+        return t
+
+    def _begin(self, t: Turn, anonymous: bool) -> None:
+        p, ps, n = t.p, self.pool.page_size, t.p.input
+        need = pages_for(n + p.max_new, ps)
+        if p.mode == "DIRECT_TO_D":
+            with self.mu:
+                s = self.sessions.get(p.session_id)
+                if s is None or s.kv_len < p.cached:
+                    have = -1 if s is None else s.kv_len
+                    if have < 0:
+                        raise ApiError(409, "session_not_resident", "session %r is not resident on %s" % (p.session_id, self.cfg.worker_id))
+                    raise ApiError(409, "session_not_resident", "session %r holds %d tokens on %s, fewer than cached_tokens %d" % (
+                        p.session_id, have, self.cfg.worker_id, p.cached))
+                s.pinned += 1
+                self._touch(s)
+                t.s = s
+            # Reuse resident KV only up to the longest common prefix of its tokens and the prompt
+            # (continuity on content, DESIGN §7); at least the last prompt token is recomputed.
+            lcp, held = 0, s.tokens[:s.kv_len]
+            for a, b in zip(held, t.ids):
+                if a != b:
+                    break
+                lcp += 1
+            t.start = min(lcp, n - 1)
+            t.meta["prefix_mismatch_tokens"] = max(0, p.cached - lcp)
+            if need > len(s.pages):
+                more, ev = self.allocate(need - len(s.pages), s.id)
+                t.meta["evicted_sessions"] = ev
+                s.pages.extend(more)
+            self._append_prefill(t, t.start, resident=True)
+            return
+
+        if p.mode == "PD_FALLBACK" and p.keep:
+            with self.mu:
+                s = self.sessions.get(p.session_id)
+                if s is not None and 0 < s.kv_len <= n:
+                    s.pinned += 1
+                    self._touch(s)
+                    t.s, t.extend = s, True
+            if not t.extend:
+                p.keep, anonymous = False, True
+        if t.extend:
+            s = t.s
+            k = pages_for(s.kv_len, ps)
+            surplus = s.pages[k:]
+            s.pages = s.pages[:k]
+            self.pool.free(surplus)
+            more, ev = self.allocate(need - k, s.id)
+            t.meta["evicted_sessions"] = ev
+            s.pages.extend(more)
+            t.dirty = True
+            self._receive(t, TRANSFER_SEED, n)
+            self._first_from_received(t)
+            return
+
+        if not anonymous:
+            with self.mu:
+                old = self.sessions.get(p.session_id)
+            if old is not None:  # the KV arrives by transfer: a resident copy here is stale
+                self.drop_session(old)
+        pages, ev = self.allocate(need, p.session_id)
+        t.meta["evicted_sessions"] = ev
+        if anonymous:
+            t.pages = pages
+        else:
+            s = Session(id=p.session_id, pages=pages, pinned=1)
+            self._touch(s)
+            with self.mu:
+                self.sessions[s.id] = s
+            t.s = s
+        if p.mode == "RESEED_SNAPSHOT":
+            self._receive(t, TRANSFER_SNAPSHOT, p.seqlen)
+            t.start = min(p.seqlen, n - 1)
+            self._append_prefill(t, t.start, resident=False)
+        else:
+            self._receive(t, TRANSFER_SEED, n)
+            self._first_from_received(t)
+
+    def _receive(self, t: Turn, kind: int, tokens: int) -> None:
+        p = t.p
+        pages = t.page_list()[:pages_for(tokens, self.pool.page_size)]
+        t0 = time.monotonic()
+        try:
+            self.bridge.prepare_receive(p.room, p.seed_key, kind, pages, tokens, p.peer)
+        except BridgeError as e:
+            raise ApiError(502, "transfer_failed", "PrepareReceive room %d: %s" % (p.room, e))
+        try:
+            r = self.bridge.wait_receive(p.room, timeout_s=self.cfg.transfer_timeout_s)
+        except BridgeError as e:
+            raise ApiError(502, "transfer_failed", "WaitReceive room %d: %s" % (p.room, e))
+        wall = time.monotonic() - t0
+        if not r.ok:
+            raise ApiError(502, "transfer_failed", "transfer of room %d failed: %s" % (p.room, r.error))
+        if r.tokens and r.tokens != tokens:
+            raise ApiError(502, "transfer_failed", "transfer of room %d carried %d tokens, want %d" % (p.room, r.tokens, tokens))
+        moved = wall
+        if r.duration_us and r.duration_us / 1e6 < wall:
+            moved = r.duration_us / 1e6
+        t.meta.update(received_bytes=r.bytes, receive_wait_ms=_ms(wall), transfer_real_ms=_ms(moved), transfer_ms=_ms(moved))
+        self.stats["received_bytes"] += r.bytes
+        t.kv = tokens
+
+    def _first_from_received(self, t: Turn) -> None:
+        """Step 0 after a P->D transfer: the received KV of [0, n) becomes the served cache
+        (decode steps from it are bitwise those of a local prefill); the first token's logits are
+        computed here by running the last prompt token over [0, n-1) (its KV is not written: the
+        pool keeps P's)."""
+        n, pages = t.p.input, t.page_list()
+        t0 = time.monotonic()
+        probe = self._cache_from_pool(pages, n - 1)
+        logits, _ = self._forward(t.ids[n - 1:n], probe)
+        del probe
+        t.cache = self._cache_from_pool(pages, n)
+        t.first_local, t.bitwise, t.start = True, True, n
+        t.meta["prefill_tokens"] = 1
+        t.meta["prefill_ms"] = _ms(time.monotonic() - t0)
+        self._step0(t, logits)
+
+    def _append_prefill(self, t: Turn, start: int, resident: bool) -> None:
+        """Gathers [0, start) from the pool and prefills [start, n) on it."""
+        n, pages = t.p.input, t.page_list()
+        t0 = time.monotonic()
+        cache = self._cache_from_pool(pages, start)
+        if resident and t.s is not None and start < t.s.kv_len:
+            t.dirty = True
+        logits, cache = self._forward(t.ids[start:n], cache)
+        self._write_back(pages, cache, start, n)
+        t.cache, t.kv = cache, n
+        t.meta["prefill_tokens"] = n - start
+        t.meta["prefill_ms"] = _ms(time.monotonic() - t0)
+        self.stats["prefill_tokens"] += n - start
+        self._step0(t, logits)
+
+    def _step0(self, t: Turn, logits: torch.Tensor) -> None:
+        t.kv = t.p.input
+        if self.cfg.verify_recompute:
+            t.logits.append(logits)
+        t.pending = logits
+
+    def decode_steps(self, t: Turn, emit: Callable[[int, int], None]) -> None:
+        """Greedy decode: max_new tokens; emit(i, token) after each one. With keep_session the
+        last token is run too, so that the KV covers input + output tokens (kv_len_after)."""
+        p, pages = t.p, t.page_list()
+        scripted = p.ids is None
+        logits = t.pending
+        t0 = time.monotonic()
+        for i in range(p.max_new):
+            tok = int(logits.argmax())
+            t.out.append(tok)
+            # The token at position n+i: the greedy one, or the scripted context's token when
+            # the client sends only token counts (so that every worker derives the same context).
+            nxt = scripted_tokens(p.seed_key, p.input + i, p.input + i + 1, self.spec.vocab_size)[0] if scripted else tok
+            t.fed.append(nxt)
+            self.stats["decode_tokens"] += 1
+            emit(i, tok)
+            if i == p.max_new - 1 and not (t.s is not None and p.keep):
+                break
+            pos = t.kv
+            logits, t.cache = self._forward([nxt], t.cache)
+            self._write_back(pages, t.cache, pos, pos + 1)
+            t.kv = pos + 1
+            if self.cfg.verify_recompute and i < p.max_new - 1:
+                t.logits.append(logits)
+        t.meta["decode_ms"] = _ms(time.monotonic() - t0)
+
+    # -- finish ---------------------------------------------------------------------------------
+
+    def finish(self, t: Turn, ok: bool) -> None:
+        """A kept session that succeeded is trimmed to its KV and committed; a failure leaves a
+        direct turn's session as it was when its resident KV is intact, else drops it."""
+        if t.finished:
+            return
+        t.finished = True
+        t.cache = None
+        try:
+            if t.s is None:
+                self.pool.free(t.pages)
+                t.pages = []
+                with self.mu:
+                    self.mu.notify_all()
+                return
+            s = t.s
+            try:
+                if not t.p.keep:
+                    self.drop_session(s)
+                    return
+                if not ok:
+                    if (t.p.mode == "DIRECT_TO_D" or t.extend) and not t.dirty:
+                        self._trim(s, s.kv_len)
+                    else:
+                        self.drop_session(s)
+                    return
+                pages = self._trim(s, t.kv)
+                s.tokens = list(t.ids) + t.fed[:t.kv - t.p.input]
+                try:
+                    self.bridge.commit_session(s.id, t.kv, pages)
+                    s.committed = True
+                except BridgeError as e:
+                    log.error("CommitSession %s len %d failed: %s", s.id, t.kv, e)
+            finally:
+                with self.mu:
+                    s.pinned -= 1
+                    self._touch(s)
+                    self.mu.notify_all()
+        finally:
+            if t.unlock is not None:
+                t.unlock()
+                t.unlock = None
+
+    def _trim(self, s: Session, kv: int) -> List[int]:
+        keep = pages_for(kv, self.pool.page_size)
+        surplus = s.pages[keep:]
+        s.pages = s.pages[:keep]
+        s.kv_len = kv
+        self.pool.free(surplus)
+        return list(s.pages)
+
+
+class Verifier:
+    """Recompute from scratch, in the same worker, and compare.
+
+    The reference: one full prefill of the prompt in a fresh cache (the computation P does),
+    then the served turn's decode steps, teacher-forced on the tokens it placed (so both paths
+    see the same context). Compared per step: the logits (max |diff|) and the greedy token.
+    Tolerance:
+    - bitwise (|diff| == 0) where the arithmetic is the same: decode steps from KV that a full
+      prefill produced (P's KV received by SEED / RESEED_PREFILL / PD_FALLBACK), and that KV
+      itself against the reference prefill's;
+    - allclose (|diff| <= atol) where it is not: the first token computed on D from received
+      KV, an append-prefill on resident KV (DIRECT_TO_D) or on a snapshot (RESEED_SNAPSHOT)
+      against a full prefill, and the KV that decode steps wrote on an earlier worker;
+    - a served token must be the reference's argmax, or tie it within atol.
+    Each violation is one mismatch."""
+
+    def __init__(self, w: Worker):
+        self.w = w
+
+    def check(self, t: Turn) -> Dict:
+        w, p, n = self.w, t.p, t.p.input
+        atol = w.cfg.atol
+        t0 = time.monotonic()
+        ref_logits, cache = w._forward(t.ids, M.new_cache(w.model))
+        refs = [ref_logits]
+        for tok in t.fed[:len(t.logits) - 1]:
+            lg, cache = w._forward([tok], cache)
+            refs.append(lg)
+        mism, max_diff, bitwise_steps = 0, 0.0, 0
+        for i, (a, b) in enumerate(zip(t.logits, refs)):
+            d = float((a - b).abs().max())
+            max_diff = max(max_diff, d)
+            if d == 0.0:
+                bitwise_steps += 1
+            expect_bitwise = t.bitwise and (i > 0 or not t.first_local) and w.cfg.bitwise_strict
+            bad = d > atol or (expect_bitwise and d != 0.0)
+            sa, sb = int(a.argmax()), int(b.argmax())
+            if sa != sb and float(b[sb] - b[sa]) > atol:
+                bad = True
+            if bad:
+                mism += 1
+                log.warning("recompute mismatch: session %s mode %s step %d |dlogit| %.3g tokens %d/%d",
+                            p.seed_key, p.mode, i, d, sa, sb)
+        # The KV the served turn left in the pool against the reference's.
+        kv_end = min(t.kv, M.cache_len(cache))
+        kv_diff = 0.0
+        if kv_end > 0 and t.page_list():
+            kk, vv = w.pool.gather(t.page_list(), 0, kv_end)
+            for l in range(w.spec.num_layers):
+                rk, rv = M.cache_kv(cache, l, 0, kv_end)
+                kv_diff = max(kv_diff, float((kk[l].float() - rk.float()).abs().max()),
+                              float((vv[l].float() - rv.float()).abs().max()))
+        kv_bitwise = t.bitwise and w.cfg.bitwise_strict and not t.extend
+        if kv_diff > atol or (kv_bitwise and kv_diff != 0.0):
+            mism += 1
+            log.warning("recompute mismatch: session %s mode %s KV |diff| %.3g over %d tokens", p.seed_key, p.mode, kv_diff, kv_end)
+        w.stats["recompute_checked"] += 1
+        w.stats["recompute_mismatches"] += mism
+        return {"recompute_checked": True, "recompute_mismatches": mism, "max_abs_logit_diff": max_diff,
+                "max_abs_kv_diff": kv_diff, "recompute_steps": len(refs), "bitwise_steps": bitwise_steps,
+                "bitwise_expected": bool(t.bitwise), "recompute_atol": atol, "recompute_ms": _ms(time.monotonic() - t0)}
