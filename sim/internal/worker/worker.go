@@ -87,6 +87,8 @@ type Worker struct {
 	turns  map[string]*turnLock
 
 	prefillGPU chan struct{} // one prefill pass at a time (the GPU)
+
+	att attacher // the command watcher: re-attach after a sidecar restart, release commands (attach.go)
 }
 
 // New builds a worker over mem (its KV pool) talking to its sidecar through bridge.
@@ -124,6 +126,9 @@ func New(cfg Config, mem *kvpool.Pool, bridge Bridge, reg prometheus.Registerer,
 		prefillGPU: make(chan struct{}, 1),
 	}
 	w.m = newMetrics(reg, w)
+	if err := w.initAttach(); err != nil {
+		return nil, err
+	}
 	return w, nil
 }
 
@@ -150,6 +155,7 @@ func (w *Worker) RegisterPool(ctx context.Context) (*kvcv1.RegisterKVPoolRespons
 		resp, err := w.bridge.RegisterKVPool(cctx, req)
 		cancel()
 		if err == nil {
+			w.startAttach()
 			return resp, nil
 		}
 		lastErr = err
@@ -418,5 +424,9 @@ func (w *Worker) check(seedKey string, pages []int64, from, to int64) (checked, 
 	return (to - from) * int64(w.cfg.Geometry.Buffers()) * int64(w.cfg.Geometry.BytesPerToken), bad, err
 }
 
-// Close frees nothing on the sidecar (it notices the worker is gone) and unmaps the pool.
-func (w *Worker) Close() error { return w.mem.Close() }
+// Close stops the command watcher, frees nothing on the sidecar (it notices the worker is
+// gone) and unmaps the pool.
+func (w *Worker) Close() error {
+	w.stopAttach()
+	return w.mem.Close()
+}
