@@ -78,7 +78,8 @@ func Run(ctx context.Context, cfg *config.Config, logOut io.Writer) error {
 	}
 	srv := server.New(router, pool, server.Options{
 		RequestTimeout: cfg.RequestTimeout, ConnectTimeout: cfg.ConnectTimeout, MaxBodyBytes: cfg.MaxBodyBytes,
-		Parse: api.Options{RequireSession: cfg.RequireSession, DefaultMaxTok: cfg.DefaultMaxTok},
+		Parse:          api.Options{RequireSession: cfg.RequireSession, DefaultMaxTok: cfg.DefaultMaxTok},
+		SessionTimeout: cfg.SessionTimeout,
 	}, log, m)
 	defer srv.Close()
 

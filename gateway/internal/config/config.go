@@ -29,6 +29,8 @@ type Config struct {
 	RouteTimeout   time.Duration
 	ConnectTimeout time.Duration
 	WorkerRefresh  time.Duration
+	// SessionTimeout is the idle timeout of the streaming sessions opened on decode workers.
+	SessionTimeout time.Duration
 	PrefillURLs    []Worker
 	DecodeURLs     []Worker
 	RequireSession bool
@@ -66,6 +68,7 @@ func Parse(args []string, getenv func(string) string, usage io.Writer) (*Config,
 	fs.DurationVar(&c.RouteTimeout, "route-timeout", 2*time.Second, "how long to wait for a routing decision before failing open")
 	fs.DurationVar(&c.ConnectTimeout, "connect-timeout", 5*time.Second, "TCP connect timeout to workers")
 	fs.DurationVar(&c.WorkerRefresh, "worker-refresh", 5*time.Second, "how often fail-open worker lists are refreshed from AdminService/ListWorkers")
+	fs.DurationVar(&c.SessionTimeout, "session-timeout", 24*time.Hour, "idle timeout of the streaming sessions the gateway opens on decode workers (SGLang open_session timeout)")
 	fs.StringVar(&pre, "prefill-urls", "", "fail-open prefill workers: comma list of URL or URL|PEER_ADDR")
 	fs.StringVar(&dec, "decode-urls", "", "fail-open decode workers: comma list of URLs")
 	fs.BoolVar(&c.RequireSession, "require-session", true, "reject requests without a session id (400); false serves them as single-shot plain P/D")
@@ -104,7 +107,7 @@ func (c *Config) validate() error {
 	if c.HTTPAddr == "" {
 		errs = append(errs, errors.New("--http-addr is required"))
 	}
-	for name, d := range map[string]time.Duration{"request-timeout": c.RequestTimeout, "route-timeout": c.RouteTimeout, "connect-timeout": c.ConnectTimeout, "worker-refresh": c.WorkerRefresh} {
+	for name, d := range map[string]time.Duration{"request-timeout": c.RequestTimeout, "route-timeout": c.RouteTimeout, "connect-timeout": c.ConnectTimeout, "worker-refresh": c.WorkerRefresh, "session-timeout": c.SessionTimeout} {
 		if d <= 0 {
 			errs = append(errs, fmt.Errorf("--%s must be positive, got %v", name, d))
 		}

@@ -130,10 +130,40 @@ func (s *Server) ListWorkers(_ context.Context, r *kvcv1.ListWorkersRequest) (*k
 	return &kvcv1.ListWorkersResponse{Workers: out}, nil
 }
 
-// Decision builds a decision response for q.
+// Decision builds a decision response for q with Exec's plan.
 func Decision(q *kvcv1.RouteQuery, mode kvcv1.RouteMode, reason kvcv1.RouteReason, p, d *kvcv1.WorkerRef) *kvcv1.RouteResponse {
 	return &kvcv1.RouteResponse{Kind: &kvcv1.RouteResponse_Decision{Decision: &kvcv1.RouteDecision{
 		RequestId: q.GetRequestId(), DecisionId: "d-" + q.GetRequestId(), Mode: mode, Reason: reason,
-		Prefill: p, Decode: d, BootstrapRoom: 4242,
+		Prefill: p, Decode: d, BootstrapRoom: 4242, Execution: Exec(mode, reason, p != nil, d != nil),
 	}}}
+}
+
+// Exec is the execution plan the control plane's policy gives a decision of this mode and
+// reason (controlplane/internal/policy, execution.go), copied here for the gateway's tests: the
+// gateway module does not link the control plane.
+func Exec(mode kvcv1.RouteMode, reason kvcv1.RouteReason, prefill, decode bool) *kvcv1.RouteExecution {
+	e := &kvcv1.RouteExecution{
+		CallDecode:       decode,
+		Transfer:         kvcv1.TransferKind_TRANSFER_KIND_SEED,
+		OnDecodeRefused:  kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D,
+		OnTransferFailed: kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_TRANSFER_FAILED,
+		RetryAllowed:     true,
+	}
+	switch mode {
+	case kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D:
+		e.Transfer, e.KeepSession = kvcv1.TransferKind_TRANSFER_KIND_UNSPECIFIED, true
+	case kvcv1.RouteMode_ROUTE_MODE_SEED, kvcv1.RouteMode_ROUTE_MODE_RESEED_PREFILL:
+		e.CallPrefill, e.KeepSession, e.OpenSession = prefill, true, true
+	case kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT:
+		e.KeepSession, e.OpenSession = true, true
+		e.Transfer = kvcv1.TransferKind_TRANSFER_KIND_SNAPSHOT
+		e.OnTransferFailed = kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_SNAPSHOT_FAILED
+	case kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK:
+		e.CallPrefill = prefill
+		e.KeepSession = reason == kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND
+	}
+	if !decode {
+		e.KeepSession, e.OpenSession = false, false
+	}
+	return e
 }

@@ -32,7 +32,10 @@ type result struct {
 	kvLenAfter int64
 	// retry: a new decision may serve the request, provided nothing went to the client and no
 	// token came from D (see retryable).
-	retry     bool
+	retry bool
+	// gone is the worker that refused or dropped the connection (or answered a 503 other than
+	// no_capacity): a retry excludes it.
+	gone      *kvcv1.WorkerRef
 	meta      json.RawMessage // the decode worker's last meta_info
 	promptTok int64
 	outputTok int64
@@ -58,14 +61,22 @@ func (e *workerError) Error() string {
 	return fmt.Sprintf("%s worker answered %d %s: %s", e.role, e.status, e.code, e.message)
 }
 
-// codeNoCapacity is a live worker's 503: it is full, not gone (the control plane's rejection
-// counters handle it; retrying at once would only add load).
-const codeNoCapacity = "no_capacity"
+// Worker error codes the gateway tells apart (docs/interfaces.md).
+const (
+	// codeNoCapacity is a live worker's 503: it is full, not gone (the control plane's rejection
+	// counters handle it; retrying at once would only add load).
+	codeNoCapacity = "no_capacity"
+	// codeNotResident is D's 409 for a session it does not hold (it evicted it before the
+	// control plane heard): the control plane drops the residency, the retry reseeds.
+	codeNotResident = "session_not_resident"
+)
 
-// classify maps a worker failure to an outcome error kind and a client-facing error. A worker
-// that is gone — the connection refused, reset or closed (while the request is still alive), or
-// a 503 other than no_capacity — is marked retryable, as is D's 409 session_not_resident.
-func classify(we *workerError, mode kvcv1.RouteMode, ctx, clientCtx context.Context) result {
+// classify maps a worker failure to an outcome error kind and a client-facing error; the kind
+// for a D that did not take the request and for a failed transfer are the decision's
+// (RouteExecution), not the gateway's. A worker that is gone — the connection refused, reset
+// or closed (while the request is still alive), or a 503 other than no_capacity — is retryable
+// and named in gone, as is D's 409 session_not_resident (D is alive: not gone).
+func classify(we *workerError, p *plan, ctx, clientCtx context.Context) result {
 	if we.status == 0 {
 		switch {
 		case clientCtx.Err() != nil:
@@ -74,7 +85,9 @@ func classify(we *workerError, mode kvcv1.RouteMode, ctx, clientCtx context.Cont
 			return failure(kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_TIMEOUT, http.StatusGatewayTimeout, "timeout", "request timed out")
 		}
 		r := failure(kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_WORKER_ERROR, http.StatusBadGateway, "worker_unreachable", we.Error())
-		r.retry = ctx.Err() == nil
+		if r.retry = ctx.Err() == nil; r.retry {
+			r.gone = p.worker(we.role)
+		}
 		return r
 	}
 	code := we.code
@@ -82,49 +95,93 @@ func classify(we *workerError, mode kvcv1.RouteMode, ctx, clientCtx context.Cont
 		code = "worker_error"
 	}
 	r := failure(kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_WORKER_ERROR, we.status, code, we.role+" worker: "+we.message)
+	decode := we.role == roleDecode
 	switch {
-	case we.status == http.StatusConflict && we.role == "decode" && code == "session_not_resident":
-		// D evicted the session before the control plane heard: it drops the residency at
-		// once, so the retry's new decision reseeds instead of coming back here.
+	case we.status == http.StatusConflict && decode && code == codeNotResident:
 		r.kind, r.retry = kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_SESSION_NOT_RESIDENT, true
-	case we.status == http.StatusConflict && we.role == "decode":
-		r.kind, r.retry = kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D, true
-	case we.status == http.StatusServiceUnavailable && we.role == "decode":
-		r.kind = kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D
-		r.retry = code != codeNoCapacity
+	case we.status == http.StatusConflict && decode:
+		r.kind, r.retry = p.onRefused(), true
 	case we.status == http.StatusServiceUnavailable:
-		r.retry = code != codeNoCapacity
-	case we.status == http.StatusBadGateway || code == "transfer_failed" || code == "kv_verify_failed":
-		r.kind = kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_TRANSFER_FAILED
-		if mode == kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT {
-			r.kind = kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_SNAPSHOT_FAILED
+		if decode {
+			r.kind = p.onRefused()
 		}
+		if r.retry = code != codeNoCapacity; r.retry {
+			r.gone = p.worker(we.role)
+		}
+	case we.status == http.StatusBadGateway || code == "transfer_failed" || code == "kv_verify_failed":
+		r.kind = p.onTransferFailed()
 	case we.status == http.StatusGatewayTimeout:
 		r.kind = kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_TIMEOUT
 	}
 	return r
 }
 
-// keepSession: the decode worker keeps the session resident afterwards. Every session mode
-// but PD_FALLBACK; and a PD_FALLBACK for a REAL_LARGE_APPEND, which the control plane sends to
-// the session's own decode worker: it adopts the received KV as the session's, so the next
-// turn goes direct-to-D against the new length (docs/routing.md §1).
-func (p *plan) keepSession(req *api.Request) bool {
-	if req.SessionID == "" || p.failOpen {
-		return false
+// onRefused is the kind to report when D did not take the request (the decision's; a plan
+// without one reports WORKER_ERROR).
+func (p *plan) onRefused() kvcv1.RouteErrorKind {
+	if k := p.exec.GetOnDecodeRefused(); k != kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_UNSPECIFIED {
+		return k
 	}
-	return p.mode != kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK || p.reason == reasonLargeAppend
+	return kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_WORKER_ERROR
 }
 
-// reasonLargeAppend is plan.reason of a REAL_LARGE_APPEND decision.
-var reasonLargeAppend = strings.TrimPrefix(kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND.String(), "ROUTE_REASON_")
+// onTransferFailed is the kind to report for a failed transfer (the decision's; else
+// TRANSFER_FAILED).
+func (p *plan) onTransferFailed() kvcv1.RouteErrorKind {
+	if k := p.exec.GetOnTransferFailed(); k != kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_UNSPECIFIED {
+		return k
+	}
+	return kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_TRANSFER_FAILED
+}
 
-// workerBody is the SGLang /generate body for one half of the request (role prefill or decode).
+const (
+	rolePrefill = "prefill"
+	roleDecode  = "decode"
+)
+
+// worker is the plan's worker of role.
+func (p *plan) worker(role string) *kvcv1.WorkerRef {
+	if role == rolePrefill {
+		return p.prefill
+	}
+	return p.decode
+}
+
+// keepSession: the decode worker keeps the session resident afterwards (the decision says so,
+// and the request has a session).
+func (p *plan) keepSession(req *api.Request) bool {
+	return req.SessionID != "" && p.exec.GetKeepSession()
+}
+
+// kvHintsVersion and the action type of kvcentric's entry in SGLang's kv_hints envelope
+// (sglang.srt.managers.kv_hints.KvHintsEnvelope).
+const (
+	kvHintsProtocol = 1
+	kvHintsAction   = "kvc"
+	kvHintsActionV  = 1
+)
+
+// transferName is the payload's name of a transfer kind ("" for none).
+func transferName(k kvcv1.TransferKind) string {
+	switch k {
+	case kvcv1.TransferKind_TRANSFER_KIND_SEED:
+		return "SEED"
+	case kvcv1.TransferKind_TRANSFER_KIND_SNAPSHOT:
+		return "SNAPSHOT"
+	}
+	return ""
+}
+
+// workerBody is the SGLang /generate body for one half of the request (role prefill or decode),
+// as a real SGLang worker takes it: the full context (text or input_ids) on both halves;
+// session_params only on D and only when D keeps the session (its streaming session); the
+// bootstrap fields when P computes (host/port = the prefill sidecar's peer address); and the
+// decision in SGLang's kv_hints envelope (one "kvc" action).
 func workerBody(p *plan, req *api.Request, role string) []byte {
 	b := map[string]any{
 		"rid":             req.RID,
 		"sampling_params": map[string]any{"max_new_tokens": req.MaxTokens},
-		"stream":          role == "decode",
+		"stream":          role == roleDecode,
 	}
 	if req.Text != "" {
 		b["text"] = req.Text
@@ -132,27 +189,30 @@ func workerBody(p *plan, req *api.Request, role string) []byte {
 	if len(req.InputIDs) > 0 {
 		b["input_ids"] = req.InputIDs
 	}
-	if req.SessionID != "" {
+	keep := p.keepSession(req)
+	if role == roleDecode && keep {
 		b["session_params"] = map[string]any{"id": req.SessionID}
 	}
-	kvc := map[string]any{
+	e := p.exec
+	payload := map[string]any{
 		"mode": modeName(p.mode), "role": role, "input_tokens": req.InputTokens,
-		"cached_tokens": p.cached, "keep_session": p.keepSession(req),
+		"cached_tokens": p.cached, "keep_session": keep,
 	}
 	if p.decisionID != "" {
-		kvc["decision_id"] = p.decisionID
+		payload["decision_id"] = p.decisionID
 	}
 	if req.SessionID != "" {
-		kvc["session_id"] = req.SessionID
+		payload["session_id"] = req.SessionID
 	}
 	peer := p.prefill.GetPeerAddr()
-	if p.needsPrefill() || p.mode == kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT {
-		kvc["room"] = p.room
+	if t := transferName(e.GetTransfer()); t != "" {
+		payload["transfer"] = t
+		payload["room"] = p.room
 		if peer != "" {
-			kvc["prefill_peer_addr"] = peer
+			payload["prefill_peer_addr"] = peer
 		}
 	}
-	if p.needsPrefill() {
+	if e.GetCallPrefill() {
 		b["bootstrap_room"] = p.room
 		if host, port, err := net.SplitHostPort(peer); err == nil {
 			if n, err := strconv.Atoi(port); err == nil {
@@ -160,16 +220,28 @@ func workerBody(p *plan, req *api.Request, role string) []byte {
 			}
 		}
 	}
-	if p.mode == kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT {
-		kvc["snapshot_seqlen"] = p.snapSeqlen
+	if e.GetTransfer() == kvcv1.TransferKind_TRANSFER_KIND_SNAPSHOT {
+		payload["snapshot_seqlen"] = p.snapSeqlen
 	}
-	b["kvc"] = kvc
+	msgID := p.decisionID
+	if msgID == "" {
+		msgID = req.RID
+	}
+	b["kv_hints"] = map[string]any{
+		"protocol_version": kvHintsProtocol,
+		"message_id":       msgID,
+		"actions": []any{map[string]any{
+			"action_id": msgID + "/" + role, "action_type": kvHintsAction, "action_version": kvHintsActionV,
+			"payload": payload,
+		}},
+	}
 	out, _ := json.Marshal(b)
 	return out
 }
 
-func (s *Server) post(ctx context.Context, url string, body []byte, role string) (*http.Response, *workerError) {
-	hr, err := http.NewRequestWithContext(ctx, http.MethodPost, url+"/generate", bytes.NewReader(body))
+// call posts a JSON body to url+path; a non-2xx answer or a transport failure is a workerError.
+func (s *Server) call(ctx context.Context, url, path string, body []byte, role string) (*http.Response, *workerError) {
+	hr, err := http.NewRequestWithContext(ctx, http.MethodPost, url+path, bytes.NewReader(body))
 	if err != nil {
 		return nil, &workerError{role: role, err: err}
 	}
@@ -190,28 +262,96 @@ func (s *Server) post(ctx context.Context, url string, body []byte, role string)
 		}
 		if json.Unmarshal(raw, &e) == nil && e.Error.Code != "" {
 			we.code, we.message = e.Error.Code, e.Error.Message
+		} else if m := strings.TrimSpace(string(raw)); m != "" {
+			we.message = m // SGLang answers some errors as plain text or {"detail": ...}
 		}
 		return nil, we
 	}
 	return resp, nil
 }
 
-// execute carries out p: P and D together for SEED, RESEED_PREFILL and PD_FALLBACK (bootstrap
-// host/port/room in both bodies), D only for DIRECT_TO_D and RESEED_SNAPSHOT.
+func (s *Server) post(ctx context.Context, url string, body []byte, role string) (*http.Response, *workerError) {
+	return s.call(ctx, url, "/generate", body, role)
+}
+
+// sessionCall is POST /open_session or /close_session on a decode worker, its answer drained.
+func (s *Server) sessionCall(ctx context.Context, url, path string, body []byte) *workerError {
+	resp, we := s.call(ctx, url, path, body, roleDecode)
+	result := "ok"
+	if we != nil {
+		result = "error"
+	} else {
+		_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10))
+		resp.Body.Close()
+	}
+	s.m.SessionCalls.WithLabelValues(strings.TrimPrefix(path, "/"), result).Inc()
+	return we
+}
+
+// openSession opens the session as a streaming session on the plan's decode worker (SGLang's
+// POST /open_session). A worker that refuses (it still holds an older copy: the session id is
+// taken) gets the old copy closed and is asked once more: the decision's KV replaces it.
+func (s *Server) openSession(ctx context.Context, p *plan, req *api.Request) *workerError {
+	timeout := s.opt.SessionTimeout
+	if timeout <= 0 {
+		timeout = DefaultSessionTimeout
+	}
+	open, _ := json.Marshal(map[string]any{
+		"session_id": req.SessionID, "streaming": true, "timeout": timeout.Seconds(),
+		"capacity_of_str_len": sessionCapacityStrLen,
+	})
+	url := p.decode.GetWorkerUrl()
+	we := s.sessionCall(ctx, url, "/open_session", open)
+	if we == nil || we.status == 0 || we.status/100 != 4 {
+		return we
+	}
+	if cwe := s.sessionCall(ctx, url, "/close_session", closeBody(req.SessionID)); cwe != nil && cwe.status == 0 {
+		return cwe
+	}
+	return s.sessionCall(ctx, url, "/open_session", open)
+}
+
+// sessionCapacityStrLen is open_session's capacity_of_str_len: room for the largest context
+// the gateway accepts.
+const sessionCapacityStrLen = (api.MaxInputTokens + api.MaxOutputTokens) * api.CharsPerToken
+
+func closeBody(session string) []byte {
+	b, _ := json.Marshal(map[string]string{"session_id": session})
+	return b
+}
+
+// closeSessions closes the session on the decode workers the decision moved it off
+// (RouteExecution.close_session_on), in the background: the client's answer does not wait,
+// and a dead worker costs at most the connect timeout.
+func (s *Server) closeSessions(p *plan, req *api.Request) {
+	for _, w := range p.exec.GetCloseSessionOn() {
+		url := w.GetWorkerUrl()
+		if url == "" || req.SessionID == "" || url == p.decode.GetWorkerUrl() {
+			continue
+		}
+		s.bg.Add(1)
+		go func() {
+			defer s.bg.Done()
+			ctx, cancel := context.WithTimeout(context.Background(), s.opt.ConnectTimeout+5*time.Second)
+			defer cancel()
+			if we := s.sessionCall(ctx, url, "/close_session", closeBody(req.SessionID)); we != nil {
+				s.log.Debug().Str("session", req.SessionID).Str("worker", w.GetWorkerId()).Str("err", we.Error()).Msg("close_session failed")
+			}
+		}()
+	}
+}
+
+// execute carries out p: P and D together when P computes (bootstrap host/port/room in both
+// bodies), D only otherwise; a streaming session is opened on D first when the decision makes
+// the session resident there.
 func (s *Server) execute(ctx, clientCtx context.Context, start time.Time, p *plan, req *api.Request, out *sink) result {
-	if p.decode.GetWorkerUrl() == "" {
-		return failure(kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_WORKER_ERROR, http.StatusBadGateway, "no_decode_worker", "decision names no decode worker URL")
-	}
-	if p.needsPrefill() && p.prefill.GetWorkerUrl() == "" {
-		return failure(kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_WORKER_ERROR, http.StatusBadGateway, "no_prefill_worker", "decision names no prefill worker URL")
-	}
 	if p.pause > 0 {
 		t := time.NewTimer(p.pause)
 		select {
 		case <-t.C:
 		case <-ctx.Done():
 			t.Stop()
-			return classify(&workerError{role: "decode", err: ctx.Err()}, p.mode, ctx, clientCtx)
+			return classify(&workerError{role: roleDecode, err: ctx.Err()}, p, ctx, clientCtx)
 		}
 	}
 	dctx, dcancel := context.WithCancel(ctx)
@@ -219,16 +359,16 @@ func (s *Server) execute(ctx, clientCtx context.Context, start time.Time, p *pla
 	// pch carries the prefill call's failure, only when it failed on its own (not because D's
 	// failure cancelled it).
 	var pch chan *workerError
-	if p.needsPrefill() {
+	if p.exec.GetCallPrefill() {
 		pch = make(chan *workerError, 1)
-		body := workerBody(p, req, "prefill")
+		body := workerBody(p, req, rolePrefill)
 		go func() {
-			resp, we := s.post(dctx, p.prefill.GetWorkerUrl(), body, "prefill")
+			resp, we := s.post(dctx, p.prefill.GetWorkerUrl(), body, rolePrefill)
 			if we == nil {
 				_, err := io.Copy(io.Discard, io.LimitReader(resp.Body, 16<<20))
 				resp.Body.Close()
 				if err != nil && dctx.Err() == nil {
-					we = &workerError{role: "prefill", err: err}
+					we = &workerError{role: rolePrefill, err: err}
 				}
 			}
 			if we != nil && dctx.Err() == nil {
@@ -239,7 +379,20 @@ func (s *Server) execute(ctx, clientCtx context.Context, start time.Time, p *pla
 			pch <- nil
 		}()
 	}
-	res := s.decode(dctx, start, p, req, out)
+	var res result
+	if p.exec.GetOpenSession() && req.SessionID != "" {
+		if we := s.openSession(dctx, p, req); we != nil {
+			if we.status == 0 {
+				res = result{kind: kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_WORKER_ERROR, detail: "open_session: " + we.err.Error()}
+			} else {
+				res = classify(we, p, dctx, dctx)
+				res.retry = false // a live worker that refuses the session: a new decision may choose it again
+			}
+		}
+	}
+	if res.detail == "" {
+		res = s.decode(dctx, start, p, req, out)
+	}
 	if pch != nil {
 		var pe *workerError
 		if res.ok {
@@ -251,11 +404,11 @@ func (s *Server) execute(ctx, clientCtx context.Context, start time.Time, p *pla
 			dcancel()
 			pe = <-pch
 		}
-		if !res.ok && pe != nil && res.kind != kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D {
+		if !res.ok && pe != nil && res.kind != p.onRefused() {
 			// The prefill side failed first (or explains D's failure): report that.
-			r := classify(pe, p.mode, ctx, clientCtx)
+			r := classify(pe, p, ctx, clientCtx)
 			if r.kind == kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_WORKER_ERROR && pe.status == http.StatusBadGateway {
-				r.kind = kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_TRANSFER_FAILED
+				r.kind = p.onTransferFailed()
 			}
 			r.ttft = res.ttft
 			return r
@@ -263,16 +416,16 @@ func (s *Server) execute(ctx, clientCtx context.Context, start time.Time, p *pla
 	}
 	if !res.ok && res.status == 0 {
 		// Transport failure on D: decide with the right contexts.
-		r := classify(&workerError{role: "decode", err: errors.New(res.detail)}, p.mode, ctx, clientCtx)
+		r := classify(&workerError{role: roleDecode, err: errors.New(res.detail)}, p, ctx, clientCtx)
 		r.ttft = res.ttft
 		res = r
 	}
-	if !res.ok && res.retry && res.ttft == 0 && res.kind == kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_WORKER_ERROR {
+	if !res.ok && res.retry && res.ttft == 0 && res.kind == kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_WORKER_ERROR && res.gone != nil {
 		// D refused or dropped the connection before its first token: it did not take the
-		// request. Reported as REJECTED_BY_D so that the control plane counts it against this
-		// (session, D) like any rejection and migrates the session past the threshold; the
-		// detail keeps what happened (worker_unreachable / worker_stream_ended).
-		res.kind = kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D
+		// request. Reported as the decision says (REJECTED_BY_D: the control plane counts it
+		// against this (session, D) and migrates the session past the threshold); the detail
+		// keeps what happened (worker_unreachable / worker_stream_ended).
+		res.kind = p.onRefused()
 	}
 	return res
 }
@@ -296,13 +449,13 @@ type metaInfo struct {
 
 // decode calls D (always streaming, so TTFT is measured at the gateway) and relays its chunks.
 func (s *Server) decode(ctx context.Context, start time.Time, p *plan, req *api.Request, out *sink) result {
-	resp, we := s.post(ctx, p.decode.GetWorkerUrl(), workerBody(p, req, "decode"), "decode")
+	resp, we := s.post(ctx, p.decode.GetWorkerUrl(), workerBody(p, req, roleDecode), roleDecode)
 	if we != nil {
 		if we.status == 0 {
 			// execute classifies it (with the role) once it knows whether P failed first.
 			return result{kind: kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_WORKER_ERROR, detail: we.err.Error()}
 		}
-		return classify(we, p.mode, ctx, ctx)
+		return classify(we, p, ctx, ctx)
 	}
 	defer resp.Body.Close()
 	var res result
@@ -317,7 +470,7 @@ func (s *Server) decode(ctx context.Context, start time.Time, p *plan, req *api.
 			if c.Error.Code == "kv_verify_failed" || c.Error.Code == "internal" {
 				st = http.StatusInternalServerError
 			}
-			res = classify(&workerError{role: "decode", status: st, code: c.Error.Code, message: c.Error.Message}, p.mode, ctx, ctx)
+			res = classify(&workerError{role: roleDecode, status: st, code: c.Error.Code, message: c.Error.Message}, p, ctx, ctx)
 			res.retry = false
 			return false
 		}
@@ -370,7 +523,9 @@ func (s *Server) decode(ctx context.Context, start time.Time, p *plan, req *api.
 			}
 			r := failure(kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_WORKER_ERROR, http.StatusBadGateway, "worker_stream_ended", "decode worker ended the stream before [DONE]")
 			r.ttft = res.ttft
-			r.retry = res.ttft == 0 // D went away before its first token
+			if r.retry = res.ttft == 0; r.retry { // D went away before its first token
+				r.gone = p.decode
+			}
 			return r
 		}
 	}

@@ -18,6 +18,7 @@ type Metrics struct {
 	Orphans      prometheus.Counter
 	Refresh      *prometheus.CounterVec
 	Outcomes     *prometheus.CounterVec
+	SessionCalls *prometheus.CounterVec
 }
 
 // NewMetrics registers the series on reg.
@@ -27,7 +28,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		Requests: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvc_gateway_requests_total",
 			Help: "Client requests finished, by API, executed mode and result (ok or an error kind)."}, []string{"api", "mode", "result"}),
 		FailOpen: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvc_gateway_failopen_total",
-			Help: "Requests served as plain P/D round robin without a control-plane decision, by reason."}, []string{"reason"}),
+			Help: "Requests served as plain P/D round robin from the gateway's own worker lists because the control plane gave no usable decision, by reason (control_plane_unavailable, no_session, route_error, no_decode_worker, no_prefill_worker, no_execution)."}, []string{"reason"}),
 		BadRequests: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvc_gateway_bad_requests_total",
 			Help: "Requests refused before routing, by error code."}, []string{"code"}),
 		TTFT: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "kvc_gateway_ttft_seconds",
@@ -48,8 +49,10 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Help: "Fail-open worker list refreshes from AdminService/ListWorkers, by result."}, []string{"result"}),
 		Outcomes: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvc_gateway_outcomes_reported_total",
 			Help: "RouteOutcomes sent to the control plane, by result (sent or lost)."}, []string{"result"}),
+		SessionCalls: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvc_gateway_session_calls_total",
+			Help: "Streaming-session calls to decode workers, by call (open_session, close_session) and result (ok, error)."}, []string{"call", "result"}),
 	}
 	reg.MustRegister(m.Requests, m.FailOpen, m.BadRequests, m.TTFT, m.Latency, m.RouteLatency, m.Retries,
-		m.Inflight, m.CPConnected, m.Orphans, m.Refresh, m.Outcomes)
+		m.Inflight, m.CPConnected, m.Orphans, m.Refresh, m.Outcomes, m.SessionCalls)
 	return m
 }

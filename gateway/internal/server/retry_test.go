@@ -49,8 +49,8 @@ func TestRetryAfterWorkerGone(t *testing.T) {
 			kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D, "worker_unreachable: decode worker: Post"},
 		{"decode drops the connection", direct, "", "close", genBody, 200, true,
 			kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D, "worker_unreachable: decode worker: Post"},
-		{"seed's decode refused", seed, "", dead, genBody, 200, true,
-			kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D, "worker_unreachable: decode worker: Post"},
+		{"seed's decode refused (at open_session)", seed, "", dead, genBody, 200, true,
+			kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D, "worker_unreachable: decode worker: open_session: Post"},
 		{"decode 503 going away", direct, "", "503gone", genBody, 200, true,
 			kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D, "unavailable: decode worker"},
 		// D waits for P's KV (as a real D does) until P's failure cancels it

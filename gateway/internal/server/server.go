@@ -8,8 +8,10 @@ import (
 	"math/rand/v2"
 	"net"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -28,9 +30,10 @@ type Router interface {
 	Report(o *kvcv1.RouteOutcome) error
 }
 
-// Picker chooses fail-open workers (workers.Pool implements it).
+// Picker chooses fail-open workers round robin, skipping the given worker URLs
+// (workers.Pool implements it).
 type Picker interface {
-	Pick() (pre, dec workers.Worker, ok bool)
+	Pick(skipURLs ...string) (pre, dec workers.Worker, ok bool)
 }
 
 // Options configure a Server.
@@ -39,7 +42,13 @@ type Options struct {
 	ConnectTimeout time.Duration
 	MaxBodyBytes   int64
 	Parse          api.Options
+	// SessionTimeout is the idle timeout of the streaming sessions the gateway opens on decode
+	// workers (SGLang's open_session timeout); 0: DefaultSessionTimeout.
+	SessionTimeout time.Duration
 }
+
+// DefaultSessionTimeout matches the control plane's default session_ttl_ms.
+const DefaultSessionTimeout = 24 * time.Hour
 
 // Server serves the client APIs.
 type Server struct {
@@ -50,6 +59,7 @@ type Server struct {
 	m      *Metrics
 	hc     *http.Client
 	seq    atomic.Uint64
+	bg     sync.WaitGroup // background close_session calls
 }
 
 // New builds a server. router may be nil.
@@ -64,21 +74,34 @@ func New(router Router, pool Picker, opt Options, log zerolog.Logger, m *Metrics
 	return &Server{router: router, pool: pool, opt: opt, log: log, m: m, hc: &http.Client{Transport: tr}}
 }
 
-// Close releases idle worker connections.
-func (s *Server) Close() { s.hc.CloseIdleConnections() }
+// Close waits for background session calls (each bounded by the connect timeout) and releases
+// idle worker connections.
+func (s *Server) Close() {
+	s.bg.Wait()
+	s.hc.CloseIdleConnections()
+}
 
-// Register adds the client routes to mux.
+// Register adds the client routes to mux. Every client route goes through middleware.
 func (s *Server) Register(mux *http.ServeMux) {
-	mux.HandleFunc("POST /v1/chat/completions", func(w http.ResponseWriter, r *http.Request) { s.handle(w, r, api.Chat) })
-	mux.HandleFunc("POST /v1/completions", func(w http.ResponseWriter, r *http.Request) { s.handle(w, r, api.Completion) })
-	mux.HandleFunc("POST /generate", func(w http.ResponseWriter, r *http.Request) { s.handle(w, r, api.Generate) })
+	client := func(kind api.Kind) http.Handler {
+		return s.middleware(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { s.handle(w, r, kind) }))
+	}
+	mux.Handle("POST /v1/chat/completions", client(api.Chat))
+	mux.Handle("POST /v1/completions", client(api.Completion))
+	mux.Handle("POST /generate", client(api.Generate))
 	mux.HandleFunc("GET /health", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) })
 }
 
-// plan is one decision to carry out.
+// middleware wraps every client route before the request is read (admission limits go here,
+// outermost last).
+func (s *Server) middleware(h http.Handler) http.Handler {
+	return h
+}
+
+// plan is one decision to carry out: the control plane's, or the gateway's own fail-open one.
 type plan struct {
 	mode       kvcv1.RouteMode
-	reason     string
+	reason     string // for headers and logs
 	decisionID string
 	failOpen   bool
 	prefill    *kvcv1.WorkerRef
@@ -88,17 +111,30 @@ type plan struct {
 	snapSeqlen int64
 	pause      time.Duration
 	turn       int32
+	// exec is what to do; the gateway applies no routing rule of its own.
+	exec *kvcv1.RouteExecution
 }
 
+// modeName is a mode's name for headers, logs and metric labels.
 func modeName(m kvcv1.RouteMode) string { return strings.TrimPrefix(m.String(), "ROUTE_MODE_") }
 
-func (p *plan) needsPrefill() bool {
-	switch p.mode {
-	case kvcv1.RouteMode_ROUTE_MODE_SEED, kvcv1.RouteMode_ROUTE_MODE_RESEED_PREFILL, kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK:
-		return true
-	}
-	return false
+// failOpenExec is the gateway's own plan without a usable decision: plain P/D, nothing kept.
+var failOpenExec = &kvcv1.RouteExecution{
+	CallPrefill: true, CallDecode: true, Transfer: kvcv1.TransferKind_TRANSFER_KIND_SEED,
+	OnDecodeRefused:  kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D,
+	OnTransferFailed: kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_TRANSFER_FAILED,
+	RetryAllowed:     true,
 }
+
+// Fail-open reasons (kvc_gateway_failopen_total{reason}; upper-cased in X-KVC-Reason).
+const (
+	foUnavailable = "control_plane_unavailable" // no stream, no answer in time, or no control plane configured
+	foNoSession   = "no_session"                // single-shot request (--require-session=false)
+	foRouteError  = "route_error"               // the control plane answered an error other than INVALID_ARGUMENT
+	foNoDecode    = "no_decode_worker"          // the decision names no usable decode worker
+	foNoPrefill   = "no_prefill_worker"         // the decision needs a prefill worker and names none
+	foNoExecution = "no_execution"              // the decision carries no execution plan (an older control plane)
+)
 
 func writeErr(w http.ResponseWriter, e *api.Error, extra http.Header) {
 	for k, v := range extra {
@@ -146,21 +182,28 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request, kind api.Kind) {
 	out := newSink(w, req)
 	var res result
 	var p *plan
+	var gone []*kvcv1.WorkerRef // workers that refused or dropped an attempt: the retry avoids them
 	for attempt := 0; ; attempt++ {
-		var rerr *api.Error
-		p, rerr = s.route(ctx, req)
+		np, rerr := s.route(ctx, req, gone)
 		if rerr != nil {
+			if p != nil {
+				break // the retry found nothing to run: the first attempt's error stands
+			}
 			s.m.BadRequests.WithLabelValues(rerr.Code).Inc()
 			writeErr(w, rerr, nil)
 			return
 		}
+		p = np
 		out.retries = attempt
 		res = s.execute(ctx, r.Context(), start, p, req, out)
 		s.report(p, res, start) // before the retry's query: the control plane decides knowing it
-		if attempt < maxRetries && retryable(res, out) && ctx.Err() == nil {
+		if attempt < maxRetries && retryable(res, out, p) && ctx.Err() == nil {
 			why := "worker_unavailable"
-			if res.code == "session_not_resident" {
+			if res.code == codeNotResident {
 				why = "session_not_resident"
+			}
+			if res.gone != nil {
+				gone = append(gone, res.gone)
 			}
 			s.m.Retries.WithLabelValues(why).Inc()
 			s.log.Debug().Str("session", req.SessionID).Str("decision", p.decisionID).Str("why", why).
@@ -168,6 +211,9 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request, kind api.Kind) {
 			continue
 		}
 		break
+	}
+	if res.ok {
+		s.closeSessions(p, req)
 	}
 	result := "ok"
 	if !res.ok {
@@ -197,51 +243,87 @@ const maxRetries = 1
 // retryable: the attempt failed in a way a new decision may fix (res.retry) and retrying is
 // safe — nothing was written to the client and D sent no token (so a non-streaming client's
 // buffered text is empty too).
-func retryable(res result, out *sink) bool {
-	return !res.ok && res.retry && !out.started && res.ttft == 0 && out.chunks == 0
+func retryable(res result, out *sink, p *plan) bool {
+	return !res.ok && res.retry && p.exec.GetRetryAllowed() && !out.started && res.ttft == 0 && out.chunks == 0
 }
 
-// route gets a decision, or a fail-open plan when the control plane cannot give one in time.
-func (s *Server) route(ctx context.Context, req *api.Request) (*plan, *api.Error) {
-	failReason := "control_plane_unavailable"
+// route gets a decision, or a fail-open plan on every path where the control plane cannot give
+// a usable one: no control plane, no answer in time, an error other than INVALID_ARGUMENT, or a
+// decision without a decode (or needed prefill) worker. gone lists the workers a failed attempt
+// found dead: the query excludes them and fail-open round robin skips them.
+func (s *Server) route(ctx context.Context, req *api.Request, gone []*kvcv1.WorkerRef) (*plan, *api.Error) {
+	why := foUnavailable
 	if req.SessionID == "" {
-		failReason = "no_session"
+		why = foNoSession
 	} else if s.router != nil {
 		t0 := time.Now()
-		d, err := s.router.Decide(ctx, &kvcv1.RouteQuery{
+		q := &kvcv1.RouteQuery{
 			SessionId: req.SessionID, Turn: req.Turn, InputTokens: req.InputTokens,
 			MaxOutputTokens: req.MaxTokens, MultiturnHint: req.Multiturn,
-		})
+		}
+		for _, g := range gone {
+			if id := g.GetWorkerId(); id != "" && !slices.Contains(q.ExcludeWorkers, id) {
+				q.ExcludeWorkers = append(q.ExcludeWorkers, id)
+			}
+		}
+		d, err := s.router.Decide(ctx, q)
 		s.m.RouteLatency.Observe(time.Since(t0).Seconds())
 		if err == nil {
-			return &plan{
+			p := &plan{
 				mode: d.GetMode(), reason: strings.TrimPrefix(d.GetReason().String(), "ROUTE_REASON_"), decisionID: d.GetDecisionId(),
 				prefill: d.GetPrefill(), decode: d.GetDecode(), room: d.GetBootstrapRoom(), cached: d.GetCachedTokens(),
 				snapSeqlen: d.GetSnapshotSeqlen(), pause: time.Duration(d.GetRecommendedPauseMs()) * time.Millisecond, turn: d.GetTurn(),
-			}, nil
+				exec: d.GetExecution(),
+			}
+			if why = unusable(p); why == "" {
+				return p, nil
+			}
+			// The decision cannot run: release its reservation now, then serve it ourselves.
+			s.report(p, result{kind: kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_ABORTED, detail: "gateway failed open: " + why}, time.Now())
+		} else {
+			var rej *routeclient.RejectedError
+			if errors.As(err, &rej) && rej.Code == codes.InvalidArgument {
+				return nil, api.BadRequest("control plane refused the request: %s", rej.Message)
+			}
+			if ctx.Err() != nil {
+				return nil, &api.Error{Status: http.StatusGatewayTimeout, Code: "timeout", Message: "request ended while waiting for a routing decision"}
+			}
+			if errors.As(err, &rej) {
+				why = foRouteError
+			}
 		}
-		var rej *routeclient.RejectedError
-		if errors.As(err, &rej) && rej.Code == codes.InvalidArgument {
-			return nil, api.BadRequest("control plane refused the request: %s", rej.Message)
-		}
-		if ctx.Err() != nil {
-			return nil, &api.Error{Status: http.StatusGatewayTimeout, Code: "timeout", Message: "request ended while waiting for a routing decision"}
-		}
-		s.log.Debug().Err(err).Str("session", req.SessionID).Msg("fail-open")
+		s.log.Debug().Err(err).Str("session", req.SessionID).Str("why", why).Msg("fail-open")
 	}
-	pre, dec, ok := s.pool.Pick()
+	skip := make([]string, 0, len(gone))
+	for _, g := range gone {
+		skip = append(skip, g.GetWorkerUrl())
+	}
+	pre, dec, ok := s.pool.Pick(skip...)
 	if !ok {
 		return nil, &api.Error{Status: http.StatusServiceUnavailable, Code: "no_workers", Message: "no routing decision and no fail-open workers known"}
 	}
-	s.m.FailOpen.WithLabelValues(failReason).Inc()
-	reason := "CONTROL_PLANE_UNAVAILABLE"
-	if failReason == "no_session" {
+	s.m.FailOpen.WithLabelValues(why).Inc()
+	reason := strings.ToUpper(why)
+	if why == foNoSession {
 		reason = "SINGLE_SHOT"
 	}
 	return &plan{
 		mode: kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, reason: reason, failOpen: true,
-		prefill: pre.Ref(), decode: dec.Ref(), room: int64(rand.Uint64() >> 1),
+		prefill: pre.Ref(), decode: dec.Ref(), room: int64(rand.Uint64() >> 11), exec: failOpenExec,
 	}, nil
+}
+
+// unusable says why a decision cannot be carried out as it is ("" when it can).
+func unusable(p *plan) string {
+	switch {
+	case p.exec == nil:
+		return foNoExecution
+	case !p.exec.GetCallDecode() || p.decode.GetWorkerUrl() == "":
+		return foNoDecode
+	case p.exec.GetCallPrefill() && p.prefill.GetWorkerUrl() == "":
+		return foNoPrefill
+	}
+	return ""
 }
 
 func (s *Server) report(p *plan, res result, start time.Time) {

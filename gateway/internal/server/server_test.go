@@ -32,21 +32,45 @@ type workerReq struct {
 	SessionParams *struct {
 		ID string `json:"id"`
 	} `json:"session_params"`
-	KVC struct {
-		Mode            string `json:"mode"`
-		Role            string `json:"role"`
-		SessionID       string `json:"session_id"`
-		InputTokens     int64  `json:"input_tokens"`
-		CachedTokens    int64  `json:"cached_tokens"`
-		Room            int64  `json:"room"`
-		PrefillPeerAddr string `json:"prefill_peer_addr"`
-		SnapshotSeqlen  int64  `json:"snapshot_seqlen"`
-		KeepSession     bool   `json:"keep_session"`
-		DecisionID      string `json:"decision_id"`
-	} `json:"kvc"`
+	Text    string `json:"text"`
+	KVHints struct {
+		ProtocolVersion int    `json:"protocol_version"`
+		MessageID       string `json:"message_id"`
+		Actions         []struct {
+			ActionID      string     `json:"action_id"`
+			ActionType    string     `json:"action_type"`
+			ActionVersion int        `json:"action_version"`
+			Payload       kvcPayload `json:"payload"`
+		} `json:"actions"`
+	} `json:"kv_hints"`
+	// KVC is the kv_hints envelope's "kvc" action payload (filled by serve).
+	KVC            kvcPayload `json:"-"`
+	OldKVC         *struct{}  `json:"kvc"` // the pre-kv_hints block: must not be sent any more
 	SamplingParams struct {
 		MaxNewTokens int64 `json:"max_new_tokens"`
 	} `json:"sampling_params"`
+}
+
+type kvcPayload struct {
+	Mode            string `json:"mode"`
+	Role            string `json:"role"`
+	SessionID       string `json:"session_id"`
+	InputTokens     int64  `json:"input_tokens"`
+	CachedTokens    int64  `json:"cached_tokens"`
+	Room            int64  `json:"room"`
+	Transfer        string `json:"transfer"`
+	PrefillPeerAddr string `json:"prefill_peer_addr"`
+	SnapshotSeqlen  int64  `json:"snapshot_seqlen"`
+	KeepSession     bool   `json:"keep_session"`
+	DecisionID      string `json:"decision_id"`
+}
+
+// sessionCall is an /open_session or /close_session a fake worker received.
+type sessionCall struct {
+	Path      string
+	SessionID string  `json:"session_id"`
+	Streaming bool    `json:"streaming"`
+	Timeout   float64 `json:"timeout"`
 }
 
 // fakeWorker is an SGLang-compatible worker over real HTTP. behave decides the answer to the
@@ -55,17 +79,20 @@ type workerReq struct {
 // connection after one token; "slow" waits for the caller to go away.
 type fakeWorker struct {
 	*httptest.Server
-	got    chan workerReq
-	mu     sync.Mutex
-	n      int
-	behave func(n int, r workerReq) string
+	got      chan workerReq
+	sessions chan sessionCall
+	// openFails: how many /open_session calls answer 400 (the session id is taken) first
+	openFails int
+	mu        sync.Mutex
+	n         int
+	behave    func(n int, r workerReq) string
 	// arrived, when set, must be closed before this (decode) worker answers: it checks that P
 	// and D are called together.
 	arrived chan struct{}
 }
 
 func newFakeWorker(t *testing.T, behave func(n int, r workerReq) string) *fakeWorker {
-	fw := &fakeWorker{got: make(chan workerReq, 64), behave: behave}
+	fw := &fakeWorker{got: make(chan workerReq, 64), sessions: make(chan sessionCall, 64), behave: behave}
 	fw.Server = httptest.NewServer(http.HandlerFunc(fw.serve))
 	t.Cleanup(fw.Close)
 	return fw
@@ -78,11 +105,33 @@ func writeWorkerErr(w http.ResponseWriter, status int, code string) {
 }
 
 func (fw *fakeWorker) serve(w http.ResponseWriter, r *http.Request) {
+	if r.URL.Path == "/open_session" || r.URL.Path == "/close_session" {
+		sc := sessionCall{Path: r.URL.Path}
+		if err := json.NewDecoder(r.Body).Decode(&sc); err != nil || sc.SessionID == "" {
+			writeWorkerErr(w, 400, "bad_request")
+			return
+		}
+		fw.sessions <- sc
+		fw.mu.Lock()
+		fail := r.URL.Path == "/open_session" && fw.openFails > 0
+		if fail {
+			fw.openFails--
+		}
+		fw.mu.Unlock()
+		if fail {
+			writeWorkerErr(w, 400, "session_exists")
+			return
+		}
+		fmt.Fprintf(w, "%q", sc.SessionID)
+		return
+	}
 	var wr workerReq
-	if err := json.NewDecoder(r.Body).Decode(&wr); err != nil {
+	if err := json.NewDecoder(r.Body).Decode(&wr); err != nil || wr.OldKVC != nil || len(wr.KVHints.Actions) != 1 ||
+		wr.KVHints.ProtocolVersion != 1 || wr.KVHints.Actions[0].ActionType != "kvc" || wr.KVHints.Actions[0].ActionVersion != 1 {
 		writeWorkerErr(w, 400, "bad_request")
 		return
 	}
+	wr.KVC = wr.KVHints.Actions[0].Payload
 	fw.mu.Lock()
 	n := fw.n
 	fw.n++
@@ -264,54 +313,57 @@ func TestModes(t *testing.T) {
 	tests := []struct {
 		name        string
 		mode        kvcv1.RouteMode
+		reason      kvcv1.RouteReason
 		wantPrefill bool
+		wantOpen    bool
 		check       func(t *testing.T, pr, dr workerReq)
 	}{
-		{"direct", kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, false, func(t *testing.T, _, dr workerReq) {
-			if dr.KVC.Mode != "DIRECT_TO_D" || dr.KVC.CachedTokens != 900 || !dr.KVC.KeepSession || dr.BootstrapRoom != 0 || dr.KVC.Role != "decode" {
+		{"direct", kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT, false, false, func(t *testing.T, _, dr workerReq) {
+			if dr.KVC.Mode != "DIRECT_TO_D" || dr.KVC.CachedTokens != 900 || !dr.KVC.KeepSession || dr.BootstrapRoom != 0 || dr.KVC.Role != "decode" ||
+				dr.KVC.Transfer != "" || dr.SessionParams == nil || dr.SessionParams.ID != "s1" {
 				t.Fatalf("decode got %+v", dr)
 			}
 		}},
-		{"seed", kvcv1.RouteMode_ROUTE_MODE_SEED, true, func(t *testing.T, pr, dr workerReq) {
+		{"seed", kvcv1.RouteMode_ROUTE_MODE_SEED, kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION, true, true, func(t *testing.T, pr, dr workerReq) {
 			for _, r := range []workerReq{pr, dr} {
 				if r.BootstrapRoom != 4242 || r.BootstrapHost != "127.0.0.1" || r.BootstrapPort != 7001 || r.KVC.Room != 4242 ||
-					r.KVC.PrefillPeerAddr != "127.0.0.1:7001" || r.KVC.Mode != "SEED" || r.SessionParams.ID != "s1" {
+					r.KVC.PrefillPeerAddr != "127.0.0.1:7001" || r.KVC.Mode != "SEED" || r.KVC.Transfer != "SEED" || r.Text != "hi" ||
+					r.KVC.SessionID != "s1" || !strings.HasPrefix(r.KVHints.MessageID, "d-") {
 					t.Fatalf("got %+v", r)
 				}
 			}
-			if pr.KVC.Role != "prefill" || pr.Stream || dr.KVC.Role != "decode" || !dr.KVC.KeepSession {
+			// P: full context, no session_params; D: the session's streaming session.
+			if pr.KVC.Role != "prefill" || pr.Stream || pr.SessionParams != nil || dr.KVC.Role != "decode" || !dr.KVC.KeepSession ||
+				dr.SessionParams == nil || dr.SessionParams.ID != "s1" {
 				t.Fatalf("roles: %+v / %+v", pr, dr)
 			}
 		}},
-		{"reseed prefill", kvcv1.RouteMode_ROUTE_MODE_RESEED_PREFILL, true, func(t *testing.T, pr, dr workerReq) {
-			if dr.KVC.Mode != "RESEED_PREFILL" || pr.KVC.Mode != "RESEED_PREFILL" {
+		{"reseed prefill", kvcv1.RouteMode_ROUTE_MODE_RESEED_PREFILL, kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_MISSING, true, true, func(t *testing.T, pr, dr workerReq) {
+			if dr.KVC.Mode != "RESEED_PREFILL" || pr.KVC.Mode != "RESEED_PREFILL" || pr.SessionParams != nil {
 				t.Fatalf("got %+v", dr)
 			}
 		}},
-		{"pd fallback", kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, true, func(t *testing.T, _, dr workerReq) {
-			if dr.KVC.KeepSession {
+		{"pd fallback", kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY, true, false, func(t *testing.T, _, dr workerReq) {
+			if dr.KVC.KeepSession || dr.SessionParams != nil || dr.KVC.SessionID != "s1" {
 				t.Fatalf("fallback keeps no session: %+v", dr)
 			}
 		}},
-		{"pd fallback for a large append keeps the session", kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, true, func(t *testing.T, pr, dr workerReq) {
+		{"pd fallback for a large append keeps the session", kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND, true, false, func(t *testing.T, pr, dr workerReq) {
 			if !dr.KVC.KeepSession || dr.KVC.Mode != "PD_FALLBACK" || dr.BootstrapRoom != 4242 || dr.KVC.Room != 4242 ||
-				dr.KVC.SessionID != "s1" || pr.KVC.Mode != "PD_FALLBACK" || pr.KVC.Role != "prefill" {
+				dr.KVC.SessionID != "s1" || dr.SessionParams == nil || pr.KVC.Mode != "PD_FALLBACK" || pr.KVC.Role != "prefill" || pr.SessionParams != nil {
 				t.Fatalf("large append: prefill %+v decode %+v", pr, dr)
 			}
 		}},
-		{"reseed snapshot", kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT, false, func(t *testing.T, _, dr workerReq) {
-			if dr.KVC.Mode != "RESEED_SNAPSHOT" || dr.KVC.SnapshotSeqlen != 800 || dr.KVC.Room != 4242 || dr.KVC.PrefillPeerAddr != "127.0.0.1:7001" || dr.BootstrapRoom != 0 {
+		{"reseed snapshot", kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT, kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_HIT, false, true, func(t *testing.T, _, dr workerReq) {
+			if dr.KVC.Mode != "RESEED_SNAPSHOT" || dr.KVC.SnapshotSeqlen != 800 || dr.KVC.Room != 4242 || dr.KVC.PrefillPeerAddr != "127.0.0.1:7001" ||
+				dr.BootstrapRoom != 0 || dr.KVC.Transfer != "SNAPSHOT" || dr.SessionParams == nil {
 				t.Fatalf("got %+v", dr)
 			}
 		}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			reason := kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION
-			if strings.Contains(tt.name, "large append") {
-				reason = kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND
-			}
-			e := setup(t, decideMode(tt.mode, reason), nil, nil, 0)
+			e := setup(t, decideMode(tt.mode, tt.reason), nil, nil, 0)
 			prCh := make(chan workerReq, 1)
 			if tt.wantPrefill {
 				e.d.arrived = make(chan struct{})
@@ -322,7 +374,7 @@ func TestModes(t *testing.T) {
 				}()
 			}
 			resp := post(t, e.gw.URL, "/generate", "s1", genBody)
-			if resp.StatusCode != 200 || resp.Header.Get("X-KVC-Mode") != modeName(tt.mode) || resp.Header.Get("X-KVC-Reason") != strings.TrimPrefix(reason.String(), "ROUTE_REASON_") {
+			if resp.StatusCode != 200 || resp.Header.Get("X-KVC-Mode") != modeName(tt.mode) || resp.Header.Get("X-KVC-Reason") != strings.TrimPrefix(tt.reason.String(), "ROUTE_REASON_") {
 				t.Fatalf("status %d headers %v", resp.StatusCode, resp.Header)
 			}
 			events := sse(t, resp.Body)
@@ -330,7 +382,8 @@ func TestModes(t *testing.T) {
 				t.Fatalf("events %v", events)
 			}
 			q := <-e.cp.Queries
-			if q.GetSessionId() != "s1" || q.GetInputTokens() != 1000 || q.GetTurn() != 2 || !q.GetMultiturnHint() || q.GetMaxOutputTokens() != 3 {
+			if q.GetSessionId() != "s1" || q.GetInputTokens() != 1000 || q.GetTurn() != 2 || !q.GetMultiturnHint() || q.GetMaxOutputTokens() != 3 ||
+				len(q.GetExcludeWorkers()) != 0 {
 				t.Fatalf("query %v", q)
 			}
 			o := outcome(t, e.cp)
@@ -346,25 +399,36 @@ func TestModes(t *testing.T) {
 				t.Fatal("prefill called for a decode-only mode")
 			}
 			tt.check(t, pr, dr)
+			// A decision that makes the session resident on D opens its streaming session there
+			// first; no other call touches sessions; P never sees a session call.
+			if tt.wantOpen {
+				sc := <-e.d.sessions
+				if sc.Path != "/open_session" || sc.SessionID != "s1" || !sc.Streaming || sc.Timeout != DefaultSessionTimeout.Seconds() {
+					t.Fatalf("session call %+v", sc)
+				}
+			}
+			if len(e.d.sessions) != 0 || len(e.p.sessions) != 0 {
+				t.Fatalf("unexpected session calls: D %d, P %d", len(e.d.sessions), len(e.p.sessions))
+			}
 		})
 	}
 }
 
+// The gateway keeps a session only when the decision says so and the request has one: it has
+// no rule of its own (a REAL_LARGE_APPEND reason without keep_session keeps nothing).
 func TestKeepSession(t *testing.T) {
 	withSession, anon := &api.Request{SessionID: "s1"}, &api.Request{}
+	keep := &kvcv1.RouteExecution{KeepSession: true}
 	for _, tc := range []struct {
 		name string
 		p    plan
 		req  *api.Request
 		want bool
 	}{
-		{"direct", plan{mode: kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, reason: "SESSION_RESIDENT"}, withSession, true},
-		{"seed", plan{mode: kvcv1.RouteMode_ROUTE_MODE_SEED, reason: "NEW_SESSION"}, withSession, true},
-		{"reseed snapshot", plan{mode: kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT, reason: "SNAPSHOT_HIT"}, withSession, true},
-		{"fallback", plan{mode: kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, reason: "NO_D_CAPACITY"}, withSession, false},
-		{"large append", plan{mode: kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, reason: "REAL_LARGE_APPEND"}, withSession, true},
-		{"large append without a session", plan{mode: kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, reason: "REAL_LARGE_APPEND"}, anon, false},
-		{"fail-open", plan{mode: kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, reason: "CONTROL_PLANE_UNAVAILABLE", failOpen: true}, withSession, false},
+		{"decision keeps", plan{mode: kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, exec: keep}, withSession, true},
+		{"decision does not keep", plan{mode: kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, reason: "REAL_LARGE_APPEND", exec: &kvcv1.RouteExecution{}}, withSession, false},
+		{"no session", plan{mode: kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, exec: keep}, anon, false},
+		{"fail-open", plan{mode: kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, failOpen: true, exec: failOpenExec}, withSession, false},
 	} {
 		if got := tc.p.keepSession(tc.req); got != tc.want {
 			t.Errorf("%s: keepSession %v, want %v", tc.name, got, tc.want)

@@ -2,6 +2,7 @@ package workers
 
 import (
 	"context"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -39,17 +40,33 @@ func NewPool(prefill, decode []Worker) *Pool {
 	return &Pool{prefill: prefill, decode: decode}
 }
 
-// Pick returns the next prefill and decode worker round robin; ok is false when either list is
-// empty.
-func (p *Pool) Pick() (pre, dec Worker, ok bool) {
+// Pick returns the next prefill and decode worker round robin, skipping workers whose URL is
+// in skipURLs (a retry after a worker's death does not go back to it); ok is false when either
+// role has no worker left.
+func (p *Pool) Pick(skipURLs ...string) (pre, dec Worker, ok bool) {
 	p.mu.RLock()
 	defer p.mu.RUnlock()
-	if len(p.prefill) == 0 || len(p.decode) == 0 {
+	pre, okP := next(p.prefill, &p.pn, skipURLs)
+	dec, okD := next(p.decode, &p.dn, skipURLs)
+	if !okP || !okD {
 		return Worker{}, Worker{}, false
 	}
-	pre = p.prefill[int((p.pn.Add(1)-1)%uint64(len(p.prefill)))]
-	dec = p.decode[int((p.dn.Add(1)-1)%uint64(len(p.decode)))]
 	return pre, dec, true
+}
+
+// next is round robin over ws from counter n, skipping the URLs in skip.
+func next(ws []Worker, n *atomic.Uint64, skip []string) (Worker, bool) {
+	if len(ws) == 0 {
+		return Worker{}, false
+	}
+	start := n.Add(1) - 1
+	for i := 0; i < len(ws); i++ {
+		w := ws[int((start+uint64(i))%uint64(len(ws)))]
+		if !slices.Contains(skip, w.URL) {
+			return w, true
+		}
+	}
+	return Worker{}, false
 }
 
 // Sizes reports the list lengths.

@@ -81,3 +81,21 @@ func TestRefreshFromAdmin(t *testing.T) {
 		t.Fatalf("got %+v %+v", pre, dec)
 	}
 }
+
+// A retry after a worker's death skips it in round robin; with every worker of a role skipped
+// there is nothing to pick.
+func TestPickSkips(t *testing.T) {
+	p := NewPool([]Worker{{URL: "p1"}, {URL: "p2"}}, []Worker{{URL: "d1"}, {URL: "d2"}, {URL: "d3"}})
+	for i := 0; i < 6; i++ {
+		pre, d, ok := p.Pick("d2", "p1")
+		if !ok || d.URL == "d2" || pre.URL != "p2" {
+			t.Fatalf("pick %d: %v %v %v", i, pre, d, ok)
+		}
+	}
+	if _, _, ok := p.Pick("d1", "d2", "d3"); ok {
+		t.Fatal("every decode worker skipped, still picked one")
+	}
+	if _, _, ok := p.Pick("p1", "p2"); ok {
+		t.Fatal("every prefill worker skipped, still picked one")
+	}
+}
