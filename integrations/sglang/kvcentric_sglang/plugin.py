@@ -154,7 +154,8 @@ def create_generation_req_around(original, scheduler, recv_req, *args, **kwargs)
         req.kv_hints = hints
     if hints is not None:
         from . import linker
-        linker.remember_hint(req.rid, runtime.parse_hint(hints))
+        page = int(getattr(scheduler, "page_size", 0) or runtime.state.page_size or 1)
+        linker.remember_hint(req.rid, runtime.parse_hint(hints), linker.first_page_key(req, page))
     return req
 
 

@@ -1,0 +1,215 @@
+"""KvcLinker: an out-of-tree SGLang ``UnifiedCacheLinker`` ("dynamic") that lands kvcentric
+transfers in a colocated decode worker's own request slots.
+
+Launch (colocated decode worker)::
+
+    --enable-unified-cache-external-linker --unified-cache-external-linker-backend dynamic
+    --unified-cache-external-linker-config '{"linker": "KvcLinker",
+        "linker_module_path": "kvcentric_sglang.linker", "linker_extra_config": {}}'
+
+RESEED_SNAPSHOT on D': the request arrives with kv_hints {mode: RESEED_SNAPSHOT, session_id,
+room, snapshot_seqlen, prefill_peer_addr}. SGLang's match path asks ``lookup`` how many pages of
+the device-uncached tail are restorable: floor(snapshot_seqlen / page) pages (only when the tail
+starts at token 0: the snapshot covers the session from its first token, and a transfer cannot
+start mid-way). ``load`` receives the request-private device slots SGLang allocated;
+``start_layer_wise_loading`` issues PrepareReceive(room, SNAPSHOT, pages, tokens) and a
+background WaitReceive, and completes every layer of the batch's counter when the bytes landed
+(the forward waits at layer 0). SGLang then prefills only the tail and the streaming session
+takes over the row; CommitSession follows from the session hook.
+
+The linker never offloads: snapshots are pushed by the decode sidecar from CommitSession.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Dict, List, Optional, Tuple
+
+from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+from sglang.srt.mem_cache.unified_cache.unified_cache_linker import LayerWiseLoadCounter, UnifiedCacheLinker
+
+from . import runtime
+from .bridge import TRANSFER_SNAPSHOT, BridgeError
+
+logger = logging.getLogger(__name__)
+
+# rid -> the request's kvc hint and first-page tokens (set by the _create_generation_req hook).
+_hints: Dict[str, Tuple[runtime.KvcHint, Optional[List[int]]]] = {}
+_hints_lock = threading.Lock()
+MODES = ("RESEED_SNAPSHOT",)
+
+
+def remember_hint(rid: str, hint: Optional[runtime.KvcHint], first_page_tokens: Optional[List[int]] = None) -> None:
+    if hint is None:
+        return
+    with _hints_lock:
+        _hints[rid] = (hint, first_page_tokens)
+
+
+def forget(rid: str) -> None:
+    with _hints_lock:
+        _hints.pop(rid, None)
+
+
+def _hint(rid: str):
+    with _hints_lock:
+        return _hints.get(rid)
+
+
+class _Load:
+    def __init__(self, rid: str, hint: runtime.KvcHint, pages: List[int], tokens: int):
+        self.rid, self.hint, self.pages, self.tokens = rid, hint, pages, tokens
+        self.result = None
+
+
+class KvcLinker(UnifiedCacheLinker):
+    """kvcentric transfers into request slots through SGLang's external-linker path."""
+
+    def __init__(self, server_args, params, *, components=None, extra_config=None, forward_stream=None):
+        extra_config = dict(extra_config or {})
+        self.server_args = server_args
+        self.params = params
+        self.forward_stream = forward_stream
+        self.page_size = int(params.page_size)
+        kv_pool = params.token_to_kv_pool_allocator.get_kvcache()
+        self.pools = {PoolName.KV: kv_pool}
+        self.layer_done_counter = LayerWiseLoadCounter(int(getattr(kv_pool, "layer_num", 1)))
+        self.wait_timeout_s = float(extra_config.get("wait_timeout_s", 120.0))
+        self._queued: List[_Load] = []
+        self._lock = threading.Lock()
+        self.loads_done = 0
+        self.bridge = runtime.state.bridge
+        if self.bridge is None and extra_config.get("register", True):
+            self.bridge = _register_colocated(server_args, kv_pool, extra_config)
+
+    # -- match ----------------------------------------------------------------------------------
+
+    def lookup(self, rid: str, transfers: List[PoolTransfer]) -> List[int]:
+        got = _hint(rid)
+        if got is None:
+            return []
+        hint, first_page = got
+        if hint.mode not in MODES or hint.snapshot_seqlen <= 0 or hint.room is None:
+            return []
+        kv = next((t for t in transfers if t.name == PoolName.KV), None)
+        if kv is None or not kv.keys:
+            return []
+        if first_page is not None and kv.keys[0] != _first_page_hash(first_page, self.page_size):
+            # The uncached tail does not start at token 0 (part of the prompt is already in the
+            # tree): a snapshot transfer covers [0, n) and cannot land mid-sequence.
+            logger.info("kvcentric linker: %s: tail does not start at token 0; no snapshot load", rid)
+            return []
+        n = min(len(kv.keys), hint.snapshot_seqlen // self.page_size)
+        return list(range(1, n + 1))
+
+    def load(self, rid: str, transfers: List[PoolTransfer]) -> bool:
+        got = _hint(rid)
+        kv = next((t for t in transfers if t.name == PoolName.KV), None)
+        if got is None or kv is None or kv.device_indices is None or self.bridge is None:
+            return False
+        idx = kv.device_indices.tolist()
+        pages = [int(x) // self.page_size for x in idx[:: self.page_size]]
+        with self._lock:
+            self._queued.append(_Load(rid, got[0], pages, len(idx)))
+        return True
+
+    # -- layer-wise loading ----------------------------------------------------------------------
+
+    def start_layer_wise_loading(self) -> int:
+        with self._lock:
+            loads, self._queued = self._queued, []
+        index = self.layer_done_counter.update_producer()
+        if not loads:
+            for layer in range(self.layer_done_counter.num_layers):
+                self.layer_done_counter.complete(index, layer)
+            return index
+        try:
+            for ld in loads:
+                h = ld.hint
+                self.bridge.prepare_receive(h.room, h.session_id, TRANSFER_SNAPSHOT, ld.pages, ld.tokens,
+                                            h.prefill_peer_addr)
+        except BridgeError as e:
+            logger.error("kvcentric linker: PrepareReceive: %s", e)
+            self.layer_done_counter.fail(index, RuntimeError(str(e)))
+            return index
+        threading.Thread(target=self._wait, args=(index, loads), name="kvc-linker-%d" % index, daemon=True).start()
+        return index
+
+    def _wait(self, index: int, loads: List[_Load]) -> None:
+        for ld in loads:
+            try:
+                ld.result = self.bridge.wait_receive(ld.hint.room, timeout_s=self.wait_timeout_s)
+            except BridgeError as e:
+                self.layer_done_counter.fail(index, RuntimeError("WaitReceive room %d: %s" % (ld.hint.room, e)))
+                return
+            if not ld.result.ok:
+                self.layer_done_counter.fail(index, RuntimeError("snapshot transfer of room %d failed: %s" %
+                                                                 (ld.hint.room, ld.result.error)))
+                return
+        self.loads_done += len(loads)
+        for layer in range(self.layer_done_counter.num_layers):
+            self.layer_done_counter.complete(index, layer)
+
+    def finish_layer_wise_loading(self, counter_index: int) -> bool:
+        return self.layer_done_counter.finish(counter_index)
+
+    def cancel_queued_load(self, rid: str) -> bool:
+        with self._lock:
+            n = len(self._queued)
+            self._queued = [q for q in self._queued if q.rid != rid]
+            return len(self._queued) != n
+
+    # -- no offloads ------------------------------------------------------------------------------
+
+    def offload(self, transfers, session_id=None) -> bool:
+        return False
+
+    def num_completed_offloads(self) -> int:
+        return 0
+
+    def pop_completed_offload(self) -> bool:
+        return False
+
+    def reset(self) -> None:
+        with self._lock:
+            self._queued = []
+        self.layer_done_counter.reset()
+
+    def close(self) -> None:
+        self.reset()
+
+
+class _Key(list):
+    """Token list carrying the request's hash namespace (as SGLang's RadixKey)."""
+
+    extra_key = None
+    cache_salt = None
+
+
+def first_page_key(req, page: int) -> "_Key":
+    k = _Key(list(req.origin_input_ids[:page]))
+    k.extra_key, k.cache_salt = getattr(req, "extra_key", None), getattr(req, "cache_salt", None)
+    return k
+
+
+def _first_page_hash(tokens, page: int) -> str:
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+    return get_storage_hash_str(tokens, None, page_size=page)[0]
+
+
+def _register_colocated(server_args, kv_pool, extra_config):
+    """A colocated decode worker has no P/D KV manager: the linker registers the pool."""
+    from . import pool as kvpool
+    gpu = int(extra_config.get("gpu_id", getattr(server_args, "base_gpu_id", 0) or 0))
+    path = extra_config.get("bridge_socket") or runtime.socket_path("decode", gpu)
+    bridge = runtime.bridge_for(path)
+    tp = int(getattr(server_args, "tp_size", 1) or 1)
+    reg = kvpool.from_pool(kv_pool, tp_rank=int(extra_config.get("tp_rank", 0)) if tp > 1 else 0,
+                           tp_size=tp if tp > 1 else 0)
+    reg.register(bridge)
+    runtime.state.bridge, runtime.state.registration = bridge, reg
+    runtime.state.page_size, runtime.state.role = reg.page_size, "decode"
+    from . import watch
+    watch.start_for_process(bridge, reg)
+    return bridge

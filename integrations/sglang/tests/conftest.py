@@ -1,0 +1,45 @@
+"""pytest setup: the package on sys.path, the watch thread off unless a test starts one,
+SGLang's (slow) imports done once, the plugin installed and its hooks applied once."""
+
+import os
+import sys
+import warnings
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+os.environ.setdefault("KVC_SGLANG_WATCH", "0")
+warnings.filterwarnings("ignore")
+
+
+@pytest.fixture(scope="session")
+def sglang_installed():
+    """install() + apply_hooks(), as SGLang's load_plugins() does."""
+    pytest.importorskip("sglang.srt.disaggregation.base.conn")
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from kvcentric_sglang import plugin
+
+    plugin.install()
+    HookRegistry.apply_hooks()
+    missing = [t for t in plugin.installed_hooks() if t not in HookRegistry._patched]
+    assert not missing, "hooks not applied: %s" % missing
+    return plugin
+
+
+@pytest.fixture(scope="session")
+def bins():
+    import kvctest
+    return {"decode": kvctest.binary("kvc-sidecar-decode", "sidecar-decode"),
+            "prefill": kvctest.binary("kvc-sidecar-prefill", "sidecar-prefill")}
+
+
+@pytest.fixture
+def tmp(tmp_path_factory):
+    # Unix socket paths must stay short: use /tmp directly.
+    import shutil
+    import tempfile
+    d = tempfile.mkdtemp(prefix="kvcpy-")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)

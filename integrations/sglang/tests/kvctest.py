@@ -1,0 +1,300 @@
+"""Test harness: real sidecar processes, a scripted control plane (a real gRPC
+SidecarService on a loopback port, hand-encoded like the bridge), SGLang pools in /dev/shm."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from concurrent import futures
+from typing import Dict, List, Optional
+
+import grpc
+
+from kvcentric_sglang import wire
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+WORKER_ROLE_PREFILL, WORKER_ROLE_DECODE = 1, 2
+EVENT_KINDS = {1: "committed", 2: "released", 3: "evicted", 4: "snapshot_ingested", 5: "snapshot_evicted",
+               6: "transfer_done", 7: "transfer_failed"}
+
+
+def binary(name: str, module: str) -> str:
+    """$KVC_BIN_DIR/name, else a fresh `go build` of module/cmd/name."""
+    d = os.environ.get("KVC_BIN_DIR")
+    if d and os.path.exists(os.path.join(d, name)):
+        return os.path.join(d, name)
+    if not shutil.which("go"):
+        raise RuntimeError("%s not in $KVC_BIN_DIR and no Go toolchain to build it" % name)
+    out = os.path.join(tempfile.mkdtemp(prefix="kvc-py-bin-"), name)
+    subprocess.run(["go", "build", "-o", out, "./cmd/" + name], cwd=os.path.join(REPO, module), check=True,
+                   env=dict(os.environ, CGO_ENABLED="0"))
+    return out
+
+
+class Sidecar:
+    """One real kvc-sidecar-{prefill,decode} process (tcp transport) with a ready file."""
+
+    def __init__(self, binary_path: str, wid: str, tmp: str, control_plane: str = "", extra: List[str] = (),
+                 sock: Optional[str] = None):
+        self.binary, self.wid, self.cp, self.extra = binary_path, wid, control_plane, list(extra)
+        self.dir = os.path.join(tmp, wid)
+        os.makedirs(self.dir, exist_ok=True)
+        self.sock = sock or os.path.join(self.dir, "bridge.sock")
+        self.log_path = os.path.join(self.dir, "sidecar.log")
+        self.proc = None
+        self.start()
+
+    def start(self):
+        ready = os.path.join(self.dir, "ready.json")
+        if os.path.exists(ready):
+            os.unlink(ready)
+        args = [self.binary, "--worker-id", self.wid, "--bridge-socket", self.sock, "--transport", "tcp",
+                "--ready-file", ready, "--worker-health-interval", "0", "--log-level", "debug"] + self.extra
+        if self.cp:
+            args += ["--control-plane", self.cp]
+        self.log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(args, stderr=self.log, stdout=self.log)
+        deadline = time.monotonic() + 30
+        while not os.path.exists(ready):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("%s did not start: %s" % (self.wid, self.tail()))
+            time.sleep(0.02)
+        with open(ready) as f:
+            self.ready = json.load(f)
+
+    @property
+    def peer_addr(self) -> str:
+        return self.ready["peer_addr"]
+
+    def tail(self, n: int = 4000) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                return f.read()[-n:].decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+    def kill(self):
+        """SIGKILL: a crashed sidecar."""
+        self.proc.kill()
+        self.proc.wait()
+        self.log.close()
+
+
+# ---- scripted control plane ------------------------------------------------------------------
+
+
+class ScriptedControlPlane:
+    """A real kvc.v1.SidecarService on 127.0.0.1:0: welcomes every sidecar (epoch 1, a policy
+    with small snapshot deltas), records hellos and session events, and sends the commands a
+    test scripts (set_snapshot_target). It makes no routing decisions: the test plays the
+    gateway and the router."""
+
+    def __init__(self, delta_tokens: int = 16):
+        self.delta = delta_tokens
+        self.hellos: Dict[str, dict] = {}
+        self.events: List[dict] = []
+        self.acks: List[tuple] = []
+        self._out: Dict[str, "queue.Queue"] = {}
+        self._cv = threading.Condition()
+        self._next = 1
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
+        h = grpc.method_handlers_generic_handler("kvc.v1.SidecarService", {
+            "Connect": grpc.stream_stream_rpc_method_handler(self._connect, request_deserializer=None,
+                                                             response_serializer=None)})
+        self.server.add_generic_rpc_handlers((h,))
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.addr = "127.0.0.1:%d" % self.port
+        self.server.start()
+
+    def close(self):
+        self.server.stop(0)
+
+    def _welcome(self) -> bytes:
+        policy = wire.Writer().int(16, self.delta).bool(20, True).int(23, 1)
+        return wire.Writer().msg(1, wire.Writer().int(1, 1).str(2, "scripted-cp").msg(3, policy)).done()
+
+    def _connect(self, request_iterator, context):
+        first = wire.parse(next(request_iterator))
+        if 1 not in first:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "hello first")
+        h = wire.parse(first[1])
+        wid = wire.as_str(h.get(1))
+        q = queue.Queue()
+        with self._cv:
+            self.hellos[wid] = {"role": h.get(2) or 0, "peer_addr": wire.as_str(h.get(11)),
+                                "transfer_endpoint": wire.as_str(h.get(6))}
+            self._out[wid] = q
+            self._cv.notify_all()
+
+        def reader():
+            try:
+                for raw in request_iterator:
+                    m = wire.parse(raw)
+                    with self._cv:
+                        if 4 in m:
+                            e = wire.parse(m[4])
+                            self.events.append({"worker": wid, "session": wire.as_str(e.get(1)),
+                                                "kind": EVENT_KINDS.get(e.get(2) or 0, str(e.get(2))),
+                                                "kv_len": wire.as_int64(e.get(3)), "generation": e.get(4) or 0,
+                                                "detail": wire.as_str(e.get(8))})
+                        elif 5 in m:
+                            a = wire.parse(m[5])
+                            self.acks.append((wid, a.get(1) or 0, bool(a.get(2)), wire.as_str(a.get(3))))
+                        self._cv.notify_all()
+            except grpc.RpcError:
+                pass
+            q.put(None)
+
+        threading.Thread(target=reader, daemon=True).start()
+        yield self._welcome()
+        while True:
+            m = q.get()
+            if m is None or not context.is_active():
+                return
+            yield m
+
+    def wait(self, pred, timeout: float = 20.0) -> bool:
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while not pred(self):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+            return True
+
+    def set_snapshot_target(self, decode_wid: str, session: str, prefill_wid: str, generation: int = 1) -> int:
+        p = self.hellos[prefill_wid]
+        with self._cv:
+            cid, self._next = self._next, self._next + 1
+        cmd = (wire.Writer().int(1, cid).int(2, 1).msg(3, wire.Writer().str(1, session).str(2, prefill_wid)
+                                                       .str(3, p["peer_addr"]).str(4, p["transfer_endpoint"])
+                                                       .int(5, generation)))
+        self._out[decode_wid].put(wire.Writer().msg(2, cmd).done())
+        return cid
+
+
+# ---- SGLang objects ------------------------------------------------------------------------------
+
+PAGE, HEADS, HEAD_DIM, LAYERS, POOL_TOKENS = 16, 2, 8, 3, 512
+
+
+def shm_path(tmp: str, name: str) -> str:
+    return "/dev/shm/kvcpy-%s-%s" % (os.path.basename(tmp), name)
+
+
+def mha_pool(tmp: str, name: str, size: int = POOL_TOKENS, layers: int = LAYERS):
+    """SGLang's real MHATokenToKVPool on CPU (bf16), its buffers moved into a /dev/shm file."""
+    import torch
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    from kvcentric_sglang import pool as kvpool
+    p = MHATokenToKVPool(size=size, page_size=PAGE, dtype=torch.bfloat16, head_num=HEADS, head_dim=HEAD_DIM,
+                         layer_num=layers, device="cpu", enable_memory_saver=False)
+    p._kvc_mem = kvpool.place_pool_in_shm(p, shm_path(tmp, name))
+    return p
+
+
+def mla_pool(tmp: str, name: str, size: int = POOL_TOKENS, layers: int = LAYERS):
+    import torch
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
+    from kvcentric_sglang import pool as kvpool
+    p = MLATokenToKVPool(size=size, page_size=PAGE, dtype=torch.bfloat16, kv_lora_rank=32, qk_rope_head_dim=8,
+                         layer_num=layers, device="cpu", enable_memory_saver=False)
+    p._kvc_mem = kvpool.place_pool_in_shm(p, shm_path(tmp, name))
+    return p
+
+
+def metadata_buffers(size: int = 8):
+    import torch
+    from sglang.srt.disaggregation.utils import MetadataBuffers
+    return MetadataBuffers(size, hidden_size=16, hidden_states_dtype=torch.float32, max_sampling_mask_tokens=16,
+                           max_top_logprobs_num=8)
+
+
+def kv_args(pool, meta, gpu_id: int = 0):
+    """KVArgs as SGLang's PrefillBootstrapQueue / DecodePreallocQueue._init_kv_manager fill them."""
+    from sglang.srt.disaggregation.base.conn import KVArgs
+    a = KVArgs()
+    a.engine_rank, a.pp_rank, a.system_dp_rank, a.gpu_id = 0, 0, 0, gpu_id
+    a.kv_data_ptrs, a.kv_data_lens, a.kv_item_lens = (list(x) for x in pool.get_contiguous_buf_infos())
+    a.num_draft_entries = 0
+    a.kv_layout = None
+    a.aux_data_ptrs, a.aux_data_lens, a.aux_item_lens = meta.get_buf_infos()
+    a.state_types, a.state_data_ptrs, a.state_data_lens, a.state_item_lens = [], [], [], []
+    a.page_size = pool.page_size
+    a.kv_head_num = a.total_kv_head_num = HEADS
+    a.ib_device = ""
+    return a
+
+
+def server_args(sock: str, tp_size: int = 1):
+    from types import SimpleNamespace
+    return SimpleNamespace(tp_size=tp_size, kvc_bridge_socket=sock, served_model_name="test-model")
+
+
+def token_bytes(pool, pages, n: int) -> bytes:
+    """Bytes of tokens [0, n) laid over pages, every buffer (K0..,V0.. or C0..), in order."""
+    import torch
+    bufs = pool.kv_buffer if hasattr(pool, "kv_buffer") else pool.k_buffer + pool.v_buffer
+    slots = torch.tensor([pages[t // PAGE] * PAGE + t % PAGE for t in range(n)], dtype=torch.long)
+    return b"".join(b[slots].contiguous().view(torch.uint8).numpy().tobytes() for b in bufs)
+
+
+def fill_random(pool, pages, seed: int = 1):
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    bufs = pool.kv_buffer if hasattr(pool, "kv_buffer") else pool.k_buffer + pool.v_buffer
+    for b in bufs:
+        for pg in pages:
+            b[pg * PAGE:(pg + 1) * PAGE] = torch.randn(b[pg * PAGE:(pg + 1) * PAGE].shape, generator=g).to(b.dtype)
+
+
+def kvc_hints(**payload):
+    from sglang.srt.managers.kv_hints import KvHintAction, KvHintsEnvelope
+    return KvHintsEnvelope(protocol_version="1", message_id="m-%s" % payload.get("room", 0),
+                           actions=[KvHintAction(action_id="a1", action_type="kvc", action_version="1",
+                                                 payload=payload)])
+
+
+def req(rid: str, input_ids, *, room=None, host=None, port=None, hints=None, max_new_tokens: int = 8, session=None):
+    """A real SGLang Req."""
+    from array import array
+
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    return Req(rid, None, array("q", input_ids), SamplingParams(max_new_tokens=max_new_tokens), bootstrap_host=host,
+               bootstrap_port=port, bootstrap_room=room, kv_hints=hints, session=session, vocab_size=1000)
+
+
+def wait_poll(obj, want, timeout: float = 30.0):
+    """Polls a sender / receiver like the scheduler does until it reports want (or Failed)."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    seen = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = obj.poll()
+        if not seen or seen[-1] != s:
+            seen.append(s)
+        if s == want or s == KVPoll.Failed:
+            return s, seen
+        time.sleep(0.01)
+    return obj.poll(), seen
