@@ -182,7 +182,9 @@ func Start(t testing.TB, ctx context.Context, cfg Config) (*Harness, error) {
 		h.simURL[id] = "http://" + addrs[0]
 		h.Sims[id] = &proc{name: "sim-" + id, role: "sim-" + role, id: id, bin: bin("kvc-sim"), dir: cfg.WorkDir, args: []string{
 			"--role", role, "--worker-id", id, "--http-addr", addrs[0], "--bridge-socket", sock,
-			"--time-scale", "0.05", "--bridge-wait", "10m", "--layers", "4", "--shm-dir", shmDir,
+			"--time-scale", "0.05", "--bridge-wait", "10m", "--shm-dir", shmDir,
+			// Room for every session of the run (no capacity eviction), in a small pool file.
+			"--layers", "4", "--bytes-per-token-per-buffer", "2", "--kv-capacity-tokens", "1000000",
 		}}
 		cps := strings.Join(h.cpAddrs, ",")
 		if id == HalfOpenWorker {
@@ -271,7 +273,7 @@ func (h *Harness) waitFor(ctx context.Context, what string, limit time.Duration,
 	tick := time.NewTicker(50 * time.Millisecond)
 	defer tick.Stop()
 	for {
-		cctx, ccancel := context.WithTimeout(ctx, 2*time.Second)
+		cctx, ccancel := context.WithTimeout(ctx, 3*time.Second)
 		err := f(cctx)
 		ccancel()
 		if err == nil {
@@ -319,7 +321,9 @@ func (h *Harness) Leader(ctx context.Context) (string, error) {
 			err = e
 			continue
 		}
-		r, e := a.GetLeader(ctx, &kvcv1.GetLeaderRequest{})
+		cctx, cancel := context.WithTimeout(ctx, time.Second) // one hung replica must not hide the other
+		r, e := a.GetLeader(cctx, &kvcv1.GetLeaderRequest{})
+		cancel()
 		if e != nil {
 			err = fmt.Errorf("%s: %w", p.name, e)
 			continue
@@ -426,6 +430,42 @@ func (h *Harness) DecodeHoldings(ctx context.Context) (map[string][]string, erro
 		}
 	}
 	return out, nil
+}
+
+type release struct {
+	worker, session, reason string
+	at                      time.Time
+}
+
+// releases reads the decode sidecars' event logs for sessions released between from and to.
+func (h *Harness) releases(from, to time.Time) []release {
+	var out []release
+	for _, id := range h.decode {
+		b, err := os.ReadFile(filepath.Join(h.cfg.WorkDir, id+".events.jsonl"))
+		if err != nil {
+			continue
+		}
+		for _, line := range strings.Split(string(b), "\n") {
+			if !strings.Contains(line, `"session_released"`) {
+				continue
+			}
+			var e struct {
+				TS      time.Time `json:"ts"`
+				Event   string    `json:"event"`
+				Session string    `json:"session"`
+				Reason  string    `json:"reason"`
+			}
+			if json.Unmarshal([]byte(line), &e) != nil || e.Event != "session_released" || e.TS.Before(from) || e.TS.After(to) {
+				continue
+			}
+			reason := e.Reason
+			if strings.HasPrefix(reason, "moved") {
+				reason = "moved"
+			}
+			out = append(out, release{worker: id, session: e.Session, reason: reason, at: e.TS})
+		}
+	}
+	return out
 }
 
 func (h *Harness) gatewayConnected(ctx context.Context) error {

@@ -142,7 +142,7 @@ func (r *Runner) Run(ctx context.Context, sc Scenario) (Outcome, error) {
 	}
 	// Recovery: whole (a leader lists every worker READY and the gateway's route stream is up),
 	// and every session served by a control-plane decision in a request started after ref.
-	whole, wholeErr := r.waitWhole(ctx, ref)
+	whole, wholeErr := r.waitWhole(ctx, ref, st)
 	served, servedErr := r.waitServed(ctx, ref)
 	end := whole
 	if served.After(end) {
@@ -167,7 +167,7 @@ func (r *Runner) Run(ctx context.Context, sc Scenario) (Outcome, error) {
 		if err := sc.Restore(ctx, r.h, st); err != nil {
 			st.Note("restore: %v", err)
 		}
-		if _, err := r.waitWhole(ctx, time.Now()); err != nil {
+		if _, err := r.waitWhole(ctx, time.Now(), nil); err != nil {
 			st.Note("not whole after restore: %v", err)
 		}
 	}
@@ -206,6 +206,19 @@ func (r *Runner) Run(ctx context.Context, sc Scenario) (Outcome, error) {
 			m += "(fail-open)"
 		}
 		out.Modes[m]++
+	}
+	// Sessions a decode worker released on its own (capacity eviction, a move) are dropped
+	// from the register legitimately: the decode sidecars' event logs say when.
+	rel := r.h.releases(segStart, segEnd)
+	for _, e := range rel {
+		ops = append(ops, Op{Session: e.session, Kind: opDrop, Worker: e.worker, Call: e.at.Add(-100 * time.Millisecond), Return: e.at.Add(2 * time.Second), Source: "release event"})
+	}
+	if len(rel) > 0 {
+		reasons := map[string]int{}
+		for _, e := range rel {
+			reasons[e.reason]++
+		}
+		st.Note("worker releases (legitimate drops) %v", reasons)
 	}
 	for _, d := range drops {
 		for id := range sessions {
@@ -270,7 +283,6 @@ func (r *Runner) Run(ctx context.Context, sc Scenario) (Outcome, error) {
 		}
 	}
 	r.baseAt = time.Now()
-	_ = segStart
 	v := CheckHistory(ops, 20*time.Second)
 	out.Lost, out.Illegal, out.Unknown, out.Writes, out.Ops = v.Lost, len(v.Illegal), len(v.Unknown), v.Writes, v.Ops
 	if len(v.Illegal) > 0 && v.Lost == 0 {
@@ -354,17 +366,36 @@ func (r *Runner) report(o Outcome) {
 
 // waitWhole waits until a leader lists every worker READY and the gateway's route stream is
 // up; it returns when that was first seen.
-func (r *Runner) waitWhole(ctx context.Context, from time.Time) (time.Time, error) {
+func (r *Runner) waitWhole(ctx context.Context, from time.Time, st *Step) (time.Time, error) {
 	limit := r.cfg.WaitLimit - time.Since(from)
 	if limit < time.Second {
 		limit = time.Second
 	}
+	var leaderAt time.Time
+	var lastErr error
 	err := r.h.waitFor(ctx, "whole", limit, func(ctx context.Context) error {
-		if err := r.h.checkWhole(ctx); err != nil {
-			return err
+		if leaderAt.IsZero() {
+			if _, err := r.h.Leader(ctx); err == nil {
+				leaderAt = time.Now()
+			}
 		}
-		return r.h.gatewayConnected(ctx)
+		err := r.h.checkWhole(ctx)
+		if err == nil {
+			err = r.h.gatewayConnected(ctx)
+		}
+		if err != nil && !leaderAt.IsZero() {
+			lastErr = err
+		}
+		return err
 	})
+	if st != nil {
+		if !leaderAt.IsZero() {
+			st.Note("a leader answered %.1f s after the reference", leaderAt.Sub(from).Seconds())
+		}
+		if lastErr != nil {
+			st.Note("last wait before whole: %v", lastErr)
+		}
+	}
 	return time.Now(), err
 }
 
