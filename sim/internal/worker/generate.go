@@ -57,10 +57,12 @@ func roleName(r kvcv1.WorkerRole) string {
 	return "decode"
 }
 
-// Handler serves the worker HTTP API: POST /generate, GET /health, GET /get_model_info,
-// GET /kvc/sessions.
+// Register serves the worker HTTP API: POST /generate, POST /open_session, POST /close_session,
+// GET /health, GET /get_model_info, GET /kvc/sessions.
 func (w *Worker) Register(mux *http.ServeMux) {
 	mux.HandleFunc("POST /generate", w.handleGenerate)
+	mux.HandleFunc("POST /open_session", w.handleOpenSession)
+	mux.HandleFunc("POST /close_session", w.handleCloseSession)
 	mux.HandleFunc("GET /health", func(rw http.ResponseWriter, _ *http.Request) {
 		rw.Header().Set("Content-Type", "text/plain")
 		_, _ = io.WriteString(rw, "ok\n")
@@ -87,6 +89,98 @@ func writeJSON(rw http.ResponseWriter, status int, v any) {
 
 func writeError(rw http.ResponseWriter, e *apiError) {
 	writeJSON(rw, e.status, map[string]any{"error": map[string]string{"code": e.code, "message": e.msg}})
+}
+
+// sessionRequest is SGLang's OpenSessionReqInput / CloseSessionReqInput.
+type sessionRequest struct {
+	SessionID        string   `json:"session_id"`
+	Streaming        *bool    `json:"streaming"`
+	Timeout          *float64 `json:"timeout"`
+	CapacityOfStrLen *int64   `json:"capacity_of_str_len"`
+}
+
+func (w *Worker) parseSessionRequest(rw http.ResponseWriter, r *http.Request) (*sessionRequest, *apiError) {
+	if w.cfg.Role != kvcv1.WorkerRole_WORKER_ROLE_DECODE {
+		return nil, errf(http.StatusBadRequest, "bad_request", "sessions live on decode workers; this is a prefill worker")
+	}
+	body, err := io.ReadAll(http.MaxBytesReader(rw, r.Body, 64<<10))
+	if err != nil {
+		return nil, errf(http.StatusBadRequest, "bad_request", "reading body: %v", err)
+	}
+	var sr sessionRequest
+	if err := json.Unmarshal(body, &sr); err != nil {
+		return nil, errf(http.StatusBadRequest, "bad_request", "malformed JSON body: %v", err)
+	}
+	if err := kvcv1.ValidateID("session_id", sr.SessionID); err != nil {
+		return nil, errf(http.StatusBadRequest, "bad_request", "%v", err)
+	}
+	if sr.Timeout != nil && (*sr.Timeout < 0 || *sr.Timeout != *sr.Timeout) {
+		return nil, errf(http.StatusBadRequest, "bad_request", "timeout %v must be a non-negative number of seconds", *sr.Timeout)
+	}
+	if sr.CapacityOfStrLen != nil && *sr.CapacityOfStrLen < 0 {
+		return nil, errf(http.StatusBadRequest, "bad_request", "capacity_of_str_len %d is negative", *sr.CapacityOfStrLen)
+	}
+	return &sr, nil
+}
+
+// handleOpenSession is SGLang's POST /open_session for a streaming session: it answers the
+// session id as a JSON string. Like SGLang, it refuses an id that is already open — here, a
+// session this worker holds — so the caller closes the stale copy first. kvc-sim holds no state
+// for an open session without KV: the first turn's KV makes it resident. Only streaming
+// sessions are supported (SGLang's non-streaming sessions branch and rewind, which kvcentric
+// does not use).
+func (w *Worker) handleOpenSession(rw http.ResponseWriter, r *http.Request) {
+	sr, e := w.parseSessionRequest(rw, r)
+	if e == nil && (sr.Streaming == nil || !*sr.Streaming) {
+		e = errf(http.StatusBadRequest, "bad_request", "only streaming sessions are supported (\"streaming\": true)")
+	}
+	if e == nil {
+		w.mu.Lock()
+		_, held := w.sessions[sr.SessionID]
+		w.mu.Unlock()
+		if held {
+			e = errf(http.StatusBadRequest, "bad_request", "session %q is already open on %s", sr.SessionID, w.cfg.WorkerID)
+		}
+	}
+	if e != nil {
+		w.m.requests.WithLabelValues("open_session", e.code).Inc()
+		writeError(rw, e)
+		return
+	}
+	w.m.requests.WithLabelValues("open_session", "ok").Inc()
+	writeJSON(rw, http.StatusOK, sr.SessionID)
+}
+
+// handleCloseSession is SGLang's POST /close_session: the session's KV is released (the sidecar
+// hears ReleaseSession before the pages are freed) once its running turn, if any, has ended.
+// Closing a session this worker does not hold is not an error.
+func (w *Worker) handleCloseSession(rw http.ResponseWriter, r *http.Request) {
+	sr, e := w.parseSessionRequest(rw, r)
+	if e != nil {
+		w.m.requests.WithLabelValues("close_session", e.code).Inc()
+		writeError(rw, e)
+		return
+	}
+	unlock, err := w.lockTurn(r.Context(), sr.SessionID)
+	if err != nil {
+		e = ctxError(r.Context(), "waiting for the session's running turn")
+		w.m.requests.WithLabelValues("close_session", e.code).Inc()
+		writeError(rw, e)
+		return
+	}
+	w.mu.Lock()
+	s := w.sessions[sr.SessionID]
+	if s != nil {
+		s.pinned++ // no eviction while the sidecar is told
+	}
+	w.mu.Unlock()
+	if s != nil {
+		w.dropSession(s, kvcv1.ReleaseReason_RELEASE_REASON_RELEASED)
+		w.unpin(s)
+	}
+	unlock()
+	w.m.requests.WithLabelValues("close_session", "ok").Inc()
+	writeJSON(rw, http.StatusOK, map[string]any{"session_id": sr.SessionID, "closed": s != nil})
 }
 
 func (w *Worker) handleGenerate(rw http.ResponseWriter, r *http.Request) {

@@ -53,7 +53,66 @@ const (
 	defaultMaxNew    = 128
 )
 
-// generateRequest is the subset of SGLang's GenerateReqInput kvc-sim reads, plus the kvc block.
+// kvcHints is kvcentric's decision for one half of a request: the payload of the "kvc" action
+// in SGLang's kv_hints envelope (or, for one more release, the top-level "kvc" block).
+type kvcHints struct {
+	DecisionID      string       `json:"decision_id"`
+	Mode            string       `json:"mode"`
+	Role            string       `json:"role"`
+	SessionID       string       `json:"session_id"`
+	InputTokens     *int64       `json:"input_tokens"`
+	CachedTokens    *int64       `json:"cached_tokens"`
+	Room            *json.Number `json:"room"`
+	Transfer        *string      `json:"transfer"` // SEED, SNAPSHOT, or "" for none
+	PrefillPeerAddr string       `json:"prefill_peer_addr"`
+	SnapshotSeqlen  int64        `json:"snapshot_seqlen"`
+	KeepSession     *bool        `json:"keep_session"`
+}
+
+// kvHintsEnvelope is SGLang's KvHintsEnvelope (sglang.srt.managers.kv_hints).
+type kvHintsEnvelope struct {
+	ProtocolVersion int    `json:"protocol_version"`
+	MessageID       string `json:"message_id"`
+	Actions         []struct {
+		ActionID      string          `json:"action_id"`
+		ActionType    string          `json:"action_type"`
+		ActionVersion int             `json:"action_version"`
+		Payload       json.RawMessage `json:"payload"`
+	} `json:"actions"`
+}
+
+// kvHintsAction is the action type of kvcentric's decision in the envelope.
+const kvHintsAction = "kvc"
+
+// kvcFromHints returns the "kvc" action's payload of env (nil when there is none). More than one
+// kvc action, an unknown protocol or action version, or a malformed payload is an error.
+func kvcFromHints(env *kvHintsEnvelope) (*kvcHints, error) {
+	if env.ProtocolVersion != 1 {
+		return nil, fmt.Errorf("kv_hints.protocol_version %d is not supported (want 1)", env.ProtocolVersion)
+	}
+	var out *kvcHints
+	for i, a := range env.Actions {
+		if a.ActionType != kvHintsAction {
+			continue // another orchestrator's action: not ours
+		}
+		if a.ActionVersion != 1 {
+			return nil, fmt.Errorf("kv_hints.actions[%d]: kvc action_version %d is not supported (want 1)", i, a.ActionVersion)
+		}
+		if out != nil {
+			return nil, errors.New("kv_hints carries more than one kvc action")
+		}
+		out = &kvcHints{}
+		dec := json.NewDecoder(bytes.NewReader(a.Payload))
+		dec.UseNumber()
+		if err := dec.Decode(out); err != nil {
+			return nil, fmt.Errorf("kv_hints.actions[%d].payload: %v", i, err)
+		}
+	}
+	return out, nil
+}
+
+// generateRequest is the subset of SGLang's GenerateReqInput kvc-sim reads: kvcentric's decision
+// comes in kv_hints (or the older top-level kvc block).
 type generateRequest struct {
 	RID            json.RawMessage `json:"rid"`
 	Text           json.RawMessage `json:"text"`
@@ -65,19 +124,9 @@ type generateRequest struct {
 	SessionParams *struct {
 		ID string `json:"id"`
 	} `json:"session_params"`
-	BootstrapRoom *json.Number `json:"bootstrap_room"`
-	KVC           *struct {
-		DecisionID      string       `json:"decision_id"`
-		Mode            string       `json:"mode"`
-		Role            string       `json:"role"`
-		SessionID       string       `json:"session_id"`
-		InputTokens     *int64       `json:"input_tokens"`
-		CachedTokens    *int64       `json:"cached_tokens"`
-		Room            *json.Number `json:"room"`
-		PrefillPeerAddr string       `json:"prefill_peer_addr"`
-		SnapshotSeqlen  int64        `json:"snapshot_seqlen"`
-		KeepSession     *bool        `json:"keep_session"`
-	} `json:"kvc"`
+	BootstrapRoom *json.Number     `json:"bootstrap_room"`
+	KVHints       *kvHintsEnvelope `json:"kv_hints"`
+	KVC           *kvcHints        `json:"kvc"` // before kv_hints; accepted for one release
 }
 
 // plan is a validated request.
@@ -97,6 +146,22 @@ type plan struct {
 	seqlen     int64
 	keep       bool
 	stream     bool
+	hinted     bool // the decision came in kv_hints
+}
+
+// checkTransfer: the payload's transfer kind must be the one the mode implies.
+func checkTransfer(t string, m Mode) error {
+	want := "SEED"
+	switch m {
+	case ModeDirectToD:
+		want = ""
+	case ModeReseedSnapshot:
+		want = "SNAPSHOT"
+	}
+	if !strings.EqualFold(t, want) {
+		return fmt.Errorf("transfer %q does not match mode %s (want %q)", t, m, want)
+	}
+	return nil
 }
 
 // transfers reports whether the mode moves KV into (decode) or out of (prefill) this worker.
@@ -159,7 +224,21 @@ func parseGenerate(body []byte, role kvcv1.WorkerRole, capacity int64) (*plan, e
 	}
 	p.mode = ModePDFallback
 	keepSet := false
-	if k := r.KVC; k != nil {
+	k := r.KVC
+	if r.KVHints != nil {
+		hk, err := kvcFromHints(r.KVHints)
+		if err != nil {
+			return nil, err
+		}
+		if hk != nil && k != nil {
+			return nil, errors.New("the decision is given twice (kv_hints and the kvc block): send one")
+		}
+		if hk != nil {
+			k = hk
+			p.hinted = true
+		}
+	}
+	if k != nil {
 		p.decisionID = k.DecisionID
 		if k.Mode != "" {
 			if p.mode, err = ParseMode(k.Mode); err != nil {
@@ -208,6 +287,22 @@ func parseGenerate(body []byte, role kvcv1.WorkerRole, capacity int64) (*plan, e
 		p.seqlen = k.SnapshotSeqlen
 		if k.KeepSession != nil {
 			p.keep, keepSet = *k.KeepSession, true
+		}
+		if k.Transfer != nil {
+			if err := checkTransfer(*k.Transfer, p.mode); err != nil {
+				return nil, err
+			}
+		}
+	}
+	if p.hinted {
+		// SGLang's contract: D keeps a session exactly when the request carries session_params
+		// (its streaming session); P never gets session_params (it prefills the full context).
+		hasParams := r.SessionParams != nil && r.SessionParams.ID != ""
+		switch {
+		case role == kvcv1.WorkerRole_WORKER_ROLE_PREFILL && hasParams:
+			return nil, errors.New("a prefill worker takes the full context without session_params")
+		case role == kvcv1.WorkerRole_WORKER_ROLE_DECODE && keepSet && p.keep != hasParams:
+			return nil, fmt.Errorf("kv_hints keep_session %v but session_params %s: a decode worker keeps the session exactly when the request names it", p.keep, map[bool]string{true: "given", false: "missing"}[hasParams])
 		}
 	}
 	if !keepSet {
