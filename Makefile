@@ -23,6 +23,7 @@ GRPCURL_VERSION := v1.9.3
 
 
 .PHONY: grpcurl
+.PHONY: test-faults
 .PHONY: all build test test-short lint fmt proto proto-check tools demo bench bench-transfer bench-policy bench-gpu test-mooncake tidy clean
 
 all: build
@@ -44,6 +45,16 @@ test: build
 		echo "== test $$m"; \
 		(cd $$m && CGO_ENABLED=1 KVC_BIN_DIR=$(BIN) $(GO) test -race -count=1 -timeout 600s ./...); \
 	done
+
+## test-faults: every fault under session load on a real cluster (docs/reliability.md);
+## FAULTS=ci (default, the CI subset), FAULTS=all, or FAULTS=name,name; log in out/faults/
+test-faults: build
+	@mkdir -p out/faults
+	@rc=0; (cd sim && KVC_BIN_DIR=$(BIN) KVC_FAULTS=$${FAULTS:-ci} KVC_FAULTS_OUT=$(CURDIR)/out/faults \
+		$(GO) test -count=1 -timeout 1500s -run '^TestFaults$$' -v ./internal/faults/) > out/faults/test.log 2>&1 || rc=$$?; \
+	if [ $$rc -ne 0 ]; then grep -vE '^(fault|faults):' out/faults/test.log | tail -60; fi; \
+	grep -E '^(baseline|fault|faults):' out/faults/test.log || true; \
+	exit $$rc
 
 ## test-short: unit tests only
 test-short:
