@@ -620,3 +620,68 @@ func TestBatcherTxnTimeout(t *testing.T) {
 		t.Fatalf("after heal: %v %v %v", got, ok, err)
 	}
 }
+
+// TestCallTimeout is issue 16 finding 3 at the store: with etcd black-holed every read and
+// write returns ErrUnavailable within the call timeout even when the caller's context has no
+// deadline; a caller's own shorter deadline keeps its error; an oversized write is refused
+// before anything is sent.
+func TestCallTimeout(t *testing.T) {
+	c := etcdtest.Start(t)
+	px, err := netproxy.New(strings.TrimPrefix(c.Endpoints()[0], "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = px.Close() })
+	cli, err := clientv3.New(clientv3.Config{Endpoints: []string{px.Addr()}, DialTimeout: 5 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = cli.Close() })
+	const bound = 300 * time.Millisecond
+	s, err := New(cli, WithPrefix("/calltimeout/"), WithCallTimeout(bound))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := New(cli, WithCallTimeout(0)); err == nil {
+		t.Fatal("zero call timeout accepted")
+	}
+	f, _, _ := leader(t, newStore(t, c.Client(t), "/calltimeout/"), "a")
+	if err := s.PutPolicy(t.Context(), f, &kvcv1.Policy{SeedMinTurn: proto.Int32(1)}); err != nil {
+		t.Fatal(err)
+	}
+	big := Op{Key: s.PolicyKey(), Value: make([]byte, DefaultMaxBytes)}
+	px.Blackhole()
+	for _, tc := range []struct {
+		name string
+		call func(ctx context.Context) error
+	}{
+		{"GetPolicy", func(ctx context.Context) error { _, _, err := s.GetPolicy(ctx); return err }},
+		{"GetWorker", func(ctx context.Context) error { _, _, err := s.GetWorker(ctx, "w"); return err }},
+		{"GetSession", func(ctx context.Context) error { _, _, err := s.GetSession(ctx, "s"); return err }},
+		{"ListWorkers", func(ctx context.Context) error { _, err := s.ListWorkers(ctx); return err }},
+		{"ListSessions", func(ctx context.Context) error { _, _, err := s.ListSessions(ctx, "", 10, nil); return err }},
+		{"LoadAll", func(ctx context.Context) error { _, err := s.LoadAll(ctx); return err }},
+		{"PutPolicy", func(ctx context.Context) error { return s.PutPolicy(ctx, f, &kvcv1.Policy{}) }},
+		{"ExpireIdleSessions", func(ctx context.Context) error {
+			_, err := s.ExpireIdleSessions(ctx, f, time.Hour, time.Now())
+			return err
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			start := time.Now()
+			err := tc.call(context.Background()) // no deadline: the store's bound must hold
+			if el := time.Since(start); !errors.Is(err, ErrUnavailable) || el > bound+time.Second {
+				t.Fatalf("after %s: %v, want ErrUnavailable within %s", el, err, bound)
+			}
+			ctx, cancel := context.WithTimeout(t.Context(), bound/3)
+			defer cancel()
+			if err := tc.call(ctx); errors.Is(err, ErrUnavailable) || !errors.Is(err, context.DeadlineExceeded) && status.Code(err) != codes.DeadlineExceeded {
+				t.Fatalf("caller deadline: %v, want the caller's DeadlineExceeded", err)
+			}
+		})
+	}
+	start := time.Now()
+	if err := s.Apply(t.Context(), f, []Op{big}); !errors.Is(err, ErrTooLarge) || time.Since(start) > bound/2 {
+		t.Fatalf("oversized Txn: %v after %s, want ErrTooLarge at once", err, time.Since(start))
+	}
+}

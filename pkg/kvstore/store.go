@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"google.golang.org/protobuf/proto"
 
@@ -26,13 +27,28 @@ var (
 	ErrTooLarge = errors.New("kvstore: value too large for one transaction")
 	// ErrClosed means the batcher no longer accepts writes.
 	ErrClosed = errors.New("kvstore: batcher closed")
+	// ErrNoSpace means etcd refused a write because its backend quota is exhausted (etcd's
+	// NOSPACE alarm): nothing is written until an operator compacts, defragments and disarms
+	// the alarm. Permanent for a caller: RESOURCE_EXHAUSTED.
+	ErrNoSpace = errors.New("kvstore: etcd database space exceeded (quota)")
+	// ErrUnavailable means etcd did not answer one call within the store's call timeout
+	// (WithCallTimeout) although the caller's own context had time left: etcd is unreachable,
+	// without quorum or overloaded. Callers answer UNAVAILABLE.
+	ErrUnavailable = errors.New("kvstore: etcd unavailable")
 )
+
+// DefaultCallTimeout bounds every single etcd call the Store makes (a Get, a page of a scan, a
+// Txn) unless the caller's context ends sooner. Without it a call to an unreachable etcd waits
+// as long as the caller's context (forever without a deadline: the etcd client waits for a
+// connection to become ready).
+const DefaultCallTimeout = 2 * time.Second
 
 // Store reads and writes kvcentric records in etcd.
 type Store struct {
-	cli     *clientv3.Client
-	prefix  string
-	metrics *metrics
+	cli         *clientv3.Client
+	prefix      string
+	metrics     *metrics
+	callTimeout time.Duration
 }
 
 // Option configures a Store.
@@ -57,12 +73,39 @@ func WithRegisterer(reg prometheus.Registerer) Option {
 	}
 }
 
+// WithCallTimeout bounds every single etcd call (default DefaultCallTimeout); d must be
+// positive.
+func WithCallTimeout(d time.Duration) Option {
+	return func(s *Store) error {
+		if d <= 0 {
+			return fmt.Errorf("kvstore: call timeout %s must be positive", d)
+		}
+		s.callTimeout = d
+		return nil
+	}
+}
+
+// CallTimeout is the bound on one etcd call.
+func (s *Store) CallTimeout() time.Duration { return s.callTimeout }
+
+// call runs one etcd call under the call timeout. When the timeout (not the caller's context)
+// ended it, the error wraps ErrUnavailable as well as the etcd client's error.
+func (s *Store) call(ctx context.Context, fn func(context.Context) error) error {
+	cctx, cancel := context.WithTimeout(ctx, s.callTimeout)
+	defer cancel()
+	err := fn(cctx)
+	if err != nil && ctx.Err() == nil && cctx.Err() != nil {
+		return fmt.Errorf("%w: no answer within %s: %w", ErrUnavailable, s.callTimeout, err)
+	}
+	return err
+}
+
 // New returns a Store over cli.
 func New(cli *clientv3.Client, opts ...Option) (*Store, error) {
 	if cli == nil {
 		return nil, errors.New("kvstore: nil etcd client")
 	}
-	s := &Store{cli: cli, prefix: DefaultPrefix}
+	s := &Store{cli: cli, prefix: DefaultPrefix, callTimeout: DefaultCallTimeout}
 	for _, o := range opts {
 		if err := o(s); err != nil {
 			return nil, err
@@ -167,12 +210,21 @@ func (s *Store) Apply(ctx context.Context, f Fence, ops []Op) error {
 		return fmt.Errorf("kvstore: invalid fence %q@%d", f.Key, f.Rev)
 	}
 	cops := make([]clientv3.Op, len(ops))
+	size := 0
 	for i, o := range ops {
 		cops[i] = o.clientOp()
+		size += o.size()
 	}
-	resp, err := s.cli.Txn(ctx).If(f.cmp()).Then(cops...).Commit()
+	if size > DefaultMaxBytes {
+		return fmt.Errorf("%w: %d bytes, limit %d", ErrTooLarge, size, DefaultMaxBytes)
+	}
+	var resp *clientv3.TxnResponse
+	err := s.call(ctx, func(ctx context.Context) (err error) {
+		resp, err = s.cli.Txn(ctx).If(f.cmp()).Then(cops...).Commit()
+		return err
+	})
 	if err != nil {
-		return fmt.Errorf("kvstore: txn: %w", err)
+		return fmt.Errorf("kvstore: txn: %w", classify(err))
 	}
 	if !resp.Succeeded {
 		return ErrFenced
@@ -219,8 +271,29 @@ func (s *Store) GetSession(ctx context.Context, id string) (*kvcv1.SessionRecord
 	return r, ok, err
 }
 
+// classify marks etcd's permanent refusals with ErrTooLarge or ErrNoSpace (the etcd error stays
+// in the chain).
+func classify(err error) error {
+	switch {
+	case errors.Is(err, rpctypes.ErrRequestTooLarge) || strings.Contains(err.Error(), "request is too large"):
+		return fmt.Errorf("%w: %w", ErrTooLarge, err)
+	case errors.Is(err, rpctypes.ErrNoSpace) || strings.Contains(err.Error(), "database space exceeded"):
+		return fmt.Errorf("%w: %w", ErrNoSpace, err)
+	}
+	return err
+}
+
+// getOne is one bounded Get.
+func (s *Store) getOne(ctx context.Context, key string, opts ...clientv3.OpOption) (resp *clientv3.GetResponse, err error) {
+	err = s.call(ctx, func(ctx context.Context) (err error) {
+		resp, err = s.cli.Get(ctx, key, opts...)
+		return err
+	})
+	return resp, err
+}
+
 func (s *Store) get(ctx context.Context, key string, m proto.Message) (bool, error) {
-	resp, err := s.cli.Get(ctx, key)
+	resp, err := s.getOne(ctx, key)
 	if err != nil {
 		return false, fmt.Errorf("kvstore: get %s: %w", key, err)
 	}
@@ -294,7 +367,7 @@ type Snapshot struct {
 
 // LoadAll reads all workers, sessions and the policy at a single revision, in pages.
 func (s *Store) LoadAll(ctx context.Context) (*Snapshot, error) {
-	resp, err := s.cli.Get(ctx, s.PolicyKey())
+	resp, err := s.getOne(ctx, s.PolicyKey())
 	if err != nil {
 		return nil, fmt.Errorf("kvstore: load policy: %w", err)
 	}
@@ -369,7 +442,7 @@ func (s *Store) scan(ctx context.Context, prefix, after string, rev int64, pageS
 		if rev > 0 {
 			opts = append(opts, clientv3.WithRev(rev))
 		}
-		resp, err := s.cli.Get(ctx, start, opts...)
+		resp, err := s.getOne(ctx, start, opts...)
 		if err != nil {
 			return fmt.Errorf("kvstore: scan %s: %w", prefix, err)
 		}
@@ -394,7 +467,7 @@ func (s *Store) scan(ctx context.Context, prefix, after string, rev int64, pageS
 // after errors.
 func (s *Store) WatchPolicy(ctx context.Context, fn func(*kvcv1.Policy)) error {
 	for ctx.Err() == nil {
-		resp, err := s.cli.Get(ctx, s.PolicyKey())
+		resp, err := s.getOne(ctx, s.PolicyKey())
 		if err != nil {
 			if !sleepCtx(ctx, 500*time.Millisecond) {
 				break
@@ -456,7 +529,7 @@ func (s *Store) ExpireIdleSessions(ctx context.Context, f Fence, ttl time.Durati
 	end := clientv3.GetPrefixRangeEnd(prefix)
 	start := prefix
 	for {
-		resp, err := s.cli.Get(ctx, start, clientv3.WithRange(end), clientv3.WithLimit(scanPage),
+		resp, err := s.getOne(ctx, start, clientv3.WithRange(end), clientv3.WithLimit(scanPage),
 			clientv3.WithSort(clientv3.SortByKey, clientv3.SortAscend))
 		if err != nil {
 			return 0, fmt.Errorf("kvstore: expire scan: %w", err)
@@ -477,14 +550,22 @@ func (s *Store) ExpireIdleSessions(ctx context.Context, f Fence, ttl time.Durati
 	}
 	n := 0
 	for _, v := range victims {
-		tr, err := s.cli.Txn(ctx).
-			If(f.cmp(), clientv3.Compare(clientv3.ModRevision(v.key), "=", v.rev)).
-			Then(clientv3.OpDelete(v.key)).Commit()
+		var tr *clientv3.TxnResponse
+		err := s.call(ctx, func(ctx context.Context) (err error) {
+			tr, err = s.cli.Txn(ctx).
+				If(f.cmp(), clientv3.Compare(clientv3.ModRevision(v.key), "=", v.rev)).
+				Then(clientv3.OpDelete(v.key)).Commit()
+			return err
+		})
 		if err != nil {
 			return n, fmt.Errorf("kvstore: expire: %w", err)
 		}
 		if !tr.Succeeded {
-			fr, err := s.cli.Txn(ctx).If(f.cmp()).Commit()
+			var fr *clientv3.TxnResponse
+			err := s.call(ctx, func(ctx context.Context) (err error) {
+				fr, err = s.cli.Txn(ctx).If(f.cmp()).Commit()
+				return err
+			})
 			if err == nil && !fr.Succeeded {
 				return n, ErrFenced
 			}

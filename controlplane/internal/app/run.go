@@ -65,11 +65,35 @@ func Main(args []string, stderr io.Writer) int {
 	log = log.With().Str("node", opts.NodeID).Logger()
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	if err := Run(ctx, opts, log); err != nil {
+	if err := RunBounded(ctx, opts.ShutdownGrace, func(ctx context.Context) error { return Run(ctx, opts, log) }); err != nil {
 		log.Error().Err(err).Msg("control plane failed")
 		return 1
 	}
 	return 0
+}
+
+// ErrShutdownGrace means a stop did not finish within --shutdown-grace; the process exits
+// anyway (whatever etcd does: an unreachable etcd must never keep a replica alive).
+var ErrShutdownGrace = errors.New("stop did not finish within --shutdown-grace; exiting anyway")
+
+// RunBounded runs run(ctx) and returns its error, or ErrShutdownGrace when it has not returned
+// grace after ctx ended (run keeps going in the background; the caller exits).
+func RunBounded(ctx context.Context, grace time.Duration, run func(context.Context) error) error {
+	done := make(chan error, 1)
+	go func() { done <- run(ctx) }()
+	select {
+	case err := <-done:
+		return err
+	case <-ctx.Done():
+	}
+	t := time.NewTimer(grace)
+	defer t.Stop()
+	select {
+	case err := <-done:
+		return err
+	case <-t.C:
+		return ErrShutdownGrace
+	}
 }
 
 // readyInfo is the ready file's content (docs/interfaces.md).
@@ -216,7 +240,9 @@ func Run(ctx context.Context, opts *Options, log zerolog.Logger) error {
 	}
 
 	g, gctx := errgroup.WithContext(ctx)
-	g.Go(func() error { return gsrv.Serve(gctx, glis, opts.ShutdownGrace) })
+	// In-flight calls get ¾ of the grace, the rest is left for the last etcd writes and
+	// the resignation (each bounded) before RunBounded gives up.
+	g.Go(func() error { return gsrv.Serve(gctx, glis, opts.ShutdownGrace*3/4) })
 	g.Go(func() error { return hsrv.Serve(gctx, hlis) })
 	g.Go(func() error { return el.Observe(gctx) })
 	g.Go(func() error { return store.WatchPolicy(gctx, st.SetStoredPolicy) })

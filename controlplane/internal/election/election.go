@@ -60,6 +60,8 @@ type Elector struct {
 	// the renew deadline: the last renewal's send time plus RenewDeadline.
 	base       time.Time
 	validUntil atomic.Int64
+	// observedAt is when (nanoseconds since base) Observe last read the election key.
+	observedAt atomic.Int64
 
 	gLeader   prometheus.Gauge
 	elections prometheus.Counter
@@ -111,9 +113,23 @@ func New(cfg Config) (*Elector, error) {
 // Current returns the observed leader (ok false when none is known). It never names this
 // replica unless IsLeader holds: a replica past its renew deadline may still see its own key
 // in etcd (or not see etcd at all), and must not send callers back to itself.
+//
+// Another replica is named only while this one has read the election key from etcd within the
+// last TTL: a replica that cannot reach etcd does not know whether that leader still leads
+// (it steps down at its renew deadline when it cannot reach etcd either), and callers sent
+// to a replica that stepped down would loop between two standbys.
 func (e *Elector) Current() (Leader, bool) {
 	l := e.current.Load()
-	if l == nil || (l.NodeID == e.cfg.NodeID && !e.IsLeader()) {
+	if l == nil {
+		return Leader{}, false
+	}
+	if l.NodeID == e.cfg.NodeID {
+		if !e.IsLeader() {
+			return Leader{}, false
+		}
+		return *l, true
+	}
+	if seen := e.observedAt.Load(); seen == 0 || e.mono()-time.Duration(seen) > e.cfg.TTL {
 		return Leader{}, false
 	}
 	return *l, true
@@ -250,7 +266,7 @@ func (e *Elector) term(ctx context.Context, ttl int, val string, lead LeadFunc) 
 
 	cctx, cancel := context.WithCancel(ctx)
 	stop := context.AfterFunc(sess.Ctx(), cancel)
-	err = el.Campaign(cctx, val)
+	err = e.campaign(ctx, cctx, el, val)
 	stop()
 	cancel()
 	if err != nil {
@@ -324,6 +340,33 @@ func (e *Elector) term(ctx context.Context, ttl int, val string, lead LeadFunc) 
 	return 0, nil
 }
 
+// campaignCleanup bounds how long a campaign cancelled by shutdown may spend cleaning up.
+const campaignCleanup = time.Second
+
+// campaign runs el.Campaign(cctx) but returns within campaignCleanup once ctx (the run's
+// context) ends. A cancelled Campaign resigns with the etcd client's own context, which has no
+// deadline: with etcd unreachable it would block forever, and with it the process's stop (a
+// standby ignored SIGTERM while etcd was black-holed). The abandoned call ends when the client
+// is closed; the session's lease, revoked or expiring, removes the key either way.
+func (e *Elector) campaign(ctx, cctx context.Context, el *concurrency.Election, val string) error {
+	done := make(chan error, 1)
+	go func() { done <- el.Campaign(cctx, val) }()
+	select {
+	case err := <-done:
+		return err
+	case <-ctx.Done():
+	}
+	t := time.NewTimer(campaignCleanup)
+	defer t.Stop()
+	select {
+	case err := <-done:
+		return err
+	case <-t.C:
+		e.cfg.Log.Warn().Msg("campaign did not end within 1s of the stop (etcd unreachable?): abandoned")
+		return ctx.Err()
+	}
+}
+
 // watch waits for the end of a term and returns why. Its timer ends the term at the renew
 // deadline unless renewals moved it; IsLeader checks the deadline on every call as well.
 func (e *Elector) watch(lctx context.Context, sess *concurrency.Session, gone <-chan struct{}) string {
@@ -349,27 +392,23 @@ func (e *Elector) watch(lctx context.Context, sess *concurrency.Session, gone <-
 }
 
 // Observe keeps Current up to date (the first-created key under the prefix) until ctx ends.
+// Besides the watch it re-reads the key every TTL/2; a replica that could not read it for a
+// TTL stops naming another replica as leader (see Current).
 func (e *Elector) Observe(ctx context.Context) error {
-	for ctx.Err() == nil {
+	get := func() bool {
 		gctx, gcancel := context.WithTimeout(ctx, e.cfg.TTL) // a cut-off etcd must not hang us
+		defer gcancel()
 		resp, err := e.cfg.Client.Get(gctx, e.cfg.Prefix, clientv3.WithFirstCreate()...)
-		gcancel()
-		if err == nil {
-			e.setFrom(resp)
-			wch := e.cfg.Client.Watch(clientv3.WithRequireLeader(ctx), e.cfg.Prefix, clientv3.WithPrefix(),
-				clientv3.WithRev(resp.Header.Revision+1))
-			for wr := range wch {
-				if wr.Err() != nil {
-					break
-				}
-				gctx, gcancel := context.WithTimeout(ctx, e.cfg.TTL)
-				r, err := e.cfg.Client.Get(gctx, e.cfg.Prefix, clientv3.WithFirstCreate()...)
-				gcancel()
-				if err != nil {
-					break
-				}
-				e.setFrom(r)
-			}
+		if err != nil {
+			return false
+		}
+		e.setFrom(resp)
+		e.observedAt.Store(int64(e.mono()))
+		return true
+	}
+	for ctx.Err() == nil {
+		if get() {
+			e.watchLeader(ctx, get)
 		}
 		t := time.NewTimer(200 * time.Millisecond)
 		select {
@@ -379,6 +418,30 @@ func (e *Elector) Observe(ctx context.Context) error {
 		t.Stop()
 	}
 	return nil
+}
+
+// watchLeader re-reads the leader on every change under the prefix and every TTL/2, until a
+// read fails, the watch ends or ctx ends.
+func (e *Elector) watchLeader(ctx context.Context, get func() bool) {
+	wctx, wcancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
+	defer wcancel()
+	wch := e.cfg.Client.Watch(wctx, e.cfg.Prefix, clientv3.WithPrefix())
+	tick := time.NewTicker(e.cfg.TTL / 2)
+	defer tick.Stop()
+	for {
+		select {
+		case wr, ok := <-wch:
+			if !ok || wr.Err() != nil {
+				return
+			}
+		case <-tick.C:
+		case <-ctx.Done():
+			return
+		}
+		if !get() {
+			return
+		}
+	}
 }
 
 func (e *Elector) setFrom(resp *clientv3.GetResponse) {

@@ -257,3 +257,55 @@ func campaignKey(t *testing.T, cli *clientv3.Client, node string) *mvccKV {
 	}
 	return nil
 }
+
+// TestStandbyCutOffFromEtcd is issue 16 findings 3 and 6 at the elector: a standby whose etcd
+// link is black-holed while it waits in Campaign stops naming the leader within the TTL (it
+// cannot know whether that leader still leads), names it again after the link heals, and its
+// Run returns within a second of its context ending although etcd still does not answer (a
+// cancelled Campaign resigns through the client's own context, which never ends).
+func TestStandbyCutOffFromEtcd(t *testing.T) {
+	c := etcdtest.Start(t)
+	px, err := netproxy.New(strings.TrimPrefix(c.Endpoints()[0], "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = px.Close() })
+	cutCli, err := clientv3.New(clientv3.Config{
+		Endpoints: []string{"http://" + px.Addr()}, DialTimeout: 5 * time.Second,
+		DialKeepAliveTime: time.Second, DialKeepAliveTimeout: time.Second, Logger: zap.NewNop(),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = cutCli.Close() })
+	a := startReplica(t, c.Client(t), "a")
+	recv(t, a.terms, "a leads")
+	b := startReplica(t, cutCli, "b")
+	waitCond(t, "b campaigns", 10*time.Second, func() bool { return campaignKey(t, c.Client(t), "b") != nil })
+	waitCond(t, "b observes a", 10*time.Second, func() bool { l, ok := b.el.Current(); return ok && l.NodeID == "a" })
+
+	cut := time.Now()
+	px.Blackhole()
+	waitCond(t, "b stops naming a", 2*time.Second+2*time.Second, func() bool { _, ok := b.el.Current(); return !ok })
+	t.Logf("standby stopped naming the leader %s after its etcd link went dark (TTL 2s)", time.Since(cut))
+	if !a.el.IsLeader() {
+		t.Fatal("a lost leadership although it reaches etcd")
+	}
+	px.Heal()
+	waitCond(t, "b names a again", 10*time.Second, func() bool { l, ok := b.el.Current(); return ok && l.NodeID == "a" })
+
+	waitCond(t, "b waits in Campaign", 10*time.Second, func() bool { return campaignKey(t, c.Client(t), "b") != nil })
+	px.Blackhole()
+	stop := time.Now()
+	b.cancel()
+	select {
+	case <-b.done:
+	case <-time.After(3 * time.Second):
+		t.Fatal("the standby's Run did not return within 3s of its stop while etcd is black-holed")
+	}
+	if took := time.Since(stop); took > campaignCleanup+500*time.Millisecond {
+		t.Fatalf("Run returned %s after the stop, want ≤ %s", took, campaignCleanup+500*time.Millisecond)
+	} else {
+		t.Logf("standby Run returned %s after its stop with etcd black-holed", took)
+	}
+}

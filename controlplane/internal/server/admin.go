@@ -33,9 +33,16 @@ type Admin struct {
 // leaderReads reports whether reads come from memory (this replica leads and has loaded).
 func (a *Admin) leaderReads() bool { return a.Lead.IsLeader() && a.State.Leading() }
 
-func etcdErr(err error) error {
-	if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
-		return status.FromContextError(err).Err()
+// etcdErr maps a store error to a stable gRPC code: the caller's own deadline or cancel
+// (ctx done) keeps its code; a value or database over etcd's limits is permanent
+// (RESOURCE_EXHAUSTED); anything else, an etcd that did not answer within the store's call
+// timeout included, is retryable (UNAVAILABLE).
+func etcdErr(ctx context.Context, err error) error {
+	switch {
+	case ctx.Err() != nil:
+		return status.FromContextError(ctx.Err()).Err()
+	case errors.Is(err, kvstore.ErrTooLarge), errors.Is(err, kvstore.ErrNoSpace):
+		return status.Errorf(codes.ResourceExhausted, "etcd: %v", err)
 	}
 	return status.Errorf(codes.Unavailable, "etcd: %v", err)
 }
@@ -57,7 +64,7 @@ func (a *Admin) ListWorkers(ctx context.Context, req *kvcv1.ListWorkersRequest) 
 	} else {
 		var err error
 		if ws, err = a.Store.ListWorkers(ctx); err != nil {
-			return nil, etcdErr(err)
+			return nil, etcdErr(ctx, err)
 		}
 	}
 	out := &kvcv1.ListWorkersResponse{}
@@ -78,7 +85,7 @@ func (a *Admin) GetWorker(ctx context.Context, req *kvcv1.GetWorkerRequest) (*kv
 	} else {
 		var err error
 		if w, ok, err = a.Store.GetWorker(ctx, req.GetWorkerId()); err != nil {
-			return nil, etcdErr(err)
+			return nil, etcdErr(ctx, err)
 		}
 	}
 	if !ok {
@@ -103,7 +110,7 @@ func (a *Admin) ListSessions(ctx context.Context, req *kvcv1.ListSessionsRequest
 	}
 	recs, next, err := a.Store.ListSessions(ctx, req.GetPageToken(), size, keep)
 	if err != nil {
-		return nil, etcdErr(err)
+		return nil, etcdErr(ctx, err)
 	}
 	return &kvcv1.ListSessionsResponse{Sessions: recs, NextPageToken: next}, nil
 }
@@ -117,7 +124,7 @@ func (a *Admin) GetSession(ctx context.Context, req *kvcv1.GetSessionRequest) (*
 	} else {
 		var err error
 		if r, ok, err = a.Store.GetSession(ctx, req.GetSessionId()); err != nil {
-			return nil, etcdErr(err)
+			return nil, etcdErr(ctx, err)
 		}
 	}
 	if !ok {
@@ -133,7 +140,7 @@ func (a *Admin) GetPolicy(ctx context.Context, _ *kvcv1.GetPolicyRequest) (*kvcv
 	}
 	p, ok, err := a.Store.GetPolicy(ctx)
 	if err != nil {
-		return nil, etcdErr(err)
+		return nil, etcdErr(ctx, err)
 	}
 	if !ok {
 		p = nil
@@ -152,10 +159,12 @@ func (a *Admin) UpdatePolicy(ctx context.Context, req *kvcv1.UpdatePolicyRequest
 		return &kvcv1.UpdatePolicyResponse{Policy: p}, nil
 	case errors.Is(err, state.ErrInvalidPolicy):
 		return nil, status.Error(codes.InvalidArgument, err.Error())
+	case errors.Is(err, state.ErrPolicyTooLarge):
+		return nil, status.Error(codes.ResourceExhausted, err.Error())
 	case errors.Is(err, state.ErrNotLeader):
 		return nil, a.Lead.NotLeaderError()
 	default:
-		return nil, etcdErr(err)
+		return nil, etcdErr(ctx, err)
 	}
 }
 
