@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	"google.golang.org/protobuf/proto"
@@ -14,6 +15,18 @@ import (
 
 // ErrInvalidPolicy wraps the range errors of a rejected policy update.
 var ErrInvalidPolicy = errors.New("invalid policy")
+
+// ErrPolicyTooLarge means a policy update would make the stored policy exceed
+// MaxPolicyOverrides per-worker entries or MaxPolicyBytes encoded: permanent until overrides
+// are removed (a negative per-worker value removes one).
+var ErrPolicyTooLarge = errors.New("policy too large")
+
+// Bounds of the stored policy record, checked before it is written: the record is one etcd
+// value that every replica and sidecar reads, far below etcd's 1.5 MiB request limit.
+const (
+	MaxPolicyOverrides = 1024
+	MaxPolicyBytes     = 256 << 10
+)
 
 // Term is one period of leadership: the fence, the batcher writing under it, and the
 // goroutines (batcher, sweeper) bound to it.
@@ -269,11 +282,20 @@ func (s *State) UpdatePolicy(ctx context.Context, update *kvcv1.Policy) (*kvcv1.
 	if t == nil {
 		return nil, ErrNotLeader
 	}
-	if err := ValidatePolicy(update); err != nil {
+	if err := ValidatePolicy(withoutRemovals(update)); err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrInvalidPolicy, err)
+	}
+	if err := s.checkOverrideWorkers(update); err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrInvalidPolicy, err)
 	}
 	stored := s.stored.Load()
 	merged := MergePolicyUpdate(stored, update)
+	if n := len(merged.GetMaxConcurrentTransfersPerWorker()); n > MaxPolicyOverrides {
+		return nil, fmt.Errorf("%w: %d per-worker overrides (max_concurrent_transfers_per_worker), limit %d; remove some with a negative value", ErrPolicyTooLarge, n, MaxPolicyOverrides)
+	}
+	if n := proto.Size(merged); n > MaxPolicyBytes {
+		return nil, fmt.Errorf("%w: %d bytes encoded, limit %d", ErrPolicyTooLarge, n, MaxPolicyBytes)
+	}
 	full := FillPolicy(s.defaults, merged)
 	if err := ValidatePolicy(full); err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrInvalidPolicy, err)
@@ -283,6 +305,9 @@ func (s *State) UpdatePolicy(ctx context.Context, update *kvcv1.Policy) (*kvcv1.
 	if err := s.cfg.Store.PutPolicy(ctx, t.fence, merged); err != nil {
 		if errors.Is(err, kvstore.ErrFenced) {
 			return nil, ErrNotLeader
+		}
+		if errors.Is(err, kvstore.ErrTooLarge) {
+			return nil, fmt.Errorf("%w: %w", ErrPolicyTooLarge, err)
 		}
 		return nil, err
 	}
@@ -299,4 +324,51 @@ func (s *State) UpdatePolicy(ctx context.Context, update *kvcv1.Policy) (*kvcv1.
 	}
 	s.mu.Unlock()
 	return full, nil
+}
+
+// checkOverrideWorkers refuses per-worker overrides (values >= 0) for workers this leader does
+// not know (never registered, so never loaded from etcd nor connected): such entries would
+// accumulate in the record forever. Removals (negative values) are always accepted.
+func (s *State) checkOverrideWorkers(update *kvcv1.Policy) error {
+	var unknown []string
+	s.mu.Lock()
+	for id, v := range update.GetMaxConcurrentTransfersPerWorker() {
+		if v < 0 {
+			continue
+		}
+		if _, ok := s.workers[id]; !ok {
+			unknown = append(unknown, id)
+		}
+	}
+	s.mu.Unlock()
+	if len(unknown) == 0 {
+		return nil
+	}
+	slices.Sort(unknown)
+	if len(unknown) > 5 {
+		unknown = append(unknown[:5], fmt.Sprintf("… (%d in all)", len(unknown)))
+	}
+	return fmt.Errorf("max_concurrent_transfers_per_worker names unknown workers %q: overrides are accepted only for registered workers", unknown)
+}
+
+// withoutRemovals returns update without its negative per-worker entries (they remove an
+// override and are not values to range-check); update itself is not modified.
+func withoutRemovals(update *kvcv1.Policy) *kvcv1.Policy {
+	if update == nil {
+		return nil
+	}
+	neg := false
+	for _, v := range update.GetMaxConcurrentTransfersPerWorker() {
+		neg = neg || v < 0
+	}
+	if !neg {
+		return update
+	}
+	out := proto.Clone(update).(*kvcv1.Policy)
+	for id, v := range out.MaxConcurrentTransfersPerWorker {
+		if v < 0 {
+			delete(out.MaxConcurrentTransfersPerWorker, id)
+		}
+	}
+	return out
 }
