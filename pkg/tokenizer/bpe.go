@@ -1,0 +1,191 @@
+package tokenizer
+
+// mergeKey packs a pair of symbol ids.
+func mergeKey(a, b uint32) uint64 { return uint64(a)<<32 | uint64(b) }
+
+type mergeVal struct {
+	rank uint32 // position in the merges list: lower merges first
+	id   uint32 // id of the merged token
+}
+
+// bpe is a byte-level BPE model: initial symbols are the ids of single bytes, merged by rank
+// exactly as Hugging Face's BPE::merge_word does (lowest rank first, leftmost on ties).
+type bpe struct {
+	byteID       [256]uint32
+	hasByte      [256]bool
+	merges       map[uint64]mergeVal
+	vocab        map[string]uint32 // raw bytes of every byte-level token -> id
+	ignoreMerges bool
+}
+
+// heapThreshold: words up to this many bytes merge with a quadratic scan (fastest for the
+// short words that dominate text); longer ones use the heap (whitespace runs, long ids).
+var heapThreshold = 48
+
+// encodeWord appends the ids of one pre-tokenized piece (raw bytes).
+func (m *bpe) encodeWord(dst []uint32, w string, sc *scratch) []uint32 {
+	if len(w) == 1 {
+		if m.hasByte[w[0]] {
+			dst = append(dst, m.byteID[w[0]])
+		}
+		return dst
+	}
+	if m.ignoreMerges {
+		if id, ok := m.vocab[w]; ok {
+			return append(dst, id)
+		}
+	}
+	syms := sc.syms[:0]
+	for i := 0; i < len(w); i++ {
+		if m.hasByte[w[i]] {
+			syms = append(syms, m.byteID[w[i]])
+		}
+	}
+	if len(syms) > heapThreshold {
+		sc.syms = syms
+		return m.mergeHeap(dst, sc)
+	}
+	for len(syms) > 1 {
+		best, bestRank, bestID := -1, uint32(0), uint32(0)
+		for i := 0; i+1 < len(syms); i++ {
+			if mv, ok := m.merges[mergeKey(syms[i], syms[i+1])]; ok && (best < 0 || mv.rank < bestRank) {
+				best, bestRank, bestID = i, mv.rank, mv.id
+			}
+		}
+		if best < 0 {
+			break
+		}
+		syms[best] = bestID
+		syms = append(syms[:best+1], syms[best+2:]...)
+	}
+	sc.syms = syms
+	return append(dst, syms...)
+}
+
+// scratch holds per-call buffers.
+type scratch struct {
+	syms  []uint32
+	next  []int32
+	prev  []int32
+	alive []bool
+	heap  []heapItem
+}
+
+type heapItem struct {
+	rank uint32
+	pos  int32 // index of the left symbol
+	id   uint32
+	// right is the id of the right symbol when the item was pushed; a stale item (its right
+	// neighbour merged since) no longer matches and is skipped.
+	left, right uint32
+}
+
+func less(a, b heapItem) bool {
+	if a.rank != b.rank {
+		return a.rank < b.rank
+	}
+	return a.pos < b.pos
+}
+
+func (sc *scratch) push(it heapItem) {
+	h := append(sc.heap, it)
+	i := len(h) - 1
+	for i > 0 {
+		p := (i - 1) / 2
+		if !less(h[i], h[p]) {
+			break
+		}
+		h[i], h[p] = h[p], h[i]
+		i = p
+	}
+	sc.heap = h
+}
+
+func (sc *scratch) pop() heapItem {
+	h := sc.heap
+	top := h[0]
+	last := len(h) - 1
+	h[0] = h[last]
+	h = h[:last]
+	i := 0
+	for {
+		l, r, m := 2*i+1, 2*i+2, i
+		if l < len(h) && less(h[l], h[m]) {
+			m = l
+		}
+		if r < len(h) && less(h[r], h[m]) {
+			m = r
+		}
+		if m == i {
+			break
+		}
+		h[i], h[m] = h[m], h[i]
+		i = m
+	}
+	sc.heap = h
+	return top
+}
+
+// mergeHeap merges sc.syms with a priority queue over (rank, position), as HF does.
+func (m *bpe) mergeHeap(dst []uint32, sc *scratch) []uint32 {
+	syms := sc.syms
+	n := len(syms)
+	sc.next = grow(sc.next, n)
+	sc.prev = grow(sc.prev, n)
+	if cap(sc.alive) < n {
+		sc.alive = make([]bool, n)
+	}
+	alive := sc.alive[:n]
+	for i := 0; i < n; i++ {
+		sc.next[i] = int32(i + 1)
+		sc.prev[i] = int32(i - 1)
+		alive[i] = true
+	}
+	sc.next[n-1] = -1
+	sc.heap = sc.heap[:0]
+	for i := 0; i+1 < n; i++ {
+		if mv, ok := m.merges[mergeKey(syms[i], syms[i+1])]; ok {
+			sc.push(heapItem{rank: mv.rank, pos: int32(i), id: mv.id, left: syms[i], right: syms[i+1]})
+		}
+	}
+	for len(sc.heap) > 0 {
+		it := sc.pop()
+		p := it.pos
+		if !alive[p] || syms[p] != it.left {
+			continue
+		}
+		q := sc.next[p]
+		if q < 0 || syms[q] != it.right {
+			continue
+		}
+		// merge q into p
+		syms[p] = it.id
+		alive[q] = false
+		nq := sc.next[q]
+		sc.next[p] = nq
+		if nq >= 0 {
+			sc.prev[nq] = p
+		}
+		if pp := sc.prev[p]; pp >= 0 {
+			if mv, ok := m.merges[mergeKey(syms[pp], syms[p])]; ok {
+				sc.push(heapItem{rank: mv.rank, pos: pp, id: mv.id, left: syms[pp], right: syms[p]})
+			}
+		}
+		if nq >= 0 {
+			if mv, ok := m.merges[mergeKey(syms[p], syms[nq])]; ok {
+				sc.push(heapItem{rank: mv.rank, pos: p, id: mv.id, left: syms[p], right: syms[nq]})
+			}
+		}
+	}
+	for i := int32(0); i >= 0; i = sc.next[i] {
+		dst = append(dst, syms[i])
+	}
+	return dst
+}
+
+func grow(s []int32, n int) []int32 {
+	if cap(s) < n {
+		return make([]int32, n)
+	}
+	return s[:n]
+}
