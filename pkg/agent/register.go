@@ -94,9 +94,13 @@ func checkRegistration(req *kvcv1.RegisterKVPoolRequest) (*Pool, error) {
 }
 
 // CheckAux validates the aux rows of a transfer's last chunk against the registered pool:
-// at most MaxAuxBytes in all, and — when the worker registered aux_item_lens — exactly one row
-// per aux buffer, each no longer than its item length. Errors are INVALID_ARGUMENT.
+// none at all, or at most MaxAuxBytes in all and — when the worker registered aux_item_lens —
+// exactly one row per aux buffer, each no longer than its item length. Errors are
+// INVALID_ARGUMENT.
 func (p *Pool) CheckAux(aux [][]byte) error {
+	if len(aux) == 0 {
+		return nil
+	}
 	total := 0
 	for _, r := range aux {
 		total += len(r)
