@@ -12,6 +12,8 @@ type Query struct {
 	InputTokens     int64
 	MaxOutputTokens int64
 	MultiturnHint   bool
+	// EndSession: the client ended the session (no worker is called; see endSession).
+	EndSession bool
 }
 
 // Reserved is what the control plane itself has committed on one worker and not yet seen an
@@ -141,9 +143,24 @@ func Decide(in *Input) Decision {
 	if in.Unavailable {
 		c.Turn = in.Query.Turn // no session state to count from
 	}
+	if in.Query.EndSession {
+		return c.endSession()
+	}
 	d := c.decide()
 	d.Turn = c.Turn
 	d.Exec = execution(&d, in.Unavailable)
+	return d
+}
+
+// endSession: the client ended the session. Nothing is routed and nothing reserved; the plan
+// closes the session on the decode worker it is resident on (known only while leading), whose
+// sidecar then reports the release.
+func (c *Cycle) endSession() Decision {
+	d := Decision{Reason: kvcv1.RouteReason_ROUTE_REASON_SESSION_END, Turn: c.Turn}
+	if !c.In.Unavailable && c.S != nil {
+		d.From = c.S.DecodeWorker
+	}
+	d.Exec = Execution{CloseSessionOn: d.From}
 	return d
 }
 

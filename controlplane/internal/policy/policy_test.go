@@ -326,6 +326,20 @@ func TestDecideEveryModeAndReason(t *testing.T) {
 			}},
 		{name: "excluded P and D are not chosen", q: q(3_000, 100, 1), workers: cluster(), exclude: []string{"p2", "d1"},
 			mode: mSeed, reason: R(kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION), prefill: "p1", decode: "d2"},
+		{name: "session end closes it where it is resident", q: Query{SessionID: "s", EndSession: true}, rec: resident("d2", 10_000), workers: cluster(),
+			mode: 0, reason: R(kvcv1.RouteReason_ROUTE_REASON_SESSION_END),
+			check: func(t *testing.T, d Decision) {
+				if d.Exec.CloseSessionOn != "d2" || d.Exec.CallDecode || d.Exec.CallPrefill || d.Decode != nil || d.Prefill != nil || d.ReservedTokens != 0 {
+					t.Errorf("session end: %+v", d)
+				}
+			}},
+		{name: "session end of an unknown session closes nothing", q: Query{SessionID: "s", EndSession: true}, workers: cluster(),
+			mode: 0, reason: R(kvcv1.RouteReason_ROUTE_REASON_SESSION_END),
+			check: func(t *testing.T, d Decision) {
+				if d.Exec.CloseSessionOn != "" {
+					t.Errorf("close on %q", d.Exec.CloseSessionOn)
+				}
+			}},
 		{name: "every D excluded: no decode worker", q: q(3_000, 100, 1), workers: cluster(), exclude: []string{"d1", "d2"},
 			mode: mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY), prefill: "p2",
 			check: func(t *testing.T, d Decision) {
@@ -478,7 +492,7 @@ func TestDecideEveryModeAndReason(t *testing.T) {
 			if d.Mode == mDirect && d.Prefill != nil {
 				t.Error("direct decision names a prefill worker")
 			}
-			if d.Mode != mFallback && d.Mode != mDirect && d.Decode == nil {
+			if d.Mode != mFallback && d.Mode != mDirect && d.Mode != 0 && d.Decode == nil {
 				t.Error("session decision without a decode worker")
 			}
 			if tt.check != nil {

@@ -84,3 +84,44 @@ func TestCommittedLenWithoutReport(t *testing.T) {
 		t.Fatalf("after a direct turn without kv_len_after: %d, want the commit's 4100", rec.KvCommittedLen)
 	}
 }
+
+// TestEndSession: a session end names the D to close it on, reserves nothing, changes no
+// record (the D's sidecar reports the release), and its outcome is acknowledged.
+func TestEndSession(t *testing.T) {
+	f := newFixture(t, basicCluster()...)
+	d := f.decide("s", 0, 4000, 200)
+	on := d.Decode.WorkerId
+	f.report(d.DecisionId, true, okKind, 4200)
+	before := f.session("s")
+	resp := f.s.Handle(&kvcv1.RouteRequest{Kind: &kvcv1.RouteRequest_Query{Query: &kvcv1.RouteQuery{
+		RequestId: "end", SessionId: "s", EndSession: true}}})
+	d = resp.GetDecision()
+	e := d.GetExecution()
+	if d == nil || d.Reason != kvcv1.RouteReason_ROUTE_REASON_SESSION_END || d.Mode != kvcv1.RouteMode_ROUTE_MODE_UNSPECIFIED ||
+		d.Decode != nil || d.Prefill != nil || e.GetCallDecode() || e.GetCallPrefill() || len(e.GetCloseSessionOn()) != 1 ||
+		e.GetCloseSessionOn()[0].GetWorkerId() != on || d.BootstrapRoom != 0 {
+		t.Fatalf("end: %v", resp)
+	}
+	if after := f.session("s"); after.Turn != before.Turn || after.DecodeWorker != on {
+		t.Fatalf("end changed the record: %v -> %v", before, after)
+	}
+	f.checkLedger()
+	f.report(d.DecisionId, true, okKind, 0)
+	if f.pending() != 0 {
+		t.Fatalf("%d reservations pending", f.pending())
+	}
+	// A session never seen: nothing to close, no record created.
+	d = f.s.Handle(&kvcv1.RouteRequest{Kind: &kvcv1.RouteRequest_Query{Query: &kvcv1.RouteQuery{
+		RequestId: "end2", SessionId: "never", EndSession: true}}}).GetDecision()
+	if d == nil || len(d.GetExecution().GetCloseSessionOn()) != 0 {
+		t.Fatalf("end of an unknown session: %v", d)
+	}
+	if _, ok := f.c.Session("never"); ok {
+		t.Fatal("a session end created a record")
+	}
+	// input_tokens 0 is valid only for a session end.
+	resp = f.s.Handle(&kvcv1.RouteRequest{Kind: &kvcv1.RouteRequest_Query{Query: &kvcv1.RouteQuery{RequestId: "x", SessionId: "s"}}})
+	if resp.GetError().GetCode() != int32(codes.InvalidArgument) {
+		t.Fatalf("query without input: %v", resp)
+	}
+}

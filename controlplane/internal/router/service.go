@@ -221,8 +221,8 @@ func validateQuery(q *kvcv1.RouteQuery) error {
 	if err := kvcv1.ValidateID("session_id", q.SessionId); err != nil {
 		return err
 	}
-	if q.InputTokens < 1 || q.InputTokens > policy.MaxInputTokens {
-		return fmt.Errorf("input_tokens %d out of range [1, %d]", q.InputTokens, policy.MaxInputTokens)
+	if minIn := int64(1 - b2i(q.EndSession)); q.InputTokens < minIn || q.InputTokens > policy.MaxInputTokens {
+		return fmt.Errorf("input_tokens %d out of range [%d, %d]", q.InputTokens, minIn, policy.MaxInputTokens)
 	}
 	if q.MaxOutputTokens < 0 || q.MaxOutputTokens > policy.MaxOutputTokens {
 		return fmt.Errorf("max_output_tokens %d out of range [0, %d]", q.MaxOutputTokens, policy.MaxOutputTokens)
@@ -239,6 +239,13 @@ func validateQuery(q *kvcv1.RouteQuery) error {
 		}
 	}
 	return nil
+}
+
+func b2i(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
 }
 
 // maxExclude bounds RouteQuery.exclude_workers (a retry excludes the one or two workers of the
@@ -381,6 +388,16 @@ func (x *queryCtx) onRecord(rec *kvcv1.SessionRecord) {
 // decision of the same session), else without session state.
 func (x *queryCtx) run() {
 	x.decided = false
+	if x.in.Query.EndSession {
+		// Nothing to record on the session: decide on a copy (the sidecar's release event
+		// changes the residency once the worker closed it).
+		var rec *kvcv1.SessionRecord
+		if !x.in.Unavailable {
+			rec, _ = x.s.c.Session(x.q.SessionId)
+		}
+		x.decide(rec)
+		return
+	}
 	if !x.in.Unavailable {
 		x.s.c.UpdateSession(x.q.SessionId, x.onRec)
 		if x.decided {
@@ -410,7 +427,7 @@ func (s *Service) query(q *kvcv1.RouteQuery) *kvcv1.RouteResponse {
 	*x = queryCtx{s: s, q: q, now: now, epoch: epoch, onRec: onRec, in: policy.Input{
 		Knobs: s.policyKnobs(),
 		Query: policy.Query{SessionID: q.SessionId, Turn: q.Turn, InputTokens: q.InputTokens,
-			MaxOutputTokens: q.MaxOutputTokens, MultiturnHint: q.MultiturnHint},
+			MaxOutputTokens: q.MaxOutputTokens, MultiturnHint: q.MultiturnHint, EndSession: q.EndSession},
 		Exclude:     q.ExcludeWorkers,
 		Workers:     s.c.Workers(),
 		NowMs:       now.UnixMilli(),
@@ -455,8 +472,8 @@ func (s *Service) query(q *kvcv1.RouteQuery) *kvcv1.RouteResponse {
 		Turn:               turn,
 		Execution:          s.execution(&d.Exec),
 	}
-	if d.Mode != kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D {
-		out.BootstrapRoom = s.room(r.seq)
+	if d.Exec.Transfer != kvcv1.TransferKind_TRANSFER_KIND_UNSPECIFIED {
+		out.BootstrapRoom = s.room(r.seq) // the plan moves KV: the transfer's room
 	}
 	if e := s.log.Debug(); e.Enabled() {
 		e.Str("decision_id", out.DecisionId).Str("session", q.SessionId).Str("mode", ModeName(d.Mode)).

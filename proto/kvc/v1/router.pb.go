@@ -111,6 +111,9 @@ const (
 	RouteReason_ROUTE_REASON_KV_CENTRIC_DISABLED         RouteReason = 20
 	RouteReason_ROUTE_REASON_CONTROL_PLANE_UNAVAILABLE   RouteReason = 21
 	RouteReason_ROUTE_REASON_SNAPSHOTS_DISABLED          RouteReason = 22
+	// The client ended the session (RouteQuery.end_session): no worker is called; the execution
+	// plan closes the session where it is resident.
+	RouteReason_ROUTE_REASON_SESSION_END RouteReason = 23
 )
 
 // Enum value maps for RouteReason.
@@ -139,6 +142,7 @@ var (
 		20: "ROUTE_REASON_KV_CENTRIC_DISABLED",
 		21: "ROUTE_REASON_CONTROL_PLANE_UNAVAILABLE",
 		22: "ROUTE_REASON_SNAPSHOTS_DISABLED",
+		23: "ROUTE_REASON_SESSION_END",
 	}
 	RouteReason_value = map[string]int32{
 		"ROUTE_REASON_UNSPECIFIED":                 0,
@@ -164,6 +168,7 @@ var (
 		"ROUTE_REASON_KV_CENTRIC_DISABLED":         20,
 		"ROUTE_REASON_CONTROL_PLANE_UNAVAILABLE":   21,
 		"ROUTE_REASON_SNAPSHOTS_DISABLED":          22,
+		"ROUTE_REASON_SESSION_END":                 23,
 	}
 )
 
@@ -363,8 +368,12 @@ type RouteQuery struct {
 	// session resident on an excluded decode worker counts as having lost it (D_UNREACHABLE).
 	// At most 16 entries, each a valid id.
 	ExcludeWorkers []string `protobuf:"bytes,7,rep,name=exclude_workers,json=excludeWorkers,proto3" json:"exclude_workers,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// The client ended the session: the decision calls no worker and names the decode worker to
+	// close it on (execution.close_session_on); input_tokens may be 0. The gateway reports the
+	// outcome once the close was sent.
+	EndSession    bool `protobuf:"varint,8,opt,name=end_session,json=endSession,proto3" json:"end_session,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *RouteQuery) Reset() {
@@ -444,6 +453,13 @@ func (x *RouteQuery) GetExcludeWorkers() []string {
 		return x.ExcludeWorkers
 	}
 	return nil
+}
+
+func (x *RouteQuery) GetEndSession() bool {
+	if x != nil {
+		return x.EndSession
+	}
+	return false
 }
 
 type RouteOutcome struct {
@@ -1136,7 +1152,7 @@ const file_kvc_v1_router_proto_rawDesc = "" +
 	"\fRouteRequest\x12*\n" +
 	"\x05query\x18\x01 \x01(\v2\x12.kvc.v1.RouteQueryH\x00R\x05query\x120\n" +
 	"\aoutcome\x18\x02 \x01(\v2\x14.kvc.v1.RouteOutcomeH\x00R\aoutcomeB\x06\n" +
-	"\x04kind\"\xfd\x01\n" +
+	"\x04kind\"\x9e\x02\n" +
 	"\n" +
 	"RouteQuery\x12\x1d\n" +
 	"\n" +
@@ -1147,7 +1163,9 @@ const file_kvc_v1_router_proto_rawDesc = "" +
 	"\finput_tokens\x18\x04 \x01(\x03R\vinputTokens\x12*\n" +
 	"\x11max_output_tokens\x18\x05 \x01(\x03R\x0fmaxOutputTokens\x12%\n" +
 	"\x0emultiturn_hint\x18\x06 \x01(\bR\rmultiturnHint\x12'\n" +
-	"\x0fexclude_workers\x18\a \x03(\tR\x0eexcludeWorkers\"\xaa\x02\n" +
+	"\x0fexclude_workers\x18\a \x03(\tR\x0eexcludeWorkers\x12\x1f\n" +
+	"\vend_session\x18\b \x01(\bR\n" +
+	"endSession\"\xaa\x02\n" +
 	"\fRouteOutcome\x12\x1f\n" +
 	"\vdecision_id\x18\x01 \x01(\tR\n" +
 	"decisionId\x12\x18\n" +
@@ -1222,7 +1240,7 @@ const file_kvc_v1_router_proto_rawDesc = "" +
 	"\x0fROUTE_MODE_SEED\x10\x02\x12\x1e\n" +
 	"\x1aROUTE_MODE_RESEED_SNAPSHOT\x10\x03\x12\x1d\n" +
 	"\x19ROUTE_MODE_RESEED_PREFILL\x10\x04\x12\x1a\n" +
-	"\x16ROUTE_MODE_PD_FALLBACK\x10\x05*\xd3\x06\n" +
+	"\x16ROUTE_MODE_PD_FALLBACK\x10\x05*\xf1\x06\n" +
 	"\vRouteReason\x12\x1c\n" +
 	"\x18ROUTE_REASON_UNSPECIFIED\x10\x00\x12!\n" +
 	"\x1dROUTE_REASON_SESSION_RESIDENT\x10\x01\x12\"\n" +
@@ -1247,7 +1265,8 @@ const file_kvc_v1_router_proto_rawDesc = "" +
 	"\x1eROUTE_REASON_NO_PREFILL_WORKER\x10\x13\x12$\n" +
 	" ROUTE_REASON_KV_CENTRIC_DISABLED\x10\x14\x12*\n" +
 	"&ROUTE_REASON_CONTROL_PLANE_UNAVAILABLE\x10\x15\x12#\n" +
-	"\x1fROUTE_REASON_SNAPSHOTS_DISABLED\x10\x16*\xc7\x02\n" +
+	"\x1fROUTE_REASON_SNAPSHOTS_DISABLED\x10\x16\x12\x1c\n" +
+	"\x18ROUTE_REASON_SESSION_END\x10\x17*\xc7\x02\n" +
 	"\x0eRouteErrorKind\x12 \n" +
 	"\x1cROUTE_ERROR_KIND_UNSPECIFIED\x10\x00\x12\x19\n" +
 	"\x15ROUTE_ERROR_KIND_NONE\x10\x01\x12\x1c\n" +
