@@ -89,6 +89,7 @@ func (s *Server) Register(mux *http.ServeMux) {
 	mux.Handle("POST /v1/chat/completions", client(api.Chat))
 	mux.Handle("POST /v1/completions", client(api.Completion))
 	mux.Handle("POST /generate", client(api.Generate))
+	mux.Handle("POST /close_session", s.middleware(http.HandlerFunc(s.handleCloseSession)))
 	mux.HandleFunc("GET /health", func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) })
 }
 

@@ -1,0 +1,94 @@
+package server
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"io"
+	"net/http"
+	"strings"
+	"time"
+
+	"google.golang.org/grpc/codes"
+
+	"github.com/kvcentric/kvcentric/gateway/internal/api"
+	"github.com/kvcentric/kvcentric/gateway/internal/routeclient"
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+// handleCloseSession is the client's session end (SGLang router's POST /close_session
+// {"session_id"}; the id may also come in X-Session-ID). The control plane names the decode
+// worker the session is resident on (RouteQuery.end_session); the gateway closes it there
+// (POST /close_session), and the worker's sidecar reports the release. Without a control plane
+// the gateway cannot know where the session lives: 503.
+func (s *Server) handleCloseSession(w http.ResponseWriter, r *http.Request) {
+	start := time.Now()
+	raw, err := io.ReadAll(http.MaxBytesReader(w, r.Body, 64<<10))
+	if err != nil {
+		s.badRequest(w, api.BadRequest("reading body: %v", err))
+		return
+	}
+	var body struct {
+		SessionID string `json:"session_id"`
+	}
+	if len(strings.TrimSpace(string(raw))) > 0 {
+		if err := json.Unmarshal(raw, &body); err != nil {
+			s.badRequest(w, api.BadRequest("malformed JSON body: %v", err))
+			return
+		}
+	}
+	sid := strings.TrimSpace(r.Header.Get("X-Session-ID"))
+	if sid == "" {
+		sid = body.SessionID
+	}
+	if sid == "" {
+		s.badRequest(w, &api.Error{Status: http.StatusBadRequest, Code: "missing_session_id", Message: "no session id: set session_id or the X-Session-ID header"})
+		return
+	}
+	if err := kvcv1.ValidateID("session id", sid); err != nil {
+		s.badRequest(w, api.BadRequest("%v", err))
+		return
+	}
+	if s.router == nil {
+		writeErr(w, &api.Error{Status: http.StatusServiceUnavailable, Code: "control_plane_unavailable",
+			Message: "no control plane configured: the gateway does not know where the session lives"}, nil)
+		return
+	}
+	ctx, cancel := context.WithTimeout(r.Context(), s.opt.RequestTimeout)
+	defer cancel()
+	d, err := s.router.Decide(ctx, &kvcv1.RouteQuery{SessionId: sid, EndSession: true})
+	if err != nil {
+		var rej *routeclient.RejectedError
+		if errors.As(err, &rej) && rej.Code == codes.InvalidArgument {
+			s.badRequest(w, api.BadRequest("control plane refused the request: %s", rej.Message))
+			return
+		}
+		writeErr(w, &api.Error{Status: http.StatusServiceUnavailable, Code: "control_plane_unavailable",
+			Message: "no answer from the control plane: " + err.Error()}, nil)
+		return
+	}
+	p := &plan{mode: d.GetMode(), decisionID: d.GetDecisionId(), exec: d.GetExecution()}
+	closed := []string{}
+	res := result{ok: true}
+	for _, ref := range d.GetExecution().GetCloseSessionOn() {
+		if ref.GetWorkerUrl() == "" {
+			continue
+		}
+		if we := s.sessionCall(ctx, ref.GetWorkerUrl(), "/close_session", closeBody(sid)); we != nil {
+			res = result{kind: kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_WORKER_ERROR, detail: "close_session: " + we.Error()}
+			s.report(p, res, start)
+			writeErr(w, &api.Error{Status: http.StatusBadGateway, Code: "worker_unreachable", Message: we.Error()}, nil)
+			return
+		}
+		closed = append(closed, ref.GetWorkerId())
+	}
+	s.report(p, res, start)
+	w.Header().Set("Content-Type", "application/json")
+	b, _ := json.Marshal(map[string]any{"session_id": sid, "success": true, "closed_on": closed})
+	_, _ = w.Write(b)
+}
+
+func (s *Server) badRequest(w http.ResponseWriter, e *api.Error) {
+	s.m.BadRequests.WithLabelValues(e.Code).Inc()
+	writeErr(w, e, nil)
+}
