@@ -7,7 +7,11 @@ import (
 	"io"
 	"net/http"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -30,7 +34,8 @@ func TestMain(m *testing.M) {
 		"kvc-sidecar-decode":  "../..",
 		"kvc-sidecar-prefill": "../../../sidecar-prefill",
 		"kvc-controlplane":    "../../../controlplane",
-	}, "kvc-controlplane") // tests needing the control plane say so when it is missing
+		"kvc-sim":             "../../../sim",
+	}, "kvc-controlplane", "kvc-sim") // tests needing the control plane or kvc-sim say so when it is missing
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		cleanup()
@@ -50,12 +55,37 @@ const (
 	bpt        = 2 * numLayers * tokenBytes // KV bytes per token
 )
 
+// plaintext returns ["--insecure"] when bin takes that flag (plaintext must be chosen
+// explicitly once TLS is the default) and nothing for a binary that predates it.
+func plaintext(bin string) []string {
+	plainMu.Lock()
+	defer plainMu.Unlock()
+	if v, ok := plainCache[bin]; ok {
+		return v
+	}
+	out, _ := exec.Command(bin, "--help").CombinedOutput()
+	var v []string
+	if strings.Contains(string(out), "-insecure") {
+		v = []string{"--insecure"}
+	}
+	plainCache[bin] = v
+	return v
+}
+
+var (
+	plainMu    sync.Mutex
+	plainCache = map[string][]string{}
+)
+
 // proc is a running binary.
 type proc = proctest.Proc
 
 // start runs bin with args plus --ready-file and waits for the ready file.
 func start(t *testing.T, name, bin string, args ...string) *proc {
 	t.Helper()
+	if !slices.Contains(args, "--tls-cert") {
+		args = append(args, plaintext(bin)...)
+	}
 	return proctest.Start(t, name, bin, 30*time.Second, args...)
 }
 

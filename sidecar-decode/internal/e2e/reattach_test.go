@@ -1,0 +1,209 @@
+package e2e
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"os"
+	"path/filepath"
+	"sort"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/kvcentric/kvcentric/pkg/etcdtest"
+	"github.com/kvcentric/kvcentric/pkg/kvpool"
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+	"github.com/kvcentric/kvcentric/sidecar-decode/internal/decode"
+)
+
+// startSidecarAt is startSidecar on a given bridge socket (a restart reuses it).
+func startSidecarAt(t *testing.T, role, id, cp, sock string, extra ...string) *sidecar {
+	t.Helper()
+	evlog := filepath.Join(t.TempDir(), "events.jsonl")
+	args := append([]string{"--worker-id", id, "--bridge-socket", sock, "--event-log", evlog, "--transport", "tcp",
+		"--transfer-conns", "2", "--log-level", "debug", "--heartbeat", "100ms", "--control-plane", cp}, extra...)
+	p := start(t, id, bins["kvc-sidecar-"+role], args...)
+	return &sidecar{proc: p, id: id, events: evlog, peerAddr: p.Str("peer_addr"), httpAddr: p.Str("http_addr"), transfer: p.Str("transfer_endpoint")}
+}
+
+// startSim runs a kvc-sim worker next to the sidecar on sock; its pool lives in shmDir.
+func startSim(t *testing.T, role, id, sock, shmDir string) *proc {
+	t.Helper()
+	if bins["kvc-sim"] == "" {
+		t.Fatal("kvc-sim binary not available")
+	}
+	return start(t, "sim-"+id, bins["kvc-sim"], "--role", role, "--worker-id", id, "--bridge-socket", sock, "--http-addr", "127.0.0.1:0",
+		"--kv-capacity-tokens", "8192", "--page-size", itoa(pageSize), "--layers", itoa(numLayers), "--bytes-per-token-per-buffer", itoa(tokenBytes),
+		"--time-scale", "0.01", "--shm-dir", shmDir, "--log-level", "debug", "--bridge-wait", "30s")
+}
+
+// seedSession runs one SEED turn of session s into the kvc-sim decode worker at simURL: the
+// test plays the prefill worker (pool wp on sidecar p) and sends the KV by SendKV.
+func seedSession(t *testing.T, simURL string, p *sidecar, wp *worker, s string, room, n int64) {
+	t.Helper()
+	ppages := wp.alloc(int((n+pageSize-1)/pageSize), 1)
+	if err := kvpool.FillTokens(wp.pool, kvpool.SessionSeed(s), ppages, 0, n); err != nil {
+		t.Fatal(err)
+	}
+	body, _ := json.Marshal(map[string]any{"rid": "r-" + s, "sampling_params": map[string]any{"max_new_tokens": 4},
+		"kvc": map[string]any{"mode": "SEED", "role": "decode", "session_id": s, "input_tokens": n, "room": room,
+			"prefill_peer_addr": p.peerAddr, "keep_session": true}})
+	var wg sync.WaitGroup
+	var sendErr error
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		_, sendErr = p.bridge.SendKV(ctxT(t, 20*time.Second), &kvcv1.SendKVRequest{Room: room, SessionId: s, Pages: ppages, Last: true, Tokens: n})
+	}()
+	resp, err := http.Post(simURL+"/generate", "application/json", bytes.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out bytes.Buffer
+	_, _ = out.ReadFrom(resp.Body)
+	resp.Body.Close()
+	wg.Wait()
+	if resp.StatusCode != 200 || sendErr != nil {
+		t.Fatalf("seed %s: HTTP %d %s; SendKV %v", s, resp.StatusCode, out.String(), sendErr)
+	}
+}
+
+func sidecarSessions(t *testing.T, d *sidecar) map[string]int64 {
+	var ss []decode.SessionInfo
+	out := map[string]int64{}
+	if code := getJSON(t, "http://"+d.httpAddr+"/v1/sessions", &ss); code != 200 {
+		return out
+	}
+	for _, s := range ss {
+		out[s.SessionID] = s.CommittedLen
+	}
+	return out
+}
+
+// TestSidecarRestartReattach: kill -9 of a decode sidecar under a live kvc-sim worker with
+// resident sessions; the restarted sidecar is ready, READY in the control plane and holds the
+// sessions again within 5 s, without touching the worker (issue 16, finding 1). Also: the
+// worker's pool file never shows in its shm directory (finding 6), even after kill -9.
+func TestSidecarRestartReattach(t *testing.T) {
+	if testing.Short() {
+		t.Skip("integration test")
+	}
+	if bins["kvc-controlplane"] == "" || bins["kvc-sim"] == "" {
+		t.Fatal("kvc-controlplane or kvc-sim binary not available")
+	}
+	etcd := etcdtest.Start(t)
+	cp := startCP(t, "cp-a", etcd.Endpoints())
+	leaderOf(t, cp)
+	p := startSidecar(t, "prefill", "rp", cp.addr)
+	wp := newWorker(t, p, 1024)
+	sock := filepath.Join(t.TempDir(), "d.sock")
+	shmDir := t.TempDir()
+	d := startSidecarAt(t, "decode", "rd1", cp.addr, sock)
+	sim := startSim(t, "decode", "rd1", sock, shmDir)
+	simURL := "http://" + sim.Str("http_addr")
+	workerState := func() kvcv1.WorkerState {
+		r, err := cp.admin.ListWorkers(ctxT(t, time.Second), &kvcv1.ListWorkersRequest{})
+		if err != nil {
+			return 0
+		}
+		for _, w := range r.GetWorkers() {
+			if w.GetWorkerId() == "rd1" {
+				return w.GetState()
+			}
+		}
+		return 0
+	}
+	resident := func(s string) string {
+		r, err := cp.admin.GetSession(ctxT(t, time.Second), &kvcv1.GetSessionRequest{SessionId: s})
+		if err != nil {
+			return ""
+		}
+		return r.GetSession().GetDecodeWorker()
+	}
+	waitFor(t, "rd1 READY", 20*time.Second, func() bool { return workerState() == kvcv1.WorkerState_WORKER_STATE_READY })
+	if ents, _ := os.ReadDir(shmDir); len(ents) != 0 {
+		t.Fatalf("kvc-sim's pool file is visible in its shm dir: %v", ents)
+	}
+	sessions := []string{"ra", "rb", "rc"}
+	for i, s := range sessions {
+		seedSession(t, simURL, p, wp, s, int64(9100+i), int64(200+100*i))
+	}
+	before := sidecarSessions(t, d)
+	if len(before) != 3 {
+		t.Fatalf("sidecar holds %v before the kill", before)
+	}
+	waitFor(t, "sessions resident on rd1 in the control plane", 10*time.Second, func() bool {
+		for _, s := range sessions {
+			if resident(s) != "rd1" {
+				return false
+			}
+		}
+		return true
+	})
+
+	d.Kill() // kill -9: no goodbye to the worker or the control plane
+	waitFor(t, "rd1 not READY after its sidecar died", 20*time.Second, func() bool { return workerState() != kvcv1.WorkerState_WORKER_STATE_READY })
+	d2 := startSidecarAt(t, "decode", "rd1", cp.addr, sock)
+	back := time.Now() // the process is back (its ready file is written when it serves)
+	var readyAt, cpReadyAt, sessionsAt time.Duration
+	waitFor(t, "the restarted sidecar ready, READY in the control plane, sessions resident again", 5*time.Second, func() bool {
+		if readyAt == 0 {
+			if code, _ := httpText(t, "http://"+d2.httpAddr+"/readyz"); code == 200 {
+				readyAt = time.Since(back)
+			}
+		}
+		if sessionsAt == 0 && len(sidecarSessions(t, d2)) == 3 {
+			sessionsAt = time.Since(back)
+		}
+		if cpReadyAt == 0 && workerState() == kvcv1.WorkerState_WORKER_STATE_READY {
+			cpReadyAt = time.Since(back)
+		}
+		if readyAt == 0 || sessionsAt == 0 || cpReadyAt == 0 {
+			return false
+		}
+		for _, s := range sessions {
+			if resident(s) != "rd1" {
+				return false
+			}
+		}
+		return true
+	})
+	total := time.Since(back)
+	after := sidecarSessions(t, d2)
+	for s, n := range before {
+		if after[s] != n {
+			t.Fatalf("after the restart the sidecar holds %v; before %v", after, before)
+		}
+	}
+	t.Logf("sidecar back → /readyz 200 in %v, sessions re-committed in %v, READY in the control plane in %v, residency reconciled in %v",
+		readyAt.Round(time.Millisecond), sessionsAt.Round(time.Millisecond), cpReadyAt.Round(time.Millisecond), total.Round(time.Millisecond))
+	fmt.Fprintf(os.Stderr, "reattach: readyz %v sessions %v cp_ready %v reconciled %v\n", readyAt, sessionsAt, cpReadyAt, total)
+
+	// A direct-to-D turn of a re-committed session is served from its KV on the worker.
+	body, _ := json.Marshal(map[string]any{"rid": "r-ra-2", "sampling_params": map[string]any{"max_new_tokens": 2},
+		"kvc": map[string]any{"mode": "DIRECT_TO_D", "role": "decode", "session_id": "ra", "input_tokens": before["ra"] + 10,
+			"cached_tokens": before["ra"], "keep_session": true}})
+	resp, err := http.Post(simURL+"/generate", "application/json", bytes.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != 200 {
+		t.Fatalf("direct turn after the restart: HTTP %d", resp.StatusCode)
+	}
+	waitFor(t, "the direct turn's commit on the restarted sidecar", 5*time.Second, func() bool { return sidecarSessions(t, d2)["ra"] > before["ra"] })
+
+	// kill -9 of the worker leaves no pool file behind.
+	sim.Kill()
+	ents, _ := os.ReadDir(shmDir)
+	names := []string{}
+	for _, e := range ents {
+		names = append(names, e.Name())
+	}
+	sort.Strings(names)
+	if len(names) != 0 {
+		t.Fatalf("kill -9 of kvc-sim left %v in its shm dir", names)
+	}
+}
