@@ -145,7 +145,7 @@ func TestAuxMLAAndTP(t *testing.T) {
 			t.Fatal(err)
 		}
 		// aux rows on a middle chunk, or rows that do not fit the registered aux buffers: refused
-		if _, err := p.bridge.SendKV(ctxT(t, 5*time.Second), &kvcv1.SendKVRequest{Room: room, SessionId: s, Pages: ppages[half:half+1],
+		if _, err := p.bridge.SendKV(ctxT(t, 5*time.Second), &kvcv1.SendKVRequest{Room: room, SessionId: s, Pages: ppages[half : half+1],
 			FirstPage: int64(half), Aux: [][]byte{{1}}}); status.Code(err) != codes.InvalidArgument {
 			t.Fatalf("aux on a middle chunk: %v", err)
 		}
