@@ -1,5 +1,12 @@
 package tokenizer
 
+import (
+	"maps"
+	"strings"
+	"sync"
+	"sync/atomic"
+)
+
 // mergeKey packs a pair of symbol ids.
 func mergeKey(a, b uint32) uint64 { return uint64(a)<<32 | uint64(b) }
 
@@ -16,6 +23,63 @@ type bpe struct {
 	merges       map[uint64]mergeVal
 	vocab        map[string]uint32 // raw bytes of every byte-level token -> id
 	ignoreMerges bool
+
+	// cache maps a piece (raw bytes) to its ids, as HF's BPE cache does: prompts repeat words,
+	// and a gateway re-encodes each conversation's history every turn. It holds at most
+	// cacheMax pieces of at most cacheMaxLen bytes.
+	cache wordCache
+}
+
+// wordCache is a bounded map from a piece to its ids. Reads of the "frozen" generation take
+// no lock (an atomic pointer to an immutable map); new pieces go to a small locked "young" map
+// that is folded into a new frozen map every cacheYoung insertions. When the frozen map would
+// exceed cacheMax entries it restarts from the young map.
+type wordCache struct {
+	frozen atomic.Pointer[map[string][]uint32]
+	mu     sync.Mutex
+	young  map[string][]uint32
+}
+
+const cacheYoung = 4096
+
+// Cache bounds (variables so tests can turn the cache off).
+var (
+	cacheMax    int64 = 1 << 17
+	cacheMaxLen       = 64
+)
+
+func (c *wordCache) get(w string) ([]uint32, bool) {
+	if f := c.frozen.Load(); f != nil {
+		if v, ok := (*f)[w]; ok {
+			return v, true
+		}
+	}
+	c.mu.Lock()
+	v, ok := c.young[w]
+	c.mu.Unlock()
+	return v, ok
+}
+
+func (c *wordCache) put(w string, ids []uint32) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.young == nil {
+		c.young = make(map[string][]uint32, cacheYoung)
+	}
+	c.young[strings.Clone(w)] = ids
+	if len(c.young) < cacheYoung {
+		return
+	}
+	var next map[string][]uint32
+	if f := c.frozen.Load(); f != nil && int64(len(*f)+len(c.young)) <= cacheMax {
+		next = make(map[string][]uint32, len(*f)+len(c.young))
+		maps.Copy(next, *f)
+	} else {
+		next = make(map[string][]uint32, len(c.young))
+	}
+	maps.Copy(next, c.young)
+	c.frozen.Store(&next)
+	c.young = make(map[string][]uint32, cacheYoung)
 }
 
 // heapThreshold: words up to this many bytes merge with a quadratic scan (fastest for the
@@ -30,11 +94,32 @@ func (m *bpe) encodeWord(dst []uint32, w string, sc *scratch) []uint32 {
 		}
 		return dst
 	}
+	if len(w) == 2 && !m.ignoreMerges && m.hasByte[w[0]] && m.hasByte[w[1]] {
+		a, b := m.byteID[w[0]], m.byteID[w[1]]
+		if mv, ok := m.merges[mergeKey(a, b)]; ok {
+			return append(dst, mv.id)
+		}
+		return append(dst, a, b)
+	}
 	if m.ignoreMerges {
 		if id, ok := m.vocab[w]; ok {
 			return append(dst, id)
 		}
 	}
+	if len(w) <= cacheMaxLen && cacheMax > 0 {
+		if v, ok := m.cache.get(w); ok {
+			return append(dst, v...)
+		}
+		n := len(dst)
+		dst = m.merge(dst, w, sc)
+		m.cache.put(w, append([]uint32(nil), dst[n:]...))
+		return dst
+	}
+	return m.merge(dst, w, sc)
+}
+
+// merge runs the BPE merges over one piece.
+func (m *bpe) merge(dst []uint32, w string, sc *scratch) []uint32 {
 	syms := sc.syms[:0]
 	for i := 0; i < len(w); i++ {
 		if m.hasByte[w[i]] {

@@ -20,8 +20,9 @@ const (
 )
 
 var (
-	bmpOnce  sync.Once
-	bmpClass []uint8 // class bits for every rune of the Basic Multilingual Plane
+	bmpOnce    sync.Once
+	bmpClass   []uint8    // class bits for every rune of the Basic Multilingual Plane
+	asciiClass [128]uint8 // the ASCII part, as an array (no bounds checks on the hot path)
 )
 
 func initClasses() {
@@ -31,6 +32,7 @@ func initClasses() {
 			t[r] = slowClass(rune(r))
 		}
 		bmpClass = t
+		copy(asciiClass[:], t[:128])
 	})
 }
 
@@ -60,7 +62,7 @@ func slowClass(r rune) uint8 {
 // at decodes the rune at s[i] and returns its class and width.
 func at(s string, i int) (uint8, int) {
 	if b := s[i]; b < utf8.RuneSelf {
-		return bmpClass[b], 1
+		return asciiClass[b], 1
 	}
 	r, w := utf8.DecodeRuneInString(s[i:])
 	if r < 0x10000 {
@@ -75,11 +77,23 @@ type matcher interface {
 	matchAt(s string, i int) int
 }
 
+// skipper is implemented by matchers that can jump to the next position where a match may
+// start (every position before it is known not to match).
+type skipper interface {
+	next(s string, i int) int
+}
+
 // splitIsolated is Split{behavior: Isolated, invert: false}: every match and every gap
 // between matches becomes its own piece, in order (Rust regex find_iter semantics).
 func splitIsolated(m matcher, s string, dst []string) []string {
 	gap := 0
+	sk, canSkip := m.(skipper)
 	for i := 0; i < len(s); {
+		if canSkip {
+			if i = sk.next(s, i); i >= len(s) {
+				break
+			}
+		}
 		if e := m.matchAt(s, i); e > i {
 			if gap < i {
 				dst = append(dst, s[gap:i])
@@ -174,6 +188,13 @@ func contraction(s string, i int, fold bool) int {
 // run consumes runes whose class intersects mask, starting at i; it returns the end.
 func run(s string, i int, mask uint8) int {
 	for i < len(s) {
+		if b := s[i]; b < utf8.RuneSelf {
+			if asciiClass[b]&mask == 0 {
+				break
+			}
+			i++
+			continue
+		}
 		c, w := at(s, i)
 		if c&mask == 0 {
 			break
@@ -239,6 +260,13 @@ func (p cl100kFamily) matchAt(s string, i int) int {
 // run2 consumes runes whose class does NOT intersect excl.
 func run2(s string, i int, excl uint8) int {
 	for i < len(s) {
+		if b := s[i]; b < utf8.RuneSelf {
+			if asciiClass[b]&excl != 0 {
+				break
+			}
+			i++
+			continue
+		}
 		c, w := at(s, i)
 		if c&excl != 0 {
 			break
@@ -305,11 +333,27 @@ func (p numbers) matchAt(s string, i int) int {
 	return j
 }
 
+// next skips ASCII bytes that are not digits (every non-ASCII rune may be a \p{N}).
+func (numbers) next(s string, i int) int {
+	for i < len(s) && s[i] < utf8.RuneSelf && (s[i] < '0' || s[i] > '9') {
+		i++
+	}
+	return i
+}
+
 // deepseekCJK is [\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+.
 type deepseekCJK struct{}
 
 func isDeepseekCJK(r rune) bool {
 	return (r >= 0x4e00 && r <= 0x9fa5) || (r >= 0x3040 && r <= 0x309f) || (r >= 0x30a0 && r <= 0x30ff)
+}
+
+// next skips to the next byte that can start a rune of the three ranges (0xE3..0xE9 lead bytes).
+func (deepseekCJK) next(s string, i int) int {
+	for i < len(s) && (s[i] < 0xE3 || s[i] > 0xE9) {
+		i++
+	}
+	return i
 }
 
 func (deepseekCJK) matchAt(s string, i int) int {
