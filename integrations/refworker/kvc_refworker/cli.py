@@ -172,8 +172,16 @@ def main(argv=None) -> int:
         log.exception("start-up failed: %s", e)
         return 1
     finally:
-        srv.shutdown()
-        if bridge is not None:
-            bridge.close()
         if pool is not None:
-            pool.close()
+            pool.close()  # the file first: nothing below may keep it
+        threading.Thread(target=srv.shutdown, daemon=True).start()
+        if bridge is not None:
+            threading.Thread(target=bridge.close, daemon=True).start()
+
+
+def entry() -> None:
+    """Console-script entry: exits at once after main (grpc and torch keep non-daemon threads)."""
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -129,9 +129,14 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout,
 	reg := obs.NewRegistry()
 	ready := &obs.Ready{}
 	hs := obs.NewHTTPServer(reg, ready)
-	g, gctx := errgroup.WithContext(ctx)
+	// The metrics server stops when run returns (also on a failed start, which has no signal).
+	sctx, stopServe := context.WithCancel(ctx)
+	g, gctx := errgroup.WithContext(sctx)
 	g.Go(func() error { return hs.Serve(gctx, lis) })
-	defer func() { _ = g.Wait() }()
+	defer func() {
+		stopServe()
+		_ = g.Wait()
+	}()
 
 	fmt.Fprintf(stderr, "kvc-local: starting cluster in %s\n", o.cfg.WorkDir)
 	c, err := cluster.Start(ctx, o.cfg)

@@ -348,6 +348,7 @@ func (c *Cluster) start(ctx context.Context) error {
 				BridgeSocket: filepath.Join(c.sockDir, id+".sock"),
 				EventLog:     filepath.Join(cfg.WorkDir, id+".events.jsonl")}
 			_ = os.Remove(w.BridgeSocket)
+			_ = os.Remove(c.addrFile("sim-" + id)) // a reused work dir's old one
 			simArgs := []string{"--role", rc.role, "--worker-id", id, "--http-addr", "127.0.0.1:0", "--bridge-socket", w.BridgeSocket,
 				"--addr-file", c.addrFile("sim-" + id)}
 			capTokens := cfg.DecodeCapacityTokens

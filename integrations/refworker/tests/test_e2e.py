@@ -1,0 +1,198 @@
+"""End to end on CPU: kvc-local with kvc-refworkers (tiny model, tcp transport, 1 prefill + 2
+decode, the control-plane HA pair on etcd, the gateway), a few sessions driven through the
+gateway that cover every decision mode - SEED, DIRECT_TO_D, PD_FALLBACK (a real large append
+kept on the session's own decode worker), RESEED_SNAPSHOT and
+RESEED_PREFILL after evictions - with real attention KV moved by the real sidecars, and every
+request recomputed from scratch in its worker: 0 mismatches.
+
+Run: KVC_BIN_DIR=$PWD/bin <venv>/bin/python -m pytest -q integrations/refworker/tests (after
+make build; the venv of integrations/sglang/scripts/make-venv.sh has torch, transformers and
+sglang). Keep the cluster's logs with KVC_REFWORKER_IT_WORKDIR=DIR.
+"""
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+import urllib.error
+import urllib.request
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.abspath(os.path.join(HERE, "..", "..", ".."))
+BIN = os.environ.get("KVC_BIN_DIR") or os.path.join(ROOT, "bin")
+VOCAB = 1024  # the tiny model's
+
+
+def post(url, body, headers=None, timeout=120):
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers=dict({"Content-Type": "application/json"}, **(headers or {})))
+    try:
+        resp = urllib.request.urlopen(req, timeout=timeout)
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read().decode(), [], None
+    chunks, out_ids, err = [], [], None
+    for line in resp:
+        line = line.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            break
+        c = json.loads(data)
+        if c.get("error"):
+            err = c["error"]
+        chunks.append(c)
+        out_ids += c.get("output_ids") or []
+    return resp.status, dict(resp.headers), chunks, out_ids, err
+
+
+class Cluster:
+    def __init__(self, work, policy, capacity):
+        self.work = work
+        self.ready = os.path.join(work, "local.ready.json")
+        if os.path.exists(self.ready):
+            os.remove(self.ready)  # a kept work dir's old one
+        args = [os.path.join(BIN, "kvc-local"), "--bin-dir", BIN, "--work-dir", work, "--worker-kind", "refworker",
+                "--refworker-python", sys.executable, "--prefill", "1", "--decode", "2",
+                "--decode-capacity-tokens", str(capacity), "--prefill-capacity-tokens", "8192",
+                "--policy-json", json.dumps(policy), "--ready-file", self.ready,
+                "--refworker-args", "--verify-recompute --page-size 16"]
+        self.log = open(os.path.join(work, "kvc-local.log"), "w")
+        env = dict(os.environ, KVC_REFWORKER_THREADS="1")
+        self.p = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.time() + 240
+        while not os.path.exists(self.ready):
+            if self.p.poll() is not None or time.time() > deadline:
+                self.stop()
+                raise RuntimeError("kvc-local did not come up:\n" + open(os.path.join(work, "kvc-local.log")).read()[-4000:])
+            time.sleep(0.5)
+        self.info = json.load(open(self.ready))
+        self.gateway = self.info["gateway_url"]
+
+    def stop(self):
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGTERM)
+            try:
+                self.p.wait(60)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait()
+        self.log.close()
+
+
+@unittest.skipUnless(os.path.exists(os.path.join(BIN, "kvc-local")), "no %s/kvc-local: run make build" % BIN)
+class TestEveryModeExact(unittest.TestCase):
+    def test_every_mode_zero_mismatches(self):
+        keep = os.environ.get("KVC_REFWORKER_IT_WORKDIR")
+        work = keep or tempfile.mkdtemp(prefix="kvc-refworker-it-")
+        os.makedirs(work, exist_ok=True)
+        # Small decode pools (evictions), snapshots pushed every 16 tokens, appends over 300
+        # tokens are real large appends, and a snapshot serves a reseed only when the tail is at
+        # most 200 tokens (so a larger append of an evicted session re-prefills).
+        policy = {"snapshotDeltaTokens": "16", "directMaxUncachedTokens": "300", "tailToleranceTokens": "200"}
+        c = Cluster(work, policy, capacity=1536)
+        rng = random.Random(7)
+        hist = {}  # session -> token ids the client holds (prompt + answers), as an agent would
+        results = []
+
+        tag = "%x-" % (int(time.time()) & 0xFFFFFF)  # a kept work dir's etcd remembers older runs' sessions
+
+        def turn(sess, append, max_new=6, ids=True):
+            sess = tag + sess
+            if ids:
+                hist[sess] = hist.get(sess, []) + [rng.randrange(VOCAB) for _ in range(append)]
+                body = {"input_ids": hist[sess]}
+            else:  # counts only: the workers derive the same scripted context
+                n = hist.get(sess, 0) + append
+                hist[sess] = n
+                body = {"kvc": {"input_tokens": n}}
+            body.update(stream=True, sampling_params={"max_new_tokens": max_new})
+            hdr = {"X-Session-ID": sess} if sess else {}
+            if sess:
+                body["session_params"] = {"id": sess}
+            st, h, chunks, out_ids, err = post(c.gateway + "/generate", body, hdr)
+            self.assertEqual(st, 200, "%s: %s %s" % (sess, st, chunks))
+            self.assertIsNone(err, "%s: %s" % (sess, err))
+            meta = chunks[-1]["meta_info"]["kvc"]
+            mode, reason = h.get("X-Kvc-Mode"), h.get("X-Kvc-Reason")
+            results.append((sess, mode, reason, meta))
+            self.assertEqual(len(out_ids), max_new)
+            if ids and sess:
+                hist[sess] += out_ids
+            elif sess:
+                hist[sess] += max_new
+            print("%-8s %-16s %-22s on %-9s kv %5d recv %7d B  mism %d  max|dlogit| %.2g  max|dKV| %.2g  bitwise %d/%d" % (
+                sess or "-", mode, reason, meta.get("worker_id"), meta.get("kv_len_after", 0), meta.get("received_bytes", 0),
+                meta.get("recompute_mismatches", -1), meta.get("max_abs_logit_diff", -1), meta.get("max_abs_kv_diff", -1),
+                meta.get("bitwise_steps", 0), meta.get("recompute_steps", 0)), flush=True)
+            return mode, reason, meta
+
+        try:
+            m, _, meta = turn("a", 300)
+            self.assertEqual(m, "SEED")
+            self.assertGreater(meta["received_bytes"], 0)
+            self.assertTrue(meta["bitwise_expected"])
+            self.assertEqual(meta["max_abs_kv_diff"], 0.0)  # P's KV, received: bitwise a local prefill's
+            m, _, _ = turn("a", 40)
+            self.assertEqual(m, "DIRECT_TO_D")
+            m, r, meta = turn("a", 350)  # over the direct limit: plain P/D kept on a's own D
+            self.assertEqual((m, r), ("PD_FALLBACK", "REAL_LARGE_APPEND"))
+            m, _, _ = turn("a", 20)
+            self.assertEqual(m, "DIRECT_TO_D")
+            m, _, _ = turn("s", 200, ids=False)  # counts only
+            self.assertEqual(m, "SEED")
+            m, _, _ = turn("s", 30, ids=False)
+            self.assertEqual(m, "DIRECT_TO_D")
+            # Five sessions of ~500-600 tokens over two 1,536-token decode pools: decode workers evict
+            # (ReleaseSession EVICTED, then free) and evicted sessions come back by reseed. An
+            # evicted session's next turn appends 40 tokens (within the tail tolerance: its
+            # snapshot serves) or 260 (beyond it: re-prefill), whichever reseed mode is still
+            # missing.
+            decode_urls = [w["worker_url"] for w in c.info["workers"] if w["role"] == "decode"]
+
+            def resident():
+                out = set()
+                for u in decode_urls:
+                    with urllib.request.urlopen(u + "/kvc/sessions", timeout=10) as r:
+                        out |= {x["session_id"] for x in json.load(r)["sessions"]}
+                return out
+
+            for i in range(5):
+                turn("ev-%d" % i, 480 + 20 * i)
+            for rnd in range(4):
+                seen = {m for _, m, _, _ in results}
+                if {"RESEED_SNAPSHOT", "RESEED_PREFILL"} <= seen and rnd >= 2:
+                    break
+                for i in range(5):
+                    sess = "ev-%d" % i
+                    gone = tag + sess not in resident()
+                    seen = {m for _, m, _, _ in results}
+                    big = gone and "RESEED_SNAPSHOT" in seen and "RESEED_PREFILL" not in seen
+                    turn(sess, 260 if big else 40)
+        finally:
+            c.stop()
+        modes = {m for _, m, _, _ in results}
+        evictions = sum(meta.get("evicted_sessions", 0) for *_, meta in results)
+        mism = sum(meta.get("recompute_mismatches", 0) for *_, meta in results)
+        unchecked = [(s, m) for s, m, _, meta in results if not meta.get("recompute_checked")]
+        print("modes %s, %d evictions, %d requests, %d recompute mismatches" % (sorted(modes), evictions, len(results), mism))
+        self.assertEqual(unchecked, [])
+        self.assertEqual(mism, 0)
+        self.assertGreater(evictions, 0)
+        for want in ("SEED", "DIRECT_TO_D", "PD_FALLBACK", "RESEED_SNAPSHOT", "RESEED_PREFILL"):
+            self.assertIn(want, modes)
+        for s, m, _, meta in results:
+            if m == "RESEED_SNAPSHOT":
+                self.assertGreater(meta["received_bytes"], 0, s)  # the snapshot: real KV pushed D->P earlier
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    unittest.main()
