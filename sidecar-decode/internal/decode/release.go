@@ -62,12 +62,15 @@ func newReleaser(c ReleaseConfig) releaser {
 
 func (r releaser) enabled() bool { return r.cfg.High > 0 }
 
-// releasableLocked reports whether ss may ever be released for capacity: it has a snapshot
-// target while snapshots are on (so its snapshot can be made current), no release is out for
-// it and no transfer into it is open.
+// releasableLocked reports whether ss may be released for capacity: it has a snapshot target
+// while snapshots are on, its snapshot is or can be made current (a push of its committed
+// length did not just fail), no release is out for it and no transfer into it is open.
 func (s *Sidecar) releasableLocked(ss *session) bool {
 	if ss.gone || ss.releasing || ss.target == nil || !s.enabled {
 		return false
+	}
+	if ss.lastPushed < ss.committed && ss.failedLen == ss.committed {
+		return false // its push failed: not current until the next commit
 	}
 	for _, r := range s.rooms {
 		if r.res == nil && r.req.GetSessionId() == ss.id {
@@ -88,13 +91,13 @@ func (s *Sidecar) capacityLocked() int64 {
 	return s.pool.CapacityTokens()
 }
 
-// ReleasePlan is one pass of the capacity release: the sessions to release now (snapshot
-// current) and those whose snapshot was pushed first (released by a later pass), in priority
-// order.
+// ReleasePlan is one pass of the capacity release, in priority order: the sessions to release
+// now and those that wait for a later pass (for their own push, or for a push of a session
+// ranked before them: releases never overtake).
 type ReleasePlan struct {
 	Used, Capacity int64
 	Release        []string
-	PushFirst      []string
+	Waiting        []string
 }
 
 // planReleaseLocked picks, when the pool is above the high watermark, the idle sessions that
@@ -104,7 +107,8 @@ type ReleasePlan struct {
 // picked — they are what the worker is using. A session whose snapshot is current (everything
 // committed is pushed, no push queued or running) is released now; one that needs a push gets
 // one queued at once whatever delta_tokens says, and is released by a later pass once that
-// push has landed.
+// push has landed — and so are the sessions ranked after it (their pushes start meanwhile), so
+// that releases follow the priority order exactly.
 func (s *Sidecar) planReleaseLocked(now time.Time) ReleasePlan {
 	p := ReleasePlan{Capacity: s.capacityLocked()}
 	if !s.rel.enabled() || s.pool == nil || p.Capacity <= 0 {
@@ -143,19 +147,22 @@ func (s *Sidecar) planReleaseLocked(now time.Time) ReleasePlan {
 		return cmp.Compare(a.ss.id, b.ss.id)
 	})
 	need := p.Used - int64(s.rel.cfg.Low*float64(p.Capacity))
+	blocked := false
 	for _, c := range cands {
 		if need <= 0 {
 			break
 		}
 		ss := c.ss
 		need -= ss.committed
-		if ss.push == nil && !ss.queued && ss.lastPushed >= ss.committed {
+		current := ss.push == nil && !ss.queued && ss.lastPushed >= ss.committed
+		if current && !blocked {
 			ss.releasing = true
 			p.Release = append(p.Release, ss.id)
 			continue
 		}
-		p.PushFirst = append(p.PushFirst, ss.id)
-		if ss.push == nil && !ss.queued {
+		blocked = true
+		p.Waiting = append(p.Waiting, ss.id)
+		if !current && ss.push == nil && !ss.queued {
 			ss.forcePush = true
 			s.maybeEnqueueLocked(ss)
 		}
@@ -169,9 +176,9 @@ func (s *Sidecar) releaseTick(ctx context.Context) ReleasePlan {
 	s.mu.Lock()
 	p := s.planReleaseLocked(time.Now())
 	s.mu.Unlock()
-	if len(p.Release) > 0 || len(p.PushFirst) > 0 {
+	if len(p.Release) > 0 || len(p.Waiting) > 0 {
 		s.log.Info().Int64("used_tokens", p.Used).Int64("capacity_tokens", p.Capacity).Strs("release", p.Release).
-			Strs("push_first", p.PushFirst).Msg("pool above the release watermark: releasing idle sessions")
+			Strs("waiting", p.Waiting).Msg("pool above the release watermark: releasing idle sessions")
 	}
 	for _, id := range p.Release {
 		s.releaseOne(ctx, id)

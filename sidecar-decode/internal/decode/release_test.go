@@ -155,8 +155,9 @@ func TestCapacityReleaseOrder(t *testing.T) {
 		t.Fatalf("evictable %d, want the releasable sessions' 224", l.GetEvictableTokens())
 	}
 
+	// b (current) goes; a needs a push first, and c, ranked after a, waits for it.
 	p := s.releaseTick(ctx)
-	if p.Used != 244 || !reflect.DeepEqual(p.Release, []string{"b", "c"}) || !reflect.DeepEqual(p.PushFirst, []string{"a"}) {
+	if p.Used != 244 || !reflect.DeepEqual(p.Release, []string{"b"}) || !reflect.DeepEqual(p.Waiting, []string{"a", "c"}) {
 		t.Fatalf("first pass %+v", p)
 	}
 	s.mu.Lock()
@@ -165,8 +166,8 @@ func TestCapacityReleaseOrder(t *testing.T) {
 	if !aQueued || !aForced {
 		t.Fatalf("a's push not forced into the queue (queued %v, forced %v)", aQueued, aForced)
 	}
-	// Still above the watermark (140): a's push has not landed, so it is not released.
-	if p := s.releaseTick(ctx); len(p.Release) != 0 || !reflect.DeepEqual(p.PushFirst, []string{"a"}) || p.Used != 140 {
+	// Still above the watermark (180): a's push has not landed, so neither a nor c goes.
+	if p := s.releaseTick(ctx); len(p.Release) != 0 || !reflect.DeepEqual(p.Waiting, []string{"a", "c"}) || p.Used != 180 {
 		t.Fatalf("second pass %+v", p)
 	}
 	// a's push lands (what pushSession does on success).
@@ -175,18 +176,18 @@ func TestCapacityReleaseOrder(t *testing.T) {
 	a.lastPushed, a.queued, a.forcePush = a.committed, false, false
 	s.queue = s.queue[:0]
 	s.mu.Unlock()
-	if p := s.releaseTick(ctx); !reflect.DeepEqual(p.Release, []string{"a"}) {
+	if p := s.releaseTick(ctx); !reflect.DeepEqual(p.Release, []string{"a", "c"}) {
 		t.Fatalf("third pass %+v", p)
 	}
 	// 100 tokens left: below the high watermark, nothing more.
-	if p := s.releaseTick(ctx); len(p.Release)+len(p.PushFirst) != 0 || p.Used != 100 {
+	if p := s.releaseTick(ctx); len(p.Release)+len(p.Waiting) != 0 || p.Used != 100 {
 		t.Fatalf("fourth pass %+v", p)
 	}
 	rw.mu.Lock()
 	released, current := append([]string(nil), rw.released...), append([]bool(nil), rw.current...)
 	rw.mu.Unlock()
-	if !reflect.DeepEqual(released, []string{"b", "c", "a"}) || !reflect.DeepEqual(current, []bool{true, true, true}) {
-		t.Fatalf("released %v (snapshot current %v); want b, c, a, each current", released, current)
+	if !reflect.DeepEqual(released, []string{"b", "a", "c"}) || !reflect.DeepEqual(current, []bool{true, true, true}) {
+		t.Fatalf("released %v (snapshot current %v); want b, a, c, each current", released, current)
 	}
 	ev := rep.kinds(kvcv1.SessionEventKind_SESSION_EVENT_KIND_EVICTED)
 	for _, id := range []string{"a", "b", "c"} {
