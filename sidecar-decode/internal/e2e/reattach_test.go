@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvcentric/kvcentric/pkg/agent"
 	"github.com/kvcentric/kvcentric/pkg/etcdtest"
 	"github.com/kvcentric/kvcentric/pkg/kvpool"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
@@ -206,4 +207,51 @@ func TestSidecarRestartReattach(t *testing.T) {
 	if len(names) != 0 {
 		t.Fatalf("kill -9 of kvc-sim left %v in its shm dir", names)
 	}
+}
+
+// TestPrefillSidecarRestartReattach: kill -9 of a prefill sidecar under a live kvc-sim prefill
+// worker; the restarted sidecar gets the pool again from the worker's watcher and is READY in
+// the control plane within 5 s.
+func TestPrefillSidecarRestartReattach(t *testing.T) {
+	if testing.Short() {
+		t.Skip("integration test")
+	}
+	if bins["kvc-controlplane"] == "" || bins["kvc-sim"] == "" {
+		t.Fatal("kvc-controlplane or kvc-sim binary not available")
+	}
+	etcd := etcdtest.Start(t)
+	cp := startCP(t, "cp-a", etcd.Endpoints())
+	leaderOf(t, cp)
+	sock := filepath.Join(t.TempDir(), "p.sock")
+	p := startSidecarAt(t, "prefill", "rp1", cp.addr, sock, "--store-capacity-bytes", "8388608")
+	startSim(t, "prefill", "rp1", sock, t.TempDir())
+	ready := func() bool {
+		r, err := cp.admin.ListWorkers(ctxT(t, time.Second), &kvcv1.ListWorkersRequest{})
+		if err != nil {
+			return false
+		}
+		for _, w := range r.GetWorkers() {
+			if w.GetWorkerId() == "rp1" {
+				return w.GetState() == kvcv1.WorkerState_WORKER_STATE_READY
+			}
+		}
+		return false
+	}
+	waitFor(t, "rp1 READY", 20*time.Second, ready)
+	var st1 agent.Status
+	getJSON(t, "http://"+p.httpAddr+"/v1/status", &st1)
+	p.Kill()
+	waitFor(t, "rp1 not READY after its sidecar died", 20*time.Second, func() bool { return !ready() })
+	p2 := startSidecarAt(t, "prefill", "rp1", cp.addr, sock, "--store-capacity-bytes", "8388608")
+	back := time.Now()
+	waitFor(t, "the restarted prefill sidecar READY", 5*time.Second, func() bool {
+		code, _ := httpText(t, "http://"+p2.httpAddr+"/readyz")
+		return code == 200 && ready()
+	})
+	var st agent.Status
+	if code := getJSON(t, "http://"+p2.httpAddr+"/v1/status", &st); code != 200 || !st.PoolRegistered || !st.Watcher.Connected ||
+		!st.Watcher.AttachAcked || st.SidecarInstance == st1.SidecarInstance || st.SidecarInstance == "" {
+		t.Fatalf("status after the restart %+v (before %+v)", st, st1)
+	}
+	t.Logf("prefill sidecar back → ready and READY in the control plane in %v", time.Since(back).Round(time.Millisecond))
 }
