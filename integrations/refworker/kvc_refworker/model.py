@@ -111,7 +111,7 @@ def new_cache(model, k_layers=None, v_layers=None):
     cache = DynamicCache(config=model.config)
     if k_layers is not None and k_layers[0].shape[0] > 0:
         for l, (k, v) in enumerate(zip(k_layers, v_layers)):
-            cache.update(k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), l)
+            cache.update(k.transpose(0, 1).unsqueeze(0).contiguous(), v.transpose(0, 1).unsqueeze(0).contiguous(), l)
     return cache
 
 
@@ -131,6 +131,22 @@ def forward(model, ids, cache, all_logits: bool = False):
     last position (or of every position with all_logits) and the cache, extended."""
     dev = next(model.parameters()).device
     t = torch.as_tensor(ids, dtype=torch.long, device=dev).reshape(1, -1)
-    out = model(input_ids=t, past_key_values=cache, use_cache=True, logits_to_keep=0 if all_logits else 1)
+    kw = {_cache_kwarg(model): cache}
+    out = model(input_ids=t, use_cache=True, logits_to_keep=0 if all_logits else 1, **kw)
     logits = out.logits[0].float()
-    return (logits if all_logits else logits[-1]), out.past_key_values
+    return (logits if all_logits else logits[-1]), cache  # the cache is extended in place
+
+
+_CACHE_KW = {}
+
+
+def _cache_kwarg(model) -> str:
+    """transformers >= 5.2x names the forward's cache argument `cache` (past_key_values is
+    deprecated there); 5.17 (the GPU machine's) and older call it past_key_values."""
+    cls = type(model)
+    if cls not in _CACHE_KW:
+        import inspect
+
+        params = inspect.signature(cls.forward).parameters
+        _CACHE_KW[cls] = "cache" if "cache" in params else "past_key_values"
+    return _CACHE_KW[cls]

@@ -96,26 +96,44 @@ class Handler(BaseHTTPRequestHandler):
         try:
             if path == "/generate":
                 return self._generate()
-            if path == "/open_session":
-                body = self._body()
-                sid = str(body.get("session_id") or "")
-                if not sid:
-                    raise ApiError(400, "bad_request", "open_session needs a session_id")
-                return self._json(200, sid)
-            if path == "/close_session":
-                body = self._body()
-                sid = str(body.get("session_id") or "")
-                w = self.server.worker
-                if w and sid:
-                    with w.mu:
-                        s = w.sessions.get(sid)
-                        idle = s is not None and s.pinned == 0
-                    if idle:
-                        w.drop_session(s)
-                return self._json(200, {"success": True})
+            if path in ("/open_session", "/close_session"):
+                return self._session_call(path)
             raise ApiError(404, "not_found", "no such path %s" % path)
         except ApiError as e:
             self._error(e)
+
+    def _session_call(self, path):
+        """SGLang's POST /open_session (streaming sessions only; answers the id as a JSON string;
+        refuses an id this worker holds, so the caller closes the stale copy first - no state is
+        kept for an open session without KV) and POST /close_session (releases the session's KV
+        once its running turn ended: ReleaseSession to the sidecar, then free)."""
+        w = self.server.worker
+        body = self._body()
+        if not isinstance(body, dict):
+            raise ApiError(400, "bad_request", "the body must be a JSON object")
+        if w is None:
+            raise ApiError(503, "internal", "worker is starting")
+        if w.cfg.role != "decode":
+            raise ApiError(400, "bad_request", "sessions live on decode workers; this is a prefill worker")
+        sid = body.get("session_id")
+        if not isinstance(sid, str) or not sid:
+            raise ApiError(400, "bad_request", "session_id is required")
+        try:
+            R._valid_id("session_id", sid)
+        except R.BadRequest as e:
+            raise ApiError(400, "bad_request", str(e))
+        to = body.get("timeout")
+        if to is not None and (not isinstance(to, (int, float)) or isinstance(to, bool) or to < 0):
+            raise ApiError(400, "bad_request", "timeout %r must be a non-negative number of seconds" % (to,))
+        if path == "/open_session":
+            if body.get("streaming") is not True:
+                raise ApiError(400, "bad_request", 'only streaming sessions are supported ("streaming": true)')
+            with w.mu:
+                held = sid in w.sessions
+            if held:
+                raise ApiError(400, "bad_request", "session %r is already open on %s" % (sid, w.cfg.worker_id))
+            return self._json(200, sid)
+        return self._json(200, {"session_id": sid, "closed": w.close_session(sid)})
 
     def _generate(self):
         w = self.server.worker

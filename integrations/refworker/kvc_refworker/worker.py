@@ -208,6 +208,23 @@ class Worker:
         lk.acquire()
         return lk.release
 
+    def close_session(self, sid: str) -> bool:
+        """Releases the session once its running turn (if any) ended; False when not held."""
+        unlock = self._lock_turn(sid)
+        try:
+            with self.mu:
+                s = self.sessions.get(sid)
+                if s is not None:
+                    s.pinned += 1  # no eviction while the sidecar is told
+            if s is None:
+                return False
+            self.drop_session(s)
+            with self.mu:
+                s.pinned -= 1
+            return True
+        finally:
+            unlock()
+
     def session_list(self) -> List[Dict]:
         with self.mu:
             return [{"session_id": s.id, "kv_len": s.kv_len, "pages": len(s.pages), "pinned": s.pinned,

@@ -1,0 +1,169 @@
+"""Unit tests of the refworker's parts (no sidecar): request parsing, the scripted context, the
+pool's SGLang geometry and page round trip, the model's determinism and the exactness facts the
+recompute check relies on."""
+
+import os
+import sys
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.join(HERE, ".."), os.path.join(HERE, "..", "..", "sglang")]
+
+import torch  # noqa: E402
+
+from kvc_refworker import model as M  # noqa: E402
+from kvc_refworker import request as R  # noqa: E402
+from kvc_refworker.pool import KVPool, pages_for  # noqa: E402
+
+
+class TestParse(unittest.TestCase):
+    def hints(self, payload):
+        return {"kv_hints": {"protocol_version": 1, "actions": [
+            {"action_type": "other", "payload": {"mode": "SEED"}},
+            {"action_type": "kvc", "action_version": 1, "payload": payload}]}}
+
+    def test_table(self):
+        ok = [
+            ("kvc block", {"kvc": {"mode": "ROUTE_MODE_SEED", "session_id": "s", "input_tokens": 10, "room": 3}}, "decode",
+             dict(mode="SEED", input=10, room=3, keep=True, seed_key="s", ids=None)),
+            ("kv_hints", dict(self.hints({"mode": "DIRECT_TO_D", "session_id": "s", "cached_tokens": 4}), input_ids=[1, 2, 3, 4, 5],
+                              session_params={"id": "s"}), "decode",
+             dict(mode="DIRECT_TO_D", input=5, cached=4, ids=[1, 2, 3, 4, 5])),
+            ("snapshot", self.hints({"mode": "RESEED_SNAPSHOT", "session_id": "s", "input_tokens": 9, "room": 1,
+                                     "snapshot_seqlen": 8}), "decode", dict(mode="RESEED_SNAPSHOT", seqlen=8)),
+            ("fallback single shot", {"rid": "r1", "input_ids": [7, 7], "bootstrap_room": 5}, "prefill",
+             dict(mode="PD_FALLBACK", keep=False, seed_key="r1", room=5)),
+            ("text only", {"text": "x" * 40, "kvc": {"mode": "PD_FALLBACK", "keep_session": False}, "rid": "r", "bootstrap_room": 1},
+             "decode", dict(input=10)),
+        ]
+        for name, body, role, want in ok:
+            with self.subTest(name):
+                p = R.parse(body, role, 1000, 64)
+                for k, v in want.items():
+                    self.assertEqual(getattr(p, k), v, k)
+        bad = [
+            ("batch", [1], "decode", "object"),
+            ("ids out of vocab", {"input_ids": [99], "rid": "r", "bootstrap_room": 1}, "decode", "vocabulary"),
+            ("count differs", {"input_ids": [1, 2], "kvc": {"input_tokens": 3, "session_id": "s", "room": 1, "mode": "SEED"}},
+             "decode", "differs"),
+            ("wrong role", {"kvc": {"role": "prefill", "input_tokens": 3}}, "decode", "prefill"),
+            ("no session", {"kvc": {"mode": "SEED", "input_tokens": 3, "room": 1}}, "decode", "missing session id"),
+            ("no room", {"kvc": {"mode": "SEED", "input_tokens": 3, "session_id": "s"}}, "decode", "needs a room"),
+            ("snapshot on P", {"kvc": {"mode": "RESEED_SNAPSHOT", "input_tokens": 3, "session_id": "s", "room": 1,
+                                       "snapshot_seqlen": 2}}, "prefill", "no prefill half"),
+            ("seqlen", {"kvc": {"mode": "RESEED_SNAPSHOT", "input_tokens": 3, "session_id": "s", "room": 1,
+                                "snapshot_seqlen": 4}}, "decode", "snapshot_seqlen"),
+            ("capacity", {"kvc": {"mode": "SEED", "input_tokens": 990, "session_id": "s", "room": 1}}, "decode", "capacity"),
+            ("mode", {"kvc": {"mode": "WARP"}}, "decode", "unknown kvc.mode"),
+            ("payload", {"kv_hints": {"actions": [{"action_type": "kvc", "payload": 3}]}}, "decode", "payload"),
+            ("space in id", {"kvc": {"mode": "SEED", "input_tokens": 3, "session_id": "a b", "room": 1}}, "decode", "printable"),
+            ("no input", {"kvc": {"mode": "PD_FALLBACK", "keep_session": False}}, "decode", "no input"),
+        ]
+        for name, body, role, msg in bad:
+            with self.subTest(name), self.assertRaisesRegex(R.BadRequest, msg):
+                R.parse(body, role, 1000, 64)
+
+    def test_scripted_tokens(self):
+        a = R.scripted_tokens("s1", 0, 100, 1024)
+        self.assertEqual(a, R.scripted_tokens("s1", 0, 100, 1024))
+        self.assertEqual(a[40:60], R.scripted_tokens("s1", 40, 60, 1024))  # any worker, any range
+        self.assertNotEqual(a, R.scripted_tokens("s2", 0, 100, 1024))
+        self.assertTrue(all(0 <= x < 1024 for x in a))
+        self.assertGreater(len(set(a)), 80)
+
+
+class TestPool(unittest.TestCase):
+    def roundtrip(self, use_sglang):
+        pool = KVPool(layers=3, heads=2, head_dim=8, dtype=torch.float32, capacity_tokens=160, page_size=16, device="cpu",
+                      name="kvc-refworker-unit", use_sglang=use_sglang)
+        try:
+            self.assertEqual((pool.num_pages, pool.size, pool.rows), (10, 160, 176))
+            self.assertEqual(pool.item_len, 16 * 2 * 8 * 4)
+            ptrs, lens, items = pool.buf_infos()  # SGLang's order: K_0..K_2, V_0..V_2
+            self.assertEqual(len(ptrs), 6)
+            self.assertEqual(ptrs[3] - ptrs[0], pool.buffer_bytes)  # V_0 follows K_0: one allocation per layer
+            self.assertEqual(set(lens), {pool.rows * 2 * 8 * 4})
+            bufs = pool.bridge_buffers()  # the bridge's order: K_0, V_0, K_1, ...
+            self.assertEqual([(b.layer, b.kind) for b in bufs], [(0, 1), (0, 2), (1, 1), (1, 2), (2, 1), (2, 2)])
+            self.assertEqual(bufs[1].shm_offset - bufs[0].shm_offset, pool.buffer_bytes)
+            self.assertTrue(all(b.shm_path == pool.shm_path for b in bufs))
+            pages = pool.alloc(3)
+            self.assertNotIn(0, pages)  # page 0 is SGLang's padded page
+            self.assertIsNone(pool.alloc(8))  # 7 left
+            ks = [torch.randn(40, 2, 8) for _ in range(3)]
+            vs = [torch.randn(40, 2, 8) for _ in range(3)]
+            pool.scatter(pages, 0, ks, vs)
+            gk, gv = pool.gather(pages, 0, 40)
+            for l in range(3):
+                self.assertTrue(torch.equal(gk[l], ks[l]) and torch.equal(gv[l], vs[l]))
+            # The bytes are where the sidecar reads them: the page's slot in the shm file.
+            raw = open(pool.shm_path, "rb").read()
+            off = bufs[2].shm_offset + pages[1] * pool.item_len  # layer 1 K, token 16 = page 1 slot 0
+            self.assertEqual(raw[off:off + 64], ks[1][16].numpy().tobytes())
+            with self.assertRaises(ValueError):
+                pool.locs(pages, 0, 49)
+            pool.free(pages)
+            self.assertEqual(pool.free_pages, 10)
+            return pool.source
+        finally:
+            pool.close()
+            self.assertFalse(os.path.exists(pool.shm_path))
+
+    def test_builtin(self):
+        self.assertEqual(self.roundtrip(False), "builtin")
+
+    def test_sglang_pool(self):
+        try:
+            import sglang.srt.mem_cache.memory_pool  # noqa: F401
+        except Exception as e:  # noqa: BLE001
+            self.skipTest("sglang not importable here: %s" % e)
+        self.assertEqual(self.roundtrip(True), "sglang.MHATokenToKVPool")
+
+    def test_pages_for(self):
+        self.assertEqual([pages_for(n, 16) for n in (0, 1, 16, 17)], [0, 1, 1, 2])
+
+
+class TestModel(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.spec = M.spec_for("tiny")
+        cls.m = M.build(cls.spec, "cpu", 5)
+
+    def test_same_seed_same_weights(self):
+        m2 = M.build(self.spec, "cpu", 5)
+        m3 = M.build(self.spec, "cpu", 6)
+        self.assertTrue(all(torch.equal(a, b) for a, b in zip(self.m.parameters(), m2.parameters())))
+        self.assertFalse(all(torch.equal(a, b) for a, b in zip(self.m.parameters(), m3.parameters())))
+
+    def test_qwen3_8b_shape_config(self):
+        s = M.spec_for("qwen3-8b-shape")
+        self.assertEqual((s.num_layers, s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, s.dtype),
+                         (36, 4096, 32, 8, 128, torch.bfloat16))
+        with self.assertRaises(ValueError):
+            M.spec_for("gpt-5")
+
+    def test_exactness_facts(self):
+        """What the recompute check's tolerance rests on: decoding from KV gathered out of pages
+        is bitwise decoding from the prefill's own cache; an append-prefill is allclose to a full
+        prefill."""
+        ids = R.scripted_tokens("x", 0, 45, self.spec.vocab_size)
+        full, cache = M.forward(self.m, ids[:37], M.new_cache(self.m))
+        pool = KVPool(self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim, torch.float32, 256, 16, "cpu",
+                      name="kvc-refworker-unit2", use_sglang=False)
+        try:
+            pages = pool.alloc(3)
+            pool.scatter(pages, 0, *zip(*[M.cache_kv(cache, l, 0, 37) for l in range(self.spec.num_layers)]))
+            k, v = pool.gather(pages, 0, 37)
+            a, _ = M.forward(self.m, [5], M.new_cache(self.m, k, v))
+            b, _ = M.forward(self.m, [5], cache)
+            self.assertTrue(torch.equal(a, b))
+            app, _ = M.forward(self.m, ids[37:45], M.new_cache(self.m, k, v))
+            ref, _ = M.forward(self.m, ids[:45], M.new_cache(self.m))
+            self.assertLess(float((app - ref).abs().max()), 1e-4)
+            self.assertEqual(int(app.argmax()), int(ref.argmax()))
+        finally:
+            pool.close()
+
+
+if __name__ == "__main__":
+    unittest.main()
