@@ -156,10 +156,28 @@ func (l *Load) Sessions() []string {
 // inputTokens grows a session by 240 tokens a turn: a small append (direct-to-D).
 func inputTokens(turn int) int64 { return 400 + 240*int64(turn) }
 
+// inputIDs is a session's prompt of n tokens: each turn's prompt extends the previous one
+// (the same prefix, so continuity checked on content holds), distinct per session.
+func inputIDs(session string, n int64) []int64 {
+	var seed int64
+	for _, c := range session {
+		seed = seed*31 + int64(c)
+	}
+	out := make([]int64, n)
+	for i := range out {
+		out[i] = (seed + int64(i)*7919) % 150000
+		if out[i] < 0 {
+			out[i] = -out[i]
+		}
+	}
+	return out
+}
+
 func (l *Load) send(ctx context.Context, session string, turn int) (r Result) {
 	r = Result{Session: session, Turn: turn, Call: time.Now()}
 	defer func() { r.Return = time.Now() }()
 	body, _ := json.Marshal(map[string]any{
+		"input_ids":       inputIDs(session, inputTokens(turn)),
 		"stream":          true,
 		"sampling_params": map[string]any{"max_new_tokens": l.cfg.OutputTokens},
 		"session_params":  map[string]any{"id": session},

@@ -60,7 +60,9 @@ type Outcome struct {
 	Modes      map[string]int `json:"modes"`
 	Errors     []string       `json:"errors,omitempty"`
 	Notes      []string       `json:"notes,omitempty"`
-	Passed     bool           `json:"passed"`
+	// CheckFailed is a scenario-specific criterion that failed (e.g. detection time, memory).
+	CheckFailed string `json:"check_failed,omitempty"`
+	Passed      bool   `json:"passed"`
 }
 
 // RunConfig shapes a run.
@@ -81,6 +83,7 @@ type Runner struct {
 	base     map[string]string
 	baseAt   time.Time
 	consumed int
+	dups     map[string]bool // sessions held by two decode workers at the last quiescent point
 }
 
 // NewRunner returns a runner; Baseline must run before the first scenario.
@@ -135,7 +138,8 @@ func (r *Runner) Run(ctx context.Context, sc Scenario) (Outcome, error) {
 	st := &Step{faultAt: time.Now()}
 	ref, drops, err := sc.Inject(ctx, r.h, st)
 	if err != nil {
-		st.Note("inject: %v", err)
+		out.CheckFailed = firstLine(err.Error())
+		st.Note("scenario check failed: %v", err)
 	}
 	if ref.IsZero() {
 		ref = time.Now()
@@ -252,6 +256,7 @@ func (r *Runner) Run(ctx context.Context, sc Scenario) (Outcome, error) {
 			held[s] = append(held[s], w)
 		}
 	}
+	dupNow, carried := map[string]bool{}, 0
 	for _, id := range readIDs {
 		call := time.Now()
 		var w string
@@ -272,8 +277,15 @@ func (r *Runner) Run(ctx context.Context, sc Scenario) (Outcome, error) {
 		ops = append(ops, Op{Session: id, Kind: opRead, Worker: w, Call: call, Return: ret, Source: "GetSession"})
 		r.base[id] = w
 		if len(held[id]) > 1 {
-			out.Duplicated++
-			st.Note("duplicated: %s held by %s (leader says %q)", id, strings.Join(held[id], ","), w)
+			dupNow[id] = true
+			if r.dups[id] {
+				carried++
+			} else {
+				out.Duplicated++
+				if out.Duplicated <= 5 {
+					st.Note("duplicated: %s held by %s (leader says %q)", id, strings.Join(held[id], ","), w)
+				}
+			}
 		}
 		if w != "" && herr == nil && !contains(held[id], w) {
 			out.Phantom++
@@ -283,6 +295,13 @@ func (r *Runner) Run(ctx context.Context, sc Scenario) (Outcome, error) {
 		}
 	}
 	r.baseAt = time.Now()
+	r.dups = dupNow
+	if out.Duplicated > 5 {
+		st.Note("duplicated: … %d more", out.Duplicated-5)
+	}
+	if carried > 0 {
+		st.Note("%d sessions still duplicated from an earlier scenario (not counted again)", carried)
+	}
 	v := CheckHistory(ops, 20*time.Second)
 	out.Lost, out.Illegal, out.Unknown, out.Writes, out.Ops = v.Lost, len(v.Illegal), len(v.Unknown), v.Writes, v.Ops
 	if len(v.Illegal) > 0 && v.Lost == 0 {
@@ -301,7 +320,7 @@ func (r *Runner) Run(ctx context.Context, sc Scenario) (Outcome, error) {
 		st.Note("not linearizable: %s", strings.Join(first(v.Illegal, 6), ","))
 	}
 	out.Notes = st.notes
-	out.Passed = out.Recovered && out.Failed == 0 && out.Lost == 0 && out.Duplicated == 0 && out.Illegal == 0
+	out.Passed = out.Recovered && out.Failed == 0 && out.Lost == 0 && out.Duplicated == 0 && out.Illegal == 0 && out.CheckFailed == ""
 	r.report(out)
 	return out, nil
 }
@@ -317,6 +336,14 @@ func (r *Runner) dump(name string, rs []Result) {
 	for _, x := range rs {
 		_ = enc.Encode(x)
 	}
+}
+
+// slot is a session id without its generation suffix (fs-07-3 → fs-07).
+func slot(id string) string {
+	if i := strings.LastIndexByte(id, '-'); i > 0 {
+		return id[:i]
+	}
+	return id
 }
 
 func first(s []string, n int) []string {
@@ -408,20 +435,22 @@ func (r *Runner) waitServed(ctx context.Context, ref time.Time) (time.Time, erro
 	defer tick.Stop()
 	for {
 		res, _ := r.load.Results(r.consumed)
+		// Per session slot (a finished session is replaced by a new one in the same slot): the
+		// first answer to a request started at or after ref.
 		firstOK := map[string]time.Time{}
 		for _, x := range res {
 			if x.OK && !x.FailOpen && !x.Call.Before(ref) {
-				if t, ok := firstOK[x.Session]; !ok || x.Return.Before(t) {
-					firstOK[x.Session] = x.Return
+				k := slot(x.Session)
+				if t, ok := firstOK[k]; !ok || x.Return.Before(t) {
+					firstOK[k] = x.Return
 				}
 			}
 		}
 		var latest time.Time
 		missing := 0
 		for _, id := range r.load.Sessions() {
-			t, ok := firstOK[id]
+			t, ok := firstOK[slot(id)]
 			if !ok {
-				// A session that started after ref is served when its first answer is.
 				missing++
 				continue
 			}

@@ -21,6 +21,8 @@ const (
 	// EtcdBound: after etcd is back (restart or quorum), one lease TTL for the old leader's
 	// lease to expire, plus an etcd election (≈1 s) and 2 s.
 	EtcdBound = ElectionTTL + 3*time.Second
+	// floodRSSBound: the gateway's memory growth under the body flood (MiB).
+	floodRSSBound = 256
 	// restartLimit bounds the wait for a restarted process's ready file.
 	restartLimit = 30 * time.Second
 )
@@ -86,13 +88,13 @@ func Scenarios() []Scenario {
 			Inject:    etcdRestart,
 		},
 		{
-			Name: "etcd-quorum-loss", CI: false, Bound: EtcdBound,
+			Name: "etcd-quorum-loss", CI: true, Bound: EtcdBound,
 			Criterion: "2 of 3 etcd members stopped for 3 × TTL, then restarted: whole ≤ TTL + 3 s after the quorum is back; " + noFail,
 			Inject:    etcdQuorumLoss,
 		},
 		{
 			Name: "gateway-body-flood", CI: false, Bound: RestartBound,
-			Criterion: "8 concurrent 31 MiB request bodies to the gateway: session traffic unaffected (whole ≤ 5 s), gateway RSS growth reported; " + noFail,
+			Criterion: fmt.Sprintf("8 concurrent 31 MiB request bodies to the gateway: its RSS grows by ≤ %d MiB, session traffic unaffected (whole ≤ 5 s); ", floodRSSBound) + noFail,
 			Inject:    bodyFlood,
 		},
 	}
@@ -364,5 +366,8 @@ func bodyFlood(ctx context.Context, h *Harness, s *Step) (time.Time, []string, e
 	close(done)
 	<-sampled
 	s.Note("gateway RSS %.0f MiB before, peak %.0f MiB during %d × 31 MiB bodies (answers %v)", before, peak, n, codes)
+	if peak-before > floodRSSBound {
+		return time.Now(), nil, fmt.Errorf("gateway RSS grew by %.0f MiB (bound %d MiB)", peak-before, floodRSSBound)
+	}
 	return time.Now(), nil, nil
 }
