@@ -180,8 +180,8 @@ def continuity_around(original, session, req, *args, **kwargs):
             if not isinstance(req.input_ids, list) else strip_history(hist, req.input_ids, session.session_id)
     except ContinuityError as e:
         new_req = original(session, req, *args, **kwargs)
-        if new_req.finished_reason is None:
-            session._inflight = False
+        if new_req.to_finish is None and new_req.finished_reason is None:
+            session._inflight = False  # as create_req's own refusals: the session stays usable
             new_req.set_finish_with_abort(str(e))
         return new_req
     return original(session, req, *args, **kwargs)

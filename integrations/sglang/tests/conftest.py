@@ -21,6 +21,9 @@ def sglang_installed():
 
     from kvcentric_sglang import plugin
 
+    # what a scheduler process has written before it handles requests
+    from sglang.srt.runtime_context import get_parallel
+    get_parallel().override_permanently(tp_rank=0)
     plugin.install()
     HookRegistry.apply_hooks()
     missing = [t for t in plugin.installed_hooks() if t not in HookRegistry._patched]

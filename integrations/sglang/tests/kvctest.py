@@ -298,3 +298,66 @@ def wait_poll(obj, want, timeout: float = 30.0):
             return s, seen
         time.sleep(0.01)
     return obj.poll(), seen
+
+
+def http_json(sidecar: "Sidecar", path: str):
+    import urllib.request
+    with urllib.request.urlopen("http://%s%s" % (sidecar.ready["http_addr"], path), timeout=10) as r:
+        return json.loads(r.read())
+
+
+def sessions_of(sidecar: "Sidecar") -> dict:
+    return {s["session_id"]: s for s in http_json(sidecar, "/v1/sessions")}
+
+
+class Colocated:
+    """A colocated decode worker's KV side, built from SGLang's real classes as its scheduler
+    builds them: MHATokenToKVPool (moved into /dev/shm), PagedTokenToKVPoolAllocator,
+    ReqToTokenPool, UnifiedRadixCache (python tree core) with its StreamingSession."""
+
+    def __init__(self, tmp: str, name: str, size: int = POOL_TOKENS, rows: int = 16, max_context: int = 1024):
+        import torch
+        from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+        from sglang.srt.mem_cache.unified_cache.components.base import ComponentType
+        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+        from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+        set_global_server_args_for_scheduler(ServerArgs(model_path="dummy", page_size=PAGE))
+        self.kv = mha_pool(tmp, name, size=size)
+        self.alloc = PagedTokenToKVPoolAllocator(size=size, page_size=PAGE, dtype=torch.bfloat16, device="cpu",
+                                                 kvcache=self.kv, need_sort=False)
+        self.rtp = ReqToTokenPool(size=rows, max_context_len=max_context, device="cpu", enable_memory_saver=False)
+        self.params = CacheInitParams(req_to_token_pool=self.rtp, token_to_kv_pool_allocator=self.alloc,
+                                      page_size=PAGE, disable=False, tree_components=(ComponentType.FULL,))
+        self.cache = UnifiedRadixCache(params=self.params)
+        self.streaming = self.cache.session
+
+    def first_turn(self, session, tokens, outputs):
+        """A streaming session's first turn, admitted, run and finished the way the scheduler
+        does it (row allocation, hand to the session, prompt checkpoint, finish). Returns the Req."""
+        from array import array
+
+        from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req
+        from sglang.srt.sampling.sampling_params import SamplingParams
+        r = Req(rid="t0-%s" % session.session_id, origin_input_text="", origin_input_ids=array("q", tokens),
+                sampling_params=SamplingParams(temperature=0, max_new_tokens=len(outputs)), session=session)
+        r.extra_key = None
+        n = len(tokens) + len(outputs)
+        cap = (n + PAGE - 1) // PAGE * PAGE
+        self.rtp.alloc([r])
+        self.rtp.write((r.kv.req_pool_idx, slice(0, cap)), self.alloc.alloc(cap))
+        r.kv.kv_allocated_len = cap
+        r.last_node = self.cache.root_node_handle()
+        r.lock = self.cache.lock(r.last_node)
+        self.cache.maybe_hand_to_session(r)
+        self.cache.checkpoint(r, up_to=len(tokens) // PAGE * PAGE)
+        r.output_ids = array("q", outputs)
+        r.kv.kv_committed_len = n
+        r.finished_reason = FINISH_LENGTH(length=len(outputs))
+        return r
+
+    def slot_pages(self, session_id: str, n: int):
+        from kvcentric_sglang import sessions
+        return sessions.slot_pages(self.streaming, self.streaming.slots[session_id], n)

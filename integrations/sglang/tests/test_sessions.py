@@ -1,0 +1,123 @@
+"""Session hooks through SGLang's real StreamingSession / UnifiedRadixCache and the real decode
+sidecar: commit, release before free, the full-context continuity rule."""
+
+import os
+
+import pytest
+
+import kvctest
+from kvctest import PAGE
+
+
+@pytest.fixture
+def dside(sglang_installed, bins, tmp):
+    from kvcentric_sglang import pool as kvpool
+    from kvcentric_sglang import runtime
+    from kvcentric_sglang.bridge import WorkerBridge
+
+    d = kvctest.Sidecar(bins["decode"], "d0", tmp)
+    w = kvctest.Colocated(tmp, "d")
+    b = WorkerBridge(d.sock)
+    reg = kvpool.from_pool(w.kv)
+    reg.register(b)
+    runtime.state.reset()
+    runtime.state.bridge, runtime.state.registration = b, reg
+    yield d, w
+    runtime.state.reset()
+    b.close()
+    d.stop()
+    for f in os.listdir("/dev/shm"):
+        if f.startswith("kvcpy-%s-" % os.path.basename(tmp)):
+            os.unlink(os.path.join("/dev/shm", f))
+
+
+def test_commit_then_release_before_free(dside):
+    from sglang.srt.session.session_controller import Session
+
+    d, w = dside
+    s = Session(capacity_of_str_len=1 << 20, session_id="s-9", streaming=True)
+    r = w.first_turn(s, list(range(1, 41)), [7] * 8)
+    assert w.streaming.try_cache_finished_req(r)  # hooked: CommitSession
+    slot = w.streaming.slots["s-9"]
+    got = kvctest.sessions_of(d)["s-9"]
+    assert got["committed_len"] == 48 == slot.kv.kv_committed_len
+    # the pages are the slot's own row, page by page
+    row = w.rtp.req_to_token[slot.kv.req_pool_idx, :48].tolist()
+    assert w.slot_pages("s-9", 48) == [row[i] // PAGE for i in range(0, 48, PAGE)]
+
+    seen_at_free = []
+    orig_free = w.cache.free_kv_row
+
+    def free_kv_row(kv, ranges):
+        seen_at_free.append(("s-9" in kvctest.sessions_of(d), list(ranges)))
+        return orig_free(kv, ranges)
+
+    w.cache.free_kv_row = free_kv_row
+    free_before = w.alloc.available_size()
+    w.streaming.release_session("s-9")  # hooked: ReleaseSession first, then SGLang frees
+    assert seen_at_free == [(False, [(slot.kv.cache_protected_len, 48)])]
+    assert "s-9" not in kvctest.sessions_of(d)
+    assert w.alloc.available_size() > free_before
+    w.streaming.release_session("s-9")  # already gone: no call, no error
+
+
+def test_aborted_turn_commits_nothing(dside):
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+    from sglang.srt.session.session_controller import Session
+
+    d, w = dside
+    s = Session(capacity_of_str_len=1 << 20, session_id="s-ab", streaming=True)
+    r = w.first_turn(s, list(range(1, 33)), [5] * 4)
+    r.finished_reason = FINISH_ABORT("client went away")
+    assert not w.streaming.try_cache_finished_req(r)
+    assert "s-ab" not in kvctest.sessions_of(d)
+
+
+def test_continuity_strips_history_or_refuses(dside):
+    """D gets the full context: an exact-prefix history is stripped (SGLang prepends it again),
+    a different history refuses the turn."""
+    from types import SimpleNamespace
+
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    from sglang.srt.session.session_controller import Session
+
+    d, w = dside
+    s = Session(capacity_of_str_len=1 << 20, session_id="s-c", streaming=True)
+    prompt, out = list(range(1, 41)), [7] * 8
+    r0 = w.first_turn(s, prompt, out)
+    assert w.streaming.try_cache_finished_req(r0)  # -> session.finish_req(r0)
+    assert s.req_nodes, "the first turn is the session's last request"
+
+    def turn(ids, rid):
+        # the fields Session.create_req reads of a TokenizedGenerateReqInput
+        t = SimpleNamespace()
+        for k, v in dict(rid=rid, input_text=None, input_ids=list(ids), mm_inputs=None,
+                         sampling_params=SamplingParams(max_new_tokens=4), return_logprob=False, logprob_start_len=-1,
+                         top_logprobs_num=0, token_ids_logprob=None, stream=False, lora_id=None,
+                         session_params=None, custom_logit_processor=None, return_hidden_states=False,
+                         return_routed_experts=False, routed_experts_start_len=0, bootstrap_host=None,
+                         bootstrap_port=None, bootstrap_room=None, routed_dp_rank=None,
+                         disagg_prefill_dp_rank=None, priority=None, routing_key=None, extra_key=None,
+                         cache_salt=None, http_worker_ipc=None, time_stats=None, require_reasoning=False,
+                         return_sampling_mask=False,
+                         sampling_logprobs_mode="selected",
+                         kv_hints=kvctest.kvc_hints(mode="DIRECT_TO_D", session_id="s-c")).items():
+            setattr(t, k, v)
+        from sglang.srt.managers.io_struct import SessionParams
+        t.session_params = SessionParams(id="s-c")
+        return t
+
+    full = prompt + out + [900, 901, 902]
+    # a turn whose history differs (an edited earlier token) is refused, never appended
+    bad = list(full)
+    bad[3] = 4242
+    nr = s.create_req(turn(bad, "t1"), None, vocab_size=1000)  # hooked: continuity
+    assert nr.to_finish is not None  # SGLang's abort, as create_req's own refusals
+    msg = str(nr.to_finish.message)
+    assert "not a prefix" in msg and "first difference at token 3" in msg, msg
+    assert not s._inflight
+    # the exact-prefix turn: history stripped, SGLang prepends it again -> the full context
+    nr = s.create_req(turn(full, "t2"), None, vocab_size=1000)
+    assert nr.to_finish is None and nr.finished_reason is None, nr.to_finish
+    assert list(nr.origin_input_ids) == full
+    assert s._inflight
