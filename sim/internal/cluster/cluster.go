@@ -305,7 +305,7 @@ func (c *Cluster) start(ctx context.Context) error {
 		name := fmt.Sprintf("cp-%d", i)
 		args := append([]string{
 			"--node-id", name, "--grpc-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0",
-			"--etcd-endpoints", ep, "--data-dir", filepath.Join(cfg.WorkDir, name),
+			"--etcd-endpoints", ep, "--data-dir", filepath.Join(cfg.WorkDir, name), "--insecure",
 		}, cfg.ControlPlaneArgs...)
 		p, err := c.spawnProc("kvc-controlplane", name, "controlplane", args)
 		if err != nil {
@@ -388,7 +388,7 @@ func (c *Cluster) start(ctx context.Context) error {
 			"--worker-id", w.ID, "--node", "local", "--gpu-index", strconv.Itoa(pr.gpu),
 			"--worker-url", w.WorkerURL, "--control-plane", cpList, "--bridge-socket", w.BridgeSocket,
 			"--http-addr", "127.0.0.1:0", "--peer-addr", "127.0.0.1:0", "--transport", "tcp",
-			"--transfer-addr", "127.0.0.1:0", "--event-log", w.EventLog,
+			"--transfer-addr", "127.0.0.1:0", "--event-log", w.EventLog, "--insecure",
 		}, cfg.SidecarArgs...)
 		sc, err := c.spawnProc("kvc-sidecar-"+w.Role, "sidecar-"+w.ID, "sidecar-"+w.Role, scArgs)
 		if err != nil {
@@ -424,7 +424,7 @@ func (c *Cluster) start(ctx context.Context) error {
 
 	if cfg.Gateway {
 		args := append([]string{
-			"--http-addr", "127.0.0.1:0", "--control-plane", cpList,
+			"--http-addr", "127.0.0.1:0", "--control-plane", cpList, "--insecure",
 			"--prefill-urls", strings.Join(prefillURLs, ","), "--decode-urls", strings.Join(decodeURLs, ","),
 		}, cfg.GatewayArgs...)
 		gw, err := c.spawnProc("kvc-gateway", "gateway", "gateway", args)

@@ -1,0 +1,69 @@
+"""The plugin's registration with SGLang: entry point, load_plugins, the transfer backend
+choice, and the hook-target check."""
+
+import pytest
+
+
+def test_entry_point_is_what_load_plugins_finds(sglang_installed):
+    from importlib.metadata import entry_points
+
+    eps = [e for e in entry_points(group="sglang.srt.plugins") if e.name == "kvcentric"]
+    assert len(eps) == 1, "pip install integrations/sglang registers the sglang.srt.plugins entry point"
+    assert eps[0].load() is sglang_installed.install
+    from sglang.srt.plugins import load_plugins_by_group
+    found = load_plugins_by_group("sglang.srt.plugins")
+    assert "kvcentric" in found and found["kvcentric"][0] is sglang_installed.install
+
+
+def test_backend_choice_enum_and_classes(sglang_installed):
+    import argparse
+
+    from sglang.srt.disaggregation import decode, prefill
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend
+    from sglang.srt.server_args import ServerArgs
+
+    from kvcentric_sglang import backend
+
+    be = TransferBackend("kvcentric")
+    assert be is TransferBackend.KVCENTRIC and be.name == "KVCENTRIC" and be in list(TransferBackend)
+    assert TransferBackend("mooncake") is TransferBackend.MOONCAKE  # the others untouched
+    for mod in (prefill, decode):  # the hooked get_kv_class, as each module imported it
+        assert mod.get_kv_class(be, KVClassType.MANAGER) is backend.KvcKVManager
+        assert mod.get_kv_class(be, KVClassType.SENDER) is backend.KvcKVSender
+        assert mod.get_kv_class(be, KVClassType.RECEIVER) is backend.KvcKVReceiver
+        assert mod.get_kv_class(be, KVClassType.BOOTSTRAP_SERVER) is backend.KvcKVBootstrapServer
+        assert mod.get_kv_class(TransferBackend.FAKE, KVClassType.SENDER).__name__ == "FakeKVSender"
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    ns = parser.parse_args(["--model-path", "m", "--disaggregation-mode", "prefill",
+                            "--disaggregation-transfer-backend", "kvcentric"])
+    assert ns.disaggregation_transfer_backend == "kvcentric"
+
+
+def test_verify_hooks_names_a_renamed_target(sglang_installed, monkeypatch):
+    from sglang.srt.session.streaming_session import StreamingSession
+
+    sglang_installed.verify_hooks()  # all present in this SGLang
+    # SGLang renames release_session (as a new version might): the check fails loudly
+    monkeypatch.delattr(StreamingSession, "release_session")
+    with pytest.raises(sglang_installed.HookTargetMissing) as e:
+        sglang_installed.verify_hooks()
+    msg = str(e.value)
+    assert "sglang.srt.session.streaming_session.StreamingSession.release_session" in msg
+    assert "SGLang 0.5.23" in msg and "checked against 0.5.23" in msg
+    # a module that moved
+    with pytest.raises(sglang_installed.HookTargetMissing, match="sglang.srt.disaggregation.nowhere.get_kv_class"):
+        sglang_installed.verify_hooks([("sglang.srt.disaggregation.nowhere.get_kv_class", "AROUND")])
+
+
+def test_hooks_were_applied_not_skipped(sglang_installed):
+    """apply_hooks() skips a failing target with only a log line: every target the plugin
+    registered must be in HookRegistry._patched and actually wrapped."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    from sglang.srt.session.streaming_session import StreamingSession
+
+    import pkgutil
+    for t in sglang_installed.installed_hooks():
+        assert t in HookRegistry._patched, t
+        assert getattr(pkgutil.resolve_name(t), "__wrapped__", None) is not None, "%s is not wrapped" % t
+    assert StreamingSession.release_session.__wrapped__.__module__ == "sglang.srt.session.streaming_session"
