@@ -9,7 +9,7 @@ import (
 )
 
 func TestWorkerHealthFlags(t *testing.T) {
-	base := []string{"--worker-id", "w", "--bridge-socket", "/tmp/x.sock"}
+	base := []string{"--worker-id", "w", "--bridge-socket", "/tmp/x.sock", "--insecure"}
 	cases := []struct {
 		name    string
 		args    []string

@@ -26,7 +26,11 @@ import (
 
 // Limits shared by servers and clients.
 const (
-	// MaxRecvMsgSize bounds any single gRPC message we accept (16 MiB).
+	// ServerMaxRecvMsgSize bounds any single gRPC message a server accepts (4 MiB, grpc-go's
+	// own default) unless WithMaxRecvMsgSize says otherwise: larger requests are refused with
+	// RESOURCE_EXHAUSTED before they are decoded.
+	ServerMaxRecvMsgSize = 4 << 20
+	// MaxRecvMsgSize bounds any single gRPC message our clients accept (16 MiB).
 	MaxRecvMsgSize = 16 << 20
 	// MaxSendMsgSize bounds any single gRPC message we send.
 	MaxSendMsgSize = 16 << 20
@@ -61,6 +65,17 @@ type options struct {
 	unaryInts  []grpc.UnaryServerInterceptor
 	streamInts []grpc.StreamServerInterceptor
 	tls        *tlsx.Source
+	maxRecv    int
+}
+
+// WithMaxRecvMsgSize sets the largest request message the server accepts (default
+// ServerMaxRecvMsgSize).
+func WithMaxRecvMsgSize(n int) Option {
+	return func(o *options) {
+		if n > 0 {
+			o.maxRecv = n
+		}
+	}
 }
 
 // WithTLS serves mutual TLS with src (client certificates required and verified against its CA,
@@ -90,18 +105,19 @@ func WithStreamInterceptors(i ...grpc.StreamServerInterceptor) Option {
 
 // NewServer builds the standard server. Register services on it, then call Serve.
 func NewServer(log zerolog.Logger, opt ...Option) *Server {
-	o := options{logCalls: true}
+	o := options{logCalls: true, maxRecv: ServerMaxRecvMsgSize}
 	for _, f := range opt {
 		f(&o)
 	}
+	codec := newDecodeCodec()
 	lg := InterceptorLogger(log)
 	logOpts := []logging.Option{logging.WithLogOnEvents(logging.FinishCall)}
 	rec := recovery.WithRecoveryHandler(func(p any) error {
 		log.Error().Interface("panic", p).Bytes("stack", debug.Stack()).Msg("grpc handler panic")
 		return status.Errorf(codes.Internal, "internal error")
 	})
-	unary := []grpc.UnaryServerInterceptor{recovery.UnaryServerInterceptor(rec)}
-	stream := []grpc.StreamServerInterceptor{recovery.StreamServerInterceptor(rec)}
+	unary := []grpc.UnaryServerInterceptor{recovery.UnaryServerInterceptor(rec), codec.unary}
+	stream := []grpc.StreamServerInterceptor{recovery.StreamServerInterceptor(rec), codec.stream}
 	if o.logCalls {
 		unary = append(unary, logging.UnaryServerInterceptor(lg, logOpts...))
 		stream = append(stream, logging.StreamServerInterceptor(lg, logOpts...))
@@ -117,8 +133,9 @@ func NewServer(log zerolog.Logger, opt ...Option) *Server {
 	stream = append(stream, o.streamInts...)
 
 	sopts := []grpc.ServerOption{
-		grpc.MaxRecvMsgSize(MaxRecvMsgSize),
+		grpc.MaxRecvMsgSize(o.maxRecv),
 		grpc.MaxSendMsgSize(MaxSendMsgSize),
+		grpc.ForceServerCodecV2(codec),
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{
 			MinTime:             ClientKeepaliveTime / 2,
 			PermitWithoutStream: true,

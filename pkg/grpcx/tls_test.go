@@ -1,12 +1,14 @@
 package grpcx_test
 
 import (
+	"bytes"
 	"context"
 	"crypto/tls"
 	"crypto/x509"
 	"io"
 	"net"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -239,12 +241,19 @@ func TestTLSHandshakeRejections(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			before := f.adm.calls.Load()
+			before, refused := f.adm.calls.Load(), f.srv.HandshakeFailures()
 			_, err := kvcv1.NewAdminServiceClient(f.dial(t, tc.creds)).GetLeader(callCtx(t), &kvcv1.GetLeaderRequest{})
 			wantCode(t, err, codes.Unavailable)
 			t.Logf("rejected: %v", err)
 			if f.adm.calls.Load() != before {
 				t.Fatal("the handler ran")
+			}
+			clientSide := strings.Contains(tc.name, "client does not trust") || strings.Contains(tc.name, "wrong role")
+			for deadline := time.Now().Add(2 * time.Second); !clientSide && f.srv.HandshakeFailures() == refused; {
+				if time.Now().After(deadline) { // TLS 1.3: the server may refuse after the client is done
+					t.Fatal("the server counted no refused handshake")
+				}
+				time.Sleep(2 * time.Millisecond) // polling a counter with a deadline
 			}
 		})
 	}
@@ -366,5 +375,70 @@ func TestTLSCARotation(t *testing.T) {
 	wantCode(t, call(old), codes.Unavailable)
 	if f.srv.Reloads() < 2 || cli.Reloads() < 2 {
 		t.Fatalf("reloads: server %d client %d", f.srv.Reloads(), cli.Reloads())
+	}
+}
+
+type syncBuf struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuf) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuf) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// TestRefusedHandshakeLogged is issue 16 finding 6: a refused TLS handshake leaves a warn line
+// with the peer's address and the reason, rate-limited to one a second (later ones counted in
+// the next line's "suppressed"), and every refusal is counted.
+func TestRefusedHandshakeLogged(t *testing.T) {
+	dir := t.TempDir()
+	ca := tlstest.NewCA(t, dir, "ca")
+	var logs syncBuf
+	src, err := tlsx.Load(ca.Issue(t, "cp", tlstest.Spec{Role: tlsx.RoleControlPlane}), tlsx.WithLogger(zerolog.New(&logs)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := grpcx.NewServer(zerolog.Nop(), grpcx.WithTLS(src))
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- s.Serve(ctx, lis, time.Second) }()
+	t.Cleanup(func() { cancel(); <-done })
+	const n = 3
+	var local []string
+	for i := 0; i < n; i++ { // not TLS at all: a plaintext HTTP/2 preface
+		c, err := net.Dial("tcp", lis.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		local = append(local, c.LocalAddr().String())
+		_, _ = c.Write([]byte("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"))
+		_, _ = io.Copy(io.Discard, c) // until the server closes it
+		_ = c.Close()
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for src.HandshakeFailures() < n {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d refused handshakes counted, want %d", src.HandshakeFailures(), n)
+		}
+		time.Sleep(5 * time.Millisecond) // polling a counter with a deadline
+	}
+	out := logs.String()
+	if got := strings.Count(out, "tls: handshake refused"); got != 1 {
+		t.Fatalf("%d log lines for %d refusals within a second, want 1 (rate limit):\n%s", got, n, out)
+	}
+	if !strings.Contains(out, `"level":"warn"`) || !strings.Contains(out, local[0]) || !strings.Contains(out, `"error":`) {
+		t.Fatalf("log line lacks level, peer %s or reason: %s", local[0], out)
 	}
 }

@@ -8,7 +8,8 @@ import (
 
 // RegisterMetrics exports s on reg under the label identity=name:
 // kvc_tls_cert_expiry_timestamp_seconds (the current certificate's NotAfter; alert well before
-// it) and kvc_tls_reloads_total{result="ok"|"failed"}. A nil s registers nothing.
+// it), kvc_tls_reloads_total{result="ok"|"failed"} and kvc_tls_handshake_failures_total
+// (server handshakes refused). A nil s registers nothing.
 func RegisterMetrics(reg prometheus.Registerer, name string, s *Source) error {
 	if s == nil || reg == nil {
 		return nil
@@ -24,6 +25,9 @@ func RegisterMetrics(reg prometheus.Registerer, name string, s *Source) error {
 		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "kvc_tls_reloads_total", ConstLabels: mergeLabels(labels, "result", "failed"),
 			Help: "Reloads of TLS files after a change on disk, by result (failed: the previous certificates stay in use)."},
 			func() float64 { return float64(s.Failures()) }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "kvc_tls_handshake_failures_total", ConstLabels: labels,
+			Help: "TLS handshakes this server refused (no, expired or foreign client certificate; not TLS)."},
+			func() float64 { return float64(s.HandshakeFailures()) }),
 	}
 	var errs []error
 	for _, c := range cs {

@@ -32,6 +32,10 @@ type Source struct {
 
 	reloads  atomic.Uint64
 	failures atomic.Uint64
+
+	hsFailures   atomic.Uint64
+	hsLogged     atomic.Int64 // UnixNano of the last refused-handshake log line
+	hsSuppressed atomic.Uint64
 }
 
 // Option adjusts a Source.
@@ -42,8 +46,18 @@ func WithLogger(l zerolog.Logger) Option { return func(s *Source) { s.log = l } 
 
 // Load reads f (cert and key required, CA optional). It returns nil, nil when f names no file
 // at all (plaintext).
+//
+// With f.Insecure (and no file) it logs, at error level so that no log filter hides it, that
+// gRPC runs in plaintext without authentication.
 func Load(f Files, opt ...Option) (*Source, error) {
 	if !f.Enabled() {
+		if f.Insecure {
+			s := &Source{log: zerolog.Nop()}
+			for _, o := range opt {
+				o(s)
+			}
+			s.log.Error().Bool("insecure", true).Msg("INSECURE: gRPC in plaintext without authentication (--insecure): anyone who reaches a gRPC port can act as any part; use only on an isolated development network")
+		}
 		return nil, nil
 	}
 	if f.Cert == "" || f.Key == "" {
@@ -232,8 +246,52 @@ func (s *Source) clientConfig(serverName string, expect []Role) *tls.Config {
 }
 
 // ServerCredentials are gRPC server credentials from ServerConfig.
+//
+// A refused handshake (no, expired or foreign client certificate, not TLS at all) leaves a
+// warn line "tls: handshake refused" with the peer address and the reason, at most one per
+// second (the line counts the ones suppressed since the last), and counts in
+// HandshakeFailures.
 func (s *Source) ServerCredentials() credentials.TransportCredentials {
-	return credentials.NewTLS(s.ServerConfig())
+	return &serverCreds{TransportCredentials: credentials.NewTLS(s.ServerConfig()), s: s}
+}
+
+// HandshakeFailures is the number of server handshakes refused.
+func (s *Source) HandshakeFailures() uint64 { return s.hsFailures.Load() }
+
+type serverCreds struct {
+	credentials.TransportCredentials
+	s *Source
+}
+
+func (c *serverCreds) ServerHandshake(raw net.Conn) (net.Conn, credentials.AuthInfo, error) {
+	conn, info, err := c.TransportCredentials.ServerHandshake(raw)
+	if err != nil {
+		c.s.handshakeRefused(raw.RemoteAddr(), err)
+	}
+	return conn, info, err
+}
+
+func (c *serverCreds) Clone() credentials.TransportCredentials {
+	return &serverCreds{TransportCredentials: c.TransportCredentials.Clone(), s: c.s}
+}
+
+// handshakeLogEvery bounds the refused-handshake log lines.
+const handshakeLogEvery = time.Second
+
+func (s *Source) handshakeRefused(peer net.Addr, err error) {
+	s.hsFailures.Add(1)
+	now := time.Now().UnixNano()
+	last := s.hsLogged.Load()
+	if now-last < int64(handshakeLogEvery) || !s.hsLogged.CompareAndSwap(last, now) {
+		s.hsSuppressed.Add(1)
+		return
+	}
+	addr := ""
+	if peer != nil {
+		addr = peer.String()
+	}
+	s.log.Warn().Str("peer", addr).Err(err).Uint64("suppressed", s.hsSuppressed.Swap(0)).
+		Msg("tls: handshake refused")
 }
 
 // ClientCredentials are gRPC client credentials: every handshake uses the current files,

@@ -1,6 +1,7 @@
 package tlsx_test
 
 import (
+	"bytes"
 	"crypto/x509"
 	"flag"
 	"fmt"
@@ -11,6 +12,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
+	"github.com/rs/zerolog"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/reflect/protoreflect"
@@ -27,7 +29,10 @@ func TestFilesCheck(t *testing.T) {
 		n       tlsx.Names
 		wantErr string
 	}{
-		{name: "none is plaintext", n: tlsx.GRPCNames},
+		{name: "none without --insecure is refused", n: tlsx.GRPCNames, wantErr: "no transport security chosen: give --tls-cert, --tls-key and --tls-ca for mutual TLS, or --insecure"},
+		{name: "--insecure is plaintext", f: tlsx.Files{Insecure: true}, n: tlsx.GRPCNames},
+		{name: "--insecure with files", f: tlsx.Files{Cert: "c", Key: "k", CA: "a", Insecure: true}, n: tlsx.GRPCNames, wantErr: "--insecure contradicts --tls-cert, --tls-key, --tls-ca"},
+		{name: "no insecure flag: none is fine", n: tlsx.Names{Cert: "etcd-cert", Key: "etcd-key", CA: "etcd-cacert"}},
 		{name: "all three", f: tlsx.Files{Cert: "c", Key: "k", CA: "a"}, n: tlsx.GRPCNames},
 		{name: "cert only", f: tlsx.Files{Cert: "c"}, n: tlsx.GRPCNames, wantErr: "--tls-cert given but --tls-key, --tls-ca missing"},
 		{name: "no CA", f: tlsx.Files{Cert: "c", Key: "k"}, n: tlsx.GRPCNames, wantErr: "--tls-ca missing"},
@@ -323,6 +328,9 @@ func TestMetrics(t *testing.T) {
 # HELP kvc_tls_cert_expiry_timestamp_seconds NotAfter of the TLS certificate in use (Unix seconds); files are re-read on change.
 # TYPE kvc_tls_cert_expiry_timestamp_seconds gauge
 kvc_tls_cert_expiry_timestamp_seconds{identity="grpc"} %d
+# HELP kvc_tls_handshake_failures_total TLS handshakes this server refused (no, expired or foreign client certificate; not TLS).
+# TYPE kvc_tls_handshake_failures_total counter
+kvc_tls_handshake_failures_total{identity="grpc"} 0
 # HELP kvc_tls_reloads_total Reloads of TLS files after a change on disk, by result (failed: the previous certificates stay in use).
 # TYPE kvc_tls_reloads_total counter
 kvc_tls_reloads_total{identity="grpc",result="failed"} 0
@@ -365,4 +373,32 @@ func FuzzRoleOf(f *testing.F) {
 			t.Fatalf("role %q not named by %q %q", r, a, b)
 		}
 	})
+}
+
+// TestInsecureIsLoud: --insecure is a flag of GRPCNames only, and Load logs it at error level.
+func TestInsecureIsLoud(t *testing.T) {
+	var f tlsx.Files
+	fs := flag.NewFlagSet("x", flag.ContinueOnError)
+	f.Register(fs, tlsx.GRPCNames, "of this binary")
+	if err := fs.Parse([]string{"--insecure"}); err != nil || !f.Insecure {
+		t.Fatalf("--insecure: %v %+v", err, f)
+	}
+	var other tlsx.Files
+	ofs := flag.NewFlagSet("y", flag.ContinueOnError)
+	other.Register(ofs, tlsx.Names{Cert: "http-tls-cert", Key: "http-tls-key"}, "https")
+	if ofs.Lookup("insecure") != nil {
+		t.Fatal("a Names without Insecure registered --insecure")
+	}
+	var buf bytes.Buffer
+	src, err := tlsx.Load(f, tlsx.WithLogger(zerolog.New(&buf)))
+	if err != nil || src != nil {
+		t.Fatalf("Load(--insecure) = %v, %v; want nil, nil", src, err)
+	}
+	if !strings.Contains(buf.String(), `"level":"error"`) || !strings.Contains(buf.String(), "INSECURE") {
+		t.Fatalf("no loud log line: %q", buf.String())
+	}
+	buf.Reset()
+	if _, err := tlsx.Load(tlsx.Files{}, tlsx.WithLogger(zerolog.New(&buf))); err != nil || buf.Len() != 0 {
+		t.Fatalf("Load of nothing: %v, logged %q", err, buf.String())
+	}
 }

@@ -28,6 +28,7 @@ func TestEmbeddedEtcdListsServices(t *testing.T) {
 	o.DataDir = filepath.Join(dir, "etcd")
 	o.ElectionTTL = 2 * time.Second
 	o.ReadyFile = filepath.Join(dir, "ready.json")
+	o.TLS.Insecure = true
 	if err := o.Validate(); err != nil {
 		t.Fatal(err)
 	}

@@ -9,7 +9,9 @@ import (
 	"strings"
 	"time"
 
+	"github.com/kvcentric/kvcentric/controlplane/internal/embedetcd"
 	"github.com/kvcentric/kvcentric/pkg/grpcx"
+	"github.com/kvcentric/kvcentric/pkg/kvstore"
 	"github.com/kvcentric/kvcentric/pkg/tlsx"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
@@ -28,19 +30,24 @@ type Options struct {
 	DataDir                string
 	EmbeddedEtcdClientAddr string
 	EmbeddedEtcdPeerAddr   string
-	ElectionTTL            time.Duration
-	ElectionRenewDeadline  time.Duration
-	UnreachableGrace       time.Duration
-	SessionTTL             time.Duration
-	FlushDelay             time.Duration
-	VolatileFlush          time.Duration
-	ShutdownGrace          time.Duration
-	EtcdDialTimeout        time.Duration
-	GRPCKeepaliveTime      time.Duration
-	GRPCKeepaliveTimeout   time.Duration
-	ReadyFile              string
-	LogLevel               string
-	LogFormat              string
+	// EmbeddedEtcdQuota and EmbeddedEtcdCompaction bound the embedded etcd's size.
+	EmbeddedEtcdQuota      int64
+	EmbeddedEtcdCompaction time.Duration
+	// EtcdCallTimeout bounds every single etcd call on a request path.
+	EtcdCallTimeout       time.Duration
+	ElectionTTL           time.Duration
+	ElectionRenewDeadline time.Duration
+	UnreachableGrace      time.Duration
+	SessionTTL            time.Duration
+	FlushDelay            time.Duration
+	VolatileFlush         time.Duration
+	ShutdownGrace         time.Duration
+	EtcdDialTimeout       time.Duration
+	GRPCKeepaliveTime     time.Duration
+	GRPCKeepaliveTimeout  time.Duration
+	ReadyFile             string
+	LogLevel              string
+	LogFormat             string
 	// TLS is the gRPC server's mTLS identity (role controlplane); none: plaintext.
 	TLS tlsx.Files
 	// EtcdTLS is the client certificate for an external etcd with client-cert auth.
@@ -61,6 +68,9 @@ func NewOptions() *Options {
 		DataDir:                "kvc-controlplane-data",
 		EmbeddedEtcdClientAddr: "127.0.0.1:2379",
 		EmbeddedEtcdPeerAddr:   "127.0.0.1:2380",
+		EmbeddedEtcdQuota:      embedetcd.DefaultQuotaBytes,
+		EmbeddedEtcdCompaction: embedetcd.DefaultCompactionRetention,
+		EtcdCallTimeout:        kvstore.DefaultCallTimeout,
 		ElectionTTL:            5 * time.Second,
 		UnreachableGrace:       30 * time.Second,
 		SessionTTL:             24 * time.Hour,
@@ -86,6 +96,9 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.DataDir, "data-dir", o.DataDir, "embedded etcd data directory")
 	fs.StringVar(&o.EmbeddedEtcdClientAddr, "embedded-etcd-client-addr", o.EmbeddedEtcdClientAddr, "embedded etcd client listen address (port 0 picks one)")
 	fs.StringVar(&o.EmbeddedEtcdPeerAddr, "embedded-etcd-peer-addr", o.EmbeddedEtcdPeerAddr, "embedded etcd peer listen address (port 0 picks one)")
+	fs.Int64Var(&o.EmbeddedEtcdQuota, "embedded-etcd-quota-bytes", o.EmbeddedEtcdQuota, "embedded etcd backend quota: past it etcd refuses writes (RESOURCE_EXHAUSTED) instead of filling the disk")
+	fs.DurationVar(&o.EmbeddedEtcdCompaction, "embedded-etcd-compaction-retention", o.EmbeddedEtcdCompaction, "embedded etcd periodic auto-compaction: history older than this is compacted (0: off)")
+	fs.DurationVar(&o.EtcdCallTimeout, "etcd-call-timeout", o.EtcdCallTimeout, "bound on every single etcd call made for a request (admin reads, UpdatePolicy): past it the call fails UNAVAILABLE, with or without a client deadline")
 	fs.DurationVar(&o.ElectionTTL, "election-ttl", o.ElectionTTL, "leader lease TTL (whole seconds, >= 2s): a dead leader is replaced after about this long")
 	fs.DurationVar(&o.ElectionRenewDeadline, "election-renew-deadline", o.ElectionRenewDeadline, "the leader stops acting this long after the last lease renewal etcd answered; below --election-ttl (0: two thirds of it)")
 	fs.DurationVar(&o.UnreachableGrace, "unreachable-grace", o.UnreachableGrace, "default unreachable_grace_ms: an unreachable worker's residency is dropped after this")
@@ -161,6 +174,12 @@ func (o *Options) Validate() error {
 		}
 		addr("--embedded-etcd-client-addr", o.EmbeddedEtcdClientAddr, false)
 		addr("--embedded-etcd-peer-addr", o.EmbeddedEtcdPeerAddr, false)
+		if o.EmbeddedEtcdQuota < 16<<20 || o.EmbeddedEtcdQuota > 8<<30 {
+			errs = append(errs, fmt.Errorf("--embedded-etcd-quota-bytes %d must be within [16 MiB, 8 GiB]", o.EmbeddedEtcdQuota))
+		}
+		if o.EmbeddedEtcdCompaction < 0 || (o.EmbeddedEtcdCompaction > 0 && o.EmbeddedEtcdCompaction < time.Second) {
+			errs = append(errs, fmt.Errorf("--embedded-etcd-compaction-retention %s must be 0 (off) or at least 1s", o.EmbeddedEtcdCompaction))
+		}
 	}
 	for _, e := range o.Endpoints() {
 		if !strings.Contains(e, "://") {
@@ -191,6 +210,9 @@ func (o *Options) Validate() error {
 	pos("--volatile-flush", o.VolatileFlush, true)
 	pos("--shutdown-grace", o.ShutdownGrace, false)
 	pos("--etcd-dial-timeout", o.EtcdDialTimeout, false)
+	if o.EtcdCallTimeout < 100*time.Millisecond || o.EtcdCallTimeout > time.Minute {
+		errs = append(errs, fmt.Errorf("--etcd-call-timeout %s must be within [100ms, 1m]", o.EtcdCallTimeout))
+	}
 	if o.GRPCKeepaliveTime < time.Second {
 		errs = append(errs, fmt.Errorf("--grpc-keepalive-time %s must be at least 1s", o.GRPCKeepaliveTime))
 	}

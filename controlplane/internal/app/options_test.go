@@ -6,6 +6,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/kvcentric/kvcentric/pkg/tlsx"
 )
 
 func TestEnvAndFlags(t *testing.T) {
@@ -24,6 +26,9 @@ func TestEnvAndFlags(t *testing.T) {
 		{"flag wins", []string{"--node-id", "flag"}, map[string]string{"KVC_NODE_ID": "env"},
 			func(o *Options) bool { return o.NodeID == "flag" }, ""},
 		{"bad env value", nil, map[string]string{"KVC_SESSION_TTL": "forever"}, nil, "KVC_SESSION_TTL"},
+		{"KVC_INSECURE", nil, map[string]string{"KVC_INSECURE": "true"}, func(o *Options) bool { return o.TLS.Insecure && o.Validate() == nil }, ""},
+		{"env quota", nil, map[string]string{"KVC_EMBEDDED_ETCD_QUOTA_BYTES": "33554432", "KVC_EMBEDDED_ETCD_COMPACTION_RETENTION": "1h"},
+			func(o *Options) bool { return o.EmbeddedEtcdQuota == 32<<20 && o.EmbeddedEtcdCompaction == time.Hour }, ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			o := NewOptions()
@@ -72,8 +77,15 @@ func TestValidate(t *testing.T) {
 		{"renew deadline below the ttl", func(o *Options) { o.ElectionRenewDeadline = 4 * time.Second }, ""},
 		{"keepalive time below 1s", func(o *Options) { o.GRPCKeepaliveTime = 500 * time.Millisecond }, "--grpc-keepalive-time"},
 		{"keepalive timeout zero", func(o *Options) { o.GRPCKeepaliveTimeout = 0 }, "--grpc-keepalive-timeout"},
-		{"tls all three", func(o *Options) { o.TLS.Cert, o.TLS.Key, o.TLS.CA = "c", "k", "a" }, ""},
-		{"tls without ca", func(o *Options) { o.TLS.Cert, o.TLS.Key = "c", "k" }, "--tls-ca missing"},
+		{"tls all three", func(o *Options) { o.TLS = tlsx.Files{Cert: "c", Key: "k", CA: "a"} }, ""},
+		{"neither tls nor --insecure", func(o *Options) { o.TLS.Insecure = false }, "or --insecure for plaintext"},
+		{"tls and --insecure", func(o *Options) { o.TLS.Cert, o.TLS.Key, o.TLS.CA = "c", "k", "a" }, "--insecure contradicts"},
+		{"embedded quota too small", func(o *Options) { o.EmbeddedEtcdQuota = 1 << 20 }, "--embedded-etcd-quota-bytes"},
+		{"quota ignored with external etcd", func(o *Options) { o.EmbeddedEtcdQuota = 1; o.EtcdEndpoints = "127.0.0.1:2379" }, ""},
+		{"compaction below 1s", func(o *Options) { o.EmbeddedEtcdCompaction = time.Millisecond }, "--embedded-etcd-compaction-retention"},
+		{"compaction off", func(o *Options) { o.EmbeddedEtcdCompaction = 0 }, ""},
+		{"etcd call timeout", func(o *Options) { o.EtcdCallTimeout = time.Millisecond }, "--etcd-call-timeout"},
+		{"tls without ca", func(o *Options) { o.TLS = tlsx.Files{Cert: "c", Key: "k"} }, "--tls-ca missing"},
 		{"etcd tls needs external etcd", func(o *Options) { o.EtcdTLS.Cert, o.EtcdTLS.Key, o.EtcdTLS.CA = "c", "k", "a" }, "need --etcd-endpoints"},
 		{"etcd tls partial", func(o *Options) { o.EtcdEndpoints = "https://e:2379"; o.EtcdTLS.CA = "a" }, "--etcd-cert, --etcd-key missing"},
 		{"etcd tls external", func(o *Options) {
@@ -84,6 +96,7 @@ func TestValidate(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			o := NewOptions()
 			o.NodeID = "cp"
+			o.TLS.Insecure = true
 			tc.mod(o)
 			err := o.Validate()
 			if tc.want == "" {
@@ -106,6 +119,7 @@ func TestMainBadFlagsExit2(t *testing.T) {
 		{"--grpc-addr", "bad"},
 		{"extra-arg"},
 		{"--tls-cert", "c.pem"},
+		{"--node-id", "cp"}, // neither TLS nor --insecure
 	} {
 		var buf bytes.Buffer
 		if code := Main(args, &buf); code != 2 {

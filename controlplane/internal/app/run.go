@@ -132,6 +132,7 @@ func Run(ctx context.Context, opts *Options, log zerolog.Logger) error {
 		srv, err := embedetcd.Start(sctx, embedetcd.Config{
 			Name: opts.NodeID, Dir: opts.DataDir,
 			ClientAddr: opts.EmbeddedEtcdClientAddr, PeerAddr: opts.EmbeddedEtcdPeerAddr,
+			QuotaBytes: opts.EmbeddedEtcdQuota, CompactionRetention: embeddedCompaction(opts.EmbeddedEtcdCompaction),
 		})
 		cancel()
 		if err != nil {
@@ -140,7 +141,8 @@ func Run(ctx context.Context, opts *Options, log zerolog.Logger) error {
 		defer srv.Close()
 		endpoints = []string{srv.ClientURL()}
 		info.EtcdClientAddr = srv.ClientAddr()
-		log.Info().Str("dir", opts.DataDir).Str("client", srv.ClientURL()).Msg("embedded etcd started")
+		log.Info().Str("dir", opts.DataDir).Str("client", srv.ClientURL()).Int64("quota_bytes", opts.EmbeddedEtcdQuota).
+			Dur("compaction_retention", opts.EmbeddedEtcdCompaction).Msg("embedded etcd started")
 	}
 	ecfg := clientv3.Config{
 		Endpoints:            endpoints,
@@ -157,7 +159,8 @@ func Run(ctx context.Context, opts *Options, log zerolog.Logger) error {
 		return fmt.Errorf("etcd client: %w", err)
 	}
 	defer func() { _ = cli.Close() }()
-	store, err := kvstore.New(cli, kvstore.WithPrefix(opts.EtcdPrefix), kvstore.WithRegisterer(reg))
+	store, err := kvstore.New(cli, kvstore.WithPrefix(opts.EtcdPrefix), kvstore.WithRegisterer(reg),
+		kvstore.WithCallTimeout(opts.EtcdCallTimeout))
 	if err != nil {
 		return err
 	}
@@ -266,6 +269,15 @@ func Run(ctx context.Context, opts *Options, log zerolog.Logger) error {
 // volatileFlush maps --volatile-flush to state.Config.VolatileFlush (0 there is the default;
 // the flag's 0 means "write every change at once").
 func volatileFlush(d time.Duration) time.Duration {
+	if d == 0 {
+		return -1
+	}
+	return d
+}
+
+// embeddedCompaction maps --embedded-etcd-compaction-retention (0: off) to
+// embedetcd.Config.CompactionRetention (0 there is the default, negative is off).
+func embeddedCompaction(d time.Duration) time.Duration {
 	if d == 0 {
 		return -1
 	}

@@ -49,6 +49,7 @@ func startCP(t *testing.T, endpoints []string, node string, mods ...func(*Option
 	o.FlushDelay = 10 * time.Millisecond
 	o.ShutdownGrace = 2 * time.Second
 	o.ReadyFile = filepath.Join(t.TempDir(), "ready.json")
+	o.TLS.Insecure = true // a mod that sets o.TLS replaces it
 	for _, m := range mods {
 		m(o)
 	}
@@ -225,7 +226,7 @@ func TestConnectBadInput(t *testing.T) {
 			t.Fatal(err)
 		}
 		h := decodeHello("big")
-		h.WorkerUrl = strings.Repeat("u", grpcx.MaxRecvMsgSize+1)
+		h.WorkerUrl = strings.Repeat("u", grpcx.ServerMaxRecvMsgSize+1)
 		_ = st.Send(&kvcv1.ConnectRequest{Msg: &kvcv1.ConnectRequest_Hello{Hello: h}})
 		if _, err := st.Recv(); code(err) != codes.ResourceExhausted {
 			t.Fatalf("got %v", err)

@@ -24,7 +24,21 @@ type Config struct {
 	Dir        string
 	ClientAddr string // host:port
 	PeerAddr   string // host:port
+	// QuotaBytes is the backend quota: past it etcd refuses writes (NOSPACE alarm) instead of
+	// filling the disk. 0 means DefaultQuotaBytes.
+	QuotaBytes int64
+	// CompactionRetention keeps this much history: older revisions are compacted every
+	// retention (etcd's periodic auto-compaction). 0 means DefaultCompactionRetention; a
+	// negative value turns auto-compaction off.
+	CompactionRetention time.Duration
 }
+
+// Defaults of the embedded etcd's limits (etcd itself defaults to a 2 GiB quota and no
+// compaction at all: every overwritten value is kept forever).
+const (
+	DefaultQuotaBytes          = 1 << 30
+	DefaultCompactionRetention = 10 * time.Minute
+)
 
 // Start starts the member and waits until it serves (bounded by ctx). When a port is 0 it
 // picks a free one, and picks again if another process takes it first.
@@ -56,6 +70,16 @@ func start(ctx context.Context, c Config) (*Server, error) {
 	cfg.AdvertisePeerUrls = []url.URL{*pu}
 	cfg.InitialCluster = c.Name + "=" + pu.String()
 	cfg.ZapLoggerBuilder = embed.NewZapLoggerBuilder(zap.NewNop())
+	cfg.QuotaBackendBytes = c.QuotaBytes
+	if cfg.QuotaBackendBytes == 0 {
+		cfg.QuotaBackendBytes = DefaultQuotaBytes
+	}
+	switch r := c.CompactionRetention; {
+	case r == 0:
+		cfg.AutoCompactionMode, cfg.AutoCompactionRetention = embed.CompactorModePeriodic, DefaultCompactionRetention.String()
+	case r > 0:
+		cfg.AutoCompactionMode, cfg.AutoCompactionRetention = embed.CompactorModePeriodic, r.String()
+	}
 	e, err := embed.StartEtcd(cfg)
 	if err != nil {
 		return nil, fmt.Errorf("embedded etcd: %w", err)

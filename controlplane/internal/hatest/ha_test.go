@@ -79,7 +79,7 @@ func start(t *testing.T, node string, endpoints []string, prefix string, extra .
 	args := []string{
 		"--node-id", node, "--grpc-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0",
 		"--etcd-endpoints", strings.Join(endpoints, ","), "--etcd-prefix", prefix,
-		"--election-ttl", electionTTL.String(), "--flush-delay", "20ms", "--ready-file", ready,
+		"--election-ttl", electionTTL.String(), "--flush-delay", "20ms", "--ready-file", ready, "--insecure",
 	}
 	p.cmd = exec.Command(binary, append(args, extra...)...)
 	p.cmd.Stderr = logf

@@ -18,7 +18,7 @@ func TestRunServesAndWritesReadyFile(t *testing.T) {
 	dir := t.TempDir()
 	ready := filepath.Join(dir, "ready.json")
 	cfg, err := config.Parse([]string{"--http-addr", "127.0.0.1:0", "--ready-file", ready,
-		"--control-plane", "127.0.0.1:1", "--route-timeout", "100ms", "--worker-refresh", "50ms"}, func(string) string { return "" }, io.Discard)
+		"--control-plane", "127.0.0.1:1", "--route-timeout", "100ms", "--worker-refresh", "50ms", "--insecure"}, func(string) string { return "" }, io.Discard)
 	if err != nil {
 		t.Fatal(err)
 	}

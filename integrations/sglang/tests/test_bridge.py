@@ -71,7 +71,7 @@ class Sidecar:
         self.sock = os.path.join(self.dir, "bridge.sock")
         ready = os.path.join(self.dir, "ready.json")
         self.proc = subprocess.Popen([binary, "--worker-id", wid, "--bridge-socket", self.sock, "--transport", "tcp",
-                                      "--ready-file", ready], stderr=subprocess.DEVNULL)
+                                      "--ready-file", ready, "--insecure"], stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 20
         while not os.path.exists(ready):
             if self.proc.poll() is not None or time.monotonic() > deadline:

@@ -61,7 +61,7 @@ func startSidecar(t *testing.T, cfg config, role, id, cp string, gpu int, extra 
 	sock := filepath.Join(dir, "bridge.sock")
 	ev := filepath.Join(dir, "events.jsonl")
 	args := []string{"--worker-id", id, "--bridge-socket", sock, "--event-log", ev, "--transport", cfg.transport,
-		"--gpu-index", strconv.Itoa(gpu), "--control-plane", cp, "--log-level", "info", "--heartbeat", "200ms"}
+		"--gpu-index", strconv.Itoa(gpu), "--control-plane", cp, "--log-level", "info", "--heartbeat", "200ms", "--insecure"}
 	p := start(t, id, bins["kvc-sidecar-"+role], append(args, extra...)...)
 	conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()),
 		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(64<<20), grpc.MaxCallSendMsgSize(64<<20)))
