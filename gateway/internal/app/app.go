@@ -76,10 +76,14 @@ func Run(ctx context.Context, cfg *config.Config, logOut io.Writer) error {
 		}, cpDial...)
 		router = rc
 	}
+	adm, err := server.NewAdmission(cfg.AdmissionLimits(), reg)
+	if err != nil {
+		return err
+	}
 	srv := server.New(router, pool, server.Options{
 		RequestTimeout: cfg.RequestTimeout, ConnectTimeout: cfg.ConnectTimeout, MaxBodyBytes: cfg.MaxBodyBytes,
 		Parse:          api.Options{RequireSession: cfg.RequireSession, DefaultMaxTok: cfg.DefaultMaxTok},
-		SessionTimeout: cfg.SessionTimeout,
+		SessionTimeout: cfg.SessionTimeout, Admission: adm,
 	}, log, m)
 	defer srv.Close()
 

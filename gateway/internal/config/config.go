@@ -12,6 +12,7 @@ import (
 
 	"github.com/rs/zerolog"
 
+	"github.com/kvcentric/kvcentric/gateway/internal/server"
 	"github.com/kvcentric/kvcentric/pkg/tlsx"
 )
 
@@ -36,6 +37,10 @@ type Config struct {
 	RequireSession bool
 	MaxBodyBytes   int64
 	DefaultMaxTok  int64
+	// Admission limits (server.AdmissionLimits).
+	MaxInflightRequests  int
+	MaxInflightBodyBytes int64
+	AdmissionRetryAfter  time.Duration
 	// TLS is the mTLS identity (role gateway) for the control plane; none: plaintext.
 	TLS tlsx.Files
 	// HTTPTLS serves the HTTP front door over HTTPS; none: plain HTTP.
@@ -74,6 +79,9 @@ func Parse(args []string, getenv func(string) string, usage io.Writer) (*Config,
 	fs.BoolVar(&c.RequireSession, "require-session", true, "reject requests without a session id (400); false serves them as single-shot plain P/D")
 	fs.Int64Var(&c.MaxBodyBytes, "max-body-bytes", 32<<20, "largest accepted request body")
 	fs.Int64Var(&c.DefaultMaxTok, "default-max-tokens", 256, "max output tokens when the client names none")
+	fs.IntVar(&c.MaxInflightRequests, "max-inflight-requests", 4096, "client requests in flight at once; past it requests are answered 429 too_many_requests with Retry-After")
+	fs.Int64Var(&c.MaxInflightBodyBytes, "max-inflight-body-bytes", 64<<20, "request body bytes in flight at once (each request reserves its Content-Length, --max-body-bytes when undeclared, before its body is read); past it requests are answered 503 gateway_saturated with Retry-After; at least --max-body-bytes")
+	fs.DurationVar(&c.AdmissionRetryAfter, "admission-retry-after", time.Second, "Retry-After of admission refusals (whole seconds, at least 1)")
 	c.TLS.Register(fs, tlsx.GRPCNames, "of this gateway (role gateway) for mutual TLS to the control plane")
 	c.HTTPTLS.Register(fs, HTTPTLSNames, "of the HTTPS front door (API, /metrics, probes); with --http-tls-key serves HTTPS instead of HTTP")
 	if err := fs.Parse(args); err != nil {
@@ -121,7 +129,18 @@ func (c *Config) validate() error {
 	if c.DefaultMaxTok < 1 || c.DefaultMaxTok > 1_000_000 {
 		errs = append(errs, fmt.Errorf("--default-max-tokens must be in [1, 1000000], got %d", c.DefaultMaxTok))
 	}
-	if err := c.TLS.Check(tlsx.GRPCNames); err != nil {
+	if c.MaxInflightRequests < 1 || c.MaxInflightRequests > 1_000_000 {
+		errs = append(errs, fmt.Errorf("--max-inflight-requests must be in [1, 1000000], got %d", c.MaxInflightRequests))
+	}
+	if c.MaxInflightBodyBytes < c.MaxBodyBytes {
+		errs = append(errs, fmt.Errorf("--max-inflight-body-bytes (%d) must be at least --max-body-bytes (%d)", c.MaxInflightBodyBytes, c.MaxBodyBytes))
+	}
+	if c.AdmissionRetryAfter < 0 || c.AdmissionRetryAfter > time.Hour {
+		errs = append(errs, fmt.Errorf("--admission-retry-after must be in [0, 1h], got %v", c.AdmissionRetryAfter))
+	}
+	// Plaintext gRPC must be chosen (--insecure) when the gateway dials gRPC at all: the control
+	// plane, or prefill sidecars' peer addresses.
+	if err := c.TLS.Check(tlsx.GRPCNames); err != nil && (c.dialsGRPC() || c.TLS.Enabled() || c.TLS.Insecure) {
 		errs = append(errs, err)
 	}
 	if err := c.HTTPTLS.Check(HTTPTLSNames); err != nil {
@@ -131,6 +150,25 @@ func (c *Config) validate() error {
 		errs = append(errs, errors.New("give --control-plane, or both --prefill-urls and --decode-urls"))
 	}
 	return errors.Join(errs...)
+}
+
+// AdmissionLimits are the admission flags as the server takes them.
+func (c *Config) AdmissionLimits() server.AdmissionLimits {
+	return server.AdmissionLimits{MaxInflight: c.MaxInflightRequests, MaxInflightBodyBytes: c.MaxInflightBodyBytes,
+		MaxBodyBytes: c.MaxBodyBytes, RetryAfter: c.AdmissionRetryAfter}
+}
+
+// dialsGRPC reports whether the gateway dials any gRPC server.
+func (c *Config) dialsGRPC() bool {
+	if len(c.ControlPlanes) > 0 {
+		return true
+	}
+	for _, w := range c.PrefillURLs {
+		if w.PeerAddr != "" {
+			return true
+		}
+	}
+	return false
 }
 
 // ApplyEnv sets every flag of fs not given on the command line from KVC_<UPPER_SNAKE>.

@@ -15,22 +15,22 @@ func TestParse(t *testing.T) {
 		wantErr string
 		check   func(t *testing.T, c *Config)
 	}{
-		{name: "defaults with cp", args: []string{"--control-plane", "a:1, b:2"}, check: func(t *testing.T, c *Config) {
+		{name: "defaults with cp", args: []string{"--control-plane", "a:1, b:2", "--insecure"}, check: func(t *testing.T, c *Config) {
 			if len(c.ControlPlanes) != 2 || c.ControlPlanes[1] != "b:2" || c.RequestTimeout != 180*time.Second || c.RouteTimeout != 2*time.Second {
 				t.Fatalf("got %+v", c)
 			}
 		}},
-		{name: "env fills", args: []string{"--control-plane", "a:1"}, env: map[string]string{"KVC_ROUTE_TIMEOUT": "500ms"}, check: func(t *testing.T, c *Config) {
+		{name: "env fills", args: []string{"--control-plane", "a:1"}, env: map[string]string{"KVC_ROUTE_TIMEOUT": "500ms", "KVC_INSECURE": "true"}, check: func(t *testing.T, c *Config) {
 			if c.RouteTimeout != 500*time.Millisecond {
 				t.Fatalf("route timeout %v", c.RouteTimeout)
 			}
 		}},
-		{name: "flag wins over env", args: []string{"--control-plane", "a:1", "--route-timeout", "1s"}, env: map[string]string{"KVC_ROUTE_TIMEOUT": "500ms"}, check: func(t *testing.T, c *Config) {
+		{name: "flag wins over env", args: []string{"--control-plane", "a:1", "--route-timeout", "1s", "--insecure"}, env: map[string]string{"KVC_ROUTE_TIMEOUT": "500ms"}, check: func(t *testing.T, c *Config) {
 			if c.RouteTimeout != time.Second {
 				t.Fatalf("route timeout %v", c.RouteTimeout)
 			}
 		}},
-		{name: "workers with peer", args: []string{"--prefill-urls", "http://p:1|127.0.0.1:9", "--decode-urls", "http://d:1/,http://d:2"}, check: func(t *testing.T, c *Config) {
+		{name: "workers with peer", args: []string{"--prefill-urls", "http://p:1|127.0.0.1:9", "--decode-urls", "http://d:1/,http://d:2", "--insecure"}, check: func(t *testing.T, c *Config) {
 			if c.PrefillURLs[0].PeerAddr != "127.0.0.1:9" || c.DecodeURLs[0].URL != "http://d:1" || len(c.DecodeURLs) != 2 {
 				t.Fatalf("got %+v %+v", c.PrefillURLs, c.DecodeURLs)
 			}
@@ -48,6 +48,27 @@ func TestParse(t *testing.T) {
 				t.Fatalf("tls %+v", c.TLS)
 			}
 		}},
+		{name: "cp without tls or --insecure", args: []string{"--control-plane", "a"}, wantErr: "or --insecure for plaintext"},
+		{name: "peer addr without tls or --insecure", args: []string{"--prefill-urls", "http://p:1|127.0.0.1:9", "--decode-urls", "http://d:1"}, wantErr: "or --insecure"},
+		{name: "no grpc at all needs no --insecure", args: []string{"--prefill-urls", "http://p:1", "--decode-urls", "http://d:1"}, check: func(t *testing.T, c *Config) {
+			if c.TLS.Insecure || c.TLS.Enabled() {
+				t.Fatalf("tls %+v", c.TLS)
+			}
+		}},
+		{name: "tls and --insecure", args: []string{"--control-plane", "a", "--insecure", "--tls-cert", "c", "--tls-key", "k", "--tls-ca", "a"}, wantErr: "--insecure contradicts"},
+		{name: "admission defaults", args: []string{"--control-plane", "a", "--insecure"}, check: func(t *testing.T, c *Config) {
+			if c.MaxInflightRequests != 4096 || c.MaxInflightBodyBytes != 64<<20 || c.AdmissionRetryAfter != time.Second {
+				t.Fatalf("admission %d %d %v", c.MaxInflightRequests, c.MaxInflightBodyBytes, c.AdmissionRetryAfter)
+			}
+		}},
+		{name: "admission from env", args: []string{"--control-plane", "a", "--insecure"}, env: map[string]string{"KVC_MAX_INFLIGHT_REQUESTS": "8", "KVC_MAX_INFLIGHT_BODY_BYTES": "100000000", "KVC_ADMISSION_RETRY_AFTER": "3s"}, check: func(t *testing.T, c *Config) {
+			if c.MaxInflightRequests != 8 || c.MaxInflightBodyBytes != 100000000 || c.AdmissionRetryAfter != 3*time.Second {
+				t.Fatalf("admission %d %d %v", c.MaxInflightRequests, c.MaxInflightBodyBytes, c.AdmissionRetryAfter)
+			}
+		}},
+		{name: "zero inflight", args: []string{"--control-plane", "a", "--insecure", "--max-inflight-requests", "0"}, wantErr: "--max-inflight-requests"},
+		{name: "body budget below one body", args: []string{"--control-plane", "a", "--insecure", "--max-inflight-body-bytes", "1000"}, wantErr: "--max-inflight-body-bytes (1000) must be at least --max-body-bytes"},
+		{name: "negative retry-after", args: []string{"--control-plane", "a", "--insecure", "--admission-retry-after", "-1s"}, wantErr: "--admission-retry-after"},
 		{name: "unknown flag", args: []string{"--nope"}, wantErr: "flag provided but not defined"},
 		{name: "stray arg", args: []string{"--control-plane", "a", "x"}, wantErr: "unexpected arguments"},
 	}

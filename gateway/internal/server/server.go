@@ -45,6 +45,7 @@ type Options struct {
 	// SessionTimeout is the idle timeout of the streaming sessions the gateway opens on decode
 	// workers (SGLang's open_session timeout); 0: DefaultSessionTimeout.
 	SessionTimeout time.Duration
+	Admission      *Admission // nil: no admission limits (admission.go)
 }
 
 // DefaultSessionTimeout matches the control plane's default session_ttl_ms.
@@ -96,7 +97,7 @@ func (s *Server) Register(mux *http.ServeMux) {
 // middleware wraps every client route before the request is read (admission limits go here,
 // outermost last).
 func (s *Server) middleware(h http.Handler) http.Handler {
-	return h
+	return s.opt.Admission.Wrap(h)
 }
 
 // plan is one decision to carry out: the control plane's, or the gateway's own fail-open one.

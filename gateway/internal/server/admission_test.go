@@ -1,0 +1,174 @@
+package server
+
+import (
+	"bytes"
+	"encoding/json"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+)
+
+// blocker is a handler that reads the whole body, then holds the request until released.
+type blocker struct {
+	entered chan int64 // body length, once read
+	release chan struct{}
+}
+
+func (b *blocker) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	n, _ := io.Copy(io.Discard, r.Body)
+	b.entered <- n
+	<-b.release
+	w.WriteHeader(http.StatusOK)
+}
+
+type admResult struct {
+	status     int
+	code       string
+	retryAfter string
+}
+
+func postBody(t *testing.T, url string, body []byte, chunked bool) admResult {
+	t.Helper()
+	var rd io.Reader = bytes.NewReader(body)
+	if chunked {
+		rd = io.MultiReader(rd) // hides the length: sent chunked, ContentLength -1 on the server
+	}
+	req, err := http.NewRequest(http.MethodPost, url, rd)
+	if err != nil {
+		t.Error(err)
+		return admResult{}
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Error(err)
+		return admResult{}
+	}
+	defer resp.Body.Close()
+	var doc struct {
+		Error struct {
+			Code string `json:"code"`
+		} `json:"error"`
+	}
+	raw, _ := io.ReadAll(resp.Body)
+	_ = json.Unmarshal(raw, &doc)
+	return admResult{status: resp.StatusCode, code: doc.Error.Code, retryAfter: resp.Header.Get("Retry-After")}
+}
+
+// TestAdmission is issue 16 finding 4: requests past the in-flight limits are refused before
+// their bodies are read (429 too_many_requests for the request count, 503 gateway_saturated
+// for the body bytes, 413 body_too_large for a declared length over --max-body-bytes), with
+// Retry-After; undeclared lengths reserve --max-body-bytes; finished requests free their share.
+func TestAdmission(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	const maxBody = 1000
+	a, err := NewAdmission(AdmissionLimits{MaxInflight: 3, MaxInflightBodyBytes: 2500, MaxBodyBytes: maxBody, RetryAfter: 1500 * time.Millisecond}, reg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := &blocker{entered: make(chan int64, 16), release: make(chan struct{})}
+	srv := httptest.NewServer(a.Wrap(b))
+	defer srv.Close()
+
+	var wg sync.WaitGroup
+	held := make(chan admResult, 16)
+	hold := func(n int, chunked bool) { // a request admitted and held inside the handler
+		wg.Add(1)
+		go func() { defer wg.Done(); held <- postBody(t, srv.URL, make([]byte, n), chunked) }()
+		select {
+		case got := <-b.entered:
+			if got != int64(n) {
+				t.Errorf("handler read %d bytes, want %d", got, n)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatal("request not admitted")
+		}
+	}
+	hold(maxBody, false) // 1000 reserved
+	hold(maxBody, false) // 2000
+	for _, tc := range []struct {
+		name    string
+		n       int
+		chunked bool
+		status  int
+		code    string
+		reason  string
+	}{
+		{"declared length over --max-body-bytes", maxBody + 1, false, http.StatusRequestEntityTooLarge, CodeBodyTooLarge, "body_too_large"},
+		{"body would exceed the in-flight bytes", 600, false, http.StatusServiceUnavailable, CodeSaturated, "body_bytes"},
+		{"undeclared length reserves --max-body-bytes", 10, true, http.StatusServiceUnavailable, CodeSaturated, "body_bytes"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			before := testutil.ToFloat64(a.rejected.WithLabelValues(tc.reason))
+			got := postBody(t, srv.URL, make([]byte, tc.n), tc.chunked)
+			if got.status != tc.status || got.code != tc.code {
+				t.Fatalf("got %+v, want %d %s", got, tc.status, tc.code)
+			}
+			if tc.status != http.StatusRequestEntityTooLarge && got.retryAfter != "2" {
+				t.Fatalf("Retry-After %q, want 2 (1.5s rounded up)", got.retryAfter)
+			}
+			if testutil.ToFloat64(a.rejected.WithLabelValues(tc.reason)) != before+1 {
+				t.Fatalf("kvc_gateway_admission_rejected_total{reason=%q} not counted", tc.reason)
+			}
+		})
+	}
+	hold(500, false) // fits: 2500 reserved, 3 requests
+	if v := testutil.ToFloat64(a.gBytes); v != 2500 {
+		t.Fatalf("inflight body bytes %v, want 2500", v)
+	}
+	if got := postBody(t, srv.URL, nil, false); got.status != http.StatusTooManyRequests || got.code != CodeTooManyRequests || got.retryAfter != "2" {
+		t.Fatalf("4th request: %+v, want 429 too_many_requests with Retry-After", got)
+	}
+	close(b.release)
+	wg.Wait()
+	close(held)
+	for r := range held {
+		if r.status != http.StatusOK {
+			t.Fatalf("held request finished %+v", r)
+		}
+	}
+	if testutil.ToFloat64(a.gBytes) != 0 || testutil.ToFloat64(a.gInflight) != 0 {
+		t.Fatalf("after all finished: %v bytes, %v requests in flight", testutil.ToFloat64(a.gBytes), testutil.ToFloat64(a.gInflight))
+	}
+	b.release = make(chan struct{})
+	close(b.release)
+	go func() {
+		for range b.entered { // drain
+		}
+	}()
+	if got := postBody(t, srv.URL, make([]byte, maxBody), true); got.status != http.StatusOK {
+		t.Fatalf("after release: %+v", got)
+	}
+	if n, err := testutil.GatherAndCount(reg); err != nil || n != 5 {
+		t.Fatalf("%d admission series registered (%v), want 5", n, err)
+	}
+}
+
+func TestAdmissionLimitsCheck(t *testing.T) {
+	for _, tc := range []struct {
+		lim  AdmissionLimits
+		want string
+	}{
+		{AdmissionLimits{MaxInflight: 1, MaxInflightBodyBytes: 10, MaxBodyBytes: 10}, ""},
+		{AdmissionLimits{MaxInflight: 0, MaxInflightBodyBytes: 10, MaxBodyBytes: 10}, "--max-inflight-requests"},
+		{AdmissionLimits{MaxInflight: 1, MaxInflightBodyBytes: 9, MaxBodyBytes: 10}, "--max-inflight-body-bytes"},
+		{AdmissionLimits{MaxInflight: 1, MaxInflightBodyBytes: 10, MaxBodyBytes: 0}, "--max-body-bytes"},
+		{AdmissionLimits{MaxInflight: 1, MaxInflightBodyBytes: 10, MaxBodyBytes: 10, RetryAfter: -1}, "--admission-retry-after"},
+	} {
+		err := tc.lim.Check()
+		if (tc.want == "") != (err == nil) || (err != nil && !strings.Contains(err.Error(), tc.want)) {
+			t.Errorf("%+v: %v, want %q", tc.lim, err, tc.want)
+		}
+	}
+	var a *Admission
+	h := http.HandlerFunc(func(http.ResponseWriter, *http.Request) {})
+	if got := a.Wrap(h); got == nil {
+		t.Fatal("nil admission must pass requests through")
+	}
+}
