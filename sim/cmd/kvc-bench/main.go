@@ -43,6 +43,12 @@ type opts struct {
 	simArgs        string
 	requestTimeout time.Duration
 	sendText       bool
+	sendIDs        bool
+	decode         int
+	workerKind     string
+	refPython      string
+	refArgs        string
+	refDevices     string
 	advertised     int64
 	agentic        workload.AgenticConfig
 	multiTurnOnly  bool
@@ -81,6 +87,12 @@ func parse(args []string, stderr io.Writer) (*opts, error) {
 	fs.IntVar(&o.bytesPerToken, "bytes-per-token-per-buffer", 2, "with --local: real KV bytes per token per layer buffer in kvc-sim (scaled down from 1024 for CPU-only runs)")
 	fs.StringVar(&o.simArgs, "sim-args", "", "with --local: extra kvc-sim flags, space separated")
 	fs.DurationVar(&o.requestTimeout, "request-timeout", 200*time.Second, "client-side bound of one request")
+	fs.IntVar(&o.decode, "decode", 3, "with --local: decode workers")
+	fs.StringVar(&o.workerKind, "worker-kind", "sim", "with --local: sim (kvc-sim) or refworker (kvc-refworker: a real model's KV, integrations/refworker; implies --send-ids)")
+	fs.StringVar(&o.refPython, "refworker-python", "python3", "with --worker-kind refworker: the Python that runs -m kvc_refworker")
+	fs.StringVar(&o.refArgs, "refworker-args", "", "with --worker-kind refworker: extra kvc-refworker flags, space separated (e.g. \"--model qwen3-8b-shape --verify-recompute\")")
+	fs.StringVar(&o.refDevices, "refworker-devices", "", "with --worker-kind refworker: comma list of devices (cuda:0,cuda:1,...) cycled over the workers, prefill first; each sidecar gets the matching --gpu-index")
+	fs.BoolVar(&o.sendIDs, "send-ids", false, "send the context as input_ids the client keeps (history + the answers' output_ids + new tokens), as an agent does")
 	fs.BoolVar(&o.sendText, "send-text", false, "send a synthetic prompt of the request's length (for real SGLang workers behind a real gateway)")
 	if err := flagenv.Parse(fs, args, os.Getenv); err != nil {
 		return nil, err
@@ -96,6 +108,12 @@ func parse(args []string, stderr io.Writer) (*opts, error) {
 		if _, err := bench.ArmPolicy(a); err != nil && o.local {
 			errs = append(errs, fmt.Errorf("--arms: %v", err))
 		}
+	}
+	if o.workerKind != "sim" && o.workerKind != "refworker" {
+		errs = append(errs, fmt.Errorf("--worker-kind %q (want sim or refworker)", o.workerKind))
+	}
+	if o.decode < 1 || o.decode > 16 {
+		errs = append(errs, fmt.Errorf("--decode %d out of range [1, 16]", o.decode))
 	}
 	if len(splitList(o.arms)) == 0 {
 		errs = append(errs, errors.New("--arms is empty"))
@@ -186,14 +204,15 @@ func run(args []string, stderr io.Writer) int {
 	simArgs = append(simArgs, strings.Fields(o.simArgs)...)
 	target := o.gatewayURL
 	if o.local {
-		target = "local cluster per arm: 1 prefill + 3 decode kvc-sim workers with their sidecars (tcp transfer engine), 2 control planes (HA pair, embedded etcd), kvc-gateway"
+		target = fmt.Sprintf("local cluster per arm: 1 prefill + %d decode kvc-sim workers with their sidecars (tcp transfer engine), 2 control planes (HA pair, embedded etcd), kvc-gateway", o.decode)
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	cfg := bench.Config{
 		Local: o.local, GatewayURL: o.gatewayURL, Arms: splitList(o.arms), BinDir: o.binDir, OutDir: o.out, Workload: wl,
-		Replay: bench.Options{TimeScale: o.timeScale, RequestTimeout: o.requestTimeout, SendText: o.sendText},
-		Log:    stderr, TTY: bench.IsTerminal(os.Stderr),
+		Replay: bench.Options{TimeScale: o.timeScale, RequestTimeout: o.requestTimeout, SendText: o.sendText,
+			SendIDs: o.sendIDs || o.workerKind == "refworker"},
+		Log: stderr, TTY: bench.IsTerminal(os.Stderr),
 		Meta: report.Meta{
 			Command: "kvc-bench " + strings.Join(args, " "), Target: target, Workload: wl.Name, Stats: wl.Describe(), Notes: wl.Notes,
 			TimeScale: o.timeScale, Started: time.Now(),
@@ -201,6 +220,15 @@ func run(args []string, stderr io.Writer) int {
 	}
 	if o.local {
 		cfg.DecodeCapacityTokens, cfg.SimArgs = o.capacity, simArgs
+		cfg.Decode = o.decode
+		if o.workerKind == "refworker" {
+			cfg.WorkerKind, cfg.RefworkerPython, cfg.RefworkerArgs = o.workerKind, o.refPython, strings.Fields(o.refArgs)
+			cfg.RefworkerDevices = splitList(o.refDevices)
+			simArgs = nil
+			target = fmt.Sprintf("local cluster per arm: 1 prefill + %d decode kvc-refworkers (a real model: `%s`, devices %q) with their sidecars, 2 control planes (HA pair, embedded etcd), kvc-gateway", o.decode, o.refArgs, o.refDevices)
+			cfg.Meta.Target = target
+			cfg.Meta.Notes = append(cfg.Meta.Notes, "the workers are kvc-refworkers: prefill, append-prefill and decode are real forward passes of the model and every KV byte is real attention KV; nothing is modeled (the kvc-sim paragraph on modeled timing below does not apply, and KV is checked by recompute, not by a known-bytes pattern)")
+		}
 		if o.advertised > 0 {
 			cfg.SidecarArgs = []string{"--kv-capacity-tokens", fmt.Sprint(o.advertised)}
 			cfg.Meta.Notes = append(cfg.Meta.Notes, fmt.Sprintf("decode sidecars report %d tokens of capacity to the control plane (the pools hold %d): the control plane admits by that count and each decode worker's LRU evicts idle sessions when it runs short", o.advertised, o.capacity))

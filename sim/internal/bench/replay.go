@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"hash/fnv"
 	"io"
 	"net"
 	"net/http"
@@ -30,6 +31,14 @@ type Options struct {
 	// SendText sends a synthetic prompt of about InputTokens tokens (for real SGLang workers);
 	// otherwise only the token count travels (kvc.input_tokens, which kvc-sim needs).
 	SendText bool
+	// SendIDs sends the context as input_ids, the way an agent holds its conversation: the
+	// session's history (earlier inputs and the output_ids its answers carried) plus new
+	// tokens up to the turn's input length (a shorter turn truncates the history: compaction).
+	// For kvc-refworker, whose exactness check then covers real greedy continuations.
+	SendIDs bool
+	// IDVocab bounds the generated token ids of SendIDs (default 1000: within every
+	// kvc-refworker model's vocabulary).
+	IDVocab int64
 	// Out receives one JSON line per request (may be nil).
 	Out io.Writer
 	// Progress is called after every request with done and total (may be nil).
@@ -84,6 +93,7 @@ func Replay(ctx context.Context, baseURL string, w *workload.Workload, opt Optio
 				return
 			}
 			var prevEnd time.Time
+			var hist []int64 // SendIDs: the conversation as the client holds it
 			for i, t := range s.Turns {
 				at := start.Add(scale(t.At))
 				if i > 0 {
@@ -94,7 +104,14 @@ func Replay(ctx context.Context, baseURL string, w *workload.Workload, opt Optio
 				if !sleepUntil(ctx, at) {
 					return
 				}
-				r := send(ctx, hc, baseURL, s.ID, i, len(s.Turns) > 1, t, opt)
+				var ids []int64
+				if opt.SendIDs {
+					ids = extendIDs(hist, s.ID, t.InputTokens, opt.IDVocab)
+				}
+				r, out := send(ctx, hc, baseURL, s.ID, i, len(s.Turns) > 1, t, ids, opt)
+				if opt.SendIDs {
+					hist = append(ids, out...)
+				}
 				r.StartS = time.Since(start).Seconds() - r.LatencyS
 				prevEnd = time.Now()
 				add(r)
@@ -135,16 +152,46 @@ func synthText(session string, n int64) string {
 	return session + ":" + b.String()
 }
 
+// extendIDs is the next turn's context: hist cut or extended to n tokens, the new ones a
+// deterministic function of (session, position) in [0, vocab).
+func extendIDs(hist []int64, session string, n, vocab int64) []int64 {
+	if vocab <= 0 {
+		vocab = 1000
+	}
+	if int64(len(hist)) >= n {
+		return append([]int64(nil), hist[:n]...)
+	}
+	out := make([]int64, len(hist), n)
+	copy(out, hist)
+	h := fnv.New64a()
+	_, _ = h.Write([]byte(session))
+	seed := h.Sum64()
+	for i := int64(len(hist)); i < n; i++ {
+		z := seed + uint64(i+1)*0x9E3779B97F4A7C15
+		z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
+		z = (z ^ (z >> 27)) * 0x94D049BB133111EB
+		z ^= z >> 31
+		out = append(out, int64(z%uint64(vocab)))
+	}
+	return out
+}
+
 type workerKVC struct {
-	KVLenAfter     int64   `json:"kv_len_after"`
-	ReceivedBytes  int64   `json:"received_bytes"`
-	VerifiedBytes  int64   `json:"verified_bytes"`
-	VerifyFailures int64   `json:"verify_failures"`
-	TransferMS     float64 `json:"transfer_ms"`
+	KVLenAfter          int64   `json:"kv_len_after"`
+	ReceivedBytes       int64   `json:"received_bytes"`
+	VerifiedBytes       int64   `json:"verified_bytes"`
+	VerifyFailures      int64   `json:"verify_failures"`
+	TransferMS          float64 `json:"transfer_ms"`
+	RecomputeChecked    bool    `json:"recompute_checked"`
+	RecomputeMismatches int64   `json:"recompute_mismatches"`
+	MaxAbsLogitDiff     float64 `json:"max_abs_logit_diff"`
+	PrefillMS           float64 `json:"prefill_ms"`
+	ReceiveWaitMS       float64 `json:"receive_wait_ms"`
 }
 
 type streamChunk struct {
-	MetaInfo *struct {
+	OutputIDs []int64 `json:"output_ids"`
+	MetaInfo  *struct {
 		CompletionTokens int64      `json:"completion_tokens"`
 		KVC              *workerKVC `json:"kvc"`
 	} `json:"meta_info"`
@@ -155,8 +202,9 @@ type streamChunk struct {
 	} `json:"error"`
 }
 
-// send runs one request and records it; it never fails the replay.
-func send(ctx context.Context, hc *http.Client, baseURL, session string, turn int, multiturn bool, t workload.Turn, opt Options) (r report.Record) {
+// send runs one request and records it; it never fails the replay. With ids it sends them as
+// input_ids and returns the answer's output_ids.
+func send(ctx context.Context, hc *http.Client, baseURL, session string, turn int, multiturn bool, t workload.Turn, ids []int64, opt Options) (r report.Record, out []int64) {
 	r = report.Record{Arm: opt.Arm, SessionID: session, Turn: turn, InputTokens: t.InputTokens, OutputTokens: t.OutputTokens}
 	body := map[string]any{
 		"stream":          true,
@@ -167,6 +215,9 @@ func send(ctx context.Context, hc *http.Client, baseURL, session string, turn in
 	if opt.SendText {
 		body["text"] = synthText(session, t.InputTokens)
 	}
+	if ids != nil {
+		body["input_ids"] = ids
+	}
 	raw, _ := json.Marshal(body)
 	rctx, cancel := context.WithTimeout(ctx, opt.RequestTimeout)
 	defer cancel()
@@ -175,14 +226,14 @@ func send(ctx context.Context, hc *http.Client, baseURL, session string, turn in
 	req, err := http.NewRequestWithContext(rctx, http.MethodPost, baseURL+"/generate", bytes.NewReader(raw))
 	if err != nil {
 		r.ErrorKind, r.ErrorMsg = "CLIENT_ERROR", err.Error()
-		return r
+		return r, out
 	}
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("X-Session-ID", session)
 	resp, err := hc.Do(req)
 	if err != nil {
 		r.ErrorKind, r.ErrorMsg = clientErrKind(rctx, err), err.Error()
-		return r
+		return r, out
 	}
 	defer resp.Body.Close()
 	r.Status = resp.StatusCode
@@ -206,7 +257,7 @@ func send(ctx context.Context, hc *http.Client, baseURL, session string, turn in
 		if json.Unmarshal(b, &e) == nil {
 			r.ErrorCode, r.ErrorMsg = e.Error.Code, e.Error.Message
 		}
-		return r
+		return r, out
 	}
 	br := bufio.NewReaderSize(resp.Body, 64<<10)
 	for {
@@ -216,7 +267,7 @@ func send(ctx context.Context, hc *http.Client, baseURL, session string, turn in
 			p = bytes.TrimSpace(p)
 			if bytes.Equal(p, []byte("[DONE]")) {
 				r.OK = r.ErrorKind == ""
-				return r
+				return r, out
 			}
 			var c streamChunk
 			if jerr := json.Unmarshal(p, &c); jerr != nil {
@@ -233,10 +284,13 @@ func send(ctx context.Context, hc *http.Client, baseURL, session string, turn in
 			if r.TTFTS == 0 {
 				r.TTFTS = time.Since(t0).Seconds()
 			}
+			out = append(out, c.OutputIDs...)
 			if c.MetaInfo != nil {
 				r.GotTokens = c.MetaInfo.CompletionTokens
 				if k := c.MetaInfo.KVC; k != nil {
 					r.KVLenAfter, r.ReceivedBytes, r.VerifiedBytes, r.VerifyFailures, r.TransferMS = k.KVLenAfter, k.ReceivedBytes, k.VerifiedBytes, k.VerifyFailures, k.TransferMS
+					r.RecomputeChecked, r.RecomputeMismatches, r.MaxAbsLogitDiff = k.RecomputeChecked, k.RecomputeMismatches, k.MaxAbsLogitDiff
+					r.WorkerPrefillMS, r.ReceiveWaitMS = k.PrefillMS, k.ReceiveWaitMS
 				}
 			}
 		}
@@ -244,7 +298,7 @@ func send(ctx context.Context, hc *http.Client, baseURL, session string, turn in
 			if r.ErrorKind == "" {
 				r.ErrorKind, r.ErrorMsg = clientErrKind(rctx, err), "stream ended before [DONE]: "+err.Error()
 			}
-			return r
+			return r, out
 		}
 	}
 }

@@ -45,9 +45,16 @@ type Config struct {
 	Meta       report.Meta
 	Replay     Options // Arm and Out are set per arm
 	// Cluster shape and worker flags for Local.
+	Decode               int // decode workers (default 3)
 	DecodeCapacityTokens int64
 	SimArgs              []string
 	SidecarArgs          []string
+	// WorkerKind "refworker" runs kvc-refworkers (a real model) instead of kvc-sim; see
+	// cluster.Config for the Refworker fields.
+	WorkerKind       string
+	RefworkerPython  string
+	RefworkerArgs    []string
+	RefworkerDevices []string
 	// Policy is merged over each arm's policy (nil: none).
 	Policy *kvcv1.Policy
 	Log    io.Writer // progress lines
@@ -109,11 +116,17 @@ func runArm(ctx context.Context, cfg Config, arm string, out io.Writer, meta *re
 		meta.ArmPolicies[arm] = strings.ReplaceAll(protojson.MarshalOptions{}.Format(pol), "  ", " ")
 		work := filepath.Join(cfg.OutDir, "cluster-"+arm)
 		_ = os.RemoveAll(work)
-		fmt.Fprintf(cfg.Log, "%s: starting a local cluster (1 P + 3 D, 2 control planes, gateway) in %s\n", arm, work)
+		decode := cfg.Decode
+		if decode <= 0 {
+			decode = 3
+		}
+		fmt.Fprintf(cfg.Log, "%s: starting a local cluster (1 P + %d D, 2 control planes, gateway) in %s\n", arm, decode, work)
 		ccfg := cluster.Config{
-			BinDir: cfg.BinDir, WorkDir: work, Prefill: 1, Decode: 3, ControlPlanes: 2,
+			BinDir: cfg.BinDir, WorkDir: work, Prefill: 1, Decode: decode, ControlPlanes: 2,
 			DecodeCapacityTokens: cfg.DecodeCapacityTokens, Policy: pol, SimArgs: cfg.SimArgs, SidecarArgs: cfg.SidecarArgs,
 			Gateway: true, Log: prefixWriter{cfg.Log, arm + ": "},
+			WorkerKind: cfg.WorkerKind, RefworkerPython: cfg.RefworkerPython, RefworkerArgs: cfg.RefworkerArgs,
+			RefworkerDevices: cfg.RefworkerDevices,
 		}
 		// Every process binds port 0 and reports what it bound: no port race to retry.
 		c, err := cluster.Start(ctx, ccfg)

@@ -64,6 +64,11 @@ type Config struct {
 	// integrations/refworker and integrations/sglang, found from BinDir/..).
 	RefworkerPath []string
 	RefworkerArgs []string
+	// RefworkerDevices places refworkers: worker k (prefill workers first, then decode) gets
+	// --device RefworkerDevices[k % len], and its sidecar --gpu-index N for "cuda:N" (so a
+	// --transport cuda sidecar opens the device its worker's pool lives on). Empty: no --device
+	// (the refworker's default, cpu), sidecars --gpu-index = the worker's index in its role.
+	RefworkerDevices []string
 }
 
 // Worker kinds.
@@ -338,6 +343,7 @@ func (c *Cluster) start(ctx context.Context) error {
 	}
 	var pairs []*pair
 	var all []*Process
+	k := 0 // worker number across roles (refworker placement)
 	for _, rc := range []struct {
 		role string
 		n    int
@@ -360,15 +366,29 @@ func (c *Cluster) start(ctx context.Context) error {
 			}
 			var sim *Process
 			var err error
+			gpu := i
 			if cfg.WorkerKind == WorkerKindRefworker {
-				sim, err = c.spawnRefworker("sim-"+id, "sim-"+rc.role, append(simArgs, cfg.RefworkerArgs...))
+				rargs := append([]string(nil), simArgs...)
+				if n := len(cfg.RefworkerDevices); n > 0 {
+					dev := cfg.RefworkerDevices[k%n]
+					rargs = append(rargs, "--device", dev)
+					if d, ok := strings.CutPrefix(dev, "cuda:"); ok {
+						if g, err := strconv.Atoi(d); err == nil {
+							gpu = g
+						}
+					} else if dev == "cuda" {
+						gpu = 0
+					}
+				}
+				sim, err = c.spawnRefworker("sim-"+id, "sim-"+rc.role, append(rargs, cfg.RefworkerArgs...))
 			} else {
 				sim, err = c.spawnProc("kvc-sim", "sim-"+id, "sim-"+rc.role, append(simArgs, cfg.SimArgs...))
 			}
 			if err != nil {
 				return err
 			}
-			pairs = append(pairs, &pair{w: w, gpu: i, sim: sim})
+			pairs = append(pairs, &pair{w: w, gpu: gpu, sim: sim})
+			k++
 		}
 	}
 	sims := make([]*Process, len(pairs))

@@ -34,6 +34,17 @@ type Record struct {
 	VerifyFailures int64   `json:"verify_failures"`
 	TransferMS     float64 `json:"transfer_ms"`
 	KVLenAfter     int64   `json:"kv_len_after"`
+
+	// kvc-refworker only (meta_info.kvc of a worker run with --verify-recompute): the request
+	// was recomputed from scratch in its decode worker and compared (greedy tokens, logits,
+	// KV); each violation of the stated tolerance is one mismatch.
+	RecomputeChecked    bool    `json:"recompute_checked,omitempty"`
+	RecomputeMismatches int64   `json:"recompute_mismatches,omitempty"`
+	MaxAbsLogitDiff     float64 `json:"max_abs_logit_diff,omitempty"`
+	// The decode worker's real (append-)prefill time and its wait from PrepareReceive to the
+	// transfer's end, in ms (refworker: real compute; kvc-sim: modeled).
+	WorkerPrefillMS float64 `json:"worker_prefill_ms,omitempty"`
+	ReceiveWaitMS   float64 `json:"receive_wait_ms,omitempty"`
 }
 
 // Reseed reports whether the request was a reseed (via snapshot or re-prefill).

@@ -28,6 +28,10 @@ type ModeStats struct {
 	TTFTP50, TTFTP99     float64
 	MeanUncached         float64
 	BytesMoved, Verified int64
+	// Requests recomputed and compared by a kvc-refworker, and their mismatches.
+	RecomputeChecked    int
+	RecomputeMismatches int64
+	MaxAbsLogitDiff     float64
 }
 
 // Arm is everything the report says about one arm.
@@ -46,6 +50,9 @@ type Arm struct {
 	PrefillTokens, AppendTokens int64
 	// LatencyP90 is reported in report.md only (summary.json has a fixed field set).
 	LatencyP90 float64
+	// RecomputeChecked and RecomputeMismatches total the modes' (kvc-refworker, report.md only).
+	RecomputeChecked    int
+	RecomputeMismatches int64
 }
 
 // Percentile is the nearest-rank percentile (q in [0,1]) of sorted values; 0 when empty.
@@ -87,6 +94,13 @@ func Compute(name string, recs []Record, div float64) *Arm {
 		ms.Count++
 		ms.BytesMoved += r.ReceivedBytes
 		ms.Verified += r.VerifiedBytes
+		if r.RecomputeChecked {
+			ms.RecomputeChecked++
+			ms.RecomputeMismatches += r.RecomputeMismatches
+			ms.MaxAbsLogitDiff = max(ms.MaxAbsLogitDiff, r.MaxAbsLogitDiff)
+			a.RecomputeChecked++
+			a.RecomputeMismatches += r.RecomputeMismatches
+		}
 		uncached[mode] += r.UncachedTokens
 		if r.Reason != "" {
 			a.Reasons[r.Reason]++

@@ -187,6 +187,23 @@ func Markdown(meta Meta, arms []*Arm) string {
 		}
 	}
 	p("")
+	if checked := recomputeChecked(arms); checked > 0 {
+		p("## Exactness against recompute (kvc-refworker)")
+		p("")
+		p("Each decode worker recomputed every request from scratch and compared it with what it served (greedy tokens, logits, KV; bitwise where the arithmetic is the same, allclose otherwise: integrations/refworker/README.md).")
+		p("")
+		p("| arm | mode | requests checked | mismatches | max abs logit diff |")
+		p("|---|---|---:|---:|---:|")
+		for _, a := range arms {
+			for _, m := range sortedKeys(a.Modes) {
+				if x := a.Modes[m]; x.RecomputeChecked > 0 {
+					p("| %s | %s | %d | %d | %.3g |", a.Name, m, x.RecomputeChecked, x.RecomputeMismatches, x.MaxAbsLogitDiff)
+				}
+			}
+			p("| %s | **all** | %d | **%d** | |", a.Name, a.RecomputeChecked, a.RecomputeMismatches)
+		}
+		p("")
+	}
 	p("## Reasons (every decision carries one)")
 	p("")
 	p("| arm | reason | requests |")
@@ -224,6 +241,14 @@ func Markdown(meta Meta, arms []*Arm) string {
 	p("")
 	p("Per-request records (mode, reason, TTFT, latency, uncached tokens, snapshot used, bytes, error kind) are in `metrics.jsonl`.")
 	return w.String()
+}
+
+func recomputeChecked(arms []*Arm) int {
+	n := 0
+	for _, a := range arms {
+		n += a.RecomputeChecked
+	}
+	return n
 }
 
 func scaleNote(s float64) string {
