@@ -46,6 +46,8 @@ type Attach struct {
 
 	registered chan struct{}
 	regOnce    sync.Once
+	closed     chan struct{}
+	closeOnce  sync.Once
 
 	mu       sync.Mutex
 	cur      *watcher
@@ -80,8 +82,13 @@ func NewAttach(state AttachState, log zerolog.Logger) *Attach {
 	var b [8]byte
 	_, _ = rand.Read(b[:])
 	return &Attach{instance: hex.EncodeToString(b[:]), log: log, state: state, registered: make(chan struct{}),
-		pending: map[uint64]*pendingCmd{}, nextID: 1}
+		closed: make(chan struct{}), pending: map[uint64]*pendingCmd{}, nextID: 1}
 }
+
+// Close ends every watcher stream (UNAVAILABLE, "sidecar shutting down") so that the bridge
+// server's graceful stop does not wait for them; later streams end at once. The cores call it
+// when their Run returns.
+func (a *Attach) Close() { a.closeOnce.Do(func() { close(a.closed) }) }
 
 // Instance is this sidecar process's random id (AttachStatus.sidecar_instance).
 func (a *Attach) Instance() string { return a.instance }
@@ -230,6 +237,8 @@ func (a *Attach) Watch(req *kvcv1.WatchCommandsRequest, stream grpc.ServerStream
 	ctx := stream.Context()
 	for {
 		select {
+		case <-a.closed:
+			return status.Error(codes.Unavailable, "sidecar shutting down")
 		case <-ctx.Done():
 			return status.FromContextError(ctx.Err()).Err()
 		case <-w.done:

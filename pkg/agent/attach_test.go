@@ -169,6 +169,11 @@ func TestAttachProtocol(t *testing.T) {
 	if r := <-rc; status.Code(r.err) != codes.Unavailable {
 		t.Fatalf("send whose watcher was replaced: %v %v", r.ack, r.err)
 	}
+	// Shutting down ends the stream at once (the bridge's graceful stop does not wait for it).
+	att.Close()
+	if _, err := s3.Recv(); status.Code(err) != codes.Unavailable {
+		t.Fatalf("stream after Close: %v", err)
+	}
 	long := strings.Repeat("x", maxWorkerInstance+1)
 	s4, err := c.WatchCommands(ctx, &kvcv1.WatchCommandsRequest{WorkerInstance: long})
 	if err == nil {

@@ -182,6 +182,7 @@ func (s *Sidecar) Close() {
 // Run runs the push workers and the room janitor until ctx is done; in-flight pushes are
 // aborted (and their transfers settled) before it returns.
 func (s *Sidecar) Run(ctx context.Context) error {
+	defer s.att.Close() // the worker's command stream must not hold up the bridge's graceful stop
 	var wg sync.WaitGroup
 	for i := 0; i < s.cfg.PushWorkers; i++ {
 		wg.Add(1)

@@ -212,6 +212,16 @@ func TestSidecarRestartReattach(t *testing.T) {
 	}
 	waitFor(t, "the direct turn's commit on the restarted sidecar", 5*time.Second, func() bool { return sidecarSessions(t, d2)["ra"] > before["ra"] })
 
+	// SIGTERM: the sidecar ends the worker's command stream and exits without waiting out the
+	// bridge's graceful-stop grace (5 s).
+	stopAt := time.Now()
+	d2.Stop()
+	if took := time.Since(stopAt); took > 3*time.Second {
+		t.Fatalf("the sidecar took %v to stop with a watching worker", took)
+	} else {
+		t.Logf("sidecar stopped in %v with the worker watching", took.Round(time.Millisecond))
+	}
+
 	// kill -9 of the worker leaves no pool file behind.
 	sim.Kill()
 	ents, _ := os.ReadDir(shmDir)

@@ -162,6 +162,7 @@ func (s *Sidecar) Close() {
 
 // Run expires rooms and reservations until ctx is done.
 func (s *Sidecar) Run(ctx context.Context) error {
+	defer s.att.Close() // the worker's command stream must not hold up the bridge's graceful stop
 	t := time.NewTicker(time.Second)
 	defer t.Stop()
 	for {
