@@ -221,3 +221,52 @@ func TestOpenSessionReplacesStaleCopy(t *testing.T) {
 		t.Fatalf("open errors %v", got)
 	}
 }
+
+// The gateway reports what the plan says and retries only when it allows: the kinds follow
+// RouteExecution, not the mode (a SEED-mode decision whose plan says SNAPSHOT_FAILED reports
+// that; a plan without retry_allowed is not retried).
+func TestFailureKindsFollowThePlan(t *testing.T) {
+	always := func(b string) func(int, workerReq) string { return func(int, workerReq) string { return b } }
+	for _, tt := range []struct {
+		name     string
+		mutate   func(e *kvcv1.RouteExecution)
+		db       func(int, workerReq) string
+		wantKind kvcv1.RouteErrorKind
+		wantN    int // decisions asked for
+	}{
+		{"refused kind from the plan", func(e *kvcv1.RouteExecution) {
+			e.OnDecodeRefused = kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_WORKER_ERROR
+		}, always("503"), kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_WORKER_ERROR, 1},
+		{"transfer kind from the plan", func(e *kvcv1.RouteExecution) {
+			e.OnTransferFailed = kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_SNAPSHOT_FAILED
+		}, always("502"), kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_SNAPSHOT_FAILED, 1},
+		{"no retry when the plan forbids it", func(e *kvcv1.RouteExecution) { e.RetryAllowed = false },
+			always("503gone"), kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D, 1},
+		{"retry when the plan allows it", func(*kvcv1.RouteExecution) {},
+			func(n int, _ workerReq) string {
+				if n == 0 {
+					return "503gone"
+				}
+				return ""
+			}, kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D, 2},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			n := 0
+			decide := func(q *kvcv1.RouteQuery, p, d *fakeWorker) *kvcv1.RouteResponse {
+				n++
+				r := fakecp.Decision(q, kvcv1.RouteMode_ROUTE_MODE_SEED, kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION, ref(p, "p0", "127.0.0.1:7001"), ref(d, "d0", ""))
+				tt.mutate(r.GetDecision().Execution)
+				return r
+			}
+			e := setup(t, decide, nil, tt.db, 2*time.Second)
+			resp := post(t, e.gw.URL, "/generate", "s1", genBody)
+			_ = sse(t, resp.Body)
+			if o := outcome(t, e.cp); o.GetSuccess() || o.GetErrorKind() != tt.wantKind {
+				t.Fatalf("outcome %v, want %v", o, tt.wantKind)
+			}
+			if n != tt.wantN {
+				t.Fatalf("%d decisions, want %d", n, tt.wantN)
+			}
+		})
+	}
+}
