@@ -3,9 +3,14 @@ package server
 import (
 	"bytes"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -170,5 +175,105 @@ func TestAdmissionLimitsCheck(t *testing.T) {
 	h := http.HandlerFunc(func(http.ResponseWriter, *http.Request) {})
 	if got := a.Wrap(h); got == nil {
 		t.Fatal("nil admission must pass requests through")
+	}
+}
+
+// TestBodyFloodMemory measures issue 16 finding 4 with the real kvc-gateway binary: 8 clients
+// send 31 MiB chat bodies at once, 3 each, first with the body budget effectively off
+// (--max-inflight-body-bytes 1 TiB: the code before admission limits), then with the default
+// 64 MiB budget, then with a 32 MiB one. It logs the process's peak RSS (VmHWM) of each and
+// requires the default run under 600 MiB and under half the unbounded one, and the 32 MiB run
+// below the default one. Opt-in (about 40 s, 2.2 GiB of traffic):
+// KVC_BODY_FLOOD=1 go test -run TestBodyFloodMemory -v ./internal/server/
+func TestBodyFloodMemory(t *testing.T) {
+	if os.Getenv("KVC_BODY_FLOOD") == "" {
+		t.Skip("set KVC_BODY_FLOOD=1 to run the body flood (memory measurement)")
+	}
+	bin := filepath.Join(t.TempDir(), "kvc-gateway")
+	build := exec.Command("go", "build", "-o", bin, "../../cmd/kvc-gateway")
+	build.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("build: %v\n%s", err, out)
+	}
+	const bodyMiB, clients, each = 31, 8, 3
+	content := strings.Repeat("tok ", bodyMiB<<20/4-64)
+	body, _ := json.Marshal(map[string]any{"model": "m", "max_tokens": 1,
+		"messages": []map[string]string{{"role": "user", "content": content}}})
+	run := func(budget string) (idleKiB, peakKiB int64, statuses map[int]int) {
+		dir := t.TempDir()
+		ready := filepath.Join(dir, "ready.json")
+		cmd := exec.Command(bin, "--http-addr", "127.0.0.1:0", "--ready-file", ready,
+			"--prefill-urls", "http://127.0.0.1:9", "--decode-urls", "http://127.0.0.1:9", // nothing listens: 502 after the body is parsed
+			"--max-inflight-body-bytes", budget, "--log-level", "error")
+		cmd.Stderr = io.Discard
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		defer func() { _ = cmd.Process.Kill(); _ = cmd.Wait() }()
+		var info struct {
+			HTTPAddr string `json:"http_addr"`
+		}
+		for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(20 * time.Millisecond) { // polling the ready file
+			if b, err := os.ReadFile(ready); err == nil && json.Unmarshal(b, &info) == nil && info.HTTPAddr != "" {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatal("gateway not ready")
+			}
+		}
+		status := func(key string) int64 {
+			b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", cmd.Process.Pid))
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, line := range strings.Split(string(b), "\n") {
+				if v, ok := strings.CutPrefix(line, key+":"); ok {
+					n, _ := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), 10, 64)
+					return n
+				}
+			}
+			t.Fatalf("no %s in /proc status", key)
+			return 0
+		}
+		idleKiB = status("VmRSS")
+		var mu sync.Mutex
+		statuses = map[int]int{}
+		var wg sync.WaitGroup
+		for c := 0; c < clients; c++ {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for i := 0; i < each; i++ {
+					req, _ := http.NewRequest(http.MethodPost, "http://"+info.HTTPAddr+"/v1/chat/completions", bytes.NewReader(body))
+					req.Header.Set("Content-Type", "application/json")
+					req.Header.Set("X-Session-ID", fmt.Sprintf("flood-%d-%d", c, i))
+					code := -1 // the gateway refused before reading and closed: the write failed
+					if resp, err := http.DefaultClient.Do(req); err == nil {
+						code = resp.StatusCode
+						_, _ = io.Copy(io.Discard, resp.Body)
+						_ = resp.Body.Close()
+					}
+					mu.Lock()
+					statuses[code]++
+					mu.Unlock()
+				}
+			}()
+		}
+		wg.Wait()
+		return idleKiB, status("VmHWM"), statuses
+	}
+	idleA, peakA, stA := run("1099511627776")
+	t.Logf("no body budget: idle RSS %d MiB, peak RSS %d MiB under %d×%d MiB bodies (%d clients); statuses %v", idleA>>10, peakA>>10, clients*each, bodyMiB, clients, stA)
+	idleB, peakB, stB := run("67108864")
+	t.Logf("64 MiB body budget (default): idle RSS %d MiB, peak RSS %d MiB; statuses %v", idleB>>10, peakB>>10, stB)
+	idleC, peakC, stC := run("33554432")
+	t.Logf("32 MiB body budget (= --max-body-bytes): idle RSS %d MiB, peak RSS %d MiB; statuses %v", idleC>>10, peakC>>10, stC)
+	// Each admitted 31 MiB body costs about 200 MiB of RSS in the handler (read buffer, parsed
+	// JSON, rendered prompt, token ids, GC headroom): the budget bounds bodies, not that factor.
+	if peakB >= peakA/2 || peakB > 600<<10 || peakC >= peakB {
+		t.Fatalf("peak RSS %d MiB (64 MiB budget), %d MiB (32 MiB), %d MiB (none): want 64 MiB < 600 MiB and < half of none, 32 MiB < 64 MiB", peakB>>10, peakC>>10, peakA>>10)
+	}
+	if stB[http.StatusServiceUnavailable]+stB[-1] == 0 {
+		t.Fatalf("no request refused with the budget: %v", stB)
 	}
 }
