@@ -140,6 +140,11 @@ func TestControlPlaneFollowsLeaderAndResyncs(t *testing.T) {
 	if err := leader.Wait(ctx, func(v *cptest.View) bool { return v.Resync("d1") != nil }); err != nil {
 		t.Fatal(err)
 	}
+	// The loop counts itself connected after it sent the resync and the first load report:
+	// wait for that instead of racing it (a flake under -race on a loaded machine).
+	if err := cp.WaitConnected(ctx, 0); err != nil {
+		t.Fatal(err)
+	}
 	if ok, addr := cp.Connected(); !ok || addr != leader.Addr {
 		t.Fatalf("connected=%v to %s, want the leader %s", ok, addr, leader.Addr)
 	}

@@ -98,20 +98,27 @@ func (w *Worker) Attach() AttachInfo {
 
 func (w *Worker) runAttach(ctx context.Context) {
 	backoff := attachBackoffMin
+	failures := 0 // in a row, for the log: the first and every 20th
 	for ctx.Err() == nil {
 		attached, err := w.watchOnce(ctx)
 		if ctx.Err() != nil {
 			return
 		}
 		if attached {
-			backoff = attachBackoffMin
+			backoff, failures = attachBackoffMin, 0
 		}
+		failures++
 		wait := backoff/2 + rand.N(backoff/2+1)
-		if status.Code(err) == codes.Unimplemented {
+		switch {
+		case status.Code(err) == codes.Unimplemented:
 			wait = attachUnimplementedWait
-			w.log.Warn().Err(err).Msg("sidecar has no WatchCommands: no re-attach after a sidecar restart")
-		} else {
-			w.log.Info().Err(err).Dur("retry_in", wait).Msg("command watcher broke; reconnecting")
+			if failures == 1 {
+				w.log.Warn().Err(err).Msg("sidecar has no WatchCommands: no re-attach after a sidecar restart")
+			}
+		case failures%20 == 1:
+			w.log.Warn().Err(err).Int("attempt", failures).Dur("retry_in", wait).Msg("command watcher broke; reconnecting")
+		default:
+			w.log.Debug().Err(err).Int("attempt", failures).Dur("retry_in", wait).Msg("command watcher broke; reconnecting")
 		}
 		if sleepCtx(ctx, wait) != nil {
 			return
