@@ -234,7 +234,7 @@ func run(args []string, stderr io.Writer) int {
 			cfg.Meta.Notes = append(cfg.Meta.Notes, fmt.Sprintf("decode sidecars report %d tokens of capacity to the control plane (the pools hold %d): the control plane admits by that count and each decode worker's LRU evicts idle sessions when it runs short", o.advertised, o.capacity))
 		}
 		cfg.Meta.SimTimeScale, cfg.Meta.DecodeCapacityTokens, cfg.Meta.SimArgs = o.simTimeScale, o.capacity, simArgs
-		if o.simTimeScale == o.timeScale {
+		if o.simTimeScale == o.timeScale && o.workerKind != "refworker" { // a refworker's time is real: never rescaled
 			cfg.Meta.TimeDiv = o.timeScale
 		}
 	}
