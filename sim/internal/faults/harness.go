@@ -7,6 +7,7 @@ import (
 	"io"
 	"net/http"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -97,6 +98,13 @@ func Start(t testing.TB, ctx context.Context, cfg Config) (*Harness, error) {
 			return nil, fmt.Errorf("missing %s (make build)", bin(n))
 		}
 	}
+	// Plaintext gRPC on loopback: binaries that require the explicit choice get --insecure.
+	insecureArgs := func(b string) []string {
+		if supportsFlag(bin(b), "insecure") {
+			return []string{"--insecure"}
+		}
+		return nil
+	}
 	prefix := fmt.Sprintf("/kvc-faults-%d/", time.Now().UnixNano())
 	for i := 0; i < 2; i++ {
 		name := fmt.Sprintf("cp-%d", i)
@@ -119,13 +127,13 @@ func Start(t testing.TB, ctx context.Context, cfg Config) (*Harness, error) {
 		}
 		h.cpAddrs = append(h.cpAddrs, ga)
 		h.cpHTTP = append(h.cpHTTP, ha)
-		h.CPs = append(h.CPs, &proc{name: name, role: "controlplane", bin: bin("kvc-controlplane"), dir: cfg.WorkDir, args: []string{
+		h.CPs = append(h.CPs, &proc{name: name, role: "controlplane", bin: bin("kvc-controlplane"), dir: cfg.WorkDir, args: append([]string{
 			"--node-id", name, "--grpc-addr", ga, "--http-addr", ha,
 			"--etcd-endpoints", strings.Join(eps, ","), "--etcd-prefix", prefix,
 			"--election-ttl", ElectionTTL.String(), "--flush-delay", "20ms",
 			"--grpc-keepalive-time", kaTime.String(), "--grpc-keepalive-timeout", kaTimeout.String(),
 			"--log-level", "info",
-		}})
+		}, insecureArgs("kvc-controlplane")...)})
 	}
 	// cp-0 first, so that it leads and the half-open sidecar (which tries cp-0's proxy first)
 	// attaches to the leader through its proxy.
@@ -190,12 +198,12 @@ func Start(t testing.TB, ctx context.Context, cfg Config) (*Harness, error) {
 		if id == HalfOpenWorker {
 			cps = h.sidePx[0].Addr() + "," + h.sidePx[1].Addr()
 		}
-		h.Sidecars[id] = &proc{name: "sidecar-" + id, role: "sidecar-" + role, id: id, bin: bin("kvc-sidecar-" + role), dir: cfg.WorkDir, args: []string{
+		h.Sidecars[id] = &proc{name: "sidecar-" + id, role: "sidecar-" + role, id: id, bin: bin("kvc-sidecar-" + role), dir: cfg.WorkDir, args: append([]string{
 			"--worker-id", id, "--node", "local", "--gpu-index", strconv.Itoa(gpu),
 			"--worker-url", h.simURL[id], "--control-plane", cps, "--bridge-socket", sock,
 			"--http-addr", addrs[1], "--peer-addr", addrs[2], "--transport", "tcp", "--transfer-addr", addrs[3],
 			"--event-log", filepath.Join(cfg.WorkDir, id+".events.jsonl"),
-		}}
+		}, insecureArgs("kvc-sidecar-"+role)...)}
 		if role == "prefill" {
 			prefillURLs = append(prefillURLs, h.simURL[id]+"|"+addrs[2])
 		} else {
@@ -223,11 +231,11 @@ func Start(t testing.TB, ctx context.Context, cfg Config) (*Harness, error) {
 		return nil, err
 	}
 	h.GWURL = "http://" + ga
-	h.Gateway = &proc{name: "gateway", role: "gateway", bin: bin("kvc-gateway"), dir: cfg.WorkDir, args: []string{
+	h.Gateway = &proc{name: "gateway", role: "gateway", bin: bin("kvc-gateway"), dir: cfg.WorkDir, args: append([]string{
 		"--http-addr", ga, "--control-plane", strings.Join(h.cpAddrs, ","),
 		"--prefill-urls", strings.Join(prefillURLs, ","), "--decode-urls", strings.Join(decodeURLs, ","),
 		"--request-timeout", "20s", "--worker-refresh", "1s",
-	}}
+	}, insecureArgs("kvc-gateway")...)}
 	if err := h.Gateway.start(ctx, startLimit); err != nil {
 		return nil, err
 	}
@@ -253,6 +261,12 @@ func (h *Harness) restartEtcd(ms ...*etcdtest.Member) error {
 		}
 	}
 	return nil
+}
+
+// supportsFlag reports whether bin lists --name in its -h output.
+func supportsFlag(bin, name string) bool {
+	out, _ := exec.Command(bin, "-h").CombinedOutput()
+	return strings.Contains(string(out), "-"+name+" ") || strings.Contains(string(out), "-"+name+"\n")
 }
 
 func waitAll(ctx context.Context, limit time.Duration, ps ...*proc) error {
