@@ -5,8 +5,6 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
-	"strconv"
-	"strings"
 	"testing"
 )
 
@@ -62,33 +60,7 @@ func TestParityHeapPath(t *testing.T) {
 // TestParityLlamaCpp checks the Qwen tokenizer against the ids llama.cpp recorded from the
 // original Hugging Face Qwen2 tokenizer (an oracle independent of our reconstruction).
 func TestParityLlamaCpp(t *testing.T) {
-	tok := model(t, "qwen3")
-	inp, err := os.ReadFile(filepath.Join("testdata", "qwen3", "llamacpp-vocab-test.inp"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	out, err := os.ReadFile(filepath.Join("testdata", "qwen3", "llamacpp-vocab-test.out"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	texts := strings.Split(string(inp), "\n__ggml_vocab_test__\n")
-	lines := strings.Split(string(out), "\n")
-	n := 0
-	for i := 0; i < len(texts) && i < len(lines); i++ {
-		var want []uint32
-		for _, f := range strings.Fields(lines[i]) {
-			v, err := strconv.ParseUint(f, 10, 32)
-			if err != nil {
-				t.Fatal(err)
-			}
-			want = append(want, uint32(v))
-		}
-		if got := tok.Encode(texts[i], false); !slices.Equal(got, want) {
-			t.Errorf("%q:\n got %v\nwant %v", texts[i], got, want)
-		}
-		n++
-	}
-	if n < 40 {
+	if n := checkLlamaCpp(t, model(t, "qwen3"), filepath.Join("testdata", "qwen3")); n < 40 {
 		t.Fatalf("only %d llama.cpp cases", n)
 	}
 }

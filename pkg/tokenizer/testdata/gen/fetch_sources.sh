@@ -16,6 +16,11 @@ pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d llcpp
 	llama_cpp_python-0.3.36/vendor/llama.cpp/models/ggml-vocab-qwen2.gguf \
 	llama_cpp_python-0.3.36/vendor/llama.cpp/models/ggml-vocab-qwen2.gguf.inp \
 	llama_cpp_python-0.3.36/vendor/llama.cpp/models/ggml-vocab-qwen2.gguf.out \
+	llama_cpp_python-0.3.36/vendor/llama.cpp/models/ggml-vocab-qwen35.gguf.inp \
+	llama_cpp_python-0.3.36/vendor/llama.cpp/models/ggml-vocab-qwen35.gguf.out \
+	llama_cpp_python-0.3.36/vendor/llama.cpp/models/ggml-vocab-llama-bpe.gguf \
+	llama_cpp_python-0.3.36/vendor/llama.cpp/models/ggml-vocab-llama-bpe.gguf.inp \
+	llama_cpp_python-0.3.36/vendor/llama.cpp/models/ggml-vocab-llama-bpe.gguf.out \
 	llama_cpp_python-0.3.36/vendor/llama.cpp/models/templates/Qwen-Qwen3-0.6B.jinja \
 	llama_cpp_python-0.3.36/vendor/llama.cpp/LICENSE)
 echo "sources in $dst"

