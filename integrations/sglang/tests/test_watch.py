@@ -1,0 +1,123 @@
+"""The WatchCommands client against the real decode sidecar: re-registration after the sidecar
+process is restarted, and capacity releases of streaming sessions (SGLang never evicts them)
+carried out through SGLang's real session code, in priority order, each after its snapshot
+was current."""
+
+import os
+import time
+
+import pytest
+
+import kvctest
+
+
+def _cleanup(tmp):
+    from kvcentric_sglang import runtime
+    if runtime.state.watch is not None:
+        runtime.state.watch.stop()
+    runtime.state.reset()
+    for f in os.listdir("/dev/shm"):
+        if f.startswith("kvcpy-%s-" % os.path.basename(tmp)):
+            os.unlink(os.path.join("/dev/shm", f))
+
+
+def _worker(tmp, sc, name="d"):
+    from kvcentric_sglang import pool as kvpool
+    from kvcentric_sglang import runtime
+    from kvcentric_sglang.bridge import WorkerBridge
+    runtime.state.reset()
+    w = kvctest.Colocated(tmp, name)
+    b = WorkerBridge(sc.sock)
+    reg = kvpool.from_pool(w.kv)
+    reg.register(b)
+    runtime.state.bridge, runtime.state.registration = b, reg
+    return w, b, reg
+
+
+def test_reregisters_and_recommits_after_sidecar_restart(sglang_installed, bins, tmp, monkeypatch):
+    from sglang.srt.session.session_controller import Session
+
+    from kvcentric_sglang import watch
+
+    monkeypatch.setenv("KVC_SGLANG_WATCH", "1")
+    d = kvctest.Sidecar(bins["decode"], "d0", tmp)
+    try:
+        w, b, reg = _worker(tmp, d)
+        s = Session(capacity_of_str_len=1 << 20, session_id="s-w", streaming=True)
+        assert w.streaming.try_cache_finished_req(w.first_turn(s, list(range(1, 41)), [7] * 8))
+        wc = watch.start_for_process(b, reg)
+        assert wc.wait_for(lambda c: len(c.attaches) >= 1, 20), wc.errors
+        first = wc.attaches[0]
+        assert first.pool_registered and first.resident_sessions == 1
+        assert wc.reregistrations == 0
+
+        d.kill()  # the sidecar crashes; systemd starts a new one on the same socket
+        d.start()
+        assert kvctest.sessions_of(d) == {}  # the new process knows nothing yet
+        assert wc.wait_for(lambda c: c.reregistrations >= 1, 30), (wc.attaches, wc.errors, d.tail())
+        new = [a for a in wc.attaches if a.sidecar_instance != first.sidecar_instance]
+        assert new and not new[0].pool_registered
+        got = kvctest.sessions_of(d)
+        assert got["s-w"]["committed_len"] == 48  # re-committed from the worker's own record
+        # the pool is registered again: the next commit of the session is accepted
+        assert not b.commit_session("s-w", 48, w.slot_pages("s-w", 48))
+    finally:
+        _cleanup(tmp)
+        d.stop()
+
+
+def test_capacity_release_in_priority_order_after_snapshot(sglang_installed, bins, tmp, monkeypatch):
+    from sglang.srt.session.session_controller import Session
+
+    from kvcentric_sglang import pool as kvpool
+    from kvcentric_sglang import watch
+    from kvcentric_sglang.bridge import WorkerBridge
+
+    monkeypatch.setenv("KVC_SGLANG_WATCH", "1")
+    cp = kvctest.ScriptedControlPlane(delta_tokens=16)
+    d = kvctest.Sidecar(bins["decode"], "d0", tmp, cp.addr,
+                        extra=["--snapshot-delta-tokens", "16", "--release-high-watermark", "0.7",
+                               "--release-low-watermark", "0.4", "--release-min-idle", "0s"])
+    p = kvctest.Sidecar(bins["prefill"], "p0", tmp, cp.addr, extra=["--store-capacity-bytes", str(16 << 20)])
+    try:
+        wp = kvctest.Colocated(tmp, "p")
+        pb = WorkerBridge(p.sock)
+        kvpool.from_pool(wp.kv).register(pb)
+        w, b, reg = _worker(tmp, d)
+        assert cp.wait(lambda c: "d0" in c.hellos and "p0" in c.hellos), (d.tail(), p.tail())
+        wc = watch.start_for_process(b, reg)
+        assert wc.wait_for(lambda c: len(c.attaches) >= 1, 20)
+        # five sessions, oldest first and largest first: C 128, E 96, A 80, B 64, D 32 tokens
+        # (400 of the pool's ~512: above the 0.7 high watermark; the low watermark is 0.4)
+        sizes = [("s-C", 120), ("s-E", 88), ("s-A", 72), ("s-B", 56), ("s-D", 24)]
+        committed = {}
+        for sid, prompt in sizes:
+            cp.set_snapshot_target("d0", sid, "p0")
+            s = Session(capacity_of_str_len=1 << 20, session_id=sid, streaming=True)
+            assert w.streaming.try_cache_finished_req(w.first_turn(s, list(range(1, prompt + 1)), [7] * 8))
+            committed[sid] = prompt + 8
+        # the scheduler loop: carry out queued commands until the sidecar stops releasing
+        deadline = time.monotonic() + 40
+        while time.monotonic() < deadline and len([s for s in committed if s not in w.streaming.slots]) < 2:
+            wc.wait_for(lambda c: not c.pending.empty(), 1)
+            wc.run_pending(w.streaming)
+        released = [s for s, _ in sizes if s not in w.streaming.slots]
+        assert released == ["s-C", "s-E"], (released, cp.events, d.tail())
+        # further passes of the sidecar (1 s interval) send nothing more: below the low watermark
+        assert not wc.wait_for(lambda c: not c.pending.empty(), 2.5)
+        assert [s for s, _ in sizes if s not in w.streaming.slots] == ["s-C", "s-E"]
+        # the order of the releases, and each came after its full snapshot was in P's store
+        ev = cp.events
+        order = [e["session"] for e in ev if e["kind"] == "evicted"]
+        assert order == ["s-C", "s-E"], ev
+        for sid in order:
+            i_rel = next(i for i, e in enumerate(ev) if e["kind"] == "evicted" and e["session"] == sid)
+            assert any(e["kind"] == "snapshot_ingested" and e["session"] == sid and e["kv_len"] == committed[sid]
+                       for e in ev[:i_rel]), (sid, ev)
+            assert pb.snapshot_status(sid).seqlen == committed[sid]
+        assert set(kvctest.sessions_of(d)) == {"s-A", "s-B", "s-D"}
+    finally:
+        _cleanup(tmp)
+        for s in (d, p):
+            s.stop()
+        cp.close()
