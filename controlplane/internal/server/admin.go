@@ -168,12 +168,30 @@ func (a *Admin) UpdatePolicy(ctx context.Context, req *kvcv1.UpdatePolicyRequest
 	}
 }
 
-// DrainWorker sets or clears a worker's draining flag (leader only).
-func (a *Admin) DrainWorker(_ context.Context, req *kvcv1.DrainWorkerRequest) (*kvcv1.DrainWorkerResponse, error) {
+// DrainWorker sets or clears a worker's draining flag (leader only). It answers once the
+// change is in etcd: a drain only in this leader's memory would be lost by a failover, so when
+// etcd does not take it within the store's call timeout the answer is UNAVAILABLE (retrying is
+// harmless: the call is idempotent).
+func (a *Admin) DrainWorker(ctx context.Context, req *kvcv1.DrainWorkerRequest) (*kvcv1.DrainWorkerResponse, error) {
 	if !a.Lead.IsLeader() {
 		return nil, a.Lead.NotLeaderError()
 	}
 	w, err := a.State.Drain(req.GetWorkerId(), !req.GetUndrain())
+	if err == nil && a.Store != nil {
+		fctx, cancel := context.WithTimeout(ctx, a.Store.CallTimeout())
+		ferr := a.State.Flush(fctx)
+		cancel()
+		switch {
+		case ferr == nil:
+		case ctx.Err() != nil:
+			return nil, status.FromContextError(ctx.Err()).Err()
+		case errors.Is(ferr, kvstore.ErrFenced), errors.Is(ferr, state.ErrNotLeader):
+			return nil, a.Lead.NotLeaderError()
+		default:
+			return nil, status.Errorf(codes.Unavailable, "drain of %q applied on this leader but not persisted: etcd did not take it within %s (%v); retry (the call is idempotent)",
+				req.GetWorkerId(), a.Store.CallTimeout(), ferr)
+		}
+	}
 	switch {
 	case err == nil:
 		return &kvcv1.DrainWorkerResponse{Worker: w}, nil
