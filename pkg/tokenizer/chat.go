@@ -1,8 +1,11 @@
 package tokenizer
 
 import (
+	"bytes"
+	"encoding/json"
+	"errors"
 	"fmt"
-	"maps"
+	"io"
 
 	"github.com/ardanlabs/jinja"
 )
@@ -33,11 +36,14 @@ type ToolCall struct {
 type ChatOptions struct {
 	// AddGenerationPrompt ends the rendering with the assistant turn's opening.
 	AddGenerationPrompt bool
-	// Vars are extra template variables (enable_thinking, tools, ...). Values are plain Go
-	// values (string, bool, float64, []any, map[string]any). Note: map keys have no order in
-	// Go, so a template that runs `tojson` over a map renders keys in the library's order,
-	// which may differ from the client's JSON order.
+	// Vars are extra template variables (enable_thinking, ...). Values are plain Go values
+	// (string, bool, float64, []any, map[string]any). Go maps have no key order: a map that a
+	// template prints with `tojson` comes out with sorted keys. Pass JSON objects the client
+	// sent (tools, tool-call arguments) through ToolsJSON / ApplyChatTemplateJSON instead.
 	Vars map[string]any
+	// ToolsJSON, when set, is the request's "tools" array as JSON; key order is kept, so
+	// `tojson` prints it exactly as transformers does from the parsed JSON.
+	ToolsJSON json.RawMessage
 }
 
 // chatTemplate is a compiled chat template.
@@ -104,18 +110,119 @@ func messageMap(m Message) map[string]any {
 	return out
 }
 
+// ApplyChatTemplateJSON renders the "messages" array of a request as the client sent it
+// (JSON), keeping every object's key order, so templates that print objects with `tojson`
+// (tool-call arguments given as objects, tool definitions in ToolsJSON) render exactly as
+// transformers renders the parsed request. Integers stay integers, other numbers floats.
+func (t *Tokenizer) ApplyChatTemplateJSON(messages json.RawMessage, opts ChatOptions) (string, error) {
+	v, err := decodeJSONValue(messages)
+	if err != nil {
+		return "", fmt.Errorf("%w: messages: %w", ErrTemplate, err)
+	}
+	if !v.IsList() {
+		return "", fmt.Errorf("%w: messages is not a JSON array", ErrTemplate)
+	}
+	return t.renderValue(v, opts)
+}
+
 func (t *Tokenizer) render(msgs []any, opts ChatOptions) (string, error) {
+	return t.renderValue(jinja.FromGoValue(msgs), opts)
+}
+
+func (t *Tokenizer) renderValue(msgs jinja.Value, opts ChatOptions) (string, error) {
 	if t.chat == nil {
 		return "", ErrNoChatTemplate
 	}
-	data := map[string]any{"tools": nil, "documents": nil}
-	maps.Copy(data, t.specialVars)
-	maps.Copy(data, opts.Vars)
+	data := map[string]jinja.Value{"tools": jinja.None(), "documents": jinja.None()}
+	for k, v := range t.specialVars {
+		data[k] = jinja.FromGoValue(v)
+	}
+	for k, v := range opts.Vars {
+		data[k] = jinja.FromGoValue(v)
+	}
+	if len(opts.ToolsJSON) > 0 {
+		tools, err := decodeJSONValue(opts.ToolsJSON)
+		if err != nil {
+			return "", fmt.Errorf("%w: tools: %w", ErrTemplate, err)
+		}
+		data["tools"] = tools
+	}
 	data["messages"] = msgs
-	data["add_generation_prompt"] = opts.AddGenerationPrompt
-	out, err := t.chat.tmpl.Render(data)
+	data["add_generation_prompt"] = jinja.NewBool(opts.AddGenerationPrompt)
+	out, err := t.chat.tmpl.RenderValues(data)
 	if err != nil {
 		return "", fmt.Errorf("%w: %w", ErrTemplate, err)
 	}
 	return out, nil
+}
+
+// decodeJSONValue parses one JSON value into template values, keeping object key order.
+func decodeJSONValue(raw []byte) (jinja.Value, error) {
+	dec := json.NewDecoder(bytes.NewReader(raw))
+	dec.UseNumber()
+	v, err := decodeValue(dec, 0)
+	if err != nil {
+		return jinja.Undefined(), err
+	}
+	if _, err := dec.Token(); !errors.Is(err, io.EOF) {
+		return jinja.Undefined(), errors.New("trailing data after the JSON value")
+	}
+	return v, nil
+}
+
+// maxJSONDepth bounds nesting (a request body is client input).
+const maxJSONDepth = 128
+
+func decodeValue(dec *json.Decoder, depth int) (jinja.Value, error) {
+	if depth > maxJSONDepth {
+		return jinja.Undefined(), errors.New("JSON nested too deeply")
+	}
+	tok, err := dec.Token()
+	if err != nil {
+		return jinja.Undefined(), err
+	}
+	switch x := tok.(type) {
+	case json.Delim:
+		switch x {
+		case '[':
+			var items []jinja.Value
+			for dec.More() {
+				v, err := decodeValue(dec, depth+1)
+				if err != nil {
+					return jinja.Undefined(), err
+				}
+				items = append(items, v)
+			}
+			if _, err := dec.Token(); err != nil { // ']'
+				return jinja.Undefined(), err
+			}
+			return jinja.NewList(items), nil
+		case '{':
+			d := jinja.NewDict()
+			for dec.More() {
+				kt, err := dec.Token()
+				if err != nil {
+					return jinja.Undefined(), err
+				}
+				key, ok := kt.(string)
+				if !ok {
+					return jinja.Undefined(), errors.New("object key is not a string")
+				}
+				v, err := decodeValue(dec, depth+1)
+				if err != nil {
+					return jinja.Undefined(), err
+				}
+				d.AsDict().Set(key, v)
+			}
+			if _, err := dec.Token(); err != nil { // '}'
+				return jinja.Undefined(), err
+			}
+			return d, nil
+		}
+		return jinja.Undefined(), fmt.Errorf("unexpected %v", x)
+	case nil:
+		return jinja.None(), nil
+	default: // string, bool, json.Number
+		return jinja.FromGoValue(x), nil
+	}
 }

@@ -1,6 +1,7 @@
 package tokenizer
 
 import (
+	"errors"
 	"slices"
 	"testing"
 	"unicode/utf8"
@@ -68,4 +69,17 @@ func asLoadError(err error, target **LoadError) bool {
 		*target = le
 	}
 	return ok
+}
+
+// FuzzChatTemplateJSON: arbitrary request JSON renders or fails with ErrTemplate.
+func FuzzChatTemplateJSON(f *testing.F) {
+	f.Add([]byte(`[{"role":"user","content":"hi"}]`), []byte(`[{"type":"function","function":{"name":"f","parameters":{}}}]`))
+	f.Add([]byte(`[{"role":"assistant","content":"","tool_calls":[{"function":{"name":"f","arguments":{"a":1.5}}}]}]`), []byte(nil))
+	tok := model(f, "qwen3")
+	f.Fuzz(func(t *testing.T, msgs, tools []byte) {
+		_, err := tok.ApplyChatTemplateJSON(msgs, ChatOptions{AddGenerationPrompt: true, ToolsJSON: tools})
+		if err != nil && !errors.Is(err, ErrTemplate) {
+			t.Fatalf("unclassified error: %v", err)
+		}
+	})
 }

@@ -5,6 +5,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"testing"
 )
 
@@ -77,8 +78,15 @@ func TestParityChatTemplate(t *testing.T) {
 	if err := json.Unmarshal(raw, &chats); err != nil {
 		t.Fatal(err)
 	}
+	var rawChats []struct {
+		Messages json.RawMessage `json:"messages"`
+		Tools    json.RawMessage `json:"tools"`
+	}
+	if err := json.Unmarshal(raw, &rawChats); err != nil {
+		t.Fatal(err)
+	}
 	want := readJSONL[chatLine](t, filepath.Join("testdata", "qwen3", "chat_expected.jsonl"))
-	if len(want) != len(chats) || len(chats) < 20 {
+	if len(want) != len(chats) || len(chats) < 24 {
 		t.Fatalf("%d chats, %d expected", len(chats), len(want))
 	}
 	for i, c := range chats {
@@ -86,13 +94,23 @@ func TestParityChatTemplate(t *testing.T) {
 		if c.EnableThinking != nil {
 			opts.Vars = map[string]any{"enable_thinking": *c.EnableThinking}
 		}
-		got, err := tok.ApplyChatTemplateMaps(c.Messages, opts)
+		// The JSON path (key order kept) must match for every chat; the map path only for
+		// chats that print no JSON object (Go maps are unordered).
+		jopts := opts
+		jopts.ToolsJSON = rawChats[i].Tools
+		got, err := tok.ApplyChatTemplateJSON(rawChats[i].Messages, jopts)
 		if err != nil {
 			t.Fatalf("chat %d: %v", i, err)
 		}
 		if got != want[i].Rendered {
-			t.Errorf("chat %d rendered:\n got %q\nwant %q", i, got, want[i].Rendered)
+			t.Errorf("chat %d rendered (JSON):\n got %q\nwant %q", i, got, want[i].Rendered)
 			continue
+		}
+		if len(rawChats[i].Tools) == 0 && !strings.Contains(string(rawChats[i].Messages), `"arguments": {`) {
+			viaMaps, err := tok.ApplyChatTemplateMaps(c.Messages, opts)
+			if err != nil || viaMaps != got {
+				t.Errorf("chat %d rendered (maps): %v\n got %q\nwant %q", i, err, viaMaps, got)
+			}
 		}
 		if ids := tok.Encode(got, false); !slices.Equal(ids, want[i].IDs) {
 			t.Errorf("chat %d ids:\n got %v\nwant %v", i, ids, want[i].IDs)

@@ -250,3 +250,27 @@ func TestCacheBound(t *testing.T) {
 		t.Fatalf("cache holds %d pieces, bound %d", n, cacheMax)
 	}
 }
+
+// TestChatTemplateJSONErrors: bad client JSON is an ErrTemplate, never a panic.
+func TestChatTemplateJSONErrors(t *testing.T) {
+	tok := model(t, "qwen3")
+	deep := strings.Repeat("[", 200) + strings.Repeat("]", 200)
+	for name, raw := range map[string]string{
+		"not json":     `{"role": `,
+		"object":       `{"role": "user", "content": "x"}`,
+		"trailing":     `[{"role": "user", "content": "x"}] []`,
+		"deep nesting": deep,
+		"empty":        ``,
+	} {
+		if _, err := tok.ApplyChatTemplateJSON([]byte(raw), ChatOptions{}); !errors.Is(err, ErrTemplate) {
+			t.Errorf("%s: %v", name, err)
+		}
+	}
+	if _, err := tok.ApplyChatTemplateJSON([]byte(`[{"role":"user","content":"x"}]`), ChatOptions{ToolsJSON: []byte(`[{`)}); !errors.Is(err, ErrTemplate) {
+		t.Errorf("bad tools: %v", err)
+	}
+	got, err := tok.ApplyChatTemplateJSON([]byte(`[{"role":"user","content":"hi"}]`), ChatOptions{AddGenerationPrompt: true})
+	if err != nil || got != "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n" {
+		t.Fatalf("got %q, %v", got, err)
+	}
+}

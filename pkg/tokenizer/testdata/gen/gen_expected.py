@@ -117,6 +117,21 @@ CHATS = [
     {"messages": [{"role": "user", "content": "a\n\n\n  b\t\tc   "}, {"role": "assistant", "content": "  spaced  "},
                   {"role": "user", "content": "x"}], "add_generation_prompt": True, "enable_thinking": True},
     {"messages": [{"role": "system", "content": "S"}, {"role": "system", "content": "second system"}, {"role": "user", "content": "u"}], "add_generation_prompt": True},
+    {"messages": [{"role": "system", "content": "You are a coding agent."}, {"role": "user", "content": "What's the weather in Paris?"}],
+     "tools": [{"type": "function", "function": {"name": "get_weather", "description": "Current weather for a city; unit is \"c\" or \"f\".",
+                                                 "parameters": {"type": "object", "required": ["city"],
+                                                                "properties": {"city": {"type": "string", "description": "City, e.g. M\u00fcnchen or \u6771\u4eac"},
+                                                                               "unit": {"type": "string", "enum": ["c", "f"], "default": "c"},
+                                                                               "days": {"type": "integer", "minimum": 1, "maximum": 16},
+                                                                               "precision": {"type": "number", "multipleOf": 0.5}}}}},
+               {"type": "function", "function": {"name": "read_file", "description": "Read a file <path> & return its text\n(tabs\tkept)",
+                                                 "parameters": {"type": "object", "properties": {"path": {"type": "string"}, "max_bytes": {"type": "integer", "default": 65536}}, "required": ["path"]}}}],
+     "add_generation_prompt": True},
+    {"messages": [{"role": "user", "content": "Read a.txt"},
+                  {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "read_file", "arguments": {"path": "a.txt", "max_bytes": 100, "opts": {"z": 1, "a": [True, None, 1.5]}}}}]},
+                  {"role": "tool", "content": "hello"}],
+     "tools": [{"type": "function", "function": {"name": "read_file", "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}],
+     "add_generation_prompt": True},
 ]
 
 
@@ -153,8 +168,8 @@ def render(template, chat, special):
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
-    kw = {k: v for k, v in chat.items() if k != "messages"}
-    return env.from_string(template).render(messages=chat["messages"], tools=None, documents=None, **special, **kw)
+    kw = {k: v for k, v in chat.items() if k not in ("messages", "tools")}
+    return env.from_string(template).render(messages=chat["messages"], tools=chat.get("tools"), documents=None, **special, **kw)
 
 
 def load(d):
