@@ -44,6 +44,7 @@ type opts struct {
 	requestTimeout time.Duration
 	sendText       bool
 	sendIDs        bool
+	sidecarArgs    string
 	decode         int
 	workerKind     string
 	refPython      string
@@ -92,6 +93,7 @@ func parse(args []string, stderr io.Writer) (*opts, error) {
 	fs.StringVar(&o.refPython, "refworker-python", "python3", "with --worker-kind refworker: the Python that runs -m kvc_refworker")
 	fs.StringVar(&o.refArgs, "refworker-args", "", "with --worker-kind refworker: extra kvc-refworker flags, space separated (e.g. \"--model qwen3-8b-shape --verify-recompute\")")
 	fs.StringVar(&o.refDevices, "refworker-devices", "", "with --worker-kind refworker: comma list of devices (cuda:0,cuda:1,...) cycled over the workers, prefill first; each sidecar gets the matching --gpu-index")
+	fs.StringVar(&o.sidecarArgs, "sidecar-args", "", "with --local: extra flags of every sidecar, space separated (e.g. \"--transport cuda\" on a GPU machine)")
 	fs.BoolVar(&o.sendIDs, "send-ids", false, "send the context as input_ids the client keeps (history + the answers' output_ids + new tokens), as an agent does")
 	fs.BoolVar(&o.sendText, "send-text", false, "send a synthetic prompt of the request's length (for real SGLang workers behind a real gateway)")
 	if err := flagenv.Parse(fs, args, os.Getenv); err != nil {
@@ -229,8 +231,9 @@ func run(args []string, stderr io.Writer) int {
 			cfg.Meta.Target = target
 			cfg.Meta.Notes = append(cfg.Meta.Notes, "the workers are kvc-refworkers: prefill, append-prefill and decode are real forward passes of the model and every KV byte is real attention KV; nothing is modeled (the kvc-sim paragraph on modeled timing below does not apply, and KV is checked by recompute, not by a known-bytes pattern)")
 		}
+		cfg.SidecarArgs = strings.Fields(o.sidecarArgs)
 		if o.advertised > 0 {
-			cfg.SidecarArgs = []string{"--kv-capacity-tokens", fmt.Sprint(o.advertised)}
+			cfg.SidecarArgs = append(cfg.SidecarArgs, "--kv-capacity-tokens", fmt.Sprint(o.advertised))
 			cfg.Meta.Notes = append(cfg.Meta.Notes, fmt.Sprintf("decode sidecars report %d tokens of capacity to the control plane (the pools hold %d): the control plane admits by that count and each decode worker's LRU evicts idle sessions when it runs short", o.advertised, o.capacity))
 		}
 		cfg.Meta.SimTimeScale, cfg.Meta.DecodeCapacityTokens, cfg.Meta.SimArgs = o.simTimeScale, o.capacity, simArgs

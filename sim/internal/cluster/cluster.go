@@ -160,7 +160,7 @@ func (cfg *Config) defaults() error {
 			cfg.RefworkerPython = "python3"
 		}
 		if len(cfg.RefworkerPath) == 0 {
-			root := filepath.Dir(cfg.BinDir)
+			root := repoRoot(cfg.BinDir)
 			cfg.RefworkerPath = []string{filepath.Join(root, "integrations", "refworker"), filepath.Join(root, "integrations", "sglang")}
 		}
 		for i, d := range cfg.RefworkerPath {
@@ -232,6 +232,21 @@ func (c *Cluster) spawnProc(bin, name, role string, args []string) (*Process, er
 	}
 	c.Processes = append(c.Processes, p)
 	return p, nil
+}
+
+// repoRoot is the first of binDir's parents (bin/, bin/real/ ...), then the working directory,
+// that holds integrations/refworker; binDir's parent when none does.
+func repoRoot(binDir string) string {
+	cands := []string{filepath.Dir(binDir), filepath.Dir(filepath.Dir(binDir))}
+	if wd, err := os.Getwd(); err == nil {
+		cands = append(cands, wd)
+	}
+	for _, d := range cands {
+		if st, err := os.Stat(filepath.Join(d, "integrations", "refworker", "kvc_refworker")); err == nil && st.IsDir() {
+			return d
+		}
+	}
+	return cands[0]
 }
 
 // spawnRefworker starts "python -m kvc_refworker args" with the refworker packages on

@@ -164,3 +164,36 @@ func TestConfigDefaultsAbsolutePaths(t *testing.T) {
 		})
 	}
 }
+
+func TestRepoRoot(t *testing.T) {
+	root := t.TempDir()
+	if err := os.MkdirAll(filepath.Join(root, "integrations", "refworker", "kvc_refworker"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct{ bin, want string }{
+		{filepath.Join(root, "bin"), root},
+		{filepath.Join(root, "bin", "real"), root},
+		{filepath.Join(t.TempDir(), "elsewhere", "bin"), ""}, // not found: bin's parent (or the cwd's repo)
+	} {
+		got := repoRoot(tc.bin)
+		if tc.want != "" && got != tc.want {
+			t.Errorf("repoRoot(%s) = %s, want %s", tc.bin, got, tc.want)
+		}
+	}
+}
+
+func TestWorkerKind(t *testing.T) {
+	for _, tc := range []struct {
+		kind    string
+		wantErr bool
+	}{{"", false}, {"sim", false}, {"refworker", false}, {"vllm", true}} {
+		cfg := Config{BinDir: t.TempDir(), WorkDir: t.TempDir(), WorkerKind: tc.kind}
+		err := cfg.defaults()
+		if (err != nil) != tc.wantErr {
+			t.Errorf("kind %q: err %v", tc.kind, err)
+		}
+		if err == nil && tc.kind == "refworker" && (cfg.RefworkerPython != "python3" || len(cfg.RefworkerPath) != 2) {
+			t.Errorf("refworker defaults: %+v", cfg)
+		}
+	}
+}
