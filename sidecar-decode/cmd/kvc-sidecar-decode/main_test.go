@@ -38,7 +38,8 @@ func TestBadFlags(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			var stderr bytes.Buffer
-			code := run(tt.args, func(k string) string { return tt.env[k] }, &stderr)
+			env := plaintextEnv(tt.args, tt.env)
+			code := run(tt.args, func(k string) string { return env[k] }, &stderr)
 			if code != 2 || !strings.Contains(stderr.String(), tt.want) {
 				t.Fatalf("exit %d, stderr %q; want 2 and %q", code, stderr.String(), tt.want)
 			}
@@ -50,7 +51,7 @@ func TestFlagWinsOverEnv(t *testing.T) {
 	var stderr bytes.Buffer
 	// the env would be valid; the flag is not and wins
 	code := run([]string{"--worker-id", "w", "--bridge-socket", "/tmp/x.sock", "--transfer-conns", "0"},
-		func(k string) string { return map[string]string{"KVC_TRANSFER_CONNS": "4"}[k] }, &stderr)
+		func(k string) string { return map[string]string{"KVC_TRANSFER_CONNS": "4", "KVC_INSECURE": "true"}[k] }, &stderr)
 	if code != 2 {
 		t.Fatalf("exit %d: %s", code, stderr.String())
 	}
@@ -76,4 +77,23 @@ func TestCertificateWithoutTheWorkerID(t *testing.T) {
 	if code == 0 || !strings.Contains(stderr.String(), `"d1"`) || !strings.Contains(stderr.String(), "worker:d1") {
 		t.Fatalf("exit %d, stderr %q", code, stderr.String())
 	}
+}
+
+// plaintextEnv adds KVC_INSECURE=true (the explicit choice of plaintext, where the binary has
+// that flag; an unknown variable is ignored) to a case that names no TLS file, so that the
+// case meets the error it is about.
+func plaintextEnv(args []string, env map[string]string) map[string]string {
+	out := map[string]string{}
+	tls := false
+	for k, v := range env {
+		out[k] = v
+		tls = tls || strings.HasPrefix(k, "KVC_TLS_")
+	}
+	for _, a := range args {
+		tls = tls || strings.HasPrefix(a, "--tls-")
+	}
+	if !tls {
+		out["KVC_INSECURE"] = "true"
+	}
+	return out
 }
