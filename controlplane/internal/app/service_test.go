@@ -348,6 +348,10 @@ func TestAdminBadInputAndCommands(t *testing.T) {
 			_, err := c.admin.UpdatePolicy(ctx, &kvcv1.UpdatePolicyRequest{Policy: &kvcv1.Policy{DirectMaxUncachedTokens: proto.Int64(-1)}})
 			return err
 		}, codes.InvalidArgument},
+		{"update policy override of an unknown worker", func() error {
+			_, err := c.admin.UpdatePolicy(ctx, &kvcv1.UpdatePolicyRequest{Policy: &kvcv1.Policy{MaxConcurrentTransfersPerWorker: map[string]int32{"ghost": 2}}})
+			return err
+		}, codes.InvalidArgument},
 		{"get session missing", func() error {
 			_, err := c.admin.GetSession(ctx, &kvcv1.GetSessionRequest{SessionId: "nope"})
 			return err
