@@ -114,6 +114,14 @@ const (
 	// The client ended the session (RouteQuery.end_session): no worker is called; the execution
 	// plan closes the session where it is resident.
 	RouteReason_ROUTE_REASON_SESSION_END RouteReason = 23
+	// The KV the session holds (on its decode worker, or in its snapshot) is not a prefix of the
+	// prompt (the client edited its history: stripped reasoning, compaction, a rewritten tool
+	// result) and no usable part of it can be kept on that decode worker: the turn reseeds (from
+	// the snapshot only up to the longest common prefix, or by re-prefill).
+	RouteReason_ROUTE_REASON_PREFIX_MISMATCH RouteReason = 24
+	// The resident KV diverges from the prompt after a common prefix: D truncates the session to
+	// that page boundary (execution.truncate_to) and append-prefills the rest.
+	RouteReason_ROUTE_REASON_PREFIX_TRUNCATED RouteReason = 25
 )
 
 // Enum value maps for RouteReason.
@@ -143,6 +151,8 @@ var (
 		21: "ROUTE_REASON_CONTROL_PLANE_UNAVAILABLE",
 		22: "ROUTE_REASON_SNAPSHOTS_DISABLED",
 		23: "ROUTE_REASON_SESSION_END",
+		24: "ROUTE_REASON_PREFIX_MISMATCH",
+		25: "ROUTE_REASON_PREFIX_TRUNCATED",
 	}
 	RouteReason_value = map[string]int32{
 		"ROUTE_REASON_UNSPECIFIED":                 0,
@@ -169,6 +179,8 @@ var (
 		"ROUTE_REASON_CONTROL_PLANE_UNAVAILABLE":   21,
 		"ROUTE_REASON_SNAPSHOTS_DISABLED":          22,
 		"ROUTE_REASON_SESSION_END":                 23,
+		"ROUTE_REASON_PREFIX_MISMATCH":             24,
+		"ROUTE_REASON_PREFIX_TRUNCATED":            25,
 	}
 )
 
@@ -371,7 +383,14 @@ type RouteQuery struct {
 	// The client ended the session: the decision calls no worker and names the decode worker to
 	// close it on (execution.close_session_on); input_tokens may be 0. The gateway reports the
 	// outcome once the close was sent.
-	EndSession    bool `protobuf:"varint,8,opt,name=end_session,json=endSession,proto3" json:"end_session,omitempty"`
+	EndSession bool `protobuf:"varint,8,opt,name=end_session,json=endSession,proto3" json:"end_session,omitempty"`
+	// Content address of the prompt: the KV page size the hashes were computed with (the
+	// cluster's) and the chained hash of every full page of the prompt's token ids (pkg/pagehash,
+	// version 1), in order. Empty when the gateway has no token ids (no tokenizer and no
+	// input_ids): the decision then goes on lengths alone. At most 1 << 20 entries; page_size in
+	// [1, 4096] when prompt_pages is set.
+	PageSize      int32    `protobuf:"varint,9,opt,name=page_size,json=pageSize,proto3" json:"page_size,omitempty"`
+	PromptPages   []uint64 `protobuf:"fixed64,10,rep,packed,name=prompt_pages,json=promptPages,proto3" json:"prompt_pages,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -462,6 +481,20 @@ func (x *RouteQuery) GetEndSession() bool {
 	return false
 }
 
+func (x *RouteQuery) GetPageSize() int32 {
+	if x != nil {
+		return x.PageSize
+	}
+	return 0
+}
+
+func (x *RouteQuery) GetPromptPages() []uint64 {
+	if x != nil {
+		return x.PromptPages
+	}
+	return nil
+}
+
 type RouteOutcome struct {
 	state      protoimpl.MessageState `protogen:"open.v1"`
 	DecisionId string                 `protobuf:"bytes,1,opt,name=decision_id,json=decisionId,proto3" json:"decision_id,omitempty"`
@@ -473,7 +506,13 @@ type RouteOutcome struct {
 	KvLenAfter int64  `protobuf:"varint,6,opt,name=kv_len_after,json=kvLenAfter,proto3" json:"kv_len_after,omitempty"`
 	Detail     string `protobuf:"bytes,7,opt,name=detail,proto3" json:"detail,omitempty"`
 	// The decision's mode actually carried out (a gateway may fall back).
-	ExecutedMode  RouteMode `protobuf:"varint,8,opt,name=executed_mode,json=executedMode,proto3,enum=kvc.v1.RouteMode" json:"executed_mode,omitempty"`
+	ExecutedMode RouteMode `protobuf:"varint,8,opt,name=executed_mode,json=executedMode,proto3,enum=kvc.v1.RouteMode" json:"executed_mode,omitempty"`
+	// The chain of the KV the decode worker holds after the request, past the prompt's full
+	// pages: hashes of pages len(query.prompt_pages) … ⌊kv_len_after / page_size⌋ − 1 of the
+	// prompt's ids followed by the generated ids (the query's page size). Sent with a successful
+	// outcome of a decision that keeps the session, when the gateway knows the generated ids;
+	// without it the control plane keeps only what the prompt proves.
+	KvPages       []uint64 `protobuf:"fixed64,9,rep,packed,name=kv_pages,json=kvPages,proto3" json:"kv_pages,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -562,6 +601,13 @@ func (x *RouteOutcome) GetExecutedMode() RouteMode {
 		return x.ExecutedMode
 	}
 	return RouteMode_ROUTE_MODE_UNSPECIFIED
+}
+
+func (x *RouteOutcome) GetKvPages() []uint64 {
+	if x != nil {
+		return x.KvPages
+	}
+	return nil
 }
 
 type WorkerRef struct {
@@ -835,7 +881,11 @@ type RouteExecution struct {
 	OnTransferFailed RouteErrorKind `protobuf:"varint,8,opt,name=on_transfer_failed,json=onTransferFailed,proto3,enum=kvc.v1.RouteErrorKind" json:"on_transfer_failed,omitempty"`
 	// A retryable failure (D's session_not_resident, a worker gone before D's first token) may be
 	// retried once through a new decision.
-	RetryAllowed  bool `protobuf:"varint,9,opt,name=retry_allowed,json=retryAllowed,proto3" json:"retry_allowed,omitempty"`
+	RetryAllowed bool `protobuf:"varint,9,opt,name=retry_allowed,json=retryAllowed,proto3" json:"retry_allowed,omitempty"`
+	// The decode worker keeps only the first truncate_to tokens of the session it holds (a page
+	// boundary, the longest common prefix with this prompt), frees the rest and append-prefills
+	// [truncate_to, input) (kv_hints payload "truncate_to"); 0 = no truncation.
+	TruncateTo    int64 `protobuf:"varint,10,opt,name=truncate_to,json=truncateTo,proto3" json:"truncate_to,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -931,6 +981,13 @@ func (x *RouteExecution) GetRetryAllowed() bool {
 		return x.RetryAllowed
 	}
 	return false
+}
+
+func (x *RouteExecution) GetTruncateTo() int64 {
+	if x != nil {
+		return x.TruncateTo
+	}
+	return 0
 }
 
 type RouteError struct {
@@ -1152,7 +1209,7 @@ const file_kvc_v1_router_proto_rawDesc = "" +
 	"\fRouteRequest\x12*\n" +
 	"\x05query\x18\x01 \x01(\v2\x12.kvc.v1.RouteQueryH\x00R\x05query\x120\n" +
 	"\aoutcome\x18\x02 \x01(\v2\x14.kvc.v1.RouteOutcomeH\x00R\aoutcomeB\x06\n" +
-	"\x04kind\"\x9e\x02\n" +
+	"\x04kind\"\xde\x02\n" +
 	"\n" +
 	"RouteQuery\x12\x1d\n" +
 	"\n" +
@@ -1165,7 +1222,10 @@ const file_kvc_v1_router_proto_rawDesc = "" +
 	"\x0emultiturn_hint\x18\x06 \x01(\bR\rmultiturnHint\x12'\n" +
 	"\x0fexclude_workers\x18\a \x03(\tR\x0eexcludeWorkers\x12\x1f\n" +
 	"\vend_session\x18\b \x01(\bR\n" +
-	"endSession\"\xaa\x02\n" +
+	"endSession\x12\x1b\n" +
+	"\tpage_size\x18\t \x01(\x05R\bpageSize\x12!\n" +
+	"\fprompt_pages\x18\n" +
+	" \x03(\x06R\vpromptPages\"\xc5\x02\n" +
 	"\fRouteOutcome\x12\x1f\n" +
 	"\vdecision_id\x18\x01 \x01(\tR\n" +
 	"decisionId\x12\x18\n" +
@@ -1178,7 +1238,8 @@ const file_kvc_v1_router_proto_rawDesc = "" +
 	"\fkv_len_after\x18\x06 \x01(\x03R\n" +
 	"kvLenAfter\x12\x16\n" +
 	"\x06detail\x18\a \x01(\tR\x06detail\x126\n" +
-	"\rexecuted_mode\x18\b \x01(\x0e2\x11.kvc.v1.RouteModeR\fexecutedMode\"\x91\x01\n" +
+	"\rexecuted_mode\x18\b \x01(\x0e2\x11.kvc.v1.RouteModeR\fexecutedMode\x12\x19\n" +
+	"\bkv_pages\x18\t \x03(\x06R\akvPages\"\x91\x01\n" +
 	"\tWorkerRef\x12\x1b\n" +
 	"\tworker_id\x18\x01 \x01(\tR\bworkerId\x12\x1d\n" +
 	"\n" +
@@ -1204,7 +1265,7 @@ const file_kvc_v1_router_proto_rawDesc = "" +
 	"\x13snapshot_generation\x18\r \x01(\x04R\x12snapshotGeneration\x12\x14\n" +
 	"\x05epoch\x18\x0e \x01(\x03R\x05epoch\x12\x12\n" +
 	"\x04turn\x18\x0f \x01(\x05R\x04turn\x124\n" +
-	"\texecution\x18\x10 \x01(\v2\x16.kvc.v1.RouteExecutionR\texecution\"\xb8\x03\n" +
+	"\texecution\x18\x10 \x01(\v2\x16.kvc.v1.RouteExecutionR\texecution\"\xd9\x03\n" +
 	"\x0eRouteExecution\x12!\n" +
 	"\fcall_prefill\x18\x01 \x01(\bR\vcallPrefill\x12\x1f\n" +
 	"\vcall_decode\x18\x02 \x01(\bR\n" +
@@ -1215,7 +1276,10 @@ const file_kvc_v1_router_proto_rawDesc = "" +
 	"\x10close_session_on\x18\x06 \x03(\v2\x11.kvc.v1.WorkerRefR\x0ecloseSessionOn\x12B\n" +
 	"\x11on_decode_refused\x18\a \x01(\x0e2\x16.kvc.v1.RouteErrorKindR\x0fonDecodeRefused\x12D\n" +
 	"\x12on_transfer_failed\x18\b \x01(\x0e2\x16.kvc.v1.RouteErrorKindR\x10onTransferFailed\x12#\n" +
-	"\rretry_allowed\x18\t \x01(\bR\fretryAllowed\"z\n" +
+	"\rretry_allowed\x18\t \x01(\bR\fretryAllowed\x12\x1f\n" +
+	"\vtruncate_to\x18\n" +
+	" \x01(\x03R\n" +
+	"truncateTo\"z\n" +
 	"\n" +
 	"RouteError\x12\x1d\n" +
 	"\n" +
@@ -1240,7 +1304,7 @@ const file_kvc_v1_router_proto_rawDesc = "" +
 	"\x0fROUTE_MODE_SEED\x10\x02\x12\x1e\n" +
 	"\x1aROUTE_MODE_RESEED_SNAPSHOT\x10\x03\x12\x1d\n" +
 	"\x19ROUTE_MODE_RESEED_PREFILL\x10\x04\x12\x1a\n" +
-	"\x16ROUTE_MODE_PD_FALLBACK\x10\x05*\xf1\x06\n" +
+	"\x16ROUTE_MODE_PD_FALLBACK\x10\x05*\xb6\a\n" +
 	"\vRouteReason\x12\x1c\n" +
 	"\x18ROUTE_REASON_UNSPECIFIED\x10\x00\x12!\n" +
 	"\x1dROUTE_REASON_SESSION_RESIDENT\x10\x01\x12\"\n" +
@@ -1266,7 +1330,9 @@ const file_kvc_v1_router_proto_rawDesc = "" +
 	" ROUTE_REASON_KV_CENTRIC_DISABLED\x10\x14\x12*\n" +
 	"&ROUTE_REASON_CONTROL_PLANE_UNAVAILABLE\x10\x15\x12#\n" +
 	"\x1fROUTE_REASON_SNAPSHOTS_DISABLED\x10\x16\x12\x1c\n" +
-	"\x18ROUTE_REASON_SESSION_END\x10\x17*\xc7\x02\n" +
+	"\x18ROUTE_REASON_SESSION_END\x10\x17\x12 \n" +
+	"\x1cROUTE_REASON_PREFIX_MISMATCH\x10\x18\x12!\n" +
+	"\x1dROUTE_REASON_PREFIX_TRUNCATED\x10\x19*\xc7\x02\n" +
 	"\x0eRouteErrorKind\x12 \n" +
 	"\x1cROUTE_ERROR_KIND_UNSPECIFIED\x10\x00\x12\x19\n" +
 	"\x15ROUTE_ERROR_KIND_NONE\x10\x01\x12\x1c\n" +
