@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"fmt"
 	"strings"
 	"testing"
 
@@ -183,4 +184,28 @@ func TestCheckPeerTP(t *testing.T) {
 	if err := CheckPeerTP(bad, mine); status.Code(err) != codes.InvalidArgument {
 		t.Fatalf("bad metadata: %v", err)
 	}
+}
+
+// FuzzPeerTP: any kvc-tp metadata value is accepted only as "<rank>/<size>" with
+// 0 ≤ rank < size, and otherwise refused with INVALID_ARGUMENT or FAILED_PRECONDITION; never a
+// panic.
+func FuzzPeerTP(f *testing.F) {
+	for _, s := range []string{"0/1", "1/2", "3/2", "-1/2", "1/0", "", "x", "1/2/3", "99999999999999999999/1", " 1/2"} {
+		f.Add(s)
+	}
+	mine := &Pool{TPRank: 1, TPSize: 2}
+	f.Fuzz(func(t *testing.T, v string) {
+		ctx := metadata.NewIncomingContext(context.Background(), metadata.Pairs(tpMetadataKey, v))
+		err := CheckPeerTP(ctx, mine)
+		switch status.Code(err) {
+		case codes.OK:
+			var r, s int
+			if n, _ := fmt.Sscanf(v, "%d/%d", &r, &s); n != 2 || r != 1 || s != 2 {
+				t.Fatalf("%q accepted", v)
+			}
+		case codes.InvalidArgument, codes.FailedPrecondition:
+		default:
+			t.Fatalf("%q: %v", v, err)
+		}
+	})
 }
