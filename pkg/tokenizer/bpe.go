@@ -20,7 +20,7 @@ type mergeVal struct {
 type bpe struct {
 	byteID       [256]uint32
 	hasByte      [256]bool
-	merges       map[uint64]mergeVal
+	merges       mergeTable
 	vocab        map[string]uint32 // raw bytes of every byte-level token -> id
 	ignoreMerges bool
 
@@ -82,6 +82,48 @@ func (c *wordCache) put(w string, ids []uint32) {
 	c.young = make(map[string][]uint32, cacheYoung)
 }
 
+// mergeTable is an open-addressing hash table from a symbol pair to its merge (rank and
+// merged id), with linear probing: one multiply and usually one cache line per lookup.
+type mergeTable struct {
+	keys  []uint64 // pair key + 1 (0 = empty slot)
+	vals  []mergeVal
+	shift uint
+}
+
+func newMergeTable(n int) mergeTable {
+	size, shift := 1<<4, uint(60)
+	for size < 2*n {
+		size <<= 1
+		shift--
+	}
+	return mergeTable{keys: make([]uint64, size), vals: make([]mergeVal, size), shift: shift}
+}
+
+func (t *mergeTable) slot(k uint64) uint64 { return (k * 0x9E3779B97F4A7C15) >> t.shift }
+
+// put inserts or replaces (a later duplicate pair wins, as in HF).
+func (t *mergeTable) put(k uint64, v mergeVal) {
+	mask := uint64(len(t.keys) - 1)
+	for i := t.slot(k); ; i = (i + 1) & mask {
+		if t.keys[i] == 0 || t.keys[i] == k+1 {
+			t.keys[i], t.vals[i] = k+1, v
+			return
+		}
+	}
+}
+
+func (t *mergeTable) get(k uint64) (mergeVal, bool) {
+	mask := uint64(len(t.keys) - 1)
+	for i := t.slot(k); ; i = (i + 1) & mask {
+		switch t.keys[i] {
+		case k + 1:
+			return t.vals[i], true
+		case 0:
+			return mergeVal{}, false
+		}
+	}
+}
+
 // heapThreshold: words up to this many bytes merge with a quadratic scan (fastest for the
 // short words that dominate text); longer ones use the heap (whitespace runs, long ids).
 var heapThreshold = 48
@@ -96,7 +138,7 @@ func (m *bpe) encodeWord(dst []uint32, w string, sc *scratch) []uint32 {
 	}
 	if len(w) == 2 && !m.ignoreMerges && m.hasByte[w[0]] && m.hasByte[w[1]] {
 		a, b := m.byteID[w[0]], m.byteID[w[1]]
-		if mv, ok := m.merges[mergeKey(a, b)]; ok {
+		if mv, ok := m.merges.get(mergeKey(a, b)); ok {
 			return append(dst, mv.id)
 		}
 		return append(dst, a, b)
@@ -133,7 +175,7 @@ func (m *bpe) merge(dst []uint32, w string, sc *scratch) []uint32 {
 	for len(syms) > 1 {
 		best, bestRank, bestID := -1, uint32(0), uint32(0)
 		for i := 0; i+1 < len(syms); i++ {
-			if mv, ok := m.merges[mergeKey(syms[i], syms[i+1])]; ok && (best < 0 || mv.rank < bestRank) {
+			if mv, ok := m.merges.get(mergeKey(syms[i], syms[i+1])); ok && (best < 0 || mv.rank < bestRank) {
 				best, bestRank, bestID = i, mv.rank, mv.id
 			}
 		}
@@ -229,7 +271,7 @@ func (m *bpe) mergeHeap(dst []uint32, sc *scratch) []uint32 {
 	sc.next[n-1] = -1
 	sc.heap = sc.heap[:0]
 	for i := 0; i+1 < n; i++ {
-		if mv, ok := m.merges[mergeKey(syms[i], syms[i+1])]; ok {
+		if mv, ok := m.merges.get(mergeKey(syms[i], syms[i+1])); ok {
 			sc.push(heapItem{rank: mv.rank, pos: int32(i), id: mv.id, left: syms[i], right: syms[i+1]})
 		}
 	}
@@ -252,12 +294,12 @@ func (m *bpe) mergeHeap(dst []uint32, sc *scratch) []uint32 {
 			sc.prev[nq] = p
 		}
 		if pp := sc.prev[p]; pp >= 0 {
-			if mv, ok := m.merges[mergeKey(syms[pp], syms[p])]; ok {
+			if mv, ok := m.merges.get(mergeKey(syms[pp], syms[p])); ok {
 				sc.push(heapItem{rank: mv.rank, pos: pp, id: mv.id, left: syms[pp], right: syms[p]})
 			}
 		}
 		if nq >= 0 {
-			if mv, ok := m.merges[mergeKey(syms[p], syms[nq])]; ok {
+			if mv, ok := m.merges.get(mergeKey(syms[p], syms[nq])); ok {
 				sc.push(heapItem{rank: mv.rank, pos: p, id: mv.id, left: syms[p], right: syms[nq]})
 			}
 		}

@@ -174,7 +174,7 @@ func (t *Tokenizer) loadModel(path string, m *modelJSON) error {
 	if len(m.Vocab) == 0 {
 		return corrupt(path, nil, "empty model vocab")
 	}
-	b := &bpe{merges: make(map[uint64]mergeVal), vocab: make(map[string]uint32, len(m.Vocab)), ignoreMerges: m.IgnoreMerges}
+	b := &bpe{vocab: make(map[string]uint32, len(m.Vocab)), ignoreMerges: m.IgnoreMerges}
 	t.idToToken = make(map[uint32]string, len(m.Vocab))
 	for tok, id := range m.Vocab {
 		t.idToToken[id] = tok
@@ -200,6 +200,7 @@ func (t *Tokenizer) loadModel(path string, m *modelJSON) error {
 	if err != nil {
 		return corrupt(path, err, "model merges")
 	}
+	b.merges = newMergeTable(len(merges))
 	for rank, mg := range merges {
 		a, okA := m.Vocab[mg[0]]
 		c, okB := m.Vocab[mg[1]]
@@ -208,7 +209,7 @@ func (t *Tokenizer) loadModel(path string, m *modelJSON) error {
 			return corrupt(path, nil, "merge %d (%q %q) names a token outside the vocabulary", rank, mg[0], mg[1])
 		}
 		// A pair listed twice keeps its last rank, as HF's map collection does.
-		b.merges[mergeKey(a, c)] = mergeVal{rank: uint32(rank), id: id}
+		b.merges.put(mergeKey(a, c), mergeVal{rank: uint32(rank), id: id})
 	}
 	t.model = b
 	return nil
