@@ -512,7 +512,12 @@ type RouteOutcome struct {
 	// prompt's ids followed by the generated ids (the query's page size). Sent with a successful
 	// outcome of a decision that keeps the session, when the gateway knows the generated ids;
 	// without it the control plane keeps only what the prompt proves.
-	KvPages       []uint64 `protobuf:"fixed64,9,rep,packed,name=kv_pages,json=kvPages,proto3" json:"kv_pages,omitempty"`
+	KvPages []uint64 `protobuf:"fixed64,9,rep,packed,name=kv_pages,json=kvPages,proto3" json:"kv_pages,omitempty"`
+	// The decode worker rewrote its session from this token on (the decision's truncate_to, or
+	// its own content check of the partial last page, which page hashes cannot see): it released
+	// the session on its sidecar and committed the new content anew, so the control plane starts
+	// a new KV generation (a new snapshot target). 0 = nothing rewritten.
+	TruncatedTo   int64 `protobuf:"varint,10,opt,name=truncated_to,json=truncatedTo,proto3" json:"truncated_to,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -608,6 +613,13 @@ func (x *RouteOutcome) GetKvPages() []uint64 {
 		return x.KvPages
 	}
 	return nil
+}
+
+func (x *RouteOutcome) GetTruncatedTo() int64 {
+	if x != nil {
+		return x.TruncatedTo
+	}
+	return 0
 }
 
 type WorkerRef struct {
@@ -1225,7 +1237,7 @@ const file_kvc_v1_router_proto_rawDesc = "" +
 	"endSession\x12\x1b\n" +
 	"\tpage_size\x18\t \x01(\x05R\bpageSize\x12!\n" +
 	"\fprompt_pages\x18\n" +
-	" \x03(\x06R\vpromptPages\"\xc5\x02\n" +
+	" \x03(\x06R\vpromptPages\"\xe8\x02\n" +
 	"\fRouteOutcome\x12\x1f\n" +
 	"\vdecision_id\x18\x01 \x01(\tR\n" +
 	"decisionId\x12\x18\n" +
@@ -1239,7 +1251,9 @@ const file_kvc_v1_router_proto_rawDesc = "" +
 	"kvLenAfter\x12\x16\n" +
 	"\x06detail\x18\a \x01(\tR\x06detail\x126\n" +
 	"\rexecuted_mode\x18\b \x01(\x0e2\x11.kvc.v1.RouteModeR\fexecutedMode\x12\x19\n" +
-	"\bkv_pages\x18\t \x03(\x06R\akvPages\"\x91\x01\n" +
+	"\bkv_pages\x18\t \x03(\x06R\akvPages\x12!\n" +
+	"\ftruncated_to\x18\n" +
+	" \x01(\x03R\vtruncatedTo\"\x91\x01\n" +
 	"\tWorkerRef\x12\x1b\n" +
 	"\tworker_id\x18\x01 \x01(\tR\bworkerId\x12\x1d\n" +
 	"\n" +
