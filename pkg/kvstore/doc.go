@@ -23,6 +23,15 @@
 // (MaxDelay, default 50 ms) in Txns of at most MaxOps (128) operations and MaxBytes (1.5 MiB,
 // etcd's default request limit, including a margin for the Txn's own encoding).
 //
+// # Bounds
+//
+// Every single etcd call (a Get, a page of a scan, a Txn) is bounded by the call timeout
+// (WithCallTimeout, default 2 s) even when the caller's context has no deadline; a call ended
+// by that bound returns an error wrapping ErrUnavailable. Apply refuses a Txn over
+// DefaultMaxBytes before sending it (ErrTooLarge); etcd's own "request is too large" and
+// "database space exceeded" (quota) come back wrapped in ErrTooLarge and ErrNoSpace: permanent
+// errors, not retryable ones.
+//
 // # Concurrency Model
 //
 // Store is stateless apart from its client and safe for concurrent use. A Batcher accepts

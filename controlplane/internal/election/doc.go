@@ -21,6 +21,14 @@
 // steps down on its own clock at most RenewDeadline after its last renewal, before the server
 // expires it and a standby takes over.
 //
+// # Without etcd
+//
+// Observe re-reads the election key every TTL/2 besides its watch; Current names another
+// replica only while such a read succeeded within the last TTL (a leader that cannot reach
+// etcd has stepped down by then). A campaign cancelled by the stop is abandoned after one
+// second: etcd's Campaign cleans up with the client's own, unbounded, context, which kept a
+// standby alive after SIGTERM while etcd was unreachable.
+//
 // The leader's value is JSON {"node_id", "addr"}; its key's create revision is the epoch and,
 // with the key, the fence for every write (pkg/kvstore).
 //
