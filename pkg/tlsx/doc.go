@@ -27,4 +27,10 @@
 // prefill sidecar's ReserveSnapshot and OfferReceive) call PeerAllowsWorker: nil on a plaintext
 // connection, PERMISSION_DENIED naming the id when the certificate does not name it (or names
 // no worker at all).
+//
+// Plaintext is never a default: GRPCNames has an Insecure flag (--insecure), and Files.Check
+// refuses neither certificates nor --insecure, and both. Load logs --insecure at error level.
+// Servers log refused handshakes at warn (at most one line a second, "tls: handshake refused"
+// with the peer and the reason) and count them (HandshakeFailures,
+// kvc_tls_handshake_failures_total).
 package tlsx
