@@ -118,3 +118,18 @@ func BenchmarkChatTemplate32K(b *testing.B) {
 		}
 	}
 }
+
+// BenchmarkLoad is the gateway's start-up cost of reading a tokenizer folder.
+func BenchmarkLoad(b *testing.B) {
+	for _, name := range models {
+		b.Run(name, func(b *testing.B) {
+			dir := modelDir(b, name)
+			b.ResetTimer()
+			for i := 0; i < b.N; i++ {
+				if _, err := Load(dir); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}

@@ -32,6 +32,7 @@ type encodeScratch struct {
 	segs2  []segment
 	pieces []string
 	tmp    []string
+	ids    []uint32 // Count's buffer
 }
 
 // Encode returns the token ids of text, as Hugging Face's Tokenizer.encode(text,
@@ -41,11 +42,14 @@ func (t *Tokenizer) Encode(text string, addSpecial bool) []uint32 {
 	return t.AppendEncode(make([]uint32, 0, len(text)/3+4), text, addSpecial)
 }
 
-// Count returns len(Encode(text, addSpecial)).
+// Count returns len(Encode(text, addSpecial)) without keeping the ids.
 func (t *Tokenizer) Count(text string, addSpecial bool) int {
 	sc := scratchPool.Get().(*encodeScratch)
-	ids := t.appendEncode(sc.bpe.syms[:0:0], text, addSpecial, sc)
-	n := len(ids)
+	sc.ids = t.appendEncode(sc.ids[:0], text, addSpecial, sc)
+	n := len(sc.ids)
+	if cap(sc.ids) > 1<<20 { // do not pin a huge buffer in the pool
+		sc.ids = nil
+	}
 	scratchPool.Put(sc)
 	return n
 }
