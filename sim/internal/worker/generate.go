@@ -31,6 +31,9 @@ type KVCMeta struct {
 	PrefillTokens   int64   `json:"prefill_tokens"`
 	PrefillMS       float64 `json:"prefill_ms"`
 	EvictedSessions int     `json:"evicted_sessions"`
+	// TruncatedTo: the session was rewritten from this token on (truncate_to, or a divergence
+	// in its partial last page); 0 = not.
+	TruncatedTo int64 `json:"truncated_to,omitempty"`
 }
 
 type metaInfo struct {
@@ -44,8 +47,10 @@ type metaInfo struct {
 }
 
 type answer struct {
-	Text     string   `json:"text"`
-	MetaInfo metaInfo `json:"meta_info"`
+	Text string `json:"text"`
+	// OutputIDs are the generated token ids: this chunk's when streaming, all of them otherwise.
+	OutputIDs []int64  `json:"output_ids,omitempty"`
+	MetaInfo  metaInfo `json:"meta_info"`
 }
 
 func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
@@ -260,7 +265,7 @@ func (w *Worker) servePrefill(ctx context.Context, p *plan, meta *KVCMeta) *apiE
 	if err != nil {
 		return ctxError(ctx, "during prefill")
 	}
-	if e := w.fill(p.seedKey, pages, 0, p.input); e != nil {
+	if e := w.fillContent(&turn{p: p}, pages, 0, p.input); e != nil {
 		return e
 	}
 	meta.PrefillTokens = p.input
@@ -303,7 +308,8 @@ type turn struct {
 	prefixKV int64
 	dirty    bool
 	unlock   func()
-	kv       int64 // tokens of KV computed
+	kv       int64    // tokens of KV computed
+	ids      []uint32 // the content of the turn's KV (content.go), built on first use
 	// finished: finish ran (decode runs it before the last write, so that a client that has the
 	// whole answer knows the session is committed on the sidecar).
 	finished bool
@@ -353,6 +359,20 @@ func (w *Worker) begin(ctx context.Context, p *plan, meta *KVCMeta) (*turn, *api
 		s.pinned++
 		w.touch(s)
 		t.s = s
+		kvLen := s.kvLen
+		w.mu.Unlock()
+		// Reuse only what is a prefix of this prompt (content.go): the decision's truncate_to
+		// (= cached_tokens) already cut at the longest common prefix of full pages.
+		keep, e := w.reusable(t, s, p.cached)
+		if e != nil {
+			return fail(e)
+		}
+		if keep < kvLen {
+			if e := w.truncateSession(t, s, keep); e != nil {
+				return fail(e)
+			}
+		}
+		w.mu.Lock()
 		have := int64(len(s.pages))
 		w.mu.Unlock()
 		if need > have {
@@ -365,8 +385,8 @@ func (w *Worker) begin(ctx context.Context, p *plan, meta *KVCMeta) (*turn, *api
 			s.pages = append(s.pages, pages...)
 			w.mu.Unlock()
 		}
-		t.kv = p.cached
-		if e := w.appendPrefill(ctx, t, p.cached, p.input); e != nil {
+		t.kv = keep
+		if e := w.appendPrefill(ctx, t, keep, p.input); e != nil {
 			return fail(e)
 		}
 		return t, nil
@@ -388,6 +408,21 @@ func (w *Worker) begin(ctx context.Context, p *plan, meta *KVCMeta) (*turn, *api
 		}
 	}
 	if t.extend {
+		// The context arrives again from P; a held session that is no longer a prefix of it
+		// (a divergence in its partial last page) is cut there first, so its sidecar never
+		// holds rewritten tokens under an old commit.
+		w.mu.Lock()
+		kvLen := t.s.kvLen
+		w.mu.Unlock()
+		keep, e := w.reusable(t, t.s, min(kvLen, p.input))
+		if e != nil {
+			return fail(e)
+		}
+		if keep < kvLen {
+			if e := w.truncateSession(t, t.s, keep); e != nil {
+				return fail(e)
+			}
+		}
 		if e := w.extendPages(ctx, t, need); e != nil {
 			return fail(e)
 		}
@@ -510,7 +545,7 @@ func (w *Worker) receive(ctx context.Context, t *turn, kind kvcv1.TransferKind, 
 	if resp.GetTokens() != 0 && resp.GetTokens() != tokens {
 		return errf(http.StatusBadGateway, "transfer_failed", "transfer of room %d carried %d tokens, want %d", p.room, resp.GetTokens(), tokens)
 	}
-	checked, bad, err := w.check(p.seedKey, t.pageList(), 0, tokens)
+	checked, bad, err := w.checkContent(t, t.pageList(), 0, tokens)
 	if err != nil {
 		return errf(http.StatusInternalServerError, "internal", "verifying room %d: %v", p.room, err)
 	}
@@ -549,7 +584,7 @@ func (w *Worker) appendPrefill(ctx context.Context, t *turn, from, to int64) *ap
 	if err := sleepCtx(ctx, w.cfg.Timing.Prefill(to-from)); err != nil {
 		return ctxError(ctx, "during append-prefill")
 	}
-	if e := w.fill(t.p.seedKey, t.pageList(), from, to); e != nil {
+	if e := w.fillContent(t, t.pageList(), from, to); e != nil {
 		return e
 	}
 	t.kv = to
@@ -572,13 +607,15 @@ func (w *Worker) decode(ctx context.Context, rw http.ResponseWriter, t *turn, st
 		return metaInfo{ID: p.rid, PromptTokens: p.input, CompletionTokens: n, CachedTokens: p.cached, KVC: &m}
 	}
 	var text strings.Builder
+	var outIDs []int64
 	for i := int64(0); i < p.maxNew; i++ {
 		if err := sleepCtx(ctx, w.cfg.Timing.Decode()); err != nil {
 			return ctxError(ctx, "during decode")
 		}
-		if e := w.fill(p.seedKey, t.pageList(), t.kv, t.kv+1); e != nil {
+		if e := w.fillContent(t, t.pageList(), t.kv, t.kv+1); e != nil {
 			return e
 		}
+		id := int64(t.content(t.kv + 1)[t.kv])
 		t.kv++
 		w.m.decodeTokens.Inc()
 		tok := fmt.Sprintf(" t%d", t.kv-1)
@@ -591,11 +628,12 @@ func (w *Worker) decode(ctx context.Context, rw http.ResponseWriter, t *turn, st
 				m.FinishReason = json.RawMessage(fmt.Sprintf(`{"type":"length","length":%d}`, p.maxNew))
 				m.E2ELatency = time.Since(start).Seconds()
 			}
-			if err := sse.send(answer{Text: tok, MetaInfo: m}); err != nil {
+			if err := sse.send(answer{Text: tok, OutputIDs: []int64{id}, MetaInfo: m}); err != nil {
 				return errf(499, "aborted", "client went away during streaming: %v", err)
 			}
 		} else {
 			text.WriteString(tok)
+			outIDs = append(outIDs, id)
 		}
 	}
 	if p.maxNew == 0 {
@@ -612,7 +650,7 @@ func (w *Worker) decode(ctx context.Context, rw http.ResponseWriter, t *turn, st
 		sse.done()
 		return nil
 	}
-	writeJSON(rw, http.StatusOK, answer{Text: text.String(), MetaInfo: final})
+	writeJSON(rw, http.StatusOK, answer{Text: text.String(), OutputIDs: outIDs, MetaInfo: final})
 	return nil
 }
 
@@ -640,7 +678,7 @@ func (w *Worker) finish(t *turn, ok bool) {
 		// A large append failed while its transfer may have written into the session's own
 		// prefix pages: keep the session only if its KV [0, kv_len) still verifies. Checked
 		// and dropped while still pinned, so no eviction takes it meanwhile.
-		checked, bad, err := w.check(t.p.seedKey, s.pages, 0, t.prefixKV)
+		checked, bad, err := w.checkContent(t, s.pages, 0, t.prefixKV)
 		if err != nil || bad > 0 {
 			w.log.Warn().Str("session", s.id).Int64("kv_len", t.prefixKV).Int64("bad_slots", bad).Int64("checked_bytes", checked).
 				Msg("failed large append damaged the session's KV; dropping it")

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"strconv"
 	"strings"
 
@@ -67,6 +68,9 @@ type kvcHints struct {
 	PrefillPeerAddr string       `json:"prefill_peer_addr"`
 	SnapshotSeqlen  int64        `json:"snapshot_seqlen"`
 	KeepSession     *bool        `json:"keep_session"`
+	// TruncateTo: keep only the first truncate_to tokens of the held session before the
+	// append-prefill (RouteExecution.truncate_to); 0 or absent = no truncation.
+	TruncateTo *int64 `json:"truncate_to"`
 }
 
 // kvHintsEnvelope is SGLang's KvHintsEnvelope (sglang.srt.managers.kv_hints).
@@ -147,6 +151,11 @@ type plan struct {
 	keep       bool
 	stream     bool
 	hinted     bool // the decision came in kv_hints
+	// ids are the request's input_ids (the content its KV is computed from; positions without
+	// one get made-up ids, see tokenIDs).
+	ids []uint32
+	// truncateTo: the decision's truncate_to (0 = none).
+	truncateTo int64
 }
 
 // checkTransfer: the payload's transfer kind must be the one the mode implies.
@@ -288,6 +297,9 @@ func parseGenerate(body []byte, role kvcv1.WorkerRole, capacity int64) (*plan, e
 		if k.KeepSession != nil {
 			p.keep, keepSet = *k.KeepSession, true
 		}
+		if k.TruncateTo != nil {
+			p.truncateTo = *k.TruncateTo
+		}
 		if k.Transfer != nil {
 			if err := checkTransfer(*k.Transfer, p.mode); err != nil {
 				return nil, err
@@ -331,6 +343,18 @@ func parseGenerate(body []byte, role kvcv1.WorkerRole, capacity int64) (*plan, e
 	}
 	if p.cached < 0 || p.cached > p.input {
 		return nil, fmt.Errorf("cached_tokens %d out of range [0, input_tokens %d]", p.cached, p.input)
+	}
+	if p.truncateTo != 0 && (p.mode != ModeDirectToD || p.truncateTo < 0 || p.truncateTo != p.cached) {
+		return nil, fmt.Errorf("kvc.truncate_to %d: only a DIRECT_TO_D turn truncates, to its cached_tokens (%d)", p.truncateTo, p.cached)
+	}
+	if len(ids) > 0 {
+		p.ids = make([]uint32, min(int64(len(ids)), p.input))
+		for i := range p.ids {
+			if ids[i] < 0 || ids[i] > math.MaxUint32 {
+				return nil, fmt.Errorf("input_ids[%d] = %d is not a token id in [0, 2^32)", i, ids[i])
+			}
+			p.ids[i] = uint32(ids[i])
+		}
 	}
 	if p.maxNew < 0 || p.maxNew > maxNewTokenLimit {
 		return nil, fmt.Errorf("max_new_tokens %d out of range [0, %d]", p.maxNew, maxNewTokenLimit)

@@ -749,7 +749,7 @@ func TestLargeAppendExtendsHeldSession(t *testing.T) {
 			t.Fatalf("page %d of the prefix moved from %d to %d", i, pg, pages[i])
 		}
 	}
-	if bad, err := kvpool.CheckTokens(d.w.mem, kvpool.SessionSeed("s1"), pages, 0, 305); err != nil || bad != 0 {
+	if bad, err := kvpool.CheckContent(d.w.mem, contentKey, (&plan{seedKey: "s1"}).tokenIDs(305), pages, 0, 305); err != nil || bad != 0 {
 		t.Fatalf("session KV after the large append: %d bad slots, %v", bad, err)
 	}
 	if st := d.w.stats(); st.FreePages != pageCount-77 || st.Sessions != 1 {

@@ -1,0 +1,151 @@
+package worker
+
+import (
+	"net/http"
+
+	"github.com/kvcentric/kvcentric/pkg/kvpool"
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+// contentKey is the key of kvc-sim's content pattern (kvpool.FillContent): the same on every
+// kvc-sim, so KV computed for the same tokens at the same positions is the same bytes on every
+// worker and in every session, as real KV of an identical prefix is.
+const contentKey = 0x6b76632d73696d
+
+// synthVocab bounds the token ids kvc-sim makes up: for the positions a request gives no
+// input_ids for, and for the tokens it "generates".
+const synthVocab = 32000
+
+// synthID is the token at position pos of a request without input_ids there, and the token
+// kvc-sim generates at pos: a deterministic function of (seed key, position), so a client that
+// sends no ids and one that sends back the generated ids see the same content.
+func synthID(seed uint64, pos int64) uint32 {
+	x := seed + uint64(pos+1)*0x9e3779b97f4a7c15
+	x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9
+	x = (x ^ (x >> 27)) * 0x94d049bb133111eb
+	x ^= x >> 31
+	return uint32(x % synthVocab)
+}
+
+// tokenIDs is the content of the request's KV [0, n): its input_ids where given, made-up ids
+// elsewhere (positions past the input are the generated tokens).
+func (p *plan) tokenIDs(n int64) []uint32 {
+	out := make([]uint32, n)
+	seed := kvpool.SessionSeed(p.seedKey)
+	for t := int64(0); t < n; t++ {
+		if t < int64(len(p.ids)) {
+			out[t] = p.ids[t]
+		} else {
+			out[t] = synthID(seed, t)
+		}
+	}
+	return out
+}
+
+// content returns the ids of tokens [0, n) of the turn's KV, growing the cache as needed.
+func (t *turn) content(n int64) []uint32 {
+	if int64(len(t.ids)) < n {
+		t.ids = t.p.tokenIDs(max(n, t.p.input+t.p.maxNew))
+	}
+	return t.ids[:n]
+}
+
+// fillContent writes the content pattern of tokens [from, to) of the turn into pages.
+func (w *Worker) fillContent(t *turn, pages []int64, from, to int64) *apiError {
+	if err := kvpool.FillContent(w.mem, contentKey, t.content(to), pages, from, to); err != nil {
+		w.log.Error().Err(err).Int64("from", from).Int64("to", to).Int("pages", len(pages)).Msg("fill content")
+		return errf(http.StatusInternalServerError, "internal", "writing KV of tokens [%d, %d): %v", from, to, err)
+	}
+	return nil
+}
+
+// checkContent verifies tokens [from, to) of pages against the turn's ids in every buffer; it
+// returns the bytes checked and the (token, buffer) slots that did not match.
+func (w *Worker) checkContent(t *turn, pages []int64, from, to int64) (checked, bad int64, err error) {
+	bad, err = kvpool.CheckContent(w.mem, contentKey, t.content(to), pages, from, to)
+	return (to - from) * int64(w.cfg.Geometry.Buffers()) * int64(w.cfg.Geometry.BytesPerToken), bad, err
+}
+
+// firstMismatch is the first position in [0, n) whose resident KV (buffer 0 of pages) is not
+// the KV of the turn's id at that position, and the number of such positions; n and 0 when all
+// verify. Buffer 0 is enough to locate a divergence (every buffer of a token is written
+// together); received KV is checked in every buffer (checkContent).
+func (w *Worker) firstMismatch(t *turn, pages []int64, n int64) (first, count int64) {
+	first = n
+	if n <= 0 {
+		return first, 0
+	}
+	ids := t.content(n)
+	l := w.mem.Layout()
+	ps := int64(l.PageSize)
+	tb := l.TokenBytes()
+	buf := w.mem.Buffer(0)
+	for pos := int64(0); pos < n; pos++ {
+		off := uint64(pages[pos/ps])*l.ItemLen + uint64(pos%ps)*tb
+		if !kvpool.CheckTokenContent(buf[off:off+tb], contentKey, ids[pos], pos, 0) {
+			if count == 0 {
+				first = pos
+			}
+			count++
+		}
+	}
+	return first, count
+}
+
+// reusable checks the KV the session holds, [0, upto), against this turn's prompt before it is
+// reused, and returns how much of it may be kept. The control plane decides on page hashes: it
+// vouches for the session's full pages [0, ⌊kv_len / page⌋·page) (and the decision's
+// truncate_to already cut at the longest common prefix). The partial last page is invisible
+// to it, so a divergence there (the usual chat-turn seam: a re-rendered end of the previous
+// answer) is the worker's to handle: it keeps the tokens before the first mismatch. A
+// divergence inside the full pages is mis-stitched KV — the control plane sent a turn to KV
+// that is not a prefix of its prompt — and fails the request as kv_verify_failed: it is never
+// served from mismatched KV.
+func (w *Worker) reusable(t *turn, s *session, upto int64) (int64, *apiError) {
+	w.mu.Lock()
+	pages := append([]int64(nil), s.pages...)
+	kv := s.kvLen
+	w.mu.Unlock()
+	first, count := w.firstMismatch(t, pages, upto)
+	if count == 0 {
+		return upto, nil
+	}
+	ps := int64(w.cfg.Geometry.PageSize)
+	full := kv / ps * ps
+	if first >= full {
+		w.m.tailRewrites.Inc()
+		return first, nil
+	}
+	t.meta.VerifyFailures = count * int64(w.cfg.Geometry.Buffers())
+	w.m.verifyFailures.Add(float64(t.meta.VerifyFailures))
+	w.m.misStitched.Inc()
+	w.log.Error().Str("session", s.id).Int64("first_mismatch", first).Int64("positions", count).Int64("reused", upto).
+		Msg("resident KV is not a prefix of the prompt (mis-stitched)")
+	return 0, errf(http.StatusInternalServerError, "kv_verify_failed",
+		"resident KV of session %q diverges from the prompt at token %d (%d of %d reused positions): not a prefix",
+		s.id, first, count, upto)
+}
+
+// truncateSession keeps only the first keep tokens of the session (a truncation the decision
+// asked for, or the worker's own cut before a rewritten partial last page): the pages past them
+// are freed, and the sidecar forgets the session (ReleaseSession: any snapshot push reading it
+// is aborted first), because a sidecar's committed length never shrinks and its snapshot must
+// not mix old and new tokens; the turn's commit registers the rewritten session anew (a new
+// snapshot generation, see RouteOutcome.truncated_to).
+func (w *Worker) truncateSession(t *turn, s *session, keep int64) *apiError {
+	w.mu.Lock()
+	committed := s.committed
+	w.mu.Unlock()
+	if committed {
+		if err := w.release(s.id, kvcv1.ReleaseReason_RELEASE_REASON_RELEASED); err != nil {
+			return errf(http.StatusBadGateway, "internal", "truncating session %q: ReleaseSession: %v", s.id, err)
+		}
+		w.mu.Lock()
+		s.committed = false
+		w.mu.Unlock()
+	}
+	w.trim(s, keep)
+	t.meta.TruncatedTo = keep
+	w.m.truncations.Inc()
+	return nil
+}

@@ -1,0 +1,183 @@
+package worker
+
+import (
+	"context"
+	"encoding/json"
+	"net/http"
+	"sync"
+	"testing"
+
+	"github.com/kvcentric/kvcentric/pkg/kvpool"
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+// idsBody is a /generate body with input_ids (the prompt's content) and the decision in the
+// kvc block; truncate > 0 adds truncate_to.
+func idsBody(rid string, ids []int64, maxNew int64, k kvcReq, truncate int64) []byte {
+	kv := map[string]any{"mode": k.Mode, "role": k.Role, "session_id": k.SessionID, "input_tokens": len(ids),
+		"cached_tokens": k.CachedTokens}
+	if k.Room != nil {
+		kv["room"] = *k.Room
+	}
+	if truncate > 0 {
+		kv["truncate_to"] = truncate
+	}
+	b, _ := json.Marshal(map[string]any{"rid": rid, "input_ids": ids, "stream": false,
+		"sampling_params": map[string]any{"max_new_tokens": maxNew}, "kvc": kv})
+	return b
+}
+
+func seqIDs(n int, base int64) []int64 {
+	out := make([]int64, n)
+	for i := range out {
+		out[i] = base + int64(i)
+	}
+	return out
+}
+
+// residentVerifies: the session's KV [0, kv_len) on d is exactly the KV of ids.
+func residentVerifies(t *testing.T, d *testWorker, session string, ids []int64) {
+	t.Helper()
+	d.w.mu.Lock()
+	s := d.w.sessions[session]
+	pages := append([]int64(nil), s.pages...)
+	kv := s.kvLen
+	d.w.mu.Unlock()
+	if kv != int64(len(ids)) {
+		t.Fatalf("session holds %d tokens, the conversation has %d", kv, len(ids))
+	}
+	u := make([]uint32, len(ids))
+	for i, v := range ids {
+		u[i] = uint32(v)
+	}
+	if bad, err := kvpool.CheckContent(d.w.mem, contentKey, u, pages, 0, kv); err != nil || bad != 0 {
+		t.Fatalf("resident KV: %d bad slots, %v", bad, err)
+	}
+}
+
+// TestEditedHistoryNeverServedFromMismatchedKV plays a conversation whose history is edited
+// (a token of an earlier turn rewritten, the end of the last answer re-rendered) against one
+// decode worker. KV is a function of (token id, position): a direct turn told to reuse KV that
+// is not a prefix of its prompt fails kv_verify_failed; truncate_to cuts the session at the
+// common prefix and the rest is prefilled; a divergence inside the partial last page (which
+// page hashes cannot see) is cut by the worker itself. After every successful turn the
+// session's KV is exactly the KV of the conversation the client holds.
+func TestEditedHistoryNeverServedFromMismatchedKV(t *testing.T) {
+	h := newHub()
+	p := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_PREFILL, "p0", 4096, zeroTiming())
+	d := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_DECODE, "d0", 4096, zeroTiming())
+	ctx := context.Background()
+	const sid = "edit-1"
+
+	// Seed: 40 ids, 5 generated (page size 4: 45 tokens, the last page partial).
+	prompt := seqIDs(40, 100)
+	seed := kvcReq{Mode: "SEED", SessionID: sid, Room: i64(1)}
+	var wg sync.WaitGroup
+	wg.Add(1)
+	var pr result
+	go func() {
+		defer wg.Done()
+		k := seed
+		k.Role = "prefill"
+		pr = post(t, ctx, p.url, idsBody("r1", prompt, 5, k, 0))
+	}()
+	k := seed
+	k.Role = "decode"
+	dr := post(t, ctx, d.url, idsBody("r1", prompt, 5, k, 0))
+	wg.Wait()
+	if pr.status != 200 || dr.status != 200 {
+		t.Fatalf("seed: P %d %s, D %d %s", pr.status, pr.code, dr.status, dr.code)
+	}
+	if len(dr.ans.OutputIDs) != 5 {
+		t.Fatalf("seed answer has %d output_ids, want 5", len(dr.ans.OutputIDs))
+	}
+	conv := append(append([]int64(nil), prompt...), dr.ans.OutputIDs...)
+	residentVerifies(t, d, sid, conv)
+
+	direct := func(rid string, ids []int64, cached, truncate int64) result {
+		t.Helper()
+		return post(t, ctx, d.url, idsBody(rid, ids, 3, kvcReq{Mode: "DIRECT_TO_D", Role: "decode", SessionID: sid, CachedTokens: cached}, truncate))
+	}
+
+	// 1. The resident KV is a prefix: direct, nothing rewritten.
+	next := append(append([]int64(nil), conv...), seqIDs(7, 900)...)
+	r := direct("r2", next, int64(len(conv)), 0)
+	if r.status != 200 || r.ans.MetaInfo.KVC.TruncatedTo != 0 || r.ans.MetaInfo.KVC.VerifyFailures != 0 {
+		t.Fatalf("prefix turn: %d %s %+v", r.status, r.code, r.ans.MetaInfo.KVC)
+	}
+	conv = append(next, r.ans.OutputIDs...) // 55 tokens
+	residentVerifies(t, d, sid, conv)
+
+	// 2. History edited at token 10 (a rewritten earlier turn), but the decision reuses all of
+	// it (what a length-only decision does): refused, never served.
+	edited := append([]int64(nil), conv...)
+	edited[10] = 7
+	edited = append(edited, seqIDs(4, 950)...)
+	r = direct("r3", edited, int64(len(conv)), 0)
+	if r.status != http.StatusInternalServerError || r.code != "kv_verify_failed" {
+		t.Fatalf("mis-stitched turn: %d %s, want 500 kv_verify_failed", r.status, r.code)
+	}
+	residentVerifies(t, d, sid, conv) // the failed turn left the session as it was
+
+	// 3. The decision truncates at the common prefix of full pages (8 = 2 pages of 4).
+	_, before := d.sc.snapshotOf()
+	r = direct("r4", edited, 8, 8)
+	if r.status != 200 || r.ans.MetaInfo.KVC.TruncatedTo != 8 || r.ans.MetaInfo.KVC.PrefillTokens != int64(len(edited))-8 {
+		t.Fatalf("truncated turn: %d %s %+v", r.status, r.code, r.ans.MetaInfo.KVC)
+	}
+	commits, releases := d.sc.snapshotOf()
+	if len(releases) != len(before)+1 || releases[len(releases)-1].GetSessionId() != sid {
+		t.Fatalf("the sidecar was not told to forget the session before the rewrite: %v", releases)
+	}
+	conv = append(edited, r.ans.OutputIDs...) // 62 tokens: the last page holds 2
+	if last := commits[len(commits)-1]; last.GetCommittedLen() != int64(len(conv)) {
+		t.Fatalf("last commit %d, want %d", last.GetCommittedLen(), len(conv))
+	}
+	residentVerifies(t, d, sid, conv)
+
+	// 4. The end of the last answer re-rendered differently (inside the partial last page):
+	// the worker cuts there itself.
+	if len(conv)%4 == 0 {
+		t.Fatalf("test needs a partial last page, have %d tokens", len(conv))
+	}
+	seam := append([]int64(nil), conv...)
+	seam[len(seam)-1] = 5
+	seam = append(seam, seqIDs(6, 990)...)
+	r = direct("r5", seam, int64(len(conv)), 0)
+	if r.status != 200 || r.ans.MetaInfo.KVC.TruncatedTo != int64(len(conv))-1 || r.ans.MetaInfo.KVC.VerifyFailures != 0 {
+		t.Fatalf("seam turn: %d %s %+v", r.status, r.code, r.ans.MetaInfo.KVC)
+	}
+	conv = append(seam, r.ans.OutputIDs...)
+	residentVerifies(t, d, sid, conv)
+
+	// 5. truncate_to that is not the turn's cached_tokens, or on a transfer mode, is refused.
+	if r := direct("r6", conv, 4, 8); r.status != 400 {
+		t.Fatalf("truncate_to != cached_tokens: %d %s", r.status, r.code)
+	}
+}
+
+// TestReceivedKVOfAnotherPromptFailsVerification: KV computed for one prompt (a stale snapshot,
+// a seed of the unedited history) does not verify when it arrives for a different prompt.
+func TestReceivedKVOfAnotherPromptFailsVerification(t *testing.T) {
+	h := newHub()
+	p := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_PREFILL, "p0", 4096, zeroTiming())
+	d := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_DECODE, "d0", 4096, zeroTiming())
+	ctx := context.Background()
+	old := seqIDs(24, 10)
+	edited := append([]int64(nil), old...)
+	edited[20] = 3
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		post(t, ctx, p.url, idsBody("r1", old, 2, kvcReq{Mode: "SEED", Role: "prefill", SessionID: "s", Room: i64(9)}, 0))
+	}()
+	r := post(t, ctx, d.url, idsBody("r1", edited, 2, kvcReq{Mode: "SEED", Role: "decode", SessionID: "s", Room: i64(9)}, 0))
+	wg.Wait()
+	if r.status != http.StatusInternalServerError || r.code != "kv_verify_failed" {
+		t.Fatalf("KV of another prompt: %d %s, want 500 kv_verify_failed", r.status, r.code)
+	}
+	if _, ok := sessionsOf(t, d)["s"]; ok {
+		t.Fatal("a session whose KV failed verification stayed resident")
+	}
+}
