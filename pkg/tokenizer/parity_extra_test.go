@@ -2,6 +2,7 @@ package tokenizer
 
 import (
 	"compress/gzip"
+	"encoding/json"
 	"io"
 	"os"
 	"path/filepath"
@@ -64,10 +65,26 @@ func checkLlamaCpp(t *testing.T, tok *Tokenizer, dir string) int {
 	return n
 }
 
-// qwen35JSON derives the Qwen3.5-regex tokenizer (no normalizer) from the committed Qwen3
-// file, as testdata/gen/make_testdata.py's qwen35_from_qwen3 does.
-func qwen35JSON(t *testing.T) []byte {
-	f, err := os.Open(filepath.Join("testdata", "qwen3", "tokenizer.json.gz"))
+// variantJSON derives a tokenizer.json from a committed one by the exact text replacements of
+// testdata/variants.json (gen_expected.py's variant_json does the same for HF's ids).
+func variantJSON(t *testing.T, name string) []byte {
+	t.Helper()
+	raw, err := os.ReadFile(filepath.Join("testdata", "variants.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var variants map[string]json.RawMessage
+	if err := json.Unmarshal(raw, &variants); err != nil {
+		t.Fatal(err)
+	}
+	var v struct {
+		Base    string      `json:"base"`
+		Replace [][2]string `json:"replace"`
+	}
+	if err := json.Unmarshal(variants[name], &v); err != nil {
+		t.Fatal(err)
+	}
+	f, err := os.Open(filepath.Join("testdata", v.Base, "tokenizer.json.gz"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -76,30 +93,54 @@ func qwen35JSON(t *testing.T) []byte {
 	if err != nil {
 		t.Fatal(err)
 	}
-	raw, err := io.ReadAll(zr)
+	b, err := io.ReadAll(zr)
 	if err != nil {
 		t.Fatal(err)
 	}
-	q := func(s string) string { return strings.ReplaceAll(s, `\`, `\\`) }
-	s := string(raw)
-	if !strings.Contains(s, q(reQwen2)) || !strings.Contains(s, `"normalizer": {"type": "NFC"}`) {
-		t.Fatal("qwen3 tokenizer.json lacks the Qwen2 regex or the NFC normalizer")
+	s := string(b)
+	for _, r := range v.Replace {
+		if n := strings.Count(s, r[0]); n != 1 {
+			t.Fatalf("variant %s: %q occurs %d times", name, r[0][:min(40, len(r[0]))], n)
+		}
+		s = strings.Replace(s, r[0], r[1], 1)
 	}
-	s = strings.Replace(s, q(reQwen2), q(reQwen35), 1)
-	s = strings.Replace(s, `"normalizer": {"type": "NFC"}`, `"normalizer": null`, 1)
 	return []byte(s)
 }
 
-// TestParityQwen35: the Qwen3.5 pre-tokenizer (letters with marks, no NFC) against HF on the
-// corpus and against llama.cpp's recorded ids (51 strings, combining marks among them).
-func TestParityQwen35(t *testing.T) {
-	tok, err := FromJSON(qwen35JSON(t), nil)
+// TestParityVariants: every tokenizer variants.json derives (Qwen3.5 regex without NFC; the
+// Llama-3 regex with ignore_merges and a TemplateProcessing BOS; GPT-2's ByteLevel regex with
+// NFKC) gives HF's ids on the corpus (with add_special_tokens=True). The Qwen3.5 variant also
+// matches llama.cpp's 51 recorded ids.
+func TestParityVariants(t *testing.T) {
+	raw, err := os.ReadFile(filepath.Join("testdata", "variants.json"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	checkCorpus(t, tok, filepath.Join("testdata", "qwen35", "expected.jsonl"), true)
-	if n := checkLlamaCpp(t, tok, filepath.Join("testdata", "qwen35")); n < 50 {
-		t.Fatalf("only %d llama.cpp cases", n)
+	var variants map[string]json.RawMessage
+	if err := json.Unmarshal(raw, &variants); err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for name := range variants {
+		if strings.HasPrefix(name, "_") {
+			continue
+		}
+		n++
+		t.Run(name, func(t *testing.T) {
+			tok, err := FromJSON(variantJSON(t, name), nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			checkCorpus(t, tok, filepath.Join("testdata", name, "expected.jsonl"), true)
+			if _, err := os.Stat(filepath.Join("testdata", name, "llamacpp-vocab-test.inp")); err == nil {
+				if k := checkLlamaCpp(t, tok, filepath.Join("testdata", name)); k < 50 {
+					t.Fatalf("only %d llama.cpp cases", k)
+				}
+			}
+		})
+	}
+	if n < 3 {
+		t.Fatalf("%d variants", n)
 	}
 }
 

@@ -10,7 +10,7 @@ Outputs (under OUT_TESTDATA_DIR):
                                 ImmutableSandboxedEnvironment, trim_blocks, lstrip_blocks,
                                 loopcontrols, tojson without ASCII escaping)
 
-  qwen35/expected.jsonl         the same for the Qwen3.5 pre-tokenizer (derived from qwen3's file)
+  <variant>/expected.jsonl      the same for each tokenizer variants.json derives from a committed one
 
 Usage: gen_expected.py OUT_TESTDATA_DIR   (needs: pip install tokenizers==0.23.3 jinja2==3.1.6)
        gen_expected.py --extra DIR        (expected ids for DIR/tokenizer.json, add_special_tokens=True)
@@ -172,12 +172,22 @@ def render(template, chat, special):
     return env.from_string(template).render(messages=chat["messages"], tools=chat.get("tools"), documents=None, **special, **kw)
 
 
+def variant_json(testdata, name):
+    """A tokenizer.json derived from a committed one by variants.json's replacements."""
+    v = json.load(open(os.path.join(testdata, "variants.json"), encoding="utf-8"))[name]
+    with gzip.open(os.path.join(testdata, v["base"], "tokenizer.json.gz"), "rt", encoding="utf-8") as f:
+        s = f.read()
+    for old, new in v["replace"]:
+        assert s.count(old) == 1, (name, old[:60])
+        s = s.replace(old, new)
+    return s
+
+
 def load(d):
-    if os.path.basename(d) == "qwen35":  # derived from the qwen3 file, as the Go test derives it
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from make_testdata import qwen35_from_qwen3
-        with gzip.open(os.path.join(os.path.dirname(d), "qwen3", "tokenizer.json.gz"), "rt", encoding="utf-8") as f:
-            return Tokenizer.from_str(qwen35_from_qwen3(f.read()))
+    testdata, name = os.path.dirname(d), os.path.basename(d)
+    variants = json.load(open(os.path.join(testdata, "variants.json"), encoding="utf-8"))
+    if name in variants:
+        return Tokenizer.from_str(variant_json(testdata, name))
     with gzip.open(os.path.join(d, "tokenizer.json.gz"), "rt", encoding="utf-8") as f:
         return Tokenizer.from_str(f.read())
 
@@ -197,8 +207,10 @@ def main(out):
     with open(os.path.join(out, "corpus.jsonl"), "w", encoding="utf-8") as f:
         for t in texts:
             f.write(json.dumps({"text": t}, ensure_ascii=False) + "\n")
-    for model in ("qwen3", "deepseek-v4", "qwen35"):
+    variants = [k for k in json.load(open(os.path.join(out, "variants.json"), encoding="utf-8")) if not k.startswith("_")]
+    for model in ["qwen3", "deepseek-v4"] + variants:
         tok = load(os.path.join(out, model))
+        os.makedirs(os.path.join(out, model), exist_ok=True)
         with open(os.path.join(out, model, "expected.jsonl"), "w") as f:
             for t in texts:
                 f.write(json.dumps({"ids": tok.encode(t).ids}) + "\n")
