@@ -24,6 +24,7 @@ GRPCURL_VERSION := v1.9.3
 
 .PHONY: grpcurl
 .PHONY: test-faults
+.PHONY: test-sglang
 .PHONY: all build test test-short lint fmt proto proto-check tools demo bench bench-transfer bench-policy bench-gpu test-mooncake tidy clean
 
 all: build
@@ -45,6 +46,19 @@ test: build
 		echo "== test $$m"; \
 		(cd $$m && CGO_ENABLED=1 KVC_BIN_DIR=$(BIN) $(GO) test -race -count=1 -timeout 600s ./...); \
 	done
+
+## test-sglang: the SGLang plugin's pytest suite against SGLang 0.5.23's real classes (CPU, no GPU
+## kernels; venv made once by integrations/sglang/scripts/make-venv.sh, pip cache reused) and the
+## real sidecar binaries (built into bin/)
+test-sglang:
+	@mkdir -p $(BIN)
+	@for name in kvc-sidecar-prefill kvc-sidecar-decode; do \
+		(cd $${name#kvc-} && CGO_ENABLED=0 $(GO) build -trimpath -o $(BIN)/$$name ./cmd/$$name); \
+	done
+	@venv="$$(integrations/sglang/scripts/make-venv.sh)"; \
+	"$$venv/bin/pip" install -q --no-deps --no-build-isolation -e integrations/sglang >/dev/null 2>&1 || \
+		"$$venv/bin/pip" install --no-deps --no-build-isolation -e integrations/sglang; \
+	cd integrations/sglang && KVC_BIN_DIR=$(BIN) timeout 600 "$$venv/bin/python" -m pytest -q -p no:warnings -p no:cacheprovider tests
 
 ## test-faults: every fault under session load on a real cluster (docs/reliability.md);
 ## FAULTS=ci (default, the CI subset), FAULTS=all, or FAULTS=name,name; log in out/faults/
