@@ -739,8 +739,10 @@ func (x *DrainWorkerRequest) GetUndrain() bool {
 }
 
 type DrainWorkerResponse struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Worker        *Worker                `protobuf:"bytes,1,opt,name=worker,proto3" json:"worker,omitempty"`
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	Worker *Worker                `protobuf:"bytes,1,opt,name=worker,proto3" json:"worker,omitempty"`
+	// The drain's progress right after the call (unset on undrain of a worker not draining).
+	Status        *DrainStatus `protobuf:"bytes,2,opt,name=status,proto3" json:"status,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -780,6 +782,344 @@ func (x *DrainWorkerResponse) GetWorker() *Worker {
 		return x.Worker
 	}
 	return nil
+}
+
+func (x *DrainWorkerResponse) GetStatus() *DrainStatus {
+	if x != nil {
+		return x.Status
+	}
+	return nil
+}
+
+// DrainStatus is the progress of one worker's drain, kept in the leader's memory. A new
+// leader restarts the drain of every worker whose draining flag it loads from etcd (counters
+// start again from zero).
+type DrainStatus struct {
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	WorkerId string                 `protobuf:"bytes,1,opt,name=worker_id,json=workerId,proto3" json:"worker_id,omitempty"`
+	// True while sessions are being moved off; false once finished or cancelled (undrain).
+	Active bool `protobuf:"varint,2,opt,name=active,proto3" json:"active,omitempty"`
+	// Sessions resident on the worker when the drain started.
+	SessionsAtStart int64 `protobuf:"varint,3,opt,name=sessions_at_start,json=sessionsAtStart,proto3" json:"sessions_at_start,omitempty"`
+	// Sessions still resident on the worker now.
+	SessionsLeft int64 `protobuf:"varint,4,opt,name=sessions_left,json=sessionsLeft,proto3" json:"sessions_left,omitempty"`
+	// Sessions released from the worker with a usable snapshot (their next turn reseeds from it).
+	MovedWithSnapshot int64 `protobuf:"varint,5,opt,name=moved_with_snapshot,json=movedWithSnapshot,proto3" json:"moved_with_snapshot,omitempty"`
+	// Sessions released without a usable snapshot after the wait (their next turn re-prefills).
+	MovedWithoutSnapshot int64 `protobuf:"varint,6,opt,name=moved_without_snapshot,json=movedWithoutSnapshot,proto3" json:"moved_without_snapshot,omitempty"`
+	// Release commands that could not be queued (queue full); retried on the next pass.
+	Failed int64 `protobuf:"varint,7,opt,name=failed,proto3" json:"failed,omitempty"`
+	// Sessions waiting now for a snapshot to catch up before their release.
+	WaitingForSnapshot int64 `protobuf:"varint,8,opt,name=waiting_for_snapshot,json=waitingForSnapshot,proto3" json:"waiting_for_snapshot,omitempty"`
+	StartedUnixMs      int64 `protobuf:"varint,9,opt,name=started_unix_ms,json=startedUnixMs,proto3" json:"started_unix_ms,omitempty"`
+	// 0 while active.
+	FinishedUnixMs int64 `protobuf:"varint,10,opt,name=finished_unix_ms,json=finishedUnixMs,proto3" json:"finished_unix_ms,omitempty"`
+	// True when an undrain (or ForgetWorker) stopped the drain before it finished.
+	Cancelled     bool `protobuf:"varint,11,opt,name=cancelled,proto3" json:"cancelled,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *DrainStatus) Reset() {
+	*x = DrainStatus{}
+	mi := &file_kvc_v1_admin_proto_msgTypes[16]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *DrainStatus) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*DrainStatus) ProtoMessage() {}
+
+func (x *DrainStatus) ProtoReflect() protoreflect.Message {
+	mi := &file_kvc_v1_admin_proto_msgTypes[16]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use DrainStatus.ProtoReflect.Descriptor instead.
+func (*DrainStatus) Descriptor() ([]byte, []int) {
+	return file_kvc_v1_admin_proto_rawDescGZIP(), []int{16}
+}
+
+func (x *DrainStatus) GetWorkerId() string {
+	if x != nil {
+		return x.WorkerId
+	}
+	return ""
+}
+
+func (x *DrainStatus) GetActive() bool {
+	if x != nil {
+		return x.Active
+	}
+	return false
+}
+
+func (x *DrainStatus) GetSessionsAtStart() int64 {
+	if x != nil {
+		return x.SessionsAtStart
+	}
+	return 0
+}
+
+func (x *DrainStatus) GetSessionsLeft() int64 {
+	if x != nil {
+		return x.SessionsLeft
+	}
+	return 0
+}
+
+func (x *DrainStatus) GetMovedWithSnapshot() int64 {
+	if x != nil {
+		return x.MovedWithSnapshot
+	}
+	return 0
+}
+
+func (x *DrainStatus) GetMovedWithoutSnapshot() int64 {
+	if x != nil {
+		return x.MovedWithoutSnapshot
+	}
+	return 0
+}
+
+func (x *DrainStatus) GetFailed() int64 {
+	if x != nil {
+		return x.Failed
+	}
+	return 0
+}
+
+func (x *DrainStatus) GetWaitingForSnapshot() int64 {
+	if x != nil {
+		return x.WaitingForSnapshot
+	}
+	return 0
+}
+
+func (x *DrainStatus) GetStartedUnixMs() int64 {
+	if x != nil {
+		return x.StartedUnixMs
+	}
+	return 0
+}
+
+func (x *DrainStatus) GetFinishedUnixMs() int64 {
+	if x != nil {
+		return x.FinishedUnixMs
+	}
+	return 0
+}
+
+func (x *DrainStatus) GetCancelled() bool {
+	if x != nil {
+		return x.Cancelled
+	}
+	return false
+}
+
+type GetDrainStatusRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	WorkerId      string                 `protobuf:"bytes,1,opt,name=worker_id,json=workerId,proto3" json:"worker_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetDrainStatusRequest) Reset() {
+	*x = GetDrainStatusRequest{}
+	mi := &file_kvc_v1_admin_proto_msgTypes[17]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetDrainStatusRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetDrainStatusRequest) ProtoMessage() {}
+
+func (x *GetDrainStatusRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_kvc_v1_admin_proto_msgTypes[17]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetDrainStatusRequest.ProtoReflect.Descriptor instead.
+func (*GetDrainStatusRequest) Descriptor() ([]byte, []int) {
+	return file_kvc_v1_admin_proto_rawDescGZIP(), []int{17}
+}
+
+func (x *GetDrainStatusRequest) GetWorkerId() string {
+	if x != nil {
+		return x.WorkerId
+	}
+	return ""
+}
+
+type GetDrainStatusResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Status        *DrainStatus           `protobuf:"bytes,1,opt,name=status,proto3" json:"status,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetDrainStatusResponse) Reset() {
+	*x = GetDrainStatusResponse{}
+	mi := &file_kvc_v1_admin_proto_msgTypes[18]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetDrainStatusResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetDrainStatusResponse) ProtoMessage() {}
+
+func (x *GetDrainStatusResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_kvc_v1_admin_proto_msgTypes[18]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetDrainStatusResponse.ProtoReflect.Descriptor instead.
+func (*GetDrainStatusResponse) Descriptor() ([]byte, []int) {
+	return file_kvc_v1_admin_proto_rawDescGZIP(), []int{18}
+}
+
+func (x *GetDrainStatusResponse) GetStatus() *DrainStatus {
+	if x != nil {
+		return x.Status
+	}
+	return nil
+}
+
+type ForgetWorkerRequest struct {
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	WorkerId string                 `protobuf:"bytes,1,opt,name=worker_id,json=workerId,proto3" json:"worker_id,omitempty"`
+	// Forget it even while its sidecar is connected (its stream is ended).
+	Force         bool `protobuf:"varint,2,opt,name=force,proto3" json:"force,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ForgetWorkerRequest) Reset() {
+	*x = ForgetWorkerRequest{}
+	mi := &file_kvc_v1_admin_proto_msgTypes[19]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ForgetWorkerRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ForgetWorkerRequest) ProtoMessage() {}
+
+func (x *ForgetWorkerRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_kvc_v1_admin_proto_msgTypes[19]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ForgetWorkerRequest.ProtoReflect.Descriptor instead.
+func (*ForgetWorkerRequest) Descriptor() ([]byte, []int) {
+	return file_kvc_v1_admin_proto_rawDescGZIP(), []int{19}
+}
+
+func (x *ForgetWorkerRequest) GetWorkerId() string {
+	if x != nil {
+		return x.WorkerId
+	}
+	return ""
+}
+
+func (x *ForgetWorkerRequest) GetForce() bool {
+	if x != nil {
+		return x.Force
+	}
+	return false
+}
+
+type ForgetWorkerResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Sessions that were resident on the worker (now not resident: they reseed elsewhere).
+	SessionsUnbound int64 `protobuf:"varint,1,opt,name=sessions_unbound,json=sessionsUnbound,proto3" json:"sessions_unbound,omitempty"`
+	// Sessions whose snapshot was on the worker (now without snapshot).
+	SnapshotsDropped int64 `protobuf:"varint,2,opt,name=snapshots_dropped,json=snapshotsDropped,proto3" json:"snapshots_dropped,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
+}
+
+func (x *ForgetWorkerResponse) Reset() {
+	*x = ForgetWorkerResponse{}
+	mi := &file_kvc_v1_admin_proto_msgTypes[20]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ForgetWorkerResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ForgetWorkerResponse) ProtoMessage() {}
+
+func (x *ForgetWorkerResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_kvc_v1_admin_proto_msgTypes[20]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ForgetWorkerResponse.ProtoReflect.Descriptor instead.
+func (*ForgetWorkerResponse) Descriptor() ([]byte, []int) {
+	return file_kvc_v1_admin_proto_rawDescGZIP(), []int{20}
+}
+
+func (x *ForgetWorkerResponse) GetSessionsUnbound() int64 {
+	if x != nil {
+		return x.SessionsUnbound
+	}
+	return 0
+}
+
+func (x *ForgetWorkerResponse) GetSnapshotsDropped() int64 {
+	if x != nil {
+		return x.SnapshotsDropped
+	}
+	return 0
 }
 
 var File_kvc_v1_admin_proto protoreflect.FileDescriptor
@@ -825,9 +1165,33 @@ const file_kvc_v1_admin_proto_rawDesc = "" +
 	"\x06policy\x18\x01 \x01(\v2\x0e.kvc.v1.PolicyR\x06policy\"K\n" +
 	"\x12DrainWorkerRequest\x12\x1b\n" +
 	"\tworker_id\x18\x01 \x01(\tR\bworkerId\x12\x18\n" +
-	"\aundrain\x18\x02 \x01(\bR\aundrain\"=\n" +
+	"\aundrain\x18\x02 \x01(\bR\aundrain\"j\n" +
 	"\x13DrainWorkerResponse\x12&\n" +
-	"\x06worker\x18\x01 \x01(\v2\x0e.kvc.v1.WorkerR\x06worker2\xbf\x04\n" +
+	"\x06worker\x18\x01 \x01(\v2\x0e.kvc.v1.WorkerR\x06worker\x12+\n" +
+	"\x06status\x18\x02 \x01(\v2\x13.kvc.v1.DrainStatusR\x06status\"\xb3\x03\n" +
+	"\vDrainStatus\x12\x1b\n" +
+	"\tworker_id\x18\x01 \x01(\tR\bworkerId\x12\x16\n" +
+	"\x06active\x18\x02 \x01(\bR\x06active\x12*\n" +
+	"\x11sessions_at_start\x18\x03 \x01(\x03R\x0fsessionsAtStart\x12#\n" +
+	"\rsessions_left\x18\x04 \x01(\x03R\fsessionsLeft\x12.\n" +
+	"\x13moved_with_snapshot\x18\x05 \x01(\x03R\x11movedWithSnapshot\x124\n" +
+	"\x16moved_without_snapshot\x18\x06 \x01(\x03R\x14movedWithoutSnapshot\x12\x16\n" +
+	"\x06failed\x18\a \x01(\x03R\x06failed\x120\n" +
+	"\x14waiting_for_snapshot\x18\b \x01(\x03R\x12waitingForSnapshot\x12&\n" +
+	"\x0fstarted_unix_ms\x18\t \x01(\x03R\rstartedUnixMs\x12(\n" +
+	"\x10finished_unix_ms\x18\n" +
+	" \x01(\x03R\x0efinishedUnixMs\x12\x1c\n" +
+	"\tcancelled\x18\v \x01(\bR\tcancelled\"4\n" +
+	"\x15GetDrainStatusRequest\x12\x1b\n" +
+	"\tworker_id\x18\x01 \x01(\tR\bworkerId\"E\n" +
+	"\x16GetDrainStatusResponse\x12+\n" +
+	"\x06status\x18\x01 \x01(\v2\x13.kvc.v1.DrainStatusR\x06status\"H\n" +
+	"\x13ForgetWorkerRequest\x12\x1b\n" +
+	"\tworker_id\x18\x01 \x01(\tR\bworkerId\x12\x14\n" +
+	"\x05force\x18\x02 \x01(\bR\x05force\"n\n" +
+	"\x14ForgetWorkerResponse\x12)\n" +
+	"\x10sessions_unbound\x18\x01 \x01(\x03R\x0fsessionsUnbound\x12+\n" +
+	"\x11snapshots_dropped\x18\x02 \x01(\x03R\x10snapshotsDropped2\xdb\x05\n" +
 	"\fAdminService\x12@\n" +
 	"\tGetLeader\x12\x18.kvc.v1.GetLeaderRequest\x1a\x19.kvc.v1.GetLeaderResponse\x12F\n" +
 	"\vListWorkers\x12\x1a.kvc.v1.ListWorkersRequest\x1a\x1b.kvc.v1.ListWorkersResponse\x12@\n" +
@@ -837,7 +1201,9 @@ const file_kvc_v1_admin_proto_rawDesc = "" +
 	"GetSession\x12\x19.kvc.v1.GetSessionRequest\x1a\x1a.kvc.v1.GetSessionResponse\x12@\n" +
 	"\tGetPolicy\x12\x18.kvc.v1.GetPolicyRequest\x1a\x19.kvc.v1.GetPolicyResponse\x12I\n" +
 	"\fUpdatePolicy\x12\x1b.kvc.v1.UpdatePolicyRequest\x1a\x1c.kvc.v1.UpdatePolicyResponse\x12F\n" +
-	"\vDrainWorker\x12\x1a.kvc.v1.DrainWorkerRequest\x1a\x1b.kvc.v1.DrainWorkerResponseB3Z1github.com/kvcentric/kvcentric/proto/kvc/v1;kvcv1b\x06proto3"
+	"\vDrainWorker\x12\x1a.kvc.v1.DrainWorkerRequest\x1a\x1b.kvc.v1.DrainWorkerResponse\x12O\n" +
+	"\x0eGetDrainStatus\x12\x1d.kvc.v1.GetDrainStatusRequest\x1a\x1e.kvc.v1.GetDrainStatusResponse\x12I\n" +
+	"\fForgetWorker\x12\x1b.kvc.v1.ForgetWorkerRequest\x1a\x1c.kvc.v1.ForgetWorkerResponseB3Z1github.com/kvcentric/kvcentric/proto/kvc/v1;kvcv1b\x06proto3"
 
 var (
 	file_kvc_v1_admin_proto_rawDescOnce sync.Once
@@ -851,60 +1217,71 @@ func file_kvc_v1_admin_proto_rawDescGZIP() []byte {
 	return file_kvc_v1_admin_proto_rawDescData
 }
 
-var file_kvc_v1_admin_proto_msgTypes = make([]protoimpl.MessageInfo, 16)
+var file_kvc_v1_admin_proto_msgTypes = make([]protoimpl.MessageInfo, 21)
 var file_kvc_v1_admin_proto_goTypes = []any{
-	(*GetLeaderRequest)(nil),     // 0: kvc.v1.GetLeaderRequest
-	(*GetLeaderResponse)(nil),    // 1: kvc.v1.GetLeaderResponse
-	(*ListWorkersRequest)(nil),   // 2: kvc.v1.ListWorkersRequest
-	(*ListWorkersResponse)(nil),  // 3: kvc.v1.ListWorkersResponse
-	(*GetWorkerRequest)(nil),     // 4: kvc.v1.GetWorkerRequest
-	(*GetWorkerResponse)(nil),    // 5: kvc.v1.GetWorkerResponse
-	(*ListSessionsRequest)(nil),  // 6: kvc.v1.ListSessionsRequest
-	(*ListSessionsResponse)(nil), // 7: kvc.v1.ListSessionsResponse
-	(*GetSessionRequest)(nil),    // 8: kvc.v1.GetSessionRequest
-	(*GetSessionResponse)(nil),   // 9: kvc.v1.GetSessionResponse
-	(*GetPolicyRequest)(nil),     // 10: kvc.v1.GetPolicyRequest
-	(*GetPolicyResponse)(nil),    // 11: kvc.v1.GetPolicyResponse
-	(*UpdatePolicyRequest)(nil),  // 12: kvc.v1.UpdatePolicyRequest
-	(*UpdatePolicyResponse)(nil), // 13: kvc.v1.UpdatePolicyResponse
-	(*DrainWorkerRequest)(nil),   // 14: kvc.v1.DrainWorkerRequest
-	(*DrainWorkerResponse)(nil),  // 15: kvc.v1.DrainWorkerResponse
-	(WorkerRole)(0),              // 16: kvc.v1.WorkerRole
-	(*Worker)(nil),               // 17: kvc.v1.Worker
-	(*SessionRecord)(nil),        // 18: kvc.v1.SessionRecord
-	(*Policy)(nil),               // 19: kvc.v1.Policy
+	(*GetLeaderRequest)(nil),       // 0: kvc.v1.GetLeaderRequest
+	(*GetLeaderResponse)(nil),      // 1: kvc.v1.GetLeaderResponse
+	(*ListWorkersRequest)(nil),     // 2: kvc.v1.ListWorkersRequest
+	(*ListWorkersResponse)(nil),    // 3: kvc.v1.ListWorkersResponse
+	(*GetWorkerRequest)(nil),       // 4: kvc.v1.GetWorkerRequest
+	(*GetWorkerResponse)(nil),      // 5: kvc.v1.GetWorkerResponse
+	(*ListSessionsRequest)(nil),    // 6: kvc.v1.ListSessionsRequest
+	(*ListSessionsResponse)(nil),   // 7: kvc.v1.ListSessionsResponse
+	(*GetSessionRequest)(nil),      // 8: kvc.v1.GetSessionRequest
+	(*GetSessionResponse)(nil),     // 9: kvc.v1.GetSessionResponse
+	(*GetPolicyRequest)(nil),       // 10: kvc.v1.GetPolicyRequest
+	(*GetPolicyResponse)(nil),      // 11: kvc.v1.GetPolicyResponse
+	(*UpdatePolicyRequest)(nil),    // 12: kvc.v1.UpdatePolicyRequest
+	(*UpdatePolicyResponse)(nil),   // 13: kvc.v1.UpdatePolicyResponse
+	(*DrainWorkerRequest)(nil),     // 14: kvc.v1.DrainWorkerRequest
+	(*DrainWorkerResponse)(nil),    // 15: kvc.v1.DrainWorkerResponse
+	(*DrainStatus)(nil),            // 16: kvc.v1.DrainStatus
+	(*GetDrainStatusRequest)(nil),  // 17: kvc.v1.GetDrainStatusRequest
+	(*GetDrainStatusResponse)(nil), // 18: kvc.v1.GetDrainStatusResponse
+	(*ForgetWorkerRequest)(nil),    // 19: kvc.v1.ForgetWorkerRequest
+	(*ForgetWorkerResponse)(nil),   // 20: kvc.v1.ForgetWorkerResponse
+	(WorkerRole)(0),                // 21: kvc.v1.WorkerRole
+	(*Worker)(nil),                 // 22: kvc.v1.Worker
+	(*SessionRecord)(nil),          // 23: kvc.v1.SessionRecord
+	(*Policy)(nil),                 // 24: kvc.v1.Policy
 }
 var file_kvc_v1_admin_proto_depIdxs = []int32{
-	16, // 0: kvc.v1.ListWorkersRequest.role:type_name -> kvc.v1.WorkerRole
-	17, // 1: kvc.v1.ListWorkersResponse.workers:type_name -> kvc.v1.Worker
-	17, // 2: kvc.v1.GetWorkerResponse.worker:type_name -> kvc.v1.Worker
-	18, // 3: kvc.v1.ListSessionsResponse.sessions:type_name -> kvc.v1.SessionRecord
-	18, // 4: kvc.v1.GetSessionResponse.session:type_name -> kvc.v1.SessionRecord
-	19, // 5: kvc.v1.GetPolicyResponse.policy:type_name -> kvc.v1.Policy
-	19, // 6: kvc.v1.UpdatePolicyRequest.policy:type_name -> kvc.v1.Policy
-	19, // 7: kvc.v1.UpdatePolicyResponse.policy:type_name -> kvc.v1.Policy
-	17, // 8: kvc.v1.DrainWorkerResponse.worker:type_name -> kvc.v1.Worker
-	0,  // 9: kvc.v1.AdminService.GetLeader:input_type -> kvc.v1.GetLeaderRequest
-	2,  // 10: kvc.v1.AdminService.ListWorkers:input_type -> kvc.v1.ListWorkersRequest
-	4,  // 11: kvc.v1.AdminService.GetWorker:input_type -> kvc.v1.GetWorkerRequest
-	6,  // 12: kvc.v1.AdminService.ListSessions:input_type -> kvc.v1.ListSessionsRequest
-	8,  // 13: kvc.v1.AdminService.GetSession:input_type -> kvc.v1.GetSessionRequest
-	10, // 14: kvc.v1.AdminService.GetPolicy:input_type -> kvc.v1.GetPolicyRequest
-	12, // 15: kvc.v1.AdminService.UpdatePolicy:input_type -> kvc.v1.UpdatePolicyRequest
-	14, // 16: kvc.v1.AdminService.DrainWorker:input_type -> kvc.v1.DrainWorkerRequest
-	1,  // 17: kvc.v1.AdminService.GetLeader:output_type -> kvc.v1.GetLeaderResponse
-	3,  // 18: kvc.v1.AdminService.ListWorkers:output_type -> kvc.v1.ListWorkersResponse
-	5,  // 19: kvc.v1.AdminService.GetWorker:output_type -> kvc.v1.GetWorkerResponse
-	7,  // 20: kvc.v1.AdminService.ListSessions:output_type -> kvc.v1.ListSessionsResponse
-	9,  // 21: kvc.v1.AdminService.GetSession:output_type -> kvc.v1.GetSessionResponse
-	11, // 22: kvc.v1.AdminService.GetPolicy:output_type -> kvc.v1.GetPolicyResponse
-	13, // 23: kvc.v1.AdminService.UpdatePolicy:output_type -> kvc.v1.UpdatePolicyResponse
-	15, // 24: kvc.v1.AdminService.DrainWorker:output_type -> kvc.v1.DrainWorkerResponse
-	17, // [17:25] is the sub-list for method output_type
-	9,  // [9:17] is the sub-list for method input_type
-	9,  // [9:9] is the sub-list for extension type_name
-	9,  // [9:9] is the sub-list for extension extendee
-	0,  // [0:9] is the sub-list for field type_name
+	21, // 0: kvc.v1.ListWorkersRequest.role:type_name -> kvc.v1.WorkerRole
+	22, // 1: kvc.v1.ListWorkersResponse.workers:type_name -> kvc.v1.Worker
+	22, // 2: kvc.v1.GetWorkerResponse.worker:type_name -> kvc.v1.Worker
+	23, // 3: kvc.v1.ListSessionsResponse.sessions:type_name -> kvc.v1.SessionRecord
+	23, // 4: kvc.v1.GetSessionResponse.session:type_name -> kvc.v1.SessionRecord
+	24, // 5: kvc.v1.GetPolicyResponse.policy:type_name -> kvc.v1.Policy
+	24, // 6: kvc.v1.UpdatePolicyRequest.policy:type_name -> kvc.v1.Policy
+	24, // 7: kvc.v1.UpdatePolicyResponse.policy:type_name -> kvc.v1.Policy
+	22, // 8: kvc.v1.DrainWorkerResponse.worker:type_name -> kvc.v1.Worker
+	16, // 9: kvc.v1.DrainWorkerResponse.status:type_name -> kvc.v1.DrainStatus
+	16, // 10: kvc.v1.GetDrainStatusResponse.status:type_name -> kvc.v1.DrainStatus
+	0,  // 11: kvc.v1.AdminService.GetLeader:input_type -> kvc.v1.GetLeaderRequest
+	2,  // 12: kvc.v1.AdminService.ListWorkers:input_type -> kvc.v1.ListWorkersRequest
+	4,  // 13: kvc.v1.AdminService.GetWorker:input_type -> kvc.v1.GetWorkerRequest
+	6,  // 14: kvc.v1.AdminService.ListSessions:input_type -> kvc.v1.ListSessionsRequest
+	8,  // 15: kvc.v1.AdminService.GetSession:input_type -> kvc.v1.GetSessionRequest
+	10, // 16: kvc.v1.AdminService.GetPolicy:input_type -> kvc.v1.GetPolicyRequest
+	12, // 17: kvc.v1.AdminService.UpdatePolicy:input_type -> kvc.v1.UpdatePolicyRequest
+	14, // 18: kvc.v1.AdminService.DrainWorker:input_type -> kvc.v1.DrainWorkerRequest
+	17, // 19: kvc.v1.AdminService.GetDrainStatus:input_type -> kvc.v1.GetDrainStatusRequest
+	19, // 20: kvc.v1.AdminService.ForgetWorker:input_type -> kvc.v1.ForgetWorkerRequest
+	1,  // 21: kvc.v1.AdminService.GetLeader:output_type -> kvc.v1.GetLeaderResponse
+	3,  // 22: kvc.v1.AdminService.ListWorkers:output_type -> kvc.v1.ListWorkersResponse
+	5,  // 23: kvc.v1.AdminService.GetWorker:output_type -> kvc.v1.GetWorkerResponse
+	7,  // 24: kvc.v1.AdminService.ListSessions:output_type -> kvc.v1.ListSessionsResponse
+	9,  // 25: kvc.v1.AdminService.GetSession:output_type -> kvc.v1.GetSessionResponse
+	11, // 26: kvc.v1.AdminService.GetPolicy:output_type -> kvc.v1.GetPolicyResponse
+	13, // 27: kvc.v1.AdminService.UpdatePolicy:output_type -> kvc.v1.UpdatePolicyResponse
+	15, // 28: kvc.v1.AdminService.DrainWorker:output_type -> kvc.v1.DrainWorkerResponse
+	18, // 29: kvc.v1.AdminService.GetDrainStatus:output_type -> kvc.v1.GetDrainStatusResponse
+	20, // 30: kvc.v1.AdminService.ForgetWorker:output_type -> kvc.v1.ForgetWorkerResponse
+	21, // [21:31] is the sub-list for method output_type
+	11, // [11:21] is the sub-list for method input_type
+	11, // [11:11] is the sub-list for extension type_name
+	11, // [11:11] is the sub-list for extension extendee
+	0,  // [0:11] is the sub-list for field type_name
 }
 
 func init() { file_kvc_v1_admin_proto_init() }
@@ -919,7 +1296,7 @@ func file_kvc_v1_admin_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvc_v1_admin_proto_rawDesc), len(file_kvc_v1_admin_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   16,
+			NumMessages:   21,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

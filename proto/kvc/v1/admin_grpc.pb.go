@@ -19,14 +19,16 @@ import (
 const _ = grpc.SupportPackageIsVersion9
 
 const (
-	AdminService_GetLeader_FullMethodName    = "/kvc.v1.AdminService/GetLeader"
-	AdminService_ListWorkers_FullMethodName  = "/kvc.v1.AdminService/ListWorkers"
-	AdminService_GetWorker_FullMethodName    = "/kvc.v1.AdminService/GetWorker"
-	AdminService_ListSessions_FullMethodName = "/kvc.v1.AdminService/ListSessions"
-	AdminService_GetSession_FullMethodName   = "/kvc.v1.AdminService/GetSession"
-	AdminService_GetPolicy_FullMethodName    = "/kvc.v1.AdminService/GetPolicy"
-	AdminService_UpdatePolicy_FullMethodName = "/kvc.v1.AdminService/UpdatePolicy"
-	AdminService_DrainWorker_FullMethodName  = "/kvc.v1.AdminService/DrainWorker"
+	AdminService_GetLeader_FullMethodName      = "/kvc.v1.AdminService/GetLeader"
+	AdminService_ListWorkers_FullMethodName    = "/kvc.v1.AdminService/ListWorkers"
+	AdminService_GetWorker_FullMethodName      = "/kvc.v1.AdminService/GetWorker"
+	AdminService_ListSessions_FullMethodName   = "/kvc.v1.AdminService/ListSessions"
+	AdminService_GetSession_FullMethodName     = "/kvc.v1.AdminService/GetSession"
+	AdminService_GetPolicy_FullMethodName      = "/kvc.v1.AdminService/GetPolicy"
+	AdminService_UpdatePolicy_FullMethodName   = "/kvc.v1.AdminService/UpdatePolicy"
+	AdminService_DrainWorker_FullMethodName    = "/kvc.v1.AdminService/DrainWorker"
+	AdminService_GetDrainStatus_FullMethodName = "/kvc.v1.AdminService/GetDrainStatus"
+	AdminService_ForgetWorker_FullMethodName   = "/kvc.v1.AdminService/ForgetWorker"
 )
 
 // AdminServiceClient is the client API for AdminService service.
@@ -34,7 +36,7 @@ const (
 // For semantics around ctx use and closing/ending streaming RPCs, please refer to https://pkg.go.dev/google.golang.org/grpc/?tab=doc#ClientConn.NewStream.
 //
 // AdminService is the operator API. Every replica answers reads (from etcd on a standby);
-// writes (UpdatePolicy, DrainWorker) go to the leader.
+// writes (UpdatePolicy, DrainWorker, ForgetWorker) and GetDrainStatus go to the leader.
 type AdminServiceClient interface {
 	// GetLeader names the current leader. Any replica answers.
 	GetLeader(ctx context.Context, in *GetLeaderRequest, opts ...grpc.CallOption) (*GetLeaderResponse, error)
@@ -46,8 +48,17 @@ type AdminServiceClient interface {
 	GetPolicy(ctx context.Context, in *GetPolicyRequest, opts ...grpc.CallOption) (*GetPolicyResponse, error)
 	// UpdatePolicy merges the set fields of policy into the current policy, validates and stores it.
 	UpdatePolicy(ctx context.Context, in *UpdatePolicyRequest, opts ...grpc.CallOption) (*UpdatePolicyResponse, error)
-	// DrainWorker stops new sessions going to a worker (or, with undrain, re-admits it).
+	// DrainWorker is the maintenance path for a worker: it stops routing new sessions to it
+	// and, for a decode worker, moves its resident sessions off (each is released on the worker
+	// once its snapshot is usable, or after a bounded wait, so its next turn reseeds elsewhere).
+	// With undrain it re-admits the worker and stops the move. Progress: GetDrainStatus.
 	DrainWorker(ctx context.Context, in *DrainWorkerRequest, opts ...grpc.CallOption) (*DrainWorkerResponse, error)
+	// GetDrainStatus reports the progress of a worker's drain (leader only: the move runs there).
+	GetDrainStatus(ctx context.Context, in *GetDrainStatusRequest, opts ...grpc.CallOption) (*GetDrainStatusResponse, error)
+	// ForgetWorker removes a decommissioned worker and its residency (sessions resident on it,
+	// snapshots it held) from the leader's state and etcd. Refused (FAILED_PRECONDITION) while
+	// the worker's sidecar is connected, unless force is set (the stream is then ended).
+	ForgetWorker(ctx context.Context, in *ForgetWorkerRequest, opts ...grpc.CallOption) (*ForgetWorkerResponse, error)
 }
 
 type adminServiceClient struct {
@@ -138,12 +149,32 @@ func (c *adminServiceClient) DrainWorker(ctx context.Context, in *DrainWorkerReq
 	return out, nil
 }
 
+func (c *adminServiceClient) GetDrainStatus(ctx context.Context, in *GetDrainStatusRequest, opts ...grpc.CallOption) (*GetDrainStatusResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(GetDrainStatusResponse)
+	err := c.cc.Invoke(ctx, AdminService_GetDrainStatus_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *adminServiceClient) ForgetWorker(ctx context.Context, in *ForgetWorkerRequest, opts ...grpc.CallOption) (*ForgetWorkerResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ForgetWorkerResponse)
+	err := c.cc.Invoke(ctx, AdminService_ForgetWorker_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // AdminServiceServer is the server API for AdminService service.
 // All implementations must embed UnimplementedAdminServiceServer
 // for forward compatibility.
 //
 // AdminService is the operator API. Every replica answers reads (from etcd on a standby);
-// writes (UpdatePolicy, DrainWorker) go to the leader.
+// writes (UpdatePolicy, DrainWorker, ForgetWorker) and GetDrainStatus go to the leader.
 type AdminServiceServer interface {
 	// GetLeader names the current leader. Any replica answers.
 	GetLeader(context.Context, *GetLeaderRequest) (*GetLeaderResponse, error)
@@ -155,8 +186,17 @@ type AdminServiceServer interface {
 	GetPolicy(context.Context, *GetPolicyRequest) (*GetPolicyResponse, error)
 	// UpdatePolicy merges the set fields of policy into the current policy, validates and stores it.
 	UpdatePolicy(context.Context, *UpdatePolicyRequest) (*UpdatePolicyResponse, error)
-	// DrainWorker stops new sessions going to a worker (or, with undrain, re-admits it).
+	// DrainWorker is the maintenance path for a worker: it stops routing new sessions to it
+	// and, for a decode worker, moves its resident sessions off (each is released on the worker
+	// once its snapshot is usable, or after a bounded wait, so its next turn reseeds elsewhere).
+	// With undrain it re-admits the worker and stops the move. Progress: GetDrainStatus.
 	DrainWorker(context.Context, *DrainWorkerRequest) (*DrainWorkerResponse, error)
+	// GetDrainStatus reports the progress of a worker's drain (leader only: the move runs there).
+	GetDrainStatus(context.Context, *GetDrainStatusRequest) (*GetDrainStatusResponse, error)
+	// ForgetWorker removes a decommissioned worker and its residency (sessions resident on it,
+	// snapshots it held) from the leader's state and etcd. Refused (FAILED_PRECONDITION) while
+	// the worker's sidecar is connected, unless force is set (the stream is then ended).
+	ForgetWorker(context.Context, *ForgetWorkerRequest) (*ForgetWorkerResponse, error)
 	mustEmbedUnimplementedAdminServiceServer()
 }
 
@@ -190,6 +230,12 @@ func (UnimplementedAdminServiceServer) UpdatePolicy(context.Context, *UpdatePoli
 }
 func (UnimplementedAdminServiceServer) DrainWorker(context.Context, *DrainWorkerRequest) (*DrainWorkerResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method DrainWorker not implemented")
+}
+func (UnimplementedAdminServiceServer) GetDrainStatus(context.Context, *GetDrainStatusRequest) (*GetDrainStatusResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method GetDrainStatus not implemented")
+}
+func (UnimplementedAdminServiceServer) ForgetWorker(context.Context, *ForgetWorkerRequest) (*ForgetWorkerResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method ForgetWorker not implemented")
 }
 func (UnimplementedAdminServiceServer) mustEmbedUnimplementedAdminServiceServer() {}
 func (UnimplementedAdminServiceServer) testEmbeddedByValue()                      {}
@@ -356,6 +402,42 @@ func _AdminService_DrainWorker_Handler(srv interface{}, ctx context.Context, dec
 	return interceptor(ctx, in, info, handler)
 }
 
+func _AdminService_GetDrainStatus_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(GetDrainStatusRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AdminServiceServer).GetDrainStatus(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: AdminService_GetDrainStatus_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AdminServiceServer).GetDrainStatus(ctx, req.(*GetDrainStatusRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _AdminService_ForgetWorker_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ForgetWorkerRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AdminServiceServer).ForgetWorker(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: AdminService_ForgetWorker_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AdminServiceServer).ForgetWorker(ctx, req.(*ForgetWorkerRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // AdminService_ServiceDesc is the grpc.ServiceDesc for AdminService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -394,6 +476,14 @@ var AdminService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "DrainWorker",
 			Handler:    _AdminService_DrainWorker_Handler,
+		},
+		{
+			MethodName: "GetDrainStatus",
+			Handler:    _AdminService_GetDrainStatus_Handler,
+		},
+		{
+			MethodName: "ForgetWorker",
+			Handler:    _AdminService_ForgetWorker_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},
