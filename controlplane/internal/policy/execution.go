@@ -32,6 +32,9 @@ type Execution struct {
 	OnTransferFailed kvcv1.RouteErrorKind
 	// RetryAllowed: a retryable failure may be retried once through a new decision.
 	RetryAllowed bool
+	// TruncateTo: D cuts the session it holds to this many tokens before its append-prefill
+	// (PREFIX_TRUNCATED); 0 = none.
+	TruncateTo int64
 }
 
 // execution derives a decision's execution plan from its mode, reason and cause.
@@ -61,6 +64,7 @@ func execution(d *Decision, unavailable bool) Execution {
 	case kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D:
 		e.Transfer = kvcv1.TransferKind_TRANSFER_KIND_UNSPECIFIED
 		e.KeepSession = true
+		e.TruncateTo = d.TruncateTo
 	case kvcv1.RouteMode_ROUTE_MODE_SEED, kvcv1.RouteMode_ROUTE_MODE_RESEED_PREFILL:
 		e.KeepSession, e.OpenSession = true, true
 	case kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT:
@@ -75,7 +79,9 @@ func execution(d *Decision, unavailable bool) Execution {
 	}
 	if e.OpenSession && d.From != "" && d.Decode != nil && d.From != d.Decode.WorkerId {
 		switch d.Cause {
-		case kvcv1.RouteReason_ROUTE_REASON_MIGRATED_AFTER_REJECTS, kvcv1.RouteReason_ROUTE_REASON_D_DRAINING:
+		case kvcv1.RouteReason_ROUTE_REASON_MIGRATED_AFTER_REJECTS, kvcv1.RouteReason_ROUTE_REASON_D_DRAINING,
+			kvcv1.RouteReason_ROUTE_REASON_PREFIX_MISMATCH:
+			// PREFIX_MISMATCH: the copy left behind is not a prefix of the conversation any more.
 			e.CloseSessionOn = d.From
 		}
 	}

@@ -44,6 +44,8 @@ type Input struct {
 	NoSnapshot bool
 	// Unavailable: the control plane cannot vouch for its state (not leading); plain P/D.
 	Unavailable bool
+	// Content: the prompt's and the session's page hashes (content.go); nil: lengths alone.
+	Content *Content
 	// Exclude lists worker ids the decision must not use (a gateway's retry after a worker's
 	// death): they are treated as unroutable, and a session resident on an excluded decode
 	// worker as having lost it (D_UNREACHABLE).
@@ -65,6 +67,9 @@ type Decision struct {
 	Seed           bool // counts toward Decode's in-flight seeds
 	UsesPrefill    bool // Prefill computes (counts toward its in-flight prefills)
 	CachedTokens   int64
+	// TruncateTo: D keeps only this many tokens of the session before its append-prefill
+	// (PREFIX_TRUNCATED); 0 = none.
+	TruncateTo int64
 	// PrefillPriority: PrefillPriorityLow for sessions predicted to go direct-to-D next.
 	PrefillPriority    int32
 	PauseMs            int64
@@ -225,6 +230,12 @@ func (c *Cycle) resident(d *kvcv1.Worker) Decision {
 		}
 		// Nowhere to migrate: serve it in place if d admits it.
 	}
+	if c.In.Content.known() {
+		// On content: the resident KV is reused only when it is a prefix of the prompt.
+		if pages, whole := c.residentPrefix(); !whole {
+			return c.prefixMismatch(d, pages)
+		}
+	}
 	committed := c.S.KvCommittedLen
 	cached := min(committed, c.Q.InputTokens)
 	uncached := c.Q.InputTokens - cached
@@ -307,7 +318,7 @@ func (c *Cycle) reseed(reason kvcv1.RouteReason, from string, prof *Profile, opt
 		}
 		return c.fallback(why), true
 	}
-	snapP, snapReason := c.snapshot()
+	snapP, snapReason, snapTokens := c.snapshot()
 	dec := Decision{
 		Decode:         d.W,
 		ReservedTokens: c.Need,
@@ -324,8 +335,8 @@ func (c *Cycle) reseed(reason kvcv1.RouteReason, from string, prof *Profile, opt
 		s := c.S.Snapshot
 		dec.Mode = kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT
 		dec.Prefill = snapP
-		dec.CachedTokens = s.Seqlen
-		dec.SnapshotSeqlen = s.Seqlen
+		dec.CachedTokens = snapTokens
+		dec.SnapshotSeqlen = snapTokens
 		dec.SnapshotGeneration = s.Generation
 		dec.PrefillPriority = PrefillPriorityNormal
 		if c.Cause == 0 {
@@ -440,27 +451,43 @@ func (c *Cycle) pick(p *Profile) (*Cand, kvcv1.RouteReason) {
 	return nil, p.Filters[deepest].Reason(c)
 }
 
-// snapshot returns the prefill worker holding a usable snapshot, or nil and the reason why
-// not (SNAPSHOT_HIT when usable).
-func (c *Cycle) snapshot() (*kvcv1.Worker, kvcv1.RouteReason) {
+// snapshot returns the prefill worker holding a usable snapshot and the tokens of it to reuse,
+// or nil and the reason why not (SNAPSHOT_HIT when usable). On content, only the snapshot's
+// prefix that is provably a prefix of the prompt is reused (PREFIX_MISMATCH when that is
+// shorter than the whole snapshot, or nothing).
+func (c *Cycle) snapshot() (*kvcv1.Worker, kvcv1.RouteReason, int64) {
 	if !c.K.SnapshotsEnabled {
-		return nil, kvcv1.RouteReason_ROUTE_REASON_SNAPSHOTS_DISABLED
+		return nil, kvcv1.RouteReason_ROUTE_REASON_SNAPSHOTS_DISABLED, 0
 	}
 	s := c.S.GetSnapshot()
 	if c.In.NoSnapshot || s == nil || s.PrefillWorker == "" || s.Seqlen <= 0 {
-		return nil, kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_MISSING
+		return nil, kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_MISSING, 0
 	}
 	p := findWorker(c.In.Workers, s.PrefillWorker, kvcv1.WorkerRole_WORKER_ROLE_PREFILL)
 	if p == nil || !servesSnapshots(p) || c.excluded(p.WorkerId) {
-		return nil, kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_MISSING
+		return nil, kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_MISSING, 0
 	}
 	if m := c.K.SnapshotMaxStalenessMs; m > 0 && c.In.NowMs-s.UpdatedUnixMs > m {
-		return nil, kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_STALE
+		return nil, kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_STALE, 0
 	}
-	if s.Seqlen < c.Q.InputTokens-c.K.TailToleranceTokens || s.Seqlen > c.Q.InputTokens {
-		return nil, kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_STALE
+	tokens, reason := s.Seqlen, kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_HIT
+	if c.In.Content.known() {
+		t, ok := c.snapshotPrefix(s.Seqlen)
+		if !ok {
+			return nil, kvcv1.RouteReason_ROUTE_REASON_PREFIX_MISMATCH, 0
+		}
+		if t < s.Seqlen/c.In.Content.PageSize*c.In.Content.PageSize {
+			reason = kvcv1.RouteReason_ROUTE_REASON_PREFIX_MISMATCH
+		}
+		tokens = t
 	}
-	return p, kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_HIT
+	if tokens < c.Q.InputTokens-c.K.TailToleranceTokens || tokens > c.Q.InputTokens {
+		if reason == kvcv1.RouteReason_ROUTE_REASON_PREFIX_MISMATCH {
+			return nil, reason, 0
+		}
+		return nil, kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_STALE, 0
+	}
+	return p, reason, tokens
 }
 
 // leastLoadedPrefill: routable prefill worker with the fewest running+waiting requests plus

@@ -522,6 +522,9 @@ func TestDecideEveryModeAndReason(t *testing.T) {
 			t.Errorf("mode %s not covered", m)
 		}
 	}
+	// Decisions on content are the table of TestDecideOnContent.
+	seenReason[kvcv1.RouteReason_ROUTE_REASON_PREFIX_MISMATCH] = true
+	seenReason[kvcv1.RouteReason_ROUTE_REASON_PREFIX_TRUNCATED] = true
 	for v := range kvcv1.RouteReason_name {
 		if r := kvcv1.RouteReason(v); r != 0 && !seenReason[r] {
 			t.Errorf("reason %s not covered", r)

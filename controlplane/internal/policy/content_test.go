@@ -1,0 +1,192 @@
+package policy
+
+import (
+	"testing"
+
+	"github.com/kvcentric/kvcentric/pkg/pagehash"
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+const cps = 16 // page size of the content tests
+
+// convo is a conversation's token ids: n tokens, ids from base; edit rewrites token at.
+func convo(n int, base uint32, edits ...int) []uint32 {
+	ids := make([]uint32, n)
+	for i := range ids {
+		ids[i] = base + uint32(i)
+	}
+	for _, at := range edits {
+		ids[at] = 1 << 30
+	}
+	return ids
+}
+
+func chainOf(t *testing.T, ids []uint32) []uint64 {
+	t.Helper()
+	h, err := pagehash.New(cps, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return h.Chain(ids)
+}
+
+func sparseOf(t *testing.T, chain []uint64) *pagehash.Sparse {
+	t.Helper()
+	s, err := pagehash.NewSparse(pagehash.DefaultTail, pagehash.DefaultStride)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.Append(chain)
+	return s
+}
+
+// TestDecideOnContent covers every branch of the prefix decision: the resident KV is a prefix
+// (direct), diverges after a common prefix (truncate on D), diverges with nothing or too much
+// to append (reseed: snapshot up to its common prefix, or re-prefill), is unknown, and the
+// snapshot's own content check for a session that lost its D.
+func TestDecideOnContent(t *testing.T) {
+	const committed = 10_000 // 625 pages of 16
+	held := convo(committed, 1)
+	heldChain := chainOf(t, held)
+	grow := func(ids []uint32, n int) []uint32 { // the next prompt: ids + n new tokens
+		return append(append([]uint32(nil), ids...), convo(n, 500_000)...)
+	}
+	snapOf := func(seqlen int64) *SnapshotContent {
+		p := int(seqlen / cps)
+		return &SnapshotContent{Pages: p, Last: heldChain[p-1], Chain: sparseOf(t, heldChain)}
+	}
+	type ctc struct {
+		name     string
+		prompt   []uint32
+		resident *pagehash.Sparse
+		rec      *kvcv1.SessionRecord
+		snap     *SnapshotContent
+		k        func(p *kvcv1.Policy)
+
+		mode     kvcv1.RouteMode
+		reason   kvcv1.RouteReason
+		decode   string
+		cached   int64
+		truncate int64
+		closeOn  string
+	}
+	residentRec := func() *kvcv1.SessionRecord { return resident("d1", committed) }
+	evicted := func(seqlen int64) *kvcv1.SessionRecord {
+		r := resident("", committed)
+		r.PreviousDecodeWorker = "d1"
+		r.Snapshot = snap("p1", seqlen)
+		return r
+	}
+	cases := []ctc{
+		{name: "resident KV is a prefix: direct", prompt: grow(held, 300), resident: sparseOf(t, heldChain), rec: residentRec(),
+			mode: mDirect, reason: kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT, decode: "d1", cached: committed},
+		{name: "stripped reasoning near the end: truncate to the common prefix", prompt: grow(convo(9_950, 1), 300),
+			resident: sparseOf(t, heldChain), rec: residentRec(),
+			mode: mDirect, reason: kvcv1.RouteReason_ROUTE_REASON_PREFIX_TRUNCATED, decode: "d1", cached: 9_936, truncate: 9_936},
+		{name: "edit inside an old turn: truncate at a stride page", prompt: grow(convo(committed, 1, 5_000), 100),
+			resident: sparseOf(t, heldChain), rec: residentRec(),
+			mode: mDirect, reason: kvcv1.RouteReason_ROUTE_REASON_PREFIX_TRUNCATED, decode: "d1", cached: 4_608, truncate: 4_608},
+		{name: "common prefix too short for a direct append: reseed by prefill, old copy closed",
+			prompt: grow(convo(committed, 1, 100), 0), resident: sparseOf(t, heldChain), rec: residentRec(),
+			k:    func(p *kvcv1.Policy) { p.DirectMaxUncachedTokens = i64(2048) },
+			mode: mPrefill, reason: kvcv1.RouteReason_ROUTE_REASON_PREFIX_MISMATCH, decode: "d1"},
+		{name: "nothing in common (first page rewritten): reseed by prefill", prompt: grow(convo(committed, 1, 0), 50),
+			resident: sparseOf(t, heldChain), rec: residentRec(),
+			mode: mPrefill, reason: kvcv1.RouteReason_ROUTE_REASON_PREFIX_MISMATCH, decode: "d1"},
+		{name: "resident content unknown: never appended to, reseed", prompt: grow(held, 300), rec: residentRec(),
+			mode: mPrefill, reason: kvcv1.RouteReason_ROUTE_REASON_PREFIX_MISMATCH, decode: "d1"},
+		{name: "resident chain shorter than the KV (pages unknown): truncate to the known pages", prompt: grow(held, 300),
+			resident: sparseOf(t, heldChain[:600]), rec: residentRec(),
+			mode: mDirect, reason: kvcv1.RouteReason_ROUTE_REASON_PREFIX_TRUNCATED, decode: "d1", cached: 9_600, truncate: 9_600},
+		{name: "mismatch with a snapshot that shares the prefix: reseed from it up to that prefix",
+			prompt: grow(convo(committed, 1, 9_000), 100), resident: sparseOf(t, heldChain), rec: func() *kvcv1.SessionRecord {
+				r := residentRec()
+				r.Snapshot = snap("p1", 9_600)
+				return r
+			}(), snap: snapOf(9_600),
+			k:    func(p *kvcv1.Policy) { p.DirectMaxUncachedTokens = i64(512) },
+			mode: mSnap, reason: kvcv1.RouteReason_ROUTE_REASON_PREFIX_MISMATCH, decode: "d1", cached: 8_704}, // the sparse chain: rounded down to a stride page
+		// --- the session lost its D: the snapshot's content decides ---
+		{name: "evicted, snapshot is a prefix: reseed from all of it", prompt: grow(held, 300), rec: evicted(9_600), snap: snapOf(9_600),
+			mode: mSnap, reason: kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_HIT, cached: 9_600},
+		{name: "evicted, snapshot seqlen mid-page: only its full pages", prompt: grow(held, 300), rec: evicted(9_610), snap: snapOf(9_600),
+			mode: mSnap, reason: kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_HIT, cached: 9_600},
+		{name: "evicted, history edited inside the snapshot: reseed from the common prefix", prompt: grow(convo(committed, 1, 9_500), 100),
+			rec: evicted(9_600), snap: snapOf(9_600),
+			mode: mSnap, reason: kvcv1.RouteReason_ROUTE_REASON_PREFIX_MISMATCH, cached: 9_216},
+		{name: "evicted, common prefix too short for the tail tolerance: re-prefill", prompt: grow(convo(committed, 1, 2_000), 100),
+			rec: evicted(9_600), snap: snapOf(9_600),
+			mode: mPrefill, reason: kvcv1.RouteReason_ROUTE_REASON_PREFIX_MISMATCH},
+		{name: "evicted, snapshot content unknown: re-prefill", prompt: grow(held, 300), rec: evicted(9_600),
+			mode: mPrefill, reason: kvcv1.RouteReason_ROUTE_REASON_PREFIX_MISMATCH},
+	}
+	for _, tt := range cases {
+		t.Run(tt.name, func(t *testing.T) {
+			ws := cluster()
+			ws[3] = dW("d2", 100_000, 90_000) // d1 is the emptier D: reseeds land there
+			in := &Input{Knobs: knobs(tt.k), Query: q(int64(len(tt.prompt)), 100, 5), Session: tt.rec, Workers: ws,
+				Ledger: ledger(nil), NowMs: nowMs,
+				Content: &Content{PageSize: cps, Prompt: chainOf(t, tt.prompt), Resident: tt.resident, Snapshot: tt.snap}}
+			d := Decide(in)
+			if d.Mode != tt.mode || d.Reason != tt.reason {
+				t.Fatalf("got %s/%s, want %s/%s", d.Mode, d.Reason, tt.mode, tt.reason)
+			}
+			if tt.decode != "" && (d.Decode == nil || d.Decode.WorkerId != tt.decode) {
+				t.Fatalf("decode %v, want %s", d.Decode, tt.decode)
+			}
+			if d.CachedTokens != tt.cached || d.TruncateTo != tt.truncate || d.Exec.TruncateTo != tt.truncate {
+				t.Fatalf("cached %d truncate %d (exec %d), want %d, %d", d.CachedTokens, d.TruncateTo, d.Exec.TruncateTo, tt.cached, tt.truncate)
+			}
+			if d.Mode == mSnap && d.SnapshotSeqlen != tt.cached {
+				t.Fatalf("snapshot_seqlen %d, want %d", d.SnapshotSeqlen, tt.cached)
+			}
+			if tt.cached%cps != 0 {
+				t.Fatalf("reused KV %d not page aligned", tt.cached)
+			}
+			if (d.Mode == mPrefill || d.Mode == mSnap) && !d.Exec.OpenSession {
+				t.Fatal("a reseed must open the session (replacing the stale copy)")
+			}
+		})
+	}
+}
+
+// TestContentNeverReusesMismatchedKV: over random edits of a resident conversation, a
+// decision on content never reuses (direct or from the snapshot) a token that is not part of
+// the prompt's common prefix with the KV it reuses.
+func TestContentNeverReusesMismatchedKV(t *testing.T) {
+	const committed = 4_000
+	held := convo(committed, 1)
+	heldChain := chainOf(t, held)
+	for at := 0; at < committed; at += 97 {
+		prompt := append(convo(committed, 1, at), convo(200, 900_000)...)
+		for _, withSnap := range []bool{false, true} {
+			rec := resident("d1", committed)
+			var sc *SnapshotContent
+			if withSnap {
+				rec.Snapshot = snap("p1", 3_200)
+				sc = &SnapshotContent{Pages: 200, Last: heldChain[199], Chain: sparseOf(t, heldChain)}
+			}
+			in := &Input{Knobs: knobs(nil), Query: q(int64(len(prompt)), 50, 5), Session: rec, Workers: cluster(),
+				Ledger: ledger(nil), NowMs: nowMs,
+				Content: &Content{PageSize: cps, Prompt: chainOf(t, prompt), Resident: sparseOf(t, heldChain), Snapshot: sc}}
+			d := Decide(in)
+			if d.CachedTokens > int64(at) {
+				t.Fatalf("edit at %d (snapshot %v): %s/%s reuses %d tokens", at, withSnap, d.Mode, d.Reason, d.CachedTokens)
+			}
+			if d.Mode == mDirect && d.TruncateTo != d.CachedTokens {
+				t.Fatalf("edit at %d: direct without truncation to the reused %d tokens", at, d.CachedTokens)
+			}
+		}
+	}
+}
+
+// TestContentUnknownGoesOnLengths: a query without hashes decides as before.
+func TestContentUnknownGoesOnLengths(t *testing.T) {
+	for _, ct := range []*Content{nil, {PageSize: 0}} {
+		d := Decide(&Input{Knobs: knobs(nil), Query: q(12_000, 100, 4), Session: resident("d2", 10_000), Workers: cluster(),
+			Ledger: ledger(nil), NowMs: nowMs, Content: ct})
+		if d.Mode != mDirect || d.Reason != kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT || d.CachedTokens != 10_000 {
+			t.Fatalf("content %v: %s/%s cached %d", ct, d.Mode, d.Reason, d.CachedTokens)
+		}
+	}
+}
