@@ -8,7 +8,8 @@ Launch (colocated decode worker)::
         "linker_module_path": "kvcentric_sglang.linker", "linker_extra_config": {}}'
 
 RESEED_SNAPSHOT on D': the request arrives with kv_hints {mode: RESEED_SNAPSHOT, session_id,
-room, snapshot_seqlen, prefill_peer_addr}. SGLang's match path asks ``lookup`` how many pages of
+room, snapshot_seqlen, prefill_peer_addr}. (Any kvc hint with snapshot_seqlen > 0 loads the same
+way: it says the prefill store holds [0, snapshot_seqlen) of the context.) SGLang's match path asks ``lookup`` how many pages of
 the device-uncached tail are restorable: floor(snapshot_seqlen / page) pages (only when the tail
 starts at token 0: the snapshot covers the session from its first token, and a transfer cannot
 start mid-way). ``load`` receives the request-private device slots SGLang allocated;
@@ -37,7 +38,6 @@ logger = logging.getLogger(__name__)
 # rid -> the request's kvc hint and first-page tokens (set by the _create_generation_req hook).
 _hints: Dict[str, Tuple[runtime.KvcHint, Optional[List[int]]]] = {}
 _hints_lock = threading.Lock()
-MODES = ("RESEED_SNAPSHOT",)
 
 
 def remember_hint(rid: str, hint: Optional[runtime.KvcHint], first_page_tokens: Optional[List[int]] = None) -> None:
@@ -90,7 +90,9 @@ class KvcLinker(UnifiedCacheLinker):
         if got is None:
             return []
         hint, first_page = got
-        if hint.mode not in MODES or hint.snapshot_seqlen <= 0 or hint.room is None:
+        # snapshot_seqlen > 0 means: the prefill sidecar's store holds [0, snapshot_seqlen) of this
+        # request's context (RESEED_SNAPSHOT; a seed stored by P first, docs/sglang.md)
+        if hint.snapshot_seqlen <= 0 or hint.room is None or not hint.prefill_peer_addr:
             return []
         kv = next((t for t in transfers if t.name == PoolName.KV), None)
         if kv is None or not kv.keys:

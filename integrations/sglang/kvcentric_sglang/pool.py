@@ -122,7 +122,8 @@ def cuda_ipc_region(ptr: int) -> Tuple[bytes, int, int]:
             "cuIpcGetMemHandle of the allocation at 0x%x (holding KV buffer 0x%x) failed: %s; legacy CUDA IPC "
             "refuses VMM allocations: unset PYTORCH_CUDA_ALLOC_CONF=expandable_segments, do not use "
             "--enable-memory-saver or SGLANG_MOONCAKE_CUSTOM_MEM_POOL" % (base_i, ptr, res[0]))
-    handle = bytes(res[1].reserved)
+    raw = res[1].reserved
+    handle = bytes(raw) if isinstance(raw, (bytes, bytearray)) else bytes((int(x) & 0xFF) for x in raw)
     if len(handle) != 64:
         raise PoolUnsupported("cudaIpcMemHandle of %d bytes, want 64" % len(handle))
     return handle, int(dev), ptr - base_i

@@ -67,3 +67,32 @@ def test_hooks_were_applied_not_skipped(sglang_installed):
         assert t in HookRegistry._patched, t
         assert getattr(pkgutil.resolve_name(t), "__wrapped__", None) is not None, "%s is not wrapped" % t
     assert StreamingSession.release_session.__wrapped__.__module__ == "sglang.srt.session.streaming_session"
+
+
+PREFILL_ARGS = ["--model-path", "Qwen/Qwen3-30B-A3B", "--port", "30000", "--base-gpu-id", "0", "--page-size", "16",
+                "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "kvcentric"]
+DECODE_ARGS = ["--model-path", "Qwen/Qwen3-30B-A3B", "--port", "31000", "--base-gpu-id", "1", "--page-size", "16",
+               "--enable-streaming-session", "--enable-unified-cache-external-linker",
+               "--unified-cache-external-linker-backend", "dynamic", "--unified-cache-external-linker-config",
+               '{"linker": "KvcLinker", "linker_module_path": "kvcentric_sglang.linker", "linker_extra_config": {}}']
+
+
+def test_launch_commands_of_docs_parse(sglang_installed):
+    """The worker command lines of docs/sglang.md, through SGLang's own argument parser."""
+    import argparse
+
+    from sglang.srt.mem_cache.unified_cache.linker_config import UnifiedCacheLinkerConfig
+    from sglang.srt.server_args import ServerArgs
+
+    from kvcentric_sglang.linker import KvcLinker
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    pre = parser.parse_args(PREFILL_ARGS)
+    assert (pre.disaggregation_mode, pre.disaggregation_transfer_backend, pre.page_size) == ("prefill", "kvcentric", 16)
+    dec = parser.parse_args(DECODE_ARGS)
+    assert dec.disaggregation_mode == "null" and dec.enable_streaming_session
+    assert dec.enable_unified_cache_external_linker and dec.unified_cache_external_linker_backend == "dynamic"
+    cfg = UnifiedCacheLinkerConfig.from_dict(dec.unified_cache_external_linker_config)
+    import importlib
+    assert getattr(importlib.import_module(cfg.linker_module_path), cfg.linker) is KvcLinker
