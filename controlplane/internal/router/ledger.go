@@ -28,6 +28,10 @@ type reservation struct {
 	sessGen  uint64 // the session's generation at the decision (SESSION_NOT_RESIDENT outcomes)
 	keep     bool   // the decision's D keeps the session (policy.Execution.KeepSession)
 	opens    bool   // the decision makes the session resident on its D (OpenSession)
+	truncate int64  // the decision's truncate_to (PREFIX_TRUNCATED)
+	// pageSize and prompt: the query's content address (content.go); pageSize 0 = none.
+	pageSize int64
+	prompt   []uint64
 	deadline time.Time
 	idx      int // position in the expiry heap
 }

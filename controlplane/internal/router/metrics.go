@@ -19,6 +19,8 @@ type metrics struct {
 	errors         *prometheus.CounterVec
 	expired        prometheus.Counter
 	migrations     prometheus.Counter
+	truncations    prometheus.Counter
+	contentGauge   prometheus.GaugeFunc
 	admitted       *prometheus.CounterVec
 	rejected       *prometheus.CounterVec
 	commands       *prometheus.CounterVec
@@ -84,6 +86,9 @@ func newMetrics(reg prometheus.Registerer, s *Service) *metrics {
 		migrations: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvc_router_migrations_total", Help: "Sessions moved to another decode worker (successful outcome).",
 		}),
+		truncations: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvc_router_session_truncations_total", Help: "Successful turns whose decode worker rewrote the session from a token on (truncate_to, or its own check of the partial last page): a new KV generation.",
+		}),
 		admitted: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvc_router_worker_admitted_total", Help: "Session decisions (direct, seed, reseed) placed on a decode worker.",
 		}, []string{"worker"}),
@@ -108,6 +113,9 @@ func newMetrics(reg prometheus.Registerer, s *Service) *metrics {
 		defer s.mu.Unlock()
 		return float64(s.led.heldTokens)
 	})
+	m.contentGauge = prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "kvc_router_content_sessions", Help: "Sessions whose KV content (page hash chain) the leader knows.",
+	}, func() float64 { return float64(s.content.len()) })
 	m.outcomeByKey = make(map[[2]int32]prometheus.Counter)
 	m.ttftByMode = make(map[int32]prometheus.Observer)
 	for mv := range kvcv1.RouteMode_name {
@@ -121,7 +129,7 @@ func newMetrics(reg prometheus.Registerer, s *Service) *metrics {
 	}
 	if reg != nil {
 		reg.MustRegister(m.decisions, m.latency, m.outcomes, m.ttft, m.errors, m.expired, m.migrations,
-			m.admitted, m.rejected, m.commands, m.reservations, m.reservedTokens)
+			m.admitted, m.rejected, m.commands, m.reservations, m.reservedTokens, m.truncations, m.contentGauge)
 	}
 	return m
 }

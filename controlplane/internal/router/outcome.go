@@ -61,9 +61,19 @@ func (s *Service) apply(r *reservation, o *kvcv1.RouteOutcome, nowMs int64) {
 	kvLen := o.KvLenAfter
 	switch {
 	case o.Success && exec == r.mode && r.opens && r.decode != "":
-		s.resident(r, kvLen, nowMs)
+		s.learn(r, o, s.resident(r, kvLen, nowMs))
+	case o.Success && exec == r.mode && r.extendsSession() && (r.truncate > 0 || o.TruncatedTo > 0):
+		// D rewrote the session from a token on (released it on its sidecar and committed it
+		// anew): a new KV generation, with a new snapshot target, as after a reseed.
+		s.m.truncations.Inc()
+		s.learn(r, o, s.resident(r, kvLen, nowMs))
 	case o.Success && exec == r.mode && r.extendsSession():
-		s.updateSession(r, kvLen, nowMs, (*outcomeCtx).extended).release()
+		x := s.updateSession(r, kvLen, nowMs, (*outcomeCtx).extended)
+		gen, kept := x.gen, x.kept
+		x.release()
+		if kept {
+			s.learn(r, o, gen)
+		}
 	case !o.Success && kind == kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D && r.decode != "" && r.keep:
 		s.updateSession(r, kvLen, nowMs, (*outcomeCtx).rejected).release()
 		s.m.rejected.WithLabelValues(r.decode, "d").Inc()
@@ -89,6 +99,7 @@ type outcomeCtx struct {
 	// results of resident
 	gen   uint64
 	moved bool
+	kept  bool // extended: the session was still on the outcome's D
 	snapP string
 	fn    func(rec *kvcv1.SessionRecord) // x.apply, bound once per pooled outcomeCtx
 }
@@ -123,6 +134,7 @@ func (x *outcomeCtx) extended(rec *kvcv1.SessionRecord) {
 	if rec.DecodeWorker != x.r.decode {
 		return // moved meanwhile; this outcome is about an old residency
 	}
+	x.kept, x.gen = true, rec.Generation
 	rec.KvCommittedLen = x.committed(rec.KvCommittedLen)
 	rec.DRejects = nil
 	rec.LastSeenUnixMs = x.nowMs
@@ -189,7 +201,7 @@ func (x *outcomeCtx) becameResident(rec *kvcv1.SessionRecord) {
 
 // resident makes the session resident on r.decode after a successful seed or reseed, then
 // names its snapshot target and releases it on the D it left.
-func (s *Service) resident(r *reservation, kvLen, nowMs int64) {
+func (s *Service) resident(r *reservation, kvLen, nowMs int64) (gen uint64) {
 	x := s.updateSession(r, kvLen, nowMs, (*outcomeCtx).becameResident)
 	gen, moved, snapP := x.gen, x.moved, x.snapP
 	x.release()
@@ -203,12 +215,12 @@ func (s *Service) resident(r *reservation, kvLen, nowMs int64) {
 		}
 	}
 	if !s.policyKnobs().SnapshotsEnabled {
-		return
+		return gen
 	}
 	p := policy.SnapshotTarget(s.c.Workers(), snapP)
 	if p == nil {
 		s.log.Warn().Str("session", r.session).Msg("no live prefill worker to keep the snapshot")
-		return
+		return gen
 	}
 	cmd := &kvcv1.Command{Action: &kvcv1.Command_SetSnapshotTarget{SetSnapshotTarget: &kvcv1.SetSnapshotTargetCommand{
 		SessionId: r.session, PrefillWorkerId: p.WorkerId, PeerAddr: p.PeerAddr,
@@ -217,4 +229,16 @@ func (s *Service) resident(r *reservation, kvLen, nowMs int64) {
 	if err := s.send(r.decode, "set_snapshot_target", cmd); err != nil {
 		s.log.Warn().Err(err).Str("session", r.session).Str("worker", r.decode).Msg("set_snapshot_target not sent")
 	}
+	return gen
+}
+
+// learn records the session's content after a successful turn that left it resident on
+// r.decode in KV generation gen (content.go). Without hashes in the query, or without the
+// KV length, the control plane forgets what it knew: the KV changed in a way it cannot see.
+func (s *Service) learn(r *reservation, o *kvcv1.RouteOutcome, gen uint64) {
+	if r.pageSize <= 0 || o.KvLenAfter <= 0 {
+		s.content.forget(r.session)
+		return
+	}
+	s.content.record(r.session, r.decode, r.pageSize, r.prompt, o.KvPages, o.KvLenAfter, gen)
 }

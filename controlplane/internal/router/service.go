@@ -40,6 +40,8 @@ type Service struct {
 
 	knobs atomic.Pointer[compiledPolicy]
 
+	content *contentStore // the sessions' content addresses (content.go)
+
 	mu      sync.Mutex
 	led     *ledger
 	nextSeq uint64 // last sequence number issued
@@ -65,6 +67,7 @@ func New(c Cluster, log zerolog.Logger, reg prometheus.Registerer) *Service {
 		prefix:   "d" + hex.EncodeToString(b[:4]) + "-",
 		roomBase: binary.LittleEndian.Uint64(b[4:]) & maxRoom,
 		led:      newLedger(),
+		content:  newContentStore(),
 	}
 	s.m = newMetrics(reg, s)
 	return s
@@ -238,6 +241,18 @@ func validateQuery(q *kvcv1.RouteQuery) error {
 			return err
 		}
 	}
+	if q.PageSize < 0 || q.PageSize > maxPageSize {
+		return fmt.Errorf("page_size %d out of range [0, %d]", q.PageSize, maxPageSize)
+	}
+	if len(q.PromptPages) > 0 && q.PageSize == 0 {
+		return errors.New("prompt_pages without a page_size")
+	}
+	if q.PageSize > 0 && int64(len(q.PromptPages)) > q.InputTokens/int64(q.PageSize) {
+		return fmt.Errorf("%d prompt_pages for %d input tokens of pages of %d: more than the full pages", len(q.PromptPages), q.InputTokens, q.PageSize)
+	}
+	if len(q.PromptPages) > maxPromptPages {
+		return fmt.Errorf("prompt_pages has %d entries, more than %d", len(q.PromptPages), maxPromptPages)
+	}
 	return nil
 }
 
@@ -280,6 +295,12 @@ func validateOutcome(o *kvcv1.RouteOutcome) error {
 	if !o.Success && noErr {
 		return errors.New("a failed outcome needs an error_kind")
 	}
+	if len(o.KvPages) > maxPromptPages {
+		return fmt.Errorf("kv_pages has %d entries, more than %d", len(o.KvPages), maxPromptPages)
+	}
+	if o.TruncatedTo < 0 || o.TruncatedTo > policy.MaxInputTokens {
+		return fmt.Errorf("truncated_to %d out of range [0, %d]", o.TruncatedTo, policy.MaxInputTokens)
+	}
 	if len(o.Detail) > 4096 {
 		return fmt.Errorf("detail is %d bytes, longer than 4096", len(o.Detail))
 	}
@@ -320,10 +341,14 @@ func (s *Service) record(in *policy.Input, d *policy.Decision, now time.Time) *r
 		snapGen:  d.SnapshotGeneration,
 		keep:     d.Exec.KeepSession,
 		opens:    d.Exec.OpenSession,
+		truncate: d.TruncateTo,
 		deadline: now.Add(in.Knobs.ReservationTimeout),
 	}
 	if in.Session != nil {
 		r.sessGen = in.Session.Generation
+	}
+	if ct := in.Content; ct != nil && ct.PageSize > 0 {
+		r.pageSize, r.prompt = ct.PageSize, ct.Prompt
 	}
 	s.led.add(r)
 	return r
@@ -337,6 +362,8 @@ type queryCtx struct {
 	d       policy.Decision
 	r       *reservation
 	decided bool
+	ct      policy.Content
+	entry   *contentEntry // the session's content entry when the query carries hashes
 	now     time.Time
 	epoch   int64
 	onRec   func(rec *kvcv1.SessionRecord) // x.onRecord, bound once per pooled queryCtx
@@ -354,6 +381,10 @@ var queryPool = sync.Pool{New: func() any {
 // reservation, under the ledger lock.
 func (x *queryCtx) decide(rec *kvcv1.SessionRecord) {
 	x.in.Session = rec
+	if x.q.PageSize > 0 {
+		view(x.entry, int64(x.q.PageSize), x.q.PromptPages, rec, &x.ct)
+		x.in.Content = &x.ct
+	}
 	x.s.mu.Lock()
 	x.s.led.prune(x.in.Workers)
 	x.in.Ledger = x.s.led
@@ -433,6 +464,12 @@ func (s *Service) query(q *kvcv1.RouteQuery) *kvcv1.RouteResponse {
 		NowMs:       now.UnixMilli(),
 		Unavailable: epoch == 0,
 	}}
+	if q.PageSize > 0 && !x.in.Unavailable {
+		x.entry = s.content.get(q.SessionId)
+	}
+	if q.EndSession {
+		s.content.forget(q.SessionId)
+	}
 	x.run()
 	if x.d.Mode == kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT {
 		if err := s.pushSnapshot(q.SessionId, &x.d, x.r.seq); err != nil {
@@ -495,6 +532,7 @@ func (s *Service) execution(e *policy.Execution) *kvcv1.RouteExecution {
 		OnDecodeRefused:  e.OnDecodeRefused,
 		OnTransferFailed: e.OnTransferFailed,
 		RetryAllowed:     e.RetryAllowed,
+		TruncateTo:       e.TruncateTo,
 	}
 	if e.CloseSessionOn != "" {
 		// The worker's address as the cluster knows it now; a worker no longer listed has

@@ -1,0 +1,132 @@
+package router
+
+import (
+	"sync"
+
+	"github.com/kvcentric/kvcentric/controlplane/internal/policy"
+	"github.com/kvcentric/kvcentric/pkg/pagehash"
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+// Content addresses (issue 13): what the leader knows of each session's KV content, learnt
+// from the gateway — the prompt's chained page hashes in the query, the generated part's in the
+// outcome (RouteOutcome.kv_pages). It lives in the leader's memory only (not in the session
+// record, whose proto this package does not own): a new leader starts without it, and a
+// session whose content it does not know is never appended to on lengths alone — its next
+// turn reseeds (PREFIX_MISMATCH) and the outcome teaches the new leader its chain.
+
+// Bounds of the content index.
+const (
+	maxContentSessions = 1 << 20
+	maxAnchors         = 16 // recent commits kept per session: a snapshot is one of them
+	maxPromptPages     = 1 << 20
+	maxPageSize        = 4096
+)
+
+// anchor is one commit of a session: the hash of its last full page, for the snapshot pushed
+// from it (a snapshot's seqlen is a committed length, in the generation it was pushed in).
+type anchor struct {
+	gen    uint64
+	tokens int64
+	pages  int
+	last   uint64
+}
+
+// contentEntry is a session's content as of its last successful turn. Replaced, never
+// modified, once stored: decisions read it without the store's lock.
+type contentEntry struct {
+	decode   string
+	kvLen    int64
+	pageSize int64
+	gen      uint64
+	chain    *pagehash.Sparse // pages of [0, kvLen) the control plane knows (may be fewer than ⌊kvLen/page⌋)
+	anchors  []anchor         // newest last
+}
+
+type contentStore struct {
+	mu sync.Mutex
+	m  map[string]*contentEntry
+}
+
+func newContentStore() *contentStore { return &contentStore{m: map[string]*contentEntry{}} }
+
+func (cs *contentStore) get(id string) *contentEntry {
+	cs.mu.Lock()
+	defer cs.mu.Unlock()
+	return cs.m[id]
+}
+
+func (cs *contentStore) forget(id string) {
+	cs.mu.Lock()
+	delete(cs.m, id)
+	cs.mu.Unlock()
+}
+
+func (cs *contentStore) len() int {
+	cs.mu.Lock()
+	defer cs.mu.Unlock()
+	return len(cs.m)
+}
+
+// view fills ct for a decision on rec: the prompt's chain, the resident chain when e describes
+// the record's residency (same decode worker and committed length, same page size), and the
+// snapshot's content when one of e's commits is the snapshot's (generation, seqlen).
+func view(e *contentEntry, pageSize int64, prompt []uint64, rec *kvcv1.SessionRecord, ct *policy.Content) {
+	*ct = policy.Content{PageSize: pageSize, Prompt: prompt}
+	if e == nil || rec == nil || e.pageSize != pageSize {
+		return
+	}
+	if rec.DecodeWorker != "" && rec.DecodeWorker == e.decode && rec.KvCommittedLen == e.kvLen {
+		ct.Resident = e.chain
+	}
+	if sn := rec.GetSnapshot(); sn != nil {
+		for i := len(e.anchors) - 1; i >= 0; i-- {
+			a := e.anchors[i]
+			if a.gen == sn.Generation && a.tokens == sn.Seqlen {
+				sc := &policy.SnapshotContent{Pages: a.pages, Last: a.last}
+				if e.gen == a.gen {
+					sc.Chain = e.chain // the snapshot was pushed from this chain's KV generation
+				}
+				ct.Snapshot = sc
+				break
+			}
+		}
+	}
+}
+
+// record stores a session's content after a successful turn that left it resident on decode
+// with kvLen tokens in KV generation gen: the prompt's full pages, then the outcome's pages
+// past them (the generated tokens), cut to ⌊kvLen / page⌋.
+func (cs *contentStore) record(session, decode string, pageSize int64, prompt, extra []uint64, kvLen int64, gen uint64) {
+	if pageSize <= 0 || kvLen <= 0 {
+		cs.forget(session)
+		return
+	}
+	full := int(kvLen / pageSize)
+	chain := make([]uint64, 0, min(len(prompt)+len(extra), full))
+	chain = append(chain, prompt[:min(len(prompt), full)]...)
+	if len(chain) == len(prompt) {
+		chain = append(chain, extra[:min(len(extra), full-len(chain))]...)
+	}
+	sp, err := pagehash.NewSparse(pagehash.DefaultTail, pagehash.DefaultStride)
+	if err != nil {
+		return
+	}
+	sp.Append(chain)
+	e := &contentEntry{decode: decode, kvLen: kvLen, pageSize: pageSize, gen: gen, chain: sp}
+	cs.mu.Lock()
+	defer cs.mu.Unlock()
+	if old := cs.m[session]; old != nil && old.pageSize == pageSize {
+		e.anchors = append(e.anchors, old.anchors[max(0, len(old.anchors)-maxAnchors+1):]...)
+	}
+	if len(chain) == full && full > 0 {
+		e.anchors = append(e.anchors, anchor{gen: gen, tokens: kvLen, pages: full, last: chain[full-1]})
+	}
+	if _, ok := cs.m[session]; !ok && len(cs.m) >= maxContentSessions {
+		for k := range cs.m { // bounded: drop an arbitrary session (its next turn reseeds)
+			delete(cs.m, k)
+			break
+		}
+	}
+	cs.m[session] = e
+}

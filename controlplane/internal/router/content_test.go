@@ -1,0 +1,117 @@
+package router
+
+import (
+	"testing"
+
+	"github.com/kvcentric/kvcentric/pkg/pagehash"
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+)
+
+const tps = 16 // page size of the content tests
+
+func idsN(n int, base uint32) []uint32 {
+	out := make([]uint32, n)
+	for i := range out {
+		out[i] = base + uint32(i)
+	}
+	return out
+}
+
+// contentQuery is a query carrying the prompt's page chain.
+func (f *fixture) contentDecide(session string, ids []uint32, out int64) *kvcv1.RouteDecision {
+	f.t.Helper()
+	h, _ := pagehash.New(tps, 0)
+	req := query(session, 0, int64(len(ids)), out)
+	req.GetQuery().PageSize = tps
+	req.GetQuery().PromptPages = h.Chain(ids)
+	d := f.s.Handle(req).GetDecision()
+	if d == nil {
+		f.t.Fatalf("no decision for %s", session)
+	}
+	return d
+}
+
+// contentReport reports success with the chain of the generated part (pages past the prompt's).
+func (f *fixture) contentReport(d *kvcv1.RouteDecision, prompt, gen []uint32, truncatedTo int64) {
+	f.t.Helper()
+	h, _ := pagehash.New(tps, 0)
+	all := append(append([]uint32(nil), prompt...), gen...)
+	chain := h.Chain(all)
+	req := outcome(d.DecisionId, true, okKind, int64(len(all)))
+	req.GetOutcome().KvPages = chain[len(prompt)/tps:]
+	req.GetOutcome().TruncatedTo = truncatedTo
+	if ack := f.s.Handle(req).GetOutcomeAck(); ack == nil {
+		f.t.Fatalf("outcome of %s not acknowledged", d.DecisionId)
+	}
+}
+
+// TestRouteOnContent: a session seeded with hashes goes direct while its history only grows;
+// an edit near the end truncates on D (execution.truncate_to) and starts a new KV generation
+// with a new snapshot target; a query whose session content the leader does not know is never
+// appended to; an invalid content address is INVALID_ARGUMENT.
+func TestRouteOnContent(t *testing.T) {
+	f := newFixture(t, basicCluster()...)
+	prompt := idsN(1_000, 1)
+	d := f.contentDecide("c1", prompt, 50)
+	if d.Mode != kvcv1.RouteMode_ROUTE_MODE_SEED {
+		t.Fatalf("first turn: %s/%s", d.Mode, d.Reason)
+	}
+	gen := idsN(50, 70_000)
+	f.contentReport(d, prompt, gen, 0)
+	conv := append(append([]uint32(nil), prompt...), gen...)
+
+	// The history grew: direct.
+	next := append(append([]uint32(nil), conv...), idsN(200, 80_000)...)
+	d = f.contentDecide("c1", next, 40)
+	if d.Mode != kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D || d.CachedTokens != int64(len(conv)) || d.Execution.GetTruncateTo() != 0 {
+		t.Fatalf("grown history: %s/%s cached %d truncate %d", d.Mode, d.Reason, d.CachedTokens, d.Execution.GetTruncateTo())
+	}
+	gen2 := idsN(40, 90_000)
+	f.contentReport(d, next, gen2, 0)
+	conv = append(next, gen2...) // 1,290 tokens: 80 full pages
+
+	// The reasoning of the last answer stripped: truncate on D to the common prefix.
+	genBefore := f.session("c1").Generation
+	targets := len(f.c.Commands(d.Decode.WorkerId))
+	edited := append(append([]uint32(nil), conv[:1_250]...), idsN(100, 95_000)...)
+	d = f.contentDecide("c1", edited, 40)
+	if d.Mode != kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D || d.Reason != kvcv1.RouteReason_ROUTE_REASON_PREFIX_TRUNCATED ||
+		d.CachedTokens != 1_248 || d.Execution.GetTruncateTo() != 1_248 {
+		t.Fatalf("edited history: %s/%s cached %d truncate %d", d.Mode, d.Reason, d.CachedTokens, d.Execution.GetTruncateTo())
+	}
+	f.contentReport(d, edited, idsN(40, 99_000), 1_248)
+	if g := f.session("c1").Generation; g != genBefore+1 {
+		t.Fatalf("generation %d after a truncation, want %d", g, genBefore+1)
+	}
+	cmds := f.c.Commands(d.Decode.WorkerId)
+	if len(cmds) != targets+1 || cmds[len(cmds)-1].GetSetSnapshotTarget().GetGeneration() != genBefore+1 {
+		t.Fatalf("no new snapshot target after the truncation: %v", cmds[targets:])
+	}
+	if v := testutil.ToFloat64(f.s.m.truncations); v != 1 {
+		t.Fatalf("truncations metric %v", v)
+	}
+
+	// A session resident by length but of unknown content (a new leader, an outcome without
+	// hashes): never appended to on lengths.
+	f.s.content.forget("c1")
+	d = f.contentDecide("c1", append(append([]uint32(nil), edited...), idsN(40, 99_000)...), 10)
+	if d.Reason != kvcv1.RouteReason_ROUTE_REASON_PREFIX_MISMATCH || d.Mode == kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D {
+		t.Fatalf("unknown content: %s/%s", d.Mode, d.Reason)
+	}
+
+	// Invalid addresses.
+	for name, mut := range map[string]func(q *kvcv1.RouteQuery){
+		"pages without a page size": func(q *kvcv1.RouteQuery) { q.PageSize = 0 },
+		"page size too large":       func(q *kvcv1.RouteQuery) { q.PageSize = 1 << 20 },
+		"more pages than the input": func(q *kvcv1.RouteQuery) { q.InputTokens = 16 },
+	} {
+		req := query("c2", 0, 1_000, 10)
+		req.GetQuery().PageSize = tps
+		req.GetQuery().PromptPages = make([]uint64, 62)
+		mut(req.GetQuery())
+		if e := f.s.Handle(req).GetError(); e == nil || e.Code != 3 {
+			t.Fatalf("%s: %v, want INVALID_ARGUMENT", name, e)
+		}
+	}
+}
