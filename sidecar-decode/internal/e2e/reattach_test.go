@@ -14,7 +14,6 @@ import (
 
 	"github.com/kvcentric/kvcentric/pkg/agent"
 	"github.com/kvcentric/kvcentric/pkg/etcdtest"
-	"github.com/kvcentric/kvcentric/pkg/kvpool"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 	"github.com/kvcentric/kvcentric/sidecar-decode/internal/decode"
 )
@@ -40,34 +39,54 @@ func startSim(t *testing.T, role, id, sock, shmDir string) *proc {
 		"--time-scale", "0.01", "--shm-dir", shmDir, "--log-level", "debug", "--bridge-wait", "30s")
 }
 
-// seedSession runs one SEED turn of session s into the kvc-sim decode worker at simURL: the
-// test plays the prefill worker (pool wp on sidecar p) and sends the KV by SendKV.
-func seedSession(t *testing.T, simURL string, p *sidecar, wp *worker, s string, room, n int64) {
+// simPrefill is a prefill sidecar with a kvc-sim prefill worker beside it.
+type simPrefill struct {
+	sc  *sidecar
+	url string
+}
+
+func startSimPrefill(t *testing.T, id, cp string) *simPrefill {
 	t.Helper()
-	ppages := wp.alloc(int((n+pageSize-1)/pageSize), 1)
-	if err := kvpool.FillTokens(wp.pool, kvpool.SessionSeed(s), ppages, 0, n); err != nil {
-		t.Fatal(err)
+	sock := filepath.Join(t.TempDir(), "p.sock")
+	sc := startSidecarAt(t, "prefill", id, cp, sock, "--store-capacity-bytes", "8388608")
+	sim := startSim(t, "prefill", id, sock, t.TempDir())
+	return &simPrefill{sc: sc, url: "http://" + sim.Str("http_addr")}
+}
+
+// postGenerate POSTs a /generate body and returns the status and the answer.
+func postGenerate(url string, body map[string]any) (int, string, error) {
+	b, _ := json.Marshal(body)
+	resp, err := http.Post(url+"/generate", "application/json", bytes.NewReader(b))
+	if err != nil {
+		return 0, "", err
 	}
-	body, _ := json.Marshal(map[string]any{"rid": "r-" + s, "sampling_params": map[string]any{"max_new_tokens": 4},
-		"kvc": map[string]any{"mode": "SEED", "role": "decode", "session_id": s, "input_tokens": n, "room": room,
-			"prefill_peer_addr": p.peerAddr, "keep_session": true}})
+	defer resp.Body.Close()
+	var out bytes.Buffer
+	_, _ = out.ReadFrom(resp.Body)
+	return resp.StatusCode, out.String(), nil
+}
+
+// seedSession runs one SEED turn of session s of n input tokens the way the gateway does: the
+// prefill kvc-sim prefills and sends its KV (SendKV) while the decode kvc-sim at simURL
+// receives it (PrepareReceive/WaitReceive, verified) and keeps the session.
+func seedSession(t *testing.T, simURL string, p *simPrefill, s string, room, n int64) {
+	t.Helper()
 	var wg sync.WaitGroup
-	var sendErr error
+	var pCode int
+	var pBody string
+	var pErr error
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
-		_, sendErr = p.bridge.SendKV(ctxT(t, 20*time.Second), &kvcv1.SendKVRequest{Room: room, SessionId: s, Pages: ppages, Last: true, Tokens: n})
+		pCode, pBody, pErr = postGenerate(p.url, map[string]any{"rid": "p-" + s, "sampling_params": map[string]any{"max_new_tokens": 0},
+			"kvc": map[string]any{"mode": "SEED", "role": "prefill", "session_id": s, "input_tokens": n, "room": room}})
 	}()
-	resp, err := http.Post(simURL+"/generate", "application/json", bytes.NewReader(body))
-	if err != nil {
-		t.Fatal(err)
-	}
-	var out bytes.Buffer
-	_, _ = out.ReadFrom(resp.Body)
-	resp.Body.Close()
+	code, body, err := postGenerate(simURL, map[string]any{"rid": "d-" + s, "sampling_params": map[string]any{"max_new_tokens": 4},
+		"kvc": map[string]any{"mode": "SEED", "role": "decode", "session_id": s, "input_tokens": n, "room": room,
+			"prefill_peer_addr": p.sc.peerAddr, "keep_session": true}})
 	wg.Wait()
-	if resp.StatusCode != 200 || sendErr != nil {
-		t.Fatalf("seed %s: HTTP %d %s; SendKV %v", s, resp.StatusCode, out.String(), sendErr)
+	if err != nil || code != 200 || pErr != nil || pCode != 200 {
+		t.Fatalf("seed %s: decode HTTP %d %s (%v); prefill HTTP %d %s (%v)", s, code, body, err, pCode, pBody, pErr)
 	}
 }
 
@@ -97,8 +116,7 @@ func TestSidecarRestartReattach(t *testing.T) {
 	etcd := etcdtest.Start(t)
 	cp := startCP(t, "cp-a", etcd.Endpoints())
 	leaderOf(t, cp)
-	p := startSidecar(t, "prefill", "rp", cp.addr)
-	wp := newWorker(t, p, 1024)
+	p := startSimPrefill(t, "rp", cp.addr)
 	sock := filepath.Join(t.TempDir(), "d.sock")
 	shmDir := t.TempDir()
 	d := startSidecarAt(t, "decode", "rd1", cp.addr, sock)
@@ -129,7 +147,7 @@ func TestSidecarRestartReattach(t *testing.T) {
 	}
 	sessions := []string{"ra", "rb", "rc"}
 	for i, s := range sessions {
-		seedSession(t, simURL, p, wp, s, int64(9100+i), int64(200+100*i))
+		seedSession(t, simURL, p, s, int64(9100+i), int64(200+100*i))
 	}
 	before := sidecarSessions(t, d)
 	if len(before) != 3 {
@@ -199,16 +217,11 @@ func TestSidecarRestartReattach(t *testing.T) {
 	fmt.Fprintf(os.Stderr, "reattach: readyz %v sessions %v cp_ready %v reconciled %v\n", readyAt, sessionsAt, cpReadyAt, total)
 
 	// A direct-to-D turn of a re-committed session is served from its KV on the worker.
-	body, _ := json.Marshal(map[string]any{"rid": "r-ra-2", "sampling_params": map[string]any{"max_new_tokens": 2},
+	code, answer, err := postGenerate(simURL, map[string]any{"rid": "r-ra-2", "sampling_params": map[string]any{"max_new_tokens": 2},
 		"kvc": map[string]any{"mode": "DIRECT_TO_D", "role": "decode", "session_id": "ra", "input_tokens": before["ra"] + 10,
 			"cached_tokens": before["ra"], "keep_session": true}})
-	resp, err := http.Post(simURL+"/generate", "application/json", bytes.NewReader(body))
-	if err != nil {
-		t.Fatal(err)
-	}
-	resp.Body.Close()
-	if resp.StatusCode != 200 {
-		t.Fatalf("direct turn after the restart: HTTP %d", resp.StatusCode)
+	if err != nil || code != 200 {
+		t.Fatalf("direct turn after the restart: HTTP %d %s (%v)", code, answer, err)
 	}
 	waitFor(t, "the direct turn's commit on the restarted sidecar", 5*time.Second, func() bool { return sidecarSessions(t, d2)["ra"] > before["ra"] })
 

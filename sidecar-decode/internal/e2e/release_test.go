@@ -54,8 +54,8 @@ func TestCapacityReleaseProcesses(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(cp.Close)
-	p := startSidecar(t, "prefill", "cp0", cp.Addr, "--store-capacity-bytes", "8388608")
-	wp := newWorker(t, p, 1024)
+	sp := startSimPrefill(t, "cp0", cp.Addr)
+	p := sp.sc
 	sock := filepath.Join(t.TempDir(), "d.sock")
 	dec := startSidecarAt(t, "decode", "cd1", cp.Addr, sock, "--release-high-watermark", "0.6", "--release-low-watermark", "0.3",
 		"--release-min-idle", "500ms")
@@ -81,7 +81,7 @@ func TestCapacityReleaseProcesses(t *testing.T) {
 		if i > 0 {
 			time.Sleep(1100 * time.Millisecond) // the sessions' idle times are this test's input
 		}
-		seedSession(t, url, p, wp, s, int64(9300+i), 800)
+		seedSession(t, url, sp, s, int64(9300+i), 800)
 	}
 	want := []string{"s-a", "s-b", "s-c", "s-d"}
 	var evicted []*kvcv1.SessionEvent
