@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/kvcentric/kvcentric/controlplane/internal/embedetcd"
+	"github.com/kvcentric/kvcentric/controlplane/internal/state"
 	"github.com/kvcentric/kvcentric/pkg/grpcx"
 	"github.com/kvcentric/kvcentric/pkg/kvstore"
 	"github.com/kvcentric/kvcentric/pkg/tlsx"
@@ -38,16 +39,18 @@ type Options struct {
 	ElectionTTL           time.Duration
 	ElectionRenewDeadline time.Duration
 	UnreachableGrace      time.Duration
-	SessionTTL            time.Duration
-	FlushDelay            time.Duration
-	VolatileFlush         time.Duration
-	ShutdownGrace         time.Duration
-	EtcdDialTimeout       time.Duration
-	GRPCKeepaliveTime     time.Duration
-	GRPCKeepaliveTimeout  time.Duration
-	ReadyFile             string
-	LogLevel              string
-	LogFormat             string
+	// DrainSnapshotWait bounds a drain's wait for a session's snapshot before its release.
+	DrainSnapshotWait    time.Duration
+	SessionTTL           time.Duration
+	FlushDelay           time.Duration
+	VolatileFlush        time.Duration
+	ShutdownGrace        time.Duration
+	EtcdDialTimeout      time.Duration
+	GRPCKeepaliveTime    time.Duration
+	GRPCKeepaliveTimeout time.Duration
+	ReadyFile            string
+	LogLevel             string
+	LogFormat            string
 	// TLS is the gRPC server's mTLS identity (role controlplane); none: plaintext.
 	TLS tlsx.Files
 	// EtcdTLS is the client certificate for an external etcd with client-cert auth.
@@ -73,6 +76,7 @@ func NewOptions() *Options {
 		EtcdCallTimeout:        kvstore.DefaultCallTimeout,
 		ElectionTTL:            5 * time.Second,
 		UnreachableGrace:       30 * time.Second,
+		DrainSnapshotWait:      state.DefaultDrainSnapshotWait,
 		SessionTTL:             24 * time.Hour,
 		FlushDelay:             50 * time.Millisecond,
 		VolatileFlush:          2 * time.Second,
@@ -102,6 +106,7 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 	fs.DurationVar(&o.ElectionTTL, "election-ttl", o.ElectionTTL, "leader lease TTL (whole seconds, >= 2s): a dead leader is replaced after about this long")
 	fs.DurationVar(&o.ElectionRenewDeadline, "election-renew-deadline", o.ElectionRenewDeadline, "the leader stops acting this long after the last lease renewal etcd answered; below --election-ttl (0: two thirds of it)")
 	fs.DurationVar(&o.UnreachableGrace, "unreachable-grace", o.UnreachableGrace, "default unreachable_grace_ms: an unreachable worker's residency is dropped after this")
+	fs.DurationVar(&o.DrainSnapshotWait, "drain-snapshot-wait", o.DrainSnapshotWait, "a drain releases each resident session once its snapshot can reseed it, or after this long without one (its next turn then re-prefills)")
 	fs.DurationVar(&o.SessionTTL, "session-ttl", o.SessionTTL, "default session_ttl_ms: idle sessions expire after this")
 	fs.DurationVar(&o.FlushDelay, "flush-delay", o.FlushDelay, "write-behind delay: every change reaches etcd within about this long")
 	fs.DurationVar(&o.VolatileFlush, "volatile-flush", o.VolatileFlush, "how often changes to a session's volatile fields only (turn, last_seen, kv_committed_len, d_rejects) are persisted; residency changes are written at once (0: write every change at once)")
@@ -203,6 +208,7 @@ func (o *Options) Validate() error {
 		}
 	}
 	pos("--unreachable-grace", o.UnreachableGrace, true)
+	pos("--drain-snapshot-wait", o.DrainSnapshotWait, false)
 	if o.SessionTTL < time.Second {
 		errs = append(errs, fmt.Errorf("--session-ttl %s must be at least 1s", o.SessionTTL))
 	}

@@ -184,7 +184,7 @@ func Run(ctx context.Context, opts *Options, log zerolog.Logger) error {
 	st := state.New(state.Config{
 		NodeID: opts.NodeID, Store: store, Log: log, Reg: reg,
 		SessionTTL: opts.SessionTTL, UnreachableGrace: opts.UnreachableGrace, FlushDelay: opts.FlushDelay,
-		VolatileFlush: volatileFlush(opts.VolatileFlush),
+		VolatileFlush: volatileFlush(opts.VolatileFlush), DrainSnapshotWait: opts.DrainSnapshotWait,
 	})
 	el, err := election.New(election.Config{
 		Client: cli, Prefix: store.ElectionPrefix(), NodeID: opts.NodeID, Addr: advertise,

@@ -194,7 +194,9 @@ func (a *Admin) DrainWorker(ctx context.Context, req *kvcv1.DrainWorkerRequest) 
 	}
 	switch {
 	case err == nil:
-		return &kvcv1.DrainWorkerResponse{Worker: w}, nil
+		resp := &kvcv1.DrainWorkerResponse{Worker: w}
+		resp.Status, _, _ = a.State.DrainStatus(req.GetWorkerId())
+		return resp, nil
 	case errors.Is(err, state.ErrUnknownWorker):
 		return nil, status.Errorf(codes.NotFound, "worker %q not found", req.GetWorkerId())
 	case errors.Is(err, state.ErrNotLeader):
@@ -202,4 +204,59 @@ func (a *Admin) DrainWorker(ctx context.Context, req *kvcv1.DrainWorkerRequest) 
 	default:
 		return nil, status.Error(codes.Internal, err.Error())
 	}
+}
+
+// GetDrainStatus reports a worker's drain progress (leader only: the move runs there). NOT_FOUND
+// when the worker is unknown or has not drained under this leader's term.
+func (a *Admin) GetDrainStatus(_ context.Context, req *kvcv1.GetDrainStatusRequest) (*kvcv1.GetDrainStatusResponse, error) {
+	if !a.Lead.IsLeader() {
+		return nil, a.Lead.NotLeaderError()
+	}
+	st, ok, err := a.State.DrainStatus(req.GetWorkerId())
+	switch {
+	case errors.Is(err, state.ErrNotLeader):
+		return nil, a.Lead.NotLeaderError()
+	case err != nil:
+		return nil, status.Error(codes.Internal, err.Error())
+	case !ok:
+		return nil, status.Errorf(codes.NotFound, "worker %q has no drain under this leader (DrainWorker starts one)", req.GetWorkerId())
+	}
+	return &kvcv1.GetDrainStatusResponse{Status: st}, nil
+}
+
+// ForgetWorker removes a decommissioned worker and its residency (leader only). It answers
+// once the removal is in etcd (UNAVAILABLE otherwise; retrying is harmless: NOT_FOUND then
+// means it is gone). A connected worker is refused with FAILED_PRECONDITION unless forced.
+func (a *Admin) ForgetWorker(ctx context.Context, req *kvcv1.ForgetWorkerRequest) (*kvcv1.ForgetWorkerResponse, error) {
+	if !a.Lead.IsLeader() {
+		return nil, a.Lead.NotLeaderError()
+	}
+	unbound, snaps, err := a.State.ForgetWorker(req.GetWorkerId(), req.GetForce())
+	switch {
+	case err == nil:
+	case errors.Is(err, state.ErrUnknownWorker):
+		return nil, status.Errorf(codes.NotFound, "worker %q not found", req.GetWorkerId())
+	case errors.Is(err, state.ErrWorkerConnected):
+		return nil, status.Errorf(codes.FailedPrecondition, "worker %q is connected: stop its sidecar first, or set force", req.GetWorkerId())
+	case errors.Is(err, state.ErrNotLeader):
+		return nil, a.Lead.NotLeaderError()
+	default:
+		return nil, status.Error(codes.Internal, err.Error())
+	}
+	if a.Store != nil {
+		fctx, cancel := context.WithTimeout(ctx, a.Store.CallTimeout())
+		ferr := a.State.Flush(fctx)
+		cancel()
+		switch {
+		case ferr == nil:
+		case ctx.Err() != nil:
+			return nil, status.FromContextError(ctx.Err()).Err()
+		case errors.Is(ferr, kvstore.ErrFenced), errors.Is(ferr, state.ErrNotLeader):
+			return nil, a.Lead.NotLeaderError()
+		default:
+			return nil, status.Errorf(codes.Unavailable, "worker %q forgotten on this leader but not persisted: etcd did not take it within %s (%v)",
+				req.GetWorkerId(), a.Store.CallTimeout(), ferr)
+		}
+	}
+	return &kvcv1.ForgetWorkerResponse{SessionsUnbound: int64(unbound), SnapshotsDropped: int64(snaps)}, nil
 }

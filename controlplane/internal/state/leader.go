@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"sync"
 	"time"
 
 	"google.golang.org/protobuf/proto"
@@ -31,6 +32,8 @@ const (
 // Term is one period of leadership: the fence, the batcher writing under it, and the
 // goroutines (batcher, sweeper) bound to it.
 type Term struct {
+	ctx     context.Context // ends with the term; every goroutine of the term derives from it
+	drainWG sync.WaitGroup  // drain movers (drain.go)
 	fence   kvstore.Fence
 	batcher *kvstore.Batcher
 	cancel  context.CancelFunc
@@ -60,6 +63,7 @@ func (s *State) Lead(ctx context.Context, fence kvstore.Fence) (*Term, error) {
 	}
 	tctx, cancel := context.WithCancel(context.Background())
 	t := &Term{
+		ctx:     tctx,
 		fence:   fence,
 		batcher: kvstore.NewBatcher(s.cfg.Store, fence, kvstore.WithMaxDelay(s.cfg.FlushDelay)),
 		cancel:  cancel,
@@ -99,6 +103,11 @@ func (s *State) Lead(ctx context.Context, fence kvstore.Fence) (*Term, error) {
 		s.startGraceLocked(e)
 	}
 	s.publishWorkersLocked()
+	for _, e := range s.workers {
+		if e.w.GetDraining() {
+			s.startDrainLocked(e) // a drain survives a failover: the flag is in etcd
+		}
+	}
 	s.mu.Unlock()
 
 	go func() {
@@ -195,6 +204,7 @@ func (s *State) EndTerm(t *Term) {
 	<-t.done
 	<-t.sweeper
 	<-t.flusher
+	t.drainWG.Wait()
 	s.mu.Lock()
 	s.term = nil
 	s.resetLocked()

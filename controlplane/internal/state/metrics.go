@@ -18,6 +18,9 @@ type metrics struct {
 	journalDeleted  prometheus.Counter
 	journalKeys     prometheus.Gauge
 	journalBytes    prometheus.Gauge
+	drains          *prometheus.CounterVec // drains by event: started, finished, cancelled
+	drainMoves      *prometheus.CounterVec // sessions moved off draining workers: with_snapshot, without_snapshot, failed
+	forgotten       prometheus.Counter
 }
 
 func newMetrics(reg prometheus.Registerer, sessions func() float64) *metrics {
@@ -64,6 +67,15 @@ func newMetrics(reg prometheus.Registerer, sessions func() float64) *metrics {
 		journalBytes: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "kvc_cp_volatile_journal_bytes", Help: "Value bytes of the volatile journal keys in etcd (leader only).",
 		}),
+		drains: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvc_cp_drains_total", Help: "Worker drains by event (started, finished, cancelled).",
+		}, []string{"event"}),
+		drainMoves: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvc_cp_drain_moves_total", Help: "Sessions released off draining workers by result (with_snapshot, without_snapshot, failed: release not queued, retried).",
+		}, []string{"result"}),
+		forgotten: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvc_cp_workers_forgotten_total", Help: "Workers removed by AdminService.ForgetWorker.",
+		}),
 	}
 	for _, s := range []string{"ready", "draining", "unreachable", "worker_down"} {
 		m.workers.WithLabelValues(s)
@@ -73,7 +85,7 @@ func newMetrics(reg prometheus.Registerer, sessions func() float64) *metrics {
 	}
 	if reg != nil {
 		reg.MustRegister(m.workers, m.commands, m.events, m.transfers, m.expired, m.dropped, m.workerDown, m.loadSeconds, m.writeFailures, m.volatileFlushed,
-			m.journalWritten, m.journalDeleted, m.journalKeys, m.journalBytes,
+			m.journalWritten, m.journalDeleted, m.journalKeys, m.journalBytes, m.drains, m.drainMoves, m.forgotten,
 			prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 				Name: "kvc_cp_sessions", Help: "Session records held in memory (leader only).",
 			}, sessions))

@@ -51,6 +51,7 @@ func (s *State) Reconcile(st *Stream, rs *kvcv1.ResidentSessions) error {
 				s.changedLocked(rec, w, rec.GetSnapshot().GetPrefillWorker())
 			}
 		}
+		s.kickDrainLocked(w)
 	case kvcv1.WorkerRole_WORKER_ROLE_PREFILL:
 		seen := make(map[string]struct{}, len(rs.GetSnapshots()))
 		for _, sn := range rs.GetSnapshots() {
@@ -119,6 +120,7 @@ func (s *State) ApplyEvent(st *Stream, ev *kvcv1.SessionEvent) error {
 		}
 		rec.LastSeenUnixMs = time.Now().UnixMilli()
 		s.updatedLocked(e, before, !exists)
+		s.kickDrainLocked(w)
 	case kvcv1.SessionEventKind_SESSION_EVENT_KIND_RELEASED, kvcv1.SessionEventKind_SESSION_EVENT_KIND_EVICTED:
 		if !exists || rec.GetDecodeWorker() != w {
 			return nil
@@ -139,6 +141,7 @@ func (s *State) ApplyEvent(st *Stream, ev *kvcv1.SessionEvent) error {
 		rec.Snapshot = &kvcv1.SnapshotInfo{PrefillWorker: w, Seqlen: ev.GetKvLen(), Generation: ev.GetGeneration(),
 			UpdatedUnixMs: at, Bytes: ev.GetBytes()}
 		s.changedLocked(rec, oldD, oldP)
+		s.kickDrainLocked(oldD)
 	case kvcv1.SessionEventKind_SESSION_EVENT_KIND_SNAPSHOT_EVICTED:
 		if !exists || rec.GetSnapshot().GetPrefillWorker() != w {
 			return nil

@@ -48,6 +48,10 @@ type Config struct {
 	// every change at once as a full record (no journal).
 	VolatileFlush time.Duration
 
+	// DrainSnapshotWait bounds how long a drain waits for a session's snapshot to become
+	// usable before it releases the session without one (0 = DefaultDrainSnapshotWait).
+	DrainSnapshotWait time.Duration
+
 	// journalMax is the sessions per journal key (0: journalMaxEntries); tests lower it.
 	journalMax int
 }
@@ -76,6 +80,7 @@ type State struct {
 	workers  map[string]*workerEntry
 	byDecode map[string]map[string]struct{} // decode worker -> session ids resident there
 	bySnap   map[string]map[string]struct{} // prefill worker -> session ids with a snapshot there
+	drains   map[string]*drainOp            // worker -> its drain under this term (drain.go)
 	// dirty lists the sessions whose volatile changes wait for the next journal flush (the
 	// entry's dirty flag is the truth; an id may appear more than once or be stale).
 	dirty []string
@@ -122,6 +127,9 @@ func New(cfg Config) *State {
 	if cfg.VolatileFlush == 0 {
 		cfg.VolatileFlush = DefaultVolatileFlush
 	}
+	if cfg.DrainSnapshotWait <= 0 {
+		cfg.DrainSnapshotWait = DefaultDrainSnapshotWait
+	}
 	if cfg.journalMax <= 0 {
 		cfg.journalMax = journalMaxEntries
 	}
@@ -139,6 +147,7 @@ func (s *State) resetLocked() {
 	s.workers = make(map[string]*workerEntry)
 	s.byDecode = make(map[string]map[string]struct{})
 	s.bySnap = make(map[string]map[string]struct{})
+	s.drains = make(map[string]*drainOp)
 	s.dirty, s.flushing, s.fpos = nil, nil, 0
 	s.jr.reset()
 	s.publishJournalLocked()

@@ -94,6 +94,7 @@ func (s *State) Attach(h *kvcv1.Hello) (*Stream, error) {
 		setWorkerDown(w, h.GetWorkerDown(), h.GetWorkerDownReason(), now)
 	})
 	s.log.Info().Str("worker", id).Str("role", h.GetRole().String()).Msg("sidecar connected")
+	s.kickDrainLocked(id)
 	if h.GetWorkerDown() {
 		s.workerDownLocked(e, h.GetWorkerDownReason())
 	}
@@ -162,6 +163,7 @@ func (s *State) dropResidencyLocked(id string) int {
 		n++
 	}
 	s.m.dropped.Add(float64(n))
+	s.kickDrainLocked(id)
 	return n
 }
 
@@ -241,7 +243,8 @@ func (s *State) workerDownLocked(e *workerEntry, reason string) {
 }
 
 // Drain sets (or clears) a worker's draining flag, persists it and, when the worker is
-// connected, sends it a DrainCommand.
+// connected, sends it a DrainCommand. Setting it starts the drain's mover (drain.go), which
+// moves the worker's resident sessions off; clearing it stops the mover.
 func (s *State) Drain(id string, draining bool) (*kvcv1.Worker, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -265,6 +268,11 @@ func (s *State) Drain(id string, draining bool) (*kvcv1.Worker, error) {
 		if err := s.sendLocked(e.stream, &kvcv1.Command{Action: &kvcv1.Command_Drain{Drain: &kvcv1.DrainCommand{Draining: draining}}}); err != nil {
 			s.log.Warn().Err(err).Str("worker", id).Msg("drain command not sent")
 		}
+	}
+	if draining {
+		s.startDrainLocked(e) // drain.go: moves its resident sessions off
+	} else {
+		s.stopDrainLocked(id)
 	}
 	return e.w, nil
 }
