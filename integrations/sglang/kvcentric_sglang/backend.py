@@ -76,6 +76,8 @@ class KvcKVManager(BaseKVManager):
     supports_host_destination = False
 
     def __init__(self, args: KVArgs, disaggregation_mode, server_args, is_mla_backend: Optional[bool] = False):
+        from .plugin import verify_applied
+        verify_applied()
         self.kv_args = args
         self.disaggregation_mode = disaggregation_mode
         self.server_args = server_args

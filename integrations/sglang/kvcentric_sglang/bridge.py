@@ -88,15 +88,16 @@ class WorkerCommand:
 
 
 def decode_worker_command(raw: bytes) -> WorkerCommand:
+    """Decodes one WatchCommandsResponse; malformed input raises ValueError."""
     f = wire.parse(raw)
-    c = WorkerCommand(command_id=f.get(1) or 0, reason=f.get(2) or 0)
+    c = WorkerCommand(command_id=wire.as_int64(f.get(1)) & ((1 << 64) - 1), reason=wire.as_int64(f.get(2)))
     if 3 in f:
-        a = wire.parse(f[3])
-        c.attach = AttachStatus(wire.as_str(a.get(1)), bool(a.get(2)), wire.as_int64(a.get(3)))
+        a = wire.as_msg(f[3])
+        c.attach = AttachStatus(wire.as_str(a.get(1)), bool(wire.as_int64(a.get(2))), wire.as_int64(a.get(3)))
     elif 4 in f:
-        c.release = wire.as_str(wire.parse(f[4]).get(1))
+        c.release = wire.as_str(wire.as_msg(f[4]).get(1))
     elif 5 in f:
-        t = wire.parse(f[5])
+        t = wire.as_msg(f[5])
         c.truncate = (wire.as_str(t.get(1)), wire.as_int64(t.get(2)))
     return c
 

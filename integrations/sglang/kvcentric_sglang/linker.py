@@ -67,6 +67,8 @@ class KvcLinker(UnifiedCacheLinker):
     """kvcentric transfers into request slots through SGLang's external-linker path."""
 
     def __init__(self, server_args, params, *, components=None, extra_config=None, forward_stream=None):
+        from .plugin import verify_applied
+        verify_applied()
         extra_config = dict(extra_config or {})
         self.server_args = server_args
         self.params = params

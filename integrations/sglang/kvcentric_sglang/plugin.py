@@ -203,6 +203,19 @@ def install() -> None:
                 SGLANG_VERSION_CHECKED)
 
 
+def verify_applied() -> None:
+    """Raises HookTargetMissing when install() ran but a hook of it was not applied (SGLang's
+    apply_hooks() only logs a target it cannot patch). Called by the KV manager and the linker
+    when they start, i.e. after load_plugins() finished."""
+    if not _installed:
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    missing = [t for t in installed_hooks() if t not in HookRegistry._patched]
+    if missing:
+        raise HookTargetMissing("kvcentric-sglang: hooks registered but not applied in SGLang %s: %s" %
+                                (sglang_version(), ", ".join(missing)))
+
+
 def installed_hooks() -> List[str]:
     """The hook targets this plugin registers (for tests and diagnostics)."""
     return [t for t, why in TARGETS if why.split(":")[0] in ("AROUND", "AFTER")]

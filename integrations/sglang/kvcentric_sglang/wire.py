@@ -130,12 +130,25 @@ def unpack_varints(v) -> list:
 
 def as_int64(v) -> int:
     v = v or 0
+    if not isinstance(v, int):
+        raise ValueError("field is not a varint")
     return v - (1 << 64) if v >= 1 << 63 else v
 
 
 def as_str(v) -> str:
-    return (v or b"").decode("utf-8")
+    if v is not None and not isinstance(v, (bytes, bytearray)):
+        raise ValueError("field is not a string")
+    return bytes(v or b"").decode("utf-8")  # UnicodeDecodeError is a ValueError
+
+
+def as_msg(v) -> dict:
+    """parse() of an embedded message field (absent: empty)."""
+    if v is not None and not isinstance(v, (bytes, bytearray)):
+        raise ValueError("field is not a message")
+    return parse(bytes(v or b""))
 
 
 def as_double(v) -> float:
+    if v and (not isinstance(v, (bytes, bytearray)) or len(v) != 8):
+        raise ValueError("field is not a fixed64 double")
     return struct.unpack("<d", v)[0] if v else 0.0
