@@ -515,7 +515,13 @@ func TestSidecarBenchCPU(t *testing.T) {
 	if testing.Short() {
 		t.Skip("integration test")
 	}
-	s := shape{PageSize: 16, Layers: 4, TokenBytes: 64, Tokens: 2000, PoolFactor: 2}
+	for _, mla := range []bool{false, true} {
+		t.Run(map[bool]string{false: "MHA", true: "MLA"}[mla], func(t *testing.T) { benchCPU(t, mla) })
+	}
+}
+
+func benchCPU(t *testing.T, mla bool) {
+	s := shape{PageSize: 16, Layers: 4, TokenBytes: 64, Tokens: 2000, PoolFactor: 2, MLA: mla}
 	var out strings.Builder
 	cfg := config{s: s, reps: 2, transport: "tcp", storeMem: "host", out: &out,
 		newPools: func(t *testing.T, ctx context.Context) (workerPool, workerPool, workerPool, func(int64) (time.Duration, error)) {
@@ -620,6 +626,97 @@ func TestSidecarBenchGPU(t *testing.T) {
 	}
 	if ratio < 0.85 {
 		t.Logf("ratio %.2f is below the issue's 0.85", ratio)
+	}
+}
+
+// TestSidecarMLAGPU runs the whole flow with MLA pools (one buffer per layer, DeepSeek-V3's
+// shape: 61 layers of 576 bf16 latent values per token, page 64) on ONE GPU (KVC_GPU_MLA=1):
+// the decode pools and the device-memory store all on GPU 0, the sidecars exchanging CUDA IPC
+// handles, every byte checked (seed into D, D→P pushes into the device and the host store,
+// reseeds into D2).
+func TestSidecarMLAGPU(t *testing.T) {
+	if os.Getenv("KVC_GPU_MLA") != "1" {
+		t.Skip("set KVC_GPU_MLA=1 to run the MLA flow on GPU 0")
+	}
+	ctx := context.Background()
+	probe, err := rdma.New(ctx, rdma.Config{Backend: "cuda", CUDADevice: 0, ListenAddr: "127.0.0.1:0"})
+	if errors.Is(err, rdma.ErrUnavailable) {
+		t.Skipf("no CUDA: %v", err)
+	}
+	if err != nil {
+		t.Fatalf("cuda engine on GPU 0: %v", err)
+	}
+	_ = probe.Close()
+	tokens := int64(20000)
+	if v := os.Getenv("KVC_GPU_BENCH_TOKENS"); v != "" {
+		if tokens, err = strconv.ParseInt(v, 10, 64); err != nil || tokens <= 0 {
+			t.Fatalf("KVC_GPU_BENCH_TOKENS=%q", v)
+		}
+	}
+	s := shape{PageSize: 64, Layers: 61, TokenBytes: 1152, Tokens: tokens, PoolFactor: 2, MLA: true}
+	out := io.MultiWriter(os.Stdout)
+	fmt.Fprintf(out, "MLA shape: %d layers x 1 latent buffer, %d B per token, page %d, %d tokens = %d bytes; D, D2 and the device store on GPU 0\n",
+		s.Layers, s.bytesPerToken(), s.PageSize, s.Tokens, s.sessionBytes())
+	reps := 2
+	cfg := config{s: s, reps: reps, transport: "cuda", dGPU: 0, pGPU: 0, storeMem: agent.StoreMemoryCUDA, out: out,
+		newPools: func(t *testing.T, ctx context.Context) (workerPool, workerPool, workerPool, func(int64) (time.Duration, error)) {
+			g0, err := newGPUWorker(ctx, s, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(g0.close)
+			var pools []*gpuPool
+			for _, pages := range []int64{s.poolPages(), s.poolPages(), 2} {
+				p, err := g0.newPool(pages)
+				if err != nil {
+					t.Fatal(err)
+				}
+				pools = append(pools, p)
+			}
+			if err := g0.exportAll(ctx, pools...); err != nil {
+				t.Fatal(err)
+			}
+			return pools[0], pools[1], pools[2], localBaseline(t, ctx)
+		}}
+	res := run(t, cfg)
+	report(out, s, res, "one contiguous cuMemcpyAsync GPU 0 -> GPU 0")
+	if bad := res.storeBad + res.reseedBad + res.hostBad; bad != 0 || res.hostErr != "" {
+		t.Fatalf("%d mismatches, host store error %q", bad, res.hostErr)
+	}
+	if len(res.pushMs) != reps || len(res.reseedMs) != reps || res.slots == 0 {
+		t.Fatalf("measured %d pushes, %d reseeds, %d slots", len(res.pushMs), len(res.reseedMs), res.slots)
+	}
+}
+
+// localBaseline copies n contiguous bytes within GPU 0 with one cuMemcpyAsync, timed like a
+// transfer (the one-GPU runs' baseline).
+func localBaseline(t *testing.T, ctx context.Context) func(n int64) (time.Duration, error) {
+	var e *rdma.CUDAEngine
+	var src, dst uint64
+	var seg rdma.SegmentID
+	return func(n int64) (time.Duration, error) {
+		if e == nil {
+			var err error
+			if e, err = rdma.NewCUDA(ctx, rdma.Config{Backend: "cuda", CUDADevice: 0, ListenAddr: "127.0.0.1:0"}, rdma.CUDAOptions{Copy: rdma.CUDACopyMemcpy}); err != nil {
+				return 0, err
+			}
+			x := e
+			t.Cleanup(func() { _ = x.Close() })
+			for _, a := range []*uint64{&src, &dst} {
+				if *a, err = e.AllocDevice(uint64(n)); err != nil {
+					return 0, err
+				}
+				if err := e.RegisterMemory(rdma.Region{Addr: *a, Len: uint64(n), Kind: rdma.MemCUDA}); err != nil {
+					return 0, err
+				}
+			}
+			if seg, err = e.OpenSegment(ctx, e.SegmentName()); err != nil {
+				return 0, err
+			}
+		}
+		start := time.Now()
+		_, err := agent.Transfer(ctx, e, []rdma.Request{{Op: rdma.OpWrite, Source: src, Target: seg, TargetAddr: dst, Length: uint64(n)}})
+		return time.Since(start), err
 	}
 }
 

@@ -22,10 +22,17 @@ type shape struct {
 	TokenBytes int64 // bytes per token per buffer
 	Tokens     int64 // the session
 	PoolFactor int64 // pool pages = factor × session pages (fragmentation)
+	// MLA: one buffer per layer (KV_KIND_COMBINED, SGLang's MLATokenToKVPool) instead of K and V.
+	MLA bool
 }
 
 func (s shape) itemLen() int64       { return s.PageSize * s.TokenBytes }
-func (s shape) buffers() int         { return int(2 * s.Layers) }
+func (s shape) buffers() int {
+	if s.MLA {
+		return int(s.Layers)
+	}
+	return int(2 * s.Layers)
+}
 func (s shape) sessionPages() int64  { return (s.Tokens + s.PageSize - 1) / s.PageSize }
 func (s shape) poolPages() int64     { return s.PoolFactor * s.sessionPages() }
 func (s shape) bytesPerToken() int64 { return s.TokenBytes * int64(s.buffers()) }
@@ -47,7 +54,10 @@ type workerPool interface {
 	local(ctx context.Context) (rdma.Engine, *kvcv1.KVLayout, error)
 }
 
-func kvBuffer(i int, size int64) *kvcv1.KVBuffer {
+func kvBuffer(s shape, i int, size int64) *kvcv1.KVBuffer {
+	if s.MLA {
+		return &kvcv1.KVBuffer{Layer: int32(i), Kind: kvcv1.KVKind_KV_KIND_COMBINED, SizeBytes: size}
+	}
 	kind := kvcv1.KVKind_KV_KIND_K
 	if i%2 == 1 {
 		kind = kvcv1.KVKind_KV_KIND_V
@@ -56,7 +66,11 @@ func kvBuffer(i int, size int64) *kvcv1.KVBuffer {
 }
 
 func registerReq(s shape, pages int64, model string) *kvcv1.RegisterKVPoolRequest {
-	return &kvcv1.RegisterKVPoolRequest{PageSize: int32(s.PageSize), ItemLen: s.itemLen(), PageCount: pages, NumLayers: int32(s.Layers), Model: model}
+	r := &kvcv1.RegisterKVPoolRequest{PageSize: int32(s.PageSize), ItemLen: s.itemLen(), PageCount: pages, NumLayers: int32(s.Layers), Model: model}
+	if s.MLA {
+		r.Layout = kvcv1.PoolLayout_POOL_LAYOUT_MLA
+	}
+	return r
 }
 
 // shmPool is a worker pool in a shared-memory file (kvpool).
@@ -90,7 +104,7 @@ func (w *shmPool) local(ctx context.Context) (rdma.Engine, *kvcv1.KVLayout, erro
 }
 
 func newShmPool(dir string, s shape, pages int64, name string) (*shmPool, error) {
-	p, err := kvpool.Create(dir, kvpool.Spec{PageSize: int(s.PageSize), ItemLen: uint64(s.itemLen()), NumLayers: int(s.Layers), PageCount: pages, Name: name})
+	p, err := kvpool.Create(dir, kvpool.Spec{PageSize: int(s.PageSize), ItemLen: uint64(s.itemLen()), NumLayers: int(s.Layers), PageCount: pages, Name: name, MLA: s.MLA})
 	if err != nil {
 		return nil, err
 	}
@@ -107,7 +121,7 @@ func (w *shmPool) close() {
 func (w *shmPool) register(model string) *kvcv1.RegisterKVPoolRequest {
 	req := registerReq(w.s, w.pages, model)
 	for i := 0; i < w.s.buffers(); i++ {
-		b := kvBuffer(i, w.pages*w.s.itemLen())
+		b := kvBuffer(w.s, i, w.pages*w.s.itemLen())
 		b.Memory = &kvcv1.KVBuffer_Shm{Shm: &kvcv1.SharedMemoryRef{Path: w.p.Path(), Offset: w.p.Offset(i)}}
 		req.Buffers = append(req.Buffers, b)
 	}
@@ -229,7 +243,7 @@ func (p *gpuPool) register(model string) *kvcv1.RegisterKVPoolRequest {
 	s := p.g.s
 	req := registerReq(s, p.pages, model)
 	for i, ref := range p.refs {
-		b := kvBuffer(i, p.pages*s.itemLen())
+		b := kvBuffer(s, i, p.pages*s.itemLen())
 		b.Memory = &kvcv1.KVBuffer_Cuda{Cuda: ref}
 		req.Buffers = append(req.Buffers, b)
 	}
