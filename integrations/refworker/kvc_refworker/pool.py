@@ -36,6 +36,20 @@ def _try_sglang_pool(size, page_size, dtype, heads, head_dim, layers):
                             layer_num=layers, device="cpu", enable_memory_saver=False)
 
 
+def ipc_handle_bytes(h: bytes) -> bytes:
+    """The 64-byte cudaIpcMemHandle_t from torch's shared handle: torch >= 2.2 serializes it as
+    version byte, type byte ('c': cudaMalloc'd block), then the handle; older torch gives the
+    bare 64 bytes. Expandable segments ('e') cannot be opened by cudaIpcOpenMemHandle."""
+    if len(h) == 64:
+        return h
+    if len(h) == 66 and h[1:2] == b"c":
+        return h[2:]
+    if len(h) >= 2 and h[1:2] == b"e":
+        raise RuntimeError("the KV pool is in an expandable segment (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): "
+                           "its CUDA IPC handle cannot be opened by the sidecar; unset it")
+    raise RuntimeError("unknown CUDA IPC handle format (%d bytes)" % len(h))
+
+
 class KVPool:
     """Paged KV pool plus a page allocator (pages 1..num_pages; page 0 reserved)."""
 
@@ -148,8 +162,8 @@ class KVPool:
     def _cuda_ref(self, t: torch.Tensor, layer: int, kind: int, size: int) -> KVBuffer:
         st = t.untyped_storage()
         info = st._share_cuda_()  # (device, ipc handle of the allocation, size, offset in it, ...)
-        dev, handle, off = info[0], info[1], info[3]
-        return KVBuffer(layer=layer, kind=kind, size_bytes=size, cuda_ipc_handle=bytes(handle), cuda_device=int(dev),
+        dev, handle, off = info[0], ipc_handle_bytes(bytes(info[1])), info[3]
+        return KVBuffer(layer=layer, kind=kind, size_bytes=size, cuda_ipc_handle=handle, cuda_device=int(dev),
                         cuda_offset=int(off) + t.storage_offset() * self.elsize)
 
     def close(self) -> None:

@@ -165,5 +165,20 @@ class TestModel(unittest.TestCase):
             pool.close()
 
 
+
+
+class TestIpcHandle(unittest.TestCase):
+    def test_formats(self):
+        from kvc_refworker.pool import ipc_handle_bytes
+
+        h = bytes(range(64))
+        self.assertEqual(ipc_handle_bytes(h), h)
+        self.assertEqual(ipc_handle_bytes(b"\x02c" + h), h)  # torch 2.11's serialized form (measured on the H200)
+        with self.assertRaisesRegex(RuntimeError, "expandable"):
+            ipc_handle_bytes(b"\x02e" + h + b"more")
+        with self.assertRaisesRegex(RuntimeError, "unknown"):
+            ipc_handle_bytes(b"\x00" * 10)
+
+
 if __name__ == "__main__":
     unittest.main()
