@@ -26,7 +26,7 @@ type shape struct {
 	MLA bool
 }
 
-func (s shape) itemLen() int64       { return s.PageSize * s.TokenBytes }
+func (s shape) itemLen() int64 { return s.PageSize * s.TokenBytes }
 func (s shape) buffers() int {
 	if s.MLA {
 		return int(s.Layers)
