@@ -28,8 +28,14 @@ func run() int {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
+	// The first signal starts the graceful stop (readiness off, in-flight streams get
+	// --shutdown-grace); a second one kills the process at once (the default action).
+	context.AfterFunc(ctx, stop)
 	if err := app.Run(ctx, cfg, os.Stderr); err != nil {
 		fmt.Fprintln(os.Stderr, "kvc-gateway:", err)
+		if errors.Is(err, app.ErrStartup) {
+			return 2
+		}
 		return 1
 	}
 	return 0

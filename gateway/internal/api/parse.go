@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"strings"
 
+	"github.com/kvcentric/kvcentric/pkg/tokenizer"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -52,11 +53,19 @@ type Request struct {
 	Estimated bool
 	MaxTokens int64
 	Stream    bool
-	// Text is the prompt (chat messages rendered as "role: content" lines).
-	Text     string
+	// Text is the prompt (chat messages rendered as "role: content" lines until the gateway's
+	// tokenizer renders the chat template: see server.Content).
+	Text string
+	// Messages are a chat request's messages, for the model's chat template.
+	Messages []tokenizer.Message
 	InputIDs []int64
 	Model    string
 	RID      string
+	// Content address (server.Content): the prompt's ids as uint32, the page size and the
+	// chain of the prompt's full pages; empty without ids or page size.
+	ContentIDs  []uint32
+	PageSize    int
+	PromptPages []uint64
 }
 
 // Error is a client-facing error: an HTTP status and an OpenAI-style error object.
@@ -91,8 +100,12 @@ type sessionParams struct {
 }
 
 type chatMessage struct {
-	Role    string          `json:"role"`
-	Content json.RawMessage `json:"content"`
+	Role             string               `json:"role"`
+	Content          json.RawMessage      `json:"content"`
+	ReasoningContent *string              `json:"reasoning_content"`
+	Name             string               `json:"name"`
+	ToolCallID       string               `json:"tool_call_id"`
+	ToolCalls        []tokenizer.ToolCall `json:"tool_calls"`
 }
 
 type body struct {
@@ -164,6 +177,8 @@ func Parse(kind Kind, h http.Header, raw []byte, opt Options) (*Request, *Error)
 			sb.WriteString(": ")
 			sb.WriteString(text)
 			sb.WriteByte('\n')
+			r.Messages = append(r.Messages, tokenizer.Message{Role: m.Role, Content: text, ReasoningContent: m.ReasoningContent,
+				Name: m.Name, ToolCallID: m.ToolCallID, ToolCalls: m.ToolCalls})
 		}
 		r.Text = sb.String()
 	case Completion:

@@ -8,6 +8,9 @@ import (
 	"io"
 	"net"
 	"os"
+	"time"
+
+	"github.com/rs/zerolog"
 
 	"golang.org/x/sync/errgroup"
 	"google.golang.org/grpc"
@@ -20,7 +23,32 @@ import (
 	"github.com/kvcentric/kvcentric/pkg/cpclient"
 	"github.com/kvcentric/kvcentric/pkg/obs"
 	"github.com/kvcentric/kvcentric/pkg/tlsx"
+	"github.com/kvcentric/kvcentric/pkg/tokenizer"
 )
+
+// ErrStartup marks a start-up error in what the operator configured (a tokenizer that does not
+// load): the command exits 2, as for a bad flag.
+var ErrStartup = errors.New("start-up configuration")
+
+// loadContent loads the tokenizer (--tokenizer) and says at start how input tokens are
+// counted.
+func loadContent(cfg *config.Config, log zerolog.Logger, m *server.Metrics) (*server.Content, error) {
+	c := &server.Content{PageSize: cfg.KVPageSize}
+	if cfg.Tokenizer == "" {
+		m.TokenizerLoaded.Set(0)
+		log.Warn().Msg("no --tokenizer: input tokens are estimated as ⌈bytes/4⌉, chat messages rendered as \"role: content\" lines, and page hashes go only with requests that carry input_ids")
+		return c, nil
+	}
+	t0 := time.Now()
+	tok, err := tokenizer.Load(cfg.Tokenizer)
+	if err != nil {
+		return nil, fmt.Errorf("%w: --tokenizer: %v", ErrStartup, err)
+	}
+	c.Tok = tok
+	m.TokenizerLoaded.Set(1)
+	log.Info().Str("tokenizer", cfg.Tokenizer).Dur("load", time.Since(t0)).Msg("tokenizer loaded: exact input token counts and the model's chat template")
+	return c, nil
+}
 
 // Run serves until ctx ends. logOut receives the logs.
 func Run(ctx context.Context, cfg *config.Config, logOut io.Writer) error {
@@ -30,6 +58,10 @@ func Run(ctx context.Context, cfg *config.Config, logOut io.Writer) error {
 	}
 	reg := obs.NewRegistry()
 	m := server.NewMetrics(reg)
+	content, err := loadContent(cfg, log, m)
+	if err != nil {
+		return err
+	}
 	// mTLS to the control plane (the server must hold a controlplane certificate).
 	cpTLS, err := tlsx.Load(cfg.TLS, tlsx.WithLogger(log))
 	if err != nil {
@@ -83,7 +115,7 @@ func Run(ctx context.Context, cfg *config.Config, logOut io.Writer) error {
 	srv := server.New(router, pool, server.Options{
 		RequestTimeout: cfg.RequestTimeout, ConnectTimeout: cfg.ConnectTimeout, MaxBodyBytes: cfg.MaxBodyBytes,
 		Parse:          api.Options{RequireSession: cfg.RequireSession, DefaultMaxTok: cfg.DefaultMaxTok},
-		SessionTimeout: cfg.SessionTimeout, Admission: adm,
+		SessionTimeout: cfg.SessionTimeout, Admission: adm, Content: content,
 	}, log, m)
 	defer srv.Close()
 
@@ -96,15 +128,33 @@ func Run(ctx context.Context, cfg *config.Config, logOut io.Writer) error {
 		lis, scheme = tls.NewListener(lis, httpTLS.ServerConfig()), "https" // certificate re-read on rotation
 	}
 	var ready obs.Ready
-	hs := obs.NewHTTPServer(reg, &ready)
+	// The client API's listener; /metrics on it only when no admin listener is configured.
+	pubReg, adminAddr := reg, ""
+	var admin *obs.HTTPServer
+	var alis net.Listener
+	if cfg.AdminAddr != "" {
+		if alis, err = net.Listen("tcp", cfg.AdminAddr); err != nil {
+			_ = lis.Close()
+			return fmt.Errorf("listen --admin-addr %s: %w", cfg.AdminAddr, err)
+		}
+		admin, pubReg, adminAddr = obs.NewHTTPServer(reg, &ready), nil, alis.Addr().String()
+	}
+	hs := obs.NewHTTPServer(pubReg, &ready)
 	srv.Register(hs.Mux)
 
-	g, gctx := errgroup.WithContext(ctx)
-	g.Go(func() error { return hs.Serve(gctx, lis) })
+	// Background parts (route stream, worker refresh, admin listener) outlive the client
+	// listener's stop: requests in flight during the grace still report their outcomes and
+	// /metrics stays up. A failure of one stops the client listener too.
+	bg, bgctx := errgroup.WithContext(context.Background())
+	bgctx, stopBG := context.WithCancel(bgctx)
+	defer stopBG()
+	if admin != nil {
+		bg.Go(func() error { return admin.Serve(bgctx, alis) })
+	}
 	if rc != nil {
-		g.Go(func() error { return rc.Run(gctx) })
-		g.Go(func() error {
-			return pool.Refresh(gctx, cfg.ControlPlanes, cfg.WorkerRefresh, log, func(ok bool) {
+		bg.Go(func() error { return rc.Run(bgctx) })
+		bg.Go(func() error {
+			return pool.Refresh(bgctx, cfg.ControlPlanes, cfg.WorkerRefresh, log, func(ok bool) {
 				if ok {
 					m.Refresh.WithLabelValues("ok").Inc()
 				} else {
@@ -113,19 +163,34 @@ func Run(ctx context.Context, cfg *config.Config, logOut io.Writer) error {
 			}, cpDial...)
 		})
 	}
+	sctx, stopServe := context.WithCancel(ctx)
+	defer stopServe()
+	context.AfterFunc(bgctx, stopServe)
+	served := make(chan error, 1)
+	go func() {
+		served <- hs.ServeGraceful(sctx, lis, obs.Graceful{NotReady: &ready, Delay: cfg.ShutdownDelay, Grace: cfg.ShutdownGrace,
+			OnStop: func(phase string, inflight int64) {
+				log.Info().Str("phase", phase).Int64("inflight", inflight).Dur("grace", cfg.ShutdownGrace).Msg("stopping: client listener")
+			}})
+	}()
 	// Fail-open serving works without a control plane, so the gateway is ready once it listens.
 	ready.Set(true)
 	addr := lis.Addr().String()
-	if err := obs.WriteReadyFile(cfg.ReadyFile, map[string]any{"pid": os.Getpid(), "http_addr": addr, "scheme": scheme}); err != nil {
+	rf := map[string]any{"pid": os.Getpid(), "http_addr": addr, "scheme": scheme}
+	if adminAddr != "" {
+		rf["admin_addr"] = adminAddr
+	}
+	if err := obs.WriteReadyFile(cfg.ReadyFile, rf); err != nil {
 		log.Error().Err(err).Msg("ready file")
 	}
 	if _, err := obs.SdNotify("READY=1"); err != nil {
 		log.Warn().Err(err).Msg("sd_notify")
 	}
 	np, nd := pool.Sizes()
-	log.Info().Str("http_addr", addr).Str("scheme", scheme).Strs("control_planes", cfg.ControlPlanes).Int("failopen_prefill", np).Int("failopen_decode", nd).
+	log.Info().Str("http_addr", addr).Str("admin_addr", adminAddr).Str("scheme", scheme).Strs("control_planes", cfg.ControlPlanes).Int("failopen_prefill", np).Int("failopen_decode", nd).
 		Dur("request_timeout", cfg.RequestTimeout).Dur("route_timeout", cfg.RouteTimeout).Msg("kvc-gateway serving")
-	err = g.Wait()
+	err = <-served
 	_, _ = obs.SdNotify("STOPPING=1")
-	return err
+	stopBG()
+	return errors.Join(err, bg.Wait())
 }

@@ -21,9 +21,16 @@ var HTTPTLSNames = tlsx.Names{Cert: "http-tls-cert", Key: "http-tls-key"}
 
 // Config is kvc-gateway's configuration.
 type Config struct {
-	LogLevel       string
-	LogFormat      string
-	HTTPAddr       string
+	LogLevel  string
+	LogFormat string
+	HTTPAddr  string
+	// AdminAddr serves /metrics, /healthz and /readyz apart from the client API; "" keeps them
+	// on HTTPAddr (the behaviour before the split).
+	AdminAddr string
+	// ShutdownGrace bounds the wait for in-flight requests (streams) at a stop; ShutdownDelay
+	// keeps accepting that long after /readyz turned not ready.
+	ShutdownGrace  time.Duration
+	ShutdownDelay  time.Duration
 	ReadyFile      string
 	ControlPlanes  []string
 	RequestTimeout time.Duration
@@ -41,6 +48,12 @@ type Config struct {
 	MaxInflightRequests  int
 	MaxInflightBodyBytes int64
 	AdmissionRetryAfter  time.Duration
+	// Tokenizer is the model's tokenizer folder (tokenizer.json + tokenizer_config.json) or
+	// tokenizer.json file; "" = input tokens estimated from text length.
+	Tokenizer string
+	// KVPageSize is the cluster's KV page size for content addresses; 0 = asked from a decode
+	// worker on first use.
+	KVPageSize int
 	// TLS is the mTLS identity (role gateway) for the control plane; none: plaintext.
 	TLS tlsx.Files
 	// HTTPTLS serves the HTTP front door over HTTPS; none: plain HTTP.
@@ -67,6 +80,9 @@ func Parse(args []string, getenv func(string) string, usage io.Writer) (*Config,
 	fs.StringVar(&c.LogLevel, "log-level", "info", "log level: debug, info, warn, error")
 	fs.StringVar(&c.LogFormat, "log-format", "json", "log format: json or console")
 	fs.StringVar(&c.HTTPAddr, "http-addr", "127.0.0.1:8080", "listen address of the HTTP API, /metrics, /healthz, /readyz")
+	fs.StringVar(&c.AdminAddr, "admin-addr", "", "listen address of /metrics, /healthz and /readyz apart from the client API (plain HTTP; keep it off the clients' network); empty: served on --http-addr as well")
+	fs.DurationVar(&c.ShutdownGrace, "shutdown-grace", 30*time.Second, "on SIGTERM: /readyz turns not ready, new connections are refused after --shutdown-delay, requests in flight (streams) get this long to finish, the rest are cut")
+	fs.DurationVar(&c.ShutdownDelay, "shutdown-delay", 0, "on SIGTERM: keep accepting this long after /readyz turned not ready (a load balancer's probe interval), then close the listener")
 	fs.StringVar(&c.ReadyFile, "ready-file", "", "write a JSON ready file here once serving")
 	fs.StringVar(&cps, "control-plane", "", "comma list of control plane gRPC addresses (empty: always fail-open)")
 	fs.DurationVar(&c.RequestTimeout, "request-timeout", 180*time.Second, "timeout of one client request, end to end")
@@ -81,6 +97,8 @@ func Parse(args []string, getenv func(string) string, usage io.Writer) (*Config,
 	fs.Int64Var(&c.DefaultMaxTok, "default-max-tokens", 256, "max output tokens when the client names none")
 	fs.IntVar(&c.MaxInflightRequests, "max-inflight-requests", 4096, "client requests in flight at once; past it requests are answered 429 too_many_requests with Retry-After")
 	fs.Int64Var(&c.MaxInflightBodyBytes, "max-inflight-body-bytes", 64<<20, "request body bytes in flight at once (each request reserves its Content-Length, --max-body-bytes when undeclared, before its body is read); past it requests are answered 503 gateway_saturated with Retry-After; at least --max-body-bytes")
+	fs.StringVar(&c.Tokenizer, "tokenizer", "", "the model's tokenizer: a folder with tokenizer.json and tokenizer_config.json (chat template), or the tokenizer.json path; exact input token counts, chat templates and page hashes of the prompt. Empty: input tokens are estimated as ⌈bytes/4⌉ (logged at start, metric kvc_gateway_tokenizer_loaded 0)")
+	fs.IntVar(&c.KVPageSize, "kv-page-size", 0, "the cluster's KV page size for the prompt's page hashes; 0: asked from a decode worker (get_model_info / get_server_info) on first use")
 	fs.DurationVar(&c.AdmissionRetryAfter, "admission-retry-after", time.Second, "Retry-After of admission refusals (whole seconds, at least 1)")
 	c.TLS.Register(fs, tlsx.GRPCNames, "of this gateway (role gateway) for mutual TLS to the control plane")
 	c.HTTPTLS.Register(fs, HTTPTLSNames, "of the HTTPS front door (API, /metrics, probes); with --http-tls-key serves HTTPS instead of HTTP")
@@ -115,6 +133,12 @@ func (c *Config) validate() error {
 	if c.HTTPAddr == "" {
 		errs = append(errs, errors.New("--http-addr is required"))
 	}
+	if c.AdminAddr != "" && c.AdminAddr == c.HTTPAddr && !strings.HasSuffix(c.AdminAddr, ":0") {
+		errs = append(errs, fmt.Errorf("--admin-addr %s must differ from --http-addr", c.AdminAddr))
+	}
+	if c.ShutdownGrace <= 0 || c.ShutdownDelay < 0 {
+		errs = append(errs, fmt.Errorf("--shutdown-grace (%v) must be positive and --shutdown-delay (%v) not negative", c.ShutdownGrace, c.ShutdownDelay))
+	}
 	for name, d := range map[string]time.Duration{"request-timeout": c.RequestTimeout, "route-timeout": c.RouteTimeout, "connect-timeout": c.ConnectTimeout, "worker-refresh": c.WorkerRefresh, "session-timeout": c.SessionTimeout} {
 		if d <= 0 {
 			errs = append(errs, fmt.Errorf("--%s must be positive, got %v", name, d))
@@ -134,6 +158,9 @@ func (c *Config) validate() error {
 	}
 	if c.MaxInflightBodyBytes < c.MaxBodyBytes {
 		errs = append(errs, fmt.Errorf("--max-inflight-body-bytes (%d) must be at least --max-body-bytes (%d)", c.MaxInflightBodyBytes, c.MaxBodyBytes))
+	}
+	if c.KVPageSize < 0 || c.KVPageSize > 4096 {
+		errs = append(errs, fmt.Errorf("--kv-page-size must be in [0, 4096], got %d", c.KVPageSize))
 	}
 	if c.AdmissionRetryAfter < 0 || c.AdmissionRetryAfter > time.Hour {
 		errs = append(errs, fmt.Errorf("--admission-retry-after must be in [0, 1h], got %v", c.AdmissionRetryAfter))

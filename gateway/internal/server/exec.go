@@ -10,6 +10,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -39,6 +40,10 @@ type result struct {
 	meta      json.RawMessage // the decode worker's last meta_info
 	promptTok int64
 	outputTok int64
+	// outputIDs are the generated token ids D streamed (output_ids), for the outcome's chain.
+	outputIDs []int64
+	// truncatedTo: D rewrote the session from this token on (meta_info.kvc.truncated_to).
+	truncatedTo int64
 }
 
 func failure(kind kvcv1.RouteErrorKind, status int, code, msg string) result {
@@ -222,6 +227,9 @@ func workerBody(p *plan, req *api.Request, role string) []byte {
 	}
 	if e.GetTransfer() == kvcv1.TransferKind_TRANSFER_KIND_SNAPSHOT {
 		payload["snapshot_seqlen"] = p.snapSeqlen
+	}
+	if t := e.GetTruncateTo(); t > 0 && role == roleDecode {
+		payload["truncate_to"] = t
 	}
 	msgID := p.decisionID
 	if msgID == "" {
@@ -430,10 +438,20 @@ func (s *Server) execute(ctx, clientCtx context.Context, start time.Time, p *pla
 	return res
 }
 
+// appendOutputIDs adds a chunk's output_ids to those seen so far: SGLang streams them
+// cumulatively (each chunk repeats the earlier ids) or incrementally (kvc-sim).
+func appendOutputIDs(acc, ids []int64) []int64 {
+	if len(ids) > len(acc) && len(acc) > 0 && slices.Equal(ids[:len(acc)], acc) {
+		return append(acc[:0], ids...)
+	}
+	return append(acc, ids...)
+}
+
 type chunk struct {
-	Text     string          `json:"text"`
-	MetaInfo json.RawMessage `json:"meta_info"`
-	Error    *struct {
+	Text      string          `json:"text"`
+	OutputIDs []int64         `json:"output_ids"`
+	MetaInfo  json.RawMessage `json:"meta_info"`
+	Error     *struct {
 		Code    string `json:"code"`
 		Message string `json:"message"`
 	} `json:"error"`
@@ -443,7 +461,8 @@ type metaInfo struct {
 	PromptTokens     int64 `json:"prompt_tokens"`
 	CompletionTokens int64 `json:"completion_tokens"`
 	KVC              struct {
-		KVLenAfter int64 `json:"kv_len_after"`
+		KVLenAfter  int64 `json:"kv_len_after"`
+		TruncatedTo int64 `json:"truncated_to"`
 	} `json:"kvc"`
 }
 
@@ -483,8 +502,10 @@ func (s *Server) decode(ctx context.Context, start time.Time, p *plan, req *api.
 			var mi metaInfo
 			if json.Unmarshal(c.MetaInfo, &mi) == nil {
 				res.promptTok, res.outputTok, res.kvLenAfter = mi.PromptTokens, mi.CompletionTokens, mi.KVC.KVLenAfter
+				res.truncatedTo = max(res.truncatedTo, mi.KVC.TruncatedTo)
 			}
 		}
+		res.outputIDs = appendOutputIDs(res.outputIDs, c.OutputIDs)
 		if err := out.chunk(payload, c.Text); err != nil {
 			res = failure(kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_ABORTED, 499, "client_closed", err.Error())
 			return false

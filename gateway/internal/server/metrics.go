@@ -19,6 +19,12 @@ type Metrics struct {
 	Refresh      *prometheus.CounterVec
 	Outcomes     *prometheus.CounterVec
 	SessionCalls *prometheus.CounterVec
+	// Content (content.go).
+	TokenizerLoaded prometheus.Gauge
+	EstimatedInputs prometheus.Counter
+	TokenizeSeconds prometheus.Histogram
+	PageSize        prometheus.Gauge
+	ContentQueries  *prometheus.CounterVec
 }
 
 // NewMetrics registers the series on reg.
@@ -51,7 +57,18 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Help: "RouteOutcomes sent to the control plane, by result (sent or lost)."}, []string{"result"}),
 		SessionCalls: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvc_gateway_session_calls_total",
 			Help: "Streaming-session calls to decode workers, by call (open_session, close_session) and result (ok, error)."}, []string{"call", "result"}),
+		TokenizerLoaded: prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvc_gateway_tokenizer_loaded",
+			Help: "1 when the model's tokenizer is loaded (--tokenizer): exact input token counts and chat templates; 0: input tokens are estimated from text length."}),
+		EstimatedInputs: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_gateway_input_tokens_estimated_total",
+			Help: "Requests whose input token count was estimated (⌈bytes/4⌉): no tokenizer, no input_ids, no client count."}),
+		TokenizeSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "kvc_gateway_tokenize_seconds",
+			Help: "Time to render the chat template and tokenize one prompt.", Buckets: prometheus.ExponentialBuckets(0.00005, 2, 14)}),
+		PageSize: prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvc_gateway_kv_page_size",
+			Help: "KV page size the prompt's page hashes are computed with; 0 while unknown (no content addresses)."}),
+		ContentQueries: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvc_gateway_content_queries_total",
+			Help: "Route queries by content address: hashes (the prompt's page chain sent) or lengths (no token ids: the decision goes on lengths alone)."}, []string{"address"}),
 	}
+	reg.MustRegister(m.TokenizerLoaded, m.EstimatedInputs, m.TokenizeSeconds, m.PageSize, m.ContentQueries)
 	reg.MustRegister(m.Requests, m.FailOpen, m.BadRequests, m.TTFT, m.Latency, m.RouteLatency, m.Retries,
 		m.Inflight, m.CPConnected, m.Orphans, m.Refresh, m.Outcomes, m.SessionCalls)
 	return m

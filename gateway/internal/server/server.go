@@ -46,6 +46,8 @@ type Options struct {
 	// workers (SGLang's open_session timeout); 0: DefaultSessionTimeout.
 	SessionTimeout time.Duration
 	Admission      *Admission // nil: no admission limits (admission.go)
+	// Content: tokenizer and page hashes (content.go); nil: lengths alone.
+	Content *Content
 }
 
 // DefaultSessionTimeout matches the control plane's default session_ttl_ms.
@@ -180,6 +182,11 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request, kind api.Kind) {
 	}
 	ctx, cancel := context.WithTimeout(r.Context(), s.opt.RequestTimeout)
 	defer cancel()
+	if perr := s.prepare(ctx, req); perr != nil {
+		s.m.BadRequests.WithLabelValues(perr.Code).Inc()
+		writeErr(w, perr, nil)
+		return
+	}
 
 	out := newSink(w, req)
 	var res result
@@ -198,7 +205,7 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request, kind api.Kind) {
 		p = np
 		out.retries = attempt
 		res = s.execute(ctx, r.Context(), start, p, req, out)
-		s.report(p, res, start) // before the retry's query: the control plane decides knowing it
+		s.report(p, req, res, start) // before the retry's query: the control plane decides knowing it
 		if attempt < maxRetries && retryable(res, out, p) && ctx.Err() == nil {
 			why := "worker_unavailable"
 			if res.code == codeNotResident {
@@ -263,6 +270,12 @@ func (s *Server) route(ctx context.Context, req *api.Request, gone []*kvcv1.Work
 			SessionId: req.SessionID, Turn: req.Turn, InputTokens: req.InputTokens,
 			MaxOutputTokens: req.MaxTokens, MultiturnHint: req.Multiturn,
 		}
+		if req.PageSize > 0 {
+			q.PageSize, q.PromptPages = int32(req.PageSize), req.PromptPages
+			s.m.ContentQueries.WithLabelValues("hashes").Inc()
+		} else {
+			s.m.ContentQueries.WithLabelValues("lengths").Inc()
+		}
 		for _, g := range gone {
 			if id := g.GetWorkerId(); id != "" && !slices.Contains(q.ExcludeWorkers, id) {
 				q.ExcludeWorkers = append(q.ExcludeWorkers, id)
@@ -281,7 +294,7 @@ func (s *Server) route(ctx context.Context, req *api.Request, gone []*kvcv1.Work
 				return p, nil
 			}
 			// The decision cannot run: release its reservation now, then serve it ourselves.
-			s.report(p, result{kind: kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_ABORTED, detail: "gateway failed open: " + why}, time.Now())
+			s.report(p, req, result{kind: kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_ABORTED, detail: "gateway failed open: " + why}, time.Now())
 		} else {
 			var rej *routeclient.RejectedError
 			if errors.As(err, &rej) && rej.Code == codes.InvalidArgument {
@@ -328,7 +341,7 @@ func unusable(p *plan) string {
 	return ""
 }
 
-func (s *Server) report(p *plan, res result, start time.Time) {
+func (s *Server) report(p *plan, req *api.Request, res result, start time.Time) {
 	if p.decisionID == "" || s.router == nil {
 		return
 	}
@@ -336,9 +349,18 @@ func (s *Server) report(p *plan, res result, start time.Time) {
 		DecisionId: p.decisionID, Success: res.ok, ErrorKind: res.kind,
 		TtftUs: res.ttft.Microseconds(), LatencyUs: time.Since(start).Microseconds(),
 		KvLenAfter: res.kvLenAfter, Detail: res.detail, ExecutedMode: p.mode,
+		TruncatedTo: res.truncatedTo,
 	}
 	if res.ok {
 		o.ErrorKind = kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_NONE
+		if p.keepSession(req) {
+			if o.KvLenAfter == 0 && res.promptTok > 0 {
+				// A worker without kvcentric's meta_info.kvc: D committed the prompt and the
+				// tokens it generated.
+				o.KvLenAfter = res.promptTok + res.outputTok
+			}
+			o.KvPages = s.outcomePages(req, res.outputIDs, o.KvLenAfter)
+		}
 	}
 	if err := s.router.Report(o); err != nil {
 		s.m.Outcomes.WithLabelValues("lost").Inc()

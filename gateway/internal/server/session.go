@@ -76,13 +76,13 @@ func (s *Server) handleCloseSession(w http.ResponseWriter, r *http.Request) {
 		}
 		if we := s.sessionCall(ctx, ref.GetWorkerUrl(), "/close_session", closeBody(sid)); we != nil {
 			res = result{kind: kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_WORKER_ERROR, detail: "close_session: " + we.Error()}
-			s.report(p, res, start)
+			s.report(p, &api.Request{}, res, start)
 			writeErr(w, &api.Error{Status: http.StatusBadGateway, Code: "worker_unreachable", Message: we.Error()}, nil)
 			return
 		}
 		closed = append(closed, ref.GetWorkerId())
 	}
-	s.report(p, res, start)
+	s.report(p, &api.Request{}, res, start)
 	w.Header().Set("Content-Type", "application/json")
 	b, _ := json.Marshal(map[string]any{"session_id": sid, "success": true, "closed_on": closed})
 	_, _ = w.Write(b)

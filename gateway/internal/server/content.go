@@ -1,0 +1,204 @@
+package server
+
+import (
+	"context"
+	"encoding/json"
+	"io"
+	"math"
+	"net/http"
+	"sync"
+	"time"
+
+	"github.com/kvcentric/kvcentric/gateway/internal/api"
+	"github.com/kvcentric/kvcentric/pkg/pagehash"
+	"github.com/kvcentric/kvcentric/pkg/tokenizer"
+)
+
+// Content is the gateway's view of a prompt's content (issue 13): the model's tokenizer and
+// chat template (exact input token counts, the rendered prompt sent as input_ids), and the
+// chained page hashes of the prompt's ids sent with the Route query, so the control plane
+// reuses resident or snapshot KV only up to the prefix that really matches.
+type Content struct {
+	// Tok is the model's tokenizer; nil: input tokens are estimated (⌈bytes/4⌉) and chat
+	// messages rendered as "role: content" lines, as before.
+	Tok *tokenizer.Tokenizer
+	// PageSize is the cluster's KV page size; 0: asked from a decode worker (kvc-sim's
+	// /get_model_info or SGLang's /get_server_info "page_size") on first use.
+	PageSize int
+	// Key is the page-hash key (0 when the cluster has no secret; docs/tokenization.md).
+	Key uint64
+
+	mu       sync.Mutex
+	hasher   *pagehash.Hasher
+	lastTry  time.Time
+	discover func(ctx context.Context) int // tests replace it
+}
+
+// discoverEvery bounds how often the page size is asked for while no decode worker answers.
+const discoverEvery = 5 * time.Second
+
+// pageHasher is the hasher for the cluster's page size, or nil while it is unknown.
+func (s *Server) pageHasher(ctx context.Context) *pagehash.Hasher {
+	c := s.opt.Content
+	if c == nil {
+		return nil
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.hasher != nil {
+		return c.hasher
+	}
+	ps := c.PageSize
+	if ps <= 0 {
+		if time.Since(c.lastTry) < discoverEvery {
+			return nil
+		}
+		c.lastTry = time.Now()
+		d := c.discover
+		if d == nil {
+			d = s.discoverPageSize
+		}
+		ps = d(ctx)
+	}
+	if ps <= 0 {
+		return nil
+	}
+	h, err := pagehash.New(ps, c.Key)
+	if err != nil {
+		s.log.Warn().Err(err).Int("page_size", ps).Msg("no content addresses")
+		return nil
+	}
+	c.hasher = h
+	s.m.PageSize.Set(float64(ps))
+	s.log.Info().Int("page_size", ps).Msg("content addresses: chained page hashes of the prompt go with every Route query")
+	return h
+}
+
+// discoverPageSize asks a decode worker for the KV page size: kvc-sim's /get_model_info, then
+// SGLang's /get_server_info (server args). 0 when none answers in time.
+func (s *Server) discoverPageSize(ctx context.Context) int {
+	_, dec, ok := s.pool.Pick()
+	if !ok || dec.URL == "" {
+		return 0
+	}
+	ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	for _, path := range []string{"/get_model_info", "/get_server_info"} {
+		hr, err := http.NewRequestWithContext(ctx, http.MethodGet, dec.URL+path, nil)
+		if err != nil {
+			return 0
+		}
+		resp, err := s.hc.Do(hr)
+		if err != nil {
+			continue
+		}
+		var v struct {
+			PageSize int `json:"page_size"`
+		}
+		err = json.NewDecoder(io.LimitReader(resp.Body, 1<<20)).Decode(&v)
+		resp.Body.Close()
+		if err == nil && resp.StatusCode == http.StatusOK && v.PageSize > 0 {
+			return v.PageSize
+		}
+	}
+	return 0
+}
+
+// prepare tokenizes the request with the model's tokenizer when the gateway has one (chat:
+// the chat template rendered, then encoded; text: encoded with the model's special tokens) and
+// computes the prompt's page chain when its ids are known. The worker then gets input_ids.
+func (s *Server) prepare(ctx context.Context, req *api.Request) *api.Error {
+	c := s.opt.Content
+	var tok *tokenizer.Tokenizer
+	if c != nil {
+		tok = c.Tok
+	}
+	if tok != nil && len(req.InputIDs) == 0 {
+		t0 := time.Now()
+		var ids []uint32
+		switch {
+		case req.Kind == api.Chat:
+			text, err := tok.ApplyChatTemplate(req.Messages, tokenizer.ChatOptions{AddGenerationPrompt: true})
+			if err != nil {
+				return api.BadRequest("chat template: %v", err)
+			}
+			ids = tok.Encode(text, false) // the rendering holds its special tokens as text
+		case req.Text != "":
+			ids = tok.Encode(req.Text, true)
+		}
+		s.m.TokenizeSeconds.Observe(time.Since(t0).Seconds())
+		if len(ids) > 0 {
+			req.InputIDs = make([]int64, len(ids))
+			for i, id := range ids {
+				req.InputIDs[i] = int64(id)
+			}
+			req.Text = ""
+			if req.Estimated {
+				req.InputTokens, req.Estimated = int64(len(ids)), false
+				if req.InputTokens > api.MaxInputTokens {
+					return api.BadRequest("input tokens %d out of range [1, %d]", req.InputTokens, api.MaxInputTokens)
+				}
+			}
+		}
+	}
+	if req.Estimated {
+		s.m.EstimatedInputs.Inc()
+	}
+	if len(req.InputIDs) == 0 || int64(len(req.InputIDs)) != req.InputTokens {
+		return nil // no ids, or a client count that is not theirs: lengths alone
+	}
+	h := s.pageHasher(ctx)
+	if h == nil {
+		return nil
+	}
+	ids := make([]uint32, len(req.InputIDs))
+	for i, v := range req.InputIDs {
+		if v < 0 || v > math.MaxUint32 {
+			return nil // not token ids of any vocabulary: no content address
+		}
+		ids[i] = uint32(v)
+	}
+	req.ContentIDs = ids
+	req.PromptPages = h.Chain(ids)
+	req.PageSize = h.PageSize()
+	return nil
+}
+
+// outcomePages is the chain of the KV the decode worker holds after a successful turn, past
+// the prompt's full pages (RouteOutcome.kv_pages): the prompt's ids then the generated ids,
+// up to ⌊kvLen / page⌋ pages and as far as the ids the gateway saw reach.
+func (s *Server) outcomePages(req *api.Request, out []int64, kvLen int64) []uint64 {
+	c := s.opt.Content
+	if c == nil || req.PageSize <= 0 || len(req.ContentIDs) == 0 {
+		return nil
+	}
+	c.mu.Lock()
+	h := c.hasher
+	c.mu.Unlock()
+	if h == nil {
+		return nil
+	}
+	ps := int64(req.PageSize)
+	from := int64(len(req.PromptPages)) * ps
+	end := min(kvLen, int64(len(req.ContentIDs))+int64(len(out))) / ps * ps
+	if end <= from {
+		return nil
+	}
+	tail := make([]uint32, 0, end-from)
+	for t := from; t < end; t++ {
+		if t < int64(len(req.ContentIDs)) {
+			tail = append(tail, req.ContentIDs[t])
+			continue
+		}
+		v := out[t-int64(len(req.ContentIDs))]
+		if v < 0 || v > math.MaxUint32 {
+			break
+		}
+		tail = append(tail, uint32(v))
+	}
+	prev := h.Root()
+	if n := len(req.PromptPages); n > 0 {
+		prev = req.PromptPages[n-1]
+	}
+	return h.AppendChain(nil, prev, tail)
+}

@@ -1,0 +1,291 @@
+package server
+
+import (
+	"bytes"
+	"compress/gzip"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"github.com/rs/zerolog"
+
+	"github.com/kvcentric/kvcentric/gateway/internal/api"
+	"github.com/kvcentric/kvcentric/gateway/internal/workers"
+	"github.com/kvcentric/kvcentric/pkg/pagehash"
+	"github.com/kvcentric/kvcentric/pkg/tokenizer"
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+// qwen3 loads the committed Qwen3 tokenizer (pkg/tokenizer/testdata, gzip) from a temp folder.
+func qwen3(t testing.TB) (*tokenizer.Tokenizer, string) {
+	t.Helper()
+	src := filepath.Join("..", "..", "..", "pkg", "tokenizer", "testdata", "qwen3")
+	dir := t.TempDir()
+	f, err := os.Open(filepath.Join(src, "tokenizer.json.gz"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	zr, err := gzip.NewReader(f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	raw, err := io.ReadAll(zr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := os.ReadFile(filepath.Join(src, "tokenizer_config.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "tokenizer.json"), raw, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "tokenizer_config.json"), cfg, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	tok, err := tokenizer.Load(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tok, dir
+}
+
+// recRouter answers every query with one decision and records queries and outcomes.
+type recRouter struct {
+	mu       sync.Mutex
+	decision func(q *kvcv1.RouteQuery) *kvcv1.RouteDecision
+	queries  []*kvcv1.RouteQuery
+	outcomes []*kvcv1.RouteOutcome
+}
+
+func (r *recRouter) Decide(_ context.Context, q *kvcv1.RouteQuery) (*kvcv1.RouteDecision, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.queries = append(r.queries, q)
+	return r.decision(q), nil
+}
+
+func (r *recRouter) Report(o *kvcv1.RouteOutcome) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.outcomes = append(r.outcomes, o)
+	return nil
+}
+
+// idsWorker is a decode worker that records its body and streams n tokens with output_ids
+// (one per chunk) and meta_info.kvc.kv_len_after.
+type idsWorker struct {
+	*httptest.Server
+	mu   sync.Mutex
+	body map[string]any
+	out  []int64
+}
+
+func newIDsWorker(t *testing.T, out []int64) *idsWorker {
+	w := &idsWorker{out: out}
+	w.Server = httptest.NewServer(http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
+		var b map[string]any
+		_ = json.NewDecoder(r.Body).Decode(&b)
+		w.mu.Lock()
+		w.body = b
+		w.mu.Unlock()
+		n := 0
+		if ids, ok := b["input_ids"].([]any); ok {
+			n = len(ids)
+		}
+		rw.Header().Set("Content-Type", "text/event-stream")
+		for i, id := range w.out {
+			c, _ := json.Marshal(map[string]any{"text": fmt.Sprintf(" t%d", i), "output_ids": []int64{id},
+				"meta_info": map[string]any{"prompt_tokens": n, "completion_tokens": i + 1, "kvc": map[string]any{"kv_len_after": n + i + 1, "truncated_to": 32}}})
+			fmt.Fprintf(rw, "data: %s\n\n", c)
+		}
+		fmt.Fprint(rw, "data: [DONE]\n\n")
+	}))
+	t.Cleanup(w.Close)
+	return w
+}
+
+func chatBody() []byte {
+	b, _ := json.Marshal(map[string]any{"model": "qwen3", "max_tokens": 5, "messages": []map[string]any{
+		{"role": "system", "content": "You are a coding agent. Answer with a patch."},
+		{"role": "user", "content": "Fix the off-by-one in pagesFor: ⌈n/p⌉ pages for n tokens."},
+		{"role": "assistant", "content": "Done.", "reasoning_content": "pagesFor(n, p) = (n + p - 1) / p"},
+		{"role": "user", "content": "Now add a test, 表驱动."},
+	}})
+	return b
+}
+
+// TestTokenizerAndContentAddresses: with --tokenizer, a chat request is rendered by the model's
+// chat template and tokenized exactly; the worker gets input_ids (no text), the query the exact
+// count and the chain of the prompt's pages; the decision's truncate_to reaches D; the outcome
+// carries the chain of the KV D holds past the prompt's pages (prompt ids then output ids) and
+// D's truncated_to. Without a tokenizer the estimate stays and is counted.
+func TestTokenizerAndContentAddresses(t *testing.T) {
+	tok, _ := qwen3(t)
+	out := []int64{1, 2, 3, 4, 5}
+	dw := newIDsWorker(t, out)
+	rr := &recRouter{decision: func(q *kvcv1.RouteQuery) *kvcv1.RouteDecision {
+		return &kvcv1.RouteDecision{DecisionId: "d-1", Mode: kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, CachedTokens: 32,
+			Decode:    &kvcv1.WorkerRef{WorkerId: "d0", WorkerUrl: dw.URL},
+			Execution: &kvcv1.RouteExecution{CallDecode: true, KeepSession: true, TruncateTo: 32}}
+	}}
+	reg := prometheus.NewRegistry()
+	m := NewMetrics(reg)
+	s := New(rr, workers.NewPool(nil, nil), Options{RequestTimeout: 10 * time.Second, ConnectTimeout: time.Second, MaxBodyBytes: 1 << 20,
+		Parse: api.Options{RequireSession: true, DefaultMaxTok: 16}, Content: &Content{Tok: tok, PageSize: 16}}, zerolog.Nop(), m)
+	mux := http.NewServeMux()
+	s.Register(mux)
+	gw := httptest.NewServer(mux)
+	defer gw.Close()
+
+	post := func() *http.Response {
+		req, _ := http.NewRequest(http.MethodPost, gw.URL+"/v1/chat/completions", bytes.NewReader(chatBody()))
+		req.Header.Set("X-Session-ID", "chat-1")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		return resp
+	}
+	if resp := post(); resp.StatusCode != 200 {
+		t.Fatalf("status %d", resp.StatusCode)
+	}
+
+	var msgs []tokenizer.Message
+	_ = json.Unmarshal([]byte(`[{"role":"system","content":"You are a coding agent. Answer with a patch."},
+		{"role":"user","content":"Fix the off-by-one in pagesFor: ⌈n/p⌉ pages for n tokens."},
+		{"role":"assistant","content":"Done.","reasoning_content":"pagesFor(n, p) = (n + p - 1) / p"},
+		{"role":"user","content":"Now add a test, 表驱动."}]`), &msgs)
+	text, err := tok.ApplyChatTemplate(msgs, tokenizer.ChatOptions{AddGenerationPrompt: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := tok.Encode(text, false)
+	h, _ := pagehash.New(16, 0)
+	wantPages := h.Chain(want)
+
+	rr.mu.Lock()
+	q, o := rr.queries[0], rr.outcomes[0]
+	rr.mu.Unlock()
+	if q.InputTokens != int64(len(want)) || q.PageSize != 16 || len(q.PromptPages) != len(wantPages) {
+		t.Fatalf("query: %d tokens (want %d), page size %d, %d pages (want %d)", q.InputTokens, len(want), q.PageSize, len(q.PromptPages), len(wantPages))
+	}
+	for i := range wantPages {
+		if q.PromptPages[i] != wantPages[i] {
+			t.Fatalf("prompt page %d hash differs", i)
+		}
+	}
+	dw.mu.Lock()
+	body := dw.body
+	dw.mu.Unlock()
+	if _, has := body["text"]; has {
+		t.Fatal("the worker got text besides input_ids")
+	}
+	ids := body["input_ids"].([]any)
+	if len(ids) != len(want) || int(ids[0].(float64)) != int(want[0]) || int(ids[len(ids)-1].(float64)) != int(want[len(want)-1]) {
+		t.Fatalf("worker input_ids (%d) differ from the template's tokens (%d)", len(ids), len(want))
+	}
+	payload := body["kv_hints"].(map[string]any)["actions"].([]any)[0].(map[string]any)["payload"].(map[string]any)
+	if payload["truncate_to"].(float64) != 32 {
+		t.Fatalf("payload truncate_to %v", payload["truncate_to"])
+	}
+	all := append([]uint32(nil), want...)
+	for _, v := range out {
+		all = append(all, uint32(v))
+	}
+	full := h.Chain(all)
+	if o.KvLenAfter != int64(len(all)) || o.TruncatedTo != 32 || len(o.KvPages) != len(full)-len(wantPages) {
+		t.Fatalf("outcome: kv_len_after %d (want %d) truncated_to %d, %d kv_pages (want %d)", o.KvLenAfter, len(all), o.TruncatedTo, len(o.KvPages), len(full)-len(wantPages))
+	}
+	for i, hsh := range o.KvPages {
+		if hsh != full[len(wantPages)+i] {
+			t.Fatalf("kv_pages[%d] differs from the chain of prompt + output", i)
+		}
+	}
+	if v := testutil.ToFloat64(m.ContentQueries.WithLabelValues("hashes")); v != 1 {
+		t.Fatalf("content queries with hashes: %v", v)
+	}
+
+	// Without a tokenizer: the estimate, counted; no hashes for a chat without ids.
+	s.opt.Content = &Content{PageSize: 16}
+	if resp := post(); resp.StatusCode != 200 {
+		t.Fatalf("status %d", resp.StatusCode)
+	}
+	rr.mu.Lock()
+	q = rr.queries[1]
+	rr.mu.Unlock()
+	if est := (int64(len(mustRender(t, chatBody()))) + 3) / 4; q.InputTokens != est || q.PageSize != 0 || len(q.PromptPages) != 0 {
+		t.Fatalf("without tokenizer: %d tokens (want the estimate %d), page size %d", q.InputTokens, est, q.PageSize)
+	}
+	if v := testutil.ToFloat64(m.EstimatedInputs); v != 1 {
+		t.Fatalf("estimated inputs counted %v, want 1", v)
+	}
+}
+
+// mustRender is the "role: content" rendering the gateway estimates from without a tokenizer.
+func mustRender(t *testing.T, body []byte) string {
+	t.Helper()
+	r, perr := api.Parse(api.Chat, http.Header{"X-Session-Id": {"x"}}, body, api.Options{DefaultMaxTok: 16})
+	if perr != nil {
+		t.Fatal(perr)
+	}
+	return r.Text
+}
+
+// TestAppendOutputIDs: incremental and cumulative output_ids streams give the same ids.
+func TestAppendOutputIDs(t *testing.T) {
+	var inc, cum []int64
+	for _, c := range [][]int64{{5}, {6}, {7}} {
+		inc = appendOutputIDs(inc, c)
+	}
+	for _, c := range [][]int64{{5}, {5, 6}, {5, 6, 7}} {
+		cum = appendOutputIDs(cum, c)
+	}
+	if fmt.Sprint(inc) != "[5 6 7]" || fmt.Sprint(cum) != "[5 6 7]" {
+		t.Fatalf("incremental %v, cumulative %v", inc, cum)
+	}
+}
+
+// BenchmarkTokenize32K is the gateway's counting cost per 32K-token prompt: chat template,
+// tokenization and page hashes (make bench-gateway).
+func BenchmarkTokenize32K(b *testing.B) {
+	tok, _ := qwen3(b)
+	var msgs []tokenizer.Message
+	msgs = append(msgs, tokenizer.Message{Role: "system", Content: "You are a coding agent working in a Go repository."})
+	for i := 0; ; i++ {
+		msgs = append(msgs, tokenizer.Message{Role: "user", Content: fmt.Sprintf("Step %d: read internal/server/exec.go and explain func classify(we *workerError, p *plan) — 返回值 %d.", i, i)},
+			tokenizer.Message{Role: "assistant", Content: fmt.Sprintf("The function maps a worker failure to an outcome error kind (case %d): status 0 → transport, 409 → session_not_resident, 503 → no_capacity or gone. Retry only before the first token; `if r.retry = ctx.Err() == nil; r.retry {` keeps it cheap.", i)})
+		text, _ := tok.ApplyChatTemplate(msgs, tokenizer.ChatOptions{AddGenerationPrompt: true})
+		if n := tok.Count(text, false); n >= 32_768 {
+			break
+		}
+	}
+	h, _ := pagehash.New(64, 0)
+	b.ResetTimer()
+	n := 0
+	for i := 0; i < b.N; i++ {
+		text, err := tok.ApplyChatTemplate(msgs, tokenizer.ChatOptions{AddGenerationPrompt: true})
+		if err != nil {
+			b.Fatal(err)
+		}
+		ids := tok.Encode(text, false)
+		_ = h.Chain(ids)
+		n = len(ids)
+	}
+	b.ReportMetric(float64(n), "tokens")
+	perPrompt := time.Duration(float64(b.Elapsed()) / float64(b.N) * 32_768 / float64(n))
+	b.ReportMetric(float64(perPrompt.Microseconds()), "µs/32K")
+}
