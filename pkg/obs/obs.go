@@ -55,15 +55,20 @@ func (r *Ready) Get() bool { return r.v.Load() }
 
 // HTTPServer serves /metrics, /healthz, /readyz and any extra handlers.
 type HTTPServer struct {
-	Mux   *http.ServeMux
-	srv   *http.Server
-	ready *Ready
+	Mux      *http.ServeMux
+	srv      *http.Server
+	ready    *Ready
+	inflight atomic.Int64
 }
 
-// NewHTTPServer builds the observability HTTP server around reg and ready.
+// NewHTTPServer builds the observability HTTP server around reg and ready: /metrics (none when
+// reg is nil: a public listener whose metrics are served on a separate admin listener),
+// /healthz and /readyz.
 func NewHTTPServer(reg *prometheus.Registry, ready *Ready) *HTTPServer {
 	mux := http.NewServeMux()
-	mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
+	if reg != nil {
+		mux.Handle("GET /metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{Registry: reg}))
+	}
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
 		w.Header().Set("Content-Type", "text/plain")
 		_, _ = io.WriteString(w, "ok\n")
@@ -80,8 +85,31 @@ func NewHTTPServer(reg *prometheus.Registry, ready *Ready) *HTTPServer {
 	return &HTTPServer{Mux: mux, ready: ready, srv: &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}}
 }
 
-// Serve serves on lis until ctx is done, then shuts down.
+// Serve serves on lis until ctx is done, then shuts down (in-flight requests get 5 s).
 func (h *HTTPServer) Serve(ctx context.Context, lis net.Listener) error {
+	return h.ServeGraceful(ctx, lis, Graceful{Grace: 5 * time.Second})
+}
+
+// Graceful is how a server stops (ServeGraceful).
+type Graceful struct {
+	// NotReady is marked not ready first, before anything else changes (nil: none).
+	NotReady *Ready
+	// Delay keeps accepting new requests this long after the readiness flip, so that load
+	// balancers probing /readyz stop sending before the listener closes (0: close at once).
+	Delay time.Duration
+	// Grace bounds the wait for in-flight requests (streams included) once the listener is
+	// closed; those still running then are cut.
+	Grace time.Duration
+	// OnStop, when set, is told each phase ("not_ready", "closed", "drained" or "cut") and the
+	// requests in flight at that moment.
+	OnStop func(phase string, inflight int64)
+}
+
+// ServeGraceful serves on lis until ctx is done, then stops in order: readiness off, Delay,
+// listener closed (new connections refused), in-flight requests waited for up to Grace, the
+// rest cut. It returns nil after a stop, or the serve error.
+func (h *HTTPServer) ServeGraceful(ctx context.Context, lis net.Listener, g Graceful) error {
+	h.srv.Handler = h.counting(h.srv.Handler)
 	errc := make(chan error, 1)
 	go func() { errc <- h.srv.Serve(lis) }()
 	select {
@@ -92,9 +120,41 @@ func (h *HTTPServer) Serve(ctx context.Context, lis net.Listener) error {
 		return err
 	case <-ctx.Done():
 	}
-	sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	report := func(phase string) {
+		if g.OnStop != nil {
+			g.OnStop(phase, h.inflight.Load())
+		}
+	}
+	if g.NotReady != nil {
+		g.NotReady.Set(false)
+		report("not_ready")
+	}
+	if g.Delay > 0 {
+		t := time.NewTimer(g.Delay)
+		<-t.C
+	}
+	sctx, cancel := context.WithTimeout(context.Background(), g.Grace)
 	defer cancel()
-	_ = h.srv.Shutdown(sctx)
+	shut := make(chan error, 1)
+	go func() { shut <- h.srv.Shutdown(sctx) }()
+	report("closed")
+	if err := <-shut; err != nil {
+		report("cut")
+		_ = h.srv.Close()
+	} else {
+		report("drained")
+	}
 	<-errc
 	return nil
+}
+
+// InFlight is the number of requests being served now.
+func (h *HTTPServer) InFlight() int64 { return h.inflight.Load() }
+
+func (h *HTTPServer) counting(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		h.inflight.Add(1)
+		defer h.inflight.Add(-1)
+		next.ServeHTTP(w, r)
+	})
 }
