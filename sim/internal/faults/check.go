@@ -188,8 +188,9 @@ func lostWrites(h []Op) (int, []string) {
 				if oi == wi || oi == ri || o.Kind == opRead {
 					continue
 				}
-				// o may take effect between w and r when its interval reaches into (w.call, r.return).
-				if o.Return.After(w.Call) && o.Call.Before(r.Return) {
+				// o may take effect between w and r when its interval meets [w.call, r.return]
+				// (closed intervals, as porcupine's).
+				if !o.Return.Before(w.Call) && !o.Call.After(r.Return) {
 					clean = false
 					break
 				}

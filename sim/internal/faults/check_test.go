@@ -87,3 +87,32 @@ func TestOpsFromResults(t *testing.T) {
 		}
 	}
 }
+
+// FuzzCheckHistory decodes arbitrary bytes into a one-session history (4 bytes an operation:
+// kind, worker, call offset, duration) and checks the checker's invariants: it never panics,
+// gives a verdict, and a history it calls linearizable has no lost write.
+func FuzzCheckHistory(f *testing.F) {
+	f.Add([]byte{0, 1, 0, 5, 1, 1, 10, 2})
+	f.Add([]byte{4, 1, 0, 5, 1, 0, 10, 2, 4, 2, 20, 3})
+	f.Add([]byte{0, 1, 0, 5, 3, 1, 6, 9, 1, 0, 20, 1})
+	f.Fuzz(func(t *testing.T, b []byte) {
+		if len(b) > 4*24 {
+			b = b[:4*24]
+		}
+		t0 := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+		workers := []string{"", "d0", "d1", "d2"}
+		var ops []Op
+		for i := 0; i+3 < len(b); i += 4 {
+			call := t0.Add(time.Duration(b[i+2]) * time.Millisecond)
+			ops = append(ops, Op{Session: "s", Kind: opKind(b[i] % 5), Worker: workers[b[i+1]%4],
+				Call: call, Return: call.Add(time.Duration(b[i+3]) * time.Millisecond)})
+		}
+		v := CheckHistory(ops, 2*time.Second)
+		if v.Ops != len(ops) {
+			t.Fatalf("%d ops checked of %d", v.Ops, len(ops))
+		}
+		if len(v.Illegal) == 0 && len(v.Unknown) == 0 && v.Lost > 0 {
+			t.Fatalf("linearizable history with %d lost writes: %v", v.Lost, v.LostDetails)
+		}
+	})
+}
