@@ -1,6 +1,12 @@
 package tokenizer
 
-import "golang.org/x/text/unicode/norm"
+import (
+	"sort"
+	"strings"
+	"unicode/utf8"
+
+	"golang.org/x/text/unicode/norm"
+)
 
 // normForm is the Unicode normalization a tokenizer.json configures (none, NFC or NFKC).
 type normForm uint8
@@ -11,20 +17,54 @@ const (
 	normNFKC
 )
 
+// apply normalizes s as HF's normalizer does. HF's normalization tables are older than
+// golang.org/x/text's: code points it does not know (hfNFCInert / hfNFKCInert) stay as they
+// are and, having combining class 0, split the text into independently normalized runs.
 func (f normForm) apply(s string) string {
+	var form norm.Form
+	var inert []classRange
 	switch f {
 	case normNFC:
-		if isASCII(s) || norm.NFC.IsNormalString(s) {
-			return s
-		}
-		return norm.NFC.String(s)
+		form, inert = norm.NFC, hfNFCInert[:]
 	case normNFKC:
-		if isASCII(s) || norm.NFKC.IsNormalString(s) {
+		form, inert = norm.NFKC, hfNFKCInert[:]
+	default:
+		return s
+	}
+	if isASCII(s) {
+		return s
+	}
+	cut := -1
+	for i, r := range s {
+		if r >= inert[0].lo && inRanges(inert, r) {
+			cut = i
+			break
+		}
+	}
+	if cut < 0 {
+		if form.IsNormalString(s) {
 			return s
 		}
-		return norm.NFKC.String(s)
+		return form.String(s)
 	}
-	return s
+	var b strings.Builder
+	start := 0
+	for i := cut; i < len(s); {
+		r, w := utf8.DecodeRuneInString(s[i:])
+		if r >= inert[0].lo && inRanges(inert, r) {
+			b.WriteString(form.String(s[start:i]))
+			b.WriteString(s[i : i+w])
+			start = i + w
+		}
+		i += w
+	}
+	b.WriteString(form.String(s[start:]))
+	return b.String()
+}
+
+func inRanges(rs []classRange, r rune) bool {
+	i := sort.Search(len(rs), func(i int) bool { return rs[i].hi >= r })
+	return i < len(rs) && rs[i].lo <= r
 }
 
 func isASCII(s string) bool {

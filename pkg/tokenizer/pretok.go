@@ -1,6 +1,7 @@
 package tokenizer
 
 import (
+	"sort"
 	"strings"
 	"sync"
 	"unicode"
@@ -25,6 +26,12 @@ var (
 	asciiClass [128]uint8 // the ASCII part, as an array (no bounds checks on the hot path)
 )
 
+// classRange is a run of code points with the same class bits.
+type classRange struct {
+	lo, hi rune
+	bits   uint8
+}
+
 func initClasses() {
 	bmpOnce.Do(func() {
 		t := make([]uint8, 0x10000)
@@ -36,7 +43,15 @@ func initClasses() {
 	})
 }
 
+// slowClass is the class of r as the HF regex engine sees it: Go's unicode tables, corrected
+// by hfClassOverrides (code points Go's Unicode version does not know yet).
 func slowClass(r rune) uint8 {
+	if r >= hfClassOverrides[0].lo && r <= hfClassOverrides[len(hfClassOverrides)-1].hi {
+		i := sort.Search(len(hfClassOverrides), func(i int) bool { return hfClassOverrides[i].hi >= r })
+		if i < len(hfClassOverrides) && hfClassOverrides[i].lo <= r {
+			return hfClassOverrides[i].bits
+		}
+	}
 	var c uint8
 	switch {
 	case unicode.IsLetter(r):

@@ -69,6 +69,11 @@ HAND = [
     "<\uff5cbegin\u2581of\u2581sentence\uff5c>hello<\uff5cend\u2581of\u2581sentence\uff5c>", "<\uff5cUser\uff5c>hi<\uff5cAssistant\uff5c>",
     "!!!???...,,,;;;", "a.b,c;d:e", "--flag=value -x", "#!/bin/bash\nset -euo pipefail\n", "$HOME/.config ~/.ssh",
     "\"quoted\" 'single' `back`", "(((nested)))", "[1, 2, 3]", "a_b_c snake_case camelCase PascalCase kebab-case SCREAMING_CASE",
+    # Unicode where HF and Go's tables differ (regex classes: Unicode 16 vs 15; normalization:
+    # HF's older tables): letters and symbols new in Unicode 16, marks HF does not reorder,
+    # a composition HF does not apply.
+    "\U00013aec(Z", "x\U00014314'd", "a\U0001ccef're", " \U000140b1", "\u1c89\u1c8a", "\U0001e065'LL",
+    "\u1dee\u08d3 and \u1df6\u2dfc and \u20d4\u0d3c", "\U00011935\U00011930", "a\u0301\u0316 e\u0316\u0301",
     "x" * 300, " " * 100, "\n" * 50, "ab" * 150, "\u4e2d" * 120, "\U0001f600" * 40, "1" * 101, "\t \n" * 30,
 ]
 
