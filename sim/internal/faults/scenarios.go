@@ -39,8 +39,8 @@ func Scenarios() []Scenario {
 		},
 		{
 			Name: "leader-etcd-partition", CI: true, Bound: LeaderBound,
-			Criterion: "the leader's links to all 3 etcd members black-holed: the standby leads and serves ≤ TTL + 2 s after the cut; healed once recovered; " + noFail,
-			Inject:    leaderEtcdPartition,
+			Criterion: "the leader's links to all 3 etcd members black-holed: the standby leads and serves ≤ TTL + 2 s after the cut; healed once recovered (the old leader must then answer as a standby); " + noFail,
+			Inject:    leaderEtcdPartition, Restore: healEtcdLinks,
 		},
 		{
 			Name: "leader-kill", CI: true, Bound: LeaderBound,
@@ -166,18 +166,43 @@ func leaderEtcdPartition(ctx context.Context, h *Harness, s *Step) (time.Time, [
 	} else {
 		s.Note("standby led %.1f s after the cut", time.Since(ref).Seconds())
 	}
-	go func() { // heal after the recovery is measured, off the measuring path
-		t := time.NewTimer(LeaderBound + 2*time.Second)
-		defer t.Stop()
-		select {
-		case <-t.C:
-		case <-ctx.Done():
-		}
-		for _, px := range h.etcdPx[lead] {
+	return ref, nil, nil
+}
+
+// healEtcdLinks heals every control plane's etcd links and waits until every live replica
+// answers GetLeader naming the same leader (the cut-off one is a standby again).
+func healEtcdLinks(ctx context.Context, h *Harness, s *Step) error {
+	for _, pxs := range h.etcdPx {
+		for _, px := range pxs {
 			px.Heal()
 		}
-	}()
-	return ref, nil, nil
+	}
+	healed := time.Now()
+	err := h.waitFor(ctx, "replicas agree on the leader after heal", restartLimit, func(ctx context.Context) error {
+		names := map[string]bool{}
+		for i, p := range h.CPs {
+			if !p.alive() {
+				continue
+			}
+			a, err := h.admin(i)
+			if err != nil {
+				return err
+			}
+			r, err := a.GetLeader(ctx, &kvcv1.GetLeaderRequest{})
+			if err != nil {
+				return fmt.Errorf("%s: %w", p.name, err)
+			}
+			names[r.GetLeaderId()] = true
+		}
+		if len(names) != 1 || names[""] {
+			return fmt.Errorf("replicas name leaders %v", names)
+		}
+		return nil
+	})
+	if err == nil {
+		s.Note("healed; both replicas name one leader %.1f s after the heal", time.Since(healed).Seconds())
+	}
+	return err
 }
 
 func killCP(leader bool) func(ctx context.Context, h *Harness, s *Step) (time.Time, []string, error) {
