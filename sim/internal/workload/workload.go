@@ -19,6 +19,26 @@ type Turn struct {
 	InputTokens int64
 	// OutputTokens is how many tokens the turn asks for.
 	OutputTokens int64
+	// Edit, when set, says the client edited its history before this turn: the context is
+	// the previous turn's context (its input and answer) edited, then the new append.
+	Edit *Edit
+}
+
+// Kinds of history edits agent frameworks make.
+const (
+	// EditStripReasoning drops the reasoning part of the previous answer (Qwen3's template does
+	// this to every answer before the last user turn; so do agent frameworks).
+	EditStripReasoning = "strip_reasoning"
+	// EditCompaction replaces a span of old turns with a short summary.
+	EditCompaction = "compaction"
+)
+
+// Edit is one history edit: Remove tokens of the previous context from position At on are
+// replaced by Insert new tokens.
+type Edit struct {
+	Kind           string
+	At             int64
+	Remove, Insert int64
 }
 
 // Session is one multi-turn conversation; its turns run one after another.
@@ -26,6 +46,10 @@ type Session struct {
 	ID    string
 	Start time.Duration
 	Turns []Turn
+	// SharedPrefix tokens at the start of every turn's context (a system prompt, tool
+	// definitions) are the same in every session of SharedGroup ("" = none).
+	SharedGroup  string
+	SharedPrefix int64
 }
 
 // Workload is a set of sessions.
@@ -53,6 +77,9 @@ type Stats struct {
 	MeanInput, MaxInput                   float64
 	MeanOutput                            float64
 	Span                                  time.Duration // last session start
+	// EditedTurns are turns whose history was edited; SharedPromptSessions sessions that share
+	// a system prompt with another.
+	EditedTurns, SharedPromptSessions int
 }
 
 // Describe computes Stats.
@@ -61,6 +88,9 @@ func (w *Workload) Describe() Stats {
 	var appends []float64
 	var inSum, outSum float64
 	for _, s := range w.Sessions {
+		if s.SharedGroup != "" {
+			st.SharedPromptSessions++
+		}
 		st.Requests += len(s.Turns)
 		if len(s.Turns) > 1 {
 			st.MultiTurnSessions++
@@ -73,9 +103,12 @@ func (w *Workload) Describe() Stats {
 			inSum += float64(t.InputTokens)
 			outSum += float64(t.OutputTokens)
 			st.MaxInput = math.Max(st.MaxInput, float64(t.InputTokens))
-			if i > 0 {
+			if i > 0 && t.Edit == nil {
 				p := s.Turns[i-1]
 				appends = append(appends, float64(t.InputTokens-p.InputTokens-p.OutputTokens))
+			}
+			if t.Edit != nil {
+				st.EditedTurns++
 			}
 		}
 	}
@@ -120,6 +153,14 @@ type AgenticConfig struct {
 	ThinkMin, ThinkMax         time.Duration
 	LongThinkProb              float64
 	LongThinkMin, LongThinkMax time.Duration
+	// EditProb is the probability that a continuing turn edits the history first: with
+	// EditStripProb the reasoning (half) of the previous answer is stripped, otherwise a span
+	// of old turns is compacted into a summary a tenth of its size.
+	EditProb, EditStripProb float64
+	// SharedPrompts system prompts of SharedPromptMin–SharedPromptMax tokens are shared by
+	// the sessions (session i uses prompt i mod SharedPrompts); 0 = none.
+	SharedPrompts                    int
+	SharedPromptMin, SharedPromptMax int64
 }
 
 // DefaultAgentic is the demo workload: 10 sessions of 14-26 turns (about 200 requests),
@@ -138,6 +179,8 @@ func DefaultAgentic() AgenticConfig {
 		OutputMean: 80, OutputMax: 512,
 		ThinkMin: 1 * time.Second, ThinkMax: 6 * time.Second,
 		LongThinkProb: 0.05, LongThinkMin: 10 * time.Second, LongThinkMax: 25 * time.Second,
+		EditProb: 0.04, EditStripProb: 0.7,
+		SharedPrompts: 3, SharedPromptMin: 2000, SharedPromptMax: 6000,
 	}
 }
 
@@ -156,6 +199,12 @@ func (c AgenticConfig) Validate() error {
 		return fmt.Errorf("probabilities must be in [0, 1]")
 	case c.ThinkMax < c.ThinkMin || c.LongThinkMax < c.LongThinkMin || c.ThinkMin < 0 || c.ArrivalSpan < 0:
 		return fmt.Errorf("time ranges invalid")
+	case c.EditProb < 0 || c.EditProb > 1 || c.EditStripProb < 0 || c.EditStripProb > 1:
+		return fmt.Errorf("edit probabilities must be in [0, 1]")
+	case c.SharedPrompts < 0 || c.SharedPrompts > 1_000_000:
+		return fmt.Errorf("shared prompts must be in [0, 1000000], got %d", c.SharedPrompts)
+	case c.SharedPrompts > 0 && (c.SharedPromptMin < 1 || c.SharedPromptMax < c.SharedPromptMin || c.SharedPromptMax > c.InitialMin):
+		return fmt.Errorf("shared prompt range [%d, %d] invalid (at most the smallest first-turn context %d)", c.SharedPromptMin, c.SharedPromptMax, c.InitialMin)
 	}
 	return nil
 }
@@ -178,8 +227,19 @@ func Agentic(c AgenticConfig) (*Workload, error) {
 	}
 	sort.Slice(starts, func(i, j int) bool { return starts[i] < starts[j] })
 	w := &Workload{Name: "builtin-agentic"}
+	// Edits and shared prompts draw from their own stream: the rest of the workload is the
+	// same with or without them.
+	erng := rand.New(rand.NewPCG(c.Seed, 0x65646974))
+	shared := make([]int64, c.SharedPrompts)
+	for g := range shared {
+		shared[g] = c.SharedPromptMin + erng.Int64N(c.SharedPromptMax-c.SharedPromptMin+1)
+	}
 	for i := 0; i < c.Sessions; i++ {
 		s := Session{ID: fmt.Sprintf("agent-%d-%04d", c.Seed, i), Start: starts[i]}
+		if len(shared) > 0 {
+			g := i % len(shared)
+			s.SharedGroup, s.SharedPrefix = fmt.Sprintf("system-%d-%d", c.Seed, g), shared[g]
+		}
 		n := c.MinTurns + rng.IntN(c.MaxTurns-c.MinTurns+1)
 		lo, hi := math.Log(float64(c.InitialMin)), math.Log(float64(c.InitialMax))
 		input := int64(math.Exp(lo + rng.Float64()*(hi-lo)))
@@ -194,7 +254,12 @@ func Agentic(c AgenticConfig) (*Workload, error) {
 					app = int64(math.Round(rng.ExpFloat64() * c.AppendMean))
 					app = min(max(app, 16), 4096)
 				}
-				input = prev.InputTokens + prev.OutputTokens + app
+				ctx := prev.InputTokens + prev.OutputTokens
+				if erng.Float64() < c.EditProb {
+					t.Edit = editOf(erng, c, s.SharedPrefix, prev)
+					ctx += t.Edit.Insert - t.Edit.Remove
+				}
+				input = ctx + app
 				t.Think = uniDur(c.ThinkMin, c.ThinkMax)
 				if rng.Float64() < c.LongThinkProb {
 					t.Think = uniDur(c.LongThinkMin, c.LongThinkMax)
@@ -207,6 +272,21 @@ func Agentic(c AgenticConfig) (*Workload, error) {
 		w.Sessions = append(w.Sessions, s)
 	}
 	return w, nil
+}
+
+// editOf draws a history edit of the context before a turn whose previous turn is prev; the
+// shared prefix (system prompt) is never edited.
+func editOf(rng *rand.Rand, c AgenticConfig, shared int64, prev Turn) *Edit {
+	if rng.Float64() < c.EditStripProb || prev.InputTokens <= shared+64 {
+		// The reasoning of the last answer: its first half.
+		return &Edit{Kind: EditStripReasoning, At: prev.InputTokens, Remove: max(1, prev.OutputTokens/2)}
+	}
+	// Compaction: a span of old turns (after the system prompt, in the first half of the
+	// context) becomes a summary a tenth of its size.
+	lo, hi := shared, shared+(prev.InputTokens-shared)/2
+	at := lo + rng.Int64N(max(1, hi-lo))
+	remove := max(16, (prev.InputTokens-at)*int64(30+rng.IntN(31))/100)
+	return &Edit{Kind: EditCompaction, At: at, Remove: remove, Insert: max(1, remove/10)}
 }
 
 // Limit keeps at most n requests: whole sessions in start order, the last one cut short.
