@@ -86,6 +86,7 @@ def reseed_req(w2, sid, full, room, seqlen, peer, rid="rs-1"):
     r = Scheduler._create_generation_req(SimpleNamespace(page_size=PAGE), recv, rid, None, array("q", full),
                                          SamplingParams(max_new_tokens=4), vocab_size=1000)
     r.extra_key = None
+    assert r.kv_hints is hints  # the hook carried kv_hints onto the request
     return r
 
 

@@ -121,3 +121,32 @@ def test_continuity_strips_history_or_refuses(dside):
     assert nr.to_finish is None and nr.finished_reason is None, nr.to_finish
     assert list(nr.origin_input_ids) == full
     assert s._inflight
+
+
+def test_truncate_frees_the_tail_and_commits_the_prefix(dside):
+    """A WatchCommands truncate (the sidecar's PREFIX_MISMATCH), worker side: keep [0, keep) of
+    the session's KV, free the rest through SGLang's own slot code."""
+    from sglang.srt.session.session_controller import Session
+
+    from kvcentric_sglang import sessions
+
+    d, w = dside
+    s = Session(capacity_of_str_len=1 << 20, session_id="s-t", streaming=True)
+    assert w.streaming.try_cache_finished_req(w.first_turn(s, list(range(1, 57)), [7] * 8))  # 64 tokens
+    slot = w.streaming.slots["s-t"]
+    keep_pages = w.slot_pages("s-t", 64)[:2]
+    free_before = w.alloc.available_size()
+    with pytest.raises(ValueError, match="page boundary"):
+        sessions.truncate(w.streaming, "s-t", 40)
+    protected, slot.kv.cache_protected_len = slot.kv.cache_protected_len, 48  # as if the tree owned 48
+    with pytest.raises(ValueError, match="tree-owned prefix"):
+        sessions.truncate(w.streaming, "s-t", 32)
+    slot.kv.cache_protected_len = protected
+    with pytest.raises(KeyError):
+        sessions.truncate(w.streaming, "s-none", 32)
+    keep = 32
+    freed = sessions.truncate(w.streaming, "s-t", keep)
+    assert freed == 64 - keep and w.alloc.available_size() == free_before + freed
+    assert slot.kv.kv_committed_len == keep and w.slot_pages("s-t", keep) == keep_pages[:keep // PAGE]
+    # The shorter CommitSession follows; today's decode sidecar sends no truncate command yet and
+    # refuses a shrinking commit outside one (FAILED_PRECONDITION, logged): the worker side only.
