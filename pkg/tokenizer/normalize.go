@@ -3,6 +3,7 @@ package tokenizer
 import (
 	"sort"
 	"strings"
+	"sync"
 	"unicode/utf8"
 
 	"golang.org/x/text/unicode/norm"
@@ -36,7 +37,7 @@ func (f normForm) apply(s string) string {
 	}
 	cut := -1
 	for i, r := range s {
-		if r >= inert[0].lo && inRanges(inert, r) {
+		if r >= inert[0].lo && isInert(f, inert, r) {
 			cut = i
 			break
 		}
@@ -51,7 +52,7 @@ func (f normForm) apply(s string) string {
 	start := 0
 	for i := cut; i < len(s); {
 		r, w := utf8.DecodeRuneInString(s[i:])
-		if r >= inert[0].lo && inRanges(inert, r) {
+		if r >= inert[0].lo && isInert(f, inert, r) {
 			b.WriteString(form.String(s[start:i]))
 			b.WriteString(s[i : i+w])
 			start = i + w
@@ -60,6 +61,30 @@ func (f normForm) apply(s string) string {
 	}
 	b.WriteString(form.String(s[start:]))
 	return b.String()
+}
+
+var (
+	inertOnce sync.Once
+	inertBMP  [3][0x10000 / 64]uint64 // per normForm: bit r set when r < 0x10000 is inert
+)
+
+func isInert(f normForm, rs []classRange, r rune) bool {
+	if r < 0x10000 {
+		inertOnce.Do(func() {
+			for _, x := range []struct {
+				f  normForm
+				rs []classRange
+			}{{normNFC, hfNFCInert[:]}, {normNFKC, hfNFKCInert[:]}} {
+				for _, cr := range x.rs {
+					for c := cr.lo; c <= cr.hi && c < 0x10000; c++ {
+						inertBMP[x.f][c/64] |= 1 << (c % 64)
+					}
+				}
+			}
+		})
+		return inertBMP[f][r/64]&(1<<(r%64)) != 0
+	}
+	return inRanges(rs, r)
 }
 
 func inRanges(rs []classRange, r rune) bool {
