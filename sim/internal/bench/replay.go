@@ -106,7 +106,8 @@ func Replay(ctx context.Context, baseURL string, w *workload.Workload, opt Optio
 				}
 				var ids []int64
 				if opt.SendIDs {
-					ids = extendIDs(hist, s.ID, t.InputTokens, opt.IDVocab)
+					// The history edited as the turn says, shared system prompts (workload.ContextIDs).
+					ids = s.ContextIDs(hist, i, opt.IDVocab)
 				}
 				r, out := send(ctx, hc, baseURL, s.ID, i, len(s.Turns) > 1, t, ids, opt)
 				if opt.SendIDs {
