@@ -11,6 +11,8 @@ import (
 	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"regexp"
+	"strconv"
 	"sync"
 	"testing"
 	"time"
@@ -288,4 +290,44 @@ func BenchmarkTokenize32K(b *testing.B) {
 	b.ReportMetric(float64(n), "tokens")
 	perPrompt := time.Duration(float64(b.Elapsed()) / float64(b.N) * 32_768 / float64(n))
 	b.ReportMetric(float64(perPrompt.Microseconds()), "µs/32K")
+}
+
+// TestBenchGateway is make bench-gateway (KVC_BENCH_GATEWAY=1): the counting cost per
+// 32K-token prompt (BenchmarkTokenize32K: chat template, encode, page hashes; warm word cache,
+// this machine's CPU) against a direct-to-D TTFT — the demo's measured DIRECT_TO_D TTFT p50 in
+// model time (the largest over its arms, from the report KVC_DEMO_REPORT names, when it
+// exists), else DESIGN.md's measured p50 (41 ms). The source is printed with the figure.
+func TestBenchGateway(t *testing.T) {
+	if os.Getenv("KVC_BENCH_GATEWAY") != "1" {
+		t.Skip("make bench-gateway")
+	}
+	r := testing.Benchmark(BenchmarkTokenize32K)
+	perPrompt := r.Extra["µs/32K"]
+	ttft, src := 41.0, "DESIGN.md's measured p50 (no demo report)"
+	if path := os.Getenv("KVC_DEMO_REPORT"); path != "" {
+		if ms, ok := demoDirectTTFT(path); ok {
+			ttft, src = ms, "the demo's measured DIRECT_TO_D TTFT p50, model time ("+path+")"
+		}
+	}
+	fmt.Printf("tokenize: %.0f µs per 32K-token prompt, direct-to-D TTFT %.1f ms, share %.1f%%\n", perPrompt, ttft, 100*perPrompt/1000/ttft)
+	fmt.Printf("tokenize-source: %d iterations, %.0f tokens; TTFT from %s\n", r.N, r.Extra["tokens"], src)
+}
+
+// directRow matches a DIRECT_TO_D row of the report's per-mode table:
+// | arm | mode | count | share | ok | TTFT p50 | ...
+var directRow = regexp.MustCompile(`(?m)^\| \S+ \| DIRECT_TO_D \| \d+ \| [^|]+ \| \d+ \| ([\d.]+) ms \|`)
+
+// demoDirectTTFT is the largest DIRECT_TO_D TTFT p50 (ms) over the arms of a kvc-bench report.md.
+func demoDirectTTFT(path string) (float64, bool) {
+	raw, err := os.ReadFile(path)
+	if err != nil {
+		return 0, false
+	}
+	best := 0.0
+	for _, m := range directRow.FindAllSubmatch(raw, -1) {
+		if v, err := strconv.ParseFloat(string(m[1]), 64); err == nil {
+			best = max(best, v)
+		}
+	}
+	return best, best > 0
 }
