@@ -194,9 +194,8 @@ func Run(ctx context.Context, opts *Options, log zerolog.Logger) error {
 		return err
 	}
 	gate := server.NewGate(el.NotLeaderError, nil)
-	lc := leaseCheck{lead: el, notLeader: el.NotLeaderError}
 	gsrv := grpcx.NewServer(log, grpcx.WithTLS(tlsSrc),
-		grpcx.WithUnaryInterceptors(lc.Unary, gate.Unary), grpcx.WithStreamInterceptors(lc.Stream, gate.Stream),
+		grpcx.WithUnaryInterceptors(gate.Unary), grpcx.WithStreamInterceptors(gate.Stream),
 		grpcx.WithServerOptions(grpc.KeepaliveParams(keepalive.ServerParameters{
 			Time: opts.GRPCKeepaliveTime, Timeout: opts.GRPCKeepaliveTimeout,
 		})))
@@ -206,7 +205,7 @@ func Run(ctx context.Context, opts *Options, log zerolog.Logger) error {
 		NodeID: opts.NodeID, Addr: advertise, State: st, Log: log,
 		OnStale: func() { el.StepDown("a sidecar has seen a newer epoch") },
 	}, reg))
-	rt := router.New(leaderGuard{State: st, lead: el}, log, reg)
+	rt := router.New(st, log, reg)
 	rt.Register(gsrv)
 	onLeadership := func(bool) {}
 	if l, ok := any(rt).(interface{ OnLeadershipChange(bool) }); ok {
@@ -218,13 +217,16 @@ func Run(ctx context.Context, opts *Options, log zerolog.Logger) error {
 	ready := &obs.Ready{}
 	hsrv := obs.NewHTTPServer(reg, ready)
 
+	// Leadership in one place: lctx is the election's term (*election.Term), done when the
+	// term ends for any reason and, checked on every Err call, at the renew deadline. The gate
+	// (leader-only services and their streams) and the state (every mutation, command, epoch
+	// and the term's goroutines) check or derive from it; nothing else decides leadership.
 	lead := func(lctx context.Context, fence kvstore.Fence, serving func()) error {
-		term, err := st.Lead(lctx, fence)
+		term, err := st.LeadTerm(lctx, lctx, fence)
 		if err != nil {
 			return err
 		}
-		tctx, cancel := context.WithCancel(lctx)
-		gate.Open(tctx)
+		gate.Open(lctx)
 		onLeadership(true)
 		serving()
 		log.Info().Int64("epoch", fence.Rev).Str("addr", advertise).Msg("serving as leader")
@@ -235,7 +237,6 @@ func Run(ctx context.Context, opts *Options, log zerolog.Logger) error {
 			deposed = kvstore.ErrFenced
 		}
 		gate.Close()
-		cancel()
 		onLeadership(false)
 		st.EndTerm(term)
 		log.Info().Int64("epoch", fence.Rev).Msg("stopped leading")

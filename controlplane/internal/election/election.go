@@ -50,9 +50,11 @@ func DefaultRenewDeadline(ttl time.Duration) time.Duration { return ttl * 2 / 3 
 
 // Elector campaigns for leadership and observes the current leader.
 type Elector struct {
-	cfg      Config
-	current  atomic.Pointer[Leader]
-	leading  atomic.Bool
+	cfg     Config
+	current atomic.Pointer[Leader]
+	// cur is the term this replica serves as leader (nil otherwise): the one fact every
+	// leadership check reads (IsLeader, the gate, the state; see Term).
+	cur      atomic.Pointer[Term]
 	stepDown chan string
 	changed  chan struct{}
 
@@ -139,7 +141,41 @@ func (e *Elector) Current() (Leader, bool) {
 // was renewed within the renew deadline. The deadline is checked on every call against the
 // monotonic clock, so a process resumed after a pause (SIGSTOP, a long GC or scheduler stall)
 // or cut off from etcd answers false at once, before the term's own goroutines notice.
-func (e *Elector) IsLeader() bool { return e.leading.Load() && e.leaseValid() }
+func (e *Elector) IsLeader() bool {
+	t := e.cur.Load()
+	return t != nil && t.Err() == nil
+}
+
+// ErrRenewDeadline is the cause (context.Cause) of a term context ended at the renew deadline.
+var ErrRenewDeadline = errors.New("election: renew deadline passed")
+
+// Term is the context of one leadership: the ctx a LeadFunc gets. It is done when the term
+// ends for any reason (session lost, step down, stop) and, checked on every Err call against
+// the monotonic clock, at the renew deadline: Err cancels it then (cause ErrRenewDeadline) and
+// reports it, even before the watchdog goroutine has run (a process resumed after SIGSTOP).
+// Every leader-bound check and goroutine uses it or derives from it: the gate's streams, the
+// state's mutations and commands (state.LeadTerm), its sweeper, journal flusher and drains.
+type Term struct {
+	context.Context
+	cancel context.CancelCauseFunc
+	e      *Elector
+	epoch  int64
+}
+
+// Err reports the end of the term; past the renew deadline it ends the term first.
+func (t *Term) Err() error {
+	if err := t.Context.Err(); err != nil {
+		return err
+	}
+	if !t.e.leaseValid() {
+		t.cancel(ErrRenewDeadline)
+		return t.Context.Err()
+	}
+	return nil
+}
+
+// Epoch is the term's epoch (the create revision of the leader key).
+func (t *Term) Epoch() int64 { return t.epoch }
 
 // RenewDeadline is the configured renew deadline.
 func (e *Elector) RenewDeadline() time.Duration { return e.cfg.RenewDeadline }
@@ -219,7 +255,8 @@ func (e *Elector) StepDown(reason string) {
 
 // LeadFunc runs while this replica holds the election; it calls serving once it has loaded
 // its state and serves as leader (only then does IsLeader report true), and must return soon
-// after ctx is cancelled.
+// after ctx is done. ctx is the term (*Term): done when leadership ends, at the renew deadline
+// included; everything leader-bound should check or derive from it.
 type LeadFunc func(ctx context.Context, fence kvstore.Fence, serving func()) error
 
 // Run campaigns and leads until ctx ends.
@@ -296,26 +333,26 @@ func (e *Elector) term(ctx context.Context, ttl int, val string, lead LeadFunc) 
 	e.elections.Inc()
 	e.cfg.Log.Info().Int64("epoch", fence.Rev).Msg("elected leader")
 
-	lctx, lcancel := context.WithCancel(ctx)
+	lctx, lcancel := context.WithCancelCause(ctx)
+	term := &Term{Context: lctx, cancel: lcancel, e: e, epoch: fence.Rev}
 	reason := make(chan string, 1)
 	go func() {
-		why := e.watch(lctx, sess, gone)
-		e.leading.Store(false) // IsLeader is false from the moment the term is known to end
+		why := e.watch(term, sess, gone)
+		lcancel(errors.New(why)) // IsLeader is false from the moment the term is known to end
 		reason <- why
-		lcancel()
 	}()
 	serving := func() {
-		if lctx.Err() != nil {
+		if term.Err() != nil {
 			return // the term ended while loading
 		}
-		e.leading.Store(true)
+		e.cur.Store(term)
 		e.gLeader.Set(1)
 		e.current.Store(&Leader{NodeID: e.cfg.NodeID, Addr: e.cfg.Addr, Epoch: fence.Rev})
 	}
-	lerr := lead(lctx, fence, serving)
-	lcancel()
+	lerr := lead(term, fence, serving)
+	lcancel(context.Canceled)
 	why := <-reason
-	e.leading.Store(false)
+	e.cur.CompareAndSwap(term, nil)
 	e.gLeader.Set(0)
 	if l := e.current.Load(); l != nil && l.NodeID == e.cfg.NodeID && l.Epoch == fence.Rev {
 		// Do not name ourselves in hints any more; Observe fills in the next leader.
@@ -369,7 +406,7 @@ func (e *Elector) campaign(ctx, cctx context.Context, el *concurrency.Election, 
 
 // watch waits for the end of a term and returns why. Its timer ends the term at the renew
 // deadline unless renewals moved it; IsLeader checks the deadline on every call as well.
-func (e *Elector) watch(lctx context.Context, sess *concurrency.Session, gone <-chan struct{}) string {
+func (e *Elector) watch(term *Term, sess *concurrency.Session, gone <-chan struct{}) string {
 	wd := time.NewTimer(time.Duration(e.validUntil.Load()) - e.mono())
 	defer wd.Stop()
 	for {
@@ -379,13 +416,16 @@ func (e *Elector) watch(lctx context.Context, sess *concurrency.Session, gone <-
 		case <-gone:
 			return "session_lost"
 		case <-wd.C:
-			if !e.leaseValid() {
+			if term.Err() != nil {
 				return "renew_deadline"
 			}
 			wd.Reset(time.Duration(e.validUntil.Load()) - e.mono())
 		case r := <-e.stepDown:
 			return "step_down: " + r
-		case <-lctx.Done():
+		case <-term.Done():
+			if errors.Is(context.Cause(term), ErrRenewDeadline) {
+				return "renew_deadline" // an Err call saw the deadline first
+			}
 			return "shutdown"
 		}
 	}
@@ -446,7 +486,7 @@ func (e *Elector) watchLeader(ctx context.Context, get func() bool) {
 
 func (e *Elector) setFrom(resp *clientv3.GetResponse) {
 	if len(resp.Kvs) == 0 {
-		if !e.leading.Load() {
+		if e.cur.Load() == nil {
 			e.current.Store(nil)
 		}
 		return

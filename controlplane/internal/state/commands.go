@@ -16,7 +16,11 @@ func (s *State) SendCommand(workerID string, cmd *kvcv1.Command) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	e, ok := s.workers[workerID]
-	if !ok || e.stream == nil || s.term == nil {
+	if !s.term.acting() {
+		s.m.commands.WithLabelValues("no_stream").Inc()
+		return fmt.Errorf("%w: renew deadline passed or term ended", ErrNotLeader)
+	}
+	if !ok || e.stream == nil {
 		s.m.commands.WithLabelValues("no_stream").Inc()
 		return fmt.Errorf("%w: %s", ErrNoStream, workerID)
 	}

@@ -144,7 +144,7 @@ func (s *State) runDrain(ctx context.Context, id string, op *drainOp) {
 func (s *State) drainPass(id string, op *drainOp, wait time.Duration) time.Duration {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.term == nil || s.drains[id] != op || !op.status.GetActive() {
+	if !s.term.acting() || s.drains[id] != op || !op.status.GetActive() {
 		return -1
 	}
 	e, ok := s.workers[id]
@@ -283,7 +283,7 @@ func (s *State) targetSnapshotLocked(e *workerEntry, rec *kvcv1.SessionRecord, o
 func (s *State) ForgetWorker(id string, force bool) (unbound, snaps int, err error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.term == nil {
+	if !s.term.acting() {
 		return 0, 0, ErrNotLeader
 	}
 	e, ok := s.workers[id]

@@ -32,8 +32,15 @@ const (
 // Term is one period of leadership: the fence, the batcher writing under it, and the
 // goroutines (batcher, sweeper) bound to it.
 type Term struct {
-	ctx     context.Context // ends with the term; every goroutine of the term derives from it
-	drainWG sync.WaitGroup  // drain movers (drain.go)
+	// lead is the leadership's own context (the election's term): every "may this replica
+	// act as leader" check of the state reads lead.Err() (acting), which for the election's
+	// term also checks the renew deadline on the monotonic clock.
+	lead context.Context
+	// ctx derives from lead: the term's goroutines (sweeper, journal flusher, drain movers)
+	// stop when it ends. The batcher does not: it outlives the term's end so that EndTerm can
+	// flush what is pending while the fence still holds.
+	ctx     context.Context
+	drainWG sync.WaitGroup // drain movers (drain.go)
 	fence   kvstore.Fence
 	batcher *kvstore.Batcher
 	cancel  context.CancelFunc
@@ -50,9 +57,21 @@ func (t *Term) Fence() kvstore.Fence { return t.fence }
 // leads; the caller must end the term.
 func (t *Term) Deposed() <-chan struct{} { return t.deposed }
 
-// Lead loads every record from etcd, then starts a term under fence. Only after it returns
-// does the replica serve as leader. ctx bounds the load only; call EndTerm to end the term.
+// acting reports whether the state may act as leader under t: t is the current term and its
+// leadership context has not ended. The one leadership check of the state.
+func (t *Term) acting() bool { return t != nil && t.lead.Err() == nil }
+
+// Lead is LeadTerm under a leadership that ends only with EndTerm (tests, benchmarks).
 func (s *State) Lead(ctx context.Context, fence kvstore.Fence) (*Term, error) {
+	return s.LeadTerm(ctx, context.Background(), fence)
+}
+
+// LeadTerm loads every record from etcd, then starts a term under fence. Only after it returns
+// does the replica serve as leader. ctx bounds the load only. lead is the leadership's context
+// (the election's term, done at the renew deadline): once it is done the state refuses to act
+// as leader (no session update, command, attach, drain or policy write; Epoch answers 0) and
+// the term's goroutines stop; call EndTerm to flush and clear.
+func (s *State) LeadTerm(ctx, lead context.Context, fence kvstore.Fence) (*Term, error) {
 	start := time.Now()
 	snap, err := s.cfg.Store.LoadAll(ctx)
 	if err != nil {
@@ -61,12 +80,14 @@ func (s *State) Lead(ctx context.Context, fence kvstore.Fence) (*Term, error) {
 	if snap.Malformed > 0 {
 		s.log.Warn().Int("records", snap.Malformed).Msg("skipped malformed records while loading etcd")
 	}
-	tctx, cancel := context.WithCancel(context.Background())
+	tctx, tcancel := context.WithCancel(lead)
+	bctx, bcancel := context.WithCancel(context.Background())
 	t := &Term{
+		lead:    lead,
 		ctx:     tctx,
 		fence:   fence,
 		batcher: kvstore.NewBatcher(s.cfg.Store, fence, kvstore.WithMaxDelay(s.cfg.FlushDelay)),
-		cancel:  cancel,
+		cancel:  func() { tcancel(); bcancel() },
 		done:    make(chan struct{}),
 		deposed: make(chan struct{}),
 		sweeper: make(chan struct{}),
@@ -78,6 +99,7 @@ func (s *State) Lead(ctx context.Context, fence kvstore.Fence) (*Term, error) {
 	s.mu.Lock()
 	s.resetLocked()
 	s.term = t
+	s.cur.Store(t)
 	s.epoch.Store(fence.Rev)
 	journalled := s.loadSessionsLocked(snap)
 	if s.cfg.VolatileFlush < 0 {
@@ -112,7 +134,7 @@ func (s *State) Lead(ctx context.Context, fence kvstore.Fence) (*Term, error) {
 
 	go func() {
 		defer close(t.done)
-		if err := t.batcher.Run(tctx); errors.Is(err, kvstore.ErrFenced) {
+		if err := t.batcher.Run(bctx); errors.Is(err, kvstore.ErrFenced) {
 			s.log.Warn().Int64("epoch", fence.Rev).Msg("write fenced off: this replica was deposed")
 			close(t.deposed)
 		}
@@ -182,6 +204,7 @@ func (s *State) EndTerm(t *Term) {
 		return
 	}
 	s.epoch.Store(0)
+	s.cur.Store(nil)
 	s.flushDirtyLocked()
 	for _, e := range s.workers {
 		if e.grace != nil {
@@ -289,7 +312,7 @@ func (s *State) UpdatePolicy(ctx context.Context, update *kvcv1.Policy) (*kvcv1.
 	s.mu.Lock()
 	t := s.term
 	s.mu.Unlock()
-	if t == nil {
+	if !t.acting() {
 		return nil, ErrNotLeader
 	}
 	if err := ValidatePolicy(withoutRemovals(update)); err != nil {

@@ -70,6 +70,7 @@ type State struct {
 	stored    atomic.Pointer[kvcv1.Policy] // operator overrides as stored (may be nil)
 	policyMu  sync.Mutex                   // serialises UpdatePolicy
 	epoch     atomic.Int64
+	cur       atomic.Pointer[Term] // the term, for lock-free Epoch/Leading
 	snapshot  atomic.Pointer[[]*kvcv1.Worker]
 	nextCmdID atomic.Uint64
 	nSessions atomic.Int64
@@ -163,11 +164,18 @@ func (s *State) Policy() *kvcv1.Policy { return s.policy.Load() }
 // StoredPolicy returns the operator's overrides as last seen in etcd (nil when none).
 func (s *State) StoredPolicy() *kvcv1.Policy { return s.stored.Load() }
 
-// Epoch is the leader epoch (create revision of the leader key); 0 when not leading.
-func (s *State) Epoch() int64 { return s.epoch.Load() }
+// Epoch is the leader epoch (create revision of the leader key); 0 when not leading, the
+// term's leadership context included (past the renew deadline the router decides as
+// control-plane-unavailable).
+func (s *State) Epoch() int64 {
+	if t := s.cur.Load(); !t.acting() {
+		return 0
+	}
+	return s.epoch.Load()
+}
 
-// Leading reports whether this replica currently holds a term.
-func (s *State) Leading() bool { return s.epoch.Load() != 0 }
+// Leading reports whether this replica holds a term whose leadership has not ended.
+func (s *State) Leading() bool { return s.cur.Load().acting() }
 
 // Workers returns an immutable snapshot of all workers with state and last load.
 func (s *State) Workers() []*kvcv1.Worker { return *s.snapshot.Load() }
@@ -201,11 +209,11 @@ func (s *State) SessionCount() int { return int(s.nSessions.Load()) }
 // the state lock, then persists it write-behind. fn must be quick and must not call State.
 // To change the snapshot, fn replaces rec.Snapshot (or sets it to nil); it must not modify
 // the SnapshotInfo in place (the change would be taken for a volatile one). On a replica that
-// is not leading it does nothing.
+// is not leading (or whose leadership context ended) it does nothing.
 func (s *State) UpdateSession(id string, fn func(rec *kvcv1.SessionRecord)) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.term == nil {
+	if !s.term.acting() {
 		return
 	}
 	e, existed := s.sessions[id]

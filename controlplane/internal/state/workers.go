@@ -40,7 +40,7 @@ func (st *Stream) close() { st.closeOnce.Do(func() { close(st.done) }) }
 func (s *State) Attach(h *kvcv1.Hello) (*Stream, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.term == nil {
+	if !s.term.acting() {
 		return nil, ErrNotLeader
 	}
 	if h.GetLastEpochSeen() > s.epoch.Load() {
@@ -248,7 +248,7 @@ func (s *State) workerDownLocked(e *workerEntry, reason string) {
 func (s *State) Drain(id string, draining bool) (*kvcv1.Worker, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.term == nil {
+	if !s.term.acting() {
 		return nil, ErrNotLeader
 	}
 	e, ok := s.workers[id]
