@@ -7,7 +7,7 @@ import (
 	"fmt"
 	"io"
 
-	"github.com/ardanlabs/jinja"
+	"github.com/kvcentric/kvcentric/pkg/tokenizer/internal/jinja"
 )
 
 // Message is one OpenAI-style chat message.
