@@ -452,6 +452,9 @@ type release struct {
 }
 
 // releases reads the decode sidecars' event logs for sessions released between from and to.
+// A release (reason "released") of one generation of a session followed by a newer generation
+// of it on the same worker is the worker's turnover of its session state (each turn commits a new generation
+// and releases the old one), not a residency drop, and is left out.
 func (h *Harness) releases(from, to time.Time) []release {
 	var out []release
 	for _, id := range h.decode {
@@ -459,18 +462,31 @@ func (h *Harness) releases(from, to time.Time) []release {
 		if err != nil {
 			continue
 		}
+		type ev struct {
+			TS         time.Time `json:"ts"`
+			Event      string    `json:"event"`
+			Session    string    `json:"session"`
+			Reason     string    `json:"reason"`
+			Generation int64     `json:"generation"`
+		}
+		var evs []ev
+		maxGen := map[string]int64{} // session -> newest generation seen in any event
 		for _, line := range strings.Split(string(b), "\n") {
-			if !strings.Contains(line, `"session_released"`) {
+			var e ev
+			if !strings.Contains(line, `"session"`) || json.Unmarshal([]byte(line), &e) != nil || e.Session == "" {
 				continue
 			}
-			var e struct {
-				TS      time.Time `json:"ts"`
-				Event   string    `json:"event"`
-				Session string    `json:"session"`
-				Reason  string    `json:"reason"`
+			maxGen[e.Session] = max(maxGen[e.Session], e.Generation)
+			if e.Event == "session_released" {
+				evs = append(evs, e)
 			}
-			if json.Unmarshal([]byte(line), &e) != nil || e.Event != "session_released" || e.TS.Before(from) || e.TS.After(to) {
+		}
+		for _, e := range evs {
+			if e.TS.Before(from) || e.TS.After(to) {
 				continue
+			}
+			if e.Reason == "released" && e.Generation > 0 && maxGen[e.Session] > e.Generation {
+				continue // turnover
 			}
 			reason := e.Reason
 			if strings.HasPrefix(reason, "moved") {
