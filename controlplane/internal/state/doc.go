@@ -16,10 +16,49 @@
 // decides which sessions are resident on its worker; a prefill sidecar's decides which
 // snapshots it holds.
 //
+// # Leadership
+//
+// LeadTerm takes the leadership's context (the election's Term, done when the term ends and
+// at the renew deadline, checked on every Err call). It is the state's only leadership check
+// (Term.acting): every mutation from outside (UpdateSession, SendCommand, Attach, Drain,
+// ForgetWorker, UpdatePolicy) and Epoch/Leading read it, so a replica past its renew deadline
+// refuses before EndTerm has run. The term's goroutines (idle sweeper, journal flusher, drain
+// movers) derive from it; the write-behind batcher deliberately does not: EndTerm flushes what
+// is pending while the fence still holds, then stops it.
+//
+// # Drain
+//
+// Drain(id, true) marks a worker draining (not routable for new sessions) and starts its
+// mover (drain.go), a goroutine of the term: each session resident on the worker is released
+// (ReleaseSession to its sidecar, residency cleared here, so its next turn reseeds on another
+// decode worker) once its snapshot can reseed it, or Config.DrainSnapshotWait after the mover
+// first saw it without one. Snapshot ingests, commits, resyncs and attaches wake the mover.
+// DrainStatus reports progress; a new leader restarts the drain of every worker loaded with
+// the draining flag. ForgetWorker removes a worker and its residency from memory and etcd.
+//
 // # Concurrency Model
 //
-// One mutex guards sessions, workers and the residency indexes. Workers() is lock-free: an
-// immutable slice of immutable Worker messages is swapped (atomic.Pointer) on every change.
-// Policy() is lock-free the same way. Session() returns a clone. Commands are queued on a
-// stream's bounded channel and sent by that stream's own send loop.
+// One mutex (State.mu, "the routing lock") guards sessions, workers, the residency indexes,
+// the drains and the journal. Workers() is lock-free: an immutable slice of immutable Worker
+// messages is swapped (atomic.Pointer) on every change. Policy(), Epoch() and Leading() are
+// lock-free the same way. Session() returns a clone. Commands are queued on a stream's bounded
+// channel and sent by that stream's own send loop. ListSessions holds the lock only to copy
+// ids and to clone the chosen page; choosing the page (a bounded heap) runs outside it.
+//
+// # Lock order
+//
+// A goroutine holding a lock may take only locks further down this list, never one above:
+//
+//  1. State.policyMu (UpdatePolicy only; held across its etcd write, never inside State.mu)
+//  2. State.mu, the routing lock
+//  3. router.Service.mu, the reservation ledger: taken inside UpdateSession's fn, which
+//     runs under State.mu (the router decides on the live record); router code must not call
+//     State while holding it
+//  4. Stream.mu (a stream's pending acks; sendLocked under State.mu, Ack alone)
+//  5. kvstore.Batcher's mutex (writes queued under State.mu)
+//
+// server.Gate.mu and the election's state are never held while any of these is taken (the
+// election is atomics only). No lock is held across an etcd call except policyMu, and no lock
+// is held while blocking on a channel (command queues are non-blocking sends; the drain mover
+// waits with State.mu released).
 package state

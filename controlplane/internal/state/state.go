@@ -229,39 +229,86 @@ func (s *State) UpdateSession(id string, fn func(rec *kvcv1.SessionRecord)) {
 
 // ListSessions pages through the in-memory records in id order: up to limit records with
 // id > after (resident on worker, when worker is set). next is "" on the last page.
+//
+// The routing lock is held only to copy the candidate ids (no sort, no clone) and then to
+// clone the chosen page: the smallest limit ids are chosen outside the lock (a bounded heap,
+// O(n log limit)). A session deleted in between is left out, so a page may hold fewer than
+// limit records while next still continues after it.
 func (s *State) ListSessions(after string, limit int, worker string) (recs []*kvcv1.SessionRecord, next string) {
 	if limit <= 0 {
 		limit = 100
 	}
 	s.mu.Lock()
 	var ids []string
-	collect := func(id string) {
-		if id > after {
-			ids = append(ids, id)
-		}
-	}
 	if worker != "" {
+		ids = make([]string, 0, len(s.byDecode[worker]))
 		for id := range s.byDecode[worker] {
-			collect(id)
+			if id > after {
+				ids = append(ids, id)
+			}
 		}
 	} else {
+		ids = make([]string, 0, len(s.sessions))
 		for id := range s.sessions {
-			collect(id)
+			if id > after {
+				ids = append(ids, id)
+			}
 		}
 	}
-	slices.Sort(ids)
-	more := len(ids) > limit
-	if more {
-		ids = ids[:limit]
-	}
-	for _, id := range ids {
-		recs = append(recs, proto.Clone(s.sessions[id].rec).(*kvcv1.SessionRecord))
+	s.mu.Unlock()
+	page, more := smallest(ids, limit)
+	s.mu.Lock()
+	for _, id := range page {
+		e, ok := s.sessions[id]
+		if !ok || (worker != "" && e.rec.GetDecodeWorker() != worker) {
+			continue
+		}
+		recs = append(recs, proto.Clone(e.rec).(*kvcv1.SessionRecord))
 	}
 	s.mu.Unlock()
 	if more {
-		next = ids[len(ids)-1]
+		next = page[len(page)-1]
 	}
 	return recs, next
+}
+
+// smallest returns the k smallest of ids in order, and whether ids held more than k. ids is
+// reordered.
+func smallest(ids []string, k int) ([]string, bool) {
+	if len(ids) <= k {
+		slices.Sort(ids)
+		return ids, false
+	}
+	// Max-heap of the k smallest seen so far in ids[:k].
+	h := ids[:k]
+	down := func(i int) {
+		for {
+			l, big := 2*i+1, i
+			if l < k && h[l] > h[big] {
+				big = l
+			}
+			if r := l + 1; r < k && h[r] > h[big] {
+				big = r
+			}
+			if big == i {
+				return
+			}
+			h[i], h[big] = h[big], h[i]
+			i = big
+		}
+	}
+	for i := k/2 - 1; i >= 0; i-- {
+		down(i)
+	}
+	for _, id := range ids[k:] {
+		if id < h[0] {
+			h[0] = id
+			down(0)
+		}
+	}
+	out := slices.Clone(h)
+	slices.Sort(out)
+	return out, true
 }
 
 func (s *State) getOrCreateLocked(id string) *kvcv1.SessionRecord {
