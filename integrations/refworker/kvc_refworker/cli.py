@@ -29,6 +29,7 @@ FLAGS = [
     ("shm-dir", str, "/dev/shm", "where the CPU pool file lives (the sidecar maps it)"),
     ("transfer-timeout", float, 60.0, "seconds for WaitReceive / SendKV"),
     ("prealloc-wait", float, 0.0, "seconds a request may wait for pages before 503 no_capacity"),
+    ("verify-max-steps", int, 16, "decode steps the recompute check compares (the rest are the same arithmetic; 0: all)"),
     ("atol", float, -1.0, "recompute tolerance on logits and KV (-1: 1e-4 for float32, 0.25 for 16-bit)"),
     ("log-level", str, "info", "debug | info | warning | error"),
     ("log-format", str, "json", "json | console"),
@@ -155,6 +156,7 @@ def main(argv=None) -> int:
         atol = a.atol if a.atol >= 0 else (1e-4 if spec.dtype == torch.float32 else 0.25)
         cfg = Config(role=a.role, worker_id=a.worker_id, model_name=spec.name, transfer_timeout_s=a.transfer_timeout,
                      prealloc_wait_s=a.prealloc_wait, verify_recompute=a.verify_recompute, atol=atol,
+                     verify_max_steps=a.verify_max_steps,
                      bitwise_strict=not a.no_bitwise_strict)
         srv.set_worker(Worker(cfg, model, spec, pool, bridge))
         srv.info.update(kv_capacity_tokens=pool.size, kv_bytes_per_token=bpt, pool=pool.source, dtype=str(spec.dtype),
@@ -165,7 +167,8 @@ def main(argv=None) -> int:
                                        "model": spec.name})
         log.info("serving %s worker %s on http://%s (verify_recompute=%s, atol=%g)", a.role, a.worker_id, http_addr,
                  a.verify_recompute, atol)
-        stop.wait()
+        while not stop.wait(0.5):  # a timed wait: the signal handler runs promptly
+            pass
         log.info("stopping")
         return 0
     except Exception as e:  # noqa: BLE001

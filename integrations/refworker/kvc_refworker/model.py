@@ -73,10 +73,20 @@ def _config(spec: ModelSpec):
     return cfg
 
 
+QK_GAIN = 2.0
+
+
 def _fill(model: torch.nn.Module, seed: int) -> None:
-    """Deterministic weights: N(0, 0.02) for matrices and embeddings, 1 for norms."""
+    """Deterministic weights: N(0, 0.02) for matrices and embeddings, 1 for norms but the
+    per-head q/k norms (QK_GAIN)."""
     with torch.no_grad():
         for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                # Sharper attention than a random model's near-uniform one (scores ~ N(0, QK_GAIN^4)):
+                # the output then depends on which KV sits at which position, so a misplaced or
+                # stale page changes the logits instead of averaging away.
+                p.fill_(QK_GAIN)
+                continue
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
                 continue

@@ -57,6 +57,7 @@ class Config:
     verify_recompute: bool = False
     atol: float = 1e-4  # logits and KV, allclose modes; bitwise where the arithmetic allows
     bitwise_strict: bool = True
+    verify_max_steps: int = 16  # decode steps compared (0: all)
 
 
 @dataclass
@@ -438,7 +439,8 @@ class Worker:
             logits, t.cache = self._forward([nxt], t.cache)
             self._write_back(pages, t.cache, pos, pos + 1)
             t.kv = pos + 1
-            if self.cfg.verify_recompute and i < p.max_new - 1:
+            if self.cfg.verify_recompute and i < p.max_new - 1 and (
+                    self.cfg.verify_max_steps <= 0 or len(t.logits) < self.cfg.verify_max_steps):
                 t.logits.append(logits)
         t.meta["decode_ms"] = _ms(time.monotonic() - t0)
 

@@ -186,6 +186,7 @@ type workerKVC struct {
 	RecomputeChecked    bool    `json:"recompute_checked"`
 	RecomputeMismatches int64   `json:"recompute_mismatches"`
 	MaxAbsLogitDiff     float64 `json:"max_abs_logit_diff"`
+	MaxAbsKVDiff        float64 `json:"max_abs_kv_diff"`
 	PrefillMS           float64 `json:"prefill_ms"`
 	ReceiveWaitMS       float64 `json:"receive_wait_ms"`
 }
@@ -291,6 +292,7 @@ func send(ctx context.Context, hc *http.Client, baseURL, session string, turn in
 				if k := c.MetaInfo.KVC; k != nil {
 					r.KVLenAfter, r.ReceivedBytes, r.VerifiedBytes, r.VerifyFailures, r.TransferMS = k.KVLenAfter, k.ReceivedBytes, k.VerifiedBytes, k.VerifyFailures, k.TransferMS
 					r.RecomputeChecked, r.RecomputeMismatches, r.MaxAbsLogitDiff = k.RecomputeChecked, k.RecomputeMismatches, k.MaxAbsLogitDiff
+					r.MaxAbsKVDiff = k.MaxAbsKVDiff
 					r.WorkerPrefillMS, r.ReceiveWaitMS = k.PrefillMS, k.ReceiveWaitMS
 				}
 			}

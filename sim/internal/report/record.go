@@ -41,6 +41,7 @@ type Record struct {
 	RecomputeChecked    bool    `json:"recompute_checked,omitempty"`
 	RecomputeMismatches int64   `json:"recompute_mismatches,omitempty"`
 	MaxAbsLogitDiff     float64 `json:"max_abs_logit_diff,omitempty"`
+	MaxAbsKVDiff        float64 `json:"max_abs_kv_diff,omitempty"`
 	// The decode worker's real (append-)prefill time and its wait from PrepareReceive to the
 	// transfer's end, in ms (refworker: real compute; kvc-sim: modeled).
 	WorkerPrefillMS float64 `json:"worker_prefill_ms,omitempty"`

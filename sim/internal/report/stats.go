@@ -32,6 +32,7 @@ type ModeStats struct {
 	RecomputeChecked    int
 	RecomputeMismatches int64
 	MaxAbsLogitDiff     float64
+	MaxAbsKVDiff        float64
 }
 
 // Arm is everything the report says about one arm.
@@ -98,6 +99,7 @@ func Compute(name string, recs []Record, div float64) *Arm {
 			ms.RecomputeChecked++
 			ms.RecomputeMismatches += r.RecomputeMismatches
 			ms.MaxAbsLogitDiff = max(ms.MaxAbsLogitDiff, r.MaxAbsLogitDiff)
+			ms.MaxAbsKVDiff = max(ms.MaxAbsKVDiff, r.MaxAbsKVDiff)
 			a.RecomputeChecked++
 			a.RecomputeMismatches += r.RecomputeMismatches
 		}

@@ -192,15 +192,15 @@ func Markdown(meta Meta, arms []*Arm) string {
 		p("")
 		p("Each decode worker recomputed every request from scratch and compared it with what it served (greedy tokens, logits, KV; bitwise where the arithmetic is the same, allclose otherwise: integrations/refworker/README.md).")
 		p("")
-		p("| arm | mode | requests checked | mismatches | max abs logit diff |")
-		p("|---|---|---:|---:|---:|")
+		p("| arm | mode | requests checked | mismatches | max abs logit diff | max abs KV diff |")
+		p("|---|---|---:|---:|---:|---:|")
 		for _, a := range arms {
 			for _, m := range sortedKeys(a.Modes) {
 				if x := a.Modes[m]; x.RecomputeChecked > 0 {
-					p("| %s | %s | %d | %d | %.3g |", a.Name, m, x.RecomputeChecked, x.RecomputeMismatches, x.MaxAbsLogitDiff)
+					p("| %s | %s | %d | %d | %.3g | %.3g |", a.Name, m, x.RecomputeChecked, x.RecomputeMismatches, x.MaxAbsLogitDiff, x.MaxAbsKVDiff)
 				}
 			}
-			p("| %s | **all** | %d | **%d** | |", a.Name, a.RecomputeChecked, a.RecomputeMismatches)
+			p("| %s | **all** | %d | **%d** | | |", a.Name, a.RecomputeChecked, a.RecomputeMismatches)
 		}
 		p("")
 	}
