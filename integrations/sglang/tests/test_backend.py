@@ -126,3 +126,26 @@ def test_failures_surface_as_kvpoll_failed(pd):
     assert sr == KVPoll.Failed and seen_rx[0] == KVPoll.Transferring, seen_rx
     with pytest.raises(KvcTransferError, match="room 903"):
         rx.failure_exception()
+
+
+def test_tp_rank_registers_and_pairs(sglang_installed, bins, tmp):
+    """A TP rank registers as rank r of n (one sidecar per rank): the manager sends tp_rank /
+    tp_size from SGLang's engine_rank and --tp-size."""
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    from kvcentric_sglang.backend import KvcKVManager
+
+    d = kvctest.Sidecar(bins["decode"], "d-tp1", tmp)
+    try:
+        pool, meta = kvctest.mha_pool(tmp, "tp"), kvctest.metadata_buffers()
+        args = kvctest.kv_args(pool, meta)
+        args.engine_rank = 1
+        mgr = KvcKVManager(args, DisaggregationMode.DECODE, kvctest.server_args(d.sock, tp_size=2))
+        assert (mgr.registration.tp_rank, mgr.registration.tp_size) == (1, 2)
+        assert mgr.kv_bytes_per_token == kvctest.LAYERS * 2 * kvctest.HEADS * kvctest.HEAD_DIM * 2
+        assert mgr.registration.aux_item_lens == list(meta.get_buf_infos()[2])
+    finally:
+        d.stop()
+        for f in os.listdir("/dev/shm"):
+            if f.startswith("kvcpy-%s-" % os.path.basename(tmp)):
+                os.unlink(os.path.join("/dev/shm", f))

@@ -96,11 +96,21 @@ def test_capacity_release_in_priority_order_after_snapshot(sglang_installed, bin
             s = Session(capacity_of_str_len=1 << 20, session_id=sid, streaming=True)
             assert w.streaming.try_cache_finished_req(w.first_turn(s, list(range(1, prompt + 1)), [7] * 8))
             committed[sid] = prompt + 8
-        # the scheduler loop: carry out queued commands until the sidecar stops releasing
+        # the scheduler loop: SGLang's (hooked) process_input_requests runs the queued commands
+        # on the scheduler thread
+        from types import SimpleNamespace
+
+        from sglang.srt.managers.scheduler import Scheduler
+        from sglang.srt.session.session_controller import SessionController
+        # the scheduler attributes process_input_requests touches with no input requests
+        sched = SimpleNamespace(session_controller=SessionController(w.cache), tree_cache=w.cache,
+                                scheduler_stage_metrics=None, external_corpus_manager=None,
+                                flush_wrapper=SimpleNamespace(check_pending=lambda: None),
+                                _event_loop_should_restart=False)
         deadline = time.monotonic() + 40
         while time.monotonic() < deadline and len([s for s in committed if s not in w.streaming.slots]) < 2:
             wc.wait_for(lambda c: not c.pending.empty(), 1)
-            wc.run_pending(w.streaming)
+            Scheduler.process_input_requests(sched, [])
         released = [s for s, _ in sizes if s not in w.streaming.slots]
         assert released == ["s-C", "s-E"], (released, cp.events, d.tail())
         # further passes of the sidecar (1 s interval) send nothing more: below the low watermark
