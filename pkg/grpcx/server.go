@@ -116,8 +116,8 @@ func NewServer(log zerolog.Logger, opt ...Option) *Server {
 		log.Error().Interface("panic", p).Bytes("stack", debug.Stack()).Msg("grpc handler panic")
 		return status.Errorf(codes.Internal, "internal error")
 	})
-	unary := []grpc.UnaryServerInterceptor{recovery.UnaryServerInterceptor(rec), codec.unary}
-	stream := []grpc.StreamServerInterceptor{recovery.StreamServerInterceptor(rec), codec.stream}
+	unary := []grpc.UnaryServerInterceptor{recovery.UnaryServerInterceptor(rec), serverMetrics.UnaryServerInterceptor(), codec.unary}
+	stream := []grpc.StreamServerInterceptor{recovery.StreamServerInterceptor(rec), serverMetrics.StreamServerInterceptor(), codec.stream}
 	if o.logCalls {
 		unary = append(unary, logging.UnaryServerInterceptor(lg, logOpts...))
 		stream = append(stream, logging.StreamServerInterceptor(lg, logOpts...))
@@ -150,6 +150,7 @@ func NewServer(log zerolog.Logger, opt ...Option) *Server {
 	if o.tls != nil {
 		sopts = append(sopts, grpc.Creds(o.tls.ServerCredentials()))
 	}
+	sopts = append(sopts, serverObserve()...)
 	sopts = append(sopts, o.extra...)
 	s := grpc.NewServer(sopts...)
 	h := health.NewServer()
@@ -161,6 +162,7 @@ func NewServer(log zerolog.Logger, opt ...Option) *Server {
 // Serve serves on lis until ctx is done, then stops gracefully (bounded by grace, after which
 // remaining calls are cut).
 func (s *Server) Serve(ctx context.Context, lis net.Listener, grace time.Duration) error {
+	serverMetrics.InitializeMetrics(s.Server) // every registered method at 0
 	errc := make(chan error, 1)
 	go func() { errc <- s.Server.Serve(lis) }()
 	select {
@@ -206,9 +208,9 @@ func InterceptorLogger(l zerolog.Logger) logging.Logger {
 }
 
 // ClientOptions are the dial options our clients use (keepalive matching the server policy,
-// size limits).
+// size limits, per-method metrics and trace propagation: observe.go).
 func ClientOptions() []grpc.DialOption {
-	return []grpc.DialOption{
+	return append(clientObserve(),
 		grpc.WithKeepaliveParams(keepalive.ClientParameters{
 			Time:                ClientKeepaliveTime,
 			Timeout:             ClientKeepaliveTimeout,
@@ -218,7 +220,7 @@ func ClientOptions() []grpc.DialOption {
 			grpc.MaxCallRecvMsgSize(MaxRecvMsgSize),
 			grpc.MaxCallSendMsgSize(MaxSendMsgSize),
 		),
-	}
+	)
 }
 
 // Credentials are the transport credentials of a client: mutual TLS with src, requiring the

@@ -16,6 +16,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"github.com/rs/zerolog"
+
+	"github.com/kvcentric/kvcentric/pkg/grpcx"
 )
 
 // NewLogger returns a JSON zerolog logger (or a console one when format is "console") at level.
@@ -37,10 +39,14 @@ func NewLogger(w io.Writer, level, format, component string) (zerolog.Logger, er
 	return zerolog.New(w).Level(lvl).With().Timestamp().Str("component", component).Logger(), nil
 }
 
-// NewRegistry returns a Prometheus registry with the Go and process collectors.
+// NewRegistry returns a Prometheus registry with the Go and process collectors and the
+// process's per-method gRPC server and client metrics (grpcx.RegisterMetrics).
 func NewRegistry() *prometheus.Registry {
 	r := prometheus.NewRegistry()
 	r.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	if err := grpcx.RegisterMetrics(r); err != nil {
+		panic(err) // a fresh registry: only a programming error can collide
+	}
 	return r
 }
 
