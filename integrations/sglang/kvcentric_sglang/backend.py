@@ -169,6 +169,10 @@ class KvcKVSender(BaseKVSender):
     def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
         return num_pages > 0 or last_chunk
 
+    def refuse(self, why: str) -> None:
+        """Fails the transfer before it starts (the request-carrying hook found it unservable)."""
+        self._fail("room %d refused: %s" % (self.bootstrap_room, why))
+
     def send(self, kv_indices, state_indices=None, num_kv_tokens: Optional[int] = None, indices_event=None):
         if state_indices is not None and any(s is not None for s in state_indices):
             self._fail("state components cannot be transferred by kvcentric")
@@ -263,6 +267,10 @@ class KvcKVReceiver(BaseKVReceiver):
         self._error: Optional[str] = None
         self.result = None  # bridge.TransferResult once done
 
+    def refuse(self, why: str) -> None:
+        """Fails the transfer before it starts (the request-carrying hook found it unservable)."""
+        self._fail("room %d refused: %s" % (self.bootstrap_room, why))
+
     def init(self, prefill_dp_rank: int = 0):
         with self._lock:
             if self._state == KVPoll.Bootstrapping:
@@ -270,6 +278,8 @@ class KvcKVReceiver(BaseKVReceiver):
 
     def send_metadata(self, kv_indices, aux_index: Optional[int] = None, state_indices=None,
                       decode_prefix_len: Optional[int] = None, destination=None):
+        if self.poll() == KVPoll.Failed:
+            return
         if decode_prefix_len:
             self._fail("decode_prefix_len %d: kvcentric moves whole transfers (run the PD decode worker without "
                        "--disaggregation-decode-enable-radix-cache; kvcentric decode workers are colocated)" %

@@ -124,8 +124,16 @@ def _carry(obj, req):
     from . import backend
     if not isinstance(obj, (backend.KvcKVSender, backend.KvcKVReceiver)):
         return
-    hint = runtime.hint_of_req(req)
+    try:
+        hint = runtime.hint_of_req(req)
+    except ValueError as e:
+        obj.refuse("malformed kv_hints: %s" % e)
+        return
     obj.session_id = runtime.session_id_of_req(req) or ("room-%d" % obj.bootstrap_room)
+    if isinstance(obj, backend.KvcKVReceiver) and hint is not None and hint.mode == "RESEED_SNAPSHOT":
+        obj.refuse("RESEED_SNAPSHOT needs a colocated decode worker (a P/D decode worker gets no first token "
+                   "from a snapshot): route it to one, docs/routing.md section 12")
+        return
     if isinstance(obj, backend.KvcKVReceiver):
         obj.kind = hint.transfer_kind if hint is not None else obj.kind
         obj.tokens = len(req.origin_input_ids)
@@ -154,8 +162,13 @@ def create_generation_req_around(original, scheduler, recv_req, *args, **kwargs)
         req.kv_hints = hints
     if hints is not None:
         from . import linker
+        try:
+            hint = runtime.parse_hint(hints)
+        except ValueError as e:  # refuse this request, never the scheduler
+            req.set_finish_with_abort("kvcentric: %s" % e)
+            return req
         page = int(getattr(scheduler, "page_size", 0) or runtime.state.page_size or 1)
-        linker.remember_hint(req.rid, runtime.parse_hint(hints), linker.first_page_key(req, page))
+        linker.remember_hint(req.rid, hint, linker.first_page_key(req, page))
     return req
 
 

@@ -169,7 +169,10 @@ def _history(session) -> Optional[List[int]]:
 def continuity_around(original, session, req, *args, **kwargs):
     """AROUND Session.create_req(req, ...) for streaming sessions with a kvc hint: strip the
     resident history from the full-context input, or refuse the turn."""
-    hint = runtime.parse_hint(getattr(req, "kv_hints", None))
+    try:
+        hint = runtime.parse_hint(getattr(req, "kv_hints", None))
+    except ValueError:
+        hint = None  # _create_generation_req refuses the request with the reason
     if hint is None or not hint.full_context or not session.streaming or session._inflight:
         return original(session, req, *args, **kwargs)
     hist = _history(session)

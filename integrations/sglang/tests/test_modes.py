@@ -87,3 +87,33 @@ def test_large_append_moves_the_whole_context(pd):  # noqa: F811
     assert st == KVPoll.Success and sr == KVPoll.Success, (seen, rx._error, tx._error)
     assert rx.tokens == n and rx.result.tokens == n
     assert kvctest.token_bytes(pd.dpool, dp, n) == kvctest.token_bytes(pd.ppool, pp, n)
+
+
+def test_reseed_snapshot_refused_on_a_pd_decode_worker(pd):  # noqa: F811
+    """A P/D decode worker gets no first token from a snapshot: RESEED_SNAPSHOT routed to one
+    fails at once, naming the worker shape it needs."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    from kvcentric_sglang.backend import KvcTransferError
+
+    hints = kvctest.kvc_hints(mode="RESEED_SNAPSHOT", session_id="s-x", room=915, snapshot_seqlen=48,
+                              prefill_peer_addr=pd.p.peer_addr)
+    r = kvctest.req("r-915", list(range(60)), room=915, host=pd.host, port=pd.port, hints=hints)
+    rx = pd.dq._create_receiver_and_enqueue(r).kv_receiver
+    assert rx.poll() == KVPoll.Failed
+    with pytest.raises(KvcTransferError, match="colocated decode worker"):
+        rx.failure_exception()
+
+
+def test_malformed_hint_refuses_the_request_not_the_scheduler(sglang_installed):
+    from array import array
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    bad = kvctest.kvc_hints(mode="SEED", session_id="s-bad", room="not-a-number")
+    r = Scheduler._create_generation_req(SimpleNamespace(page_size=PAGE), SimpleNamespace(kv_hints=bad), "r-bad",
+                                         None, array("q", [1, 2, 3]), SamplingParams(max_new_tokens=1),
+                                         vocab_size=1000)
+    assert r.to_finish is not None and "malformed kv_hints kvc payload" in r.to_finish.message
