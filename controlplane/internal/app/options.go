@@ -9,6 +9,8 @@ import (
 	"strings"
 	"time"
 
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+
 	"github.com/kvcentric/kvcentric/controlplane/internal/embedetcd"
 	"github.com/kvcentric/kvcentric/controlplane/internal/state"
 	"github.com/kvcentric/kvcentric/pkg/grpcx"
@@ -49,12 +51,19 @@ type Options struct {
 	GRPCKeepaliveTime    time.Duration
 	GRPCKeepaliveTimeout time.Duration
 	ReadyFile            string
-	LogLevel             string
-	LogFormat            string
+	// Tracing: OTLP/gRPC collector (empty: none), plaintext to it, sample ratio of new traces.
+	OTLPEndpoint     string
+	OTLPInsecure     bool
+	TraceSampleRatio float64
+	LogLevel         string
+	LogFormat        string
 	// TLS is the gRPC server's mTLS identity (role controlplane); none: plaintext.
 	TLS tlsx.Files
 	// EtcdTLS is the client certificate for an external etcd with client-cert auth.
 	EtcdTLS tlsx.Files
+
+	// traceExporter replaces the OTLP exporter (tests: in memory).
+	traceExporter sdktrace.SpanExporter
 }
 
 // NewOptions returns the defaults.
@@ -84,6 +93,7 @@ func NewOptions() *Options {
 		EtcdDialTimeout:        5 * time.Second,
 		GRPCKeepaliveTime:      grpcx.ServerKeepaliveTime,
 		GRPCKeepaliveTimeout:   grpcx.ServerKeepaliveTimeout,
+		TraceSampleRatio:       1,
 		LogLevel:               "info",
 		LogFormat:              "json",
 	}
@@ -107,6 +117,9 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 	fs.DurationVar(&o.ElectionRenewDeadline, "election-renew-deadline", o.ElectionRenewDeadline, "the leader stops acting this long after the last lease renewal etcd answered; below --election-ttl (0: two thirds of it)")
 	fs.DurationVar(&o.UnreachableGrace, "unreachable-grace", o.UnreachableGrace, "default unreachable_grace_ms: an unreachable worker's residency is dropped after this")
 	fs.DurationVar(&o.DrainSnapshotWait, "drain-snapshot-wait", o.DrainSnapshotWait, "a drain releases each resident session once its snapshot can reseed it, or after this long without one (its next turn then re-prefills)")
+	fs.StringVar(&o.OTLPEndpoint, "otlp-endpoint", o.OTLPEndpoint, "OpenTelemetry traces: OTLP/gRPC collector host:port (empty: no export; W3C trace context is still propagated)")
+	fs.BoolVar(&o.OTLPInsecure, "otlp-insecure", o.OTLPInsecure, "send traces to --otlp-endpoint without TLS")
+	fs.Float64Var(&o.TraceSampleRatio, "trace-sample-ratio", o.TraceSampleRatio, "fraction of new traces sampled, in (0, 1] (a caller's sampled flag is followed)")
 	fs.DurationVar(&o.SessionTTL, "session-ttl", o.SessionTTL, "default session_ttl_ms: idle sessions expire after this")
 	fs.DurationVar(&o.FlushDelay, "flush-delay", o.FlushDelay, "write-behind delay: every change reaches etcd within about this long")
 	fs.DurationVar(&o.VolatileFlush, "volatile-flush", o.VolatileFlush, "how often changes to a session's volatile fields only (turn, last_seen, kv_committed_len, d_rejects) are persisted; residency changes are written at once (0: write every change at once)")
@@ -209,6 +222,9 @@ func (o *Options) Validate() error {
 	}
 	pos("--unreachable-grace", o.UnreachableGrace, true)
 	pos("--drain-snapshot-wait", o.DrainSnapshotWait, false)
+	if o.TraceSampleRatio <= 0 || o.TraceSampleRatio > 1 {
+		errs = append(errs, fmt.Errorf("--trace-sample-ratio %v must be in (0, 1]", o.TraceSampleRatio))
+	}
 	if o.SessionTTL < time.Second {
 		errs = append(errs, fmt.Errorf("--session-ttl %s must be at least 1s", o.SessionTTL))
 	}

@@ -125,6 +125,16 @@ func Run(ctx context.Context, opts *Options, log zerolog.Logger) error {
 	if err := errors.Join(tlsx.RegisterMetrics(reg, "grpc", tlsSrc), tlsx.RegisterMetrics(reg, "etcd", etcdTLS)); err != nil {
 		return err
 	}
+	stopTracing, err := obs.SetupTracing(ctx, obs.Tracing{Service: "kvc-controlplane", OTLPEndpoint: opts.OTLPEndpoint,
+		OTLPInsecure: opts.OTLPInsecure, SampleRatio: opts.TraceSampleRatio, Exporter: opts.traceExporter})
+	if err != nil {
+		return err
+	}
+	defer func() {
+		sctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		_ = stopTracing(sctx)
+		cancel()
+	}()
 	endpoints := opts.Endpoints()
 	info := readyInfo{PID: os.Getpid(), NodeID: opts.NodeID}
 	if len(endpoints) == 0 {
