@@ -206,8 +206,11 @@ func (r *Runner) Run(ctx context.Context, sc Scenario) (Outcome, error) {
 			}
 		}
 		m := res.Mode
-		if res.FailOpen {
+		switch {
+		case res.FailOpen:
 			m += "(fail-open)"
+		case res.Mode != "DIRECT_TO_D" && res.Mode != "SEED" && res.Reason != "":
+			m += "/" + res.Reason // why a session was reseeded or fell back
 		}
 		out.Modes[m]++
 	}
