@@ -202,15 +202,36 @@ def _first_page_hash(tokens, page: int) -> str:
     return get_storage_hash_str(tokens, None, page_size=page)[0]
 
 
+def _rank_and_gpu(server_args, extra_config):
+    """(tp_rank, gpu id) of this scheduler process: extra_config wins, then SGLang's parallel
+    state and the current CUDA device, then rank 0 on --base-gpu-id."""
+    tp_rank = extra_config.get("tp_rank")
+    if tp_rank is None:
+        try:
+            from sglang.srt.runtime_context import get_parallel
+            tp_rank = int(get_parallel().tp_rank)
+        except Exception:
+            tp_rank = 0
+    gpu = extra_config.get("gpu_id")
+    if gpu is None:
+        try:
+            import torch
+            gpu = torch.cuda.current_device() if torch.cuda.is_available() else None
+        except Exception:
+            gpu = None
+    if gpu is None:
+        gpu = int(getattr(server_args, "base_gpu_id", 0) or 0)
+    return int(tp_rank), int(gpu)
+
+
 def _register_colocated(server_args, kv_pool, extra_config):
     """A colocated decode worker has no P/D KV manager: the linker registers the pool."""
     from . import pool as kvpool
-    gpu = int(extra_config.get("gpu_id", getattr(server_args, "base_gpu_id", 0) or 0))
+    tp = int(getattr(server_args, "tp_size", 1) or 1)
+    tp_rank, gpu = _rank_and_gpu(server_args, extra_config)
     path = extra_config.get("bridge_socket") or runtime.socket_path("decode", gpu)
     bridge = runtime.bridge_for(path)
-    tp = int(getattr(server_args, "tp_size", 1) or 1)
-    reg = kvpool.from_pool(kv_pool, tp_rank=int(extra_config.get("tp_rank", 0)) if tp > 1 else 0,
-                           tp_size=tp if tp > 1 else 0)
+    reg = kvpool.from_pool(kv_pool, tp_rank=tp_rank if tp > 1 else 0, tp_size=tp if tp > 1 else 0)
     reg.register(bridge)
     runtime.state.bridge, runtime.state.registration = bridge, reg
     runtime.state.page_size, runtime.state.role = reg.page_size, "decode"
