@@ -133,3 +133,17 @@ func BenchmarkLoad(b *testing.B) {
 		})
 	}
 }
+
+// BenchmarkEncodeParallel: goroutines encoding 32K-token prompts on one shared tokenizer (the
+// gateway's case), warm cache.
+func BenchmarkEncodeParallel(b *testing.B) {
+	tok := model(b, "qwen3")
+	prompt := benchPrompt(b, tok)
+	_ = tok.Encode(prompt, false)
+	b.ResetTimer()
+	b.RunParallel(func(pb *testing.PB) {
+		for pb.Next() {
+			_ = tok.Encode(prompt, false)
+		}
+	})
+}

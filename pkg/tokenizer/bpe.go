@@ -1,7 +1,7 @@
 package tokenizer
 
 import (
-	"maps"
+	"hash/maphash"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -30,23 +30,30 @@ type bpe struct {
 	cache wordCache
 }
 
-// wordCache is a bounded map from a piece to its ids. Reads of the "frozen" generation take
-// no lock (an atomic pointer to an immutable map); new pieces go to a small locked "young" map
-// that is folded into a new frozen map every cacheYoung insertions. When the frozen map would
-// exceed cacheMax entries it restarts from the young map.
+// wordCache is a bounded map from a piece to its ids in two parts: an immutable "frozen" map
+// read without a lock (an atomic pointer), and a sharded "young" map, locked per shard, that
+// takes new pieces. When the young part holds as many pieces as the frozen one (at least
+// cacheMerge) both are merged into a new frozen map, or, when that would exceed cacheMax, the
+// young part replaces the frozen one. Merging at equal sizes keeps the copying to at most two
+// map insertions per new piece, and a working set settles in the lock-free frozen map.
 type wordCache struct {
+	seed   maphash.Seed
 	frozen atomic.Pointer[map[string][]uint32]
-	mu     sync.Mutex
-	young  map[string][]uint32
+	count  atomic.Int64 // pieces in the young part
+	swapMu sync.Mutex
+	young  [cacheShards]cacheShard
 }
 
-const cacheYoung = 4096
-
-// Cache bounds (variables so tests can turn the cache off).
-var (
-	cacheMax    int64 = 1 << 17
-	cacheMaxLen       = 64
+const (
+	cacheShards = 16
+	cacheMerge  = 4096
 )
+
+type cacheShard struct {
+	mu sync.Mutex
+	m  map[string][]uint32
+	_  [40]byte // keep shards on separate cache lines
+}
 
 func (c *wordCache) get(w string) ([]uint32, bool) {
 	if f := c.frozen.Load(); f != nil {
@@ -54,33 +61,78 @@ func (c *wordCache) get(w string) ([]uint32, bool) {
 			return v, true
 		}
 	}
-	c.mu.Lock()
-	v, ok := c.young[w]
-	c.mu.Unlock()
+	if c.count.Load() == 0 {
+		return nil, false
+	}
+	sh := &c.young[maphash.String(c.seed, w)%cacheShards]
+	sh.mu.Lock()
+	v, ok := sh.m[w]
+	sh.mu.Unlock()
 	return v, ok
 }
 
 func (c *wordCache) put(w string, ids []uint32) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if c.young == nil {
-		c.young = make(map[string][]uint32, cacheYoung)
+	sh := &c.young[maphash.String(c.seed, w)%cacheShards]
+	sh.mu.Lock()
+	if sh.m == nil {
+		sh.m = make(map[string][]uint32, 64)
 	}
-	c.young[strings.Clone(w)] = ids
-	if len(c.young) < cacheYoung {
-		return
+	if _, dup := sh.m[w]; !dup {
+		sh.m[strings.Clone(w)] = ids
+		c.count.Add(1)
 	}
-	var next map[string][]uint32
-	if f := c.frozen.Load(); f != nil && int64(len(*f)+len(c.young)) <= cacheMax {
-		next = make(map[string][]uint32, len(*f)+len(c.young))
-		maps.Copy(next, *f)
-	} else {
-		next = make(map[string][]uint32, len(c.young))
+	sh.mu.Unlock()
+	if c.count.Load() >= c.mergeAt() {
+		c.merge()
 	}
-	maps.Copy(next, c.young)
-	c.frozen.Store(&next)
-	c.young = make(map[string][]uint32, cacheYoung)
 }
+
+func (c *wordCache) mergeAt() int64 {
+	n := int64(cacheMerge)
+	if f := c.frozen.Load(); f != nil {
+		n = max(n, int64(len(*f)))
+	}
+	return min(n, max(cacheMax/2, 1))
+}
+
+// merge folds the young part into a new frozen map.
+func (c *wordCache) merge() {
+	c.swapMu.Lock()
+	defer c.swapMu.Unlock()
+	if c.count.Load() < c.mergeAt() {
+		return // another goroutine merged first
+	}
+	for i := range c.young {
+		c.young[i].mu.Lock()
+	}
+	n := int(c.count.Load())
+	var next map[string][]uint32
+	if f := c.frozen.Load(); f != nil && int64(len(*f)+n) <= cacheMax {
+		next = make(map[string][]uint32, len(*f)+n)
+		for k, v := range *f {
+			next[k] = v
+		}
+	} else {
+		next = make(map[string][]uint32, n)
+	}
+	for i := range c.young {
+		for k, v := range c.young[i].m {
+			next[k] = v
+		}
+		c.young[i].m = nil
+	}
+	c.frozen.Store(&next)
+	c.count.Store(0)
+	for i := range c.young {
+		c.young[i].mu.Unlock()
+	}
+}
+
+// Cache bounds (variables so tests can turn the cache off).
+var (
+	cacheMax    int64 = 1 << 17
+	cacheMaxLen       = 64
+)
 
 // mergeTable is an open-addressing hash table from a symbol pair to its merge (rank and
 // merged id), with linear probing: one multiply and usually one cache line per lookup.

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"hash/maphash"
 	"io/fs"
 	"os"
 	"path/filepath"
@@ -175,6 +176,7 @@ func (t *Tokenizer) loadModel(path string, m *modelJSON) error {
 		return corrupt(path, nil, "empty model vocab")
 	}
 	b := &bpe{vocab: make(map[string]uint32, len(m.Vocab)), ignoreMerges: m.IgnoreMerges}
+	b.cache.seed = maphash.MakeSeed()
 	t.idToToken = make(map[uint32]string, len(m.Vocab))
 	for tok, id := range m.Vocab {
 		t.idToToken[id] = tok
