@@ -25,7 +25,7 @@ GRPCURL_VERSION := v1.9.3
 .PHONY: grpcurl
 .PHONY: test-faults
 .PHONY: test-sglang
-.PHONY: all build test test-short lint fmt proto proto-check tools demo bench bench-transfer bench-policy bench-gpu test-mooncake tidy clean
+.PHONY: all build test test-short lint fmt proto proto-check tools demo bench bench-transfer bench-policy bench-gateway bench-gpu test-mooncake tidy clean
 
 all: build
 
@@ -108,9 +108,16 @@ proto-check: proto
 	git diff --exit-code -- proto/
 
 ## demo: the main job — local cluster, E1/E3/E4 on the built-in workload, report in out/demo/
+## (--send-ids: the client keeps its conversation as token ids, so edited-history turns and page
+## hashes reach the control plane)
 demo: build
 	$(BIN)/kvc-bench --local --bin-dir $(BIN) --arms E1,E3,E4 --time-scale 0.4 --sim-args "--page-size 64 --prealloc-wait 20s" \
-		--decode-capacity-tokens 88000 --out out/demo
+		--decode-capacity-tokens 88000 --send-ids --out out/demo
+
+## bench-gateway: the gateway's tokenize + chat template + page hash cost per 32K-token prompt
+## against the direct-to-D TTFT p50 of out/demo's report (run make demo first; else DESIGN.md's)
+bench-gateway:
+	cd gateway && KVC_BENCH_GATEWAY=1 KVC_DEMO_REPORT=$(CURDIR)/out/demo/report.md $(GO) test -count=1 -run '^TestBenchGateway$$' -v ./internal/server/ | grep '^tokenize'
 
 ## bench-transfer: pkg/rdma tcp backend vs a raw socket copy
 bench-transfer:
