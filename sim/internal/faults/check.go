@@ -2,6 +2,8 @@ package faults
 
 import (
 	"fmt"
+	"os"
+	"path/filepath"
 	"sort"
 	"time"
 
@@ -121,6 +123,16 @@ type Verdict struct {
 // with no other write, seed, maybe or drop of that session overlapping or in between — by a
 // read that returned something other than D, or by a Seed (which saw no residency).
 func CheckHistory(ops []Op, timeout time.Duration) Verdict {
+	return checkHistory(ops, timeout, "")
+}
+
+// CheckHistoryVisualize is CheckHistory that also writes porcupine's HTML visualization of
+// each session found not linearizable to dir/<session>.html.
+func CheckHistoryVisualize(ops []Op, timeout time.Duration, dir string) Verdict {
+	return checkHistory(ops, timeout, dir)
+}
+
+func checkHistory(ops []Op, timeout time.Duration, visDir string) Verdict {
 	by := map[string][]Op{}
 	for _, o := range ops {
 		by[o.Session] = append(by[o.Session], o)
@@ -154,9 +166,15 @@ func CheckHistory(ops []Op, timeout time.Duration) Verdict {
 			pops = append(pops, porcupine.Operation{ClientId: i, Input: regInput{o.Kind, o.Worker}, Output: out,
 				Call: int64(o.Call.Sub(base)), Return: int64(o.Return.Sub(base))})
 		}
-		switch porcupine.CheckOperationsTimeout(model, pops, timeout) {
+		res, info := porcupine.CheckOperationsVerbose(model, pops, timeout)
+		switch res {
 		case porcupine.Illegal:
 			v.Illegal = append(v.Illegal, id)
+			if visDir != "" {
+				if err := os.MkdirAll(visDir, 0o755); err == nil {
+					_ = porcupine.VisualizePath(model, info, filepath.Join(visDir, id+".html"))
+				}
+			}
 		case porcupine.Unknown:
 			v.Unknown = append(v.Unknown, id)
 		}

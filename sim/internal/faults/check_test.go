@@ -1,6 +1,8 @@
 package faults
 
 import (
+	"os"
+	"path/filepath"
 	"testing"
 	"time"
 )
@@ -115,4 +117,24 @@ func FuzzCheckHistory(f *testing.F) {
 			t.Fatalf("linearizable history with %d lost writes: %v", v.Lost, v.LostDetails)
 		}
 	})
+}
+
+func TestCheckHistoryVisualize(t *testing.T) {
+	t0 := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+	ops := []Op{
+		{Session: "bad", Kind: opWrite, Worker: "d0", Call: t0, Return: t0.Add(10 * time.Millisecond)},
+		{Session: "bad", Kind: opRead, Worker: "", Call: t0.Add(20 * time.Millisecond), Return: t0.Add(30 * time.Millisecond)},
+		{Session: "good", Kind: opSeed, Worker: "d1", Call: t0, Return: t0.Add(10 * time.Millisecond)},
+	}
+	dir := t.TempDir()
+	v := CheckHistoryVisualize(ops, 5*time.Second, dir)
+	if len(v.Illegal) != 1 || v.Illegal[0] != "bad" {
+		t.Fatalf("illegal %v", v.Illegal)
+	}
+	if st, err := os.Stat(filepath.Join(dir, "bad.html")); err != nil || st.Size() == 0 {
+		t.Fatalf("no visualization of the illegal session: %v", err)
+	}
+	if _, err := os.Stat(filepath.Join(dir, "good.html")); err == nil {
+		t.Fatal("a visualization of a linearizable session")
+	}
 }

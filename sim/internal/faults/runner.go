@@ -305,7 +305,8 @@ func (r *Runner) Run(ctx context.Context, sc Scenario) (Outcome, error) {
 	if carried > 0 {
 		st.Note("%d sessions still duplicated from an earlier scenario (not counted again)", carried)
 	}
-	v := CheckHistory(ops, 20*time.Second)
+	visDir := filepath.Join(r.h.cfg.WorkDir, "linearizability-"+sc.Name)
+	v := CheckHistoryVisualize(ops, 20*time.Second, visDir)
 	out.Lost, out.Illegal, out.Unknown, out.Writes, out.Ops = v.Lost, len(v.Illegal), len(v.Unknown), v.Writes, v.Ops
 	if len(v.Illegal) > 0 && v.Lost == 0 {
 		// Not linearizable although no single write was contradicted cleanly: count each such
@@ -320,7 +321,7 @@ func (r *Runner) Run(ctx context.Context, sc Scenario) (Outcome, error) {
 		st.Note("lost: %s", d)
 	}
 	if len(v.Illegal) > 0 {
-		st.Note("not linearizable: %s", strings.Join(first(v.Illegal, 6), ","))
+		st.Note("not linearizable: %s (porcupine's view of each: %s/<session>.html)", strings.Join(first(v.Illegal, 6), ","), visDir)
 	}
 	out.Notes = st.notes
 	out.Passed = out.Recovered && out.Failed == 0 && out.Lost == 0 && out.Duplicated == 0 && out.Illegal == 0 && out.CheckFailed == ""
