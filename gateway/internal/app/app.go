@@ -82,6 +82,16 @@ func Run(ctx context.Context, cfg *config.Config, logOut io.Writer) error {
 	if err := errors.Join(tlsx.RegisterMetrics(reg, "grpc", cpTLS), tlsx.RegisterMetrics(reg, "https", httpTLS)); err != nil {
 		return err
 	}
+	stopTracing, err := obs.SetupTracing(ctx, obs.Tracing{Service: "kvc-gateway", OTLPEndpoint: cfg.OTLPEndpoint,
+		OTLPInsecure: cfg.OTLPInsecure, SampleRatio: cfg.TraceSampleRatio})
+	if err != nil {
+		return err
+	}
+	defer func() {
+		sctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		_ = stopTracing(sctx)
+		cancel()
+	}()
 
 	conv := func(ws []config.Worker) []workers.Worker {
 		out := make([]workers.Worker, 0, len(ws))

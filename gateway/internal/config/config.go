@@ -29,14 +29,18 @@ type Config struct {
 	AdminAddr string
 	// ShutdownGrace bounds the wait for in-flight requests (streams) at a stop; ShutdownDelay
 	// keeps accepting that long after /readyz turned not ready.
-	ShutdownGrace  time.Duration
-	ShutdownDelay  time.Duration
-	ReadyFile      string
-	ControlPlanes  []string
-	RequestTimeout time.Duration
-	RouteTimeout   time.Duration
-	ConnectTimeout time.Duration
-	WorkerRefresh  time.Duration
+	ShutdownGrace time.Duration
+	ShutdownDelay time.Duration
+	// Tracing: OTLP/gRPC collector (empty: none), plaintext to it, sample ratio of new traces.
+	OTLPEndpoint     string
+	OTLPInsecure     bool
+	TraceSampleRatio float64
+	ReadyFile        string
+	ControlPlanes    []string
+	RequestTimeout   time.Duration
+	RouteTimeout     time.Duration
+	ConnectTimeout   time.Duration
+	WorkerRefresh    time.Duration
 	// SessionTimeout is the idle timeout of the streaming sessions opened on decode workers.
 	SessionTimeout time.Duration
 	PrefillURLs    []Worker
@@ -83,6 +87,9 @@ func Parse(args []string, getenv func(string) string, usage io.Writer) (*Config,
 	fs.StringVar(&c.AdminAddr, "admin-addr", "", "listen address of /metrics, /healthz and /readyz apart from the client API (plain HTTP; keep it off the clients' network); empty: served on --http-addr as well")
 	fs.DurationVar(&c.ShutdownGrace, "shutdown-grace", 30*time.Second, "on SIGTERM: /readyz turns not ready, new connections are refused after --shutdown-delay, requests in flight (streams) get this long to finish, the rest are cut")
 	fs.DurationVar(&c.ShutdownDelay, "shutdown-delay", 0, "on SIGTERM: keep accepting this long after /readyz turned not ready (a load balancer's probe interval), then close the listener")
+	fs.StringVar(&c.OTLPEndpoint, "otlp-endpoint", "", "OpenTelemetry traces: OTLP/gRPC collector host:port (empty: no export; trace ids are still made and sent to workers as traceparent)")
+	fs.BoolVar(&c.OTLPInsecure, "otlp-insecure", false, "send traces to --otlp-endpoint without TLS")
+	fs.Float64Var(&c.TraceSampleRatio, "trace-sample-ratio", 1, "fraction of new traces sampled, in (0, 1] (a client's sampled traceparent is followed)")
 	fs.StringVar(&c.ReadyFile, "ready-file", "", "write a JSON ready file here once serving")
 	fs.StringVar(&cps, "control-plane", "", "comma list of control plane gRPC addresses (empty: always fail-open)")
 	fs.DurationVar(&c.RequestTimeout, "request-timeout", 180*time.Second, "timeout of one client request, end to end")
@@ -135,6 +142,9 @@ func (c *Config) validate() error {
 	}
 	if c.AdminAddr != "" && c.AdminAddr == c.HTTPAddr && !strings.HasSuffix(c.AdminAddr, ":0") {
 		errs = append(errs, fmt.Errorf("--admin-addr %s must differ from --http-addr", c.AdminAddr))
+	}
+	if c.TraceSampleRatio <= 0 || c.TraceSampleRatio > 1 {
+		errs = append(errs, fmt.Errorf("--trace-sample-ratio %v must be in (0, 1]", c.TraceSampleRatio))
 	}
 	if c.ShutdownGrace <= 0 || c.ShutdownDelay < 0 {
 		errs = append(errs, fmt.Errorf("--shutdown-grace (%v) must be positive and --shutdown-delay (%v) not negative", c.ShutdownGrace, c.ShutdownDelay))

@@ -74,7 +74,7 @@ func New(router Router, pool Picker, opt Options, log zerolog.Logger, m *Metrics
 		IdleConnTimeout:     90 * time.Second,
 		DisableCompression:  true,
 	}
-	return &Server{router: router, pool: pool, opt: opt, log: log, m: m, hc: &http.Client{Transport: tr}}
+	return &Server{router: router, pool: pool, opt: opt, log: log, m: m, hc: &http.Client{Transport: traceTransport{tr}}} // trace.go
 }
 
 // Close waits for background session calls (each bounded by the connect timeout) and releases
@@ -99,7 +99,7 @@ func (s *Server) Register(mux *http.ServeMux) {
 // middleware wraps every client route before the request is read (admission limits go here,
 // outermost last).
 func (s *Server) middleware(h http.Handler) http.Handler {
-	return s.opt.Admission.Wrap(h)
+	return traced(s.opt.Admission.Wrap(h)) // trace.go: a span per client request
 }
 
 // plan is one decision to carry out: the control plane's, or the gateway's own fail-open one.

@@ -1,0 +1,129 @@
+package server
+
+import (
+	"net/http"
+	"strconv"
+
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
+)
+
+// Tracing of client requests (OpenTelemetry, the global TracerProvider that obs.SetupTracing
+// installs; a no-op one without it):
+//
+//   - traced: one server span per client request, "kvc-gateway <METHOD> <path>", child of the
+//     client's own W3C traceparent when it sends one. When the answer starts, the span takes
+//     the decision the gateway carried out from its X-KVC-* headers (kvc.decision_id, kvc.mode,
+//     kvc.reason, kvc.decode_worker, kvc.fail_open, kvc.retries, kvc.error_kind) and the HTTP
+//     status; the response carries X-KVC-Trace-Id for correlation.
+//   - traceTransport: one client span per call to a worker, and the W3C traceparent header on
+//     the request, so a worker (SGLang, kvc-sim) can continue the trace.
+//
+// The Route stream to the control plane is one long-lived gRPC stream, so the request's trace
+// does not travel on it (gRPC metadata is per stream); the decision id attribute joins the
+// request's trace to the control plane's decision.
+
+const tracerName = "github.com/kvcentric/kvcentric/gateway"
+
+// w3c is the W3C Trace Context propagator, used whatever global propagator is installed.
+var w3c = propagation.TraceContext{}
+
+func traced(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		ctx := w3c.Extract(r.Context(), propagation.HeaderCarrier(r.Header))
+		ctx, span := otel.Tracer(tracerName).Start(ctx, "kvc-gateway "+r.Method+" "+r.URL.Path, trace.WithSpanKind(trace.SpanKindServer),
+			trace.WithAttributes(attribute.String("http.request.method", r.Method), attribute.String("url.path", r.URL.Path)))
+		defer span.End()
+		if sid := r.Header.Get("X-Session-ID"); sid != "" {
+			span.SetAttributes(attribute.String("kvc.session_id", sid))
+		}
+		if sc := span.SpanContext(); sc.HasTraceID() {
+			w.Header().Set("X-KVC-Trace-Id", sc.TraceID().String())
+		}
+		tw := &traceWriter{ResponseWriter: w, span: span}
+		next.ServeHTTP(tw, r.WithContext(ctx))
+		tw.record(http.StatusOK)
+	})
+}
+
+// traceWriter records the answer's status and decision headers on the span when the header
+// is written (before a stream's first byte).
+type traceWriter struct {
+	http.ResponseWriter
+	span trace.Span
+	done bool
+}
+
+func (t *traceWriter) WriteHeader(code int) {
+	t.record(code)
+	t.ResponseWriter.WriteHeader(code)
+}
+
+func (t *traceWriter) Write(b []byte) (int, error) {
+	t.record(http.StatusOK)
+	return t.ResponseWriter.Write(b)
+}
+
+// Flush keeps streaming answers flushable through the wrapper.
+func (t *traceWriter) Flush() {
+	if f, ok := t.ResponseWriter.(http.Flusher); ok {
+		t.record(http.StatusOK)
+		f.Flush()
+	}
+}
+
+// Unwrap lets http.ResponseController reach the connection's own writer.
+func (t *traceWriter) Unwrap() http.ResponseWriter { return t.ResponseWriter }
+
+var traceHeaders = []struct{ header, attr string }{
+	{"X-KVC-Decision-Id", "kvc.decision_id"},
+	{"X-KVC-Mode", "kvc.mode"},
+	{"X-KVC-Reason", "kvc.reason"},
+	{"X-KVC-Decode-Worker", "kvc.decode_worker"},
+	{"X-KVC-Fail-Open", "kvc.fail_open"},
+	{"X-KVC-Retries", "kvc.retries"},
+	{"X-KVC-Error-Kind", "kvc.error_kind"},
+}
+
+func (t *traceWriter) record(code int) {
+	if t.done {
+		return
+	}
+	t.done = true
+	h := t.ResponseWriter.Header()
+	attrs := []attribute.KeyValue{attribute.Int("http.response.status_code", code)}
+	for _, th := range traceHeaders {
+		if v := h.Get(th.header); v != "" {
+			attrs = append(attrs, attribute.String(th.attr, v))
+		}
+	}
+	t.span.SetAttributes(attrs...)
+	if code >= 500 {
+		t.span.SetStatus(codes.Error, strconv.Itoa(code))
+	}
+}
+
+// traceTransport adds a client span and the traceparent header to every call to a worker.
+type traceTransport struct{ base http.RoundTripper }
+
+func (t traceTransport) RoundTrip(r *http.Request) (*http.Response, error) {
+	ctx, span := otel.Tracer(tracerName).Start(r.Context(), "worker "+r.Method+" "+r.URL.Path, trace.WithSpanKind(trace.SpanKindClient),
+		trace.WithAttributes(attribute.String("server.address", r.URL.Host), attribute.String("url.path", r.URL.Path)))
+	r = r.Clone(ctx) // a RoundTripper must not modify the caller's request
+	w3c.Inject(ctx, propagation.HeaderCarrier(r.Header))
+	resp, err := t.base.RoundTrip(r)
+	if err != nil {
+		span.SetStatus(codes.Error, err.Error())
+		span.End()
+		return nil, err
+	}
+	span.SetAttributes(attribute.Int("http.response.status_code", resp.StatusCode))
+	if resp.StatusCode >= 500 {
+		span.SetStatus(codes.Error, strconv.Itoa(resp.StatusCode))
+	}
+	span.End() // at the answer's header: a stream's body is the server span's time
+	return resp, nil
+}

@@ -1,0 +1,124 @@
+package server
+
+import (
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+	"go.opentelemetry.io/otel/trace"
+
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+func recordSpans(t *testing.T) *tracetest.SpanRecorder {
+	rec := tracetest.NewSpanRecorder()
+	prev := otel.GetTracerProvider()
+	otel.SetTracerProvider(sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec)))
+	t.Cleanup(func() { otel.SetTracerProvider(prev) })
+	return rec
+}
+
+func attr(s sdktrace.ReadOnlySpan, key string) string {
+	for _, a := range s.Attributes() {
+		if a.Key == attribute.Key(key) {
+			return a.Value.Emit()
+		}
+	}
+	return ""
+}
+
+// TestRequestTrace: a client request that sends its own traceparent is one trace: the
+// gateway's server span continues it, carries the decision it executed (decision id, mode,
+// decode worker), and each call to a worker is a client span in the same trace; the answer
+// names the trace in X-KVC-Trace-Id.
+func TestRequestTrace(t *testing.T) {
+	rec := recordSpans(t)
+	e := setup(t, decideMode(kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT), nil, nil, 0)
+	const traceID, parentID = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+	req, _ := http.NewRequest(http.MethodPost, e.gw.URL+"/generate", strings.NewReader(`{"text":"hi","stream":true}`))
+	req.Header.Set("X-Session-ID", "s-trace")
+	req.Header.Set("traceparent", "00-"+traceID+"-"+parentID+"-01")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 200 || !strings.Contains(string(body), "[DONE]") {
+		t.Fatalf("%d %s", resp.StatusCode, body)
+	}
+	if got := resp.Header.Get("X-KVC-Trace-Id"); got != traceID {
+		t.Fatalf("X-KVC-Trace-Id %q, want %s", got, traceID)
+	}
+	var server sdktrace.ReadOnlySpan
+	var workers []sdktrace.ReadOnlySpan
+	for _, s := range rec.Ended() {
+		switch {
+		case s.SpanKind() == trace.SpanKindServer:
+			server = s
+		case s.SpanKind() == trace.SpanKindClient && strings.HasPrefix(s.Name(), "worker "):
+			workers = append(workers, s)
+		}
+	}
+	if server == nil || len(workers) == 0 {
+		t.Fatalf("spans: server %v, worker calls %d", server != nil, len(workers))
+	}
+	if server.SpanContext().TraceID().String() != traceID || server.Parent().SpanID().String() != parentID || !server.Parent().IsRemote() {
+		t.Fatalf("server span %v parent %v", server.SpanContext(), server.Parent())
+	}
+	if got, want := attr(server, "kvc.decision_id"), resp.Header.Get("X-KVC-Decision-Id"); got == "" || got != want {
+		t.Fatalf("kvc.decision_id %q, answer's X-KVC-Decision-Id %q", got, want)
+	}
+	if attr(server, "kvc.mode") != resp.Header.Get("X-KVC-Mode") || attr(server, "kvc.decode_worker") != "d0" ||
+		attr(server, "kvc.session_id") != "s-trace" || attr(server, "http.response.status_code") != "200" {
+		t.Fatalf("server span attributes %v", server.Attributes())
+	}
+	for _, w := range workers {
+		if w.SpanContext().TraceID().String() != traceID || w.Parent().SpanID() != server.SpanContext().SpanID() {
+			t.Fatalf("worker call %s not a child of the request span", w.Name())
+		}
+	}
+}
+
+// TestWorkerCallCarriesTraceparent: the transport sends the trace to the worker as a W3C
+// traceparent header naming its client span, without changing the caller's request.
+func TestWorkerCallCarriesTraceparent(t *testing.T) {
+	rec := recordSpans(t)
+	got := make(chan string, 1)
+	w := httptest.NewServer(http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
+		got <- r.Header.Get("traceparent")
+		rw.WriteHeader(503)
+	}))
+	defer w.Close()
+	ctx, span := otel.Tracer("test").Start(t.Context(), "request")
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, w.URL+"/generate", nil)
+	resp, err := (&http.Client{Transport: traceTransport{http.DefaultTransport}}).Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	span.End()
+	tp := <-got
+	if req.Header.Get("traceparent") != "" {
+		t.Fatal("caller's request modified")
+	}
+	var call sdktrace.ReadOnlySpan
+	for _, s := range rec.Ended() {
+		if s.SpanKind() == trace.SpanKindClient {
+			call = s
+		}
+	}
+	if call == nil {
+		t.Fatal("no client span")
+	}
+	want := "00-" + span.SpanContext().TraceID().String() + "-" + call.SpanContext().SpanID().String() + "-01"
+	if tp != want || attr(call, "http.response.status_code") != "503" || call.Status().Code.String() != "Error" {
+		t.Fatalf("traceparent %q, want %q; span %v %v", tp, want, call.Attributes(), call.Status())
+	}
+}
