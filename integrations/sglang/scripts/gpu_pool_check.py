@@ -30,15 +30,21 @@ from kvcentric_sglang.bridge import TRANSFER_SEED, WorkerBridge  # noqa: E402
 
 
 class Pool:
-    """SGLang's MHATokenToKVPool buffers (_create_buffers_normal with equal K/V shapes)."""
+    """SGLang's MHATokenToKVPool buffers (_create_buffers_normal with equal K/V shapes), or with
+    mla=True MLATokenToKVPool's (one (rows, 1, kv_lora_rank + rope) buffer per layer)."""
 
-    def __init__(self, size, page, heads, dim, layers, dev):
-        self.page = page
+    def __init__(self, size, page, heads, dim, layers, dev, mla=False):
+        self.page, self.mla = page, mla
         rows = size + page
-        self.fused = [torch.zeros((2, rows, heads, dim), dtype=torch.bfloat16, device=dev) for _ in range(layers)]
-        self.k = [f[0] for f in self.fused]
-        self.v = [f[1] for f in self.fused]
-        self.item = page * heads * dim * 2
+        if mla:
+            self.fused = [torch.zeros((rows, 1, 576), dtype=torch.bfloat16, device=dev) for _ in range(layers)]
+            self.k, self.v = list(self.fused), []
+            self.item = page * 576 * 2
+        else:
+            self.fused = [torch.zeros((2, rows, heads, dim), dtype=torch.bfloat16, device=dev) for _ in range(layers)]
+            self.k = [f[0] for f in self.fused]
+            self.v = [f[1] for f in self.fused]
+            self.item = page * heads * dim * 2
 
     def buf_infos(self):
         ts = self.k + self.v
@@ -75,21 +81,23 @@ def main():
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--page", type=int, default=16)
     ap.add_argument("--device", type=int, default=0)
+    ap.add_argument("--mla", action="store_true", help="MLA pools (one KV_KIND_COMBINED buffer per layer, 576 dims)")
     a = ap.parse_args()
     bindir = os.environ.get("KVC_BIN_DIR", "bin")
     dev = torch.device("cuda", a.device)
     torch.cuda.set_device(dev)
     size = (a.tokens // a.page + 64) * a.page
-    P = Pool(size, a.page, a.heads, a.dim, a.layers, dev)
-    D = Pool(size, a.page, a.heads, a.dim, a.layers, dev)
-    out = {"tokens": a.tokens, "layers": a.layers, "bytes_per_token": a.layers * 2 * a.heads * a.dim * 2}
+    P = Pool(size, a.page, a.heads, a.dim, a.layers, dev, a.mla)
+    D = Pool(size, a.page, a.heads, a.dim, a.layers, dev, a.mla)
+    bpt = a.layers * 576 * 2 if a.mla else a.layers * 2 * a.heads * a.dim * 2
+    out = {"tokens": a.tokens, "layers": a.layers, "mla": a.mla, "bytes_per_token": bpt}
     regs = []
     for pool in (P, D):
         ptrs, lens, items = pool.buf_infos()
         reg = kvpool.buf_infos_to_register(ptrs, lens, items, a.page, device="cuda:%d" % a.device,
-                                           aux_item_lens=[64, 64])
+                                           aux_item_lens=[64, 64], layout="mla" if a.mla else "mha")
         # K_l and V_l are halves of one allocation: same handle, offsets one span apart
-        for l in range(a.layers):
+        for l in range(0 if a.mla else a.layers):
             k, v = reg.buffers[2 * l], reg.buffers[2 * l + 1]
             assert k.cuda_ipc_handle == v.cuda_ipc_handle, "K/V of layer %d in different allocations" % l
             assert v.cuda_offset - k.cuda_offset == lens[0], (v.cuda_offset, k.cuda_offset, lens[0])
