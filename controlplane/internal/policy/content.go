@@ -35,6 +35,21 @@ type SnapshotContent struct {
 	Chain *pagehash.Sparse
 }
 
+// TailTokens is how many tokens at the end of a session the compact chain keeps every page
+// hash of (pagehash.Sparse's tail), so the common prefix is exact for divergences that recent:
+// the previous answer and its reasoning (the chat-turn seam, stripped reasoning), a rewritten
+// last tool result. Earlier divergences round down to a multiple of pagehash.DefaultStride pages.
+const TailTokens = 2048
+
+// SparseTail is the Sparse tail, in pages, for a page size: TailTokens worth, at least
+// pagehash.DefaultTail pages.
+func SparseTail(pageSize int64) int {
+	if pageSize <= 0 {
+		return pagehash.DefaultTail
+	}
+	return max(pagehash.DefaultTail, int(TailTokens/pageSize))
+}
+
 // known reports whether the decision is on content.
 func (ct *Content) known() bool { return ct != nil && ct.PageSize > 0 }
 

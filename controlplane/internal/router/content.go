@@ -108,7 +108,7 @@ func (cs *contentStore) record(session, decode string, pageSize int64, prompt, e
 	if len(chain) == len(prompt) {
 		chain = append(chain, extra[:min(len(extra), full-len(chain))]...)
 	}
-	sp, err := pagehash.NewSparse(pagehash.DefaultTail, pagehash.DefaultStride)
+	sp, err := pagehash.NewSparse(policy.SparseTail(pageSize), pagehash.DefaultStride)
 	if err != nil {
 		return
 	}
