@@ -110,6 +110,9 @@ func Replay(ctx context.Context, baseURL string, w *workload.Workload, opt Optio
 					ids = s.ContextIDs(hist, i, opt.IDVocab)
 				}
 				r, out := send(ctx, hc, baseURL, s.ID, i, len(s.Turns) > 1, t, ids, opt)
+				if t.Edit != nil {
+					r.Edit = t.Edit.Kind
+				}
 				if opt.SendIDs {
 					hist = append(ids, out...)
 				}
@@ -189,6 +192,7 @@ type workerKVC struct {
 	MaxAbsKVDiff        float64 `json:"max_abs_kv_diff"`
 	PrefillMS           float64 `json:"prefill_ms"`
 	ReceiveWaitMS       float64 `json:"receive_wait_ms"`
+	TruncatedTo         int64   `json:"truncated_to"`
 }
 
 type streamChunk struct {
@@ -294,6 +298,7 @@ func send(ctx context.Context, hc *http.Client, baseURL, session string, turn in
 					r.RecomputeChecked, r.RecomputeMismatches, r.MaxAbsLogitDiff = k.RecomputeChecked, k.RecomputeMismatches, k.MaxAbsLogitDiff
 					r.MaxAbsKVDiff = k.MaxAbsKVDiff
 					r.WorkerPrefillMS, r.ReceiveWaitMS = k.PrefillMS, k.ReceiveWaitMS
+					r.TruncatedTo = max(r.TruncatedTo, k.TruncatedTo)
 				}
 			}
 		}

@@ -46,6 +46,11 @@ type Record struct {
 	// transfer's end, in ms (refworker: real compute; kvc-sim: modeled).
 	WorkerPrefillMS float64 `json:"worker_prefill_ms,omitempty"`
 	ReceiveWaitMS   float64 `json:"receive_wait_ms,omitempty"`
+
+	// Issue 13: the workload's history edit before this turn (its kind; "" = none), and the
+	// token from which the decode worker rewrote the session it held (meta_info.kvc.truncated_to).
+	Edit        string `json:"edit,omitempty"`
+	TruncatedTo int64  `json:"truncated_to,omitempty"`
 }
 
 // Reseed reports whether the request was a reseed (via snapshot or re-prefill).

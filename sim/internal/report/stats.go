@@ -54,6 +54,12 @@ type Arm struct {
 	// RecomputeChecked and RecomputeMismatches total the modes' (kvc-refworker, report.md only).
 	RecomputeChecked    int
 	RecomputeMismatches int64
+	// Edited-history turns (report.md only): how many, how they were decided (reason), the
+	// requests whose decode worker rewrote the session it held, and verify failures on them.
+	Edited               int
+	EditedReasons        map[string]int
+	Rewrites             int
+	EditedVerifyFailures int64
 }
 
 // Percentile is the nearest-rank percentile (q in [0,1]) of sorted values; 0 when empty.
@@ -75,7 +81,7 @@ func Compute(name string, recs []Record, div float64) *Arm {
 	if !(div > 0) {
 		div = 1
 	}
-	a := &Arm{Name: name, Modes: map[string]*ModeStats{}, Reasons: map[string]int{}, ErrorKinds: map[string]int{}}
+	a := &Arm{Name: name, Modes: map[string]*ModeStats{}, Reasons: map[string]int{}, ErrorKinds: map[string]int{}, EditedReasons: map[string]int{}}
 	var lat, reseedTTFT []float64
 	var snap, reseed int
 	uncached := map[string]int64{}
@@ -106,6 +112,14 @@ func Compute(name string, recs []Record, div float64) *Arm {
 		uncached[mode] += r.UncachedTokens
 		if r.Reason != "" {
 			a.Reasons[r.Reason]++
+		}
+		if r.Edit != "" {
+			a.Edited++
+			a.EditedReasons[r.Reason]++
+			a.EditedVerifyFailures += r.VerifyFailures
+		}
+		if r.TruncatedTo > 0 {
+			a.Rewrites++
 		}
 		if r.FailOpen {
 			a.FailOpen++

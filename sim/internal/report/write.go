@@ -214,6 +214,26 @@ func Markdown(meta Meta, arms []*Arm) string {
 		}
 	}
 	p("")
+	edited := false
+	for _, a := range arms {
+		edited = edited || a.Edited > 0 || a.Rewrites > 0
+	}
+	if edited {
+		p("## Edited history (content-checked continuity)")
+		p("")
+		p("| arm | edited-history turns | decided as (reason) | sessions rewritten on D (truncated_to) | verify failures on edited turns |")
+		p("|---|---:|---|---:|---:|")
+		for _, a := range arms {
+			var rs []string
+			for _, r := range sortedCounts(a.EditedReasons) {
+				rs = append(rs, fmt.Sprintf("%s %d", r, a.EditedReasons[r]))
+			}
+			p("| %s | %d | %s | %d | %d |", a.Name, a.Edited, strings.Join(rs, ", "), a.Rewrites, a.EditedVerifyFailures)
+		}
+		p("")
+		p("An edited turn's prompt is not its resident KV plus an append: the control plane reuses KV only up to the common prefix of page hashes (PREFIX_TRUNCATED: cut on D; PREFIX_MISMATCH: reseed), and the decode worker cuts a divergence inside its partial last page itself (counted in the rewrites).")
+		p("")
+	}
 	p("## Work")
 	p("")
 	p("| arm | tokens prefilled on P (whole inputs) | tokens append-prefilled on D | real KV bytes moved | real KV bytes verified |")

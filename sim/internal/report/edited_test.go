@@ -1,0 +1,28 @@
+package report
+
+import (
+	"strings"
+	"testing"
+)
+
+// TestEditedHistorySection: edited turns are counted with the reasons they were decided by,
+// rewrites on D and verify failures, and the report shows them.
+func TestEditedHistorySection(t *testing.T) {
+	recs := []Record{
+		{Mode: "DIRECT_TO_D", Reason: "SESSION_RESIDENT", OK: true},
+		{Mode: "DIRECT_TO_D", Reason: "PREFIX_TRUNCATED", OK: true, Edit: "strip_reasoning", TruncatedTo: 1024},
+		{Mode: "RESEED_PREFILL", Reason: "PREFIX_MISMATCH", OK: true, Edit: "compaction"},
+		{Mode: "DIRECT_TO_D", Reason: "SESSION_RESIDENT", OK: true, Edit: "strip_reasoning", TruncatedTo: 1000},
+	}
+	a := Compute("E4", recs, 1)
+	if a.Edited != 3 || a.Rewrites != 2 || a.EditedReasons["PREFIX_TRUNCATED"] != 1 || a.EditedReasons["PREFIX_MISMATCH"] != 1 {
+		t.Fatalf("edited %d rewrites %d reasons %v", a.Edited, a.Rewrites, a.EditedReasons)
+	}
+	md := Markdown(Meta{}, []*Arm{a})
+	if !strings.Contains(md, "## Edited history") || !strings.Contains(md, "| E4 | 3 | PREFIX_MISMATCH 1, PREFIX_TRUNCATED 1, SESSION_RESIDENT 1 | 2 | 0 |") {
+		t.Fatalf("report lacks the edited-history table:\n%s", md)
+	}
+	if strings.Contains(Markdown(Meta{}, []*Arm{Compute("E1", recs[:1], 1)}), "## Edited history") {
+		t.Fatal("an arm without edits shows the section")
+	}
+}
