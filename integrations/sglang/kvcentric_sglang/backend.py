@@ -151,6 +151,7 @@ class KvcKVSender(BaseKVSender):
         self.aux_index: Optional[int] = None
         self._sent_pages = 0
         self._sent_tokens = 0
+        self._last_queued = False
         self._q: "queue.Queue" = queue.Queue()
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
@@ -182,10 +183,17 @@ class KvcKVSender(BaseKVSender):
         if self._early_send_wait_event is not None:
             self._early_send_wait_event.synchronize()
         pages = [int(x) for x in np.asarray(kv_indices).reshape(-1)]
+        if self._last_queued:
+            # As Mooncake's sender, the chunk that reaches num_kv_indices pages is the last; a
+            # later empty "last chunk" call has nothing left to send.
+            if pages:
+                self._fail("room %d: %d pages sent after the last chunk" % (self.bootstrap_room, len(pages)))
+            return
         first = self._sent_pages
         self._sent_pages += len(pages)
         self._sent_tokens += int(num_kv_tokens) if num_kv_tokens is not None else len(pages) * self.kv_mgr.registration.page_size
         last = self.num_pages > 0 and self._sent_pages >= self.num_pages
+        self._last_queued = last
         aux: List[bytes] = []
         if last and self.kv_mgr.aux_ptrs and self.aux_index is not None:
             # set_buf(req) ran before the last send; the row is reused once the request leaves,
