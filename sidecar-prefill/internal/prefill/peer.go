@@ -18,15 +18,6 @@ import (
 // maxEndpoint bounds ReserveSnapshotRequest.source_transfer_endpoint (a host:port or unix path).
 const maxEndpoint = 1024
 
-type ingest struct {
-	session string
-	gen     uint64
-	base    int64
-	tokens  int64
-	source  string
-	started time.Time
-}
-
 func (s *Sidecar) storeAndArena() (*store.Store, *agent.Pool, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -69,12 +60,8 @@ func (s *Sidecar) ReserveSnapshot(ctx context.Context, req *kvcv1.ReserveSnapsho
 			BaseLen: req.GetBaseLen(), Tokens: req.GetTokens(), Peer: req.GetSourceWorkerId(), Reason: err.Error()})
 		return nil, err
 	}
-	s.mu.Lock()
-	if s.ingests == nil {
-		s.ingests = map[uint64]ingest{}
-	}
-	s.ingests[res.ID] = ingest{session: req.GetSessionId(), gen: req.GetGeneration(), base: req.GetBaseLen(), tokens: req.GetTokens(), source: req.GetSourceWorkerId(), started: time.Now()}
-	s.mu.Unlock()
+	// The store's reservation is the only record of this ingest (store.Ingest): commit, abort
+	// and expiry end it there.
 	return &kvcv1.ReserveSnapshotResponse{IngestId: res.ID, StoreLayout: arena.Layout(), Pages: res.Pages, StoreTransferEndpoint: s.eng.SegmentName(),
 		CreditPages: res.Credit.Pages, CreditId: res.Credit.ID}, nil
 }
@@ -92,22 +79,19 @@ func (s *Sidecar) checkPeerTP(ctx context.Context) error {
 
 // checkIngestCaller refuses a commit or abort of ingest id from a caller whose certificate
 // does not name the worker that reserved it (TLS only; unknown ingests are the store's to refuse).
-func (s *Sidecar) checkIngestCaller(ctx context.Context, id uint64) error {
-	s.mu.Lock()
-	in, ok := s.ingests[id]
-	s.mu.Unlock()
+func (s *Sidecar) checkIngestCaller(ctx context.Context, st *store.Store, id uint64) error {
+	in, ok := st.Ingest(id)
 	if !ok {
 		return nil
 	}
-	return tlsx.PeerAllowsWorker(ctx, in.source)
+	return tlsx.PeerAllowsWorker(ctx, in.Source)
 }
 
-func (s *Sidecar) takeIngest(id uint64) (ingest, bool) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	in, ok := s.ingests[id]
-	delete(s.ingests, id)
-	return in, ok
+// onExpire reports a reservation the store freed because it was neither committed nor aborted
+// in time (the pusher died or hung); the store's table was its only record.
+func (s *Sidecar) onExpire(in store.Ingest) {
+	s.ev.Emit(agent.Event{Event: agent.EvRecvRejected, Session: in.Session, Generation: in.Generation, BaseLen: in.BaseLen,
+		Tokens: in.Tokens, Peer: in.Source, Reason: fmt.Sprintf("expired: ingest %d not committed within %s", in.ID, in.Deadline.Sub(in.Started))})
 }
 
 // readyWaiter is an engine that can wait for another process's ready event
@@ -127,7 +111,7 @@ func (s *Sidecar) CommitSnapshot(ctx context.Context, req *kvcv1.CommitSnapshotR
 	if err != nil {
 		return nil, err
 	}
-	if err := s.checkIngestCaller(ctx, req.GetIngestId()); err != nil {
+	if err := s.checkIngestCaller(ctx, st, req.GetIngestId()); err != nil {
 		return nil, err
 	}
 	if ev := req.GetReadyEvent(); len(ev) > 0 {
@@ -142,23 +126,22 @@ func (s *Sidecar) CommitSnapshot(ctx context.Context, req *kvcv1.CommitSnapshotR
 		err := w.WaitReady(wctx, ev)
 		cancel()
 		if err != nil {
-			in, _ := s.takeIngest(req.GetIngestId())
-			if aerr := st.Abort(req.GetIngestId()); aerr != nil {
+			in, aerr := st.AbortIngest(req.GetIngestId())
+			if aerr != nil {
 				s.log.Warn().Err(aerr).Uint64("ingest", req.GetIngestId()).Msg("abort ingest after a failed ready event")
 			}
-			s.ev.Emit(agent.Event{Event: agent.EvRecvRejected, Session: in.session, Generation: in.gen, BaseLen: in.base,
-				Tokens: in.tokens, Peer: in.source, Reason: "ready event: " + err.Error()})
+			s.ev.Emit(agent.Event{Event: agent.EvRecvRejected, Session: in.Session, Generation: in.Generation, BaseLen: in.BaseLen,
+				Tokens: in.Tokens, Peer: in.Source, Reason: "ready event: " + err.Error()})
 			return nil, status.Errorf(codes.Aborted, "ingest %d aborted: waiting for the ready event: %v", req.GetIngestId(), err)
 		}
 	}
-	in, _ := s.takeIngest(req.GetIngestId())
-	v, err := st.Commit(req.GetIngestId())
+	v, in, err := st.CommitIngest(req.GetIngestId())
 	if err != nil {
 		return nil, err
 	}
-	bytes := in.tokens * arena.BytesPerToken()
-	s.ev.Emit(agent.Event{Event: agent.EvRecvIngested, Session: v.Session, Generation: v.Generation, BaseLen: in.base,
-		Tokens: in.tokens, Seqlen: v.Seqlen, Bytes: bytes, Peer: v.Source, DurationMs: agent.Ms(time.Since(in.started))})
+	bytes := in.Tokens * arena.BytesPerToken()
+	s.ev.Emit(agent.Event{Event: agent.EvRecvIngested, Session: v.Session, Generation: v.Generation, BaseLen: in.BaseLen,
+		Tokens: in.Tokens, Seqlen: v.Seqlen, Bytes: bytes, Peer: v.Source, DurationMs: agent.Ms(s.now().Sub(in.Started))})
 	s.rep.Report(&kvcv1.SessionEvent{SessionId: v.Session, Kind: kvcv1.SessionEventKind_SESSION_EVENT_KIND_SNAPSHOT_INGESTED,
 		KvLen: v.Seqlen, Generation: v.Generation, Bytes: v.Bytes, PeerWorker: v.Source})
 	return &kvcv1.CommitSnapshotResponse{Seqlen: v.Seqlen}, nil
@@ -170,15 +153,15 @@ func (s *Sidecar) AbortSnapshot(ctx context.Context, req *kvcv1.AbortSnapshotReq
 	if err != nil {
 		return nil, err
 	}
-	if err := s.checkIngestCaller(ctx, req.GetIngestId()); err != nil {
+	if err := s.checkIngestCaller(ctx, st, req.GetIngestId()); err != nil {
 		return nil, err
 	}
-	in, _ := s.takeIngest(req.GetIngestId())
-	if err := st.Abort(req.GetIngestId()); err != nil {
+	in, err := st.AbortIngest(req.GetIngestId())
+	if err != nil {
 		return nil, err
 	}
-	s.ev.Emit(agent.Event{Event: agent.EvRecvRejected, Session: in.session, Generation: in.gen, BaseLen: in.base,
-		Tokens: in.tokens, Peer: in.source, Reason: "aborted by sender: " + req.GetReason()})
+	s.ev.Emit(agent.Event{Event: agent.EvRecvRejected, Session: in.Session, Generation: in.Generation, BaseLen: in.BaseLen,
+		Tokens: in.Tokens, Peer: in.Source, Reason: "aborted by sender: " + req.GetReason()})
 	return &kvcv1.AbortSnapshotResponse{}, nil
 }
 

@@ -42,7 +42,11 @@ type Config struct {
 	TransferLimit time.Duration // budget of one reseed write
 	// CreditTimeout frees a decode writer's store credit left unused this long (5m).
 	CreditTimeout time.Duration
-	Version       string
+	// ReserveTimeout frees a store reservation left without commit or abort (30s).
+	ReserveTimeout time.Duration
+	// Now is the clock of the store and the expiry loop (tests; nil: time.Now).
+	Now     func() time.Time
+	Version string
 	// PeerDial are extra dial options of connections to peer sidecars (mTLS credentials).
 	PeerDial []grpc.DialOption
 }
@@ -69,7 +73,6 @@ type Sidecar struct {
 	rooms    map[int64]*room
 	finished map[int64]time.Time // rooms already served (kept RoomTimeout): a late other half is recognised
 	policy   *kvcv1.Policy
-	ingests  map[uint64]ingest
 
 	wg sync.WaitGroup // background writes
 }
@@ -106,6 +109,13 @@ func New(cfg Config, eng rdma.Engine, ev *agent.EventLog, log zerolog.Logger) *S
 		return s.pool != nil, 0
 	}, log.With().Str("part", "attach").Logger())
 	return s
+}
+
+func (s *Sidecar) now() time.Time {
+	if s.cfg.Now != nil {
+		return s.cfg.Now()
+	}
+	return time.Now()
 }
 
 // SetReporter sets where session events go (the control-plane loop).
@@ -170,7 +180,7 @@ func (s *Sidecar) Run(ctx context.Context) error {
 		case <-ctx.Done():
 			return nil
 		case <-t.C:
-			s.expire(time.Now())
+			s.expire(s.now())
 		}
 	}
 }
@@ -235,7 +245,7 @@ func (s *Sidecar) RegisterKVPool(_ context.Context, req *kvcv1.RegisterKVPoolReq
 			return nil, status.Errorf(codes.ResourceExhausted, "snapshot store of %d pages: %v", pages, err)
 		}
 		scfg := store.Config{PageSize: int64(p.PageSize), PageBytes: pageBytes, PageCount: pages, OnEvict: s.onEvict,
-			CreditTimeout: s.cfg.CreditTimeout}
+			OnExpire: s.onExpire, ReserveTimeout: s.cfg.ReserveTimeout, Now: s.cfg.Now, CreditTimeout: s.cfg.CreditTimeout}
 		// The decode sidecars WRITE into the store; an engine whose owner side sees every write
 		// (tcp) refuses, through the store's guard, every byte outside the token span of an
 		// ingest in flight. One-sided backends (cuda) copy without the owner: bounds only.

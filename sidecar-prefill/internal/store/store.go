@@ -54,6 +54,23 @@ type Reservation struct {
 	Credit Credit
 }
 
+// Ingest is an open reservation as the peer API sees it: the store's pending table is the only
+// record of an ingest in flight (the sidecar keeps none of its own), so commit, abort and expiry
+// end it in one place.
+type Ingest struct {
+	ID         uint64
+	Session    string
+	Generation uint64
+	BaseLen    int64
+	Tokens     int64
+	Source     string // the source (decode) worker id named at reserve
+	Started    time.Time
+	Deadline   time.Time // freed when not committed or aborted by then
+}
+
+// ExpireFunc is called (without the store lock) for every reservation freed by its deadline.
+type ExpireFunc func(in Ingest)
+
 type pending struct {
 	id       uint64
 	session  string
@@ -83,7 +100,9 @@ type Config struct {
 	// ReserveTimeout frees a reservation left without commit or abort (30s).
 	ReserveTimeout time.Duration
 	OnEvict        EvictFunc
-	Now            func() time.Time
+	// OnExpire is told of every reservation its deadline freed (nil: nobody).
+	OnExpire ExpireFunc
+	Now      func() time.Time
 	// Buffers, when set, are the addresses of the store's 2·layers buffers (page p of buffer b at
 	// Buffers[b] + p·PageBytes/len(Buffers)); the store then keeps a write guard over them
 	// (CheckWrite, installed as the transfer engine's rdma.WriteGuard).
@@ -194,7 +213,9 @@ func (s *Store) ReserveCredit(session string, gen uint64, base, tokens int64, so
 		return Reservation{}, status.Error(codes.InvalidArgument, "range overflows")
 	}
 	var evicted []View
+	var expired []Ingest
 	defer func() {
+		s.notifyExpired(expired)
 		for _, v := range evicted {
 			s.notify(v, ReasonCapacity)
 		}
@@ -202,7 +223,7 @@ func (s *Store) ReserveCredit(session string, gen uint64, base, tokens int64, so
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	now := s.cfg.Now()
-	s.expireLocked(now)
+	expired = s.expireLocked(now)
 	if err := s.checkCreditLocked(base, tokens, writer, cr); err != nil {
 		return Reservation{}, err
 	}
@@ -344,13 +365,21 @@ func (s *Store) freeLocked(pages []int64) {
 
 // Commit makes a reservation's tokens part of the snapshot and returns the new seqlen.
 func (s *Store) Commit(id uint64) (View, error) {
+	v, _, err := s.CommitIngest(id)
+	return v, err
+}
+
+// CommitIngest is Commit that also returns the ingest it ended (also when the commit fails
+// after the reservation was found: the reservation is gone either way).
+func (s *Store) CommitIngest(id uint64) (_ View, in Ingest, _ error) {
 	var replaced *View
 	s.mu.Lock()
 	p, ok := s.pend[id]
 	if !ok {
 		s.mu.Unlock()
-		return View{}, status.Errorf(codes.NotFound, "ingest %d unknown (expired, aborted or committed)", id)
+		return View{}, Ingest{}, status.Errorf(codes.NotFound, "ingest %d unknown (expired, aborted or committed)", id)
 	}
+	in = p.ingest()
 	delete(s.pend, id)
 	delete(s.bySess, p.session)
 	s.unguardLocked(p)
@@ -361,7 +390,7 @@ func (s *Store) Commit(id uint64) (View, error) {
 		if cur != nil && cur.Generation > p.gen {
 			s.freeLocked(p.owned)
 			s.mu.Unlock()
-			return View{}, status.Errorf(codes.FailedPrecondition, "generation %d was replaced by %d", p.gen, cur.Generation)
+			return View{}, in, status.Errorf(codes.FailedPrecondition, "generation %d was replaced by %d", p.gen, cur.Generation)
 		}
 		if cur != nil {
 			if cur.Generation != p.gen {
@@ -378,7 +407,7 @@ func (s *Store) Commit(id uint64) (View, error) {
 		if e.dead || cur != e || e.Seqlen != p.base {
 			s.freeLocked(p.owned)
 			s.mu.Unlock()
-			return View{}, status.Errorf(codes.FailedPrecondition, "snapshot of %s changed during the ingest; base_len %d no longer matches", p.session, p.base)
+			return View{}, in, status.Errorf(codes.FailedPrecondition, "snapshot of %s changed during the ingest; base_len %d no longer matches", p.session, p.base)
 		}
 		e.Pages = append(e.Pages, p.owned...)
 		s.lru.MoveToFront(e.elem)
@@ -391,19 +420,53 @@ func (s *Store) Commit(id uint64) (View, error) {
 	if replaced != nil {
 		s.notify(*replaced, ReasonReplaced)
 	}
-	return v, nil
+	return v, in, nil
 }
 
 // Abort frees a reservation; the existing snapshot stays valid for what it covers.
 func (s *Store) Abort(id uint64) error {
+	_, err := s.AbortIngest(id)
+	return err
+}
+
+// AbortIngest is Abort that also returns the ingest it ended.
+func (s *Store) AbortIngest(id uint64) (Ingest, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	p, ok := s.pend[id]
 	if !ok {
-		return status.Errorf(codes.NotFound, "ingest %d unknown", id)
+		return Ingest{}, status.Errorf(codes.NotFound, "ingest %d unknown (expired, aborted or committed)", id)
 	}
 	s.abortLocked(p)
-	return nil
+	return p.ingest(), nil
+}
+
+// Ingest returns an open reservation.
+func (s *Store) Ingest(id uint64) (Ingest, bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	p, ok := s.pend[id]
+	if !ok {
+		return Ingest{}, false
+	}
+	return p.ingest(), true
+}
+
+// Ingests returns every open reservation, by id.
+func (s *Store) Ingests() []Ingest {
+	s.mu.Lock()
+	out := make([]Ingest, 0, len(s.pend))
+	for _, p := range s.pend {
+		out = append(out, p.ingest())
+	}
+	s.mu.Unlock()
+	sort.Slice(out, func(i, j int) bool { return out[i].ID < out[j].ID })
+	return out
+}
+
+func (p *pending) ingest() Ingest {
+	return Ingest{ID: p.id, Session: p.session, Generation: p.gen, BaseLen: p.base, Tokens: p.tokens, Source: p.source,
+		Started: p.created, Deadline: p.deadline}
 }
 
 func (s *Store) abortLocked(p *pending) {
@@ -413,20 +476,38 @@ func (s *Store) abortLocked(p *pending) {
 	s.freeLocked(p.owned)
 }
 
-func (s *Store) expireLocked(now time.Time) {
+// expireLocked frees the reservations past their deadline and returns them (for OnExpire,
+// called by the caller once the lock is released).
+func (s *Store) expireLocked(now time.Time) []Ingest {
+	var out []Ingest
 	for _, p := range s.pend {
 		if now.After(p.deadline) {
 			s.abortLocked(p)
+			out = append(out, p.ingest())
 		}
 	}
 	s.expireCreditsLocked(now)
+	return out
 }
 
-// Expire frees reservations past their deadline (called periodically).
-func (s *Store) Expire() {
+// Expire frees reservations past their deadline (called periodically) and returns them; each
+// also goes to Config.OnExpire.
+func (s *Store) Expire() []Ingest {
 	s.mu.Lock()
-	s.expireLocked(s.cfg.Now())
+	out := s.expireLocked(s.cfg.Now())
 	s.mu.Unlock()
+	s.notifyExpired(out)
+	return out
+}
+
+func (s *Store) notifyExpired(in []Ingest) {
+	if s.cfg.OnExpire == nil {
+		return
+	}
+	sort.Slice(in, func(i, j int) bool { return in[i].ID < in[j].ID })
+	for _, x := range in {
+		s.cfg.OnExpire(x)
+	}
 }
 
 // Release drops a session's snapshot.
