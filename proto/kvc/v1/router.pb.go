@@ -122,6 +122,13 @@ const (
 	// The resident KV diverges from the prompt after a common prefix: D truncates the session to
 	// that page boundary (execution.truncate_to) and append-prefills the rest.
 	RouteReason_ROUTE_REASON_PREFIX_TRUNCATED RouteReason = 25
+	// A new session placed on the decode worker that holds the longest prefix of its prompt
+	// (a shared system prompt, tool definitions, files), by page hashes; prefilled on P (SEED).
+	RouteReason_ROUTE_REASON_PREFIX_OVERLAP RouteReason = 26
+	// A new session's short first turn prefilled on the decode worker itself (conditional
+	// disaggregation): D reuses the prefix its cache holds (cached_tokens) and prefills the rest,
+	// at most direct_max_uncached_tokens; no prefill worker, no transfer (execution.local_prefill).
+	RouteReason_ROUTE_REASON_LOCAL_FIRST_TURN RouteReason = 27
 )
 
 // Enum value maps for RouteReason.
@@ -153,6 +160,8 @@ var (
 		23: "ROUTE_REASON_SESSION_END",
 		24: "ROUTE_REASON_PREFIX_MISMATCH",
 		25: "ROUTE_REASON_PREFIX_TRUNCATED",
+		26: "ROUTE_REASON_PREFIX_OVERLAP",
+		27: "ROUTE_REASON_LOCAL_FIRST_TURN",
 	}
 	RouteReason_value = map[string]int32{
 		"ROUTE_REASON_UNSPECIFIED":                 0,
@@ -181,6 +190,8 @@ var (
 		"ROUTE_REASON_SESSION_END":                 23,
 		"ROUTE_REASON_PREFIX_MISMATCH":             24,
 		"ROUTE_REASON_PREFIX_TRUNCATED":            25,
+		"ROUTE_REASON_PREFIX_OVERLAP":              26,
+		"ROUTE_REASON_LOCAL_FIRST_TURN":            27,
 	}
 )
 
@@ -897,7 +908,11 @@ type RouteExecution struct {
 	// The decode worker keeps only the first truncate_to tokens of the session it holds (a page
 	// boundary, the longest common prefix with this prompt), frees the rest and append-prefills
 	// [truncate_to, input) (kv_hints payload "truncate_to"); 0 = no truncation.
-	TruncateTo    int64 `protobuf:"varint,10,opt,name=truncate_to,json=truncateTo,proto3" json:"truncate_to,omitempty"`
+	TruncateTo int64 `protobuf:"varint,10,opt,name=truncate_to,json=truncateTo,proto3" json:"truncate_to,omitempty"`
+	// D prefills the whole prompt itself, reusing the first cached_tokens from its own prefix
+	// cache (KV of the same tokens it holds for other sessions), and keeps the new session
+	// (open_session first): a short first turn placed on content (LOCAL_FIRST_TURN).
+	LocalPrefill  bool `protobuf:"varint,11,opt,name=local_prefill,json=localPrefill,proto3" json:"local_prefill,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1000,6 +1015,13 @@ func (x *RouteExecution) GetTruncateTo() int64 {
 		return x.TruncateTo
 	}
 	return 0
+}
+
+func (x *RouteExecution) GetLocalPrefill() bool {
+	if x != nil {
+		return x.LocalPrefill
+	}
+	return false
 }
 
 type RouteError struct {
@@ -1279,7 +1301,7 @@ const file_kvc_v1_router_proto_rawDesc = "" +
 	"\x13snapshot_generation\x18\r \x01(\x04R\x12snapshotGeneration\x12\x14\n" +
 	"\x05epoch\x18\x0e \x01(\x03R\x05epoch\x12\x12\n" +
 	"\x04turn\x18\x0f \x01(\x05R\x04turn\x124\n" +
-	"\texecution\x18\x10 \x01(\v2\x16.kvc.v1.RouteExecutionR\texecution\"\xd9\x03\n" +
+	"\texecution\x18\x10 \x01(\v2\x16.kvc.v1.RouteExecutionR\texecution\"\xfe\x03\n" +
 	"\x0eRouteExecution\x12!\n" +
 	"\fcall_prefill\x18\x01 \x01(\bR\vcallPrefill\x12\x1f\n" +
 	"\vcall_decode\x18\x02 \x01(\bR\n" +
@@ -1293,7 +1315,8 @@ const file_kvc_v1_router_proto_rawDesc = "" +
 	"\rretry_allowed\x18\t \x01(\bR\fretryAllowed\x12\x1f\n" +
 	"\vtruncate_to\x18\n" +
 	" \x01(\x03R\n" +
-	"truncateTo\"z\n" +
+	"truncateTo\x12#\n" +
+	"\rlocal_prefill\x18\v \x01(\bR\flocalPrefill\"z\n" +
 	"\n" +
 	"RouteError\x12\x1d\n" +
 	"\n" +
@@ -1318,7 +1341,7 @@ const file_kvc_v1_router_proto_rawDesc = "" +
 	"\x0fROUTE_MODE_SEED\x10\x02\x12\x1e\n" +
 	"\x1aROUTE_MODE_RESEED_SNAPSHOT\x10\x03\x12\x1d\n" +
 	"\x19ROUTE_MODE_RESEED_PREFILL\x10\x04\x12\x1a\n" +
-	"\x16ROUTE_MODE_PD_FALLBACK\x10\x05*\xb6\a\n" +
+	"\x16ROUTE_MODE_PD_FALLBACK\x10\x05*\xfa\a\n" +
 	"\vRouteReason\x12\x1c\n" +
 	"\x18ROUTE_REASON_UNSPECIFIED\x10\x00\x12!\n" +
 	"\x1dROUTE_REASON_SESSION_RESIDENT\x10\x01\x12\"\n" +
@@ -1346,7 +1369,9 @@ const file_kvc_v1_router_proto_rawDesc = "" +
 	"\x1fROUTE_REASON_SNAPSHOTS_DISABLED\x10\x16\x12\x1c\n" +
 	"\x18ROUTE_REASON_SESSION_END\x10\x17\x12 \n" +
 	"\x1cROUTE_REASON_PREFIX_MISMATCH\x10\x18\x12!\n" +
-	"\x1dROUTE_REASON_PREFIX_TRUNCATED\x10\x19*\xc7\x02\n" +
+	"\x1dROUTE_REASON_PREFIX_TRUNCATED\x10\x19\x12\x1f\n" +
+	"\x1bROUTE_REASON_PREFIX_OVERLAP\x10\x1a\x12!\n" +
+	"\x1dROUTE_REASON_LOCAL_FIRST_TURN\x10\x1b*\xc7\x02\n" +
 	"\x0eRouteErrorKind\x12 \n" +
 	"\x1cROUTE_ERROR_KIND_UNSPECIFIED\x10\x00\x12\x19\n" +
 	"\x15ROUTE_ERROR_KIND_NONE\x10\x01\x12\x1c\n" +
