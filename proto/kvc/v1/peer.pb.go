@@ -21,6 +21,78 @@ const (
 	_ = protoimpl.EnforceVersion(protoimpl.MaxVersion - 20)
 )
 
+// PeerErrorReason is why a TransferPeerService call was refused, for the caller's retry
+// decision. It travels as a PeerError in the gRPC status details (never matched on the text).
+type PeerErrorReason int32
+
+const (
+	PeerErrorReason_PEER_ERROR_REASON_UNSPECIFIED PeerErrorReason = 0
+	// ReserveSnapshot's base_len is not the stored seqlen of that generation (eviction, restart,
+	// a lost commit): the writer sends everything again (base_len 0). stored_seqlen and
+	// stored_generation say what the store has (0: nothing).
+	PeerErrorReason_PEER_ERROR_REASON_BASE_MISMATCH PeerErrorReason = 1
+	// The store holds a newer generation than the push's: the writer's residency is stale;
+	// retrying cannot succeed.
+	PeerErrorReason_PEER_ERROR_REASON_GENERATION_STALE PeerErrorReason = 2
+	// Another ingest of the session is in flight (ingest_id): retry after it ends.
+	PeerErrorReason_PEER_ERROR_REASON_INGEST_BUSY PeerErrorReason = 3
+	// The store credit the push used is unknown, old or too small: retry without credit.
+	PeerErrorReason_PEER_ERROR_REASON_CREDIT_REFUSED PeerErrorReason = 4
+	// The store cannot make room (larger than the store, or nothing evictable).
+	PeerErrorReason_PEER_ERROR_REASON_STORE_FULL PeerErrorReason = 5
+	// The snapshot changed while the ingest ran (commit refused); a new push starts over.
+	PeerErrorReason_PEER_ERROR_REASON_SNAPSHOT_CHANGED PeerErrorReason = 6
+)
+
+// Enum value maps for PeerErrorReason.
+var (
+	PeerErrorReason_name = map[int32]string{
+		0: "PEER_ERROR_REASON_UNSPECIFIED",
+		1: "PEER_ERROR_REASON_BASE_MISMATCH",
+		2: "PEER_ERROR_REASON_GENERATION_STALE",
+		3: "PEER_ERROR_REASON_INGEST_BUSY",
+		4: "PEER_ERROR_REASON_CREDIT_REFUSED",
+		5: "PEER_ERROR_REASON_STORE_FULL",
+		6: "PEER_ERROR_REASON_SNAPSHOT_CHANGED",
+	}
+	PeerErrorReason_value = map[string]int32{
+		"PEER_ERROR_REASON_UNSPECIFIED":      0,
+		"PEER_ERROR_REASON_BASE_MISMATCH":    1,
+		"PEER_ERROR_REASON_GENERATION_STALE": 2,
+		"PEER_ERROR_REASON_INGEST_BUSY":      3,
+		"PEER_ERROR_REASON_CREDIT_REFUSED":   4,
+		"PEER_ERROR_REASON_STORE_FULL":       5,
+		"PEER_ERROR_REASON_SNAPSHOT_CHANGED": 6,
+	}
+)
+
+func (x PeerErrorReason) Enum() *PeerErrorReason {
+	p := new(PeerErrorReason)
+	*p = x
+	return p
+}
+
+func (x PeerErrorReason) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (PeerErrorReason) Descriptor() protoreflect.EnumDescriptor {
+	return file_kvc_v1_peer_proto_enumTypes[0].Descriptor()
+}
+
+func (PeerErrorReason) Type() protoreflect.EnumType {
+	return &file_kvc_v1_peer_proto_enumTypes[0]
+}
+
+func (x PeerErrorReason) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use PeerErrorReason.Descriptor instead.
+func (PeerErrorReason) EnumDescriptor() ([]byte, []int) {
+	return file_kvc_v1_peer_proto_rawDescGZIP(), []int{0}
+}
+
 type OfferReceiveRequest struct {
 	state                  protoimpl.MessageState `protogen:"open.v1"`
 	Room                   int64                  `protobuf:"varint,1,opt,name=room,proto3" json:"room,omitempty"`
@@ -309,9 +381,15 @@ type ReserveSnapshotRequest struct {
 	UseCreditPages int64 `protobuf:"varint,9,opt,name=use_credit_pages,json=useCreditPages,proto3" json:"use_credit_pages,omitempty"`
 	// The credit the writer used, as last returned in ReserveSnapshotResponse.credit_id. A wrong
 	// or old id is FAILED_PRECONDITION and consumes nothing.
-	CreditId      uint64 `protobuf:"varint,10,opt,name=credit_id,json=creditId,proto3" json:"credit_id,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	CreditId uint64 `protobuf:"varint,10,opt,name=credit_id,json=creditId,proto3" json:"credit_id,omitempty"`
+	// Re-tag (no full re-push after a reseed): an append (base_len > 0) of a new generation onto
+	// the stored snapshot of generation retag_from_generation, which the writer's worker received
+	// by a RESEED_SNAPSHOT (SetSnapshotTargetCommand.valid_base_len / base_generation). Accepted
+	// when the stored entry has exactly that generation and seqlen base_len; at commit the entry
+	// takes the new generation. 0: a plain push.
+	RetagFromGeneration uint64 `protobuf:"varint,11,opt,name=retag_from_generation,json=retagFromGeneration,proto3" json:"retag_from_generation,omitempty"`
+	unknownFields       protoimpl.UnknownFields
+	sizeCache           protoimpl.SizeCache
 }
 
 func (x *ReserveSnapshotRequest) Reset() {
@@ -410,6 +488,13 @@ func (x *ReserveSnapshotRequest) GetUseCreditPages() int64 {
 func (x *ReserveSnapshotRequest) GetCreditId() uint64 {
 	if x != nil {
 		return x.CreditId
+	}
+	return 0
+}
+
+func (x *ReserveSnapshotRequest) GetRetagFromGeneration() uint64 {
+	if x != nil {
+		return x.RetagFromGeneration
 	}
 	return 0
 }
@@ -690,6 +775,75 @@ func (*AbortSnapshotResponse) Descriptor() ([]byte, []int) {
 	return file_kvc_v1_peer_proto_rawDescGZIP(), []int{9}
 }
 
+// PeerError is the detail of a refused TransferPeerService call (status details).
+type PeerError struct {
+	state            protoimpl.MessageState `protogen:"open.v1"`
+	Reason           PeerErrorReason        `protobuf:"varint,1,opt,name=reason,proto3,enum=kvc.v1.PeerErrorReason" json:"reason,omitempty"`
+	StoredSeqlen     int64                  `protobuf:"varint,2,opt,name=stored_seqlen,json=storedSeqlen,proto3" json:"stored_seqlen,omitempty"`
+	StoredGeneration uint64                 `protobuf:"varint,3,opt,name=stored_generation,json=storedGeneration,proto3" json:"stored_generation,omitempty"`
+	IngestId         uint64                 `protobuf:"varint,4,opt,name=ingest_id,json=ingestId,proto3" json:"ingest_id,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
+}
+
+func (x *PeerError) Reset() {
+	*x = PeerError{}
+	mi := &file_kvc_v1_peer_proto_msgTypes[10]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *PeerError) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*PeerError) ProtoMessage() {}
+
+func (x *PeerError) ProtoReflect() protoreflect.Message {
+	mi := &file_kvc_v1_peer_proto_msgTypes[10]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use PeerError.ProtoReflect.Descriptor instead.
+func (*PeerError) Descriptor() ([]byte, []int) {
+	return file_kvc_v1_peer_proto_rawDescGZIP(), []int{10}
+}
+
+func (x *PeerError) GetReason() PeerErrorReason {
+	if x != nil {
+		return x.Reason
+	}
+	return PeerErrorReason_PEER_ERROR_REASON_UNSPECIFIED
+}
+
+func (x *PeerError) GetStoredSeqlen() int64 {
+	if x != nil {
+		return x.StoredSeqlen
+	}
+	return 0
+}
+
+func (x *PeerError) GetStoredGeneration() uint64 {
+	if x != nil {
+		return x.StoredGeneration
+	}
+	return 0
+}
+
+func (x *PeerError) GetIngestId() uint64 {
+	if x != nil {
+		return x.IngestId
+	}
+	return 0
+}
+
 var File_kvc_v1_peer_proto protoreflect.FileDescriptor
 
 const file_kvc_v1_peer_proto_rawDesc = "" +
@@ -714,7 +868,7 @@ const file_kvc_v1_peer_proto_rawDesc = "" +
 	"\x06tokens\x18\x04 \x01(\x03R\x06tokens\x12\x14\n" +
 	"\x05error\x18\x05 \x01(\tR\x05error\x12\x10\n" +
 	"\x03aux\x18\x06 \x03(\fR\x03aux\"\x16\n" +
-	"\x14TransferDoneResponse\"\x8f\x03\n" +
+	"\x14TransferDoneResponse\"\xc3\x03\n" +
 	"\x16ReserveSnapshotRequest\x12\x1d\n" +
 	"\n" +
 	"session_id\x18\x01 \x01(\tR\tsessionId\x12\x1e\n" +
@@ -729,7 +883,8 @@ const file_kvc_v1_peer_proto_rawDesc = "" +
 	"\fcredit_pages\x18\b \x01(\x03R\vcreditPages\x12(\n" +
 	"\x10use_credit_pages\x18\t \x01(\x03R\x0euseCreditPages\x12\x1b\n" +
 	"\tcredit_id\x18\n" +
-	" \x01(\x04R\bcreditId\"\xf9\x01\n" +
+	" \x01(\x04R\bcreditId\x122\n" +
+	"\x15retag_from_generation\x18\v \x01(\x04R\x13retagFromGeneration\"\xf9\x01\n" +
 	"\x17ReserveSnapshotResponse\x12\x1b\n" +
 	"\tingest_id\x18\x01 \x01(\x04R\bingestId\x123\n" +
 	"\fstore_layout\x18\x02 \x01(\v2\x10.kvc.v1.KVLayoutR\vstoreLayout\x12\x14\n" +
@@ -746,7 +901,20 @@ const file_kvc_v1_peer_proto_rawDesc = "" +
 	"\x14AbortSnapshotRequest\x12\x1b\n" +
 	"\tingest_id\x18\x01 \x01(\x04R\bingestId\x12\x16\n" +
 	"\x06reason\x18\x02 \x01(\tR\x06reason\"\x17\n" +
-	"\x15AbortSnapshotResponse2\x9e\x03\n" +
+	"\x15AbortSnapshotResponse\"\xab\x01\n" +
+	"\tPeerError\x12/\n" +
+	"\x06reason\x18\x01 \x01(\x0e2\x17.kvc.v1.PeerErrorReasonR\x06reason\x12#\n" +
+	"\rstored_seqlen\x18\x02 \x01(\x03R\fstoredSeqlen\x12+\n" +
+	"\x11stored_generation\x18\x03 \x01(\x04R\x10storedGeneration\x12\x1b\n" +
+	"\tingest_id\x18\x04 \x01(\x04R\bingestId*\x94\x02\n" +
+	"\x0fPeerErrorReason\x12!\n" +
+	"\x1dPEER_ERROR_REASON_UNSPECIFIED\x10\x00\x12#\n" +
+	"\x1fPEER_ERROR_REASON_BASE_MISMATCH\x10\x01\x12&\n" +
+	"\"PEER_ERROR_REASON_GENERATION_STALE\x10\x02\x12!\n" +
+	"\x1dPEER_ERROR_REASON_INGEST_BUSY\x10\x03\x12$\n" +
+	" PEER_ERROR_REASON_CREDIT_REFUSED\x10\x04\x12 \n" +
+	"\x1cPEER_ERROR_REASON_STORE_FULL\x10\x05\x12&\n" +
+	"\"PEER_ERROR_REASON_SNAPSHOT_CHANGED\x10\x062\x9e\x03\n" +
 	"\x13TransferPeerService\x12I\n" +
 	"\fOfferReceive\x12\x1b.kvc.v1.OfferReceiveRequest\x1a\x1c.kvc.v1.OfferReceiveResponse\x12I\n" +
 	"\fTransferDone\x12\x1b.kvc.v1.TransferDoneRequest\x1a\x1c.kvc.v1.TransferDoneResponse\x12R\n" +
@@ -766,41 +934,45 @@ func file_kvc_v1_peer_proto_rawDescGZIP() []byte {
 	return file_kvc_v1_peer_proto_rawDescData
 }
 
-var file_kvc_v1_peer_proto_msgTypes = make([]protoimpl.MessageInfo, 10)
+var file_kvc_v1_peer_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
+var file_kvc_v1_peer_proto_msgTypes = make([]protoimpl.MessageInfo, 11)
 var file_kvc_v1_peer_proto_goTypes = []any{
-	(*OfferReceiveRequest)(nil),     // 0: kvc.v1.OfferReceiveRequest
-	(*OfferReceiveResponse)(nil),    // 1: kvc.v1.OfferReceiveResponse
-	(*TransferDoneRequest)(nil),     // 2: kvc.v1.TransferDoneRequest
-	(*TransferDoneResponse)(nil),    // 3: kvc.v1.TransferDoneResponse
-	(*ReserveSnapshotRequest)(nil),  // 4: kvc.v1.ReserveSnapshotRequest
-	(*ReserveSnapshotResponse)(nil), // 5: kvc.v1.ReserveSnapshotResponse
-	(*CommitSnapshotRequest)(nil),   // 6: kvc.v1.CommitSnapshotRequest
-	(*CommitSnapshotResponse)(nil),  // 7: kvc.v1.CommitSnapshotResponse
-	(*AbortSnapshotRequest)(nil),    // 8: kvc.v1.AbortSnapshotRequest
-	(*AbortSnapshotResponse)(nil),   // 9: kvc.v1.AbortSnapshotResponse
-	(TransferKind)(0),               // 10: kvc.v1.TransferKind
-	(*KVLayout)(nil),                // 11: kvc.v1.KVLayout
+	(PeerErrorReason)(0),            // 0: kvc.v1.PeerErrorReason
+	(*OfferReceiveRequest)(nil),     // 1: kvc.v1.OfferReceiveRequest
+	(*OfferReceiveResponse)(nil),    // 2: kvc.v1.OfferReceiveResponse
+	(*TransferDoneRequest)(nil),     // 3: kvc.v1.TransferDoneRequest
+	(*TransferDoneResponse)(nil),    // 4: kvc.v1.TransferDoneResponse
+	(*ReserveSnapshotRequest)(nil),  // 5: kvc.v1.ReserveSnapshotRequest
+	(*ReserveSnapshotResponse)(nil), // 6: kvc.v1.ReserveSnapshotResponse
+	(*CommitSnapshotRequest)(nil),   // 7: kvc.v1.CommitSnapshotRequest
+	(*CommitSnapshotResponse)(nil),  // 8: kvc.v1.CommitSnapshotResponse
+	(*AbortSnapshotRequest)(nil),    // 9: kvc.v1.AbortSnapshotRequest
+	(*AbortSnapshotResponse)(nil),   // 10: kvc.v1.AbortSnapshotResponse
+	(*PeerError)(nil),               // 11: kvc.v1.PeerError
+	(TransferKind)(0),               // 12: kvc.v1.TransferKind
+	(*KVLayout)(nil),                // 13: kvc.v1.KVLayout
 }
 var file_kvc_v1_peer_proto_depIdxs = []int32{
-	10, // 0: kvc.v1.OfferReceiveRequest.kind:type_name -> kvc.v1.TransferKind
-	11, // 1: kvc.v1.OfferReceiveRequest.decode_layout:type_name -> kvc.v1.KVLayout
-	11, // 2: kvc.v1.ReserveSnapshotRequest.source_layout:type_name -> kvc.v1.KVLayout
-	11, // 3: kvc.v1.ReserveSnapshotResponse.store_layout:type_name -> kvc.v1.KVLayout
-	0,  // 4: kvc.v1.TransferPeerService.OfferReceive:input_type -> kvc.v1.OfferReceiveRequest
-	2,  // 5: kvc.v1.TransferPeerService.TransferDone:input_type -> kvc.v1.TransferDoneRequest
-	4,  // 6: kvc.v1.TransferPeerService.ReserveSnapshot:input_type -> kvc.v1.ReserveSnapshotRequest
-	6,  // 7: kvc.v1.TransferPeerService.CommitSnapshot:input_type -> kvc.v1.CommitSnapshotRequest
-	8,  // 8: kvc.v1.TransferPeerService.AbortSnapshot:input_type -> kvc.v1.AbortSnapshotRequest
-	1,  // 9: kvc.v1.TransferPeerService.OfferReceive:output_type -> kvc.v1.OfferReceiveResponse
-	3,  // 10: kvc.v1.TransferPeerService.TransferDone:output_type -> kvc.v1.TransferDoneResponse
-	5,  // 11: kvc.v1.TransferPeerService.ReserveSnapshot:output_type -> kvc.v1.ReserveSnapshotResponse
-	7,  // 12: kvc.v1.TransferPeerService.CommitSnapshot:output_type -> kvc.v1.CommitSnapshotResponse
-	9,  // 13: kvc.v1.TransferPeerService.AbortSnapshot:output_type -> kvc.v1.AbortSnapshotResponse
-	9,  // [9:14] is the sub-list for method output_type
-	4,  // [4:9] is the sub-list for method input_type
-	4,  // [4:4] is the sub-list for extension type_name
-	4,  // [4:4] is the sub-list for extension extendee
-	0,  // [0:4] is the sub-list for field type_name
+	12, // 0: kvc.v1.OfferReceiveRequest.kind:type_name -> kvc.v1.TransferKind
+	13, // 1: kvc.v1.OfferReceiveRequest.decode_layout:type_name -> kvc.v1.KVLayout
+	13, // 2: kvc.v1.ReserveSnapshotRequest.source_layout:type_name -> kvc.v1.KVLayout
+	13, // 3: kvc.v1.ReserveSnapshotResponse.store_layout:type_name -> kvc.v1.KVLayout
+	0,  // 4: kvc.v1.PeerError.reason:type_name -> kvc.v1.PeerErrorReason
+	1,  // 5: kvc.v1.TransferPeerService.OfferReceive:input_type -> kvc.v1.OfferReceiveRequest
+	3,  // 6: kvc.v1.TransferPeerService.TransferDone:input_type -> kvc.v1.TransferDoneRequest
+	5,  // 7: kvc.v1.TransferPeerService.ReserveSnapshot:input_type -> kvc.v1.ReserveSnapshotRequest
+	7,  // 8: kvc.v1.TransferPeerService.CommitSnapshot:input_type -> kvc.v1.CommitSnapshotRequest
+	9,  // 9: kvc.v1.TransferPeerService.AbortSnapshot:input_type -> kvc.v1.AbortSnapshotRequest
+	2,  // 10: kvc.v1.TransferPeerService.OfferReceive:output_type -> kvc.v1.OfferReceiveResponse
+	4,  // 11: kvc.v1.TransferPeerService.TransferDone:output_type -> kvc.v1.TransferDoneResponse
+	6,  // 12: kvc.v1.TransferPeerService.ReserveSnapshot:output_type -> kvc.v1.ReserveSnapshotResponse
+	8,  // 13: kvc.v1.TransferPeerService.CommitSnapshot:output_type -> kvc.v1.CommitSnapshotResponse
+	10, // 14: kvc.v1.TransferPeerService.AbortSnapshot:output_type -> kvc.v1.AbortSnapshotResponse
+	10, // [10:15] is the sub-list for method output_type
+	5,  // [5:10] is the sub-list for method input_type
+	5,  // [5:5] is the sub-list for extension type_name
+	5,  // [5:5] is the sub-list for extension extendee
+	0,  // [0:5] is the sub-list for field type_name
 }
 
 func init() { file_kvc_v1_peer_proto_init() }
@@ -815,13 +987,14 @@ func file_kvc_v1_peer_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvc_v1_peer_proto_rawDesc), len(file_kvc_v1_peer_proto_rawDesc)),
-			NumEnums:      0,
-			NumMessages:   10,
+			NumEnums:      1,
+			NumMessages:   11,
 			NumExtensions: 0,
 			NumServices:   1,
 		},
 		GoTypes:           file_kvc_v1_peer_proto_goTypes,
 		DependencyIndexes: file_kvc_v1_peer_proto_depIdxs,
+		EnumInfos:         file_kvc_v1_peer_proto_enumTypes,
 		MessageInfos:      file_kvc_v1_peer_proto_msgTypes,
 	}.Build()
 	File_kvc_v1_peer_proto = out.File

@@ -415,8 +415,11 @@ type ResidentSession struct {
 	SessionId      string                 `protobuf:"bytes,1,opt,name=session_id,json=sessionId,proto3" json:"session_id,omitempty"`
 	KvCommittedLen int64                  `protobuf:"varint,2,opt,name=kv_committed_len,json=kvCommittedLen,proto3" json:"kv_committed_len,omitempty"`
 	Generation     uint64                 `protobuf:"varint,3,opt,name=generation,proto3" json:"generation,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// The decode sidecar knows the session's snapshot target (false after a sidecar restart: the
+	// control plane names it again, SetSnapshotTargetCommand).
+	HasSnapshotTarget bool `protobuf:"varint,4,opt,name=has_snapshot_target,json=hasSnapshotTarget,proto3" json:"has_snapshot_target,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
 }
 
 func (x *ResidentSession) Reset() {
@@ -468,6 +471,13 @@ func (x *ResidentSession) GetGeneration() uint64 {
 		return x.Generation
 	}
 	return 0
+}
+
+func (x *ResidentSession) GetHasSnapshotTarget() bool {
+	if x != nil {
+		return x.HasSnapshotTarget
+	}
+	return false
 }
 
 type SnapshotHeld struct {
@@ -1092,9 +1102,17 @@ type SetSnapshotTargetCommand struct {
 	TransferEndpoint string                 `protobuf:"bytes,4,opt,name=transfer_endpoint,json=transferEndpoint,proto3" json:"transfer_endpoint,omitempty"`
 	// Generation of the session's KV on this D (the control plane's count); snapshots are tagged
 	// with it so a store never mixes two residencies of one session.
-	Generation    uint64 `protobuf:"varint,5,opt,name=generation,proto3" json:"generation,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Generation uint64 `protobuf:"varint,5,opt,name=generation,proto3" json:"generation,omitempty"`
+	// The valid base: tokens [0, valid_base_len) of the session on this D are exactly the target
+	// store's snapshot of generation base_generation (a RESEED_SNAPSHOT from that store, or the
+	// same residency's snapshot after a sidecar restart). The decode sidecar then counts them as
+	// pushed: its next push is an append from valid_base_len, which re-tags the store's entry to
+	// `generation` (ReserveSnapshotRequest.retag_from_generation) instead of a full push. 0: none
+	// (the first push is a full one).
+	ValidBaseLen   int64  `protobuf:"varint,6,opt,name=valid_base_len,json=validBaseLen,proto3" json:"valid_base_len,omitempty"`
+	BaseGeneration uint64 `protobuf:"varint,7,opt,name=base_generation,json=baseGeneration,proto3" json:"base_generation,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *SetSnapshotTargetCommand) Reset() {
@@ -1158,6 +1176,20 @@ func (x *SetSnapshotTargetCommand) GetTransferEndpoint() string {
 func (x *SetSnapshotTargetCommand) GetGeneration() uint64 {
 	if x != nil {
 		return x.Generation
+	}
+	return 0
+}
+
+func (x *SetSnapshotTargetCommand) GetValidBaseLen() int64 {
+	if x != nil {
+		return x.ValidBaseLen
+	}
+	return 0
+}
+
+func (x *SetSnapshotTargetCommand) GetBaseGeneration() uint64 {
+	if x != nil {
+		return x.BaseGeneration
 	}
 	return 0
 }
@@ -1498,14 +1530,15 @@ const file_kvc_v1_sidecar_proto_rawDesc = "" +
 	"\x12worker_down_reason\x18\x0e \x01(\tR\x10workerDownReason\"4\n" +
 	"\n" +
 	"LoadReport\x12&\n" +
-	"\x04load\x18\x01 \x01(\v2\x12.kvc.v1.WorkerLoadR\x04load\"z\n" +
+	"\x04load\x18\x01 \x01(\v2\x12.kvc.v1.WorkerLoadR\x04load\"\xaa\x01\n" +
 	"\x0fResidentSession\x12\x1d\n" +
 	"\n" +
 	"session_id\x18\x01 \x01(\tR\tsessionId\x12(\n" +
 	"\x10kv_committed_len\x18\x02 \x01(\x03R\x0ekvCommittedLen\x12\x1e\n" +
 	"\n" +
 	"generation\x18\x03 \x01(\x04R\n" +
-	"generation\"\xc8\x01\n" +
+	"generation\x12.\n" +
+	"\x13has_snapshot_target\x18\x04 \x01(\bR\x11hasSnapshotTarget\"\xc8\x01\n" +
 	"\fSnapshotHeld\x12\x1d\n" +
 	"\n" +
 	"session_id\x18\x01 \x01(\tR\tsessionId\x12\x16\n" +
@@ -1559,7 +1592,7 @@ const file_kvc_v1_sidecar_proto_rawDesc = "" +
 	"\rpush_snapshot\x18\x05 \x01(\v2\x1b.kvc.v1.PushSnapshotCommandH\x00R\fpushSnapshot\x12,\n" +
 	"\x05drain\x18\x06 \x01(\v2\x14.kvc.v1.DrainCommandH\x00R\x05drain\x12B\n" +
 	"\rupdate_policy\x18\a \x01(\v2\x1b.kvc.v1.UpdatePolicyCommandH\x00R\fupdatePolicyB\b\n" +
-	"\x06action\"\xcf\x01\n" +
+	"\x06action\"\x9e\x02\n" +
 	"\x18SetSnapshotTargetCommand\x12\x1d\n" +
 	"\n" +
 	"session_id\x18\x01 \x01(\tR\tsessionId\x12*\n" +
@@ -1568,7 +1601,9 @@ const file_kvc_v1_sidecar_proto_rawDesc = "" +
 	"\x11transfer_endpoint\x18\x04 \x01(\tR\x10transferEndpoint\x12\x1e\n" +
 	"\n" +
 	"generation\x18\x05 \x01(\x04R\n" +
-	"generation\"N\n" +
+	"generation\x12$\n" +
+	"\x0evalid_base_len\x18\x06 \x01(\x03R\fvalidBaseLen\x12'\n" +
+	"\x0fbase_generation\x18\a \x01(\x04R\x0ebaseGeneration\"N\n" +
 	"\x15ReleaseSessionCommand\x12\x1d\n" +
 	"\n" +
 	"session_id\x18\x01 \x01(\tR\tsessionId\x12\x16\n" +
