@@ -305,18 +305,22 @@ class KvcKVReceiver(BaseKVReceiver):
             return
         pages = pages[:need]
         self.aux_index = aux_index
+        with self._lock:
+            if self._state == KVPoll.Failed:
+                return
+            self._state = KVPoll.Transferring
+        # PrepareReceive makes the decode sidecar offer the pages to the prefill sidecar (a
+        # network round trip, up to 10 s when P is unreachable): never on the scheduler thread.
+        threading.Thread(target=self._wait, args=(pages, tokens), name="kvc-recv-%d" % self.bootstrap_room,
+                         daemon=True).start()
+
+    def _wait(self, pages, tokens):
         try:
             self.kv_mgr.bridge.prepare_receive(self.bootstrap_room, self.session_id, self.kind, pages, tokens,
                                                self.bootstrap_addr)
         except BridgeError as e:
             self._fail("PrepareReceive room %d: %s" % (self.bootstrap_room, e))
             return
-        with self._lock:
-            if self._state != KVPoll.Failed:
-                self._state = KVPoll.Transferring
-        threading.Thread(target=self._wait, name="kvc-recv-%d" % self.bootstrap_room, daemon=True).start()
-
-    def _wait(self):
         try:
             res = self.kv_mgr.bridge.wait_receive(self.bootstrap_room, timeout_s=WAIT_TIMEOUT_S)
         except BridgeError as e:
@@ -326,15 +330,19 @@ class KvcKVReceiver(BaseKVReceiver):
         if not res.ok:
             self._fail("transfer of room %d failed: %s" % (self.bootstrap_room, res.error))
             return
-        if self.kv_mgr.aux_ptrs and self.aux_index is not None and self.kind == TRANSFER_SEED:
-            try:
-                kvpool.write_aux_rows(self.kv_mgr.aux_ptrs, self.kv_mgr.aux_item_lens, self.aux_index, res.aux)
-            except ValueError as e:
-                self._fail("room %d: aux rows: %s" % (self.bootstrap_room, e))
+        err = None
+        with self._lock:  # an aborted receiver's metadata row may already be someone else's
+            if self._state == KVPoll.Failed:
                 return
-        with self._lock:
-            if self._state != KVPoll.Failed:
-                self._state = KVPoll.Success
+            if self.kv_mgr.aux_ptrs and self.aux_index is not None and self.kind == TRANSFER_SEED:
+                try:
+                    kvpool.write_aux_rows(self.kv_mgr.aux_ptrs, self.kv_mgr.aux_item_lens, self.aux_index, res.aux)
+                except ValueError as e:
+                    err = "room %d: aux rows: %s" % (self.bootstrap_room, e)
+            if err is None:
+                self._state = KVPoll.Success  # only after the aux row is in place
+        if err is not None:
+            self._fail(err)
 
     def _fail(self, msg: str):
         with self._lock:

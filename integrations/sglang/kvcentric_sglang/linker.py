@@ -128,6 +128,12 @@ class KvcLinker(UnifiedCacheLinker):
             for layer in range(self.layer_done_counter.num_layers):
                 self.layer_done_counter.complete(index, layer)
             return index
+        # PrepareReceive and WaitReceive run off the scheduler thread; the forward waits on the
+        # layer counter.
+        threading.Thread(target=self._wait, args=(index, loads), name="kvc-linker-%d" % index, daemon=True).start()
+        return index
+
+    def _wait(self, index: int, loads: List[_Load]) -> None:
         try:
             for ld in loads:
                 h = ld.hint
@@ -136,11 +142,7 @@ class KvcLinker(UnifiedCacheLinker):
         except BridgeError as e:
             logger.error("kvcentric linker: PrepareReceive: %s", e)
             self.layer_done_counter.fail(index, RuntimeError(str(e)))
-            return index
-        threading.Thread(target=self._wait, args=(index, loads), name="kvc-linker-%d" % index, daemon=True).start()
-        return index
-
-    def _wait(self, index: int, loads: List[_Load]) -> None:
+            return
         for ld in loads:
             try:
                 ld.result = self.bridge.wait_receive(ld.hint.room, timeout_s=self.wait_timeout_s)
