@@ -127,7 +127,7 @@ func Start(t testing.TB, ctx context.Context, cfg Config) (*Harness, error) {
 		}
 		h.cpAddrs = append(h.cpAddrs, ga)
 		h.cpHTTP = append(h.cpHTTP, ha)
-		h.CPs = append(h.CPs, &proc{name: name, role: "controlplane", bin: bin("kvc-controlplane"), dir: cfg.WorkDir, args: append([]string{
+		h.CPs = append(h.CPs, &proc{name: name, bin: bin("kvc-controlplane"), dir: cfg.WorkDir, args: append([]string{
 			"--node-id", name, "--grpc-addr", ga, "--http-addr", ha,
 			"--etcd-endpoints", strings.Join(eps, ","), "--etcd-prefix", prefix,
 			"--election-ttl", ElectionTTL.String(), "--flush-delay", "20ms",
@@ -188,7 +188,7 @@ func Start(t testing.TB, ctx context.Context, cfg Config) (*Harness, error) {
 		}
 		sock := filepath.Join(sockDir, id+".sock")
 		h.simURL[id] = "http://" + addrs[0]
-		h.Sims[id] = &proc{name: "sim-" + id, role: "sim-" + role, id: id, bin: bin("kvc-sim"), dir: cfg.WorkDir, args: []string{
+		h.Sims[id] = &proc{name: "sim-" + id, bin: bin("kvc-sim"), dir: cfg.WorkDir, args: []string{
 			"--role", role, "--worker-id", id, "--http-addr", addrs[0], "--bridge-socket", sock,
 			"--time-scale", "0.05", "--bridge-wait", "10m", "--shm-dir", shmDir,
 			// Room for every session of the run (no capacity eviction), in a small pool file.
@@ -198,7 +198,7 @@ func Start(t testing.TB, ctx context.Context, cfg Config) (*Harness, error) {
 		if id == HalfOpenWorker {
 			cps = h.sidePx[0].Addr() + "," + h.sidePx[1].Addr()
 		}
-		h.Sidecars[id] = &proc{name: "sidecar-" + id, role: "sidecar-" + role, id: id, bin: bin("kvc-sidecar-" + role), dir: cfg.WorkDir, args: append([]string{
+		h.Sidecars[id] = &proc{name: "sidecar-" + id, bin: bin("kvc-sidecar-" + role), dir: cfg.WorkDir, args: append([]string{
 			"--worker-id", id, "--node", "local", "--gpu-index", strconv.Itoa(gpu),
 			"--worker-url", h.simURL[id], "--control-plane", cps, "--bridge-socket", sock,
 			"--http-addr", addrs[1], "--peer-addr", addrs[2], "--transport", "tcp", "--transfer-addr", addrs[3],
@@ -231,7 +231,7 @@ func Start(t testing.TB, ctx context.Context, cfg Config) (*Harness, error) {
 		return nil, err
 	}
 	h.GWURL = "http://" + ga
-	h.Gateway = &proc{name: "gateway", role: "gateway", bin: bin("kvc-gateway"), dir: cfg.WorkDir, args: append([]string{
+	h.Gateway = &proc{name: "gateway", bin: bin("kvc-gateway"), dir: cfg.WorkDir, args: append([]string{
 		"--http-addr", ga, "--control-plane", strings.Join(h.cpAddrs, ","),
 		"--prefill-urls", strings.Join(prefillURLs, ","), "--decode-urls", strings.Join(decodeURLs, ","),
 		"--request-timeout", "20s", "--worker-refresh", "1s",

@@ -19,11 +19,9 @@ import (
 // arguments (the same fixed ports, so every peer's address list stays valid).
 type proc struct {
 	name string
-	role string // controlplane, sidecar-prefill, sidecar-decode, sim-prefill, sim-decode, gateway
 	bin  string
 	args []string // without --ready-file
 	dir  string   // logs and ready files
-	id   string   // worker id (workers and sidecars)
 
 	mu     sync.Mutex
 	cmd    *exec.Cmd
