@@ -19,6 +19,7 @@ import (
 	"github.com/rs/zerolog"
 	"golang.org/x/sync/errgroup"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/credentials/insecure"
 
 	"github.com/kvcentric/kvcentric/pkg/grpcx"
@@ -190,9 +191,12 @@ func serve(ctx context.Context, o *options, cfg worker.Config, log zerolog.Logge
 	}
 	log.Info().Msg("sidecar socket found; registering the KV pool")
 	// No idle timeout: the sidecar reads this connection closing as a hint that the worker died
-	// (confirmed by /health), so keep it open for the process's life.
+	// (confirmed by /health), so keep it open for the process's life. Reconnects back off to at
+	// most bridgeMaxBackoff (gRPC's default grows to 120 s): a restarted sidecar is re-attached
+	// within about a second of its socket coming back, however long it was away.
 	conn, err := grpc.NewClient("unix://"+o.bridgeSocket,
-		append(grpcx.ClientOptions(), grpc.WithTransportCredentials(insecure.NewCredentials()), grpc.WithIdleTimeout(0))...)
+		append(grpcx.ClientOptions(), grpc.WithTransportCredentials(insecure.NewCredentials()), grpc.WithIdleTimeout(0),
+			grpc.WithConnectParams(grpc.ConnectParams{Backoff: bridgeBackoff, MinConnectTimeout: 5 * time.Second}))...)
 	if err != nil {
 		return fmt.Errorf("dial sidecar: %w", err)
 	}
@@ -233,3 +237,8 @@ func serve(ctx context.Context, o *options, cfg worker.Config, log zerolog.Logge
 	log.Info().Msg("kvc-sim stopped")
 	return err
 }
+
+// bridgeBackoff is the bridge connection's reconnect backoff: gRPC's defaults (1 s doubling
+// with jitter) but capped at 1 s instead of 120 s — the sidecar is on the same host, and a
+// worker must find a restarted one at once (TestSidecarRestartReattach, a 25 s outage).
+var bridgeBackoff = backoff.Config{BaseDelay: 100 * time.Millisecond, Multiplier: 1.6, Jitter: 0.2, MaxDelay: time.Second}
