@@ -23,6 +23,9 @@ type Content struct {
 	Resident *pagehash.Sparse
 	// Snapshot is what the session's snapshot holds; nil when unknown.
 	Snapshot *SnapshotContent
+	// Overlap is, for a new session, how many leading pages of the prompt each decode worker
+	// holds for other sessions (its prefix index; workers without any omitted).
+	Overlap map[string]int
 }
 
 // SnapshotContent describes a snapshot's content: its full pages and the hash of the last one.
@@ -124,4 +127,62 @@ func (c *Cycle) snapshotPrefix(seqlen int64) (tokens int64, ok bool) {
 		return 0, false
 	}
 	return int64(m) * ct.PageSize, true
+}
+
+// overlapTokens is the prefix of the prompt worker w holds for other sessions, in tokens.
+func (c *Cycle) overlapTokens(w string) int64 {
+	ct := c.In.Content
+	if !ct.known() {
+		return 0
+	}
+	return min(int64(ct.Overlap[w])*ct.PageSize, c.Q.InputTokens)
+}
+
+// ScoreOverlap prefers the decode worker holding the longest prefix of a new session's prompt
+// (a shared system prompt, tool definitions, repository files): its overlap relative to the
+// largest any worker has, weighted above headroom and queues, so the largest overlap wins
+// among the workers that admit the session.
+var ScoreOverlap = Scorer{"content-overlap", 4, func(c *Cycle, w *Cand) float64 {
+	ct := c.In.Content
+	if !ct.known() {
+		return 0
+	}
+	best := 0
+	for _, n := range ct.Overlap {
+		best = max(best, n)
+	}
+	if best == 0 {
+		return 0
+	}
+	return float64(ct.Overlap[w.W.WorkerId]) / float64(best)
+}}
+
+// SeedOnContentProfile places a new session whose prompt shares pages with KV resident on
+// decode workers: the seed filters, then the overlap ahead of headroom and queues.
+var SeedOnContentProfile = &Profile{"seed-on-content",
+	SeedProfile.Filters,
+	[]Scorer{ScoreOverlap, ScoreHeadroom, ScoreQueues}}
+
+// placeOnContent finishes a new session's placement on d when its prompt overlaps what d holds:
+// a short first turn — what is left after the overlap at most direct_max_uncached_tokens, as
+// for a direct turn — is prefilled on d itself (conditional disaggregation: LOCAL_FIRST_TURN,
+// DIRECT_TO_D with execution.local_prefill, cached_tokens = the overlap, no prefill worker and
+// no transfer); a longer one is seeded there (PREFIX_OVERLAP). ok is false without overlap.
+func (c *Cycle) placeOnContent(d *Cand) (Decision, bool) {
+	o := c.overlapTokens(d.W.WorkerId)
+	if o <= 0 {
+		return Decision{}, false
+	}
+	if c.Q.InputTokens-o <= c.K.DirectMaxUncachedTokens {
+		return Decision{
+			Mode:           kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D,
+			Reason:         kvcv1.RouteReason_ROUTE_REASON_LOCAL_FIRST_TURN,
+			Decode:         d.W,
+			ReservedTokens: c.Need,
+			CachedTokens:   o,
+			LocalPrefill:   true,
+			PauseMs:        c.pause(d),
+		}, true
+	}
+	return Decision{}, false
 }

@@ -190,3 +190,63 @@ func TestContentUnknownGoesOnLengths(t *testing.T) {
 		}
 	}
 }
+
+// TestPlaceNewSessionsOnContent: a new session goes to the decode worker holding the longest
+// prefix of its prompt (ahead of headroom), admission permitting; a short first turn is
+// prefilled there (LOCAL_FIRST_TURN); without overlap, or where the overlap worker cannot
+// admit it, placement is as before.
+func TestPlaceNewSessionsOnContent(t *testing.T) {
+	type ptc struct {
+		name    string
+		input   int64
+		overlap map[string]int
+		full    string // a worker with no room
+
+		mode   kvcv1.RouteMode
+		reason kvcv1.RouteReason
+		decode string
+		cached int64
+	}
+	cases := []ptc{
+		{name: "long first turn: seeded on the overlap worker though it has less headroom", input: 12_800, overlap: map[string]int{"d2": 100},
+			mode: mSeed, reason: kvcv1.RouteReason_ROUTE_REASON_PREFIX_OVERLAP, decode: "d2"},
+		{name: "short first turn: prefilled on the overlap worker itself", input: 4_000, overlap: map[string]int{"d2": 100},
+			mode: mDirect, reason: kvcv1.RouteReason_ROUTE_REASON_LOCAL_FIRST_TURN, decode: "d2", cached: 1_600},
+		{name: "the largest overlap wins", input: 12_800, overlap: map[string]int{"d1": 20, "d2": 100},
+			mode: mSeed, reason: kvcv1.RouteReason_ROUTE_REASON_PREFIX_OVERLAP, decode: "d2"},
+		{name: "overlap worker full: placed elsewhere as a new session", input: 4_000, overlap: map[string]int{"d2": 100}, full: "d2",
+			mode: mSeed, reason: kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION, decode: "d1"},
+		{name: "no overlap: as before", input: 4_000,
+			mode: mSeed, reason: kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION, decode: "d1"},
+	}
+	for _, tt := range cases {
+		t.Run(tt.name, func(t *testing.T) {
+			ws := cluster()
+			for i, w := range ws {
+				if w.WorkerId == tt.full {
+					ws[i] = dW(w.WorkerId, 100_000, 99_000)
+				}
+			}
+			prompt := make([]uint64, tt.input/cps)
+			for i := range prompt {
+				prompt[i] = uint64(i + 1)
+			}
+			in := &Input{Knobs: knobs(nil), Query: q(tt.input, 100, 0), Workers: ws, Ledger: ledger(nil), NowMs: nowMs,
+				Content: &Content{PageSize: cps, Prompt: prompt, Overlap: tt.overlap}}
+			d := Decide(in)
+			if d.Mode != tt.mode || d.Reason != tt.reason || d.Decode == nil || d.Decode.WorkerId != tt.decode || d.CachedTokens != tt.cached {
+				t.Fatalf("got %s/%s on %v cached %d, want %s/%s on %s cached %d", d.Mode, d.Reason, d.Decode.GetWorkerId(), d.CachedTokens,
+					tt.mode, tt.reason, tt.decode, tt.cached)
+			}
+			if tt.reason == kvcv1.RouteReason_ROUTE_REASON_LOCAL_FIRST_TURN {
+				e := d.Exec
+				if !e.LocalPrefill || !e.OpenSession || !e.KeepSession || e.CallPrefill || d.Prefill != nil || d.Transfer || d.Seed ||
+					e.Transfer != kvcv1.TransferKind_TRANSFER_KIND_UNSPECIFIED || d.ReservedTokens != tt.input+100 {
+					t.Fatalf("local first turn plan %+v (decision %+v)", e, d)
+				}
+			} else if d.Exec.LocalPrefill {
+				t.Fatal("local_prefill on a seed")
+			}
+		})
+	}
+}

@@ -35,6 +35,9 @@ type Execution struct {
 	// TruncateTo: D cuts the session it holds to this many tokens before its append-prefill
 	// (PREFIX_TRUNCATED); 0 = none.
 	TruncateTo int64
+	// LocalPrefill: D prefills a new session's first turn itself, reusing cached_tokens from its
+	// prefix cache (LOCAL_FIRST_TURN; the session is opened first).
+	LocalPrefill bool
 }
 
 // execution derives a decision's execution plan from its mode, reason and cause.
@@ -65,6 +68,7 @@ func execution(d *Decision, unavailable bool) Execution {
 		e.Transfer = kvcv1.TransferKind_TRANSFER_KIND_UNSPECIFIED
 		e.KeepSession = true
 		e.TruncateTo = d.TruncateTo
+		e.LocalPrefill, e.OpenSession = d.LocalPrefill, d.LocalPrefill
 	case kvcv1.RouteMode_ROUTE_MODE_SEED, kvcv1.RouteMode_ROUTE_MODE_RESEED_PREFILL:
 		e.KeepSession, e.OpenSession = true, true
 	case kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT:

@@ -70,6 +70,8 @@ type Decision struct {
 	// TruncateTo: D keeps only this many tokens of the session before its append-prefill
 	// (PREFIX_TRUNCATED); 0 = none.
 	TruncateTo int64
+	// LocalPrefill: D prefills a new session's first turn itself (LOCAL_FIRST_TURN).
+	LocalPrefill bool
 	// PrefillPriority: PrefillPriorityLow for sessions predicted to go direct-to-D next.
 	PrefillPriority    int32
 	PauseMs            int64
@@ -364,9 +366,20 @@ func (c *Cycle) seed() Decision {
 		return c.fallback(g.Reason)
 	}
 	c.Need = c.Q.InputTokens + c.Q.MaxOutputTokens
-	d, why := c.pick(SeedProfile)
+	prof := SeedProfile
+	if c.In.Content.known() && len(c.In.Content.Overlap) > 0 {
+		prof = SeedOnContentProfile
+	}
+	d, why := c.pick(prof)
 	if d == nil {
 		return c.fallback(why)
+	}
+	if dec, ok := c.placeOnContent(d); ok {
+		return dec
+	}
+	reason := kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION
+	if c.overlapTokens(d.W.WorkerId) > 0 {
+		reason = kvcv1.RouteReason_ROUTE_REASON_PREFIX_OVERLAP
 	}
 	p := c.leastLoadedPrefill()
 	if p == nil {
@@ -374,7 +387,7 @@ func (c *Cycle) seed() Decision {
 	}
 	return Decision{
 		Mode:            kvcv1.RouteMode_ROUTE_MODE_SEED,
-		Reason:          kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION,
+		Reason:          reason,
 		Prefill:         p,
 		Decode:          d.W,
 		ReservedTokens:  c.Need,

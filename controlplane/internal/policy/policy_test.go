@@ -525,6 +525,8 @@ func TestDecideEveryModeAndReason(t *testing.T) {
 	// Decisions on content are the table of TestDecideOnContent.
 	seenReason[kvcv1.RouteReason_ROUTE_REASON_PREFIX_MISMATCH] = true
 	seenReason[kvcv1.RouteReason_ROUTE_REASON_PREFIX_TRUNCATED] = true
+	seenReason[kvcv1.RouteReason_ROUTE_REASON_PREFIX_OVERLAP] = true // TestPlaceNewSessionsOnContent
+	seenReason[kvcv1.RouteReason_ROUTE_REASON_LOCAL_FIRST_TURN] = true
 	for v := range kvcv1.RouteReason_name {
 		if r := kvcv1.RouteReason(v); r != 0 && !seenReason[r] {
 			t.Errorf("reason %s not covered", r)

@@ -21,6 +21,9 @@ const (
 	maxAnchors         = 16 // recent commits kept per session: a snapshot is one of them
 	maxPromptPages     = 1 << 20
 	maxPageSize        = 4096
+	// maxIndexPages: the first pages of each session's chain go into its decode worker's prefix
+	// index (placement of new sessions on content: system prompts, tool definitions, files).
+	maxIndexPages = 128
 )
 
 // anchor is one commit of a session: the hash of its last full page, for the snapshot pushed
@@ -41,14 +44,59 @@ type contentEntry struct {
 	gen      uint64
 	chain    *pagehash.Sparse // pages of [0, kvLen) the control plane knows (may be fewer than ⌊kvLen/page⌋)
 	anchors  []anchor         // newest last
+	indexed  []uint64         // the first pages' hashes, in decode's prefix index
 }
 
 type contentStore struct {
 	mu sync.Mutex
 	m  map[string]*contentEntry
+	// prefix is each decode worker's prefix index: page hash → sessions whose chain holds it
+	// among their first maxIndexPages pages. A chained hash names a whole prefix, so a prompt's
+	// overlap with a worker is the longest prefix of its chain found here. Entries follow the
+	// sessions' last successful turns; an eviction the leader has not seen leaves a hint that
+	// only costs a worse placement (the decode worker checks what it reuses).
+	prefix map[string]map[uint64]int32
 }
 
-func newContentStore() *contentStore { return &contentStore{m: map[string]*contentEntry{}} }
+func newContentStore() *contentStore {
+	return &contentStore{m: map[string]*contentEntry{}, prefix: map[string]map[uint64]int32{}}
+}
+
+// unindexLocked removes e's hashes from its worker's prefix index.
+func (cs *contentStore) unindexLocked(e *contentEntry) {
+	idx := cs.prefix[e.decode]
+	for _, h := range e.indexed {
+		if idx[h]--; idx[h] <= 0 {
+			delete(idx, h)
+		}
+	}
+	if len(idx) == 0 {
+		delete(cs.prefix, e.decode)
+	}
+}
+
+// overlaps fills out with, per decode worker, how many leading pages of prompt it holds for
+// some session (0 omitted).
+func (cs *contentStore) overlaps(prompt []uint64, out map[string]int) {
+	n := min(len(prompt), maxIndexPages)
+	cs.mu.Lock()
+	defer cs.mu.Unlock()
+	for w, idx := range cs.prefix {
+		// prompt[i] ∈ idx implies prompt[j] ∈ idx for j < i (chained): binary search.
+		lo, hi := 0, n
+		for lo < hi {
+			mid := (lo + hi + 1) / 2
+			if _, ok := idx[prompt[mid-1]]; ok {
+				lo = mid
+			} else {
+				hi = mid - 1
+			}
+		}
+		if lo > 0 {
+			out[w] = lo
+		}
+	}
+}
 
 func (cs *contentStore) get(id string) *contentEntry {
 	cs.mu.Lock()
@@ -58,6 +106,9 @@ func (cs *contentStore) get(id string) *contentEntry {
 
 func (cs *contentStore) forget(id string) {
 	cs.mu.Lock()
+	if e := cs.m[id]; e != nil {
+		cs.unindexLocked(e)
+	}
 	delete(cs.m, id)
 	cs.mu.Unlock()
 }
@@ -114,16 +165,29 @@ func (cs *contentStore) record(session, decode string, pageSize int64, prompt, e
 	}
 	sp.Append(chain)
 	e := &contentEntry{decode: decode, kvLen: kvLen, pageSize: pageSize, gen: gen, chain: sp}
+	e.indexed = chain[:min(len(chain), maxIndexPages):min(len(chain), maxIndexPages)]
 	cs.mu.Lock()
 	defer cs.mu.Unlock()
-	if old := cs.m[session]; old != nil && old.pageSize == pageSize {
-		e.anchors = append(e.anchors, old.anchors[max(0, len(old.anchors)-maxAnchors+1):]...)
+	if old := cs.m[session]; old != nil {
+		cs.unindexLocked(old)
+		if old.pageSize == pageSize {
+			e.anchors = append(e.anchors, old.anchors[max(0, len(old.anchors)-maxAnchors+1):]...)
+		}
+	}
+	idx := cs.prefix[decode]
+	if idx == nil {
+		idx = map[uint64]int32{}
+		cs.prefix[decode] = idx
+	}
+	for _, h := range e.indexed {
+		idx[h]++
 	}
 	if len(chain) == full && full > 0 {
 		e.anchors = append(e.anchors, anchor{gen: gen, tokens: kvLen, pages: full, last: chain[full-1]})
 	}
 	if _, ok := cs.m[session]; !ok && len(cs.m) >= maxContentSessions {
-		for k := range cs.m { // bounded: drop an arbitrary session (its next turn reseeds)
+		for k, v := range cs.m { // bounded: drop an arbitrary session (its next turn reseeds)
+			cs.unindexLocked(v)
 			delete(cs.m, k)
 			break
 		}

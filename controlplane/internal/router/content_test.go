@@ -115,3 +115,54 @@ func TestRouteOnContent(t *testing.T) {
 		}
 	}
 }
+
+// TestPlaceOnContent: sessions sharing a system prompt with a session resident on a decode
+// worker are placed there — a short first turn prefilled on it (LOCAL_FIRST_TURN), a long one
+// seeded there (PREFIX_OVERLAP); the prefix index follows the sessions (forgotten sessions
+// leave it).
+func TestPlaceOnContent(t *testing.T) {
+	f := newFixture(t, basicCluster()...)
+	system := idsN(640, 5) // 40 pages shared
+	first := append(append([]uint32(nil), system...), idsN(400, 100_000)...)
+	d := f.contentDecide("a1", first, 20)
+	if d.Mode != kvcv1.RouteMode_ROUTE_MODE_SEED || d.Reason != kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION {
+		t.Fatalf("first session: %s/%s", d.Mode, d.Reason)
+	}
+	home := d.Decode.WorkerId
+	f.contentReport(d, first, idsN(20, 200_000), 0)
+	// Make the other D emptier, so headroom alone would pick it.
+	other := "d1"
+	if home == "d1" {
+		other = "d2"
+	}
+	f.c.UpdateWorker(home, func(w *kvcv1.Worker) { w.Load.UsedTokens = 60_000 })
+
+	short := append(append([]uint32(nil), system...), idsN(300, 300_000)...)
+	d = f.contentDecide("a2", short, 20)
+	if d.Mode != kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D || d.Reason != kvcv1.RouteReason_ROUTE_REASON_LOCAL_FIRST_TURN ||
+		d.Decode.WorkerId != home || d.CachedTokens != 640 || !d.Execution.GetLocalPrefill() || !d.Execution.GetOpenSession() || d.Prefill != nil {
+		t.Fatalf("short first turn: %s/%s on %s cached %d exec %+v", d.Mode, d.Reason, d.Decode.GetWorkerId(), d.CachedTokens, d.Execution)
+	}
+	f.contentReport(d, short, idsN(20, 400_000), 0)
+	if rec := f.session("a2"); rec.DecodeWorker != home || rec.Generation != 1 {
+		t.Fatalf("local first turn did not make the session resident: %+v", rec)
+	}
+
+	long := append(append([]uint32(nil), system...), idsN(10_000, 500_000)...)
+	d = f.contentDecide("a3", long, 20)
+	if d.Mode != kvcv1.RouteMode_ROUTE_MODE_SEED || d.Reason != kvcv1.RouteReason_ROUTE_REASON_PREFIX_OVERLAP || d.Decode.WorkerId != home {
+		t.Fatalf("long first turn: %s/%s on %s", d.Mode, d.Reason, d.Decode.GetWorkerId())
+	}
+	f.report(d.DecisionId, false, kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_ABORTED, 0)
+
+	// Forgotten sessions leave the index: placement falls back to headroom.
+	f.s.content.forget("a1")
+	f.s.content.forget("a2")
+	d = f.contentDecide("a4", long, 20)
+	if d.Reason != kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION || d.Decode.WorkerId != other {
+		t.Fatalf("after the index emptied: %s/%s on %s", d.Mode, d.Reason, d.Decode.GetWorkerId())
+	}
+	if n := len(f.s.content.prefix); n != 0 {
+		t.Fatalf("prefix index keeps %d workers after every session left", n)
+	}
+}

@@ -363,7 +363,8 @@ type queryCtx struct {
 	r       *reservation
 	decided bool
 	ct      policy.Content
-	entry   *contentEntry // the session's content entry when the query carries hashes
+	entry   *contentEntry  // the session's content entry when the query carries hashes
+	overlap map[string]int // a new session's prompt overlap per decode worker
 	now     time.Time
 	epoch   int64
 	onRec   func(rec *kvcv1.SessionRecord) // x.onRecord, bound once per pooled queryCtx
@@ -383,6 +384,7 @@ func (x *queryCtx) decide(rec *kvcv1.SessionRecord) {
 	x.in.Session = rec
 	if x.q.PageSize > 0 {
 		view(x.entry, int64(x.q.PageSize), x.q.PromptPages, rec, &x.ct)
+		x.ct.Overlap = x.overlap
 		x.in.Content = &x.ct
 	}
 	x.s.mu.Lock()
@@ -466,6 +468,11 @@ func (s *Service) query(q *kvcv1.RouteQuery) *kvcv1.RouteResponse {
 	}}
 	if q.PageSize > 0 && !x.in.Unavailable {
 		x.entry = s.content.get(q.SessionId)
+		if x.entry == nil && len(q.PromptPages) > 0 && !q.EndSession {
+			// A session the leader knows no content of: where does its prompt's prefix live?
+			x.overlap = map[string]int{}
+			s.content.overlaps(q.PromptPages, x.overlap)
+		}
 	}
 	if q.EndSession {
 		s.content.forget(q.SessionId)
@@ -533,6 +540,7 @@ func (s *Service) execution(e *policy.Execution) *kvcv1.RouteExecution {
 		OnTransferFailed: e.OnTransferFailed,
 		RetryAllowed:     e.RetryAllowed,
 		TruncateTo:       e.TruncateTo,
+		LocalPrefill:     e.LocalPrefill,
 	}
 	if e.CloseSessionOn != "" {
 		// The worker's address as the cluster knows it now; a worker no longer listed has
