@@ -173,6 +173,7 @@ func (s *State) loadSessionsLocked(snap *kvstore.Snapshot) int {
 		}
 	}
 	s.nSessions.Store(int64(len(s.sessions)))
+	s.idsGen++
 	return s.applyJournalLocked(snap.Volatile)
 }
 

@@ -82,6 +82,10 @@ type State struct {
 	byDecode map[string]map[string]struct{} // decode worker -> session ids resident there
 	bySnap   map[string]map[string]struct{} // prefill worker -> session ids with a snapshot there
 	drains   map[string]*drainOp            // worker -> its drain under this term (drain.go)
+	// idsGen counts session creations and deletions (the admin pager's snapshot is current
+	// while it is unchanged); idSnap is that snapshot (ListSessions).
+	idsGen uint64
+	idSnap atomic.Pointer[idSnapshot]
 	// dirty lists the sessions whose volatile changes wait for the next journal flush (the
 	// entry's dirty flag is the truth; an id may appear more than once or be stale).
 	dirty []string
@@ -153,6 +157,8 @@ func (s *State) resetLocked() {
 	s.jr.reset()
 	s.publishJournalLocked()
 	s.nSessions.Store(0)
+	s.idsGen++
+	s.idSnap.Store(nil)
 }
 
 // Defaults returns the default policy (with the configured TTL and grace).
@@ -230,33 +236,39 @@ func (s *State) UpdateSession(id string, fn func(rec *kvcv1.SessionRecord)) {
 // ListSessions pages through the in-memory records in id order: up to limit records with
 // id > after (resident on worker, when worker is set). next is "" on the last page.
 //
-// The routing lock is held only to copy the candidate ids (no sort, no clone) and then to
-// clone the chosen page: the smallest limit ids are chosen outside the lock (a bounded heap,
-// O(n log limit)). A session deleted in between is left out, so a page may hold fewer than
-// limit records while next still continues after it.
+// The routing lock is never held to sort. Without a worker filter, pages are cut from a sorted
+// snapshot of every session id: taken (ids copied under the lock, sorted outside it) for a
+// first page (after == "") unless no session was created or deleted since the last one, and
+// reused by the pages that continue a listing for up to listSnapshotTTL, so a whole listing
+// copies the ids about once instead of once per page; a session created during a listing may
+// be missed by it. With a worker filter the worker's ids are copied under the lock and the
+// page chosen outside it (a bounded heap). Records are cloned under the lock; one deleted in
+// between is left out, so a page may hold fewer than limit records while next continues.
 func (s *State) ListSessions(after string, limit int, worker string) (recs []*kvcv1.SessionRecord, next string) {
 	if limit <= 0 {
 		limit = 100
 	}
-	s.mu.Lock()
-	var ids []string
-	if worker != "" {
-		ids = make([]string, 0, len(s.byDecode[worker]))
+	var page []string
+	var more bool
+	if worker == "" {
+		ids := s.sortedIDs(after != "")
+		i, _ := slices.BinarySearch(ids, after)
+		if i < len(ids) && ids[i] == after {
+			i++
+		}
+		page = ids[i:min(i+limit, len(ids))]
+		more = i+limit < len(ids)
+	} else {
+		s.mu.Lock()
+		ids := make([]string, 0, len(s.byDecode[worker]))
 		for id := range s.byDecode[worker] {
 			if id > after {
 				ids = append(ids, id)
 			}
 		}
-	} else {
-		ids = make([]string, 0, len(s.sessions))
-		for id := range s.sessions {
-			if id > after {
-				ids = append(ids, id)
-			}
-		}
+		s.mu.Unlock()
+		page, more = smallest(ids, limit)
 	}
-	s.mu.Unlock()
-	page, more := smallest(ids, limit)
 	s.mu.Lock()
 	for _, id := range page {
 		e, ok := s.sessions[id]
@@ -266,10 +278,41 @@ func (s *State) ListSessions(after string, limit int, worker string) (recs []*kv
 		recs = append(recs, proto.Clone(e.rec).(*kvcv1.SessionRecord))
 	}
 	s.mu.Unlock()
-	if more {
+	if more && len(page) > 0 {
 		next = page[len(page)-1]
 	}
 	return recs, next
+}
+
+// listSnapshotTTL bounds how long the pages continuing a listing reuse one sorted id snapshot.
+const listSnapshotTTL = time.Second
+
+// idSnapshot is every session id, sorted, as of gen (State.idsGen).
+type idSnapshot struct {
+	ids []string
+	gen uint64
+	at  time.Time
+}
+
+// sortedIDs returns a sorted snapshot of every session id (read-only): the cached one when no
+// session was created or deleted since, or, for a continuing listing, when it is younger than
+// listSnapshotTTL; else a new one (ids copied under the lock, sorted outside it).
+func (s *State) sortedIDs(continuing bool) []string {
+	snap := s.idSnap.Load()
+	s.mu.Lock()
+	if snap != nil && (snap.gen == s.idsGen || (continuing && time.Since(snap.at) < listSnapshotTTL)) {
+		s.mu.Unlock()
+		return snap.ids
+	}
+	ids := make([]string, 0, len(s.sessions))
+	for id := range s.sessions {
+		ids = append(ids, id)
+	}
+	gen := s.idsGen
+	s.mu.Unlock()
+	slices.Sort(ids)
+	s.idSnap.Store(&idSnapshot{ids: ids, gen: gen, at: time.Now()})
+	return ids
 }
 
 // smallest returns the k smallest of ids in order, and whether ids held more than k. ids is
@@ -326,6 +369,7 @@ func (s *State) createLocked(id string) sessEntry {
 	e := sessEntry{rec: &kvcv1.SessionRecord{SessionId: id, CreatedUnixMs: time.Now().UnixMilli()}}
 	s.sessions[id] = e
 	s.nSessions.Add(1)
+	s.idsGen++
 	return e
 }
 
@@ -409,6 +453,7 @@ func (s *State) deleteSessionLocked(id string) {
 	unindex(s.bySnap, rec.GetSnapshot().GetPrefillWorker(), id)
 	delete(s.sessions, id)
 	s.nSessions.Add(-1)
+	s.idsGen++
 	if s.term != nil {
 		if err := s.term.batcher.DeleteSession(id); err != nil {
 			s.m.writeFailures.Inc()
