@@ -42,8 +42,9 @@
 // the drains and the journal. Workers() is lock-free: an immutable slice of immutable Worker
 // messages is swapped (atomic.Pointer) on every change. Policy(), Epoch() and Leading() are
 // lock-free the same way. Session() returns a clone. Commands are queued on a stream's bounded
-// channel and sent by that stream's own send loop. ListSessions holds the lock only to copy
-// ids and to clone the chosen page; choosing the page (a bounded heap) runs outside it.
+// channel and sent by that stream's own send loop. ListSessions never sorts under the lock:
+// it cuts pages from a sorted snapshot of the session ids (copied under the lock, sorted
+// outside it, reused by the continuing pages of a listing) and holds the lock to clone a page.
 //
 // # Lock order
 //
