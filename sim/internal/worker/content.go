@@ -1,6 +1,7 @@
 package worker
 
 import (
+	"context"
 	"net/http"
 
 	"github.com/kvcentric/kvcentric/pkg/kvpool"
@@ -148,4 +149,107 @@ func (w *Worker) truncateSession(t *turn, s *session, keep int64) *apiError {
 	t.meta.TruncatedTo = keep
 	w.m.truncations.Inc()
 	return nil
+}
+
+// beginLocal starts a new session's first turn prefilled on this decode worker (a
+// LOCAL_FIRST_TURN decision: conditional disaggregation). Like SGLang's radix cache, the worker
+// reuses the longest page-aligned prefix of the prompt whose KV it already holds for another
+// idle session (up to cached_tokens, the control plane's overlap): the bytes are copied into
+// the new session's pages and verified against the prompt's ids (kvc-sim shares no pages
+// between sessions; the copy stands for SGLang's shared radix pages), and only the rest is
+// prefilled. A stale copy of the session here is replaced.
+func (w *Worker) beginLocal(ctx context.Context, t *turn, need int64) *apiError {
+	p := t.p
+	t.local = true
+	w.mu.Lock()
+	old := w.sessions[p.sessionID]
+	w.mu.Unlock()
+	if old != nil {
+		w.dropSession(old, kvcv1.ReleaseReason_RELEASE_REASON_RELEASED)
+	}
+	donor, reuse := w.findDonor(t, min(p.cached, p.input))
+	if donor != nil {
+		defer w.unpin(donor)
+	}
+	pages, ev, e := w.allocate(ctx, need, p.sessionID)
+	t.meta.EvictedSessions = ev
+	if e != nil {
+		return e
+	}
+	s := &session{id: p.sessionID, pages: pages, pinned: 1}
+	w.mu.Lock()
+	w.touch(s)
+	w.sessions[s.id] = s
+	w.mu.Unlock()
+	t.s = s
+	if reuse > 0 {
+		w.mu.Lock()
+		src := append([]int64(nil), donor.pages...)
+		w.mu.Unlock()
+		copyTokens(w.mem, src, pages, reuse)
+		_, bad, err := w.checkContent(t, pages, 0, reuse)
+		if err != nil || bad > 0 {
+			return errf(http.StatusInternalServerError, "kv_verify_failed", "prefix KV copied from session %q does not verify: %d bad slots, %v", donor.id, bad, err)
+		}
+		t.meta.PrefixCachedTokens = reuse
+		w.m.prefixCachedTokens.Add(float64(reuse))
+	}
+	t.kv = reuse
+	return w.appendPrefill(ctx, t, reuse, p.input)
+}
+
+// findDonor returns the idle resident session whose KV holds the longest page-aligned prefix
+// of the turn's prompt, at most limit tokens (checked on buffer 0 against the prompt's ids),
+// pinned, and that length; nil and 0 when none holds a page of it.
+func (w *Worker) findDonor(t *turn, limit int64) (*session, int64) {
+	ps := int64(w.cfg.Geometry.PageSize)
+	limit = limit / ps * ps
+	if limit <= 0 {
+		return nil, 0
+	}
+	ids := t.content(limit)
+	l := w.mem.Layout()
+	tb := l.TokenBytes()
+	buf := w.mem.Buffer(0)
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	var best *session
+	var bestN int64
+	for _, s := range w.sessions {
+		if s.id == t.p.sessionID || s.pinned > 0 || s.kvLen < ps {
+			continue
+		}
+		n := min(limit, s.kvLen/ps*ps)
+		m := int64(0)
+		for ; m < n; m++ {
+			off := uint64(s.pages[m/ps])*l.ItemLen + uint64(m%ps)*tb
+			if !kvpool.CheckTokenContent(buf[off:off+tb], contentKey, ids[m], m, 0) {
+				break
+			}
+		}
+		if m = m / ps * ps; m > bestN || (m == bestN && m > 0 && s.id < best.id) {
+			best, bestN = s, m
+		}
+	}
+	if best != nil {
+		best.pinned++ // not evicted while its pages are copied
+	}
+	return best, bestN
+}
+
+// copyTokens copies the KV of tokens [0, n) from the src page list to the dst page list, every
+// buffer.
+func copyTokens(p kvpool.Buffers, src, dst []int64, n int64) {
+	l := p.Layout()
+	ps := int64(l.PageSize)
+	tb := l.TokenBytes()
+	for b := 0; b < l.NumBuffers(); b++ {
+		buf := p.Buffer(b)
+		for t := int64(0); t < n; t += ps {
+			k := min(ps, n-t) * int64(tb)
+			so := uint64(src[t/ps]) * l.ItemLen
+			do := uint64(dst[t/ps]) * l.ItemLen
+			copy(buf[do:do+uint64(k)], buf[so:so+uint64(k)])
+		}
+	}
 }

@@ -22,6 +22,9 @@ func idsBody(rid string, ids []int64, maxNew int64, k kvcReq, truncate int64) []
 	if truncate > 0 {
 		kv["truncate_to"] = truncate
 	}
+	if k.Keep != nil && *k.Keep {
+		kv["local_prefill"] = true // the tests' flag for a local first turn
+	}
 	b, _ := json.Marshal(map[string]any{"rid": rid, "input_ids": ids, "stream": false,
 		"sampling_params": map[string]any{"max_new_tokens": maxNew}, "kvc": kv})
 	return b
@@ -179,5 +182,53 @@ func TestReceivedKVOfAnotherPromptFailsVerification(t *testing.T) {
 	}
 	if _, ok := sessionsOf(t, d)["s"]; ok {
 		t.Fatal("a session whose KV failed verification stayed resident")
+	}
+}
+
+// TestLocalFirstTurnReusesPrefix: a LOCAL_FIRST_TURN (DIRECT_TO_D with local_prefill) creates
+// the session on this decode worker, copies the KV of the longest page-aligned prefix another
+// idle session holds (a shared system prompt), verifies it against the new prompt's ids and
+// prefills only the rest; without such a session it prefills everything.
+func TestLocalFirstTurnReusesPrefix(t *testing.T) {
+	h := newHub()
+	p := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_PREFILL, "p0", 4096, zeroTiming())
+	d := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_DECODE, "d0", 4096, zeroTiming())
+	ctx := context.Background()
+	system := seqIDs(30, 7) // 7 full pages of 4 and 2 tokens
+
+	// A session holding the system prompt (seeded through P).
+	first := append(append([]int64(nil), system...), seqIDs(10, 5000)...)
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		post(t, ctx, p.url, idsBody("r1", first, 2, kvcReq{Mode: "SEED", Role: "prefill", SessionID: "a", Room: i64(3)}, 0))
+	}()
+	if r := post(t, ctx, d.url, idsBody("r1", first, 2, kvcReq{Mode: "SEED", Role: "decode", SessionID: "a", Room: i64(3)}, 0)); r.status != 200 {
+		t.Fatalf("seed: %d %s", r.status, r.code)
+	}
+	wg.Wait()
+
+	local := func(rid, sid string, ids []int64, cached int64) result {
+		return post(t, ctx, d.url, idsBody(rid, ids, 3, kvcReq{Mode: "DIRECT_TO_D", Role: "decode", SessionID: sid, CachedTokens: cached, Keep: bptr(true)}, 0))
+	}
+	second := append(append([]int64(nil), system...), seqIDs(20, 9000)...)
+	r := local("r2", "b", second, 30)
+	if r.status != 200 || r.ans.MetaInfo.KVC.PrefixCachedTokens != 28 || r.ans.MetaInfo.KVC.PrefillTokens != int64(len(second))-28 {
+		t.Fatalf("local first turn: %d %s %+v", r.status, r.code, r.ans.MetaInfo.KVC)
+	}
+	residentVerifies(t, d, "b", append(second, r.ans.OutputIDs...))
+
+	// Nothing shared: everything prefilled here.
+	alone := seqIDs(25, 70_000)
+	r = local("r3", "c", alone, 0)
+	if r.status != 200 || r.ans.MetaInfo.KVC.PrefixCachedTokens != 0 || r.ans.MetaInfo.KVC.PrefillTokens != 25 {
+		t.Fatalf("local first turn without a shared prefix: %d %s %+v", r.status, r.code, r.ans.MetaInfo.KVC)
+	}
+	residentVerifies(t, d, "c", append(alone, r.ans.OutputIDs...))
+
+	// local_prefill only on a decode worker's DIRECT_TO_D.
+	if r := post(t, ctx, d.url, idsBody("r4", alone, 1, kvcReq{Mode: "SEED", Role: "decode", SessionID: "e", Room: i64(4), Keep: bptr(true)}, 0)); r.status != 400 {
+		t.Fatalf("local_prefill on a SEED: %d %s", r.status, r.code)
 	}
 }

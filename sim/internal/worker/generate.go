@@ -34,6 +34,9 @@ type KVCMeta struct {
 	// TruncatedTo: the session was rewritten from this token on (truncate_to, or a divergence
 	// in its partial last page); 0 = not.
 	TruncatedTo int64 `json:"truncated_to,omitempty"`
+	// PrefixCachedTokens: a local first turn reused this many tokens of KV the worker held for
+	// other sessions (its prefix cache) instead of prefilling them.
+	PrefixCachedTokens int64 `json:"prefix_cached_tokens,omitempty"`
 }
 
 type metaInfo struct {
@@ -310,6 +313,7 @@ type turn struct {
 	unlock   func()
 	kv       int64    // tokens of KV computed
 	ids      []uint32 // the content of the turn's KV (content.go), built on first use
+	local    bool     // a new session's first turn prefilled here (local_prefill)
 	// finished: finish ran (decode runs it before the last write, so that a client that has the
 	// whole answer knows the session is committed on the sidecar).
 	finished bool
@@ -340,6 +344,12 @@ func (w *Worker) begin(ctx context.Context, p *plan, meta *KVCMeta) (*turn, *api
 	fail := func(e *apiError) (*turn, *apiError) {
 		w.finish(t, false)
 		return nil, e
+	}
+	if p.mode == ModeDirectToD && p.localPrefill {
+		if e := w.beginLocal(ctx, t, need); e != nil {
+			return fail(e)
+		}
+		return t, nil
 	}
 	if p.mode == ModeDirectToD {
 		w.mu.Lock()
@@ -688,6 +698,9 @@ func (w *Worker) finish(t *turn, ok bool) {
 	}
 	switch {
 	case !t.p.keep:
+		w.dropSession(s, kvcv1.ReleaseReason_RELEASE_REASON_RELEASED)
+		return
+	case !ok && t.local:
 		w.dropSession(s, kvcv1.ReleaseReason_RELEASE_REASON_RELEASED)
 		return
 	case !ok && (t.p.mode == ModeDirectToD || t.extend):

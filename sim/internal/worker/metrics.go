@@ -23,6 +23,8 @@ type metrics struct {
 	truncations  prometheus.Counter
 	tailRewrites prometheus.Counter
 	misStitched  prometheus.Counter
+	// prefixCachedTokens: tokens local first turns reused from other sessions' KV.
+	prefixCachedTokens prometheus.Counter
 }
 
 func newMetrics(reg prometheus.Registerer, w *Worker) *metrics {
@@ -54,6 +56,7 @@ func newMetrics(reg prometheus.Registerer, w *Worker) *metrics {
 	m.truncations = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_session_truncations_total", Help: "Held sessions cut before a turn's append-prefill (truncate_to, or a divergence in the partial last page)."})
 	m.tailRewrites = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_tail_rewrites_total", Help: "Turns whose prompt diverged from the held KV inside its partial last page (invisible to page hashes)."})
 	m.misStitched = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_mis_stitched_total", Help: "Turns refused because the held KV they were to reuse is not a prefix of the prompt inside its full pages."})
+	m.prefixCachedTokens = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_prefix_cached_tokens_total", Help: "Tokens of new sessions' local first turns reused from KV this worker held for other sessions (not prefilled)."})
 	m.residentGauge = prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvc_sim_resident_sessions", Help: "Sessions resident in the KV pool."},
 		func() float64 { return float64(w.stats().Sessions) })
 	m.usedPagesGauge = prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvc_sim_used_pages", Help: "KV pages in use."},
@@ -63,7 +66,7 @@ func newMetrics(reg prometheus.Registerer, w *Worker) *metrics {
 	if reg != nil {
 		reg.MustRegister(m.requests, m.ttft, m.receivedBytes, m.verifiedBytes, m.verifyFailures, m.sentBytes,
 			m.prefillTokens, m.decodeTokens, m.evictions, m.capacityRejects, m.preallocWaits, m.bridgeErrors, m.transferSeconds,
-			m.residentGauge, m.usedPagesGauge, m.freePagesGauge, m.truncations, m.tailRewrites, m.misStitched)
+			m.residentGauge, m.usedPagesGauge, m.freePagesGauge, m.truncations, m.tailRewrites, m.misStitched, m.prefixCachedTokens)
 	}
 	return m
 }

@@ -71,6 +71,9 @@ type kvcHints struct {
 	// TruncateTo: keep only the first truncate_to tokens of the held session before the
 	// append-prefill (RouteExecution.truncate_to); 0 or absent = no truncation.
 	TruncateTo *int64 `json:"truncate_to"`
+	// LocalPrefill: a new session's first turn prefilled here (RouteExecution.local_prefill),
+	// reusing cached_tokens of KV this worker holds for other sessions.
+	LocalPrefill *bool `json:"local_prefill"`
 }
 
 // kvHintsEnvelope is SGLang's KvHintsEnvelope (sglang.srt.managers.kv_hints).
@@ -156,6 +159,8 @@ type plan struct {
 	ids []uint32
 	// truncateTo: the decision's truncate_to (0 = none).
 	truncateTo int64
+	// localPrefill: the decision's local_prefill (content.go).
+	localPrefill bool
 }
 
 // checkTransfer: the payload's transfer kind must be the one the mode implies.
@@ -300,6 +305,9 @@ func parseGenerate(body []byte, role kvcv1.WorkerRole, capacity int64) (*plan, e
 		if k.TruncateTo != nil {
 			p.truncateTo = *k.TruncateTo
 		}
+		if k.LocalPrefill != nil {
+			p.localPrefill = *k.LocalPrefill
+		}
 		if k.Transfer != nil {
 			if err := checkTransfer(*k.Transfer, p.mode); err != nil {
 				return nil, err
@@ -346,6 +354,9 @@ func parseGenerate(body []byte, role kvcv1.WorkerRole, capacity int64) (*plan, e
 	}
 	if p.truncateTo != 0 && (p.mode != ModeDirectToD || p.truncateTo < 0 || p.truncateTo != p.cached) {
 		return nil, fmt.Errorf("kvc.truncate_to %d: only a DIRECT_TO_D turn truncates, to its cached_tokens (%d)", p.truncateTo, p.cached)
+	}
+	if p.localPrefill && (p.mode != ModeDirectToD || role != kvcv1.WorkerRole_WORKER_ROLE_DECODE || p.truncateTo != 0) {
+		return nil, fmt.Errorf("kvc.local_prefill: only a DIRECT_TO_D turn on a decode worker prefills a new session locally (mode %s)", p.mode)
 	}
 	if len(ids) > 0 {
 		p.ids = make([]uint32, min(int64(len(ids)), p.input))
