@@ -211,6 +211,9 @@ func TestTokenizerAndContentAddresses(t *testing.T) {
 	if payload["truncate_to"].(float64) != 32 {
 		t.Fatalf("payload truncate_to %v", payload["truncate_to"])
 	}
+	if _, has := payload["local_prefill"]; has {
+		t.Fatal("local_prefill sent without the plan asking for it")
+	}
 	all := append([]uint32(nil), want...)
 	for _, v := range out {
 		all = append(all, uint32(v))
@@ -375,4 +378,57 @@ func demoDirectTTFT(path string) (float64, bool) {
 		}
 	}
 	return best, best > 0
+}
+
+// TestLocalFirstTurnPlan: a LOCAL_FIRST_TURN plan opens the session on D, calls D alone with
+// local_prefill in the kv_hints payload and session_params, and no prefill worker.
+func TestLocalFirstTurnPlan(t *testing.T) {
+	dw := newIDsWorker(t, []int64{9})
+	opened := make(chan string, 4)
+	mux := http.NewServeMux()
+	mux.HandleFunc("/open_session", func(w http.ResponseWriter, r *http.Request) {
+		opened <- r.URL.Path
+		_, _ = w.Write([]byte(`"s"`))
+	})
+	mux.Handle("/generate", dw.Config.Handler)
+	d := httptest.NewServer(mux)
+	defer d.Close()
+	rr := &recRouter{decision: func(q *kvcv1.RouteQuery) *kvcv1.RouteDecision {
+		return &kvcv1.RouteDecision{DecisionId: "d-2", Mode: kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, CachedTokens: 16,
+			Reason: kvcv1.RouteReason_ROUTE_REASON_LOCAL_FIRST_TURN, Decode: &kvcv1.WorkerRef{WorkerId: "d0", WorkerUrl: d.URL},
+			Execution: &kvcv1.RouteExecution{CallDecode: true, KeepSession: true, OpenSession: true, LocalPrefill: true}}
+	}}
+	s := New(rr, workers.NewPool(nil, nil), Options{RequestTimeout: 10 * time.Second, ConnectTimeout: time.Second, MaxBodyBytes: 1 << 20,
+		Parse: api.Options{RequireSession: true, DefaultMaxTok: 16}, Content: &Content{PageSize: 16}}, zerolog.Nop(), NewMetrics(prometheus.NewRegistry()))
+	gm := http.NewServeMux()
+	s.Register(gm)
+	gw := httptest.NewServer(gm)
+	defer gw.Close()
+	body, _ := json.Marshal(map[string]any{"input_ids": seqInts(40), "sampling_params": map[string]any{"max_new_tokens": 1}})
+	req, _ := http.NewRequest(http.MethodPost, gw.URL+"/generate", bytes.NewReader(body))
+	req.Header.Set("X-Session-ID", "s")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, _ = io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 200 || len(opened) != 1 {
+		t.Fatalf("status %d, %d open_session calls", resp.StatusCode, len(opened))
+	}
+	dw.mu.Lock()
+	b := dw.body
+	dw.mu.Unlock()
+	payload := b["kv_hints"].(map[string]any)["actions"].([]any)[0].(map[string]any)["payload"].(map[string]any)
+	if payload["local_prefill"] != true || payload["cached_tokens"].(float64) != 16 || b["session_params"] == nil || b["bootstrap_room"] != nil {
+		t.Fatalf("decode body %v", b)
+	}
+}
+
+func seqInts(n int) []int {
+	out := make([]int, n)
+	for i := range out {
+		out[i] = i + 1
+	}
+	return out
 }

@@ -231,6 +231,9 @@ func workerBody(p *plan, req *api.Request, role string) []byte {
 	if t := e.GetTruncateTo(); t > 0 && role == roleDecode {
 		payload["truncate_to"] = t
 	}
+	if e.GetLocalPrefill() && role == roleDecode {
+		payload["local_prefill"] = true
+	}
 	msgID := p.decisionID
 	if msgID == "" {
 		msgID = req.RID
