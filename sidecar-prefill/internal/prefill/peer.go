@@ -53,8 +53,11 @@ func (s *Sidecar) ReserveSnapshot(ctx context.Context, req *kvcv1.ReserveSnapsho
 	// that peer only; without, from the first peer that writes into it.
 	// Store credit (store/credit.go): the writer's first use_credit_pages credit pages, already
 	// written, lead a full push's reservation; its credit is topped up to credit_pages after.
-	res, err := st.ReserveCredit(req.GetSessionId(), req.GetGeneration(), req.GetBaseLen(), req.GetTokens(), req.GetSourceWorkerId(),
-		req.GetSourceTransferEndpoint(), store.CreditRequest{Pages: req.GetCreditPages(), Use: req.GetUseCreditPages(), ID: req.GetCreditId()})
+	// A re-tag (retag_from_generation) appends onto the snapshot the writer's worker received by
+	// a reseed and gives the entry the push's generation: no full re-push after a reseed.
+	res, err := st.ReserveRetag(req.GetSessionId(), req.GetGeneration(), req.GetBaseLen(), req.GetTokens(), req.GetSourceWorkerId(),
+		req.GetSourceTransferEndpoint(), store.CreditRequest{Pages: req.GetCreditPages(), Use: req.GetUseCreditPages(), ID: req.GetCreditId()},
+		req.GetRetagFromGeneration())
 	if err != nil {
 		s.ev.Emit(agent.Event{Event: agent.EvRecvRejected, Session: req.GetSessionId(), Generation: req.GetGeneration(),
 			BaseLen: req.GetBaseLen(), Tokens: req.GetTokens(), Peer: req.GetSourceWorkerId(), Reason: err.Error()})

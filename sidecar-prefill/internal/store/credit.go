@@ -7,6 +7,9 @@ import (
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+
+	"github.com/kvcentric/kvcentric/pkg/agent"
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
 // Store credit: a writer (a decode engine, named by its segment name) holds a standing set of
@@ -62,18 +65,18 @@ func (s *Store) checkCreditLocked(base, tokens int64, writer string, cr CreditRe
 	case cr.Use == 0:
 		return nil
 	case base != 0:
-		return status.Errorf(codes.FailedPrecondition, "use_credit_pages needs a full push (base_len 0, not %d)", base)
+		return agent.PeerStatus(codes.FailedPrecondition, creditRefused, "use_credit_pages needs a full push (base_len 0, not %d)", base)
 	case cr.Use > ceilDiv(tokens, s.cfg.PageSize):
-		return status.Errorf(codes.FailedPrecondition, "use_credit_pages %d is more than the %d pages of the push", cr.Use, ceilDiv(tokens, s.cfg.PageSize))
+		return agent.PeerStatus(codes.FailedPrecondition, creditRefused, "use_credit_pages %d is more than the %d pages of the push", cr.Use, ceilDiv(tokens, s.cfg.PageSize))
 	}
 	c := s.credits[writer]
 	switch {
 	case c == nil:
-		return status.Errorf(codes.FailedPrecondition, "credit %d of %s unknown: the writer holds no credit (expired, or the store restarted)", cr.ID, writer)
+		return agent.PeerStatus(codes.FailedPrecondition, creditRefused, "credit %d of %s unknown: the writer holds no credit (expired, or the store restarted)", cr.ID, writer)
 	case c.id != cr.ID:
-		return status.Errorf(codes.FailedPrecondition, "credit %d of %s is stale: its credit is now %d", cr.ID, writer, c.id)
+		return agent.PeerStatus(codes.FailedPrecondition, creditRefused, "credit %d of %s is stale: its credit is now %d", cr.ID, writer, c.id)
 	case cr.Use > int64(len(c.pages)):
-		return status.Errorf(codes.FailedPrecondition, "use_credit_pages %d is more than the %d pages of credit %d", cr.Use, len(c.pages), c.id)
+		return agent.PeerStatus(codes.FailedPrecondition, creditRefused, "use_credit_pages %d is more than the %d pages of credit %d", cr.Use, len(c.pages), c.id)
 	}
 	return nil
 }
@@ -173,3 +176,5 @@ func (s *Store) CreditPages() int64 {
 	defer s.mu.Unlock()
 	return s.creditPages
 }
+
+var creditRefused = &kvcv1.PeerError{Reason: kvcv1.PeerErrorReason_PEER_ERROR_REASON_CREDIT_REFUSED}

@@ -10,6 +10,9 @@ import (
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+
+	"github.com/kvcentric/kvcentric/pkg/agent"
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
 // Evict reasons.
@@ -80,6 +83,7 @@ type pending struct {
 	source   string
 	full     bool
 	entry    *Entry // the entry appended to (nil for a full push)
+	from     uint64 // the appended entry's generation at reserve (≠ gen: a re-tag)
 	pages    []int64
 	owned    []int64
 	created  time.Time
@@ -206,6 +210,15 @@ func (s *Store) ReserveFor(session string, gen uint64, base, tokens int64, sourc
 // writer's credit is topped up to cr.Pages free pages afterwards. Reservation.Credit is the
 // writer's credit after the call.
 func (s *Store) ReserveCredit(session string, gen uint64, base, tokens int64, source, writer string, cr CreditRequest) (Reservation, error) {
+	return s.ReserveRetag(session, gen, base, tokens, source, writer, cr, 0)
+}
+
+// ReserveRetag is ReserveCredit that may re-tag (no full re-push after a reseed): with retag ≠ 0
+// an append (base > 0) of generation gen is accepted onto the stored entry of generation retag
+// (< gen) when its seqlen is base — the writer's worker received exactly that snapshot by a
+// reseed — and the entry takes generation gen at commit. An entry already of generation gen
+// takes a plain append. Anything else is a base mismatch (the writer then pushes everything).
+func (s *Store) ReserveRetag(session string, gen uint64, base, tokens int64, source, writer string, cr CreditRequest, retag uint64) (Reservation, error) {
 	if tokens <= 0 || base < 0 {
 		return Reservation{}, status.Errorf(codes.InvalidArgument, "bad range: base_len %d, tokens %d", base, tokens)
 	}
@@ -228,11 +241,13 @@ func (s *Store) ReserveCredit(session string, gen uint64, base, tokens int64, so
 		return Reservation{}, err
 	}
 	if id, busy := s.bySess[session]; busy {
-		return Reservation{}, status.Errorf(codes.Aborted, "session %s already has ingest %d in flight", session, id)
+		return Reservation{}, agent.PeerStatus(codes.Aborted, &kvcv1.PeerError{Reason: kvcv1.PeerErrorReason_PEER_ERROR_REASON_INGEST_BUSY, IngestId: id},
+			"session %s already has ingest %d in flight", session, id)
 	}
 	e := s.entries[session]
 	if e != nil && gen < e.Generation {
-		return Reservation{}, status.Errorf(codes.FailedPrecondition, "generation %d is older than the stored generation %d (seqlen %d)", gen, e.Generation, e.Seqlen)
+		return Reservation{}, agent.PeerStatus(codes.FailedPrecondition, stored(kvcv1.PeerErrorReason_PEER_ERROR_REASON_GENERATION_STALE, e),
+			"generation %d is older than the stored generation %d (seqlen %d)", gen, e.Generation, e.Seqlen)
 	}
 	ps := s.cfg.PageSize
 	p := &pending{session: session, gen: gen, base: base, tokens: tokens, source: source, created: now, deadline: now.Add(s.cfg.ReserveTimeout)}
@@ -242,28 +257,35 @@ func (s *Store) ReserveCredit(session string, gen uint64, base, tokens int64, so
 		p.full = true
 		need = ceilDiv(tokens, ps)
 	} else {
+		// the generation the stored entry must have: the push's own, or for a re-tag the one the
+		// writer's worker received by a snapshot reseed (the entry takes gen at commit)
+		want := gen
+		if retag != 0 && (e == nil || e.Generation != gen) {
+			want = retag
+		}
 		var seqlen int64
-		if e != nil && e.Generation == gen {
+		if e != nil && e.Generation == want {
 			seqlen = e.Seqlen
 		}
-		if seqlen != base {
-			return Reservation{}, status.Errorf(codes.FailedPrecondition, "base_len %d does not match the stored seqlen %d of generation %d", base, seqlen, gen)
+		if seqlen != base || (want != gen && want >= gen) {
+			return Reservation{}, agent.PeerStatus(codes.FailedPrecondition, stored(kvcv1.PeerErrorReason_PEER_ERROR_REASON_BASE_MISMATCH, e),
+				"base_len %d does not match the stored seqlen %d of generation %d", base, seqlen, want)
 		}
-		p.entry = e
+		p.entry, p.from = e, e.Generation
 		firstPage = base / ps
 		have := int64(len(e.Pages))
 		need = ceilDiv(base+tokens, ps) - have
 		p.pages = append(p.pages, e.Pages[firstPage:]...)
 	}
 	if need > s.cfg.PageCount {
-		return Reservation{}, status.Errorf(codes.ResourceExhausted, "reserve of %d pages (%d bytes) is larger than the store (%d pages, %d bytes)",
+		return Reservation{}, agent.PeerStatus(codes.ResourceExhausted, storeFull, "reserve of %d pages (%d bytes) is larger than the store (%d pages, %d bytes)",
 			need, need*s.cfg.PageBytes, s.cfg.PageCount, s.CapacityBytes())
 	}
 	use := cr.Use
 	for s.nfree < need-use {
 		v, ok := s.evictOneLocked(e, p.full)
 		if !ok {
-			return Reservation{}, status.Errorf(codes.ResourceExhausted, "store full: %d pages free, %d needed, nothing evictable", s.nfree, need)
+			return Reservation{}, agent.PeerStatus(codes.ResourceExhausted, storeFull, "store full: %d pages free, %d needed, nothing evictable", s.nfree, need)
 		}
 		evicted = append(evicted, v)
 	}
@@ -390,7 +412,8 @@ func (s *Store) CommitIngest(id uint64) (_ View, in Ingest, _ error) {
 		if cur != nil && cur.Generation > p.gen {
 			s.freeLocked(p.owned)
 			s.mu.Unlock()
-			return View{}, in, status.Errorf(codes.FailedPrecondition, "generation %d was replaced by %d", p.gen, cur.Generation)
+			return View{}, in, agent.PeerStatus(codes.FailedPrecondition, stored(kvcv1.PeerErrorReason_PEER_ERROR_REASON_GENERATION_STALE, cur),
+				"generation %d was replaced by %d", p.gen, cur.Generation)
 		}
 		if cur != nil {
 			if cur.Generation != p.gen {
@@ -404,11 +427,13 @@ func (s *Store) CommitIngest(id uint64) (_ View, in Ingest, _ error) {
 		s.entries[p.session] = e
 	} else {
 		e = p.entry
-		if e.dead || cur != e || e.Seqlen != p.base {
+		if e.dead || cur != e || e.Seqlen != p.base || e.Generation != p.from {
 			s.freeLocked(p.owned)
 			s.mu.Unlock()
-			return View{}, in, status.Errorf(codes.FailedPrecondition, "snapshot of %s changed during the ingest; base_len %d no longer matches", p.session, p.base)
+			return View{}, in, agent.PeerStatus(codes.FailedPrecondition, stored(kvcv1.PeerErrorReason_PEER_ERROR_REASON_SNAPSHOT_CHANGED, cur),
+				"snapshot of %s changed during the ingest; base_len %d no longer matches", p.session, p.base)
 		}
+		e.Generation = p.gen // a re-tag: the entry now belongs to the writer's residency
 		e.Pages = append(e.Pages, p.owned...)
 		s.lru.MoveToFront(e.elem)
 	}
@@ -610,4 +635,15 @@ func (s *Store) notify(v View, reason string) {
 	if s.cfg.OnEvict != nil {
 		s.cfg.OnEvict(v, reason)
 	}
+}
+
+var storeFull = &kvcv1.PeerError{Reason: kvcv1.PeerErrorReason_PEER_ERROR_REASON_STORE_FULL}
+
+// stored is a refusal's detail naming what the store holds of the session (e may be nil).
+func stored(r kvcv1.PeerErrorReason, e *Entry) *kvcv1.PeerError {
+	d := &kvcv1.PeerError{Reason: r}
+	if e != nil {
+		d.StoredSeqlen, d.StoredGeneration = e.Seqlen, e.Generation
+	}
+	return d
 }
