@@ -228,6 +228,10 @@ func TestForgetWorker(t *testing.T) {
 		r, err := c.admin.GetSession(ctx, &kvcv1.GetSessionRequest{SessionId: "s-1"})
 		return err == nil && r.GetSession().GetDecodeWorker() == "d1" && r.GetSession().GetSnapshot().GetPrefillWorker() == "p1"
 	})
+	if _, err := c.admin.UpdatePolicy(ctx, &kvcv1.UpdatePolicyRequest{Policy: &kvcv1.Policy{
+		MaxConcurrentTransfersPerWorker: map[string]int32{"d1": 2, "p1": 3}}}); err != nil {
+		t.Fatal(err)
+	}
 
 	cases := []struct {
 		name string
@@ -288,6 +292,9 @@ func TestForgetWorker(t *testing.T) {
 	}
 	if rec, ok, err := store.GetSession(ctx, "s-1"); err != nil || !ok || rec.GetDecodeWorker() != "" || rec.GetSnapshot() != nil {
 		t.Fatalf("s-1 in etcd: %v %v %v", rec, ok, err)
+	}
+	if p, err := c.admin.GetPolicy(ctx, &kvcv1.GetPolicyRequest{}); err != nil || len(p.GetPolicy().GetMaxConcurrentTransfersPerWorker()) != 0 {
+		t.Fatalf("overrides of forgotten workers kept: %v %v", p.GetPolicy().GetMaxConcurrentTransfersPerWorker(), err)
 	}
 	ws, err := c.admin.ListWorkers(ctx, &kvcv1.ListWorkersRequest{})
 	if err != nil || len(ws.GetWorkers()) != 0 {

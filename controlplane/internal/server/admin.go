@@ -224,8 +224,8 @@ func (a *Admin) GetDrainStatus(_ context.Context, req *kvcv1.GetDrainStatusReque
 	return &kvcv1.GetDrainStatusResponse{Status: st}, nil
 }
 
-// ForgetWorker removes a decommissioned worker and its residency (leader only). It answers
-// once the removal is in etcd (UNAVAILABLE otherwise; retrying is harmless: NOT_FOUND then
+// ForgetWorker removes a decommissioned worker, its residency and its per-worker policy
+// override (leader only). It answers once the removal is in etcd (UNAVAILABLE otherwise; retrying is harmless: NOT_FOUND then
 // means it is gone). A connected worker is refused with FAILED_PRECONDITION unless forced.
 func (a *Admin) ForgetWorker(ctx context.Context, req *kvcv1.ForgetWorkerRequest) (*kvcv1.ForgetWorkerResponse, error) {
 	if !a.Lead.IsLeader() {
@@ -256,6 +256,15 @@ func (a *Admin) ForgetWorker(ctx context.Context, req *kvcv1.ForgetWorkerRequest
 		default:
 			return nil, status.Errorf(codes.Unavailable, "worker %q forgotten on this leader but not persisted: etcd did not take it within %s (%v)",
 				req.GetWorkerId(), a.Store.CallTimeout(), ferr)
+		}
+	}
+	// Its per-worker policy override would stay in the record forever (overrides are accepted
+	// only for known workers, so it could not be set again either): remove it.
+	if _, ok := a.State.StoredPolicy().GetMaxConcurrentTransfersPerWorker()[req.GetWorkerId()]; ok {
+		rm := &kvcv1.Policy{MaxConcurrentTransfersPerWorker: map[string]int32{req.GetWorkerId(): -1}}
+		if _, err := a.State.UpdatePolicy(ctx, rm); err != nil {
+			return nil, status.Errorf(codes.Unavailable, "worker %q forgotten, but its max_concurrent_transfers_per_worker override was not removed (%v); remove it with UpdatePolicy (a negative value)",
+				req.GetWorkerId(), err)
 		}
 	}
 	return &kvcv1.ForgetWorkerResponse{SessionsUnbound: int64(unbound), SnapshotsDropped: int64(snaps)}, nil
