@@ -193,6 +193,7 @@ type workerKVC struct {
 	PrefillMS           float64 `json:"prefill_ms"`
 	ReceiveWaitMS       float64 `json:"receive_wait_ms"`
 	TruncatedTo         int64   `json:"truncated_to"`
+	PrefixCachedTokens  int64   `json:"prefix_cached_tokens"`
 }
 
 type streamChunk struct {
@@ -299,6 +300,7 @@ func send(ctx context.Context, hc *http.Client, baseURL, session string, turn in
 					r.MaxAbsKVDiff = k.MaxAbsKVDiff
 					r.WorkerPrefillMS, r.ReceiveWaitMS = k.PrefillMS, k.ReceiveWaitMS
 					r.TruncatedTo = max(r.TruncatedTo, k.TruncatedTo)
+					r.PrefixCachedTokens = max(r.PrefixCachedTokens, k.PrefixCachedTokens)
 				}
 			}
 		}

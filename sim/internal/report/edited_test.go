@@ -26,3 +26,21 @@ func TestEditedHistorySection(t *testing.T) {
 		t.Fatal("an arm without edits shows the section")
 	}
 }
+
+// TestPlacedOnContentSection: overlap seeds, local first turns and the prefill tokens they
+// reused are counted and shown.
+func TestPlacedOnContentSection(t *testing.T) {
+	recs := []Record{
+		{Mode: "SEED", Reason: "PREFIX_OVERLAP", OK: true},
+		{Mode: "DIRECT_TO_D", Reason: "LOCAL_FIRST_TURN", OK: true, PrefixCachedTokens: 4096},
+		{Mode: "DIRECT_TO_D", Reason: "LOCAL_FIRST_TURN", OK: true, PrefixCachedTokens: 2048},
+		{Mode: "SEED", Reason: "NEW_SESSION", OK: true},
+	}
+	a := Compute("E4", recs, 1)
+	if a.OverlapSeeds != 1 || a.LocalFirstTurns != 2 || a.PrefixCachedTokens != 6144 {
+		t.Fatalf("overlap %d local %d saved %d", a.OverlapSeeds, a.LocalFirstTurns, a.PrefixCachedTokens)
+	}
+	if md := Markdown(Meta{}, []*Arm{a}); !strings.Contains(md, "| E4 | 1 | 2 | 6144 |") {
+		t.Fatalf("report lacks the placement table:\n%s", md)
+	}
+}

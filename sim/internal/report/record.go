@@ -51,6 +51,9 @@ type Record struct {
 	// token from which the decode worker rewrote the session it held (meta_info.kvc.truncated_to).
 	Edit        string `json:"edit,omitempty"`
 	TruncatedTo int64  `json:"truncated_to,omitempty"`
+	// PrefixCachedTokens: a local first turn reused this many tokens the decode worker held
+	// for other sessions (meta_info.kvc.prefix_cached_tokens) instead of prefilling them.
+	PrefixCachedTokens int64 `json:"prefix_cached_tokens,omitempty"`
 }
 
 // Reseed reports whether the request was a reseed (via snapshot or re-prefill).

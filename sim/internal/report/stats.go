@@ -60,6 +60,11 @@ type Arm struct {
 	EditedReasons        map[string]int
 	Rewrites             int
 	EditedVerifyFailures int64
+	// New sessions placed on content (report.md only): seeds placed on the decode worker with
+	// the largest overlap (PREFIX_OVERLAP), first turns prefilled on it (LOCAL_FIRST_TURN), and
+	// the prefill tokens those reused from its prefix cache.
+	OverlapSeeds, LocalFirstTurns int
+	PrefixCachedTokens            int64
 }
 
 // Percentile is the nearest-rank percentile (q in [0,1]) of sorted values; 0 when empty.
@@ -121,6 +126,13 @@ func Compute(name string, recs []Record, div float64) *Arm {
 		if r.TruncatedTo > 0 {
 			a.Rewrites++
 		}
+		switch r.Reason {
+		case "PREFIX_OVERLAP":
+			a.OverlapSeeds++
+		case "LOCAL_FIRST_TURN":
+			a.LocalFirstTurns++
+		}
+		a.PrefixCachedTokens += r.PrefixCachedTokens
 		if r.FailOpen {
 			a.FailOpen++
 		}

@@ -234,6 +234,22 @@ func Markdown(meta Meta, arms []*Arm) string {
 		p("An edited turn's prompt is not its resident KV plus an append: the control plane reuses KV only up to the common prefix of page hashes (PREFIX_TRUNCATED: cut on D; PREFIX_MISMATCH: reseed), and the decode worker cuts a divergence inside its partial last page itself (counted in the rewrites).")
 		p("")
 	}
+	placed := false
+	for _, a := range arms {
+		placed = placed || a.OverlapSeeds > 0 || a.LocalFirstTurns > 0
+	}
+	if placed {
+		p("## New sessions placed on content")
+		p("")
+		p("| arm | seeds placed on the largest overlap (PREFIX_OVERLAP) | first turns prefilled on D (LOCAL_FIRST_TURN) | prefill tokens saved (reused from D's prefix cache) |")
+		p("|---|---:|---:|---:|")
+		for _, a := range arms {
+			p("| %s | %d | %d | %d |", a.Name, a.OverlapSeeds, a.LocalFirstTurns, a.PrefixCachedTokens)
+		}
+		p("")
+		p("A seed placed on the overlap still prefills its whole input on P (kvc-sim's prefill worker keeps no prefix cache): its saving is the later local turns and shared pages on D, not counted here. A local first turn prefills on D only what D does not already hold for another session.")
+		p("")
+	}
 	p("## Work")
 	p("")
 	p("| arm | tokens prefilled on P (whole inputs) | tokens append-prefilled on D | real KV bytes moved | real KV bytes verified |")
