@@ -96,3 +96,30 @@ def test_launch_commands_of_docs_parse(sglang_installed):
     cfg = UnifiedCacheLinkerConfig.from_dict(dec.unified_cache_external_linker_config)
     import importlib
     assert getattr(importlib.import_module(cfg.linker_module_path), cfg.linker) is KvcLinker
+
+
+def test_sglang_launcher_loads_the_plugin_in_a_fresh_process(sglang_installed):
+    """SGLang's own launcher (python -m sglang.launch_server) loads the plugin through its entry
+    point before parsing the command line, and a scheduler process's load_plugins() applies every
+    hook: both in fresh interpreters, as in production."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--help"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "mooncake_tcp,kvcentric}" in out.stdout
+    code = ("import warnings; warnings.filterwarnings('ignore')\n"
+            "from sglang.srt.plugins import load_plugins\n"
+            "from sglang.srt.plugins.hook_registry import HookRegistry\n"
+            "load_plugins()\n"
+            "from kvcentric_sglang import plugin\n"
+            "from sglang.srt.disaggregation.utils import TransferBackend\n"
+            "assert TransferBackend('kvcentric').name == 'KVCENTRIC'\n"
+            "plugin.verify_applied()\n"
+            "print('applied', sorted(t for t in plugin.installed_hooks() if t in HookRegistry._patched))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    applied = out.stdout.split("applied", 1)[1]
+    for t in sglang_installed.installed_hooks():
+        assert t in applied, t
