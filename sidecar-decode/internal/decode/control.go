@@ -27,7 +27,8 @@ func (s *Sidecar) Hello() *kvcv1.Hello {
 func (s *Sidecar) Resync() *kvcv1.ResidentSessions {
 	rs := &kvcv1.ResidentSessions{}
 	for _, si := range s.Sessions() {
-		rs.Sessions = append(rs.Sessions, &kvcv1.ResidentSession{SessionId: si.SessionID, KvCommittedLen: si.CommittedLen, Generation: si.Generation})
+		rs.Sessions = append(rs.Sessions, &kvcv1.ResidentSession{SessionId: si.SessionID, KvCommittedLen: si.CommittedLen, Generation: si.Generation,
+			HasSnapshotTarget: si.PrefillWorker != ""})
 	}
 	return rs
 }
@@ -130,11 +131,29 @@ func (s *Sidecar) setTarget(t *kvcv1.SetSnapshotTargetCommand) error {
 		return nil
 	}
 	old := ss.target
-	if old == nil || old.GetGeneration() != t.GetGeneration() || old.GetPrefillWorkerId() != t.GetPrefillWorkerId() {
-		ss.lastPushed = 0
-	}
+	newTarget := old == nil || old.GetGeneration() != t.GetGeneration() || old.GetPrefillWorkerId() != t.GetPrefillWorkerId()
 	ss.target, ss.gen = t, t.GetGeneration()
+	if newTarget {
+		ss.lastPushed, ss.retagFrom = 0, 0
+		ss.validBaseLocked(t)
+	}
 	ss.failedLen = 0 // a new target deserves a new attempt
 	s.maybeEnqueueLocked(ss)
 	return nil
+}
+
+// validBaseLocked applies a new target's valid base (SetSnapshotTargetCommand.valid_base_len):
+// tokens [0, valid_base_len) of the session here are the target store's snapshot of
+// base_generation, so they count as pushed, and the next push is an append — re-tagging the
+// store's entry when base_generation is an older generation (a snapshot reseed). A base longer
+// than what the worker committed is ignored (a full push then, as without one).
+func (ss *session) validBaseLocked(t *kvcv1.SetSnapshotTargetCommand) {
+	b, from := t.GetValidBaseLen(), t.GetBaseGeneration()
+	if b <= 0 || from == 0 || from > t.GetGeneration() || b > ss.committed {
+		return
+	}
+	ss.lastPushed = b
+	if from != t.GetGeneration() {
+		ss.retagFrom = from
+	}
 }

@@ -5,12 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"slices"
-	"strings"
 	"sync"
 	"time"
-
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 
 	"github.com/kvcentric/kvcentric/pkg/agent"
 	"github.com/kvcentric/kvcentric/pkg/rdma"
@@ -32,6 +28,9 @@ func (s *Sidecar) pushSession(ctx context.Context, id string) {
 	pool := s.pool
 	ps := int64(pool.PageSize)
 	job := pushJob{session: id, target: ss.target, gen: ss.target.GetGeneration(), base: ss.lastPushed, end: ss.committed}
+	if ss.retagFrom != 0 && job.base > 0 {
+		job.retag = ss.retagFrom // the base is the store's snapshot of that generation (a reseed)
+	}
 	job.pages = append([]int64(nil), ss.pages[:(job.end+ps-1)/ps]...)
 	pctx, cancel := context.WithCancelCause(ctx)
 	run := &pushRun{cancel: cancel, readDone: make(chan struct{})}
@@ -49,6 +48,7 @@ func (s *Sidecar) pushSession(ctx context.Context, id string) {
 	ss.forcePush = false
 	if err == nil && !ss.gone && ss.target == job.target {
 		ss.lastPushed = seqlen
+		ss.retagFrom = 0 // the store's entry is this generation's now
 	}
 	if err != nil {
 		ss.failedLen = job.end // dropped: the old snapshot stays valid for what it covers
@@ -66,6 +66,7 @@ type pushJob struct {
 	target    *kvcv1.SetSnapshotTargetCommand
 	gen       uint64
 	base, end int64
+	retag     uint64 // ≠ 0: base is the store's snapshot of this generation (re-tag on append)
 	pages     []int64
 }
 
@@ -95,9 +96,14 @@ func (s *Sidecar) doPush(ctx context.Context, pool *agent.Pool, job pushJob) (in
 		}
 		ev.Event = agent.EvPushFailed
 		s.ev.Emit(ev)
-		if status.Code(err) == codes.FailedPrecondition && strings.Contains(err.Error(), "does not match the stored seqlen") && !fullTried {
-			job.base, fullTried = 0, true // the store lost track: send everything
+		// The retry decision reads the store's typed refusal (agent.PeerError in the status
+		// details), never its message.
+		switch err = agent.TypedPeerError(err); {
+		case errors.Is(err, agent.ErrBaseMismatch) && !fullTried:
+			job.base, job.retag, fullTried = 0, 0, true // the store lost track: send everything
 			continue
+		case errors.Is(err, agent.ErrGenerationStale):
+			return 0, err // the store holds a newer residency of the session: this one is stale
 		}
 		if attempt >= 2 {
 			return 0, err
@@ -224,7 +230,7 @@ func (s *Sidecar) pushOnce(ctx context.Context, pool *agent.Pool, job pushJob, p
 	}
 	addr := job.target.GetPeerAddr()
 	ps := int64(pool.PageSize)
-	req := &kvcv1.ReserveSnapshotRequest{SessionId: job.session, Generation: job.gen, BaseLen: job.base,
+	req := &kvcv1.ReserveSnapshotRequest{SessionId: job.session, Generation: job.gen, BaseLen: job.base, RetagFromGeneration: job.retag,
 		Tokens: job.end - job.base, SourceWorkerId: s.cfg.WorkerID, SourceLayout: pool.Layout(),
 		// binds the reservation to this engine: the store's write guard refuses other writers
 		SourceTransferEndpoint: s.eng.SegmentName(),

@@ -97,7 +97,8 @@ type session struct {
 	gen        uint64
 	target     *kvcv1.SetSnapshotTargetCommand
 	lastPushed int64
-	failedLen  int64 // committed length whose push failed (retried once); wait for a newer commit
+	retagFrom  uint64 // ≠ 0: [0, lastPushed) is the target store's snapshot of this generation (a reseed's valid base): the next push re-tags it
+	failedLen  int64  // committed length whose push failed (retried once); wait for a newer commit
 	queued     bool
 	push       *pushRun
 	gone       bool
@@ -356,13 +357,14 @@ func (s *Sidecar) CommitSession(_ context.Context, req *kvcv1.CommitSessionReque
 	if !ok {
 		delete(s.dropped, req.GetSessionId())
 		ss = &session{id: req.GetSessionId()}
-		if t := s.targets[ss.id]; t != nil {
-			delete(s.targets, ss.id)
-			ss.target, ss.gen = t, t.GetGeneration()
-		}
 		s.sessions[ss.id] = ss
 	}
 	ss.committed = n
+	if t := s.targets[ss.id]; t != nil && !ok { // a target that came before the first commit
+		delete(s.targets, ss.id)
+		ss.target, ss.gen = t, t.GetGeneration()
+		ss.validBaseLocked(t)
+	}
 	ss.pages = append(ss.pages[:0:0], req.GetPages()...)
 	ss.lastCommit = time.Now()
 	enq := s.maybeEnqueueLocked(ss)
