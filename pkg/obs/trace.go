@@ -18,7 +18,8 @@ type Tracing struct {
 	// Service is the service.name resource attribute (the binary's name).
 	Service string
 	// OTLPEndpoint is host:port of an OTLP/gRPC collector; "" exports nothing (trace ids are
-	// still made and propagated: W3C traceparent to gRPC peers and workers, for correlation).
+	// still made and propagated, unsampled unless the caller sampled: W3C traceparent to gRPC
+	// peers and workers, for correlation).
 	OTLPEndpoint string
 	// OTLPInsecure sends to the collector without TLS.
 	OTLPInsecure bool
@@ -51,8 +52,14 @@ func SetupTracing(ctx context.Context, t Tracing) (shutdown func(context.Context
 		}
 	}
 	res := resource.NewSchemaless(attribute.String("service.name", t.Service))
-	popts := []sdktrace.TracerProviderOption{sdktrace.WithResource(res),
-		sdktrace.WithSampler(sdktrace.ParentBased(sdktrace.TraceIDRatioBased(ratio)))}
+	// Without an exporter nothing is recorded for new traces (ids are still made and
+	// propagated, not sampled); a caller's sampled flag is followed either way, so the
+	// caller's own tracing reaches the workers intact.
+	root := sdktrace.TraceIDRatioBased(ratio)
+	if exp == nil {
+		root = sdktrace.NeverSample()
+	}
+	popts := []sdktrace.TracerProviderOption{sdktrace.WithResource(res), sdktrace.WithSampler(sdktrace.ParentBased(root))}
 	if exp != nil {
 		if t.Exporter != nil {
 			popts = append(popts, sdktrace.WithSyncer(exp))
