@@ -21,6 +21,7 @@ type metrics struct {
 	drains          *prometheus.CounterVec // drains by event: started, finished, cancelled
 	drainMoves      *prometheus.CounterVec // sessions moved off draining workers: with_snapshot, without_snapshot, failed
 	forgotten       prometheus.Counter
+	staleCopies     prometheus.Counter // stale copies a decode resync reported, released there
 }
 
 func newMetrics(reg prometheus.Registerer, sessions func() float64) *metrics {
@@ -76,6 +77,9 @@ func newMetrics(reg prometheus.Registerer, sessions func() float64) *metrics {
 		forgotten: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvc_cp_workers_forgotten_total", Help: "Workers removed by AdminService.ForgetWorker.",
 		}),
+		staleCopies: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvc_cp_stale_copies_released_total", Help: "Sessions a decode sidecar's resync reported that the record says moved on (a newer generation elsewhere): the record stood and the copy was released on that worker.",
+		}),
 	}
 	for _, s := range []string{"ready", "draining", "unreachable", "worker_down"} {
 		m.workers.WithLabelValues(s)
@@ -85,7 +89,7 @@ func newMetrics(reg prometheus.Registerer, sessions func() float64) *metrics {
 	}
 	if reg != nil {
 		reg.MustRegister(m.workers, m.commands, m.events, m.transfers, m.expired, m.dropped, m.workerDown, m.loadSeconds, m.writeFailures, m.volatileFlushed,
-			m.journalWritten, m.journalDeleted, m.journalKeys, m.journalBytes, m.drains, m.drainMoves, m.forgotten,
+			m.journalWritten, m.journalDeleted, m.journalKeys, m.journalBytes, m.drains, m.drainMoves, m.forgotten, m.staleCopies,
 			prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 				Name: "kvc_cp_sessions", Help: "Session records held in memory (leader only).",
 			}, sessions))

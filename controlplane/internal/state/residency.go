@@ -22,12 +22,20 @@ func (s *State) Reconcile(st *Stream, rs *kvcv1.ResidentSessions) error {
 	switch st.Role {
 	case kvcv1.WorkerRole_WORKER_ROLE_DECODE:
 		seen := make(map[string]struct{}, len(rs.GetSessions()))
+		var stale []string
 		for _, r := range rs.GetSessions() {
 			seen[r.GetSessionId()] = struct{}{}
 			rec := s.getOrCreateLocked(r.GetSessionId())
 			oldD, oldP := rec.GetDecodeWorker(), rec.GetSnapshot().GetPrefillWorker()
 			if oldD == w && rec.GetKvCommittedLen() == r.GetKvCommittedLen() &&
 				(r.GetGeneration() == 0 || r.GetGeneration() == rec.GetGeneration()) {
+				continue
+			}
+			if s.staleCopyLocked(rec, r.GetGeneration(), oldD, w) {
+				// The record is newer than the reported copy: the session moved (or was dropped)
+				// while this worker was away. The record stands, and the stale KV is released
+				// on the reporting worker (the sidecar has the worker free it).
+				stale = append(stale, r.GetSessionId())
 				continue
 			}
 			if oldD != w && oldD != "" {
@@ -51,6 +59,7 @@ func (s *State) Reconcile(st *Stream, rs *kvcv1.ResidentSessions) error {
 				s.changedLocked(rec, w, rec.GetSnapshot().GetPrefillWorker())
 			}
 		}
+		s.releaseStaleLocked(e, stale)
 		s.kickDrainLocked(w)
 	case kvcv1.WorkerRole_WORKER_ROLE_PREFILL:
 		seen := make(map[string]struct{}, len(rs.GetSnapshots()))
@@ -78,6 +87,40 @@ func (s *State) Reconcile(st *Stream, rs *kvcv1.ResidentSessions) error {
 		}
 	}
 	return nil
+}
+
+// staleCopyLocked: a decode worker w reports a session in KV generation gen (0: unknown, e.g.
+// its sidecar restarted) that the record (resident on oldD, or on none) says is older than
+// what was acknowledged since. The record wins when it names another decode worker and the
+// report is not of a newer generation (a reseed elsewhere bumped the generation while w was
+// unreachable; a copy of unknown generation on w predates it, since w could not be chosen
+// while the record pointed elsewhere), and when the session is resident nowhere but the report
+// is of a known, older generation (moved away, then released or evicted there).
+func (s *State) staleCopyLocked(rec *kvcv1.SessionRecord, gen uint64, oldD, w string) bool {
+	switch {
+	case oldD == w:
+		return false
+	case oldD != "":
+		return gen == 0 || gen <= rec.GetGeneration()
+	default:
+		return gen != 0 && gen < rec.GetGeneration()
+	}
+}
+
+// releaseStaleLocked commands w's sidecar to release the stale copies ids (the sidecar has its
+// worker free them through WatchCommands). Best effort: a full queue leaves them to the next
+// resync.
+func (s *State) releaseStaleLocked(e *workerEntry, ids []string) {
+	for _, id := range ids {
+		s.m.staleCopies.Inc()
+		cmd := &kvcv1.Command{Action: &kvcv1.Command_ReleaseSession{ReleaseSession: &kvcv1.ReleaseSessionCommand{
+			SessionId: id, Reason: "stale copy: the session's newer residency is elsewhere"}}}
+		if err := s.sendLocked(e.stream, cmd); err != nil {
+			s.log.Warn().Err(err).Str("worker", e.stream.WorkerID).Str("session", id).Msg("release of a stale copy not sent")
+			continue
+		}
+		s.log.Info().Str("worker", e.stream.WorkerID).Str("session", id).Msg("resync reported a stale copy: released there")
+	}
 }
 
 // ApplyEvent applies a session event (already validated) from the stream's worker.

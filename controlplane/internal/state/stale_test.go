@@ -1,0 +1,78 @@
+package state
+
+import (
+	"testing"
+
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+// queuedReleases drains st's command queue and returns the sessions it was told to release.
+func queuedReleases(st *Stream) []string {
+	var ids []string
+	for {
+		select {
+		case m := <-st.Queue():
+			if r := m.GetCommand().GetReleaseSession(); r != nil {
+				ids = append(ids, r.GetSessionId())
+			}
+		default:
+			return ids
+		}
+	}
+}
+
+// TestResyncStaleCopy: a decode worker's resync (issue 16 finding 1) must not override a record
+// that is newer than the copy it reports — the session was reseeded elsewhere while the worker
+// was away — and the stale copy is released on the reporting worker.
+func TestResyncStaleCopy(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		// the record before the resync
+		recD   string
+		recGen uint64
+		// d0's report
+		gen         uint64
+		wantD       string
+		wantGen     uint64
+		wantRelease bool
+	}{
+		{"reseeded elsewhere, report of an older generation", "d1", 3, 2, "d1", 3, true},
+		{"reseeded elsewhere, report of unknown generation (sidecar restarted)", "d1", 3, 0, "d1", 3, true},
+		{"reseeded elsewhere, report of the same generation", "d1", 3, 3, "d1", 3, true},
+		{"report of a newer generation wins (the record lagged)", "d1", 3, 4, "d0", 4, false},
+		{"resident nowhere, report of an older generation", "", 3, 2, "", 3, true},
+		{"resident nowhere, report of unknown generation", "", 3, 0, "d0", 3, false},
+		{"resident nowhere, report of the current generation", "", 3, 3, "d0", 3, false},
+		{"resident on the reporter", "d0", 3, 0, "d0", 3, false},
+		{"unknown session", "-", 0, 5, "d0", 5, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := newFixture(t, Config{})
+			st := f.st
+			d0, err := st.Attach(hello("d0", kvcv1.WorkerRole_WORKER_ROLE_DECODE))
+			must(t, err)
+			_, err = st.Attach(hello("d1", kvcv1.WorkerRole_WORKER_ROLE_DECODE))
+			must(t, err)
+			if tc.recD != "-" {
+				st.UpdateSession("s", func(r *kvcv1.SessionRecord) { r.DecodeWorker, r.Generation, r.KvCommittedLen = tc.recD, tc.recGen, 500 })
+			}
+			queuedReleases(d0)
+			must(t, st.Reconcile(d0, &kvcv1.ResidentSessions{FullSync: true, Sessions: []*kvcv1.ResidentSession{
+				{SessionId: "s", KvCommittedLen: 300, Generation: tc.gen}}}))
+			r, ok := st.Session("s")
+			if !ok || r.GetDecodeWorker() != tc.wantD || r.GetGeneration() != tc.wantGen {
+				t.Fatalf("record %v, want decode %q generation %d", r, tc.wantD, tc.wantGen)
+			}
+			if tc.wantD != "d0" && r.GetKvCommittedLen() != 500 {
+				t.Fatalf("the stale report changed kv_committed_len: %v", r)
+			}
+			rel := queuedReleases(d0)
+			if got := len(rel) == 1 && rel[0] == "s"; got != tc.wantRelease || (!tc.wantRelease && len(rel) > 0) {
+				t.Fatalf("releases sent to d0: %v, want release %v", rel, tc.wantRelease)
+			}
+			if recs, _ := st.ListSessions("", 10, "d0"); (len(recs) == 1) != (tc.wantD == "d0") {
+				t.Fatalf("index of d0: %v", recs)
+			}
+		})
+	}
+}
