@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 
+	"google.golang.org/grpc/status"
+
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -79,7 +81,7 @@ func (s *Sidecar) Policy(p *kvcv1.Policy) {
 }
 
 // Apply carries out SetSnapshotTarget, ReleaseSession and Drain commands.
-func (s *Sidecar) Apply(_ context.Context, cmd *kvcv1.Command) error {
+func (s *Sidecar) Apply(ctx context.Context, cmd *kvcv1.Command) error {
 	switch a := cmd.GetAction().(type) {
 	case *kvcv1.Command_SetSnapshotTarget:
 		return s.setTarget(a.SetSnapshotTarget)
@@ -94,7 +96,9 @@ func (s *Sidecar) Apply(_ context.Context, cmd *kvcv1.Command) error {
 		}
 		s.dropped[id] = struct{}{}
 		s.mu.Unlock()
-		go s.drop(id) // waits out an in-flight push; must not block the command stream
+		// Both wait (an in-flight push, the worker's ack): they must not block the command
+		// stream, and they outlive it (a stream that ends still leaves the release done).
+		go s.releaseForControlPlane(context.WithoutCancel(ctx), id, a.ReleaseSession.GetReason())
 		return nil
 	case *kvcv1.Command_Drain:
 		return nil
@@ -104,6 +108,28 @@ func (s *Sidecar) Apply(_ context.Context, cmd *kvcv1.Command) error {
 }
 
 const maxPendingTargets = 65536
+
+// releaseForControlPlane carries out the control plane's ReleaseSessionCommand: the sidecar
+// stops tracking the session (waiting out an in-flight push), then has the worker free its KV
+// (WorkerReleaseCommand, reason CONTROL_PLANE, through WatchCommands: the worker calls
+// ReleaseSession and frees the pages). Without it a session moved away (a stale copy found at a
+// resync, a drain, a migration) would stay in the worker's pool: a leak and a second copy. A
+// worker that does not hold the session, or refuses (a request uses it), is logged.
+func (s *Sidecar) releaseForControlPlane(ctx context.Context, id, why string) {
+	s.drop(id)
+	actx, cancel := context.WithTimeout(ctx, s.rel.cfg.AckTimeout)
+	defer cancel()
+	ack, err := s.att.Send(actx, &kvcv1.WatchCommandsResponse{Reason: kvcv1.WorkerCommandReason_WORKER_COMMAND_REASON_CONTROL_PLANE,
+		Command: &kvcv1.WatchCommandsResponse_Release{Release: &kvcv1.WorkerReleaseCommand{SessionId: id}}})
+	if err == nil && !ack.GetOk() {
+		err = fmt.Errorf("worker refused: %s", ack.GetError())
+	}
+	if err != nil {
+		s.log.Warn().Str("session", id).Str("why", why).Str("error", status.Convert(err).Message()).Msg("control plane's release not carried out on the worker")
+		return
+	}
+	s.log.Info().Str("session", id).Str("why", why).Int64("freed_tokens", ack.GetFreedTokens()).Msg("session released on the control plane's command")
+}
 
 func (s *Sidecar) setTarget(t *kvcv1.SetSnapshotTargetCommand) error {
 	if err := kvcv1.ValidateID("session_id", t.GetSessionId()); err != nil {
