@@ -229,6 +229,11 @@ func (s *Sidecar) handle(st *state.Stream, m *kvcv1.ConnectRequest, log zerolog.
 		if err := s.State.Reconcile(st, msg.ResidentSessions); err != nil {
 			return bad("stale_stream", err)
 		}
+		// A restarted decode sidecar lists its re-committed sessions without snapshot targets
+		// (they lived in its memory): name them again, so they push D→P snapshots.
+		if n, err := s.State.ResendTargets(st, msg.ResidentSessions); err != nil {
+			log.Warn().Err(err).Str("worker", st.WorkerID).Int("sent", n).Msg("snapshot targets not all re-sent after a resync")
+		}
 	case *kvcv1.ConnectRequest_SessionEvent:
 		s.metrics.messages.WithLabelValues("session_event").Inc()
 		if reason, err := validateEvent(st.Role, msg.SessionEvent); err != nil {

@@ -1,0 +1,60 @@
+package state
+
+import (
+	"github.com/kvcentric/kvcentric/controlplane/internal/policy"
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+// ResendTargets names the snapshot target again for the sessions a decode sidecar's full
+// resync lists without one (has_snapshot_target false: a restarted sidecar keeps targets only
+// in memory, and the router names them only at a seed or reseed outcome), so re-committed
+// sessions push D→P snapshots again. Call it after Reconcile; only sessions the table holds
+// resident on that worker, in the reported generation (when known), are named. When the
+// target's store holds the session's snapshot of the same generation, the command carries it
+// as the valid base (that worker pushed it), so the first push after the restart is an append.
+// It returns how many targets were sent.
+func (s *State) ResendTargets(st *Stream, rs *kvcv1.ResidentSessions) (int, error) {
+	if st.Role != kvcv1.WorkerRole_WORKER_ROLE_DECODE || !rs.GetFullSync() {
+		return 0, nil
+	}
+	if !s.Policy().GetSnapshotsEnabled() {
+		return 0, nil
+	}
+	ws := *s.snapshot.Load()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	e, ok := s.workers[st.WorkerID]
+	if !ok || e.stream != st || s.term == nil {
+		return 0, ErrNoStream
+	}
+	sent := 0
+	for _, r := range rs.GetSessions() {
+		if r.GetHasSnapshotTarget() {
+			continue
+		}
+		x, ok := s.sessions[r.GetSessionId()]
+		if !ok || x.rec == nil {
+			continue
+		}
+		rec := x.rec
+		if rec.GetDecodeWorker() != st.WorkerID || (r.GetGeneration() != 0 && r.GetGeneration() != rec.GetGeneration()) {
+			continue
+		}
+		sn := rec.GetSnapshot()
+		p := policy.SnapshotTarget(ws, sn.GetPrefillWorker())
+		if p == nil {
+			continue
+		}
+		t := &kvcv1.SetSnapshotTargetCommand{SessionId: rec.GetSessionId(), PrefillWorkerId: p.GetWorkerId(), PeerAddr: p.GetPeerAddr(),
+			TransferEndpoint: p.GetTransferEndpoint(), Generation: rec.GetGeneration()}
+		if sn.GetPrefillWorker() == p.GetWorkerId() && sn.GetGeneration() != 0 && sn.GetGeneration() == rec.GetGeneration() &&
+			sn.GetSeqlen() > 0 && sn.GetSeqlen() <= r.GetKvCommittedLen() {
+			t.ValidBaseLen, t.BaseGeneration = sn.GetSeqlen(), sn.GetGeneration()
+		}
+		if err := s.sendLocked(st, &kvcv1.Command{Action: &kvcv1.Command_SetSnapshotTarget{SetSnapshotTarget: t}}); err != nil {
+			return sent, err
+		}
+		sent++
+	}
+	return sent, nil
+}
