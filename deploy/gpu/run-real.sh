@@ -35,10 +35,18 @@
 #   KVC_REAL_ARMS [E1,E3,E4]
 #   KVC_REAL_SESSIONS [6]  KVC_REAL_MIN_TURNS [3]  KVC_REAL_MAX_TURNS [5]
 #   KVC_REAL_CTX_MIN [16384]  KVC_REAL_CTX_MAX [24576]   first-turn contexts (tokens)
-#   KVC_REAL_DECODE_CAPACITY [56000]    KV tokens per decode worker (below the working set:
-#                                       evictions, hence reseeds)
+#   KVC_REAL_DECODE_CAPACITY [56000]    KV tokens per decode worker's pool (below the working
+#                                       set: evictions, hence reseeds)
+#   KVC_REAL_ADVERTISED [3 x capacity]  capacity the decode sidecars report to the control plane:
+#                                       above the pool, so the control plane sends sessions to
+#                                       a full D whose LRU then evicts idle ones (instead of
+#                                       answering NO_D_CAPACITY with plain P/D)
+#   KVC_REAL_STORE_BYTES [32 GiB]       the prefill sidecar's snapshot store (host memory); a
+#                                       16K-token snapshot of this model is 2.4 GB
 #   KVC_REAL_PREFILL_CAPACITY [40960]   KV tokens of the prefill worker (>= the largest input)
-#   KVC_REAL_TIME_SCALE [0.25]          workload clock (arrivals, think times)
+#   KVC_REAL_TIME_SCALE [1]             workload clock (arrivals, think times 1-6 s); much lower
+#                                       and a session's next turn can evict it before its
+#                                       2.4 GB D->P push finished (then SNAPSHOT_MISSING)
 #   KVC_REAL_MIN_CONTEXT [16384]        reseeds counted in the final line have inputs >= this
 #   KVC_REAL_VERIFY [1]                 --verify-recompute on every worker (0: off; N is then n/a)
 #   KVC_REAL_REFWORKER_ARGS []          extra kvc-refworker flags
@@ -100,9 +108,11 @@ set -x
 	--worker-kind refworker --refworker-python "$PY" --refworker-devices "$KVC_REAL_DEVICES" \
 	--refworker-args "$REFARGS" --sidecar-args "$SIDECAR_ARGS" --decode "$NDEC" \
 	--decode-capacity-tokens "${KVC_REAL_DECODE_CAPACITY:-56000}" \
+	--decode-advertised-tokens "${KVC_REAL_ADVERTISED:-$((3 * ${KVC_REAL_DECODE_CAPACITY:-56000}))}" \
+	--prefill-sidecar-args "--store-capacity-bytes ${KVC_REAL_STORE_BYTES:-34359738368}" \
 	--sessions "${KVC_REAL_SESSIONS:-6}" --min-turns "${KVC_REAL_MIN_TURNS:-3}" --max-turns "${KVC_REAL_MAX_TURNS:-5}" \
 	--initial-min-tokens "${KVC_REAL_CTX_MIN:-16384}" --initial-max-tokens "${KVC_REAL_CTX_MAX:-24576}" \
-	--large-append-prob 0 --time-scale "${KVC_REAL_TIME_SCALE:-0.25}" --request-timeout 900s || echo "kvc-bench exited $?"
+	--large-append-prob 0 --time-scale "${KVC_REAL_TIME_SCALE:-1}" --request-timeout 900s || echo "kvc-bench exited $?"
 set +x
 date -u +"end %Y-%m-%dT%H:%M:%SZ"
 "$PY" - "$OUT" "$MINCTX" "${KVC_REAL_VERIFY:-1}" <<'PYEOF' | tee "$OUT/real-summary.txt"

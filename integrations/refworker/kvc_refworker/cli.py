@@ -30,13 +30,14 @@ FLAGS = [
     ("transfer-timeout", float, 60.0, "seconds for WaitReceive / SendKV"),
     ("prealloc-wait", float, 0.0, "seconds a request may wait for pages before 503 no_capacity"),
     ("verify-max-steps", int, 16, "decode steps the recompute check compares (the rest are the same arithmetic; 0: all)"),
-    ("atol", float, -1.0, "recompute tolerance on logits and KV (-1: 1e-4 for float32, 0.25 for 16-bit)"),
+    ("atol", float, -1.0, "recompute tolerance on logits and KV (-1: 1e-4 for float32, 1.0 for 16-bit)"),
     ("log-level", str, "info", "debug | info | warning | error"),
     ("log-format", str, "json", "json | console"),
 ]
 BOOLS = [
     ("verify-recompute", "recompute every request from scratch in this worker and report mismatches in meta_info.kvc"),
-    ("no-bitwise-strict", "treat bitwise-expected comparisons as allclose too"),
+    ("no-bitwise-strict", "treat bitwise-expected comparisons as allclose too (the default for 16-bit dtypes)"),
+    ("bitwise-strict", "count a bitwise-expected comparison that is not bitwise as a mismatch also for 16-bit dtypes"),
     ("no-sglang-pool", "use the built-in pool even when sglang is importable"),
 ]
 
@@ -153,11 +154,15 @@ def main(argv=None) -> int:
                 log.info("RegisterKVPool: %s; retrying", e)
                 time.sleep(0.2)
         log.info("pool registered: %d KV bytes per token, transfer endpoint %s", bpt, endpoint)
-        atol = a.atol if a.atol >= 0 else (1e-4 if spec.dtype == torch.float32 else 0.25)
+        fp32 = spec.dtype == torch.float32
+        atol = a.atol if a.atol >= 0 else (1e-4 if fp32 else 1.0)
+        # Bitwise equality across processes holds on CPU in fp32; in bf16 on CUDA one process
+        # reproduces itself bitwise (probe_exactness.py) but P's and D's kernels may differ.
+        strict = (fp32 or a.bitwise_strict) and not a.no_bitwise_strict
         cfg = Config(role=a.role, worker_id=a.worker_id, model_name=spec.name, transfer_timeout_s=a.transfer_timeout,
                      prealloc_wait_s=a.prealloc_wait, verify_recompute=a.verify_recompute, atol=atol,
                      verify_max_steps=a.verify_max_steps,
-                     bitwise_strict=not a.no_bitwise_strict)
+                     bitwise_strict=strict)
         srv.set_worker(Worker(cfg, model, spec, pool, bridge))
         srv.info.update(kv_capacity_tokens=pool.size, kv_bytes_per_token=bpt, pool=pool.source, dtype=str(spec.dtype),
                         verify_recompute=a.verify_recompute, atol=atol)
@@ -165,8 +170,8 @@ def main(argv=None) -> int:
             _write_json(a.ready_file, {"pid": os.getpid(), "worker_id": a.worker_id, "http_addr": http_addr, "role": a.role,
                                        "shm_path": pool.shm_path, "kv_capacity_tokens": pool.size, "pool": pool.source,
                                        "model": spec.name})
-        log.info("serving %s worker %s on http://%s (verify_recompute=%s, atol=%g)", a.role, a.worker_id, http_addr,
-                 a.verify_recompute, atol)
+        log.info("serving %s worker %s on http://%s (verify_recompute=%s, atol=%g, bitwise_strict=%s)", a.role, a.worker_id,
+                 http_addr, a.verify_recompute, atol, strict)
         while not stop.wait(0.5):  # a timed wait: the signal handler runs promptly
             pass
         log.info("stopping")

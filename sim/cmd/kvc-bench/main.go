@@ -45,6 +45,7 @@ type opts struct {
 	sendText       bool
 	sendIDs        bool
 	sidecarArgs    string
+	prefillSCArgs  string
 	decode         int
 	workerKind     string
 	refPython      string
@@ -94,6 +95,7 @@ func parse(args []string, stderr io.Writer) (*opts, error) {
 	fs.StringVar(&o.refArgs, "refworker-args", "", "with --worker-kind refworker: extra kvc-refworker flags, space separated (e.g. \"--model qwen3-8b-shape --verify-recompute\")")
 	fs.StringVar(&o.refDevices, "refworker-devices", "", "with --worker-kind refworker: comma list of devices (cuda:0,cuda:1,...) cycled over the workers, prefill first; each sidecar gets the matching --gpu-index")
 	fs.StringVar(&o.sidecarArgs, "sidecar-args", "", "with --local: extra flags of every sidecar, space separated (e.g. \"--transport cuda\" on a GPU machine)")
+	fs.StringVar(&o.prefillSCArgs, "prefill-sidecar-args", "", "with --local: extra flags of the prefill sidecars only (e.g. \"--store-capacity-bytes 34359738368\")")
 	fs.BoolVar(&o.sendIDs, "send-ids", false, "send the context as input_ids the client keeps (history + the answers' output_ids + new tokens), as an agent does")
 	fs.BoolVar(&o.sendText, "send-text", false, "send a synthetic prompt of the request's length (for real SGLang workers behind a real gateway)")
 	if err := flagenv.Parse(fs, args, os.Getenv); err != nil {
@@ -232,6 +234,7 @@ func run(args []string, stderr io.Writer) int {
 			cfg.Meta.Notes = append(cfg.Meta.Notes, "the workers are kvc-refworkers: prefill, append-prefill and decode are real forward passes of the model and every KV byte is real attention KV; nothing is modeled (the kvc-sim paragraph on modeled timing below does not apply, and KV is checked by recompute, not by a known-bytes pattern)")
 		}
 		cfg.SidecarArgs = strings.Fields(o.sidecarArgs)
+		cfg.PrefillSidecarArgs = strings.Fields(o.prefillSCArgs)
 		if o.advertised > 0 {
 			cfg.SidecarArgs = append(cfg.SidecarArgs, "--kv-capacity-tokens", fmt.Sprint(o.advertised))
 			cfg.Meta.Notes = append(cfg.Meta.Notes, fmt.Sprintf("decode sidecars report %d tokens of capacity to the control plane (the pools hold %d): the control plane admits by that count and each decode worker's LRU evicts idle sessions when it runs short", o.advertised, o.capacity))

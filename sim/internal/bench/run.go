@@ -49,6 +49,7 @@ type Config struct {
 	DecodeCapacityTokens int64
 	SimArgs              []string
 	SidecarArgs          []string
+	PrefillSidecarArgs   []string
 	// WorkerKind "refworker" runs kvc-refworkers (a real model) instead of kvc-sim; see
 	// cluster.Config for the Refworker fields.
 	WorkerKind       string
@@ -126,7 +127,7 @@ func runArm(ctx context.Context, cfg Config, arm string, out io.Writer, meta *re
 			DecodeCapacityTokens: cfg.DecodeCapacityTokens, Policy: pol, SimArgs: cfg.SimArgs, SidecarArgs: cfg.SidecarArgs,
 			Gateway: true, Log: prefixWriter{cfg.Log, arm + ": "},
 			WorkerKind: cfg.WorkerKind, RefworkerPython: cfg.RefworkerPython, RefworkerArgs: cfg.RefworkerArgs,
-			RefworkerDevices: cfg.RefworkerDevices,
+			RefworkerDevices: cfg.RefworkerDevices, PrefillSidecarArgs: cfg.PrefillSidecarArgs,
 		}
 		// Every process binds port 0 and reports what it bound: no port race to retry.
 		c, err := cluster.Start(ctx, ccfg)

@@ -42,7 +42,9 @@ type Config struct {
 	// Optional extra flags per binary, and timeouts.
 	ControlPlaneArgs []string
 	SidecarArgs      []string
-	GatewayArgs      []string
+	// PrefillSidecarArgs go to prefill sidecars only, after SidecarArgs (e.g. --store-capacity-bytes).
+	PrefillSidecarArgs []string
+	GatewayArgs        []string
 	// PrefillCapacityTokens is --kv-capacity-tokens of every prefill kvc-sim (0: default).
 	PrefillCapacityTokens int64
 	// StartTimeout bounds each start-up step (a group of processes getting ready, the wait for all
@@ -425,6 +427,9 @@ func (c *Cluster) start(ctx context.Context) error {
 			"--http-addr", "127.0.0.1:0", "--peer-addr", "127.0.0.1:0", "--transport", "tcp",
 			"--transfer-addr", "127.0.0.1:0", "--event-log", w.EventLog, "--insecure",
 		}, cfg.SidecarArgs...)
+		if w.Role == "prefill" {
+			scArgs = append(scArgs, cfg.PrefillSidecarArgs...)
+		}
 		sc, err := c.spawnProc("kvc-sidecar-"+w.Role, "sidecar-"+w.ID, "sidecar-"+w.Role, scArgs)
 		if err != nil {
 			return err
