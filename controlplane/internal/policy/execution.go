@@ -49,7 +49,9 @@ type Execution struct {
 //   - close-session: a reseed that moves the session off a D that still runs (a migration after
 //     rejections, a drain) closes it there; a D that died or already evicted the session has
 //     nothing to close.
-//   - the prefill worker computes for SEED, RESEED_PREFILL and every PD_FALLBACK; for
+//   - local-prefill: LOCAL_FIRST_TURN, and a PD_FALLBACK without a prefill worker (D prefills
+//     the whole request, no transfer, nothing kept).
+//   - the prefill worker computes for SEED, RESEED_PREFILL and every PD_FALLBACK with one; for
 //     RESEED_SNAPSHOT its sidecar pushes the snapshot on the control plane's command instead.
 //   - a D that does not take the request is a rejection by D (REJECTED_BY_D), whatever the
 //     transport said; a failed transfer of a snapshot is SNAPSHOT_FAILED (the control plane then
@@ -77,6 +79,10 @@ func execution(d *Decision, unavailable bool) Execution {
 		e.OnTransferFailed = kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_SNAPSHOT_FAILED
 	case kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK:
 		e.KeepSession = d.Reason == kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND && !unavailable
+		if d.LocalPrefill {
+			// No prefill worker: D prefills the whole request and keeps nothing (no transfer).
+			e.Transfer, e.LocalPrefill, e.KeepSession = kvcv1.TransferKind_TRANSFER_KIND_UNSPECIFIED, true, false
+		}
 	}
 	if !e.CallDecode {
 		e.KeepSession, e.OpenSession = false, false

@@ -24,6 +24,7 @@ func TestExecutionPerModeAndReason(t *testing.T) {
 		transfer                    kvcv1.TransferKind
 		close                       string
 		onTransfer                  kvcv1.RouteErrorKind
+		local                       bool
 	}
 	fallbackReasons := []kvcv1.RouteReason{
 		kvcv1.RouteReason_ROUTE_REASON_SESSION_NOT_RESIDENT, kvcv1.RouteReason_ROUTE_REASON_SEED_FILTER_EARLY_TURN,
@@ -78,14 +79,18 @@ func TestExecutionPerModeAndReason(t *testing.T) {
 		rows = append(rows, row{name: "fallback " + r.String(), d: Decision{Mode: mFallback, Reason: r, Prefill: P, Decode: D, UsesPrefill: true},
 			want: exp{prefill: true, decode: true, transfer: tSeed, onTransfer: xfer}})
 	}
-	rows = append(rows, row{name: "fallback without a prefill worker", d: Decision{Mode: mFallback,
-		Reason: kvcv1.RouteReason_ROUTE_REASON_NO_PREFILL_WORKER, Decode: D},
-		want: exp{decode: true, transfer: tSeed, onTransfer: xfer}})
+	// Issue 16 finding 5: no transfer without a source — D prefills the whole request itself.
+	rows = append(rows, row{name: "fallback without a prefill worker prefills on D", d: Decision{Mode: mFallback,
+		Reason: kvcv1.RouteReason_ROUTE_REASON_NO_PREFILL_WORKER, Decode: D, LocalPrefill: true},
+		want: exp{decode: true, transfer: tNone, onTransfer: xfer, local: true}},
+		row{name: "large append without a prefill worker keeps nothing", d: Decision{Mode: mFallback,
+			Reason: kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND, Decode: D, LocalPrefill: true},
+			want: exp{decode: true, transfer: tNone, onTransfer: xfer, local: true}})
 	for _, r := range rows {
 		t.Run(r.name, func(t *testing.T) {
 			e := execution(&r.d, r.unav)
 			got := exp{prefill: e.CallPrefill, decode: e.CallDecode, keep: e.KeepSession, open: e.OpenSession,
-				transfer: e.Transfer, close: e.CloseSessionOn, onTransfer: e.OnTransferFailed}
+				transfer: e.Transfer, close: e.CloseSessionOn, onTransfer: e.OnTransferFailed, local: e.LocalPrefill}
 			if got != r.want {
 				t.Errorf("execution %+v, want %+v", got, r.want)
 			}

@@ -70,7 +70,8 @@ type Decision struct {
 	// TruncateTo: D keeps only this many tokens of the session before its append-prefill
 	// (PREFIX_TRUNCATED); 0 = none.
 	TruncateTo int64
-	// LocalPrefill: D prefills a new session's first turn itself (LOCAL_FIRST_TURN).
+	// LocalPrefill: D prefills a new session's first turn itself (LOCAL_FIRST_TURN), or, on a
+	// PD_FALLBACK without a prefill worker, the whole request without keeping anything.
 	LocalPrefill bool
 	// PrefillPriority: PrefillPriorityLow for sessions predicted to go direct-to-D next.
 	PrefillPriority    int32
@@ -400,8 +401,10 @@ func (c *Cycle) seed() Decision {
 }
 
 // fallback is plain P/D: least-loaded P, the routable D with most headroom, no reservation.
-// Without any routable P the reason becomes NO_PREFILL_WORKER (the fallback cannot run
-// either; the gateway uses its own worker list).
+// Without any routable P the reason becomes NO_PREFILL_WORKER and D prefills the whole request
+// itself (LocalPrefill: no transfer, no prefill worker, nothing kept — decode workers are
+// colocated servers able to prefill; issue 16 finding 5: a transfer without a source cannot
+// run). Without a D either, the gateway uses its own worker list.
 func (c *Cycle) fallback(reason kvcv1.RouteReason) Decision {
 	dec := Decision{Mode: kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, Reason: reason, Cause: c.Cause}
 	dec.Prefill = c.leastLoadedPrefill()
@@ -414,6 +417,7 @@ func (c *Cycle) fallback(reason kvcv1.RouteReason) Decision {
 	if d, _ := c.pick(FallbackProfile); d != nil {
 		dec.Decode = d.W
 		dec.PauseMs = c.pause(d)
+		dec.LocalPrefill = dec.Prefill == nil
 	}
 	return dec
 }

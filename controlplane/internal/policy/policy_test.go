@@ -421,9 +421,20 @@ func TestDecideEveryModeAndReason(t *testing.T) {
 				if d.UsesPrefill || d.Prefill != nil {
 					t.Errorf("no P: %+v", d)
 				}
+				// issue 16 finding 5: D prefills it, no transfer without a source
+				if !d.LocalPrefill || !d.Exec.LocalPrefill || d.Exec.Transfer != kvcv1.TransferKind_TRANSFER_KIND_UNSPECIFIED || d.Exec.KeepSession {
+					t.Errorf("no P: not a local prefill on D: %+v %+v", d, d.Exec)
+				}
 			}},
 		{name: "every P draining", q: q(20_000, 100, 1), workers: []*kvcv1.Worker{draining(pW("p1", 0)), dW("d1", 100_000, 0)},
 			mode: mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_NO_PREFILL_WORKER)},
+		{name: "no P and no D: nothing to prefill on", q: q(20_000, 100, 1), workers: []*kvcv1.Worker{draining(pW("p1", 0))},
+			mode: mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_NO_PREFILL_WORKER),
+			check: func(t *testing.T, d Decision) {
+				if d.LocalPrefill || d.Decode != nil {
+					t.Errorf("local prefill without a D: %+v", d)
+				}
+			}},
 		{name: "direct needs no P", q: q(11_000, 10, 4), rec: resident("d1", 10_000), workers: []*kvcv1.Worker{dW("d1", 100_000, 0)},
 			mode: mDirect, reason: R(kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT)},
 		{name: "reseed by prefill without P", q: q(30_000, 100, 5), rec: &kvcv1.SessionRecord{SessionId: "s", Generation: 1},
