@@ -25,6 +25,7 @@ type reservation struct {
 	input    int64
 	maxOut   int64
 	snapGen  uint64
+	snapLen  int64  // tokens a RESEED_SNAPSHOT writes from the snapshot ([0, snapLen))
 	sessGen  uint64 // the session's generation at the decision (SESSION_NOT_RESIDENT outcomes)
 	keep     bool   // the decision's D keeps the session (policy.Execution.KeepSession)
 	opens    bool   // the decision makes the session resident on its D (OpenSession)

@@ -222,10 +222,16 @@ func (s *Service) resident(r *reservation, kvLen, nowMs int64) (gen uint64) {
 		s.log.Warn().Str("session", r.session).Msg("no live prefill worker to keep the snapshot")
 		return gen
 	}
-	cmd := &kvcv1.Command{Action: &kvcv1.Command_SetSnapshotTarget{SetSnapshotTarget: &kvcv1.SetSnapshotTargetCommand{
+	t := &kvcv1.SetSnapshotTargetCommand{
 		SessionId: r.session, PrefillWorkerId: p.WorkerId, PeerAddr: p.PeerAddr,
 		TransferEndpoint: p.TransferEndpoint, Generation: gen,
-	}}}
+	}
+	// No full re-push after a reseed: the new D holds exactly [0, snapLen) of the target's
+	// snapshot (it was written from there), so its next push appends and re-tags the entry.
+	if r.mode == kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT && p.WorkerId == r.prefill && r.snapLen > 0 && r.snapGen != 0 && r.snapGen < gen {
+		t.ValidBaseLen, t.BaseGeneration = r.snapLen, r.snapGen
+	}
+	cmd := &kvcv1.Command{Action: &kvcv1.Command_SetSnapshotTarget{SetSnapshotTarget: t}}
 	if err := s.send(r.decode, "set_snapshot_target", cmd); err != nil {
 		s.log.Warn().Err(err).Str("session", r.session).Str("worker", r.decode).Msg("set_snapshot_target not sent")
 	}

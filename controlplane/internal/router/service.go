@@ -339,6 +339,7 @@ func (s *Service) record(in *policy.Input, d *policy.Decision, now time.Time) *r
 		input:    in.Query.InputTokens,
 		maxOut:   in.Query.MaxOutputTokens,
 		snapGen:  d.SnapshotGeneration,
+		snapLen:  d.SnapshotSeqlen,
 		keep:     d.Exec.KeepSession,
 		opens:    d.Exec.OpenSession,
 		truncate: d.TruncateTo,

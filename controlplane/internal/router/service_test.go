@@ -262,7 +262,8 @@ func TestSessionLifecycle(t *testing.T) {
 	}
 	cmds := f.c.Commands(seedD)
 	if len(cmds) != 1 || cmds[0].GetSetSnapshotTarget().GetPrefillWorkerId() != "p2" ||
-		cmds[0].GetSetSnapshotTarget().GetGeneration() != 1 || cmds[0].GetSetSnapshotTarget().GetPeerAddr() != "p2:7000" {
+		cmds[0].GetSetSnapshotTarget().GetGeneration() != 1 || cmds[0].GetSetSnapshotTarget().GetPeerAddr() != "p2:7000" ||
+		cmds[0].GetSetSnapshotTarget().GetValidBaseLen() != 0 {
 		t.Fatalf("snapshot target: %v", cmds)
 	}
 	// Turn 1: small append -> DIRECT_TO_D (turn counted by the control plane).
@@ -341,6 +342,9 @@ func TestSessionLifecycle(t *testing.T) {
 	}
 	if c := f.c.Commands(newD); len(c) != 1 || c[0].GetSetSnapshotTarget().GetPrefillWorkerId() != "p2" || c[0].GetSetSnapshotTarget().GetGeneration() != 2 {
 		t.Errorf("new D's snapshot target (should stay with the holder p2): %v", c)
+	} else if st := c[0].GetSetSnapshotTarget(); st.GetValidBaseLen() != 14_100 || st.GetBaseGeneration() != 1 {
+		// the reseed wrote p2's generation-1 snapshot [0, 14,100) into newD: the next push appends
+		t.Errorf("new D's target without the reseed's valid base: %v", st)
 	}
 	if got := testutil.ToFloat64(f.s.m.migrations); got != 1 {
 		t.Errorf("migrations metric %v", got)
