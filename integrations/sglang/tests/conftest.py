@@ -46,3 +46,7 @@ def tmp(tmp_path_factory):
     d = tempfile.mkdtemp(prefix="kvcpy-")
     yield d
     shutil.rmtree(d, ignore_errors=True)
+    # the /dev/shm pool files of this test (kvctest.shm_path)
+    for f in os.listdir("/dev/shm"):
+        if f.startswith("kvcpy-%s-" % os.path.basename(d)):
+            os.unlink(os.path.join("/dev/shm", f))
