@@ -461,6 +461,14 @@ func (w *Worker) begin(ctx context.Context, p *plan, meta *KVCMeta) (*turn, *api
 	}
 	if anonymous {
 		t.pages = pages
+		if p.localPrefill {
+			// A PD_FALLBACK without a prefill worker (or the gateway's fail-open): this worker
+			// prefills the whole context itself; no transfer, no sidecar, nothing kept.
+			if e := w.appendPrefill(ctx, t, 0, p.input); e != nil {
+				return fail(e)
+			}
+			return t, nil
+		}
 	} else {
 		s := &session{id: p.sessionID, pages: pages, pinned: 1}
 		w.mu.Lock()

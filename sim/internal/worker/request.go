@@ -164,12 +164,12 @@ type plan struct {
 }
 
 // checkTransfer: the payload's transfer kind must be the one the mode implies.
-func checkTransfer(t string, m Mode) error {
+func checkTransfer(t string, m Mode, local bool) error {
 	want := "SEED"
-	switch m {
-	case ModeDirectToD:
+	switch {
+	case m == ModeDirectToD || local:
 		want = ""
-	case ModeReseedSnapshot:
+	case m == ModeReseedSnapshot:
 		want = "SNAPSHOT"
 	}
 	if !strings.EqualFold(t, want) {
@@ -179,7 +179,7 @@ func checkTransfer(t string, m Mode) error {
 }
 
 // transfers reports whether the mode moves KV into (decode) or out of (prefill) this worker.
-func (p *plan) transfers() bool { return p.mode != ModeDirectToD }
+func (p *plan) transfers() bool { return p.mode != ModeDirectToD && !p.localPrefill }
 
 func parseRoom(n *json.Number) (int64, bool, error) {
 	if n == nil {
@@ -309,7 +309,7 @@ func parseGenerate(body []byte, role kvcv1.WorkerRole, capacity int64) (*plan, e
 			p.localPrefill = *k.LocalPrefill
 		}
 		if k.Transfer != nil {
-			if err := checkTransfer(*k.Transfer, p.mode); err != nil {
+			if err := checkTransfer(*k.Transfer, p.mode, p.localPrefill); err != nil {
 				return nil, err
 			}
 		}
@@ -355,8 +355,9 @@ func parseGenerate(body []byte, role kvcv1.WorkerRole, capacity int64) (*plan, e
 	if p.truncateTo != 0 && (p.mode != ModeDirectToD || p.truncateTo < 0 || p.truncateTo != p.cached) {
 		return nil, fmt.Errorf("kvc.truncate_to %d: only a DIRECT_TO_D turn truncates, to its cached_tokens (%d)", p.truncateTo, p.cached)
 	}
-	if p.localPrefill && (p.mode != ModeDirectToD || role != kvcv1.WorkerRole_WORKER_ROLE_DECODE || p.truncateTo != 0) {
-		return nil, fmt.Errorf("kvc.local_prefill: only a DIRECT_TO_D turn on a decode worker prefills a new session locally (mode %s)", p.mode)
+	if p.localPrefill && (role != kvcv1.WorkerRole_WORKER_ROLE_DECODE || p.truncateTo != 0 ||
+		(p.mode != ModeDirectToD && (p.mode != ModePDFallback || p.keep))) {
+		return nil, fmt.Errorf("kvc.local_prefill: only a decode worker prefills locally, for a DIRECT_TO_D turn (a new session) or a PD_FALLBACK that keeps nothing (mode %s, keep_session %v)", p.mode, p.keep)
 	}
 	if len(ids) > 0 {
 		p.ids = make([]uint32, min(int64(len(ids)), p.input))
