@@ -240,10 +240,12 @@ func (s *Sidecar) next(ctx context.Context) (string, bool) {
 	}
 }
 
-// maybeEnqueueLocked queues a push of ss when its unpushed tail reached delta. It reports
-// whether a push (queued or about to be re-queued) will carry the current commit.
+// maybeEnqueueLocked queues a push of ss when its unpushed tail reached delta (or at once when
+// the store's entry waits for its re-tag: until then the control plane sees a snapshot of the
+// older generation, which it does not reseed from; the re-tagging append is only the tail). It
+// reports whether a push (queued or about to be re-queued) will carry the current commit.
 func (s *Sidecar) maybeEnqueueLocked(ss *session) bool {
-	if ss.gone || ss.target == nil || !s.enabled || (ss.committed-ss.lastPushed < s.delta && !ss.forcePush) || ss.committed <= ss.lastPushed || ss.committed == ss.failedLen {
+	if ss.gone || ss.target == nil || !s.enabled || (ss.committed-ss.lastPushed < s.delta && !ss.forcePush && ss.retagFrom == 0) || ss.committed <= ss.lastPushed || ss.committed == ss.failedLen {
 		return false
 	}
 	if ss.queued || ss.push != nil { // the queued push reads the newest commit; a running one re-queues
