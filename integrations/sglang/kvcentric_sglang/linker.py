@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from typing import Dict, List, Optional, Tuple
 
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
@@ -35,9 +36,11 @@ from .bridge import TRANSFER_SNAPSHOT, BridgeError
 
 logger = logging.getLogger(__name__)
 
-# rid -> the request's kvc hint and first-page tokens (set by the _create_generation_req hook).
-_hints: Dict[str, Tuple[runtime.KvcHint, Optional[List[int]]]] = {}
+# rid -> the request's kvc hint and first-page tokens (set by the _create_generation_req hook),
+# bounded: the oldest entries go first (a request is matched within moments of its creation).
+_hints: "OrderedDict[str, Tuple[runtime.KvcHint, Optional[List[int]]]]" = OrderedDict()
 _hints_lock = threading.Lock()
+MAX_HINTS = 65536
 
 
 def remember_hint(rid: str, hint: Optional[runtime.KvcHint], first_page_tokens: Optional[List[int]] = None) -> None:
@@ -45,6 +48,9 @@ def remember_hint(rid: str, hint: Optional[runtime.KvcHint], first_page_tokens: 
         return
     with _hints_lock:
         _hints[rid] = (hint, first_page_tokens)
+        _hints.move_to_end(rid)
+        while len(_hints) > MAX_HINTS:
+            _hints.popitem(last=False)
 
 
 def forget(rid: str) -> None:
@@ -112,6 +118,7 @@ class KvcLinker(UnifiedCacheLinker):
         kv = next((t for t in transfers if t.name == PoolName.KV), None)
         if got is None or kv is None or kv.device_indices is None or self.bridge is None:
             return False
+        forget(rid)  # matched and loading: the hint is no longer needed
         idx = kv.device_indices.tolist()
         pages = [int(x) // self.page_size for x in idx[:: self.page_size]]
         with self._lock:
