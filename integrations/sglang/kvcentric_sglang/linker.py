@@ -37,7 +37,8 @@ from .bridge import TRANSFER_SNAPSHOT, BridgeError
 logger = logging.getLogger(__name__)
 
 # rid -> the request's kvc hint and first-page tokens (set by the _create_generation_req hook),
-# bounded: the oldest entries go first (a request is matched within moments of its creation).
+# bounded: the oldest entries go first (a request is matched, and re-matched after a refused
+# admission, within moments of its creation).
 _hints: "OrderedDict[str, Tuple[runtime.KvcHint, Optional[List[int]]]]" = OrderedDict()
 _hints_lock = threading.Lock()
 MAX_HINTS = 65536
@@ -118,7 +119,6 @@ class KvcLinker(UnifiedCacheLinker):
         kv = next((t for t in transfers if t.name == PoolName.KV), None)
         if got is None or kv is None or kv.device_indices is None or self.bridge is None:
             return False
-        forget(rid)  # matched and loading: the hint is no longer needed
         idx = kv.device_indices.tolist()
         pages = [int(x) // self.page_size for x in idx[:: self.page_size]]
         with self._lock:
