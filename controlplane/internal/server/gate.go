@@ -27,8 +27,14 @@ type Gate struct {
 	notLeader func() error
 	health    HealthSetter
 
-	mu   sync.RWMutex
-	term context.Context // nil when not leading
+	mu sync.RWMutex
+	// term is the leadership's context (nil when not leading): its Err is the admission
+	// check (for the election's Term it checks the renew deadline on every call). open
+	// derives from it and is cancelled by Close, so admitted calls end at once when the term
+	// ends or the gate closes, whichever is first.
+	term  context.Context
+	open  context.Context
+	close context.CancelFunc
 }
 
 // NewGate returns a closed gate. notLeader builds the error for calls on a standby.
@@ -38,18 +44,27 @@ func NewGate(notLeader func() error, health HealthSetter) *Gate {
 	return g
 }
 
-// Open opens the gate for a term; streams opened meanwhile are cancelled when term ends.
+// Open opens the gate for a term; calls and streams admitted meanwhile are cancelled when the
+// term ends or the gate closes.
 func (g *Gate) Open(term context.Context) {
+	open, cancel := context.WithCancel(term)
 	g.mu.Lock()
-	g.term = term
+	if g.close != nil {
+		g.close()
+	}
+	g.term, g.open, g.close = term, open, cancel
 	g.mu.Unlock()
 	g.setHealth(true)
 }
 
-// Close closes the gate (health NOT_SERVING for the gated services).
+// Close closes the gate (health NOT_SERVING for the gated services) and ends the calls and
+// streams it admitted.
 func (g *Gate) Close() {
 	g.mu.Lock()
-	g.term = nil
+	if g.close != nil {
+		g.close()
+	}
+	g.term, g.open, g.close = nil, nil, nil
 	g.mu.Unlock()
 	g.setHealth(false)
 }
@@ -76,10 +91,12 @@ func gated(method string) bool {
 	return false
 }
 
-func (g *Gate) current() context.Context {
+// current returns the term's context, for the admission check, and the gate's, which ends
+// admitted calls.
+func (g *Gate) current() (term, open context.Context) {
 	g.mu.RLock()
 	defer g.mu.RUnlock()
-	return g.term
+	return g.term, g.open
 }
 
 // Unary is the unary interceptor.
@@ -87,13 +104,13 @@ func (g *Gate) Unary(ctx context.Context, req any, info *grpc.UnaryServerInfo, h
 	if !gated(info.FullMethod) {
 		return h(ctx, req)
 	}
-	term := g.current()
+	term, open := g.current()
 	if term == nil || term.Err() != nil {
 		return nil, g.notLeader()
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	stop := context.AfterFunc(term, cancel)
+	stop := context.AfterFunc(open, cancel)
 	defer stop()
 	return h(ctx, req)
 }
@@ -103,13 +120,13 @@ func (g *Gate) Stream(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo
 	if !gated(info.FullMethod) {
 		return h(srv, ss)
 	}
-	term := g.current()
+	term, open := g.current()
 	if term == nil || term.Err() != nil {
 		return g.notLeader()
 	}
 	ctx, cancel := context.WithCancel(ss.Context())
 	defer cancel()
-	stop := context.AfterFunc(term, cancel)
+	stop := context.AfterFunc(open, cancel)
 	defer stop()
 	return h(srv, &ctxStream{ServerStream: ss, ctx: ctx})
 }
