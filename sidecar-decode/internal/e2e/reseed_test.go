@@ -1,0 +1,152 @@
+package e2e
+
+import (
+	"bytes"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/kvcentric/kvcentric/pkg/agent"
+	"github.com/kvcentric/kvcentric/pkg/etcdtest"
+	"github.com/kvcentric/kvcentric/pkg/kvpool"
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+// TestReseedNoFullRepush (issue 15 item 3): after a RESEED_SNAPSHOT the new decode worker holds
+// exactly what the store holds. The control plane names its snapshot target with that valid
+// base, so its first push is an append of the tail that re-tags the store's entry to the new
+// generation: the bytes on the wire are the append's, not the session's. The re-tagged entry
+// equals D′'s KV byte for byte and serves the next reseed. Real processes: a kvc-controlplane
+// on etcd, a prefill sidecar and two decode sidecars; the test plays the workers.
+func TestReseedNoFullRepush(t *testing.T) {
+	if testing.Short() {
+		t.Skip("integration test")
+	}
+	if bins["kvc-controlplane"] == "" {
+		t.Fatal("kvc-controlplane binary not available")
+	}
+	etcd := etcdtest.Start(t)
+	lead := leaderOf(t, startCP(t, "cp-r", etcd.Endpoints()))
+	const delta = 256
+	if _, err := lead.admin.UpdatePolicy(ctxT(t, 5*time.Second), &kvcv1.UpdatePolicyRequest{Policy: &kvcv1.Policy{
+		SnapshotDeltaTokens: ptr(int64(delta)), TailToleranceTokens: ptr(int64(512))}}); err != nil {
+		t.Fatal(err)
+	}
+	p0 := startSidecar(t, "prefill", "p0", lead.addr, "--store-capacity-bytes", itoa(1024*2*numLayers*itemLen))
+	d1 := &dworker{sc: startSidecar(t, "decode", "d1", lead.addr), pages: map[string][]int64{}}
+	d2 := &dworker{sc: startSidecar(t, "decode", "d2", lead.addr), pages: map[string][]int64{}}
+	pw := newWorker(t, p0, 1024)
+	d1.w, d2.w = newWorker(t, d1.sc, 1024), newWorker(t, d2.sc, 1024)
+	byID := map[string]*dworker{"d1": d1, "d2": d2}
+	waitFor(t, "three ready workers", 20*time.Second, func() bool {
+		r, err := lead.admin.ListWorkers(ctxT(t, time.Second), &kvcv1.ListWorkersRequest{})
+		n := 0
+		for _, w := range r.GetWorkers() {
+			if w.GetState() == kvcv1.WorkerState_WORKER_STATE_READY {
+				n++
+			}
+		}
+		return err == nil && n == 3
+	})
+	rt := newRouter(t, lead.addr)
+	session := func() *kvcv1.SessionRecord {
+		r, err := lead.admin.GetSession(ctxT(t, time.Second), &kvcv1.GetSessionRequest{SessionId: "S"})
+		if err != nil {
+			return nil
+		}
+		return r.GetSession()
+	}
+	waitSnapshot := func(seqlen int64, gen uint64) {
+		t.Helper()
+		waitFor(t, fmt.Sprintf("snapshot of S at %d, generation %d", seqlen, gen), 20*time.Second, func() bool {
+			sn := session().GetSnapshot()
+			return sn.GetSeqlen() == seqlen && sn.GetGeneration() == gen && sn.GetPrefillWorker() == "p0"
+		})
+	}
+	pushes := func(d *dworker) []agent.Event { return filterEvents(readEvents(t, d.sc.events), agent.EvPushSent, "S") }
+
+	// Turn 0: SEED of 4,000 tokens + 16 decoded on some D; its full push makes the snapshot.
+	const input0, out = 4000, 16
+	dec := rt.query(t, "S", 0, input0, out)
+	if dec.GetMode() != kvcv1.RouteMode_ROUTE_MODE_SEED {
+		t.Fatalf("turn 0: %s (%s)", dec.GetMode(), dec.GetReason())
+	}
+	dA := byID[dec.GetDecode().GetWorkerId()]
+	ppages := pw.alloc(int((input0+pageSize-1)/pageSize), 1)
+	if err := kvpool.FillTokens(pw.pool, kvpool.SessionSeed("S"), ppages, 0, input0); err != nil {
+		t.Fatal(err)
+	}
+	if res := dA.receive(t, "S", dec, kvcv1.TransferKind_TRANSFER_KIND_SEED, input0, func() {
+		if _, err := p0.bridge.SendKV(ctxT(t, 10*time.Second), &kvcv1.SendKVRequest{Room: dec.GetBootstrapRoom(), SessionId: "S",
+			Pages: ppages, Last: true, Tokens: input0}); err != nil {
+			t.Fatal(err)
+		}
+	}); !res.GetOk() {
+		t.Fatalf("seed: %v", res)
+	}
+	dA.compute(t, "S", input0, input0+out)
+	rt.outcome(t, dec, input0+out)
+	const L = input0 + out
+	waitSnapshot(L, 1)
+
+	// D releases S; turn 1 (an append of 100 tokens) reseeds from the snapshot onto D′.
+	dA.release(t, "S")
+	waitFor(t, "S not resident", 10*time.Second, func() bool { return session().GetDecodeWorker() == "" })
+	const appendTok = 100
+	dec = rt.query(t, "S", 1, L+appendTok, out)
+	if dec.GetMode() != kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT || dec.GetSnapshotSeqlen() != L {
+		t.Fatalf("turn 1: %s (%s), snapshot_seqlen %d", dec.GetMode(), dec.GetReason(), dec.GetSnapshotSeqlen())
+	}
+	dB := byID[dec.GetDecode().GetWorkerId()]
+	before := len(pushes(dB))
+	if res := dB.receive(t, "S", dec, kvcv1.TransferKind_TRANSFER_KIND_SNAPSHOT, L, nil); !res.GetOk() || res.GetBytes() != L*bpt {
+		t.Fatalf("snapshot reseed: %v", res)
+	}
+	const L2 = L + appendTok + out
+	dB.compute(t, "S", L, L2) // D′ append-prefills the tail and decodes
+	rt.outcome(t, dec, L2)
+	if g := session().GetGeneration(); g != 2 {
+		t.Fatalf("generation after the reseed %d, want 2", g)
+	}
+
+	// The next push is the append [L, L2), tagged to re-tag generation 1's entry as 2.
+	waitSnapshot(L2, 2)
+	sent := pushes(dB)[before:]
+	if len(sent) != 1 {
+		t.Fatalf("pushes after the reseed: %+v", sent)
+	}
+	p := sent[0]
+	appendBytes, fullBytes := int64(L2-L)*bpt, int64(L2)*bpt
+	if p.BaseLen != L || p.Tokens != L2-L || p.Generation != 2 || p.Bytes != appendBytes {
+		t.Fatalf("push after the reseed: base %d tokens %d generation %d bytes %d; want base %d tokens %d bytes %d (a full push: %d)",
+			p.BaseLen, p.Tokens, p.Generation, p.Bytes, L, L2-L, appendBytes, fullBytes)
+	}
+	for _, e := range filterEvents(readEvents(t, dB.sc.events), agent.EvPushFailed, "S") {
+		t.Fatalf("a push failed after the reseed (the re-tag was refused?): %+v", e)
+	}
+	ing := filterEvents(readEvents(t, p0.events), agent.EvRecvIngested, "S")
+	if last := ing[len(ing)-1]; last.BaseLen != L || last.Tokens != L2-L || last.Generation != 2 || last.Seqlen != L2 {
+		t.Fatalf("store ingest after the reseed: %+v", last)
+	}
+	st := snapshotStatus(t, p0, "S")
+	if !st.Exists || st.Seqlen != L2 || st.Generation != 2 {
+		t.Fatalf("store after the re-tag: %+v", st)
+	}
+	if got, want := snapshotKV(t, p0, "S"), kvBytes(dB.w, dB.pages["S"], L2); !bytes.Equal(got, want) {
+		t.Fatalf("re-tagged snapshot differs from D′'s KV (%d vs %d bytes)", len(got), len(want))
+	}
+	t.Logf("push after a snapshot reseed: %d bytes on the wire (the %d-token append) instead of %d (the whole %d-token session): %d bytes (%.1f%%) saved",
+		p.Bytes, L2-L, fullBytes, L2, fullBytes-p.Bytes, 100*float64(fullBytes-p.Bytes)/float64(fullBytes))
+
+	// The re-tagged snapshot serves the next reseed (D′ lost the session).
+	dB.release(t, "S")
+	waitFor(t, "S not resident", 10*time.Second, func() bool { return session().GetDecodeWorker() == "" })
+	dec = rt.query(t, "S", 2, L2+appendTok, out)
+	if dec.GetMode() != kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT || dec.GetSnapshotSeqlen() != L2 {
+		t.Fatalf("turn 2: %s (%s), snapshot_seqlen %d", dec.GetMode(), dec.GetReason(), dec.GetSnapshotSeqlen())
+	}
+	dC := byID[dec.GetDecode().GetWorkerId()]
+	if res := dC.receive(t, "S", dec, kvcv1.TransferKind_TRANSFER_KIND_SNAPSHOT, L2, nil); !res.GetOk() {
+		t.Fatalf("reseed from the re-tagged snapshot: %v", res)
+	}
+}
