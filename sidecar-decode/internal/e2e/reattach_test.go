@@ -104,7 +104,8 @@ func sidecarSessions(t *testing.T, d *sidecar) map[string]int64 {
 
 // TestSidecarRestartReattach: kill -9 of a decode sidecar under a live kvc-sim worker with
 // resident sessions; the restarted sidecar is ready, READY in the control plane and holds the
-// sessions again within 5 s, without touching the worker (issue 16, finding 1). Also: the
+// sessions again within 5 s, without touching the worker (issue 16, finding 1), and the control
+// plane names their snapshot targets again from the full resync. Also: the
 // worker's pool file never shows in its shm directory (finding 6), even after kill -9.
 func TestSidecarRestartReattach(t *testing.T) {
 	if testing.Short() {
@@ -215,6 +216,21 @@ func TestSidecarRestartReattach(t *testing.T) {
 	t.Logf("sidecar back → /readyz 200 in %v, sessions re-committed in %v, READY in the control plane in %v, residency reconciled in %v",
 		readyAt.Round(time.Millisecond), sessionsAt.Round(time.Millisecond), cpReadyAt.Round(time.Millisecond), total.Round(time.Millisecond))
 	fmt.Fprintf(os.Stderr, "reattach: readyz %v sessions %v cp_ready %v reconciled %v\n", readyAt, sessionsAt, cpReadyAt, total)
+
+	// The control plane names the re-committed sessions' snapshot target again (the full
+	// resync lists them without one; targets lived only in the dead sidecar's memory).
+	waitFor(t, "snapshot targets named again after the restart", 5*time.Second, func() bool {
+		var ss []decode.SessionInfo
+		if getJSON(t, "http://"+d2.httpAddr+"/v1/sessions", &ss) != 200 || len(ss) != 3 {
+			return false
+		}
+		for _, si := range ss {
+			if si.PrefillWorker != "rp" {
+				return false
+			}
+		}
+		return true
+	})
 
 	// A direct-to-D turn of a re-committed session is served from its KV on the worker.
 	code, answer, err := postGenerate(simURL, map[string]any{"rid": "r-ra-2", "sampling_params": map[string]any{"max_new_tokens": 2},
