@@ -44,6 +44,9 @@ type Event struct {
 	Peer       string    `json:"peer,omitempty"`
 	Reason     string    `json:"reason,omitempty"`
 	Attempt    int       `json:"attempt,omitempty"`
+	// RetagFrom: a push that re-tagged the store's snapshot of this older generation (a snapshot
+	// reseed's valid base, [0, base_len), was not sent again).
+	RetagFrom uint64 `json:"retag_from,omitempty"`
 	// Phases splits a push's duration (snapshot_push_sent) into its steps.
 	Phases *PushPhases `json:"phases,omitempty"`
 }
@@ -89,6 +92,8 @@ type EventLog struct {
 	events    *prometheus.CounterVec
 	pushBytes prometheus.Histogram
 	pushDur   prometheus.Histogram
+	retags    prometheus.Counter
+	retagSave prometheus.Counter
 	xferBytes *prometheus.HistogramVec
 	xferDur   *prometheus.HistogramVec
 }
@@ -127,6 +132,12 @@ func NewEventLog(w io.Writer, worker string, reg prometheus.Registerer) *EventLo
 			Name: "kvc_snapshot_push_duration_seconds", Help: "Duration of successful D->P snapshot pushes.",
 			Buckets: durBuckets,
 		}),
+		retags: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvc_snapshot_retag_pushes_total", Help: "Successful D->P pushes that re-tagged the store's snapshot after a snapshot reseed instead of a full push.",
+		}),
+		retagSave: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvc_snapshot_retag_saved_bytes_total", Help: "Bytes the re-tagging pushes did not send again (the reseed's valid base, base_len tokens at the push's bytes per token).",
+		}),
 		xferBytes: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name: "kvc_transfer_bytes", Help: "Bytes per completed KV transfer by kind (seed, snapshot).",
 			Buckets: byteBuckets,
@@ -137,7 +148,7 @@ func NewEventLog(w io.Writer, worker string, reg prometheus.Registerer) *EventLo
 		}, []string{"kind"}),
 	}
 	if reg != nil {
-		reg.MustRegister(l.events, l.pushBytes, l.pushDur, l.xferBytes, l.xferDur)
+		reg.MustRegister(l.events, l.pushBytes, l.pushDur, l.retags, l.retagSave, l.xferBytes, l.xferDur)
 	}
 	return l
 }
@@ -158,6 +169,10 @@ func (l *EventLog) Emit(e Event) {
 	case EvPushSent:
 		l.pushBytes.Observe(float64(e.Bytes))
 		l.pushDur.Observe(e.DurationMs / 1e3)
+		if e.RetagFrom != 0 && e.Tokens > 0 {
+			l.retags.Inc()
+			l.retagSave.Add(float64(e.BaseLen) * float64(e.Bytes) / float64(e.Tokens))
+		}
 	case EvTransferDone:
 		l.xferBytes.WithLabelValues(e.Kind).Observe(float64(e.Bytes))
 		l.xferDur.WithLabelValues(e.Kind).Observe(e.DurationMs / 1e3)

@@ -79,7 +79,8 @@ func (s *Sidecar) doPush(ctx context.Context, pool *agent.Pool, job pushJob) (in
 		var ph agent.PushPhases
 		seqlen, moved, err := s.pushOnce(ctx, pool, job, &ph)
 		ev := agent.Event{Session: job.session, Generation: job.gen, BaseLen: job.base, Tokens: job.end - job.base,
-			Bytes: int64(moved), DurationMs: agent.Ms(time.Since(start)), Peer: job.target.GetPrefillWorkerId(), Attempt: attempt}
+			Bytes: int64(moved), DurationMs: agent.Ms(time.Since(start)), Peer: job.target.GetPrefillWorkerId(), Attempt: attempt,
+			RetagFrom: job.retag}
 		if err == nil {
 			ev.Event, ev.Seqlen, ev.Phases = agent.EvPushSent, seqlen, &ph
 			s.ev.Emit(ev)

@@ -3,6 +3,7 @@ package e2e
 import (
 	"bytes"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -117,7 +118,7 @@ func TestReseedNoFullRepush(t *testing.T) {
 	}
 	p := sent[0]
 	appendBytes, fullBytes := int64(L2-L)*bpt, int64(L2)*bpt
-	if p.BaseLen != L || p.Tokens != L2-L || p.Generation != 2 || p.Bytes != appendBytes {
+	if p.BaseLen != L || p.Tokens != L2-L || p.Generation != 2 || p.Bytes != appendBytes || p.RetagFrom != 1 {
 		t.Fatalf("push after the reseed: base %d tokens %d generation %d bytes %d; want base %d tokens %d bytes %d (a full push: %d)",
 			p.BaseLen, p.Tokens, p.Generation, p.Bytes, L, L2-L, appendBytes, fullBytes)
 	}
@@ -134,6 +135,13 @@ func TestReseedNoFullRepush(t *testing.T) {
 	}
 	if got, want := snapshotKV(t, p0, "S"), kvBytes(dB.w, dB.pages["S"], L2); !bytes.Equal(got, want) {
 		t.Fatalf("re-tagged snapshot differs from D′'s KV (%d vs %d bytes)", len(got), len(want))
+	}
+	// the decode sidecar's metrics count the re-tag and the bytes it did not send again
+	_, metrics := httpText(t, "http://"+dB.sc.httpAddr+"/metrics")
+	for _, want := range []string{"kvc_snapshot_retag_pushes_total 1\n", fmt.Sprintf("kvc_snapshot_retag_saved_bytes_total %g\n", float64(L*bpt))} {
+		if !strings.Contains(metrics, want) {
+			t.Fatalf("metrics without %q", want)
+		}
 	}
 	t.Logf("push after a snapshot reseed: %d bytes on the wire (the %d-token append) instead of %d (the whole %d-token session): %d bytes (%.1f%%) saved",
 		p.Bytes, L2-L, fullBytes, L2, fullBytes-p.Bytes, 100*float64(fullBytes-p.Bytes)/float64(fullBytes))
