@@ -141,10 +141,15 @@ func (c *Cycle) overlapTokens(w string) int64 {
 // ScoreOverlap prefers the decode worker holding the longest prefix of a new session's prompt
 // (a shared system prompt, tool definitions, repository files): its overlap relative to the
 // largest any worker has, weighted above headroom and queues, so the largest overlap wins
-// among the workers that admit the session.
+// among the workers that admit the session — when that worker has the room free. A worker
+// that would have to evict idle sessions to take it scores 0 here: locality that costs another
+// session its residency (a reseed later) is not worth a shared prefix.
 var ScoreOverlap = Scorer{"content-overlap", 4, func(c *Cycle, w *Cand) float64 {
 	ct := c.In.Content
 	if !ct.known() {
+		return 0
+	}
+	if w.W.GetLoad().GetUsedTokens()+w.Res.Tokens+c.Need > effectiveCapacity(c, w.W) {
 		return 0
 	}
 	best := 0
@@ -170,7 +175,7 @@ var SeedOnContentProfile = &Profile{"seed-on-content",
 // no transfer); a longer one is seeded there (PREFIX_OVERLAP). ok is false without overlap.
 func (c *Cycle) placeOnContent(d *Cand) (Decision, bool) {
 	o := c.overlapTokens(d.W.WorkerId)
-	if o <= 0 {
+	if o <= 0 || ScoreOverlap.Score(c, d) <= 0 {
 		return Decision{}, false
 	}
 	if c.Q.InputTokens-o <= c.K.DirectMaxUncachedTokens {

@@ -216,6 +216,8 @@ func TestPlaceNewSessionsOnContent(t *testing.T) {
 			mode: mSeed, reason: kvcv1.RouteReason_ROUTE_REASON_PREFIX_OVERLAP, decode: "d2"},
 		{name: "overlap worker full: placed elsewhere as a new session", input: 4_000, overlap: map[string]int{"d2": 100}, full: "d2",
 			mode: mSeed, reason: kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION, decode: "d1"},
+		{name: "overlap worker would have to evict: placed by headroom", input: 4_000, overlap: map[string]int{"d2": 100}, full: "d2-evictable",
+			mode: mSeed, reason: kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION, decode: "d1"},
 		{name: "no overlap: as before", input: 4_000,
 			mode: mSeed, reason: kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION, decode: "d1"},
 	}
@@ -223,8 +225,11 @@ func TestPlaceNewSessionsOnContent(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			ws := cluster()
 			for i, w := range ws {
-				if w.WorkerId == tt.full {
+				switch tt.full {
+				case w.WorkerId:
 					ws[i] = dW(w.WorkerId, 100_000, 99_000)
+				case w.WorkerId + "-evictable": // full of idle sessions: admits, by evicting
+					ws[i] = evictable(dW(w.WorkerId, 100_000, 99_000), 90_000)
 				}
 			}
 			prompt := make([]uint64, tt.input/cps)

@@ -379,7 +379,7 @@ func (c *Cycle) seed() Decision {
 		return dec
 	}
 	reason := kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION
-	if c.overlapTokens(d.W.WorkerId) > 0 {
+	if c.overlapTokens(d.W.WorkerId) > 0 && ScoreOverlap.Score(c, d) > 0 {
 		reason = kvcv1.RouteReason_ROUTE_REASON_PREFIX_OVERLAP
 	}
 	p := c.leastLoadedPrefill()
