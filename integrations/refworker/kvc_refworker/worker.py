@@ -37,6 +37,44 @@ from .request import Plan, scripted_tokens
 log = logging.getLogger("kvc_refworker")
 
 
+class GpuLock:
+    """One forward at a time on this worker's device, served requests first: a recompute
+    check's forward (low priority) starts only when no served request is in flight on this
+    worker (or after max_defer_s), so the check does not sit in front of a request's TTFT.
+    (Other processes sharing the GPU still time-slice with it.)"""
+
+    def __init__(self, max_defer_s: float = 30.0):
+        self.cv = threading.Condition()
+        self.held = False
+        self.active = 0  # served requests in flight (begin .. last token)
+        self.max_defer_s = max_defer_s
+
+    def acquire(self, low: bool = False) -> None:
+        with self.cv:
+            if low:
+                deadline = time.monotonic() + self.max_defer_s
+                while self.held or (self.active > 0 and time.monotonic() < deadline):
+                    self.cv.wait(timeout=max(0.01, min(0.5, deadline - time.monotonic())))
+            else:
+                while self.held:
+                    self.cv.wait()
+            self.held = True
+
+    def release(self) -> None:
+        with self.cv:
+            self.held = False
+            self.cv.notify_all()
+
+    def enter(self) -> None:
+        with self.cv:
+            self.active += 1
+
+    def leave(self) -> None:
+        with self.cv:
+            self.active -= 1
+            self.cv.notify_all()
+
+
 class ApiError(Exception):
     def __init__(self, status: int, code: str, msg: str):
         super().__init__(msg)
@@ -87,6 +125,7 @@ class Turn:
         self.fed: List[int] = []  # token placed at position n + i after step i
         self.out: List[int] = []  # greedy tokens served
         self.pending: Optional[torch.Tensor] = None  # logits of the next token to emit
+        self.active = False  # counted in the worker's served requests in flight
         self.first_local = False  # step 0 computed here from received KV (allclose, not bitwise)
         self.bitwise = False  # the KV came from a full prefill (P's): decode from it is bitwise
         self.start = 0  # tokens of resident/received KV the append-prefill started from
@@ -102,7 +141,7 @@ class Turn:
 class Worker:
     def __init__(self, cfg: Config, model, spec: M.ModelSpec, pool: KVPool, bridge):
         self.cfg, self.model, self.spec, self.pool, self.bridge = cfg, model, spec, pool, bridge
-        self.gpu = threading.Lock()  # one forward at a time (one GPU)
+        self.gpu = GpuLock()  # one forward at a time (one GPU), served requests first
         self.mu = threading.Condition()
         self.sessions: Dict[str, Session] = {}
         self._turn_locks: Dict[str, threading.Lock] = {}
@@ -115,12 +154,15 @@ class Worker:
 
     # -- compute ------------------------------------------------------------------------------
 
-    def _forward(self, ids, cache, all_logits=False):
-        with self.gpu:
+    def _forward(self, ids, cache, all_logits=False, low=False):
+        self.gpu.acquire(low)
+        try:
             logits, cache = M.forward(self.model, ids, cache, all_logits)
             if logits.is_cuda:
                 torch.cuda.synchronize(logits.device)
             return logits, cache
+        finally:
+            self.gpu.release()
 
     def _cache_from_pool(self, pages, end: int):
         k, v = self.pool.gather(pages, 0, end)
@@ -272,6 +314,8 @@ class Worker:
         anonymous = p.mode == "PD_FALLBACK" and not p.keep
         if not anonymous:
             t.unlock = self._lock_turn(p.session_id)
+        self.gpu.enter()
+        t.active = True
         try:
             self._begin(t, anonymous)
         except BaseException:
@@ -443,6 +487,12 @@ class Worker:
                     self.cfg.verify_max_steps <= 0 or len(t.logits) < self.cfg.verify_max_steps):
                 t.logits.append(logits)
         t.meta["decode_ms"] = _ms(time.monotonic() - t0)
+        self._leave(t)
+
+    def _leave(self, t: Turn) -> None:
+        if t.active:
+            t.active = False
+            self.gpu.leave()
 
     # -- finish ---------------------------------------------------------------------------------
 
@@ -453,6 +503,7 @@ class Worker:
             return
         t.finished = True
         t.cache = None
+        self._leave(t)
         try:
             if t.s is None:
                 self.pool.free(t.pages)
@@ -520,10 +571,10 @@ class Verifier:
         w, p, n = self.w, t.p, t.p.input
         atol = w.cfg.atol
         t0 = time.monotonic()
-        ref_logits, cache = w._forward(t.ids, M.new_cache(w.model))
+        ref_logits, cache = w._forward(t.ids, M.new_cache(w.model), low=True)
         refs = [ref_logits]
         for tok in t.fed[:len(t.logits) - 1]:
-            lg, cache = w._forward([tok], cache)
+            lg, cache = w._forward([tok], cache, low=True)
             refs.append(lg)
         mism, max_diff, bitwise_steps = 0, 0.0, 0
         for i, (a, b) in enumerate(zip(t.logits, refs)):

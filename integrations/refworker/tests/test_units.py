@@ -4,6 +4,7 @@ recompute check relies on."""
 
 import os
 import sys
+import time
 import unittest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -165,6 +166,42 @@ class TestModel(unittest.TestCase):
             pool.close()
 
 
+
+
+class TestGpuLock(unittest.TestCase):
+    def test_served_requests_first(self):
+        import threading
+
+        from kvc_refworker.worker import GpuLock
+
+        lk = GpuLock(max_defer_s=5)
+        lk.enter()  # a served request in flight
+        got = threading.Event()
+
+        def low():
+            lk.acquire(low=True)
+            got.set()
+            lk.release()
+
+        th = threading.Thread(target=low)
+        th.start()
+        self.assertFalse(got.wait(0.3))  # the check waits while the request is in flight
+        lk.acquire()  # the request's own forwards go first
+        lk.release()
+        self.assertFalse(got.is_set())
+        lk.leave()  # request done: the check runs
+        self.assertTrue(got.wait(5))
+        th.join()
+
+    def test_defer_is_bounded(self):
+        from kvc_refworker.worker import GpuLock
+
+        lk = GpuLock(max_defer_s=0.2)
+        lk.enter()
+        t0 = time.monotonic()
+        lk.acquire(low=True)  # a busy worker does not starve its checks forever
+        lk.release()
+        self.assertLess(time.monotonic() - t0, 3)
 
 
 class TestIpcHandle(unittest.TestCase):
