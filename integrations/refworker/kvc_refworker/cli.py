@@ -31,6 +31,9 @@ FLAGS = [
     ("prealloc-wait", float, 0.0, "seconds a request may wait for pages before 503 no_capacity"),
     ("verify-max-steps", int, 16, "decode steps the recompute check compares (the rest are the same arithmetic; 0: all)"),
     ("atol", float, -1.0, "recompute tolerance on logits and KV (-1: 1e-4 for float32, 1.0 for 16-bit)"),
+    ("transfer-api", str, "auto", "how KV moves: plugin (kvcentric_sglang's KvcKVManager/Sender/Receiver and session hooks, "
+                                  "as SGLang's scheduler drives them; needs sglang), bridge (its WorkerBridge client directly), "
+                                  "auto (plugin when sglang is importable)"),
     ("log-level", str, "info", "debug | info | warning | error"),
     ("log-format", str, "json", "json | console"),
 ]
@@ -143,17 +146,19 @@ def main(argv=None) -> int:
                 raise RuntimeError("bridge socket %s did not appear within %.0fs" % (a.bridge_socket, a.bridge_wait))
             time.sleep(0.05)
         bridge = WorkerBridge(a.bridge_socket, timeout_s=a.transfer_timeout + 5)
+        from . import transport
+
         while True:
             try:
-                bpt, endpoint = bridge.register_kv_pool(a.page_size, pool.item_len, pool.rows // a.page_size,
-                                                        spec.num_layers, pool.bridge_buffers(), model=spec.name)
+                xfer = transport.make(a.transfer_api, a.bridge_socket, bridge, pool, a.role, spec.name, a.transfer_timeout)
                 break
             except BridgeError as e:
                 if time.monotonic() > deadline or stop.is_set():
                     raise
                 log.info("RegisterKVPool: %s; retrying", e)
                 time.sleep(0.2)
-        log.info("pool registered: %d KV bytes per token, transfer endpoint %s", bpt, endpoint)
+        bpt, endpoint = xfer.kv_bytes_per_token, xfer.endpoint
+        log.info("pool registered through the %s path: %d KV bytes per token, transfer endpoint %s", xfer.name, bpt, endpoint)
         fp32 = spec.dtype == torch.float32
         atol = a.atol if a.atol >= 0 else (1e-4 if fp32 else 1.0)
         # Bitwise equality across processes holds on CPU in fp32; in bf16 on CUDA one process
@@ -163,13 +168,13 @@ def main(argv=None) -> int:
                      prealloc_wait_s=a.prealloc_wait, verify_recompute=a.verify_recompute, atol=atol,
                      verify_max_steps=a.verify_max_steps,
                      bitwise_strict=strict)
-        srv.set_worker(Worker(cfg, model, spec, pool, bridge))
-        srv.info.update(kv_capacity_tokens=pool.size, kv_bytes_per_token=bpt, pool=pool.source, dtype=str(spec.dtype),
+        srv.set_worker(Worker(cfg, model, spec, pool, xfer))
+        srv.info.update(transfer_api=xfer.name, kv_capacity_tokens=pool.size, kv_bytes_per_token=bpt, pool=pool.source, dtype=str(spec.dtype),
                         verify_recompute=a.verify_recompute, atol=atol)
         if a.ready_file:
             _write_json(a.ready_file, {"pid": os.getpid(), "worker_id": a.worker_id, "http_addr": http_addr, "role": a.role,
                                        "shm_path": pool.shm_path, "kv_capacity_tokens": pool.size, "pool": pool.source,
-                                       "model": spec.name})
+                                       "model": spec.name, "transfer_api": xfer.name})
         log.info("serving %s worker %s on http://%s (verify_recompute=%s, atol=%g, bitwise_strict=%s)", a.role, a.worker_id,
                  http_addr, a.verify_recompute, atol, strict)
         while not stop.wait(0.5):  # a timed wait: the signal handler runs promptly

@@ -28,11 +28,12 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from kvcentric_sglang.bridge import BridgeError, RELEASE_EVICTED, RELEASE_RELEASED, TRANSFER_SEED, TRANSFER_SNAPSHOT
+from kvcentric_sglang.bridge import BridgeError, TRANSFER_SEED, TRANSFER_SNAPSHOT
 
 from . import model as M
 from .pool import KVPool, pages_for
 from .request import Plan, scripted_tokens
+from .transport import TransferError
 
 log = logging.getLogger("kvc_refworker")
 
@@ -126,6 +127,8 @@ class Turn:
         self.out: List[int] = []  # greedy tokens served
         self.pending: Optional[torch.Tensor] = None  # logits of the next token to emit
         self.active = False  # counted in the worker's served requests in flight
+        self.aux = None  # (first token, its logit) from P's aux row
+        self.pending_token: Optional[int] = None  # step 0's token when it came from P
         self.first_local = False  # step 0 computed here from received KV (allclose, not bitwise)
         self.bitwise = False  # the KV came from a full prefill (P's): decode from it is bitwise
         self.start = 0  # tokens of resident/received KV the append-prefill started from
@@ -139,8 +142,8 @@ class Turn:
 
 
 class Worker:
-    def __init__(self, cfg: Config, model, spec: M.ModelSpec, pool: KVPool, bridge):
-        self.cfg, self.model, self.spec, self.pool, self.bridge = cfg, model, spec, pool, bridge
+    def __init__(self, cfg: Config, model, spec: M.ModelSpec, pool: KVPool, xfer):
+        self.cfg, self.model, self.spec, self.pool, self.xfer = cfg, model, spec, pool, xfer
         self.gpu = GpuLock()  # one forward at a time (one GPU), served requests first
         self.mu = threading.Condition()
         self.sessions: Dict[str, Session] = {}
@@ -225,7 +228,7 @@ class Worker:
 
     def _release_and_free(self, s: Session, evicted: bool) -> None:
         try:
-            self.bridge.release_session(s.id, evicted=evicted)
+            self.xfer.release(s.id, evicted)
         except BridgeError as e:
             if "NOT_FOUND" not in str(e.code):
                 # The sidecar may still read these pages: never reuse them.
@@ -288,13 +291,14 @@ class Worker:
             del cache
             meta["prefill_tokens"] = p.input
             meta["prefill_ms"] = _ms(time.monotonic() - t0)
-            meta["first_token"] = int(logits.argmax())
+            first = int(logits.argmax())
+            meta["first_token"] = first
             self.stats["prefill_tokens"] += p.input
             t1 = time.monotonic()
             try:
-                sent = self.bridge.send_kv(p.room, p.seed_key, pages, first_page=0, last=True, tokens=p.input)
-            except BridgeError as e:
-                raise ApiError(502, "transfer_failed", "SendKV room %d: %s" % (p.room, e))
+                sent = self.xfer.send(p.room, p.seed_key, pages, p.input, first, float(logits[first]))
+            except TransferError as e:
+                raise ApiError(502, "transfer_failed", str(e))
             meta["sent_bytes"] = sent
             meta["transfer_real_ms"] = meta["transfer_ms"] = _ms(time.monotonic() - t1)
             self.stats["sent_bytes"] += sent
@@ -403,20 +407,12 @@ class Worker:
     def _receive(self, t: Turn, kind: int, tokens: int) -> None:
         p = t.p
         pages = t.page_list()[:pages_for(tokens, self.pool.page_size)]
-        t0 = time.monotonic()
         try:
-            self.bridge.prepare_receive(p.room, p.seed_key, kind, pages, tokens, p.peer)
-        except BridgeError as e:
-            raise ApiError(502, "transfer_failed", "PrepareReceive room %d: %s" % (p.room, e))
-        try:
-            r = self.bridge.wait_receive(p.room, timeout_s=self.cfg.transfer_timeout_s)
-        except BridgeError as e:
-            raise ApiError(502, "transfer_failed", "WaitReceive room %d: %s" % (p.room, e))
-        wall = time.monotonic() - t0
-        if not r.ok:
-            raise ApiError(502, "transfer_failed", "transfer of room %d failed: %s" % (p.room, r.error))
-        if r.tokens and r.tokens != tokens:
-            raise ApiError(502, "transfer_failed", "transfer of room %d carried %d tokens, want %d" % (p.room, r.tokens, tokens))
+            r = self.xfer.receive(p.room, p.seed_key, kind, pages, tokens, p.peer)
+        except TransferError as e:
+            raise ApiError(502, "transfer_failed", str(e))
+        wall = r.wall_s
+        t.aux = (r.first_token, r.first_logit) if r.first_token is not None else None
         moved = wall
         if r.duration_us and r.duration_us / 1e6 < wall:
             moved = r.duration_us / 1e6
@@ -431,6 +427,19 @@ class Worker:
         pool keeps P's)."""
         n, pages = t.p.input, t.page_list()
         t0 = time.monotonic()
+        if t.aux is not None and 0 <= t.aux[0] < self.spec.vocab_size:
+            # P's first token from the aux row (SGLang's _commit_transfer_to_req): no forward here.
+            t.cache = self._cache_from_pool(pages, n)
+            t.first_local, t.bitwise, t.start = False, True, n
+            t.meta["first_token_source"] = "aux"
+            t.meta["prefill_tokens"] = 0
+            t.meta["prefill_ms"] = _ms(time.monotonic() - t0)
+            t.kv = n
+            t.pending, t.pending_token = None, t.aux[0]
+            if self.cfg.verify_recompute:
+                t.logits.append(None)
+            return
+        t.meta["first_token_source"] = "local"
         probe = self._cache_from_pool(pages, n - 1)
         logits, _ = self._forward(t.ids[n - 1:n], probe)
         del probe
@@ -469,7 +478,7 @@ class Worker:
         logits = t.pending
         t0 = time.monotonic()
         for i in range(p.max_new):
-            tok = int(logits.argmax())
+            tok = t.pending_token if (i == 0 and t.pending_token is not None) else int(logits.argmax())
             t.out.append(tok)
             # The token at position n+i: the greedy one, or the scripted context's token when
             # the client sends only token counts (so that every worker derives the same context).
@@ -525,7 +534,7 @@ class Worker:
                 pages = self._trim(s, t.kv)
                 s.tokens = list(t.ids) + t.fed[:t.kv - t.p.input]
                 try:
-                    self.bridge.commit_session(s.id, t.kv, pages)
+                    self.xfer.commit(s.id, t.kv, pages)
                     s.committed = True
                 except BridgeError as e:
                     log.error("CommitSession %s len %d failed: %s", s.id, t.kv, e)
@@ -578,6 +587,18 @@ class Verifier:
             refs.append(lg)
         mism, max_diff, bitwise_steps = 0, 0.0, 0
         for i, (a, b) in enumerate(zip(t.logits, refs)):
+            if a is None:  # step 0 came from P's aux row: its token and that token's logit
+                tok, lg = t.aux
+                d = abs(float(b[tok]) - lg)
+                max_diff = max(max_diff, d)
+                bitwise_steps += d == 0.0
+                sb = int(b.argmax())
+                bad = d > atol or (t.bitwise and w.cfg.bitwise_strict and d != 0.0) or (tok != sb and float(b[sb] - b[tok]) > atol)
+                if bad:
+                    mism += 1
+                    log.warning("recompute mismatch: session %s mode %s first token (aux) %d/%d |dlogit| %.3g",
+                                p.seed_key, p.mode, tok, sb, d)
+                continue
             d = float((a - b).abs().max())
             max_diff = max(max_diff, d)
             if d == 0.0:

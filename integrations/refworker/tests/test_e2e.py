@@ -7,7 +7,9 @@ request recomputed from scratch in its worker: 0 mismatches.
 
 Run: KVC_BIN_DIR=$PWD/bin <venv>/bin/python -m pytest -q integrations/refworker/tests (after
 make build; the venv of integrations/sglang/scripts/make-venv.sh has torch, transformers and
-sglang). Keep the cluster's logs with KVC_REFWORKER_IT_WORKDIR=DIR.
+sglang). Keep the cluster's logs with KVC_REFWORKER_IT_WORKDIR=DIR. KVC_REFWORKER_IT_API=bridge runs the
+workers on the plain WorkerBridge path (the GPU machine's, without sglang) instead of the
+plugin's backend classes.
 """
 
 import json
@@ -62,7 +64,8 @@ class Cluster:
                 "--refworker-python", sys.executable, "--prefill", "1", "--decode", "2",
                 "--decode-capacity-tokens", str(capacity), "--prefill-capacity-tokens", "8192",
                 "--policy-json", json.dumps(policy), "--ready-file", self.ready,
-                "--refworker-args", "--verify-recompute --page-size 16"]
+                "--refworker-args", "--verify-recompute --page-size 16 --transfer-api " +
+                os.environ.get("KVC_REFWORKER_IT_API", "auto")]
         self.log = open(os.path.join(work, "kvc-local.log"), "w")
         env = dict(os.environ, KVC_REFWORKER_THREADS="1")
         self.p = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, env=env)
