@@ -7,6 +7,8 @@ import (
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/anypb"
 
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
@@ -57,4 +59,28 @@ func TestTypedPeerError(t *testing.T) {
 	if !errors.As(TypedPeerError(tests[0].err), &pe) || pe.Detail.GetStoredSeqlen() != 7 || pe.Reason() != kvcv1.PeerErrorReason_PEER_ERROR_REASON_BASE_MISMATCH {
 		t.Fatalf("detail lost: %+v", pe)
 	}
+}
+
+// FuzzTypedPeerError: a status read off the wire (any code, message and detail — a type URL and
+// bytes, valid or not) never panics the decoder, and it types an error only around a PeerError.
+func FuzzTypedPeerError(f *testing.F) {
+	good, _ := proto.Marshal(&kvcv1.PeerError{Reason: kvcv1.PeerErrorReason_PEER_ERROR_REASON_BASE_MISMATCH, StoredSeqlen: 3})
+	f.Add(uint32(9), "m", "type.googleapis.com/kvc.v1.PeerError", good)
+	f.Add(uint32(10), "busy", "type.googleapis.com/kvc.v1.PeerError", []byte{0x08, 0xff, 0xff, 0xff, 0xff, 0x0f})
+	f.Add(uint32(2), "x", "type.googleapis.com/google.protobuf.Duration", []byte{0x08, 0x01})
+	f.Add(uint32(13), "", "", []byte{0xff})
+	f.Fuzz(func(t *testing.T, code uint32, msg, typeURL string, value []byte) {
+		sp := status.New(codes.Code(code%17), msg).Proto()
+		sp.Details = append(sp.Details, &anypb.Any{TypeUrl: typeURL, Value: value})
+		err := status.ErrorProto(sp)
+		got := TypedPeerError(err)
+		var pe *PeerError
+		if errors.As(got, &pe) {
+			if pe.Detail == nil || status.Code(got) != status.Code(err) {
+				t.Fatalf("typed %v from %v", got, err)
+			}
+		} else if got != err {
+			t.Fatalf("untyped error changed: %v -> %v", err, got)
+		}
+	})
 }
