@@ -168,7 +168,9 @@ def main(argv=None) -> int:
                      prealloc_wait_s=a.prealloc_wait, verify_recompute=a.verify_recompute, atol=atol,
                      verify_max_steps=a.verify_max_steps,
                      bitwise_strict=strict)
-        srv.set_worker(Worker(cfg, model, spec, pool, xfer))
+        worker = Worker(cfg, model, spec, pool, xfer)
+        watch = transport.start_watch(xfer, worker, stop)
+        srv.set_worker(worker)
         srv.info.update(transfer_api=xfer.name, kv_capacity_tokens=pool.size, kv_bytes_per_token=bpt, pool=pool.source, dtype=str(spec.dtype),
                         verify_recompute=a.verify_recompute, atol=atol)
         if a.ready_file:

@@ -48,7 +48,7 @@ class BridgeTransport:
     name = "bridge"
 
     def __init__(self, bridge, pool, model_name: str, timeout_s: float):
-        self.bridge, self.pool, self.timeout_s = bridge, pool, timeout_s
+        self.bridge, self.pool, self.timeout_s, self.model_name = bridge, pool, timeout_s, model_name
         self.kv_bytes_per_token, self.endpoint = bridge.register_kv_pool(
             pool.page_size, pool.item_len, pool.rows // pool.page_size, pool.layers, pool.bridge_buffers(), model=model_name)
 
@@ -76,6 +76,10 @@ class BridgeTransport:
 
     def release(self, session_id: str, evicted: bool) -> None:
         self.bridge.release_session(session_id, evicted=evicted)
+
+    def reregister(self) -> None:
+        self.bridge.register_kv_pool(self.pool.page_size, self.pool.item_len, self.pool.rows // self.pool.page_size,
+                                     self.pool.layers, self.pool.bridge_buffers(), model=self.model_name)
 
 
 class PluginTransport:
@@ -180,6 +184,9 @@ class PluginTransport:
     def release(self, session_id: str, evicted: bool) -> None:
         self.sessions.release(session_id, evicted=evicted)
 
+    def reregister(self) -> None:
+        self.mgr.registration.register(self.bridge)
+
 
 def make(kind: str, bridge_socket: str, bridge, pool, role: str, model_name: str, timeout_s: float):
     """kind: auto (plugin when sglang is importable, else bridge), plugin or bridge."""
@@ -193,3 +200,22 @@ def make(kind: str, bridge_socket: str, bridge, pool, role: str, model_name: str
         else:
             return PluginTransport(bridge_socket, pool, role, model_name, timeout_s)
     return BridgeTransport(bridge, pool, model_name, timeout_s)
+
+
+def start_watch(xfer, worker, stop: threading.Event):
+    """The sidecar's WatchCommands for this worker, through the plugin's WatchClient: a
+    restarted sidecar gets the pool registered and the resident sessions committed again;
+    release and truncate commands run on a thread of their own (the refworker's "scheduler"),
+    woken by the client whenever a command arrives, and are acked."""
+    from kvcentric_sglang.watch import WatchClient
+
+    w = WatchClient(xfer.bridge, on_reregister=xfer.reregister, on_recommit=worker.recommit_all,
+                    on_release=lambda wk, sid: wk.release_for_capacity(sid),
+                    on_truncate=lambda wk, sid, keep: wk.truncate(sid, keep)).start()
+
+    def run():
+        while not stop.is_set():
+            w.wait_for(lambda c: not c.pending.empty() or stop.is_set(), timeout=5.0)
+            w.run_pending(worker)
+    threading.Thread(target=run, name="kvc-commands", daemon=True).start()
+    return w

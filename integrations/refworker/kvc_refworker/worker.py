@@ -254,6 +254,60 @@ class Worker:
         lk.acquire()
         return lk.release
 
+    # -- the sidecar's WatchCommands (kvcentric_sglang.watch.WatchClient callbacks) -------------
+
+    def release_for_capacity(self, sid: str) -> int:
+        """A release command: frees an idle session (ReleaseSession EVICTED first); returns the
+        tokens freed. A session in use is refused (the sidecar picks another)."""
+        with self.mu:
+            s = self.sessions.get(sid)
+            if s is None:
+                return 0
+            if s.pinned > 0:
+                raise RuntimeError("session %s is in use" % sid)
+            del self.sessions[sid]
+            s.gone = True
+            freed = s.kv_len
+        self._release_and_free(s, evicted=True)
+        self.stats["evictions"] += 1
+        return freed
+
+    def truncate(self, sid: str, keep_tokens: int) -> int:
+        """A truncate command: keeps the first keep_tokens tokens of an idle session, frees the
+        rest and commits the shorter length; returns the tokens freed."""
+        lock = self._lock_turn(sid)
+        try:
+            with self.mu:
+                s = self.sessions.get(sid)
+                if s is None:
+                    return 0
+                if s.pinned > 0:
+                    raise RuntimeError("session %s is in use" % sid)
+                s.pinned += 1
+            try:
+                keep = max(0, min(keep_tokens, s.kv_len))
+                freed = s.kv_len - keep
+                pages = self._trim(s, keep)
+                s.tokens = s.tokens[:keep]
+                self.xfer.commit(s.id, keep, pages)
+                return freed
+            finally:
+                with self.mu:
+                    s.pinned -= 1
+                    self.mu.notify_all()
+        finally:
+            lock()
+
+    def recommit_all(self) -> None:
+        """After a sidecar restart re-attached: every resident session committed again."""
+        with self.mu:
+            held = [(s.id, s.kv_len, list(s.pages)) for s in self.sessions.values() if s.committed]
+        for sid, n, pages in held:
+            try:
+                self.xfer.commit(sid, n, pages)
+            except BridgeError as e:
+                log.error("re-commit of %s: %s", sid, e)
+
     def close_session(self, sid: str) -> bool:
         """Releases the session once its running turn (if any) ended; False when not held."""
         unlock = self._lock_turn(sid)
