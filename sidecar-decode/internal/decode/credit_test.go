@@ -101,7 +101,7 @@ func (f *creditStore) ReserveSnapshot(ctx context.Context, req *kvcv1.ReserveSna
 	f.log = append(f.log, fmt.Sprintf("reserve(use=%d)", use))
 	if use > 0 && (req.GetCreditId() != f.id || use > int64(len(f.credit))) {
 		f.mu.Unlock()
-		return nil, status.Errorf(codes.FailedPrecondition, "credit %d is stale: its credit is now %d", req.GetCreditId(), f.id)
+		return nil, agent.PeerStatus(codes.FailedPrecondition, &kvcv1.PeerError{Reason: kvcv1.PeerErrorReason_PEER_ERROR_REASON_CREDIT_REFUSED}, "credit %d is stale: its credit is now %d", req.GetCreditId(), f.id)
 	}
 	used := slices.Clone(f.credit[:use])
 	f.mu.Unlock()
