@@ -1105,7 +1105,15 @@ type SendKVRequest struct {
 	// With last: the request's aux rows (SGLang's metadata row: first output token, cached-token
 	// counts, logprobs, bootstrap room ...), one per aux buffer, at most 64 KiB in all. They reach
 	// the receiver's WaitReceiveResponse.aux before it reports success.
-	Aux           [][]byte `protobuf:"bytes,7,rep,name=aux,proto3" json:"aux,omitempty"`
+	Aux [][]byte `protobuf:"bytes,7,rep,name=aux,proto3" json:"aux,omitempty"`
+	// Seed through the prefill store (a colocated decode worker then loads it like a snapshot,
+	// docs/sglang.md "SEED into a colocated decode worker"): the chunk is copied into this
+	// sidecar's OWN snapshot store, not into a decode room, as the session's full snapshot of
+	// generation `generation` (> 0). With to_store, session_id is required and `tokens` (the whole
+	// transfer's) is required on every chunk; the room only names the transfer. The last chunk
+	// commits the snapshot (SNAPSHOT_INGESTED to the control plane); aux rows are not stored.
+	ToStore       bool   `protobuf:"varint,8,opt,name=to_store,json=toStore,proto3" json:"to_store,omitempty"`
+	Generation    uint64 `protobuf:"varint,9,opt,name=generation,proto3" json:"generation,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1189,9 +1197,25 @@ func (x *SendKVRequest) GetAux() [][]byte {
 	return nil
 }
 
+func (x *SendKVRequest) GetToStore() bool {
+	if x != nil {
+		return x.ToStore
+	}
+	return false
+}
+
+func (x *SendKVRequest) GetGeneration() uint64 {
+	if x != nil {
+		return x.Generation
+	}
+	return 0
+}
+
 type SendKVResponse struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Bytes         int64                  `protobuf:"varint,1,opt,name=bytes,proto3" json:"bytes,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Bytes int64                  `protobuf:"varint,1,opt,name=bytes,proto3" json:"bytes,omitempty"`
+	// With to_store and last: the snapshot's seqlen in the store after the commit.
+	StoredSeqlen  int64 `protobuf:"varint,2,opt,name=stored_seqlen,json=storedSeqlen,proto3" json:"stored_seqlen,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1229,6 +1253,13 @@ func (*SendKVResponse) Descriptor() ([]byte, []int) {
 func (x *SendKVResponse) GetBytes() int64 {
 	if x != nil {
 		return x.Bytes
+	}
+	return 0
+}
+
+func (x *SendKVResponse) GetStoredSeqlen() int64 {
+	if x != nil {
+		return x.StoredSeqlen
 	}
 	return 0
 }
@@ -1865,7 +1896,7 @@ const file_kvc_v1_bridge_proto_rawDesc = "" +
 	"\x05error\x18\x04 \x01(\tR\x05error\x12\x1f\n" +
 	"\vduration_us\x18\x05 \x01(\x03R\n" +
 	"durationUs\x12\x10\n" +
-	"\x03aux\x18\x06 \x03(\fR\x03aux\"\xb5\x01\n" +
+	"\x03aux\x18\x06 \x03(\fR\x03aux\"\xf0\x01\n" +
 	"\rSendKVRequest\x12\x12\n" +
 	"\x04room\x18\x01 \x01(\x03R\x04room\x12\x1d\n" +
 	"\n" +
@@ -1875,9 +1906,14 @@ const file_kvc_v1_bridge_proto_rawDesc = "" +
 	"first_page\x18\x04 \x01(\x03R\tfirstPage\x12\x12\n" +
 	"\x04last\x18\x05 \x01(\bR\x04last\x12\x16\n" +
 	"\x06tokens\x18\x06 \x01(\x03R\x06tokens\x12\x10\n" +
-	"\x03aux\x18\a \x03(\fR\x03aux\"&\n" +
+	"\x03aux\x18\a \x03(\fR\x03aux\x12\x19\n" +
+	"\bto_store\x18\b \x01(\bR\atoStore\x12\x1e\n" +
+	"\n" +
+	"generation\x18\t \x01(\x04R\n" +
+	"generation\"K\n" +
 	"\x0eSendKVResponse\x12\x14\n" +
-	"\x05bytes\x18\x01 \x01(\x03R\x05bytes\"6\n" +
+	"\x05bytes\x18\x01 \x01(\x03R\x05bytes\x12#\n" +
+	"\rstored_seqlen\x18\x02 \x01(\x03R\fstoredSeqlen\"6\n" +
 	"\x15SnapshotStatusRequest\x12\x1d\n" +
 	"\n" +
 	"session_id\x18\x01 \x01(\tR\tsessionId\"\xd8\x01\n" +
