@@ -156,10 +156,7 @@ func TestFailOpen(t *testing.T) {
 				if ev := sse(t, resp.Body); ev[len(ev)-1] != "[DONE]" {
 					t.Fatalf("events %v", ev)
 				}
-				pr, dr := <-e.p.got, <-e.d.got
-				if pr.KVC.Mode != "PD_FALLBACK" || pr.BootstrapRoom == 0 || pr.BootstrapRoom != dr.BootstrapRoom || dr.KVC.PrefillPeerAddr != "127.0.0.1:7777" {
-					t.Fatalf("p %+v d %+v", pr, dr)
-				}
+				checkLocalFailOpen(t, e)
 			}
 			if got := testutil.ToFloat64(e.m.FailOpen.WithLabelValues("control_plane_unavailable")); got != 2 {
 				t.Fatalf("failopen_total = %v", got)

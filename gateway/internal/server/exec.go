@@ -36,7 +36,10 @@ type result struct {
 	retry bool
 	// gone is the worker that refused or dropped the connection (or answered a 503 other than
 	// no_capacity): a retry excludes it.
-	gone      *kvcv1.WorkerRef
+	gone *kvcv1.WorkerRef
+	// transfer: the KV transfer failed (transfer_failed, kv_verify_failed) before D's first
+	// token: retryable, and the retry excludes both ends of the transfer.
+	transfer  bool
 	meta      json.RawMessage // the decode worker's last meta_info
 	promptTok int64
 	outputTok int64
@@ -114,7 +117,10 @@ func classify(we *workerError, p *plan, ctx, clientCtx context.Context) result {
 			r.gone = p.worker(we.role)
 		}
 	case we.status == http.StatusBadGateway || code == "transfer_failed" || code == "kv_verify_failed":
+		// A sidecar that restarts, dies mid-transfer, or is offered a transfer before it
+		// re-attached (issue 16 finding 4): a new decision without these workers may serve it.
 		r.kind = p.onTransferFailed()
+		r.retry, r.transfer = true, true
 	case we.status == http.StatusGatewayTimeout:
 		r.kind = kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_TIMEOUT
 	}
@@ -230,6 +236,9 @@ func workerBody(p *plan, req *api.Request, role string) []byte {
 	}
 	if t := e.GetTruncateTo(); t > 0 && role == roleDecode {
 		payload["truncate_to"] = t
+	}
+	if e.GetLocalPrefill() && role == roleDecode {
+		payload["local_prefill"] = true
 	}
 	if e.GetLocalPrefill() && role == roleDecode {
 		payload["local_prefill"] = true
@@ -418,9 +427,6 @@ func (s *Server) execute(ctx, clientCtx context.Context, start time.Time, p *pla
 		if !res.ok && pe != nil && res.kind != p.onRefused() {
 			// The prefill side failed first (or explains D's failure): report that.
 			r := classify(pe, p, ctx, clientCtx)
-			if r.kind == kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_WORKER_ERROR && pe.status == http.StatusBadGateway {
-				r.kind = p.onTransferFailed()
-			}
 			r.ttft = res.ttft
 			return r
 		}
@@ -493,7 +499,8 @@ func (s *Server) decode(ctx context.Context, start time.Time, p *plan, req *api.
 				st = http.StatusInternalServerError
 			}
 			res = classify(&workerError{role: roleDecode, status: st, code: c.Error.Code, message: c.Error.Message}, p, ctx, ctx)
-			res.retry = false
+			// Only a transfer that failed before D's first token may be retried.
+			res.retry = res.transfer && res.ttft == 0
 			return false
 		}
 		if res.ttft == 0 {

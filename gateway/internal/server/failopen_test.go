@@ -13,8 +13,9 @@ import (
 
 // Fail-open on every path where the control plane answers but gives no usable decision (issue
 // 16: all sidecars restarting, every decode worker draining, an error after a failover): the
-// gateway serves plain P/D from its own worker lists, says why in X-KVC-Reason and
-// kvc_gateway_failopen_total{reason}, and releases the unusable decision's reservation.
+// gateway serves from its own worker lists — a decode worker prefills the whole request itself
+// (local_prefill: no transfer, so no sidecar is needed; finding 2) — says why in X-KVC-Reason
+// and kvc_gateway_failopen_total{reason}, and releases the unusable decision's reservation.
 func TestFailOpenOnUnusableDecision(t *testing.T) {
 	fallback := kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK
 	tests := []struct {
@@ -59,11 +60,7 @@ func TestFailOpenOnUnusableDecision(t *testing.T) {
 			if ev := sse(t, resp.Body); ev[len(ev)-1] != "[DONE]" {
 				t.Fatalf("events %v", ev)
 			}
-			pr, dr := <-e.p.got, <-e.d.got
-			if pr.KVC.Mode != "PD_FALLBACK" || dr.KVC.KeepSession || dr.SessionParams != nil || pr.BootstrapRoom != dr.BootstrapRoom ||
-				pr.BootstrapRoom <= 0 || pr.BootstrapRoom >= 1<<53 || dr.KVC.PrefillPeerAddr != "127.0.0.1:7777" {
-				t.Fatalf("p %+v d %+v", pr, dr)
-			}
+			checkLocalFailOpen(t, e)
 			if got := testutil.ToFloat64(e.m.FailOpen.WithLabelValues(tt.reason)); got != 1 {
 				t.Fatalf("failopen_total{%s} = %v", tt.reason, got)
 			}
@@ -237,9 +234,11 @@ func TestFailureKindsFollowThePlan(t *testing.T) {
 		{"refused kind from the plan", func(e *kvcv1.RouteExecution) {
 			e.OnDecodeRefused = kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_WORKER_ERROR
 		}, always("503"), kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_WORKER_ERROR, 1},
-		{"transfer kind from the plan", func(e *kvcv1.RouteExecution) {
+		{"transfer kind from the plan (a failed transfer is retried once)", func(e *kvcv1.RouteExecution) {
 			e.OnTransferFailed = kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_SNAPSHOT_FAILED
-		}, always("502"), kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_SNAPSHOT_FAILED, 1},
+		}, always("502"), kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_SNAPSHOT_FAILED, 2},
+		{"no transfer retry when the plan forbids it", func(e *kvcv1.RouteExecution) { e.RetryAllowed = false },
+			always("502"), kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_TRANSFER_FAILED, 1},
 		{"no retry when the plan forbids it", func(e *kvcv1.RouteExecution) { e.RetryAllowed = false },
 			always("503gone"), kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D, 1},
 		{"retry when the plan allows it", func(*kvcv1.RouteExecution) {},
@@ -266,6 +265,82 @@ func TestFailureKindsFollowThePlan(t *testing.T) {
 			}
 			if n != tt.wantN {
 				t.Fatalf("%d decisions, want %d", n, tt.wantN)
+			}
+		})
+	}
+}
+
+// checkLocalFailOpen: the fail-open request went to the decode worker alone, as a local prefill
+// of the whole request that keeps nothing (no room, no transfer, no prefill worker).
+func checkLocalFailOpen(t *testing.T, e *env) {
+	t.Helper()
+	dr := <-e.d.got
+	if dr.KVC.Mode != "PD_FALLBACK" || !dr.KVC.LocalPrefill || dr.KVC.Transfer != "" || dr.KVC.Room != 0 || dr.BootstrapRoom != 0 ||
+		dr.KVC.KeepSession || dr.SessionParams != nil || dr.KVC.PrefillPeerAddr != "" {
+		t.Fatalf("d %+v", dr)
+	}
+	select {
+	case pr := <-e.p.got:
+		t.Fatalf("fail-open called the prefill worker: %+v", pr)
+	default:
+	}
+}
+
+// A transfer that fails before D's first token (a sidecar restarting or killed mid-transfer,
+// issue 16 finding 4) is retried once through a new decision that excludes both ends of the
+// transfer; the control plane hears the failure first.
+func TestRetryAfterTransferFailure(t *testing.T) {
+	for _, tt := range []struct {
+		name   string
+		pb, db func(int, workerReq) string
+	}{
+		{"decode side", nil, func(i int, _ workerReq) string {
+			if i == 0 {
+				return "502"
+			}
+			return ""
+		}},
+		{"prefill side", func(i int, _ workerReq) string {
+			if i == 0 {
+				return "502"
+			}
+			return ""
+		}, func(_ int, wr workerReq) string {
+			if wr.KVC.PrefillPeerAddr == "127.0.0.1:7001" {
+				return "slow" // waits for the first decision's transfer, which fails on P
+			}
+			return ""
+		}},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			n := 0
+			decide := func(q *kvcv1.RouteQuery, p, d *fakeWorker) *kvcv1.RouteResponse {
+				n++
+				if n == 1 {
+					return fakecp.Decision(q, kvcv1.RouteMode_ROUTE_MODE_SEED, kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION, ref(p, "p0", "127.0.0.1:7001"), ref(d, "d0", ""))
+				}
+				return fakecp.Decision(q, kvcv1.RouteMode_ROUTE_MODE_SEED, kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION, ref(p, "p1", "127.0.0.1:7002"), ref(d, "d1", ""))
+			}
+			e := setup(t, decide, tt.pb, tt.db, 2*time.Second)
+			resp := post(t, e.gw.URL, "/generate", "s1", genBody)
+			if resp.StatusCode != 200 || resp.Header.Get("X-KVC-Retries") != "1" || resp.Header.Get("X-KVC-Decode-Worker") != "d1" {
+				t.Fatalf("status %d headers %v", resp.StatusCode, resp.Header)
+			}
+			if ev := sse(t, resp.Body); ev[len(ev)-1] != "[DONE]" {
+				t.Fatalf("events %v", ev)
+			}
+			first, second := <-e.cp.Queries, <-e.cp.Queries
+			if len(first.GetExcludeWorkers()) != 0 || strings.Join(second.GetExcludeWorkers(), ",") != "p0,d0" {
+				t.Fatalf("excludes: first %v, second %v", first.GetExcludeWorkers(), second.GetExcludeWorkers())
+			}
+			if o := outcome(t, e.cp); o.GetErrorKind() != kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_TRANSFER_FAILED {
+				t.Fatalf("first outcome %v", o)
+			}
+			if o := outcome(t, e.cp); !o.GetSuccess() {
+				t.Fatalf("second outcome %v", o)
+			}
+			if got := testutil.ToFloat64(e.m.Retries.WithLabelValues("transfer_failed")); got != 1 {
+				t.Fatalf("retries{transfer_failed} = %v", got)
 			}
 		})
 	}

@@ -34,6 +34,8 @@ type Router interface {
 // (workers.Pool implements it).
 type Picker interface {
 	Pick(skipURLs ...string) (pre, dec workers.Worker, ok bool)
+	// PickDecode is the next decode worker alone (the fail-open plan needs no prefill worker).
+	PickDecode(skipURLs ...string) (dec workers.Worker, ok bool)
 }
 
 // Options configure a Server.
@@ -122,9 +124,12 @@ type plan struct {
 // modeName is a mode's name for headers, logs and metric labels.
 func modeName(m kvcv1.RouteMode) string { return strings.TrimPrefix(m.String(), "ROUTE_MODE_") }
 
-// failOpenExec is the gateway's own plan without a usable decision: plain P/D, nothing kept.
+// failOpenExec is the gateway's own plan without a usable decision: a decode worker prefills
+// the whole request itself (local_prefill; decode workers are colocated servers able to
+// prefill) and keeps nothing. It needs no sidecar and no prefill worker: it serves while every
+// sidecar restarts, and whatever the control plane knows or does not know (issue 16 finding 2).
 var failOpenExec = &kvcv1.RouteExecution{
-	CallPrefill: true, CallDecode: true, Transfer: kvcv1.TransferKind_TRANSFER_KIND_SEED,
+	CallDecode: true, LocalPrefill: true,
 	OnDecodeRefused:  kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D,
 	OnTransferFailed: kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_TRANSFER_FAILED,
 	RetryAllowed:     true,
@@ -208,11 +213,23 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request, kind api.Kind) {
 		s.report(p, req, res, start) // before the retry's query: the control plane decides knowing it
 		if attempt < maxRetries && retryable(res, out, p) && ctx.Err() == nil {
 			why := "worker_unavailable"
-			if res.code == codeNotResident {
+			switch {
+			case res.code == codeNotResident:
 				why = "session_not_resident"
+			case res.transfer:
+				why = "transfer_failed"
 			}
 			if res.gone != nil {
 				gone = append(gone, res.gone)
+			}
+			if res.transfer {
+				// The transfer failed between these two: the new decision avoids both ends
+				// (without a prefill worker it prefills on a decode worker: no transfer).
+				for _, w := range []*kvcv1.WorkerRef{p.prefill, p.decode} {
+					if w.GetWorkerId() != "" || w.GetWorkerUrl() != "" {
+						gone = append(gone, w)
+					}
+				}
 			}
 			s.m.Retries.WithLabelValues(why).Inc()
 			s.log.Debug().Str("session", req.SessionID).Str("decision", p.decisionID).Str("why", why).
@@ -313,9 +330,9 @@ func (s *Server) route(ctx context.Context, req *api.Request, gone []*kvcv1.Work
 	for _, g := range gone {
 		skip = append(skip, g.GetWorkerUrl())
 	}
-	pre, dec, ok := s.pool.Pick(skip...)
+	dec, ok := s.pool.PickDecode(skip...)
 	if !ok {
-		return nil, &api.Error{Status: http.StatusServiceUnavailable, Code: "no_workers", Message: "no routing decision and no fail-open workers known"}
+		return nil, &api.Error{Status: http.StatusServiceUnavailable, Code: "no_workers", Message: "no routing decision and no fail-open decode worker known"}
 	}
 	s.m.FailOpen.WithLabelValues(why).Inc()
 	reason := strings.ToUpper(why)
@@ -324,7 +341,7 @@ func (s *Server) route(ctx context.Context, req *api.Request, gone []*kvcv1.Work
 	}
 	return &plan{
 		mode: kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, reason: reason, failOpen: true,
-		prefill: pre.Ref(), decode: dec.Ref(), room: int64(rand.Uint64() >> 11), exec: failOpenExec,
+		decode: dec.Ref(), exec: failOpenExec,
 	}, nil
 }
 

@@ -63,6 +63,7 @@ type kvcPayload struct {
 	SnapshotSeqlen  int64  `json:"snapshot_seqlen"`
 	KeepSession     bool   `json:"keep_session"`
 	DecisionID      string `json:"decision_id"`
+	LocalPrefill    bool   `json:"local_prefill"`
 }
 
 // sessionCall is an /open_session or /close_session a fake worker received.

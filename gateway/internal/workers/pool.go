@@ -54,6 +54,15 @@ func (p *Pool) Pick(skipURLs ...string) (pre, dec Worker, ok bool) {
 	return pre, dec, true
 }
 
+// PickDecode returns the next decode worker round robin, skipping workers whose URL is in
+// skipURLs; ok is false when none is left. The gateway's fail-open needs only a decode worker
+// (it prefills the request itself).
+func (p *Pool) PickDecode(skipURLs ...string) (dec Worker, ok bool) {
+	p.mu.RLock()
+	defer p.mu.RUnlock()
+	return next(p.decode, &p.dn, skipURLs)
+}
+
 // next is round robin over ws from counter n, skipping the URLs in skip.
 func next(ws []Worker, n *atomic.Uint64, skip []string) (Worker, bool) {
 	if len(ws) == 0 {

@@ -99,3 +99,25 @@ func TestPickSkips(t *testing.T) {
 		t.Fatal("every prefill worker skipped, still picked one")
 	}
 }
+
+// PickDecode (the fail-open plan: D prefills itself) needs no prefill worker.
+func TestPickDecodeNeedsNoPrefill(t *testing.T) {
+	p := NewPool(nil, []Worker{{URL: "d1"}, {URL: "d2"}})
+	seen := map[string]int{}
+	for i := 0; i < 4; i++ {
+		d, ok := p.PickDecode("d2")
+		if !ok || d.URL != "d1" {
+			t.Fatalf("pick %d: %v %v", i, d, ok)
+		}
+		seen[d.URL]++
+	}
+	if d, ok := p.PickDecode(); !ok || d.URL == "" {
+		t.Fatalf("pick without skips: %v %v", d, ok)
+	}
+	if _, ok := p.PickDecode("d1", "d2"); ok {
+		t.Fatal("every decode worker skipped, still picked one")
+	}
+	if _, _, ok := p.Pick(); ok {
+		t.Fatal("Pick without a prefill worker picked")
+	}
+}
