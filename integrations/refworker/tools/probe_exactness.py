@@ -66,10 +66,24 @@ def main():
     f, _ = M.forward(m, [ids[n - 1]], M.new_cache(m, k1, v1))
     print("first token over [0,n-1) vs prefill: |d| %.3g, argmax %d/%d" % (float((f - l1).abs().max()), int(f.argmax()), int(l1.argmax())))
     # append-prefill of a tail vs a full prefill
+    for tail in (a.tail // 2 + 3, a.tail // 4 + 1):  # other shapes first: is the time a cold start?
+        cw = M.new_cache(m, k, v)
+        sync(); t = time.monotonic()
+        M.forward(m, ids[n:n + tail], cw); sync()
+        print("append-prefill of %d on %d (shape seen first): %.1f ms" % (tail, n, (time.monotonic() - t) * 1000))
+        del cw
     ca = M.new_cache(m, k, v)
     sync(); t = time.monotonic()
     la, ca = M.forward(m, ids[n:n + a.tail], ca); sync()
     print("append-prefill of %d on %d: %.1f ms" % (a.tail, n, (time.monotonic() - t) * 1000))
+    cw = M.new_cache(m, k, v)
+    sync(); t = time.monotonic()
+    M.forward(m, ids[n:n + a.tail], cw); sync()
+    print("append-prefill of %d on %d again: %.1f ms" % (a.tail, n, (time.monotonic() - t) * 1000))
+    del cw
+    sync(); t = time.monotonic()
+    M.forward(m, ids[:n], M.new_cache(m)); sync()
+    print("prefill %d tokens again (warm): %.1f ms" % (n, (time.monotonic() - t) * 1000))
     lf, cf = M.forward(m, ids[:n + a.tail], M.new_cache(m))
     print("append-prefill vs full prefill: logits |d| %.3g, argmax %d/%d, tail KV |d| %.3g, logit std %.3g" % (
         float((la - lf).abs().max()), int(la.argmax()), int(lf.argmax()),
