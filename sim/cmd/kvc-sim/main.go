@@ -45,6 +45,8 @@ type options struct {
 	prefillTPS, prefillOverheadMS, decodeMS, linkGbps     float64
 	timeScale                                             float64
 	bridgeWait, transferTimeout, preallocWait             time.Duration
+	baseline                                              worker.BaselineConfig
+	pullDirs, restoreDirs                                 string
 }
 
 func parse(args []string, getenv func(string) string, stderr io.Writer) (*options, worker.Config, error) {
@@ -69,6 +71,13 @@ func parse(args []string, getenv func(string) string, stderr io.Writer) (*option
 	fs.Float64Var(&o.timeScale, "time-scale", 1, "multiplies every modeled duration (0.1 = ten times faster)")
 	fs.DurationVar(&o.transferTimeout, "transfer-timeout", 60*time.Second, "bound of one KV transfer wait")
 	fs.DurationVar(&o.preallocWait, "prealloc-wait", 0, "decode: how long a request that cannot get KV pages even by eviction waits for running requests to free some (SGLang's prealloc queue) before 503 no_capacity; 0 rejects at once")
+	fs.Int64Var(&o.baseline.PrefixCacheTokens, "prefix-cache-tokens", 0, "prefill: radix (prefix) cache capacity in tokens; a prefill computes only what follows the longest cached page-aligned prefix (0: none, the E1 lower bound)")
+	fs.StringVar(&o.pullDirs, "pull-dirs", "", "prefill: comma list of KV tier directories to fetch a session's longer prefix from over the link (llm-d P2P pull from decode hosts' CPU tiers; SGLang HiCache L3)")
+	fs.StringVar(&o.baseline.OffloadDir, "offload-dir", "", "decode: write every finished turn's KV (input and generated) to this tier directory (llm-d decode host CPU tier; SGLang decode offload to L3)")
+	fs.Int64Var(&o.baseline.OffloadCapacityTokens, "offload-capacity-tokens", 0, "decode: tokens this worker keeps in --offload-dir, LRU by session (0: unbounded)")
+	fs.BoolVar(&o.baseline.DecodeRadix, "decode-radix", false, "decode: SGLang decode radix cache + decode HiCache: a plain P/D turn receives only the suffix past what this worker holds or restores from --restore-dirs")
+	fs.Int64Var(&o.baseline.RadixTokens, "decode-radix-tokens", 0, "decode: L1 radix capacity in tokens with --decode-radix (0: the pool's capacity)")
+	fs.StringVar(&o.restoreDirs, "restore-dirs", "", "decode: comma list of tier directories --decode-radix restores from (SGLang's L3)")
 	fs.StringVar(&o.shmDir, "shm-dir", "/dev/shm", "directory of the shared-memory KV pool file")
 	fs.StringVar(&o.model, "model", "Qwen/Qwen3-30B-A3B (kvc-sim)", "model name reported by /get_model_info")
 	fs.StringVar(&o.logLevel, "log-level", "info", "debug, info, warn, error")
@@ -125,6 +134,15 @@ func parse(args []string, getenv func(string) string, stderr io.Writer) (*option
 	if err := cfg.Geometry.Validate(); err != nil {
 		return nil, worker.Config{}, err
 	}
+	o.baseline.PullDirs, o.baseline.RestoreDirs = splitDirs(o.pullDirs), splitDirs(o.restoreDirs)
+	if o.baseline.DecodeRadix && o.baseline.RadixTokens == 0 {
+		o.baseline.RadixTokens = o.capacity
+	}
+	bl, err := worker.NewBaseline(o.baseline, o.pageSize)
+	if err != nil {
+		return nil, worker.Config{}, err
+	}
+	cfg.Baseline = bl
 	if err := cfg.Timing.Validate(); err != nil {
 		return nil, worker.Config{}, err
 	}
@@ -242,3 +260,13 @@ func serve(ctx context.Context, o *options, cfg worker.Config, log zerolog.Logge
 // with jitter) but capped at 1 s instead of 120 s — the sidecar is on the same host, and a
 // worker must find a restarted one at once (TestSidecarRestartReattach, a 25 s outage).
 var bridgeBackoff = backoff.Config{BaseDelay: 100 * time.Millisecond, Multiplier: 1.6, Jitter: 0.2, MaxDelay: time.Second}
+
+func splitDirs(s string) []string {
+	var out []string
+	for _, p := range strings.Split(s, ",") {
+		if p = strings.TrimSpace(p); p != "" {
+			out = append(out, p)
+		}
+	}
+	return out
+}

@@ -263,7 +263,8 @@ func (w *Worker) servePrefill(ctx context.Context, p *plan, meta *KVCMeta) *apiE
 	case <-ctx.Done():
 		return ctxError(ctx, "waiting for the prefill GPU")
 	}
-	err := sleepCtx(ctx, w.cfg.Timing.Prefill(p.input))
+	cost, cached, pulled := w.prefillCost(p) // baseline.go: prefix cache, pulled tiers
+	err := sleepCtx(ctx, cost)
 	<-w.prefillGPU
 	if err != nil {
 		return ctxError(ctx, "during prefill")
@@ -271,9 +272,10 @@ func (w *Worker) servePrefill(ctx context.Context, p *plan, meta *KVCMeta) *apiE
 	if e := w.fillContent(&turn{p: p}, pages, 0, p.input); e != nil {
 		return e
 	}
-	meta.PrefillTokens = p.input
+	meta.PrefillTokens = p.input - cached - pulled
+	meta.PrefixCachedTokens = cached + pulled
 	meta.PrefillMS = ms(time.Since(t0))
-	w.m.prefillTokens.Add(float64(p.input))
+	w.m.prefillTokens.Add(float64(meta.PrefillTokens))
 	t1 := time.Now()
 	sctx, cancel := context.WithTimeout(ctx, w.cfg.TransferTimeout)
 	resp, err := w.bridge.SendKV(sctx, &kvcv1.SendKVRequest{
@@ -579,7 +581,8 @@ func (w *Worker) receive(ctx context.Context, t *turn, kind kvcv1.TransferKind, 
 			"%d of %d received (token, buffer) slots of room %d do not hold the session's known bytes",
 			bad, tokens*int64(w.cfg.Geometry.Buffers()), p.room)
 	}
-	model := w.cfg.Timing.Transfer(tokens)
+	model, have := w.receiveModel(t, kind, tokens, realDur) // baseline.go: decode radix
+	t.meta.PrefixCachedTokens = max(t.meta.PrefixCachedTokens, have)
 	if err := sleepCtx(ctx, model); err != nil {
 		return ctxError(ctx, "during the modeled transfer")
 	}
@@ -678,6 +681,9 @@ func (w *Worker) decode(ctx context.Context, rw http.ResponseWriter, t *turn, st
 // dropped.
 func (w *Worker) finish(t *turn, ok bool) {
 	t.finished = true
+	if ok {
+		w.baselineFinished(t) // baseline.go: decode radix, offload tier
+	}
 	defer func() {
 		if t.unlock != nil {
 			t.unlock()

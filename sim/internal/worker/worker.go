@@ -31,6 +31,8 @@ type Config struct {
 	// PreallocWait (decode) is how long a request that cannot get pages even by eviction waits
 	// for running requests to free some before it is rejected with no_capacity (0: at once).
 	PreallocWait time.Duration
+	// Baseline models the peers' cache features (baseline.go; nil: none).
+	Baseline *Baseline
 }
 
 // Bridge is the part of the sidecar's WorkerBridgeService the worker calls.

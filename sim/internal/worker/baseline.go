@@ -1,0 +1,295 @@
+package worker
+
+import (
+	"container/list"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"hash/fnv"
+	"os"
+	"path/filepath"
+	"sync"
+	"time"
+
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+// BaselineConfig switches on the cache features of the systems kvcentric is compared with
+// (docs/simulator.md, "Baseline models"). All zero: kvc-sim as before (no prefill prefix cache:
+// the E1 lower bound).
+type BaselineConfig struct {
+	// PrefixCacheTokens (prefill): capacity of the prefill worker's radix cache in tokens, LRU
+	// over full pages; a prefill computes only the tokens past the longest cached page-aligned
+	// prefix of its input (SGLang's and vLLM's prefix caching on a P/D prefill worker).
+	PrefixCacheTokens int64
+	// PullDirs (prefill): KV tiers the prefill worker fetches a longer prefix from before it
+	// prefills the rest, paying the link for the fetched tokens: llm-d's P2P pull from each decode
+	// host's CPU tier (one directory per decode host), or SGLang's HiCache L3 prefetch (the shared
+	// store's directory).
+	PullDirs []string
+	// OffloadDir (decode): after every turn the decode worker writes the turn's whole KV (input
+	// and generated tokens) to this tier: its own host's CPU tier (llm-d's OffloadingConnector with
+	// offload_prompt_only false; the directory dies with the node) or the shared L3 store
+	// (SGLang's --disaggregation-decode-enable-offload-kvcache).
+	OffloadDir string
+	// OffloadCapacityTokens bounds what this worker keeps in OffloadDir (LRU by session; 0: no
+	// bound).
+	OffloadCapacityTokens int64
+	// DecodeRadix (decode): SGLang's --disaggregation-decode-enable-radix-cache with decode
+	// HiCache: a plain P/D turn receives only the suffix past what the decode worker already
+	// holds in its own radix (L1, RadixTokens, free) or restores from RestoreDirs (L2/L3, at the
+	// link's rate, overlapped with the prefill of the suffix).
+	DecodeRadix bool
+	RadixTokens int64
+	RestoreDirs []string
+}
+
+// Baseline is the state of the baseline models of one worker (nil: none). Safe for concurrent
+// use.
+type Baseline struct {
+	cfg     BaselineConfig
+	prefix  *radix // prefill prefix cache
+	decode  *radix // decode L1 radix
+	mu      sync.Mutex
+	offload *list.List // sessions written to OffloadDir, LRU front = newest
+	offIdx  map[string]*list.Element
+	offTok  int64
+}
+
+type offEntry struct {
+	file   string
+	tokens int64
+}
+
+// NewBaseline validates cfg and returns its state; nil when cfg enables nothing.
+func NewBaseline(cfg BaselineConfig, pageSize int) (*Baseline, error) {
+	if cfg.PrefixCacheTokens < 0 || cfg.OffloadCapacityTokens < 0 || cfg.RadixTokens < 0 {
+		return nil, errors.New("baseline: negative capacity")
+	}
+	if pageSize <= 0 {
+		return nil, fmt.Errorf("baseline: page size %d", pageSize)
+	}
+	if cfg.PrefixCacheTokens == 0 && len(cfg.PullDirs) == 0 && cfg.OffloadDir == "" && !cfg.DecodeRadix {
+		return nil, nil
+	}
+	b := &Baseline{cfg: cfg, offload: list.New(), offIdx: map[string]*list.Element{}}
+	if cfg.PrefixCacheTokens > 0 {
+		b.prefix = newRadix(cfg.PrefixCacheTokens/int64(pageSize), pageSize)
+	}
+	if cfg.DecodeRadix && cfg.RadixTokens > 0 {
+		b.decode = newRadix(cfg.RadixTokens/int64(pageSize), pageSize)
+	}
+	if cfg.OffloadDir != "" {
+		if err := os.MkdirAll(cfg.OffloadDir, 0o755); err != nil {
+			return nil, fmt.Errorf("baseline: offload dir: %w", err)
+		}
+	}
+	return b, nil
+}
+
+// chainHashes are the hashes of ids' full pages, each covering every token before it (a radix
+// path: two sequences share the first k hashes iff they share the first k pages).
+func chainHashes(ids []uint32, pageSize int) []uint64 {
+	n := len(ids) / pageSize
+	out := make([]uint64, n)
+	var prev uint64
+	var buf [4]byte
+	var pb [8]byte
+	for i := 0; i < n; i++ {
+		h := fnv.New64a()
+		binary.LittleEndian.PutUint64(pb[:], prev)
+		_, _ = h.Write(pb[:])
+		for _, id := range ids[i*pageSize : (i+1)*pageSize] {
+			binary.LittleEndian.PutUint32(buf[:], id)
+			_, _ = h.Write(buf[:])
+		}
+		prev = h.Sum64()
+		out[i] = prev
+	}
+	return out
+}
+
+// radix is a page-granular prefix cache: a set of chain hashes with LRU eviction and a
+// capacity in pages. Evicting a page of a path leaves its descendants unreachable (they are
+// never matched past the gap) until they are evicted too, as a radix tree's leaves go first.
+type radix struct {
+	mu       sync.Mutex
+	pageSize int
+	cap      int64
+	lru      *list.List
+	idx      map[uint64]*list.Element
+}
+
+func newRadix(pages int64, pageSize int) *radix {
+	return &radix{pageSize: pageSize, cap: pages, lru: list.New(), idx: map[uint64]*list.Element{}}
+}
+
+// match is the number of leading pages of hs held (touching them).
+func (r *radix) match(hs []uint64) int {
+	if r == nil {
+		return 0
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	n := 0
+	for n < len(hs) {
+		if _, ok := r.idx[hs[n]]; !ok {
+			break
+		}
+		n++
+	}
+	for i := n - 1; i >= 0; i-- { // deepest first: the root ends most recently used
+		r.lru.MoveToFront(r.idx[hs[i]])
+	}
+	return n
+}
+
+// insert adds every page of hs, evicting least recently used pages beyond the capacity.
+func (r *radix) insert(hs []uint64) {
+	if r == nil || r.cap <= 0 {
+		return
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	// Deepest pages are touched first so that the path's root ends up most recently used.
+	for i := len(hs) - 1; i >= 0; i-- {
+		if e, ok := r.idx[hs[i]]; ok {
+			r.lru.MoveToFront(e)
+			continue
+		}
+		r.idx[hs[i]] = r.lru.PushFront(hs[i])
+	}
+	for int64(r.lru.Len()) > r.cap {
+		e := r.lru.Back()
+		delete(r.idx, e.Value.(uint64))
+		r.lru.Remove(e)
+	}
+}
+
+// tierFile is the file of session in a tier directory.
+func tierFile(dir, session string) string {
+	h := fnv.New64a()
+	_, _ = h.Write([]byte(session))
+	return filepath.Join(dir, fmt.Sprintf("%016x.kv", h.Sum64()))
+}
+
+// tierMatch is the longest prefix (in pages) of hs that a tier holds for session; a tier that
+// is gone (its node died) holds nothing.
+func tierMatch(dirs []string, session string, hs []uint64) int {
+	best := 0
+	for _, d := range dirs {
+		b, err := os.ReadFile(tierFile(d, session))
+		if err != nil {
+			continue
+		}
+		n := 0
+		for n < len(hs) && (n+1)*8 <= len(b) && binary.LittleEndian.Uint64(b[n*8:]) == hs[n] {
+			n++
+		}
+		best = max(best, n)
+	}
+	return best
+}
+
+// offloadWrite writes session's page hashes to the offload tier (atomically) and evicts this
+// worker's least recently written sessions beyond the tier's capacity.
+func (b *Baseline) offloadWrite(session string, hs []uint64, pageSize int) error {
+	if b == nil || b.cfg.OffloadDir == "" || session == "" {
+		return nil
+	}
+	file := tierFile(b.cfg.OffloadDir, session)
+	buf := make([]byte, 8*len(hs))
+	for i, h := range hs {
+		binary.LittleEndian.PutUint64(buf[i*8:], h)
+	}
+	tmp := file + ".tmp"
+	if err := os.WriteFile(tmp, buf, 0o644); err != nil {
+		return err
+	}
+	if err := os.Rename(tmp, file); err != nil {
+		return err
+	}
+	tokens := int64(len(hs) * pageSize)
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if e, ok := b.offIdx[session]; ok {
+		b.offTok -= e.Value.(*offEntry).tokens
+		b.offload.Remove(e)
+	}
+	b.offIdx[session] = b.offload.PushFront(&offEntry{file: file, tokens: tokens})
+	b.offTok += tokens
+	for b.cfg.OffloadCapacityTokens > 0 && b.offTok > b.cfg.OffloadCapacityTokens && b.offload.Len() > 1 {
+		e := b.offload.Back()
+		oe := e.Value.(*offEntry)
+		_ = os.Remove(oe.file)
+		b.offTok -= oe.tokens
+		b.offload.Remove(e)
+		for k, v := range b.offIdx {
+			if v == e {
+				delete(b.offIdx, k)
+				break
+			}
+		}
+	}
+	return nil
+}
+
+// prefillCost is the modeled time of a prefill pass over p's input on a worker with the
+// baseline's prefix cache and pull tiers: the fetched tokens over the link, then the rest
+// computed. It returns the cost and the tokens taken from the cache and from a tier.
+func (w *Worker) prefillCost(p *plan) (d time.Duration, cached, pulled int64) {
+	b := w.cfg.Baseline
+	if b == nil {
+		return w.cfg.Timing.Prefill(p.input), 0, 0
+	}
+	ps := w.cfg.Geometry.PageSize
+	hs := chainHashes(p.tokenIDs(p.input), ps)
+	local := b.prefix.match(hs)
+	far := local
+	if len(b.cfg.PullDirs) > 0 && local < len(hs) {
+		far = max(local, tierMatch(b.cfg.PullDirs, p.sessionID, hs))
+	}
+	// At least one token is always computed (the first output token's logits).
+	cached = min(int64(local*ps), max(p.input-1, 0))
+	pulled = min(int64(far*ps), max(p.input-1, 0)) - cached
+	b.prefix.insert(hs)
+	return w.cfg.Timing.Transfer(pulled) + w.cfg.Timing.Prefill(p.input-cached-pulled), cached, pulled
+}
+
+// receiveModel is the modeled duration of receiving tokens tokens of a transfer of kind, once
+// the real bytes arrived after real: all of them over the link, or, with the decode radix, only
+// those past what the worker holds in L1 (free) or restores from its tiers (over the link,
+// overlapped with the wait for the sender). have is what the worker did not need to receive.
+func (w *Worker) receiveModel(t *turn, kind kvcv1.TransferKind, tokens int64, real time.Duration) (d time.Duration, have int64) {
+	b := w.cfg.Baseline
+	if b == nil || !b.cfg.DecodeRadix || kind != kvcv1.TransferKind_TRANSFER_KIND_SEED {
+		return w.cfg.Timing.Transfer(tokens), 0
+	}
+	ps := w.cfg.Geometry.PageSize
+	hs := chainHashes(t.content(tokens), ps)
+	l1 := b.decode.match(hs)
+	l3 := l1
+	if len(b.cfg.RestoreDirs) > 0 && l1 < len(hs) {
+		l3 = max(l1, tierMatch(b.cfg.RestoreDirs, t.p.sessionID, hs))
+	}
+	have = min(int64(l3*ps), max(tokens-1, 0))
+	restore := w.cfg.Timing.Transfer(min(int64((l3-l1)*ps), have))
+	return w.cfg.Timing.Transfer(tokens-have) + max(restore-real, 0), have
+}
+
+// baselineFinished records a decode turn's KV [0, kv) in the decode radix and the offload
+// tier.
+func (w *Worker) baselineFinished(t *turn) {
+	b := w.cfg.Baseline
+	if b == nil || t.kv <= 0 || w.cfg.Role != kvcv1.WorkerRole_WORKER_ROLE_DECODE {
+		return
+	}
+	if b.decode == nil && b.cfg.OffloadDir == "" {
+		return
+	}
+	hs := chainHashes(t.content(t.kv), w.cfg.Geometry.PageSize)
+	b.decode.insert(hs)
+	if err := b.offloadWrite(t.p.sessionID, hs, w.cfg.Geometry.PageSize); err != nil {
+		w.log.Warn().Err(err).Str("session", t.p.sessionID).Msg("baseline offload write failed")
+	}
+}

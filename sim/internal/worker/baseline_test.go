@@ -1,0 +1,128 @@
+package worker
+
+import (
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+func seq(n int, base uint32) []uint32 {
+	out := make([]uint32, n)
+	for i := range out {
+		out[i] = base + uint32(i)
+	}
+	return out
+}
+
+func TestChainHashesSharePrefix(t *testing.T) {
+	a := chainHashes(seq(64, 0), 16)
+	b := chainHashes(append(seq(40, 0), seq(24, 500)...), 16)
+	if len(a) != 4 || len(b) != 4 {
+		t.Fatalf("pages: %d %d", len(a), len(b))
+	}
+	for i, want := range []bool{true, true, false, false} {
+		if (a[i] == b[i]) != want {
+			t.Errorf("page %d equal=%v, want %v", i, a[i] == b[i], want)
+		}
+	}
+}
+
+func TestRadixLRU(t *testing.T) {
+	r := newRadix(4, 16)
+	x := chainHashes(seq(48, 0), 16)   // 3 pages
+	y := chainHashes(seq(48, 900), 16) // 3 other pages
+	r.insert(x)
+	if got := r.match(x); got != 3 {
+		t.Fatalf("match x = %d, want 3", got)
+	}
+	r.insert(y) // 6 pages > 4: x's least recently used pages go
+	if got := r.match(y); got != 3 {
+		t.Errorf("match y = %d, want 3", got)
+	}
+	if got := r.match(x); got != 1 {
+		t.Errorf("match x after eviction = %d, want 1 (its root page only)", got)
+	}
+	var nilR *radix
+	nilR.insert(x)
+	if nilR.match(x) != 0 {
+		t.Error("nil radix matched")
+	}
+}
+
+func TestPrefillCostAndTiers(t *testing.T) {
+	dir := t.TempDir()
+	tier := filepath.Join(dir, "decode-0")
+	tm := DefaultTiming()
+	dec, err := NewBaseline(BaselineConfig{OffloadDir: tier, DecodeRadix: true, RadixTokens: 1 << 20, RestoreDirs: []string{tier}}, 16)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pre, err := NewBaseline(BaselineConfig{PrefixCacheTokens: 1 << 20, PullDirs: []string{tier}}, 16)
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := Geometry{PageSize: 16, Layers: 1, BytesPerToken: 1, PageCount: 1024}
+	wp := &Worker{cfg: Config{Role: kvcv1.WorkerRole_WORKER_ROLE_PREFILL, Geometry: g, Timing: tm, Baseline: pre}}
+	wd := &Worker{cfg: Config{Role: kvcv1.WorkerRole_WORKER_ROLE_DECODE, Geometry: g, Timing: tm, Baseline: dec}}
+	ids1 := seq(160, 0)
+	p1 := &plan{sessionID: "s", seedKey: "s", input: 160, ids: ids1}
+	cases := []struct {
+		name           string
+		p              *plan
+		cached, pulled int64
+	}{
+		{"cold", p1, 0, 0},
+		{"same input again: cached but one token", p1, 159, 0},
+	}
+	for _, c := range cases {
+		d, cached, pulled := wp.prefillCost(c.p)
+		if cached != c.cached || pulled != c.pulled {
+			t.Errorf("%s: cached %d pulled %d, want %d %d", c.name, cached, pulled, c.cached, c.pulled)
+		}
+		if want := tm.Transfer(pulled) + tm.Prefill(c.p.input-cached-pulled); d != want {
+			t.Errorf("%s: cost %v, want %v", c.name, d, want)
+		}
+	}
+	// The decode turn generated 40 tokens: its KV [0, 200) goes to the tier.
+	td := &turn{p: &plan{sessionID: "s", seedKey: "s", input: 160, maxNew: 40, ids: ids1}, kv: 200}
+	wd.baselineFinished(td)
+	if _, err := os.Stat(tierFile(tier, "s")); err != nil {
+		t.Fatalf("offload file: %v", err)
+	}
+	// Next turn: history (input + the generated ids) + 60 new tokens.
+	ids2 := append(td.content(200), seq(60, 7000)...)
+	p2 := &plan{sessionID: "s", seedKey: "s", input: 260, ids: ids2}
+	_, cached, pulled := wp.prefillCost(p2)
+	if cached != 160 || pulled != 32 { // 160 own; tier holds 200 = 12 full pages = 192
+		t.Errorf("next turn: cached %d pulled %d, want 160 32", cached, pulled)
+	}
+	// The decode radix holds 192 tokens of it: only the rest is received.
+	d, have := wd.receiveModel(&turn{p: p2}, kvcv1.TransferKind_TRANSFER_KIND_SEED, 260, time.Hour)
+	if have != 192 || d != tm.Transfer(68) {
+		t.Errorf("receive: have %d d %v, want 192 %v", have, d, tm.Transfer(68))
+	}
+	// A new decode worker restores from the tier: the restore not hidden by the wait is paid.
+	wd2 := &Worker{cfg: Config{Role: kvcv1.WorkerRole_WORKER_ROLE_DECODE, Geometry: g, Timing: tm,
+		Baseline: &Baseline{cfg: BaselineConfig{DecodeRadix: true, RestoreDirs: []string{tier}}}}}
+	d, have = wd2.receiveModel(&turn{p: p2}, kvcv1.TransferKind_TRANSFER_KIND_SEED, 260, 0)
+	if have != 192 || d != tm.Transfer(68)+tm.Transfer(192) {
+		t.Errorf("restore: have %d d %v", have, d)
+	}
+	// The node dies with its tier: nothing to pull any more.
+	if err := os.RemoveAll(tier); err != nil {
+		t.Fatal(err)
+	}
+	pre2, _ := NewBaseline(BaselineConfig{PullDirs: []string{tier}}, 16)
+	wp.cfg.Baseline = pre2
+	if _, cached, pulled := wp.prefillCost(p2); cached != 0 || pulled != 0 {
+		t.Errorf("after node loss: cached %d pulled %d", cached, pulled)
+	}
+	// Plain kvc-sim: no baseline, whole input.
+	wp.cfg.Baseline = nil
+	if d, _, _ := wp.prefillCost(p2); d != tm.Prefill(260) {
+		t.Errorf("no baseline: %v", d)
+	}
+}
