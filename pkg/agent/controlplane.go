@@ -38,7 +38,7 @@ type CPConfig struct {
 	Endpoints []string
 	// Heartbeat is the load report interval (1s).
 	Heartbeat time.Duration
-	// Backoff bounds the reconnect delay (50ms..2s, jittered).
+	// Backoff bounds the reconnect delay (50ms..cpclient.DefaultBackoffMax, jittered).
 	BackoffMin, BackoffMax time.Duration
 	// DialOptions override the default (insecure) transport credentials.
 	DialOptions []grpc.DialOption

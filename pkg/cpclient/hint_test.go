@@ -3,6 +3,7 @@ package cpclient
 import (
 	"errors"
 	"testing"
+	"time"
 
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
@@ -51,6 +52,17 @@ func TestBackoffBounds(t *testing.T) {
 		d := b.Next()
 		if d < 5 || d > 105 {
 			t.Fatalf("delay %v out of bounds", d)
+		}
+	}
+}
+
+// The default ceiling keeps a client that retried through a whole election within ~0.4 s of
+// the new leader (issue 16 finding 3).
+func TestBackoffDefaultCeiling(t *testing.T) {
+	var b Backoff
+	for i := 0; i < 100; i++ {
+		if d := b.Next(); d <= 0 || d > DefaultBackoffMax+25*time.Millisecond {
+			t.Fatalf("delay %d: %v, above the default ceiling %v", i, d, DefaultBackoffMax)
 		}
 	}
 }
