@@ -71,7 +71,8 @@ type Sidecar struct {
 	arena    *agent.Pool // the store's memory
 	st       *store.Store
 	rooms    map[int64]*room
-	finished map[int64]time.Time // rooms already served (kept RoomTimeout): a late other half is recognised
+	finished map[int64]time.Time  // rooms already served (kept RoomTimeout): a late other half is recognised
+	seeds    map[int64]*storeSeed // seeds written into the own store (SendKV to_store), by room
 	policy   *kvcv1.Policy
 
 	wg sync.WaitGroup // background writes
@@ -102,7 +103,7 @@ func New(cfg Config, eng rdma.Engine, ev *agent.EventLog, log zerolog.Logger) *S
 		cfg.TransferLimit = 120 * time.Second
 	}
 	s := &Sidecar{cfg: cfg, log: log, ev: ev, eng: eng, segs: agent.NewSegments(eng), peers: agent.NewPeers(cfg.PeerDial...),
-		rep: nopReporter{}, rooms: map[int64]*room{}, finished: map[int64]time.Time{}}
+		rep: nopReporter{}, rooms: map[int64]*room{}, finished: map[int64]time.Time{}, seeds: map[int64]*storeSeed{}}
 	s.att = agent.NewAttach(func() (bool, int32) {
 		s.mu.Lock()
 		defer s.mu.Unlock()
@@ -188,6 +189,7 @@ func (s *Sidecar) Run(ctx context.Context) error {
 func (s *Sidecar) expire(now time.Time) {
 	if st := s.Store(); st != nil {
 		st.Expire()
+		s.expireSeeds(now, st)
 	}
 	var stale []*room
 	s.mu.Lock()
@@ -318,6 +320,7 @@ func (s *Sidecar) SnapshotStatus(_ context.Context, req *kvcv1.SnapshotStatusReq
 
 // SendKV writes a chunk of a seed transfer (the worker's pages) into the decode side's pages,
 // waiting for the decode side's offer if it has not arrived yet. With last, TransferDone is sent.
+// With to_store the chunk goes into this sidecar's own snapshot store instead (seed.go).
 func (s *Sidecar) SendKV(ctx context.Context, req *kvcv1.SendKVRequest) (*kvcv1.SendKVResponse, error) {
 	if req.GetRoom() == 0 {
 		return nil, status.Error(codes.InvalidArgument, "room is required")
@@ -339,6 +342,9 @@ func (s *Sidecar) SendKV(ctx context.Context, req *kvcv1.SendKVRequest) (*kvcv1.
 	}
 	if err := pool.CheckPages(req.GetPages()); err != nil {
 		return nil, err
+	}
+	if req.GetToStore() {
+		return s.sendToStore(ctx, req, pool)
 	}
 	r := s.room(req.GetRoom())
 	if r == nil {
