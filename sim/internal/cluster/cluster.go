@@ -19,7 +19,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 
-	"github.com/kvcentric/kvcentric/pkg/etcdtest"
+	"github.com/kvcentric/kvcentric/pkg/etcdembed"
 	"github.com/kvcentric/kvcentric/pkg/grpcx"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
@@ -36,6 +36,9 @@ type Config struct {
 	// worker connects (nil = the control plane's defaults).
 	Policy  *kvcv1.Policy
 	SimArgs []string // extra kvc-sim flags (timing model, bytes per token, time scale)
+	// PrefillSimArgs and DecodeSimArgs go to one role's kvc-sims only, after SimArgs (the
+	// baseline models' flags). In every sim argument "{worker}" is replaced by the worker's id.
+	PrefillSimArgs, DecodeSimArgs []string
 	Gateway bool     // start kvc-gateway
 	Log     io.Writer
 
@@ -314,7 +317,7 @@ func (c *Cluster) start(ctx context.Context) error {
 	}
 
 	c.logf("starting embedded etcd")
-	e, ep, err := etcdtest.StartSingle(cfg.WorkDir, filepath.Join(cfg.WorkDir, "etcd.log"))
+	e, ep, err := etcdembed.StartSingle(ctx, cfg.WorkDir, filepath.Join(cfg.WorkDir, "etcd.log"))
 	if err != nil {
 		return err
 	}
@@ -399,7 +402,14 @@ func (c *Cluster) start(ctx context.Context) error {
 				}
 				sim, err = c.spawnRefworker("sim-"+id, "sim-"+rc.role, append(rargs, cfg.RefworkerArgs...))
 			} else {
-				sim, err = c.spawnProc("kvc-sim", "sim-"+id, "sim-"+rc.role, append(simArgs, cfg.SimArgs...))
+				extra := append(append([]string(nil), cfg.SimArgs...), cfg.DecodeSimArgs...)
+				if rc.role == "prefill" {
+					extra = append(append([]string(nil), cfg.SimArgs...), cfg.PrefillSimArgs...)
+				}
+				for j := range extra {
+					extra[j] = strings.ReplaceAll(extra[j], "{worker}", id)
+				}
+				sim, err = c.spawnProc("kvc-sim", "sim-"+id, "sim-"+rc.role, append(simArgs, extra...))
 			}
 			if err != nil {
 				return err
