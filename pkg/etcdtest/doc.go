@@ -5,6 +5,6 @@
 // Ports are chosen free at start (the peer port too, so parallel tests never collide on the
 // etcd defaults 2379/2380); a member restarts on the same ports with the same data.
 //
-// StartSingle is the same single member without a testing.TB, for programs that bring up a
-// throwaway etcd of their own (kvc-local's cluster).
+// Members are started by pkg/etcdembed; programs that bring up a throwaway etcd of their own
+// (kvc-local's cluster) use etcdembed.StartSingle, so no binary links this package or testing.
 package etcdtest

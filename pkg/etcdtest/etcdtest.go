@@ -4,8 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
-	"net/url"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -15,6 +13,8 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.etcd.io/etcd/server/v3/embed"
 	"go.uber.org/zap"
+
+	"github.com/kvcentric/kvcentric/pkg/etcdembed"
 )
 
 // StartTimeout bounds how long a member (or the whole cluster) may take to become ready.
@@ -35,7 +35,6 @@ type Member struct {
 	PeerURL   string // http://127.0.0.1:PORT
 
 	cluster *Cluster
-	logPath string // etcd's own log at level error ("" discards it)
 	mu      sync.Mutex
 	e       *embed.Etcd
 }
@@ -58,7 +57,7 @@ func StartN(tb testing.TB, n int) *Cluster {
 			return c
 		}
 		lastErr = err
-		if !isAddrInUse(err) {
+		if !etcdembed.IsAddrInUse(err) {
 			break
 		}
 	}
@@ -69,7 +68,7 @@ func StartN(tb testing.TB, n int) *Cluster {
 func tryStart(tb testing.TB, n, attempt int) (*Cluster, error) {
 	base := tb.TempDir()
 	c := &Cluster{tb: tb, token: fmt.Sprintf("etcdtest-%d", attempt)}
-	ports, err := freePorts(2 * n)
+	ports, err := etcdembed.FreePorts(2 * n)
 	if err != nil {
 		return nil, err
 	}
@@ -92,7 +91,7 @@ func tryStart(tb testing.TB, n, attempt int) (*Cluster, error) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			errs[i] = m.start(initialCluster, embed.ClusterStateFlagNew)
+			errs[i] = m.start(initialCluster, etcdembed.StateNew)
 		}()
 	}
 	wg.Wait()
@@ -103,53 +102,21 @@ func tryStart(tb testing.TB, n, attempt int) (*Cluster, error) {
 	return c, nil
 }
 
-func (m *Member) config(initialCluster, state string) (*embed.Config, error) {
-	cfg := embed.NewConfig()
-	cfg.Name = m.Name
-	cfg.Dir = m.Dir
-	cu, err := url.Parse(m.ClientURL)
-	if err != nil {
-		return nil, err
-	}
-	pu, err := url.Parse(m.PeerURL)
-	if err != nil {
-		return nil, err
-	}
-	cfg.ListenClientUrls = []url.URL{*cu}
-	cfg.AdvertiseClientUrls = []url.URL{*cu}
-	cfg.ListenPeerUrls = []url.URL{*pu}
-	cfg.AdvertisePeerUrls = []url.URL{*pu}
-	cfg.InitialCluster = initialCluster
-	cfg.InitialClusterToken = m.cluster.token
-	cfg.ClusterState = state
-	cfg.UnsafeNoFsync = true
-	if m.logPath != "" {
-		cfg.LogLevel = "error"
-		cfg.LogOutputs = []string{m.logPath}
-	} else {
-		cfg.ZapLoggerBuilder = embed.NewZapLoggerBuilder(zap.NewNop())
-	}
-	return cfg, nil
-}
-
 func (m *Member) start(initialCluster, state string) error {
-	cfg, err := m.config(initialCluster, state)
+	ctx, cancel := context.WithTimeout(context.Background(), StartTimeout)
+	defer cancel()
+	e, err := etcdembed.StartMember(ctx, etcdembed.MemberConfig{
+		Name:           m.Name,
+		Dir:            m.Dir,
+		ClientURL:      m.ClientURL,
+		PeerURL:        m.PeerURL,
+		InitialCluster: initialCluster,
+		Token:          m.cluster.token,
+		State:          state,
+		NoFsync:        true,
+	})
 	if err != nil {
 		return err
-	}
-	e, err := embed.StartEtcd(cfg)
-	if err != nil {
-		return fmt.Errorf("member %s: %w", m.Name, err)
-	}
-	select {
-	case <-e.Server.ReadyNotify():
-	case err := <-e.Err():
-		e.Close()
-		return fmt.Errorf("member %s: %w", m.Name, err)
-	case <-time.After(StartTimeout):
-		e.Server.Stop()
-		e.Close()
-		return fmt.Errorf("member %s: not ready after %s", m.Name, StartTimeout)
 	}
 	m.mu.Lock()
 	m.e = e
@@ -224,7 +191,7 @@ func (m *Member) Restart(tb testing.TB) {
 	for _, o := range m.cluster.members {
 		initial = append(initial, o.Name+"="+o.PeerURL)
 	}
-	if err := m.start(strings.Join(initial, ","), embed.ClusterStateFlagExisting); err != nil {
+	if err := m.start(strings.Join(initial, ","), etcdembed.StateExisting); err != nil {
 		tb.Fatalf("etcdtest: restart: %v", err)
 	}
 }
@@ -244,27 +211,4 @@ func (c *Cluster) WaitHealthy(ctx context.Context, cli *clientv3.Client) error {
 		case <-time.After(50 * time.Millisecond):
 		}
 	}
-}
-
-func freePorts(n int) ([]int, error) {
-	var lis []net.Listener
-	defer func() {
-		for _, l := range lis {
-			_ = l.Close()
-		}
-	}()
-	ports := make([]int, 0, n)
-	for i := 0; i < n; i++ {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			return nil, err
-		}
-		lis = append(lis, l)
-		ports = append(ports, l.Addr().(*net.TCPAddr).Port)
-	}
-	return ports, nil
-}
-
-func isAddrInUse(err error) bool {
-	return err != nil && strings.Contains(err.Error(), "address already in use")
 }

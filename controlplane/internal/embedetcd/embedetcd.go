@@ -9,7 +9,8 @@ import (
 	"time"
 
 	"go.etcd.io/etcd/server/v3/embed"
-	"go.uber.org/zap"
+
+	"github.com/kvcentric/kvcentric/pkg/etcdembed"
 )
 
 // Server is a running embedded etcd.
@@ -46,7 +47,7 @@ func Start(ctx context.Context, c Config) (*Server, error) {
 	anyPort := strings.HasSuffix(c.ClientAddr, ":0") || strings.HasSuffix(c.PeerAddr, ":0")
 	for attempt := 0; ; attempt++ {
 		s, err := start(ctx, c)
-		if err == nil || !anyPort || attempt == 4 || !strings.Contains(err.Error(), "address already in use") {
+		if err == nil || !anyPort || attempt == 4 || !etcdembed.IsAddrInUse(err) {
 			return s, err
 		}
 	}
@@ -61,42 +62,29 @@ func start(ctx context.Context, c Config) (*Server, error) {
 	if err != nil {
 		return nil, fmt.Errorf("embedded etcd peer addr: %w", err)
 	}
-	cfg := embed.NewConfig()
-	cfg.Name = c.Name
-	cfg.Dir = c.Dir
-	cfg.ListenClientUrls = []url.URL{*cu}
-	cfg.AdvertiseClientUrls = []url.URL{*cu}
-	cfg.ListenPeerUrls = []url.URL{*pu}
-	cfg.AdvertisePeerUrls = []url.URL{*pu}
-	cfg.InitialCluster = c.Name + "=" + pu.String()
-	cfg.ZapLoggerBuilder = embed.NewZapLoggerBuilder(zap.NewNop())
-	cfg.QuotaBackendBytes = c.QuotaBytes
-	if cfg.QuotaBackendBytes == 0 {
-		cfg.QuotaBackendBytes = DefaultQuotaBytes
+	retention := c.CompactionRetention
+	switch {
+	case retention == 0:
+		retention = DefaultCompactionRetention
+	case retention < 0:
+		retention = 0 // off
 	}
-	switch r := c.CompactionRetention; {
-	case r == 0:
-		cfg.AutoCompactionMode, cfg.AutoCompactionRetention = embed.CompactorModePeriodic, DefaultCompactionRetention.String()
-	case r > 0:
-		cfg.AutoCompactionMode, cfg.AutoCompactionRetention = embed.CompactorModePeriodic, r.String()
+	quota := c.QuotaBytes
+	if quota == 0 {
+		quota = DefaultQuotaBytes
 	}
-	e, err := embed.StartEtcd(cfg)
+	sctx, cancel := context.WithTimeout(ctx, 60*time.Second)
+	defer cancel()
+	e, err := etcdembed.StartMember(sctx, etcdembed.MemberConfig{
+		Name:                c.Name,
+		Dir:                 c.Dir,
+		ClientURL:           cu.String(),
+		PeerURL:             pu.String(),
+		QuotaBytes:          quota,
+		CompactionRetention: retention,
+	})
 	if err != nil {
 		return nil, fmt.Errorf("embedded etcd: %w", err)
-	}
-	select {
-	case <-e.Server.ReadyNotify():
-	case err := <-e.Err():
-		e.Close()
-		return nil, fmt.Errorf("embedded etcd: %w", err)
-	case <-ctx.Done():
-		e.Server.Stop()
-		e.Close()
-		return nil, fmt.Errorf("embedded etcd: not ready: %w", ctx.Err())
-	case <-time.After(60 * time.Second):
-		e.Server.Stop()
-		e.Close()
-		return nil, fmt.Errorf("embedded etcd: not ready after 60s")
 	}
 	return &Server{e: e, clientURL: cu.String()}, nil
 }
