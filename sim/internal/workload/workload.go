@@ -180,7 +180,7 @@ func DefaultAgentic() AgenticConfig {
 		ThinkMin: 1 * time.Second, ThinkMax: 6 * time.Second,
 		LongThinkProb: 0.05, LongThinkMin: 10 * time.Second, LongThinkMax: 25 * time.Second,
 		EditProb: 0.04, EditStripProb: 0.7,
-		SharedPrompts: 3, SharedPromptMin: 4000, SharedPromptMax: 9000,
+		SharedPrompts: 3, SharedPromptMin: 6000, SharedPromptMax: 9500,
 	}
 }
 
