@@ -11,7 +11,10 @@ KvcKVManager(kv_args, mode)      RegisterKVPool (pool.from_kv_args: K..K,V..V ->
 KvcKVSender.send(pages, ...)     SendKV per chunk on the room's own ordered worker thread (the
                                  scheduler never blocks: SendKV waits until the decode side
                                  prepared the room); the last chunk carries the aux rows read
-                                 from the metadata buffers (set_buf ran before the last send)
+                                 from the metadata buffers (set_buf ran before the last send).
+                                 With a to_store hint (SEED of a colocated D): SendKV(to_store,
+                                 generation) into the prefill sidecar's own store, no decode
+                                 side, no aux; D loads it through the KvcLinker
 KvcKVReceiver.send_metadata      PrepareReceive(room, session, kind, pages, tokens, P's peer
                                  address = bootstrap_host:bootstrap_port), then a background
                                  WaitReceive; the aux rows are written into this request's
@@ -147,6 +150,11 @@ class KvcKVSender(BaseKVSender):
         self.bootstrap_addr = bootstrap_addr
         self.bootstrap_room = int(bootstrap_room) if bootstrap_room is not None else 0
         self.session_id = ""  # set by the create_sender hook from the request
+        # to_store (kv_hints): SendKV into the prefill sidecar's own store as the session's
+        # snapshot of generation, tokens = the prompt's (set by the create_sender hook)
+        self.to_store = False
+        self.generation = 0
+        self.tokens = 0
         self.num_pages = 0
         self.aux_index: Optional[int] = None
         self._sent_pages = 0
@@ -194,8 +202,11 @@ class KvcKVSender(BaseKVSender):
         self._sent_tokens += int(num_kv_tokens) if num_kv_tokens is not None else len(pages) * self.kv_mgr.registration.page_size
         last = self.num_pages > 0 and self._sent_pages >= self.num_pages
         self._last_queued = last
+        if self.to_store and self.tokens <= 0:
+            self._fail("room %d: a store seed needs the prompt's token count" % self.bootstrap_room)
+            return
         aux: List[bytes] = []
-        if last and self.kv_mgr.aux_ptrs and self.aux_index is not None:
+        if last and self.kv_mgr.aux_ptrs and self.aux_index is not None and not self.to_store:
             # set_buf(req) ran before the last send; the row is reused once the request leaves,
             # so it is read now, on the scheduler thread.
             aux = kvpool.read_aux_rows(self.kv_mgr.aux_ptrs, self.kv_mgr.aux_item_lens, self.aux_index)
@@ -214,8 +225,13 @@ class KvcKVSender(BaseKVSender):
         while True:
             pages, first, last, tokens, aux = self._q.get()
             try:
-                n = self.kv_mgr.bridge.send_kv(self.bootstrap_room, self.session_id, pages, first_page=first, last=last,
-                                               tokens=tokens, aux=aux, timeout_s=SEND_TIMEOUT_S)
+                if self.to_store:  # the store seed: every chunk names the whole prompt
+                    n = self.kv_mgr.bridge.send_kv(self.bootstrap_room, self.session_id, pages, first_page=first,
+                                                   last=last, tokens=self.tokens, timeout_s=SEND_TIMEOUT_S,
+                                                   to_store=True, generation=self.generation)
+                else:
+                    n = self.kv_mgr.bridge.send_kv(self.bootstrap_room, self.session_id, pages, first_page=first,
+                                                   last=last, tokens=tokens, aux=aux, timeout_s=SEND_TIMEOUT_S)
             except BridgeError as e:
                 self._fail("SendKV room %d chunk at page %d: %s" % (self.bootstrap_room, first, e))
                 return

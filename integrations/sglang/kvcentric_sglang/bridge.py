@@ -199,13 +199,18 @@ class WorkerBridge:
                               aux=[bytes(x) for x in a.get(6, [])])
 
     def send_kv(self, room: int, session_id: str, pages: Sequence[int], first_page: int = 0,
-                last: bool = False, tokens: int = 0, aux: Sequence[bytes] = (), timeout_s: Optional[float] = None) -> int:
+                last: bool = False, tokens: int = 0, aux: Sequence[bytes] = (), timeout_s: Optional[float] = None,
+                to_store: bool = False, generation: int = 0) -> int:
         """Prefill side: send these pages (chunk starting at first_page of the transfer) to the
         decode side of room; with last, tokens is the transfer's total and aux the request's aux
         rows (one per aux buffer), which reach the receiver's WaitReceive. Blocks until the
-        decode side prepared the room and the bytes moved. Returns bytes moved."""
+        decode side prepared the room and the bytes moved. Returns bytes moved.
+
+        With to_store the chunk goes into the prefill sidecar's own snapshot store instead, as the
+        session's snapshot of generation (> 0): the SEED of a colocated decode worker, which loads
+        it through the KvcLinker. tokens (the whole transfer's) is then needed on every chunk."""
         w = (wire.Writer().int(1, room).str(2, session_id).packed(3, pages).int(4, first_page)
-             .bool(5, last).int(6, tokens).rbytes(7, aux))
+             .bool(5, last).int(6, tokens).rbytes(7, aux).bool(8, to_store).int(9, generation))
         return wire.as_int64(self._call("SendKV", w.done(), timeout=timeout_s).get(1))
 
     def snapshot_status(self, session_id: str) -> SnapshotStatus:

@@ -134,6 +134,14 @@ def _carry(obj, req):
         obj.refuse("RESEED_SNAPSHOT needs a colocated decode worker (a P/D decode worker gets no first token "
                    "from a snapshot): route it to one, docs/routing.md section 12")
         return
+    if isinstance(obj, backend.KvcKVSender) and hint is not None and hint.to_store:
+        # SEED into a colocated D through the prefill store: the whole prompt's KV, as the
+        # session's snapshot of the hint's generation (the session's next one).
+        if hint.generation <= 0:
+            obj.refuse("to_store needs the snapshot generation (kv_hints generation > 0)")
+            return
+        obj.to_store, obj.generation, obj.tokens = True, hint.generation, len(req.origin_input_ids)
+        return
     if isinstance(obj, backend.KvcKVReceiver):
         obj.kind = hint.transfer_kind if hint is not None else obj.kind
         obj.tokens = len(req.origin_input_ids)

@@ -71,6 +71,11 @@ class KvcHint:
     input_tokens: int = 0
     decision_id: str = ""
     full_context: bool = True
+    # SEED into a colocated decode worker (docs/sglang.md): on P, the sender writes the prompt's
+    # KV into the prefill sidecar's own store as the session's snapshot of this generation; D's
+    # request then carries snapshot_seqlen and loads it through the KvcLinker.
+    to_store: bool = False
+    generation: int = 0
 
     @property
     def transfer_kind(self) -> int:
@@ -102,7 +107,8 @@ def parse_hint(kv_hints: Any) -> Optional[KvcHint]:
                            snapshot_seqlen=int(p.get("snapshot_seqlen", 0) or 0), role=str(p.get("role", "") or ""),
                            input_tokens=int(p.get("input_tokens", 0) or 0),
                            decision_id=str(p.get("decision_id", "") or ""),
-                           full_context=bool(p.get("full_context", True)))
+                           full_context=bool(p.get("full_context", True)),
+                           to_store=bool(p.get("to_store", False)), generation=int(p.get("generation", 0) or 0))
         except (TypeError, ValueError) as e:
             raise ValueError("malformed kv_hints kvc payload %r: %s" % (p, e)) from None
     return None
