@@ -47,6 +47,14 @@ type opts struct {
 	sidecarArgs    string
 	prefillSCArgs  string
 	decode         int
+	prefill        int
+	prefillCap     int64
+	prefixCache    int64
+	hostTier       int64
+	sloTTFT        time.Duration
+	sloTPOT        time.Duration
+	killDecode     string
+	killAt         time.Duration
 	workerKind     string
 	refPython      string
 	refArgs        string
@@ -63,7 +71,7 @@ func parse(args []string, stderr io.Writer) (*opts, error) {
 	def := workload.DefaultAgentic()
 	fs.BoolVar(&o.local, "local", false, "start a fresh local cluster (1 P + 3 D, 2 control planes, gateway) per arm")
 	fs.StringVar(&o.gatewayURL, "gateway-url", "", "replay one arm against this gateway instead of --local")
-	fs.StringVar(&o.arms, "arms", "E1,E3,E4", "arms to run with --local (E1 plain P/D, E3 KV-centric, E4 KV-centric + D→P snapshots); with --gateway-url, the one arm's label")
+	fs.StringVar(&o.arms, "arms", "E1,E3,E4", "arms to run with --local (E1 plain P/D without a prefix cache, PD with one, SGL SGLang decode radix + offload + HiCache, LLMD llm-d P2P pull, E3 KV-centric, E4 KV-centric + D→P snapshots); with --gateway-url, the one arm's label")
 	fs.StringVar(&o.workload, "workload", "builtin", "builtin (agentic sessions) or mooncake (a trace in Mooncake's format, --trace)")
 	fs.StringVar(&o.tracePath, "trace", "", "trace file for --workload mooncake")
 	fs.BoolVar(&o.multiTurnOnly, "multi-turn-only", false, "--workload mooncake: keep only rebuilt multi-turn sessions (whole sessions, times shifted to 0); --max-requests then cuts whole sessions in start order")
@@ -89,7 +97,16 @@ func parse(args []string, stderr io.Writer) (*opts, error) {
 	fs.IntVar(&o.bytesPerToken, "bytes-per-token-per-buffer", 2, "with --local: real KV bytes per token per layer buffer in kvc-sim (scaled down from 1024 for CPU-only runs)")
 	fs.StringVar(&o.simArgs, "sim-args", "", "with --local: extra kvc-sim flags, space separated")
 	fs.DurationVar(&o.requestTimeout, "request-timeout", 200*time.Second, "client-side bound of one request")
-	fs.IntVar(&o.decode, "decode", 3, "with --local: decode workers")
+	fs.IntVar(&o.decode, "decode", 3, "with --local: decode workers (the same as --decode-workers)")
+	fs.IntVar(&o.decode, "decode-workers", 3, "with --local: decode workers")
+	fs.IntVar(&o.prefill, "prefill-workers", 1, "with --local: prefill workers")
+	fs.Int64Var(&o.prefillCap, "prefill-capacity-tokens", 0, "with --local: KV pool of each prefill kvc-sim in tokens (0: kvc-sim's default); the largest input a prefill worker can take")
+	fs.Int64Var(&o.prefixCache, "prefix-cache-tokens", 0, "with --local: the prefill radix cache of every arm but E1 (0: the prefill pool's capacity)")
+	fs.Int64Var(&o.hostTier, "host-tier-tokens", 0, "with --local, arm LLMD: each decode host's CPU tier in tokens (0: unbounded)")
+	fs.DurationVar(&o.sloTTFT, "slo-ttft", 2*time.Second, "goodput SLO: time to first token (model time)")
+	fs.DurationVar(&o.sloTPOT, "slo-tpot", 50*time.Millisecond, "goodput SLO: time per output token (model time)")
+	fs.StringVar(&o.killDecode, "kill-decode", "", "with --local: SIGKILL this decode worker (e.g. decode-1: its kvc-sim and sidecar) --kill-at into each arm's replay, and measure recovery")
+	fs.DurationVar(&o.killAt, "kill-at", 60*time.Second, "with --kill-decode: when, on the workload clock (scaled by --time-scale)")
 	fs.StringVar(&o.workerKind, "worker-kind", "sim", "with --local: sim (kvc-sim) or refworker (kvc-refworker: a real model's KV, integrations/refworker; implies --send-ids)")
 	fs.StringVar(&o.refPython, "refworker-python", "python3", "with --worker-kind refworker: the Python that runs -m kvc_refworker")
 	fs.StringVar(&o.refArgs, "refworker-args", "", "with --worker-kind refworker: extra kvc-refworker flags, space separated (e.g. \"--model qwen3-8b-shape --verify-recompute\")")
@@ -117,7 +134,22 @@ func parse(args []string, stderr io.Writer) (*opts, error) {
 		errs = append(errs, fmt.Errorf("--worker-kind %q (want sim or refworker)", o.workerKind))
 	}
 	if o.decode < 1 || o.decode > 16 {
-		errs = append(errs, fmt.Errorf("--decode %d out of range [1, 16]", o.decode))
+		errs = append(errs, fmt.Errorf("--decode-workers %d out of range [1, 16]", o.decode))
+	}
+	if o.prefill < 1 || o.prefill > 16 {
+		errs = append(errs, fmt.Errorf("--prefill-workers %d out of range [1, 16]", o.prefill))
+	}
+	if o.prefillCap < 0 || o.prefixCache < 0 || o.hostTier < 0 || o.sloTTFT < 0 || o.sloTPOT < 0 || o.killAt < 0 {
+		errs = append(errs, errors.New("--prefill-capacity-tokens, --prefix-cache-tokens, --host-tier-tokens, --slo-* and --kill-at must be >= 0"))
+	}
+	if o.killDecode != "" {
+		var n int
+		if _, err := fmt.Sscanf(o.killDecode, "decode-%d", &n); err != nil || n < 0 || n >= o.decode || o.killDecode != fmt.Sprintf("decode-%d", n) {
+			errs = append(errs, fmt.Errorf("--kill-decode %q: want decode-N with N below --decode-workers %d", o.killDecode, o.decode))
+		}
+		if !o.local {
+			errs = append(errs, errors.New("--kill-decode needs --local"))
+		}
 	}
 	if len(splitList(o.arms)) == 0 {
 		errs = append(errs, errors.New("--arms is empty"))
@@ -208,7 +240,7 @@ func run(args []string, stderr io.Writer) int {
 	simArgs = append(simArgs, strings.Fields(o.simArgs)...)
 	target := o.gatewayURL
 	if o.local {
-		target = fmt.Sprintf("local cluster per arm: 1 prefill + %d decode kvc-sim workers with their sidecars (tcp transfer engine), 2 control planes (HA pair, embedded etcd), kvc-gateway", o.decode)
+		target = fmt.Sprintf("local cluster per arm: %d prefill + %d decode kvc-sim workers with their sidecars (tcp transfer engine), 2 control planes (HA pair, embedded etcd), kvc-gateway", o.prefill, o.decode)
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
@@ -216,7 +248,7 @@ func run(args []string, stderr io.Writer) int {
 		Local: o.local, GatewayURL: o.gatewayURL, Arms: splitList(o.arms), BinDir: o.binDir, OutDir: o.out, Workload: wl,
 		Replay: bench.Options{TimeScale: o.timeScale, RequestTimeout: o.requestTimeout, SendText: o.sendText,
 			SendIDs: o.sendIDs || o.workerKind == "refworker"},
-		Log: stderr, TTY: bench.IsTerminal(os.Stderr),
+		Log: stderr, TTY: bench.IsTerminal(os.Stderr), SLO: report.SLO{TTFT: o.sloTTFT.Seconds(), TPOT: o.sloTPOT.Seconds()},
 		Meta: report.Meta{
 			Command: "kvc-bench " + strings.Join(args, " "), Target: target, Workload: wl.Name, Stats: wl.Describe(), Notes: wl.Notes,
 			TimeScale: o.timeScale, Started: time.Now(),
@@ -224,12 +256,14 @@ func run(args []string, stderr io.Writer) int {
 	}
 	if o.local {
 		cfg.DecodeCapacityTokens, cfg.SimArgs = o.capacity, simArgs
-		cfg.Decode = o.decode
+		cfg.Decode, cfg.Prefill, cfg.PrefillCapacityTokens = o.decode, o.prefill, o.prefillCap
+		cfg.Baselines = bench.Baselines{PrefixCacheTokens: o.prefixCache, HostTierTokens: o.hostTier}
+		cfg.KillDecode, cfg.KillAt = o.killDecode, o.killAt
 		if o.workerKind == "refworker" {
 			cfg.WorkerKind, cfg.RefworkerPython, cfg.RefworkerArgs = o.workerKind, o.refPython, strings.Fields(o.refArgs)
 			cfg.RefworkerDevices = splitList(o.refDevices)
 			simArgs = nil
-			target = fmt.Sprintf("local cluster per arm: 1 prefill + %d decode kvc-refworkers (a real model: `%s`, devices %q) with their sidecars, 2 control planes (HA pair, embedded etcd), kvc-gateway", o.decode, o.refArgs, o.refDevices)
+			target = fmt.Sprintf("local cluster per arm: %d prefill + %d decode kvc-refworkers (a real model: `%s`, devices %q) with their sidecars, 2 control planes (HA pair, embedded etcd), kvc-gateway", o.prefill, o.decode, o.refArgs, o.refDevices)
 			cfg.Meta.Target = target
 			cfg.Meta.Notes = append(cfg.Meta.Notes, "the workers are kvc-refworkers: prefill, append-prefill and decode are real forward passes of the model and every KV byte is real attention KV; nothing is modeled (the kvc-sim paragraph on modeled timing below does not apply, and KV is checked by recompute, not by a known-bytes pattern)")
 		}
@@ -251,8 +285,9 @@ func run(args []string, stderr io.Writer) int {
 	}
 	for _, a := range arms {
 		s := a.Summary
-		fmt.Fprintf(stderr, "%s (%s): ok %d/%d  TTFT p50 %.3fs p99 %.3fs  direct-to-D %.1f%%  reseeds %d (p50 %.3fs, snapshot %.0f%%)  bytes %d  verify failures %d\n",
-			a.Name, unit, s.OK, s.Total, s.TTFTP50, s.TTFTP99, 100*s.DirectToDShare, s.ReseedCount, s.ReseedTTFTP50, 100*s.SnapshotHitRate, s.BytesMoved, s.KVVerifyFailures)
+		fmt.Fprintf(stderr, "%s (%s): ok %d/%d  TTFT p50 %.3fs p99 %.3fs  goodput %.3f req/s  direct-to-D %.1f%% (continuing %.1f%%)  reseeds %d (p50 %.3fs, snapshot %.0f%%, stale %d)  recovery %.3fs (%d sessions, %d unrecovered)  bytes %d  verify failures %d\n",
+			a.Name, unit, s.OK, s.Total, s.TTFTP50, s.TTFTP99, s.GoodputRPS, 100*s.DirectToDShare, 100*s.DirectToDShareContinuing, s.ReseedCount, s.ReseedTTFTP50, 100*s.SnapshotHitRate, s.SnapshotStale,
+			s.RecoveryS, s.AffectedSessions, s.Unrecovered, s.BytesMoved, s.KVVerifyFailures)
 	}
 	fmt.Fprintf(stderr, "report: %s\n", filepath.Join(o.out, report.ReportFile))
 	if err != nil {

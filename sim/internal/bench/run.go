@@ -19,19 +19,70 @@ import (
 	"github.com/kvcentric/kvcentric/sim/internal/workload"
 )
 
-// ArmPolicy is the policy an arm runs its local cluster with: E1 plain P/D (KV-centric routing
-// off), E3 KV-centric without D→P snapshots, E4 KV-centric with them.
+// Arms are the arms kvc-bench knows, in report order.
+var Arms = []string{"E1", "PD", "SGL", "LLMD", "E3", "E4"}
+
+// ArmPolicy is the policy an arm runs its local cluster with: E1, PD, SGL and LLMD are plain P/D
+// to the control plane (KV-centric routing off; what differs is the workers' cache features,
+// ArmSimArgs), E3 KV-centric without D→P snapshots, E4 KV-centric with them.
 func ArmPolicy(arm string) (*kvcv1.Policy, error) {
 	switch arm {
-	case "E1":
+	case "E1", "PD", "SGL", "LLMD":
 		return &kvcv1.Policy{KvCentricEnabled: proto.Bool(false), SnapshotsEnabled: proto.Bool(false)}, nil
 	case "E3":
 		return &kvcv1.Policy{KvCentricEnabled: proto.Bool(true), SnapshotsEnabled: proto.Bool(false)}, nil
 	case "E4":
 		return &kvcv1.Policy{KvCentricEnabled: proto.Bool(true), SnapshotsEnabled: proto.Bool(true)}, nil
 	}
-	return nil, fmt.Errorf("unknown arm %q (want E1, E3 or E4)", arm)
+	return nil, fmt.Errorf("unknown arm %q (want one of %s)", arm, strings.Join(Arms, ", "))
 }
+
+// Baselines are the sizes of the baseline models' caches (tokens).
+type Baselines struct {
+	// PrefixCacheTokens is every arm's prefill radix cache but E1's (0: the prefill pool's
+	// capacity, PrefillCapacity).
+	PrefixCacheTokens int64
+	PrefillCapacity   int64
+	// HostTierTokens is each decode host's CPU tier in LLMD (0: unbounded).
+	HostTierTokens int64
+}
+
+// ArmSimArgs are the per-role kvc-sim flags that make an arm's workers the system it stands
+// for (docs/benchmark.md, "Arms"); work is the arm's cluster directory (tiers live there), decode
+// the number of decode workers.
+func ArmSimArgs(arm, work string, decode int, b Baselines) (prefill, dec []string) {
+	if arm == "E1" {
+		return nil, nil
+	}
+	pc := b.PrefixCacheTokens
+	if pc <= 0 {
+		pc = b.PrefillCapacity
+	}
+	if pc <= 0 {
+		pc = 92104 // kvc-sim's default pool
+	}
+	prefill = []string{"--prefix-cache-tokens", fmt.Sprint(pc)}
+	switch arm {
+	case "SGL":
+		l3 := filepath.Join(work, "tier-l3")
+		prefill = append(prefill, "--pull-dirs", l3)
+		dec = []string{"--decode-radix", "--offload-dir", l3, "--restore-dirs", l3}
+	case "LLMD":
+		var hosts []string
+		for i := 0; i < decode; i++ {
+			hosts = append(hosts, hostTier(work, fmt.Sprintf("decode-%d", i)))
+		}
+		prefill = append(prefill, "--pull-dirs", strings.Join(hosts, ","))
+		dec = []string{"--offload-dir", hostTier(work, "{worker}")}
+		if b.HostTierTokens > 0 {
+			dec = append(dec, "--offload-capacity-tokens", fmt.Sprint(b.HostTierTokens))
+		}
+	}
+	return prefill, dec
+}
+
+// hostTier is the CPU tier directory of a decode worker's host (LLMD): it dies with the node.
+func hostTier(work, worker string) string { return filepath.Join(work, "tier-host-"+worker) }
 
 // Config is a whole kvc-bench run.
 type Config struct {
@@ -56,6 +107,16 @@ type Config struct {
 	RefworkerPython  string
 	RefworkerArgs    []string
 	RefworkerDevices []string
+	// Prefill workers (default 1), their pool, and the baseline models' cache sizes.
+	Prefill               int
+	PrefillCapacityTokens int64
+	Baselines             Baselines
+	// KillDecode names a decode worker (e.g. "decode-1") whose kvc-sim and sidecar are SIGKILLed
+	// KillAt into each arm's replay (workload clock, scaled by Replay.TimeScale); "" = none.
+	KillDecode string
+	KillAt     time.Duration
+	// SLO of goodput.
+	SLO report.SLO
 	// Policy is merged over each arm's policy (nil: none).
 	Policy *kvcv1.Policy
 	Log    io.Writer // progress lines
@@ -83,6 +144,12 @@ func Run(ctx context.Context, cfg Config) ([]*report.Arm, error) {
 	meta := cfg.Meta
 	meta.ArmPolicies = map[string]string{}
 	meta.ArmWall = map[string]time.Duration{}
+	meta.ArmKills = map[string]float64{}
+	meta.ArmSimArgs = map[string]string{}
+	meta.SLO = cfg.SLO
+	if cfg.KillDecode != "" {
+		meta.KillWorker = cfg.KillDecode
+	}
 	var arms []*report.Arm
 	var runErr error
 	for _, arm := range cfg.Arms {
@@ -90,7 +157,11 @@ func Run(ctx context.Context, cfg Config) ([]*report.Arm, error) {
 		recs, err := runArm(ctx, cfg, arm, mf, &meta)
 		meta.ArmWall[arm] = time.Since(t0)
 		if len(recs) > 0 || err == nil {
-			arms = append(arms, report.Compute(arm, recs, meta.TimeDiv))
+			opt := report.Options{SLO: cfg.SLO}
+			if at, ok := meta.ArmKills[arm]; ok {
+				opt.Kill = &report.Kill{Worker: cfg.KillDecode, AtS: at}
+			}
+			arms = append(arms, report.ComputeWith(arm, recs, meta.TimeDiv, opt))
 		}
 		if err != nil {
 			runErr = fmt.Errorf("arm %s: %w", arm, err)
@@ -106,6 +177,7 @@ func Run(ctx context.Context, cfg Config) ([]*report.Arm, error) {
 
 func runArm(ctx context.Context, cfg Config, arm string, out io.Writer, meta *report.Meta) ([]report.Record, error) {
 	url := cfg.GatewayURL
+	var cl *cluster.Cluster
 	if cfg.Local {
 		pol, err := ArmPolicy(arm)
 		if err != nil {
@@ -121,9 +193,17 @@ func runArm(ctx context.Context, cfg Config, arm string, out io.Writer, meta *re
 		if decode <= 0 {
 			decode = 3
 		}
-		fmt.Fprintf(cfg.Log, "%s: starting a local cluster (1 P + %d D, 2 control planes, gateway) in %s\n", arm, decode, work)
+		prefill := max(cfg.Prefill, 1)
+		bl := cfg.Baselines
+		bl.PrefillCapacity = cfg.PrefillCapacityTokens
+		psa, dsa := ArmSimArgs(arm, work, decode, bl)
+		if len(psa)+len(dsa) > 0 {
+			meta.ArmSimArgs[arm] = fmt.Sprintf("prefill `%s`; decode `%s`", strings.Join(psa, " "), strings.Join(dsa, " "))
+		}
+		fmt.Fprintf(cfg.Log, "%s: starting a local cluster (%d P + %d D, 2 control planes, gateway) in %s\n", arm, prefill, decode, work)
 		ccfg := cluster.Config{
-			BinDir: cfg.BinDir, WorkDir: work, Prefill: 1, Decode: decode, ControlPlanes: 2,
+			BinDir: cfg.BinDir, WorkDir: work, Prefill: prefill, Decode: decode, ControlPlanes: 2,
+			PrefillCapacityTokens: cfg.PrefillCapacityTokens, PrefillSimArgs: psa, DecodeSimArgs: dsa,
 			DecodeCapacityTokens: cfg.DecodeCapacityTokens, Policy: pol, SimArgs: cfg.SimArgs, SidecarArgs: cfg.SidecarArgs,
 			Gateway: true, Log: prefixWriter{cfg.Log, arm + ": "},
 			WorkerKind: cfg.WorkerKind, RefworkerPython: cfg.RefworkerPython, RefworkerArgs: cfg.RefworkerArgs,
@@ -140,6 +220,7 @@ func runArm(ctx context.Context, cfg Config, arm string, out io.Writer, meta *re
 			}
 		}()
 		url = c.GatewayURL
+		cl = c
 	}
 	opt := cfg.Replay
 	opt.Arm = arm
@@ -147,7 +228,36 @@ func runArm(ctx context.Context, cfg Config, arm string, out io.Writer, meta *re
 	pr := NewProgress(cfg.Log, cfg.TTY, arm)
 	opt.Progress = pr.Update
 	fmt.Fprintf(cfg.Log, "%s: replaying %d requests of %d sessions against %s\n", arm, cfg.Workload.Requests(), len(cfg.Workload.Sessions), url)
-	return Replay(ctx, url, cfg.Workload, opt)
+	if cl == nil || cfg.KillDecode == "" {
+		return Replay(ctx, url, cfg.Workload, opt)
+	}
+	// The kill: the decode worker's kvc-sim and sidecar die together (a node lost), and with
+	// them its host's CPU tier (LLMD).
+	start := time.Now()
+	kctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	killed := make(chan float64, 1)
+	go func() {
+		if !sleepUntil(kctx, start.Add(time.Duration(float64(cfg.KillAt)*opt.TimeScale))) {
+			close(killed)
+			return
+		}
+		at := time.Since(start).Seconds()
+		for _, name := range []string{"sim-" + cfg.KillDecode, "sidecar-" + cfg.KillDecode} {
+			if err := cl.Kill(name); err != nil {
+				fmt.Fprintf(cfg.Log, "%s: kill: %v\n", arm, err)
+			}
+		}
+		_ = os.RemoveAll(hostTier(filepath.Join(cfg.OutDir, "cluster-"+arm), cfg.KillDecode))
+		fmt.Fprintf(cfg.Log, "%s: killed %s at %.1f s into the replay\n", arm, cfg.KillDecode, at)
+		killed <- at
+	}()
+	recs, err := Replay(ctx, url, cfg.Workload, opt)
+	cancel()
+	if at, ok := <-killed; ok {
+		meta.ArmKills[arm] = at
+	}
+	return recs, err
 }
 
 // prefixWriter prefixes each write (the cluster writes whole lines).

@@ -36,11 +36,12 @@ type Config struct {
 	// worker connects (nil = the control plane's defaults).
 	Policy  *kvcv1.Policy
 	SimArgs []string // extra kvc-sim flags (timing model, bytes per token, time scale)
+	Gateway bool     // start kvc-gateway
+	Log     io.Writer
+
 	// PrefillSimArgs and DecodeSimArgs go to one role's kvc-sims only, after SimArgs (the
 	// baseline models' flags). In every sim argument "{worker}" is replaced by the worker's id.
 	PrefillSimArgs, DecodeSimArgs []string
-	Gateway bool     // start kvc-gateway
-	Log     io.Writer
 
 	// Optional extra flags per binary, and timeouts.
 	ControlPlaneArgs []string

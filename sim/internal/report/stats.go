@@ -20,6 +20,43 @@ type Summary struct {
 	SnapshotHitRate  float64 `json:"snapshot_hit_rate"`
 	BytesMoved       int64   `json:"bytes_moved"`
 	KVVerifyFailures int64   `json:"kv_verify_failures"`
+	// DirectToDShareContinuing is the direct-to-D share over continuing turns (turn > 0; a first
+	// turn can never be direct).
+	DirectToDShareContinuing float64 `json:"direct_to_d_share_continuing"`
+	// SnapshotStale counts the decisions that found the session's snapshot stale
+	// (SNAPSHOT_STALE) and re-prefilled.
+	SnapshotStale int `json:"snapshot_stale"`
+	// GoodputRPS is the requests per (model) second that succeeded within the SLO (Options.SLO):
+	// TTFT ≤ SLO.TTFT and time per output token ≤ SLO.TPOT, over the replay's span.
+	GoodputRPS float64 `json:"goodput_rps"`
+	// RecoveryS (runs with a decode worker killed mid-run, else 0): over the sessions whose KV
+	// was on the killed worker and that have a turn after the kill, the longest time from that
+	// turn's arrival to the first token of the session's first successful turn after the kill.
+	RecoveryS float64 `json:"recovery_s"`
+	// AffectedSessions and RecoveryTTFTP50 belong to RecoveryS: how many sessions it covers, and
+	// the median TTFT of their first successful turns after the kill.
+	AffectedSessions int     `json:"affected_sessions"`
+	RecoveryTTFTP50  float64 `json:"recovery_ttft_p50_s"`
+	// Unrecovered counts affected sessions with a turn after the kill but none successful.
+	Unrecovered int `json:"unrecovered"`
+}
+
+// SLO is the service level of goodput (model seconds).
+type SLO struct {
+	TTFT, TPOT float64
+}
+
+// Kill says which decode worker was killed and when (seconds since the replay's start, as
+// measured, not divided).
+type Kill struct {
+	Worker string
+	AtS    float64
+}
+
+// Options add the figures that need more than the records.
+type Options struct {
+	SLO  SLO
+	Kill *Kill
 }
 
 // ModeStats are per-mode figures.
@@ -83,6 +120,11 @@ func round(x float64) float64 { return math.Round(x*1e6) / 1e6 }
 // successful requests; failures are counted in ok/total and by kind. Times are divided by div
 // (the run's time scale, to report model seconds; 1 = as measured).
 func Compute(name string, recs []Record, div float64) *Arm {
+	return ComputeWith(name, recs, div, Options{})
+}
+
+// ComputeWith is Compute with goodput at opt.SLO and recovery after opt.Kill.
+func ComputeWith(name string, recs []Record, div float64, opt Options) *Arm {
 	if !(div > 0) {
 		div = 1
 	}
@@ -191,6 +233,26 @@ func Compute(name string, recs []Record, div float64) *Arm {
 	if reseed > 0 {
 		s.SnapshotHitRate = round(float64(snap) / float64(reseed))
 	}
+	var cont, contDirect int
+	for i := range recs {
+		r := &recs[i]
+		if r.Turn > 0 {
+			cont++
+			if r.Mode == "DIRECT_TO_D" {
+				contDirect++
+			}
+		}
+		if r.Reason == "SNAPSHOT_STALE" {
+			s.SnapshotStale++
+		}
+	}
+	if cont > 0 {
+		s.DirectToDShareContinuing = round(float64(contDirect) / float64(cont))
+	}
+	s.GoodputRPS = round(goodput(recs, div, opt.SLO))
+	if opt.Kill != nil {
+		recovery(recs, div, *opt.Kill, s)
+	}
 	for m, v := range modeTTFT {
 		sort.Float64s(v)
 		a.Modes[m].TTFTP50, a.Modes[m].TTFTP99 = Percentile(v, .5), Percentile(v, .99)
@@ -199,4 +261,86 @@ func Compute(name string, recs []Record, div float64) *Arm {
 		ms.MeanUncached = float64(uncached[m]) / float64(ms.Count)
 	}
 	return a
+}
+
+// goodput is the successful requests within slo per model second of the replay's span (first
+// start to last end); with a zero SLO every successful request counts.
+func goodput(recs []Record, div float64, slo SLO) float64 {
+	first, last := math.Inf(1), math.Inf(-1)
+	n := 0
+	for i := range recs {
+		r := &recs[i]
+		first = min(first, r.StartS)
+		last = max(last, r.StartS+r.LatencyS)
+		if !r.OK {
+			continue
+		}
+		ttft := r.TTFTS / div
+		tpot := 0.0
+		if r.GotTokens > 1 {
+			tpot = (r.LatencyS - r.TTFTS) / div / float64(r.GotTokens-1)
+		}
+		if (slo.TTFT > 0 && ttft > slo.TTFT) || (slo.TPOT > 0 && tpot > slo.TPOT) {
+			continue
+		}
+		n++
+	}
+	span := (last - first) / div
+	if n == 0 || !(span > 0) {
+		return 0
+	}
+	return float64(n) / span
+}
+
+// recovery fills s's recovery figures: a session is affected when its last turn that started
+// before the kill ran on the killed worker.
+func recovery(recs []Record, div float64, k Kill, s *Summary) {
+	type sess struct {
+		lastBefore   *Record
+		after        []*Record
+		affected     bool
+		firstArrival float64
+	}
+	by := map[string]*sess{}
+	for i := range recs {
+		r := &recs[i]
+		x := by[r.SessionID]
+		if x == nil {
+			x = &sess{}
+			by[r.SessionID] = x
+		}
+		if r.StartS < k.AtS {
+			if x.lastBefore == nil || r.Turn > x.lastBefore.Turn {
+				x.lastBefore = r
+			}
+		} else {
+			x.after = append(x.after, r)
+		}
+	}
+	var worst float64
+	var ttfts []float64
+	for _, x := range by {
+		if x.lastBefore == nil || x.lastBefore.DecodeWorker != k.Worker || len(x.after) == 0 {
+			continue
+		}
+		sort.Slice(x.after, func(i, j int) bool { return x.after[i].Turn < x.after[j].Turn })
+		s.AffectedSessions++
+		arrival := x.after[0].StartS
+		var ok *Record
+		for _, r := range x.after {
+			if r.OK {
+				ok = r
+				break
+			}
+		}
+		if ok == nil {
+			s.Unrecovered++
+			continue
+		}
+		worst = max(worst, (ok.StartS+ok.TTFTS-arrival)/div)
+		ttfts = append(ttfts, ok.TTFTS/div)
+	}
+	sort.Float64s(ttfts)
+	s.RecoveryS = round(worst)
+	s.RecoveryTTFTP50 = round(Percentile(ttfts, .5))
 }

@@ -33,6 +33,13 @@ type Meta struct {
 	Started              time.Time
 	ArmWall              map[string]time.Duration
 	Aborted              string // why the run stopped early, if it did
+	// SLO of goodput_rps (model seconds; zero: every successful request counts).
+	SLO SLO
+	// Kill: the decode worker killed mid-run (nil: none); ArmKills the kill time per arm.
+	KillWorker string
+	ArmKills   map[string]float64
+	// ArmSimArgs are each arm's per-role kvc-sim flags (the baseline models).
+	ArmSimArgs map[string]string
 }
 
 // Files written by Write.
@@ -90,7 +97,13 @@ func Write(dir string, meta Meta, arms []*Arm) error {
 func armTitle(name string) string {
 	switch name {
 	case "E1":
-		return "plain P/D"
+		return "plain P/D, no prefix cache (lower bound)"
+	case "PD":
+		return "P/D + prefill prefix cache"
+	case "SGL":
+		return "SGLang: decode radix + decode offload to L3 + HiCache restore"
+	case "LLMD":
+		return "llm-d: P/D + P2P pull from the decode host's CPU tier"
 	case "E3":
 		return "KV-centric, no snapshots"
 	case "E4":
@@ -141,6 +154,9 @@ func Markdown(meta Meta, arms []*Arm) string {
 		if pol := meta.ArmPolicies[a.Name]; pol != "" {
 			p("- %s (%s): policy `%s`; wall time %s", a.Name, armTitle(a.Name), pol, meta.ArmWall[a.Name].Round(time.Second))
 		}
+		if sa := meta.ArmSimArgs[a.Name]; sa != "" {
+			p("  - %s's kvc-sim baseline flags: %s", a.Name, sa)
+		}
 	}
 	p("")
 	p("## What is modeled and what is real")
@@ -161,10 +177,45 @@ func Markdown(meta Meta, arms []*Arm) string {
 	p("")
 	p("TTFT and latency percentiles are over successful requests; failures are in ok/total and by kind below.")
 	p("")
+	p("## Goodput, continuing turns, snapshots, recovery")
+	p("")
+	if meta.SLO.TTFT > 0 || meta.SLO.TPOT > 0 {
+		p("Goodput: successful requests per model second with TTFT ≤ %s and time per output token ≤ %s, over the replay's span.", ms(meta.SLO.TTFT), ms(meta.SLO.TPOT))
+	} else {
+		p("Goodput: successful requests per model second (no SLO given).")
+	}
+	if meta.KillWorker != "" {
+		p("Recovery: %s (kvc-sim and its sidecar) was SIGKILLed mid-run (time per arm below); recovery is, over the sessions whose last turn before the kill ran there, the longest time from their next turn's arrival to the first token of their first successful turn after the kill.", meta.KillWorker)
+	}
+	p("")
+	p("| arm | goodput (req/s) | direct-to-D share, continuing turns | snapshot hit rate | stale snapshots | killed at | affected sessions | recovery | their next TTFT p50 | unrecovered |")
+	p("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+	for _, a := range arms {
+		s := a.Summary
+		kill := "—"
+		if at, ok := meta.ArmKills[a.Name]; ok {
+			kill = ms(at / max(meta.TimeDiv, 1e-9))
+		}
+		p("| %s | %.3f | %s | %s | %d | %s | %d | %s | %s | %d |", a.Name, s.GoodputRPS, pct(s.DirectToDShareContinuing), pct(s.SnapshotHitRate), s.SnapshotStale,
+			kill, s.AffectedSessions, ms(s.RecoveryS), ms(s.RecoveryTTFTP50), s.Unrecovered)
+	}
+	p("")
 	p("![TTFT CDF per arm](%s)", CDFFile)
 	p("")
 	p("![Execution mode shares per arm](%s)", ModesFile)
 	p("")
+	if checks := baselineChecks(arms, meta.KillWorker != ""); len(checks) > 0 {
+		p("## Targets against the baselines (issue 14)")
+		p("")
+		p("Best baseline = the best of PD, SGL and LLMD on each figure separately.")
+		p("")
+		p("| target | measured | result |")
+		p("|---|---|---|")
+		for _, c := range checks {
+			p("| %s | %s | %s |", c[0], c[1], c[2])
+		}
+		p("")
+	}
 	if checks := targetChecks(arms); len(checks) > 0 {
 		p("## Demo targets")
 		p("")
@@ -307,6 +358,64 @@ func sortedCounts(m map[string]int) []string {
 	ks := sortedKeys(m)
 	sort.SliceStable(ks, func(i, j int) bool { return m[ks[i]] > m[ks[j]] })
 	return ks
+}
+
+// baselineChecks evaluates issue 14's targets of E4 against the best of the baselines PD, SGL
+// and LLMD present (nil without E4 or without a baseline).
+func baselineChecks(arms []*Arm, killed bool) [][3]string {
+	by := map[string]*Arm{}
+	for _, a := range arms {
+		by[a.Name] = a
+	}
+	e4 := by["E4"]
+	var bl []*Arm
+	for _, n := range []string{"PD", "SGL", "LLMD"} {
+		if by[n] != nil {
+			bl = append(bl, by[n])
+		}
+	}
+	if e4 == nil || len(bl) == 0 {
+		return nil
+	}
+	res := func(ok bool) string {
+		if ok {
+			return "met"
+		}
+		return "**missed**"
+	}
+	bestP99, bestGood, bestRec := bl[0], bl[0], bl[0]
+	for _, a := range bl {
+		if a.Summary.TTFTP99 < bestP99.Summary.TTFTP99 {
+			bestP99 = a
+		}
+		if a.Summary.GoodputRPS > bestGood.Summary.GoodputRPS {
+			bestGood = a
+		}
+		if a.Summary.RecoveryS < bestRec.Summary.RecoveryS {
+			bestRec = a
+		}
+	}
+	e := e4.Summary
+	out := [][3]string{
+		{"E4 TTFT p99 ≤ the best baseline's", fmt.Sprintf("%s vs %s (%s)", ms(e.TTFTP99), ms(bestP99.Summary.TTFTP99), bestP99.Name), res(e.TTFTP99 <= bestP99.Summary.TTFTP99)},
+		{"E4 goodput ≥ 1.2 × the best baseline's at the SLO", fmt.Sprintf("%.3f vs 1.2 × %.3f = %.3f req/s (%s)", e.GoodputRPS, bestGood.Summary.GoodputRPS, 1.2*bestGood.Summary.GoodputRPS, bestGood.Name),
+			res(e.GoodputRPS >= 1.2*bestGood.Summary.GoodputRPS)},
+	}
+	if killed {
+		out = append(out, [3]string{"E4 recovery after a decode worker's death ≤ 0.5 × the best baseline's",
+			fmt.Sprintf("%s vs 0.5 × %s = %s (%s); affected sessions %d, unrecovered %d", ms(e.RecoveryS), ms(bestRec.Summary.RecoveryS), ms(0.5*bestRec.Summary.RecoveryS), bestRec.Name, e.AffectedSessions, e.Unrecovered),
+			res(e.AffectedSessions > 0 && e.Unrecovered == 0 && e.RecoveryS <= 0.5*bestRec.Summary.RecoveryS)})
+	} else {
+		out = append(out, [3]string{"E4 recovery after a decode worker's death ≤ 0.5 × the best baseline's", "not measured (no --kill-decode)", "**missed**"})
+	}
+	out = append(out, [3]string{"E4 snapshot hit rate ≥ 90% of its reseeds", fmt.Sprintf("%s of %d reseeds (%d stale)", pct(e.SnapshotHitRate), e.ReseedCount, e.SnapshotStale),
+		res(e.ReseedCount == 0 || e.SnapshotHitRate >= 0.9)})
+	var vf int64
+	for _, a := range arms {
+		vf += a.Summary.KVVerifyFailures
+	}
+	out = append(out, [3]string{"zero KV verification failures (all arms)", fmt.Sprint(vf), res(vf == 0)})
+	return out
 }
 
 // targetChecks evaluates the demo's done-when targets when E1, E3 and E4 are all present.
