@@ -7,6 +7,8 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+	"unicode/utf8"
+	"unsafe"
 
 	"github.com/kvcentric/kvcentric/pkg/tokenizer"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
@@ -116,9 +118,9 @@ type body struct {
 	MaxTokens           *int64          `json:"max_tokens"`
 	MaxCompletionTokens *int64          `json:"max_completion_tokens"`
 	Stream              bool            `json:"stream"`
-	// SGLang
-	Text           json.RawMessage `json:"text"`
-	InputIDs       json.RawMessage `json:"input_ids"`
+	// SGLang (slices of the body: the large fields are not copied before they are decoded)
+	Text           rawField `json:"text"`
+	InputIDs       rawField `json:"input_ids"`
 	SamplingParams *struct {
 		MaxNewTokens *int64 `json:"max_new_tokens"`
 	} `json:"sampling_params"`
@@ -134,20 +136,62 @@ type Options struct {
 	DefaultMaxTok  int64
 }
 
+// rawField is a field's JSON text as a slice of the request body itself: unlike
+// json.RawMessage it is not copied (Parse decodes raw with json.Unmarshal, which hands an
+// Unmarshaler a slice of its input, and raw is not modified afterwards).
+type rawField []byte
+
+// UnmarshalJSON keeps b (a slice of Parse's raw body).
+func (f *rawField) UnmarshalJSON(b []byte) error {
+	*f = b
+	return nil
+}
+
+// aliasString decodes a JSON string. One without escapes that is valid UTF-8 (what json would
+// decode to the same bytes) is returned as a string over the body's own bytes, without a copy:
+// a large prompt is held once (the body), not twice (issue 16 finding 6: gateway memory under a
+// body flood); any other string is decoded (copied) by encoding/json.
+func (f rawField) aliasString() (string, error) {
+	b := []byte(f)
+	if len(b) >= 2 && b[0] == '"' && b[len(b)-1] == '"' {
+		in := b[1 : len(b)-1]
+		if bytes.IndexByte(in, '\\') < 0 && utf8.Valid(in) {
+			if len(in) == 0 {
+				return "", nil
+			}
+			return unsafe.String(&in[0], len(in)), nil
+		}
+	}
+	var s string
+	err := json.Unmarshal(b, &s)
+	return s, err
+}
+
+// decodeError explains why raw is not one JSON object (a Decoder tells trailing data apart).
+func decodeError(raw []byte) *Error {
+	var b body
+	dec := json.NewDecoder(bytes.NewReader(raw))
+	if err := dec.Decode(&b); err != nil {
+		return BadRequest("malformed JSON body: %v", err)
+	}
+	if dec.More() {
+		return BadRequest("trailing data after the JSON body")
+	}
+	return BadRequest("malformed JSON body")
+}
+
 // Parse decodes body for kind, reading the session id from X-Session-ID (or session_params.id)
-// and the optional X-KVC-Input-Tokens / X-KVC-Turn / X-KVC-Multiturn headers.
+// and the optional X-KVC-Input-Tokens / X-KVC-Turn / X-KVC-Multiturn headers. The Request may
+// hold strings over raw's bytes (its text): raw must not be modified afterwards.
 func Parse(kind Kind, h http.Header, raw []byte, opt Options) (*Request, *Error) {
 	if len(bytes.TrimSpace(raw)) == 0 {
 		return nil, BadRequest("empty request body")
 	}
 	var b body
-	dec := json.NewDecoder(bytes.NewReader(raw))
-	dec.UseNumber()
-	if err := dec.Decode(&b); err != nil {
-		return nil, BadRequest("malformed JSON body: %v", err)
-	}
-	if dec.More() {
-		return nil, BadRequest("trailing data after the JSON body")
+	// json.Unmarshal reads raw in place (a Decoder would copy the whole body into its buffer);
+	// only a body it refuses goes through a Decoder, to tell trailing data from bad JSON.
+	if err := json.Unmarshal(raw, &b); err != nil {
+		return nil, decodeError(raw)
 	}
 	r := &Request{Kind: kind, Stream: b.Stream, Model: b.Model}
 	if len(b.RID) > 0 {
@@ -193,9 +237,11 @@ func Parse(kind Kind, h http.Header, raw []byte, opt Options) (*Request, *Error)
 			return nil, BadRequest("one of text, input_ids or kvc.input_tokens is required")
 		}
 		if len(b.Text) > 0 {
-			if err := json.Unmarshal(b.Text, &r.Text); err != nil {
+			text, err := b.Text.aliasString()
+			if err != nil {
 				return nil, BadRequest("text must be a string (batch requests are not supported)")
 			}
+			r.Text = text
 		}
 		if len(b.InputIDs) > 0 {
 			if err := json.Unmarshal(b.InputIDs, &r.InputIDs); err != nil {
