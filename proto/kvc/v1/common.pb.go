@@ -864,9 +864,14 @@ type Policy struct {
 	// Grace period before an unreachable worker's residency is dropped (ms).
 	UnreachableGraceMs *int64 `protobuf:"varint,22,opt,name=unreachable_grace_ms,json=unreachableGraceMs,proto3,oneof" json:"unreachable_grace_ms,omitempty"`
 	// Version, bumped by every accepted update (output only).
-	Version       int64 `protobuf:"varint,23,opt,name=version,proto3" json:"version,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Version int64 `protobuf:"varint,23,opt,name=version,proto3" json:"version,omitempty"`
+	// The decode workers are colocated SGLang servers (docs/sglang.md): SEED and RESEED_PREFILL
+	// go through the prefill store (RouteExecution.store_generation) instead of a P→D transfer
+	// into a waiting decode worker. Off (default): the direct P→D transfer (P/D decode workers,
+	// kvc-sim).
+	SeedThroughStore *bool `protobuf:"varint,24,opt,name=seed_through_store,json=seedThroughStore,proto3,oneof" json:"seed_through_store,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
 }
 
 func (x *Policy) Reset() {
@@ -1058,6 +1063,13 @@ func (x *Policy) GetVersion() int64 {
 		return x.Version
 	}
 	return 0
+}
+
+func (x *Policy) GetSeedThroughStore() bool {
+	if x != nil && x.SeedThroughStore != nil {
+		return *x.SeedThroughStore
+	}
+	return false
 }
 
 // KVLayout describes a paged KV pool as SGLang registers it: per layer a K and a V buffer;
@@ -1362,7 +1374,7 @@ const file_kvc_v1_common_proto_rawDesc = "" +
 	"\fvolatile_seq\x18\r \x01(\x04R\vvolatileSeq\x1a;\n" +
 	"\rDRejectsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\x05R\x05value:\x028\x01\"\x80\x10\n" +
+	"\x05value\x18\x02 \x01(\x05R\x05value:\x028\x01\"\xca\x10\n" +
 	"\x06Policy\x12@\n" +
 	"\x1adirect_max_uncached_tokens\x18\x01 \x01(\x03H\x00R\x17directMaxUncachedTokens\x88\x01\x01\x12A\n" +
 	"\x1amigration_reject_threshold\x18\x02 \x01(\x05H\x01R\x18migrationRejectThreshold\x88\x01\x01\x12'\n" +
@@ -1388,7 +1400,8 @@ const file_kvc_v1_common_proto_rawDesc = "" +
 	"\x11snapshots_enabled\x18\x14 \x01(\bH\x12R\x10snapshotsEnabled\x88\x01\x01\x121\n" +
 	"\x12kv_centric_enabled\x18\x15 \x01(\bH\x13R\x10kvCentricEnabled\x88\x01\x01\x125\n" +
 	"\x14unreachable_grace_ms\x18\x16 \x01(\x03H\x14R\x12unreachableGraceMs\x88\x01\x01\x12\x18\n" +
-	"\aversion\x18\x17 \x01(\x03R\aversion\x1aR\n" +
+	"\aversion\x18\x17 \x01(\x03R\aversion\x121\n" +
+	"\x12seed_through_store\x18\x18 \x01(\bH\x15R\x10seedThroughStore\x88\x01\x01\x1aR\n" +
 	"$MaxConcurrentTransfersPerWorkerEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\x05R\x05value:\x028\x01B\x1d\n" +
@@ -1412,7 +1425,8 @@ const file_kvc_v1_common_proto_rawDesc = "" +
 	"\x0f_session_ttl_msB\x14\n" +
 	"\x12_snapshots_enabledB\x15\n" +
 	"\x13_kv_centric_enabledB\x17\n" +
-	"\x15_unreachable_grace_ms\"\xa3\x01\n" +
+	"\x15_unreachable_grace_msB\x15\n" +
+	"\x13_seed_through_store\"\xa3\x01\n" +
 	"\bKVLayout\x12\x1b\n" +
 	"\tpage_size\x18\x01 \x01(\x05R\bpageSize\x12\x19\n" +
 	"\bitem_len\x18\x02 \x01(\x03R\aitemLen\x12\x1d\n" +

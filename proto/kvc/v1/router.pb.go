@@ -912,7 +912,17 @@ type RouteExecution struct {
 	// D prefills the whole prompt itself, reusing the first cached_tokens from its own prefix
 	// cache (KV of the same tokens it holds for other sessions), and keeps the new session
 	// (open_session first): a short first turn placed on content (LOCAL_FIRST_TURN).
-	LocalPrefill  bool `protobuf:"varint,11,opt,name=local_prefill,json=localPrefill,proto3" json:"local_prefill,omitempty"`
+	LocalPrefill bool `protobuf:"varint,11,opt,name=local_prefill,json=localPrefill,proto3" json:"local_prefill,omitempty"`
+	// Seed through the prefill store (policy seed_through_store: the decode workers are colocated
+	// SGLang servers, docs/sglang.md): the prefill worker is called FIRST, with kv_hints to_store
+	// and generation = store_generation; its sidecar keeps the prompt's KV in its own snapshot store
+	// as the session's snapshot of that generation (the generation the session takes on D). D is
+	// called only after P answered, with snapshot_seqlen = input_tokens and room = store_load_room,
+	// and loads that snapshot like a RESEED_SNAPSHOT: no P→D transfer while D's batch waits.
+	// 0 = the direct P→D transfer (P and D called at the same time).
+	StoreGeneration uint64 `protobuf:"varint,12,opt,name=store_generation,json=storeGeneration,proto3" json:"store_generation,omitempty"`
+	// The room of D's load from the store (bootstrap_room names P's write into its store).
+	StoreLoadRoom int64 `protobuf:"varint,13,opt,name=store_load_room,json=storeLoadRoom,proto3" json:"store_load_room,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1022,6 +1032,20 @@ func (x *RouteExecution) GetLocalPrefill() bool {
 		return x.LocalPrefill
 	}
 	return false
+}
+
+func (x *RouteExecution) GetStoreGeneration() uint64 {
+	if x != nil {
+		return x.StoreGeneration
+	}
+	return 0
+}
+
+func (x *RouteExecution) GetStoreLoadRoom() int64 {
+	if x != nil {
+		return x.StoreLoadRoom
+	}
+	return 0
 }
 
 type RouteError struct {
@@ -1301,7 +1325,7 @@ const file_kvc_v1_router_proto_rawDesc = "" +
 	"\x13snapshot_generation\x18\r \x01(\x04R\x12snapshotGeneration\x12\x14\n" +
 	"\x05epoch\x18\x0e \x01(\x03R\x05epoch\x12\x12\n" +
 	"\x04turn\x18\x0f \x01(\x05R\x04turn\x124\n" +
-	"\texecution\x18\x10 \x01(\v2\x16.kvc.v1.RouteExecutionR\texecution\"\xfe\x03\n" +
+	"\texecution\x18\x10 \x01(\v2\x16.kvc.v1.RouteExecutionR\texecution\"\xd1\x04\n" +
 	"\x0eRouteExecution\x12!\n" +
 	"\fcall_prefill\x18\x01 \x01(\bR\vcallPrefill\x12\x1f\n" +
 	"\vcall_decode\x18\x02 \x01(\bR\n" +
@@ -1316,7 +1340,9 @@ const file_kvc_v1_router_proto_rawDesc = "" +
 	"\vtruncate_to\x18\n" +
 	" \x01(\x03R\n" +
 	"truncateTo\x12#\n" +
-	"\rlocal_prefill\x18\v \x01(\bR\flocalPrefill\"z\n" +
+	"\rlocal_prefill\x18\v \x01(\bR\flocalPrefill\x12)\n" +
+	"\x10store_generation\x18\f \x01(\x04R\x0fstoreGeneration\x12&\n" +
+	"\x0fstore_load_room\x18\r \x01(\x03R\rstoreLoadRoom\"z\n" +
 	"\n" +
 	"RouteError\x12\x1d\n" +
 	"\n" +
