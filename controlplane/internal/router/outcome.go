@@ -233,11 +233,7 @@ func (s *Service) resident(r *reservation, kvLen, nowMs int64) (gen uint64) {
 	if !s.policyKnobs().SnapshotsEnabled {
 		return gen
 	}
-	cur := snapP
-	if r.storeGen != 0 {
-		cur = r.prefill // a seed through the prefill store: that store holds the session's snapshot
-	}
-	p := policy.SnapshotTarget(s.c.Workers(), cur)
+	p := policy.SnapshotTarget(s.c.Workers(), snapP)
 	if p == nil {
 		s.log.Warn().Str("session", r.session).Msg("no live prefill worker to keep the snapshot")
 		return gen
@@ -250,12 +246,6 @@ func (s *Service) resident(r *reservation, kvLen, nowMs int64) (gen uint64) {
 	// snapshot (it was written from there), so its next push appends and re-tags the entry.
 	if r.mode == kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT && p.WorkerId == r.prefill && r.snapLen > 0 && r.snapGen != 0 && r.snapGen < gen {
 		t.ValidBaseLen, t.BaseGeneration = r.snapLen, r.snapGen
-	}
-	// A seed through the prefill store: D loaded the prompt from the store's snapshot
-	// [0, input) of generation storeGen (and prefilled the rest of its last page itself); its
-	// first push appends onto that snapshot (re-tagging it if the generation moved on).
-	if r.storeGen != 0 && p.WorkerId == r.prefill && r.storeGen <= gen {
-		t.ValidBaseLen, t.BaseGeneration = r.input, r.storeGen
 	}
 	cmd := &kvcv1.Command{Action: &kvcv1.Command_SetSnapshotTarget{SetSnapshotTarget: t}}
 	if err := s.send(r.decode, "set_snapshot_target", cmd); err != nil {
