@@ -17,4 +17,14 @@
 // never Go heap memory. The owner of a target range bounds-checks every request against its own
 // registered regions before touching a byte. docs/transfer-engine.md describes the tcp wire format,
 // the Mooncake binding and the benchmark.
+//
+// Files by concern. tcp: tcp.go (engine, options, Close), tcp_regions.go (registered memory and
+// its references), tcp_serve.go (owner side: handshake, WRITE_BATCH and READ serving into place),
+// tcp_dial.go (segments: dial, handshake, close), tcp_conn.go (one connection's sender, writer
+// and reader loops), tcp_batch.go (batches: Submit, Status, Wait, Cancel); wire.go is its wire
+// format. cuda: cuda.go (engine, options, Close), cuda_device.go (per-device context, stream,
+// kernel, descriptor buffers, allocations), cuda_regions.go (RegisterMemory and the advertised
+// regions), cuda_peers.go (control socket: serving and opening segments, region snapshots),
+// cuda_submit.go (sinks, sharded Submit, launch), cuda_batch.go (batch state, Status, Wait,
+// Cancel), cuda_wire.go, cuda_shm.go, cuda_plan.go and cuda_ready.go.
 package rdma
