@@ -38,6 +38,27 @@ type Execution struct {
 	// LocalPrefill: D prefills a new session's first turn itself, reusing cached_tokens from its
 	// prefix cache (LOCAL_FIRST_TURN; the session is opened first).
 	LocalPrefill bool
+	// StoreGeneration ≠ 0: the seed goes through the prefill store (seedThroughStore): P first,
+	// its sidecar keeps the prompt's KV as the session's snapshot of this generation, then D
+	// loads it like a snapshot.
+	StoreGeneration uint64
+}
+
+// seedThroughStore: with the knob seed_through_store (colocated decode workers, docs/sglang.md),
+// a plan that prefills on P to make the session resident on D (SEED, RESEED_PREFILL) writes the
+// prompt's KV into P's own store as the session's snapshot of the generation the session takes
+// with this seed (the record's + 1: a seed makes it resident anew), and D loads it from there.
+// The store then holds the session's first snapshot, so D's first push appends onto it.
+// Large appends and session-less PD_FALLBACKs keep the direct transfer.
+func seedThroughStore(e *Execution, in *Input) {
+	if in.Knobs == nil || !in.Knobs.SeedThroughStore || in.Unavailable || !e.CallPrefill || !e.OpenSession ||
+		e.Transfer != kvcv1.TransferKind_TRANSFER_KIND_SEED {
+		return
+	}
+	e.StoreGeneration = 1
+	if in.Session != nil {
+		e.StoreGeneration = in.Session.Generation + 1
+	}
 }
 
 // execution derives a decision's execution plan from its mode, reason and cause.

@@ -205,7 +205,10 @@ type Knobs struct {
 	SnapshotMaxStalenessMs   int64 // 0 = never stale
 	SnapshotsEnabled         bool
 	KVCentricEnabled         bool
-	Version                  int64
+	// SeedThroughStore: decode workers are colocated SGLang servers; seeds go through the
+	// prefill store (Execution.StoreGeneration).
+	SeedThroughStore bool
+	Version          int64
 }
 
 // Compile fills defaults into p and returns its Knobs. p is not modified.
@@ -230,6 +233,7 @@ func Compile(p *kvcv1.Policy) *Knobs {
 		SnapshotMaxStalenessMs:   f.GetSnapshotMaxStalenessMs(),
 		SnapshotsEnabled:         f.GetSnapshotsEnabled(),
 		KVCentricEnabled:         f.GetKvCentricEnabled(),
+		SeedThroughStore:         f.GetSeedThroughStore(),
 		Version:                  f.GetVersion(),
 	}
 	if k.MigrationRejectThreshold < 1 {

@@ -157,6 +157,7 @@ func Decide(in *Input) Decision {
 	d := c.decide()
 	d.Turn = c.Turn
 	d.Exec = execution(&d, in.Unavailable)
+	seedThroughStore(&d.Exec, in)
 	return d
 }
 

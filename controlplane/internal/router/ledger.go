@@ -30,6 +30,7 @@ type reservation struct {
 	keep     bool   // the decision's D keeps the session (policy.Execution.KeepSession)
 	opens    bool   // the decision makes the session resident on its D (OpenSession)
 	truncate int64  // the decision's truncate_to (PREFIX_TRUNCATED)
+	storeGen uint64 // ≠ 0: a seed through the prefill store, as the snapshot of this generation
 	// pageSize and prompt: the query's content address (content.go); pageSize 0 = none.
 	pageSize int64
 	prompt   []uint64

@@ -99,9 +99,6 @@ type outcomeCtx struct {
 	// results of resident
 	gen   uint64
 	moved bool
-	// stale: another decode worker the record named when the seed or reseed landed (one that
-	// re-reported the session meanwhile, e.g. after its sidecar restarted): its copy is stale.
-	stale string
 	kept  bool // extended: the session was still on the outcome's D
 	snapP string
 	fn    func(rec *kvcv1.SessionRecord) // x.apply, bound once per pooled outcomeCtx
@@ -186,9 +183,6 @@ func (x *outcomeCtx) becameResident(rec *kvcv1.SessionRecord) {
 	if rec.DecodeWorker == r.decode {
 		have = rec.KvCommittedLen // the new D's commit arrived first
 	}
-	if d := rec.DecodeWorker; d != "" && d != r.decode && d != r.from {
-		x.stale = d
-	}
 	rec.DecodeWorker = r.decode
 	rec.KvCommittedLen = x.committed(have)
 	rec.Generation++
@@ -209,31 +203,25 @@ func (x *outcomeCtx) becameResident(rec *kvcv1.SessionRecord) {
 // names its snapshot target and releases it on the D it left.
 func (s *Service) resident(r *reservation, kvLen, nowMs int64) (gen uint64) {
 	x := s.updateSession(r, kvLen, nowMs, (*outcomeCtx).becameResident)
-	gen, moved, snapP, stale := x.gen, x.moved, x.snapP, x.stale
+	gen, moved, snapP := x.gen, x.moved, x.snapP
 	x.release()
-	var left [2]string // the decode workers whose copy is left behind
 	if moved {
 		s.m.migrations.Inc()
-		left[0] = r.from
-	}
-	left[1] = stale
-	for _, w := range left {
-		if w == "" {
-			continue
-		}
-		// The session lives on r.decode now: the copy on w is released there (its sidecar has
-		// the worker free it; issue 16 finding 1).
 		cmd := &kvcv1.Command{Action: &kvcv1.Command_ReleaseSession{ReleaseSession: &kvcv1.ReleaseSessionCommand{
 			SessionId: r.session, Reason: "moved to " + r.decode,
 		}}}
-		if err := s.send(w, "release_session", cmd); err != nil {
-			s.log.Debug().Err(err).Str("session", r.session).Str("worker", w).Msg("release_session not sent")
+		if err := s.send(r.from, "release_session", cmd); err != nil {
+			s.log.Debug().Err(err).Str("session", r.session).Str("worker", r.from).Msg("release_session not sent")
 		}
 	}
 	if !s.policyKnobs().SnapshotsEnabled {
 		return gen
 	}
-	p := policy.SnapshotTarget(s.c.Workers(), snapP)
+	cur := snapP
+	if r.storeGen != 0 {
+		cur = r.prefill // a seed through the prefill store: that store holds the session's snapshot
+	}
+	p := policy.SnapshotTarget(s.c.Workers(), cur)
 	if p == nil {
 		s.log.Warn().Str("session", r.session).Msg("no live prefill worker to keep the snapshot")
 		return gen
@@ -246,6 +234,12 @@ func (s *Service) resident(r *reservation, kvLen, nowMs int64) (gen uint64) {
 	// snapshot (it was written from there), so its next push appends and re-tags the entry.
 	if r.mode == kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT && p.WorkerId == r.prefill && r.snapLen > 0 && r.snapGen != 0 && r.snapGen < gen {
 		t.ValidBaseLen, t.BaseGeneration = r.snapLen, r.snapGen
+	}
+	// A seed through the prefill store: D loaded the prompt from the store's snapshot
+	// [0, input) of generation storeGen (and prefilled the rest of its last page itself); its
+	// first push appends onto that snapshot (re-tagging it if the generation moved on).
+	if r.storeGen != 0 && p.WorkerId == r.prefill && r.storeGen <= gen {
+		t.ValidBaseLen, t.BaseGeneration = r.input, r.storeGen
 	}
 	cmd := &kvcv1.Command{Action: &kvcv1.Command_SetSnapshotTarget{SetSnapshotTarget: t}}
 	if err := s.send(r.decode, "set_snapshot_target", cmd); err != nil {

@@ -343,6 +343,7 @@ func (s *Service) record(in *policy.Input, d *policy.Decision, now time.Time) *r
 		keep:     d.Exec.KeepSession,
 		opens:    d.Exec.OpenSession,
 		truncate: d.TruncateTo,
+		storeGen: d.Exec.StoreGeneration,
 		deadline: now.Add(in.Knobs.ReservationTimeout),
 	}
 	if in.Session != nil {
@@ -520,6 +521,9 @@ func (s *Service) query(q *kvcv1.RouteQuery) *kvcv1.RouteResponse {
 	if d.Exec.Transfer != kvcv1.TransferKind_TRANSFER_KIND_UNSPECIFIED {
 		out.BootstrapRoom = s.room(r.seq) // the plan moves KV: the transfer's room
 	}
+	if out.Execution.StoreGeneration != 0 {
+		out.Execution.StoreLoadRoom = s.room(r.seq + 1<<52) // D's load from P's store: a room of its own
+	}
 	if e := s.log.Debug(); e.Enabled() {
 		e.Str("decision_id", out.DecisionId).Str("session", q.SessionId).Str("mode", ModeName(d.Mode)).
 			Str("reason", ReasonName(d.Reason)).Str("cause", ReasonName(d.Cause)).Str("prefill", workerID(d.Prefill)).
@@ -542,6 +546,7 @@ func (s *Service) execution(e *policy.Execution) *kvcv1.RouteExecution {
 		RetryAllowed:     e.RetryAllowed,
 		TruncateTo:       e.TruncateTo,
 		LocalPrefill:     e.LocalPrefill,
+		StoreGeneration:  e.StoreGeneration,
 	}
 	if e.CloseSessionOn != "" {
 		// The worker's address as the cluster knows it now; a worker no longer listed has
