@@ -99,6 +99,9 @@ type outcomeCtx struct {
 	// results of resident
 	gen   uint64
 	moved bool
+	// stale: another decode worker the record named when the seed or reseed landed (one that
+	// re-reported the session meanwhile, e.g. after its sidecar restarted): its copy is stale.
+	stale string
 	kept  bool // extended: the session was still on the outcome's D
 	snapP string
 	fn    func(rec *kvcv1.SessionRecord) // x.apply, bound once per pooled outcomeCtx
@@ -183,6 +186,9 @@ func (x *outcomeCtx) becameResident(rec *kvcv1.SessionRecord) {
 	if rec.DecodeWorker == r.decode {
 		have = rec.KvCommittedLen // the new D's commit arrived first
 	}
+	if d := rec.DecodeWorker; d != "" && d != r.decode && d != r.from {
+		x.stale = d
+	}
 	rec.DecodeWorker = r.decode
 	rec.KvCommittedLen = x.committed(have)
 	rec.Generation++
@@ -203,15 +209,25 @@ func (x *outcomeCtx) becameResident(rec *kvcv1.SessionRecord) {
 // names its snapshot target and releases it on the D it left.
 func (s *Service) resident(r *reservation, kvLen, nowMs int64) (gen uint64) {
 	x := s.updateSession(r, kvLen, nowMs, (*outcomeCtx).becameResident)
-	gen, moved, snapP := x.gen, x.moved, x.snapP
+	gen, moved, snapP, stale := x.gen, x.moved, x.snapP, x.stale
 	x.release()
+	var left [2]string // the decode workers whose copy is left behind
 	if moved {
 		s.m.migrations.Inc()
+		left[0] = r.from
+	}
+	left[1] = stale
+	for _, w := range left {
+		if w == "" {
+			continue
+		}
+		// The session lives on r.decode now: the copy on w is released there (its sidecar has
+		// the worker free it; issue 16 finding 1).
 		cmd := &kvcv1.Command{Action: &kvcv1.Command_ReleaseSession{ReleaseSession: &kvcv1.ReleaseSessionCommand{
 			SessionId: r.session, Reason: "moved to " + r.decode,
 		}}}
-		if err := s.send(r.from, "release_session", cmd); err != nil {
-			s.log.Debug().Err(err).Str("session", r.session).Str("worker", r.from).Msg("release_session not sent")
+		if err := s.send(w, "release_session", cmd); err != nil {
+			s.log.Debug().Err(err).Str("session", r.session).Str("worker", w).Msg("release_session not sent")
 		}
 	}
 	if !s.policyKnobs().SnapshotsEnabled {
