@@ -20,11 +20,17 @@ PROTOC_GEN_GO_VERSION := v1.36.11
 PROTOC_GEN_GO_GRPC_VERSION := v1.6.0
 BUF_VERSION := v1.75.0
 GRPCURL_VERSION := v1.9.3
+# golangci-lint builds with this repository's Go (1.26.8); bump deliberately and fix what it finds.
+GOLANGCI_LINT_VERSION := v2.15.0
+GOLANGCI_LINT := $(BIN)/tools/golangci-lint-$(GOLANGCI_LINT_VERSION)
+# The API as last released: buf breaking compares proto/ with it (make proto-image updates it).
+API_IMAGE := proto/api.binpb
 
 
 .PHONY: grpcurl
 .PHONY: test-faults
 .PHONY: test-sglang
+.PHONY: check-modules check-deps proto-lint proto-breaking proto-image
 .PHONY: all build test test-short lint fmt proto proto-check tools demo bench bench-transfer bench-policy bench-gateway bench-gpu test-mooncake tidy clean
 
 all: build
@@ -40,11 +46,12 @@ build:
 		fi; \
 	done
 
-## test: every module with the race detector (integration tests use bin/)
+## test: every module with the race detector (integration tests use bin/), each on its own
+## go.mod (GOWORK=off: a module that only builds inside the workspace fails here)
 test: build
 	@for m in $(MODULES); do \
 		echo "== test $$m"; \
-		(cd $$m && CGO_ENABLED=1 KVC_BIN_DIR=$(BIN) $(GO) test -race -count=1 -timeout 600s ./...); \
+		(cd $$m && GOWORK=off CGO_ENABLED=1 KVC_BIN_DIR=$(BIN) $(GO) test -race -count=1 -timeout 600s ./...); \
 	done
 
 ## test-sglang: the SGLang plugin's pytest suite against SGLang 0.5.23's real classes (CPU, no GPU
@@ -80,11 +87,28 @@ lint:
 	if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 	@for m in $(MODULES); do (cd $$m && $(GO) vet ./...); done
 
+## check-modules: every module stands alone — GOWORK=off go build and go vet, and go mod tidy
+## leaves go.mod and go.sum as committed; then check-deps
+check-modules: check-deps
+	@for m in $(MODULES); do \
+		echo "== module $$m"; \
+		(cd $$m && GOWORK=off $(GO) build ./... && GOWORK=off $(GO) vet ./... && \
+			GOWORK=off $(GO) mod tidy -diff) || { echo "module $$m: not standalone or not tidy (run: make tidy)"; exit 1; }; \
+	done
+
+## check-deps: no binary links the testing package (test helpers stay out of production code)
+check-deps:
+	@for b in $(BINARIES); do \
+		mod=$${b%%/cmd/*}; \
+		bad=$$(cd $$mod && GOWORK=off $(GO) list -deps ./cmd/$${b##*/} | grep -E '^testing(/|$$)|/etcdtest$$|/hatest$$' || true); \
+		if [ -n "$$bad" ]; then echo "$${b##*/} links test code: $$bad"; exit 1; fi; \
+	done; echo "check-deps: no binary links testing"
+
 fmt:
 	@gofmt -w $$(git ls-files '*.go' | grep -v '\.pb\.go$$')
 
-## tools: pinned code generators into bin/
-tools: $(BIN)/protoc-gen-go $(BIN)/protoc-gen-go-grpc $(BIN)/buf
+## tools: pinned code generators, buf and golangci-lint into bin/
+tools: $(BIN)/protoc-gen-go $(BIN)/protoc-gen-go-grpc $(BIN)/buf $(GOLANGCI_LINT)
 
 $(BIN)/protoc-gen-go:
 	GOBIN=$(BIN) $(GO) install google.golang.org/protobuf/cmd/protoc-gen-go@$(PROTOC_GEN_GO_VERSION)
@@ -92,6 +116,10 @@ $(BIN)/protoc-gen-go-grpc:
 	GOBIN=$(BIN) $(GO) install google.golang.org/grpc/cmd/protoc-gen-go-grpc@$(PROTOC_GEN_GO_GRPC_VERSION)
 $(BIN)/buf:
 	GOBIN=$(BIN) $(GO) install github.com/bufbuild/buf/cmd/buf@$(BUF_VERSION)
+$(GOLANGCI_LINT):
+	@mkdir -p $(BIN)/tools/tmp
+	GOBIN=$(BIN)/tools/tmp $(GO) install github.com/golangci/golangci-lint/v2/cmd/golangci-lint@$(GOLANGCI_LINT_VERSION)
+	mv $(BIN)/tools/tmp/golangci-lint $@
 $(BIN)/grpcurl:
 	GOBIN=$(BIN) $(GO) install github.com/fullstorydev/grpcurl/cmd/grpcurl@$(GRPCURL_VERSION)
 
@@ -102,6 +130,21 @@ grpcurl: $(BIN)/grpcurl
 proto: tools
 	$(BIN)/buf lint
 	PATH=$(BIN):$$PATH $(BIN)/buf generate
+
+## proto-lint: buf lint on proto/ (buf.yaml: STANDARD)
+proto-lint: $(BIN)/buf
+	$(BIN)/buf lint
+
+## proto-breaking: buf lint, then buf breaking (FILE rules) against the committed API image
+## $(API_IMAGE); an intended break is made by updating the image (make proto-image) in the same
+## commit, with the reason in the message
+proto-breaking: proto-lint
+	$(BIN)/buf breaking --against $(API_IMAGE)
+
+## proto-image: rebuild the committed API image from proto/ (deliberately: after a release, or
+## with an intended breaking change)
+proto-image: proto-lint
+	$(BIN)/buf build --exclude-source-info -o $(API_IMAGE)
 
 ## proto-check: fail when the committed generated code is stale
 proto-check: proto
