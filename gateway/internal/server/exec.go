@@ -216,14 +216,27 @@ func workerBody(p *plan, req *api.Request, role string) []byte {
 		payload["session_id"] = req.SessionID
 	}
 	peer := p.prefill.GetPeerAddr()
+	// A seed through the prefill store (colocated D): P writes the prompt's KV into its
+	// sidecar's store as the session's snapshot of store_generation; D, called after P answered,
+	// loads [0, input) from there in a room of its own, as a snapshot (docs/sglang.md).
+	store := e.GetStoreGeneration() != 0
 	if t := transferName(e.GetTransfer()); t != "" {
 		payload["transfer"] = t
 		payload["room"] = p.room
+		if store && role == roleDecode {
+			payload["room"] = e.GetStoreLoadRoom()
+		}
 		if peer != "" {
 			payload["prefill_peer_addr"] = peer
 		}
 	}
-	if e.GetCallPrefill() {
+	if store && role == rolePrefill {
+		payload["to_store"], payload["generation"] = true, e.GetStoreGeneration()
+	}
+	if store && role == roleDecode {
+		payload["snapshot_seqlen"] = req.InputTokens
+	}
+	if e.GetCallPrefill() && !(store && role == roleDecode) {
 		b["bootstrap_room"] = p.room
 		if host, port, err := net.SplitHostPort(peer); err == nil {
 			if n, err := strconv.Atoi(port); err == nil {
@@ -379,7 +392,17 @@ func (s *Server) execute(ctx, clientCtx context.Context, start time.Time, p *pla
 	// pch carries the prefill call's failure, only when it failed on its own (not because D's
 	// failure cancelled it).
 	var pch chan *workerError
-	if p.exec.GetCallPrefill() {
+	if p.exec.GetCallPrefill() && p.exec.GetStoreGeneration() != 0 {
+		// A seed through the prefill store: D is called only once P answered (its sidecar then
+		// holds the seed), so D's batch never waits for P's prefill.
+		if we := s.prefillToStore(dctx, p, req); we != nil {
+			r := classify(we, p, ctx, clientCtx)
+			if we.status != 0 && r.kind == kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_WORKER_ERROR && !r.retry {
+				r.kind, r.transfer = p.onTransferFailed(), true // P could not store the seed
+			}
+			return r
+		}
+	} else if p.exec.GetCallPrefill() {
 		pch = make(chan *workerError, 1)
 		body := workerBody(p, req, rolePrefill)
 		go func() {
@@ -445,6 +468,19 @@ func (s *Server) execute(ctx, clientCtx context.Context, start time.Time, p *pla
 		res.kind = p.onRefused()
 	}
 	return res
+}
+
+// prefillToStore calls P for a seed through its store and waits for its whole answer.
+func (s *Server) prefillToStore(ctx context.Context, p *plan, req *api.Request) *workerError {
+	resp, we := s.post(ctx, p.prefill.GetWorkerUrl(), workerBody(p, req, rolePrefill), rolePrefill)
+	if we != nil {
+		return we
+	}
+	defer resp.Body.Close()
+	if _, err := io.Copy(io.Discard, io.LimitReader(resp.Body, 16<<20)); err != nil {
+		return &workerError{role: rolePrefill, err: err}
+	}
+	return nil
 }
 
 // appendOutputIDs adds a chunk's output_ids to those seen so far: SGLang streams them

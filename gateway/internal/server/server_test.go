@@ -64,6 +64,8 @@ type kvcPayload struct {
 	KeepSession     bool   `json:"keep_session"`
 	DecisionID      string `json:"decision_id"`
 	LocalPrefill    bool   `json:"local_prefill"`
+	ToStore         bool   `json:"to_store"`
+	Generation      uint64 `json:"generation"`
 }
 
 // sessionCall is an /open_session or /close_session a fake worker received.
