@@ -9,9 +9,11 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"math"
 	"os"
 	"os/signal"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -55,6 +57,7 @@ type opts struct {
 	sloTPOT        time.Duration
 	killDecode     string
 	killAt         time.Duration
+	sweep          []float64
 	workerKind     string
 	refPython      string
 	refArgs        string
@@ -106,6 +109,20 @@ func parse(args []string, stderr io.Writer) (*opts, error) {
 	fs.DurationVar(&o.sloTTFT, "slo-ttft", 2*time.Second, "goodput SLO: time to first token (model time)")
 	fs.DurationVar(&o.sloTPOT, "slo-tpot", 50*time.Millisecond, "goodput SLO: time per output token (model time)")
 	fs.StringVar(&o.killDecode, "kill-decode", "", "with --local: SIGKILL this decode worker (e.g. decode-1: its kvc-sim and sidecar) --kill-at into each arm's replay, and measure recovery")
+	fs.Func("sweep", "built-in workload with --local: comma list of load multipliers (e.g. 0.5,1,2,4); each runs every arm with that many times --sessions over the same --arrival-span, into OUT/load-X, then OUT/sweep.json, sweep.md and goodput/TTFT-vs-load plots", func(v string) error {
+		o.sweep = nil
+		for _, f := range splitList(v) {
+			x, err := strconv.ParseFloat(f, 64)
+			if err != nil || !(x > 0) || x > 100 {
+				return fmt.Errorf("load %q: want a number in (0, 100]", f)
+			}
+			o.sweep = append(o.sweep, x)
+		}
+		if len(o.sweep) == 0 {
+			return errors.New("empty")
+		}
+		return nil
+	})
 	fs.DurationVar(&o.killAt, "kill-at", 60*time.Second, "with --kill-decode: when, on the workload clock (scaled by --time-scale)")
 	fs.StringVar(&o.workerKind, "worker-kind", "sim", "with --local: sim (kvc-sim) or refworker (kvc-refworker: a real model's KV, integrations/refworker; implies --send-ids)")
 	fs.StringVar(&o.refPython, "refworker-python", "python3", "with --worker-kind refworker: the Python that runs -m kvc_refworker")
@@ -141,6 +158,9 @@ func parse(args []string, stderr io.Writer) (*opts, error) {
 	}
 	if o.prefillCap < 0 || o.prefixCache < 0 || o.hostTier < 0 || o.sloTTFT < 0 || o.sloTPOT < 0 || o.killAt < 0 {
 		errs = append(errs, errors.New("--prefill-capacity-tokens, --prefix-cache-tokens, --host-tier-tokens, --slo-* and --kill-at must be >= 0"))
+	}
+	if len(o.sweep) > 0 && (!o.local || o.workload != "builtin") {
+		errs = append(errs, errors.New("--sweep needs --local and --workload builtin"))
 	}
 	if o.killDecode != "" {
 		var n int
@@ -278,6 +298,9 @@ func run(args []string, stderr io.Writer) int {
 			cfg.Meta.TimeDiv = o.timeScale
 		}
 	}
+	if len(o.sweep) > 0 {
+		return runSweep(ctx, o, cfg, stderr)
+	}
 	arms, err := bench.Run(ctx, cfg)
 	unit := "s"
 	if cfg.Meta.TimeDiv > 0 && cfg.Meta.TimeDiv != 1 {
@@ -295,4 +318,51 @@ func run(args []string, stderr io.Writer) int {
 		return 1
 	}
 	return 0
+}
+
+// runSweep runs every arm at each load of o.sweep: the built-in workload with sessions scaled by
+// the load over the same arrival span, each into its own directory, then the sweep's plots.
+func runSweep(ctx context.Context, o *opts, base bench.Config, stderr io.Writer) int {
+	var pts []report.SweepPoint
+	rc := 0
+	for _, x := range o.sweep {
+		c := o.agentic
+		c.Seed, c.Sessions = o.seed, max(1, int(math.Round(float64(o.sessions)*x)))
+		wl, err := workload.Agentic(c)
+		if err != nil {
+			fmt.Fprintln(stderr, "kvc-bench: workload:", err)
+			return 2
+		}
+		wl.Limit(o.maxRequests)
+		cfg := base
+		cfg.Workload = wl
+		cfg.OutDir = filepath.Join(o.out, fmt.Sprintf("load-%g", x))
+		cfg.Meta.Workload, cfg.Meta.Stats, cfg.Meta.Notes = wl.Name, wl.Describe(), wl.Notes
+		cfg.Meta.Notes = append(append([]string(nil), cfg.Meta.Notes...), fmt.Sprintf("load sweep point %g: %d sessions over %s", x, c.Sessions, c.ArrivalSpan))
+		fmt.Fprintf(stderr, "sweep: load %g (%d sessions) into %s\n", x, c.Sessions, cfg.OutDir)
+		arms, err := bench.Run(ctx, cfg)
+		pt := report.SweepPoint{Load: x, Sessions: c.Sessions, Arms: map[string]report.Summary{}}
+		if span := c.ArrivalSpan.Seconds(); span > 0 {
+			pt.SessionsPS = float64(c.Sessions) / span
+		}
+		for _, a := range arms {
+			pt.Arms[a.Name] = a.Summary
+			s := a.Summary
+			fmt.Fprintf(stderr, "sweep: load %g %s: ok %d/%d goodput %.3f req/s TTFT p50 %.3fs p99 %.3fs\n", x, a.Name, s.OK, s.Total, s.GoodputRPS, s.TTFTP50, s.TTFTP99)
+		}
+		if err != nil {
+			pt.Aborted = err.Error()
+			rc = 1
+		}
+		pts = append(pts, pt)
+		if ctx.Err() != nil {
+			break
+		}
+	}
+	if err := report.WriteSweep(o.out, base.SLO, base.Arms, pts); err != nil {
+		fmt.Fprintln(stderr, "kvc-bench: sweep report:", err)
+		return 1
+	}
+	fmt.Fprintf(stderr, "sweep report: %s\n", filepath.Join(o.out, report.SweepReport))
+	return rc
 }

@@ -19,6 +19,12 @@ func TestCharts(t *testing.T) {
 		{"modes", func(b *bytes.Buffer) error {
 			return ModeShares(b, "modes", []Bar{{"E1", map[string]int{"PD_FALLBACK": 10}}, {"E3", map[string]int{"DIRECT_TO_D": 90, "SEED": 5, "RESEED_PREFILL": 4, "FAILED": 1}}, {"E0", nil}})
 		}, 1100, 150 + 90*3},
+		{"lines", func(b *bytes.Buffer) error {
+			return Lines(b, "goodput", "load", "req/s", false, []Line{{"PD", []float64{1, 2, 4}, []float64{.5, .9, .7}}, {"E4", []float64{1, 2, 4}, []float64{.5, 1, 1.6}}})
+		}, 1100, 84 + 2*26 + 560},
+		{"lines log", func(b *bytes.Buffer) error {
+			return Lines(b, "ttft", "load", "s", true, []Line{{"PD", []float64{1, 2}, []float64{.2, 3}}, {"none", nil, nil}})
+		}, 1100, 84 + 2*26 + 560},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -34,5 +40,12 @@ func TestCharts(t *testing.T) {
 				t.Fatalf("size %v", r)
 			}
 		})
+	}
+}
+
+func TestLinesRejectsRaggedLine(t *testing.T) {
+	var b bytes.Buffer
+	if err := Lines(&b, "x", "x", "y", false, []Line{{"bad", []float64{1, 2}, []float64{1}}}); err == nil {
+		t.Fatal("ragged line accepted")
 	}
 }

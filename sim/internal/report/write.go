@@ -383,7 +383,8 @@ func baselineChecks(arms []*Arm, killed bool) [][3]string {
 		}
 		return "**missed**"
 	}
-	bestP99, bestGood, bestRec := bl[0], bl[0], bl[0]
+	bestP99, bestGood := bl[0], bl[0]
+	var bestRec *Arm // among baselines that lost sessions with the worker and served them again
 	for _, a := range bl {
 		if a.Summary.TTFTP99 < bestP99.Summary.TTFTP99 {
 			bestP99 = a
@@ -391,7 +392,7 @@ func baselineChecks(arms []*Arm, killed bool) [][3]string {
 		if a.Summary.GoodputRPS > bestGood.Summary.GoodputRPS {
 			bestGood = a
 		}
-		if a.Summary.RecoveryS < bestRec.Summary.RecoveryS {
+		if a.Summary.AffectedSessions > 0 && (bestRec == nil || a.Summary.RecoveryS < bestRec.Summary.RecoveryS) {
 			bestRec = a
 		}
 	}
@@ -401,11 +402,15 @@ func baselineChecks(arms []*Arm, killed bool) [][3]string {
 		{"E4 goodput ≥ 1.2 × the best baseline's at the SLO", fmt.Sprintf("%.3f vs 1.2 × %.3f = %.3f req/s (%s)", e.GoodputRPS, bestGood.Summary.GoodputRPS, 1.2*bestGood.Summary.GoodputRPS, bestGood.Name),
 			res(e.GoodputRPS >= 1.2*bestGood.Summary.GoodputRPS)},
 	}
-	if killed {
+	switch {
+	case killed && bestRec == nil:
+		out = append(out, [3]string{"E4 recovery after a decode worker's death ≤ 0.5 × the best baseline's",
+			fmt.Sprintf("no baseline had a session on the killed worker with a later turn (E4: %s over %d sessions)", ms(e.RecoveryS), e.AffectedSessions), "**missed** (not comparable)"})
+	case killed:
 		out = append(out, [3]string{"E4 recovery after a decode worker's death ≤ 0.5 × the best baseline's",
 			fmt.Sprintf("%s vs 0.5 × %s = %s (%s); affected sessions %d, unrecovered %d", ms(e.RecoveryS), ms(bestRec.Summary.RecoveryS), ms(0.5*bestRec.Summary.RecoveryS), bestRec.Name, e.AffectedSessions, e.Unrecovered),
 			res(e.AffectedSessions > 0 && e.Unrecovered == 0 && e.RecoveryS <= 0.5*bestRec.Summary.RecoveryS)})
-	} else {
+	default:
 		out = append(out, [3]string{"E4 recovery after a decode worker's death ≤ 0.5 × the best baseline's", "not measured (no --kill-decode)", "**missed**"})
 	}
 	out = append(out, [3]string{"E4 snapshot hit rate ≥ 90% of its reseeds", fmt.Sprintf("%s of %d reseeds (%d stale)", pct(e.SnapshotHitRate), e.ReseedCount, e.SnapshotStale),

@@ -1,0 +1,48 @@
+package bench
+
+import (
+	"strings"
+	"testing"
+)
+
+func TestArmPolicyAndSimArgs(t *testing.T) {
+	tests := []struct {
+		arm             string
+		kvCentric       bool
+		prefill, decode string
+		wantErr         bool
+	}{
+		{arm: "E1"},
+		{arm: "PD", prefill: "--prefix-cache-tokens 50000"},
+		{arm: "SGL", prefill: "--prefix-cache-tokens 50000 --pull-dirs /w/tier-l3", decode: "--decode-radix --offload-dir /w/tier-l3 --restore-dirs /w/tier-l3"},
+		{arm: "LLMD", prefill: "--prefix-cache-tokens 50000 --pull-dirs /w/tier-host-decode-0,/w/tier-host-decode-1",
+			decode: "--offload-dir /w/tier-host-{worker} --offload-capacity-tokens 700"},
+		{arm: "E3", kvCentric: true, prefill: "--prefix-cache-tokens 50000"},
+		{arm: "E4", kvCentric: true, prefill: "--prefix-cache-tokens 50000"},
+		{arm: "E9", wantErr: true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.arm, func(t *testing.T) {
+			pol, err := ArmPolicy(tt.arm)
+			if (err != nil) != tt.wantErr {
+				t.Fatalf("err %v", err)
+			}
+			if err != nil {
+				return
+			}
+			if pol.GetKvCentricEnabled() != tt.kvCentric || pol.GetSnapshotsEnabled() != (tt.arm == "E4") {
+				t.Errorf("policy %v", pol)
+			}
+			p, d := ArmSimArgs(tt.arm, "/w", 2, Baselines{PrefillCapacity: 50000, HostTierTokens: 700})
+			if got := strings.Join(p, " "); got != tt.prefill {
+				t.Errorf("prefill %q, want %q", got, tt.prefill)
+			}
+			if got := strings.Join(d, " "); got != tt.decode {
+				t.Errorf("decode %q, want %q", got, tt.decode)
+			}
+		})
+	}
+	if p, _ := ArmSimArgs("PD", "/w", 1, Baselines{PrefixCacheTokens: 123, PrefillCapacity: 50000}); p[1] != "123" {
+		t.Errorf("explicit prefix cache: %v", p)
+	}
+}
