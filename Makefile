@@ -31,7 +31,7 @@ API_IMAGE := proto/api.binpb
 .PHONY: test-faults
 .PHONY: test-sglang
 .PHONY: check-modules check-deps proto-lint proto-breaking proto-image
-.PHONY: all build test test-short lint fmt proto proto-check tools demo bench bench-transfer bench-policy bench-gateway bench-gpu test-mooncake tidy clean
+.PHONY: all build test test-short lint fmt proto proto-check tools demo bench-sweep bench bench-transfer bench-policy bench-gateway bench-gpu test-mooncake tidy clean
 
 all: build
 
@@ -150,12 +150,18 @@ proto-image: proto-lint
 proto-check: proto
 	git diff --exit-code -- proto/
 
-## demo: the main job — local cluster, E1/E3/E4 on the built-in workload, report in out/demo/
+## demo: the main job — local 2P4D cluster, arms PD/SGL/LLMD (the baselines) and E3/E4 on the built-in workload, decode-1 killed mid-run, report in out/demo/
 ## (--send-ids: the client keeps its conversation as token ids, so edited-history turns and page
 ## hashes reach the control plane)
+DEMO_ARMS ?= PD,SGL,LLMD,E3,E4
+BENCH_FLAGS = --local --bin-dir $(BIN) --time-scale 0.3 --sim-args "--page-size 64 --prealloc-wait 20s" \
+	--prefill-workers 2 --decode-workers 4 --decode-capacity-tokens 88000 --send-ids --slo-ttft 2s --slo-tpot 50ms
 demo: build
-	$(BIN)/kvc-bench --local --bin-dir $(BIN) --arms E1,E3,E4 --time-scale 0.4 --sim-args "--page-size 64 --prealloc-wait 20s" \
-		--decode-capacity-tokens 88000 --send-ids --out out/demo
+	$(BIN)/kvc-bench $(BENCH_FLAGS) --arms $(DEMO_ARMS) --sessions 12 --kill-decode decode-1 --kill-at 45s --out out/demo
+
+## bench-sweep: every arm (E1 as the lower bound) at 4 loads, goodput and TTFT vs load plots in out/sweep
+bench-sweep: build
+	$(BIN)/kvc-bench $(BENCH_FLAGS) --arms E1,PD,SGL,LLMD,E3,E4 --sessions 8 --sweep 0.5,1,2,3 --out out/sweep
 
 ## bench-gateway: the gateway's tokenize + chat template + page hash cost per 32K-token prompt
 ## against the direct-to-D TTFT p50 of out/demo's report (run make demo first; else DESIGN.md's)
