@@ -40,6 +40,10 @@ func (s *State) Reconcile(st *Stream, rs *kvcv1.ResidentSessions) error {
 			}
 			if oldD != w && oldD != "" {
 				rec.PreviousDecodeWorker = oldD
+				// The report is newer: the copy the record named is the stale one now.
+				if oe, ok := s.workers[oldD]; ok && oe.stream != nil {
+					s.releaseStaleLocked(oe, []string{r.GetSessionId()})
+				}
 			}
 			rec.DecodeWorker = w
 			rec.KvCommittedLen = r.GetKvCommittedLen()

@@ -51,12 +51,13 @@ func TestResyncStaleCopy(t *testing.T) {
 			st := f.st
 			d0, err := st.Attach(hello("d0", kvcv1.WorkerRole_WORKER_ROLE_DECODE))
 			must(t, err)
-			_, err = st.Attach(hello("d1", kvcv1.WorkerRole_WORKER_ROLE_DECODE))
+			d1, err := st.Attach(hello("d1", kvcv1.WorkerRole_WORKER_ROLE_DECODE))
 			must(t, err)
 			if tc.recD != "-" {
 				st.UpdateSession("s", func(r *kvcv1.SessionRecord) { r.DecodeWorker, r.Generation, r.KvCommittedLen = tc.recD, tc.recGen, 500 })
 			}
 			queuedReleases(d0)
+			queuedReleases(d1)
 			must(t, st.Reconcile(d0, &kvcv1.ResidentSessions{FullSync: true, Sessions: []*kvcv1.ResidentSession{
 				{SessionId: "s", KvCommittedLen: 300, Generation: tc.gen}}}))
 			r, ok := st.Session("s")
@@ -69,6 +70,11 @@ func TestResyncStaleCopy(t *testing.T) {
 			rel := queuedReleases(d0)
 			if got := len(rel) == 1 && rel[0] == "s"; got != tc.wantRelease || (!tc.wantRelease && len(rel) > 0) {
 				t.Fatalf("releases sent to d0: %v, want release %v", rel, tc.wantRelease)
+			}
+			// When the report wins over another worker, that worker's copy is the stale one.
+			rel1 := queuedReleases(d1)
+			if wantD1 := tc.recD == "d1" && tc.wantD == "d0"; (len(rel1) == 1 && rel1[0] == "s") != wantD1 || (!wantD1 && len(rel1) > 0) {
+				t.Fatalf("releases sent to d1: %v, want release %v", rel1, wantD1)
 			}
 			if recs, _ := st.ListSessions("", 10, "d0"); (len(recs) == 1) != (tc.wantD == "d0") {
 				t.Fatalf("index of d0: %v", recs)
