@@ -89,6 +89,7 @@ type Worker struct {
 	turns  map[string]*turnLock
 
 	prefillGPU chan struct{} // one prefill pass at a time (the GPU)
+	allocQ     fifoQueue     // allocations waiting for room, first come first served (fifo.go)
 
 	att attacher // the command watcher: re-attach after a sidecar restart, release commands (attach.go)
 }
@@ -310,6 +311,29 @@ func (w *Worker) dropSession(s *session, reason kvcv1.ReleaseReason) {
 // request is using (never exclude) when the free list is short, and rejects with no_capacity when
 // even that cannot make room. On a prefill worker it waits for running prefills to free pages.
 func (w *Worker) allocate(ctx context.Context, n int64, exclude string) ([]int64, int, *apiError) {
+	// First come first served: a request allocates only at the head of the queue (fifo.go), so
+	// one that waits for room is not overtaken by later ones that happen to fit.
+	tk := w.allocQ.join()
+	defer w.allocQ.leave(tk)
+	var deadline <-chan time.Time
+	if w.cfg.PreallocWait > 0 && w.cfg.Role != kvcv1.WorkerRole_WORKER_ROLE_PREFILL {
+		tm := time.NewTimer(w.cfg.PreallocWait)
+		defer tm.Stop()
+		deadline = tm.C
+	}
+	t0 := time.Now()
+	select {
+	case <-tk.head:
+	case <-deadline:
+		w.m.capacityRejects.Inc()
+		return nil, 0, errf(http.StatusServiceUnavailable, "no_capacity", "need %d pages: waited %s in the prealloc queue behind %d earlier requests", n, w.cfg.PreallocWait, w.allocQ.len()-1)
+	case <-ctx.Done():
+		if w.cfg.Role == kvcv1.WorkerRole_WORKER_ROLE_PREFILL {
+			w.m.capacityRejects.Inc()
+			return nil, 0, errf(http.StatusServiceUnavailable, "no_capacity", "waited for %d free pages until the request ended: %v", n, ctx.Err())
+		}
+		return nil, 0, ctxError(ctx, "in the prealloc queue")
+	}
 	if w.cfg.Role == kvcv1.WorkerRole_WORKER_ROLE_PREFILL {
 		for {
 			w.mu.Lock()
@@ -328,14 +352,8 @@ func (w *Worker) allocate(ctx context.Context, n int64, exclude string) ([]int64
 		}
 	}
 	// A request that cannot get room even by eviction (pages pinned by running requests) waits up
-	// to PreallocWait for running requests to free pages (SGLang's decode prealloc queue), then is
-	// rejected with no_capacity.
-	var deadline <-chan time.Time
-	if w.cfg.PreallocWait > 0 {
-		tm := time.NewTimer(w.cfg.PreallocWait)
-		defer tm.Stop()
-		deadline = tm.C
-	}
+	// to PreallocWait in all (queue included) for running requests to free pages (SGLang's decode
+	// prealloc queue), then is rejected with no_capacity.
 	for {
 		w.mu.Lock()
 		ch := w.freed
@@ -352,7 +370,7 @@ func (w *Worker) allocate(ctx context.Context, n int64, exclude string) ([]int64
 		case <-ch:
 		case <-deadline:
 			w.m.capacityRejects.Inc()
-			return nil, 0, errf(e.status, e.code, "%s; waited %s in the prealloc queue", e.msg, w.cfg.PreallocWait)
+			return nil, 0, errf(e.status, e.code, "%s; waited %s in the prealloc queue", e.msg, time.Since(t0).Round(time.Millisecond))
 		case <-ctx.Done():
 			return nil, 0, ctxError(ctx, "waiting for KV pages")
 		}
