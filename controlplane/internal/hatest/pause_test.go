@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -78,6 +79,10 @@ func TestLeaderPause(t *testing.T) {
 	if err := a.cmd.Process.Signal(syscall.SIGSTOP); err != nil {
 		t.Fatal(err)
 	}
+	// kill(2) returns before every thread of the target has stopped: on a loaded machine a
+	// thread may still serve a call that is sent now. Wait until the kernel reports every
+	// thread stopped, so the calls below really queue in the frozen leader's sockets.
+	waitFor(t, "cp-a stopped", 5*time.Second, func() bool { return allThreadsStopped(a.cmd.Process.Pid) })
 	resumed := false
 	resume := func() {
 		if !resumed {
@@ -210,4 +215,25 @@ func TestLeaderPause(t *testing.T) {
 		t.Fatalf("stream to cp-b ended: %v", err)
 	default:
 	}
+}
+
+// allThreadsStopped reports whether every thread of pid is in the stopped state ('T' in
+// /proc/<pid>/task/<tid>/stat).
+func allThreadsStopped(pid int) bool {
+	tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
+	if err != nil || len(tasks) == 0 {
+		return false
+	}
+	for _, task := range tasks {
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%s/stat", pid, task.Name()))
+		if err != nil {
+			return false
+		}
+		// The state follows the command name, which is in parentheses and may hold spaces.
+		i := strings.LastIndexByte(string(b), ')')
+		if i < 0 || i+2 >= len(b) || b[i+2] != 'T' {
+			return false
+		}
+	}
+	return true
 }
