@@ -141,15 +141,18 @@ func (c *Cycle) overlapTokens(w string) int64 {
 // ScoreOverlap prefers the decode worker holding the longest prefix of a new session's prompt
 // (a shared system prompt, tool definitions, repository files): its overlap relative to the
 // largest any worker has, weighted above headroom and queues, so the largest overlap wins
-// among the workers that admit the session — when that worker has the room free. A worker
-// that would have to evict idle sessions to take it scores 0 here: locality that costs another
-// session its residency (a reseed later) is not worth a shared prefix.
+// among the workers that admit the session — when that worker has room free for the session
+// to grow to twice its first turn. A worker that would have to evict idle sessions to take it,
+// or soon after as its sessions grow, scores 0 here: locality that costs sessions their
+// residency (reseeds later) is not worth a shared prefix. (Measured: without the growth room,
+// the demo's three sessions of one system prompt, 21K-30K tokens each and growing, landed on
+// one 88K-token decode worker and evicted each other every few turns.)
 var ScoreOverlap = Scorer{"content-overlap", 4, func(c *Cycle, w *Cand) float64 {
 	ct := c.In.Content
 	if !ct.known() {
 		return 0
 	}
-	if w.W.GetLoad().GetUsedTokens()+w.Res.Tokens+c.Need > effectiveCapacity(c, w.W) {
+	if w.W.GetLoad().GetUsedTokens()+w.Res.Tokens+2*c.Need > effectiveCapacity(c, w.W) {
 		return 0
 	}
 	best := 0
