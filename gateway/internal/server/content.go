@@ -77,7 +77,7 @@ func (s *Server) pageHasher(ctx context.Context) *pagehash.Hasher {
 // discoverPageSize asks a decode worker for the KV page size: kvc-sim's /get_model_info, then
 // SGLang's /get_server_info (server args). 0 when none answers in time.
 func (s *Server) discoverPageSize(ctx context.Context) int {
-	_, dec, ok := s.pool.Pick()
+	dec, ok := s.pool.PickDecode()
 	if !ok || dec.URL == "" {
 		return 0
 	}

@@ -31,11 +31,9 @@ type Router interface {
 	Report(o *kvcv1.RouteOutcome) error
 }
 
-// Picker chooses fail-open workers round robin, skipping the given worker URLs
-// (workers.Pool implements it).
+// Picker chooses fail-open decode workers round robin, skipping the given worker URLs
+// (workers.Pool implements it; the fail-open plan needs no prefill worker).
 type Picker interface {
-	Pick(skipURLs ...string) (pre, dec workers.Worker, ok bool)
-	// PickDecode is the next decode worker alone (the fail-open plan needs no prefill worker).
 	PickDecode(skipURLs ...string) (dec workers.Worker, ok bool)
 }
 
