@@ -18,6 +18,9 @@ import (
 	"syscall"
 	"time"
 
+	"google.golang.org/protobuf/proto"
+
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 	"github.com/kvcentric/kvcentric/sim/internal/bench"
 	"github.com/kvcentric/kvcentric/sim/internal/flagenv"
 	"github.com/kvcentric/kvcentric/sim/internal/report"
@@ -58,6 +61,7 @@ type opts struct {
 	killDecode     string
 	killAt         time.Duration
 	sweep          []float64
+	snapDelta      int64
 	workerKind     string
 	refPython      string
 	refArgs        string
@@ -123,6 +127,7 @@ func parse(args []string, stderr io.Writer) (*opts, error) {
 		}
 		return nil
 	})
+	fs.Int64Var(&o.snapDelta, "snapshot-delta-tokens", 0, "with --local: the policy's snapshot_delta_tokens (a decode sidecar pushes when committed - last pushed reaches it; 0: the control plane's default, 1024). Small values keep idle sessions' snapshots current at the cost of more, smaller pushes")
 	fs.DurationVar(&o.killAt, "kill-at", 60*time.Second, "with --kill-decode: when, on the workload clock (scaled by --time-scale)")
 	fs.StringVar(&o.workerKind, "worker-kind", "sim", "with --local: sim (kvc-sim) or refworker (kvc-refworker: a real model's KV, integrations/refworker; implies --send-ids)")
 	fs.StringVar(&o.refPython, "refworker-python", "python3", "with --worker-kind refworker: the Python that runs -m kvc_refworker")
@@ -158,6 +163,9 @@ func parse(args []string, stderr io.Writer) (*opts, error) {
 	}
 	if o.prefillCap < 0 || o.prefixCache < 0 || o.hostTier < 0 || o.sloTTFT < 0 || o.sloTPOT < 0 || o.killAt < 0 {
 		errs = append(errs, errors.New("--prefill-capacity-tokens, --prefix-cache-tokens, --host-tier-tokens, --slo-* and --kill-at must be >= 0"))
+	}
+	if o.snapDelta < 0 {
+		errs = append(errs, errors.New("--snapshot-delta-tokens must be >= 0"))
 	}
 	if len(o.sweep) > 0 && (!o.local || o.workload != "builtin") {
 		errs = append(errs, errors.New("--sweep needs --local and --workload builtin"))
@@ -279,6 +287,9 @@ func run(args []string, stderr io.Writer) int {
 		cfg.Decode, cfg.Prefill, cfg.PrefillCapacityTokens = o.decode, o.prefill, o.prefillCap
 		cfg.Baselines = bench.Baselines{PrefixCacheTokens: o.prefixCache, HostTierTokens: o.hostTier}
 		cfg.KillDecode, cfg.KillAt = o.killDecode, o.killAt
+		if o.snapDelta > 0 {
+			cfg.Policy = &kvcv1.Policy{SnapshotDeltaTokens: proto.Int64(o.snapDelta)}
+		}
 		if o.workerKind == "refworker" {
 			cfg.WorkerKind, cfg.RefworkerPython, cfg.RefworkerArgs = o.workerKind, o.refPython, strings.Fields(o.refArgs)
 			cfg.RefworkerDevices = splitList(o.refDevices)

@@ -1,12 +1,15 @@
 package bench
 
 import (
+	"bufio"
 	"context"
 	"errors"
 	"fmt"
 	"io"
+	"net/http"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"time"
 
@@ -146,6 +149,7 @@ func Run(ctx context.Context, cfg Config) ([]*report.Arm, error) {
 	meta.ArmWall = map[string]time.Duration{}
 	meta.ArmKills = map[string]float64{}
 	meta.ArmSimArgs = map[string]string{}
+	meta.ArmPushBytes = map[string]int64{}
 	meta.SLO = cfg.SLO
 	if cfg.KillDecode != "" {
 		meta.KillWorker = cfg.KillDecode
@@ -228,7 +232,11 @@ func runArm(ctx context.Context, cfg Config, arm string, out io.Writer, meta *re
 	pr := NewProgress(cfg.Log, cfg.TTY, arm)
 	opt.Progress = pr.Update
 	fmt.Fprintf(cfg.Log, "%s: replaying %d requests of %d sessions against %s\n", arm, cfg.Workload.Requests(), len(cfg.Workload.Sessions), url)
-	if cl == nil || cfg.KillDecode == "" {
+	if cl == nil {
+		return Replay(ctx, url, cfg.Workload, opt)
+	}
+	defer func() { meta.ArmPushBytes[arm] = pushBytes(cl) }()
+	if cfg.KillDecode == "" {
 		return Replay(ctx, url, cfg.Workload, opt)
 	}
 	// The kill: the decode worker's kvc-sim and sidecar die together (a node lost), and with
@@ -274,4 +282,31 @@ func (p prefixWriter) Write(b []byte) (int, error) {
 		return 0, err
 	}
 	return len(b), nil
+}
+
+// pushBytes is the D→P snapshot bytes the live decode sidecars pushed (the sum of their
+// kvc_snapshot_push_bytes histograms; a killed worker's count is lost with it).
+func pushBytes(c *cluster.Cluster) int64 {
+	hc := &http.Client{Timeout: 5 * time.Second}
+	var total float64
+	for _, w := range c.Workers {
+		if w.Role != "decode" || w.SidecarHTTP == "" {
+			continue
+		}
+		resp, err := hc.Get(strings.TrimRight(w.SidecarHTTP, "/") + "/metrics")
+		if err != nil {
+			continue
+		}
+		sc := bufio.NewScanner(resp.Body)
+		sc.Buffer(make([]byte, 64<<10), 1<<20)
+		for sc.Scan() {
+			if v, ok := strings.CutPrefix(sc.Text(), "kvc_snapshot_push_bytes_sum "); ok {
+				if f, err := strconv.ParseFloat(strings.TrimSpace(v), 64); err == nil {
+					total += f
+				}
+			}
+		}
+		resp.Body.Close()
+	}
+	return int64(total)
 }

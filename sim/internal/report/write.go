@@ -40,6 +40,9 @@ type Meta struct {
 	ArmKills   map[string]float64
 	// ArmSimArgs are each arm's per-role kvc-sim flags (the baseline models).
 	ArmSimArgs map[string]string
+	// ArmPushBytes are the D→P snapshot bytes the decode sidecars pushed per arm (real bytes,
+	// at kvc-sim's reduced bytes per token).
+	ArmPushBytes map[string]int64
 }
 
 // Files written by Write.
@@ -188,16 +191,16 @@ func Markdown(meta Meta, arms []*Arm) string {
 		p("Recovery: %s (kvc-sim and its sidecar) was SIGKILLed mid-run (time per arm below); recovery is, over the sessions whose last turn before the kill ran there, the longest time from their next turn's arrival to the first token of their first successful turn after the kill.", meta.KillWorker)
 	}
 	p("")
-	p("| arm | goodput (req/s) | direct-to-D share, continuing turns | snapshot hit rate | stale snapshots | killed at | affected sessions | recovery | their next TTFT p50 | unrecovered |")
-	p("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+	p("| arm | goodput (req/s) | direct-to-D share, continuing turns | snapshot hit rate | stale snapshots | snapshot bytes pushed (D→P link) | killed at | affected sessions | recovery | their next TTFT p50 | unrecovered |")
+	p("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 	for _, a := range arms {
 		s := a.Summary
 		kill := "—"
 		if at, ok := meta.ArmKills[a.Name]; ok {
 			kill = ms(at / max(meta.TimeDiv, 1e-9))
 		}
-		p("| %s | %.3f | %s | %s | %d | %s | %d | %s | %s | %d |", a.Name, s.GoodputRPS, pct(s.DirectToDShareContinuing), pct(s.SnapshotHitRate), s.SnapshotStale,
-			kill, s.AffectedSessions, ms(s.RecoveryS), ms(s.RecoveryTTFTP50), s.Unrecovered)
+		p("| %s | %.3f | %s | %s | %d | %s | %s | %d | %s | %s | %d |", a.Name, s.GoodputRPS, pct(s.DirectToDShareContinuing), pct(s.SnapshotHitRate), s.SnapshotStale,
+			mib(meta.ArmPushBytes[a.Name]), kill, s.AffectedSessions, ms(s.RecoveryS), ms(s.RecoveryTTFTP50), s.Unrecovered)
 	}
 	p("")
 	p("![TTFT CDF per arm](%s)", CDFFile)
