@@ -25,7 +25,7 @@ import (
 	"github.com/kvcentric/kvcentric/pkg/obs"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 	"github.com/kvcentric/kvcentric/sim/internal/cluster"
-	"github.com/kvcentric/kvcentric/sim/internal/flagenv"
+	"github.com/kvcentric/kvcentric/pkg/flagenv"
 )
 
 func main() {
@@ -52,8 +52,10 @@ func parse(args []string, getenv func(string) string, stderr io.Writer) (*option
 	fs.SetOutput(stderr)
 	fs.StringVar(&o.cfg.BinDir, "bin-dir", "", "directory of the kvc-* binaries (default: this binary's directory)")
 	fs.StringVar(&o.cfg.WorkDir, "work-dir", "", "logs, sockets, ready files, event logs (default: a new directory under $TMPDIR)")
-	fs.IntVar(&o.cfg.Prefill, "prefill", 1, "prefill workers")
-	fs.IntVar(&o.cfg.Decode, "decode", 3, "decode workers")
+	fs.IntVar(&o.cfg.Prefill, "prefill", 1, "prefill workers (the same as --prefill-workers)")
+	fs.IntVar(&o.cfg.Prefill, "prefill-workers", 1, "prefill workers")
+	fs.IntVar(&o.cfg.Decode, "decode", 3, "decode workers (the same as --decode-workers)")
+	fs.IntVar(&o.cfg.Decode, "decode-workers", 3, "decode workers")
 	fs.IntVar(&o.cfg.ControlPlanes, "control-planes", 2, "control-plane replicas (2 = an HA pair)")
 	fs.Int64Var(&o.cfg.DecodeCapacityTokens, "decode-capacity-tokens", 0, "KV capacity of each decode worker in tokens (0 = kvc-sim's default)")
 	fs.Int64Var(&o.cfg.PrefillCapacityTokens, "prefill-capacity-tokens", 0, "KV capacity of each prefill worker in tokens (0 = kvc-sim's default)")
