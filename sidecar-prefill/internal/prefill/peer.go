@@ -344,7 +344,7 @@ func (s *Sidecar) Resync() *kvcv1.ResidentSessions {
 // Load reports store usage and pending rooms.
 func (s *Sidecar) Load() *kvcv1.WorkerLoad {
 	s.mu.Lock()
-	rooms := len(s.rooms)
+	rooms := len(s.rooms) + len(s.seeds)
 	s.mu.Unlock()
 	l := &kvcv1.WorkerLoad{TransferQueueDepth: int32(rooms)}
 	if st := s.Store(); st != nil {

@@ -68,6 +68,12 @@ func (s *Sidecar) sendToStore(ctx context.Context, req *kvcv1.SendKVRequest, poo
 		s.endSeed(sd, st, err)
 		return nil, status.Error(codes.FailedPrecondition, err)
 	}
+	if _, ok := st.Ingest(sd.ingest); !ok {
+		// The store freed the reservation (its reserve timeout): its pages may be another's now.
+		reason := "the store's reservation expired: a seed must end within the store's reserve timeout"
+		s.endSeed(sd, st, reason)
+		return nil, status.Errorf(codes.Aborted, "room %d: store seed: %s", req.GetRoom(), reason)
+	}
 	from := req.GetFirstPage() * ps
 	to := min((req.GetFirstPage()+int64(len(req.GetPages())))*ps, sd.tokens)
 	var moved uint64
