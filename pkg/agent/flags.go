@@ -9,36 +9,6 @@ import (
 	"github.com/kvcentric/kvcentric/pkg/tlsx"
 )
 
-// EnvName is the environment variable of a flag: KVC_ plus the name in upper snake case.
-func EnvName(flagName string) string {
-	return "KVC_" + strings.ToUpper(strings.ReplaceAll(flagName, "-", "_"))
-}
-
-// ParseFlags parses args, then fills every flag not given on the command line from its KVC_*
-// environment variable (the flag wins). Errors name the flag or variable.
-func ParseFlags(fs *flag.FlagSet, args []string, getenv func(string) string) error {
-	if err := fs.Parse(args); err != nil {
-		return err
-	}
-	if fs.NArg() > 0 {
-		return fmt.Errorf("unexpected arguments: %v", fs.Args())
-	}
-	set := map[string]bool{}
-	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
-	var err error
-	fs.VisitAll(func(f *flag.Flag) {
-		if err != nil || set[f.Name] {
-			return
-		}
-		if v := getenv(EnvName(f.Name)); v != "" {
-			if e := fs.Set(f.Name, v); e != nil {
-				err = fmt.Errorf("%s=%q: %v", EnvName(f.Name), v, e)
-			}
-		}
-	})
-	return err
-}
-
 // Common holds the flags both sidecars take.
 type Common struct {
 	WorkerID          string

@@ -6,6 +6,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/kvcentric/kvcentric/pkg/flagenv"
 )
 
 func TestWorkerHealthFlags(t *testing.T) {
@@ -38,7 +40,7 @@ func TestWorkerHealthFlags(t *testing.T) {
 			fs.SetOutput(io.Discard)
 			var c Common
 			c.Register(fs)
-			err := ParseFlags(fs, tc.args, func(k string) string { return tc.env[k] })
+			err := flagenv.Parse(fs, tc.args, func(k string) string { return tc.env[k] })
 			if err == nil {
 				err = c.Check()
 			}

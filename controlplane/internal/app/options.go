@@ -134,30 +134,6 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 	o.EtcdTLS.Register(fs, EtcdTLSNames, "for an external etcd with client-certificate auth (https:// endpoints)")
 }
 
-// EnvName is the environment variable for a flag: KVC_ + upper snake case.
-func EnvName(flagName string) string {
-	return "KVC_" + strings.ToUpper(strings.ReplaceAll(flagName, "-", "_"))
-}
-
-// ApplyEnv sets every flag not given on the command line from its KVC_* variable (the flag
-// wins). lookup is os.LookupEnv in production.
-func ApplyEnv(fs *flag.FlagSet, lookup func(string) (string, bool)) error {
-	set := map[string]bool{}
-	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
-	var errs []error
-	fs.VisitAll(func(f *flag.Flag) {
-		if set[f.Name] {
-			return
-		}
-		if v, ok := lookup(EnvName(f.Name)); ok {
-			if err := fs.Set(f.Name, v); err != nil {
-				errs = append(errs, fmt.Errorf("%s=%q: %w", EnvName(f.Name), v, err))
-			}
-		}
-	})
-	return errors.Join(errs...)
-}
-
 // Endpoints returns the etcd endpoints (nil: embedded).
 func (o *Options) Endpoints() []string {
 	var out []string

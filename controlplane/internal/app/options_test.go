@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvcentric/kvcentric/pkg/flagenv"
 	"github.com/kvcentric/kvcentric/pkg/tlsx"
 )
 
@@ -37,7 +38,7 @@ func TestEnvAndFlags(t *testing.T) {
 			if err := fs.Parse(tc.args); err != nil {
 				t.Fatal(err)
 			}
-			err := ApplyEnv(fs, func(k string) (string, bool) { v, ok := tc.env[k]; return v, ok })
+			err := flagenv.Apply(fs, func(k string) string { return tc.env[k] })
 			if tc.wantErr != "" {
 				if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
 					t.Fatalf("err %v, want %q", err, tc.wantErr)

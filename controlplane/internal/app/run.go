@@ -25,6 +25,7 @@ import (
 	"github.com/kvcentric/kvcentric/controlplane/internal/router"
 	"github.com/kvcentric/kvcentric/controlplane/internal/server"
 	"github.com/kvcentric/kvcentric/controlplane/internal/state"
+	"github.com/kvcentric/kvcentric/pkg/flagenv"
 	"github.com/kvcentric/kvcentric/pkg/grpcx"
 	"github.com/kvcentric/kvcentric/pkg/kvstore"
 	"github.com/kvcentric/kvcentric/pkg/obs"
@@ -49,7 +50,7 @@ func Main(args []string, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "kvc-controlplane: unexpected arguments: %v\n", fs.Args())
 		return 2
 	}
-	if err := ApplyEnv(fs, os.LookupEnv); err != nil {
+	if err := flagenv.Apply(fs, os.Getenv); err != nil {
 		fmt.Fprintf(stderr, "kvc-controlplane: %v\n", err)
 		return 2
 	}

@@ -13,6 +13,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/kvcentric/kvcentric/gateway/internal/server"
+	"github.com/kvcentric/kvcentric/pkg/flagenv"
 	"github.com/kvcentric/kvcentric/pkg/tlsx"
 )
 
@@ -109,13 +110,7 @@ func Parse(args []string, getenv func(string) string, usage io.Writer) (*Config,
 	fs.DurationVar(&c.AdmissionRetryAfter, "admission-retry-after", time.Second, "Retry-After of admission refusals (whole seconds, at least 1)")
 	c.TLS.Register(fs, tlsx.GRPCNames, "of this gateway (role gateway) for mutual TLS to the control plane")
 	c.HTTPTLS.Register(fs, HTTPTLSNames, "of the HTTPS front door (API, /metrics, probes); with --http-tls-key serves HTTPS instead of HTTP")
-	if err := fs.Parse(args); err != nil {
-		return nil, err
-	}
-	if fs.NArg() > 0 {
-		return nil, fmt.Errorf("unexpected arguments: %q", fs.Args())
-	}
-	if err := ApplyEnv(fs, getenv); err != nil {
+	if err := flagenv.Parse(fs, args, getenv); err != nil {
 		return nil, err
 	}
 	c.ControlPlanes = splitList(cps)
@@ -206,30 +201,6 @@ func (c *Config) dialsGRPC() bool {
 		}
 	}
 	return false
-}
-
-// ApplyEnv sets every flag of fs not given on the command line from KVC_<UPPER_SNAKE>.
-func ApplyEnv(fs *flag.FlagSet, getenv func(string) string) error {
-	set := map[string]bool{}
-	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
-	var errs []error
-	fs.VisitAll(func(f *flag.Flag) {
-		if set[f.Name] {
-			return
-		}
-		env := EnvName(f.Name)
-		if v := getenv(env); v != "" {
-			if err := f.Value.Set(v); err != nil {
-				errs = append(errs, fmt.Errorf("%s=%q: %v", env, v, err))
-			}
-		}
-	})
-	return errors.Join(errs...)
-}
-
-// EnvName is the env var of a flag: KVC_ + upper snake case.
-func EnvName(flagName string) string {
-	return "KVC_" + strings.ToUpper(strings.ReplaceAll(flagName, "-", "_"))
 }
 
 func splitList(s string) []string {

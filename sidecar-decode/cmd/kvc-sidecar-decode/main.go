@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/kvcentric/kvcentric/pkg/agent"
+	"github.com/kvcentric/kvcentric/pkg/flagenv"
 	"github.com/kvcentric/kvcentric/sidecar-decode/internal/decode"
 )
 
@@ -36,7 +37,7 @@ func run(args []string, getenv func(string) string, stderr io.Writer) int {
 	relHigh := fs.Float64("release-high-watermark", 0, "capacity release: above this fraction of the KV pool, release idle sessions whose snapshot is current (WorkerReleaseCommand to the worker); 0 disables (for workers that never evict, e.g. SGLang streaming sessions: 0.9)")
 	relLow := fs.Float64("release-low-watermark", 0.8, "capacity release: release down to this fraction of the KV pool (below the high watermark)")
 	relIdle := fs.Duration("release-min-idle", 5*time.Second, "capacity release: never release a session committed more recently than this")
-	if err := agent.ParseFlags(fs, args, getenv); err != nil {
+	if err := flagenv.Parse(fs, args, getenv); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return 0
 		}

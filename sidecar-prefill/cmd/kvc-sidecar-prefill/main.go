@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/kvcentric/kvcentric/pkg/agent"
+	"github.com/kvcentric/kvcentric/pkg/flagenv"
 	"github.com/kvcentric/kvcentric/sidecar-prefill/internal/prefill"
 )
 
@@ -33,7 +34,7 @@ func run(args []string, getenv func(string) string, stderr io.Writer) int {
 	storeMem := fs.String("store-memory", agent.StoreMemoryHost, "snapshot store memory: host (with --transport cuda a page-locked shared-memory file, a memfd, that decode sidecars map and push into) or cuda (device memory of --gpu-index; --transport cuda only)")
 	roomTimeout := fs.Duration("room-timeout", 60*time.Second, "a transfer room whose other half never comes is failed after this")
 	creditTimeout := fs.Duration("snapshot-credit-timeout", 5*time.Minute, "a decode writer's store credit (free pages it may push into before its reservation) left unused this long is freed")
-	if err := agent.ParseFlags(fs, args, getenv); err != nil {
+	if err := flagenv.Parse(fs, args, getenv); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return 0
 		}

@@ -22,10 +22,10 @@ import (
 	"golang.org/x/sync/errgroup"
 	"google.golang.org/protobuf/encoding/protojson"
 
+	"github.com/kvcentric/kvcentric/pkg/flagenv"
 	"github.com/kvcentric/kvcentric/pkg/obs"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 	"github.com/kvcentric/kvcentric/sim/internal/cluster"
-	"github.com/kvcentric/kvcentric/pkg/flagenv"
 )
 
 func main() {

@@ -22,10 +22,10 @@ import (
 	"google.golang.org/grpc/backoff"
 	"google.golang.org/grpc/credentials/insecure"
 
+	"github.com/kvcentric/kvcentric/pkg/flagenv"
 	"github.com/kvcentric/kvcentric/pkg/grpcx"
 	"github.com/kvcentric/kvcentric/pkg/obs"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
-	"github.com/kvcentric/kvcentric/sim/internal/flagenv"
 	"github.com/kvcentric/kvcentric/sim/internal/worker"
 )
 
