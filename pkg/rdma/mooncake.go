@@ -66,7 +66,7 @@ type mcRequest struct {
 	_            [4]byte
 	source       uintptr
 	targetID     int32
-	fileID       uint32
+	fileID       uint32 //nolint:unused // file_id in the C layout: always 0
 	targetOffset uint64
 	length       uint64
 }

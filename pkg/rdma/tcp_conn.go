@@ -104,15 +104,6 @@ func (c *tcpConn) kill(err error) {
 	}
 }
 
-func (c *tcpConn) isDead() bool {
-	select {
-	case <-c.done:
-		return true
-	default:
-		return false
-	}
-}
-
 func (c *tcpConn) err() error {
 	c.mu.Lock()
 	defer c.mu.Unlock()

@@ -153,7 +153,8 @@ func (e *tcpEngine) servePeer(br *bufio.Reader, bw *bufio.Writer, raw syscall.Ra
 				return err
 			}
 			id, addr, plen := binary.LittleEndian.Uint64(hdr[:]), binary.LittleEndian.Uint64(hdr[8:]), uint64(n-16)
-			status, msg := tcpStOK, ""
+			var status uint8
+			var msg string
 			if plen == 0 {
 				status, msg = tcpStInvalid, "zero-length write"
 			} else if r := e.regions.acquire(addr, plen); r == nil {

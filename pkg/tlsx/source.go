@@ -320,7 +320,7 @@ func (c *clientCreds) ServerHandshake(net.Conn) (net.Conn, credentials.AuthInfo,
 }
 
 func (c *clientCreds) Info() credentials.ProtocolInfo {
-	return credentials.ProtocolInfo{SecurityProtocol: "tls", SecurityVersion: "1.3", ServerName: c.serverName}
+	return credentials.ProtocolInfo{SecurityProtocol: "tls", ServerName: c.serverName}
 }
 
 func (c *clientCreds) Clone() credentials.TransportCredentials {

@@ -38,7 +38,7 @@ func unmapByteLevel(s string) (raw string, ok bool) {
 	return string(buf), true
 }
 
-// mapByteLevel is the forward mapping (used by Decode's inverse and by tests).
+// mapByteLevel is the forward mapping, the inverse of unmapByteLevel (tests use it).
 func mapByteLevel(raw string) string {
 	buf := make([]byte, 0, len(raw)*2)
 	for i := 0; i < len(raw); i++ {

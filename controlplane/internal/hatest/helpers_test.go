@@ -211,13 +211,6 @@ func (r *router) next(t *testing.T, limit time.Duration) (*kvcv1.RouteResponse, 
 	return nil, nil
 }
 
-// etcdKV is one key of the control plane's prefix as etcd holds it.
-type etcdKV struct {
-	key    string
-	modRev int64
-	value  []byte
-}
-
 func describe(c recvCmd) string {
 	return fmt.Sprintf("command %d epoch %d via %s after epoch %d was seen", c.id, c.epoch, c.via, c.maxNow)
 }

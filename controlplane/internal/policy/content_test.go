@@ -68,7 +68,6 @@ func TestDecideOnContent(t *testing.T) {
 		decode   string
 		cached   int64
 		truncate int64
-		closeOn  string
 	}
 	residentRec := func() *kvcv1.SessionRecord { return resident("d1", committed) }
 	evicted := func(seqlen int64) *kvcv1.SessionRecord {

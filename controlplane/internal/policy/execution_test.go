@@ -36,11 +36,10 @@ func TestExecutionPerModeAndReason(t *testing.T) {
 		kvcv1.RouteReason_ROUTE_REASON_KV_CENTRIC_DISABLED, kvcv1.RouteReason_ROUTE_REASON_CONTROL_PLANE_UNAVAILABLE,
 	}
 	type row struct {
-		name  string
-		d     Decision
-		unav  bool
-		want  exp
-		check func(t *testing.T, e Execution)
+		name string
+		d    Decision
+		unav bool
+		want exp
 	}
 	rows := []row{
 		{name: "direct", d: Decision{Mode: mDirect, Reason: kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT, Decode: D, From: "d2"},

@@ -1607,7 +1607,7 @@ func toInt64(v Value) int64 {
 	case v.IsString():
 		s := v.AsString()
 		var n int64
-		fmt.Sscanf(s, "%d", &n)
+		_, _ = fmt.Sscanf(s, "%d", &n) // not a number: 0, as Jinja's int filter
 		return n
 	}
 	return 0
@@ -1627,7 +1627,7 @@ func toFloat64(v Value) float64 {
 	case v.IsString():
 		s := v.AsString()
 		var f float64
-		fmt.Sscanf(s, "%f", &f)
+		_, _ = fmt.Sscanf(s, "%f", &f) // not a number: 0.0, as Jinja's float filter
 		return f
 	}
 	return 0
