@@ -27,9 +27,9 @@ type storeSeed struct {
 	tokens  int64
 	ingest  uint64
 	pages   []int64 // the reservation's store pages, token order from token 0
-	created time.Time
 
 	mu     sync.Mutex // serialises the chunks
+	last   time.Time  // the last chunk's arrival (the room timeout counts from it)
 	bytes  int64
 	closed bool
 }
@@ -68,9 +68,11 @@ func (s *Sidecar) sendToStore(ctx context.Context, req *kvcv1.SendKVRequest, poo
 		s.endSeed(sd, st, err)
 		return nil, status.Error(codes.FailedPrecondition, err)
 	}
-	if _, ok := st.Ingest(sd.ingest); !ok {
-		// The store freed the reservation (its reserve timeout): its pages may be another's now.
-		reason := "the store's reservation expired: a seed must end within the store's reserve timeout"
+	sd.last = s.now()
+	if !st.Touch(sd.ingest) { // each chunk keeps the reservation alive for the store's reserve timeout
+		// The store freed the reservation (no chunk within its reserve timeout): its pages may be
+		// another's now.
+		reason := "the store's reservation expired: no chunk within the store's reserve timeout"
 		s.endSeed(sd, st, reason)
 		return nil, status.Errorf(codes.Aborted, "room %d: store seed: %s", req.GetRoom(), reason)
 	}
@@ -147,7 +149,7 @@ func (s *Sidecar) seed(req *kvcv1.SendKVRequest, st *store.Store) (*storeSeed, e
 		return nil, err
 	}
 	sd := &storeSeed{room: req.GetRoom(), session: req.GetSessionId(), gen: req.GetGeneration(), tokens: req.GetTokens(),
-		ingest: res.ID, pages: res.Pages, created: s.now()}
+		ingest: res.ID, pages: res.Pages, last: s.now()}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if other, ok := s.seeds[req.GetRoom()]; ok { // a concurrent first chunk of the same room won
@@ -179,21 +181,20 @@ func (s *Sidecar) forgetSeed(sd *storeSeed) {
 	s.finished[sd.room] = time.Now()
 }
 
-// expireSeeds fails the store seeds older than the room timeout (the worker stopped sending).
+// expireSeeds fails the store seeds without a chunk for longer than the room timeout (the worker
+// stopped sending).
 func (s *Sidecar) expireSeeds(now time.Time, st *store.Store) {
-	var stale []*storeSeed
+	var seeds []*storeSeed
 	s.mu.Lock()
 	for _, sd := range s.seeds {
-		if now.Sub(sd.created) > s.cfg.RoomTimeout {
-			stale = append(stale, sd)
-		}
+		seeds = append(seeds, sd)
 	}
 	s.mu.Unlock()
-	for _, sd := range stale {
+	for _, sd := range seeds {
 		if !sd.mu.TryLock() {
 			continue // a chunk is being copied; its own deadline bounds it
 		}
-		if !sd.closed {
+		if !sd.closed && now.Sub(sd.last) > s.cfg.RoomTimeout {
 			s.endSeed(sd, st, "timeout: the worker never sent the last chunk of this store seed")
 		}
 		sd.mu.Unlock()

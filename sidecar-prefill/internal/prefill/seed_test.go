@@ -49,9 +49,10 @@ func seedChunk(room int64, pages []int64, first int64, last bool) *kvcv1.SendKVR
 }
 
 // TestStoreSeedTimeouts: a store seed whose worker stops sending is failed by the room timeout
-// (its reservation freed, nothing stored, the late chunk refused, the failure logged); one that
-// outlives the store's reserve timeout fails at its next chunk instead of writing into pages that
-// are no longer its own. Both leave the store as it was, and the seed counts in the load while
+// (its reservation freed, nothing stored, the late chunk refused, the failure logged); every
+// chunk keeps its store reservation alive, and one whose reservation expired (no chunk within the
+// store's reserve timeout) fails at its next chunk instead of writing into pages that are no
+// longer its own. Both leave the store as it was, and the seed counts in the load while
 // it runs.
 func TestStoreSeedTimeouts(t *testing.T) {
 	ctx := context.Background()
@@ -90,9 +91,18 @@ func TestStoreSeedTimeouts(t *testing.T) {
 		if _, err := s.SendKV(ctx, seedChunk(4, []int64{0, 1}, 0, false)); err != nil {
 			t.Fatal(err)
 		}
-		clk.Add(6 * time.Second)
+		// every chunk keeps the reservation alive: a seed may take longer than the reserve timeout
+		clk.Add(4 * time.Second)
+		if _, err := s.SendKV(ctx, seedChunk(4, []int64{2}, 2, false)); err != nil {
+			t.Fatal(err)
+		}
+		clk.Add(4 * time.Second)
+		if s.Store().Expire(); len(s.Store().Ingests()) != 1 {
+			t.Fatal("a seed whose chunks keep coming lost its reservation")
+		}
+		clk.Add(2 * time.Second) // 6 s since the last chunk
 		s.Store().Expire()
-		if _, err := s.SendKV(ctx, seedChunk(4, []int64{2, 3}, 2, true)); status.Code(err) != codes.Aborted {
+		if _, err := s.SendKV(ctx, seedChunk(4, []int64{3}, 3, true)); status.Code(err) != codes.Aborted {
 			t.Fatalf("chunk after the reservation expired: %v", err)
 		}
 		if _, ok := s.Store().Get("s"); ok || s.Store().UsedBytes() != 0 {

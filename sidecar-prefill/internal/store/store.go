@@ -477,6 +477,19 @@ func (s *Store) Ingest(id uint64) (Ingest, bool) {
 	return p.ingest(), true
 }
 
+// Touch moves an open reservation's deadline to now + the reserve timeout (a writer that is
+// still writing into it: a seed's chunks, sidecar-prefill's SendKV to_store); false when it is
+// gone (committed, aborted or expired).
+func (s *Store) Touch(id uint64) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	p, ok := s.pend[id]
+	if ok {
+		p.deadline = s.cfg.Now().Add(s.cfg.ReserveTimeout)
+	}
+	return ok
+}
+
 // Ingests returns every open reservation, by id.
 func (s *Store) Ingests() []Ingest {
 	s.mu.Lock()
