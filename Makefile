@@ -154,10 +154,10 @@ proto-check: proto
 ## (--send-ids: the client keeps its conversation as token ids, so edited-history turns and page
 ## hashes reach the control plane)
 DEMO_ARMS ?= PD,SGL,LLMD,E3,E4
-BENCH_FLAGS = --local --bin-dir $(BIN) --time-scale 0.3 --sim-args "--page-size 64 --prealloc-wait 20s" \
+BENCH_FLAGS = --local --bin-dir $(BIN) --time-scale 0.3 --sim-args "--page-size 64 --layers 8 --prealloc-wait 20s" \
 	--prefill-workers 2 --decode-workers 4 --decode-capacity-tokens 88000 --send-ids --slo-ttft 2s --slo-tpot 50ms
 demo: build
-	$(BIN)/kvc-bench $(BENCH_FLAGS) --arms $(DEMO_ARMS) --sessions 12 --kill-decode decode-1 --kill-at 45s --out out/demo
+	$(BIN)/kvc-bench $(BENCH_FLAGS) --arms $(DEMO_ARMS) --sessions 16 --kill-decode decode-1 --kill-at 45s --out out/demo
 
 ## bench-sweep: every arm (E1 as the lower bound) at 4 loads, goodput and TTFT vs load plots in out/sweep
 bench-sweep: build

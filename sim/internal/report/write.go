@@ -301,7 +301,7 @@ func Markdown(meta Meta, arms []*Arm) string {
 			p("| %s | %d | %d | %d |", a.Name, a.OverlapSeeds, a.LocalFirstTurns, a.PrefixCachedTokens)
 		}
 		p("")
-		p("A seed placed on the overlap still prefills its whole input on P (kvc-sim's prefill worker keeps no prefix cache): its saving is the later local turns and shared pages on D, not counted here. A local first turn prefills on D only what D does not already hold for another session.")
+		p("A seed placed on the overlap prefills on P what P's prefix cache (if the arm has one) does not hold: its saving is the later local turns and shared pages on D, not counted here. A local first turn prefills on D only what D does not already hold for another session. In SGL the last column counts the tokens its decode radix or L3 restore held (not received over the link).")
 		p("")
 	}
 	p("## Work")
@@ -312,7 +312,7 @@ func Markdown(meta Meta, arms []*Arm) string {
 		p("| %s | %d | %d | %s | %s |", a.Name, a.PrefillTokens, a.AppendTokens, mib(a.Summary.BytesMoved), mib(a.Verified))
 	}
 	p("")
-	p("kvc-sim's prefill worker keeps no prefix cache, so every plain P/D request (all of E1, the fallbacks elsewhere) prefills its whole input; a real SGLang prefill worker's radix cache would reuse part of it, so E1 here is a pessimistic baseline. With one prefill worker, E1 is bounded by its throughput (queueing shows up in TTFT).")
+	p("The first column counts whole inputs of the requests P served; in every arm but E1 kvc-sim's prefill worker has a prefix (radix) cache and computes only what it does not hold (and, in SGL/LLMD, what it could not pull from a tier): see docs/simulator.md, *Baseline models*. E1 (no prefix cache) is a pessimistic lower bound. The real bytes of every P→D transfer are the whole context in all arms (the sidecars have no suffix-only transfer); SGL's modeled transfer time counts only the suffix.")
 	p("")
 	p("## Failures and fallbacks")
 	p("")
