@@ -30,7 +30,8 @@ var bins = map[string]string{}
 // TestMain takes the two sidecar binaries from $KVC_BIN_DIR, or builds them.
 func TestMain(m *testing.M) {
 	tmp := ""
-	for name, mod := range map[string]string{"kvc-sidecar-prefill": "../..", "kvc-sidecar-decode": "../../../sidecar-decode"} {
+	for name, mod := range map[string]string{"kvc-sidecar-prefill": "../..", "kvc-sidecar-decode": "../../../sidecar-decode",
+		"kvc-controlplane": "../../../controlplane"} {
 		if dir := os.Getenv("KVC_BIN_DIR"); dir != "" {
 			if p, err := filepath.Abs(filepath.Join(dir, name)); err == nil {
 				if _, err := os.Stat(p); err == nil {
@@ -100,17 +101,12 @@ type sidecar struct {
 
 func (s *sidecar) str(k string) string { v, _ := s.ready[k].(string); return v }
 
-// startSidecar runs kvc-sidecar-<role> (tcp transport, no control plane) and waits for its
-// ready file.
-func startSidecar(t *testing.T, role, id string, extra ...string) *sidecar {
+// startProc runs bin with args plus --ready-file, waits for the ready file and returns it; the
+// process is stopped when the test ends (its stderr's tail logged if the test failed).
+func startProc(t *testing.T, name, bin string, args ...string) map[string]any {
 	t.Helper()
-	dir := t.TempDir()
-	sock := filepath.Join(dir, "bridge.sock")
-	evlog := filepath.Join(dir, "events.jsonl")
-	rf := filepath.Join(dir, "ready.json")
-	args := append([]string{"--worker-id", id, "--bridge-socket", sock, "--event-log", evlog, "--transport", "tcp",
-		"--transfer-conns", "2", "--log-level", "debug", "--insecure", "--ready-file", rf}, extra...)
-	cmd := exec.Command(bins["kvc-sidecar-"+role], args...)
+	rf := filepath.Join(t.TempDir(), "ready.json")
+	cmd := exec.Command(bin, append(args, "--ready-file", rf)...)
 	var stderr lockedBuf
 	cmd.Stderr = &stderr
 	if err := cmd.Start(); err != nil {
@@ -131,29 +127,40 @@ func startSidecar(t *testing.T, role, id string, extra ...string) *sidecar {
 			if len(s) > 6000 {
 				s = s[len(s)-6000:]
 			}
-			t.Logf("---- %s stderr (tail) ----\n%s", id, s)
+			t.Logf("---- %s stderr (tail) ----\n%s", name, s)
 		}
 	})
-	sc := &sidecar{id: id, events: evlog}
 	deadline := time.NewTimer(30 * time.Second)
 	defer deadline.Stop()
 	tick := time.NewTicker(20 * time.Millisecond)
 	defer tick.Stop()
-	for sc.ready == nil {
+	for {
 		if b, err := os.ReadFile(rf); err == nil {
-			if err := json.Unmarshal(b, &sc.ready); err != nil {
-				t.Fatalf("%s ready file: %v", id, err)
+			var ready map[string]any
+			if err := json.Unmarshal(b, &ready); err != nil {
+				t.Fatalf("%s ready file: %v", name, err)
 			}
-			break
+			return ready
 		}
 		select {
 		case <-exited:
-			t.Fatalf("%s exited before ready: %s", id, stderr.String())
+			t.Fatalf("%s exited before ready: %s", name, stderr.String())
 		case <-deadline.C:
-			t.Fatalf("%s not ready in time: %s", id, stderr.String())
+			t.Fatalf("%s not ready in time: %s", name, stderr.String())
 		case <-tick.C:
 		}
 	}
+}
+
+// startSidecar runs kvc-sidecar-<role> (tcp transport) and connects to its bridge.
+func startSidecar(t *testing.T, role, id string, extra ...string) *sidecar {
+	t.Helper()
+	dir := t.TempDir()
+	sock := filepath.Join(dir, "bridge.sock")
+	evlog := filepath.Join(dir, "events.jsonl")
+	args := append([]string{"--worker-id", id, "--bridge-socket", sock, "--event-log", evlog, "--transport", "tcp",
+		"--transfer-conns", "2", "--log-level", "debug", "--insecure", "--heartbeat", "100ms"}, extra...)
+	sc := &sidecar{id: id, events: evlog, ready: startProc(t, id, bins["kvc-sidecar-"+role], args...)}
 	conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		t.Fatal(err)
