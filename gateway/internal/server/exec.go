@@ -14,6 +14,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/kvcentric/kvcentric/gateway/internal/api"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
@@ -188,14 +189,11 @@ func transferName(k kvcv1.TransferKind) string {
 // session_params only on D and only when D keeps the session (its streaming session); the
 // bootstrap fields when P computes (host/port = the prefill sidecar's peer address); and the
 // decision in SGLang's kv_hints envelope (one "kvc" action).
-func workerBody(p *plan, req *api.Request, role string) []byte {
+func workerBody(p *plan, req *api.Request, role string) wireBody {
 	b := map[string]any{
 		"rid":             req.RID,
 		"sampling_params": map[string]any{"max_new_tokens": req.MaxTokens},
 		"stream":          role == roleDecode,
-	}
-	if req.Text != "" {
-		b["text"] = req.Text
 	}
 	if len(req.InputIDs) > 0 {
 		b["input_ids"] = req.InputIDs
@@ -253,9 +251,6 @@ func workerBody(p *plan, req *api.Request, role string) []byte {
 	if e.GetLocalPrefill() && role == roleDecode {
 		payload["local_prefill"] = true
 	}
-	if e.GetLocalPrefill() && role == roleDecode {
-		payload["local_prefill"] = true
-	}
 	msgID := p.decisionID
 	if msgID == "" {
 		msgID = req.RID
@@ -269,15 +264,64 @@ func workerBody(p *plan, req *api.Request, role string) []byte {
 		}},
 	}
 	out, _ := json.Marshal(b)
-	return out
+	return withText(out, req.Text)
+}
+
+// wireBody is a worker call's JSON body in parts: head, then the prompt text (the request's own
+// string, sent as it is: no copy), then tail. A large prompt is not copied into every worker
+// call's body (json.Marshal copied it about three times per call, for P and for D; issue 16
+// finding 6).
+type wireBody struct {
+	head []byte
+	text string
+	tail []byte
+}
+
+// jsonBody is a body without a spliced text.
+func jsonBody(b []byte) wireBody { return wireBody{head: b} }
+
+func (w wireBody) size() int64 { return int64(len(w.head) + len(w.text) + len(w.tail)) }
+
+func (w wireBody) reader() io.Reader {
+	if w.text == "" && len(w.tail) == 0 {
+		return bytes.NewReader(w.head)
+	}
+	return io.MultiReader(bytes.NewReader(w.head), strings.NewReader(w.text), bytes.NewReader(w.tail))
+}
+
+// withText adds "text" to obj (a marshaled, non-empty JSON object). A text JSON needs no escape
+// for is spliced in by reference; any other is encoded (copied) by encoding/json.
+func withText(obj []byte, text string) wireBody {
+	if text == "" {
+		return jsonBody(obj)
+	}
+	if plainJSONString(text) {
+		return wireBody{head: []byte(`{"text":"`), text: text, tail: append([]byte(`",`), obj[1:]...)}
+	}
+	enc, _ := json.Marshal(text)
+	head := append(append([]byte(`{"text":`), enc...), ',')
+	return wireBody{head: append(head, obj[1:]...)}
+}
+
+// plainJSONString: s is valid UTF-8 without a byte JSON must escape (a quote, a backslash, a
+// control character), so `"` + s + `"` is its JSON string.
+func plainJSONString(s string) bool {
+	for i := 0; i < len(s); i++ {
+		if c := s[i]; c < 0x20 || c == '"' || c == '\\' {
+			return false
+		}
+	}
+	return utf8.ValidString(s)
 }
 
 // call posts a JSON body to url+path; a non-2xx answer or a transport failure is a workerError.
-func (s *Server) call(ctx context.Context, url, path string, body []byte, role string) (*http.Response, *workerError) {
-	hr, err := http.NewRequestWithContext(ctx, http.MethodPost, url+path, bytes.NewReader(body))
+func (s *Server) call(ctx context.Context, url, path string, body wireBody, role string) (*http.Response, *workerError) {
+	hr, err := http.NewRequestWithContext(ctx, http.MethodPost, url+path, body.reader())
 	if err != nil {
 		return nil, &workerError{role: role, err: err}
 	}
+	hr.ContentLength = body.size()
+	hr.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(body.reader()), nil }
 	hr.Header.Set("Content-Type", "application/json")
 	resp, err := s.hc.Do(hr)
 	if err != nil {
@@ -303,13 +347,13 @@ func (s *Server) call(ctx context.Context, url, path string, body []byte, role s
 	return resp, nil
 }
 
-func (s *Server) post(ctx context.Context, url string, body []byte, role string) (*http.Response, *workerError) {
+func (s *Server) post(ctx context.Context, url string, body wireBody, role string) (*http.Response, *workerError) {
 	return s.call(ctx, url, "/generate", body, role)
 }
 
 // sessionCall is POST /open_session or /close_session on a decode worker, its answer drained.
 func (s *Server) sessionCall(ctx context.Context, url, path string, body []byte) *workerError {
-	resp, we := s.call(ctx, url, path, body, roleDecode)
+	resp, we := s.call(ctx, url, path, jsonBody(body), roleDecode)
 	result := "ok"
 	if we != nil {
 		result = "error"
