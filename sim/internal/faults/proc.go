@@ -166,14 +166,6 @@ func (p *proc) signalWait(sig syscall.Signal, grace time.Duration) bool {
 	return sig == syscall.SIGKILL
 }
 
-// readyString returns a string field of the ready file.
-func (p *proc) readyString(k string) string {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	s, _ := p.ready[k].(string)
-	return s
-}
-
 // tail returns the last n lines of the log.
 func (p *proc) tail(n int) string {
 	b, err := os.ReadFile(p.LogPath())

@@ -296,10 +296,8 @@ func goodput(recs []Record, div float64, slo SLO) float64 {
 // before the kill ran on the killed worker.
 func recovery(recs []Record, div float64, k Kill, s *Summary) {
 	type sess struct {
-		lastBefore   *Record
-		after        []*Record
-		affected     bool
-		firstArrival float64
+		lastBefore *Record
+		after      []*Record
 	}
 	by := map[string]*sess{}
 	for i := range recs {

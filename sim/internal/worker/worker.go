@@ -427,23 +427,6 @@ func (w *Worker) allocateOnce(n int64, exclude string) ([]int64, int, *apiError)
 	return pages, len(victims), nil
 }
 
-// fill writes the known bytes of tokens [from, to) of seedKey into pages, every buffer.
-func (w *Worker) fill(seedKey string, pages []int64, from, to int64) *apiError {
-	if err := kvpool.FillTokens(w.mem, kvpool.SessionSeed(seedKey), pages, from, to); err != nil {
-		// The worker computed the page list itself: this is a bug, not bad input.
-		w.log.Error().Err(err).Int64("from", from).Int64("to", to).Int("pages", len(pages)).Msg("fill tokens")
-		return errf(http.StatusInternalServerError, "internal", "writing KV of tokens [%d, %d): %v", from, to, err)
-	}
-	return nil
-}
-
-// check verifies tokens [from, to) of seedKey in pages; it returns the bytes checked and the
-// number of (token, buffer) slots that did not match.
-func (w *Worker) check(seedKey string, pages []int64, from, to int64) (checked, bad int64, err error) {
-	bad, err = kvpool.CheckTokens(w.mem, kvpool.SessionSeed(seedKey), pages, from, to)
-	return (to - from) * int64(w.cfg.Geometry.Buffers()) * int64(w.cfg.Geometry.BytesPerToken), bad, err
-}
-
 // Close stops the command watcher, frees nothing on the sidecar (it notices the worker is
 // gone) and unmaps the pool.
 func (w *Worker) Close() error {
