@@ -280,6 +280,7 @@ func (w *Worker) servePrefill(ctx context.Context, p *plan, meta *KVCMeta) *apiE
 	sctx, cancel := context.WithTimeout(ctx, w.cfg.TransferTimeout)
 	resp, err := w.bridge.SendKV(sctx, &kvcv1.SendKVRequest{
 		Room: p.room, SessionId: p.seedKey, Pages: pages, FirstPage: 0, Last: true, Tokens: p.input,
+		ToStore: p.toStore, Generation: p.storeGen, // a seed through the prefill store
 	})
 	cancel()
 	if err != nil {
@@ -481,7 +482,8 @@ func (w *Worker) begin(ctx context.Context, p *plan, meta *KVCMeta) (*turn, *api
 	}
 	kind := kvcv1.TransferKind_TRANSFER_KIND_SEED
 	tokens := p.input
-	if p.mode == ModeReseedSnapshot {
+	fromStore := p.mode == ModeReseedSnapshot || p.seqlen > 0 // a snapshot, or a seed P left in its store
+	if fromStore {
 		kind = kvcv1.TransferKind_TRANSFER_KIND_SNAPSHOT
 		tokens = p.seqlen
 	}
@@ -489,7 +491,7 @@ func (w *Worker) begin(ctx context.Context, p *plan, meta *KVCMeta) (*turn, *api
 		return fail(e)
 	}
 	t.kv = tokens
-	if p.mode == ModeReseedSnapshot {
+	if fromStore {
 		if e := w.appendPrefill(ctx, t, tokens, p.input); e != nil {
 			return fail(e)
 		}

@@ -74,6 +74,10 @@ type kvcHints struct {
 	// LocalPrefill: a new session's first turn prefilled here (RouteExecution.local_prefill),
 	// reusing cached_tokens of KV this worker holds for other sessions.
 	LocalPrefill *bool `json:"local_prefill"`
+	// ToStore and Generation: a seed through the prefill store (RouteExecution.store_generation):
+	// P's SendKV goes into its sidecar's own store as the session's snapshot of this generation.
+	ToStore    bool   `json:"to_store"`
+	Generation uint64 `json:"generation"`
 }
 
 // kvHintsEnvelope is SGLang's KvHintsEnvelope (sglang.srt.managers.kv_hints).
@@ -161,6 +165,10 @@ type plan struct {
 	truncateTo int64
 	// localPrefill: the decision's local_prefill (content.go).
 	localPrefill bool
+	// toStore, storeGen: P's seed goes into its sidecar's store (kv_hints to_store, generation);
+	// on D, a SEED with snapshot_seqlen loads [0, seqlen) from that store instead.
+	toStore  bool
+	storeGen uint64
 }
 
 // checkTransfer: the payload's transfer kind must be the one the mode implies.
@@ -299,6 +307,7 @@ func parseGenerate(body []byte, role kvcv1.WorkerRole, capacity int64) (*plan, e
 		}
 		p.peer = k.PrefillPeerAddr
 		p.seqlen = k.SnapshotSeqlen
+		p.toStore, p.storeGen = k.ToStore, k.Generation
 		if k.KeepSession != nil {
 			p.keep, keepSet = *k.KeepSession, true
 		}
@@ -382,6 +391,12 @@ func parseGenerate(body []byte, role kvcv1.WorkerRole, capacity int64) (*plan, e
 	}
 	if p.mode == ModeReseedSnapshot && (p.seqlen <= 0 || p.seqlen > p.input) {
 		return nil, fmt.Errorf("kvc.snapshot_seqlen %d out of range [1, input_tokens %d]", p.seqlen, p.input)
+	}
+	if p.seqlen < 0 || p.seqlen > p.input {
+		return nil, fmt.Errorf("kvc.snapshot_seqlen %d out of range [0, input_tokens %d]", p.seqlen, p.input)
+	}
+	if p.toStore && (role != kvcv1.WorkerRole_WORKER_ROLE_PREFILL || p.storeGen == 0 || p.sessionID == "") {
+		return nil, fmt.Errorf("kvc.to_store needs the prefill half, a session and a generation > 0")
 	}
 	switch {
 	case p.sessionID != "":
