@@ -31,7 +31,7 @@ var bins = map[string]string{}
 func TestMain(m *testing.M) {
 	tmp := ""
 	for name, mod := range map[string]string{"kvc-sidecar-prefill": "../..", "kvc-sidecar-decode": "../../../sidecar-decode",
-		"kvc-controlplane": "../../../controlplane"} {
+		"kvc-controlplane": "../../../controlplane", "kvc-sim": "../../../sim"} {
 		if dir := os.Getenv("KVC_BIN_DIR"); dir != "" {
 			if p, err := filepath.Abs(filepath.Join(dir, name)); err == nil {
 				if _, err := os.Stat(p); err == nil {
