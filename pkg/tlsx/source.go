@@ -320,7 +320,8 @@ func (c *clientCreds) ServerHandshake(net.Conn) (net.Conn, credentials.AuthInfo,
 }
 
 func (c *clientCreds) Info() credentials.ProtocolInfo {
-	return credentials.ProtocolInfo{SecurityProtocol: "tls", ServerName: c.serverName}
+	// ServerName is deprecated, but grpc-go still takes a channel's default authority from it.
+	return credentials.ProtocolInfo{SecurityProtocol: "tls", ServerName: c.serverName} //nolint:staticcheck // SA1019, see above
 }
 
 func (c *clientCreds) Clone() credentials.TransportCredentials {

@@ -35,12 +35,6 @@ type slowAbortStore struct {
 	log      []string
 }
 
-func (f *slowAbortStore) record(s string) {
-	f.mu.Lock()
-	f.log = append(f.log, s)
-	f.mu.Unlock()
-}
-
 func (f *slowAbortStore) ReserveSnapshot(_ context.Context, req *kvcv1.ReserveSnapshotRequest) (*kvcv1.ReserveSnapshotResponse, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()

@@ -89,8 +89,6 @@ func start(t *testing.T, name, bin string, args ...string) *proc {
 	return proctest.Start(t, name, bin, 30*time.Second, args...)
 }
 
-func tail(s string, n int) string { return proctest.Tail(s, n) }
-
 // sidecar is a running sidecar and its worker's bridge client.
 type sidecar struct {
 	*proc

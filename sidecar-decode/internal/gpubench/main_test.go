@@ -41,8 +41,6 @@ func start(t *testing.T, name, bin string, args ...string) *proc {
 	return p
 }
 
-func tail(s string, n int) string { return proctest.Tail(s, n) }
-
 // readEvents parses a sidecar's event log (missing: none yet).
 func readEvents(t *testing.T, path string) []agent.Event {
 	t.Helper()

@@ -27,7 +27,6 @@ type guardRes struct {
 	session string
 	peer    atomic.Pointer[string] // the peer that wrote first
 	writer  string                 // the writer named when it was made ("" = first writer binds it)
-	revoked atomic.Bool            // committed, aborted or expired
 }
 
 // admit binds r to peer on its first write and refuses any other peer afterwards.
