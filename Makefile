@@ -81,11 +81,15 @@ test-faults: build
 test-short:
 	@for m in $(MODULES); do (cd $$m && $(GO) test -short -count=1 ./...); done
 
-## lint: gofmt and go vet on every module
-lint:
+## lint: gofmt, then golangci-lint (.golangci.yml: govet, staticcheck, errcheck, ...) on every
+## module on its own go.mod
+lint: $(GOLANGCI_LINT)
 	@out=$$(gofmt -l $$(git ls-files '*.go' | grep -v '\.pb\.go$$')); \
 	if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
-	@for m in $(MODULES); do (cd $$m && $(GO) vet ./...); done
+	@for m in $(MODULES); do \
+		echo "== lint $$m"; \
+		(cd $$m && GOWORK=off $(GOLANGCI_LINT) run --allow-serial-runners --config $(CURDIR)/.golangci.yml ./...); \
+	done
 
 ## check-modules: every module stands alone — GOWORK=off go build and go vet, and go mod tidy
 ## leaves go.mod and go.sum as committed; then check-deps
