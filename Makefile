@@ -194,8 +194,9 @@ bench-gpu:
 test-mooncake:
 	cd pkg && KVC_MOONCAKE_TEST=1 $(GO) test -count=1 -run Mooncake -v ./rdma/...
 
+## tidy: go mod tidy in every module on its own go.mod (what check-modules checks)
 tidy:
-	@for m in $(MODULES); do (cd $$m && $(GO) mod tidy); done
+	@for m in $(MODULES); do (cd $$m && GOWORK=off $(GO) mod tidy); done
 
 clean:
 	rm -rf bin out
