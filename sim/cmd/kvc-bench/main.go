@@ -20,9 +20,9 @@ import (
 
 	"google.golang.org/protobuf/proto"
 
+	"github.com/kvcentric/kvcentric/pkg/flagenv"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 	"github.com/kvcentric/kvcentric/sim/internal/bench"
-	"github.com/kvcentric/kvcentric/sim/internal/flagenv"
 	"github.com/kvcentric/kvcentric/sim/internal/report"
 	"github.com/kvcentric/kvcentric/sim/internal/trace"
 	"github.com/kvcentric/kvcentric/sim/internal/workload"
