@@ -690,7 +690,12 @@ type SessionRecord struct {
 	// Volatile journal sequence when this record was written: the leader's last allocated
 	// journal key. A journal entry (VolatileBatch) for this session applies over the record
 	// only when its key's seq is greater (the journal entry is newer than the record).
-	VolatileSeq   uint64 `protobuf:"varint,13,opt,name=volatile_seq,json=volatileSeq,proto3" json:"volatile_seq,omitempty"`
+	VolatileSeq uint64 `protobuf:"varint,13,opt,name=volatile_seq,json=volatileSeq,proto3" json:"volatile_seq,omitempty"`
+	// Agent hint (RouteQuery.pin_ms): the session is pinned on decode_worker until this time —
+	// not released for capacity, not migrated after rejections. 0 or past = not pinned.
+	PinnedUntilUnixMs int64 `protobuf:"varint,14,opt,name=pinned_until_unix_ms,json=pinnedUntilUnixMs,proto3" json:"pinned_until_unix_ms,omitempty"`
+	// Agent hint (RouteQuery.low_priority): released first for capacity, prefills hinted low.
+	LowPriority   bool `protobuf:"varint,15,opt,name=low_priority,json=lowPriority,proto3" json:"low_priority,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -816,6 +821,20 @@ func (x *SessionRecord) GetVolatileSeq() uint64 {
 	return 0
 }
 
+func (x *SessionRecord) GetPinnedUntilUnixMs() int64 {
+	if x != nil {
+		return x.PinnedUntilUnixMs
+	}
+	return 0
+}
+
+func (x *SessionRecord) GetLowPriority() bool {
+	if x != nil {
+		return x.LowPriority
+	}
+	return false
+}
+
 // Policy holds every routing and snapshot knob. Every field is optional so that an update
 // names only what it changes; unset fields keep their current value.
 type Policy struct {
@@ -870,8 +889,14 @@ type Policy struct {
 	// into a waiting decode worker. Off (default): the direct P→D transfer (P/D decode workers,
 	// kvc-sim).
 	SeedThroughStore *bool `protobuf:"varint,24,opt,name=seed_through_store,json=seedThroughStore,proto3,oneof" json:"seed_through_store,omitempty"`
-	unknownFields    protoimpl.UnknownFields
-	sizeCache        protoimpl.SizeCache
+	// Agent hints: the longest pin a request may ask for (ms); longer pins are clamped to it
+	// (reason in the log and the admin view). 0 refuses pins (600000 = 10 min).
+	MaxPinMs *int64 `protobuf:"varint,25,opt,name=max_pin_ms,json=maxPinMs,proto3,oneof" json:"max_pin_ms,omitempty"`
+	// Agent hints: the share of a decode worker's KV capacity that pinned sessions may hold; a
+	// pin that would go past it is refused (the turn is served, unpinned) (0.5).
+	MaxPinnedShare *float64 `protobuf:"fixed64,26,opt,name=max_pinned_share,json=maxPinnedShare,proto3,oneof" json:"max_pinned_share,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *Policy) Reset() {
@@ -1070,6 +1095,20 @@ func (x *Policy) GetSeedThroughStore() bool {
 		return *x.SeedThroughStore
 	}
 	return false
+}
+
+func (x *Policy) GetMaxPinMs() int64 {
+	if x != nil && x.MaxPinMs != nil {
+		return *x.MaxPinMs
+	}
+	return 0
+}
+
+func (x *Policy) GetMaxPinnedShare() float64 {
+	if x != nil && x.MaxPinnedShare != nil {
+		return *x.MaxPinnedShare
+	}
+	return 0
 }
 
 // KVLayout describes a paged KV pool as SGLang registers it: per layer a K and a V buffer;
@@ -1351,7 +1390,7 @@ const file_kvc_v1_common_proto_rawDesc = "" +
 	"generation\x18\x03 \x01(\x04R\n" +
 	"generation\x12&\n" +
 	"\x0fupdated_unix_ms\x18\x04 \x01(\x03R\rupdatedUnixMs\x12\x14\n" +
-	"\x05bytes\x18\x05 \x01(\x03R\x05bytes\"\xc4\x04\n" +
+	"\x05bytes\x18\x05 \x01(\x03R\x05bytes\"\x98\x05\n" +
 	"\rSessionRecord\x12\x1d\n" +
 	"\n" +
 	"session_id\x18\x01 \x01(\tR\tsessionId\x12#\n" +
@@ -1371,10 +1410,12 @@ const file_kvc_v1_common_proto_rawDesc = "" +
 	"migrations\x18\v \x01(\x05R\n" +
 	"migrations\x124\n" +
 	"\x16previous_decode_worker\x18\f \x01(\tR\x14previousDecodeWorker\x12!\n" +
-	"\fvolatile_seq\x18\r \x01(\x04R\vvolatileSeq\x1a;\n" +
+	"\fvolatile_seq\x18\r \x01(\x04R\vvolatileSeq\x12/\n" +
+	"\x14pinned_until_unix_ms\x18\x0e \x01(\x03R\x11pinnedUntilUnixMs\x12!\n" +
+	"\flow_priority\x18\x0f \x01(\bR\vlowPriority\x1a;\n" +
 	"\rDRejectsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\x05R\x05value:\x028\x01\"\xca\x10\n" +
+	"\x05value\x18\x02 \x01(\x05R\x05value:\x028\x01\"\xc0\x11\n" +
 	"\x06Policy\x12@\n" +
 	"\x1adirect_max_uncached_tokens\x18\x01 \x01(\x03H\x00R\x17directMaxUncachedTokens\x88\x01\x01\x12A\n" +
 	"\x1amigration_reject_threshold\x18\x02 \x01(\x05H\x01R\x18migrationRejectThreshold\x88\x01\x01\x12'\n" +
@@ -1401,7 +1442,10 @@ const file_kvc_v1_common_proto_rawDesc = "" +
 	"\x12kv_centric_enabled\x18\x15 \x01(\bH\x13R\x10kvCentricEnabled\x88\x01\x01\x125\n" +
 	"\x14unreachable_grace_ms\x18\x16 \x01(\x03H\x14R\x12unreachableGraceMs\x88\x01\x01\x12\x18\n" +
 	"\aversion\x18\x17 \x01(\x03R\aversion\x121\n" +
-	"\x12seed_through_store\x18\x18 \x01(\bH\x15R\x10seedThroughStore\x88\x01\x01\x1aR\n" +
+	"\x12seed_through_store\x18\x18 \x01(\bH\x15R\x10seedThroughStore\x88\x01\x01\x12!\n" +
+	"\n" +
+	"max_pin_ms\x18\x19 \x01(\x03H\x16R\bmaxPinMs\x88\x01\x01\x12-\n" +
+	"\x10max_pinned_share\x18\x1a \x01(\x01H\x17R\x0emaxPinnedShare\x88\x01\x01\x1aR\n" +
 	"$MaxConcurrentTransfersPerWorkerEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\x05R\x05value:\x028\x01B\x1d\n" +
@@ -1426,7 +1470,9 @@ const file_kvc_v1_common_proto_rawDesc = "" +
 	"\x12_snapshots_enabledB\x15\n" +
 	"\x13_kv_centric_enabledB\x17\n" +
 	"\x15_unreachable_grace_msB\x15\n" +
-	"\x13_seed_through_store\"\xa3\x01\n" +
+	"\x13_seed_through_storeB\r\n" +
+	"\v_max_pin_msB\x13\n" +
+	"\x11_max_pinned_share\"\xa3\x01\n" +
 	"\bKVLayout\x12\x1b\n" +
 	"\tpage_size\x18\x01 \x01(\x05R\bpageSize\x12\x19\n" +
 	"\bitem_len\x18\x02 \x01(\x03R\aitemLen\x12\x1d\n" +

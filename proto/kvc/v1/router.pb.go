@@ -400,8 +400,18 @@ type RouteQuery struct {
 	// version 1), in order. Empty when the gateway has no token ids (no tokenizer and no
 	// input_ids): the decision then goes on lengths alone. At most 1 << 20 entries; page_size in
 	// [1, 4096] when prompt_pages is set.
-	PageSize      int32    `protobuf:"varint,9,opt,name=page_size,json=pageSize,proto3" json:"page_size,omitempty"`
-	PromptPages   []uint64 `protobuf:"fixed64,10,rep,packed,name=prompt_pages,json=promptPages,proto3" json:"prompt_pages,omitempty"`
+	PageSize    int32    `protobuf:"varint,9,opt,name=page_size,json=pageSize,proto3" json:"page_size,omitempty"`
+	PromptPages []uint64 `protobuf:"fixed64,10,rep,packed,name=prompt_pages,json=promptPages,proto3" json:"prompt_pages,omitempty"`
+	// Agent hint: keep the session pinned on its decode worker for this long after the answer
+	// (its agent waits on a tool): while the pin holds the session is neither evicted by the
+	// decode sidecar's capacity release nor migrated after rejections. 0 = no pin (a pin set by
+	// an earlier turn ends at its own time); at most 24 h. The control plane clamps it to
+	// Policy.max_pin_ms and to Policy.max_pinned_share of the decode worker's capacity.
+	PinMs int64 `protobuf:"varint,11,opt,name=pin_ms,json=pinMs,proto3" json:"pin_ms,omitempty"`
+	// Agent hint: the session is low priority — it is released first by the decode sidecar's
+	// capacity release and its prefills are hinted low priority. Sticky on the session once set
+	// by a turn; a turn without it clears it.
+	LowPriority   bool `protobuf:"varint,12,opt,name=low_priority,json=lowPriority,proto3" json:"low_priority,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -504,6 +514,20 @@ func (x *RouteQuery) GetPromptPages() []uint64 {
 		return x.PromptPages
 	}
 	return nil
+}
+
+func (x *RouteQuery) GetPinMs() int64 {
+	if x != nil {
+		return x.PinMs
+	}
+	return 0
+}
+
+func (x *RouteQuery) GetLowPriority() bool {
+	if x != nil {
+		return x.LowPriority
+	}
+	return false
 }
 
 type RouteOutcome struct {
@@ -1267,7 +1291,7 @@ const file_kvc_v1_router_proto_rawDesc = "" +
 	"\fRouteRequest\x12*\n" +
 	"\x05query\x18\x01 \x01(\v2\x12.kvc.v1.RouteQueryH\x00R\x05query\x120\n" +
 	"\aoutcome\x18\x02 \x01(\v2\x14.kvc.v1.RouteOutcomeH\x00R\aoutcomeB\x06\n" +
-	"\x04kind\"\xde\x02\n" +
+	"\x04kind\"\x98\x03\n" +
 	"\n" +
 	"RouteQuery\x12\x1d\n" +
 	"\n" +
@@ -1283,7 +1307,9 @@ const file_kvc_v1_router_proto_rawDesc = "" +
 	"endSession\x12\x1b\n" +
 	"\tpage_size\x18\t \x01(\x05R\bpageSize\x12!\n" +
 	"\fprompt_pages\x18\n" +
-	" \x03(\x06R\vpromptPages\"\xe8\x02\n" +
+	" \x03(\x06R\vpromptPages\x12\x15\n" +
+	"\x06pin_ms\x18\v \x01(\x03R\x05pinMs\x12!\n" +
+	"\flow_priority\x18\f \x01(\bR\vlowPriority\"\xe8\x02\n" +
 	"\fRouteOutcome\x12\x1f\n" +
 	"\vdecision_id\x18\x01 \x01(\tR\n" +
 	"decisionId\x12\x18\n" +

@@ -1111,8 +1111,13 @@ type SetSnapshotTargetCommand struct {
 	// (the first push is a full one).
 	ValidBaseLen   int64  `protobuf:"varint,6,opt,name=valid_base_len,json=validBaseLen,proto3" json:"valid_base_len,omitempty"`
 	BaseGeneration uint64 `protobuf:"varint,7,opt,name=base_generation,json=baseGeneration,proto3" json:"base_generation,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// Agent hints (SessionRecord): the capacity release never picks the session before this time
+	// (0 = not pinned), and picks a low-priority session before any other. Re-sent when a turn
+	// changes them.
+	PinnedUntilUnixMs int64 `protobuf:"varint,8,opt,name=pinned_until_unix_ms,json=pinnedUntilUnixMs,proto3" json:"pinned_until_unix_ms,omitempty"`
+	LowPriority       bool  `protobuf:"varint,9,opt,name=low_priority,json=lowPriority,proto3" json:"low_priority,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
 }
 
 func (x *SetSnapshotTargetCommand) Reset() {
@@ -1192,6 +1197,20 @@ func (x *SetSnapshotTargetCommand) GetBaseGeneration() uint64 {
 		return x.BaseGeneration
 	}
 	return 0
+}
+
+func (x *SetSnapshotTargetCommand) GetPinnedUntilUnixMs() int64 {
+	if x != nil {
+		return x.PinnedUntilUnixMs
+	}
+	return 0
+}
+
+func (x *SetSnapshotTargetCommand) GetLowPriority() bool {
+	if x != nil {
+		return x.LowPriority
+	}
+	return false
 }
 
 // ReleaseSessionCommand asks a decode sidecar to stop tracking (and pushing) a session.
@@ -1592,7 +1611,7 @@ const file_kvc_v1_sidecar_proto_rawDesc = "" +
 	"\rpush_snapshot\x18\x05 \x01(\v2\x1b.kvc.v1.PushSnapshotCommandH\x00R\fpushSnapshot\x12,\n" +
 	"\x05drain\x18\x06 \x01(\v2\x14.kvc.v1.DrainCommandH\x00R\x05drain\x12B\n" +
 	"\rupdate_policy\x18\a \x01(\v2\x1b.kvc.v1.UpdatePolicyCommandH\x00R\fupdatePolicyB\b\n" +
-	"\x06action\"\x9e\x02\n" +
+	"\x06action\"\xf2\x02\n" +
 	"\x18SetSnapshotTargetCommand\x12\x1d\n" +
 	"\n" +
 	"session_id\x18\x01 \x01(\tR\tsessionId\x12*\n" +
@@ -1603,7 +1622,9 @@ const file_kvc_v1_sidecar_proto_rawDesc = "" +
 	"generation\x18\x05 \x01(\x04R\n" +
 	"generation\x12$\n" +
 	"\x0evalid_base_len\x18\x06 \x01(\x03R\fvalidBaseLen\x12'\n" +
-	"\x0fbase_generation\x18\a \x01(\x04R\x0ebaseGeneration\"N\n" +
+	"\x0fbase_generation\x18\a \x01(\x04R\x0ebaseGeneration\x12/\n" +
+	"\x14pinned_until_unix_ms\x18\b \x01(\x03R\x11pinnedUntilUnixMs\x12!\n" +
+	"\flow_priority\x18\t \x01(\bR\vlowPriority\"N\n" +
 	"\x15ReleaseSessionCommand\x12\x1d\n" +
 	"\n" +
 	"session_id\x18\x01 \x01(\tR\tsessionId\x12\x16\n" +
