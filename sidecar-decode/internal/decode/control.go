@@ -3,6 +3,7 @@ package decode
 import (
 	"context"
 	"fmt"
+	"time"
 
 	"google.golang.org/grpc/status"
 
@@ -42,13 +43,14 @@ func (s *Sidecar) Load() *kvcv1.WorkerLoad {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	l := &kvcv1.WorkerLoad{ResidentSessions: int32(len(s.sessions)), InflightPushes: int32(s.inflight)}
+	now := time.Now()
 	for _, ss := range s.sessions {
 		l.UsedTokens += ss.committed
 		switch {
 		case s.rel.enabled():
 			// What the capacity release can free: sessions whose snapshot is or can be made
 			// current (release.go); a worker that never evicts frees nothing else.
-			if s.releasableLocked(ss) {
+			if s.releasableLocked(ss) && !pinnedAt(ss, now) { // a pinned session stays
 				l.EvictableTokens += ss.committed
 			}
 		case ss.push == nil:

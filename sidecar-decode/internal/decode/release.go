@@ -64,7 +64,9 @@ func (r releaser) enabled() bool { return r.cfg.High > 0 }
 
 // releasableLocked reports whether ss may be released for capacity: it has a snapshot target
 // while snapshots are on, its snapshot is or can be made current (a push of its committed
-// length did not just fail), no release is out for it and no transfer into it is open.
+// length did not just fail), no release is out for it and no transfer into it is open. (An
+// agent's pin is checked apart, pinnedAt: Load counts a pinned session as not evictable, so the
+// control plane's admission does not plan on freeing it.)
 func (s *Sidecar) releasableLocked(ss *session) bool {
 	if ss.gone || ss.releasing || ss.target == nil || !s.enabled {
 		return false
@@ -78,6 +80,12 @@ func (s *Sidecar) releasableLocked(ss *session) bool {
 		}
 	}
 	return true
+}
+
+// pinnedAt reports whether an agent's pin (SetSnapshotTargetCommand.pinned_until_unix_ms)
+// still holds at now.
+func pinnedAt(ss *session, now time.Time) bool {
+	return ss.target.GetPinnedUntilUnixMs() > now.UnixMilli()
 }
 
 // capacityLocked is the pool's capacity in tokens (the --kv-capacity-tokens override wins).
@@ -101,10 +109,12 @@ type ReleasePlan struct {
 }
 
 // planReleaseLocked picks, when the pool is above the high watermark, the idle sessions that
-// bring it down to the low watermark, lowest priority first. Rank: idle time (whole seconds
+// bring it down to the low watermark, lowest priority first. Rank: the agent's low-priority
+// hint (SetSnapshotTargetCommand.low_priority: those first), then idle time (whole seconds
 // since the last commit, longest first), then size (committed tokens, largest first), then
-// session id; sessions idle less than MinIdle or not releasable (releasableLocked) are never
-// picked — they are what the worker is using. A session whose snapshot is current (everything
+// session id; sessions idle less than MinIdle, pinned (an agent hint: pinned_until_unix_ms
+// still ahead of now — its agent waits on a tool and comes back) or not releasable
+// (releasableLocked) are never picked — they are what the worker is using. A session whose snapshot is current (everything
 // committed is pushed, no push queued or running) is released now; one that needs a push gets
 // one queued at once whatever delta_tokens says, and is released by a later pass once that
 // push has landed — and so are the sessions ranked after it (their pushes start meanwhile), so
@@ -128,16 +138,23 @@ func (s *Sidecar) planReleaseLocked(now time.Time) ReleasePlan {
 	type cand struct {
 		ss   *session
 		idle int64
+		low  bool
 	}
 	var cands []cand
 	for _, ss := range s.sessions {
 		idle := now.Sub(ss.lastCommit)
-		if idle < s.rel.cfg.MinIdle || !s.releasableLocked(ss) {
+		if idle < s.rel.cfg.MinIdle || !s.releasableLocked(ss) || pinnedAt(ss, now) {
 			continue
 		}
-		cands = append(cands, cand{ss, int64(idle / time.Second)})
+		cands = append(cands, cand{ss, int64(idle / time.Second), ss.target.GetLowPriority()})
 	}
 	slices.SortFunc(cands, func(a, b cand) int {
+		if a.low != b.low {
+			if a.low {
+				return -1
+			}
+			return 1
+		}
 		if c := cmp.Compare(b.idle, a.idle); c != 0 {
 			return c
 		}

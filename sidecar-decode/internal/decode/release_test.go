@@ -308,3 +308,62 @@ func TestAuxRowsReachWaitReceive(t *testing.T) {
 		t.Fatalf("failed room returned aux %v", r)
 	}
 }
+
+// TestCapacityReleaseAgentHints: the agent hints carried by SetSnapshotTargetCommand — a pinned
+// session is never picked (nor counted evictable) while its pin holds and is picked once it
+// has expired; a low-priority session is picked before any other, whatever its idle time.
+func TestCapacityReleaseAgentHints(t *testing.T) {
+	s := newTestSidecar(t) // 256 tokens
+	s.rel = newReleaser(ReleaseConfig{High: 0.5, Low: 0.25, MinIdle: time.Second})
+	ctx := context.Background()
+	now := time.Now()
+	next := int64(0)
+	add := func(id string, kv int64, idle time.Duration, pinnedUntil time.Time, low bool) {
+		t.Helper()
+		tc := &kvcv1.SetSnapshotTargetCommand{SessionId: id, PrefillWorkerId: "p", PeerAddr: "127.0.0.1:1",
+			TransferEndpoint: "127.0.0.1:1", Generation: 1, LowPriority: low}
+		if !pinnedUntil.IsZero() {
+			tc.PinnedUntilUnixMs = pinnedUntil.UnixMilli()
+		}
+		if err := s.Apply(ctx, &kvcv1.Command{Action: &kvcv1.Command_SetSnapshotTarget{SetSnapshotTarget: tc}}); err != nil {
+			t.Fatal(err)
+		}
+		pg := make([]int64, (kv+3)/4)
+		for i := range pg {
+			pg[i] = next
+			next++
+		}
+		if _, err := s.CommitSession(ctx, &kvcv1.CommitSessionRequest{SessionId: id, CommittedLen: kv, Pages: pg}); err != nil {
+			t.Fatal(err)
+		}
+		s.mu.Lock()
+		ss := s.sessions[id]
+		ss.lastCommit, ss.lastPushed, ss.queued = now.Add(-idle), kv, false
+		s.queue = s.queue[:0]
+		s.mu.Unlock()
+	}
+	// 200 of 256 tokens (high 128, low 64): 136 to free.
+	add("pinned", 80, time.Hour, now.Add(time.Hour), false)         // idlest and largest, but pinned
+	add("old", 40, 10*time.Minute, time.Time{}, false)              // idle 10 min
+	add("low", 40, 2*time.Second, time.Time{}, true)                // barely idle, low priority: first
+	add("expired", 40, 5*time.Minute, now.Add(-time.Second), false) // pin over: ranks by idle time
+	if l := s.Load(); l.GetEvictableTokens() != 120 {
+		t.Fatalf("evictable %d, want 120 (the pinned session's 80 tokens are not evictable)", l.GetEvictableTokens())
+	}
+	s.mu.Lock()
+	p := s.planReleaseLocked(now)
+	s.mu.Unlock()
+	if want := []string{"low", "old", "expired"}; !reflect.DeepEqual(p.Release, want) || len(p.Waiting) != 0 {
+		t.Fatalf("plan %+v, want release %v", p, want)
+	}
+	// Once the pin has passed, the pinned session is a candidate like any other.
+	s.mu.Lock()
+	for _, id := range p.Release {
+		s.sessions[id].releasing = false
+	}
+	p = s.planReleaseLocked(now.Add(2 * time.Hour))
+	s.mu.Unlock()
+	if len(p.Release) == 0 || p.Release[1] != "pinned" && p.Release[0] != "pinned" {
+		t.Fatalf("after the pin: %+v", p)
+	}
+}
