@@ -68,6 +68,8 @@ type Request struct {
 	ContentIDs  []uint32
 	PageSize    int
 	PromptPages []uint64
+	// Hints are the agent hints (hints.go): pin, release, priority.
+	Hints Hints
 }
 
 // Error is a client-facing error: an HTTP status and an OpenAI-style error object.
@@ -95,6 +97,10 @@ type kvcExt struct {
 	InputTokens *int64 `json:"input_tokens"`
 	Turn        *int32 `json:"turn"`
 	Multiturn   *bool  `json:"multiturn"`
+	// Agent hints (hints.go), after the headers and the metadata object.
+	PinMs    json.RawMessage `json:"pin_ms"`
+	Release  json.RawMessage `json:"release"`
+	Priority json.RawMessage `json:"priority"`
 }
 
 type sessionParams struct {
@@ -128,6 +134,9 @@ type body struct {
 	// Both
 	SessionParams *sessionParams `json:"session_params"`
 	KVC           *kvcExt        `json:"kvc"`
+	// OpenAI request metadata (string values): the agent hints kvc_pin_ms, kvc_release and
+	// kvc_priority.
+	Metadata map[string]json.RawMessage `json:"metadata"`
 }
 
 // Options are the gateway's defaults for parsing.
@@ -325,6 +334,11 @@ func Parse(kind Kind, h http.Header, raw []byte, opt Options) (*Request, *Error)
 	if r.Turn > 0 {
 		r.Multiturn = true
 	}
+	hs, herr := parseHints(h, &b, r.SessionID)
+	if herr != nil {
+		return nil, herr
+	}
+	r.Hints = hs
 	return r, nil
 }
 
