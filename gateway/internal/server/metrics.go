@@ -19,6 +19,8 @@ type Metrics struct {
 	Refresh      *prometheus.CounterVec
 	Outcomes     *prometheus.CounterVec
 	SessionCalls *prometheus.CounterVec
+	// HintReleases counts the agent's release hints carried out after the answer.
+	HintReleases *prometheus.CounterVec
 	// Content (content.go).
 	TokenizerLoaded prometheus.Gauge
 	EstimatedInputs prometheus.Counter
@@ -57,6 +59,8 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Help: "RouteOutcomes sent to the control plane, by result (sent or lost)."}, []string{"result"}),
 		SessionCalls: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvc_gateway_session_calls_total",
 			Help: "Streaming-session calls to decode workers, by call (open_session, close_session) and result (ok, error)."}, []string{"call", "result"}),
+		HintReleases: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvc_gateway_hint_releases_total",
+			Help: "Release hints (X-KVC-Release, metadata kvc_release): sessions ended after their answer, by result (ok, error, skipped_failed: the request failed, the session is kept)."}, []string{"result"}),
 		TokenizerLoaded: prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvc_gateway_tokenizer_loaded",
 			Help: "1 when the model's tokenizer is loaded (--tokenizer): exact input token counts and chat templates; 0: input tokens are estimated from text length."}),
 		EstimatedInputs: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_gateway_input_tokens_estimated_total",
@@ -70,6 +74,6 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	}
 	reg.MustRegister(m.TokenizerLoaded, m.EstimatedInputs, m.TokenizeSeconds, m.PageSize, m.ContentQueries)
 	reg.MustRegister(m.Requests, m.FailOpen, m.BadRequests, m.TTFT, m.Latency, m.RouteLatency, m.Retries,
-		m.Inflight, m.CPConnected, m.Orphans, m.Refresh, m.Outcomes, m.SessionCalls)
+		m.Inflight, m.CPConnected, m.Orphans, m.Refresh, m.Outcomes, m.SessionCalls, m.HintReleases)
 	return m
 }

@@ -247,6 +247,7 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request, kind api.Kind) {
 	} else {
 		out.finish(p, res)
 	}
+	s.releaseAfter(req, res)
 	mode := modeName(p.mode)
 	s.m.Requests.WithLabelValues(kind.String(), mode, result).Inc()
 	if res.ttft > 0 {
@@ -297,6 +298,7 @@ func (s *Server) route(ctx context.Context, req *api.Request, gone []*kvcv1.Work
 		q := &kvcv1.RouteQuery{
 			SessionId: req.SessionID, Turn: req.Turn, InputTokens: req.InputTokens,
 			MaxOutputTokens: req.MaxTokens, MultiturnHint: req.Multiturn,
+			PinMs: req.Hints.PinMs, LowPriority: req.Hints.LowPriority,
 		}
 		if req.PageSize > 0 {
 			q.PageSize, q.PromptPages = int32(req.PageSize), req.PromptPages
