@@ -9,7 +9,7 @@ require (
 	github.com/rs/zerolog v1.35.1
 	golang.org/x/sync v0.25.0 // indirect
 	google.golang.org/grpc v1.85.0
-	google.golang.org/protobuf v1.36.12 // indirect
+	google.golang.org/protobuf v1.36.12
 )
 
 require github.com/kvcentric/kvcentric/proto v0.0.0-00010101000000-000000000000
