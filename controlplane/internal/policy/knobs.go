@@ -25,6 +25,11 @@ const (
 	DefaultTailToleranceTokens      = 2048
 	DefaultSessionTTLMs             = 24 * 3600 * 1000
 	DefaultUnreachableGraceMs       = 30_000
+	// Agent hints: the longest pin (10 min) and the share of a decode worker's capacity that
+	// pinned sessions may hold (half).
+	DefaultMaxPinMs       = 600_000
+	DefaultMaxPinnedShare = 0.5
+	MaxPinMsLimit         = 24 * 3600 * 1000
 )
 
 // Prefill priority hints (lower is more important, as in SGLang's priority scheduling).
@@ -65,6 +70,8 @@ func Defaults() *kvcv1.Policy {
 		SnapshotsEnabled:          proto.Bool(true),
 		KvCentricEnabled:          proto.Bool(true),
 		UnreachableGraceMs:        proto.Int64(DefaultUnreachableGraceMs),
+		MaxPinMs:                  proto.Int64(DefaultMaxPinMs),
+		MaxPinnedShare:            proto.Float64(DefaultMaxPinnedShare),
 	}
 }
 
@@ -134,6 +141,7 @@ func Validate(p *kvcv1.Policy) error {
 		{"snapshot_max_staleness_ms", p.SnapshotMaxStalenessMs, 0, 30 * 24 * 3600 * 1000},
 		{"session_ttl_ms", p.SessionTtlMs, 1000, 365 * 24 * 3600 * 1000},
 		{"unreachable_grace_ms", p.UnreachableGraceMs, 0, 3_600_000},
+		{"max_pin_ms", p.MaxPinMs, 0, MaxPinMsLimit},
 	}
 	for _, r := range i64 {
 		if r.v != nil && (*r.v < r.min || *r.v > r.max) {
@@ -159,6 +167,9 @@ func Validate(p *kvcv1.Policy) error {
 	}
 	if h := p.DCapacityHeadroom; h != nil && (math.IsNaN(*h) || *h < 0 || *h > 0.9) {
 		errs = append(errs, fmt.Errorf("d_capacity_headroom = %v out of range [0, 0.9]", *h))
+	}
+	if h := p.MaxPinnedShare; h != nil && (math.IsNaN(*h) || *h < 0 || *h > 1) {
+		errs = append(errs, fmt.Errorf("max_pinned_share = %v out of range [0, 1]", *h))
 	}
 	if b := p.PrefillBackupPolicy; b != nil {
 		if _, ok := kvcv1.PrefillBackupPolicy_name[int32(*b)]; !ok || *b == kvcv1.PrefillBackupPolicy_PREFILL_BACKUP_POLICY_UNSPECIFIED {
@@ -208,7 +219,11 @@ type Knobs struct {
 	// SeedThroughStore: decode workers are colocated SGLang servers; seeds go through the
 	// prefill store (Execution.StoreGeneration).
 	SeedThroughStore bool
-	Version          int64
+	// Agent hints: the longest pin (0 refuses pins) and the share of a decode worker's KV
+	// capacity pinned sessions may hold (pin.go).
+	MaxPinMs       int64
+	MaxPinnedShare float64
+	Version        int64
 }
 
 // Compile fills defaults into p and returns its Knobs. p is not modified.
@@ -234,6 +249,8 @@ func Compile(p *kvcv1.Policy) *Knobs {
 		SnapshotsEnabled:         f.GetSnapshotsEnabled(),
 		KVCentricEnabled:         f.GetKvCentricEnabled(),
 		SeedThroughStore:         f.GetSeedThroughStore(),
+		MaxPinMs:                 f.GetMaxPinMs(),
+		MaxPinnedShare:           f.GetMaxPinnedShare(),
 		Version:                  f.GetVersion(),
 	}
 	if k.MigrationRejectThreshold < 1 {

@@ -14,6 +14,8 @@ type Query struct {
 	MultiturnHint   bool
 	// EndSession: the client ended the session (no worker is called; see endSession).
 	EndSession bool
+	// LowPriority: the agent's low-priority hint (pin.go): its prefills are hinted low.
+	LowPriority bool
 }
 
 // Reserved is what the control plane itself has committed on one worker and not yet seen an
@@ -50,6 +52,10 @@ type Input struct {
 	// death): they are treated as unroutable, and a session resident on an excluded decode
 	// worker as having lost it (D_UNREACHABLE).
 	Exclude []string
+	// Resyncing: a new leader still waits for decode workers loaded from etcd to report what
+	// they hold (state.Resyncing); a session it holds no residency for may be resident on one
+	// of them, so it is not seeded or reseeded yet (a plain fallback, D_UNREACHABLE).
+	Resyncing bool
 }
 
 // Decision is the policy's answer. Worker pointers point into Input.Workers.
@@ -156,6 +162,9 @@ func Decide(in *Input) Decision {
 	}
 	d := c.decide()
 	d.Turn = c.Turn
+	if in.Query.LowPriority && d.UsesPrefill {
+		d.PrefillPriority = PrefillPriorityLow // the agent said so: P's cache evicts it first
+	}
 	d.Exec = execution(&d, in.Unavailable)
 	seedThroughStore(&d.Exec, in)
 	return d
@@ -219,6 +228,12 @@ func (c *Cycle) decide() Decision {
 		}
 		return c.resident(d)
 	}
+	if in.Resyncing {
+		// Not resident as far as this new leader knows, but a decode worker that has not
+		// reported yet may hold it (an acknowledged residency etcd did not get): placing it
+		// elsewhere now would forget that residency. Served without session effects meanwhile.
+		return c.fallback(kvcv1.RouteReason_ROUTE_REASON_D_UNREACHABLE)
+	}
 	if rec != nil && (rec.Generation > 0 || rec.PreviousDecodeWorker != "") {
 		return c.lost(kvcv1.RouteReason_ROUTE_REASON_SESSION_EVICTED, rec.PreviousDecodeWorker)
 	}
@@ -227,7 +242,8 @@ func (c *Cycle) decide() Decision {
 
 // resident: the session lives on d, a routable decode worker.
 func (c *Cycle) resident(d *kvcv1.Worker) Decision {
-	if c.S.DRejects[d.WorkerId] >= c.K.MigrationRejectThreshold && !isDraining(d) {
+	// An agent's pin (pin.go) keeps the session where it is: no migration while it holds.
+	if c.S.DRejects[d.WorkerId] >= c.K.MigrationRejectThreshold && !isDraining(d) && !Pinned(c.S, c.In.NowMs) {
 		c.Current = d.WorkerId
 		if dec, ok := c.reseed(kvcv1.RouteReason_ROUTE_REASON_MIGRATED_AFTER_REJECTS, d.WorkerId, MigrateProfile, true); ok {
 			return dec
