@@ -23,3 +23,12 @@ type Cluster interface {
 	// in. It fails when the worker has no live stream.
 	SendCommand(workerID string, cmd *kvcv1.Command) error
 }
+
+// resyncer is implemented by a Cluster that knows when a new leader still waits for decode
+// workers to report what they hold (state.State); policy.Input.Resyncing.
+type resyncer interface{ Resyncing() bool }
+
+func (s *Service) resyncing() bool {
+	r, ok := s.c.(resyncer)
+	return ok && r.Resyncing()
+}

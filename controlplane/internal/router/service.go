@@ -44,7 +44,8 @@ type Service struct {
 
 	mu      sync.Mutex
 	led     *ledger
-	nextSeq uint64 // last sequence number issued
+	nextSeq uint64              // last sequence number issued
+	pins    map[string]pinEntry // agent pins granted, by session (hints.go)
 }
 
 type compiledPolicy struct {
@@ -68,6 +69,7 @@ func New(c Cluster, log zerolog.Logger, reg prometheus.Registerer) *Service {
 		roomBase: binary.LittleEndian.Uint64(b[4:]) & maxRoom,
 		led:      newLedger(),
 		content:  newContentStore(),
+		pins:     map[string]pinEntry{},
 	}
 	s.m = newMetrics(reg, s)
 	return s
@@ -253,6 +255,12 @@ func validateQuery(q *kvcv1.RouteQuery) error {
 	if len(q.PromptPages) > maxPromptPages {
 		return fmt.Errorf("prompt_pages has %d entries, more than %d", len(q.PromptPages), maxPromptPages)
 	}
+	if q.PinMs < 0 || q.PinMs > policy.MaxPinMsLimit {
+		return fmt.Errorf("pin_ms %d out of range [0, %d]", q.PinMs, policy.MaxPinMsLimit)
+	}
+	if q.PinMs > 0 && q.EndSession {
+		return errors.New("pin_ms on a session end")
+	}
 	return nil
 }
 
@@ -370,6 +378,8 @@ type queryCtx struct {
 	now     time.Time
 	epoch   int64
 	onRec   func(rec *kvcv1.SessionRecord) // x.onRecord, bound once per pooled queryCtx
+	// lowChanged: the query's low-priority hint differs from the session's (hints.go).
+	lowChanged bool
 }
 
 // queryPool recycles queryCtx values (and their bound onRecord callback) across decisions;
@@ -394,6 +404,7 @@ func (x *queryCtx) decide(rec *kvcv1.SessionRecord) {
 	x.in.Ledger = x.s.led
 	x.d = policy.Decide(&x.in)
 	x.r = x.s.record(&x.in, &x.d, x.now)
+	x.r.pinMs, x.r.lowChanged = x.q.PinMs, x.lowChanged
 	x.s.mu.Unlock()
 	x.decided = true
 }
@@ -401,6 +412,8 @@ func (x *queryCtx) decide(rec *kvcv1.SessionRecord) {
 // onRecord is the UpdateSession callback: decide on the live record, then apply the
 // decision's effects on it (turn, last seen, a local rejection) in the same step.
 func (x *queryCtx) onRecord(rec *kvcv1.SessionRecord) {
+	x.lowChanged = rec.LowPriority != x.q.LowPriority
+	rec.LowPriority = x.q.LowPriority // the agent's hint, per turn (hints.go)
 	x.decide(rec)
 	nowMs := x.in.NowMs
 	rec.Turn = max(rec.Turn, x.d.Turn)
@@ -462,11 +475,13 @@ func (s *Service) query(q *kvcv1.RouteQuery) *kvcv1.RouteResponse {
 	*x = queryCtx{s: s, q: q, now: now, epoch: epoch, onRec: onRec, in: policy.Input{
 		Knobs: s.policyKnobs(),
 		Query: policy.Query{SessionID: q.SessionId, Turn: q.Turn, InputTokens: q.InputTokens,
-			MaxOutputTokens: q.MaxOutputTokens, MultiturnHint: q.MultiturnHint, EndSession: q.EndSession},
+			MaxOutputTokens: q.MaxOutputTokens, MultiturnHint: q.MultiturnHint, EndSession: q.EndSession,
+			LowPriority: q.LowPriority},
 		Exclude:     q.ExcludeWorkers,
 		Workers:     s.c.Workers(),
 		NowMs:       now.UnixMilli(),
 		Unavailable: epoch == 0,
+		Resyncing:   epoch != 0 && s.resyncing(),
 	}}
 	if q.PageSize > 0 && !x.in.Unavailable {
 		x.entry = s.content.get(q.SessionId)
@@ -478,6 +493,9 @@ func (s *Service) query(q *kvcv1.RouteQuery) *kvcv1.RouteResponse {
 	}
 	if q.EndSession {
 		s.content.forget(q.SessionId)
+		s.mu.Lock()
+		delete(s.pins, q.SessionId) // the session ends: its pin with it
+		s.mu.Unlock()
 	}
 	x.run()
 	if x.d.Mode == kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT {

@@ -123,7 +123,11 @@ func (s *State) LeadTerm(ctx, lead context.Context, fence kvstore.Fence) (*Term,
 		e := &workerEntry{w: w}
 		s.workers[w.GetWorkerId()] = e
 		s.startGraceLocked(e)
+		if w.GetRole() == kvcv1.WorkerRole_WORKER_ROLE_DECODE {
+			s.resyncPending[w.GetWorkerId()] = struct{}{}
+		}
 	}
+	s.startResyncLocked(now)
 	s.publishWorkersLocked()
 	for _, e := range s.workers {
 		if e.w.GetDraining() {

@@ -64,6 +64,9 @@ func (s *State) Reconcile(st *Stream, rs *kvcv1.ResidentSessions) error {
 			}
 		}
 		s.releaseStaleLocked(e, stale)
+		if rs.GetFullSync() {
+			s.resyncAttachedLocked(w)
+		}
 		s.kickDrainLocked(w)
 	case kvcv1.WorkerRole_WORKER_ROLE_PREFILL:
 		seen := make(map[string]struct{}, len(rs.GetSnapshots()))

@@ -82,6 +82,10 @@ type State struct {
 	byDecode map[string]map[string]struct{} // decode worker -> session ids resident there
 	bySnap   map[string]map[string]struct{} // prefill worker -> session ids with a snapshot there
 	drains   map[string]*drainOp            // worker -> its drain under this term (drain.go)
+	// resyncPending: decode workers loaded from etcd when this term began whose sidecars have
+	// not attached yet; resyncUntil (unix ms, 0: none pending) bounds the window (resync.go).
+	resyncPending map[string]struct{}
+	resyncUntil   atomic.Int64
 	// idsGen counts session creations and deletions (the admin pager's snapshot is current
 	// while it is unchanged); idSnap is that snapshot (ListSessions).
 	idsGen uint64
@@ -153,6 +157,8 @@ func (s *State) resetLocked() {
 	s.byDecode = make(map[string]map[string]struct{})
 	s.bySnap = make(map[string]map[string]struct{})
 	s.drains = make(map[string]*drainOp)
+	s.resyncPending = make(map[string]struct{})
+	s.resyncUntil.Store(0)
 	s.dirty, s.flushing, s.fpos = nil, nil, 0
 	s.jr.reset()
 	s.publishJournalLocked()
