@@ -34,8 +34,12 @@ type reservation struct {
 	// pageSize and prompt: the query's content address (content.go); pageSize 0 = none.
 	pageSize int64
 	prompt   []uint64
-	deadline time.Time
-	idx      int // position in the expiry heap
+	// Agent hints of the query (hints.go): the pin asked for and whether the session's
+	// low-priority hint changed with it.
+	pinMs      int64
+	lowChanged bool
+	deadline   time.Time
+	idx        int // position in the expiry heap
 }
 
 // ledger is the control plane's own account of what it has committed per worker. Guarded by

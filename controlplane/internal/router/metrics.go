@@ -20,6 +20,7 @@ type metrics struct {
 	expired        prometheus.Counter
 	migrations     prometheus.Counter
 	truncations    prometheus.Counter
+	pins           *prometheus.CounterVec
 	contentGauge   prometheus.GaugeFunc
 	admitted       *prometheus.CounterVec
 	rejected       *prometheus.CounterVec
@@ -86,6 +87,9 @@ func newMetrics(reg prometheus.Registerer, s *Service) *metrics {
 		migrations: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvc_router_migrations_total", Help: "Sessions moved to another decode worker (successful outcome).",
 		}),
+		pins: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvc_router_pins_total", Help: "Agent pins asked for (RouteQuery.pin_ms) on turns that left the session resident, by result: granted, clamped (to max_pin_ms), refused_share (max_pinned_share of the decode worker's capacity), refused_disabled (max_pin_ms 0), refused_capacity.",
+		}, []string{"result"}),
 		truncations: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvc_router_session_truncations_total", Help: "Successful turns whose decode worker rewrote the session from a token on (truncate_to, or its own check of the partial last page): a new KV generation.",
 		}),
@@ -129,7 +133,7 @@ func newMetrics(reg prometheus.Registerer, s *Service) *metrics {
 	}
 	if reg != nil {
 		reg.MustRegister(m.decisions, m.latency, m.outcomes, m.ttft, m.errors, m.expired, m.migrations,
-			m.admitted, m.rejected, m.commands, m.reservations, m.reservedTokens, m.truncations, m.contentGauge)
+			m.admitted, m.rejected, m.commands, m.reservations, m.reservedTokens, m.truncations, m.contentGauge, m.pins)
 	}
 	return m
 }

@@ -73,6 +73,7 @@ func (s *Service) apply(r *reservation, o *kvcv1.RouteOutcome, nowMs int64) {
 		x.release()
 		if kept {
 			s.learn(r, o, gen)
+			s.sendHints(r, s.grantHints(r, nowMs))
 		}
 	case !o.Success && kind == kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D && r.decode != "" && r.keep:
 		s.updateSession(r, kvLen, nowMs, (*outcomeCtx).rejected).release()
@@ -104,6 +105,9 @@ type outcomeCtx struct {
 	stale string
 	kept  bool // extended: the session was still on the outcome's D
 	snapP string
+	// becameResident: the session's agent hints, for its new D's snapshot target
+	until int64
+	low   bool
 	fn    func(rec *kvcv1.SessionRecord) // x.apply, bound once per pooled outcomeCtx
 }
 
@@ -203,6 +207,7 @@ func (x *outcomeCtx) becameResident(rec *kvcv1.SessionRecord) {
 	if rec.Snapshot != nil {
 		x.snapP = rec.Snapshot.PrefillWorker
 	}
+	x.until, x.low = rec.PinnedUntilUnixMs, rec.LowPriority
 }
 
 // resident makes the session resident on r.decode after a successful seed or reseed, then
@@ -210,7 +215,11 @@ func (x *outcomeCtx) becameResident(rec *kvcv1.SessionRecord) {
 func (s *Service) resident(r *reservation, kvLen, nowMs int64) (gen uint64) {
 	x := s.updateSession(r, kvLen, nowMs, (*outcomeCtx).becameResident)
 	gen, moved, snapP, stale := x.gen, x.moved, x.snapP, x.stale
+	until, low := x.until, x.low
 	x.release()
+	if h := s.grantHints(r, nowMs); h.here {
+		until, low = h.until, h.low // this turn's hints (hints.go)
+	}
 	var left [2]string // the decode workers whose copy is left behind
 	if moved {
 		s.m.migrations.Inc()
@@ -244,7 +253,7 @@ func (s *Service) resident(r *reservation, kvLen, nowMs int64) (gen uint64) {
 	}
 	t := &kvcv1.SetSnapshotTargetCommand{
 		SessionId: r.session, PrefillWorkerId: p.WorkerId, PeerAddr: p.PeerAddr,
-		TransferEndpoint: p.TransferEndpoint, Generation: gen,
+		TransferEndpoint: p.TransferEndpoint, Generation: gen, PinnedUntilUnixMs: until, LowPriority: low,
 	}
 	// No full re-push after a reseed: the new D holds exactly [0, snapLen) of the target's
 	// snapshot (it was written from there), so its next push appends and re-tags the entry.

@@ -76,6 +76,7 @@ func CopyRecord(r *kvcv1.SessionRecord) *kvcv1.SessionRecord {
 		SessionId: r.SessionId, DecodeWorker: r.DecodeWorker, KvCommittedLen: r.KvCommittedLen, Turn: r.Turn,
 		LastSeenUnixMs: r.LastSeenUnixMs, Epoch: r.Epoch, CreatedUnixMs: r.CreatedUnixMs, Generation: r.Generation,
 		Migrations: r.Migrations, PreviousDecodeWorker: r.PreviousDecodeWorker,
+		PinnedUntilUnixMs: r.PinnedUntilUnixMs, LowPriority: r.LowPriority,
 	}
 	if s := r.Snapshot; s != nil {
 		out.Snapshot = &kvcv1.SnapshotInfo{PrefillWorker: s.PrefillWorker, Seqlen: s.Seqlen, Generation: s.Generation,
