@@ -131,7 +131,7 @@ $(BIN)/grpcurl:
 grpcurl: $(BIN)/grpcurl
 
 ## proto: lint and regenerate proto/kvc/v1 (generated code is committed)
-proto: tools
+proto: $(BIN)/protoc-gen-go $(BIN)/protoc-gen-go-grpc $(BIN)/buf
 	$(BIN)/buf lint
 	PATH=$(BIN):$$PATH $(BIN)/buf generate
 
