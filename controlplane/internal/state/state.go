@@ -393,11 +393,16 @@ type durable struct {
 	generation       uint64
 	migrations       int32
 	created          int64
+	// The agent hints (router/hints.go) are not in the volatile journal: a change writes the
+	// whole record, so a new leader keeps a granted pin and the priority.
+	pinnedUntil int64
+	low         bool
 }
 
 func durableOf(r *kvcv1.SessionRecord) durable {
 	return durable{decode: r.GetDecodeWorker(), previous: r.GetPreviousDecodeWorker(), snap: r.GetSnapshot(),
-		generation: r.GetGeneration(), migrations: r.GetMigrations(), created: r.GetCreatedUnixMs()}
+		generation: r.GetGeneration(), migrations: r.GetMigrations(), created: r.GetCreatedUnixMs(),
+		pinnedUntil: r.GetPinnedUntilUnixMs(), low: r.GetLowPriority()}
 }
 
 // updatedLocked re-indexes e's record after a change and persists it: at once (a full

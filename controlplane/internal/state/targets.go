@@ -46,7 +46,8 @@ func (s *State) ResendTargets(st *Stream, rs *kvcv1.ResidentSessions) (int, erro
 			continue
 		}
 		t := &kvcv1.SetSnapshotTargetCommand{SessionId: rec.GetSessionId(), PrefillWorkerId: p.GetWorkerId(), PeerAddr: p.GetPeerAddr(),
-			TransferEndpoint: p.GetTransferEndpoint(), Generation: rec.GetGeneration()}
+			TransferEndpoint: p.GetTransferEndpoint(), Generation: rec.GetGeneration(),
+			PinnedUntilUnixMs: rec.GetPinnedUntilUnixMs(), LowPriority: rec.GetLowPriority()} // agent hints (router/hints.go)
 		if sn.GetPrefillWorker() == p.GetWorkerId() && sn.GetGeneration() != 0 && sn.GetGeneration() == rec.GetGeneration() &&
 			sn.GetSeqlen() > 0 && sn.GetSeqlen() <= r.GetKvCommittedLen() {
 			t.ValidBaseLen, t.BaseGeneration = sn.GetSeqlen(), sn.GetGeneration()

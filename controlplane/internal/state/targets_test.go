@@ -37,6 +37,8 @@ func TestResendTargetsAfterSidecarRestart(t *testing.T) {
 		{SessionId: "a", Seqlen: 480, Generation: 2}, {SessionId: "b", Seqlen: 300, Generation: 1}}}))
 	// b's residency moved on a generation (a reseed on d0 that has not pushed yet)
 	s.UpdateSession("b", func(rec *kvcv1.SessionRecord) { rec.Generation = 2 })
+	// a is pinned by its agent and low priority: the target carries both again
+	s.UpdateSession("a", func(rec *kvcv1.SessionRecord) { rec.PinnedUntilUnixMs, rec.LowPriority = 1_700_000_060_000, true })
 	commands(d0)
 
 	// the sidecar restarts: a resync not full names nothing
@@ -68,11 +70,12 @@ func TestResendTargetsAfterSidecarRestart(t *testing.T) {
 	}
 	a := got["a"]
 	if a.GetPrefillWorkerId() != "p0" || a.GetPeerAddr() != "127.0.0.1:1" || a.GetTransferEndpoint() != "p0-seg" || a.GetGeneration() != 2 ||
-		a.GetValidBaseLen() != 480 || a.GetBaseGeneration() != 2 {
+		a.GetValidBaseLen() != 480 || a.GetBaseGeneration() != 2 || a.GetPinnedUntilUnixMs() != 1_700_000_060_000 || !a.GetLowPriority() {
 		t.Fatalf("a's target %v", a)
 	}
 	b := got["b"]
-	if b.GetPrefillWorkerId() != "p0" || b.GetGeneration() != 2 || b.GetValidBaseLen() != 0 || b.GetBaseGeneration() != 0 {
+	if b.GetPrefillWorkerId() != "p0" || b.GetGeneration() != 2 || b.GetValidBaseLen() != 0 || b.GetBaseGeneration() != 0 ||
+		b.GetPinnedUntilUnixMs() != 0 || b.GetLowPriority() {
 		t.Fatalf("b's target %v", b)
 	}
 	// a stream that is no longer the worker's is refused
