@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"io"
 	"net"
 	"net/http"
 	"os"
@@ -97,7 +98,7 @@ func TestServeLifecycle(t *testing.T) {
 	go func() {
 		code <- run(ctx, []string{"--role", "decode", "--worker-id", "d0", "--bridge-socket", sock, "--http-addr", "127.0.0.1:0",
 			"--ready-file", ready, "--addr-file", addrFile, "--shm-dir", dir, "--kv-capacity-tokens", "1024", "--layers", "2"},
-			func(string) string { return "" }, &bytes.Buffer{})
+			func(string) string { return "" }, io.Discard) // concurrent loggers: a bytes.Buffer would race
 	}()
 	// The bound address is known before the sidecar is up (the supervisor gives it to the
 	// sidecar as --worker-url), and the port is held already.
