@@ -6,6 +6,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
 	"github.com/kvcentric/kvcentric/gateway/internal/fakecp"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
@@ -96,6 +98,55 @@ func TestAgentHintsThroughGateway(t *testing.T) {
 	select {
 	case q := <-queries:
 		t.Fatalf("a bad hint reached the control plane: %v", q)
+	default:
+	}
+}
+
+// A release hint on a request that fails keeps the session (the agent may retry the turn): no
+// session end reaches the control plane.
+func TestReleaseHintSkippedOnFailure(t *testing.T) {
+	queries := make(chan *kvcv1.RouteQuery, 16)
+	decide := func(q *kvcv1.RouteQuery, p, d *fakeWorker) *kvcv1.RouteResponse {
+		queries <- q
+		if q.GetEndSession() {
+			return &kvcv1.RouteResponse{Kind: &kvcv1.RouteResponse_Decision{Decision: &kvcv1.RouteDecision{
+				RequestId: q.GetRequestId(), DecisionId: "d-end", Reason: kvcv1.RouteReason_ROUTE_REASON_SESSION_END,
+				Execution: &kvcv1.RouteExecution{},
+			}}}
+		}
+		return fakecp.Decision(q, kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT, nil, ref(d, "d0", ""))
+	}
+	e := setup(t, decide, nil, func(int, workerReq) string { return "503" }, 0)
+	req, _ := http.NewRequest(http.MethodPost, e.gw.URL+"/generate", strings.NewReader(`{"text":"x"}`))
+	req.Header.Set("X-Session-ID", "agent-3")
+	req.Header.Set("X-KVC-Release", "true")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, _ = io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 503 {
+		t.Fatalf("status %d, want the worker's 503", resp.StatusCode)
+	}
+	if q := <-queries; q.GetEndSession() {
+		t.Fatalf("first query %v", q)
+	}
+	// The client's own session end is the next query the control plane sees.
+	if resp := post(t, e.gw.URL, "/close_session", "agent-3", ``); resp.StatusCode != 200 {
+		t.Fatalf("close: %d", resp.StatusCode)
+	}
+	q := <-queries
+	if !q.GetEndSession() {
+		t.Fatalf("next query %v", q)
+	}
+	e.gw.Close() // waits for every handler: the release decision was taken
+	if skipped, ok := testutil.ToFloat64(e.m.HintReleases.WithLabelValues("skipped_failed")), testutil.ToFloat64(e.m.HintReleases.WithLabelValues("ok")); skipped != 1 || ok != 0 {
+		t.Fatalf("hint releases skipped_failed %v ok %v", skipped, ok)
+	}
+	select {
+	case q := <-queries:
+		t.Fatalf("a failed request's release hint ended the session: %v", q)
 	default:
 	}
 }
