@@ -74,3 +74,38 @@ func TestParseHintsRepeatedHeader(t *testing.T) {
 		t.Fatalf("two pin headers: %v", err)
 	}
 }
+
+// FuzzParseHints: whatever the headers and the body say, an accepted request's hints are in
+// range, never both pinned and released, and never without a session id; a refused one has a
+// 4xx status.
+func FuzzParseHints(f *testing.F) {
+	f.Add(`{"text":"x","kvc":{"pin_ms":5}}`, "s", "10", "", "")
+	f.Add(`{"messages":[{"role":"user","content":"x"}],"metadata":{"kvc_pin_ms":"7","kvc_priority":"low"}}`, "s", "", "false", "normal")
+	f.Add(`{"prompt":"p","metadata":{"kvc_release":true}}`, "", "", "", "")
+	f.Add(`{"text":"x","metadata":{"kvc_pin_ms":1e3}}`, "s", "", "", "LOW")
+	f.Add(`{"text":"x","metadata":5}`, "s", "-1", "1", "x")
+	f.Fuzz(func(t *testing.T, body, sid, pin, release, prio string) {
+		h := http.Header{}
+		for k, v := range map[string]string{"X-Session-ID": sid, HeaderPinMs: pin, HeaderRelease: release, HeaderPriority: prio} {
+			if v != "" {
+				h.Set(k, v)
+			}
+		}
+		for _, k := range []Kind{Chat, Completion, Generate} {
+			r, err := Parse(k, h, []byte(body), Options{DefaultMaxTok: 16})
+			if err != nil {
+				if err.Status < 400 || err.Status > 499 || err.Code == "" {
+					t.Fatalf("refusal %+v", err)
+				}
+				continue
+			}
+			hs := r.Hints
+			if hs.PinMs < 0 || hs.PinMs > MaxPinMs || (hs.PinMs > 0 && hs.Release) {
+				t.Fatalf("accepted hints %+v", hs)
+			}
+			if (hs.PinMs > 0 || hs.Release || hs.LowPriority) && r.SessionID == "" {
+				t.Fatalf("hints %+v without a session", hs)
+			}
+		}
+	})
+}
