@@ -101,6 +101,7 @@ func (s *Service) OnLeadershipChange(leading bool) {
 	s.mu.Lock()
 	n := len(s.led.pending)
 	s.led = newLedger()
+	clear(s.pins) // a new term counts pins again from its own grants (hints.go)
 	s.mu.Unlock()
 	s.log.Info().Bool("leading", leading).Int("dropped_reservations", n).Msg("router ledger reset")
 }
