@@ -104,15 +104,35 @@ func (s *Service) grantHints(r *reservation, nowMs int64) *hintsCtx {
 	return h
 }
 
+// maxTargets bounds the table of named targets (past it, sendHints goes by the record).
+const maxTargets = 1 << 20
+
+// noteTarget remembers the prefill worker this leader named as session's snapshot target.
+func (s *Service) noteTarget(session, prefill string) {
+	s.mu.Lock()
+	if _, ok := s.targets[session]; ok || len(s.targets) < maxTargets {
+		s.targets[session] = prefill
+	}
+	s.mu.Unlock()
+}
+
 // sendHints tells r.decode's sidecar the session's new pin and priority (an extended turn:
 // the session stays where it is) by naming its snapshot target again with them: the same
-// target (the prefill worker holding its snapshot) and generation leave its pushes as they
-// are. With snapshots off the sidecar releases nothing, and nothing is sent.
+// target and generation leave its pushes as they are. The target is the one this leader last
+// named (noteTarget), else the prefill worker the record says holds its snapshot (a new leader,
+// as ResendTargets does); a different one would move the snapshot (a full push). With
+// snapshots off the sidecar releases nothing, and nothing is sent.
 func (s *Service) sendHints(r *reservation, h *hintsCtx) {
 	if !h.here || !h.changed || !s.policyKnobs().SnapshotsEnabled {
 		return
 	}
-	p := policy.SnapshotTarget(s.c.Workers(), h.snapP)
+	cur := h.snapP
+	s.mu.Lock()
+	if named, ok := s.targets[r.session]; ok {
+		cur = named
+	}
+	s.mu.Unlock()
+	p := policy.SnapshotTarget(s.c.Workers(), cur)
 	if p == nil {
 		return
 	}

@@ -175,3 +175,26 @@ func TestAgentPinShare(t *testing.T) {
 		}
 	}
 }
+
+// TestAgentHintsKeepTheTarget: the hints of a session whose snapshot has not landed yet go out
+// with the target this leader named at its seed, not with the store that is emptiest now (that
+// would move the snapshot: a full push).
+func TestAgentHintsKeepTheTarget(t *testing.T) {
+	f := newFixture(t, routertest.Prefill("p1"), routertest.Prefill("p2"), routertest.Decode("d1", 100_000, 0))
+	f.c.UpdateWorker("p2", func(w *kvcv1.Worker) { w.Load.SnapshotBytesUsed = 1 << 20 })
+	d := f.decideHinted("a", 0, 4000, 100, 0, false)
+	f.report(d.DecisionId, true, okKind, 4100)
+	if tg := lastTarget(t, f.c, "d1"); tg.GetPrefillWorkerId() != "p1" {
+		t.Fatalf("seed target %v", tg)
+	}
+	// p1 fills up: the emptiest store is p2 now.
+	f.c.UpdateWorker("p1", func(w *kvcv1.Worker) { w.Load.SnapshotBytesUsed = 1 << 29 })
+	d = f.decideHinted("a", 1, 4200, 100, 60_000, true)
+	f.report(d.DecisionId, true, okKind, 4300)
+	if f.session("a").GetSnapshot() != nil {
+		t.Fatal("the test wants a session without a landed snapshot")
+	}
+	if tg := lastTarget(t, f.c, "d1"); tg.GetPrefillWorkerId() != "p1" || tg.GetPinnedUntilUnixMs() == 0 || !tg.GetLowPriority() || tg.GetGeneration() != 1 {
+		t.Fatalf("hint target %v: want p1's, with the pin", tg)
+	}
+}

@@ -269,6 +269,8 @@ func (s *Service) resident(r *reservation, kvLen, nowMs int64) (gen uint64) {
 	cmd := &kvcv1.Command{Action: &kvcv1.Command_SetSnapshotTarget{SetSnapshotTarget: t}}
 	if err := s.send(r.decode, "set_snapshot_target", cmd); err != nil {
 		s.log.Warn().Err(err).Str("session", r.session).Str("worker", r.decode).Msg("set_snapshot_target not sent")
+	} else {
+		s.noteTarget(r.session, p.WorkerId)
 	}
 	return gen
 }

@@ -46,6 +46,7 @@ type Service struct {
 	led     *ledger
 	nextSeq uint64              // last sequence number issued
 	pins    map[string]pinEntry // agent pins granted, by session (hints.go)
+	targets map[string]string   // prefill worker last named as a session's snapshot target (hints.go)
 }
 
 type compiledPolicy struct {
@@ -70,6 +71,7 @@ func New(c Cluster, log zerolog.Logger, reg prometheus.Registerer) *Service {
 		led:      newLedger(),
 		content:  newContentStore(),
 		pins:     map[string]pinEntry{},
+		targets:  map[string]string{},
 	}
 	s.m = newMetrics(reg, s)
 	return s
@@ -102,6 +104,7 @@ func (s *Service) OnLeadershipChange(leading bool) {
 	n := len(s.led.pending)
 	s.led = newLedger()
 	clear(s.pins) // a new term counts pins again from its own grants (hints.go)
+	clear(s.targets)
 	s.mu.Unlock()
 	s.log.Info().Bool("leading", leading).Int("dropped_reservations", n).Msg("router ledger reset")
 }
@@ -496,6 +499,7 @@ func (s *Service) query(q *kvcv1.RouteQuery) *kvcv1.RouteResponse {
 		s.content.forget(q.SessionId)
 		s.mu.Lock()
 		delete(s.pins, q.SessionId) // the session ends: its pin with it
+		delete(s.targets, q.SessionId)
 		s.mu.Unlock()
 	}
 	x.run()
