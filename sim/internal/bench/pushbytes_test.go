@@ -27,7 +27,7 @@ func TestPushBytesSumsLiveDecodeSidecars(t *testing.T) {
 		{ID: "decode-0", Role: "decode", SidecarHTTP: a.URL},
 		{ID: "decode-1", Role: "decode", SidecarHTTP: b.URL},
 		{ID: "decode-2", Role: "decode", SidecarHTTP: "http://127.0.0.1:1"}, // dead: counted as 0
-		{ID: "prefill-0", Role: "prefill", SidecarHTTP: p.URL},             // not a decode sidecar
+		{ID: "prefill-0", Role: "prefill", SidecarHTTP: p.URL},              // not a decode sidecar
 	}}
 	if got := pushBytes(c); got != 1_502_500 {
 		t.Fatalf("pushBytes = %d, want 1502500", got)
