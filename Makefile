@@ -56,16 +56,15 @@ test: build
 
 ## test-sglang: the SGLang plugin's pytest suite against SGLang 0.5.23's real classes (CPU, no GPU
 ## kernels; venv made once by integrations/sglang/scripts/make-venv.sh, pip cache reused) and the
-## real sidecar binaries (built into bin/)
-test-sglang:
-	@mkdir -p $(BIN)
-	@for name in kvc-sidecar-prefill kvc-sidecar-decode; do \
-		(cd $${name#kvc-} && CGO_ENABLED=0 $(GO) build -trimpath -o $(BIN)/$$name ./cmd/$$name); \
-	done
+## real sidecar binaries (built into bin/); then kvc-refworker's suite (a real model's attention KV
+## through kvc-local, the control-plane pair, the gateway and the real sidecars; 0 recompute mismatches)
+test-sglang: build
 	@venv="$$(integrations/sglang/scripts/make-venv.sh)"; \
 	"$$venv/bin/pip" install -q --no-deps --no-build-isolation -e integrations/sglang >/dev/null 2>&1 || \
 		"$$venv/bin/pip" install --no-deps --no-build-isolation -e integrations/sglang; \
-	cd integrations/sglang && KVC_BIN_DIR=$(BIN) timeout 600 "$$venv/bin/python" -m pytest -q -p no:warnings -p no:cacheprovider tests
+	(cd integrations/sglang && KVC_BIN_DIR=$(BIN) timeout 600 "$$venv/bin/python" -m pytest -q -p no:warnings -p no:cacheprovider tests); \
+	echo "== kvc-refworker (real attention KV through kvc-local, every mode, recompute check)"; \
+	KVC_BIN_DIR=$(BIN) timeout 600 "$$venv/bin/python" -m pytest -q -p no:warnings -p no:cacheprovider integrations/refworker/tests
 
 ## test-faults: every fault under session load on a real cluster (docs/reliability.md);
 ## FAULTS=ci (default, the CI subset), FAULTS=all, or FAULTS=name,name; log in out/faults/
