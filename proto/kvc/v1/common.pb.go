@@ -695,7 +695,14 @@ type SessionRecord struct {
 	// not released for capacity, not migrated after rejections. 0 or past = not pinned.
 	PinnedUntilUnixMs int64 `protobuf:"varint,14,opt,name=pinned_until_unix_ms,json=pinnedUntilUnixMs,proto3" json:"pinned_until_unix_ms,omitempty"`
 	// Agent hint (RouteQuery.low_priority): released first for capacity, prefills hinted low.
-	LowPriority   bool `protobuf:"varint,15,opt,name=low_priority,json=lowPriority,proto3" json:"low_priority,omitempty"`
+	LowPriority bool `protobuf:"varint,15,opt,name=low_priority,json=lowPriority,proto3" json:"low_priority,omitempty"`
+	// The compact page chain of the resident KV (issue 13): what a new leader needs to keep
+	// appending to the session on content after a failover. Opaque to etcd readers; written by
+	// the router (controlplane/internal/router/content.go: a version byte, the decode worker,
+	// kv length, page size and KV generation it describes, then pagehash.Sparse's encoding) and
+	// used only when its decode worker and length are the record's. Volatile: it changes with
+	// kv_committed_len and rides in the volatile journal (VolatileEntry.content_chain).
+	ContentChain  []byte `protobuf:"bytes,16,opt,name=content_chain,json=contentChain,proto3" json:"content_chain,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -833,6 +840,13 @@ func (x *SessionRecord) GetLowPriority() bool {
 		return x.LowPriority
 	}
 	return false
+}
+
+func (x *SessionRecord) GetContentChain() []byte {
+	if x != nil {
+		return x.ContentChain
+	}
+	return nil
 }
 
 // Policy holds every routing and snapshot knob. Every field is optional so that an update
@@ -1202,8 +1216,10 @@ type VolatileEntry struct {
 	LastSeenUnixMs int64                  `protobuf:"varint,3,opt,name=last_seen_unix_ms,json=lastSeenUnixMs,proto3" json:"last_seen_unix_ms,omitempty"`
 	KvCommittedLen int64                  `protobuf:"varint,4,opt,name=kv_committed_len,json=kvCommittedLen,proto3" json:"kv_committed_len,omitempty"`
 	DRejects       map[string]int32       `protobuf:"bytes,5,rep,name=d_rejects,json=dRejects,proto3" json:"d_rejects,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"varint,2,opt,name=value"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// SessionRecord.content_chain as of this entry (empty: none).
+	ContentChain  []byte `protobuf:"bytes,6,opt,name=content_chain,json=contentChain,proto3" json:"content_chain,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *VolatileEntry) Reset() {
@@ -1267,6 +1283,13 @@ func (x *VolatileEntry) GetKvCommittedLen() int64 {
 func (x *VolatileEntry) GetDRejects() map[string]int32 {
 	if x != nil {
 		return x.DRejects
+	}
+	return nil
+}
+
+func (x *VolatileEntry) GetContentChain() []byte {
+	if x != nil {
+		return x.ContentChain
 	}
 	return nil
 }
@@ -1390,7 +1413,7 @@ const file_kvc_v1_common_proto_rawDesc = "" +
 	"generation\x18\x03 \x01(\x04R\n" +
 	"generation\x12&\n" +
 	"\x0fupdated_unix_ms\x18\x04 \x01(\x03R\rupdatedUnixMs\x12\x14\n" +
-	"\x05bytes\x18\x05 \x01(\x03R\x05bytes\"\x98\x05\n" +
+	"\x05bytes\x18\x05 \x01(\x03R\x05bytes\"\xbd\x05\n" +
 	"\rSessionRecord\x12\x1d\n" +
 	"\n" +
 	"session_id\x18\x01 \x01(\tR\tsessionId\x12#\n" +
@@ -1412,7 +1435,8 @@ const file_kvc_v1_common_proto_rawDesc = "" +
 	"\x16previous_decode_worker\x18\f \x01(\tR\x14previousDecodeWorker\x12!\n" +
 	"\fvolatile_seq\x18\r \x01(\x04R\vvolatileSeq\x12/\n" +
 	"\x14pinned_until_unix_ms\x18\x0e \x01(\x03R\x11pinnedUntilUnixMs\x12!\n" +
-	"\flow_priority\x18\x0f \x01(\bR\vlowPriority\x1a;\n" +
+	"\flow_priority\x18\x0f \x01(\bR\vlowPriority\x12#\n" +
+	"\rcontent_chain\x18\x10 \x01(\fR\fcontentChain\x1a;\n" +
 	"\rDRejectsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\x05R\x05value:\x028\x01\"\xc0\x11\n" +
@@ -1480,14 +1504,15 @@ const file_kvc_v1_common_proto_rawDesc = "" +
 	"num_layers\x18\x03 \x01(\x05R\tnumLayers\x12!\n" +
 	"\fbuffer_addrs\x18\x04 \x03(\x04R\vbufferAddrs\x12\x1d\n" +
 	"\n" +
-	"page_count\x18\x05 \x01(\x03R\tpageCount\"\x96\x02\n" +
+	"page_count\x18\x05 \x01(\x03R\tpageCount\"\xbb\x02\n" +
 	"\rVolatileEntry\x12\x1d\n" +
 	"\n" +
 	"session_id\x18\x01 \x01(\tR\tsessionId\x12\x12\n" +
 	"\x04turn\x18\x02 \x01(\x05R\x04turn\x12)\n" +
 	"\x11last_seen_unix_ms\x18\x03 \x01(\x03R\x0elastSeenUnixMs\x12(\n" +
 	"\x10kv_committed_len\x18\x04 \x01(\x03R\x0ekvCommittedLen\x12@\n" +
-	"\td_rejects\x18\x05 \x03(\v2#.kvc.v1.VolatileEntry.DRejectsEntryR\bdRejects\x1a;\n" +
+	"\td_rejects\x18\x05 \x03(\v2#.kvc.v1.VolatileEntry.DRejectsEntryR\bdRejects\x12#\n" +
+	"\rcontent_chain\x18\x06 \x01(\fR\fcontentChain\x1a;\n" +
 	"\rDRejectsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\x05R\x05value:\x028\x01\"h\n" +
