@@ -13,7 +13,7 @@ import (
 )
 
 // The volatile journal. A change of an existing session's volatile fields only (turn,
-// last_seen_unix_ms, kv_committed_len, epoch, d_rejects) marks the session dirty; a flush
+// last_seen_unix_ms, kv_committed_len, epoch, d_rejects, content_chain) marks the session dirty; a flush
 // (every Config.VolatileFlush, on Flush and at EndTerm) writes the dirty sessions' volatile
 // fields as kvc.v1.VolatileBatch values, up to journalMaxEntries sessions per key, under
 // <prefix>volatile/<16-hex seq> (kvstore.Store.VolatileKey), through the term's fenced
@@ -32,7 +32,8 @@ import (
 // whose live fraction fell under one half, and small keys when there are several, have their
 // live sessions marked dirty, so the flush carries them forward into its own keys
 // (log-structured compaction) and the old keys die. The journal thus holds at most about
-// twice the live entries (plus a few small keys), about 30-60 bytes per session.
+// twice the live entries (plus a few small keys), about 30-60 bytes per session without a
+// content chain, about 0.8-2 KB with one (a 32K-token session's chain is ~750 bytes).
 //
 // Keys hold up to journalMaxEntries sessions (and stop growing past journalMaxBytes); a key
 // with fewer than a quarter of journalMaxEntries live entries is small.
@@ -186,6 +187,10 @@ func (j *journal) appendEntry(b []byte, rec *kvcv1.SessionRecord) []byte {
 		clear(ks)
 		j.mapKeys = ks[:0]
 	}
+	if len(rec.ContentChain) > 0 {
+		e = protowire.AppendTag(e, 6, protowire.BytesType)
+		e = protowire.AppendBytes(e, rec.ContentChain)
+	}
 	j.entry = e
 	b = protowire.AppendTag(b, 3, protowire.BytesType)
 	return protowire.AppendBytes(b, e)
@@ -206,15 +211,21 @@ func (s *State) markDirtyLocked(id string, e sessEntry) {
 // forward and those keys die. It returns how many sessions it marked.
 func (s *State) compactJournalLocked() int {
 	smallLive := s.cfg.journalMax / 4
+	// A key is small when its live entries fill under a quarter of a key by count and by
+	// bytes: with content chains (~0.7-1 KB per entry) keys fill by bytes at a few hundred
+	// entries, and such a key is not small for having fewer than smallLive entries.
+	isSmall := func(k *jkey) bool {
+		return k.live < smallLive && k.live*k.bytes < k.n*(journalMaxBytes/4)
+	}
 	small := 0
 	for _, k := range s.jr.keys {
-		if k.live < smallLive {
+		if isSmall(k) {
 			small++
 		}
 	}
 	marked := 0
 	for seq, k := range s.jr.keys {
-		if k.live*2 >= k.n && (small < 2 || k.live >= smallLive) {
+		if k.live*2 >= k.n && (small < 2 || !isSmall(k)) {
 			continue
 		}
 		for _, id := range k.ids {
@@ -336,6 +347,10 @@ func (s *State) applyJournalLocked(batches []*kvcv1.VolatileBatch) int {
 			rec.DRejects = en.GetDRejects()
 			if len(rec.DRejects) == 0 {
 				rec.DRejects = nil
+			}
+			rec.ContentChain = en.GetContentChain()
+			if len(rec.ContentChain) == 0 {
+				rec.ContentChain = nil
 			}
 			rec.Epoch = b.GetEpoch()
 			if old := s.jr.keys[e.jseq()]; old != nil {

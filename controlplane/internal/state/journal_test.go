@@ -1,6 +1,7 @@
 package state
 
 import (
+	"bytes"
 	"fmt"
 	"math/rand/v2"
 	"strings"
@@ -49,6 +50,8 @@ func TestJournalEntryEncoding(t *testing.T) {
 		{"negative and extreme", &kvcv1.SessionRecord{SessionId: long, Turn: -3, LastSeenUnixMs: -1, KvCommittedLen: 1 << 62,
 			DRejects: map[string]int32{long: 1 << 30, "": -5}}},
 		{"unicode id", &kvcv1.SessionRecord{SessionId: "séance-é", Turn: 1}},
+		{"content chain", &kvcv1.SessionRecord{SessionId: "sess-000002", Turn: 3, KvCommittedLen: 32_768,
+			ContentChain: bytes.Repeat([]byte{1, 0xff, 7}, 250)}},
 	}
 	var j journal
 	for _, tc := range cases {
@@ -60,7 +63,7 @@ func TestJournalEntryEncoding(t *testing.T) {
 				t.Fatal(err)
 			}
 			want := &kvcv1.VolatileEntry{SessionId: tc.rec.SessionId, Turn: tc.rec.Turn, LastSeenUnixMs: tc.rec.LastSeenUnixMs,
-				KvCommittedLen: tc.rec.KvCommittedLen, DRejects: tc.rec.DRejects}
+				KvCommittedLen: tc.rec.KvCommittedLen, DRejects: tc.rec.DRejects, ContentChain: tc.rec.ContentChain}
 			if len(got.Entries) != 2 || !proto.Equal(got.Entries[0], want) || !proto.Equal(got.Entries[1], want) {
 				t.Fatalf("decoded %v, want twice %v", got.Entries, want)
 			}
