@@ -116,6 +116,16 @@ func TestDecideOnContent(t *testing.T) {
 		{name: "evicted, common prefix too short for the tail tolerance: re-prefill", prompt: grow(convo(committed, 1, 2_000), 100),
 			rec: evicted(9_600), snap: snapOf(9_600),
 			mode: mPrefill, reason: kvcv1.RouteReason_ROUTE_REASON_PREFIX_MISMATCH},
+		// --- the turn is shorter than the snapshot (issue 14 item 8) ---
+		{name: "evicted, prompt a shrunken prefix of the snapshot: its full pages", prompt: convo(8_000, 1), rec: evicted(9_600), snap: snapOf(9_600),
+			mode: mSnap, reason: kvcv1.RouteReason_ROUTE_REASON_PREFIX_MISMATCH, cached: 7_680}, // the sparse chain's stride page
+		// 9_300 tokens: 581 full pages (9_296); the sparse chain proves 9_216. The tolerance counts
+		// from the full pages: 9_216 ≥ 9_296 − 80 (from the raw input it would be 84 short).
+		{name: "evicted, shrunken prompt with a partial last page: tolerance counted from its full pages", prompt: convo(9_300, 1),
+			rec: evicted(9_600), snap: snapOf(9_600), k: func(p *kvcv1.Policy) { p.TailToleranceTokens = i64(80) },
+			mode: mSnap, reason: kvcv1.RouteReason_ROUTE_REASON_PREFIX_MISMATCH, cached: 9_216},
+		{name: "evicted, shrunken prompt edited inside: re-prefill", prompt: convo(8_000, 1, 100), rec: evicted(9_600), snap: snapOf(9_600),
+			mode: mPrefill, reason: kvcv1.RouteReason_ROUTE_REASON_PREFIX_MISMATCH},
 		{name: "evicted, snapshot content unknown: re-prefill", prompt: grow(held, 300), rec: evicted(9_600),
 			mode: mPrefill, reason: kvcv1.RouteReason_ROUTE_REASON_PREFIX_MISMATCH},
 	}

@@ -488,7 +488,8 @@ func (c *Cycle) pick(p *Profile) (*Cand, kvcv1.RouteReason) {
 // snapshot returns the prefill worker holding a usable snapshot and the tokens of it to reuse,
 // or nil and the reason why not (SNAPSHOT_HIT when usable). On content, only the snapshot's
 // prefix that is provably a prefix of the prompt is reused (PREFIX_MISMATCH when that is
-// shorter than the whole snapshot, or nothing).
+// shorter than the whole snapshot, or nothing). Usable: it covers the input (on content its
+// full pages) minus tail_tolerance_tokens; a longer one is reused up to the input.
 func (c *Cycle) snapshot() (*kvcv1.Worker, kvcv1.RouteReason, int64) {
 	if !c.K.SnapshotsEnabled {
 		return nil, kvcv1.RouteReason_ROUTE_REASON_SNAPSHOTS_DISABLED, 0
@@ -504,7 +505,13 @@ func (c *Cycle) snapshot() (*kvcv1.Worker, kvcv1.RouteReason, int64) {
 	if m := c.K.SnapshotMaxStalenessMs; m > 0 && c.In.NowMs-s.UpdatedUnixMs > m {
 		return nil, kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_STALE, 0
 	}
-	tokens, reason := s.Seqlen, kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_HIT
+	// Length only: a snapshot longer than the input (the new turn is shorter than the KV the
+	// session had: a shrunken or edited context) is read as the direct path reads the resident
+	// KV, cached up to the input (resident: min(kv_committed_len, input)); the decode worker
+	// loads that many tokens and prefills nothing more (issue 14 item 8: half the stale reseeds
+	// of the Mooncake replay were such turns). On content, only the proven common prefix.
+	tokens, reason := min(s.Seqlen, c.Q.InputTokens), kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_HIT
+	floor := c.Q.InputTokens // the snapshot must cover at least this minus tail_tolerance_tokens
 	if c.In.Content.known() {
 		t, ok := c.snapshotPrefix(s.Seqlen)
 		if !ok {
@@ -514,8 +521,10 @@ func (c *Cycle) snapshot() (*kvcv1.Worker, kvcv1.RouteReason, int64) {
 			reason = kvcv1.RouteReason_ROUTE_REASON_PREFIX_MISMATCH
 		}
 		tokens = t
+		// content reuses whole pages only: the input's partial last page is not a shortfall
+		floor = c.Q.InputTokens / c.In.Content.PageSize * c.In.Content.PageSize
 	}
-	if tokens < c.Q.InputTokens-c.K.TailToleranceTokens || tokens > c.Q.InputTokens {
+	if tokens < floor-c.K.TailToleranceTokens || tokens > c.Q.InputTokens || tokens <= 0 {
 		if reason == kvcv1.RouteReason_ROUTE_REASON_PREFIX_MISMATCH {
 			return nil, reason, 0
 		}

@@ -282,8 +282,43 @@ func TestDecideEveryModeAndReason(t *testing.T) {
 		{name: "snapshot within tail tolerance", q: q(40_000, 100, 5),
 			rec:     &kvcv1.SessionRecord{SessionId: "s", Generation: 1, Snapshot: snap("p1", 37_952)},
 			workers: cluster(), mode: mSnap, reason: R(kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_HIT)},
-		{name: "snapshot longer than the input: stale", q: q(20_000, 100, 5),
+		// A turn shorter than the snapshot (a shrunken context, issue 14 item 8): read as the
+		// direct path reads the resident KV, cached up to the input.
+		{name: "snapshot one token longer than the input: reused up to the input", q: q(20_000, 100, 5),
 			rec:     &kvcv1.SessionRecord{SessionId: "s", Generation: 1, Snapshot: snap("p1", 20_001)},
+			workers: cluster(), mode: mSnap, reason: R(kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_HIT), prefill: "p1",
+			check: func(t *testing.T, d Decision) {
+				if d.SnapshotSeqlen != 20_000 || d.CachedTokens != 20_000 || d.SnapshotGeneration != 1 || d.UsesPrefill || d.ReservedTokens != 20_100 {
+					t.Errorf("shrink reseed: %+v", d)
+				}
+			}},
+		{name: "snapshot far longer than the input (context shrank by half): reused up to the input", q: q(12_000, 100, 5),
+			rec:     &kvcv1.SessionRecord{SessionId: "s", Generation: 3, PreviousDecodeWorker: "d2", Snapshot: snap("p2", 24_000)},
+			workers: cluster(), mode: mSnap, reason: R(kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_HIT), prefill: "p2",
+			check: func(t *testing.T, d Decision) {
+				if d.SnapshotSeqlen != 12_000 || d.CachedTokens != 12_000 || d.Cause != kvcv1.RouteReason_ROUTE_REASON_SESSION_EVICTED {
+					t.Errorf("shrink reseed: %+v", d)
+				}
+			}},
+		{name: "snapshot longer than the input with tail tolerance 0: still usable", k: func(p *kvcv1.Policy) { p.TailToleranceTokens = i64(0) },
+			q:       q(5_000, 100, 5),
+			rec:     &kvcv1.SessionRecord{SessionId: "s", Generation: 1, Snapshot: snap("p1", 5_500)},
+			workers: cluster(), mode: mSnap, reason: R(kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_HIT),
+			check: func(t *testing.T, d Decision) {
+				if d.SnapshotSeqlen != 5_000 {
+					t.Errorf("snapshot_seqlen %d, want 5000", d.SnapshotSeqlen)
+				}
+			}},
+		{name: "snapshot equal to the input: hit", q: q(20_000, 100, 5),
+			rec:     &kvcv1.SessionRecord{SessionId: "s", Generation: 1, Snapshot: snap("p1", 20_000)},
+			workers: cluster(), mode: mSnap, reason: R(kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_HIT)},
+		{name: "snapshot longer than the input but too old: stale", k: func(p *kvcv1.Policy) { p.SnapshotMaxStalenessMs = i64(999) },
+			q:       q(20_000, 100, 5),
+			rec:     &kvcv1.SessionRecord{SessionId: "s", Generation: 1, Snapshot: snap("p1", 30_000)},
+			workers: cluster(), mode: mPrefill, reason: R(kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_STALE)},
+		{name: "tail tolerance 0: a snapshot one token short is stale", k: func(p *kvcv1.Policy) { p.TailToleranceTokens = i64(0) },
+			q:       q(5_000, 100, 5),
+			rec:     &kvcv1.SessionRecord{SessionId: "s", Generation: 1, Snapshot: snap("p1", 4_999)},
 			workers: cluster(), mode: mPrefill, reason: R(kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_STALE)},
 		{name: "snapshot too old: stale", k: func(p *kvcv1.Policy) { p.SnapshotMaxStalenessMs = i64(999) }, q: q(30_000, 100, 5),
 			rec:     &kvcv1.SessionRecord{SessionId: "s", Generation: 1, Snapshot: snap("p1", 29_000)},
@@ -386,6 +421,26 @@ func TestDecideEveryModeAndReason(t *testing.T) {
 			check: func(t *testing.T, d Decision) {
 				if d.From != "d1" || d.Cause != kvcv1.RouteReason_ROUTE_REASON_MIGRATED_AFTER_REJECTS {
 					t.Errorf("migration: %+v", d)
+				}
+			}},
+		{name: "migrate after threshold, the turn shorter than the snapshot: from it up to the input", q: q(15_000, 100, 5),
+			rec: with2(resident("d1", 19_000), func(r *kvcv1.SessionRecord) {
+				r.DRejects = map[string]int32{"d1": 3}
+				r.Snapshot = snap("p1", 19_000)
+			}),
+			workers: cluster(), mode: mSnap, reason: R(kvcv1.RouteReason_ROUTE_REASON_MIGRATED_AFTER_REJECTS), prefill: "p1", decode: "d2",
+			check: func(t *testing.T, d Decision) {
+				if d.SnapshotSeqlen != 15_000 || d.CachedTokens != 15_000 || d.From != "d1" {
+					t.Errorf("migration shrink: %+v", d)
+				}
+			}},
+		{name: "D unreachable, the turn shorter than the snapshot: from it up to the input", q: q(26_000, 100, 5),
+			rec:     with2(resident("d1", 28_000), func(r *kvcv1.SessionRecord) { r.Snapshot = snap("p1", 28_000) }),
+			workers: []*kvcv1.Worker{pW("p1", 0), unreachable(dW("d1", 100_000, 0)), dW("d2", 100_000, 0)},
+			mode:    mSnap, reason: R(kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_HIT), prefill: "p1", decode: "d2",
+			check: func(t *testing.T, d Decision) {
+				if d.SnapshotSeqlen != 26_000 || d.Cause != kvcv1.RouteReason_ROUTE_REASON_D_UNREACHABLE || d.ReservedTokens != 26_100 {
+					t.Errorf("unreachable shrink: %+v", d)
 				}
 			}},
 		{name: "migrate after threshold without snapshot", q: q(20_000, 100, 5),
