@@ -10,10 +10,14 @@ import (
 
 // Content addresses (issue 13): what the leader knows of each session's KV content, learnt
 // from the gateway — the prompt's chained page hashes in the query, the generated part's in the
-// outcome (RouteOutcome.kv_pages). It lives in the leader's memory only (not in the session
-// record, whose proto this package does not own): a new leader starts without it, and a
-// session whose content it does not know is never appended to on lengths alone — its next
-// turn reseeds (PREFIX_MISMATCH) and the outcome teaches the new leader its chain.
+// outcome (RouteOutcome.kv_pages). The leader keeps it in memory and persists each session's
+// compact chain in its record (SessionRecord.content_chain, encodeChain: written with the
+// outcome that changed it, through the volatile journal like kv_committed_len). A new leader
+// loads a record's chain on the session's first decision (loadChain) when it describes the
+// record's decode worker and committed length; a session whose content it does not know is
+// never appended to on lengths alone — its next turn reseeds (PREFIX_MISMATCH) and the outcome
+// teaches the new leader its chain. Snapshot anchors are not persisted: after a failover a
+// snapshot's content is known again from the session's next commit on.
 
 // Bounds of the content index.
 const (
@@ -147,11 +151,12 @@ func view(e *contentEntry, pageSize int64, prompt []uint64, rec *kvcv1.SessionRe
 
 // record stores a session's content after a successful turn that left it resident on decode
 // with kvLen tokens in KV generation gen: the prompt's full pages, then the outcome's pages
-// past them (the generated tokens), cut to ⌊kvLen / page⌋.
-func (cs *contentStore) record(session, decode string, pageSize int64, prompt, extra []uint64, kvLen int64, gen uint64) {
+// past them (the generated tokens), cut to ⌊kvLen / page⌋. It returns the stored entry (nil:
+// forgotten).
+func (cs *contentStore) record(session, decode string, pageSize int64, prompt, extra []uint64, kvLen int64, gen uint64) *contentEntry {
 	if pageSize <= 0 || kvLen <= 0 {
 		cs.forget(session)
-		return
+		return nil
 	}
 	full := int(kvLen / pageSize)
 	chain := make([]uint64, 0, min(len(prompt)+len(extra), full))
@@ -161,29 +166,40 @@ func (cs *contentStore) record(session, decode string, pageSize int64, prompt, e
 	}
 	sp, err := pagehash.NewSparse(policy.SparseTail(pageSize), pagehash.DefaultStride)
 	if err != nil {
-		return
+		cs.forget(session)
+		return nil
 	}
 	sp.Append(chain)
 	e := &contentEntry{decode: decode, kvLen: kvLen, pageSize: pageSize, gen: gen, chain: sp}
 	e.indexed = chain[:min(len(chain), maxIndexPages):min(len(chain), maxIndexPages)]
+	if len(chain) == full && full > 0 {
+		e.anchors = []anchor{{gen: gen, tokens: kvLen, pages: full, last: chain[full-1]}}
+	}
+	cs.store(session, e, true)
+	return e
+}
+
+// store puts e as session's entry and indexes its first pages on its decode worker. keep:
+// carry the previous entry's anchors (same page size) before e's own.
+func (cs *contentStore) store(session string, e *contentEntry, keep bool) {
+	own := e.anchors
+	e.anchors = nil
 	cs.mu.Lock()
 	defer cs.mu.Unlock()
 	if old := cs.m[session]; old != nil {
 		cs.unindexLocked(old)
-		if old.pageSize == pageSize {
-			e.anchors = append(e.anchors, old.anchors[max(0, len(old.anchors)-maxAnchors+1):]...)
+		if keep && old.pageSize == e.pageSize {
+			e.anchors = append(e.anchors, old.anchors[max(0, len(old.anchors)-maxAnchors+len(own)):]...)
 		}
 	}
-	idx := cs.prefix[decode]
+	e.anchors = append(e.anchors, own...)
+	idx := cs.prefix[e.decode]
 	if idx == nil {
 		idx = map[uint64]int32{}
-		cs.prefix[decode] = idx
+		cs.prefix[e.decode] = idx
 	}
 	for _, h := range e.indexed {
 		idx[h]++
-	}
-	if len(chain) == full && full > 0 {
-		e.anchors = append(e.anchors, anchor{gen: gen, tokens: kvLen, pages: full, last: chain[full-1]})
 	}
 	if _, ok := cs.m[session]; !ok && len(cs.m) >= maxContentSessions {
 		for k, v := range cs.m { // bounded: drop an arbitrary session (its next turn reseeds)

@@ -92,9 +92,15 @@ func TestRouteOnContent(t *testing.T) {
 		t.Fatalf("truncations metric %v", v)
 	}
 
-	// A session resident by length but of unknown content (a new leader, an outcome without
-	// hashes): never appended to on lengths.
+	// The record carries the chain the leader holds (contentrecord.go).
+	if rec := f.session("c1"); loadChain(rec) == nil {
+		t.Fatalf("record's content_chain (%d bytes) does not describe its residency", len(rec.ContentChain))
+	}
+	// A session resident by length but of unknown content (a new leader without the record's
+	// chain, e.g. written before content_chain existed; an outcome without hashes): never
+	// appended to on lengths.
 	f.s.content.forget("c1")
+	f.c.UpdateSession("c1", func(r *kvcv1.SessionRecord) { r.ContentChain = nil })
 	d = f.contentDecide("c1", append(append([]uint32(nil), edited...), idsN(40, 99_000)...), 10)
 	if d.Reason != kvcv1.RouteReason_ROUTE_REASON_PREFIX_MISMATCH || d.Mode == kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D {
 		t.Fatalf("unknown content: %s/%s", d.Mode, d.Reason)

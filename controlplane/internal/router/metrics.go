@@ -22,6 +22,7 @@ type metrics struct {
 	truncations    prometheus.Counter
 	pins           *prometheus.CounterVec
 	contentGauge   prometheus.GaugeFunc
+	contentLoaded  prometheus.Counter
 	admitted       *prometheus.CounterVec
 	rejected       *prometheus.CounterVec
 	commands       *prometheus.CounterVec
@@ -120,6 +121,10 @@ func newMetrics(reg prometheus.Registerer, s *Service) *metrics {
 	m.contentGauge = prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: "kvc_router_content_sessions", Help: "Sessions whose KV content (page hash chain) the leader knows.",
 	}, func() float64 { return float64(s.content.len()) })
+	m.contentLoaded = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "kvc_router_content_loaded_total",
+		Help: "Sessions' page chains this leader loaded from their records (content_chain) on their first decision.",
+	})
 	m.outcomeByKey = make(map[[2]int32]prometheus.Counter)
 	m.ttftByMode = make(map[int32]prometheus.Observer)
 	for mv := range kvcv1.RouteMode_name {
@@ -133,7 +138,7 @@ func newMetrics(reg prometheus.Registerer, s *Service) *metrics {
 	}
 	if reg != nil {
 		reg.MustRegister(m.decisions, m.latency, m.outcomes, m.ttft, m.errors, m.expired, m.migrations,
-			m.admitted, m.rejected, m.commands, m.reservations, m.reservedTokens, m.truncations, m.contentGauge, m.pins)
+			m.admitted, m.rejected, m.commands, m.reservations, m.reservedTokens, m.truncations, m.contentGauge, m.contentLoaded, m.pins)
 	}
 	return m
 }

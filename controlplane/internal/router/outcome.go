@@ -61,32 +61,31 @@ func (s *Service) apply(r *reservation, o *kvcv1.RouteOutcome, nowMs int64) {
 	kvLen := o.KvLenAfter
 	switch {
 	case o.Success && exec == r.mode && r.opens && r.decode != "":
-		s.learn(r, o, s.resident(r, kvLen, nowMs))
+		s.resident(r, o, kvLen, nowMs)
 	case o.Success && exec == r.mode && r.extendsSession() && (r.truncate > 0 || o.TruncatedTo > 0):
 		// D rewrote the session from a token on (released it on its sidecar and committed it
 		// anew): a new KV generation, with a new snapshot target, as after a reseed.
 		s.m.truncations.Inc()
-		s.learn(r, o, s.resident(r, kvLen, nowMs))
+		s.resident(r, o, kvLen, nowMs)
 	case o.Success && exec == r.mode && r.extendsSession():
-		x := s.updateSession(r, kvLen, nowMs, (*outcomeCtx).extended)
-		gen, kept := x.gen, x.kept
+		x := s.updateSession(r, o, kvLen, nowMs, (*outcomeCtx).extended)
+		kept := x.kept
 		x.release()
 		if kept {
-			s.learn(r, o, gen)
 			s.sendHints(r, s.grantHints(r, nowMs))
 		}
 	case !o.Success && kind == kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D && r.decode != "" && r.keep:
-		s.updateSession(r, kvLen, nowMs, (*outcomeCtx).rejected).release()
+		s.updateSession(r, nil, kvLen, nowMs, (*outcomeCtx).rejected).release()
 		s.m.rejected.WithLabelValues(r.decode, "d").Inc()
 	case !o.Success && kind == kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_SESSION_NOT_RESIDENT && r.decode != "":
 		// D says it does not hold the session (it evicted it; its EVICTED event may still be on
 		// the way): drop the residency now, so that the retry reseeds instead of coming back.
-		s.updateSession(r, kvLen, nowMs, (*outcomeCtx).notResident).release()
+		s.updateSession(r, nil, kvLen, nowMs, (*outcomeCtx).notResident).release()
 		s.m.rejected.WithLabelValues(r.decode, "not_resident").Inc()
 	case !o.Success && kind == kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_SNAPSHOT_FAILED &&
 		r.mode == kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT:
 		// A failed snapshot is not trusted again: the next reseed re-prefills.
-		s.updateSession(r, kvLen, nowMs, (*outcomeCtx).snapshotFailed).release()
+		s.updateSession(r, nil, kvLen, nowMs, (*outcomeCtx).snapshotFailed).release()
 	}
 }
 
@@ -94,6 +93,9 @@ func (s *Service) apply(r *reservation, o *kvcv1.RouteOutcome, nowMs int64) {
 // without a closure allocation per outcome: pooled, with its callback bound once.
 type outcomeCtx struct {
 	r      *reservation
+	s      *Service
+	o      *kvcv1.RouteOutcome // a successful turn's outcome: learn its content (nil: nothing to learn)
+	learn  bool                // the effect left the session resident on r.decode: learn o's content
 	kvLen  int64
 	nowMs  int64
 	effect func(x *outcomeCtx, rec *kvcv1.SessionRecord)
@@ -117,15 +119,40 @@ var outcomePool = sync.Pool{New: func() any {
 	return x
 }}
 
-func (x *outcomeCtx) apply(rec *kvcv1.SessionRecord) { x.effect(x, rec) }
+func (x *outcomeCtx) apply(rec *kvcv1.SessionRecord) {
+	x.effect(x, rec)
+	if x.learn && x.o != nil {
+		x.learnContent(rec)
+	}
+}
+
+// learnContent records the session's content after a successful turn that left it resident on
+// r.decode (content.go) and persists its compact chain in the record, in the same update as
+// the committed length it describes (contentrecord.go). Without hashes in the query, or
+// without the KV length, the control plane forgets what it knew: the KV changed in a way it
+// cannot see.
+func (x *outcomeCtx) learnContent(rec *kvcv1.SessionRecord) {
+	r, o := x.r, x.o
+	var e *contentEntry
+	if r.pageSize > 0 && o.KvLenAfter > 0 {
+		e = x.s.content.record(r.session, r.decode, r.pageSize, r.prompt, o.KvPages, o.KvLenAfter, rec.Generation)
+	} else {
+		x.s.content.forget(r.session)
+	}
+	if e == nil {
+		rec.ContentChain = nil
+		return
+	}
+	rec.ContentChain = encodeChain(e)
+}
 
 // updateSession runs effect on r's session record inside Cluster.UpdateSession (which calls
 // it synchronously and keeps no reference to it) and returns the context for its results;
 // the caller hands it back with release.
-func (s *Service) updateSession(r *reservation, kvLen, nowMs int64, effect func(*outcomeCtx, *kvcv1.SessionRecord)) *outcomeCtx {
+func (s *Service) updateSession(r *reservation, o *kvcv1.RouteOutcome, kvLen, nowMs int64, effect func(*outcomeCtx, *kvcv1.SessionRecord)) *outcomeCtx {
 	x := outcomePool.Get().(*outcomeCtx)
 	fn := x.fn
-	*x = outcomeCtx{r: r, kvLen: kvLen, nowMs: nowMs, effect: effect, fn: fn}
+	*x = outcomeCtx{r: r, s: s, o: o, kvLen: kvLen, nowMs: nowMs, effect: effect, fn: fn}
 	s.c.UpdateSession(r.session, fn)
 	return x
 }
@@ -141,7 +168,7 @@ func (x *outcomeCtx) extended(rec *kvcv1.SessionRecord) {
 	if rec.DecodeWorker != x.r.decode {
 		return // moved meanwhile; this outcome is about an old residency
 	}
-	x.kept, x.gen = true, rec.Generation
+	x.kept, x.gen, x.learn = true, rec.Generation, true
 	rec.KvCommittedLen = x.committed(rec.KvCommittedLen)
 	rec.DRejects = nil
 	rec.LastSeenUnixMs = x.nowMs
@@ -197,6 +224,7 @@ func (x *outcomeCtx) becameResident(rec *kvcv1.SessionRecord) {
 	rec.KvCommittedLen = x.committed(have)
 	rec.Generation++
 	x.gen = rec.Generation
+	x.learn = true
 	if r.from != "" && r.from != r.decode {
 		rec.Migrations++
 		rec.PreviousDecodeWorker = r.from
@@ -212,8 +240,8 @@ func (x *outcomeCtx) becameResident(rec *kvcv1.SessionRecord) {
 
 // resident makes the session resident on r.decode after a successful seed or reseed, then
 // names its snapshot target and releases it on the D it left.
-func (s *Service) resident(r *reservation, kvLen, nowMs int64) (gen uint64) {
-	x := s.updateSession(r, kvLen, nowMs, (*outcomeCtx).becameResident)
+func (s *Service) resident(r *reservation, o *kvcv1.RouteOutcome, kvLen, nowMs int64) (gen uint64) {
+	x := s.updateSession(r, o, kvLen, nowMs, (*outcomeCtx).becameResident)
 	gen, moved, snapP, stale := x.gen, x.moved, x.snapP, x.stale
 	until, low := x.until, x.low
 	x.release()
@@ -273,15 +301,4 @@ func (s *Service) resident(r *reservation, kvLen, nowMs int64) (gen uint64) {
 		s.noteTarget(r.session, p.WorkerId)
 	}
 	return gen
-}
-
-// learn records the session's content after a successful turn that left it resident on
-// r.decode in KV generation gen (content.go). Without hashes in the query, or without the
-// KV length, the control plane forgets what it knew: the KV changed in a way it cannot see.
-func (s *Service) learn(r *reservation, o *kvcv1.RouteOutcome, gen uint64) {
-	if r.pageSize <= 0 || o.KvLenAfter <= 0 {
-		s.content.forget(r.session)
-		return
-	}
-	s.content.record(r.session, r.decode, r.pageSize, r.prompt, o.KvPages, o.KvLenAfter, gen)
 }

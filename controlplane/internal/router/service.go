@@ -416,6 +416,15 @@ func (x *queryCtx) decide(rec *kvcv1.SessionRecord) {
 // onRecord is the UpdateSession callback: decide on the live record, then apply the
 // decision's effects on it (turn, last seen, a local rejection) in the same step.
 func (x *queryCtx) onRecord(rec *kvcv1.SessionRecord) {
+	if x.entry == nil && x.q.PageSize > 0 && len(rec.ContentChain) > 0 {
+		// A chain this leader does not hold in memory (a new leader): the record's, when it
+		// describes the record's residency (contentrecord.go).
+		if e := loadChain(rec); e != nil {
+			x.s.content.store(x.q.SessionId, e, false)
+			x.s.m.contentLoaded.Inc()
+			x.entry, x.overlap = e, nil
+		}
+	}
 	x.lowChanged = rec.LowPriority != x.q.LowPriority
 	rec.LowPriority = x.q.LowPriority // the agent's hint, per turn (hints.go)
 	x.decide(rec)

@@ -3,6 +3,7 @@ package routertest
 import (
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 
 	"github.com/kvcentric/kvcentric/controlplane/internal/policy"
@@ -77,6 +78,9 @@ func CopyRecord(r *kvcv1.SessionRecord) *kvcv1.SessionRecord {
 		LastSeenUnixMs: r.LastSeenUnixMs, Epoch: r.Epoch, CreatedUnixMs: r.CreatedUnixMs, Generation: r.Generation,
 		Migrations: r.Migrations, PreviousDecodeWorker: r.PreviousDecodeWorker,
 		PinnedUntilUnixMs: r.PinnedUntilUnixMs, LowPriority: r.LowPriority,
+	}
+	if len(r.ContentChain) > 0 {
+		out.ContentChain = slices.Clone(r.ContentChain)
 	}
 	if s := r.Snapshot; s != nil {
 		out.Snapshot = &kvcv1.SnapshotInfo{PrefillWorker: s.PrefillWorker, Seqlen: s.Seqlen, Generation: s.Generation,
