@@ -37,6 +37,7 @@ func run(args []string, getenv func(string) string, stderr io.Writer) int {
 	relHigh := fs.Float64("release-high-watermark", 0, "capacity release: above this fraction of the KV pool, release idle sessions whose snapshot is current (WorkerReleaseCommand to the worker); 0 disables (for workers that never evict, e.g. SGLang streaming sessions: 0.9)")
 	relLow := fs.Float64("release-low-watermark", 0.8, "capacity release: release down to this fraction of the KV pool (below the high watermark)")
 	relIdle := fs.Duration("release-min-idle", 5*time.Second, "capacity release: never release a session committed more recently than this")
+	idleFlush := fs.Duration("snapshot-idle-flush", 2*time.Second, "push a session's unpushed tail, whatever --snapshot-delta-tokens says, once it had no commit for this long (keeps idle sessions' snapshots current for a reseed after an eviction); 0 disables")
 	if err := flagenv.Parse(fs, args, getenv); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return 0
@@ -55,6 +56,8 @@ func run(args []string, getenv func(string) string, stderr io.Writer) int {
 		err = fmt.Errorf("--snapshot-credit-pages must not be negative")
 	case *pushTimeout <= 0 || *roomTimeout <= 0:
 		err = fmt.Errorf("--push-timeout and --room-timeout must be positive")
+	case *idleFlush < 0 || *idleFlush > time.Hour:
+		err = fmt.Errorf("--snapshot-idle-flush %v out of range [0, 1h] (0 disables)", *idleFlush)
 	}
 	rel := decode.ReleaseConfig{High: *relHigh, Low: *relLow, MinIdle: *relIdle}
 	if err == nil {
@@ -76,7 +79,7 @@ func run(args []string, getenv func(string) string, stderr io.Writer) int {
 	core := decode.New(decode.Config{WorkerID: c.WorkerID, Node: rt.Node, GPUIndex: int32(c.GPUIndex), WorkerURL: c.WorkerURL,
 		Transport: c.Transport, PeerAddr: rt.PeerAddr, KVCapacity: c.KVCapacityTokens, DeltaTokens: *delta, PushWorkers: *workers,
 		PushTimeout: *pushTimeout, RoomTimeout: *roomTimeout, SnapshotCreditPages: *creditPages, Version: version, PeerDial: rt.PeerDialOptions(),
-		Release: rel}, rt.Engine, rt.Events, rt.Log)
+		Release: rel, IdleFlush: *idleFlush}, rt.Engine, rt.Events, rt.Log)
 	defer core.Close()
 	if err := rt.Serve(ctx, core, func(cp *agent.ControlPlane) { core.SetReporter(cp) }); err != nil {
 		rt.Log.Error().Err(err).Msg("sidecar stopped")

@@ -33,6 +33,10 @@ func TestBadFlags(t *testing.T) {
 		{"release low above high", append(base, "--release-high-watermark", "0.7", "--release-low-watermark", "0.8"), nil, "release low watermark"},
 		{"release low from env", append(base, "--release-high-watermark", "0.9"), map[string]string{"KVC_RELEASE_LOW_WATERMARK": "-0.1"}, "release low watermark"},
 		{"release high from env", base, map[string]string{"KVC_RELEASE_HIGH_WATERMARK": "-1"}, "release high watermark"},
+		{"idle flush negative", append(base, "--snapshot-idle-flush", "-1s"), nil, "--snapshot-idle-flush"},
+		{"idle flush too long", append(base, "--snapshot-idle-flush", "2h"), nil, "--snapshot-idle-flush"},
+		{"idle flush unparsable from env", base, map[string]string{"KVC_SNAPSHOT_IDLE_FLUSH": "soon"}, "KVC_SNAPSHOT_IDLE_FLUSH"},
+		{"idle flush negative from env", base, map[string]string{"KVC_SNAPSHOT_IDLE_FLUSH": "-5s"}, "--snapshot-idle-flush"},
 		{"release idle negative", append(base, "--release-high-watermark", "0.9", "--release-min-idle", "-1s"), nil, "minimum idle"},
 	}
 	for _, tt := range tests {

@@ -45,7 +45,11 @@ func (s *Sidecar) pushSession(ctx context.Context, id string) {
 	s.mu.Lock()
 	s.inflight--
 	ss.push = nil
-	ss.forcePush = false
+	if job.end >= ss.committed {
+		// the forced push carried the newest commit; a commit that came while it ran keeps
+		// the force, so its tail goes out too (an idle flush fires only once)
+		ss.forcePush = false
+	}
 	if err == nil && !ss.gone && ss.target == job.target {
 		ss.lastPushed = seqlen
 		ss.retagFrom = 0 // the store's entry is this generation's now

@@ -50,6 +50,9 @@ type Config struct {
 	PeerDial []grpc.DialOption
 	// Release configures the capacity release of idle sessions (release.go); zero: off.
 	Release ReleaseConfig
+	// IdleFlush: a session with no commit for this long gets its unpushed tail pushed whatever
+	// DeltaTokens says (idle.go); 0 disables.
+	IdleFlush time.Duration
 }
 
 // errReleased cancels the push of a released session.
@@ -88,6 +91,9 @@ type Sidecar struct {
 	credits creditBook    // store credits by store peer (credit.go)
 
 	rel releaser // capacity release of idle sessions (release.go)
+
+	after       afterFunc // idle-flush timers (idle.go)
+	idleFlushes int64     // idle flushes that queued a push
 }
 
 type session struct {
@@ -103,7 +109,9 @@ type session struct {
 	push       *pushRun
 	gone       bool
 	lastCommit time.Time // when the worker last committed it (its idle time starts here)
-	forcePush  bool      // push even below delta: the capacity release waits for a current snapshot
+	forcePush  bool      // push even below delta: the capacity release or the idle flush waits for a current snapshot
+	commits    uint64    // commits seen: an idle-flush timer fires only for the newest (idle.go)
+	idle       idleTimer // the idle-flush timer armed by the last commit
 	releasing  bool      // a capacity release command is out for it
 }
 
@@ -138,6 +146,7 @@ func New(cfg Config, eng rdma.Engine, ev *agent.EventLog, log zerolog.Logger) *S
 		rooms: map[int64]*recvRoom{}, dropped: map[string]struct{}{}, delta: cfg.DeltaTokens, enabled: true, wake: make(chan struct{}, 1)}
 	s.att = agent.NewAttach(s.attachState, log.With().Str("part", "attach").Logger())
 	s.rel = newReleaser(cfg.Release)
+	s.after = realAfterFunc
 	return s
 }
 
@@ -370,6 +379,7 @@ func (s *Sidecar) CommitSession(_ context.Context, req *kvcv1.CommitSessionReque
 	ss.pages = append(ss.pages[:0:0], req.GetPages()...)
 	ss.lastCommit = time.Now()
 	enq := s.maybeEnqueueLocked(ss)
+	s.armIdleLocked(ss)
 	gen := ss.gen
 	s.mu.Unlock()
 	s.rep.Report(&kvcv1.SessionEvent{SessionId: req.GetSessionId(), Kind: kvcv1.SessionEventKind_SESSION_EVENT_KIND_COMMITTED, KvLen: n, Generation: gen})
@@ -416,6 +426,7 @@ func (s *Sidecar) drop(id string) (*session, bool, bool) {
 		return nil, false, false
 	}
 	ss.gone = true
+	s.stopIdleLocked(ss)
 	delete(s.sessions, id)
 	run := ss.push
 	s.mu.Unlock()
