@@ -392,3 +392,60 @@ func BenchmarkJournalKey(b *testing.B) {
 	}
 	b.ReportMetric(float64(st.jr.bytes)/float64(len(st.jr.keys))/journalMaxEntries, "journal-bytes/session")
 }
+
+// TestJournalContentChainCost: the content chain (SessionRecord.content_chain, ~450 bytes for
+// a 32K-token session in 64-token pages) rides in the journal with kv_committed_len — a turn
+// is still no record write — and what that costs in etcd: journal keys fill by bytes
+// (journalMaxBytes) instead of by entries. A new leader gets each session's latest chain.
+func TestJournalContentChainCost(t *testing.T) {
+	const sessions, chainBytes = 2_000, 450
+	f := newFixture(t, Config{NodeID: "cp-1", FlushDelay: 5 * time.Millisecond, VolatileFlush: time.Hour})
+	st, ctx := f.st, t.Context()
+	for i := range sessions {
+		st.UpdateSession(fmt.Sprintf("sess-%06d", i), func(r *kvcv1.SessionRecord) { r.DecodeWorker = "d0"; r.KvCommittedLen = 1_000 })
+	}
+	must(t, st.Flush(ctx))
+	chain := func(i, turn int) []byte {
+		b := bytes.Repeat([]byte{byte(turn)}, chainBytes)
+		b[0], b[1] = byte(i), byte(i>>8)
+		return b
+	}
+	var without, with int
+	for turn, withChain := range []bool{false, true} {
+		before := journalWrites(t, st)
+		for i := range sessions {
+			st.UpdateSession(fmt.Sprintf("sess-%06d", i), func(r *kvcv1.SessionRecord) {
+				r.KvCommittedLen += 300
+				r.Turn++
+				if withChain {
+					r.ContentChain = chain(i, turn)
+				}
+			})
+		}
+		must(t, st.Flush(ctx))
+		keys := journalWrites(t, st) - before
+		_, size := journalBatches(t, f.store)
+		t.Logf("chain %v: %d sessions → %d journal keys, %d bytes in etcd (%.0f per session)", withChain, sessions, keys, size, float64(size)/sessions)
+		if withChain {
+			with = keys
+		} else {
+			without = keys
+		}
+	}
+	if rec, _, err := f.store.GetSession(ctx, "sess-000977"); err != nil || rec.GetKvCommittedLen() != 1_000 || len(rec.GetContentChain()) != 0 {
+		t.Fatalf("the record in etcd was rewritten by volatile turns: %v, %v", rec, err)
+	}
+	// ~480 bytes per entry: keys fill at journalMaxBytes, not journalMaxEntries.
+	if want := sessions * (chainBytes + 30) / journalMaxBytes; with < want || with > want+2 || without > 2 {
+		t.Fatalf("journal keys: %d with chains (want about %d), %d without", with, want, without)
+	}
+	// A crash of this leader: the next one loads each session's latest chain.
+	_ = f.sess.Close()
+	g := leadOn(t, f.store, Config{NodeID: "cp-2"})
+	for _, i := range []int{0, 977, sessions - 1} {
+		rec, ok := g.st.Session(fmt.Sprintf("sess-%06d", i))
+		if !ok || !bytes.Equal(rec.ContentChain, chain(i, 1)) || rec.KvCommittedLen != 1_600 {
+			t.Fatalf("session %d loaded %v", i, rec)
+		}
+	}
+}
