@@ -411,7 +411,12 @@ type RouteQuery struct {
 	// Agent hint: the session is low priority — it is released first by the decode sidecar's
 	// capacity release and its prefills are hinted low priority. Sticky on the session once set
 	// by a turn; a turn without it clears it.
-	LowPriority   bool `protobuf:"varint,12,opt,name=low_priority,json=lowPriority,proto3" json:"low_priority,omitempty"`
+	LowPriority bool `protobuf:"varint,12,opt,name=low_priority,json=lowPriority,proto3" json:"low_priority,omitempty"`
+	// W3C Trace Context of the request this query is for (the gateway's request span), e.g.
+	// "00-<32 hex trace id>-<16 hex span id>-01". The Route stream is long-lived, so gRPC
+	// metadata cannot carry a per-request trace: the control plane's decision span is its child.
+	// Optional; a malformed value is ignored (the decision starts a trace of its own).
+	Traceparent   string `protobuf:"bytes,13,opt,name=traceparent,proto3" json:"traceparent,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -528,6 +533,13 @@ func (x *RouteQuery) GetLowPriority() bool {
 		return x.LowPriority
 	}
 	return false
+}
+
+func (x *RouteQuery) GetTraceparent() string {
+	if x != nil {
+		return x.Traceparent
+	}
+	return ""
 }
 
 type RouteOutcome struct {
@@ -1291,7 +1303,7 @@ const file_kvc_v1_router_proto_rawDesc = "" +
 	"\fRouteRequest\x12*\n" +
 	"\x05query\x18\x01 \x01(\v2\x12.kvc.v1.RouteQueryH\x00R\x05query\x120\n" +
 	"\aoutcome\x18\x02 \x01(\v2\x14.kvc.v1.RouteOutcomeH\x00R\aoutcomeB\x06\n" +
-	"\x04kind\"\x98\x03\n" +
+	"\x04kind\"\xba\x03\n" +
 	"\n" +
 	"RouteQuery\x12\x1d\n" +
 	"\n" +
@@ -1309,7 +1321,8 @@ const file_kvc_v1_router_proto_rawDesc = "" +
 	"\fprompt_pages\x18\n" +
 	" \x03(\x06R\vpromptPages\x12\x15\n" +
 	"\x06pin_ms\x18\v \x01(\x03R\x05pinMs\x12!\n" +
-	"\flow_priority\x18\f \x01(\bR\vlowPriority\"\xe8\x02\n" +
+	"\flow_priority\x18\f \x01(\bR\vlowPriority\x12 \n" +
+	"\vtraceparent\x18\r \x01(\tR\vtraceparent\"\xe8\x02\n" +
 	"\fRouteOutcome\x12\x1f\n" +
 	"\vdecision_id\x18\x01 \x01(\tR\n" +
 	"decisionId\x12\x18\n" +

@@ -957,7 +957,10 @@ type Command struct {
 	//	*Command_PushSnapshot
 	//	*Command_Drain
 	//	*Command_UpdatePolicy
-	Action        isCommand_Action `protobuf_oneof:"action"`
+	Action isCommand_Action `protobuf_oneof:"action"`
+	// W3C Trace Context of the control plane's span this command is part of (the routing
+	// decision it follows from); empty when none. The sidecar's span for the command is its child.
+	Traceparent   string `protobuf:"bytes,8,opt,name=traceparent,proto3" json:"traceparent,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1056,6 +1059,13 @@ func (x *Command) GetUpdatePolicy() *UpdatePolicyCommand {
 		}
 	}
 	return nil
+}
+
+func (x *Command) GetTraceparent() string {
+	if x != nil {
+		return x.Traceparent
+	}
+	return ""
 }
 
 type isCommand_Action interface {
@@ -1601,7 +1611,7 @@ const file_kvc_v1_sidecar_proto_rawDesc = "" +
 	"\tleader_id\x18\x02 \x01(\tR\bleaderId\x12&\n" +
 	"\x06policy\x18\x03 \x01(\v2\x0e.kvc.v1.PolicyR\x06policy\x12\x1f\n" +
 	"\vleader_addr\x18\x04 \x01(\tR\n" +
-	"leaderAddr\"\x9c\x03\n" +
+	"leaderAddr\"\xbe\x03\n" +
 	"\aCommand\x12\x1d\n" +
 	"\n" +
 	"command_id\x18\x01 \x01(\x04R\tcommandId\x12\x14\n" +
@@ -1610,7 +1620,8 @@ const file_kvc_v1_sidecar_proto_rawDesc = "" +
 	"\x0frelease_session\x18\x04 \x01(\v2\x1d.kvc.v1.ReleaseSessionCommandH\x00R\x0ereleaseSession\x12B\n" +
 	"\rpush_snapshot\x18\x05 \x01(\v2\x1b.kvc.v1.PushSnapshotCommandH\x00R\fpushSnapshot\x12,\n" +
 	"\x05drain\x18\x06 \x01(\v2\x14.kvc.v1.DrainCommandH\x00R\x05drain\x12B\n" +
-	"\rupdate_policy\x18\a \x01(\v2\x1b.kvc.v1.UpdatePolicyCommandH\x00R\fupdatePolicyB\b\n" +
+	"\rupdate_policy\x18\a \x01(\v2\x1b.kvc.v1.UpdatePolicyCommandH\x00R\fupdatePolicy\x12 \n" +
+	"\vtraceparent\x18\b \x01(\tR\vtraceparentB\b\n" +
 	"\x06action\"\xf2\x02\n" +
 	"\x18SetSnapshotTargetCommand\x12\x1d\n" +
 	"\n" +
