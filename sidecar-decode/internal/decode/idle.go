@@ -1,6 +1,14 @@
 package decode
 
-import "time"
+import (
+	"time"
+
+	"github.com/kvcentric/kvcentric/pkg/agent"
+)
+
+// evIdleFlush is the event of an idle flush that queued a push (counted in
+// kvc_sidecar_events_total{event="snapshot_idle_flush"}).
+const evIdleFlush = "snapshot_idle_flush"
 
 // Idle flush (issue 14 item 7). Pushes go out when a session's unpushed tail reaches the delta
 // threshold, so the snapshot of a session that stops mid-delta lags its KV by up to the
@@ -58,8 +66,10 @@ func (s *Sidecar) idleFlush(ss *session, seq uint64) bool {
 		ss.forcePush = prev // nowhere to push (no target, snapshots off, its push just failed)
 		return false
 	}
-	if !pending { // counted when the flush queued the push (maybeEnqueueLocked logs the event)
+	if !pending { // counted when the flush queued the push (or re-queues it after a running one)
 		s.idleFlushes++
+		s.ev.Emit(agent.Event{Event: evIdleFlush, Session: ss.id, Generation: ss.target.GetGeneration(), BaseLen: ss.lastPushed,
+			Tokens: ss.committed - ss.lastPushed, Peer: ss.target.GetPrefillWorkerId(), Reason: "idle " + s.cfg.IdleFlush.String()})
 	}
 	return true
 }

@@ -1,13 +1,34 @@
 package decode
 
 import (
+	"bytes"
 	"context"
+	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/kvcentric/kvcentric/pkg/agent"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
+
+// syncBuffer is a bytes.Buffer safe for the event log's writes.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (w *syncBuffer) Write(p []byte) (int, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.b.Write(p)
+}
+
+func (w *syncBuffer) String() string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.b.String()
+}
 
 // fakeTimers is an injected afterFunc: the test fires the armed timers itself.
 type fakeTimers struct {
@@ -55,6 +76,8 @@ func TestIdleFlush(t *testing.T) {
 	s.cfg.IdleFlush = 2 * time.Second
 	ft := &fakeTimers{}
 	s.after = ft.after
+	var evlog syncBuffer
+	s.ev = agent.NewEventLog(&evlog, "d", nil)
 	target := func(sess string) {
 		t.Helper()
 		if err := s.Apply(ctx, &kvcv1.Command{Action: &kvcv1.Command_SetSnapshotTarget{SetSnapshotTarget: &kvcv1.SetSnapshotTargetCommand{
@@ -113,6 +136,9 @@ func TestIdleFlush(t *testing.T) {
 	}
 	if got := s.IdleFlushes(); got != 1 {
 		t.Fatalf("idle flushes %d, want 1", got)
+	}
+	if got := strings.Count(evlog.String(), `"event":"snapshot_idle_flush"`); got != 1 {
+		t.Fatalf("%d snapshot_idle_flush events, want 1: %s", got, evlog.String())
 	}
 	second.f() // fired again (cannot happen with a real timer): the push is already queued
 	if q, _, _ := state("a"); q != 1 {
