@@ -299,6 +299,7 @@ func (s *Server) route(ctx context.Context, req *api.Request, gone []*kvcv1.Work
 			SessionId: req.SessionID, Turn: req.Turn, InputTokens: req.InputTokens,
 			MaxOutputTokens: req.MaxTokens, MultiturnHint: req.Multiturn,
 			PinMs: req.Hints.PinMs, LowPriority: req.Hints.LowPriority,
+			Traceparent: traceparent(ctx), // the decision's span is a child of the request's (trace.go)
 		}
 		if req.PageSize > 0 {
 			q.PageSize, q.PromptPages = int32(req.PageSize), req.PromptPages

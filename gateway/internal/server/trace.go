@@ -1,6 +1,7 @@
 package server
 
 import (
+	"context"
 	"net/http"
 	"strconv"
 
@@ -22,14 +23,25 @@ import (
 //   - traceTransport: one client span per call to a worker, and the W3C traceparent header on
 //     the request, so a worker (SGLang, kvc-sim) can continue the trace.
 //
-// The Route stream to the control plane is one long-lived gRPC stream, so the request's trace
-// does not travel on it (gRPC metadata is per stream); the decision id attribute joins the
-// request's trace to the control plane's decision.
+// The Route stream to the control plane is one long-lived gRPC stream (gRPC metadata is per
+// stream), so the request's trace travels in the query itself: RouteQuery.traceparent is the
+// request span's context (traceparent), and the control plane's decision span is its child.
+// The decision id attribute names the decision too.
 
 const tracerName = "github.com/kvcentric/kvcentric/gateway"
 
 // w3c is the W3C Trace Context propagator, used whatever global propagator is installed.
 var w3c = propagation.TraceContext{}
+
+// traceparent is the W3C traceparent of ctx's span ("" without a valid span context).
+func traceparent(ctx context.Context) string {
+	if !trace.SpanContextFromContext(ctx).IsValid() {
+		return ""
+	}
+	c := propagation.MapCarrier{}
+	w3c.Inject(ctx, c)
+	return c.Get("traceparent")
+}
 
 func traced(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {

@@ -39,7 +39,12 @@ func attr(s sdktrace.ReadOnlySpan, key string) string {
 // names the trace in X-KVC-Trace-Id.
 func TestRequestTrace(t *testing.T) {
 	rec := recordSpans(t)
-	e := setup(t, decideMode(kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT), nil, nil, 0)
+	direct := decideMode(kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT)
+	queried := make(chan string, 4) // the queries' traceparent, as the control plane received them
+	e := setup(t, func(q *kvcv1.RouteQuery, p, d *fakeWorker) *kvcv1.RouteResponse {
+		queried <- q.GetTraceparent()
+		return direct(q, p, d)
+	}, nil, nil, 0)
 	const traceID, parentID = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
 	req, _ := http.NewRequest(http.MethodPost, e.gw.URL+"/generate", strings.NewReader(`{"text":"hi","stream":true}`))
 	req.Header.Set("X-Session-ID", "s-trace")
@@ -78,6 +83,11 @@ func TestRequestTrace(t *testing.T) {
 	if attr(server, "kvc.mode") != resp.Header.Get("X-KVC-Mode") || attr(server, "kvc.decode_worker") != "d0" ||
 		attr(server, "kvc.session_id") != "s-trace" || attr(server, "http.response.status_code") != "200" {
 		t.Fatalf("server span attributes %v", server.Attributes())
+	}
+	// The query carried the request span's context through the Route stream: the control
+	// plane's decision span is its child (controlplane router's TestDecisionSpan).
+	if got, want := <-queried, "00-"+traceID+"-"+server.SpanContext().SpanID().String()+"-01"; got != want {
+		t.Fatalf("RouteQuery.traceparent %q, want %q (the request span)", got, want)
 	}
 	for _, w := range workers {
 		if w.SpanContext().TraceID().String() != traceID || w.Parent().SpanID() != server.SpanContext().SpanID() {
