@@ -64,6 +64,10 @@ type Elector struct {
 	validUntil atomic.Int64
 	// observedAt is when (nanoseconds since base) Observe last read the election key.
 	observedAt atomic.Int64
+	// orphan is the lease of an ended term that could not be revoked (etcd unreachable then).
+	// Its key would block every campaign until the lease expires, and an etcd leader change
+	// extends it; the next term revokes it as soon as etcd answers again.
+	orphan atomic.Int64
 
 	gLeader   prometheus.Gauge
 	elections prometheus.Counter
@@ -291,7 +295,8 @@ func (e *Elector) term(ctx context.Context, ttl int, val string, lead LeadFunc) 
 	if err != nil {
 		return 0, fmt.Errorf("session: %w", err)
 	}
-	defer func() { _ = sess.Close() }() // revokes the lease: our key (if any) goes at once
+	e.revokeOrphan(ctx)
+	defer e.closeSession(ctx, sess) // revokes the lease: our key (if any) goes at once
 	e.validUntil.Store(0)
 	e.extend(granted)
 	renewCtx, rstop := context.WithCancel(ctx)
@@ -375,6 +380,38 @@ func (e *Elector) term(ctx context.Context, ttl int, val string, lead LeadFunc) 
 		return e.cfg.TTL, nil // stepped down or deposed: let the other replica lead
 	}
 	return 0, nil
+}
+
+// closeSession revokes the term's lease, bounded by the TTL as concurrency.Session.Close is; a
+// lease it could not revoke (etcd unreachable) is left to revokeOrphan.
+func (e *Elector) closeSession(ctx context.Context, sess *concurrency.Session) {
+	sess.Orphan()
+	ctx, cancel := context.WithTimeout(ctx, e.cfg.TTL) // the run's context, as the session's own Close
+	defer cancel()
+	if _, err := e.cfg.Client.Revoke(ctx, sess.Lease()); err != nil && !errors.Is(err, rpctypes.ErrLeaseNotFound) {
+		if ctx.Err() != nil && errors.Is(context.Cause(ctx), context.Canceled) {
+			return // stopping: nothing will campaign again in this process
+		}
+		e.orphan.Store(int64(sess.Lease()))
+		e.cfg.Log.Warn().Err(err).Int64("lease", int64(sess.Lease())).Msg("could not revoke the ended term's lease: revoking it once etcd answers")
+	}
+}
+
+// revokeOrphan revokes the lease of an earlier term that closeSession could not revoke. It runs
+// right after a new session was granted (etcd answers again): without it, after etcd (or its
+// quorum) comes back, every campaign waits for the old lease's TTL.
+func (e *Elector) revokeOrphan(ctx context.Context) {
+	id := e.orphan.Swap(0)
+	if id == 0 {
+		return
+	}
+	rctx, cancel := context.WithTimeout(ctx, e.cfg.TTL)
+	defer cancel()
+	if _, err := e.cfg.Client.Revoke(rctx, clientv3.LeaseID(id)); err != nil && !errors.Is(err, rpctypes.ErrLeaseNotFound) {
+		e.orphan.CompareAndSwap(0, id)
+		return
+	}
+	e.cfg.Log.Info().Int64("lease", id).Msg("revoked the lease of an earlier term")
 }
 
 // campaignCleanup bounds how long a campaign cancelled by shutdown may spend cleaning up.

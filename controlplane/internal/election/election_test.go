@@ -309,3 +309,36 @@ func TestStandbyCutOffFromEtcd(t *testing.T) {
 		t.Logf("standby Run returned %s after its stop with etcd black-holed", took)
 	}
 }
+
+// TestRevokeOrphan: a lease an ended term could not revoke (etcd unreachable then) is revoked by
+// the next term as soon as etcd answers, so its election key stops blocking every campaign.
+func TestRevokeOrphan(t *testing.T) {
+	c := etcdtest.Start(t)
+	cli := c.Client(t)
+	el, err := New(Config{Client: cli, Prefix: "/e/leader/", NodeID: "a", TTL: 30 * time.Second, Log: zerolog.Nop(), Reg: prometheus.NewRegistry()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	lease, err := cli.Grant(t.Context(), 30)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cli.Put(t.Context(), "/e/leader/old", "x", clientv3.WithLease(lease.ID)); err != nil {
+		t.Fatal(err)
+	}
+	el.revokeOrphan(t.Context()) // nothing orphaned: no call
+	el.orphan.Store(int64(lease.ID))
+	el.revokeOrphan(t.Context())
+	resp, err := cli.Get(t.Context(), "/e/leader/old")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(resp.Kvs) != 0 || el.orphan.Load() != 0 {
+		t.Fatalf("old key %v, orphan %d after revokeOrphan", resp.Kvs, el.orphan.Load())
+	}
+	el.orphan.Store(int64(lease.ID)) // already gone: LeaseNotFound is done, not retried
+	el.revokeOrphan(t.Context())
+	if el.orphan.Load() != 0 {
+		t.Fatal("a revoked lease stays orphaned")
+	}
+}
