@@ -139,7 +139,7 @@ func (s *Service) sendHints(r *reservation, h *hintsCtx) {
 	cmd := &kvcv1.Command{Action: &kvcv1.Command_SetSnapshotTarget{SetSnapshotTarget: &kvcv1.SetSnapshotTargetCommand{
 		SessionId: r.session, PrefillWorkerId: p.WorkerId, PeerAddr: p.PeerAddr, TransferEndpoint: p.TransferEndpoint,
 		Generation: h.gen, PinnedUntilUnixMs: h.until, LowPriority: h.low,
-	}}}
+	}}, Traceparent: r.trace}
 	if err := s.send(r.decode, "set_snapshot_target", cmd); err != nil {
 		s.log.Debug().Err(err).Str("session", r.session).Str("worker", r.decode).Msg("agent hints not sent")
 	}

@@ -38,8 +38,11 @@ type reservation struct {
 	// low-priority hint changed with it.
 	pinMs      int64
 	lowChanged bool
-	deadline   time.Time
-	idx        int // position in the expiry heap
+	// trace: the decision span's W3C traceparent (trace.go), on the commands sent for the
+	// decision after its outcome; "" when none.
+	trace    string
+	deadline time.Time
+	idx      int // position in the expiry heap
 }
 
 // ledger is the control plane's own account of what it has committed per worker. Guarded by

@@ -262,7 +262,7 @@ func (s *Service) resident(r *reservation, o *kvcv1.RouteOutcome, kvLen, nowMs i
 		// the worker free it; issue 16 finding 1).
 		cmd := &kvcv1.Command{Action: &kvcv1.Command_ReleaseSession{ReleaseSession: &kvcv1.ReleaseSessionCommand{
 			SessionId: r.session, Reason: "moved to " + r.decode,
-		}}}
+		}}, Traceparent: r.trace}
 		if err := s.send(w, "release_session", cmd); err != nil {
 			s.log.Debug().Err(err).Str("session", r.session).Str("worker", w).Msg("release_session not sent")
 		}
@@ -294,7 +294,7 @@ func (s *Service) resident(r *reservation, o *kvcv1.RouteOutcome, kvLen, nowMs i
 	if r.storeGen != 0 && p.WorkerId == r.prefill && r.storeGen <= gen {
 		t.ValidBaseLen, t.BaseGeneration = r.input, r.storeGen
 	}
-	cmd := &kvcv1.Command{Action: &kvcv1.Command_SetSnapshotTarget{SetSnapshotTarget: t}}
+	cmd := &kvcv1.Command{Action: &kvcv1.Command_SetSnapshotTarget{SetSnapshotTarget: t}, Traceparent: r.trace}
 	if err := s.send(r.decode, "set_snapshot_target", cmd); err != nil {
 		s.log.Warn().Err(err).Str("session", r.session).Str("worker", r.decode).Msg("set_snapshot_target not sent")
 	} else {

@@ -384,6 +384,8 @@ type queryCtx struct {
 	onRec   func(rec *kvcv1.SessionRecord) // x.onRecord, bound once per pooled queryCtx
 	// lowChanged: the query's low-priority hint differs from the session's (hints.go).
 	lowChanged bool
+	// trace: the decision span's traceparent, for the commands sent for the decision (trace.go).
+	trace string
 }
 
 // queryPool recycles queryCtx values (and their bound onRecord callback) across decisions;
@@ -409,6 +411,7 @@ func (x *queryCtx) decide(rec *kvcv1.SessionRecord) {
 	x.d = policy.Decide(&x.in)
 	x.r = x.s.record(&x.in, &x.d, x.now)
 	x.r.pinMs, x.r.lowChanged = x.q.PinMs, x.lowChanged
+	x.r.trace = x.trace
 	x.s.mu.Unlock()
 	x.decided = true
 }
@@ -479,13 +482,14 @@ func (s *Service) query(q *kvcv1.RouteQuery) *kvcv1.RouteResponse {
 	if s.now != nil {
 		now = s.now()
 	}
+	span, tp := startDecision(q)
 	x := queryPool.Get().(*queryCtx)
 	onRec := x.onRec
 	defer func() {
 		*x = queryCtx{onRec: onRec} // drop references (records, workers, query) before reuse
 		queryPool.Put(x)
 	}()
-	*x = queryCtx{s: s, q: q, now: now, epoch: epoch, onRec: onRec, in: policy.Input{
+	*x = queryCtx{s: s, q: q, now: now, epoch: epoch, onRec: onRec, trace: tp, in: policy.Input{
 		Knobs: s.policyKnobs(),
 		Query: policy.Query{SessionID: q.SessionId, Turn: q.Turn, InputTokens: q.InputTokens,
 			MaxOutputTokens: q.MaxOutputTokens, MultiturnHint: q.MultiturnHint, EndSession: q.EndSession,
@@ -513,7 +517,7 @@ func (s *Service) query(q *kvcv1.RouteQuery) *kvcv1.RouteResponse {
 	}
 	x.run()
 	if x.d.Mode == kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT {
-		if err := s.pushSnapshot(q.SessionId, &x.d, x.r.seq); err != nil {
+		if err := s.pushSnapshot(q.SessionId, &x.d, x.r.seq, tp); err != nil {
 			// The holder cannot be commanded: decide again without the snapshot.
 			s.log.Warn().Err(err).Str("session", q.SessionId).Str("prefill", workerID(x.d.Prefill)).
 				Msg("push_snapshot not sent; reseeding by prefill")
@@ -561,6 +565,7 @@ func (s *Service) query(q *kvcv1.RouteQuery) *kvcv1.RouteResponse {
 			Str("reason", ReasonName(d.Reason)).Str("cause", ReasonName(d.Cause)).Str("prefill", workerID(d.Prefill)).
 			Str("decode", workerID(d.Decode)).Int64("reserved", d.ReservedTokens).Msg("decision")
 	}
+	endDecision(span, q, out)
 	s.m.latency.Observe(time.Since(start).Seconds())
 	return &kvcv1.RouteResponse{Kind: &kvcv1.RouteResponse_Decision{Decision: out}}
 }
@@ -593,7 +598,7 @@ func (s *Service) execution(e *policy.Execution) *kvcv1.RouteExecution {
 	return out
 }
 
-func (s *Service) pushSnapshot(session string, d *policy.Decision, seq uint64) error {
+func (s *Service) pushSnapshot(session string, d *policy.Decision, seq uint64, traceparent string) error {
 	cmd := &kvcv1.Command{Action: &kvcv1.Command_PushSnapshot{PushSnapshot: &kvcv1.PushSnapshotCommand{
 		SessionId:              session,
 		Generation:             d.SnapshotGeneration,
@@ -603,7 +608,7 @@ func (s *Service) pushSnapshot(session string, d *policy.Decision, seq uint64) e
 		DecodeTransferEndpoint: d.Decode.TransferEndpoint,
 		Room:                   s.room(seq),
 		DecisionId:             s.id(seq),
-	}}}
+	}}, Traceparent: traceparent}
 	return s.send(d.Prefill.WorkerId, "push_snapshot", cmd)
 }
 

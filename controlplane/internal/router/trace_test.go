@@ -1,0 +1,80 @@
+package router
+
+import (
+	"strings"
+	"testing"
+
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+func spanAttr(s sdktrace.ReadOnlySpan, key string) string {
+	for _, a := range s.Attributes() {
+		if a.Key == attribute.Key(key) {
+			return a.Value.Emit()
+		}
+	}
+	return ""
+}
+
+// TestDecisionSpan: a query carrying the gateway request span's traceparent is decided in a
+// span of the same trace, child of that span, with the decision as attributes; the commands
+// sent for the decision (the snapshot target after its outcome) carry the decision span's
+// context. A malformed or missing traceparent starts a trace of the control plane's own.
+func TestDecisionSpan(t *testing.T) {
+	rec := tracetest.NewSpanRecorder()
+	prev := otel.GetTracerProvider()
+	otel.SetTracerProvider(sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec)))
+	t.Cleanup(func() { otel.SetTracerProvider(prev) })
+
+	f := newFixture(t, basicCluster()...)
+	const traceID, parentID = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+	req := query("s-trace", 0, 1_000, 50)
+	req.GetQuery().Traceparent = "00-" + traceID + "-" + parentID + "-01"
+	d := f.s.Handle(req).GetDecision()
+	if d == nil || d.Mode != kvcv1.RouteMode_ROUTE_MODE_SEED {
+		t.Fatalf("decision %v", d)
+	}
+	ended := rec.Ended()
+	if len(ended) != 1 {
+		t.Fatalf("%d spans, want 1", len(ended))
+	}
+	span := ended[0]
+	if span.Name() != "kvc-controlplane route" || span.SpanContext().TraceID().String() != traceID ||
+		span.Parent().SpanID().String() != parentID || !span.Parent().IsRemote() {
+		t.Fatalf("span %s %v parent %v", span.Name(), span.SpanContext(), span.Parent())
+	}
+	for k, want := range map[string]string{"kvc.decision_id": d.DecisionId, "kvc.mode": "SEED", "kvc.reason": ReasonName(d.Reason),
+		"kvc.session_id": "s-trace", "kvc.decode_worker": d.Decode.WorkerId, "kvc.prefill_worker": d.Prefill.WorkerId} {
+		if got := spanAttr(span, k); got != want {
+			t.Fatalf("%s = %q, want %q", k, got, want)
+		}
+	}
+
+	// The outcome makes the session resident: its snapshot target is a command of this decision.
+	f.report(d.DecisionId, true, okKind, 1_050)
+	cmds := f.c.Commands(d.Decode.WorkerId)
+	want := "00-" + traceID + "-" + span.SpanContext().SpanID().String() + "-01"
+	if len(cmds) == 0 || cmds[len(cmds)-1].GetSetSnapshotTarget() == nil || cmds[len(cmds)-1].GetTraceparent() != want {
+		t.Fatalf("commands %v, want a set_snapshot_target with traceparent %s", cmds, want)
+	}
+
+	for name, tp := range map[string]string{"none": "", "malformed": "00-xyz", "too long": "00-" + strings.Repeat("a", 300)} {
+		t.Run(name, func(t *testing.T) {
+			rec.Reset()
+			req := query("s-"+strings.ReplaceAll(name, " ", "-"), 0, 100, 10)
+			req.GetQuery().Traceparent = tp
+			if f.s.Handle(req).GetDecision() == nil {
+				t.Fatal("no decision")
+			}
+			ended := rec.Ended()
+			if len(ended) != 1 || ended[0].Parent().IsValid() || !ended[0].SpanContext().IsValid() {
+				t.Fatalf("spans %d, want one root span", len(ended))
+			}
+		})
+	}
+}
