@@ -364,17 +364,23 @@ func (c *ControlPlane) seeEpoch(e int64) {
 }
 
 // apply runs a command at most once and only with a current epoch; it returns the ack.
-func (c *ControlPlane) apply(ctx context.Context, cmd *kvcv1.Command) *kvcv1.CommandAck {
+// Each command is a span (cmdtrace.go), child of the decision that sent it.
+func (c *ControlPlane) apply(ctx context.Context, cmd *kvcv1.Command) (ack *kvcv1.CommandAck) {
+	ctx, span := startCommand(ctx, cmd)
+	result := "applied"
+	defer func() { endCommand(span, result, ack) }()
 	k := cmdKey{cmd.GetEpoch(), cmd.GetCommandId()}
 	c.mu.Lock()
 	if cmd.GetEpoch() < c.maxEpoch {
 		max := c.maxEpoch
 		c.mu.Unlock()
 		c.log.Warn().Uint64("command_id", k.id).Int64("epoch", k.epoch).Int64("max_epoch", max).Msg("stale command refused")
+		result = "stale"
 		return &kvcv1.CommandAck{CommandId: k.id, Ok: false, Error: fmt.Sprintf("stale epoch %d < %d", k.epoch, max)}
 	}
 	if r, dup := c.applied[k]; dup {
 		c.mu.Unlock()
+		result = "duplicate"
 		return &kvcv1.CommandAck{CommandId: k.id, Ok: r.err == "", Error: r.err}
 	}
 	c.maxEpoch = cmd.GetEpoch()
@@ -389,6 +395,7 @@ func (c *ControlPlane) apply(ctx context.Context, cmd *kvcv1.Command) *kvcv1.Com
 	res := appliedResult{}
 	if err != nil {
 		res.err = err.Error()
+		result = "error"
 	}
 	c.mu.Lock()
 	c.applied[k] = res

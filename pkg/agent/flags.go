@@ -44,6 +44,12 @@ type Common struct {
 	// TLS is the mTLS identity (--tls-cert/--tls-key/--tls-ca): control-plane stream, peer
 	// server and peer clients. None: plaintext.
 	TLS tlsx.Files
+	// OpenTelemetry traces (obs.SetupTracing), as on the control plane and the gateway:
+	// --otlp-endpoint (empty: no export; W3C trace context is still propagated),
+	// --otlp-insecure, --trace-sample-ratio.
+	OTLPEndpoint     string
+	OTLPInsecure     bool
+	TraceSampleRatio float64
 }
 
 // Register defines the common flags on fs.
@@ -77,6 +83,9 @@ func (c *Common) Register(fs *flag.FlagSet) {
 	fs.IntVar(&c.WorkerHealthThreshold, "worker-health-threshold", DefaultHealthThreshold, "failed /health probes in a row that mark the worker down (out of routing)")
 	fs.DurationVar(&c.WorkerHealthTimeout, "worker-health-timeout", DefaultHealthTimeout, "timeout of one /health probe")
 	c.TLS.Register(fs, tlsx.GRPCNames, "of this sidecar (role sidecar) for mutual TLS to the control plane and peer sidecars")
+	fs.StringVar(&c.OTLPEndpoint, "otlp-endpoint", "", "OpenTelemetry traces: OTLP/gRPC collector host:port (empty: no export; W3C trace context is still propagated)")
+	fs.BoolVar(&c.OTLPInsecure, "otlp-insecure", false, "send traces to --otlp-endpoint without TLS")
+	fs.Float64Var(&c.TraceSampleRatio, "trace-sample-ratio", 1, "fraction of new traces sampled, in (0, 1] (a caller's sampled flag is followed)")
 }
 
 // Check validates the common flags.
@@ -102,6 +111,8 @@ func (c *Common) Check() error {
 		return fmt.Errorf("--worker-health-threshold %d out of range [1, 1000]", c.WorkerHealthThreshold)
 	case c.WorkerHealthTimeout < time.Millisecond:
 		return fmt.Errorf("--worker-health-timeout %v too short", c.WorkerHealthTimeout)
+	case c.TraceSampleRatio < 0 || c.TraceSampleRatio > 1:
+		return fmt.Errorf("--trace-sample-ratio %v must be in (0, 1]", c.TraceSampleRatio)
 	}
 	if err := c.TLS.Check(tlsx.GRPCNames); err != nil {
 		return err

@@ -39,6 +39,8 @@ type Runtime struct {
 	Ready    obs.Ready
 	// TLS is the mTLS identity from --tls-*; nil: plaintext.
 	TLS *tlsx.Source
+	// stopTracing flushes and stops the trace exporter (obs.SetupTracing); Serve calls it.
+	stopTracing func(context.Context) error
 }
 
 // PeerDialOptions are the extra dial options of connections to other sidecars' peer services
@@ -79,6 +81,13 @@ func Start(ctx context.Context, c *Common, component string, logw io.Writer) (*R
 		if err := tlsx.RegisterMetrics(rt.Reg, "grpc", rt.TLS); err != nil {
 			return nil, err
 		}
+	}
+	// Traces: a span per control-plane command (ControlPlane.apply), child of the decision
+	// that sent it (Command.traceparent); gRPC calls propagate through pkg/grpcx.
+	rt.stopTracing, err = obs.SetupTracing(ctx, obs.Tracing{Service: component, OTLPEndpoint: c.OTLPEndpoint,
+		OTLPInsecure: c.OTLPInsecure, SampleRatio: c.TraceSampleRatio})
+	if err != nil {
+		return nil, err
 	}
 	rt.Events, err = OpenEventLog(c.EventLog, c.WorkerID, rt.Reg)
 	if err != nil {
@@ -144,6 +153,17 @@ func (rt *Runtime) Serve(ctx context.Context, core Core, setReporter func(*Contr
 	c := rt.C
 	defer rt.Events.Close()
 	defer rt.Engine.Close()
+	defer func() {
+		// Spans still buffered for the collector: bounded, after everything else stopped.
+		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
+		defer cancel()
+		if rt.stopTracing == nil {
+			return
+		}
+		if err := rt.stopTracing(sctx); err != nil {
+			rt.Log.Warn().Err(err).Msg("trace exporter shutdown")
+		}
+	}()
 	bridgeLis, err := ListenUnix(c.BridgeSocket)
 	if err != nil {
 		_ = rt.PeerLis.Close()
