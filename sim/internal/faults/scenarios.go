@@ -43,7 +43,11 @@ func Scenarios() []Scenario {
 			Inject:    leaderEtcdPartition, Restore: healEtcdLinks,
 		},
 		{
-			Name: "leader-kill", CI: true, Bound: LeaderBound,
+			// Not in the CI subset: its recovery (TTL 3 s + election + reconnect + the 0.8 s floor of
+			// reaching every session) measured 3.7–4.6 s against the 5 s bound on this loaded
+			// 2-core machine; a CI run must not fail on that margin. Run by FAULTS=all and recorded
+			// in docs/reliability.md; make test's hatest covers a leader kill with its own bound.
+			Name: "leader-kill", CI: false, Bound: LeaderBound,
 			Criterion: "kill -9 of the leader: whole ≤ TTL + 2 s after the kill (restarted afterwards as the new standby); " + noFail,
 			Inject:    killCP(true), Restore: restartDeadCPs,
 		},
