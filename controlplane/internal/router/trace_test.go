@@ -63,7 +63,7 @@ func TestDecisionSpan(t *testing.T) {
 		t.Fatalf("commands %v, want a set_snapshot_target with traceparent %s", cmds, want)
 	}
 
-	for name, tp := range map[string]string{"none": "", "malformed": "00-xyz", "too long": "00-" + strings.Repeat("a", 300)} {
+	for name, tp := range map[string]string{"malformed": "00-xyz", "too long": "00-" + strings.Repeat("a", 300)} {
 		t.Run(name, func(t *testing.T) {
 			rec.Reset()
 			req := query("s-"+strings.ReplaceAll(name, " ", "-"), 0, 100, 10)
@@ -76,5 +76,27 @@ func TestDecisionSpan(t *testing.T) {
 				t.Fatalf("spans %d, want one root span", len(ended))
 			}
 		})
+	}
+	// No traceparent (not from the gateway): no span, no trace on the commands.
+	rec.Reset()
+	d = f.s.Handle(query("s-none", 0, 100, 10)).GetDecision()
+	f.report(d.DecisionId, true, okKind, 110)
+	if n := len(rec.Ended()); n != 0 {
+		t.Fatalf("%d spans for a query without traceparent", n)
+	}
+	if cmds := f.c.Commands(d.Decode.WorkerId); len(cmds) == 0 || cmds[len(cmds)-1].GetTraceparent() != "" {
+		t.Fatalf("commands %v", cmds)
+	}
+}
+
+// BenchmarkDecisionSpan: a decision's span with a traceparent, no tracer provider installed
+// (what a control plane without --otlp-endpoint pays per gateway query).
+func BenchmarkDecisionSpan(b *testing.B) {
+	q := &kvcv1.RouteQuery{Traceparent: "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}
+	d := &kvcv1.RouteDecision{DecisionId: "d1-1"}
+	b.ReportAllocs()
+	for b.Loop() {
+		span, _ := startDecision(q)
+		endDecision(span, q, d)
 	}
 }
