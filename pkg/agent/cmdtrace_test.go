@@ -84,7 +84,7 @@ func TestCommandSpan(t *testing.T) {
 	}
 	attrs := map[attribute.Key]string{}
 	for _, a := range s.Attributes() {
-		attrs[a.Key] = a.Value.Emit()
+		attrs[a.Key] = a.Value.String()
 	}
 	if attrs["kvc.session_id"] != "s-trace" || attrs["kvc.result"] != "applied" || attrs["kvc.epoch"] != "5" {
 		t.Fatalf("attributes %v", attrs)
