@@ -6,6 +6,7 @@ import (
 	"io"
 	"math"
 	"net/http"
+	"os"
 	"sync"
 	"time"
 
@@ -27,11 +28,34 @@ type Content struct {
 	PageSize int
 	// Key is the page-hash key (0 when the cluster has no secret; docs/tokenization.md).
 	Key uint64
+	// TokenizeCacheBytes bounds the per-session incremental tokenization cache (tokcache.go):
+	// > 0 bytes, < 0 off, 0 = the environment's KVC_GATEWAY_TOKENIZE_CACHE_BYTES (0 = off),
+	// else DefaultTokenizeCacheBytes.
+	TokenizeCacheBytes int64
 
 	mu       sync.Mutex
 	hasher   *pagehash.Hasher
 	lastTry  time.Time
 	discover func(ctx context.Context) int // tests replace it
+
+	cacheOnce sync.Once
+	cache     *tokCache
+}
+
+// tokCache is the incremental tokenization cache, made on first use; nil when off.
+func (s *Server) tokCache() *tokCache {
+	c := s.opt.Content
+	c.cacheOnce.Do(func() {
+		n := tokCacheBytes(c.TokenizeCacheBytes, os.Getenv)
+		if n < 0 && c.TokenizeCacheBytes == 0 {
+			s.log.Warn().Str("env", TokenizeCacheEnv).Str("value", os.Getenv(TokenizeCacheEnv)).Msg("not a byte count: incremental tokenization off")
+		}
+		c.cache = newTokCache(n)
+		if c.cache != nil {
+			s.log.Info().Int64("max_bytes", n).Msg("incremental tokenization: a session's next turn encodes only what follows its last prompt's longest shared cut")
+		}
+	})
+	return c.cache
 }
 
 // discoverEvery bounds how often the page size is asked for while no decode worker answers.
@@ -122,7 +146,16 @@ func (s *Server) prepare(ctx context.Context, req *api.Request) *api.Error {
 			if err != nil {
 				return api.BadRequest("chat template: %v", err)
 			}
-			ids = tok.Encode(text, false) // the rendering holds its special tokens as text
+			// The rendering holds its special tokens as text. With the cache, only what follows
+			// the longest cut this rendering shares with the session's last one is encoded
+			// (exactly Encode(text, false): tokenizer.EncodeReuse).
+			if cache := s.tokCache(); cache != nil && req.SessionID != "" {
+				enc, _ := tok.EncodeReuse(text, cache.get(req.SessionID))
+				cache.put(req.SessionID, enc)
+				ids = enc.IDs
+			} else {
+				ids = tok.Encode(text, false)
+			}
 		case req.Text != "":
 			ids = tok.Encode(req.Text, true)
 		}
