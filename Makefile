@@ -31,6 +31,7 @@ API_IMAGE := proto/api.binpb
 .PHONY: test-faults
 .PHONY: test-sglang
 .PHONY: check-modules check-deps proto-lint proto-breaking proto-image
+.PHONY: bench-real
 .PHONY: all build test test-short lint fmt proto proto-check tools demo bench-sweep bench bench-transfer bench-policy bench-gateway bench-gpu test-mooncake tidy clean
 
 all: build
@@ -188,6 +189,11 @@ bench-gpu:
 	cd sidecar-prefill && CGO_ENABLED=0 $(GO) build -trimpath -ldflags="-s -w" -o $(BIN)/gpu/kvc-sidecar-prefill ./cmd/kvc-sidecar-prefill
 	@echo "on the GPU machine, from the repository root (carry bin/gpu):  bash deploy/gpu/bench-gpu.sh"
 	@echo "it writes out/gpu/gpu-tests.txt, gpu-bench.txt and gpu-sidecars.txt (or \$$OUT/...); see docs/gpu.md"
+
+## bench-real: prepare the real-model GPU run (issue 12): static binaries packed into bin/real.tar.xz;
+## on the GPU machine, from the repository root with it carried: bash deploy/gpu/run-real.sh
+bench-real:
+	bash deploy/gpu/prepare-real.sh
 
 ## test-mooncake: bytes through Mooncake's own transport (needs libtransfer_engine.so)
 test-mooncake:
