@@ -12,6 +12,7 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -325,6 +326,61 @@ func BenchmarkTokenize32K(b *testing.B) {
 	b.ReportMetric(float64(perPrompt.Microseconds()), "µs/32K")
 }
 
+// BenchmarkTokenize32KCached is turn N+1's counting cost with the incremental cache
+// (make bench-gateway): the 32K-token conversation's last exchange (an answer and a new
+// question) is new; turn N's rendering and ids are the session's cached tokenizer.Encoded. It
+// renders the whole chat template, encodes only what follows the longest shared cut
+// (tokenizer.EncodeReuse) and hashes the prompt's pages. The ids are checked against the full
+// encode once.
+func BenchmarkTokenize32KCached(b *testing.B) {
+	tok, msgs := bench32K()
+	if tok == nil {
+		b.Fatal("no tokenizer")
+	}
+	prevText, err := tok.ApplyChatTemplate(msgs[:len(msgs)-2], tokenizer.ChatOptions{AddGenerationPrompt: true})
+	if err != nil {
+		b.Fatal(err)
+	}
+	prev, _ := tok.EncodeReuse(prevText, nil)
+	text, _ := tok.ApplyChatTemplate(msgs, tokenizer.ChatOptions{AddGenerationPrompt: true})
+	if got, _ := tok.EncodeReuse(text, prev); !slices.Equal(got.IDs, tok.Encode(text, false)) {
+		b.Fatal("incremental ids differ from the full encode")
+	}
+	h, _ := pagehash.New(64, 0)
+	n, reused := 0, 0
+	var render, encode, hash time.Duration
+	b.ResetTimer()
+	cpu0 := cpuTime()
+	for i := 0; i < b.N; i++ {
+		t0 := time.Now()
+		text, err := tok.ApplyChatTemplate(msgs, tokenizer.ChatOptions{AddGenerationPrompt: true})
+		if err != nil {
+			b.Fatal(err)
+		}
+		t1 := time.Now()
+		enc, r := tok.EncodeReuse(text, prev)
+		t2 := time.Now()
+		_ = h.Chain(enc.IDs)
+		t3 := time.Now()
+		render, encode, hash = render+t1.Sub(t0), encode+t2.Sub(t1), hash+t3.Sub(t2)
+		n, reused = len(enc.IDs), r
+	}
+	benchCachedCPU.Add(int64(cpuTime() - cpu0))
+	benchCachedIterations.Add(int64(b.N))
+	benchCachedTokens.Store(int64(n))
+	benchCachedReused.Store(int64(reused))
+	per := func(d time.Duration) float64 { return float64(d.Microseconds()) / float64(b.N) * 32_768 / float64(n) }
+	b.ReportMetric(float64(n), "tokens")
+	b.ReportMetric(float64(reused), "reused")
+	b.ReportMetric(per(render+encode+hash), "µs/32K")
+	b.ReportMetric(per(render), "render-µs/32K")
+	b.ReportMetric(per(encode), "encode-µs/32K")
+	b.ReportMetric(per(hash), "hash-µs/32K")
+}
+
+// Totals over every round of BenchmarkTokenize32KCached.
+var benchCachedIterations, benchCachedCPU, benchCachedTokens, benchCachedReused atomic.Int64
+
 // Totals over every round of BenchmarkTokenize32K: prompts encoded, their CPU time, tokens per prompt.
 var benchIterations, benchCPU, benchTokens atomic.Int64
 
@@ -359,6 +415,11 @@ func TestBenchGateway(t *testing.T) {
 	fmt.Printf("tokenize: %.0f µs per 32K-token prompt, direct-to-D TTFT %.1f ms, share %.1f%%\n", perPrompt, ttft, 100*perPrompt/1000/ttft)
 	fmt.Printf("tokenize-source: CPU time over %d prompts of %.0f tokens (wall %.0f µs per 32K-token prompt on this shared machine); TTFT from %s\n",
 		benchIterations.Load(), r.Extra["tokens"], wall, src)
+	rc := testing.Benchmark(BenchmarkTokenize32KCached)
+	cached := float64(benchCachedCPU.Load()) / 1e3 / float64(benchCachedIterations.Load()) * 32_768 / float64(benchCachedTokens.Load())
+	fmt.Printf("tokenize (turn N+1, cached): %.0f µs per 32K-token prompt, direct-to-D TTFT %.1f ms, share %.1f%% (cold %.0f µs)\n", cached, ttft, 100*cached/1000/ttft, perPrompt)
+	fmt.Printf("tokenize-cached-source: CPU time over %d prompts of %.0f tokens, %.0f reused from turn N's encoding; wall per 32K-token prompt %.0f µs = chat template %.0f + encode %.0f + page hashes %.0f\n",
+		benchCachedIterations.Load(), rc.Extra["tokens"], rc.Extra["reused"], rc.Extra["µs/32K"], rc.Extra["render-µs/32K"], rc.Extra["encode-µs/32K"], rc.Extra["hash-µs/32K"])
 }
 
 // directRow matches a DIRECT_TO_D row of the report's per-mode table:
