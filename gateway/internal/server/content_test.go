@@ -309,12 +309,16 @@ func BenchmarkTokenize32K(b *testing.B) {
 	n := 0
 	b.ResetTimer()
 	cpu0 := cpuTime()
+	var render, encode time.Duration
 	for i := 0; i < b.N; i++ {
+		t0 := time.Now()
 		text, err := tok.ApplyChatTemplate(msgs, tokenizer.ChatOptions{AddGenerationPrompt: true})
 		if err != nil {
 			b.Fatal(err)
 		}
+		t1 := time.Now()
 		ids := tok.Encode(text, false)
+		render, encode = render+t1.Sub(t0), encode+time.Since(t1)
 		_ = h.Chain(ids)
 		n = len(ids)
 	}
@@ -324,6 +328,8 @@ func BenchmarkTokenize32K(b *testing.B) {
 	b.ReportMetric(float64(n), "tokens")
 	perPrompt := time.Duration(float64(b.Elapsed()) / float64(b.N) * 32_768 / float64(n))
 	b.ReportMetric(float64(perPrompt.Microseconds()), "µs/32K")
+	b.ReportMetric(float64(render.Microseconds())/float64(b.N)*32_768/float64(n), "render-µs/32K")
+	b.ReportMetric(float64(encode.Microseconds())/float64(b.N)*32_768/float64(n), "encode-µs/32K")
 }
 
 // BenchmarkTokenize32KCached is turn N+1's counting cost with the incremental cache
@@ -413,8 +419,8 @@ func TestBenchGateway(t *testing.T) {
 		}
 	}
 	fmt.Printf("tokenize: %.0f µs per 32K-token prompt, direct-to-D TTFT %.1f ms, share %.1f%%\n", perPrompt, ttft, 100*perPrompt/1000/ttft)
-	fmt.Printf("tokenize-source: CPU time over %d prompts of %.0f tokens (wall %.0f µs per 32K-token prompt on this shared machine); TTFT from %s\n",
-		benchIterations.Load(), r.Extra["tokens"], wall, src)
+	fmt.Printf("tokenize-source: CPU time over %d prompts of %.0f tokens (wall %.0f µs per 32K-token prompt on this shared machine = chat template %.0f + encode %.0f + page hashes); TTFT from %s\n",
+		benchIterations.Load(), r.Extra["tokens"], wall, r.Extra["render-µs/32K"], r.Extra["encode-µs/32K"], src)
 	rc := testing.Benchmark(BenchmarkTokenize32KCached)
 	cached := float64(benchCachedCPU.Load()) / 1e3 / float64(benchCachedIterations.Load()) * 32_768 / float64(benchCachedTokens.Load())
 	fmt.Printf("tokenize (turn N+1, cached): %.0f µs per 32K-token prompt, direct-to-D TTFT %.1f ms, share %.1f%% (cold %.0f µs)\n", cached, ttft, 100*cached/1000/ttft, perPrompt)
