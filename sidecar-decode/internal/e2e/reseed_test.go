@@ -112,6 +112,17 @@ func TestReseedNoFullRepush(t *testing.T) {
 
 	// The next push is the append [L, L2), tagged to re-tag generation 1's entry as 2.
 	waitSnapshot(L2, 2)
+	// the control plane hears of the snapshot from the store (the prefill sidecar), which may
+	// be before the decode sidecar has logged its push and the store its ingest: wait for both
+	waitFor(t, "D′'s push event", 10*time.Second, func() bool { return len(pushes(dB)) > before })
+	waitFor(t, "the store's ingest event", 10*time.Second, func() bool {
+		for _, e := range filterEvents(readEvents(t, p0.events), agent.EvRecvIngested, "S") {
+			if e.Generation == 2 {
+				return true
+			}
+		}
+		return false
+	})
 	sent := pushes(dB)[before:]
 	if len(sent) != 1 {
 		t.Fatalf("pushes after the reseed: %+v", sent)
