@@ -41,8 +41,11 @@
 #                                       above the pool, so the control plane sends sessions to
 #                                       a full D whose LRU then evicts idle ones (instead of
 #                                       answering NO_D_CAPACITY with plain P/D)
-#   KVC_REAL_STORE_BYTES [32 GiB]       the prefill sidecar's snapshot store (host memory); a
-#                                       16K-token snapshot of this model is 2.4 GB
+#   KVC_REAL_STORE_MEMORY [cuda]        where the prefill sidecar's snapshot store lives: cuda (device
+#                                       memory of P's GPU: a reseed is a device-to-device copy) or
+#                                       host (a page-locked memfd: host-to-device at ~55 GB/s)
+#   KVC_REAL_STORE_BYTES [24 GiB]       the prefill sidecar's snapshot store; a 16K-token snapshot
+#                                       of this model is 2.4 GB
 #   KVC_REAL_PREFILL_CAPACITY [40960]   KV tokens of the prefill worker (>= the largest input)
 #   KVC_REAL_TIME_SCALE [1]             workload clock (arrivals, think times 1-6 s); much lower
 #                                       and a session's next turn can evict it before its
@@ -109,7 +112,7 @@ set -x
 	--refworker-args "$REFARGS" --sidecar-args "$SIDECAR_ARGS" --decode "$NDEC" \
 	--decode-capacity-tokens "${KVC_REAL_DECODE_CAPACITY:-56000}" \
 	--decode-advertised-tokens "${KVC_REAL_ADVERTISED:-$((3 * ${KVC_REAL_DECODE_CAPACITY:-56000}))}" \
-	--prefill-sidecar-args "--store-capacity-bytes ${KVC_REAL_STORE_BYTES:-34359738368}" \
+	--prefill-sidecar-args "--store-capacity-bytes ${KVC_REAL_STORE_BYTES:-25769803776} --store-memory ${KVC_REAL_STORE_MEMORY:-cuda}" \
 	--sessions "${KVC_REAL_SESSIONS:-6}" --min-turns "${KVC_REAL_MIN_TURNS:-3}" --max-turns "${KVC_REAL_MAX_TURNS:-5}" \
 	--initial-min-tokens "${KVC_REAL_CTX_MIN:-16384}" --initial-max-tokens "${KVC_REAL_CTX_MAX:-24576}" \
 	--large-append-prob 0 --time-scale "${KVC_REAL_TIME_SCALE:-1}" --request-timeout 900s || echo "kvc-bench exited $?"
@@ -124,18 +127,20 @@ def p50(xs):
     xs = sorted(xs)
     return xs[max(0, math.ceil(0.5 * len(xs)) - 1)] if xs else float("nan")
 
-print("| arm | mode | requests | ok | TTFT p50 ms | TTFT p99 ms | mean input | checked | mismatches | worker prefill p50 ms | receive wait p50 ms |")
-print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+print("| arm | mode | requests | ok | TTFT p50 ms | TTFT p99 ms | mean input | checked | mismatches | worker TTFT p50 ms | worker prefill p50 ms | receive wait p50 ms | device wait p50 ms | pages wait p50 ms |")
+print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 for arm in sorted({r["arm"] for r in recs}):
     for mode in sorted({r["execution_mode"] for r in recs if r["arm"] == arm}):
         rs = [r for r in recs if r["arm"] == arm and r["execution_mode"] == mode]
         ok = [r for r in rs if r["ok"]]
         t = sorted(r["ttft_s"] * 1000 for r in ok)
         p99 = t[max(0, math.ceil(0.99 * len(t)) - 1)] if t else float("nan")
-        print("| %s | %s | %d | %d | %.1f | %.1f | %.0f | %d | %d | %.1f | %.1f |" % (
+        print("| %s | %s | %d | %d | %.1f | %.1f | %.0f | %d | %d | %.1f | %.1f | %.1f | %.1f | %.1f |" % (
             arm, mode, len(rs), len(ok), p50(t), p99, sum(r["input_tokens"] for r in rs) / len(rs),
             sum(1 for r in rs if r.get("recompute_checked")), sum(r.get("recompute_mismatches", 0) for r in rs),
-            p50([r.get("worker_prefill_ms", 0) for r in ok]), p50([r.get("receive_wait_ms", 0) for r in ok])))
+            p50([r.get("worker_ttft_ms", 0) for r in ok]), p50([r.get("worker_prefill_ms", 0) for r in ok]),
+            p50([r.get("receive_wait_ms", 0) for r in ok]), p50([r.get("gpu_wait_ms", 0) for r in ok]),
+            p50([r.get("alloc_ms", 0) for r in ok])))
 big = [r for r in recs if r["ok"] and r["input_tokens"] >= minctx]
 snap = [r["ttft_s"] * 1000 for r in big if r["execution_mode"] == "RESEED_SNAPSHOT"]
 pref = [r["ttft_s"] * 1000 for r in big if r["execution_mode"] == "RESEED_PREFILL"]

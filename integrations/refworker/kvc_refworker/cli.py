@@ -23,6 +23,8 @@ FLAGS = [
     ("model", str, "tiny", "tiny | qwen3-8b-shape"),
     ("dtype", str, "", "override the model's dtype (float32 | bfloat16 | float16)"),
     ("device", str, "cpu", "cpu | cuda | cuda:N"),
+    ("attention", str, "auto", "auto | sdpa | kvc: kvc runs every shape on fused SDPA kernels (append-prefills with a "
+                               "bottom-right causal bias instead of a materialized mask); auto = kvc on CUDA, sdpa on CPU"),
     ("seed", int, 1234, "weight seed (every worker of a run must use the same)"),
     ("kv-capacity-tokens", int, 0, "KV pool capacity in tokens (0: 16384 for tiny, 65536 otherwise)"),
     ("page-size", int, 16, "tokens per KV page (every worker and sidecar of a run the same)"),
@@ -34,6 +36,9 @@ FLAGS = [
     ("transfer-api", str, "auto", "how KV moves: plugin (kvcentric_sglang's KvcKVManager/Sender/Receiver and session hooks, "
                                   "as SGLang's scheduler drives them; needs sglang), bridge (its WorkerBridge client directly), "
                                   "auto (plugin when sglang is importable)"),
+    ("device-activity-dir", str, "auto", "directory where worker processes sharing a GPU publish their served requests in "
+                                         "flight, so that a recompute check waits for all of them (auto: "
+                                         "/dev/shm/kvc-refworker-<device> on CUDA, off on CPU; empty: off)"),
     ("log-level", str, "info", "debug | info | warning | error"),
     ("log-format", str, "json", "json | console"),
 ]
@@ -63,6 +68,8 @@ def parse(argv):
         e = _env(name)
         ap.add_argument("--" + name, action="store_true", default=e is not None and e.lower() in ("1", "true", "yes"), help=hlp)
     a = ap.parse_args(argv)
+    if a.attention not in ("auto", "sdpa", "kvc"):
+        ap.error("--attention must be auto, sdpa or kvc")
     if a.role not in ("prefill", "decode"):
         ap.error("--role must be prefill or decode")
     if not a.worker_id or not a.bridge_socket:
@@ -79,6 +86,14 @@ class _JSONFormatter(logging.Formatter):
         if r.exc_info:
             d["error"] = self.formatException(r.exc_info)
         return json.dumps(d)
+
+
+def _activity_dir(flag: str, device: str) -> str:
+    if flag != "auto":
+        return flag
+    if not device.startswith("cuda"):
+        return ""
+    return "/dev/shm/kvc-refworker-" + (device if ":" in device else "cuda:0").replace(":", "")
 
 
 def _write_json(path, obj):
@@ -131,9 +146,10 @@ def main(argv=None) -> int:
         torch.set_num_threads(max(1, min(torch.get_num_threads(), int(os.environ.get("KVC_REFWORKER_THREADS", "0")) or 64)))
         spec = M.spec_for(a.model, a.dtype)
         t0 = time.monotonic()
-        model = M.build(spec, a.device, a.seed)
-        log.info("model %s built on %s in %.1fs (%s, %d layers, hidden %d, %d/%d heads, head_dim %d)", spec.name, a.device,
-                 time.monotonic() - t0, spec.dtype, spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+        model = M.build(spec, a.device, a.seed, a.attention)
+        log.info("model %s built on %s in %.1fs (%s, %d layers, hidden %d, %d/%d heads, head_dim %d, attention %s)", spec.name,
+                 a.device, time.monotonic() - t0, spec.dtype, spec.num_layers, spec.hidden_size, spec.num_heads,
+                 spec.num_kv_heads, spec.head_dim, model.config._attn_implementation)
         cap = a.kv_capacity_tokens or (16384 if a.model == "tiny" else 65536)
         pool = KVPool(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype, cap, a.page_size, a.device,
                       shm_dir=a.shm_dir, name="kvc-refworker-" + a.worker_id, use_sglang=not a.no_sglang_pool,
@@ -167,7 +183,7 @@ def main(argv=None) -> int:
         cfg = Config(role=a.role, worker_id=a.worker_id, model_name=spec.name, transfer_timeout_s=a.transfer_timeout,
                      prealloc_wait_s=a.prealloc_wait, verify_recompute=a.verify_recompute, atol=atol,
                      verify_max_steps=a.verify_max_steps,
-                     bitwise_strict=strict)
+                     bitwise_strict=strict, device_activity_dir=_activity_dir(a.device_activity_dir, a.device))
         worker = Worker(cfg, model, spec, pool, xfer)
         watch = transport.start_watch(xfer, worker, stop)
         srv.set_worker(worker)

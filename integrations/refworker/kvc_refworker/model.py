@@ -57,7 +57,64 @@ def spec_for(name: str, dtype: str = "") -> ModelSpec:
     return s
 
 
-def _config(spec: ModelSpec):
+ATTENTION = "kvc_sdpa"  # the attention implementation name registered with transformers (below)
+
+
+def _kvc_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """Attention for one sequence (batch 1, no padding), by shape, on fused SDPA kernels only:
+    a decode step (one query) attends to every key; a prefill from scratch (as many queries as
+    keys) is causal; an append-prefill (queries < keys: the tail after a resident or received
+    past) is causal aligned to the bottom right (query i sits at position keys - queries + i).
+    Stock transformers materializes a boolean (queries x keys) mask for the last case and
+    repeats K/V per query head, which keeps SDPA off its fused kernels; this does neither.
+    query is (1, heads, q, d), key/value (1, kv_heads, k, d); returns (1, q, heads, d)."""
+    F = torch.nn.functional
+    q, k = query.shape[2], key.shape[2]
+    gqa = query.shape[1] != key.shape[1]
+    if q == 1:
+        out = F.scaled_dot_product_attention(query, key, value, scale=scaling, enable_gqa=gqa)
+    elif q == k:
+        out = F.scaled_dot_product_attention(query, key, value, scale=scaling, is_causal=True, enable_gqa=gqa)
+    else:
+        from torch.nn.attention.bias import causal_lower_right
+
+        if gqa:  # the lower-right causal bias dispatches without GQA support: repeat K/V heads
+            rep = query.shape[1] // key.shape[1]
+            key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=causal_lower_right(q, k), scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _no_mask(*args, **kwargs):
+    return None  # _kvc_attention derives the causal structure from the shapes
+
+
+_REGISTERED = False
+
+
+def _register_attention() -> None:
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION, _kvc_attention)
+    AttentionMaskInterface.register(ATTENTION, _no_mask)
+    _REGISTERED = True
+
+
+def attention_for(device: str, choice: str = "auto") -> str:
+    """The attention implementation: "sdpa" (transformers' stock one) or "kvc" (_kvc_attention);
+    auto picks kvc on CUDA (fused kernels for append-prefills) and sdpa elsewhere."""
+    if choice not in ("auto", "sdpa", "kvc"):
+        raise ValueError("unknown attention %r (want auto, sdpa or kvc)" % choice)
+    if choice == "auto":
+        choice = "kvc" if str(device).startswith("cuda") else "sdpa"
+    return choice
+
+
+def _config(spec: ModelSpec, attention: str = "sdpa"):
     from transformers import Qwen3Config
 
     kw = dict(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
@@ -69,7 +126,11 @@ def _config(spec: ModelSpec):
         cfg = Qwen3Config(**kw, rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta})
     except TypeError:
         cfg = Qwen3Config(**kw, rope_theta=spec.rope_theta)
-    cfg._attn_implementation = "sdpa"
+    if attention == "kvc":
+        _register_attention()
+        cfg._attn_implementation = ATTENTION
+    else:
+        cfg._attn_implementation = "sdpa"
     return cfg
 
 
@@ -95,11 +156,12 @@ def _fill(model: torch.nn.Module, seed: int) -> None:
             p.normal_(0.0, 0.02, generator=g)
 
 
-def build(spec: ModelSpec, device: str, seed: int = 1234):
-    """Builds the model on device in spec.dtype with the seed's weights (eval mode, no grad)."""
+def build(spec: ModelSpec, device: str, seed: int = 1234, attention: str = "auto"):
+    """Builds the model on device in spec.dtype with the seed's weights (eval mode, no grad);
+    attention: see attention_for."""
     from transformers import Qwen3ForCausalLM
 
-    cfg = _config(spec)
+    cfg = _config(spec, attention_for(device, attention))
     prev = torch.get_default_dtype()
     torch.set_default_dtype(spec.dtype if spec.dtype.is_floating_point else prev)
     try:

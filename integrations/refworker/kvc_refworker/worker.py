@@ -21,6 +21,7 @@ compared: see Verifier.
 """
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -38,24 +39,74 @@ from .transport import TransferError
 log = logging.getLogger("kvc_refworker")
 
 
+class DeviceActivity:
+    """Served requests in flight on one GPU, across the worker processes that share it: each
+    process keeps its count in a file of its own, <dir>/<pid>, that the others read. A recompute
+    check (low priority) waits until every process sharing the device is idle, so that it does
+    not time-slice the GPU with another worker's request (the TTFTs a run reports). A file of a
+    process that no longer exists counts as idle."""
+
+    def __init__(self, directory: str):
+        self.dir = directory
+        os.makedirs(directory, exist_ok=True)
+        self.path = os.path.join(directory, str(os.getpid()))
+        self.set(0)
+
+    def set(self, n: int) -> None:
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(str(n))
+        os.replace(tmp, self.path)
+
+    def others_busy(self) -> bool:
+        try:
+            names = os.listdir(self.dir)
+        except OSError:
+            return False
+        me = str(os.getpid())
+        for name in names:
+            if not name.isdigit() or name == me:
+                continue
+            try:
+                os.kill(int(name), 0)
+                with open(os.path.join(self.dir, name)) as f:
+                    if int(f.read().strip() or "0") > 0:
+                        return True
+            except (OSError, ValueError):
+                continue
+        return False
+
+    def close(self) -> None:
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+
+
 class GpuLock:
     """One forward at a time on this worker's device, served requests first: a recompute
     check's forward (low priority) starts only when no served request is in flight on this
-    worker (or after max_defer_s), so the check does not sit in front of a request's TTFT.
-    (Other processes sharing the GPU still time-slice with it.)"""
+    worker nor, with a DeviceActivity, on any other worker process sharing the device (or after
+    max_defer_s), so the check does not sit in front of a request's TTFT. A check's forward
+    already running still delays a request that arrives meanwhile."""
 
-    def __init__(self, max_defer_s: float = 30.0):
+    def __init__(self, max_defer_s: float = 30.0, shared: Optional[DeviceActivity] = None):
         self.cv = threading.Condition()
         self.held = False
         self.active = 0  # served requests in flight (begin .. last token)
         self.max_defer_s = max_defer_s
+        self.shared = shared
+
+    def _busy(self) -> bool:
+        return self.active > 0 or (self.shared is not None and self.shared.others_busy())
 
     def acquire(self, low: bool = False) -> None:
         with self.cv:
             if low:
                 deadline = time.monotonic() + self.max_defer_s
-                while self.held or (self.active > 0 and time.monotonic() < deadline):
-                    self.cv.wait(timeout=max(0.01, min(0.5, deadline - time.monotonic())))
+                while self.held or (self._busy() and time.monotonic() < deadline):
+                    # other processes do not notify this condition: poll them every 10 ms
+                    self.cv.wait(timeout=max(0.005, min(0.01 if self.shared else 0.5, deadline - time.monotonic())))
             else:
                 while self.held:
                     self.cv.wait()
@@ -69,10 +120,14 @@ class GpuLock:
     def enter(self) -> None:
         with self.cv:
             self.active += 1
+            if self.shared is not None:
+                self.shared.set(self.active)
 
     def leave(self) -> None:
         with self.cv:
             self.active -= 1
+            if self.shared is not None:
+                self.shared.set(self.active)
             self.cv.notify_all()
 
 
@@ -97,6 +152,7 @@ class Config:
     atol: float = 1e-4  # logits and KV, allclose modes; bitwise where the arithmetic allows
     bitwise_strict: bool = True
     verify_max_steps: int = 16  # decode steps compared (0: all)
+    device_activity_dir: str = ""  # DeviceActivity's directory ("" : this process only)
 
 
 @dataclass
@@ -144,7 +200,9 @@ class Turn:
 class Worker:
     def __init__(self, cfg: Config, model, spec: M.ModelSpec, pool: KVPool, xfer):
         self.cfg, self.model, self.spec, self.pool, self.xfer = cfg, model, spec, pool, xfer
-        self.gpu = GpuLock()  # one forward at a time (one GPU), served requests first
+        shared = DeviceActivity(cfg.device_activity_dir) if cfg.device_activity_dir else None
+        self.gpu = GpuLock(shared=shared)  # one forward at a time (one GPU), served requests first
+        self._tls = threading.local()  # per request thread: time waited for the device and for pages
         self.mu = threading.Condition()
         self.sessions: Dict[str, Session] = {}
         self._turn_locks: Dict[str, threading.Lock] = {}
@@ -157,8 +215,14 @@ class Worker:
 
     # -- compute ------------------------------------------------------------------------------
 
+    def _waited(self, what: str, dt: float) -> None:
+        setattr(self._tls, what, getattr(self._tls, what, 0.0) + dt)
+
     def _forward(self, ids, cache, all_logits=False, low=False):
+        w0 = time.monotonic()
         self.gpu.acquire(low)
+        if not low:
+            self._waited("gpu", time.monotonic() - w0)
         try:
             logits, cache = M.forward(self.model, ids, cache, all_logits)
             if logits.is_cuda:
@@ -195,10 +259,12 @@ class Worker:
         """n pages, evicting least-recently-used idle sessions (ReleaseSession(EVICTED) first,
         then free); 503 no_capacity when even that cannot make room (after prealloc_wait)."""
         evicted = 0
-        deadline = time.monotonic() + self.cfg.prealloc_wait_s
+        t0 = time.monotonic()
+        deadline = t0 + self.cfg.prealloc_wait_s
         while True:
             pages = self.pool.alloc(n)
             if pages is not None:
+                self._waited("alloc", time.monotonic() - t0)
                 return pages, evicted
             with self.mu:
                 idle = sorted((s for s in self.sessions.values() if s.pinned == 0 and s.id != for_session),
@@ -336,6 +402,7 @@ class Worker:
         ids = self.tokens_for(p)
         meta = {"mode": p.mode, "role": "prefill", "worker_id": self.cfg.worker_id}
         pages, _ = self.allocate(pages_for(p.input, self.pool.page_size), "")
+        self.gpu.enter()  # a served request: recompute checks of workers sharing the GPU wait
         try:
             t0 = time.monotonic()
             logits, cache = self._forward(ids, M.new_cache(self.model))
@@ -357,6 +424,7 @@ class Worker:
             meta["transfer_real_ms"] = meta["transfer_ms"] = _ms(time.monotonic() - t1)
             self.stats["sent_bytes"] += sent
         finally:
+            self.gpu.leave()
             self.pool.free(pages)
             with self.mu:
                 self.mu.notify_all()
@@ -370,8 +438,11 @@ class Worker:
                   "verified_bytes": 0, "verify_failures": 0, "transfer_ms": 0.0, "transfer_real_ms": 0.0,
                   "transfer_model_ms": 0.0, "prefill_tokens": 0, "prefill_ms": 0.0, "evicted_sessions": 0}
         anonymous = p.mode == "PD_FALLBACK" and not p.keep
+        self._tls.gpu = self._tls.alloc = 0.0
+        t0 = time.monotonic()
         if not anonymous:
             t.unlock = self._lock_turn(p.session_id)
+        t.meta["turn_wait_ms"] = _ms(time.monotonic() - t0)
         self.gpu.enter()
         t.active = True
         try:
@@ -379,6 +450,8 @@ class Worker:
         except BaseException:
             self.finish(t, ok=False)
             raise
+        # where the time before the first token went (beside prefill_ms and receive_wait_ms)
+        t.meta["gpu_wait_ms"], t.meta["alloc_ms"] = _ms(self._tls.gpu), _ms(self._tls.alloc)
         return t
 
     def _begin(self, t: Turn, anonymous: bool) -> None:

@@ -165,10 +165,64 @@ class TestModel(unittest.TestCase):
         finally:
             pool.close()
 
-
+    def test_kvc_attention_matches_stock(self):
+        """The refworker's own attention (fused kernels for every shape; the CUDA default) gives
+        what transformers' stock SDPA gives: prefill, append-prefill on a past, decode step."""
+        kvc = M.build(self.spec, "cpu", 5, attention="kvc")
+        self.assertEqual(kvc.config._attn_implementation, M.ATTENTION)
+        self.assertEqual(self.m.config._attn_implementation, "sdpa")
+        ids = R.scripted_tokens("att", 0, 90, self.spec.vocab_size)
+        ca, cb = M.new_cache(self.m), M.new_cache(kvc)
+        for lo, hi in ((0, 60), (60, 77), (77, 78), (78, 90)):  # prefill, append, decode, append
+            a, ca = M.forward(self.m, ids[lo:hi], ca, all_logits=True)
+            b, cb = M.forward(kvc, ids[lo:hi], cb, all_logits=True)
+            self.assertLess(float((a - b).abs().max()), 1e-4, "tokens [%d, %d)" % (lo, hi))
+            self.assertTrue(torch.equal(a.argmax(-1), b.argmax(-1)))
+        with self.assertRaises(ValueError):
+            M.attention_for("cpu", "flash")
+        self.assertEqual(M.attention_for("cuda:1"), "kvc")
+        self.assertEqual(M.attention_for("cpu"), "sdpa")
 
 
 class TestGpuLock(unittest.TestCase):
+    def test_waits_for_other_processes_on_the_device(self):
+        """A recompute check waits while another worker process sharing the GPU serves a
+        request (its count file says so), and runs once that process is idle."""
+        import tempfile
+        import threading
+
+        from kvc_refworker.worker import DeviceActivity, GpuLock
+
+        with tempfile.TemporaryDirectory() as d:
+            other = os.path.join(d, str(os.getppid()))  # a live process other than this one
+            with open(other, "w") as f:
+                f.write("1")
+            with open(os.path.join(d, "999999999"), "w") as f:  # a process that is gone: idle
+                f.write("3")
+            act = DeviceActivity(d)
+            lk = GpuLock(max_defer_s=5, shared=act)
+            got = threading.Event()
+
+            def low():
+                lk.acquire(low=True)
+                got.set()
+                lk.release()
+
+            th = threading.Thread(target=low)
+            th.start()
+            self.assertFalse(got.wait(0.3))
+            lk.enter()  # this process's own count is published too
+            with open(act.path) as f:
+                self.assertEqual(f.read(), "1")
+            lk.leave()
+            self.assertFalse(got.is_set())  # the other process still serves
+            with open(other, "w") as f:
+                f.write("0")
+            self.assertTrue(got.wait(5))
+            th.join()
+            act.close()
+            self.assertFalse(os.path.exists(act.path))
+
     def test_served_requests_first(self):
         import threading
 

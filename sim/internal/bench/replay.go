@@ -192,6 +192,10 @@ type workerKVC struct {
 	MaxAbsKVDiff        float64 `json:"max_abs_kv_diff"`
 	PrefillMS           float64 `json:"prefill_ms"`
 	ReceiveWaitMS       float64 `json:"receive_wait_ms"`
+	TTFTMS              float64 `json:"ttft_ms"`
+	TurnWaitMS          float64 `json:"turn_wait_ms"`
+	GPUWaitMS           float64 `json:"gpu_wait_ms"`
+	AllocMS             float64 `json:"alloc_ms"`
 	TruncatedTo         int64   `json:"truncated_to"`
 	PrefixCachedTokens  int64   `json:"prefix_cached_tokens"`
 }
@@ -299,6 +303,8 @@ func send(ctx context.Context, hc *http.Client, baseURL, session string, turn in
 					r.RecomputeChecked, r.RecomputeMismatches, r.MaxAbsLogitDiff = k.RecomputeChecked, k.RecomputeMismatches, k.MaxAbsLogitDiff
 					r.MaxAbsKVDiff = k.MaxAbsKVDiff
 					r.WorkerPrefillMS, r.ReceiveWaitMS = k.PrefillMS, k.ReceiveWaitMS
+					r.WorkerTTFTMS = max(r.WorkerTTFTMS, k.TTFTMS)
+					r.TurnWaitMS, r.GPUWaitMS, r.AllocMS = k.TurnWaitMS, k.GPUWaitMS, k.AllocMS
 					r.TruncatedTo = max(r.TruncatedTo, k.TruncatedTo)
 					r.PrefixCachedTokens = max(r.PrefixCachedTokens, k.PrefixCachedTokens)
 				}

@@ -46,6 +46,13 @@ type Record struct {
 	// transfer's end, in ms (refworker: real compute; kvc-sim: modeled).
 	WorkerPrefillMS float64 `json:"worker_prefill_ms,omitempty"`
 	ReceiveWaitMS   float64 `json:"receive_wait_ms,omitempty"`
+	// The rest of the decode worker's time to its first token (refworker): from the request's
+	// arrival there (WorkerTTFTMS), the wait for the session's previous turn, for the device
+	// (another request's forward) and for pages (evictions included), in ms.
+	WorkerTTFTMS float64 `json:"worker_ttft_ms,omitempty"`
+	TurnWaitMS   float64 `json:"turn_wait_ms,omitempty"`
+	GPUWaitMS    float64 `json:"gpu_wait_ms,omitempty"`
+	AllocMS      float64 `json:"alloc_ms,omitempty"`
 
 	// Issue 13: the workload's history edit before this turn (its kind; "" = none), and the
 	// token from which the decode worker rewrote the session it held (meta_info.kvc.truncated_to).
