@@ -46,7 +46,8 @@
 #                                       host (a page-locked memfd: host-to-device at ~55 GB/s)
 #   KVC_REAL_STORE_BYTES [24 GiB]       the prefill sidecar's snapshot store; a 16K-token snapshot
 #                                       of this model is 2.4 GB
-#   KVC_REAL_PREFILL_CAPACITY [40960]   KV tokens of the prefill worker (>= the largest input)
+#   KVC_REAL_PREFILL_CAPACITY [65536]   KV tokens of the prefill worker's pool (>= the largest input;
+#                                       several prefills hold pages until their transfer ends)
 #   KVC_REAL_TIME_SCALE [1]             workload clock (arrivals, think times 1-6 s); much lower
 #                                       and a session's next turn can evict it before its
 #                                       2.4 GB D->P push finished (then SNAPSHOT_MISSING)
@@ -104,13 +105,11 @@ date -u +"start %Y-%m-%dT%H:%M:%SZ"
 VERIFY=""
 if [[ ${KVC_REAL_VERIFY:-1} == 1 ]]; then VERIFY="--verify-recompute"; fi
 REFARGS="--model $MODEL $VERIFY --prealloc-wait 120 --transfer-timeout 300 --bridge-wait 600 ${KVC_REAL_REFWORKER_ARGS:-}"
-# The refworker's prefill pool: kvc-bench sizes decode pools only; the prefill worker's comes
-# through its own flag default unless given here.
 set -x
 "$BIN/kvc-bench" --local --bin-dir "$BIN" --arms "$ARMS" --out "$OUT" \
 	--worker-kind refworker --refworker-python "$PY" --refworker-devices "$KVC_REAL_DEVICES" \
 	--refworker-args "$REFARGS" --sidecar-args "$SIDECAR_ARGS" --decode "$NDEC" \
-	--decode-capacity-tokens "${KVC_REAL_DECODE_CAPACITY:-56000}" \
+	--decode-capacity-tokens "${KVC_REAL_DECODE_CAPACITY:-56000}" --prefill-capacity-tokens "${KVC_REAL_PREFILL_CAPACITY:-65536}" \
 	--decode-advertised-tokens "${KVC_REAL_ADVERTISED:-$((3 * ${KVC_REAL_DECODE_CAPACITY:-56000}))}" \
 	--prefill-sidecar-args "--store-capacity-bytes ${KVC_REAL_STORE_BYTES:-25769803776} --store-memory ${KVC_REAL_STORE_MEMORY:-cuda}" \
 	--sessions "${KVC_REAL_SESSIONS:-6}" --min-turns "${KVC_REAL_MIN_TURNS:-3}" --max-turns "${KVC_REAL_MAX_TURNS:-5}" \

@@ -36,6 +36,7 @@ class Plan:
     max_new: int = DEFAULT_MAX_NEW
     room: int = 0
     has_room: bool = False
+    role: str = ""  # the serving worker's role
     peer: str = ""
     seqlen: int = 0
     keep: bool = False
@@ -46,7 +47,14 @@ class Plan:
 
     @property
     def transfers(self) -> bool:
-        return self.mode != "DIRECT_TO_D"
+        return self.mode != "DIRECT_TO_D" and not self.local
+
+    @property
+    def local(self) -> bool:
+        """A PD_FALLBACK without a room: the gateway failed open to this decode worker alone
+        (no usable decision or no prefill worker), which serves it as a colocated SGLang worker
+        does: a full prefill here."""
+        return self.mode == "PD_FALLBACK" and not self.has_room and self.role == "decode"
 
 
 def _int(v, what: str) -> int:
@@ -97,7 +105,7 @@ def kvc_block(body: dict) -> (dict, str):
 def parse(body, role: str, capacity: int, vocab: int) -> Plan:
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object (batch requests are not supported)")
-    p = Plan(stream=bool(body.get("stream", False)))
+    p = Plan(stream=bool(body.get("stream", False)), role=role)
     rid = body.get("rid")
     if rid is not None:
         if not isinstance(rid, str):

@@ -485,6 +485,28 @@ class Worker:
             self._append_prefill(t, t.start, resident=True)
             return
 
+        if p.local:
+            # Failed open to this worker alone: prefill everything here (a resident copy of the
+            # session is replaced by this turn's KV, as after a transfer).
+            if not anonymous:
+                with self.mu:
+                    old = self.sessions.get(p.session_id)
+                if old is not None:
+                    self.drop_session(old)
+            pages, ev = self.allocate(need, p.session_id)
+            t.meta["evicted_sessions"] = ev
+            t.meta["local_prefill"] = True
+            if anonymous:
+                t.pages = pages
+            else:
+                s = Session(id=p.session_id, pages=pages, pinned=1)
+                self._touch(s)
+                with self.mu:
+                    self.sessions[s.id] = s
+                t.s = s
+            self._append_prefill(t, 0, resident=False)
+            return
+
         if p.mode == "PD_FALLBACK" and p.keep:
             with self.mu:
                 s = self.sessions.get(p.session_id)

@@ -178,6 +178,18 @@ class TestEveryModeExact(unittest.TestCase):
                     seen = {m for _, m, _, _ in results}
                     big = gone and "RESEED_SNAPSHOT" in seen and "RESEED_PREFILL" not in seen
                     turn(sess, 260 if big else 40)
+            # The gateway's fail-open (no usable decision, or no prefill worker) sends a
+            # PD_FALLBACK without a room to a decode worker alone: it prefills the whole prompt
+            # itself, as a colocated SGLang worker does, and the recompute check holds.
+            st, _, chunks, out_ids, err = post(decode_urls[0] + "/generate", {
+                "rid": tag + "fail-open", "input_ids": [rng.randrange(VOCAB) for _ in range(200)], "stream": True,
+                "sampling_params": {"max_new_tokens": 4}, "kvc": {"mode": "PD_FALLBACK", "keep_session": False}})
+            self.assertEqual((st, err), (200, None), chunks)
+            fo = chunks[-1]["meta_info"]["kvc"]
+            self.assertTrue(fo.get("local_prefill"), fo)
+            self.assertEqual((fo["prefill_tokens"], fo["received_bytes"], len(out_ids)), (200, 0, 4))
+            self.assertTrue(fo["recompute_checked"])
+            self.assertEqual(fo["recompute_mismatches"], 0, fo)
         finally:
             c.stop()
         modes = {m for _, m, _, _ in results}

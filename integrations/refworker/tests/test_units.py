@@ -35,7 +35,9 @@ class TestParse(unittest.TestCase):
             ("fallback single shot", {"rid": "r1", "input_ids": [7, 7], "bootstrap_room": 5}, "prefill",
              dict(mode="PD_FALLBACK", keep=False, seed_key="r1", room=5)),
             ("text only", {"text": "x" * 40, "kvc": {"mode": "PD_FALLBACK", "keep_session": False}, "rid": "r", "bootstrap_room": 1},
-             "decode", dict(input=10)),
+             "decode", dict(input=10, local=False, transfers=True)),
+            ("failed open to D alone", {"rid": "r", "input_ids": [1, 2, 3], "kvc": {"mode": "PD_FALLBACK", "keep_session": False}},
+             "decode", dict(mode="PD_FALLBACK", local=True, transfers=False)),
         ]
         for name, body, role, want in ok:
             with self.subTest(name):
@@ -50,6 +52,8 @@ class TestParse(unittest.TestCase):
             ("wrong role", {"kvc": {"role": "prefill", "input_tokens": 3}}, "decode", "prefill"),
             ("no session", {"kvc": {"mode": "SEED", "input_tokens": 3, "room": 1}}, "decode", "missing session id"),
             ("no room", {"kvc": {"mode": "SEED", "input_tokens": 3, "session_id": "s"}}, "decode", "needs a room"),
+            ("fallback on P without a room", {"rid": "r", "input_ids": [1, 2], "kvc": {"mode": "PD_FALLBACK", "keep_session": False}},
+             "prefill", "needs a room"),
             ("snapshot on P", {"kvc": {"mode": "RESEED_SNAPSHOT", "input_tokens": 3, "session_id": "s", "room": 1,
                                        "snapshot_seqlen": 2}}, "prefill", "no prefill half"),
             ("seqlen", {"kvc": {"mode": "RESEED_SNAPSHOT", "input_tokens": 3, "session_id": "s", "room": 1,
