@@ -31,6 +31,8 @@ FLAGS = [
     ("shm-dir", str, "/dev/shm", "where the CPU pool file lives (the sidecar maps it)"),
     ("transfer-timeout", float, 60.0, "seconds for WaitReceive / SendKV"),
     ("prealloc-wait", float, 0.0, "seconds a request may wait for pages before 503 no_capacity"),
+    ("snapshot-wait", float, 2.5, "seconds eviction passes over idle sessions whose D->P snapshot push is not done "
+                                  "(their next turn would re-prefill); then least recently used first"),
     ("verify-max-steps", int, 16, "decode steps the recompute check compares (the rest are the same arithmetic; 0: all)"),
     ("atol", float, -1.0, "recompute tolerance on logits and KV (-1: 1e-4 for float32, 1.0 for 16-bit)"),
     ("transfer-api", str, "auto", "how KV moves: plugin (kvcentric_sglang's KvcKVManager/Sender/Receiver and session hooks, "
@@ -74,7 +76,7 @@ def parse(argv):
         ap.error("--role must be prefill or decode")
     if not a.worker_id or not a.bridge_socket:
         ap.error("--worker-id and --bridge-socket are required")
-    if a.page_size <= 0 or a.kv_capacity_tokens < 0 or a.transfer_timeout <= 0 or a.prealloc_wait < 0:
+    if a.page_size <= 0 or a.kv_capacity_tokens < 0 or a.transfer_timeout <= 0 or a.prealloc_wait < 0 or a.snapshot_wait < 0:
         ap.error("--page-size, --transfer-timeout must be > 0; capacities and waits >= 0")
     return a
 
@@ -183,7 +185,7 @@ def main(argv=None) -> int:
         cfg = Config(role=a.role, worker_id=a.worker_id, model_name=spec.name, transfer_timeout_s=a.transfer_timeout,
                      prealloc_wait_s=a.prealloc_wait, verify_recompute=a.verify_recompute, atol=atol,
                      verify_max_steps=a.verify_max_steps,
-                     bitwise_strict=strict, device_activity_dir=_activity_dir(a.device_activity_dir, a.device))
+                     bitwise_strict=strict, snapshot_wait_s=a.snapshot_wait, device_activity_dir=_activity_dir(a.device_activity_dir, a.device))
         worker = Worker(cfg, model, spec, pool, xfer)
         watch = transport.start_watch(xfer, worker, stop)
         srv.set_worker(worker)

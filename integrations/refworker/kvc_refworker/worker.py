@@ -153,6 +153,7 @@ class Config:
     bitwise_strict: bool = True
     verify_max_steps: int = 16  # decode steps compared (0: all)
     device_activity_dir: str = ""  # DeviceActivity's directory ("" : this process only)
+    snapshot_wait_s: float = 2.5  # how long eviction passes over sessions whose snapshot push is pending
 
 
 @dataclass
@@ -261,6 +262,9 @@ class Worker:
         evicted = 0
         t0 = time.monotonic()
         deadline = t0 + self.cfg.prealloc_wait_s
+        # Until then, only sessions whose snapshot holds all their KV are evicted (see
+        # _snapshot_pending); after it, least recently used first whatever their snapshot.
+        snap_deadline = t0 + min(self.cfg.snapshot_wait_s, self.cfg.prealloc_wait_s)
         while True:
             pages = self.pool.alloc(n)
             if pages is not None:
@@ -269,14 +273,26 @@ class Worker:
             with self.mu:
                 idle = sorted((s for s in self.sessions.values() if s.pinned == 0 and s.id != for_session),
                               key=lambda s: s.last_used)
+            picky = time.monotonic() < snap_deadline
+            pending = {s.id for s in idle if self._snapshot_pending(s)} if picky else set()
+            with self.mu:
                 victims, room = [], self.pool.free_pages
+                held = 0  # pages of idle sessions passed over for their pending push
                 for s in idle:
                     if room >= n:
                         break
+                    if s.pinned or s.gone or self.sessions.get(s.id) is not s:
+                        continue
+                    if s.id in pending:
+                        held += len(s.pages)
+                        continue
                     victims.append(s)
                     room += len(s.pages)
                 if room < n:
                     victims = []
+                    if room + held >= n:  # room once those pushes are done: look again shortly
+                        self.mu.wait(timeout=max(0.0, min(0.02, snap_deadline - time.monotonic())))
+                        continue
                 for s in victims:
                     del self.sessions[s.id]
                     s.gone = True
@@ -291,6 +307,20 @@ class Worker:
                 self._release_and_free(s, evicted=True)
                 evicted += 1
                 self.stats["evictions"] += 1
+
+    def _snapshot_pending(self, s: Session) -> bool:
+        """Whether the decode sidecar has a snapshot target for s and has not pushed all of its
+        committed KV yet (SnapshotStatus). Evicting such a session aborts its push, and its next
+        turn re-prefills instead of reseeding from the snapshot (SNAPSHOT_MISSING), so eviction
+        passes over it for up to snapshot_wait_s."""
+        bridge = getattr(self.xfer, "bridge", None)
+        if not s.committed or bridge is None or self.cfg.snapshot_wait_s <= 0:
+            return False
+        try:
+            st = bridge.snapshot_status(s.id)
+        except Exception:  # noqa: BLE001 - unknown to the sidecar (never committed there): no push to wait for
+            return False
+        return bool(st.prefill_worker) and st.last_pushed_len < s.kv_len
 
     def _release_and_free(self, s: Session, evicted: bool) -> None:
         try:

@@ -188,6 +188,64 @@ class TestModel(unittest.TestCase):
         self.assertEqual(M.attention_for("cpu"), "sdpa")
 
 
+class TestEviction(unittest.TestCase):
+    def test_passes_over_sessions_whose_snapshot_push_is_pending(self):
+        """Eviction takes the least recently used idle session whose snapshot holds all its KV;
+        one whose D->P push is not done is taken only after snapshot_wait_s (evicting it would
+        abort the push and make its next turn a re-prefill)."""
+        from types import SimpleNamespace
+
+        from kvc_refworker.worker import Config, Session, Worker
+
+        spec = M.spec_for("tiny")
+        pushed = {"old": 0, "new": 160}  # "old" (least recently used) has its push pending
+
+        class Bridge:
+            calls = 0
+
+            def snapshot_status(self, sid):
+                Bridge.calls += 1
+                return SimpleNamespace(prefill_worker="p0", last_pushed_len=pushed[sid])
+
+        class Xfer:
+            bridge = Bridge()
+            released = []
+
+            def release(self, sid, evicted):
+                self.released.append((sid, evicted))
+
+        for wait, want in ((5.0, [("new", True)]), (0.0, [("old", True)])):
+            with self.subTest(snapshot_wait=wait):
+                pool = KVPool(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32, 30 * 16, 16, "cpu",
+                              name="kvc-refworker-unit-evict", use_sglang=False)
+                try:
+                    xfer = Xfer()
+                    xfer.released = []
+                    w = Worker(Config(role="decode", worker_id="d0", model_name="tiny", prealloc_wait_s=10,
+                                      snapshot_wait_s=wait), None, spec, pool, xfer)
+                    for i, sid in enumerate(("old", "new")):
+                        s = Session(id=sid, pages=pool.alloc(10), kv_len=160, committed=True, last_used=float(i))
+                        w.sessions[sid] = s
+                    pages, evicted = w.allocate(15, "x")
+                    self.assertEqual((len(pages), evicted), (15, 1))
+                    self.assertEqual(xfer.released, want)
+                finally:
+                    pool.close()
+        pushed["old"] = 160  # once the push is done, it is the first victim again (LRU)
+        pool = KVPool(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32, 30 * 16, 16, "cpu",
+                      name="kvc-refworker-unit-evict2", use_sglang=False)
+        try:
+            xfer = Xfer()
+            xfer.released = []
+            w = Worker(Config(role="decode", worker_id="d0", model_name="tiny", prealloc_wait_s=10), None, spec, pool, xfer)
+            for i, sid in enumerate(("old", "new")):
+                w.sessions[sid] = Session(id=sid, pages=pool.alloc(10), kv_len=160, committed=True, last_used=float(i))
+            w.allocate(15, "x")
+            self.assertEqual(xfer.released, [("old", True)])
+        finally:
+            pool.close()
+
+
 class TestGpuLock(unittest.TestCase):
     def test_waits_for_other_processes_on_the_device(self):
         """A recompute check waits while another worker process sharing the GPU serves a
