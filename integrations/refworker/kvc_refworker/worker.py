@@ -515,29 +515,7 @@ class Worker:
             self._append_prefill(t, t.start, resident=True)
             return
 
-        if p.local:
-            # Failed open to this worker alone: prefill everything here (a resident copy of the
-            # session is replaced by this turn's KV, as after a transfer).
-            if not anonymous:
-                with self.mu:
-                    old = self.sessions.get(p.session_id)
-                if old is not None:
-                    self.drop_session(old)
-            pages, ev = self.allocate(need, p.session_id)
-            t.meta["evicted_sessions"] = ev
-            t.meta["local_prefill"] = True
-            if anonymous:
-                t.pages = pages
-            else:
-                s = Session(id=p.session_id, pages=pages, pinned=1)
-                self._touch(s)
-                with self.mu:
-                    self.sessions[s.id] = s
-                t.s = s
-            self._append_prefill(t, 0, resident=False)
-            return
-
-        if p.mode == "PD_FALLBACK" and p.keep:
+        if p.mode == "PD_FALLBACK" and p.keep and not p.local:
             with self.mu:
                 s = self.sessions.get(p.session_id)
                 if s is not None and 0 < s.kv_len <= n:
@@ -563,7 +541,7 @@ class Worker:
         if not anonymous:
             with self.mu:
                 old = self.sessions.get(p.session_id)
-            if old is not None:  # the KV arrives by transfer: a resident copy here is stale
+            if old is not None:  # the KV arrives by transfer (or is prefilled here): a resident copy is stale
                 self.drop_session(old)
         pages, ev = self.allocate(need, p.session_id)
         t.meta["evicted_sessions"] = ev
@@ -575,7 +553,11 @@ class Worker:
             with self.mu:
                 self.sessions[s.id] = s
             t.s = s
-        if p.mode == "RESEED_SNAPSHOT":
+        if p.local:
+            # Failed open to this worker alone: prefill everything here, as a colocated worker.
+            t.meta["local_prefill"] = True
+            self._append_prefill(t, 0, resident=False)
+        elif p.mode == "RESEED_SNAPSHOT":
             self._receive(t, TRANSFER_SNAPSHOT, p.seqlen)
             t.start = min(p.seqlen, n - 1)
             self._append_prefill(t, t.start, resident=False)

@@ -214,36 +214,42 @@ class TestEviction(unittest.TestCase):
             def release(self, sid, evicted):
                 self.released.append((sid, evicted))
 
-        for wait, want in ((5.0, [("new", True)]), (0.0, [("old", True)])):
-            with self.subTest(snapshot_wait=wait):
-                pool = KVPool(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32, 30 * 16, 16, "cpu",
-                              name="kvc-refworker-unit-evict", use_sglang=False)
-                try:
-                    xfer = Xfer()
-                    xfer.released = []
-                    w = Worker(Config(role="decode", worker_id="d0", model_name="tiny", prealloc_wait_s=10,
-                                      snapshot_wait_s=wait), None, spec, pool, xfer)
-                    for i, sid in enumerate(("old", "new")):
-                        s = Session(id=sid, pages=pool.alloc(10), kv_len=160, committed=True, last_used=float(i))
-                        w.sessions[sid] = s
-                    pages, evicted = w.allocate(15, "x")
-                    self.assertEqual((len(pages), evicted), (15, 1))
-                    self.assertEqual(xfer.released, want)
-                finally:
-                    pool.close()
-        pushed["old"] = 160  # once the push is done, it is the first victim again (LRU)
-        pool = KVPool(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32, 30 * 16, 16, "cpu",
-                      name="kvc-refworker-unit-evict2", use_sglang=False)
-        try:
-            xfer = Xfer()
-            xfer.released = []
-            w = Worker(Config(role="decode", worker_id="d0", model_name="tiny", prealloc_wait_s=10), None, spec, pool, xfer)
-            for i, sid in enumerate(("old", "new")):
-                w.sessions[sid] = Session(id=sid, pages=pool.alloc(10), kv_len=160, committed=True, last_used=float(i))
-            w.allocate(15, "x")
-            self.assertEqual(xfer.released, [("old", True)])
-        finally:
-            pool.close()
+        def evict(wait):
+            pool = KVPool(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32, 30 * 16, 16, "cpu",
+                          name="kvc-refworker-unit-evict", use_sglang=False)
+            try:
+                xfer = Xfer()
+                xfer.released = []
+                w = Worker(Config(role="decode", worker_id="d0", model_name="tiny", prealloc_wait_s=10,
+                                  snapshot_wait_s=wait), None, spec, pool, xfer)
+                for i, sid in enumerate(("old", "new")):
+                    w.sessions[sid] = Session(id=sid, pages=pool.alloc(10), kv_len=160, committed=True, last_used=float(i))
+                pages, evicted = w.allocate(15, "x")
+                self.assertEqual((len(pages), evicted), (15, 1))
+                return xfer.released
+            finally:
+                pool.close()
+
+        self.assertEqual(evict(5.0), [("new", True)])
+        self.assertEqual(evict(0.0), [("old", True)])  # no wait: least recently used
+        pushed["old"] = 160  # once its push is done, it is the first victim again
+        self.assertEqual(evict(5.0), [("old", True)])
+
+
+def _start_check(lk):
+    """A recompute check's forward on another thread: (set once it got the device, the thread)."""
+    import threading
+
+    got = threading.Event()
+
+    def low():
+        lk.acquire(low=True)
+        got.set()
+        lk.release()
+
+    th = threading.Thread(target=low)
+    th.start()
+    return got, th
 
 
 class TestGpuLock(unittest.TestCase):
@@ -251,7 +257,6 @@ class TestGpuLock(unittest.TestCase):
         """A recompute check waits while another worker process sharing the GPU serves a
         request (its count file says so), and runs once that process is idle."""
         import tempfile
-        import threading
 
         from kvc_refworker.worker import DeviceActivity, GpuLock
 
@@ -263,15 +268,7 @@ class TestGpuLock(unittest.TestCase):
                 f.write("3")
             act = DeviceActivity(d)
             lk = GpuLock(max_defer_s=5, shared=act)
-            got = threading.Event()
-
-            def low():
-                lk.acquire(low=True)
-                got.set()
-                lk.release()
-
-            th = threading.Thread(target=low)
-            th.start()
+            got, th = _start_check(lk)
             self.assertFalse(got.wait(0.3))
             lk.enter()  # this process's own count is published too
             with open(act.path) as f:
@@ -286,21 +283,11 @@ class TestGpuLock(unittest.TestCase):
             self.assertFalse(os.path.exists(act.path))
 
     def test_served_requests_first(self):
-        import threading
-
         from kvc_refworker.worker import GpuLock
 
         lk = GpuLock(max_defer_s=5)
         lk.enter()  # a served request in flight
-        got = threading.Event()
-
-        def low():
-            lk.acquire(low=True)
-            got.set()
-            lk.release()
-
-        th = threading.Thread(target=low)
-        th.start()
+        got, th = _start_check(lk)
         self.assertFalse(got.wait(0.3))  # the check waits while the request is in flight
         lk.acquire()  # the request's own forwards go first
         lk.release()
