@@ -100,10 +100,13 @@ class GpuLock:
     def _busy(self) -> bool:
         return self.active > 0 or (self.shared is not None and self.shared.others_busy())
 
-    def acquire(self, low: bool = False) -> None:
+    def acquire(self, low: bool = False, defer_until: Optional[float] = None) -> None:
+        """low: a recompute check's forward, deferred while served requests are in flight until
+        defer_until (a check's whole deferral is bounded, not each of its forwards') or, without
+        it, max_defer_s from now."""
         with self.cv:
             if low:
-                deadline = time.monotonic() + self.max_defer_s
+                deadline = defer_until if defer_until is not None else time.monotonic() + self.max_defer_s
                 while self.held or (self._busy() and time.monotonic() < deadline):
                     # other processes do not notify this condition: poll them every 10 ms
                     self.cv.wait(timeout=max(0.005, min(0.01 if self.shared else 0.5, deadline - time.monotonic())))
@@ -219,9 +222,9 @@ class Worker:
     def _waited(self, what: str, dt: float) -> None:
         setattr(self._tls, what, getattr(self._tls, what, 0.0) + dt)
 
-    def _forward(self, ids, cache, all_logits=False, low=False):
+    def _forward(self, ids, cache, all_logits=False, low=False, defer_until=None):
         w0 = time.monotonic()
-        self.gpu.acquire(low)
+        self.gpu.acquire(low, defer_until)
         if not low:
             self._waited("gpu", time.monotonic() - w0)
         try:
@@ -741,10 +744,11 @@ class Verifier:
         w, p, n = self.w, t.p, t.p.input
         atol = w.cfg.atol
         t0 = time.monotonic()
-        ref_logits, cache = w._forward(t.ids, M.new_cache(w.model), low=True)
+        until = t0 + w.gpu.max_defer_s  # the check as a whole yields to served requests this long at most
+        ref_logits, cache = w._forward(t.ids, M.new_cache(w.model), low=True, defer_until=until)
         refs = [ref_logits]
         for tok in t.fed[:len(t.logits) - 1]:
-            lg, cache = w._forward([tok], cache, low=True)
+            lg, cache = w._forward([tok], cache, low=True, defer_until=until)
             refs.append(lg)
         mism, max_diff, bitwise_steps = 0, 0.0, 0
         for i, (a, b) in enumerate(zip(t.logits, refs)):

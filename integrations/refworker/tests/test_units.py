@@ -305,6 +305,15 @@ class TestGpuLock(unittest.TestCase):
         lk.acquire(low=True)  # a busy worker does not starve its checks forever
         lk.release()
         self.assertLess(time.monotonic() - t0, 3)
+        # a check's forwards share one deadline: the later ones do not each defer anew
+        lk = GpuLock(max_defer_s=600)
+        lk.enter()
+        t0 = time.monotonic()
+        until = t0 + 0.2
+        for _ in range(3):
+            lk.acquire(low=True, defer_until=until)
+            lk.release()
+        self.assertLess(time.monotonic() - t0, 3)
 
 
 class TestIpcHandle(unittest.TestCase):
