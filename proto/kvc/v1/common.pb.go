@@ -422,8 +422,26 @@ type Worker struct {
 	WorkerDownSinceUnixMs int64 `protobuf:"varint,18,opt,name=worker_down_since_unix_ms,json=workerDownSinceUnixMs,proto3" json:"worker_down_since_unix_ms,omitempty"`
 	// Why, as the sidecar reported it (empty when up).
 	WorkerDownReason string `protobuf:"bytes,19,opt,name=worker_down_reason,json=workerDownReason,proto3" json:"worker_down_reason,omitempty"`
-	unknownFields    protoimpl.UnknownFields
-	sizeCache        protoimpl.SizeCache
+	// Tensor parallelism, as the sidecar's hello said (Hello.tp_group, tp_rank, tp_size): this
+	// record is rank tp_rank of the tp_size ranks of worker group tp_group, one sidecar each.
+	// tp_size 0 or 1: no tensor parallelism.
+	TpGroup string `protobuf:"bytes,20,opt,name=tp_group,json=tpGroup,proto3" json:"tp_group,omitempty"`
+	TpRank  int32  `protobuf:"varint,21,opt,name=tp_rank,json=tpRank,proto3" json:"tp_rank,omitempty"`
+	TpSize  int32  `protobuf:"varint,22,opt,name=tp_size,json=tpSize,proto3" json:"tp_size,omitempty"`
+	// A group of tp_size > 1 is one routable worker, named by its rank 0's worker_id. On that
+	// record as the router sees it and ListWorkers / GetWorker list it (never in etcd): every rank
+	// in rank order, and the record's state, kv_capacity_tokens and load are the group's — READY
+	// only when every rank is connected and READY (one UNREACHABLE or WORKER_DOWN rank makes the
+	// group so), capacity the smallest rank's, occupancy the fullest rank's. The other ranks are
+	// listed as themselves (their own state) and are never routed to. Empty for tp_size <= 1.
+	TpRanks []*TPRank `protobuf:"bytes,23,rep,name=tp_ranks,json=tpRanks,proto3" json:"tp_ranks,omitempty"`
+	// Why this worker (group) is not routed as it should be, for operators; empty when nothing is
+	// wrong. Set on a group's rank 0 when a rank is missing, on a rank of a group without a rank 0
+	// or held twice, and on a worker no worker of the other role can be paired with: prefill and
+	// decode pair only with equal tp_size (unequal TP on P and D is not supported).
+	TpProblem     string `protobuf:"bytes,24,opt,name=tp_problem,json=tpProblem,proto3" json:"tp_problem,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Worker) Reset() {
@@ -589,6 +607,124 @@ func (x *Worker) GetWorkerDownReason() string {
 	return ""
 }
 
+func (x *Worker) GetTpGroup() string {
+	if x != nil {
+		return x.TpGroup
+	}
+	return ""
+}
+
+func (x *Worker) GetTpRank() int32 {
+	if x != nil {
+		return x.TpRank
+	}
+	return 0
+}
+
+func (x *Worker) GetTpSize() int32 {
+	if x != nil {
+		return x.TpSize
+	}
+	return 0
+}
+
+func (x *Worker) GetTpRanks() []*TPRank {
+	if x != nil {
+		return x.TpRanks
+	}
+	return nil
+}
+
+func (x *Worker) GetTpProblem() string {
+	if x != nil {
+		return x.TpProblem
+	}
+	return ""
+}
+
+// TPRank is one rank of a tensor-parallel worker group: the sidecar of that rank's GPU. A
+// transfer pairs rank r of the prefill group with rank r of the decode group.
+type TPRank struct {
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	TpRank int32                  `protobuf:"varint,1,opt,name=tp_rank,json=tpRank,proto3" json:"tp_rank,omitempty"`
+	// The rank's own worker id (its sidecar's --worker-id); empty when no sidecar registered it.
+	WorkerId string `protobuf:"bytes,2,opt,name=worker_id,json=workerId,proto3" json:"worker_id,omitempty"`
+	// gRPC address of the rank's TransferPeerService.
+	PeerAddr string `protobuf:"bytes,3,opt,name=peer_addr,json=peerAddr,proto3" json:"peer_addr,omitempty"`
+	// Segment name of the rank's transfer engine.
+	TransferEndpoint string `protobuf:"bytes,4,opt,name=transfer_endpoint,json=transferEndpoint,proto3" json:"transfer_endpoint,omitempty"`
+	// The rank's own state (UNSPECIFIED: no sidecar registered this rank). Not set in a
+	// RouteDecision.
+	State         WorkerState `protobuf:"varint,5,opt,name=state,proto3,enum=kvc.v1.WorkerState" json:"state,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *TPRank) Reset() {
+	*x = TPRank{}
+	mi := &file_kvc_v1_common_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *TPRank) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*TPRank) ProtoMessage() {}
+
+func (x *TPRank) ProtoReflect() protoreflect.Message {
+	mi := &file_kvc_v1_common_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use TPRank.ProtoReflect.Descriptor instead.
+func (*TPRank) Descriptor() ([]byte, []int) {
+	return file_kvc_v1_common_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *TPRank) GetTpRank() int32 {
+	if x != nil {
+		return x.TpRank
+	}
+	return 0
+}
+
+func (x *TPRank) GetWorkerId() string {
+	if x != nil {
+		return x.WorkerId
+	}
+	return ""
+}
+
+func (x *TPRank) GetPeerAddr() string {
+	if x != nil {
+		return x.PeerAddr
+	}
+	return ""
+}
+
+func (x *TPRank) GetTransferEndpoint() string {
+	if x != nil {
+		return x.TransferEndpoint
+	}
+	return ""
+}
+
+func (x *TPRank) GetState() WorkerState {
+	if x != nil {
+		return x.State
+	}
+	return WorkerState_WORKER_STATE_UNSPECIFIED
+}
+
 // SnapshotInfo is where a session's D->P snapshot lives and how much it covers.
 type SnapshotInfo struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
@@ -603,7 +739,7 @@ type SnapshotInfo struct {
 
 func (x *SnapshotInfo) Reset() {
 	*x = SnapshotInfo{}
-	mi := &file_kvc_v1_common_proto_msgTypes[2]
+	mi := &file_kvc_v1_common_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -615,7 +751,7 @@ func (x *SnapshotInfo) String() string {
 func (*SnapshotInfo) ProtoMessage() {}
 
 func (x *SnapshotInfo) ProtoReflect() protoreflect.Message {
-	mi := &file_kvc_v1_common_proto_msgTypes[2]
+	mi := &file_kvc_v1_common_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -628,7 +764,7 @@ func (x *SnapshotInfo) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SnapshotInfo.ProtoReflect.Descriptor instead.
 func (*SnapshotInfo) Descriptor() ([]byte, []int) {
-	return file_kvc_v1_common_proto_rawDescGZIP(), []int{2}
+	return file_kvc_v1_common_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *SnapshotInfo) GetPrefillWorker() string {
@@ -709,7 +845,7 @@ type SessionRecord struct {
 
 func (x *SessionRecord) Reset() {
 	*x = SessionRecord{}
-	mi := &file_kvc_v1_common_proto_msgTypes[3]
+	mi := &file_kvc_v1_common_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -721,7 +857,7 @@ func (x *SessionRecord) String() string {
 func (*SessionRecord) ProtoMessage() {}
 
 func (x *SessionRecord) ProtoReflect() protoreflect.Message {
-	mi := &file_kvc_v1_common_proto_msgTypes[3]
+	mi := &file_kvc_v1_common_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -734,7 +870,7 @@ func (x *SessionRecord) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SessionRecord.ProtoReflect.Descriptor instead.
 func (*SessionRecord) Descriptor() ([]byte, []int) {
-	return file_kvc_v1_common_proto_rawDescGZIP(), []int{3}
+	return file_kvc_v1_common_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *SessionRecord) GetSessionId() string {
@@ -915,7 +1051,7 @@ type Policy struct {
 
 func (x *Policy) Reset() {
 	*x = Policy{}
-	mi := &file_kvc_v1_common_proto_msgTypes[4]
+	mi := &file_kvc_v1_common_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -927,7 +1063,7 @@ func (x *Policy) String() string {
 func (*Policy) ProtoMessage() {}
 
 func (x *Policy) ProtoReflect() protoreflect.Message {
-	mi := &file_kvc_v1_common_proto_msgTypes[4]
+	mi := &file_kvc_v1_common_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -940,7 +1076,7 @@ func (x *Policy) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Policy.ProtoReflect.Descriptor instead.
 func (*Policy) Descriptor() ([]byte, []int) {
-	return file_kvc_v1_common_proto_rawDescGZIP(), []int{4}
+	return file_kvc_v1_common_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *Policy) GetDirectMaxUncachedTokens() int64 {
@@ -1143,7 +1279,7 @@ type KVLayout struct {
 
 func (x *KVLayout) Reset() {
 	*x = KVLayout{}
-	mi := &file_kvc_v1_common_proto_msgTypes[5]
+	mi := &file_kvc_v1_common_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1155,7 +1291,7 @@ func (x *KVLayout) String() string {
 func (*KVLayout) ProtoMessage() {}
 
 func (x *KVLayout) ProtoReflect() protoreflect.Message {
-	mi := &file_kvc_v1_common_proto_msgTypes[5]
+	mi := &file_kvc_v1_common_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1168,7 +1304,7 @@ func (x *KVLayout) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KVLayout.ProtoReflect.Descriptor instead.
 func (*KVLayout) Descriptor() ([]byte, []int) {
-	return file_kvc_v1_common_proto_rawDescGZIP(), []int{5}
+	return file_kvc_v1_common_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *KVLayout) GetPageSize() int32 {
@@ -1224,7 +1360,7 @@ type VolatileEntry struct {
 
 func (x *VolatileEntry) Reset() {
 	*x = VolatileEntry{}
-	mi := &file_kvc_v1_common_proto_msgTypes[6]
+	mi := &file_kvc_v1_common_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1236,7 +1372,7 @@ func (x *VolatileEntry) String() string {
 func (*VolatileEntry) ProtoMessage() {}
 
 func (x *VolatileEntry) ProtoReflect() protoreflect.Message {
-	mi := &file_kvc_v1_common_proto_msgTypes[6]
+	mi := &file_kvc_v1_common_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1249,7 +1385,7 @@ func (x *VolatileEntry) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use VolatileEntry.ProtoReflect.Descriptor instead.
 func (*VolatileEntry) Descriptor() ([]byte, []int) {
-	return file_kvc_v1_common_proto_rawDescGZIP(), []int{6}
+	return file_kvc_v1_common_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *VolatileEntry) GetSessionId() string {
@@ -1311,7 +1447,7 @@ type VolatileBatch struct {
 
 func (x *VolatileBatch) Reset() {
 	*x = VolatileBatch{}
-	mi := &file_kvc_v1_common_proto_msgTypes[7]
+	mi := &file_kvc_v1_common_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1323,7 +1459,7 @@ func (x *VolatileBatch) String() string {
 func (*VolatileBatch) ProtoMessage() {}
 
 func (x *VolatileBatch) ProtoReflect() protoreflect.Message {
-	mi := &file_kvc_v1_common_proto_msgTypes[7]
+	mi := &file_kvc_v1_common_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1336,7 +1472,7 @@ func (x *VolatileBatch) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use VolatileBatch.ProtoReflect.Descriptor instead.
 func (*VolatileBatch) Descriptor() ([]byte, []int) {
-	return file_kvc_v1_common_proto_rawDescGZIP(), []int{7}
+	return file_kvc_v1_common_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *VolatileBatch) GetSeq() uint64 {
@@ -1383,7 +1519,7 @@ const file_kvc_v1_common_proto_rawDesc = "" +
 	"\x10evictable_tokens\x18\f \x01(\x03R\x0fevictableTokens\x12\x1f\n" +
 	"\vworker_down\x18\r \x01(\bR\n" +
 	"workerDown\x12,\n" +
-	"\x12worker_down_reason\x18\x0e \x01(\tR\x10workerDownReason\"\xf8\x05\n" +
+	"\x12worker_down_reason\x18\x0e \x01(\tR\x10workerDownReason\"\x8f\a\n" +
 	"\x06Worker\x12\x1b\n" +
 	"\tworker_id\x18\x01 \x01(\tR\bworkerId\x12&\n" +
 	"\x04role\x18\x02 \x01(\x0e2\x12.kvc.v1.WorkerRoleR\x04role\x12\x12\n" +
@@ -1405,7 +1541,19 @@ const file_kvc_v1_common_proto_rawDesc = "" +
 	"\bdraining\x18\x10 \x01(\bR\bdraining\x12!\n" +
 	"\fconnected_to\x18\x11 \x01(\tR\vconnectedTo\x128\n" +
 	"\x19worker_down_since_unix_ms\x18\x12 \x01(\x03R\x15workerDownSinceUnixMs\x12,\n" +
-	"\x12worker_down_reason\x18\x13 \x01(\tR\x10workerDownReason\"\xab\x01\n" +
+	"\x12worker_down_reason\x18\x13 \x01(\tR\x10workerDownReason\x12\x19\n" +
+	"\btp_group\x18\x14 \x01(\tR\atpGroup\x12\x17\n" +
+	"\atp_rank\x18\x15 \x01(\x05R\x06tpRank\x12\x17\n" +
+	"\atp_size\x18\x16 \x01(\x05R\x06tpSize\x12)\n" +
+	"\btp_ranks\x18\x17 \x03(\v2\x0e.kvc.v1.TPRankR\atpRanks\x12\x1d\n" +
+	"\n" +
+	"tp_problem\x18\x18 \x01(\tR\ttpProblem\"\xb3\x01\n" +
+	"\x06TPRank\x12\x17\n" +
+	"\atp_rank\x18\x01 \x01(\x05R\x06tpRank\x12\x1b\n" +
+	"\tworker_id\x18\x02 \x01(\tR\bworkerId\x12\x1b\n" +
+	"\tpeer_addr\x18\x03 \x01(\tR\bpeerAddr\x12+\n" +
+	"\x11transfer_endpoint\x18\x04 \x01(\tR\x10transferEndpoint\x12)\n" +
+	"\x05state\x18\x05 \x01(\x0e2\x13.kvc.v1.WorkerStateR\x05state\"\xab\x01\n" +
 	"\fSnapshotInfo\x12%\n" +
 	"\x0eprefill_worker\x18\x01 \x01(\tR\rprefillWorker\x12\x16\n" +
 	"\x06seqlen\x18\x02 \x01(\x03R\x06seqlen\x12\x1e\n" +
@@ -1554,7 +1702,7 @@ func file_kvc_v1_common_proto_rawDescGZIP() []byte {
 }
 
 var file_kvc_v1_common_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
-var file_kvc_v1_common_proto_msgTypes = make([]protoimpl.MessageInfo, 11)
+var file_kvc_v1_common_proto_msgTypes = make([]protoimpl.MessageInfo, 12)
 var file_kvc_v1_common_proto_goTypes = []any{
 	(WorkerRole)(0),          // 0: kvc.v1.WorkerRole
 	(WorkerState)(0),         // 1: kvc.v1.WorkerState
@@ -1562,31 +1710,34 @@ var file_kvc_v1_common_proto_goTypes = []any{
 	(KVKind)(0),              // 3: kvc.v1.KVKind
 	(*WorkerLoad)(nil),       // 4: kvc.v1.WorkerLoad
 	(*Worker)(nil),           // 5: kvc.v1.Worker
-	(*SnapshotInfo)(nil),     // 6: kvc.v1.SnapshotInfo
-	(*SessionRecord)(nil),    // 7: kvc.v1.SessionRecord
-	(*Policy)(nil),           // 8: kvc.v1.Policy
-	(*KVLayout)(nil),         // 9: kvc.v1.KVLayout
-	(*VolatileEntry)(nil),    // 10: kvc.v1.VolatileEntry
-	(*VolatileBatch)(nil),    // 11: kvc.v1.VolatileBatch
-	nil,                      // 12: kvc.v1.SessionRecord.DRejectsEntry
-	nil,                      // 13: kvc.v1.Policy.MaxConcurrentTransfersPerWorkerEntry
-	nil,                      // 14: kvc.v1.VolatileEntry.DRejectsEntry
+	(*TPRank)(nil),           // 6: kvc.v1.TPRank
+	(*SnapshotInfo)(nil),     // 7: kvc.v1.SnapshotInfo
+	(*SessionRecord)(nil),    // 8: kvc.v1.SessionRecord
+	(*Policy)(nil),           // 9: kvc.v1.Policy
+	(*KVLayout)(nil),         // 10: kvc.v1.KVLayout
+	(*VolatileEntry)(nil),    // 11: kvc.v1.VolatileEntry
+	(*VolatileBatch)(nil),    // 12: kvc.v1.VolatileBatch
+	nil,                      // 13: kvc.v1.SessionRecord.DRejectsEntry
+	nil,                      // 14: kvc.v1.Policy.MaxConcurrentTransfersPerWorkerEntry
+	nil,                      // 15: kvc.v1.VolatileEntry.DRejectsEntry
 }
 var file_kvc_v1_common_proto_depIdxs = []int32{
 	0,  // 0: kvc.v1.Worker.role:type_name -> kvc.v1.WorkerRole
 	1,  // 1: kvc.v1.Worker.state:type_name -> kvc.v1.WorkerState
 	4,  // 2: kvc.v1.Worker.load:type_name -> kvc.v1.WorkerLoad
-	6,  // 3: kvc.v1.SessionRecord.snapshot:type_name -> kvc.v1.SnapshotInfo
-	12, // 4: kvc.v1.SessionRecord.d_rejects:type_name -> kvc.v1.SessionRecord.DRejectsEntry
-	13, // 5: kvc.v1.Policy.max_concurrent_transfers_per_worker:type_name -> kvc.v1.Policy.MaxConcurrentTransfersPerWorkerEntry
-	2,  // 6: kvc.v1.Policy.prefill_backup_policy:type_name -> kvc.v1.PrefillBackupPolicy
-	14, // 7: kvc.v1.VolatileEntry.d_rejects:type_name -> kvc.v1.VolatileEntry.DRejectsEntry
-	10, // 8: kvc.v1.VolatileBatch.entries:type_name -> kvc.v1.VolatileEntry
-	9,  // [9:9] is the sub-list for method output_type
-	9,  // [9:9] is the sub-list for method input_type
-	9,  // [9:9] is the sub-list for extension type_name
-	9,  // [9:9] is the sub-list for extension extendee
-	0,  // [0:9] is the sub-list for field type_name
+	6,  // 3: kvc.v1.Worker.tp_ranks:type_name -> kvc.v1.TPRank
+	1,  // 4: kvc.v1.TPRank.state:type_name -> kvc.v1.WorkerState
+	7,  // 5: kvc.v1.SessionRecord.snapshot:type_name -> kvc.v1.SnapshotInfo
+	13, // 6: kvc.v1.SessionRecord.d_rejects:type_name -> kvc.v1.SessionRecord.DRejectsEntry
+	14, // 7: kvc.v1.Policy.max_concurrent_transfers_per_worker:type_name -> kvc.v1.Policy.MaxConcurrentTransfersPerWorkerEntry
+	2,  // 8: kvc.v1.Policy.prefill_backup_policy:type_name -> kvc.v1.PrefillBackupPolicy
+	15, // 9: kvc.v1.VolatileEntry.d_rejects:type_name -> kvc.v1.VolatileEntry.DRejectsEntry
+	11, // 10: kvc.v1.VolatileBatch.entries:type_name -> kvc.v1.VolatileEntry
+	11, // [11:11] is the sub-list for method output_type
+	11, // [11:11] is the sub-list for method input_type
+	11, // [11:11] is the sub-list for extension type_name
+	11, // [11:11] is the sub-list for extension extendee
+	0,  // [0:11] is the sub-list for field type_name
 }
 
 func init() { file_kvc_v1_common_proto_init() }
@@ -1594,14 +1745,14 @@ func file_kvc_v1_common_proto_init() {
 	if File_kvc_v1_common_proto != nil {
 		return
 	}
-	file_kvc_v1_common_proto_msgTypes[4].OneofWrappers = []any{}
+	file_kvc_v1_common_proto_msgTypes[5].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvc_v1_common_proto_rawDesc), len(file_kvc_v1_common_proto_rawDesc)),
 			NumEnums:      4,
-			NumMessages:   11,
+			NumMessages:   12,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

@@ -676,8 +676,14 @@ type WorkerRef struct {
 	// Sidecar TransferPeerService address (the bootstrap address for transfers).
 	PeerAddr         string `protobuf:"bytes,3,opt,name=peer_addr,json=peerAddr,proto3" json:"peer_addr,omitempty"`
 	TransferEndpoint string `protobuf:"bytes,4,opt,name=transfer_endpoint,json=transferEndpoint,proto3" json:"transfer_endpoint,omitempty"`
-	unknownFields    protoimpl.UnknownFields
-	sizeCache        protoimpl.SizeCache
+	// Tensor parallelism: the worker is a group of tp_ranks.size() ranks (Worker.tp_ranks, in
+	// rank order); worker_id, peer_addr and transfer_endpoint above are rank 0's. Rank r of the
+	// decode worker receives from rank r of the prefill worker: a worker process of rank r takes
+	// its peer from tp_ranks[r] (the gateway passes the prefill's as kv_hints
+	// "prefill_peer_addrs"). Empty: no tensor parallelism.
+	TpRanks       []*TPRank `protobuf:"bytes,5,rep,name=tp_ranks,json=tpRanks,proto3" json:"tp_ranks,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *WorkerRef) Reset() {
@@ -736,6 +742,13 @@ func (x *WorkerRef) GetTransferEndpoint() string {
 		return x.TransferEndpoint
 	}
 	return ""
+}
+
+func (x *WorkerRef) GetTpRanks() []*TPRank {
+	if x != nil {
+		return x.TpRanks
+	}
+	return nil
 }
 
 type RouteDecision struct {
@@ -1299,7 +1312,7 @@ var File_kvc_v1_router_proto protoreflect.FileDescriptor
 
 const file_kvc_v1_router_proto_rawDesc = "" +
 	"\n" +
-	"\x13kvc/v1/router.proto\x12\x06kvc.v1\x1a\x13kvc/v1/bridge.proto\"t\n" +
+	"\x13kvc/v1/router.proto\x12\x06kvc.v1\x1a\x13kvc/v1/bridge.proto\x1a\x13kvc/v1/common.proto\"t\n" +
 	"\fRouteRequest\x12*\n" +
 	"\x05query\x18\x01 \x01(\v2\x12.kvc.v1.RouteQueryH\x00R\x05query\x120\n" +
 	"\aoutcome\x18\x02 \x01(\v2\x14.kvc.v1.RouteOutcomeH\x00R\aoutcomeB\x06\n" +
@@ -1338,13 +1351,14 @@ const file_kvc_v1_router_proto_rawDesc = "" +
 	"\rexecuted_mode\x18\b \x01(\x0e2\x11.kvc.v1.RouteModeR\fexecutedMode\x12\x19\n" +
 	"\bkv_pages\x18\t \x03(\x06R\akvPages\x12!\n" +
 	"\ftruncated_to\x18\n" +
-	" \x01(\x03R\vtruncatedTo\"\x91\x01\n" +
+	" \x01(\x03R\vtruncatedTo\"\xbc\x01\n" +
 	"\tWorkerRef\x12\x1b\n" +
 	"\tworker_id\x18\x01 \x01(\tR\bworkerId\x12\x1d\n" +
 	"\n" +
 	"worker_url\x18\x02 \x01(\tR\tworkerUrl\x12\x1b\n" +
 	"\tpeer_addr\x18\x03 \x01(\tR\bpeerAddr\x12+\n" +
-	"\x11transfer_endpoint\x18\x04 \x01(\tR\x10transferEndpoint\"\x87\x05\n" +
+	"\x11transfer_endpoint\x18\x04 \x01(\tR\x10transferEndpoint\x12)\n" +
+	"\btp_ranks\x18\x05 \x03(\v2\x0e.kvc.v1.TPRankR\atpRanks\"\x87\x05\n" +
 	"\rRouteDecision\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x01 \x01(\tR\trequestId\x12\x1f\n" +
@@ -1477,32 +1491,34 @@ var file_kvc_v1_router_proto_goTypes = []any{
 	(*RouteError)(nil),     // 9: kvc.v1.RouteError
 	(*OutcomeAck)(nil),     // 10: kvc.v1.OutcomeAck
 	(*RouteResponse)(nil),  // 11: kvc.v1.RouteResponse
-	(TransferKind)(0),      // 12: kvc.v1.TransferKind
+	(*TPRank)(nil),         // 12: kvc.v1.TPRank
+	(TransferKind)(0),      // 13: kvc.v1.TransferKind
 }
 var file_kvc_v1_router_proto_depIdxs = []int32{
 	4,  // 0: kvc.v1.RouteRequest.query:type_name -> kvc.v1.RouteQuery
 	5,  // 1: kvc.v1.RouteRequest.outcome:type_name -> kvc.v1.RouteOutcome
 	2,  // 2: kvc.v1.RouteOutcome.error_kind:type_name -> kvc.v1.RouteErrorKind
 	0,  // 3: kvc.v1.RouteOutcome.executed_mode:type_name -> kvc.v1.RouteMode
-	0,  // 4: kvc.v1.RouteDecision.mode:type_name -> kvc.v1.RouteMode
-	1,  // 5: kvc.v1.RouteDecision.reason:type_name -> kvc.v1.RouteReason
-	6,  // 6: kvc.v1.RouteDecision.prefill:type_name -> kvc.v1.WorkerRef
-	6,  // 7: kvc.v1.RouteDecision.decode:type_name -> kvc.v1.WorkerRef
-	8,  // 8: kvc.v1.RouteDecision.execution:type_name -> kvc.v1.RouteExecution
-	12, // 9: kvc.v1.RouteExecution.transfer:type_name -> kvc.v1.TransferKind
-	6,  // 10: kvc.v1.RouteExecution.close_session_on:type_name -> kvc.v1.WorkerRef
-	2,  // 11: kvc.v1.RouteExecution.on_decode_refused:type_name -> kvc.v1.RouteErrorKind
-	2,  // 12: kvc.v1.RouteExecution.on_transfer_failed:type_name -> kvc.v1.RouteErrorKind
-	7,  // 13: kvc.v1.RouteResponse.decision:type_name -> kvc.v1.RouteDecision
-	10, // 14: kvc.v1.RouteResponse.outcome_ack:type_name -> kvc.v1.OutcomeAck
-	9,  // 15: kvc.v1.RouteResponse.error:type_name -> kvc.v1.RouteError
-	3,  // 16: kvc.v1.RouterService.Route:input_type -> kvc.v1.RouteRequest
-	11, // 17: kvc.v1.RouterService.Route:output_type -> kvc.v1.RouteResponse
-	17, // [17:18] is the sub-list for method output_type
-	16, // [16:17] is the sub-list for method input_type
-	16, // [16:16] is the sub-list for extension type_name
-	16, // [16:16] is the sub-list for extension extendee
-	0,  // [0:16] is the sub-list for field type_name
+	12, // 4: kvc.v1.WorkerRef.tp_ranks:type_name -> kvc.v1.TPRank
+	0,  // 5: kvc.v1.RouteDecision.mode:type_name -> kvc.v1.RouteMode
+	1,  // 6: kvc.v1.RouteDecision.reason:type_name -> kvc.v1.RouteReason
+	6,  // 7: kvc.v1.RouteDecision.prefill:type_name -> kvc.v1.WorkerRef
+	6,  // 8: kvc.v1.RouteDecision.decode:type_name -> kvc.v1.WorkerRef
+	8,  // 9: kvc.v1.RouteDecision.execution:type_name -> kvc.v1.RouteExecution
+	13, // 10: kvc.v1.RouteExecution.transfer:type_name -> kvc.v1.TransferKind
+	6,  // 11: kvc.v1.RouteExecution.close_session_on:type_name -> kvc.v1.WorkerRef
+	2,  // 12: kvc.v1.RouteExecution.on_decode_refused:type_name -> kvc.v1.RouteErrorKind
+	2,  // 13: kvc.v1.RouteExecution.on_transfer_failed:type_name -> kvc.v1.RouteErrorKind
+	7,  // 14: kvc.v1.RouteResponse.decision:type_name -> kvc.v1.RouteDecision
+	10, // 15: kvc.v1.RouteResponse.outcome_ack:type_name -> kvc.v1.OutcomeAck
+	9,  // 16: kvc.v1.RouteResponse.error:type_name -> kvc.v1.RouteError
+	3,  // 17: kvc.v1.RouterService.Route:input_type -> kvc.v1.RouteRequest
+	11, // 18: kvc.v1.RouterService.Route:output_type -> kvc.v1.RouteResponse
+	18, // [18:19] is the sub-list for method output_type
+	17, // [17:18] is the sub-list for method input_type
+	17, // [17:17] is the sub-list for extension type_name
+	17, // [17:17] is the sub-list for extension extendee
+	0,  // [0:17] is the sub-list for field type_name
 }
 
 func init() { file_kvc_v1_router_proto_init() }
@@ -1511,6 +1527,7 @@ func file_kvc_v1_router_proto_init() {
 		return
 	}
 	file_kvc_v1_bridge_proto_init()
+	file_kvc_v1_common_proto_init()
 	file_kvc_v1_router_proto_msgTypes[0].OneofWrappers = []any{
 		(*RouteRequest_Query)(nil),
 		(*RouteRequest_Outcome)(nil),

@@ -21,6 +21,62 @@ const (
 	_ = protoimpl.EnforceVersion(protoimpl.MaxVersion - 20)
 )
 
+// TPErrorReason is why the control plane refused a sidecar's hello for its tensor parallelism.
+type TPErrorReason int32
+
+const (
+	TPErrorReason_TP_ERROR_REASON_UNSPECIFIED TPErrorReason = 0
+	// tp_size differs from the tp_size of a connected rank of the same tp_group.
+	TPErrorReason_TP_ERROR_REASON_SIZE_MISMATCH TPErrorReason = 1
+	// Another connected worker already is this rank of the tp_group.
+	TPErrorReason_TP_ERROR_REASON_RANK_TAKEN TPErrorReason = 2
+	// The role (prefill or decode) differs from a connected rank's of the same tp_group.
+	TPErrorReason_TP_ERROR_REASON_ROLE_MISMATCH TPErrorReason = 3
+)
+
+// Enum value maps for TPErrorReason.
+var (
+	TPErrorReason_name = map[int32]string{
+		0: "TP_ERROR_REASON_UNSPECIFIED",
+		1: "TP_ERROR_REASON_SIZE_MISMATCH",
+		2: "TP_ERROR_REASON_RANK_TAKEN",
+		3: "TP_ERROR_REASON_ROLE_MISMATCH",
+	}
+	TPErrorReason_value = map[string]int32{
+		"TP_ERROR_REASON_UNSPECIFIED":   0,
+		"TP_ERROR_REASON_SIZE_MISMATCH": 1,
+		"TP_ERROR_REASON_RANK_TAKEN":    2,
+		"TP_ERROR_REASON_ROLE_MISMATCH": 3,
+	}
+)
+
+func (x TPErrorReason) Enum() *TPErrorReason {
+	p := new(TPErrorReason)
+	*p = x
+	return p
+}
+
+func (x TPErrorReason) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (TPErrorReason) Descriptor() protoreflect.EnumDescriptor {
+	return file_kvc_v1_sidecar_proto_enumTypes[0].Descriptor()
+}
+
+func (TPErrorReason) Type() protoreflect.EnumType {
+	return &file_kvc_v1_sidecar_proto_enumTypes[0]
+}
+
+func (x TPErrorReason) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use TPErrorReason.Descriptor instead.
+func (TPErrorReason) EnumDescriptor() ([]byte, []int) {
+	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{0}
+}
+
 type SessionEventKind int32
 
 const (
@@ -69,11 +125,11 @@ func (x SessionEventKind) String() string {
 }
 
 func (SessionEventKind) Descriptor() protoreflect.EnumDescriptor {
-	return file_kvc_v1_sidecar_proto_enumTypes[0].Descriptor()
+	return file_kvc_v1_sidecar_proto_enumTypes[1].Descriptor()
 }
 
 func (SessionEventKind) Type() protoreflect.EnumType {
-	return &file_kvc_v1_sidecar_proto_enumTypes[0]
+	return &file_kvc_v1_sidecar_proto_enumTypes[1]
 }
 
 func (x SessionEventKind) Number() protoreflect.EnumNumber {
@@ -82,7 +138,7 @@ func (x SessionEventKind) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use SessionEventKind.Descriptor instead.
 func (SessionEventKind) EnumDescriptor() ([]byte, []int) {
-	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{0}
+	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{1}
 }
 
 type ConnectRequest struct {
@@ -234,8 +290,21 @@ type Hello struct {
 	// The worker process is down at connect time (see WorkerLoad.worker_down).
 	WorkerDown       bool   `protobuf:"varint,13,opt,name=worker_down,json=workerDown,proto3" json:"worker_down,omitempty"`
 	WorkerDownReason string `protobuf:"bytes,14,opt,name=worker_down_reason,json=workerDownReason,proto3" json:"worker_down_reason,omitempty"`
-	unknownFields    protoimpl.UnknownFields
-	sizeCache        protoimpl.SizeCache
+	// Tensor parallelism: the worker is rank tp_rank of the tp_size ranks of the worker group
+	// tp_group (one SGLang server with --tp-size N: N scheduler processes, one GPU and one sidecar
+	// each). The sidecar sends what its worker registered (RegisterKVPoolRequest.tp_rank/tp_size)
+	// and its --tp-group (default: its --worker-url, which every rank of one server shares).
+	// The control plane routes a group with tp_size > 1 as ONE worker, named by its rank 0's
+	// worker_id, and sends every command for it to every rank (docs/decisions.md). tp_size 0 or
+	// 1: no tensor parallelism (tp_group may be empty). A hello whose tp_size is above 1 must
+	// name tp_group (INVALID_ARGUMENT); one that disagrees with a connected rank of its group on
+	// tp_size or role is refused with FAILED_PRECONDITION, one whose rank is held by another
+	// connected worker with ALREADY_EXISTS, each with a TPError detail.
+	TpGroup       string `protobuf:"bytes,15,opt,name=tp_group,json=tpGroup,proto3" json:"tp_group,omitempty"`
+	TpRank        int32  `protobuf:"varint,16,opt,name=tp_rank,json=tpRank,proto3" json:"tp_rank,omitempty"`
+	TpSize        int32  `protobuf:"varint,17,opt,name=tp_size,json=tpSize,proto3" json:"tp_size,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Hello) Reset() {
@@ -366,6 +435,115 @@ func (x *Hello) GetWorkerDownReason() string {
 	return ""
 }
 
+func (x *Hello) GetTpGroup() string {
+	if x != nil {
+		return x.TpGroup
+	}
+	return ""
+}
+
+func (x *Hello) GetTpRank() int32 {
+	if x != nil {
+		return x.TpRank
+	}
+	return 0
+}
+
+func (x *Hello) GetTpSize() int32 {
+	if x != nil {
+		return x.TpSize
+	}
+	return 0
+}
+
+// TPError is the detail of a hello refused for its tensor parallelism (status details), so a
+// client tells the cases apart without reading the message.
+type TPError struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Reason  TPErrorReason          `protobuf:"varint,1,opt,name=reason,proto3,enum=kvc.v1.TPErrorReason" json:"reason,omitempty"`
+	TpGroup string                 `protobuf:"bytes,2,opt,name=tp_group,json=tpGroup,proto3" json:"tp_group,omitempty"`
+	// The hello's rank and size.
+	TpRank int32 `protobuf:"varint,3,opt,name=tp_rank,json=tpRank,proto3" json:"tp_rank,omitempty"`
+	TpSize int32 `protobuf:"varint,4,opt,name=tp_size,json=tpSize,proto3" json:"tp_size,omitempty"`
+	// The connected worker the hello conflicts with, and its tp_size.
+	ConflictingWorkerId string `protobuf:"bytes,5,opt,name=conflicting_worker_id,json=conflictingWorkerId,proto3" json:"conflicting_worker_id,omitempty"`
+	ConflictingTpSize   int32  `protobuf:"varint,6,opt,name=conflicting_tp_size,json=conflictingTpSize,proto3" json:"conflicting_tp_size,omitempty"`
+	unknownFields       protoimpl.UnknownFields
+	sizeCache           protoimpl.SizeCache
+}
+
+func (x *TPError) Reset() {
+	*x = TPError{}
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *TPError) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*TPError) ProtoMessage() {}
+
+func (x *TPError) ProtoReflect() protoreflect.Message {
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use TPError.ProtoReflect.Descriptor instead.
+func (*TPError) Descriptor() ([]byte, []int) {
+	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *TPError) GetReason() TPErrorReason {
+	if x != nil {
+		return x.Reason
+	}
+	return TPErrorReason_TP_ERROR_REASON_UNSPECIFIED
+}
+
+func (x *TPError) GetTpGroup() string {
+	if x != nil {
+		return x.TpGroup
+	}
+	return ""
+}
+
+func (x *TPError) GetTpRank() int32 {
+	if x != nil {
+		return x.TpRank
+	}
+	return 0
+}
+
+func (x *TPError) GetTpSize() int32 {
+	if x != nil {
+		return x.TpSize
+	}
+	return 0
+}
+
+func (x *TPError) GetConflictingWorkerId() string {
+	if x != nil {
+		return x.ConflictingWorkerId
+	}
+	return ""
+}
+
+func (x *TPError) GetConflictingTpSize() int32 {
+	if x != nil {
+		return x.ConflictingTpSize
+	}
+	return 0
+}
+
 type LoadReport struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Load          *WorkerLoad            `protobuf:"bytes,1,opt,name=load,proto3" json:"load,omitempty"`
@@ -375,7 +553,7 @@ type LoadReport struct {
 
 func (x *LoadReport) Reset() {
 	*x = LoadReport{}
-	mi := &file_kvc_v1_sidecar_proto_msgTypes[2]
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -387,7 +565,7 @@ func (x *LoadReport) String() string {
 func (*LoadReport) ProtoMessage() {}
 
 func (x *LoadReport) ProtoReflect() protoreflect.Message {
-	mi := &file_kvc_v1_sidecar_proto_msgTypes[2]
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -400,7 +578,7 @@ func (x *LoadReport) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LoadReport.ProtoReflect.Descriptor instead.
 func (*LoadReport) Descriptor() ([]byte, []int) {
-	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{2}
+	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *LoadReport) GetLoad() *WorkerLoad {
@@ -424,7 +602,7 @@ type ResidentSession struct {
 
 func (x *ResidentSession) Reset() {
 	*x = ResidentSession{}
-	mi := &file_kvc_v1_sidecar_proto_msgTypes[3]
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -436,7 +614,7 @@ func (x *ResidentSession) String() string {
 func (*ResidentSession) ProtoMessage() {}
 
 func (x *ResidentSession) ProtoReflect() protoreflect.Message {
-	mi := &file_kvc_v1_sidecar_proto_msgTypes[3]
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -449,7 +627,7 @@ func (x *ResidentSession) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResidentSession.ProtoReflect.Descriptor instead.
 func (*ResidentSession) Descriptor() ([]byte, []int) {
-	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{3}
+	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *ResidentSession) GetSessionId() string {
@@ -494,7 +672,7 @@ type SnapshotHeld struct {
 
 func (x *SnapshotHeld) Reset() {
 	*x = SnapshotHeld{}
-	mi := &file_kvc_v1_sidecar_proto_msgTypes[4]
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -506,7 +684,7 @@ func (x *SnapshotHeld) String() string {
 func (*SnapshotHeld) ProtoMessage() {}
 
 func (x *SnapshotHeld) ProtoReflect() protoreflect.Message {
-	mi := &file_kvc_v1_sidecar_proto_msgTypes[4]
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -519,7 +697,7 @@ func (x *SnapshotHeld) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SnapshotHeld.ProtoReflect.Descriptor instead.
 func (*SnapshotHeld) Descriptor() ([]byte, []int) {
-	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{4}
+	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *SnapshotHeld) GetSessionId() string {
@@ -577,7 +755,7 @@ type ResidentSessions struct {
 
 func (x *ResidentSessions) Reset() {
 	*x = ResidentSessions{}
-	mi := &file_kvc_v1_sidecar_proto_msgTypes[5]
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -589,7 +767,7 @@ func (x *ResidentSessions) String() string {
 func (*ResidentSessions) ProtoMessage() {}
 
 func (x *ResidentSessions) ProtoReflect() protoreflect.Message {
-	mi := &file_kvc_v1_sidecar_proto_msgTypes[5]
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -602,7 +780,7 @@ func (x *ResidentSessions) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResidentSessions.ProtoReflect.Descriptor instead.
 func (*ResidentSessions) Descriptor() ([]byte, []int) {
-	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{5}
+	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *ResidentSessions) GetFullSync() bool {
@@ -645,7 +823,7 @@ type SessionEvent struct {
 
 func (x *SessionEvent) Reset() {
 	*x = SessionEvent{}
-	mi := &file_kvc_v1_sidecar_proto_msgTypes[6]
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -657,7 +835,7 @@ func (x *SessionEvent) String() string {
 func (*SessionEvent) ProtoMessage() {}
 
 func (x *SessionEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_kvc_v1_sidecar_proto_msgTypes[6]
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -670,7 +848,7 @@ func (x *SessionEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SessionEvent.ProtoReflect.Descriptor instead.
 func (*SessionEvent) Descriptor() ([]byte, []int) {
-	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{6}
+	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *SessionEvent) GetSessionId() string {
@@ -747,7 +925,7 @@ type CommandAck struct {
 
 func (x *CommandAck) Reset() {
 	*x = CommandAck{}
-	mi := &file_kvc_v1_sidecar_proto_msgTypes[7]
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -759,7 +937,7 @@ func (x *CommandAck) String() string {
 func (*CommandAck) ProtoMessage() {}
 
 func (x *CommandAck) ProtoReflect() protoreflect.Message {
-	mi := &file_kvc_v1_sidecar_proto_msgTypes[7]
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -772,7 +950,7 @@ func (x *CommandAck) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CommandAck.ProtoReflect.Descriptor instead.
 func (*CommandAck) Descriptor() ([]byte, []int) {
-	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{7}
+	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *CommandAck) GetCommandId() uint64 {
@@ -809,7 +987,7 @@ type ConnectResponse struct {
 
 func (x *ConnectResponse) Reset() {
 	*x = ConnectResponse{}
-	mi := &file_kvc_v1_sidecar_proto_msgTypes[8]
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -821,7 +999,7 @@ func (x *ConnectResponse) String() string {
 func (*ConnectResponse) ProtoMessage() {}
 
 func (x *ConnectResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvc_v1_sidecar_proto_msgTypes[8]
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -834,7 +1012,7 @@ func (x *ConnectResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConnectResponse.ProtoReflect.Descriptor instead.
 func (*ConnectResponse) Descriptor() ([]byte, []int) {
-	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{8}
+	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *ConnectResponse) GetMsg() isConnectResponse_Msg {
@@ -890,7 +1068,7 @@ type Welcome struct {
 
 func (x *Welcome) Reset() {
 	*x = Welcome{}
-	mi := &file_kvc_v1_sidecar_proto_msgTypes[9]
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -902,7 +1080,7 @@ func (x *Welcome) String() string {
 func (*Welcome) ProtoMessage() {}
 
 func (x *Welcome) ProtoReflect() protoreflect.Message {
-	mi := &file_kvc_v1_sidecar_proto_msgTypes[9]
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -915,7 +1093,7 @@ func (x *Welcome) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Welcome.ProtoReflect.Descriptor instead.
 func (*Welcome) Descriptor() ([]byte, []int) {
-	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{9}
+	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *Welcome) GetEpoch() int64 {
@@ -967,7 +1145,7 @@ type Command struct {
 
 func (x *Command) Reset() {
 	*x = Command{}
-	mi := &file_kvc_v1_sidecar_proto_msgTypes[10]
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -979,7 +1157,7 @@ func (x *Command) String() string {
 func (*Command) ProtoMessage() {}
 
 func (x *Command) ProtoReflect() protoreflect.Message {
-	mi := &file_kvc_v1_sidecar_proto_msgTypes[10]
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -992,7 +1170,7 @@ func (x *Command) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Command.ProtoReflect.Descriptor instead.
 func (*Command) Descriptor() ([]byte, []int) {
-	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{10}
+	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *Command) GetCommandId() uint64 {
@@ -1132,7 +1310,7 @@ type SetSnapshotTargetCommand struct {
 
 func (x *SetSnapshotTargetCommand) Reset() {
 	*x = SetSnapshotTargetCommand{}
-	mi := &file_kvc_v1_sidecar_proto_msgTypes[11]
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1144,7 +1322,7 @@ func (x *SetSnapshotTargetCommand) String() string {
 func (*SetSnapshotTargetCommand) ProtoMessage() {}
 
 func (x *SetSnapshotTargetCommand) ProtoReflect() protoreflect.Message {
-	mi := &file_kvc_v1_sidecar_proto_msgTypes[11]
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1157,7 +1335,7 @@ func (x *SetSnapshotTargetCommand) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SetSnapshotTargetCommand.ProtoReflect.Descriptor instead.
 func (*SetSnapshotTargetCommand) Descriptor() ([]byte, []int) {
-	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{11}
+	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *SetSnapshotTargetCommand) GetSessionId() string {
@@ -1234,7 +1412,7 @@ type ReleaseSessionCommand struct {
 
 func (x *ReleaseSessionCommand) Reset() {
 	*x = ReleaseSessionCommand{}
-	mi := &file_kvc_v1_sidecar_proto_msgTypes[12]
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1246,7 +1424,7 @@ func (x *ReleaseSessionCommand) String() string {
 func (*ReleaseSessionCommand) ProtoMessage() {}
 
 func (x *ReleaseSessionCommand) ProtoReflect() protoreflect.Message {
-	mi := &file_kvc_v1_sidecar_proto_msgTypes[12]
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1259,7 +1437,7 @@ func (x *ReleaseSessionCommand) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReleaseSessionCommand.ProtoReflect.Descriptor instead.
 func (*ReleaseSessionCommand) Descriptor() ([]byte, []int) {
-	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{12}
+	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *ReleaseSessionCommand) GetSessionId() string {
@@ -1294,7 +1472,7 @@ type PushSnapshotCommand struct {
 
 func (x *PushSnapshotCommand) Reset() {
 	*x = PushSnapshotCommand{}
-	mi := &file_kvc_v1_sidecar_proto_msgTypes[13]
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1306,7 +1484,7 @@ func (x *PushSnapshotCommand) String() string {
 func (*PushSnapshotCommand) ProtoMessage() {}
 
 func (x *PushSnapshotCommand) ProtoReflect() protoreflect.Message {
-	mi := &file_kvc_v1_sidecar_proto_msgTypes[13]
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1319,7 +1497,7 @@ func (x *PushSnapshotCommand) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PushSnapshotCommand.ProtoReflect.Descriptor instead.
 func (*PushSnapshotCommand) Descriptor() ([]byte, []int) {
-	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{13}
+	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *PushSnapshotCommand) GetSessionId() string {
@@ -1387,7 +1565,7 @@ type DrainCommand struct {
 
 func (x *DrainCommand) Reset() {
 	*x = DrainCommand{}
-	mi := &file_kvc_v1_sidecar_proto_msgTypes[14]
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1399,7 +1577,7 @@ func (x *DrainCommand) String() string {
 func (*DrainCommand) ProtoMessage() {}
 
 func (x *DrainCommand) ProtoReflect() protoreflect.Message {
-	mi := &file_kvc_v1_sidecar_proto_msgTypes[14]
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1412,7 +1590,7 @@ func (x *DrainCommand) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DrainCommand.ProtoReflect.Descriptor instead.
 func (*DrainCommand) Descriptor() ([]byte, []int) {
-	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{14}
+	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *DrainCommand) GetDraining() bool {
@@ -1431,7 +1609,7 @@ type UpdatePolicyCommand struct {
 
 func (x *UpdatePolicyCommand) Reset() {
 	*x = UpdatePolicyCommand{}
-	mi := &file_kvc_v1_sidecar_proto_msgTypes[15]
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1443,7 +1621,7 @@ func (x *UpdatePolicyCommand) String() string {
 func (*UpdatePolicyCommand) ProtoMessage() {}
 
 func (x *UpdatePolicyCommand) ProtoReflect() protoreflect.Message {
-	mi := &file_kvc_v1_sidecar_proto_msgTypes[15]
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1456,7 +1634,7 @@ func (x *UpdatePolicyCommand) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UpdatePolicyCommand.ProtoReflect.Descriptor instead.
 func (*UpdatePolicyCommand) Descriptor() ([]byte, []int) {
-	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{15}
+	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *UpdatePolicyCommand) GetPolicy() *Policy {
@@ -1478,7 +1656,7 @@ type LeaderHint struct {
 
 func (x *LeaderHint) Reset() {
 	*x = LeaderHint{}
-	mi := &file_kvc_v1_sidecar_proto_msgTypes[16]
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1490,7 +1668,7 @@ func (x *LeaderHint) String() string {
 func (*LeaderHint) ProtoMessage() {}
 
 func (x *LeaderHint) ProtoReflect() protoreflect.Message {
-	mi := &file_kvc_v1_sidecar_proto_msgTypes[16]
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1503,7 +1681,7 @@ func (x *LeaderHint) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LeaderHint.ProtoReflect.Descriptor instead.
 func (*LeaderHint) Descriptor() ([]byte, []int) {
-	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{16}
+	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *LeaderHint) GetLeaderId() string {
@@ -1538,7 +1716,7 @@ const file_kvc_v1_sidecar_proto_rawDesc = "" +
 	"\x11resident_sessions\x18\x03 \x01(\v2\x18.kvc.v1.ResidentSessionsH\x00R\x10residentSessions\x12;\n" +
 	"\rsession_event\x18\x04 \x01(\v2\x14.kvc.v1.SessionEventH\x00R\fsessionEvent\x12&\n" +
 	"\x03ack\x18\x05 \x01(\v2\x12.kvc.v1.CommandAckH\x00R\x03ackB\x05\n" +
-	"\x03msg\"\xf0\x03\n" +
+	"\x03msg\"\xbd\x04\n" +
 	"\x05Hello\x12\x1b\n" +
 	"\tworker_id\x18\x01 \x01(\tR\bworkerId\x12&\n" +
 	"\x04role\x18\x02 \x01(\x0e2\x12.kvc.v1.WorkerRoleR\x04role\x12\x12\n" +
@@ -1556,7 +1734,17 @@ const file_kvc_v1_sidecar_proto_rawDesc = "" +
 	"\aversion\x18\f \x01(\tR\aversion\x12\x1f\n" +
 	"\vworker_down\x18\r \x01(\bR\n" +
 	"workerDown\x12,\n" +
-	"\x12worker_down_reason\x18\x0e \x01(\tR\x10workerDownReason\"4\n" +
+	"\x12worker_down_reason\x18\x0e \x01(\tR\x10workerDownReason\x12\x19\n" +
+	"\btp_group\x18\x0f \x01(\tR\atpGroup\x12\x17\n" +
+	"\atp_rank\x18\x10 \x01(\x05R\x06tpRank\x12\x17\n" +
+	"\atp_size\x18\x11 \x01(\x05R\x06tpSize\"\xe9\x01\n" +
+	"\aTPError\x12-\n" +
+	"\x06reason\x18\x01 \x01(\x0e2\x15.kvc.v1.TPErrorReasonR\x06reason\x12\x19\n" +
+	"\btp_group\x18\x02 \x01(\tR\atpGroup\x12\x17\n" +
+	"\atp_rank\x18\x03 \x01(\x05R\x06tpRank\x12\x17\n" +
+	"\atp_size\x18\x04 \x01(\x05R\x06tpSize\x122\n" +
+	"\x15conflicting_worker_id\x18\x05 \x01(\tR\x13conflictingWorkerId\x12.\n" +
+	"\x13conflicting_tp_size\x18\x06 \x01(\x05R\x11conflictingTpSize\"4\n" +
 	"\n" +
 	"LoadReport\x12&\n" +
 	"\x04load\x18\x01 \x01(\v2\x12.kvc.v1.WorkerLoadR\x04load\"\xaa\x01\n" +
@@ -1662,7 +1850,12 @@ const file_kvc_v1_sidecar_proto_rawDesc = "" +
 	"\tleader_id\x18\x01 \x01(\tR\bleaderId\x12\x1f\n" +
 	"\vleader_addr\x18\x02 \x01(\tR\n" +
 	"leaderAddr\x12\x14\n" +
-	"\x05epoch\x18\x03 \x01(\x03R\x05epoch*\xba\x02\n" +
+	"\x05epoch\x18\x03 \x01(\x03R\x05epoch*\x96\x01\n" +
+	"\rTPErrorReason\x12\x1f\n" +
+	"\x1bTP_ERROR_REASON_UNSPECIFIED\x10\x00\x12!\n" +
+	"\x1dTP_ERROR_REASON_SIZE_MISMATCH\x10\x01\x12\x1e\n" +
+	"\x1aTP_ERROR_REASON_RANK_TAKEN\x10\x02\x12!\n" +
+	"\x1dTP_ERROR_REASON_ROLE_MISMATCH\x10\x03*\xba\x02\n" +
 	"\x10SessionEventKind\x12\"\n" +
 	"\x1eSESSION_EVENT_KIND_UNSPECIFIED\x10\x00\x12 \n" +
 	"\x1cSESSION_EVENT_KIND_COMMITTED\x10\x01\x12\x1f\n" +
@@ -1687,58 +1880,61 @@ func file_kvc_v1_sidecar_proto_rawDescGZIP() []byte {
 	return file_kvc_v1_sidecar_proto_rawDescData
 }
 
-var file_kvc_v1_sidecar_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_kvc_v1_sidecar_proto_msgTypes = make([]protoimpl.MessageInfo, 17)
+var file_kvc_v1_sidecar_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
+var file_kvc_v1_sidecar_proto_msgTypes = make([]protoimpl.MessageInfo, 18)
 var file_kvc_v1_sidecar_proto_goTypes = []any{
-	(SessionEventKind)(0),            // 0: kvc.v1.SessionEventKind
-	(*ConnectRequest)(nil),           // 1: kvc.v1.ConnectRequest
-	(*Hello)(nil),                    // 2: kvc.v1.Hello
-	(*LoadReport)(nil),               // 3: kvc.v1.LoadReport
-	(*ResidentSession)(nil),          // 4: kvc.v1.ResidentSession
-	(*SnapshotHeld)(nil),             // 5: kvc.v1.SnapshotHeld
-	(*ResidentSessions)(nil),         // 6: kvc.v1.ResidentSessions
-	(*SessionEvent)(nil),             // 7: kvc.v1.SessionEvent
-	(*CommandAck)(nil),               // 8: kvc.v1.CommandAck
-	(*ConnectResponse)(nil),          // 9: kvc.v1.ConnectResponse
-	(*Welcome)(nil),                  // 10: kvc.v1.Welcome
-	(*Command)(nil),                  // 11: kvc.v1.Command
-	(*SetSnapshotTargetCommand)(nil), // 12: kvc.v1.SetSnapshotTargetCommand
-	(*ReleaseSessionCommand)(nil),    // 13: kvc.v1.ReleaseSessionCommand
-	(*PushSnapshotCommand)(nil),      // 14: kvc.v1.PushSnapshotCommand
-	(*DrainCommand)(nil),             // 15: kvc.v1.DrainCommand
-	(*UpdatePolicyCommand)(nil),      // 16: kvc.v1.UpdatePolicyCommand
-	(*LeaderHint)(nil),               // 17: kvc.v1.LeaderHint
-	(WorkerRole)(0),                  // 18: kvc.v1.WorkerRole
-	(*WorkerLoad)(nil),               // 19: kvc.v1.WorkerLoad
-	(*Policy)(nil),                   // 20: kvc.v1.Policy
+	(TPErrorReason)(0),               // 0: kvc.v1.TPErrorReason
+	(SessionEventKind)(0),            // 1: kvc.v1.SessionEventKind
+	(*ConnectRequest)(nil),           // 2: kvc.v1.ConnectRequest
+	(*Hello)(nil),                    // 3: kvc.v1.Hello
+	(*TPError)(nil),                  // 4: kvc.v1.TPError
+	(*LoadReport)(nil),               // 5: kvc.v1.LoadReport
+	(*ResidentSession)(nil),          // 6: kvc.v1.ResidentSession
+	(*SnapshotHeld)(nil),             // 7: kvc.v1.SnapshotHeld
+	(*ResidentSessions)(nil),         // 8: kvc.v1.ResidentSessions
+	(*SessionEvent)(nil),             // 9: kvc.v1.SessionEvent
+	(*CommandAck)(nil),               // 10: kvc.v1.CommandAck
+	(*ConnectResponse)(nil),          // 11: kvc.v1.ConnectResponse
+	(*Welcome)(nil),                  // 12: kvc.v1.Welcome
+	(*Command)(nil),                  // 13: kvc.v1.Command
+	(*SetSnapshotTargetCommand)(nil), // 14: kvc.v1.SetSnapshotTargetCommand
+	(*ReleaseSessionCommand)(nil),    // 15: kvc.v1.ReleaseSessionCommand
+	(*PushSnapshotCommand)(nil),      // 16: kvc.v1.PushSnapshotCommand
+	(*DrainCommand)(nil),             // 17: kvc.v1.DrainCommand
+	(*UpdatePolicyCommand)(nil),      // 18: kvc.v1.UpdatePolicyCommand
+	(*LeaderHint)(nil),               // 19: kvc.v1.LeaderHint
+	(WorkerRole)(0),                  // 20: kvc.v1.WorkerRole
+	(*WorkerLoad)(nil),               // 21: kvc.v1.WorkerLoad
+	(*Policy)(nil),                   // 22: kvc.v1.Policy
 }
 var file_kvc_v1_sidecar_proto_depIdxs = []int32{
-	2,  // 0: kvc.v1.ConnectRequest.hello:type_name -> kvc.v1.Hello
-	3,  // 1: kvc.v1.ConnectRequest.load:type_name -> kvc.v1.LoadReport
-	6,  // 2: kvc.v1.ConnectRequest.resident_sessions:type_name -> kvc.v1.ResidentSessions
-	7,  // 3: kvc.v1.ConnectRequest.session_event:type_name -> kvc.v1.SessionEvent
-	8,  // 4: kvc.v1.ConnectRequest.ack:type_name -> kvc.v1.CommandAck
-	18, // 5: kvc.v1.Hello.role:type_name -> kvc.v1.WorkerRole
-	19, // 6: kvc.v1.LoadReport.load:type_name -> kvc.v1.WorkerLoad
-	4,  // 7: kvc.v1.ResidentSessions.sessions:type_name -> kvc.v1.ResidentSession
-	5,  // 8: kvc.v1.ResidentSessions.snapshots:type_name -> kvc.v1.SnapshotHeld
-	0,  // 9: kvc.v1.SessionEvent.kind:type_name -> kvc.v1.SessionEventKind
-	10, // 10: kvc.v1.ConnectResponse.welcome:type_name -> kvc.v1.Welcome
-	11, // 11: kvc.v1.ConnectResponse.command:type_name -> kvc.v1.Command
-	20, // 12: kvc.v1.Welcome.policy:type_name -> kvc.v1.Policy
-	12, // 13: kvc.v1.Command.set_snapshot_target:type_name -> kvc.v1.SetSnapshotTargetCommand
-	13, // 14: kvc.v1.Command.release_session:type_name -> kvc.v1.ReleaseSessionCommand
-	14, // 15: kvc.v1.Command.push_snapshot:type_name -> kvc.v1.PushSnapshotCommand
-	15, // 16: kvc.v1.Command.drain:type_name -> kvc.v1.DrainCommand
-	16, // 17: kvc.v1.Command.update_policy:type_name -> kvc.v1.UpdatePolicyCommand
-	20, // 18: kvc.v1.UpdatePolicyCommand.policy:type_name -> kvc.v1.Policy
-	1,  // 19: kvc.v1.SidecarService.Connect:input_type -> kvc.v1.ConnectRequest
-	9,  // 20: kvc.v1.SidecarService.Connect:output_type -> kvc.v1.ConnectResponse
-	20, // [20:21] is the sub-list for method output_type
-	19, // [19:20] is the sub-list for method input_type
-	19, // [19:19] is the sub-list for extension type_name
-	19, // [19:19] is the sub-list for extension extendee
-	0,  // [0:19] is the sub-list for field type_name
+	3,  // 0: kvc.v1.ConnectRequest.hello:type_name -> kvc.v1.Hello
+	5,  // 1: kvc.v1.ConnectRequest.load:type_name -> kvc.v1.LoadReport
+	8,  // 2: kvc.v1.ConnectRequest.resident_sessions:type_name -> kvc.v1.ResidentSessions
+	9,  // 3: kvc.v1.ConnectRequest.session_event:type_name -> kvc.v1.SessionEvent
+	10, // 4: kvc.v1.ConnectRequest.ack:type_name -> kvc.v1.CommandAck
+	20, // 5: kvc.v1.Hello.role:type_name -> kvc.v1.WorkerRole
+	0,  // 6: kvc.v1.TPError.reason:type_name -> kvc.v1.TPErrorReason
+	21, // 7: kvc.v1.LoadReport.load:type_name -> kvc.v1.WorkerLoad
+	6,  // 8: kvc.v1.ResidentSessions.sessions:type_name -> kvc.v1.ResidentSession
+	7,  // 9: kvc.v1.ResidentSessions.snapshots:type_name -> kvc.v1.SnapshotHeld
+	1,  // 10: kvc.v1.SessionEvent.kind:type_name -> kvc.v1.SessionEventKind
+	12, // 11: kvc.v1.ConnectResponse.welcome:type_name -> kvc.v1.Welcome
+	13, // 12: kvc.v1.ConnectResponse.command:type_name -> kvc.v1.Command
+	22, // 13: kvc.v1.Welcome.policy:type_name -> kvc.v1.Policy
+	14, // 14: kvc.v1.Command.set_snapshot_target:type_name -> kvc.v1.SetSnapshotTargetCommand
+	15, // 15: kvc.v1.Command.release_session:type_name -> kvc.v1.ReleaseSessionCommand
+	16, // 16: kvc.v1.Command.push_snapshot:type_name -> kvc.v1.PushSnapshotCommand
+	17, // 17: kvc.v1.Command.drain:type_name -> kvc.v1.DrainCommand
+	18, // 18: kvc.v1.Command.update_policy:type_name -> kvc.v1.UpdatePolicyCommand
+	22, // 19: kvc.v1.UpdatePolicyCommand.policy:type_name -> kvc.v1.Policy
+	2,  // 20: kvc.v1.SidecarService.Connect:input_type -> kvc.v1.ConnectRequest
+	11, // 21: kvc.v1.SidecarService.Connect:output_type -> kvc.v1.ConnectResponse
+	21, // [21:22] is the sub-list for method output_type
+	20, // [20:21] is the sub-list for method input_type
+	20, // [20:20] is the sub-list for extension type_name
+	20, // [20:20] is the sub-list for extension extendee
+	0,  // [0:20] is the sub-list for field type_name
 }
 
 func init() { file_kvc_v1_sidecar_proto_init() }
@@ -1754,11 +1950,11 @@ func file_kvc_v1_sidecar_proto_init() {
 		(*ConnectRequest_SessionEvent)(nil),
 		(*ConnectRequest_Ack)(nil),
 	}
-	file_kvc_v1_sidecar_proto_msgTypes[8].OneofWrappers = []any{
+	file_kvc_v1_sidecar_proto_msgTypes[9].OneofWrappers = []any{
 		(*ConnectResponse_Welcome)(nil),
 		(*ConnectResponse_Command)(nil),
 	}
-	file_kvc_v1_sidecar_proto_msgTypes[10].OneofWrappers = []any{
+	file_kvc_v1_sidecar_proto_msgTypes[11].OneofWrappers = []any{
 		(*Command_SetSnapshotTarget)(nil),
 		(*Command_ReleaseSession)(nil),
 		(*Command_PushSnapshot)(nil),
@@ -1770,8 +1966,8 @@ func file_kvc_v1_sidecar_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvc_v1_sidecar_proto_rawDesc), len(file_kvc_v1_sidecar_proto_rawDesc)),
-			NumEnums:      1,
-			NumMessages:   17,
+			NumEnums:      2,
+			NumMessages:   18,
 			NumExtensions: 0,
 			NumServices:   1,
 		},
