@@ -15,6 +15,7 @@ type Common struct {
 	Node              string
 	GPUIndex          int
 	WorkerURL         string
+	TPGroup           string // --tp-group (default: --worker-url); HelloTP sends it
 	ControlPlane      string
 	BridgeSocket      string
 	PeerAddr          string
@@ -58,6 +59,7 @@ func (c *Common) Register(fs *flag.FlagSet) {
 	fs.StringVar(&c.Node, "node", "", "node name (default: hostname)")
 	fs.IntVar(&c.GPUIndex, "gpu-index", 0, "GPU index of the worker")
 	fs.StringVar(&c.WorkerURL, "worker-url", "", "HTTP URL of the SGLang worker (reported in hello)")
+	fs.StringVar(&c.TPGroup, "tp-group", "", "tensor parallelism: the worker group this rank belongs to, the same on every rank of one SGLang server (its --tp-size ranks, one sidecar each); the control plane routes the group as one worker (default: --worker-url)")
 	fs.StringVar(&c.ControlPlane, "control-plane", "", "comma list of control plane gRPC addresses (empty: run without a control plane)")
 	fs.StringVar(&c.BridgeSocket, "bridge-socket", "", "Unix socket path of the WorkerBridge service (mode 0600; required)")
 	fs.StringVar(&c.PeerAddr, "peer-addr", "127.0.0.1:0", "listen address of the TransferPeerService")
@@ -111,6 +113,8 @@ func (c *Common) Check() error {
 		return fmt.Errorf("--worker-health-threshold %d out of range [1, 1000]", c.WorkerHealthThreshold)
 	case c.WorkerHealthTimeout < time.Millisecond:
 		return fmt.Errorf("--worker-health-timeout %v too short", c.WorkerHealthTimeout)
+	case len(c.TPGroup) > MaxTPGroupLen:
+		return fmt.Errorf("--tp-group is %d bytes (at most %d)", len(c.TPGroup), MaxTPGroupLen)
 	case c.TraceSampleRatio < 0 || c.TraceSampleRatio > 1:
 		return fmt.Errorf("--trace-sample-ratio %v must be in (0, 1]", c.TraceSampleRatio)
 	}

@@ -175,6 +175,35 @@ func CheckPeerTP(ctx context.Context, p *Pool) error {
 	return nil
 }
 
+// MaxTPGroupLen bounds a tensor-parallel group name (--tp-group, or the worker URL standing in
+// for it); the control plane refuses a longer one in a hello.
+const MaxTPGroupLen = 1024
+
+// HelloTP fills a hello's tensor parallelism from the registered pool: its rank and size, and
+// the group — group (--tp-group), else, for a worker of more than one rank, the hello's worker
+// URL (every rank of one SGLang server shares it). Without a pool it leaves the hello as it is.
+func HelloTP(h *kvcv1.Hello, p *Pool, group string) {
+	if p == nil {
+		return
+	}
+	h.TpRank, h.TpSize = p.TPRank, max(p.TPSize, 1)
+	h.TpGroup = group
+	if group == "" && h.TpSize > 1 {
+		h.TpGroup = h.GetWorkerUrl()
+	}
+}
+
+// CheckTPUnchanged refuses (FAILED_PRECONDITION) a re-registration that changes the pool's
+// tensor-parallel rank or size: the control plane knows this sidecar as that rank of its group
+// (the hello), so a worker restarted with another shape needs its sidecar restarted too.
+func CheckTPUnchanged(old, p *Pool) error {
+	if old == nil || (old.TPRank == p.TPRank && max(old.TPSize, 1) == max(p.TPSize, 1)) {
+		return nil
+	}
+	return status.Errorf(codes.FailedPrecondition, "tensor parallelism changed from rank %s to %s: this sidecar registered as the former with the control plane; restart the sidecar with the worker",
+		old.TPString(), p.TPString())
+}
+
 // TPString is "rank/size" of a pool (for logs and status).
 func (p *Pool) TPString() string {
 	return strconv.Itoa(int(p.TPRank)) + "/" + strconv.Itoa(int(max(p.TPSize, 1)))

@@ -186,6 +186,54 @@ func TestCheckPeerTP(t *testing.T) {
 	}
 }
 
+func TestHelloTP(t *testing.T) {
+	tests := []struct {
+		name             string
+		pool             *Pool
+		group, url       string
+		wantGroup        string
+		wantRank, wantSz int32
+	}{
+		{"no pool yet", nil, "g", "http://w:30000", "", 0, 0},
+		{"no tensor parallelism", &Pool{}, "", "http://w:30000", "", 0, 1},
+		{"tp 1 with a group", &Pool{TPSize: 1}, "g", "http://w:30000", "g", 0, 1},
+		{"group flag", &Pool{TPRank: 1, TPSize: 2}, "dec-a", "http://w:30000", "dec-a", 1, 2},
+		{"default: the worker url", &Pool{TPRank: 3, TPSize: 4}, "", "http://w:30000", "http://w:30000", 3, 4},
+		{"no group, no url", &Pool{TPRank: 1, TPSize: 2}, "", "", "", 1, 2},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			h := &kvcv1.Hello{WorkerUrl: tt.url}
+			HelloTP(h, tt.pool, tt.group)
+			if h.GetTpGroup() != tt.wantGroup || h.GetTpRank() != tt.wantRank || h.GetTpSize() != tt.wantSz {
+				t.Fatalf("hello tp %q %d/%d, want %q %d/%d", h.GetTpGroup(), h.GetTpRank(), h.GetTpSize(), tt.wantGroup, tt.wantRank, tt.wantSz)
+			}
+		})
+	}
+}
+
+func TestCheckTPUnchanged(t *testing.T) {
+	tests := []struct {
+		name     string
+		old, new *Pool
+		ok       bool
+	}{
+		{"first registration", nil, &Pool{TPRank: 1, TPSize: 2}, true},
+		{"same shape", &Pool{TPRank: 1, TPSize: 2}, &Pool{TPRank: 1, TPSize: 2}, true},
+		{"no tp, 0 and 1 alike", &Pool{TPSize: 0}, &Pool{TPSize: 1}, true},
+		{"other rank", &Pool{TPRank: 1, TPSize: 2}, &Pool{TPRank: 0, TPSize: 2}, false},
+		{"other size", &Pool{TPRank: 1, TPSize: 2}, &Pool{TPRank: 1, TPSize: 4}, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			err := CheckTPUnchanged(tt.old, tt.new)
+			if tt.ok != (err == nil) || (err != nil && (status.Code(err) != codes.FailedPrecondition || !strings.Contains(err.Error(), "restart the sidecar"))) {
+				t.Fatalf("CheckTPUnchanged: %v (want ok=%v)", err, tt.ok)
+			}
+		})
+	}
+}
+
 // FuzzPeerTP: any kvc-tp metadata value is accepted only as "<rank>/<size>" with
 // 0 ≤ rank < size, and otherwise refused with INVALID_ARGUMENT or FAILED_PRECONDITION; never a
 // panic.

@@ -76,7 +76,7 @@ func run(args []string, getenv func(string) string, stderr io.Writer) int {
 		fmt.Fprintln(stderr, "kvc-sidecar-decode:", err)
 		return 1
 	}
-	core := decode.New(decode.Config{WorkerID: c.WorkerID, Node: rt.Node, GPUIndex: int32(c.GPUIndex), WorkerURL: c.WorkerURL,
+	core := decode.New(decode.Config{WorkerID: c.WorkerID, Node: rt.Node, GPUIndex: int32(c.GPUIndex), WorkerURL: c.WorkerURL, TPGroup: c.TPGroup,
 		Transport: c.Transport, PeerAddr: rt.PeerAddr, KVCapacity: c.KVCapacityTokens, DeltaTokens: *delta, PushWorkers: *workers,
 		PushTimeout: *pushTimeout, RoomTimeout: *roomTimeout, SnapshotCreditPages: *creditPages, Version: version, PeerDial: rt.PeerDialOptions(),
 		Release: rel, IdleFlush: *idleFlush}, rt.Engine, rt.Events, rt.Log)

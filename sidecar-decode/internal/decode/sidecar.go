@@ -34,6 +34,7 @@ type Config struct {
 	Node        string
 	GPUIndex    int32
 	WorkerURL   string
+	TPGroup     string // tensor-parallel group (--tp-group; empty: WorkerURL), sent in the hello
 	Transport   string
 	PeerAddr    string // advertised TransferPeerService address
 	KVCapacity  int64  // override of what the pool implies (0 = pool)
@@ -295,6 +296,11 @@ func (s *Sidecar) RegisterKVPool(_ context.Context, req *kvcv1.RegisterKVPoolReq
 	}
 	s.mu.Lock()
 	old := s.pool
+	if err := agent.CheckTPUnchanged(old, p); err != nil {
+		s.mu.Unlock()
+		p.Close()
+		return nil, err
+	}
 	var lost []*session
 	if old != nil {
 		// The worker restarted: everything it held is gone. Stop every push and fail every

@@ -94,7 +94,7 @@ func TestAuxMLAAndTP(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(cp.Close)
-	p := startSidecar(t, "prefill", "mp", cp.Addr, "--store-capacity-bytes", "8388608")
+	p := startSidecar(t, "prefill", "mp", cp.Addr, "--store-capacity-bytes", "8388608", "--tp-group", "grp-p")
 	d1 := startSidecar(t, "decode", "md1", cp.Addr)
 	d2 := startSidecar(t, "decode", "md2", cp.Addr)
 	dMHA := startSidecar(t, "decode", "hd", "")
@@ -115,6 +115,15 @@ func TestAuxMLAAndTP(t *testing.T) {
 		return v.Connected("mp") && v.Connected("md1") && v.Connected("md2")
 	}); err != nil {
 		t.Fatal(err)
+	}
+	// The hellos carry the registered rank and size, and the group (--tp-group; without it and
+	// without --worker-url, none: the control plane refuses such a hello).
+	if err := cp.Wait(ctxT(t, 5*time.Second), func(v *cptest.View) bool {
+		hp, hd := v.Hello("mp"), v.Hello("md1")
+		return hp.GetTpGroup() == "grp-p" && hp.GetTpRank() == 1 && hp.GetTpSize() == 2 &&
+			hd.GetTpGroup() == "" && hd.GetTpRank() == 1 && hd.GetTpSize() == 2
+	}); err != nil {
+		t.Fatalf("hellos' tensor parallelism: %v", err)
 	}
 	var st agent.Status
 	if code := getJSON(t, "http://"+d1.httpAddr+"/v1/status", &st); code != 200 || st.Layout != "MLA" || st.Buffers != numLayers ||

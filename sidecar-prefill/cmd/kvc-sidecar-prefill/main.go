@@ -66,7 +66,7 @@ func run(args []string, getenv func(string) string, stderr io.Writer) int {
 		fmt.Fprintln(stderr, "kvc-sidecar-prefill:", err)
 		return 1
 	}
-	core := prefill.New(prefill.Config{WorkerID: c.WorkerID, Node: rt.Node, GPUIndex: int32(c.GPUIndex), WorkerURL: c.WorkerURL,
+	core := prefill.New(prefill.Config{WorkerID: c.WorkerID, Node: rt.Node, GPUIndex: int32(c.GPUIndex), WorkerURL: c.WorkerURL, TPGroup: c.TPGroup,
 		Transport: c.Transport, PeerAddr: rt.PeerAddr, StoreBytes: *storeBytes, StoreMemory: *storeMem, KVCapacity: c.KVCapacityTokens,
 		RoomTimeout: *roomTimeout, CreditTimeout: *creditTimeout, Version: version, PeerDial: rt.PeerDialOptions()}, rt.Engine, rt.Events, rt.Log)
 	defer core.Close()

@@ -321,6 +321,7 @@ func (s *Sidecar) Hello() *kvcv1.Hello {
 		h.KvCapacityTokens = s.pool.CapacityTokens()
 		h.KvBytesPerToken = s.pool.BytesPerToken()
 	}
+	agent.HelloTP(h, s.pool, s.cfg.TPGroup)
 	if s.cfg.KVCapacity > 0 {
 		h.KvCapacityTokens = s.cfg.KVCapacity
 	}

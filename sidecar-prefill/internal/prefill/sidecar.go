@@ -33,6 +33,7 @@ type Config struct {
 	Node          string
 	GPUIndex      int32
 	WorkerURL     string
+	TPGroup       string // tensor-parallel group (--tp-group; empty: WorkerURL), sent in the hello
 	Transport     string
 	PeerAddr      string // advertised TransferPeerService address
 	StoreBytes    int64
@@ -225,6 +226,11 @@ func (s *Sidecar) RegisterKVPool(_ context.Context, req *kvcv1.RegisterKVPoolReq
 		return nil, err
 	}
 	s.mu.Lock()
+	if err := agent.CheckTPUnchanged(s.pool, p); err != nil {
+		s.mu.Unlock()
+		p.Close()
+		return nil, err
+	}
 	if s.arena != nil && (s.arena.PageSize != p.PageSize || s.arena.ItemLen != p.ItemLen || s.arena.NumLayers != p.NumLayers || s.arena.MLA != p.MLA) {
 		s.mu.Unlock()
 		p.Close()
