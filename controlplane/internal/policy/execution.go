@@ -119,16 +119,22 @@ func execution(d *Decision, unavailable bool) Execution {
 	return e
 }
 
-// SnapshotTarget chooses the prefill worker that keeps a session's snapshot when it becomes
+// SnapshotTarget is SnapshotTargetTP for a decode worker without tensor parallelism.
+func SnapshotTarget(ws []*kvcv1.Worker, current string) *kvcv1.Worker {
+	return SnapshotTargetTP(ws, current, 1)
+}
+
+// SnapshotTargetTP chooses the prefill worker that keeps a session's snapshot when it becomes
 // resident on a decode worker: the one already holding it (current) while its sidecar is
 // connected, else the READY, non-draining prefill worker with the least snapshot memory in use
-// (as a fraction of its capacity), then fewest snapshot sessions, then smallest id. nil when
-// there is none.
-func SnapshotTarget(ws []*kvcv1.Worker, current string) *kvcv1.Worker {
+// (as a fraction of its capacity), then fewest snapshot sessions, then smallest id — among the
+// prefill workers of the decode worker's tensor-parallel size tp (tp.go). nil when there is
+// none.
+func SnapshotTargetTP(ws []*kvcv1.Worker, current string, tp int32) *kvcv1.Worker {
 	var best *kvcv1.Worker
 	var bestFrac float64
 	for _, w := range ws {
-		if w.Role != kvcv1.WorkerRole_WORKER_ROLE_PREFILL {
+		if w.Role != kvcv1.WorkerRole_WORKER_ROLE_PREFILL || TPSize(w) != max(tp, 1) {
 			continue
 		}
 		if current != "" && w.WorkerId == current && w.State != kvcv1.WorkerState_WORKER_STATE_UNREACHABLE &&

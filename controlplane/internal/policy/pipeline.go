@@ -148,6 +148,11 @@ type Cycle struct {
 	Turn int32
 
 	cand, best Cand // scratch of pick
+	// The tensor-parallel sizes of the prefill workers (tp.go), computed at the first pick.
+	pSizes []int32
+	pDone  bool
+	// unpaired: pick takes decode workers no prefill worker can be paired with (tp.go).
+	unpaired bool
 }
 
 // Decide is the routing policy. It is pure: the same Input gives the same Decision, execution
@@ -296,7 +301,7 @@ func (c *Cycle) largeAppend(d *kvcv1.Worker, uncached int64) Decision {
 		dec.LocalReject = d.WorkerId
 		return dec
 	}
-	p := c.leastLoadedPrefill()
+	p := c.leastLoadedPrefill(TPSize(d))
 	if p == nil {
 		return c.fallback(kvcv1.RouteReason_ROUTE_REASON_NO_PREFILL_WORKER)
 	}
@@ -338,7 +343,7 @@ func (c *Cycle) reseed(reason kvcv1.RouteReason, from string, prof *Profile, opt
 		}
 		return c.fallback(why), true
 	}
-	snapP, snapReason, snapTokens := c.snapshot()
+	snapP, snapReason, snapTokens := c.snapshot(TPSize(d.W))
 	dec := Decision{
 		Decode:         d.W,
 		ReservedTokens: c.Need,
@@ -364,7 +369,7 @@ func (c *Cycle) reseed(reason kvcv1.RouteReason, from string, prof *Profile, opt
 		}
 		return dec, true
 	}
-	p := c.leastLoadedPrefill()
+	p := c.leastLoadedPrefill(TPSize(d.W))
 	if p == nil {
 		return c.fallback(kvcv1.RouteReason_ROUTE_REASON_NO_PREFILL_WORKER), true
 	}
@@ -399,7 +404,7 @@ func (c *Cycle) seed() Decision {
 	if c.overlapTokens(d.W.WorkerId) > 0 && ScoreOverlap.Score(c, d) > 0 {
 		reason = kvcv1.RouteReason_ROUTE_REASON_PREFIX_OVERLAP
 	}
-	p := c.leastLoadedPrefill()
+	p := c.leastLoadedPrefill(TPSize(d.W))
 	if p == nil {
 		return c.fallback(kvcv1.RouteReason_ROUTE_REASON_NO_PREFILL_WORKER)
 	}
@@ -422,16 +427,30 @@ func (c *Cycle) seed() Decision {
 // itself (LocalPrefill: no transfer, no prefill worker, nothing kept — decode workers are
 // colocated servers able to prefill; issue 16 finding 5: a transfer without a source cannot
 // run). Without a D either, the gateway uses its own worker list.
+//
+// Prefill and decode pair only with equal tensor parallelism (tp.go): D is one a prefill worker
+// can be paired with when there is one (else any), and P one of D's tp_size.
 func (c *Cycle) fallback(reason kvcv1.RouteReason) Decision {
 	dec := Decision{Mode: kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, Reason: reason, Cause: c.Cause}
-	dec.Prefill = c.leastLoadedPrefill()
+	c.Need = 0
+	d, why := c.pick(FallbackProfile)
+	if d == nil && why == kvcv1.RouteReason_ROUTE_REASON_NO_PREFILL_WORKER {
+		// Only decode workers no prefill worker pairs with: one of them, prefilling itself.
+		c.unpaired = true
+		d, _ = c.pick(FallbackProfile)
+		c.unpaired = false
+	}
+	tp := int32(0)
+	if d != nil {
+		tp = TPSize(d.W)
+	}
+	dec.Prefill = c.leastLoadedPrefill(tp)
 	if dec.Prefill == nil {
 		dec.Reason = kvcv1.RouteReason_ROUTE_REASON_NO_PREFILL_WORKER
 	} else {
 		dec.UsesPrefill = true
 	}
-	c.Need = 0
-	if d, _ := c.pick(FallbackProfile); d != nil {
+	if d != nil {
 		dec.Decode = d.W
 		dec.PauseMs = c.pause(d)
 		dec.LocalPrefill = dec.Prefill == nil
@@ -445,9 +464,14 @@ func (c *Cycle) pick(p *Profile) (*Cand, kvcv1.RouteReason) {
 	bestScore := -1.0
 	found := false
 	deepest := -1
+	unpairable := false
 	cand := &c.cand // reused: no allocation per candidate
 	for _, w := range c.In.Workers {
 		if w.Role != kvcv1.WorkerRole_WORKER_ROLE_DECODE {
+			continue
+		}
+		if !c.unpaired && !c.pairable(w) {
+			unpairable = true // no prefill worker of its tensor-parallel size (tp.go)
 			continue
 		}
 		*cand = Cand{W: w, Res: c.In.Ledger.Reserved(w.WorkerId)}
@@ -479,6 +503,9 @@ func (c *Cycle) pick(p *Profile) (*Cand, kvcv1.RouteReason) {
 	if found {
 		return &c.best, 0 // valid until the next pick
 	}
+	if deepest < 0 && unpairable {
+		return nil, kvcv1.RouteReason_ROUTE_REASON_NO_PREFILL_WORKER
+	}
 	if deepest < 0 {
 		return nil, kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY
 	}
@@ -490,7 +517,9 @@ func (c *Cycle) pick(p *Profile) (*Cand, kvcv1.RouteReason) {
 // prefix that is provably a prefix of the prompt is reused (PREFIX_MISMATCH when that is
 // shorter than the whole snapshot, or nothing). Usable: it covers the input (on content its
 // full pages) minus tail_tolerance_tokens; a longer one is reused up to the input.
-func (c *Cycle) snapshot() (*kvcv1.Worker, kvcv1.RouteReason, int64) {
+//
+// The holder must have the decode worker's tensor-parallel size tp (rank r reads rank r).
+func (c *Cycle) snapshot(tp int32) (*kvcv1.Worker, kvcv1.RouteReason, int64) {
 	if !c.K.SnapshotsEnabled {
 		return nil, kvcv1.RouteReason_ROUTE_REASON_SNAPSHOTS_DISABLED, 0
 	}
@@ -499,7 +528,7 @@ func (c *Cycle) snapshot() (*kvcv1.Worker, kvcv1.RouteReason, int64) {
 		return nil, kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_MISSING, 0
 	}
 	p := findWorker(c.In.Workers, s.PrefillWorker, kvcv1.WorkerRole_WORKER_ROLE_PREFILL)
-	if p == nil || !servesSnapshots(p) || c.excluded(p.WorkerId) {
+	if p == nil || !servesSnapshots(p) || c.excluded(p.WorkerId) || TPSize(p) != tp {
 		return nil, kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_MISSING, 0
 	}
 	if m := c.K.SnapshotMaxStalenessMs; m > 0 && c.In.NowMs-s.UpdatedUnixMs > m {
@@ -534,12 +563,13 @@ func (c *Cycle) snapshot() (*kvcv1.Worker, kvcv1.RouteReason, int64) {
 }
 
 // leastLoadedPrefill: routable prefill worker with the fewest running+waiting requests plus
-// the prefills the control plane has in flight on it; ties to the smallest id.
-func (c *Cycle) leastLoadedPrefill() *kvcv1.Worker {
+// the prefills the control plane has in flight on it; ties to the smallest id. With tp > 0,
+// only one of that tensor-parallel size (the decode worker's: they pair rank r with rank r).
+func (c *Cycle) leastLoadedPrefill(tp int32) *kvcv1.Worker {
 	var best *kvcv1.Worker
 	var bestLoad int64
 	for _, w := range c.In.Workers {
-		if w.Role != kvcv1.WorkerRole_WORKER_ROLE_PREFILL || !routable(w) || c.excluded(w.WorkerId) {
+		if w.Role != kvcv1.WorkerRole_WORKER_ROLE_PREFILL || !routable(w) || c.excluded(w.WorkerId) || (tp > 0 && TPSize(w) != tp) {
 			continue
 		}
 		l := w.GetLoad()

@@ -132,7 +132,8 @@ func (s *Service) sendHints(r *reservation, h *hintsCtx) {
 		cur = named
 	}
 	s.mu.Unlock()
-	p := policy.SnapshotTarget(s.c.Workers(), cur)
+	ws := s.c.Workers()
+	p := policy.SnapshotTargetTP(ws, cur, policy.FindTP(ws, r.decode))
 	if p == nil {
 		return
 	}

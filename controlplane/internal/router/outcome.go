@@ -274,7 +274,8 @@ func (s *Service) resident(r *reservation, o *kvcv1.RouteOutcome, kvLen, nowMs i
 	if r.storeGen != 0 {
 		cur = r.prefill // a seed through the prefill store: that store holds the session's snapshot
 	}
-	p := policy.SnapshotTarget(s.c.Workers(), cur)
+	ws := s.c.Workers()
+	p := policy.SnapshotTargetTP(ws, cur, policy.FindTP(ws, r.decode))
 	if p == nil {
 		s.log.Warn().Str("session", r.session).Msg("no live prefill worker to keep the snapshot")
 		return gen

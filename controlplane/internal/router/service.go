@@ -323,7 +323,15 @@ func ref(w *kvcv1.Worker) *kvcv1.WorkerRef {
 	if w == nil {
 		return nil
 	}
-	return &kvcv1.WorkerRef{WorkerId: w.WorkerId, WorkerUrl: w.WorkerUrl, PeerAddr: w.PeerAddr, TransferEndpoint: w.TransferEndpoint}
+	r := &kvcv1.WorkerRef{WorkerId: w.WorkerId, WorkerUrl: w.WorkerUrl, PeerAddr: w.PeerAddr, TransferEndpoint: w.TransferEndpoint}
+	if n := len(w.TpRanks); n > 0 {
+		// A tensor-parallel group: every rank's addresses (rank r pairs with rank r).
+		r.TpRanks = make([]*kvcv1.TPRank, n)
+		for i, t := range w.TpRanks {
+			r.TpRanks[i] = &kvcv1.TPRank{TpRank: t.GetTpRank(), WorkerId: t.GetWorkerId(), PeerAddr: t.GetPeerAddr(), TransferEndpoint: t.GetTransferEndpoint()}
+		}
+	}
+	return r
 }
 
 func workerID(w *kvcv1.Worker) string {

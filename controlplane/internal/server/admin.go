@@ -56,16 +56,18 @@ func (a *Admin) GetLeader(context.Context, *kvcv1.GetLeaderRequest) (*kvcv1.GetL
 	return resp, nil
 }
 
-// ListWorkers lists workers, optionally of one role.
+// ListWorkers lists workers, optionally of one role. A tensor-parallel group is listed as its
+// rank 0 with the group's state and ranks, and every other rank as itself (state.ListWorkers).
 func (a *Admin) ListWorkers(ctx context.Context, req *kvcv1.ListWorkersRequest) (*kvcv1.ListWorkersResponse, error) {
 	var ws []*kvcv1.Worker
 	if a.leaderReads() {
-		ws = a.State.Workers()
+		ws = a.State.ListedWorkers()
 	} else {
 		var err error
 		if ws, err = a.Store.ListWorkers(ctx); err != nil {
 			return nil, etcdErr(ctx, err)
 		}
+		ws = state.ListWorkers(ws)
 	}
 	out := &kvcv1.ListWorkersResponse{}
 	for _, w := range ws {
@@ -83,9 +85,15 @@ func (a *Admin) GetWorker(ctx context.Context, req *kvcv1.GetWorkerRequest) (*kv
 	if a.leaderReads() {
 		w, ok = a.State.Worker(req.GetWorkerId())
 	} else {
-		var err error
-		if w, ok, err = a.Store.GetWorker(ctx, req.GetWorkerId()); err != nil {
+		ws, err := a.Store.ListWorkers(ctx) // a group's rank 0 is listed with its group's state
+		if err != nil {
 			return nil, etcdErr(ctx, err)
+		}
+		for _, x := range state.ListWorkers(ws) {
+			if x.GetWorkerId() == req.GetWorkerId() {
+				w, ok = x, true
+				break
+			}
 		}
 	}
 	if !ok {
@@ -199,6 +207,8 @@ func (a *Admin) DrainWorker(ctx context.Context, req *kvcv1.DrainWorkerRequest) 
 		return resp, nil
 	case errors.Is(err, state.ErrUnknownWorker):
 		return nil, status.Errorf(codes.NotFound, "worker %q not found", req.GetWorkerId())
+	case errors.Is(err, state.ErrTPMember):
+		return nil, status.Error(codes.FailedPrecondition, err.Error())
 	case errors.Is(err, state.ErrNotLeader):
 		return nil, a.Lead.NotLeaderError()
 	default:

@@ -118,8 +118,25 @@ func (s *Sidecar) Connect(stream grpc.BidiStreamingServer[kvcv1.ConnectRequest, 
 		return err
 	}
 	st, err := s.State.Attach(h)
+	var tpErr *state.TPError
 	switch {
 	case err == nil:
+	case errors.As(err, &tpErr):
+		// A rank that disagrees with its connected group (tensor parallelism): a stable code
+		// and a TPError detail; the sidecar logs the message and retries with backoff.
+		s.reject(tpErr.Reason())
+		s.Log.Warn().Str("worker", h.GetWorkerId()).Str("tp_group", h.GetTpGroup()).Int32("tp_rank", h.GetTpRank()).
+			Int32("tp_size", h.GetTpSize()).Str("reason", tpErr.Reason()).Str("conflicts_with", tpErr.Detail.GetConflictingWorkerId()).
+			Msg("hello refused: " + tpErr.Error())
+		code := codes.FailedPrecondition
+		if tpErr.Detail.GetReason() == kvcv1.TPErrorReason_TP_ERROR_REASON_RANK_TAKEN {
+			code = codes.AlreadyExists
+		}
+		st := status.New(code, tpErr.Error())
+		if d, derr := st.WithDetails(tpErr.Detail); derr == nil {
+			st = d
+		}
+		return st.Err()
 	case errors.Is(err, state.ErrDuplicate):
 		s.reject("duplicate_worker")
 		return status.Errorf(codes.AlreadyExists, "worker %q already has a live stream", h.GetWorkerId())

@@ -6,8 +6,11 @@ import (
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
-// maxStrLen bounds free-text fields (URLs, endpoints, versions) in sidecar messages.
+// maxStrLen bounds free-text fields (URLs, endpoints, versions, tp groups) in sidecar messages.
 const maxStrLen = 1024
+
+// maxTPSize bounds Hello.tp_size (the sidecars' own limit on a registration, agent.MaxTPSize).
+const maxTPSize = 1024
 
 func checkStr(field, v string) error {
 	if len(v) > maxStrLen {
@@ -37,6 +40,16 @@ func validateHello(h *kvcv1.Hello) error {
 	if role != kvcv1.WorkerRole_WORKER_ROLE_PREFILL && role != kvcv1.WorkerRole_WORKER_ROLE_DECODE {
 		return fmt.Errorf("role %d is not prefill or decode", int32(role))
 	}
+	// Tensor parallelism: rank tp_rank of tp_size (0 or 1: none); a worker of several ranks names
+	// its group (the ranks of one server are routed as one worker).
+	switch rank, size := h.GetTpRank(), h.GetTpSize(); {
+	case size < 0 || size > maxTPSize:
+		return fmt.Errorf("tp_size %d out of range [0, %d]", size, maxTPSize)
+	case rank < 0 || rank >= max(size, 1):
+		return fmt.Errorf("tp_rank %d out of range [0, %d)", rank, max(size, 1))
+	case size > 1 && h.GetTpGroup() == "":
+		return fmt.Errorf("tp_size %d without tp_group: the ranks of a tensor-parallel worker must name their group (sidecar --tp-group, or --worker-url, which they share)", size)
+	}
 	return firstErr(
 		kvcv1.ValidateID("worker_id", h.GetWorkerId()),
 		kvcv1.ValidateOptionalID("node", h.GetNode()),
@@ -49,6 +62,7 @@ func validateHello(h *kvcv1.Hello) error {
 		checkStr("transport", h.GetTransport()),
 		checkStr("peer_addr", h.GetPeerAddr()),
 		checkStr("version", h.GetVersion()),
+		checkStr("tp_group", h.GetTpGroup()),
 	)
 }
 

@@ -8,23 +8,21 @@ import (
 )
 
 // SendCommand queues a command on the worker's sidecar stream; command_id (monotonic) and
-// epoch are filled in. It fails when the worker has no live stream or its queue is full.
+// epoch are filled in. It fails when the worker has no live stream or its queue is full. A
+// tensor-parallel group (named by its rank 0's worker id) gets it on every rank's stream, each
+// copy naming the peer group's rank of the same index (tp.go); it fails, sending nothing, when
+// a rank has no stream.
 func (s *State) SendCommand(workerID string, cmd *kvcv1.Command) error {
 	if cmd == nil {
 		return fmt.Errorf("state: nil command")
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	e, ok := s.workers[workerID]
 	if !s.term.acting() {
 		s.m.commands.WithLabelValues("no_stream").Inc()
 		return fmt.Errorf("%w: renew deadline passed or term ended", ErrNotLeader)
 	}
-	if !ok || e.stream == nil {
-		s.m.commands.WithLabelValues("no_stream").Inc()
-		return fmt.Errorf("%w: %s", ErrNoStream, workerID)
-	}
-	return s.sendLocked(e.stream, cmd)
+	return s.sendUnitLocked(workerID, cmd)
 }
 
 func (s *State) sendLocked(st *Stream, cmd *kvcv1.Command) error {

@@ -83,6 +83,9 @@ func (s *State) kickDrainLocked(w string) {
 	if w == "" || len(s.drains) == 0 {
 		return
 	}
+	if w = s.unitLocked(w); w == "" { // a rank of a group: its group's drain
+		return
+	}
 	if op, ok := s.drains[w]; ok && op.status.GetActive() {
 		op.wake()
 	}
@@ -151,7 +154,7 @@ func (s *State) drainPass(id string, op *drainOp, wait time.Duration) time.Durat
 	if !ok {
 		return -1
 	}
-	if e.stream == nil && len(s.byDecode[id]) > 0 {
+	if !s.unitConnectedLocked(id) && len(s.byDecode[id]) > 0 {
 		// Not connected (a new leader has not seen its sidecar yet, or the link dropped): the
 		// worker cannot be told to release. Wait for its sidecar (Attach wakes the mover) or
 		// the unreachable grace, which drops its residency and so finishes the drain.
@@ -190,7 +193,7 @@ func (s *State) drainPass(id string, op *drainOp, wait time.Duration) time.Durat
 		{
 			cmd := &kvcv1.Command{Action: &kvcv1.Command_ReleaseSession{ReleaseSession: &kvcv1.ReleaseSessionCommand{
 				SessionId: sid, Reason: "drain"}}}
-			if err := s.sendLocked(e.stream, cmd); err != nil {
+			if err := s.sendUnitLocked(id, cmd); err != nil {
 				op.status.Failed++
 				s.m.drainMoves.WithLabelValues("failed").Inc()
 				if next == 0 || time.Second < next {
@@ -260,12 +263,13 @@ func snapshotUsable(rec *kvcv1.SessionRecord, ws []*kvcv1.Worker, tail int64) bo
 // with. Once per session and drain.
 func (s *State) targetSnapshotLocked(e *workerEntry, rec *kvcv1.SessionRecord, op *drainOp, ws []*kvcv1.Worker) {
 	sid := rec.GetSessionId()
-	if _, done := op.targeted[sid]; done || e.stream == nil {
+	id := e.w.GetWorkerId()
+	if _, done := op.targeted[sid]; done || !s.unitConnectedLocked(id) {
 		return
 	}
 	op.targeted[sid] = struct{}{}
 	cur := rec.GetSnapshot().GetPrefillWorker()
-	p := policy.SnapshotTarget(ws, cur)
+	p := policy.SnapshotTargetTP(ws, cur, tpSize(e.w))
 	if p == nil || p.GetWorkerId() == cur {
 		return // the sidecar already pushes there; its next push catches up (or the wait runs out)
 	}
@@ -273,7 +277,7 @@ func (s *State) targetSnapshotLocked(e *workerEntry, rec *kvcv1.SessionRecord, o
 		SessionId: sid, PrefillWorkerId: p.GetWorkerId(), PeerAddr: p.GetPeerAddr(),
 		TransferEndpoint: p.GetTransferEndpoint(), Generation: rec.GetGeneration(),
 	}}}
-	_ = s.sendLocked(e.stream, cmd)
+	_ = s.sendUnitLocked(id, cmd)
 }
 
 // ForgetWorker removes a worker and its residency: sessions resident on it become not
@@ -293,7 +297,9 @@ func (s *State) ForgetWorker(id string, force bool) (unbound, snaps int, err err
 	if e.stream != nil && !force {
 		return 0, 0, ErrWorkerConnected
 	}
-	unbound, snaps = len(s.byDecode[id]), len(s.bySnap[id])
+	if u := s.unitLocked(id); u != "" { // a rank's: its group's (tp.go)
+		unbound, snaps = len(s.byDecode[u]), len(s.bySnap[u])
+	}
 	s.dropResidencyLocked(id)
 	s.stopDrainLocked(id)
 	delete(s.drains, id)

@@ -22,6 +22,7 @@ type metrics struct {
 	drainMoves      *prometheus.CounterVec // sessions moved off draining workers: with_snapshot, without_snapshot, failed
 	forgotten       prometheus.Counter
 	staleCopies     prometheus.Counter // stale copies a decode resync reported, released there
+	tpProblems      prometheus.Gauge   // listed workers with a tensor-parallel problem (tp.go)
 }
 
 func newMetrics(reg prometheus.Registerer, sessions func() float64) *metrics {
@@ -77,6 +78,9 @@ func newMetrics(reg prometheus.Registerer, sessions func() float64) *metrics {
 		forgotten: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvc_cp_workers_forgotten_total", Help: "Workers removed by AdminService.ForgetWorker.",
 		}),
+		tpProblems: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "kvc_cp_tp_problem_workers", Help: "Workers (ranks and groups) listed with a tensor-parallel problem: a group missing a rank or its rank 0, a rank held twice, a worker no worker of the other role has the same tp_size as (leader only).",
+		}),
 		staleCopies: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvc_cp_stale_copies_released_total", Help: "Sessions a decode sidecar's resync reported that the record says moved on (a newer generation elsewhere): the record stood and the copy was released on that worker.",
 		}),
@@ -89,7 +93,7 @@ func newMetrics(reg prometheus.Registerer, sessions func() float64) *metrics {
 	}
 	if reg != nil {
 		reg.MustRegister(m.workers, m.commands, m.events, m.transfers, m.expired, m.dropped, m.workerDown, m.loadSeconds, m.writeFailures, m.volatileFlushed,
-			m.journalWritten, m.journalDeleted, m.journalKeys, m.journalBytes, m.drains, m.drainMoves, m.forgotten, m.staleCopies,
+			m.journalWritten, m.journalDeleted, m.journalKeys, m.journalBytes, m.drains, m.drainMoves, m.forgotten, m.staleCopies, m.tpProblems,
 			prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 				Name: "kvc_cp_sessions", Help: "Session records held in memory (leader only).",
 			}, sessions))

@@ -21,6 +21,15 @@ func (s *State) Reconcile(st *Stream, rs *kvcv1.ResidentSessions) error {
 	now := time.Now().UnixMilli()
 	switch st.Role {
 	case kvcv1.WorkerRole_WORKER_ROLE_DECODE:
+		if u := s.unitLocked(w); u != w {
+			// A rank of a tensor-parallel group other than its rank 0, whose reports drive the
+			// group's residency: a session it does not hold is lost for the group.
+			if rs.GetFullSync() {
+				s.rankResyncLocked(w, u, rs)
+				s.resyncAttachedLocked(w)
+			}
+			return nil
+		}
 		seen := make(map[string]struct{}, len(rs.GetSessions()))
 		var stale []string
 		for _, r := range rs.GetSessions() {
@@ -41,8 +50,8 @@ func (s *State) Reconcile(st *Stream, rs *kvcv1.ResidentSessions) error {
 			if oldD != w && oldD != "" {
 				rec.PreviousDecodeWorker = oldD
 				// The report is newer: the copy the record named is the stale one now.
-				if oe, ok := s.workers[oldD]; ok && oe.stream != nil {
-					s.releaseStaleLocked(oe, []string{r.GetSessionId()})
+				if s.unitConnectedLocked(oldD) {
+					s.releaseStaleLocked(oldD, []string{r.GetSessionId()})
 				}
 			}
 			rec.DecodeWorker = w
@@ -63,12 +72,26 @@ func (s *State) Reconcile(st *Stream, rs *kvcv1.ResidentSessions) error {
 				s.changedLocked(rec, w, rec.GetSnapshot().GetPrefillWorker())
 			}
 		}
-		s.releaseStaleLocked(e, stale)
+		s.releaseStaleLocked(w, stale)
 		if rs.GetFullSync() {
 			s.resyncAttachedLocked(w)
 		}
 		s.kickDrainLocked(w)
 	case kvcv1.WorkerRole_WORKER_ROLE_PREFILL:
+		if grouped(e.w) {
+			// A rank of a tensor-parallel group: its shards; the group's snapshot of a session
+			// is what every rank holds (tp.go).
+			shards := make(map[string]*tpShard, len(rs.GetSnapshots()))
+			for _, sn := range rs.GetSnapshots() {
+				upd := sn.GetUpdatedUnixMs()
+				if upd == 0 {
+					upd = now
+				}
+				shards[sn.GetSessionId()] = &tpShard{seqlen: sn.GetSeqlen(), gen: sn.GetGeneration(), bytes: sn.GetBytes(), updated: upd}
+			}
+			s.applyShardsLocked(w, shards, rs.GetFullSync())
+			return nil
+		}
 		seen := make(map[string]struct{}, len(rs.GetSnapshots()))
 		for _, sn := range rs.GetSnapshots() {
 			seen[sn.GetSessionId()] = struct{}{}
@@ -114,19 +137,48 @@ func (s *State) staleCopyLocked(rec *kvcv1.SessionRecord, gen uint64, oldD, w st
 	}
 }
 
-// releaseStaleLocked commands w's sidecar to release the stale copies ids (the sidecar has its
-// worker free them through WatchCommands). Best effort: a full queue leaves them to the next
-// resync.
-func (s *State) releaseStaleLocked(e *workerEntry, ids []string) {
+// releaseStaleLocked commands unit's sidecar (every rank's, for a tensor-parallel group) to
+// release the stale copies ids (the sidecar has its worker free them through WatchCommands).
+// Best effort: a full queue leaves them to the next resync.
+func (s *State) releaseStaleLocked(unit string, ids []string) {
 	for _, id := range ids {
 		s.m.staleCopies.Inc()
 		cmd := &kvcv1.Command{Action: &kvcv1.Command_ReleaseSession{ReleaseSession: &kvcv1.ReleaseSessionCommand{
 			SessionId: id, Reason: "stale copy: the session's newer residency is elsewhere"}}}
-		if err := s.sendLocked(e.stream, cmd); err != nil {
-			s.log.Warn().Err(err).Str("worker", e.stream.WorkerID).Str("session", id).Msg("release of a stale copy not sent")
+		if err := s.sendUnitLocked(unit, cmd); err != nil {
+			s.log.Warn().Err(err).Str("worker", unit).Str("session", id).Msg("release of a stale copy not sent")
 			continue
 		}
-		s.log.Info().Str("worker", e.stream.WorkerID).Str("session", id).Msg("resync reported a stale copy: released there")
+		s.log.Info().Str("worker", unit).Str("session", id).Msg("resync reported a stale copy: released there")
+	}
+}
+
+// rankResyncLocked applies the full resync of rank worker w of the decode group unit (not its
+// rank 0): every session resident on the group that w does not list is lost for the group (that
+// rank's part of its KV is gone), as when the worker releases it. What w lists is not made
+// resident here: rank 0's reports decide that.
+func (s *State) rankResyncLocked(w, unit string, rs *kvcv1.ResidentSessions) {
+	if unit == "" {
+		return
+	}
+	seen := make(map[string]struct{}, len(rs.GetSessions()))
+	for _, r := range rs.GetSessions() {
+		seen[r.GetSessionId()] = struct{}{}
+	}
+	n := 0
+	for _, sid := range keys(s.byDecode[unit]) {
+		if _, ok := seen[sid]; ok {
+			continue
+		}
+		rec := s.sessions[sid].rec
+		rec.PreviousDecodeWorker = unit
+		rec.DecodeWorker = ""
+		s.changedLocked(rec, unit, rec.GetSnapshot().GetPrefillWorker())
+		n++
+	}
+	if n > 0 {
+		s.log.Warn().Str("worker", w).Str("unit", unit).Int("sessions", n).Msg("a rank of a tensor-parallel group does not hold sessions resident on the group: their residency is dropped")
+		s.kickDrainLocked(unit)
 	}
 }
 
@@ -145,11 +197,39 @@ func (s *State) ApplyEvent(st *Stream, ev *kvcv1.SessionEvent) error {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if we, ok := s.workers[st.WorkerID]; !ok || we.stream != st || s.term == nil {
+	we, ok := s.workers[st.WorkerID]
+	if !ok || we.stream != st || s.term == nil {
 		return ErrNoStream
 	}
 	w := st.WorkerID
 	id := ev.GetSessionId()
+	if grouped(we.w) {
+		// A rank of a tensor-parallel group (tp.go): rank 0's commits drive the group's
+		// residency; a release or eviction on any rank loses the session for the group; a
+		// prefill rank's snapshot events update its shard.
+		switch ev.GetKind() {
+		case kvcv1.SessionEventKind_SESSION_EVENT_KIND_COMMITTED:
+			if s.unitLocked(w) != w {
+				return nil
+			}
+		case kvcv1.SessionEventKind_SESSION_EVENT_KIND_RELEASED, kvcv1.SessionEventKind_SESSION_EVENT_KIND_EVICTED:
+			if w = s.unitLocked(w); w == "" {
+				return nil
+			}
+		case kvcv1.SessionEventKind_SESSION_EVENT_KIND_SNAPSHOT_INGESTED:
+			at := ev.GetUnixMs()
+			if at == 0 {
+				at = time.Now().UnixMilli()
+			}
+			s.applyShardsLocked(w, map[string]*tpShard{id: {seqlen: ev.GetKvLen(), gen: ev.GetGeneration(), bytes: ev.GetBytes(), updated: at}}, false)
+			return nil
+		case kvcv1.SessionEventKind_SESSION_EVENT_KIND_SNAPSHOT_EVICTED:
+			if sh, held := s.tpSnap[id][w]; held && (ev.GetGeneration() == 0 || sh.gen == ev.GetGeneration()) {
+				s.applyShardsLocked(w, map[string]*tpShard{id: nil}, false)
+			}
+			return nil
+		}
+	}
 	e, exists := s.sessions[id]
 	rec := e.rec
 	switch ev.GetKind() {

@@ -70,8 +70,9 @@ type State struct {
 	stored    atomic.Pointer[kvcv1.Policy] // operator overrides as stored (may be nil)
 	policyMu  sync.Mutex                   // serialises UpdatePolicy
 	epoch     atomic.Int64
-	cur       atomic.Pointer[Term] // the term, for lock-free Epoch/Leading
-	snapshot  atomic.Pointer[[]*kvcv1.Worker]
+	cur       atomic.Pointer[Term]            // the term, for lock-free Epoch/Leading
+	snapshot  atomic.Pointer[[]*kvcv1.Worker] // the router's view (tp.go: one record per tensor-parallel group)
+	listing   atomic.Pointer[[]*kvcv1.Worker] // ListWorkers' view: the router's plus every other rank
 	nextCmdID atomic.Uint64
 	nSessions atomic.Int64
 
@@ -82,6 +83,13 @@ type State struct {
 	byDecode map[string]map[string]struct{} // decode worker -> session ids resident there
 	bySnap   map[string]map[string]struct{} // prefill worker -> session ids with a snapshot there
 	drains   map[string]*drainOp            // worker -> its drain under this term (drain.go)
+	// view is the tensor-parallel grouping of the workers as last published (tp.go).
+	view *tpView
+	// tpSnap: what each rank of a tensor-parallel prefill group holds of a session's snapshot
+	// (session id -> rank worker id -> shard); tpSnapBy indexes it by rank (tp.go). Empty
+	// without tensor parallelism.
+	tpSnap   map[string]map[string]tpShard
+	tpSnapBy map[string]map[string]struct{}
 	// resyncPending: decode workers loaded from etcd when this term began whose sidecars have
 	// not attached yet; resyncUntil (unix ms, 0: none pending) bounds the window (resync.go).
 	resyncPending map[string]struct{}
@@ -147,6 +155,7 @@ func New(cfg Config) *State {
 	s.policy.Store(FillPolicy(s.defaults, nil))
 	empty := []*kvcv1.Worker{}
 	s.snapshot.Store(&empty)
+	s.listing.Store(&empty)
 	s.resetLocked()
 	return s
 }
@@ -157,6 +166,9 @@ func (s *State) resetLocked() {
 	s.byDecode = make(map[string]map[string]struct{})
 	s.bySnap = make(map[string]map[string]struct{})
 	s.drains = make(map[string]*drainOp)
+	s.view = &tpView{}
+	s.tpSnap = make(map[string]map[string]tpShard)
+	s.tpSnapBy = make(map[string]map[string]struct{})
 	s.resyncPending = make(map[string]struct{})
 	s.resyncUntil.Store(0)
 	s.dirty, s.flushing, s.fpos = nil, nil, 0
@@ -189,18 +201,23 @@ func (s *State) Epoch() int64 {
 // Leading reports whether this replica holds a term whose leadership has not ended.
 func (s *State) Leading() bool { return s.cur.Load().acting() }
 
-// Workers returns an immutable snapshot of all workers with state and last load.
+// Workers returns an immutable snapshot of the routable workers with state and last load: every
+// worker, except that a tensor-parallel group is one record, its rank 0's (tp.go), and its other
+// ranks are left out.
 func (s *State) Workers() []*kvcv1.Worker { return *s.snapshot.Load() }
 
-// Worker returns the worker's current record (immutable; do not modify).
+// ListedWorkers returns what ListWorkers lists: Workers() plus the ranks of tensor-parallel
+// groups it leaves out, each as itself. Immutable.
+func (s *State) ListedWorkers() []*kvcv1.Worker { return *s.listing.Load() }
+
+// Worker returns the worker as ListWorkers lists it (immutable; do not modify).
 func (s *State) Worker(id string) (*kvcv1.Worker, bool) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	e, ok := s.workers[id]
+	ws := s.ListedWorkers()
+	i, ok := slices.BinarySearchFunc(ws, id, func(w *kvcv1.Worker, id string) int { return strings.Compare(w.GetWorkerId(), id) })
 	if !ok {
 		return nil, false
 	}
-	return e.w, true
+	return ws[i], true
 }
 
 // Session returns a copy of the session record.
@@ -462,6 +479,10 @@ func (s *State) deleteSessionLocked(id string) {
 	rec := e.rec
 	unindex(s.byDecode, rec.GetDecodeWorker(), id)
 	unindex(s.bySnap, rec.GetSnapshot().GetPrefillWorker(), id)
+	for w := range s.tpSnap[id] {
+		unindex(s.tpSnapBy, w, id)
+	}
+	delete(s.tpSnap, id)
 	delete(s.sessions, id)
 	s.nSessions.Add(-1)
 	s.idsGen++
@@ -497,7 +518,8 @@ func unindex(ix map[string]map[string]struct{}, w, id string) {
 	}
 }
 
-// publishWorkersLocked swaps in a new immutable worker snapshot and updates the gauges.
+// publishWorkersLocked swaps in new immutable worker snapshots (the router's and the listing,
+// tp.go) and updates the gauges.
 func (s *State) publishWorkersLocked() {
 	out := make([]*kvcv1.Worker, 0, len(s.workers))
 	counts := map[kvcv1.WorkerState]int{}
@@ -506,7 +528,13 @@ func (s *State) publishWorkersLocked() {
 		counts[e.w.GetState()]++
 	}
 	slices.SortFunc(out, func(a, b *kvcv1.Worker) int { return strings.Compare(a.GetWorkerId(), b.GetWorkerId()) })
-	s.snapshot.Store(&out)
+	old := s.view
+	s.view = groupWorkers(out)
+	s.snapshot.Store(&s.view.routing)
+	s.listing.Store(&s.view.listing)
+	if len(s.view.problems) > 0 || len(old.problems) > 0 {
+		s.tpProblemsChangedLocked(old.problems, s.view.problems)
+	}
 	s.m.workers.WithLabelValues("ready").Set(float64(counts[kvcv1.WorkerState_WORKER_STATE_READY]))
 	s.m.workers.WithLabelValues("draining").Set(float64(counts[kvcv1.WorkerState_WORKER_STATE_DRAINING]))
 	s.m.workers.WithLabelValues("unreachable").Set(float64(counts[kvcv1.WorkerState_WORKER_STATE_UNREACHABLE]))

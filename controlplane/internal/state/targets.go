@@ -27,7 +27,17 @@ func (s *State) ResendTargets(st *Stream, rs *kvcv1.ResidentSessions) (int, erro
 	if !ok || e.stream != st || s.term == nil {
 		return 0, ErrNoStream
 	}
+	// A rank of a tensor-parallel group names the prefill group's rank of its own index
+	// (tp.go); the sessions are the group's.
+	unit, rank, size := s.unitLocked(st.WorkerID), s.rankLocked(st.WorkerID), int32(1)
+	if ids, ok := s.view.ranks[unit]; ok {
+		size = int32(len(ids))
+	}
+	if unit == "" {
+		return 0, nil
+	}
 	sent := 0
+	var err error
 	for _, r := range rs.GetSessions() {
 		if r.GetHasSnapshotTarget() {
 			continue
@@ -37,11 +47,11 @@ func (s *State) ResendTargets(st *Stream, rs *kvcv1.ResidentSessions) (int, erro
 			continue
 		}
 		rec := x.rec
-		if rec.GetDecodeWorker() != st.WorkerID || (r.GetGeneration() != 0 && r.GetGeneration() != rec.GetGeneration()) {
+		if rec.GetDecodeWorker() != unit || (r.GetGeneration() != 0 && r.GetGeneration() != rec.GetGeneration()) {
 			continue
 		}
 		sn := rec.GetSnapshot()
-		p := policy.SnapshotTarget(ws, sn.GetPrefillWorker())
+		p := policy.SnapshotTargetTP(ws, sn.GetPrefillWorker(), size)
 		if p == nil {
 			continue
 		}
@@ -52,7 +62,13 @@ func (s *State) ResendTargets(st *Stream, rs *kvcv1.ResidentSessions) (int, erro
 			sn.GetSeqlen() > 0 && sn.GetSeqlen() <= r.GetKvCommittedLen() {
 			t.ValidBaseLen, t.BaseGeneration = sn.GetSeqlen(), sn.GetGeneration()
 		}
-		if err := s.sendLocked(st, &kvcv1.Command{Action: &kvcv1.Command_SetSnapshotTarget{SetSnapshotTarget: t}}); err != nil {
+		cmd := &kvcv1.Command{Action: &kvcv1.Command_SetSnapshotTarget{SetSnapshotTarget: t}}
+		if s.view.unit != nil {
+			if cmd, err = s.rankCommandLocked(cmd, rank, size, false); err != nil {
+				return sent, err
+			}
+		}
+		if err := s.sendLocked(st, cmd); err != nil {
 			return sent, err
 		}
 		sent++

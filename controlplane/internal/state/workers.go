@@ -1,6 +1,7 @@
 package state
 
 import (
+	"fmt"
 	"sync"
 	"time"
 
@@ -51,6 +52,9 @@ func (s *State) Attach(h *kvcv1.Hello) (*Stream, error) {
 	if ok && e.stream != nil {
 		return nil, ErrDuplicate
 	}
+	if err := s.checkTPLocked(h); err != nil {
+		return nil, err // a TPError (tp.go)
+	}
 	now := time.Now().UnixMilli()
 	if !ok {
 		e = &workerEntry{w: &kvcv1.Worker{WorkerId: id, RegisteredUnixMs: now}}
@@ -60,8 +64,10 @@ func (s *State) Attach(h *kvcv1.Hello) (*Stream, error) {
 		e.grace.Stop()
 		e.grace = nil
 	}
-	if old := e.w.GetRole(); old != kvcv1.WorkerRole_WORKER_ROLE_UNSPECIFIED && old != h.GetRole() {
-		s.dropResidencyLocked(id) // the worker changed role: what it held before is gone
+	if old := e.w.GetRole(); old != kvcv1.WorkerRole_WORKER_ROLE_UNSPECIFIED && (old != h.GetRole() || shapeOf(e.w) != helloShape(h)) {
+		// The worker changed role, or its tensor-parallel group, rank or size (it is another
+		// unit now): what it held before is gone.
+		s.dropResidencyLocked(id)
 	}
 	e.gen++
 	st := &Stream{
@@ -81,6 +87,7 @@ func (s *State) Attach(h *kvcv1.Hello) (*Stream, error) {
 		w.KvCapacityTokens = h.GetKvCapacityTokens()
 		w.KvBytesPerToken = h.GetKvBytesPerToken()
 		w.PeerAddr = h.GetPeerAddr()
+		w.TpGroup, w.TpRank, w.TpSize = h.GetTpGroup(), h.GetTpRank(), h.GetTpSize()
 		w.State = kvcv1.WorkerState_WORKER_STATE_READY
 		if w.GetDraining() {
 			w.State = kvcv1.WorkerState_WORKER_STATE_DRAINING
@@ -93,7 +100,11 @@ func (s *State) Attach(h *kvcv1.Hello) (*Stream, error) {
 		}
 		setWorkerDown(w, h.GetWorkerDown(), h.GetWorkerDownReason(), now)
 	})
-	s.log.Info().Str("worker", id).Str("role", h.GetRole().String()).Msg("sidecar connected")
+	ev := s.log.Info().Str("worker", id).Str("role", h.GetRole().String())
+	if h.GetTpGroup() != "" || h.GetTpSize() > 1 {
+		ev = ev.Str("tp_group", h.GetTpGroup()).Int32("tp_rank", h.GetTpRank()).Int32("tp_size", h.GetTpSize()).Str("unit", s.unitLocked(id))
+	}
+	ev.Msg("sidecar connected")
 	s.kickDrainLocked(id)
 	if h.GetWorkerDown() {
 		s.workerDownLocked(e, h.GetWorkerDownReason())
@@ -145,8 +156,15 @@ func (s *State) graceExpired(term *Term, id string, gen uint64) {
 	s.log.Warn().Str("worker", id).Int("sessions", n).Msg("unreachable grace over: residency dropped")
 }
 
-// dropResidencyLocked clears every session's residency and snapshot on worker id.
+// dropResidencyLocked clears every session's residency and snapshot on worker id — on its
+// tensor-parallel group when it is a rank of one (a rank's loss is the group's; tp.go).
 func (s *State) dropResidencyLocked(id string) int {
+	for _, sid := range keys(s.tpSnapBy[id]) {
+		s.setShardLocked(sid, id, nil) // the rank's shards of its group's snapshots
+	}
+	if id = s.unitLocked(id); id == "" {
+		return 0
+	}
 	n := 0
 	for _, sid := range keys(s.byDecode[id]) {
 		rec := s.sessions[sid].rec
@@ -226,10 +244,10 @@ func setWorkerDown(w *kvcv1.Worker, down bool, reason string, nowMs int64) {
 // on another decode worker — from the snapshot when usable. A prefill worker keeps its
 // snapshots: they live in the sidecar's store, which still serves RESEED_SNAPSHOT.
 func (s *State) workerDownLocked(e *workerEntry, reason string) {
-	id := e.w.GetWorkerId()
+	id := s.unitLocked(e.w.GetWorkerId()) // a rank's worker down takes its group down (tp.go)
 	s.m.workerDown.Inc()
 	n := 0
-	if e.w.GetRole() == kvcv1.WorkerRole_WORKER_ROLE_DECODE {
+	if e.w.GetRole() == kvcv1.WorkerRole_WORKER_ROLE_DECODE && id != "" {
 		for _, sid := range keys(s.byDecode[id]) {
 			rec := s.sessions[sid].rec
 			rec.PreviousDecodeWorker = id
@@ -238,7 +256,7 @@ func (s *State) workerDownLocked(e *workerEntry, reason string) {
 			n++
 		}
 	}
-	s.log.Warn().Str("worker", id).Str("role", e.w.GetRole().String()).Str("reason", reason).Int("sessions_dropped", n).
+	s.log.Warn().Str("worker", e.w.GetWorkerId()).Str("unit", id).Str("role", e.w.GetRole().String()).Str("reason", reason).Int("sessions_dropped", n).
 		Msg("sidecar reports its worker down: not routable")
 }
 
@@ -255,6 +273,9 @@ func (s *State) Drain(id string, draining bool) (*kvcv1.Worker, error) {
 	if !ok {
 		return nil, ErrUnknownWorker
 	}
+	if grouped(e.w) && s.unitLocked(id) != id {
+		return nil, fmt.Errorf("%w (%s is rank %d of group %q)", ErrTPMember, id, e.w.GetTpRank(), e.w.GetTpGroup())
+	}
 	s.setWorkerLocked(e, true, func(w *kvcv1.Worker) {
 		w.Draining = draining
 		if st := w.GetState(); st != kvcv1.WorkerState_WORKER_STATE_UNREACHABLE && st != kvcv1.WorkerState_WORKER_STATE_WORKER_DOWN {
@@ -264,9 +285,9 @@ func (s *State) Drain(id string, draining bool) (*kvcv1.Worker, error) {
 			}
 		}
 	})
-	if e.stream != nil {
-		if err := s.sendLocked(e.stream, &kvcv1.Command{Action: &kvcv1.Command_Drain{Drain: &kvcv1.DrainCommand{Draining: draining}}}); err != nil {
-			s.log.Warn().Err(err).Str("worker", id).Msg("drain command not sent")
+	for _, st := range s.rankStreamsLocked(id) { // every connected rank of a group
+		if err := s.sendLocked(st, &kvcv1.Command{Action: &kvcv1.Command_Drain{Drain: &kvcv1.DrainCommand{Draining: draining}}}); err != nil {
+			s.log.Warn().Err(err).Str("worker", st.WorkerID).Msg("drain command not sent")
 		}
 	}
 	if draining {
@@ -274,5 +295,5 @@ func (s *State) Drain(id string, draining bool) (*kvcv1.Worker, error) {
 	} else {
 		s.stopDrainLocked(id)
 	}
-	return e.w, nil
+	return s.listedLocked(id), nil
 }
