@@ -227,6 +227,11 @@ func workerBody(p *plan, req *api.Request, role string) wireBody {
 		if peer != "" {
 			payload["prefill_peer_addr"] = peer
 		}
+		if peers := rankPeers(p.prefill); peers != nil {
+			// Tensor parallelism: rank r of D receives from rank r of P (every rank of the worker
+			// gets this body; each takes its own, prefill_peer_addr is rank 0's).
+			payload["prefill_peer_addrs"] = peers
+		}
 	}
 	if store && role == rolePrefill {
 		payload["to_store"], payload["generation"] = true, e.GetStoreGeneration()
@@ -265,6 +270,20 @@ func workerBody(p *plan, req *api.Request, role string) wireBody {
 	}
 	out, _ := json.Marshal(b)
 	return withText(out, req.Text)
+}
+
+// rankPeers is the peer address of each rank of a tensor-parallel worker (WorkerRef.tp_ranks),
+// in rank order; nil for a worker without tensor parallelism.
+func rankPeers(w *kvcv1.WorkerRef) []string {
+	rs := w.GetTpRanks()
+	if len(rs) == 0 {
+		return nil
+	}
+	out := make([]string, len(rs))
+	for i, r := range rs {
+		out[i] = r.GetPeerAddr()
+	}
+	return out
 }
 
 // wireBody is a worker call's JSON body in parts: head, then the prompt text (the request's own

@@ -52,20 +52,21 @@ type workerReq struct {
 }
 
 type kvcPayload struct {
-	Mode            string `json:"mode"`
-	Role            string `json:"role"`
-	SessionID       string `json:"session_id"`
-	InputTokens     int64  `json:"input_tokens"`
-	CachedTokens    int64  `json:"cached_tokens"`
-	Room            int64  `json:"room"`
-	Transfer        string `json:"transfer"`
-	PrefillPeerAddr string `json:"prefill_peer_addr"`
-	SnapshotSeqlen  int64  `json:"snapshot_seqlen"`
-	KeepSession     bool   `json:"keep_session"`
-	DecisionID      string `json:"decision_id"`
-	LocalPrefill    bool   `json:"local_prefill"`
-	ToStore         bool   `json:"to_store"`
-	Generation      uint64 `json:"generation"`
+	Mode            string   `json:"mode"`
+	Role            string   `json:"role"`
+	SessionID       string   `json:"session_id"`
+	InputTokens     int64    `json:"input_tokens"`
+	CachedTokens    int64    `json:"cached_tokens"`
+	Room            int64    `json:"room"`
+	Transfer        string   `json:"transfer"`
+	PrefillPeerAddr string   `json:"prefill_peer_addr"`
+	PrefillPeers    []string `json:"prefill_peer_addrs"`
+	SnapshotSeqlen  int64    `json:"snapshot_seqlen"`
+	KeepSession     bool     `json:"keep_session"`
+	DecisionID      string   `json:"decision_id"`
+	LocalPrefill    bool     `json:"local_prefill"`
+	ToStore         bool     `json:"to_store"`
+	Generation      uint64   `json:"generation"`
 }
 
 // sessionCall is an /open_session or /close_session a fake worker received.

@@ -98,10 +98,12 @@ func (p *Pool) Set(prefill, decode []Worker) {
 }
 
 // FromList splits a ListWorkers answer into usable (ready, not draining) prefill and decode
-// workers with an HTTP URL.
+// workers with an HTTP URL. A tensor-parallel group is one worker, listed as its rank 0 with the
+// group's state and ranks (Worker.tp_ranks); its other ranks, listed as themselves, are skipped.
 func FromList(ws []*kvcv1.Worker) (prefill, decode []Worker) {
 	for _, w := range ws {
-		if w.GetWorkerUrl() == "" || w.GetDraining() || w.GetState() != kvcv1.WorkerState_WORKER_STATE_READY {
+		if w.GetWorkerUrl() == "" || w.GetDraining() || w.GetState() != kvcv1.WorkerState_WORKER_STATE_READY ||
+			(w.GetTpSize() > 1 && len(w.GetTpRanks()) == 0) {
 			continue
 		}
 		x := Worker{ID: w.GetWorkerId(), URL: strings.TrimRight(w.GetWorkerUrl(), "/"), PeerAddr: w.GetPeerAddr()}

@@ -121,3 +121,23 @@ func TestPickDecodeNeedsNoPrefill(t *testing.T) {
 		t.Fatal("Pick without a prefill worker picked")
 	}
 }
+
+// A tensor-parallel group is one worker: its rank 0 as listed (the group's state and ranks);
+// the other ranks, listed as themselves, are not workers the gateway sends to.
+func TestFromListTensorParallel(t *testing.T) {
+	ready := kvcv1.WorkerState_WORKER_STATE_READY
+	D := kvcv1.WorkerRole_WORKER_ROLE_DECODE
+	ws := []*kvcv1.Worker{
+		{WorkerId: "d-a0", Role: D, WorkerUrl: "http://a", State: ready, TpGroup: "http://a", TpSize: 2,
+			TpRanks: []*kvcv1.TPRank{{TpRank: 0, WorkerId: "d-a0"}, {TpRank: 1, WorkerId: "d-a1"}}},
+		{WorkerId: "d-a1", Role: D, WorkerUrl: "http://a", State: ready, TpGroup: "http://a", TpRank: 1, TpSize: 2},
+		{WorkerId: "d-b0", Role: D, WorkerUrl: "http://b", State: kvcv1.WorkerState_WORKER_STATE_UNREACHABLE, TpGroup: "http://b", TpSize: 2,
+			TpRanks: []*kvcv1.TPRank{{TpRank: 0, WorkerId: "d-b0"}, {TpRank: 1}}},
+		{WorkerId: "d-b1", Role: D, WorkerUrl: "http://b", State: ready, TpGroup: "http://b", TpRank: 1, TpSize: 2},
+		{WorkerId: "d1", Role: D, WorkerUrl: "http://d1", State: ready, TpGroup: "g", TpSize: 1},
+	}
+	_, dec := FromList(ws)
+	if len(dec) != 2 || dec[0].ID != "d-a0" || dec[1].ID != "d1" {
+		t.Fatalf("decode workers %+v", dec)
+	}
+}
