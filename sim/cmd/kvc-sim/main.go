@@ -40,7 +40,7 @@ type options struct {
 	role, workerID, httpAddr, bridgeSocket, shmDir, model string
 	logLevel, logFormat, readyFile, addrFile              string
 	capacity                                              int64
-	pageSize, layers, bytesPerToken                       int
+	pageSize, layers, bytesPerToken, tpRank, tpSize       int
 	modelBytesPerToken                                    int64
 	prefillTPS, prefillOverheadMS, decodeMS, linkGbps     float64
 	timeScale                                             float64
@@ -78,6 +78,8 @@ func parse(args []string, getenv func(string) string, stderr io.Writer) (*option
 	fs.BoolVar(&o.baseline.DecodeRadix, "decode-radix", false, "decode: SGLang decode radix cache + decode HiCache: a plain P/D turn receives only the suffix past what this worker holds or restores from --restore-dirs")
 	fs.Int64Var(&o.baseline.RadixTokens, "decode-radix-tokens", 0, "decode: L1 radix capacity in tokens with --decode-radix (0: the pool's capacity)")
 	fs.StringVar(&o.restoreDirs, "restore-dirs", "", "decode: comma list of tier directories --decode-radix restores from (SGLang's L3)")
+	fs.IntVar(&o.tpRank, "tp-rank", 0, "tensor parallelism: this process is rank N of --tp-size (one sidecar per rank; its KV is that rank's shard)")
+	fs.IntVar(&o.tpSize, "tp-size", 0, "tensor parallelism: the ranks of the worker (0 or 1: none)")
 	fs.StringVar(&o.shmDir, "shm-dir", "/dev/shm", "directory of the shared-memory KV pool file")
 	fs.StringVar(&o.model, "model", "Qwen/Qwen3-30B-A3B (kvc-sim)", "model name reported by /get_model_info")
 	fs.StringVar(&o.logLevel, "log-level", "info", "debug, info, warn, error")
@@ -130,6 +132,11 @@ func parse(args []string, getenv func(string) string, stderr io.Writer) (*option
 		Model:           o.model,
 		TransferTimeout: o.transferTimeout,
 		PreallocWait:    o.preallocWait,
+		TPRank:          int32(o.tpRank),
+		TPSize:          int32(o.tpSize),
+	}
+	if o.tpSize < 0 || o.tpSize > 1024 || o.tpRank < 0 || o.tpRank >= max(o.tpSize, 1) {
+		return nil, worker.Config{}, fmt.Errorf("--tp-rank %d must be in [0, --tp-size %d) (--tp-size in [0, 1024])", o.tpRank, o.tpSize)
 	}
 	if err := cfg.Geometry.Validate(); err != nil {
 		return nil, worker.Config{}, err

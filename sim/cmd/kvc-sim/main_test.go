@@ -156,3 +156,17 @@ func TestServeLifecycle(t *testing.T) {
 		t.Fatalf("pool file left behind: %v", err)
 	}
 }
+
+func TestParseTensorParallelFlags(t *testing.T) {
+	base := []string{"--role", "decode", "--worker-id", "d0", "--bridge-socket", "/tmp/x.sock"}
+	for _, bad := range [][]string{{"--tp-rank", "2", "--tp-size", "2"}, {"--tp-rank", "1"}, {"--tp-size", "-1"}, {"--tp-rank", "-1", "--tp-size", "2"}} {
+		var stderr bytes.Buffer
+		if code := run(context.Background(), append(base, bad...), func(string) string { return "" }, &stderr); code != 2 || !strings.Contains(stderr.String(), "--tp-rank") {
+			t.Fatalf("%v: code %d, stderr %q", bad, code, stderr.String())
+		}
+	}
+	_, cfg, err := parse(append(base, "--tp-rank", "1", "--tp-size", "2"), func(string) string { return "" }, &bytes.Buffer{})
+	if err != nil || cfg.TPRank != 1 || cfg.TPSize != 2 {
+		t.Fatalf("parse: %v %+v", err, cfg)
+	}
+}

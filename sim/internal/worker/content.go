@@ -13,6 +13,16 @@ import (
 // worker and in every session, as real KV of an identical prefix is.
 const contentKey = 0x6b76632d73696d
 
+// rankKey is the content key of tensor-parallel rank r's shard: rank 0's (and a worker without
+// tensor parallelism's) is contentKey; every other rank's differs, so KV that reaches a rank
+// from another rank's shard fails verification, as a mis-paired transfer would be garbage.
+func rankKey(r int32) uint64 {
+	if r <= 0 {
+		return contentKey
+	}
+	return contentKey ^ (uint64(r) * 0x9e3779b97f4a7c15)
+}
+
 // synthVocab bounds the token ids kvc-sim makes up: for the positions a request gives no
 // input_ids for, and for the tokens it "generates".
 const synthVocab = 32000
@@ -53,7 +63,7 @@ func (t *turn) content(n int64) []uint32 {
 
 // fillContent writes the content pattern of tokens [from, to) of the turn into pages.
 func (w *Worker) fillContent(t *turn, pages []int64, from, to int64) *apiError {
-	if err := kvpool.FillContent(w.mem, contentKey, t.content(to), pages, from, to); err != nil {
+	if err := kvpool.FillContent(w.mem, rankKey(w.cfg.TPRank), t.content(to), pages, from, to); err != nil {
 		w.log.Error().Err(err).Int64("from", from).Int64("to", to).Int("pages", len(pages)).Msg("fill content")
 		return errf(http.StatusInternalServerError, "internal", "writing KV of tokens [%d, %d): %v", from, to, err)
 	}
@@ -63,7 +73,7 @@ func (w *Worker) fillContent(t *turn, pages []int64, from, to int64) *apiError {
 // checkContent verifies tokens [from, to) of pages against the turn's ids in every buffer; it
 // returns the bytes checked and the (token, buffer) slots that did not match.
 func (w *Worker) checkContent(t *turn, pages []int64, from, to int64) (checked, bad int64, err error) {
-	bad, err = kvpool.CheckContent(w.mem, contentKey, t.content(to), pages, from, to)
+	bad, err = kvpool.CheckContent(w.mem, rankKey(w.cfg.TPRank), t.content(to), pages, from, to)
 	return (to - from) * int64(w.cfg.Geometry.Buffers()) * int64(w.cfg.Geometry.BytesPerToken), bad, err
 }
 
@@ -83,7 +93,7 @@ func (w *Worker) firstMismatch(t *turn, pages []int64, n int64) (first, count in
 	buf := w.mem.Buffer(0)
 	for pos := int64(0); pos < n; pos++ {
 		off := uint64(pages[pos/ps])*l.ItemLen + uint64(pos%ps)*tb
-		if !kvpool.CheckTokenContent(buf[off:off+tb], contentKey, ids[pos], pos, 0) {
+		if !kvpool.CheckTokenContent(buf[off:off+tb], rankKey(w.cfg.TPRank), ids[pos], pos, 0) {
 			if count == 0 {
 				first = pos
 			}
@@ -223,7 +233,7 @@ func (w *Worker) findDonor(t *turn, limit int64) (*session, int64) {
 		m := int64(0)
 		for ; m < n; m++ {
 			off := uint64(s.pages[m/ps])*l.ItemLen + uint64(m%ps)*tb
-			if !kvpool.CheckTokenContent(buf[off:off+tb], contentKey, ids[m], m, 0) {
+			if !kvpool.CheckTokenContent(buf[off:off+tb], rankKey(w.cfg.TPRank), ids[m], m, 0) {
 				break
 			}
 		}

@@ -527,15 +527,34 @@ func (w *Worker) extendPages(ctx context.Context, t *turn, need int64) *apiError
 	return nil
 }
 
+// prefillPeer is the prefill sidecar this worker receives from: with tensor parallelism, the
+// prefill worker's rank of this worker's own rank (kv_hints prefill_peer_addrs), else
+// prefill_peer_addr. A list of another length than this worker's tp_size is refused: the
+// prefill worker's tensor parallelism differs (unequal TP is not supported).
+func (w *Worker) prefillPeer(p *plan) (string, *apiError) {
+	if len(p.peers) == 0 {
+		return p.peer, nil
+	}
+	if n := max(w.cfg.TPSize, 1); int32(len(p.peers)) != n {
+		return "", errf(http.StatusBadRequest, "bad_request", "kv_hints prefill_peer_addrs has %d ranks; this worker is rank %d of tp_size %d (prefill and decode pair only with equal tensor parallelism)",
+			len(p.peers), w.cfg.TPRank, n)
+	}
+	return p.peers[w.cfg.TPRank], nil
+}
+
 // receive pre-allocates the pages of tokens [0, tokens) with the sidecar, waits for the
 // transfer, verifies every received token, then adds the modeled link time.
 func (w *Worker) receive(ctx context.Context, t *turn, kind kvcv1.TransferKind, tokens int64) *apiError {
 	p := t.p
 	pages := t.pageList()[:pagesFor(tokens, w.cfg.Geometry.PageSize)]
+	peer, aerr := w.prefillPeer(p)
+	if aerr != nil {
+		return aerr
+	}
 	t0 := time.Now()
 	pctx, cancel := context.WithTimeout(ctx, w.cfg.BridgeTimeout)
 	_, err := w.bridge.PrepareReceive(pctx, &kvcv1.PrepareReceiveRequest{
-		Room: p.room, SessionId: p.seedKey, Kind: kind, Pages: pages, Tokens: tokens, SourcePeerAddr: p.peer,
+		Room: p.room, SessionId: p.seedKey, Kind: kind, Pages: pages, Tokens: tokens, SourcePeerAddr: peer,
 	})
 	cancel()
 	if err != nil {

@@ -66,8 +66,11 @@ type kvcHints struct {
 	Room            *json.Number `json:"room"`
 	Transfer        *string      `json:"transfer"` // SEED, SNAPSHOT, or "" for none
 	PrefillPeerAddr string       `json:"prefill_peer_addr"`
-	SnapshotSeqlen  int64        `json:"snapshot_seqlen"`
-	KeepSession     *bool        `json:"keep_session"`
+	// PrefillPeerAddrs: a tensor-parallel prefill worker's rank peers, in rank order (rank r
+	// receives from entry r).
+	PrefillPeerAddrs []string `json:"prefill_peer_addrs"`
+	SnapshotSeqlen   int64    `json:"snapshot_seqlen"`
+	KeepSession      *bool    `json:"keep_session"`
 	// TruncateTo: keep only the first truncate_to tokens of the held session before the
 	// append-prefill (RouteExecution.truncate_to); 0 or absent = no truncation.
 	TruncateTo *int64 `json:"truncate_to"`
@@ -154,6 +157,7 @@ type plan struct {
 	room       int64
 	hasRoom    bool
 	peer       string
+	peers      []string // a tensor-parallel prefill worker's rank peers (kv_hints prefill_peer_addrs)
 	seqlen     int64
 	keep       bool
 	stream     bool
@@ -305,7 +309,7 @@ func parseGenerate(body []byte, role kvcv1.WorkerRole, capacity int64) (*plan, e
 			}
 			p.room, p.hasRoom = kr, true
 		}
-		p.peer = k.PrefillPeerAddr
+		p.peer, p.peers = k.PrefillPeerAddr, k.PrefillPeerAddrs
 		p.seqlen = k.SnapshotSeqlen
 		p.toStore, p.storeGen = k.ToStore, k.Generation
 		if k.KeepSession != nil {

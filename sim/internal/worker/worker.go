@@ -33,6 +33,12 @@ type Config struct {
 	PreallocWait time.Duration
 	// Baseline models the peers' cache features (baseline.go; nil: none).
 	Baseline *Baseline
+	// Tensor parallelism: this process is rank TPRank of TPSize (0/0: none), as one scheduler
+	// process of an SGLang server with --tp-size; registered with the pool. Its KV is its own
+	// shard (the content pattern is keyed by the rank, so a shard received from another rank
+	// fails verification) and it receives from the prefill rank of its own index (kv_hints
+	// prefill_peer_addrs).
+	TPRank, TPSize int32
 }
 
 // Bridge is the part of the sidecar's WorkerBridgeService the worker calls.
@@ -117,6 +123,9 @@ func New(cfg Config, mem *kvpool.Pool, bridge Bridge, reg prometheus.Registerer,
 	if cfg.Model == "" {
 		cfg.Model = "Qwen/Qwen3-30B-A3B (kvc-sim)"
 	}
+	if cfg.TPSize < 0 || cfg.TPRank < 0 || cfg.TPRank >= max(cfg.TPSize, 1) {
+		return nil, fmt.Errorf("tensor-parallel rank %d of %d", cfg.TPRank, cfg.TPSize)
+	}
 	w := &Worker{
 		cfg:        cfg,
 		log:        log,
@@ -151,6 +160,8 @@ func (w *Worker) RegisterPool(ctx context.Context) (*kvcv1.RegisterKVPoolRespons
 		NumLayers: int32(g.Layers),
 		Buffers:   poolRefs(w.mem, g),
 		Model:     w.cfg.Model,
+		TpRank:    w.cfg.TPRank,
+		TpSize:    w.cfg.TPSize,
 	}
 	var lastErr error
 	for attempt, backoff := 1, 50*time.Millisecond; ; attempt, backoff = attempt+1, min(2*backoff, time.Second) {
