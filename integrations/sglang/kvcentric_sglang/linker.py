@@ -141,12 +141,14 @@ class KvcLinker(UnifiedCacheLinker):
         return index
 
     def _wait(self, index: int, loads: List[_Load]) -> None:
+        reg = runtime.state.registration
         try:
             for ld in loads:
                 h = ld.hint
-                self.bridge.prepare_receive(h.room, h.session_id, TRANSFER_SNAPSHOT, ld.pages, ld.tokens,
-                                            h.prefill_peer_addr)
-        except BridgeError as e:
+                # With tensor parallelism, the prefill rank of this rank's index.
+                peer = h.peer_for(getattr(reg, "tp_rank", 0), getattr(reg, "tp_size", 0))
+                self.bridge.prepare_receive(h.room, h.session_id, TRANSFER_SNAPSHOT, ld.pages, ld.tokens, peer)
+        except (BridgeError, ValueError) as e:
             logger.error("kvcentric linker: PrepareReceive: %s", e)
             self.layer_done_counter.fail(index, RuntimeError(str(e)))
             return

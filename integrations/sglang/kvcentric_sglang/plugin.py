@@ -145,8 +145,16 @@ def _carry(obj, req):
     if isinstance(obj, backend.KvcKVReceiver):
         obj.kind = hint.transfer_kind if hint is not None else obj.kind
         obj.tokens = len(req.origin_input_ids)
-        if hint is not None and hint.prefill_peer_addr:
-            obj.bootstrap_addr = hint.prefill_peer_addr
+        if hint is not None:
+            # With tensor parallelism, the prefill rank of this rank's index (rank r pairs with r).
+            reg = getattr(obj.kv_mgr, "registration", None)
+            try:
+                peer = hint.peer_for(getattr(reg, "tp_rank", 0), getattr(reg, "tp_size", 0))
+            except ValueError as e:
+                obj.refuse(str(e))
+                return
+            if peer:
+                obj.bootstrap_addr = peer
 
 
 def create_sender_after(result, queue, req, *args, **kwargs):

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
 
 from .bridge import TRANSFER_SEED, TRANSFER_SNAPSHOT, WorkerBridge
 
@@ -76,10 +76,27 @@ class KvcHint:
     # request then carries snapshot_seqlen and loads it through the KvcLinker.
     to_store: bool = False
     generation: int = 0
+    # Tensor parallelism: the prefill worker's rank peers, in rank order (rank r of this worker
+    # receives from entry r; prefill_peer_addr is rank 0's). Empty without tensor parallelism.
+    prefill_peer_addrs: List[str] = field(default_factory=list)
 
     @property
     def transfer_kind(self) -> int:
         return TRANSFER_SNAPSHOT if self.mode == "RESEED_SNAPSHOT" else TRANSFER_SEED
+
+    def peer_for(self, tp_rank: int, tp_size: int) -> str:
+        """The prefill sidecar that tensor-parallel rank tp_rank of tp_size (0: none) receives
+        from: entry tp_rank of prefill_peer_addrs, else prefill_peer_addr. ValueError when the
+        list does not have this worker's tp_size entries (unequal TP on prefill and decode is
+        not supported: rank r pairs with rank r)."""
+        if not self.prefill_peer_addrs:
+            return self.prefill_peer_addr
+        n = max(int(tp_size or 0), 1)
+        if len(self.prefill_peer_addrs) != n or not 0 <= int(tp_rank) < n:
+            raise ValueError("kv_hints prefill_peer_addrs has %d ranks; this worker is rank %d of tp_size %d "
+                             "(prefill and decode pair only with equal tensor parallelism)"
+                             % (len(self.prefill_peer_addrs), int(tp_rank), n))
+        return self.prefill_peer_addrs[int(tp_rank)]
 
 
 def _get(o: Any, k: str, default=None):
@@ -100,6 +117,9 @@ def parse_hint(kv_hints: Any) -> Optional[KvcHint]:
         if not isinstance(p, dict):
             raise ValueError("kv_hints kvc payload must be an object, got %s" % type(p).__name__)
         room = p.get("room")
+        peers = p.get("prefill_peer_addrs") or []
+        if not isinstance(peers, list) or not all(isinstance(x, str) for x in peers):
+            raise ValueError("malformed kv_hints kvc payload %r: prefill_peer_addrs must be a list of strings" % (p,))
         try:
             return KvcHint(mode=str(p.get("mode", "")), session_id=str(p.get("session_id", "") or ""),
                            room=int(room) if room is not None else None,
@@ -108,7 +128,8 @@ def parse_hint(kv_hints: Any) -> Optional[KvcHint]:
                            input_tokens=int(p.get("input_tokens", 0) or 0),
                            decision_id=str(p.get("decision_id", "") or ""),
                            full_context=bool(p.get("full_context", True)),
-                           to_store=bool(p.get("to_store", False)), generation=int(p.get("generation", 0) or 0))
+                           to_store=bool(p.get("to_store", False)), generation=int(p.get("generation", 0) or 0),
+                           prefill_peer_addrs=list(peers))
         except (TypeError, ValueError) as e:
             raise ValueError("malformed kv_hints kvc payload %r: %s" % (p, e)) from None
     return None

@@ -1,0 +1,66 @@
+"""Tensor parallelism: the gateway's kv_hints carry the prefill worker's rank peers
+(prefill_peer_addrs, in rank order) and each decode rank receives from the prefill rank of its
+own index (docs/sglang.md, "Tensor parallelism")."""
+
+import types
+
+import pytest
+
+from kvcentric_sglang import runtime
+
+
+def hints(**payload):
+    return {"protocol_version": 1, "message_id": "m", "actions": [
+        {"action_id": "m/decode", "action_type": "kvc", "action_version": 1, "payload": payload}]}
+
+
+PEERS = ["10.0.0.1:7000", "10.0.0.1:7001"]
+
+
+@pytest.mark.parametrize("rank,size,peers,want", [
+    (0, 0, [], "p0"),            # no tensor parallelism: prefill_peer_addr
+    (0, 2, PEERS, PEERS[0]),
+    (1, 2, PEERS, PEERS[1]),
+])
+def test_peer_for_rank(rank, size, peers, want):
+    h = runtime.parse_hint(hints(mode="SEED", room=7, prefill_peer_addr="p0" if not peers else PEERS[0],
+                                 prefill_peer_addrs=peers))
+    assert h.prefill_peer_addrs == peers
+    assert h.peer_for(rank, size) == want
+
+
+@pytest.mark.parametrize("rank,size", [(0, 0), (1, 4), (2, 2)])
+def test_unequal_tensor_parallelism_is_refused(rank, size):
+    h = runtime.parse_hint(hints(mode="SEED", room=7, prefill_peer_addr=PEERS[0], prefill_peer_addrs=PEERS))
+    with pytest.raises(ValueError, match="equal tensor parallelism"):
+        h.peer_for(rank, size)
+
+
+@pytest.mark.parametrize("bad", ["10.0.0.1:7000", [1, 2], {"0": "x"}])
+def test_malformed_peer_list(bad):
+    with pytest.raises(ValueError, match="prefill_peer_addrs"):
+        runtime.parse_hint(hints(mode="SEED", room=7, prefill_peer_addrs=bad))
+
+
+def test_receiver_takes_its_rank_peer(sglang_installed):
+    """The _create_receiver_and_enqueue hook puts this rank's prefill peer on the receiver, and
+    refuses a request whose prefill worker has another tensor-parallel size."""
+    from kvcentric_sglang import backend, plugin
+
+    def receiver(rank, size):
+        mgr = types.SimpleNamespace(registration=types.SimpleNamespace(tp_rank=rank, tp_size=size))
+        return backend.KvcKVReceiver(mgr, "bootstrap:1", 7)
+
+    def req(peers):
+        return types.SimpleNamespace(kv_hints=hints(mode="SEED", room=7, session_id="s1", prefill_peer_addr=PEERS[0],
+                                                    prefill_peer_addrs=peers), origin_input_ids=[1, 2, 3], session=None)
+
+    r1 = receiver(1, 2)
+    plugin._carry(r1, req(PEERS))
+    assert r1.bootstrap_addr == PEERS[1] and r1.session_id == "s1" and r1.poll() != backend.KVPoll.Failed
+    r0 = receiver(0, 0)
+    plugin._carry(r0, req([]))
+    assert r0.bootstrap_addr == PEERS[0]
+    bad = receiver(1, 4)
+    plugin._carry(bad, req(PEERS))
+    assert bad.poll() == backend.KVPoll.Failed
