@@ -11,6 +11,8 @@ type Cluster interface {
 	// Epoch is the leader epoch (create revision of the leader key); 0 when not leading.
 	Epoch() int64
 	// Workers returns an immutable snapshot of all workers with state and last load. Do not mutate.
+	// A tensor-parallel group is one record (its rank 0's worker id, the group's state, capacity,
+	// load and tp_ranks); its other ranks are left out.
 	Workers() []*kvcv1.Worker
 	// Session returns a copy of the session record.
 	Session(id string) (*kvcv1.SessionRecord, bool)
@@ -20,7 +22,8 @@ type Cluster interface {
 	// SnapshotInfo in place.
 	UpdateSession(id string, fn func(rec *kvcv1.SessionRecord))
 	// SendCommand queues a command on the worker's sidecar stream; command_id and epoch are filled
-	// in. It fails when the worker has no live stream.
+	// in. It fails when the worker has no live stream. For a tensor-parallel group it goes to
+	// every rank, each naming the peer group's rank of the same index.
 	SendCommand(workerID string, cmd *kvcv1.Command) error
 }
 
