@@ -251,10 +251,9 @@ func groupWorkers(raw []*kvcv1.Worker) *tpView {
 			continue
 		}
 		var have []string
-		for n := range sizes[other] {
+		for _, n := range slices.Sorted(maps.Keys(sizes[other])) {
 			have = append(have, strconv.Itoa(int(n)))
 		}
-		slices.Sort(have)
 		p := fmt.Sprintf("no %s worker with tp_size %d (theirs: %s): prefill and decode pair only with equal tp_size (unequal TP on P and D is not supported); not paired with any",
 			roleName(other), tpSize(u), strings.Join(have, ", "))
 		if !grouped(u) { // a record of the state's: copy it before writing into it
