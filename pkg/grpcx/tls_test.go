@@ -7,6 +7,7 @@ import (
 	"crypto/x509"
 	"io"
 	"net"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -438,7 +439,10 @@ func TestRefusedHandshakeLogged(t *testing.T) {
 	if got := strings.Count(out, "tls: handshake refused"); got != 1 {
 		t.Fatalf("%d log lines for %d refusals within a second, want 1 (rate limit):\n%s", got, n, out)
 	}
-	if !strings.Contains(out, `"level":"warn"`) || !strings.Contains(out, local[0]) || !strings.Contains(out, `"error":`) {
-		t.Fatalf("log line lacks level, peer %s or reason: %s", local[0], out)
+	// The one line names whichever refusal came first: the server closes a refused connection
+	// before it counts and logs it, so the next dial's handshake can be logged first.
+	named := slices.ContainsFunc(local, func(a string) bool { return strings.Contains(out, a) })
+	if !strings.Contains(out, `"level":"warn"`) || !named || !strings.Contains(out, `"error":`) {
+		t.Fatalf("log line lacks level, one of the peers %v or reason: %s", local, out)
 	}
 }
