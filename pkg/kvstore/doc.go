@@ -9,6 +9,8 @@
 //	<prefix>volatile/<seq>   kvc.v1.VolatileBatch: the leader's volatile journal (seq: 16 hex digits);
 //	                         LoadAll returns it, applying it over the sessions is the reader's job
 //	<prefix>policy           kvc.v1.Policy (the operator's overrides; defaults are filled by readers)
+//	<prefix>generation-term  the generation term, decimal: advanced by every new leader before it
+//	                         serves (NextGenerationTerm); KV generations are numbered in its range
 //
 // # Fencing
 //

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -683,5 +684,75 @@ func TestCallTimeout(t *testing.T) {
 	start := time.Now()
 	if err := s.Apply(t.Context(), f, []Op{big}); !errors.Is(err, ErrTooLarge) || time.Since(start) > bound/2 {
 		t.Fatalf("oversized Txn: %v after %s, want ErrTooLarge at once", err, time.Since(start))
+	}
+}
+
+// TestNextGenerationTerm: every call advances the durable counter past both its stored value
+// and the caller's floor; a deposed leader cannot advance it; a value that is not a number is
+// refused, and once the key is deleted the count goes on from the floor.
+func TestNextGenerationTerm(t *testing.T) {
+	c := etcdtest.Start(t)
+	cli := c.Client(t)
+	s := newStore(t, cli, "/gterm/")
+	ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
+	defer cancel()
+	fa, sessA, _ := leader(t, s, "a")
+	stored := func() string {
+		t.Helper()
+		r, err := cli.Get(ctx, s.GenerationTermKey())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(r.Kvs) == 0 {
+			return ""
+		}
+		return string(r.Kvs[0].Value)
+	}
+	var fb Fence
+	for _, st := range []struct {
+		name   string
+		before func()
+		fence  *Fence
+		floor  uint64
+		want   uint64 // 0: refused
+		fenced bool   // refused with ErrFenced
+	}{
+		{"first term, no key", nil, &fa, 0, 1, false},
+		{"counts on", nil, &fa, 0, 2, false},
+		{"a floor above the stored term", nil, &fa, 5, 6, false},
+		{"a floor below it", nil, &fa, 2, 7, false},
+		{"deposed leader", func() {
+			if err := sessA.Close(); err != nil {
+				t.Fatal(err)
+			}
+			fb, _, _ = leader(t, s, "b")
+		}, &fa, 0, 0, true},
+		{"the new leader", nil, &fb, 0, 8, false},
+		{"not a number", func() {
+			if _, err := cli.Put(ctx, s.GenerationTermKey(), "eight"); err != nil {
+				t.Fatal(err)
+			}
+		}, &fb, 0, 0, false},
+		{"key deleted: on from the floor", func() {
+			if _, err := cli.Delete(ctx, s.GenerationTermKey()); err != nil {
+				t.Fatal(err)
+			}
+		}, &fb, 3, 4, false},
+	} {
+		if st.before != nil {
+			st.before()
+		}
+		was := stored()
+		got, err := s.NextGenerationTerm(ctx, *st.fence, st.floor)
+		switch {
+		case st.want != 0 && (err != nil || got != st.want):
+			t.Fatalf("%s: term %d, err %v; want %d", st.name, got, err, st.want)
+		case st.want != 0 && stored() != strconv.FormatUint(st.want, 10):
+			t.Fatalf("%s: stored %q, want %d", st.name, stored(), st.want)
+		case st.want == 0 && (err == nil || errors.Is(err, ErrFenced) != st.fenced):
+			t.Fatalf("%s: term %d, err %v; want a refusal (fenced: %v)", st.name, got, err, st.fenced)
+		case st.want == 0 && stored() != was:
+			t.Fatalf("%s: stored %q after the refusal, was %q", st.name, stored(), was)
+		}
 	}
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
 	"time"
 
@@ -135,6 +136,10 @@ func (s *Store) SessionKey(id string) string { return s.prefix + "sessions/" + i
 // PolicyKey is the key of the policy record.
 func (s *Store) PolicyKey() string { return s.prefix + "policy" }
 
+// GenerationTermKey holds the generation term: a counter every new leader advances before it
+// serves (NextGenerationTerm), decimal ASCII.
+func (s *Store) GenerationTermKey() string { return s.prefix + "generation-term" }
+
 // VolatilePrefix is the prefix of the volatile journal's keys.
 func (s *Store) VolatilePrefix() string { return s.prefix + "volatile/" }
 
@@ -230,6 +235,52 @@ func (s *Store) Apply(ctx context.Context, f Fence, ops []Op) error {
 		return ErrFenced
 	}
 	return nil
+}
+
+// NextGenerationTerm advances the generation term under the fence, synchronously, and returns
+// the new value: max(stored, floor) + 1 (a key lost or never written counts as 0; floor is the
+// highest term the caller saw in use, e.g. in the generations it loaded). Every leader calls it
+// once before serving, so each term's value is above every earlier term's (the KV generations
+// made in a term are numbered in its range: policy.NextGeneration). It returns ErrFenced when
+// f no longer holds, and an error when the stored value is not a number or changed meanwhile.
+func (s *Store) NextGenerationTerm(ctx context.Context, f Fence, floor uint64) (uint64, error) {
+	if f.Key == "" || f.Rev <= 0 {
+		return 0, fmt.Errorf("kvstore: invalid fence %q@%d", f.Key, f.Rev)
+	}
+	key := s.GenerationTermKey()
+	resp, err := s.getOne(ctx, key)
+	if err != nil {
+		return 0, fmt.Errorf("kvstore: get %s: %w", key, err)
+	}
+	var cur uint64
+	var modRev int64
+	if len(resp.Kvs) == 1 {
+		modRev = resp.Kvs[0].ModRevision
+		if cur, err = strconv.ParseUint(string(resp.Kvs[0].Value), 10, 64); err != nil {
+			return 0, fmt.Errorf("kvstore: %s holds %q, not a number (delete it: the next leader counts on from the loaded generations): %w",
+				key, resp.Kvs[0].Value, err)
+		}
+	}
+	next := max(cur, floor) + 1
+	var tresp *clientv3.TxnResponse
+	err = s.call(ctx, func(ctx context.Context) (err error) {
+		tresp, err = s.cli.Txn(ctx).
+			If(f.cmp(), clientv3.Compare(clientv3.ModRevision(key), "=", modRev)).
+			Then(clientv3.OpPut(key, strconv.FormatUint(next, 10))).
+			Else(clientv3.OpGet(f.Key)).
+			Commit()
+		return err
+	})
+	if err != nil {
+		return 0, fmt.Errorf("kvstore: txn: %w", classify(err))
+	}
+	if !tresp.Succeeded {
+		if r := tresp.Responses[0].GetResponseRange(); r == nil || len(r.Kvs) != 1 || r.Kvs[0].CreateRevision != f.Rev {
+			return 0, ErrFenced
+		}
+		return 0, fmt.Errorf("kvstore: %s changed while advancing it", key)
+	}
+	return next, nil
 }
 
 // PutPolicy stores the policy (the operator's overrides) under the fence, synchronously.
