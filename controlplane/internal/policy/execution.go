@@ -47,7 +47,8 @@ type Execution struct {
 // seedThroughStore: with the knob seed_through_store (colocated decode workers, docs/sglang.md),
 // a plan that prefills on P to make the session resident on D (SEED, RESEED_PREFILL) writes the
 // prompt's KV into P's own store as the session's snapshot of the generation the session takes
-// with this seed (the record's + 1: a seed makes it resident anew), and D loads it from there.
+// with this seed (NextGeneration of the record's under Input.GenerationTerm: a seed makes it
+// resident anew, and the router's outcome gives it that generation), and D loads it from there.
 // The store then holds the session's first snapshot, so D's first push appends onto it.
 // Large appends and session-less PD_FALLBACKs keep the direct transfer.
 func seedThroughStore(e *Execution, in *Input) {
@@ -55,10 +56,7 @@ func seedThroughStore(e *Execution, in *Input) {
 		e.Transfer != kvcv1.TransferKind_TRANSFER_KIND_SEED {
 		return
 	}
-	e.StoreGeneration = 1
-	if in.Session != nil {
-		e.StoreGeneration = in.Session.Generation + 1
-	}
+	e.StoreGeneration = NextGeneration(in.Session.GetGeneration(), in.GenerationTerm)
 }
 
 // execution derives a decision's execution plan from its mode, reason and cause.

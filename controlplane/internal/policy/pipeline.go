@@ -56,6 +56,10 @@ type Input struct {
 	// they hold (state.Resyncing); a session it holds no residency for may be resident on one
 	// of them, so it is not seeded or reseeded yet (a plain fallback, D_UNREACHABLE).
 	Resyncing bool
+	// GenerationTerm is the leader's generation term (generation.go): the generations this
+	// decision predicts (Execution.StoreGeneration) are the ones the outcome will make. 0 when
+	// not leading.
+	GenerationTerm uint64
 }
 
 // Decision is the policy's answer. Worker pointers point into Input.Workers.

@@ -10,6 +10,9 @@ type Cluster interface {
 	Policy() *kvcv1.Policy
 	// Epoch is the leader epoch (create revision of the leader key); 0 when not leading.
 	Epoch() int64
+	// GenerationTerm is the leader's generation term (policy.NextGeneration): the range of the
+	// KV generations this leader gives sessions; 0 when not leading.
+	GenerationTerm() uint64
 	// Workers returns an immutable snapshot of all workers with state and last load. Do not mutate.
 	// A tensor-parallel group is one record (its rank 0's worker id, the group's state, capacity,
 	// load and tp_ranks); its other ranks are left out.

@@ -9,6 +9,7 @@ import (
 	"github.com/rs/zerolog"
 	"go.etcd.io/etcd/client/v3/concurrency"
 
+	"github.com/kvcentric/kvcentric/controlplane/internal/policy"
 	"github.com/kvcentric/kvcentric/controlplane/internal/state"
 	"github.com/kvcentric/kvcentric/pkg/etcdtest"
 	"github.com/kvcentric/kvcentric/pkg/kvstore"
@@ -88,11 +89,19 @@ func (r *replica) decide(t *testing.T, session string, ids []uint32, out int64) 
 
 func (r *replica) report(t *testing.T, d *kvcv1.RouteDecision, prompt, gen []uint32) {
 	t.Helper()
+	r.reportTruncated(t, d, prompt, gen, 0)
+}
+
+// reportTruncated reports success; truncatedTo > 0: D rewrote the session from that token on
+// (a new KV generation on the same decode worker).
+func (r *replica) reportTruncated(t *testing.T, d *kvcv1.RouteDecision, prompt, gen []uint32, truncatedTo int64) {
+	t.Helper()
 	h, _ := pagehash.New(tps, 0)
 	all := append(append([]uint32(nil), prompt...), gen...)
 	chain := h.Chain(all)
 	req := outcome(d.DecisionId, true, okKind, int64(len(all)))
 	req.GetOutcome().KvPages = chain[len(prompt)/tps:]
+	req.GetOutcome().TruncatedTo = truncatedTo
 	if ack := r.rt.Handle(req).GetOutcomeAck(); ack == nil {
 		t.Fatalf("outcome of %s not acknowledged", d.DecisionId)
 	}
@@ -196,4 +205,136 @@ func TestContentSurvivesFailover(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestReseedWinsOverOlderLeadersCopy (issue 16 finding 8): a leader loads from etcd a session
+// generation older than the last one its predecessor acknowledged (write-behind: the later
+// writes never reached etcd), while the decode worker holding that newer copy is unreachable.
+// The new leader reseeds the session elsewhere (acknowledged); when the old worker comes back,
+// its full resync reports the predecessor's newer generation. The new leader's residency must
+// win — its generation is in its own, higher term — and the old copy is released there.
+func TestReseedWinsOverOlderLeadersCopy(t *testing.T) {
+	c := etcdtest.Start(t)
+	store, err := kvstore.New(c.Client(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
+	defer cancel()
+	a := lead(t, store, "cp-a", 0)
+	a.attach(t, nil)
+
+	// Leader A seeds the session, and etcd gets that record.
+	prompt := idsN(1_000, 1)
+	d := a.decide(t, "s", prompt, 50)
+	if d.Mode != kvcv1.RouteMode_ROUTE_MODE_SEED {
+		t.Fatalf("first turn: %s/%s", d.Mode, d.Reason)
+	}
+	home := d.Decode.WorkerId
+	other := map[string]string{"d1": "d2", "d2": "d1"}[home]
+	conv := append(append([]uint32(nil), prompt...), idsN(50, 70_000)...)
+	a.report(t, d, prompt, conv[len(prompt):])
+	if err := a.st.Flush(ctx); err != nil {
+		t.Fatal(err)
+	}
+	seeded, err := store.Client().Get(ctx, store.SessionKey("s"))
+	if err != nil || len(seeded.Kvs) != 1 {
+		t.Fatalf("seeded record in etcd: %v %v", seeded, err)
+	}
+	loaded, _ := a.st.Session("s")
+	// Two more turns on the same decode worker rewrite the session there (truncations): two
+	// newer generations, acknowledged by A, that etcd will not have.
+	for i := range 2 {
+		next := append(append([]uint32(nil), conv...), idsN(200, uint32(80_000+i*10_000))...)
+		d = a.decide(t, "s", next, 40)
+		if d.Mode != kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D || d.Decode.WorkerId != home {
+			t.Fatalf("turn %d: %s/%s on %s", i+2, d.Mode, d.Reason, d.Decode.GetWorkerId())
+		}
+		out := idsN(40, uint32(90_000+i*10_000))
+		a.reportTruncated(t, d, next, out, int64(len(conv)-tps))
+		conv = append(next, out...)
+	}
+	held, _ := a.st.Session("s")
+	if held.DecodeWorker != home || held.Generation <= loaded.Generation+1 {
+		t.Fatalf("A's record after the truncations: on %s, generation %d (seeded at generation %d)", held.DecodeWorker, held.Generation, loaded.Generation)
+	}
+	// A goes away; etcd holds the seed's record (the truncations' writes were behind when etcd
+	// went down: emulated by putting the seed's record back).
+	_ = a.sess.Close()
+	a.st.EndTerm(a.term)
+	if _, err := store.Client().Put(ctx, store.SessionKey("s"), string(seeded.Kvs[0].Value)); err != nil {
+		t.Fatal(err)
+	}
+
+	b := lead(t, store, "cp-b", 0)
+	rec, ok := b.st.Session("s")
+	if !ok || rec.DecodeWorker != home || rec.Generation != loaded.Generation {
+		t.Fatalf("B loaded the session on %q, generation %d; want the seed's record (generation %d on %s)",
+			rec.GetDecodeWorker(), rec.GetGeneration(), loaded.Generation, home)
+	}
+	if policy.NextGeneration(rec.Generation, 0) > held.Generation {
+		t.Fatalf("numbered per leader, B's reseed (%d) would win anyway over %d: the test does not reproduce the finding",
+			policy.NextGeneration(rec.Generation, 0), held.Generation)
+	}
+	// The prefill worker and the other decode worker come back to B; home stays UNREACHABLE.
+	for _, w := range []struct {
+		id   string
+		role kvcv1.WorkerRole
+	}{{"p1", kvcv1.WorkerRole_WORKER_ROLE_PREFILL}, {other, kvcv1.WorkerRole_WORKER_ROLE_DECODE}} {
+		st := attachWorker(t, b.st, w.id, w.role)
+		if err := b.st.Reconcile(st, &kvcv1.ResidentSessions{FullSync: true}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	next := append(append([]uint32(nil), conv...), idsN(300, 7_000_000)...)
+	d = b.decide(t, "s", next, 40)
+	if d.Mode != kvcv1.RouteMode_ROUTE_MODE_RESEED_PREFILL || d.Decode.GetWorkerId() != other {
+		t.Fatalf("B, home unreachable: %s/%s on %s, want a reseed on %s", d.Mode, d.Reason, d.Decode.GetWorkerId(), other)
+	}
+	b.report(t, d, next, idsN(40, 7_500_000)) // acknowledged
+	reseeded, _ := b.st.Session("s")
+	if reseeded.DecodeWorker != other {
+		t.Fatalf("B's reseed is on %q, want %s", reseeded.DecodeWorker, other)
+	}
+	if reseeded.Generation <= held.Generation {
+		t.Errorf("B's reseed has generation %d, not above A's last (%d)", reseeded.Generation, held.Generation)
+	}
+
+	// home's sidecar re-homes to B and reports A's last generation in its full resync.
+	hs := attachWorker(t, b.st, home, kvcv1.WorkerRole_WORKER_ROLE_DECODE)
+	if err := b.st.Reconcile(hs, &kvcv1.ResidentSessions{FullSync: true, Sessions: []*kvcv1.ResidentSession{
+		{SessionId: "s", KvCommittedLen: held.KvCommittedLen, Generation: held.Generation}}}); err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := b.st.Session("s"); got.DecodeWorker != other || got.Generation != reseeded.Generation {
+		t.Fatalf("after %s's resync the session is on %s, generation %d: B's acknowledged reseed (generation %d on %s) was lost",
+			home, got.DecodeWorker, got.Generation, reseeded.Generation, other)
+	}
+	var released []string
+	for len(hs.Queue()) > 0 {
+		if r := (<-hs.Queue()).GetCommand().GetReleaseSession(); r != nil {
+			released = append(released, r.GetSessionId())
+		}
+	}
+	if len(released) != 1 || released[0] != "s" {
+		t.Fatalf("%s told to release %v, want its stale copy of s", home, released)
+	}
+}
+
+// attachWorker connects a worker's sidecar to st (a load report makes it routable).
+func attachWorker(t *testing.T, st *state.State, id string, role kvcv1.WorkerRole) *state.Stream {
+	t.Helper()
+	s, err := st.Attach(&kvcv1.Hello{WorkerId: id, Role: role, Node: "n1", KvCapacityTokens: 200_000,
+		WorkerUrl: "http://" + id, PeerAddr: id + ":7000", TransferEndpoint: id + ":7001"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	load := &kvcv1.WorkerLoad{}
+	if role == kvcv1.WorkerRole_WORKER_ROLE_PREFILL {
+		load.SnapshotBytesCapacity = 1 << 30
+	}
+	if err := st.ApplyLoad(s, load); err != nil {
+		t.Fatal(err)
+	}
+	return s
 }

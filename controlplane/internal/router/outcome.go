@@ -110,7 +110,10 @@ type outcomeCtx struct {
 	// becameResident: the session's agent hints, for its new D's snapshot target
 	until int64
 	low   bool
-	fn    func(rec *kvcv1.SessionRecord) // x.apply, bound once per pooled outcomeCtx
+	// term: the leader's generation term, read before UpdateSession (fn must not call the
+	// Cluster): becameResident's new generation is in its range.
+	term uint64
+	fn   func(rec *kvcv1.SessionRecord) // x.apply, bound once per pooled outcomeCtx
 }
 
 var outcomePool = sync.Pool{New: func() any {
@@ -152,7 +155,7 @@ func (x *outcomeCtx) learnContent(rec *kvcv1.SessionRecord) {
 func (s *Service) updateSession(r *reservation, o *kvcv1.RouteOutcome, kvLen, nowMs int64, effect func(*outcomeCtx, *kvcv1.SessionRecord)) *outcomeCtx {
 	x := outcomePool.Get().(*outcomeCtx)
 	fn := x.fn
-	*x = outcomeCtx{r: r, s: s, o: o, kvLen: kvLen, nowMs: nowMs, effect: effect, fn: fn}
+	*x = outcomeCtx{r: r, s: s, o: o, kvLen: kvLen, nowMs: nowMs, effect: effect, fn: fn, term: s.c.GenerationTerm()}
 	s.c.UpdateSession(r.session, fn)
 	return x
 }
@@ -222,7 +225,7 @@ func (x *outcomeCtx) becameResident(rec *kvcv1.SessionRecord) {
 	}
 	rec.DecodeWorker = r.decode
 	rec.KvCommittedLen = x.committed(have)
-	rec.Generation++
+	rec.Generation = policy.NextGeneration(rec.Generation, x.term)
 	x.gen = rec.Generation
 	x.learn = true
 	if r.from != "" && r.from != r.decode {

@@ -502,11 +502,12 @@ func (s *Service) query(q *kvcv1.RouteQuery) *kvcv1.RouteResponse {
 		Query: policy.Query{SessionID: q.SessionId, Turn: q.Turn, InputTokens: q.InputTokens,
 			MaxOutputTokens: q.MaxOutputTokens, MultiturnHint: q.MultiturnHint, EndSession: q.EndSession,
 			LowPriority: q.LowPriority},
-		Exclude:     q.ExcludeWorkers,
-		Workers:     s.c.Workers(),
-		NowMs:       now.UnixMilli(),
-		Unavailable: epoch == 0,
-		Resyncing:   epoch != 0 && s.resyncing(),
+		Exclude:        q.ExcludeWorkers,
+		Workers:        s.c.Workers(),
+		NowMs:          now.UnixMilli(),
+		Unavailable:    epoch == 0,
+		Resyncing:      epoch != 0 && s.resyncing(),
+		GenerationTerm: s.c.GenerationTerm(),
 	}}
 	if q.PageSize > 0 && !x.in.Unavailable {
 		x.entry = s.content.get(q.SessionId)

@@ -10,6 +10,7 @@ import (
 
 	"google.golang.org/protobuf/proto"
 
+	"github.com/kvcentric/kvcentric/controlplane/internal/policy"
 	"github.com/kvcentric/kvcentric/pkg/kvstore"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
@@ -80,6 +81,15 @@ func (s *State) LeadTerm(ctx, lead context.Context, fence kvstore.Fence) (*Term,
 	if snap.Malformed > 0 {
 		s.log.Warn().Int("records", snap.Malformed).Msg("skipped malformed records while loading etcd")
 	}
+	// This term's generation range, above every earlier term's (policy.NextGeneration): the
+	// durable counter, and at least past the newest term among the generations just loaded.
+	genTerm, err := s.cfg.Store.NextGenerationTerm(ctx, fence, loadedGenerationTerm(snap))
+	if err != nil {
+		return nil, fmt.Errorf("state: generation term: %w", err)
+	}
+	if genTerm > policy.MaxGenerationTerm {
+		s.log.Error().Uint64("generation_term", genTerm).Msg("generation term past the last one whose generations stay below 2^53")
+	}
 	tctx, tcancel := context.WithCancel(lead)
 	bctx, bcancel := context.WithCancel(context.Background())
 	t := &Term{
@@ -101,6 +111,7 @@ func (s *State) LeadTerm(ctx, lead context.Context, fence kvstore.Fence) (*Term,
 	s.term = t
 	s.cur.Store(t)
 	s.epoch.Store(fence.Rev)
+	s.genTerm.Store(genTerm)
 	journalled := s.loadSessionsLocked(snap)
 	if s.cfg.VolatileFlush < 0 {
 		// No journal in this mode: write the journalled sessions in full (their entries die,
@@ -155,10 +166,20 @@ func (s *State) LeadTerm(ctx, lead context.Context, fence kvstore.Fence) (*Term,
 	if len(snap.MalformedVolatile) > 0 {
 		s.log.Warn().Strs("keys", snap.MalformedVolatile).Msg("skipped malformed volatile journal keys")
 	}
-	s.log.Info().Int64("epoch", fence.Rev).Int("sessions", len(snap.Sessions)).Int("workers", len(snap.Workers)).
+	s.log.Info().Int64("epoch", fence.Rev).Uint64("generation_term", genTerm).Int("sessions", len(snap.Sessions)).Int("workers", len(snap.Workers)).
 		Int("journal_keys", len(snap.Volatile)).Int("journal_entries_applied", journalled).
 		Dur("load", time.Since(start)).Msg("leader state loaded")
 	return t, nil
+}
+
+// loadedGenerationTerm is the newest generation term among the loaded sessions' generations
+// and their snapshots' (the volatile journal carries none).
+func loadedGenerationTerm(snap *kvstore.Snapshot) uint64 {
+	var g uint64
+	for _, r := range snap.Sessions {
+		g = max(g, r.GetGeneration(), r.GetSnapshot().GetGeneration())
+	}
+	return policy.GenerationTerm(g)
 }
 
 // loadSessionsLocked fills the session table from a loaded snapshot: the records, then the
@@ -209,6 +230,7 @@ func (s *State) EndTerm(t *Term) {
 		return
 	}
 	s.epoch.Store(0)
+	s.genTerm.Store(0)
 	s.cur.Store(nil)
 	s.flushDirtyLocked()
 	for _, e := range s.workers {

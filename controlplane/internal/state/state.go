@@ -70,6 +70,7 @@ type State struct {
 	stored    atomic.Pointer[kvcv1.Policy] // operator overrides as stored (may be nil)
 	policyMu  sync.Mutex                   // serialises UpdatePolicy
 	epoch     atomic.Int64
+	genTerm   atomic.Uint64                   // the term's generation term (policy.NextGeneration)
 	cur       atomic.Pointer[Term]            // the term, for lock-free Epoch/Leading
 	snapshot  atomic.Pointer[[]*kvcv1.Worker] // the router's view (tp.go: one record per tensor-parallel group)
 	listing   atomic.Pointer[[]*kvcv1.Worker] // ListWorkers' view: the router's plus every other rank
@@ -196,6 +197,16 @@ func (s *State) Epoch() int64 {
 		return 0
 	}
 	return s.epoch.Load()
+}
+
+// GenerationTerm is the term's generation term, the range of the KV generations this leader
+// gives sessions (policy.NextGeneration; advanced in etcd by LeadTerm); 0 when not leading,
+// like Epoch.
+func (s *State) GenerationTerm() uint64 {
+	if t := s.cur.Load(); !t.acting() {
+		return 0
+	}
+	return s.genTerm.Load()
 }
 
 // Leading reports whether this replica holds a term whose leadership has not ended.

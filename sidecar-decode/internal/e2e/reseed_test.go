@@ -88,7 +88,13 @@ func TestReseedNoFullRepush(t *testing.T) {
 	dA.compute(t, "S", input0, input0+out)
 	rt.outcome(t, dec, input0+out)
 	const L = input0 + out
-	waitSnapshot(L, 1)
+	// The seed's generation: the first of the leader's generation term (not 1: generations are
+	// numbered in the term's range, docs/decisions.md).
+	gen1 := session().GetGeneration()
+	if gen1 == 0 {
+		t.Fatal("no generation after the seed")
+	}
+	waitSnapshot(L, gen1)
 
 	// D releases S; turn 1 (an append of 100 tokens) reseeds from the snapshot onto D′.
 	dA.release(t, "S")
@@ -106,18 +112,20 @@ func TestReseedNoFullRepush(t *testing.T) {
 	const L2 = L + appendTok + out
 	dB.compute(t, "S", L, L2) // D′ append-prefills the tail and decodes
 	rt.outcome(t, dec, L2)
-	if g := session().GetGeneration(); g != 2 {
-		t.Fatalf("generation after the reseed %d, want 2", g)
+	gen2 := gen1 + 1 // the same leader: the next generation of its term
+	if g := session().GetGeneration(); g != gen2 {
+		t.Fatalf("generation after the reseed %d, want %d", g, gen2)
 	}
 
-	// The next push is the append [L, L2), tagged to re-tag generation 1's entry as 2.
-	waitSnapshot(L2, 2)
+	// The next push is the append [L, L2), tagged to re-tag the seed generation's entry as the
+	// reseed's.
+	waitSnapshot(L2, gen2)
 	// the control plane hears of the snapshot from the store (the prefill sidecar), which may
 	// be before the decode sidecar has logged its push and the store its ingest: wait for both
 	waitFor(t, "D′'s push event", 10*time.Second, func() bool { return len(pushes(dB)) > before })
 	waitFor(t, "the store's ingest event", 10*time.Second, func() bool {
 		for _, e := range filterEvents(readEvents(t, p0.events), agent.EvRecvIngested, "S") {
-			if e.Generation == 2 {
+			if e.Generation == gen2 {
 				return true
 			}
 		}
@@ -129,7 +137,7 @@ func TestReseedNoFullRepush(t *testing.T) {
 	}
 	p := sent[0]
 	appendBytes, fullBytes := int64(L2-L)*bpt, int64(L2)*bpt
-	if p.BaseLen != L || p.Tokens != L2-L || p.Generation != 2 || p.Bytes != appendBytes || p.RetagFrom != 1 {
+	if p.BaseLen != L || p.Tokens != L2-L || p.Generation != gen2 || p.Bytes != appendBytes || p.RetagFrom != gen1 {
 		t.Fatalf("push after the reseed: base %d tokens %d generation %d bytes %d; want base %d tokens %d bytes %d (a full push: %d)",
 			p.BaseLen, p.Tokens, p.Generation, p.Bytes, L, L2-L, appendBytes, fullBytes)
 	}
@@ -137,11 +145,11 @@ func TestReseedNoFullRepush(t *testing.T) {
 		t.Fatalf("a push failed after the reseed (the re-tag was refused?): %+v", e)
 	}
 	ing := filterEvents(readEvents(t, p0.events), agent.EvRecvIngested, "S")
-	if last := ing[len(ing)-1]; last.BaseLen != L || last.Tokens != L2-L || last.Generation != 2 || last.Seqlen != L2 {
+	if last := ing[len(ing)-1]; last.BaseLen != L || last.Tokens != L2-L || last.Generation != gen2 || last.Seqlen != L2 {
 		t.Fatalf("store ingest after the reseed: %+v", last)
 	}
 	st := snapshotStatus(t, p0, "S")
-	if !st.Exists || st.Seqlen != L2 || st.Generation != 2 {
+	if !st.Exists || st.Seqlen != L2 || st.Generation != gen2 {
 		t.Fatalf("store after the re-tag: %+v", st)
 	}
 	if got, want := snapshotKV(t, p0, "S"), kvBytes(dB.w, dB.pages["S"], L2); !bytes.Equal(got, want) {

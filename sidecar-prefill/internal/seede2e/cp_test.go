@@ -98,7 +98,8 @@ func TestSeedThroughStoreWithControlPlane(t *testing.T) {
 	}
 	dec := m.GetDecision()
 	ex := dec.GetExecution()
-	if dec.GetMode() != kvcv1.RouteMode_ROUTE_MODE_SEED || ex.GetStoreGeneration() != 1 || ex.GetStoreLoadRoom() == 0 ||
+	gen := ex.GetStoreGeneration() // the generation the session takes with this seed (the leader's term's first)
+	if dec.GetMode() != kvcv1.RouteMode_ROUTE_MODE_SEED || gen == 0 || ex.GetStoreLoadRoom() == 0 ||
 		ex.GetStoreLoadRoom() == dec.GetBootstrapRoom() || dec.GetPrefill().GetWorkerId() != "p0" || dec.GetDecode().GetWorkerId() != "d1" {
 		t.Fatalf("decision %v", dec)
 	}
@@ -110,13 +111,13 @@ func TestSeedThroughStoreWithControlPlane(t *testing.T) {
 	}
 	for i, c := range [][]int64{ppages[:3], ppages[3:]} {
 		if _, err := p0.bridge.SendKV(ctxT(t, 10*time.Second), &kvcv1.SendKVRequest{Room: dec.GetBootstrapRoom(), SessionId: "S", Pages: c,
-			FirstPage: int64(3 * i), Last: i == 1, Tokens: input, Generation: ex.GetStoreGeneration(), ToStore: true}); err != nil {
+			FirstPage: int64(3 * i), Last: i == 1, Tokens: input, Generation: gen, ToStore: true}); err != nil {
 			t.Fatal(err)
 		}
 	}
 	waitFor(t, "the seed as the session's snapshot", 10*time.Second, func() bool {
 		sn := session().GetSnapshot()
-		return sn.GetPrefillWorker() == "p0" && sn.GetSeqlen() == input && sn.GetGeneration() == 1
+		return sn.GetPrefillWorker() == "p0" && sn.GetSeqlen() == input && sn.GetGeneration() == gen
 	})
 
 	// D (after P answered): loads 6 whole pages from the store in the load room, prefills the
@@ -149,24 +150,24 @@ func TestSeedThroughStoreWithControlPlane(t *testing.T) {
 		t.Fatalf("outcome ack %v %v", m, err)
 	}
 
-	// D's first push: the append [input, L) onto the seed's generation-1 snapshot.
+	// D's first push: the append [input, L) onto the seed's snapshot, of the same generation.
 	waitFor(t, "the snapshot at L", 10*time.Second, func() bool {
 		sn := session().GetSnapshot()
-		return sn.GetPrefillWorker() == "p0" && sn.GetSeqlen() == L && sn.GetGeneration() == 1
+		return sn.GetPrefillWorker() == "p0" && sn.GetSeqlen() == L && sn.GetGeneration() == gen
 	})
 	pushes := events(t, d1.events, agent.EvPushSent, "S")
 	if len(pushes) != 1 {
 		t.Fatalf("pushes: %+v", pushes)
 	}
-	if p := pushes[0]; p.BaseLen != input || p.Tokens != out || p.Generation != 1 || p.Bytes != out*bpt || p.RetagFrom != 0 {
+	if p := pushes[0]; p.BaseLen != input || p.Tokens != out || p.Generation != gen || p.Bytes != out*bpt || p.RetagFrom != 0 {
 		t.Fatalf("first push: base %d tokens %d generation %d bytes %d retag %d; want the %d-token append (%d bytes, a full push: %d)",
 			p.BaseLen, p.Tokens, p.Generation, p.Bytes, p.RetagFrom, out, out*bpt, L*bpt)
 	}
 	st, err := p0.bridge.SnapshotStatus(ctxT(t, time.Second), &kvcv1.SnapshotStatusRequest{SessionId: "S"})
-	if err != nil || st.GetSeqlen() != L || st.GetGeneration() != 1 {
+	if err != nil || st.GetSeqlen() != L || st.GetGeneration() != gen {
 		t.Fatalf("store: %v %v", st, err)
 	}
-	if rec := session(); rec.GetDecodeWorker() != "d1" || rec.GetGeneration() != 1 {
+	if rec := session(); rec.GetDecodeWorker() != "d1" || rec.GetGeneration() != gen {
 		t.Fatalf("session %v", rec)
 	}
 	t.Logf("first push after a store seed: %d bytes (the %d-token append) instead of %d (the whole %d-token session)", pushes[0].Bytes, out, L*bpt, L)

@@ -19,6 +19,7 @@ type Cluster struct {
 	mu       sync.RWMutex
 	policy   *kvcv1.Policy
 	epoch    int64
+	genTerm  uint64
 	workers  []*kvcv1.Worker
 	sessions map[string]*kvcv1.SessionRecord
 	commands map[string][]*kvcv1.Command
@@ -26,7 +27,8 @@ type Cluster struct {
 	cmdID    uint64
 }
 
-// New returns a cluster with the default policy, epoch 1 and the given workers.
+// New returns a cluster with the default policy, epoch 1, generation term 0 (generations
+// numbered 1, 2, ...: policy.NextGeneration) and the given workers.
 func New(workers ...*kvcv1.Worker) *Cluster {
 	return &Cluster{
 		policy:   policy.Defaults(),
@@ -50,6 +52,13 @@ func (c *Cluster) Epoch() int64 {
 	c.mu.RLock()
 	defer c.mu.RUnlock()
 	return c.epoch
+}
+
+// GenerationTerm implements router.Cluster.
+func (c *Cluster) GenerationTerm() uint64 {
+	c.mu.RLock()
+	defer c.mu.RUnlock()
+	return c.genTerm
 }
 
 // Workers implements router.Cluster.
@@ -139,6 +148,13 @@ func (c *Cluster) SetEpoch(e int64) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.epoch = e
+}
+
+// SetGenerationTerm sets the leader's generation term (a new leader: policy.NextGeneration).
+func (c *Cluster) SetGenerationTerm(term uint64) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.genTerm = term
 }
 
 // SetWorkers replaces the worker snapshot (the slice must not be mutated afterwards).
