@@ -186,6 +186,7 @@ func (c *ControlPlane) Run(ctx context.Context) error {
 		}
 		if welcomed {
 			bo.Reset()
+			eps.Reset()
 		}
 		followed := eps.Hint(err)
 		if followed {
@@ -197,6 +198,9 @@ func (c *ControlPlane) Run(ctx context.Context) error {
 			hops = 0
 		} else if hops++; hops <= 2 {
 			continue // go straight to the named leader (bounded: stale hints may point in a circle)
+		}
+		if !welcomed && !followed && !eps.Pause() {
+			continue // an endpoint not tried in this round yet: at once (cpclient.Endpoints)
 		}
 		t := time.NewTimer(bo.Next())
 		select {

@@ -3,6 +3,7 @@ package agent_test
 import (
 	"context"
 	"fmt"
+	"net"
 	"slices"
 	"sync"
 	"testing"
@@ -162,6 +163,37 @@ func TestControlPlaneFollowsLeaderAndResyncs(t *testing.T) {
 	}
 	if cp.MaxEpoch() != 4 {
 		t.Fatalf("max epoch %d", cp.MaxEpoch())
+	}
+}
+
+// TestControlPlaneTriesEveryEndpointBeforePausing: a refused endpoint does not make the loop
+// back off before it tried the others (cpclient.Endpoints rounds): with a backoff of an hour, a
+// dead first endpoint must not keep the sidecar from the leader named second.
+func TestControlPlaneTriesEveryEndpointBeforePausing(t *testing.T) {
+	srv, err := cptest.Start(3, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Close()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	dead := ln.Addr().String()
+	if err := ln.Close(); err != nil { // nothing listens there: connection refused
+		t.Fatal(err)
+	}
+	cp := agent.NewControlPlane(agent.CPConfig{Endpoints: []string{dead, srv.Addr}, Heartbeat: 20 * time.Millisecond,
+		BackoffMin: time.Hour, BackoffMax: time.Hour}, &fakeHandler{id: "d1"}, zerolog.Nop())
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { _ = cp.Run(ctx); close(done) }()
+	defer func() { cancel(); <-done }()
+	if err := cp.WaitConnected(wctx(t), 0); err != nil {
+		t.Fatal(err)
+	}
+	if ok, addr := cp.Connected(); !ok || addr != srv.Addr {
+		t.Fatalf("connected=%v to %s, want %s", ok, addr, srv.Addr)
 	}
 }
 

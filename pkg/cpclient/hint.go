@@ -45,16 +45,30 @@ func LeaderHintFrom(err error) (*kvcv1.LeaderHint, bool) {
 
 // Endpoints is a list of control plane addresses that remembers the last known leader. Next
 // returns the address to try: the hinted leader first, else the endpoints in rotation.
+//
+// A reconnect loop pauses (backs off) once per round, when every endpoint has been tried since
+// the last pause (Pause), not after each failed attempt: during a failover the standby names the
+// dead leader until its lease expires, and a client that slept after each refusal reached the
+// standby, once it led, only every other pause (up to two backoff ceilings after the election).
 type Endpoints struct {
 	mu     sync.Mutex
 	addrs  []string
 	next   int
 	leader string
+	tried  map[string]bool // endpoints tried since the last pause
+	// distinct is the number of distinct endpoints (a round is over when tried holds as many)
+	distinct int
 }
 
 // NewEndpoints returns an endpoint list; addrs must not be empty.
 func NewEndpoints(addrs []string) *Endpoints {
-	return &Endpoints{addrs: append([]string(nil), addrs...)}
+	e := &Endpoints{addrs: append([]string(nil), addrs...), tried: make(map[string]bool, len(addrs))}
+	seen := make(map[string]bool, len(addrs))
+	for _, a := range addrs {
+		seen[a] = true
+	}
+	e.distinct = len(seen)
+	return e
 }
 
 // Next returns the address to dial now.
@@ -64,6 +78,7 @@ func (e *Endpoints) Next() string {
 	if e.leader != "" {
 		l := e.leader
 		e.leader = ""
+		e.markLocked(l)
 		return l
 	}
 	if len(e.addrs) == 0 {
@@ -71,7 +86,39 @@ func (e *Endpoints) Next() string {
 	}
 	a := e.addrs[e.next%len(e.addrs)]
 	e.next++
+	e.markLocked(a)
 	return a
+}
+
+// markLocked records that a was tried in this round (when it is one of the endpoints).
+func (e *Endpoints) markLocked(a string) {
+	for _, x := range e.addrs {
+		if x == a {
+			e.tried[a] = true
+			return
+		}
+	}
+}
+
+// Pause reports whether a reconnect loop should back off now, after a failed attempt: once
+// every endpoint has been tried since the last pause (by rotation or as a hinted leader), and
+// then it starts a new round. Before that the loop tries the next endpoint at once; at most
+// len(addrs) rotation picks complete a round, so the loop never spins.
+func (e *Endpoints) Pause() bool {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if len(e.tried) < e.distinct {
+		return false
+	}
+	clear(e.tried)
+	return true
+}
+
+// Reset starts a new round (a connection was served).
+func (e *Endpoints) Reset() {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	clear(e.tried)
 }
 
 // Hint records the leader named by err (if any) so that the next Next returns it. It reports

@@ -46,6 +46,64 @@ func TestEndpointsFollowHint(t *testing.T) {
 	}
 }
 
+// TestEndpointsRounds: a reconnect loop pauses only once every endpoint was tried since the
+// last pause (by rotation or as a hinted leader), so a standby that leads is reached within one
+// pause; it never goes more than one round without a pause.
+func TestEndpointsRounds(t *testing.T) {
+	hint := func(addr string) error { return NotLeaderError(&kvcv1.LeaderHint{LeaderId: "x", LeaderAddr: addr}) }
+	type step struct {
+		want  string // Next's answer
+		err   error  // the attempt's error: a hint is followed, else the loop asks Pause
+		pause bool   // Pause's answer after a failure without a hint
+	}
+	for _, tc := range []struct {
+		name  string
+		addrs []string
+		steps []step
+	}{
+		{"refusals: the other endpoint at once, then a pause", []string{"a", "b"}, []step{
+			{"a", nil, false}, {"b", nil, true}, {"a", nil, false}, {"b", nil, true}}},
+		{"failover: the standby names the dead leader", []string{"standby", "dead"}, []step{
+			{"standby", hint("dead"), false}, {"dead", nil, true}, // both tried: pause
+			{"dead", nil, false}, {"standby", hint("dead"), false}, {"dead", nil, true}}},
+		{"a hinted address that is no endpoint does not count", []string{"a", "b"}, []step{
+			{"a", hint("elsewhere:1"), false}, {"elsewhere:1", nil, false}, {"b", nil, true}}},
+		{"duplicate endpoints", []string{"a", "a"}, []step{{"a", nil, true}, {"a", nil, true}}},
+		{"one endpoint", []string{"a"}, []step{{"a", nil, true}, {"a", nil, true}}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			e := NewEndpoints(tc.addrs)
+			for i, st := range tc.steps {
+				if got := e.Next(); got != st.want {
+					t.Fatalf("step %d: Next %q, want %q", i, got, st.want)
+				}
+				if st.err != nil {
+					if !e.Hint(st.err) {
+						t.Fatalf("step %d: hint not found", i)
+					}
+					continue
+				}
+				if got := e.Pause(); got != st.pause {
+					t.Fatalf("step %d (%s): Pause %v, want %v", i, st.want, got, st.pause)
+				}
+			}
+		})
+	}
+	// Reset starts a new round; without hints a round never outlasts the distinct endpoints.
+	e := NewEndpoints([]string{"a", "b", "c"})
+	e.Next()
+	e.Reset()
+	for i, since := 0, 0; i < 30; i++ {
+		e.Next()
+		if since++; e.Pause() {
+			since = 0
+		}
+		if since >= 3 {
+			t.Fatalf("attempt %d: %d attempts without a pause", i, since)
+		}
+	}
+}
+
 func TestBackoffBounds(t *testing.T) {
 	b := Backoff{Min: 10, Max: 100}
 	for i := 0; i < 50; i++ {

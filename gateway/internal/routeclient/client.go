@@ -106,6 +106,9 @@ func (c *Client) Run(ctx context.Context) error {
 		ev.Msg("route stream down")
 		if served {
 			bo.Reset()
+			c.eps.Reset()
+		} else if !c.eps.Pause() {
+			continue // an endpoint not tried in this round yet: at once (cpclient.Endpoints)
 		}
 		t := time.NewTimer(bo.Next())
 		select {
