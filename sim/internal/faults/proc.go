@@ -5,10 +5,12 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"math/rand/v2"
 	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -205,11 +207,47 @@ func childEnv() []string {
 // freeAddr returns a loopback address with a port that was free a moment ago. The harness
 // gives every restartable listener a fixed port so that the addresses its peers were given
 // stay valid across restarts.
+//
+// The port comes from below the kernel's ephemeral range (ip_local_port_range), never from
+// it: a port of that range freed here could be handed to any outgoing connection or ":0"
+// listener of the cluster before its process binds it ("address already in use" at set-up,
+// seen once). Below the range only explicit binds compete; the ports given out are remembered.
 func freeAddr() (string, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return "", err
+	lo := ephemeralStart()
+	const base = 10000
+	portMu.Lock()
+	defer portMu.Unlock()
+	for range 200 {
+		port := base + rand.IntN(lo-base)
+		if givenPorts[port] {
+			continue
+		}
+		l, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(port)))
+		if err != nil {
+			continue // taken by someone else: another
+		}
+		_ = l.Close()
+		givenPorts[port] = true
+		return l.Addr().String(), nil
 	}
-	defer l.Close()
-	return l.Addr().String(), nil
+	return "", fmt.Errorf("no free loopback port below %d after 200 tries", lo)
+}
+
+var (
+	portMu     sync.Mutex
+	givenPorts = map[int]bool{}
+)
+
+// ephemeralStart is the first port of the kernel's ephemeral range (32768 where it cannot be
+// read or makes no sense).
+func ephemeralStart() int {
+	b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range")
+	if err == nil {
+		if f := strings.Fields(string(b)); len(f) == 2 {
+			if n, err := strconv.Atoi(f[0]); err == nil && n > 12000 && n <= 65535 {
+				return n
+			}
+		}
+	}
+	return 32768
 }
