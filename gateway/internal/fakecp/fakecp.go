@@ -4,6 +4,7 @@ import (
 	"context"
 	"net"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -26,6 +27,8 @@ type Server struct {
 	Addr     string
 	Outcomes chan *kvcv1.RouteOutcome
 	Queries  chan *kvcv1.RouteQuery
+	// Streams counts the Route streams opened (refused ones included).
+	Streams atomic.Int64
 
 	mu      sync.Mutex
 	decide  Decider
@@ -72,6 +75,7 @@ func (s *Server) SetWorkers(ws []*kvcv1.Worker) {
 
 // Route implements RouterService.
 func (s *Server) Route(stream grpc.BidiStreamingServer[kvcv1.RouteRequest, kvcv1.RouteResponse]) error {
+	s.Streams.Add(1)
 	s.mu.Lock()
 	hint := s.hint
 	s.mu.Unlock()

@@ -88,10 +88,14 @@ func (c *Client) Connected() bool {
 	return c.cur != nil
 }
 
+// maxHintHops is how many leader hints in a row Run follows without pausing (as the sidecars).
+const maxHintHops = 2
+
 // Run keeps a stream open until ctx ends.
 func (c *Client) Run(ctx context.Context) error {
 	// The default ceiling: reach a new leader within ~0.4 s of its election (issue 16 finding 3).
 	bo := cpclient.Backoff{Min: 50 * time.Millisecond}
+	hops := 0 // hints followed in a row without a pause
 	for ctx.Err() == nil {
 		addr := c.eps.Next()
 		hinted, served, err := c.session(ctx, addr)
@@ -99,10 +103,17 @@ func (c *Client) Run(ctx context.Context) error {
 			return nil
 		}
 		ev := c.log.Warn().Str("addr", addr).Err(err)
-		if hinted {
+		if served {
+			hops = 0 // a stream that answered: its hint is a fresh leader change
+		}
+		if hinted && hops < maxHintHops {
+			// At once, but not forever: two stale hints naming each other (mid-election)
+			// would otherwise make this loop dial as fast as the network answers.
+			hops++
 			ev.Msg("route stream: not the leader; following hint")
 			continue
 		}
+		hops = 0
 		ev.Msg("route stream down")
 		if served {
 			bo.Reset()

@@ -135,6 +135,22 @@ func TestFollowsLeaderHint(t *testing.T) {
 	}
 }
 
+// TestStaleHintsDoNotSpin: two standbys naming each other (stale hints mid-election) are
+// followed twice in a row at most, then the client pauses with backoff as for any refusal,
+// instead of dialing as fast as the loopback answers.
+func TestStaleHintsDoNotSpin(t *testing.T) {
+	a := fakecp.Start(t, direct)
+	b := fakecp.Start(t, direct)
+	a.SetStandby(b.Addr)
+	b.SetStandby(a.Addr)
+	start(t, []string{a.Addr}, time.Second, Observer{})
+	time.Sleep(500 * time.Millisecond) // a rate is measured over a window, not a sync point
+	// with backoff from 50 ms: a few rounds of up to 3 streams; spinning: thousands
+	if n := a.Streams.Load() + b.Streams.Load(); n == 0 || n > 60 {
+		t.Fatalf("%d Route streams in 0.5 s between two standbys naming each other", n)
+	}
+}
+
 func TestFailsFastWhenDown(t *testing.T) {
 	cp := fakecp.Start(t, direct)
 	addr := cp.Addr
