@@ -13,13 +13,16 @@ import (
 
 // Event names written to the event log (and counted in kvc_sidecar_events_total).
 const (
-	EvPushEnqueued   = "snapshot_push_enqueued"
-	EvPushSent       = "snapshot_push_sent"
-	EvPushFailed     = "snapshot_push_failed"
-	EvPushAborted    = "snapshot_push_aborted"
-	EvRecvIngested   = "snapshot_recv_ingested"
-	EvRecvRejected   = "snapshot_recv_rejected"
-	EvEvicted        = "snapshot_evicted"
+	EvPushEnqueued = "snapshot_push_enqueued"
+	EvPushSent     = "snapshot_push_sent"
+	EvPushFailed   = "snapshot_push_failed"
+	EvPushAborted  = "snapshot_push_aborted"
+	EvRecvIngested = "snapshot_recv_ingested"
+	EvRecvRejected = "snapshot_recv_rejected"
+	EvEvicted      = "snapshot_evicted"
+	// EvCutBack: a re-tag append cut the store's snapshot back to its base (Seqlen; BaseLen is the
+	// seqlen it had, Bytes what the snapshot's pages hold now).
+	EvCutBack        = "snapshot_cut_back"
 	EvBypassHit      = "snapshot_bypass_hit"
 	EvBypassMiss     = "snapshot_bypass_miss"
 	EvTransferDone   = "transfer_done"

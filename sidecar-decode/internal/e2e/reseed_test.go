@@ -177,3 +177,173 @@ func TestReseedNoFullRepush(t *testing.T) {
 		t.Fatalf("reseed from the re-tagged snapshot: %v", res)
 	}
 }
+
+// TestReseedPrefixCutBack: a reseed that uses only a prefix of the snapshot (the new turn is
+// shorter than the session's KV: a shrunken or edited context) leaves D′ holding [0, input) of a
+// longer entry. D′'s first push re-tags that entry from base input: the store cuts the entry
+// back to input and appends the tail, so the bytes on the wire are the tail's, not the
+// session's. D′'s tail differs from the old entry's bytes past input (another seed), so the
+// store's entry equals D′'s KV byte for byte only if the append overwrote them; the re-tagged
+// snapshot then serves the next reseed.
+func TestReseedPrefixCutBack(t *testing.T) {
+	if testing.Short() {
+		t.Skip("integration test")
+	}
+	if bins["kvc-controlplane"] == "" {
+		t.Fatal("kvc-controlplane binary not available")
+	}
+	etcd := etcdtest.Start(t)
+	lead := leaderOf(t, startCP(t, "cp-r", etcd.Endpoints()))
+	if _, err := lead.admin.UpdatePolicy(ctxT(t, 5*time.Second), &kvcv1.UpdatePolicyRequest{Policy: &kvcv1.Policy{
+		SnapshotDeltaTokens: ptr(int64(256)), TailToleranceTokens: ptr(int64(512))}}); err != nil {
+		t.Fatal(err)
+	}
+	p0 := startSidecar(t, "prefill", "p0", lead.addr, "--store-capacity-bytes", itoa(1024*2*numLayers*itemLen))
+	d1 := &dworker{sc: startSidecar(t, "decode", "d1", lead.addr), pages: map[string][]int64{}}
+	d2 := &dworker{sc: startSidecar(t, "decode", "d2", lead.addr), pages: map[string][]int64{}}
+	pw := newWorker(t, p0, 1024)
+	d1.w, d2.w = newWorker(t, d1.sc, 1024), newWorker(t, d2.sc, 1024)
+	byID := map[string]*dworker{"d1": d1, "d2": d2}
+	waitFor(t, "three ready workers", 20*time.Second, func() bool {
+		r, err := lead.admin.ListWorkers(ctxT(t, time.Second), &kvcv1.ListWorkersRequest{})
+		n := 0
+		for _, w := range r.GetWorkers() {
+			if w.GetState() == kvcv1.WorkerState_WORKER_STATE_READY {
+				n++
+			}
+		}
+		return err == nil && n == 3
+	})
+	rt := newRouter(t, lead.addr)
+	session := func() *kvcv1.SessionRecord {
+		r, err := lead.admin.GetSession(ctxT(t, time.Second), &kvcv1.GetSessionRequest{SessionId: "S"})
+		if err != nil {
+			return nil
+		}
+		return r.GetSession()
+	}
+	waitSnapshot := func(seqlen int64, gen uint64) {
+		t.Helper()
+		waitFor(t, fmt.Sprintf("snapshot of S at %d, generation %d", seqlen, gen), 20*time.Second, func() bool {
+			sn := session().GetSnapshot()
+			return sn.GetSeqlen() == seqlen && sn.GetGeneration() == gen && sn.GetPrefillWorker() == "p0"
+		})
+	}
+	pushes := func(d *dworker) []agent.Event { return filterEvents(readEvents(t, d.sc.events), agent.EvPushSent, "S") }
+
+	// Turn 0: SEED of 4,000 tokens + 16 decoded; its full push makes the snapshot [0, L).
+	const input0, out = 4000, 16
+	dec := rt.query(t, "S", 0, input0, out)
+	if dec.GetMode() != kvcv1.RouteMode_ROUTE_MODE_SEED {
+		t.Fatalf("turn 0: %s (%s)", dec.GetMode(), dec.GetReason())
+	}
+	dA := byID[dec.GetDecode().GetWorkerId()]
+	ppages := pw.alloc(int((input0+pageSize-1)/pageSize), 1)
+	if err := kvpool.FillTokens(pw.pool, kvpool.SessionSeed("S"), ppages, 0, input0); err != nil {
+		t.Fatal(err)
+	}
+	if res := dA.receive(t, "S", dec, kvcv1.TransferKind_TRANSFER_KIND_SEED, input0, func() {
+		if _, err := p0.bridge.SendKV(ctxT(t, 10*time.Second), &kvcv1.SendKVRequest{Room: dec.GetBootstrapRoom(), SessionId: "S",
+			Pages: ppages, Last: true, Tokens: input0}); err != nil {
+			t.Fatal(err)
+		}
+	}); !res.GetOk() {
+		t.Fatalf("seed: %v", res)
+	}
+	dA.compute(t, "S", input0, input0+out)
+	rt.outcome(t, dec, input0+out)
+	const L = input0 + out
+	gen1 := session().GetGeneration()
+	if gen1 == 0 {
+		t.Fatal("no generation after the seed")
+	}
+	waitSnapshot(L, gen1)
+
+	// D releases S; turn 1's prompt is 300 tokens shorter than the KV (mid-page: 3,716 = 232
+	// pages + 4): the reseed writes the snapshot's prefix [0, input1) onto D′, which decodes 40
+	// tokens of its own (another seed: they differ from the entry's bytes there).
+	dA.release(t, "S")
+	waitFor(t, "S not resident", 10*time.Second, func() bool { return session().GetDecodeWorker() == "" })
+	const input1, out1 = L - 300, 40
+	dec = rt.query(t, "S", 1, input1, out1)
+	if dec.GetMode() != kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT || dec.GetSnapshotSeqlen() != input1 {
+		t.Fatalf("turn 1: %s (%s), snapshot_seqlen %d", dec.GetMode(), dec.GetReason(), dec.GetSnapshotSeqlen())
+	}
+	dB := byID[dec.GetDecode().GetWorkerId()]
+	before := len(pushes(dB))
+	if res := dB.receive(t, "S", dec, kvcv1.TransferKind_TRANSFER_KIND_SNAPSHOT, input1, nil); !res.GetOk() || res.GetBytes() != input1*bpt {
+		t.Fatalf("snapshot reseed of the prefix: %v", res)
+	}
+	const L2 = input1 + out1
+	pages := dB.pagesFor("S", L2)
+	if err := kvpool.FillTokens(dB.w.pool, kvpool.SessionSeed("S/edited"), pages, input1, L2); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := dB.sc.bridge.CommitSession(ctxT(t, 5*time.Second), &kvcv1.CommitSessionRequest{SessionId: "S", CommittedLen: L2, Pages: pages}); err != nil {
+		t.Fatal(err)
+	}
+	rt.outcome(t, dec, L2)
+	gen2 := session().GetGeneration()
+	if gen2 <= gen1 {
+		t.Fatalf("generation after the reseed %d, want > %d", gen2, gen1)
+	}
+
+	// The next push appends [input1, L2) re-tagging generation 1's entry, which the store cuts
+	// back to input1 first.
+	waitSnapshot(L2, gen2)
+	waitFor(t, "D′'s push event", 10*time.Second, func() bool { return len(pushes(dB)) > before })
+	waitFor(t, "the store's ingest event", 10*time.Second, func() bool {
+		for _, e := range filterEvents(readEvents(t, p0.events), agent.EvRecvIngested, "S") {
+			if e.Generation == gen2 {
+				return true
+			}
+		}
+		return false
+	})
+	sent := pushes(dB)[before:]
+	if len(sent) != 1 {
+		t.Fatalf("pushes after the reseed: %+v", sent)
+	}
+	p := sent[0]
+	tailBytes, fullBytes := int64(L2-input1)*bpt, int64(L2)*bpt
+	if p.BaseLen != input1 || p.Tokens != L2-input1 || p.Generation != gen2 || p.Bytes != tailBytes || p.RetagFrom != gen1 {
+		t.Fatalf("push after the prefix reseed: base %d tokens %d generation %d bytes %d retag_from %d; want base %d tokens %d bytes %d retag_from %d (a full push: %d bytes)",
+			p.BaseLen, p.Tokens, p.Generation, p.Bytes, p.RetagFrom, input1, L2-input1, tailBytes, gen1, fullBytes)
+	}
+	for _, e := range filterEvents(readEvents(t, dB.sc.events), agent.EvPushFailed, "S") {
+		t.Fatalf("a push failed after the reseed (the re-tag was refused?): %+v", e)
+	}
+	cuts := filterEvents(readEvents(t, p0.events), agent.EvCutBack, "S")
+	if len(cuts) != 1 || cuts[0].BaseLen != L || cuts[0].Seqlen != input1 || cuts[0].Generation != gen1 {
+		t.Fatalf("cut back events %+v, want one from %d to %d of generation %d", cuts, L, input1, gen1)
+	}
+	ing := filterEvents(readEvents(t, p0.events), agent.EvRecvIngested, "S")
+	if last := ing[len(ing)-1]; last.BaseLen != input1 || last.Tokens != L2-input1 || last.Generation != gen2 || last.Seqlen != L2 {
+		t.Fatalf("store ingest after the reseed: %+v", last)
+	}
+	st := snapshotStatus(t, p0, "S")
+	if !st.Exists || st.Seqlen != L2 || st.Generation != gen2 {
+		t.Fatalf("store after the cut back and re-tag: %+v", st)
+	}
+	kvB := kvBytes(dB.w, dB.pages["S"], L2)
+	if got := snapshotKV(t, p0, "S"); !bytes.Equal(got, kvB) {
+		t.Fatalf("re-tagged snapshot differs from D′'s KV (%d vs %d bytes)", len(got), len(kvB))
+	}
+	t.Logf("push after a prefix reseed (%d of the snapshot's %d tokens): %d bytes on the wire (the %d-token tail) instead of %d (the whole %d-token session)",
+		input1, L, p.Bytes, L2-input1, fullBytes, L2)
+
+	// The cut and re-tagged snapshot serves the next reseed (D′ lost the session).
+	dB.release(t, "S")
+	waitFor(t, "S not resident", 10*time.Second, func() bool { return session().GetDecodeWorker() == "" })
+	dec = rt.query(t, "S", 2, L2+100, out)
+	if dec.GetMode() != kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT || dec.GetSnapshotSeqlen() != L2 {
+		t.Fatalf("turn 2: %s (%s), snapshot_seqlen %d", dec.GetMode(), dec.GetReason(), dec.GetSnapshotSeqlen())
+	}
+	dC := byID[dec.GetDecode().GetWorkerId()]
+	if res := dC.receiveRaw(t, "S", dec, kvcv1.TransferKind_TRANSFER_KIND_SNAPSHOT, L2, nil); !res.GetOk() {
+		t.Fatalf("reseed from the cut and re-tagged snapshot: %v", res)
+	}
+	if got := kvBytes(dC.w, dC.pages["S"], L2); !bytes.Equal(got, kvB) {
+		t.Fatal("the reseed from the re-tagged snapshot differs from D′'s KV")
+	}
+}

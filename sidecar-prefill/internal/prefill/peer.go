@@ -309,6 +309,20 @@ func (s *Sidecar) onEvict(v store.View, reason string) {
 		KvLen: v.Seqlen, Generation: v.Generation, Bytes: v.Bytes, Detail: reason})
 }
 
+// onCut reports a snapshot a re-tag append cut back to its base (store.ReserveRetag): the
+// store holds [0, base) of the old generation now, whatever becomes of the append. The control
+// plane hears it as a SNAPSHOT_INGESTED of that length (it records what the event names), so
+// it routes no reseed for the tokens the append overwrites; one routed before the event
+// arrives is refused by the read's length check (snapshot_short). The event keeps the
+// snapshot's update time: nothing in it is newer.
+func (s *Sidecar) onCut(v store.View, was int64) {
+	s.ev.Emit(agent.Event{Event: agent.EvCutBack, Session: v.Session, Generation: v.Generation, BaseLen: was, Seqlen: v.Seqlen,
+		Bytes: v.Bytes, Peer: v.Source, Reason: "re-tag append from a prefix of the snapshot"})
+	s.rep.Report(&kvcv1.SessionEvent{SessionId: v.Session, Kind: kvcv1.SessionEventKind_SESSION_EVENT_KIND_SNAPSHOT_INGESTED,
+		KvLen: v.Seqlen, Generation: v.Generation, Bytes: v.Bytes, PeerWorker: v.Source, UnixMs: v.Updated.UnixMilli(),
+		Detail: fmt.Sprintf("cut back from %d tokens by a re-tag append", was)})
+}
+
 // ---- control plane (agent.Handler) ----
 
 // Hello describes this sidecar.

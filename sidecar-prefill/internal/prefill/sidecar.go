@@ -253,7 +253,7 @@ func (s *Sidecar) RegisterKVPool(_ context.Context, req *kvcv1.RegisterKVPoolReq
 			return nil, status.Errorf(codes.ResourceExhausted, "snapshot store of %d pages: %v", pages, err)
 		}
 		scfg := store.Config{PageSize: int64(p.PageSize), PageBytes: pageBytes, PageCount: pages, OnEvict: s.onEvict,
-			OnExpire: s.onExpire, ReserveTimeout: s.cfg.ReserveTimeout, Now: s.cfg.Now, CreditTimeout: s.cfg.CreditTimeout}
+			OnExpire: s.onExpire, OnCut: s.onCut, ReserveTimeout: s.cfg.ReserveTimeout, Now: s.cfg.Now, CreditTimeout: s.cfg.CreditTimeout}
 		// The decode sidecars WRITE into the store; an engine whose owner side sees every write
 		// (tcp) refuses, through the store's guard, every byte outside the token span of an
 		// ingest in flight. One-sided backends (cuda) copy without the owner: bounds only.

@@ -1,6 +1,7 @@
 package store
 
 import (
+	"slices"
 	"testing"
 	"time"
 )
@@ -14,6 +15,7 @@ func FuzzStoreOps(f *testing.F) {
 	f.Add([]byte{0, 1, 2, 10, 1, 0, 0, 2, 3, 4, 5, 6, 7, 8, 9})
 	f.Add([]byte{0, 0, 0, 0, 0, 0, 1, 1, 1, 3, 3, 3, 4, 4, 5, 5})
 	f.Add([]byte{6, 3, 1, 1, 0, 0, 6, 2, 12, 2, 0, 0, 6, 1, 4, 7, 0, 200, 6, 4, 28, 1, 1, 1})
+	f.Add([]byte{0, 4, 20, 1, 0, 0, 3, 1, 0, 0, 7, 3, 4, 0, 0, 0, 7, 3, 1, 0, 0}) // a re-tag under a read, then after it
 	f.Fuzz(func(t *testing.T, ops []byte) {
 		clock := &fakeClock{now: time.Unix(1000, 0)}
 		s, err := New(Config{PageSize: 4, PageBytes: 8, PageCount: 12, Buffers: []uint64{0x1000, 0x2000}, Now: clock.Now,
@@ -24,17 +26,24 @@ func FuzzStoreOps(f *testing.F) {
 		writers := []string{"W", "V", ""}
 		var ids []uint64
 		var releases []func()
+		var reading []View // what each read in progress reads
 		sessions := []string{"a", "b", "c"}
 		for i := 0; i+2 < len(ops); i += 3 {
 			op, x, y := ops[i]%8, ops[i+1], ops[i+2]
 			sess := sessions[int(x)%len(sessions)]
 			switch op {
-			case 0: // reserve
+			case 0: // reserve: a full push, an append, or a re-tag that may cut the entry back
 				base := int64(0)
-				if y%2 == 1 {
-					if v, ok := s.Get(sess); ok {
-						base = v.Seqlen
+				v, ok := s.Get(sess)
+				if y%2 == 1 && ok {
+					base = v.Seqlen
+				}
+				if y%4 == 3 && ok && v.Seqlen > 1 {
+					base = 1 + int64(x)%(v.Seqlen-1)
+					if r, err := s.ReserveRetag(sess, v.Generation+1, base, int64(y%40)+1, "d", "", CreditRequest{}, v.Generation); err == nil {
+						ids = append(ids, r.ID)
 					}
+					break
 				}
 				if r, err := s.Reserve(sess, uint64(x%3), base, int64(y%40)+1, "d"); err == nil {
 					ids = append(ids, r.ID)
@@ -52,14 +61,16 @@ func FuzzStoreOps(f *testing.F) {
 					ids = append(ids[:j], ids[j+1:]...)
 				}
 			case 3: // acquire (a reseed reading)
-				if _, rel, ok := s.Acquire(sess); ok {
+				if v, rel, ok := s.Acquire(sess); ok {
 					releases = append(releases, rel)
+					reading = append(reading, v)
 				}
 			case 4: // a read ends
 				if len(releases) > 0 {
 					j := int(y) % len(releases)
 					releases[j]()
 					releases = append(releases[:j], releases[j+1:]...)
+					reading = append(reading[:j], reading[j+1:]...)
 				}
 			case 5:
 				s.Release(sess)
@@ -87,6 +98,17 @@ func FuzzStoreOps(f *testing.F) {
 				s.Expire()
 			}
 			checkAccounting(t, s, releases)
+			// nothing a reseed reads is freed or made writable under it (a cut back waits)
+			for _, v := range reading {
+				for _, pg := range v.Pages {
+					if s.free[pg] {
+						t.Fatalf("page %d of %s is free while a read of it is in progress", pg, v.Session)
+					}
+					if g := s.gpages[pg].Load(); g != nil && g.lo < uint64(min(v.Seqlen-int64(slices.Index(v.Pages, pg))*4, 4))*(s.gItem/4) {
+						t.Fatalf("page %d of %s is writable below the read's seqlen %d: %+v", pg, v.Session, v.Seqlen, g)
+					}
+				}
+			}
 		}
 		for _, r := range releases {
 			r()

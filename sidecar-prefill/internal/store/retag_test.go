@@ -77,8 +77,8 @@ func TestPeerErrorReasons(t *testing.T) {
 			_, err := s.ReserveRetag("a", 3, 10, 4, "d0", "", CreditRequest{}, 1)
 			return err
 		}, agent.ErrBaseMismatch, 10, 2},
-		{"re-tag at the wrong base", func() error {
-			_, err := s.ReserveRetag("a", 3, 9, 4, "d0", "", CreditRequest{}, 2)
+		{"re-tag past the stored seqlen", func() error { // (a base below it cuts back: TestRetagCutBack)
+			_, err := s.ReserveRetag("a", 3, 11, 4, "d0", "", CreditRequest{}, 2)
 			return err
 		}, agent.ErrBaseMismatch, 10, 2},
 		{"older generation", func() error { _, err := s.Reserve("a", 1, 0, 4, "d0"); return err }, agent.ErrGenerationStale, 10, 2},

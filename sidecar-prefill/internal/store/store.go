@@ -91,6 +91,10 @@ type pending struct {
 	guard    *guardRes // its writable span in the write guard (nil without Config.Buffers)
 }
 
+// CutFunc is called (without the store lock) with an entry a re-tag append cut back to its base,
+// and the seqlen it had before.
+type CutFunc func(v View, was int64)
+
 // EvictFunc is called (without the store lock) for every entry that leaves the store for a
 // reason other than a commit of the same session.
 type EvictFunc func(v View, reason string)
@@ -106,7 +110,10 @@ type Config struct {
 	OnEvict        EvictFunc
 	// OnExpire is told of every reservation its deadline freed (nil: nobody).
 	OnExpire ExpireFunc
-	Now      func() time.Time
+	// OnCut is told (without the store lock) of every entry a re-tag append cut back to its
+	// base (ReserveRetag): the entry now holds [0, base) of its old generation (nil: nobody).
+	OnCut CutFunc
+	Now   func() time.Time
 	// Buffers, when set, are the addresses of the store's 2·layers buffers (page p of buffer b at
 	// Buffers[b] + p·PageBytes/len(Buffers)); the store then keeps a write guard over them
 	// (CheckWrite, installed as the transfer engine's rdma.WriteGuard).
@@ -218,6 +225,15 @@ func (s *Store) ReserveCredit(session string, gen uint64, base, tokens int64, so
 // (< gen) when its seqlen is base — the writer's worker received exactly that snapshot by a
 // reseed — and the entry takes generation gen at commit. An entry already of generation gen
 // takes a plain append. Anything else is a base mismatch (the writer then pushes everything).
+//
+// Cut back: when the entry of generation retag is longer than base (the reseed used only a
+// prefix of it: the new turn's prompt was shorter or diverged), the re-tag cuts the entry back
+// to base right here — seqlen base, the pages past base's page freed, still generation retag —
+// and appends onto that, provided nobody reads (Acquire) or pins (Pin) the entry: the append
+// overwrites tokens [base, old seqlen) in place, which a reseed of the old entry could be
+// reading. Read or pinned, it is a base mismatch as before. The cut stands whatever becomes of
+// the reservation (an abort or expiry leaves [0, base) of generation retag, never bytes the
+// append may have overwritten); Config.OnCut reports it.
 func (s *Store) ReserveRetag(session string, gen uint64, base, tokens int64, source, writer string, cr CreditRequest, retag uint64) (Reservation, error) {
 	if tokens <= 0 || base < 0 {
 		return Reservation{}, status.Errorf(codes.InvalidArgument, "bad range: base_len %d, tokens %d", base, tokens)
@@ -227,10 +243,15 @@ func (s *Store) ReserveRetag(session string, gen uint64, base, tokens int64, sou
 	}
 	var evicted []View
 	var expired []Ingest
+	var cut *View // the entry as a cut back left it
+	var cutFrom int64
 	defer func() {
 		s.notifyExpired(expired)
 		for _, v := range evicted {
 			s.notify(v, ReasonCapacity)
+		}
+		if cut != nil && s.cfg.OnCut != nil {
+			s.cfg.OnCut(*cut, cutFrom)
 		}
 	}()
 	s.mu.Lock()
@@ -253,6 +274,7 @@ func (s *Store) ReserveRetag(session string, gen uint64, base, tokens int64, sou
 	p := &pending{session: session, gen: gen, base: base, tokens: tokens, source: source, created: now, deadline: now.Add(s.cfg.ReserveTimeout)}
 	var need int64
 	var firstPage int64
+	var drop []int64 // the entry's pages a cut back frees
 	if base == 0 {
 		p.full = true
 		need = ceilDiv(tokens, ps)
@@ -267,27 +289,42 @@ func (s *Store) ReserveRetag(session string, gen uint64, base, tokens int64, sou
 		if e != nil && e.Generation == want {
 			seqlen = e.Seqlen
 		}
-		if seqlen != base || (want != gen && want >= gen) {
+		// a re-tag onto a longer entry cuts it back to base (see above) when nobody reads it
+		cutBack := want != gen && want < gen && seqlen > base && e.readers == 0 && s.pinsByID[session] == 0
+		if (seqlen != base && !cutBack) || (want != gen && want >= gen) {
 			return Reservation{}, agent.PeerStatus(codes.FailedPrecondition, stored(kvcv1.PeerErrorReason_PEER_ERROR_REASON_BASE_MISMATCH, e),
 				"base_len %d does not match the stored seqlen %d of generation %d", base, seqlen, want)
 		}
 		p.entry, p.from = e, e.Generation
 		firstPage = base / ps
-		have := int64(len(e.Pages))
-		need = ceilDiv(base+tokens, ps) - have
-		p.pages = append(p.pages, e.Pages[firstPage:]...)
+		keep := int64(len(e.Pages))
+		if cutBack {
+			keep = ceilDiv(base, ps) // the pages of [0, base); the rest are freed by the cut
+			drop = e.Pages[keep:]
+		}
+		need = ceilDiv(base+tokens, ps) - keep
+		p.pages = append(p.pages, e.Pages[firstPage:keep]...)
 	}
 	if need > s.cfg.PageCount {
 		return Reservation{}, agent.PeerStatus(codes.ResourceExhausted, storeFull, "reserve of %d pages (%d bytes) is larger than the store (%d pages, %d bytes)",
 			need, need*s.cfg.PageBytes, s.cfg.PageCount, s.CapacityBytes())
 	}
 	use := cr.Use
-	for s.nfree < need-use {
+	for s.nfree+int64(len(drop)) < need-use {
 		v, ok := s.evictOneLocked(e, p.full)
 		if !ok {
-			return Reservation{}, agent.PeerStatus(codes.ResourceExhausted, storeFull, "store full: %d pages free, %d needed, nothing evictable", s.nfree, need)
+			return Reservation{}, agent.PeerStatus(codes.ResourceExhausted, storeFull, "store full: %d pages free, %d needed, nothing evictable", s.nfree+int64(len(drop)), need)
 		}
 		evicted = append(evicted, v)
+	}
+	if p.entry != nil && e.Seqlen != base {
+		// the cut back, only now that the reservation cannot fail: the entry holds [0, base)
+		cutFrom = e.Seqlen
+		s.freeLocked(drop)
+		e.Pages = e.Pages[: len(e.Pages)-len(drop) : len(e.Pages)-len(drop)]
+		e.Seqlen = base // Updated stays: what is left is no newer than it was
+		v := s.view(e)
+		cut = &v
 	}
 	p.owned = append(s.takeCreditLocked(writer, use), s.allocLocked(need-use)...)
 	p.pages = append(p.pages, p.owned...)
