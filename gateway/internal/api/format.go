@@ -14,6 +14,8 @@ type RouteInfo struct {
 	FailOpen   bool            `json:"fail_open,omitempty"`
 	Retries    int             `json:"retries,omitempty"`
 	Worker     json.RawMessage `json:"worker,omitempty"` // the decode worker's meta_info.kvc
+	// RetriedFrom: the decode workers of the failed attempts that were retried, in order.
+	RetriedFrom []string `json:"retried_from,omitempty"`
 }
 
 // Usage is OpenAI's token usage object.

@@ -102,6 +102,14 @@ func TestRetryAfterWorkerGone(t *testing.T) {
 			if got := resp.Header.Get("X-KVC-Retries"); resp.StatusCode == 200 && tt.body == genBody && got != wantRetries {
 				t.Fatalf("X-KVC-Retries %q, want %s", got, wantRetries)
 			}
+			// The retried attempt's decode worker is named, whichever of its workers failed.
+			wantFrom := ""
+			if tt.wantRetry {
+				wantFrom = "d-bad"
+			}
+			if got := resp.Header.Get("X-KVC-Retried-From"); resp.StatusCode == 200 && tt.body == genBody && got != wantFrom {
+				t.Fatalf("X-KVC-Retried-From %q, want %q", got, wantFrom)
+			}
 			if tt.wantStatus == 200 && tt.body == genBody {
 				ev := sse(t, resp.Body)
 				if ev[len(ev)-1] != "[DONE]" {
@@ -146,7 +154,7 @@ func TestRetryBounded(t *testing.T) {
 	resp := post(t, e.gw.URL, "/generate", "s1", genBody)
 	code, _ := errBody(t, resp.Body)
 	if resp.StatusCode != http.StatusBadGateway || code != "worker_unreachable" || resp.Header.Get("X-KVC-Error-Kind") != "REJECTED_BY_D" ||
-		resp.Header.Get("X-KVC-Retries") != "1" {
+		resp.Header.Get("X-KVC-Retries") != "1" || resp.Header.Get("X-KVC-Retried-From") != "d-dead" {
 		t.Fatalf("got %d %s, headers %v", resp.StatusCode, code, resp.Header)
 	}
 	a, b := outcome(t, e.cp), outcome(t, e.cp)
@@ -173,7 +181,7 @@ func TestRetryFailOpenSkipsDeadWorker(t *testing.T) {
 	t.Cleanup(func() { gw.Close(); s.Close() })
 	resp := post(t, gw.URL, "/generate", "s1", genBody)
 	if resp.StatusCode != 200 || resp.Header.Get("X-KVC-Fail-Open") != "true" || resp.Header.Get("X-KVC-Retries") != "1" ||
-		resp.Header.Get("X-KVC-Decode-Worker") != "d1" {
+		resp.Header.Get("X-KVC-Decode-Worker") != "d1" || resp.Header.Get("X-KVC-Retried-From") != "d-dead" {
 		t.Fatalf("status %d headers %v", resp.StatusCode, resp.Header)
 	}
 	if ev := sse(t, resp.Body); ev[len(ev)-1] != "[DONE]" {

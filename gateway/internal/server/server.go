@@ -221,6 +221,11 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request, kind api.Kind) {
 			if res.gone != nil {
 				gone = append(gone, res.gone)
 			}
+			if id := p.decode.GetWorkerId(); id != "" {
+				out.retriedFrom = append(out.retriedFrom, id)
+			} else if u := p.decode.GetWorkerUrl(); u != "" {
+				out.retriedFrom = append(out.retriedFrom, u)
+			}
 			if res.transfer {
 				// The transfer failed between these two: the new decision avoids both ends
 				// (without a prefill worker it prefills on a decode worker: no transfer).

@@ -19,6 +19,9 @@ type sink struct {
 	req     *api.Request
 	started bool // headers and status written
 	retries int
+	// retriedFrom lists the decode workers of the attempts that failed and were retried, in order
+	// (X-KVC-Retried-From): a client or a benchmark can tell which worker a request lost time on.
+	retriedFrom []string
 
 	acc        strings.Builder // text so far (deltas)
 	chunks     int
@@ -43,6 +46,9 @@ func (s *sink) routeHeaders(p *plan, req *api.Request) {
 	}
 	h.Set("X-KVC-Fail-Open", strconv.FormatBool(p.failOpen))
 	h.Set("X-KVC-Retries", strconv.Itoa(s.retries))
+	if len(s.retriedFrom) > 0 {
+		h.Set("X-KVC-Retried-From", strings.Join(s.retriedFrom, ","))
+	}
 	h.Set("X-KVC-Input-Tokens", strconv.FormatInt(req.InputTokens, 10))
 	h.Set("X-KVC-Cached-Tokens", strconv.FormatInt(p.cached, 10))
 	if p.decode != nil {
@@ -106,7 +112,7 @@ func (s *sink) chunk(raw []byte, text string) error {
 }
 
 func (s *sink) info(p *plan, res result) *api.RouteInfo {
-	ri := &api.RouteInfo{Mode: modeName(p.mode), Reason: p.reason, DecisionID: p.decisionID, FailOpen: p.failOpen, Retries: s.retries}
+	ri := &api.RouteInfo{Mode: modeName(p.mode), Reason: p.reason, DecisionID: p.decisionID, FailOpen: p.failOpen, Retries: s.retries, RetriedFrom: s.retriedFrom}
 	if len(res.meta) > 0 {
 		var mi struct {
 			KVC json.RawMessage `json:"kvc"`

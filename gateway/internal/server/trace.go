@@ -97,6 +97,7 @@ var traceHeaders = []struct{ header, attr string }{
 	{"X-KVC-Decode-Worker", "kvc.decode_worker"},
 	{"X-KVC-Fail-Open", "kvc.fail_open"},
 	{"X-KVC-Retries", "kvc.retries"},
+	{"X-KVC-Retried-From", "kvc.retried_from"},
 	{"X-KVC-Error-Kind", "kvc.error_kind"},
 }
 
