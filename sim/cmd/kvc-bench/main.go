@@ -319,9 +319,9 @@ func run(args []string, stderr io.Writer) int {
 	}
 	for _, a := range arms {
 		s := a.Summary
-		fmt.Fprintf(stderr, "%s (%s): ok %d/%d  TTFT p50 %.3fs p99 %.3fs  goodput %.3f req/s  direct-to-D %.1f%% (continuing %.1f%%)  reseeds %d (p50 %.3fs, snapshot %.0f%%, stale %d)  recovery %.3fs (%d sessions, %d unrecovered)  bytes %d  verify failures %d\n",
+		fmt.Fprintf(stderr, "%s (%s): ok %d/%d  TTFT p50 %.3fs p99 %.3fs  goodput %.3f req/s  direct-to-D %.1f%% (continuing %.1f%%)  reseeds %d (p50 %.3fs, snapshot %.0f%%, stale %d)  recovery %.3fs (excess %.3fs, %d sessions, %d unrecovered)  bytes %d  verify failures %d\n",
 			a.Name, unit, s.OK, s.Total, s.TTFTP50, s.TTFTP99, s.GoodputRPS, 100*s.DirectToDShare, 100*s.DirectToDShareContinuing, s.ReseedCount, s.ReseedTTFTP50, 100*s.SnapshotHitRate, s.SnapshotStale,
-			s.RecoveryS, s.AffectedSessions, s.Unrecovered, s.BytesMoved, s.KVVerifyFailures)
+			s.RecoveryS, s.RecoveryExcessS, s.AffectedSessions, s.Unrecovered, s.BytesMoved, s.KVVerifyFailures)
 	}
 	fmt.Fprintf(stderr, "report: %s\n", filepath.Join(o.out, report.ReportFile))
 	if err != nil {

@@ -253,6 +253,9 @@ func send(ctx context.Context, hc *http.Client, baseURL, session string, turn in
 	r.DecodeWorker = h.Get("X-KVC-Decode-Worker")
 	r.FailOpen = h.Get("X-KVC-Fail-Open") == "true"
 	r.Retries, _ = strconv.Atoi(h.Get("X-KVC-Retries"))
+	if v := h.Get("X-KVC-Retried-From"); v != "" {
+		r.RetriedFrom = strings.Split(v, ",")
+	}
 	r.CachedTokens, _ = strconv.ParseInt(h.Get("X-KVC-Cached-Tokens"), 10, 64)
 	r.UncachedTokens = max(r.InputTokens-r.CachedTokens, 0)
 	r.SnapshotUsed = r.Mode == "RESEED_SNAPSHOT"

@@ -49,6 +49,9 @@ func fakeGateway(t *testing.T, behave func(session string, turn int) string) (*h
 		w.Header().Set("X-KVC-Reason", "SESSION_RESIDENT")
 		w.Header().Set("X-KVC-Cached-Tokens", "100")
 		switch behave(sid, body.KVC.Turn) {
+		case "retried": // served after the gateway retried an attempt on decode-1
+			w.Header().Set("X-KVC-Retries", "1")
+			w.Header().Set("X-KVC-Retried-From", "decode-1")
 		case "503":
 			w.Header().Set("X-KVC-Error-Kind", "REJECTED_BY_D")
 			w.Header().Set("Content-Type", "application/json")
@@ -95,6 +98,8 @@ func TestReplayRecordsEveryRequest(t *testing.T) {
 			return "midstream"
 		case session == "s-a" && turn == 2:
 			return "cut"
+		case session == "s-a" && turn == 1:
+			return "retried"
 		}
 		return ""
 	})
@@ -118,6 +123,9 @@ func TestReplayRecordsEveryRequest(t *testing.T) {
 	ok := by["s-a/0"]
 	if !ok.OK || ok.Mode != "SEED" || ok.ReceivedBytes != 64 || ok.KVLenAfter != 1003 || ok.TTFTS <= 0 || ok.LatencyS < ok.TTFTS || ok.UncachedTokens != 900 || ok.GotTokens != 3 {
 		t.Fatalf("ok record %+v", ok)
+	}
+	if r := by["s-a/1"]; !r.OK || r.Retries != 1 || fmt.Sprint(r.RetriedFrom) != "[decode-1]" || len(ok.RetriedFrom) != 0 {
+		t.Fatalf("retried record %+v", r)
 	}
 	tests := []struct {
 		key, kind, code string

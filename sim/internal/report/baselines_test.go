@@ -39,29 +39,115 @@ func TestGoodputRecoveryContinuing(t *testing.T) {
 	}
 }
 
-func TestBaselineChecks(t *testing.T) {
-	mk := func(name string, p99, good, rec float64, affected int, hit float64) *Arm {
-		return &Arm{Name: name, Summary: Summary{TTFTP99: p99, GoodputRPS: good, RecoveryS: rec, AffectedSessions: affected, SnapshotHitRate: hit, ReseedCount: 10}}
-	}
-	arms := []*Arm{mk("PD", 3, 1, 5, 2, 0), mk("SGL", 2, 1.5, 4, 2, 0), mk("LLMD", 2.5, 1.2, 0, 0, 0), mk("E4", 1, 2, 1.5, 3, .95)}
-	got := baselineChecks(arms, true)
-	want := []string{"met", "met", "met", "met", "met"}
-	if len(got) != len(want) {
-		t.Fatalf("%d checks: %v", len(got), got)
-	}
-	for i := range want {
-		if got[i][2] != want[i] {
-			t.Errorf("check %q: %q (%s)", got[i][0], got[i][2], got[i][1])
+// Recovery counts the sessions the death touched, the same way whatever an arm keeps where,
+// and what it cost them beyond their usual TTFT.
+func TestRecovery(t *testing.T) {
+	const kill = 10.0
+	// s: a session with two continuing turns before the kill (usual TTFT .2 s) on worker w.
+	before := func(s, w string) []Record {
+		return []Record{
+			{SessionID: s, Turn: 0, StartS: 0, LatencyS: 1, TTFTS: .9, OK: true, DecodeWorker: w},
+			{SessionID: s, Turn: 1, StartS: 2, LatencyS: 1, TTFTS: .2, OK: true, DecodeWorker: w},
+			{SessionID: s, Turn: 2, StartS: 5, LatencyS: 1, TTFTS: .2, OK: true, DecodeWorker: w},
 		}
 	}
-	// The best recovery is SGL's 4 s (LLMD lost no session); 2.5 s is above half of it.
-	arms[3].Summary.RecoveryS = 2.5
-	arms[3].Summary.GoodputRPS = 1.7 // < 1.2 × 1.5
-	got = baselineChecks(arms, true)
-	if !strings.Contains(got[1][2], "missed") || !strings.Contains(got[2][2], "missed") || !strings.Contains(got[2][1], "SGL") {
-		t.Errorf("%v", got)
+	tests := []struct {
+		name                      string
+		recs                      []Record
+		affected, unrecovered     int
+		recovery, excess, ttftP50 float64
+	}{
+		{"untouched", append(before("a", "decode-0"),
+			Record{SessionID: "a", Turn: 3, StartS: 11, LatencyS: 1, TTFTS: 5, OK: true, DecodeWorker: "decode-0"}),
+			0, 0, 0, 0, 0},
+		{"state on the killed worker, next turn reseeds", append(before("a", "decode-1"),
+			Record{SessionID: "a", Turn: 3, StartS: 11, LatencyS: 1, TTFTS: .5, OK: true, DecodeWorker: "decode-2"}),
+			1, 0, .5, .3, .5},
+		{"next turn at its usual speed: no excess", append(before("a", "decode-1"),
+			Record{SessionID: "a", Turn: 3, StartS: 11, LatencyS: 1, TTFTS: .15, OK: true, DecodeWorker: "decode-2"}),
+			1, 0, .15, 0, .15},
+		{"a failed turn extends it to the next one", append(before("a", "decode-1"),
+			Record{SessionID: "a", Turn: 3, StartS: 11, LatencyS: 1, OK: false, DecodeWorker: "decode-1"},
+			Record{SessionID: "a", Turn: 4, StartS: 13, LatencyS: 1, TTFTS: 1, OK: true, DecodeWorker: "decode-2"}),
+			1, 0, 3, 2.8, 1},
+		{"in flight at the kill, rescued by the gateway's retry", append(before("a", "decode-0"),
+			Record{SessionID: "a", Turn: 3, StartS: 9.5, LatencyS: 2, TTFTS: 1.5, OK: true, DecodeWorker: "decode-2", RetriedFrom: []string{"decode-1"}},
+			Record{SessionID: "a", Turn: 4, StartS: 13, LatencyS: 1, TTFTS: .2, OK: true, DecodeWorker: "decode-2"}),
+			1, 0, 1.5, 1.3, 1.5},
+		{"a retry before the kill is not the death's", append(before("a", "decode-0"),
+			Record{SessionID: "a", Turn: 3, StartS: 7, LatencyS: 1, TTFTS: .5, OK: true, DecodeWorker: "decode-2", RetriedFrom: []string{"decode-1"}},
+			Record{SessionID: "a", Turn: 4, StartS: 13, LatencyS: 1, TTFTS: .2, OK: true, DecodeWorker: "decode-2"}),
+			0, 0, 0, 0, 0},
+		{"routed to the killed worker after the kill", append(before("a", "decode-0"),
+			Record{SessionID: "a", Turn: 3, StartS: 11, LatencyS: 1, TTFTS: .1, OK: true, DecodeWorker: "decode-0"},
+			Record{SessionID: "a", Turn: 4, StartS: 13, LatencyS: 1, TTFTS: .7, OK: true, DecodeWorker: "decode-3", RetriedFrom: []string{"decode-1"}}),
+			1, 0, .7, .5, .7},
+		{"no successful turn after the kill", append(before("a", "decode-1"),
+			Record{SessionID: "a", Turn: 3, StartS: 11, LatencyS: 1, OK: false}),
+			1, 1, 0, 0, 0},
+		{"no turn after the kill: nothing to serve again", before("a", "decode-1"), 0, 0, 0, 0, 0},
+		{"a session without continuing turns before the kill uses the arm's usual TTFT", append(before("b", "decode-0"),
+			Record{SessionID: "a", Turn: 0, StartS: 1, LatencyS: 1, TTFTS: .9, OK: true, DecodeWorker: "decode-1"},
+			Record{SessionID: "a", Turn: 1, StartS: 12, LatencyS: 1, TTFTS: .6, OK: true, DecodeWorker: "decode-0"}),
+			1, 0, .6, .4, .6},
 	}
-	if baselineChecks(arms[3:], true) != nil {
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			s := ComputeWith("X", tt.recs, 1, Options{Kill: &Kill{Worker: "decode-1", AtS: kill}}).Summary
+			if s.AffectedSessions != tt.affected || s.Unrecovered != tt.unrecovered || s.RecoveryS != round(tt.recovery) ||
+				s.RecoveryExcessS != round(tt.excess) || s.RecoveryTTFTP50 != round(tt.ttftP50) {
+				t.Errorf("affected %d unrecovered %d recovery %v excess %v ttft p50 %v; want %d %d %v %v %v",
+					s.AffectedSessions, s.Unrecovered, s.RecoveryS, s.RecoveryExcessS, s.RecoveryTTFTP50,
+					tt.affected, tt.unrecovered, tt.recovery, tt.excess, tt.ttftP50)
+			}
+		})
+	}
+	// Divided like every other time: measured seconds ÷ the time scale.
+	recs := append(before("a", "decode-1"), Record{SessionID: "a", Turn: 3, StartS: 11, LatencyS: 1, TTFTS: .5, OK: true})
+	if s := ComputeWith("X", recs, .5, Options{Kill: &Kill{Worker: "decode-1", AtS: kill}}).Summary; s.RecoveryS != 1 || s.RecoveryExcessS != round(.6) {
+		t.Errorf("scaled: recovery %v excess %v", s.RecoveryS, s.RecoveryExcessS)
+	}
+}
+
+func TestBaselineChecks(t *testing.T) {
+	mk := func(name string, p99, good, excess float64, affected int, hit float64) *Arm {
+		return &Arm{Name: name, Summary: Summary{TTFTP99: p99, GoodputRPS: good, RecoveryS: excess + .2, RecoveryExcessS: excess,
+			AffectedSessions: affected, SnapshotHitRate: hit, ReseedCount: 10}}
+	}
+	tests := []struct {
+		name string
+		arms []*Arm
+		want []string // p99, goodput, recovery, hit rate, verify
+		rec  string   // in the recovery row's text
+	}{
+		{"every target met", []*Arm{mk("PD", 3, 1, 5, 2, 0), mk("SGL", 2, 1.5, 4, 2, 0), mk("LLMD", 2.5, 1.2, 3, 1, 0), mk("E4", 1, 2, 1.5, 3, .95)},
+			[]string{"met", "met", "met", "met", "met"}, "(LLMD, 1 affected sessions)"},
+		{"goodput and recovery missed", []*Arm{mk("PD", 3, 1, 5, 2, 0), mk("SGL", 2, 1.5, 4, 2, 0), mk("LLMD", 2.5, 1.2, 3, 1, 0), mk("E4", 1, 1.7, 2, 3, .95)},
+			[]string{"met", "**missed**", "**missed**", "met", "met"}, "(LLMD,"},
+		// A baseline the death did not touch lost nothing: its excess is 0 and it is the best.
+		{"a baseline with no affected session", []*Arm{mk("PD", 3, 1, 5, 2, 0), mk("SGL", 2, 1.5, 0, 0, 0), mk("E4", 1, 2, .1, 3, .95)},
+			[]string{"met", "met", "**missed**", "met", "met"}, "(SGL, 0 affected sessions)"},
+		{"hit rate missed", []*Arm{mk("SGL", 2, 1.5, .4, 2, 0), mk("E4", 1, 2, .1, 3, .8)},
+			[]string{"met", "met", "met", "**missed**", "met"}, "(SGL,"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got := baselineChecks(tt.arms, true)
+			if len(got) != len(tt.want) {
+				t.Fatalf("%d checks: %v", len(got), got)
+			}
+			for i := range tt.want {
+				if got[i][2] != tt.want[i] {
+					t.Errorf("check %q: %q (%s)", got[i][0], got[i][2], got[i][1])
+				}
+			}
+			if !strings.Contains(got[2][1], tt.rec) {
+				t.Errorf("recovery row %q, want %q in it", got[2][1], tt.rec)
+			}
+		})
+	}
+	arms := []*Arm{mk("SGL", 2, 1.5, .4, 2, 0), mk("E4", 1, 2, .1, 3, .95)}
+	if baselineChecks(arms[1:], true) != nil {
 		t.Error("checks without a baseline")
 	}
 	if c := baselineChecks(arms, false); !strings.Contains(c[2][1], "not measured") {

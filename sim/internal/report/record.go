@@ -19,6 +19,9 @@ type Record struct {
 	FailOpen       bool   `json:"fail_open"`
 	Retries        int    `json:"retries"`
 	SnapshotUsed   bool   `json:"snapshot_used"`
+	// RetriedFrom names the decode workers of earlier attempts of this request that failed and
+	// that the gateway retried through a new decision (X-KVC-Retried-From), in order.
+	RetriedFrom []string `json:"retried_from,omitempty"`
 
 	OK        bool    `json:"ok"`
 	Status    int     `json:"http_status"`

@@ -2,6 +2,7 @@ package report
 
 import (
 	"math"
+	"slices"
 	"sort"
 )
 
@@ -29,16 +30,20 @@ type Summary struct {
 	// GoodputRPS is the requests per (model) second that succeeded within the SLO (Options.SLO):
 	// TTFT ≤ SLO.TTFT and time per output token ≤ SLO.TPOT, over the replay's span.
 	GoodputRPS float64 `json:"goodput_rps"`
-	// RecoveryS (runs with a decode worker killed mid-run, else 0): over the sessions whose KV
-	// was on the killed worker and that have a turn after the kill, the longest time from that
-	// turn's arrival to the first token of the session's first successful turn after the kill.
+	// RecoveryS (runs with a decode worker killed mid-run, else 0): over the sessions the death
+	// touched (see recovery), the longest time from the arrival of the first request it touched
+	// to the first token of the session's first successful request from there on.
 	RecoveryS float64 `json:"recovery_s"`
 	// AffectedSessions and RecoveryTTFTP50 belong to RecoveryS: how many sessions it covers, and
-	// the median TTFT of their first successful turns after the kill.
+	// the median TTFT of their first successful requests.
 	AffectedSessions int     `json:"affected_sessions"`
 	RecoveryTTFTP50  float64 `json:"recovery_ttft_p50_s"`
-	// Unrecovered counts affected sessions with a turn after the kill but none successful.
+	// Unrecovered counts affected sessions with no successful request after the death touched them.
 	Unrecovered int `json:"unrecovered"`
+	// RecoveryExcessS is what the death cost beyond an ordinary turn: over the affected sessions,
+	// the longest recovery delay minus the session's usual TTFT (at least 0; 0 when no session was
+	// affected). The recovery target compares it (docs/benchmark.md, "Goodput and recovery").
+	RecoveryExcessS float64 `json:"recovery_excess_s"`
 }
 
 // SLO is the service level of goodput (model seconds).
@@ -292,14 +297,27 @@ func goodput(recs []Record, div float64, slo SLO) float64 {
 	return float64(n) / span
 }
 
-// recovery fills s's recovery figures: a session is affected when its last turn that started
-// before the kill ran on the killed worker.
+// recovery fills s's recovery figures (docs/benchmark.md, "Goodput and recovery"), the same way
+// in every arm whatever the arm keeps where.
+//
+// A session is affected when the death touched it: the last request it started before the kill
+// ran on the killed worker (its KV, its host tier or the request itself was there), or a request
+// of it was tried there and retried elsewhere by the gateway (RetriedFrom): in flight at the kill
+// or routed there after it. Its recovery delay runs from the arrival of the first request the
+// death touched — the one in flight at the kill when the gateway's retry rescued it, else the
+// session's first request after the kill — to the first token of its first successful request
+// from there on. Its excess is that delay minus the session's usual TTFT (the median of its
+// successful continuing turns that ended before the kill; the arm's median of those when it has
+// none), at least 0: what the death cost it beyond an ordinary turn.
 func recovery(recs []Record, div float64, k Kill, s *Summary) {
 	type sess struct {
 		lastBefore *Record
 		after      []*Record
+		usual      []float64
 	}
+	touched := func(r *Record) bool { return r.DecodeWorker == k.Worker || slices.Contains(r.RetriedFrom, k.Worker) }
 	by := map[string]*sess{}
+	var usualAll []float64
 	for i := range recs {
 		r := &recs[i]
 		x := by[r.SessionID]
@@ -311,21 +329,41 @@ func recovery(recs []Record, div float64, k Kill, s *Summary) {
 			if x.lastBefore == nil || r.Turn > x.lastBefore.Turn {
 				x.lastBefore = r
 			}
+			if r.OK && r.Turn > 0 && r.StartS+r.LatencyS <= k.AtS {
+				x.usual = append(x.usual, r.TTFTS)
+				usualAll = append(usualAll, r.TTFTS)
+			}
 		} else {
 			x.after = append(x.after, r)
 		}
 	}
-	var worst float64
+	sort.Float64s(usualAll)
+	armUsual := Percentile(usualAll, .5)
+	var worst, excess float64
 	var ttfts []float64
 	for _, x := range by {
-		if x.lastBefore == nil || x.lastBefore.DecodeWorker != k.Worker || len(x.after) == 0 {
-			continue
-		}
 		sort.Slice(x.after, func(i, j int) bool { return x.after[i].Turn < x.after[j].Turn })
+		b := x.lastBefore
+		var from []*Record // the first request the death touched, then the session's later ones
+		switch {
+		case b != nil && b.OK && b.StartS+b.TTFTS > k.AtS && slices.Contains(b.RetriedFrom, k.Worker):
+			from = []*Record{b} // in flight at the kill, served by the gateway's retry elsewhere
+		case b != nil && (b.DecodeWorker == k.Worker || (slices.Contains(b.RetriedFrom, k.Worker) && b.StartS+b.LatencyS > k.AtS)):
+			from = x.after // its state or its request was there: served again by its next one
+		default:
+			for i, r := range x.after {
+				if touched(r) {
+					from = x.after[i:]
+					break
+				}
+			}
+		}
+		if len(from) == 0 {
+			continue // untouched, or no request after the kill to be served again
+		}
 		s.AffectedSessions++
-		arrival := x.after[0].StartS
 		var ok *Record
-		for _, r := range x.after {
+		for _, r := range from {
 			if r.OK {
 				ok = r
 				break
@@ -335,10 +373,18 @@ func recovery(recs []Record, div float64, k Kill, s *Summary) {
 			s.Unrecovered++
 			continue
 		}
-		worst = max(worst, (ok.StartS+ok.TTFTS-arrival)/div)
+		d := (ok.StartS + ok.TTFTS - from[0].StartS) / div
+		usual := armUsual
+		if len(x.usual) > 0 {
+			sort.Float64s(x.usual)
+			usual = Percentile(x.usual, .5)
+		}
+		worst = max(worst, d)
+		excess = max(excess, d-usual/div)
 		ttfts = append(ttfts, ok.TTFTS/div)
 	}
 	sort.Float64s(ttfts)
 	s.RecoveryS = round(worst)
+	s.RecoveryExcessS = round(excess)
 	s.RecoveryTTFTP50 = round(Percentile(ttfts, .5))
 }
