@@ -87,7 +87,38 @@ var (
 		q := max(l.GetTransferQueueDepth(), w.Res.Transfers) + l.GetPreallocQueueDepth()
 		return 1 / (1 + float64(q))
 	}}
+	// ScoreSpread: a draw in [0, 1) per (session, turn, input length, worker) — deterministic,
+	// so Decide stays pure. A plain P/D request reserves nothing on its D (its pages live only
+	// while it runs), so the control plane does not see the requests it sent since a D's last
+	// load report: without the draw every plain P/D request until the next report went to the
+	// same D (most headroom in that report, ties to the smallest id) — 80–90% of a baseline
+	// arm's requests on one decode worker of four, whose pool and prealloc queue then bounded the
+	// arm under load (docs/benchmark.md, *Load sweep*). With it, Ds of about the same headroom
+	// share the requests as a P/D router's random decode choice does; a clearly emptier D still
+	// wins (headroom weighs 2).
+	ScoreSpread = Scorer{"spread", 1, func(c *Cycle, w *Cand) float64 {
+		return spreadDraw(c.Q.SessionID, c.Turn, c.Q.InputTokens, w.W.WorkerId)
+	}}
 )
+
+// spreadDraw is FNV-1a over (session, turn, input, worker), mixed and mapped to [0, 1); no
+// allocation.
+func spreadDraw(session string, turn int32, input int64, worker string) float64 {
+	const prime = 1099511628211
+	h := uint64(14695981039346656037)
+	for i := 0; i < len(session); i++ {
+		h = (h ^ uint64(session[i])) * prime
+	}
+	h = (h ^ uint64(uint32(turn))) * prime
+	h = (h ^ uint64(input)) * prime
+	for i := 0; i < len(worker); i++ {
+		h = (h ^ uint64(worker[i])) * prime
+	}
+	h ^= h >> 33 // splitmix-style finalizer: FNV's low bits alone are poorly mixed
+	h *= 0xff51afd7ed558ccd
+	h ^= h >> 33
+	return float64(h>>11) / (1 << 53)
+}
 
 // Profiles.
 var (
@@ -104,7 +135,7 @@ var (
 		[]Filter{FilterRoutable, FilterNotCurrent, FilterNotPrevious, FilterNotRejecter, FilterCapacity, FilterTransferBudget},
 		[]Scorer{ScoreHeadroom, ScoreQueues}}
 	// FallbackProfile picks the D of a plain P/D request.
-	FallbackProfile = &Profile{"fallback", []Filter{FilterRoutable}, []Scorer{ScoreHeadroom, ScoreQueues}}
+	FallbackProfile = &Profile{"fallback", []Filter{FilterRoutable}, []Scorer{ScoreHeadroom, ScoreQueues, ScoreSpread}}
 )
 
 // FilterNotPrevious: a migration never bounces back to the D the session last left (no
