@@ -163,9 +163,10 @@ BENCH_FLAGS = --local --bin-dir $(BIN) --time-scale 0.3 --sim-args "--page-size 
 demo: build
 	$(BIN)/kvc-bench $(BENCH_FLAGS) --arms $(DEMO_ARMS) --sessions 16 --kill-decode decode-1 --kill-at 45s --out out/demo
 
-## bench-sweep: every arm (E1 as the lower bound) at 4 loads, goodput and TTFT vs load plots in out/sweep
+## bench-sweep: every arm (E1 as the lower bound) at 6 loads (4 to 48 sessions), goodput and TTFT vs load
+## plots in out/sweep (about 45 min on 2 cores)
 bench-sweep: build
-	$(BIN)/kvc-bench $(BENCH_FLAGS) --arms E1,PD,SGL,LLMD,E3,E4 --sessions 8 --sweep 0.5,1,2,3 --out out/sweep
+	$(BIN)/kvc-bench $(BENCH_FLAGS) --arms E1,PD,SGL,LLMD,E3,E4 --sessions 8 --sweep 0.5,1,2,3,4,6 --out out/sweep
 
 ## bench-gateway: the gateway's tokenize + chat template + page hash cost per 32K-token prompt
 ## against the direct-to-D TTFT p50 of out/demo's report (run make demo first; else DESIGN.md's)
