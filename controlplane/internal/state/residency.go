@@ -239,6 +239,15 @@ func (s *State) ApplyEvent(st *Stream, ev *kvcv1.SessionEvent) error {
 			rec = e.rec
 		}
 		before := durableOf(rec)
+		if g := ev.GetGeneration(); before.decode != "" && before.decode != w && g != 0 && g < rec.GetGeneration() {
+			// A commit of an older residency of the session on w — its worker re-committed its
+			// sessions after a sidecar restart while the session was reseeded elsewhere (issue
+			// 16, all-sidecars-restart): the record stands and w's stale copy is released, as
+			// a resync's would be. (A commit of unknown generation, or a newer one, is left
+			// alone: a seed's commit may reach us before the decision's outcome.)
+			s.releaseStaleLocked(w, []string{id})
+			return nil
+		}
 		if before.decode == "" {
 			rec.DecodeWorker = w
 		}

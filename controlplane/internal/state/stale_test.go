@@ -82,3 +82,46 @@ func TestResyncStaleCopy(t *testing.T) {
 		})
 	}
 }
+
+// TestCommitStaleCopy: a commit from a worker that is not the session's decode worker, of an
+// older generation — the worker re-committed its sessions after its sidecar restarted, while
+// the session was reseeded elsewhere (seen in the all-sidecars-restart fault scenario) — leaves
+// the record as it is and releases that worker's copy. A commit of unknown or newer generation
+// from another worker (a seed's commit ahead of its outcome) is left alone.
+func TestCommitStaleCopy(t *testing.T) {
+	for _, tc := range []struct {
+		name        string
+		gen         uint64
+		wantRelease bool
+	}{
+		{"older generation", 2, true},
+		{"unknown generation", 0, false},
+		{"same generation", 3, false},
+		{"newer generation", 4, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := newFixture(t, Config{})
+			st := f.st
+			d0, err := st.Attach(hello("d0", kvcv1.WorkerRole_WORKER_ROLE_DECODE))
+			must(t, err)
+			d1, err := st.Attach(hello("d1", kvcv1.WorkerRole_WORKER_ROLE_DECODE))
+			must(t, err)
+			st.UpdateSession("s", func(r *kvcv1.SessionRecord) { r.DecodeWorker, r.Generation, r.KvCommittedLen = "d1", 3, 500 })
+			queuedReleases(d0)
+			queuedReleases(d1)
+			must(t, st.ApplyEvent(d0, &kvcv1.SessionEvent{SessionId: "s", Kind: kvcv1.SessionEventKind_SESSION_EVENT_KIND_COMMITTED,
+				KvLen: 300, Generation: tc.gen}))
+			r, ok := st.Session("s")
+			if !ok || r.GetDecodeWorker() != "d1" || r.GetGeneration() != 3 || r.GetKvCommittedLen() != 500 {
+				t.Fatalf("record changed by another worker's commit: %v", r)
+			}
+			rel := queuedReleases(d0)
+			if got := len(rel) == 1 && rel[0] == "s"; got != tc.wantRelease || (!tc.wantRelease && len(rel) > 0) {
+				t.Fatalf("releases sent to d0: %v, want release %v", rel, tc.wantRelease)
+			}
+			if rel1 := queuedReleases(d1); len(rel1) > 0 {
+				t.Fatalf("the record's worker was told to release: %v", rel1)
+			}
+		})
+	}
+}
