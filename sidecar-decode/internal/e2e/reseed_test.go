@@ -20,87 +20,16 @@ import (
 // equals D′'s KV byte for byte and serves the next reseed. Real processes: a kvc-controlplane
 // on etcd, a prefill sidecar and two decode sidecars; the test plays the workers.
 func TestReseedNoFullRepush(t *testing.T) {
-	if testing.Short() {
-		t.Skip("integration test")
-	}
-	if bins["kvc-controlplane"] == "" {
-		t.Fatal("kvc-controlplane binary not available")
-	}
-	etcd := etcdtest.Start(t)
-	lead := leaderOf(t, startCP(t, "cp-r", etcd.Endpoints()))
-	const delta = 256
-	if _, err := lead.admin.UpdatePolicy(ctxT(t, 5*time.Second), &kvcv1.UpdatePolicyRequest{Policy: &kvcv1.Policy{
-		SnapshotDeltaTokens: ptr(int64(delta)), TailToleranceTokens: ptr(int64(512))}}); err != nil {
-		t.Fatal(err)
-	}
-	p0 := startSidecar(t, "prefill", "p0", lead.addr, "--store-capacity-bytes", itoa(1024*2*numLayers*itemLen))
-	d1 := &dworker{sc: startSidecar(t, "decode", "d1", lead.addr), pages: map[string][]int64{}}
-	d2 := &dworker{sc: startSidecar(t, "decode", "d2", lead.addr), pages: map[string][]int64{}}
-	pw := newWorker(t, p0, 1024)
-	d1.w, d2.w = newWorker(t, d1.sc, 1024), newWorker(t, d2.sc, 1024)
-	byID := map[string]*dworker{"d1": d1, "d2": d2}
-	waitFor(t, "three ready workers", 20*time.Second, func() bool {
-		r, err := lead.admin.ListWorkers(ctxT(t, time.Second), &kvcv1.ListWorkersRequest{})
-		n := 0
-		for _, w := range r.GetWorkers() {
-			if w.GetState() == kvcv1.WorkerState_WORKER_STATE_READY {
-				n++
-			}
-		}
-		return err == nil && n == 3
-	})
-	rt := newRouter(t, lead.addr)
-	session := func() *kvcv1.SessionRecord {
-		r, err := lead.admin.GetSession(ctxT(t, time.Second), &kvcv1.GetSessionRequest{SessionId: "S"})
-		if err != nil {
-			return nil
-		}
-		return r.GetSession()
-	}
-	waitSnapshot := func(seqlen int64, gen uint64) {
-		t.Helper()
-		waitFor(t, fmt.Sprintf("snapshot of S at %d, generation %d", seqlen, gen), 20*time.Second, func() bool {
-			sn := session().GetSnapshot()
-			return sn.GetSeqlen() == seqlen && sn.GetGeneration() == gen && sn.GetPrefillWorker() == "p0"
-		})
-	}
-	pushes := func(d *dworker) []agent.Event { return filterEvents(readEvents(t, d.sc.events), agent.EvPushSent, "S") }
-
-	// Turn 0: SEED of 4,000 tokens + 16 decoded on some D; its full push makes the snapshot.
-	const input0, out = 4000, 16
-	dec := rt.query(t, "S", 0, input0, out)
-	if dec.GetMode() != kvcv1.RouteMode_ROUTE_MODE_SEED {
-		t.Fatalf("turn 0: %s (%s)", dec.GetMode(), dec.GetReason())
-	}
-	dA := byID[dec.GetDecode().GetWorkerId()]
-	ppages := pw.alloc(int((input0+pageSize-1)/pageSize), 1)
-	if err := kvpool.FillTokens(pw.pool, kvpool.SessionSeed("S"), ppages, 0, input0); err != nil {
-		t.Fatal(err)
-	}
-	if res := dA.receive(t, "S", dec, kvcv1.TransferKind_TRANSFER_KIND_SEED, input0, func() {
-		if _, err := p0.bridge.SendKV(ctxT(t, 10*time.Second), &kvcv1.SendKVRequest{Room: dec.GetBootstrapRoom(), SessionId: "S",
-			Pages: ppages, Last: true, Tokens: input0}); err != nil {
-			t.Fatal(err)
-		}
-	}); !res.GetOk() {
-		t.Fatalf("seed: %v", res)
-	}
-	dA.compute(t, "S", input0, input0+out)
-	rt.outcome(t, dec, input0+out)
-	const L = input0 + out
-	// The seed's generation: the first of the leader's generation term (not 1: generations are
-	// numbered in the term's range, docs/decisions.md).
-	gen1 := session().GetGeneration()
-	if gen1 == 0 {
-		t.Fatal("no generation after the seed")
-	}
-	waitSnapshot(L, gen1)
+	f := startReseedFixture(t)
+	rt, p0, byID, session, waitSnapshot, pushes := f.rt, f.p0, f.byID, f.session, f.waitSnapshot, f.pushes
+	const out = 16
+	dA, L, gen1 := f.seedTurn0(out)
 
 	// D releases S; turn 1 (an append of 100 tokens) reseeds from the snapshot onto D′.
 	dA.release(t, "S")
 	waitFor(t, "S not resident", 10*time.Second, func() bool { return session().GetDecodeWorker() == "" })
 	const appendTok = 100
-	dec = rt.query(t, "S", 1, L+appendTok, out)
+	dec := rt.query(t, "S", 1, L+appendTok, out)
 	if dec.GetMode() != kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT || dec.GetSnapshotSeqlen() != L {
 		t.Fatalf("turn 1: %s (%s), snapshot_seqlen %d", dec.GetMode(), dec.GetReason(), dec.GetSnapshotSeqlen())
 	}
@@ -109,7 +38,7 @@ func TestReseedNoFullRepush(t *testing.T) {
 	if res := dB.receive(t, "S", dec, kvcv1.TransferKind_TRANSFER_KIND_SNAPSHOT, L, nil); !res.GetOk() || res.GetBytes() != L*bpt {
 		t.Fatalf("snapshot reseed: %v", res)
 	}
-	const L2 = L + appendTok + out
+	L2 := L + appendTok + out
 	dB.compute(t, "S", L, L2) // D′ append-prefills the tail and decodes
 	rt.outcome(t, dec, L2)
 	gen2 := gen1 + 1 // the same leader: the next generation of its term
@@ -186,86 +115,17 @@ func TestReseedNoFullRepush(t *testing.T) {
 // store's entry equals D′'s KV byte for byte only if the append overwrote them; the re-tagged
 // snapshot then serves the next reseed.
 func TestReseedPrefixCutBack(t *testing.T) {
-	if testing.Short() {
-		t.Skip("integration test")
-	}
-	if bins["kvc-controlplane"] == "" {
-		t.Fatal("kvc-controlplane binary not available")
-	}
-	etcd := etcdtest.Start(t)
-	lead := leaderOf(t, startCP(t, "cp-r", etcd.Endpoints()))
-	if _, err := lead.admin.UpdatePolicy(ctxT(t, 5*time.Second), &kvcv1.UpdatePolicyRequest{Policy: &kvcv1.Policy{
-		SnapshotDeltaTokens: ptr(int64(256)), TailToleranceTokens: ptr(int64(512))}}); err != nil {
-		t.Fatal(err)
-	}
-	p0 := startSidecar(t, "prefill", "p0", lead.addr, "--store-capacity-bytes", itoa(1024*2*numLayers*itemLen))
-	d1 := &dworker{sc: startSidecar(t, "decode", "d1", lead.addr), pages: map[string][]int64{}}
-	d2 := &dworker{sc: startSidecar(t, "decode", "d2", lead.addr), pages: map[string][]int64{}}
-	pw := newWorker(t, p0, 1024)
-	d1.w, d2.w = newWorker(t, d1.sc, 1024), newWorker(t, d2.sc, 1024)
-	byID := map[string]*dworker{"d1": d1, "d2": d2}
-	waitFor(t, "three ready workers", 20*time.Second, func() bool {
-		r, err := lead.admin.ListWorkers(ctxT(t, time.Second), &kvcv1.ListWorkersRequest{})
-		n := 0
-		for _, w := range r.GetWorkers() {
-			if w.GetState() == kvcv1.WorkerState_WORKER_STATE_READY {
-				n++
-			}
-		}
-		return err == nil && n == 3
-	})
-	rt := newRouter(t, lead.addr)
-	session := func() *kvcv1.SessionRecord {
-		r, err := lead.admin.GetSession(ctxT(t, time.Second), &kvcv1.GetSessionRequest{SessionId: "S"})
-		if err != nil {
-			return nil
-		}
-		return r.GetSession()
-	}
-	waitSnapshot := func(seqlen int64, gen uint64) {
-		t.Helper()
-		waitFor(t, fmt.Sprintf("snapshot of S at %d, generation %d", seqlen, gen), 20*time.Second, func() bool {
-			sn := session().GetSnapshot()
-			return sn.GetSeqlen() == seqlen && sn.GetGeneration() == gen && sn.GetPrefillWorker() == "p0"
-		})
-	}
-	pushes := func(d *dworker) []agent.Event { return filterEvents(readEvents(t, d.sc.events), agent.EvPushSent, "S") }
-
-	// Turn 0: SEED of 4,000 tokens + 16 decoded; its full push makes the snapshot [0, L).
-	const input0, out = 4000, 16
-	dec := rt.query(t, "S", 0, input0, out)
-	if dec.GetMode() != kvcv1.RouteMode_ROUTE_MODE_SEED {
-		t.Fatalf("turn 0: %s (%s)", dec.GetMode(), dec.GetReason())
-	}
-	dA := byID[dec.GetDecode().GetWorkerId()]
-	ppages := pw.alloc(int((input0+pageSize-1)/pageSize), 1)
-	if err := kvpool.FillTokens(pw.pool, kvpool.SessionSeed("S"), ppages, 0, input0); err != nil {
-		t.Fatal(err)
-	}
-	if res := dA.receive(t, "S", dec, kvcv1.TransferKind_TRANSFER_KIND_SEED, input0, func() {
-		if _, err := p0.bridge.SendKV(ctxT(t, 10*time.Second), &kvcv1.SendKVRequest{Room: dec.GetBootstrapRoom(), SessionId: "S",
-			Pages: ppages, Last: true, Tokens: input0}); err != nil {
-			t.Fatal(err)
-		}
-	}); !res.GetOk() {
-		t.Fatalf("seed: %v", res)
-	}
-	dA.compute(t, "S", input0, input0+out)
-	rt.outcome(t, dec, input0+out)
-	const L = input0 + out
-	gen1 := session().GetGeneration()
-	if gen1 == 0 {
-		t.Fatal("no generation after the seed")
-	}
-	waitSnapshot(L, gen1)
+	f := startReseedFixture(t)
+	rt, p0, byID, session, waitSnapshot, pushes := f.rt, f.p0, f.byID, f.session, f.waitSnapshot, f.pushes
+	dA, L, gen1 := f.seedTurn0(16)
 
 	// D releases S; turn 1's prompt is 300 tokens shorter than the KV (mid-page: 3,716 = 232
 	// pages + 4): the reseed writes the snapshot's prefix [0, input1) onto D′, which decodes 40
 	// tokens of its own (another seed: they differ from the entry's bytes there).
 	dA.release(t, "S")
 	waitFor(t, "S not resident", 10*time.Second, func() bool { return session().GetDecodeWorker() == "" })
-	const input1, out1 = L - 300, 40
-	dec = rt.query(t, "S", 1, input1, out1)
+	input1, out1 := L-300, int64(40)
+	dec := rt.query(t, "S", 1, input1, out1)
 	if dec.GetMode() != kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT || dec.GetSnapshotSeqlen() != input1 {
 		t.Fatalf("turn 1: %s (%s), snapshot_seqlen %d", dec.GetMode(), dec.GetReason(), dec.GetSnapshotSeqlen())
 	}
@@ -274,7 +134,7 @@ func TestReseedPrefixCutBack(t *testing.T) {
 	if res := dB.receive(t, "S", dec, kvcv1.TransferKind_TRANSFER_KIND_SNAPSHOT, input1, nil); !res.GetOk() || res.GetBytes() != input1*bpt {
 		t.Fatalf("snapshot reseed of the prefix: %v", res)
 	}
-	const L2 = input1 + out1
+	L2 := input1 + out1
 	pages := dB.pagesFor("S", L2)
 	if err := kvpool.FillTokens(dB.w.pool, kvpool.SessionSeed("S/edited"), pages, input1, L2); err != nil {
 		t.Fatal(err)
@@ -335,7 +195,7 @@ func TestReseedPrefixCutBack(t *testing.T) {
 	// The cut and re-tagged snapshot serves the next reseed (D′ lost the session).
 	dB.release(t, "S")
 	waitFor(t, "S not resident", 10*time.Second, func() bool { return session().GetDecodeWorker() == "" })
-	dec = rt.query(t, "S", 2, L2+100, out)
+	dec = rt.query(t, "S", 2, L2+100, 16)
 	if dec.GetMode() != kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT || dec.GetSnapshotSeqlen() != L2 {
 		t.Fatalf("turn 2: %s (%s), snapshot_seqlen %d", dec.GetMode(), dec.GetReason(), dec.GetSnapshotSeqlen())
 	}
@@ -346,4 +206,107 @@ func TestReseedPrefixCutBack(t *testing.T) {
 	if got := kvBytes(dC.w, dC.pages["S"], L2); !bytes.Equal(got, kvB) {
 		t.Fatal("the reseed from the re-tagged snapshot differs from D′'s KV")
 	}
+}
+
+// reseedFixture: a kvc-controlplane on etcd (snapshot delta 256 tokens, tail tolerance 512), a
+// prefill sidecar p0 with its store and two decode sidecars d1, d2, each with a test worker;
+// session "S" is the one the reseed tests move around.
+type reseedFixture struct {
+	t    *testing.T
+	lead *cpProc
+	rt   *router
+	p0   *sidecar
+	pw   *worker
+	byID map[string]*dworker
+}
+
+func startReseedFixture(t *testing.T) *reseedFixture {
+	t.Helper()
+	if testing.Short() {
+		t.Skip("integration test")
+	}
+	if bins["kvc-controlplane"] == "" {
+		t.Fatal("kvc-controlplane binary not available")
+	}
+	etcd := etcdtest.Start(t)
+	lead := leaderOf(t, startCP(t, "cp-r", etcd.Endpoints()))
+	if _, err := lead.admin.UpdatePolicy(ctxT(t, 5*time.Second), &kvcv1.UpdatePolicyRequest{Policy: &kvcv1.Policy{
+		SnapshotDeltaTokens: ptr(int64(256)), TailToleranceTokens: ptr(int64(512))}}); err != nil {
+		t.Fatal(err)
+	}
+	p0 := startSidecar(t, "prefill", "p0", lead.addr, "--store-capacity-bytes", itoa(1024*2*numLayers*itemLen))
+	d1 := &dworker{sc: startSidecar(t, "decode", "d1", lead.addr), pages: map[string][]int64{}}
+	d2 := &dworker{sc: startSidecar(t, "decode", "d2", lead.addr), pages: map[string][]int64{}}
+	f := &reseedFixture{t: t, lead: lead, p0: p0, pw: newWorker(t, p0, 1024), byID: map[string]*dworker{"d1": d1, "d2": d2}}
+	d1.w, d2.w = newWorker(t, d1.sc, 1024), newWorker(t, d2.sc, 1024)
+	waitFor(t, "three ready workers", 20*time.Second, func() bool {
+		r, err := lead.admin.ListWorkers(ctxT(t, time.Second), &kvcv1.ListWorkersRequest{})
+		n := 0
+		for _, w := range r.GetWorkers() {
+			if w.GetState() == kvcv1.WorkerState_WORKER_STATE_READY {
+				n++
+			}
+		}
+		return err == nil && n == 3
+	})
+	f.rt = newRouter(t, lead.addr)
+	return f
+}
+
+// session is S's record on the control plane (nil when it has none).
+func (f *reseedFixture) session() *kvcv1.SessionRecord {
+	r, err := f.lead.admin.GetSession(ctxT(f.t, time.Second), &kvcv1.GetSessionRequest{SessionId: "S"})
+	if err != nil {
+		return nil
+	}
+	return r.GetSession()
+}
+
+// waitSnapshot waits until the control plane records S's snapshot on p0 at seqlen, generation gen.
+func (f *reseedFixture) waitSnapshot(seqlen int64, gen uint64) {
+	f.t.Helper()
+	waitFor(f.t, fmt.Sprintf("snapshot of S at %d, generation %d", seqlen, gen), 20*time.Second, func() bool {
+		sn := f.session().GetSnapshot()
+		return sn.GetSeqlen() == seqlen && sn.GetGeneration() == gen && sn.GetPrefillWorker() == "p0"
+	})
+}
+
+// pushes are d's D->P pushes of S logged as sent.
+func (f *reseedFixture) pushes(d *dworker) []agent.Event {
+	return filterEvents(readEvents(f.t, d.sc.events), agent.EvPushSent, "S")
+}
+
+// seedTurn0 runs S's turn 0 (a SEED of 4,000 tokens, out decoded on some D), waits for its
+// full push to make the snapshot and has D release S; it returns that D, the session's length
+// L and its generation (the first of the leader's generation term, not 1: docs/decisions.md).
+func (f *reseedFixture) seedTurn0(out int64) (*dworker, int64, uint64) {
+	t := f.t
+	t.Helper()
+	const input0 = 4000
+	dec := f.rt.query(t, "S", 0, input0, out)
+	if dec.GetMode() != kvcv1.RouteMode_ROUTE_MODE_SEED {
+		t.Fatalf("turn 0: %s (%s)", dec.GetMode(), dec.GetReason())
+	}
+	dA := f.byID[dec.GetDecode().GetWorkerId()]
+	ppages := f.pw.alloc(int((input0+pageSize-1)/pageSize), 1)
+	if err := kvpool.FillTokens(f.pw.pool, kvpool.SessionSeed("S"), ppages, 0, input0); err != nil {
+		t.Fatal(err)
+	}
+	if res := dA.receive(t, "S", dec, kvcv1.TransferKind_TRANSFER_KIND_SEED, input0, func() {
+		if _, err := f.p0.bridge.SendKV(ctxT(t, 10*time.Second), &kvcv1.SendKVRequest{Room: dec.GetBootstrapRoom(), SessionId: "S",
+			Pages: ppages, Last: true, Tokens: input0}); err != nil {
+			t.Fatal(err)
+		}
+	}); !res.GetOk() {
+		t.Fatalf("seed: %v", res)
+	}
+	dA.compute(t, "S", input0, input0+out)
+	f.rt.outcome(t, dec, input0+out)
+	L := int64(input0) + out
+	gen := f.session().GetGeneration()
+	if gen == 0 {
+		t.Fatal("no generation after the seed")
+	}
+	f.waitSnapshot(L, gen)
+	return dA, L, gen
 }
