@@ -5,6 +5,10 @@ SHELL := /bin/bash
 MODULES := proto pkg controlplane sidecar-prefill sidecar-decode gateway sim
 BIN := $(CURDIR)/bin
 GO ?= go
+# The repository needs Go 1.27 (go.work, every go.mod): the go command fetches this toolchain from
+# the module proxy once per machine. A machine starts on its own Go, so every recipe runs with it.
+GOTOOLCHAIN_VERSION := go1.27.3
+export GOTOOLCHAIN := $(GOTOOLCHAIN_VERSION)
 
 # binary -> module/cmd path
 BINARIES := \
@@ -20,9 +24,10 @@ PROTOC_GEN_GO_VERSION := v1.36.11
 PROTOC_GEN_GO_GRPC_VERSION := v1.6.0
 BUF_VERSION := v1.75.0
 GRPCURL_VERSION := v1.9.3
-# golangci-lint builds with this repository's Go (1.26.8); bump deliberately and fix what it finds.
+# golangci-lint builds with this repository's Go ($(GOTOOLCHAIN_VERSION)): the binary's name carries both
+# versions, so one built by another toolchain is never reused. Bump deliberately and fix what it finds.
 GOLANGCI_LINT_VERSION := v2.15.0
-GOLANGCI_LINT := $(BIN)/tools/golangci-lint-$(GOLANGCI_LINT_VERSION)
+GOLANGCI_LINT := $(BIN)/tools/golangci-lint-$(GOLANGCI_LINT_VERSION)-$(GOTOOLCHAIN_VERSION)
 # The API as last released: buf breaking compares proto/ with it (make proto-image updates it).
 API_IMAGE := proto/api.binpb
 

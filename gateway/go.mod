@@ -1,28 +1,23 @@
 module github.com/kvcentric/kvcentric/gateway
 
-go 1.26.8
-
-require (
-	github.com/grpc-ecosystem/go-grpc-middleware/v2 v2.3.4 // indirect
-	github.com/prometheus/client_golang v1.25.0
-	github.com/rs/zerolog v1.35.1
-	golang.org/x/sync v0.25.0
-	google.golang.org/grpc v1.85.0
-	google.golang.org/protobuf v1.36.12 // indirect
-)
-
-require github.com/kvcentric/kvcentric/proto v0.0.0-00010101000000-000000000000
+go 1.27.0
 
 replace github.com/kvcentric/kvcentric/proto => ../proto
 
 require (
 	github.com/kvcentric/kvcentric/pkg v0.0.0-00010101000000-000000000000
+	github.com/kvcentric/kvcentric/proto v0.0.0-00010101000000-000000000000
+	github.com/prometheus/client_golang v1.25.0
+	github.com/rs/zerolog v1.35.1
 	go.opentelemetry.io/otel v1.45.0
 	go.opentelemetry.io/otel/sdk v1.45.0
 	go.opentelemetry.io/otel/trace v1.45.0
+	golang.org/x/sync v0.25.0
+	google.golang.org/grpc v1.85.0
 )
 
 require (
+	github.com/ardanlabs/jinja v1.12.0 // indirect
 	github.com/beorn7/perks v1.0.1 // indirect
 	github.com/cenkalti/backoff/v5 v5.0.3 // indirect
 	github.com/cespare/xxhash/v2 v2.3.0 // indirect
@@ -30,6 +25,7 @@ require (
 	github.com/go-logr/stdr v1.2.2 // indirect
 	github.com/google/uuid v1.6.0 // indirect
 	github.com/grpc-ecosystem/go-grpc-middleware/providers/prometheus v1.1.0 // indirect
+	github.com/grpc-ecosystem/go-grpc-middleware/v2 v2.3.4 // indirect
 	github.com/grpc-ecosystem/grpc-gateway/v2 v2.29.0 // indirect
 	github.com/kylelemons/godebug v1.1.0 // indirect
 	github.com/mattn/go-colorable v0.1.14 // indirect
@@ -49,6 +45,7 @@ require (
 	golang.org/x/text v0.43.0 // indirect
 	google.golang.org/genproto/googleapis/api v0.0.0-20260817212433-ac3dfec99bb1 // indirect
 	google.golang.org/genproto/googleapis/rpc v0.0.0-20260817212433-ac3dfec99bb1 // indirect
+	google.golang.org/protobuf v1.36.12 // indirect
 )
 
 replace github.com/kvcentric/kvcentric/pkg => ../pkg

@@ -1,6 +1,6 @@
 module github.com/kvcentric/kvcentric/proto
 
-go 1.26.8
+go 1.27.0
 
 require (
 	github.com/bufbuild/protocompile v0.14.1

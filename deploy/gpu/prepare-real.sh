@@ -10,6 +10,8 @@
 # Then, on the GPU machine, from the repository root with bin/real.tar.xz carried:
 #   bash deploy/gpu/run-real.sh
 set -euo pipefail
+# Go 1.27 (go.work, every go.mod): the go command fetches this toolchain from the module proxy.
+export GOTOOLCHAIN=go1.27.3
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 out="$root/bin/real"
 mkdir -p "$out"

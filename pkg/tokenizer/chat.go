@@ -7,7 +7,7 @@ import (
 	"fmt"
 	"io"
 
-	"github.com/kvcentric/kvcentric/pkg/tokenizer/internal/jinja"
+	"github.com/ardanlabs/jinja"
 )
 
 // Message is one OpenAI-style chat message.

@@ -34,7 +34,7 @@ def binary(name: str, module: str) -> str:
         raise RuntimeError("%s not in $KVC_BIN_DIR and no Go toolchain to build it" % name)
     out = os.path.join(tempfile.mkdtemp(prefix="kvc-py-bin-"), name)
     subprocess.run(["go", "build", "-o", out, "./cmd/" + name], cwd=os.path.join(REPO, module), check=True,
-                   env=dict(os.environ, CGO_ENABLED="0"))
+                   env=dict(os.environ, CGO_ENABLED="0", GOTOOLCHAIN=os.environ.get("GOTOOLCHAIN", "go1.27.3")))
     return out
 
 

@@ -54,7 +54,7 @@ def _binary(name, module):
         return None
     out = os.path.join(tempfile.mkdtemp(prefix="kvc-py-"), name)
     subprocess.run(["go", "build", "-o", out, "./cmd/" + name], cwd=os.path.join(REPO, module), check=True,
-                   env=dict(os.environ, CGO_ENABLED="0"))
+                   env=dict(os.environ, CGO_ENABLED="0", GOTOOLCHAIN=os.environ.get("GOTOOLCHAIN", "go1.27.3")))
     return out
 
 
