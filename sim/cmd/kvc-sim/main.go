@@ -12,6 +12,7 @@ import (
 	"net"
 	"os"
 	"os/signal"
+	"path/filepath"
 	"strings"
 	"syscall"
 	"time"
@@ -47,6 +48,7 @@ type options struct {
 	bridgeWait, transferTimeout, preallocWait             time.Duration
 	baseline                                              worker.BaselineConfig
 	pullDirs, restoreDirs                                 string
+	linkDir                                               string
 }
 
 func parse(args []string, getenv func(string) string, stderr io.Writer) (*options, worker.Config, error) {
@@ -77,6 +79,7 @@ func parse(args []string, getenv func(string) string, stderr io.Writer) (*option
 	fs.Int64Var(&o.baseline.OffloadCapacityTokens, "offload-capacity-tokens", 0, "decode: tokens this worker keeps in --offload-dir, LRU by session (0: unbounded)")
 	fs.BoolVar(&o.baseline.DecodeRadix, "decode-radix", false, "decode: SGLang decode radix cache + decode HiCache: a plain P/D turn receives only the suffix past what this worker holds or restores from --restore-dirs")
 	fs.Int64Var(&o.baseline.RadixTokens, "decode-radix-tokens", 0, "decode: L1 radix capacity in tokens with --decode-radix (0: the pool's capacity)")
+	fs.StringVar(&o.linkDir, "link-dir", filepath.Join(os.TempDir(), "kvc-sim-links"), "directory where the kvc-sims of one machine count the modeled flows out of each sender (a prefill node, a KV tier), so that they share its link (\"\": only this node's NIC is shared)")
 	fs.StringVar(&o.restoreDirs, "restore-dirs", "", "decode: comma list of tier directories --decode-radix restores from (SGLang's L3)")
 	fs.IntVar(&o.tpRank, "tp-rank", 0, "tensor parallelism: this process is rank N of --tp-size (one sidecar per rank; its KV is that rank's shard)")
 	fs.IntVar(&o.tpSize, "tp-size", 0, "tensor parallelism: the ranks of the worker (0 or 1: none)")
@@ -134,6 +137,7 @@ func parse(args []string, getenv func(string) string, stderr io.Writer) (*option
 		PreallocWait:    o.preallocWait,
 		TPRank:          int32(o.tpRank),
 		TPSize:          int32(o.tpSize),
+		LinkDir:         o.linkDir,
 	}
 	if o.tpSize < 0 || o.tpSize > 1024 || o.tpRank < 0 || o.tpRank >= max(o.tpSize, 1) {
 		return nil, worker.Config{}, fmt.Errorf("--tp-rank %d must be in [0, --tp-size %d) (--tp-size in [0, 1024])", o.tpRank, o.tpSize)

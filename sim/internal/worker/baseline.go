@@ -173,10 +173,10 @@ func tierFile(dir, session string) string {
 	return filepath.Join(dir, fmt.Sprintf("%016x.kv", h.Sum64()))
 }
 
-// tierMatch is the longest prefix (in pages) of hs that a tier holds for session; a tier that
-// is gone (its node died) holds nothing.
-func tierMatch(dirs []string, session string, hs []uint64) int {
-	best := 0
+// tierMatch is the longest prefix (in pages) of hs that a tier holds for session, and the tier
+// that holds it (its egress is what the fetch shares); a tier that is gone (its node died) holds
+// nothing.
+func tierMatch(dirs []string, session string, hs []uint64) (best int, from string) {
 	for _, d := range dirs {
 		b, err := os.ReadFile(tierFile(d, session))
 		if err != nil {
@@ -186,9 +186,11 @@ func tierMatch(dirs []string, session string, hs []uint64) int {
 		for n < len(hs) && (n+1)*8 <= len(b) && binary.LittleEndian.Uint64(b[n*8:]) == hs[n] {
 			n++
 		}
-		best = max(best, n)
+		if n > best {
+			best, from = n, d
+		}
 	}
-	return best
+	return best, from
 }
 
 // offloadWrite writes session's page hashes to the offload tier (atomically) and evicts this
@@ -234,47 +236,67 @@ func (b *Baseline) offloadWrite(session string, hs []uint64, pageSize int) error
 	return nil
 }
 
-// prefillCost is the modeled time of a prefill pass over p's input on a worker with the
-// baseline's prefix cache and pull tiers: the fetched tokens over the link, then the rest
-// computed. It returns the cost and the tokens taken from the cache and from a tier.
-func (w *Worker) prefillCost(p *plan) (d time.Duration, cached, pulled int64) {
+// prefillCost is the modeled compute of a prefill pass over p's input on a worker with the
+// baseline's prefix cache and pull tiers, and what must be fetched before it: pulled tokens from
+// the tier from (over this node's fetch lane, link.go: the GPU is not held meanwhile, as
+// HiCache's prefetch and vLLM's remote-KV wait do not hold it). It returns the compute and the
+// tokens taken from the cache and from a tier.
+func (w *Worker) prefillCost(p *plan) (compute time.Duration, cached, pulled int64, from string) {
 	b := w.cfg.Baseline
 	if b == nil {
-		return w.cfg.Timing.Prefill(p.input), 0, 0
+		return w.cfg.Timing.Prefill(p.input), 0, 0, ""
 	}
 	ps := w.cfg.Geometry.PageSize
 	hs := chainHashes(p.tokenIDs(p.input), ps)
 	local := b.prefix.match(hs)
 	far := local
 	if len(b.cfg.PullDirs) > 0 && local < len(hs) {
-		far = max(local, tierMatch(b.cfg.PullDirs, p.sessionID, hs))
+		if n, d := tierMatch(b.cfg.PullDirs, p.sessionID, hs); n > local {
+			far, from = n, d
+		}
 	}
 	// At least one token is always computed (the first output token's logits).
 	cached = min(int64(local*ps), max(p.input-1, 0))
 	pulled = min(int64(far*ps), max(p.input-1, 0)) - cached
 	b.prefix.insert(hs)
-	return w.cfg.Timing.Transfer(pulled) + w.cfg.Timing.Prefill(p.input-cached-pulled), cached, pulled
+	if pulled <= 0 {
+		from = ""
+	}
+	return w.cfg.Timing.Prefill(p.input - cached - pulled), cached, pulled, from
 }
 
-// receiveModel is the modeled duration of receiving tokens tokens of a transfer of kind, once
-// the real bytes arrived after real: all of them over the link, or, with the decode radix, only
-// those past what the worker holds in L1 (free) or restores from its tiers (over the link,
-// overlapped with the wait for the sender). have is what the worker did not need to receive.
-func (w *Worker) receiveModel(t *turn, kind kvcv1.TransferKind, tokens int64, real time.Duration) (d time.Duration, have int64) {
+// recvPlan is what a transfer into a decode worker needs from the link: with the decode radix
+// (SGLang's decode-side radix + HiCache) only the suffix past have comes from the sender, and
+// restore tokens of it are loaded from the tier restoreFrom meanwhile.
+type recvPlan struct {
+	have, restore int64
+	restoreFrom   string
+}
+
+// receivePlan plans the receive of tokens tokens of a transfer of kind: all of them over the
+// link, or, with the decode radix, only those past what the worker holds in L1 (free) or
+// restores from its tiers (over the link, started with the receive and overlapped with the
+// wait for the sender, as HiCache gates the receive until the restore is ready).
+func (w *Worker) receivePlan(t *turn, kind kvcv1.TransferKind, tokens int64) recvPlan {
 	b := w.cfg.Baseline
 	if b == nil || !b.cfg.DecodeRadix || kind != kvcv1.TransferKind_TRANSFER_KIND_SEED {
-		return w.cfg.Timing.Transfer(tokens), 0
+		return recvPlan{}
 	}
 	ps := w.cfg.Geometry.PageSize
 	hs := chainHashes(t.content(tokens), ps)
 	l1 := b.decode.match(hs)
-	l3 := l1
+	l3, from := l1, ""
 	if len(b.cfg.RestoreDirs) > 0 && l1 < len(hs) {
-		l3 = max(l1, tierMatch(b.cfg.RestoreDirs, t.p.sessionID, hs))
+		if n, d := tierMatch(b.cfg.RestoreDirs, t.p.sessionID, hs); n > l1 {
+			l3, from = n, d
+		}
 	}
-	have = min(int64(l3*ps), max(tokens-1, 0))
-	restore := w.cfg.Timing.Transfer(min(int64((l3-l1)*ps), have))
-	return w.cfg.Timing.Transfer(tokens-have) + max(restore-real, 0), have
+	have := min(int64(l3*ps), max(tokens-1, 0))
+	rp := recvPlan{have: have, restore: min(int64((l3-l1)*ps), have), restoreFrom: from}
+	if rp.restore <= 0 {
+		rp.restore, rp.restoreFrom = 0, ""
+	}
+	return rp
 }
 
 // baselineFinished records a decode turn's KV [0, kv) in the decode radix and the offload

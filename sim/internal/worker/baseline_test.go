@@ -4,7 +4,6 @@ import (
 	"os"
 	"path/filepath"
 	"testing"
-	"time"
 
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
@@ -78,11 +77,11 @@ func TestPrefillCostAndTiers(t *testing.T) {
 		{"same input again: cached but one token", p1, 159, 0},
 	}
 	for _, c := range cases {
-		d, cached, pulled := wp.prefillCost(c.p)
+		d, cached, pulled, _ := wp.prefillCost(c.p)
 		if cached != c.cached || pulled != c.pulled {
 			t.Errorf("%s: cached %d pulled %d, want %d %d", c.name, cached, pulled, c.cached, c.pulled)
 		}
-		if want := tm.Transfer(pulled) + tm.Prefill(c.p.input-cached-pulled); d != want {
+		if want := tm.Prefill(c.p.input - cached - pulled); d != want {
 			t.Errorf("%s: cost %v, want %v", c.name, d, want)
 		}
 	}
@@ -95,21 +94,19 @@ func TestPrefillCostAndTiers(t *testing.T) {
 	// Next turn: history (input + the generated ids) + 60 new tokens.
 	ids2 := append(td.content(200), seq(60, 7000)...)
 	p2 := &plan{sessionID: "s", seedKey: "s", input: 260, ids: ids2}
-	_, cached, pulled := wp.prefillCost(p2)
-	if cached != 160 || pulled != 32 { // 160 own; tier holds 200 = 12 full pages = 192
-		t.Errorf("next turn: cached %d pulled %d, want 160 32", cached, pulled)
+	_, cached, pulled, from := wp.prefillCost(p2)
+	if cached != 160 || pulled != 32 || from != tier { // 160 own; tier holds 200 = 12 full pages = 192
+		t.Errorf("next turn: cached %d pulled %d from %q, want 160 32 %q", cached, pulled, from, tier)
 	}
 	// The decode radix holds 192 tokens of it: only the rest is received.
-	d, have := wd.receiveModel(&turn{p: p2}, kvcv1.TransferKind_TRANSFER_KIND_SEED, 260, time.Hour)
-	if have != 192 || d != tm.Transfer(68) {
-		t.Errorf("receive: have %d d %v, want 192 %v", have, d, tm.Transfer(68))
+	if rp := wd.receivePlan(&turn{p: p2}, kvcv1.TransferKind_TRANSFER_KIND_SEED, 260); rp != (recvPlan{have: 192}) {
+		t.Errorf("receive: %+v, want have 192 and no restore", rp)
 	}
-	// A new decode worker restores from the tier: the restore not hidden by the wait is paid.
+	// A new decode worker restores from the tier.
 	wd2 := &Worker{cfg: Config{Role: kvcv1.WorkerRole_WORKER_ROLE_DECODE, Geometry: g, Timing: tm,
 		Baseline: &Baseline{cfg: BaselineConfig{DecodeRadix: true, RestoreDirs: []string{tier}}}}}
-	d, have = wd2.receiveModel(&turn{p: p2}, kvcv1.TransferKind_TRANSFER_KIND_SEED, 260, 0)
-	if have != 192 || d != tm.Transfer(68)+tm.Transfer(192) {
-		t.Errorf("restore: have %d d %v", have, d)
+	if rp := wd2.receivePlan(&turn{p: p2}, kvcv1.TransferKind_TRANSFER_KIND_SEED, 260); rp != (recvPlan{have: 192, restore: 192, restoreFrom: tier}) {
+		t.Errorf("restore: %+v", rp)
 	}
 	// The node dies with its tier: nothing to pull any more.
 	if err := os.RemoveAll(tier); err != nil {
@@ -117,12 +114,12 @@ func TestPrefillCostAndTiers(t *testing.T) {
 	}
 	pre2, _ := NewBaseline(BaselineConfig{PullDirs: []string{tier}}, 16)
 	wp.cfg.Baseline = pre2
-	if _, cached, pulled := wp.prefillCost(p2); cached != 0 || pulled != 0 {
+	if _, cached, pulled, _ := wp.prefillCost(p2); cached != 0 || pulled != 0 {
 		t.Errorf("after node loss: cached %d pulled %d", cached, pulled)
 	}
 	// Plain kvc-sim: no baseline, whole input.
 	wp.cfg.Baseline = nil
-	if d, _, _ := wp.prefillCost(p2); d != tm.Prefill(260) {
+	if d, _, _, _ := wp.prefillCost(p2); d != tm.Prefill(260) {
 		t.Errorf("no baseline: %v", d)
 	}
 }

@@ -214,16 +214,24 @@ func (f *fakeSidecar) SendKV(ctx context.Context, req *kvcv1.SendKVRequest) (*kv
 	case <-ctx.Done():
 		return nil, status.FromContextError(ctx.Err()).Err()
 	}
-	if r.tokens != req.GetTokens() {
+	if req.GetLast() && r.tokens != req.GetTokens() {
 		r.err = fmt.Sprintf("sender has %d tokens, receiver wants %d", req.GetTokens(), r.tokens)
 		close(r.done)
 		return nil, status.Error(codes.FailedPrecondition, r.err)
 	}
+	// A chunk: pages hold tokens [first_page*page, ...) of the transfer.
+	ps := int64(f.g.PageSize)
+	from := req.GetFirstPage() * ps
+	to := min((req.GetFirstPage()+int64(len(req.GetPages())))*ps, r.tokens)
 	var n int64
 	for b := 0; b < f.g.Buffers(); b++ {
-		for t := int64(0); t < req.GetTokens(); t++ {
-			n += int64(copy(r.dst.slot(b, r.pages, t), f.slot(b, req.GetPages(), t)))
+		for t := from; t < to; t++ {
+			n += int64(copy(r.dst.slot(b, r.pages, t), f.slot(b, req.GetPages(), t-from)))
 		}
+	}
+	r.bytes += n
+	if !req.GetLast() {
+		return &kvcv1.SendKVResponse{Bytes: n}, nil
 	}
 	if f.h.corrupt {
 		at := req.GetTokens() - 1
@@ -232,7 +240,7 @@ func (f *fakeSidecar) SendKV(ctx context.Context, req *kvcv1.SendKVRequest) (*kv
 		}
 		r.dst.slot(1, r.pages, at)[0] ^= 0x01
 	}
-	r.ok, r.bytes = true, n
+	r.ok = true
 	close(r.done)
 	return &kvcv1.SendKVResponse{Bytes: n}, nil
 }

@@ -37,6 +37,11 @@ type KVCMeta struct {
 	// PrefixCachedTokens: a local first turn reused this many tokens of KV the worker held for
 	// other sessions (its prefix cache) instead of prefilling them.
 	PrefixCachedTokens int64 `json:"prefix_cached_tokens,omitempty"`
+	// BootstrapWaitMS (prefill): the wait for the decode side's pre-allocation before this
+	// prefill could start (SGLang's prefill bootstrap queue).
+	BootstrapWaitMS float64 `json:"bootstrap_wait_ms,omitempty"`
+	// FetchMS (prefill): the modeled fetch of a prefix from a KV tier, on the fetch lane.
+	FetchMS float64 `json:"fetch_ms,omitempty"`
 }
 
 type metaInfo struct {
@@ -248,28 +253,72 @@ func (w *Worker) handleGenerate(rw http.ResponseWriter, r *http.Request) {
 	}
 }
 
-// servePrefill runs the prefill half: prefill every input token (P's own prefix cache is out
-// of scope), write their known bytes into this worker's pages, hand them to the sidecar
-// (SendKV) and free them once sent (release-after-transfer).
+// servePrefill runs the prefill half. Like SGLang's prefill bootstrap queue, it first waits
+// until the decode side has pre-allocated its pages (its sidecar's offer: the first chunk of
+// the transfer, page 0, is sent — SendKV returns once the offer is in), then fetches what a KV
+// tier holds (the fetch lane, link.go; the GPU is not held), then prefills on the GPU (one pass
+// at a time), writes the known bytes into this worker's pages, sends the rest (SendKV) and frees
+// the pages once sent (release-after-transfer). A seed through the prefill store has no decode
+// side to wait for.
 func (w *Worker) servePrefill(ctx context.Context, p *plan, meta *KVCMeta) *apiError {
-	pages, _, e := w.allocate(ctx, pagesFor(p.input, w.cfg.Geometry.PageSize), "")
+	ps := int64(w.cfg.Geometry.PageSize)
+	n := pagesFor(p.input, int(ps))
+	t := &turn{p: p}
+	var pages []int64
+	defer func() { w.freePages(pages) }()
+	var first int64 // pages already sent
+	tb := time.Now()
+	if !p.toStore {
+		head, _, e := w.allocate(ctx, 1, "")
+		if e != nil {
+			return e
+		}
+		pages = head
+		if e := w.fillContent(t, pages, 0, min(ps, p.input)); e != nil {
+			return e
+		}
+		sctx, cancel := context.WithTimeout(ctx, w.cfg.TransferTimeout)
+		resp, err := w.bridge.SendKV(sctx, &kvcv1.SendKVRequest{Room: p.room, SessionId: p.seedKey, Pages: pages, FirstPage: 0, Tokens: p.input})
+		cancel()
+		if err != nil {
+			w.m.bridgeErrors.WithLabelValues("SendKV").Inc()
+			if ctx.Err() != nil {
+				return ctxError(ctx, "waiting for the decode side's pre-allocation")
+			}
+			return errf(http.StatusBadGateway, "transfer_failed", "SendKV room %d (bootstrap): %v", p.room, err)
+		}
+		meta.SentBytes += resp.GetBytes()
+		first = 1
+		meta.BootstrapWaitMS = ms(time.Since(tb))
+		w.m.bootstrapSeconds.Observe(time.Since(tb).Seconds())
+	}
+	rest, _, e := w.allocate(ctx, n-first, "")
 	if e != nil {
 		return e
 	}
-	defer w.freePages(pages)
+	pages = append(pages, rest...)
 	t0 := time.Now()
+	compute, cached, pulled, from := w.prefillCost(p) // baseline.go: prefix cache, pulled tiers
+	if pulled > 0 {
+		d, err := w.move(ctx, pulled, from) // the fetch lane: this node's NIC, not the GPU
+		meta.FetchMS = ms(d)
+		if err != nil {
+			return ctxError(ctx, "fetching KV from a tier")
+		}
+	}
 	select {
 	case w.prefillGPU <- struct{}{}:
 	case <-ctx.Done():
 		return ctxError(ctx, "waiting for the prefill GPU")
 	}
-	cost, cached, pulled := w.prefillCost(p) // baseline.go: prefix cache, pulled tiers
-	err := sleepCtx(ctx, cost)
+	tg := time.Now()
+	err := sleepCtx(ctx, compute)
+	w.m.prefillBusy.Add(time.Since(tg).Seconds())
 	<-w.prefillGPU
 	if err != nil {
 		return ctxError(ctx, "during prefill")
 	}
-	if e := w.fillContent(&turn{p: p}, pages, 0, p.input); e != nil {
+	if e := w.fillContent(t, pages, first*ps, p.input); e != nil {
 		return e
 	}
 	meta.PrefillTokens = p.input - cached - pulled
@@ -279,7 +328,7 @@ func (w *Worker) servePrefill(ctx context.Context, p *plan, meta *KVCMeta) *apiE
 	t1 := time.Now()
 	sctx, cancel := context.WithTimeout(ctx, w.cfg.TransferTimeout)
 	resp, err := w.bridge.SendKV(sctx, &kvcv1.SendKVRequest{
-		Room: p.room, SessionId: p.seedKey, Pages: pages, FirstPage: 0, Last: true, Tokens: p.input,
+		Room: p.room, SessionId: p.seedKey, Pages: pages[first:], FirstPage: first, Last: true, Tokens: p.input,
 		ToStore: p.toStore, Generation: p.storeGen, // a seed through the prefill store
 	})
 	cancel()
@@ -287,10 +336,10 @@ func (w *Worker) servePrefill(ctx context.Context, p *plan, meta *KVCMeta) *apiE
 		w.m.bridgeErrors.WithLabelValues("SendKV").Inc()
 		return errf(http.StatusBadGateway, "transfer_failed", "SendKV room %d: %v", p.room, err)
 	}
-	meta.SentBytes = resp.GetBytes()
+	meta.SentBytes += resp.GetBytes()
 	meta.TransferRealMS = ms(time.Since(t1))
 	meta.TransferMS = meta.TransferRealMS
-	w.m.sentBytes.Add(float64(resp.GetBytes()))
+	w.m.sentBytes.Add(float64(meta.SentBytes))
 	return nil
 }
 
@@ -552,6 +601,17 @@ func (w *Worker) receive(ctx context.Context, t *turn, kind kvcv1.TransferKind, 
 		return aerr
 	}
 	t0 := time.Now()
+	rp := w.receivePlan(t, kind, tokens) // baseline.go: decode radix and its restore
+	var restored chan error
+	if rp.restore > 0 {
+		rctx, cancel := context.WithCancel(ctx)
+		defer cancel()
+		restored = make(chan error, 1)
+		go func() {
+			_, err := w.move(rctx, rp.restore, rp.restoreFrom)
+			restored <- err
+		}()
+	}
 	pctx, cancel := context.WithTimeout(ctx, w.cfg.BridgeTimeout)
 	_, err := w.bridge.PrepareReceive(pctx, &kvcv1.PrepareReceiveRequest{
 		Room: p.room, SessionId: p.seedKey, Kind: kind, Pages: pages, Tokens: tokens, SourcePeerAddr: peer,
@@ -602,11 +662,19 @@ func (w *Worker) receive(ctx context.Context, t *turn, kind kvcv1.TransferKind, 
 			"%d of %d received (token, buffer) slots of room %d do not hold the session's known bytes",
 			bad, tokens*int64(w.cfg.Geometry.Buffers()), p.room)
 	}
-	model, have := w.receiveModel(t, kind, tokens, realDur) // baseline.go: decode radix
-	t.meta.PrefixCachedTokens = max(t.meta.PrefixCachedTokens, have)
-	if err := sleepCtx(ctx, model); err != nil {
+	// The modeled link time: a decode-radix restore started with the receive must be ready, then
+	// the part the sender moves crosses this node's NIC and the sender's egress (link.go).
+	tm := time.Now()
+	if restored != nil {
+		if err := <-restored; err != nil {
+			return ctxError(ctx, "restoring KV from a tier")
+		}
+	}
+	if _, err := w.move(ctx, tokens-rp.have, peer); err != nil {
 		return ctxError(ctx, "during the modeled transfer")
 	}
+	model := time.Since(tm)
+	t.meta.PrefixCachedTokens = max(t.meta.PrefixCachedTokens, rp.have)
 	// The sidecar measures the transfer itself; the wall time from PrepareReceive also holds the
 	// wait for the sender (in SEED modes the prefill).
 	moved := realDur

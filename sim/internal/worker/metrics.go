@@ -25,6 +25,11 @@ type metrics struct {
 	misStitched  prometheus.Counter
 	// prefixCachedTokens: tokens local first turns reused from other sessions' KV.
 	prefixCachedTokens prometheus.Counter
+	// bootstrapSeconds: prefill requests' wait for the decode side's pre-allocation.
+	bootstrapSeconds prometheus.Histogram
+	// prefillBusy: modeled seconds the GPU spent on prefill compute (P's prefill passes, D's
+	// append-prefill chunks).
+	prefillBusy prometheus.Counter
 }
 
 func newMetrics(reg prometheus.Registerer, w *Worker) *metrics {
@@ -57,6 +62,9 @@ func newMetrics(reg prometheus.Registerer, w *Worker) *metrics {
 	m.tailRewrites = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_tail_rewrites_total", Help: "Turns whose prompt diverged from the held KV inside its partial last page (invisible to page hashes)."})
 	m.misStitched = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_mis_stitched_total", Help: "Turns refused because the held KV they were to reuse is not a prefix of the prompt inside its full pages."})
 	m.prefixCachedTokens = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_prefix_cached_tokens_total", Help: "Tokens of new sessions' local first turns reused from KV this worker held for other sessions (not prefilled)."})
+	m.bootstrapSeconds = prometheus.NewHistogram(prometheus.HistogramOpts{Name: "kvc_sim_bootstrap_wait_seconds",
+		Help: "Prefill: time a request waited for the decode side's pre-allocation before it could prefill.", Buckets: prometheus.ExponentialBuckets(0.0005, 2, 16)})
+	m.prefillBusy = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_prefill_gpu_seconds_total", Help: "Wall seconds the GPU spent on (append-)prefill compute."})
 	m.residentGauge = prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvc_sim_resident_sessions", Help: "Sessions resident in the KV pool."},
 		func() float64 { return float64(w.stats().Sessions) })
 	m.usedPagesGauge = prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvc_sim_used_pages", Help: "KV pages in use."},
@@ -66,7 +74,8 @@ func newMetrics(reg prometheus.Registerer, w *Worker) *metrics {
 	if reg != nil {
 		reg.MustRegister(m.requests, m.ttft, m.receivedBytes, m.verifiedBytes, m.verifyFailures, m.sentBytes,
 			m.prefillTokens, m.decodeTokens, m.evictions, m.capacityRejects, m.preallocWaits, m.bridgeErrors, m.transferSeconds,
-			m.residentGauge, m.usedPagesGauge, m.freePagesGauge, m.truncations, m.tailRewrites, m.misStitched, m.prefixCachedTokens)
+			m.residentGauge, m.usedPagesGauge, m.freePagesGauge, m.truncations, m.tailRewrites, m.misStitched, m.prefixCachedTokens,
+			m.bootstrapSeconds, m.prefillBusy)
 	}
 	return m
 }

@@ -39,6 +39,9 @@ type Config struct {
 	// fails verification) and it receives from the prefill rank of its own index (kv_hints
 	// prefill_peer_addrs).
 	TPRank, TPSize int32
+	// LinkDir is where the flows out of each sender are counted across processes, for the
+	// shared-link model (link.go); "" counts only this node's own NIC.
+	LinkDir string
 }
 
 // Bridge is the part of the sidecar's WorkerBridgeService the worker calls.
@@ -95,6 +98,7 @@ type Worker struct {
 	turns  map[string]*turnLock
 
 	prefillGPU chan struct{} // one prefill pass at a time (the GPU)
+	inbound    nic           // this node's NIC, inbound: the modeled flows into it (link.go)
 	allocQ     fifoQueue     // allocations waiting for room, first come first served (fifo.go)
 
 	att attacher // the command watcher: re-attach after a sidecar restart, release commands (attach.go)

@@ -1,0 +1,171 @@
+package worker
+
+import (
+	"context"
+	"path/filepath"
+	"sync"
+	"testing"
+	"time"
+
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+// fidelityTiming: a 300 ms prefill pass whatever its size, 40 ms decode steps and a link of
+// 1 GB/s at 500 kB per token (400 tokens = 200 ms), at real speed.
+func fidelityTiming() Timing {
+	return Timing{PrefillTokensPerS: 1e12, PrefillOverhead: 300 * time.Millisecond, DecodePerToken: 40 * time.Millisecond,
+		LinkGbps: 8, ModelBytesPerToken: 500_000, Scale: 1}
+}
+
+type timed struct {
+	r   result
+	end time.Time
+}
+
+func postAsync(t *testing.T, ctx context.Context, url string, b []byte) <-chan timed {
+	ch := make(chan timed, 1)
+	go func() {
+		r := post(t, ctx, url, b)
+		ch <- timed{r, time.Now()}
+	}()
+	return ch
+}
+
+// TestPrefillWaitsForDecodePrealloc: SGLang's prefill leaves its bootstrap queue only once the
+// decode worker has pre-allocated pages. B's decode half waits in D's prealloc queue until A's
+// turn ends; B's prefill must start only then, so it ends a whole prefill pass after A's end
+// (before: P prefilled meanwhile and B's prefill was hidden behind D's wait).
+func TestPrefillWaitsForDecodePrealloc(t *testing.T) {
+	h := newHub()
+	tm := fidelityTiming()
+	tm.LinkGbps = 1e6 // no link time
+	p := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_PREFILL, "p0", 4096, tm)
+	// Room for one turn of 40 + 10 tokens (13 pages of 4) only.
+	d := newTestWorkerCfg(t, h, kvcv1.WorkerRole_WORKER_ROLE_DECODE, "d0", 60, tm, 10*time.Second)
+	ctx := context.Background()
+	req := func(sess string, room int64, role string) []byte {
+		return body("r-"+sess, 10, false, kvcReq{Mode: "SEED", Role: role, SessionID: sess, InputTokens: 40, Room: i64(room)})
+	}
+	aD := postAsync(t, ctx, d.url, req("a", 1, "decode"))
+	if ar := post(t, ctx, p.url, req("a", 1, "prefill")); ar.status != 200 {
+		t.Fatalf("A prefill: %d %s", ar.status, ar.code)
+	}
+	// A's KV is on D; D decodes A for 400 ms with A's pages pinned. Now B, both halves at once.
+	bD := postAsync(t, ctx, d.url, req("b", 2, "decode"))
+	bP := postAsync(t, ctx, p.url, req("b", 2, "prefill"))
+	a, bp, bd := <-aD, <-bP, <-bD
+	if a.r.status != 200 || bp.r.status != 200 || bd.r.status != 200 {
+		t.Fatalf("A D %d %s, B P %d %s, B D %d %s", a.r.status, a.r.code, bp.r.status, bp.r.code, bd.r.status, bd.r.code)
+	}
+	if gap := bp.end.Sub(a.end); gap < 250*time.Millisecond {
+		t.Fatalf("B's prefill ended %v after A's turn freed D's pages: it ran while D had no pages for it (want a whole 300 ms pass after)", gap)
+	}
+	if w := bp.r.ans.MetaInfo.KVC.BootstrapWaitMS; w < 200 {
+		t.Fatalf("B's bootstrap wait %v ms, want about A's remaining decode (~400 ms)", w)
+	}
+}
+
+// TestTierPullDoesNotHoldPrefillGPU: a prefill that first pulls a long prefix from a KV tier
+// (HiCache L3 prefetch, llm-d's host-tier pull) holds the GPU only for its compute: another
+// prefill arriving during the pull is not queued behind it.
+func TestTierPullDoesNotHoldPrefillGPU(t *testing.T) {
+	h := newHub()
+	tm := fidelityTiming()
+	tm.PrefillOverhead = 100 * time.Millisecond
+	tier := filepath.Join(t.TempDir(), "l3")
+	off, err := NewBaseline(BaselineConfig{OffloadDir: tier}, 4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The tier holds 1,600 tokens of session a's history: an 800 ms pull.
+	if err := off.offloadWrite("a", chainHashes((&plan{seedKey: "a"}).tokenIDs(1600), 4), 4); err != nil {
+		t.Fatal(err)
+	}
+	p := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_PREFILL, "p0", 8192, tm)
+	p.w.cfg.Baseline, err = NewBaseline(BaselineConfig{PullDirs: []string{tier}}, 4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmD := tm
+	tmD.LinkGbps = 1e6 // the decode side's receive is not what is measured
+	d := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_DECODE, "d0", 8192, tmD)
+	ctx := context.Background()
+	req := func(sess string, in, room int64, role string) []byte {
+		return body("r-"+sess, 1, false, kvcReq{Mode: "SEED", Role: role, SessionID: sess, InputTokens: in, Room: i64(room)})
+	}
+	aD := postAsync(t, ctx, d.url, req("a", 1700, 1, "decode"))
+	aP := postAsync(t, ctx, p.url, req("a", 1700, 1, "prefill"))
+	waitFor(t, func() bool { return p.w.inbound.count() == 1 }) // A is pulling
+	t0 := time.Now()
+	bD := postAsync(t, ctx, d.url, req("b", 40, 2, "decode"))
+	bp := <-postAsync(t, ctx, p.url, req("b", 40, 2, "prefill"))
+	if bp.r.status != 200 {
+		t.Fatalf("B prefill: %d %s", bp.r.status, bp.r.code)
+	}
+	if took := bp.end.Sub(t0); took > 600*time.Millisecond {
+		t.Fatalf("B's 100 ms prefill took %v: it waited behind A's 800 ms tier pull", took)
+	}
+	ap := <-aP
+	if ap.r.status != 200 || ap.r.ans.MetaInfo.KVC.FetchMS < 750 || ap.r.ans.MetaInfo.KVC.PrefixCachedTokens != 1600 {
+		t.Fatalf("A: %d %s, fetch %v ms, %d tokens from the tier (want ~800 ms, 1600)", ap.r.status, ap.r.code,
+			ap.r.ans.MetaInfo.KVC.FetchMS, ap.r.ans.MetaInfo.KVC.PrefixCachedTokens)
+	}
+	<-aD
+	<-bD
+}
+
+// TestLinkSharedByConcurrentTransfers: two transfers into one node share its NIC (and two out
+// of one sender its egress): each takes about twice as long as alone, where before each was an
+// independent sleep of the whole link's time.
+func TestLinkSharedByConcurrentTransfers(t *testing.T) {
+	tm := fidelityTiming() // 400 tokens: 200 ms alone
+	alone := tm.Transfer(400)
+	cases := []struct {
+		name string
+		// two flows: into which worker, from which sender
+		into [2]int
+		from [2]string
+	}{
+		{"one NIC inbound", [2]int{0, 0}, [2]string{"", ""}},
+		{"one sender's egress", [2]int{0, 1}, [2]string{"p0:1", "p0:1"}},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			dir := t.TempDir()
+			ws := []*Worker{{cfg: Config{Timing: tm, LinkDir: dir}}, {cfg: Config{Timing: tm, LinkDir: dir}}}
+			var wg sync.WaitGroup
+			took := make([]time.Duration, 2)
+			start := make(chan struct{})
+			for i := range 2 {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					<-start
+					d, err := ws[c.into[i]].move(context.Background(), 400, c.from[i])
+					if err != nil {
+						t.Error(err)
+					}
+					took[i] = d
+				}()
+			}
+			close(start)
+			wg.Wait()
+			for i, d := range took {
+				if d < alone*3/2 {
+					t.Errorf("flow %d took %v; alone it takes %v, shared it must take about twice that", i, d, alone)
+				}
+			}
+		})
+	}
+	// Flows on different links do not slow each other.
+	dir := t.TempDir()
+	a, b := &Worker{cfg: Config{Timing: tm, LinkDir: dir}}, &Worker{cfg: Config{Timing: tm, LinkDir: dir}}
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() { defer wg.Done(); _, _ = a.move(context.Background(), 400, "p0:1") }()
+	d, _ := b.move(context.Background(), 400, "p1:1")
+	wg.Wait()
+	if d >= alone*3/2 {
+		t.Errorf("a flow on its own links took %v, want about %v", d, alone)
+	}
+}
