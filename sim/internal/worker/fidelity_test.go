@@ -7,6 +7,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -167,5 +169,28 @@ func TestLinkSharedByConcurrentTransfers(t *testing.T) {
 	wg.Wait()
 	if d >= alone*3/2 {
 		t.Errorf("a flow on its own links took %v, want about %v", d, alone)
+	}
+}
+
+// TestDecodeSidePrefillSlowsCoRunningDecode: a prefill on a decode worker (here a local
+// fallback prefill) shares the GPU with the running decode batch, so a request decoding
+// meanwhile is slowed by the prefill's time (before: the prefill was free and parallel).
+func TestDecodeSidePrefillSlowsCoRunningDecode(t *testing.T) {
+	h := newHub()
+	tm := Timing{PrefillTokensPerS: 1000, DecodePerToken: 60 * time.Millisecond, LinkGbps: 200, ModelBytesPerToken: 1, Scale: 1}
+	d := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_DECODE, "d0", 4096, tm)
+	local := func(rid string, in, maxNew int64) []byte {
+		return body(rid, maxNew, false, kvcReq{Mode: "PD_FALLBACK", Role: "decode", InputTokens: in, Keep: bptr(false), LocalPrefill: bptr(true)})
+	}
+	ctx := context.Background()
+	a := postAsync(t, ctx, d.url, local("a", 4, 5)) // 4 ms prefill, then 5 steps: 300 ms alone
+	waitFor(t, func() bool { return testutil.ToFloat64(d.w.m.decodeTokens) >= 1 })
+	b := postAsync(t, ctx, d.url, local("b", 300, 1)) // a 300 ms prefill while A decodes
+	ar, br := <-a, <-b
+	if ar.r.status != 200 || br.r.status != 200 {
+		t.Fatalf("A %d %s, B %d %s", ar.r.status, ar.r.code, br.r.status, br.r.code)
+	}
+	if e2e := ar.r.ans.MetaInfo.E2ELatency; e2e < 0.5 {
+		t.Fatalf("A took %.3f s with B's 300 ms prefill on the same GPU: its decode steps did not wait for it (want >= 0.5 s, 0.3 s alone)", e2e)
 	}
 }

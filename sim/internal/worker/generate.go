@@ -691,7 +691,7 @@ func (w *Worker) receive(ctx context.Context, t *turn, kind kvcv1.TransferKind, 
 // appendPrefill models the (append-)prefill of tokens [from, to) and writes their known bytes.
 func (w *Worker) appendPrefill(ctx context.Context, t *turn, from, to int64) *apiError {
 	t0 := time.Now()
-	if err := sleepCtx(ctx, w.cfg.Timing.Prefill(to-from)); err != nil {
+	if err := w.gpuPrefill(ctx, to-from); err != nil { // decodegpu.go: shares the GPU with the decode batch
 		return ctxError(ctx, "during append-prefill")
 	}
 	if e := w.fillContent(t, t.pageList(), from, to); e != nil {
@@ -719,7 +719,7 @@ func (w *Worker) decode(ctx context.Context, rw http.ResponseWriter, t *turn, st
 	var text strings.Builder
 	var outIDs []int64
 	for i := int64(0); i < p.maxNew; i++ {
-		if err := sleepCtx(ctx, w.cfg.Timing.Decode()); err != nil {
+		if err := w.gpuDecodeStep(ctx); err != nil {
 			return ctxError(ctx, "during decode")
 		}
 		if e := w.fillContent(t, t.pageList(), t.kv, t.kv+1); e != nil {

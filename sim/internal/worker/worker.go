@@ -99,6 +99,7 @@ type Worker struct {
 
 	prefillGPU chan struct{} // one prefill pass at a time (the GPU)
 	inbound    nic           // this node's NIC, inbound: the modeled flows into it (link.go)
+	gpu        decodeGPU     // a decode worker's GPU: decode batch and its own prefills (decodegpu.go)
 	allocQ     fifoQueue     // allocations waiting for room, first come first served (fifo.go)
 
 	att attacher // the command watcher: re-attach after a sidecar restart, release commands (attach.go)

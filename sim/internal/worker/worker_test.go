@@ -76,6 +76,7 @@ type kvcReq struct {
 	Room         *int64 `json:"room,omitempty"`
 	Seqlen       int64  `json:"snapshot_seqlen,omitempty"`
 	Keep         *bool  `json:"keep_session,omitempty"`
+	LocalPrefill *bool  `json:"local_prefill,omitempty"`
 }
 
 func body(rid string, maxNew int64, stream bool, k kvcReq) []byte {
