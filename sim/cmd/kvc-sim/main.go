@@ -48,7 +48,7 @@ type options struct {
 	bridgeWait, transferTimeout, preallocWait             time.Duration
 	baseline                                              worker.BaselineConfig
 	pullDirs, restoreDirs                                 string
-	linkDir                                               string
+	linkDir, evict                                        string
 }
 
 func parse(args []string, getenv func(string) string, stderr io.Writer) (*options, worker.Config, error) {
@@ -79,6 +79,7 @@ func parse(args []string, getenv func(string) string, stderr io.Writer) (*option
 	fs.Int64Var(&o.baseline.OffloadCapacityTokens, "offload-capacity-tokens", 0, "decode: tokens this worker keeps in --offload-dir, LRU by session (0: unbounded)")
 	fs.BoolVar(&o.baseline.DecodeRadix, "decode-radix", false, "decode: SGLang decode radix cache + decode HiCache: a plain P/D turn receives only the suffix past what this worker holds or restores from --restore-dirs")
 	fs.Int64Var(&o.baseline.RadixTokens, "decode-radix-tokens", 0, "decode: L1 radix capacity in tokens with --decode-radix (0: the pool's capacity)")
+	fs.StringVar(&o.evict, "evict", "lru", "decode: lru (evict idle sessions, least recently used first, when a request needs room: SGLang's decode radix) or watermark (never evict a session for capacity, as SGLang's streaming sessions; only the sidecar's capacity release frees one: pair with the decode sidecar's --release-high-watermark)")
 	fs.StringVar(&o.linkDir, "link-dir", filepath.Join(os.TempDir(), "kvc-sim-links"), "directory where the kvc-sims of one machine count the modeled flows out of each sender (a prefill node, a KV tier), so that they share its link (\"\": only this node's NIC is shared)")
 	fs.StringVar(&o.restoreDirs, "restore-dirs", "", "decode: comma list of tier directories --decode-radix restores from (SGLang's L3)")
 	fs.IntVar(&o.tpRank, "tp-rank", 0, "tensor parallelism: this process is rank N of --tp-size (one sidecar per rank; its KV is that rank's shard)")
@@ -110,6 +111,11 @@ func parse(args []string, getenv func(string) string, stderr io.Writer) (*option
 	if o.bridgeWait <= 0 || o.transferTimeout <= 0 {
 		return nil, worker.Config{}, errors.New("--bridge-wait and --transfer-timeout must be > 0")
 	}
+	switch o.evict {
+	case "lru", "watermark":
+	default:
+		return nil, worker.Config{}, fmt.Errorf("--evict must be lru or watermark, got %q", o.evict)
+	}
 	if o.preallocWait < 0 {
 		return nil, worker.Config{}, errors.New("--prealloc-wait must be >= 0")
 	}
@@ -138,6 +144,8 @@ func parse(args []string, getenv func(string) string, stderr io.Writer) (*option
 		TPRank:          int32(o.tpRank),
 		TPSize:          int32(o.tpSize),
 		LinkDir:         o.linkDir,
+
+		EvictOnlyByRelease: o.evict == "watermark",
 	}
 	if o.tpSize < 0 || o.tpSize > 1024 || o.tpRank < 0 || o.tpRank >= max(o.tpSize, 1) {
 		return nil, worker.Config{}, fmt.Errorf("--tp-rank %d must be in [0, --tp-size %d) (--tp-size in [0, 1024])", o.tpRank, o.tpSize)

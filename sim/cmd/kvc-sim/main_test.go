@@ -37,6 +37,7 @@ func TestParseFlags(t *testing.T) {
 		{"bad env", base, map[string]string{"KVC_LINK_GBPS": "fast"}, 2, "KVC_LINK_GBPS"},
 		{"zero link", base, map[string]string{"KVC_LINK_GBPS": "0"}, 2, "link bandwidth"},
 		{"bad log level", append(base, "--log-level", "loud"), nil, 2, "log level"},
+		{"bad eviction mode", append(base, "--evict", "never"), nil, 2, "--evict"},
 		{"unknown flag", append(base, "--nope"), nil, 2, "nope"},
 	}
 	for _, tt := range tests {

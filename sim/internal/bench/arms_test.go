@@ -18,7 +18,7 @@ func TestArmPolicyAndSimArgs(t *testing.T) {
 		{arm: "LLMD", prefill: "--prefix-cache-tokens 50000 --pull-dirs /w/tier-host-decode-0,/w/tier-host-decode-1",
 			decode: "--offload-dir /w/tier-host-{worker} --offload-capacity-tokens 700"},
 		{arm: "E3", kvCentric: true, prefill: "--prefix-cache-tokens 50000"},
-		{arm: "E4", kvCentric: true, prefill: "--prefix-cache-tokens 50000"},
+		{arm: "E4", kvCentric: true, prefill: "--prefix-cache-tokens 50000", decode: "--evict watermark"},
 		{arm: "E9", wantErr: true},
 	}
 	for _, tt := range tests {
@@ -41,6 +41,9 @@ func TestArmPolicyAndSimArgs(t *testing.T) {
 				t.Errorf("decode %q, want %q", got, tt.decode)
 			}
 		})
+	}
+	if got := strings.Join(ArmDecodeSidecarArgs("E4"), " "); got != "--release-high-watermark 0.9" || ArmDecodeSidecarArgs("SGL") != nil {
+		t.Errorf("decode sidecar args: E4 %q", got)
 	}
 	if p, _ := ArmSimArgs("PD", "/w", 1, Baselines{PrefixCacheTokens: 123, PrefillCapacity: 50000}); p[1] != "123" {
 		t.Errorf("explicit prefix cache: %v", p)

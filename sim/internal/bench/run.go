@@ -80,8 +80,19 @@ func ArmSimArgs(arm, work string, decode int, b Baselines) (prefill, dec []strin
 		if b.HostTierTokens > 0 {
 			dec = append(dec, "--offload-capacity-tokens", fmt.Sprint(b.HostTierTokens))
 		}
+	case "E4": // SGLang streaming sessions: freed only by the decode sidecar's release (ArmDecodeSidecarArgs)
+		dec = []string{"--evict", "watermark"}
 	}
 	return prefill, dec
+}
+
+// ArmDecodeSidecarArgs are the decode sidecars' flags of an arm: E4's capacity release, the only
+// thing that frees a streaming session on its decode workers (sidecar-decode's flag help).
+func ArmDecodeSidecarArgs(arm string) []string {
+	if arm == "E4" {
+		return []string{"--release-high-watermark", "0.9"}
+	}
+	return nil
 }
 
 // hostTier is the CPU tier directory of a decode worker's host (LLMD): it dies with the node.
@@ -211,7 +222,7 @@ func runArm(ctx context.Context, cfg Config, arm string, out io.Writer, meta *re
 			DecodeCapacityTokens: cfg.DecodeCapacityTokens, Policy: pol, SimArgs: cfg.SimArgs, SidecarArgs: cfg.SidecarArgs,
 			Gateway: true, Log: prefixWriter{cfg.Log, arm + ": "},
 			WorkerKind: cfg.WorkerKind, RefworkerPython: cfg.RefworkerPython, RefworkerArgs: cfg.RefworkerArgs,
-			RefworkerDevices: cfg.RefworkerDevices, PrefillSidecarArgs: cfg.PrefillSidecarArgs,
+			RefworkerDevices: cfg.RefworkerDevices, PrefillSidecarArgs: cfg.PrefillSidecarArgs, DecodeSidecarArgs: ArmDecodeSidecarArgs(arm),
 		}
 		// Every process binds port 0 and reports what it bound: no port race to retry.
 		c, err := cluster.Start(ctx, ccfg)

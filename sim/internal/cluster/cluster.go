@@ -48,7 +48,9 @@ type Config struct {
 	SidecarArgs      []string
 	// PrefillSidecarArgs go to prefill sidecars only, after SidecarArgs (e.g. --store-capacity-bytes).
 	PrefillSidecarArgs []string
-	GatewayArgs        []string
+	// DecodeSidecarArgs go to decode sidecars only, after SidecarArgs (e.g. --release-high-watermark).
+	DecodeSidecarArgs []string
+	GatewayArgs       []string
 	// PrefillCapacityTokens is --kv-capacity-tokens of every prefill kvc-sim (0: default).
 	PrefillCapacityTokens int64
 	// StartTimeout bounds each start-up step (a group of processes getting ready, the wait for all
@@ -440,6 +442,8 @@ func (c *Cluster) start(ctx context.Context) error {
 		}, cfg.SidecarArgs...)
 		if w.Role == "prefill" {
 			scArgs = append(scArgs, cfg.PrefillSidecarArgs...)
+		} else {
+			scArgs = append(scArgs, cfg.DecodeSidecarArgs...)
 		}
 		sc, err := c.spawnProc("kvc-sidecar-"+w.Role, "sidecar-"+w.ID, "sidecar-"+w.Role, scArgs)
 		if err != nil {

@@ -194,3 +194,43 @@ func TestDecodeSidePrefillSlowsCoRunningDecode(t *testing.T) {
 		t.Fatalf("A took %.3f s with B's 300 ms prefill on the same GPU: its decode steps did not wait for it (want >= 0.5 s, 0.3 s alone)", e2e)
 	}
 }
+
+// TestWatermarkModeNeverEvictsOnDemand: with EvictOnlyByRelease (E4's decode workers, which run
+// SGLang streaming sessions) an idle session is not evicted for a request that needs its pages:
+// the request waits in the prealloc queue until the sidecar's capacity release frees the
+// session (before: kvc-sim evicted it at once, LRU).
+func TestWatermarkModeNeverEvictsOnDemand(t *testing.T) {
+	for _, watermark := range []bool{false, true} {
+		t.Run(map[bool]string{false: "lru", true: "watermark"}[watermark], func(t *testing.T) {
+			h := newHub()
+			p := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_PREFILL, "p0", 4096, zeroTiming())
+			d := newTestWorkerCfg(t, h, kvcv1.WorkerRole_WORKER_ROLE_DECODE, "d0", 64, zeroTiming(), 10*time.Second)
+			d.w.cfg.EvictOnlyByRelease = watermark
+			seed := func(sess string, room int64) kvcReq {
+				return kvcReq{Mode: "SEED", SessionID: sess, InputTokens: 40, Room: i64(room)}
+			}
+			if _, dr := pd(t, p, d, "a", 4, seed("a", 1)); dr.status != 200 {
+				t.Fatalf("seed a: %d %s", dr.status, dr.code)
+			}
+			// b needs 11 of 16 pages; a holds 11 and is idle.
+			done := make(chan result, 1)
+			go func() { _, dr := pd(t, p, d, "b", 4, seed("b", 2)); done <- dr }()
+			if !watermark {
+				if dr := <-done; dr.status != 200 || dr.ans.MetaInfo.KVC.EvictedSessions != 1 {
+					t.Fatalf("lru: b %d %s, evicted %d; want a evicted at once", dr.status, dr.code, dr.ans.MetaInfo.KVC.EvictedSessions)
+				}
+				return
+			}
+			waitFor(t, func() bool { return testutil.ToFloat64(d.w.m.preallocWaits) >= 1 })
+			if _, ok := sessionsOf(t, d)["a"]; !ok {
+				t.Fatal("watermark: the engine evicted a for b")
+			}
+			if _, err := d.w.releaseForSidecar("a", kvcv1.WorkerCommandReason_WORKER_COMMAND_REASON_CAPACITY); err != nil {
+				t.Fatal(err)
+			}
+			if dr := <-done; dr.status != 200 {
+				t.Fatalf("b after the sidecar released a: %d %s", dr.status, dr.code)
+			}
+		})
+	}
+}

@@ -39,6 +39,11 @@ type Config struct {
 	// fails verification) and it receives from the prefill rank of its own index (kv_hints
 	// prefill_peer_addrs).
 	TPRank, TPSize int32
+	// EvictOnlyByRelease (decode): the engine never evicts a session for capacity, as SGLang
+	// never evicts a streaming session; only the sidecar's capacity release
+	// (WorkerReleaseCommand, sidecar-decode --release-high-watermark) or close_session frees
+	// one. A request that does not fit waits in the prealloc queue (PreallocWait) for that.
+	EvictOnlyByRelease bool
 	// LinkDir is where the flows out of each sender are counted across processes, for the
 	// shared-link model (link.go); "" counts only this node's own NIC.
 	LinkDir string
@@ -404,7 +409,7 @@ func (w *Worker) allocateOnce(n int64, exclude string) ([]int64, int, *apiError)
 	}
 	var cands []*session
 	for _, s := range w.sessions {
-		if s.pinned == 0 && s.id != exclude {
+		if s.pinned == 0 && s.id != exclude && !w.cfg.EvictOnlyByRelease {
 			cands = append(cands, s)
 		}
 	}
@@ -421,6 +426,10 @@ func (w *Worker) allocateOnce(n int64, exclude string) ([]int64, int, *apiError)
 	if have < n {
 		free := w.alloc.available()
 		w.mu.Unlock()
+		if w.cfg.EvictOnlyByRelease {
+			return nil, 0, errf(http.StatusServiceUnavailable, "no_capacity",
+				"need %d pages, %d free (sessions are freed only by the sidecar's capacity release)", n, free)
+		}
 		return nil, 0, errf(http.StatusServiceUnavailable, "no_capacity",
 			"need %d pages, %d free and %d more evictable (the rest is used by running requests)", n, free, have-free)
 	}
