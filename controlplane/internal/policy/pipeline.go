@@ -25,6 +25,7 @@ type Reserved struct {
 	Transfers int32 // decode: seeds and reseeds in flight
 	Seeds     int32 // decode: seeds in flight
 	Prefills  int32 // prefill: decisions that make the worker prefill, in flight
+	Plain     int32 // decode: plain P/D requests (PD_FALLBACK) in flight here, as a P/D router counts them
 }
 
 // Ledger is the reservation view Decide reads (the router's ledger, read under its lock).
@@ -437,18 +438,34 @@ func (c *Cycle) seed() Decision {
 func (c *Cycle) fallback(reason kvcv1.RouteReason) Decision {
 	dec := Decision{Mode: kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, Reason: reason, Cause: c.Cause}
 	c.Need = 0
-	d, why := c.pick(FallbackProfile)
-	if d == nil && why == kvcv1.RouteReason_ROUTE_REASON_NO_PREFILL_WORKER {
-		// Only decode workers no prefill worker pairs with: one of them, prefilling itself.
-		c.unpaired = true
-		d, _ = c.pick(FallbackProfile)
-		c.unpaired = false
+	// The baselines (KV-centric routing off) are routed as their own routers route (plainpd.go).
+	plain := reason == kvcv1.RouteReason_ROUTE_REASON_KV_CENTRIC_DISABLED
+	var d *Cand
+	var why kvcv1.RouteReason
+	if plain {
+		if d = c.plainDecode(); d == nil {
+			c.unpaired = true
+			d = c.plainDecode()
+			c.unpaired = false
+		}
+	} else {
+		d, why = c.pick(FallbackProfile)
+		if d == nil && why == kvcv1.RouteReason_ROUTE_REASON_NO_PREFILL_WORKER {
+			// Only decode workers no prefill worker pairs with: one of them, prefilling itself.
+			c.unpaired = true
+			d, _ = c.pick(FallbackProfile)
+			c.unpaired = false
+		}
 	}
 	tp := int32(0)
 	if d != nil {
 		tp = TPSize(d.W)
 	}
-	dec.Prefill = c.leastLoadedPrefill(tp)
+	if plain {
+		dec.Prefill = c.plainPrefill(tp)
+	} else {
+		dec.Prefill = c.leastLoadedPrefill(tp)
+	}
 	if dec.Prefill == nil {
 		dec.Reason = kvcv1.RouteReason_ROUTE_REASON_NO_PREFILL_WORKER
 	} else {

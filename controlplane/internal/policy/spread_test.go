@@ -30,8 +30,10 @@ func TestFallbackSpreadsOverDecodeWorkers(t *testing.T) {
 			map[string]int{"d0": 70, "d1": 70, "d2": 70, "d3": 70}, map[string]int{"d0": 130, "d1": 130, "d2": 130, "d3": 130}},
 		{"about the same headroom shares too", func(p *kvcv1.Policy) { p.KvCentricEnabled = b(false) }, d4(0, 5_000, 10_000, 0), nil,
 			map[string]int{"d0": 50, "d1": 50, "d2": 50, "d3": 50}, nil},
-		{"a D with half its capacity more free takes them all", func(p *kvcv1.Policy) { p.KvCentricEnabled = b(false) }, d4(60_000, 60_000, 0, 60_000), nil,
-			map[string]int{"d2": 400}, nil},
+		// A P/D router does not see decode workers' KV (plainpd.go): the power-of-two draw on
+		// equal in-flight counts spreads whatever the reported headroom.
+		{"plain P/D ignores reported headroom", func(p *kvcv1.Policy) { p.KvCentricEnabled = b(false) }, d4(60_000, 60_000, 0, 60_000), nil,
+			map[string]int{"d0": 70, "d1": 70, "d2": 70, "d3": 70}, map[string]int{"d2": 130}},
 		{"a full resident D's fallbacks (NO_D_CAPACITY) spread too", nil, d4(90_000, 0, 0, 0),
 			func(i int) *kvcv1.SessionRecord { return resident("d0", 10_000) },
 			map[string]int{"d1": 70, "d2": 70, "d3": 70}, map[string]int{"d0": 0}},

@@ -22,6 +22,7 @@ type reservation struct {
 	transfer bool
 	seed     bool
 	prefills bool
+	plain    bool // a plain P/D request (PD_FALLBACK) with a decode worker: counted in Reserved.Plain
 	input    int64
 	maxOut   int64
 	snapGen  uint64
@@ -64,6 +65,8 @@ type ledger struct {
 	minFront int64
 	// totals for metrics
 	heldTokens int64
+	// prefix: per prefill worker, the prompts routed there (prefixview.go).
+	prefix map[string]*prefixView
 	// free recycles the per-worker entries deleted when they fell to zero (a worker's
 	// reservations come and go with every decision and its outcome).
 	free []*policy.Reserved
@@ -204,6 +207,10 @@ func (l *ledger) add(r *reservation) {
 	}
 	if r.prefills && r.prefill != "" {
 		l.worker(r.prefill).Prefills++
+		l.routedPrompt(r.prefill, r.prompt)
+	}
+	if r.plain {
+		l.worker(r.decode).Plain++
 	}
 	if r.transfer {
 		l.sessions[r.session] = r.seq
@@ -239,6 +246,13 @@ func (l *ledger) remove(seq uint64) (*reservation, bool) {
 		w.Prefills--
 		if *w == (policy.Reserved{}) {
 			l.drop(r.prefill, w)
+		}
+	}
+	if r.plain {
+		w := l.workers[r.decode]
+		w.Plain--
+		if *w == (policy.Reserved{}) {
+			l.drop(r.decode, w)
 		}
 	}
 	if r.transfer && l.sessions[r.session] == r.seq {

@@ -356,6 +356,7 @@ func (s *Service) record(in *policy.Input, d *policy.Decision, now time.Time) *r
 		transfer: d.Transfer,
 		seed:     d.Seed,
 		prefills: d.UsesPrefill,
+		plain:    d.Mode == kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK && d.Decode != nil,
 		input:    in.Query.InputTokens,
 		maxOut:   in.Query.MaxOutputTokens,
 		snapGen:  d.SnapshotGeneration,

@@ -108,10 +108,15 @@ func (f *fixture) checkLedger() {
 			w.Prefills++
 			want[r.prefill] = w
 		}
+		if r.plain {
+			w := want[r.decode]
+			w.Plain++
+			want[r.decode] = w
+		}
 		tokens += r.tokens
 	}
 	for id, w := range f.s.led.workers {
-		if w.Tokens < 0 || w.Transfers < 0 || w.Seeds < 0 || w.Prefills < 0 {
+		if w.Tokens < 0 || w.Transfers < 0 || w.Seeds < 0 || w.Prefills < 0 || w.Plain < 0 {
 			f.t.Fatalf("negative reservation on %s: %+v", id, *w)
 		}
 		if *w != want[id] {
@@ -536,8 +541,9 @@ func TestConcurrentDecisionsDoNotOverAdmit(t *testing.T) {
 	f.checkLedger()
 	f.s.mu.Lock()
 	defer f.s.mu.Unlock()
-	// Only the fallbacks (never reported here) still hold their prefill slot.
-	if f.s.led.workers["d0"] != nil || f.s.led.heldTokens != 0 || len(f.s.led.pending) != goroutines*each-100 {
+	// Only the fallbacks (never reported here) still hold their prefill slot and their count of
+	// plain P/D requests in flight on d0.
+	if w := f.s.led.workers["d0"]; w == nil || *w != (policy.Reserved{Plain: goroutines*each - 100}) || f.s.led.heldTokens != 0 || len(f.s.led.pending) != goroutines*each-100 {
 		t.Fatalf("left over: %v %d %d", f.s.led.workers["d0"], f.s.led.heldTokens, len(f.s.led.pending))
 	}
 }
