@@ -37,8 +37,8 @@ type BaselineConfig struct {
 	OffloadCapacityTokens int64
 	// DecodeRadix (decode): SGLang's --disaggregation-decode-enable-radix-cache with decode
 	// HiCache: a plain P/D turn receives only the suffix past what the decode worker already
-	// holds in its own radix (L1, RadixTokens, free) or restores from RestoreDirs (L2/L3, at the
-	// link's rate, overlapped with the prefill of the suffix).
+	// holds in its own radix (L1: in its KV pool, at most RadixTokens; poolradix.go) or restores
+	// from RestoreDirs (L2/L3, at the link's rate, overlapped with the wait for the sender).
 	DecodeRadix bool
 	RadixTokens int64
 	RestoreDirs []string
@@ -49,7 +49,6 @@ type BaselineConfig struct {
 type Baseline struct {
 	cfg     BaselineConfig
 	prefix  *radix // prefill prefix cache
-	decode  *radix // decode L1 radix
 	mu      sync.Mutex
 	offload *list.List // sessions written to OffloadDir, LRU front = newest
 	offIdx  map[string]*list.Element
@@ -75,9 +74,6 @@ func NewBaseline(cfg BaselineConfig, pageSize int) (*Baseline, error) {
 	b := &Baseline{cfg: cfg, offload: list.New(), offIdx: map[string]*list.Element{}}
 	if cfg.PrefixCacheTokens > 0 {
 		b.prefix = newRadix(cfg.PrefixCacheTokens/int64(pageSize), pageSize)
-	}
-	if cfg.DecodeRadix && cfg.RadixTokens > 0 {
-		b.decode = newRadix(cfg.RadixTokens/int64(pageSize), pageSize)
 	}
 	if cfg.OffloadDir != "" {
 		if err := os.MkdirAll(cfg.OffloadDir, 0o755); err != nil {
@@ -284,7 +280,7 @@ func (w *Worker) receivePlan(t *turn, kind kvcv1.TransferKind, tokens int64) rec
 	}
 	ps := w.cfg.Geometry.PageSize
 	hs := chainHashes(t.content(tokens), ps)
-	l1 := b.decode.match(hs)
+	l1 := len(t.radix) // the decode radix's pages this turn locked (poolradix.go)
 	l3, from := l1, ""
 	if len(b.cfg.RestoreDirs) > 0 && l1 < len(hs) {
 		if n, d := tierMatch(b.cfg.RestoreDirs, t.p.sessionID, hs); n > l1 {
@@ -306,11 +302,10 @@ func (w *Worker) baselineFinished(t *turn) {
 	if b == nil || t.kv <= 0 || w.cfg.Role != kvcv1.WorkerRole_WORKER_ROLE_DECODE {
 		return
 	}
-	if b.decode == nil && b.cfg.OffloadDir == "" {
+	if b.cfg.OffloadDir == "" {
 		return
 	}
 	hs := chainHashes(t.content(t.kv), w.cfg.Geometry.PageSize)
-	b.decode.insert(hs)
 	if err := b.offloadWrite(t.p.sessionID, hs, w.cfg.Geometry.PageSize); err != nil {
 		w.log.Warn().Err(err).Str("session", t.p.sessionID).Msg("baseline offload write failed")
 	}

@@ -98,8 +98,8 @@ func TestPrefillCostAndTiers(t *testing.T) {
 	if cached != 160 || pulled != 32 || from != tier { // 160 own; tier holds 200 = 12 full pages = 192
 		t.Errorf("next turn: cached %d pulled %d from %q, want 160 32 %q", cached, pulled, from, tier)
 	}
-	// The decode radix holds 192 tokens of it: only the rest is received.
-	if rp := wd.receivePlan(&turn{p: p2}, kvcv1.TransferKind_TRANSFER_KIND_SEED, 260); rp != (recvPlan{have: 192}) {
+	// The decode radix holds (the turn locked) 192 tokens of it: only the rest is received.
+	if rp := wd.receivePlan(&turn{p: p2, radix: make([]*rnode, 12)}, kvcv1.TransferKind_TRANSFER_KIND_SEED, 260); rp != (recvPlan{have: 192}) {
 		t.Errorf("receive: %+v, want have 192 and no restore", rp)
 	}
 	// A new decode worker restores from the tier.

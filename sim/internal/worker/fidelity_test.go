@@ -234,3 +234,66 @@ func TestWatermarkModeNeverEvictsOnDemand(t *testing.T) {
 		})
 	}
 }
+
+// TestDecodeRadixLivesInThePool: SGLang's decode radix cache is part of the decode KV pool
+// (budget = free + evictable): a finished plain P/D turn's pages stay in the pool, a request
+// that needs them evicts them least recently used first, and a turn that matches a cached
+// prefix uses (and locks) those pages, allocating only the rest (before: the radix was a
+// separate, free set of hashes and every turn's pages were freed).
+func TestDecodeRadixLivesInThePool(t *testing.T) {
+	h := newHub()
+	p := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_PREFILL, "p0", 4096, zeroTiming())
+	d := newTestWorkerCfg(t, h, kvcv1.WorkerRole_WORKER_ROLE_DECODE, "d0", 64, zeroTiming(), 5*time.Second) // 16 pages of 4
+	var err error
+	if d.w.cfg.Baseline, err = NewBaseline(BaselineConfig{DecodeRadix: true}, 4); err != nil {
+		t.Fatal(err)
+	}
+	d.w.prad = newPoolRadix(16)
+	plain := func(room, in int64) kvcReq {
+		return kvcReq{Mode: "PD_FALLBACK", InputTokens: in, Room: i64(room), Keep: bptr(false)}
+	}
+	steps := []struct {
+		name        string
+		rid         string
+		room, in    int64
+		cached      int64
+		free, radix int64
+	}{
+		// 40 + 4 tokens: 11 pages, all full after the turn: they stay as the radix.
+		{"a's KV stays in the pool", "a", 1, 40, 0, 5, 11},
+		// Other content, 11 pages: 5 free + a's 6 least recently used (its deepest) evicted.
+		{"b evicts a's leaves", "b", 2, 40, 0, 0, 16},
+		// a's next turn (same content, 52 + 4): a's 5 remaining pages (20 tokens) are its prefix,
+		// locked and used; 9 more pages come from b's least recently used.
+		{"a's next turn reuses its prefix", "a", 3, 52, 20, 0, 16},
+	}
+	for _, st := range steps {
+		_, dr := pd(t, p, d, st.rid, 4, plain(st.room, st.in))
+		if dr.status != 200 {
+			t.Fatalf("%s: %d %s", st.name, dr.status, dr.code)
+		}
+		s := d.w.stats()
+		if got := dr.ans.MetaInfo.KVC.PrefixCachedTokens; got != st.cached || s.FreePages != st.free || s.RadixPages != st.radix {
+			t.Fatalf("%s: cached %d, free %d, radix %d pages; want %d, %d, %d", st.name, got, s.FreePages, s.RadixPages, st.cached, st.free, st.radix)
+		}
+	}
+}
+
+// Locked radix pages (a running turn's prefix) are never evicted.
+func TestPoolRadixLocks(t *testing.T) {
+	r := newPoolRadix(8)
+	for i := range 4 {
+		r.adopt(uint64(i+1), int64(10+i))
+	}
+	locked := r.lockMatch([]uint64{1, 2, 9}, 8)
+	if len(locked) != 2 || r.evictable() != 2 {
+		t.Fatalf("locked %d, evictable %d; want 2, 2", len(locked), r.evictable())
+	}
+	if got := r.evict(4); len(got) != 2 || r.size() != 2 {
+		t.Fatalf("evicted %v, %d left; want the 2 unlocked", got, r.size())
+	}
+	r.unlock(locked)
+	if r.evictable() != 2 || !r.adopt(5, 20) || r.adopt(1, 21) {
+		t.Fatalf("after unlock: evictable %d", r.evictable())
+	}
+}

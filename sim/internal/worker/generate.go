@@ -366,6 +366,9 @@ type turn struct {
 	kv       int64    // tokens of KV computed
 	ids      []uint32 // the content of the turn's KV (content.go), built on first use
 	local    bool     // a new session's first turn prefilled here (local_prefill)
+	// radix: the decode radix's pages (poolradix.go) this plain P/D turn locked for its prefix;
+	// they are the first pages of t.pages.
+	radix []*rnode
 	// finished: finish ran (decode runs it before the last write, so that a client that has the
 	// whole answer knows the session is committed on the sidecar).
 	finished bool
@@ -506,13 +509,18 @@ func (w *Worker) begin(ctx context.Context, p *plan, meta *KVCMeta) (*turn, *api
 			w.dropSession(old, kvcv1.ReleaseReason_RELEASE_REASON_RELEASED)
 		}
 	}
-	pages, ev, e := w.allocate(ctx, need, p.sessionID)
+	var cached []int64
+	if anonymous && !p.localPrefill {
+		cached = w.radixBegin(t) // the decode radix's pages of the prompt's prefix, locked
+	}
+	pages, ev, e := w.allocate(ctx, need-int64(len(cached)), p.sessionID)
 	meta.EvictedSessions = ev
 	if e != nil {
+		t.pages = cached
 		return fail(e)
 	}
 	if anonymous {
-		t.pages = pages
+		t.pages = append(cached, pages...)
 		if p.localPrefill {
 			// A PD_FALLBACK without a prefill worker (or the gateway's fail-open): this worker
 			// prefills the whole context itself; no transfer, no sidecar, nothing kept.
@@ -779,6 +787,10 @@ func (w *Worker) finish(t *turn, ok bool) {
 		}
 	}()
 	if t.s == nil {
+		if w.prad != nil && !t.p.localPrefill {
+			w.radixFinish(t, ok) // poolradix.go: the turn's KV stays in the pool as the decode radix
+			return
+		}
 		w.freePages(t.pages)
 		return
 	}

@@ -98,6 +98,7 @@ type Worker struct {
 	clock       uint64
 	freed       chan struct{} // closed and replaced whenever pages are freed or a session becomes evictable
 	quarantined int64         // pages not returned because their release failed
+	prad        *poolRadix    // decode radix in the pool (baseline DecodeRadix; poolradix.go), nil: none
 
 	turnMu sync.Mutex
 	turns  map[string]*turnLock
@@ -146,6 +147,13 @@ func New(cfg Config, mem *kvpool.Pool, bridge Bridge, reg prometheus.Registerer,
 		freed:      make(chan struct{}),
 		turns:      map[string]*turnLock{},
 		prefillGPU: make(chan struct{}, 1),
+	}
+	if b := cfg.Baseline; b != nil && b.cfg.DecodeRadix && cfg.Role == kvcv1.WorkerRole_WORKER_ROLE_DECODE {
+		capPages := cfg.Geometry.PageCount
+		if b.cfg.RadixTokens > 0 {
+			capPages = min(capPages, b.cfg.RadixTokens/int64(cfg.Geometry.PageSize))
+		}
+		w.prad = newPoolRadix(capPages)
 	}
 	w.m = newMetrics(reg, w)
 	if err := w.initAttach(); err != nil {
@@ -198,6 +206,7 @@ func (w *Worker) RegisterPool(ctx context.Context) (*kvcv1.RegisterKVPoolRespons
 type Stats struct {
 	PageCount   int64 `json:"page_count"`
 	FreePages   int64 `json:"free_pages"`
+	RadixPages  int64 `json:"radix_pages,omitempty"`
 	Quarantined int64 `json:"quarantined_pages"`
 	Sessions    int   `json:"sessions"`
 }
@@ -205,7 +214,11 @@ type Stats struct {
 func (w *Worker) stats() Stats {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	return Stats{PageCount: w.cfg.Geometry.PageCount, FreePages: w.alloc.available(), Quarantined: w.quarantined, Sessions: len(w.sessions)}
+	st := Stats{PageCount: w.cfg.Geometry.PageCount, FreePages: w.alloc.available(), Quarantined: w.quarantined, Sessions: len(w.sessions)}
+	if w.prad != nil {
+		st.RadixPages = w.prad.size()
+	}
+	return st
 }
 
 // SessionInfo describes one resident session (GET /kvc/sessions).
@@ -404,6 +417,13 @@ func (w *Worker) allocateOnce(n int64, exclude string) ([]int64, int, *apiError)
 	defer w.allocMu.Unlock()
 	w.mu.Lock()
 	if pages := w.alloc.take(n); pages != nil {
+		w.mu.Unlock()
+		return pages, 0, nil
+	}
+	// The decode radix is part of the budget (free + evictable): its unlocked pages go first.
+	if w.prad != nil && w.alloc.available()+w.prad.evictable() >= n {
+		w.alloc.put(w.prad.evict(n - w.alloc.available()))
+		pages := w.alloc.take(n)
 		w.mu.Unlock()
 		return pages, 0, nil
 	}
