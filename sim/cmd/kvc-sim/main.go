@@ -44,6 +44,7 @@ type options struct {
 	pageSize, layers, bytesPerToken, tpRank, tpSize       int
 	modelBytesPerToken                                    int64
 	prefillTPS, prefillOverheadMS, decodeMS, linkGbps     float64
+	tierEgressGbps                                        float64
 	timeScale                                             float64
 	bridgeWait, transferTimeout, preallocWait             time.Duration
 	baseline                                              worker.BaselineConfig
@@ -80,6 +81,7 @@ func parse(args []string, getenv func(string) string, stderr io.Writer) (*option
 	fs.BoolVar(&o.baseline.DecodeRadix, "decode-radix", false, "decode: SGLang decode radix cache + decode HiCache: a plain P/D turn receives only the suffix past what this worker holds or restores from --restore-dirs")
 	fs.Int64Var(&o.baseline.RadixTokens, "decode-radix-tokens", 0, "decode: most tokens the L1 radix may hold of the KV pool with --decode-radix (it lives in the pool and competes with running requests; 0: the whole pool)")
 	fs.StringVar(&o.evict, "evict", "lru", "decode: lru (evict idle sessions, least recently used first, when a request needs room: SGLang's decode radix) or watermark (never evict a session for capacity, as SGLang's streaming sessions; only the sidecar's capacity release frees one: pair with the decode sidecar's --release-high-watermark)")
+	fs.Float64Var(&o.tierEgressGbps, "tier-egress-gbps", 0, "modeled egress of a KV tier (--pull-dirs, --restore-dirs: SGLang's L3 store, a decode host's CPU tier) shared by the flows out of it (Gb/s; 0: --link-gbps, one NIC; a store striped over N nodes has N NICs)")
 	fs.StringVar(&o.linkDir, "link-dir", filepath.Join(os.TempDir(), "kvc-sim-links"), "directory where the kvc-sims of one machine count the modeled flows out of each sender (a prefill node, a KV tier), so that they share its link (\"\": only this node's NIC is shared)")
 	fs.StringVar(&o.restoreDirs, "restore-dirs", "", "decode: comma list of tier directories --decode-radix restores from (SGLang's L3)")
 	fs.IntVar(&o.tpRank, "tp-rank", 0, "tensor parallelism: this process is rank N of --tp-size (one sidecar per rank; its KV is that rank's shard)")
@@ -116,6 +118,9 @@ func parse(args []string, getenv func(string) string, stderr io.Writer) (*option
 	default:
 		return nil, worker.Config{}, fmt.Errorf("--evict must be lru or watermark, got %q", o.evict)
 	}
+	if o.tierEgressGbps < 0 || o.tierEgressGbps != o.tierEgressGbps {
+		return nil, worker.Config{}, errors.New("--tier-egress-gbps must be >= 0")
+	}
 	if o.preallocWait < 0 {
 		return nil, worker.Config{}, errors.New("--prealloc-wait must be >= 0")
 	}
@@ -144,6 +149,7 @@ func parse(args []string, getenv func(string) string, stderr io.Writer) (*option
 		TPRank:          int32(o.tpRank),
 		TPSize:          int32(o.tpSize),
 		LinkDir:         o.linkDir,
+		TierEgressGbps:  o.tierEgressGbps,
 
 		EvictOnlyByRelease: o.evict == "watermark",
 	}

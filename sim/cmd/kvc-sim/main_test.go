@@ -38,6 +38,7 @@ func TestParseFlags(t *testing.T) {
 		{"zero link", base, map[string]string{"KVC_LINK_GBPS": "0"}, 2, "link bandwidth"},
 		{"bad log level", append(base, "--log-level", "loud"), nil, 2, "log level"},
 		{"bad eviction mode", append(base, "--evict", "never"), nil, 2, "--evict"},
+		{"bad tier egress", append(base, "--tier-egress-gbps", "-1"), nil, 2, "--tier-egress-gbps"},
 		{"unknown flag", append(base, "--nope"), nil, 2, "nope"},
 	}
 	for _, tt := range tests {

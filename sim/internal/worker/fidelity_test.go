@@ -170,6 +170,25 @@ func TestLinkSharedByConcurrentTransfers(t *testing.T) {
 	if d >= alone*3/2 {
 		t.Errorf("a flow on its own links took %v, want about %v", d, alone)
 	}
+	// A tier with twice a NIC's egress (a store striped over two nodes) serves two receivers at
+	// full rate each; with the default (one NIC) they share it.
+	for _, tc := range []struct {
+		egress float64
+		slow   bool
+	}{{0, true}, {2 * tm.LinkGbps, false}} {
+		dir := t.TempDir()
+		a := &Worker{cfg: Config{Timing: tm, LinkDir: dir, TierEgressGbps: tc.egress}}
+		b := &Worker{cfg: Config{Timing: tm, LinkDir: dir, TierEgressGbps: tc.egress}}
+		var da, db time.Duration
+		var wg sync.WaitGroup
+		wg.Add(1)
+		go func() { defer wg.Done(); da, _ = a.fetch(context.Background(), 400, "/tier/l3") }()
+		db, _ = b.fetch(context.Background(), 400, "/tier/l3")
+		wg.Wait()
+		if slow := min(da, db) >= alone*5/4; slow != tc.slow {
+			t.Errorf("tier egress %v Gb/s: two fetches took %v and %v (alone %v), want shared %v", tc.egress, da, db, alone, tc.slow)
+		}
+	}
 }
 
 // TestDecodeSidePrefillSlowsCoRunningDecode: a prefill on a decode worker (here a local

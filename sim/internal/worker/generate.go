@@ -300,7 +300,7 @@ func (w *Worker) servePrefill(ctx context.Context, p *plan, meta *KVCMeta) *apiE
 	t0 := time.Now()
 	compute, cached, pulled, from := w.prefillCost(p) // baseline.go: prefix cache, pulled tiers
 	if pulled > 0 {
-		d, err := w.move(ctx, pulled, from) // the fetch lane: this node's NIC, not the GPU
+		d, err := w.fetch(ctx, pulled, from) // the fetch lane: this node's NIC and the tier's egress, not the GPU
 		meta.FetchMS = ms(d)
 		if err != nil {
 			return ctxError(ctx, "fetching KV from a tier")
@@ -616,7 +616,7 @@ func (w *Worker) receive(ctx context.Context, t *turn, kind kvcv1.TransferKind, 
 		defer cancel()
 		restored = make(chan error, 1)
 		go func() {
-			_, err := w.move(rctx, rp.restore, rp.restoreFrom)
+			_, err := w.fetch(rctx, rp.restore, rp.restoreFrom)
 			restored <- err
 		}()
 	}

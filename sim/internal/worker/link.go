@@ -110,6 +110,19 @@ func linkDir() string { return filepath.Join(os.TempDir(), "kvc-sim-links") }
 // of the sender named by from, "" for none) under processor sharing, and returns how long it
 // took. At time scale 0 it costs nothing.
 func (w *Worker) move(ctx context.Context, tokens int64, from string) (time.Duration, error) {
+	return w.moveFrom(ctx, tokens, from, w.cfg.Timing.LinkGbps)
+}
+
+// fetch is move out of a KV tier (its directory names it), whose egress is TierEgressGbps.
+func (w *Worker) fetch(ctx context.Context, tokens int64, tier string) (time.Duration, error) {
+	eg := w.cfg.TierEgressGbps
+	if eg <= 0 {
+		eg = w.cfg.Timing.LinkGbps
+	}
+	return w.moveFrom(ctx, tokens, tier, eg)
+}
+
+func (w *Worker) moveFrom(ctx context.Context, tokens int64, from string, egressGbps float64) (time.Duration, error) {
 	tm := w.cfg.Timing
 	if tokens <= 0 || tm.Scale == 0 {
 		return 0, ctx.Err()
@@ -117,6 +130,7 @@ func (w *Worker) move(ctx context.Context, tokens int64, from string) (time.Dura
 	// Work in model bytes; the link's rate in model bytes per wall second.
 	left := float64(tokens) * float64(tm.ModelBytesPerToken)
 	rate := tm.LinkGbps * 1e9 / 8 / tm.Scale
+	egRate := egressGbps * 1e9 / 8 / tm.Scale
 	w.inbound.join()
 	defer w.inbound.leave()
 	eg := joinEgress(w.cfg.LinkDir, from)
@@ -124,7 +138,7 @@ func (w *Worker) move(ctx context.Context, tokens int64, from string) (time.Dura
 	t0 := time.Now()
 	last := t0
 	for left > 0 {
-		share := rate / float64(max(w.inbound.count(), eg.count(), 1))
+		share := min(rate/float64(max(w.inbound.count(), 1)), egRate/float64(eg.count()))
 		step := min(time.Duration(left/share*float64(time.Second))+time.Microsecond, linkTick)
 		if err := sleepCtx(ctx, step); err != nil {
 			return time.Since(t0), err

@@ -44,6 +44,9 @@ type Config struct {
 	// (WorkerReleaseCommand, sidecar-decode --release-high-watermark) or close_session frees
 	// one. A request that does not fit waits in the prealloc queue (PreallocWait) for that.
 	EvictOnlyByRelease bool
+	// TierEgressGbps is the egress of a KV tier (the L3 store, a decode host's CPU tier) that
+	// the flows out of it share (0: Timing.LinkGbps, one NIC; a store striped over N nodes has N).
+	TierEgressGbps float64
 	// LinkDir is where the flows out of each sender are counted across processes, for the
 	// shared-link model (link.go); "" counts only this node's own NIC.
 	LinkDir string
