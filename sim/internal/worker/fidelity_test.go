@@ -316,3 +316,35 @@ func TestPoolRadixLocks(t *testing.T) {
 		t.Fatalf("after unlock: evictable %d", r.evictable())
 	}
 }
+
+// TestConcurrentSeedsShareTheDecodeNIC: two seeds received by one decode worker at the same time
+// share its NIC, so each one's modeled link time is about twice what it is alone (before: an
+// independent sleep of the whole link's time each).
+func TestConcurrentSeedsShareTheDecodeNIC(t *testing.T) {
+	h := newHub()
+	tm := fidelityTiming()
+	tm.PrefillOverhead = 0 // the two prefills end together
+	p1 := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_PREFILL, "p1", 4096, tm)
+	p2 := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_PREFILL, "p2", 4096, tm)
+	d := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_DECODE, "d0", 4096, tm)
+	d.w.cfg.LinkDir = t.TempDir()
+	alone := ms(tm.Transfer(400)) // 200 ms
+	var wg sync.WaitGroup
+	got := make([]result, 2)
+	for i, p := range []*testWorker{p1, p2} {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			_, got[i] = pd(t, p, d, "r", 1, kvcReq{Mode: "SEED", SessionID: []string{"a", "b"}[i], InputTokens: 400, Room: i64(int64(i + 1))})
+		}()
+	}
+	wg.Wait()
+	for i, r := range got {
+		if r.status != 200 {
+			t.Fatalf("seed %d: %d %s", i, r.status, r.code)
+		}
+		if m := r.ans.MetaInfo.KVC.TransferModelMS; m < 1.5*alone {
+			t.Errorf("seed %d: modeled link time %v ms; alone %v ms, two at once must share the NIC", i, m, alone)
+		}
+	}
+}
