@@ -37,6 +37,11 @@ type Common struct {
 	LogFormat         string
 	Heartbeat         time.Duration
 	FaultDelay        time.Duration
+	// TimeScale multiplies every decision-shaping timer of the sidecar (Scaled): 1 at real
+	// speed; a simulation run at --time-scale X (kvc-bench) passes the same X, so the control
+	// plane sees load reports, idle flushes and releases as stale in model seconds as at real
+	// speed.
+	TimeScale float64
 	// Worker process health (WorkerHealth): probe interval (0: no periodic probe), failures in
 	// a row that mark the worker down, and the timeout of one probe.
 	WorkerHealthInterval  time.Duration
@@ -80,6 +85,7 @@ func (c *Common) Register(fs *flag.FlagSet) {
 	fs.StringVar(&c.LogLevel, "log-level", "info", "debug, info, warn or error")
 	fs.StringVar(&c.LogFormat, "log-format", "json", "json or console")
 	fs.DurationVar(&c.Heartbeat, "heartbeat", time.Second, "load report interval")
+	fs.Float64Var(&c.TimeScale, "time-scale", 1, "multiplies every decision-shaping timer (--heartbeat, --worker-health-interval and, on a decode sidecar, --snapshot-idle-flush, --release-min-idle and the 1s release tick), in (0, 100]: a simulation run at time scale X (kvc-bench --time-scale X) passes the same X so the timers keep their model-time length; 1 at real speed")
 	fs.DurationVar(&c.FaultDelay, "fault-transfer-delay", 0, "fault injection: delay before each transfer request (tests only)")
 	fs.DurationVar(&c.WorkerHealthInterval, "worker-health-interval", DefaultHealthInterval, "probe GET <worker-url>/health this often (0: only when the worker's bridge connection closes)")
 	fs.IntVar(&c.WorkerHealthThreshold, "worker-health-threshold", DefaultHealthThreshold, "failed /health probes in a row that mark the worker down (out of routing)")
@@ -88,6 +94,14 @@ func (c *Common) Register(fs *flag.FlagSet) {
 	fs.StringVar(&c.OTLPEndpoint, "otlp-endpoint", "", "OpenTelemetry traces: OTLP/gRPC collector host:port (empty: no export; W3C trace context is still propagated)")
 	fs.BoolVar(&c.OTLPInsecure, "otlp-insecure", false, "send traces to --otlp-endpoint without TLS")
 	fs.Float64Var(&c.TraceSampleRatio, "trace-sample-ratio", 1, "fraction of new traces sampled, in (0, 1] (a caller's sampled flag is followed)")
+}
+
+// Scaled is d at the sidecar's time scale (d itself when TimeScale is 0 or 1).
+func (c *Common) Scaled(d time.Duration) time.Duration {
+	if !(c.TimeScale > 0) || c.TimeScale == 1 {
+		return d
+	}
+	return time.Duration(float64(d) * c.TimeScale)
 }
 
 // Check validates the common flags.
@@ -103,12 +117,14 @@ func (c *Common) Check() error {
 		return fmt.Errorf("--gpu-index must be >= 0")
 	case c.KVCapacityTokens < 0:
 		return fmt.Errorf("--kv-capacity-tokens must be >= 0")
-	case c.Heartbeat < 10*time.Millisecond:
-		return fmt.Errorf("--heartbeat %v too short", c.Heartbeat)
+	case !(c.TimeScale > 0) || c.TimeScale > 100:
+		return fmt.Errorf("--time-scale %v out of range (0, 100]", c.TimeScale)
+	case c.Scaled(c.Heartbeat) < 10*time.Millisecond:
+		return fmt.Errorf("--heartbeat %v too short (at --time-scale %v: %v; at least 10ms)", c.Heartbeat, c.TimeScale, c.Scaled(c.Heartbeat))
 	case c.FaultDelay < 0:
 		return fmt.Errorf("--fault-transfer-delay must be >= 0")
-	case c.WorkerHealthInterval != 0 && c.WorkerHealthInterval < 10*time.Millisecond:
-		return fmt.Errorf("--worker-health-interval %v: want 0 (off) or at least 10ms", c.WorkerHealthInterval)
+	case c.WorkerHealthInterval != 0 && c.Scaled(c.WorkerHealthInterval) < 10*time.Millisecond:
+		return fmt.Errorf("--worker-health-interval %v: want 0 (off) or at least 10ms (after --time-scale %v)", c.WorkerHealthInterval, c.TimeScale)
 	case c.WorkerHealthThreshold < 1 || c.WorkerHealthThreshold > 1000:
 		return fmt.Errorf("--worker-health-threshold %d out of range [1, 1000]", c.WorkerHealthThreshold)
 	case c.WorkerHealthTimeout < time.Millisecond:

@@ -177,7 +177,7 @@ func (rt *Runtime) Serve(ctx context.Context, core Core, setReporter func(*Contr
 		return fmt.Errorf("http listen: %w", err)
 	}
 	var cp *ControlPlane
-	health := NewWorkerHealth(HealthConfig{URL: c.WorkerURL, Interval: c.WorkerHealthInterval, Threshold: c.WorkerHealthThreshold,
+	health := NewWorkerHealth(HealthConfig{URL: c.WorkerURL, Interval: c.Scaled(c.WorkerHealthInterval), Threshold: c.WorkerHealthThreshold,
 		Timeout: c.WorkerHealthTimeout, Registerer: rt.Reg, OnChange: func(down bool, reason string) {
 			if l, ok := core.(WorkerListener); ok {
 				l.WorkerHealth(down, reason) // first: a decode core drops (and reports) the lost sessions
@@ -205,7 +205,7 @@ func (rt *Runtime) Serve(ctx context.Context, core Core, setReporter func(*Contr
 	httpSrv := &http.Server{Handler: readyzHandler(hs.Mux, &rt.Ready, waiting), ReadHeaderTimeout: 5 * time.Second}
 
 	if eps := c.Endpoints(); len(eps) > 0 {
-		cp = NewControlPlane(CPConfig{Endpoints: eps, Heartbeat: c.Heartbeat, Registerer: rt.Reg,
+		cp = NewControlPlane(CPConfig{Endpoints: eps, Heartbeat: c.Scaled(c.Heartbeat), Registerer: rt.Reg,
 			DialOptions: []grpc.DialOption{cpclient.DialCredentials(rt.TLS)}},
 			core, rt.Log.With().Str("part", "cpclient").Logger())
 		if setReporter != nil {

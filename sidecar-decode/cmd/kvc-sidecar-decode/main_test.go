@@ -2,9 +2,11 @@ package main
 
 import (
 	"bytes"
+	"io"
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/kvcentric/kvcentric/pkg/tlsx"
 	"github.com/kvcentric/kvcentric/pkg/tlsx/tlstest"
@@ -38,6 +40,11 @@ func TestBadFlags(t *testing.T) {
 		{"idle flush unparsable from env", base, map[string]string{"KVC_SNAPSHOT_IDLE_FLUSH": "soon"}, "KVC_SNAPSHOT_IDLE_FLUSH"},
 		{"idle flush negative from env", base, map[string]string{"KVC_SNAPSHOT_IDLE_FLUSH": "-5s"}, "--snapshot-idle-flush"},
 		{"release idle negative", append(base, "--release-high-watermark", "0.9", "--release-min-idle", "-1s"), nil, "minimum idle"},
+		{"time scale zero", append(base, "--time-scale", "0"), nil, "--time-scale 0 out of range"},
+		{"time scale negative", append(base, "--time-scale", "-0.3"), nil, "--time-scale -0.3 out of range"},
+		{"time scale too large", append(base, "--time-scale", "101"), nil, "--time-scale 101 out of range"},
+		{"time scale from env", base, map[string]string{"KVC_TIME_SCALE": "NaN"}, "--time-scale NaN out of range"},
+		{"scaled heartbeat too short", append(base, "--time-scale", "0.1", "--heartbeat", "50ms"), nil, "--heartbeat 50ms too short"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -100,4 +107,40 @@ func plaintextEnv(args []string, env map[string]string) map[string]string {
 		out["KVC_INSECURE"] = "true"
 	}
 	return out
+}
+
+// TestTimeScaleScalesTimers: at --time-scale X every decision-shaping timer of the decode
+// sidecar runs X times as fast (the heartbeat and the health probe through agent.Common, the
+// idle flush, the release tick and the release's minimum idle here), so a simulation at X sees
+// the same staleness in model seconds as real speed does; at 1 (the default) nothing changes.
+func TestTimeScaleScalesTimers(t *testing.T) {
+	base := []string{"--worker-id", "w", "--bridge-socket", "/tmp/x.sock", "--heartbeat", "2s", "--worker-health-interval", "1s",
+		"--snapshot-idle-flush", "2s", "--release-high-watermark", "0.9", "--release-min-idle", "5s"}
+	tests := []struct {
+		name                                        string
+		args                                        []string
+		env                                         map[string]string
+		heartbeat, health, flush, minIdle, interval time.Duration
+	}{
+		{"real speed", base, nil, 2 * time.Second, time.Second, 2 * time.Second, 5 * time.Second, time.Second},
+		{"0.3", append(base, "--time-scale", "0.3"), nil, 600 * time.Millisecond, 300 * time.Millisecond, 600 * time.Millisecond, 1500 * time.Millisecond, 300 * time.Millisecond},
+		{"0.5 from env", base, map[string]string{"KVC_TIME_SCALE": "0.5"}, time.Second, 500 * time.Millisecond, time.Second, 2500 * time.Millisecond, 500 * time.Millisecond},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			env := plaintextEnv(tt.args, tt.env)
+			st, err := parse(tt.args, func(k string) string { return env[k] }, io.Discard)
+			if err != nil {
+				t.Fatal(err)
+			}
+			c := st.common
+			got := []time.Duration{c.Scaled(c.Heartbeat), c.Scaled(c.WorkerHealthInterval), st.core.IdleFlush, st.core.Release.MinIdle, st.core.Release.Interval}
+			want := []time.Duration{tt.heartbeat, tt.health, tt.flush, tt.minIdle, tt.interval}
+			for i, name := range []string{"heartbeat", "health probe", "idle flush", "release min idle", "release tick"} {
+				if got[i] != want[i] {
+					t.Errorf("%s %v, want %v", name, got[i], want[i])
+				}
+			}
+		})
+	}
 }
