@@ -159,19 +159,26 @@ proto-image: proto-lint
 proto-check: proto
 	git diff --exit-code -- proto/
 
-## demo: the main job — local 2P4D cluster, arms PD/SGL/LLMD (the baselines) and E3/E4 on the built-in workload, decode-1 killed mid-run, report in out/demo/
+## demo: the main job — two local cluster shapes, 1P3D (the seeds' rig, prefill-bound) then 2P4D
+## (llm-d's), arms PD/SGL/LLMD (the baselines) and E3/E4 on the built-in workload on each, decode-1
+## killed mid-run in every arm, targets stated per shape; out/demo/summary.json ({shape: {arm: ...}})
+## and report.md cover both, out/demo/1P3D/ and out/demo/2P4D/ hold each shape's files
 ## (--send-ids: the client keeps its conversation as token ids, so edited-history turns and page
 ## hashes reach the control plane)
 DEMO_ARMS ?= PD,SGL,LLMD,E3,E4
+DEMO_SHAPES ?= 1P3D,2P4D
 BENCH_FLAGS = --local --bin-dir $(BIN) --time-scale 0.3 --sim-args "--page-size 64 --layers 8 --prealloc-wait 20s" \
-	--prefill-workers 2 --decode-workers 4 --decode-capacity-tokens 88000 --send-ids --slo-ttft 2s --slo-tpot 50ms
+	--decode-capacity-tokens 88000 --send-ids --slo-ttft 2s --slo-tpot 50ms
 demo: build
-	$(BIN)/kvc-bench $(BENCH_FLAGS) --arms $(DEMO_ARMS) --sessions 16 --kill-decode decode-1 --kill-at 45s --out out/demo
+	$(BIN)/kvc-bench $(BENCH_FLAGS) --arms $(DEMO_ARMS) --shapes $(DEMO_SHAPES) --sessions 16 --kill-decode decode-1 --kill-at 45s --out out/demo
 
-## bench-sweep: every arm (E1 as the lower bound) at 6 loads (4 to 48 sessions), goodput and TTFT vs load
-## plots in out/sweep (about 45 min on 2 cores)
+## bench-sweep: the baselines and kvcentric (PD,SGL,LLMD,E3,E4) on both shapes (× 8 sessions: 1P3D at
+## 4 loads, 4-24 sessions; 2P4D at 5, 8-64), plus one 2P4D point with H200-sized decode pools (700K tokens);
+## out/sweep/sweep.json (points, slo_capacity), sweep.md and per-shape plots (about an hour on 2 cores)
+SWEEP_ARMS ?= PD,SGL,LLMD,E3,E4
+SWEEP ?= 1P3D=0.5,1,2,3;2P4D=1,2,4,6,8;2P4D@700K=2
 bench-sweep: build
-	$(BIN)/kvc-bench $(BENCH_FLAGS) --arms E1,PD,SGL,LLMD,E3,E4 --sessions 8 --sweep 0.5,1,2,3,4,6 --out out/sweep
+	$(BIN)/kvc-bench $(BENCH_FLAGS) --arms $(SWEEP_ARMS) --sessions 8 --sweep "$(SWEEP)" --out out/sweep
 
 ## bench-gateway: the gateway's tokenize + chat template + page hash cost per 32K-token prompt
 ## against the direct-to-D TTFT p50 of out/demo's report (run make demo first; else DESIGN.md's)

@@ -13,7 +13,6 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -60,7 +59,8 @@ type opts struct {
 	sloTPOT        time.Duration
 	killDecode     string
 	killAt         time.Duration
-	sweep          []float64
+	sweep          bench.SweepSpec
+	shapes         []bench.Shape
 	snapDelta      int64
 	workerKind     string
 	refPython      string
@@ -113,18 +113,20 @@ func parse(args []string, stderr io.Writer) (*opts, error) {
 	fs.DurationVar(&o.sloTTFT, "slo-ttft", 2*time.Second, "goodput SLO: time to first token (model time)")
 	fs.DurationVar(&o.sloTPOT, "slo-tpot", 50*time.Millisecond, "goodput SLO: time per output token (model time)")
 	fs.StringVar(&o.killDecode, "kill-decode", "", "with --local: SIGKILL this decode worker (e.g. decode-1: its kvc-sim and sidecar) --kill-at into each arm's replay, and measure recovery")
-	fs.Func("sweep", "built-in workload with --local: comma list of load multipliers (e.g. 0.5,1,2,4); each runs every arm with that many times --sessions over the same --arrival-span, into OUT/load-X, then OUT/sweep.json, sweep.md and goodput/TTFT-vs-load plots", func(v string) error {
-		o.sweep = nil
-		for _, f := range splitList(v) {
-			x, err := strconv.ParseFloat(f, 64)
-			if err != nil || !(x > 0) || x > 100 {
-				return fmt.Errorf("load %q: want a number in (0, 100]", f)
-			}
-			o.sweep = append(o.sweep, x)
+	fs.Func("sweep", "built-in workload with --local: comma list of load multipliers (e.g. 0.5,1,2,4) for every shape, or per shape SHAPE=LOADS groups separated by ';' (e.g. \"1P3D=0.5,1,2,3;2P4D=1,2,4,6;2P4D@700K=2\"; then not with --shapes); each load runs every arm with that many times --sessions over the same --arrival-span, into OUT/[SHAPE/]load-X, then OUT/sweep.json (points and slo_capacity), sweep.md and goodput/TTFT-vs-load plots", func(v string) error {
+		sp, err := bench.ParseSweep(v)
+		if err != nil {
+			return err
 		}
-		if len(o.sweep) == 0 {
-			return errors.New("empty")
+		o.sweep = sp
+		return nil
+	})
+	fs.Func("shapes", "with --local: comma list of cluster shapes <P>P<D>D[@<decode pool tokens>] (e.g. 1P3D,2P4D) run one after the other, each into OUT/SHAPE with every arm, then OUT/summary.json ({shape: {arm: summary}}) and OUT/report.md with every shape; replaces --prefill-workers and --decode-workers", func(v string) error {
+		sh, err := bench.ParseShapes(v)
+		if err != nil {
+			return err
 		}
+		o.shapes = sh
 		return nil
 	})
 	fs.Int64Var(&o.snapDelta, "snapshot-delta-tokens", 0, "with --local: the policy's snapshot_delta_tokens (a decode sidecar pushes when committed - last pushed reaches it; 0: the control plane's default, 1024). Small values keep idle sessions' snapshots current at the cost of more, smaller pushes")
@@ -167,13 +169,26 @@ func parse(args []string, stderr io.Writer) (*opts, error) {
 	if o.snapDelta < 0 {
 		errs = append(errs, errors.New("--snapshot-delta-tokens must be >= 0"))
 	}
-	if len(o.sweep) > 0 && (!o.local || o.workload != "builtin") {
+	sweeping := len(o.sweep.Loads)+len(o.sweep.PerShape) > 0
+	if sweeping && (!o.local || o.workload != "builtin") {
 		errs = append(errs, errors.New("--sweep needs --local and --workload builtin"))
+	}
+	if len(o.sweep.PerShape) > 0 && len(o.shapes) > 0 {
+		errs = append(errs, errors.New("--sweep with SHAPE=LOADS groups names its shapes: leave out --shapes"))
+	}
+	if len(o.shapes) > 0 && !o.local {
+		errs = append(errs, errors.New("--shapes needs --local"))
 	}
 	if o.killDecode != "" {
 		var n int
-		if _, err := fmt.Sscanf(o.killDecode, "decode-%d", &n); err != nil || n < 0 || n >= o.decode || o.killDecode != fmt.Sprintf("decode-%d", n) {
-			errs = append(errs, fmt.Errorf("--kill-decode %q: want decode-N with N below --decode-workers %d", o.killDecode, o.decode))
+		minD, what := o.decode, "--decode-workers"
+		for i, sh := range o.runShapes() {
+			if i == 0 || sh.Decode < minD {
+				minD, what = sh.Decode, "shape "+sh.Name+"'s decode workers"
+			}
+		}
+		if _, err := fmt.Sscanf(o.killDecode, "decode-%d", &n); err != nil || n < 0 || n >= minD || o.killDecode != fmt.Sprintf("decode-%d", n) {
+			errs = append(errs, fmt.Errorf("--kill-decode %q: want decode-N with N below %s %d", o.killDecode, what, minD))
 		}
 		if !o.local {
 			errs = append(errs, errors.New("--kill-decode needs --local"))
@@ -213,6 +228,19 @@ func parse(args []string, stderr io.Writer) (*opts, error) {
 		errs = append(errs, fmt.Errorf("--request-timeout must be positive"))
 	}
 	return o, errors.Join(errs...)
+}
+
+// runShapes are the named shapes the run covers: --shapes, or the shapes of a per-shape --sweep
+// (nil: the one shape of --prefill-workers and --decode-workers).
+func (o *opts) runShapes() []bench.Shape {
+	if len(o.sweep.PerShape) > 0 {
+		var out []bench.Shape
+		for _, g := range o.sweep.PerShape {
+			out = append(out, g.Shape)
+		}
+		return out
+	}
+	return o.shapes
 }
 
 func splitList(s string) []string {
@@ -305,14 +333,80 @@ func run(args []string, stderr io.Writer) int {
 			cfg.Meta.Notes = append(cfg.Meta.Notes, fmt.Sprintf("decode sidecars report %d tokens of capacity to the control plane (the pools hold %d): the control plane admits by that count and each decode worker's LRU evicts idle sessions when it runs short", o.advertised, o.capacity))
 		}
 		cfg.Meta.SimTimeScale, cfg.Meta.DecodeCapacityTokens, cfg.Meta.SimArgs = o.simTimeScale, o.capacity, simArgs
+		if o.workerKind != "refworker" { // a refworker's time is real: its timers run at real speed
+			cfg.TimerScale = o.simTimeScale
+			if o.simTimeScale != 1 {
+				cfg.Meta.Notes = append(cfg.Meta.Notes, fmt.Sprintf("timers scaled with the model: every sidecar runs with --time-scale %g (heartbeat, worker health probe, idle flush, release tick and minimum idle) and the policy's reservation_timeout_ms and unreachable_grace_ms are multiplied by %g, so load reports, settles and flushes are as stale in model seconds as at real speed", o.simTimeScale, o.simTimeScale))
+			}
+		}
 		if o.simTimeScale == o.timeScale && o.workerKind != "refworker" { // a refworker's time is real: never rescaled
 			cfg.Meta.TimeDiv = o.timeScale
 		}
 	}
-	if len(o.sweep) > 0 {
+	if len(o.sweep.Loads)+len(o.sweep.PerShape) > 0 {
 		return runSweep(ctx, o, cfg, stderr)
 	}
+	if len(o.shapes) > 0 {
+		return runShapes(ctx, o, cfg, stderr)
+	}
 	arms, err := bench.Run(ctx, cfg)
+	printArms(stderr, cfg, arms)
+	fmt.Fprintf(stderr, "report: %s\n", filepath.Join(o.out, report.ReportFile))
+	if err != nil {
+		fmt.Fprintln(stderr, "kvc-bench:", err)
+		return 1
+	}
+	return 0
+}
+
+// forShape is base set up for one named shape: its workers, its decode pool, its targets, its
+// directory under dir.
+func forShape(o *opts, base bench.Config, sh bench.Shape, dir string) bench.Config {
+	cfg := base
+	cfg.Prefill, cfg.Decode = sh.Prefill, sh.Decode
+	if sh.DecodeCapacityTokens > 0 {
+		cfg.DecodeCapacityTokens = sh.DecodeCapacityTokens
+		cfg.Meta.DecodeCapacityTokens = sh.DecodeCapacityTokens
+	}
+	cfg.OutDir = filepath.Join(dir, sh.Name)
+	cfg.Meta.Shape, cfg.Meta.Targets = sh.Name, bench.ShapeTargets(sh)
+	if o.workerKind == "sim" {
+		cfg.Meta.Target = fmt.Sprintf("local cluster per arm, shape %s: %d prefill + %d decode kvc-sim workers with their sidecars (tcp transfer engine), 2 control planes (HA pair, embedded etcd), kvc-gateway", sh.Name, sh.Prefill, sh.Decode)
+	}
+	return cfg
+}
+
+// runShapes runs every arm on each shape of o.shapes in turn, each into OUT/SHAPE, then the
+// top-level summary.json and report.md.
+func runShapes(ctx context.Context, o *opts, base bench.Config, stderr io.Writer) int {
+	var runs []report.ShapeRun
+	rc := 0
+	for _, sh := range o.shapes {
+		cfg := forShape(o, base, sh, o.out)
+		fmt.Fprintf(stderr, "shape %s: into %s\n", sh.Name, cfg.OutDir)
+		arms, meta, err := bench.RunMeta(ctx, cfg)
+		printArms(stderr, cfg, arms)
+		if err != nil {
+			fmt.Fprintln(stderr, "kvc-bench:", sh.Name+":", err)
+			if meta.Aborted == "" {
+				meta.Aborted = err.Error()
+			}
+			rc = 1
+		}
+		runs = append(runs, report.ShapeRun{Name: sh.Name, Meta: meta, Arms: arms})
+		if ctx.Err() != nil {
+			break
+		}
+	}
+	if err := report.WriteShapes(o.out, runs); err != nil {
+		fmt.Fprintln(stderr, "kvc-bench: report:", err)
+		return 1
+	}
+	fmt.Fprintf(stderr, "report: %s\n", filepath.Join(o.out, report.ReportFile))
+	return rc
+}
+
+func printArms(stderr io.Writer, cfg bench.Config, arms []*report.Arm) {
 	unit := "s"
 	if cfg.Meta.TimeDiv > 0 && cfg.Meta.TimeDiv != 1 {
 		unit = "model s"
@@ -322,58 +416,92 @@ func run(args []string, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "%s (%s): ok %d/%d  TTFT p50 %.3fs p99 %.3fs  goodput %.3f req/s  direct-to-D %.1f%% (continuing %.1f%%)  reseeds %d (p50 %.3fs, snapshot %.0f%%, stale %d)  recovery %.3fs (excess %.3fs, %d sessions, %d unrecovered)  bytes %d  verify failures %d\n",
 			a.Name, unit, s.OK, s.Total, s.TTFTP50, s.TTFTP99, s.GoodputRPS, 100*s.DirectToDShare, 100*s.DirectToDShareContinuing, s.ReseedCount, s.ReseedTTFTP50, 100*s.SnapshotHitRate, s.SnapshotStale,
 			s.RecoveryS, s.RecoveryExcessS, s.AffectedSessions, s.Unrecovered, s.BytesMoved, s.KVVerifyFailures)
+		fmt.Fprintf(stderr, "%s: TTFT p99 continuing turns %.3fs  within SLO %d/%d  prefill busy %v  decode busy %v\n", a.Name, s.TTFTP99Continuing, s.SLOMet, s.Total, s.PrefillBusyS, s.DecodeBusyS)
 	}
-	fmt.Fprintf(stderr, "report: %s\n", filepath.Join(o.out, report.ReportFile))
-	if err != nil {
-		fmt.Fprintln(stderr, "kvc-bench:", err)
-		return 1
-	}
-	return 0
 }
 
-// runSweep runs every arm at each load of o.sweep: the built-in workload with sessions scaled by
-// the load over the same arrival span, each into its own directory, then the sweep's plots.
+// runSweep runs every arm at each load of each shape of o.sweep: the built-in workload with
+// sessions scaled by the load over the same arrival span, each into its own directory, then
+// sweep.json (points and SLO capacity), sweep.md and the plots.
 func runSweep(ctx context.Context, o *opts, base bench.Config, stderr io.Writer) int {
-	var pts []report.SweepPoint
+	type group struct {
+		cfg   bench.Config
+		name  string
+		pool  int64
+		loads []float64
+	}
+	var groups []group
+	switch {
+	case len(o.sweep.PerShape) > 0:
+		for _, g := range o.sweep.PerShape {
+			groups = append(groups, group{forShape(o, base, g.Shape, o.out), g.Shape.Name, g.Shape.DecodeCapacityTokens, g.Loads})
+		}
+	case len(o.shapes) > 0:
+		for _, sh := range o.shapes {
+			groups = append(groups, group{forShape(o, base, sh, o.out), sh.Name, sh.DecodeCapacityTokens, o.sweep.Loads})
+		}
+	default:
+		c := base
+		c.OutDir = o.out
+		groups = append(groups, group{c, "", 0, o.sweep.Loads})
+	}
+	var shapes []report.SweepShape
 	rc := 0
-	for _, x := range o.sweep {
-		c := o.agentic
-		c.Seed, c.Sessions = o.seed, max(1, int(math.Round(float64(o.sessions)*x)))
-		wl, err := workload.Agentic(c)
-		if err != nil {
-			fmt.Fprintln(stderr, "kvc-bench: workload:", err)
-			return 2
+	for _, g := range groups {
+		sh := report.SweepShape{Name: g.name, DecodeCapacityTokens: g.pool}
+		if sh.DecodeCapacityTokens == 0 && g.name != "" {
+			sh.DecodeCapacityTokens = g.cfg.DecodeCapacityTokens
 		}
-		wl.Limit(o.maxRequests)
-		cfg := base
-		cfg.Workload = wl
-		cfg.OutDir = filepath.Join(o.out, fmt.Sprintf("load-%g", x))
-		cfg.Meta.Workload, cfg.Meta.Stats, cfg.Meta.Notes = wl.Name, wl.Describe(), wl.Notes
-		cfg.Meta.Notes = append(append([]string(nil), cfg.Meta.Notes...), fmt.Sprintf("load sweep point %g: %d sessions over %s", x, c.Sessions, c.ArrivalSpan))
-		fmt.Fprintf(stderr, "sweep: load %g (%d sessions) into %s\n", x, c.Sessions, cfg.OutDir)
-		arms, err := bench.Run(ctx, cfg)
-		pt := report.SweepPoint{Load: x, Sessions: c.Sessions, Arms: map[string]report.Summary{}}
-		if span := c.ArrivalSpan.Seconds(); span > 0 {
-			pt.SessionsPS = float64(c.Sessions) / span
+		for _, x := range g.loads {
+			c := o.agentic
+			c.Seed, c.Sessions = o.seed, max(1, int(math.Round(float64(o.sessions)*x)))
+			wl, err := workload.Agentic(c)
+			if err != nil {
+				fmt.Fprintln(stderr, "kvc-bench: workload:", err)
+				return 2
+			}
+			wl.Limit(o.maxRequests)
+			cfg := g.cfg
+			cfg.Workload = wl
+			cfg.OutDir = filepath.Join(g.cfg.OutDir, fmt.Sprintf("load-%g", x))
+			cfg.Meta.Workload, cfg.Meta.Stats, cfg.Meta.Notes = wl.Name, wl.Describe(), wl.Notes
+			cfg.Meta.Notes = append(append([]string(nil), cfg.Meta.Notes...), fmt.Sprintf("load sweep point %g: %d sessions over %s", x, c.Sessions, c.ArrivalSpan))
+			fmt.Fprintf(stderr, "sweep: %s load %g (%d sessions) into %s\n", shapeOrCluster(g.name), x, c.Sessions, cfg.OutDir)
+			arms, err := bench.Run(ctx, cfg)
+			pt := report.SweepPoint{Load: x, Sessions: c.Sessions, Arms: map[string]report.Summary{}, Dir: cfg.OutDir}
+			if span := c.ArrivalSpan.Seconds(); span > 0 {
+				pt.SessionsPS = float64(c.Sessions) / span
+			}
+			for _, a := range arms {
+				pt.Arms[a.Name] = a.Summary
+				s := a.Summary
+				fmt.Fprintf(stderr, "sweep: %s load %g %s: ok %d/%d within SLO %d goodput %.3f req/s TTFT p50 %.3fs p99 %.3fs (continuing %.3fs)\n", shapeOrCluster(g.name), x, a.Name, s.OK, s.Total, s.SLOMet, s.GoodputRPS, s.TTFTP50, s.TTFTP99, s.TTFTP99Continuing)
+			}
+			if err != nil {
+				pt.Aborted = err.Error()
+				rc = 1
+			}
+			sh.Points = append(sh.Points, pt)
+			if ctx.Err() != nil {
+				break
+			}
 		}
-		for _, a := range arms {
-			pt.Arms[a.Name] = a.Summary
-			s := a.Summary
-			fmt.Fprintf(stderr, "sweep: load %g %s: ok %d/%d goodput %.3f req/s TTFT p50 %.3fs p99 %.3fs\n", x, a.Name, s.OK, s.Total, s.GoodputRPS, s.TTFTP50, s.TTFTP99)
-		}
-		if err != nil {
-			pt.Aborted = err.Error()
-			rc = 1
-		}
-		pts = append(pts, pt)
+		shapes = append(shapes, sh)
 		if ctx.Err() != nil {
 			break
 		}
 	}
-	if err := report.WriteSweep(o.out, base.SLO, base.Arms, pts); err != nil {
+	if err := report.WriteSweep(o.out, base.SLO, base.Arms, shapes); err != nil {
 		fmt.Fprintln(stderr, "kvc-bench: sweep report:", err)
 		return 1
 	}
 	fmt.Fprintf(stderr, "sweep report: %s\n", filepath.Join(o.out, report.SweepReport))
 	return rc
+}
+
+func shapeOrCluster(name string) string {
+	if name == "" {
+		return "cluster"
+	}
+	return name
 }

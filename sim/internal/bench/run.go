@@ -133,26 +133,42 @@ type Config struct {
 	SLO report.SLO
 	// Policy is merged over each arm's policy (nil: none).
 	Policy *kvcv1.Policy
-	Log    io.Writer // progress lines
-	TTY    bool
+	// TimerScale (Local) runs every decision-shaping timer of the sidecars and the control plane
+	// this many times as fast (ScaleTimers): kvc-sim's time scale, so that at --time-scale X the
+	// model sees the same staleness of load reports, idle flushes, release ticks and reservation
+	// settles as at real speed. 0 or 1: real speed.
+	TimerScale float64
+	Log        io.Writer // progress lines
+	TTY        bool
 }
 
 // Run replays the workload for every arm, then writes metrics.jsonl, summary.json, report.md
 // and the plots into OutDir. It returns the arms' statistics.
 func Run(ctx context.Context, cfg Config) ([]*report.Arm, error) {
+	arms, _, err := RunMeta(ctx, cfg)
+	return arms, err
+}
+
+// RunMeta is Run that also returns the report's Meta (for a report over several runs).
+func RunMeta(ctx context.Context, cfg Config) ([]*report.Arm, report.Meta, error) {
+	arms, meta, err := run(ctx, cfg)
+	return arms, meta, err
+}
+
+func run(ctx context.Context, cfg Config) ([]*report.Arm, report.Meta, error) {
 	// Absolute, so that paths in the report and in logs do not depend on the working directory
 	// (the cluster makes its own WorkDir absolute too).
 	abs, err := filepath.Abs(cfg.OutDir)
 	if err != nil {
-		return nil, err
+		return nil, cfg.Meta, err
 	}
 	cfg.OutDir = abs
 	if err := os.MkdirAll(cfg.OutDir, 0o755); err != nil {
-		return nil, err
+		return nil, cfg.Meta, err
 	}
 	mf, err := os.Create(filepath.Join(cfg.OutDir, "metrics.jsonl"))
 	if err != nil {
-		return nil, err
+		return nil, cfg.Meta, err
 	}
 	defer mf.Close()
 	meta := cfg.Meta
@@ -169,14 +185,17 @@ func Run(ctx context.Context, cfg Config) ([]*report.Arm, error) {
 	var runErr error
 	for _, arm := range cfg.Arms {
 		t0 := time.Now()
-		recs, err := runArm(ctx, cfg, arm, mf, &meta)
+		var nodes report.NodeFigures
+		recs, err := runArm(ctx, cfg, arm, mf, &meta, &nodes)
 		meta.ArmWall[arm] = time.Since(t0)
 		if len(recs) > 0 || err == nil {
 			opt := report.Options{SLO: cfg.SLO}
 			if at, ok := meta.ArmKills[arm]; ok {
 				opt.Kill = &report.Kill{Worker: cfg.KillDecode, AtS: at}
 			}
-			arms = append(arms, report.ComputeWith(arm, recs, meta.TimeDiv, opt))
+			a := report.ComputeWith(arm, recs, meta.TimeDiv, opt)
+			a.Summary.SetNodes(nodes, meta.TimeDiv)
+			arms = append(arms, a)
 		}
 		if err != nil {
 			runErr = fmt.Errorf("arm %s: %w", arm, err)
@@ -185,12 +204,12 @@ func Run(ctx context.Context, cfg Config) ([]*report.Arm, error) {
 		}
 	}
 	if werr := report.Write(cfg.OutDir, meta, arms); werr != nil {
-		return arms, errors.Join(runErr, werr)
+		return arms, meta, errors.Join(runErr, werr)
 	}
-	return arms, runErr
+	return arms, meta, runErr
 }
 
-func runArm(ctx context.Context, cfg Config, arm string, out io.Writer, meta *report.Meta) ([]report.Record, error) {
+func runArm(ctx context.Context, cfg Config, arm string, out io.Writer, meta *report.Meta, nodes *report.NodeFigures) ([]report.Record, error) {
 	url := cfg.GatewayURL
 	var cl *cluster.Cluster
 	if cfg.Local {
@@ -201,6 +220,7 @@ func runArm(ctx context.Context, cfg Config, arm string, out io.Writer, meta *re
 		if cfg.Policy != nil {
 			proto.Merge(pol, cfg.Policy)
 		}
+		ScalePolicyTimers(pol, cfg.TimerScale)
 		meta.ArmPolicies[arm] = strings.ReplaceAll(protojson.MarshalOptions{}.Format(pol), "  ", " ")
 		work := filepath.Join(cfg.OutDir, "cluster-"+arm)
 		_ = os.RemoveAll(work)
@@ -219,7 +239,7 @@ func runArm(ctx context.Context, cfg Config, arm string, out io.Writer, meta *re
 		ccfg := cluster.Config{
 			BinDir: cfg.BinDir, WorkDir: work, Prefill: prefill, Decode: decode, ControlPlanes: 2,
 			PrefillCapacityTokens: cfg.PrefillCapacityTokens, PrefillSimArgs: psa, DecodeSimArgs: dsa,
-			DecodeCapacityTokens: cfg.DecodeCapacityTokens, Policy: pol, SimArgs: cfg.SimArgs, SidecarArgs: cfg.SidecarArgs,
+			DecodeCapacityTokens: cfg.DecodeCapacityTokens, Policy: pol, SimArgs: cfg.SimArgs, SidecarArgs: append(SidecarTimerArgs(cfg.TimerScale), cfg.SidecarArgs...),
 			Gateway: true, Log: prefixWriter{cfg.Log, arm + ": "},
 			WorkerKind: cfg.WorkerKind, RefworkerPython: cfg.RefworkerPython, RefworkerArgs: cfg.RefworkerArgs,
 			RefworkerDevices: cfg.RefworkerDevices, PrefillSidecarArgs: cfg.PrefillSidecarArgs, DecodeSidecarArgs: ArmDecodeSidecarArgs(arm),
@@ -230,9 +250,12 @@ func runArm(ctx context.Context, cfg Config, arm string, out io.Writer, meta *re
 			return nil, err
 		}
 		defer func() {
+			// Metrics from the live processes first, then the event logs they flushed on exit.
+			*nodes = scrapeNodes(c)
 			if err := c.Stop(); err != nil {
 				fmt.Fprintf(cfg.Log, "%s: stopping the cluster: %v\n", arm, err)
 			}
+			addLogBytes(c, nodes)
 		}()
 		url = c.GatewayURL
 		cl = c

@@ -1,6 +1,7 @@
 package report
 
 import (
+	"encoding/json"
 	"os"
 	"path/filepath"
 	"strings"
@@ -117,18 +118,18 @@ func TestBaselineChecks(t *testing.T) {
 	tests := []struct {
 		name string
 		arms []*Arm
-		want []string // p99, goodput, recovery, hit rate, verify
+		want []string // p99, continuing p99, goodput, recovery, hit rate, verify
 		rec  string   // in the recovery row's text
 	}{
 		{"every target met", []*Arm{mk("PD", 3, 1, 5, 2, 0), mk("SGL", 2, 1.5, 4, 2, 0), mk("LLMD", 2.5, 1.2, 3, 1, 0), mk("E4", 1, 2, 1.5, 3, .95)},
-			[]string{"met", "met", "met", "met", "met"}, "(LLMD, 1 affected sessions)"},
+			[]string{"met", "met", "met", "met", "met", "met"}, "(LLMD, 1 affected sessions)"},
 		{"goodput and recovery missed", []*Arm{mk("PD", 3, 1, 5, 2, 0), mk("SGL", 2, 1.5, 4, 2, 0), mk("LLMD", 2.5, 1.2, 3, 1, 0), mk("E4", 1, 1.7, 2, 3, .95)},
-			[]string{"met", "**missed**", "**missed**", "met", "met"}, "(LLMD,"},
+			[]string{"met", "met", "**missed**", "**missed**", "met", "met"}, "(LLMD,"},
 		// A baseline the death did not touch lost nothing: its excess is 0 and it is the best.
 		{"a baseline with no affected session", []*Arm{mk("PD", 3, 1, 5, 2, 0), mk("SGL", 2, 1.5, 0, 0, 0), mk("E4", 1, 2, .1, 3, .95)},
-			[]string{"met", "met", "**missed**", "met", "met"}, "(SGL, 0 affected sessions)"},
+			[]string{"met", "met", "met", "**missed**", "met", "met"}, "(SGL, 0 affected sessions)"},
 		{"hit rate missed", []*Arm{mk("SGL", 2, 1.5, .4, 2, 0), mk("E4", 1, 2, .1, 3, .8)},
-			[]string{"met", "met", "met", "**missed**", "met"}, "(SGL,"},
+			[]string{"met", "met", "met", "met", "**missed**", "met"}, "(SGL,"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -141,8 +142,8 @@ func TestBaselineChecks(t *testing.T) {
 					t.Errorf("check %q: %q (%s)", got[i][0], got[i][2], got[i][1])
 				}
 			}
-			if !strings.Contains(got[2][1], tt.rec) {
-				t.Errorf("recovery row %q, want %q in it", got[2][1], tt.rec)
+			if !strings.Contains(got[3][1], tt.rec) {
+				t.Errorf("recovery row %q, want %q in it", got[3][1], tt.rec)
 			}
 		})
 	}
@@ -150,28 +151,110 @@ func TestBaselineChecks(t *testing.T) {
 	if baselineChecks(arms[1:], true) != nil {
 		t.Error("checks without a baseline")
 	}
-	if c := baselineChecks(arms, false); !strings.Contains(c[2][1], "not measured") {
-		t.Errorf("%v", c[2])
+	if c := baselineChecks(arms, false); !strings.Contains(c[3][1], "not measured") {
+		t.Errorf("%v", c[3])
 	}
 }
 
 func TestWriteSweep(t *testing.T) {
 	dir := t.TempDir()
 	pts := []SweepPoint{
-		{Load: 1, Sessions: 10, SessionsPS: .33, Arms: map[string]Summary{"PD": {GoodputRPS: 1, TTFTP50: .5, TTFTP99: 2}, "E4": {GoodputRPS: 1.1, TTFTP50: .1, TTFTP99: 1}}},
-		{Load: 2, Sessions: 20, SessionsPS: .66, Arms: map[string]Summary{"PD": {GoodputRPS: 1.2, TTFTP50: 1, TTFTP99: 6}, "E4": {GoodputRPS: 2, TTFTP50: .1, TTFTP99: 1.5}}, Aborted: "x"},
+		{Load: 1, Sessions: 10, SessionsPS: .33, Arms: map[string]Summary{"PD": {GoodputRPS: 1, TTFTP50: .5, TTFTP99: 2, Total: 10, SLOMet: 10, SLOAttainment: 1}, "E4": {GoodputRPS: 1.1, TTFTP50: .1, TTFTP99: 1, Total: 10, SLOMet: 10, SLOAttainment: 1}}},
+		{Load: 2, Sessions: 20, SessionsPS: .66, Arms: map[string]Summary{"PD": {GoodputRPS: 1.2, TTFTP50: 1, TTFTP99: 6, Total: 10, SLOMet: 8, SLOAttainment: .8}, "E4": {GoodputRPS: 2, TTFTP50: .1, TTFTP99: 1.5, TTFTP99Continuing: .4, Total: 10, SLOMet: 10, SLOAttainment: 1}}, Aborted: "x"},
 	}
-	if err := WriteSweep(dir, SLO{TTFT: 2, TPOT: .05}, []string{"PD", "E4"}, pts); err != nil {
+	shapes := []SweepShape{{Name: "1P3D", Points: pts}, {Name: "2P4D@700000", DecodeCapacityTokens: 700000, Points: pts[:1]}}
+	if err := WriteSweep(dir, SLO{TTFT: 2, TPOT: .05}, []string{"PD", "E4"}, shapes); err != nil {
 		t.Fatal(err)
 	}
-	for _, f := range []string{SweepFile, SweepReport, GoodputPlot, TTFTP50LoadPlot, TTFTP99LoadPlot} {
+	for _, f := range []string{SweepFile, SweepReport, "1P3D/" + GoodputPlot, "1P3D/" + TTFTP50LoadPlot, "2P4D@700000/" + TTFTP99LoadPlot} {
 		if _, err := readFile(dir, f); err != nil {
 			t.Error(err)
 		}
 	}
 	md, _ := readFile(dir, SweepReport)
-	if !strings.Contains(md, "| 2 | 20 | 0.660 | E4 | 0 / 0 | 2.000 |") || !strings.Contains(md, "Load 2 stopped early: x") {
+	if !strings.Contains(md, "| 2 | 20 | 0.660 | E4 | 0 / 10 | 10 (100.0%) | 2.000 |") || !strings.Contains(md, "Load 2 stopped early: x") ||
+		!strings.Contains(md, "| 1P3D | 1.50 | ≥ 2 |") || !strings.Contains(md, "| 2P4D@700000 | ≥ 1 | ≥ 1 |") {
 		t.Errorf("sweep.md:\n%s", md)
+	}
+	raw, _ := readFile(dir, SweepFile)
+	var got struct {
+		Points []map[string]any
+		SLO    map[string]map[string]float64 `json:"slo_capacity"`
+	}
+	if err := json.Unmarshal([]byte(raw), &got); err != nil {
+		t.Fatal(err)
+	}
+	// One object per shape, load and arm, with the fields the issue names.
+	if len(got.Points) != 6 {
+		t.Fatalf("%d points: %s", len(got.Points), raw)
+	}
+	for _, k := range []string{"shape", "load", "sessions", "arm", "goodput_rps", "ttft_p99_s", "ttft_p99_continuing_s"} {
+		if _, ok := got.Points[0][k]; !ok {
+			t.Errorf("point lacks %q: %v", k, got.Points[0])
+		}
+	}
+	if p := got.Points[3]; p["shape"] != "1P3D" || p["arm"] != "E4" || p["load"] != 2.0 || p["ttft_p99_continuing_s"] != .4 {
+		t.Errorf("point 3: %v", p)
+	}
+	if got.SLO["1P3D"]["PD"] != 1.5 || got.SLO["1P3D"]["E4"] != 2 || got.SLO["2P4D@700000"]["PD"] != 1 {
+		t.Errorf("slo_capacity %v", got.SLO)
+	}
+}
+
+// TestSLOCapacity: the highest load meeting the attainment, interpolated toward the next one.
+func TestSLOCapacity(t *testing.T) {
+	tests := []struct {
+		name       string
+		loads, att []float64
+		want       float64
+		bound      string
+	}{
+		{"between two loads", []float64{1, 2, 4}, []float64{1, .95, .85}, 3, CapInterpolated},
+		{"exactly at a load", []float64{1, 2, 4}, []float64{1, .9, .5}, 2, CapInterpolated},
+		{"unsorted input", []float64{4, 1, 2}, []float64{.85, 1, .95}, 3, CapInterpolated},
+		{"every load meets it: a lower bound", []float64{.5, 1}, []float64{1, .99}, 1, CapAtLeast},
+		{"no load meets it", []float64{1, 2}, []float64{.5, .2}, 0, CapBelowLowest},
+		{"a dip then recovery: the highest meeting load counts", []float64{1, 2, 3, 4}, []float64{.95, .8, .92, .6}, 3.0625, CapInterpolated},
+		{"one point met", []float64{2}, []float64{.9}, 2, CapAtLeast},
+		{"none", nil, nil, 0, CapBelowLowest},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got, bound := SLOCapacity(tt.loads, tt.att, .9)
+			if got != tt.want || bound != tt.bound {
+				t.Fatalf("SLOCapacity = %v %s, want %v %s", got, bound, tt.want, tt.bound)
+			}
+		})
+	}
+}
+
+// TestWriteShapes: summary.json has one entry per shape holding every arm, and report.md shows
+// every shape with its own targets and plots.
+func TestWriteShapes(t *testing.T) {
+	dir := t.TempDir()
+	recs := []Record{{Mode: "SEED", OK: true, TTFTS: 1, LatencyS: 2}, {Turn: 1, Mode: "DIRECT_TO_D", OK: true, TTFTS: .1, LatencyS: .3}}
+	mk := func(name string) *Arm { return ComputeWith(name, recs, 1, Options{SLO: SLO{TTFT: 2}}) }
+	runs := []ShapeRun{
+		{Name: "1P3D", Meta: Meta{Shape: "1P3D", Targets: Targets{GoodputRatio: 1.2, Why: "prefill-bound"}}, Arms: []*Arm{mk("SGL"), mk("E4")}},
+		{Name: "2P4D", Meta: Meta{Shape: "2P4D", Targets: Targets{GoodputRatio: 1, Why: "balanced"}}, Arms: []*Arm{mk("SGL"), mk("E4")}},
+	}
+	if err := WriteShapes(dir, runs); err != nil {
+		t.Fatal(err)
+	}
+	raw, _ := readFile(dir, SummaryFile)
+	var sum map[string]map[string]Summary
+	if err := json.Unmarshal([]byte(raw), &sum); err != nil {
+		t.Fatal(err)
+	}
+	if len(sum) != 2 || len(sum["1P3D"]) != 2 || len(sum["2P4D"]) != 2 || sum["2P4D"]["E4"].TTFTP99Continuing != .1 {
+		t.Fatalf("summary.json: %s", raw)
+	}
+	md, _ := readFile(dir, ReportFile)
+	for _, want := range []string{"## kvc-bench report: 1P3D", "## kvc-bench report: 2P4D", "### Targets against the baselines on 1P3D",
+		"1.2 × the best baseline's (prefill-bound)", "1 × the best baseline's (balanced)", "](2P4D/ttft_cdf.png)", "| 2P4D | E4 | 2 / 2 |"} {
+		if !strings.Contains(md, want) {
+			t.Errorf("report.md lacks %q", want)
+		}
 	}
 }
 

@@ -6,7 +6,9 @@ import (
 	"sort"
 )
 
-// Summary is one arm's line of summary.json (exactly these fields).
+// Summary is one arm's line of summary.json (exactly these fields). Every percentile counts
+// failed requests at the time they failed (their latency), and goodput counts them as SLO misses,
+// so an arm cannot look faster by failing more; OK and Total stand beside every figure.
 type Summary struct {
 	OK               int     `json:"ok"`
 	Total            int     `json:"total"`
@@ -44,6 +46,55 @@ type Summary struct {
 	// the longest recovery delay minus the session's usual TTFT (at least 0; 0 when no session was
 	// affected). The recovery target compares it (docs/benchmark.md, "Goodput and recovery").
 	RecoveryExcessS float64 `json:"recovery_excess_s"`
+	// TTFTP99Continuing is the TTFT p99 over continuing turns (turn > 0), failures included:
+	// the turns a direct-to-D decision can serve without P; first turns are prefilled alike in
+	// every arm.
+	TTFTP99Continuing float64 `json:"ttft_p99_continuing_s"`
+	// SLOMet counts the requests that succeeded within the SLO (the numerator of goodput), and
+	// SLOAttainment is SLOMet / Total (a failure is a miss): the sweep's SLO capacity is the
+	// highest load at which it stays >= 0.9.
+	SLOMet        int     `json:"slo_met"`
+	SLOAttainment float64 `json:"slo_attainment"`
+	// PrefillBusyS and DecodeBusyS are each worker's GPU-busy model seconds over the arm (kvc-sim's
+	// kvc_sim_busy_seconds_total: time with at least one prefill, append-prefill or decode step
+	// running), by worker id; a worker killed mid-run is missing (its count died with it).
+	PrefillBusyS map[string]float64 `json:"prefill_busy_s"`
+	DecodeBusyS  map[string]float64 `json:"decode_busy_s"`
+	// LinkBytes are the real KV bytes (at kvc-sim's reduced bytes per token) that crossed each
+	// node's link over the arm, by worker id (every worker is its own node): see NodeFigures.
+	LinkBytes map[string]LinkBytes `json:"link_bytes"`
+}
+
+// LinkBytes are one node's link bytes in each direction.
+type LinkBytes struct {
+	In  int64 `json:"in"`
+	Out int64 `json:"out"`
+}
+
+// NodeFigures are what the cluster's workers and sidecars report about one arm (not the
+// requests): GPU-busy seconds as measured (divided by the time scale when set into a Summary)
+// and link bytes, by worker id.
+type NodeFigures struct {
+	PrefillBusyS, DecodeBusyS map[string]float64
+	LinkBytes                 map[string]LinkBytes
+}
+
+// SetNodes puts n into s, busy times divided by div (the run's time scale).
+func (s *Summary) SetNodes(n NodeFigures, div float64) {
+	if !(div > 0) {
+		div = 1
+	}
+	scale := func(m map[string]float64) map[string]float64 {
+		if m == nil {
+			return nil
+		}
+		out := make(map[string]float64, len(m))
+		for k, v := range m {
+			out[k] = round(v / div)
+		}
+		return out
+	}
+	s.PrefillBusyS, s.DecodeBusyS, s.LinkBytes = scale(n.PrefillBusyS), scale(n.DecodeBusyS), n.LinkBytes
 }
 
 // SLO is the service level of goodput (model seconds).
@@ -87,7 +138,7 @@ type Arm struct {
 	FailOpen   int
 	Retries    int
 	Verified   int64
-	TTFTs      []float64 // successful requests, sorted (for the CDF plot)
+	TTFTs      []float64 // every request, a failure at the time it failed, sorted (for the CDF plot)
 	// PrefillTokens is the work of the prefill worker (whole inputs of SEED, RESEED_PREFILL and
 	// PD_FALLBACK); AppendTokens the uncached tokens decode workers append-prefilled.
 	PrefillTokens, AppendTokens int64
@@ -122,8 +173,9 @@ func Percentile(sorted []float64, q float64) float64 {
 func round(x float64) float64 { return math.Round(x*1e6) / 1e6 }
 
 // Compute builds an arm's statistics from its records. TTFT and latency percentiles are over
-// successful requests; failures are counted in ok/total and by kind. Times are divided by div
-// (the run's time scale, to report model seconds; 1 = as measured).
+// every request: a failure enters them at the time it failed (its latency; failedTTFT), so an arm
+// cannot look faster by failing more. Failures are also counted in ok/total and by kind. Times
+// are divided by div (the run's time scale, to report model seconds; 1 = as measured).
 func Compute(name string, recs []Record, div float64) *Arm {
 	return ComputeWith(name, recs, div, Options{})
 }
@@ -134,7 +186,7 @@ func ComputeWith(name string, recs []Record, div float64, opt Options) *Arm {
 		div = 1
 	}
 	a := &Arm{Name: name, Modes: map[string]*ModeStats{}, Reasons: map[string]int{}, ErrorKinds: map[string]int{}, EditedReasons: map[string]int{}}
-	var lat, reseedTTFT []float64
+	var lat, reseedTTFT, contTTFT []float64
 	var snap, reseed int
 	uncached := map[string]int64{}
 	modeTTFT := map[string][]float64{}
@@ -211,22 +263,27 @@ func ComputeWith(name string, recs []Record, div float64, opt Options) *Arm {
 				kind = "UNKNOWN"
 			}
 			a.ErrorKinds[kind]++
-			continue
+		} else {
+			a.Summary.OK++
+			ms.OK++
 		}
-		a.Summary.OK++
-		ms.OK++
-		ttft := r.TTFTS / div
+		ttft := failedTTFT(r) / div
 		a.TTFTs = append(a.TTFTs, ttft)
 		lat = append(lat, r.LatencyS/div)
 		modeTTFT[mode] = append(modeTTFT[mode], ttft)
 		if r.Reseed() {
 			reseedTTFT = append(reseedTTFT, ttft)
 		}
+		if r.Turn > 0 {
+			contTTFT = append(contTTFT, ttft)
+		}
 	}
 	sort.Float64s(a.TTFTs)
 	sort.Float64s(lat)
 	sort.Float64s(reseedTTFT)
+	sort.Float64s(contTTFT)
 	s := &a.Summary
+	s.TTFTP99Continuing = round(Percentile(contTTFT, .99))
 	s.TTFTP50, s.TTFTP90, s.TTFTP99 = round(Percentile(a.TTFTs, .5)), round(Percentile(a.TTFTs, .9)), round(Percentile(a.TTFTs, .99))
 	s.LatencyP50, s.LatencyP99 = round(Percentile(lat, .5)), round(Percentile(lat, .99))
 	a.LatencyP90 = round(Percentile(lat, .9))
@@ -254,7 +311,12 @@ func ComputeWith(name string, recs []Record, div float64, opt Options) *Arm {
 	if cont > 0 {
 		s.DirectToDShareContinuing = round(float64(contDirect) / float64(cont))
 	}
-	s.GoodputRPS = round(goodput(recs, div, opt.SLO))
+	var good float64
+	good, s.SLOMet = goodput(recs, div, opt.SLO)
+	s.GoodputRPS = round(good)
+	if s.Total > 0 {
+		s.SLOAttainment = round(float64(s.SLOMet) / float64(s.Total))
+	}
 	if opt.Kill != nil {
 		recovery(recs, div, *opt.Kill, s)
 	}
@@ -268,9 +330,19 @@ func ComputeWith(name string, recs []Record, div float64, opt Options) *Arm {
 	return a
 }
 
+// failedTTFT is the TTFT a request enters the percentiles with: its first token's for a success,
+// the time it failed (its latency) for a failure, even one that streamed tokens before it broke.
+func failedTTFT(r *Record) float64 {
+	if r.OK {
+		return r.TTFTS
+	}
+	return r.LatencyS
+}
+
 // goodput is the successful requests within slo per model second of the replay's span (first
-// start to last end); with a zero SLO every successful request counts.
-func goodput(recs []Record, div float64, slo SLO) float64 {
+// start to last end), and their count; with a zero SLO every successful request counts. A failed
+// request is a miss.
+func goodput(recs []Record, div float64, slo SLO) (float64, int) {
 	first, last := math.Inf(1), math.Inf(-1)
 	n := 0
 	for i := range recs {
@@ -292,9 +364,9 @@ func goodput(recs []Record, div float64, slo SLO) float64 {
 	}
 	span := (last - first) / div
 	if n == 0 || !(span > 0) {
-		return 0
+		return 0, n
 	}
-	return float64(n) / span
+	return float64(n) / span, n
 }
 
 // recovery fills s's recovery figures (docs/benchmark.md, "Goodput and recovery"), the same way

@@ -312,9 +312,12 @@ func (w *Worker) servePrefill(ctx context.Context, p *plan, meta *KVCMeta) *apiE
 		return ctxError(ctx, "waiting for the prefill GPU")
 	}
 	tg := time.Now()
+	w.m.busy.begin()
 	err := sleepCtx(ctx, compute)
+	w.m.busy.end()
 	w.m.prefillBusy.Add(time.Since(tg).Seconds())
 	<-w.prefillGPU
+	w.m.pulledBytes.Add(float64(pulled * int64(w.cfg.Geometry.Buffers()) * int64(w.cfg.Geometry.BytesPerToken)))
 	if err != nil {
 		return ctxError(ctx, "during prefill")
 	}
@@ -699,7 +702,10 @@ func (w *Worker) receive(ctx context.Context, t *turn, kind kvcv1.TransferKind, 
 // appendPrefill models the (append-)prefill of tokens [from, to) and writes their known bytes.
 func (w *Worker) appendPrefill(ctx context.Context, t *turn, from, to int64) *apiError {
 	t0 := time.Now()
-	if err := w.gpuPrefill(ctx, to-from); err != nil { // decodegpu.go: shares the GPU with the decode batch
+	w.m.busy.begin()
+	err := w.gpuPrefill(ctx, to-from) // decodegpu.go: shares the GPU with the decode batch
+	w.m.busy.end()
+	if err != nil {
 		return ctxError(ctx, "during append-prefill")
 	}
 	if e := w.fillContent(t, t.pageList(), from, to); e != nil {
@@ -726,6 +732,8 @@ func (w *Worker) decode(ctx context.Context, rw http.ResponseWriter, t *turn, st
 	}
 	var text strings.Builder
 	var outIDs []int64
+	w.m.busy.begin()
+	defer w.m.busy.end()
 	for i := int64(0); i < p.maxNew; i++ {
 		if err := w.gpuDecodeStep(ctx); err != nil {
 			return ctxError(ctx, "during decode")

@@ -30,6 +30,12 @@ type metrics struct {
 	// prefillBusy: modeled seconds the GPU spent on prefill compute (P's prefill passes, D's
 	// append-prefill chunks).
 	prefillBusy prometheus.Counter
+
+	// busy is the GPU's busy time (busy.go), pulledBytes the KV bytes a prefill worker pulled
+	// from the baselines' tiers (kvc-bench's per-node figures).
+	busy        *busyClock
+	busyGauge   prometheus.CounterFunc
+	pulledBytes prometheus.Counter
 }
 
 func newMetrics(reg prometheus.Registerer, w *Worker) *metrics {
@@ -71,7 +77,12 @@ func newMetrics(reg prometheus.Registerer, w *Worker) *metrics {
 		func() float64 { s := w.stats(); return float64(s.PageCount - s.FreePages) })
 	m.freePagesGauge = prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvc_sim_free_pages", Help: "KV pages free."},
 		func() float64 { return float64(w.stats().FreePages) })
+	m.busy = newBusyClock(nil)
+	m.busyGauge = prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "kvc_sim_busy_seconds_total", Help: "Seconds the worker's GPU had at least one prefill, append-prefill or decode step running (wall time: divide by the time scale for model seconds)."},
+		m.busy.seconds)
+	m.pulledBytes = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_pulled_bytes_total", Help: "KV bytes (at the worker's bytes per token) this prefill worker pulled from a baseline tier (L3 prefetch, a decode host's CPU tier) instead of prefilling."})
 	if reg != nil {
+		reg.MustRegister(m.busyGauge, m.pulledBytes)
 		reg.MustRegister(m.requests, m.ttft, m.receivedBytes, m.verifiedBytes, m.verifyFailures, m.sentBytes,
 			m.prefillTokens, m.decodeTokens, m.evictions, m.capacityRejects, m.preallocWaits, m.bridgeErrors, m.transferSeconds,
 			m.residentGauge, m.usedPagesGauge, m.freePagesGauge, m.truncations, m.tailRewrites, m.misStitched, m.prefixCachedTokens,
