@@ -43,6 +43,7 @@ func TestLocalArm(t *testing.T) {
 		Replay:               Options{TimeScale: 0.2, RequestTimeout: time.Minute},
 		DecodeCapacityTokens: 20000,
 		SimArgs:              []string{"--bytes-per-token-per-buffer", "2", "--time-scale", "0.2"},
+		TimerScale:           0.2,
 		Log:                  io.Discard,
 	})
 	if err != nil {
@@ -62,7 +63,8 @@ func TestLocalArm(t *testing.T) {
 	}
 	fields := []string{"ok", "total", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "latency_p50_s", "latency_p99_s", "direct_to_d_share",
 		"reseed_count", "reseed_ttft_p50_s", "snapshot_hit_rate", "bytes_moved", "kv_verify_failures",
-		"direct_to_d_share_continuing", "snapshot_stale", "goodput_rps", "recovery_s", "affected_sessions", "recovery_ttft_p50_s", "unrecovered", "recovery_excess_s"}
+		"direct_to_d_share_continuing", "snapshot_stale", "goodput_rps", "recovery_s", "affected_sessions", "recovery_ttft_p50_s", "unrecovered", "recovery_excess_s",
+		"ttft_p99_continuing_s", "slo_met", "slo_attainment", "prefill_busy_s", "decode_busy_s", "link_bytes"}
 	if len(sum["E4"]) != len(fields) {
 		t.Fatalf("summary fields %v", sum["E4"])
 	}
@@ -70,6 +72,21 @@ func TestLocalArm(t *testing.T) {
 		if _, ok := sum["E4"][f]; !ok {
 			t.Fatalf("summary lacks %s", f)
 		}
+	}
+	// One busy time per worker, and the P→D bytes out of P's node and into the decode nodes.
+	var dBusy float64
+	for _, v := range s.DecodeBusyS {
+		dBusy += v
+	}
+	var dIn int64
+	for id, lb := range s.LinkBytes {
+		if id != "prefill-0" {
+			dIn += lb.In
+		}
+	}
+	if len(s.PrefillBusyS) != 1 || s.PrefillBusyS["prefill-0"] <= 0 || len(s.DecodeBusyS) != 3 || dBusy <= 0 ||
+		s.LinkBytes["prefill-0"].Out <= 0 || dIn < s.LinkBytes["prefill-0"].Out {
+		t.Fatalf("busy %v %v link bytes %v", s.PrefillBusyS, s.DecodeBusyS, s.LinkBytes)
 	}
 	for _, f := range []string{report.ReportFile, report.CDFFile, report.ModesFile, "metrics.jsonl"} {
 		if st, err := os.Stat(filepath.Join(out, f)); err != nil || st.Size() == 0 {
