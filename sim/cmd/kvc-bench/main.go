@@ -1,6 +1,8 @@
 // Command kvc-bench replays a workload against a gateway — its own local cluster per arm with
-// --local (E1 plain P/D, E3 KV-centric, E4 KV-centric with D→P snapshots), or any gateway URL —
-// and writes per-request metrics.jsonl, summary.json, report.md and PNG plots.
+// --local (E1 plain P/D, E3 KV-centric, E4 KV-centric with D→P snapshots; the baselines PD, SGL
+// and LLMD), on one or several cluster shapes (--shapes), at one load or a sweep of loads
+// (--sweep), or any gateway URL — and writes per-request metrics.jsonl, summary.json, report.md
+// and PNG plots (a sweep: sweep.json with each shape's SLO capacity).
 package main
 
 import (
