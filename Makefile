@@ -37,7 +37,7 @@ API_IMAGE := proto/api.binpb
 .PHONY: test-sglang
 .PHONY: check-modules check-deps proto-lint proto-breaking proto-image
 .PHONY: bench-real
-.PHONY: all build test test-short lint fmt proto proto-check tools demo bench-sweep bench bench-transfer bench-policy bench-gateway bench-gpu test-mooncake tidy clean
+.PHONY: all build test test-short lint fmt proto proto-check tools demo bench-sweep bench-sweep-parallel bench bench-transfer bench-policy bench-gateway bench-gpu test-mooncake tidy clean
 
 all: build
 
@@ -179,6 +179,11 @@ SWEEP_ARMS ?= PD,SGL,LLMD,E3,E4
 SWEEP ?= 1P3D=0.5,1,2,3;2P4D=1,2,4,6,8;2P4D@700K=2
 bench-sweep: build
 	$(BIN)/kvc-bench $(BENCH_FLAGS) --arms $(SWEEP_ARMS) --sessions 8 --sweep "$(SWEEP)" --out out/sweep
+
+## bench-sweep-parallel: the same sweep with each point in its own kvc-bench process side by side
+## (a machine with more cores than the sweep has points), gathered into one sweep.json (--sweep-reuse)
+bench-sweep-parallel: build
+	deploy/bench/sweep-parallel.sh $(BIN) out/sweep "$(SWEEP)" $(SWEEP_ARMS) 8 $(BENCH_FLAGS)
 
 ## bench-gateway: the gateway's tokenize + chat template + page hash cost per 32K-token prompt
 ## against the direct-to-D TTFT p50 of out/demo's report (run make demo first; else DESIGN.md's)

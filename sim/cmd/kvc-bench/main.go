@@ -7,6 +7,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -38,6 +39,7 @@ type opts struct {
 	workload       string
 	tracePath      string
 	maxRequests    int
+	sweepReuse     bool
 	timeScale      float64
 	simTimeScale   float64
 	out            string
@@ -78,6 +80,7 @@ func parse(args []string, stderr io.Writer) (*opts, error) {
 	fs := flag.NewFlagSet("kvc-bench", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	def := workload.DefaultAgentic()
+	fs.BoolVar(&o.sweepReuse, "sweep-reuse", false, "--sweep: a point whose directory already holds a summary.json with every arm (a finished run of that point) is read instead of run, so points run by separate kvc-bench processes (e.g. side by side on a larger machine, each with a one-point --sweep into the same --out) are gathered into one sweep.json")
 	fs.BoolVar(&o.local, "local", false, "start a fresh local cluster (1 P + 3 D, 2 control planes, gateway) per arm")
 	fs.StringVar(&o.gatewayURL, "gateway-url", "", "replay one arm against this gateway instead of --local")
 	fs.StringVar(&o.arms, "arms", "E1,E3,E4", "arms to run with --local (E1 plain P/D without a prefix cache, PD with one, SGL SGLang decode radix + offload + HiCache, LLMD llm-d P2P pull, E3 KV-centric, E4 KV-centric + D→P snapshots); with --gateway-url, the one arm's label")
@@ -468,8 +471,14 @@ func runSweep(ctx context.Context, o *opts, base bench.Config, stderr io.Writer)
 			cfg.OutDir = filepath.Join(g.cfg.OutDir, fmt.Sprintf("load-%g", x))
 			cfg.Meta.Workload, cfg.Meta.Stats, cfg.Meta.Notes = wl.Name, wl.Describe(), wl.Notes
 			cfg.Meta.Notes = append(append([]string(nil), cfg.Meta.Notes...), fmt.Sprintf("load sweep point %g: %d sessions over %s", x, c.Sessions, c.ArrivalSpan))
-			fmt.Fprintf(stderr, "sweep: %s load %g (%d sessions) into %s\n", shapeOrCluster(g.name), x, c.Sessions, cfg.OutDir)
-			arms, err := bench.Run(ctx, cfg)
+			var arms []*report.Arm
+			if done, ok := finishedPoint(cfg.OutDir, base.Arms, o.sweepReuse); ok {
+				fmt.Fprintf(stderr, "sweep: %s load %g (%d sessions) read from %s\n", shapeOrCluster(g.name), x, c.Sessions, cfg.OutDir)
+				arms = done
+			} else {
+				fmt.Fprintf(stderr, "sweep: %s load %g (%d sessions) into %s\n", shapeOrCluster(g.name), x, c.Sessions, cfg.OutDir)
+				arms, err = bench.Run(ctx, cfg)
+			}
 			pt := report.SweepPoint{Load: x, Sessions: c.Sessions, Arms: map[string]report.Summary{}, Dir: cfg.OutDir}
 			if span := c.ArrivalSpan.Seconds(); span > 0 {
 				pt.SessionsPS = float64(c.Sessions) / span
@@ -506,4 +515,30 @@ func shapeOrCluster(name string) string {
 		return "cluster"
 	}
 	return name
+}
+
+// finishedPoint reads a sweep point already run into dir (with --sweep-reuse): its summary.json,
+// written when every arm has finished, must hold every arm of this run; anything else (no file,
+// a partial or unreadable one, another set of arms) runs the point again.
+func finishedPoint(dir string, arms []string, reuse bool) ([]*report.Arm, bool) {
+	if !reuse {
+		return nil, false
+	}
+	raw, err := os.ReadFile(filepath.Join(dir, report.SummaryFile))
+	if err != nil {
+		return nil, false
+	}
+	var sums map[string]report.Summary
+	if err := json.Unmarshal(raw, &sums); err != nil {
+		return nil, false
+	}
+	out := make([]*report.Arm, 0, len(arms))
+	for _, name := range arms {
+		s, ok := sums[name]
+		if !ok {
+			return nil, false
+		}
+		out = append(out, &report.Arm{Name: name, Summary: s})
+	}
+	return out, true
 }

@@ -1,9 +1,14 @@
 package main
 
 import (
+	"encoding/json"
 	"io"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/kvcentric/kvcentric/sim/internal/report"
 )
 
 func TestParseFlags(t *testing.T) {
@@ -79,5 +84,71 @@ func TestRunExitCodes(t *testing.T) {
 	}
 	if rc := run([]string{"--local", "--workload", "mooncake", "--trace", "/nonexistent/trace.jsonl"}, &b); rc != 2 || !strings.Contains(b.String(), "workload") {
 		t.Fatalf("rc %d: %s", rc, b.String())
+	}
+}
+
+// TestSweepReuseGathersPoints: with --sweep-reuse a sweep whose points were run by other
+// processes (each point's summary.json in its directory) is gathered into one sweep.json without
+// running anything; a point with a missing arm is not taken as finished.
+func TestSweepReuseGathersPoints(t *testing.T) {
+	out := t.TempDir()
+	arms := []string{"SGL", "E4"}
+	write := func(dir string, sums map[string]report.Summary) {
+		t.Helper()
+		if err := os.MkdirAll(dir, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		raw, err := json.Marshal(sums)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(dir, report.SummaryFile), raw, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, x := range []string{"1", "2"} {
+		write(filepath.Join(out, "1P3D", "load-"+x), map[string]report.Summary{
+			"SGL": {OK: 10, Total: 10, SLOMet: 10, GoodputRPS: 1}, "E4": {OK: 10, Total: 10, SLOMet: 9, GoodputRPS: 0.9},
+		})
+	}
+	for _, tc := range []struct {
+		name string
+		sums map[string]report.Summary
+		arms []string
+		ok   bool
+	}{
+		{"every arm", map[string]report.Summary{"SGL": {}, "E4": {}}, arms, true},
+		{"an arm missing", map[string]report.Summary{"SGL": {}}, arms, false},
+		{"no file", nil, arms, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			dir := filepath.Join(t.TempDir(), "load-1")
+			if tc.sums != nil {
+				write(dir, tc.sums)
+			}
+			if _, ok := finishedPoint(dir, tc.arms, true); ok != tc.ok {
+				t.Fatalf("finished %v, want %v", ok, tc.ok)
+			}
+			if _, ok := finishedPoint(dir, tc.arms, false); ok {
+				t.Fatal("finished without --sweep-reuse")
+			}
+		})
+	}
+	var b strings.Builder
+	if rc := run([]string{"--local", "--arms", "SGL,E4", "--sweep", "1P3D=1,2", "--sweep-reuse", "--out", out}, &b); rc != 0 {
+		t.Fatalf("rc %d: %s", rc, b.String())
+	}
+	if strings.Count(b.String(), "read from") != 2 {
+		t.Fatalf("points not read: %s", b.String())
+	}
+	raw, err := os.ReadFile(filepath.Join(out, "sweep.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var sw struct {
+		Points []map[string]any `json:"points"`
+	}
+	if err := json.Unmarshal(raw, &sw); err != nil || len(sw.Points) != 4 {
+		t.Fatalf("sweep.json: %v, %d points: %s", err, len(sw.Points), raw)
 	}
 }
