@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"sync"
 
 	"github.com/ardanlabs/jinja"
 )
@@ -49,6 +50,10 @@ type ChatOptions struct {
 // chatTemplate is a compiled chat template.
 type chatTemplate struct {
 	tmpl *jinja.Template
+	src  string
+
+	incOnce sync.Once // checkIncremental, on first use
+	incWhy  string    // why incremental rendering is off; "" when it is on
 }
 
 func compileTemplate(src string) (*chatTemplate, error) {
@@ -56,7 +61,7 @@ func compileTemplate(src string) (*chatTemplate, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &chatTemplate{tmpl: t}, nil
+	return &chatTemplate{tmpl: t, src: src}, nil
 }
 
 // HasChatTemplate reports whether tokenizer_config.json carried a chat template.
@@ -133,7 +138,24 @@ func (t *Tokenizer) renderValue(msgs jinja.Value, opts ChatOptions) (string, err
 	if t.chat == nil {
 		return "", ErrNoChatTemplate
 	}
-	data := map[string]jinja.Value{"tools": jinja.None(), "documents": jinja.None()}
+	data, err := t.chatData(opts)
+	if err != nil {
+		return "", err
+	}
+	data["messages"] = msgs
+	data["add_generation_prompt"] = jinja.NewBool(opts.AddGenerationPrompt)
+	out, err := t.chat.tmpl.RenderValues(data)
+	if err != nil {
+		return "", fmt.Errorf("%w: %w", ErrTemplate, err)
+	}
+	return out, nil
+}
+
+// chatData is the template's variables besides messages and add_generation_prompt: tools and
+// documents (None unless given), the special tokens, opts.Vars. A fresh map each call.
+func (t *Tokenizer) chatData(opts ChatOptions) (map[string]jinja.Value, error) {
+	data := make(map[string]jinja.Value, len(t.specialVars)+len(opts.Vars)+4)
+	data["tools"], data["documents"] = jinja.None(), jinja.None()
 	for k, v := range t.specialVars {
 		data[k] = jinja.FromGoValue(v)
 	}
@@ -143,17 +165,11 @@ func (t *Tokenizer) renderValue(msgs jinja.Value, opts ChatOptions) (string, err
 	if len(opts.ToolsJSON) > 0 {
 		tools, err := decodeJSONValue(opts.ToolsJSON)
 		if err != nil {
-			return "", fmt.Errorf("%w: tools: %w", ErrTemplate, err)
+			return nil, fmt.Errorf("%w: tools: %w", ErrTemplate, err)
 		}
 		data["tools"] = tools
 	}
-	data["messages"] = msgs
-	data["add_generation_prompt"] = jinja.NewBool(opts.AddGenerationPrompt)
-	out, err := t.chat.tmpl.RenderValues(data)
-	if err != nil {
-		return "", fmt.Errorf("%w: %w", ErrTemplate, err)
-	}
-	return out, nil
+	return data, nil
 }
 
 // decodeJSONValue parses one JSON value into template values, keeping object key order.
