@@ -53,9 +53,26 @@ func (s *Server) tokCache() *tokCache {
 		c.cache = newTokCache(n)
 		if c.cache != nil {
 			s.log.Info().Int64("max_bytes", n).Msg("incremental tokenization: a session's next turn encodes only what follows its last prompt's longest shared cut")
+			if c.Tok != nil && c.Tok.HasChatTemplate() {
+				// The template's check (sample conversations rendered both ways) runs once, here.
+				if ok, why := c.Tok.ChatIncremental(); ok {
+					s.log.Info().Msg("incremental chat rendering: a session's next turn renders only the messages from its last user message on")
+				} else {
+					s.log.Info().Str("reason", why).Msg("incremental chat rendering off for this chat template: every turn renders the whole conversation")
+				}
+			}
 		}
 	})
 	return c.cache
+}
+
+// renderPath is the chat_renders label of a rendering: "incremental" when it reused the
+// session's last one, else "full".
+func renderPath(r *tokenizer.ChatRender) string {
+	if r.Reused > 0 {
+		return "incremental"
+	}
+	return "full"
 }
 
 // discoverEvery bounds how often the page size is asked for while no decode worker answers.
@@ -142,18 +159,27 @@ func (s *Server) prepare(ctx context.Context, req *api.Request) *api.Error {
 		var ids []uint32
 		switch {
 		case req.Kind == api.Chat:
-			text, err := tok.ApplyChatTemplate(req.Messages, tokenizer.ChatOptions{AddGenerationPrompt: true})
-			if err != nil {
-				return api.BadRequest("chat template: %v", err)
-			}
-			// The rendering holds its special tokens as text. With the cache, only what follows
-			// the longest cut this rendering shares with the session's last one is encoded
-			// (exactly Encode(text, false): tokenizer.EncodeReuse).
+			opts := tokenizer.ChatOptions{AddGenerationPrompt: true}
+			// The rendering holds its special tokens as text. With the cache, the template renders
+			// only the messages from the session's last user message on when the history before
+			// it is unchanged (exactly ApplyChatTemplate: tokenizer.RenderChat), and only what
+			// follows the longest cut this rendering shares with the session's last one is
+			// encoded (exactly Encode(text, false): tokenizer.EncodeReuse).
 			if cache := s.tokCache(); cache != nil && req.SessionID != "" {
-				enc, _ := tok.EncodeReuse(text, cache.get(req.SessionID))
-				cache.put(req.SessionID, enc)
+				prevEnc, prevChat := cache.getTurn(req.SessionID)
+				r, err := tok.RenderChat(req.Messages, opts, prevChat)
+				if err != nil {
+					return api.BadRequest("chat template: %v", err)
+				}
+				s.m.ChatRenders.WithLabelValues(renderPath(r)).Inc()
+				enc, _ := tok.EncodeReuse(r.Text, prevEnc)
+				cache.putTurn(req.SessionID, enc, r)
 				ids = enc.IDs
 			} else {
+				text, err := tok.ApplyChatTemplate(req.Messages, opts)
+				if err != nil {
+					return api.BadRequest("chat template: %v", err)
+				}
 				ids = tok.Encode(text, false)
 			}
 		case req.Text != "":

@@ -332,44 +332,51 @@ func BenchmarkTokenize32K(b *testing.B) {
 	b.ReportMetric(float64(encode.Microseconds())/float64(b.N)*32_768/float64(n), "encode-µs/32K")
 }
 
-// BenchmarkTokenize32KCached is turn N+1's counting cost with the incremental cache
-// (make bench-gateway): the 32K-token conversation's last exchange (an answer and a new
-// question) is new; turn N's rendering and ids are the session's cached tokenizer.Encoded. It
-// renders the whole chat template, encodes only what follows the longest shared cut
-// (tokenizer.EncodeReuse) and hashes the prompt's pages. The ids are checked against the full
-// encode once.
+// BenchmarkTokenize32KCached is turn N+1's counting cost with the per-session cache, as
+// prepare does it (make bench-gateway): the 32K-token conversation's last exchange (an answer
+// and a new question) is new; turn N's rendering, its ids and its ChatRender (the history up to
+// its last user message) are the session's cached entry, made by turn N going through the same
+// calls. It renders the messages from turn N's last user message on (tokenizer.RenderChat),
+// encodes only what follows the longest shared cut (tokenizer.EncodeReuse) and hashes the
+// prompt's pages. The text and ids are checked against the full render and encode once.
 func BenchmarkTokenize32KCached(b *testing.B) {
 	tok, msgs := bench32K()
 	if tok == nil {
 		b.Fatal("no tokenizer")
 	}
-	prevText, err := tok.ApplyChatTemplate(msgs[:len(msgs)-2], tokenizer.ChatOptions{AddGenerationPrompt: true})
+	opts := tokenizer.ChatOptions{AddGenerationPrompt: true}
+	if ok, why := tok.ChatIncremental(); !ok {
+		b.Fatalf("incremental rendering off: %s", why)
+	}
+	prevChat, err := tok.RenderChat(msgs[:len(msgs)-2], opts, nil)
 	if err != nil {
 		b.Fatal(err)
 	}
-	prev, _ := tok.EncodeReuse(prevText, nil)
-	text, _ := tok.ApplyChatTemplate(msgs, tokenizer.ChatOptions{AddGenerationPrompt: true})
-	if got, _ := tok.EncodeReuse(text, prev); !slices.Equal(got.IDs, tok.Encode(text, false)) {
+	prev, _ := tok.EncodeReuse(prevChat.Text, nil)
+	full, _ := tok.ApplyChatTemplate(msgs, opts)
+	if r, err := tok.RenderChat(msgs, opts, prevChat); err != nil || r.Text != full || r.Reused == 0 {
+		b.Fatalf("incremental rendering differs from the full one or reused nothing (err %v)", err)
+	} else if got, _ := tok.EncodeReuse(r.Text, prev); !slices.Equal(got.IDs, tok.Encode(full, false)) {
 		b.Fatal("incremental ids differ from the full encode")
 	}
 	h, _ := pagehash.New(64, 0)
-	n, reused := 0, 0
+	n, reused, rendered := 0, 0, 0
 	var render, encode, hash time.Duration
 	b.ResetTimer()
 	cpu0 := cpuTime()
 	for i := 0; i < b.N; i++ {
 		t0 := time.Now()
-		text, err := tok.ApplyChatTemplate(msgs, tokenizer.ChatOptions{AddGenerationPrompt: true})
+		r, err := tok.RenderChat(msgs, opts, prevChat)
 		if err != nil {
 			b.Fatal(err)
 		}
 		t1 := time.Now()
-		enc, r := tok.EncodeReuse(text, prev)
+		enc, ru := tok.EncodeReuse(r.Text, prev)
 		t2 := time.Now()
 		_ = h.Chain(enc.IDs)
 		t3 := time.Now()
 		render, encode, hash = render+t1.Sub(t0), encode+t2.Sub(t1), hash+t3.Sub(t2)
-		n, reused = len(enc.IDs), r
+		n, reused, rendered = len(enc.IDs), ru, len(r.Text)-r.Reused
 	}
 	benchCachedCPU.Add(int64(cpuTime() - cpu0))
 	benchCachedIterations.Add(int64(b.N))
@@ -378,6 +385,8 @@ func BenchmarkTokenize32KCached(b *testing.B) {
 	per := func(d time.Duration) float64 { return float64(d.Microseconds()) / float64(b.N) * 32_768 / float64(n) }
 	b.ReportMetric(float64(n), "tokens")
 	b.ReportMetric(float64(reused), "reused")
+	b.ReportMetric(float64(rendered), "rendered-bytes")
+	b.ReportMetric(float64(len(full)), "bytes")
 	b.ReportMetric(per(render+encode+hash), "µs/32K")
 	b.ReportMetric(per(render), "render-µs/32K")
 	b.ReportMetric(per(encode), "encode-µs/32K")
@@ -424,8 +433,8 @@ func TestBenchGateway(t *testing.T) {
 	rc := testing.Benchmark(BenchmarkTokenize32KCached)
 	cached := float64(benchCachedCPU.Load()) / 1e3 / float64(benchCachedIterations.Load()) * 32_768 / float64(benchCachedTokens.Load())
 	fmt.Printf("tokenize (turn N+1, cached): %.0f µs per 32K-token prompt, direct-to-D TTFT %.1f ms, share %.1f%% (cold %.0f µs)\n", cached, ttft, 100*cached/1000/ttft, perPrompt)
-	fmt.Printf("tokenize-cached-source: CPU time over %d prompts of %.0f tokens, %.0f reused from turn N's encoding; wall per 32K-token prompt %.0f µs = chat template %.0f + encode %.0f + page hashes %.0f\n",
-		benchCachedIterations.Load(), rc.Extra["tokens"], rc.Extra["reused"], rc.Extra["µs/32K"], rc.Extra["render-µs/32K"], rc.Extra["encode-µs/32K"], rc.Extra["hash-µs/32K"])
+	fmt.Printf("tokenize-cached-source: CPU time over %d prompts of %.0f tokens, %.0f ids reused from turn N's encoding, %.0f of %.0f bytes rendered (the rest is turn N's history); wall per 32K-token prompt %.0f µs = chat template %.0f + encode %.0f + page hashes %.0f\n",
+		benchCachedIterations.Load(), rc.Extra["tokens"], rc.Extra["reused"], rc.Extra["rendered-bytes"], rc.Extra["bytes"], rc.Extra["µs/32K"], rc.Extra["render-µs/32K"], rc.Extra["encode-µs/32K"], rc.Extra["hash-µs/32K"])
 }
 
 // directRow matches a DIRECT_TO_D row of the report's per-mode table:

@@ -25,8 +25,10 @@ type Metrics struct {
 	TokenizerLoaded prometheus.Gauge
 	EstimatedInputs prometheus.Counter
 	TokenizeSeconds prometheus.Histogram
-	PageSize        prometheus.Gauge
-	ContentQueries  *prometheus.CounterVec
+	// ChatRenders counts chat prompts rendered with the per-session cache, by path.
+	ChatRenders    *prometheus.CounterVec
+	PageSize       prometheus.Gauge
+	ContentQueries *prometheus.CounterVec
 }
 
 // NewMetrics registers the series on reg.
@@ -67,12 +69,14 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Help: "Requests whose input token count was estimated (⌈bytes/4⌉): no tokenizer, no input_ids, no client count."}),
 		TokenizeSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{Name: "kvc_gateway_tokenize_seconds",
 			Help: "Time to render the chat template and tokenize one prompt.", Buckets: prometheus.ExponentialBuckets(0.00005, 2, 14)}),
+		ChatRenders: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvc_gateway_chat_renders_total",
+			Help: "Chat prompts of requests with a session id rendered by the chat template, by path (incremental: only the messages from the session's last user message on were rendered, the history before it reused; full: the whole conversation)."}, []string{"path"}),
 		PageSize: prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvc_gateway_kv_page_size",
 			Help: "KV page size the prompt's page hashes are computed with; 0 while unknown (no content addresses)."}),
 		ContentQueries: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvc_gateway_content_queries_total",
 			Help: "Route queries by content address: hashes (the prompt's page chain sent) or lengths (no token ids: the decision goes on lengths alone)."}, []string{"address"}),
 	}
-	reg.MustRegister(m.TokenizerLoaded, m.EstimatedInputs, m.TokenizeSeconds, m.PageSize, m.ContentQueries)
+	reg.MustRegister(m.TokenizerLoaded, m.EstimatedInputs, m.TokenizeSeconds, m.ChatRenders, m.PageSize, m.ContentQueries)
 	reg.MustRegister(m.Requests, m.FailOpen, m.BadRequests, m.TTFT, m.Latency, m.RouteLatency, m.Retries,
 		m.Inflight, m.CPConnected, m.Orphans, m.Refresh, m.Outcomes, m.SessionCalls, m.HintReleases)
 	return m

@@ -13,13 +13,16 @@ import (
 const TokenizeCacheEnv = "KVC_GATEWAY_TOKENIZE_CACHE_BYTES"
 
 // DefaultTokenizeCacheBytes bounds the cache when nothing else does: 64 MiB holds the last
-// rendered prompt and ids of ~250 sessions at 32K tokens (~260 KB each), of thousands at 2K.
+// rendered prompt, ids and messages of ~150 sessions at 32K tokens (~420 KB each: text and ids
+// ~260 KB, the messages up to the last user message ~160 KB), of thousands at 2K.
 const DefaultTokenizeCacheBytes = 64 << 20
 
 // tokCache keeps, per session, the last chat prompt the gateway rendered and encoded
-// (tokenizer.Encoded: text, ids and the cuts where encoding is concatenative), so the next turn
-// — the same conversation plus a few messages — encodes only what follows the longest cut the
-// two renderings share byte for byte (docs/tokenization.md). An LRU bounded by bytes; safe for
+// (tokenizer.Encoded: text, ids and the cuts where encoding is concatenative) and its
+// tokenizer.ChatRender (the messages up to the last user message and where their rendering ends
+// in the text), so the next turn — the same conversation plus a few messages — renders only the
+// messages from that user message on and encodes only what follows the longest cut the two
+// renderings share byte for byte (docs/tokenization.md). An LRU bounded by bytes; safe for
 // concurrent use. A nil *tokCache is off.
 type tokCache struct {
 	mu    sync.Mutex
@@ -30,9 +33,13 @@ type tokCache struct {
 }
 
 type tokEntry struct {
-	key string
-	enc *tokenizer.Encoded
+	key  string
+	enc  *tokenizer.Encoded
+	chat *tokenizer.ChatRender // nil: not a chat prompt
 }
+
+// size is what an entry holds: the encoding (its text is the ChatRender's too) and the messages.
+func (e *tokEntry) size() int64 { return e.enc.Size() + e.chat.Size() + int64(len(e.key)) }
 
 // newTokCache returns a cache bounded by maxBytes, or nil (off) when maxBytes <= 0.
 func newTokCache(maxBytes int64) *tokCache {
@@ -60,43 +67,54 @@ func tokCacheBytes(configured int64, getenv func(string) string) int64 {
 
 // get returns the session's last encoding, or nil.
 func (c *tokCache) get(key string) *tokenizer.Encoded {
+	enc, _ := c.getTurn(key)
+	return enc
+}
+
+// getTurn returns the session's last encoding and chat rendering (nil, nil when none).
+func (c *tokCache) getTurn(key string) (*tokenizer.Encoded, *tokenizer.ChatRender) {
 	if c == nil || key == "" {
-		return nil
+		return nil, nil
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	el, ok := c.byKey[key]
 	if !ok {
-		return nil
+		return nil, nil
 	}
 	c.order.MoveToFront(el)
-	return el.Value.(*tokEntry).enc
+	e := el.Value.(*tokEntry)
+	return e.enc, e.chat
 }
 
-// put makes enc the session's last encoding and evicts the least recently used sessions
-// while the cache is over its bound. An encoding larger than the bound is not kept.
-func (c *tokCache) put(key string, enc *tokenizer.Encoded) {
+// put makes enc the session's last encoding (no chat rendering).
+func (c *tokCache) put(key string, enc *tokenizer.Encoded) { c.putTurn(key, enc, nil) }
+
+// putTurn makes enc and chat (nil: none) the session's last turn and evicts the least
+// recently used sessions while the cache is over its bound. A turn larger than the bound is
+// not kept.
+func (c *tokCache) putTurn(key string, enc *tokenizer.Encoded, chat *tokenizer.ChatRender) {
 	if c == nil || key == "" || enc == nil {
 		return
 	}
-	size := enc.Size() + int64(len(key))
+	ne := &tokEntry{key: key, enc: enc, chat: chat}
+	size := ne.size()
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if el, ok := c.byKey[key]; ok {
-		e := el.Value.(*tokEntry)
-		c.used -= e.enc.Size() + int64(len(key))
+		c.used -= el.Value.(*tokEntry).size()
 		c.order.Remove(el)
 		delete(c.byKey, key)
 	}
 	if size > c.max {
 		return
 	}
-	c.byKey[key] = c.order.PushFront(&tokEntry{key: key, enc: enc})
+	c.byKey[key] = c.order.PushFront(ne)
 	c.used += size
 	for c.used > c.max {
 		el := c.order.Back()
 		e := el.Value.(*tokEntry)
-		c.used -= e.enc.Size() + int64(len(e.key))
+		c.used -= e.size()
 		c.order.Remove(el)
 		delete(c.byKey, e.key)
 	}

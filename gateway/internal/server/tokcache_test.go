@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/rs/zerolog"
 
 	"github.com/kvcentric/kvcentric/gateway/internal/api"
@@ -28,12 +29,18 @@ func encodedOf(tok *tokenizer.Tokenizer, text string) *tokenizer.Encoded {
 	return e
 }
 
-// TestTokCacheLRU: the cache is bounded by bytes, evicts the least recently used session,
-// replaces a session's entry, does not keep an entry larger than the bound, and is off at 0.
+// TestTokCacheLRU: the cache is bounded by bytes (a chat turn's kept messages included),
+// evicts the least recently used session, replaces a session's entry, does not keep an entry
+// larger than the bound, and is off at 0.
 func TestTokCacheLRU(t *testing.T) {
 	tok, _ := qwen3(t)
 	a, b, c := encodedOf(tok, "<|im_start|>user\naaaa<|im_end|>"), encodedOf(tok, "<|im_start|>user\nbbbb<|im_end|>"), encodedOf(tok, "<|im_start|>user\ncccc<|im_end|>")
 	one := a.Size() + 2 // each key below is 2 bytes
+	chat, err := tok.RenderChat([]tokenizer.Message{{Role: "user", Content: "aaaa"}}, tokenizer.ChatOptions{AddGenerationPrompt: true}, nil)
+	if err != nil || chat.Size() <= 0 {
+		t.Fatalf("render: %v", err)
+	}
+	withChat := one + chat.Size() // a turn's messages count too
 	for _, tc := range []struct {
 		name     string
 		max      int64
@@ -52,6 +59,9 @@ func TestTokCacheLRU(t *testing.T) {
 			tc.put("s1", encodedOf(tok, "<|im_start|>user\nlonger than the first one<|im_end|>"))
 		}, nil, 0},
 		{"no session id", 2 * one, func(tc *tokCache) { tc.put("", a) }, nil, 0},
+		{"a chat turn counts its messages", withChat + one, func(tc *tokCache) { tc.putTurn("s1", a, chat); tc.put("s2", b) }, []string{"s1", "s2"}, withChat + one},
+		{"a chat turn evicts by its size", withChat + one - 1, func(tc *tokCache) { tc.put("s1", a); tc.putTurn("s2", b, chat) }, []string{"s2"}, withChat},
+		{"a chat turn replaced by a plain one", 2 * one, func(tc *tokCache) { tc.putTurn("s1", a, chat); tc.put("s1", b) }, []string{"s1"}, one},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			cache := newTokCache(tc.max)
@@ -130,8 +140,9 @@ func TestIncrementalTokenizationHTTP(t *testing.T) {
 					Execution: &kvcv1.RouteExecution{CallDecode: true, KeepSession: true}}
 			}}
 			content := &Content{Tok: tok, PageSize: 16, TokenizeCacheBytes: cacheBytes}
+			m := NewMetrics(prometheus.NewRegistry())
 			s := New(rr, workers.NewPool(nil, nil), Options{RequestTimeout: 10 * time.Second, ConnectTimeout: time.Second, MaxBodyBytes: 1 << 20,
-				Parse: api.Options{RequireSession: true, DefaultMaxTok: 4}, Content: content}, zerolog.Nop(), NewMetrics(prometheus.NewRegistry()))
+				Parse: api.Options{RequireSession: true, DefaultMaxTok: 4}, Content: content}, zerolog.Nop(), m)
 			mux := http.NewServeMux()
 			s.Register(mux)
 			gw := httptest.NewServer(mux)
@@ -168,10 +179,15 @@ func TestIncrementalTokenizationHTTP(t *testing.T) {
 						t.Fatalf("turn %d: id %d is %v, want %d", turn, i, got[i], want[i])
 					}
 				}
-				cached := content.cache.get("s-http")
-				if (cacheBytes > 0) != (cached != nil) || (cached != nil && cached.Text != text) {
+				cached, chat := content.cache.getTurn("s-http")
+				if (cacheBytes > 0) != (cached != nil) || (cached != nil && (cached.Text != text || chat == nil || chat.Text != text)) {
 					t.Fatalf("turn %d: cache holds %v", turn, cached != nil)
 				}
+			}
+			// Turn 0 and the edited turn 3 render in full; the others only from the last question on.
+			inc, full := testutil.ToFloat64(m.ChatRenders.WithLabelValues("incremental")), testutil.ToFloat64(m.ChatRenders.WithLabelValues("full"))
+			if want := map[bool][2]float64{true: {4, 2}, false: {0, 0}}[cacheBytes > 0]; inc != want[0] || full != want[1] {
+				t.Fatalf("chat renders: %v incremental, %v full; want %v", inc, full, want)
 			}
 		})
 	}
@@ -182,9 +198,10 @@ func TestIncrementalTokenizationHTTP(t *testing.T) {
 // are exactly the full encode, and the cache stays within its bound.
 func TestIncrementalTokenizationConcurrent(t *testing.T) {
 	tok, _ := qwen3(t)
-	const bound = 6 << 10
+	const bound = 16 << 10
 	content := &Content{Tok: tok, TokenizeCacheBytes: bound}
-	s := New(&recRouter{}, workers.NewPool(nil, nil), Options{Content: content}, zerolog.Nop(), NewMetrics(prometheus.NewRegistry()))
+	m := NewMetrics(prometheus.NewRegistry())
+	s := New(&recRouter{}, workers.NewPool(nil, nil), Options{Content: content}, zerolog.Nop(), m)
 	var wg sync.WaitGroup
 	errs := make(chan error, 64)
 	for g := 0; g < 12; g++ {
@@ -222,5 +239,8 @@ func TestIncrementalTokenizationConcurrent(t *testing.T) {
 	}
 	if n, used := content.cache.stats(); n == 0 || used > bound {
 		t.Fatalf("cache: %d sessions, %d bytes (bound %d)", n, used, bound)
+	}
+	if inc := testutil.ToFloat64(m.ChatRenders.WithLabelValues("incremental")); inc == 0 {
+		t.Fatal("no turn rendered incrementally")
 	}
 }
