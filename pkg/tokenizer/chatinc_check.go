@@ -40,19 +40,22 @@ const incrementalGap = 5
 // checkConversation plays one sample conversation; it returns the number of turns rendered
 // incrementally, and why the template fails the check ("" when it does not).
 func (t *Tokenizer) checkConversation(conv []Message, opts ChatOptions) (int, string) {
-	full := make([]string, len(conv)+1)
-	failed := make([]bool, len(conv)+1)
+	// full[n] and hist[n]: the full render of the first n messages, with opts and without the
+	// generation prompt ("" and failed when the template refuses them).
+	full, hist := make([]string, len(conv)+1), make([]string, len(conv)+1)
+	failed, histFailed := make([]bool, len(conv)+1), make([]bool, len(conv)+1)
 	for n := 1; n <= len(conv); n++ {
-		s, err := t.ApplyChatTemplate(conv[:n], opts)
+		s, err := t.ApplyChatTemplate(conv[:n], withoutGen(opts))
+		hist[n], histFailed[n] = s, err != nil
+		if opts.AddGenerationPrompt {
+			s, err = t.ApplyChatTemplate(conv[:n], opts)
+		}
 		full[n], failed[n] = s, err != nil
 	}
 	// anchorOK: the rendering kept for the next turn is the full render of the anchor's messages.
 	anchorOK := func(r *ChatRender) bool {
-		if r.anchor == nil {
-			return true
-		}
-		s, err := t.ApplyChatTemplate(r.anchor, withoutGen(opts))
-		return err == nil && s == r.Text[:r.seam]
+		k := len(r.anchor)
+		return k == 0 || (!histFailed[k] && hist[k] == r.Text[:r.seam] && messagesEqual(r.anchor, conv[:k]))
 	}
 	hits := 0
 	for m := 1; m <= len(conv); m++ {
