@@ -7,7 +7,7 @@ import (
 
 // checkIncremental decides whether the chat template may be rendered incrementally: "" when
 // it may, else why not. It plays every sample conversation below, under three option sets,
-// as sessions: the request of turn m (rendered in full, its anchor found), then each later
+// as sessions: the request of turn m (rendered in full, its anchors found), then each later
 // request n of the same conversation within a few messages (rendered from turn m's), and
 // requires every incremental rendering, and every anchor's rendering kept for the next turn, to
 // equal the full render of the same messages — including the turns where the template drops
@@ -54,8 +54,13 @@ func (t *Tokenizer) checkConversation(conv []Message, opts ChatOptions) (int, st
 	}
 	// anchorOK: the rendering kept for the next turn is the full render of the anchor's messages.
 	anchorOK := func(r *ChatRender) bool {
-		k := len(r.anchor)
-		return k == 0 || (!histFailed[k] && hist[k] == r.Text[:r.seam] && messagesEqual(r.anchor, conv[:k]))
+		for _, s := range r.seams {
+			k := s.anchor + 1
+			if histFailed[k] || hist[k] != r.Text[:s.end] || len(r.msgs) < k || !messagesEqual(r.msgs[:k], conv[:k]) {
+				return false
+			}
+		}
+		return true
 	}
 	hits := 0
 	for m := 1; m <= len(conv); m++ {
@@ -78,7 +83,7 @@ func (t *Tokenizer) checkConversation(conv []Message, opts ChatOptions) (int, st
 				return 0, fmt.Sprintf("turn of %d messages after %d: the incremental rendering differs at byte %d", n, m, commonPrefix(got.Text, full[n]))
 			case !anchorOK(got):
 				return 0, fmt.Sprintf("turn of %d messages after %d: the history's rendering kept is not the full render's", n, m)
-			case got.Reused > 0 && n > len(prev.anchor): // messages after the anchor rendered on their own
+			case got.Reused > 0 && n > len(prev.msgs): // messages after the anchor rendered on their own
 				hits++
 			}
 		}

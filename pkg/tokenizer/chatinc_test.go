@@ -6,6 +6,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -374,7 +375,73 @@ func TestRenderChatConcurrent(t *testing.T) {
 	for err := range errs {
 		t.Fatal(err)
 	}
-	if prev.Text != before.Text || prev.seam != before.seam || len(prev.anchor) != len(before.anchor) {
+	if prev.Text != before.Text || !slices.Equal(prev.seams, before.seams) || len(prev.msgs) != len(before.msgs) {
 		t.Fatal("the shared turn changed")
+	}
+}
+
+// TestRenderChatAgentLoop: an agent answering one question with 30 rounds of tool calls and
+// results, then a new question and 10 more rounds (Qwen3-Coder's and Qwen3.5's templates want
+// the arguments as a mapping and refuse the Message entry point's JSON text: skipped). Every
+// turn equals its full render, and from
+// the second round on each renders only its new messages (anchored at the previous round's
+// tool result with the question as context): the bytes rendered per turn do not grow with the
+// conversation. The new question renders from the first one.
+func TestRenderChatAgentLoop(t *testing.T) {
+	for name, tk := range templateTokenizers(t) {
+		if ok, _ := tk.ChatIncremental(); !ok {
+			continue
+		}
+		t.Run(name, func(t *testing.T) {
+			opts := ChatOptions{AddGenerationPrompt: true}
+			msgs := []Message{{Role: "system", Content: "You are an agent."}, {Role: "user", Content: "Fix the race in internal/server."}}
+			var prev *ChatRender
+			var rendered []int
+			round := func(i int) {
+				c := ToolCall{ID: fmt.Sprintf("c%d", i), Type: "function"}
+				c.Function.Name, c.Function.Arguments = "read_file", fmt.Sprintf(`{"path": "f%d.go"}`, i)
+				msgs = append(msgs, Message{Role: "assistant", Content: fmt.Sprintf("<think>file %d</think>", i), ToolCalls: []ToolCall{c}},
+					Message{Role: "tool", Content: fmt.Sprintf("package f%d\n\nfunc F%d() {}\n", i, i)})
+			}
+			render := func(label string) *ChatRender {
+				r, err := tk.RenderChat(msgs, opts, prev)
+				want, werr := tk.ApplyChatTemplate(msgs, opts)
+				if err != nil || werr != nil {
+					t.Fatalf("%s: %v / %v", label, err, werr)
+				}
+				if r.Text != want {
+					t.Fatalf("%s: differs at byte %d\n got %q\nwant %q", label, commonPrefix(r.Text, want), r.Text, want)
+				}
+				return r
+			}
+			for i := range 30 {
+				round(i)
+				if _, err := tk.ApplyChatTemplate(msgs, opts); i == 0 && err != nil {
+					t.Skipf("the template refuses tool-call arguments given as JSON text (the Message entry point's): %v", err)
+				}
+				r := render(fmt.Sprintf("round %d", i))
+				if i > 0 && r.Reused == 0 {
+					t.Fatalf("round %d rendered in full", i)
+				}
+				rendered, prev = append(rendered, len(r.Text)-r.Reused), r
+			}
+			msgs = append(msgs, Message{Role: "assistant", Content: "Fixed."}, Message{Role: "user", Content: "Now add a test."})
+			r := render("the new question")
+			if r.Reused == 0 || r.Reused > len(prev.Text) {
+				t.Fatalf("the new question reused %d bytes", r.Reused)
+			}
+			prev = r
+			for i := 30; i < 40; i++ {
+				round(i)
+				if prev = render(fmt.Sprintf("round %d", i)); prev.Reused == 0 {
+					t.Fatalf("round %d rendered in full", i)
+				}
+				rendered = append(rendered, len(prev.Text)-prev.Reused)
+			}
+			if last, early := rendered[len(rendered)-1], rendered[2]; last > 2*early {
+				t.Fatalf("bytes rendered per round grew from %d to %d: %v", early, last, rendered)
+			}
+			t.Logf("bytes rendered per round: %v of %d", rendered, len(prev.Text))
+		})
 	}
 }
