@@ -14,6 +14,7 @@ import (
 	"regexp"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -298,6 +299,36 @@ var bench32K = sync.OnceValues(func() (*tokenizer.Tokenizer, []tokenizer.Message
 	}
 })
 
+// bench32KAgent is BenchmarkTokenize32KAgentRound's fixture, built once: the Qwen3 tokenizer
+// and an agent loop of at least 32,768 tokens once rendered — one question, then rounds of a
+// tool call and its result (a source file), no further question.
+var bench32KAgent = sync.OnceValues(func() (*tokenizer.Tokenizer, []tokenizer.Message) {
+	tok, _ := bench32K()
+	if tok == nil {
+		return nil, nil
+	}
+	msgs := []tokenizer.Message{{Role: "system", Content: "You are a coding agent working in a Go repository."},
+		{Role: "user", Content: "Find why TestRetryExcludesDeadWorker flakes and fix it."}}
+	for i := 0; ; i++ {
+		call := tokenizer.ToolCall{ID: fmt.Sprintf("call_%d", i), Type: "function"}
+		call.Function.Name, call.Function.Arguments = "read_file", fmt.Sprintf(`{"path": "internal/server/f%d.go"}`, i)
+		var src strings.Builder
+		fmt.Fprintf(&src, "package server\n\n// f%d is step %d of the retry path — 重试 %d.\n", i, i, i)
+		for j := 0; j < 12; j++ {
+			fmt.Fprintf(&src, "func (s *Server) step%d_%d(ctx context.Context, r *plan) error {\n\tif err := ctx.Err(); err != nil {\n\t\treturn fmt.Errorf(\"step %d: %%w\", err)\n\t}\n\treturn nil\n}\n", i, j, j)
+		}
+		msgs = append(msgs, tokenizer.Message{Role: "assistant", Content: fmt.Sprintf("<think>read f%d.go next</think>", i), ToolCalls: []tokenizer.ToolCall{call}},
+			tokenizer.Message{Role: "tool", Content: src.String(), ToolCallID: call.ID})
+		if i%10 != 9 {
+			continue
+		}
+		text, _ := tok.ApplyChatTemplate(msgs, tokenizer.ChatOptions{AddGenerationPrompt: true})
+		if tok.Count(text, false) >= 32_768 {
+			return tok, msgs
+		}
+	}
+})
+
 // BenchmarkTokenize32K is the gateway's counting cost per 32K-token prompt: chat template,
 // tokenization and page hashes (make bench-gateway).
 func BenchmarkTokenize32K(b *testing.B) {
@@ -341,6 +372,21 @@ func BenchmarkTokenize32K(b *testing.B) {
 // prompt's pages. The text and ids are checked against the full render and encode once.
 func BenchmarkTokenize32KCached(b *testing.B) {
 	tok, msgs := bench32K()
+	benchCachedTurn(b, tok, msgs, &benchCached)
+}
+
+// BenchmarkTokenize32KAgentRound is an agent loop's next round with the per-session cache, as
+// prepare does it (make bench-gateway): turn N is the 32K-token loop less its last round (a tool
+// call and its result), turn N+1 the whole loop; the last user message is far back, so the
+// incremental render anchors at turn N's last tool result.
+func BenchmarkTokenize32KAgentRound(b *testing.B) {
+	tok, msgs := bench32KAgent()
+	benchCachedTurn(b, tok, msgs, &benchAgent)
+}
+
+// benchCachedTurn measures turn N+1 = msgs from turn N = msgs less its last two messages,
+// adding to totals.
+func benchCachedTurn(b *testing.B, tok *tokenizer.Tokenizer, msgs []tokenizer.Message, totals *benchTotals) {
 	if tok == nil {
 		b.Fatal("no tokenizer")
 	}
@@ -378,10 +424,9 @@ func BenchmarkTokenize32KCached(b *testing.B) {
 		render, encode, hash = render+t1.Sub(t0), encode+t2.Sub(t1), hash+t3.Sub(t2)
 		n, reused, rendered = len(enc.IDs), ru, len(r.Text)-r.Reused
 	}
-	benchCachedCPU.Add(int64(cpuTime() - cpu0))
-	benchCachedIterations.Add(int64(b.N))
-	benchCachedTokens.Store(int64(n))
-	benchCachedReused.Store(int64(reused))
+	totals.cpu.Add(int64(cpuTime() - cpu0))
+	totals.iterations.Add(int64(b.N))
+	totals.tokens.Store(int64(n))
 	per := func(d time.Duration) float64 { return float64(d.Microseconds()) / float64(b.N) * 32_768 / float64(n) }
 	b.ReportMetric(float64(n), "tokens")
 	b.ReportMetric(float64(reused), "reused")
@@ -393,8 +438,16 @@ func BenchmarkTokenize32KCached(b *testing.B) {
 	b.ReportMetric(per(hash), "hash-µs/32K")
 }
 
-// Totals over every round of BenchmarkTokenize32KCached.
-var benchCachedIterations, benchCachedCPU, benchCachedTokens, benchCachedReused atomic.Int64
+// benchTotals are a benchmark's totals over every round: prompts, their CPU time, tokens per prompt.
+type benchTotals struct{ iterations, cpu, tokens atomic.Int64 }
+
+// perPrompt is the CPU time per 32K-token prompt, in µs.
+func (t *benchTotals) perPrompt() float64 {
+	return float64(t.cpu.Load()) / 1e3 / float64(t.iterations.Load()) * 32_768 / float64(t.tokens.Load())
+}
+
+// Totals of BenchmarkTokenize32KCached and BenchmarkTokenize32KAgentRound.
+var benchCached, benchAgent benchTotals
 
 // Totals over every round of BenchmarkTokenize32K: prompts encoded, their CPU time, tokens per prompt.
 var benchIterations, benchCPU, benchTokens atomic.Int64
@@ -430,11 +483,20 @@ func TestBenchGateway(t *testing.T) {
 	fmt.Printf("tokenize: %.0f µs per 32K-token prompt, direct-to-D TTFT %.1f ms, share %.1f%%\n", perPrompt, ttft, 100*perPrompt/1000/ttft)
 	fmt.Printf("tokenize-source: CPU time over %d prompts of %.0f tokens (wall %.0f µs per 32K-token prompt on this shared machine = chat template %.0f + encode %.0f + page hashes); TTFT from %s\n",
 		benchIterations.Load(), r.Extra["tokens"], wall, r.Extra["render-µs/32K"], r.Extra["encode-µs/32K"], src)
-	rc := testing.Benchmark(BenchmarkTokenize32KCached)
-	cached := float64(benchCachedCPU.Load()) / 1e3 / float64(benchCachedIterations.Load()) * 32_768 / float64(benchCachedTokens.Load())
-	fmt.Printf("tokenize (turn N+1, cached): %.0f µs per 32K-token prompt, direct-to-D TTFT %.1f ms, share %.1f%% (cold %.0f µs)\n", cached, ttft, 100*cached/1000/ttft, perPrompt)
-	fmt.Printf("tokenize-cached-source: CPU time over %d prompts of %.0f tokens, %.0f ids reused from turn N's encoding, %.0f of %.0f bytes rendered (the rest is turn N's history); wall per 32K-token prompt %.0f µs = chat template %.0f + encode %.0f + page hashes %.0f\n",
-		benchCachedIterations.Load(), rc.Extra["tokens"], rc.Extra["reused"], rc.Extra["rendered-bytes"], rc.Extra["bytes"], rc.Extra["µs/32K"], rc.Extra["render-µs/32K"], rc.Extra["encode-µs/32K"], rc.Extra["hash-µs/32K"])
+	for _, c := range []struct {
+		label, source string
+		bench         func(*testing.B)
+		totals        *benchTotals
+	}{
+		{"turn N+1, cached", "tokenize-cached-source", BenchmarkTokenize32KCached, &benchCached},
+		{"agent round, cached", "tokenize-agent-source", BenchmarkTokenize32KAgentRound, &benchAgent},
+	} {
+		rc := testing.Benchmark(c.bench)
+		cached := c.totals.perPrompt()
+		fmt.Printf("tokenize (%s): %.0f µs per 32K-token prompt, direct-to-D TTFT %.1f ms, share %.1f%% (cold %.0f µs)\n", c.label, cached, ttft, 100*cached/1000/ttft, perPrompt)
+		fmt.Printf("%s: CPU time over %d prompts of %.0f tokens, %.0f ids reused from turn N's encoding, %.0f of %.0f bytes rendered (the rest is turn N's history); wall per 32K-token prompt %.0f µs = chat template %.0f + encode %.0f + page hashes %.0f\n",
+			c.source, c.totals.iterations.Load(), rc.Extra["tokens"], rc.Extra["reused"], rc.Extra["rendered-bytes"], rc.Extra["bytes"], rc.Extra["µs/32K"], rc.Extra["render-µs/32K"], rc.Extra["encode-µs/32K"], rc.Extra["hash-µs/32K"])
+	}
 }
 
 // directRow matches a DIRECT_TO_D row of the report's per-mode table:
