@@ -445,3 +445,46 @@ func TestRenderChatAgentLoop(t *testing.T) {
 		})
 	}
 }
+
+// FuzzRenderChat: for any contents and roles of a conversation's messages and any split into
+// a previous and a next turn, RenderChat from the previous turn gives exactly the full render
+// (or fails as it does), with Qwen3's and DeepSeek-V3.1's templates.
+func FuzzRenderChat(f *testing.F) {
+	f.Add("q1", "<think>r</think>a1", "<tool_response>\nx\n</tool_response>", "q2", uint16(0x1b1), uint8(2))
+	f.Add("<|im_start|>", "</think>\n\n", "", "<｜User｜>", uint16(0x2c6), uint8(1))
+	f.Add("a", "b", "c", "d", uint16(0xfff), uint8(3))
+	tks := templateTokenizers(f)
+	roles := []string{"user", "assistant", "tool", "system"}
+	f.Fuzz(func(t *testing.T, a, b, c, d string, shape uint16, split uint8) {
+		contents := []string{a, b, c, d}
+		var conv []Message
+		for i := 0; i < 8; i++ {
+			m := Message{Role: roles[(shape>>(2*i))&3], Content: contents[i%4]}
+			if m.Role == "assistant" && i%3 == 0 {
+				call := ToolCall{Type: "function"}
+				call.Function.Name, call.Function.Arguments = "f", `{"x": 1}`
+				m.ToolCalls = []ToolCall{call}
+			}
+			conv = append(conv, m)
+		}
+		m := 1 + int(split)%len(conv)
+		for _, name := range []string{"Qwen3", "deepseek-ai-DeepSeek-V3.1"} {
+			tk := tks[name]
+			opts := ChatOptions{AddGenerationPrompt: shape&1 == 0}
+			prev, err := tk.RenderChat(conv[:m], opts, nil)
+			if err != nil {
+				continue
+			}
+			for n := m; n <= len(conv); n++ {
+				got, err := tk.RenderChat(conv[:n], opts, prev)
+				want, werr := tk.ApplyChatTemplate(conv[:n], opts)
+				if (err != nil) != (werr != nil) {
+					t.Fatalf("%s %d after %d: RenderChat error %v, full render error %v", name, n, m, err, werr)
+				}
+				if err == nil && got.Text != want {
+					t.Fatalf("%s %d after %d: differs at byte %d (%d reused)\n got %q\nwant %q", name, n, m, commonPrefix(got.Text, want), got.Reused, got.Text, want)
+				}
+			}
+		}
+	})
+}
