@@ -86,8 +86,9 @@ func (t *Tokenizer) ChatIncremental() (bool, string) {
 
 // RenderChat renders msgs as ApplyChatTemplate(msgs, opts) does, reusing prev — the previous
 // turn of the same conversation, or nil — when the template and the request allow it
-// (ChatIncremental, and prev's messages up to its last user message and options equal to this
-// request's); otherwise it renders in full. The text is identical either way; prev is not
+// (ChatIncremental, and prev's options and messages up to one of its anchors — its last user
+// message, or its last tool result while no user message follows — equal to this request's);
+// otherwise it renders in full. The text is identical either way; prev is not
 // modified. Errors are ApplyChatTemplate's.
 func (t *Tokenizer) RenderChat(msgs []Message, opts ChatOptions, prev *ChatRender) (*ChatRender, error) {
 	if t.chat == nil {
@@ -121,19 +122,29 @@ func (t *Tokenizer) renderChat(msgs []Message, opts ChatOptions, prev *ChatRende
 	if u < 0 {
 		return r, nil
 	}
-	if x, ok := t.continuation(data, msgs, u, -1, opts.AddGenerationPrompt); ok && strings.HasSuffix(text, x) {
-		r.seams = append(r.seams, seam{anchor: u, ctx: -1, end: len(text) - len(x)})
-	}
+	var toolSeam []seam
 	if j := len(msgs) - 1; j > u && msgs[j].Role == "tool" {
 		if x, ok := t.continuation(data, msgs, j, u, opts.AddGenerationPrompt); ok && strings.HasSuffix(text, x) {
-			r.seams = append(r.seams, seam{anchor: j, ctx: u, end: len(text) - len(x)})
+			toolSeam = []seam{{anchor: j, ctx: u, end: len(text) - len(x)}}
 		}
 	}
+	// The user message's seam costs a render of everything after it; far back in an agent loop
+	// that is about a full render again, and a turn starting from it would cost as much as one.
+	if toolSeam == nil || len(msgs)-u <= maxUserTail {
+		if x, ok := t.continuation(data, msgs, u, -1, opts.AddGenerationPrompt); ok && strings.HasSuffix(text, x) {
+			r.seams = append(r.seams, seam{anchor: u, ctx: -1, end: len(text) - len(x)})
+		}
+	}
+	r.seams = append(r.seams, toolSeam...)
 	if len(r.seams) > 0 {
 		r.msgs = slices.Clone(msgs[:r.seams[len(r.seams)-1].anchor+1])
 	}
 	return r, nil
 }
+
+// maxUserTail bounds the messages from the last user message to the end for which a full render
+// also finds the user message's seam when the request ends with a tool result (which has its own).
+const maxUserTail = 8
 
 // renderTail is the incremental render; false when the request does not allow it (then the
 // caller renders in full).
