@@ -154,41 +154,43 @@ func (c *Cluster) Client(tb testing.TB) *clientv3.Client {
 	return cli
 }
 
-// Close stops every running member, followers first: a follower (and a lone member) stops
-// gracefully, so no request is still being served when its storage closes.
+// Close stops every running member (test cleanup). A member that cannot hand over leadership
+// (a follower, a lone member) stops the way etcd's own close does it, client servers first, then
+// storage: the only order in which etcd never serves a request from storage it has already closed
+// (a hard stop under an in-flight read panics inside bbolt: nil Tx in Bucket). Followers go first;
+// a leader of several members is then killed, as Kill does.
 func (c *Cluster) Close() {
 	var leaders []*Member
 	for _, m := range c.members {
-		if m.isLeader() {
+		if len(c.members) > 1 && m.isLeader() {
 			leaders = append(leaders, m)
 			continue
 		}
-		m.Kill()
+		if e := m.take(); e != nil {
+			e.Close()
+		}
 	}
 	for _, m := range leaders {
 		m.Kill()
 	}
 }
 
-// Kill stops the member at once, without a leadership transfer. Data stays in Dir.
-//
-// A member that could transfer leadership (the leader of a cluster of several) is hard-stopped
-// before its client servers close, as a crash would stop it. Any other member is stopped the way
-// etcd's own close does it, client servers first: with no leadership to hand over, that is the
-// same stop, and it is the only order in which etcd never serves a request from storage it has
-// already closed (a hard stop under an in-flight read panics inside bbolt: nil Tx in Bucket).
+// Kill stops the member at once (its raft node halts before anything else: no leadership
+// transfer, no grace for clients). Data stays in Dir.
 func (m *Member) Kill() {
+	if e := m.take(); e != nil {
+		e.Server.HardStop()
+		e.Close()
+	}
+}
+
+// take detaches the running etcd from the member (nil when it is stopped).
+func (m *Member) take() *embed.Etcd {
 	m.mu.Lock()
+	defer m.mu.Unlock()
 	e := m.e
 	m.e = nil
-	m.mu.Unlock()
-	if e == nil {
-		return
-	}
-	if len(m.cluster.members) > 1 && e.Server.Leader() == e.Server.MemberID() {
-		e.Server.HardStop()
-	}
-	e.Close()
+	return e
 }
 
 // isLeader reports whether the member runs and is its cluster's raft leader.
