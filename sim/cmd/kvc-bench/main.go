@@ -40,6 +40,7 @@ type opts struct {
 	tracePath      string
 	maxRequests    int
 	sweepReuse     bool
+	sweepFrom      []string
 	timeScale      float64
 	simTimeScale   float64
 	out            string
@@ -81,6 +82,15 @@ func parse(args []string, stderr io.Writer) (*opts, error) {
 	fs.SetOutput(stderr)
 	def := workload.DefaultAgentic()
 	fs.BoolVar(&o.sweepReuse, "sweep-reuse", false, "--sweep: a point whose directory already holds a summary.json with every arm (a finished run of that point) is read instead of run, so points run by separate kvc-bench processes (e.g. side by side on a larger machine, each with a one-point --sweep into the same --out) are gathered into one sweep.json")
+	fs.Func("sweep-from", "with --sweep-reuse: comma list of other --out directories whose points (same SHAPE/load-X layout) hold some of the arms, e.g. one directory per arm run apart; a point is read when --out and these together hold every arm", func(v string) error {
+		for _, d := range strings.Split(v, ",") {
+			if d = strings.TrimSpace(d); d == "" {
+				return errors.New("an empty directory in the list")
+			}
+			o.sweepFrom = append(o.sweepFrom, d)
+		}
+		return nil
+	})
 	fs.BoolVar(&o.local, "local", false, "start a fresh local cluster (1 P + 3 D, 2 control planes, gateway) per arm")
 	fs.StringVar(&o.gatewayURL, "gateway-url", "", "replay one arm against this gateway instead of --local")
 	fs.StringVar(&o.arms, "arms", "E1,E3,E4", "arms to run with --local (E1 plain P/D without a prefix cache, PD with one, SGL SGLang decode radix + offload + HiCache, LLMD llm-d P2P pull, E3 KV-centric, E4 KV-centric + D→P snapshots); with --gateway-url, the one arm's label")
@@ -472,7 +482,7 @@ func runSweep(ctx context.Context, o *opts, base bench.Config, stderr io.Writer)
 			cfg.Meta.Workload, cfg.Meta.Stats, cfg.Meta.Notes = wl.Name, wl.Describe(), wl.Notes
 			cfg.Meta.Notes = append(append([]string(nil), cfg.Meta.Notes...), fmt.Sprintf("load sweep point %g: %d sessions over %s", x, c.Sessions, c.ArrivalSpan))
 			var arms []*report.Arm
-			if done, ok := finishedPoint(cfg.OutDir, base.Arms, o.sweepReuse); ok {
+			if done, ok := finishedPoint(o.out, o.sweepFrom, cfg.OutDir, base.Arms, o.sweepReuse); ok {
 				fmt.Fprintf(stderr, "sweep: %s load %g (%d sessions) read from %s\n", shapeOrCluster(g.name), x, c.Sessions, cfg.OutDir)
 				arms = done
 			} else {
@@ -518,27 +528,40 @@ func shapeOrCluster(name string) string {
 }
 
 // finishedPoint reads a sweep point already run into dir (with --sweep-reuse): its summary.json,
-// written when every arm has finished, must hold every arm of this run; anything else (no file,
-// a partial or unreadable one, another set of arms) runs the point again.
-func finishedPoint(dir string, arms []string, reuse bool) ([]*report.Arm, bool) {
+// written when every arm has finished, and the same point's summary.json under each of the
+// --sweep-from roots, must together hold every arm of this run; anything else (no file, a partial
+// or unreadable one, an arm missing) runs the point again.
+func finishedPoint(out string, from []string, dir string, arms []string, reuse bool) ([]*report.Arm, bool) {
 	if !reuse {
 		return nil, false
 	}
-	raw, err := os.ReadFile(filepath.Join(dir, report.SummaryFile))
+	rel, err := filepath.Rel(out, dir)
 	if err != nil {
 		return nil, false
 	}
-	var sums map[string]report.Summary
-	if err := json.Unmarshal(raw, &sums); err != nil {
-		return nil, false
+	sums := map[string]report.Summary{}
+	for _, root := range append([]string{out}, from...) {
+		raw, err := os.ReadFile(filepath.Join(root, rel, report.SummaryFile))
+		if err != nil {
+			continue
+		}
+		var got map[string]report.Summary
+		if err := json.Unmarshal(raw, &got); err != nil {
+			continue
+		}
+		for name, s := range got {
+			if _, seen := sums[name]; !seen {
+				sums[name] = s
+			}
+		}
 	}
-	out := make([]*report.Arm, 0, len(arms))
+	result := make([]*report.Arm, 0, len(arms))
 	for _, name := range arms {
 		s, ok := sums[name]
 		if !ok {
 			return nil, false
 		}
-		out = append(out, &report.Arm{Name: name, Summary: s})
+		result = append(result, &report.Arm{Name: name, Summary: s})
 	}
-	return out, true
+	return result, true
 }

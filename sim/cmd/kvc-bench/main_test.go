@@ -112,24 +112,29 @@ func TestSweepReuseGathersPoints(t *testing.T) {
 		})
 	}
 	for _, tc := range []struct {
-		name string
-		sums map[string]report.Summary
-		arms []string
-		ok   bool
+		name       string
+		sums, from map[string]report.Summary
+		ok         bool
 	}{
-		{"every arm", map[string]report.Summary{"SGL": {}, "E4": {}}, arms, true},
-		{"an arm missing", map[string]report.Summary{"SGL": {}}, arms, false},
-		{"no file", nil, arms, false},
+		{"every arm", map[string]report.Summary{"SGL": {}, "E4": {}}, nil, true},
+		{"an arm missing", map[string]report.Summary{"SGL": {}}, nil, false},
+		{"the missing arm in --sweep-from", map[string]report.Summary{"SGL": {}}, map[string]report.Summary{"E4": {}}, true},
+		{"only in --sweep-from", nil, map[string]report.Summary{"E4": {}, "SGL": {}}, true},
+		{"no file", nil, nil, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			dir := filepath.Join(t.TempDir(), "load-1")
+			root, other := t.TempDir(), t.TempDir()
+			dir := filepath.Join(root, "2P4D", "load-1")
 			if tc.sums != nil {
 				write(dir, tc.sums)
 			}
-			if _, ok := finishedPoint(dir, tc.arms, true); ok != tc.ok {
+			if tc.from != nil {
+				write(filepath.Join(other, "2P4D", "load-1"), tc.from)
+			}
+			if _, ok := finishedPoint(root, []string{other}, dir, arms, true); ok != tc.ok {
 				t.Fatalf("finished %v, want %v", ok, tc.ok)
 			}
-			if _, ok := finishedPoint(dir, tc.arms, false); ok {
+			if _, ok := finishedPoint(root, []string{other}, dir, arms, false); ok {
 				t.Fatal("finished without --sweep-reuse")
 			}
 		})
