@@ -181,7 +181,7 @@ bench-sweep: build
 	$(BIN)/kvc-bench $(BENCH_FLAGS) --arms $(SWEEP_ARMS) --sessions 8 --sweep "$(SWEEP)" --out out/sweep
 
 ## bench-sweep-parallel: the same sweep with each point in its own kvc-bench process side by side
-## (a machine with more cores than the sweep has points), gathered into one sweep.json (--sweep-reuse)
+## (a machine with more cores than the sweep has points), gathered into one sweep.json (--sweep-gather)
 bench-sweep-parallel: build
 	deploy/bench/sweep-parallel.sh $(BIN) out/sweep "$(SWEEP)" $(SWEEP_ARMS) 8 $(BENCH_FLAGS)
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The load sweep with every point (or, with SPLIT_ARMS=1, every point and arm) in a kvc-bench
-# process of its own, side by side, then gathered into one OUT/sweep.json with --sweep-reuse
+# process of its own, side by side, then gathered into one OUT/sweep.json with --sweep-gather
 # (and --sweep-from for the per-arm directories): for a machine with more cores than the sweep
 # has points (`make bench-sweep` runs them one after another). Needs only the static binaries.
 #
@@ -38,5 +38,5 @@ rc=0
 for p in "${pids[@]}"; do wait "$p" || rc=1; done
 fromflag=()
 if [ ${#from[@]} -gt 0 ]; then fromflag=(--sweep-from "$(IFS=,; echo "${from[*]}")"); fi
-"$bin/kvc-bench" "$@" --arms "$arms" --sessions "$sessions" --sweep "$sweep" --sweep-reuse "${fromflag[@]}" --out "$out"
+"$bin/kvc-bench" "$@" --arms "$arms" --sessions "$sessions" --sweep "$sweep" --sweep-gather "${fromflag[@]}" --out "$out"
 exit $rc

@@ -40,6 +40,7 @@ type opts struct {
 	tracePath      string
 	maxRequests    int
 	sweepReuse     bool
+	sweepGather    bool
 	sweepFrom      []string
 	timeScale      float64
 	simTimeScale   float64
@@ -82,6 +83,7 @@ func parse(args []string, stderr io.Writer) (*opts, error) {
 	fs.SetOutput(stderr)
 	def := workload.DefaultAgentic()
 	fs.BoolVar(&o.sweepReuse, "sweep-reuse", false, "--sweep: a point whose directory already holds a summary.json with every arm (a finished run of that point) is read instead of run, so points run by separate kvc-bench processes (e.g. side by side on a larger machine, each with a one-point --sweep into the same --out) are gathered into one sweep.json")
+	fs.BoolVar(&o.sweepGather, "sweep-gather", false, "--sweep-reuse that runs nothing: a point without a finished run of every arm is reported as aborted with the arms it has")
 	fs.Func("sweep-from", "with --sweep-reuse: comma list of other --out directories whose points (same SHAPE/load-X layout) hold some of the arms, e.g. one directory per arm run apart; a point is read when --out and these together hold every arm", func(v string) error {
 		for _, d := range strings.Split(v, ",") {
 			if d = strings.TrimSpace(d); d == "" {
@@ -482,10 +484,15 @@ func runSweep(ctx context.Context, o *opts, base bench.Config, stderr io.Writer)
 			cfg.Meta.Workload, cfg.Meta.Stats, cfg.Meta.Notes = wl.Name, wl.Describe(), wl.Notes
 			cfg.Meta.Notes = append(append([]string(nil), cfg.Meta.Notes...), fmt.Sprintf("load sweep point %g: %d sessions over %s", x, c.Sessions, c.ArrivalSpan))
 			var arms []*report.Arm
-			if done, ok := finishedPoint(o.out, o.sweepFrom, cfg.OutDir, base.Arms, o.sweepReuse); ok {
+			done, ok := finishedPoint(o.out, o.sweepFrom, cfg.OutDir, base.Arms, o.sweepReuse || o.sweepGather)
+			switch {
+			case ok:
 				fmt.Fprintf(stderr, "sweep: %s load %g (%d sessions) read from %s\n", shapeOrCluster(g.name), x, c.Sessions, cfg.OutDir)
 				arms = done
-			} else {
+			case o.sweepGather:
+				fmt.Fprintf(stderr, "sweep: %s load %g (%d sessions): %d of %d arms finished in %s, not run (--sweep-gather)\n", shapeOrCluster(g.name), x, c.Sessions, len(done), len(base.Arms), cfg.OutDir)
+				arms, err = done, errors.New("not every arm finished (--sweep-gather runs nothing)")
+			default:
 				fmt.Fprintf(stderr, "sweep: %s load %g (%d sessions) into %s\n", shapeOrCluster(g.name), x, c.Sessions, cfg.OutDir)
 				arms, err = bench.Run(ctx, cfg)
 			}
@@ -530,7 +537,7 @@ func shapeOrCluster(name string) string {
 // finishedPoint reads a sweep point already run into dir (with --sweep-reuse): its summary.json,
 // written when every arm has finished, and the same point's summary.json under each of the
 // --sweep-from roots, must together hold every arm of this run; anything else (no file, a partial
-// or unreadable one, an arm missing) runs the point again.
+// or unreadable one, an arm missing) runs the point again; the arms found are returned either way.
 func finishedPoint(out string, from []string, dir string, arms []string, reuse bool) ([]*report.Arm, bool) {
 	if !reuse {
 		return nil, false
@@ -557,11 +564,9 @@ func finishedPoint(out string, from []string, dir string, arms []string, reuse b
 	}
 	result := make([]*report.Arm, 0, len(arms))
 	for _, name := range arms {
-		s, ok := sums[name]
-		if !ok {
-			return nil, false
+		if s, ok := sums[name]; ok {
+			result = append(result, &report.Arm{Name: name, Summary: s})
 		}
-		result = append(result, &report.Arm{Name: name, Summary: s})
 	}
-	return result, true
+	return result, len(result) == len(arms)
 }

@@ -146,6 +146,11 @@ func TestSweepReuseGathersPoints(t *testing.T) {
 	if strings.Count(b.String(), "read from") != 2 {
 		t.Fatalf("points not read: %s", b.String())
 	}
+	// --sweep-gather runs nothing: a point with an arm missing is reported, not run.
+	b.Reset()
+	if rc := run([]string{"--local", "--arms", "SGL,E4,PD", "--sweep", "1P3D=1", "--sweep-gather", "--out", t.TempDir()}, &b); rc != 1 || !strings.Contains(b.String(), "0 of 3 arms finished") {
+		t.Fatalf("gather of an unfinished point: rc %d: %s", rc, b.String())
+	}
 	raw, err := os.ReadFile(filepath.Join(out, "sweep.json"))
 	if err != nil {
 		t.Fatal(err)
