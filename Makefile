@@ -28,6 +28,12 @@ GRPCURL_VERSION := v1.9.3
 # versions, so one built by another toolchain is never reused. Bump deliberately and fix what it finds.
 GOLANGCI_LINT_VERSION := v2.15.0
 GOLANGCI_LINT := $(BIN)/tools/golangci-lint-$(GOLANGCI_LINT_VERSION)-$(GOTOOLCHAIN_VERSION)
+# ruff lints every Python file under integrations/ (integrations/ruff.toml) at the version
+# integrations/requirements-lint.txt pins, from a venv of its own in bin/tools/: make lint runs
+# before the SGLang test venv exists. Its cache goes to bin/tools/ too.
+RUFF_VERSION := $(shell sed -n 's/^ruff==//p' integrations/requirements-lint.txt)
+RUFF_VENV := $(BIN)/tools/ruff-$(RUFF_VERSION)
+RUFF := $(RUFF_VENV)/bin/ruff
 # The API as last released: buf breaking compares proto/ with it (make proto-image updates it).
 API_IMAGE := proto/api.binpb
 
@@ -87,14 +93,16 @@ test-short:
 	@for m in $(MODULES); do (cd $$m && $(GO) test -short -count=1 ./...); done
 
 ## lint: gofmt, then golangci-lint (.golangci.yml: govet, staticcheck, errcheck, ...) on every
-## module on its own go.mod
-lint: $(GOLANGCI_LINT)
+## module on its own go.mod, then ruff on integrations/ (integrations/ruff.toml)
+lint: $(GOLANGCI_LINT) $(RUFF)
 	@out=$$(gofmt -l $$(git ls-files '*.go' | grep -v '\.pb\.go$$')); \
 	if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 	@for m in $(MODULES); do \
 		echo "== lint $$m"; \
 		(cd $$m && GOWORK=off $(GOLANGCI_LINT) run --allow-serial-runners --config $(CURDIR)/.golangci.yml ./...); \
 	done
+	@echo "== ruff integrations"
+	@$(RUFF) check --config integrations/ruff.toml --cache-dir $(BIN)/tools/ruff-cache integrations
 
 ## check-modules: every module stands alone — GOWORK=off go build and go vet, and go mod tidy
 ## leaves go.mod and go.sum as committed; then check-deps
@@ -129,6 +137,10 @@ $(GOLANGCI_LINT):
 	@mkdir -p $(BIN)/tools/tmp
 	GOBIN=$(BIN)/tools/tmp $(GO) install github.com/golangci/golangci-lint/v2/cmd/golangci-lint@$(GOLANGCI_LINT_VERSION)
 	mv $(BIN)/tools/tmp/golangci-lint $@
+$(RUFF):
+	@rm -rf $(RUFF_VENV)
+	python3 -m venv $(RUFF_VENV)
+	$(RUFF_VENV)/bin/pip install -q -r integrations/requirements-lint.txt
 $(BIN)/grpcurl:
 	GOBIN=$(BIN) $(GO) install github.com/fullstorydev/grpcurl/cmd/grpcurl@$(GRPCURL_VERSION)
 

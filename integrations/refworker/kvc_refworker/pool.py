@@ -18,7 +18,7 @@ from typing import List, Optional, Sequence
 import torch
 
 try:  # the plugin's client (integrations/sglang); the refworker speaks to its sidecar through it
-    from kvcentric_sglang.bridge import KVBuffer, KV_KIND_K, KV_KIND_V
+    from kvcentric_sglang.bridge import KV_KIND_K, KV_KIND_V, KVBuffer
 except ImportError:  # pragma: no cover - the package is a hard dependency
     raise
 
@@ -45,8 +45,9 @@ def ipc_handle_bytes(h: bytes) -> bytes:
     if len(h) == 66 and h[1:2] == b"c":
         return h[2:]
     if len(h) >= 2 and h[1:2] == b"e":
-        raise RuntimeError("the KV pool is in an expandable segment (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): "
-                           "its CUDA IPC handle cannot be opened by the sidecar; unset it")
+        raise RuntimeError("the KV pool is in an expandable segment "
+                           "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): its CUDA IPC handle cannot be "
+                           "opened by the sidecar; unset it")
     raise RuntimeError("unknown CUDA IPC handle format (%d bytes)" % len(h))
 
 

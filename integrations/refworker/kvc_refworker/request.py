@@ -20,7 +20,8 @@ def parse_mode(s: str) -> str:
     if u.startswith("ROUTE_MODE_"):
         u = u[len("ROUTE_MODE_"):]
     if u not in MODES:
-        raise BadRequest("unknown kvc.mode %r (want DIRECT_TO_D, SEED, RESEED_SNAPSHOT, RESEED_PREFILL or PD_FALLBACK)" % s)
+        raise BadRequest("unknown kvc.mode %r (want DIRECT_TO_D, SEED, RESEED_SNAPSHOT, RESEED_PREFILL or "
+                         "PD_FALLBACK)" % s)
     return u
 
 

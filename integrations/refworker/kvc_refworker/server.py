@@ -66,7 +66,7 @@ class Handler(BaseHTTPRequestHandler):
         try:
             return json.loads(raw or b"{}")
         except ValueError as e:
-            raise ApiError(400, "bad_request", "malformed JSON body: %s" % e)
+            raise ApiError(400, "bad_request", "malformed JSON body: %s" % e) from e
 
     def do_GET(self):
         w, path = self.server.worker, self.path.split("?")[0]
@@ -121,7 +121,7 @@ class Handler(BaseHTTPRequestHandler):
         try:
             R._valid_id("session_id", sid)
         except R.BadRequest as e:
-            raise ApiError(400, "bad_request", str(e))
+            raise ApiError(400, "bad_request", str(e)) from e
         to = body.get("timeout")
         if to is not None and (not isinstance(to, (int, float)) or isinstance(to, bool) or to < 0):
             raise ApiError(400, "bad_request", "timeout %r must be a non-negative number of seconds" % (to,))
@@ -145,7 +145,7 @@ class Handler(BaseHTTPRequestHandler):
             try:
                 p = R.parse(body, w.cfg.role, w.capacity_tokens, w.spec.vocab_size)
             except R.BadRequest as e:
-                raise ApiError(400, "bad_request", str(e))
+                raise ApiError(400, "bad_request", str(e)) from e
         except ApiError as e:
             return self._error(e)
         if not p.rid:
@@ -159,7 +159,8 @@ class Handler(BaseHTTPRequestHandler):
                 return self._error(e)
             ans = {"text": "", "output_ids": [], "meta_info": {
                 "id": p.rid, "prompt_tokens": p.input, "completion_tokens": 0, "cached_tokens": 0,
-                "finish_reason": {"type": "length", "length": 0}, "e2e_latency": time.monotonic() - t_start, "kvc": meta}}
+                "finish_reason": {"type": "length", "length": 0}, "e2e_latency": time.monotonic() - t_start,
+                "kvc": meta}}
             if p.stream:
                 self._sse_start()
                 self._sse(ans)
@@ -182,7 +183,7 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
             self.wfile.flush()
         except OSError as e:
-            raise _ClientGone(str(e))
+            raise _ClientGone(str(e)) from e
 
     def _sse_done(self):
         try:
@@ -232,7 +233,8 @@ class Handler(BaseHTTPRequestHandler):
                 self._sse({"text": "", "output_ids": [], "meta_info": final})
                 self._sse_done()
             else:
-                self._json(200, {"text": "".join(" t%d" % x for x in t.out), "output_ids": list(t.out), "meta_info": final})
+                self._json(200, {"text": "".join(" t%d" % x for x in t.out), "output_ids": list(t.out),
+                                 "meta_info": final})
         except _ClientGone:
             log.info("client went away: %s", p.rid)
         except ApiError as e:

@@ -17,10 +17,10 @@ import os
 import struct
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import List, Optional
 
-from kvcentric_sglang.bridge import BridgeError, TRANSFER_SEED
+from kvcentric_sglang.bridge import TRANSFER_SEED, BridgeError
 
 
 class TransferError(Exception):
@@ -50,13 +50,15 @@ class BridgeTransport:
     def __init__(self, bridge, pool, model_name: str, timeout_s: float):
         self.bridge, self.pool, self.timeout_s, self.model_name = bridge, pool, timeout_s, model_name
         self.kv_bytes_per_token, self.endpoint = bridge.register_kv_pool(
-            pool.page_size, pool.item_len, pool.rows // pool.page_size, pool.layers, pool.bridge_buffers(), model=model_name)
+            pool.page_size, pool.item_len, pool.rows // pool.page_size, pool.layers, pool.bridge_buffers(),
+            model=model_name)
 
-    def send(self, room: int, session_id: str, pages: List[int], tokens: int, first_token: int, first_logit: float) -> int:
+    def send(self, room: int, session_id: str, pages: List[int], tokens: int, first_token: int,
+             first_logit: float) -> int:
         try:
             return self.bridge.send_kv(room, session_id, pages, first_page=0, last=True, tokens=tokens)
         except BridgeError as e:
-            raise TransferError("SendKV room %d: %s" % (room, e))
+            raise TransferError("SendKV room %d: %s" % (room, e)) from e
 
     def receive(self, room: int, session_id: str, kind: int, pages: List[int], tokens: int, peer: str) -> Received:
         t0 = time.monotonic()
@@ -64,7 +66,7 @@ class BridgeTransport:
             self.bridge.prepare_receive(room, session_id, kind, pages, tokens, peer)
             r = self.bridge.wait_receive(room, timeout_s=self.timeout_s)
         except BridgeError as e:
-            raise TransferError("room %d: %s" % (room, e))
+            raise TransferError("room %d: %s" % (room, e)) from e
         if not r.ok:
             raise TransferError("transfer of room %d failed: %s" % (room, r.error))
         if r.tokens and r.tokens != tokens:
@@ -86,8 +88,9 @@ class PluginTransport:
     name = "plugin"
 
     def __init__(self, bridge_socket: str, pool, role: str, model_name: str, timeout_s: float, poll_s: float = 0.0005):
-        import numpy as np
         from types import SimpleNamespace
+
+        import numpy as np
 
         os.environ.setdefault("KVC_SGLANG_WATCH", "0")  # its watcher runs SGLang-side release hooks
         from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
@@ -135,14 +138,15 @@ class PluginTransport:
                 try:
                     x.failure_exception()
                 except Exception as e:  # noqa: BLE001 - the backend's KvcTransferError
-                    raise TransferError(str(e))
+                    raise TransferError(str(e)) from e
                 raise TransferError("%s failed" % what)
             if time.monotonic() > deadline:
                 x.abort()
                 raise TransferError("%s: no result within %.0fs" % (what, self.timeout_s))
             time.sleep(self.poll_s)  # the scheduler's event loop polls the same way, once per step
 
-    def send(self, room: int, session_id: str, pages: List[int], tokens: int, first_token: int, first_logit: float) -> int:
+    def send(self, room: int, session_id: str, pages: List[int], tokens: int, first_token: int,
+             first_logit: float) -> int:
         row = self._row()
         try:
             s = self.backend.KvcKVSender(self.mgr, "", room)

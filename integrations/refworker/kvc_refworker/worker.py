@@ -29,7 +29,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from kvcentric_sglang.bridge import BridgeError, TRANSFER_SEED, TRANSFER_SNAPSHOT
+from kvcentric_sglang.bridge import TRANSFER_SEED, TRANSFER_SNAPSHOT, BridgeError
 
 from . import model as M
 from .pool import KVPool, pages_for
@@ -302,8 +302,9 @@ class Worker:
                 if not victims:
                     left = deadline - time.monotonic()
                     if left <= 0:
-                        raise ApiError(503, "no_capacity", "%d pages needed, %d free and no idle session to evict on %s" % (
-                            n, self.pool.free_pages, self.cfg.worker_id))
+                        raise ApiError(503, "no_capacity",
+                                       "%d pages needed, %d free and no idle session to evict on %s" % (
+                                           n, self.pool.free_pages, self.cfg.worker_id))
                     self.mu.wait(timeout=min(left, 0.5))
                     continue
             for s in victims:
@@ -452,7 +453,7 @@ class Worker:
             try:
                 sent = self.xfer.send(p.room, p.seed_key, pages, p.input, first, float(logits[first]))
             except TransferError as e:
-                raise ApiError(502, "transfer_failed", str(e))
+                raise ApiError(502, "transfer_failed", str(e)) from e
             meta["sent_bytes"] = sent
             meta["transfer_real_ms"] = meta["transfer_ms"] = _ms(time.monotonic() - t1)
             self.stats["sent_bytes"] += sent
@@ -496,9 +497,11 @@ class Worker:
                 if s is None or s.kv_len < p.cached:
                     have = -1 if s is None else s.kv_len
                     if have < 0:
-                        raise ApiError(409, "session_not_resident", "session %r is not resident on %s" % (p.session_id, self.cfg.worker_id))
-                    raise ApiError(409, "session_not_resident", "session %r holds %d tokens on %s, fewer than cached_tokens %d" % (
-                        p.session_id, have, self.cfg.worker_id, p.cached))
+                        raise ApiError(409, "session_not_resident",
+                                       "session %r is not resident on %s" % (p.session_id, self.cfg.worker_id))
+                    raise ApiError(409, "session_not_resident",
+                                   "session %r holds %d tokens on %s, fewer than cached_tokens %d" % (
+                                       p.session_id, have, self.cfg.worker_id, p.cached))
                 s.pinned += 1
                 self._touch(s)
                 t.s = s
@@ -574,13 +577,14 @@ class Worker:
         try:
             r = self.xfer.receive(p.room, p.seed_key, kind, pages, tokens, p.peer)
         except TransferError as e:
-            raise ApiError(502, "transfer_failed", str(e))
+            raise ApiError(502, "transfer_failed", str(e)) from e
         wall = r.wall_s
         t.aux = (r.first_token, r.first_logit) if r.first_token is not None else None
         moved = wall
         if r.duration_us and r.duration_us / 1e6 < wall:
             moved = r.duration_us / 1e6
-        t.meta.update(received_bytes=r.bytes, receive_wait_ms=_ms(wall), transfer_real_ms=_ms(moved), transfer_ms=_ms(moved))
+        t.meta.update(received_bytes=r.bytes, receive_wait_ms=_ms(wall), transfer_real_ms=_ms(moved),
+                      transfer_ms=_ms(moved))
         self.stats["received_bytes"] += r.bytes
         t.kv = tokens
 
@@ -646,7 +650,8 @@ class Worker:
             t.out.append(tok)
             # The token at position n+i: the greedy one, or the scripted context's token when
             # the client sends only token counts (so that every worker derives the same context).
-            nxt = scripted_tokens(p.seed_key, p.input + i, p.input + i + 1, self.spec.vocab_size)[0] if scripted else tok
+            nxt = (scripted_tokens(p.seed_key, p.input + i, p.input + i + 1, self.spec.vocab_size)[0] if scripted
+                   else tok)
             t.fed.append(nxt)
             self.stats["decode_tokens"] += 1
             emit(i, tok)
@@ -741,7 +746,7 @@ class Verifier:
         self.w = w
 
     def check(self, t: Turn) -> Dict:
-        w, p, n = self.w, t.p, t.p.input
+        w, p = self.w, t.p
         atol = w.cfg.atol
         t0 = time.monotonic()
         until = t0 + w.gpu.max_defer_s  # the check as a whole yields to served requests this long at most
@@ -758,7 +763,8 @@ class Verifier:
                 max_diff = max(max_diff, d)
                 bitwise_steps += d == 0.0
                 sb = int(b.argmax())
-                bad = d > atol or (t.bitwise and w.cfg.bitwise_strict and d != 0.0) or (tok != sb and float(b[sb] - b[tok]) > atol)
+                bad = (d > atol or (t.bitwise and w.cfg.bitwise_strict and d != 0.0)
+                       or (tok != sb and float(b[sb] - b[tok]) > atol))
                 if bad:
                     mism += 1
                     log.warning("recompute mismatch: session %s mode %s first token (aux) %d/%d |dlogit| %.3g",
@@ -789,7 +795,8 @@ class Verifier:
         kv_bitwise = t.bitwise and w.cfg.bitwise_strict and not t.extend
         if kv_diff > atol or (kv_bitwise and kv_diff != 0.0):
             mism += 1
-            log.warning("recompute mismatch: session %s mode %s KV |diff| %.3g over %d tokens", p.seed_key, p.mode, kv_diff, kv_end)
+            log.warning("recompute mismatch: session %s mode %s KV |diff| %.3g over %d tokens", p.seed_key, p.mode,
+                        kv_diff, kv_end)
         w.stats["recompute_checked"] += 1
         w.stats["recompute_mismatches"] += mism
         return {"recompute_checked": True, "recompute_mismatches": mism, "max_abs_logit_diff": max_diff,

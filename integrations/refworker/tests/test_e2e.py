@@ -73,7 +73,8 @@ class Cluster:
         while not os.path.exists(self.ready):
             if self.p.poll() is not None or time.time() > deadline:
                 self.stop()
-                raise RuntimeError("kvc-local did not come up:\n" + open(os.path.join(work, "kvc-local.log")).read()[-4000:])
+                logged = open(os.path.join(work, "kvc-local.log")).read()
+                raise RuntimeError("kvc-local did not come up:\n" + logged[-4000:])
             time.sleep(0.5)
         self.info = json.load(open(self.ready))
         self.gateway = self.info["gateway_url"]
@@ -130,10 +131,12 @@ class TestEveryModeExact(unittest.TestCase):
                 hist[sess] += out_ids
             elif sess:
                 hist[sess] += max_new
-            print("%-8s %-16s %-22s on %-9s kv %5d recv %7d B  mism %d  max|dlogit| %.2g  max|dKV| %.2g  bitwise %d/%d" % (
-                sess or "-", mode, reason, meta.get("worker_id"), meta.get("kv_len_after", 0), meta.get("received_bytes", 0),
-                meta.get("recompute_mismatches", -1), meta.get("max_abs_logit_diff", -1), meta.get("max_abs_kv_diff", -1),
-                meta.get("bitwise_steps", 0), meta.get("recompute_steps", 0)), flush=True)
+            print("%-8s %-16s %-22s on %-9s kv %5d recv %7d B  mism %d  max|dlogit| %.2g  max|dKV| %.2g  "
+                  "bitwise %d/%d" % (
+                      sess or "-", mode, reason, meta.get("worker_id"), meta.get("kv_len_after", 0),
+                      meta.get("received_bytes", 0), meta.get("recompute_mismatches", -1),
+                      meta.get("max_abs_logit_diff", -1), meta.get("max_abs_kv_diff", -1),
+                      meta.get("bitwise_steps", 0), meta.get("recompute_steps", 0)), flush=True)
             return mode, reason, meta
 
         try:
@@ -196,7 +199,8 @@ class TestEveryModeExact(unittest.TestCase):
         evictions = sum(meta.get("evicted_sessions", 0) for *_, meta in results)
         mism = sum(meta.get("recompute_mismatches", 0) for *_, meta in results)
         unchecked = [(s, m) for s, m, _, meta in results if not meta.get("recompute_checked")]
-        print("modes %s, %d evictions, %d requests, %d recompute mismatches" % (sorted(modes), evictions, len(results), mism))
+        print("modes %s, %d evictions, %d requests, %d recompute mismatches" % (
+            sorted(modes), evictions, len(results), mism))
         self.assertEqual(unchecked, [])
         self.assertEqual(mism, 0)
         self.assertGreater(evictions, 0)

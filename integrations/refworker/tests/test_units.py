@@ -25,19 +25,20 @@ class TestParse(unittest.TestCase):
 
     def test_table(self):
         ok = [
-            ("kvc block", {"kvc": {"mode": "ROUTE_MODE_SEED", "session_id": "s", "input_tokens": 10, "room": 3}}, "decode",
-             dict(mode="SEED", input=10, room=3, keep=True, seed_key="s", ids=None)),
-            ("kv_hints", dict(self.hints({"mode": "DIRECT_TO_D", "session_id": "s", "cached_tokens": 4}), input_ids=[1, 2, 3, 4, 5],
-                              session_params={"id": "s"}), "decode",
+            ("kvc block", {"kvc": {"mode": "ROUTE_MODE_SEED", "session_id": "s", "input_tokens": 10, "room": 3}},
+             "decode", dict(mode="SEED", input=10, room=3, keep=True, seed_key="s", ids=None)),
+            ("kv_hints", dict(self.hints({"mode": "DIRECT_TO_D", "session_id": "s", "cached_tokens": 4}),
+                              input_ids=[1, 2, 3, 4, 5], session_params={"id": "s"}), "decode",
              dict(mode="DIRECT_TO_D", input=5, cached=4, ids=[1, 2, 3, 4, 5])),
             ("snapshot", self.hints({"mode": "RESEED_SNAPSHOT", "session_id": "s", "input_tokens": 9, "room": 1,
                                      "snapshot_seqlen": 8}), "decode", dict(mode="RESEED_SNAPSHOT", seqlen=8)),
             ("fallback single shot", {"rid": "r1", "input_ids": [7, 7], "bootstrap_room": 5}, "prefill",
              dict(mode="PD_FALLBACK", keep=False, seed_key="r1", room=5)),
-            ("text only", {"text": "x" * 40, "kvc": {"mode": "PD_FALLBACK", "keep_session": False}, "rid": "r", "bootstrap_room": 1},
-             "decode", dict(input=10, local=False, transfers=True)),
-            ("failed open to D alone", {"rid": "r", "input_ids": [1, 2, 3], "kvc": {"mode": "PD_FALLBACK", "keep_session": False}},
-             "decode", dict(mode="PD_FALLBACK", local=True, transfers=False)),
+            ("text only", {"text": "x" * 40, "kvc": {"mode": "PD_FALLBACK", "keep_session": False}, "rid": "r",
+                           "bootstrap_room": 1}, "decode", dict(input=10, local=False, transfers=True)),
+            ("failed open to D alone", {"rid": "r", "input_ids": [1, 2, 3],
+                                        "kvc": {"mode": "PD_FALLBACK", "keep_session": False}}, "decode",
+             dict(mode="PD_FALLBACK", local=True, transfers=False)),
         ]
         for name, body, role, want in ok:
             with self.subTest(name):
@@ -47,21 +48,25 @@ class TestParse(unittest.TestCase):
         bad = [
             ("batch", [1], "decode", "object"),
             ("ids out of vocab", {"input_ids": [99], "rid": "r", "bootstrap_room": 1}, "decode", "vocabulary"),
-            ("count differs", {"input_ids": [1, 2], "kvc": {"input_tokens": 3, "session_id": "s", "room": 1, "mode": "SEED"}},
+            ("count differs", {"input_ids": [1, 2],
+                               "kvc": {"input_tokens": 3, "session_id": "s", "room": 1, "mode": "SEED"}},
              "decode", "differs"),
             ("wrong role", {"kvc": {"role": "prefill", "input_tokens": 3}}, "decode", "prefill"),
             ("no session", {"kvc": {"mode": "SEED", "input_tokens": 3, "room": 1}}, "decode", "missing session id"),
             ("no room", {"kvc": {"mode": "SEED", "input_tokens": 3, "session_id": "s"}}, "decode", "needs a room"),
-            ("fallback on P without a room", {"rid": "r", "input_ids": [1, 2], "kvc": {"mode": "PD_FALLBACK", "keep_session": False}},
-             "prefill", "needs a room"),
+            ("fallback on P without a room", {"rid": "r", "input_ids": [1, 2],
+                                              "kvc": {"mode": "PD_FALLBACK", "keep_session": False}}, "prefill",
+             "needs a room"),
             ("snapshot on P", {"kvc": {"mode": "RESEED_SNAPSHOT", "input_tokens": 3, "session_id": "s", "room": 1,
                                        "snapshot_seqlen": 2}}, "prefill", "no prefill half"),
             ("seqlen", {"kvc": {"mode": "RESEED_SNAPSHOT", "input_tokens": 3, "session_id": "s", "room": 1,
                                 "snapshot_seqlen": 4}}, "decode", "snapshot_seqlen"),
-            ("capacity", {"kvc": {"mode": "SEED", "input_tokens": 990, "session_id": "s", "room": 1}}, "decode", "capacity"),
+            ("capacity", {"kvc": {"mode": "SEED", "input_tokens": 990, "session_id": "s", "room": 1}}, "decode",
+             "capacity"),
             ("mode", {"kvc": {"mode": "WARP"}}, "decode", "unknown kvc.mode"),
             ("payload", {"kv_hints": {"actions": [{"action_type": "kvc", "payload": 3}]}}, "decode", "payload"),
-            ("space in id", {"kvc": {"mode": "SEED", "input_tokens": 3, "session_id": "a b", "room": 1}}, "decode", "printable"),
+            ("space in id", {"kvc": {"mode": "SEED", "input_tokens": 3, "session_id": "a b", "room": 1}}, "decode",
+             "printable"),
             ("no input", {"kvc": {"mode": "PD_FALLBACK", "keep_session": False}}, "decode", "no input"),
         ]
         for name, body, role, msg in bad:
@@ -79,8 +84,8 @@ class TestParse(unittest.TestCase):
 
 class TestPool(unittest.TestCase):
     def roundtrip(self, use_sglang):
-        pool = KVPool(layers=3, heads=2, head_dim=8, dtype=torch.float32, capacity_tokens=160, page_size=16, device="cpu",
-                      name="kvc-refworker-unit", use_sglang=use_sglang)
+        pool = KVPool(layers=3, heads=2, head_dim=8, dtype=torch.float32, capacity_tokens=160, page_size=16,
+                      device="cpu", name="kvc-refworker-unit", use_sglang=use_sglang)
         try:
             self.assertEqual((pool.num_pages, pool.size, pool.rows), (10, 160, 176))
             self.assertEqual(pool.item_len, 16 * 2 * 8 * 4)
@@ -223,7 +228,8 @@ class TestEviction(unittest.TestCase):
                 w = Worker(Config(role="decode", worker_id="d0", model_name="tiny", prealloc_wait_s=10,
                                   snapshot_wait_s=wait), None, spec, pool, xfer)
                 for i, sid in enumerate(("old", "new")):
-                    w.sessions[sid] = Session(id=sid, pages=pool.alloc(10), kv_len=160, committed=True, last_used=float(i))
+                    w.sessions[sid] = Session(id=sid, pages=pool.alloc(10), kv_len=160, committed=True,
+                                              last_used=float(i))
                 pages, evicted = w.allocate(15, "x")
                 self.assertEqual((len(pages), evicted), (15, 1))
                 return xfer.released

@@ -7,7 +7,8 @@ import os
 import sys
 import time
 
-sys.path[:0] = [os.path.join(os.path.dirname(__file__), ".."), os.path.join(os.path.dirname(__file__), "..", "..", "sglang")]
+here = os.path.dirname(__file__)
+sys.path[:0] = [os.path.join(here, ".."), os.path.join(here, "..", "..", "sglang")]
 
 import torch  # noqa: E402
 
@@ -41,8 +42,10 @@ def main():
     def kvdiff(a_, b_):
         return max(float((x.float() - y.float()).abs().max()) for x, y in zip(a_[0] + a_[1], b_[0] + b_[1]))
 
-    sync(); t = time.monotonic()
-    l1, c1 = M.forward(m, ids[:n], M.new_cache(m)); sync()
+    sync()
+    t = time.monotonic()
+    l1, c1 = M.forward(m, ids[:n], M.new_cache(m))
+    sync()
     print("prefill %d tokens: %.1f ms" % (n, (time.monotonic() - t) * 1000))
     kv1 = kv(c1, n)
     junk = torch.empty(12345, device=a.device)  # shift the allocator's state
@@ -56,41 +59,55 @@ def main():
     pool.scatter(pages, 0, *kv1)
     k, v = pool.gather(pages, 0, n)
     cp = M.new_cache(m, k, v)
-    sync(); t = time.monotonic()
-    dp, _ = M.forward(m, [ids[n]], cp); sync()
+    sync()
+    t = time.monotonic()
+    dp, _ = M.forward(m, [ids[n]], cp)
+    sync()
     print("decode step at %d: %.1f ms" % (n, (time.monotonic() - t) * 1000))
     dr, _ = M.forward(m, [ids[n]], c1)
-    print("decode from paged KV vs from the prefill's cache: |d| %.3g (bitwise: %s)" % (float((dp - dr).abs().max()), torch.equal(dp, dr)))
+    print("decode from paged KV vs from the prefill's cache: |d| %.3g (bitwise: %s)" % (
+        float((dp - dr).abs().max()), torch.equal(dp, dr)))
     # first token computed from [0, n-1) + the last token vs the prefill's
     k1, v1 = pool.gather(pages, 0, n - 1)
     f, _ = M.forward(m, [ids[n - 1]], M.new_cache(m, k1, v1))
-    print("first token over [0,n-1) vs prefill: |d| %.3g, argmax %d/%d" % (float((f - l1).abs().max()), int(f.argmax()), int(l1.argmax())))
+    print("first token over [0,n-1) vs prefill: |d| %.3g, argmax %d/%d" % (
+        float((f - l1).abs().max()), int(f.argmax()), int(l1.argmax())))
     # append-prefill of a tail vs a full prefill
     for tail in (a.tail // 2 + 3, a.tail // 4 + 1):  # other shapes first: is the time a cold start?
         cw = M.new_cache(m, k, v)
-        sync(); t = time.monotonic()
-        M.forward(m, ids[n:n + tail], cw); sync()
+        sync()
+        t = time.monotonic()
+        M.forward(m, ids[n:n + tail], cw)
+        sync()
         print("append-prefill of %d on %d (shape seen first): %.1f ms" % (tail, n, (time.monotonic() - t) * 1000))
         del cw
     ca = M.new_cache(m, k, v)
-    sync(); t = time.monotonic()
-    la, ca = M.forward(m, ids[n:n + a.tail], ca); sync()
+    sync()
+    t = time.monotonic()
+    la, ca = M.forward(m, ids[n:n + a.tail], ca)
+    sync()
     print("append-prefill of %d on %d: %.1f ms" % (a.tail, n, (time.monotonic() - t) * 1000))
     cw = M.new_cache(m, k, v)
-    sync(); t = time.monotonic()
-    M.forward(m, ids[n:n + a.tail], cw); sync()
+    sync()
+    t = time.monotonic()
+    M.forward(m, ids[n:n + a.tail], cw)
+    sync()
     print("append-prefill of %d on %d again: %.1f ms" % (a.tail, n, (time.monotonic() - t) * 1000))
     del cw
-    sync(); t = time.monotonic()
-    M.forward(m, ids[:n], M.new_cache(m)); sync()
+    sync()
+    t = time.monotonic()
+    M.forward(m, ids[:n], M.new_cache(m))
+    sync()
     print("prefill %d tokens again (warm): %.1f ms" % (n, (time.monotonic() - t) * 1000))
     lf, cf = M.forward(m, ids[:n + a.tail], M.new_cache(m))
     print("append-prefill vs full prefill: logits |d| %.3g, argmax %d/%d, tail KV |d| %.3g, logit std %.3g" % (
         float((la - lf).abs().max()), int(la.argmax()), int(lf.argmax()),
-        max(float((M.cache_kv(ca, l, n, n + a.tail)[0].float() - M.cache_kv(cf, l, n, n + a.tail)[0].float()).abs().max())
+        max(float((M.cache_kv(ca, l, n, n + a.tail)[0].float()
+                   - M.cache_kv(cf, l, n, n + a.tail)[0].float()).abs().max())
             for l in range(spec.num_layers)), float(lf.float().std())))
     top = torch.topk(lf, 2).values
-    print("reference top-2 gap %.3g; KV magnitude max %.3g" % (float(top[0] - top[1]), float(kv1[0][-1].float().abs().max())))
+    print("reference top-2 gap %.3g; KV magnitude max %.3g" % (
+        float(top[0] - top[1]), float(kv1[0][-1].float().abs().max())))
     # a wrong KV for scale: the first half of the pages hold another context's KV (a stale or
     # misdirected transfer), and V rolled by one position (K/V pairs torn apart)
     other = scripted_tokens("other", 0, n, spec.vocab_size)

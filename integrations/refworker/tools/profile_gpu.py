@@ -12,7 +12,8 @@ import statistics
 import sys
 import time
 
-sys.path[:0] = [os.path.join(os.path.dirname(__file__), ".."), os.path.join(os.path.dirname(__file__), "..", "..", "sglang")]
+here = os.path.dirname(__file__)
+sys.path[:0] = [os.path.join(here, ".."), os.path.join(here, "..", "..", "sglang")]
 
 import torch  # noqa: E402
 
@@ -26,10 +27,11 @@ def sync():
         torch.cuda.synchronize()
 
 
-def timed(fn):
+def timed(fn, *args):
+    """fn(*args) and its wall time in ms, the device synchronized before and after."""
     sync()
     t = time.monotonic()
-    r = fn()
+    r = fn(*args)
     sync()
     return r, (time.monotonic() - t) * 1000
 
@@ -44,7 +46,8 @@ def main():
     spec = M.spec_for(a.model)
     dev = a.device
     m, ms = timed(lambda: M.build(spec, dev, 1234, attention="sdpa"))
-    print("build %.0f ms, torch %s, %s" % (ms, torch.__version__, torch.cuda.get_device_name() if dev != "cpu" else "cpu"))
+    print("build %.0f ms, torch %s, %s" % (
+        ms, torch.__version__, torch.cuda.get_device_name() if dev != "cpu" else "cpu"))
     M._register_attention()
     n = a.past
     tails = [int(x) for x in a.tails.split(",")]
@@ -66,20 +69,20 @@ def main():
             del ks, vs
         del c
         for tail in tails:
-            (k, v), g_ms = timed(lambda: pool.gather(pages, 0, n))
-            cache, c_ms = timed(lambda: M.new_cache(m, k, v))
+            (k, v), g_ms = timed(pool.gather, pages, 0, n)
+            cache, c_ms = timed(M.new_cache, m, k, v)
             del k, v
-            (lg, cache), f_ms = timed(lambda: M.forward(m, ids[n:n + tail], cache))
+            (lg, cache), f_ms = timed(M.forward, m, ids[n:n + tail], cache)
             tk = [M.cache_kv(cache, l, n, n + tail)[0] for l in range(spec.num_layers)]
             tv = [M.cache_kv(cache, l, n, n + tail)[1] for l in range(spec.num_layers)]
-            _, w_ms = timed(lambda: pool.scatter(pages, n, tk, tv))
+            _, w_ms = timed(pool.scatter, pages, n, tk, tv)
             del tk, tv
             print("[%s] append %d on %d: gather %.1f ms, to cache %.1f ms, forward %.1f ms, write back %.1f ms" % (
                 attn, tail, n, g_ms, c_ms, f_ms, w_ms))
             results[(attn, tail)] = lg
             steps = []
             for j in range(5):
-                (_, cache), d_ms = timed(lambda: M.forward(m, [ids[n + tail + j]], cache))
+                (_, cache), d_ms = timed(M.forward, m, [ids[n + tail + j]], cache)
                 steps.append(d_ms)
             print("[%s] decode step at %d: median %.1f ms (%s)" % (attn, n + tail, statistics.median(steps),
                                                                    ", ".join("%.1f" % x for x in steps)))
@@ -102,19 +105,21 @@ def main():
         print("append %d: stock sdpa vs kvc attention logits |d| %.3g, argmax %d/%d" % (
             tail, d, int(results[("sdpa", tail)].argmax()), int(results[(M.ATTENTION, tail)].argmax())))
     lf, _ = M.forward(m, ids[:n + tails[0]], M.new_cache(m))
-    print("append %d (kvc) vs full prefill: logits |d| %.3g" % (tails[0], float((lf - results[(M.ATTENTION, tails[0])]).abs().max())))
+    print("append %d (kvc) vs full prefill: logits |d| %.3g" % (
+        tails[0], float((lf - results[(M.ATTENTION, tails[0])]).abs().max())))
     nbytes = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 2 * (n + 1024)
     if dev == "cpu":
         return
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     d1 = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     d2 = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-    for i in range(2):
+    for _ in range(2):  # the second run is the one printed (the first pays for set-up)
         _, h_ms = timed(lambda: d1.copy_(host, non_blocking=True))
         _, d_ms = timed(lambda: d2.copy_(d1))
     print("copy %.2f GB: pinned host->device %.1f ms (%.0f GB/s), device->device %.1f ms (%.0f GB/s)" % (
         nbytes / 1e9, h_ms, nbytes / h_ms / 1e6, d_ms, nbytes / d_ms / 1e6))
-    print("memory: allocated %.1f GiB, reserved %.1f GiB" % (torch.cuda.memory_allocated() / 2**30, torch.cuda.memory_reserved() / 2**30))
+    print("memory: allocated %.1f GiB, reserved %.1f GiB" % (
+        torch.cuda.memory_allocated() / 2**30, torch.cuda.memory_reserved() / 2**30))
     pool.close()
 
 

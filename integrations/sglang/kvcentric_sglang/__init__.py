@@ -6,17 +6,17 @@ the handful of messages involved, so it needs nothing but grpcio.
 """
 
 from .bridge import (
+    KV_KIND_K,
+    KV_KIND_V,
+    RELEASE_EVICTED,
+    RELEASE_RELEASED,
+    TRANSFER_SEED,
+    TRANSFER_SNAPSHOT,
     BridgeError,
     KVBuffer,
     SnapshotStatus,
     TransferResult,
     WorkerBridge,
-    KV_KIND_K,
-    KV_KIND_V,
-    RELEASE_RELEASED,
-    RELEASE_EVICTED,
-    TRANSFER_SEED,
-    TRANSFER_SNAPSHOT,
 )
 
 __all__ = [

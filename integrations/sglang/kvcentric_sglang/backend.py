@@ -37,9 +37,15 @@ from types import SimpleNamespace
 from typing import List, Optional
 
 import numpy as np
-
-from sglang.srt.disaggregation.base.conn import (BaseKVBootstrapServer, BaseKVManager, BaseKVReceiver, BaseKVSender,
-                                                 KVArgs, KVPoll, KVTransferMetric)
+from sglang.srt.disaggregation.base.conn import (
+    BaseKVBootstrapServer,
+    BaseKVManager,
+    BaseKVReceiver,
+    BaseKVSender,
+    KVArgs,
+    KVPoll,
+    KVTransferMetric,
+)
 
 from . import pool as kvpool
 from . import runtime
@@ -199,7 +205,8 @@ class KvcKVSender(BaseKVSender):
             return
         first = self._sent_pages
         self._sent_pages += len(pages)
-        self._sent_tokens += int(num_kv_tokens) if num_kv_tokens is not None else len(pages) * self.kv_mgr.registration.page_size
+        page_size = self.kv_mgr.registration.page_size
+        self._sent_tokens += int(num_kv_tokens) if num_kv_tokens is not None else len(pages) * page_size
         last = self.num_pages > 0 and self._sent_pages >= self.num_pages
         self._last_queued = last
         if self.to_store and self.tokens <= 0:

@@ -9,9 +9,9 @@ Launch (colocated decode worker)::
 
 RESEED_SNAPSHOT on D': the request arrives with kv_hints {mode: RESEED_SNAPSHOT, session_id,
 room, snapshot_seqlen, prefill_peer_addr}. (Any kvc hint with snapshot_seqlen > 0 loads the same
-way: it says the prefill store holds [0, snapshot_seqlen) of the context.) SGLang's match path asks ``lookup`` how many pages of
-the device-uncached tail are restorable: floor(snapshot_seqlen / page) pages (only when the tail
-starts at token 0: the snapshot covers the session from its first token, and a transfer cannot
+way: it says the prefill store holds [0, snapshot_seqlen) of the context.) SGLang's match path asks
+``lookup`` how many pages of the device-uncached tail are restorable: floor(snapshot_seqlen / page)
+pages (only when the tail starts at token 0: the snapshot covers the session from its first token, and a transfer cannot
 start mid-way). ``load`` receives the request-private device slots SGLang allocated;
 ``start_layer_wise_loading`` issues PrepareReceive(room, SNAPSHOT, pages, tokens) and a
 background WaitReceive, and completes every layer of the batch's counter when the bytes landed
@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 from sglang.srt.mem_cache.unified_cache.unified_cache_linker import LayerWiseLoadCounter, UnifiedCacheLinker

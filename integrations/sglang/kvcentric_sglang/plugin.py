@@ -25,8 +25,6 @@ and the SGLang version when any target is gone.
 
 from __future__ import annotations
 
-import enum
-import importlib
 import logging
 import pkgutil
 from typing import List, Tuple

@@ -23,8 +23,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .bridge import (KV_KIND_COMBINED, KV_KIND_K, KV_KIND_V, POOL_LAYOUT_MHA, POOL_LAYOUT_MLA, KVBuffer,
-                     WorkerBridge)
+from .bridge import KV_KIND_COMBINED, KV_KIND_K, KV_KIND_V, POOL_LAYOUT_MHA, POOL_LAYOUT_MLA, KVBuffer, WorkerBridge
 
 LAYOUT_MHA, LAYOUT_MLA = "mha", "mla"
 
@@ -153,7 +152,8 @@ def buf_infos_to_register(ptrs: Sequence[int], lens: Sequence[int], item_lens: S
     ptrs, lens, item_lens = list(ptrs), list(lens), list(item_lens)
     if state_types:
         raise PoolUnsupported("the pool has state components %s (mamba/SWA/DSA/...); kvcentric transfers only "
-                              "full-attention KV (MHA or MLA)" % sorted(str(getattr(s, "value", s)) for s in state_types))
+                              "full-attention KV (MHA or MLA)"
+                              % sorted(str(getattr(s, "value", s)) for s in state_types))
     if num_draft_entries:
         raise PoolUnsupported("the pool carries %d draft-model KV buffers (speculative decoding); kvcentric does not "
                               "transfer draft KV: run without speculative decoding" % num_draft_entries)
@@ -337,7 +337,7 @@ def write_aux_rows(ptrs: Sequence[int], item_lens: Sequence[int], index: int, ro
     if len(rows) != len(ptrs):
         raise ValueError("%d aux rows for %d aux buffers (P and D differ in metadata buffers: same model, "
                          "same speculative/logprob options needed)" % (len(rows), len(ptrs)))
-    for i, (p, n, r) in enumerate(zip(ptrs, item_lens, rows)):
+    for i, (n, r) in enumerate(zip(item_lens, rows)):
         if len(r) != n:
             raise ValueError("aux row %d has %d bytes, the local buffer %d" % (i, len(r), n))
     for p, n, r in zip(ptrs, item_lens, rows):

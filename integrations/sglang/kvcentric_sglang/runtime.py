@@ -33,7 +33,8 @@ def bridge_for(path: str) -> WorkerBridge:
     with _lock:
         b = _bridges.get(path)
         if b is None:
-            b = _bridges[path] = WorkerBridge(path, timeout_s=float(os.environ.get("KVC_SGLANG_BRIDGE_TIMEOUT_S", "30")))
+            timeout_s = float(os.environ.get("KVC_SGLANG_BRIDGE_TIMEOUT_S", "30"))
+            b = _bridges[path] = WorkerBridge(path, timeout_s=timeout_s)
         return b
 
 

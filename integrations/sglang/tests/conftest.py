@@ -19,10 +19,10 @@ def sglang_installed():
     pytest.importorskip("sglang.srt.disaggregation.base.conn")
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from kvcentric_sglang import plugin
-
     # what a scheduler process has written before it handles requests
     from sglang.srt.runtime_context import get_parallel
+
+    from kvcentric_sglang import plugin
     get_parallel().override_permanently(tp_rank=0)
     plugin.install()
     HookRegistry.apply_hooks()

@@ -56,7 +56,8 @@ class Sidecar:
         if os.path.exists(ready):
             os.unlink(ready)
         args = [self.binary, "--worker-id", self.wid, "--bridge-socket", self.sock, "--transport", "tcp",
-                "--ready-file", ready, "--worker-health-interval", "0", "--log-level", "debug", "--insecure"] + self.extra
+                "--ready-file", ready, "--worker-health-interval", "0", "--log-level", "debug",
+                "--insecure"] + self.extra
         if self.cp:
             args += ["--control-plane", self.cp]
         self.log = open(self.log_path, "ab")

@@ -16,9 +16,15 @@ import grpc
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from kvcentric_sglang import (BridgeError, KVBuffer, KV_KIND_K, KV_KIND_V, TRANSFER_SEED,  # noqa: E402
-                              WorkerBridge)
-from kvcentric_sglang import wire  # noqa: E402
+from kvcentric_sglang import (  # noqa: E402
+    KV_KIND_K,
+    KV_KIND_V,
+    TRANSFER_SEED,
+    BridgeError,
+    KVBuffer,
+    WorkerBridge,
+    wire,  # noqa: E402
+)
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 

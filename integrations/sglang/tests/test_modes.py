@@ -5,11 +5,11 @@ RESEED_PREFILL, PD_FALLBACK and large appends move P->D through the kvcentric tr
 RESEED_SNAPSHOT is in test_linker.py."""
 
 import pytest
+from test_backend import pd, seed  # noqa: F401  (fixture and driver)
+from test_sessions import dside  # noqa: F401
 
 import kvctest
 from kvctest import PAGE
-from test_backend import pd, seed  # noqa: F401  (fixture and driver)
-from test_sessions import dside  # noqa: F401
 
 
 def test_direct_to_d_is_a_streaming_append(dside):  # noqa: F811
@@ -33,7 +33,8 @@ def test_direct_to_d_is_a_streaming_append(dside):  # noqa: F811
     assert kvctest.sessions_of(d)["s-dd"]["committed_len"] == 48
     full = prompt + out + [900, 901, 902]
     recv = SimpleNamespace(
-        rid="t1", input_text=None, input_ids=list(full), mm_inputs=None, sampling_params=SamplingParams(max_new_tokens=5),
+        rid="t1", input_text=None, input_ids=list(full), mm_inputs=None,
+        sampling_params=SamplingParams(max_new_tokens=5),
         return_logprob=False, logprob_start_len=-1, top_logprobs_num=0, token_ids_logprob=None, stream=False,
         lora_id=None, session_params=SessionParams(id="s-dd"), custom_logit_processor=None, return_hidden_states=False,
         return_routed_experts=False, routed_experts_start_len=0, bootstrap_host=None, bootstrap_port=None,

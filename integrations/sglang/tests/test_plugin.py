@@ -59,10 +59,10 @@ def test_verify_hooks_names_a_renamed_target(sglang_installed, monkeypatch):
 def test_hooks_were_applied_not_skipped(sglang_installed):
     """apply_hooks() skips a failing target with only a log line: every target the plugin
     registered must be in HookRegistry._patched and actually wrapped."""
+    import pkgutil
+
     from sglang.srt.plugins.hook_registry import HookRegistry
     from sglang.srt.session.streaming_session import StreamingSession
-
-    import pkgutil
     for t in sglang_installed.installed_hooks():
         assert t in HookRegistry._patched, t
         assert getattr(pkgutil.resolve_name(t), "__wrapped__", None) is not None, "%s is not wrapped" % t

@@ -6,10 +6,17 @@ import grpc
 import pytest
 
 import kvctest
-from kvctest import HEAD_DIM, HEADS, LAYERS, PAGE, POOL_TOKENS
 from kvcentric_sglang import pool as kvpool
-from kvcentric_sglang.bridge import (KV_KIND_COMBINED, KV_KIND_K, KV_KIND_V, POOL_LAYOUT_MHA, POOL_LAYOUT_MLA,
-                                     BridgeError, WorkerBridge)
+from kvcentric_sglang.bridge import (
+    KV_KIND_COMBINED,
+    KV_KIND_K,
+    KV_KIND_V,
+    POOL_LAYOUT_MHA,
+    POOL_LAYOUT_MLA,
+    BridgeError,
+    WorkerBridge,
+)
+from kvctest import HEAD_DIM, HEADS, LAYERS, PAGE, POOL_TOKENS
 
 
 @pytest.fixture

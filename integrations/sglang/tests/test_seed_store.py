@@ -87,7 +87,8 @@ def test_seed_through_prefill_store(seedstore, tmp):
     # P finished with no decode side at all: nothing waited for D
     assert (tx.to_store, tx.generation, tx.tokens) == (True, 1, 53)
     assert st == KVPoll.Success, (seen, tx._error, ss.p.tail())
-    assert tx.get_transfer_metric().transfer_total_bytes == 53 * kvctest.LAYERS * 2 * kvctest.HEADS * kvctest.HEAD_DIM * 2
+    per_token = kvctest.LAYERS * 2 * kvctest.HEADS * kvctest.HEAD_DIM * 2
+    assert tx.get_transfer_metric().transfer_total_bytes == 53 * per_token
     # the store holds the session's generation-1 snapshot, and the control plane was told
     snap = WorkerBridge(ss.p.sock).snapshot_status("s-st")
     assert snap.exists and snap.seqlen == 53 and snap.generation == 1 and snap.prefill_worker == "p0", snap

@@ -6,8 +6,6 @@ was current."""
 import os
 import time
 
-import pytest
-
 import kvctest
 
 
