@@ -102,7 +102,7 @@ lint: $(GOLANGCI_LINT) $(RUFF)
 		(cd $$m && GOWORK=off $(GOLANGCI_LINT) run --allow-serial-runners --config $(CURDIR)/.golangci.yml ./...); \
 	done
 	@echo "== ruff integrations"
-	@$(RUFF) check --config integrations/ruff.toml --cache-dir $(BIN)/tools/ruff-cache integrations
+	@$(RUFF) check --cache-dir $(BIN)/tools/ruff-cache integrations
 
 ## check-modules: every module stands alone — GOWORK=off go build and go vet, and go mod tidy
 ## leaves go.mod and go.sum as committed; then check-deps

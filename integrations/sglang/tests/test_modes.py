@@ -5,11 +5,11 @@ RESEED_PREFILL, PD_FALLBACK and large appends move P->D through the kvcentric tr
 RESEED_SNAPSHOT is in test_linker.py."""
 
 import pytest
-from test_backend import pd, seed  # noqa: F401  (fixture and driver)
-from test_sessions import dside  # noqa: F401
 
 import kvctest
 from kvctest import PAGE
+from test_backend import pd, seed  # noqa: F401  (fixture and driver)
+from test_sessions import dside  # noqa: F401
 
 
 def test_direct_to_d_is_a_streaming_append(dside):  # noqa: F811
