@@ -1,9 +1,11 @@
 package kvstore
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"strconv"
 	"strings"
 	"sync"
@@ -716,41 +718,57 @@ func TestNextGenerationTerm(t *testing.T) {
 		floor  uint64
 		want   uint64 // 0: refused
 		fenced bool   // refused with ErrFenced
+		max    uint64 // the caller's limit (0: 1<<29 - 1)
+		exhaus bool   // refused with ErrGenerationTermExhausted
 	}{
-		{"first term, no key", nil, &fa, 0, 1, false},
-		{"counts on", nil, &fa, 0, 2, false},
-		{"a floor above the stored term", nil, &fa, 5, 6, false},
-		{"a floor below it", nil, &fa, 2, 7, false},
+		{"first term, no key", nil, &fa, 0, 1, false, 0, false},
+		{"counts on", nil, &fa, 0, 2, false, 0, false},
+		{"a floor above the stored term", nil, &fa, 5, 6, false, 0, false},
+		{"a floor below it", nil, &fa, 2, 7, false, 0, false},
 		{"deposed leader", func() {
 			if err := sessA.Close(); err != nil {
 				t.Fatal(err)
 			}
 			fb, _, _ = leader(t, s, "b")
-		}, &fa, 0, 0, true},
-		{"the new leader", nil, &fb, 0, 8, false},
+		}, &fa, 0, 0, true, 0, false},
+		{"the new leader", nil, &fb, 0, 8, false, 0, false},
 		{"not a number", func() {
 			if _, err := cli.Put(ctx, s.GenerationTermKey(), "eight"); err != nil {
 				t.Fatal(err)
 			}
-		}, &fb, 0, 0, false},
+		}, &fb, 0, 0, false, 0, false},
 		{"key deleted: on from the floor", func() {
 			if _, err := cli.Delete(ctx, s.GenerationTermKey()); err != nil {
 				t.Fatal(err)
 			}
-		}, &fb, 3, 4, false},
+		}, &fb, 3, 4, false, 0, false},
+		{"at the limit", nil, &fb, 0, 0, false, 4, true},
+		{"a floor at the limit", nil, &fb, 9, 0, false, 9, true},
+		{"below the limit", nil, &fb, 0, 5, false, 5, false},
+		{"stored 2^64-1 does not wrap", func() {
+			if _, err := cli.Put(ctx, s.GenerationTermKey(), strconv.FormatUint(math.MaxUint64, 10)); err != nil {
+				t.Fatal(err)
+			}
+		}, &fb, 0, 0, false, math.MaxUint64, true},
+		{"stored 2^64-1 under the usual limit", nil, &fb, 0, 0, false, 0, true},
+		{"floor 2^64-1", func() {
+			if _, err := cli.Delete(ctx, s.GenerationTermKey()); err != nil {
+				t.Fatal(err)
+			}
+		}, &fb, math.MaxUint64, 0, false, 0, true},
 	} {
 		if st.before != nil {
 			st.before()
 		}
 		was := stored()
-		got, err := s.NextGenerationTerm(ctx, *st.fence, st.floor)
+		got, err := s.NextGenerationTerm(ctx, *st.fence, st.floor, cmp.Or(st.max, 1<<29-1))
 		switch {
 		case st.want != 0 && (err != nil || got != st.want):
 			t.Fatalf("%s: term %d, err %v; want %d", st.name, got, err, st.want)
 		case st.want != 0 && stored() != strconv.FormatUint(st.want, 10):
 			t.Fatalf("%s: stored %q, want %d", st.name, stored(), st.want)
-		case st.want == 0 && (err == nil || errors.Is(err, ErrFenced) != st.fenced):
-			t.Fatalf("%s: term %d, err %v; want a refusal (fenced: %v)", st.name, got, err, st.fenced)
+		case st.want == 0 && (err == nil || errors.Is(err, ErrFenced) != st.fenced || errors.Is(err, ErrGenerationTermExhausted) != st.exhaus):
+			t.Fatalf("%s: term %d, err %v; want a refusal (fenced: %v, exhausted: %v)", st.name, got, err, st.fenced, st.exhaus)
 		case st.want == 0 && stored() != was:
 			t.Fatalf("%s: stored %q after the refusal, was %q", st.name, stored(), was)
 		}

@@ -24,6 +24,13 @@ var (
 	// ErrFenced means the writer is no longer the leader: the fencing compare failed and
 	// nothing was written.
 	ErrFenced = errors.New("kvstore: fenced: writer is not the leader any more")
+	// ErrGenerationTermExhausted means the generation term cannot advance: the stored term (or
+	// the caller's floor) is already at the caller's limit, so a new term would leave the range
+	// its generations must stay in (or wrap the counter). Nothing was written; a leader must not
+	// serve on such a term.
+	ErrGenerationTermExhausted = errors.New("kvstore: generation term exhausted")
+	// ErrGenerationTermCorrupt means the stored generation term is not a number.
+	ErrGenerationTermCorrupt = errors.New("kvstore: generation term corrupt")
 	// ErrTooLarge means a single value cannot fit in one Txn.
 	ErrTooLarge = errors.New("kvstore: value too large for one transaction")
 	// ErrClosed means the batcher no longer accepts writes.
@@ -242,8 +249,11 @@ func (s *Store) Apply(ctx context.Context, f Fence, ops []Op) error {
 // highest term the caller saw in use, e.g. in the generations it loaded). Every leader calls it
 // once before serving, so each term's value is above every earlier term's (the KV generations
 // made in a term are numbered in its range: policy.NextGeneration). It returns ErrFenced when
-// f no longer holds, and an error when the stored value is not a number or changed meanwhile.
-func (s *Store) NextGenerationTerm(ctx context.Context, f Fence, floor uint64) (uint64, error) {
+// f no longer holds, ErrGenerationTermExhausted when max(stored, floor) is already limit or
+// more (the next term would pass limit, the last term the caller can number generations in;
+// with a stored 2^64-1 the +1 would wrap to 0 and restart every later leader's generations),
+// and an error when the stored value is not a number or changed meanwhile.
+func (s *Store) NextGenerationTerm(ctx context.Context, f Fence, floor, limit uint64) (uint64, error) {
 	if f.Key == "" || f.Rev <= 0 {
 		return 0, fmt.Errorf("kvstore: invalid fence %q@%d", f.Key, f.Rev)
 	}
@@ -257,9 +267,12 @@ func (s *Store) NextGenerationTerm(ctx context.Context, f Fence, floor uint64) (
 	if len(resp.Kvs) == 1 {
 		modRev = resp.Kvs[0].ModRevision
 		if cur, err = strconv.ParseUint(string(resp.Kvs[0].Value), 10, 64); err != nil {
-			return 0, fmt.Errorf("kvstore: %s holds %q, not a number (delete it: the next leader counts on from the loaded generations): %w",
-				key, resp.Kvs[0].Value, err)
+			return 0, fmt.Errorf("%w: %s holds %q, not a number (delete it: the next leader counts on from the loaded generations): %w",
+				ErrGenerationTermCorrupt, key, resp.Kvs[0].Value, err)
 		}
+	}
+	if m := max(cur, floor); m >= limit {
+		return 0, fmt.Errorf("%w: %s holds %d, floor %d, the last usable term is %d", ErrGenerationTermExhausted, key, cur, floor, limit)
 	}
 	next := max(cur, floor) + 1
 	var tresp *clientv3.TxnResponse

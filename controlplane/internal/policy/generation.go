@@ -25,12 +25,23 @@ package policy
 // for MaxGenerationTerm terms. docs/decisions.md, "Generations".
 const GenerationTermBits = 24
 
-// MaxGenerationTerm is the last term whose generations stay below 2^53.
+// MaxGenerationTerm is the last term whose generations stay below 2^53. A leader refuses to
+// serve on a later one (state.LeadTerm; kvstore.Store.NextGenerationTerm's limit).
 const MaxGenerationTerm = 1<<(53-GenerationTermBits) - 1
 
+// MaxGeneration is the highest generation: 2^53 - 1, exact as a JSON number everywhere.
+const MaxGeneration = 1<<53 - 1
+
 // NextGeneration is the generation a session of generation g takes with a new residency made
-// under generation term term.
-func NextGeneration(g, term uint64) uint64 { return max(g+1, term<<GenerationTermBits) }
+// under generation term term. It cannot overflow: it saturates at MaxGeneration (g at or above
+// it, or a term past MaxGenerationTerm, which no leader serves on; sidecars' claims above the
+// generations issued are refused, state/claims.go), so a generation never wraps to a small one.
+func NextGeneration(g, term uint64) uint64 {
+	if g >= MaxGeneration || term > MaxGenerationTerm {
+		return MaxGeneration
+	}
+	return min(max(g+1, term<<GenerationTermBits), MaxGeneration)
+}
 
 // GenerationTerm is the generation term generation g was made in.
 func GenerationTerm(g uint64) uint64 { return g >> GenerationTermBits }

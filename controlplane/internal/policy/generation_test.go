@@ -1,6 +1,9 @@
 package policy
 
-import "testing"
+import (
+	"math"
+	"testing"
+)
 
 // TestNextGeneration: a new residency's generation is above the session's, and above every
 // generation of an earlier term (the first one of a term is term << GenerationTermBits); term 0
@@ -26,6 +29,23 @@ func TestNextGeneration(t *testing.T) {
 			got := NextGeneration(tc.g, tc.term)
 			if got != tc.want || got <= tc.g || GenerationTerm(got) != tc.wantTerm {
 				t.Fatalf("NextGeneration(%#x, %d) = %#x (term %d), want %#x (term %d)", tc.g, tc.term, got, GenerationTerm(got), tc.want, tc.wantTerm)
+			}
+		})
+	}
+	for _, tc := range []struct {
+		name    string
+		g, term uint64
+	}{
+		{"2^60", 1 << 60, 3},
+		{"2^64-1", math.MaxUint64, 3},
+		{"MaxGeneration", MaxGeneration, 3},
+		{"a term past the last", 5, MaxGenerationTerm + 1},
+		{"term 2^64-1", 5, math.MaxUint64},
+		{"term 2^40 (shifts past 64 bits)", 0, 1 << 40},
+	} {
+		t.Run("overflow: "+tc.name, func(t *testing.T) {
+			if got := NextGeneration(tc.g, tc.term); got != MaxGeneration {
+				t.Fatalf("NextGeneration(%#x, %#x) = %#x, want it saturated at %#x (never wrapped)", tc.g, tc.term, got, uint64(MaxGeneration))
 			}
 		})
 	}

@@ -34,6 +34,11 @@ type Cluster interface {
 // workers to report what they hold (state.State); policy.Input.Resyncing.
 type resyncer interface{ Resyncing() bool }
 
+// issuer is implemented by a Cluster that bounds the generations sidecars may report by what
+// it issued (state.State.IssueGeneration): a decision that names a generation before its
+// outcome makes it records it there.
+type issuer interface{ IssueGeneration(g uint64) }
+
 func (s *Service) resyncing() bool {
 	r, ok := s.c.(resyncer)
 	return ok && r.Resyncing()

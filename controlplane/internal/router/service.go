@@ -370,6 +370,11 @@ func (s *Service) record(in *policy.Input, d *policy.Decision, now time.Time) *r
 	if in.Session != nil {
 		r.sessGen = in.Session.Generation
 	}
+	if g := d.Exec.StoreGeneration; g != 0 {
+		if is, ok := s.c.(issuer); ok {
+			is.IssueGeneration(g) // the prefill store may report this snapshot before the outcome
+		}
+	}
 	if ct := in.Content; ct != nil && ct.PageSize > 0 {
 		r.pageSize, r.prompt = ct.PageSize, ct.Prompt
 	}

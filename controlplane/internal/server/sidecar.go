@@ -218,8 +218,27 @@ func recvErr(err error) error {
 
 func (s *Sidecar) reject(reason string) { s.metrics.rejected.WithLabelValues(reason).Inc() }
 
+// refusedClaim is the status that ends the stream of a sidecar whose report claimed a KV
+// generation the control plane never issued (state.ClaimError; nothing of the report was
+// applied, the state counted and logged it): OUT_OF_RANGE for a generation above the highest
+// issued, PERMISSION_DENIED for a session its worker was never given. nil for other errors.
+// A sidecar that keeps sending such a report never gets its worker back into routing.
+func (s *Sidecar) refusedClaim(err error) error {
+	var ce *state.ClaimError
+	if !errors.As(err, &ce) {
+		return nil
+	}
+	if ce.AboveIssued() {
+		s.reject("generation_above_issued")
+		return status.Error(codes.OutOfRange, ce.Error())
+	}
+	s.reject("generation_not_given")
+	return status.Error(codes.PermissionDenied, ce.Error())
+}
+
 // handle applies one message. A bad message is logged, counted and dropped; only a protocol
-// violation (a second hello) ends the stream.
+// violation (a second hello) or a claim of a generation never issued (refusedClaim) ends the
+// stream.
 func (s *Sidecar) handle(st *state.Stream, m *kvcv1.ConnectRequest, log zerolog.Logger) error {
 	bad := func(reason string, err error) error {
 		s.reject(reason)
@@ -244,6 +263,9 @@ func (s *Sidecar) handle(st *state.Stream, m *kvcv1.ConnectRequest, log zerolog.
 			return bad(reason, err)
 		}
 		if err := s.State.Reconcile(st, msg.ResidentSessions); err != nil {
+			if cerr := s.refusedClaim(err); cerr != nil {
+				return cerr
+			}
 			return bad("stale_stream", err)
 		}
 		// A restarted decode sidecar lists its re-committed sessions without snapshot targets
@@ -257,6 +279,9 @@ func (s *Sidecar) handle(st *state.Stream, m *kvcv1.ConnectRequest, log zerolog.
 			return bad(reason, err)
 		}
 		if err := s.State.ApplyEvent(st, msg.SessionEvent); err != nil {
+			if cerr := s.refusedClaim(err); cerr != nil {
+				return cerr
+			}
 			return bad("stale_stream", err)
 		}
 	case *kvcv1.ConnectRequest_Ack:

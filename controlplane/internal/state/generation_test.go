@@ -1,7 +1,18 @@
 package state
 
 import (
+	"bytes"
+	"fmt"
+	"math"
+	"strconv"
+	"strings"
 	"testing"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"github.com/rs/zerolog"
+	"go.etcd.io/etcd/client/v3/concurrency"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/kvcentric/kvcentric/controlplane/internal/policy"
 	"github.com/kvcentric/kvcentric/pkg/etcdtest"
@@ -53,6 +64,74 @@ func TestGenerationTermPerLeader(t *testing.T) {
 				t.Fatalf("generation term %d after the term ended", g)
 			}
 			must(t, f.sess.Close()) // the next leader is elected at once
+		})
+	}
+}
+
+// TestBrokenGenerationTermNotLed (issue 23 item 2): a replica refuses to lead — an error from
+// LeadTerm, an error log naming the key, kvc_cp_generation_term_refused_total — rather than serve
+// on a generation term that would wrap (a stored 2^64-1 made the next term 0, so a new leader's
+// generations restarted at 1), pass 2^53 (the last term, or a loaded record's generation of
+// 2^60), or that is not a number; a term below the last one is led.
+func TestBrokenGenerationTermNotLed(t *testing.T) {
+	c := etcdtest.Start(t)
+	cli := c.Client(t)
+	for i, tc := range []struct {
+		name   string
+		term   string // the stored generation term ("": none)
+		recGen uint64 // a stored session record's generation (0: none)
+		reason string // the refusal's label ("": led)
+	}{
+		{"2^64-1 stored", strconv.FormatUint(math.MaxUint64, 10), 0, "exhausted"},
+		{"the last term stored", strconv.FormatUint(policy.MaxGenerationTerm, 10), 0, "exhausted"},
+		{"a record of generation 2^60", "", 1 << 60, "exhausted"},
+		{"a record of generation 2^64-1", "3", math.MaxUint64, "exhausted"},
+		{"not a number", "x17", 0, "unreadable"},
+		{"one below the last term", strconv.FormatUint(policy.MaxGenerationTerm-1, 10), 0, ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			store, err := kvstore.New(cli, kvstore.WithPrefix(fmt.Sprintf("/broken-%d/", i)))
+			must(t, err)
+			if tc.term != "" {
+				_, err := cli.Put(t.Context(), store.GenerationTermKey(), tc.term)
+				must(t, err)
+			}
+			if tc.recGen != 0 {
+				b, err := proto.Marshal(&kvcv1.SessionRecord{SessionId: "s", Generation: tc.recGen})
+				must(t, err)
+				_, err = cli.Put(t.Context(), store.SessionKey("s"), string(b))
+				must(t, err)
+			}
+			sess, err := concurrency.NewSession(cli, concurrency.WithTTL(5))
+			must(t, err)
+			defer sess.Close()
+			el := concurrency.NewElection(sess, store.ElectionPrefix())
+			must(t, el.Campaign(t.Context(), "n"))
+			reg := prometheus.NewRegistry()
+			var logs bytes.Buffer
+			st := New(Config{NodeID: "cp", Store: store, Reg: reg, Log: zerolog.New(&logs)})
+			term, err := st.Lead(t.Context(), kvstore.Fence{Key: el.Key(), Rev: el.Rev()})
+			if tc.reason == "" {
+				must(t, err)
+				if got := st.GenerationTerm(); got != policy.MaxGenerationTerm {
+					t.Fatalf("generation term %d, want %d", got, uint64(policy.MaxGenerationTerm))
+				}
+				st.EndTerm(term)
+				return
+			}
+			if err == nil {
+				st.EndTerm(term)
+				t.Fatalf("led on generation term %d", st.genTerm.Load())
+			}
+			if st.Leading() || st.GenerationTerm() != 0 {
+				t.Fatalf("leading after the refusal")
+			}
+			if got := testutil.ToFloat64(st.m.termRefused.WithLabelValues(tc.reason)); got != 1 {
+				t.Fatalf("kvc_cp_generation_term_refused_total{reason=%q} = %v, want 1", tc.reason, got)
+			}
+			if !strings.Contains(logs.String(), `"level":"error"`) || !strings.Contains(logs.String(), store.GenerationTermKey()) {
+				t.Fatalf("no error log naming %s: %s", store.GenerationTermKey(), logs.String())
+			}
 		})
 	}
 }

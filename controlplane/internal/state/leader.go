@@ -83,12 +83,24 @@ func (s *State) LeadTerm(ctx, lead context.Context, fence kvstore.Fence) (*Term,
 	}
 	// This term's generation range, above every earlier term's (policy.NextGeneration): the
 	// durable counter, and at least past the newest term among the generations just loaded.
-	genTerm, err := s.cfg.Store.NextGenerationTerm(ctx, fence, loadedGenerationTerm(snap))
+	// A broken term (exhausted, or not a number) is not served on: this replica refuses to lead,
+	// loudly, rather than number generations that wrap or pass 2^53 (issue 23 item 2).
+	floor, newest := loadedGenerationTerm(snap)
+	genTerm, err := s.cfg.Store.NextGenerationTerm(ctx, fence, floor, policy.MaxGenerationTerm)
 	if err != nil {
+		reason := ""
+		switch {
+		case errors.Is(err, kvstore.ErrGenerationTermExhausted):
+			reason = "exhausted"
+		case errors.Is(err, kvstore.ErrGenerationTermCorrupt):
+			reason = "unreadable"
+		}
+		if reason != "" {
+			s.m.termRefused.WithLabelValues(reason).Inc()
+			s.log.Error().Err(err).Str("key", s.cfg.Store.GenerationTermKey()).Uint64("loaded_floor", floor).Str("newest_session", newest).
+				Int64("epoch", fence.Rev).Msg("refusing to lead: the generation term is broken (fix the key, or the session record holding a generation past 2^53)")
+		}
 		return nil, fmt.Errorf("state: generation term: %w", err)
-	}
-	if genTerm > policy.MaxGenerationTerm {
-		s.log.Error().Uint64("generation_term", genTerm).Msg("generation term past the last one whose generations stay below 2^53")
 	}
 	tctx, tcancel := context.WithCancel(lead)
 	bctx, bcancel := context.WithCancel(context.Background())
@@ -112,6 +124,8 @@ func (s *State) LeadTerm(ctx, lead context.Context, fence kvstore.Fence) (*Term,
 	s.cur.Store(t)
 	s.epoch.Store(fence.Rev)
 	s.genTerm.Store(genTerm)
+	s.issued.Store(0)
+	s.m.generationTerm.Set(float64(genTerm))
 	journalled := s.loadSessionsLocked(snap)
 	if s.cfg.VolatileFlush < 0 {
 		// No journal in this mode: write the journalled sessions in full (their entries die,
@@ -173,13 +187,16 @@ func (s *State) LeadTerm(ctx, lead context.Context, fence kvstore.Fence) (*Term,
 }
 
 // loadedGenerationTerm is the newest generation term among the loaded sessions' generations
-// and their snapshots' (the volatile journal carries none).
-func loadedGenerationTerm(snap *kvstore.Snapshot) uint64 {
+// and their snapshots' (the volatile journal carries none), and the session holding it.
+func loadedGenerationTerm(snap *kvstore.Snapshot) (uint64, string) {
 	var g uint64
+	var id string
 	for _, r := range snap.Sessions {
-		g = max(g, r.GetGeneration(), r.GetSnapshot().GetGeneration())
+		if m := max(r.GetGeneration(), r.GetSnapshot().GetGeneration()); m > g {
+			g, id = m, r.GetSessionId()
+		}
 	}
-	return policy.GenerationTerm(g)
+	return policy.GenerationTerm(g), id
 }
 
 // loadSessionsLocked fills the session table from a loaded snapshot: the records, then the
@@ -231,6 +248,7 @@ func (s *State) EndTerm(t *Term) {
 	}
 	s.epoch.Store(0)
 	s.genTerm.Store(0)
+	s.m.generationTerm.Set(0)
 	s.cur.Store(nil)
 	s.flushDirtyLocked()
 	for _, e := range s.workers {

@@ -21,8 +21,11 @@ type metrics struct {
 	drains          *prometheus.CounterVec // drains by event: started, finished, cancelled
 	drainMoves      *prometheus.CounterVec // sessions moved off draining workers: with_snapshot, without_snapshot, failed
 	forgotten       prometheus.Counter
-	staleCopies     prometheus.Counter // stale copies a decode resync reported, released there
-	tpProblems      prometheus.Gauge   // listed workers with a tensor-parallel problem (tp.go)
+	staleCopies     prometheus.Counter     // stale copies a decode resync reported, released there
+	tpProblems      prometheus.Gauge       // listed workers with a tensor-parallel problem (tp.go)
+	claimsRefused   *prometheus.CounterVec // sidecar reports refused for a generation never issued (claims.go)
+	termRefused     *prometheus.CounterVec // terms not led on a broken generation term (leader.go)
+	generationTerm  prometheus.Gauge
 }
 
 func newMetrics(reg prometheus.Registerer, sessions func() float64) *metrics {
@@ -84,6 +87,21 @@ func newMetrics(reg prometheus.Registerer, sessions func() float64) *metrics {
 		staleCopies: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvc_cp_stale_copies_released_total", Help: "Sessions a decode sidecar's resync reported that the record says moved on (a newer generation elsewhere): the record stood and the copy was released on that worker.",
 		}),
+		claimsRefused: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvc_cp_generation_claims_refused_total", Help: "Sidecar reports refused (nothing applied, the stream ended) for a KV generation the control plane never issued: above_issued (above the highest generation issued), not_given (a generation of this term on a session the worker was never given).",
+		}, []string{"reason"}),
+		termRefused: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvc_cp_generation_term_refused_total", Help: "Terms this replica refused to lead on a broken generation term: exhausted (the durable term or a loaded generation is at the last term whose generations stay below 2^53), unreadable (the stored term is not a number).",
+		}, []string{"reason"}),
+		generationTerm: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "kvc_cp_generation_term", Help: "The generation term this leader numbers KV generations in (0 when not leading).",
+		}),
+	}
+	for _, r := range []string{claimAboveIssued, claimNotGiven} {
+		m.claimsRefused.WithLabelValues(r)
+	}
+	for _, r := range []string{"exhausted", "unreadable"} {
+		m.termRefused.WithLabelValues(r)
 	}
 	for _, s := range []string{"ready", "draining", "unreachable", "worker_down"} {
 		m.workers.WithLabelValues(s)
@@ -94,6 +112,7 @@ func newMetrics(reg prometheus.Registerer, sessions func() float64) *metrics {
 	if reg != nil {
 		reg.MustRegister(m.workers, m.commands, m.events, m.transfers, m.expired, m.dropped, m.workerDown, m.loadSeconds, m.writeFailures, m.volatileFlushed,
 			m.journalWritten, m.journalDeleted, m.journalKeys, m.journalBytes, m.drains, m.drainMoves, m.forgotten, m.staleCopies, m.tpProblems,
+			m.claimsRefused, m.termRefused, m.generationTerm,
 			prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 				Name: "kvc_cp_sessions", Help: "Session records held in memory (leader only).",
 			}, sessions))

@@ -9,7 +9,8 @@ import (
 // Reconcile applies a residency report (already validated). A decode worker's sessions
 // follow its report (decode_worker, kv_committed_len, generation); with full_sync, sessions
 // the table believed resident there but not listed become not resident. A prefill worker's
-// snapshots set session.snapshot; with full_sync, its snapshots not listed are cleared.
+// snapshots set session.snapshot; with full_sync, its snapshots not listed are cleared. A report
+// carrying a generation never issued is refused whole with a *ClaimError (claims.go).
 func (s *State) Reconcile(st *Stream, rs *kvcv1.ResidentSessions) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -29,6 +30,11 @@ func (s *State) Reconcile(st *Stream, rs *kvcv1.ResidentSessions) error {
 				s.resyncAttachedLocked(w)
 			}
 			return nil
+		}
+		for _, r := range rs.GetSessions() {
+			if err := s.checkClaimLocked(w, r.GetSessionId(), r.GetGeneration(), true); err != nil {
+				return err // nothing of the report applied (claims.go)
+			}
 		}
 		seen := make(map[string]struct{}, len(rs.GetSessions()))
 		var stale []string
@@ -78,6 +84,11 @@ func (s *State) Reconcile(st *Stream, rs *kvcv1.ResidentSessions) error {
 		}
 		s.kickDrainLocked(w)
 	case kvcv1.WorkerRole_WORKER_ROLE_PREFILL:
+		for _, sn := range rs.GetSnapshots() {
+			if err := s.checkClaimLocked(w, sn.GetSessionId(), sn.GetGeneration(), false); err != nil {
+				return err
+			}
+		}
 		if grouped(e.w) {
 			// A rank of a tensor-parallel group: its shards; the group's snapshot of a session
 			// is what every rank holds (tp.go).
@@ -182,7 +193,8 @@ func (s *State) rankResyncLocked(w, unit string, rs *kvcv1.ResidentSessions) {
 	}
 }
 
-// ApplyEvent applies a session event (already validated) from the stream's worker.
+// ApplyEvent applies a session event (already validated) from the stream's worker. A commit or
+// a snapshot ingest of a generation never issued is refused with a *ClaimError (claims.go).
 func (s *State) ApplyEvent(st *Stream, ev *kvcv1.SessionEvent) error {
 	s.m.events.WithLabelValues(ev.GetKind().String()).Inc()
 	switch ev.GetKind() {
@@ -203,6 +215,18 @@ func (s *State) ApplyEvent(st *Stream, ev *kvcv1.SessionEvent) error {
 	}
 	w := st.WorkerID
 	id := ev.GetSessionId()
+	switch ev.GetKind() {
+	case kvcv1.SessionEventKind_SESSION_EVENT_KIND_COMMITTED:
+		// A commit is a residency claim of the unit (a group's rank 0; other ranks' commits
+		// are ignored below, but their generations are bounded all the same).
+		if err := s.checkClaimLocked(w, id, ev.GetGeneration(), s.unitLocked(w) == w); err != nil {
+			return err
+		}
+	case kvcv1.SessionEventKind_SESSION_EVENT_KIND_SNAPSHOT_INGESTED:
+		if err := s.checkClaimLocked(w, id, ev.GetGeneration(), false); err != nil {
+			return err
+		}
+	}
 	if grouped(we.w) {
 		// A rank of a tensor-parallel group (tp.go): rank 0's commits drive the group's
 		// residency; a release or eviction on any rank loses the session for the group; a

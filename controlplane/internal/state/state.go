@@ -71,6 +71,7 @@ type State struct {
 	policyMu  sync.Mutex                   // serialises UpdatePolicy
 	epoch     atomic.Int64
 	genTerm   atomic.Uint64                   // the term's generation term (policy.NextGeneration)
+	issued    atomic.Uint64                   // the highest generation issued in this term (claims.go)
 	cur       atomic.Pointer[Term]            // the term, for lock-free Epoch/Leading
 	snapshot  atomic.Pointer[[]*kvcv1.Worker] // the router's view (tp.go: one record per tensor-parallel group)
 	listing   atomic.Pointer[[]*kvcv1.Worker] // ListWorkers' view: the router's plus every other rank
@@ -264,6 +265,7 @@ func (s *State) UpdateSession(id string, fn func(rec *kvcv1.SessionRecord)) {
 	before := durableOf(rec)
 	fn(rec)
 	rec.SessionId = id
+	s.IssueGeneration(rec.GetGeneration()) // the router numbers new residencies here (policy.NextGeneration)
 	s.updatedLocked(e, before, !existed)
 }
 
