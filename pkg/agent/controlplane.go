@@ -42,6 +42,10 @@ type CPConfig struct {
 	BackoffMin, BackoffMax time.Duration
 	// DialOptions override the default (insecure) transport credentials.
 	DialOptions []grpc.DialOption
+	// Lease is the control planes' election TTL (0: cpclient.DefaultLease): a control plane
+	// that answers nothing for half of it is left for the next endpoint (cpclient.Liveness),
+	// and not dialled again for a lease.
+	Lease time.Duration
 	// EventBuffer bounds the session events kept while the stream is down or slow
 	// (DefaultEventBuffer); when full the oldest is dropped and counted.
 	EventBuffer int
@@ -188,6 +192,10 @@ func (c *ControlPlane) Run(ctx context.Context) error {
 			bo.Reset()
 			eps.Reset()
 		}
+		var silent *cpclient.SilentError
+		if errors.As(err, &silent) {
+			eps.Silent(addr, 2*silent.Silence) // a lease: its hints and its turn are passed over
+		}
 		followed := eps.Hint(err)
 		if followed {
 			c.log.Info().Err(err).Str("addr", addr).Msg("not the leader; following its hint")
@@ -224,7 +232,15 @@ func (c *ControlPlane) session(ctx context.Context, addr string) (welcomed bool,
 		return false, fmt.Errorf("dial %s: %w", addr, err)
 	}
 	defer conn.Close()
-	sctx, cancel := context.WithCancel(ctx)
+	// A control plane that stops answering (paused, or its link frozen) ends the stream within
+	// half a lease (cpclient.Liveness), whatever the stream was waiting for.
+	wctx, stopWatch := cpclient.LivenessFor(c.cfg.Lease).Guard(ctx, conn)
+	defer func() {
+		if serr := stopWatch(); serr != nil {
+			err = fmt.Errorf("%s: %w", addr, serr)
+		}
+	}()
+	sctx, cancel := context.WithCancel(wctx)
 	defer cancel()
 	stream, err := kvcv1.NewSidecarServiceClient(conn).Connect(sctx)
 	if err != nil {

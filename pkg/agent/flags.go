@@ -6,6 +6,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/kvcentric/kvcentric/pkg/cpclient"
 	"github.com/kvcentric/kvcentric/pkg/tlsx"
 )
 
@@ -36,6 +37,7 @@ type Common struct {
 	LogLevel          string
 	LogFormat         string
 	Heartbeat         time.Duration
+	CPLease           time.Duration
 	FaultDelay        time.Duration
 	// TimeScale multiplies every decision-shaping timer of the sidecar (Scaled): 1 at real
 	// speed; a simulation run at --time-scale X (kvc-bench) passes the same X, so the control
@@ -86,6 +88,7 @@ func (c *Common) Register(fs *flag.FlagSet) {
 	fs.StringVar(&c.LogFormat, "log-format", "json", "json or console")
 	fs.DurationVar(&c.Heartbeat, "heartbeat", time.Second, "load report interval")
 	fs.Float64Var(&c.TimeScale, "time-scale", 1, "multiplies every decision-shaping timer (--heartbeat, --worker-health-interval and, on a decode sidecar, --snapshot-idle-flush, --release-min-idle and the 1s release tick), in (0, 100]: a simulation run at time scale X (kvc-bench --time-scale X) passes the same X so the timers keep their model-time length; 1 at real speed")
+	fs.DurationVar(&c.CPLease, "cp-lease", cpclient.DefaultLease, "the control planes' --election-ttl: a control plane that answers nothing for half of it (paused, its link frozen) is left for the next")
 	fs.DurationVar(&c.FaultDelay, "fault-transfer-delay", 0, "fault injection: delay before each transfer request (tests only)")
 	fs.DurationVar(&c.WorkerHealthInterval, "worker-health-interval", DefaultHealthInterval, "probe GET <worker-url>/health this often (0: only when the worker's bridge connection closes)")
 	fs.IntVar(&c.WorkerHealthThreshold, "worker-health-threshold", DefaultHealthThreshold, "failed /health probes in a row that mark the worker down (out of routing)")
@@ -121,6 +124,8 @@ func (c *Common) Check() error {
 		return fmt.Errorf("--time-scale %v out of range (0, 100]", c.TimeScale)
 	case c.Scaled(c.Heartbeat) < 10*time.Millisecond:
 		return fmt.Errorf("--heartbeat %v too short (at --time-scale %v: %v; at least 10ms)", c.Heartbeat, c.TimeScale, c.Scaled(c.Heartbeat))
+	case c.CPLease < 100*time.Millisecond:
+		return fmt.Errorf("--cp-lease %v too short (the control planes' --election-ttl, at least 2s there)", c.CPLease)
 	case c.FaultDelay < 0:
 		return fmt.Errorf("--fault-transfer-delay must be >= 0")
 	case c.WorkerHealthInterval != 0 && c.Scaled(c.WorkerHealthInterval) < 10*time.Millisecond:

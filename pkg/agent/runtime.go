@@ -205,7 +205,7 @@ func (rt *Runtime) Serve(ctx context.Context, core Core, setReporter func(*Contr
 	httpSrv := &http.Server{Handler: readyzHandler(hs.Mux, &rt.Ready, waiting), ReadHeaderTimeout: 5 * time.Second}
 
 	if eps := c.Endpoints(); len(eps) > 0 {
-		cp = NewControlPlane(CPConfig{Endpoints: eps, Heartbeat: c.Scaled(c.Heartbeat), Registerer: rt.Reg,
+		cp = NewControlPlane(CPConfig{Endpoints: eps, Heartbeat: c.Scaled(c.Heartbeat), Lease: c.CPLease, Registerer: rt.Reg,
 			DialOptions: []grpc.DialOption{cpclient.DialCredentials(rt.TLS)}},
 			core, rt.Log.With().Str("part", "cpclient").Logger())
 		if setReporter != nil {

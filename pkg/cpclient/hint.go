@@ -58,11 +58,13 @@ type Endpoints struct {
 	tried  map[string]bool // endpoints tried since the last pause
 	// distinct is the number of distinct endpoints (a round is over when tried holds as many)
 	distinct int
+	// silent: endpoints that answered nothing (Liveness), until when they are passed over
+	silent map[string]time.Time
 }
 
 // NewEndpoints returns an endpoint list; addrs must not be empty.
 func NewEndpoints(addrs []string) *Endpoints {
-	e := &Endpoints{addrs: append([]string(nil), addrs...), tried: make(map[string]bool, len(addrs))}
+	e := &Endpoints{addrs: append([]string(nil), addrs...), tried: make(map[string]bool, len(addrs)), silent: map[string]time.Time{}}
 	seen := make(map[string]bool, len(addrs))
 	for _, a := range addrs {
 		seen[a] = true
@@ -84,10 +86,31 @@ func (e *Endpoints) Next() string {
 	if len(e.addrs) == 0 {
 		return ""
 	}
+	// A silent endpoint is passed over while another is left in the round (it counts as tried,
+	// so the round still ends and the loop pauses); when only silent ones are left it is tried.
+	now := time.Now()
+	for range e.addrs {
+		a := e.addrs[e.next%len(e.addrs)]
+		if !now.Before(e.silent[a]) || e.tried[a] {
+			break
+		}
+		e.markLocked(a)
+		e.next++
+	}
 	a := e.addrs[e.next%len(e.addrs)]
 	e.next++
 	e.markLocked(a)
 	return a
+}
+
+// Silent records that a answered nothing (Liveness.Watch gave up on it): for d, hints naming it
+// are not followed and the rotation passes it over while another endpoint is left in the
+// round. A paused leader stays named by the standby until its lease expires; following that
+// hint would cost another silence each time.
+func (e *Endpoints) Silent(a string, d time.Duration) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	e.silent[a] = time.Now().Add(d)
 }
 
 // markLocked records that a was tried in this round (when it is one of the endpoints).
@@ -122,15 +145,18 @@ func (e *Endpoints) Reset() {
 }
 
 // Hint records the leader named by err (if any) so that the next Next returns it. It reports
-// whether a hint was found.
+// whether a hint was found and followed (not one naming a Silent endpoint).
 func (e *Endpoints) Hint(err error) bool {
 	h, ok := LeaderHintFrom(err)
 	if !ok {
 		return false
 	}
 	e.mu.Lock()
+	defer e.mu.Unlock()
+	if time.Now().Before(e.silent[h.GetLeaderAddr()]) {
+		return false // a leader that answered nothing just now: not followed (Silent)
+	}
 	e.leader = h.GetLeaderAddr()
-	e.mu.Unlock()
 	return true
 }
 

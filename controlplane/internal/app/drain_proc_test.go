@@ -43,6 +43,7 @@ func procBinaries(t *testing.T) map[string]string {
 			"kvc-sidecar-decode":  "github.com/kvcentric/kvcentric/sidecar-decode/cmd/kvc-sidecar-decode",
 			"kvc-sidecar-prefill": "github.com/kvcentric/kvcentric/sidecar-prefill/cmd/kvc-sidecar-prefill",
 			"kvc-sim":             "github.com/kvcentric/kvcentric/sim/cmd/kvc-sim",
+			"kvc-controlplane":    "github.com/kvcentric/kvcentric/controlplane/cmd/kvc-controlplane",
 		}
 		dir := os.Getenv("KVC_BIN_DIR")
 		tmp, err := os.MkdirTemp("", "kvc-drain-bin-")

@@ -116,6 +116,7 @@ func Run(ctx context.Context, cfg *config.Config, logOut io.Writer) error {
 			},
 			Orphan: m.Orphans.Inc,
 		}, cpDial...)
+		rc.SetLease(cfg.CPLease)
 		router = rc
 	}
 	adm, err := server.NewAdmission(cfg.AdmissionLimits(), reg)

@@ -40,6 +40,7 @@ type Config struct {
 	ControlPlanes    []string
 	RequestTimeout   time.Duration
 	RouteTimeout     time.Duration
+	CPLease          time.Duration
 	ConnectTimeout   time.Duration
 	WorkerRefresh    time.Duration
 	// SessionTimeout is the idle timeout of the streaming sessions opened on decode workers.
@@ -95,6 +96,7 @@ func Parse(args []string, getenv func(string) string, usage io.Writer) (*Config,
 	fs.StringVar(&cps, "control-plane", "", "comma list of control plane gRPC addresses (empty: always fail-open)")
 	fs.DurationVar(&c.RequestTimeout, "request-timeout", 180*time.Second, "timeout of one client request, end to end")
 	fs.DurationVar(&c.RouteTimeout, "route-timeout", 2*time.Second, "how long to wait for a routing decision before failing open")
+	fs.DurationVar(&c.CPLease, "cp-lease", 5*time.Second, "the control planes' --election-ttl: a control plane that answers nothing for half of it (paused, its link frozen) is left for the next")
 	fs.DurationVar(&c.ConnectTimeout, "connect-timeout", 5*time.Second, "TCP connect timeout to workers")
 	fs.DurationVar(&c.WorkerRefresh, "worker-refresh", 5*time.Second, "how often fail-open worker lists are refreshed from AdminService/ListWorkers")
 	fs.DurationVar(&c.SessionTimeout, "session-timeout", 24*time.Hour, "idle timeout of the streaming sessions the gateway opens on decode workers (SGLang open_session timeout)")
@@ -144,7 +146,7 @@ func (c *Config) validate() error {
 	if c.ShutdownGrace <= 0 || c.ShutdownDelay < 0 {
 		errs = append(errs, fmt.Errorf("--shutdown-grace (%v) must be positive and --shutdown-delay (%v) not negative", c.ShutdownGrace, c.ShutdownDelay))
 	}
-	for name, d := range map[string]time.Duration{"request-timeout": c.RequestTimeout, "route-timeout": c.RouteTimeout, "connect-timeout": c.ConnectTimeout, "worker-refresh": c.WorkerRefresh, "session-timeout": c.SessionTimeout} {
+	for name, d := range map[string]time.Duration{"request-timeout": c.RequestTimeout, "route-timeout": c.RouteTimeout, "cp-lease": c.CPLease, "connect-timeout": c.ConnectTimeout, "worker-refresh": c.WorkerRefresh, "session-timeout": c.SessionTimeout} {
 		if d <= 0 {
 			errs = append(errs, fmt.Errorf("--%s must be positive, got %v", name, d))
 		}

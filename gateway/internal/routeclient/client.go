@@ -45,6 +45,7 @@ type Client struct {
 	log     zerolog.Logger
 	obs     Observer
 	dial    []grpc.DialOption
+	live    cpclient.Liveness
 
 	seq atomic.Uint64
 
@@ -71,6 +72,7 @@ type result struct {
 func New(addrs []string, routeTimeout time.Duration, log zerolog.Logger, obs Observer, dial ...grpc.DialOption) *Client {
 	return &Client{
 		dial:      dial,
+		live:      cpclient.LivenessFor(0),
 		eps:       cpclient.NewEndpoints(addrs),
 		timeout:   routeTimeout,
 		log:       log,
@@ -80,6 +82,11 @@ func New(addrs []string, routeTimeout time.Duration, log zerolog.Logger, obs Obs
 		downSince: time.Now(),
 	}
 }
+
+// SetLease tunes the stream's liveness watch to the control planes' election TTL (before Run):
+// a control plane that answers nothing for half of it (paused, its link frozen) is left for
+// the next endpoint, and queries waiting on it fail over at once (cpclient.Liveness).
+func (c *Client) SetLease(lease time.Duration) { c.live = cpclient.LivenessFor(lease) }
 
 // Connected reports whether a Route stream is up now.
 func (c *Client) Connected() bool {
@@ -101,6 +108,10 @@ func (c *Client) Run(ctx context.Context) error {
 		hinted, served, err := c.session(ctx, addr)
 		if ctx.Err() != nil {
 			return nil
+		}
+		var silent *cpclient.SilentError
+		if errors.As(err, &silent) {
+			c.eps.Silent(addr, 2*silent.Silence) // a lease: its hints and its turn are passed over
 		}
 		ev := c.log.Warn().Str("addr", addr).Err(err)
 		if served {
@@ -141,7 +152,13 @@ func (c *Client) session(ctx context.Context, addr string) (hinted, served bool,
 		return false, false, err
 	}
 	defer cc.Close()
-	sctx, cancel := context.WithCancel(ctx)
+	wctx, stopWatch := c.live.Guard(ctx, cc)
+	defer func() {
+		if serr := stopWatch(); serr != nil {
+			hinted, err = false, serr
+		}
+	}()
+	sctx, cancel := context.WithCancel(wctx)
 	defer cancel()
 	stream, err := kvcv1.NewRouterServiceClient(cc).Route(sctx)
 	if err != nil {

@@ -12,6 +12,7 @@ import (
 	"google.golang.org/grpc/codes"
 
 	"github.com/kvcentric/kvcentric/gateway/internal/fakecp"
+	"github.com/kvcentric/kvcentric/pkg/netproxy"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -232,5 +233,63 @@ func TestRehomesOnFailover(t *testing.T) {
 	case <-b.Queries:
 	default:
 		t.Fatal("the second replica saw no query")
+	}
+}
+
+// TestFrozenControlPlaneLeft (issue 23 item 4): the route stream's control plane stops
+// answering while its connection stays up (a paused leader; here its link frozen by a netproxy
+// that stops forwarding). The client leaves it once nothing answered for half the lease
+// (SetLease) and serves decisions from the other endpoint; before, the stream stayed on the
+// silent one until gRPC's keepalive gave up (10 s ping + 5 s timeout), every query waiting out
+// the route timeout.
+func TestFrozenControlPlaneLeft(t *testing.T) {
+	a, b := fakecp.Start(t, direct), fakecp.Start(t, direct)
+	px, err := netproxy.New(a.Addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = px.Close() })
+	const lease = 600 * time.Millisecond
+	up := make(chan string, 16)
+	c := New([]string{px.Addr(), b.Addr}, 300*time.Millisecond, zerolog.Nop(), Observer{Connected: func(addr string, on bool) {
+		if on {
+			select {
+			case up <- addr:
+			default:
+			}
+		}
+	}})
+	c.SetLease(lease)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { _ = c.Run(ctx); close(done) }()
+	t.Cleanup(func() { cancel(); <-done })
+	if got := <-up; got != px.Addr() {
+		t.Fatalf("first stream on %s, want the proxied endpoint", got)
+	}
+	if _, err := c.Decide(context.Background(), &kvcv1.RouteQuery{SessionId: "s", InputTokens: 10}); err != nil {
+		t.Fatalf("decision before the freeze: %v", err)
+	}
+	frozen := time.Now()
+	px.Blackhole()
+	limit := time.NewTimer(lease/2 + 2*time.Second)
+	defer limit.Stop()
+	for {
+		select {
+		case addr := <-up:
+			if addr != b.Addr {
+				continue // the frozen endpoint may be tried again in a later round; it cannot serve
+			}
+			took := time.Since(frozen)
+			if took < lease/2 {
+				t.Fatalf("left the frozen endpoint after %s, before half the lease (%s)", took, lease/2)
+			}
+			if _, err := c.Decide(context.Background(), &kvcv1.RouteQuery{SessionId: "s", InputTokens: 10}); err != nil {
+				t.Fatalf("decision after the move: %v", err)
+			}
+			return
+		case <-limit.C:
+			t.Fatalf("still not on the other endpoint %s after the freeze", time.Since(frozen))
+		}
 	}
 }
