@@ -62,6 +62,7 @@ type Harness struct {
 	Sims     map[string]*proc             // worker id -> kvc-sim
 	Sidecars map[string]*proc             // worker id -> sidecar
 	Gateway  *proc
+	paused   []*proc // control planes stopped (SIGSTOP) by leaderPause, resumed by resumePausedCPs
 	GWURL    string
 	workers  []string // worker ids, prefill first
 	decode   []string
@@ -202,7 +203,7 @@ func Start(t testing.TB, ctx context.Context, cfg Config) (*Harness, error) {
 			"--worker-id", id, "--node", "local", "--gpu-index", strconv.Itoa(gpu),
 			"--worker-url", h.simURL[id], "--control-plane", cps, "--bridge-socket", sock,
 			"--http-addr", addrs[1], "--peer-addr", addrs[2], "--transport", "tcp", "--transfer-addr", addrs[3],
-			"--event-log", filepath.Join(cfg.WorkDir, id+".events.jsonl"),
+			"--event-log", filepath.Join(cfg.WorkDir, id+".events.jsonl"), "--cp-lease", ElectionTTL.String(),
 		}, insecureArgs("kvc-sidecar-"+role)...)}
 		if role == "prefill" {
 			prefillURLs = append(prefillURLs, h.simURL[id]+"|"+addrs[2])
@@ -234,7 +235,7 @@ func Start(t testing.TB, ctx context.Context, cfg Config) (*Harness, error) {
 	h.Gateway = &proc{name: "gateway", bin: bin("kvc-gateway"), dir: cfg.WorkDir, args: append([]string{
 		"--http-addr", ga, "--control-plane", strings.Join(h.cpAddrs, ","),
 		"--prefill-urls", strings.Join(prefillURLs, ","), "--decode-urls", strings.Join(decodeURLs, ","),
-		"--request-timeout", "20s", "--worker-refresh", "1s",
+		"--request-timeout", "20s", "--worker-refresh", "1s", "--cp-lease", ElectionTTL.String(),
 	}, insecureArgs("kvc-gateway")...)}
 	if err := h.Gateway.start(ctx, startLimit); err != nil {
 		return nil, err
@@ -325,27 +326,47 @@ func (h *Harness) admin(i int) (kvcv1.AdminServiceClient, error) {
 
 // Leader returns the node id of the replica that says it leads (asked on every live one).
 func (h *Harness) Leader(ctx context.Context) (string, error) {
-	err := errors.New("no control plane alive")
+	// Every replica at once, each bounded: a hung (paused) replica must neither hide the other
+	// nor add its timeout to every poll.
+	type answer struct {
+		name   string
+		leader bool
+		err    error
+	}
+	cctx, cancel := context.WithTimeout(ctx, time.Second)
+	defer cancel()
+	answers := make(chan answer, len(h.CPs))
+	asked := 0
 	for i, p := range h.CPs {
 		if !p.alive() {
 			continue
 		}
 		a, e := h.admin(i)
 		if e != nil {
-			err = e
+			answers <- answer{p.name, false, e}
+			asked++
 			continue
 		}
-		cctx, cancel := context.WithTimeout(ctx, time.Second) // one hung replica must not hide the other
-		r, e := a.GetLeader(cctx, &kvcv1.GetLeaderRequest{})
-		cancel()
-		if e != nil {
-			err = fmt.Errorf("%s: %w", p.name, e)
-			continue
+		asked++
+		go func() {
+			r, e := a.GetLeader(cctx, &kvcv1.GetLeaderRequest{})
+			switch {
+			case e != nil:
+				answers <- answer{p.name, false, fmt.Errorf("%s: %w", p.name, e)}
+			case r.GetResponderIsLeader():
+				answers <- answer{p.name, true, nil}
+			default:
+				answers <- answer{p.name, false, fmt.Errorf("%s: not leader (names %q)", p.name, r.GetLeaderId())}
+			}
+		}()
+	}
+	err := errors.New("no control plane alive")
+	for range asked {
+		a := <-answers
+		if a.leader {
+			return a.name, nil
 		}
-		if r.GetResponderIsLeader() {
-			return p.name, nil
-		}
-		err = fmt.Errorf("%s: not leader (names %q)", p.name, r.GetLeaderId())
+		err = a.err
 	}
 	return "", err
 }

@@ -135,6 +135,17 @@ func (p *proc) pid() int {
 	return p.cmd.Process.Pid
 }
 
+// signal sends sig without waiting (SIGSTOP, SIGCONT); false when no process runs.
+func (p *proc) signal(sig syscall.Signal) bool {
+	p.mu.Lock()
+	cmd, exited := p.cmd, p.exited
+	p.mu.Unlock()
+	if cmd == nil || isClosed(exited) {
+		return false
+	}
+	return cmd.Process.Signal(sig) == nil
+}
+
 // kill sends SIGKILL and waits for the exit.
 func (p *proc) kill() {
 	p.signalWait(syscall.SIGKILL, 0)

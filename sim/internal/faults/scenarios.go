@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
@@ -53,6 +54,15 @@ func Scenarios() []Scenario {
 			Name: "leader-kill", CI: true, Bound: LeaderBound,
 			Criterion: "kill -9 of the leader: whole ≤ TTL + 2 s after the kill (restarted afterwards as the new standby); " + noFail,
 			Inject:    killCP(true), Restore: restartDeadCPs,
+		},
+		{
+			// Issue 23 item 4: a paused leader keeps its TCP connections up and answers nothing.
+			// The clients (sidecars, gateway: --cp-lease = TTL) leave it after half a lease of
+			// silence (cpclient.Liveness) and reach the standby once it leads, after the paused
+			// leader's lease: recovery = TTL + the election + one reconnect round + the 0.8 s floor.
+			Name: "leader-pause", CI: true, Bound: LeaderBound,
+			Criterion: "SIGSTOP of the leader, kept stopped past its lease until the cluster recovered: whole ≤ TTL + 2 s after the stop (the clients leave the silent leader within half a lease); then SIGCONT (the old leader must answer as a standby); " + noFail,
+			Inject:    leaderPause, Restore: resumePausedCPs,
 		},
 		{
 			Name: "standby-kill", CI: true, Bound: RestartBound,
@@ -184,8 +194,13 @@ func healEtcdLinks(ctx context.Context, h *Harness, s *Step) error {
 			px.Heal()
 		}
 	}
+	return h.waitOneLeader(ctx, s, "healed")
+}
+
+// waitOneLeader waits until every live replica answers GetLeader naming the same leader.
+func (h *Harness) waitOneLeader(ctx context.Context, s *Step, what string) error {
 	healed := time.Now()
-	err := h.waitFor(ctx, "replicas agree on the leader after heal", restartLimit, func(ctx context.Context) error {
+	err := h.waitFor(ctx, "replicas agree on the leader after "+what, restartLimit, func(ctx context.Context) error {
 		names := map[string]bool{}
 		for i, p := range h.CPs {
 			if !p.alive() {
@@ -207,7 +222,7 @@ func healEtcdLinks(ctx context.Context, h *Harness, s *Step) error {
 		return nil
 	})
 	if err == nil {
-		s.Note("healed; both replicas name one leader %.1f s after the heal", time.Since(healed).Seconds())
+		s.Note("%s; both replicas name one leader %.1f s later", what, time.Since(healed).Seconds())
 	}
 	return err
 }
@@ -228,6 +243,46 @@ func killCP(leader bool) func(ctx context.Context, h *Harness, s *Step) (time.Ti
 		}
 		return time.Time{}, nil, errors.New("no such control plane")
 	}
+}
+
+// leaderPause stops the leader's process (SIGSTOP) and waits until another replica leads; the
+// process stays stopped until resumePausedCPs, after the measurement.
+func leaderPause(ctx context.Context, h *Harness, s *Step) (time.Time, []string, error) {
+	lead, err := h.Leader(ctx)
+	if err != nil {
+		return time.Time{}, nil, err
+	}
+	p := h.CPs[h.cpIndex(lead)]
+	s.faultAt = time.Now()
+	if !p.signal(syscall.SIGSTOP) {
+		return time.Time{}, nil, fmt.Errorf("%s: SIGSTOP not sent", lead)
+	}
+	h.paused = append(h.paused, p)
+	s.Note("stopped %s (SIGSTOP)", lead)
+	err = h.waitFor(ctx, "another leader", 3*LeaderBound, func(ctx context.Context) error {
+		id, err := h.Leader(ctx)
+		if err == nil && id == lead {
+			err = errors.New("the paused leader still leads")
+		}
+		return err
+	})
+	if err != nil {
+		s.Note("%v", err)
+	} else {
+		s.Note("standby led %.1f s after the stop", time.Since(s.faultAt).Seconds())
+	}
+	return s.faultAt, nil, nil
+}
+
+// resumePausedCPs resumes every stopped control plane (SIGCONT) and waits until every live
+// replica names the same leader (the resumed one a standby).
+func resumePausedCPs(ctx context.Context, h *Harness, s *Step) error {
+	for _, p := range h.paused {
+		p.signal(syscall.SIGCONT)
+		s.Note("resumed %s (SIGCONT) %.1f s after the stop", p.name, time.Since(s.faultAt).Seconds())
+	}
+	h.paused = nil
+	return h.waitOneLeader(ctx, s, "resumed")
 }
 
 func restartDeadCPs(ctx context.Context, h *Harness, s *Step) error {
