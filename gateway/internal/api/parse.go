@@ -3,6 +3,7 @@ package api
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net/http"
 	"strconv"
@@ -87,6 +88,30 @@ func (e *Error) Body() []byte {
 	return b
 }
 
+// Stable codes of the 400s for inputs the gateway does not serve (rather than serve them
+// differently from what was asked: issue 23 item 6).
+const (
+	// CodeUnsupportedParameter: n (or sampling_params.n) other than 1: one completion per request.
+	CodeUnsupportedParameter = "unsupported_parameter"
+	// CodeInvalidParameter: a sampling parameter out of range (a negative temperature).
+	CodeInvalidParameter = "invalid_parameter"
+	// CodeInvalidRole: a chat message's role is none of system, developer, user, assistant, tool
+	// and function.
+	CodeInvalidRole = "invalid_role"
+	// CodeUnsupportedContent: a chat content part other than text (image_url, input_audio,
+	// file, …): the prompt would be served without it.
+	CodeUnsupportedContent = "unsupported_content"
+	// CodeAmbiguousSession: the X-Session-ID header given more than once.
+	CodeAmbiguousSession = "ambiguous_session_id"
+)
+
+func badRequestCode(code, format string, a ...any) *Error {
+	return &Error{Status: http.StatusBadRequest, Code: code, Message: fmt.Sprintf(format, a...)}
+}
+
+// chatRoles are the message roles a chat request may carry.
+var chatRoles = map[string]bool{"system": true, "developer": true, "user": true, "assistant": true, "tool": true, "function": true}
+
 // BadRequest builds a 400 bad_request error.
 func BadRequest(format string, a ...any) *Error {
 	return &Error{Status: http.StatusBadRequest, Code: "bad_request", Message: fmt.Sprintf(format, a...)}
@@ -124,11 +149,15 @@ type body struct {
 	MaxTokens           *int64          `json:"max_tokens"`
 	MaxCompletionTokens *int64          `json:"max_completion_tokens"`
 	Stream              bool            `json:"stream"`
+	N                   *int64          `json:"n"`
+	Temperature         *float64        `json:"temperature"`
 	// SGLang (slices of the body: the large fields are not copied before they are decoded)
 	Text           rawField `json:"text"`
 	InputIDs       rawField `json:"input_ids"`
 	SamplingParams *struct {
-		MaxNewTokens *int64 `json:"max_new_tokens"`
+		MaxNewTokens *int64   `json:"max_new_tokens"`
+		N            *int64   `json:"n"`
+		Temperature  *float64 `json:"temperature"`
 	} `json:"sampling_params"`
 	RID json.RawMessage `json:"rid"`
 	// Both
@@ -222,7 +251,14 @@ func Parse(kind Kind, h http.Header, raw []byte, opt Options) (*Request, *Error)
 			if m.Role == "" {
 				return nil, BadRequest("messages[%d].role is required", i)
 			}
+			if !chatRoles[m.Role] {
+				return nil, badRequestCode(CodeInvalidRole, "messages[%d].role %q is not one of system, developer, user, assistant, tool, function", i, m.Role)
+			}
 			text, err := contentText(m.Content)
+			var pe *partError
+			if errors.As(err, &pe) {
+				return nil, badRequestCode(CodeUnsupportedContent, "messages[%d].content[%d]: content part type %q is not supported (text only)", i, pe.index, pe.typ)
+			}
 			if err != nil {
 				return nil, BadRequest("messages[%d].content: %v", i, err)
 			}
@@ -261,7 +297,22 @@ func Parse(kind Kind, h http.Header, raw []byte, opt Options) (*Request, *Error)
 		return nil, BadRequest("unknown API")
 	}
 
+	// Sampling: what the gateway would otherwise pass on and serve differently from what was asked.
+	for _, n := range []*int64{b.N, samplingN(&b)} {
+		if n != nil && *n != 1 {
+			return nil, badRequestCode(CodeUnsupportedParameter, "n = %d: one completion per request (send n requests)", *n)
+		}
+	}
+	for _, v := range []*float64{b.Temperature, samplingTemperature(&b)} {
+		if v != nil && *v < 0 {
+			return nil, badRequestCode(CodeInvalidParameter, "temperature %v is negative", *v)
+		}
+	}
+
 	// Session.
+	if vs := h.Values("X-Session-ID"); len(vs) > 1 {
+		return nil, badRequestCode(CodeAmbiguousSession, "X-Session-ID given %d times: one session per request", len(vs))
+	}
 	r.SessionID = strings.TrimSpace(h.Get("X-Session-ID"))
 	if r.SessionID == "" && b.SessionParams != nil && len(b.SessionParams.ID) > 0 {
 		var sid string
@@ -349,7 +400,30 @@ func samplingMax(b *body) *int64 {
 	return b.SamplingParams.MaxNewTokens
 }
 
-// contentText accepts a string or an array of {"type":"text","text":...} parts.
+func samplingN(b *body) *int64 {
+	if b.SamplingParams == nil {
+		return nil
+	}
+	return b.SamplingParams.N
+}
+
+func samplingTemperature(b *body) *float64 {
+	if b.SamplingParams == nil {
+		return nil
+	}
+	return b.SamplingParams.Temperature
+}
+
+// partError is a content part of a type other than text.
+type partError struct {
+	index int
+	typ   string
+}
+
+func (e *partError) Error() string { return fmt.Sprintf("content part %d of type %q", e.index, e.typ) }
+
+// contentText accepts a string or an array of {"type":"text","text":...} parts; a part of
+// another type is a *partError (it would be dropped).
 func contentText(raw json.RawMessage) (string, error) {
 	if len(raw) == 0 || string(raw) == "null" {
 		return "", nil
@@ -366,10 +440,11 @@ func contentText(raw json.RawMessage) (string, error) {
 		return "", fmt.Errorf("want a string or an array of content parts")
 	}
 	var sb strings.Builder
-	for _, p := range parts {
-		if p.Type == "text" {
-			sb.WriteString(p.Text)
+	for i, p := range parts {
+		if p.Type != "text" {
+			return "", &partError{index: i, typ: p.Type}
 		}
+		sb.WriteString(p.Text)
 	}
 	return sb.String(), nil
 }

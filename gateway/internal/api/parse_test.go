@@ -30,12 +30,20 @@ func TestParse(t *testing.T) {
 					t.Fatalf("%+v", r)
 				}
 			}},
-		{name: "chat content parts", kind: Chat, h: hdr("X-Session-ID", "s1"), body: `{"messages":[{"role":"user","content":[{"type":"text","text":"ab"},{"type":"image_url"}]}]}`,
+		{name: "chat content parts", kind: Chat, h: hdr("X-Session-ID", "s1"), body: `{"messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}],"n":1,"temperature":0}`,
 			check: func(t *testing.T, r *Request) {
 				if r.Text != "user: ab\n" || r.MaxTokens != 64 {
 					t.Fatalf("%+v", r)
 				}
 			}},
+		{name: "every chat role", kind: Chat, h: hdr("X-Session-ID", "s1"), body: `{"messages":[{"role":"system","content":"a"},{"role":"developer","content":"b"},{"role":"user","content":"c"},{"role":"assistant","content":"d"},{"role":"tool","content":"e"},{"role":"function","content":"f"}]}`,
+			check: func(t *testing.T, r *Request) {
+				if len(r.Messages) != 6 {
+					t.Fatalf("%+v", r)
+				}
+			}},
+		{name: "generate sampling n 1, temperature 0.7", kind: Generate, h: hdr("X-Session-ID", "s"), body: `{"text":"x","sampling_params":{"n":1,"temperature":0.7}}`,
+			check: func(t *testing.T, r *Request) {}},
 		{name: "generate session params and kvc", kind: Generate, h: http.Header{}, body: `{"text":"x","session_params":{"id":"s2"},"sampling_params":{"max_new_tokens":3},"kvc":{"input_tokens":5000,"turn":4}}`,
 			check: func(t *testing.T, r *Request) {
 				if r.SessionID != "s2" || r.InputTokens != 5000 || r.Estimated || r.Turn != 4 || !r.Multiturn || r.MaxTokens != 3 {
@@ -83,6 +91,18 @@ func TestParse(t *testing.T) {
 		{name: "bad header", kind: Generate, h: hdr("X-Session-ID", "s", "X-KVC-Input-Tokens", "lots"), body: `{"text":"x"}`, wantErr: "X-KVC-Input-Tokens"},
 		{name: "negative turn", kind: Generate, h: hdr("X-Session-ID", "s"), body: `{"text":"x","kvc":{"turn":-2}}`, wantErr: "negative"},
 		{name: "two prompts", kind: Completion, h: hdr("X-Session-ID", "s"), body: `{"prompt":["a","b"]}`, wantErr: "exactly one"},
+		// issue 23 item 6: inputs once served differently from what was asked, each a 400 with a stable code
+		{name: "n=2", kind: Chat, h: hdr("X-Session-ID", "s"), body: `{"messages":[{"role":"user","content":"x"}],"n":2}`, wantErr: "unsupported_parameter: n = 2"},
+		{name: "n=0", kind: Completion, h: hdr("X-Session-ID", "s"), body: `{"prompt":"x","n":0}`, wantErr: "unsupported_parameter"},
+		{name: "sampling_params.n=3", kind: Generate, h: hdr("X-Session-ID", "s"), body: `{"text":"x","sampling_params":{"n":3}}`, wantErr: "unsupported_parameter"},
+		{name: "unknown role", kind: Chat, h: hdr("X-Session-ID", "s"), body: `{"messages":[{"role":"wizard","content":"x"}]}`, wantErr: "invalid_role: messages[0].role \"wizard\""},
+		{name: "role in capitals", kind: Chat, h: hdr("X-Session-ID", "s"), body: `{"messages":[{"role":"User","content":"x"}]}`, wantErr: "invalid_role"},
+		{name: "image part", kind: Chat, h: hdr("X-Session-ID", "s"), body: `{"messages":[{"role":"user","content":[{"type":"text","text":"ab"},{"type":"image_url","image_url":{"url":"http://x/y.png"}}]}]}`, wantErr: "unsupported_content: messages[0].content[1]: content part type \"image_url\""},
+		{name: "audio part", kind: Chat, h: hdr("X-Session-ID", "s"), body: `{"messages":[{"role":"user","content":[{"type":"input_audio"}]}]}`, wantErr: "unsupported_content"},
+		{name: "negative temperature", kind: Chat, h: hdr("X-Session-ID", "s"), body: `{"messages":[{"role":"user","content":"x"}],"temperature":-0.5}`, wantErr: "invalid_parameter: temperature -0.5"},
+		{name: "negative sampling temperature", kind: Generate, h: hdr("X-Session-ID", "s"), body: `{"text":"x","sampling_params":{"temperature":-1}}`, wantErr: "invalid_parameter"},
+		{name: "two X-Session-ID headers", kind: Generate, h: http.Header{"X-Session-Id": {"s1", "s2"}}, body: `{"text":"x"}`, wantErr: "ambiguous_session_id"},
+		{name: "the same X-Session-ID twice", kind: Generate, h: http.Header{"X-Session-Id": {"s1", "s1"}}, body: `{"text":"x"}`, wantErr: "ambiguous_session_id"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
