@@ -262,6 +262,19 @@ func (l *ledger) remove(seq uint64) (*reservation, bool) {
 	return r, true
 }
 
+// shorten moves seq's deadline to at when that is earlier; it reports whether seq is pending.
+func (l *ledger) shorten(seq uint64, at time.Time) bool {
+	r, ok := l.pending[seq]
+	if !ok {
+		return false
+	}
+	if at.Before(r.deadline) {
+		r.deadline = at
+		heap.Fix(&l.expiry, r.idx)
+	}
+	return true
+}
+
 // expired removes and returns every reservation whose deadline is not after now.
 func (l *ledger) expired(now time.Time) []*reservation {
 	var out []*reservation

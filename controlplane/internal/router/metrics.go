@@ -18,6 +18,7 @@ type metrics struct {
 	ttftByMode     map[int32]prometheus.Observer
 	errors         *prometheus.CounterVec
 	expired        prometheus.Counter
+	streamEnd      *prometheus.CounterVec
 	migrations     prometheus.Counter
 	truncations    prometheus.Counter
 	pins           *prometheus.CounterVec
@@ -85,6 +86,9 @@ func newMetrics(reg prometheus.Registerer, s *Service) *metrics {
 		expired: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvc_router_reservations_expired_total", Help: "Reservations released by timeout (no outcome).",
 		}),
+		streamEnd: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvc_router_reservations_stream_end_total", Help: "Reservations whose Route stream ended before their outcome, by how: closed (the client closed the stream: released at once), broken (the stream failed: released after the stream-end grace unless an outcome arrives on another stream).",
+		}, []string{"how"}),
 		migrations: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvc_router_migrations_total", Help: "Sessions moved to another decode worker (successful outcome).",
 		}),
@@ -138,7 +142,7 @@ func newMetrics(reg prometheus.Registerer, s *Service) *metrics {
 	}
 	if reg != nil {
 		reg.MustRegister(m.decisions, m.latency, m.outcomes, m.ttft, m.errors, m.expired, m.migrations,
-			m.admitted, m.rejected, m.commands, m.reservations, m.reservedTokens, m.truncations, m.contentGauge, m.contentLoaded, m.pins)
+			m.admitted, m.rejected, m.commands, m.reservations, m.streamEnd, m.reservedTokens, m.truncations, m.contentGauge, m.contentLoaded, m.pins)
 	}
 	return m
 }

@@ -125,8 +125,17 @@ func (s *Service) expire(now time.Time) int {
 // every outcome an OutcomeAck or a RouteError; bad messages never end the stream. The stream
 // ends with UNAVAILABLE when its context does (the leadership gate cancels it when the term
 // ends), even while the gateway sends nothing, so the gateway re-homes to the new leader.
-func (s *Service) Route(stream grpc.BidiStreamingServer[kvcv1.RouteRequest, kvcv1.RouteResponse]) error {
+//
+// The decisions a stream got and has not reported are its own: when the client closes the
+// stream (EOF) their reservations are released at once (it will report none of them: issue 23
+// item 6, a stream closed after one query held its reservation for the 30 s timeout); when the
+// stream breaks they are released after StreamEndGrace, within which an outcome the gateway
+// sends on its next stream still applies.
+func (s *Service) Route(stream grpc.BidiStreamingServer[kvcv1.RouteRequest, kvcv1.RouteResponse]) (err error) {
 	ctx := stream.Context()
+	mine := map[uint64]struct{}{}
+	closed := false
+	defer func() { s.streamEnded(mine, closed) }()
 	type recvd struct {
 		req *kvcv1.RouteRequest
 		err error
@@ -153,14 +162,66 @@ func (s *Service) Route(stream grpc.BidiStreamingServer[kvcv1.RouteRequest, kvcv
 			return status.Error(codes.Unavailable, "route stream ended (leadership ended or server stopping); reconnect to the leader")
 		}
 		if errors.Is(r.err, io.EOF) {
+			closed = true
 			return nil
 		}
 		if r.err != nil {
 			return r.err
 		}
-		if err := stream.Send(s.Handle(r.req)); err != nil {
+		resp := s.Handle(r.req)
+		s.track(mine, r.req, resp)
+		if err := stream.Send(resp); err != nil {
 			return err
 		}
+	}
+}
+
+// StreamEndGrace is how long the reservations of a broken Route stream are kept for an outcome
+// on the gateway's next stream (it reconnects within its backoff ceiling).
+const StreamEndGrace = 2 * time.Second
+
+// track records the decisions a stream got (mine) and forgets those it reported.
+func (s *Service) track(mine map[uint64]struct{}, req *kvcv1.RouteRequest, resp *kvcv1.RouteResponse) {
+	if d := resp.GetDecision(); d != nil {
+		if seq, ok := s.parseID(d.GetDecisionId()); ok {
+			mine[seq] = struct{}{}
+		}
+	}
+	if o := req.GetOutcome(); o != nil {
+		if seq, ok := s.parseID(o.GetDecisionId()); ok {
+			delete(mine, seq)
+		}
+	}
+}
+
+// streamEnded releases the reservations of a stream's unreported decisions: at once when the
+// client closed it, after StreamEndGrace when it broke.
+func (s *Service) streamEnded(mine map[uint64]struct{}, closed bool) {
+	if len(mine) == 0 {
+		return
+	}
+	n := 0
+	at := s.clock().Add(StreamEndGrace)
+	s.mu.Lock()
+	for seq := range mine {
+		var ok bool
+		if closed {
+			_, ok = s.led.remove(seq)
+		} else {
+			ok = s.led.shorten(seq, at)
+		}
+		if ok {
+			n++
+		}
+	}
+	s.mu.Unlock()
+	how := "broken"
+	if closed {
+		how = "closed"
+	}
+	s.m.streamEnd.WithLabelValues(how).Add(float64(n))
+	if n > 0 {
+		s.log.Info().Int("reservations", n).Str("how", how).Msg("route stream ended with decisions not reported")
 	}
 }
 
