@@ -464,7 +464,7 @@ func TestWatchPolicy(t *testing.T) {
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		_ = s.WatchPolicy(wctx, func(p *kvcv1.Policy) { got <- p.GetVersion() })
+		_ = s.WatchPolicy(wctx, func(p *kvcv1.Policy) { got <- p.GetVersion() }, nil)
 	}()
 	if v := <-got; v != 1 {
 		t.Fatalf("initial version %d", v)
@@ -772,5 +772,49 @@ func TestNextGenerationTerm(t *testing.T) {
 		case st.want == 0 && stored() != was:
 			t.Fatalf("%s: stored %q after the refusal, was %q", st.name, stored(), was)
 		}
+	}
+}
+
+// TestWatchPolicyCorrupt: a stored policy that does not decode is reported to bad, not to fn
+// (so the watcher keeps what it has, issue 23 item 6); a valid one after it is reported again.
+func TestWatchPolicyCorrupt(t *testing.T) {
+	c := etcdtest.Start(t)
+	cli := c.Client(t)
+	s := newStore(t, cli, "/watchpolicy/")
+	ctx, cancel := context.WithCancel(t.Context())
+	got := make(chan *kvcv1.Policy, 8)
+	bad := make(chan error, 8)
+	done := make(chan error, 1)
+	go func() { done <- s.WatchPolicy(ctx, func(p *kvcv1.Policy) { got <- p }, func(err error) { bad <- err }) }()
+	defer func() { cancel(); <-done }()
+	put := func(v string) {
+		t.Helper()
+		if _, err := cli.Put(ctx, s.PolicyKey(), v); err != nil {
+			t.Fatal(err)
+		}
+	}
+	b, err := proto.Marshal(&kvcv1.Policy{Version: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	put(string(b))
+	if p := <-got; p.GetVersion() != 1 {
+		t.Fatalf("first policy %v", p)
+	}
+	put("\xff\xff\xff not a policy")
+	select {
+	case err := <-bad:
+		if !strings.Contains(err.Error(), s.PolicyKey()) {
+			t.Fatalf("bad: %v (want the key named)", err)
+		}
+	case p := <-got:
+		t.Fatalf("a corrupt record reached fn as %v", p)
+	case <-time.After(10 * time.Second):
+		t.Fatal("the corrupt record was not reported")
+	}
+	b, _ = proto.Marshal(&kvcv1.Policy{Version: 2})
+	put(string(b))
+	if p := <-got; p.GetVersion() != 2 {
+		t.Fatalf("after the corrupt record: %v", p)
 	}
 }

@@ -425,6 +425,9 @@ type Snapshot struct {
 	// Sessions is the reader's job (kvc.v1.VolatileBatch says how).
 	Volatile  []*kvcv1.VolatileBatch
 	Malformed int // records that failed to decode (skipped, logged by the caller)
+	// PolicyErr is why the stored policy did not decode (Policy is nil then, and Malformed
+	// counts it): a corrupt record, not an absent one.
+	PolicyErr error
 	// MalformedVolatile are journal keys whose name or value did not decode (full keys).
 	MalformedVolatile []string
 }
@@ -440,6 +443,7 @@ func (s *Store) LoadAll(ctx context.Context) (*Snapshot, error) {
 		p := &kvcv1.Policy{}
 		if err := proto.Unmarshal(resp.Kvs[0].Value, p); err != nil {
 			snap.Malformed++
+			snap.PolicyErr = fmt.Errorf("kvstore: %s does not decode (%d bytes): %w", s.PolicyKey(), len(resp.Kvs[0].Value), err)
 		} else {
 			snap.Policy = p
 		}
@@ -527,9 +531,20 @@ func (s *Store) scan(ctx context.Context, prefix, after string, rev int64, pageS
 }
 
 // WatchPolicy calls fn with every stored policy: the current one first (if any), then each
-// change, until ctx ends. A deleted policy is reported as nil. The watch is re-established
-// after errors.
-func (s *Store) WatchPolicy(ctx context.Context, fn func(*kvcv1.Policy)) error {
+// change, until ctx ends. A deleted policy is reported as nil; a stored value that does not
+// decode is reported to bad (when not nil) and not to fn, so the caller keeps what it has.
+// The watch is re-established after errors.
+func (s *Store) WatchPolicy(ctx context.Context, fn func(*kvcv1.Policy), bad func(error)) error {
+	decode := func(v []byte) {
+		p := &kvcv1.Policy{}
+		if err := proto.Unmarshal(v, p); err != nil {
+			if bad != nil {
+				bad(fmt.Errorf("kvstore: %s does not decode (%d bytes): %w", s.PolicyKey(), len(v), err))
+			}
+			return
+		}
+		fn(p)
+	}
 	for ctx.Err() == nil {
 		resp, err := s.getOne(ctx, s.PolicyKey())
 		if err != nil {
@@ -539,10 +554,7 @@ func (s *Store) WatchPolicy(ctx context.Context, fn func(*kvcv1.Policy)) error {
 			continue
 		}
 		if len(resp.Kvs) == 1 {
-			p := &kvcv1.Policy{}
-			if proto.Unmarshal(resp.Kvs[0].Value, p) == nil {
-				fn(p)
-			}
+			decode(resp.Kvs[0].Value)
 		}
 		wch := s.cli.Watch(clientv3.WithRequireLeader(ctx), s.PolicyKey(), clientv3.WithRev(resp.Header.Revision+1))
 		for wr := range wch {
@@ -554,10 +566,7 @@ func (s *Store) WatchPolicy(ctx context.Context, fn func(*kvcv1.Policy)) error {
 					fn(nil)
 					continue
 				}
-				p := &kvcv1.Policy{}
-				if proto.Unmarshal(ev.Kv.Value, p) == nil {
-					fn(p)
-				}
+				decode(ev.Kv.Value)
 			}
 		}
 		if !sleepCtx(ctx, 200*time.Millisecond) {

@@ -260,7 +260,7 @@ func Run(ctx context.Context, opts *Options, log zerolog.Logger) error {
 	g.Go(func() error { return gsrv.Serve(gctx, glis, opts.ShutdownGrace*3/4) })
 	g.Go(func() error { return hsrv.Serve(gctx, hlis) })
 	g.Go(func() error { return el.Observe(gctx) })
-	g.Go(func() error { return store.WatchPolicy(gctx, st.SetStoredPolicy) })
+	g.Go(func() error { return store.WatchPolicy(gctx, st.SetStoredPolicy, st.PolicyCorrupt) })
 	g.Go(func() error { return el.Run(gctx, lead) })
 	g.Go(func() error { return rt.Run(gctx) })
 

@@ -135,3 +135,56 @@ func TestBrokenGenerationTermNotLed(t *testing.T) {
 		})
 	}
 }
+
+// TestCorruptPolicyRecord (issue 23 item 6): a stored policy record that does not decode is
+// never read as "no policy" (every knob silently back at its default). A replica that knows a
+// good version (a standby watching the record, or a leader before) leads and keeps it, saying
+// so; one that knows none refuses to lead. Both log an error naming the key and count it.
+func TestCorruptPolicyRecord(t *testing.T) {
+	c := etcdtest.Start(t)
+	cli := c.Client(t)
+	for i, tc := range []struct {
+		name   string
+		known  *kvcv1.Policy // what the replica saw before (nil: nothing)
+		action string
+	}{
+		{"last good version known", &kvcv1.Policy{Version: 3, SeedMinTurn: proto.Int32(4)}, "kept_last_good"},
+		{"none known", nil, "refused_to_lead"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			store, err := kvstore.New(cli, kvstore.WithPrefix(fmt.Sprintf("/corrupt-policy-%d/", i)))
+			must(t, err)
+			_, err = cli.Put(t.Context(), store.PolicyKey(), "\xff\xff\xff not a policy")
+			must(t, err)
+			sess, err := concurrency.NewSession(cli, concurrency.WithTTL(5))
+			must(t, err)
+			defer sess.Close()
+			el := concurrency.NewElection(sess, store.ElectionPrefix())
+			must(t, el.Campaign(t.Context(), "n"))
+			var logs bytes.Buffer
+			st := New(Config{NodeID: "cp", Store: store, Reg: prometheus.NewRegistry(), Log: zerolog.New(&logs)})
+			if tc.known != nil {
+				st.SetStoredPolicy(tc.known)
+			}
+			term, err := st.Lead(t.Context(), kvstore.Fence{Key: el.Key(), Rev: el.Rev()})
+			if tc.known == nil {
+				if err == nil {
+					st.EndTerm(term)
+					t.Fatalf("led on the defaults (seed_min_turn %d) over a corrupt policy record", st.Policy().GetSeedMinTurn())
+				}
+			} else {
+				must(t, err)
+				defer st.EndTerm(term)
+				if p := st.Policy(); p.GetVersion() != 3 || p.GetSeedMinTurn() != 4 {
+					t.Fatalf("policy after loading a corrupt record: version %d seed_min_turn %d, want the last good (3, 4)", p.GetVersion(), p.GetSeedMinTurn())
+				}
+			}
+			if got := testutil.ToFloat64(st.m.policyCorrupt.WithLabelValues(tc.action)); got != 1 {
+				t.Fatalf("kvc_cp_policy_corrupt_total{action=%q} = %v, want 1", tc.action, got)
+			}
+			if !strings.Contains(logs.String(), `"level":"error"`) || !strings.Contains(logs.String(), store.PolicyKey()) {
+				t.Fatalf("no error log naming %s: %s", store.PolicyKey(), logs.String())
+			}
+		})
+	}
+}

@@ -81,6 +81,20 @@ func (s *State) LeadTerm(ctx, lead context.Context, fence kvstore.Fence) (*Term,
 	if snap.Malformed > 0 {
 		s.log.Warn().Int("records", snap.Malformed).Msg("skipped malformed records while loading etcd")
 	}
+	// A corrupt policy record is never read as "no policy" (the defaults): the last good version
+	// this replica knows (a standby watches the record) stays; with none known it refuses to
+	// lead (issue 23 item 6).
+	keepPolicy := false
+	if snap.PolicyErr != nil {
+		if !s.policyKnown.Load() {
+			s.m.policyCorrupt.WithLabelValues("refused_to_lead").Inc()
+			s.log.Error().Err(snap.PolicyErr).Str("key", s.cfg.Store.PolicyKey()).
+				Msg("refusing to lead: the stored policy is corrupt and this replica knows no earlier version (put a valid one with etcdctl, or delete the key to run on the defaults)")
+			return nil, fmt.Errorf("state: load: %w", snap.PolicyErr)
+		}
+		keepPolicy = true
+		s.PolicyCorrupt(snap.PolicyErr)
+	}
 	// This term's generation range, above every earlier term's (policy.NextGeneration): the
 	// durable counter, and at least past the newest term among the generations just loaded.
 	// A broken term (exhausted, or not a number) is not served on: this replica refuses to lead,
@@ -115,7 +129,9 @@ func (s *State) LeadTerm(ctx, lead context.Context, fence kvstore.Fence) (*Term,
 		sweeper: make(chan struct{}),
 		flusher: make(chan struct{}),
 	}
-	s.SetStoredPolicy(snap.Policy)
+	if !keepPolicy {
+		s.SetStoredPolicy(snap.Policy)
+	}
 
 	now := time.Now().UnixMilli()
 	s.mu.Lock()
@@ -339,6 +355,7 @@ func (s *State) ExpireIdle(now time.Time) int {
 // SetStoredPolicy installs the operator's overrides as read from etcd (nil: none stored). An
 // older version than the one installed is ignored.
 func (s *State) SetStoredPolicy(p *kvcv1.Policy) {
+	s.policyKnown.Store(true)
 	if p != nil {
 		if cur := s.stored.Load(); cur != nil && cur.GetVersion() > p.GetVersion() {
 			return
@@ -346,6 +363,14 @@ func (s *State) SetStoredPolicy(p *kvcv1.Policy) {
 	}
 	s.stored.Store(p)
 	s.policy.Store(FillPolicy(s.defaults, p))
+}
+
+// PolicyCorrupt reports a stored policy record that does not decode (kvstore.WatchPolicy, a
+// leader's load): the policy in use stays as it is, loudly.
+func (s *State) PolicyCorrupt(err error) {
+	s.m.policyCorrupt.WithLabelValues("kept_last_good").Inc()
+	s.log.Error().Err(err).Int64("version", s.stored.Load().GetVersion()).
+		Msg("the stored policy is corrupt: keeping the last good version (put a valid one with UpdatePolicy)")
 }
 
 // UpdatePolicy merges the set fields of update into the stored policy, validates the result

@@ -26,6 +26,7 @@ type metrics struct {
 	claimsRefused   *prometheus.CounterVec // sidecar reports refused for a generation never issued (claims.go)
 	termRefused     *prometheus.CounterVec // terms not led on a broken generation term (leader.go)
 	generationTerm  prometheus.Gauge
+	policyCorrupt   *prometheus.CounterVec // a stored policy that did not decode, by what was done
 }
 
 func newMetrics(reg prometheus.Registerer, sessions func() float64) *metrics {
@@ -97,6 +98,12 @@ func newMetrics(reg prometheus.Registerer, sessions func() float64) *metrics {
 			Name: "kvc_cp_generation_term", Help: "The generation term this leader numbers KV generations in (0 when not leading).",
 		}),
 	}
+	m.policyCorrupt = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "kvc_cp_policy_corrupt_total", Help: "Stored policy records that did not decode, by what was done: kept_last_good (the policy in use stays), refused_to_lead (no earlier version known: this replica did not lead).",
+	}, []string{"action"})
+	for _, r := range []string{"kept_last_good", "refused_to_lead"} {
+		m.policyCorrupt.WithLabelValues(r)
+	}
 	for _, r := range []string{claimAboveIssued, claimNotGiven} {
 		m.claimsRefused.WithLabelValues(r)
 	}
@@ -112,7 +119,7 @@ func newMetrics(reg prometheus.Registerer, sessions func() float64) *metrics {
 	if reg != nil {
 		reg.MustRegister(m.workers, m.commands, m.events, m.transfers, m.expired, m.dropped, m.workerDown, m.loadSeconds, m.writeFailures, m.volatileFlushed,
 			m.journalWritten, m.journalDeleted, m.journalKeys, m.journalBytes, m.drains, m.drainMoves, m.forgotten, m.staleCopies, m.tpProblems,
-			m.claimsRefused, m.termRefused, m.generationTerm,
+			m.claimsRefused, m.termRefused, m.generationTerm, m.policyCorrupt,
 			prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 				Name: "kvc_cp_sessions", Help: "Session records held in memory (leader only).",
 			}, sessions))

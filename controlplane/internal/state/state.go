@@ -66,17 +66,20 @@ type State struct {
 	m        *metrics
 	defaults *kvcv1.Policy
 
-	policy    atomic.Pointer[kvcv1.Policy] // filled
-	stored    atomic.Pointer[kvcv1.Policy] // operator overrides as stored (may be nil)
-	policyMu  sync.Mutex                   // serialises UpdatePolicy
-	epoch     atomic.Int64
-	genTerm   atomic.Uint64                   // the term's generation term (policy.NextGeneration)
-	issued    atomic.Uint64                   // the highest generation issued in this term (claims.go)
-	cur       atomic.Pointer[Term]            // the term, for lock-free Epoch/Leading
-	snapshot  atomic.Pointer[[]*kvcv1.Worker] // the router's view (tp.go: one record per tensor-parallel group)
-	listing   atomic.Pointer[[]*kvcv1.Worker] // ListWorkers' view: the router's plus every other rank
-	nextCmdID atomic.Uint64
-	nSessions atomic.Int64
+	policy atomic.Pointer[kvcv1.Policy] // filled
+	stored atomic.Pointer[kvcv1.Policy] // operator overrides as stored (may be nil)
+	// policyKnown: stored holds a version read from etcd (or written), nil meaning none stored;
+	// false until then (a corrupt record then has no last good version: LeadTerm)
+	policyKnown atomic.Bool
+	policyMu    sync.Mutex // serialises UpdatePolicy
+	epoch       atomic.Int64
+	genTerm     atomic.Uint64                   // the term's generation term (policy.NextGeneration)
+	issued      atomic.Uint64                   // the highest generation issued in this term (claims.go)
+	cur         atomic.Pointer[Term]            // the term, for lock-free Epoch/Leading
+	snapshot    atomic.Pointer[[]*kvcv1.Worker] // the router's view (tp.go: one record per tensor-parallel group)
+	listing     atomic.Pointer[[]*kvcv1.Worker] // ListWorkers' view: the router's plus every other rank
+	nextCmdID   atomic.Uint64
+	nSessions   atomic.Int64
 
 	mu       sync.Mutex
 	term     *Term // nil when not leading
