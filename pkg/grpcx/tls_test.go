@@ -7,7 +7,6 @@ import (
 	"crypto/x509"
 	"io"
 	"net"
-	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -396,9 +395,10 @@ func (s *syncBuf) String() string {
 	return s.b.String()
 }
 
-// TestRefusedHandshakeLogged is issue 16 finding 6: a refused TLS handshake leaves a warn line
-// with the peer's address and the reason, rate-limited to one a second (later ones counted in
-// the next line's "suppressed"), and every refusal is counted.
+// TestRefusedHandshakeLogged is issue 16 finding 6 and issue 23 item 6: every refused TLS
+// handshake leaves a warn line with the peer's address and the reason (3 refusals: 3 lines, one
+// naming each peer; a line a second left 2 of 3 unlogged), and every refusal is counted; a
+// flood is bounded (20 lines a second, the excess counted in a later line's "suppressed").
 func TestRefusedHandshakeLogged(t *testing.T) {
 	dir := t.TempDir()
 	ca := tlstest.NewCA(t, dir, "ca")
@@ -416,33 +416,53 @@ func TestRefusedHandshakeLogged(t *testing.T) {
 	done := make(chan error, 1)
 	go func() { done <- s.Serve(ctx, lis, time.Second) }()
 	t.Cleanup(func() { cancel(); <-done })
-	const n = 3
-	var local []string
-	for i := 0; i < n; i++ { // not TLS at all: a plaintext HTTP/2 preface
+	refuse := func() string { // not TLS at all: a plaintext HTTP/2 preface
 		c, err := net.Dial("tcp", lis.Addr().String())
 		if err != nil {
 			t.Fatal(err)
 		}
-		local = append(local, c.LocalAddr().String())
 		_, _ = c.Write([]byte("PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"))
 		_, _ = io.Copy(io.Discard, c) // until the server closes it
 		_ = c.Close()
+		return c.LocalAddr().String()
 	}
-	deadline := time.Now().Add(5 * time.Second)
-	for src.HandshakeFailures() < n {
-		if time.Now().After(deadline) {
-			t.Fatalf("%d refused handshakes counted, want %d", src.HandshakeFailures(), n)
+	waitCounted := func(n uint64) {
+		t.Helper()
+		deadline := time.Now().Add(5 * time.Second)
+		for src.HandshakeFailures() < n {
+			if time.Now().After(deadline) {
+				t.Fatalf("%d refused handshakes counted, want %d", src.HandshakeFailures(), n)
+			}
+			time.Sleep(5 * time.Millisecond) // polling a counter with a deadline
 		}
-		time.Sleep(5 * time.Millisecond) // polling a counter with a deadline
 	}
+	const n = 3
+	first := time.Now()
+	var local []string
+	for i := 0; i < n; i++ {
+		local = append(local, refuse())
+	}
+	waitCounted(n)
 	out := logs.String()
-	if got := strings.Count(out, "tls: handshake refused"); got != 1 {
-		t.Fatalf("%d log lines for %d refusals within a second, want 1 (rate limit):\n%s", got, n, out)
+	if got := strings.Count(out, "tls: handshake refused"); got != n {
+		t.Fatalf("%d log lines for %d refusals, want one each:\n%s", got, n, out)
 	}
-	// The one line names whichever refusal came first: the server closes a refused connection
-	// before it counts and logs it, so the next dial's handshake can be logged first.
-	named := slices.ContainsFunc(local, func(a string) bool { return strings.Contains(out, a) })
-	if !strings.Contains(out, `"level":"warn"`) || !named || !strings.Contains(out, `"error":`) {
-		t.Fatalf("log line lacks level, one of the peers %v or reason: %s", local, out)
+	for _, a := range local {
+		if !strings.Contains(out, `"peer":"`+a+`"`) {
+			t.Fatalf("no line names the refused peer %s:\n%s", a, out)
+		}
+	}
+	if !strings.Contains(out, `"level":"warn"`) || !strings.Contains(out, `"error":`) {
+		t.Fatalf("log lines lack level or reason: %s", out)
+	}
+	// A flood: bounded lines (at most two one-second windows of 20 within a second of the
+	// first refusal), every refusal counted.
+	const flood = 40
+	for range flood {
+		refuse()
+	}
+	waitCounted(n + flood)
+	if lines := strings.Count(logs.String(), "tls: handshake refused"); time.Since(first) < time.Second && lines >= n+flood {
+		t.Fatalf("%d lines for %d refusals within a second: the flood is not bounded", lines, n+flood)
 	}
 }

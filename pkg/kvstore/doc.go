@@ -3,7 +3,7 @@
 //
 // # Keyspace
 //
-//	<prefix>leader/<lease>   election keys (concurrency.Election)
+//	<prefix>leader//<lease>  election keys (concurrency.Election adds a "/" to ElectionPrefix)
 //	<prefix>workers/<id>     kvc.v1.Worker
 //	<prefix>sessions/<id>    kvc.v1.SessionRecord
 //	<prefix>volatile/<seq>   kvc.v1.VolatileBatch: the leader's volatile journal (seq: 16 hex digits);

@@ -30,7 +30,7 @@
 //
 // Plaintext is never a default: GRPCNames has an Insecure flag (--insecure), and Files.Check
 // refuses neither certificates nor --insecure, and both. Load logs --insecure at error level.
-// Servers log refused handshakes at warn (at most one line a second, "tls: handshake refused"
-// with the peer and the reason) and count them (HandshakeFailures,
-// kvc_tls_handshake_failures_total).
+// Servers log every refused handshake at warn ("tls: handshake refused" with the peer and the
+// reason; beyond 20 lines a second a flood's excess is counted in the next line's
+// "suppressed") and count them (HandshakeFailures, kvc_tls_handshake_failures_total).
 package tlsx

@@ -33,9 +33,13 @@ type Source struct {
 	reloads  atomic.Uint64
 	failures atomic.Uint64
 
-	hsFailures   atomic.Uint64
-	hsLogged     atomic.Int64 // UnixNano of the last refused-handshake log line
-	hsSuppressed atomic.Uint64
+	hsFailures atomic.Uint64
+	// refused-handshake log budget (handshakeRefused): the current one-second window, the
+	// lines logged in it, the refusals not logged since the last line
+	hsMu         sync.Mutex
+	hsWindow     time.Time
+	hsLines      int
+	hsSuppressed uint64
 }
 
 // Option adjusts a Source.
@@ -248,9 +252,9 @@ func (s *Source) clientConfig(serverName string, expect []Role) *tls.Config {
 // ServerCredentials are gRPC server credentials from ServerConfig.
 //
 // A refused handshake (no, expired or foreign client certificate, not TLS at all) leaves a
-// warn line "tls: handshake refused" with the peer address and the reason, at most one per
-// second (the line counts the ones suppressed since the last), and counts in
-// HandshakeFailures.
+// warn line "tls: handshake refused" with the peer address and the reason — every one, up to
+// handshakeLogBurst lines a second (a flood's excess is counted in the next line's
+// "suppressed") — and counts in HandshakeFailures.
 func (s *Source) ServerCredentials() credentials.TransportCredentials {
 	return &serverCreds{TransportCredentials: credentials.NewTLS(s.ServerConfig()), s: s}
 }
@@ -275,22 +279,32 @@ func (c *serverCreds) Clone() credentials.TransportCredentials {
 	return &serverCreds{TransportCredentials: c.TransportCredentials.Clone(), s: c.s}
 }
 
-// handshakeLogEvery bounds the refused-handshake log lines.
-const handshakeLogEvery = time.Second
+// handshakeLogBurst bounds the refused-handshake log lines per second: every refusal is
+// logged (issue 23 item 6: one line a second left 2 of 3 refusals unlogged) until a flood,
+// whose refusals beyond the budget are counted in the next line's "suppressed".
+const handshakeLogBurst = 20
 
 func (s *Source) handshakeRefused(peer net.Addr, err error) {
 	s.hsFailures.Add(1)
-	now := time.Now().UnixNano()
-	last := s.hsLogged.Load()
-	if now-last < int64(handshakeLogEvery) || !s.hsLogged.CompareAndSwap(last, now) {
-		s.hsSuppressed.Add(1)
+	now := time.Now()
+	s.hsMu.Lock()
+	if now.Sub(s.hsWindow) >= time.Second {
+		s.hsWindow, s.hsLines = now, 0
+	}
+	if s.hsLines >= handshakeLogBurst {
+		s.hsSuppressed++
+		s.hsMu.Unlock()
 		return
 	}
+	s.hsLines++
+	suppressed := s.hsSuppressed
+	s.hsSuppressed = 0
+	s.hsMu.Unlock()
 	addr := ""
 	if peer != nil {
 		addr = peer.String()
 	}
-	s.log.Warn().Str("peer", addr).Err(err).Uint64("suppressed", s.hsSuppressed.Swap(0)).
+	s.log.Warn().Str("peer", addr).Err(err).Uint64("suppressed", suppressed).
 		Msg("tls: handshake refused")
 }
 
