@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"net/url"
+	"os"
 	"path/filepath"
 	"strings"
 	"syscall"
@@ -13,6 +14,7 @@ import (
 
 	"go.etcd.io/etcd/server/v3/embed"
 	"go.uber.org/zap"
+	"golang.org/x/sys/unix"
 )
 
 // Cluster states for MemberConfig.State (etcd's --initial-cluster-state).
@@ -115,6 +117,40 @@ func StartMember(ctx context.Context, c MemberConfig) (*embed.Etcd, error) {
 	}
 }
 
+// MinFreeBytes is the room CheckDir asks of a data dir: etcd preallocates a 64 MiB WAL segment
+// and grows its database file, and on a full disk it panics inside its own goroutines (a stack
+// trace, "failed to open database") instead of returning an error.
+const MinFreeBytes = 80 << 20
+
+// CheckDir makes dir (and its parents) and checks it can hold an etcd member: writable, at
+// least need bytes free. Its error is one line naming the path. Call it before StartMember on
+// a data dir that may be full.
+func CheckDir(dir string, need uint64) error {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return fmt.Errorf("etcd data dir %s: %w", dir, err)
+	}
+	var st unix.Statfs_t
+	if err := unix.Statfs(dir, &st); err != nil {
+		return fmt.Errorf("etcd data dir %s: %w", dir, err)
+	}
+	if free := st.Bavail * uint64(st.Bsize); free < need {
+		return fmt.Errorf("etcd data dir %s: %.1f MiB free on its filesystem, etcd needs at least %d MiB (free some space or choose another --data-dir)",
+			dir, float64(free)/(1<<20), need>>20)
+	}
+	f, err := os.CreateTemp(dir, ".write-check-*")
+	if err != nil {
+		return fmt.Errorf("etcd data dir %s: not writable: %w", dir, err)
+	}
+	name := f.Name()
+	_, werr := f.Write([]byte("kvc"))
+	cerr := f.Close()
+	_ = os.Remove(name)
+	if err := errors.Join(werr, cerr); err != nil {
+		return fmt.Errorf("etcd data dir %s: not writable: %w", dir, err)
+	}
+	return nil
+}
+
 // SingleTimeout bounds StartSingle's wait for the member to serve.
 const SingleTimeout = 30 * time.Second
 
@@ -123,6 +159,9 @@ const SingleTimeout = 30 * time.Second
 // the bind is retried) and etcd's own log at level error appended to logPath ("" discards it).
 // It returns once the member serves, with its client URL; the caller closes the *embed.Etcd.
 func StartSingle(ctx context.Context, dir, logPath string) (*embed.Etcd, string, error) {
+	if err := CheckDir(dir, MinFreeBytes); err != nil {
+		return nil, "", fmt.Errorf("embedded etcd: %w", err)
+	}
 	var lastErr error
 	for attempt := 0; attempt < 5; attempt++ {
 		ports, err := FreePorts(2)

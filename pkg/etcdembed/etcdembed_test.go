@@ -148,3 +148,33 @@ func TestFreePortsDistinct(t *testing.T) {
 		seen[p] = true
 	}
 }
+
+// TestCheckDir: a data dir that cannot hold a member (not enough room, a file in its place) is
+// one error naming it; a usable one is made and passes.
+func TestCheckDir(t *testing.T) {
+	tmp := t.TempDir()
+	file := filepath.Join(tmp, "file")
+	if err := os.WriteFile(file, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name string
+		dir  string
+		need uint64
+		ok   bool
+	}{
+		{"usable, made", filepath.Join(tmp, "a", "b"), 1 << 10, true},
+		{"not enough room", filepath.Join(tmp, "c"), 1 << 62, false},
+		{"a file in its place", filepath.Join(file, "d"), 0, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			err := CheckDir(tc.dir, tc.need)
+			if (err == nil) != tc.ok {
+				t.Fatalf("CheckDir(%s) = %v, want ok %v", tc.dir, err, tc.ok)
+			}
+			if err != nil && (!strings.Contains(err.Error(), tc.dir) || strings.Contains(err.Error(), "\n")) {
+				t.Fatalf("error %q is not one line naming %s", err, tc.dir)
+			}
+		})
+	}
+}

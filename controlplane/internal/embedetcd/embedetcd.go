@@ -73,6 +73,10 @@ func start(ctx context.Context, c Config) (*Server, error) {
 	if quota == 0 {
 		quota = DefaultQuotaBytes
 	}
+	// A full (or read-only) data dir: one line naming it, not etcd's panic and stack trace.
+	if err := etcdembed.CheckDir(c.Dir, etcdembed.MinFreeBytes); err != nil {
+		return nil, fmt.Errorf("embedded etcd: %w", err)
+	}
 	sctx, cancel := context.WithTimeout(ctx, 60*time.Second)
 	defer cancel()
 	e, err := etcdembed.StartMember(sctx, etcdembed.MemberConfig{

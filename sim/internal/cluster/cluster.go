@@ -771,7 +771,12 @@ func contains(xs []string, s string) bool {
 	return false
 }
 
-// PrintAddrs writes where everything listens, with grpcurl and curl examples.
+// BannerChat is the chat request PrintAddrs shows (an OpenAI chat completion, the API most
+// clients speak).
+const BannerChat = `{"model": "kvc-sim", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}`
+
+// PrintAddrs writes where everything listens, with grpcurl and curl examples: a chat request
+// first.
 func (c *Cluster) PrintAddrs(w io.Writer) {
 	fmt.Fprintf(w, "etcd:            %s\n", strings.Join(c.EtcdEndpoints, ","))
 	for _, p := range c.Processes {
@@ -793,7 +798,8 @@ func (c *Cluster) PrintAddrs(w io.Writer) {
 		fmt.Fprintf(w, "  grpcurl -plaintext %s kvc.v1.AdminService/ListWorkers\n", c.ControlPlaneAddrs[0])
 	}
 	if c.GatewayURL != "" {
-		fmt.Fprintf(w, "  curl -s %s/generate -H 'X-Session-ID: demo-1' -d '{\"text\": \"hello\", \"sampling_params\": {\"max_new_tokens\": 8}}'\n", c.GatewayURL)
+		fmt.Fprintf(w, "  curl -s %s/v1/chat/completions -H 'X-Session-ID: demo-1' -d '%s'\n", c.GatewayURL, BannerChat)
+		fmt.Fprintf(w, "  curl -s %s/generate -H 'X-Session-ID: demo-2' -d '{\"text\": \"hello\", \"sampling_params\": {\"max_new_tokens\": 8}}'\n", c.GatewayURL)
 	}
 	for _, wk := range c.Workers {
 		if wk.Role == "decode" {

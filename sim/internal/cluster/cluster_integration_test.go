@@ -116,10 +116,22 @@ func TestLocalClusterEndToEnd(t *testing.T) {
 	}
 	var addrs strings.Builder
 	c.PrintAddrs(&addrs)
-	for _, want := range []string{"grpcurl -plaintext", c.GatewayURL, "decode-1"} {
+	for _, want := range []string{"grpcurl -plaintext", c.GatewayURL, "decode-1", c.GatewayURL + "/v1/chat/completions", BannerChat} {
 		if !strings.Contains(addrs.String(), want) {
 			t.Fatalf("PrintAddrs lacks %q:\n%s", want, addrs.String())
 		}
+	}
+	// The banner's chat request is served as shown.
+	creq, _ := http.NewRequest(http.MethodPost, c.GatewayURL+"/v1/chat/completions", strings.NewReader(BannerChat))
+	creq.Header.Set("X-Session-ID", "demo-1")
+	cresp, err := (&http.Client{Timeout: 60 * time.Second}).Do(creq)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cbody, _ := io.ReadAll(cresp.Body)
+	cresp.Body.Close()
+	if cresp.StatusCode != http.StatusOK || !strings.Contains(string(cbody), `"choices"`) {
+		t.Fatalf("the banner's chat request: %d %s", cresp.StatusCode, cbody)
 	}
 
 	// Two turns of one session through the gateway: the first seeds, the second should find it
