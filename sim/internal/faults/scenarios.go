@@ -4,11 +4,16 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"net/http"
 	"strings"
 	"sync"
 	"syscall"
 	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
@@ -63,6 +68,12 @@ func Scenarios() []Scenario {
 			Name: "leader-pause", CI: true, Bound: LeaderBound,
 			Criterion: "SIGSTOP of the leader, kept stopped past its lease until the cluster recovered: whole ≤ TTL + 2 s after the stop (the clients leave the silent leader within half a lease); then SIGCONT (the old leader must answer as a standby); " + noFail,
 			Inject:    leaderPause, Restore: resumePausedCPs,
+		},
+		{
+			// Issue 23 item 2: a sidecar claims generations the control plane never issued.
+			Name: "generation-claim", CI: true, Bound: RestartBound,
+			Criterion: "a rogue sidecar stream (a decode worker of its own, reported down so it is never routed) claims a live session at 2^60 (resync), 2^64-1 (commit) and one above the session's generation (resync): each refused (OUT_OF_RANGE or PERMISSION_DENIED: the stream ends), the session's record unchanged; " + noFail,
+			Inject:    generationClaim,
 		},
 		{
 			Name: "standby-kill", CI: true, Bound: RestartBound,
@@ -272,6 +283,121 @@ func leaderPause(ctx context.Context, h *Harness, s *Step) (time.Time, []string,
 		s.Note("standby led %.1f s after the stop", time.Since(s.faultAt).Seconds())
 	}
 	return s.faultAt, nil, nil
+}
+
+// rogueWorker is the worker id of generationClaim's rogue sidecar.
+const rogueWorker = "rogue-0"
+
+// generationClaim opens rogue sidecar streams to the leader and claims a live session at
+// generations it never issued; every claim must end the stream with OUT_OF_RANGE or
+// PERMISSION_DENIED and leave the session's record as it was. The rogue worker is forgotten
+// afterwards.
+func generationClaim(ctx context.Context, h *Harness, s *Step) (time.Time, []string, error) {
+	a, lead, err := h.leaderAdmin(ctx)
+	if err != nil {
+		return time.Time{}, nil, err
+	}
+	var target *kvcv1.SessionRecord
+	for _, d := range h.workers {
+		r, err := a.ListSessions(ctx, &kvcv1.ListSessionsRequest{WorkerId: d, PageSize: 1})
+		if err == nil && len(r.GetSessions()) > 0 && r.GetSessions()[0].GetGeneration() != 0 {
+			target = r.GetSessions()[0]
+			break
+		}
+	}
+	if target == nil {
+		return time.Time{}, nil, errors.New("no resident session to claim")
+	}
+	c, err := h.conn(h.cpAddrs[h.cpIndex(lead)])
+	if err != nil {
+		return time.Time{}, nil, err
+	}
+	id, gen := target.GetSessionId(), target.GetGeneration()
+	resync := func(g uint64) *kvcv1.ConnectRequest {
+		return &kvcv1.ConnectRequest{Msg: &kvcv1.ConnectRequest_ResidentSessions{ResidentSessions: &kvcv1.ResidentSessions{
+			Sessions: []*kvcv1.ResidentSession{{SessionId: id, KvCommittedLen: target.GetKvCommittedLen(), Generation: g}}}}}
+	}
+	claims := []struct {
+		name string
+		msg  *kvcv1.ConnectRequest
+	}{
+		{"resync 2^60", resync(1 << 60)},
+		{"commit 2^64-1", &kvcv1.ConnectRequest{Msg: &kvcv1.ConnectRequest_SessionEvent{SessionEvent: &kvcv1.SessionEvent{
+			SessionId: id, Kind: kvcv1.SessionEventKind_SESSION_EVENT_KIND_COMMITTED, KvLen: target.GetKvCommittedLen(), Generation: math.MaxUint64}}}},
+		{"resync above the session's generation", resync(gen + 1)},
+	}
+	s.faultAt = time.Now()
+	var bad []string
+	for _, cl := range claims {
+		code, err := rogueClaim(ctx, c, cl.msg)
+		if err != nil {
+			return time.Time{}, nil, fmt.Errorf("%s: %w", cl.name, err)
+		}
+		s.Note("%s on %s (generation %d, on %s): %s", cl.name, id, gen, target.GetDecodeWorker(), code)
+		if code != codes.OutOfRange && code != codes.PermissionDenied {
+			bad = append(bad, cl.name+": "+code.String())
+		}
+	}
+	r, err := a.GetSession(ctx, &kvcv1.GetSessionRequest{SessionId: id})
+	if err == nil && (r.GetSession().GetDecodeWorker() == rogueWorker || r.GetSession().GetGeneration() > gen+1<<20) {
+		bad = append(bad, fmt.Sprintf("the record took a claim: on %s at generation %d", r.GetSession().GetDecodeWorker(), r.GetSession().GetGeneration()))
+	}
+	if _, err := a.ForgetWorker(ctx, &kvcv1.ForgetWorkerRequest{WorkerId: rogueWorker, Force: true}); err != nil {
+		s.Note("forget %s: %v", rogueWorker, err)
+	}
+	if len(bad) > 0 {
+		return s.faultAt, nil, fmt.Errorf("claims not refused: %s", strings.Join(bad, "; "))
+	}
+	return s.faultAt, nil, nil
+}
+
+// rogueClaim opens one rogue sidecar stream (hello, welcome), sends msg and returns the code
+// the stream ended with (OK: it did not end within 5 s).
+func rogueClaim(ctx context.Context, c *grpc.ClientConn, msg *kvcv1.ConnectRequest) (codes.Code, error) {
+	sctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	var st grpc.BidiStreamingClient[kvcv1.ConnectRequest, kvcv1.ConnectResponse]
+	hello := &kvcv1.ConnectRequest{Msg: &kvcv1.ConnectRequest_Hello{Hello: &kvcv1.Hello{
+		WorkerId: rogueWorker, Role: kvcv1.WorkerRole_WORKER_ROLE_DECODE, Node: "rogue", KvCapacityTokens: 1000,
+		WorkerUrl: "http://127.0.0.1:1", WorkerDown: true, WorkerDownReason: "fault scenario: a rogue sidecar"}}}
+	for attempt := 0; ; attempt++ { // the previous rogue stream may not be detached yet
+		var err error
+		if st, err = kvcv1.NewSidecarServiceClient(c).Connect(sctx); err != nil {
+			return codes.Unknown, err
+		}
+		if err = st.Send(hello); err == nil {
+			var m *kvcv1.ConnectResponse
+			if m, err = st.Recv(); err == nil && m.GetWelcome() != nil {
+				break
+			}
+		}
+		if attempt == 20 || status.Code(err) != codes.AlreadyExists {
+			return codes.Unknown, fmt.Errorf("hello: %w", err)
+		}
+		select {
+		case <-time.After(100 * time.Millisecond): // a detach on the leader's side
+		case <-sctx.Done():
+			return codes.Unknown, sctx.Err()
+		}
+	}
+	if err := st.Send(msg); err != nil {
+		return codes.Unknown, err
+	}
+	ended := make(chan error, 1)
+	go func() {
+		for {
+			if _, err := st.Recv(); err != nil {
+				ended <- err
+				return
+			}
+		}
+	}()
+	select {
+	case err := <-ended:
+		return status.Code(err), nil
+	case <-time.After(5 * time.Second):
+		return codes.OK, nil
+	}
 }
 
 // resumePausedCPs resumes every stopped control plane (SIGCONT) and waits until every live
