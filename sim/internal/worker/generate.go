@@ -321,7 +321,9 @@ func (w *Worker) servePrefill(ctx context.Context, p *plan, meta *KVCMeta) *apiE
 	if err != nil {
 		return ctxError(ctx, "during prefill")
 	}
-	if e := w.fillContent(t, pages, first*ps, p.input); e != nil {
+	// The bootstrap page already holds [0, min(ps, input)): a prompt shorter than a page has
+	// nothing left to write (its range [ps, input) was inverted: a 500 on a short chat).
+	if e := w.fillContent(t, pages, min(first*ps, p.input), p.input); e != nil {
 		return e
 	}
 	meta.PrefillTokens = p.input - cached - pulled
