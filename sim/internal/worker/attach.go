@@ -181,35 +181,47 @@ func (w *Worker) ack(ctx context.Context, a *kvcv1.AckCommandRequest) error {
 	return err
 }
 
-// reattach registers the pool with a sidecar that lost it and re-commits every session the
-// sidecar knew (committed once); it returns how many.
+// reattach registers the pool with a sidecar that lost it and commits every session this
+// worker holds: those the sidecar knew (committed once), and those no sidecar ever knew
+// although no turn uses them any more — a turn whose CommitSession failed while the sidecar
+// was down leaves its session held here and tracked by nobody (issue 23 item 6: 7 such
+// sessions after all sidecars restarted). They are adopted: the sidecar reports them in its
+// resync and the control plane keeps or releases them like any other copy. It returns how many.
 func (w *Worker) reattach(ctx context.Context) (int, error) {
 	if _, err := w.RegisterPool(ctx); err != nil {
 		return 0, err
 	}
 	type commit struct {
+		s     *session
 		id    string
 		kv    int64
 		pages []int64
+		adopt bool
 	}
 	w.mu.Lock()
 	var cs []commit
 	for _, s := range w.sessions {
-		if !s.committed || s.kvLen <= 0 {
-			continue
+		if s.kvLen <= 0 || (!s.committed && s.pinned > 0) {
+			continue // a running turn commits its session when it finishes
 		}
 		n := pagesFor(s.kvLen, w.cfg.Geometry.PageSize)
 		if int64(len(s.pages)) < n {
 			continue
 		}
-		cs = append(cs, commit{s.id, s.kvLen, append([]int64(nil), s.pages[:n]...)})
+		cs = append(cs, commit{s, s.id, s.kvLen, append([]int64(nil), s.pages[:n]...), !s.committed})
 	}
 	w.mu.Unlock()
-	done := 0
+	done, adopted := 0, 0
 	for _, c := range cs {
 		cctx, cancel := context.WithTimeout(ctx, w.cfg.BridgeTimeout)
 		_, err := w.bridge.CommitSession(cctx, &kvcv1.CommitSessionRequest{SessionId: c.id, CommittedLen: c.kv, Pages: c.pages})
 		cancel()
+		if err == nil && c.adopt {
+			w.mu.Lock()
+			c.s.committed = true
+			w.mu.Unlock()
+			adopted++
+		}
 		switch {
 		case err == nil:
 			done++
@@ -223,6 +235,9 @@ func (w *Worker) reattach(ctx context.Context) (int, error) {
 			w.m.bridgeErrors.WithLabelValues("CommitSession").Inc()
 			w.log.Error().Err(err).Str("session", c.id).Msg("re-commit after the sidecar restarted failed")
 		}
+	}
+	if adopted > 0 {
+		w.log.Warn().Int("sessions", adopted).Msg("sessions no sidecar knew (their commit failed while it was down) committed to the restarted sidecar")
 	}
 	return done, nil
 }

@@ -152,8 +152,11 @@ func TestReattachAfterSidecarRestart(t *testing.T) {
 	addSession(t, w, "s1", 10)
 	addSession(t, w, "s2", 33)
 	addSession(t, w, "s3", 4)
+	addSession(t, w, "s4", 8)
 	w.mu.Lock()
-	w.sessions["s3"].committed = false // never committed: the sidecar never knew it
+	w.sessions["s3"].committed = false // its commit failed while the sidecar was down: nobody tracks it
+	w.sessions["s4"].committed = false // a turn runs on it: the turn commits it when it finishes
+	w.sessions["s4"].pinned = 1
 	w.mu.Unlock()
 
 	stop1() // the sidecar dies
@@ -176,8 +179,16 @@ func TestReattachAfterSidecarRestart(t *testing.T) {
 			t.Fatalf("re-commit of %s: %d pages for %d tokens", c.GetSessionId(), len(c.GetPages()), c.GetCommittedLen())
 		}
 	}
-	if len(got) != 2 || got["s1"] != 10 || got["s2"] != 33 {
-		t.Fatalf("re-committed %v; want s1:10 s2:33", got)
+	// issue 23 item 6: s3, which no sidecar knew, is adopted (committed to the new sidecar,
+	// which reports it to the control plane); the running turn's s4 is left to its turn.
+	if len(got) != 3 || got["s1"] != 10 || got["s2"] != 33 || got["s3"] != 4 {
+		t.Fatalf("re-committed %v; want s1:10 s2:33 s3:4", got)
+	}
+	w.mu.Lock()
+	adopted, running := w.sessions["s3"].committed, w.sessions["s4"].committed
+	w.mu.Unlock()
+	if !adopted || running {
+		t.Fatalf("committed flags after the re-attach: s3 %v (want true), s4 %v (want false)", adopted, running)
 	}
 	if a := w.Attach(); a.Reregistrations != 1 || a.SidecarInstance != sc2.att.Instance() || !sc2.att.Watcher().AttachAcked {
 		t.Fatalf("after restart %+v, watcher %+v", a, sc2.att.Watcher())
