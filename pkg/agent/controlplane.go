@@ -195,6 +195,7 @@ func (c *ControlPlane) Run(ctx context.Context) error {
 		var silent *cpclient.SilentError
 		if errors.As(err, &silent) {
 			eps.Silent(addr, 2*silent.Silence) // a lease: its hints and its turn are passed over
+			c.events.silent.Inc()
 		}
 		followed := eps.Hint(err)
 		if followed {

@@ -25,6 +25,7 @@ type eventBuffer struct {
 	dropped  prometheus.Counter
 	buffered prometheus.Gauge
 	replayed prometheus.Counter
+	silent   prometheus.Counter // control-plane connections left as silent (cpclient.Liveness)
 }
 
 func newEventBuffer(max int, reg prometheus.Registerer) *eventBuffer {
@@ -45,9 +46,13 @@ func newEventBuffer(max int, reg prometheus.Registerer) *eventBuffer {
 			Name: "kvc_sidecar_cp_events_replayed_total",
 			Help: "Session events raised while disconnected and sent after a reconnect's hello, before its full resync.",
 		}),
+		silent: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvc_sidecar_cp_silent_total",
+			Help: "Control-plane connections left because they answered nothing for half the lease (--cp-lease: a paused leader, a frozen link).",
+		}),
 	}
 	if reg != nil {
-		reg.MustRegister(b.dropped, b.buffered, b.replayed)
+		reg.MustRegister(b.dropped, b.buffered, b.replayed, b.silent)
 	}
 	return b
 }

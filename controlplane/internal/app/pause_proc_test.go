@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/rs/zerolog"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
@@ -50,8 +51,9 @@ func TestPausedLeaderFollowedRealProcesses(t *testing.T) {
 	b, bAdmin := startCPProc(t, bins["kvc-controlplane"], "cp-b", e.Endpoints(), ttl)
 	t.Cleanup(func() { _ = a.cmd.Process.Signal(syscall.SIGCONT) }) // before startProc's SIGTERM (cleanups run last first)
 
+	reg := prometheus.NewRegistry()
 	loop := agent.NewControlPlane(agent.CPConfig{Endpoints: []string{a.str("grpc_addr"), b.str("grpc_addr")},
-		Heartbeat: 100 * time.Millisecond, Lease: ttl}, tlsHandler{id: "d9"}, zerolog.Nop())
+		Heartbeat: 100 * time.Millisecond, Lease: ttl, Registerer: reg}, tlsHandler{id: "d9"}, zerolog.Nop())
 	ctx, cancel := context.WithCancel(t.Context())
 	done := make(chan struct{})
 	go func() { _ = loop.Run(ctx); close(done) }()
@@ -80,6 +82,19 @@ func TestPausedLeaderFollowedRealProcesses(t *testing.T) {
 	r, err := bAdmin.GetWorker(t.Context(), &kvcv1.GetWorkerRequest{WorkerId: "d9"})
 	if err != nil || r.GetWorker().GetConnectedTo() != "cp-b" {
 		t.Fatalf("cp-b's record of d9: %v %v", r.GetWorker(), err)
+	}
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	left := 0.0
+	for _, mf := range mfs {
+		if mf.GetName() == "kvc_sidecar_cp_silent_total" {
+			left = mf.GetMetric()[0].GetCounter().GetValue()
+		}
+	}
+	if left < 1 {
+		t.Fatalf("kvc_sidecar_cp_silent_total = %v after leaving the paused leader, want ≥ 1", left)
 	}
 	t.Logf("the sidecar reached the new leader %s after the leader was paused (election TTL %s)", took.Round(10*time.Millisecond), ttl)
 }

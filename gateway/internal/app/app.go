@@ -115,6 +115,10 @@ func Run(ctx context.Context, cfg *config.Config, logOut io.Writer) error {
 				}
 			},
 			Orphan: m.Orphans.Inc,
+			Silent: func(addr string) {
+				m.CPSilent.Inc()
+				log.Warn().Str("addr", addr).Msg("control plane answered nothing for half the lease: left for the next")
+			},
 		}, cpDial...)
 		rc.SetLease(cfg.CPLease)
 		router = rc

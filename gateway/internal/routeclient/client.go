@@ -35,7 +35,8 @@ func (e *RejectedError) Error() string {
 // Observer receives connection events (metrics); any field may be nil.
 type Observer struct {
 	Connected func(addr string, up bool)
-	Orphan    func() // a decision arrived for a query nobody waits for any more
+	Orphan    func()            // a decision arrived for a query nobody waits for any more
+	Silent    func(addr string) // the stream's control plane answered nothing for half the lease and was left
 }
 
 // Client is the gateway's Route stream.
@@ -112,6 +113,9 @@ func (c *Client) Run(ctx context.Context) error {
 		var silent *cpclient.SilentError
 		if errors.As(err, &silent) {
 			c.eps.Silent(addr, 2*silent.Silence) // a lease: its hints and its turn are passed over
+			if c.obs.Silent != nil {
+				c.obs.Silent(addr)
+			}
 		}
 		ev := c.log.Warn().Str("addr", addr).Err(err)
 		if served {

@@ -250,13 +250,18 @@ func TestFrozenControlPlaneLeft(t *testing.T) {
 	}
 	t.Cleanup(func() { _ = px.Close() })
 	const lease = 600 * time.Millisecond
-	up := make(chan string, 16)
+	up, silent := make(chan string, 16), make(chan string, 16)
 	c := New([]string{px.Addr(), b.Addr}, 300*time.Millisecond, zerolog.Nop(), Observer{Connected: func(addr string, on bool) {
 		if on {
 			select {
 			case up <- addr:
 			default:
 			}
+		}
+	}, Silent: func(addr string) {
+		select {
+		case silent <- addr:
+		default:
 		}
 	}})
 	c.SetLease(lease)
@@ -286,6 +291,14 @@ func TestFrozenControlPlaneLeft(t *testing.T) {
 			}
 			if _, err := c.Decide(context.Background(), &kvcv1.RouteQuery{SessionId: "s", InputTokens: 10}); err != nil {
 				t.Fatalf("decision after the move: %v", err)
+			}
+			select {
+			case addr := <-silent:
+				if addr != px.Addr() {
+					t.Fatalf("Observer.Silent named %s, want the frozen %s", addr, px.Addr())
+				}
+			default:
+				t.Fatal("leaving the frozen endpoint was not reported (Observer.Silent: kvc_gateway_control_plane_silent_total)")
 			}
 			return
 		case <-limit.C:

@@ -16,6 +16,7 @@ type Metrics struct {
 	Inflight     prometheus.Gauge
 	CPConnected  prometheus.Gauge
 	Orphans      prometheus.Counter
+	CPSilent     prometheus.Counter
 	Refresh      *prometheus.CounterVec
 	Outcomes     *prometheus.CounterVec
 	SessionCalls *prometheus.CounterVec
@@ -53,6 +54,8 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		Inflight: prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvc_gateway_inflight_requests", Help: "Requests in flight."}),
 		CPConnected: prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvc_gateway_control_plane_connected",
 			Help: "1 while a Route stream to the control-plane leader is up; 0 means the gateway fails open."}),
+		CPSilent: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_gateway_control_plane_silent_total",
+			Help: "Route streams left because their control plane answered nothing for half the lease (--cp-lease: a paused leader, a frozen link)."}),
 		Orphans: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_gateway_orphan_decisions_total",
 			Help: "Decisions that arrived after the route timeout (released at once with an ABORTED outcome)."}),
 		Refresh: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvc_gateway_worker_refresh_total",
@@ -78,6 +81,6 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	}
 	reg.MustRegister(m.TokenizerLoaded, m.EstimatedInputs, m.TokenizeSeconds, m.ChatRenders, m.PageSize, m.ContentQueries)
 	reg.MustRegister(m.Requests, m.FailOpen, m.BadRequests, m.TTFT, m.Latency, m.RouteLatency, m.Retries,
-		m.Inflight, m.CPConnected, m.Orphans, m.Refresh, m.Outcomes, m.SessionCalls, m.HintReleases)
+		m.Inflight, m.CPConnected, m.CPSilent, m.Orphans, m.Refresh, m.Outcomes, m.SessionCalls, m.HintReleases)
 	return m
 }
