@@ -50,7 +50,7 @@ func serve(t *testing.T, withHealth bool) (*netproxy.Proxy, *grpc.ClientConn) {
 // frozen listener: the TCP connection stays up and nothing comes back) is left once nothing
 // answered for Silence, not before, and within Silence + Interval + slack.
 func TestLivenessWatch(t *testing.T) {
-	l := Liveness{Silence: 400 * time.Millisecond, Interval: 50 * time.Millisecond}
+	l := Liveness{Silence: 800 * time.Millisecond, Interval: 50 * time.Millisecond}
 	for _, tc := range []struct {
 		name       string
 		withHealth bool
@@ -63,7 +63,7 @@ func TestLivenessWatch(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			px, cc := serve(t, tc.withHealth)
 			var frozeAt time.Time
-			ctx, cancel := context.WithTimeout(t.Context(), 4*l.Silence)
+			ctx, cancel := context.WithTimeout(t.Context(), 3*l.Silence)
 			defer cancel()
 			done := make(chan error, 1)
 			go func() { done <- l.Watch(ctx, cc) }()

@@ -249,7 +249,7 @@ func TestFrozenControlPlaneLeft(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = px.Close() })
-	const lease = 600 * time.Millisecond
+	const lease = 1200 * time.Millisecond
 	up, silent := make(chan string, 16), make(chan string, 16)
 	c := New([]string{px.Addr(), b.Addr}, 300*time.Millisecond, zerolog.Nop(), Observer{Connected: func(addr string, on bool) {
 		if on {
