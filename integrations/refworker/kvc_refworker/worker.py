@@ -211,7 +211,7 @@ class Worker:
         self.sessions: Dict[str, Session] = {}
         self._turn_locks: Dict[str, threading.Lock] = {}
         self.stats = {"requests": 0, "errors": 0, "recompute_checked": 0, "recompute_mismatches": 0,
-                      "evictions": 0, "received_bytes": 0, "sent_bytes": 0, "prefill_tokens": 0, "decode_tokens": 0}
+                      "evictions": 0, "releases_without_sidecar": 0, "received_bytes": 0, "sent_bytes": 0, "prefill_tokens": 0, "decode_tokens": 0}
 
     @property
     def capacity_tokens(self) -> int:
@@ -330,7 +330,13 @@ class Worker:
         try:
             self.xfer.release(s.id, evicted)
         except BridgeError as e:
-            if "NOT_FOUND" not in str(e.code):
+            if "UNAVAILABLE" in str(e.code):
+                # The sidecar is gone (nothing listens on its socket): it reads no pages any more,
+                # and a restarted one knows only what is re-committed, so the worker evicts on its
+                # own; the sidecar's resync then lists the session no more (issue 23 item 1).
+                log.warning("ReleaseSession %s: sidecar gone (%s); freeing its %d pages", s.id, e, len(s.pages))
+                self.stats["releases_without_sidecar"] += 1
+            elif "NOT_FOUND" not in str(e.code):
                 # The sidecar may still read these pages: never reuse them.
                 log.error("ReleaseSession %s failed (%s); quarantining %d pages", s.id, e, len(s.pages))
                 s.pages = []

@@ -242,6 +242,40 @@ class TestEviction(unittest.TestCase):
         self.assertEqual(evict(5.0), [("old", True)])
 
 
+    def test_evicts_without_its_sidecar(self):
+        """With the sidecar gone (ReleaseSession UNAVAILABLE) an eviction frees the victim's
+        pages and the allocation succeeds; a sidecar that fails otherwise gets them quarantined
+        (issue 23 item 1)."""
+        from kvc_refworker.worker import Config, Session, Worker
+        from kvcentric_sglang.bridge import BridgeError
+
+        spec = M.spec_for("tiny")
+
+        def evict(code):
+            class Xfer:
+                bridge = None
+
+                def release(self, sid, evicted):
+                    raise BridgeError("ReleaseSession", code, "connection refused")
+
+            pool = KVPool(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32, 20 * 16, 16, "cpu",
+                          name="kvc-refworker-unit-nosidecar", use_sglang=False)
+            try:
+                w = Worker(Config(role="decode", worker_id="d0", model_name="tiny", prealloc_wait_s=0,
+                                  snapshot_wait_s=0), None, spec, pool, Xfer())
+                w.sessions["a"] = Session(id="a", pages=pool.alloc(10), kv_len=160, committed=True, last_used=0.0)
+                try:
+                    pages, _ = w.allocate(15, "x")
+                    got = len(pages)
+                except Exception as e:  # noqa: BLE001 - the 503 of a full pool
+                    got = getattr(e, "code", str(e))
+                return got, pool.free_pages, w.stats["releases_without_sidecar"]
+            finally:
+                pool.close()
+
+        self.assertEqual(evict("StatusCode.UNAVAILABLE"), (15, 5, 1))
+        self.assertEqual(evict("StatusCode.INTERNAL"), ("no_capacity", 10, 0))
+
 def _start_check(lk):
     """A recompute check's forward on another thread: (set once it got the device, the thread)."""
     import threading

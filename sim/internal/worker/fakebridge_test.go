@@ -88,6 +88,8 @@ type fakeSidecar struct {
 	committing chan string
 	// stop kills the fake sidecar's server (a sidecar that dies).
 	stop func()
+	// releaseErr, when set, is ReleaseSession's answer (a sidecar that is up but fails it).
+	releaseErr error
 }
 
 func (f *fakeSidecar) RegisterKVPool(_ context.Context, req *kvcv1.RegisterKVPoolRequest) (*kvcv1.RegisterKVPoolResponse, error) {
@@ -158,6 +160,9 @@ func (f *fakeSidecar) ReleaseSession(ctx context.Context, req *kvcv1.ReleaseSess
 	}
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	if f.releaseErr != nil {
+		return nil, f.releaseErr
+	}
 	f.releases = append(f.releases, req)
 	return &kvcv1.ReleaseSessionResponse{PushAborted: gate != nil}, nil
 }

@@ -3,22 +3,24 @@ package worker
 import "github.com/prometheus/client_golang/prometheus"
 
 type metrics struct {
-	requests        *prometheus.CounterVec // mode, code
-	ttft            *prometheus.HistogramVec
-	receivedBytes   prometheus.Counter
-	verifiedBytes   prometheus.Counter
-	verifyFailures  prometheus.Counter
-	sentBytes       prometheus.Counter
-	prefillTokens   prometheus.Counter
-	decodeTokens    prometheus.Counter
-	evictions       prometheus.Counter
-	capacityRejects prometheus.Counter
-	preallocWaits   prometheus.Counter
-	bridgeErrors    *prometheus.CounterVec // call
-	transferSeconds prometheus.Histogram
-	residentGauge   prometheus.GaugeFunc
-	usedPagesGauge  prometheus.GaugeFunc
-	freePagesGauge  prometheus.GaugeFunc
+	requests       *prometheus.CounterVec // mode, code
+	ttft           *prometheus.HistogramVec
+	receivedBytes  prometheus.Counter
+	verifiedBytes  prometheus.Counter
+	verifyFailures prometheus.Counter
+	sentBytes      prometheus.Counter
+	prefillTokens  prometheus.Counter
+	decodeTokens   prometheus.Counter
+	evictions      prometheus.Counter
+	// sidecarlessReleases: sessions freed while the sidecar was gone (ReleaseSession Unavailable).
+	sidecarlessReleases prometheus.Counter
+	capacityRejects     prometheus.Counter
+	preallocWaits       prometheus.Counter
+	bridgeErrors        *prometheus.CounterVec // call
+	transferSeconds     prometheus.Histogram
+	residentGauge       prometheus.GaugeFunc
+	usedPagesGauge      prometheus.GaugeFunc
+	freePagesGauge      prometheus.GaugeFunc
 	// content checks (content.go)
 	truncations  prometheus.Counter
 	tailRewrites prometheus.Counter
@@ -47,13 +49,15 @@ func newMetrics(reg prometheus.Registerer, w *Worker) *metrics {
 			Name: "kvc_sim_ttft_seconds", Help: "Time to first token at the worker, by mode.",
 			Buckets: prometheus.ExponentialBuckets(0.005, 2, 14),
 		}, []string{"mode"}),
-		receivedBytes:   prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_received_bytes_total", Help: "KV bytes received into this worker's pages (real bytes)."}),
-		verifiedBytes:   prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_verified_bytes_total", Help: "Received KV bytes that matched the known pattern."}),
-		verifyFailures:  prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_verify_failures_total", Help: "Received token slots (token x buffer) that did not match the known pattern."}),
-		sentBytes:       prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_sent_bytes_total", Help: "KV bytes this prefill worker's sidecar sent (SendKV)."}),
-		prefillTokens:   prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_prefill_tokens_total", Help: "Tokens (append-)prefilled by the timing model."}),
-		decodeTokens:    prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_decode_tokens_total", Help: "Output tokens decoded."}),
-		evictions:       prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_evictions_total", Help: "Sessions evicted (LRU) to make room."}),
+		receivedBytes:  prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_received_bytes_total", Help: "KV bytes received into this worker's pages (real bytes)."}),
+		verifiedBytes:  prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_verified_bytes_total", Help: "Received KV bytes that matched the known pattern."}),
+		verifyFailures: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_verify_failures_total", Help: "Received token slots (token x buffer) that did not match the known pattern."}),
+		sentBytes:      prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_sent_bytes_total", Help: "KV bytes this prefill worker's sidecar sent (SendKV)."}),
+		prefillTokens:  prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_prefill_tokens_total", Help: "Tokens (append-)prefilled by the timing model."}),
+		decodeTokens:   prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_decode_tokens_total", Help: "Output tokens decoded."}),
+		evictions:      prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_evictions_total", Help: "Sessions evicted (LRU) to make room."}),
+		sidecarlessReleases: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_releases_without_sidecar_total",
+			Help: "Sessions freed (evicted or released) while the sidecar was gone: ReleaseSession failed Unavailable; the sidecar reads no pages then."}),
 		capacityRejects: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_capacity_rejections_total", Help: "Requests rejected with no_capacity."}),
 		preallocWaits:   prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_prealloc_waits_total", Help: "Times a decode allocation waited for running requests to free pages."}),
 		bridgeErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
@@ -84,7 +88,7 @@ func newMetrics(reg prometheus.Registerer, w *Worker) *metrics {
 	if reg != nil {
 		reg.MustRegister(m.busyGauge, m.pulledBytes)
 		reg.MustRegister(m.requests, m.ttft, m.receivedBytes, m.verifiedBytes, m.verifyFailures, m.sentBytes,
-			m.prefillTokens, m.decodeTokens, m.evictions, m.capacityRejects, m.preallocWaits, m.bridgeErrors, m.transferSeconds,
+			m.prefillTokens, m.decodeTokens, m.evictions, m.sidecarlessReleases, m.capacityRejects, m.preallocWaits, m.bridgeErrors, m.transferSeconds,
 			m.residentGauge, m.usedPagesGauge, m.freePagesGauge, m.truncations, m.tailRewrites, m.misStitched, m.prefixCachedTokens,
 			m.bootstrapSeconds, m.prefillBusy)
 	}

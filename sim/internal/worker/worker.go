@@ -11,6 +11,8 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/rs/zerolog"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	"github.com/kvcentric/kvcentric/pkg/kvpool"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
@@ -309,6 +311,14 @@ func (w *Worker) bridgeCtx() (context.Context, context.CancelFunc) {
 
 // release tells the sidecar a session is gone; it returns after any push of it was aborted, so
 // the pages may be freed afterwards. Tried twice.
+//
+// A sidecar that is gone (the call fails Unavailable: nothing listens on the bridge socket, or
+// the sidecar is shutting down) reads no pages any more — a restarted one maps the pool afresh
+// and knows only what the worker re-commits (attach.go) — so release reports success and the
+// pages are freed: the worker evicts on its own (issue 23 item 1). Its residency is corrected
+// when the sidecar is back: the evicted session is not re-committed, so the sidecar's resync
+// does not list it; a snapshot of it stays valid for what it covers. Any other failure (a
+// sidecar that is up but does not answer in time) leaves the pages quarantined by the caller.
 func (w *Worker) release(id string, reason kvcv1.ReleaseReason) error {
 	var err error
 	for attempt := 0; attempt < 2; attempt++ {
@@ -320,9 +330,19 @@ func (w *Worker) release(id string, reason kvcv1.ReleaseReason) error {
 		}
 	}
 	w.m.bridgeErrors.WithLabelValues("ReleaseSession").Inc()
+	if status.Code(err) == codes.Unavailable {
+		w.m.sidecarlessReleases.Inc()
+		// The faults harness reads this line (message and unix_ms) as a legitimate drop.
+		w.log.Warn().Err(err).Str("session", id).Stringer("reason", reason).Int64("unix_ms", time.Now().UnixMilli()).
+			Msg(msgReleasedWithoutSidecar)
+		return nil
+	}
 	w.log.Error().Err(err).Str("session", id).Stringer("reason", reason).Msg("ReleaseSession failed")
 	return err
 }
+
+// msgReleasedWithoutSidecar is the log message of a session freed while the sidecar is gone.
+const msgReleasedWithoutSidecar = "sidecar gone: session released without it"
 
 // dropSession removes a resident session and frees its pages (after ReleaseSession when the
 // sidecar knows it). Pages whose release failed are quarantined, never reused: the sidecar may
