@@ -72,6 +72,10 @@ type Harness struct {
 	conns  map[string]*grpc.ClientConn
 }
 
+// DecodePoolTokens is each decode kvc-sim's pool (--kv-capacity-tokens): the load's 24
+// sessions hold up to about 100,000 tokens at their longest turns, 3 pools hold 73,728.
+const DecodePoolTokens = 24576
+
 // HalfOpenWorker is the decode worker whose sidecar reaches the control planes through
 // proxies (the half-open link scenario black-holes them).
 const HalfOpenWorker = "decode-2"
@@ -189,11 +193,17 @@ func Start(t testing.TB, ctx context.Context, cfg Config) (*Harness, error) {
 		}
 		sock := filepath.Join(sockDir, id+".sock")
 		h.simURL[id] = "http://" + addrs[0]
+		// Decode pools fill (issue 23 item 1): DecodePoolTokens each, about a third of what the
+		// 24 sessions of the load hold at their longest, so LRU eviction runs under every fault;
+		// the prefill pool has room for every transfer.
+		capTokens := "1000000"
+		if role == "decode" {
+			capTokens = strconv.Itoa(DecodePoolTokens)
+		}
 		h.Sims[id] = &proc{name: "sim-" + id, bin: bin("kvc-sim"), dir: cfg.WorkDir, args: []string{
 			"--role", role, "--worker-id", id, "--http-addr", addrs[0], "--bridge-socket", sock,
 			"--time-scale", "0.05", "--bridge-wait", "10m", "--shm-dir", shmDir,
-			// Room for every session of the run (no capacity eviction), in a small pool file.
-			"--layers", "4", "--bytes-per-token-per-buffer", "2", "--kv-capacity-tokens", "1000000",
+			"--layers", "4", "--bytes-per-token-per-buffer", "2", "--kv-capacity-tokens", capTokens,
 		}}
 		cps := strings.Join(h.cpAddrs, ",")
 		if id == HalfOpenWorker {
@@ -467,6 +477,15 @@ func (h *Harness) DecodeHoldings(ctx context.Context) (map[string][]string, erro
 	return out, nil
 }
 
+// releaseEvent is one line of a decode sidecar's event log (the fields read here).
+type releaseEvent struct {
+	TS         time.Time `json:"ts"`
+	Event      string    `json:"event"`
+	Session    string    `json:"session"`
+	Reason     string    `json:"reason"`
+	Generation int64     `json:"generation"`
+}
+
 type release struct {
 	worker, session, reason string
 	at                      time.Time
@@ -479,17 +498,8 @@ type release struct {
 func (h *Harness) releases(from, to time.Time) []release {
 	var out []release
 	for _, id := range h.decode {
-		b, err := os.ReadFile(filepath.Join(h.cfg.WorkDir, id+".events.jsonl"))
-		if err != nil {
-			continue
-		}
-		type ev struct {
-			TS         time.Time `json:"ts"`
-			Event      string    `json:"event"`
-			Session    string    `json:"session"`
-			Reason     string    `json:"reason"`
-			Generation int64     `json:"generation"`
-		}
+		b, _ := os.ReadFile(filepath.Join(h.cfg.WorkDir, id+".events.jsonl")) // none yet: only the kvc-sim's log
+		type ev = releaseEvent
 		var evs []ev
 		maxGen := map[string]int64{} // session -> newest generation seen in any event
 		for _, line := range strings.Split(string(b), "\n") {
@@ -502,6 +512,7 @@ func (h *Harness) releases(from, to time.Time) []release {
 				evs = append(evs, e)
 			}
 		}
+		evs = append(evs, h.sidecarlessReleases(id)...)
 		for _, e := range evs {
 			if e.TS.Before(from) || e.TS.After(to) {
 				continue
@@ -517,6 +528,47 @@ func (h *Harness) releases(from, to time.Time) []release {
 		}
 	}
 	return out
+}
+
+// sidecarlessReleases reads a decode kvc-sim's log for the sessions it freed while its sidecar
+// was gone (worker.msgReleasedWithoutSidecar: no sidecar event records them), as release
+// events of reason "evicted-without-sidecar".
+func (h *Harness) sidecarlessReleases(id string) []releaseEvent {
+	b, err := os.ReadFile(h.Sims[id].LogPath())
+	if err != nil {
+		return nil
+	}
+	var out []releaseEvent
+	for _, line := range strings.Split(string(b), "\n") {
+		if !strings.Contains(line, simReleasedWithoutSidecar) {
+			continue
+		}
+		var e struct {
+			Message string `json:"message"`
+			Session string `json:"session"`
+			UnixMS  int64  `json:"unix_ms"`
+		}
+		if json.Unmarshal([]byte(line), &e) != nil || e.Message != simReleasedWithoutSidecar || e.Session == "" {
+			continue
+		}
+		out = append(out, releaseEvent{TS: time.UnixMilli(e.UnixMS), Event: "session_released", Session: e.Session, Reason: "evicted-without-sidecar"})
+	}
+	return out
+}
+
+// simReleasedWithoutSidecar is kvc-sim's log message for a session freed while its sidecar
+// was gone (sim/internal/worker: msgReleasedWithoutSidecar).
+const simReleasedWithoutSidecar = "sidecar gone: session released without it"
+
+// sumSims adds up one metric sample over the decode kvc-sims that answer.
+func (h *Harness) sumSims(ctx context.Context, series string) float64 {
+	var n float64
+	for _, id := range h.decode {
+		if v, err := scrape(ctx, h.simURL[id]+"/metrics", series); err == nil {
+			n += v
+		}
+	}
+	return n
 }
 
 func (h *Harness) gatewayConnected(ctx context.Context) error {

@@ -136,6 +136,7 @@ func (r *Runner) Run(ctx context.Context, sc Scenario) (Outcome, error) {
 		return out, ctx.Err()
 	}
 	st := &Step{faultAt: time.Now()}
+	evictedBefore := r.h.sumSims(ctx, "kvc_sim_evictions_total")
 	ref, drops, err := sc.Inject(ctx, r.h, st)
 	if err != nil {
 		out.CheckFailed = firstLine(err.Error())
@@ -182,6 +183,9 @@ func (r *Runner) Run(ctx context.Context, sc Scenario) (Outcome, error) {
 	stopLoad()
 	<-loadDone
 	segEnd := time.Now()
+	// The decode pools are full (DecodePoolTokens): LRU evictions from the fault on (a restarted
+	// kvc-sim counts from 0, so this is a lower bound then).
+	st.Note("decode LRU evictions %.0f", max(0, r.h.sumSims(ctx, "kvc_sim_evictions_total")-evictedBefore))
 
 	results, next := r.load.Results(r.consumed)
 	r.consumed = next

@@ -111,6 +111,14 @@ func Scenarios() []Scenario {
 			Restore: repairWorkers,
 		},
 		{
+			// Issue 23 item 1: with every sidecar down, fail-open requests need room on decode
+			// workers whose pools are full; the workers evict on their own.
+			Name: "all-sidecars-down-full-pools", CI: true, Bound: RestartBound,
+			Criterion: fmt.Sprintf("every decode pool full (free pages below one long turn), then kill -9 of all 4 sidecars for %s while every kvc-sim stays up: every request fails open and is served, the decode workers evict without their sidecars (at least one such release); whole ≤ 5 s after they are back; ", sidecarsDownFor) + noFail,
+			Inject:    sidecarsDownFullPools,
+			Restore:   repairWorkers,
+		},
+		{
 			Name: "etcd-restart", CI: true, Bound: EtcdBound,
 			Criterion: "all 3 etcd members killed, restarted 2 s later: whole ≤ TTL + 3 s after etcd is back; " + noFail,
 			Inject:    etcdRestart,
@@ -494,6 +502,65 @@ func repairWorkers(ctx context.Context, h *Harness, s *Step) error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// sidecarsDownFor is how long all-sidecars-down-full-pools keeps the sidecars down.
+const sidecarsDownFor = 4 * time.Second
+
+// fullPoolPages: a decode pool counts as full when fewer pages than one long turn needs
+// (4,096 tokens of 16-token pages) are free.
+const fullPoolPages = 256
+
+func sidecarsDownFullPools(ctx context.Context, h *Harness, s *Step) (time.Time, []string, error) {
+	// Under the load, wait until every decode pool is full.
+	err := h.waitFor(ctx, "every decode pool full", 60*time.Second, func(ctx context.Context) error {
+		for _, id := range h.decode {
+			v, err := scrape(ctx, h.simURL[id]+"/metrics", "kvc_sim_free_pages")
+			if err != nil {
+				return err
+			}
+			if v >= fullPoolPages {
+				return fmt.Errorf("%s has %.0f free pages", id, v)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		return time.Time{}, nil, err
+	}
+	before := h.sumSims(ctx, "kvc_sim_releases_without_sidecar_total")
+	evBefore := h.sumSims(ctx, "kvc_sim_evictions_total")
+	s.Note("every decode pool full (< %d free pages)", fullPoolPages)
+	var ps []*proc
+	for _, id := range h.workers {
+		ps = append(ps, h.Sidecars[id])
+	}
+	s.faultAt = time.Now()
+	for _, p := range ps {
+		p.kill()
+	}
+	select {
+	case <-time.After(sidecarsDownFor):
+	case <-ctx.Done():
+		return time.Time{}, nil, ctx.Err()
+	}
+	without := h.sumSims(ctx, "kvc_sim_releases_without_sidecar_total") - before
+	evicted := h.sumSims(ctx, "kvc_sim_evictions_total") - evBefore
+	for _, p := range ps {
+		if err := p.spawn(); err != nil {
+			return time.Time{}, nil, err
+		}
+	}
+	if err := waitAll(ctx, restartLimit, ps...); err != nil {
+		s.Note("not back: %v", firstLine(err.Error()))
+		return time.Now(), nil, err
+	}
+	s.Note("sidecars down %.1f s: %.0f LRU evictions, %.0f sessions released without a sidecar; back (ready) %.1f s after the kill",
+		sidecarsDownFor.Seconds(), evicted, without, time.Since(s.faultAt).Seconds())
+	if without < 1 {
+		return time.Now(), nil, errors.New("no decode worker released a session without its sidecar: the pools did not need eviction")
+	}
+	return time.Now(), nil, nil
 }
 
 func etcdRestart(ctx context.Context, h *Harness, s *Step) (time.Time, []string, error) {
