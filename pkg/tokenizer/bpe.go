@@ -206,7 +206,9 @@ func (m *bpe) encodeWord(dst []uint32, w string, sc *scratch) []uint32 {
 		}
 		n := len(dst)
 		dst = m.merge(dst, w, sc)
-		m.cache.put(w, append([]uint32(nil), dst[n:]...))
+		if sc.lim == nil || sc.lim.err == nil { // not an abandoned merge
+			m.cache.put(w, append([]uint32(nil), dst[n:]...))
+		}
 		return dst
 	}
 	return m.merge(dst, w, sc)
@@ -248,6 +250,7 @@ type scratch struct {
 	prev  []int32
 	alive []bool
 	heap  []heapItem
+	lim   *limiter // EncodeContext's bound (limit.go); nil: none
 }
 
 type heapItem struct {
@@ -327,7 +330,10 @@ func (m *bpe) mergeHeap(dst []uint32, sc *scratch) []uint32 {
 			sc.push(heapItem{rank: mv.rank, pos: int32(i), id: mv.id, left: syms[i], right: syms[i+1]})
 		}
 	}
-	for len(sc.heap) > 0 {
+	for pops := 1; len(sc.heap) > 0; pops++ {
+		if sc.lim.stopPops(pops) {
+			return dst // abandoned: the caller returns the limiter's error, not these ids
+		}
 		it := sc.pop()
 		p := it.pos
 		if !alive[p] || syms[p] != it.left {

@@ -41,8 +41,14 @@ func (e *Encoded) Cuts() int { return len(e.cuts) }
 // or shares no cut past 0). The result equals Encode(text, false) exactly; prev is not
 // modified and the result does not alias it.
 func (t *Tokenizer) EncodeReuse(text string, prev *Encoded) (*Encoded, int) {
+	return t.encodeReuse(text, prev, nil)
+}
+
+// encodeReuse is EncodeReuse under l (nil: unbounded; limit.go).
+func (t *Tokenizer) encodeReuse(text string, prev *Encoded, l *limiter) (*Encoded, int) {
 	sc := scratchPool.Get().(*encodeScratch)
-	defer scratchPool.Put(sc)
+	sc.lim, sc.bpe.lim = l, l
+	defer func() { sc.lim, sc.bpe.lim = nil, nil; putScratch(sc) }()
 	segs := t.rawAdded.split(text, sc.segs[:0])
 	defer func() { sc.segs = segs }()
 
@@ -74,6 +80,9 @@ func (t *Tokenizer) EncodeReuse(text string, prev *Encoded) (*Encoded, int) {
 		from, at = 0, 0
 	}
 	for _, sg := range segs[from:] {
+		if l.stop(len(ids)) {
+			break
+		}
 		out.cuts = append(out.cuts, encCut{at: at, ids: len(ids)})
 		ids = t.encodeSegment(ids, sg, sc)
 		at += len(sg.text)

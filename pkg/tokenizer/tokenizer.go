@@ -33,6 +33,7 @@ type encodeScratch struct {
 	pieces []string
 	tmp    []string
 	ids    []uint32 // Count's buffer
+	lim    *limiter // EncodeContext's bound (limit.go); nil: none
 }
 
 // Encode returns the token ids of text, as Hugging Face's Tokenizer.encode(text,
@@ -47,10 +48,7 @@ func (t *Tokenizer) Count(text string, addSpecial bool) int {
 	sc := scratchPool.Get().(*encodeScratch)
 	sc.ids = t.appendEncode(sc.ids[:0], text, addSpecial, sc)
 	n := len(sc.ids)
-	if cap(sc.ids) > 1<<20 { // do not pin a huge buffer in the pool
-		sc.ids = nil
-	}
-	scratchPool.Put(sc)
+	putScratch(sc) // do not pin a huge buffer in the pool
 	return n
 }
 
@@ -58,7 +56,7 @@ func (t *Tokenizer) Count(text string, addSpecial bool) int {
 func (t *Tokenizer) AppendEncode(dst []uint32, text string, addSpecial bool) []uint32 {
 	sc := scratchPool.Get().(*encodeScratch)
 	dst = t.appendEncode(dst, text, addSpecial, sc)
-	scratchPool.Put(sc)
+	putScratch(sc)
 	return dst
 }
 
@@ -68,6 +66,9 @@ func (t *Tokenizer) appendEncode(dst []uint32, text string, addSpecial bool, sc 
 	}
 	segs := t.rawAdded.split(text, sc.segs[:0])
 	for _, sg := range segs {
+		if sc.lim.stop(len(dst)) {
+			break
+		}
 		if sg.isAdded {
 			dst = append(dst, sg.id)
 			continue
@@ -92,7 +93,7 @@ func (t *Tokenizer) appendEncode(dst []uint32, text string, addSpecial bool, sc 
 
 // encodeText pre-tokenizes normalized text and BPE-encodes each piece.
 func (t *Tokenizer) encodeText(dst []uint32, text string, sc *encodeScratch) []uint32 {
-	if text == "" {
+	if text == "" || (sc.lim != nil && sc.lim.err != nil) {
 		return dst
 	}
 	pieces := append(sc.pieces[:0], text)
@@ -105,6 +106,9 @@ func (t *Tokenizer) encodeText(dst []uint32, text string, sc *encodeScratch) []u
 		pieces = next
 	}
 	for _, p := range pieces {
+		if sc.lim.stop(len(dst)) {
+			break
+		}
 		dst = t.model.encodeWord(dst, p, &sc.bpe)
 	}
 	sc.pieces = pieces
