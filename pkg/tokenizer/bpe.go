@@ -326,6 +326,9 @@ func (m *bpe) mergeHeap(dst []uint32, sc *scratch) []uint32 {
 	sc.next[n-1] = -1
 	sc.heap = sc.heap[:0]
 	for i := 0; i+1 < n; i++ {
+		if sc.lim.stopPops(i + 1) {
+			return dst // abandoned: the caller returns the limiter's error, not these ids
+		}
 		if mv, ok := m.merges.get(mergeKey(syms[i], syms[i+1])); ok {
 			sc.push(heapItem{rank: mv.rank, pos: int32(i), id: mv.id, left: syms[i], right: syms[i+1]})
 		}

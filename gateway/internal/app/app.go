@@ -33,7 +33,8 @@ var ErrStartup = errors.New("start-up configuration")
 // loadContent loads the tokenizer (--tokenizer) and says at start how input tokens are
 // counted.
 func loadContent(cfg *config.Config, log zerolog.Logger, m *server.Metrics) (*server.Content, error) {
-	c := &server.Content{PageSize: cfg.KVPageSize}
+	lim := cfg.TokenizeLimits()
+	c := &server.Content{PageSize: cfg.KVPageSize, Limits: &lim}
 	if cfg.Tokenizer == "" {
 		m.TokenizerLoaded.Set(0)
 		log.Warn().Msg("no --tokenizer: input tokens are estimated as ⌈bytes/4⌉, chat messages rendered as \"role: content\" lines, and page hashes go only with requests that carry input_ids")

@@ -54,6 +54,11 @@ type Config struct {
 	MaxInflightRequests  int
 	MaxInflightBodyBytes int64
 	AdmissionRetryAfter  time.Duration
+	// Tokenizer limits (server.TokenizeLimits).
+	MaxTokenizeBytes         int64
+	MaxRequestTokens         int
+	MaxInflightTokenizeBytes int64
+	MaxInflightTokens        int64
 	// Tokenizer is the model's tokenizer folder (tokenizer.json + tokenizer_config.json) or
 	// tokenizer.json file; "" = input tokens estimated from text length.
 	Tokenizer string
@@ -108,6 +113,10 @@ func Parse(args []string, getenv func(string) string, usage io.Writer) (*Config,
 	fs.IntVar(&c.MaxInflightRequests, "max-inflight-requests", 4096, "client requests in flight at once; past it requests are answered 429 too_many_requests with Retry-After")
 	fs.Int64Var(&c.MaxInflightBodyBytes, "max-inflight-body-bytes", 64<<20, "request body bytes in flight at once (each request reserves its Content-Length, --max-body-bytes when undeclared, before its body is read); past it requests are answered 503 gateway_saturated with Retry-After; at least --max-body-bytes")
 	fs.StringVar(&c.Tokenizer, "tokenizer", "", "the model's tokenizer: a folder with tokenizer.json and tokenizer_config.json (chat template), or the tokenizer.json path; exact input token counts, chat templates and page hashes of the prompt. Empty: input tokens are estimated as ⌈bytes/4⌉ (logged at start, metric kvc_gateway_tokenizer_loaded 0)")
+	fs.Int64Var(&c.MaxTokenizeBytes, "max-tokenize-bytes", server.DefaultMaxTokenizeBytes, "with --tokenizer: the longest text one request may have tokenized (the chat messages, then their rendering, or text); longer: 413 tokenize_too_large")
+	fs.IntVar(&c.MaxRequestTokens, "max-request-tokens", server.DefaultMaxRequestTokens, "with --tokenizer: the most prompt tokens one request may have (tokenization stops there); more: 413 too_many_tokens")
+	fs.Int64Var(&c.MaxInflightTokenizeBytes, "max-inflight-tokenize-bytes", server.DefaultMaxInflightTokenizeBytes, "with --tokenizer: bytes being tokenized at once (a byte costs up to ~135 bytes of allocation while it is encoded); past it: 503 tokenizer_saturated with Retry-After; at least --max-tokenize-bytes")
+	fs.Int64Var(&c.MaxInflightTokens, "max-inflight-tokens", server.DefaultMaxInflightTokens, "with --tokenizer: prompt tokens held by the requests in flight (reserved as one per byte while encoding, then the prompt's count until the request ends); past it: 503 tokenizer_saturated; at least --max-request-tokens")
 	fs.IntVar(&c.KVPageSize, "kv-page-size", 0, "the cluster's KV page size for the prompt's page hashes; 0: asked from a decode worker (get_model_info / get_server_info) on first use")
 	fs.DurationVar(&c.AdmissionRetryAfter, "admission-retry-after", time.Second, "Retry-After of admission refusals (whole seconds, at least 1)")
 	c.TLS.Register(fs, tlsx.GRPCNames, "of this gateway (role gateway) for mutual TLS to the control plane")
@@ -166,6 +175,9 @@ func (c *Config) validate() error {
 	if c.MaxInflightBodyBytes < c.MaxBodyBytes {
 		errs = append(errs, fmt.Errorf("--max-inflight-body-bytes (%d) must be at least --max-body-bytes (%d)", c.MaxInflightBodyBytes, c.MaxBodyBytes))
 	}
+	if err := c.TokenizeLimits().Check(); err != nil {
+		errs = append(errs, err)
+	}
 	if c.KVPageSize < 0 || c.KVPageSize > 4096 {
 		errs = append(errs, fmt.Errorf("--kv-page-size must be in [0, 4096], got %d", c.KVPageSize))
 	}
@@ -190,6 +202,12 @@ func (c *Config) validate() error {
 func (c *Config) AdmissionLimits() server.AdmissionLimits {
 	return server.AdmissionLimits{MaxInflight: c.MaxInflightRequests, MaxInflightBodyBytes: c.MaxInflightBodyBytes,
 		MaxBodyBytes: c.MaxBodyBytes, RetryAfter: c.AdmissionRetryAfter}
+}
+
+// TokenizeLimits are the tokenizer flags as the server takes them.
+func (c *Config) TokenizeLimits() server.TokenizeLimits {
+	return server.TokenizeLimits{MaxBytes: c.MaxTokenizeBytes, MaxTokens: c.MaxRequestTokens,
+		MaxInflightBytes: c.MaxInflightTokenizeBytes, MaxInflightTokens: c.MaxInflightTokens, RetryAfter: c.AdmissionRetryAfter}
 }
 
 // dialsGRPC reports whether the gateway dials any gRPC server.

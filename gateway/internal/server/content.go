@@ -32,6 +32,8 @@ type Content struct {
 	// > 0 bytes, < 0 off, 0 = the environment's KVC_GATEWAY_TOKENIZE_CACHE_BYTES (0 = off),
 	// else DefaultTokenizeCacheBytes.
 	TokenizeCacheBytes int64
+	// Limits bound the tokenizer's work (tokenize.go); nil: DefaultTokenizeLimits.
+	Limits *TokenizeLimits
 
 	mu       sync.Mutex
 	hasher   *pagehash.Hasher
@@ -40,6 +42,28 @@ type Content struct {
 
 	cacheOnce sync.Once
 	cache     *tokCache
+
+	gateOnce sync.Once
+	gate     *tokGate
+}
+
+// tokGate is the tokenizer's admission (tokenize.go), made on first use with the server's
+// metrics registry.
+func (s *Server) tokGate() *tokGate {
+	c := s.opt.Content
+	c.gateOnce.Do(func() {
+		lim := DefaultTokenizeLimits()
+		if c.Limits != nil {
+			lim = *c.Limits
+		}
+		g, err := newTokGate(lim, s.m.reg)
+		if err != nil { // checked by the flags; unregistered metrics rather than none at all
+			s.log.Error().Err(err).Msg("tokenizer limits: defaults used")
+			g, _ = newTokGate(DefaultTokenizeLimits(), nil)
+		}
+		c.gate = g
+	})
+	return c.gate
 }
 
 // tokCache is the incremental tokenization cache, made on first use; nil when off.
@@ -148,7 +172,11 @@ func (s *Server) discoverPageSize(ctx context.Context) int {
 // prepare tokenizes the request with the model's tokenizer when the gateway has one (chat:
 // the chat template rendered, then encoded; text: encoded with the model's special tokens) and
 // computes the prompt's page chain when its ids are known. The worker then gets input_ids.
-func (s *Server) prepare(ctx context.Context, req *api.Request) *api.Error {
+// Tokenization is bounded (tokenize.go: bytes and tokens per request and in flight) and stops
+// when ctx ends; release gives back the prompt tokens the request holds: call it when the
+// request ends.
+func (s *Server) prepare(ctx context.Context, req *api.Request) (release func(), _ *api.Error) {
+	release = func() {}
 	c := s.opt.Content
 	var tok *tokenizer.Tokenizer
 	if c != nil {
@@ -157,33 +185,46 @@ func (s *Server) prepare(ctx context.Context, req *api.Request) *api.Error {
 	if tok != nil && len(req.InputIDs) == 0 {
 		t0 := time.Now()
 		var ids []uint32
+		g := s.tokGate()
 		switch {
 		case req.Kind == api.Chat:
+			if e := g.tooLarge(messageBytes(req)); e != nil {
+				return release, e // not even rendered
+			}
 			opts := tokenizer.ChatOptions{AddGenerationPrompt: true}
 			// The rendering holds its special tokens as text. With the cache, the template renders
 			// only the messages from the session's last user message on when the history before
 			// it is unchanged (exactly ApplyChatTemplate: tokenizer.RenderChat), and only what
 			// follows the longest cut this rendering shares with the session's last one is
-			// encoded (exactly Encode(text, false): tokenizer.EncodeReuse).
+			// encoded (exactly Encode(text, false): tokenizer.EncodeReuse). Encoding is bounded
+			// and stops with ctx (tokenize.go).
+			var e *api.Error
 			if cache := s.tokCache(); cache != nil && req.SessionID != "" {
 				prevEnc, prevChat := cache.getTurn(req.SessionID)
 				r, err := tok.RenderChat(req.Messages, opts, prevChat)
 				if err != nil {
-					return api.BadRequest("chat template: %v", err)
+					return release, api.BadRequest("chat template: %v", err)
 				}
 				s.m.ChatRenders.WithLabelValues(renderPath(r)).Inc()
-				enc, _ := tok.EncodeReuse(r.Text, prevEnc)
+				var enc *tokenizer.Encoded
+				if ids, enc, release, e = g.encode(ctx, tok, r.Text, false, true, prevEnc); e != nil {
+					return release, e
+				}
 				cache.putTurn(req.SessionID, enc, r)
-				ids = enc.IDs
 			} else {
 				text, err := tok.ApplyChatTemplate(req.Messages, opts)
 				if err != nil {
-					return api.BadRequest("chat template: %v", err)
+					return release, api.BadRequest("chat template: %v", err)
 				}
-				ids = tok.Encode(text, false)
+				if ids, _, release, e = g.encode(ctx, tok, text, false, false, nil); e != nil {
+					return release, e
+				}
 			}
 		case req.Text != "":
-			ids = tok.Encode(req.Text, true)
+			var e *api.Error
+			if ids, _, release, e = g.encode(ctx, tok, req.Text, true, false, nil); e != nil {
+				return release, e
+			}
 		}
 		s.m.TokenizeSeconds.Observe(time.Since(t0).Seconds())
 		if len(ids) > 0 {
@@ -195,7 +236,7 @@ func (s *Server) prepare(ctx context.Context, req *api.Request) *api.Error {
 			if req.Estimated {
 				req.InputTokens, req.Estimated = int64(len(ids)), false
 				if req.InputTokens > api.MaxInputTokens {
-					return api.BadRequest("input tokens %d out of range [1, %d]", req.InputTokens, api.MaxInputTokens)
+					return release, api.BadRequest("input tokens %d out of range [1, %d]", req.InputTokens, api.MaxInputTokens)
 				}
 			}
 		}
@@ -204,23 +245,23 @@ func (s *Server) prepare(ctx context.Context, req *api.Request) *api.Error {
 		s.m.EstimatedInputs.Inc()
 	}
 	if len(req.InputIDs) == 0 || int64(len(req.InputIDs)) != req.InputTokens {
-		return nil // no ids, or a client count that is not theirs: lengths alone
+		return release, nil // no ids, or a client count that is not theirs: lengths alone
 	}
 	h := s.pageHasher(ctx)
 	if h == nil {
-		return nil
+		return release, nil
 	}
 	ids := make([]uint32, len(req.InputIDs))
 	for i, v := range req.InputIDs {
 		if v < 0 || v > math.MaxUint32 {
-			return nil // not token ids of any vocabulary: no content address
+			return release, nil // not token ids of any vocabulary: no content address
 		}
 		ids[i] = uint32(v)
 	}
 	req.ContentIDs = ids
 	req.PromptPages = h.Chain(ids)
 	req.PageSize = h.PageSize()
-	return nil
+	return release, nil
 }
 
 // outcomePages is the chain of the KV the decode worker holds after a successful turn, past

@@ -78,6 +78,12 @@ const (
 	// codeNotResident is D's 409 for a session it does not hold (it evicted it before the
 	// control plane heard): the control plane drops the residency, the retry reseeds.
 	codeNotResident = "session_not_resident"
+	// codeWorkerBodyTooLarge (413 to the client): a worker answered 413, its body limit is
+	// below the gateway's (the message names it).
+	codeWorkerBodyTooLarge = "worker_body_too_large"
+	// codeWorkerRefused (502 to the client): a worker answered 400 to a request the gateway
+	// accepted (the message is the worker's).
+	codeWorkerRefused = "worker_refused"
 )
 
 // classify maps a worker failure to an outcome error kind and a client-facing error; the kind
@@ -103,7 +109,18 @@ func classify(we *workerError, p *plan, ctx, clientCtx context.Context) result {
 	if code == "" {
 		code = "worker_error"
 	}
-	r := failure(kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_WORKER_ERROR, we.status, code, we.role+" worker: "+we.message)
+	status := we.status
+	switch {
+	case we.status == http.StatusRequestEntityTooLarge:
+		// The gateway took the body but the worker's limit is lower (issue 23 item 3): the
+		// client's request is too large for the cluster, said with the worker's limit.
+		code = codeWorkerBodyTooLarge
+	case we.status == http.StatusBadRequest:
+		// The gateway validated the request; a worker that refuses it disagrees with the
+		// gateway, which is not the client's error.
+		status, code = http.StatusBadGateway, codeWorkerRefused
+	}
+	r := failure(kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_WORKER_ERROR, status, code, we.role+" worker: "+we.message)
 	decode := we.role == roleDecode
 	switch {
 	case we.status == http.StatusConflict && decode && code == codeNotResident:

@@ -6,6 +6,7 @@ import (
 
 // Metrics are the gateway's Prometheus series.
 type Metrics struct {
+	reg prometheus.Registerer // where lazily made collectors register (the tokenizer gate)
 	Requests     *prometheus.CounterVec
 	FailOpen     *prometheus.CounterVec
 	BadRequests  *prometheus.CounterVec
@@ -36,6 +37,7 @@ type Metrics struct {
 func NewMetrics(reg prometheus.Registerer) *Metrics {
 	buckets := []float64{.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 180}
 	m := &Metrics{
+		reg: reg,
 		Requests: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvc_gateway_requests_total",
 			Help: "Client requests finished, by API, executed mode and result (ok or an error kind)."}, []string{"api", "mode", "result"}),
 		FailOpen: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvc_gateway_failopen_total",

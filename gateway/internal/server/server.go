@@ -186,8 +186,13 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request, kind api.Kind) {
 	}
 	ctx, cancel := context.WithTimeout(r.Context(), s.opt.RequestTimeout)
 	defer cancel()
-	if perr := s.prepare(ctx, req); perr != nil {
+	release, perr := s.prepare(ctx, req)
+	defer release()
+	if perr != nil {
 		s.m.BadRequests.WithLabelValues(perr.Code).Inc()
+		if perr.Status == http.StatusServiceUnavailable {
+			w.Header().Set("Retry-After", s.tokGate().retryAfter)
+		}
 		writeErr(w, perr, nil)
 		return
 	}

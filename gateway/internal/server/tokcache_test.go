@@ -213,7 +213,9 @@ func TestIncrementalTokenizationConcurrent(t *testing.T) {
 			for turn := 0; turn < 8; turn++ {
 				msgs := conv.next(session, turn, turn == 5 && g%2 == 0)
 				req := &api.Request{Kind: api.Chat, SessionID: session, Messages: msgs, Estimated: true, InputTokens: 1}
-				if perr := s.prepare(context.Background(), req); perr != nil {
+				release, perr := s.prepare(context.Background(), req)
+				release()
+				if perr != nil {
 					errs <- fmt.Errorf("prepare: %v", perr.Message)
 					return
 				}

@@ -208,6 +208,11 @@ func (w *Worker) handleGenerate(rw http.ResponseWriter, r *http.Request) {
 	}
 	body, err := io.ReadAll(http.MaxBytesReader(rw, r.Body, maxBodyBytes))
 	if err != nil {
+		var mbe *http.MaxBytesError
+		if errors.As(err, &mbe) {
+			fail(errf(http.StatusRequestEntityTooLarge, "body_too_large", "body larger than %d bytes, kvc-sim's limit", mbe.Limit))
+			return
+		}
 		fail(errf(http.StatusBadRequest, "bad_request", "reading body: %v", err))
 		return
 	}
