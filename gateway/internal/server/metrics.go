@@ -6,7 +6,7 @@ import (
 
 // Metrics are the gateway's Prometheus series.
 type Metrics struct {
-	reg prometheus.Registerer // where lazily made collectors register (the tokenizer gate)
+	reg          prometheus.Registerer // where lazily made collectors register (the tokenizer gate)
 	Requests     *prometheus.CounterVec
 	FailOpen     *prometheus.CounterVec
 	BadRequests  *prometheus.CounterVec
