@@ -1,6 +1,7 @@
 package faults
 
 import (
+	"compress/gzip"
 	"context"
 	"errors"
 	"fmt"
@@ -65,8 +66,10 @@ type Harness struct {
 	paused   []*proc // control planes stopped (SIGSTOP) by leaderPause, resumed by resumePausedCPs
 	GWURL    string
 	workers  []string // worker ids, prefill first
-	decode   []string
-	simURL   map[string]string
+	// the gateway's fail-open lists (a second, tokenizer-less gateway of the tokenizer flood)
+	prefillURLs, decodeURLs []string
+	decode                  []string
+	simURL                  map[string]string
 
 	connMu sync.Mutex
 	conns  map[string]*grpc.ClientConn
@@ -242,10 +245,17 @@ func Start(t testing.TB, ctx context.Context, cfg Config) (*Harness, error) {
 		return nil, err
 	}
 	h.GWURL = "http://" + ga
+	// The gateway tokenizes chat and text requests with a real model's tokenizer (the
+	// tokenizer floods; the load sends input_ids, which it does not tokenize).
+	tokDir, err := unpackTokenizer(cfg.WorkDir)
+	if err != nil {
+		return nil, err
+	}
+	h.prefillURLs, h.decodeURLs = prefillURLs, decodeURLs
 	h.Gateway = &proc{name: "gateway", bin: bin("kvc-gateway"), dir: cfg.WorkDir, args: append([]string{
 		"--http-addr", ga, "--control-plane", strings.Join(h.cpAddrs, ","),
 		"--prefill-urls", strings.Join(prefillURLs, ","), "--decode-urls", strings.Join(decodeURLs, ","),
-		"--request-timeout", "20s", "--worker-refresh", "1s", "--cp-lease", ElectionTTL.String(),
+		"--request-timeout", "20s", "--worker-refresh", "1s", "--cp-lease", ElectionTTL.String(), "--tokenizer", tokDir,
 	}, insecureArgs("kvc-gateway")...)}
 	if err := h.Gateway.start(ctx, startLimit); err != nil {
 		return nil, err
@@ -255,6 +265,39 @@ func Start(t testing.TB, ctx context.Context, cfg Config) (*Harness, error) {
 	}
 	h.logf("gateway: %s", h.GWURL)
 	return h, nil
+}
+
+// tokenizerSrc is the committed Qwen3 tokenizer (pkg/tokenizer's test data), relative to
+// this package's directory (where go test runs).
+const tokenizerSrc = "../../../pkg/tokenizer/testdata/qwen3"
+
+// unpackTokenizer lays the test tokenizer out as a model folder under dir.
+func unpackTokenizer(dir string) (string, error) {
+	out := filepath.Join(dir, "tokenizer-qwen3")
+	if err := os.MkdirAll(out, 0o755); err != nil {
+		return "", err
+	}
+	f, err := os.Open(filepath.Join(tokenizerSrc, "tokenizer.json.gz"))
+	if err != nil {
+		return "", fmt.Errorf("test tokenizer: %w", err)
+	}
+	defer f.Close()
+	zr, err := gzip.NewReader(f)
+	if err != nil {
+		return "", err
+	}
+	b, err := io.ReadAll(zr)
+	if err != nil {
+		return "", err
+	}
+	if err := os.WriteFile(filepath.Join(out, "tokenizer.json"), b, 0o644); err != nil {
+		return "", err
+	}
+	cfg, err := os.ReadFile(filepath.Join(tokenizerSrc, "tokenizer_config.json"))
+	if err != nil {
+		return "", err
+	}
+	return out, os.WriteFile(filepath.Join(out, "tokenizer_config.json"), cfg, 0o644)
 }
 
 // restartEtcd restarts killed etcd members together (a lone member of three cannot get ready
@@ -600,6 +643,25 @@ func scrape(ctx context.Context, url, series string) (float64, error) {
 		}
 	}
 	return 0, nil
+}
+
+// cpuSeconds is a process's user + system CPU time (/proc/<pid>/stat, clock ticks of 100 Hz).
+func cpuSeconds(pid int) float64 {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0
+	}
+	s := string(b)
+	if i := strings.LastIndexByte(s, ')'); i >= 0 {
+		s = s[i+1:]
+	}
+	f := strings.Fields(s) // state is f[0]: utime and stime are fields 14 and 15 of the line
+	if len(f) < 13 {
+		return 0
+	}
+	u, _ := strconv.ParseFloat(f[11], 64)
+	st, _ := strconv.ParseFloat(f[12], 64)
+	return (u + st) / 100
 }
 
 // rssMiB is a process's resident set (VmRSS) in MiB.

@@ -1,9 +1,11 @@
 package faults
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"math"
 	"net/http"
 	"strings"
@@ -127,6 +129,13 @@ func Scenarios() []Scenario {
 			Name: "etcd-quorum-loss", CI: true, Bound: EtcdBound,
 			Criterion: "2 of 3 etcd members stopped for 3 × TTL, then restarted: whole ≤ TTL + 3 s after the quorum is back; " + noFail,
 			Inject:    etcdQuorumLoss,
+		},
+		{
+			// Issue 23 item 3. Out of the CI subset like the body flood: it needs several hundred
+			// MiB free for the bodies the test process sends.
+			Name: "tokenizer-body-flood", CI: false, Bound: RestartBound,
+			Criterion: fmt.Sprintf("with --tokenizer: 8 concurrent 31 MiB chat bodies (refused before any tokenizer work), then 8 chat bodies of a 3.5 MiB run of letters whose clients leave after 1 s (tokenized within the limits, the rest 503 tokenizer_saturated): the gateway's RSS grows by ≤ %d MiB, its tokenizations stop within 2 s of the clients leaving (no bytes in flight, each counted cancelled); the same 8 × 31 MiB to a gateway without --tokenizer: ≤ %d MiB; session traffic unaffected (whole ≤ 5 s); ", floodRSSBound, floodRSSBound) + noFail,
+			Inject:    tokenizerFlood,
 		},
 		{
 			Name: "gateway-body-flood", CI: false, Bound: RestartBound,
@@ -596,6 +605,131 @@ func etcdQuorumLoss(ctx context.Context, h *Harness, s *Step) (time.Time, []stri
 	}
 	s.Note("quorum back %.1f s after the stop", time.Since(s.faultAt).Seconds())
 	return time.Now(), nil, nil
+}
+
+// flood posts n bodies at once to url and samples pid's RSS every 20 ms until every answer
+// is in; each client gives up after clientWait. It returns the answers' status codes (-1: no
+// answer) and the peak RSS (MiB).
+func flood(ctx context.Context, pid int, url string, n int, payload []byte, clientWait time.Duration) ([]int, float64) {
+	codes := make([]int, n)
+	done, sampled := make(chan struct{}), make(chan struct{})
+	peak := rssMiB(pid)
+	go func() {
+		defer close(sampled)
+		t := time.NewTicker(20 * time.Millisecond)
+		defer t.Stop()
+		for {
+			select {
+			case <-done:
+				return
+			case <-t.C:
+				peak = max(peak, rssMiB(pid))
+			}
+		}
+	}()
+	var wg sync.WaitGroup
+	for i := 0; i < n; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			cctx, cancel := context.WithTimeout(ctx, clientWait)
+			defer cancel()
+			req, _ := http.NewRequestWithContext(cctx, http.MethodPost, url, bytes.NewReader(payload))
+			req.Header.Set("X-Session-ID", fmt.Sprintf("flood-%d", i))
+			resp, err := http.DefaultClient.Do(req)
+			if err != nil {
+				codes[i] = -1
+				return
+			}
+			codes[i] = resp.StatusCode
+			_, _ = io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+		}()
+	}
+	wg.Wait()
+	close(done)
+	<-sampled
+	return codes, peak
+}
+
+// chatPayload is a chat body whose one user message is size bytes of c.
+func chatPayload(size int, c byte) []byte {
+	content := bytes.Repeat([]byte{c}, size)
+	return append(append([]byte(`{"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "`), content...), []byte(`"}]}`)...)
+}
+
+func tokenizerFlood(ctx context.Context, h *Harness, s *Step) (time.Time, []string, error) {
+	pid := h.Gateway.pid()
+	var errs []error
+	before := rssMiB(pid)
+	s.faultAt = time.Now()
+	big := chatPayload(31<<20, 'a')
+	codes, peak := flood(ctx, pid, h.GWURL+"/v1/chat/completions", 8, big, 30*time.Second)
+	s.Note("with --tokenizer: gateway RSS %.0f MiB before, peak %.0f MiB (+%.0f) during 8 × 31 MiB chat bodies (answers %v)", before, peak, peak-before, codes)
+	if peak-before > floodRSSBound {
+		errs = append(errs, fmt.Errorf("gateway RSS grew by %.0f MiB under 8 × 31 MiB chat bodies (bound %d MiB)", peak-before, floodRSSBound))
+	}
+	// Bodies within the per-request limit, slow to tokenize (one run of letters: a single BPE
+	// piece), whose clients leave after 1 s.
+	cancelled0, _ := scrape(ctx, h.GWURL+"/metrics", "kvc_gateway_tokenize_cancelled_total")
+	before2 := rssMiB(pid)
+	run := chatPayload(3<<20+512<<10, 'a')
+	codes, peak = flood(ctx, pid, h.GWURL+"/v1/chat/completions", 8, run, time.Second)
+	left := time.Now()
+	cpu0 := cpuSeconds(pid)
+	var stopped time.Duration
+	for stopped == 0 && time.Since(left) < 10*time.Second {
+		b, err1 := scrape(ctx, h.GWURL+"/metrics", "kvc_gateway_tokenize_inflight_bytes")
+		c, err2 := scrape(ctx, h.GWURL+"/metrics", "kvc_gateway_tokenize_cancelled_total")
+		if err1 == nil && err2 == nil && b == 0 && c > cancelled0 {
+			stopped = time.Since(left)
+			break
+		}
+		select { // polling cadence of the observation
+		case <-time.After(50 * time.Millisecond):
+		case <-ctx.Done():
+			return time.Time{}, nil, ctx.Err()
+		}
+	}
+	cancelled, _ := scrape(ctx, h.GWURL+"/metrics", "kvc_gateway_tokenize_cancelled_total")
+	select { // the CPU the gateway spends in the 2 s after: the session load only
+	case <-time.After(2 * time.Second):
+	case <-ctx.Done():
+		return time.Time{}, nil, ctx.Err()
+	}
+	cpu := cpuSeconds(pid) - cpu0
+	after := rssMiB(pid)
+	s.Note("with --tokenizer: 8 × 3.5 MiB letter runs, clients gone after 1 s: answers %v, peak RSS %.0f MiB (+%.0f), tokenizations stopped %.2f s after the clients left (%.0f counted cancelled), gateway CPU %.2f s in the next 2 s, RSS %.0f MiB then",
+		codes, peak, peak-before2, stopped.Seconds(), cancelled-cancelled0, cpu, after)
+	if peak-before2 > floodRSSBound {
+		errs = append(errs, fmt.Errorf("gateway RSS grew by %.0f MiB under the letter runs (bound %d MiB)", peak-before2, floodRSSBound))
+	}
+	if stopped == 0 || stopped > 2*time.Second {
+		errs = append(errs, fmt.Errorf("tokenizations not stopped within 2 s of the clients leaving (%s)", stopped))
+	}
+	// The same 31 MiB bodies to a gateway without --tokenizer (fail-open lists only).
+	ga, err := freeAddr()
+	if err != nil {
+		return time.Time{}, nil, err
+	}
+	plain := &proc{name: "gateway-plain", bin: h.Gateway.bin, dir: h.cfg.WorkDir, args: []string{
+		"--http-addr", ga, "--prefill-urls", strings.Join(h.prefillURLs, ","), "--decode-urls", strings.Join(h.decodeURLs, ","),
+		"--request-timeout", "20s", "--insecure"}}
+	if !supportsFlag(plain.bin, "insecure") {
+		plain.args = plain.args[:len(plain.args)-1]
+	}
+	if err := plain.start(ctx, startLimit); err != nil {
+		return time.Time{}, nil, err
+	}
+	defer plain.stop(5 * time.Second)
+	ppid := plain.pid()
+	pb := rssMiB(ppid)
+	codes, peak = flood(ctx, ppid, "http://"+ga+"/v1/chat/completions", 8, big, 30*time.Second)
+	s.Note("without --tokenizer: gateway RSS %.0f MiB before, peak %.0f MiB (+%.0f) during 8 × 31 MiB chat bodies (answers %v)", pb, peak, peak-pb, codes)
+	if peak-pb > floodRSSBound {
+		errs = append(errs, fmt.Errorf("tokenizer-less gateway RSS grew by %.0f MiB (bound %d MiB)", peak-pb, floodRSSBound))
+	}
+	return time.Now(), nil, errors.Join(errs...)
 }
 
 func bodyFlood(ctx context.Context, h *Harness, s *Step) (time.Time, []string, error) {
