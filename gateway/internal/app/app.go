@@ -8,6 +8,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"runtime/debug"
 	"time"
 
 	"github.com/rs/zerolog"
@@ -56,6 +57,11 @@ func Run(ctx context.Context, cfg *config.Config, logOut io.Writer) error {
 	log, err := obs.NewLogger(logOut, cfg.LogLevel, cfg.LogFormat, "kvc-gateway")
 	if err != nil {
 		return err
+	}
+	if os.Getenv("GOMEMLIMIT") == "" {
+		lim := server.MemoryLimit(cfg.AdmissionLimits(), cfg.TokenizeLimits())
+		debug.SetMemoryLimit(lim)
+		log.Info().Int64("memory_limit_bytes", lim).Msg("soft memory limit from the admission bounds (GOMEMLIMIT overrides)")
 	}
 	reg := obs.NewRegistry()
 	m := server.NewMetrics(reg)

@@ -1,6 +1,7 @@
 package server
 
 import (
+	"context"
 	"fmt"
 	"net/http"
 	"strconv"
@@ -36,6 +37,11 @@ type AdmissionLimits struct {
 	MaxBodyBytes int64
 	// RetryAfter is the Retry-After of a 429 or 503 (rounded up to whole seconds, at least 1).
 	RetryAfter time.Duration
+	// Per client (ClientKey: API key, else remote host; clients.go): requests in flight
+	// (--max-inflight-per-client) and prompt plus output tokens they hold
+	// (--max-inflight-tokens-per-client); 0: unbounded.
+	MaxInflightPerClient int
+	MaxClientTokens      int64
 }
 
 // Admission refuses requests past its limits before their bodies are read, so that a flood of
@@ -52,6 +58,8 @@ type Admission struct {
 	gInflight prometheus.Gauge
 	gBytes    prometheus.Gauge
 	rejected  *prometheus.CounterVec
+
+	clients *clients // per-client bounds; nil: none
 }
 
 // NewAdmission checks lim and registers the admission metrics on reg (nil: unregistered):
@@ -75,8 +83,13 @@ func NewAdmission(lim AdmissionLimits, reg prometheus.Registerer) (*Admission, e
 	for _, r := range []string{"requests", "body_bytes", "body_too_large"} {
 		a.rejected.WithLabelValues(r)
 	}
+	cs := []prometheus.Collector{a.gInflight, a.gBytes, a.rejected}
+	if lim.MaxInflightPerClient > 0 || lim.MaxClientTokens > 0 {
+		a.clients = newClients(lim.MaxInflightPerClient, lim.MaxClientTokens)
+		cs = append(cs, a.clients.collectors()...)
+	}
 	if reg != nil {
-		for _, c := range []prometheus.Collector{a.gInflight, a.gBytes, a.rejected} {
+		for _, c := range cs {
 			if err := reg.Register(c); err != nil {
 				return nil, err
 			}
@@ -96,6 +109,10 @@ func (l AdmissionLimits) Check() error {
 		return fmt.Errorf("--max-inflight-body-bytes (%d) must be at least --max-body-bytes (%d), or no large body could ever be admitted", l.MaxInflightBodyBytes, l.MaxBodyBytes)
 	case l.RetryAfter < 0:
 		return fmt.Errorf("--admission-retry-after must not be negative, got %s", l.RetryAfter)
+	case l.MaxInflightPerClient < 0:
+		return fmt.Errorf("--max-inflight-per-client must not be negative, got %d", l.MaxInflightPerClient)
+	case l.MaxClientTokens < 0:
+		return fmt.Errorf("--max-inflight-tokens-per-client must not be negative, got %d", l.MaxClientTokens)
 	}
 	return nil
 }
@@ -126,6 +143,17 @@ func (a *Admission) Wrap(h http.Handler) http.Handler {
 			return
 		}
 		defer a.release(need)
+		if a.clients != nil {
+			key := ClientKey(r)
+			if e := a.clients.enter(key); e != nil {
+				w.Header().Set("Retry-After", a.retryAfter)
+				w.Header().Set("Connection", "close")
+				writeErr(w, e, nil)
+				return
+			}
+			defer a.clients.leave(key)
+			r = r.WithContext(context.WithValue(r.Context(), clientCtxKey{}, key))
+		}
 		h.ServeHTTP(w, r)
 	})
 }

@@ -165,6 +165,7 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request, kind api.Kind) {
 	defer s.m.Inflight.Dec()
 
 	raw, err := readBody(http.MaxBytesReader(w, r.Body, s.opt.MaxBodyBytes), r.ContentLength, s.opt.MaxBodyBytes)
+	defer func() { memReturn.after(int64(len(raw))) }() // memory.go: a large body's memory back to the OS
 	if err != nil {
 		var mbe *http.MaxBytesError
 		e := api.BadRequest("reading body: %v", err)
@@ -188,9 +189,17 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request, kind api.Kind) {
 	defer cancel()
 	release, perr := s.prepare(ctx, req)
 	defer release()
+	if perr == nil { // the tokens the request makes the cluster hold, from its client's bound
+		var crel func()
+		crel, perr = s.opt.Admission.HoldClientTokens(r.Context(), req)
+		defer crel()
+		if perr != nil {
+			w.Header().Set("Retry-After", s.opt.Admission.retryAfter)
+		}
+	}
 	if perr != nil {
 		s.m.BadRequests.WithLabelValues(perr.Code).Inc()
-		if perr.Status == http.StatusServiceUnavailable {
+		if perr.Status == http.StatusServiceUnavailable && s.opt.Content != nil {
 			w.Header().Set("Retry-After", s.tokGate().retryAfter)
 		}
 		writeErr(w, perr, nil)
