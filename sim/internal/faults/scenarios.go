@@ -3,6 +3,7 @@ package faults
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -129,6 +130,12 @@ func Scenarios() []Scenario {
 			Name: "etcd-quorum-loss", CI: true, Bound: EtcdBound,
 			Criterion: "2 of 3 etcd members stopped for 3 × TTL, then restarted: whole ≤ TTL + 3 s after the quorum is back; " + noFail,
 			Inject:    etcdQuorumLoss,
+		},
+		{
+			// Issue 23 item 5.
+			Name: "abort-burst", CI: true, Bound: RestartBound,
+			Criterion: fmt.Sprintf("one client (its own API key) opens %d streams of new %d-token sessions at once and aborts each at its first byte (or after 500 ms): the gateway's per-client bounds (64 requests, %d tokens in flight) refuse most with 429, and at least half of the load's sessions resident on the decode workers before the burst are still resident after it; ", burstStreams, burstTokens, ClientTokens) + noFail,
+			Inject:    abortBurst,
 		},
 		{
 			// Issue 23 item 3. Out of the CI subset like the body flood: it needs several hundred
@@ -604,6 +611,81 @@ func etcdQuorumLoss(ctx context.Context, h *Harness, s *Step) (time.Time, []stri
 		return time.Time{}, nil, err
 	}
 	s.Note("quorum back %.1f s after the stop", time.Since(s.faultAt).Seconds())
+	return time.Now(), nil, nil
+}
+
+// burstStreams and burstTokens shape the abort burst.
+const burstStreams, burstTokens = 1000, 2000
+
+// residentLoadSessions counts the load's sessions (not the burst's) the decode kvc-sims hold.
+func (h *Harness) residentLoadSessions(ctx context.Context) (int, error) {
+	held, err := h.DecodeHoldings(ctx)
+	if err != nil {
+		return 0, err
+	}
+	n := 0
+	for _, ss := range held {
+		for _, id := range ss {
+			if !strings.HasPrefix(id, "burst-") {
+				n++
+			}
+		}
+	}
+	return n, nil
+}
+
+func abortBurst(ctx context.Context, h *Harness, s *Step) (time.Time, []string, error) {
+	before, err := h.residentLoadSessions(ctx)
+	if err != nil {
+		return time.Time{}, nil, err
+	}
+	s.faultAt = time.Now()
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	codes := map[int]int{}
+	start := make(chan struct{})
+	for i := 0; i < burstStreams; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			sid := fmt.Sprintf("burst-%d-%d", time.Now().UnixNano()%1e6, i)
+			in := make([]int64, burstTokens)
+			for j := range in {
+				in[j] = int64(1000 + (i*7919+j*31)%50000)
+			}
+			body, _ := json.Marshal(map[string]any{"input_ids": in, "stream": true,
+				"sampling_params": map[string]any{"max_new_tokens": 64}, "session_params": map[string]any{"id": sid},
+				"kvc": map[string]any{"input_tokens": burstTokens, "turn": 0, "multiturn": true}})
+			cctx, cancel := context.WithTimeout(ctx, 500*time.Millisecond)
+			defer cancel()
+			req, _ := http.NewRequestWithContext(cctx, http.MethodPost, h.GWURL+"/generate", bytes.NewReader(body))
+			req.Header.Set("X-Session-ID", sid)
+			req.Header.Set("X-API-Key", "burst-tenant")
+			<-start
+			code := -1 // aborted before an answer
+			if resp, err := http.DefaultClient.Do(req); err == nil {
+				code = resp.StatusCode
+				var b [1]byte
+				_, _ = resp.Body.Read(b[:]) // the first byte, then abort
+				cancel()
+				resp.Body.Close()
+			}
+			mu.Lock()
+			codes[code]++
+			mu.Unlock()
+		}()
+	}
+	close(start)
+	wg.Wait()
+	s.Note("abort burst: %d streams in %.1f s, answers %v", burstStreams, time.Since(s.faultAt).Seconds(), codes)
+	after, err := h.residentLoadSessions(ctx)
+	if err != nil {
+		return time.Now(), nil, err
+	}
+	s.Note("load sessions resident on the decode workers: %d before the burst, %d after", before, after)
+	if after*2 < before {
+		return time.Now(), nil, fmt.Errorf("the burst flushed the other client's sessions: %d resident before, %d after", before, after)
+	}
 	return time.Now(), nil, nil
 }
 
