@@ -57,6 +57,7 @@ type Config struct {
 	// Per-client bounds (server.ClientKey: API key, else remote host).
 	MaxInflightPerClient int
 	MaxClientTokens      int64
+	ClientAbortLeak      float64
 	// Tokenizer limits (server.TokenizeLimits).
 	MaxTokenizeBytes         int64
 	MaxRequestTokens         int
@@ -117,6 +118,7 @@ func Parse(args []string, getenv func(string) string, usage io.Writer) (*Config,
 	fs.Int64Var(&c.MaxInflightBodyBytes, "max-inflight-body-bytes", 64<<20, "request body bytes in flight at once (each request reserves its Content-Length, --max-body-bytes when undeclared, before its body is read); past it requests are answered 503 gateway_saturated with Retry-After; at least --max-body-bytes")
 	fs.IntVar(&c.MaxInflightPerClient, "max-inflight-per-client", 256, "requests one client (its API key: Authorization bearer token or X-API-Key; without one, its remote host) may have in flight; past it: 429 client_too_many_requests with Retry-After; 0: unbounded")
 	fs.Int64Var(&c.MaxClientTokens, "max-inflight-tokens-per-client", 1<<20, "prompt plus output tokens one client's requests in flight may hold (the KV they make the decode workers keep); past it: 429 client_too_many_tokens with Retry-After; size it below the cluster's decode KV so one tenant cannot flush the others; 0: unbounded")
+	fs.Float64Var(&c.ClientAbortLeak, "client-aborted-tokens-per-second", 16384, "an aborted request's tokens (its client went away) stay charged to the client's --max-inflight-tokens-per-client, leaking out at this rate: a client that opens streams and aborts them at once cannot evict every session; 0: given back at once")
 	fs.StringVar(&c.Tokenizer, "tokenizer", "", "the model's tokenizer: a folder with tokenizer.json and tokenizer_config.json (chat template), or the tokenizer.json path; exact input token counts, chat templates and page hashes of the prompt. Empty: input tokens are estimated as ⌈bytes/4⌉ (logged at start, metric kvc_gateway_tokenizer_loaded 0)")
 	fs.Int64Var(&c.MaxTokenizeBytes, "max-tokenize-bytes", server.DefaultMaxTokenizeBytes, "with --tokenizer: the longest text one request may have tokenized (the chat messages, then their rendering, or text); longer: 413 tokenize_too_large")
 	fs.IntVar(&c.MaxRequestTokens, "max-request-tokens", server.DefaultMaxRequestTokens, "with --tokenizer: the most prompt tokens one request may have (tokenization stops there); more: 413 too_many_tokens")
@@ -207,7 +209,7 @@ func (c *Config) validate() error {
 func (c *Config) AdmissionLimits() server.AdmissionLimits {
 	return server.AdmissionLimits{MaxInflight: c.MaxInflightRequests, MaxInflightBodyBytes: c.MaxInflightBodyBytes,
 		MaxBodyBytes: c.MaxBodyBytes, RetryAfter: c.AdmissionRetryAfter,
-		MaxInflightPerClient: c.MaxInflightPerClient, MaxClientTokens: c.MaxClientTokens}
+		MaxInflightPerClient: c.MaxInflightPerClient, MaxClientTokens: c.MaxClientTokens, ClientAbortLeak: c.ClientAbortLeak}
 }
 
 // TokenizeLimits are the tokenizer flags as the server takes them.

@@ -42,6 +42,9 @@ type AdmissionLimits struct {
 	// (--max-inflight-tokens-per-client); 0: unbounded.
 	MaxInflightPerClient int
 	MaxClientTokens      int64
+	// ClientAbortLeak: an aborted request's tokens stay charged to its client, leaking out at
+	// this many tokens per second (--client-aborted-tokens-per-second; 0: given back at once).
+	ClientAbortLeak float64
 }
 
 // Admission refuses requests past its limits before their bodies are read, so that a flood of
@@ -85,7 +88,7 @@ func NewAdmission(lim AdmissionLimits, reg prometheus.Registerer) (*Admission, e
 	}
 	cs := []prometheus.Collector{a.gInflight, a.gBytes, a.rejected}
 	if lim.MaxInflightPerClient > 0 || lim.MaxClientTokens > 0 {
-		a.clients = newClients(lim.MaxInflightPerClient, lim.MaxClientTokens)
+		a.clients = newClients(lim.MaxInflightPerClient, lim.MaxClientTokens, lim.ClientAbortLeak)
 		cs = append(cs, a.clients.collectors()...)
 	}
 	if reg != nil {
@@ -111,6 +114,8 @@ func (l AdmissionLimits) Check() error {
 		return fmt.Errorf("--admission-retry-after must not be negative, got %s", l.RetryAfter)
 	case l.MaxInflightPerClient < 0:
 		return fmt.Errorf("--max-inflight-per-client must not be negative, got %d", l.MaxInflightPerClient)
+	case l.ClientAbortLeak < 0:
+		return fmt.Errorf("--client-aborted-tokens-per-second must not be negative, got %v", l.ClientAbortLeak)
 	case l.MaxClientTokens < 0:
 		return fmt.Errorf("--max-inflight-tokens-per-client must not be negative, got %d", l.MaxClientTokens)
 	}

@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"testing"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
@@ -59,7 +60,7 @@ func TestPerClientBounds(t *testing.T) {
 		t.Fatal(err)
 	}
 	b := &blocker{entered: make(chan int64, 8), release: make(chan struct{})}
-	var held []func()
+	var held []func(bool)
 	hold := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.Header.Get("X-Tokens") != "" { // takes tokens from the client's bound, then answers
 			var n int64
@@ -120,16 +121,64 @@ func TestPerClientBounds(t *testing.T) {
 		t.Fatalf("tenant-b past its tokens: %+v", r)
 	}
 	for _, rel := range held {
-		rel()
+		rel(false)
 	}
 	if r := send("tenant-b", "60"); r.status != 200 {
 		t.Fatalf("tenant-b after its tokens came back: %+v", r)
 	}
-	held[len(held)-1]()
+	held[len(held)-1](false)
 	if n := testutil.ToFloat64(adm.clients.rejected.WithLabelValues(CodeClientTooManyRequests)); n != 1 {
 		t.Fatalf("client_too_many_requests counted %v", n)
 	}
 	if n := testutil.ToFloat64(adm.clients.active); n != 0 {
 		t.Fatalf("%v clients still tracked after every request ended", n)
+	}
+}
+
+// TestAbortedRequestsStayCharged (issue 23 item 5): an aborted request's tokens stay charged to
+// its client and leak out at the configured rate, so a client that aborts its streams at once
+// cannot start new ones at an unbounded rate; an answered request's tokens come back at once.
+func TestAbortedRequestsStayCharged(t *testing.T) {
+	now := time.Unix(1000, 0)
+	c := newClients(0, 100, 10) // 100 tokens, leaking 10 per second
+	c.now = func() time.Time { return now }
+	run := func(n int64, aborted bool) *api.Error {
+		if e := c.enter("a"); e != nil {
+			return e
+		}
+		defer c.leave("a")
+		rel, e := c.hold("a", n)
+		if e != nil {
+			return e
+		}
+		rel(aborted)
+		return nil
+	}
+	steps := []struct {
+		name    string
+		advance time.Duration
+		n       int64
+		aborted bool
+		refused bool
+	}{
+		{"answered", 0, 60, false, false},
+		{"answered again: nothing left charged", 0, 60, false, false},
+		{"aborted", 0, 60, true, false},
+		{"60 still charged", 0, 60, false, true},
+		{"3 s later: 30 charged", 3 * time.Second, 60, false, false},
+		{"6 s later: all leaked out", 3 * time.Second, 100, false, false},
+	}
+	for _, st := range steps {
+		now = now.Add(st.advance)
+		e := run(st.n, st.aborted)
+		if (e != nil) != st.refused || (e != nil && e.Code != CodeClientTooManyTokens) {
+			t.Fatalf("%s: %v, want refused %v", st.name, e, st.refused)
+		}
+	}
+	c.mu.Lock()
+	n := len(c.m)
+	c.mu.Unlock()
+	if n != 0 {
+		t.Fatalf("%d clients still tracked after everything leaked out", n)
 	}
 }

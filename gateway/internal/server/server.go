@@ -190,9 +190,9 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request, kind api.Kind) {
 	release, perr := s.prepare(ctx, req)
 	defer release()
 	if perr == nil { // the tokens the request makes the cluster hold, from its client's bound
-		var crel func()
+		var crel func(bool)
 		crel, perr = s.opt.Admission.HoldClientTokens(r.Context(), req)
-		defer crel()
+		defer func() { crel(r.Context().Err() != nil) }() // the client went away: an aborted request
 		if perr != nil {
 			w.Header().Set("Retry-After", s.opt.Admission.retryAfter)
 		}

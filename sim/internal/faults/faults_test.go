@@ -47,7 +47,7 @@ func TestFaults(t *testing.T) {
 	if err != nil {
 		t.Fatalf("cluster: %v (logs in %s)", err, work)
 	}
-	load := NewLoad(LoadConfig{URL: h.GWURL})
+	load := NewLoad(LoadConfig{URL: h.GWURL, KeyPerClient: true})
 	r := NewRunner(h, load, RunConfig{Out: os.Stdout})
 	var all []Outcome
 	base, err := r.Baseline(ctx, 4*time.Second)

@@ -39,6 +39,9 @@ type LoadConfig struct {
 	Turns        int           // turns per session before a new session id replaces it (default 16)
 	Timeout      time.Duration // one request (default 15 s)
 	OutputTokens int           // max_new_tokens (default 8)
+	// KeyPerClient: each goroutine sends X-API-Key load-<n>, a client of its own for the
+	// gateway's per-client bounds.
+	KeyPerClient bool
 }
 
 // Load is a bounded session load generator: Clients goroutines send multi-turn sessions
@@ -120,7 +123,11 @@ func (l *Load) Run(ctx context.Context) {
 				s := l.sess[i]
 				// A request already started finishes (bounded by its timeout) even when ctx
 				// ends: its answer is part of the history.
-				r := l.send(context.WithoutCancel(gctx), s.id, s.turn)
+				key := ""
+				if l.cfg.KeyPerClient {
+					key = fmt.Sprintf("load-%d", c)
+				}
+				r := l.send(context.WithoutCancel(gctx), s.id, s.turn, key)
 				l.mu.Lock()
 				l.results = append(l.results, r)
 				s.turn++
@@ -173,7 +180,7 @@ func inputIDs(session string, n int64) []int64 {
 	return out
 }
 
-func (l *Load) send(ctx context.Context, session string, turn int) (r Result) {
+func (l *Load) send(ctx context.Context, session string, turn int, key string) (r Result) {
 	r = Result{Session: session, Turn: turn, Call: time.Now()}
 	defer func() { r.Return = time.Now() }()
 	body, _ := json.Marshal(map[string]any{
@@ -192,6 +199,9 @@ func (l *Load) send(ctx context.Context, session string, turn int) (r Result) {
 	}
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("X-Session-ID", session)
+	if key != "" {
+		req.Header.Set("X-API-Key", key)
+	}
 	resp, err := l.hc.Do(req)
 	if err != nil {
 		r.Err = "transport: " + err.Error()

@@ -81,7 +81,7 @@ func TestLoadSend(t *testing.T) {
 			}))
 			defer srv.Close()
 			l := NewLoad(LoadConfig{URL: srv.URL})
-			r := l.send(t.Context(), "fs-01-0", 2)
+			r := l.send(t.Context(), "fs-01-0", 2, "")
 			if sid != "fs-01-0" || r.Session != "fs-01-0" || r.Turn != 2 || r.Return.Before(r.Call) {
 				t.Errorf("session %q, result %+v", sid, r)
 			}
