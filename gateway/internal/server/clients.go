@@ -16,12 +16,13 @@ import (
 	"github.com/kvcentric/kvcentric/gateway/internal/api"
 )
 
-// Per-client admission error codes (429 with Retry-After; stable).
+// Per-client admission error codes (429 with Retry-After, or 413; stable).
 const (
 	// CodeClientTooManyRequests: the client has --max-inflight-per-client requests in flight.
 	CodeClientTooManyRequests = "client_too_many_requests"
 	// CodeClientTooManyTokens: the client's requests in flight would hold more than
-	// --max-inflight-tokens-per-client prompt and output tokens (KV they make the cluster hold).
+	// --max-inflight-tokens-per-client prompt and output tokens (KV they make the cluster hold);
+	// 413 instead of 429 for one request larger than the bound by itself.
 	CodeClientTooManyTokens = "client_too_many_tokens"
 )
 
@@ -165,6 +166,11 @@ func (c *clients) hold(key string, n int64) (release func(aborted bool), _ *api.
 	st := c.m[key]
 	if st == nil { // not admitted through Wrap (tests): nothing to bound
 		return func(bool) {}, nil
+	}
+	if c.maxTokens > 0 && n > c.maxTokens { // never admitted, however long it waits
+		c.rejected.WithLabelValues(CodeClientTooManyTokens).Inc()
+		return func(bool) {}, &api.Error{Status: http.StatusRequestEntityTooLarge, Code: CodeClientTooManyTokens,
+			Message: fmt.Sprintf("the request's %d prompt and output tokens are more than a client may hold, %d (--max-inflight-tokens-per-client)", n, c.maxTokens)}
 	}
 	if c.maxTokens > 0 && st.charge(c.now(), c.abortLeak)+n > c.maxTokens {
 		c.rejected.WithLabelValues(CodeClientTooManyTokens).Inc()

@@ -167,12 +167,16 @@ func TestAbortedRequestsStayCharged(t *testing.T) {
 		{"60 still charged", 0, 60, false, true},
 		{"3 s later: 30 charged", 3 * time.Second, 60, false, false},
 		{"6 s later: all leaked out", 3 * time.Second, 100, false, false},
+		{"one request over the bound by itself", 0, 101, false, true},
 	}
 	for _, st := range steps {
 		now = now.Add(st.advance)
 		e := run(st.n, st.aborted)
 		if (e != nil) != st.refused || (e != nil && e.Code != CodeClientTooManyTokens) {
 			t.Fatalf("%s: %v, want refused %v", st.name, e, st.refused)
+		}
+		if e != nil && (e.Status == http.StatusRequestEntityTooLarge) != (st.n > 100) {
+			t.Fatalf("%s: status %d (413 only for a request over the bound by itself)", st.name, e.Status)
 		}
 	}
 	c.mu.Lock()

@@ -6,11 +6,11 @@ import (
 	"time"
 )
 
-// LargeRequestBytes: a request whose body or tokenized text reached this size gives its memory
+// LargeRequestBytes: a request whose body reached this size gives its memory
 // back to the OS when it ends (at most once per returnEvery, in the background): the Go
 // runtime would otherwise keep the heap it grew for a flood of large bodies until a later
 // collection, and the gateway's RSS would stay at its peak (issue 23 item 3).
-const LargeRequestBytes = 4 << 20
+const LargeRequestBytes = 1 << 20
 
 const returnEvery = 2 * time.Second
 

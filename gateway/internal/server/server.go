@@ -193,7 +193,7 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request, kind api.Kind) {
 		var crel func(bool)
 		crel, perr = s.opt.Admission.HoldClientTokens(r.Context(), req)
 		defer func() { crel(r.Context().Err() != nil) }() // the client went away: an aborted request
-		if perr != nil {
+		if perr != nil && perr.Status == http.StatusTooManyRequests {
 			w.Header().Set("Retry-After", s.opt.Admission.retryAfter)
 		}
 	}
