@@ -182,6 +182,15 @@ func (c *Config) validate() error {
 	if c.MaxInflightBodyBytes < c.MaxBodyBytes {
 		errs = append(errs, fmt.Errorf("--max-inflight-body-bytes (%d) must be at least --max-body-bytes (%d)", c.MaxInflightBodyBytes, c.MaxBodyBytes))
 	}
+	if c.MaxInflightPerClient < 0 {
+		errs = append(errs, fmt.Errorf("--max-inflight-per-client must not be negative, got %d", c.MaxInflightPerClient))
+	}
+	if c.MaxClientTokens < 0 {
+		errs = append(errs, fmt.Errorf("--max-inflight-tokens-per-client must not be negative, got %d", c.MaxClientTokens))
+	}
+	if c.ClientAbortLeak < 0 {
+		errs = append(errs, fmt.Errorf("--client-aborted-tokens-per-second must not be negative, got %v", c.ClientAbortLeak))
+	}
 	if err := c.TokenizeLimits().Check(); err != nil {
 		errs = append(errs, err)
 	}
