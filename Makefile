@@ -34,13 +34,16 @@ GOLANGCI_LINT := $(BIN)/tools/golangci-lint-$(GOLANGCI_LINT_VERSION)-$(GOTOOLCHA
 RUFF_VERSION := $(shell sed -n 's/^ruff==//p' integrations/requirements-lint.txt)
 RUFF_VENV := $(BIN)/tools/ruff-$(RUFF_VERSION)
 RUFF := $(RUFF_VENV)/bin/ruff
+# The wire-drift test's own small venv (grpcio, protobuf, pytest: integrations/requirements-wire.txt),
+# so `make test` checks wire.py against the proto image without SGLang's venv.
+WIRE_VENV := $(BIN)/tools/wire-$(shell sha256sum integrations/requirements-wire.txt | cut -c1-12)
 # The API as last released: buf breaking compares proto/ with it (make proto-image updates it).
 API_IMAGE := proto/api.binpb
 
 
 .PHONY: grpcurl
 .PHONY: test-faults
-.PHONY: test-sglang
+.PHONY: test-sglang test-wire
 .PHONY: check-modules check-deps proto-lint proto-breaking proto-image
 .PHONY: bench-real
 .PHONY: all build test test-short lint fmt proto proto-check tools demo bench-sweep bench-sweep-parallel bench bench-transfer bench-policy bench-gateway bench-gpu test-mooncake tidy clean
@@ -65,6 +68,18 @@ test: build
 		echo "== test $$m"; \
 		(cd $$m && GOWORK=off CGO_ENABLED=1 KVC_BIN_DIR=$(BIN) $(GO) test -race -count=1 -timeout 600s ./...); \
 	done
+	@$(MAKE) --no-print-directory test-wire
+
+## test-wire: the SGLang plugin's hand-written protobuf codec (wire.py) against proto/api.binpb
+## (field numbers and wire types of every message it writes or reads), in a small venv of its own
+test-wire: $(WIRE_VENV)/bin/pytest
+	@echo "== test wire.py against proto/api.binpb"
+	@cd integrations/sglang && $(WIRE_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_wire_drift.py
+
+$(WIRE_VENV)/bin/pytest: integrations/requirements-wire.txt
+	@rm -rf $(WIRE_VENV)
+	python3 -m venv $(WIRE_VENV)
+	$(WIRE_VENV)/bin/pip install -q -r integrations/requirements-wire.txt
 
 ## test-sglang: the SGLang plugin's pytest suite against SGLang 0.5.23's real classes (CPU, no GPU
 ## kernels; venv made once by integrations/sglang/scripts/make-venv.sh, pip cache reused) and the
