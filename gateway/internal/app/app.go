@@ -35,7 +35,10 @@ var ErrStartup = errors.New("start-up configuration")
 // counted.
 func loadContent(cfg *config.Config, log zerolog.Logger, m *server.Metrics) (*server.Content, error) {
 	lim := cfg.TokenizeLimits()
-	c := &server.Content{PageSize: cfg.KVPageSize, Limits: &lim}
+	c := &server.Content{PageSize: cfg.KVPageSize, Limits: &lim, TokenizeCacheBytes: cfg.TokenizeCacheBytes}
+	if cfg.TokenizeCacheBytes == 0 {
+		c.TokenizeCacheBytes = -1 // --tokenize-cache-bytes 0: off (0 in Content is the default)
+	}
 	if cfg.Tokenizer == "" {
 		m.TokenizerLoaded.Set(0)
 		log.Warn().Msg("no --tokenizer: input tokens are estimated as ⌈bytes/4⌉, chat messages rendered as \"role: content\" lines, and page hashes go only with requests that carry input_ids")

@@ -69,6 +69,8 @@ type Config struct {
 	// KVPageSize is the cluster's KV page size for content addresses; 0 = asked from a decode
 	// worker on first use.
 	KVPageSize int
+	// TokenizeCacheBytes bounds the per-session incremental tokenization cache; 0 = off.
+	TokenizeCacheBytes int64
 	// TLS is the mTLS identity (role gateway) for the control plane; none: plaintext.
 	TLS tlsx.Files
 	// HTTPTLS serves the HTTP front door over HTTPS; none: plain HTTP.
@@ -125,10 +127,14 @@ func Parse(args []string, getenv func(string) string, usage io.Writer) (*Config,
 	fs.Int64Var(&c.MaxInflightTokenizeBytes, "max-inflight-tokenize-bytes", server.DefaultMaxInflightTokenizeBytes, "with --tokenizer: bytes being tokenized at once (a byte costs up to ~135 bytes of allocation while it is encoded); past it: 503 tokenizer_saturated with Retry-After; at least --max-tokenize-bytes")
 	fs.Int64Var(&c.MaxInflightTokens, "max-inflight-tokens", server.DefaultMaxInflightTokens, "with --tokenizer: prompt tokens held by the requests in flight (reserved as one per byte while encoding, then the prompt's count until the request ends); past it: 503 tokenizer_saturated; at least --max-request-tokens")
 	fs.IntVar(&c.KVPageSize, "kv-page-size", 0, "the cluster's KV page size for the prompt's page hashes; 0: asked from a decode worker (get_model_info / get_server_info) on first use")
+	fs.Int64Var(&c.TokenizeCacheBytes, "tokenize-cache-bytes", server.DefaultTokenizeCacheBytes, "bound of the incremental tokenization cache (per session the last chat prompt rendered and its ids, so the next turn encodes only what follows; docs/tokenization.md), in bytes; 0 turns it off")
 	fs.DurationVar(&c.AdmissionRetryAfter, "admission-retry-after", time.Second, "Retry-After of admission refusals (whole seconds, at least 1)")
 	c.TLS.Register(fs, tlsx.GRPCNames, "of this gateway (role gateway) for mutual TLS to the control plane")
 	c.HTTPTLS.Register(fs, HTTPTLSNames, "of the HTTPS front door (API, /metrics, probes); with --http-tls-key serves HTTPS instead of HTTP")
 	if err := flagenv.Parse(fs, args, getenv); err != nil {
+		return nil, err
+	}
+	if err := applyLegacyEnv(fs, getenv); err != nil {
 		return nil, err
 	}
 	c.ControlPlanes = splitList(cps)
@@ -140,6 +146,29 @@ func Parse(args []string, getenv func(string) string, usage io.Writer) (*Config,
 		return nil, err
 	}
 	return c, c.validate()
+}
+
+// LegacyEnv maps environment variables from before a knob became a flag to the flag, read
+// when neither the flag nor its own variable (flagenv.EnvName) is set.
+var LegacyEnv = map[string]string{"KVC_GATEWAY_TOKENIZE_CACHE_BYTES": "tokenize-cache-bytes"}
+
+func applyLegacyEnv(fs *flag.FlagSet, getenv func(string) string) error {
+	if getenv == nil {
+		return nil
+	}
+	given := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { given[f.Name] = true })
+	var errs []error
+	for env, name := range LegacyEnv {
+		v := getenv(env)
+		if v == "" || given[name] || getenv(flagenv.EnvName(name)) != "" {
+			continue
+		}
+		if err := fs.Set(name, v); err != nil {
+			errs = append(errs, fmt.Errorf("%s=%q (flag --%s): %w", env, v, name, err))
+		}
+	}
+	return errors.Join(errs...)
 }
 
 func (c *Config) validate() error {
@@ -193,6 +222,9 @@ func (c *Config) validate() error {
 	}
 	if err := c.TokenizeLimits().Check(); err != nil {
 		errs = append(errs, err)
+	}
+	if c.TokenizeCacheBytes < 0 {
+		errs = append(errs, fmt.Errorf("--tokenize-cache-bytes must not be negative (0 turns the cache off), got %d", c.TokenizeCacheBytes))
 	}
 	if c.KVPageSize < 0 || c.KVPageSize > 4096 {
 		errs = append(errs, fmt.Errorf("--kv-page-size must be in [0, 4096], got %d", c.KVPageSize))

@@ -35,6 +35,28 @@ func TestParse(t *testing.T) {
 				t.Fatalf("got %+v %+v", c.PrefillURLs, c.DecodeURLs)
 			}
 		}},
+		{name: "tokenize cache default", args: []string{"--control-plane", "a", "--insecure"}, check: func(t *testing.T, c *Config) {
+			if c.TokenizeCacheBytes != 64<<20 {
+				t.Fatalf("tokenize cache %d", c.TokenizeCacheBytes)
+			}
+		}},
+		{name: "tokenize cache flag", args: []string{"--control-plane", "a", "--insecure", "--tokenize-cache-bytes", "0"}, env: map[string]string{"KVC_GATEWAY_TOKENIZE_CACHE_BYTES": "4096"}, check: func(t *testing.T, c *Config) {
+			if c.TokenizeCacheBytes != 0 {
+				t.Fatalf("tokenize cache %d, want the flag's 0", c.TokenizeCacheBytes)
+			}
+		}},
+		{name: "tokenize cache env", args: []string{"--control-plane", "a", "--insecure"}, env: map[string]string{"KVC_TOKENIZE_CACHE_BYTES": "1048576", "KVC_GATEWAY_TOKENIZE_CACHE_BYTES": "4096"}, check: func(t *testing.T, c *Config) {
+			if c.TokenizeCacheBytes != 1<<20 {
+				t.Fatalf("tokenize cache %d, want KVC_TOKENIZE_CACHE_BYTES's", c.TokenizeCacheBytes)
+			}
+		}},
+		{name: "tokenize cache legacy env", args: []string{"--control-plane", "a", "--insecure"}, env: map[string]string{"KVC_GATEWAY_TOKENIZE_CACHE_BYTES": "4096"}, check: func(t *testing.T, c *Config) {
+			if c.TokenizeCacheBytes != 4096 {
+				t.Fatalf("tokenize cache %d, want the legacy variable's 4096", c.TokenizeCacheBytes)
+			}
+		}},
+		{name: "tokenize cache bad legacy env", args: []string{"--control-plane", "a", "--insecure"}, env: map[string]string{"KVC_GATEWAY_TOKENIZE_CACHE_BYTES": "lots"}, wantErr: "KVC_GATEWAY_TOKENIZE_CACHE_BYTES"},
+		{name: "tokenize cache negative", args: []string{"--control-plane", "a", "--insecure", "--tokenize-cache-bytes", "-1"}, wantErr: "--tokenize-cache-bytes must not be negative"},
 		{name: "no backend", args: nil, wantErr: "give --control-plane"},
 		{name: "bad url", args: []string{"--prefill-urls", "p:1", "--decode-urls", "http://d"}, wantErr: "not an http(s) URL"},
 		{name: "bad env", args: []string{"--control-plane", "a"}, env: map[string]string{"KVC_REQUEST_TIMEOUT": "forever"}, wantErr: "KVC_REQUEST_TIMEOUT"},

@@ -6,7 +6,6 @@ import (
 	"io"
 	"math"
 	"net/http"
-	"os"
 	"sync"
 	"time"
 
@@ -29,8 +28,8 @@ type Content struct {
 	// Key is the page-hash key (0 when the cluster has no secret; docs/tokenization.md).
 	Key uint64
 	// TokenizeCacheBytes bounds the per-session incremental tokenization cache (tokcache.go):
-	// > 0 bytes, < 0 off, 0 = the environment's KVC_GATEWAY_TOKENIZE_CACHE_BYTES (0 = off),
-	// else DefaultTokenizeCacheBytes.
+	// > 0 bytes, < 0 off, 0 = DefaultTokenizeCacheBytes (the gateway's --tokenize-cache-bytes
+	// sets it).
 	TokenizeCacheBytes int64
 	// Limits bound the tokenizer's work (tokenize.go); nil: DefaultTokenizeLimits.
 	Limits *TokenizeLimits
@@ -70,10 +69,7 @@ func (s *Server) tokGate() *tokGate {
 func (s *Server) tokCache() *tokCache {
 	c := s.opt.Content
 	c.cacheOnce.Do(func() {
-		n := tokCacheBytes(c.TokenizeCacheBytes, os.Getenv)
-		if n < 0 && c.TokenizeCacheBytes == 0 {
-			s.log.Warn().Str("env", TokenizeCacheEnv).Str("value", os.Getenv(TokenizeCacheEnv)).Msg("not a byte count: incremental tokenization off")
-		}
+		n := tokCacheBytes(c.TokenizeCacheBytes)
 		c.cache = newTokCache(n)
 		if c.cache != nil {
 			s.log.Info().Int64("max_bytes", n).Msg("incremental tokenization: a session's next turn encodes only what follows its last prompt's longest shared cut")

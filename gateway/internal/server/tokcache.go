@@ -2,15 +2,10 @@ package server
 
 import (
 	"container/list"
-	"strconv"
 	"sync"
 
 	"github.com/kvcentric/kvcentric/pkg/tokenizer"
 )
-
-// TokenizeCacheEnv names the environment variable that bounds the incremental tokenization
-// cache, in bytes (0 = off); unset, DefaultTokenizeCacheBytes.
-const TokenizeCacheEnv = "KVC_GATEWAY_TOKENIZE_CACHE_BYTES"
 
 // DefaultTokenizeCacheBytes bounds the cache when nothing else does: 64 MiB holds the last
 // rendered prompt, ids and messages of ~150 sessions at 32K tokens (~420 KB each: text and ids
@@ -49,18 +44,11 @@ func newTokCache(maxBytes int64) *tokCache {
 	return &tokCache{max: maxBytes, order: list.New(), byKey: map[string]*list.Element{}}
 }
 
-// tokCacheBytes is the cache bound: the Content's when set (negative = off), else the
-// environment's (TokenizeCacheEnv), else the default.
-func tokCacheBytes(configured int64, getenv func(string) string) int64 {
+// tokCacheBytes is the cache bound: the Content's when set (negative = off), else the default.
+// The gateway's --tokenize-cache-bytes sets it (0 there is off).
+func tokCacheBytes(configured int64) int64 {
 	if configured != 0 {
 		return configured
-	}
-	if v := getenv(TokenizeCacheEnv); v != "" {
-		n, err := strconv.ParseInt(v, 10, 64)
-		if err != nil || n < 0 {
-			return -1 // a bad value turns the cache off rather than guessing (logged by the caller)
-		}
-		return n
 	}
 	return DefaultTokenizeCacheBytes
 }

@@ -79,30 +79,13 @@ func TestTokCacheLRU(t *testing.T) {
 	}
 }
 
-// TestTokCacheBytes: the bound comes from the Content, else the environment, else the default;
-// a bad environment value turns the cache off.
+// TestTokCacheBytes: the bound comes from the Content (negative: off), else the default.
 func TestTokCacheBytes(t *testing.T) {
-	for _, tc := range []struct {
-		configured int64
-		env        string
-		want       int64
-	}{
-		{0, "", DefaultTokenizeCacheBytes},
-		{0, "1048576", 1 << 20},
-		{0, "0", 0},
-		{0, "lots", -1},
-		{0, "-5", -1},
-		{4096, "0", 4096},
-		{-1, "1048576", -1},
+	for _, tc := range []struct{ configured, want int64 }{
+		{0, DefaultTokenizeCacheBytes}, {4096, 4096}, {-1, -1},
 	} {
-		got := tokCacheBytes(tc.configured, func(k string) string {
-			if k != TokenizeCacheEnv {
-				t.Fatalf("read %s", k)
-			}
-			return tc.env
-		})
-		if got != tc.want {
-			t.Errorf("configured %d, env %q: %d, want %d", tc.configured, tc.env, got, tc.want)
+		if got := tokCacheBytes(tc.configured); got != tc.want {
+			t.Errorf("configured %d: %d, want %d", tc.configured, got, tc.want)
 		}
 	}
 }
