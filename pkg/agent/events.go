@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"gopkg.in/natefinch/lumberjack.v2"
 )
 
 // Event names written to the event log (and counted in kvc_sidecar_events_total).
@@ -101,16 +102,44 @@ type EventLog struct {
 	xferDur   *prometheus.HistogramVec
 }
 
-// OpenEventLog opens (appends to) path; an empty path logs nowhere but still counts metrics.
-func OpenEventLog(path, worker string, reg prometheus.Registerer) (*EventLog, error) {
+// Rotation bounds the event log on disk (--event-log-max-mb, --event-log-max-backups): once the
+// file would pass MaxMB megabytes it is renamed to a backup with the time in its name
+// (sidecar-decode-0.events-2026-12-01T23-40-00.000.jsonl) and a new one started; the oldest
+// backups past MaxBackups are removed (in the background, just after a rotation).
+type Rotation struct {
+	MaxMB      int
+	MaxBackups int
+}
+
+// Check validates r.
+func (r Rotation) Check() error {
+	switch {
+	case r.MaxMB < 1 || r.MaxMB > 1<<20:
+		return fmt.Errorf("--event-log-max-mb %d out of range [1, %d]", r.MaxMB, 1<<20)
+	case r.MaxBackups < 1 || r.MaxBackups > 10000:
+		return fmt.Errorf("--event-log-max-backups %d out of range [1, 10000]", r.MaxBackups)
+	}
+	return nil
+}
+
+// OpenEventLog opens (appends to) path, rotated as rot says (gopkg.in/natefinch/lumberjack.v2);
+// an empty path logs nowhere but still counts metrics.
+func OpenEventLog(path, worker string, rot Rotation, reg prometheus.Registerer) (*EventLog, error) {
 	var w io.Writer
 	var c io.Closer
 	if path != "" {
+		if err := rot.Check(); err != nil {
+			return nil, fmt.Errorf("event log: %w", err)
+		}
+		// The rotating writer opens the file at the first event: open it now too, so that a
+		// path the sidecar cannot write is an error at start.
 		f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 		if err != nil {
 			return nil, fmt.Errorf("event log: %w", err)
 		}
-		w, c = f, f
+		_ = f.Close()
+		lj := &lumberjack.Logger{Filename: path, MaxSize: rot.MaxMB, MaxBackups: rot.MaxBackups, LocalTime: false}
+		w, c = lj, lj
 	}
 	l := NewEventLog(w, worker, reg)
 	l.closer = c

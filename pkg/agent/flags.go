@@ -32,6 +32,7 @@ type Common struct {
 	MooncakeProtocol  string
 	MooncakeDevices   string
 	EventLog          string
+	EventLogRotation  Rotation
 	KVCapacityTokens  int64
 	ReadyFile         string
 	LogLevel          string
@@ -82,6 +83,8 @@ func (c *Common) Register(fs *flag.FlagSet) {
 	fs.StringVar(&c.MooncakeProtocol, "mooncake-protocol", "rdma", "Mooncake transport protocol: rdma or tcp (mooncake)")
 	fs.StringVar(&c.MooncakeDevices, "mooncake-devices", "", "RDMA devices, comma list (mooncake, rdma protocol)")
 	fs.StringVar(&c.EventLog, "event-log", "", "JSON-lines event log path (empty: none)")
+	fs.IntVar(&c.EventLogRotation.MaxMB, "event-log-max-mb", 100, "rotate the event log once it would pass this many megabytes (the old file is kept as a backup with the time in its name)")
+	fs.IntVar(&c.EventLogRotation.MaxBackups, "event-log-max-backups", 5, "rotated event log files kept; the oldest past this are removed")
 	fs.Int64Var(&c.KVCapacityTokens, "kv-capacity-tokens", 0, "KV capacity reported to the control plane (0: what the pool implies)")
 	fs.StringVar(&c.ReadyFile, "ready-file", "", "write a JSON ready file with the bound addresses here")
 	fs.StringVar(&c.LogLevel, "log-level", "info", "debug, info, warn or error")
@@ -138,6 +141,9 @@ func (c *Common) Check() error {
 		return fmt.Errorf("--tp-group is %d bytes (at most %d)", len(c.TPGroup), MaxTPGroupLen)
 	case c.TraceSampleRatio < 0 || c.TraceSampleRatio > 1:
 		return fmt.Errorf("--trace-sample-ratio %v must be in (0, 1]", c.TraceSampleRatio)
+	}
+	if err := c.EventLogRotation.Check(); err != nil {
+		return err
 	}
 	if err := c.TLS.Check(tlsx.GRPCNames); err != nil {
 		return err

@@ -21,6 +21,7 @@ import (
 	"github.com/kvcentric/kvcentric/pkg/grpcx"
 	"github.com/kvcentric/kvcentric/pkg/obs"
 	"github.com/kvcentric/kvcentric/pkg/rdma"
+	"github.com/kvcentric/kvcentric/pkg/sdnotify"
 	"github.com/kvcentric/kvcentric/pkg/tlsx"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
@@ -89,7 +90,7 @@ func Start(ctx context.Context, c *Common, component string, logw io.Writer) (*R
 	if err != nil {
 		return nil, err
 	}
-	rt.Events, err = OpenEventLog(c.EventLog, c.WorkerID, rt.Reg)
+	rt.Events, err = OpenEventLog(c.EventLog, c.WorkerID, c.EventLogRotation, rt.Reg)
 	if err != nil {
 		return nil, err
 	}
@@ -194,6 +195,7 @@ func (rt *Runtime) Serve(ctx context.Context, core Core, setReporter func(*Contr
 	kvcv1.RegisterTransferPeerServiceServer(peer, core)
 	hs := obs.NewHTTPServer(rt.Reg, &rt.Ready)
 	core.Mount(hs.Mux)
+	sd := sdnotify.New(rt.Log, rt.Reg)
 	waiting := func() string {
 		if rr, ok := core.(ReadinessReporter); ok {
 			if w := rr.WaitingFor(); w != "" {
@@ -218,6 +220,9 @@ func (rt *Runtime) Serve(ctx context.Context, core Core, setReporter func(*Contr
 	g.Go(func() error { return serveHTTP(gctx, httpSrv, httpLis) })
 	g.Go(func() error { return core.Run(gctx) })
 	g.Go(func() error { return health.Run(gctx) })
+	// systemd's watchdog (WatchdogSec=): pinged while the HTTP listener answers /healthz (the
+	// worker's own health is not the sidecar's: a worker down is reported, not restarted here).
+	g.Go(func() error { return sd.Watchdog(gctx, sdnotify.HTTPProbe(httpLis.Addr(), "/healthz", false)) })
 	g.Go(func() error {
 		t := time.NewTicker(readinessLogEvery)
 		defer t.Stop()
@@ -235,6 +240,7 @@ func (rt *Runtime) Serve(ctx context.Context, core Core, setReporter func(*Contr
 		}
 		rt.Log.Info().Msg("ready: worker attached")
 		rt.Ready.Set(true)
+		sd.Status("ready: worker attached")
 		bridge.Health.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
 		if cp == nil {
 			rt.Log.Warn().Msg("no --control-plane: running standalone")
@@ -249,12 +255,13 @@ func (rt *Runtime) Serve(ctx context.Context, core Core, setReporter func(*Contr
 	}); err != nil {
 		rt.Log.Error().Err(err).Msg("ready file")
 	}
-	_, _ = obs.SdNotify("READY=1")
+	// READY=1 once the bridge socket listens, not once the worker attached: the worker's unit
+	// starts After= this one and attaches through that socket.
+	sd.Ready("serving; " + waiting())
+	context.AfterFunc(gctx, func() { sd.Stopping("stopping") })
 	rt.Log.Info().Str("bridge", c.BridgeSocket).Str("peer", rt.PeerAddr).Str("http", httpLis.Addr().String()).
 		Str("transfer", rt.Engine.SegmentName()).Str("transport", rt.Engine.Backend()).Msg("sidecar serving")
-	err = g.Wait()
-	_, _ = obs.SdNotify("STOPPING=1")
-	return err
+	return g.Wait()
 }
 
 // readyzHandler answers GET /readyz with "ready" or 503 and what the sidecar waits for, and

@@ -3,7 +3,6 @@ package obs
 import (
 	"encoding/json"
 	"fmt"
-	"net"
 	"os"
 	"path/filepath"
 )
@@ -37,26 +36,4 @@ func WriteReadyFile(path string, v any) error {
 		return fmt.Errorf("ready file: %w", err)
 	}
 	return nil
-}
-
-// SdNotify sends state (e.g. "READY=1", "STOPPING=1") to systemd when the process runs under a
-// Type=notify unit (NOTIFY_SOCKET set); otherwise it does nothing. It reports whether a message
-// was sent.
-func SdNotify(state string) (bool, error) {
-	sock := os.Getenv("NOTIFY_SOCKET")
-	if sock == "" {
-		return false, nil
-	}
-	if sock[0] == '@' {
-		sock = "\x00" + sock[1:]
-	}
-	conn, err := net.DialUnix("unixgram", nil, &net.UnixAddr{Name: sock, Net: "unixgram"})
-	if err != nil {
-		return false, fmt.Errorf("sd_notify: %w", err)
-	}
-	defer conn.Close()
-	if _, err := conn.Write([]byte(state)); err != nil {
-		return false, fmt.Errorf("sd_notify: %w", err)
-	}
-	return true, nil
 }

@@ -2,7 +2,6 @@ package obs
 
 import (
 	"encoding/json"
-	"net"
 	"os"
 	"path/filepath"
 	"testing"
@@ -23,28 +22,6 @@ func TestWriteReadyFile(t *testing.T) {
 	}
 	if err := WriteReadyFile(filepath.Join(t.TempDir(), "missing", "r.json"), 1); err == nil {
 		t.Fatal("want error for missing directory")
-	}
-}
-
-func TestSdNotify(t *testing.T) {
-	t.Setenv("NOTIFY_SOCKET", "")
-	if sent, err := SdNotify("READY=1"); sent || err != nil {
-		t.Fatalf("without socket: sent=%v err=%v", sent, err)
-	}
-	p := filepath.Join(t.TempDir(), "notify.sock")
-	conn, err := net.ListenUnixgram("unixgram", &net.UnixAddr{Name: p, Net: "unixgram"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	t.Setenv("NOTIFY_SOCKET", p)
-	if sent, err := SdNotify("READY=1"); !sent || err != nil {
-		t.Fatalf("sent=%v err=%v", sent, err)
-	}
-	buf := make([]byte, 64)
-	n, err := conn.Read(buf)
-	if err != nil || string(buf[:n]) != "READY=1" {
-		t.Fatalf("read %q %v", buf[:n], err)
 	}
 }
 

@@ -29,6 +29,7 @@ import (
 	"github.com/kvcentric/kvcentric/pkg/grpcx"
 	"github.com/kvcentric/kvcentric/pkg/kvstore"
 	"github.com/kvcentric/kvcentric/pkg/obs"
+	"github.com/kvcentric/kvcentric/pkg/sdnotify"
 	"github.com/kvcentric/kvcentric/pkg/tlsx"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
@@ -227,6 +228,7 @@ func Run(ctx context.Context, opts *Options, log zerolog.Logger) error {
 
 	ready := &obs.Ready{}
 	hsrv := obs.NewHTTPServer(reg, ready)
+	sd := sdnotify.New(log, reg)
 
 	// Leadership in one place: lctx is the election's term (*election.Term), done when the
 	// term ends for any reason and, checked on every Err call, at the renew deadline. The gate
@@ -241,6 +243,7 @@ func Run(ctx context.Context, opts *Options, log zerolog.Logger) error {
 		onLeadership(true)
 		serving()
 		log.Info().Int64("epoch", fence.Rev).Str("addr", advertise).Msg("serving as leader")
+		sd.Status(fmt.Sprintf("leader (epoch %d) on %s", fence.Rev, advertise))
 		var deposed error
 		select {
 		case <-lctx.Done():
@@ -251,6 +254,7 @@ func Run(ctx context.Context, opts *Options, log zerolog.Logger) error {
 		onLeadership(false)
 		st.EndTerm(term)
 		log.Info().Int64("epoch", fence.Rev).Msg("stopped leading")
+		sd.Status("standby: not leading")
 		return deposed
 	}
 
@@ -263,19 +267,18 @@ func Run(ctx context.Context, opts *Options, log zerolog.Logger) error {
 	g.Go(func() error { return store.WatchPolicy(gctx, st.SetStoredPolicy, st.PolicyCorrupt) })
 	g.Go(func() error { return el.Run(gctx, lead) })
 	g.Go(func() error { return rt.Run(gctx) })
+	// systemd's watchdog (WatchdogSec=): pinged while the HTTP listener answers /healthz.
+	g.Go(func() error { return sd.Watchdog(gctx, sdnotify.HTTPProbe(hlis.Addr(), "/healthz", false)) })
 
 	ready.Set(true)
 	if err := obs.WriteReadyFile(opts.ReadyFile, info); err != nil {
 		log.Error().Err(err).Msg("ready file")
 	}
-	if _, err := obs.SdNotify("READY=1"); err != nil {
-		log.Warn().Err(err).Msg("sd_notify")
-	}
+	sd.Ready("serving: grpc " + info.GRPCAddr + ", http " + info.HTTPAddr + "; standby until elected")
+	context.AfterFunc(gctx, func() { sd.Stopping("stopping: resigning, draining gRPC calls") })
 	log.Info().Str("grpc", info.GRPCAddr).Str("http", info.HTTPAddr).Str("advertise", advertise).
 		Strs("etcd", endpoints).Msg("control plane serving")
-	err = g.Wait()
-	_, _ = obs.SdNotify("STOPPING=1")
-	return err
+	return g.Wait()
 }
 
 // volatileFlush maps --volatile-flush to state.Config.VolatileFlush (0 there is the default;

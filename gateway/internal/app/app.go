@@ -23,6 +23,7 @@ import (
 	"github.com/kvcentric/kvcentric/gateway/internal/workers"
 	"github.com/kvcentric/kvcentric/pkg/cpclient"
 	"github.com/kvcentric/kvcentric/pkg/obs"
+	"github.com/kvcentric/kvcentric/pkg/sdnotify"
 	"github.com/kvcentric/kvcentric/pkg/tlsx"
 	"github.com/kvcentric/kvcentric/pkg/tokenizer"
 )
@@ -166,6 +167,13 @@ func Run(ctx context.Context, cfg *config.Config, logOut io.Writer) error {
 	}
 	hs := obs.NewHTTPServer(pubReg, &ready)
 	srv.Register(hs.Mux)
+	sd := sdnotify.New(log, reg)
+	// systemd's watchdog (WatchdogSec=): pinged while /healthz answers, on the admin listener
+	// when there is one, else on the client listener (HTTPS when it serves HTTPS).
+	probe := sdnotify.HTTPProbe(lis.Addr(), "/healthz", httpTLS != nil)
+	if alis != nil {
+		probe = sdnotify.HTTPProbe(alis.Addr(), "/healthz", false)
+	}
 
 	// Background parts (route stream, worker refresh, admin listener) outlive the client
 	// listener's stop: requests in flight during the grace still report their outcomes and
@@ -176,6 +184,7 @@ func Run(ctx context.Context, cfg *config.Config, logOut io.Writer) error {
 	if admin != nil {
 		bg.Go(func() error { return admin.Serve(bgctx, alis) })
 	}
+	bg.Go(func() error { return sd.Watchdog(bgctx, probe) })
 	if rc != nil {
 		bg.Go(func() error { return rc.Run(bgctx) })
 		bg.Go(func() error {
@@ -208,14 +217,12 @@ func Run(ctx context.Context, cfg *config.Config, logOut io.Writer) error {
 	if err := obs.WriteReadyFile(cfg.ReadyFile, rf); err != nil {
 		log.Error().Err(err).Msg("ready file")
 	}
-	if _, err := obs.SdNotify("READY=1"); err != nil {
-		log.Warn().Err(err).Msg("sd_notify")
-	}
+	sd.Ready(scheme + " on " + addr)
+	context.AfterFunc(sctx, func() { sd.Stopping("stopping: draining requests in flight") })
 	np, nd := pool.Sizes()
 	log.Info().Str("http_addr", addr).Str("admin_addr", adminAddr).Str("scheme", scheme).Strs("control_planes", cfg.ControlPlanes).Int("failopen_prefill", np).Int("failopen_decode", nd).
 		Dur("request_timeout", cfg.RequestTimeout).Dur("route_timeout", cfg.RouteTimeout).Msg("kvc-gateway serving")
 	err = <-served
-	_, _ = obs.SdNotify("STOPPING=1")
 	stopBG()
 	return errors.Join(err, bg.Wait())
 }

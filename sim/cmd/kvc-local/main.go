@@ -19,11 +19,13 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/rs/zerolog"
 	"golang.org/x/sync/errgroup"
 	"google.golang.org/protobuf/encoding/protojson"
 
 	"github.com/kvcentric/kvcentric/pkg/flagenv"
 	"github.com/kvcentric/kvcentric/pkg/obs"
+	"github.com/kvcentric/kvcentric/pkg/sdnotify"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 	"github.com/kvcentric/kvcentric/sim/internal/cluster"
 )
@@ -172,7 +174,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout,
 	}); err != nil {
 		fmt.Fprintf(stderr, "kvc-local: %v\n", err)
 	}
-	_, _ = obs.SdNotify("READY=1")
+	sdnotify.New(zerolog.Nop(), nil).Ready("cluster up")
 
 	// Report processes that die while the cluster runs (they are not restarted).
 	for _, p := range c.Processes {

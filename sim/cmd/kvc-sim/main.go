@@ -26,6 +26,7 @@ import (
 	"github.com/kvcentric/kvcentric/pkg/flagenv"
 	"github.com/kvcentric/kvcentric/pkg/grpcx"
 	"github.com/kvcentric/kvcentric/pkg/obs"
+	"github.com/kvcentric/kvcentric/pkg/sdnotify"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 	"github.com/kvcentric/kvcentric/sim/internal/worker"
 )
@@ -273,10 +274,11 @@ func serve(ctx context.Context, o *options, cfg worker.Config, log zerolog.Logge
 	}); err != nil {
 		return err
 	}
-	_, _ = obs.SdNotify("READY=1")
+	sd := sdnotify.New(log, reg)
+	sd.Ready("")
 	log.Info().Str("http_addr", addr).Str("url", "http://"+strings.TrimSpace(addr)).Msg("kvc-sim serving")
 	err = g.Wait()
-	_, _ = obs.SdNotify("STOPPING=1")
+	sd.Stopping("")
 	log.Info().Msg("kvc-sim stopped")
 	return err
 }

@@ -53,10 +53,12 @@ func (p *Process) ReadyString(key string) string {
 
 // childEnv is the parent's environment without KVC_* variables, so that nothing set for the
 // supervisor (a ready file, an address) leaks into a child: children are configured by flags only.
+// Nor the supervisor's systemd notify socket and watchdog: a child does not speak for it.
 func childEnv() []string {
 	var out []string
 	for _, kv := range os.Environ() {
-		if !strings.HasPrefix(kv, "KVC_") {
+		k, _, _ := strings.Cut(kv, "=")
+		if !strings.HasPrefix(kv, "KVC_") && k != "NOTIFY_SOCKET" && k != "WATCHDOG_USEC" && k != "WATCHDOG_PID" {
 			out = append(out, kv)
 		}
 	}
