@@ -117,7 +117,7 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 	fs.DurationVar(&o.ElectionRenewDeadline, "election-renew-deadline", o.ElectionRenewDeadline, "the leader stops acting this long after the last lease renewal etcd answered; below --election-ttl (0: two thirds of it)")
 	fs.DurationVar(&o.UnreachableGrace, "unreachable-grace", o.UnreachableGrace, "default unreachable_grace_ms: an unreachable worker's residency is dropped after this")
 	fs.DurationVar(&o.DrainSnapshotWait, "drain-snapshot-wait", o.DrainSnapshotWait, "a drain releases each resident session once its snapshot can reseed it, or after this long without one (its next turn then re-prefills)")
-	fs.StringVar(&o.OTLPEndpoint, "otlp-endpoint", o.OTLPEndpoint, "OpenTelemetry traces: OTLP/gRPC collector host:port (empty: no export; W3C trace context is still propagated)")
+	fs.StringVar(&o.OTLPEndpoint, "otlp-endpoint", o.OTLPEndpoint, "OpenTelemetry traces: OTLP/gRPC collector host:port (empty: the standard OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT, _PROTOCOL ... variables, and without them no export; W3C trace context is still propagated)")
 	fs.BoolVar(&o.OTLPInsecure, "otlp-insecure", o.OTLPInsecure, "send traces to --otlp-endpoint without TLS")
 	fs.Float64Var(&o.TraceSampleRatio, "trace-sample-ratio", o.TraceSampleRatio, "fraction of new traces sampled, in (0, 1] (a caller's sampled flag is followed)")
 	fs.DurationVar(&o.SessionTTL, "session-ttl", o.SessionTTL, "default session_ttl_ms: idle sessions expire after this")

@@ -100,7 +100,7 @@ func Parse(args []string, getenv func(string) string, usage io.Writer) (*Config,
 	fs.StringVar(&c.AdminAddr, "admin-addr", "", "listen address of /metrics, /healthz and /readyz apart from the client API (plain HTTP; keep it off the clients' network); empty: served on --http-addr as well")
 	fs.DurationVar(&c.ShutdownGrace, "shutdown-grace", 30*time.Second, "on SIGTERM: /readyz turns not ready, new connections are refused after --shutdown-delay, requests in flight (streams) get this long to finish, the rest are cut")
 	fs.DurationVar(&c.ShutdownDelay, "shutdown-delay", 0, "on SIGTERM: keep accepting this long after /readyz turned not ready (a load balancer's probe interval), then close the listener")
-	fs.StringVar(&c.OTLPEndpoint, "otlp-endpoint", "", "OpenTelemetry traces: OTLP/gRPC collector host:port (empty: no export; trace ids are still made and sent to workers as traceparent)")
+	fs.StringVar(&c.OTLPEndpoint, "otlp-endpoint", "", "OpenTelemetry traces: OTLP/gRPC collector host:port (empty: the standard OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT, _PROTOCOL ... variables, and without them no export; trace ids are still made and sent to workers as traceparent)")
 	fs.BoolVar(&c.OTLPInsecure, "otlp-insecure", false, "send traces to --otlp-endpoint without TLS")
 	fs.Float64Var(&c.TraceSampleRatio, "trace-sample-ratio", 1, "fraction of new traces sampled, in (0, 1] (a client's sampled traceparent is followed)")
 	fs.StringVar(&c.ReadyFile, "ready-file", "", "write a JSON ready file here once serving")

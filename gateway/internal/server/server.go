@@ -75,7 +75,7 @@ func New(router Router, pool Picker, opt Options, log zerolog.Logger, m *Metrics
 		IdleConnTimeout:     90 * time.Second,
 		DisableCompression:  true,
 	}
-	return &Server{router: router, pool: pool, opt: opt, log: log, m: m, hc: &http.Client{Transport: traceTransport{tr}}} // trace.go
+	return &Server{router: router, pool: pool, opt: opt, log: log, m: m, hc: &http.Client{Transport: workerTransport(tr)}} // trace.go
 }
 
 // Close waits for background session calls (each bounded by the connect timeout) and releases

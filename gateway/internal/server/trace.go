@@ -5,6 +5,7 @@ import (
 	"net/http"
 	"strconv"
 
+	"go.opentelemetry.io/contrib/instrumentation/net/http/otelhttp"
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
@@ -20,8 +21,8 @@ import (
 //     the decision the gateway carried out from its X-KVC-* headers (kvc.decision_id, kvc.mode,
 //     kvc.reason, kvc.decode_worker, kvc.fail_open, kvc.retries, kvc.error_kind) and the HTTP
 //     status; the response carries X-KVC-Trace-Id for correlation.
-//   - traceTransport: one client span per call to a worker, and the W3C traceparent header on
-//     the request, so a worker (SGLang, kvc-sim) can continue the trace.
+//   - workerTransport: one client span per call to a worker (otelhttp), and the W3C
+//     traceparent header on the request, so a worker (SGLang, kvc-sim) can continue the trace.
 //
 // The Route stream to the control plane is one long-lived gRPC stream (gRPC metadata is per
 // stream), so the request's trace travels in the query itself: RouteQuery.traceparent is the
@@ -119,24 +120,12 @@ func (t *traceWriter) record(code int) {
 	}
 }
 
-// traceTransport adds a client span and the traceparent header to every call to a worker.
-type traceTransport struct{ base http.RoundTripper }
-
-func (t traceTransport) RoundTrip(r *http.Request) (*http.Response, error) {
-	ctx, span := otel.Tracer(tracerName).Start(r.Context(), "worker "+r.Method+" "+r.URL.Path, trace.WithSpanKind(trace.SpanKindClient),
-		trace.WithAttributes(attribute.String("server.address", r.URL.Host), attribute.String("url.path", r.URL.Path)))
-	r = r.Clone(ctx) // a RoundTripper must not modify the caller's request
-	w3c.Inject(ctx, propagation.HeaderCarrier(r.Header))
-	resp, err := t.base.RoundTrip(r)
-	if err != nil {
-		span.SetStatus(codes.Error, err.Error())
-		span.End()
-		return nil, err
-	}
-	span.SetAttributes(attribute.Int("http.response.status_code", resp.StatusCode))
-	if resp.StatusCode >= 500 {
-		span.SetStatus(codes.Error, strconv.Itoa(resp.StatusCode))
-	}
-	span.End() // at the answer's header: a stream's body is the server span's time
-	return resp, nil
+// workerTransport traces every call to a worker with otelhttp
+// (go.opentelemetry.io/contrib/instrumentation/net/http/otelhttp): a client span named
+// "worker <METHOD> <path>" with the HTTP semantic-convention attributes, ended when the answer's
+// body is read to its end or closed (a stream's whole length), and the W3C traceparent header on
+// the request so a worker (SGLang, kvc-sim) can continue the trace.
+func workerTransport(base http.RoundTripper) http.RoundTripper {
+	return otelhttp.NewTransport(base, otelhttp.WithPropagators(w3c),
+		otelhttp.WithSpanNameFormatter(func(_ string, r *http.Request) string { return "worker " + r.Method + " " + r.URL.Path }))
 }

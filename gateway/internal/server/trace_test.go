@@ -1,6 +1,7 @@
 package server
 
 import (
+	"context"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -96,39 +97,56 @@ func TestRequestTrace(t *testing.T) {
 	}
 }
 
-// TestWorkerCallCarriesTraceparent: the transport sends the trace to the worker as a W3C
-// traceparent header naming its client span, without changing the caller's request.
+// TestWorkerCallCarriesTraceparent: a call to a worker through the gateway's transport
+// (otelhttp) is exported as a client span of the caller's trace, with its status, and the
+// worker receives the trace as a W3C traceparent naming that span; the caller's request is not
+// changed.
 func TestWorkerCallCarriesTraceparent(t *testing.T) {
-	rec := recordSpans(t)
+	exp := tracetest.NewInMemoryExporter()
+	prev := otel.GetTracerProvider()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSyncer(exp))
+	otel.SetTracerProvider(tp)
+	t.Cleanup(func() { otel.SetTracerProvider(prev); _ = tp.Shutdown(context.Background()) })
 	got := make(chan string, 1)
 	w := httptest.NewServer(http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
 		got <- r.Header.Get("traceparent")
 		rw.WriteHeader(503)
+		_, _ = io.WriteString(rw, "busy")
 	}))
 	defer w.Close()
 	ctx, span := otel.Tracer("test").Start(t.Context(), "request")
 	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, w.URL+"/generate", nil)
-	resp, err := (&http.Client{Transport: traceTransport{http.DefaultTransport}}).Do(req)
+	resp, err := (&http.Client{Transport: workerTransport(http.DefaultTransport)}).Do(req)
 	if err != nil {
 		t.Fatal(err)
 	}
+	if len(exp.GetSpans()) != 0 {
+		t.Fatal("client span ended before the answer's body was read")
+	}
+	_, _ = io.ReadAll(resp.Body)
 	resp.Body.Close()
 	span.End()
-	tp := <-got
+	tp0 := <-got
 	if req.Header.Get("traceparent") != "" {
 		t.Fatal("caller's request modified")
 	}
-	var call sdktrace.ReadOnlySpan
-	for _, s := range rec.Ended() {
-		if s.SpanKind() == trace.SpanKindClient {
-			call = s
+	var call *tracetest.SpanStub
+	for _, s := range exp.GetSpans() {
+		if s.SpanKind == trace.SpanKindClient {
+			call = &s
 		}
 	}
-	if call == nil {
-		t.Fatal("no client span")
+	if call == nil || call.Name != "worker POST /generate" {
+		t.Fatalf("exported %v, want a client span worker POST /generate", exp.GetSpans())
 	}
-	want := "00-" + span.SpanContext().TraceID().String() + "-" + call.SpanContext().SpanID().String() + "-01"
-	if tp != want || attr(call, "http.response.status_code") != "503" || call.Status().Code.String() != "Error" {
-		t.Fatalf("traceparent %q, want %q; span %v %v", tp, want, call.Attributes(), call.Status())
+	want := "00-" + span.SpanContext().TraceID().String() + "-" + call.SpanContext.SpanID().String() + "-01"
+	status := ""
+	for _, a := range call.Attributes {
+		if a.Key == "http.response.status_code" {
+			status = a.Value.Emit()
+		}
+	}
+	if tp0 != want || status != "503" || call.Status.Code.String() != "Error" || call.Parent.SpanID() != span.SpanContext().SpanID() {
+		t.Fatalf("traceparent %q, want %q; span %v %v", tp0, want, call.Attributes, call.Status)
 	}
 }
