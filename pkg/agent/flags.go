@@ -99,7 +99,7 @@ func (c *Common) Register(fs *flag.FlagSet) {
 	c.TLS.Register(fs, tlsx.GRPCNames, "of this sidecar (role sidecar) for mutual TLS to the control plane and peer sidecars")
 	fs.StringVar(&c.OTLPEndpoint, "otlp-endpoint", "", "OpenTelemetry traces: OTLP/gRPC collector host:port (empty: the standard OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT, _PROTOCOL ... variables, and without them no export; W3C trace context is still propagated)")
 	fs.BoolVar(&c.OTLPInsecure, "otlp-insecure", false, "send traces to --otlp-endpoint without TLS")
-	fs.Float64Var(&c.TraceSampleRatio, "trace-sample-ratio", 1, "fraction of new traces sampled, in (0, 1] (a caller's sampled flag is followed)")
+	fs.Float64Var(&c.TraceSampleRatio, "trace-sample-ratio", 1, "fraction of new traces sampled, in (0, 1]; OTEL_TRACES_SAMPLER, when set, decides instead (a caller's sampled flag is followed)")
 }
 
 // Scaled is d at the sidecar's time scale (d itself when TimeScale is 0 or 1).

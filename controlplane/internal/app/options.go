@@ -119,7 +119,7 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 	fs.DurationVar(&o.DrainSnapshotWait, "drain-snapshot-wait", o.DrainSnapshotWait, "a drain releases each resident session once its snapshot can reseed it, or after this long without one (its next turn then re-prefills)")
 	fs.StringVar(&o.OTLPEndpoint, "otlp-endpoint", o.OTLPEndpoint, "OpenTelemetry traces: OTLP/gRPC collector host:port (empty: the standard OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT, _PROTOCOL ... variables, and without them no export; W3C trace context is still propagated)")
 	fs.BoolVar(&o.OTLPInsecure, "otlp-insecure", o.OTLPInsecure, "send traces to --otlp-endpoint without TLS")
-	fs.Float64Var(&o.TraceSampleRatio, "trace-sample-ratio", o.TraceSampleRatio, "fraction of new traces sampled, in (0, 1] (a caller's sampled flag is followed)")
+	fs.Float64Var(&o.TraceSampleRatio, "trace-sample-ratio", o.TraceSampleRatio, "fraction of new traces sampled, in (0, 1]; OTEL_TRACES_SAMPLER, when set, decides instead (a caller's sampled flag is followed)")
 	fs.DurationVar(&o.SessionTTL, "session-ttl", o.SessionTTL, "default session_ttl_ms: idle sessions expire after this")
 	fs.DurationVar(&o.FlushDelay, "flush-delay", o.FlushDelay, "write-behind delay: every change reaches etcd within about this long")
 	fs.DurationVar(&o.VolatileFlush, "volatile-flush", o.VolatileFlush, "how often changes to a session's volatile fields only (turn, last_seen, kv_committed_len, d_rejects) are persisted; residency changes are written at once (0: write every change at once)")

@@ -102,7 +102,7 @@ func Parse(args []string, getenv func(string) string, usage io.Writer) (*Config,
 	fs.DurationVar(&c.ShutdownDelay, "shutdown-delay", 0, "on SIGTERM: keep accepting this long after /readyz turned not ready (a load balancer's probe interval), then close the listener")
 	fs.StringVar(&c.OTLPEndpoint, "otlp-endpoint", "", "OpenTelemetry traces: OTLP/gRPC collector host:port (empty: the standard OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT, _PROTOCOL ... variables, and without them no export; trace ids are still made and sent to workers as traceparent)")
 	fs.BoolVar(&c.OTLPInsecure, "otlp-insecure", false, "send traces to --otlp-endpoint without TLS")
-	fs.Float64Var(&c.TraceSampleRatio, "trace-sample-ratio", 1, "fraction of new traces sampled, in (0, 1] (a client's sampled traceparent is followed)")
+	fs.Float64Var(&c.TraceSampleRatio, "trace-sample-ratio", 1, "fraction of new traces sampled, in (0, 1]; OTEL_TRACES_SAMPLER, when set, decides instead (a client's sampled traceparent is followed)")
 	fs.StringVar(&c.ReadyFile, "ready-file", "", "write a JSON ready file here once serving")
 	fs.StringVar(&cps, "control-plane", "", "comma list of control plane gRPC addresses (empty: always fail-open)")
 	fs.DurationVar(&c.RequestTimeout, "request-timeout", 180*time.Second, "timeout of one client request, end to end")
