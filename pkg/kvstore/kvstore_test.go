@@ -16,6 +16,7 @@ import (
 	"go.etcd.io/etcd/client/v3/concurrency"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/protobuf/proto"
 
 	"github.com/kvcentric/kvcentric/pkg/etcdtest"
@@ -817,4 +818,40 @@ func TestWatchPolicyCorrupt(t *testing.T) {
 	if p := <-got; p.GetVersion() != 2 {
 		t.Fatalf("after the corrupt record: %v", p)
 	}
+}
+
+// TestTxnDurationMetric: every fenced write transaction, committed or fenced, is one observation
+// of kvc_kvstore_txn_duration_seconds.
+func TestTxnDurationMetric(t *testing.T) {
+	c := etcdtest.Start(t)
+	cli := c.Client(t)
+	reg := prometheus.NewRegistry()
+	s, err := New(cli, WithPrefix("/lat/"), WithRegisterer(reg))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
+	defer cancel()
+	f, _, _ := leader(t, s, "a")
+	for i := range 3 {
+		if err := s.Apply(ctx, f, []Op{{Key: s.SessionKey(fmt.Sprint("s", i)), Value: []byte("x")}}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := s.Apply(ctx, Fence{Key: f.Key, Rev: f.Rev + 1000}, []Op{{Key: s.SessionKey("z"), Value: []byte("x")}}); !errors.Is(err, ErrFenced) {
+		t.Fatalf("wrong fence: %v", err)
+	}
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() == "kvc_kvstore_txn_duration_seconds" {
+			if h := mf.GetMetric()[0].GetHistogram(); h.GetSampleCount() != 4 || h.GetSampleSum() <= 0 {
+				t.Fatalf("histogram count %d sum %v, want 4 observations", h.GetSampleCount(), h.GetSampleSum())
+			}
+			return
+		}
+	}
+	t.Fatal("kvc_kvstore_txn_duration_seconds not registered")
 }

@@ -231,10 +231,14 @@ func (s *Store) Apply(ctx context.Context, f Fence, ops []Op) error {
 		return fmt.Errorf("%w: %d bytes, limit %d", ErrTooLarge, size, DefaultMaxBytes)
 	}
 	var resp *clientv3.TxnResponse
+	t0 := time.Now()
 	err := s.call(ctx, func(ctx context.Context) (err error) {
 		resp, err = s.cli.Txn(ctx).If(f.cmp()).Then(cops...).Commit()
 		return err
 	})
+	if s.metrics != nil {
+		s.metrics.txnSeconds.Observe(time.Since(t0).Seconds())
+	}
 	if err != nil {
 		return fmt.Errorf("kvstore: txn: %w", classify(err))
 	}

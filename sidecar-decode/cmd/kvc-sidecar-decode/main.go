@@ -106,6 +106,7 @@ func run(args []string, getenv func(string) string, stderr io.Writer) int {
 	cfg.Node, cfg.PeerAddr, cfg.PeerDial = rt.Node, rt.PeerAddr, rt.PeerDialOptions()
 	core := decode.New(cfg, rt.Engine, rt.Events, rt.Log)
 	defer core.Close()
+	rt.Reg.MustRegister(core.Collectors()...)
 	if err := rt.Serve(ctx, core, func(cp *agent.ControlPlane) { core.SetReporter(cp) }); err != nil {
 		rt.Log.Error().Err(err).Msg("sidecar stopped")
 		return 1
