@@ -37,6 +37,10 @@ RUFF := $(RUFF_VENV)/bin/ruff
 # The wire-drift test's own small venv (grpcio, protobuf, pytest: integrations/requirements-wire.txt),
 # so `make test` checks wire.py against the proto image without SGLang's venv.
 WIRE_VENV := $(BIN)/tools/wire-$(shell sha256sum integrations/requirements-wire.txt | cut -c1-12)
+# promtool (Prometheus v3's, module version v0.316.0) checks and unit-tests deploy/prometheus's
+# alert rules; built with this repository's Go, its name carries both versions like golangci-lint's.
+PROMTOOL_VERSION := v0.316.0
+PROMTOOL := $(BIN)/tools/promtool-$(PROMTOOL_VERSION)-$(GOTOOLCHAIN_VERSION)
 # The API as last released: buf breaking compares proto/ with it (make proto-image updates it).
 API_IMAGE := proto/api.binpb
 
@@ -107,11 +111,15 @@ test-faults: build
 test-short:
 	@for m in $(MODULES); do (cd $$m && $(GO) test -short -count=1 ./...); done
 
-## lint: gofmt, then golangci-lint (.golangci.yml: govet, staticcheck, errcheck, ...) on every
-## module on its own go.mod, then ruff on integrations/ (integrations/ruff.toml)
-lint: $(GOLANGCI_LINT) $(RUFF)
+## lint: gofmt, promtool on the alert rules (check, then the rules' unit tests: each alert fires),
+## then golangci-lint (.golangci.yml: govet, staticcheck, errcheck, ...) on every module on its
+## own go.mod, then ruff on integrations/ (integrations/ruff.toml)
+lint: $(GOLANGCI_LINT) $(PROMTOOL) $(RUFF)
 	@out=$$(gofmt -l $$(git ls-files '*.go' | grep -v '\.pb\.go$$')); \
 	if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
+	@echo "== promtool deploy/prometheus"
+	@$(PROMTOOL) check rules deploy/prometheus/kvc-alerts.yml
+	@cd deploy/prometheus && $(PROMTOOL) test rules kvc-alerts.test.yml
 	@for m in $(MODULES); do \
 		echo "== lint $$m"; \
 		(cd $$m && GOWORK=off $(GOLANGCI_LINT) run --allow-serial-runners --config $(CURDIR)/.golangci.yml ./...); \
@@ -139,8 +147,8 @@ check-deps:
 fmt:
 	@gofmt -w $$(git ls-files '*.go' | grep -v '\.pb\.go$$')
 
-## tools: pinned code generators, buf and golangci-lint into bin/
-tools: $(BIN)/protoc-gen-go $(BIN)/protoc-gen-go-grpc $(BIN)/buf $(GOLANGCI_LINT)
+## tools: pinned code generators, buf, golangci-lint and promtool into bin/
+tools: $(BIN)/protoc-gen-go $(BIN)/protoc-gen-go-grpc $(BIN)/buf $(GOLANGCI_LINT) $(PROMTOOL)
 
 $(BIN)/protoc-gen-go:
 	GOBIN=$(BIN) $(GO) install google.golang.org/protobuf/cmd/protoc-gen-go@$(PROTOC_GEN_GO_VERSION)
@@ -156,6 +164,10 @@ $(RUFF):
 	@rm -rf $(RUFF_VENV)
 	python3 -m venv $(RUFF_VENV)
 	$(RUFF_VENV)/bin/pip install -q -r integrations/requirements-lint.txt
+$(PROMTOOL):
+	@mkdir -p $(BIN)/tools/tmp-promtool
+	GOBIN=$(BIN)/tools/tmp-promtool $(GO) install github.com/prometheus/prometheus/cmd/promtool@$(PROMTOOL_VERSION)
+	mv $(BIN)/tools/tmp-promtool/promtool $@
 $(BIN)/grpcurl:
 	GOBIN=$(BIN) $(GO) install github.com/fullstorydev/grpcurl/cmd/grpcurl@$(GRPCURL_VERSION)
 

@@ -111,6 +111,10 @@ func New(cfg Config) (*Elector, error) {
 		}, []string{"result"}),
 	}
 	if cfg.Reg != nil {
+		// Every reason from the start: the leader-flapping alert's increase() sees a series.
+		for _, why := range []string{"session_lost", "renew_deadline", "step_down", "lead_error", "shutdown"} {
+			e.lost.WithLabelValues(why)
+		}
 		cfg.Reg.MustRegister(e.gLeader, e.elections, e.lost, e.renewals)
 	}
 	return e, nil

@@ -32,8 +32,8 @@ type metrics struct {
 func newMetrics(reg prometheus.Registerer, sessions func() float64) *metrics {
 	m := &metrics{
 		workers: prometheus.NewGaugeVec(prometheus.GaugeOpts{
-			Name: "kvc_cp_workers", Help: "Workers by state (leader only).",
-		}, []string{"state"}),
+			Name: "kvc_cp_workers", Help: "Workers by role (prefill, decode) and state (leader only).",
+		}, []string{"role", "state"}),
 		commands: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvc_cp_commands_total", Help: "Commands to sidecars by result (sent, acked, failed, queue_full, no_stream).",
 		}, []string{"result"}),
@@ -110,8 +110,13 @@ func newMetrics(reg prometheus.Registerer, sessions func() float64) *metrics {
 	for _, r := range []string{"exhausted", "unreadable"} {
 		m.termRefused.WithLabelValues(r)
 	}
-	for _, s := range []string{"ready", "draining", "unreachable", "worker_down"} {
-		m.workers.WithLabelValues(s)
+	for _, role := range []string{"prefill", "decode"} {
+		for _, s := range []string{"ready", "draining", "unreachable", "worker_down"} {
+			m.workers.WithLabelValues(role, s)
+		}
+	}
+	for _, r := range []string{"done", "failed"} {
+		m.transfers.WithLabelValues(r) // the alert rules' ratio has both from the start
 	}
 	for _, r := range []string{"sent", "acked", "failed", "queue_full", "no_stream"} {
 		m.commands.WithLabelValues(r)

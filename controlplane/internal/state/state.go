@@ -538,10 +538,14 @@ func unindex(ix map[string]map[string]struct{}, w, id string) {
 // tp.go) and updates the gauges.
 func (s *State) publishWorkersLocked() {
 	out := make([]*kvcv1.Worker, 0, len(s.workers))
-	counts := map[kvcv1.WorkerState]int{}
+	type roleState struct {
+		role  kvcv1.WorkerRole
+		state kvcv1.WorkerState
+	}
+	counts := map[roleState]int{}
 	for _, e := range s.workers {
 		out = append(out, e.w)
-		counts[e.w.GetState()]++
+		counts[roleState{e.w.GetRole(), e.w.GetState()}]++
 	}
 	slices.SortFunc(out, func(a, b *kvcv1.Worker) int { return strings.Compare(a.GetWorkerId(), b.GetWorkerId()) })
 	old := s.view
@@ -551,10 +555,12 @@ func (s *State) publishWorkersLocked() {
 	if len(s.view.problems) > 0 || len(old.problems) > 0 {
 		s.tpProblemsChangedLocked(old.problems, s.view.problems)
 	}
-	s.m.workers.WithLabelValues("ready").Set(float64(counts[kvcv1.WorkerState_WORKER_STATE_READY]))
-	s.m.workers.WithLabelValues("draining").Set(float64(counts[kvcv1.WorkerState_WORKER_STATE_DRAINING]))
-	s.m.workers.WithLabelValues("unreachable").Set(float64(counts[kvcv1.WorkerState_WORKER_STATE_UNREACHABLE]))
-	s.m.workers.WithLabelValues("worker_down").Set(float64(counts[kvcv1.WorkerState_WORKER_STATE_WORKER_DOWN]))
+	for role, rl := range map[kvcv1.WorkerRole]string{kvcv1.WorkerRole_WORKER_ROLE_PREFILL: "prefill", kvcv1.WorkerRole_WORKER_ROLE_DECODE: "decode"} {
+		for st, sl := range map[kvcv1.WorkerState]string{kvcv1.WorkerState_WORKER_STATE_READY: "ready", kvcv1.WorkerState_WORKER_STATE_DRAINING: "draining",
+			kvcv1.WorkerState_WORKER_STATE_UNREACHABLE: "unreachable", kvcv1.WorkerState_WORKER_STATE_WORKER_DOWN: "worker_down"} {
+			s.m.workers.WithLabelValues(rl, sl).Set(float64(counts[roleState{role, st}]))
+		}
+	}
 }
 
 // setWorkerLocked replaces a worker's record (cloned and modified by fn), publishes the new

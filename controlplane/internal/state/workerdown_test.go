@@ -58,8 +58,14 @@ func TestWorkerDownReports(t *testing.T) {
 	if got := testutil.ToFloat64(st.m.workerDown); got != 1 {
 		t.Fatalf("kvc_cp_worker_down_total %v", got)
 	}
-	if got := testutil.ToFloat64(st.m.workers.WithLabelValues("worker_down")); got != 1 {
-		t.Fatalf("kvc_cp_workers{state=worker_down} %v", got)
+	if got := testutil.ToFloat64(st.m.workers.WithLabelValues("decode", "worker_down")); got != 1 {
+		t.Fatalf("kvc_cp_workers{role=decode,state=worker_down} %v", got)
+	}
+	if got := testutil.ToFloat64(st.m.workers.WithLabelValues("decode", "ready")); got != 1 {
+		t.Fatalf("kvc_cp_workers{role=decode,state=ready} %v, want d1", got)
+	}
+	if got := testutil.ToFloat64(st.m.workers.WithLabelValues("prefill", "worker_down")); got != 0 {
+		t.Fatalf("kvc_cp_workers{role=prefill,state=worker_down} %v", got)
 	}
 	// x reseeds from its snapshot onto d1; y (no snapshot) re-prefills onto d1; new work avoids d0.
 	if d := decide(st, "x", 310); d.Mode != kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT || d.Decode.GetWorkerId() != "d1" || d.Prefill.GetWorkerId() != "p0" {

@@ -82,6 +82,10 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Help: "Route queries by content address: hashes (the prompt's page chain sent) or lengths (no token ids: the decision goes on lengths alone)."}, []string{"address"}),
 	}
 	reg.MustRegister(m.TokenizerLoaded, m.EstimatedInputs, m.TokenizeSeconds, m.ChatRenders, m.PageSize, m.ContentQueries)
+	// Every fail-open reason from the start, so a dashboard's rate shows 0 rather than nothing.
+	for _, why := range []string{foUnavailable, foNoSession, foRouteError, foNoDecode, foNoPrefill, foNoExecution} {
+		m.FailOpen.WithLabelValues(why)
+	}
 	reg.MustRegister(m.Requests, m.FailOpen, m.BadRequests, m.TTFT, m.Latency, m.RouteLatency, m.Retries,
 		m.Inflight, m.CPConnected, m.CPSilent, m.Orphans, m.Refresh, m.Outcomes, m.SessionCalls, m.HintReleases)
 	return m
