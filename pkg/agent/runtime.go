@@ -261,7 +261,9 @@ func (rt *Runtime) Serve(ctx context.Context, core Core, setReporter func(*Contr
 	context.AfterFunc(gctx, func() { sd.Stopping("stopping") })
 	rt.Log.Info().Str("bridge", c.BridgeSocket).Str("peer", rt.PeerAddr).Str("http", httpLis.Addr().String()).
 		Str("transfer", rt.Engine.SegmentName()).Str("transport", rt.Engine.Backend()).Msg("sidecar serving")
-	return g.Wait()
+	err = g.Wait()
+	sd.Stopping("stopping") // sent already as the stop began; this waits for it before the exit
+	return err
 }
 
 // readyzHandler answers GET /readyz with "ready" or 503 and what the sidecar waits for, and

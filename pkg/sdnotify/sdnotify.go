@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/coreos/go-systemd/v22/daemon"
@@ -26,6 +27,7 @@ type Notifier struct {
 	log      zerolog.Logger
 	interval time.Duration // WATCHDOG_USEC (systemd's WatchdogSec=); 0: no watchdog
 	checks   *prometheus.CounterVec
+	stopping sync.Once
 }
 
 // New reads the watchdog settings of the environment (WATCHDOG_USEC, WATCHDOG_PID) and
@@ -73,8 +75,13 @@ func (n *Notifier) Ready(status string) {
 // Status sets the status line systemctl status shows.
 func (n *Notifier) Status(status string) { n.send("STATUS=" + oneLine(status)) }
 
-// Stopping says the daemon began its shutdown (STOPPING=1).
-func (n *Notifier) Stopping(status string) { n.send(daemon.SdNotifyStopping + statusLine(status)) }
+// Stopping says the daemon began its shutdown (STOPPING=1), once: later calls send nothing, and
+// return only after the first one's message went out. Call it as the stop begins (e.g. from
+// context.AfterFunc, which runs it on its own goroutine) and again, synchronously, before the
+// process exits, so the message is never lost to a quick exit.
+func (n *Notifier) Stopping(status string) {
+	n.stopping.Do(func() { n.send(daemon.SdNotifyStopping + statusLine(status)) })
+}
 
 // Watchdog sends WATCHDOG=1 every half of the watchdog interval while check passes, until ctx
 // is done; a failed check sends nothing (logged, counted), so a process that stays unhealthy

@@ -72,6 +72,7 @@ func TestStates(t *testing.T) {
 		{func() { n.Ready("serving on 127.0.0.1:1") }, "READY=1\nSTATUS=serving on 127.0.0.1:1"},
 		{func() { n.Status("waiting for\nthe worker") }, "STATUS=waiting for the worker"},
 		{func() { n.Stopping("draining") }, "STOPPING=1\nSTATUS=draining"},
+		{func() { n.Stopping("again"); n.Status("after") }, "STATUS=after"}, // STOPPING=1 once
 	} {
 		tc.send()
 		if got := recv(t, conn, 10*time.Second); got != tc.want {

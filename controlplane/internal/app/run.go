@@ -278,7 +278,9 @@ func Run(ctx context.Context, opts *Options, log zerolog.Logger) error {
 	context.AfterFunc(gctx, func() { sd.Stopping("stopping: resigning, draining gRPC calls") })
 	log.Info().Str("grpc", info.GRPCAddr).Str("http", info.HTTPAddr).Str("advertise", advertise).
 		Strs("etcd", endpoints).Msg("control plane serving")
-	return g.Wait()
+	err = g.Wait()
+	sd.Stopping("stopping") // sent already as the stop began; this waits for it before the exit
+	return err
 }
 
 // volatileFlush maps --volatile-flush to state.Config.VolatileFlush (0 there is the default;

@@ -223,6 +223,7 @@ func Run(ctx context.Context, cfg *config.Config, logOut io.Writer) error {
 	log.Info().Str("http_addr", addr).Str("admin_addr", adminAddr).Str("scheme", scheme).Strs("control_planes", cfg.ControlPlanes).Int("failopen_prefill", np).Int("failopen_decode", nd).
 		Dur("request_timeout", cfg.RequestTimeout).Dur("route_timeout", cfg.RouteTimeout).Msg("kvc-gateway serving")
 	err = <-served
+	sd.Stopping("stopping") // sent already as the stop began; this waits for it before the exit
 	stopBG()
 	return errors.Join(err, bg.Wait())
 }
