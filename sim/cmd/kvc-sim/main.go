@@ -76,6 +76,7 @@ func parse(args []string, getenv func(string) string, stderr io.Writer) (*option
 	fs.DurationVar(&o.transferTimeout, "transfer-timeout", 60*time.Second, "bound of one KV transfer wait")
 	fs.DurationVar(&o.preallocWait, "prealloc-wait", 0, "decode: how long a request that cannot get KV pages even by eviction waits for running requests to free some (SGLang's prealloc queue) before 503 no_capacity; 0 rejects at once")
 	fs.Int64Var(&o.baseline.PrefixCacheTokens, "prefix-cache-tokens", 0, "prefill: radix (prefix) cache capacity in tokens; a prefill computes only what follows the longest cached page-aligned prefix (0: none, the E1 lower bound)")
+	fs.StringVar(&o.baseline.EvictionPolicy, "radix-eviction-policy", worker.EvictLRU, "prefill: the prefix cache's eviction (SGLang's flag): lru, or priority (the pages of requests with a lower priority field go first, LRU within a priority)")
 	fs.StringVar(&o.pullDirs, "pull-dirs", "", "prefill: comma list of KV tier directories to fetch a session's longer prefix from over the link (llm-d P2P pull from decode hosts' CPU tiers; SGLang HiCache L3)")
 	fs.StringVar(&o.baseline.OffloadDir, "offload-dir", "", "decode: write every finished turn's KV (input and generated) to this tier directory (llm-d decode host CPU tier; SGLang decode offload to L3)")
 	fs.Int64Var(&o.baseline.OffloadCapacityTokens, "offload-capacity-tokens", 0, "decode: tokens this worker keeps in --offload-dir, LRU by session (0: unbounded)")

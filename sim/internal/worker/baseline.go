@@ -22,6 +22,10 @@ type BaselineConfig struct {
 	// over full pages; a prefill computes only the tokens past the longest cached page-aligned
 	// prefix of its input (SGLang's and vLLM's prefix caching on a P/D prefill worker).
 	PrefixCacheTokens int64
+	// EvictionPolicy of the prefix cache: EvictLRU ("" too) or EvictPriority, which evicts the
+	// pages of requests with a lower SGLang priority (GenerateReqInput.priority) first (SGLang's
+	// --radix-eviction-policy).
+	EvictionPolicy string
 	// PullDirs (prefill): KV tiers the prefill worker fetches a longer prefix from before it
 	// prefills the rest, paying the link for the fetched tokens: llm-d's P2P pull from each decode
 	// host's CPU tier (one directory per decode host), or SGLang's HiCache L3 prefetch (the shared
@@ -68,12 +72,17 @@ func NewBaseline(cfg BaselineConfig, pageSize int) (*Baseline, error) {
 	if pageSize <= 0 {
 		return nil, fmt.Errorf("baseline: page size %d", pageSize)
 	}
+	switch cfg.EvictionPolicy {
+	case "", EvictLRU, EvictPriority:
+	default:
+		return nil, fmt.Errorf("baseline: radix eviction policy %q (want %s or %s)", cfg.EvictionPolicy, EvictLRU, EvictPriority)
+	}
 	if cfg.PrefixCacheTokens == 0 && len(cfg.PullDirs) == 0 && cfg.OffloadDir == "" && !cfg.DecodeRadix {
 		return nil, nil
 	}
 	b := &Baseline{cfg: cfg, offload: list.New(), offIdx: map[string]*list.Element{}}
 	if cfg.PrefixCacheTokens > 0 {
-		b.prefix = newRadix(cfg.PrefixCacheTokens/int64(pageSize), pageSize)
+		b.prefix = newRadix(cfg.PrefixCacheTokens/int64(pageSize), pageSize, cfg.EvictionPolicy)
 	}
 	if cfg.OffloadDir != "" {
 		if err := os.MkdirAll(cfg.OffloadDir, 0o755); err != nil {
@@ -105,19 +114,42 @@ func chainHashes(ids []uint32, pageSize int) []uint64 {
 	return out
 }
 
-// radix is a page-granular prefix cache: a set of chain hashes with LRU eviction and a
-// capacity in pages. Evicting a page of a path leaves its descendants unreachable (they are
-// never matched past the gap) until they are evicted too, as a radix tree's leaves go first.
+// Eviction policies of the prefill prefix cache (SGLang's --radix-eviction-policy values this
+// model implements).
+const (
+	// EvictLRU evicts the least recently used page first and ignores request priorities
+	// (SGLang's default, LRUStrategy).
+	EvictLRU = "lru"
+	// EvictPriority evicts the page of the lowest priority first, least recently used within a
+	// priority (SGLang 0.5.23's PriorityStrategy: (node.priority, last_access_time)); a page
+	// takes the highest priority of the requests that inserted it (TreeNode.priority = max).
+	EvictPriority = "priority"
+)
+
+// radix is a page-granular prefix cache: a set of chain hashes with LRU (or priority, then LRU)
+// eviction and a capacity in pages. Evicting a page of a path leaves its descendants
+// unreachable (they are never matched past the gap) until they are evicted too, as a radix
+// tree's leaves go first.
 type radix struct {
-	mu       sync.Mutex
-	pageSize int
-	cap      int64
-	lru      *list.List
-	idx      map[uint64]*list.Element
+	mu         sync.Mutex
+	pageSize   int
+	cap        int64
+	byPriority bool
+	n          int64
+	lists      map[int64]*list.List // per priority, front = most recently used
+	idx        map[uint64]*list.Element
 }
 
-func newRadix(pages int64, pageSize int) *radix {
-	return &radix{pageSize: pageSize, cap: pages, lru: list.New(), idx: map[uint64]*list.Element{}}
+// rpage is one cached page: its chain hash and priority (SGLang's request priority: higher is
+// kept longer).
+type rpage struct {
+	hash uint64
+	prio int64
+}
+
+func newRadix(pages int64, pageSize int, policy string) *radix {
+	return &radix{pageSize: pageSize, cap: pages, byPriority: policy == EvictPriority,
+		lists: map[int64]*list.List{}, idx: map[uint64]*list.Element{}}
 }
 
 // match is the number of leading pages of hs held (touching them).
@@ -135,31 +167,73 @@ func (r *radix) match(hs []uint64) int {
 		n++
 	}
 	for i := n - 1; i >= 0; i-- { // deepest first: the root ends most recently used
-		r.lru.MoveToFront(r.idx[hs[i]])
+		e := r.idx[hs[i]]
+		r.lists[e.Value.(*rpage).prio].MoveToFront(e)
 	}
 	return n
 }
 
-// insert adds every page of hs, evicting least recently used pages beyond the capacity.
-func (r *radix) insert(hs []uint64) {
+// insert adds every page of hs at priority prio (ignored under LRU), raising the priority of
+// pages held at a lower one, and evicts beyond the capacity.
+func (r *radix) insert(hs []uint64, prio int64) {
 	if r == nil || r.cap <= 0 {
 		return
+	}
+	if !r.byPriority {
+		prio = 0
 	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	// Deepest pages are touched first so that the path's root ends up most recently used.
 	for i := len(hs) - 1; i >= 0; i-- {
 		if e, ok := r.idx[hs[i]]; ok {
-			r.lru.MoveToFront(e)
-			continue
+			pg := e.Value.(*rpage)
+			if prio <= pg.prio {
+				r.lists[pg.prio].MoveToFront(e)
+				continue
+			}
+			r.remove(e)
 		}
-		r.idx[hs[i]] = r.lru.PushFront(hs[i])
+		r.idx[hs[i]] = r.list(prio).PushFront(&rpage{hash: hs[i], prio: prio})
+		r.n++
 	}
-	for int64(r.lru.Len()) > r.cap {
-		e := r.lru.Back()
-		delete(r.idx, e.Value.(uint64))
-		r.lru.Remove(e)
+	for r.n > r.cap {
+		r.remove(r.victim())
 	}
+}
+
+// list is the LRU list of priority prio, made on first use.
+func (r *radix) list(prio int64) *list.List {
+	l := r.lists[prio]
+	if l == nil {
+		l = list.New()
+		r.lists[prio] = l
+	}
+	return l
+}
+
+// victim is the least recently used page of the lowest priority held (r.n > 0).
+func (r *radix) victim() *list.Element {
+	var low *list.List
+	lowP := int64(0)
+	for p, l := range r.lists {
+		if low == nil || p < lowP {
+			low, lowP = l, p
+		}
+	}
+	return low.Back()
+}
+
+// remove drops a page (and its priority's list once empty).
+func (r *radix) remove(e *list.Element) {
+	pg := e.Value.(*rpage)
+	l := r.lists[pg.prio]
+	l.Remove(e)
+	if l.Len() == 0 {
+		delete(r.lists, pg.prio)
+	}
+	delete(r.idx, pg.hash)
+	r.n--
 }
 
 // tierFile is the file of session in a tier directory.
@@ -254,7 +328,7 @@ func (w *Worker) prefillCost(p *plan) (compute time.Duration, cached, pulled int
 	// At least one token is always computed (the first output token's logits).
 	cached = min(int64(local*ps), max(p.input-1, 0))
 	pulled = min(int64(far*ps), max(p.input-1, 0)) - cached
-	b.prefix.insert(hs)
+	b.prefix.insert(hs, p.priority)
 	if pulled <= 0 {
 		from = ""
 	}

@@ -30,14 +30,14 @@ func TestChainHashesSharePrefix(t *testing.T) {
 }
 
 func TestRadixLRU(t *testing.T) {
-	r := newRadix(4, 16)
+	r := newRadix(4, 16, EvictLRU)
 	x := chainHashes(seq(48, 0), 16)   // 3 pages
 	y := chainHashes(seq(48, 900), 16) // 3 other pages
-	r.insert(x)
+	r.insert(x, 0)
 	if got := r.match(x); got != 3 {
 		t.Fatalf("match x = %d, want 3", got)
 	}
-	r.insert(y) // 6 pages > 4: x's least recently used pages go
+	r.insert(y, 0) // 6 pages > 4: x's least recently used pages go
 	if got := r.match(y); got != 3 {
 		t.Errorf("match y = %d, want 3", got)
 	}
@@ -45,9 +45,56 @@ func TestRadixLRU(t *testing.T) {
 		t.Errorf("match x after eviction = %d, want 1 (its root page only)", got)
 	}
 	var nilR *radix
-	nilR.insert(x)
+	nilR.insert(x, 0)
 	if nilR.match(x) != 0 {
 		t.Error("nil radix matched")
+	}
+}
+
+// TestRadixEvictionPolicy: under "priority" the pages of the lowest priority go first, least
+// recently used within a priority, and a page keeps the highest priority it was inserted at
+// (SGLang 0.5.23's PriorityStrategy and TreeNode.priority = max); under "lru" priorities are
+// ignored.
+func TestRadixEvictionPolicy(t *testing.T) {
+	x := chainHashes(seq(48, 0), 16)                          // 3 pages
+	y := chainHashes(seq(48, 900), 16)                        // 3 other pages
+	z := chainHashes(append(seq(32, 0), seq(16, 700)...), 16) // x's first 2 pages, then its own
+	type ins struct {
+		hs   []uint64
+		prio int64
+	}
+	cases := []struct {
+		name   string
+		policy string
+		seq    []ins
+		x, y   int // pages of x and y matched afterwards (x first)
+	}{
+		{"lru: the older session goes although the newer is low", EvictLRU, []ins{{x, 0}, {y, -100}, {y, -100}}, 1, 3},
+		{"priority: the low session goes although it is newer", EvictPriority, []ins{{x, 0}, {y, -100}}, 3, 1},
+		{"priority: the normal session stays although older", EvictPriority, []ins{{x, 0}, {y, -100}, {y, -100}}, 3, 1},
+		{"priority: equal priorities are LRU", EvictPriority, []ins{{x, -100}, {y, -100}}, 1, 3},
+		{"priority: higher values stay (SGLang's sign)", EvictPriority, []ins{{x, 5}, {y, 0}}, 3, 1},
+		{"priority: a page keeps its highest priority", EvictPriority, []ins{{x, 0}, {x, -100}, {y, -100}}, 3, 1},
+		{"priority: a low page re-inserted at normal is raised", EvictPriority, []ins{{x, -100}, {y, -100}, {x, 0}, {y, -100}}, 3, 1},
+		{"priority: a shared prefix keeps the higher one's priority", EvictPriority, []ins{{x, 0}, {z, -100}, {y, -100}}, 3, 1},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			r := newRadix(4, 16, c.policy)
+			for _, in := range c.seq {
+				r.insert(in.hs, in.prio)
+			}
+			if r.n > r.cap || int64(len(r.idx)) != r.n {
+				t.Fatalf("holds %d pages (index %d), capacity %d", r.n, len(r.idx), r.cap)
+			}
+			gx, gy := r.match(x), r.match(y)
+			if gx != c.x || gy != c.y {
+				t.Errorf("matched x=%d y=%d, want x=%d y=%d", gx, gy, c.x, c.y)
+			}
+		})
+	}
+	if _, err := NewBaseline(BaselineConfig{PrefixCacheTokens: 64, EvictionPolicy: "lfu"}, 16); err == nil {
+		t.Error("an eviction policy kvc-sim does not model was accepted")
 	}
 }
 

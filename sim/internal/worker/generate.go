@@ -334,6 +334,8 @@ func (w *Worker) servePrefill(ctx context.Context, p *plan, meta *KVCMeta) *apiE
 	meta.PrefillTokens = p.input - cached - pulled
 	meta.PrefixCachedTokens = cached + pulled
 	meta.PrefillMS = ms(time.Since(t0))
+	w.m.prefillPromptTokens.Add(float64(p.input))
+	w.m.prefillCacheHitTokens.Add(float64(cached))
 	w.m.prefillTokens.Add(float64(meta.PrefillTokens))
 	t1 := time.Now()
 	sctx, cancel := context.WithTimeout(ctx, w.cfg.TransferTimeout)

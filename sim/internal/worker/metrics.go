@@ -27,6 +27,9 @@ type metrics struct {
 	misStitched  prometheus.Counter
 	// prefixCachedTokens: tokens local first turns reused from other sessions' KV.
 	prefixCachedTokens prometheus.Counter
+	// prefillPromptTokens, prefillCacheHitTokens: a prefill worker's prompt tokens and those of
+	// them its prefix cache served (P's cache hit rate is their ratio).
+	prefillPromptTokens, prefillCacheHitTokens prometheus.Counter
 	// bootstrapSeconds: prefill requests' wait for the decode side's pre-allocation.
 	bootstrapSeconds prometheus.Histogram
 	// prefillBusy: modeled seconds the GPU spent on prefill compute (P's prefill passes, D's
@@ -72,6 +75,8 @@ func newMetrics(reg prometheus.Registerer, w *Worker) *metrics {
 	m.tailRewrites = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_tail_rewrites_total", Help: "Turns whose prompt diverged from the held KV inside its partial last page (invisible to page hashes)."})
 	m.misStitched = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_mis_stitched_total", Help: "Turns refused because the held KV they were to reuse is not a prefix of the prompt inside its full pages."})
 	m.prefixCachedTokens = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_prefix_cached_tokens_total", Help: "Tokens of new sessions' local first turns reused from KV this worker held for other sessions (not prefilled)."})
+	m.prefillPromptTokens = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_prefill_prompt_tokens_total", Help: "Prompt tokens of the prefill passes this prefill worker ran."})
+	m.prefillCacheHitTokens = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_prefill_cache_hit_tokens_total", Help: "Prompt tokens this prefill worker's prefix cache served instead of prefilling them (not counting tier pulls)."})
 	m.bootstrapSeconds = prometheus.NewHistogram(prometheus.HistogramOpts{Name: "kvc_sim_bootstrap_wait_seconds",
 		Help: "Prefill: time a request waited for the decode side's pre-allocation before it could prefill.", Buckets: prometheus.ExponentialBuckets(0.0005, 2, 16)})
 	m.prefillBusy = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_prefill_gpu_seconds_total", Help: "Wall seconds the GPU spent on (append-)prefill compute."})
@@ -86,7 +91,7 @@ func newMetrics(reg prometheus.Registerer, w *Worker) *metrics {
 		m.busy.seconds)
 	m.pulledBytes = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_pulled_bytes_total", Help: "KV bytes (at the worker's bytes per token) this prefill worker pulled from a baseline tier (L3 prefetch, a decode host's CPU tier) instead of prefilling."})
 	if reg != nil {
-		reg.MustRegister(m.busyGauge, m.pulledBytes)
+		reg.MustRegister(m.busyGauge, m.pulledBytes, m.prefillPromptTokens, m.prefillCacheHitTokens)
 		reg.MustRegister(m.requests, m.ttft, m.receivedBytes, m.verifiedBytes, m.verifyFailures, m.sentBytes,
 			m.prefillTokens, m.decodeTokens, m.evictions, m.sidecarlessReleases, m.capacityRejects, m.preallocWaits, m.bridgeErrors, m.transferSeconds,
 			m.residentGauge, m.usedPagesGauge, m.freePagesGauge, m.truncations, m.tailRewrites, m.misStitched, m.prefixCachedTokens,

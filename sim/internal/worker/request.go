@@ -138,9 +138,13 @@ type generateRequest struct {
 	SessionParams *struct {
 		ID string `json:"id"`
 	} `json:"session_params"`
-	BootstrapRoom *json.Number     `json:"bootstrap_room"`
-	KVHints       *kvHintsEnvelope `json:"kv_hints"`
-	KVC           *kvcHints        `json:"kvc"` // before kv_hints; accepted for one release
+	BootstrapRoom *json.Number `json:"bootstrap_room"`
+	// Priority is SGLang's request priority (GenerateReqInput.priority; higher is more
+	// important): under --radix-eviction-policy priority a prefill worker's prefix cache evicts
+	// the pages of lower priorities first.
+	Priority *json.Number     `json:"priority"`
+	KVHints  *kvHintsEnvelope `json:"kv_hints"`
+	KVC      *kvcHints        `json:"kvc"` // before kv_hints; accepted for one release
 }
 
 // plan is a validated request.
@@ -173,6 +177,8 @@ type plan struct {
 	// on D, a SEED with snapshot_seqlen loads [0, seqlen) from that store instead.
 	toStore  bool
 	storeGen uint64
+	// priority: the request's SGLang priority (0 when absent, as SGLang's req.priority or 0).
+	priority int64
 }
 
 // checkTransfer: the payload's transfer kind must be the one the mode implies.
@@ -245,6 +251,13 @@ func parseGenerate(body []byte, role kvcv1.WorkerRole, capacity int64) (*plan, e
 		return nil, fmt.Errorf("bootstrap_room: %v", err)
 	}
 	p.room, p.hasRoom = room, hasRoom
+	if r.Priority != nil {
+		v, err := strconv.ParseInt(r.Priority.String(), 10, 64)
+		if err != nil {
+			return nil, fmt.Errorf("priority %q is not a signed 64-bit integer", r.Priority.String())
+		}
+		p.priority = v
+	}
 	if r.SessionParams != nil {
 		p.sessionID = r.SessionParams.ID
 	}

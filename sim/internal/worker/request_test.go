@@ -78,3 +78,45 @@ func FuzzParseGenerate(f *testing.F) {
 		}
 	})
 }
+
+// TestParseGeneratePriority: SGLang's request priority (GenerateReqInput.priority, a signed
+// 64-bit integer) reaches the plan; anything else is a bad request.
+func TestParseGeneratePriority(t *testing.T) {
+	pre := kvcv1.WorkerRole_WORKER_ROLE_PREFILL
+	tests := []struct {
+		name string
+		prio string // the field's JSON ("" = absent)
+		want int64
+		bad  bool
+	}{
+		{"absent", "", 0, false},
+		{"null", "null", 0, false},
+		{"low (kvcentric's prefill priority 100)", "-100", -100, false},
+		{"high", "7", 7, false},
+		{"int64 min", "-9223372036854775808", -1 << 63, false},
+		{"beyond int64", "9223372036854775808", 0, true},
+		{"fraction", "1.5", 0, true},
+		{"string", `"low"`, 0, true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			body := `{"rid":"r1","input_ids":[1,2,3],"bootstrap_room":1`
+			if tt.prio != "" {
+				body += `,"priority":` + tt.prio
+			}
+			p, err := parseGenerate([]byte(body+"}"), pre, 1000)
+			if tt.bad {
+				if err == nil {
+					t.Fatalf("accepted priority %s", tt.prio)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if p.priority != tt.want {
+				t.Fatalf("priority %d, want %d", p.priority, tt.want)
+			}
+		})
+	}
+}
