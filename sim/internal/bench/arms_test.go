@@ -17,8 +17,8 @@ func TestArmPolicyAndSimArgs(t *testing.T) {
 		{arm: "SGL", prefill: "--prefix-cache-tokens 50000 --pull-dirs /w/tier-l3", decode: "--decode-radix --offload-dir /w/tier-l3 --restore-dirs /w/tier-l3"},
 		{arm: "LLMD", prefill: "--prefix-cache-tokens 50000 --pull-dirs /w/tier-host-decode-0,/w/tier-host-decode-1",
 			decode: "--offload-dir /w/tier-host-{worker} --offload-capacity-tokens 700"},
-		{arm: "E3", kvCentric: true, prefill: "--prefix-cache-tokens 50000"},
-		{arm: "E4", kvCentric: true, prefill: "--prefix-cache-tokens 50000", decode: "--evict watermark"},
+		{arm: "E3", kvCentric: true, prefill: "--prefix-cache-tokens 50000 --radix-eviction-policy priority"},
+		{arm: "E4", kvCentric: true, prefill: "--prefix-cache-tokens 50000 --radix-eviction-policy priority", decode: "--evict watermark"},
 		{arm: "E9", wantErr: true},
 	}
 	for _, tt := range tests {

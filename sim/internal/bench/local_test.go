@@ -88,6 +88,10 @@ func TestLocalArm(t *testing.T) {
 		s.LinkBytes["prefill-0"].Out <= 0 || dIn < s.LinkBytes["prefill-0"].Out {
 		t.Fatalf("busy %v %v link bytes %v", s.PrefillBusyS, s.DecodeBusyS, s.LinkBytes)
 	}
+	// P's prefix cache: its prompt tokens were scraped, and it served at most all of them.
+	if s.PrefillPromptTokens <= 0 || s.PrefillCacheHitTokens < 0 || s.PrefillCacheHitTokens > s.PrefillPromptTokens {
+		t.Fatalf("P prefix cache: %d hit of %d prompt tokens", s.PrefillCacheHitTokens, s.PrefillPromptTokens)
+	}
 	for _, f := range []string{report.ReportFile, report.CDFFile, report.ModesFile, "metrics.jsonl"} {
 		if st, err := os.Stat(filepath.Join(out, f)); err != nil || st.Size() == 0 {
 			t.Fatalf("%s: %v", f, err)

@@ -58,16 +58,18 @@ func SidecarTimerArgs(scale float64) []string {
 	return []string{"--time-scale", strconv.FormatFloat(scale, 'g', -1, 64)}
 }
 
-// scrapeNodes reads the live workers' GPU busy seconds and the link bytes their kvc-sims count
-// (P→D sends, tier pulls); a dead worker is left out.
+// scrapeNodes reads the live workers' GPU busy seconds, the link bytes their kvc-sims count
+// (P→D sends, tier pulls) and P's prompt and prefix-cache hit tokens; a dead worker is left out.
 func scrapeNodes(c *cluster.Cluster) report.NodeFigures {
-	n := report.NodeFigures{PrefillBusyS: map[string]float64{}, DecodeBusyS: map[string]float64{}, LinkBytes: map[string]report.LinkBytes{}}
+	n := report.NodeFigures{PrefillBusyS: map[string]float64{}, DecodeBusyS: map[string]float64{}, LinkBytes: map[string]report.LinkBytes{},
+		PrefillPromptTokens: map[string]int64{}, PrefillCacheHitTokens: map[string]int64{}}
 	hc := &http.Client{Timeout: 5 * time.Second}
 	for _, w := range c.Workers {
 		if w.WorkerURL == "" {
 			continue
 		}
-		m, err := scrape(hc, w.WorkerURL, "kvc_sim_busy_seconds_total", "kvc_sim_sent_bytes_total", "kvc_sim_pulled_bytes_total")
+		m, err := scrape(hc, w.WorkerURL, "kvc_sim_busy_seconds_total", "kvc_sim_sent_bytes_total", "kvc_sim_pulled_bytes_total",
+			"kvc_sim_prefill_prompt_tokens_total", "kvc_sim_prefill_cache_hit_tokens_total")
 		if err != nil {
 			continue
 		}
@@ -78,6 +80,8 @@ func scrapeNodes(c *cluster.Cluster) report.NodeFigures {
 			}
 			lb.Out += int64(m["kvc_sim_sent_bytes_total"])
 			lb.In += int64(m["kvc_sim_pulled_bytes_total"])
+			n.PrefillPromptTokens[w.ID] = int64(m["kvc_sim_prefill_prompt_tokens_total"])
+			n.PrefillCacheHitTokens[w.ID] = int64(m["kvc_sim_prefill_cache_hit_tokens_total"])
 		} else if v, ok := m["kvc_sim_busy_seconds_total"]; ok {
 			n.DecodeBusyS[w.ID] = v
 		}

@@ -83,6 +83,11 @@ func ArmSimArgs(arm, work string, decode int, b Baselines) (prefill, dec []strin
 	case "E4": // SGLang streaming sessions: freed only by the decode sidecar's release (ArmDecodeSidecarArgs)
 		dec = []string{"--evict", "watermark"}
 	}
+	if arm == "E3" || arm == "E4" {
+		// The gateway sends the decision's prefill priority as SGLang's request priority: P's
+		// radix evicts the prefixes of sessions bound direct-to-D first (docs/sglang.md).
+		prefill = append(prefill, "--radix-eviction-policy", "priority")
+	}
 	return prefill, dec
 }
 

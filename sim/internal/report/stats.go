@@ -63,6 +63,14 @@ type Summary struct {
 	// LinkBytes are the real KV bytes (at kvc-sim's reduced bytes per token) that crossed each
 	// node's link over the arm, by worker id (every worker is its own node): see NodeFigures.
 	LinkBytes map[string]LinkBytes `json:"link_bytes"`
+	// PrefillCacheHitRate is the prefill workers' prefix-cache hit rate over the arm: the prompt
+	// tokens P's prefix cache served (PrefillCacheHitTokens, kvc-sim's
+	// kvc_sim_prefill_cache_hit_tokens_total; tier pulls not counted) over the prompt tokens of
+	// P's prefill passes (PrefillPromptTokens, kvc_sim_prefill_prompt_tokens_total), summed over
+	// the prefill workers; 0 when P prefilled nothing.
+	PrefillCacheHitRate   float64 `json:"prefill_cache_hit_rate"`
+	PrefillCacheHitTokens int64   `json:"prefill_cache_hit_tokens"`
+	PrefillPromptTokens   int64   `json:"prefill_prompt_tokens"`
 }
 
 // LinkBytes are one node's link bytes in each direction.
@@ -77,6 +85,9 @@ type LinkBytes struct {
 type NodeFigures struct {
 	PrefillBusyS, DecodeBusyS map[string]float64
 	LinkBytes                 map[string]LinkBytes
+	// PrefillPromptTokens and PrefillCacheHitTokens are each prefill worker's prompt tokens and
+	// those its prefix cache served.
+	PrefillPromptTokens, PrefillCacheHitTokens map[string]int64
 }
 
 // SetNodes puts n into s, busy times divided by div (the run's time scale).
@@ -95,6 +106,16 @@ func (s *Summary) SetNodes(n NodeFigures, div float64) {
 		return out
 	}
 	s.PrefillBusyS, s.DecodeBusyS, s.LinkBytes = scale(n.PrefillBusyS), scale(n.DecodeBusyS), n.LinkBytes
+	s.PrefillPromptTokens, s.PrefillCacheHitTokens, s.PrefillCacheHitRate = 0, 0, 0
+	for _, v := range n.PrefillPromptTokens {
+		s.PrefillPromptTokens += v
+	}
+	for _, v := range n.PrefillCacheHitTokens {
+		s.PrefillCacheHitTokens += v
+	}
+	if s.PrefillPromptTokens > 0 {
+		s.PrefillCacheHitRate = round(float64(s.PrefillCacheHitTokens) / float64(s.PrefillPromptTokens))
+	}
 }
 
 // SLO is the service level of goodput (model seconds).

@@ -93,12 +93,21 @@ func TestPercentilesCountFailures(t *testing.T) {
 	}
 }
 
-// TestSetNodes: busy seconds are divided by the time scale, link bytes kept.
+// TestSetNodes: busy seconds are divided by the time scale, link bytes kept, P's prefix-cache
+// hit rate is the served tokens over the prompt tokens of every prefill worker.
 func TestSetNodes(t *testing.T) {
 	var s Summary
 	s.SetNodes(NodeFigures{PrefillBusyS: map[string]float64{"prefill-0": 3}, DecodeBusyS: map[string]float64{"decode-0": .6},
-		LinkBytes: map[string]LinkBytes{"decode-0": {In: 10, Out: 2}}}, .3)
+		LinkBytes:           map[string]LinkBytes{"decode-0": {In: 10, Out: 2}},
+		PrefillPromptTokens: map[string]int64{"prefill-0": 300, "prefill-1": 100}, PrefillCacheHitTokens: map[string]int64{"prefill-0": 90, "prefill-1": 10}}, .3)
 	if s.PrefillBusyS["prefill-0"] != 10 || s.DecodeBusyS["decode-0"] != 2 || s.LinkBytes["decode-0"].In != 10 {
 		t.Fatalf("%+v", s)
+	}
+	if s.PrefillPromptTokens != 400 || s.PrefillCacheHitTokens != 100 || s.PrefillCacheHitRate != .25 {
+		t.Fatalf("prefill cache: %d of %d, rate %v", s.PrefillCacheHitTokens, s.PrefillPromptTokens, s.PrefillCacheHitRate)
+	}
+	s.SetNodes(NodeFigures{}, 1) // nothing prefilled: no rate
+	if s.PrefillCacheHitRate != 0 || s.PrefillPromptTokens != 0 {
+		t.Fatalf("empty: %+v", s)
 	}
 }

@@ -227,15 +227,15 @@ func Markdown(meta Meta, arms []*Arm) string {
 	p("")
 	p("![Execution mode shares per arm](%s)", ModesFile)
 	p("")
-	p("## Workers: GPU busy time and link bytes")
+	p("## Workers: GPU busy time, link bytes, P's prefix cache")
 	p("")
-	p("GPU busy: model seconds with at least one prefill, append-prefill or decode step running on the worker (kvc-sim's `kvc_sim_busy_seconds_total`, read at the arm's end; a worker killed mid-run is missing). Link bytes: real KV bytes (at kvc-sim's reduced bytes per token) in / out of each worker's node: P→D transfers (seeds, plain P/D and fallbacks), store reseeds (P's store → D), D→P snapshot pushes, and the baselines' tier pulls into P (SGL's L3 prefetch, LLMD's pull from a decode host) counted at P; the source side of a tier pull, SGL's decode-side L3 restore and the decode offload writes are not counted.")
+	p("GPU busy: model seconds with at least one prefill, append-prefill or decode step running on the worker (kvc-sim's `kvc_sim_busy_seconds_total`, read at the arm's end; a worker killed mid-run is missing). Link bytes: real KV bytes (at kvc-sim's reduced bytes per token) in / out of each worker's node: P→D transfers (seeds, plain P/D and fallbacks), store reseeds (P's store → D), D→P snapshot pushes, and the baselines' tier pulls into P (SGL's L3 prefetch, LLMD's pull from a decode host) counted at P; the source side of a tier pull, SGL's decode-side L3 restore and the decode offload writes are not counted. P cache hit rate: the prompt tokens the prefill workers' prefix cache served over the prompt tokens of their prefill passes (kvc-sim's `kvc_sim_prefill_cache_hit_tokens_total` / `kvc_sim_prefill_prompt_tokens_total`; tier pulls are not hits); E3 and E4 send the decision's prefill priority as SGLang's request `priority` and run P with `--radix-eviction-policy priority`, the baselines LRU.")
 	p("")
-	p("| arm | prefill busy (per worker) | decode busy (per worker) | link bytes in / out (per worker) |")
-	p("|---|---|---|---|")
+	p("| arm | prefill busy (per worker) | decode busy (per worker) | link bytes in / out (per worker) | P cache hit rate (hit / prompt tokens) |")
+	p("|---|---|---|---|---|")
 	for _, a := range arms {
 		s := a.Summary
-		p("| %s | %s | %s | %s |", a.Name, busyList(s.PrefillBusyS), busyList(s.DecodeBusyS), linkList(s.LinkBytes))
+		p("| %s | %s | %s | %s | %s |", a.Name, busyList(s.PrefillBusyS), busyList(s.DecodeBusyS), linkList(s.LinkBytes), hitRate(s))
 	}
 	p("")
 	if checks := baselineChecksWith(arms, meta.KillWorker != "", meta.Targets); len(checks) > 0 {
@@ -411,6 +411,14 @@ func busyList(m map[string]float64) string {
 		out = append(out, fmt.Sprintf("%s %s", k, ms(m[k])))
 	}
 	return strings.Join(out, ", ")
+}
+
+// hitRate is P's prefix-cache hit rate with its tokens ("—" when P prefilled nothing).
+func hitRate(s Summary) string {
+	if s.PrefillPromptTokens <= 0 {
+		return "—"
+	}
+	return fmt.Sprintf("%.1f%% (%d / %d)", 100*s.PrefillCacheHitRate, s.PrefillCacheHitTokens, s.PrefillPromptTokens)
 }
 
 func linkList(m map[string]LinkBytes) string {
