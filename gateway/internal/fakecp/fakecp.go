@@ -139,7 +139,20 @@ func Decision(q *kvcv1.RouteQuery, mode kvcv1.RouteMode, reason kvcv1.RouteReaso
 	return &kvcv1.RouteResponse{Kind: &kvcv1.RouteResponse_Decision{Decision: &kvcv1.RouteDecision{
 		RequestId: q.GetRequestId(), DecisionId: "d-" + q.GetRequestId(), Mode: mode, Reason: reason,
 		Prefill: p, Decode: d, BootstrapRoom: 4242, Execution: Exec(mode, reason, p != nil, d != nil),
+		PrefillPriority: PrefillPriority(mode, reason),
 	}}}
+}
+
+// PrefillPriority is the prefill priority the control plane's policy gives a decision of this
+// mode and reason (docs/routing.md, "Prefill priority"), copied here for the gateway's tests:
+// 100 (low) when the session is or stays resident on D after a prefill, 0 otherwise.
+func PrefillPriority(mode kvcv1.RouteMode, reason kvcv1.RouteReason) int32 {
+	switch {
+	case mode == kvcv1.RouteMode_ROUTE_MODE_SEED, mode == kvcv1.RouteMode_ROUTE_MODE_RESEED_PREFILL,
+		mode == kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK && reason == kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND:
+		return 100
+	}
+	return 0
 }
 
 // Exec is the execution plan the control plane's policy gives a decision of this mode and

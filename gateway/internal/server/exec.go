@@ -256,6 +256,9 @@ func workerBody(p *plan, req *api.Request, role string) wireBody {
 	if store && role == roleDecode {
 		payload["snapshot_seqlen"] = req.InputTokens
 	}
+	if role == rolePrefill && p.priority != 0 {
+		b["priority"] = sglangPriority(p.priority)
+	}
 	if e.GetCallPrefill() && !(store && role == roleDecode) {
 		b["bootstrap_room"] = p.room
 		if host, port, err := net.SplitHostPort(peer); err == nil {
@@ -287,6 +290,27 @@ func workerBody(p *plan, req *api.Request, role string) wireBody {
 	}
 	out, _ := json.Marshal(b)
 	return withText(out, req.Text)
+}
+
+// sglangPriority is SGLang's request priority (GenerateReqInput.priority) for a decision's
+// prefill_priority. The two run opposite ways: prefill_priority is lower-is-more-important (100
+// for a session bound direct-to-D), while SGLang 0.5.23's --radix-eviction-policy priority
+// evicts the radix nodes of the lowest priority values first (PriorityStrategy: (priority,
+// last_access_time)), a node keeping the highest value of the requests that inserted it; and,
+// with --enable-priority-scheduling, higher values are scheduled first by default. So the low
+// prefill priority 100 is SGLang's -100: those pages go first, LRU among them, and a prefix
+// shared with a normal (0) request stays at 0.
+func sglangPriority(prefillPriority int32) int64 { return -int64(prefillPriority) }
+
+// prefillPriorityClass is the closed label of kvc_gateway_prefill_priority_total.
+func prefillPriorityClass(prefillPriority int32) string {
+	switch {
+	case prefillPriority > 0:
+		return "low"
+	case prefillPriority < 0:
+		return "high"
+	}
+	return "normal"
 }
 
 // rankPeers is the peer address of each rank of a tensor-parallel worker (WorkerRef.tp_ranks),
@@ -484,6 +508,7 @@ func (s *Server) execute(ctx, clientCtx context.Context, start time.Time, p *pla
 		}
 	} else if p.exec.GetCallPrefill() {
 		pch = make(chan *workerError, 1)
+		s.m.PrefillPriority.WithLabelValues(prefillPriorityClass(p.priority)).Inc()
 		body := workerBody(p, req, rolePrefill)
 		go func() {
 			resp, we := s.post(dctx, p.prefill.GetWorkerUrl(), body, rolePrefill)
@@ -552,6 +577,7 @@ func (s *Server) execute(ctx, clientCtx context.Context, start time.Time, p *pla
 
 // prefillToStore calls P for a seed through its store and waits for its whole answer.
 func (s *Server) prefillToStore(ctx context.Context, p *plan, req *api.Request) *workerError {
+	s.m.PrefillPriority.WithLabelValues(prefillPriorityClass(p.priority)).Inc()
 	resp, we := s.post(ctx, p.prefill.GetWorkerUrl(), workerBody(p, req, rolePrefill), rolePrefill)
 	if we != nil {
 		return we

@@ -31,6 +31,8 @@ type Metrics struct {
 	ChatRenders    *prometheus.CounterVec
 	PageSize       prometheus.Gauge
 	ContentQueries *prometheus.CounterVec
+	// PrefillPriority counts calls to a prefill worker by the decision's prefill priority class.
+	PrefillPriority *prometheus.CounterVec
 }
 
 // NewMetrics registers the series on reg.
@@ -80,7 +82,13 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Help: "KV page size the prompt's page hashes are computed with; 0 while unknown (no content addresses)."}),
 		ContentQueries: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvc_gateway_content_queries_total",
 			Help: "Route queries by content address: hashes (the prompt's page chain sent) or lengths (no token ids: the decision goes on lengths alone)."}, []string{"address"}),
+		PrefillPriority: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvc_gateway_prefill_priority_total",
+			Help: "Calls to a prefill worker by the decision's prefill priority (low: prefill_priority > 0, sent as a negative SGLang priority, its prefix evicted first from P's radix cache under --radix-eviction-policy priority; normal: 0, no priority field; high: < 0)."}, []string{"priority"}),
 	}
+	for _, c := range []string{"low", "normal", "high"} {
+		m.PrefillPriority.WithLabelValues(c)
+	}
+	reg.MustRegister(m.PrefillPriority)
 	reg.MustRegister(m.TokenizerLoaded, m.EstimatedInputs, m.TokenizeSeconds, m.ChatRenders, m.PageSize, m.ContentQueries)
 	// Every fail-open reason from the start, so a dashboard's rate shows 0 rather than nothing.
 	for _, why := range []string{foUnavailable, foNoSession, foRouteError, foNoDecode, foNoPrefill, foNoExecution} {

@@ -116,6 +116,9 @@ type plan struct {
 	snapSeqlen int64
 	pause      time.Duration
 	turn       int32
+	// priority is the decision's prefill_priority (lower is more important): P's request
+	// carries it as SGLang's priority (sglangPriority).
+	priority int32
 	// exec is what to do; the gateway applies no routing rule of its own.
 	exec *kvcv1.RouteExecution
 }
@@ -338,7 +341,7 @@ func (s *Server) route(ctx context.Context, req *api.Request, gone []*kvcv1.Work
 				mode: d.GetMode(), reason: strings.TrimPrefix(d.GetReason().String(), "ROUTE_REASON_"), decisionID: d.GetDecisionId(),
 				prefill: d.GetPrefill(), decode: d.GetDecode(), room: d.GetBootstrapRoom(), cached: d.GetCachedTokens(),
 				snapSeqlen: d.GetSnapshotSeqlen(), pause: time.Duration(d.GetRecommendedPauseMs()) * time.Millisecond, turn: d.GetTurn(),
-				exec: d.GetExecution(),
+				priority: d.GetPrefillPriority(), exec: d.GetExecution(),
 			}
 			if why = unusable(p); why == "" {
 				return p, nil

@@ -29,6 +29,8 @@ type workerReq struct {
 	BootstrapHost string `json:"bootstrap_host"`
 	BootstrapPort int    `json:"bootstrap_port"`
 	BootstrapRoom int64  `json:"bootstrap_room"`
+	// Priority is SGLang's request priority (absent: nil).
+	Priority      *int64 `json:"priority"`
 	SessionParams *struct {
 		ID string `json:"id"`
 	} `json:"session_params"`
@@ -336,25 +338,31 @@ func TestModes(t *testing.T) {
 					t.Fatalf("got %+v", r)
 				}
 			}
-			// P: full context, no session_params; D: the session's streaming session.
+			// P: full context, no session_params, the low prefill priority as SGLang's -100 (its
+			// prefix evicted first: the session goes direct-to-D next); D: the session's
+			// streaming session, no priority.
+			if pr.Priority == nil || *pr.Priority != -100 || dr.Priority != nil {
+				t.Fatalf("priority: P %v D %v", pr.Priority, dr.Priority)
+			}
 			if pr.KVC.Role != "prefill" || pr.Stream || pr.SessionParams != nil || dr.KVC.Role != "decode" || !dr.KVC.KeepSession ||
 				dr.SessionParams == nil || dr.SessionParams.ID != "s1" {
 				t.Fatalf("roles: %+v / %+v", pr, dr)
 			}
 		}},
 		{"reseed prefill", kvcv1.RouteMode_ROUTE_MODE_RESEED_PREFILL, kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_MISSING, true, true, func(t *testing.T, pr, dr workerReq) {
-			if dr.KVC.Mode != "RESEED_PREFILL" || pr.KVC.Mode != "RESEED_PREFILL" || pr.SessionParams != nil {
+			if dr.KVC.Mode != "RESEED_PREFILL" || pr.KVC.Mode != "RESEED_PREFILL" || pr.SessionParams != nil || pr.Priority == nil || *pr.Priority != -100 {
 				t.Fatalf("got %+v", dr)
 			}
 		}},
-		{"pd fallback", kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY, true, false, func(t *testing.T, _, dr workerReq) {
-			if dr.KVC.KeepSession || dr.SessionParams != nil || dr.KVC.SessionID != "s1" {
+		{"pd fallback", kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY, true, false, func(t *testing.T, pr, dr workerReq) {
+			if dr.KVC.KeepSession || dr.SessionParams != nil || dr.KVC.SessionID != "s1" || pr.Priority != nil {
 				t.Fatalf("fallback keeps no session: %+v", dr)
 			}
 		}},
 		{"pd fallback for a large append keeps the session", kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND, true, false, func(t *testing.T, pr, dr workerReq) {
 			if !dr.KVC.KeepSession || dr.KVC.Mode != "PD_FALLBACK" || dr.BootstrapRoom != 4242 || dr.KVC.Room != 4242 ||
-				dr.KVC.SessionID != "s1" || dr.SessionParams == nil || pr.KVC.Mode != "PD_FALLBACK" || pr.KVC.Role != "prefill" || pr.SessionParams != nil {
+				dr.KVC.SessionID != "s1" || dr.SessionParams == nil || pr.KVC.Mode != "PD_FALLBACK" || pr.KVC.Role != "prefill" || pr.SessionParams != nil ||
+				pr.Priority == nil || *pr.Priority != -100 {
 				t.Fatalf("large append: prefill %+v decode %+v", pr, dr)
 			}
 		}},
