@@ -70,7 +70,8 @@ def test_hooks_were_applied_not_skipped(sglang_installed):
 
 
 PREFILL_ARGS = ["--model-path", "Qwen/Qwen3-30B-A3B", "--port", "30000", "--base-gpu-id", "0", "--page-size", "16",
-                "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "kvcentric"]
+                "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "kvcentric",
+                "--radix-eviction-policy", "priority"]
 DECODE_ARGS = ["--model-path", "Qwen/Qwen3-30B-A3B", "--port", "31000", "--base-gpu-id", "1", "--page-size", "16",
                "--enable-streaming-session", "--enable-unified-cache-external-linker",
                "--unified-cache-external-linker-backend", "dynamic", "--unified-cache-external-linker-config",
@@ -90,6 +91,7 @@ def test_launch_commands_of_docs_parse(sglang_installed):
     ServerArgs.add_cli_args(parser)
     pre = parser.parse_args(PREFILL_ARGS)
     assert (pre.disaggregation_mode, pre.disaggregation_transfer_backend, pre.page_size) == ("prefill", "kvcentric", 16)
+    assert pre.radix_eviction_policy == "priority"  # P evicts the prefixes of direct-to-D sessions first
     dec = parser.parse_args(DECODE_ARGS)
     assert dec.disaggregation_mode == "null" and dec.enable_streaming_session
     assert dec.enable_unified_cache_external_linker and dec.unified_cache_external_linker_backend == "dynamic"
