@@ -44,6 +44,10 @@ class Plan:
     stream: bool = False
     ids: Optional[List[int]] = None  # the client's token ids; None: scripted (synthetic) tokens
     hints: str = ""  # "kvc" or "kv_hints" or ""
+    # SGLang's request priority (GenerateReqInput.priority; the gateway sends -prefill_priority on
+    # P's half): kept on the plan and echoed in P's meta_info (this worker has no radix cache to
+    # evict by it). 0 when absent, as SGLang's req.priority or 0.
+    priority: int = 0
     extra: dict = field(default_factory=dict)
 
     @property
@@ -130,6 +134,11 @@ def parse(body, role: str, capacity: int, vocab: int) -> Plan:
     if sp.get("max_new_tokens") is not None:
         p.max_new = _int(sp["max_new_tokens"], "sampling_params.max_new_tokens")
     p.room, p.has_room = _room(body.get("bootstrap_room"), "bootstrap_room")
+    if body.get("priority") is not None:
+        pr = body["priority"]
+        if isinstance(pr, bool) or not isinstance(pr, int) or not -(1 << 63) <= pr < (1 << 63):
+            raise BadRequest("priority must be a signed 64-bit integer (SGLang's request priority)")
+        p.priority = pr
     sess = body.get("session_params")
     if sess is not None:
         if not isinstance(sess, dict):

@@ -441,6 +441,8 @@ class Worker:
     def serve_prefill(self, p: Plan) -> Dict:
         ids = self.tokens_for(p)
         meta = {"mode": p.mode, "role": "prefill", "worker_id": self.cfg.worker_id}
+        if p.priority:
+            meta["priority"] = p.priority  # the request's SGLang priority, passed through
         pages, _ = self.allocate(pages_for(p.input, self.pool.page_size), "")
         self.gpu.enter()  # a served request: recompute checks of workers sharing the GPU wait
         try:

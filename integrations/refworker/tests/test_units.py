@@ -36,6 +36,10 @@ class TestParse(unittest.TestCase):
              dict(mode="PD_FALLBACK", keep=False, seed_key="r1", room=5)),
             ("text only", {"text": "x" * 40, "kvc": {"mode": "PD_FALLBACK", "keep_session": False}, "rid": "r",
                            "bootstrap_room": 1}, "decode", dict(input=10, local=False, transfers=True)),
+            ("P's low prefill priority as SGLang's",
+             {"rid": "r1", "input_ids": [7, 7], "bootstrap_room": 5, "priority": -100}, "prefill", dict(priority=-100)),
+            ("no priority", {"rid": "r1", "input_ids": [7, 7], "bootstrap_room": 5, "priority": None}, "prefill",
+             dict(priority=0)),
             ("failed open to D alone", {"rid": "r", "input_ids": [1, 2, 3],
                                         "kvc": {"mode": "PD_FALLBACK", "keep_session": False}}, "decode",
              dict(mode="PD_FALLBACK", local=True, transfers=False)),
@@ -68,6 +72,12 @@ class TestParse(unittest.TestCase):
             ("space in id", {"kvc": {"mode": "SEED", "input_tokens": 3, "session_id": "a b", "room": 1}}, "decode",
              "printable"),
             ("no input", {"kvc": {"mode": "PD_FALLBACK", "keep_session": False}}, "decode", "no input"),
+            ("priority not an integer", {"rid": "r", "input_ids": [1], "bootstrap_room": 1, "priority": "low"},
+             "prefill", "priority"),
+            ("priority a bool", {"rid": "r", "input_ids": [1], "bootstrap_room": 1, "priority": True},
+             "prefill", "priority"),
+            ("priority beyond int64", {"rid": "r", "input_ids": [1], "bootstrap_room": 1, "priority": 1 << 63},
+             "prefill", "priority"),
         ]
         for name, body, role, msg in bad:
             with self.subTest(name), self.assertRaisesRegex(R.BadRequest, msg):
