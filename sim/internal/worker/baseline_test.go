@@ -170,3 +170,31 @@ func TestPrefillCostAndTiers(t *testing.T) {
 		t.Errorf("no baseline: %v", d)
 	}
 }
+
+// TestPrefillCostPriority: a prefill's request priority (plan.priority, SGLang's priority field)
+// decides which session P's prefix cache keeps under "priority"; under "lru" the older goes.
+func TestPrefillCostPriority(t *testing.T) {
+	g := Geometry{PageSize: 16, Layers: 1, BytesPerToken: 1, PageCount: 1024}
+	normal := &plan{sessionID: "n", seedKey: "n", input: 64, ids: seq(64, 0)}                    // 4 pages, P will see it again
+	direct := &plan{sessionID: "d", seedKey: "d", input: 64, ids: seq(64, 5000), priority: -100} // bound direct-to-D
+	for _, c := range []struct {
+		policy string
+		want   int64 // the normal session's cached tokens on its next prefill
+	}{
+		{EvictLRU, 32}, // its two deepest pages went
+		{EvictPriority, 63},
+	} {
+		t.Run(c.policy, func(t *testing.T) {
+			b, err := NewBaseline(BaselineConfig{PrefixCacheTokens: 96, EvictionPolicy: c.policy}, 16) // 6 pages
+			if err != nil {
+				t.Fatal(err)
+			}
+			w := &Worker{cfg: Config{Role: kvcv1.WorkerRole_WORKER_ROLE_PREFILL, Geometry: g, Timing: DefaultTiming(), Baseline: b}}
+			w.prefillCost(normal)
+			w.prefillCost(direct) // 8 pages > 6: two go
+			if _, cached, _, _ := w.prefillCost(normal); cached != c.want {
+				t.Errorf("normal session's next prefill: %d cached, want %d", cached, c.want)
+			}
+		})
+	}
+}
