@@ -64,7 +64,8 @@ func TestLocalArm(t *testing.T) {
 	fields := []string{"ok", "total", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "latency_p50_s", "latency_p99_s", "direct_to_d_share",
 		"reseed_count", "reseed_ttft_p50_s", "snapshot_hit_rate", "bytes_moved", "kv_verify_failures",
 		"direct_to_d_share_continuing", "snapshot_stale", "goodput_rps", "recovery_s", "affected_sessions", "recovery_ttft_p50_s", "unrecovered", "recovery_excess_s",
-		"ttft_p99_continuing_s", "slo_met", "slo_attainment", "prefill_busy_s", "decode_busy_s", "link_bytes"}
+		"ttft_p99_continuing_s", "slo_met", "slo_attainment", "prefill_busy_s", "decode_busy_s", "link_bytes",
+		"prefill_cache_hit_rate", "prefill_cache_hit_tokens", "prefill_prompt_tokens"}
 	if len(sum["E4"]) != len(fields) {
 		t.Fatalf("summary fields %v", sum["E4"])
 	}
