@@ -46,6 +46,7 @@ func FuzzParseGenerate(f *testing.F) {
 		`{"kvc":{"mode":"RESEED_SNAPSHOT","session_id":"s","input_tokens":9,"room":1,"snapshot_seqlen":4}}`,
 		`{"kvc":{"mode":"DIRECT_TO_D","session_id":"s","input_tokens":9,"cached_tokens":9}}`,
 		`{"sampling_params":{"max_new_tokens":-1}}`, `{`, `null`, `[]`, `{"bootstrap_room":1e99}`,
+		`{"rid":"r","input_ids":[1,2],"bootstrap_room":3,"priority":-100}`, `{"input_ids":[1],"bootstrap_room":3,"priority":1e3}`,
 		`{"session_params":{"id":"s"},"kv_hints":{"protocol_version":1,"message_id":"m","actions":[{"action_id":"a","action_type":"kvc","action_version":1,"payload":{"mode":"SEED","session_id":"s","input_tokens":9,"room":1,"transfer":"SEED","keep_session":true}}]}}`,
 		`{"kv_hints":{"protocol_version":1,"actions":[{"action_type":"other","action_version":3,"payload":{"x":1}},{"action_type":"kvc","action_version":1,"payload":{"mode":"PD_FALLBACK","session_id":"s","input_tokens":9,"room":2,"keep_session":false}}]}}`,
 		`{"session_params":{"id":"s"},"kv_hints":{"protocol_version":1,"actions":[{"action_type":"kvc","action_version":1,"payload":{"mode":"RESEED_SNAPSHOT","session_id":"s","input_tokens":9,"room":1,"transfer":"SNAPSHOT","snapshot_seqlen":4,"keep_session":true}}]}}`,
