@@ -103,9 +103,6 @@ func (e *egress) leave() {
 	}
 }
 
-// linkDir is the default root of the egress counters: shared by the kvc-sims of one machine.
-func linkDir() string { return filepath.Join(os.TempDir(), "kvc-sim-links") }
-
 // move models moving tokens tokens of the real model's KV into this node over its NIC (and out
 // of the sender named by from, "" for none) under processor sharing, and returns how long it
 // took. At time scale 0 it costs nothing.
