@@ -143,7 +143,7 @@ func TestWorkerCallCarriesTraceparent(t *testing.T) {
 	status := ""
 	for _, a := range call.Attributes {
 		if a.Key == "http.response.status_code" {
-			status = a.Value.Emit()
+			status = a.Value.String()
 		}
 	}
 	if tp0 != want || status != "503" || call.Status.Code.String() != "Error" || call.Parent.SpanID() != span.SpanContext().SpanID() {
