@@ -1264,6 +1264,154 @@ func (x *SendKVResponse) GetStoredSeqlen() int64 {
 	return 0
 }
 
+type LoadFromStoreRequest struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	SessionId string                 `protobuf:"bytes,1,opt,name=session_id,json=sessionId,proto3" json:"session_id,omitempty"`
+	// The snapshot's generation the decision saw (RouteExecution.load_generation); 0 = any.
+	Generation uint64 `protobuf:"varint,2,opt,name=generation,proto3" json:"generation,omitempty"`
+	// Tokens to load, from token 0: at most the snapshot's seqlen.
+	Tokens int64 `protobuf:"varint,3,opt,name=tokens,proto3" json:"tokens,omitempty"`
+	// The worker's pages receiving tokens [0, tokens), in token order.
+	Pages         []int64 `protobuf:"varint,4,rep,packed,name=pages,proto3" json:"pages,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *LoadFromStoreRequest) Reset() {
+	*x = LoadFromStoreRequest{}
+	mi := &file_kvc_v1_bridge_proto_msgTypes[15]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *LoadFromStoreRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*LoadFromStoreRequest) ProtoMessage() {}
+
+func (x *LoadFromStoreRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_kvc_v1_bridge_proto_msgTypes[15]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use LoadFromStoreRequest.ProtoReflect.Descriptor instead.
+func (*LoadFromStoreRequest) Descriptor() ([]byte, []int) {
+	return file_kvc_v1_bridge_proto_rawDescGZIP(), []int{15}
+}
+
+func (x *LoadFromStoreRequest) GetSessionId() string {
+	if x != nil {
+		return x.SessionId
+	}
+	return ""
+}
+
+func (x *LoadFromStoreRequest) GetGeneration() uint64 {
+	if x != nil {
+		return x.Generation
+	}
+	return 0
+}
+
+func (x *LoadFromStoreRequest) GetTokens() int64 {
+	if x != nil {
+		return x.Tokens
+	}
+	return 0
+}
+
+func (x *LoadFromStoreRequest) GetPages() []int64 {
+	if x != nil {
+		return x.Pages
+	}
+	return nil
+}
+
+type LoadFromStoreResponse struct {
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	Bytes  int64                  `protobuf:"varint,1,opt,name=bytes,proto3" json:"bytes,omitempty"`
+	Tokens int64                  `protobuf:"varint,2,opt,name=tokens,proto3" json:"tokens,omitempty"`
+	// The snapshot's generation and seqlen when it was read.
+	Generation    uint64 `protobuf:"varint,3,opt,name=generation,proto3" json:"generation,omitempty"`
+	Seqlen        int64  `protobuf:"varint,4,opt,name=seqlen,proto3" json:"seqlen,omitempty"`
+	DurationUs    int64  `protobuf:"varint,5,opt,name=duration_us,json=durationUs,proto3" json:"duration_us,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *LoadFromStoreResponse) Reset() {
+	*x = LoadFromStoreResponse{}
+	mi := &file_kvc_v1_bridge_proto_msgTypes[16]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *LoadFromStoreResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*LoadFromStoreResponse) ProtoMessage() {}
+
+func (x *LoadFromStoreResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_kvc_v1_bridge_proto_msgTypes[16]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use LoadFromStoreResponse.ProtoReflect.Descriptor instead.
+func (*LoadFromStoreResponse) Descriptor() ([]byte, []int) {
+	return file_kvc_v1_bridge_proto_rawDescGZIP(), []int{16}
+}
+
+func (x *LoadFromStoreResponse) GetBytes() int64 {
+	if x != nil {
+		return x.Bytes
+	}
+	return 0
+}
+
+func (x *LoadFromStoreResponse) GetTokens() int64 {
+	if x != nil {
+		return x.Tokens
+	}
+	return 0
+}
+
+func (x *LoadFromStoreResponse) GetGeneration() uint64 {
+	if x != nil {
+		return x.Generation
+	}
+	return 0
+}
+
+func (x *LoadFromStoreResponse) GetSeqlen() int64 {
+	if x != nil {
+		return x.Seqlen
+	}
+	return 0
+}
+
+func (x *LoadFromStoreResponse) GetDurationUs() int64 {
+	if x != nil {
+		return x.DurationUs
+	}
+	return 0
+}
+
 type SnapshotStatusRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	SessionId     string                 `protobuf:"bytes,1,opt,name=session_id,json=sessionId,proto3" json:"session_id,omitempty"`
@@ -1273,7 +1421,7 @@ type SnapshotStatusRequest struct {
 
 func (x *SnapshotStatusRequest) Reset() {
 	*x = SnapshotStatusRequest{}
-	mi := &file_kvc_v1_bridge_proto_msgTypes[15]
+	mi := &file_kvc_v1_bridge_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1285,7 +1433,7 @@ func (x *SnapshotStatusRequest) String() string {
 func (*SnapshotStatusRequest) ProtoMessage() {}
 
 func (x *SnapshotStatusRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvc_v1_bridge_proto_msgTypes[15]
+	mi := &file_kvc_v1_bridge_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1298,7 +1446,7 @@ func (x *SnapshotStatusRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SnapshotStatusRequest.ProtoReflect.Descriptor instead.
 func (*SnapshotStatusRequest) Descriptor() ([]byte, []int) {
-	return file_kvc_v1_bridge_proto_rawDescGZIP(), []int{15}
+	return file_kvc_v1_bridge_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *SnapshotStatusRequest) GetSessionId() string {
@@ -1322,7 +1470,7 @@ type SnapshotStatusResponse struct {
 
 func (x *SnapshotStatusResponse) Reset() {
 	*x = SnapshotStatusResponse{}
-	mi := &file_kvc_v1_bridge_proto_msgTypes[16]
+	mi := &file_kvc_v1_bridge_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1334,7 +1482,7 @@ func (x *SnapshotStatusResponse) String() string {
 func (*SnapshotStatusResponse) ProtoMessage() {}
 
 func (x *SnapshotStatusResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvc_v1_bridge_proto_msgTypes[16]
+	mi := &file_kvc_v1_bridge_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1347,7 +1495,7 @@ func (x *SnapshotStatusResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SnapshotStatusResponse.ProtoReflect.Descriptor instead.
 func (*SnapshotStatusResponse) Descriptor() ([]byte, []int) {
-	return file_kvc_v1_bridge_proto_rawDescGZIP(), []int{16}
+	return file_kvc_v1_bridge_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *SnapshotStatusResponse) GetExists() bool {
@@ -1403,7 +1551,7 @@ type WatchCommandsRequest struct {
 
 func (x *WatchCommandsRequest) Reset() {
 	*x = WatchCommandsRequest{}
-	mi := &file_kvc_v1_bridge_proto_msgTypes[17]
+	mi := &file_kvc_v1_bridge_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1415,7 +1563,7 @@ func (x *WatchCommandsRequest) String() string {
 func (*WatchCommandsRequest) ProtoMessage() {}
 
 func (x *WatchCommandsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvc_v1_bridge_proto_msgTypes[17]
+	mi := &file_kvc_v1_bridge_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1428,7 +1576,7 @@ func (x *WatchCommandsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchCommandsRequest.ProtoReflect.Descriptor instead.
 func (*WatchCommandsRequest) Descriptor() ([]byte, []int) {
-	return file_kvc_v1_bridge_proto_rawDescGZIP(), []int{17}
+	return file_kvc_v1_bridge_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *WatchCommandsRequest) GetWorkerInstance() string {
@@ -1454,7 +1602,7 @@ type AttachStatus struct {
 
 func (x *AttachStatus) Reset() {
 	*x = AttachStatus{}
-	mi := &file_kvc_v1_bridge_proto_msgTypes[18]
+	mi := &file_kvc_v1_bridge_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1466,7 +1614,7 @@ func (x *AttachStatus) String() string {
 func (*AttachStatus) ProtoMessage() {}
 
 func (x *AttachStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_kvc_v1_bridge_proto_msgTypes[18]
+	mi := &file_kvc_v1_bridge_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1479,7 +1627,7 @@ func (x *AttachStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AttachStatus.ProtoReflect.Descriptor instead.
 func (*AttachStatus) Descriptor() ([]byte, []int) {
-	return file_kvc_v1_bridge_proto_rawDescGZIP(), []int{18}
+	return file_kvc_v1_bridge_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *AttachStatus) GetSidecarInstance() string {
@@ -1514,7 +1662,7 @@ type WorkerReleaseCommand struct {
 
 func (x *WorkerReleaseCommand) Reset() {
 	*x = WorkerReleaseCommand{}
-	mi := &file_kvc_v1_bridge_proto_msgTypes[19]
+	mi := &file_kvc_v1_bridge_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1526,7 +1674,7 @@ func (x *WorkerReleaseCommand) String() string {
 func (*WorkerReleaseCommand) ProtoMessage() {}
 
 func (x *WorkerReleaseCommand) ProtoReflect() protoreflect.Message {
-	mi := &file_kvc_v1_bridge_proto_msgTypes[19]
+	mi := &file_kvc_v1_bridge_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1539,7 +1687,7 @@ func (x *WorkerReleaseCommand) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WorkerReleaseCommand.ProtoReflect.Descriptor instead.
 func (*WorkerReleaseCommand) Descriptor() ([]byte, []int) {
-	return file_kvc_v1_bridge_proto_rawDescGZIP(), []int{19}
+	return file_kvc_v1_bridge_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *WorkerReleaseCommand) GetSessionId() string {
@@ -1561,7 +1709,7 @@ type WorkerTruncateCommand struct {
 
 func (x *WorkerTruncateCommand) Reset() {
 	*x = WorkerTruncateCommand{}
-	mi := &file_kvc_v1_bridge_proto_msgTypes[20]
+	mi := &file_kvc_v1_bridge_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1573,7 +1721,7 @@ func (x *WorkerTruncateCommand) String() string {
 func (*WorkerTruncateCommand) ProtoMessage() {}
 
 func (x *WorkerTruncateCommand) ProtoReflect() protoreflect.Message {
-	mi := &file_kvc_v1_bridge_proto_msgTypes[20]
+	mi := &file_kvc_v1_bridge_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1586,7 +1734,7 @@ func (x *WorkerTruncateCommand) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WorkerTruncateCommand.ProtoReflect.Descriptor instead.
 func (*WorkerTruncateCommand) Descriptor() ([]byte, []int) {
-	return file_kvc_v1_bridge_proto_rawDescGZIP(), []int{20}
+	return file_kvc_v1_bridge_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *WorkerTruncateCommand) GetSessionId() string {
@@ -1621,7 +1769,7 @@ type WatchCommandsResponse struct {
 
 func (x *WatchCommandsResponse) Reset() {
 	*x = WatchCommandsResponse{}
-	mi := &file_kvc_v1_bridge_proto_msgTypes[21]
+	mi := &file_kvc_v1_bridge_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1633,7 +1781,7 @@ func (x *WatchCommandsResponse) String() string {
 func (*WatchCommandsResponse) ProtoMessage() {}
 
 func (x *WatchCommandsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvc_v1_bridge_proto_msgTypes[21]
+	mi := &file_kvc_v1_bridge_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1646,7 +1794,7 @@ func (x *WatchCommandsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchCommandsResponse.ProtoReflect.Descriptor instead.
 func (*WatchCommandsResponse) Descriptor() ([]byte, []int) {
-	return file_kvc_v1_bridge_proto_rawDescGZIP(), []int{21}
+	return file_kvc_v1_bridge_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *WatchCommandsResponse) GetCommandId() uint64 {
@@ -1732,7 +1880,7 @@ type AckCommandRequest struct {
 
 func (x *AckCommandRequest) Reset() {
 	*x = AckCommandRequest{}
-	mi := &file_kvc_v1_bridge_proto_msgTypes[22]
+	mi := &file_kvc_v1_bridge_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1744,7 +1892,7 @@ func (x *AckCommandRequest) String() string {
 func (*AckCommandRequest) ProtoMessage() {}
 
 func (x *AckCommandRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvc_v1_bridge_proto_msgTypes[22]
+	mi := &file_kvc_v1_bridge_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1757,7 +1905,7 @@ func (x *AckCommandRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AckCommandRequest.ProtoReflect.Descriptor instead.
 func (*AckCommandRequest) Descriptor() ([]byte, []int) {
-	return file_kvc_v1_bridge_proto_rawDescGZIP(), []int{22}
+	return file_kvc_v1_bridge_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *AckCommandRequest) GetCommandId() uint64 {
@@ -1796,7 +1944,7 @@ type AckCommandResponse struct {
 
 func (x *AckCommandResponse) Reset() {
 	*x = AckCommandResponse{}
-	mi := &file_kvc_v1_bridge_proto_msgTypes[23]
+	mi := &file_kvc_v1_bridge_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1808,7 +1956,7 @@ func (x *AckCommandResponse) String() string {
 func (*AckCommandResponse) ProtoMessage() {}
 
 func (x *AckCommandResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvc_v1_bridge_proto_msgTypes[23]
+	mi := &file_kvc_v1_bridge_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1821,7 +1969,7 @@ func (x *AckCommandResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AckCommandResponse.ProtoReflect.Descriptor instead.
 func (*AckCommandResponse) Descriptor() ([]byte, []int) {
-	return file_kvc_v1_bridge_proto_rawDescGZIP(), []int{23}
+	return file_kvc_v1_bridge_proto_rawDescGZIP(), []int{25}
 }
 
 var File_kvc_v1_bridge_proto protoreflect.FileDescriptor
@@ -1913,7 +2061,24 @@ const file_kvc_v1_bridge_proto_rawDesc = "" +
 	"generation\"K\n" +
 	"\x0eSendKVResponse\x12\x14\n" +
 	"\x05bytes\x18\x01 \x01(\x03R\x05bytes\x12#\n" +
-	"\rstored_seqlen\x18\x02 \x01(\x03R\fstoredSeqlen\"6\n" +
+	"\rstored_seqlen\x18\x02 \x01(\x03R\fstoredSeqlen\"\x83\x01\n" +
+	"\x14LoadFromStoreRequest\x12\x1d\n" +
+	"\n" +
+	"session_id\x18\x01 \x01(\tR\tsessionId\x12\x1e\n" +
+	"\n" +
+	"generation\x18\x02 \x01(\x04R\n" +
+	"generation\x12\x16\n" +
+	"\x06tokens\x18\x03 \x01(\x03R\x06tokens\x12\x14\n" +
+	"\x05pages\x18\x04 \x03(\x03R\x05pages\"\x9e\x01\n" +
+	"\x15LoadFromStoreResponse\x12\x14\n" +
+	"\x05bytes\x18\x01 \x01(\x03R\x05bytes\x12\x16\n" +
+	"\x06tokens\x18\x02 \x01(\x03R\x06tokens\x12\x1e\n" +
+	"\n" +
+	"generation\x18\x03 \x01(\x04R\n" +
+	"generation\x12\x16\n" +
+	"\x06seqlen\x18\x04 \x01(\x03R\x06seqlen\x12\x1f\n" +
+	"\vduration_us\x18\x05 \x01(\x03R\n" +
+	"durationUs\"6\n" +
 	"\x15SnapshotStatusRequest\x12\x1d\n" +
 	"\n" +
 	"session_id\x18\x01 \x01(\tR\tsessionId\"\xd8\x01\n" +
@@ -1973,7 +2138,7 @@ const file_kvc_v1_bridge_proto_rawDesc = "" +
 	"!WORKER_COMMAND_REASON_UNSPECIFIED\x10\x00\x12\"\n" +
 	"\x1eWORKER_COMMAND_REASON_CAPACITY\x10\x01\x12'\n" +
 	"#WORKER_COMMAND_REASON_CONTROL_PLANE\x10\x02\x12)\n" +
-	"%WORKER_COMMAND_REASON_PREFIX_MISMATCH\x10\x032\xbd\x05\n" +
+	"%WORKER_COMMAND_REASON_PREFIX_MISMATCH\x10\x032\x8b\x06\n" +
 	"\x13WorkerBridgeService\x12O\n" +
 	"\x0eRegisterKVPool\x12\x1d.kvc.v1.RegisterKVPoolRequest\x1a\x1e.kvc.v1.RegisterKVPoolResponse\x12L\n" +
 	"\rCommitSession\x12\x1c.kvc.v1.CommitSessionRequest\x1a\x1d.kvc.v1.CommitSessionResponse\x12O\n" +
@@ -1981,7 +2146,8 @@ const file_kvc_v1_bridge_proto_rawDesc = "" +
 	"\x0ePrepareReceive\x12\x1d.kvc.v1.PrepareReceiveRequest\x1a\x1e.kvc.v1.PrepareReceiveResponse\x12F\n" +
 	"\vWaitReceive\x12\x1a.kvc.v1.WaitReceiveRequest\x1a\x1b.kvc.v1.WaitReceiveResponse\x127\n" +
 	"\x06SendKV\x12\x15.kvc.v1.SendKVRequest\x1a\x16.kvc.v1.SendKVResponse\x12O\n" +
-	"\x0eSnapshotStatus\x12\x1d.kvc.v1.SnapshotStatusRequest\x1a\x1e.kvc.v1.SnapshotStatusResponse\x12N\n" +
+	"\x0eSnapshotStatus\x12\x1d.kvc.v1.SnapshotStatusRequest\x1a\x1e.kvc.v1.SnapshotStatusResponse\x12L\n" +
+	"\rLoadFromStore\x12\x1c.kvc.v1.LoadFromStoreRequest\x1a\x1d.kvc.v1.LoadFromStoreResponse\x12N\n" +
 	"\rWatchCommands\x12\x1c.kvc.v1.WatchCommandsRequest\x1a\x1d.kvc.v1.WatchCommandsResponse0\x01\x12C\n" +
 	"\n" +
 	"AckCommand\x12\x19.kvc.v1.AckCommandRequest\x1a\x1a.kvc.v1.AckCommandResponseB3Z1github.com/kvcentric/kvcentric/proto/kvc/v1;kvcv1b\x06proto3"
@@ -1999,7 +2165,7 @@ func file_kvc_v1_bridge_proto_rawDescGZIP() []byte {
 }
 
 var file_kvc_v1_bridge_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
-var file_kvc_v1_bridge_proto_msgTypes = make([]protoimpl.MessageInfo, 24)
+var file_kvc_v1_bridge_proto_msgTypes = make([]protoimpl.MessageInfo, 26)
 var file_kvc_v1_bridge_proto_goTypes = []any{
 	(PoolLayout)(0),                // 0: kvc.v1.PoolLayout
 	(ReleaseReason)(0),             // 1: kvc.v1.ReleaseReason
@@ -2020,19 +2186,21 @@ var file_kvc_v1_bridge_proto_goTypes = []any{
 	(*WaitReceiveResponse)(nil),    // 16: kvc.v1.WaitReceiveResponse
 	(*SendKVRequest)(nil),          // 17: kvc.v1.SendKVRequest
 	(*SendKVResponse)(nil),         // 18: kvc.v1.SendKVResponse
-	(*SnapshotStatusRequest)(nil),  // 19: kvc.v1.SnapshotStatusRequest
-	(*SnapshotStatusResponse)(nil), // 20: kvc.v1.SnapshotStatusResponse
-	(*WatchCommandsRequest)(nil),   // 21: kvc.v1.WatchCommandsRequest
-	(*AttachStatus)(nil),           // 22: kvc.v1.AttachStatus
-	(*WorkerReleaseCommand)(nil),   // 23: kvc.v1.WorkerReleaseCommand
-	(*WorkerTruncateCommand)(nil),  // 24: kvc.v1.WorkerTruncateCommand
-	(*WatchCommandsResponse)(nil),  // 25: kvc.v1.WatchCommandsResponse
-	(*AckCommandRequest)(nil),      // 26: kvc.v1.AckCommandRequest
-	(*AckCommandResponse)(nil),     // 27: kvc.v1.AckCommandResponse
-	(KVKind)(0),                    // 28: kvc.v1.KVKind
+	(*LoadFromStoreRequest)(nil),   // 19: kvc.v1.LoadFromStoreRequest
+	(*LoadFromStoreResponse)(nil),  // 20: kvc.v1.LoadFromStoreResponse
+	(*SnapshotStatusRequest)(nil),  // 21: kvc.v1.SnapshotStatusRequest
+	(*SnapshotStatusResponse)(nil), // 22: kvc.v1.SnapshotStatusResponse
+	(*WatchCommandsRequest)(nil),   // 23: kvc.v1.WatchCommandsRequest
+	(*AttachStatus)(nil),           // 24: kvc.v1.AttachStatus
+	(*WorkerReleaseCommand)(nil),   // 25: kvc.v1.WorkerReleaseCommand
+	(*WorkerTruncateCommand)(nil),  // 26: kvc.v1.WorkerTruncateCommand
+	(*WatchCommandsResponse)(nil),  // 27: kvc.v1.WatchCommandsResponse
+	(*AckCommandRequest)(nil),      // 28: kvc.v1.AckCommandRequest
+	(*AckCommandResponse)(nil),     // 29: kvc.v1.AckCommandResponse
+	(KVKind)(0),                    // 30: kvc.v1.KVKind
 }
 var file_kvc_v1_bridge_proto_depIdxs = []int32{
-	28, // 0: kvc.v1.KVBuffer.kind:type_name -> kvc.v1.KVKind
+	30, // 0: kvc.v1.KVBuffer.kind:type_name -> kvc.v1.KVKind
 	4,  // 1: kvc.v1.KVBuffer.shm:type_name -> kvc.v1.SharedMemoryRef
 	5,  // 2: kvc.v1.KVBuffer.cuda:type_name -> kvc.v1.CudaIpcRef
 	6,  // 3: kvc.v1.RegisterKVPoolRequest.buffers:type_name -> kvc.v1.KVBuffer
@@ -2040,29 +2208,31 @@ var file_kvc_v1_bridge_proto_depIdxs = []int32{
 	1,  // 5: kvc.v1.ReleaseSessionRequest.reason:type_name -> kvc.v1.ReleaseReason
 	2,  // 6: kvc.v1.PrepareReceiveRequest.kind:type_name -> kvc.v1.TransferKind
 	3,  // 7: kvc.v1.WatchCommandsResponse.reason:type_name -> kvc.v1.WorkerCommandReason
-	22, // 8: kvc.v1.WatchCommandsResponse.attach:type_name -> kvc.v1.AttachStatus
-	23, // 9: kvc.v1.WatchCommandsResponse.release:type_name -> kvc.v1.WorkerReleaseCommand
-	24, // 10: kvc.v1.WatchCommandsResponse.truncate:type_name -> kvc.v1.WorkerTruncateCommand
+	24, // 8: kvc.v1.WatchCommandsResponse.attach:type_name -> kvc.v1.AttachStatus
+	25, // 9: kvc.v1.WatchCommandsResponse.release:type_name -> kvc.v1.WorkerReleaseCommand
+	26, // 10: kvc.v1.WatchCommandsResponse.truncate:type_name -> kvc.v1.WorkerTruncateCommand
 	7,  // 11: kvc.v1.WorkerBridgeService.RegisterKVPool:input_type -> kvc.v1.RegisterKVPoolRequest
 	9,  // 12: kvc.v1.WorkerBridgeService.CommitSession:input_type -> kvc.v1.CommitSessionRequest
 	11, // 13: kvc.v1.WorkerBridgeService.ReleaseSession:input_type -> kvc.v1.ReleaseSessionRequest
 	13, // 14: kvc.v1.WorkerBridgeService.PrepareReceive:input_type -> kvc.v1.PrepareReceiveRequest
 	15, // 15: kvc.v1.WorkerBridgeService.WaitReceive:input_type -> kvc.v1.WaitReceiveRequest
 	17, // 16: kvc.v1.WorkerBridgeService.SendKV:input_type -> kvc.v1.SendKVRequest
-	19, // 17: kvc.v1.WorkerBridgeService.SnapshotStatus:input_type -> kvc.v1.SnapshotStatusRequest
-	21, // 18: kvc.v1.WorkerBridgeService.WatchCommands:input_type -> kvc.v1.WatchCommandsRequest
-	26, // 19: kvc.v1.WorkerBridgeService.AckCommand:input_type -> kvc.v1.AckCommandRequest
-	8,  // 20: kvc.v1.WorkerBridgeService.RegisterKVPool:output_type -> kvc.v1.RegisterKVPoolResponse
-	10, // 21: kvc.v1.WorkerBridgeService.CommitSession:output_type -> kvc.v1.CommitSessionResponse
-	12, // 22: kvc.v1.WorkerBridgeService.ReleaseSession:output_type -> kvc.v1.ReleaseSessionResponse
-	14, // 23: kvc.v1.WorkerBridgeService.PrepareReceive:output_type -> kvc.v1.PrepareReceiveResponse
-	16, // 24: kvc.v1.WorkerBridgeService.WaitReceive:output_type -> kvc.v1.WaitReceiveResponse
-	18, // 25: kvc.v1.WorkerBridgeService.SendKV:output_type -> kvc.v1.SendKVResponse
-	20, // 26: kvc.v1.WorkerBridgeService.SnapshotStatus:output_type -> kvc.v1.SnapshotStatusResponse
-	25, // 27: kvc.v1.WorkerBridgeService.WatchCommands:output_type -> kvc.v1.WatchCommandsResponse
-	27, // 28: kvc.v1.WorkerBridgeService.AckCommand:output_type -> kvc.v1.AckCommandResponse
-	20, // [20:29] is the sub-list for method output_type
-	11, // [11:20] is the sub-list for method input_type
+	21, // 17: kvc.v1.WorkerBridgeService.SnapshotStatus:input_type -> kvc.v1.SnapshotStatusRequest
+	19, // 18: kvc.v1.WorkerBridgeService.LoadFromStore:input_type -> kvc.v1.LoadFromStoreRequest
+	23, // 19: kvc.v1.WorkerBridgeService.WatchCommands:input_type -> kvc.v1.WatchCommandsRequest
+	28, // 20: kvc.v1.WorkerBridgeService.AckCommand:input_type -> kvc.v1.AckCommandRequest
+	8,  // 21: kvc.v1.WorkerBridgeService.RegisterKVPool:output_type -> kvc.v1.RegisterKVPoolResponse
+	10, // 22: kvc.v1.WorkerBridgeService.CommitSession:output_type -> kvc.v1.CommitSessionResponse
+	12, // 23: kvc.v1.WorkerBridgeService.ReleaseSession:output_type -> kvc.v1.ReleaseSessionResponse
+	14, // 24: kvc.v1.WorkerBridgeService.PrepareReceive:output_type -> kvc.v1.PrepareReceiveResponse
+	16, // 25: kvc.v1.WorkerBridgeService.WaitReceive:output_type -> kvc.v1.WaitReceiveResponse
+	18, // 26: kvc.v1.WorkerBridgeService.SendKV:output_type -> kvc.v1.SendKVResponse
+	22, // 27: kvc.v1.WorkerBridgeService.SnapshotStatus:output_type -> kvc.v1.SnapshotStatusResponse
+	20, // 28: kvc.v1.WorkerBridgeService.LoadFromStore:output_type -> kvc.v1.LoadFromStoreResponse
+	27, // 29: kvc.v1.WorkerBridgeService.WatchCommands:output_type -> kvc.v1.WatchCommandsResponse
+	29, // 30: kvc.v1.WorkerBridgeService.AckCommand:output_type -> kvc.v1.AckCommandResponse
+	21, // [21:31] is the sub-list for method output_type
+	11, // [11:21] is the sub-list for method input_type
 	11, // [11:11] is the sub-list for extension type_name
 	11, // [11:11] is the sub-list for extension extendee
 	0,  // [0:11] is the sub-list for field type_name
@@ -2078,7 +2248,7 @@ func file_kvc_v1_bridge_proto_init() {
 		(*KVBuffer_Shm)(nil),
 		(*KVBuffer_Cuda)(nil),
 	}
-	file_kvc_v1_bridge_proto_msgTypes[21].OneofWrappers = []any{
+	file_kvc_v1_bridge_proto_msgTypes[23].OneofWrappers = []any{
 		(*WatchCommandsResponse_Attach)(nil),
 		(*WatchCommandsResponse_Release)(nil),
 		(*WatchCommandsResponse_Truncate)(nil),
@@ -2089,7 +2259,7 @@ func file_kvc_v1_bridge_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvc_v1_bridge_proto_rawDesc), len(file_kvc_v1_bridge_proto_rawDesc)),
 			NumEnums:      4,
-			NumMessages:   24,
+			NumMessages:   26,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

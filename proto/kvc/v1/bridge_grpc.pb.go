@@ -26,6 +26,7 @@ const (
 	WorkerBridgeService_WaitReceive_FullMethodName    = "/kvc.v1.WorkerBridgeService/WaitReceive"
 	WorkerBridgeService_SendKV_FullMethodName         = "/kvc.v1.WorkerBridgeService/SendKV"
 	WorkerBridgeService_SnapshotStatus_FullMethodName = "/kvc.v1.WorkerBridgeService/SnapshotStatus"
+	WorkerBridgeService_LoadFromStore_FullMethodName  = "/kvc.v1.WorkerBridgeService/LoadFromStore"
 	WorkerBridgeService_WatchCommands_FullMethodName  = "/kvc.v1.WorkerBridgeService/WatchCommands"
 	WorkerBridgeService_AckCommand_FullMethodName     = "/kvc.v1.WorkerBridgeService/AckCommand"
 )
@@ -49,6 +50,12 @@ type WorkerBridgeServiceClient interface {
 	// SendKV (prefill): send these pages of a seed transfer to the decode side of room.
 	SendKV(ctx context.Context, in *SendKVRequest, opts ...grpc.CallOption) (*SendKVResponse, error)
 	SnapshotStatus(ctx context.Context, in *SnapshotStatusRequest, opts ...grpc.CallOption) (*SnapshotStatusResponse, error)
+	// LoadFromStore (prefill): copy tokens [0, tokens) of the session's snapshot in this
+	// sidecar's own store into these pages of the worker's pool (prefill from the snapshot,
+	// RouteExecution.load_prefix_tokens). The entry is held (not evicted, not re-tagged) while it
+	// is read. FAILED_PRECONDITION with a PeerError: SNAPSHOT_CHANGED when the store holds
+	// another generation, BASE_MISMATCH when it holds fewer tokens; NOT_FOUND when it holds none.
+	LoadFromStore(ctx context.Context, in *LoadFromStoreRequest, opts ...grpc.CallOption) (*LoadFromStoreResponse, error)
 	// WatchCommands is the worker's standing stream from its sidecar (opened right after the
 	// worker starts, kept open for its life). The first message is always an attach status
 	// (WatchCommandsResponse.attach) saying whether this sidecar instance holds the worker's pool: when it
@@ -139,6 +146,16 @@ func (c *workerBridgeServiceClient) SnapshotStatus(ctx context.Context, in *Snap
 	return out, nil
 }
 
+func (c *workerBridgeServiceClient) LoadFromStore(ctx context.Context, in *LoadFromStoreRequest, opts ...grpc.CallOption) (*LoadFromStoreResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(LoadFromStoreResponse)
+	err := c.cc.Invoke(ctx, WorkerBridgeService_LoadFromStore_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 func (c *workerBridgeServiceClient) WatchCommands(ctx context.Context, in *WatchCommandsRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[WatchCommandsResponse], error) {
 	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
 	stream, err := c.cc.NewStream(ctx, &WorkerBridgeService_ServiceDesc.Streams[0], WorkerBridgeService_WatchCommands_FullMethodName, cOpts...)
@@ -187,6 +204,12 @@ type WorkerBridgeServiceServer interface {
 	// SendKV (prefill): send these pages of a seed transfer to the decode side of room.
 	SendKV(context.Context, *SendKVRequest) (*SendKVResponse, error)
 	SnapshotStatus(context.Context, *SnapshotStatusRequest) (*SnapshotStatusResponse, error)
+	// LoadFromStore (prefill): copy tokens [0, tokens) of the session's snapshot in this
+	// sidecar's own store into these pages of the worker's pool (prefill from the snapshot,
+	// RouteExecution.load_prefix_tokens). The entry is held (not evicted, not re-tagged) while it
+	// is read. FAILED_PRECONDITION with a PeerError: SNAPSHOT_CHANGED when the store holds
+	// another generation, BASE_MISMATCH when it holds fewer tokens; NOT_FOUND when it holds none.
+	LoadFromStore(context.Context, *LoadFromStoreRequest) (*LoadFromStoreResponse, error)
 	// WatchCommands is the worker's standing stream from its sidecar (opened right after the
 	// worker starts, kept open for its life). The first message is always an attach status
 	// (WatchCommandsResponse.attach) saying whether this sidecar instance holds the worker's pool: when it
@@ -227,6 +250,9 @@ func (UnimplementedWorkerBridgeServiceServer) SendKV(context.Context, *SendKVReq
 }
 func (UnimplementedWorkerBridgeServiceServer) SnapshotStatus(context.Context, *SnapshotStatusRequest) (*SnapshotStatusResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method SnapshotStatus not implemented")
+}
+func (UnimplementedWorkerBridgeServiceServer) LoadFromStore(context.Context, *LoadFromStoreRequest) (*LoadFromStoreResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method LoadFromStore not implemented")
 }
 func (UnimplementedWorkerBridgeServiceServer) WatchCommands(*WatchCommandsRequest, grpc.ServerStreamingServer[WatchCommandsResponse]) error {
 	return status.Error(codes.Unimplemented, "method WatchCommands not implemented")
@@ -381,6 +407,24 @@ func _WorkerBridgeService_SnapshotStatus_Handler(srv interface{}, ctx context.Co
 	return interceptor(ctx, in, info, handler)
 }
 
+func _WorkerBridgeService_LoadFromStore_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(LoadFromStoreRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(WorkerBridgeServiceServer).LoadFromStore(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: WorkerBridgeService_LoadFromStore_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(WorkerBridgeServiceServer).LoadFromStore(ctx, req.(*LoadFromStoreRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 func _WorkerBridgeService_WatchCommands_Handler(srv interface{}, stream grpc.ServerStream) error {
 	m := new(WatchCommandsRequest)
 	if err := stream.RecvMsg(m); err != nil {
@@ -444,6 +488,10 @@ var WorkerBridgeService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "SnapshotStatus",
 			Handler:    _WorkerBridgeService_SnapshotStatus_Handler,
+		},
+		{
+			MethodName: "LoadFromStore",
+			Handler:    _WorkerBridgeService_LoadFromStore_Handler,
 		},
 		{
 			MethodName: "AckCommand",

@@ -972,6 +972,24 @@ type RouteExecution struct {
 	StoreGeneration uint64 `protobuf:"varint,12,opt,name=store_generation,json=storeGeneration,proto3" json:"store_generation,omitempty"`
 	// The room of D's load from the store (bootstrap_room names P's write into its store).
 	StoreLoadRoom int64 `protobuf:"varint,13,opt,name=store_load_room,json=storeLoadRoom,proto3" json:"store_load_room,omitempty"`
+	// Prefill from the snapshot: before it computes, the prefill worker loads tokens
+	// [0, load_prefix_tokens) of the session's snapshot of generation load_generation from its
+	// sidecar's store into its own KV pool (WorkerBridgeService.LoadFromStore: the entry is held
+	// while it is read, every byte lands in the worker's pages) and prefills only
+	// [load_prefix_tokens, input). The worker loads whole pages: it cuts the count down to its
+	// page size and always computes at least the last token. The prefill worker named is the
+	// snapshot's holder. The count is the longest usable prefix: on content, the longest common
+	// prefix of the snapshot's pages with the prompt's. 0 = P prefills the whole context. A load
+	// that fails (the entry left the store, another generation) is not fatal: P prefills the
+	// whole context, as without one.
+	LoadPrefixTokens int64  `protobuf:"varint,14,opt,name=load_prefix_tokens,json=loadPrefixTokens,proto3" json:"load_prefix_tokens,omitempty"`
+	LoadGeneration   uint64 `protobuf:"varint,15,opt,name=load_generation,json=loadGeneration,proto3" json:"load_generation,omitempty"`
+	// Suffix-only receive: the decode worker keeps the session's KV [0, receive_from) it holds
+	// (a page boundary of the worker's page size) and receives only [receive_from, input) from P,
+	// which sends only those pages (kv_hints "receive_from" on both halves). Set for a large
+	// append into the session's own decode worker (PD_FALLBACK / REAL_LARGE_APPEND). 0 = the
+	// whole context is transferred.
+	ReceiveFrom   int64 `protobuf:"varint,16,opt,name=receive_from,json=receiveFrom,proto3" json:"receive_from,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1093,6 +1111,27 @@ func (x *RouteExecution) GetStoreGeneration() uint64 {
 func (x *RouteExecution) GetStoreLoadRoom() int64 {
 	if x != nil {
 		return x.StoreLoadRoom
+	}
+	return 0
+}
+
+func (x *RouteExecution) GetLoadPrefixTokens() int64 {
+	if x != nil {
+		return x.LoadPrefixTokens
+	}
+	return 0
+}
+
+func (x *RouteExecution) GetLoadGeneration() uint64 {
+	if x != nil {
+		return x.LoadGeneration
+	}
+	return 0
+}
+
+func (x *RouteExecution) GetReceiveFrom() int64 {
+	if x != nil {
+		return x.ReceiveFrom
 	}
 	return 0
 }
@@ -1378,7 +1417,7 @@ const file_kvc_v1_router_proto_rawDesc = "" +
 	"\x13snapshot_generation\x18\r \x01(\x04R\x12snapshotGeneration\x12\x14\n" +
 	"\x05epoch\x18\x0e \x01(\x03R\x05epoch\x12\x12\n" +
 	"\x04turn\x18\x0f \x01(\x05R\x04turn\x124\n" +
-	"\texecution\x18\x10 \x01(\v2\x16.kvc.v1.RouteExecutionR\texecution\"\xd1\x04\n" +
+	"\texecution\x18\x10 \x01(\v2\x16.kvc.v1.RouteExecutionR\texecution\"\xcb\x05\n" +
 	"\x0eRouteExecution\x12!\n" +
 	"\fcall_prefill\x18\x01 \x01(\bR\vcallPrefill\x12\x1f\n" +
 	"\vcall_decode\x18\x02 \x01(\bR\n" +
@@ -1395,7 +1434,10 @@ const file_kvc_v1_router_proto_rawDesc = "" +
 	"truncateTo\x12#\n" +
 	"\rlocal_prefill\x18\v \x01(\bR\flocalPrefill\x12)\n" +
 	"\x10store_generation\x18\f \x01(\x04R\x0fstoreGeneration\x12&\n" +
-	"\x0fstore_load_room\x18\r \x01(\x03R\rstoreLoadRoom\"z\n" +
+	"\x0fstore_load_room\x18\r \x01(\x03R\rstoreLoadRoom\x12,\n" +
+	"\x12load_prefix_tokens\x18\x0e \x01(\x03R\x10loadPrefixTokens\x12'\n" +
+	"\x0fload_generation\x18\x0f \x01(\x04R\x0eloadGeneration\x12!\n" +
+	"\freceive_from\x18\x10 \x01(\x03R\vreceiveFrom\"z\n" +
 	"\n" +
 	"RouteError\x12\x1d\n" +
 	"\n" +
