@@ -42,6 +42,14 @@ type Execution struct {
 	// its sidecar keeps the prompt's KV as the session's snapshot of this generation, then D
 	// loads it like a snapshot.
 	StoreGeneration uint64
+	// LoadPrefixTokens > 0: prefill from the snapshot (fromsnap.go): P first loads tokens
+	// [0, LoadPrefixTokens) of the session's snapshot of generation LoadGeneration from its
+	// sidecar's store into its pool, then prefills only the rest.
+	LoadPrefixTokens int64
+	LoadGeneration   uint64
+	// ReceiveFrom > 0: D keeps the session's KV [0, ReceiveFrom) and receives only the pages
+	// past it (a large append into the session's own D).
+	ReceiveFrom int64
 }
 
 // seedThroughStore: with the knob seed_through_store (colocated decode workers, docs/sglang.md),
@@ -98,13 +106,16 @@ func execution(d *Decision, unavailable bool) Execution {
 		e.OnTransferFailed = kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_SNAPSHOT_FAILED
 	case kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK:
 		e.KeepSession = d.Reason == kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND && !unavailable
+		if e.KeepSession {
+			e.ReceiveFrom = d.ReceiveFrom
+		}
 		if d.LocalPrefill {
 			// No prefill worker: D prefills the whole request and keeps nothing (no transfer).
 			e.Transfer, e.LocalPrefill, e.KeepSession = kvcv1.TransferKind_TRANSFER_KIND_UNSPECIFIED, true, false
 		}
 	}
 	if !e.CallDecode {
-		e.KeepSession, e.OpenSession = false, false
+		e.KeepSession, e.OpenSession, e.ReceiveFrom = false, false, 0
 	}
 	if e.OpenSession && d.From != "" && d.Decode != nil && d.From != d.Decode.WorkerId {
 		switch d.Cause {

@@ -96,6 +96,9 @@ type Decision struct {
 	From string
 	// Turn is the session's turn as the control plane counts it (InferTurn).
 	Turn int32
+	// ReceiveFrom: a large append's decode worker keeps the session's KV [0, ReceiveFrom) and
+	// receives only the pages past it (Execution.ReceiveFrom).
+	ReceiveFrom int64
 	// Exec is how the gateway carries the decision out (execution.go).
 	Exec Execution
 }
@@ -177,6 +180,7 @@ func Decide(in *Input) Decision {
 	}
 	d.Exec = execution(&d, in.Unavailable)
 	seedThroughStore(&d.Exec, in)
+	c.fromSnapshot(&d)
 	return d
 }
 
@@ -321,6 +325,7 @@ func (c *Cycle) largeAppend(d *kvcv1.Worker, uncached int64) Decision {
 		PrefillPriority: PrefillPriorityLow,
 		PauseMs:         c.pause(&cand),
 		From:            d.WorkerId,
+		ReceiveFrom:     c.receiveFrom(min(c.S.KvCommittedLen, c.Q.InputTokens)),
 	}
 }
 

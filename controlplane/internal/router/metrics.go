@@ -4,6 +4,7 @@ import (
 	"strings"
 	"sync"
 
+	"github.com/kvcentric/kvcentric/controlplane/internal/policy"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 	"github.com/prometheus/client_golang/prometheus"
 )
@@ -29,6 +30,11 @@ type metrics struct {
 	commands       *prometheus.CounterVec
 	reservations   prometheus.GaugeFunc
 	reservedTokens prometheus.GaugeFunc
+	// Prefill from the snapshot (policy/fromsnap.go): plans that load a prefix from P's store,
+	// the tokens they load, and large appends whose D receives only the suffix.
+	fromSnapshot       *prometheus.CounterVec
+	fromSnapshotTokens prometheus.Counter
+	suffixReceives     prometheus.Counter
 
 	admittedMu  sync.RWMutex
 	admittedFor map[string]prometheus.Counter
@@ -108,6 +114,18 @@ func newMetrics(reg prometheus.Registerer, s *Service) *metrics {
 			Name: "kvc_router_commands_total", Help: "Commands sent to sidecars, by kind and result.",
 		}, []string{"kind", "result"}),
 	}
+	m.fromSnapshot = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "kvc_router_prefill_from_snapshot_total",
+		Help: "Decisions whose prefill worker first loads the session's snapshot prefix from its store and prefills only the rest, by mode and reason.",
+	}, []string{"mode", "reason"})
+	m.fromSnapshotTokens = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "kvc_router_prefill_from_snapshot_tokens_total",
+		Help: "Prompt tokens those decisions load from the prefill store instead of prefilling them.",
+	})
+	m.suffixReceives = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "kvc_router_suffix_receives_total",
+		Help: "Large appends whose decode worker keeps the KV it holds and receives only the pages past it (execution.receive_from).",
+	})
 	m.reservations = prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: "kvc_router_reservations", Help: "Reservations held (decisions awaiting an outcome).",
 	}, func() float64 {
@@ -142,7 +160,8 @@ func newMetrics(reg prometheus.Registerer, s *Service) *metrics {
 	}
 	if reg != nil {
 		reg.MustRegister(m.decisions, m.latency, m.outcomes, m.ttft, m.errors, m.expired, m.migrations,
-			m.admitted, m.rejected, m.commands, m.reservations, m.streamEnd, m.reservedTokens, m.truncations, m.contentGauge, m.contentLoaded, m.pins)
+			m.admitted, m.rejected, m.commands, m.reservations, m.streamEnd, m.reservedTokens, m.truncations, m.contentGauge, m.contentLoaded, m.pins,
+			m.fromSnapshot, m.fromSnapshotTokens, m.suffixReceives)
 	}
 	return m
 }
@@ -168,5 +187,17 @@ func (m *metrics) observeTTFT(mode kvcv1.RouteMode, seconds float64) {
 func (m *metrics) decision(mode kvcv1.RouteMode, reason kvcv1.RouteReason) {
 	if c, ok := m.decisionByKey[[2]int32{int32(mode), int32(reason)}]; ok {
 		c.Inc()
+	}
+}
+
+// plan counts what an execution plan spares: a prefix loaded from P's store, a suffix-only
+// receive on D.
+func (m *metrics) plan(mode kvcv1.RouteMode, reason kvcv1.RouteReason, e *policy.Execution) {
+	if e.LoadPrefixTokens > 0 {
+		m.fromSnapshot.WithLabelValues(ModeName(mode), ReasonName(reason)).Inc()
+		m.fromSnapshotTokens.Add(float64(e.LoadPrefixTokens))
+	}
+	if e.ReceiveFrom > 0 {
+		m.suffixReceives.Inc()
 	}
 }

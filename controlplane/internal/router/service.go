@@ -613,6 +613,7 @@ func (s *Service) query(q *kvcv1.RouteQuery) *kvcv1.RouteResponse {
 		s.m.admit(d.Decode.WorkerId)
 	}
 	s.m.decision(d.Mode, d.Reason)
+	s.m.plan(d.Mode, d.Reason, &d.Exec)
 	out := &kvcv1.RouteDecision{
 		RequestId:          q.RequestId,
 		DecisionId:         s.id(r.seq),
@@ -660,6 +661,9 @@ func (s *Service) execution(e *policy.Execution) *kvcv1.RouteExecution {
 		TruncateTo:       e.TruncateTo,
 		LocalPrefill:     e.LocalPrefill,
 		StoreGeneration:  e.StoreGeneration,
+		LoadPrefixTokens: e.LoadPrefixTokens,
+		LoadGeneration:   e.LoadGeneration,
+		ReceiveFrom:      e.ReceiveFrom,
 	}
 	if e.CloseSessionOn != "" {
 		// The worker's address as the cluster knows it now; a worker no longer listed has

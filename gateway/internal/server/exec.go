@@ -276,6 +276,15 @@ func workerBody(p *plan, req *api.Request, role string) wireBody {
 	if e.GetLocalPrefill() && role == roleDecode {
 		payload["local_prefill"] = true
 	}
+	if n := e.GetLoadPrefixTokens(); n > 0 && e.GetCallPrefill() {
+		// Prefill from the snapshot: P loads [0, n) of the session's snapshot from its store first
+		// (D gets it too: the KV it receives was computed on loaded KV, not by one full prefill).
+		payload["load_prefix_tokens"], payload["load_generation"] = n, e.GetLoadGeneration()
+	}
+	if f := e.GetReceiveFrom(); f > 0 && e.GetTransfer() == kvcv1.TransferKind_TRANSFER_KIND_SEED {
+		// Suffix-only receive: D keeps [0, f) and P sends only the pages past it.
+		payload["receive_from"] = f
+	}
 	msgID := p.decisionID
 	if msgID == "" {
 		msgID = req.RID

@@ -1,0 +1,109 @@
+package policy
+
+import (
+	"testing"
+
+	"google.golang.org/protobuf/proto"
+
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+// TestPrefillFromSnapshot: a plan in which P computes for a session whose snapshot P's store
+// holds loads the snapshot's usable prefix there and prefills only the rest — on the holder
+// (p1, although p2 is less loaded), for a large append (whose D also receives only the suffix
+// past what it holds), a long-tailed reseed and a fallback — and keeps the whole-context
+// prefill when nothing of a snapshot is usable.
+func TestPrefillFromSnapshot(t *testing.T) {
+	const pre, tail = 16_384, 9_216
+	largeAppend := func() *kvcv1.SessionRecord {
+		r := resident("d1", pre)
+		r.Snapshot = snap("p1", 16_000)
+		return r
+	}
+	lost := func() *kvcv1.SessionRecord {
+		r := resident("", pre)
+		r.PreviousDecodeWorker = "d1"
+		r.Snapshot = snap("p1", pre)
+		return r
+	}
+	full := func() *kvcv1.SessionRecord { // resident on a D that has no room: NO_D_CAPACITY
+		r := resident("d1", 12_000)
+		r.Snapshot = snap("p1", 12_000)
+		return r
+	}
+	fullCluster := func() []*kvcv1.Worker {
+		ws := cluster()
+		ws[2].Load.UsedTokens = 99_000
+		return ws
+	}
+	state := func(s kvcv1.WorkerState) func([]*kvcv1.Worker) {
+		return func(ws []*kvcv1.Worker) { ws[0].State = s }
+	}
+	tests := []struct {
+		name    string
+		knob    func(p *kvcv1.Policy)
+		query   Query
+		rec     *kvcv1.SessionRecord
+		workers func() []*kvcv1.Worker
+		edit    func([]*kvcv1.Worker)
+		mode    kvcv1.RouteMode
+		reason  kvcv1.RouteReason
+		prefill string
+		load    int64
+		recvFr  int64
+	}{
+		{name: "large append loads the snapshot, D receives the suffix", query: q(pre+tail, 100, 4), rec: largeAppend(),
+			mode: kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, reason: kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND,
+			prefill: "p1", load: 16_000, recvFr: pre},
+		{name: "long-tailed reseed loads the snapshot", query: q(pre+tail, 100, 4), rec: lost(),
+			mode: kvcv1.RouteMode_ROUTE_MODE_RESEED_PREFILL, reason: kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_STALE,
+			prefill: "p1", load: pre},
+		{name: "fallback of a session with a snapshot loads it", query: q(12_100, 100, 4), rec: full(), workers: fullCluster,
+			mode: kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, reason: kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY,
+			prefill: "p1", load: 12_000},
+		{name: "a snapshot as long as the prompt leaves P its last token", query: q(12_000, 100, 4), rec: full(), workers: fullCluster,
+			mode: kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, reason: kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY,
+			prefill: "p1", load: 11_999},
+		{name: "snapshots off: whole-context prefill on the least loaded P", knob: func(p *kvcv1.Policy) { p.SnapshotsEnabled = proto.Bool(false) },
+			query: q(pre+tail, 100, 4), rec: largeAppend(),
+			mode: kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, reason: kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND,
+			prefill: "p2", recvFr: pre},
+		{name: "holder draining: no load", query: q(pre+tail, 100, 4), rec: lost(), edit: state(kvcv1.WorkerState_WORKER_STATE_DRAINING),
+			mode: kvcv1.RouteMode_ROUTE_MODE_RESEED_PREFILL, reason: kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_STALE, prefill: "p2"},
+		{name: "holder's worker down: no load", query: q(pre+tail, 100, 4), rec: lost(), edit: state(kvcv1.WorkerState_WORKER_STATE_WORKER_DOWN),
+			mode: kvcv1.RouteMode_ROUTE_MODE_RESEED_PREFILL, reason: kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_STALE, prefill: "p2"},
+		{name: "snapshot past its staleness: no load", knob: func(p *kvcv1.Policy) { p.SnapshotMaxStalenessMs = proto.Int64(500) },
+			query: q(pre+tail, 100, 4), rec: lost(),
+			mode: kvcv1.RouteMode_ROUTE_MODE_RESEED_PREFILL, reason: kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_STALE, prefill: "p2"},
+		{name: "new session: nothing to load", query: q(pre+tail, 100, 1),
+			mode: kvcv1.RouteMode_ROUTE_MODE_SEED, reason: kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION, prefill: "p2"},
+		{name: "baselines never load", knob: func(p *kvcv1.Policy) { p.KvCentricEnabled = proto.Bool(false) },
+			query: q(pre+tail, 100, 4), rec: lost(),
+			mode: kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, reason: kvcv1.RouteReason_ROUTE_REASON_KV_CENTRIC_DISABLED},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ws := cluster()
+			if tt.workers != nil {
+				ws = tt.workers()
+			}
+			if tt.edit != nil {
+				tt.edit(ws)
+			}
+			d := Decide(&Input{Knobs: knobs(tt.knob), Query: tt.query, Session: tt.rec, Workers: ws,
+				Ledger: ledger(map[string]Reserved{}), NowMs: nowMs})
+			if d.Mode != tt.mode || d.Reason != tt.reason {
+				t.Fatalf("%s/%s, want %s/%s", d.Mode, d.Reason, tt.mode, tt.reason)
+			}
+			if tt.prefill != "" && workerIDOf(d.Prefill) != tt.prefill {
+				t.Errorf("prefill worker %q, want %q", workerIDOf(d.Prefill), tt.prefill)
+			}
+			if d.Exec.LoadPrefixTokens != tt.load || d.Exec.ReceiveFrom != tt.recvFr {
+				t.Errorf("load_prefix_tokens %d receive_from %d, want %d and %d", d.Exec.LoadPrefixTokens, d.Exec.ReceiveFrom, tt.load, tt.recvFr)
+			}
+			if tt.load > 0 && d.Exec.LoadGeneration != tt.rec.Snapshot.Generation {
+				t.Errorf("load_generation %d, want the snapshot's %d", d.Exec.LoadGeneration, tt.rec.Snapshot.Generation)
+			}
+		})
+	}
+}
