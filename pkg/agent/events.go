@@ -23,9 +23,13 @@ const (
 	EvEvicted      = "snapshot_evicted"
 	// EvCutBack: a re-tag append cut the store's snapshot back to its base (Seqlen; BaseLen is the
 	// seqlen it had, Bytes what the snapshot's pages hold now).
-	EvCutBack        = "snapshot_cut_back"
-	EvBypassHit      = "snapshot_bypass_hit"
-	EvBypassMiss     = "snapshot_bypass_miss"
+	EvCutBack    = "snapshot_cut_back"
+	EvBypassHit  = "snapshot_bypass_hit"
+	EvBypassMiss = "snapshot_bypass_miss"
+	// EvStoreLoad / EvStoreLoadMiss: a prefill worker loaded a session's snapshot prefix from
+	// its own sidecar's store into its pool (prefill from the snapshot), or could not.
+	EvStoreLoad      = "snapshot_store_load"
+	EvStoreLoadMiss  = "snapshot_store_load_miss"
 	EvTransferDone   = "transfer_done"
 	EvTransferFailed = "transfer_failed"
 	EvSessionRelease = "session_released"

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/rs/zerolog"
@@ -77,6 +78,9 @@ type Sidecar struct {
 	policy   *kvcv1.Policy
 
 	wg sync.WaitGroup // background writes
+
+	// poolRanges are the worker pool's buffers in memory, for the write guard (load.go).
+	poolRanges atomic.Pointer[[]memRange]
 }
 
 // room is one transfer room seen by this sidecar: a seed (SendKV chunks) or a reseed
@@ -270,13 +274,14 @@ func (s *Sidecar) RegisterKVPool(_ context.Context, req *kvcv1.RegisterKVPoolReq
 		}
 		s.arena, s.st = arena, st
 		if canGuard {
-			guarded.SetWriteGuard(st.CheckWrite)
+			guarded.SetWriteGuard(s.writeGuard(st))
 		} else {
 			s.log.Info().Str("backend", s.eng.Backend()).Msg("store write guard not applicable: peers copy one-sided; only the engine's bounds against the registered regions apply")
 		}
 	}
 	old := s.pool
 	s.pool = p
+	s.poolRanges.Store(poolRangesOf(p))
 	s.mu.Unlock()
 	if old != nil {
 		old.Close()
