@@ -31,6 +31,8 @@ type hub struct {
 	// corruptFirst: with corrupt, a seed transfer flips a byte of its first token instead
 	corruptFirst bool
 	wait         time.Duration // how long a receiver waits for its sender
+	// corruptLoad: LoadFromStore flips a byte of the first token it loads
+	corruptLoad bool
 }
 
 type room struct {
@@ -248,6 +250,32 @@ func (f *fakeSidecar) SendKV(ctx context.Context, req *kvcv1.SendKVRequest) (*kv
 	r.ok = true
 	close(r.done)
 	return &kvcv1.SendKVResponse{Bytes: n}, nil
+}
+
+// LoadFromStore plays the prefill sidecar's store: the session's snapshot (its decode worker's
+// last commit) is copied into this worker's pages.
+func (f *fakeSidecar) LoadFromStore(_ context.Context, req *kvcv1.LoadFromStoreRequest) (*kvcv1.LoadFromStoreResponse, error) {
+	f.h.mu.Lock()
+	s := f.h.snapshots[req.GetSessionId()]
+	corrupt := f.h.corruptLoad
+	f.h.mu.Unlock()
+	if s == nil {
+		return nil, status.Errorf(codes.NotFound, "no snapshot of %s", req.GetSessionId())
+	}
+	if s.seqlen < req.GetTokens() {
+		return nil, status.Errorf(codes.FailedPrecondition, "the store holds %d tokens, fewer than %d", s.seqlen, req.GetTokens())
+	}
+	var n int64
+	bt := int64(f.g.BytesPerToken)
+	for b := 0; b < f.g.Buffers(); b++ {
+		for t := int64(0); t < req.GetTokens(); t++ {
+			n += int64(copy(f.slot(b, req.GetPages(), t), s.bufs[b][t*bt:(t+1)*bt]))
+		}
+	}
+	if corrupt {
+		f.slot(0, req.GetPages(), 0)[0] ^= 0xff
+	}
+	return &kvcv1.LoadFromStoreResponse{Bytes: n, Tokens: req.GetTokens(), Seqlen: s.seqlen}, nil
 }
 
 func (f *fakeSidecar) snapshotOf() (commits []*kvcv1.CommitSessionRequest, releases []*kvcv1.ReleaseSessionRequest) {

@@ -42,6 +42,17 @@ type KVCMeta struct {
 	BootstrapWaitMS float64 `json:"bootstrap_wait_ms,omitempty"`
 	// FetchMS (prefill): the modeled fetch of a prefix from a KV tier, on the fetch lane.
 	FetchMS float64 `json:"fetch_ms,omitempty"`
+	// Prefill from the snapshot (prefill): tokens of the session's snapshot loaded from the
+	// sidecar's store into this worker's pages, their bytes, the bytes verified against the
+	// known pattern, the load's wall time (with the modeled fetch lane), and LoadMiss when the
+	// store could not serve it (the whole context was prefilled).
+	LoadedTokens      int64   `json:"loaded_tokens,omitempty"`
+	LoadedBytes       int64   `json:"loaded_bytes,omitempty"`
+	LoadVerifiedBytes int64   `json:"load_verified_bytes,omitempty"`
+	LoadMS            float64 `json:"load_ms,omitempty"`
+	LoadMiss          bool    `json:"load_miss,omitempty"`
+	// ReceivedFrom (decode): a suffix-only receive kept [0, received_from) and received the rest.
+	ReceivedFrom int64 `json:"received_from,omitempty"`
 }
 
 type metaInfo struct {
@@ -271,19 +282,26 @@ func (w *Worker) servePrefill(ctx context.Context, p *plan, meta *KVCMeta) *apiE
 	t := &turn{p: p}
 	var pages []int64
 	defer func() { w.freePages(pages) }()
-	var first int64 // pages already sent
+	// sendFrom is the transfer's first page: 0, or with a suffix-only receive (receive_from)
+	// the first page the decode worker does not hold.
+	sendFrom := p.receiveFrom / ps
+	first := sendFrom // pages already sent end here
+	var head []int64
 	tb := time.Now()
 	if !p.toStore {
-		head, _, e := w.allocate(ctx, 1, "")
+		var e *apiError
+		head, _, e = w.allocate(ctx, 1, "")
 		if e != nil {
 			return e
 		}
 		pages = head
-		if e := w.fillContent(t, pages, 0, min(ps, p.input)); e != nil {
+		at := make([]int64, sendFrom+1) // the head page at its place in token order
+		at[sendFrom] = head[0]
+		if e := w.fillContent(t, at, sendFrom*ps, min((sendFrom+1)*ps, p.input)); e != nil {
 			return e
 		}
 		sctx, cancel := context.WithTimeout(ctx, w.cfg.TransferTimeout)
-		resp, err := w.bridge.SendKV(sctx, &kvcv1.SendKVRequest{Room: p.room, SessionId: p.seedKey, Pages: pages, FirstPage: 0, Tokens: p.input})
+		resp, err := w.bridge.SendKV(sctx, &kvcv1.SendKVRequest{Room: p.room, SessionId: p.seedKey, Pages: head, FirstPage: sendFrom, Tokens: p.input})
 		cancel()
 		if err != nil {
 			w.m.bridgeErrors.WithLabelValues("SendKV").Inc()
@@ -293,17 +311,30 @@ func (w *Worker) servePrefill(ctx context.Context, p *plan, meta *KVCMeta) *apiE
 			return errf(http.StatusBadGateway, "transfer_failed", "SendKV room %d (bootstrap): %v", p.room, err)
 		}
 		meta.SentBytes += resp.GetBytes()
-		first = 1
+		first = sendFrom + 1
 		meta.BootstrapWaitMS = ms(time.Since(tb))
 		w.m.bootstrapSeconds.Observe(time.Since(tb).Seconds())
 	}
-	rest, _, e := w.allocate(ctx, n-first, "")
+	rest, _, e := w.allocate(ctx, n-int64(len(head)), "")
 	if e != nil {
 		return e
 	}
-	pages = append(pages, rest...)
+	if len(head) > 0 {
+		// token order: the pages before the head page, the head page, the pages after it
+		pages = append(append(append(make([]int64, 0, n), rest[:sendFrom]...), head[0]), rest[sendFrom:]...)
+	} else {
+		pages = rest
+	}
 	t0 := time.Now()
+	loaded, e := w.loadPrefix(ctx, t, pages, meta) // prefill from the snapshot: the fetch lane, not the GPU
+	if e != nil {
+		return e
+	}
 	compute, cached, pulled, from := w.prefillCost(p) // baseline.go: prefix cache, pulled tiers
+	if loaded > 0 {
+		// The GPU computes the tail only.
+		compute, cached, pulled, from = w.cfg.Timing.Prefill(p.input-loaded), loaded, 0, ""
+	}
 	if pulled > 0 {
 		d, err := w.fetch(ctx, pulled, from) // the fetch lane: this node's NIC and the tier's egress, not the GPU
 		meta.FetchMS = ms(d)
@@ -326,9 +357,13 @@ func (w *Worker) servePrefill(ctx context.Context, p *plan, meta *KVCMeta) *apiE
 	if err != nil {
 		return ctxError(ctx, "during prefill")
 	}
-	// The bootstrap page already holds [0, min(ps, input)): a prompt shorter than a page has
-	// nothing left to write (its range [ps, input) was inverted: a 500 on a short chat).
-	if e := w.fillContent(t, pages, min(first*ps, p.input), p.input); e != nil {
+	// What the GPU computed: everything past the loaded prefix (the head page, written before
+	// the prefill for the bootstrap chunk, again with the same bytes).
+	fillFrom := min(first*ps, p.input)
+	if sendFrom > 0 || loaded > 0 {
+		fillFrom = loaded
+	}
+	if e := w.fillContent(t, pages, fillFrom, p.input); e != nil {
 		return e
 	}
 	meta.PrefillTokens = p.input - cached - pulled
@@ -374,6 +409,8 @@ type turn struct {
 	extend   bool
 	prefixKV int64
 	dirty    bool
+	// recvFrom: a suffix-only receive of a large append: the transfer writes [recvFrom, input).
+	recvFrom int64
 	unlock   func()
 	kv       int64    // tokens of KV computed
 	ids      []uint32 // the content of the turn's KV (content.go), built on first use
@@ -480,6 +517,11 @@ func (w *Worker) begin(ctx context.Context, p *plan, meta *KVCMeta) (*turn, *api
 			t.s, t.extend = s, true
 		}
 		w.mu.Unlock()
+		if !t.extend && p.receiveFrom > 0 {
+			// P sends only the suffix: without the held prefix the KV cannot be whole here.
+			return fail(errf(http.StatusConflict, "session_not_resident",
+				"session %q is not resident on %s, and the transfer sends only tokens from %d (receive_from)", p.sessionID, w.cfg.WorkerID, p.receiveFrom))
+		}
 		if !t.extend {
 			p.keep, anonymous = false, true
 		}
@@ -500,12 +542,24 @@ func (w *Worker) begin(ctx context.Context, p *plan, meta *KVCMeta) (*turn, *api
 				return fail(e)
 			}
 		}
+		// Suffix-only receive (receive_from): this worker keeps [0, from) it holds and P sends
+		// only the pages past it; the held prefix must cover it.
+		from := p.receiveFrom / int64(ps) * int64(ps)
+		if from > keep {
+			return fail(errf(http.StatusConflict, "session_not_resident",
+				"session %q holds %d tokens of this prompt on %s, fewer than receive_from %d", p.sessionID, keep, w.cfg.WorkerID, from))
+		}
 		if e := w.extendPages(ctx, t, need); e != nil {
 			return fail(e)
 		}
-		t.dirty = true
+		t.dirty = from == 0 // a whole-context receive writes into the pages of the held prefix too
+		t.recvFrom = from
 		if e := w.receive(ctx, t, kvcv1.TransferKind_TRANSFER_KIND_SEED, p.input); e != nil {
 			return fail(e)
+		}
+		if from > 0 {
+			meta.ReceivedFrom = from
+			w.m.suffixReceives.Inc()
 		}
 		t.dirty = false
 		t.kv = p.input
@@ -666,7 +720,7 @@ func (w *Worker) receive(ctx context.Context, t *turn, kind kvcv1.TransferKind, 
 	if resp.GetTokens() != 0 && resp.GetTokens() != tokens {
 		return errf(http.StatusBadGateway, "transfer_failed", "transfer of room %d carried %d tokens, want %d", p.room, resp.GetTokens(), tokens)
 	}
-	checked, bad, err := w.checkContent(t, t.pageList(), 0, tokens)
+	checked, bad, err := w.checkContent(t, t.pageList(), t.recvFrom, tokens) // what the transfer wrote
 	if err != nil {
 		return errf(http.StatusInternalServerError, "internal", "verifying room %d: %v", p.room, err)
 	}
@@ -690,7 +744,7 @@ func (w *Worker) receive(ctx context.Context, t *turn, kind kvcv1.TransferKind, 
 			return ctxError(ctx, "restoring KV from a tier")
 		}
 	}
-	if _, err := w.move(ctx, tokens-rp.have, peer); err != nil {
+	if _, err := w.move(ctx, tokens-max(rp.have, t.recvFrom), peer); err != nil {
 		return ctxError(ctx, "during the modeled transfer")
 	}
 	model := time.Since(tm)
@@ -922,4 +976,61 @@ func (s *sseWriter) done() {
 	if s.fl != nil {
 		s.fl.Flush()
 	}
+}
+
+// loadPrefix is the prefill from the snapshot (kv_hints load_prefix_tokens): the sidecar copies
+// tokens [0, n) of the session's snapshot from its store into this worker's pages (n cut to
+// whole pages), this worker verifies every loaded token against the session's known bytes,
+// and the load costs the fetch lane at link rate (the store's egress; the GPU is not held).
+// It returns the tokens loaded. A load the store cannot serve (the entry left, another
+// generation, fewer tokens) is no error: the worker prefills the whole context, as without a
+// load. A loaded token that does not verify is (kv_verify_failed).
+func (w *Worker) loadPrefix(ctx context.Context, t *turn, pages []int64, meta *KVCMeta) (int64, *apiError) {
+	p := t.p
+	ps := int64(w.cfg.Geometry.PageSize)
+	n := p.loadPrefix / ps * ps
+	if n <= 0 || p.role != kvcv1.WorkerRole_WORKER_ROLE_PREFILL {
+		return 0, nil
+	}
+	t0 := time.Now()
+	bctx, cancel := context.WithTimeout(ctx, w.cfg.TransferTimeout)
+	resp, err := w.bridge.LoadFromStore(bctx, &kvcv1.LoadFromStoreRequest{
+		SessionId: p.sessionID, Generation: p.loadGen, Tokens: n, Pages: pages[:n/ps],
+	})
+	cancel()
+	if err != nil {
+		if ctx.Err() != nil {
+			return 0, ctxError(ctx, "loading the snapshot prefix")
+		}
+		w.m.bridgeErrors.WithLabelValues("LoadFromStore").Inc()
+		w.m.storeLoads.WithLabelValues("miss").Inc()
+		w.log.Warn().Err(err).Str("session", p.sessionID).Int64("tokens", n).Msg("snapshot prefix not loaded; prefilling the whole context")
+		meta.LoadMiss = true
+		return 0, nil
+	}
+	checked, bad, cerr := w.checkContent(t, pages, 0, n)
+	if cerr != nil {
+		return 0, errf(http.StatusInternalServerError, "internal", "verifying the loaded prefix: %v", cerr)
+	}
+	meta.VerifyFailures += bad
+	w.m.verifyFailures.Add(float64(bad))
+	if bad > 0 {
+		w.m.storeLoads.WithLabelValues("verify_failed").Inc()
+		return 0, errf(http.StatusInternalServerError, "kv_verify_failed",
+			"%d of %d (token, buffer) slots of the snapshot prefix loaded from the store do not hold the session's known bytes",
+			bad, n*int64(w.cfg.Geometry.Buffers()))
+	}
+	meta.LoadedBytes = resp.GetBytes()
+	meta.LoadVerifiedBytes = checked
+	// The modeled cost: the prefix crosses this node's link out of the store (the fetch lane).
+	d, err := w.fetch(ctx, n, "store-"+w.cfg.WorkerID)
+	if err != nil {
+		return 0, ctxError(ctx, "during the modeled load from the store")
+	}
+	meta.LoadedTokens = n
+	meta.LoadMS = ms(time.Since(t0))
+	meta.FetchMS += ms(d)
+	w.m.storeLoads.WithLabelValues("hit").Inc()
+	w.m.storeLoadTokens.Add(float64(n))
+	return n, nil
 }

@@ -41,6 +41,12 @@ type metrics struct {
 	busy        *busyClock
 	busyGauge   prometheus.CounterFunc
 	pulledBytes prometheus.Counter
+	// storeLoads: prefills from the snapshot by result (hit, miss, verify_failed);
+	// storeLoadTokens: the tokens they loaded instead of prefilling.
+	storeLoads      *prometheus.CounterVec
+	storeLoadTokens prometheus.Counter
+	// suffixReceives: large appends that kept the held prefix and received only the rest.
+	suffixReceives prometheus.Counter
 }
 
 func newMetrics(reg prometheus.Registerer, w *Worker) *metrics {
@@ -80,6 +86,10 @@ func newMetrics(reg prometheus.Registerer, w *Worker) *metrics {
 	m.bootstrapSeconds = prometheus.NewHistogram(prometheus.HistogramOpts{Name: "kvc_sim_bootstrap_wait_seconds",
 		Help: "Prefill: time a request waited for the decode side's pre-allocation before it could prefill.", Buckets: prometheus.ExponentialBuckets(0.0005, 2, 16)})
 	m.prefillBusy = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_prefill_gpu_seconds_total", Help: "Wall seconds the GPU spent on (append-)prefill compute."})
+	m.storeLoads = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvc_sim_store_loads_total",
+		Help: "Prefill: snapshot prefixes loaded from the sidecar's store before a prefill (prefill from the snapshot), by result: hit, miss (the whole context prefilled), verify_failed."}, []string{"result"})
+	m.storeLoadTokens = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_store_load_tokens_total", Help: "Prefill: tokens loaded from the store instead of prefilled."})
+	m.suffixReceives = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_suffix_receives_total", Help: "Decode: large appends that kept the session's held prefix and received only the pages past it (receive_from)."})
 	m.residentGauge = prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvc_sim_resident_sessions", Help: "Sessions resident in the KV pool."},
 		func() float64 { return float64(w.stats().Sessions) })
 	m.usedPagesGauge = prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvc_sim_used_pages", Help: "KV pages in use."},
@@ -95,7 +105,7 @@ func newMetrics(reg prometheus.Registerer, w *Worker) *metrics {
 		reg.MustRegister(m.requests, m.ttft, m.receivedBytes, m.verifiedBytes, m.verifyFailures, m.sentBytes,
 			m.prefillTokens, m.decodeTokens, m.evictions, m.sidecarlessReleases, m.capacityRejects, m.preallocWaits, m.bridgeErrors, m.transferSeconds,
 			m.residentGauge, m.usedPagesGauge, m.freePagesGauge, m.truncations, m.tailRewrites, m.misStitched, m.prefixCachedTokens,
-			m.bootstrapSeconds, m.prefillBusy)
+			m.bootstrapSeconds, m.prefillBusy, m.storeLoads, m.storeLoadTokens, m.suffixReceives)
 	}
 	return m
 }

@@ -81,6 +81,14 @@ type kvcHints struct {
 	// P's SendKV goes into its sidecar's own store as the session's snapshot of this generation.
 	ToStore    bool   `json:"to_store"`
 	Generation uint64 `json:"generation"`
+	// LoadPrefixTokens and LoadGeneration: prefill from the snapshot
+	// (RouteExecution.load_prefix_tokens): P loads [0, n) of the session's snapshot of that
+	// generation from its sidecar's store first and prefills only the rest.
+	LoadPrefixTokens int64  `json:"load_prefix_tokens"`
+	LoadGeneration   uint64 `json:"load_generation"`
+	// ReceiveFrom: suffix-only receive (RouteExecution.receive_from): D keeps [0, n) of the
+	// session it holds and P sends only the pages past it.
+	ReceiveFrom int64 `json:"receive_from"`
 }
 
 // kvHintsEnvelope is SGLang's KvHintsEnvelope (sglang.srt.managers.kv_hints).
@@ -179,6 +187,12 @@ type plan struct {
 	storeGen uint64
 	// priority: the request's SGLang priority (0 when absent, as SGLang's req.priority or 0).
 	priority int64
+	// loadPrefix, loadGen: P loads [0, loadPrefix) of the session's snapshot from its store
+	// before it prefills (kv_hints load_prefix_tokens, load_generation).
+	loadPrefix int64
+	loadGen    uint64
+	// receiveFrom: the transfer covers only [receiveFrom, input) (kv_hints receive_from).
+	receiveFrom int64
 }
 
 // checkTransfer: the payload's transfer kind must be the one the mode implies.
@@ -325,6 +339,7 @@ func parseGenerate(body []byte, role kvcv1.WorkerRole, capacity int64) (*plan, e
 		p.peer, p.peers = k.PrefillPeerAddr, k.PrefillPeerAddrs
 		p.seqlen = k.SnapshotSeqlen
 		p.toStore, p.storeGen = k.ToStore, k.Generation
+		p.loadPrefix, p.loadGen, p.receiveFrom = k.LoadPrefixTokens, k.LoadGeneration, k.ReceiveFrom
 		if k.KeepSession != nil {
 			p.keep, keepSet = *k.KeepSession, true
 		}
@@ -414,6 +429,14 @@ func parseGenerate(body []byte, role kvcv1.WorkerRole, capacity int64) (*plan, e
 	}
 	if p.toStore && (role != kvcv1.WorkerRole_WORKER_ROLE_PREFILL || p.storeGen == 0 || p.sessionID == "") {
 		return nil, fmt.Errorf("kvc.to_store needs the prefill half, a session and a generation > 0")
+	}
+	if p.loadPrefix != 0 && (p.sessionID == "" || p.toStore || p.loadPrefix < 0 || p.loadPrefix >= p.input) {
+		// (the decode half gets it too, and only learns that P computed on loaded KV)
+		return nil, fmt.Errorf("kvc.load_prefix_tokens %d: only a session's prefill loads from its store, fewer tokens than input_tokens %d and not in a seed through the store", p.loadPrefix, p.input)
+	}
+	if p.receiveFrom != 0 && (p.mode != ModePDFallback || !p.keep && role == kvcv1.WorkerRole_WORKER_ROLE_DECODE ||
+		p.sessionID == "" || p.receiveFrom < 0 || p.receiveFrom >= p.input) {
+		return nil, fmt.Errorf("kvc.receive_from %d: only a large append (PD_FALLBACK keeping the session) receives a suffix, from below input_tokens %d", p.receiveFrom, p.input)
 	}
 	switch {
 	case p.sessionID != "":

@@ -77,6 +77,8 @@ type kvcReq struct {
 	Seqlen       int64  `json:"snapshot_seqlen,omitempty"`
 	Keep         *bool  `json:"keep_session,omitempty"`
 	LocalPrefill *bool  `json:"local_prefill,omitempty"`
+	LoadPrefix   int64  `json:"load_prefix_tokens,omitempty"`
+	ReceiveFrom  int64  `json:"receive_from,omitempty"`
 }
 
 func body(rid string, maxNew int64, stream bool, k kvcReq) []byte {

@@ -1,0 +1,90 @@
+package worker
+
+import (
+	"net/http"
+	"testing"
+
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
+	"github.com/kvcentric/kvcentric/pkg/kvpool"
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+// TestPrefillFromStoreSim: a large append served by prefill from the snapshot — P loads the
+// session's snapshot prefix (whole pages) from its store, verifies every loaded token, and
+// prefills only the tail; D keeps the prefix it holds (receive_from) and receives only the pages
+// past it, verified; the session's KV is the whole context afterwards. A corrupted load fails
+// with kv_verify_failed; a load the store cannot serve prefills the whole context.
+func TestPrefillFromStoreSim(t *testing.T) {
+	h := newHub()
+	tm := zeroTiming()
+	p := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_PREFILL, "p0", 4096, tm)
+	d := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_DECODE, "d0", 4096, zeroTiming())
+	const perToken = 48 // 3 layers × K and V × 8 bytes
+	// Seed: 101 tokens + 10 decoded = 111 committed: the store's snapshot (hub) has 111.
+	if pr, dr := pd(t, p, d, "r1", 10, kvcReq{Mode: "SEED", SessionID: "s1", InputTokens: 101, Room: i64(1)}); pr.status != 200 || dr.status != 200 {
+		t.Fatalf("seed: P %d %s, D %d %s", pr.status, pr.code, dr.status, dr.code)
+	}
+	commits, _ := d.sc.snapshotOf()
+	seedPages := commits[0].GetPages()
+	before := testutil.ToFloat64(p.w.m.prefillTokens)
+
+	// Large append to 300 tokens: load 111 (108 in whole pages), D keeps 108 of its 111.
+	pr, dr := pd(t, p, d, "r2", 5, kvcReq{Mode: "PD_FALLBACK", SessionID: "s1", InputTokens: 300, Room: i64(2), Keep: bptr(true),
+		LoadPrefix: 111, ReceiveFrom: 111})
+	if pr.status != 200 || dr.status != 200 {
+		t.Fatalf("large append from the snapshot: P %d %s, D %d %s", pr.status, pr.code, dr.status, dr.code)
+	}
+	pk, dk := pr.ans.MetaInfo.KVC, dr.ans.MetaInfo.KVC
+	if pk.LoadedTokens != 108 || pk.LoadVerifiedBytes != 108*perToken || pk.LoadedBytes != 108*perToken || pk.PrefillTokens != 192 || pk.LoadMiss {
+		t.Fatalf("prefill meta %+v: want 108 tokens loaded and verified, 192 prefilled", pk)
+	}
+	if dk.ReceivedFrom != 108 || dk.ReceivedBytes != 192*perToken || dk.VerifiedBytes != 192*perToken || dk.VerifyFailures != 0 || dk.KVLenAfter != 305 {
+		t.Fatalf("decode meta %+v: want the 192 tokens past 108 received and verified", dk)
+	}
+	if got := testutil.ToFloat64(p.w.m.prefillTokens) - before; got != 192 {
+		t.Fatalf("P's GPU prefilled %v tokens, want the tail's 192", got)
+	}
+	if got := testutil.ToFloat64(p.w.m.storeLoadTokens); got != 108 {
+		t.Fatalf("kvc_sim_store_load_tokens_total %v, want 108", got)
+	}
+	commits, releases := d.sc.snapshotOf()
+	if len(releases) != 0 || len(commits) != 2 || commits[1].GetCommittedLen() != 305 {
+		t.Fatalf("commits %v releases %v", commits, releases)
+	}
+	pages := commits[1].GetPages()
+	for i, pg := range seedPages {
+		if pages[i] != pg {
+			t.Fatalf("page %d of the prefix moved from %d to %d", i, pg, pages[i])
+		}
+	}
+	if bad, err := kvpool.CheckContent(d.w.mem, contentKey, (&plan{seedKey: "s1"}).tokenIDs(305), pages, 0, 305); err != nil || bad != 0 {
+		t.Fatalf("session KV after the large append: %d bad slots, %v", bad, err)
+	}
+
+	// A load that does not verify fails the prefill half.
+	h.corruptLoad = true
+	pr, _ = pd(t, p, d, "r3", 5, kvcReq{Mode: "PD_FALLBACK", SessionID: "s1", InputTokens: 500, Room: i64(3), Keep: bptr(true),
+		LoadPrefix: 305, ReceiveFrom: 305})
+	h.corruptLoad = false
+	if pr.status != http.StatusInternalServerError || pr.code != "kv_verify_failed" {
+		t.Fatalf("corrupted load: P %d %s", pr.status, pr.code)
+	}
+
+	// The store has no snapshot of s2: P prefills the whole context.
+	pr, dr = pd(t, p, d, "r4", 0, kvcReq{Mode: "SEED", SessionID: "s2", InputTokens: 200, Room: i64(4), LoadPrefix: 100})
+	if pr.status != 200 || dr.status != 200 || !pr.ans.MetaInfo.KVC.LoadMiss || pr.ans.MetaInfo.KVC.PrefillTokens != 200 ||
+		dr.ans.MetaInfo.KVC.VerifiedBytes != 200*perToken {
+		t.Fatalf("load miss: P %d %+v, D %d %s", pr.status, pr.ans.MetaInfo.KVC, dr.status, dr.code)
+	}
+
+	// D holding less of the prompt than receive_from, or not the session at all, refuses: the
+	// KV would not be whole.
+	for _, c := range []struct{ session string }{{"s1"}, {"s9"}} {
+		_, dr = pd(t, p, d, "r5-"+c.session, 0, kvcReq{Mode: "PD_FALLBACK", SessionID: c.session, InputTokens: 900, Room: i64(int64(5 + c.session[1])), Keep: bptr(true),
+			ReceiveFrom: 800})
+		if dr.status != http.StatusConflict || dr.code != "session_not_resident" {
+			t.Fatalf("receive_from past the held KV of %s: D %d %s", c.session, dr.status, dr.code)
+		}
+	}
+}
