@@ -40,6 +40,13 @@ class Plan:
     role: str = ""  # the serving worker's role
     peer: str = ""
     seqlen: int = 0
+    # prefill from the snapshot (kv_hints load_prefix_tokens / load_generation): P loads
+    # [0, load_prefix) of the session's snapshot from its sidecar's store and prefills the rest;
+    # D learns from it that the KV it receives is not one full prefill's
+    load_prefix: int = 0
+    load_gen: int = 0
+    # suffix-only receive (kv_hints receive_from): D keeps [0, receive_from), P sends the rest
+    receive_from: int = 0
     keep: bool = False
     stream: bool = False
     ids: Optional[List[int]] = None  # the client's token ids; None: scripted (synthetic) tokens
@@ -176,6 +183,11 @@ def parse(body, role: str, capacity: int, vocab: int) -> Plan:
             p.seqlen = _int(k["snapshot_seqlen"], "kvc.snapshot_seqlen")
         if k.get("keep_session") is not None:
             p.keep, keep_set = bool(k["keep_session"]), True
+        if k.get("load_prefix_tokens") is not None:
+            p.load_prefix = _int(k["load_prefix_tokens"], "kvc.load_prefix_tokens")
+            p.load_gen = _int(k.get("load_generation") or 0, "kvc.load_generation")
+        if k.get("receive_from") is not None:
+            p.receive_from = _int(k["receive_from"], "kvc.receive_from")
     if not keep_set:
         p.keep = p.mode != "PD_FALLBACK"
     if p.ids is not None:
@@ -207,6 +219,12 @@ def parse(body, role: str, capacity: int, vocab: int) -> Plan:
         raise BadRequest("mode %s moves KV and needs a room (kvc.room or bootstrap_room)" % p.mode)
     if p.mode == "RESEED_SNAPSHOT" and not (0 < p.seqlen <= p.input):
         raise BadRequest("kvc.snapshot_seqlen %d out of range [1, input_tokens %d]" % (p.seqlen, p.input))
+    if p.load_prefix and (not p.session_id or not 0 < p.load_prefix < p.input):
+        raise BadRequest("kvc.load_prefix_tokens %d: only a session's prefill loads from its store, fewer tokens than "
+                         "input_tokens %d" % (p.load_prefix, p.input))
+    if p.receive_from and (p.mode != "PD_FALLBACK" or not p.session_id or not 0 < p.receive_from < p.input):
+        raise BadRequest("kvc.receive_from %d: only a large append (PD_FALLBACK of a session) receives a suffix, "
+                         "from below input_tokens %d" % (p.receive_from, p.input))
     p.seed_key = p.session_id or p.rid or "room-%d" % p.room
     return p
 

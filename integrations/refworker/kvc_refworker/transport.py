@@ -54,11 +54,22 @@ class BridgeTransport:
             model=model_name)
 
     def send(self, room: int, session_id: str, pages: List[int], tokens: int, first_token: int,
-             first_logit: float) -> int:
+             first_logit: float, first_page: int = 0) -> int:
+        """pages cover [0, tokens); with first_page > 0 (a suffix-only receive) only the pages from
+        first_page on are sent."""
         try:
-            return self.bridge.send_kv(room, session_id, pages, first_page=0, last=True, tokens=tokens)
+            return self.bridge.send_kv(room, session_id, pages[first_page:], first_page=first_page, last=True,
+                                       tokens=tokens)
         except BridgeError as e:
             raise TransferError("SendKV room %d: %s" % (room, e)) from e
+
+    def load(self, session_id: str, generation: int, pages: List[int], tokens: int):
+        """Prefill from the snapshot: the sidecar copies [0, tokens) of the session's snapshot from
+        its store into pages (LoadFromStore)."""
+        try:
+            return self.bridge.load_from_store(session_id, generation, tokens, pages, timeout_s=self.timeout_s)
+        except BridgeError as e:
+            raise TransferError("LoadFromStore %s: %s" % (session_id, e)) from e
 
     def receive(self, room: int, session_id: str, kind: int, pages: List[int], tokens: int, peer: str) -> Received:
         t0 = time.monotonic()
@@ -145,12 +156,20 @@ class PluginTransport:
                 raise TransferError("%s: no result within %.0fs" % (what, self.timeout_s))
             time.sleep(self.poll_s)  # the scheduler's event loop polls the same way, once per step
 
+    def load(self, session_id: str, generation: int, pages: List[int], tokens: int):
+        """Prefill from the snapshot through the plugin's own bridge client (LoadFromStore)."""
+        try:
+            return self.bridge.load_from_store(session_id, generation, tokens, pages, timeout_s=self.timeout_s)
+        except BridgeError as e:
+            raise TransferError("LoadFromStore %s: %s" % (session_id, e)) from e
+
     def send(self, room: int, session_id: str, pages: List[int], tokens: int, first_token: int,
-             first_logit: float) -> int:
+             first_logit: float, first_page: int = 0) -> int:
         row = self._row()
         try:
             s = self.backend.KvcKVSender(self.mgr, "", room)
             s.session_id = session_id  # what the create_sender hook sets from kv_hints
+            s.skip_pages = first_page  # ... and receive_from: the decode side holds these pages
             s.init(len(pages), row)
             for buf, data in zip(self._aux, _pack_aux(first_token, first_logit)):  # MetadataBuffers.set_buf
                 buf[row] = self.np.frombuffer(data, dtype=self.np.uint8)

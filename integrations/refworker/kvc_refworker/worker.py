@@ -447,19 +447,22 @@ class Worker:
         self.gpu.enter()  # a served request: recompute checks of workers sharing the GPU wait
         try:
             t0 = time.monotonic()
-            logits, cache = self._forward(ids, M.new_cache(self.model))
-            self._write_back(pages, cache, 0, p.input)
+            start = self._load_prefix(p, pages, meta)  # prefill from the snapshot: [0, start) from the store
+            cache = self._cache_from_pool(pages, start) if start else M.new_cache(self.model)
+            logits, cache = self._forward(ids[start:], cache)
+            self._write_back(pages, cache, start, p.input)
             if self.pool.device.type == "cuda":
                 torch.cuda.synchronize(self.pool.device)
             del cache
-            meta["prefill_tokens"] = p.input
+            meta["prefill_tokens"] = p.input - start
             meta["prefill_ms"] = _ms(time.monotonic() - t0)
             first = int(logits.argmax())
             meta["first_token"] = first
-            self.stats["prefill_tokens"] += p.input
+            self.stats["prefill_tokens"] += p.input - start
             t1 = time.monotonic()
+            first_page = p.receive_from // self.pool.page_size  # a suffix-only receive: D holds the pages before
             try:
-                sent = self.xfer.send(p.room, p.seed_key, pages, p.input, first, float(logits[first]))
+                sent = self.xfer.send(p.room, p.seed_key, pages, p.input, first, float(logits[first]), first_page=first_page)
             except TransferError as e:
                 raise ApiError(502, "transfer_failed", str(e)) from e
             meta["sent_bytes"] = sent
@@ -471,6 +474,31 @@ class Worker:
             with self.mu:
                 self.mu.notify_all()
         return meta
+
+    def _load_prefix(self, p: Plan, pages: List[int], meta: Dict) -> int:
+        """Prefill from the snapshot (kv_hints load_prefix_tokens): the sidecar copies whole pages
+        of the session's snapshot, [0, n), from its store into this worker's pages; the prefill
+        then runs over the rest with that KV as its cache. Returns n (0 when nothing was loaded:
+        no hint, or the store could not serve it, and the whole context is prefilled)."""
+        ps = self.pool.page_size
+        n = min(p.load_prefix, p.input - 1) // ps * ps
+        if n <= 0:
+            return 0
+        t0 = time.monotonic()
+        try:
+            r = self.xfer.load(p.session_id, p.load_gen, pages[:n // ps], n)
+        except TransferError as e:
+            log.warning("snapshot prefix of %s not loaded (%s): prefilling the whole context", p.session_id, e)
+            meta["load_miss"] = True
+            self.stats["store_load_misses"] = self.stats.get("store_load_misses", 0) + 1
+            return 0
+        if self.pool.device.type == "cuda":
+            torch.cuda.synchronize(self.pool.device)
+        meta["loaded_tokens"], meta["loaded_bytes"] = n, r.bytes
+        meta["load_ms"] = _ms(time.monotonic() - t0)
+        self.stats["store_loads"] = self.stats.get("store_loads", 0) + 1
+        self.stats["store_load_tokens"] = self.stats.get("store_load_tokens", 0) + n
+        return n
 
     # -- decode role ----------------------------------------------------------------------------
 
@@ -540,6 +568,19 @@ class Worker:
                 p.keep, anonymous = False, True
         if t.extend:
             s = t.s
+            # Suffix-only receive (receive_from): this worker keeps [0, rf) of the KV it holds and
+            # P sends only the pages past it; the held KV must be the prompt's up to rf.
+            rf = p.receive_from // ps * ps
+            if rf:
+                lcp = 0
+                for a, b in zip(s.tokens[:s.kv_len], t.ids):
+                    if a != b:
+                        break
+                    lcp += 1
+                if lcp < rf:
+                    raise ApiError(409, "session_not_resident", "session %r holds %d tokens of this prompt on %s, fewer than "
+                                   "receive_from %d" % (p.session_id, lcp, self.cfg.worker_id, rf))
+                t.meta["received_from"] = rf
             k = pages_for(s.kv_len, ps)
             surplus = s.pages[k:]
             s.pages = s.pages[:k]
@@ -550,6 +591,9 @@ class Worker:
             t.dirty = True
             self._receive(t, TRANSFER_SEED, n)
             self._first_from_received(t)
+            if p.load_prefix or rf:
+                # P computed on KV loaded from the store, or D kept its own: not one full prefill's
+                t.bitwise = False
             return
 
         if not anonymous:
@@ -578,6 +622,8 @@ class Worker:
         else:
             self._receive(t, TRANSFER_SEED, n)
             self._first_from_received(t)
+            if p.load_prefix:
+                t.bitwise = False  # P computed the tail on KV loaded from its store
 
     def _receive(self, t: Turn, kind: int, tokens: int) -> None:
         p = t.p

@@ -149,6 +149,10 @@ class TestEveryModeExact(unittest.TestCase):
             self.assertEqual(m, "DIRECT_TO_D")
             m, r, meta = turn("a", 350)  # over the direct limit: plain P/D kept on a's own D
             self.assertEqual((m, r), ("PD_FALLBACK", "REAL_LARGE_APPEND"))
+            # D keeps the 352 tokens it holds and receives only the suffix (receive_from); P
+            # loads a's snapshot from its store when the control plane has heard of it
+            self.assertEqual(meta.get("received_from"), 352, meta)
+            self.assertEqual(meta["received_bytes"] % (702 - 352), 0, meta)
             m, _, _ = turn("a", 20)
             self.assertEqual(m, "DIRECT_TO_D")
             m, _, _ = turn("s", 200, ids=False)  # counts only

@@ -161,6 +161,9 @@ class KvcKVSender(BaseKVSender):
         self.to_store = False
         self.generation = 0
         self.tokens = 0
+        # Suffix-only receive (kv_hints receive_from, set by the create_sender hook): the decode
+        # worker keeps the session's first skip_pages pages; only the pages past them are sent.
+        self.skip_pages = 0
         self.num_pages = 0
         self.aux_index: Optional[int] = None
         self._sent_pages = 0
@@ -217,6 +220,12 @@ class KvcKVSender(BaseKVSender):
             # set_buf(req) ran before the last send; the row is reused once the request leaves,
             # so it is read now, on the scheduler thread.
             aux = kvpool.read_aux_rows(self.kv_mgr.aux_ptrs, self.kv_mgr.aux_item_lens, self.aux_index)
+        if self.skip_pages > first and not self.to_store:
+            # the decode worker holds these pages already (receive_from): not sent
+            drop = min(self.skip_pages - first, len(pages))
+            pages, first = pages[drop:], first + drop
+            if not pages and not last:
+                return
         with self._lock:
             if self._state == KVPoll.Failed:
                 return

@@ -59,6 +59,18 @@ class TransferResult:
 
 
 @dataclass
+class StoreLoad:
+    """LoadFromStore's answer: the bytes copied into the worker's pages, the tokens loaded, and
+    the snapshot's generation and seqlen when it was read."""
+
+    bytes: int
+    tokens: int
+    generation: int
+    seqlen: int
+    duration_us: int
+
+
+@dataclass
 class SnapshotStatus:
     exists: bool
     seqlen: int
@@ -212,6 +224,18 @@ class WorkerBridge:
         w = (wire.Writer().int(1, room).str(2, session_id).packed(3, pages).int(4, first_page)
              .bool(5, last).int(6, tokens).rbytes(7, aux).bool(8, to_store).int(9, generation))
         return wire.as_int64(self._call("SendKV", w.done(), timeout=timeout_s).get(1))
+
+    def load_from_store(self, session_id: str, generation: int, tokens: int, pages: Sequence[int],
+                        timeout_s: Optional[float] = None) -> "StoreLoad":
+        """Prefill side (prefill from the snapshot): the sidecar copies tokens [0, tokens) of the
+        session's snapshot of generation (0 = any) from its own store into these pages of the
+        worker's pool (covering [0, tokens) in order), holding the entry while it reads. A
+        BridgeError NOT_FOUND / FAILED_PRECONDITION means the store cannot serve it (no
+        snapshot, another generation, fewer tokens): prefill the whole context instead."""
+        w = wire.Writer().str(1, session_id).int(2, generation).int(3, tokens).packed(4, pages)
+        r = self._call("LoadFromStore", w.done(), timeout=timeout_s)
+        return StoreLoad(bytes=wire.as_int64(r.get(1)), tokens=wire.as_int64(r.get(2)), generation=r.get(3) or 0,
+                         seqlen=wire.as_int64(r.get(4)), duration_us=wire.as_int64(r.get(5)))
 
     def snapshot_status(self, session_id: str) -> SnapshotStatus:
         r = self._call("SnapshotStatus", wire.Writer().str(1, session_id).done())

@@ -140,6 +140,12 @@ def _carry(obj, req):
             return
         obj.to_store, obj.generation, obj.tokens = True, hint.generation, len(req.origin_input_ids)
         return
+    if isinstance(obj, backend.KvcKVSender) and hint is not None and hint.receive_from > 0:
+        # A large append into the session's own decode worker: it keeps [0, receive_from).
+        reg = getattr(obj.kv_mgr, "registration", None)
+        ps = int(getattr(reg, "page_size", 0) or 0)
+        if ps > 0:
+            obj.skip_pages = hint.receive_from // ps
     if isinstance(obj, backend.KvcKVReceiver):
         obj.kind = hint.transfer_kind if hint is not None else obj.kind
         obj.tokens = len(req.origin_input_ids)

@@ -77,6 +77,13 @@ class KvcHint:
     # request then carries snapshot_seqlen and loads it through the KvcLinker.
     to_store: bool = False
     generation: int = 0
+    # Prefill from the snapshot (RouteExecution.load_prefix_tokens / load_generation): P loads
+    # [0, load_prefix_tokens) of the session's snapshot from its sidecar's store first.
+    load_prefix_tokens: int = 0
+    load_generation: int = 0
+    # Suffix-only receive (RouteExecution.receive_from): D keeps [0, receive_from) and P's sender
+    # sends only the pages past it.
+    receive_from: int = 0
     # Tensor parallelism: the prefill worker's rank peers, in rank order (rank r of this worker
     # receives from entry r; prefill_peer_addr is rank 0's). Empty without tensor parallelism.
     prefill_peer_addrs: List[str] = field(default_factory=list)
@@ -130,7 +137,10 @@ def parse_hint(kv_hints: Any) -> Optional[KvcHint]:
                            decision_id=str(p.get("decision_id", "") or ""),
                            full_context=bool(p.get("full_context", True)),
                            to_store=bool(p.get("to_store", False)), generation=int(p.get("generation", 0) or 0),
-                           prefill_peer_addrs=list(peers))
+                           prefill_peer_addrs=list(peers),
+                           load_prefix_tokens=int(p.get("load_prefix_tokens", 0) or 0),
+                           load_generation=int(p.get("load_generation", 0) or 0),
+                           receive_from=int(p.get("receive_from", 0) or 0))
         except (TypeError, ValueError) as e:
             raise ValueError("malformed kv_hints kvc payload %r: %s" % (p, e)) from None
     return None

@@ -45,13 +45,13 @@ def pd(sglang_installed, bins, tmp):
 
 
 def seed(pd, *, room, mode="SEED", session="s-seed", n=77, ppages=(3, 7, 8, 12, 20), dpages=(30, 5, 9, 17, 2),
-         p_aux=2, d_aux=5):
+         p_aux=2, d_aux=5, extra_hints=None):
     """Drives one P->D transfer through the real queue methods and the backend, chunk 1 sent
     before D prepares, chunk 2 (the last, partial page) after. Returns (sender, receiver, seen)."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    hints = kvctest.kvc_hints(mode=mode, session_id=session, room=room, prefill_peer_addr=pd.p.peer_addr) \
-        if mode else None
+    hints = kvctest.kvc_hints(mode=mode, session_id=session, room=room, prefill_peer_addr=pd.p.peer_addr,
+                              **(extra_hints or {})) if mode else None
     ids = list(range(1000, 1000 + n))
     rp = kvctest.req("r-%d" % room, ids, room=room, host=pd.host, port=pd.port, hints=hints)
     rd = kvctest.req("r-%d" % room, ids, room=room, host=pd.host, port=pd.port, hints=hints)
@@ -105,6 +105,33 @@ def test_seed_two_chunks_with_aux(pd):
     assert m.cached_tokens[5, :3].tolist() == [7, 7, 7] and float(m.output_token_logprobs_val[5, 0]) == -0.125
     assert kvpool.read_aux_rows(pd.dmgr.aux_ptrs, pd.dmgr.aux_item_lens, 5) == \
         kvpool.read_aux_rows(pd.pmgr.aux_ptrs, pd.pmgr.aux_item_lens, 2)
+
+
+def test_suffix_only_send(pd):
+    """A large append into the session's own decode worker (kv_hints receive_from): the sender
+    skips the pages the decode worker holds and sends only the rest; D's held page is left as
+    it was, the others hold P's bytes, and only the suffix's bytes cross."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    n, ppages, dpages = 77, [3, 7, 8, 12, 20], [30, 5, 9, 17, 2]
+    kvctest.fill_random(pd.dpool, dpages[:1], seed=99)  # the page D holds of the session
+    held = kvctest.token_bytes(pd.dpool, dpages[:1], kvctest.PAGE)
+    tx, rx, (st, seen_tx, sr, seen_rx) = seed(pd, room=903, mode="PD_FALLBACK", n=n, ppages=ppages, dpages=dpages,
+                                              extra_hints={"receive_from": kvctest.PAGE, "keep_session": True})
+    assert tx.skip_pages == 1
+    assert st == KVPoll.Success, (seen_tx, tx._error, pd.p.tail())
+    assert sr == KVPoll.Success, (seen_rx, rx._error, pd.d.tail())
+    assert kvctest.token_bytes(pd.dpool, dpages[:1], kvctest.PAGE) == held
+    whole_d, whole_p = kvctest.token_bytes(pd.dpool, dpages, n), kvctest.token_bytes(pd.ppool, ppages, n)
+    assert whole_d != whole_p  # the held page was not overwritten
+    per_token = kvctest.LAYERS * 2 * kvctest.HEADS * kvctest.HEAD_DIM * 2
+    assert rx.result.bytes == (n - kvctest.PAGE) * per_token
+    # every buffer's tokens [PAGE, n) are P's
+    for pd_pg, pp_pg in zip(dpages[1:], ppages[1:]):
+        assert kvctest.token_bytes(pd.dpool, [pd_pg], kvctest.PAGE) == kvctest.token_bytes(pd.ppool, [pp_pg], kvctest.PAGE) or \
+            pd_pg == dpages[-1]
+    last = n - 4 * kvctest.PAGE
+    assert kvctest.token_bytes(pd.dpool, dpages[-1:], last) == kvctest.token_bytes(pd.ppool, ppages[-1:], last)
 
 
 def test_failures_surface_as_kvpoll_failed(pd):
