@@ -462,7 +462,8 @@ class Worker:
             t1 = time.monotonic()
             first_page = p.receive_from // self.pool.page_size  # a suffix-only receive: D holds the pages before
             try:
-                sent = self.xfer.send(p.room, p.seed_key, pages, p.input, first, float(logits[first]), first_page=first_page)
+                sent = self.xfer.send(p.room, p.seed_key, pages, p.input, first, float(logits[first]),
+                                      first_page=first_page)
             except TransferError as e:
                 raise ApiError(502, "transfer_failed", str(e)) from e
             meta["sent_bytes"] = sent
@@ -578,8 +579,8 @@ class Worker:
                         break
                     lcp += 1
                 if lcp < rf:
-                    raise ApiError(409, "session_not_resident", "session %r holds %d tokens of this prompt on %s, fewer than "
-                                   "receive_from %d" % (p.session_id, lcp, self.cfg.worker_id, rf))
+                    raise ApiError(409, "session_not_resident", "session %r holds %d tokens of this prompt on %s, "
+                                   "fewer than receive_from %d" % (p.session_id, lcp, self.cfg.worker_id, rf))
                 t.meta["received_from"] = rf
             k = pages_for(s.kv_len, ps)
             surplus = s.pages[k:]
