@@ -107,3 +107,37 @@ func TestPrefillFromSnapshot(t *testing.T) {
 		})
 	}
 }
+
+// TestPrefillFromSnapshotOnContent: an edited history (the prompt diverges from the session's
+// snapshot at token at) whose reseed cannot come from the snapshot alone re-prefills on the
+// snapshot's holder after loading only the common prefix: never a token past the edit, page
+// aligned, and something whenever a whole page precedes the edit.
+func TestPrefillFromSnapshotOnContent(t *testing.T) {
+	const held = 16_384
+	heldIDs := convo(held, 1)
+	heldChain := chainOf(t, heldIDs)
+	for at := 0; at < held; at += 211 {
+		prompt := append(convo(held, 1, at), convo(9_216, 900_000)...)
+		rec := resident("", held)
+		rec.PreviousDecodeWorker = "d1"
+		rec.Snapshot = snap("p1", held)
+		sc := &SnapshotContent{Pages: held / cps, Last: heldChain[held/cps-1], Chain: sparseOf(t, heldChain)}
+		d := Decide(&Input{Knobs: knobs(nil), Query: q(int64(len(prompt)), 50, 5), Session: rec, Workers: cluster(),
+			Ledger: ledger(nil), NowMs: nowMs, Content: &Content{PageSize: cps, Prompt: chainOf(t, prompt), Snapshot: sc}})
+		if d.Mode != mPrefill {
+			t.Fatalf("edit at %d: %s/%s, want a re-prefill (the tail is past the tolerance)", at, d.Mode, d.Reason)
+		}
+		n := d.Exec.LoadPrefixTokens
+		if n > int64(at) || n%cps != 0 {
+			t.Fatalf("edit at %d: loads %d tokens (past the edit or not page aligned)", at, n)
+		}
+		if at >= 64*cps && n == 0 {
+			// pagehash.Sparse keeps a page hash every DefaultStride pages far from the tail: a
+			// common prefix of 64 pages or more is always found
+			t.Fatalf("edit at %d: nothing loaded", at)
+		}
+		if n > 0 && workerIDOf(d.Prefill) != "p1" {
+			t.Fatalf("edit at %d: a load on %s, not the holder p1", at, workerIDOf(d.Prefill))
+		}
+	}
+}
