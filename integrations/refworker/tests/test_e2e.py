@@ -210,6 +210,20 @@ class TestEveryModeExact(unittest.TestCase):
         self.assertGreater(evictions, 0)
         for want in ("SEED", "DIRECT_TO_D", "PD_FALLBACK", "RESEED_SNAPSHOT", "RESEED_PREFILL"):
             self.assertIn(want, modes)
+        # Prefill from the snapshot ran on real KV: the prefill sidecar loaded snapshot prefixes
+        # (real attention KV pushed D->P) into the prefill worker's pages, and the turns served
+        # from them recomputed exactly (the mismatch count above covers them).
+        loads = []
+        with open(os.path.join(work, "prefill-0.events.jsonl")) as f:
+            for line in f:
+                e = json.loads(line)
+                if e.get("event") == "snapshot_store_load":
+                    loads.append(e)
+        print("prefill from the snapshot: %s" % [(e["session"], e["tokens"], e["seqlen"]) for e in loads])
+        self.assertGreater(len(loads), 0)
+        for e in loads:
+            self.assertEqual(e["tokens"] % 16, 0, e)  # whole pages
+            self.assertLessEqual(e["tokens"], e["seqlen"], e)
         for s, m, _, meta in results:
             if m == "RESEED_SNAPSHOT":
                 self.assertGreater(meta["received_bytes"], 0, s)  # the snapshot: real KV pushed D->P earlier
