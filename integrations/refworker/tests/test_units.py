@@ -40,6 +40,10 @@ class TestParse(unittest.TestCase):
              {"rid": "r1", "input_ids": [7, 7], "bootstrap_room": 5, "priority": -100}, "prefill", dict(priority=-100)),
             ("no priority", {"rid": "r1", "input_ids": [7, 7], "bootstrap_room": 5, "priority": None}, "prefill",
              dict(priority=0)),
+            ("prefill from the snapshot, suffix-only send",
+             self.hints({"mode": "PD_FALLBACK", "session_id": "s", "input_tokens": 40, "room": 2, "keep_session": True,
+                         "load_prefix_tokens": 32, "load_generation": 7, "receive_from": 32}), "prefill",
+             dict(load_prefix=32, load_gen=7, receive_from=32)),
             ("failed open to D alone", {"rid": "r", "input_ids": [1, 2, 3],
                                         "kvc": {"mode": "PD_FALLBACK", "keep_session": False}}, "decode",
              dict(mode="PD_FALLBACK", local=True, transfers=False)),
@@ -78,6 +82,15 @@ class TestParse(unittest.TestCase):
              "prefill", "priority"),
             ("priority beyond int64", {"rid": "r", "input_ids": [1], "bootstrap_room": 1, "priority": 1 << 63},
              "prefill", "priority"),
+            ("load of the whole prompt",
+             {"kvc": {"mode": "RESEED_PREFILL", "input_tokens": 3, "session_id": "s", "room": 1,
+                      "load_prefix_tokens": 3}},
+             "prefill", "load_prefix_tokens"),
+            ("load without a session", {"rid": "r", "input_ids": [1, 2], "bootstrap_room": 1,
+                                        "kvc": {"mode": "PD_FALLBACK", "keep_session": False, "load_prefix_tokens": 1}},
+             "prefill", "load_prefix_tokens"),
+            ("suffix of a seed", {"kvc": {"mode": "SEED", "input_tokens": 9, "session_id": "s", "room": 1,
+                                          "receive_from": 4}}, "prefill", "receive_from"),
         ]
         for name, body, role, msg in bad:
             with self.subTest(name), self.assertRaisesRegex(R.BadRequest, msg):
