@@ -140,12 +140,11 @@ def _carry(obj, req):
             return
         obj.to_store, obj.generation, obj.tokens = True, hint.generation, len(req.origin_input_ids)
         return
-    if isinstance(obj, backend.KvcKVSender) and hint is not None and hint.receive_from > 0:
-        # A large append into the session's own decode worker: it keeps [0, receive_from).
-        reg = getattr(obj.kv_mgr, "registration", None)
-        ps = int(getattr(reg, "page_size", 0) or 0)
-        if ps > 0:
-            obj.skip_pages = hint.receive_from // ps
+    # kv_hints receive_from (a large append: the control plane says D keeps [0, receive_from)) is
+    # not turned into the sender's skip_pages here: whether a real SGLang decode worker's pages
+    # of the prefix hold the session's KV is its own decode prefix length, which this plugin does
+    # not learn yet (docs/sglang.md); sending every page is always correct. kvc-refworker, whose
+    # decode side keeps the session's pages, sets skip_pages itself.
     if isinstance(obj, backend.KvcKVReceiver):
         obj.kind = hint.transfer_kind if hint is not None else obj.kind
         obj.tokens = len(req.origin_input_ids)

@@ -45,7 +45,7 @@ def pd(sglang_installed, bins, tmp):
 
 
 def seed(pd, *, room, mode="SEED", session="s-seed", n=77, ppages=(3, 7, 8, 12, 20), dpages=(30, 5, 9, 17, 2),
-         p_aux=2, d_aux=5, extra_hints=None):
+         p_aux=2, d_aux=5, extra_hints=None, skip_pages=0):
     """Drives one P->D transfer through the real queue methods and the backend, chunk 1 sent
     before D prepares, chunk 2 (the last, partial page) after. Returns (sender, receiver, seen)."""
     from sglang.srt.disaggregation.base.conn import KVPoll
@@ -65,6 +65,8 @@ def seed(pd, *, room, mode="SEED", session="s-seed", n=77, ppages=(3, 7, 8, 12, 
 
     assert pd.pq.create_sender(rp, num_kv_heads=kvctest.HEADS)  # hooked: session onto the sender
     tx = rp.disagg_kv_sender
+    assert tx.skip_pages == 0  # the hook never skips on its own (docs/sglang.md)
+    tx.skip_pages = skip_pages
     assert tx.session_id == (session or "room-%d" % room)
     assert tx.poll() == KVPoll.WaitingForInput
     tx.init(len(ppages), p_aux)
@@ -108,17 +110,17 @@ def test_seed_two_chunks_with_aux(pd):
 
 
 def test_suffix_only_send(pd):
-    """A large append into the session's own decode worker (kv_hints receive_from): the sender
-    skips the pages the decode worker holds and sends only the rest; D's held page is left as
-    it was, the others hold P's bytes, and only the suffix's bytes cross."""
+    """A suffix-only send (skip_pages, as kvc-refworker sets it from kv_hints receive_from): the
+    sender skips the pages the decode worker holds and sends only the rest; D's held page is
+    left as it was, the others hold P's bytes, and only the suffix's bytes cross."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     n, ppages, dpages = 77, [3, 7, 8, 12, 20], [30, 5, 9, 17, 2]
     kvctest.fill_random(pd.dpool, dpages[:1], seed=99)  # the page D holds of the session
     held = kvctest.token_bytes(pd.dpool, dpages[:1], kvctest.PAGE)
     tx, rx, (st, seen_tx, sr, seen_rx) = seed(pd, room=903, mode="PD_FALLBACK", n=n, ppages=ppages, dpages=dpages,
-                                              extra_hints={"receive_from": kvctest.PAGE, "keep_session": True})
-    assert tx.skip_pages == 1
+                                              extra_hints={"receive_from": kvctest.PAGE, "keep_session": True},
+                                              skip_pages=1)
     assert st == KVPoll.Success, (seen_tx, tx._error, pd.p.tail())
     assert sr == KVPoll.Success, (seen_rx, rx._error, pd.d.tail())
     assert kvctest.token_bytes(pd.dpool, dpages[:1], kvctest.PAGE) == held
