@@ -73,6 +73,7 @@ var Table = map[string]Rule{
 	kvcv1.WorkerBridgeService_SnapshotStatus_FullMethodName: noTLSUse,
 	kvcv1.WorkerBridgeService_WatchCommands_FullMethodName:  noTLSUse,
 	kvcv1.WorkerBridgeService_AckCommand_FullMethodName:     noTLSUse,
+	kvcv1.WorkerBridgeService_LoadFromStore_FullMethodName:  noTLSUse,
 	// Every server.
 	healthpb.Health_Check_FullMethodName:                                   anyPeer,
 	healthpb.Health_List_FullMethodName:                                    anyPeer,

@@ -211,7 +211,8 @@ class Worker:
         self.sessions: Dict[str, Session] = {}
         self._turn_locks: Dict[str, threading.Lock] = {}
         self.stats = {"requests": 0, "errors": 0, "recompute_checked": 0, "recompute_mismatches": 0,
-                      "evictions": 0, "releases_without_sidecar": 0, "received_bytes": 0, "sent_bytes": 0, "prefill_tokens": 0, "decode_tokens": 0}
+                      "evictions": 0, "releases_without_sidecar": 0, "received_bytes": 0, "sent_bytes": 0,
+                      "prefill_tokens": 0, "decode_tokens": 0}
 
     @property
     def capacity_tokens(self) -> int:
