@@ -129,6 +129,12 @@ const (
 	// disaggregation): D reuses the prefix its cache holds (cached_tokens) and prefills the rest,
 	// at most direct_max_uncached_tokens; no prefill worker, no transfer (execution.local_prefill).
 	RouteReason_ROUTE_REASON_LOCAL_FIRST_TURN RouteReason = 27
+	// A resident session's direct turn that its own decode worker cannot admit now by the
+	// control plane's capacity rule (pinned + in flight + the session's own KV + its new tokens
+	// and output over capacity): sent there anyway, it waits in that worker's prealloc queue as
+	// every P/D router's request does, instead of a whole-context PD_FALLBACK. Only the worker's
+	// own refusal after its wait counts as a rejection.
+	RouteReason_ROUTE_REASON_D_QUEUED RouteReason = 28
 )
 
 // Enum value maps for RouteReason.
@@ -162,6 +168,7 @@ var (
 		25: "ROUTE_REASON_PREFIX_TRUNCATED",
 		26: "ROUTE_REASON_PREFIX_OVERLAP",
 		27: "ROUTE_REASON_LOCAL_FIRST_TURN",
+		28: "ROUTE_REASON_D_QUEUED",
 	}
 	RouteReason_value = map[string]int32{
 		"ROUTE_REASON_UNSPECIFIED":                 0,
@@ -192,6 +199,7 @@ var (
 		"ROUTE_REASON_PREFIX_TRUNCATED":            25,
 		"ROUTE_REASON_PREFIX_OVERLAP":              26,
 		"ROUTE_REASON_LOCAL_FIRST_TURN":            27,
+		"ROUTE_REASON_D_QUEUED":                    28,
 	}
 )
 
@@ -1462,7 +1470,7 @@ const file_kvc_v1_router_proto_rawDesc = "" +
 	"\x0fROUTE_MODE_SEED\x10\x02\x12\x1e\n" +
 	"\x1aROUTE_MODE_RESEED_SNAPSHOT\x10\x03\x12\x1d\n" +
 	"\x19ROUTE_MODE_RESEED_PREFILL\x10\x04\x12\x1a\n" +
-	"\x16ROUTE_MODE_PD_FALLBACK\x10\x05*\xfa\a\n" +
+	"\x16ROUTE_MODE_PD_FALLBACK\x10\x05*\x95\b\n" +
 	"\vRouteReason\x12\x1c\n" +
 	"\x18ROUTE_REASON_UNSPECIFIED\x10\x00\x12!\n" +
 	"\x1dROUTE_REASON_SESSION_RESIDENT\x10\x01\x12\"\n" +
@@ -1492,7 +1500,8 @@ const file_kvc_v1_router_proto_rawDesc = "" +
 	"\x1cROUTE_REASON_PREFIX_MISMATCH\x10\x18\x12!\n" +
 	"\x1dROUTE_REASON_PREFIX_TRUNCATED\x10\x19\x12\x1f\n" +
 	"\x1bROUTE_REASON_PREFIX_OVERLAP\x10\x1a\x12!\n" +
-	"\x1dROUTE_REASON_LOCAL_FIRST_TURN\x10\x1b*\xc7\x02\n" +
+	"\x1dROUTE_REASON_LOCAL_FIRST_TURN\x10\x1b\x12\x19\n" +
+	"\x15ROUTE_REASON_D_QUEUED\x10\x1c*\xc7\x02\n" +
 	"\x0eRouteErrorKind\x12 \n" +
 	"\x1cROUTE_ERROR_KIND_UNSPECIFIED\x10\x00\x12\x19\n" +
 	"\x15ROUTE_ERROR_KIND_NONE\x10\x01\x12\x1c\n" +
