@@ -75,7 +75,8 @@ func (c *Cycle) residentPrefix() (pages int64, whole bool) {
 // prefixMismatch: the KV resident on d is not a prefix of the prompt; its first lcp pages are.
 // Truncating the session on d to that page boundary and append-prefilling the rest
 // (DIRECT_TO_D, PREFIX_TRUNCATED, execution.truncate_to) keeps what matches when there is
-// something to keep and the rest fits a direct append; otherwise the session is reseeded with
+// something to keep and the rest is within a direct append (D queues it when it cannot admit
+// it now, Admission); otherwise the session is reseeded with
 // reason PREFIX_MISMATCH — from its snapshot only up to the prefix the snapshot shares with the
 // prompt, else by re-prefill — and the stale copy on d is closed.
 func (c *Cycle) prefixMismatch(d *kvcv1.Worker, lcp int64) Decision {
@@ -84,19 +85,22 @@ func (c *Cycle) prefixMismatch(d *kvcv1.Worker, lcp int64) Decision {
 	if keep > 0 && uncached <= c.K.DirectMaxUncachedTokens {
 		c.Need = uncached + c.Q.MaxOutputTokens
 		cand := Cand{W: d, Res: c.In.Ledger.Reserved(d.WorkerId)}
-		if fits(c, &cand) {
-			return Decision{
-				Mode:           kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D,
-				Reason:         kvcv1.RouteReason_ROUTE_REASON_PREFIX_TRUNCATED,
-				Cause:          c.Cause,
-				Decode:         d,
-				ReservedTokens: c.Need,
-				CachedTokens:   keep,
-				TruncateTo:     keep,
-				PauseMs:        c.pause(&cand),
-				From:           d.WorkerId,
-			}
+		dec := Decision{
+			Mode:           kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D,
+			Reason:         kvcv1.RouteReason_ROUTE_REASON_PREFIX_TRUNCATED,
+			Cause:          c.Cause,
+			Decode:         d,
+			ReservedTokens: c.Need,
+			CachedTokens:   keep,
+			TruncateTo:     keep,
+			PauseMs:        c.pause(&cand),
+			From:           d.WorkerId,
 		}
+		// Never downgraded to a reseed of the whole context for capacity: D queues it.
+		if !fits(c, &cand) {
+			dec.Admission = AdmitOverCapacity
+		}
+		return dec
 	}
 	if c.Cause == 0 {
 		c.Cause = kvcv1.RouteReason_ROUTE_REASON_PREFIX_MISMATCH
@@ -152,7 +156,7 @@ var ScoreOverlap = Scorer{"content-overlap", 4, func(c *Cycle, w *Cand) float64 
 	if !ct.known() {
 		return 0
 	}
-	if w.W.GetLoad().GetUsedTokens()+w.Res.Tokens+2*c.Need > effectiveCapacity(c, w.W) {
+	if w.W.GetLoad().GetUsedTokens()+w.Res.Tokens+w.Res.Settling+2*c.Need > effectiveCapacity(c, w.W) {
 		return 0
 	}
 	best := 0

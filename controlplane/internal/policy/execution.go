@@ -70,9 +70,11 @@ func seedThroughStore(e *Execution, in *Input) {
 // execution derives a decision's execution plan from its mode, reason and cause.
 //
 //   - keep-session: every session mode keeps the session on D, and so does the large append
-//     (PD_FALLBACK / REAL_LARGE_APPEND onto the session's own D, docs/routing.md §1); no other
-//     PD_FALLBACK does, and nothing does when the control plane is unavailable.
-//   - open-session: SEED and the reseeds make the session resident on their D.
+//     (PD_FALLBACK / REAL_LARGE_APPEND onto the session's own D, docs/routing.md §1) and the
+//     fallback of a refused seed (Decision.KeepsResidency); no other PD_FALLBACK does, and
+//     nothing does when the control plane is unavailable.
+//   - open-session: SEED, the reseeds and a refused seed's fallback make the session resident
+//     on their D.
 //   - close-session: a reseed that moves the session off a D that still runs (a migration after
 //     rejections, a drain) closes it there; a D that died or already evicted the session has
 //     nothing to close.
@@ -108,6 +110,10 @@ func execution(d *Decision, unavailable bool) Execution {
 		e.KeepSession = d.Reason == kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND && !unavailable
 		if e.KeepSession {
 			e.ReceiveFrom = d.ReceiveFrom
+		}
+		if d.KeepsResidency && !unavailable {
+			// A refused seed's fallback: D keeps what it receives, as a seed's D does.
+			e.KeepSession, e.OpenSession = true, true
 		}
 		if d.LocalPrefill {
 			// No prefill worker: D prefills the whole request and keeps nothing (no transfer).

@@ -26,15 +26,14 @@ func TestPrefillFromSnapshot(t *testing.T) {
 		r.Snapshot = snap("p1", pre)
 		return r
 	}
-	full := func() *kvcv1.SessionRecord { // resident on a D that has no room: NO_D_CAPACITY
-		r := resident("d1", 12_000)
+	// A lost session whose reseed a gate refuses (seed_max_output_tokens): a plain fallback. (A
+	// resident session's turn is no fallback for capacity any more: it waits on its own D.)
+	gated := func(p *kvcv1.Policy) { p.SeedMaxOutputTokens = proto.Int64(50) }
+	full := func() *kvcv1.SessionRecord {
+		r := resident("", 12_000)
+		r.PreviousDecodeWorker = "d1"
 		r.Snapshot = snap("p1", 12_000)
 		return r
-	}
-	fullCluster := func() []*kvcv1.Worker {
-		ws := cluster()
-		ws[2].Load.UsedTokens = 99_000
-		return ws
 	}
 	state := func(s kvcv1.WorkerState) func([]*kvcv1.Worker) {
 		return func(ws []*kvcv1.Worker) { ws[0].State = s }
@@ -58,11 +57,11 @@ func TestPrefillFromSnapshot(t *testing.T) {
 		{name: "long-tailed reseed loads the snapshot", query: q(pre+tail, 100, 4), rec: lost(),
 			mode: kvcv1.RouteMode_ROUTE_MODE_RESEED_PREFILL, reason: kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_STALE,
 			prefill: "p1", load: pre},
-		{name: "fallback of a session with a snapshot loads it", query: q(12_100, 100, 4), rec: full(), workers: fullCluster,
-			mode: kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, reason: kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY,
+		{name: "fallback of a session with a snapshot loads it", knob: gated, query: q(12_100, 100, 4), rec: full(),
+			mode: kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, reason: kvcv1.RouteReason_ROUTE_REASON_SEED_FILTER_OUTPUT_TOKENS,
 			prefill: "p1", load: 12_000},
-		{name: "a snapshot as long as the prompt leaves P its last token", query: q(12_000, 100, 4), rec: full(), workers: fullCluster,
-			mode: kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, reason: kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY,
+		{name: "a snapshot as long as the prompt leaves P its last token", knob: gated, query: q(12_000, 100, 4), rec: full(),
+			mode: kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, reason: kvcv1.RouteReason_ROUTE_REASON_SEED_FILTER_OUTPUT_TOKENS,
 			prefill: "p1", load: 11_999},
 		{name: "snapshots off: whole-context prefill on the least loaded P", knob: func(p *kvcv1.Policy) { p.SnapshotsEnabled = proto.Bool(false) },
 			query: q(pre+tail, 100, 4), rec: largeAppend(),

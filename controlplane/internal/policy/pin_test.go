@@ -22,11 +22,11 @@ func TestDecideAgentHints(t *testing.T) {
 			workers: cluster(), mode: mDirect, reason: kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT, decode: "d1"},
 		{name: "pin expired: migrates", q: q(20_000, 100, 5), rec: rejected(nowMs),
 			workers: cluster(), mode: mPrefill, reason: kvcv1.RouteReason_ROUTE_REASON_MIGRATED_AFTER_REJECTS, decode: "d2"},
-		{name: "pinned and its D full: served by P/D, not moved", q: q(20_000, 100, 5), rec: rejected(nowMs + 60_000),
+		{name: "pinned and its D full: waits on its D, not moved", q: q(20_000, 100, 5), rec: rejected(nowMs + 60_000),
 			workers: []*kvcv1.Worker{pW("p1", 0), dW("d1", 100_000, 99_000), dW("d2", 100_000, 0)},
-			mode:    mFallback, reason: kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY,
+			mode:    mDirect, reason: kvcv1.RouteReason_ROUTE_REASON_D_QUEUED, decode: "d1",
 			check: func(t *testing.T, d Decision) {
-				if d.LocalReject != "d1" || d.Exec.OpenSession || d.Exec.KeepSession || d.PrefillPriority != PrefillPriorityNormal {
+				if d.LocalReject != "" || d.Exec.OpenSession || !d.Exec.KeepSession || d.UsesPrefill {
 					t.Errorf("pinned, no room: %+v", d)
 				}
 			}},
@@ -37,9 +37,8 @@ func TestDecideAgentHints(t *testing.T) {
 					t.Errorf("prefill priority %d", d.PrefillPriority)
 				}
 			}},
-		{name: "low priority fallback: prefill hinted low", q: lowQ(q(20_000, 100, 5)), rec: rejected(nowMs + 60_000),
-			workers: []*kvcv1.Worker{pW("p1", 0), dW("d1", 100_000, 99_000), dW("d2", 100_000, 0)},
-			mode:    mFallback, reason: kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY,
+		{name: "low priority fallback: prefill hinted low", k: func(p *kvcv1.Policy) { p.SeedMinTurn = i32(9) }, q: lowQ(q(20_000, 100, 5)),
+			workers: cluster(), mode: mFallback, reason: kvcv1.RouteReason_ROUTE_REASON_SEED_FILTER_EARLY_TURN,
 			check: func(t *testing.T, d Decision) {
 				if !d.UsesPrefill || d.PrefillPriority != PrefillPriorityLow {
 					t.Errorf("low priority fallback: %+v", d)

@@ -21,11 +21,20 @@ type Query struct {
 // Reserved is what the control plane itself has committed on one worker and not yet seen an
 // outcome for.
 type Reserved struct {
-	Tokens    int64 // decode: KV tokens reserved
+	Tokens int64 // decode: KV tokens reserved by decisions in flight
+	// Settling (decode): tokens that successful outcomes added and the worker's last load report
+	// does not show yet. They are idle sessions' KV, which the worker may evict: headroom scores
+	// count them (new sessions do not pile onto a worker that only looks empty), the capacity
+	// rule does not (fits).
+	Settling  int64
 	Transfers int32 // decode: seeds and reseeds in flight
-	Seeds     int32 // decode: seeds in flight
-	Prefills  int32 // prefill: decisions that make the worker prefill, in flight
-	Plain     int32 // decode: plain P/D requests (PD_FALLBACK) in flight here, as a P/D router counts them
+	// StoreTransfers (decode): reseeds from a prefill store in flight (RESEED_SNAPSHOT), the
+	// transfers max_concurrent_transfers bounds: they start when decided. A transfer P computes
+	// (SEED, RESEED_PREFILL) starts only once P prefilled; it holds no slot while it waits for P.
+	StoreTransfers int32
+	Seeds          int32 // decode: seeds in flight
+	Prefills       int32 // prefill: decisions that make the worker prefill, in flight
+	Plain          int32 // decode: plain P/D requests (PD_FALLBACK) in flight here, as a P/D router counts them
 }
 
 // Ledger is the reservation view Decide reads (the router's ledger, read under its lock).
@@ -90,8 +99,20 @@ type Decision struct {
 	SnapshotSeqlen     int64
 	SnapshotGeneration uint64
 	// LocalReject names the decode worker the control plane refused for lack of capacity; the
-	// router counts it as a rejection of this session by that worker.
+	// router counts it as a rejection of this session by that worker. No plan is refused for
+	// capacity any more (Admission), so nothing sets it today; the router still honours it.
 	LocalReject string
+	// Admission says whether the plan's decode worker admits it now by the control plane's
+	// count (AdmitFits) or the plan was sent there anyway, to wait in the worker's prealloc queue
+	// (issue 20 item 1: no plan is downgraded to a costlier one for capacity or budget).
+	Admission Admission
+	// KeepsResidency: a PD_FALLBACK of a KV-centric session that records residency on its D
+	// (a seed the capacity or the seed limit refused): the KV it computes and moves stays there,
+	// so the next turn is direct (execution: keep and open the session).
+	KeepsResidency bool
+	// WastedKV: a plain PD_FALLBACK (nothing kept) of a session that had a usable snapshot or a
+	// resident copy (the router's kvc_router_wasted_kv_fallbacks_total).
+	WastedKV bool
 	// From is the decode worker the session was (or last was) resident on, for reseeds.
 	From string
 	// Turn is the session's turn as the control plane counts it (InferTurn).
@@ -226,10 +247,15 @@ func (c *Cycle) decide() Decision {
 			// with it. Excluded: a gateway saw it refuse or drop a connection just now.
 			return c.lost(kvcv1.RouteReason_ROUTE_REASON_D_UNREACHABLE, rec.DecodeWorker)
 		case isDraining(d):
-			dec := c.lost(kvcv1.RouteReason_ROUTE_REASON_D_DRAINING, rec.DecodeWorker)
-			if dec.Mode != kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK || dec.Reason == kvcv1.RouteReason_ROUTE_REASON_SESSION_NOT_RESIDENT ||
-				!servesResident(d) {
+			// A drain moves the session only to a D that admits it now (DrainProfile); the
+			// draining worker still serves it meanwhile, so it is not queued elsewhere.
+			c.Cause = kvcv1.RouteReason_ROUTE_REASON_D_DRAINING
+			dec, _ := c.reseed(0, rec.DecodeWorker, DrainProfile, false)
+			if dec.Mode != kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK || dec.Reason == kvcv1.RouteReason_ROUTE_REASON_SESSION_NOT_RESIDENT {
 				return dec
+			}
+			if !servesResident(d) {
+				return c.lost(kvcv1.RouteReason_ROUTE_REASON_D_DRAINING, rec.DecodeWorker)
 			}
 			// Nowhere to move it: a draining worker still serves the sessions it holds. A direct
 			// turn says why it was not moved (D_DRAINING); a large append keeps its reason.
@@ -278,12 +304,10 @@ func (c *Cycle) resident(d *kvcv1.Worker) Decision {
 	}
 	c.Need = uncached + c.Q.MaxOutputTokens
 	cand := Cand{W: d, Res: c.In.Ledger.Reserved(d.WorkerId)}
-	if !fits(c, &cand) {
-		dec := c.fallback(kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY)
-		dec.LocalReject = d.WorkerId
-		return dec
-	}
-	return Decision{
+	// Never downgraded for capacity: the turn needs only its new pages on its own D, which
+	// queues it (prealloc) until they free, as every P/D router's request waits there; a
+	// whole-context PD_FALLBACK would need more pages on some D and a prefill on P.
+	dec := Decision{
 		Mode:           kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D,
 		Reason:         kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT,
 		Cause:          c.Cause,
@@ -293,28 +317,34 @@ func (c *Cycle) resident(d *kvcv1.Worker) Decision {
 		PauseMs:        c.pause(&cand),
 		From:           d.WorkerId,
 	}
+	if !fits(c, &cand) {
+		dec.Admission = AdmitOverCapacity
+		dec.Reason = kvcv1.RouteReason_ROUTE_REASON_D_QUEUED
+	}
+	return dec
 }
 
 // largeAppend: the uncached append is too large for D's append-prefill, so P prefills the
 // whole input (plain P/D, PD_FALLBACK) — into the session's own D, which keeps it: D receives
 // the context into the session's pages (the prefix lands on the pages that already hold it) and
 // the gateway sends keep_session, so kv_committed_len catches up and the next turn goes
-// direct-to-D again. D needs and reserves what a direct turn would: append + max_output. When D
-// cannot admit it, that is NO_D_CAPACITY and a rejection by D, as for a direct-to-D turn:
-// enough of them migrate the session.
+// direct-to-D again. D needs and reserves what a direct turn would: append + max_output. It is
+// never downgraded for capacity: a D that cannot admit it now queues it (Admission
+// AdmitOverCapacity), and only D's own refusal after its wait is a rejection (enough of them
+// migrate the session).
 func (c *Cycle) largeAppend(d *kvcv1.Worker, uncached int64) Decision {
 	c.Need = uncached + c.Q.MaxOutputTokens
 	cand := Cand{W: d, Res: c.In.Ledger.Reserved(d.WorkerId)}
+	adm := AdmitFits
 	if !fits(c, &cand) {
-		dec := c.fallback(kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY)
-		dec.LocalReject = d.WorkerId
-		return dec
+		adm = AdmitOverCapacity
 	}
 	p := c.leastLoadedPrefill(TPSize(d))
 	if p == nil {
 		return c.fallback(kvcv1.RouteReason_ROUTE_REASON_NO_PREFILL_WORKER)
 	}
 	return Decision{
+		Admission:       adm,
 		Mode:            kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK,
 		Reason:          kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND,
 		Cause:           c.Cause,
@@ -361,6 +391,7 @@ func (c *Cycle) reseed(reason kvcv1.RouteReason, from string, prof *Profile, opt
 		Cause:          c.Cause,
 		PauseMs:        c.pause(d),
 		From:           from,
+		Admission:      c.admission(d, snapP != nil),
 	}
 	if reason == 0 {
 		reason = snapReason
@@ -391,6 +422,22 @@ func (c *Cycle) reseed(reason kvcv1.RouteReason, from string, prof *Profile, opt
 		dec.Cause = kvcv1.RouteReason_ROUTE_REASON_MIGRATED_AFTER_REJECTS
 	}
 	return dec, true
+}
+
+// admission is how the chosen decode worker of a reseed admits it (its profile scores what a
+// seed's filters refuse): a D that rejected the session since its last success, one that has
+// no room for it now by the capacity rule, or one whose store-transfer slots are all taken (a
+// reseed from the store only) — the plan still goes there and waits in its prealloc queue.
+func (c *Cycle) admission(d *Cand, fromStore bool) Admission {
+	switch {
+	case !FilterNotRejecter.Keep(c, d):
+		return AdmitRejecter
+	case !fits(c, d):
+		return AdmitOverCapacity
+	case fromStore && !FilterTransferBudget.Keep(c, d):
+		return AdmitOverBudget
+	}
+	return AdmitFits
 }
 
 // seed: a session with no residency history.
@@ -440,8 +487,16 @@ func (c *Cycle) seed() Decision {
 //
 // Prefill and decode pair only with equal tensor parallelism (tp.go): D is one a prefill worker
 // can be paired with when there is one (else any), and P one of D's tp_size.
+//
+// A KV-centric session's fallback for a seed that capacity or the seed limit refused
+// (keepsResidency) records residency on its D: it computes and moves the whole context there
+// anyway, so D keeps it (execution: open and keep the session) and the next turn goes direct;
+// it reserves what it needs there (input + max_output), so its pages are visible to the next
+// decision. Every other fallback keeps nothing, and one of a session that had a usable
+// snapshot or a resident copy is WastedKV.
 func (c *Cycle) fallback(reason kvcv1.RouteReason) Decision {
 	dec := Decision{Mode: kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, Reason: reason, Cause: c.Cause}
+	keep := c.keepsResidency(reason)
 	c.Need = 0
 	// The baselines (KV-centric routing off) are routed as their own routers route (plainpd.go).
 	plain := reason == kvcv1.RouteReason_ROUTE_REASON_KV_CENTRIC_DISABLED
@@ -481,7 +536,59 @@ func (c *Cycle) fallback(reason kvcv1.RouteReason) Decision {
 		dec.PauseMs = c.pause(d)
 		dec.LocalPrefill = dec.Prefill == nil
 	}
+	switch {
+	case keep && d != nil && dec.Prefill != nil:
+		c.Need = c.Q.InputTokens + c.Q.MaxOutputTokens
+		dec.KeepsResidency, dec.ReservedTokens, dec.Transfer = true, c.Need, true
+		dec.PrefillPriority = PrefillPriorityLow // the next turn goes direct-to-D
+		if !fits(c, d) {
+			dec.Admission = AdmitOverCapacity
+		}
+	case !plain && reason != kvcv1.RouteReason_ROUTE_REASON_CONTROL_PLANE_UNAVAILABLE:
+		tp := int32(1)
+		if d != nil {
+			tp = TPSize(d.W)
+		}
+		dec.WastedKV = c.residentCopy() || c.usableSnapshot(tp)
+	}
 	return dec
+}
+
+// keepsResidency: the fallback replaces a seed of a KV-centric session that the capacity
+// filter, the transfer budget or seed_max_inflight_decode refused; its KV stays where it lands.
+// The seed gates' own refusals (seed_min_turn, the size limits, single-turn) are the operator's
+// choice not to keep the session and stay plain, as do the fallbacks of a session the control
+// plane cannot place (pending transfer, resync, no prefill worker).
+func (c *Cycle) keepsResidency(reason kvcv1.RouteReason) bool {
+	if !c.K.KVCentricEnabled || c.In.Unavailable || c.In.Resyncing || c.S.GetDecodeWorker() != "" {
+		return false
+	}
+	switch reason {
+	case kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY, kvcv1.RouteReason_ROUTE_REASON_TRANSFER_BUDGET,
+		kvcv1.RouteReason_ROUTE_REASON_SEED_FILTER_INFLIGHT:
+		return !c.In.Ledger.TransferPending(c.Q.SessionID)
+	}
+	return false
+}
+
+// residentCopy: the session is resident on a decode worker that still serves it.
+func (c *Cycle) residentCopy() bool {
+	id := c.S.GetDecodeWorker()
+	if id == "" {
+		return false
+	}
+	d := findWorker(c.In.Workers, id, kvcv1.WorkerRole_WORKER_ROLE_DECODE)
+	return d != nil && servesResident(d) && !c.excluded(id)
+}
+
+// usableSnapshot: the session has a snapshot a reseed onto a decode worker of tensor-parallel
+// size tp could use.
+func (c *Cycle) usableSnapshot(tp int32) bool {
+	if c.S.GetSnapshot() == nil {
+		return false
+	}
+	p, _, _ := c.snapshot(tp)
+	return p != nil
 }
 
 // pick runs a profile over the decode workers. With no survivor it returns the reason of the
@@ -677,15 +784,31 @@ func effectiveCapacity(c *Cycle, w *kvcv1.Worker) int64 {
 	return int64(float64(w.KvCapacityTokens) * (1 - c.K.DCapacityHeadroom))
 }
 
-// fits: pinned (used − evictable, last load) + reserved + needed ≤ capacity × (1 − headroom).
-// Idle resident sessions are the decode worker's cache: it evicts them (LRU) to admit new work,
-// so they do not block admission; they still lower the headroom score, so new sessions prefer
-// emptier workers and evictions stay rare.
+// fits is the one capacity rule of every plan: pinned (used − evictable, last load) + the
+// decisions in flight there + the requesting session's own resident KV (ownTokens) + what the
+// plan needs (Cycle.Need: a resident turn its uncached tokens + output, a reseed or seed the
+// context + output) ≤ capacity × (1 − headroom). Idle resident sessions of others are the
+// decode worker's cache: it evicts or releases them to admit new work, so they do not block
+// admission, whether its last load report shows them yet or not (Reserved.Settling is not
+// counted); they still lower the headroom score, so new sessions prefer emptier workers.
 func fits(c *Cycle, d *Cand) bool {
 	if d.W.KvCapacityTokens <= 0 {
 		return false
 	}
-	return pinnedTokens(d.W)+d.Res.Tokens+c.Need <= effectiveCapacity(c, d.W)
+	return pinnedTokens(d.W)+d.Res.Tokens+c.ownTokens(d.W)+c.Need <= effectiveCapacity(c, d.W)
+}
+
+// ownTokens is the requesting session's own KV on w, which its turn pins: the part of its
+// resident copy the turn reuses (min(kv_committed_len, input)); 0 on any other worker. Counted
+// whether or not w's last load report includes it (it is idle, and evictable, between turns),
+// so that a heartbeat cannot change the answer. A report that already counts it as pinned (a
+// push in flight) counts it twice: an over-count of one session that affects only the
+// admission label and scores, since no plan of a resident session is refused.
+func (c *Cycle) ownTokens(w *kvcv1.Worker) int64 {
+	if c.S == nil || c.S.DecodeWorker != w.WorkerId {
+		return 0
+	}
+	return max(0, min(c.S.KvCommittedLen, c.Q.InputTokens))
 }
 
 // pinnedTokens is the part of a worker's used KV that it cannot evict.

@@ -129,38 +129,60 @@ func TestDecideEveryModeAndReason(t *testing.T) {
 					t.Errorf("large append: %+v", d)
 				}
 			}},
-		{name: "large append with the session's D full counts a local reject", q: q(30_000, 100, 4), rec: resident("d1", 10_000),
+		{name: "large append with the session's D full waits there (no downgrade, no local reject)", q: q(30_000, 100, 4), rec: resident("d1", 10_000),
 			workers: []*kvcv1.Worker{pW("p1", 0), dW("d1", 100_000, 75_000), dW("d2", 100_000, 0)},
-			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY), prefill: "p1", decode: "d2",
+			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND), prefill: "p1", decode: "d1",
 			check: func(t *testing.T, d Decision) {
-				if d.LocalReject != "d1" || d.ReservedTokens != 0 {
-					t.Errorf("LocalReject %q reserved %d, want d1 and 0", d.LocalReject, d.ReservedTokens)
+				if d.LocalReject != "" || d.ReservedTokens != 20_100 || d.Admission != AdmitOverCapacity || !d.Exec.KeepSession {
+					t.Errorf("LocalReject %q reserved %d admission %v keep %v, want none, 20100, capacity, kept",
+						d.LocalReject, d.ReservedTokens, d.Admission, d.Exec.KeepSession)
 				}
 			}},
-		{name: "large append counts reservations on the session's D", q: q(30_000, 100, 4), rec: resident("d1", 10_000),
+		// own KV 10K + in flight 65K + append and output 20.1K > 95K
+		{name: "large append counts reservations and its own KV on the session's D", q: q(30_000, 100, 4), rec: resident("d1", 10_000),
 			workers: cluster(), led: ledger(map[string]Reserved{"d1": {Tokens: 65_000}}),
-			mode: mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY)},
+			mode: mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND), decode: "d1",
+			check: func(t *testing.T, d Decision) {
+				if d.Admission != AdmitOverCapacity {
+					t.Errorf("admission %v, want capacity", d.Admission)
+				}
+			}},
 		{name: "large append that just fits", q: q(30_000, 100, 4), rec: resident("d1", 10_000),
-			workers: cluster(), led: ledger(map[string]Reserved{"d1": {Tokens: 64_900}}),
-			mode: mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND), decode: "d1"},
+			workers: cluster(), led: ledger(map[string]Reserved{"d1": {Tokens: 54_900}}),
+			mode: mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND), decode: "d1",
+			check: func(t *testing.T, d Decision) {
+				if d.Admission != AdmitFits {
+					t.Errorf("admission %v, want fits", d.Admission)
+				}
+			}},
 		{name: "large append without a prefill worker", q: q(30_000, 100, 4), rec: resident("d1", 10_000),
 			workers: []*kvcv1.Worker{dW("d1", 100_000, 10_000)},
 			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_NO_PREFILL_WORKER)},
 		{name: "direct limit is a knob", k: func(p *kvcv1.Policy) { p.DirectMaxUncachedTokens = i64(2048) },
 			q: q(12_049, 0, 4), rec: resident("d1", 10_000), workers: cluster(),
 			mode: mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND)},
-		// --- NO_D_CAPACITY ---
-		{name: "resident D full counts a local reject", q: q(12_000, 100, 4), rec: resident("d1", 10_000),
+		// --- D_QUEUED: the resident D cannot admit the turn now; it waits there ---
+		{name: "resident D full: the turn waits on its own D, no local reject", q: q(12_000, 100, 4), rec: resident("d1", 10_000),
 			workers: []*kvcv1.Worker{pW("p1", 0), dW("d1", 100_000, 94_000), dW("d2", 100_000, 0)},
-			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY), decode: "d2",
+			mode:    mDirect, reason: R(kvcv1.RouteReason_ROUTE_REASON_D_QUEUED), decode: "d1",
 			check: func(t *testing.T, d Decision) {
-				if d.LocalReject != "d1" {
-					t.Errorf("LocalReject %q, want d1", d.LocalReject)
+				if d.LocalReject != "" || d.ReservedTokens != 2_100 || d.CachedTokens != 10_000 || d.Admission != AdmitOverCapacity ||
+					d.Exec.CallPrefill || !d.Exec.KeepSession || d.WastedKV {
+					t.Errorf("queued direct turn: %+v", d)
 				}
 			}},
-		{name: "reservations count against the resident D", q: q(11_000, 100, 4), rec: resident("d1", 10_000),
+		// in flight 84K + own 10K + 1.1K > 95K
+		{name: "reservations and the session's own KV count against the resident D", q: q(11_000, 100, 4), rec: resident("d1", 10_000),
 			workers: cluster(), led: ledger(map[string]Reserved{"d1": {Tokens: 84_000}}),
-			mode: mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY)},
+			mode: mDirect, reason: R(kvcv1.RouteReason_ROUTE_REASON_D_QUEUED), decode: "d1"},
+		{name: "settling tokens of other sessions do not count against the resident D", q: q(11_000, 100, 4), rec: resident("d1", 10_000),
+			workers: cluster(), led: ledger(map[string]Reserved{"d1": {Tokens: 40_000, Settling: 60_000}}),
+			mode: mDirect, reason: R(kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT), decode: "d1"},
+		{name: "the session's own evictable KV counts (its turn pins it)", q: q(11_000, 100, 4), rec: resident("d1", 10_000),
+			workers: []*kvcv1.Worker{pW("p1", 0), evictable(dW("d1", 100_000, 10_000), 10_000)},
+			led:     ledger(map[string]Reserved{"d1": {Tokens: 84_000}}),
+			mode:    mDirect, reason: R(kvcv1.RouteReason_ROUTE_REASON_D_QUEUED), decode: "d1"},
+		// --- NO_D_CAPACITY: a new session only ---
 		{name: "seed with every D full", q: q(20_000, 100, 1),
 			workers: []*kvcv1.Worker{pW("p1", 0), dW("d1", 100_000, 90_000), dW("d2", 100_000, 81_000)},
 			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY)},
@@ -172,10 +194,10 @@ func TestDecideEveryModeAndReason(t *testing.T) {
 		{name: "headroom knob", k: func(p *kvcv1.Policy) { p.DCapacityHeadroom = f64(0.5) }, q: q(20_000, 100, 1),
 			workers: []*kvcv1.Worker{pW("p1", 0), dW("d1", 100_000, 30_000)},
 			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY)},
-		{name: "migration target full", q: q(20_000, 100, 5),
+		{name: "migration target full: served in place, queued", q: q(20_000, 100, 5),
 			rec:     with2(resident("d1", 19_000), func(r *kvcv1.SessionRecord) { r.DRejects = map[string]int32{"d1": 3} }),
 			workers: []*kvcv1.Worker{pW("p1", 0), dW("d1", 100_000, 94_000), dW("d2", 100_000, 90_000)},
-			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY)},
+			mode:    mDirect, reason: R(kvcv1.RouteReason_ROUTE_REASON_D_QUEUED), decode: "d1"},
 		{name: "idle resident sessions do not block a seed (the D evicts them)", q: q(20_000, 100, 0),
 			workers: []*kvcv1.Worker{pW("p1", 0), evictable(dW("d1", 100_000, 94_000), 94_000)},
 			mode:    mSeed, reason: R(kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION), decode: "d1"},
@@ -230,23 +252,35 @@ func TestDecideEveryModeAndReason(t *testing.T) {
 		{name: "gate order: early turn before output", k: func(p *kvcv1.Policy) { p.SeedMinTurn = i32(5); p.SeedMaxOutputTokens = i64(1) },
 			q: q(20_000, 100, 1), workers: cluster(),
 			mode: mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_SEED_FILTER_EARLY_TURN)},
-		// --- TRANSFER_BUDGET ---
-		{name: "transfer budget exhausted everywhere", q: q(20_000, 100, 1), workers: cluster(),
-			led:  ledger(map[string]Reserved{"d1": {Transfers: 4}, "d2": {Transfers: 4}}),
-			mode: mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_TRANSFER_BUDGET)},
-		{name: "transfer budget exhausted on one D only", q: q(20_000, 100, 1), workers: cluster(),
-			led:  ledger(map[string]Reserved{"d1": {Transfers: 4}}),
-			mode: mSeed, reason: R(kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION), decode: "d2"},
-		{name: "per-worker budget override", k: func(p *kvcv1.Policy) { p.MaxConcurrentTransfersPerWorker = map[string]int32{"d1": 1} },
-			q: q(20_000, 100, 1), workers: cluster(), led: ledger(map[string]Reserved{"d1": {Transfers: 1}}),
-			mode: mSeed, reason: R(kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION), decode: "d2"},
-		{name: "budget 0 means no limit", k: func(p *kvcv1.Policy) { p.MaxConcurrentTransfers = i32(0) },
-			q: q(20_000, 100, 1), workers: cluster(), led: ledger(map[string]Reserved{"d1": {Transfers: 400}, "d2": {Transfers: 400}}),
+		// --- transfer budget: store reseeds only; a seed waits for P holding no slot ---
+		{name: "seeds in flight everywhere take no transfer slot", q: q(20_000, 100, 1), workers: cluster(),
+			led:  ledger(map[string]Reserved{"d1": {Transfers: 4, Seeds: 4}, "d2": {Transfers: 4, Seeds: 4}}),
 			mode: mSeed, reason: R(kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION), decode: "d1"},
-		{name: "capacity and budget both bite: deepest filter wins", q: q(20_000, 100, 1),
-			workers: []*kvcv1.Worker{pW("p1", 0), dW("d1", 100_000, 90_000), dW("d2", 100_000, 0)},
-			led:     ledger(map[string]Reserved{"d2": {Transfers: 4}}),
-			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_TRANSFER_BUDGET)},
+		{name: "store reseeds do not bound seeds either", q: q(20_000, 100, 1), workers: cluster(),
+			led:  ledger(map[string]Reserved{"d1": {Transfers: 4, StoreTransfers: 4}}),
+			mode: mSeed, reason: R(kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION), decode: "d1"},
+		{name: "store-transfer budget exhausted on one D: the reseed goes to the other", q: q(30_000, 100, 5),
+			rec:     with2(resident("d1", 25_000), func(r *kvcv1.SessionRecord) { r.Snapshot = snap("p1", 28_000) }),
+			workers: []*kvcv1.Worker{pW("p1", 0), unreachable(dW("d1", 100_000, 0)), dW("d2", 100_000, 0), dW("d3", 100_000, 20_000)},
+			led:     ledger(map[string]Reserved{"d2": {Transfers: 4, StoreTransfers: 4}}),
+			mode:    mSnap, reason: R(kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_HIT), decode: "d3",
+			check: func(t *testing.T, d Decision) {
+				if d.Admission != AdmitFits {
+					t.Errorf("admission %v", d.Admission)
+				}
+			}},
+		{name: "per-worker store-transfer budget override", k: func(p *kvcv1.Policy) { p.MaxConcurrentTransfersPerWorker = map[string]int32{"d2": 1} },
+			q:       q(30_000, 100, 5),
+			rec:     with2(resident("d1", 25_000), func(r *kvcv1.SessionRecord) { r.Snapshot = snap("p1", 28_000) }),
+			workers: []*kvcv1.Worker{pW("p1", 0), unreachable(dW("d1", 100_000, 0)), dW("d2", 100_000, 0), dW("d3", 100_000, 20_000)},
+			led:     ledger(map[string]Reserved{"d2": {Transfers: 1, StoreTransfers: 1}}),
+			mode:    mSnap, reason: R(kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_HIT), decode: "d3"},
+		{name: "budget 0 means no limit", k: func(p *kvcv1.Policy) { p.MaxConcurrentTransfers = i32(0) },
+			q:       q(30_000, 100, 5),
+			rec:     with2(resident("d1", 25_000), func(r *kvcv1.SessionRecord) { r.Snapshot = snap("p1", 28_000) }),
+			workers: []*kvcv1.Worker{pW("p1", 0), unreachable(dW("d1", 100_000, 0)), dW("d2", 100_000, 0), dW("d3", 100_000, 60_000)},
+			led:     ledger(map[string]Reserved{"d2": {Transfers: 400, StoreTransfers: 400}}),
+			mode:    mSnap, reason: R(kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_HIT), decode: "d2"},
 		// --- lost residency: reseed ---
 		{name: "D draining, snapshot usable", q: q(30_000, 100, 5),
 			rec:     with2(resident("d1", 25_000), func(r *kvcv1.SessionRecord) { r.Snapshot = snap("p1", 28_000) }),
@@ -345,6 +379,11 @@ func TestDecideEveryModeAndReason(t *testing.T) {
 		{name: "draining D, the only other D full: served in place", q: q(30_000, 100, 5), rec: resident("d1", 25_000),
 			workers: []*kvcv1.Worker{pW("p1", 0), draining(dW("d1", 100_000, 0)), dW("d2", 100_000, 80_000)},
 			mode:    mDirect, reason: R(kvcv1.RouteReason_ROUTE_REASON_D_DRAINING), decode: "d1"},
+		{name: "draining D, the only other D out of store-transfer slots: served in place", q: q(30_000, 100, 5),
+			rec:     with2(resident("d1", 25_000), func(r *kvcv1.SessionRecord) { r.Snapshot = snap("p1", 28_000) }),
+			workers: []*kvcv1.Worker{pW("p1", 0), draining(dW("d1", 100_000, 0)), dW("d2", 100_000, 0)},
+			led:     ledger(map[string]Reserved{"d2": {Transfers: 4, StoreTransfers: 4}}),
+			mode:    mDirect, reason: R(kvcv1.RouteReason_ROUTE_REASON_D_DRAINING), decode: "d1"},
 		{name: "draining D, large append with nowhere to move: in place", q: q(40_000, 100, 5), rec: resident("d1", 25_000),
 			workers: []*kvcv1.Worker{pW("p1", 0), draining(dW("d1", 100_000, 0))},
 			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND), prefill: "p1", decode: "d1"},
@@ -389,13 +428,25 @@ func TestDecideEveryModeAndReason(t *testing.T) {
 			rec:     &kvcv1.SessionRecord{SessionId: "s", Generation: 1},
 			workers: []*kvcv1.Worker{pW("p1", 0), draining(dW("d1", 100_000, 0))},
 			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_SESSION_EVICTED)},
-		{name: "reseed: no capacity on the other Ds", q: q(30_000, 100, 5), rec: resident("d1", 25_000),
+		// A lost session is never downgraded to PD_FALLBACK for capacity or budget: without a
+		// snapshot a RESEED_PREFILL that keeps the session, queued at the best D.
+		{name: "reseed: no capacity on the other Ds, no snapshot: RESEED_PREFILL queued", q: q(30_000, 100, 5), rec: resident("d1", 25_000),
 			workers: []*kvcv1.Worker{pW("p1", 0), unreachable(dW("d1", 100_000, 0)), dW("d2", 100_000, 80_000)},
-			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY)},
-		{name: "reseed: budget", q: q(30_000, 100, 5), rec: resident("d1", 25_000),
+			mode:    mPrefill, reason: R(kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_MISSING), decode: "d2",
+			check: func(t *testing.T, d Decision) {
+				if d.Admission != AdmitOverCapacity || d.ReservedTokens != 30_100 || !d.Exec.OpenSession || d.WastedKV {
+					t.Errorf("queued reseed: %+v", d)
+				}
+			}},
+		{name: "reseed: budget, no snapshot: RESEED_PREFILL takes no store slot", q: q(30_000, 100, 5), rec: resident("d1", 25_000),
 			workers: []*kvcv1.Worker{pW("p1", 0), unreachable(dW("d1", 100_000, 0)), dW("d2", 100_000, 0)},
-			led:     ledger(map[string]Reserved{"d2": {Transfers: 4}}),
-			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_TRANSFER_BUDGET)},
+			led:     ledger(map[string]Reserved{"d2": {Transfers: 4, StoreTransfers: 4}}),
+			mode:    mPrefill, reason: R(kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_MISSING), decode: "d2",
+			check: func(t *testing.T, d Decision) {
+				if d.Admission != AdmitFits {
+					t.Errorf("admission %v, want fits", d.Admission)
+				}
+			}},
 		{name: "reseed: resident-tokens gate applies", k: func(p *kvcv1.Policy) { p.SeedMaxResidentTokens = i64(10_000) },
 			q: q(30_000, 100, 5), rec: resident("d1", 25_000),
 			workers: []*kvcv1.Worker{pW("p1", 0), unreachable(dW("d1", 100_000, 0)), dW("d2", 100_000, 0)},
@@ -593,6 +644,9 @@ func TestDecideEveryModeAndReason(t *testing.T) {
 	seenReason[kvcv1.RouteReason_ROUTE_REASON_PREFIX_TRUNCATED] = true
 	seenReason[kvcv1.RouteReason_ROUTE_REASON_PREFIX_OVERLAP] = true // TestPlaceNewSessionsOnContent
 	seenReason[kvcv1.RouteReason_ROUTE_REASON_LOCAL_FIRST_TURN] = true
+	// No longer decided (issue 20 item 1): seeds take no transfer slot, reseeds score the store
+	// budget, and a drain or migration that finds none serves the session in place.
+	seenReason[kvcv1.RouteReason_ROUTE_REASON_TRANSFER_BUDGET] = true
 	for v := range kvcv1.RouteReason_name {
 		if r := kvcv1.RouteReason(v); r != 0 && !seenReason[r] {
 			t.Errorf("reason %s not covered", r)

@@ -58,11 +58,14 @@ var (
 		func(c *Cycle, w *Cand) bool { return c.S.GetDRejects()[w.W.WorkerId] == 0 }}
 	// FilterCapacity: used + reserved + needed ≤ capacity × (1 − headroom).
 	FilterCapacity = Filter{"capacity", constReason(kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY), fits}
-	// FilterTransferBudget: per-D max_concurrent_transfers, counted from local reservations.
+	// FilterTransferBudget: per-D max_concurrent_transfers of reseeds from a prefill store,
+	// counted from local reservations (Reserved.StoreTransfers). A transfer P computes (a seed,
+	// RESEED_PREFILL) takes no slot: it starts only once P prefilled, and a seed has its own
+	// bound (seed_max_inflight_decode).
 	FilterTransferBudget = Filter{"transfer-budget", constReason(kvcv1.RouteReason_ROUTE_REASON_TRANSFER_BUDGET),
 		func(c *Cycle, w *Cand) bool {
 			b := c.K.TransferBudget(w.W.WorkerId)
-			return b == 0 || w.Res.Transfers < b
+			return b == 0 || w.Res.StoreTransfers < b
 		}}
 	// FilterSeedInflight: seed_max_inflight_decode.
 	FilterSeedInflight = Filter{"seed-max-inflight", constReason(kvcv1.RouteReason_ROUTE_REASON_SEED_FILTER_INFLIGHT),
@@ -79,8 +82,24 @@ var (
 		if capTok <= 0 {
 			return 0
 		}
-		return float64(capTok-w.W.GetLoad().GetUsedTokens()-w.Res.Tokens-c.Need) / float64(capTok)
+		return float64(capTok-w.W.GetLoad().GetUsedTokens()-w.Res.Tokens-w.Res.Settling-c.Need) / float64(capTok)
 	}}
+	// ScoreFree: the fraction of capacity free before this request (pinned + in flight +
+	// settling); it orders the Ds none of which has room (headroom is 0 on all of them): the
+	// least overcommitted one queues the reseed the shortest.
+	ScoreFree = Scorer{"free", 0.5, func(c *Cycle, w *Cand) float64 {
+		capTok := effectiveCapacity(c, w.W)
+		if capTok <= 0 {
+			return 0
+		}
+		return float64(capTok-pinnedTokens(w.W)-w.Res.Tokens-w.Res.Settling) / float64(capTok)
+	}}
+	// A reseed's filters as scores (ReseedProfile): weights 16, 8, 4 over headroom (2), queues
+	// (1) and free (0.5) order the candidates lexicographically — not a rejecter, then room,
+	// then a store-transfer slot, then the rest — so a reseed is never refused for them.
+	ScoreNotRejecter = Scorer{"not-rejecter", 16, func(c *Cycle, w *Cand) float64 { return b2f(FilterNotRejecter.Keep(c, w)) }}
+	ScoreCapacity    = Scorer{"capacity", 8, func(c *Cycle, w *Cand) float64 { return b2f(fits(c, w)) }}
+	ScoreBudget      = Scorer{"transfer-budget", 4, func(c *Cycle, w *Cand) float64 { return b2f(FilterTransferBudget.Keep(c, w)) }}
 	// ScoreQueues: short transfer and prealloc queues, counting local in-flight transfers.
 	ScoreQueues = Scorer{"queues", 1, func(_ *Cycle, w *Cand) float64 {
 		l := w.W.GetLoad()
@@ -100,6 +119,13 @@ var (
 		return spreadDraw(c.Q.SessionID, c.Turn, c.Q.InputTokens, w.W.WorkerId)
 	}}
 )
+
+func b2f(b bool) float64 {
+	if b {
+		return 1
+	}
+	return 0
+}
 
 // spreadDraw is FNV-1a over (session, turn, input, worker), mixed and mapped to [0, 1); no
 // allocation.
@@ -122,12 +148,21 @@ func spreadDraw(session string, turn int32, input int64, worker string) float64 
 
 // Profiles.
 var (
-	// SeedProfile places a new session.
+	// SeedProfile places a new session. No transfer budget: a seed's transfer starts only once
+	// P prefilled (seed_max_inflight_decode bounds seeds).
 	SeedProfile = &Profile{"seed",
-		[]Filter{FilterRoutable, FilterCapacity, FilterTransferBudget, FilterSeedInflight},
+		[]Filter{FilterRoutable, FilterCapacity, FilterSeedInflight},
 		[]Scorer{ScoreHeadroom, ScoreQueues}}
-	// ReseedProfile places a session that lost its D.
+	// ReseedProfile places a session that lost its D on the best routable D: rejections,
+	// capacity and the store-transfer budget are scores (a reseed is never downgraded to a
+	// whole-context PD_FALLBACK for them; its D queues it), Decision.Admission says which one
+	// the chosen D misses.
 	ReseedProfile = &Profile{"reseed",
+		[]Filter{FilterRoutable},
+		[]Scorer{ScoreNotRejecter, ScoreCapacity, ScoreBudget, ScoreHeadroom, ScoreQueues, ScoreFree}}
+	// DrainProfile moves a session off a draining D that still serves it: only to a D that
+	// admits it now (with none it is served in place).
+	DrainProfile = &Profile{"drain",
 		[]Filter{FilterRoutable, FilterNotRejecter, FilterCapacity, FilterTransferBudget},
 		[]Scorer{ScoreHeadroom, ScoreQueues}}
 	// MigrateProfile moves a session off a D that rejected it migration_reject_threshold times.

@@ -34,11 +34,11 @@ func TestFallbackSpreadsOverDecodeWorkers(t *testing.T) {
 		// equal in-flight counts spreads whatever the reported headroom.
 		{"plain P/D ignores reported headroom", func(p *kvcv1.Policy) { p.KvCentricEnabled = b(false) }, d4(60_000, 60_000, 0, 60_000), nil,
 			map[string]int{"d0": 70, "d1": 70, "d2": 70, "d3": 70}, map[string]int{"d2": 130}},
-		{"a KV-centric fallback goes to a D with half its capacity more free", nil, d4(90_000, 60_000, 0, 60_000),
-			func(i int) *kvcv1.SessionRecord { return resident("d0", 10_000) },
+		// KV-centric fallbacks (a seed gate's: a resident session is never one any more) keep the
+		// fallback profile.
+		{"a KV-centric fallback goes to a D with half its capacity more free", seedMaxOut50, d4(90_000, 60_000, 0, 60_000), nil,
 			map[string]int{"d2": 400}, nil},
-		{"a full resident D's fallbacks (NO_D_CAPACITY) spread too", nil, d4(90_000, 0, 0, 0),
-			func(i int) *kvcv1.SessionRecord { return resident("d0", 10_000) },
+		{"KV-centric fallbacks (SEED_FILTER_OUTPUT_TOKENS) spread too", seedMaxOut50, d4(90_000, 0, 0, 0), nil,
 			map[string]int{"d1": 70, "d2": 70, "d3": 70}, map[string]int{"d0": 0}},
 	}
 	for _, tt := range tests {
@@ -75,6 +75,8 @@ func TestFallbackSpreadsOverDecodeWorkers(t *testing.T) {
 		})
 	}
 }
+
+func seedMaxOut50(p *kvcv1.Policy) { p.SeedMaxOutputTokens = i64(50) }
 
 func TestSpreadDraw(t *testing.T) {
 	tests := []struct {

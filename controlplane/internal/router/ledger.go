@@ -20,6 +20,7 @@ type reservation struct {
 	from     string // D the session was resident on (reseeds), for migration counting
 	tokens   int64
 	transfer bool
+	store    bool // a reseed from a prefill store (RESEED_SNAPSHOT): holds a store-transfer slot
 	seed     bool
 	prefills bool
 	plain    bool // a plain P/D request (PD_FALLBACK) with a decode worker: counted in Reserved.Plain
@@ -156,7 +157,7 @@ func (l *ledger) Reserved(workerID string) policy.Reserved {
 	if r := l.workers[workerID]; r != nil {
 		out = *r
 	}
-	out.Tokens += l.settleTok[workerID]
+	out.Settling = l.settleTok[workerID]
 	return out
 }
 
@@ -190,7 +191,7 @@ func (l *ledger) drop(id string, w *policy.Reserved) {
 // holdsDecode: r takes something on its decode worker (a plain P/D fallback names a D but
 // reserves nothing there).
 func (r *reservation) holdsDecode() bool {
-	return r.decode != "" && (r.tokens != 0 || r.transfer || r.seed)
+	return r.decode != "" && (r.tokens != 0 || r.transfer || r.store || r.seed)
 }
 
 // add records r and takes its resources.
@@ -200,6 +201,9 @@ func (l *ledger) add(r *reservation) {
 		w.Tokens += r.tokens
 		if r.transfer {
 			w.Transfers++
+		}
+		if r.store {
+			w.StoreTransfers++
 		}
 		if r.seed {
 			w.Seeds++
@@ -233,6 +237,9 @@ func (l *ledger) remove(seq uint64) (*reservation, bool) {
 		w.Tokens -= r.tokens
 		if r.transfer {
 			w.Transfers--
+		}
+		if r.store {
+			w.StoreTransfers--
 		}
 		if r.seed {
 			w.Seeds--

@@ -35,6 +35,10 @@ type metrics struct {
 	fromSnapshot       *prometheus.CounterVec
 	fromSnapshotTokens prometheus.Counter
 	suffixReceives     prometheus.Counter
+	queued             *prometheus.CounterVec
+	queuedByKey        map[[2]int32]prometheus.Counter // by mode, policy.Admission
+	keptFallbacks      prometheus.Counter
+	wastedKV           prometheus.Counter
 
 	admittedMu  sync.RWMutex
 	admittedFor map[string]prometheus.Counter
@@ -126,6 +130,24 @@ func newMetrics(reg prometheus.Registerer, s *Service) *metrics {
 		Name: "kvc_router_suffix_receives_total",
 		Help: "Large appends whose decode worker keeps the KV it holds and receives only the pages past it (execution.receive_from).",
 	})
+	m.queued = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "kvc_router_queued_admissions_total",
+		Help: "Decisions sent to a decode worker that cannot admit them now by the control plane's count, to wait in its prealloc queue instead of a downgrade to PD_FALLBACK, by mode and why: capacity (the capacity rule), transfer_budget (a reseed from the store with every store-transfer slot of the D taken), rejecter (a reseed onto a D that rejected the session since its last success).",
+	}, []string{"mode", "why"})
+	m.queuedByKey = make(map[[2]int32]prometheus.Counter)
+	for mv := range kvcv1.RouteMode_name {
+		for _, a := range []policy.Admission{policy.AdmitOverCapacity, policy.AdmitOverBudget, policy.AdmitRejecter} {
+			m.queuedByKey[[2]int32{mv, int32(a)}] = m.queued.WithLabelValues(ModeName(kvcv1.RouteMode(mv)), a.String())
+		}
+	}
+	m.keptFallbacks = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "kvc_router_fallback_residency_total",
+		Help: "PD_FALLBACK decisions of a KV-centric session (a seed refused for capacity, transfer budget or seed_max_inflight_decode) that record the session as resident on their decode worker, so its next turn goes direct.",
+	})
+	m.wastedKV = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "kvc_router_wasted_kv_fallbacks_total",
+		Help: "Plain PD_FALLBACK decisions (nothing kept) of a session that had a usable snapshot or a resident copy on a serving decode worker: KV the cluster held and re-prefilled. Target 0.",
+	})
 	m.reservations = prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: "kvc_router_reservations", Help: "Reservations held (decisions awaiting an outcome).",
 	}, func() float64 {
@@ -161,7 +183,8 @@ func newMetrics(reg prometheus.Registerer, s *Service) *metrics {
 	if reg != nil {
 		reg.MustRegister(m.decisions, m.latency, m.outcomes, m.ttft, m.errors, m.expired, m.migrations,
 			m.admitted, m.rejected, m.commands, m.reservations, m.streamEnd, m.reservedTokens, m.truncations, m.contentGauge, m.contentLoaded, m.pins,
-			m.fromSnapshot, m.fromSnapshotTokens, m.suffixReceives)
+			m.fromSnapshot, m.fromSnapshotTokens, m.suffixReceives,
+			m.queued, m.keptFallbacks, m.wastedKV)
 	}
 	return m
 }
@@ -199,5 +222,21 @@ func (m *metrics) plan(mode kvcv1.RouteMode, reason kvcv1.RouteReason, e *policy
 	}
 	if e.ReceiveFrom > 0 {
 		m.suffixReceives.Inc()
+	}
+}
+
+// admission counts a decision's admission effects: queued over the control plane's count, a
+// fallback that keeps residency, a plain fallback that wasted KV the cluster held.
+func (m *metrics) admission(d *policy.Decision) {
+	if d.Admission != policy.AdmitFits {
+		if c, ok := m.queuedByKey[[2]int32{int32(d.Mode), int32(d.Admission)}]; ok {
+			c.Inc()
+		}
+	}
+	if d.KeepsResidency {
+		m.keptFallbacks.Inc()
+	}
+	if d.WastedKV {
+		m.wastedKV.Inc()
 	}
 }

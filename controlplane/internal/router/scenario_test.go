@@ -131,11 +131,23 @@ func TestScenarioNoThrash(t *testing.T) {
 	}
 }
 
-// The seed story "turn-1 seed storm": 200 new sessions at once on 4 Ds with a budget of 2
-// concurrent transfers per D give 8 seeds; the rest go plain P/D until outcomes free slots.
+// The seed story "turn-1 seed storm": 200 new sessions at once on 4 Ds with a bound of 2
+// concurrent seeds per D (seed_max_inflight_decode) give 8 seeds; the rest are fallbacks (which
+// keep their sessions where their KV lands) until outcomes free slots. The transfer budget
+// (max_concurrent_transfers) does not bound seeds: a seed's transfer starts only once P has
+// prefilled, and the budget is the store reseeds' (issue 20 item 1).
 func TestScenarioSeedStormHeldToBudget(t *testing.T) {
 	f := newFixture(t, manyDecode(4, 10_000_000)...)
 	if err := f.c.SetPolicy(&kvcv1.Policy{MaxConcurrentTransfers: proto.Int32(2)}); err != nil {
+		t.Fatal(err)
+	}
+	for i := range 12 {
+		if d := f.decide(fmt.Sprintf("early-%d", i), 1, 80_000, 500); d.Mode != kvcv1.RouteMode_ROUTE_MODE_SEED {
+			t.Fatalf("seed %d under a transfer budget of 2 per D: %s/%s", i, d.Mode, d.Reason)
+		}
+	}
+	f = newFixture(t, manyDecode(4, 10_000_000)...)
+	if err := f.c.SetPolicy(&kvcv1.Policy{MaxConcurrentTransfers: proto.Int32(2), SeedMaxInflightDecode: proto.Int32(2)}); err != nil {
 		t.Fatal(err)
 	}
 	const sessions, workers = 200, 16
@@ -157,7 +169,7 @@ func TestScenarioSeedStormHeldToBudget(t *testing.T) {
 				case d.Mode == kvcv1.RouteMode_ROUTE_MODE_SEED:
 					seeds = append(seeds, d)
 					seedsPerD[d.Decode.WorkerId]++
-				case d.Reason == kvcv1.RouteReason_ROUTE_REASON_TRANSFER_BUDGET:
+				case d.Reason == kvcv1.RouteReason_ROUTE_REASON_SEED_FILTER_INFLIGHT && d.Execution.GetOpenSession():
 					budget++
 				default:
 					t.Errorf("unexpected %s/%s", d.Mode, d.Reason)

@@ -415,9 +415,10 @@ func (s *Service) record(in *policy.Input, d *policy.Decision, now time.Time) *r
 		from:     d.From,
 		tokens:   d.ReservedTokens,
 		transfer: d.Transfer,
+		store:    d.Transfer && d.Mode == kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT,
 		seed:     d.Seed,
 		prefills: d.UsesPrefill,
-		plain:    d.Mode == kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK && d.Decode != nil,
+		plain:    d.Mode == kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK && d.Decode != nil && !d.KeepsResidency,
 		input:    in.Query.InputTokens,
 		maxOut:   in.Query.MaxOutputTokens,
 		snapGen:  d.SnapshotGeneration,
@@ -614,6 +615,7 @@ func (s *Service) query(q *kvcv1.RouteQuery) *kvcv1.RouteResponse {
 	}
 	s.m.decision(d.Mode, d.Reason)
 	s.m.plan(d.Mode, d.Reason, &d.Exec)
+	s.m.admission(d)
 	out := &kvcv1.RouteDecision{
 		RequestId:          q.RequestId,
 		DecisionId:         s.id(r.seq),

@@ -98,6 +98,9 @@ func (f *fixture) checkLedger() {
 			if r.transfer {
 				w.Transfers++
 			}
+			if r.store {
+				w.StoreTransfers++
+			}
 			if r.seed {
 				w.Seeds++
 			}
@@ -116,7 +119,7 @@ func (f *fixture) checkLedger() {
 		tokens += r.tokens
 	}
 	for id, w := range f.s.led.workers {
-		if w.Tokens < 0 || w.Transfers < 0 || w.Seeds < 0 || w.Prefills < 0 || w.Plain < 0 {
+		if w.Tokens < 0 || w.Transfers < 0 || w.StoreTransfers < 0 || w.Seeds < 0 || w.Prefills < 0 || w.Plain < 0 {
 			f.t.Fatalf("negative reservation on %s: %+v", id, *w)
 		}
 		if *w != want[id] {
@@ -541,9 +544,11 @@ func TestConcurrentDecisionsDoNotOverAdmit(t *testing.T) {
 	f.checkLedger()
 	f.s.mu.Lock()
 	defer f.s.mu.Unlock()
-	// Only the fallbacks (never reported here) still hold their prefill slot and their count of
-	// plain P/D requests in flight on d0.
-	if w := f.s.led.workers["d0"]; w == nil || *w != (policy.Reserved{Plain: goroutines*each - 100}) || f.s.led.heldTokens != 0 || len(f.s.led.pending) != goroutines*each-100 {
+	// Only the fallbacks (never reported here) still hold what they reserved on d0: a refused
+	// seed's fallback keeps the session there, so its pages count (input + max_output) and it
+	// holds the session's transfer; it is no plain P/D request.
+	n := int64(goroutines*each - 100)
+	if w := f.s.led.workers["d0"]; w == nil || *w != (policy.Reserved{Tokens: n * 1000, Transfers: int32(n)}) || f.s.led.heldTokens != n*1000 || len(f.s.led.pending) != int(n) {
 		t.Fatalf("left over: %v %d %d", f.s.led.workers["d0"], f.s.led.heldTokens, len(f.s.led.pending))
 	}
 }
