@@ -52,7 +52,8 @@ func (s *Sidecar) Load() *kvcv1.WorkerLoad {
 		case s.rel.enabled():
 			// What the capacity release can free: sessions whose snapshot is or can be made
 			// current (release.go); a worker that never evicts frees nothing else.
-			if s.releasableLocked(ss) && !pinnedAt(ss, now) { // a pinned session stays
+			// a pinned session stays; so does one the worker would not release just now (in use)
+			if s.releasableLocked(ss) && !pinnedAt(ss, now) && !inUseAt(ss, now) {
 				l.EvictableTokens += ss.committed
 			}
 		case ss.push == nil:

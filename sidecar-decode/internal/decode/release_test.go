@@ -247,6 +247,27 @@ func TestCapacityReleaseRefusedKeepsSession(t *testing.T) {
 	if len(s.Sessions()) != 1 {
 		t.Fatal("a refused release dropped the session")
 	}
+	// In use: passed over by the next passes and not reported evictable (a turn of its own waits
+	// in the worker's prealloc queue; choosing it again freed nothing), until it commits again.
+	s.mu.Lock()
+	p := s.planReleaseLocked(time.Now())
+	s.mu.Unlock()
+	if len(p.Release)+len(p.Waiting) != 0 {
+		t.Fatalf("a session in use picked again: %+v", p)
+	}
+	if l := s.Load(); l.GetEvictableTokens() != 0 || l.GetUsedTokens() != 40 {
+		t.Fatalf("load %+v: a session in use is not evictable", l)
+	}
+	if _, err := s.CommitSession(ctx, &kvcv1.CommitSessionRequest{SessionId: "x", CommittedLen: 40, Pages: pages(10)}); err != nil {
+		t.Fatal(err)
+	}
+	s.mu.Lock()
+	s.sessions["x"].queued, s.queue = false, nil
+	p = s.planReleaseLocked(time.Now())
+	s.mu.Unlock()
+	if !reflect.DeepEqual(p.Release, []string{"x"}) {
+		t.Fatalf("after its commit: %+v, want x released", p)
+	}
 }
 
 func TestReleaseConfigValidate(t *testing.T) {

@@ -114,6 +114,10 @@ type session struct {
 	commits    uint64    // commits seen: an idle-flush timer fires only for the newest (idle.go)
 	idle       idleTimer // the idle-flush timer armed by the last commit
 	releasing  bool      // a capacity release command is out for it
+	// inUseAt: when the worker last refused a capacity release of it (a request uses it: a
+	// turn waiting in the worker's prealloc queue or running); zero when never. Until its next
+	// commit (or releaseInUseRetry) it is neither released again nor reported evictable.
+	inUseAt time.Time
 }
 
 type pushRun struct {
