@@ -173,16 +173,26 @@ func TestFailsFastWhenDown(t *testing.T) {
 
 func TestOrphanDecisionIsReleased(t *testing.T) {
 	release := make(chan struct{})
+	arrived := make(chan struct{}, 1)
 	var once sync.Once
 	cp := fakecp.Start(t, func(q *kvcv1.RouteQuery) *kvcv1.RouteResponse {
+		arrived <- struct{}{}
 		<-release // answer only after the client gave up
 		return direct(q)
 	})
 	orphans := make(chan struct{}, 1)
 	c := start(t, []string{cp.Addr}, 100*time.Millisecond, Observer{Orphan: func() { orphans <- struct{}{} }})
+	// The query must reach the control plane before the route timeout: on a loaded machine the
+	// stream may not be up within 100 ms, and a query never sent leaves no decision to orphan.
+	waitConnected(t, c)
 	_, err := c.Decide(context.Background(), &kvcv1.RouteQuery{SessionId: "s", InputTokens: 1})
 	if !errors.Is(err, ErrUnavailable) {
 		t.Fatalf("err = %v", err)
+	}
+	select {
+	case <-arrived:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the query never reached the control plane")
 	}
 	once.Do(func() { close(release) })
 	select {
@@ -304,5 +314,17 @@ func TestFrozenControlPlaneLeft(t *testing.T) {
 		case <-limit.C:
 			t.Fatalf("still not on the other endpoint %s after the freeze", time.Since(frozen))
 		}
+	}
+}
+
+// waitConnected waits until c has a Route stream up (or fails the test after 10 s).
+func waitConnected(t *testing.T, c *Client) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !c.Connected() {
+		if time.Now().After(deadline) {
+			t.Fatal("route stream not up within 10 s")
+		}
+		time.Sleep(5 * time.Millisecond)
 	}
 }
