@@ -7,6 +7,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strings"
 	"time"
@@ -41,25 +42,30 @@ func (s *Step) Note(format string, a ...any) { s.notes = append(s.notes, fmt.Spr
 
 // Outcome is a scenario's measured result.
 type Outcome struct {
-	Name       string         `json:"name"`
-	Criterion  string         `json:"criterion"`
-	Bound      float64        `json:"bound_s"`
-	Recovered  bool           `json:"recovered"` // within the bound
-	Recovery   float64        `json:"recovery_s"`
-	NeverBack  bool           `json:"never_back"` // not whole again within the wait limit
-	Requests   int            `json:"requests"`
-	Failed     int            `json:"failed"`
-	FailOpen   int            `json:"fail_open"`
-	Lost       int            `json:"lost"`
-	Duplicated int            `json:"duplicated"`
-	Phantom    int            `json:"phantom"` // the leader names a worker that does not hold the session
-	Illegal    int            `json:"illegal_sessions"`
-	Unknown    int            `json:"unknown_sessions"`
-	Writes     int            `json:"acked_writes"`
-	Ops        int            `json:"ops"`
-	Modes      map[string]int `json:"modes"`
-	Errors     []string       `json:"errors,omitempty"`
-	Notes      []string       `json:"notes,omitempty"`
+	Name      string  `json:"name"`
+	Criterion string  `json:"criterion"`
+	Bound     float64 `json:"bound_s"`
+	Recovered bool    `json:"recovered"` // within the bound
+	Recovery  float64 `json:"recovery_s"`
+	NeverBack bool    `json:"never_back"` // not whole again within the wait limit
+	Requests  int     `json:"requests"`
+	Failed    int     `json:"failed"`
+	// KilledMidStream are requests that were streaming from a worker the fault killed (kill -9
+	// of its engine: its sessions are Drops) when it died: their answer had started, so neither
+	// the gateway nor anything else can finish it — the client sees the stream break, as it
+	// would from a real engine's crash. Counted and noted, not failures of the criterion.
+	KilledMidStream int            `json:"killed_mid_stream"`
+	FailOpen        int            `json:"fail_open"`
+	Lost            int            `json:"lost"`
+	Duplicated      int            `json:"duplicated"`
+	Phantom         int            `json:"phantom"` // the leader names a worker that does not hold the session
+	Illegal         int            `json:"illegal_sessions"`
+	Unknown         int            `json:"unknown_sessions"`
+	Writes          int            `json:"acked_writes"`
+	Ops             int            `json:"ops"`
+	Modes           map[string]int `json:"modes"`
+	Errors          []string       `json:"errors,omitempty"`
+	Notes           []string       `json:"notes,omitempty"`
 	// CheckFailed is a scenario-specific criterion that failed (e.g. detection time, memory).
 	CheckFailed string `json:"check_failed,omitempty"`
 	Passed      bool   `json:"passed"`
@@ -203,7 +209,10 @@ func (r *Runner) Run(ctx context.Context, sc Scenario) (Outcome, error) {
 		if res.FailOpen {
 			out.FailOpen++
 		}
-		if !res.OK {
+		if !res.OK && killedMidStream(res, drops, st.faultAt) {
+			out.KilledMidStream++
+			st.Note("killed mid-stream: %s turn %d on %s (%s)", res.Session, res.Turn, res.Worker, res.Err)
+		} else if !res.OK {
 			out.Failed++
 			if len(out.Errors) < 8 {
 				out.Errors = append(out.Errors, fmt.Sprintf("%s turn %d at %s: %s", res.Session, res.Turn, res.Call.UTC().Format("15:04:05.000"), res.Err))
@@ -396,7 +405,11 @@ func (r *Runner) report(o Outcome) {
 	if o.Name == "baseline" {
 		prefix = "baseline:"
 	}
-	r.printf("%s %s recovery %s s, failed %d, lost %d, duplicated %d", prefix, o.Name, rec, o.Failed, o.Lost, o.Duplicated)
+	killed := ""
+	if o.KilledMidStream > 0 {
+		killed = fmt.Sprintf(", killed mid-stream %d", o.KilledMidStream)
+	}
+	r.printf("%s %s recovery %s s, failed %d, lost %d, duplicated %d%s", prefix, o.Name, rec, o.Failed, o.Lost, o.Duplicated, killed)
 }
 
 // waitWhole waits until a leader lists every worker READY and the gateway's route stream is
@@ -478,4 +491,17 @@ func (r *Runner) waitServed(ctx context.Context, ref time.Time) (time.Time, erro
 		case <-tick.C:
 		}
 	}
+}
+
+// killedMidStream reports whether res failed because the engine serving it was killed by the
+// fault while it streamed: a worker of drops (its kvc-sim killed), the kill inside the request's
+// interval, and the gateway's error for a decode stream that broke off.
+func killedMidStream(res Result, drops []string, killedAt time.Time) bool {
+	if res.OK || res.Worker == "" || !slices.Contains(drops, res.Worker) {
+		return false
+	}
+	if res.Call.After(killedAt) || res.Return.Before(killedAt) {
+		return false
+	}
+	return strings.Contains(res.Err, "worker_unreachable") && strings.Contains(res.Err, "decode stream")
 }
