@@ -88,6 +88,12 @@ const (
 	SessionEventKind_SESSION_EVENT_KIND_SNAPSHOT_EVICTED  SessionEventKind = 5
 	SessionEventKind_SESSION_EVENT_KIND_TRANSFER_DONE     SessionEventKind = 6
 	SessionEventKind_SESSION_EVENT_KIND_TRANSFER_FAILED   SessionEventKind = 7
+	// A LoadSessionCommand is done: the worker holds the session's KV [0, kv_len), received from
+	// the prefill store and committed (its COMMITTED event came first); room is the command's,
+	// bytes the verified bytes. detail names the command's decision_id.
+	SessionEventKind_SESSION_EVENT_KIND_LOADED SessionEventKind = 8
+	// A LoadSessionCommand failed (detail says why); the worker holds nothing of it.
+	SessionEventKind_SESSION_EVENT_KIND_LOAD_FAILED SessionEventKind = 9
 )
 
 // Enum value maps for SessionEventKind.
@@ -101,6 +107,8 @@ var (
 		5: "SESSION_EVENT_KIND_SNAPSHOT_EVICTED",
 		6: "SESSION_EVENT_KIND_TRANSFER_DONE",
 		7: "SESSION_EVENT_KIND_TRANSFER_FAILED",
+		8: "SESSION_EVENT_KIND_LOADED",
+		9: "SESSION_EVENT_KIND_LOAD_FAILED",
 	}
 	SessionEventKind_value = map[string]int32{
 		"SESSION_EVENT_KIND_UNSPECIFIED":       0,
@@ -111,6 +119,8 @@ var (
 		"SESSION_EVENT_KIND_SNAPSHOT_EVICTED":  5,
 		"SESSION_EVENT_KIND_TRANSFER_DONE":     6,
 		"SESSION_EVENT_KIND_TRANSFER_FAILED":   7,
+		"SESSION_EVENT_KIND_LOADED":            8,
+		"SESSION_EVENT_KIND_LOAD_FAILED":       9,
 	}
 )
 
@@ -1135,6 +1145,7 @@ type Command struct {
 	//	*Command_PushSnapshot
 	//	*Command_Drain
 	//	*Command_UpdatePolicy
+	//	*Command_LoadSession
 	Action isCommand_Action `protobuf_oneof:"action"`
 	// W3C Trace Context of the control plane's span this command is part of (the routing
 	// decision it follows from); empty when none. The sidecar's span for the command is its child.
@@ -1239,6 +1250,15 @@ func (x *Command) GetUpdatePolicy() *UpdatePolicyCommand {
 	return nil
 }
 
+func (x *Command) GetLoadSession() *LoadSessionCommand {
+	if x != nil {
+		if x, ok := x.Action.(*Command_LoadSession); ok {
+			return x.LoadSession
+		}
+	}
+	return nil
+}
+
 func (x *Command) GetTraceparent() string {
 	if x != nil {
 		return x.Traceparent
@@ -1270,6 +1290,10 @@ type Command_UpdatePolicy struct {
 	UpdatePolicy *UpdatePolicyCommand `protobuf:"bytes,7,opt,name=update_policy,json=updatePolicy,proto3,oneof"`
 }
 
+type Command_LoadSession struct {
+	LoadSession *LoadSessionCommand `protobuf:"bytes,9,opt,name=load_session,json=loadSession,proto3,oneof"`
+}
+
 func (*Command_SetSnapshotTarget) isCommand_Action() {}
 
 func (*Command_ReleaseSession) isCommand_Action() {}
@@ -1279,6 +1303,8 @@ func (*Command_PushSnapshot) isCommand_Action() {}
 func (*Command_Drain) isCommand_Action() {}
 
 func (*Command_UpdatePolicy) isCommand_Action() {}
+
+func (*Command_LoadSession) isCommand_Action() {}
 
 // SetSnapshotTargetCommand tells a decode sidecar which prefill sidecar keeps a session's snapshot.
 // An empty prefill_worker_id stops snapshot pushes for the session.
@@ -1556,6 +1582,114 @@ func (x *PushSnapshotCommand) GetDecisionId() string {
 	return ""
 }
 
+// LoadSessionCommand asks a decode sidecar to create a session on its worker from the session's
+// snapshot in a prefill store, without a client request (re-homing the sessions of a decode
+// worker that left READY, docs/routing.md §3). The sidecar has its worker open the session and
+// receive [0, seqlen) of the snapshot from the prefill sidecar through the room (which the
+// control plane told to push with a PushSnapshotCommand of the same room), verify it and commit
+// it; it acks at once and reports the end as SESSION_EVENT_KIND_LOADED (or LOAD_FAILED).
+type LoadSessionCommand struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	SessionId string                 `protobuf:"bytes,1,opt,name=session_id,json=sessionId,proto3" json:"session_id,omitempty"`
+	// The snapshot's generation and the tokens to load (the store's seqlen, or less).
+	SnapshotGeneration uint64 `protobuf:"varint,2,opt,name=snapshot_generation,json=snapshotGeneration,proto3" json:"snapshot_generation,omitempty"`
+	Seqlen             int64  `protobuf:"varint,3,opt,name=seqlen,proto3" json:"seqlen,omitempty"`
+	PrefillWorkerId    string `protobuf:"bytes,4,opt,name=prefill_worker_id,json=prefillWorkerId,proto3" json:"prefill_worker_id,omitempty"`
+	PrefillPeerAddr    string `protobuf:"bytes,5,opt,name=prefill_peer_addr,json=prefillPeerAddr,proto3" json:"prefill_peer_addr,omitempty"`
+	Room               int64  `protobuf:"varint,6,opt,name=room,proto3" json:"room,omitempty"`
+	DecisionId         string `protobuf:"bytes,7,opt,name=decision_id,json=decisionId,proto3" json:"decision_id,omitempty"`
+	// The longest the load may take (0: the sidecar's default).
+	TimeoutMs     int64 `protobuf:"varint,8,opt,name=timeout_ms,json=timeoutMs,proto3" json:"timeout_ms,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *LoadSessionCommand) Reset() {
+	*x = LoadSessionCommand{}
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[15]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *LoadSessionCommand) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*LoadSessionCommand) ProtoMessage() {}
+
+func (x *LoadSessionCommand) ProtoReflect() protoreflect.Message {
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[15]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use LoadSessionCommand.ProtoReflect.Descriptor instead.
+func (*LoadSessionCommand) Descriptor() ([]byte, []int) {
+	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{15}
+}
+
+func (x *LoadSessionCommand) GetSessionId() string {
+	if x != nil {
+		return x.SessionId
+	}
+	return ""
+}
+
+func (x *LoadSessionCommand) GetSnapshotGeneration() uint64 {
+	if x != nil {
+		return x.SnapshotGeneration
+	}
+	return 0
+}
+
+func (x *LoadSessionCommand) GetSeqlen() int64 {
+	if x != nil {
+		return x.Seqlen
+	}
+	return 0
+}
+
+func (x *LoadSessionCommand) GetPrefillWorkerId() string {
+	if x != nil {
+		return x.PrefillWorkerId
+	}
+	return ""
+}
+
+func (x *LoadSessionCommand) GetPrefillPeerAddr() string {
+	if x != nil {
+		return x.PrefillPeerAddr
+	}
+	return ""
+}
+
+func (x *LoadSessionCommand) GetRoom() int64 {
+	if x != nil {
+		return x.Room
+	}
+	return 0
+}
+
+func (x *LoadSessionCommand) GetDecisionId() string {
+	if x != nil {
+		return x.DecisionId
+	}
+	return ""
+}
+
+func (x *LoadSessionCommand) GetTimeoutMs() int64 {
+	if x != nil {
+		return x.TimeoutMs
+	}
+	return 0
+}
+
 type DrainCommand struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	Draining      bool                   `protobuf:"varint,1,opt,name=draining,proto3" json:"draining,omitempty"`
@@ -1565,7 +1699,7 @@ type DrainCommand struct {
 
 func (x *DrainCommand) Reset() {
 	*x = DrainCommand{}
-	mi := &file_kvc_v1_sidecar_proto_msgTypes[15]
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1577,7 +1711,7 @@ func (x *DrainCommand) String() string {
 func (*DrainCommand) ProtoMessage() {}
 
 func (x *DrainCommand) ProtoReflect() protoreflect.Message {
-	mi := &file_kvc_v1_sidecar_proto_msgTypes[15]
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1590,7 +1724,7 @@ func (x *DrainCommand) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DrainCommand.ProtoReflect.Descriptor instead.
 func (*DrainCommand) Descriptor() ([]byte, []int) {
-	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{15}
+	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *DrainCommand) GetDraining() bool {
@@ -1609,7 +1743,7 @@ type UpdatePolicyCommand struct {
 
 func (x *UpdatePolicyCommand) Reset() {
 	*x = UpdatePolicyCommand{}
-	mi := &file_kvc_v1_sidecar_proto_msgTypes[16]
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1621,7 +1755,7 @@ func (x *UpdatePolicyCommand) String() string {
 func (*UpdatePolicyCommand) ProtoMessage() {}
 
 func (x *UpdatePolicyCommand) ProtoReflect() protoreflect.Message {
-	mi := &file_kvc_v1_sidecar_proto_msgTypes[16]
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1634,7 +1768,7 @@ func (x *UpdatePolicyCommand) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UpdatePolicyCommand.ProtoReflect.Descriptor instead.
 func (*UpdatePolicyCommand) Descriptor() ([]byte, []int) {
-	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{16}
+	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *UpdatePolicyCommand) GetPolicy() *Policy {
@@ -1656,7 +1790,7 @@ type LeaderHint struct {
 
 func (x *LeaderHint) Reset() {
 	*x = LeaderHint{}
-	mi := &file_kvc_v1_sidecar_proto_msgTypes[17]
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1668,7 +1802,7 @@ func (x *LeaderHint) String() string {
 func (*LeaderHint) ProtoMessage() {}
 
 func (x *LeaderHint) ProtoReflect() protoreflect.Message {
-	mi := &file_kvc_v1_sidecar_proto_msgTypes[17]
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1681,7 +1815,7 @@ func (x *LeaderHint) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LeaderHint.ProtoReflect.Descriptor instead.
 func (*LeaderHint) Descriptor() ([]byte, []int) {
-	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{17}
+	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *LeaderHint) GetLeaderId() string {
@@ -1799,7 +1933,7 @@ const file_kvc_v1_sidecar_proto_rawDesc = "" +
 	"\tleader_id\x18\x02 \x01(\tR\bleaderId\x12&\n" +
 	"\x06policy\x18\x03 \x01(\v2\x0e.kvc.v1.PolicyR\x06policy\x12\x1f\n" +
 	"\vleader_addr\x18\x04 \x01(\tR\n" +
-	"leaderAddr\"\xbe\x03\n" +
+	"leaderAddr\"\xff\x03\n" +
 	"\aCommand\x12\x1d\n" +
 	"\n" +
 	"command_id\x18\x01 \x01(\x04R\tcommandId\x12\x14\n" +
@@ -1808,7 +1942,8 @@ const file_kvc_v1_sidecar_proto_rawDesc = "" +
 	"\x0frelease_session\x18\x04 \x01(\v2\x1d.kvc.v1.ReleaseSessionCommandH\x00R\x0ereleaseSession\x12B\n" +
 	"\rpush_snapshot\x18\x05 \x01(\v2\x1b.kvc.v1.PushSnapshotCommandH\x00R\fpushSnapshot\x12,\n" +
 	"\x05drain\x18\x06 \x01(\v2\x14.kvc.v1.DrainCommandH\x00R\x05drain\x12B\n" +
-	"\rupdate_policy\x18\a \x01(\v2\x1b.kvc.v1.UpdatePolicyCommandH\x00R\fupdatePolicy\x12 \n" +
+	"\rupdate_policy\x18\a \x01(\v2\x1b.kvc.v1.UpdatePolicyCommandH\x00R\fupdatePolicy\x12?\n" +
+	"\fload_session\x18\t \x01(\v2\x1a.kvc.v1.LoadSessionCommandH\x00R\vloadSession\x12 \n" +
 	"\vtraceparent\x18\b \x01(\tR\vtraceparentB\b\n" +
 	"\x06action\"\xf2\x02\n" +
 	"\x18SetSnapshotTargetCommand\x12\x1d\n" +
@@ -1840,7 +1975,19 @@ const file_kvc_v1_sidecar_proto_rawDesc = "" +
 	"\x18decode_transfer_endpoint\x18\x06 \x01(\tR\x16decodeTransferEndpoint\x12\x12\n" +
 	"\x04room\x18\a \x01(\x03R\x04room\x12\x1f\n" +
 	"\vdecision_id\x18\b \x01(\tR\n" +
-	"decisionId\"*\n" +
+	"decisionId\"\xa8\x02\n" +
+	"\x12LoadSessionCommand\x12\x1d\n" +
+	"\n" +
+	"session_id\x18\x01 \x01(\tR\tsessionId\x12/\n" +
+	"\x13snapshot_generation\x18\x02 \x01(\x04R\x12snapshotGeneration\x12\x16\n" +
+	"\x06seqlen\x18\x03 \x01(\x03R\x06seqlen\x12*\n" +
+	"\x11prefill_worker_id\x18\x04 \x01(\tR\x0fprefillWorkerId\x12*\n" +
+	"\x11prefill_peer_addr\x18\x05 \x01(\tR\x0fprefillPeerAddr\x12\x12\n" +
+	"\x04room\x18\x06 \x01(\x03R\x04room\x12\x1f\n" +
+	"\vdecision_id\x18\a \x01(\tR\n" +
+	"decisionId\x12\x1d\n" +
+	"\n" +
+	"timeout_ms\x18\b \x01(\x03R\ttimeoutMs\"*\n" +
 	"\fDrainCommand\x12\x1a\n" +
 	"\bdraining\x18\x01 \x01(\bR\bdraining\"=\n" +
 	"\x13UpdatePolicyCommand\x12&\n" +
@@ -1855,7 +2002,7 @@ const file_kvc_v1_sidecar_proto_rawDesc = "" +
 	"\x1bTP_ERROR_REASON_UNSPECIFIED\x10\x00\x12!\n" +
 	"\x1dTP_ERROR_REASON_SIZE_MISMATCH\x10\x01\x12\x1e\n" +
 	"\x1aTP_ERROR_REASON_RANK_TAKEN\x10\x02\x12!\n" +
-	"\x1dTP_ERROR_REASON_ROLE_MISMATCH\x10\x03*\xba\x02\n" +
+	"\x1dTP_ERROR_REASON_ROLE_MISMATCH\x10\x03*\xfd\x02\n" +
 	"\x10SessionEventKind\x12\"\n" +
 	"\x1eSESSION_EVENT_KIND_UNSPECIFIED\x10\x00\x12 \n" +
 	"\x1cSESSION_EVENT_KIND_COMMITTED\x10\x01\x12\x1f\n" +
@@ -1864,7 +2011,9 @@ const file_kvc_v1_sidecar_proto_rawDesc = "" +
 	"$SESSION_EVENT_KIND_SNAPSHOT_INGESTED\x10\x04\x12'\n" +
 	"#SESSION_EVENT_KIND_SNAPSHOT_EVICTED\x10\x05\x12$\n" +
 	" SESSION_EVENT_KIND_TRANSFER_DONE\x10\x06\x12&\n" +
-	"\"SESSION_EVENT_KIND_TRANSFER_FAILED\x10\a2P\n" +
+	"\"SESSION_EVENT_KIND_TRANSFER_FAILED\x10\a\x12\x1d\n" +
+	"\x19SESSION_EVENT_KIND_LOADED\x10\b\x12\"\n" +
+	"\x1eSESSION_EVENT_KIND_LOAD_FAILED\x10\t2P\n" +
 	"\x0eSidecarService\x12>\n" +
 	"\aConnect\x12\x16.kvc.v1.ConnectRequest\x1a\x17.kvc.v1.ConnectResponse(\x010\x01B3Z1github.com/kvcentric/kvcentric/proto/kvc/v1;kvcv1b\x06proto3"
 
@@ -1881,7 +2030,7 @@ func file_kvc_v1_sidecar_proto_rawDescGZIP() []byte {
 }
 
 var file_kvc_v1_sidecar_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_kvc_v1_sidecar_proto_msgTypes = make([]protoimpl.MessageInfo, 18)
+var file_kvc_v1_sidecar_proto_msgTypes = make([]protoimpl.MessageInfo, 19)
 var file_kvc_v1_sidecar_proto_goTypes = []any{
 	(TPErrorReason)(0),               // 0: kvc.v1.TPErrorReason
 	(SessionEventKind)(0),            // 1: kvc.v1.SessionEventKind
@@ -1900,12 +2049,13 @@ var file_kvc_v1_sidecar_proto_goTypes = []any{
 	(*SetSnapshotTargetCommand)(nil), // 14: kvc.v1.SetSnapshotTargetCommand
 	(*ReleaseSessionCommand)(nil),    // 15: kvc.v1.ReleaseSessionCommand
 	(*PushSnapshotCommand)(nil),      // 16: kvc.v1.PushSnapshotCommand
-	(*DrainCommand)(nil),             // 17: kvc.v1.DrainCommand
-	(*UpdatePolicyCommand)(nil),      // 18: kvc.v1.UpdatePolicyCommand
-	(*LeaderHint)(nil),               // 19: kvc.v1.LeaderHint
-	(WorkerRole)(0),                  // 20: kvc.v1.WorkerRole
-	(*WorkerLoad)(nil),               // 21: kvc.v1.WorkerLoad
-	(*Policy)(nil),                   // 22: kvc.v1.Policy
+	(*LoadSessionCommand)(nil),       // 17: kvc.v1.LoadSessionCommand
+	(*DrainCommand)(nil),             // 18: kvc.v1.DrainCommand
+	(*UpdatePolicyCommand)(nil),      // 19: kvc.v1.UpdatePolicyCommand
+	(*LeaderHint)(nil),               // 20: kvc.v1.LeaderHint
+	(WorkerRole)(0),                  // 21: kvc.v1.WorkerRole
+	(*WorkerLoad)(nil),               // 22: kvc.v1.WorkerLoad
+	(*Policy)(nil),                   // 23: kvc.v1.Policy
 }
 var file_kvc_v1_sidecar_proto_depIdxs = []int32{
 	3,  // 0: kvc.v1.ConnectRequest.hello:type_name -> kvc.v1.Hello
@@ -1913,28 +2063,29 @@ var file_kvc_v1_sidecar_proto_depIdxs = []int32{
 	8,  // 2: kvc.v1.ConnectRequest.resident_sessions:type_name -> kvc.v1.ResidentSessions
 	9,  // 3: kvc.v1.ConnectRequest.session_event:type_name -> kvc.v1.SessionEvent
 	10, // 4: kvc.v1.ConnectRequest.ack:type_name -> kvc.v1.CommandAck
-	20, // 5: kvc.v1.Hello.role:type_name -> kvc.v1.WorkerRole
+	21, // 5: kvc.v1.Hello.role:type_name -> kvc.v1.WorkerRole
 	0,  // 6: kvc.v1.TPError.reason:type_name -> kvc.v1.TPErrorReason
-	21, // 7: kvc.v1.LoadReport.load:type_name -> kvc.v1.WorkerLoad
+	22, // 7: kvc.v1.LoadReport.load:type_name -> kvc.v1.WorkerLoad
 	6,  // 8: kvc.v1.ResidentSessions.sessions:type_name -> kvc.v1.ResidentSession
 	7,  // 9: kvc.v1.ResidentSessions.snapshots:type_name -> kvc.v1.SnapshotHeld
 	1,  // 10: kvc.v1.SessionEvent.kind:type_name -> kvc.v1.SessionEventKind
 	12, // 11: kvc.v1.ConnectResponse.welcome:type_name -> kvc.v1.Welcome
 	13, // 12: kvc.v1.ConnectResponse.command:type_name -> kvc.v1.Command
-	22, // 13: kvc.v1.Welcome.policy:type_name -> kvc.v1.Policy
+	23, // 13: kvc.v1.Welcome.policy:type_name -> kvc.v1.Policy
 	14, // 14: kvc.v1.Command.set_snapshot_target:type_name -> kvc.v1.SetSnapshotTargetCommand
 	15, // 15: kvc.v1.Command.release_session:type_name -> kvc.v1.ReleaseSessionCommand
 	16, // 16: kvc.v1.Command.push_snapshot:type_name -> kvc.v1.PushSnapshotCommand
-	17, // 17: kvc.v1.Command.drain:type_name -> kvc.v1.DrainCommand
-	18, // 18: kvc.v1.Command.update_policy:type_name -> kvc.v1.UpdatePolicyCommand
-	22, // 19: kvc.v1.UpdatePolicyCommand.policy:type_name -> kvc.v1.Policy
-	2,  // 20: kvc.v1.SidecarService.Connect:input_type -> kvc.v1.ConnectRequest
-	11, // 21: kvc.v1.SidecarService.Connect:output_type -> kvc.v1.ConnectResponse
-	21, // [21:22] is the sub-list for method output_type
-	20, // [20:21] is the sub-list for method input_type
-	20, // [20:20] is the sub-list for extension type_name
-	20, // [20:20] is the sub-list for extension extendee
-	0,  // [0:20] is the sub-list for field type_name
+	18, // 17: kvc.v1.Command.drain:type_name -> kvc.v1.DrainCommand
+	19, // 18: kvc.v1.Command.update_policy:type_name -> kvc.v1.UpdatePolicyCommand
+	17, // 19: kvc.v1.Command.load_session:type_name -> kvc.v1.LoadSessionCommand
+	23, // 20: kvc.v1.UpdatePolicyCommand.policy:type_name -> kvc.v1.Policy
+	2,  // 21: kvc.v1.SidecarService.Connect:input_type -> kvc.v1.ConnectRequest
+	11, // 22: kvc.v1.SidecarService.Connect:output_type -> kvc.v1.ConnectResponse
+	22, // [22:23] is the sub-list for method output_type
+	21, // [21:22] is the sub-list for method input_type
+	21, // [21:21] is the sub-list for extension type_name
+	21, // [21:21] is the sub-list for extension extendee
+	0,  // [0:21] is the sub-list for field type_name
 }
 
 func init() { file_kvc_v1_sidecar_proto_init() }
@@ -1960,6 +2111,7 @@ func file_kvc_v1_sidecar_proto_init() {
 		(*Command_PushSnapshot)(nil),
 		(*Command_Drain)(nil),
 		(*Command_UpdatePolicy)(nil),
+		(*Command_LoadSession)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
@@ -1967,7 +2119,7 @@ func file_kvc_v1_sidecar_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvc_v1_sidecar_proto_rawDesc), len(file_kvc_v1_sidecar_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   18,
+			NumMessages:   19,
 			NumExtensions: 0,
 			NumServices:   1,
 		},
