@@ -647,6 +647,7 @@ func TestDecideEveryModeAndReason(t *testing.T) {
 	// No longer decided (issue 20 item 1): seeds take no transfer slot, reseeds score the store
 	// budget, and a drain or migration that finds none serves the session in place.
 	seenReason[kvcv1.RouteReason_ROUTE_REASON_TRANSFER_BUDGET] = true
+	seenReason[kvcv1.RouteReason_ROUTE_REASON_REHOME] = true // the router's own re-homing (router/rehome_test.go)
 	for v := range kvcv1.RouteReason_name {
 		if r := kvcv1.RouteReason(v); r != 0 && !seenReason[r] {
 			t.Errorf("reason %s not covered", r)

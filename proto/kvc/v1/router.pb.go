@@ -135,6 +135,11 @@ const (
 	// every P/D router's request does, instead of a whole-context PD_FALLBACK. Only the worker's
 	// own refusal after its wait counts as a rejection.
 	RouteReason_ROUTE_REASON_D_QUEUED RouteReason = 28
+	// The control plane's own RESEED_SNAPSHOT of a session whose decode worker left READY (dead,
+	// drained, unreachable past its grace): its snapshot is loaded onto another decode worker in
+	// the background, without a client request (LoadSessionCommand), so the session's next turn
+	// finds it resident. Never sent to a gateway; counted in the decision metrics.
+	RouteReason_ROUTE_REASON_REHOME RouteReason = 29
 )
 
 // Enum value maps for RouteReason.
@@ -169,6 +174,7 @@ var (
 		26: "ROUTE_REASON_PREFIX_OVERLAP",
 		27: "ROUTE_REASON_LOCAL_FIRST_TURN",
 		28: "ROUTE_REASON_D_QUEUED",
+		29: "ROUTE_REASON_REHOME",
 	}
 	RouteReason_value = map[string]int32{
 		"ROUTE_REASON_UNSPECIFIED":                 0,
@@ -200,6 +206,7 @@ var (
 		"ROUTE_REASON_PREFIX_OVERLAP":              26,
 		"ROUTE_REASON_LOCAL_FIRST_TURN":            27,
 		"ROUTE_REASON_D_QUEUED":                    28,
+		"ROUTE_REASON_REHOME":                      29,
 	}
 )
 
@@ -1470,7 +1477,7 @@ const file_kvc_v1_router_proto_rawDesc = "" +
 	"\x0fROUTE_MODE_SEED\x10\x02\x12\x1e\n" +
 	"\x1aROUTE_MODE_RESEED_SNAPSHOT\x10\x03\x12\x1d\n" +
 	"\x19ROUTE_MODE_RESEED_PREFILL\x10\x04\x12\x1a\n" +
-	"\x16ROUTE_MODE_PD_FALLBACK\x10\x05*\x95\b\n" +
+	"\x16ROUTE_MODE_PD_FALLBACK\x10\x05*\xae\b\n" +
 	"\vRouteReason\x12\x1c\n" +
 	"\x18ROUTE_REASON_UNSPECIFIED\x10\x00\x12!\n" +
 	"\x1dROUTE_REASON_SESSION_RESIDENT\x10\x01\x12\"\n" +
@@ -1501,7 +1508,8 @@ const file_kvc_v1_router_proto_rawDesc = "" +
 	"\x1dROUTE_REASON_PREFIX_TRUNCATED\x10\x19\x12\x1f\n" +
 	"\x1bROUTE_REASON_PREFIX_OVERLAP\x10\x1a\x12!\n" +
 	"\x1dROUTE_REASON_LOCAL_FIRST_TURN\x10\x1b\x12\x19\n" +
-	"\x15ROUTE_REASON_D_QUEUED\x10\x1c*\xc7\x02\n" +
+	"\x15ROUTE_REASON_D_QUEUED\x10\x1c\x12\x17\n" +
+	"\x13ROUTE_REASON_REHOME\x10\x1d*\xc7\x02\n" +
 	"\x0eRouteErrorKind\x12 \n" +
 	"\x1cROUTE_ERROR_KIND_UNSPECIFIED\x10\x00\x12\x19\n" +
 	"\x15ROUTE_ERROR_KIND_NONE\x10\x01\x12\x1c\n" +
