@@ -39,6 +39,9 @@ type metrics struct {
 	queuedByKey        map[[2]int32]prometheus.Counter // by mode, policy.Admission
 	keptFallbacks      prometheus.Counter
 	wastedKV           prometheus.Counter
+	rehomes            *prometheus.CounterVec // rehome.go
+	rehomeSeconds      prometheus.Histogram
+	rehomeWaits        prometheus.Counter
 
 	admittedMu  sync.RWMutex
 	admittedFor map[string]prometheus.Counter
@@ -180,7 +183,9 @@ func newMetrics(reg prometheus.Registerer, s *Service) *metrics {
 		}
 		m.ttftByMode[mv] = m.ttft.WithLabelValues(ModeName(kvcv1.RouteMode(mv)))
 	}
+	rehome := newRehomeMetrics(m)
 	if reg != nil {
+		reg.MustRegister(rehome...)
 		reg.MustRegister(m.decisions, m.latency, m.outcomes, m.ttft, m.errors, m.expired, m.migrations,
 			m.admitted, m.rejected, m.commands, m.reservations, m.streamEnd, m.reservedTokens, m.truncations, m.contentGauge, m.contentLoaded, m.pins,
 			m.fromSnapshot, m.fromSnapshotTokens, m.suffixReceives,

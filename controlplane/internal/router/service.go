@@ -47,6 +47,11 @@ type Service struct {
 	nextSeq uint64              // last sequence number issued
 	pins    map[string]pinEntry // agent pins granted, by session (hints.go)
 	targets map[string]string   // prefill worker last named as a session's snapshot target (hints.go)
+	rehomes map[string]*rehomeOp // re-homes in flight, by session (rehome.go)
+
+	rqMu     sync.Mutex
+	rq       rehomeQueue
+	rehomeWG sync.WaitGroup // finishRehome goroutines
 }
 
 type compiledPolicy struct {
@@ -72,6 +77,8 @@ func New(c Cluster, log zerolog.Logger, reg prometheus.Registerer) *Service {
 		content:  newContentStore(),
 		pins:     map[string]pinEntry{},
 		targets:  map[string]string{},
+		rehomes:  map[string]*rehomeOp{},
+		rq:       rehomeQueue{kick: make(chan struct{}, 1)},
 	}
 	s.m = newMetrics(reg, s)
 	return s
@@ -80,11 +87,24 @@ func New(c Cluster, log zerolog.Logger, reg prometheus.Registerer) *Service {
 // Register registers the service on a gRPC server.
 func (s *Service) Register(r grpc.ServiceRegistrar) { kvcv1.RegisterRouterServiceServer(r, s) }
 
-// Run releases reservations whose outcome did not come within reservation_timeout_ms, until
-// ctx is done. It returns nil on cancellation.
+// Run releases reservations whose outcome did not come within reservation_timeout_ms and
+// re-homes the sessions of decode workers that left READY (rehome.go), until ctx is done. It
+// returns nil on cancellation.
 func (s *Service) Run(ctx context.Context) error {
 	t := time.NewTicker(expiryTick)
 	defer t.Stop()
+	rctx, stop := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		s.runRehome(rctx)
+	}()
+	defer func() {
+		stop()
+		wg.Wait()
+		s.rehomeWG.Wait()
+	}()
 	for {
 		select {
 		case <-ctx.Done():
@@ -105,7 +125,14 @@ func (s *Service) OnLeadershipChange(leading bool) {
 	s.led = newLedger()
 	clear(s.pins) // a new term counts pins again from its own grants (hints.go)
 	clear(s.targets)
+	ops := s.resetRehomesLocked()
 	s.mu.Unlock()
+	for _, op := range ops {
+		close(op.done)
+	}
+	s.rqMu.Lock()
+	s.rq.items = nil // a new term starts from what the sidecars report
+	s.rqMu.Unlock()
 	s.log.Info().Bool("leading", leading).Int("dropped_reservations", n).Msg("router ledger reset")
 }
 
@@ -114,6 +141,7 @@ func (s *Service) expire(now time.Time) int {
 	rs := s.led.expired(now)
 	s.mu.Unlock()
 	for _, r := range rs {
+		s.expiredRehome(r)
 		s.log.Info().Str("decision_id", s.id(r.seq)).Str("session", r.session).Str("mode", ModeName(r.mode)).
 			Str("decode", r.decode).Msg("reservation expired without an outcome")
 	}
@@ -141,6 +169,15 @@ func (s *Service) Route(stream grpc.BidiStreamingServer[kvcv1.RouteRequest, kvcv
 		err error
 	}
 	in := make(chan recvd)
+	var sendMu sync.Mutex
+	send := func(req *kvcv1.RouteRequest, resp *kvcv1.RouteResponse) error {
+		sendMu.Lock() // mine is the stream's: tracked under the send lock (turns answered off the loop)
+		defer sendMu.Unlock()
+		s.track(mine, req, resp)
+		return stream.Send(resp)
+	}
+	var wg sync.WaitGroup // turns waiting for their session's re-home
+	defer wg.Wait()
 	go func() { // ends when the handler returns (Recv fails then)
 		for {
 			req, err := stream.Recv()
@@ -168,9 +205,18 @@ func (s *Service) Route(stream grpc.BidiStreamingServer[kvcv1.RouteRequest, kvcv
 		if r.err != nil {
 			return r.err
 		}
-		resp := s.Handle(r.req)
-		s.track(mine, r.req, resp)
-		if err := stream.Send(resp); err != nil {
+		if q := r.req.GetQuery(); q != nil && s.rehomeWait(q.GetSessionId()) != nil {
+			// The session is being re-homed (rehome.go): its turn waits for that, off this loop,
+			// so the stream's other sessions are not held up.
+			wg.Add(1)
+			go func(req *kvcv1.RouteRequest) {
+				defer wg.Done()
+				s.waitRehome(ctx, q.GetSessionId())
+				_ = send(req, s.Handle(req)) // a failed send ends the stream's Recv too
+			}(r.req)
+			continue
+		}
+		if err := send(r.req, s.Handle(r.req)); err != nil {
 			return err
 		}
 	}
@@ -593,6 +639,15 @@ func (s *Service) query(q *kvcv1.RouteQuery) *kvcv1.RouteResponse {
 		s.mu.Unlock()
 	}
 	x.run()
+	if x.d.Reason == kvcv1.RouteReason_ROUTE_REASON_SESSION_NOT_RESIDENT && !q.EndSession && s.rehomeWait(q.SessionId) != nil {
+		// A re-home of the session started between Route's look and this decision (rehome.go):
+		// wait for it instead of a plain fallback, then decide again.
+		s.mu.Lock()
+		s.led.remove(x.r.seq)
+		s.mu.Unlock()
+		s.waitRehome(context.Background(), q.SessionId)
+		x.run()
+	}
 	if x.d.Mode == kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT {
 		if err := s.pushSnapshot(q.SessionId, &x.d, x.r.seq, tp); err != nil {
 			// The holder cannot be commanded: decide again without the snapshot.

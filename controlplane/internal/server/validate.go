@@ -131,7 +131,8 @@ func validateEvent(role kvcv1.WorkerRole, ev *kvcv1.SessionEvent) (reason string
 	}
 	switch k {
 	case kvcv1.SessionEventKind_SESSION_EVENT_KIND_COMMITTED, kvcv1.SessionEventKind_SESSION_EVENT_KIND_RELEASED,
-		kvcv1.SessionEventKind_SESSION_EVENT_KIND_EVICTED:
+		kvcv1.SessionEventKind_SESSION_EVENT_KIND_EVICTED, kvcv1.SessionEventKind_SESSION_EVENT_KIND_LOADED,
+		kvcv1.SessionEventKind_SESSION_EVENT_KIND_LOAD_FAILED:
 		if role != kvcv1.WorkerRole_WORKER_ROLE_DECODE {
 			return "role_mismatch", fmt.Errorf("%s from a %s worker", k, role)
 		}

@@ -172,6 +172,8 @@ func (s *State) drainPass(id string, op *drainOp, wait time.Duration) time.Durat
 	now := time.Now()
 	var next time.Duration
 	waiting := 0
+	var moved []string
+	defer func() { s.lostLocked(id, moved) }() // re-homed elsewhere (router/rehome.go)
 	for _, sid := range ids {
 		rec := s.sessions[sid].rec
 		usable := !pol.GetSnapshotsEnabled() || snapshotUsable(rec, ws, pol.GetTailToleranceTokens())
@@ -206,6 +208,7 @@ func (s *State) drainPass(id string, op *drainOp, wait time.Duration) time.Durat
 		rec.PreviousDecodeWorker = id
 		rec.DecodeWorker = ""
 		s.changedLocked(rec, id, rec.GetSnapshot().GetPrefillWorker())
+		moved = append(moved, sid)
 		if usable && pol.GetSnapshotsEnabled() {
 			op.status.MovedWithSnapshot++
 			s.m.drainMoves.WithLabelValues("with_snapshot").Inc()

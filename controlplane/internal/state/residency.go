@@ -206,6 +206,18 @@ func (s *State) ApplyEvent(st *Stream, ev *kvcv1.SessionEvent) error {
 		s.m.transfers.WithLabelValues("failed").Inc()
 		s.log.Warn().Str("worker", st.WorkerID).Str("session", ev.GetSessionId()).Int64("room", ev.GetRoom()).Str("detail", ev.GetDetail()).Msg("transfer failed")
 		return nil
+	case kvcv1.SessionEventKind_SESSION_EVENT_KIND_LOADED, kvcv1.SessionEventKind_SESSION_EVENT_KIND_LOAD_FAILED:
+		// The end of a LoadSessionCommand: the router's re-home (its COMMITTED, applied before
+		// this on the same stream, already made the session resident when it loaded).
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		if we, ok := s.workers[st.WorkerID]; !ok || we.stream != st || s.term == nil {
+			return ErrNoStream
+		}
+		if hk := s.rehome.Load(); hk != nil {
+			hk.h.SessionLoaded(st.WorkerID, ev)
+		}
+		return nil
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()

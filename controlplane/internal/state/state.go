@@ -62,6 +62,7 @@ const DefaultVolatileFlush = 2 * time.Second
 // State is the leader's tables. The zero value is not usable; call New.
 type State struct {
 	cfg      Config
+	rehome   atomic.Pointer[rehomeHook] // the router's re-homing (SetRehomeHook)
 	log      zerolog.Logger
 	m        *metrics
 	defaults *kvcv1.Policy
@@ -186,6 +187,34 @@ func (s *State) resetLocked() {
 
 // Defaults returns the default policy (with the configured TTL and grace).
 func (s *State) Defaults() *kvcv1.Policy { return proto.Clone(s.defaults).(*kvcv1.Policy) }
+
+// RehomeHook is told when sessions lose their residency because their decode worker left
+// READY (its worker died, it drains, or it stayed unreachable past its grace), and when a
+// decode sidecar reports how a LoadSessionCommand ended (router.Service re-homes the sessions:
+// docs/routing.md §3). Both are called under the state lock: they must be quick and must not
+// call the State.
+type RehomeHook interface {
+	SessionsLost(from string, sessions []string)
+	SessionLoaded(worker string, ev *kvcv1.SessionEvent)
+}
+
+type rehomeHook struct{ h RehomeHook }
+
+// SetRehomeHook sets (nil: clears) the re-homing hook.
+func (s *State) SetRehomeHook(h RehomeHook) {
+	if h == nil {
+		s.rehome.Store(nil)
+		return
+	}
+	s.rehome.Store(&rehomeHook{h})
+}
+
+// lostLocked tells the re-homing hook that sessions left decode worker from.
+func (s *State) lostLocked(from string, sessions []string) {
+	if hk := s.rehome.Load(); hk != nil && len(sessions) > 0 {
+		hk.h.SessionsLost(from, sessions)
+	}
+}
 
 // Policy returns the current policy with every default filled in. Read-only.
 func (s *State) Policy() *kvcv1.Policy { return s.policy.Load() }

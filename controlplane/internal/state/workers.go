@@ -166,7 +166,8 @@ func (s *State) dropResidencyLocked(id string) int {
 		return 0
 	}
 	n := 0
-	for _, sid := range keys(s.byDecode[id]) {
+	lost := keys(s.byDecode[id])
+	for _, sid := range lost {
 		rec := s.sessions[sid].rec
 		oldP := rec.GetSnapshot().GetPrefillWorker()
 		rec.PreviousDecodeWorker = id
@@ -174,6 +175,7 @@ func (s *State) dropResidencyLocked(id string) int {
 		s.changedLocked(rec, id, oldP)
 		n++
 	}
+	s.lostLocked(id, lost) // re-homed elsewhere from their snapshots (router/rehome.go)
 	for _, sid := range keys(s.bySnap[id]) {
 		rec := s.sessions[sid].rec
 		rec.Snapshot = nil
@@ -248,13 +250,15 @@ func (s *State) workerDownLocked(e *workerEntry, reason string) {
 	s.m.workerDown.Inc()
 	n := 0
 	if e.w.GetRole() == kvcv1.WorkerRole_WORKER_ROLE_DECODE && id != "" {
-		for _, sid := range keys(s.byDecode[id]) {
+		lost := keys(s.byDecode[id])
+		for _, sid := range lost {
 			rec := s.sessions[sid].rec
 			rec.PreviousDecodeWorker = id
 			rec.DecodeWorker = ""
 			s.changedLocked(rec, id, rec.GetSnapshot().GetPrefillWorker())
 			n++
 		}
+		s.lostLocked(id, lost) // re-homed elsewhere from their snapshots (router/rehome.go)
 	}
 	s.log.Warn().Str("worker", e.w.GetWorkerId()).Str("unit", id).Str("role", e.w.GetRole().String()).Str("reason", reason).Int("sessions_dropped", n).
 		Msg("sidecar reports its worker down: not routable")

@@ -87,7 +87,7 @@ func (s *Sidecar) Policy(p *kvcv1.Policy) {
 	}
 }
 
-// Apply carries out SetSnapshotTarget, ReleaseSession and Drain commands.
+// Apply carries out SetSnapshotTarget, ReleaseSession, Drain and LoadSession commands.
 func (s *Sidecar) Apply(ctx context.Context, cmd *kvcv1.Command) error {
 	switch a := cmd.GetAction().(type) {
 	case *kvcv1.Command_SetSnapshotTarget:
@@ -109,6 +109,8 @@ func (s *Sidecar) Apply(ctx context.Context, cmd *kvcv1.Command) error {
 		return nil
 	case *kvcv1.Command_Drain:
 		return nil
+	case *kvcv1.Command_LoadSession:
+		return s.startLoad(ctx, a.LoadSession) // load.go: acked at once, LOADED / LOAD_FAILED at the end
 	default:
 		return fmt.Errorf("command %T is not for a decode sidecar", a)
 	}

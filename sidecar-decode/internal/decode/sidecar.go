@@ -95,6 +95,8 @@ type Sidecar struct {
 
 	after       afterFunc // idle-flush timers (idle.go)
 	idleFlushes int64     // idle flushes that queued a push
+
+	loadsDone, loadsFailed int64 // LoadSessionCommands that ended (load.go)
 }
 
 type session struct {

@@ -1,0 +1,361 @@
+package router
+
+import (
+	"context"
+	"time"
+
+	"github.com/kvcentric/kvcentric/controlplane/internal/policy"
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// Re-homing (issue 20 item 3, docs/routing.md §3): when a decode worker leaves READY (its
+// worker died, it drains, or it stayed unreachable past its grace), the state drops its
+// sessions' residency and tells the router (SessionsLost). The router then reseeds each of
+// them that has a usable snapshot onto another decode worker in the background — a
+// RESEED_SNAPSHOT decided by the same policy as a turn's (policy.Decide: the reseed profile's
+// headroom scoring, the capacity rule with reservations, the transfer budget) with reason
+// REHOME — by PushSnapshotCommand to the snapshot's holder and LoadSessionCommand to the new
+// decode worker's sidecar, which has its worker create the session from the snapshot without a
+// client request. The session becomes resident there when the worker commits the KV (its
+// COMMITTED event); the sidecar's LOADED event is the re-home's outcome (a new generation and a
+// snapshot target with the snapshot as valid base, as after a turn's reseed). A turn of a
+// session being re-homed waits for it (Route), then finds the session resident: no reseed on
+// its critical path and never two reseeds of one session.
+
+// maxRehomeQueue bounds the sessions waiting to be re-homed; beyond it they are left to their
+// next turn (counted as result "queue_full").
+const maxRehomeQueue = 65536
+
+// rehomeRetry is how long a session that found no decode worker with room or transfer budget
+// waits before it is tried again (a finished re-home or outcome also wakes the queue).
+const rehomeRetry = 100 * time.Millisecond
+
+// rehomeItem is a session waiting to be re-homed.
+type rehomeItem struct {
+	session string
+	from    string    // the decode worker it left
+	since   time.Time // when it lost its residency
+}
+
+// rehomeOp is a re-home in flight (Service.rehomes, guarded by Service.mu).
+type rehomeOp struct {
+	seq    uint64
+	from   string
+	decode string
+	room   int64
+	since  time.Time
+	done   chan struct{} // closed when it ended, whatever the result
+}
+
+// rehomeQueue holds the sessions waiting; its own lock, so that SessionsLost (called under
+// the state's lock) never waits for the router.
+type rehomeQueue struct {
+	items []rehomeItem
+	kick  chan struct{}
+}
+
+func (s *Service) wakeRehome() {
+	select {
+	case s.rq.kick <- struct{}{}:
+	default:
+	}
+}
+
+// SessionsLost is the state's note that sessions lost their residency on decode worker from
+// (it left READY). It only queues them; it must stay quick (the caller holds the state lock).
+func (s *Service) SessionsLost(from string, sessions []string) {
+	if len(sessions) == 0 {
+		return
+	}
+	now := s.clock()
+	s.rqMu.Lock()
+	for _, id := range sessions {
+		if len(s.rq.items) >= maxRehomeQueue {
+			s.m.rehomes.WithLabelValues("queue_full").Inc()
+			continue
+		}
+		s.rq.items = append(s.rq.items, rehomeItem{session: id, from: from, since: now})
+	}
+	s.rqMu.Unlock()
+	s.wakeRehome()
+}
+
+// SessionLoaded is the state's delivery of a decode sidecar's LOADED or LOAD_FAILED event
+// (worker is the reporting decode worker). Called under the state lock: it hands the event to
+// a goroutine of its own.
+func (s *Service) SessionLoaded(worker string, ev *kvcv1.SessionEvent) {
+	s.rehomeWG.Add(1)
+	go func() {
+		defer s.rehomeWG.Done()
+		s.finishRehome(worker, ev)
+	}()
+}
+
+// runRehome starts re-homes until ctx is done.
+func (s *Service) runRehome(ctx context.Context) {
+	t := time.NewTicker(rehomeRetry)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-s.rq.kick:
+		case <-t.C:
+		}
+		s.rehomePass()
+	}
+}
+
+// rehomePass tries to start a re-home of every queued session; those that found no room or
+// budget stay queued for the next pass.
+func (s *Service) rehomePass() {
+	s.rqMu.Lock()
+	items := s.rq.items
+	s.rq.items = nil
+	s.rqMu.Unlock()
+	if len(items) == 0 {
+		return
+	}
+	var again []rehomeItem
+	for _, it := range items {
+		if s.startRehome(it) {
+			again = append(again, it)
+		}
+	}
+	if len(again) > 0 {
+		s.rqMu.Lock()
+		s.rq.items = append(again, s.rq.items...)
+		s.rqMu.Unlock()
+	}
+}
+
+// retryable: the decision found no decode worker with room or a free transfer slot now.
+func retryable(r kvcv1.RouteReason) bool {
+	switch r {
+	case kvcv1.RouteReason_ROUTE_REASON_TRANSFER_BUDGET, kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY,
+		kvcv1.RouteReason_ROUTE_REASON_SEED_FILTER_INFLIGHT:
+		return true
+	}
+	return false
+}
+
+// startRehome decides one session's re-home and, when it is a RESEED_SNAPSHOT, sends its two
+// commands. It reports whether the session should be tried again later.
+func (s *Service) startRehome(it rehomeItem) (retry bool) {
+	epoch := s.c.Epoch()
+	if epoch == 0 {
+		s.m.rehomes.WithLabelValues("not_leading").Inc()
+		return false
+	}
+	now := s.clock()
+	k := s.policyKnobs()
+	if !k.SnapshotsEnabled {
+		s.m.rehomes.WithLabelValues("snapshots_disabled").Inc()
+		return false
+	}
+	if now.Sub(it.since) > k.ReservationTimeout {
+		s.m.rehomes.WithLabelValues("gave_up").Inc() // no room or budget for that long: its next turn decides
+		return false
+	}
+	in := policy.Input{
+		Knobs:          k,
+		Workers:        s.c.Workers(),
+		NowMs:          now.UnixMilli(),
+		Exclude:        []string{it.from},
+		Resyncing:      s.resyncing(),
+		GenerationTerm: s.c.GenerationTerm(),
+	}
+	var (
+		d      policy.Decision
+		r      *reservation
+		op     *rehomeOp
+		result string
+	)
+	s.c.UpdateSession(it.session, func(rec *kvcv1.SessionRecord) {
+		switch {
+		case rec.GetDecodeWorker() != "":
+			result = "resident" // a turn (or the worker's return) made it resident meanwhile
+			return
+		case rec.GetSnapshot() == nil || rec.GetSnapshot().GetSeqlen() <= 0:
+			result = "no_snapshot" // lost as before: its next turn re-prefills
+			return
+		}
+		seqlen := min(rec.GetSnapshot().GetSeqlen(), policy.MaxInputTokens)
+		if kv := rec.GetKvCommittedLen(); kv > 0 && kv < seqlen {
+			seqlen = kv
+		}
+		in.Query = policy.Query{SessionID: it.session, Turn: max(rec.GetTurn(), 1), InputTokens: seqlen,
+			LowPriority: rec.GetLowPriority()}
+		in.Session = rec
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		if s.rehomes[it.session] != nil {
+			result = "in_flight"
+			return
+		}
+		s.led.prune(in.Workers)
+		in.Ledger = s.led
+		d = policy.Decide(&in)
+		if d.Mode != kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT || d.Decode == nil || d.Prefill == nil {
+			result = "not_snapshot"
+			if retryable(d.Reason) {
+				result = "retry"
+			}
+			return
+		}
+		if len(d.Decode.GetTpRanks()) > 0 || len(d.Prefill.GetTpRanks()) > 0 {
+			result = "tensor_parallel" // not re-homed: LoadSessionCommand names one peer
+			return
+		}
+		d.Reason = kvcv1.RouteReason_ROUTE_REASON_REHOME
+		r = s.record(&in, &d, now)
+		op = &rehomeOp{seq: r.seq, from: it.from, decode: d.Decode.GetWorkerId(), room: s.room(r.seq),
+			since: it.since, done: make(chan struct{})}
+		s.rehomes[it.session] = op
+	})
+	if op == nil {
+		if result == "retry" {
+			return true
+		}
+		s.m.rehomes.WithLabelValues(result).Inc()
+		return false
+	}
+	s.m.decision(d.Mode, d.Reason)
+	s.m.admit(op.decode)
+	err := s.pushSnapshot(it.session, &d, op.seq, "")
+	if err == nil {
+		err = s.send(op.decode, "load_session", &kvcv1.Command{Action: &kvcv1.Command_LoadSession{LoadSession: &kvcv1.LoadSessionCommand{
+			SessionId: it.session, SnapshotGeneration: d.SnapshotGeneration, Seqlen: d.SnapshotSeqlen,
+			PrefillWorkerId: d.Prefill.GetWorkerId(), PrefillPeerAddr: d.Prefill.GetPeerAddr(),
+			Room: op.room, DecisionId: s.id(op.seq), TimeoutMs: k.ReservationTimeout.Milliseconds(),
+		}}})
+	}
+	if err != nil {
+		s.log.Warn().Err(err).Str("session", it.session).Str("decode", op.decode).Msg("re-home not started: a command could not be sent")
+		s.endRehome(it.session, op, "send_failed", true)
+		return false
+	}
+	s.log.Debug().Str("session", it.session).Str("from", it.from).Str("decode", op.decode).
+		Str("prefill", d.Prefill.GetWorkerId()).Int64("seqlen", d.SnapshotSeqlen).Msg("re-home started")
+	return false
+}
+
+// endRehome removes op (when it is still the session's) and, with release, its reservation;
+// it closes op.done and counts the result.
+func (s *Service) endRehome(session string, op *rehomeOp, result string, release bool) bool {
+	s.mu.Lock()
+	mine := s.rehomes[session] == op
+	if mine {
+		delete(s.rehomes, session)
+		if release {
+			s.led.remove(op.seq)
+		}
+	}
+	s.mu.Unlock()
+	if !mine {
+		return false
+	}
+	close(op.done)
+	s.m.rehomes.WithLabelValues(result).Inc()
+	s.wakeRehome() // a transfer slot is free again
+	return true
+}
+
+// finishRehome applies a decode sidecar's LOADED / LOAD_FAILED event to its re-home.
+func (s *Service) finishRehome(worker string, ev *kvcv1.SessionEvent) {
+	id := ev.GetSessionId()
+	s.mu.Lock()
+	op := s.rehomes[id]
+	s.mu.Unlock()
+	if op == nil || op.decode != worker || op.room != ev.GetRoom() {
+		s.m.rehomes.WithLabelValues("stale_event").Inc()
+		return
+	}
+	if ev.GetKind() != kvcv1.SessionEventKind_SESSION_EVENT_KIND_LOADED {
+		s.log.Warn().Str("session", id).Str("decode", worker).Str("detail", ev.GetDetail()).Msg("re-home failed: the session's next turn reseeds")
+		s.endRehome(id, op, "load_failed", true)
+		return
+	}
+	now := s.clock()
+	// The re-home's outcome: resident on the new decode worker with a new generation and the
+	// snapshot as its valid base (outcome.go), exactly as a turn's RESEED_SNAPSHOT.
+	s.outcome(&kvcv1.RouteOutcome{DecisionId: s.id(op.seq), Success: true, KvLenAfter: ev.GetKvLen(),
+		ExecutedMode: kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT, LatencyUs: now.Sub(op.since).Microseconds(),
+		Detail: "rehome"})
+	if s.endRehome(id, op, "loaded", false) {
+		s.m.rehomeSeconds.Observe(now.Sub(op.since).Seconds())
+		s.log.Info().Str("session", id).Str("from", op.from).Str("decode", worker).Int64("kv_len", ev.GetKvLen()).
+			Dur("time_to_resident", now.Sub(op.since)).Msg("session re-homed")
+	}
+}
+
+// expiredRehome ends the re-home of an expired reservation r (no LOADED within the
+// reservation timeout).
+func (s *Service) expiredRehome(r *reservation) {
+	if r.reason != kvcv1.RouteReason_ROUTE_REASON_REHOME {
+		return
+	}
+	s.mu.Lock()
+	op := s.rehomes[r.session]
+	s.mu.Unlock()
+	if op != nil && op.seq == r.seq {
+		s.endRehome(r.session, op, "timeout", false)
+	}
+}
+
+// rehomeWait returns the done channel of the session's re-home in flight, nil when none.
+func (s *Service) rehomeWait(session string) <-chan struct{} {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if op := s.rehomes[session]; op != nil {
+		return op.done
+	}
+	return nil
+}
+
+// waitRehome waits (at most the reservation timeout, or until ctx is done) for the session's
+// re-home in flight to end, so the turn decides on what it left. It reports whether it waited.
+func (s *Service) waitRehome(ctx context.Context, session string) bool {
+	done := s.rehomeWait(session)
+	if done == nil {
+		return false
+	}
+	s.m.rehomeWaits.Inc()
+	t := time.NewTimer(s.policyKnobs().ReservationTimeout)
+	defer t.Stop()
+	select {
+	case <-done:
+	case <-ctx.Done():
+	case <-t.C:
+	}
+	return true
+}
+
+// resetRehomes ends every re-home of the term (leadership changed): their reservations are
+// gone with the ledger; a waiting turn decides on what the state says.
+func (s *Service) resetRehomesLocked() []*rehomeOp {
+	ops := make([]*rehomeOp, 0, len(s.rehomes))
+	for _, op := range s.rehomes {
+		ops = append(ops, op)
+	}
+	clear(s.rehomes)
+	return ops
+}
+
+func newRehomeMetrics(m *metrics) []prometheus.Collector {
+	m.rehomes = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "kvc_router_rehomes_total",
+		Help: "Sessions of a decode worker that left READY, by what their re-home did: loaded (resident elsewhere), load_failed, timeout, send_failed, no_snapshot (lost as before), resident (back before it started), not_snapshot (the policy chose no RESEED_SNAPSHOT), gave_up (no room or budget within the reservation timeout), in_flight, tensor_parallel, stale_event, not_leading, snapshots_disabled, queue_full.",
+	}, []string{"result"})
+	m.rehomeSeconds = prometheus.NewHistogram(prometheus.HistogramOpts{
+		Name:    "kvc_router_rehome_seconds",
+		Help:    "Time from a session losing its residency (its decode worker left READY) until it is resident on another decode worker by re-homing.",
+		Buckets: prometheus.ExponentialBuckets(0.01, 2, 14),
+	})
+	m.rehomeWaits = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "kvc_router_rehome_waits_total",
+		Help: "Turns that arrived while their session was being re-homed and waited for it before being decided.",
+	})
+	return []prometheus.Collector{m.rehomes, m.rehomeSeconds, m.rehomeWaits}
+}

@@ -1,0 +1,186 @@
+package decode
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"time"
+
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+// DefaultLoadTimeout bounds a LoadSessionCommand without its own timeout_ms.
+const DefaultLoadTimeout = 30 * time.Second
+
+// maxLoadTimeout bounds a command's timeout_ms.
+const maxLoadTimeout = 10 * time.Minute
+
+// loadClient calls the worker for loads (each call has its own deadline).
+var loadClient = &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 4, IdleConnTimeout: 30 * time.Second}}
+
+// checkLoad validates a LoadSessionCommand (a bad one is refused in its ack).
+func checkLoad(c *kvcv1.LoadSessionCommand) error {
+	if err := kvcv1.ValidateID("session_id", c.GetSessionId()); err != nil {
+		return err
+	}
+	switch {
+	case c.GetSeqlen() <= 0:
+		return fmt.Errorf("load_session %s: seqlen %d must be positive", c.GetSessionId(), c.GetSeqlen())
+	case c.GetRoom() <= 0 || c.GetRoom() >= 1<<53:
+		return fmt.Errorf("load_session %s: room %d out of range [1, 2^53)", c.GetSessionId(), c.GetRoom())
+	case c.GetPrefillPeerAddr() == "":
+		return fmt.Errorf("load_session %s: prefill_peer_addr is required", c.GetSessionId())
+	case c.GetTimeoutMs() < 0 || time.Duration(c.GetTimeoutMs())*time.Millisecond > maxLoadTimeout:
+		return fmt.Errorf("load_session %s: timeout_ms %d out of range [0, %d]", c.GetSessionId(), c.GetTimeoutMs(), maxLoadTimeout.Milliseconds())
+	}
+	return nil
+}
+
+// startLoad carries out a LoadSessionCommand in the background: the ack says it started, the
+// LOADED / LOAD_FAILED event says how it ended.
+func (s *Sidecar) startLoad(ctx context.Context, c *kvcv1.LoadSessionCommand) error {
+	if err := checkLoad(c); err != nil {
+		return err
+	}
+	if s.cfg.WorkerURL == "" {
+		return errors.New("load_session: this sidecar has no --worker-url to call")
+	}
+	go s.loadSession(context.WithoutCancel(ctx), c)
+	return nil
+}
+
+// loadSession has the worker create the session from the prefill store's snapshot, as SGLang's
+// client API allows without a client request: POST /open_session (a streaming session), then a
+// zero-output POST /generate whose kv_hints is a RESEED_SNAPSHOT of [0, seqlen) — the worker's
+// receive path (kvc-sim's, or SGLang's cache linker) pre-allocates the pages through this
+// sidecar's bridge (PrepareReceive SNAPSHOT in the command's room), the prefill sidecar writes
+// the snapshot into them, the worker verifies and commits them (COMMITTED) and answers. Only
+// then is LOADED reported: residency follows the worker's commit, never the command.
+func (s *Sidecar) loadSession(ctx context.Context, c *kvcv1.LoadSessionCommand) {
+	timeout := DefaultLoadTimeout
+	if ms := c.GetTimeoutMs(); ms > 0 {
+		timeout = time.Duration(ms) * time.Millisecond
+	}
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	start := time.Now()
+	kv, verified, err := s.loadOnWorker(ctx, c)
+	ev := &kvcv1.SessionEvent{SessionId: c.GetSessionId(), Room: c.GetRoom(), PeerWorker: c.GetPrefillWorkerId(),
+		Detail: c.GetDecisionId(), UnixMs: time.Now().UnixMilli()}
+	s.mu.Lock()
+	if err != nil {
+		s.loadsFailed++
+	} else {
+		s.loadsDone++
+		if ss := s.sessions[c.GetSessionId()]; ss != nil {
+			ev.Generation = ss.gen
+		}
+	}
+	s.mu.Unlock()
+	if err != nil {
+		ev.Kind = kvcv1.SessionEventKind_SESSION_EVENT_KIND_LOAD_FAILED
+		ev.Detail = c.GetDecisionId() + ": " + err.Error()
+		if len(ev.Detail) > 1024 {
+			ev.Detail = ev.Detail[:1024]
+		}
+		s.log.Warn().Str("session", c.GetSessionId()).Int64("room", c.GetRoom()).Str("prefill", c.GetPrefillWorkerId()).
+			Err(err).Dur("took", time.Since(start)).Msg("load of a session from the prefill store failed")
+	} else {
+		ev.Kind = kvcv1.SessionEventKind_SESSION_EVENT_KIND_LOADED
+		ev.KvLen, ev.Bytes = kv, verified
+		s.log.Info().Str("session", c.GetSessionId()).Int64("kv_len", kv).Int64("verified_bytes", verified).
+			Str("prefill", c.GetPrefillWorkerId()).Dur("took", time.Since(start)).Msg("session loaded from the prefill store")
+	}
+	s.rep.Report(ev)
+}
+
+// Loads is how many LoadSessionCommands ended loaded and failed so far.
+func (s *Sidecar) Loads() (done, failed int64) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.loadsDone, s.loadsFailed
+}
+
+// loadOnWorker runs the two worker calls; it returns the KV length the worker holds after the
+// load and the bytes it verified.
+func (s *Sidecar) loadOnWorker(ctx context.Context, c *kvcv1.LoadSessionCommand) (int64, int64, error) {
+	base := strings.TrimRight(s.cfg.WorkerURL, "/")
+	id := c.GetSessionId()
+	open, _ := json.Marshal(map[string]any{"session_id": id, "streaming": true, "timeout": DefaultLoadTimeout.Seconds() * 20})
+	if code, body, err := post(ctx, base+"/open_session", open); err != nil {
+		return 0, 0, fmt.Errorf("open_session: %w", err)
+	} else if code/100 != 2 && !strings.Contains(body, "already open") {
+		return 0, 0, fmt.Errorf("open_session: HTTP %d: %s", code, body)
+	}
+	payload := map[string]any{
+		"mode": "RESEED_SNAPSHOT", "role": "decode", "session_id": id, "input_tokens": c.GetSeqlen(),
+		"cached_tokens": c.GetSeqlen(), "keep_session": true, "transfer": "SNAPSHOT", "room": c.GetRoom(),
+		"prefill_peer_addr": c.GetPrefillPeerAddr(), "snapshot_seqlen": c.GetSeqlen(),
+	}
+	if c.GetDecisionId() != "" {
+		payload["decision_id"] = c.GetDecisionId()
+	}
+	msgID := "load-" + id + "-" + fmt.Sprint(c.GetRoom())
+	gen, _ := json.Marshal(map[string]any{
+		"rid":             msgID,
+		"sampling_params": map[string]any{"max_new_tokens": 0},
+		"stream":          false,
+		"session_params":  map[string]any{"id": id},
+		"kv_hints": map[string]any{"protocol_version": 1, "message_id": msgID, "actions": []any{map[string]any{
+			"action_id": msgID + "/decode", "action_type": "kvc", "action_version": 1, "payload": payload}}},
+	})
+	code, body, err := post(ctx, base+"/generate", gen)
+	if err != nil {
+		return 0, 0, fmt.Errorf("generate: %w", err)
+	}
+	var ans struct {
+		MetaInfo struct {
+			KVC struct {
+				KVLenAfter     int64 `json:"kv_len_after"`
+				VerifiedBytes  int64 `json:"verified_bytes"`
+				VerifyFailures int64 `json:"verify_failures"`
+			} `json:"kvc"`
+		} `json:"meta_info"`
+		Error *struct {
+			Code    string `json:"code"`
+			Message string `json:"message"`
+		} `json:"error"`
+	}
+	_ = json.Unmarshal([]byte(body), &ans)
+	if code/100 != 2 || ans.Error != nil {
+		if ans.Error != nil {
+			return 0, 0, fmt.Errorf("generate: HTTP %d: %s: %s", code, ans.Error.Code, ans.Error.Message)
+		}
+		return 0, 0, fmt.Errorf("generate: HTTP %d: %s", code, body)
+	}
+	k := ans.MetaInfo.KVC
+	if k.VerifyFailures > 0 {
+		return 0, 0, fmt.Errorf("generate: %d verify failures", k.VerifyFailures)
+	}
+	kv := k.KVLenAfter
+	if kv <= 0 {
+		kv = c.GetSeqlen()
+	}
+	return kv, k.VerifiedBytes, nil
+}
+
+// post sends a JSON body and returns the status and (up to 64 KiB of) the answer.
+func post(ctx context.Context, url string, body []byte) (int, string, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(body))
+	if err != nil {
+		return 0, "", err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := loadClient.Do(req)
+	if err != nil {
+		return 0, "", err
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
+	return resp.StatusCode, string(b), nil
+}
