@@ -44,9 +44,9 @@ type Service struct {
 
 	mu      sync.Mutex
 	led     *ledger
-	nextSeq uint64              // last sequence number issued
-	pins    map[string]pinEntry // agent pins granted, by session (hints.go)
-	targets map[string]string   // prefill worker last named as a session's snapshot target (hints.go)
+	nextSeq uint64               // last sequence number issued
+	pins    map[string]pinEntry  // agent pins granted, by session (hints.go)
+	targets map[string]string    // prefill worker last named as a session's snapshot target (hints.go)
 	rehomes map[string]*rehomeOp // re-homes in flight, by session (rehome.go)
 
 	rqMu     sync.Mutex

@@ -1,6 +1,7 @@
 package state
 
 import (
+	"strings"
 	"time"
 
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
@@ -193,6 +194,10 @@ func (s *State) rankResyncLocked(w, unit string, rs *kvcv1.ResidentSessions) {
 	}
 }
 
+// workerDownDetail starts the detail of the EVICTED events a decode sidecar reports for the
+// sessions its dead worker process took with it (sidecar-decode/internal/decode/health.go).
+const workerDownDetail = "worker down: "
+
 // ApplyEvent applies a session event (already validated) from the stream's worker. A commit or
 // a snapshot ingest of a generation never issued is refused with a *ClaimError (claims.go).
 func (s *State) ApplyEvent(st *Stream, ev *kvcv1.SessionEvent) error {
@@ -304,6 +309,11 @@ func (s *State) ApplyEvent(st *Stream, ev *kvcv1.SessionEvent) error {
 		rec.PreviousDecodeWorker = w
 		rec.DecodeWorker = ""
 		s.changedLocked(rec, w, oldP)
+		if strings.HasPrefix(ev.GetDetail(), workerDownDetail) {
+			// The decode sidecar drops every session when its worker process dies, before its
+			// load report says so (sidecar-decode health.go): the worker left READY.
+			s.lostLocked(w, []string{id})
+		}
 	case kvcv1.SessionEventKind_SESSION_EVENT_KIND_SNAPSHOT_INGESTED:
 		if !exists {
 			rec = s.getOrCreateLocked(id)
