@@ -120,7 +120,7 @@ func (s *Sidecar) loadOnWorker(ctx context.Context, c *kvcv1.LoadSessionCommand)
 	payload := map[string]any{
 		"mode": "RESEED_SNAPSHOT", "role": "decode", "session_id": id, "input_tokens": c.GetSeqlen(),
 		"cached_tokens": c.GetSeqlen(), "keep_session": true, "transfer": "SNAPSHOT", "room": c.GetRoom(),
-		"prefill_peer_addr": c.GetPrefillPeerAddr(), "snapshot_seqlen": c.GetSeqlen(),
+		"prefill_peer_addr": c.GetPrefillPeerAddr(), "snapshot_seqlen": c.GetSeqlen(), "load": true,
 	}
 	if c.GetDecisionId() != "" {
 		payload["decision_id"] = c.GetDecisionId()

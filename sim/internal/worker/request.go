@@ -89,6 +89,11 @@ type kvcHints struct {
 	// ReceiveFrom: suffix-only receive (RouteExecution.receive_from): D keeps [0, n) of the
 	// session it holds and P sends only the pages past it.
 	ReceiveFrom int64 `json:"receive_from"`
+	// Load: a decode sidecar's LoadSessionCommand (re-homing): a zero-output RESEED_SNAPSHOT of
+	// the whole snapshot that only creates the session here. Without input_ids its content is
+	// not known: received bytes that do not match the made-up ids are kept unverified, and the
+	// session's next turn checks them against its prompt before reusing them (reusable).
+	Load bool `json:"load"`
 }
 
 // kvHintsEnvelope is SGLang's KvHintsEnvelope (sglang.srt.managers.kv_hints).
@@ -193,6 +198,8 @@ type plan struct {
 	loadGen    uint64
 	// receiveFrom: the transfer covers only [receiveFrom, input) (kv_hints receive_from).
 	receiveFrom int64
+	// load: kv_hints load (a LoadSessionCommand's request).
+	load bool
 }
 
 // checkTransfer: the payload's transfer kind must be the one the mode implies.
@@ -340,6 +347,7 @@ func parseGenerate(body []byte, role kvcv1.WorkerRole, capacity int64) (*plan, e
 		p.seqlen = k.SnapshotSeqlen
 		p.toStore, p.storeGen = k.ToStore, k.Generation
 		p.loadPrefix, p.loadGen, p.receiveFrom = k.LoadPrefixTokens, k.LoadGeneration, k.ReceiveFrom
+		p.load = k.Load
 		if k.KeepSession != nil {
 			p.keep, keepSet = *k.KeepSession, true
 		}
@@ -426,6 +434,9 @@ func parseGenerate(body []byte, role kvcv1.WorkerRole, capacity int64) (*plan, e
 	}
 	if p.seqlen < 0 || p.seqlen > p.input {
 		return nil, fmt.Errorf("kvc.snapshot_seqlen %d out of range [0, input_tokens %d]", p.seqlen, p.input)
+	}
+	if p.load && (role != kvcv1.WorkerRole_WORKER_ROLE_DECODE || p.mode != ModeReseedSnapshot || p.maxNew != 0 || p.seqlen != p.input || !p.keep) {
+		return nil, errors.New("kvc.load: only a decode worker loads, as a RESEED_SNAPSHOT of the whole input (snapshot_seqlen = input_tokens) that keeps the session and generates nothing (max_new_tokens 0)")
 	}
 	if p.toStore && (role != kvcv1.WorkerRole_WORKER_ROLE_PREFILL || p.storeGen == 0 || p.sessionID == "") {
 		return nil, fmt.Errorf("kvc.to_store needs the prefill half, a session and a generation > 0")

@@ -1,0 +1,183 @@
+package router
+
+import (
+	"runtime"
+	"testing"
+
+	"github.com/kvcentric/kvcentric/controlplane/internal/router/routertest"
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"google.golang.org/protobuf/proto"
+)
+
+// lostRecord is a session whose decode worker from left READY (the state dropped its
+// residency), with a snapshot of snapLen tokens on p0 (none when snapLen is 0).
+func lostRecord(id, from string, kv, snapLen int64) *kvcv1.SessionRecord {
+	rec := &kvcv1.SessionRecord{SessionId: id, PreviousDecodeWorker: from, KvCommittedLen: kv, Generation: 3, Turn: 2}
+	if snapLen > 0 {
+		rec.Snapshot = &kvcv1.SnapshotInfo{PrefillWorker: "p0", Seqlen: snapLen, Generation: 3, Bytes: snapLen * 64}
+	}
+	return rec
+}
+
+// loads returns the LoadSessionCommands sent to worker, by session.
+func loads(c *routertest.Cluster, worker string) map[string]*kvcv1.LoadSessionCommand {
+	out := map[string]*kvcv1.LoadSessionCommand{}
+	for _, cmd := range c.Commands(worker) {
+		if l := cmd.GetLoadSession(); l != nil {
+			out[l.GetSessionId()] = l
+		}
+	}
+	return out
+}
+
+func pushes(c *routertest.Cluster, worker string) int {
+	n := 0
+	for _, cmd := range c.Commands(worker) {
+		if cmd.GetPushSnapshot() != nil {
+			n++
+		}
+	}
+	return n
+}
+
+// loaded delivers decode worker d's LOADED event for l and waits until it is applied.
+func (f *fixture) loaded(d string, l *kvcv1.LoadSessionCommand, ok bool) {
+	f.t.Helper()
+	kind := kvcv1.SessionEventKind_SESSION_EVENT_KIND_LOADED
+	if !ok {
+		kind = kvcv1.SessionEventKind_SESSION_EVENT_KIND_LOAD_FAILED
+	}
+	f.s.SessionLoaded(d, &kvcv1.SessionEvent{SessionId: l.GetSessionId(), Kind: kind, KvLen: l.GetSeqlen(), Room: l.GetRoom(),
+		Detail: l.GetDecisionId()})
+	f.s.rehomeWG.Wait()
+}
+
+func TestRehomeSessionsOfALostWorker(t *testing.T) {
+	tests := []struct {
+		name       string
+		snap       int64 // the session's snapshot length (0: none)
+		d2Capacity int64
+		wantLoad   bool
+		result     string
+		resident   bool
+	}{
+		{"snapshot: loaded onto the other D", 1000, 10_000, true, "loaded", true},
+		{"no snapshot: lost as before", 0, 10_000, false, "no_snapshot", false},
+		{"no room anywhere: queued, not sent", 1000, 500, false, "", false},
+		{"load failed: lost, next turn reseeds", 1000, 10_000, true, "load_failed", false},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			f := newFixture(t, routertest.Prefill("p0"), routertest.Decode("d2", tc.d2Capacity, 0))
+			f.c.PutSession(lostRecord("S", "d1", 1000, tc.snap))
+			f.s.SessionsLost("d1", []string{"S"})
+			f.s.rehomePass()
+			l := loads(f.c, "d2")["S"]
+			if (l != nil) != tc.wantLoad {
+				t.Fatalf("load_session sent %v, want %v (commands %v)", l != nil, tc.wantLoad, f.c.Commands("d2"))
+			}
+			if tc.wantLoad {
+				if l.GetSeqlen() != 1000 || l.GetPrefillWorkerId() != "p0" || l.GetPrefillPeerAddr() != "p0:7000" || l.GetRoom() == 0 || pushes(f.c, "p0") != 1 {
+					t.Fatalf("load %v, pushes to p0 %d", l, pushes(f.c, "p0"))
+				}
+				if got := testutil.ToFloat64(f.s.m.decisions.WithLabelValues("RESEED_SNAPSHOT", "REHOME")); got != 1 {
+					t.Fatalf("REHOME decisions %v", got)
+				}
+				f.loaded("d2", l, tc.result == "loaded")
+			}
+			rec, _ := f.c.Session("S")
+			if got := rec.GetDecodeWorker() == "d2"; got != tc.resident {
+				t.Fatalf("resident on d2 %v, want %v (record %v)", got, tc.resident, rec)
+			}
+			if tc.resident {
+				var target *kvcv1.SetSnapshotTargetCommand
+				for _, cmd := range f.c.Commands("d2") {
+					if tg := cmd.GetSetSnapshotTarget(); tg != nil {
+						target = tg
+					}
+				}
+				if target == nil || target.GetValidBaseLen() != 1000 || target.GetBaseGeneration() != 3 || rec.GetGeneration() <= 3 {
+					t.Fatalf("snapshot target %v, generation %d", target, rec.GetGeneration())
+				}
+			}
+			if tc.result != "" {
+				if got := testutil.ToFloat64(f.s.m.rehomes.WithLabelValues(tc.result)); got != 1 {
+					t.Fatalf("rehomes{%s} = %v", tc.result, got)
+				}
+			}
+			f.s.mu.Lock()
+			held := len(f.s.led.pending)
+			f.s.mu.Unlock()
+			if held != 0 {
+				t.Fatalf("%d reservations left", held)
+			}
+		})
+	}
+}
+
+// Re-homes take transfer slots: with one slot per decode worker, a second session waits until
+// the first has loaded.
+func TestRehomeRespectsTheTransferBudget(t *testing.T) {
+	f := newFixture(t, routertest.Prefill("p0"), routertest.Decode("d2", 100_000, 0))
+	if err := f.c.SetPolicy(&kvcv1.Policy{MaxConcurrentTransfers: proto.Int32(1)}); err != nil {
+		t.Fatal(err)
+	}
+	f.c.PutSession(lostRecord("A", "d1", 1000, 1000))
+	f.c.PutSession(lostRecord("B", "d1", 1000, 1000))
+	f.s.SessionsLost("d1", []string{"A", "B"})
+	f.s.rehomePass()
+	first := loads(f.c, "d2")
+	if len(first) != 1 {
+		t.Fatalf("%d loads in flight with one transfer slot", len(first))
+	}
+	for _, l := range first {
+		f.loaded("d2", l, true)
+	}
+	f.s.rehomePass()
+	if got := loads(f.c, "d2"); len(got) != 2 {
+		t.Fatalf("after the first loaded: loads %v", got)
+	}
+}
+
+// A turn that arrives while its session is being re-homed waits for it and is then DIRECT_TO_D
+// on the new decode worker: one snapshot push in all, never a second reseed. A turn decided
+// first keeps its reseed and the re-home leaves the session alone.
+func TestRehomeTurnWaits(t *testing.T) {
+	t.Run("turn during the re-home waits", func(t *testing.T) {
+		f := newFixture(t, routertest.Prefill("p0"), routertest.Decode("d2", 100_000, 0))
+		f.c.PutSession(lostRecord("S", "d1", 1000, 1000))
+		f.s.SessionsLost("d1", []string{"S"})
+		f.s.rehomePass()
+		l := loads(f.c, "d2")["S"]
+		if l == nil {
+			t.Fatal("no load")
+		}
+		got := make(chan *kvcv1.RouteResponse, 1)
+		go func() { got <- f.s.Handle(query("S", 3, 1100, 50)) }()
+		for testutil.ToFloat64(f.s.m.rehomeWaits) == 0 { // the turn is waiting for the re-home
+			runtime.Gosched()
+		}
+		f.loaded("d2", l, true)
+		d := (<-got).GetDecision()
+		if d.GetMode() != kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D || d.GetDecode().GetWorkerId() != "d2" || d.GetCachedTokens() != 1000 {
+			t.Fatalf("turn after the re-home: %v", d)
+		}
+		if n := pushes(f.c, "p0"); n != 1 {
+			t.Fatalf("%d snapshot pushes, want 1", n)
+		}
+	})
+	t.Run("turn before the re-home keeps its reseed", func(t *testing.T) {
+		f := newFixture(t, routertest.Prefill("p0"), routertest.Decode("d2", 100_000, 0))
+		f.c.PutSession(lostRecord("S", "d1", 1000, 1000))
+		d := f.decide("S", 3, 1100, 50)
+		if d.GetMode() != kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT {
+			t.Fatalf("turn: %v", d)
+		}
+		f.s.SessionsLost("d1", []string{"S"})
+		f.s.rehomePass()
+		if l := loads(f.c, "d2"); len(l) != 0 || pushes(f.c, "p0") != 1 {
+			t.Fatalf("re-home started beside the turn's reseed: loads %v, pushes %d", l, pushes(f.c, "p0"))
+		}
+	})
+}
