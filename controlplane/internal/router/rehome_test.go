@@ -1,8 +1,10 @@
 package router
 
 import (
+	"context"
 	"runtime"
 	"testing"
+	"time"
 
 	"github.com/kvcentric/kvcentric/controlplane/internal/router/routertest"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
@@ -180,4 +182,47 @@ func TestRehomeTurnWaits(t *testing.T) {
 			t.Fatalf("re-home started beside the turn's reseed: loads %v, pushes %d", l, pushes(f.c, "p0"))
 		}
 	})
+}
+
+// On the Route stream a turn of a session being re-homed waits off the stream's loop: a turn of
+// another session sent after it is answered first, and the waiting one is answered DIRECT_TO_D
+// once the re-home loaded.
+func TestRehomeWaitDoesNotHoldTheStream(t *testing.T) {
+	f := newFixture(t, routertest.Prefill("p0"), routertest.Decode("d2", 100_000, 0))
+	f.c.PutSession(lostRecord("S", "d1", 1000, 1000))
+	f.s.SessionsLost("d1", []string{"S"})
+	f.s.rehomePass()
+	l := loads(f.c, "d2")["S"]
+	if l == nil {
+		t.Fatal("no load")
+	}
+	conn := serve(t, f.s)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	st, err := kvcv1.NewRouterServiceClient(conn).Route(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := st.Send(query("S", 3, 1100, 50)); err != nil {
+		t.Fatal(err)
+	}
+	if err := st.Send(query("other", 0, 2000, 50)); err != nil {
+		t.Fatal(err)
+	}
+	first, err := st.Recv()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if first.GetDecision().GetRequestId() != "r-other-0" {
+		t.Fatalf("first answer %v, want the other session's (the re-homing one waits)", first)
+	}
+	f.loaded("d2", l, true)
+	second, err := st.Recv()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d := second.GetDecision(); d.GetRequestId() != "r-S-3" || d.GetMode() != kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D || d.GetDecode().GetWorkerId() != "d2" {
+		t.Fatalf("second answer %v, want S DIRECT_TO_D on d2", second)
+	}
+	_ = st.CloseSend()
 }

@@ -178,6 +178,8 @@ func (s *Service) Route(stream grpc.BidiStreamingServer[kvcv1.RouteRequest, kvcv
 	}
 	var wg sync.WaitGroup // turns waiting for their session's re-home
 	defer wg.Wait()
+	wctx, stopWaits := context.WithCancel(ctx)
+	defer stopWaits() // before wg.Wait: a stream that ends stops its turns' waits
 	go func() { // ends when the handler returns (Recv fails then)
 		for {
 			req, err := stream.Recv()
@@ -211,7 +213,7 @@ func (s *Service) Route(stream grpc.BidiStreamingServer[kvcv1.RouteRequest, kvcv
 			wg.Add(1)
 			go func(req *kvcv1.RouteRequest) {
 				defer wg.Done()
-				s.waitRehome(ctx, q.GetSessionId())
+				s.waitRehome(wctx, q.GetSessionId())
 				_ = send(req, s.Handle(req)) // a failed send ends the stream's Recv too
 			}(r.req)
 			continue

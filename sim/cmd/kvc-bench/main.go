@@ -64,6 +64,7 @@ type opts struct {
 	sloTTFT        time.Duration
 	sloTPOT        time.Duration
 	killDecode     string
+	killWorkerOnly bool
 	killAt         time.Duration
 	sweep          bench.SweepSpec
 	shapes         []bench.Shape
@@ -147,6 +148,7 @@ func parse(args []string, stderr io.Writer) (*opts, error) {
 		return nil
 	})
 	fs.Int64Var(&o.snapDelta, "snapshot-delta-tokens", 0, "with --local: the policy's snapshot_delta_tokens (a decode sidecar pushes when committed - last pushed reaches it; 0: the control plane's default, 1024). Small values keep idle sessions' snapshots current at the cost of more, smaller pushes")
+	fs.BoolVar(&o.killWorkerOnly, "kill-worker-only", false, "with --kill-decode: SIGKILL only the decode worker's kvc-sim (its sidecar stays up and reports the worker down) instead of the kvc-sim and its sidecar")
 	fs.DurationVar(&o.killAt, "kill-at", 60*time.Second, "with --kill-decode: when, on the workload clock (scaled by --time-scale)")
 	fs.StringVar(&o.workerKind, "worker-kind", "sim", "with --local: sim (kvc-sim) or refworker (kvc-refworker: a real model's KV, integrations/refworker; implies --send-ids)")
 	fs.StringVar(&o.refPython, "refworker-python", "python3", "with --worker-kind refworker: the Python that runs -m kvc_refworker")
@@ -331,7 +333,7 @@ func run(args []string, stderr io.Writer) int {
 		cfg.DecodeCapacityTokens, cfg.SimArgs = o.capacity, simArgs
 		cfg.Decode, cfg.Prefill, cfg.PrefillCapacityTokens = o.decode, o.prefill, o.prefillCap
 		cfg.Baselines = bench.Baselines{PrefixCacheTokens: o.prefixCache, HostTierTokens: o.hostTier}
-		cfg.KillDecode, cfg.KillAt = o.killDecode, o.killAt
+		cfg.KillDecode, cfg.KillAt, cfg.KillWorkerOnly = o.killDecode, o.killAt, o.killWorkerOnly
 		if o.snapDelta > 0 {
 			cfg.Policy = &kvcv1.Policy{SnapshotDeltaTokens: proto.Int64(o.snapDelta)}
 		}

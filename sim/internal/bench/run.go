@@ -134,6 +134,9 @@ type Config struct {
 	// KillAt into each arm's replay (workload clock, scaled by Replay.TimeScale); "" = none.
 	KillDecode string
 	KillAt     time.Duration
+	// KillWorkerOnly: the kill takes only the decode worker's kvc-sim (its process died, its
+	// sidecar stays up and reports it: WORKER_DOWN) instead of the kvc-sim and its sidecar.
+	KillWorkerOnly bool
 	// SLO of goodput.
 	SLO report.SLO
 	// Policy is merged over each arm's policy (nil: none).
@@ -290,7 +293,11 @@ func runArm(ctx context.Context, cfg Config, arm string, out io.Writer, meta *re
 			return
 		}
 		at := time.Since(start).Seconds()
-		for _, name := range []string{"sim-" + cfg.KillDecode, "sidecar-" + cfg.KillDecode} {
+		names := []string{"sim-" + cfg.KillDecode, "sidecar-" + cfg.KillDecode}
+		if cfg.KillWorkerOnly {
+			names = names[:1]
+		}
+		for _, name := range names {
 			if err := cl.Kill(name); err != nil {
 				fmt.Fprintf(cfg.Log, "%s: kill: %v\n", arm, err)
 			}
