@@ -1,0 +1,115 @@
+package decode
+
+import (
+	"context"
+	"encoding/json"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+func loadCmd(c *kvcv1.LoadSessionCommand) *kvcv1.Command {
+	return &kvcv1.Command{Action: &kvcv1.Command_LoadSession{LoadSession: c}}
+}
+
+func TestLoadSessionRefusesBadCommands(t *testing.T) {
+	good := func() *kvcv1.LoadSessionCommand {
+		return &kvcv1.LoadSessionCommand{SessionId: "S", Seqlen: 100, PrefillPeerAddr: "p:1", Room: 7}
+	}
+	tests := []struct {
+		name string
+		mod  func(c *kvcv1.LoadSessionCommand)
+		want string
+	}{
+		{"bad session id", func(c *kvcv1.LoadSessionCommand) { c.SessionId = "a/b" }, "session_id"},
+		{"no seqlen", func(c *kvcv1.LoadSessionCommand) { c.Seqlen = 0 }, "seqlen"},
+		{"no room", func(c *kvcv1.LoadSessionCommand) { c.Room = 0 }, "room"},
+		{"room too large", func(c *kvcv1.LoadSessionCommand) { c.Room = 1 << 53 }, "room"},
+		{"no peer", func(c *kvcv1.LoadSessionCommand) { c.PrefillPeerAddr = "" }, "prefill_peer_addr"},
+		{"negative timeout", func(c *kvcv1.LoadSessionCommand) { c.TimeoutMs = -1 }, "timeout_ms"},
+		{"no worker url", func(*kvcv1.LoadSessionCommand) {}, "--worker-url"},
+	}
+	s := newTestSidecar(t) // no WorkerURL
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			c := good()
+			tc.mod(c)
+			err := s.Apply(context.Background(), loadCmd(c))
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("Apply: %v, want an error naming %q", err, tc.want)
+			}
+		})
+	}
+}
+
+// The load is the worker's own client API: open_session, then a zero-output RESEED_SNAPSHOT
+// generate of the whole snapshot; LOADED carries the worker's kv_len and verified bytes, a
+// refusal LOAD_FAILED with the worker's error.
+func TestLoadSessionCallsTheWorker(t *testing.T) {
+	tests := []struct {
+		name     string
+		status   int
+		answer   string
+		wantKind kvcv1.SessionEventKind
+		detail   string
+	}{
+		{"loaded", 200, `{"meta_info":{"kvc":{"kv_len_after":100,"verified_bytes":6400,"verify_failures":0}}}`,
+			kvcv1.SessionEventKind_SESSION_EVENT_KIND_LOADED, "d-1"},
+		{"refused", 409, `{"error":{"code":"transfer_failed","message":"room gone"}}`,
+			kvcv1.SessionEventKind_SESSION_EVENT_KIND_LOAD_FAILED, "transfer_failed"},
+		{"verify failures", 200, `{"meta_info":{"kvc":{"kv_len_after":100,"verify_failures":3}}}`,
+			kvcv1.SessionEventKind_SESSION_EVENT_KIND_LOAD_FAILED, "verify failures"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			var mu sync.Mutex
+			var paths []string
+			var gen map[string]any
+			w := httptest.NewServer(http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
+				b, _ := io.ReadAll(r.Body)
+				mu.Lock()
+				paths = append(paths, r.URL.Path)
+				if r.URL.Path == "/generate" {
+					_ = json.Unmarshal(b, &gen)
+				}
+				mu.Unlock()
+				if r.URL.Path == "/open_session" {
+					_, _ = rw.Write([]byte(`"S"`))
+					return
+				}
+				rw.WriteHeader(tc.status)
+				_, _ = rw.Write([]byte(tc.answer))
+			}))
+			defer w.Close()
+			s := newTestSidecar(t)
+			s.cfg.WorkerURL = w.URL
+			rep := &recordingReporter{}
+			s.SetReporter(rep)
+			c := &kvcv1.LoadSessionCommand{SessionId: "S", Seqlen: 100, PrefillWorkerId: "p0", PrefillPeerAddr: "p:1", Room: 7, DecisionId: "d-1"}
+			s.loadSession(context.Background(), c) // what Apply starts in the background
+			ev := rep.kinds(tc.wantKind)["S"]
+			if ev == nil || ev.GetRoom() != 7 || !strings.Contains(ev.GetDetail(), tc.detail) {
+				t.Fatalf("event %v, want %s with room 7 and detail naming %q (all: %v)", ev, tc.wantKind, tc.detail, rep.evs)
+			}
+			if tc.wantKind == kvcv1.SessionEventKind_SESSION_EVENT_KIND_LOADED && (ev.GetKvLen() != 100 || ev.GetBytes() != 6400) {
+				t.Fatalf("loaded %v", ev)
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			if strings.Join(paths, ",") != "/open_session,/generate" {
+				t.Fatalf("worker calls %v", paths)
+			}
+			p := gen["kv_hints"].(map[string]any)["actions"].([]any)[0].(map[string]any)["payload"].(map[string]any)
+			if p["mode"] != "RESEED_SNAPSHOT" || p["transfer"] != "SNAPSHOT" || p["snapshot_seqlen"] != float64(100) || p["room"] != float64(7) ||
+				p["load"] != true || gen["sampling_params"].(map[string]any)["max_new_tokens"] != float64(0) ||
+				gen["session_params"].(map[string]any)["id"] != "S" {
+				t.Fatalf("generate body %v", gen)
+			}
+		})
+	}
+}
