@@ -1,6 +1,7 @@
 package worker
 
 import (
+	"fmt"
 	"testing"
 
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
@@ -117,6 +118,42 @@ func TestParseGeneratePriority(t *testing.T) {
 			}
 			if p.priority != tt.want {
 				t.Fatalf("priority %d, want %d", p.priority, tt.want)
+			}
+		})
+	}
+}
+
+// kv_hints load (a decode sidecar's LoadSessionCommand) is a zero-output RESEED_SNAPSHOT of the
+// whole input that keeps the session, on a decode worker; anything else is a bad request.
+func TestParseGenerateLoad(t *testing.T) {
+	body := func(mode string, input, seqlen, maxNew int64) string {
+		transfer := "SNAPSHOT"
+		if mode != "RESEED_SNAPSHOT" {
+			transfer = "SEED"
+		}
+		return fmt.Sprintf(`{"session_params":{"id":"s"},"sampling_params":{"max_new_tokens":%d},"kv_hints":{"protocol_version":1,"actions":[{"action_type":"kvc","action_version":1,"payload":{"mode":%q,"session_id":"s","input_tokens":%d,"cached_tokens":%d,"room":1,"transfer":%q,"snapshot_seqlen":%d,"keep_session":true,"load":true}}]}}`,
+			maxNew, mode, input, seqlen, transfer, seqlen)
+	}
+	tests := []struct {
+		name string
+		body string
+		role kvcv1.WorkerRole
+		ok   bool
+	}{
+		{"load", body("RESEED_SNAPSHOT", 100, 100, 0), kvcv1.WorkerRole_WORKER_ROLE_DECODE, true},
+		{"generates tokens", body("RESEED_SNAPSHOT", 100, 100, 8), kvcv1.WorkerRole_WORKER_ROLE_DECODE, false},
+		{"part of the input", body("RESEED_SNAPSHOT", 100, 60, 0), kvcv1.WorkerRole_WORKER_ROLE_DECODE, false},
+		{"not a snapshot", body("SEED", 100, 100, 0), kvcv1.WorkerRole_WORKER_ROLE_DECODE, false},
+		{"on a prefill worker", body("RESEED_SNAPSHOT", 100, 100, 0), kvcv1.WorkerRole_WORKER_ROLE_PREFILL, false},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			p, err := parseGenerate([]byte(tc.body), tc.role, 10_000)
+			if (err == nil) != tc.ok {
+				t.Fatalf("parseGenerate: %v, want ok %v", err, tc.ok)
+			}
+			if tc.ok && !p.load {
+				t.Fatal("load not set")
 			}
 		})
 	}
