@@ -167,11 +167,11 @@ func (s *Service) startRehome(it rehomeItem) (retry bool) {
 		GenerationTerm: s.c.GenerationTerm(),
 	}
 	var (
-		d      policy.Decision
-		r      *reservation
-		op     *rehomeOp
-		result string
+		d  policy.Decision
+		r  *reservation
+		op *rehomeOp
 	)
+	result := "not_leading" // the state refused the update: this replica is not leading
 	s.c.UpdateSession(it.session, func(rec *kvcv1.SessionRecord) {
 		switch {
 		case rec.GetDecodeWorker() != "":
@@ -332,7 +332,7 @@ func (s *Service) waitRehome(ctx context.Context, session string) bool {
 	return true
 }
 
-// resetRehomes ends every re-home of the term (leadership changed): their reservations are
+// resetRehomesLocked ends every re-home of the term (leadership changed): their reservations are
 // gone with the ledger; a waiting turn decides on what the state says.
 func (s *Service) resetRehomesLocked() []*rehomeOp {
 	ops := make([]*rehomeOp, 0, len(s.rehomes))
