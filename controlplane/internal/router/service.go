@@ -178,8 +178,9 @@ func (s *Service) Route(stream grpc.BidiStreamingServer[kvcv1.RouteRequest, kvcv
 	}
 	var wg sync.WaitGroup // turns waiting for their session's re-home
 	defer wg.Wait()
+	// Cancelled before wg.Wait runs: a stream that ends stops its turns' waits.
 	wctx, stopWaits := context.WithCancel(ctx)
-	defer stopWaits() // before wg.Wait: a stream that ends stops its turns' waits
+	defer stopWaits()
 	go func() { // ends when the handler returns (Recv fails then)
 		for {
 			req, err := stream.Recv()
