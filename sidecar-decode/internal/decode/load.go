@@ -151,8 +151,8 @@ func (s *Sidecar) loadOnWorker(ctx context.Context, c *kvcv1.LoadSessionCommand)
 			Message string `json:"message"`
 		} `json:"error"`
 	}
-	_ = json.Unmarshal([]byte(body), &ans)
-	if code/100 != 2 || ans.Error != nil {
+	perr := json.Unmarshal([]byte(body), &ans)
+	if code/100 != 2 || ans.Error != nil || perr != nil {
 		if ans.Error != nil {
 			return 0, 0, fmt.Errorf("generate: HTTP %d: %s: %s", code, ans.Error.Code, ans.Error.Message)
 		}
@@ -162,11 +162,19 @@ func (s *Sidecar) loadOnWorker(ctx context.Context, c *kvcv1.LoadSessionCommand)
 	if k.VerifyFailures > 0 {
 		return 0, 0, fmt.Errorf("generate: %d verify failures", k.VerifyFailures)
 	}
-	kv := k.KVLenAfter
-	if kv <= 0 {
-		kv = c.GetSeqlen()
+	// Residency follows the worker's commit, never its answer alone: the session must be
+	// committed here (CommitSession through this sidecar's bridge) with the whole snapshot.
+	s.mu.Lock()
+	ss := s.sessions[id]
+	committed := int64(0)
+	if ss != nil {
+		committed = ss.committed
 	}
-	return kv, k.VerifiedBytes, nil
+	s.mu.Unlock()
+	if committed < c.GetSeqlen() {
+		return 0, 0, fmt.Errorf("the worker answered but committed %d of the %d tokens here", committed, c.GetSeqlen())
+	}
+	return max(committed, k.KVLenAfter), k.VerifiedBytes, nil
 }
 
 // post sends a JSON body and returns the status and (up to 64 KiB of) the answer.

@@ -51,18 +51,21 @@ func TestLoadSessionRefusesBadCommands(t *testing.T) {
 // generate of the whole snapshot; LOADED carries the worker's kv_len and verified bytes, a
 // refusal LOAD_FAILED with the worker's error.
 func TestLoadSessionCallsTheWorker(t *testing.T) {
+	ok := `{"meta_info":{"kvc":{"kv_len_after":100,"verified_bytes":6400,"verify_failures":0}}}`
 	tests := []struct {
 		name     string
 		status   int
 		answer   string
+		commit   bool // the worker commits the session through the bridge before answering
 		wantKind kvcv1.SessionEventKind
 		detail   string
 	}{
-		{"loaded", 200, `{"meta_info":{"kvc":{"kv_len_after":100,"verified_bytes":6400,"verify_failures":0}}}`,
-			kvcv1.SessionEventKind_SESSION_EVENT_KIND_LOADED, "d-1"},
-		{"refused", 409, `{"error":{"code":"transfer_failed","message":"room gone"}}`,
+		{"loaded", 200, ok, true, kvcv1.SessionEventKind_SESSION_EVENT_KIND_LOADED, "d-1"},
+		{"answered without a commit", 200, ok, false, kvcv1.SessionEventKind_SESSION_EVENT_KIND_LOAD_FAILED, "committed 0"},
+		{"not a worker's answer", 200, "ok\n", true, kvcv1.SessionEventKind_SESSION_EVENT_KIND_LOAD_FAILED, "generate"},
+		{"refused", 409, `{"error":{"code":"transfer_failed","message":"room gone"}}`, false,
 			kvcv1.SessionEventKind_SESSION_EVENT_KIND_LOAD_FAILED, "transfer_failed"},
-		{"verify failures", 200, `{"meta_info":{"kvc":{"kv_len_after":100,"verify_failures":3}}}`,
+		{"verify failures", 200, `{"meta_info":{"kvc":{"kv_len_after":100,"verify_failures":3}}}`, true,
 			kvcv1.SessionEventKind_SESSION_EVENT_KIND_LOAD_FAILED, "verify failures"},
 	}
 	for _, tc := range tests {
@@ -70,6 +73,7 @@ func TestLoadSessionCallsTheWorker(t *testing.T) {
 			var mu sync.Mutex
 			var paths []string
 			var gen map[string]any
+			s := newTestSidecar(t)
 			w := httptest.NewServer(http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
 				b, _ := io.ReadAll(r.Body)
 				mu.Lock()
@@ -82,11 +86,19 @@ func TestLoadSessionCallsTheWorker(t *testing.T) {
 					_, _ = rw.Write([]byte(`"S"`))
 					return
 				}
+				if tc.commit {
+					pages := make([]int64, 25) // 100 tokens of pages of 4
+					for i := range pages {
+						pages[i] = int64(i)
+					}
+					if _, err := s.CommitSession(context.Background(), &kvcv1.CommitSessionRequest{SessionId: "S", CommittedLen: 100, Pages: pages}); err != nil {
+						t.Errorf("commit: %v", err)
+					}
+				}
 				rw.WriteHeader(tc.status)
 				_, _ = rw.Write([]byte(tc.answer))
 			}))
 			defer w.Close()
-			s := newTestSidecar(t)
 			s.cfg.WorkerURL = w.URL
 			rep := &recordingReporter{}
 			s.SetReporter(rep)
