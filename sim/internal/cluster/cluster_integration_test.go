@@ -284,11 +284,10 @@ func TestLocalClusterEndToEnd(t *testing.T) {
 	if r5.status != http.StatusOK || r5.header.Get("X-Kvc-Decode-Worker") == victim {
 		t.Fatalf("after %s died: %d on %q %q", victim, r5.status, r5.header.Get("X-Kvc-Decode-Worker"), r5.body)
 	}
-	// The session lost its D: reseeded on the other D, or plain P/D when that one is full
-	// (this cluster's decode capacity is small on purpose); never direct-to-D.
-	if m := r5.header.Get("X-Kvc-Mode"); m == "DIRECT_TO_D" {
-		t.Fatalf("the next turn of a session resident on the dead %s ran as %s (%s)", victim, m, r5.header.Get("X-Kvc-Reason"))
-	}
+	// The session lost its D: re-homed onto the other D from its snapshot (its next turn is then
+	// DIRECT_TO_D there: TestRehomeDeadDecodeWorker), reseeded there, or plain P/D when that one
+	// is full (this cluster's decode capacity is small on purpose) — never on the dead worker
+	// (checked above).
 	if m := r5.header.Get("X-Kvc-Mode"); r5.status == http.StatusOK && m != "PD_FALLBACK" {
 		// Served elsewhere and kept: let its snapshot push finish before stopping.
 		waitSnapshot(t, c, "it-3", int64(r5.meta["kvc"].(map[string]any)["kv_len_after"].(float64)))
