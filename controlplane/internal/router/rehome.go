@@ -204,6 +204,13 @@ func (s *Service) startRehome(it rehomeItem) (retry bool) {
 			}
 			return
 		}
+		if d.Admission != policy.AdmitFits {
+			// The capacity rule (policy.Admission): a turn's reseed would wait in the target's
+			// prealloc queue; a background re-home waits here instead, until its best target has
+			// room and a free store-transfer slot (max_concurrent_transfers): rate-limited.
+			result = "retry"
+			return
+		}
 		if len(d.Decode.GetTpRanks()) > 0 || len(d.Prefill.GetTpRanks()) > 0 {
 			result = "tensor_parallel" // not re-homed: LoadSessionCommand names one peer
 			return
