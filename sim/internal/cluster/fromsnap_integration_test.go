@@ -3,7 +3,6 @@ package cluster
 import (
 	"bufio"
 	"context"
-	"fmt"
 	"net/http"
 	"strconv"
 	"strings"
@@ -102,6 +101,6 @@ func simCounter(t *testing.T, url, name string) float64 {
 			return f
 		}
 	}
-	t.Fatal(fmt.Sprintf("%s not in %s/metrics", name, url))
+	t.Fatalf("%s not in %s/metrics", name, url)
 	return 0
 }
