@@ -1972,6 +1972,106 @@ func (*AckCommandResponse) Descriptor() ([]byte, []int) {
 	return file_kvc_v1_bridge_proto_rawDescGZIP(), []int{25}
 }
 
+type ReportDemandRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Requests waiting now in the prealloc queue for pages (0: none waits).
+	WaitingRequests int32 `protobuf:"varint,1,opt,name=waiting_requests,json=waitingRequests,proto3" json:"waiting_requests,omitempty"`
+	// The tokens (whole pages) those requests need in all.
+	WaitingTokens int64 `protobuf:"varint,2,opt,name=waiting_tokens,json=waitingTokens,proto3" json:"waiting_tokens,omitempty"`
+	// The tokens the worker's pool can give without releasing a session: free pages and the
+	// evictable pages of its prefix cache, in tokens.
+	FreeTokens    int64 `protobuf:"varint,3,opt,name=free_tokens,json=freeTokens,proto3" json:"free_tokens,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ReportDemandRequest) Reset() {
+	*x = ReportDemandRequest{}
+	mi := &file_kvc_v1_bridge_proto_msgTypes[26]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ReportDemandRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ReportDemandRequest) ProtoMessage() {}
+
+func (x *ReportDemandRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_kvc_v1_bridge_proto_msgTypes[26]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ReportDemandRequest.ProtoReflect.Descriptor instead.
+func (*ReportDemandRequest) Descriptor() ([]byte, []int) {
+	return file_kvc_v1_bridge_proto_rawDescGZIP(), []int{26}
+}
+
+func (x *ReportDemandRequest) GetWaitingRequests() int32 {
+	if x != nil {
+		return x.WaitingRequests
+	}
+	return 0
+}
+
+func (x *ReportDemandRequest) GetWaitingTokens() int64 {
+	if x != nil {
+		return x.WaitingTokens
+	}
+	return 0
+}
+
+func (x *ReportDemandRequest) GetFreeTokens() int64 {
+	if x != nil {
+		return x.FreeTokens
+	}
+	return 0
+}
+
+type ReportDemandResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ReportDemandResponse) Reset() {
+	*x = ReportDemandResponse{}
+	mi := &file_kvc_v1_bridge_proto_msgTypes[27]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ReportDemandResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ReportDemandResponse) ProtoMessage() {}
+
+func (x *ReportDemandResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_kvc_v1_bridge_proto_msgTypes[27]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ReportDemandResponse.ProtoReflect.Descriptor instead.
+func (*ReportDemandResponse) Descriptor() ([]byte, []int) {
+	return file_kvc_v1_bridge_proto_rawDescGZIP(), []int{27}
+}
+
 var File_kvc_v1_bridge_proto protoreflect.FileDescriptor
 
 const file_kvc_v1_bridge_proto_rawDesc = "" +
@@ -2120,7 +2220,13 @@ const file_kvc_v1_bridge_proto_rawDesc = "" +
 	"\x02ok\x18\x02 \x01(\bR\x02ok\x12\x14\n" +
 	"\x05error\x18\x03 \x01(\tR\x05error\x12!\n" +
 	"\ffreed_tokens\x18\x04 \x01(\x03R\vfreedTokens\"\x14\n" +
-	"\x12AckCommandResponse*S\n" +
+	"\x12AckCommandResponse\"\x88\x01\n" +
+	"\x13ReportDemandRequest\x12)\n" +
+	"\x10waiting_requests\x18\x01 \x01(\x05R\x0fwaitingRequests\x12%\n" +
+	"\x0ewaiting_tokens\x18\x02 \x01(\x03R\rwaitingTokens\x12\x1f\n" +
+	"\vfree_tokens\x18\x03 \x01(\x03R\n" +
+	"freeTokens\"\x16\n" +
+	"\x14ReportDemandResponse*S\n" +
 	"\n" +
 	"PoolLayout\x12\x1b\n" +
 	"\x17POOL_LAYOUT_UNSPECIFIED\x10\x00\x12\x13\n" +
@@ -2138,7 +2244,7 @@ const file_kvc_v1_bridge_proto_rawDesc = "" +
 	"!WORKER_COMMAND_REASON_UNSPECIFIED\x10\x00\x12\"\n" +
 	"\x1eWORKER_COMMAND_REASON_CAPACITY\x10\x01\x12'\n" +
 	"#WORKER_COMMAND_REASON_CONTROL_PLANE\x10\x02\x12)\n" +
-	"%WORKER_COMMAND_REASON_PREFIX_MISMATCH\x10\x032\x8b\x06\n" +
+	"%WORKER_COMMAND_REASON_PREFIX_MISMATCH\x10\x032\xd6\x06\n" +
 	"\x13WorkerBridgeService\x12O\n" +
 	"\x0eRegisterKVPool\x12\x1d.kvc.v1.RegisterKVPoolRequest\x1a\x1e.kvc.v1.RegisterKVPoolResponse\x12L\n" +
 	"\rCommitSession\x12\x1c.kvc.v1.CommitSessionRequest\x1a\x1d.kvc.v1.CommitSessionResponse\x12O\n" +
@@ -2150,7 +2256,8 @@ const file_kvc_v1_bridge_proto_rawDesc = "" +
 	"\rLoadFromStore\x12\x1c.kvc.v1.LoadFromStoreRequest\x1a\x1d.kvc.v1.LoadFromStoreResponse\x12N\n" +
 	"\rWatchCommands\x12\x1c.kvc.v1.WatchCommandsRequest\x1a\x1d.kvc.v1.WatchCommandsResponse0\x01\x12C\n" +
 	"\n" +
-	"AckCommand\x12\x19.kvc.v1.AckCommandRequest\x1a\x1a.kvc.v1.AckCommandResponseB3Z1github.com/kvcentric/kvcentric/proto/kvc/v1;kvcv1b\x06proto3"
+	"AckCommand\x12\x19.kvc.v1.AckCommandRequest\x1a\x1a.kvc.v1.AckCommandResponse\x12I\n" +
+	"\fReportDemand\x12\x1b.kvc.v1.ReportDemandRequest\x1a\x1c.kvc.v1.ReportDemandResponseB3Z1github.com/kvcentric/kvcentric/proto/kvc/v1;kvcv1b\x06proto3"
 
 var (
 	file_kvc_v1_bridge_proto_rawDescOnce sync.Once
@@ -2165,7 +2272,7 @@ func file_kvc_v1_bridge_proto_rawDescGZIP() []byte {
 }
 
 var file_kvc_v1_bridge_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
-var file_kvc_v1_bridge_proto_msgTypes = make([]protoimpl.MessageInfo, 26)
+var file_kvc_v1_bridge_proto_msgTypes = make([]protoimpl.MessageInfo, 28)
 var file_kvc_v1_bridge_proto_goTypes = []any{
 	(PoolLayout)(0),                // 0: kvc.v1.PoolLayout
 	(ReleaseReason)(0),             // 1: kvc.v1.ReleaseReason
@@ -2197,10 +2304,12 @@ var file_kvc_v1_bridge_proto_goTypes = []any{
 	(*WatchCommandsResponse)(nil),  // 27: kvc.v1.WatchCommandsResponse
 	(*AckCommandRequest)(nil),      // 28: kvc.v1.AckCommandRequest
 	(*AckCommandResponse)(nil),     // 29: kvc.v1.AckCommandResponse
-	(KVKind)(0),                    // 30: kvc.v1.KVKind
+	(*ReportDemandRequest)(nil),    // 30: kvc.v1.ReportDemandRequest
+	(*ReportDemandResponse)(nil),   // 31: kvc.v1.ReportDemandResponse
+	(KVKind)(0),                    // 32: kvc.v1.KVKind
 }
 var file_kvc_v1_bridge_proto_depIdxs = []int32{
-	30, // 0: kvc.v1.KVBuffer.kind:type_name -> kvc.v1.KVKind
+	32, // 0: kvc.v1.KVBuffer.kind:type_name -> kvc.v1.KVKind
 	4,  // 1: kvc.v1.KVBuffer.shm:type_name -> kvc.v1.SharedMemoryRef
 	5,  // 2: kvc.v1.KVBuffer.cuda:type_name -> kvc.v1.CudaIpcRef
 	6,  // 3: kvc.v1.RegisterKVPoolRequest.buffers:type_name -> kvc.v1.KVBuffer
@@ -2221,18 +2330,20 @@ var file_kvc_v1_bridge_proto_depIdxs = []int32{
 	19, // 18: kvc.v1.WorkerBridgeService.LoadFromStore:input_type -> kvc.v1.LoadFromStoreRequest
 	23, // 19: kvc.v1.WorkerBridgeService.WatchCommands:input_type -> kvc.v1.WatchCommandsRequest
 	28, // 20: kvc.v1.WorkerBridgeService.AckCommand:input_type -> kvc.v1.AckCommandRequest
-	8,  // 21: kvc.v1.WorkerBridgeService.RegisterKVPool:output_type -> kvc.v1.RegisterKVPoolResponse
-	10, // 22: kvc.v1.WorkerBridgeService.CommitSession:output_type -> kvc.v1.CommitSessionResponse
-	12, // 23: kvc.v1.WorkerBridgeService.ReleaseSession:output_type -> kvc.v1.ReleaseSessionResponse
-	14, // 24: kvc.v1.WorkerBridgeService.PrepareReceive:output_type -> kvc.v1.PrepareReceiveResponse
-	16, // 25: kvc.v1.WorkerBridgeService.WaitReceive:output_type -> kvc.v1.WaitReceiveResponse
-	18, // 26: kvc.v1.WorkerBridgeService.SendKV:output_type -> kvc.v1.SendKVResponse
-	22, // 27: kvc.v1.WorkerBridgeService.SnapshotStatus:output_type -> kvc.v1.SnapshotStatusResponse
-	20, // 28: kvc.v1.WorkerBridgeService.LoadFromStore:output_type -> kvc.v1.LoadFromStoreResponse
-	27, // 29: kvc.v1.WorkerBridgeService.WatchCommands:output_type -> kvc.v1.WatchCommandsResponse
-	29, // 30: kvc.v1.WorkerBridgeService.AckCommand:output_type -> kvc.v1.AckCommandResponse
-	21, // [21:31] is the sub-list for method output_type
-	11, // [11:21] is the sub-list for method input_type
+	30, // 21: kvc.v1.WorkerBridgeService.ReportDemand:input_type -> kvc.v1.ReportDemandRequest
+	8,  // 22: kvc.v1.WorkerBridgeService.RegisterKVPool:output_type -> kvc.v1.RegisterKVPoolResponse
+	10, // 23: kvc.v1.WorkerBridgeService.CommitSession:output_type -> kvc.v1.CommitSessionResponse
+	12, // 24: kvc.v1.WorkerBridgeService.ReleaseSession:output_type -> kvc.v1.ReleaseSessionResponse
+	14, // 25: kvc.v1.WorkerBridgeService.PrepareReceive:output_type -> kvc.v1.PrepareReceiveResponse
+	16, // 26: kvc.v1.WorkerBridgeService.WaitReceive:output_type -> kvc.v1.WaitReceiveResponse
+	18, // 27: kvc.v1.WorkerBridgeService.SendKV:output_type -> kvc.v1.SendKVResponse
+	22, // 28: kvc.v1.WorkerBridgeService.SnapshotStatus:output_type -> kvc.v1.SnapshotStatusResponse
+	20, // 29: kvc.v1.WorkerBridgeService.LoadFromStore:output_type -> kvc.v1.LoadFromStoreResponse
+	27, // 30: kvc.v1.WorkerBridgeService.WatchCommands:output_type -> kvc.v1.WatchCommandsResponse
+	29, // 31: kvc.v1.WorkerBridgeService.AckCommand:output_type -> kvc.v1.AckCommandResponse
+	31, // 32: kvc.v1.WorkerBridgeService.ReportDemand:output_type -> kvc.v1.ReportDemandResponse
+	22, // [22:33] is the sub-list for method output_type
+	11, // [11:22] is the sub-list for method input_type
 	11, // [11:11] is the sub-list for extension type_name
 	11, // [11:11] is the sub-list for extension extendee
 	0,  // [0:11] is the sub-list for field type_name
@@ -2259,7 +2370,7 @@ func file_kvc_v1_bridge_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvc_v1_bridge_proto_rawDesc), len(file_kvc_v1_bridge_proto_rawDesc)),
 			NumEnums:      4,
-			NumMessages:   26,
+			NumMessages:   28,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -29,6 +29,7 @@ const (
 	WorkerBridgeService_LoadFromStore_FullMethodName  = "/kvc.v1.WorkerBridgeService/LoadFromStore"
 	WorkerBridgeService_WatchCommands_FullMethodName  = "/kvc.v1.WorkerBridgeService/WatchCommands"
 	WorkerBridgeService_AckCommand_FullMethodName     = "/kvc.v1.WorkerBridgeService/AckCommand"
+	WorkerBridgeService_ReportDemand_FullMethodName   = "/kvc.v1.WorkerBridgeService/ReportDemand"
 )
 
 // WorkerBridgeServiceClient is the client API for WorkerBridgeService service.
@@ -66,6 +67,12 @@ type WorkerBridgeServiceClient interface {
 	WatchCommands(ctx context.Context, in *WatchCommandsRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[WatchCommandsResponse], error)
 	// AckCommand reports the result of a command of WatchCommands.
 	AckCommand(ctx context.Context, in *AckCommandRequest, opts ...grpc.CallOption) (*AckCommandResponse, error)
+	// ReportDemand (decode): the worker's pre-allocation demand changed — requests wait in its
+	// prealloc queue for pages it does not have free. A worker that never evicts a session for
+	// capacity (SGLang's streaming sessions) depends on the sidecar's capacity release to make
+	// room for them, and the sidecar sees no other sign of them: the pages of a request are
+	// allocated before its PrepareReceive. Sent on every change, 0 waiting when the queue drains.
+	ReportDemand(ctx context.Context, in *ReportDemandRequest, opts ...grpc.CallOption) (*ReportDemandResponse, error)
 }
 
 type workerBridgeServiceClient struct {
@@ -185,6 +192,16 @@ func (c *workerBridgeServiceClient) AckCommand(ctx context.Context, in *AckComma
 	return out, nil
 }
 
+func (c *workerBridgeServiceClient) ReportDemand(ctx context.Context, in *ReportDemandRequest, opts ...grpc.CallOption) (*ReportDemandResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ReportDemandResponse)
+	err := c.cc.Invoke(ctx, WorkerBridgeService_ReportDemand_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // WorkerBridgeServiceServer is the server API for WorkerBridgeService service.
 // All implementations must embed UnimplementedWorkerBridgeServiceServer
 // for forward compatibility.
@@ -220,6 +237,12 @@ type WorkerBridgeServiceServer interface {
 	WatchCommands(*WatchCommandsRequest, grpc.ServerStreamingServer[WatchCommandsResponse]) error
 	// AckCommand reports the result of a command of WatchCommands.
 	AckCommand(context.Context, *AckCommandRequest) (*AckCommandResponse, error)
+	// ReportDemand (decode): the worker's pre-allocation demand changed — requests wait in its
+	// prealloc queue for pages it does not have free. A worker that never evicts a session for
+	// capacity (SGLang's streaming sessions) depends on the sidecar's capacity release to make
+	// room for them, and the sidecar sees no other sign of them: the pages of a request are
+	// allocated before its PrepareReceive. Sent on every change, 0 waiting when the queue drains.
+	ReportDemand(context.Context, *ReportDemandRequest) (*ReportDemandResponse, error)
 	mustEmbedUnimplementedWorkerBridgeServiceServer()
 }
 
@@ -259,6 +282,9 @@ func (UnimplementedWorkerBridgeServiceServer) WatchCommands(*WatchCommandsReques
 }
 func (UnimplementedWorkerBridgeServiceServer) AckCommand(context.Context, *AckCommandRequest) (*AckCommandResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method AckCommand not implemented")
+}
+func (UnimplementedWorkerBridgeServiceServer) ReportDemand(context.Context, *ReportDemandRequest) (*ReportDemandResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method ReportDemand not implemented")
 }
 func (UnimplementedWorkerBridgeServiceServer) mustEmbedUnimplementedWorkerBridgeServiceServer() {}
 func (UnimplementedWorkerBridgeServiceServer) testEmbeddedByValue()                             {}
@@ -454,6 +480,24 @@ func _WorkerBridgeService_AckCommand_Handler(srv interface{}, ctx context.Contex
 	return interceptor(ctx, in, info, handler)
 }
 
+func _WorkerBridgeService_ReportDemand_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ReportDemandRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(WorkerBridgeServiceServer).ReportDemand(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: WorkerBridgeService_ReportDemand_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(WorkerBridgeServiceServer).ReportDemand(ctx, req.(*ReportDemandRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // WorkerBridgeService_ServiceDesc is the grpc.ServiceDesc for WorkerBridgeService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -496,6 +540,10 @@ var WorkerBridgeService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "AckCommand",
 			Handler:    _WorkerBridgeService_AckCommand_Handler,
+		},
+		{
+			MethodName: "ReportDemand",
+			Handler:    _WorkerBridgeService_ReportDemand_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{
