@@ -11,9 +11,26 @@ import (
 // their prefill store, summed) and kvc_snapshot_stale_seconds (the longest time a session with
 // such a tail has had no commit: with the idle flush on, a healthy sidecar keeps it near
 // --snapshot-idle-flush plus a push; growing, pushes fail or stall and a reseed would need a
-// recompute).
+// recompute). With them, the worker's last reported prealloc-queue demand (ReportDemand) and
+// the release passes it caused.
 func (s *Sidecar) Collectors() []prometheus.Collector {
+	g := func(name, help string, f func(DemandStats) float64) prometheus.Collector {
+		return prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: name, Help: help}, func() float64 { return f(s.Demand()) })
+	}
+	c := func(name, help string, f func(DemandStats) float64) prometheus.Collector {
+		return prometheus.NewCounterFunc(prometheus.CounterOpts{Name: name, Help: help}, func() float64 { return f(s.Demand()) })
+	}
 	return []prometheus.Collector{
+		g("kvc_sidecar_prealloc_waiting_requests", "Requests waiting in the worker's prealloc queue for pages, as last reported (ReportDemand).",
+			func(d DemandStats) float64 { return float64(d.WaitingRequests) }),
+		g("kvc_sidecar_prealloc_waiting_tokens", "Tokens the requests waiting in the worker's prealloc queue need, as last reported.",
+			func(d DemandStats) float64 { return float64(d.WaitingTokens) }),
+		g("kvc_sidecar_prealloc_free_tokens", "Tokens the worker's pool had free with its last demand report.",
+			func(d DemandStats) float64 { return float64(d.FreeTokens) }),
+		c("kvc_sidecar_demand_reports_total", "Demand reports (ReportDemand) received from the worker.",
+			func(d DemandStats) float64 { return float64(d.Reports) }),
+		c("kvc_sidecar_demand_release_passes_total", "Capacity release passes that released or waited for sessions because waiting requests needed more than the free room.",
+			func(d DemandStats) float64 { return float64(d.DeficitReleasePasses) }),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "kvc_snapshot_unpushed_tokens",
 			Help: "Committed tokens of sessions with a snapshot target that are not in their prefill snapshot yet, summed over sessions.",

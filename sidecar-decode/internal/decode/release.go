@@ -7,6 +7,7 @@ import (
 	"slices"
 	"time"
 
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
 	"github.com/kvcentric/kvcentric/pkg/agent"
@@ -104,8 +105,62 @@ func (s *Sidecar) capacityLocked() int64 {
 // ranked before them: releases never overtake).
 type ReleasePlan struct {
 	Used, Capacity int64
-	Release        []string
-	Waiting        []string
+	// Deficit is the tokens the worker's waiting requests need past its free room (0: none).
+	Deficit int64
+	Release []string
+	Waiting []string
+}
+
+// demand is the worker's last ReportDemand: requests waiting in its prealloc queue, the tokens
+// they need and the tokens it has free.
+type demand struct {
+	requests      int32
+	tokens, free  int64
+	reports       int64 // reports received
+	deficitPasses int64 // release passes that released or waited for a deficit
+}
+
+// deficit is the tokens the waiting requests need past the free room.
+func (d demand) deficit() int64 {
+	if d.requests <= 0 {
+		return 0
+	}
+	return max(0, d.tokens-d.free)
+}
+
+// ReportDemand records the worker's prealloc-queue demand and, when requests wait for more
+// than it has free, runs a release pass at once rather than at the next tick.
+func (s *Sidecar) ReportDemand(_ context.Context, req *kvcv1.ReportDemandRequest) (*kvcv1.ReportDemandResponse, error) {
+	if req.GetWaitingRequests() < 0 || req.GetWaitingTokens() < 0 || req.GetFreeTokens() < 0 {
+		return nil, status.Errorf(codes.InvalidArgument, "negative demand: %d requests, %d tokens, %d free", req.GetWaitingRequests(), req.GetWaitingTokens(), req.GetFreeTokens())
+	}
+	s.mu.Lock()
+	s.demand.requests, s.demand.tokens, s.demand.free = req.GetWaitingRequests(), req.GetWaitingTokens(), req.GetFreeTokens()
+	s.demand.reports++
+	short := s.demand.deficit() > 0
+	s.mu.Unlock()
+	if short {
+		select {
+		case s.relKick <- struct{}{}:
+		default:
+		}
+	}
+	return &kvcv1.ReportDemandResponse{}, nil
+}
+
+// DemandStats is the worker's last reported demand and the sidecar's response to it.
+type DemandStats struct {
+	WaitingRequests               int32
+	WaitingTokens, FreeTokens     int64
+	Reports, DeficitReleasePasses int64
+}
+
+// Demand returns the worker's last reported prealloc-queue demand.
+func (s *Sidecar) Demand() DemandStats {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	d := s.demand
+	return DemandStats{WaitingRequests: d.requests, WaitingTokens: d.tokens, FreeTokens: d.free, Reports: d.reports, DeficitReleasePasses: d.deficitPasses}
 }
 
 // planReleaseLocked picks, when the pool is above the high watermark, the idle sessions that
@@ -132,7 +187,14 @@ func (s *Sidecar) planReleaseLocked(now time.Time) ReleasePlan {
 			p.Used += r.req.GetTokens()
 		}
 	}
-	if float64(p.Used) <= s.rel.cfg.High*float64(p.Capacity) {
+	// Requests waiting in the worker's prealloc queue for pages it does not have free: their
+	// pages are taken before any PrepareReceive, so neither the sessions nor the rooms count
+	// them, and a pool just under the high watermark with a reseed waiting for more than the
+	// free room held the queue — every turn behind it included — until the prealloc wait ran
+	// out (issue 20: REJECTED_BY_D, TTFT p99 = the 20 s wait).
+	p.Deficit = s.demand.deficit()
+	watermark := float64(p.Used) > s.rel.cfg.High*float64(p.Capacity)
+	if !watermark && p.Deficit <= 0 {
 		return p
 	}
 	type cand struct {
@@ -163,7 +225,11 @@ func (s *Sidecar) planReleaseLocked(now time.Time) ReleasePlan {
 		}
 		return cmp.Compare(a.ss.id, b.ss.id)
 	})
-	need := p.Used - int64(s.rel.cfg.Low*float64(p.Capacity))
+	var need int64
+	if watermark {
+		need = p.Used - int64(s.rel.cfg.Low*float64(p.Capacity))
+	}
+	need = max(need, p.Deficit)
 	blocked := false
 	for _, c := range cands {
 		if need <= 0 {
@@ -192,10 +258,13 @@ func (s *Sidecar) planReleaseLocked(now time.Time) ReleasePlan {
 func (s *Sidecar) releaseTick(ctx context.Context) ReleasePlan {
 	s.mu.Lock()
 	p := s.planReleaseLocked(time.Now())
+	if p.Deficit > 0 && (len(p.Release) > 0 || len(p.Waiting) > 0) {
+		s.demand.deficitPasses++
+	}
 	s.mu.Unlock()
 	if len(p.Release) > 0 || len(p.Waiting) > 0 {
-		s.log.Info().Int64("used_tokens", p.Used).Int64("capacity_tokens", p.Capacity).Strs("release", p.Release).
-			Strs("waiting", p.Waiting).Msg("pool above the release watermark: releasing idle sessions")
+		s.log.Info().Int64("used_tokens", p.Used).Int64("capacity_tokens", p.Capacity).Int64("deficit_tokens", p.Deficit).Strs("release", p.Release).
+			Strs("waiting", p.Waiting).Msg("pool above the release watermark or requests waiting for pages: releasing idle sessions")
 	}
 	for _, id := range p.Release {
 		s.releaseOne(ctx, id)
@@ -271,6 +340,8 @@ func (s *Sidecar) runRelease(ctx context.Context) {
 		case <-ctx.Done():
 			return
 		case <-t.C:
+			s.releaseTick(ctx)
+		case <-s.relKick:
 			s.releaseTick(ctx)
 		}
 	}

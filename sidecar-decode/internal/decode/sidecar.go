@@ -91,10 +91,12 @@ type Sidecar struct {
 	aborts  pendingAborts // AbortSnapshot calls still running, by session (push.go)
 	credits creditBook    // store credits by store peer (credit.go)
 
-	rel releaser // capacity release of idle sessions (release.go)
+	rel    releaser // capacity release of idle sessions (release.go)
+	demand demand   // the worker's prealloc-queue demand, as last reported (release.go)
 
-	after       afterFunc // idle-flush timers (idle.go)
-	idleFlushes int64     // idle flushes that queued a push
+	relKick     chan struct{} // runs a release pass now (a demand report)
+	after       afterFunc     // idle-flush timers (idle.go)
+	idleFlushes int64         // idle flushes that queued a push
 
 	loadsDone, loadsFailed int64 // LoadSessionCommands that ended (load.go)
 }
@@ -153,6 +155,7 @@ func New(cfg Config, eng rdma.Engine, ev *agent.EventLog, log zerolog.Logger) *S
 		rooms: map[int64]*recvRoom{}, dropped: map[string]struct{}{}, delta: cfg.DeltaTokens, enabled: true, wake: make(chan struct{}, 1)}
 	s.att = agent.NewAttach(s.attachState, log.With().Str("part", "attach").Logger())
 	s.rel = newReleaser(cfg.Release)
+	s.relKick = make(chan struct{}, 1)
 	s.after = realAfterFunc
 	return s
 }

@@ -1,0 +1,156 @@
+package decode
+
+import (
+	"context"
+	"reflect"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+// TestCapacityReleaseSeesDemand: a pool under the high watermark releases idle sessions when
+// the worker reports requests waiting in its prealloc queue for more than it has free — enough
+// for the deficit, in the release order — and nothing when the free room covers them.
+func TestCapacityReleaseSeesDemand(t *testing.T) {
+	cases := []struct {
+		name    string
+		demand  *kvcv1.ReportDemandRequest // nil: none reported
+		release []string
+		waiting []string
+		deficit int64
+	}{
+		{name: "no demand", release: nil},
+		{name: "demand within the free room", demand: &kvcv1.ReportDemandRequest{WaitingRequests: 1, WaitingTokens: 40, FreeTokens: 136}},
+		{name: "queue drained", demand: &kvcv1.ReportDemandRequest{WaitingRequests: 0, WaitingTokens: 0, FreeTokens: 0}},
+		// 120 of 256 tokens committed (high 128): under the watermark, but 200 tokens wait
+		// with 136 free, 64 short: "old" (idle longest, 40) is not enough, "mid" (40) too.
+		{name: "deficit", demand: &kvcv1.ReportDemandRequest{WaitingRequests: 2, WaitingTokens: 200, FreeTokens: 136},
+			release: []string{"old", "mid"}, deficit: 64},
+		// a deficit that one session covers releases one
+		{name: "small deficit", demand: &kvcv1.ReportDemandRequest{WaitingRequests: 1, WaitingTokens: 150, FreeTokens: 136},
+			release: []string{"old"}, deficit: 14},
+		// the session ranked first needs a push: it is pushed, and the others wait for it
+		{name: "deficit behind a push", demand: &kvcv1.ReportDemandRequest{WaitingRequests: 1, WaitingTokens: 150, FreeTokens: 136},
+			waiting: []string{"behind"}, deficit: 14},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			s := newTestSidecar(t) // 64 pages of 4 tokens: 256 tokens
+			s.rel = newReleaser(ReleaseConfig{High: 0.5, Low: 0.25, MinIdle: time.Second})
+			ctx := context.Background()
+			now := time.Now()
+			next := int64(0)
+			add := func(id string, kv int64, idle time.Duration, pushed int64) {
+				t.Helper()
+				if err := s.Apply(ctx, &kvcv1.Command{Action: &kvcv1.Command_SetSnapshotTarget{SetSnapshotTarget: &kvcv1.SetSnapshotTargetCommand{
+					SessionId: id, PrefillWorkerId: "p", PeerAddr: "127.0.0.1:1", TransferEndpoint: "127.0.0.1:1", Generation: 1}}}); err != nil {
+					t.Fatal(err)
+				}
+				pg := make([]int64, (kv+3)/4)
+				for i := range pg {
+					pg[i] = next
+					next++
+				}
+				if _, err := s.CommitSession(ctx, &kvcv1.CommitSessionRequest{SessionId: id, CommittedLen: kv, Pages: pg}); err != nil {
+					t.Fatal(err)
+				}
+				s.mu.Lock()
+				ss := s.sessions[id]
+				ss.lastCommit, ss.lastPushed, ss.queued = now.Add(-idle), pushed, false
+				s.queue = s.queue[:0]
+				s.mu.Unlock()
+			}
+			if tc.name == "deficit behind a push" {
+				add("behind", 40, time.Hour, 32) // idlest, its snapshot 8 tokens behind
+			} else {
+				add("old", 40, time.Hour, 40)
+			}
+			add("mid", 40, time.Minute, 40)
+			add("busy", 40, 0, 40) // in use: never
+			if tc.demand != nil {
+				if _, err := s.ReportDemand(ctx, tc.demand); err != nil {
+					t.Fatal(err)
+				}
+			}
+			s.mu.Lock()
+			p := s.planReleaseLocked(now)
+			s.mu.Unlock()
+			if p.Used != 120 || p.Deficit != tc.deficit || !reflect.DeepEqual(p.Release, tc.release) || !reflect.DeepEqual(p.Waiting, tc.waiting) {
+				t.Fatalf("plan %+v; want release %v, waiting %v, deficit %d", p, tc.release, tc.waiting, tc.deficit)
+			}
+			if tc.waiting != nil {
+				s.mu.Lock()
+				b := s.sessions["behind"]
+				forced := b.queued && b.forcePush
+				s.mu.Unlock()
+				if !forced {
+					t.Fatal("the waiting session's push was not forced into the queue")
+				}
+			}
+		})
+	}
+}
+
+// TestReportDemandKicksRelease: a report of a deficit runs a release pass at once (no tick
+// within the test's time), which releases through the worker's command stream.
+func TestReportDemandKicksRelease(t *testing.T) {
+	s := newTestSidecar(t)
+	s.rel = newReleaser(ReleaseConfig{High: 0.5, Low: 0.25, MinIdle: time.Second, Interval: time.Hour})
+	rep := chanReporter(make(chan *kvcv1.SessionEvent, 16))
+	s.SetReporter(rep)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	c := serveBridge(t, s)
+	rw := &releasingWorker{}
+	done := make(chan struct{})
+	go func() { defer close(done); rw.run(t, ctx, s, c) }()
+	relDone := make(chan struct{})
+	rctx, rcancel := context.WithCancel(ctx)
+	go func() { defer close(relDone); s.runRelease(rctx) }()
+	defer func() { rcancel(); <-relDone; cancel(); <-done }()
+	if err := s.Apply(ctx, &kvcv1.Command{Action: &kvcv1.Command_SetSnapshotTarget{SetSnapshotTarget: &kvcv1.SetSnapshotTargetCommand{
+		SessionId: "a", PrefillWorkerId: "p", PeerAddr: "127.0.0.1:1", TransferEndpoint: "127.0.0.1:1", Generation: 1}}}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.CommitSession(ctx, &kvcv1.CommitSessionRequest{SessionId: "a", CommittedLen: 40, Pages: []int64{0, 1, 2, 3, 4, 5, 6, 7, 8, 9}}); err != nil {
+		t.Fatal(err)
+	}
+	s.mu.Lock()
+	a := s.sessions["a"]
+	a.lastCommit, a.lastPushed, a.queued = time.Now().Add(-time.Minute), 40, false
+	s.queue = s.queue[:0]
+	s.mu.Unlock()
+	for !s.att.Watcher().AttachAcked {
+		select {
+		case <-ctx.Done():
+			t.Fatal("worker never attached")
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+	if _, err := c.ReportDemand(ctx, &kvcv1.ReportDemandRequest{WaitingRequests: 1, WaitingTokens: 240, FreeTokens: 216}); err != nil {
+		t.Fatal(err)
+	}
+	for evicted := false; !evicted; {
+		select {
+		case ev := <-rep:
+			evicted = ev.GetSessionId() == "a" && ev.GetKind() == kvcv1.SessionEventKind_SESSION_EVENT_KIND_EVICTED
+		case <-ctx.Done():
+			t.Fatalf("the deficit released nothing: %+v", s.Demand())
+		}
+	}
+	if d := s.Demand(); d.Reports != 1 || d.DeficitReleasePasses < 1 || d.WaitingTokens != 240 {
+		t.Fatalf("demand stats %+v", d)
+	}
+	if _, err := c.ReportDemand(ctx, &kvcv1.ReportDemandRequest{WaitingRequests: -1}); status.Code(err) != codes.InvalidArgument {
+		t.Fatalf("negative demand: %v, want InvalidArgument", err)
+	}
+}
+
+// chanReporter hands each session event to the test.
+type chanReporter chan *kvcv1.SessionEvent
+
+func (r chanReporter) Report(ev *kvcv1.SessionEvent) { r <- ev }
