@@ -92,6 +92,21 @@ type fakeSidecar struct {
 	stop func()
 	// releaseErr, when set, is ReleaseSession's answer (a sidecar that is up but fails it).
 	releaseErr error
+	demands    []*kvcv1.ReportDemandRequest // ReportDemand calls, in order
+}
+
+func (f *fakeSidecar) ReportDemand(_ context.Context, req *kvcv1.ReportDemandRequest) (*kvcv1.ReportDemandResponse, error) {
+	f.mu.Lock()
+	f.demands = append(f.demands, req)
+	f.mu.Unlock()
+	return &kvcv1.ReportDemandResponse{}, nil
+}
+
+// demandReports returns the ReportDemand calls so far.
+func (f *fakeSidecar) demandReports() []*kvcv1.ReportDemandRequest {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return append([]*kvcv1.ReportDemandRequest(nil), f.demands...)
 }
 
 func (f *fakeSidecar) RegisterKVPool(_ context.Context, req *kvcv1.RegisterKVPoolRequest) (*kvcv1.RegisterKVPoolResponse, error) {

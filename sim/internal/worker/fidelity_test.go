@@ -217,7 +217,8 @@ func TestDecodeSidePrefillSlowsCoRunningDecode(t *testing.T) {
 // TestWatermarkModeNeverEvictsOnDemand: with EvictOnlyByRelease (E4's decode workers, which run
 // SGLang streaming sessions) an idle session is not evicted for a request that needs its pages:
 // the request waits in the prealloc queue until the sidecar's capacity release frees the
-// session (before: kvc-sim evicted it at once, LRU).
+// session (before: kvc-sim evicted it at once, LRU), and the worker reports that demand to the
+// sidecar (ReportDemand), which sees no other sign of it.
 func TestWatermarkModeNeverEvictsOnDemand(t *testing.T) {
 	for _, watermark := range []bool{false, true} {
 		t.Run(map[bool]string{false: "lru", true: "watermark"}[watermark], func(t *testing.T) {
@@ -238,17 +239,31 @@ func TestWatermarkModeNeverEvictsOnDemand(t *testing.T) {
 				if dr := <-done; dr.status != 200 || dr.ans.MetaInfo.KVC.EvictedSessions != 1 {
 					t.Fatalf("lru: b %d %s, evicted %d; want a evicted at once", dr.status, dr.code, dr.ans.MetaInfo.KVC.EvictedSessions)
 				}
+				if n := len(d.sc.demandReports()); n != 0 {
+					t.Fatalf("lru: %d demand reports; an engine that evicts reports none", n)
+				}
 				return
 			}
 			waitFor(t, func() bool { return testutil.ToFloat64(d.w.m.preallocWaits) >= 1 })
 			if _, ok := sessionsOf(t, d)["a"]; !ok {
 				t.Fatal("watermark: the engine evicted a for b")
 			}
+			// The sidecar is told what waits (b's 11 pages, 44 tokens) and what is free (5
+			// pages): its release must see the demand, the pool being under no watermark it knows.
+			waitFor(t, func() bool { return len(d.sc.demandReports()) >= 1 })
+			if got := d.sc.demandReports()[0]; got.GetWaitingRequests() != 1 || got.GetWaitingTokens() != 44 || got.GetFreeTokens() != 20 {
+				t.Fatalf("demand report %v; want 1 request, 44 tokens waiting, 20 free", got)
+			}
 			if _, err := d.w.releaseForSidecar("a", kvcv1.WorkerCommandReason_WORKER_COMMAND_REASON_CAPACITY); err != nil {
 				t.Fatal(err)
 			}
 			if dr := <-done; dr.status != 200 {
 				t.Fatalf("b after the sidecar released a: %d %s", dr.status, dr.code)
+			}
+			// b got its pages: the queue's demand is reported gone.
+			reps := d.sc.demandReports()
+			if last := reps[len(reps)-1]; last.GetWaitingRequests() != 0 || last.GetWaitingTokens() != 0 {
+				t.Fatalf("last demand report %v; want none waiting", last)
 			}
 		})
 	}

@@ -16,6 +16,7 @@ type metrics struct {
 	sidecarlessReleases prometheus.Counter
 	capacityRejects     prometheus.Counter
 	preallocWaits       prometheus.Counter
+	demandReports       prometheus.Counter
 	bridgeErrors        *prometheus.CounterVec // call
 	transferSeconds     prometheus.Histogram
 	residentGauge       prometheus.GaugeFunc
@@ -69,6 +70,7 @@ func newMetrics(reg prometheus.Registerer, w *Worker) *metrics {
 			Help: "Sessions freed (evicted or released) while the sidecar was gone: ReleaseSession failed Unavailable; the sidecar reads no pages then."}),
 		capacityRejects: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_capacity_rejections_total", Help: "Requests rejected with no_capacity."}),
 		preallocWaits:   prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_prealloc_waits_total", Help: "Times a decode allocation waited for running requests to free pages."}),
+		demandReports:   prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_demand_reports_total", Help: "Prealloc-queue demand reports (WorkerBridge ReportDemand) sent to the sidecar (--evict watermark)."}),
 		bridgeErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvc_sim_bridge_errors_total", Help: "Failed WorkerBridge calls to the sidecar.",
 		}, []string{"call"}),
@@ -103,7 +105,7 @@ func newMetrics(reg prometheus.Registerer, w *Worker) *metrics {
 	if reg != nil {
 		reg.MustRegister(m.busyGauge, m.pulledBytes, m.prefillPromptTokens, m.prefillCacheHitTokens)
 		reg.MustRegister(m.requests, m.ttft, m.receivedBytes, m.verifiedBytes, m.verifyFailures, m.sentBytes,
-			m.prefillTokens, m.decodeTokens, m.evictions, m.sidecarlessReleases, m.capacityRejects, m.preallocWaits, m.bridgeErrors, m.transferSeconds,
+			m.prefillTokens, m.decodeTokens, m.evictions, m.sidecarlessReleases, m.capacityRejects, m.preallocWaits, m.demandReports, m.bridgeErrors, m.transferSeconds,
 			m.residentGauge, m.usedPagesGauge, m.freePagesGauge, m.truncations, m.tailRewrites, m.misStitched, m.prefixCachedTokens,
 			m.bootstrapSeconds, m.prefillBusy, m.storeLoads, m.storeLoadTokens, m.suffixReceives)
 	}

@@ -112,6 +112,7 @@ type Worker struct {
 	inbound    nic           // this node's NIC, inbound: the modeled flows into it (link.go)
 	gpu        decodeGPU     // a decode worker's GPU: decode batch and its own prefills (decodegpu.go)
 	allocQ     fifoQueue     // allocations waiting for room, first come first served (fifo.go)
+	demand     demandBook    // the prealloc queue's demand, reported to the sidecar (demand.go)
 
 	att attacher // the command watcher: re-attach after a sidecar restart, release commands (attach.go)
 }
@@ -378,7 +379,16 @@ func (w *Worker) allocate(ctx context.Context, n int64, exclude string) ([]int64
 		defer tm.Stop()
 		deadline = tm.C
 	}
+	// A decode allocation that waits (behind earlier ones, or for pages) is demand the sidecar's
+	// capacity release must see (demand.go); the deferred call runs before leave.
+	wt := w.demandWaiter(n)
+	defer wt.done()
 	t0 := time.Now()
+	select {
+	case <-tk.head:
+	default:
+		wt.waiting()
+	}
 	select {
 	case <-tk.head:
 	case <-deadline:
@@ -423,6 +433,7 @@ func (w *Worker) allocate(ctx context.Context, n int64, exclude string) ([]int64
 			return pages, ev, e
 		}
 		w.m.preallocWaits.Inc()
+		wt.waiting()
 		select {
 		case <-ch:
 		case <-deadline:

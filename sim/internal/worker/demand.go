@@ -1,0 +1,107 @@
+package worker
+
+import (
+	"context"
+	"sync"
+	"time"
+
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+// demandReportTimeout bounds one ReportDemand call (the allocation waits on it).
+const demandReportTimeout = 2 * time.Second
+
+// demandBook is the decode prealloc queue's demand: the allocations waiting now (behind
+// earlier ones or for pages) and the pages they need. A worker that evicts only by the
+// sidecar's release (Config.EvictOnlyByRelease, SGLang's streaming sessions) reports it to its
+// sidecar on every change (WorkerBridge ReportDemand): its pages are taken before any
+// PrepareReceive, so the sidecar sees no other sign of a request that waits, and without it a
+// pool just under the release watermark held a reseed — and every turn queued behind it — until
+// the prealloc wait ran out.
+type demandBook struct {
+	mu       sync.Mutex // held across a report, so that reports go out in order
+	requests int32
+	pages    int64
+	sent     *kvcv1.ReportDemandRequest // last report sent (nil: none yet)
+}
+
+// demandWaiter is one allocation's share of the demand.
+type demandWaiter struct {
+	w       *Worker
+	n       int64
+	counted bool
+}
+
+// demandWaiter returns the share of an allocation of n pages (a no-op unless this is a decode
+// worker that evicts only by release).
+func (w *Worker) demandWaiter(n int64) *demandWaiter {
+	return &demandWaiter{w: w, n: n}
+}
+
+func (w *Worker) reportsDemand() bool {
+	return w.cfg.EvictOnlyByRelease && w.cfg.Role == kvcv1.WorkerRole_WORKER_ROLE_DECODE && w.bridge != nil
+}
+
+// waiting marks the allocation as waiting (once) and reports the demand, also when it was
+// already counted: the free room changed since its last try.
+func (d *demandWaiter) waiting() {
+	if !d.w.reportsDemand() {
+		return
+	}
+	if !d.counted {
+		d.counted = true
+		d.w.demand.mu.Lock()
+		d.w.demand.requests++
+		d.w.demand.pages += d.n
+		d.w.demand.mu.Unlock()
+	}
+	d.w.reportDemand()
+}
+
+// done takes the allocation's share out (served, timed out or abandoned) and reports it.
+func (d *demandWaiter) done() {
+	if !d.counted {
+		return
+	}
+	d.counted = false
+	d.w.demand.mu.Lock()
+	d.w.demand.requests--
+	d.w.demand.pages -= d.n
+	d.w.demand.mu.Unlock()
+	d.w.reportDemand()
+}
+
+// reportDemand sends the current demand and free room to the sidecar when they differ from the
+// last report. A failure is counted and otherwise ignored: the next change reports again.
+func (w *Worker) reportDemand() {
+	ps := int64(w.cfg.Geometry.PageSize)
+	w.demand.mu.Lock()
+	defer w.demand.mu.Unlock()
+	w.mu.Lock()
+	free := w.alloc.available()
+	if w.prad != nil {
+		free += w.prad.evictable()
+	}
+	w.mu.Unlock()
+	req := &kvcv1.ReportDemandRequest{WaitingRequests: w.demand.requests, WaitingTokens: w.demand.pages * ps, FreeTokens: free * ps}
+	if req.WaitingRequests == 0 {
+		req.FreeTokens = 0 // nothing waits: the free room is no demand's business
+	}
+	if s := w.demand.sent; s != nil && s.WaitingRequests == req.WaitingRequests && s.WaitingTokens == req.WaitingTokens && s.FreeTokens == req.FreeTokens {
+		return
+	}
+	if w.demand.sent == nil && req.WaitingRequests == 0 {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), min(demandReportTimeout, w.cfg.BridgeTimeout))
+	_, err := w.bridge.ReportDemand(ctx, req)
+	cancel()
+	if err != nil {
+		w.m.bridgeErrors.WithLabelValues("ReportDemand").Inc()
+		// unknown to the sidecar now: the next report goes out whatever it says (a zero one too)
+		w.demand.sent = &kvcv1.ReportDemandRequest{WaitingRequests: -1}
+		return
+	}
+	w.demand.sent = req
+	w.m.demandReports.Inc()
+}
