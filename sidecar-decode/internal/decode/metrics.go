@@ -21,6 +21,14 @@ func (s *Sidecar) Collectors() []prometheus.Collector {
 		return prometheus.NewCounterFunc(prometheus.CounterOpts{Name: name, Help: help}, func() float64 { return f(s.Demand()) })
 	}
 	return []prometheus.Collector{
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "kvc_snapshot_unpushed_tokens",
+			Help: "Committed tokens of sessions with a snapshot target that are not in their prefill snapshot yet, summed over sessions.",
+		}, func() float64 { t, _ := s.staleness(time.Now()); return float64(t) }),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "kvc_snapshot_stale_seconds",
+			Help: "Longest time since the last commit of a session whose snapshot lacks committed tokens (0: every snapshot current).",
+		}, func() float64 { _, d := s.staleness(time.Now()); return d.Seconds() }),
 		g("kvc_sidecar_prealloc_waiting_requests", "Requests waiting in the worker's prealloc queue for pages, as last reported (ReportDemand).",
 			func(d DemandStats) float64 { return float64(d.WaitingRequests) }),
 		g("kvc_sidecar_prealloc_waiting_tokens", "Tokens the requests waiting in the worker's prealloc queue need, as last reported.",
@@ -31,14 +39,6 @@ func (s *Sidecar) Collectors() []prometheus.Collector {
 			func(d DemandStats) float64 { return float64(d.Reports) }),
 		c("kvc_sidecar_demand_release_passes_total", "Capacity release passes that released or waited for sessions because waiting requests needed more than the free room.",
 			func(d DemandStats) float64 { return float64(d.DeficitReleasePasses) }),
-		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
-			Name: "kvc_snapshot_unpushed_tokens",
-			Help: "Committed tokens of sessions with a snapshot target that are not in their prefill snapshot yet, summed over sessions.",
-		}, func() float64 { t, _ := s.staleness(time.Now()); return float64(t) }),
-		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
-			Name: "kvc_snapshot_stale_seconds",
-			Help: "Longest time since the last commit of a session whose snapshot lacks committed tokens (0: every snapshot current).",
-		}, func() float64 { _, d := s.staleness(time.Now()); return d.Seconds() }),
 	}
 }
 
