@@ -19,6 +19,7 @@ type metrics struct {
 	ttftByMode     map[int32]prometheus.Observer
 	errors         *prometheus.CounterVec
 	expired        prometheus.Counter
+	lateOutcomes   prometheus.Counter
 	streamEnd      *prometheus.CounterVec
 	migrations     prometheus.Counter
 	truncations    prometheus.Counter
@@ -98,6 +99,9 @@ func newMetrics(reg prometheus.Registerer, s *Service) *metrics {
 		}, []string{"code"}),
 		expired: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "kvc_router_reservations_expired_total", Help: "Reservations released by timeout (no outcome).",
+		}),
+		lateOutcomes: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvc_router_late_outcomes_total", Help: "Outcomes applied after their reservation expired (the turn waited longer than the reservation timeout, e.g. in a prealloc queue).",
 		}),
 		streamEnd: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvc_router_reservations_stream_end_total", Help: "Reservations whose Route stream ended before their outcome, by how: closed (the client closed the stream: released at once), broken (the stream failed: released after the stream-end grace unless an outcome arrives on another stream).",
@@ -186,7 +190,7 @@ func newMetrics(reg prometheus.Registerer, s *Service) *metrics {
 	rehome := newRehomeMetrics(m)
 	if reg != nil {
 		reg.MustRegister(rehome...)
-		reg.MustRegister(m.decisions, m.latency, m.outcomes, m.ttft, m.errors, m.expired, m.migrations,
+		reg.MustRegister(m.decisions, m.latency, m.outcomes, m.ttft, m.errors, m.expired, m.lateOutcomes, m.migrations,
 			m.admitted, m.rejected, m.commands, m.reservations, m.streamEnd, m.reservedTokens, m.truncations, m.contentGauge, m.contentLoaded, m.pins,
 			m.fromSnapshot, m.fromSnapshotTokens, m.suffixReceives,
 			m.queued, m.keptFallbacks, m.wastedKV)

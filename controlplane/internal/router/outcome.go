@@ -29,10 +29,20 @@ func (s *Service) outcome(o *kvcv1.RouteOutcome) *kvcv1.RouteResponse {
 		s.led.settle(r.decode, r.tokens, nowMs)
 	}
 	issued := seq <= s.nextSeq
+	late := false
+	if !ok {
+		r, late = s.late.take(seq)
+	}
 	s.mu.Unlock()
+	if late {
+		// The reservation expired (its tokens are released); what the turn did still counts.
+		s.m.lateOutcomes.Inc()
+		s.apply(r, o, nowMs)
+		return &kvcv1.RouteResponse{Kind: &kvcv1.RouteResponse_OutcomeAck{OutcomeAck: &kvcv1.OutcomeAck{DecisionId: o.DecisionId}}}
+	}
 	if !ok {
 		if issued {
-			return s.errResp("", o.DecisionId, codes.FailedPrecondition, "decision already completed or its reservation expired")
+			return s.errResp("", o.DecisionId, codes.FailedPrecondition, "decision already completed")
 		}
 		return s.errResp("", o.DecisionId, codes.NotFound, "unknown decision id")
 	}

@@ -44,6 +44,7 @@ type Service struct {
 
 	mu      sync.Mutex
 	led     *ledger
+	late    lateBook             // expired reservations, for their late outcomes (late.go)
 	nextSeq uint64               // last sequence number issued
 	pins    map[string]pinEntry  // agent pins granted, by session (hints.go)
 	targets map[string]string    // prefill worker last named as a session's snapshot target (hints.go)
@@ -123,6 +124,7 @@ func (s *Service) OnLeadershipChange(leading bool) {
 	s.mu.Lock()
 	n := len(s.led.pending)
 	s.led = newLedger()
+	s.late.reset()
 	clear(s.pins) // a new term counts pins again from its own grants (hints.go)
 	clear(s.targets)
 	ops := s.resetRehomesLocked()
@@ -139,6 +141,9 @@ func (s *Service) OnLeadershipChange(leading bool) {
 func (s *Service) expire(now time.Time) int {
 	s.mu.Lock()
 	rs := s.led.expired(now)
+	for _, r := range rs {
+		s.late.add(r)
+	}
 	s.mu.Unlock()
 	for _, r := range rs {
 		s.expiredRehome(r)

@@ -430,8 +430,13 @@ func TestReservationExpiry(t *testing.T) {
 		t.Fatalf("expired %d, want 1", n)
 	}
 	f.checkLedger()
+	// A late outcome still applies (late.go); once only.
+	if ack := f.s.Handle(outcome(a.DecisionId, true, okKind, 0)).GetOutcomeAck(); ack == nil {
+		t.Fatal("outcome after expiry not acknowledged")
+	}
+	f.checkLedger()
 	if e := f.s.Handle(outcome(a.DecisionId, true, okKind, 0)).GetError(); e == nil || e.Code != int32(codes.FailedPrecondition) {
-		t.Fatalf("outcome after expiry: %v", e)
+		t.Fatalf("second outcome after expiry: %v", e)
 	}
 	f.report(b.DecisionId, true, okKind, 0)
 	if f.pending() != 0 || testutil.ToFloat64(f.s.m.expired) != 1 {
