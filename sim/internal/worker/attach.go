@@ -275,11 +275,13 @@ func (w *Worker) releaseForSidecar(id string, reason kvcv1.WorkerCommandReason) 
 	case s == nil:
 		w.mu.Unlock()
 		return 0, fmt.Errorf("session %s is not resident", id)
-	case s.pinned > 0:
-		n := s.pinned
+	case s.pinned > s.waiting:
+		n := s.pinned - s.waiting
 		w.mu.Unlock()
 		return 0, fmt.Errorf("session %s is in use by %d running request(s)", id, n)
 	}
+	// Only turns still waiting for pages use it (or none): they find it gone and answer 409
+	// (generate.go), as a queued turn of a slot the SGLang plugin released re-prefills.
 	delete(w.sessions, id)
 	kv := s.kvLen
 	w.mu.Unlock()

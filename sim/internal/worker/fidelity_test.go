@@ -363,3 +363,50 @@ func TestConcurrentSeedsShareTheDecodeNIC(t *testing.T) {
 		}
 	}
 }
+
+// TestWatermarkReleaseTakesAWaitingTurnsSession: in watermark mode a session whose only request
+// is a direct turn still waiting in the prealloc queue (behind a reseed that needs the session's
+// room) is released by the sidecar's capacity release — the SGLang plugin's
+// release_for_capacity frees a slot whose turn is only queued — and the turn answers 409
+// session_not_resident to be re-decided (before: the release was refused "in use", and the
+// reseed at the head waited for room only the queued turn's own session could give, for the
+// whole prealloc wait, with the turn behind it).
+func TestWatermarkReleaseTakesAWaitingTurnsSession(t *testing.T) {
+	h := newHub()
+	p := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_PREFILL, "p0", 4096, zeroTiming())
+	d := newTestWorkerCfg(t, h, kvcv1.WorkerRole_WORKER_ROLE_DECODE, "d0", 64, zeroTiming(), 10*time.Second) // 16 pages of 4
+	d.w.cfg.EvictOnlyByRelease = true
+	if _, dr := pd(t, p, d, "a", 4, kvcReq{Mode: "SEED", SessionID: "a", InputTokens: 40, Room: i64(1)}); dr.status != 200 {
+		t.Fatalf("seed a: %d %s", dr.status, dr.code)
+	}
+	kv := sessionsOf(t, d)["a"].KVLen
+	// b needs 11 of 16 pages, a holds 11: b waits at the head of the queue.
+	bDone := make(chan result, 1)
+	go func() {
+		_, dr := pd(t, p, d, "b", 4, kvcReq{Mode: "SEED", SessionID: "b", InputTokens: 40, Room: i64(2)})
+		bDone <- dr
+	}()
+	waitFor(t, func() bool { return testutil.ToFloat64(d.w.m.preallocWaits) >= 1 })
+	// a's direct turn needs 2 more pages: it queues behind b, holding a.
+	aDone := postAsync(t, context.Background(), d.url, body("a-2", 4, false,
+		kvcReq{Mode: "DIRECT_TO_D", Role: "decode", SessionID: "a", InputTokens: kv + 8, CachedTokens: kv, Keep: bptr(true)}))
+	waitFor(t, func() bool {
+		d.w.mu.Lock()
+		defer d.w.mu.Unlock()
+		s := d.w.sessions["a"]
+		return s != nil && s.waiting == 1
+	})
+	if _, err := d.w.releaseForSidecar("a", kvcv1.WorkerCommandReason_WORKER_COMMAND_REASON_CAPACITY); err != nil {
+		t.Fatalf("release of a session whose turn only waits for pages: %v", err)
+	}
+	if dr := <-bDone; dr.status != 200 {
+		t.Fatalf("b after a's release: %d %s", dr.status, dr.code)
+	}
+	if r := (<-aDone).r; r.status != 409 || r.code != "session_not_resident" {
+		t.Fatalf("a's waiting turn after its session's release: %d %s; want 409 session_not_resident", r.status, r.code)
+	}
+	// Nothing leaked: b's pages are all that is held.
+	if st, held := d.w.stats(), sessionsOf(t, d); len(held) != 1 || st.FreePages != st.PageCount-11 {
+		t.Fatalf("after: %d sessions, %d free of %d pages; want b's 11 held", len(held), st.FreePages, st.PageCount)
+	}
+}

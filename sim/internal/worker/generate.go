@@ -493,14 +493,30 @@ func (w *Worker) begin(ctx context.Context, p *plan, meta *KVCMeta) (*turn, *api
 		have := int64(len(s.pages))
 		w.mu.Unlock()
 		if need > have {
+			w.mu.Lock()
+			s.waiting++
+			w.mu.Unlock()
 			pages, ev, e := w.allocate(ctx, need-have, p.sessionID)
 			meta.EvictedSessions = ev
+			w.mu.Lock()
+			s.waiting--
+			released := w.sessions[p.sessionID] != s
+			if e == nil && !released {
+				s.pages = append(s.pages, pages...)
+			}
+			w.mu.Unlock()
 			if e != nil {
 				return fail(e)
 			}
-			w.mu.Lock()
-			s.pages = append(s.pages, pages...)
-			w.mu.Unlock()
+			if released {
+				// The sidecar's capacity release took the session while this turn waited for
+				// pages (its snapshot is current): re-decided by the control plane (a reseed).
+				w.freePages(pages)
+				t.s = nil
+				w.unpin(s)
+				return fail(errf(http.StatusConflict, "session_not_resident",
+					"session %q was released for capacity on %s while its turn waited for pages", p.sessionID, w.cfg.WorkerID))
+			}
 		}
 		t.kv = keep
 		if e := w.appendPrefill(ctx, t, keep, p.input); e != nil {

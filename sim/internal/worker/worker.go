@@ -76,8 +76,12 @@ type session struct {
 	kvLen      int64
 	lastUsed   uint64 // LRU clock
 	lastUsedAt time.Time
-	pinned     int  // requests using the session's pages
-	committed  bool // the sidecar knows it (CommitSession succeeded once)
+	pinned     int // requests using the session's pages
+	// waiting: of pinned, direct turns still waiting in the prealloc queue for their new pages:
+	// a capacity release may take the session from them (attach.go), as the SGLang plugin's
+	// release_for_capacity frees a slot whose turn is only queued.
+	waiting   int
+	committed bool // the sidecar knows it (CommitSession succeeded once)
 }
 
 type turnLock struct {
