@@ -74,6 +74,7 @@ var Table = map[string]Rule{
 	kvcv1.WorkerBridgeService_WatchCommands_FullMethodName:  noTLSUse,
 	kvcv1.WorkerBridgeService_AckCommand_FullMethodName:     noTLSUse,
 	kvcv1.WorkerBridgeService_LoadFromStore_FullMethodName:  noTLSUse,
+	kvcv1.WorkerBridgeService_ReportDemand_FullMethodName:   noTLSUse,
 	// Every server.
 	healthpb.Health_Check_FullMethodName:                                   anyPeer,
 	healthpb.Health_List_FullMethodName:                                    anyPeer,
