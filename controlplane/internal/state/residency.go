@@ -27,6 +27,7 @@ func (s *State) Reconcile(st *Stream, rs *kvcv1.ResidentSessions) error {
 			// A rank of a tensor-parallel group other than its rank 0, whose reports drive the
 			// group's residency: a session it does not hold is lost for the group.
 			if rs.GetFullSync() {
+				st.synced = true
 				s.rankResyncLocked(w, u, rs)
 				s.resyncAttachedLocked(w)
 			}
@@ -81,6 +82,7 @@ func (s *State) Reconcile(st *Stream, rs *kvcv1.ResidentSessions) error {
 		}
 		s.releaseStaleLocked(w, stale)
 		if rs.GetFullSync() {
+			st.synced = true
 			s.resyncAttachedLocked(w)
 		}
 		s.kickDrainLocked(w)
@@ -137,16 +139,33 @@ func (s *State) Reconcile(st *Stream, rs *kvcv1.ResidentSessions) error {
 // report is not of a newer generation (a reseed elsewhere bumped the generation while w was
 // unreachable; a copy of unknown generation on w predates it, since w could not be chosen
 // while the record pointed elsewhere), and when the session is resident nowhere but the report
-// is of a known, older generation (moved away, then released or evicted there).
+// is of a known, older generation (moved away, then released or evicted there) or of unknown
+// generation while the session's last residency was on another worker (movedAway).
 func (s *State) staleCopyLocked(rec *kvcv1.SessionRecord, gen uint64, oldD, w string) bool {
 	switch {
 	case oldD == w:
 		return false
 	case oldD != "":
 		return gen == 0 || gen <= rec.GetGeneration()
+	case gen == 0:
+		return movedAway(rec, w)
 	default:
-		return gen != 0 && gen < rec.GetGeneration()
+		return gen < rec.GetGeneration()
 	}
+}
+
+// movedAway: the session is resident nowhere and its last residency was on another worker than
+// w (previous_decode_worker: every change that clears decode_worker names the worker it leaves).
+// A copy of unknown generation on w then predates that residency — w held the session before
+// it moved there, e.g. a seed onto w whose snapshot target (w's only source of the generation)
+// never reached w's sidecar, cut off from the control planes, while the session was reseeded
+// elsewhere, committed and evicted there (half-open-sidecar-link): adopting the copy would make
+// w's older KV current at the record's newer generation. A seed onto w ahead of its outcome is
+// the one honest such copy; its outcome lands within the decision's round trip, long before a
+// cut-off sidecar reconnects and resyncs.
+func movedAway(rec *kvcv1.SessionRecord, w string) bool {
+	p := rec.GetPreviousDecodeWorker()
+	return rec.GetDecodeWorker() == "" && p != "" && p != w
 }
 
 // releaseStaleLocked commands unit's sidecar (every rank's, for a tensor-parallel group) to
@@ -280,6 +299,12 @@ func (s *State) ApplyEvent(st *Stream, ev *kvcv1.SessionEvent) error {
 			rec = e.rec
 		}
 		before := durableOf(rec)
+		if ev.GetGeneration() == 0 && !st.synced && movedAway(rec, w) {
+			// A commit raised while w's sidecar was cut off, replayed before its resync, of a
+			// session that has since lived on another worker: the copy may predate that
+			// residency (movedAway). The resync that follows decides (and releases it there).
+			return nil
+		}
 		if g := ev.GetGeneration(); before.decode != "" && before.decode != w && g != 0 && g < rec.GetGeneration() {
 			// A commit of an older residency of the session on w — its worker re-committed its
 			// sessions after a sidecar restart while the session was reseeded elsewhere (issue

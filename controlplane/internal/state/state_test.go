@@ -198,9 +198,10 @@ func TestReconcileAndEvents(t *testing.T) {
 	p0, _ := st.Attach(hello("p0", kvcv1.WorkerRole_WORKER_ROLE_PREFILL))
 	st.UpdateSession("x", func(r *kvcv1.SessionRecord) { r.DecodeWorker = "d0" })
 	st.UpdateSession("y", func(r *kvcv1.SessionRecord) { r.DecodeWorker = "d0" })
-	// d0 says it holds only y; d1 says it holds x (moved).
+	// d0 says it holds only y; d1 says it holds x (moved: of a newer generation than the
+	// record's; a copy of unknown generation would predate d0's residency, TestResyncStaleCopy).
 	must(t, st.Reconcile(d0, &kvcv1.ResidentSessions{FullSync: true, Sessions: []*kvcv1.ResidentSession{{SessionId: "y", KvCommittedLen: 7, Generation: 2}}}))
-	must(t, st.Reconcile(d1, &kvcv1.ResidentSessions{FullSync: true, Sessions: []*kvcv1.ResidentSession{{SessionId: "x", KvCommittedLen: 9}}}))
+	must(t, st.Reconcile(d1, &kvcv1.ResidentSessions{FullSync: true, Sessions: []*kvcv1.ResidentSession{{SessionId: "x", KvCommittedLen: 9, Generation: 1}}}))
 	x, _ := st.Session("x")
 	y, _ := st.Session("y")
 	if x.GetDecodeWorker() != "d1" || x.GetKvCommittedLen() != 9 || y.GetDecodeWorker() != "d0" || y.GetGeneration() != 2 {

@@ -25,6 +25,10 @@ type Stream struct {
 
 	mu      sync.Mutex
 	pending map[uint64]time.Time
+
+	// synced is set (under State.mu) once the stream's first full resync is applied: a
+	// decode sidecar sends the events it raised while disconnected before it (residency.go).
+	synced bool
 }
 
 // Queue is the stream's outgoing messages, for its send loop.
