@@ -211,18 +211,7 @@ func leaderEtcdPartition(ctx context.Context, h *Harness, s *Step) (time.Time, [
 	}
 	ref := s.faultAt
 	// Heal once another replica leads (or after a bound), so the rest of the run has an HA pair.
-	err = h.waitFor(ctx, "another leader", 3*LeaderBound, func(ctx context.Context) error {
-		id, err := h.Leader(ctx)
-		if err == nil && id == lead {
-			err = errors.New("old leader still leads")
-		}
-		return err
-	})
-	if err != nil {
-		s.Note("%v", err)
-	} else {
-		s.Note("standby led %.1f s after the cut", time.Since(ref).Seconds())
-	}
+	h.waitOtherLeader(ctx, s, lead, "the cut", ref)
 	return ref, nil, nil
 }
 
@@ -299,18 +288,7 @@ func leaderPause(ctx context.Context, h *Harness, s *Step) (time.Time, []string,
 	}
 	h.paused = append(h.paused, p)
 	s.Note("stopped %s (SIGSTOP)", lead)
-	err = h.waitFor(ctx, "another leader", 3*LeaderBound, func(ctx context.Context) error {
-		id, err := h.Leader(ctx)
-		if err == nil && id == lead {
-			err = errors.New("the paused leader still leads")
-		}
-		return err
-	})
-	if err != nil {
-		s.Note("%v", err)
-	} else {
-		s.Note("standby led %.1f s after the stop", time.Since(s.faultAt).Seconds())
-	}
+	h.waitOtherLeader(ctx, s, lead, "the stop", s.faultAt)
 	return s.faultAt, nil, nil
 }
 
@@ -879,4 +857,22 @@ func bodyFlood(ctx context.Context, h *Harness, s *Step) (time.Time, []string, e
 		return time.Now(), nil, fmt.Errorf("gateway RSS grew by %.0f MiB (bound %d MiB)", peak-before, floodRSSBound)
 	}
 	return time.Now(), nil, nil
+}
+
+// waitOtherLeader waits (up to 3 × LeaderBound) until a replica other than lead leads, and notes
+// how long after since (the fault: "the cut", "the stop") that took, or why it did not happen;
+// the scenario goes on either way.
+func (h *Harness) waitOtherLeader(ctx context.Context, s *Step, lead, fault string, since time.Time) {
+	err := h.waitFor(ctx, "another leader", 3*LeaderBound, func(ctx context.Context) error {
+		id, err := h.Leader(ctx)
+		if err == nil && id == lead {
+			err = fmt.Errorf("%s still leads", lead)
+		}
+		return err
+	})
+	if err != nil {
+		s.Note("%v", err)
+	} else {
+		s.Note("standby led %.1f s after %s", time.Since(since).Seconds(), fault)
+	}
 }
