@@ -15,7 +15,7 @@ import (
 // claimant is a scripted sidecar that records the release commands it gets and the status its
 // stream ended with.
 type claimant struct {
-	*sidecar
+	*cpStream
 	mu       sync.Mutex
 	released map[string]bool
 	ended    chan error // the stream's end, once
@@ -23,7 +23,7 @@ type claimant struct {
 
 func startClaimant(t *testing.T, c *cp, h *kvcv1.Hello) *claimant {
 	t.Helper()
-	var sc *sidecar
+	var sc *cpStream
 	waitFor(t, h.GetWorkerId()+" attached", func() bool {
 		s, w, err := open(t, c, h)
 		if err != nil || w == nil {
@@ -32,7 +32,7 @@ func startClaimant(t *testing.T, c *cp, h *kvcv1.Hello) *claimant {
 		sc = s
 		return true
 	})
-	cl := &claimant{sidecar: sc, released: map[string]bool{}, ended: make(chan error, 1)}
+	cl := &claimant{cpStream: sc, released: map[string]bool{}, ended: make(chan error, 1)}
 	go func() {
 		for {
 			m, err := sc.stream.Recv()

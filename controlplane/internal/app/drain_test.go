@@ -17,7 +17,7 @@ import (
 // scripted is a sidecar driven by the test over a real Connect stream: it records the
 // commands it receives and acks each, as the real sidecars do.
 type scripted struct {
-	*sidecar
+	*cpStream
 	mu       sync.Mutex
 	released map[string]time.Time
 	targets  chan *kvcv1.SetSnapshotTargetCommand
@@ -30,7 +30,7 @@ func startScripted(t *testing.T, c *cp, h *kvcv1.Hello) *scripted {
 	if err != nil {
 		t.Fatal(err)
 	}
-	s := &scripted{sidecar: sc, released: map[string]time.Time{}, targets: make(chan *kvcv1.SetSnapshotTargetCommand, 16), ended: make(chan struct{})}
+	s := &scripted{cpStream: sc, released: map[string]time.Time{}, targets: make(chan *kvcv1.SetSnapshotTargetCommand, 16), ended: make(chan struct{})}
 	go func() {
 		defer close(s.ended)
 		for {

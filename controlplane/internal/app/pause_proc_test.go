@@ -11,9 +11,9 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 
-	"github.com/kvcentric/kvcentric/pkg/agent"
 	"github.com/kvcentric/kvcentric/pkg/etcdtest"
 	"github.com/kvcentric/kvcentric/pkg/grpcx"
+	"github.com/kvcentric/kvcentric/pkg/sidecar"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -31,7 +31,7 @@ func startCPProc(t *testing.T, bin, node string, etcd []string, ttl time.Duratio
 }
 
 // TestPausedLeaderFollowedRealProcesses (issue 23 item 4): two real control planes on embedded
-// etcd (election TTL 2 s) and a sidecar's control-plane loop (pkg/agent, tuned with --cp-lease
+// etcd (election TTL 2 s) and a sidecar's control-plane loop (pkg/sidecar, tuned with --cp-lease
 // to that TTL). The leader's process is stopped (SIGSTOP) and stays stopped past its lease: its
 // TCP connections stay up and answer nothing. The sidecar must leave it and reach the new
 // leader within the lease plus a margin (TTL 2 s + 2 s), not at gRPC's keepalive limit (10 s
@@ -52,7 +52,7 @@ func TestPausedLeaderFollowedRealProcesses(t *testing.T) {
 	t.Cleanup(func() { _ = a.cmd.Process.Signal(syscall.SIGCONT) }) // before startProc's SIGTERM (cleanups run last first)
 
 	reg := prometheus.NewRegistry()
-	loop := agent.NewControlPlane(agent.CPConfig{Endpoints: []string{a.str("grpc_addr"), b.str("grpc_addr")},
+	loop := sidecar.NewControlPlane(sidecar.CPConfig{Endpoints: []string{a.str("grpc_addr"), b.str("grpc_addr")},
 		Heartbeat: 100 * time.Millisecond, Lease: ttl, Registerer: reg}, tlsHandler{id: "d9"}, zerolog.Nop())
 	ctx, cancel := context.WithCancel(t.Context())
 	done := make(chan struct{})

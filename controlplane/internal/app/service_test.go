@@ -117,25 +117,25 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 	}
 }
 
-type sidecar struct {
+type cpStream struct {
 	stream grpc.BidiStreamingClient[kvcv1.ConnectRequest, kvcv1.ConnectResponse]
 	cancel context.CancelFunc
 }
 
-func dial(t *testing.T, c *cp) (*sidecar, error) {
+func dial(t *testing.T, c *cp) (*cpStream, error) {
 	ctx, cancel := context.WithCancel(t.Context())
 	st, err := kvcv1.NewSidecarServiceClient(c.conn).Connect(ctx)
 	if err != nil {
 		cancel()
 		return nil, err
 	}
-	s := &sidecar{stream: st, cancel: cancel}
+	s := &cpStream{stream: st, cancel: cancel}
 	t.Cleanup(cancel)
 	return s, nil
 }
 
 // open sends a hello and waits for the welcome.
-func open(t *testing.T, c *cp, h *kvcv1.Hello) (*sidecar, *kvcv1.Welcome, error) {
+func open(t *testing.T, c *cp, h *kvcv1.Hello) (*cpStream, *kvcv1.Welcome, error) {
 	s, err := dial(t, c)
 	if err != nil {
 		return nil, nil, err
@@ -150,7 +150,7 @@ func open(t *testing.T, c *cp, h *kvcv1.Hello) (*sidecar, *kvcv1.Welcome, error)
 	return s, m.GetWelcome(), nil
 }
 
-func (s *sidecar) send(m *kvcv1.ConnectRequest) error { return s.stream.Send(m) }
+func (s *cpStream) send(m *kvcv1.ConnectRequest) error { return s.stream.Send(m) }
 
 func decodeHello(id string) *kvcv1.Hello {
 	return &kvcv1.Hello{WorkerId: id, Role: kvcv1.WorkerRole_WORKER_ROLE_DECODE, Node: "n1", KvCapacityTokens: 100000, WorkerUrl: "http://" + id}

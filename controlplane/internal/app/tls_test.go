@@ -21,9 +21,9 @@ import (
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/protobuf/proto"
 
-	"github.com/kvcentric/kvcentric/pkg/agent"
 	"github.com/kvcentric/kvcentric/pkg/cpclient"
 	"github.com/kvcentric/kvcentric/pkg/grpcx"
+	"github.com/kvcentric/kvcentric/pkg/sidecar"
 	"github.com/kvcentric/kvcentric/pkg/tlsx"
 	"github.com/kvcentric/kvcentric/pkg/tlsx/tlstest"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
@@ -203,7 +203,7 @@ func TestTLS(t *testing.T) {
 	}
 }
 
-// tlsHandler is a minimal sidecar for agent.ControlPlane.
+// tlsHandler is a minimal sidecar for sidecar.ControlPlane.
 type tlsHandler struct{ id string }
 
 func (h tlsHandler) Hello() *kvcv1.Hello                         { return decodeHello(h.id) }
@@ -251,7 +251,7 @@ func TestTLSLeaderHint(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	loop := agent.NewControlPlane(agent.CPConfig{Endpoints: []string{b.grpcAddr}, Heartbeat: 50 * time.Millisecond,
+	loop := sidecar.NewControlPlane(sidecar.CPConfig{Endpoints: []string{b.grpcAddr}, Heartbeat: 50 * time.Millisecond,
 		DialOptions: []grpc.DialOption{cpclient.DialCredentials(scSrc)}}, tlsHandler{id: "d7"}, zerolog.Nop())
 	ctx, cancel := context.WithCancel(t.Context())
 	done := make(chan struct{})

@@ -11,13 +11,13 @@ import (
 
 	"github.com/rs/zerolog"
 
-	"github.com/kvcentric/kvcentric/pkg/agent"
 	"github.com/kvcentric/kvcentric/pkg/etcdtest"
 	"github.com/kvcentric/kvcentric/pkg/netproxy"
+	"github.com/kvcentric/kvcentric/pkg/sidecar"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
-// decodeSidecar is a decode sidecar's Handler for pkg/agent's real control-plane loop, with
+// decodeSidecar is a decode sidecar's Handler for pkg/sidecar's real control-plane loop, with
 // a fixed set of resident sessions.
 type decodeSidecar struct {
 	id       string
@@ -52,10 +52,10 @@ func (d *decodeSidecar) Apply(_ context.Context, cmd *kvcv1.Command) error {
 	return nil
 }
 
-// runAgent runs pkg/agent's control-plane loop for h until the test ends.
-func runAgent(t *testing.T, h agent.Handler, endpoints ...string) *agent.ControlPlane {
+// runAgent runs pkg/sidecar's control-plane loop for h until the test ends.
+func runAgent(t *testing.T, h sidecar.Handler, endpoints ...string) *sidecar.ControlPlane {
 	t.Helper()
-	cp := agent.NewControlPlane(agent.CPConfig{
+	cp := sidecar.NewControlPlane(sidecar.CPConfig{
 		Endpoints: endpoints, Heartbeat: 200 * time.Millisecond,
 		BackoffMin: 20 * time.Millisecond, BackoffMax: 200 * time.Millisecond,
 	}, h, zerolog.Nop())
@@ -79,7 +79,7 @@ func sessionIDs(n int) []string {
 	return ids
 }
 
-// TestAgentRehomesFromCutOffLeader runs scenario 4 with the real sidecar loop (pkg/agent):
+// TestAgentRehomesFromCutOffLeader runs scenario 4 with the real sidecar loop (pkg/sidecar):
 // when the leader is cut off from etcd, the agent's stream ends at the leader's renew
 // deadline, and the agent finds the new leader (hints, backoff) and resyncs there.
 func TestAgentRehomesFromCutOffLeader(t *testing.T) {

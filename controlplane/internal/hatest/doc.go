@@ -19,7 +19,7 @@
 //   - TestHalfOpenSidecarStream: a sidecar's link black-holed; server keepalive cuts it, the
 //     worker is unroutable, and the sidecar resyncs after Heal.
 //   - TestAgentRehomesFromCutOffLeader, TestAgentHalfOpen: scenarios 4 and 9 with the real
-//     sidecar control-plane loop (pkg/agent) instead of the test's own stream client.
+//     sidecar control-plane loop (pkg/sidecar) instead of the test's own stream client.
 //
 // The binary comes from $KVC_BIN_DIR/kvc-controlplane, or is built into a temporary
 // directory when KVC_BIN_DIR is unset. Metrics are read from each process's /metrics.

@@ -80,7 +80,7 @@ type recvCmd struct {
 	at     time.Time
 }
 
-// epochWatch is one sidecar's view of epochs across all its streams, as pkg/agent keeps it:
+// epochWatch is one sidecar's view of epochs across all its streams, as pkg/sidecar keeps it:
 // the highest epoch seen (welcomes and commands) and every command received. A command with
 // an epoch below the highest seen before it is stale: a real sidecar refuses it, and the
 // tests require that none is ever sent.

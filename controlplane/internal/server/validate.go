@@ -9,7 +9,7 @@ import (
 // maxStrLen bounds free-text fields (URLs, endpoints, versions, tp groups) in sidecar messages.
 const maxStrLen = 1024
 
-// maxTPSize bounds Hello.tp_size (the sidecars' own limit on a registration, agent.MaxTPSize).
+// maxTPSize bounds Hello.tp_size (the sidecars' own limit on a registration, kvxfer.MaxTPSize).
 const maxTPSize = 1024
 
 func checkStr(field, v string) error {

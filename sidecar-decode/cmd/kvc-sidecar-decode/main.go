@@ -15,8 +15,8 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/kvcentric/kvcentric/pkg/agent"
 	"github.com/kvcentric/kvcentric/pkg/flagenv"
+	"github.com/kvcentric/kvcentric/pkg/sidecar"
 	"github.com/kvcentric/kvcentric/sidecar-decode/internal/decode"
 )
 
@@ -27,13 +27,13 @@ func main() { os.Exit(run(os.Args[1:], os.Getenv, os.Stderr)) }
 // settings are the flags' values: the common ones and the decode core's (its runtime fields,
 // filled by run once the agent runtime is up, left zero).
 type settings struct {
-	common agent.Common
+	common sidecar.Common
 	core   decode.Config
 }
 
 // parse reads and checks the flags (an error exits 2). Every decision-shaping timer is at
 // --time-scale here: the idle flush, the release tick and the release's minimum idle time (the
-// heartbeat and health probe interval in agent.Start).
+// heartbeat and health probe interval in sidecar.Start).
 func parse(args []string, getenv func(string) string, stderr io.Writer) (*settings, error) {
 	fs := flag.NewFlagSet("kvc-sidecar-decode", flag.ContinueOnError)
 	fs.SetOutput(stderr)
@@ -97,7 +97,7 @@ func run(args []string, getenv func(string) string, stderr io.Writer) int {
 	c := &st.common
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	rt, err := agent.Start(ctx, c, "kvc-sidecar-decode", stderr)
+	rt, err := sidecar.Start(ctx, c, "kvc-sidecar-decode", stderr)
 	if err != nil {
 		fmt.Fprintln(stderr, "kvc-sidecar-decode:", err)
 		return 1
@@ -107,7 +107,7 @@ func run(args []string, getenv func(string) string, stderr io.Writer) int {
 	core := decode.New(cfg, rt.Engine, rt.Events, rt.Log)
 	defer core.Close()
 	rt.Reg.MustRegister(core.Collectors()...)
-	if err := rt.Serve(ctx, core, func(cp *agent.ControlPlane) { core.SetReporter(cp) }); err != nil {
+	if err := rt.Serve(ctx, core, func(cp *sidecar.ControlPlane) { core.SetReporter(cp) }); err != nil {
 		rt.Log.Error().Err(err).Msg("sidecar stopped")
 		return 1
 	}

@@ -110,7 +110,7 @@ func plaintextEnv(args []string, env map[string]string) map[string]string {
 }
 
 // TestTimeScaleScalesTimers: at --time-scale X every decision-shaping timer of the decode
-// sidecar runs X times as fast (the heartbeat and the health probe through agent.Common, the
+// sidecar runs X times as fast (the heartbeat and the health probe through sidecar.Common, the
 // idle flush, the release tick and the release's minimum idle here), so a simulation at X sees
 // the same staleness in model seconds as real speed does; at 1 (the default) nothing changes.
 func TestTimeScaleScalesTimers(t *testing.T) {

@@ -7,7 +7,7 @@ import (
 
 	"google.golang.org/grpc/status"
 
-	"github.com/kvcentric/kvcentric/pkg/agent"
+	"github.com/kvcentric/kvcentric/pkg/kvxfer"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -21,7 +21,7 @@ func (s *Sidecar) Hello() *kvcv1.Hello {
 		h.KvCapacityTokens = s.pool.CapacityTokens()
 		h.KvBytesPerToken = s.pool.BytesPerToken()
 	}
-	agent.HelloTP(h, s.pool, s.cfg.TPGroup)
+	kvxfer.HelloTP(h, s.pool, s.cfg.TPGroup)
 	if s.cfg.KVCapacity > 0 {
 		h.KvCapacityTokens = s.cfg.KVCapacity
 	}

@@ -17,9 +17,10 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
-	"github.com/kvcentric/kvcentric/pkg/agent"
 	"github.com/kvcentric/kvcentric/pkg/grpcx"
+	"github.com/kvcentric/kvcentric/pkg/kvxfer"
 	"github.com/kvcentric/kvcentric/pkg/rdma"
+	"github.com/kvcentric/kvcentric/pkg/sidecar"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -101,7 +102,7 @@ func (f *creditStore) ReserveSnapshot(ctx context.Context, req *kvcv1.ReserveSna
 	f.log = append(f.log, fmt.Sprintf("reserve(use=%d)", use))
 	if use > 0 && (req.GetCreditId() != f.id || use > int64(len(f.credit))) {
 		f.mu.Unlock()
-		return nil, agent.PeerStatus(codes.FailedPrecondition, &kvcv1.PeerError{Reason: kvcv1.PeerErrorReason_PEER_ERROR_REASON_CREDIT_REFUSED}, "credit %d is stale: its credit is now %d", req.GetCreditId(), f.id)
+		return nil, kvxfer.PeerStatus(codes.FailedPrecondition, &kvcv1.PeerError{Reason: kvcv1.PeerErrorReason_PEER_ERROR_REASON_CREDIT_REFUSED}, "credit %d is stale: its credit is now %d", req.GetCreditId(), f.id)
 	}
 	used := slices.Clone(f.credit[:use])
 	f.mu.Unlock()
@@ -176,7 +177,7 @@ func TestPushWithCredit(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = storeEng.Close() })
-	store, err := agent.NewArena(4, 32, 64, 1)
+	store, err := kvxfer.NewArena(4, 32, 64, 1)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -262,7 +263,7 @@ func TestPushWithCredit(t *testing.T) {
 		}
 		before, hadCredit := s.credits.get(addr)
 		job := pushJob{session: fmt.Sprintf("s%d", i), gen: 1, base: 0, end: 12, pages: st.pages, target: target}
-		var ph agent.PushPhases
+		var ph sidecar.PushPhases
 		var seqlen int64
 		if st.before != nil {
 			seqlen, err = s.doPush(context.Background(), pool, job)

@@ -4,5 +4,5 @@
 // last pushed length, generation; delta-triggered, latest-wins queue, small worker pool,
 // incremental pushes with retry and a full push on base mismatch, pinning against release), the
 // TransferDone side of the peer service, the control-plane handler and, when the runtime judges
-// the worker process dead (agent.WorkerHealth), the drop of every session it held.
+// the worker process dead (sidecar.WorkerHealth), the drop of every session it held.
 package decode

@@ -1,11 +1,11 @@
 package decode
 
 import (
-	"github.com/kvcentric/kvcentric/pkg/agent"
+	"github.com/kvcentric/kvcentric/pkg/sidecar"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
-// WorkerHealth is called by the runtime (agent.WorkerListener) when the worker process goes
+// WorkerHealth is called by the runtime (sidecar.WorkerListener) when the worker process goes
 // down or comes back. A dead worker took every session's KV with it: each session is dropped
 // (its push aborted and waited out), reported EVICTED with detail "worker down: <reason>" so
 // the control plane stops routing direct-to-D here and reseeds the session elsewhere (from its
@@ -50,7 +50,7 @@ func (s *Sidecar) dropAll(detail string) int {
 		}
 		s.dropped[id] = struct{}{}
 		s.mu.Unlock()
-		s.ev.Emit(agent.Event{Event: agent.EvSessionRelease, Session: ss.id, Generation: ss.gen, Seqlen: ss.committed, Reason: detail})
+		s.ev.Emit(sidecar.Event{Event: sidecar.EvSessionRelease, Session: ss.id, Generation: ss.gen, Seqlen: ss.committed, Reason: detail})
 		s.rep.Report(&kvcv1.SessionEvent{SessionId: ss.id, Kind: kvcv1.SessionEventKind_SESSION_EVENT_KIND_EVICTED,
 			KvLen: ss.committed, Generation: ss.gen, Detail: detail})
 	}

@@ -3,7 +3,7 @@ package decode
 import (
 	"time"
 
-	"github.com/kvcentric/kvcentric/pkg/agent"
+	"github.com/kvcentric/kvcentric/pkg/sidecar"
 )
 
 // evIdleFlush is the event of an idle flush that queued a push (counted in
@@ -68,7 +68,7 @@ func (s *Sidecar) idleFlush(ss *session, seq uint64) bool {
 	}
 	if !pending { // counted when the flush queued the push (or re-queues it after a running one)
 		s.idleFlushes++
-		s.ev.Emit(agent.Event{Event: evIdleFlush, Session: ss.id, Generation: ss.target.GetGeneration(), BaseLen: ss.lastPushed,
+		s.ev.Emit(sidecar.Event{Event: evIdleFlush, Session: ss.id, Generation: ss.target.GetGeneration(), BaseLen: ss.lastPushed,
 			Tokens: ss.committed - ss.lastPushed, Peer: ss.target.GetPrefillWorkerId(), Reason: "idle " + s.cfg.IdleFlush.String()})
 	}
 	return true

@@ -8,7 +8,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvcentric/kvcentric/pkg/agent"
+	"github.com/kvcentric/kvcentric/pkg/sidecar"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -77,7 +77,7 @@ func TestIdleFlush(t *testing.T) {
 	ft := &fakeTimers{}
 	s.after = ft.after
 	var evlog syncBuffer
-	s.ev = agent.NewEventLog(&evlog, "d", nil)
+	s.ev = sidecar.NewEventLog(&evlog, "d", nil)
 	target := func(sess string) {
 		t.Helper()
 		if err := s.Apply(ctx, &kvcv1.Command{Action: &kvcv1.Command_SetSnapshotTarget{SetSnapshotTarget: &kvcv1.SetSnapshotTargetCommand{

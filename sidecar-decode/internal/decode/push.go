@@ -8,8 +8,9 @@ import (
 	"sync"
 	"time"
 
-	"github.com/kvcentric/kvcentric/pkg/agent"
+	"github.com/kvcentric/kvcentric/pkg/kvxfer"
 	"github.com/kvcentric/kvcentric/pkg/rdma"
+	"github.com/kvcentric/kvcentric/pkg/sidecar"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -76,38 +77,38 @@ type pushJob struct {
 
 // doPush sends [base, end) (or everything, after a base mismatch), retrying a failure once. When
 // it returns, no transfer of the push reads the pages any more.
-func (s *Sidecar) doPush(ctx context.Context, pool *agent.Pool, job pushJob) (int64, error) {
+func (s *Sidecar) doPush(ctx context.Context, pool *kvxfer.Pool, job pushJob) (int64, error) {
 	fullTried := job.base == 0
 	for attempt := 1; ; {
 		start := time.Now()
-		var ph agent.PushPhases
+		var ph sidecar.PushPhases
 		seqlen, moved, err := s.pushOnce(ctx, pool, job, &ph)
-		ev := agent.Event{Session: job.session, Generation: job.gen, BaseLen: job.base, Tokens: job.end - job.base,
-			Bytes: int64(moved), DurationMs: agent.Ms(time.Since(start)), Peer: job.target.GetPrefillWorkerId(), Attempt: attempt,
+		ev := sidecar.Event{Session: job.session, Generation: job.gen, BaseLen: job.base, Tokens: job.end - job.base,
+			Bytes: int64(moved), DurationMs: sidecar.Ms(time.Since(start)), Peer: job.target.GetPrefillWorkerId(), Attempt: attempt,
 			RetagFrom: job.retag}
 		if err == nil {
-			ev.Event, ev.Seqlen, ev.Phases = agent.EvPushSent, seqlen, &ph
+			ev.Event, ev.Seqlen, ev.Phases = sidecar.EvPushSent, seqlen, &ph
 			s.ev.Emit(ev)
 			return seqlen, nil
 		}
 		ev.Reason = err.Error()
-		if ctx.Err() != nil || errors.Is(err, agent.ErrAborted) {
-			ev.Event = agent.EvPushAborted
+		if ctx.Err() != nil || errors.Is(err, kvxfer.ErrAborted) {
+			ev.Event = sidecar.EvPushAborted
 			if c := context.Cause(ctx); c != nil {
 				ev.Reason = c.Error()
 			}
 			s.ev.Emit(ev)
 			return 0, err
 		}
-		ev.Event = agent.EvPushFailed
+		ev.Event = sidecar.EvPushFailed
 		s.ev.Emit(ev)
-		// The retry decision reads the store's typed refusal (agent.PeerError in the status
+		// The retry decision reads the store's typed refusal (kvxfer.PeerError in the status
 		// details), never its message.
-		switch err = agent.TypedPeerError(err); {
-		case errors.Is(err, agent.ErrBaseMismatch) && !fullTried:
+		switch err = kvxfer.TypedPeerError(err); {
+		case errors.Is(err, kvxfer.ErrBaseMismatch) && !fullTried:
 			job.base, job.retag, fullTried = 0, 0, true // the store lost track: send everything
 			continue
-		case errors.Is(err, agent.ErrGenerationStale):
+		case errors.Is(err, kvxfer.ErrGenerationStale):
 			return 0, err // the store holds a newer residency of the session: this one is stale
 		}
 		if attempt >= 2 {
@@ -188,7 +189,7 @@ type transferRun struct {
 
 // startTransfer runs plan into seg in a goroutine. With an engine that has ready events (cuda),
 // the commit of ingest goes out right after the last submission, carrying the event.
-func (s *Sidecar) startTransfer(ctx, rpcCtx context.Context, c kvcv1.TransferPeerServiceClient, plan *agent.TokenPlan, seg rdma.SegmentID, ingest uint64, session string) *transferRun {
+func (s *Sidecar) startTransfer(ctx, rpcCtx context.Context, c kvcv1.TransferPeerServiceClient, plan *kvxfer.TokenPlan, seg rdma.SegmentID, ingest uint64, session string) *transferRun {
 	r := &transferRun{done: make(chan struct{}), t2: time.Now()}
 	go func() {
 		defer close(r.done)
@@ -218,7 +219,7 @@ func (s *Sidecar) startTransfer(ctx, rpcCtx context.Context, c kvcv1.TransferPee
 const abortTimeout = 5 * time.Second
 
 // pushOnce runs one attempt; ph receives the durations of its steps.
-func (s *Sidecar) pushOnce(ctx context.Context, pool *agent.Pool, job pushJob, ph *agent.PushPhases) (int64, uint64, error) {
+func (s *Sidecar) pushOnce(ctx context.Context, pool *kvxfer.Pool, job pushJob, ph *sidecar.PushPhases) (int64, uint64, error) {
 	c, err := s.peers.Client(job.target.GetPeerAddr())
 	if err != nil {
 		return 0, 0, err
@@ -259,7 +260,7 @@ func (s *Sidecar) pushOnce(ctx context.Context, pool *agent.Pool, job pushJob, p
 	var creditTokens int64
 	var creditMoved uint64
 	var creditErr error
-	var plan *agent.TokenPlan // the rest's plan, made while the credit copy runs
+	var plan *kvxfer.TokenPlan // the rest's plan, made while the credit copy runs
 	var planErr error
 	var rest *transferRun   // the rest's transfer, started behind the credit copy
 	var creditEnd time.Time // when the credit copy was done (the rest may have started before)
@@ -274,7 +275,7 @@ func (s *Sidecar) pushOnce(ctx context.Context, pool *agent.Pool, job pushJob, p
 		}
 		rc := make(chan reply, 1)
 		go func() {
-			r, err := c.ReserveSnapshot(agent.WithTP(rpcCtx, pool), req)
+			r, err := c.ReserveSnapshot(kvxfer.WithTP(rpcCtx, pool), req)
 			rc <- reply{r, err, time.Now()}
 		}()
 		// Tokens [0, creditTokens) into the credit pages. Once they are submitted, the hook
@@ -288,9 +289,9 @@ func (s *Sidecar) pushOnce(ctx context.Context, pool *agent.Pool, job pushJob, p
 				return
 			}
 			tp := time.Now()
-			plan, planErr = agent.PlanRuns(agent.PageMap{Layout: pool.Layout(), Pages: job.pages},
-				agent.PageMap{Layout: rep.res.GetStoreLayout(), Pages: rep.res.GetPages()}, creditTokens, job.end)
-			ph.PlanMs = agent.Ms(time.Since(tp))
+			plan, planErr = kvxfer.PlanRuns(kvxfer.PageMap{Layout: pool.Layout(), Pages: job.pages},
+				kvxfer.PageMap{Layout: rep.res.GetStoreLayout(), Pages: rep.res.GetPages()}, creditTokens, job.end)
+			ph.PlanMs = sidecar.Ms(time.Since(tp))
 			if planErr != nil || creditBatches == nil || ctx.Err() != nil {
 				return
 			}
@@ -314,14 +315,14 @@ func (s *Sidecar) pushOnce(ctx context.Context, pool *agent.Pool, job pushJob, p
 			// not drain between the two; its ready event and commit follow its submission.
 			rest = s.startTransfer(ctx, rpcCtx, c, plan, cr.seg, rep.res.GetIngestId(), job.session)
 		}
-		cplan, err := agent.PlanRuns(agent.PageMap{Layout: pool.Layout(), Pages: job.pages},
-			agent.PageMap{Layout: cr.layout, Pages: cr.pages[:k]}, 0, creditTokens)
+		cplan, err := kvxfer.PlanRuns(kvxfer.PageMap{Layout: pool.Layout(), Pages: job.pages},
+			kvxfer.PageMap{Layout: cr.layout, Pages: cr.pages[:k]}, 0, creditTokens)
 		if err == nil {
 			creditMoved, err = cplan.TransferThen(ctx, s.eng, cr.seg, await)
 		}
 		creditErr = err
 		creditEnd = time.Now()
-		ph.CreditMs, ph.CreditTokens, ph.ReserveOverlapped = agent.Ms(creditEnd.Sub(t0)), creditTokens, true
+		ph.CreditMs, ph.CreditTokens, ph.ReserveOverlapped = sidecar.Ms(creditEnd.Sub(t0)), creditTokens, true
 		if !got { // the hook did not run (the copy failed to start)
 			await(nil)
 		}
@@ -330,21 +331,21 @@ func (s *Sidecar) pushOnce(ctx context.Context, pool *agent.Pool, job pushJob, p
 			cancel()
 			<-rest.done
 		}
-		ph.ReserveMs = agent.Ms(rep.at.Sub(t0))
+		ph.ReserveMs = sidecar.Ms(rep.at.Sub(t0))
 		if rep.err != nil {
 			s.credits.settle(addr, nil)
-			if creditErr != nil && !errors.Is(creditErr, agent.ErrAborted) {
+			if creditErr != nil && !errors.Is(creditErr, kvxfer.ErrAborted) {
 				s.segs.Forget(cr.endpoint)
 			}
 			return 0, creditMoved, fmt.Errorf("reserve (with %d credit pages): %w", k, rep.err)
 		}
 		res = rep.res
 	} else {
-		res, err = c.ReserveSnapshot(agent.WithTP(rpcCtx, pool), req)
+		res, err = c.ReserveSnapshot(kvxfer.WithTP(rpcCtx, pool), req)
 		if err != nil {
 			return 0, 0, fmt.Errorf("reserve: %w", err)
 		}
-		ph.ReserveMs = agent.Ms(time.Since(t0))
+		ph.ReserveMs = sidecar.Ms(time.Since(t0))
 	}
 	abort := func(reason string) {
 		actx, acancel := context.WithTimeout(context.Background(), abortTimeout)
@@ -372,7 +373,7 @@ func (s *Sidecar) pushOnce(ctx context.Context, pool *agent.Pool, job pushJob, p
 		}
 		if creditErr != nil {
 			s.credits.settle(addr, nil)
-			if errors.Is(creditErr, agent.ErrAborted) {
+			if errors.Is(creditErr, kvxfer.ErrAborted) {
 				abortAsync(creditErr.Error())
 				return 0, creditMoved, creditErr
 			}
@@ -386,7 +387,7 @@ func (s *Sidecar) pushOnce(ctx context.Context, pool *agent.Pool, job pushJob, p
 	// the credit's segment), its outcome decides below, as for a transfer started there.
 	if rest == nil && ctx.Err() != nil {
 		abortAsync(context.Cause(ctx).Error())
-		return 0, creditMoved, fmt.Errorf("%w: %v", agent.ErrAborted, context.Cause(ctx))
+		return 0, creditMoved, fmt.Errorf("%w: %v", kvxfer.ErrAborted, context.Cause(ctx))
 	}
 	var seg rdma.SegmentID
 	if rest == nil {
@@ -406,9 +407,9 @@ func (s *Sidecar) pushOnce(ctx context.Context, pool *agent.Pool, job pushJob, p
 	// planned during their copy.
 	if cr == nil {
 		t1 := time.Now()
-		plan, planErr = agent.PlanRuns(agent.PageMap{Layout: pool.Layout(), Pages: job.pages},
-			agent.PageMap{Layout: res.GetStoreLayout(), Pages: res.GetPages(), First: job.base / ps}, job.base, job.end)
-		ph.PlanMs = agent.Ms(time.Since(t1))
+		plan, planErr = kvxfer.PlanRuns(kvxfer.PageMap{Layout: pool.Layout(), Pages: job.pages},
+			kvxfer.PageMap{Layout: res.GetStoreLayout(), Pages: res.GetPages(), First: job.base / ps}, job.base, job.end)
+		ph.PlanMs = sidecar.Ms(time.Since(t1))
 	}
 	if planErr != nil {
 		abort(planErr.Error())
@@ -425,16 +426,16 @@ func (s *Sidecar) pushOnce(ctx context.Context, pool *agent.Pool, job pushJob, p
 	moved, err, early, t3 := rest.moved, rest.err, rest.early, rest.t3
 	// The rest's time on the critical path: from its start, or, when it was started behind
 	// the credit copy, from the end of that copy (CreditMs covers what came before).
-	ph.TransferMs = agent.Ms(t3.Sub(rest.t2))
+	ph.TransferMs = sidecar.Ms(t3.Sub(rest.t2))
 	if rest.t2.Before(creditEnd) {
-		ph.TransferMs = agent.Ms(max(0, t3.Sub(creditEnd)))
+		ph.TransferMs = sidecar.Ms(max(0, t3.Sub(creditEnd)))
 		if t3.Before(creditEnd) { // the rest ended first (or was empty): the commit follows both
 			t3 = creditEnd
 		}
 	}
 	if early != nil {
 		cr := <-early
-		ph.CommitMs = agent.Ms(time.Since(t3)) // what the commit added after the copy
+		ph.CommitMs = sidecar.Ms(time.Since(t3)) // what the commit added after the copy
 		switch {
 		case cr.err == nil:
 			// The store saw the event complete: every copy before it ran (a copy cut off by a
@@ -451,7 +452,7 @@ func (s *Sidecar) pushOnce(ctx context.Context, pool *agent.Pool, job pushJob, p
 		// both failed: handled as a failed transfer below (abort, forget the segment)
 	}
 	if err != nil {
-		if !errors.Is(err, agent.ErrAborted) {
+		if !errors.Is(err, kvxfer.ErrAborted) {
 			s.segs.Forget(ep)
 			// A retry may follow at once: the store must have dropped this reservation first.
 			abort(err.Error())
@@ -461,7 +462,7 @@ func (s *Sidecar) pushOnce(ctx context.Context, pool *agent.Pool, job pushJob, p
 		return 0, creditMoved + moved, err
 	}
 	cres, err := c.CommitSnapshot(rpcCtx, &kvcv1.CommitSnapshotRequest{IngestId: res.GetIngestId()})
-	ph.CommitMs = agent.Ms(time.Since(t3))
+	ph.CommitMs = sidecar.Ms(time.Since(t3))
 	if err != nil {
 		return 0, creditMoved + moved, fmt.Errorf("commit: %w", err)
 	}

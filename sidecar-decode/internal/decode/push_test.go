@@ -13,9 +13,10 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
-	"github.com/kvcentric/kvcentric/pkg/agent"
 	"github.com/kvcentric/kvcentric/pkg/grpcx"
+	"github.com/kvcentric/kvcentric/pkg/kvxfer"
 	"github.com/kvcentric/kvcentric/pkg/rdma"
+	"github.com/kvcentric/kvcentric/pkg/sidecar"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -270,7 +271,7 @@ func TestPushCommitOverlapsCopy(t *testing.T) {
 				t.Fatal(err)
 			}
 			t.Cleanup(func() { _ = storeEng.Close() })
-			store, err := agent.NewArena(4, 32, 16, 1)
+			store, err := kvxfer.NewArena(4, 32, 16, 1)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -298,7 +299,7 @@ func TestPushCommitOverlapsCopy(t *testing.T) {
 
 			job := pushJob{session: "s", gen: 1, base: 0, end: 8, pages: []int64{5, 9},
 				target: &kvcv1.SetSnapshotTargetCommand{SessionId: "s", PrefillWorkerId: "p", PeerAddr: lis.Addr().String(), Generation: 1}}
-			var ph agent.PushPhases
+			var ph sidecar.PushPhases
 			done := make(chan error, 1)
 			go func() {
 				_, _, err := s.pushOnce(context.Background(), pool, job, &ph)

@@ -10,7 +10,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
-	"github.com/kvcentric/kvcentric/pkg/agent"
+	"github.com/kvcentric/kvcentric/pkg/sidecar"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -323,7 +323,7 @@ func inUseAt(ss *session, now time.Time) bool {
 }
 
 func (s *Sidecar) reportCapacityRelease(ss *session) {
-	s.ev.Emit(agent.Event{Event: agent.EvSessionRelease, Session: ss.id, Generation: ss.gen, Seqlen: ss.committed, Reason: "capacity"})
+	s.ev.Emit(sidecar.Event{Event: sidecar.EvSessionRelease, Session: ss.id, Generation: ss.gen, Seqlen: ss.committed, Reason: "capacity"})
 	s.rep.Report(&kvcv1.SessionEvent{SessionId: ss.id, Kind: kvcv1.SessionEventKind_SESSION_EVENT_KIND_EVICTED, KvLen: ss.committed,
 		Generation: ss.gen, Detail: "capacity release (snapshot current)"})
 }

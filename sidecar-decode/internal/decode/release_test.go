@@ -13,8 +13,9 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 
-	"github.com/kvcentric/kvcentric/pkg/agent"
 	"github.com/kvcentric/kvcentric/pkg/grpcx"
+	"github.com/kvcentric/kvcentric/pkg/kvxfer"
+	"github.com/kvcentric/kvcentric/pkg/sidecar"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -22,7 +23,7 @@ import (
 func serveBridge(t *testing.T, s *Sidecar) kvcv1.WorkerBridgeServiceClient {
 	t.Helper()
 	path := filepath.Join(t.TempDir(), "b.sock")
-	lis, err := agent.ListenUnix(path)
+	lis, err := sidecar.ListenUnix(path)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -315,7 +316,7 @@ func TestAuxRowsReachWaitReceive(t *testing.T) {
 		t.Fatalf("snapshot with aux %v", r)
 	}
 	room(3, kvcv1.TransferKind_TRANSFER_KIND_SEED)
-	if _, err := s.TransferDone(ctx, &kvcv1.TransferDoneRequest{Room: 3, Ok: true, Tokens: 4, Aux: [][]byte{make([]byte, agent.MaxAuxBytes+1)}}); err != nil {
+	if _, err := s.TransferDone(ctx, &kvcv1.TransferDoneRequest{Room: 3, Ok: true, Tokens: 4, Aux: [][]byte{make([]byte, kvxfer.MaxAuxBytes+1)}}); err != nil {
 		t.Fatal(err)
 	}
 	if r, _ := s.WaitReceive(ctx, &kvcv1.WaitReceiveRequest{Room: 3}); r.GetOk() || len(r.GetAux()) != 0 || !strings.Contains(r.GetError(), "aux rows refused") {

@@ -14,12 +14,13 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
-	"github.com/kvcentric/kvcentric/pkg/agent"
+	"github.com/kvcentric/kvcentric/pkg/kvxfer"
 	"github.com/kvcentric/kvcentric/pkg/rdma"
+	"github.com/kvcentric/kvcentric/pkg/sidecar"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
-// Reporter sends session events to the control plane (agent.ControlPlane).
+// Reporter sends session events to the control plane (sidecar.ControlPlane).
 type Reporter interface {
 	Report(ev *kvcv1.SessionEvent)
 }
@@ -66,16 +67,16 @@ type Sidecar struct {
 
 	cfg   Config
 	log   zerolog.Logger
-	ev    *agent.EventLog
+	ev    *sidecar.EventLog
 	eng   rdma.Engine
-	segs  *agent.Segments
-	peers *agent.Peers
+	segs  *kvxfer.Segments
+	peers *kvxfer.Peers
 	rep   Reporter
 
-	att *agent.Attach // the worker's command watcher and the readiness gate (attach.go)
+	att *sidecar.Attach // the worker's command watcher and the readiness gate (attach.go)
 
 	mu       sync.Mutex
-	pool     *agent.Pool
+	pool     *kvxfer.Pool
 	sessions map[string]*session
 	targets  map[string]*kvcv1.SetSnapshotTargetCommand // targets named before the first commit
 	// dropped: sessions the control plane told us to stop tracking while the worker may still
@@ -137,7 +138,7 @@ type recvRoom struct {
 }
 
 // New builds the sidecar; the event log may be nil.
-func New(cfg Config, eng rdma.Engine, ev *agent.EventLog, log zerolog.Logger) *Sidecar {
+func New(cfg Config, eng rdma.Engine, ev *sidecar.EventLog, log zerolog.Logger) *Sidecar {
 	if cfg.DeltaTokens <= 0 {
 		cfg.DeltaTokens = 1024
 	}
@@ -150,10 +151,10 @@ func New(cfg Config, eng rdma.Engine, ev *agent.EventLog, log zerolog.Logger) *S
 	if cfg.RoomTimeout <= 0 {
 		cfg.RoomTimeout = 120 * time.Second
 	}
-	s := &Sidecar{cfg: cfg, log: log, ev: ev, eng: eng, segs: agent.NewSegments(eng), peers: agent.NewPeers(cfg.PeerDial...), rep: nopReporter{},
+	s := &Sidecar{cfg: cfg, log: log, ev: ev, eng: eng, segs: kvxfer.NewSegments(eng), peers: kvxfer.NewPeers(cfg.PeerDial...), rep: nopReporter{},
 		sessions: map[string]*session{}, targets: map[string]*kvcv1.SetSnapshotTargetCommand{},
 		rooms: map[int64]*recvRoom{}, dropped: map[string]struct{}{}, delta: cfg.DeltaTokens, enabled: true, wake: make(chan struct{}, 1)}
-	s.att = agent.NewAttach(s.attachState, log.With().Str("part", "attach").Logger())
+	s.att = sidecar.NewAttach(s.attachState, log.With().Str("part", "attach").Logger())
 	s.rel = newReleaser(cfg.Release)
 	s.relKick = make(chan struct{}, 1)
 	s.after = realAfterFunc
@@ -170,7 +171,7 @@ func (s *Sidecar) attachState() (bool, int32) {
 func (s *Sidecar) SetReporter(r Reporter) { s.rep = r }
 
 // Registered is closed once the worker registered its KV pool (and, after this sidecar
-// restarted under a live worker, re-committed its sessions: agent.Attach).
+// restarted under a live worker, re-committed its sessions: sidecar.Attach).
 func (s *Sidecar) Registered() <-chan struct{} { return s.att.Registered() }
 
 // WaitingFor says what the sidecar waits for before it is ready ("" when ready).
@@ -179,7 +180,7 @@ func (s *Sidecar) WaitingFor() string { return s.att.WaitingFor() }
 // Instance is this sidecar process's random attach id.
 func (s *Sidecar) Instance() string { return s.att.Instance() }
 
-// WatchCommands is the worker's standing command stream (agent.Attach).
+// WatchCommands is the worker's standing command stream (sidecar.Attach).
 func (s *Sidecar) WatchCommands(req *kvcv1.WatchCommandsRequest, stream grpc.ServerStreamingServer[kvcv1.WatchCommandsResponse]) error {
 	return s.att.Watch(req, stream)
 }
@@ -276,7 +277,7 @@ func (s *Sidecar) maybeEnqueueLocked(ss *session) bool {
 	case s.wake <- struct{}{}:
 	default:
 	}
-	s.ev.Emit(agent.Event{Event: agent.EvPushEnqueued, Session: ss.id, Generation: ss.target.GetGeneration(), BaseLen: ss.lastPushed,
+	s.ev.Emit(sidecar.Event{Event: sidecar.EvPushEnqueued, Session: ss.id, Generation: ss.target.GetGeneration(), BaseLen: ss.lastPushed,
 		Tokens: ss.committed - ss.lastPushed, Peer: ss.target.GetPrefillWorkerId()})
 	return true
 }
@@ -299,13 +300,13 @@ func (s *Sidecar) expireRooms(now time.Time) {
 
 // RegisterKVPool maps the worker's pool and registers it with the engine.
 func (s *Sidecar) RegisterKVPool(_ context.Context, req *kvcv1.RegisterKVPoolRequest) (*kvcv1.RegisterKVPoolResponse, error) {
-	p, err := agent.OpenWorkerPool(req, s.eng) // shared memory, or GPU memory by CUDA IPC (--transport cuda)
+	p, err := kvxfer.OpenWorkerPool(req, s.eng) // shared memory, or GPU memory by CUDA IPC (--transport cuda)
 	if err != nil {
 		return nil, err
 	}
 	s.mu.Lock()
 	old := s.pool
-	if err := agent.CheckTPUnchanged(old, p); err != nil {
+	if err := kvxfer.CheckTPUnchanged(old, p); err != nil {
 		s.mu.Unlock()
 		p.Close()
 		return nil, err
@@ -321,7 +322,7 @@ func (s *Sidecar) RegisterKVPool(_ context.Context, req *kvcv1.RegisterKVPoolReq
 	s.mu.Unlock()
 	for _, ss := range lost {
 		if dropped, _, ok := s.drop(ss.id); ok {
-			s.ev.Emit(agent.Event{Event: agent.EvSessionRelease, Session: dropped.id, Generation: dropped.gen, Seqlen: dropped.committed, Reason: "worker re-registered its pool"})
+			s.ev.Emit(sidecar.Event{Event: sidecar.EvSessionRelease, Session: dropped.id, Generation: dropped.gen, Seqlen: dropped.committed, Reason: "worker re-registered its pool"})
 			s.rep.Report(&kvcv1.SessionEvent{SessionId: dropped.id, Kind: kvcv1.SessionEventKind_SESSION_EVENT_KIND_EVICTED,
 				KvLen: dropped.committed, Generation: dropped.gen, Detail: "worker restarted"})
 		}
@@ -346,7 +347,7 @@ func (s *Sidecar) RegisterKVPool(_ context.Context, req *kvcv1.RegisterKVPoolReq
 	return &kvcv1.RegisterKVPoolResponse{KvBytesPerToken: p.BytesPerToken(), TransferEndpoint: s.eng.SegmentName()}, nil
 }
 
-func (s *Sidecar) registeredPool() (*agent.Pool, error) {
+func (s *Sidecar) registeredPool() (*kvxfer.Pool, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.pool == nil {
@@ -426,7 +427,7 @@ func (s *Sidecar) ReleaseSession(_ context.Context, req *kvcv1.ReleaseSessionReq
 	if req.GetReason() == kvcv1.ReleaseReason_RELEASE_REASON_EVICTED {
 		kind, reason = kvcv1.SessionEventKind_SESSION_EVENT_KIND_EVICTED, "evicted"
 	}
-	s.ev.Emit(agent.Event{Event: agent.EvSessionRelease, Session: ss.id, Generation: ss.gen, Seqlen: ss.committed, Reason: reason})
+	s.ev.Emit(sidecar.Event{Event: sidecar.EvSessionRelease, Session: ss.id, Generation: ss.gen, Seqlen: ss.committed, Reason: reason})
 	s.rep.Report(&kvcv1.SessionEvent{SessionId: ss.id, Kind: kind, KvLen: ss.committed, Generation: ss.gen, Detail: reason})
 	return &kvcv1.ReleaseSessionResponse{PushAborted: aborted}, nil
 }
@@ -489,7 +490,7 @@ func (s *Sidecar) PrepareReceive(ctx context.Context, req *kvcv1.PrepareReceiveR
 	s.mu.Unlock()
 	c, err := s.peers.Client(req.GetSourcePeerAddr())
 	if err == nil {
-		octx, cancel := context.WithTimeout(agent.WithTP(ctx, pool), 10*time.Second)
+		octx, cancel := context.WithTimeout(kvxfer.WithTP(ctx, pool), 10*time.Second)
 		_, err = c.OfferReceive(octx, &kvcv1.OfferReceiveRequest{Room: req.GetRoom(), SessionId: req.GetSessionId(), Kind: req.GetKind(),
 			DecodeWorkerId: s.cfg.WorkerID, DecodeTransferEndpoint: s.eng.SegmentName(), DecodeLayout: pool.Layout(),
 			Pages: req.GetPages(), Tokens: req.GetTokens(), DecodePeerAddr: s.cfg.PeerAddr})
@@ -585,12 +586,12 @@ func (s *Sidecar) TransferDone(_ context.Context, req *kvcv1.TransferDoneRequest
 	if r.req.GetKind() == kvcv1.TransferKind_TRANSFER_KIND_SNAPSHOT {
 		kind = "snapshot"
 	}
-	e := agent.Event{Event: agent.EvTransferDone, Kind: kind, Session: r.req.GetSessionId(), Room: req.GetRoom(), Tokens: req.GetTokens(),
-		Bytes: req.GetBytes(), DurationMs: agent.Ms(time.Since(r.created)), Reason: req.GetError()}
+	e := sidecar.Event{Event: sidecar.EvTransferDone, Kind: kind, Session: r.req.GetSessionId(), Room: req.GetRoom(), Tokens: req.GetTokens(),
+		Bytes: req.GetBytes(), DurationMs: sidecar.Ms(time.Since(r.created)), Reason: req.GetError()}
 	ev := &kvcv1.SessionEvent{SessionId: r.req.GetSessionId(), Kind: kvcv1.SessionEventKind_SESSION_EVENT_KIND_TRANSFER_DONE,
 		KvLen: req.GetTokens(), Bytes: req.GetBytes(), Room: req.GetRoom(), Detail: kind}
 	if !req.GetOk() {
-		e.Event = agent.EvTransferFailed
+		e.Event = sidecar.EvTransferFailed
 		ev.Kind = kvcv1.SessionEventKind_SESSION_EVENT_KIND_TRANSFER_FAILED
 		ev.Detail = kind + ": " + req.GetError()
 	}
@@ -630,7 +631,7 @@ func (s *Sidecar) Sessions() []SessionInfo {
 }
 
 // Status is GET /v1/status: attach state, pool shape (layout, tensor parallelism, aux rows).
-func (s *Sidecar) Status() agent.Status {
+func (s *Sidecar) Status() sidecar.Status {
 	s.mu.Lock()
 	p := s.pool
 	s.mu.Unlock()

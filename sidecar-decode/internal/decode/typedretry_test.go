@@ -14,8 +14,8 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
-	"github.com/kvcentric/kvcentric/pkg/agent"
 	"github.com/kvcentric/kvcentric/pkg/grpcx"
+	"github.com/kvcentric/kvcentric/pkg/kvxfer"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -51,7 +51,7 @@ func (f *scriptedStore) reserves() string {
 }
 
 func peerErr(code codes.Code, r kvcv1.PeerErrorReason, msg string) error {
-	return agent.PeerStatus(code, &kvcv1.PeerError{Reason: r}, "%s", msg)
+	return kvxfer.PeerStatus(code, &kvcv1.PeerError{Reason: r}, "%s", msg)
 }
 
 // TestTypedRetry: each retry path of a push follows the store's typed refusal — a base mismatch
@@ -75,19 +75,19 @@ func TestTypedRetry(t *testing.T) {
 	}{
 		{"base mismatch: one full push at once", 8, 0,
 			[]error{peerErr(codes.FailedPrecondition, mismatch, "m"), peerErr(codes.ResourceExhausted, full, "f"), peerErr(codes.ResourceExhausted, full, "f")},
-			"base=8/retag=0 base=0/retag=0 base=0/retag=0", agent.ErrStoreFull},
+			"base=8/retag=0 base=0/retag=0 base=0/retag=0", kvxfer.ErrStoreFull},
 		{"re-tag refused: full push without re-tag", 8, 3,
 			[]error{peerErr(codes.FailedPrecondition, mismatch, "m"), peerErr(codes.FailedPrecondition, stale, "s")},
-			"base=8/retag=3 base=0/retag=0", agent.ErrGenerationStale},
+			"base=8/retag=3 base=0/retag=0", kvxfer.ErrGenerationStale},
 		{"a second base mismatch is not followed by a third full push", 8, 0,
 			[]error{peerErr(codes.FailedPrecondition, mismatch, "m"), peerErr(codes.FailedPrecondition, mismatch, "m"), peerErr(codes.FailedPrecondition, mismatch, "m")},
-			"base=8/retag=0 base=0/retag=0 base=0/retag=0", agent.ErrBaseMismatch},
+			"base=8/retag=0 base=0/retag=0 base=0/retag=0", kvxfer.ErrBaseMismatch},
 		{"stale generation: never retried", 8, 0,
 			[]error{peerErr(codes.FailedPrecondition, stale, "s")},
-			"base=8/retag=0", agent.ErrGenerationStale},
+			"base=8/retag=0", kvxfer.ErrGenerationStale},
 		{"ingest busy: retried once", 8, 0,
 			[]error{peerErr(codes.Aborted, busy, "b"), peerErr(codes.Aborted, busy, "b")},
-			"base=8/retag=0 base=8/retag=0", agent.ErrIngestBusy},
+			"base=8/retag=0 base=8/retag=0", kvxfer.ErrIngestBusy},
 		{"the old message without a detail is no base mismatch", 8, 0,
 			[]error{status.Error(codes.FailedPrecondition, "base_len 8 does not match the stored seqlen 0 of generation 1"),
 				status.Error(codes.FailedPrecondition, "base_len 8 does not match the stored seqlen 0 of generation 1")},

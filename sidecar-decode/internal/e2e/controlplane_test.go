@@ -13,9 +13,9 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 
-	"github.com/kvcentric/kvcentric/pkg/agent"
 	"github.com/kvcentric/kvcentric/pkg/etcdtest"
 	"github.com/kvcentric/kvcentric/pkg/kvpool"
+	"github.com/kvcentric/kvcentric/pkg/sidecar"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -112,7 +112,7 @@ func (r *router) outcome(t *testing.T, d *kvcv1.RouteDecision, kvLen int64) {
 
 // dworker is a decode sidecar with its worker and the sessions the worker holds.
 type dworker struct {
-	sc    *sidecar
+	sc    *sidecarProc
 	w     *worker
 	pages map[string][]int64
 }
@@ -280,7 +280,7 @@ func TestWithControlPlane(t *testing.T) {
 		}
 		dNew.compute(t, A, 238, 268) // D' append-prefills the tail and decodes
 		rt.outcome(t, dec, 268)
-		hits := filterEvents(readEvents(t, p0.events), agent.EvBypassHit, A)
+		hits := filterEvents(readEvents(t, p0.events), sidecar.EvBypassHit, A)
 		if len(hits) != 1 || hits[0].Room != dec.GetBootstrapRoom() {
 			t.Fatalf("bypass hits %+v", hits)
 		}
@@ -298,7 +298,7 @@ func TestWithControlPlane(t *testing.T) {
 		// the store logs the eviction as it makes room; wait for the line rather than assume
 		// it is written before sess-C's snapshot reaches the control plane
 		waitFor(t, "A's snapshot evicted for capacity (store event)", 10*time.Second, func() bool {
-			ev := filterEvents(readEvents(t, p0.events), agent.EvEvicted, A)
+			ev := filterEvents(readEvents(t, p0.events), sidecar.EvEvicted, A)
 			return len(ev) > 0 && ev[len(ev)-1].Reason == "capacity"
 		})
 		waitFor(t, "A's snapshot gone on the control plane", 10*time.Second, func() bool {

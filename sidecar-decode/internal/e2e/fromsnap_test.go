@@ -4,9 +4,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvcentric/kvcentric/pkg/agent"
 	"github.com/kvcentric/kvcentric/pkg/etcdtest"
 	"github.com/kvcentric/kvcentric/pkg/kvpool"
+	"github.com/kvcentric/kvcentric/pkg/sidecar"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -149,7 +149,7 @@ func TestLargeAppendFromSnapshot(t *testing.T) {
 		s := session()
 		return s.GetKvCommittedLen() == input+out && s.GetDecodeWorker() == "d1"
 	})
-	if n := len(filterEvents(readEvents(t, p0.events), agent.EvStoreLoad, "S")); n != 1 {
+	if n := len(filterEvents(readEvents(t, p0.events), sidecar.EvStoreLoad, "S")); n != 1 {
 		t.Fatalf("%d snapshot_store_load events of S, want 1", n)
 	}
 }

@@ -18,8 +18,8 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 
-	"github.com/kvcentric/kvcentric/pkg/agent"
 	"github.com/kvcentric/kvcentric/pkg/kvpool"
+	"github.com/kvcentric/kvcentric/pkg/sidecar"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 	"github.com/kvcentric/kvcentric/sidecar-decode/internal/proctest"
 )
@@ -89,8 +89,8 @@ func start(t *testing.T, name, bin string, args ...string) *proc {
 	return proctest.Start(t, name, bin, 30*time.Second, args...)
 }
 
-// sidecar is a running sidecar and its worker's bridge client.
-type sidecar struct {
+// sidecarProc is a running sidecar and its worker's bridge client.
+type sidecarProc struct {
 	*proc
 	id       string
 	events   string
@@ -100,7 +100,7 @@ type sidecar struct {
 	transfer string
 }
 
-func startSidecar(t *testing.T, role, id, cp string, extra ...string) *sidecar {
+func startSidecar(t *testing.T, role, id, cp string, extra ...string) *sidecarProc {
 	t.Helper()
 	dir := t.TempDir()
 	sock := filepath.Join(dir, "bridge.sock")
@@ -117,7 +117,7 @@ func startSidecar(t *testing.T, role, id, cp string, extra ...string) *sidecar {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = conn.Close() })
-	return &sidecar{proc: p, id: id, events: evlog, bridge: kvcv1.NewWorkerBridgeServiceClient(conn),
+	return &sidecarProc{proc: p, id: id, events: evlog, bridge: kvcv1.NewWorkerBridgeServiceClient(conn),
 		peerAddr: p.Str("peer_addr"), httpAddr: p.Str("http_addr"), transfer: p.Str("transfer_endpoint")}
 }
 
@@ -127,7 +127,7 @@ type worker struct {
 	next int64
 }
 
-func newWorker(t *testing.T, sc *sidecar, pages int64) *worker {
+func newWorker(t *testing.T, sc *sidecarProc, pages int64) *worker {
 	t.Helper()
 	p, err := kvpool.Create(t.TempDir(), kvpool.Spec{PageSize: pageSize, ItemLen: itemLen, NumLayers: numLayers, PageCount: pages, Name: sc.id})
 	if err != nil {
@@ -170,13 +170,13 @@ func ctxT(t *testing.T, d time.Duration) context.Context {
 }
 
 // readEvents parses a sidecar's event log.
-func readEvents(t *testing.T, path string) []agent.Event {
+func readEvents(t *testing.T, path string) []sidecar.Event {
 	t.Helper()
 	return proctest.ReadEvents(t, path)
 }
 
-func filterEvents(evs []agent.Event, name, session string) []agent.Event {
-	var out []agent.Event
+func filterEvents(evs []sidecar.Event, name, session string) []sidecar.Event {
+	var out []sidecar.Event
 	for _, e := range evs {
 		if e.Event == name && (session == "" || e.Session == session) {
 			out = append(out, e)
@@ -215,7 +215,7 @@ type snapStatus struct {
 	Bytes      int64   `json:"bytes"`
 }
 
-func snapshotStatus(t *testing.T, p *sidecar, session string) snapStatus {
+func snapshotStatus(t *testing.T, p *sidecarProc, session string) snapStatus {
 	var s snapStatus
 	if code := getJSON(t, "http://"+p.httpAddr+"/v1/sessions/"+session+"/snapshot_status", &s); code != 200 {
 		t.Fatalf("snapshot_status: HTTP %d", code)
@@ -224,7 +224,7 @@ func snapshotStatus(t *testing.T, p *sidecar, session string) snapStatus {
 }
 
 // snapshotKV fetches P's snapshot bytes (buffer-major, then token).
-func snapshotKV(t *testing.T, p *sidecar, session string) []byte {
+func snapshotKV(t *testing.T, p *sidecarProc, session string) []byte {
 	t.Helper()
 	resp, err := http.Get("http://" + p.httpAddr + "/v1/sessions/" + session + "/snapshot_kv")
 	if err != nil {

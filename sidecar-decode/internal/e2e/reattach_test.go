@@ -12,20 +12,20 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvcentric/kvcentric/pkg/agent"
 	"github.com/kvcentric/kvcentric/pkg/etcdtest"
+	"github.com/kvcentric/kvcentric/pkg/sidecar"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 	"github.com/kvcentric/kvcentric/sidecar-decode/internal/decode"
 )
 
 // startSidecarAt is startSidecar on a given bridge socket (a restart reuses it).
-func startSidecarAt(t *testing.T, role, id, cp, sock string, extra ...string) *sidecar {
+func startSidecarAt(t *testing.T, role, id, cp, sock string, extra ...string) *sidecarProc {
 	t.Helper()
 	evlog := filepath.Join(t.TempDir(), "events.jsonl")
 	args := append([]string{"--worker-id", id, "--bridge-socket", sock, "--event-log", evlog, "--transport", "tcp",
 		"--transfer-conns", "2", "--log-level", "debug", "--heartbeat", "100ms", "--control-plane", cp}, extra...)
 	p := start(t, id, bins["kvc-sidecar-"+role], args...)
-	return &sidecar{proc: p, id: id, events: evlog, peerAddr: p.Str("peer_addr"), httpAddr: p.Str("http_addr"), transfer: p.Str("transfer_endpoint")}
+	return &sidecarProc{proc: p, id: id, events: evlog, peerAddr: p.Str("peer_addr"), httpAddr: p.Str("http_addr"), transfer: p.Str("transfer_endpoint")}
 }
 
 // startSim runs a kvc-sim worker next to the sidecar on sock; its pool lives in shmDir.
@@ -41,7 +41,7 @@ func startSim(t *testing.T, role, id, sock, shmDir string) *proc {
 
 // simPrefill is a prefill sidecar with a kvc-sim prefill worker beside it.
 type simPrefill struct {
-	sc  *sidecar
+	sc  *sidecarProc
 	url string
 }
 
@@ -90,7 +90,7 @@ func seedSession(t *testing.T, simURL string, p *simPrefill, s string, room, n i
 	}
 }
 
-func sidecarSessions(t *testing.T, d *sidecar) map[string]int64 {
+func sidecarSessions(t *testing.T, d *sidecarProc) map[string]int64 {
 	var ss []decode.SessionInfo
 	out := map[string]int64{}
 	if code := getJSON(t, "http://"+d.httpAddr+"/v1/sessions", &ss); code != 200 {
@@ -293,7 +293,7 @@ func TestPrefillSidecarRestartReattach(t *testing.T) {
 		return false
 	}
 	waitFor(t, "rp1 READY", 20*time.Second, ready)
-	var st1 agent.Status
+	var st1 sidecar.Status
 	getJSON(t, "http://"+p.httpAddr+"/v1/status", &st1)
 	p.Kill()
 	waitFor(t, "rp1 not READY after its sidecar died", 20*time.Second, func() bool { return !ready() })
@@ -303,7 +303,7 @@ func TestPrefillSidecarRestartReattach(t *testing.T) {
 		code, _ := httpText(t, "http://"+p2.httpAddr+"/readyz")
 		return code == 200 && ready()
 	})
-	var st agent.Status
+	var st sidecar.Status
 	if code := getJSON(t, "http://"+p2.httpAddr+"/v1/status", &st); code != 200 || !st.PoolRegistered || !st.Watcher.Connected ||
 		!st.Watcher.AttachAcked || st.SidecarInstance == st1.SidecarInstance || st.SidecarInstance == "" {
 		t.Fatalf("status after the restart %+v (before %+v)", st, st1)

@@ -8,8 +8,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvcentric/kvcentric/pkg/agent"
-	"github.com/kvcentric/kvcentric/pkg/agent/cptest"
+	"github.com/kvcentric/kvcentric/pkg/sidecar"
+	"github.com/kvcentric/kvcentric/pkg/sidecar/cptest"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -105,9 +105,9 @@ func TestCapacityReleaseProcesses(t *testing.T) {
 	// Each release came after a push that made the snapshot cover the whole committed length.
 	evs := readEvents(t, dec.events)
 	for _, s := range want {
-		var rel *agent.Event
+		var rel *sidecar.Event
 		for i := range evs {
-			if evs[i].Event == agent.EvSessionRelease && evs[i].Session == s {
+			if evs[i].Event == sidecar.EvSessionRelease && evs[i].Session == s {
 				rel = &evs[i]
 			}
 		}
@@ -116,7 +116,7 @@ func TestCapacityReleaseProcesses(t *testing.T) {
 		}
 		var pushedTo int64
 		for _, e := range evs {
-			if e.Event == agent.EvPushSent && e.Session == s && !e.TS.After(rel.TS) {
+			if e.Event == sidecar.EvPushSent && e.Session == s && !e.TS.After(rel.TS) {
 				pushedTo = max(pushedTo, e.BaseLen+e.Tokens)
 			}
 		}
@@ -148,7 +148,7 @@ func TestCapacityReleaseProcesses(t *testing.T) {
 	}
 }
 
-func sidecarSessionsAll(t *testing.T, d *sidecar) map[string]bool {
+func sidecarSessionsAll(t *testing.T, d *sidecarProc) map[string]bool {
 	out := map[string]bool{}
 	for s := range sidecarSessions(t, d) {
 		out[s] = true

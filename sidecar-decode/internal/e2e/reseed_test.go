@@ -7,9 +7,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvcentric/kvcentric/pkg/agent"
 	"github.com/kvcentric/kvcentric/pkg/etcdtest"
 	"github.com/kvcentric/kvcentric/pkg/kvpool"
+	"github.com/kvcentric/kvcentric/pkg/sidecar"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -53,7 +53,7 @@ func TestReseedNoFullRepush(t *testing.T) {
 	// be before the decode sidecar has logged its push and the store its ingest: wait for both
 	waitFor(t, "D′'s push event", 10*time.Second, func() bool { return len(pushes(dB)) > before })
 	waitFor(t, "the store's ingest event", 10*time.Second, func() bool {
-		for _, e := range filterEvents(readEvents(t, p0.events), agent.EvRecvIngested, "S") {
+		for _, e := range filterEvents(readEvents(t, p0.events), sidecar.EvRecvIngested, "S") {
 			if e.Generation == gen2 {
 				return true
 			}
@@ -70,10 +70,10 @@ func TestReseedNoFullRepush(t *testing.T) {
 		t.Fatalf("push after the reseed: base %d tokens %d generation %d bytes %d; want base %d tokens %d bytes %d (a full push: %d)",
 			p.BaseLen, p.Tokens, p.Generation, p.Bytes, L, L2-L, appendBytes, fullBytes)
 	}
-	for _, e := range filterEvents(readEvents(t, dB.sc.events), agent.EvPushFailed, "S") {
+	for _, e := range filterEvents(readEvents(t, dB.sc.events), sidecar.EvPushFailed, "S") {
 		t.Fatalf("a push failed after the reseed (the re-tag was refused?): %+v", e)
 	}
-	ing := filterEvents(readEvents(t, p0.events), agent.EvRecvIngested, "S")
+	ing := filterEvents(readEvents(t, p0.events), sidecar.EvRecvIngested, "S")
 	if last := ing[len(ing)-1]; last.BaseLen != L || last.Tokens != L2-L || last.Generation != gen2 || last.Seqlen != L2 {
 		t.Fatalf("store ingest after the reseed: %+v", last)
 	}
@@ -153,7 +153,7 @@ func TestReseedPrefixCutBack(t *testing.T) {
 	waitSnapshot(L2, gen2)
 	waitFor(t, "D′'s push event", 10*time.Second, func() bool { return len(pushes(dB)) > before })
 	waitFor(t, "the store's ingest event", 10*time.Second, func() bool {
-		for _, e := range filterEvents(readEvents(t, p0.events), agent.EvRecvIngested, "S") {
+		for _, e := range filterEvents(readEvents(t, p0.events), sidecar.EvRecvIngested, "S") {
 			if e.Generation == gen2 {
 				return true
 			}
@@ -170,14 +170,14 @@ func TestReseedPrefixCutBack(t *testing.T) {
 		t.Fatalf("push after the prefix reseed: base %d tokens %d generation %d bytes %d retag_from %d; want base %d tokens %d bytes %d retag_from %d (a full push: %d bytes)",
 			p.BaseLen, p.Tokens, p.Generation, p.Bytes, p.RetagFrom, input1, L2-input1, tailBytes, gen1, fullBytes)
 	}
-	for _, e := range filterEvents(readEvents(t, dB.sc.events), agent.EvPushFailed, "S") {
+	for _, e := range filterEvents(readEvents(t, dB.sc.events), sidecar.EvPushFailed, "S") {
 		t.Fatalf("a push failed after the reseed (the re-tag was refused?): %+v", e)
 	}
-	cuts := filterEvents(readEvents(t, p0.events), agent.EvCutBack, "S")
+	cuts := filterEvents(readEvents(t, p0.events), sidecar.EvCutBack, "S")
 	if len(cuts) != 1 || cuts[0].BaseLen != L || cuts[0].Seqlen != input1 || cuts[0].Generation != gen1 {
 		t.Fatalf("cut back events %+v, want one from %d to %d of generation %d", cuts, L, input1, gen1)
 	}
-	ing := filterEvents(readEvents(t, p0.events), agent.EvRecvIngested, "S")
+	ing := filterEvents(readEvents(t, p0.events), sidecar.EvRecvIngested, "S")
 	if last := ing[len(ing)-1]; last.BaseLen != input1 || last.Tokens != L2-input1 || last.Generation != gen2 || last.Seqlen != L2 {
 		t.Fatalf("store ingest after the reseed: %+v", last)
 	}
@@ -215,7 +215,7 @@ type reseedFixture struct {
 	t    *testing.T
 	lead *cpProc
 	rt   *router
-	p0   *sidecar
+	p0   *sidecarProc
 	pw   *worker
 	byID map[string]*dworker
 }
@@ -272,8 +272,8 @@ func (f *reseedFixture) waitSnapshot(seqlen int64, gen uint64) {
 }
 
 // pushes are d's D->P pushes of S logged as sent.
-func (f *reseedFixture) pushes(d *dworker) []agent.Event {
-	return filterEvents(readEvents(f.t, d.sc.events), agent.EvPushSent, "S")
+func (f *reseedFixture) pushes(d *dworker) []sidecar.Event {
+	return filterEvents(readEvents(f.t, d.sc.events), sidecar.EvPushSent, "S")
 }
 
 // seedTurn0 runs S's turn 0 (a SEED of 4,000 tokens, out decoded on some D), waits for its

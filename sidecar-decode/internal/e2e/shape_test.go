@@ -11,9 +11,9 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
-	"github.com/kvcentric/kvcentric/pkg/agent"
-	"github.com/kvcentric/kvcentric/pkg/agent/cptest"
 	"github.com/kvcentric/kvcentric/pkg/kvpool"
+	"github.com/kvcentric/kvcentric/pkg/sidecar"
+	"github.com/kvcentric/kvcentric/pkg/sidecar/cptest"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -26,7 +26,7 @@ type shape struct {
 
 // newShapedWorker registers a pool of the given shape (MHA or MLA, tensor parallelism, aux
 // rows) on sc.
-func newShapedWorker(t *testing.T, sc *sidecar, pages int64, sh shape) *worker {
+func newShapedWorker(t *testing.T, sc *sidecarProc, pages int64, sh shape) *worker {
 	t.Helper()
 	p, err := kvpool.Create(t.TempDir(), kvpool.Spec{PageSize: pageSize, ItemLen: itemLen, NumLayers: numLayers, PageCount: pages, Name: sc.id, MLA: sh.mla})
 	if err != nil {
@@ -125,7 +125,7 @@ func TestAuxMLAAndTP(t *testing.T) {
 	}); err != nil {
 		t.Fatalf("hellos' tensor parallelism: %v", err)
 	}
-	var st agent.Status
+	var st sidecar.Status
 	if code := getJSON(t, "http://"+d1.httpAddr+"/v1/status", &st); code != 200 || st.Layout != "MLA" || st.Buffers != numLayers ||
 		st.TPRank != 1 || st.TPSize != 2 || len(st.AuxItemLens) != 3 || !st.Ready || st.SidecarInstance == "" {
 		t.Fatalf("status %d %+v", code, st)
@@ -227,7 +227,7 @@ func TestAuxMLAAndTP(t *testing.T) {
 	})
 	t.Run("MHA decode pool and another rank are refused", func(t *testing.T) {
 		for _, c := range []struct {
-			sc   *sidecar
+			sc   *sidecarProc
 			want string
 		}{{dMHA, "MLA"}, {dRank, "ranks differ"}} {
 			_, err := c.sc.bridge.PrepareReceive(ctxT(t, 5*time.Second), &kvcv1.PrepareReceiveRequest{Room: 8200, SessionId: "x",

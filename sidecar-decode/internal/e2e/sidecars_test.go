@@ -16,9 +16,9 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 
-	"github.com/kvcentric/kvcentric/pkg/agent"
-	"github.com/kvcentric/kvcentric/pkg/agent/cptest"
 	"github.com/kvcentric/kvcentric/pkg/kvpool"
+	"github.com/kvcentric/kvcentric/pkg/sidecar"
+	"github.com/kvcentric/kvcentric/pkg/sidecar/cptest"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -26,8 +26,8 @@ import (
 // decode sidecars (d1, d2) and a slow decode sidecar (d3, every transfer request delayed).
 type cluster struct {
 	cp             *cptest.Server
-	p0, p1, p2     *sidecar
-	d1, d2, d3     *sidecar
+	p0, p1, p2     *sidecarProc
+	d1, d2, d3     *sidecarProc
 	wp0, wp1, wp2  *worker
 	wd1, wd2, wd3  *worker
 	storeSmallPage int64
@@ -69,7 +69,7 @@ func newCluster(t *testing.T) *cluster {
 
 func itoa(v int64) string { return strconv.FormatInt(v, 10) }
 
-func (c *cluster) target(t *testing.T, d, p *sidecar, session string, gen uint64) {
+func (c *cluster) target(t *testing.T, d, p *sidecarProc, session string, gen uint64) {
 	t.Helper()
 	id, err := c.cp.Send(d.id, &kvcv1.Command{Action: &kvcv1.Command_SetSnapshotTarget{SetSnapshotTarget: &kvcv1.SetSnapshotTargetCommand{
 		SessionId: session, PrefillWorkerId: p.id, PeerAddr: p.peerAddr, TransferEndpoint: p.transfer, Generation: gen}}})
@@ -91,7 +91,7 @@ func (c *cluster) ack(t *testing.T, id uint64, wantOK bool) *kvcv1.CommandAck {
 	return a
 }
 
-func (c *cluster) waitIngested(t *testing.T, p *sidecar, session string, seqlen int64) {
+func (c *cluster) waitIngested(t *testing.T, p *sidecarProc, session string, seqlen int64) {
 	t.Helper()
 	if err := c.cp.Wait(ctxT(t, 20*time.Second), func(v *cptest.View) bool {
 		for _, e := range v.Events() {
@@ -107,7 +107,7 @@ func (c *cluster) waitIngested(t *testing.T, p *sidecar, session string, seqlen 
 
 // turns commits n turns of a session on a decode worker, each appending a different number of
 // tokens, waiting for the snapshot of each turn; it returns the pages and the final length.
-func (c *cluster) turns(t *testing.T, d *sidecar, w *worker, p *sidecar, session string, lens []int64, stride int64) ([]int64, int64) {
+func (c *cluster) turns(t *testing.T, d *sidecarProc, w *worker, p *sidecarProc, session string, lens []int64, stride int64) ([]int64, int64) {
 	t.Helper()
 	seed := kvpool.SessionSeed(session)
 	var pages []int64
@@ -150,9 +150,9 @@ func TestSidecars(t *testing.T) {
 
 		// bytes moved per push are the append, not the context
 		// D logs a push as sent once P's commit answer is back, just after P reported the ingest
-		var sent []agent.Event
+		var sent []sidecar.Event
 		waitFor(t, "every push logged as sent", 10*time.Second, func() bool {
-			sent = filterEvents(readEvents(t, c.d1.events), agent.EvPushSent, s)
+			sent = filterEvents(readEvents(t, c.d1.events), sidecar.EvPushSent, s)
 			return len(sent) >= len(lens)
 		})
 		if len(sent) != len(lens) {
@@ -209,7 +209,7 @@ func TestSidecars(t *testing.T) {
 		if bad, err := kvpool.CheckTokens(c.wd2.pool, kvpool.SessionSeed(s), dpages, 0, n); err != nil || bad != 0 {
 			t.Fatalf("D2 pages after reseed: %d mismatches, %v", bad, err)
 		}
-		if hits := filterEvents(readEvents(t, c.p0.events), agent.EvBypassHit, s); len(hits) != 1 || hits[0].Bytes != n*bpt {
+		if hits := filterEvents(readEvents(t, c.p0.events), sidecar.EvBypassHit, s); len(hits) != 1 || hits[0].Bytes != n*bpt {
 			t.Fatalf("bypass hits %+v", hits)
 		}
 		if err := c.cp.Wait(ctxT(t, 5*time.Second), func(v *cptest.View) bool {
@@ -245,7 +245,7 @@ func TestSidecars(t *testing.T) {
 			t.Fatalf("release: %v %v", res, err)
 		}
 		// the abort is complete when ReleaseSession returns: it is already in the event log
-		ab := filterEvents(readEvents(t, c.d3.events), agent.EvPushAborted, s)
+		ab := filterEvents(readEvents(t, c.d3.events), sidecar.EvPushAborted, s)
 		if len(ab) != 1 || ab[0].Bytes >= n*bpt {
 			t.Fatalf("aborted events %+v", ab)
 		}
@@ -254,12 +254,12 @@ func TestSidecars(t *testing.T) {
 			clear(c.wd3.pool.Buffer(b))
 		}
 		waitFor(t, "P to drop the reservation", 10*time.Second, func() bool {
-			return len(filterEvents(readEvents(t, c.p0.events), agent.EvRecvRejected, s)) == 1
+			return len(filterEvents(readEvents(t, c.p0.events), sidecar.EvRecvRejected, s)) == 1
 		})
 		if st := snapshotStatus(t, c.p0, s); st.Exists {
 			t.Fatalf("aborted push left a snapshot: %+v", st)
 		}
-		if ss := filterEvents(readEvents(t, c.d3.events), agent.EvPushSent, s); len(ss) != 0 {
+		if ss := filterEvents(readEvents(t, c.d3.events), sidecar.EvPushSent, s); len(ss) != 0 {
 			t.Fatalf("push reported sent after release: %+v", ss)
 		}
 	})
@@ -279,7 +279,7 @@ func TestSidecars(t *testing.T) {
 		if st := snapshotStatus(t, c.p1, "lru-b"); !st.Exists || st.Seqlen != 160 {
 			t.Fatalf("lru-b: %+v", st)
 		}
-		ev := filterEvents(readEvents(t, c.p1.events), agent.EvEvicted, "lru-a")
+		ev := filterEvents(readEvents(t, c.p1.events), sidecar.EvEvicted, "lru-a")
 		if len(ev) != 1 || ev[0].Reason != "capacity" || ev[0].Bytes != 10*2*numLayers*itemLen {
 			t.Fatalf("evicted events %+v", ev)
 		}
@@ -298,7 +298,7 @@ func TestSidecars(t *testing.T) {
 		if err != nil || res.GetOk() || !strings.Contains(res.GetError(), "snapshot_missing") {
 			t.Fatalf("reseed of an evicted snapshot: %v %v", res, err)
 		}
-		if m := filterEvents(readEvents(t, c.p1.events), agent.EvBypassMiss, "lru-a"); len(m) != 1 || m[0].Reason != "snapshot_missing" {
+		if m := filterEvents(readEvents(t, c.p1.events), sidecar.EvBypassMiss, "lru-a"); len(m) != 1 || m[0].Reason != "snapshot_missing" {
 			t.Fatalf("bypass miss events %+v", m)
 		}
 
@@ -321,12 +321,12 @@ func TestSidecars(t *testing.T) {
 			t.Fatal(err)
 		}
 		c.waitIngested(t, c.p1, "lru-a", 240)
-		var sent []agent.Event
+		var sent []sidecar.Event
 		waitFor(t, "the full push logged", 5*time.Second, func() bool {
-			sent = filterEvents(readEvents(t, c.d1.events), agent.EvPushSent, "lru-a")
+			sent = filterEvents(readEvents(t, c.d1.events), sidecar.EvPushSent, "lru-a")
 			return len(sent) == 2
 		})
-		failed := filterEvents(readEvents(t, c.d1.events), agent.EvPushFailed, "lru-a")
+		failed := filterEvents(readEvents(t, c.d1.events), sidecar.EvPushFailed, "lru-a")
 		if len(failed) != 1 || failed[0].BaseLen != 160 || !strings.Contains(failed[0].Reason, "does not match the stored seqlen 0") {
 			t.Fatalf("mismatch events %+v", failed)
 		}
@@ -347,9 +347,9 @@ func TestSidecars(t *testing.T) {
 		}
 		c.ack(t, id, true)
 		c.turns(t, c.d2, c.wd2, nil, s, []int64{100}, 1)
-		var failed []agent.Event
+		var failed []sidecar.Event
 		waitFor(t, "two failed attempts", 30*time.Second, func() bool {
-			failed = filterEvents(readEvents(t, c.d2.events), agent.EvPushFailed, s)
+			failed = filterEvents(readEvents(t, c.d2.events), sidecar.EvPushFailed, s)
 			return len(failed) >= 2
 		})
 		if len(failed) != 2 || failed[0].Attempt != 1 || failed[1].Attempt != 2 {
@@ -369,7 +369,7 @@ func TestSidecars(t *testing.T) {
 			}
 			return false
 		})
-		if n := len(filterEvents(readEvents(t, c.d2.events), agent.EvPushFailed, s)); n != 2 {
+		if n := len(filterEvents(readEvents(t, c.d2.events), sidecar.EvPushFailed, s)); n != 2 {
 			t.Fatalf("%d failed attempts after the drop", n)
 		}
 	})
@@ -541,7 +541,7 @@ func TestSidecars(t *testing.T) {
 	})
 
 	t.Run("metrics mirror the event log", func(t *testing.T) {
-		for _, sc := range []*sidecar{c.d1, c.p0} {
+		for _, sc := range []*sidecarProc{c.d1, c.p0} {
 			resp, err := http.Get("http://" + sc.httpAddr + "/metrics")
 			if err != nil {
 				t.Fatal(err)
@@ -598,9 +598,9 @@ func TestSidecars(t *testing.T) {
 		// first push's reservation asked for (d1's: it pushed to p0 before, so it already holds
 		// credit there)
 		c.target(t, c.d1, c.p0, s, 2)
-		var sent []agent.Event
+		var sent []sidecar.Event
 		waitFor(t, "the push of generation 2", 10*time.Second, func() bool {
-			sent = filterEvents(readEvents(t, c.d1.events), agent.EvPushSent, s)
+			sent = filterEvents(readEvents(t, c.d1.events), sidecar.EvPushSent, s)
 			return len(sent) == 2
 		})
 		e := sent[1]

@@ -21,10 +21,11 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
-	"github.com/kvcentric/kvcentric/pkg/agent"
-	"github.com/kvcentric/kvcentric/pkg/agent/cptest"
 	"github.com/kvcentric/kvcentric/pkg/kvpool"
+	"github.com/kvcentric/kvcentric/pkg/kvxfer"
 	"github.com/kvcentric/kvcentric/pkg/rdma"
+	"github.com/kvcentric/kvcentric/pkg/sidecar"
+	"github.com/kvcentric/kvcentric/pkg/sidecar/cptest"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -44,8 +45,8 @@ type config struct {
 	out      io.Writer
 }
 
-// sidecar is a running sidecar and the worker's bridge client.
-type sidecar struct {
+// sidecarProc is a running sidecar and the worker's bridge client.
+type sidecarProc struct {
 	*proc
 	id     string
 	events string
@@ -55,7 +56,7 @@ type sidecar struct {
 	xfer   string
 }
 
-func startSidecar(t *testing.T, cfg config, role, id, cp string, gpu int, extra ...string) *sidecar {
+func startSidecar(t *testing.T, cfg config, role, id, cp string, gpu int, extra ...string) *sidecarProc {
 	t.Helper()
 	dir := t.TempDir()
 	sock := filepath.Join(dir, "bridge.sock")
@@ -69,7 +70,7 @@ func startSidecar(t *testing.T, cfg config, role, id, cp string, gpu int, extra 
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = conn.Close() })
-	return &sidecar{proc: p, id: id, events: ev, bridge: kvcv1.NewWorkerBridgeServiceClient(conn),
+	return &sidecarProc{proc: p, id: id, events: ev, bridge: kvcv1.NewWorkerBridgeServiceClient(conn),
 		peer: p.Str("peer_addr"), http: p.Str("http_addr"), xfer: p.Str("transfer_endpoint")}
 }
 
@@ -157,9 +158,9 @@ func checkSnapshotKV(ctx context.Context, s shape, httpAddr string, seed uint64)
 
 // result is what a run measured.
 type result struct {
-	pushMs, pushBytes                 []float64          // snapshot_push_sent (decode sidecar's event log)
-	pushPhases                        []agent.PushPhases // the same events' steps
-	reseedMs, reseedWaitMs            []float64          // snapshot_bypass_hit (prefill event log); WaitReceive duration_us
+	pushMs, pushBytes                 []float64            // snapshot_push_sent (decode sidecar's event log)
+	pushPhases                        []sidecar.PushPhases // the same events' steps
+	reseedMs, reseedWaitMs            []float64            // snapshot_bypass_hit (prefill event log); WaitReceive duration_us
 	reseedBytes                       int64
 	baseMs                            []float64
 	storeBad, reseedBad, hostBad      int64
@@ -192,7 +193,7 @@ func run(t *testing.T, cfg config) result {
 	pHost := startSidecar(t, cfg, "prefill", "p-host", cp.Addr, cfg.pGPU, "--store-memory", "host", "--store-capacity-bytes", strconv.FormatInt(storeBytes, 10))
 	d1 := startSidecar(t, cfg, "decode", "d1", cp.Addr, cfg.dGPU, "--push-workers", "1")
 	dd2 := startSidecar(t, cfg, "decode", "d2", cp.Addr, cfg.dGPU)
-	reg := func(sc *sidecar, p workerPool) {
+	reg := func(sc *sidecarProc, p workerPool) {
 		t.Helper()
 		start := time.Now()
 		r, err := sc.bridge.RegisterKVPool(ctx, p.register("Qwen3-30B-A3B"))
@@ -227,14 +228,14 @@ func run(t *testing.T, cfg config) result {
 
 	// push drives one full push to p (a new generation resets what was pushed) and returns the
 	// snapshot_push_sent event, or the failure reason after the retry.
-	push := func(p *sidecar, gen uint64) (agent.Event, string) {
+	push := func(p *sidecarProc, gen uint64) (sidecar.Event, string) {
 		t.Helper()
 		if _, err := cp.Send("d1", &kvcv1.Command{Action: &kvcv1.Command_SetSnapshotTarget{SetSnapshotTarget: &kvcv1.SetSnapshotTargetCommand{
 			SessionId: session, PrefillWorkerId: p.id, PeerAddr: p.peer, TransferEndpoint: p.xfer, Generation: gen}}}); err != nil {
 			t.Fatal(err)
 		}
-		var sent agent.Event
-		var failed []agent.Event
+		var sent sidecar.Event
+		var failed []sidecar.Event
 		waitFor(t, fmt.Sprintf("push of generation %d to %s", gen, p.id), 5*time.Minute, func() bool {
 			failed = failed[:0]
 			for _, e := range readEvents(t, d1.events) {
@@ -242,10 +243,10 @@ func run(t *testing.T, cfg config) result {
 					continue
 				}
 				switch e.Event {
-				case agent.EvPushSent:
+				case sidecar.EvPushSent:
 					sent = e
 					return true
-				case agent.EvPushFailed, agent.EvPushAborted:
+				case sidecar.EvPushFailed, sidecar.EvPushAborted:
 					failed = append(failed, e)
 				}
 			}
@@ -263,7 +264,7 @@ func run(t *testing.T, cfg config) result {
 	// reseed has the D2 worker receive the session from p (room) and returns WaitReceive's
 	// answer and p's snapshot_bypass_hit.
 	room := int64(1000)
-	reseed := func(p *sidecar, gen uint64) (*kvcv1.WaitReceiveResponse, agent.Event) {
+	reseed := func(p *sidecarProc, gen uint64) (*kvcv1.WaitReceiveResponse, sidecar.Event) {
 		t.Helper()
 		room++
 		id, err := cp.Send(p.id, &kvcv1.Command{Action: &kvcv1.Command_PushSnapshot{PushSnapshot: &kvcv1.PushSnapshotCommand{
@@ -290,10 +291,10 @@ func run(t *testing.T, cfg config) result {
 		if !wr.GetOk() || wr.GetBytes() != s.sessionBytes() {
 			t.Fatalf("reseed room %d from %s: %v", room, p.id, wr)
 		}
-		var hit agent.Event
+		var hit sidecar.Event
 		waitFor(t, "snapshot_bypass_hit of room "+strconv.FormatInt(room, 10), time.Minute, func() bool {
 			for _, e := range readEvents(t, p.events) {
-				if e.Event == agent.EvBypassHit && e.Room == room {
+				if e.Event == sidecar.EvBypassHit && e.Room == room {
 					hit = e
 					return true
 				}
@@ -472,16 +473,16 @@ func report(w io.Writer, s shape, res result, label string) (push, reseed, base,
 // tcpBaseline is the CPU runs' baseline: one contiguous request of n bytes between two tcp
 // engines of this process.
 func tcpBaseline(t *testing.T, ctx context.Context) func(n int64) (time.Duration, error) {
-	var src, dst *agent.Pool
+	var src, dst *kvxfer.Pool
 	var eng, peer rdma.Engine
 	var seg rdma.SegmentID
 	return func(n int64) (time.Duration, error) {
 		if src == nil {
 			var err error
-			if src, err = agent.NewArena(1, n, 1, 1); err != nil {
+			if src, err = kvxfer.NewArena(1, n, 1, 1); err != nil {
 				return 0, err
 			}
-			if dst, err = agent.NewArena(1, n, 1, 1); err != nil {
+			if dst, err = kvxfer.NewArena(1, n, 1, 1); err != nil {
 				return 0, err
 			}
 			t.Cleanup(func() { src.Close(); dst.Close() })
@@ -503,7 +504,7 @@ func tcpBaseline(t *testing.T, ctx context.Context) func(n int64) (time.Duration
 			}
 		}
 		start := time.Now()
-		_, err := agent.Transfer(ctx, eng, []rdma.Request{{Op: rdma.OpWrite, Source: src.Layout().GetBufferAddrs()[0], Target: seg,
+		_, err := kvxfer.Transfer(ctx, eng, []rdma.Request{{Op: rdma.OpWrite, Source: src.Layout().GetBufferAddrs()[0], Target: seg,
 			TargetAddr: dst.Layout().GetBufferAddrs()[0], Length: uint64(n)}})
 		return time.Since(start), err
 	}
@@ -580,11 +581,11 @@ func TestSidecarBenchGPU(t *testing.T) {
 	}
 	s := shape{PageSize: 16, Layers: 48, TokenBytes: 1024, Tokens: tokens, PoolFactor: 2}
 	out := io.MultiWriter(os.Stdout)
-	fmt.Fprintf(out, "control plane: scripted (pkg/agent/cptest: SetSnapshotTarget to the decode sidecar, PushSnapshot to the prefill sidecar); sidecars: real binaries %s, %s; GOMAXPROCS %d\n",
+	fmt.Fprintf(out, "control plane: scripted (pkg/sidecar/cptest: SetSnapshotTarget to the decode sidecar, PushSnapshot to the prefill sidecar); sidecars: real binaries %s, %s; GOMAXPROCS %d\n",
 		bins["kvc-sidecar-decode"], bins["kvc-sidecar-prefill"], runtime.GOMAXPROCS(0))
 	fmt.Fprintf(out, "shape: %d layers x K,V, %d B per token, page %d, %d tokens = %d bytes; D and D2 pools of %d pages on GPU 0 (50%% fragmented), store on GPU 1\n",
 		s.Layers, s.bytesPerToken(), s.PageSize, s.Tokens, s.sessionBytes(), s.poolPages())
-	cfg := config{s: s, reps: reps, transport: "cuda", dGPU: 0, pGPU: 1, storeMem: agent.StoreMemoryCUDA, out: out,
+	cfg := config{s: s, reps: reps, transport: "cuda", dGPU: 0, pGPU: 1, storeMem: "cuda", out: out,
 		newPools: func(t *testing.T, ctx context.Context) (workerPool, workerPool, workerPool, func(int64) (time.Duration, error)) {
 			g0, err := newGPUWorker(ctx, s, 0)
 			if err != nil {
@@ -658,7 +659,7 @@ func TestSidecarMLAGPU(t *testing.T) {
 	fmt.Fprintf(out, "MLA shape: %d layers x 1 latent buffer, %d B per token, page %d, %d tokens = %d bytes; D, D2 and the device store on GPU 0\n",
 		s.Layers, s.bytesPerToken(), s.PageSize, s.Tokens, s.sessionBytes())
 	reps := 2
-	cfg := config{s: s, reps: reps, transport: "cuda", dGPU: 0, pGPU: 0, storeMem: agent.StoreMemoryCUDA, out: out,
+	cfg := config{s: s, reps: reps, transport: "cuda", dGPU: 0, pGPU: 0, storeMem: "cuda", out: out,
 		newPools: func(t *testing.T, ctx context.Context) (workerPool, workerPool, workerPool, func(int64) (time.Duration, error)) {
 			g0, err := newGPUWorker(ctx, s, 0)
 			if err != nil {
@@ -715,7 +716,7 @@ func localBaseline(t *testing.T, ctx context.Context) func(n int64) (time.Durati
 			}
 		}
 		start := time.Now()
-		_, err := agent.Transfer(ctx, e, []rdma.Request{{Op: rdma.OpWrite, Source: src, Target: seg, TargetAddr: dst, Length: uint64(n)}})
+		_, err := kvxfer.Transfer(ctx, e, []rdma.Request{{Op: rdma.OpWrite, Source: src, Target: seg, TargetAddr: dst, Length: uint64(n)}})
 		return time.Since(start), err
 	}
 }
@@ -762,7 +763,7 @@ func hostStoreBaseline(t *testing.T, ctx context.Context, w io.Writer, s shape, 
 			src, dst uint64
 		}{{&d2h, dev, host}, {&h2d, host, dev}} {
 			start := time.Now()
-			if _, err := agent.Transfer(ctx, e, []rdma.Request{{Op: rdma.OpWrite, Source: c.src, Target: seg, TargetAddr: c.dst, Length: n}}); err != nil {
+			if _, err := kvxfer.Transfer(ctx, e, []rdma.Request{{Op: rdma.OpWrite, Source: c.src, Target: seg, TargetAddr: c.dst, Length: n}}); err != nil {
 				t.Error(err)
 				return
 			}
@@ -810,16 +811,16 @@ func peerBaseline(t *testing.T, ctx context.Context) func(n int64) (time.Duratio
 			}
 		}
 		start := time.Now()
-		_, err := agent.Transfer(ctx, e0, []rdma.Request{{Op: rdma.OpWrite, Source: src, Target: seg, TargetAddr: dst, Length: uint64(n)}})
+		_, err := kvxfer.Transfer(ctx, e0, []rdma.Request{{Op: rdma.OpWrite, Source: src, Target: seg, TargetAddr: dst, Length: uint64(n)}})
 		return time.Since(start), err
 	}
 }
 
 // probeOverheads measures, in this process, what a push costs besides the copy: the plan of
-// the session's requests (agent.PlanTokens, the same call and shape as the decode sidecar's)
+// the session's requests (kvxfer.PlanTokens, the same call and shape as the decode sidecar's)
 // and a ReserveSnapshot + AbortSnapshot round trip to the prefill sidecar (another session, so
 // the stored snapshot is untouched). Medians of 5.
-func probeOverheads(t *testing.T, ctx context.Context, w io.Writer, s shape, p *sidecar, dPages []int64) {
+func probeOverheads(t *testing.T, ctx context.Context, w io.Writer, s shape, p *sidecarProc, dPages []int64) {
 	t.Helper()
 	lay := func(base uint64) *kvcv1.KVLayout {
 		l := &kvcv1.KVLayout{PageSize: int32(s.PageSize), ItemLen: s.itemLen(), NumLayers: int32(s.Layers), PageCount: s.poolPages()}
@@ -836,7 +837,7 @@ func probeOverheads(t *testing.T, ctx context.Context, w io.Writer, s shape, p *
 	var nreq int
 	for i := 0; i < 5; i++ {
 		start := time.Now()
-		reqs, err := agent.PlanTokens(agent.PageMap{Layout: lay(1 << 40), Pages: dPages}, agent.PageMap{Layout: lay(1 << 50), Pages: storePages}, 1, 0, s.Tokens)
+		reqs, err := kvxfer.PlanTokens(kvxfer.PageMap{Layout: lay(1 << 40), Pages: dPages}, kvxfer.PageMap{Layout: lay(1 << 50), Pages: storePages}, 1, 0, s.Tokens)
 		planMs = append(planMs, float64(time.Since(start).Microseconds())/1e3)
 		if err != nil {
 			t.Error(err)
@@ -877,7 +878,7 @@ func probeOverheads(t *testing.T, ctx context.Context, w io.Writer, s shape, p *
 // store, and times each phase: where the push's time beyond the copy goes. For comparison it
 // also replays the previous path (the whole request list planned with PlanTokens, then one
 // batch). Medians of 5 after a warm-up.
-func pushPhases(t *testing.T, ctx context.Context, w io.Writer, s shape, eng rdma.Engine, local *kvcv1.KVLayout, p *sidecar, dPages []int64) {
+func pushPhases(t *testing.T, ctx context.Context, w io.Writer, s shape, eng rdma.Engine, local *kvcv1.KVLayout, p *sidecarProc, dPages []int64) {
 	t.Helper()
 	conn, err := grpc.NewClient(p.peer, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
@@ -905,11 +906,11 @@ func pushPhases(t *testing.T, ctx context.Context, w io.Writer, s shape, eng rdm
 				return
 			}
 			t1 := time.Now()
-			src, dst := agent.PageMap{Layout: local, Pages: dPages}, agent.PageMap{Layout: r.GetStoreLayout(), Pages: r.GetPages()}
+			src, dst := kvxfer.PageMap{Layout: local, Pages: dPages}, kvxfer.PageMap{Layout: r.GetStoreLayout(), Pages: r.GetPages()}
 			var t2 time.Time
 			var moved uint64
 			if streamed {
-				pl, err := agent.PlanRuns(src, dst, 0, s.Tokens)
+				pl, err := kvxfer.PlanRuns(src, dst, 0, s.Tokens)
 				if err != nil {
 					t.Error(err)
 					return
@@ -922,14 +923,14 @@ func pushPhases(t *testing.T, ctx context.Context, w io.Writer, s shape, eng rdm
 					return
 				}
 			} else {
-				reqs, err := agent.PlanTokens(src, dst, seg, 0, s.Tokens)
+				reqs, err := kvxfer.PlanTokens(src, dst, seg, 0, s.Tokens)
 				if err != nil {
 					t.Error(err)
 					return
 				}
 				t2 = time.Now()
 				nreq = len(reqs)
-				moved, err = agent.Transfer(ctx, eng, reqs)
+				moved, err = kvxfer.Transfer(ctx, eng, reqs)
 				if err != nil {
 					t.Errorf("phase probe transfer: %v", err)
 					return
@@ -953,7 +954,7 @@ func pushPhases(t *testing.T, ctx context.Context, w io.Writer, s shape, eng rdm
 		}
 		how := "streamed (now): PlanRuns %.2f ms, TokenPlan.Transfer (lay out + submit in growing batches + copy + wait)"
 		if !streamed {
-			how = "one batch (before): PlanTokens %.2f ms, agent.Transfer (AllocateBatch + Submit + copy + wait)"
+			how = "one batch (before): PlanTokens %.2f ms, kvxfer.Transfer (AllocateBatch + Submit + copy + wait)"
 		}
 		fmt.Fprintf(w, "push phases, "+how+" %.2f ms = %.1f GB/s; reserve RPC %.2f ms, abort RPC %.2f ms, total %.2f ms = %.1f GB/s (replayed from the worker process into %s, %d requests, medians of 5)\n",
 			median(plan), median(xfer), gbps(s.sessionBytes(), median(xfer)), median(reserve), median(abort), median(total), gbps(s.sessionBytes(), median(total)), p.id, nreq)
@@ -991,7 +992,7 @@ func rpcIdleProbe(t *testing.T, ctx context.Context, w io.Writer, conn *grpc.Cli
 }
 
 // creditNote marks a reserve that overlapped a copy into store credit pages.
-func creditNote(ph agent.PushPhases) string {
+func creditNote(ph sidecar.PushPhases) string {
 	if !ph.ReserveOverlapped {
 		return ""
 	}

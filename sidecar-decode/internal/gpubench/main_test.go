@@ -6,7 +6,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvcentric/kvcentric/pkg/agent"
+	"github.com/kvcentric/kvcentric/pkg/sidecar"
 	"github.com/kvcentric/kvcentric/sidecar-decode/internal/proctest"
 )
 
@@ -42,7 +42,7 @@ func start(t *testing.T, name, bin string, args ...string) *proc {
 }
 
 // readEvents parses a sidecar's event log (missing: none yet).
-func readEvents(t *testing.T, path string) []agent.Event {
+func readEvents(t *testing.T, path string) []sidecar.Event {
 	t.Helper()
 	return proctest.ReadEvents(t, path)
 }

@@ -9,8 +9,8 @@ import (
 	"sync/atomic"
 	"unsafe"
 
-	"github.com/kvcentric/kvcentric/pkg/agent"
 	"github.com/kvcentric/kvcentric/pkg/kvpool"
+	"github.com/kvcentric/kvcentric/pkg/kvxfer"
 	"github.com/kvcentric/kvcentric/pkg/rdma"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
@@ -272,7 +272,7 @@ func (p *gpuPool) stage(ctx context.Context, b int, pages []int64, n int64, up b
 		}
 		reqs = append(reqs, r)
 	}
-	_, err := agent.Transfer(ctx, p.g.eng, reqs)
+	_, err := kvxfer.Transfer(ctx, p.g.eng, reqs)
 	return err
 }
 

@@ -13,7 +13,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvcentric/kvcentric/pkg/agent"
+	"github.com/kvcentric/kvcentric/pkg/sidecar"
 )
 
 // Binaries returns the path of each binary of need (name → the module directory holding
@@ -181,7 +181,7 @@ func Tail(s string, n int) string {
 // ReadEvents parses a sidecar's event log (none yet when the file does not exist). A last line
 // without its newline is being written and is left for the next read; any other line that does
 // not parse fails the test.
-func ReadEvents(t testing.TB, path string) []agent.Event {
+func ReadEvents(t testing.TB, path string) []sidecar.Event {
 	t.Helper()
 	b, err := os.ReadFile(path)
 	if os.IsNotExist(err) {
@@ -193,11 +193,11 @@ func ReadEvents(t testing.TB, path string) []agent.Event {
 	if i := bytes.LastIndexByte(b, '\n'); i < len(b)-1 {
 		b = b[:i+1] // drop a partial last line
 	}
-	var out []agent.Event
+	var out []sidecar.Event
 	sc := bufio.NewScanner(bytes.NewReader(b))
 	sc.Buffer(make([]byte, 1<<20), 1<<20)
 	for sc.Scan() {
-		var e agent.Event
+		var e sidecar.Event
 		if err := json.Unmarshal(sc.Bytes(), &e); err != nil {
 			t.Fatalf("event log %s line %q: %v", path, sc.Text(), err)
 		}

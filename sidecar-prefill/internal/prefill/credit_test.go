@@ -9,7 +9,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
-	"github.com/kvcentric/kvcentric/pkg/agent"
+	"github.com/kvcentric/kvcentric/pkg/kvxfer"
 	"github.com/kvcentric/kvcentric/pkg/rdma"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
@@ -80,8 +80,8 @@ func TestReserveSnapshotCredit(t *testing.T) {
 	if len(r2.GetCreditPages()) != 1 || r2.GetCreditId() == r1.GetCreditId() || r2.GetCreditPages()[0] == r1.GetCreditPages()[0] {
 		t.Fatalf("credit after use: %v id %d", r2.GetCreditPages(), r2.GetCreditId())
 	}
-	reqs, err := agent.PlanTokens(agent.PageMap{Layout: d1.pool.Layout(), Pages: pages},
-		agent.PageMap{Layout: r2.GetStoreLayout(), Pages: r2.GetPages()}, d1.seg, 4, 10)
+	reqs, err := kvxfer.PlanTokens(kvxfer.PageMap{Layout: d1.pool.Layout(), Pages: pages},
+		kvxfer.PageMap{Layout: r2.GetStoreLayout(), Pages: r2.GetPages()}, d1.seg, 4, 10)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -16,10 +16,11 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
-	"github.com/kvcentric/kvcentric/pkg/agent"
 	"github.com/kvcentric/kvcentric/pkg/kvpool"
+	"github.com/kvcentric/kvcentric/pkg/kvxfer"
 	"github.com/kvcentric/kvcentric/pkg/rdma"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+	"github.com/kvcentric/kvcentric/sidecar-prefill/internal/store"
 )
 
 // gpuLikeEngine is a tcp engine that answers as the cuda backend: its "device" and "pinned"
@@ -95,7 +96,7 @@ func TestDeviceStoreSnapshotKV(t *testing.T) {
 	}
 	t.Cleanup(func() { _ = tcp.Close() })
 	eng := &gpuLikeEngine{Engine: tcp, mem: map[uint64][]byte{}}
-	s := New(Config{WorkerID: "p", StoreBytes: 64 * ps * tb * 2 * layers, StoreMemory: agent.StoreMemoryCUDA}, eng, nil, zerolog.Nop())
+	s := New(Config{WorkerID: "p", StoreBytes: 64 * ps * tb * 2 * layers, StoreMemory: store.MemoryCUDA}, eng, nil, zerolog.Nop())
 	wp, err := kvpool.Create(t.TempDir(), kvpool.Spec{PageSize: ps, ItemLen: ps * tb, NumLayers: layers, PageCount: 4})
 	if err != nil {
 		t.Fatal(err)
@@ -117,7 +118,7 @@ func TestDeviceStoreSnapshotKV(t *testing.T) {
 	}
 
 	// The decode side: a fragmented session in its own pool and engine.
-	src, err := agent.NewArena(ps, ps*tb, 32, layers)
+	src, err := kvxfer.NewArena(ps, ps*tb, 32, layers)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -145,11 +146,11 @@ func TestDeviceStoreSnapshotKV(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	reqs, err := agent.PlanTokens(agent.PageMap{Layout: src.Layout(), Pages: pages}, agent.PageMap{Layout: res.GetStoreLayout(), Pages: res.GetPages()}, seg, 0, tokens)
+	reqs, err := kvxfer.PlanTokens(kvxfer.PageMap{Layout: src.Layout(), Pages: pages}, kvxfer.PageMap{Layout: res.GetStoreLayout(), Pages: res.GetPages()}, seg, 0, tokens)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := agent.Transfer(ctx, deng, reqs); err != nil {
+	if _, err := kvxfer.Transfer(ctx, deng, reqs); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := s.CommitSnapshot(ctx, &kvcv1.CommitSnapshotRequest{IngestId: res.GetIngestId()}); err != nil {
@@ -188,7 +189,7 @@ func TestDeviceStoreAllocationFails(t *testing.T) {
 	}
 	t.Cleanup(func() { _ = tcp.Close() })
 	eng := &gpuLikeEngine{Engine: tcp, mem: map[uint64][]byte{}, nfail: 1}
-	s := New(Config{WorkerID: "p", StoreBytes: 16 * 2 * 32, StoreMemory: agent.StoreMemoryCUDA}, eng, nil, zerolog.Nop())
+	s := New(Config{WorkerID: "p", StoreBytes: 16 * 2 * 32, StoreMemory: store.MemoryCUDA}, eng, nil, zerolog.Nop())
 	t.Cleanup(s.Close)
 	p, err := kvpool.Create(t.TempDir(), kvpool.Spec{PageSize: 4, ItemLen: 32, NumLayers: 1, PageCount: 8})
 	if err != nil {

@@ -13,9 +13,9 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
-	"github.com/kvcentric/kvcentric/pkg/agent"
 	"github.com/kvcentric/kvcentric/pkg/kvpool"
 	"github.com/kvcentric/kvcentric/pkg/rdma"
+	"github.com/kvcentric/kvcentric/pkg/sidecar"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -31,16 +31,16 @@ func (w *syncBuf) Write(p []byte) (int, error) {
 	return w.b.Write(p)
 }
 
-func (w *syncBuf) events(t *testing.T) []agent.Event {
+func (w *syncBuf) events(t *testing.T) []sidecar.Event {
 	t.Helper()
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	var out []agent.Event
+	var out []sidecar.Event
 	for _, line := range strings.Split(strings.TrimSpace(w.b.String()), "\n") {
 		if line == "" {
 			continue
 		}
-		var e agent.Event
+		var e sidecar.Event
 		if err := json.Unmarshal([]byte(line), &e); err != nil {
 			t.Fatalf("event %q: %v", line, err)
 		}
@@ -79,7 +79,7 @@ func TestExpiredReservationLeavesNothing(t *testing.T) {
 	t.Cleanup(func() { _ = eng.Close() })
 	clk := &fakeClock{now: time.Unix(1_700_000_000, 0)}
 	var logw syncBuf
-	ev := agent.NewEventLog(&logw, "p", nil)
+	ev := sidecar.NewEventLog(&logw, "p", nil)
 	s := New(Config{WorkerID: "p", StoreBytes: 16 * 2 * 32, ReserveTimeout: 30 * time.Second, Now: clk.Now}, eng, ev, zerolog.Nop())
 	t.Cleanup(s.Close)
 	p, err := kvpool.Create(t.TempDir(), kvpool.Spec{PageSize: 4, ItemLen: 32, NumLayers: 1, PageCount: 8})
@@ -163,7 +163,7 @@ func TestExpiredReservationLeavesNothing(t *testing.T) {
 			}
 			var found bool
 			for _, e := range logw.events(t) {
-				if e.Event == agent.EvRecvRejected && e.Session == "a" && strings.HasPrefix(e.Reason, "expired: ingest ") && e.Tokens == 10 && e.Peer == "d" {
+				if e.Event == sidecar.EvRecvRejected && e.Session == "a" && strings.HasPrefix(e.Reason, "expired: ingest ") && e.Tokens == 10 && e.Peer == "d" {
 					found = true
 				}
 			}

@@ -12,8 +12,8 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
-	"github.com/kvcentric/kvcentric/pkg/agent"
 	"github.com/kvcentric/kvcentric/pkg/kvpool"
+	"github.com/kvcentric/kvcentric/pkg/kvxfer"
 	"github.com/kvcentric/kvcentric/pkg/rdma"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
@@ -21,7 +21,7 @@ import (
 // guardPeer is a decode side: its own tcp engine and pool, holding sessions' KV.
 type guardPeer struct {
 	eng  rdma.Engine
-	pool *agent.Pool
+	pool *kvxfer.Pool
 	seg  rdma.SegmentID
 }
 
@@ -32,7 +32,7 @@ func newGuardPeer(t *testing.T, ctx context.Context, store string) *guardPeer {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = eng.Close() })
-	pool, err := agent.NewArena(4, 32, 16, 1)
+	pool, err := kvxfer.NewArena(4, 32, 16, 1)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -59,8 +59,8 @@ func (p *guardPeer) fill(session string, pages []int64, n int64) {
 // plan writes tokens [from, to) of pages into a reservation, as a decode sidecar's push does.
 func (p *guardPeer) plan(t *testing.T, pages []int64, res *kvcv1.ReserveSnapshotResponse, from, to int64) []rdma.Request {
 	t.Helper()
-	reqs, err := agent.PlanTokens(agent.PageMap{Layout: p.pool.Layout(), Pages: pages},
-		agent.PageMap{Layout: res.GetStoreLayout(), Pages: res.GetPages(), First: from / 4}, p.seg, from, to)
+	reqs, err := kvxfer.PlanTokens(kvxfer.PageMap{Layout: p.pool.Layout(), Pages: pages},
+		kvxfer.PageMap{Layout: res.GetStoreLayout(), Pages: res.GetPages(), First: from / 4}, p.seg, from, to)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -5,8 +5,9 @@ import (
 	"net/http"
 	"time"
 
-	"github.com/kvcentric/kvcentric/pkg/agent"
+	"github.com/kvcentric/kvcentric/pkg/kvxfer"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+	"github.com/kvcentric/kvcentric/sidecar-prefill/internal/store"
 )
 
 // readerBounce is the pinned bounce buffer of one snapshot_kv read of a store in device memory.
@@ -95,11 +96,11 @@ func (s *Sidecar) httpKV(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	defer release()
-	var rd *agent.Reader
+	var rd *store.Reader
 	if !arena.HostVisible() {
 		// A store in GPU memory: copy through the engine into a pinned bounce buffer.
 		var err error
-		if rd, err = agent.NewReader(r.Context(), s.eng, readerBounce); err != nil {
+		if rd, err = store.NewReader(r.Context(), s.eng, readerBounce); err != nil {
 			httpError(w, http.StatusServiceUnavailable, "unavailable", "store in device memory: cannot copy it out through the engine: "+err.Error())
 			return
 		}
@@ -111,7 +112,7 @@ func (s *Sidecar) httpKV(w http.ResponseWriter, r *http.Request) {
 	w.Header().Set("X-Kvc-Token-Bytes", itoa(arena.TokenBytes()))
 	w.Header().Set("Content-Length", itoa(v.Seqlen*arena.BytesPerToken()))
 	if rd != nil {
-		m := agent.PageMap{Layout: arena.Layout(), Pages: v.Pages}
+		m := kvxfer.PageMap{Layout: arena.Layout(), Pages: v.Pages}
 		for b := 0; b < arena.Buffers(); b++ {
 			if err := rd.Tokens(r.Context(), m, b, 0, v.Seqlen, w); err != nil {
 				s.log.Warn().Err(err).Str("session", sid).Msg("snapshot_kv from device memory cut short")

@@ -9,8 +9,9 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
-	"github.com/kvcentric/kvcentric/pkg/agent"
+	"github.com/kvcentric/kvcentric/pkg/kvxfer"
 	"github.com/kvcentric/kvcentric/pkg/rdma"
+	"github.com/kvcentric/kvcentric/pkg/sidecar"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -48,12 +49,12 @@ func (s *Sidecar) LoadFromStore(ctx context.Context, req *kvcv1.LoadFromStoreReq
 	}
 	miss := func(c codes.Code, d *kvcv1.PeerError, format string, a ...any) error {
 		reason := fmt.Sprintf(format, a...)
-		s.ev.Emit(agent.Event{Event: agent.EvStoreLoadMiss, Session: req.GetSessionId(), Generation: req.GetGeneration(),
+		s.ev.Emit(sidecar.Event{Event: sidecar.EvStoreLoadMiss, Session: req.GetSessionId(), Generation: req.GetGeneration(),
 			Tokens: req.GetTokens(), Reason: reason})
 		if d == nil {
 			return status.Error(c, reason)
 		}
-		return agent.PeerStatus(c, d, "%s", reason)
+		return kvxfer.PeerStatus(c, d, "%s", reason)
 	}
 	v, release, ok := st.Acquire(req.GetSessionId())
 	if !ok {
@@ -75,13 +76,13 @@ func (s *Sidecar) LoadFromStore(ctx context.Context, req *kvcv1.LoadFromStoreReq
 	seg, err := s.segs.Open(ctx, self)
 	var moved uint64
 	if err == nil {
-		var plan *agent.TokenPlan
-		plan, err = agent.PlanRuns(agent.PageMap{Layout: arena.Layout(), Pages: v.Pages},
-			agent.PageMap{Layout: pool.Layout(), Pages: req.GetPages()}, 0, req.GetTokens())
+		var plan *kvxfer.TokenPlan
+		plan, err = kvxfer.PlanRuns(kvxfer.PageMap{Layout: arena.Layout(), Pages: v.Pages},
+			kvxfer.PageMap{Layout: pool.Layout(), Pages: req.GetPages()}, 0, req.GetTokens())
 		if err == nil {
 			moved, err = plan.Transfer(ctx, s.eng, seg)
 		}
-		if err != nil && !errors.Is(err, agent.ErrAborted) {
+		if err != nil && !errors.Is(err, kvxfer.ErrAborted) {
 			s.segs.Forget(self)
 		}
 	}
@@ -89,8 +90,8 @@ func (s *Sidecar) LoadFromStore(ctx context.Context, req *kvcv1.LoadFromStoreReq
 		return nil, miss(codes.Aborted, nil, "copying the snapshot prefix into the worker's pages: %v", err)
 	}
 	d := time.Since(start)
-	s.ev.Emit(agent.Event{Event: agent.EvStoreLoad, Session: v.Session, Generation: v.Generation, Tokens: req.GetTokens(),
-		Seqlen: v.Seqlen, Bytes: int64(moved), DurationMs: agent.Ms(d), Peer: s.cfg.WorkerID})
+	s.ev.Emit(sidecar.Event{Event: sidecar.EvStoreLoad, Session: v.Session, Generation: v.Generation, Tokens: req.GetTokens(),
+		Seqlen: v.Seqlen, Bytes: int64(moved), DurationMs: sidecar.Ms(d), Peer: s.cfg.WorkerID})
 	return &kvcv1.LoadFromStoreResponse{Bytes: int64(moved), Tokens: req.GetTokens(), Generation: v.Generation, Seqlen: v.Seqlen,
 		DurationUs: d.Microseconds()}, nil
 }
@@ -99,7 +100,7 @@ func (s *Sidecar) LoadFromStore(ctx context.Context, req *kvcv1.LoadFromStoreReq
 type memRange struct{ lo, hi uint64 }
 
 // poolRangesOf is the memory of each buffer of the worker's pool.
-func poolRangesOf(p *agent.Pool) *[]memRange {
+func poolRangesOf(p *kvxfer.Pool) *[]memRange {
 	l := p.Layout()
 	n := uint64(l.GetItemLen()) * uint64(l.GetPageCount())
 	rs := make([]memRange, 0, len(l.GetBufferAddrs()))

@@ -8,8 +8,9 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
-	"github.com/kvcentric/kvcentric/pkg/agent"
 	"github.com/kvcentric/kvcentric/pkg/kvpool"
+	"github.com/kvcentric/kvcentric/pkg/kvxfer"
+	"github.com/kvcentric/kvcentric/pkg/sidecar"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -45,7 +46,7 @@ func TestLoadFromStore(t *testing.T) {
 	}
 	var loads int
 	for _, e := range logw.events(t) {
-		if e.Event == agent.EvStoreLoad && e.Session == "s" && e.Tokens == 12 {
+		if e.Event == sidecar.EvStoreLoad && e.Session == "s" && e.Tokens == 12 {
 			loads++
 		}
 	}
@@ -73,8 +74,8 @@ func TestLoadFromStore(t *testing.T) {
 				t.Fatalf("%v, want %s", err, tt.code)
 			}
 			if tt.reason != 0 {
-				var pe *agent.PeerError
-				if !errors.As(agent.TypedPeerError(err), &pe) || pe.Reason() != tt.reason {
+				var pe *kvxfer.PeerError
+				if !errors.As(kvxfer.TypedPeerError(err), &pe) || pe.Reason() != tt.reason {
 					t.Fatalf("%v: want reason %s", err, tt.reason)
 				}
 			}

@@ -8,8 +8,9 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
-	"github.com/kvcentric/kvcentric/pkg/agent"
+	"github.com/kvcentric/kvcentric/pkg/kvxfer"
 	"github.com/kvcentric/kvcentric/pkg/rdma"
+	"github.com/kvcentric/kvcentric/pkg/sidecar"
 	"github.com/kvcentric/kvcentric/pkg/tlsx"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 	"github.com/kvcentric/kvcentric/sidecar-prefill/internal/store"
@@ -18,7 +19,7 @@ import (
 // maxEndpoint bounds ReserveSnapshotRequest.source_transfer_endpoint (a host:port or unix path).
 const maxEndpoint = 1024
 
-func (s *Sidecar) storeAndArena() (*store.Store, *agent.Pool, error) {
+func (s *Sidecar) storeAndArena() (*store.Store, *kvxfer.Pool, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.st == nil {
@@ -40,7 +41,7 @@ func (s *Sidecar) ReserveSnapshot(ctx context.Context, req *kvcv1.ReserveSnapsho
 	if err != nil {
 		return nil, err
 	}
-	if err := agent.CompatibleLayouts(req.GetSourceLayout(), arena.Layout()); err != nil {
+	if err := kvxfer.CompatibleLayouts(req.GetSourceLayout(), arena.Layout()); err != nil {
 		return nil, err
 	}
 	if err := s.checkPeerTP(ctx); err != nil {
@@ -59,7 +60,7 @@ func (s *Sidecar) ReserveSnapshot(ctx context.Context, req *kvcv1.ReserveSnapsho
 		req.GetSourceTransferEndpoint(), store.CreditRequest{Pages: req.GetCreditPages(), Use: req.GetUseCreditPages(), ID: req.GetCreditId()},
 		req.GetRetagFromGeneration())
 	if err != nil {
-		s.ev.Emit(agent.Event{Event: agent.EvRecvRejected, Session: req.GetSessionId(), Generation: req.GetGeneration(),
+		s.ev.Emit(sidecar.Event{Event: sidecar.EvRecvRejected, Session: req.GetSessionId(), Generation: req.GetGeneration(),
 			BaseLen: req.GetBaseLen(), Tokens: req.GetTokens(), Peer: req.GetSourceWorkerId(), Reason: err.Error()})
 		return nil, err
 	}
@@ -77,7 +78,7 @@ func (s *Sidecar) checkPeerTP(ctx context.Context) error {
 	if p == nil {
 		return nil // nothing registered yet: the store or the room refuses on its own
 	}
-	return agent.CheckPeerTP(ctx, p)
+	return kvxfer.CheckPeerTP(ctx, p)
 }
 
 // checkIngestCaller refuses a commit or abort of ingest id from a caller whose certificate
@@ -93,7 +94,7 @@ func (s *Sidecar) checkIngestCaller(ctx context.Context, st *store.Store, id uin
 // onExpire reports a reservation the store freed because it was neither committed nor aborted
 // in time (the pusher died or hung); the store's table was its only record.
 func (s *Sidecar) onExpire(in store.Ingest) {
-	s.ev.Emit(agent.Event{Event: agent.EvRecvRejected, Session: in.Session, Generation: in.Generation, BaseLen: in.BaseLen,
+	s.ev.Emit(sidecar.Event{Event: sidecar.EvRecvRejected, Session: in.Session, Generation: in.Generation, BaseLen: in.BaseLen,
 		Tokens: in.Tokens, Peer: in.Source, Reason: fmt.Sprintf("expired: ingest %d not committed within %s", in.ID, in.Deadline.Sub(in.Started))})
 }
 
@@ -133,7 +134,7 @@ func (s *Sidecar) CommitSnapshot(ctx context.Context, req *kvcv1.CommitSnapshotR
 			if aerr != nil {
 				s.log.Warn().Err(aerr).Uint64("ingest", req.GetIngestId()).Msg("abort ingest after a failed ready event")
 			}
-			s.ev.Emit(agent.Event{Event: agent.EvRecvRejected, Session: in.Session, Generation: in.Generation, BaseLen: in.BaseLen,
+			s.ev.Emit(sidecar.Event{Event: sidecar.EvRecvRejected, Session: in.Session, Generation: in.Generation, BaseLen: in.BaseLen,
 				Tokens: in.Tokens, Peer: in.Source, Reason: "ready event: " + err.Error()})
 			return nil, status.Errorf(codes.Aborted, "ingest %d aborted: waiting for the ready event: %v", req.GetIngestId(), err)
 		}
@@ -143,8 +144,8 @@ func (s *Sidecar) CommitSnapshot(ctx context.Context, req *kvcv1.CommitSnapshotR
 		return nil, err
 	}
 	bytes := in.Tokens * arena.BytesPerToken()
-	s.ev.Emit(agent.Event{Event: agent.EvRecvIngested, Session: v.Session, Generation: v.Generation, BaseLen: in.BaseLen,
-		Tokens: in.Tokens, Seqlen: v.Seqlen, Bytes: bytes, Peer: v.Source, DurationMs: agent.Ms(s.now().Sub(in.Started))})
+	s.ev.Emit(sidecar.Event{Event: sidecar.EvRecvIngested, Session: v.Session, Generation: v.Generation, BaseLen: in.BaseLen,
+		Tokens: in.Tokens, Seqlen: v.Seqlen, Bytes: bytes, Peer: v.Source, DurationMs: sidecar.Ms(s.now().Sub(in.Started))})
 	s.rep.Report(&kvcv1.SessionEvent{SessionId: v.Session, Kind: kvcv1.SessionEventKind_SESSION_EVENT_KIND_SNAPSHOT_INGESTED,
 		KvLen: v.Seqlen, Generation: v.Generation, Bytes: v.Bytes, PeerWorker: v.Source})
 	return &kvcv1.CommitSnapshotResponse{Seqlen: v.Seqlen}, nil
@@ -163,7 +164,7 @@ func (s *Sidecar) AbortSnapshot(ctx context.Context, req *kvcv1.AbortSnapshotReq
 	if err != nil {
 		return nil, err
 	}
-	s.ev.Emit(agent.Event{Event: agent.EvRecvRejected, Session: in.Session, Generation: in.Generation, BaseLen: in.BaseLen,
+	s.ev.Emit(sidecar.Event{Event: sidecar.EvRecvRejected, Session: in.Session, Generation: in.Generation, BaseLen: in.BaseLen,
 		Tokens: in.Tokens, Peer: in.Source, Reason: "aborted by sender: " + req.GetReason()})
 	return &kvcv1.AbortSnapshotResponse{}, nil
 }
@@ -210,7 +211,7 @@ func (s *Sidecar) OfferReceive(ctx context.Context, req *kvcv1.OfferReceiveReque
 	}
 	s.mu.Unlock()
 	if mine != nil {
-		if err := agent.CompatibleLayouts(mine.Layout(), req.GetDecodeLayout()); err != nil {
+		if err := kvxfer.CompatibleLayouts(mine.Layout(), req.GetDecodeLayout()); err != nil {
 			return nil, err
 		}
 	}
@@ -252,7 +253,7 @@ func (s *Sidecar) reseed(r *room) {
 		defer st.Unpin(r.push.GetSessionId())
 	}
 	miss := func(reason string) {
-		s.ev.Emit(agent.Event{Event: agent.EvBypassMiss, Session: off.GetSessionId(), Room: off.GetRoom(), Tokens: off.GetTokens(),
+		s.ev.Emit(sidecar.Event{Event: sidecar.EvBypassMiss, Session: off.GetSessionId(), Room: off.GetRoom(), Tokens: off.GetTokens(),
 			Peer: off.GetDecodeWorkerId(), Reason: reason})
 		s.done(off, false, 0, reason)
 	}
@@ -278,8 +279,8 @@ func (s *Sidecar) reseed(r *room) {
 	if err == nil {
 		// Every page is checked first; the requests are then laid out a few buffers at a time
 		// while the engine copies the previous ones.
-		plan, perr := agent.PlanRuns(agent.PageMap{Layout: arena.Layout(), Pages: v.Pages},
-			agent.PageMap{Layout: off.GetDecodeLayout(), Pages: off.GetPages()}, 0, off.GetTokens())
+		plan, perr := kvxfer.PlanRuns(kvxfer.PageMap{Layout: arena.Layout(), Pages: v.Pages},
+			kvxfer.PageMap{Layout: off.GetDecodeLayout(), Pages: off.GetPages()}, 0, off.GetTokens())
 		err = perr
 		if err == nil {
 			moved, err = plan.Transfer(ctx, s.eng, seg)
@@ -289,19 +290,19 @@ func (s *Sidecar) reseed(r *room) {
 		}
 	}
 	if err != nil {
-		s.ev.Emit(agent.Event{Event: agent.EvTransferFailed, Kind: "snapshot", Session: off.GetSessionId(), Room: off.GetRoom(),
+		s.ev.Emit(sidecar.Event{Event: sidecar.EvTransferFailed, Kind: "snapshot", Session: off.GetSessionId(), Room: off.GetRoom(),
 			Tokens: off.GetTokens(), Peer: off.GetDecodeWorkerId(), Reason: err.Error()})
 		s.done(off, false, int64(moved), "snapshot write failed: "+err.Error())
 		return
 	}
-	s.ev.Emit(agent.Event{Event: agent.EvBypassHit, Session: off.GetSessionId(), Generation: v.Generation, Room: off.GetRoom(),
-		Tokens: off.GetTokens(), Seqlen: v.Seqlen, Bytes: int64(moved), DurationMs: agent.Ms(time.Since(start)), Peer: off.GetDecodeWorkerId()})
+	s.ev.Emit(sidecar.Event{Event: sidecar.EvBypassHit, Session: off.GetSessionId(), Generation: v.Generation, Room: off.GetRoom(),
+		Tokens: off.GetTokens(), Seqlen: v.Seqlen, Bytes: int64(moved), DurationMs: sidecar.Ms(time.Since(start)), Peer: off.GetDecodeWorkerId()})
 	s.done(off, true, int64(moved), "")
 }
 
 // onEvict reports a snapshot that left the store.
 func (s *Sidecar) onEvict(v store.View, reason string) {
-	s.ev.Emit(agent.Event{Event: agent.EvEvicted, Session: v.Session, Generation: v.Generation, Seqlen: v.Seqlen, Bytes: v.Bytes, Reason: reason})
+	s.ev.Emit(sidecar.Event{Event: sidecar.EvEvicted, Session: v.Session, Generation: v.Generation, Seqlen: v.Seqlen, Bytes: v.Bytes, Reason: reason})
 	if reason == store.ReasonReplaced {
 		return // the ingest of the newer generation is reported instead
 	}
@@ -316,14 +317,14 @@ func (s *Sidecar) onEvict(v store.View, reason string) {
 // arrives is refused by the read's length check (snapshot_short). The event keeps the
 // snapshot's update time: nothing in it is newer.
 func (s *Sidecar) onCut(v store.View, was int64) {
-	s.ev.Emit(agent.Event{Event: agent.EvCutBack, Session: v.Session, Generation: v.Generation, BaseLen: was, Seqlen: v.Seqlen,
+	s.ev.Emit(sidecar.Event{Event: sidecar.EvCutBack, Session: v.Session, Generation: v.Generation, BaseLen: was, Seqlen: v.Seqlen,
 		Bytes: v.Bytes, Peer: v.Source, Reason: "re-tag append from a prefix of the snapshot"})
 	s.rep.Report(&kvcv1.SessionEvent{SessionId: v.Session, Kind: kvcv1.SessionEventKind_SESSION_EVENT_KIND_SNAPSHOT_INGESTED,
 		KvLen: v.Seqlen, Generation: v.Generation, Bytes: v.Bytes, PeerWorker: v.Source, UnixMs: v.Updated.UnixMilli(),
 		Detail: fmt.Sprintf("cut back from %d tokens by a re-tag append", was)})
 }
 
-// ---- control plane (agent.Handler) ----
+// ---- control plane (sidecar.Handler) ----
 
 // Hello describes this sidecar.
 func (s *Sidecar) Hello() *kvcv1.Hello {
@@ -335,7 +336,7 @@ func (s *Sidecar) Hello() *kvcv1.Hello {
 		h.KvCapacityTokens = s.pool.CapacityTokens()
 		h.KvBytesPerToken = s.pool.BytesPerToken()
 	}
-	agent.HelloTP(h, s.pool, s.cfg.TPGroup)
+	kvxfer.HelloTP(h, s.pool, s.cfg.TPGroup)
 	if s.cfg.KVCapacity > 0 {
 		h.KvCapacityTokens = s.cfg.KVCapacity
 	}

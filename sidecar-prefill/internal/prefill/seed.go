@@ -10,7 +10,8 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
-	"github.com/kvcentric/kvcentric/pkg/agent"
+	"github.com/kvcentric/kvcentric/pkg/kvxfer"
+	"github.com/kvcentric/kvcentric/pkg/sidecar"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 	"github.com/kvcentric/kvcentric/sidecar-prefill/internal/store"
 )
@@ -35,7 +36,7 @@ type storeSeed struct {
 }
 
 // sendToStore serves SendKV with to_store.
-func (s *Sidecar) sendToStore(ctx context.Context, req *kvcv1.SendKVRequest, pool *agent.Pool) (*kvcv1.SendKVResponse, error) {
+func (s *Sidecar) sendToStore(ctx context.Context, req *kvcv1.SendKVRequest, pool *kvxfer.Pool) (*kvcv1.SendKVResponse, error) {
 	if err := kvcv1.ValidateID("session_id", req.GetSessionId()); err != nil || req.GetSessionId() == "" {
 		return nil, status.Errorf(codes.InvalidArgument, "to_store needs a session id: %v", err)
 	}
@@ -83,13 +84,13 @@ func (s *Sidecar) sendToStore(ctx context.Context, req *kvcv1.SendKVRequest, poo
 		self := s.eng.SegmentName()
 		seg, err := s.segs.Open(ctx, self)
 		if err == nil {
-			var plan *agent.TokenPlan
-			plan, err = agent.PlanRuns(agent.PageMap{Layout: pool.Layout(), Pages: req.GetPages(), First: req.GetFirstPage()},
-				agent.PageMap{Layout: arena.Layout(), Pages: sd.pages}, from, to)
+			var plan *kvxfer.TokenPlan
+			plan, err = kvxfer.PlanRuns(kvxfer.PageMap{Layout: pool.Layout(), Pages: req.GetPages(), First: req.GetFirstPage()},
+				kvxfer.PageMap{Layout: arena.Layout(), Pages: sd.pages}, from, to)
 			if err == nil {
 				moved, err = plan.Transfer(ctx, s.eng, seg)
 			}
-			if err != nil && !errors.Is(err, agent.ErrAborted) {
+			if err != nil && !errors.Is(err, kvxfer.ErrAborted) {
 				s.segs.Forget(self)
 			}
 		}
@@ -110,12 +111,12 @@ func (s *Sidecar) sendToStore(ctx context.Context, req *kvcv1.SendKVRequest, poo
 	s.forgetSeed(sd)
 	v, in, err := st.CommitIngest(sd.ingest)
 	if err != nil {
-		s.ev.Emit(agent.Event{Event: agent.EvRecvRejected, Kind: "seed", Session: sd.session, Generation: sd.gen, Room: sd.room,
+		s.ev.Emit(sidecar.Event{Event: sidecar.EvRecvRejected, Kind: "seed", Session: sd.session, Generation: sd.gen, Room: sd.room,
 			Tokens: sd.tokens, Peer: s.cfg.WorkerID, Reason: "commit: " + err.Error()})
 		return nil, err
 	}
-	s.ev.Emit(agent.Event{Event: agent.EvRecvIngested, Kind: "seed", Session: v.Session, Generation: v.Generation, Room: sd.room,
-		Tokens: in.Tokens, Seqlen: v.Seqlen, Bytes: sd.bytes, Peer: v.Source, DurationMs: agent.Ms(s.now().Sub(in.Started))})
+	s.ev.Emit(sidecar.Event{Event: sidecar.EvRecvIngested, Kind: "seed", Session: v.Session, Generation: v.Generation, Room: sd.room,
+		Tokens: in.Tokens, Seqlen: v.Seqlen, Bytes: sd.bytes, Peer: v.Source, DurationMs: sidecar.Ms(s.now().Sub(in.Started))})
 	s.rep.Report(&kvcv1.SessionEvent{SessionId: v.Session, Kind: kvcv1.SessionEventKind_SESSION_EVENT_KIND_SNAPSHOT_INGESTED,
 		KvLen: v.Seqlen, Generation: v.Generation, Bytes: v.Bytes, PeerWorker: v.Source, Detail: "seed"})
 	return &kvcv1.SendKVResponse{Bytes: int64(moved), StoredSeqlen: v.Seqlen}, nil
@@ -144,7 +145,7 @@ func (s *Sidecar) seed(req *kvcv1.SendKVRequest, st *store.Store) (*storeSeed, e
 	}
 	res, err := st.ReserveFor(req.GetSessionId(), req.GetGeneration(), 0, req.GetTokens(), s.cfg.WorkerID, s.eng.SegmentName())
 	if err != nil {
-		s.ev.Emit(agent.Event{Event: agent.EvRecvRejected, Kind: "seed", Session: req.GetSessionId(), Generation: req.GetGeneration(),
+		s.ev.Emit(sidecar.Event{Event: sidecar.EvRecvRejected, Kind: "seed", Session: req.GetSessionId(), Generation: req.GetGeneration(),
 			Room: req.GetRoom(), Tokens: req.GetTokens(), Peer: s.cfg.WorkerID, Reason: err.Error()})
 		return nil, err
 	}
@@ -168,7 +169,7 @@ func (s *Sidecar) endSeed(sd *storeSeed, st *store.Store, reason string) {
 	if err := st.Abort(sd.ingest); err != nil {
 		s.log.Debug().Err(err).Uint64("ingest", sd.ingest).Msg("store seed reservation already gone")
 	}
-	s.ev.Emit(agent.Event{Event: agent.EvRecvRejected, Kind: "seed", Session: sd.session, Generation: sd.gen, Room: sd.room,
+	s.ev.Emit(sidecar.Event{Event: sidecar.EvRecvRejected, Kind: "seed", Session: sd.session, Generation: sd.gen, Room: sd.room,
 		Tokens: sd.tokens, Peer: s.cfg.WorkerID, Reason: reason})
 }
 

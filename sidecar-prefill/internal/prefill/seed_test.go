@@ -9,9 +9,9 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
-	"github.com/kvcentric/kvcentric/pkg/agent"
 	"github.com/kvcentric/kvcentric/pkg/kvpool"
 	"github.com/kvcentric/kvcentric/pkg/rdma"
+	"github.com/kvcentric/kvcentric/pkg/sidecar"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -27,7 +27,7 @@ func seedSidecar(t *testing.T, cfg Config) (*Sidecar, *fakeClock, *syncBuf, *kvp
 	clk := &fakeClock{now: time.Unix(1_700_000_000, 0)}
 	var logw syncBuf
 	cfg.WorkerID, cfg.StoreBytes, cfg.Now = "p", 16*2*32, clk.Now
-	s := New(cfg, eng, agent.NewEventLog(&logw, "p", nil), zerolog.Nop())
+	s := New(cfg, eng, sidecar.NewEventLog(&logw, "p", nil), zerolog.Nop())
 	t.Cleanup(s.Close)
 	p, err := kvpool.Create(t.TempDir(), kvpool.Spec{PageSize: 4, ItemLen: 32, NumLayers: 1, PageCount: 8})
 	if err != nil {
@@ -78,7 +78,7 @@ func TestStoreSeedTimeouts(t *testing.T) {
 		}
 		var rejected int
 		for _, e := range logw.events(t) {
-			if e.Event == agent.EvRecvRejected && e.Kind == "seed" && e.Room == 3 {
+			if e.Event == sidecar.EvRecvRejected && e.Kind == "seed" && e.Room == 3 {
 				rejected++
 			}
 		}

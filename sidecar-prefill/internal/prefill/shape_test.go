@@ -9,7 +9,7 @@ import (
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
-	"github.com/kvcentric/kvcentric/pkg/agent"
+	"github.com/kvcentric/kvcentric/pkg/kvxfer"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -20,7 +20,7 @@ func TestSendKVAuxValidation(t *testing.T) {
 		!strings.Contains(err.Error(), "last chunk") {
 		t.Fatalf("aux on a middle chunk: %v", err)
 	}
-	if _, err := s.SendKV(ctx, &kvcv1.SendKVRequest{Room: 5, Last: true, Aux: [][]byte{make([]byte, agent.MaxAuxBytes), {1}}}); status.Code(err) != codes.InvalidArgument ||
+	if _, err := s.SendKV(ctx, &kvcv1.SendKVRequest{Room: 5, Last: true, Aux: [][]byte{make([]byte, kvxfer.MaxAuxBytes), {1}}}); status.Code(err) != codes.InvalidArgument ||
 		!strings.Contains(err.Error(), "at most 65536") {
 		t.Fatalf("oversized aux: %v", err)
 	}
@@ -28,7 +28,7 @@ func TestSendKVAuxValidation(t *testing.T) {
 
 // tpCtx is an incoming peer call from a sidecar whose worker is rank/size.
 func tpCtx(rank, size int32) context.Context {
-	md, _ := metadata.FromOutgoingContext(agent.WithTP(context.Background(), &agent.Pool{TPRank: rank, TPSize: size}))
+	md, _ := metadata.FromOutgoingContext(kvxfer.WithTP(context.Background(), &kvxfer.Pool{TPRank: rank, TPSize: size}))
 	return metadata.NewIncomingContext(context.Background(), md)
 }
 

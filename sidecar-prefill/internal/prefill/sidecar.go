@@ -13,13 +13,14 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
-	"github.com/kvcentric/kvcentric/pkg/agent"
+	"github.com/kvcentric/kvcentric/pkg/kvxfer"
 	"github.com/kvcentric/kvcentric/pkg/rdma"
+	"github.com/kvcentric/kvcentric/pkg/sidecar"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 	"github.com/kvcentric/kvcentric/sidecar-prefill/internal/store"
 )
 
-// Reporter sends session events to the control plane (agent.ControlPlane).
+// Reporter sends session events to the control plane (sidecar.ControlPlane).
 type Reporter interface {
 	Report(ev *kvcv1.SessionEvent)
 }
@@ -38,7 +39,7 @@ type Config struct {
 	Transport     string
 	PeerAddr      string // advertised TransferPeerService address
 	StoreBytes    int64
-	StoreMemory   string // agent.StoreMemoryHost (default) or agent.StoreMemoryCUDA
+	StoreMemory   string // store.MemoryHost (default) or store.MemoryCUDA
 	KVCapacity    int64  // override of what the pool implies (0 = pool)
 	RoomTimeout   time.Duration
 	TransferLimit time.Duration // budget of one reseed write
@@ -60,17 +61,17 @@ type Sidecar struct {
 
 	cfg   Config
 	log   zerolog.Logger
-	ev    *agent.EventLog
+	ev    *sidecar.EventLog
 	eng   rdma.Engine
-	segs  *agent.Segments
-	peers *agent.Peers
+	segs  *kvxfer.Segments
+	peers *kvxfer.Peers
 	rep   Reporter
 
-	att *agent.Attach // the worker's command watcher and the readiness gate
+	att *sidecar.Attach // the worker's command watcher and the readiness gate
 
 	mu       sync.Mutex
-	pool     *agent.Pool // the worker's pool
-	arena    *agent.Pool // the store's memory
+	pool     *kvxfer.Pool // the worker's pool
+	arena    *kvxfer.Pool // the store's memory
 	st       *store.Store
 	rooms    map[int64]*room
 	finished map[int64]time.Time  // rooms already served (kept RoomTimeout): a late other half is recognised
@@ -100,16 +101,16 @@ type room struct {
 }
 
 // New builds a sidecar around an engine; the event log may be nil.
-func New(cfg Config, eng rdma.Engine, ev *agent.EventLog, log zerolog.Logger) *Sidecar {
+func New(cfg Config, eng rdma.Engine, ev *sidecar.EventLog, log zerolog.Logger) *Sidecar {
 	if cfg.RoomTimeout <= 0 {
 		cfg.RoomTimeout = 60 * time.Second
 	}
 	if cfg.TransferLimit <= 0 {
 		cfg.TransferLimit = 120 * time.Second
 	}
-	s := &Sidecar{cfg: cfg, log: log, ev: ev, eng: eng, segs: agent.NewSegments(eng), peers: agent.NewPeers(cfg.PeerDial...),
+	s := &Sidecar{cfg: cfg, log: log, ev: ev, eng: eng, segs: kvxfer.NewSegments(eng), peers: kvxfer.NewPeers(cfg.PeerDial...),
 		rep: nopReporter{}, rooms: map[int64]*room{}, finished: map[int64]time.Time{}, seeds: map[int64]*storeSeed{}}
-	s.att = agent.NewAttach(func() (bool, int32) {
+	s.att = sidecar.NewAttach(func() (bool, int32) {
 		s.mu.Lock()
 		defer s.mu.Unlock()
 		return s.pool != nil, 0
@@ -127,7 +128,7 @@ func (s *Sidecar) now() time.Time {
 // SetReporter sets where session events go (the control-plane loop).
 func (s *Sidecar) SetReporter(r Reporter) { s.rep = r }
 
-// Registered is closed once the worker registered its KV pool (agent.Attach).
+// Registered is closed once the worker registered its KV pool (sidecar.Attach).
 func (s *Sidecar) Registered() <-chan struct{} { return s.att.Registered() }
 
 // WaitingFor says what the sidecar waits for before it is ready ("" when ready).
@@ -136,7 +137,7 @@ func (s *Sidecar) WaitingFor() string { return s.att.WaitingFor() }
 // Instance is this sidecar process's random attach id.
 func (s *Sidecar) Instance() string { return s.att.Instance() }
 
-// WatchCommands is the worker's standing command stream (agent.Attach). A prefill sidecar
+// WatchCommands is the worker's standing command stream (sidecar.Attach). A prefill sidecar
 // sends no commands today; the attach status tells a worker whether to register again.
 func (s *Sidecar) WatchCommands(req *kvcv1.WatchCommandsRequest, stream grpc.ServerStreamingServer[kvcv1.WatchCommandsResponse]) error {
 	return s.att.Watch(req, stream)
@@ -148,7 +149,7 @@ func (s *Sidecar) AckCommand(_ context.Context, req *kvcv1.AckCommandRequest) (*
 }
 
 // Status is GET /v1/status: attach state, pool shape (layout, tensor parallelism, aux rows).
-func (s *Sidecar) Status() agent.Status {
+func (s *Sidecar) Status() sidecar.Status {
 	s.mu.Lock()
 	p := s.pool
 	s.mu.Unlock()
@@ -225,12 +226,12 @@ func (s *Sidecar) expire(now time.Time) {
 // RegisterKVPool maps the worker's pool, registers it with the engine and, the first time,
 // allocates the snapshot store with the same geometry.
 func (s *Sidecar) RegisterKVPool(_ context.Context, req *kvcv1.RegisterKVPoolRequest) (*kvcv1.RegisterKVPoolResponse, error) {
-	p, err := agent.OpenWorkerPool(req, s.eng) // shared memory, or GPU memory by CUDA IPC (--transport cuda)
+	p, err := kvxfer.OpenWorkerPool(req, s.eng) // shared memory, or GPU memory by CUDA IPC (--transport cuda)
 	if err != nil {
 		return nil, err
 	}
 	s.mu.Lock()
-	if err := agent.CheckTPUnchanged(s.pool, p); err != nil {
+	if err := kvxfer.CheckTPUnchanged(s.pool, p); err != nil {
 		s.mu.Unlock()
 		p.Close()
 		return nil, err
@@ -250,7 +251,7 @@ func (s *Sidecar) RegisterKVPool(_ context.Context, req *kvcv1.RegisterKVPoolReq
 		}
 		// Host memory (pinned with --transport cuda) or GPU memory of this sidecar's device
 		// (--store-memory cuda), shaped like the worker's pool (MHA or MLA).
-		arena, err := agent.NewStoreArenaLike(s.eng, s.cfg.StoreMemory, p, pages)
+		arena, err := store.NewArenaLike(s.eng, s.cfg.StoreMemory, p, pages)
 		if err != nil {
 			s.mu.Unlock()
 			p.Close()
@@ -396,13 +397,13 @@ func (s *Sidecar) SendKV(ctx context.Context, req *kvcv1.SendKVRequest) (*kvcv1.
 	if to > from {
 		seg, err := s.segs.Open(ctx, off.GetDecodeTransferEndpoint())
 		if err == nil {
-			var plan *agent.TokenPlan
-			plan, err = agent.PlanRuns(agent.PageMap{Layout: pool.Layout(), Pages: req.GetPages(), First: req.GetFirstPage()},
-				agent.PageMap{Layout: off.GetDecodeLayout(), Pages: off.GetPages()}, from, to)
+			var plan *kvxfer.TokenPlan
+			plan, err = kvxfer.PlanRuns(kvxfer.PageMap{Layout: pool.Layout(), Pages: req.GetPages(), First: req.GetFirstPage()},
+				kvxfer.PageMap{Layout: off.GetDecodeLayout(), Pages: off.GetPages()}, from, to)
 			if err == nil {
 				moved, err = plan.Transfer(ctx, s.eng, seg)
 			}
-			if err != nil && !errors.Is(err, agent.ErrAborted) {
+			if err != nil && !errors.Is(err, kvxfer.ErrAborted) {
 				s.segs.Forget(off.GetDecodeTransferEndpoint())
 			}
 		}

@@ -11,8 +11,8 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/protobuf/proto"
 
-	"github.com/kvcentric/kvcentric/pkg/agent"
 	"github.com/kvcentric/kvcentric/pkg/kvpool"
+	"github.com/kvcentric/kvcentric/pkg/sidecar"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -155,7 +155,7 @@ func TestSeedThroughStoreWithControlPlane(t *testing.T) {
 		sn := session().GetSnapshot()
 		return sn.GetPrefillWorker() == "p0" && sn.GetSeqlen() == L && sn.GetGeneration() == gen
 	})
-	pushes := events(t, d1.events, agent.EvPushSent, "S")
+	pushes := events(t, d1.events, sidecar.EvPushSent, "S")
 	if len(pushes) != 1 {
 		t.Fatalf("pushes: %+v", pushes)
 	}

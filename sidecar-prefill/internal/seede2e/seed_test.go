@@ -20,8 +20,8 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 
-	"github.com/kvcentric/kvcentric/pkg/agent"
 	"github.com/kvcentric/kvcentric/pkg/kvpool"
+	"github.com/kvcentric/kvcentric/pkg/sidecar"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -91,15 +91,15 @@ func (l *lockedBuf) String() string {
 	return l.b.String()
 }
 
-// sidecar is a running sidecar process and its worker's bridge client.
-type sidecar struct {
+// sidecarProc is a running sidecar process and its worker's bridge client.
+type sidecarProc struct {
 	id     string
 	events string
 	bridge kvcv1.WorkerBridgeServiceClient
 	ready  map[string]any
 }
 
-func (s *sidecar) str(k string) string { v, _ := s.ready[k].(string); return v }
+func (s *sidecarProc) str(k string) string { v, _ := s.ready[k].(string); return v }
 
 // startProc runs bin with args plus --ready-file, waits for the ready file and returns it; the
 // process is stopped when the test ends (its stderr's tail logged if the test failed).
@@ -153,14 +153,14 @@ func startProc(t *testing.T, name, bin string, args ...string) map[string]any {
 }
 
 // startSidecar runs kvc-sidecar-<role> (tcp transport) and connects to its bridge.
-func startSidecar(t *testing.T, role, id string, extra ...string) *sidecar {
+func startSidecar(t *testing.T, role, id string, extra ...string) *sidecarProc {
 	t.Helper()
 	dir := t.TempDir()
 	sock := filepath.Join(dir, "bridge.sock")
 	evlog := filepath.Join(dir, "events.jsonl")
 	args := append([]string{"--worker-id", id, "--bridge-socket", sock, "--event-log", evlog, "--transport", "tcp",
 		"--transfer-conns", "2", "--log-level", "debug", "--insecure", "--heartbeat", "100ms"}, extra...)
-	sc := &sidecar{id: id, events: evlog, ready: startProc(t, id, bins["kvc-sidecar-"+role], args...)}
+	sc := &sidecarProc{id: id, events: evlog, ready: startProc(t, id, bins["kvc-sidecar-"+role], args...)}
 	conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		t.Fatal(err)
@@ -171,7 +171,7 @@ func startSidecar(t *testing.T, role, id string, extra ...string) *sidecar {
 }
 
 // newPool is the test's stand-in for a worker's KV pool: shared memory registered with sc.
-func newPool(t *testing.T, sc *sidecar, pages int64) *kvpool.Pool {
+func newPool(t *testing.T, sc *sidecarProc, pages int64) *kvpool.Pool {
 	t.Helper()
 	p, err := kvpool.Create(t.TempDir(), kvpool.Spec{PageSize: pageSize, ItemLen: itemLen, NumLayers: numLayers, PageCount: pages, Name: sc.id})
 	if err != nil {
@@ -199,18 +199,18 @@ func ctxT(t *testing.T, d time.Duration) context.Context {
 	return ctx
 }
 
-func events(t *testing.T, path, name, session string) []agent.Event {
+func events(t *testing.T, path, name, session string) []sidecar.Event {
 	t.Helper()
 	f, err := os.Open(path)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer f.Close()
-	var out []agent.Event
+	var out []sidecar.Event
 	sc := bufio.NewScanner(f)
 	sc.Buffer(make([]byte, 1<<20), 1<<20)
 	for sc.Scan() {
-		var e agent.Event
+		var e sidecar.Event
 		if json.Unmarshal(sc.Bytes(), &e) == nil && e.Event == name && e.Session == session {
 			out = append(out, e)
 		}
@@ -299,7 +299,7 @@ func TestSeedThroughStore(t *testing.T) {
 	if err != nil || !st.GetExists() || st.GetSeqlen() != tokens || st.GetGeneration() != 1 || st.GetPrefillWorker() != "p0" {
 		t.Fatalf("snapshot status: %v %v", st, err)
 	}
-	ing := events(t, p0.events, agent.EvRecvIngested, session)
+	ing := events(t, p0.events, sidecar.EvRecvIngested, session)
 	if len(ing) != 1 || ing[0].Kind != "seed" || ing[0].Bytes != tokens*bpt || ing[0].Seqlen != tokens || ing[0].Generation != 1 || ing[0].Peer != "p0" {
 		t.Fatalf("ingested events: %+v", ing)
 	}

@@ -56,7 +56,7 @@ func TestSimSeedThroughStore(t *testing.T) {
 	}
 	p0 := startSidecar(t, "prefill", "p0", "--store-capacity-bytes", "67108864")
 	d1 := startSidecar(t, "decode", "d1")
-	sim := func(role, id string, sc *sidecar) string {
+	sim := func(role, id string, sc *sidecarProc) string {
 		r := startProc(t, "sim-"+id, bins["kvc-sim"], "--role", role, "--worker-id", id, "--bridge-socket", sc.str("bridge_socket"),
 			"--shm-dir", t.TempDir(), "--kv-capacity-tokens", "4096", "--time-scale", "0.01", "--layers", "4")
 		if u, _ := r["http_addr"].(string); u != "" {

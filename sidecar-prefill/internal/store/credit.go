@@ -8,7 +8,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
-	"github.com/kvcentric/kvcentric/pkg/agent"
+	"github.com/kvcentric/kvcentric/pkg/kvxfer"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -65,18 +65,18 @@ func (s *Store) checkCreditLocked(base, tokens int64, writer string, cr CreditRe
 	case cr.Use == 0:
 		return nil
 	case base != 0:
-		return agent.PeerStatus(codes.FailedPrecondition, creditRefused, "use_credit_pages needs a full push (base_len 0, not %d)", base)
+		return kvxfer.PeerStatus(codes.FailedPrecondition, creditRefused, "use_credit_pages needs a full push (base_len 0, not %d)", base)
 	case cr.Use > ceilDiv(tokens, s.cfg.PageSize):
-		return agent.PeerStatus(codes.FailedPrecondition, creditRefused, "use_credit_pages %d is more than the %d pages of the push", cr.Use, ceilDiv(tokens, s.cfg.PageSize))
+		return kvxfer.PeerStatus(codes.FailedPrecondition, creditRefused, "use_credit_pages %d is more than the %d pages of the push", cr.Use, ceilDiv(tokens, s.cfg.PageSize))
 	}
 	c := s.credits[writer]
 	switch {
 	case c == nil:
-		return agent.PeerStatus(codes.FailedPrecondition, creditRefused, "credit %d of %s unknown: the writer holds no credit (expired, or the store restarted)", cr.ID, writer)
+		return kvxfer.PeerStatus(codes.FailedPrecondition, creditRefused, "credit %d of %s unknown: the writer holds no credit (expired, or the store restarted)", cr.ID, writer)
 	case c.id != cr.ID:
-		return agent.PeerStatus(codes.FailedPrecondition, creditRefused, "credit %d of %s is stale: its credit is now %d", cr.ID, writer, c.id)
+		return kvxfer.PeerStatus(codes.FailedPrecondition, creditRefused, "credit %d of %s is stale: its credit is now %d", cr.ID, writer, c.id)
 	case cr.Use > int64(len(c.pages)):
-		return agent.PeerStatus(codes.FailedPrecondition, creditRefused, "use_credit_pages %d is more than the %d pages of credit %d", cr.Use, len(c.pages), c.id)
+		return kvxfer.PeerStatus(codes.FailedPrecondition, creditRefused, "use_credit_pages %d is more than the %d pages of credit %d", cr.Use, len(c.pages), c.id)
 	}
 	return nil
 }

@@ -7,7 +7,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvcentric/kvcentric/pkg/agent"
+	"github.com/kvcentric/kvcentric/pkg/kvxfer"
 )
 
 // cutRec records OnCut calls as "session:generation:seqlen<was".
@@ -48,15 +48,15 @@ func TestRetagCutBack(t *testing.T) {
 		{name: "refused while a reseed reads the entry", before: func(t *testing.T, s *Store) {
 			_, release, _ := s.Acquire("a")
 			t.Cleanup(release)
-		}, base: 10, tokens: 7, refuse: agent.ErrBaseMismatch},
+		}, base: 10, tokens: 7, refuse: kvxfer.ErrBaseMismatch},
 		{name: "refused while a reseed pins the entry", before: func(t *testing.T, s *Store) {
 			s.Pin("a")
-		}, base: 10, tokens: 7, refuse: agent.ErrBaseMismatch},
+		}, base: 10, tokens: 7, refuse: kvxfer.ErrBaseMismatch},
 		{name: "store full: no cut", pages: 10, before: func(t *testing.T, s *Store) {
 			mustIngest(t, s, "b", 1, 0, 8)
 			_, release, _ := s.Acquire("b") // not evictable
 			t.Cleanup(release)
-		}, base: 10, tokens: 34, refuse: agent.ErrStoreFull},
+		}, base: 10, tokens: 34, refuse: kvxfer.ErrStoreFull},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -76,7 +76,7 @@ func TestRetagCutBack(t *testing.T) {
 			usedBefore := s.UsedBytes()
 			r, err := s.ReserveRetag("a", 2, tc.base, tc.tokens, "d1", "", CreditRequest{}, 1)
 			if tc.refuse != nil {
-				if !errors.Is(agent.TypedPeerError(err), tc.refuse) {
+				if !errors.Is(kvxfer.TypedPeerError(err), tc.refuse) {
 					t.Fatalf("re-tag: %v, want %v", err, tc.refuse)
 				}
 				// nothing changed: the entry, the pages, no cut reported
@@ -164,7 +164,7 @@ func TestRetagCutBackEnds(t *testing.T) {
 				}
 			case "entry released":
 				s.Release("a")
-				if _, err := s.Commit(r.ID); !errors.Is(agent.TypedPeerError(err), agent.ErrSnapshotChanged) {
+				if _, err := s.Commit(r.ID); !errors.Is(kvxfer.TypedPeerError(err), kvxfer.ErrSnapshotChanged) {
 					t.Fatalf("commit onto a released entry: %v", err)
 				}
 				if s.UsedBytes() != 0 {
@@ -210,7 +210,7 @@ func TestRetagCutBackOnlyRetag(t *testing.T) {
 		{"re-tag from a newer generation", 1, 2},
 	} {
 		_, err := s.ReserveRetag("a", tc.gen, 10, 7, "d1", "", CreditRequest{}, tc.retag)
-		if err == nil || !(errors.Is(agent.TypedPeerError(err), agent.ErrBaseMismatch) || errors.Is(agent.TypedPeerError(err), agent.ErrGenerationStale)) {
+		if err == nil || !(errors.Is(kvxfer.TypedPeerError(err), kvxfer.ErrBaseMismatch) || errors.Is(kvxfer.TypedPeerError(err), kvxfer.ErrGenerationStale)) {
 			t.Fatalf("%s: %v", tc.name, err)
 		}
 	}

@@ -4,7 +4,7 @@ import (
 	"errors"
 	"testing"
 
-	"github.com/kvcentric/kvcentric/pkg/agent"
+	"github.com/kvcentric/kvcentric/pkg/kvxfer"
 )
 
 // TestRetag: after a snapshot reseed (generation 1's snapshot of 10 tokens now lives on D′ as
@@ -70,32 +70,32 @@ func TestPeerErrorReasons(t *testing.T) {
 		seqlen int64
 		gen    uint64
 	}{
-		{"append at the wrong base", func() error { _, err := s.Reserve("a", 2, 8, 4, "d0"); return err }, agent.ErrBaseMismatch, 10, 2},
-		{"append with nothing stored", func() error { _, err := s.Reserve("z", 1, 8, 4, "d0"); return err }, agent.ErrBaseMismatch, 0, 0},
-		{"append of another generation", func() error { _, err := s.Reserve("a", 3, 10, 4, "d0"); return err }, agent.ErrBaseMismatch, 10, 2},
+		{"append at the wrong base", func() error { _, err := s.Reserve("a", 2, 8, 4, "d0"); return err }, kvxfer.ErrBaseMismatch, 10, 2},
+		{"append with nothing stored", func() error { _, err := s.Reserve("z", 1, 8, 4, "d0"); return err }, kvxfer.ErrBaseMismatch, 0, 0},
+		{"append of another generation", func() error { _, err := s.Reserve("a", 3, 10, 4, "d0"); return err }, kvxfer.ErrBaseMismatch, 10, 2},
 		{"re-tag from a generation not stored", func() error {
 			_, err := s.ReserveRetag("a", 3, 10, 4, "d0", "", CreditRequest{}, 1)
 			return err
-		}, agent.ErrBaseMismatch, 10, 2},
+		}, kvxfer.ErrBaseMismatch, 10, 2},
 		{"re-tag past the stored seqlen", func() error { // (a base below it cuts back: TestRetagCutBack)
 			_, err := s.ReserveRetag("a", 3, 11, 4, "d0", "", CreditRequest{}, 2)
 			return err
-		}, agent.ErrBaseMismatch, 10, 2},
-		{"older generation", func() error { _, err := s.Reserve("a", 1, 0, 4, "d0"); return err }, agent.ErrGenerationStale, 10, 2},
-		{"ingest in flight", func() error { _, err := s.Reserve("b", 1, 0, 4, "d0"); return err }, agent.ErrIngestBusy, 0, 0},
-		{"larger than the store", func() error { _, err := s.Reserve("c", 1, 0, 400, "d0"); return err }, agent.ErrStoreFull, 0, 0},
+		}, kvxfer.ErrBaseMismatch, 10, 2},
+		{"older generation", func() error { _, err := s.Reserve("a", 1, 0, 4, "d0"); return err }, kvxfer.ErrGenerationStale, 10, 2},
+		{"ingest in flight", func() error { _, err := s.Reserve("b", 1, 0, 4, "d0"); return err }, kvxfer.ErrIngestBusy, 0, 0},
+		{"larger than the store", func() error { _, err := s.Reserve("c", 1, 0, 400, "d0"); return err }, kvxfer.ErrStoreFull, 0, 0},
 		{"unknown credit", func() error {
 			_, err := s.ReserveCredit("c", 1, 0, 4, "d0", "w", CreditRequest{Use: 1, ID: 99})
 			return err
-		}, agent.ErrCreditRefused, 0, 0},
+		}, kvxfer.ErrCreditRefused, 0, 0},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			err := agent.TypedPeerError(tc.do())
+			err := kvxfer.TypedPeerError(tc.do())
 			if !errors.Is(err, tc.want) {
 				t.Fatalf("got %v, want %v", err, tc.want)
 			}
-			var pe *agent.PeerError
+			var pe *kvxfer.PeerError
 			if !errors.As(err, &pe) || pe.Detail.GetStoredSeqlen() != tc.seqlen || pe.Detail.GetStoredGeneration() != tc.gen {
 				t.Fatalf("detail %+v, want stored seqlen %d generation %d", pe.Detail, tc.seqlen, tc.gen)
 			}
@@ -112,7 +112,7 @@ func TestPeerErrorReasons(t *testing.T) {
 	// a newer generation's full push cannot start while the append is in flight (busy); the
 	// entry is removed instead (released), which the commit finds
 	s.Release("a")
-	if _, err := s.Commit(r.ID); !errors.Is(agent.TypedPeerError(err), agent.ErrSnapshotChanged) {
+	if _, err := s.Commit(r.ID); !errors.Is(kvxfer.TypedPeerError(err), kvxfer.ErrSnapshotChanged) {
 		t.Fatalf("commit onto a released entry: %v", err)
 	}
 }

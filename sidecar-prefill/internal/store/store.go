@@ -11,7 +11,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
-	"github.com/kvcentric/kvcentric/pkg/agent"
+	"github.com/kvcentric/kvcentric/pkg/kvxfer"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -262,12 +262,12 @@ func (s *Store) ReserveRetag(session string, gen uint64, base, tokens int64, sou
 		return Reservation{}, err
 	}
 	if id, busy := s.bySess[session]; busy {
-		return Reservation{}, agent.PeerStatus(codes.Aborted, &kvcv1.PeerError{Reason: kvcv1.PeerErrorReason_PEER_ERROR_REASON_INGEST_BUSY, IngestId: id},
+		return Reservation{}, kvxfer.PeerStatus(codes.Aborted, &kvcv1.PeerError{Reason: kvcv1.PeerErrorReason_PEER_ERROR_REASON_INGEST_BUSY, IngestId: id},
 			"session %s already has ingest %d in flight", session, id)
 	}
 	e := s.entries[session]
 	if e != nil && gen < e.Generation {
-		return Reservation{}, agent.PeerStatus(codes.FailedPrecondition, stored(kvcv1.PeerErrorReason_PEER_ERROR_REASON_GENERATION_STALE, e),
+		return Reservation{}, kvxfer.PeerStatus(codes.FailedPrecondition, stored(kvcv1.PeerErrorReason_PEER_ERROR_REASON_GENERATION_STALE, e),
 			"generation %d is older than the stored generation %d (seqlen %d)", gen, e.Generation, e.Seqlen)
 	}
 	ps := s.cfg.PageSize
@@ -292,7 +292,7 @@ func (s *Store) ReserveRetag(session string, gen uint64, base, tokens int64, sou
 		// a re-tag onto a longer entry cuts it back to base (see above) when nobody reads it
 		cutBack := want != gen && want < gen && seqlen > base && e.readers == 0 && s.pinsByID[session] == 0
 		if (seqlen != base && !cutBack) || (want != gen && want >= gen) {
-			return Reservation{}, agent.PeerStatus(codes.FailedPrecondition, stored(kvcv1.PeerErrorReason_PEER_ERROR_REASON_BASE_MISMATCH, e),
+			return Reservation{}, kvxfer.PeerStatus(codes.FailedPrecondition, stored(kvcv1.PeerErrorReason_PEER_ERROR_REASON_BASE_MISMATCH, e),
 				"base_len %d does not match the stored seqlen %d of generation %d", base, seqlen, want)
 		}
 		p.entry, p.from = e, e.Generation
@@ -306,14 +306,14 @@ func (s *Store) ReserveRetag(session string, gen uint64, base, tokens int64, sou
 		p.pages = append(p.pages, e.Pages[firstPage:keep]...)
 	}
 	if need > s.cfg.PageCount {
-		return Reservation{}, agent.PeerStatus(codes.ResourceExhausted, storeFull, "reserve of %d pages (%d bytes) is larger than the store (%d pages, %d bytes)",
+		return Reservation{}, kvxfer.PeerStatus(codes.ResourceExhausted, storeFull, "reserve of %d pages (%d bytes) is larger than the store (%d pages, %d bytes)",
 			need, need*s.cfg.PageBytes, s.cfg.PageCount, s.CapacityBytes())
 	}
 	use := cr.Use
 	for s.nfree+int64(len(drop)) < need-use {
 		v, ok := s.evictOneLocked(e, p.full)
 		if !ok {
-			return Reservation{}, agent.PeerStatus(codes.ResourceExhausted, storeFull, "store full: %d pages free, %d needed, nothing evictable", s.nfree+int64(len(drop)), need)
+			return Reservation{}, kvxfer.PeerStatus(codes.ResourceExhausted, storeFull, "store full: %d pages free, %d needed, nothing evictable", s.nfree+int64(len(drop)), need)
 		}
 		evicted = append(evicted, v)
 	}
@@ -449,7 +449,7 @@ func (s *Store) CommitIngest(id uint64) (_ View, in Ingest, _ error) {
 		if cur != nil && cur.Generation > p.gen {
 			s.freeLocked(p.owned)
 			s.mu.Unlock()
-			return View{}, in, agent.PeerStatus(codes.FailedPrecondition, stored(kvcv1.PeerErrorReason_PEER_ERROR_REASON_GENERATION_STALE, cur),
+			return View{}, in, kvxfer.PeerStatus(codes.FailedPrecondition, stored(kvcv1.PeerErrorReason_PEER_ERROR_REASON_GENERATION_STALE, cur),
 				"generation %d was replaced by %d", p.gen, cur.Generation)
 		}
 		if cur != nil {
@@ -467,7 +467,7 @@ func (s *Store) CommitIngest(id uint64) (_ View, in Ingest, _ error) {
 		if e.dead || cur != e || e.Seqlen != p.base || e.Generation != p.from {
 			s.freeLocked(p.owned)
 			s.mu.Unlock()
-			return View{}, in, agent.PeerStatus(codes.FailedPrecondition, stored(kvcv1.PeerErrorReason_PEER_ERROR_REASON_SNAPSHOT_CHANGED, cur),
+			return View{}, in, kvxfer.PeerStatus(codes.FailedPrecondition, stored(kvcv1.PeerErrorReason_PEER_ERROR_REASON_SNAPSHOT_CHANGED, cur),
 				"snapshot of %s changed during the ingest; base_len %d no longer matches", p.session, p.base)
 		}
 		e.Generation = p.gen // a re-tag: the entry now belongs to the writer's residency

@@ -120,7 +120,7 @@ func scrape(hc *http.Client, url string, names ...string) (map[string]float64, e
 	return out, sc.Err()
 }
 
-// logEvent is what addLogBytes reads of a sidecar event log line (pkg/agent.Event).
+// logEvent is what addLogBytes reads of a sidecar event log line (pkg/sidecar.Event).
 type logEvent struct {
 	Event string `json:"event"`
 	Bytes int64  `json:"bytes"`

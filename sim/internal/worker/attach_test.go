@@ -13,16 +13,16 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 
-	"github.com/kvcentric/kvcentric/pkg/agent"
 	"github.com/kvcentric/kvcentric/pkg/grpcx"
+	"github.com/kvcentric/kvcentric/pkg/sidecar"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
-// attachSidecar is a fake sidecar with the real attach half (agent.Attach): what a restarted
+// attachSidecar is a fake sidecar with the real attach half (sidecar.Attach): what a restarted
 // kvc-sidecar-* process looks like to the worker.
 type attachSidecar struct {
 	*fakeSidecar
-	att *agent.Attach
+	att *sidecar.Attach
 	reg chan struct{}
 }
 
@@ -56,7 +56,7 @@ func serveAttachSidecar(t *testing.T, h *hub, sock string) (*attachSidecar, func
 		t.Fatal(err)
 	}
 	a := &attachSidecar{fakeSidecar: &fakeSidecar{h: h, name: "d"}, reg: make(chan struct{})}
-	a.att = agent.NewAttach(func() (bool, int32) {
+	a.att = sidecar.NewAttach(func() (bool, int32) {
 		select {
 		case <-a.reg:
 			return true, 0
