@@ -89,6 +89,8 @@ class _JSONFormatter(logging.Formatter):
     def format(self, r):
         d = {"level": r.levelname.lower(), "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(r.created)),
              "component": "kvc-refworker", "message": r.getMessage()}
+        if isinstance(getattr(r, "served", None), dict):
+            d["served"] = r.served  # one served request's figures (server.py: log_served)
         if r.exc_info:
             d["error"] = self.formatException(r.exc_info)
         return json.dumps(d)

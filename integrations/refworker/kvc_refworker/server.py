@@ -157,6 +157,7 @@ class Handler(BaseHTTPRequestHandler):
             except ApiError as e:
                 w.stats["errors"] += 1
                 return self._error(e)
+            log_served(p, meta, time.monotonic() - t_start)
             ans = {"text": "", "output_ids": [], "meta_info": {
                 "id": p.rid, "prompt_tokens": p.input, "completion_tokens": 0, "cached_tokens": 0,
                 "finish_reason": {"type": "length", "length": 0}, "e2e_latency": time.monotonic() - t_start,
@@ -223,6 +224,7 @@ class Handler(BaseHTTPRequestHandler):
                     t.meta["verified_bytes"] = t.meta["received_bytes"]
             ok = True
             w.finish(t, ok=True)  # commit before the final chunk: a client holding it knows
+            log_served(p, t.meta, time.monotonic() - t_start)
             final = mi(p.max_new)
             final["finish_reason"] = {"type": "length", "length": p.max_new}
             final["e2e_latency"] = time.monotonic() - t_start
@@ -262,6 +264,18 @@ class Handler(BaseHTTPRequestHandler):
         finally:
             if not t.finished:
                 w.finish(t, ok=ok)
+
+
+def log_served(p, meta: dict, elapsed_s: float) -> None:
+    """One info line per request served to its end, with the plan's identity and the worker's
+    figures (the meta_info.kvc it answers): a JSON log line {"message": "served", "served": {...}}
+    that a run's analysis can join with the client's records by session and input length (P's
+    answer never reaches the client: the gateway streams D's)."""
+    log.info("served", extra={"served": {
+        "rid": p.rid, "decision_id": p.decision_id, "session_id": p.session_id, "mode": p.mode,
+        "input_tokens": p.input, "cached_tokens": p.cached, "load_prefix_tokens": p.load_prefix,
+        "receive_from": p.receive_from, "elapsed_ms": round(elapsed_s * 1000.0, 3),
+        **{k: v for k, v in meta.items() if isinstance(v, (int, float, str, bool))}}})
 
 
 def serve_in_thread(srv: Server) -> threading.Thread:

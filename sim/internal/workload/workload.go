@@ -133,6 +133,9 @@ type AgenticConfig struct {
 	Sessions int
 	// Session starts are spread uniformly (sorted random) over ArrivalSpan.
 	ArrivalSpan time.Duration
+	// ArrivalSpacing > 0: session i starts at i × ArrivalSpacing instead (runs that time single
+	// turns without overlap, such as deploy/gpu/run-fromsnap.sh).
+	ArrivalSpacing time.Duration
 	// Turns per session, uniform in [MinTurns, MaxTurns].
 	MinTurns, MaxTurns int
 	// First-turn context (system prompt, task, repository files), log-uniform in [Min, Max].
@@ -197,7 +200,9 @@ func (c AgenticConfig) Validate() error {
 		return fmt.Errorf("append mean, output mean and output max must be positive")
 	case c.LargeAppendProb < 0 || c.LargeAppendProb > 1 || c.LongThinkProb < 0 || c.LongThinkProb > 1:
 		return fmt.Errorf("probabilities must be in [0, 1]")
-	case c.ThinkMax < c.ThinkMin || c.LongThinkMax < c.LongThinkMin || c.ThinkMin < 0 || c.ArrivalSpan < 0:
+	case c.LargeAppendMin < 1 || c.LargeAppendMax < c.LargeAppendMin:
+		return fmt.Errorf("large append range [%d, %d] invalid", c.LargeAppendMin, c.LargeAppendMax)
+	case c.ThinkMax < c.ThinkMin || c.LongThinkMax < c.LongThinkMin || c.ThinkMin < 0 || c.ArrivalSpan < 0 || c.ArrivalSpacing < 0:
 		return fmt.Errorf("time ranges invalid")
 	case c.EditProb < 0 || c.EditProb > 1 || c.EditStripProb < 0 || c.EditStripProb > 1:
 		return fmt.Errorf("edit probabilities must be in [0, 1]")
@@ -226,6 +231,11 @@ func Agentic(c AgenticConfig) (*Workload, error) {
 		starts[i] = uniDur(0, c.ArrivalSpan)
 	}
 	sort.Slice(starts, func(i, j int) bool { return starts[i] < starts[j] })
+	if c.ArrivalSpacing > 0 { // evenly spaced (the draws above still happen: the rest is the same)
+		for i := range starts {
+			starts[i] = time.Duration(i) * c.ArrivalSpacing
+		}
+	}
 	w := &Workload{Name: "builtin-agentic"}
 	// Edits and shared prompts draw from their own stream: the rest of the workload is the
 	// same with or without them.

@@ -59,6 +59,9 @@ func TestAgenticValidate(t *testing.T) {
 		{"turns", func(c *AgenticConfig) { c.MaxTurns = c.MinTurns - 1 }},
 		{"initial", func(c *AgenticConfig) { c.InitialMin = 0 }},
 		{"prob", func(c *AgenticConfig) { c.LongThinkProb = 2 }},
+		{"large append empty", func(c *AgenticConfig) { c.LargeAppendMax = c.LargeAppendMin - 1 }},
+		{"spacing", func(c *AgenticConfig) { c.ArrivalSpacing = -time.Second }},
+		{"large append zero", func(c *AgenticConfig) { c.LargeAppendMin, c.LargeAppendMax = 0, 0 }},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -68,6 +71,29 @@ func TestAgenticValidate(t *testing.T) {
 				t.Fatal("accepted")
 			}
 		})
+	}
+}
+
+// A fixed large append (min = max) is exactly that size on every turn that draws one.
+func TestFixedLargeAppend(t *testing.T) {
+	c := DefaultAgentic()
+	c.Sessions, c.MinTurns, c.MaxTurns, c.LargeAppendProb, c.EditProb = 4, 3, 3, 1, 0
+	c.LargeAppendMin, c.LargeAppendMax = 9216, 9216
+	c.ArrivalSpacing = 7 * time.Second
+	w, err := Agentic(c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, s := range w.Sessions {
+		if s.Start != time.Duration(i)*7*time.Second {
+			t.Errorf("%s starts at %v, want %v", s.ID, s.Start, time.Duration(i)*7*time.Second)
+		}
+		for k := 1; k < len(s.Turns); k++ {
+			prev, cur := s.Turns[k-1], s.Turns[k]
+			if got := cur.InputTokens - prev.InputTokens - prev.OutputTokens; got != 9216 {
+				t.Errorf("%s turn %d appends %d, want 9216", s.ID, k, got)
+			}
+		}
 	}
 }
 

@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# Prefill from the snapshot and re-homing on a GPU, with real attention KV, against re-prefill
+# (issue 24). Beside run-real.sh, with the same binaries (bash deploy/gpu/prepare-real.sh ->
+# bin/real.tar.xz, carried to the GPU machine) and the same parts: kvc-refworkers with a real dense
+# model's full configuration (default Qwen3-8B's shape, random weights from a fixed seed),
+# --transport cuda sidecars, the control-plane HA pair on embedded etcd and the gateway, every
+# request recomputed from scratch in its decode worker and compared (--verify-recompute).
+#
+# Phases (KVC_FS_PHASES, run in order; each writes under $OUT, so they can run in separate calls):
+#   fromsnap:P  sessions whose first turn is a P-token context and whose second turn appends a
+#               KVC_FS_TAIL-token tail (above the direct-to-D limit: PD_FALLBACK onto the session's
+#               own D, REAL_LARGE_APPEND). Arm E4 (snapshots on) serves it by prefill from the
+#               snapshot: P loads the session's snapshot prefix from its sidecar's store
+#               (--store-memory host: page-locked host memory) into its pool and prefills only the
+#               tail; arm E3 (the same system, snapshots off) re-prefills the whole context. Both
+#               send D only the tail's pages (D keeps the prefix it holds). Same run, same
+#               workload seed, so the same contexts. -> $OUT/fromsnap-P/
+#   limit       in-process on the same device (python -m kvc_refworker.limit): the tail's prefill
+#               with the prefix KV already in the pool plus one host->GPU copy of the prefix KV,
+#               at the prefix and tail lengths the fromsnap phases loaded. -> $OUT/limit.json
+#   rehome      E3 and E4 with a decode worker's engine killed (--kill-decode decode-0
+#               --kill-worker-only: its sidecar lives and reports it down, as when an engine
+#               crashes under systemd) after every session's first turn and snapshot: E4 re-homes
+#               its sessions onto the other decode worker from the store before their next turn;
+#               E3 re-prefills them at their next turn. -> $OUT/rehome/
+#   report      deploy/gpu/fromsnap_report.py: $OUT/gpu-prefill.md, whose last line (also this
+#               script's) is
+#     gpu-prefill: from_snapshot p50 X ms, reprefill p50 Y ms, limit p50 Z ms, over-limit Q, mismatches N
+#
+# Knobs (environment; defaults in brackets):
+#   KVC_FS_PHASES ["fromsnap:16384 fromsnap:32768 limit rehome report"]
+#   KVC_FS_TAIL [9216]            tokens of the large append
+#   KVC_FS_SESSIONS [5]           sessions per fromsnap phase (rehome: KVC_FS_REHOME_SESSIONS [6])
+#   KVC_FS_SPACING [12s]          session i starts at i x this (no two timed turns overlap)
+#   KVC_REAL_MODEL [qwen3-8b-shape]   KVC_REAL_DEVICES [cuda:0..]   KVC_REAL_SIDECAR_ARGS [--transport cuda]
+#   KVC_FS_DECODE_CAPACITY [100000]   KV tokens per decode worker (no eviction in these runs)
+#   KVC_FS_STORE_BYTES [40 GiB]   KVC_FS_STORE_MEMORY [host]
+#   KVC_REAL_VERIFY [1]           KVC_PYTHON [python3]  KVC_BIN_DIR [bin/real]  OUT [out/fromsnap]
+# For a CPU dry run: KVC_REAL_MODEL=tiny KVC_REAL_DEVICES=cpu KVC_REAL_SIDECAR_ARGS="--transport tcp"
+#   KVC_FS_PHASES="fromsnap:512 limit rehome report" with small KVC_FS_TAIL (deploy/gpu/dry-fromsnap.sh).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+BIN=${KVC_BIN_DIR:-bin/real}
+OUT=${OUT:-out/fromsnap}
+PY=${KVC_PYTHON:-python3}
+MODEL=${KVC_REAL_MODEL:-qwen3-8b-shape}
+PHASES=${KVC_FS_PHASES:-fromsnap:16384 fromsnap:32768 limit rehome report}
+TAIL=${KVC_FS_TAIL:-9216}
+SIDECAR_ARGS=${KVC_REAL_SIDECAR_ARGS:---transport cuda}
+DCAP=${KVC_FS_DECODE_CAPACITY:-100000}
+STORE="--store-capacity-bytes ${KVC_FS_STORE_BYTES:-42949672960} --store-memory ${KVC_FS_STORE_MEMORY:-host}"
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/run-fromsnap.log") 2>&1
+
+if [[ ! -x $BIN/kvc-bench && -f bin/real.tar.xz ]]; then
+	echo "unpacking bin/real.tar.xz"
+	tar -C bin -xJf bin/real.tar.xz 2>/dev/null || "$PY" -c 'import tarfile; tarfile.open("bin/real.tar.xz").extractall("bin")'
+fi
+if [[ $PHASES == *fromsnap* || $PHASES == *rehome* ]]; then
+	for b in kvc-bench kvc-controlplane kvc-sidecar-prefill kvc-sidecar-decode kvc-gateway; do
+		if [[ ! -x $BIN/$b ]]; then
+			echo "missing $BIN/$b: run 'bash deploy/gpu/prepare-real.sh' on a machine with Go and carry bin/real.tar.xz" >&2
+			exit 2
+		fi
+	done
+fi
+if [[ -z ${KVC_REAL_DEVICES:-} ]]; then
+	G=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+	if [[ $G -lt 1 ]]; then
+		echo "no GPU listed by nvidia-smi: set KVC_REAL_DEVICES=cpu KVC_REAL_SIDECAR_ARGS='--transport tcp' KVC_REAL_MODEL=tiny for a dry run" >&2
+		exit 2
+	fi
+	KVC_REAL_DEVICES=$(seq -s, -f 'cuda:%g' 0 $((G - 1)))
+fi
+DEV0=${KVC_REAL_DEVICES%%,*}
+export PYTHONPATH="$PWD/integrations/refworker:$PWD/integrations/sglang${PYTHONPATH:+:$PYTHONPATH}"
+VERIFY=""
+if [[ ${KVC_REAL_VERIFY:-1} == 1 ]]; then VERIFY="--verify-recompute"; fi
+REFARGS="--model $MODEL $VERIFY --prealloc-wait 120 --transfer-timeout 300 --bridge-wait 600 ${KVC_REAL_REFWORKER_ARGS:-}"
+
+bench() { # out-dir extra-flags...
+	local out=$1
+	shift
+	"$BIN/kvc-bench" --local --bin-dir "$BIN" --arms E3,E4 --out "$out" \
+		--worker-kind refworker --refworker-python "$PY" --refworker-devices "$KVC_REAL_DEVICES" \
+		--refworker-args "$REFARGS" --sidecar-args "$SIDECAR_ARGS" --decode 2 \
+		--decode-capacity-tokens "$DCAP" --prefill-capacity-tokens "${KVC_FS_PREFILL_CAPACITY:-65536}" \
+		--prefill-sidecar-args "$STORE" --edit-prob 0 --long-think-prob 0 --time-scale 1 \
+		--request-timeout 900s "$@" || echo "kvc-bench exited $?"
+}
+
+for phase in $PHASES; do
+	date -u +"phase $phase start %Y-%m-%dT%H:%M:%SZ"
+	case $phase in
+	fromsnap:*)
+		P=${phase#fromsnap:}
+		set -x
+		bench "$OUT/fromsnap-$P" --sessions "${KVC_FS_SESSIONS:-5}" --min-turns 2 --max-turns 2 \
+			--initial-min-tokens "$P" --initial-max-tokens "$P" --arrival-spacing "${KVC_FS_SPACING:-12s}" \
+			--think-min 6s --think-max 8s --large-append-prob 1 \
+			--large-append-min-tokens "$TAIL" --large-append-max-tokens "$TAIL"
+		set +x
+		;;
+	limit)
+		# The lengths the fromsnap phases loaded (their median loaded prefix and computed tail).
+		NOMINAL=$(tr ' ' '\n' <<<"$PHASES" | sed -n 's/^fromsnap://p' | paste -sd, -)
+		read -r PREFIXES TAILS < <("$PY" deploy/gpu/fromsnap_report.py --lengths "$OUT" "$TAIL" "${NOMINAL:-16384,32768}")
+		set -x
+		"$PY" -m kvc_refworker.limit --model "$MODEL" --device "$DEV0" --prefix "$PREFIXES" --tail "$TAILS" \
+			--reps "${KVC_FS_LIMIT_REPS:-5}" --out "$OUT/limit.json"
+		set +x
+		;;
+	rehome)
+		set -x
+		bench "$OUT/rehome" --sessions "${KVC_FS_REHOME_SESSIONS:-6}" --min-turns 2 --max-turns 2 \
+			--initial-min-tokens "${KVC_FS_REHOME_CONTEXT:-16384}" --initial-max-tokens "${KVC_FS_REHOME_CONTEXT:-16384}" \
+			--arrival-spacing "${KVC_FS_REHOME_SPACING:-5s}" --think-min "${KVC_FS_REHOME_THINK:-40s}" \
+			--think-max "${KVC_FS_REHOME_THINK:-40s}" --large-append-prob 0 \
+			--kill-decode decode-0 --kill-worker-only --kill-at "${KVC_FS_KILL_AT:-32s}"
+		set +x
+		;;
+	report)
+		"$PY" deploy/gpu/fromsnap_report.py "$OUT" ${KVC_REAL_VERIFY:-1} | tee "$OUT/gpu-prefill.md"
+		exit "${PIPESTATUS[0]}"
+		;;
+	*)
+		echo "unknown phase $phase (want fromsnap:P, limit, rehome, report)" >&2
+		exit 2
+		;;
+	esac
+done
