@@ -96,6 +96,14 @@ func (s *Sparse) Append(pages []uint64) {
 	s.pages = n
 }
 
+// Clone returns an independent copy of s.
+func (s *Sparse) Clone() *Sparse {
+	c := *s
+	c.idx = append([]uint32(nil), s.idx...)
+	c.hash = append([]uint64(nil), s.hash...)
+	return &c
+}
+
 // Truncate cuts the session to its first n pages (the decode worker freed the rest). Cutting
 // at a CommonPages result keeps the hash of the new last page, so IsPrefixOf stays exact.
 func (s *Sparse) Truncate(n int) {

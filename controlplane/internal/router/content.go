@@ -179,6 +179,38 @@ func (cs *contentStore) record(session, decode string, pageSize int64, prompt, e
 	return e
 }
 
+// rehomed stores the content of a session re-homed onto decode (rehome.go): the worker loaded
+// [0, kvLen) of the session's snapshot of generation snapGen and holds it in KV generation gen.
+// The pages are those of the session's entry when the snapshot was pushed from the entry's own
+// KV generation and one of its commits (an anchor) is that snapshot; the last page's hash is
+// the anchor's, so IsPrefixOf stays exact. Otherwise the leader does not know the loaded
+// content and forgets the session's (its next turn reseeds, as without re-homing). Returns the
+// stored entry (nil: forgotten).
+func (cs *contentStore) rehomed(session, decode string, kvLen int64, snapGen, gen uint64) *contentEntry {
+	old := cs.get(session)
+	var a *anchor
+	if old != nil && old.gen == snapGen && kvLen > 0 {
+		for i := len(old.anchors) - 1; i >= 0; i-- {
+			if x := old.anchors[i]; x.gen == snapGen && x.tokens == kvLen {
+				a = &old.anchors[i]
+				break
+			}
+		}
+	}
+	if a == nil || a.pages <= 0 || a.pages > old.chain.Pages() {
+		cs.forget(session)
+		return nil
+	}
+	chain := old.chain.Clone()
+	chain.Truncate(a.pages - 1)
+	chain.Append([]uint64{a.last})
+	e := &contentEntry{decode: decode, kvLen: kvLen, pageSize: old.pageSize, gen: gen, chain: chain,
+		anchors: []anchor{{gen: gen, tokens: kvLen, pages: a.pages, last: a.last}}}
+	e.indexed = old.indexed[:min(len(old.indexed), a.pages):min(len(old.indexed), a.pages)]
+	cs.store(session, e, true)
+	return e
+}
+
 // store puts e as session's entry and indexes its first pages on its decode worker. keep:
 // carry the previous entry's anchors (same page size) before e's own.
 func (cs *contentStore) store(session string, e *contentEntry, keep bool) {

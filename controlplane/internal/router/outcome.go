@@ -147,9 +147,14 @@ func (x *outcomeCtx) apply(rec *kvcv1.SessionRecord) {
 func (x *outcomeCtx) learnContent(rec *kvcv1.SessionRecord) {
 	r, o := x.r, x.o
 	var e *contentEntry
-	if r.pageSize > 0 && o.KvLenAfter > 0 {
+	switch {
+	case r.reason == kvcv1.RouteReason_ROUTE_REASON_REHOME && r.pageSize == 0:
+		// A re-home has no query: what the new decode worker loaded is the snapshot, whose
+		// pages the session's entry knows (content.go, rehomed).
+		e = x.s.content.rehomed(r.session, r.decode, o.KvLenAfter, r.snapGen, rec.Generation)
+	case r.pageSize > 0 && o.KvLenAfter > 0:
 		e = x.s.content.record(r.session, r.decode, r.pageSize, r.prompt, o.KvPages, o.KvLenAfter, rec.Generation)
-	} else {
+	default:
 		x.s.content.forget(r.session)
 	}
 	if e == nil {

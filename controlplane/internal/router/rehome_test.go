@@ -226,3 +226,43 @@ func TestRehomeWaitDoesNotHoldTheStream(t *testing.T) {
 	}
 	_ = st.CloseSend()
 }
+
+// A re-homed session whose content the leader knows keeps it: the new decode worker loaded the
+// snapshot, whose pages are the session's, so the next turn (a prompt that extends the
+// conversation) is DIRECT_TO_D on the whole loaded KV there. Before, the re-home's outcome had
+// no query content and the leader forgot the session's: the next turn reseeded with
+// PREFIX_MISMATCH (seen with real KV: deploy/gpu/run-fromsnap.sh's rehome phase).
+func TestRehomeKeepsContent(t *testing.T) {
+	f := newFixture(t, routertest.Prefill("p0"), routertest.Decode("d1", 200_000, 0), routertest.Decode("d2", 200_000, 0))
+	prompt := idsN(1_000, 1)
+	d := f.contentDecide("S", prompt, 50)
+	gen := idsN(50, 70_000)
+	f.contentReport(d, prompt, gen, 0)
+	conv := append(append([]uint32(nil), prompt...), gen...)
+	from, to := d.Decode.WorkerId, "d1"
+	if from == "d1" {
+		to = "d2"
+	}
+	// The snapshot of the whole committed KV reached p0; then from left READY.
+	f.c.UpdateSession("S", func(r *kvcv1.SessionRecord) {
+		r.Snapshot = &kvcv1.SnapshotInfo{PrefillWorker: "p0", Seqlen: int64(len(conv)), Generation: r.Generation, Bytes: 1}
+		r.PreviousDecodeWorker, r.DecodeWorker = from, ""
+	})
+	f.c.SetOffline(from, true)
+	f.s.SessionsLost(from, []string{"S"})
+	f.s.rehomePass()
+	l := loads(f.c, to)["S"]
+	if l == nil || l.GetSeqlen() != int64(len(conv)) {
+		t.Fatalf("load on %s: %v", to, l)
+	}
+	f.loaded(to, l, true)
+	if rec := f.session("S"); rec.GetDecodeWorker() != to || loadChain(rec) == nil {
+		t.Fatalf("after the re-home: resident on %q, content chain %d bytes", rec.GetDecodeWorker(), len(rec.GetContentChain()))
+	}
+	next := append(append([]uint32(nil), conv...), idsN(200, 80_000)...)
+	d = f.contentDecide("S", next, 40)
+	if d.Mode != kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D || d.Decode.GetWorkerId() != to || d.CachedTokens != int64(len(conv)) {
+		t.Fatalf("next turn after the re-home: %s/%s on %s cached %d, want DIRECT_TO_D on %s cached %d",
+			d.Mode, d.Reason, d.Decode.GetWorkerId(), d.CachedTokens, to, len(conv))
+	}
+}
