@@ -134,7 +134,7 @@ func parse(args []string, stderr io.Writer) (*opts, error) {
 	fs.Int64Var(&o.hostTier, "host-tier-tokens", 0, "with --local, arm LLMD: each decode host's CPU tier in tokens (0: unbounded)")
 	fs.DurationVar(&o.sloTTFT, "slo-ttft", 2*time.Second, "goodput SLO: time to first token (model time)")
 	fs.DurationVar(&o.sloTPOT, "slo-tpot", 50*time.Millisecond, "goodput SLO: time per output token (model time)")
-	fs.StringVar(&o.killDecode, "kill-decode", "", "with --local: SIGKILL this decode worker (e.g. decode-1: its kvc-sim and sidecar) --kill-at into each arm's replay, and measure recovery")
+	fs.StringVar(&o.killDecode, "kill-decode", "", "with --local: SIGKILL a decode worker (its kvc-sim and sidecar) --kill-at into each arm's replay, and measure recovery: most (the one holding the most sessions at that moment, in every arm) or a name (decode-1)")
 	fs.Func("sweep", "built-in workload with --local: comma list of load multipliers (e.g. 0.5,1,2,4) for every shape, or per shape SHAPE=LOADS groups separated by ';' (e.g. \"1P3D=0.5,1,2,3;2P4D=1,2,4,6;2P4D@700K=2\"; then not with --shapes); each load runs every arm with that many times --sessions over the same --arrival-span, into OUT/[SHAPE/]load-X, then OUT/sweep.json (points and slo_capacity), sweep.md and goodput/TTFT-vs-load plots", func(v string) error {
 		sp, err := bench.ParseSweep(v)
 		if err != nil {
@@ -210,8 +210,10 @@ func parse(args []string, stderr io.Writer) (*opts, error) {
 				minD, what = sh.Decode, "shape "+sh.Name+"'s decode workers"
 			}
 		}
-		if _, err := fmt.Sscanf(o.killDecode, "decode-%d", &n); err != nil || n < 0 || n >= minD || o.killDecode != fmt.Sprintf("decode-%d", n) {
-			errs = append(errs, fmt.Errorf("--kill-decode %q: want decode-N with N below %s %d", o.killDecode, what, minD))
+		if o.killDecode != bench.KillMost {
+			if _, err := fmt.Sscanf(o.killDecode, "decode-%d", &n); err != nil || n < 0 || n >= minD || o.killDecode != fmt.Sprintf("decode-%d", n) {
+				errs = append(errs, fmt.Errorf("--kill-decode %q: want %s or decode-N with N below %s %d", o.killDecode, bench.KillMost, what, minD))
+			}
 		}
 		if !o.local {
 			errs = append(errs, errors.New("--kill-decode needs --local"))

@@ -36,6 +36,8 @@ func TestParseFlags(t *testing.T) {
 		{"shape twice", []string{"--local", "--shapes", "2P4D,2P4D"}, "given twice"},
 		{"empty shapes", []string{"--local", "--shapes", ","}, "no shape given"},
 		{"shapes without local", []string{"--gateway-url", "http://x:1", "--arms", "a", "--shapes", "1P3D"}, "--shapes needs --local"},
+		{"kill most", []string{"--local", "--shapes", "1P3D,2P4D", "--kill-decode", "most"}, ""},
+		{"kill bad name", []string{"--local", "--kill-decode", "mostly"}, `want most or decode-N`},
 		{"kill beyond a shape", []string{"--local", "--shapes", "1P3D,2P4D", "--kill-decode", "decode-3"}, "below shape 1P3D's decode workers 3"},
 		{"sweep", []string{"--local", "--sweep", "0.5,1"}, ""},
 		{"sweep per shape", []string{"--local", "--sweep", "1P3D=0.5,1,2,3;2P4D=1,2,4,6;2P4D@700K=2"}, ""},

@@ -65,7 +65,8 @@ func TestLocalArm(t *testing.T) {
 		"reseed_count", "reseed_ttft_p50_s", "snapshot_hit_rate", "bytes_moved", "kv_verify_failures",
 		"direct_to_d_share_continuing", "snapshot_stale", "goodput_rps", "recovery_s", "affected_sessions", "recovery_ttft_p50_s", "unrecovered", "recovery_excess_s",
 		"ttft_p99_continuing_s", "slo_met", "slo_attainment", "prefill_busy_s", "decode_busy_s", "link_bytes",
-		"prefill_cache_hit_rate", "prefill_cache_hit_tokens", "prefill_prompt_tokens"}
+		"prefill_cache_hit_rate", "prefill_cache_hit_tokens", "prefill_prompt_tokens",
+		"wasted_kv_fallbacks", "killed_worker", "killed_worker_sessions", "killed_worker_resident"}
 	if len(sum["E4"]) != len(fields) {
 		t.Fatalf("summary fields %v", sum["E4"])
 	}

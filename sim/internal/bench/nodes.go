@@ -60,6 +60,7 @@ func SidecarTimerArgs(scale float64) []string {
 
 // scrapeNodes reads the live workers' GPU busy seconds, the link bytes their kvc-sims count
 // (P→D sends, tier pulls) and P's prompt and prefix-cache hit tokens; a dead worker is left out.
+// From the control planes it reads kvc_router_wasted_kv_fallbacks_total.
 func scrapeNodes(c *cluster.Cluster) report.NodeFigures {
 	n := report.NodeFigures{PrefillBusyS: map[string]float64{}, DecodeBusyS: map[string]float64{}, LinkBytes: map[string]report.LinkBytes{},
 		PrefillPromptTokens: map[string]int64{}, PrefillCacheHitTokens: map[string]int64{}}
@@ -86,6 +87,20 @@ func scrapeNodes(c *cluster.Cluster) report.NodeFigures {
 			n.DecodeBusyS[w.ID] = v
 		}
 		n.LinkBytes[w.ID] = lb
+	}
+	n.WastedKVFallbacks = wastedKVFallbacks(hc, c.ControlPlaneHTTP)
+	return n
+}
+
+// wastedKVFallbacks sums kvc_router_wasted_kv_fallbacks_total over the control planes at urls:
+// only a leader decides, a follower counts 0, and after a failover both have counted (a control
+// plane that does not answer is left out).
+func wastedKVFallbacks(hc *http.Client, urls []string) int64 {
+	var n int64
+	for _, u := range urls {
+		if m, err := scrape(hc, u, "kvc_router_wasted_kv_fallbacks_total"); err == nil {
+			n += int64(m["kvc_router_wasted_kv_fallbacks_total"])
+		}
 	}
 	return n
 }

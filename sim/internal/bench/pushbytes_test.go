@@ -33,3 +33,26 @@ func TestPushBytesSumsLiveDecodeSidecars(t *testing.T) {
 		t.Fatalf("pushBytes = %d, want 1502500", got)
 	}
 }
+
+func TestWastedKVFallbacksSumsControlPlanes(t *testing.T) {
+	cp := func(v string) *httptest.Server {
+		return httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.URL.Path != "/metrics" {
+				http.NotFound(w, r)
+				return
+			}
+			fmt.Fprintf(w, "# HELP kvc_router_wasted_kv_fallbacks_total x\n# TYPE kvc_router_wasted_kv_fallbacks_total counter\nkvc_router_wasted_kv_fallbacks_total %s\nkvc_router_wasted_kv_fallbacks_total_other 99\n", v)
+		}))
+	}
+	leader, follower := cp("7"), cp("0")
+	defer leader.Close()
+	defer follower.Close()
+	hc := &http.Client{}
+	if got := wastedKVFallbacks(hc, []string{leader.URL, follower.URL, "http://127.0.0.1:1"}); got != 7 {
+		t.Fatalf("wastedKVFallbacks = %d, want 7 (a dead control plane left out)", got)
+	}
+	c := &cluster.Cluster{ControlPlaneHTTP: []string{leader.URL, follower.URL}}
+	if n := scrapeNodes(c); n.WastedKVFallbacks != 7 {
+		t.Fatalf("scrapeNodes: %d wasted-KV fallbacks, want 7", n.WastedKVFallbacks)
+	}
+}

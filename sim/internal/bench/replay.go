@@ -43,6 +43,9 @@ type Options struct {
 	Out io.Writer
 	// Progress is called after every request with done and total (may be nil).
 	Progress func(done, total int, last *report.Record)
+	// Holders, when set, learns each session's decode worker as its requests are routed (the
+	// kill of --kill-decode most).
+	Holders *Holders
 }
 
 // Replay sends every session of w to the gateway at baseURL and returns the records in
@@ -251,6 +254,9 @@ func send(ctx context.Context, hc *http.Client, baseURL, session string, turn in
 	h := resp.Header
 	r.Mode, r.Reason, r.DecisionID = h.Get("X-KVC-Mode"), h.Get("X-KVC-Reason"), h.Get("X-KVC-Decision-Id")
 	r.DecodeWorker = h.Get("X-KVC-Decode-Worker")
+	if resp.StatusCode == http.StatusOK {
+		opt.Holders.Set(session, r.DecodeWorker)
+	}
 	r.FailOpen = h.Get("X-KVC-Fail-Open") == "true"
 	r.Retries, _ = strconv.Atoi(h.Get("X-KVC-Retries"))
 	if v := h.Get("X-KVC-Retried-From"); v != "" {

@@ -131,7 +131,9 @@ type Config struct {
 	PrefillCapacityTokens int64
 	Baselines             Baselines
 	// KillDecode names a decode worker (e.g. "decode-1") whose kvc-sim and sidecar are SIGKILLed
-	// KillAt into each arm's replay (workload clock, scaled by Replay.TimeScale); "" = none.
+	// KillAt into each arm's replay (workload clock, scaled by Replay.TimeScale); KillMost
+	// ("most") takes the one holding the most sessions at that moment (Holders), in every arm;
+	// "" = none.
 	KillDecode string
 	KillAt     time.Duration
 	// KillWorkerOnly: the kill takes only the decode worker's kvc-sim (its process died, its
@@ -185,9 +187,11 @@ func run(ctx context.Context, cfg Config) ([]*report.Arm, report.Meta, error) {
 	meta.ArmKills = map[string]float64{}
 	meta.ArmSimArgs = map[string]string{}
 	meta.ArmPushBytes = map[string]int64{}
+	meta.ArmKillTargets = map[string]report.KillTarget{}
 	meta.SLO = cfg.SLO
 	if cfg.KillDecode != "" {
 		meta.KillWorker = cfg.KillDecode
+		meta.KillWorkerOnly = cfg.KillWorkerOnly
 	}
 	var arms []*report.Arm
 	var runErr error
@@ -198,11 +202,15 @@ func run(ctx context.Context, cfg Config) ([]*report.Arm, report.Meta, error) {
 		meta.ArmWall[arm] = time.Since(t0)
 		if len(recs) > 0 || err == nil {
 			opt := report.Options{SLO: cfg.SLO}
-			if at, ok := meta.ArmKills[arm]; ok {
-				opt.Kill = &report.Kill{Worker: cfg.KillDecode, AtS: at}
+			kt, killed := meta.ArmKillTargets[arm]
+			if at, ok := meta.ArmKills[arm]; ok && killed {
+				opt.Kill = &report.Kill{Worker: kt.Worker, AtS: at}
 			}
 			a := report.ComputeWith(arm, recs, meta.TimeDiv, opt)
 			a.Summary.SetNodes(nodes, meta.TimeDiv)
+			if killed {
+				a.Summary.SetKill(kt)
+			}
 			arms = append(arms, a)
 		}
 		if err != nil {
@@ -271,6 +279,7 @@ func runArm(ctx context.Context, cfg Config, arm string, out io.Writer, meta *re
 	opt := cfg.Replay
 	opt.Arm = arm
 	opt.Out = out
+	opt.Holders = NewHolders()
 	pr := NewProgress(cfg.Log, cfg.TTY, arm)
 	opt.Progress = pr.Update
 	fmt.Fprintf(cfg.Log, "%s: replaying %d requests of %d sessions against %s\n", arm, cfg.Workload.Requests(), len(cfg.Workload.Sessions), url)
@@ -282,7 +291,8 @@ func runArm(ctx context.Context, cfg Config, arm string, out io.Writer, meta *re
 		return Replay(ctx, url, cfg.Workload, opt)
 	}
 	// The kill: the decode worker's kvc-sim and sidecar die together (a node lost), and with
-	// them its host's CPU tier (LLMD).
+	// them its host's CPU tier (LLMD); with KillWorkerOnly only the kvc-sim (the engine crashed,
+	// its sidecar lives and reports it down) and the tier, which lives in the engine's memory.
 	start := time.Now()
 	kctx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -292,8 +302,9 @@ func runArm(ctx context.Context, cfg Config, arm string, out io.Writer, meta *re
 			close(killed)
 			return
 		}
+		kt := killTarget(cl, cfg.KillDecode, opt.Holders)
 		at := time.Since(start).Seconds()
-		names := []string{"sim-" + cfg.KillDecode, "sidecar-" + cfg.KillDecode}
+		names := []string{"sim-" + kt.Worker, "sidecar-" + kt.Worker}
 		if cfg.KillWorkerOnly {
 			names = names[:1]
 		}
@@ -302,8 +313,9 @@ func runArm(ctx context.Context, cfg Config, arm string, out io.Writer, meta *re
 				fmt.Fprintf(cfg.Log, "%s: kill: %v\n", arm, err)
 			}
 		}
-		_ = os.RemoveAll(hostTier(filepath.Join(cfg.OutDir, "cluster-"+arm), cfg.KillDecode))
-		fmt.Fprintf(cfg.Log, "%s: killed %s at %.1f s into the replay\n", arm, cfg.KillDecode, at)
+		_ = os.RemoveAll(hostTier(filepath.Join(cfg.OutDir, "cluster-"+arm), kt.Worker))
+		fmt.Fprintf(cfg.Log, "%s: killed %s at %.1f s into the replay (it held %d sessions, %d resident in its pool)\n", arm, kt.Worker, at, kt.Sessions, kt.Resident)
+		meta.ArmKillTargets[arm] = kt
 		killed <- at
 	}()
 	recs, err := Replay(ctx, url, cfg.Workload, opt)
@@ -312,6 +324,46 @@ func runArm(ctx context.Context, cfg Config, arm string, out io.Writer, meta *re
 		meta.ArmKills[arm] = at
 	}
 	return recs, err
+}
+
+// killTarget is the decode worker the kill takes: the named one, or with KillMost the one
+// holding the most sessions now (Holders; a tie goes to more resident sessions in its pool, then
+// the lower id), and what it holds.
+func killTarget(cl *cluster.Cluster, which string, h *Holders) report.KillTarget {
+	var ids []string
+	for _, w := range cl.Workers {
+		if w.Role == "decode" {
+			ids = append(ids, w.ID)
+		}
+	}
+	resident := residentSessions(cl)
+	kt := report.KillTarget{Worker: which}
+	if which == KillMost {
+		kt.Worker, kt.Sessions = h.Most(ids, resident)
+	} else {
+		kt.Sessions = h.Count(which)
+	}
+	kt.Resident = -1
+	if n, ok := resident[kt.Worker]; ok {
+		kt.Resident = n
+	}
+	return kt
+}
+
+// residentSessions reads each live decode worker's kvc_sim_resident_sessions (a worker that does
+// not answer is left out).
+func residentSessions(cl *cluster.Cluster) map[string]int {
+	hc := &http.Client{Timeout: 2 * time.Second}
+	out := map[string]int{}
+	for _, w := range cl.Workers {
+		if w.Role != "decode" || w.WorkerURL == "" {
+			continue
+		}
+		if m, err := scrape(hc, w.WorkerURL, "kvc_sim_resident_sessions"); err == nil {
+			out[w.ID] = int(m["kvc_sim_resident_sessions"])
+		}
+	}
+	return out
 }
 
 // prefixWriter prefixes each write (the cluster writes whole lines).

@@ -101,6 +101,7 @@ type Worker struct {
 type Cluster struct {
 	EtcdEndpoints     []string
 	ControlPlaneAddrs []string // gRPC
+	ControlPlaneHTTP  []string // http://host:port of each control plane's /metrics (same order)
 	GatewayURL        string   // http://host:port ("" without gateway)
 	Workers           []Worker
 	Processes         []*Process
@@ -346,6 +347,9 @@ func (c *Cluster) start(ctx context.Context) error {
 	}
 	for _, p := range cps {
 		c.ControlPlaneAddrs = append(c.ControlPlaneAddrs, p.ReadyString("grpc_addr"))
+		if h := p.ReadyString("http_addr"); h != "" {
+			c.ControlPlaneHTTP = append(c.ControlPlaneHTTP, "http://"+h)
+		}
 		c.logf("control plane   %s grpc %s http %s", p.Name, p.ReadyString("grpc_addr"), p.ReadyString("http_addr"))
 	}
 	if cfg.Policy != nil {

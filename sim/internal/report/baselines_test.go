@@ -234,8 +234,12 @@ func TestWriteShapes(t *testing.T) {
 	dir := t.TempDir()
 	recs := []Record{{Mode: "SEED", OK: true, TTFTS: 1, LatencyS: 2}, {Turn: 1, Mode: "DIRECT_TO_D", OK: true, TTFTS: .1, LatencyS: .3}}
 	mk := func(name string) *Arm { return ComputeWith(name, recs, 1, Options{SLO: SLO{TTFT: 2}}) }
+	killed := mk("E4")
+	killed.Summary.SetNodes(NodeFigures{WastedKVFallbacks: 3}, 1)
+	killed.Summary.SetKill(KillTarget{Worker: "decode-2", Sessions: 5, Resident: 7})
 	runs := []ShapeRun{
-		{Name: "1P3D", Meta: Meta{Shape: "1P3D", Targets: Targets{GoodputRatio: 1.2, Why: "prefill-bound"}}, Arms: []*Arm{mk("SGL"), mk("E4")}},
+		{Name: "1P3D", Meta: Meta{Shape: "1P3D", Targets: Targets{GoodputRatio: 1.2, Why: "prefill-bound"}, KillWorker: "most", TimeDiv: 1,
+			ArmKills: map[string]float64{"E4": 45}}, Arms: []*Arm{mk("SGL"), killed}},
 		{Name: "2P4D", Meta: Meta{Shape: "2P4D", Targets: Targets{GoodputRatio: 1, Why: "balanced"}}, Arms: []*Arm{mk("SGL"), mk("E4")}},
 	}
 	if err := WriteShapes(dir, runs); err != nil {
@@ -249,9 +253,13 @@ func TestWriteShapes(t *testing.T) {
 	if len(sum) != 2 || len(sum["1P3D"]) != 2 || len(sum["2P4D"]) != 2 || sum["2P4D"]["E4"].TTFTP99Continuing != .1 {
 		t.Fatalf("summary.json: %s", raw)
 	}
+	if e := sum["1P3D"]["E4"]; e.WastedKVFallbacks != 3 || e.KilledWorker != "decode-2" || e.KilledWorkerSessions != 5 || e.KilledWorkerResident != 7 {
+		t.Fatalf("summary.json: 1P3D E4 wasted-KV fallbacks %d, killed %s (%d sessions, %d resident)", e.WastedKVFallbacks, e.KilledWorker, e.KilledWorkerSessions, e.KilledWorkerResident)
+	}
 	md, _ := readFile(dir, ReportFile)
 	for _, want := range []string{"## kvc-bench report: 1P3D", "## kvc-bench report: 2P4D", "### Targets against the baselines on 1P3D",
-		"1.2 × the best baseline's (prefill-bound)", "1 × the best baseline's (balanced)", "](2P4D/ttft_cdf.png)", "| 2P4D | E4 | 2 / 2 |"} {
+		"1.2 × the best baseline's (prefill-bound)", "1 × the best baseline's (balanced)", "](2P4D/ttft_cdf.png)", "| 2P4D | E4 | 2 / 2 |",
+		"| decode-2 (5) | 0 ms | 3 |", "| 3 | 0.0 MiB | 45.00 s | decode-2 (5 / 7) |", "the decode worker holding the most sessions at that moment"} {
 		if !strings.Contains(md, want) {
 			t.Errorf("report.md lacks %q", want)
 		}

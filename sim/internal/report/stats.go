@@ -71,6 +71,32 @@ type Summary struct {
 	PrefillCacheHitRate   float64 `json:"prefill_cache_hit_rate"`
 	PrefillCacheHitTokens int64   `json:"prefill_cache_hit_tokens"`
 	PrefillPromptTokens   int64   `json:"prefill_prompt_tokens"`
+	// WastedKVFallbacks is the control plane's kvc_router_wasted_kv_fallbacks_total at the arm's
+	// end (summed over the control planes): plain PD_FALLBACKs of a session that had a usable
+	// snapshot or a resident copy (issue 20's target: 0). Always 0 in the baselines (plain P/D by
+	// policy, never a fallback).
+	WastedKVFallbacks int64 `json:"wasted_kv_fallbacks"`
+	// KilledWorker is the decode worker the arm's kill took ("" without a kill), and
+	// KilledWorkerSessions and KilledWorkerResident what it held then (KillTarget).
+	KilledWorker         string `json:"killed_worker"`
+	KilledWorkerSessions int    `json:"killed_worker_sessions"`
+	KilledWorkerResident int    `json:"killed_worker_resident"`
+}
+
+// KillTarget is the decode worker an arm's kill took and what it held at that moment.
+type KillTarget struct {
+	Worker string
+	// Sessions whose latest routed request went to it (the client's view, the same rule in every
+	// arm: bench.Holders); what --kill-decode most maximizes.
+	Sessions int
+	// Resident is its kvc-sim's kvc_sim_resident_sessions then (sessions in its KV pool, stale
+	// copies included; -1: not read).
+	Resident int
+}
+
+// SetKill records which decode worker the arm's kill took.
+func (s *Summary) SetKill(k KillTarget) {
+	s.KilledWorker, s.KilledWorkerSessions, s.KilledWorkerResident = k.Worker, k.Sessions, k.Resident
 }
 
 // LinkBytes are one node's link bytes in each direction.
@@ -88,6 +114,8 @@ type NodeFigures struct {
 	// PrefillPromptTokens and PrefillCacheHitTokens are each prefill worker's prompt tokens and
 	// those its prefix cache served.
 	PrefillPromptTokens, PrefillCacheHitTokens map[string]int64
+	// WastedKVFallbacks is the control planes' kvc_router_wasted_kv_fallbacks_total.
+	WastedKVFallbacks int64
 }
 
 // SetNodes puts n into s, busy times divided by div (the run's time scale).
@@ -107,6 +135,7 @@ func (s *Summary) SetNodes(n NodeFigures, div float64) {
 	}
 	s.PrefillBusyS, s.DecodeBusyS, s.LinkBytes = scale(n.PrefillBusyS), scale(n.DecodeBusyS), n.LinkBytes
 	s.PrefillPromptTokens, s.PrefillCacheHitTokens, s.PrefillCacheHitRate = 0, 0, 0
+	s.WastedKVFallbacks = n.WastedKVFallbacks
 	for _, v := range n.PrefillPromptTokens {
 		s.PrefillPromptTokens += v
 	}

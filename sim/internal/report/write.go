@@ -36,8 +36,12 @@ type Meta struct {
 	// SLO of goodput_rps (model seconds; zero: every successful request counts).
 	SLO SLO
 	// Kill: the decode worker killed mid-run (nil: none); ArmKills the kill time per arm.
-	KillWorker string
-	ArmKills   map[string]float64
+	// KillWorker is what --kill-decode named (a worker or "most"), ArmKillTargets the worker each
+	// arm's kill took and what it held, KillWorkerOnly whether the sidecar lived.
+	KillWorker     string
+	ArmKills       map[string]float64
+	ArmKillTargets map[string]KillTarget
+	KillWorkerOnly bool
 	// ArmSimArgs are each arm's per-role kvc-sim flags (the baseline models).
 	ArmSimArgs map[string]string
 	// ArmPushBytes are the D→P snapshot bytes the decode sidecars pushed per arm (real bytes,
@@ -208,19 +212,34 @@ func Markdown(meta Meta, arms []*Arm) string {
 		p("Goodput: successful requests per model second (no SLO given).")
 	}
 	if meta.KillWorker != "" {
-		p("Recovery: %s (kvc-sim and its sidecar) was SIGKILLed mid-run (time per arm below). Affected sessions: those whose last request before the kill ran there, or that had a request tried there and retried elsewhere by the gateway (in flight at the kill or routed there after it). Recovery is the longest time from the arrival of an affected session's first touched request (the one in flight when the gateway's retry rescued it, else its next one) to the first token of its first successful request; the excess subtracts the session's usual TTFT (median of its continuing turns before the kill): what the death cost beyond an ordinary turn, 0 when no session was affected. The target compares the excess.", meta.KillWorker)
+		what := "kvc-sim and its sidecar: a node lost"
+		if meta.KillWorkerOnly {
+			what = "its kvc-sim only: the engine crashed, its sidecar lived and reported it down"
+		}
+		who := meta.KillWorker
+		if who == "most" {
+			who = "the decode worker holding the most sessions at that moment (the sessions whose latest routed request went there; worker per arm below)"
+		}
+		p("Recovery: %s (%s) was SIGKILLed mid-run (time per arm below). Affected sessions: those whose last request before the kill ran there, or that had a request tried there and retried elsewhere by the gateway (in flight at the kill or routed there after it). Recovery is the longest time from the arrival of an affected session's first touched request (the one in flight when the gateway's retry rescued it, else its next one) to the first token of its first successful request; the excess subtracts the session's usual TTFT (median of its continuing turns before the kill): what the death cost beyond an ordinary turn, 0 when no session was affected. The target compares the excess. Wasted-KV fallbacks: the control plane's `kvc_router_wasted_kv_fallbacks_total` at the arm's end (plain P/D fallbacks of a session that had a usable snapshot or resident copy; target 0).", who, what)
 	}
 	p("")
-	p("| arm | goodput (req/s) | direct-to-D share, continuing turns | snapshot hit rate | stale snapshots | snapshot bytes pushed (D→P link) | killed at | affected sessions | recovery | recovery excess | their next TTFT p50 | unrecovered |")
-	p("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+	p("| arm | goodput (req/s) | direct-to-D share, continuing turns | snapshot hit rate | stale snapshots | wasted-KV fallbacks | snapshot bytes pushed (D→P link) | killed at | killed worker (sessions held / resident) | affected sessions | recovery | recovery excess | their next TTFT p50 | unrecovered |")
+	p("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|")
 	for _, a := range arms {
 		s := a.Summary
-		kill := "—"
+		kill, victim := "—", "—"
 		if at, ok := meta.ArmKills[a.Name]; ok {
 			kill = ms(at / max(meta.TimeDiv, 1e-9))
 		}
-		p("| %s | %.3f | %s | %s | %d | %s | %s | %d | %s | %s | %s | %d |", a.Name, s.GoodputRPS, pct(s.DirectToDShareContinuing), pct(s.SnapshotHitRate), s.SnapshotStale,
-			mib(meta.ArmPushBytes[a.Name]), kill, s.AffectedSessions, ms(s.RecoveryS), ms(s.RecoveryExcessS), ms(s.RecoveryTTFTP50), s.Unrecovered)
+		if s.KilledWorker != "" {
+			res := "?"
+			if s.KilledWorkerResident >= 0 {
+				res = fmt.Sprint(s.KilledWorkerResident)
+			}
+			victim = fmt.Sprintf("%s (%d / %s)", s.KilledWorker, s.KilledWorkerSessions, res)
+		}
+		p("| %s | %.3f | %s | %s | %d | %d | %s | %s | %s | %d | %s | %s | %s | %d |", a.Name, s.GoodputRPS, pct(s.DirectToDShareContinuing), pct(s.SnapshotHitRate), s.SnapshotStale,
+			s.WastedKVFallbacks, mib(meta.ArmPushBytes[a.Name]), kill, victim, s.AffectedSessions, ms(s.RecoveryS), ms(s.RecoveryExcessS), ms(s.RecoveryTTFTP50), s.Unrecovered)
 	}
 	p("")
 	p("![TTFT CDF per arm](%s)", CDFFile)
@@ -576,12 +595,16 @@ func WriteShapes(dir string, runs []ShapeRun) error {
 	}
 	w.WriteString(strings.Join(names, ", ") + "\n\n")
 	w.WriteString("One cluster shape after the other, each with every arm on a fresh cluster of its shape; each shape's files (metrics.jsonl, summary.json, plots, cluster logs) are in its own directory. `summary.json` here holds every shape: `{shape: {arm: summary}}`.\n\n")
-	w.WriteString("| shape | arm | ok / total | TTFT p50 | TTFT p99 | TTFT p99, continuing | within SLO | goodput (req/s) | recovery excess |\n|---|---|---:|---:|---:|---:|---:|---:|---:|\n")
+	w.WriteString("| shape | arm | ok / total | TTFT p50 | TTFT p99 | TTFT p99, continuing | within SLO | goodput (req/s) | killed worker (sessions held) | recovery excess | wasted-KV fallbacks |\n|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|\n")
 	for _, r := range runs {
 		for _, a := range r.Arms {
 			s := a.Summary
-			fmt.Fprintf(&w, "| %s | %s | %d / %d | %s | %s | %s | %d / %d | %.3f | %s |\n", r.Name, a.Name, s.OK, s.Total, ms(s.TTFTP50), ms(s.TTFTP99),
-				ms(s.TTFTP99Continuing), s.SLOMet, s.Total, s.GoodputRPS, ms(s.RecoveryExcessS))
+			victim := "—"
+			if s.KilledWorker != "" {
+				victim = fmt.Sprintf("%s (%d)", s.KilledWorker, s.KilledWorkerSessions)
+			}
+			fmt.Fprintf(&w, "| %s | %s | %d / %d | %s | %s | %s | %d / %d | %.3f | %s | %s | %d |\n", r.Name, a.Name, s.OK, s.Total, ms(s.TTFTP50), ms(s.TTFTP99),
+				ms(s.TTFTP99Continuing), s.SLOMet, s.Total, s.GoodputRPS, victim, ms(s.RecoveryExcessS), s.WastedKVFallbacks)
 		}
 	}
 	w.WriteString("\n")
