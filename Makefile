@@ -199,8 +199,9 @@ proto-check: proto
 	git diff --exit-code -- proto/
 
 ## demo: the main job — two local cluster shapes, 1P3D (the seeds' rig, prefill-bound) then 2P4D
-## (llm-d's), arms PD/SGL/LLMD (the baselines) and E3/E4 on the built-in workload on each, decode-1
-## killed mid-run in every arm, targets stated per shape; out/demo/summary.json ({shape: {arm: ...}})
+## (llm-d's), arms PD/SGL/LLMD (the baselines) and E3/E4 on the built-in workload on each; in every
+## arm the engine of the decode worker holding the most sessions crashes mid-run (its sidecar lives
+## and reports it down: one GPU's process under systemd), targets stated per shape; out/demo/summary.json ({shape: {arm: ...}})
 ## and report.md cover both, out/demo/1P3D/ and out/demo/2P4D/ hold each shape's files
 ## (--send-ids: the client keeps its conversation as token ids, so edited-history turns and page
 ## hashes reach the control plane)
@@ -209,7 +210,7 @@ DEMO_SHAPES ?= 1P3D,2P4D
 BENCH_FLAGS = --local --bin-dir $(BIN) --time-scale 0.3 --sim-args "--page-size 64 --layers 8 --prealloc-wait 20s" \
 	--decode-capacity-tokens 88000 --send-ids --slo-ttft 2s --slo-tpot 50ms
 demo: build
-	$(BIN)/kvc-bench $(BENCH_FLAGS) --arms $(DEMO_ARMS) --shapes $(DEMO_SHAPES) --sessions 16 --kill-decode decode-1 --kill-at 45s --out out/demo
+	$(BIN)/kvc-bench $(BENCH_FLAGS) --arms $(DEMO_ARMS) --shapes $(DEMO_SHAPES) --sessions 16 --kill-decode most --kill-worker-only --kill-at 45s --out out/demo
 
 ## bench-sweep: the baselines and kvcentric (PD,SGL,LLMD,E3,E4) on both shapes (× 8 sessions: 1P3D at
 ## 4 loads, 4-24 sessions; 2P4D at 5, 8-64), plus one 2P4D point with H200-sized decode pools (700K tokens);
