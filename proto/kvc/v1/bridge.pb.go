@@ -1980,9 +1980,20 @@ type ReportDemandRequest struct {
 	WaitingTokens int64 `protobuf:"varint,2,opt,name=waiting_tokens,json=waitingTokens,proto3" json:"waiting_tokens,omitempty"`
 	// The tokens the worker's pool can give without releasing a session: free pages and the
 	// evictable pages of its prefix cache, in tokens.
-	FreeTokens    int64 `protobuf:"varint,3,opt,name=free_tokens,json=freeTokens,proto3" json:"free_tokens,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	FreeTokens int64 `protobuf:"varint,3,opt,name=free_tokens,json=freeTokens,proto3" json:"free_tokens,omitempty"`
+	// The worker's unevictable KV, in tokens: the committed KV of the resident sessions it cannot
+	// free now, by its own eviction or by the sidecar's capacity release — those a request is
+	// using (running, pre-allocated or receiving; a turn that only waits in the prealloc queue of
+	// a worker that never evicts does not pin its session, the release may take it). Not the new
+	// pages of those requests: the control plane counts them as its reservations. Idle sessions
+	// of a worker that never evicts (SGLang's streaming sessions) are not counted either: what the
+	// capacity release can free is the sidecar's to say (WorkerLoad.evictable_tokens). Every
+	// decode worker may send it, whether or not it reports demand: a report with 0 waiting
+	// requests that changes only this field says nothing of the prealloc queue. The sidecar
+	// forwards it (WorkerLoad.unevictable_tokens).
+	UnevictableTokens int64 `protobuf:"varint,4,opt,name=unevictable_tokens,json=unevictableTokens,proto3" json:"unevictable_tokens,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
 }
 
 func (x *ReportDemandRequest) Reset() {
@@ -2032,6 +2043,13 @@ func (x *ReportDemandRequest) GetWaitingTokens() int64 {
 func (x *ReportDemandRequest) GetFreeTokens() int64 {
 	if x != nil {
 		return x.FreeTokens
+	}
+	return 0
+}
+
+func (x *ReportDemandRequest) GetUnevictableTokens() int64 {
+	if x != nil {
+		return x.UnevictableTokens
 	}
 	return 0
 }
@@ -2220,12 +2238,13 @@ const file_kvc_v1_bridge_proto_rawDesc = "" +
 	"\x02ok\x18\x02 \x01(\bR\x02ok\x12\x14\n" +
 	"\x05error\x18\x03 \x01(\tR\x05error\x12!\n" +
 	"\ffreed_tokens\x18\x04 \x01(\x03R\vfreedTokens\"\x14\n" +
-	"\x12AckCommandResponse\"\x88\x01\n" +
+	"\x12AckCommandResponse\"\xb7\x01\n" +
 	"\x13ReportDemandRequest\x12)\n" +
 	"\x10waiting_requests\x18\x01 \x01(\x05R\x0fwaitingRequests\x12%\n" +
 	"\x0ewaiting_tokens\x18\x02 \x01(\x03R\rwaitingTokens\x12\x1f\n" +
 	"\vfree_tokens\x18\x03 \x01(\x03R\n" +
-	"freeTokens\"\x16\n" +
+	"freeTokens\x12-\n" +
+	"\x12unevictable_tokens\x18\x04 \x01(\x03R\x11unevictableTokens\"\x16\n" +
 	"\x14ReportDemandResponse*S\n" +
 	"\n" +
 	"PoolLayout\x12\x1b\n" +

@@ -72,6 +72,8 @@ type WorkerBridgeServiceClient interface {
 	// capacity (SGLang's streaming sessions) depends on the sidecar's capacity release to make
 	// room for them, and the sidecar sees no other sign of them: the pages of a request are
 	// allocated before its PrepareReceive. Sent on every change, 0 waiting when the queue drains.
+	// Also the worker's capacity report: its unevictable tokens (unevictable_tokens), sent by any
+	// decode worker on every change.
 	ReportDemand(ctx context.Context, in *ReportDemandRequest, opts ...grpc.CallOption) (*ReportDemandResponse, error)
 }
 
@@ -242,6 +244,8 @@ type WorkerBridgeServiceServer interface {
 	// capacity (SGLang's streaming sessions) depends on the sidecar's capacity release to make
 	// room for them, and the sidecar sees no other sign of them: the pages of a request are
 	// allocated before its PrepareReceive. Sent on every change, 0 waiting when the queue drains.
+	// Also the worker's capacity report: its unevictable tokens (unevictable_tokens), sent by any
+	// decode worker on every change.
 	ReportDemand(context.Context, *ReportDemandRequest) (*ReportDemandResponse, error)
 	mustEmbedUnimplementedWorkerBridgeServiceServer()
 }

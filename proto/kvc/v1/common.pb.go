@@ -261,8 +261,13 @@ type WorkerLoad struct {
 	WorkerDown bool `protobuf:"varint,13,opt,name=worker_down,json=workerDown,proto3" json:"worker_down,omitempty"`
 	// Why the worker is down (empty when up).
 	WorkerDownReason string `protobuf:"bytes,14,opt,name=worker_down_reason,json=workerDownReason,proto3" json:"worker_down_reason,omitempty"`
-	unknownFields    protoimpl.UnknownFields
-	sizeCache        protoimpl.SizeCache
+	// The worker's own report of the KV it cannot free now (its last
+	// ReportDemandRequest.unevictable_tokens: the committed KV of the sessions its requests are
+	// using), 0 when it sends none. The capacity rule counts max(used - evictable, this) as the
+	// worker's pinned KV: the sidecar's estimate and the worker's report each see part of it.
+	UnevictableTokens int64 `protobuf:"varint,15,opt,name=unevictable_tokens,json=unevictableTokens,proto3" json:"unevictable_tokens,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
 }
 
 func (x *WorkerLoad) Reset() {
@@ -391,6 +396,13 @@ func (x *WorkerLoad) GetWorkerDownReason() string {
 		return x.WorkerDownReason
 	}
 	return ""
+}
+
+func (x *WorkerLoad) GetUnevictableTokens() int64 {
+	if x != nil {
+		return x.UnevictableTokens
+	}
+	return 0
 }
 
 // Worker is one registered worker (one GPU) and its sidecar.
@@ -1500,7 +1512,7 @@ var File_kvc_v1_common_proto protoreflect.FileDescriptor
 
 const file_kvc_v1_common_proto_rawDesc = "" +
 	"\n" +
-	"\x13kvc/v1/common.proto\x12\x06kvc.v1\"\x80\x05\n" +
+	"\x13kvc/v1/common.proto\x12\x06kvc.v1\"\xaf\x05\n" +
 	"\n" +
 	"WorkerLoad\x12\x1f\n" +
 	"\vused_tokens\x18\x01 \x01(\x03R\n" +
@@ -1519,7 +1531,8 @@ const file_kvc_v1_common_proto_rawDesc = "" +
 	"\x10evictable_tokens\x18\f \x01(\x03R\x0fevictableTokens\x12\x1f\n" +
 	"\vworker_down\x18\r \x01(\bR\n" +
 	"workerDown\x12,\n" +
-	"\x12worker_down_reason\x18\x0e \x01(\tR\x10workerDownReason\"\x8f\a\n" +
+	"\x12worker_down_reason\x18\x0e \x01(\tR\x10workerDownReason\x12-\n" +
+	"\x12unevictable_tokens\x18\x0f \x01(\x03R\x11unevictableTokens\"\x8f\a\n" +
 	"\x06Worker\x12\x1b\n" +
 	"\tworker_id\x18\x01 \x01(\tR\bworkerId\x12&\n" +
 	"\x04role\x18\x02 \x01(\x0e2\x12.kvc.v1.WorkerRoleR\x04role\x12\x12\n" +
