@@ -242,7 +242,7 @@ func (w *Worker) findDonor(t *turn, limit int64) (*session, int64) {
 		}
 	}
 	if best != nil {
-		best.pinned++ // not evicted while its pages are copied
+		w.pinLocked(best) // not evicted while its pages are copied
 	}
 	return best, bestN
 }

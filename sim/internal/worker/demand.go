@@ -23,6 +23,13 @@ type demandBook struct {
 	requests int32
 	pages    int64
 	sent     *kvcv1.ReportDemandRequest // last report sent (nil: none yet)
+
+	// The capacity report's sender (kickReport): one report goroutine at a time, none after
+	// Close.
+	kickMu  sync.Mutex
+	pending bool
+	closed  bool
+	wg      sync.WaitGroup
 }
 
 // demandWaiter is one allocation's share of the demand.
@@ -82,15 +89,18 @@ func (w *Worker) reportDemand() {
 	if w.prad != nil {
 		free += w.prad.evictable()
 	}
+	unevictable := w.unevictableLocked()
 	w.mu.Unlock()
-	req := &kvcv1.ReportDemandRequest{WaitingRequests: w.demand.requests, WaitingTokens: w.demand.pages * ps, FreeTokens: free * ps}
+	req := &kvcv1.ReportDemandRequest{WaitingRequests: w.demand.requests, WaitingTokens: w.demand.pages * ps, FreeTokens: free * ps,
+		UnevictableTokens: unevictable}
 	if req.WaitingRequests == 0 {
 		req.FreeTokens = 0 // nothing waits: the free room is no demand's business
 	}
-	if s := w.demand.sent; s != nil && s.WaitingRequests == req.WaitingRequests && s.WaitingTokens == req.WaitingTokens && s.FreeTokens == req.FreeTokens {
+	if s := w.demand.sent; s != nil && s.WaitingRequests == req.WaitingRequests && s.WaitingTokens == req.WaitingTokens && s.FreeTokens == req.FreeTokens &&
+		s.UnevictableTokens == req.UnevictableTokens {
 		return
 	}
-	if w.demand.sent == nil && req.WaitingRequests == 0 {
+	if w.demand.sent == nil && req.WaitingRequests == 0 && req.UnevictableTokens == 0 {
 		return
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), min(demandReportTimeout, w.cfg.BridgeTimeout))
@@ -104,4 +114,64 @@ func (w *Worker) reportDemand() {
 	}
 	w.demand.sent = req
 	w.m.demandReports.Inc()
+}
+
+// reportsUnevictable: a decode worker with a sidecar sends its capacity report (the
+// unevictable tokens of ReportDemandRequest), whatever its eviction mode.
+func (w *Worker) reportsUnevictable() bool {
+	return w.cfg.Role == kvcv1.WorkerRole_WORKER_ROLE_DECODE && w.bridge != nil
+}
+
+// unevictableLocked is the committed KV, in tokens, of the sessions a request is using: a
+// running, pre-allocated or receiving one (pinned), less those whose only requests are direct
+// turns waiting in the prealloc queue of a worker that never evicts (the capacity release may
+// take them, attach.go). The engine's LRU never evicts a pinned session either. Of each, the KV
+// it held when the request took it (base, cut to what it holds now): what the request adds —
+// a seed's whole context, a turn's new tokens — is the control plane's reservation until the
+// outcome, and counting it here too would count it twice. w.mu is held.
+func (w *Worker) unevictableLocked() int64 {
+	var n int64
+	for _, s := range w.sessions {
+		use := s.pinned
+		if w.cfg.EvictOnlyByRelease {
+			use -= s.waiting
+		}
+		if use > 0 {
+			n += min(s.base, s.kvLen)
+		}
+	}
+	return n
+}
+
+// kickReport has the capacity report sent soon, off the caller's path (a request's start or
+// end changed the unevictable tokens): one sender at a time, which reads the state when it
+// sends, so a burst of changes sends at most one report past the first. Safe under w.mu.
+func (w *Worker) kickReport() {
+	if !w.reportsUnevictable() {
+		return
+	}
+	d := &w.demand
+	d.kickMu.Lock()
+	defer d.kickMu.Unlock()
+	if d.pending || d.closed {
+		return
+	}
+	d.pending = true
+	d.wg.Add(1)
+	go func() {
+		defer d.wg.Done()
+		d.kickMu.Lock()
+		d.pending = false
+		d.kickMu.Unlock()
+		w.reportDemand()
+	}()
+}
+
+// stopReports waits for a report in flight and sends no more (Close).
+func (w *Worker) stopReports() {
+	d := &w.demand
+	d.kickMu.Lock()
+	d.closed = true
+	d.kickMu.Unlock()
+	d.wg.Wait()
 }

@@ -198,7 +198,7 @@ func (w *Worker) handleCloseSession(rw http.ResponseWriter, r *http.Request) {
 	w.mu.Lock()
 	s := w.sessions[sr.SessionID]
 	if s != nil {
-		s.pinned++ // no eviction while the sidecar is told
+		w.pinLocked(s) // no eviction while the sidecar is told
 	}
 	w.mu.Unlock()
 	if s != nil {
@@ -473,7 +473,7 @@ func (w *Worker) begin(ctx context.Context, p *plan, meta *KVCMeta) (*turn, *api
 			return fail(errf(http.StatusConflict, "session_not_resident",
 				"session %q holds %d tokens on %s, fewer than cached_tokens %d", p.sessionID, have, w.cfg.WorkerID, p.cached))
 		}
-		s.pinned++
+		w.pinLocked(s)
 		w.touch(s)
 		t.s = s
 		kvLen := s.kvLen
@@ -500,6 +500,7 @@ func (w *Worker) begin(ctx context.Context, p *plan, meta *KVCMeta) (*turn, *api
 			meta.EvictedSessions = ev
 			w.mu.Lock()
 			s.waiting--
+			w.kickReport() // a waiting turn got its pages (or gave up): it pins the session now
 			released := w.sessions[p.sessionID] != s
 			if e == nil && !released {
 				s.pages = append(s.pages, pages...)
@@ -531,7 +532,7 @@ func (w *Worker) begin(ctx context.Context, p *plan, meta *KVCMeta) (*turn, *api
 		w.mu.Lock()
 		s := w.sessions[p.sessionID]
 		if s != nil && s.kvLen > 0 && s.kvLen <= p.input {
-			s.pinned++
+			w.pinLocked(s)
 			w.touch(s)
 			t.s, t.extend = s, true
 		}
@@ -945,6 +946,7 @@ func (w *Worker) unpin(s *session) {
 	if s.pinned == 0 {
 		w.wakeLocked()
 	}
+	w.kickReport()
 	w.mu.Unlock()
 }
 

@@ -82,6 +82,19 @@ type session struct {
 	// release_for_capacity frees a slot whose turn is only queued.
 	waiting   int
 	committed bool // the sidecar knows it (CommitSession succeeded once)
+	// base is the KV the session held when its running request took it (pinLocked; 0 for a
+	// session a request creates): what the unevictable tokens count of it, the request's own
+	// new pages being the control plane's reservation.
+	base int64
+}
+
+// pinLocked marks s as used by one more request (unpin ends it); the first one fixes base.
+// w.mu is held.
+func (w *Worker) pinLocked(s *session) {
+	s.pinned++
+	if s.pinned == 1 {
+		s.base = s.kvLen
+	}
 }
 
 type turnLock struct {
@@ -262,6 +275,9 @@ func (w *Worker) touch(s *session) {
 	w.clock++
 	s.lastUsed = w.clock
 	s.lastUsedAt = time.Now()
+	if s.pinned > 0 {
+		w.kickReport() // a request took it, or its KV grew: the unevictable tokens may have changed
+	}
 }
 
 // lockTurn serializes the turns of one session (SGLang streaming sessions are sequential).
@@ -514,5 +530,6 @@ func (w *Worker) allocateOnce(n int64, exclude string) ([]int64, int, *apiError)
 // gone) and unmaps the pool.
 func (w *Worker) Close() error {
 	w.stopAttach()
+	w.stopReports()
 	return w.mem.Close()
 }
