@@ -39,8 +39,8 @@ func (s *Sidecar) Resync() *kvcv1.ResidentSessions {
 }
 
 // Load reports used tokens (sum of committed lengths; those of sessions no push pins are
-// evictable), rooms waiting for their transfer and
-// snapshot pushes running or queued.
+// evictable), the worker's unevictable tokens as it last reported them (ReportDemand), rooms
+// waiting for their transfer and snapshot pushes running or queued.
 func (s *Sidecar) Load() *kvcv1.WorkerLoad {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -69,6 +69,9 @@ func (s *Sidecar) Load() *kvcv1.WorkerLoad {
 	}
 	// pushes running plus queued; the worker's own prealloc/retracted queues are not visible here
 	l.InflightPushes += int32(len(s.queue))
+	// The worker's own count of what it cannot free (its sessions in use), part of used: the
+	// control plane takes the larger of it and used − evictable as pinned.
+	l.UnevictableTokens = min(s.demand.unevictable, l.UsedTokens)
 	return l
 }
 

@@ -154,3 +154,53 @@ func TestReportDemandKicksRelease(t *testing.T) {
 type chanReporter chan *kvcv1.SessionEvent
 
 func (r chanReporter) Report(ev *kvcv1.SessionEvent) { r <- ev }
+
+// TestLoadForwardsWorkerUnevictable: the worker's capacity report (ReportDemandRequest
+// unevictable_tokens) reaches the control plane in the load report, clamped to what the sidecar
+// counts as used, gone when the worker dies; a report of demand without it, or a negative one,
+// changes nothing else.
+func TestLoadForwardsWorkerUnevictable(t *testing.T) {
+	s := newTestSidecar(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	c := serveBridge(t, s)
+	for _, sc := range []struct {
+		id  string
+		len int64
+	}{{"a", 40}, {"b", 24}} {
+		if _, err := c.CommitSession(ctx, &kvcv1.CommitSessionRequest{SessionId: sc.id, CommittedLen: sc.len, Pages: make([]int64, sc.len/4)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if l := s.Load(); l.GetUsedTokens() != 64 || l.GetUnevictableTokens() != 0 {
+		t.Fatalf("before any report: %v", l)
+	}
+	steps := []struct {
+		name string
+		req  *kvcv1.ReportDemandRequest
+		want int64
+		bad  bool
+	}{
+		{"a in use", &kvcv1.ReportDemandRequest{UnevictableTokens: 40}, 40, false},
+		{"more than used: clamped", &kvcv1.ReportDemandRequest{UnevictableTokens: 100}, 64, false},
+		{"negative refused", &kvcv1.ReportDemandRequest{UnevictableTokens: -1}, 64, true},
+		{"idle again", &kvcv1.ReportDemandRequest{WaitingRequests: 1, WaitingTokens: 8, FreeTokens: 100}, 0, false},
+		{"b in use", &kvcv1.ReportDemandRequest{UnevictableTokens: 24}, 24, false},
+	}
+	for _, st := range steps {
+		_, err := c.ReportDemand(ctx, st.req)
+		if (status.Code(err) == codes.InvalidArgument) != st.bad {
+			t.Fatalf("%s: %v", st.name, err)
+		}
+		if l := s.Load(); l.GetUnevictableTokens() != st.want {
+			t.Fatalf("%s: load says %d unevictable, want %d", st.name, l.GetUnevictableTokens(), st.want)
+		}
+	}
+	if d := s.Demand(); d.UnevictableTokens != 24 {
+		t.Fatalf("demand stats %+v", d)
+	}
+	s.WorkerHealth(true, "test: process gone")
+	if l := s.Load(); l.GetUnevictableTokens() != 0 || l.GetUsedTokens() != 0 {
+		t.Fatalf("after the worker died: %v", l)
+	}
+}

@@ -17,6 +17,9 @@ func (s *Sidecar) WorkerHealth(down bool, reason string) {
 		s.log.Info().Str("reason", reason).Msg("worker up: accepting sessions again")
 		return
 	}
+	s.mu.Lock()
+	s.demand.unevictable = 0 // its sessions died with it; a worker back up reports again
+	s.mu.Unlock()
 	n := s.dropAll("worker down: " + reason)
 	s.log.Warn().Int("sessions_dropped", n).Str("reason", reason).Msg("worker down: its sessions are lost")
 }

@@ -39,6 +39,8 @@ func (s *Sidecar) Collectors() []prometheus.Collector {
 			func(d DemandStats) float64 { return float64(d.Reports) }),
 		c("kvc_sidecar_demand_release_passes_total", "Capacity release passes that released or waited for sessions because waiting requests needed more than the free room.",
 			func(d DemandStats) float64 { return float64(d.DeficitReleasePasses) }),
+		g("kvc_sidecar_worker_unevictable_tokens", "The worker's unevictable KV as it last reported it (ReportDemand): committed tokens of the sessions its requests are using; forwarded to the control plane in the load report.",
+			func(d DemandStats) float64 { return float64(d.UnevictableTokens) }),
 	}
 }
 

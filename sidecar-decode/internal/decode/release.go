@@ -118,6 +118,10 @@ type demand struct {
 	tokens, free  int64
 	reports       int64 // reports received
 	deficitPasses int64 // release passes that released or waited for a deficit
+	// unevictable is the worker's capacity report (ReportDemandRequest.unevictable_tokens): the
+	// committed KV of the sessions its requests are using. Forwarded in Load; 0 once the
+	// worker is down (its sessions are gone).
+	unevictable int64
 }
 
 // deficit is the tokens the waiting requests need past the free room.
@@ -131,11 +135,13 @@ func (d demand) deficit() int64 {
 // ReportDemand records the worker's prealloc-queue demand and, when requests wait for more
 // than it has free, runs a release pass at once rather than at the next tick.
 func (s *Sidecar) ReportDemand(_ context.Context, req *kvcv1.ReportDemandRequest) (*kvcv1.ReportDemandResponse, error) {
-	if req.GetWaitingRequests() < 0 || req.GetWaitingTokens() < 0 || req.GetFreeTokens() < 0 {
-		return nil, status.Errorf(codes.InvalidArgument, "negative demand: %d requests, %d tokens, %d free", req.GetWaitingRequests(), req.GetWaitingTokens(), req.GetFreeTokens())
+	if req.GetWaitingRequests() < 0 || req.GetWaitingTokens() < 0 || req.GetFreeTokens() < 0 || req.GetUnevictableTokens() < 0 {
+		return nil, status.Errorf(codes.InvalidArgument, "negative demand: %d requests, %d tokens, %d free, %d unevictable",
+			req.GetWaitingRequests(), req.GetWaitingTokens(), req.GetFreeTokens(), req.GetUnevictableTokens())
 	}
 	s.mu.Lock()
 	s.demand.requests, s.demand.tokens, s.demand.free = req.GetWaitingRequests(), req.GetWaitingTokens(), req.GetFreeTokens()
+	s.demand.unevictable = req.GetUnevictableTokens()
 	s.demand.reports++
 	short := s.demand.deficit() > 0
 	s.mu.Unlock()
@@ -153,6 +159,8 @@ type DemandStats struct {
 	WaitingRequests               int32
 	WaitingTokens, FreeTokens     int64
 	Reports, DeficitReleasePasses int64
+	// UnevictableTokens is the worker's last capacity report (ReportDemandRequest.unevictable_tokens).
+	UnevictableTokens int64
 }
 
 // Demand returns the worker's last reported prealloc-queue demand.
@@ -160,7 +168,8 @@ func (s *Sidecar) Demand() DemandStats {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	d := s.demand
-	return DemandStats{WaitingRequests: d.requests, WaitingTokens: d.tokens, FreeTokens: d.free, Reports: d.reports, DeficitReleasePasses: d.deficitPasses}
+	return DemandStats{WaitingRequests: d.requests, WaitingTokens: d.tokens, FreeTokens: d.free, Reports: d.reports, DeficitReleasePasses: d.deficitPasses,
+		UnevictableTokens: d.unevictable}
 }
 
 // planReleaseLocked picks, when the pool is above the high watermark, the idle sessions that
