@@ -784,7 +784,7 @@ func effectiveCapacity(c *Cycle, w *kvcv1.Worker) int64 {
 	return int64(float64(w.KvCapacityTokens) * (1 - c.K.DCapacityHeadroom))
 }
 
-// fits is the one capacity rule of every plan: pinned (used − evictable, last load) + the
+// fits is the one capacity rule of every plan: pinned (pinnedTokens, last load) + the
 // decisions in flight there + the requesting session's own resident KV (ownTokens) + what the
 // plan needs (Cycle.Need: a resident turn its uncached tokens + output, a reseed or seed the
 // context + output) ≤ capacity × (1 − headroom). Idle resident sessions of others are the
@@ -811,8 +811,13 @@ func (c *Cycle) ownTokens(w *kvcv1.Worker) int64 {
 	return max(0, min(c.S.KvCommittedLen, c.Q.InputTokens))
 }
 
-// pinnedTokens is the part of a worker's used KV that it cannot evict.
+// pinnedTokens is the part of a worker's used KV that it cannot evict: the larger of its
+// sidecar's estimate (used − evictable: the sessions neither the worker's LRU nor the capacity
+// release would take — pushing, agent-pinned, just committed, without a current snapshot) and
+// the worker's own report (unevictable_tokens: the sessions its requests are using now, which
+// the sidecar's estimate of an LRU worker counts as evictable). Each is a lower bound of what
+// the pool cannot give; a worker that does not report sends 0, and the estimate alone counts.
 func pinnedTokens(w *kvcv1.Worker) int64 {
 	l := w.GetLoad()
-	return max(0, l.GetUsedTokens()-max(0, l.GetEvictableTokens()))
+	return max(0, l.GetUsedTokens()-max(0, l.GetEvictableTokens()), l.GetUnevictableTokens())
 }

@@ -673,3 +673,9 @@ func evictable(w *kvcv1.Worker, n int64) *kvcv1.Worker {
 	w.Load.EvictableTokens = n
 	return w
 }
+
+// unevictable sets the worker's own report of n tokens of sessions its requests are using.
+func unevictable(w *kvcv1.Worker, n int64) *kvcv1.Worker {
+	w.Load.UnevictableTokens = n
+	return w
+}

@@ -340,6 +340,7 @@ func groupUnit(lead *kvcv1.Worker, chosen []*kvcv1.Worker) (u *kvcv1.Worker, ids
 				load = &kvcv1.WorkerLoad{}
 			}
 			maxPinned = max(maxPinned, l.GetUsedTokens()-max(0, l.GetEvictableTokens()))
+			load.UnevictableTokens = max(load.UnevictableTokens, l.GetUnevictableTokens())
 			load.UsedTokens = max(load.UsedTokens, l.GetUsedTokens())
 			load.RunningRequests = max(load.RunningRequests, l.GetRunningRequests())
 			load.WaitingRequests = max(load.WaitingRequests, l.GetWaitingRequests())

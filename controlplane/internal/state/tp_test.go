@@ -39,6 +39,10 @@ func TestGroupWorkers(t *testing.T) {
 		w.Load = &kvcv1.WorkerLoad{UsedTokens: used, EvictableTokens: evictable, RunningRequests: running}
 		return w
 	}
+	unevictableLoad := func(w *kvcv1.Worker, n int64) *kvcv1.Worker {
+		w.Load.UnevictableTokens = n
+		return w
+	}
 	tests := []struct {
 		name     string
 		raw      []*kvcv1.Worker
@@ -59,8 +63,8 @@ func TestGroupWorkers(t *testing.T) {
 		},
 		{
 			name: "a ready group of two is one worker",
-			raw: []*kvcv1.Worker{withLoad(rec("d-a0", decodeRole, "A", 0, 2, ready), 100, 80, 2),
-				withLoad(rec("d-a1", decodeRole, "A", 1, 2, ready), 300, 250, 1), rec("p0", prefillRole, "", 0, 0, ready),
+			raw: []*kvcv1.Worker{unevictableLoad(withLoad(rec("d-a0", decodeRole, "A", 0, 2, ready), 100, 80, 2), 70),
+				unevictableLoad(withLoad(rec("d-a1", decodeRole, "A", 1, 2, ready), 300, 250, 1), 40), rec("p0", prefillRole, "", 0, 0, ready),
 				rec("p-b0", prefillRole, "B", 0, 2, ready), rec("p-b1", prefillRole, "B", 1, 2, ready)},
 			routing: "d-a0=READY p-b0=READY p0=READY", listing: "d-a0=READY d-a1=READY p-b0=READY p-b1=READY p0=READY",
 			problems: map[string]string{"p0": "no decode worker with tp_size 1 (theirs: 2)"},
@@ -71,7 +75,9 @@ func TestGroupWorkers(t *testing.T) {
 					t.Fatalf("ranks %v", u.GetTpRanks())
 				}
 				// Occupancy: the fullest rank's used tokens and its unevictable part.
-				if l := u.GetLoad(); l.GetUsedTokens() != 300 || l.GetUsedTokens()-l.GetEvictableTokens() != 50 || l.GetRunningRequests() != 2 {
+				// The workers' own reports: the rank with the most in use.
+				if l := u.GetLoad(); l.GetUsedTokens() != 300 || l.GetUsedTokens()-l.GetEvictableTokens() != 50 || l.GetRunningRequests() != 2 ||
+					l.GetUnevictableTokens() != 70 {
 					t.Fatalf("group load %v", l)
 				}
 				if v.unit["d-a1"] != "d-a0" || v.unit["d-a0"] != "d-a0" || strings.Join(v.ranks["p-b0"], ",") != "p-b0,p-b1" {
