@@ -179,47 +179,10 @@ func (c *ControlPlane) Run(ctx context.Context) error {
 	if len(c.cfg.Endpoints) == 0 {
 		return errors.New("control plane: no endpoints")
 	}
-	eps := cpclient.NewEndpoints(c.cfg.Endpoints)
-	bo := cpclient.Backoff{Min: c.cfg.BackoffMin, Max: c.cfg.BackoffMax}
-	hops := 0 // leader hints followed in a row without a welcome
-	for ctx.Err() == nil {
-		addr := eps.Next()
-		welcomed, err := c.session(ctx, addr)
-		if ctx.Err() != nil {
-			return nil
-		}
-		if welcomed {
-			bo.Reset()
-			eps.Reset()
-		}
-		var silent *cpclient.SilentError
-		if errors.As(err, &silent) {
-			eps.Silent(addr, 2*silent.Silence) // a lease: its hints and its turn are passed over
-			c.events.silent.Inc()
-		}
-		followed := eps.Hint(err)
-		if followed {
-			c.log.Info().Err(err).Str("addr", addr).Msg("not the leader; following its hint")
-		} else {
-			c.log.Warn().Err(err).Str("addr", addr).Msg("control plane stream ended")
-		}
-		if welcomed || !followed {
-			hops = 0
-		} else if hops++; hops <= 2 {
-			continue // go straight to the named leader (bounded: stale hints may point in a circle)
-		}
-		if !welcomed && !followed && !eps.Pause() {
-			continue // an endpoint not tried in this round yet: at once (cpclient.Endpoints)
-		}
-		t := time.NewTimer(bo.Next())
-		select {
-		case <-ctx.Done():
-			t.Stop()
-			return nil
-		case <-t.C:
-		}
-	}
-	return nil
+	return cpclient.Follow(ctx, cpclient.NewEndpoints(c.cfg.Endpoints), c.session,
+		cpclient.WithBackoff(c.cfg.BackoffMin, c.cfg.BackoffMax),
+		cpclient.WithLogger(c.log, "control plane stream ended"),
+		cpclient.OnSilent(func(string) { c.events.silent.Inc() }))
 }
 
 // errStaleLeader ends a stream to a leader whose epoch is below one already seen.

@@ -96,77 +96,37 @@ func (c *Client) Connected() bool {
 	return c.cur != nil
 }
 
-// maxHintHops is how many leader hints in a row Run follows without pausing (as the sidecars).
-const maxHintHops = 2
-
-// Run keeps a stream open until ctx ends.
+// Run keeps a stream open until ctx ends, following the leader (cpclient.Follow).
 func (c *Client) Run(ctx context.Context) error {
 	// The default ceiling: reach a new leader within ~0.4 s of its election (issue 16 finding 3).
-	bo := cpclient.Backoff{Min: 50 * time.Millisecond}
-	hops := 0 // hints followed in a row without a pause
-	for ctx.Err() == nil {
-		addr := c.eps.Next()
-		hinted, served, err := c.session(ctx, addr)
-		if ctx.Err() != nil {
-			return nil
-		}
-		var silent *cpclient.SilentError
-		if errors.As(err, &silent) {
-			c.eps.Silent(addr, 2*silent.Silence) // a lease: its hints and its turn are passed over
+	return cpclient.Follow(ctx, c.eps, c.session, cpclient.WithBackoff(50*time.Millisecond, 0),
+		cpclient.WithLogger(c.log, "route stream down"),
+		cpclient.OnSilent(func(addr string) {
 			if c.obs.Silent != nil {
 				c.obs.Silent(addr)
 			}
-		}
-		ev := c.log.Warn().Str("addr", addr).Err(err)
-		if served {
-			hops = 0 // a stream that answered: its hint is a fresh leader change
-		}
-		if hinted && hops < maxHintHops {
-			// At once, but not forever: two stale hints naming each other (mid-election)
-			// would otherwise make this loop dial as fast as the network answers.
-			hops++
-			ev.Msg("route stream: not the leader; following hint")
-			continue
-		}
-		hops = 0
-		ev.Msg("route stream down")
-		if served {
-			bo.Reset()
-			c.eps.Reset()
-		} else if !c.eps.Pause() {
-			continue // an endpoint not tried in this round yet: at once (cpclient.Endpoints)
-		}
-		t := time.NewTimer(bo.Next())
-		select {
-		case <-ctx.Done():
-			t.Stop()
-			return nil
-		case <-t.C:
-		}
-	}
-	return nil
+		}))
 }
 
-// session runs one stream; it reports whether the error carried a leader hint and whether the
-// stream answered anything.
-func (c *Client) session(ctx context.Context, addr string) (hinted, served bool, err error) {
+// session runs one stream; it reports whether the stream answered anything.
+func (c *Client) session(ctx context.Context, addr string) (served bool, err error) {
 	opts := append(grpcx.DialOptions(nil), c.dial...) // later credentials win over the plaintext default
 	cc, err := grpc.NewClient(addr, opts...)
 	if err != nil {
-		return false, false, err
+		return false, err
 	}
 	defer cc.Close()
 	wctx, stopWatch := c.live.Guard(ctx, cc)
 	defer func() {
 		if serr := stopWatch(); serr != nil {
-			hinted, err = false, serr
+			err = serr
 		}
 	}()
 	sctx, cancel := context.WithCancel(wctx)
 	defer cancel()
 	stream, err := kvcv1.NewRouterServiceClient(cc).Route(sctx)
 	if err != nil {
-		return c.eps.Hint(err), false, err
+		return false, err
 	}
 	cn := &conn{addr: addr, stream: stream}
 	c.mu.Lock()
@@ -199,7 +159,7 @@ func (c *Client) session(ctx context.Context, addr string) (hinted, served bool,
 	for {
 		resp, rerr := stream.Recv()
 		if rerr != nil {
-			return c.eps.Hint(rerr), served, rerr
+			return served, rerr
 		}
 		served = true
 		c.dispatch(cn, resp)
