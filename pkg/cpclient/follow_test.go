@@ -22,7 +22,9 @@ type end struct {
 // refusal, a silent leader) and checks the order of dials and pauses ("|"). The run ends when an
 // endpoint's script runs out (that session cancels the context) or at the pause limit.
 func TestFollow(t *testing.T) {
-	hint := func(addr string) error { return NotLeaderError(&kvcv1.LeaderHint{LeaderId: addr, LeaderAddr: addr, Epoch: 2}) }
+	hint := func(addr string) error {
+		return NotLeaderError(&kvcv1.LeaderHint{LeaderId: addr, LeaderAddr: addr, Epoch: 2})
+	}
 	refused := errors.New("connection refused")
 	tests := []struct {
 		name    string

@@ -12,6 +12,8 @@ import (
 	"time"
 
 	"github.com/kvcentric/kvcentric/pkg/kvpool"
+	"github.com/kvcentric/kvcentric/pkg/kvxfer"
+	"github.com/kvcentric/kvcentric/pkg/kvxfer/kvxfertest"
 	"github.com/kvcentric/kvcentric/pkg/rdma"
 )
 
@@ -151,11 +153,11 @@ func TestWorkerPoolAcrossProcesses(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			reqs, err := rdma.PlanTokens(rdma.OpWrite, sl, l, srcPages, dstPages, 0, tokens, seg)
+			reqs, err := kvxfertest.Requests(kvxfer.PageMap{Layout: sl.ToProto(), Pages: srcPages}, kvxfer.PageMap{Layout: l.ToProto(), Pages: dstPages}, seg, 0, tokens)
 			if err != nil {
 				t.Fatal(err)
 			}
-			if _, err := rdma.TransferSync(ctx, peer, reqs, rdma.Deadline{Base: 10 * time.Second}); err != nil {
+			if _, err := kvxfer.Transfer(ctx, peer, reqs); err != nil {
 				t.Fatal(err)
 			}
 

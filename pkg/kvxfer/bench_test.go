@@ -20,12 +20,12 @@ func BenchmarkSnapshotPush(b *testing.B) {
 		appendN = 512
 	)
 	pages := int64(ctxLen / page)
-	src, err := NewArena(page, page*tokB, pages, layers)
+	src, err := NewArena(Shape{PageSize: page, ItemLen: page * tokB, PageCount: pages, NumLayers: layers})
 	if err != nil {
 		b.Fatal(err)
 	}
 	defer src.Close()
-	dst, err := NewArena(page, page*tokB, pages, layers)
+	dst, err := NewArena(Shape{PageSize: page, ItemLen: page * tokB, PageCount: pages, NumLayers: layers})
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -56,7 +56,7 @@ func BenchmarkSnapshotPush(b *testing.B) {
 		pm[i] = int64(i)
 	}
 	plan := func(from, to int64) []rdma.Request {
-		r, err := PlanTokens(PageMap{Layout: src.Layout(), Pages: pm}, PageMap{Layout: dst.Layout(), Pages: pm}, seg, from, to)
+		r, err := planTokens(PageMap{Layout: src.Layout(), Pages: pm}, PageMap{Layout: dst.Layout(), Pages: pm}, seg, from, to)
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -73,11 +73,11 @@ func BenchmarkSnapshotPush(b *testing.B) {
 		return time.Since(start)
 	}
 	run(full, 1) // warm the connections
-	b.SetBytes(int64(Bytes(incr)))
+	b.SetBytes(int64(reqBytes(incr)))
 	b.ResetTimer()
 	ti := run(incr, b.N)
 	b.StopTimer()
 	tf := run(full, b.N)
 	b.ReportMetric(float64(tf)/float64(ti), "full/incr")
-	b.ReportMetric(float64(Bytes(full))/float64(Bytes(incr)), "bytes_full/incr")
+	b.ReportMetric(float64(reqBytes(full))/float64(reqBytes(incr)), "bytes_full/incr")
 }

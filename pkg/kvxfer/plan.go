@@ -4,7 +4,6 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
-	"github.com/kvcentric/kvcentric/pkg/rdma"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -51,29 +50,4 @@ func (m PageMap) Addr(buf int, tok int64) (uint64, error) {
 	}
 	tb := m.Layout.GetItemLen() / ps
 	return m.Layout.GetBufferAddrs()[buf] + uint64(pg*m.Layout.GetItemLen()+(tok%ps)*tb), nil
-}
-
-// PlanTokens returns WRITE requests that copy tokens [from, to) of every buffer from the local
-// page map src to the remote page map dst in segment seg, merging runs that are contiguous on
-// both sides (one request per run per buffer).
-//
-// Every buffer of a pool has the same page geometry, so the runs are worked out once, as
-// offsets from the first buffer, with every page checked against both maps, and then laid over
-// each buffer: a 50,000-token session of 96 buffers costs one pass over its 3,125 pages plus
-// one store per request, not 96 passes through the page maps.
-func PlanTokens(src, dst PageMap, seg rdma.SegmentID, from, to int64) ([]rdma.Request, error) {
-	p, err := PlanRuns(src, dst, from, to)
-	if err != nil {
-		return nil, err
-	}
-	return p.Requests(seg), nil
-}
-
-// Bytes sums the lengths of reqs.
-func Bytes(reqs []rdma.Request) uint64 {
-	var n uint64
-	for _, r := range reqs {
-		n += r.Length
-	}
-	return n
 }

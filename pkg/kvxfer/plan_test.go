@@ -15,7 +15,7 @@ func layout(base uint64, pages int64) *kvcv1.KVLayout {
 	return &kvcv1.KVLayout{PageSize: 4, ItemLen: 32, NumLayers: 1, PageCount: pages, BufferAddrs: []uint64{base, base + 1<<20}}
 }
 
-func TestPlanTokens(t *testing.T) {
+func TestPlanRuns(t *testing.T) {
 	src, dst := layout(0x10000, 64), layout(0x90000, 64)
 	tests := []struct {
 		name      string
@@ -39,15 +39,15 @@ func TestPlanTokens(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			reqs, err := PlanTokens(PageMap{Layout: src, Pages: tt.sp}, PageMap{Layout: dst, Pages: tt.dp, First: tt.dFirst}, 7, tt.from, tt.to)
+			reqs, err := planTokens(PageMap{Layout: src, Pages: tt.sp}, PageMap{Layout: dst, Pages: tt.dp, First: tt.dFirst}, 7, tt.from, tt.to)
 			if (err != nil) != tt.wantErr {
 				t.Fatalf("err = %v", err)
 			}
 			if err != nil {
 				return
 			}
-			if len(reqs) != tt.wantReqs || Bytes(reqs) != tt.wantBytes {
-				t.Fatalf("%d requests, %d bytes; want %d, %d: %+v", len(reqs), Bytes(reqs), tt.wantReqs, tt.wantBytes, reqs)
+			if len(reqs) != tt.wantReqs || reqBytes(reqs) != tt.wantBytes {
+				t.Fatalf("%d requests, %d bytes; want %d, %d: %+v", len(reqs), reqBytes(reqs), tt.wantReqs, tt.wantBytes, reqs)
 			}
 			for _, r := range reqs {
 				if r.Op != rdma.OpWrite || r.Target != 7 {
@@ -56,22 +56,22 @@ func TestPlanTokens(t *testing.T) {
 			}
 		})
 	}
-	if _, err := PlanTokens(PageMap{Layout: src, Pages: []int64{0}}, PageMap{Layout: layout(1, 4)}, 0, 0, 0); err != nil {
+	if _, err := planTokens(PageMap{Layout: src, Pages: []int64{0}}, PageMap{Layout: layout(1, 4)}, 0, 0, 0); err != nil {
 		t.Fatal(err)
 	}
 	other := layout(0x90000, 64)
 	other.ItemLen = 64
-	if _, err := PlanTokens(PageMap{Layout: src, Pages: []int64{0}}, PageMap{Layout: other, Pages: []int64{0}}, 0, 0, 4); err == nil {
+	if _, err := planTokens(PageMap{Layout: src, Pages: []int64{0}}, PageMap{Layout: other, Pages: []int64{0}}, 0, 0, 4); err == nil {
 		t.Fatal("layout mismatch accepted")
 	}
 }
 
-func FuzzPlanTokens(f *testing.F) {
+func FuzzPlanRuns(f *testing.F) {
 	f.Add(int64(0), int64(5), int64(1), int64(3), int64(0), int64(9))
 	f.Add(int64(63), int64(-1), int64(0), int64(2), int64(5), int64(4))
 	f.Fuzz(func(t *testing.T, a, b, c, first, from, to int64) {
 		src, dst := layout(0x10000, 64), layout(0x90000, 64)
-		reqs, err := PlanTokens(PageMap{Layout: src, Pages: []int64{a, b, c}}, PageMap{Layout: dst, Pages: []int64{c, b, a}, First: first}, 1, from, to)
+		reqs, err := planTokens(PageMap{Layout: src, Pages: []int64{a, b, c}}, PageMap{Layout: dst, Pages: []int64{c, b, a}, First: first}, 1, from, to)
 		if err != nil {
 			return
 		}
@@ -84,7 +84,7 @@ func FuzzPlanTokens(f *testing.F) {
 }
 
 // planTokensRef is the straightforward planner (token page by token page, buffer by buffer):
-// PlanTokens must return exactly what it returns.
+// PlanRuns(…).Requests must return exactly what it returns.
 func planTokensRef(src, dst PageMap, seg rdma.SegmentID, from, to int64) ([]rdma.Request, error) {
 	if err := CompatibleLayouts(src.Layout, dst.Layout); err != nil {
 		return nil, err
@@ -120,7 +120,7 @@ func planTokensRef(src, dst PageMap, seg rdma.SegmentID, from, to int64) ([]rdma
 	return reqs, nil
 }
 
-func TestPlanTokensMatchesReference(t *testing.T) {
+func TestPlanRunsMatchesReference(t *testing.T) {
 	rng := rand.New(rand.NewPCG(7, 11))
 	planned := 0
 	for i := 0; i < 300; i++ {
@@ -146,7 +146,7 @@ func TestPlanTokensMatchesReference(t *testing.T) {
 		first := rng.Int64N(3)
 		from := rng.Int64N(40)
 		to := from + rng.Int64N(40) - 4
-		got, err := PlanTokens(PageMap{Layout: src, Pages: sp}, PageMap{Layout: dst, Pages: dp, First: first}, 3, from, to)
+		got, err := planTokens(PageMap{Layout: src, Pages: sp}, PageMap{Layout: dst, Pages: dp, First: first}, 3, from, to)
 		want, werr := planTokensRef(PageMap{Layout: src, Pages: sp}, PageMap{Layout: dst, Pages: dp, First: first}, 3, from, to)
 		if (err != nil) != (werr != nil) {
 			t.Fatalf("case %d (%v %v first %d [%d,%d)): err %v, reference %v", i, sp, dp, first, from, to, err, werr)
@@ -161,4 +161,22 @@ func TestPlanTokensMatchesReference(t *testing.T) {
 	if planned < 30 {
 		t.Fatalf("only %d of 300 random cases planned requests", planned)
 	}
+}
+
+// planTokens is PlanRuns laid out as requests of one batch.
+func planTokens(src, dst PageMap, seg rdma.SegmentID, from, to int64) ([]rdma.Request, error) {
+	p, err := PlanRuns(src, dst, from, to)
+	if err != nil {
+		return nil, err
+	}
+	return p.Requests(seg), nil
+}
+
+// reqBytes sums the lengths of reqs.
+func reqBytes(reqs []rdma.Request) uint64 {
+	var n uint64
+	for _, r := range reqs {
+		n += r.Length
+	}
+	return n
 }

@@ -221,13 +221,8 @@ func MapPool(req *kvcv1.RegisterKVPoolRequest) (*Pool, error) {
 	return p, nil
 }
 
-// NewArena allocates a pool in this process's own (anonymous, page-aligned) memory.
-func NewArena(pageSize int32, itemLen, pageCount int64, layers int32) (*Pool, error) {
-	return newArena(pageSize, itemLen, pageCount, layers, false)
-}
-
-// NewArenaOf is NewArena for a pool of shape s (MHA or MLA).
-func NewArenaOf(s Shape) (*Pool, error) {
+// NewArena allocates a pool of shape s in this process's own (anonymous, page-aligned) memory.
+func NewArena(s Shape) (*Pool, error) {
 	return newArena(s.PageSize, s.ItemLen, s.PageCount, s.NumLayers, s.MLA)
 }
 

@@ -115,7 +115,7 @@ func TestOpenWorkerPoolCUDA(t *testing.T) {
 			if len(l.BufferAddrs) != 4 || l.PageCount != 32 || l.ItemLen != 64 {
 				t.Fatalf("layout %+v", l)
 			}
-			if _, err := rdma.LayoutFromProto(l); err != nil {
+			if err := CompatibleLayouts(l, l); err != nil {
 				t.Fatalf("layout of the imported pool: %v", err)
 			}
 			for i, a := range l.BufferAddrs {

@@ -25,8 +25,12 @@ type TokenPlan struct {
 
 type tokenRun struct{ s, d, n uint64 }
 
-// PlanRuns checks tokens [from, to) of the page maps src and dst and works out their runs once
-// (one pass over the range's pages); errors are those of PlanTokens.
+// PlanRuns checks tokens [from, to) of the local page map src and the remote page map dst and
+// works out the runs contiguous on both sides; Requests lays them over every buffer as WRITE
+// requests (one per run per buffer). Every buffer of a pool has the same page geometry, so the
+// runs are worked out once, as offsets from the first buffer, with every page checked against
+// both maps: a 50,000-token session of 96 buffers costs one pass over its 3,125 pages plus one
+// store per request, not 96 passes through the page maps. Errors are PageMap.Addr's.
 func PlanRuns(src, dst PageMap, from, to int64) (*TokenPlan, error) {
 	if err := CompatibleLayouts(src.Layout, dst.Layout); err != nil {
 		return nil, err

@@ -28,10 +28,10 @@ func (c *countingEngine) Submit(ctx context.Context, b rdma.BatchID, reqs []rdma
 func streamPools(t *testing.T, layers int32, pages int64) (src, dst *Pool, engS rdma.Engine, seg rdma.SegmentID) {
 	t.Helper()
 	var err error
-	if src, err = NewArena(4, 32, pages, layers); err != nil {
+	if src, err = NewArena(Shape{PageSize: 4, ItemLen: 32, PageCount: pages, NumLayers: layers}); err != nil {
 		t.Fatal(err)
 	}
-	if dst, err = NewArena(4, 32, pages, layers); err != nil {
+	if dst, err = NewArena(Shape{PageSize: 4, ItemLen: 32, PageCount: pages, NumLayers: layers}); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { src.Close(); dst.Close() })
@@ -87,9 +87,9 @@ func TestTokenPlanTransfer(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			ref, err := PlanTokens(sm, dm, seg, 0, tt.tokens)
-			if err != nil || plan.Len() != len(ref) || plan.Bytes() != Bytes(ref) {
-				t.Fatalf("plan: %d requests %d bytes, PlanTokens %d requests %d bytes (%v)", plan.Len(), plan.Bytes(), len(ref), Bytes(ref), err)
+			ref, err := planTokens(sm, dm, seg, 0, tt.tokens)
+			if err != nil || plan.Len() != len(ref) || plan.Bytes() != reqBytes(ref) {
+				t.Fatalf("plan: %d requests %d bytes, PlanTokens %d requests %d bytes (%v)", plan.Len(), plan.Bytes(), len(ref), reqBytes(ref), err)
 			}
 			ce := &countingEngine{Engine: engS}
 			for rep := 0; rep < 2; rep++ { // the second reuses the request memory

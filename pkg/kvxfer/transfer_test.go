@@ -13,10 +13,10 @@ import (
 func engines(t *testing.T) (src, dst *Pool, engS, engD rdma.Engine, seg rdma.SegmentID) {
 	t.Helper()
 	var err error
-	if src, err = NewArena(4, 64, 16, 1); err != nil {
+	if src, err = NewArena(Shape{PageSize: 4, ItemLen: 64, PageCount: 16, NumLayers: 1}); err != nil {
 		t.Fatal(err)
 	}
-	if dst, err = NewArena(4, 64, 16, 1); err != nil {
+	if dst, err = NewArena(Shape{PageSize: 4, ItemLen: 64, PageCount: 16, NumLayers: 1}); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { src.Close(); dst.Close() })
@@ -47,7 +47,7 @@ func engines(t *testing.T) (src, dst *Pool, engS, engD rdma.Engine, seg rdma.Seg
 func TestTransferAndAbort(t *testing.T) {
 	src, dst, engS, _, seg := engines(t)
 	scattered := []int64{0, 2, 4, 6, 8, 10, 12, 14} // one request per page per buffer
-	reqs, err := PlanTokens(PageMap{Layout: src.Layout(), Pages: scattered}, PageMap{Layout: dst.Layout(), Pages: scattered}, seg, 0, 32)
+	reqs, err := planTokens(PageMap{Layout: src.Layout(), Pages: scattered}, PageMap{Layout: dst.Layout(), Pages: scattered}, seg, 0, 32)
 	if err != nil || len(reqs) != 16 {
 		t.Fatalf("plan: %d requests, %v", len(reqs), err)
 	}
@@ -68,7 +68,7 @@ func TestTransferAndAbort(t *testing.T) {
 		}
 	}
 	moved, err := Transfer(context.Background(), NewSlowEngine(engS, time.Millisecond), reqs)
-	if err != nil || moved != Bytes(reqs) {
+	if err != nil || moved != reqBytes(reqs) {
 		t.Fatalf("slow transfer: %d bytes, %v", moved, err)
 	}
 	for b := 0; b < dst.Buffers(); b++ {

@@ -154,9 +154,6 @@ func (h *HTTPServer) ServeGraceful(ctx context.Context, lis net.Listener, g Grac
 	return nil
 }
 
-// InFlight is the number of requests being served now.
-func (h *HTTPServer) InFlight() int64 { return h.inflight.Load() }
-
 func (h *HTTPServer) counting(next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		h.inflight.Add(1)

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"time"
 )
 
 // Opcode is the direction of a request, seen from the local side.
@@ -227,15 +226,3 @@ var (
 	ErrPeerGone       = errors.New("rdma: peer disconnected")
 	ErrLayoutMismatch = errors.New("rdma: KV layout mismatch")
 )
-
-// Deadline is the time budget of a synchronous transfer, base + bytes × per-byte, as SGLang
-// computes its transfer timeouts.
-type Deadline struct {
-	Base    time.Duration
-	PerByte time.Duration // may be 0; use PerGB for readability
-}
-
-// For returns the budget for n bytes.
-func (d Deadline) For(n uint64) time.Duration {
-	return d.Base + time.Duration(float64(d.PerByte)*float64(n))
-}

@@ -96,16 +96,12 @@ func (e *tcpEngine) serveHandshake(br *bufio.Reader, bw *bufio.Writer) (bool, st
 	return ack.status == tcpStOK, h.name, bw.Flush()
 }
 
-// serveData handles data frames until the peer goes away. Every target range is checked against
-// the registered regions, and every WRITE range then against the write guard (if one is
-// installed), before a byte is touched; refused WRITE payloads are discarded.
-// Successful WRITEs are acknowledged cumulatively (WRITE_ACK_UPTO) before any other answer and
-// whenever the input runs dry, so answers stay in request order.
-func (e *tcpEngine) serveData(br *bufio.Reader, bw *bufio.Writer, raw syscall.RawConn, dl readDeadliner) error {
-	return e.servePeer(br, bw, raw, dl, "")
-}
-
-// servePeer is serveData for the peer that announced itself as peer at the handshake.
+// servePeer handles data frames of the peer that announced itself as peer at the handshake
+// until it goes away. Every target range is checked against the registered regions, and every
+// WRITE range then against the write guard (if one is installed), before a byte is touched;
+// refused WRITE payloads are discarded. Successful WRITEs are acknowledged cumulatively
+// (WRITE_ACK_UPTO) before any other answer and whenever the input runs dry, so answers stay in
+// request order.
 func (e *tcpEngine) servePeer(br *bufio.Reader, bw *bufio.Writer, raw syscall.RawConn, dl readDeadliner, peer string) error {
 	payloadDeadline := func(on bool) {
 		if dl == nil {

@@ -239,3 +239,8 @@ func FuzzTCPResponses(f *testing.F) {
 }
 
 func isProtocol(err error) bool { return errors.Is(err, tcpErrProtocol) }
+
+// serveData is servePeer for a peer that announced no name (the fuzz targets feed it frames).
+func (e *tcpEngine) serveData(br *bufio.Reader, bw *bufio.Writer, raw syscall.RawConn, dl readDeadliner) error {
+	return e.servePeer(br, bw, raw, dl, "")
+}

@@ -54,9 +54,6 @@ func New(log zerolog.Logger, reg prometheus.Registerer) *Notifier {
 	return n
 }
 
-// WatchdogInterval is systemd's watchdog timeout (WatchdogSec=) for this process; 0: none.
-func (n *Notifier) WatchdogInterval() time.Duration { return n.interval }
-
 func (n *Notifier) send(state string) bool {
 	sent, err := daemon.SdNotify(false, state)
 	if err != nil {

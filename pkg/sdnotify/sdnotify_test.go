@@ -232,3 +232,6 @@ func TestHTTPProbe(t *testing.T) {
 		})
 	}
 }
+
+// WatchdogInterval is systemd's watchdog timeout (WatchdogSec=) for this process; 0: none.
+func (n *Notifier) WatchdogInterval() time.Duration { return n.interval }

@@ -119,12 +119,6 @@ func PeerCertificate(ctx context.Context) *x509.Certificate {
 	return ti.State.VerifiedChains[0][0]
 }
 
-// PeerRole is the role of the caller in ctx ("" if it has none).
-func PeerRole(ctx context.Context) Role {
-	r, _ := RoleOf(PeerCertificate(ctx))
-	return r
-}
-
 // Authorizer is the per-method check as gRPC interceptors.
 type Authorizer struct{ log zerolog.Logger }
 

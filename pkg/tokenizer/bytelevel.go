@@ -1,7 +1,5 @@
 package tokenizer
 
-import "unicode/utf8"
-
 // byteToRune is GPT-2's bytes_to_unicode: every byte maps to a printable rune, so byte-level
 // vocabularies are written as strings of those runes.
 var byteToRune [256]rune
@@ -36,13 +34,4 @@ func unmapByteLevel(s string) (raw string, ok bool) {
 		buf = append(buf, b)
 	}
 	return string(buf), true
-}
-
-// mapByteLevel is the forward mapping, the inverse of unmapByteLevel (tests use it).
-func mapByteLevel(raw string) string {
-	buf := make([]byte, 0, len(raw)*2)
-	for i := 0; i < len(raw); i++ {
-		buf = utf8.AppendRune(buf, byteToRune[raw[i]])
-	}
-	return string(buf)
 }

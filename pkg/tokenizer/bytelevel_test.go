@@ -3,6 +3,7 @@ package tokenizer
 import (
 	"testing"
 	"unicode"
+	"unicode/utf8"
 )
 
 // Every byte maps to one printable rune and back: any byte string survives the round trip, and
@@ -34,4 +35,13 @@ func TestByteLevelRoundTrip(t *testing.T) {
 	if _, ok := unmapByteLevel("日"); ok {
 		t.Fatal("a rune outside the byte-level alphabet unmapped")
 	}
+}
+
+// mapByteLevel is the forward mapping, the inverse of unmapByteLevel.
+func mapByteLevel(raw string) string {
+	buf := make([]byte, 0, len(raw)*2)
+	for i := 0; i < len(raw); i++ {
+		buf = utf8.AppendRune(buf, byteToRune[raw[i]])
+	}
+	return string(buf)
 }

@@ -88,19 +88,6 @@ func (b *creditBook) offer(addr string, next *peerCredit) {
 	b.m[addr] = next
 }
 
-// get returns addr's credit (tests and diagnostics).
-func (b *creditBook) get(addr string) (peerCredit, bool) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	c := b.m[addr]
-	if c == nil {
-		return peerCredit{}, false
-	}
-	cp := *c
-	cp.pages = slices.Clone(c.pages)
-	return cp, true
-}
-
 // creditFrom is the credit in a reserve's answer (nil when it holds none).
 func creditFrom(res *kvcv1.ReserveSnapshotResponse, endpoint string, seg rdma.SegmentID, now time.Time) *peerCredit {
 	if res.GetCreditId() == 0 || len(res.GetCreditPages()) == 0 {

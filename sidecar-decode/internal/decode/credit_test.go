@@ -177,7 +177,7 @@ func TestPushWithCredit(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = storeEng.Close() })
-	store, err := kvxfer.NewArena(4, 32, 64, 1)
+	store, err := kvxfer.NewArena(kvxfer.Shape{PageSize: 4, ItemLen: 32, PageCount: 64, NumLayers: 1})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -389,4 +389,17 @@ func TestCreditsEndpoint(t *testing.T) {
 		got[1].Peer != "p1:1" || got[1].Pages != 1 || !got[1].InUse {
 		t.Fatalf("credits %+v", got)
 	}
+}
+
+// get returns addr's credit (a copy), for the tests.
+func (b *creditBook) get(addr string) (peerCredit, bool) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	c := b.m[addr]
+	if c == nil {
+		return peerCredit{}, false
+	}
+	cp := *c
+	cp.pages = slices.Clone(c.pages)
+	return cp, true
 }

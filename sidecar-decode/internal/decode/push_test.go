@@ -271,7 +271,7 @@ func TestPushCommitOverlapsCopy(t *testing.T) {
 				t.Fatal(err)
 			}
 			t.Cleanup(func() { _ = storeEng.Close() })
-			store, err := kvxfer.NewArena(4, 32, 16, 1)
+			store, err := kvxfer.NewArena(kvxfer.Shape{PageSize: 4, ItemLen: 32, PageCount: 16, NumLayers: 1})
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -23,6 +23,7 @@ import (
 
 	"github.com/kvcentric/kvcentric/pkg/kvpool"
 	"github.com/kvcentric/kvcentric/pkg/kvxfer"
+	"github.com/kvcentric/kvcentric/pkg/kvxfer/kvxfertest"
 	"github.com/kvcentric/kvcentric/pkg/rdma"
 	"github.com/kvcentric/kvcentric/pkg/sidecar"
 	"github.com/kvcentric/kvcentric/pkg/sidecar/cptest"
@@ -479,10 +480,10 @@ func tcpBaseline(t *testing.T, ctx context.Context) func(n int64) (time.Duration
 	return func(n int64) (time.Duration, error) {
 		if src == nil {
 			var err error
-			if src, err = kvxfer.NewArena(1, n, 1, 1); err != nil {
+			if src, err = kvxfer.NewArena(kvxfer.Shape{PageSize: 1, ItemLen: n, PageCount: 1, NumLayers: 1}); err != nil {
 				return 0, err
 			}
-			if dst, err = kvxfer.NewArena(1, n, 1, 1); err != nil {
+			if dst, err = kvxfer.NewArena(kvxfer.Shape{PageSize: 1, ItemLen: n, PageCount: 1, NumLayers: 1}); err != nil {
 				return 0, err
 			}
 			t.Cleanup(func() { src.Close(); dst.Close() })
@@ -817,7 +818,7 @@ func peerBaseline(t *testing.T, ctx context.Context) func(n int64) (time.Duratio
 }
 
 // probeOverheads measures, in this process, what a push costs besides the copy: the plan of
-// the session's requests (kvxfer.PlanTokens, the same call and shape as the decode sidecar's)
+// the session's requests (kvxfer.PlanRuns, the same call and shape as the decode sidecar's)
 // and a ReserveSnapshot + AbortSnapshot round trip to the prefill sidecar (another session, so
 // the stored snapshot is untouched). Medians of 5.
 func probeOverheads(t *testing.T, ctx context.Context, w io.Writer, s shape, p *sidecarProc, dPages []int64) {
@@ -837,7 +838,7 @@ func probeOverheads(t *testing.T, ctx context.Context, w io.Writer, s shape, p *
 	var nreq int
 	for i := 0; i < 5; i++ {
 		start := time.Now()
-		reqs, err := kvxfer.PlanTokens(kvxfer.PageMap{Layout: lay(1 << 40), Pages: dPages}, kvxfer.PageMap{Layout: lay(1 << 50), Pages: storePages}, 1, 0, s.Tokens)
+		reqs, err := kvxfertest.Requests(kvxfer.PageMap{Layout: lay(1 << 40), Pages: dPages}, kvxfer.PageMap{Layout: lay(1 << 50), Pages: storePages}, 1, 0, s.Tokens)
 		planMs = append(planMs, float64(time.Since(start).Microseconds())/1e3)
 		if err != nil {
 			t.Error(err)
@@ -923,7 +924,7 @@ func pushPhases(t *testing.T, ctx context.Context, w io.Writer, s shape, eng rdm
 					return
 				}
 			} else {
-				reqs, err := kvxfer.PlanTokens(src, dst, seg, 0, s.Tokens)
+				reqs, err := kvxfertest.Requests(src, dst, seg, 0, s.Tokens)
 				if err != nil {
 					t.Error(err)
 					return
@@ -954,7 +955,7 @@ func pushPhases(t *testing.T, ctx context.Context, w io.Writer, s shape, eng rdm
 		}
 		how := "streamed (now): PlanRuns %.2f ms, TokenPlan.Transfer (lay out + submit in growing batches + copy + wait)"
 		if !streamed {
-			how = "one batch (before): PlanTokens %.2f ms, kvxfer.Transfer (AllocateBatch + Submit + copy + wait)"
+			how = "one batch (before): PlanRuns+Requests %.2f ms, kvxfer.Transfer (AllocateBatch + Submit + copy + wait)"
 		}
 		fmt.Fprintf(w, "push phases, "+how+" %.2f ms = %.1f GB/s; reserve RPC %.2f ms, abort RPC %.2f ms, total %.2f ms = %.1f GB/s (replayed from the worker process into %s, %d requests, medians of 5)\n",
 			median(plan), median(xfer), gbps(s.sessionBytes(), median(xfer)), median(reserve), median(abort), median(total), gbps(s.sessionBytes(), median(total)), p.id, nreq)

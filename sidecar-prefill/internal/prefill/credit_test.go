@@ -10,6 +10,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/kvcentric/kvcentric/pkg/kvxfer"
+	"github.com/kvcentric/kvcentric/pkg/kvxfer/kvxfertest"
 	"github.com/kvcentric/kvcentric/pkg/rdma"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
@@ -24,10 +25,9 @@ func TestReserveSnapshotCredit(t *testing.T) {
 	s := newTestSidecar(t, true) // store: 16 pages of 4 tokens; credits capped at 1 page (a tenth)
 	storeName := s.eng.SegmentName()
 	d1, d2 := newGuardPeer(t, ctx, storeName), newGuardPeer(t, ctx, storeName)
-	xfer := func(p *guardPeer, reqs []rdma.Request) rdma.Result {
+	xfer := func(p *guardPeer, reqs []rdma.Request) batchResult {
 		t.Helper()
-		r, _ := rdma.TransferSync(ctx, p.eng, reqs, rdma.Deadline{Base: 10 * time.Second})
-		return r
+		return runBatch(t, ctx, p.eng, reqs)
 	}
 	reserve := func(session string, tokens int64, cr *kvcv1.ReserveSnapshotRequest) (*kvcv1.ReserveSnapshotResponse, error) {
 		return s.ReserveSnapshot(ctx, &kvcv1.ReserveSnapshotRequest{SessionId: session, Generation: 1, Tokens: tokens,
@@ -80,7 +80,7 @@ func TestReserveSnapshotCredit(t *testing.T) {
 	if len(r2.GetCreditPages()) != 1 || r2.GetCreditId() == r1.GetCreditId() || r2.GetCreditPages()[0] == r1.GetCreditPages()[0] {
 		t.Fatalf("credit after use: %v id %d", r2.GetCreditPages(), r2.GetCreditId())
 	}
-	reqs, err := kvxfer.PlanTokens(kvxfer.PageMap{Layout: d1.pool.Layout(), Pages: pages},
+	reqs, err := kvxfertest.Requests(kvxfer.PageMap{Layout: d1.pool.Layout(), Pages: pages},
 		kvxfer.PageMap{Layout: r2.GetStoreLayout(), Pages: r2.GetPages()}, d1.seg, 4, 10)
 	if err != nil {
 		t.Fatal(err)

@@ -18,6 +18,7 @@ import (
 
 	"github.com/kvcentric/kvcentric/pkg/kvpool"
 	"github.com/kvcentric/kvcentric/pkg/kvxfer"
+	"github.com/kvcentric/kvcentric/pkg/kvxfer/kvxfertest"
 	"github.com/kvcentric/kvcentric/pkg/rdma"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 	"github.com/kvcentric/kvcentric/sidecar-prefill/internal/store"
@@ -118,7 +119,7 @@ func TestDeviceStoreSnapshotKV(t *testing.T) {
 	}
 
 	// The decode side: a fragmented session in its own pool and engine.
-	src, err := kvxfer.NewArena(ps, ps*tb, 32, layers)
+	src, err := kvxfer.NewArena(kvxfer.Shape{PageSize: ps, ItemLen: ps * tb, PageCount: 32, NumLayers: layers})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -146,7 +147,7 @@ func TestDeviceStoreSnapshotKV(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	reqs, err := kvxfer.PlanTokens(kvxfer.PageMap{Layout: src.Layout(), Pages: pages}, kvxfer.PageMap{Layout: res.GetStoreLayout(), Pages: res.GetPages()}, seg, 0, tokens)
+	reqs, err := kvxfertest.Requests(kvxfer.PageMap{Layout: src.Layout(), Pages: pages}, kvxfer.PageMap{Layout: res.GetStoreLayout(), Pages: res.GetPages()}, seg, 0, tokens)
 	if err != nil {
 		t.Fatal(err)
 	}

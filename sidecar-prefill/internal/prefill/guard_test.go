@@ -14,6 +14,7 @@ import (
 
 	"github.com/kvcentric/kvcentric/pkg/kvpool"
 	"github.com/kvcentric/kvcentric/pkg/kvxfer"
+	"github.com/kvcentric/kvcentric/pkg/kvxfer/kvxfertest"
 	"github.com/kvcentric/kvcentric/pkg/rdma"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
@@ -32,7 +33,7 @@ func newGuardPeer(t *testing.T, ctx context.Context, store string) *guardPeer {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = eng.Close() })
-	pool, err := kvxfer.NewArena(4, 32, 16, 1)
+	pool, err := kvxfer.NewArena(kvxfer.Shape{PageSize: 4, ItemLen: 32, PageCount: 16, NumLayers: 1})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -59,7 +60,7 @@ func (p *guardPeer) fill(session string, pages []int64, n int64) {
 // plan writes tokens [from, to) of pages into a reservation, as a decode sidecar's push does.
 func (p *guardPeer) plan(t *testing.T, pages []int64, res *kvcv1.ReserveSnapshotResponse, from, to int64) []rdma.Request {
 	t.Helper()
-	reqs, err := kvxfer.PlanTokens(kvxfer.PageMap{Layout: p.pool.Layout(), Pages: pages},
+	reqs, err := kvxfertest.Requests(kvxfer.PageMap{Layout: p.pool.Layout(), Pages: pages},
 		kvxfer.PageMap{Layout: res.GetStoreLayout(), Pages: res.GetPages(), First: from / 4}, p.seg, from, to)
 	if err != nil {
 		t.Fatal(err)
@@ -106,10 +107,9 @@ func TestWriteGuardRefusesForeignWrites(t *testing.T) {
 	d1.fill("s1", pages1, 15)
 	d2.fill("s2", pages2, 8)
 	const tb = 8
-	xfer := func(p *guardPeer, reqs []rdma.Request) rdma.Result {
+	xfer := func(p *guardPeer, reqs []rdma.Request) batchResult {
 		t.Helper()
-		r, _ := rdma.TransferSync(ctx, p.eng, reqs, rdma.Deadline{Base: 10 * time.Second})
-		return r
+		return runBatch(t, ctx, p.eng, reqs)
 	}
 	reserve := func(session string, base, tokens int64, writer string) *kvcv1.ReserveSnapshotResponse {
 		t.Helper()
@@ -244,4 +244,37 @@ func TestReserveEndpointTooLong(t *testing.T) {
 	if st, _, _ := s.storeAndArena(); st.Pending() != 0 {
 		t.Fatal("a refused reserve left a reservation")
 	}
+}
+
+// batchResult is the final status of each request of one batch and how many did not complete.
+type batchResult struct {
+	Tasks  []rdma.TaskStatus
+	Failed int
+}
+
+// runBatch runs reqs as one batch on eng and waits for every task (at most 10 s): the guard
+// tests look at each task's status, which kvxfer.Transfer folds into one error.
+func runBatch(t *testing.T, ctx context.Context, eng rdma.Engine, reqs []rdma.Request) batchResult {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	b, err := eng.AllocateBatch(len(reqs))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = eng.FreeBatch(b) }()
+	if err := eng.Submit(ctx, b, reqs); err != nil {
+		t.Fatal(err)
+	}
+	st, err := eng.Wait(ctx, b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	res := batchResult{Tasks: st}
+	for _, ts := range st {
+		if ts.State != rdma.TaskCompleted {
+			res.Failed++
+		}
+	}
+	return res
 }

@@ -251,7 +251,9 @@ func (s *Sidecar) RegisterKVPool(_ context.Context, req *kvcv1.RegisterKVPoolReq
 		}
 		// Host memory (pinned with --transport cuda) or GPU memory of this sidecar's device
 		// (--store-memory cuda), shaped like the worker's pool (MHA or MLA).
-		arena, err := store.NewArenaLike(s.eng, s.cfg.StoreMemory, p, pages)
+		shape := p.Shape()
+		shape.PageCount = pages
+		arena, err := store.NewArena(s.eng, s.cfg.StoreMemory, shape)
 		if err != nil {
 			s.mu.Unlock()
 			p.Close()

@@ -15,25 +15,25 @@ const (
 	MemoryCUDA = "cuda" // device memory of the engine's GPU (cuda backend only)
 )
 
-// NewArena allocates a prefill snapshot store of the given geometry and registers it with
-// eng: anonymous host memory (kvxfer.NewArena) for the tcp and mooncake backends; with the cuda
-// backend a shared-memory file (a memfd, reachable by path as /proc/<pid>/fd/<n> to processes
-// of the same user while this one lives) mapped here and registered as one rdma.MemShared
-// region with its path as Location. The cuda engine page-locks and device-maps it, and so does
-// a peer's engine that opens this segment (it maps the file by that path), so a decode
-// sidecar's copy kernel pushes into it one-sided, as into its own pinned memory. The store
-// keeps a CPU view (the HTTP snapshot endpoint reads it). Close unregisters, unmaps and
-// releases it.
-func NewArena(eng rdma.Engine, pageSize int32, itemLen, pageCount int64, layers int32) (*kvxfer.Pool, error) {
-	return newArena(eng, kvxfer.Shape{PageSize: pageSize, ItemLen: itemLen, PageCount: pageCount, NumLayers: layers})
-}
-
-// NewArenaLike allocates a snapshot store of pageCount pages with the shape of a worker's
-// pool (page size, item length, layers, MHA or MLA) in memory (MemoryHost, the default,
-// as NewArena; MemoryCUDA as NewDeviceArena).
-func NewArenaLike(eng rdma.Engine, memory string, like *kvxfer.Pool, pageCount int64) (*kvxfer.Pool, error) {
-	s := like.Shape()
-	s.PageCount = pageCount
+// NewArena allocates a prefill snapshot store of shape s (a worker's pool's shape with the
+// store's page count) in memory and registers it with eng.
+//
+// MemoryHost (the default; any value but MemoryCUDA): anonymous host memory
+// (kvxfer.NewArena) for the tcp and mooncake backends; with the cuda backend a shared-memory
+// file (a memfd, reachable by path as /proc/<pid>/fd/<n> to processes of the same user while
+// this one lives) mapped here and registered as one rdma.MemShared region with its path as
+// Location. The cuda engine page-locks and device-maps it, and so does a peer's engine that
+// opens this segment (it maps the file by that path), so a decode sidecar's copy kernel pushes
+// into it one-sided, as into its own pinned memory. The store keeps a CPU view (the HTTP
+// snapshot endpoint reads it).
+//
+// MemoryCUDA: device memory of the engine's GPU (one AllocDevice allocation per buffer,
+// registered as rdma.MemCUDA, so that peers import it by IPC and write into it over NVLink); it
+// needs the cuda backend. The pool has addresses (Layout) but no CPU view: HostVisible is
+// false, and its bytes are read with a Reader (a copy through the engine).
+//
+// Close unregisters, unmaps and releases it.
+func NewArena(eng rdma.Engine, memory string, s kvxfer.Shape) (*kvxfer.Pool, error) {
 	if memory == MemoryCUDA {
 		return newDeviceArena(eng, s)
 	}
@@ -42,7 +42,7 @@ func NewArenaLike(eng rdma.Engine, memory string, like *kvxfer.Pool, pageCount i
 
 func newArena(eng rdma.Engine, s kvxfer.Shape) (*kvxfer.Pool, error) {
 	if eng.Backend() != "cuda" {
-		arena, err := kvxfer.NewArenaOf(s)
+		arena, err := kvxfer.NewArena(s)
 		if err != nil {
 			return nil, err
 		}

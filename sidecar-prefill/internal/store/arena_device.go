@@ -10,21 +10,13 @@ import (
 	"github.com/kvcentric/kvcentric/pkg/rdma"
 )
 
-// deviceAllocator is the part of the cuda engine (rdma.CUDAEngine) NewDeviceArena needs.
+// deviceAllocator is the part of the cuda engine (rdma.CUDAEngine) NewArena needs (MemoryCUDA).
 type deviceAllocator interface {
 	AllocDevice(n uint64) (uint64, error)
 	FreeMemory(p uint64) error
 }
 
-// NewDeviceArena allocates a prefill snapshot store of the given geometry in device memory
-// of the engine's GPU (one AllocDevice allocation per buffer, registered as rdma.MemCUDA, so
-// that peers import it by IPC and write into it over NVLink) and registers it with eng. The pool
-// has addresses (Layout) but no CPU view: HostVisible is false, and its bytes are read with a
-// Reader (a copy through the engine). It needs the cuda backend. Close unregisters and frees it.
-func NewDeviceArena(eng rdma.Engine, pageSize int32, itemLen, pageCount int64, layers int32) (*kvxfer.Pool, error) {
-	return newDeviceArena(eng, kvxfer.Shape{PageSize: pageSize, ItemLen: itemLen, PageCount: pageCount, NumLayers: layers})
-}
-
+// newDeviceArena is NewArena in device memory (MemoryCUDA).
 func newDeviceArena(eng rdma.Engine, s kvxfer.Shape) (*kvxfer.Pool, error) {
 	alloc, ok := eng.(deviceAllocator)
 	if eng.Backend() != "cuda" || !ok {

@@ -21,9 +21,9 @@ func (e *regEngine) AllocDevice(n uint64) (uint64, error) {
 	return p, err
 }
 
-func TestNewDeviceStoreArena(t *testing.T) {
+func TestNewDeviceArena(t *testing.T) {
 	e := newRegEngine("cuda")
-	p, err := NewDeviceArena(e, 4, 64, 8, 2)
+	p, err := NewArena(e, MemoryCUDA, kvxfer.Shape{PageSize: 4, ItemLen: 64, PageCount: 8, NumLayers: 2})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -54,7 +54,7 @@ func TestNewDeviceStoreArena(t *testing.T) {
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
-			if _, err := NewDeviceArena(c.eng, c.ps, 64, 8, 2); err == nil {
+			if _, err := NewArena(c.eng, MemoryCUDA, kvxfer.Shape{PageSize: c.ps, ItemLen: 64, PageCount: 8, NumLayers: 2}); err == nil {
 				t.Fatal("accepted")
 			}
 			if len(c.eng.regs) != 0 || len(c.eng.pinned) != 0 {
@@ -72,7 +72,7 @@ func TestNewDeviceStoreArena(t *testing.T) {
 // pages and larger than the snapshot.
 func TestReader(t *testing.T) {
 	const ps, tb, pages, layers = 4, 16, 32, 2
-	src, err := kvxfer.NewArena(ps, ps*tb, pages, layers)
+	src, err := kvxfer.NewArena(kvxfer.Shape{PageSize: ps, ItemLen: ps * tb, PageCount: pages, NumLayers: layers})
 	if err != nil {
 		t.Fatal(err)
 	}

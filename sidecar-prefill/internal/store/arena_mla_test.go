@@ -5,7 +5,6 @@ import (
 	"testing"
 
 	"github.com/kvcentric/kvcentric/pkg/kvxfer"
-	"github.com/kvcentric/kvcentric/pkg/rdma"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -25,8 +24,8 @@ func TestMLAPoolCUDAAndStoreArenas(t *testing.T) {
 	if !p.MLA || p.Buffers() != 3 || len(p.Layout().GetBufferAddrs()) != 3 || len(e.regs) != 3 || p.TPString() != "1/2" {
 		t.Fatalf("MLA GPU pool: mla %v, %d buffers, %d addrs, %d regions, tp %s", p.MLA, p.Buffers(), len(p.Layout().GetBufferAddrs()), len(e.regs), p.TPString())
 	}
-	if l, err := rdma.LayoutFromProto(p.Layout()); err != nil || !l.MLA {
-		t.Fatalf("layout of the MLA pool: %+v %v", l, err)
+	if l := p.Layout(); kvxfer.CompatibleLayouts(l, l) != nil || !kvxfer.LayoutIsMLA(l) {
+		t.Fatalf("layout of the MLA pool: %+v %v", l, kvxfer.CompatibleLayouts(l, l))
 	}
 	// MHA kinds under an MLA layout on the cuda path are refused like on the shm path.
 	bad := req
@@ -41,7 +40,9 @@ func TestMLAPoolCUDAAndStoreArenas(t *testing.T) {
 	}{{"host tcp", "tcp", MemoryHost}, {"pinned shared cuda", "cuda", MemoryHost}, {"device", "cuda", MemoryCUDA}} {
 		t.Run(c.name, func(t *testing.T) {
 			se := newRegEngine(c.backend)
-			a, err := NewArenaLike(se, c.memory, p, 16)
+			shape := p.Shape()
+			shape.PageCount = 16
+			a, err := NewArena(se, c.memory, shape)
 			if err != nil {
 				t.Fatal(err)
 			}

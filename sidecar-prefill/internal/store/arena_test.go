@@ -9,14 +9,15 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/kvcentric/kvcentric/pkg/kvpool"
+	"github.com/kvcentric/kvcentric/pkg/kvxfer"
 	"github.com/kvcentric/kvcentric/pkg/rdma"
 )
 
-func TestNewStoreArena(t *testing.T) {
+func TestNewArena(t *testing.T) {
 	for _, backend := range []string{"cuda", "tcp"} {
 		t.Run(backend, func(t *testing.T) {
 			e := newRegEngine(backend)
-			p, err := NewArena(e, 4, 64, 8, 2)
+			p, err := NewArena(e, MemoryHost, kvxfer.Shape{PageSize: 4, ItemLen: 64, PageCount: 8, NumLayers: 2})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -74,12 +75,12 @@ func TestNewStoreArena(t *testing.T) {
 			}
 		})
 	}
-	if _, err := NewArena(newRegEngine("cuda"), 0, 64, 8, 2); status.Code(err) != codes.InvalidArgument {
+	if _, err := NewArena(newRegEngine("cuda"), MemoryHost, kvxfer.Shape{PageSize: 0, ItemLen: 64, PageCount: 8, NumLayers: 2}); status.Code(err) != codes.InvalidArgument {
 		t.Fatalf("bad geometry: %v", err)
 	}
 	e := newRegEngine("cuda")
 	e.failAt = 1
-	if _, err := NewArena(e, 4, 64, 8, 2); err == nil || len(e.pinned) != 0 || len(e.regs) != 0 {
+	if _, err := NewArena(e, MemoryHost, kvxfer.Shape{PageSize: 4, ItemLen: 64, PageCount: 8, NumLayers: 2}); err == nil || len(e.pinned) != 0 || len(e.regs) != 0 {
 		t.Fatalf("failed registration: %v, %d pinned, %d regions left", err, len(e.pinned), len(e.regs))
 	}
 }
