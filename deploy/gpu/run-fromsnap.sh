@@ -33,8 +33,9 @@
 #   KVC_FS_SESSIONS [5]           sessions per fromsnap phase (rehome: KVC_FS_REHOME_SESSIONS [6])
 #   KVC_FS_SPACING [12s]          session i starts at i x this (no two timed turns overlap)
 #   KVC_REAL_MODEL [qwen3-8b-shape]   KVC_REAL_DEVICES [cuda:0..]   KVC_REAL_SIDECAR_ARGS [--transport cuda]
-#   KVC_FS_DECODE_CAPACITY [100000]   KV tokens per decode worker (no eviction in these runs)
-#   KVC_FS_STORE_BYTES [40 GiB]   KVC_FS_STORE_MEMORY [host]
+#   KVC_FS_DECODE_CAPACITY [60000]    KV tokens per decode worker's pool; the sidecars advertise 3x it,
+#                                     so the worker's LRU evicts finished sessions (no turn waits)
+#   KVC_FS_STORE_BYTES [28 GiB]   KVC_FS_STORE_MEMORY [host]
 #   KVC_REAL_VERIFY [1]           KVC_PYTHON [python3]  KVC_BIN_DIR [bin/real]  OUT [out/fromsnap]
 # For a CPU dry run: KVC_REAL_MODEL=tiny KVC_REAL_DEVICES=cpu KVC_REAL_SIDECAR_ARGS="--transport tcp"
 #   KVC_FS_PHASES="fromsnap:512 limit rehome report" with small KVC_FS_TAIL (deploy/gpu/dry-fromsnap.sh).
@@ -47,8 +48,8 @@ MODEL=${KVC_REAL_MODEL:-qwen3-8b-shape}
 PHASES=${KVC_FS_PHASES:-fromsnap:16384 fromsnap:32768 limit rehome report}
 TAIL=${KVC_FS_TAIL:-9216}
 SIDECAR_ARGS=${KVC_REAL_SIDECAR_ARGS:---transport cuda}
-DCAP=${KVC_FS_DECODE_CAPACITY:-100000}
-STORE="--store-capacity-bytes ${KVC_FS_STORE_BYTES:-42949672960} --store-memory ${KVC_FS_STORE_MEMORY:-host}"
+DCAP=${KVC_FS_DECODE_CAPACITY:-60000}
+STORE="--store-capacity-bytes ${KVC_FS_STORE_BYTES:-30064771072} --store-memory ${KVC_FS_STORE_MEMORY:-host}"
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/run-fromsnap.log") 2>&1
 
@@ -84,7 +85,8 @@ bench() { # out-dir extra-flags...
 	"$BIN/kvc-bench" --local --bin-dir "$BIN" --arms E3,E4 --out "$out" \
 		--worker-kind refworker --refworker-python "$PY" --refworker-devices "$KVC_REAL_DEVICES" \
 		--refworker-args "$REFARGS" --sidecar-args "$SIDECAR_ARGS" --decode 2 \
-		--decode-capacity-tokens "$DCAP" --prefill-capacity-tokens "${KVC_FS_PREFILL_CAPACITY:-65536}" \
+		--decode-capacity-tokens "$DCAP" --decode-advertised-tokens $((3 * DCAP)) \
+		--prefill-capacity-tokens "${KVC_FS_PREFILL_CAPACITY:-49152}" \
 		--prefill-sidecar-args "$STORE" --edit-prob 0 --long-think-prob 0 --time-scale 1 \
 		--request-timeout 900s "$@" || echo "kvc-bench exited $?"
 }
@@ -103,7 +105,7 @@ for phase in $PHASES; do
 		;;
 	limit)
 		# The lengths the fromsnap phases loaded (their median loaded prefix and computed tail).
-		NOMINAL=$(tr ' ' '\n' <<<"$PHASES" | sed -n 's/^fromsnap://p' | paste -sd, -)
+		NOMINAL=$({ tr ' ' '\n' <<<"$PHASES" | sed -n 's/^fromsnap://p'; ls -d "$OUT"/fromsnap-* 2>/dev/null | sed 's/.*fromsnap-//'; } | sort -nu | paste -sd, -)
 		read -r PREFIXES TAILS < <("$PY" deploy/gpu/fromsnap_report.py --lengths "$OUT" "$TAIL" "${NOMINAL:-16384,32768}")
 		set -x
 		"$PY" -m kvc_refworker.limit --model "$MODEL" --device "$DEV0" --prefix "$PREFIXES" --tail "$TAILS" \

@@ -785,7 +785,8 @@ class Worker:
 class Verifier:
     """Recompute from scratch, in the same worker, and compare.
 
-    The reference: one full prefill of the prompt in a fresh cache (the computation P does),
+    The reference: one full prefill of the prompt in a fresh cache (the computation P does; after
+    P's prefill from the snapshot, the prefix's prefill and then the tail's on it, as P split it),
     then the served turn's decode steps, teacher-forced on the tokens it placed (so both paths
     see the same context). Compared per step: the logits (max |diff|) and the greedy token.
     Tolerance:
@@ -801,12 +802,27 @@ class Verifier:
     def __init__(self, w: Worker):
         self.w = w
 
+    def prefill_split(self, p: Plan) -> int:
+        """Where P's prefill from the snapshot split the prompt (Worker._load_prefix: the load cut
+        to whole pages, at least the last token computed); 0 when P prefilled all of it."""
+        ps = self.w.pool.page_size
+        return max(0, min(p.load_prefix, p.input - 1) // ps * ps) if p.load_prefix else 0
+
     def check(self, t: Turn) -> Dict:
         w, p = self.w, t.p
         atol = w.cfg.atol
         t0 = time.monotonic()
         until = t0 + w.gpu.max_defer_s  # the check as a whole yields to served requests this long at most
-        ref_logits, cache = w._forward(t.ids, M.new_cache(w.model), low=True, defer_until=until)
+        split = self.prefill_split(p)
+        if split:
+            # P prefilled from the snapshot: [0, split) was loaded, [split, input) computed on it.
+            # The reference computes the same two parts from the token ids (the prefix from
+            # scratch, then the tail on it), so that a stale or misplaced loaded page shows while
+            # the order of 16-bit arithmetic over a long context does not.
+            _, cache = w._forward(t.ids[:split], M.new_cache(w.model), low=True, defer_until=until)
+            ref_logits, cache = w._forward(t.ids[split:], cache, low=True, defer_until=until)
+        else:
+            ref_logits, cache = w._forward(t.ids, M.new_cache(w.model), low=True, defer_until=until)
         refs = [ref_logits]
         for tok in t.fed[:len(t.logits) - 1]:
             lg, cache = w._forward([tok], cache, low=True, defer_until=until)
