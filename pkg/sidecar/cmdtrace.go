@@ -32,6 +32,10 @@ func commandAction(cmd *kvcv1.Command) (action, session, decision string) {
 	switch a := cmd.GetAction().(type) {
 	case *kvcv1.Command_SetSnapshotTarget:
 		return "set_snapshot_target", a.SetSnapshotTarget.GetSessionId(), ""
+	case *kvcv1.Command_SetSessionHints:
+		return "set_session_hints", a.SetSessionHints.GetSessionId(), ""
+	case *kvcv1.Command_LoadSession:
+		return "load_session", a.LoadSession.GetSessionId(), a.LoadSession.GetDecisionId()
 	case *kvcv1.Command_ReleaseSession:
 		return "release_session", a.ReleaseSession.GetSessionId(), ""
 	case *kvcv1.Command_PushSnapshot:

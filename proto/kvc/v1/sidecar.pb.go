@@ -1146,6 +1146,7 @@ type Command struct {
 	//	*Command_Drain
 	//	*Command_UpdatePolicy
 	//	*Command_LoadSession
+	//	*Command_SetSessionHints
 	Action isCommand_Action `protobuf_oneof:"action"`
 	// W3C Trace Context of the control plane's span this command is part of (the routing
 	// decision it follows from); empty when none. The sidecar's span for the command is its child.
@@ -1259,6 +1260,15 @@ func (x *Command) GetLoadSession() *LoadSessionCommand {
 	return nil
 }
 
+func (x *Command) GetSetSessionHints() *SetSessionHintsCommand {
+	if x != nil {
+		if x, ok := x.Action.(*Command_SetSessionHints); ok {
+			return x.SetSessionHints
+		}
+	}
+	return nil
+}
+
 func (x *Command) GetTraceparent() string {
 	if x != nil {
 		return x.Traceparent
@@ -1294,6 +1304,10 @@ type Command_LoadSession struct {
 	LoadSession *LoadSessionCommand `protobuf:"bytes,9,opt,name=load_session,json=loadSession,proto3,oneof"`
 }
 
+type Command_SetSessionHints struct {
+	SetSessionHints *SetSessionHintsCommand `protobuf:"bytes,10,opt,name=set_session_hints,json=setSessionHints,proto3,oneof"`
+}
+
 func (*Command_SetSnapshotTarget) isCommand_Action() {}
 
 func (*Command_ReleaseSession) isCommand_Action() {}
@@ -1305,6 +1319,8 @@ func (*Command_Drain) isCommand_Action() {}
 func (*Command_UpdatePolicy) isCommand_Action() {}
 
 func (*Command_LoadSession) isCommand_Action() {}
+
+func (*Command_SetSessionHints) isCommand_Action() {}
 
 // SetSnapshotTargetCommand tells a decode sidecar which prefill sidecar keeps a session's snapshot.
 // An empty prefill_worker_id stops snapshot pushes for the session.
@@ -1325,9 +1341,10 @@ type SetSnapshotTargetCommand struct {
 	// (the first push is a full one).
 	ValidBaseLen   int64  `protobuf:"varint,6,opt,name=valid_base_len,json=validBaseLen,proto3" json:"valid_base_len,omitempty"`
 	BaseGeneration uint64 `protobuf:"varint,7,opt,name=base_generation,json=baseGeneration,proto3" json:"base_generation,omitempty"`
-	// Agent hints (SessionRecord): the capacity release never picks the session before this time
-	// (0 = not pinned), and picks a low-priority session before any other. Re-sent when a turn
-	// changes them.
+	// Agent hints, as control planes before SetSessionHintsCommand sent them: a decode sidecar
+	// takes non-zero values as the session's hints (SetSessionHintsCommand), and zero values
+	// leave them as they are. Today's control plane leaves both unset and sends the hints on
+	// their own command, so that a re-target (a drain, a resync) never drops a pin.
 	PinnedUntilUnixMs int64 `protobuf:"varint,8,opt,name=pinned_until_unix_ms,json=pinnedUntilUnixMs,proto3" json:"pinned_until_unix_ms,omitempty"`
 	LowPriority       bool  `protobuf:"varint,9,opt,name=low_priority,json=lowPriority,proto3" json:"low_priority,omitempty"`
 	unknownFields     protoimpl.UnknownFields
@@ -1427,6 +1444,72 @@ func (x *SetSnapshotTargetCommand) GetLowPriority() bool {
 	return false
 }
 
+// SetSessionHintsCommand tells a decode sidecar a session's agent hints (SessionRecord): the
+// capacity release never picks the session before pinned_until_unix_ms (0 = not pinned), and
+// picks a low-priority session before any other. Sent when a turn changes them, when the
+// session becomes resident on the worker and at a resync; the sidecar keeps them, for a
+// session it has not committed yet too, until the next SetSessionHintsCommand or the session's
+// release. Independent of the snapshot target (SetSnapshotTargetCommand).
+type SetSessionHintsCommand struct {
+	state             protoimpl.MessageState `protogen:"open.v1"`
+	SessionId         string                 `protobuf:"bytes,1,opt,name=session_id,json=sessionId,proto3" json:"session_id,omitempty"`
+	PinnedUntilUnixMs int64                  `protobuf:"varint,2,opt,name=pinned_until_unix_ms,json=pinnedUntilUnixMs,proto3" json:"pinned_until_unix_ms,omitempty"`
+	LowPriority       bool                   `protobuf:"varint,3,opt,name=low_priority,json=lowPriority,proto3" json:"low_priority,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
+}
+
+func (x *SetSessionHintsCommand) Reset() {
+	*x = SetSessionHintsCommand{}
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[13]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SetSessionHintsCommand) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SetSessionHintsCommand) ProtoMessage() {}
+
+func (x *SetSessionHintsCommand) ProtoReflect() protoreflect.Message {
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[13]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SetSessionHintsCommand.ProtoReflect.Descriptor instead.
+func (*SetSessionHintsCommand) Descriptor() ([]byte, []int) {
+	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{13}
+}
+
+func (x *SetSessionHintsCommand) GetSessionId() string {
+	if x != nil {
+		return x.SessionId
+	}
+	return ""
+}
+
+func (x *SetSessionHintsCommand) GetPinnedUntilUnixMs() int64 {
+	if x != nil {
+		return x.PinnedUntilUnixMs
+	}
+	return 0
+}
+
+func (x *SetSessionHintsCommand) GetLowPriority() bool {
+	if x != nil {
+		return x.LowPriority
+	}
+	return false
+}
+
 // ReleaseSessionCommand asks a decode sidecar to stop tracking (and pushing) a session.
 type ReleaseSessionCommand struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
@@ -1438,7 +1521,7 @@ type ReleaseSessionCommand struct {
 
 func (x *ReleaseSessionCommand) Reset() {
 	*x = ReleaseSessionCommand{}
-	mi := &file_kvc_v1_sidecar_proto_msgTypes[13]
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1450,7 +1533,7 @@ func (x *ReleaseSessionCommand) String() string {
 func (*ReleaseSessionCommand) ProtoMessage() {}
 
 func (x *ReleaseSessionCommand) ProtoReflect() protoreflect.Message {
-	mi := &file_kvc_v1_sidecar_proto_msgTypes[13]
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1463,7 +1546,7 @@ func (x *ReleaseSessionCommand) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReleaseSessionCommand.ProtoReflect.Descriptor instead.
 func (*ReleaseSessionCommand) Descriptor() ([]byte, []int) {
-	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{13}
+	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *ReleaseSessionCommand) GetSessionId() string {
@@ -1498,7 +1581,7 @@ type PushSnapshotCommand struct {
 
 func (x *PushSnapshotCommand) Reset() {
 	*x = PushSnapshotCommand{}
-	mi := &file_kvc_v1_sidecar_proto_msgTypes[14]
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1510,7 +1593,7 @@ func (x *PushSnapshotCommand) String() string {
 func (*PushSnapshotCommand) ProtoMessage() {}
 
 func (x *PushSnapshotCommand) ProtoReflect() protoreflect.Message {
-	mi := &file_kvc_v1_sidecar_proto_msgTypes[14]
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1523,7 +1606,7 @@ func (x *PushSnapshotCommand) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PushSnapshotCommand.ProtoReflect.Descriptor instead.
 func (*PushSnapshotCommand) Descriptor() ([]byte, []int) {
-	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{14}
+	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *PushSnapshotCommand) GetSessionId() string {
@@ -1606,7 +1689,7 @@ type LoadSessionCommand struct {
 
 func (x *LoadSessionCommand) Reset() {
 	*x = LoadSessionCommand{}
-	mi := &file_kvc_v1_sidecar_proto_msgTypes[15]
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1618,7 +1701,7 @@ func (x *LoadSessionCommand) String() string {
 func (*LoadSessionCommand) ProtoMessage() {}
 
 func (x *LoadSessionCommand) ProtoReflect() protoreflect.Message {
-	mi := &file_kvc_v1_sidecar_proto_msgTypes[15]
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1631,7 +1714,7 @@ func (x *LoadSessionCommand) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LoadSessionCommand.ProtoReflect.Descriptor instead.
 func (*LoadSessionCommand) Descriptor() ([]byte, []int) {
-	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{15}
+	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *LoadSessionCommand) GetSessionId() string {
@@ -1699,7 +1782,7 @@ type DrainCommand struct {
 
 func (x *DrainCommand) Reset() {
 	*x = DrainCommand{}
-	mi := &file_kvc_v1_sidecar_proto_msgTypes[16]
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1711,7 +1794,7 @@ func (x *DrainCommand) String() string {
 func (*DrainCommand) ProtoMessage() {}
 
 func (x *DrainCommand) ProtoReflect() protoreflect.Message {
-	mi := &file_kvc_v1_sidecar_proto_msgTypes[16]
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1724,7 +1807,7 @@ func (x *DrainCommand) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DrainCommand.ProtoReflect.Descriptor instead.
 func (*DrainCommand) Descriptor() ([]byte, []int) {
-	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{16}
+	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *DrainCommand) GetDraining() bool {
@@ -1743,7 +1826,7 @@ type UpdatePolicyCommand struct {
 
 func (x *UpdatePolicyCommand) Reset() {
 	*x = UpdatePolicyCommand{}
-	mi := &file_kvc_v1_sidecar_proto_msgTypes[17]
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1755,7 +1838,7 @@ func (x *UpdatePolicyCommand) String() string {
 func (*UpdatePolicyCommand) ProtoMessage() {}
 
 func (x *UpdatePolicyCommand) ProtoReflect() protoreflect.Message {
-	mi := &file_kvc_v1_sidecar_proto_msgTypes[17]
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1768,7 +1851,7 @@ func (x *UpdatePolicyCommand) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UpdatePolicyCommand.ProtoReflect.Descriptor instead.
 func (*UpdatePolicyCommand) Descriptor() ([]byte, []int) {
-	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{17}
+	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *UpdatePolicyCommand) GetPolicy() *Policy {
@@ -1790,7 +1873,7 @@ type LeaderHint struct {
 
 func (x *LeaderHint) Reset() {
 	*x = LeaderHint{}
-	mi := &file_kvc_v1_sidecar_proto_msgTypes[18]
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1802,7 +1885,7 @@ func (x *LeaderHint) String() string {
 func (*LeaderHint) ProtoMessage() {}
 
 func (x *LeaderHint) ProtoReflect() protoreflect.Message {
-	mi := &file_kvc_v1_sidecar_proto_msgTypes[18]
+	mi := &file_kvc_v1_sidecar_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1815,7 +1898,7 @@ func (x *LeaderHint) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LeaderHint.ProtoReflect.Descriptor instead.
 func (*LeaderHint) Descriptor() ([]byte, []int) {
-	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{18}
+	return file_kvc_v1_sidecar_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *LeaderHint) GetLeaderId() string {
@@ -1933,7 +2016,7 @@ const file_kvc_v1_sidecar_proto_rawDesc = "" +
 	"\tleader_id\x18\x02 \x01(\tR\bleaderId\x12&\n" +
 	"\x06policy\x18\x03 \x01(\v2\x0e.kvc.v1.PolicyR\x06policy\x12\x1f\n" +
 	"\vleader_addr\x18\x04 \x01(\tR\n" +
-	"leaderAddr\"\xff\x03\n" +
+	"leaderAddr\"\xcd\x04\n" +
 	"\aCommand\x12\x1d\n" +
 	"\n" +
 	"command_id\x18\x01 \x01(\x04R\tcommandId\x12\x14\n" +
@@ -1943,7 +2026,9 @@ const file_kvc_v1_sidecar_proto_rawDesc = "" +
 	"\rpush_snapshot\x18\x05 \x01(\v2\x1b.kvc.v1.PushSnapshotCommandH\x00R\fpushSnapshot\x12,\n" +
 	"\x05drain\x18\x06 \x01(\v2\x14.kvc.v1.DrainCommandH\x00R\x05drain\x12B\n" +
 	"\rupdate_policy\x18\a \x01(\v2\x1b.kvc.v1.UpdatePolicyCommandH\x00R\fupdatePolicy\x12?\n" +
-	"\fload_session\x18\t \x01(\v2\x1a.kvc.v1.LoadSessionCommandH\x00R\vloadSession\x12 \n" +
+	"\fload_session\x18\t \x01(\v2\x1a.kvc.v1.LoadSessionCommandH\x00R\vloadSession\x12L\n" +
+	"\x11set_session_hints\x18\n" +
+	" \x01(\v2\x1e.kvc.v1.SetSessionHintsCommandH\x00R\x0fsetSessionHints\x12 \n" +
 	"\vtraceparent\x18\b \x01(\tR\vtraceparentB\b\n" +
 	"\x06action\"\xf2\x02\n" +
 	"\x18SetSnapshotTargetCommand\x12\x1d\n" +
@@ -1958,7 +2043,12 @@ const file_kvc_v1_sidecar_proto_rawDesc = "" +
 	"\x0evalid_base_len\x18\x06 \x01(\x03R\fvalidBaseLen\x12'\n" +
 	"\x0fbase_generation\x18\a \x01(\x04R\x0ebaseGeneration\x12/\n" +
 	"\x14pinned_until_unix_ms\x18\b \x01(\x03R\x11pinnedUntilUnixMs\x12!\n" +
-	"\flow_priority\x18\t \x01(\bR\vlowPriority\"N\n" +
+	"\flow_priority\x18\t \x01(\bR\vlowPriority\"\x8b\x01\n" +
+	"\x16SetSessionHintsCommand\x12\x1d\n" +
+	"\n" +
+	"session_id\x18\x01 \x01(\tR\tsessionId\x12/\n" +
+	"\x14pinned_until_unix_ms\x18\x02 \x01(\x03R\x11pinnedUntilUnixMs\x12!\n" +
+	"\flow_priority\x18\x03 \x01(\bR\vlowPriority\"N\n" +
 	"\x15ReleaseSessionCommand\x12\x1d\n" +
 	"\n" +
 	"session_id\x18\x01 \x01(\tR\tsessionId\x12\x16\n" +
@@ -2030,7 +2120,7 @@ func file_kvc_v1_sidecar_proto_rawDescGZIP() []byte {
 }
 
 var file_kvc_v1_sidecar_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_kvc_v1_sidecar_proto_msgTypes = make([]protoimpl.MessageInfo, 19)
+var file_kvc_v1_sidecar_proto_msgTypes = make([]protoimpl.MessageInfo, 20)
 var file_kvc_v1_sidecar_proto_goTypes = []any{
 	(TPErrorReason)(0),               // 0: kvc.v1.TPErrorReason
 	(SessionEventKind)(0),            // 1: kvc.v1.SessionEventKind
@@ -2047,15 +2137,16 @@ var file_kvc_v1_sidecar_proto_goTypes = []any{
 	(*Welcome)(nil),                  // 12: kvc.v1.Welcome
 	(*Command)(nil),                  // 13: kvc.v1.Command
 	(*SetSnapshotTargetCommand)(nil), // 14: kvc.v1.SetSnapshotTargetCommand
-	(*ReleaseSessionCommand)(nil),    // 15: kvc.v1.ReleaseSessionCommand
-	(*PushSnapshotCommand)(nil),      // 16: kvc.v1.PushSnapshotCommand
-	(*LoadSessionCommand)(nil),       // 17: kvc.v1.LoadSessionCommand
-	(*DrainCommand)(nil),             // 18: kvc.v1.DrainCommand
-	(*UpdatePolicyCommand)(nil),      // 19: kvc.v1.UpdatePolicyCommand
-	(*LeaderHint)(nil),               // 20: kvc.v1.LeaderHint
-	(WorkerRole)(0),                  // 21: kvc.v1.WorkerRole
-	(*WorkerLoad)(nil),               // 22: kvc.v1.WorkerLoad
-	(*Policy)(nil),                   // 23: kvc.v1.Policy
+	(*SetSessionHintsCommand)(nil),   // 15: kvc.v1.SetSessionHintsCommand
+	(*ReleaseSessionCommand)(nil),    // 16: kvc.v1.ReleaseSessionCommand
+	(*PushSnapshotCommand)(nil),      // 17: kvc.v1.PushSnapshotCommand
+	(*LoadSessionCommand)(nil),       // 18: kvc.v1.LoadSessionCommand
+	(*DrainCommand)(nil),             // 19: kvc.v1.DrainCommand
+	(*UpdatePolicyCommand)(nil),      // 20: kvc.v1.UpdatePolicyCommand
+	(*LeaderHint)(nil),               // 21: kvc.v1.LeaderHint
+	(WorkerRole)(0),                  // 22: kvc.v1.WorkerRole
+	(*WorkerLoad)(nil),               // 23: kvc.v1.WorkerLoad
+	(*Policy)(nil),                   // 24: kvc.v1.Policy
 }
 var file_kvc_v1_sidecar_proto_depIdxs = []int32{
 	3,  // 0: kvc.v1.ConnectRequest.hello:type_name -> kvc.v1.Hello
@@ -2063,29 +2154,30 @@ var file_kvc_v1_sidecar_proto_depIdxs = []int32{
 	8,  // 2: kvc.v1.ConnectRequest.resident_sessions:type_name -> kvc.v1.ResidentSessions
 	9,  // 3: kvc.v1.ConnectRequest.session_event:type_name -> kvc.v1.SessionEvent
 	10, // 4: kvc.v1.ConnectRequest.ack:type_name -> kvc.v1.CommandAck
-	21, // 5: kvc.v1.Hello.role:type_name -> kvc.v1.WorkerRole
+	22, // 5: kvc.v1.Hello.role:type_name -> kvc.v1.WorkerRole
 	0,  // 6: kvc.v1.TPError.reason:type_name -> kvc.v1.TPErrorReason
-	22, // 7: kvc.v1.LoadReport.load:type_name -> kvc.v1.WorkerLoad
+	23, // 7: kvc.v1.LoadReport.load:type_name -> kvc.v1.WorkerLoad
 	6,  // 8: kvc.v1.ResidentSessions.sessions:type_name -> kvc.v1.ResidentSession
 	7,  // 9: kvc.v1.ResidentSessions.snapshots:type_name -> kvc.v1.SnapshotHeld
 	1,  // 10: kvc.v1.SessionEvent.kind:type_name -> kvc.v1.SessionEventKind
 	12, // 11: kvc.v1.ConnectResponse.welcome:type_name -> kvc.v1.Welcome
 	13, // 12: kvc.v1.ConnectResponse.command:type_name -> kvc.v1.Command
-	23, // 13: kvc.v1.Welcome.policy:type_name -> kvc.v1.Policy
+	24, // 13: kvc.v1.Welcome.policy:type_name -> kvc.v1.Policy
 	14, // 14: kvc.v1.Command.set_snapshot_target:type_name -> kvc.v1.SetSnapshotTargetCommand
-	15, // 15: kvc.v1.Command.release_session:type_name -> kvc.v1.ReleaseSessionCommand
-	16, // 16: kvc.v1.Command.push_snapshot:type_name -> kvc.v1.PushSnapshotCommand
-	18, // 17: kvc.v1.Command.drain:type_name -> kvc.v1.DrainCommand
-	19, // 18: kvc.v1.Command.update_policy:type_name -> kvc.v1.UpdatePolicyCommand
-	17, // 19: kvc.v1.Command.load_session:type_name -> kvc.v1.LoadSessionCommand
-	23, // 20: kvc.v1.UpdatePolicyCommand.policy:type_name -> kvc.v1.Policy
-	2,  // 21: kvc.v1.SidecarService.Connect:input_type -> kvc.v1.ConnectRequest
-	11, // 22: kvc.v1.SidecarService.Connect:output_type -> kvc.v1.ConnectResponse
-	22, // [22:23] is the sub-list for method output_type
-	21, // [21:22] is the sub-list for method input_type
-	21, // [21:21] is the sub-list for extension type_name
-	21, // [21:21] is the sub-list for extension extendee
-	0,  // [0:21] is the sub-list for field type_name
+	16, // 15: kvc.v1.Command.release_session:type_name -> kvc.v1.ReleaseSessionCommand
+	17, // 16: kvc.v1.Command.push_snapshot:type_name -> kvc.v1.PushSnapshotCommand
+	19, // 17: kvc.v1.Command.drain:type_name -> kvc.v1.DrainCommand
+	20, // 18: kvc.v1.Command.update_policy:type_name -> kvc.v1.UpdatePolicyCommand
+	18, // 19: kvc.v1.Command.load_session:type_name -> kvc.v1.LoadSessionCommand
+	15, // 20: kvc.v1.Command.set_session_hints:type_name -> kvc.v1.SetSessionHintsCommand
+	24, // 21: kvc.v1.UpdatePolicyCommand.policy:type_name -> kvc.v1.Policy
+	2,  // 22: kvc.v1.SidecarService.Connect:input_type -> kvc.v1.ConnectRequest
+	11, // 23: kvc.v1.SidecarService.Connect:output_type -> kvc.v1.ConnectResponse
+	23, // [23:24] is the sub-list for method output_type
+	22, // [22:23] is the sub-list for method input_type
+	22, // [22:22] is the sub-list for extension type_name
+	22, // [22:22] is the sub-list for extension extendee
+	0,  // [0:22] is the sub-list for field type_name
 }
 
 func init() { file_kvc_v1_sidecar_proto_init() }
@@ -2112,6 +2204,7 @@ func file_kvc_v1_sidecar_proto_init() {
 		(*Command_Drain)(nil),
 		(*Command_UpdatePolicy)(nil),
 		(*Command_LoadSession)(nil),
+		(*Command_SetSessionHints)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
@@ -2119,7 +2212,7 @@ func file_kvc_v1_sidecar_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvc_v1_sidecar_proto_rawDesc), len(file_kvc_v1_sidecar_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   19,
+			NumMessages:   20,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

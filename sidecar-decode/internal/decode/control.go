@@ -90,11 +90,14 @@ func (s *Sidecar) Policy(p *kvcv1.Policy) {
 	}
 }
 
-// Apply carries out SetSnapshotTarget, ReleaseSession, Drain and LoadSession commands.
+// Apply carries out SetSnapshotTarget, SetSessionHints, ReleaseSession, Drain and LoadSession
+// commands.
 func (s *Sidecar) Apply(ctx context.Context, cmd *kvcv1.Command) error {
 	switch a := cmd.GetAction().(type) {
 	case *kvcv1.Command_SetSnapshotTarget:
 		return s.setTarget(a.SetSnapshotTarget)
+	case *kvcv1.Command_SetSessionHints:
+		return s.setHints(a.SetSessionHints)
 	case *kvcv1.Command_ReleaseSession:
 		id := a.ReleaseSession.GetSessionId()
 		if id == "" {
@@ -153,6 +156,13 @@ func (s *Sidecar) setTarget(t *kvcv1.SetSnapshotTargetCommand) error {
 	id := t.GetSessionId()
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if h := (hints{untilMs: t.GetPinnedUntilUnixMs(), low: t.GetLowPriority()}); h != (hints{}) {
+		// An earlier control plane's hints, carried on the target (hints.go): zero values
+		// leave the session's hints as they are.
+		if err := s.setHintsLocked(id, h); err != nil {
+			return err
+		}
+	}
 	ss, ok := s.sessions[id]
 	if t.GetPrefillWorkerId() == "" { // stop pushes
 		delete(s.targets, id)

@@ -32,6 +32,7 @@ func (s *Sidecar) dropAll(detail string) int {
 		ids = append(ids, id)
 	}
 	clear(s.targets)
+	clear(s.hints)
 	for id, r := range s.rooms {
 		if r.res == nil {
 			r.res = &kvcv1.TransferDoneRequest{Room: id, Error: detail}

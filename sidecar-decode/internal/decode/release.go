@@ -83,10 +83,10 @@ func (s *Sidecar) releasableLocked(ss *session) bool {
 	return true
 }
 
-// pinnedAt reports whether an agent's pin (SetSnapshotTargetCommand.pinned_until_unix_ms)
-// still holds at now.
+// pinnedAt reports whether an agent's pin (SetSessionHintsCommand.pinned_until_unix_ms) still
+// holds at now.
 func pinnedAt(ss *session, now time.Time) bool {
-	return ss.target.GetPinnedUntilUnixMs() > now.UnixMilli()
+	return ss.hints.untilMs > now.UnixMilli()
 }
 
 // capacityLocked is the pool's capacity in tokens (the --kv-capacity-tokens override wins).
@@ -174,7 +174,7 @@ func (s *Sidecar) Demand() DemandStats {
 
 // planReleaseLocked picks, when the pool is above the high watermark, the idle sessions that
 // bring it down to the low watermark, lowest priority first. Rank: the agent's low-priority
-// hint (SetSnapshotTargetCommand.low_priority: those first), then idle time (whole seconds
+// hint (SetSessionHintsCommand.low_priority: those first), then idle time (whole seconds
 // since the last commit, longest first), then size (committed tokens, largest first), then
 // session id; sessions idle less than MinIdle, pinned (an agent hint: pinned_until_unix_ms
 // still ahead of now — its agent waits on a tool and comes back) or not releasable
@@ -217,7 +217,7 @@ func (s *Sidecar) planReleaseLocked(now time.Time) ReleasePlan {
 		if idle < s.rel.cfg.MinIdle || !s.releasableLocked(ss) || pinnedAt(ss, now) || inUseAt(ss, now) {
 			continue
 		}
-		cands = append(cands, cand{ss, int64(idle / time.Second), ss.target.GetLowPriority()})
+		cands = append(cands, cand{ss, int64(idle / time.Second), ss.hints.low})
 	}
 	slices.SortFunc(cands, func(a, b cand) int {
 		if a.low != b.low {

@@ -79,6 +79,7 @@ type Sidecar struct {
 	pool     *kvxfer.Pool
 	sessions map[string]*session
 	targets  map[string]*kvcv1.SetSnapshotTargetCommand // targets named before the first commit
+	hints    map[string]hints                           // agent hints named before the first commit (hints.go)
 	// dropped: sessions the control plane told us to stop tracking while the worker may still
 	// hold them; the worker's later ReleaseSession of one is answered OK, not NOT_FOUND.
 	dropped  map[string]struct{}
@@ -108,6 +109,7 @@ type session struct {
 	pages      []int64
 	gen        uint64
 	target     *kvcv1.SetSnapshotTargetCommand
+	hints      hints // the agent's pin and priority (SetSessionHintsCommand, hints.go)
 	lastPushed int64
 	retagFrom  uint64 // ≠ 0: [0, lastPushed) is the target store's snapshot of this generation (a reseed's valid base): the next push re-tags it
 	failedLen  int64  // committed length whose push failed (retried once); wait for a newer commit
@@ -152,7 +154,7 @@ func New(cfg Config, eng rdma.Engine, ev *sidecar.EventLog, log zerolog.Logger) 
 		cfg.RoomTimeout = 120 * time.Second
 	}
 	s := &Sidecar{cfg: cfg, log: log, ev: ev, eng: eng, segs: kvxfer.NewSegments(eng), peers: kvxfer.NewPeers(cfg.PeerDial...), rep: nopReporter{},
-		sessions: map[string]*session{}, targets: map[string]*kvcv1.SetSnapshotTargetCommand{},
+		sessions: map[string]*session{}, targets: map[string]*kvcv1.SetSnapshotTargetCommand{}, hints: map[string]hints{},
 		rooms: map[int64]*recvRoom{}, dropped: map[string]struct{}{}, delta: cfg.DeltaTokens, enabled: true, wake: make(chan struct{}, 1)}
 	s.att = sidecar.NewAttach(s.attachState, log.With().Str("part", "attach").Logger())
 	s.rel = newReleaser(cfg.Release)
@@ -392,6 +394,10 @@ func (s *Sidecar) CommitSession(_ context.Context, req *kvcv1.CommitSessionReque
 		ss.target, ss.gen = t, t.GetGeneration()
 		ss.validBaseLocked(t)
 	}
+	if h, pending := s.hints[ss.id]; pending && !ok { // hints that came before the first commit
+		delete(s.hints, ss.id)
+		ss.hints = h
+	}
 	ss.pages = append(ss.pages[:0:0], req.GetPages()...)
 	ss.lastCommit = time.Now()
 	enq := s.maybeEnqueueLocked(ss)
@@ -436,6 +442,7 @@ func (s *Sidecar) ReleaseSession(_ context.Context, req *kvcv1.ReleaseSessionReq
 func (s *Sidecar) drop(id string) (*session, bool, bool) {
 	s.mu.Lock()
 	delete(s.targets, id)
+	delete(s.hints, id)
 	ss, ok := s.sessions[id]
 	if !ok {
 		s.mu.Unlock()
