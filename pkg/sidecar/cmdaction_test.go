@@ -10,7 +10,7 @@ import (
 // action, with its session and decision.
 func TestCommandAction(t *testing.T) {
 	tests := []struct {
-		cmd                         *kvcv1.Command
+		cmd                       *kvcv1.Command
 		action, session, decision string
 	}{
 		{&kvcv1.Command{Action: &kvcv1.Command_SetSnapshotTarget{SetSnapshotTarget: &kvcv1.SetSnapshotTargetCommand{SessionId: "s"}}}, "set_snapshot_target", "s", ""},
