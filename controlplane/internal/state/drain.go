@@ -272,15 +272,16 @@ func (s *State) targetSnapshotLocked(e *workerEntry, rec *kvcv1.SessionRecord, o
 	}
 	op.targeted[sid] = struct{}{}
 	cur := rec.GetSnapshot().GetPrefillWorker()
-	p := policy.SnapshotTargetTP(ws, cur, tpSize(e.w))
+	t, p := policy.TargetCommand(ws, policy.Target{Session: sid, Generation: rec.GetGeneration(), Current: cur, TP: tpSize(e.w)})
 	if p == nil || p.GetWorkerId() == cur {
 		return // the sidecar already pushes there; its next push catches up (or the wait runs out)
 	}
-	cmd := &kvcv1.Command{Action: &kvcv1.Command_SetSnapshotTarget{SetSnapshotTarget: &kvcv1.SetSnapshotTargetCommand{
-		SessionId: sid, PrefillWorkerId: p.GetWorkerId(), PeerAddr: p.GetPeerAddr(),
-		TransferEndpoint: p.GetTransferEndpoint(), Generation: rec.GetGeneration(),
-	}}}
-	_ = s.sendUnitLocked(id, cmd)
+	// The session's agent hints are the sidecar's apart from its target: a new target keeps
+	// its pin (SetSessionHintsCommand).
+	cmd := &kvcv1.Command{Action: &kvcv1.Command_SetSnapshotTarget{SetSnapshotTarget: t}}
+	if err := s.sendUnitLocked(id, cmd); err != nil {
+		s.log.Warn().Err(err).Str("session", sid).Str("worker", id).Msg("drain: snapshot target not sent")
+	}
 }
 
 // ForgetWorker removes a worker and its residency: sessions resident on it become not

@@ -107,8 +107,9 @@ func TestJournalLoad(t *testing.T) {
 	if len(first) != 1 || len(first[0].GetEntries()) != 4 || first[0].GetEpoch() != st.Epoch() {
 		t.Fatalf("first flush: %v", first)
 	}
-	// A full record after the journal entry (residency change), with a volatile change too.
-	st.UpdateSession("newer-record", func(r *kvcv1.SessionRecord) { r.DecodeWorker = "d2"; r.Turn = 6; r.DRejects = nil })
+	// A full record after the journal entry (a durable change: a residency change would
+	// restart kv_committed_len at the new worker's commit), with a volatile change too.
+	st.UpdateSession("newer-record", func(r *kvcv1.SessionRecord) { r.PreviousDecodeWorker = "d2"; r.Turn = 6; r.DRejects = nil })
 	// Deleted after its entry was journalled.
 	if n := st.ExpireIdle(time.Now()); n != 1 {
 		t.Fatalf("expired %d sessions, want 1", n)
@@ -144,7 +145,7 @@ func TestJournalLoad(t *testing.T) {
 		t.Helper()
 		want := map[string]string{
 			"newer-journal": "turn=5 kv=500 rejects=map[d1:2] decode=d0",
-			"newer-record":  "turn=6 kv=500 rejects=map[] decode=d2",
+			"newer-record":  "turn=6 kv=500 rejects=map[] decode=d0",
 			"several":       "turn=7 kv=900 rejects=map[] decode=d0",
 			"untouched":     "turn=2 kv=100 rejects=map[] decode=d0",
 		}

@@ -322,6 +322,11 @@ func (s *State) ApplyEvent(st *Stream, ev *kvcv1.SessionEvent) error {
 			if ev.GetGeneration() != 0 {
 				rec.Generation = ev.GetGeneration()
 			}
+			delete(s.commitsAway, id)
+		} else {
+			// A seed's commit before the decision's outcome: the record's once the outcome makes
+			// w the session's decode worker (commits.go).
+			s.noteCommitAwayLocked(id, w, ev.GetKvLen(), ev.GetGeneration())
 		}
 		rec.LastSeenUnixMs = time.Now().UnixMilli()
 		s.updatedLocked(e, before, !exists)

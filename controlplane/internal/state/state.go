@@ -100,6 +100,9 @@ type State struct {
 	// not attached yet; resyncUntil (unix ms, 0: none pending) bounds the window (resync.go).
 	resyncPending map[string]struct{}
 	resyncUntil   atomic.Int64
+	// commitsAway: decode workers' commits of sessions the record did not name them for yet
+	// (commits.go).
+	commitsAway map[string]commitAway
 	// idsGen counts session creations and deletions (the admin pager's snapshot is current
 	// while it is unchanged); idSnap is that snapshot (ListSessions).
 	idsGen uint64
@@ -177,6 +180,7 @@ func (s *State) resetLocked() {
 	s.tpSnapBy = make(map[string]map[string]struct{})
 	s.resyncPending = make(map[string]struct{})
 	s.resyncUntil.Store(0)
+	s.commitsAway = make(map[string]commitAway)
 	s.dirty, s.flushing, s.fpos = nil, nil, 0
 	s.jr.reset()
 	s.publishJournalLocked()
@@ -282,7 +286,10 @@ func (s *State) SessionCount() int { return int(s.nSessions.Load()) }
 // the state lock, then persists it write-behind. fn must be quick and must not call State.
 // To change the snapshot, fn replaces rec.Snapshot (or sets it to nil); it must not modify
 // the SnapshotInfo in place (the change would be taken for a volatile one). On a replica that
-// is not leading (or whose leadership context ended) it does nothing.
+// is not leading (or whose leadership context ended) it does nothing. When fn makes another
+// worker the session's decode worker without setting kv_committed_len (the router's outcomes
+// never set it: the decode sidecar's commit is its one writer), it becomes that worker's last
+// commit of the session, 0 when none was seen (its next COMMITTED sets it; commits.go).
 func (s *State) UpdateSession(id string, fn func(rec *kvcv1.SessionRecord)) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -294,9 +301,14 @@ func (s *State) UpdateSession(id string, fn func(rec *kvcv1.SessionRecord)) {
 		e = s.createLocked(id)
 	}
 	rec := e.rec
-	before := durableOf(rec)
+	before, kv := durableOf(rec), rec.GetKvCommittedLen()
 	fn(rec)
 	rec.SessionId = id
+	if d := rec.GetDecodeWorker(); d != before.decode && d != "" && rec.GetKvCommittedLen() == kv {
+		// A residency the router made (a seed's or reseed's outcome, which never names a
+		// length): its committed length is the new decode worker's commit (commits.go).
+		rec.KvCommittedLen = s.committedOnLocked(id, d, rec.GetGeneration())
+	}
 	s.IssueGeneration(rec.GetGeneration()) // the router numbers new residencies here (policy.NextGeneration)
 	s.updatedLocked(e, before, !existed)
 }
@@ -528,6 +540,7 @@ func (s *State) deleteSessionLocked(id string) {
 		unindex(s.tpSnapBy, w, id)
 	}
 	delete(s.tpSnap, id)
+	delete(s.commitsAway, id)
 	delete(s.sessions, id)
 	s.nSessions.Add(-1)
 	s.idsGen++

@@ -582,9 +582,9 @@ func TestVolatileUpdatesDeferred(t *testing.T) {
 
 	// A durable change carries the pending volatile ones with it (and clears them).
 	st.UpdateSession("s", func(r *kvcv1.SessionRecord) { r.KvCommittedLen = 777 })
-	st.UpdateSession("s", func(r *kvcv1.SessionRecord) { r.DecodeWorker = "dx" })
+	st.UpdateSession("s", func(r *kvcv1.SessionRecord) { r.PreviousDecodeWorker = "dx" })
 	must(t, f.term.batcher.Flush(ctx))
-	if r := stored(); r.GetKvCommittedLen() != 777 || r.GetDecodeWorker() != "dx" {
+	if r := stored(); r.GetKvCommittedLen() != 777 || r.GetPreviousDecodeWorker() != "dx" {
 		t.Fatalf("durable write lost the volatile change: %v", r)
 	}
 	if n := journalKeys(t, f.store); n != 0 {
@@ -596,7 +596,7 @@ func TestVolatileUpdatesDeferred(t *testing.T) {
 	st.EndTerm(f.term)
 	must(t, f.sess.Close())
 	f2 := leadOn(t, f.store, Config{NodeID: "cp-2"})
-	if r, ok := f2.st.Session("s"); !ok || r.GetTurn() != 99 || r.GetDecodeWorker() != "dx" {
+	if r, ok := f2.st.Session("s"); !ok || r.GetTurn() != 99 || r.GetPreviousDecodeWorker() != "dx" {
 		t.Fatalf("new leader after a graceful end: %v", r)
 	}
 }

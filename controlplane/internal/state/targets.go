@@ -1,6 +1,8 @@
 package state
 
 import (
+	"time"
+
 	"github.com/kvcentric/kvcentric/controlplane/internal/policy"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
@@ -11,8 +13,9 @@ import (
 // sessions push D→P snapshots again. Call it after Reconcile; only sessions the table holds
 // resident on that worker, in the reported generation (when known), are named. When the
 // target's store holds the session's snapshot of the same generation, the command carries it
-// as the valid base (that worker pushed it), so the first push after the restart is an append.
-// It returns how many targets were sent.
+// as the valid base (that worker pushed it, policy.ResyncBase), so the first push after the
+// restart is an append; the session's agent hints follow on their own command. It returns how
+// many targets were sent.
 func (s *State) ResendTargets(st *Stream, rs *kvcv1.ResidentSessions) (int, error) {
 	if st.Role != kvcv1.WorkerRole_WORKER_ROLE_DECODE || !rs.GetFullSync() {
 		return 0, nil
@@ -21,6 +24,7 @@ func (s *State) ResendTargets(st *Stream, rs *kvcv1.ResidentSessions) (int, erro
 		return 0, nil
 	}
 	ws := *s.snapshot.Load()
+	now := time.Now().UnixMilli()
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	e, ok := s.workers[st.WorkerID]
@@ -50,26 +54,28 @@ func (s *State) ResendTargets(st *Stream, rs *kvcv1.ResidentSessions) (int, erro
 		if rec.GetDecodeWorker() != unit || (r.GetGeneration() != 0 && r.GetGeneration() != rec.GetGeneration()) {
 			continue
 		}
-		sn := rec.GetSnapshot()
-		p := policy.SnapshotTargetTP(ws, sn.GetPrefillWorker(), size)
-		if p == nil {
+		t, _ := policy.TargetCommand(ws, policy.Target{Session: rec.GetSessionId(), Generation: rec.GetGeneration(),
+			Current: rec.GetSnapshot().GetPrefillWorker(), TP: size, Base: policy.ResyncBase(rec, r.GetKvCommittedLen())})
+		if t == nil {
 			continue
 		}
-		t := &kvcv1.SetSnapshotTargetCommand{SessionId: rec.GetSessionId(), PrefillWorkerId: p.GetWorkerId(), PeerAddr: p.GetPeerAddr(),
-			TransferEndpoint: p.GetTransferEndpoint(), Generation: rec.GetGeneration(),
-			PinnedUntilUnixMs: rec.GetPinnedUntilUnixMs(), LowPriority: rec.GetLowPriority()} // agent hints (router/hints.go)
-		if sn.GetPrefillWorker() == p.GetWorkerId() && sn.GetGeneration() != 0 && sn.GetGeneration() == rec.GetGeneration() &&
-			sn.GetSeqlen() > 0 && sn.GetSeqlen() <= r.GetKvCommittedLen() {
-			t.ValidBaseLen, t.BaseGeneration = sn.GetSeqlen(), sn.GetGeneration()
+		cmds := [2]*kvcv1.Command{{Action: &kvcv1.Command_SetSnapshotTarget{SetSnapshotTarget: t}}}
+		// The restarted sidecar lost the session's agent hints with its target (router/hints.go).
+		if h := policy.HintsCommand(rec.GetSessionId(), rec.GetPinnedUntilUnixMs(), rec.GetLowPriority(), now, false); h != nil {
+			cmds[1] = &kvcv1.Command{Action: &kvcv1.Command_SetSessionHints{SetSessionHints: h}}
 		}
-		cmd := &kvcv1.Command{Action: &kvcv1.Command_SetSnapshotTarget{SetSnapshotTarget: t}}
-		if s.view.unit != nil {
-			if cmd, err = s.rankCommandLocked(cmd, rank, size, false); err != nil {
+		for _, cmd := range cmds {
+			if cmd == nil {
+				continue
+			}
+			if s.view.unit != nil {
+				if cmd, err = s.rankCommandLocked(cmd, rank, size, false); err != nil {
+					return sent, err
+				}
+			}
+			if err := s.sendLocked(st, cmd); err != nil {
 				return sent, err
 			}
-		}
-		if err := s.sendLocked(st, cmd); err != nil {
-			return sent, err
 		}
 		sent++
 	}

@@ -1,6 +1,8 @@
 package state
 
 import (
+	"time"
+
 	"testing"
 
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
@@ -37,8 +39,9 @@ func TestResendTargetsAfterSidecarRestart(t *testing.T) {
 		{SessionId: "a", Seqlen: 480, Generation: 2}, {SessionId: "b", Seqlen: 300, Generation: 1}}}))
 	// b's residency moved on a generation (a reseed on d0 that has not pushed yet)
 	s.UpdateSession("b", func(rec *kvcv1.SessionRecord) { rec.Generation = 2 })
-	// a is pinned by its agent and low priority: the target carries both again
-	s.UpdateSession("a", func(rec *kvcv1.SessionRecord) { rec.PinnedUntilUnixMs, rec.LowPriority = 1_700_000_060_000, true })
+	// a is pinned by its agent and low priority: both follow the target on their own command
+	until := time.Now().Add(time.Hour).UnixMilli()
+	s.UpdateSession("a", func(rec *kvcv1.SessionRecord) { rec.PinnedUntilUnixMs, rec.LowPriority = until, true })
 	commands(d0)
 
 	// the sidecar restarts: a resync not full names nothing
@@ -60,9 +63,16 @@ func TestResendTargetsAfterSidecarRestart(t *testing.T) {
 		t.Fatal(err)
 	}
 	got := map[string]*kvcv1.SetSnapshotTargetCommand{}
+	hints := map[string]*kvcv1.SetSessionHintsCommand{}
 	for _, c := range commands(d0) {
 		if st := c.GetSetSnapshotTarget(); st != nil {
 			got[st.GetSessionId()] = st
+		}
+		if h := c.GetSetSessionHints(); h != nil {
+			if _, named := got[h.GetSessionId()]; !named {
+				t.Fatalf("hints of %s before its target", h.GetSessionId())
+			}
+			hints[h.GetSessionId()] = h
 		}
 	}
 	if n != 3 || len(got) != 3 || got["f"].GetGeneration() != 3 {
@@ -70,8 +80,11 @@ func TestResendTargetsAfterSidecarRestart(t *testing.T) {
 	}
 	a := got["a"]
 	if a.GetPrefillWorkerId() != "p0" || a.GetPeerAddr() != "127.0.0.1:1" || a.GetTransferEndpoint() != "p0-seg" || a.GetGeneration() != 2 ||
-		a.GetValidBaseLen() != 480 || a.GetBaseGeneration() != 2 || a.GetPinnedUntilUnixMs() != 1_700_000_060_000 || !a.GetLowPriority() {
+		a.GetValidBaseLen() != 480 || a.GetBaseGeneration() != 2 || a.GetPinnedUntilUnixMs() != 0 || a.GetLowPriority() {
 		t.Fatalf("a's target %v", a)
+	}
+	if len(hints) != 1 || hints["a"].GetPinnedUntilUnixMs() != until || !hints["a"].GetLowPriority() {
+		t.Fatalf("hints %v: want a's pin and priority only", hints)
 	}
 	b := got["b"]
 	if b.GetPrefillWorkerId() != "p0" || b.GetGeneration() != 2 || b.GetValidBaseLen() != 0 || b.GetBaseGeneration() != 0 ||
