@@ -41,6 +41,7 @@ func (f *fixture) contentReport(d *kvcv1.RouteDecision, prompt, gen []uint32, tr
 	req := outcome(d.DecisionId, true, okKind, int64(len(all)))
 	req.GetOutcome().KvPages = chain[len(prompt)/tps:]
 	req.GetOutcome().TruncatedTo = truncatedTo
+	f.commitFor(d.DecisionId, int64(len(all)))
 	if ack := f.s.Handle(req).GetOutcomeAck(); ack == nil {
 		f.t.Fatalf("outcome of %s not acknowledged", d.DecisionId)
 	}

@@ -67,21 +67,79 @@ func TestExcludeWorkers(t *testing.T) {
 	}
 }
 
-// TestCommittedLenWithoutReport: an outcome without kv_len_after never writes input +
-// max_output (an early stop commits less); the input is the floor until the commit arrives.
-func TestCommittedLenWithoutReport(t *testing.T) {
-	f := newFixture(t, basicCluster()...)
-	d := f.decide("s", 0, 4000, 2000)
-	f.report(d.DecisionId, true, okKind, 0)
-	if rec := f.session("s"); rec.KvCommittedLen != 4000 {
-		t.Fatalf("after a seed without kv_len_after: kv_committed_len %d, want 4000", rec.KvCommittedLen)
+// TestCommittedLenIsTheCommits: kv_committed_len is the decode sidecar's commit only. An
+// outcome's kv_len_after (the worker's own report, or none) never writes it: a seed's commit
+// that came first is the new residency's length, one that comes after sets it then, and a
+// direct turn's outcome leaves the commit's length as it is.
+func TestCommittedLenIsTheCommits(t *testing.T) {
+	tests := []struct {
+		name        string
+		commitFirst int64 // the seed's commit before its outcome (0: none)
+		kvLenAfter  int64 // the seed's outcome's kv_len_after
+		commitAfter int64 // the seed's commit after its outcome (0: none)
+		want        int64 // after the seed
+		direct      int64 // a direct turn's outcome's kv_len_after (its commit: 4300)
+	}{
+		{name: "commit first", commitFirst: 4010, kvLenAfter: 6000, want: 4010, direct: 9999},
+		{name: "commit first, no kv_len_after", commitFirst: 4010, want: 4010},
+		{name: "outcome first", kvLenAfter: 4010, want: 0},
+		{name: "outcome first, then the commit", kvLenAfter: 4010, commitAfter: 4010, want: 4010, direct: 4300},
 	}
-	// The sidecar's commit is the writer: a later outcome without a length does not lower it.
-	f.c.UpdateSession("s", func(rec *kvcv1.SessionRecord) { rec.KvCommittedLen = 4100 })
-	d = f.decide("s", 1, 4050, 2000)
-	f.report(d.DecisionId, true, okKind, 0)
-	if rec := f.session("s"); rec.KvCommittedLen != 4100 {
-		t.Fatalf("after a direct turn without kv_len_after: %d, want the commit's 4100", rec.KvCommittedLen)
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			f := newFixture(t, basicCluster()...)
+			d := f.decide("s", 0, 4000, 2000)
+			on := d.Decode.GetWorkerId()
+			if tt.commitFirst > 0 {
+				f.c.Commit(on, "s", tt.commitFirst)
+			}
+			f.s.Handle(outcome(d.DecisionId, true, okKind, tt.kvLenAfter))
+			if tt.commitAfter > 0 {
+				f.c.Commit(on, "s", tt.commitAfter)
+			}
+			if rec := f.session("s"); rec.DecodeWorker != on || rec.KvCommittedLen != tt.want {
+				t.Fatalf("after the seed: %s committed %d, want %s %d", rec.DecodeWorker, rec.KvCommittedLen, on, tt.want)
+			}
+			if tt.want == 0 {
+				return
+			}
+			d = f.decide("s", 1, 4200, 100)
+			if d.Mode != kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D {
+				t.Fatalf("turn 1: %v", d)
+			}
+			f.c.Commit(on, "s", 4300)
+			f.s.Handle(outcome(d.DecisionId, true, okKind, tt.direct))
+			if rec := f.session("s"); rec.KvCommittedLen != 4300 {
+				t.Fatalf("after a direct turn reporting kv_len_after %d: %d, want the commit's 4300", tt.direct, rec.KvCommittedLen)
+			}
+		})
+	}
+}
+
+// TestMoveTakesTheNewWorkersCommit: a reseed onto another decode worker whose commit reached
+// the control plane while the record still named the old one: the outcome makes the session
+// resident there with that commit's length, not the old worker's.
+func TestMoveTakesTheNewWorkersCommit(t *testing.T) {
+	f := newFixture(t, basicCluster()...)
+	d := f.decide("s", 0, 4000, 100)
+	from := d.Decode.GetWorkerId()
+	f.report(d.DecisionId, true, okKind, 4100)
+	for i := range 3 { // rejections move it
+		d = f.decide("s", int32(1+i), 4200, 100)
+		f.report(d.DecisionId, false, kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D, 0)
+	}
+	d = f.decide("s", 4, 4200, 100)
+	to := d.Decode.GetWorkerId()
+	if to == from || d.Reason != kvcv1.RouteReason_ROUTE_REASON_MIGRATED_AFTER_REJECTS {
+		t.Fatalf("turn 4: %v, want a migration off %s", d, from)
+	}
+	f.c.Commit(to, "s", 4250)
+	if rec := f.session("s"); rec.DecodeWorker != from || rec.KvCommittedLen != 4100 {
+		t.Fatalf("before the outcome: %v", rec)
+	}
+	f.s.Handle(outcome(d.DecisionId, true, okKind, 0))
+	if rec := f.session("s"); rec.DecodeWorker != to || rec.KvCommittedLen != 4250 || rec.PreviousDecodeWorker != from {
+		t.Fatalf("after the migration: %v, want %s with its commit's 4250", rec, to)
 	}
 }
 

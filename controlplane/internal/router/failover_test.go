@@ -24,6 +24,8 @@ type replica struct {
 	term *state.Term
 	sess *concurrency.Session
 	rt   *Service
+	// streams: the workers' sidecar streams (their commits, reportTruncated)
+	streams map[string]*state.Stream
 }
 
 func lead(t *testing.T, store *kvstore.Store, node string, volatileFlush time.Duration) *replica {
@@ -45,7 +47,7 @@ func lead(t *testing.T, store *kvstore.Store, node string, volatileFlush time.Du
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { st.EndTerm(term) })
-	return &replica{st: st, term: term, sess: sess, rt: New(st, zerolog.Nop(), nil)}
+	return &replica{st: st, term: term, sess: sess, rt: New(st, zerolog.Nop(), nil), streams: map[string]*state.Stream{}}
 }
 
 // attach connects the workers' sidecars to r; each decode worker reports what it holds
@@ -71,6 +73,7 @@ func (r *replica) attach(t *testing.T, resident map[string][]*kvcv1.ResidentSess
 		if err := r.st.Reconcile(st, &kvcv1.ResidentSessions{FullSync: true, Sessions: resident[w.id]}); err != nil {
 			t.Fatal(err)
 		}
+		r.streams[w.id] = st
 	}
 }
 
@@ -102,6 +105,13 @@ func (r *replica) reportTruncated(t *testing.T, d *kvcv1.RouteDecision, prompt, 
 	req := outcome(d.DecisionId, true, okKind, int64(len(all)))
 	req.GetOutcome().KvPages = chain[len(prompt)/tps:]
 	req.GetOutcome().TruncatedTo = truncatedTo
+	// The decode worker commits through its sidecar before it answers: kv_committed_len's writer.
+	if dw, session := keeper(r.rt, d.DecisionId); r.streams[dw] != nil {
+		if err := r.st.ApplyEvent(r.streams[dw], &kvcv1.SessionEvent{SessionId: session,
+			Kind: kvcv1.SessionEventKind_SESSION_EVENT_KIND_COMMITTED, KvLen: int64(len(all))}); err != nil {
+			t.Fatal(err)
+		}
+	}
 	if ack := r.rt.Handle(req).GetOutcomeAck(); ack == nil {
 		t.Fatalf("outcome of %s not acknowledged", d.DecisionId)
 	}
@@ -282,6 +292,7 @@ func TestReseedWinsOverOlderLeadersCopy(t *testing.T) {
 		role kvcv1.WorkerRole
 	}{{"p1", kvcv1.WorkerRole_WORKER_ROLE_PREFILL}, {other, kvcv1.WorkerRole_WORKER_ROLE_DECODE}} {
 		st := attachWorker(t, b.st, w.id, w.role)
+		b.streams[w.id] = st
 		if err := b.st.Reconcile(st, &kvcv1.ResidentSessions{FullSync: true}); err != nil {
 			t.Fatal(err)
 		}
@@ -302,6 +313,7 @@ func TestReseedWinsOverOlderLeadersCopy(t *testing.T) {
 
 	// home's sidecar re-homes to B and reports A's last generation in its full resync.
 	hs := attachWorker(t, b.st, home, kvcv1.WorkerRole_WORKER_ROLE_DECODE)
+	b.streams[home] = hs
 	if err := b.st.Reconcile(hs, &kvcv1.ResidentSessions{FullSync: true, Sessions: []*kvcv1.ResidentSession{
 		{SessionId: "s", KvCommittedLen: held.KvCommittedLen, Generation: held.Generation}}}); err != nil {
 		t.Fatal(err)

@@ -9,7 +9,7 @@ import (
 // when its outcome leaves the session resident on its decode worker: from then on (after the
 // answer: the agent's tool call) the session is pinned until pinned_until_unix_ms — policy does
 // not migrate it after rejections, and the decode sidecar's capacity release neither picks it
-// nor counts it evictable (SetSnapshotTargetCommand carries the pin). The low-priority hint is
+// nor counts it evictable (SetSessionHintsCommand carries the pin). The low-priority hint is
 // the session's from the turn that sets it (a turn without it clears it).
 
 // pinEntry is a granted pin: the tokens it holds on a decode worker until untilMs.
@@ -49,8 +49,6 @@ type hintsCtx struct {
 	here    bool // the session is still on r.decode
 	until   int64
 	low     bool
-	gen     uint64
-	snapP   string
 	changed bool // the pin or the priority changed: the decode sidecar is told
 }
 
@@ -72,10 +70,7 @@ func (h *hintsCtx) apply(rec *kvcv1.SessionRecord) {
 		h.s.mu.Unlock()
 	}
 	h.changed = h.changed || r.lowChanged
-	h.until, h.low, h.gen = rec.PinnedUntilUnixMs, rec.LowPriority, rec.Generation
-	if rec.Snapshot != nil {
-		h.snapP = rec.Snapshot.PrefillWorker
-	}
+	h.until, h.low = rec.PinnedUntilUnixMs, rec.LowPriority
 }
 
 // grantHints applies a successful outcome's hints to the session resident on r.decode and
@@ -104,44 +99,17 @@ func (s *Service) grantHints(r *reservation, nowMs int64) *hintsCtx {
 	return h
 }
 
-// maxTargets bounds the table of named targets (past it, sendHints goes by the record).
-const maxTargets = 1 << 20
-
-// noteTarget remembers the prefill worker this leader named as session's snapshot target.
-func (s *Service) noteTarget(session, prefill string) {
-	s.mu.Lock()
-	if _, ok := s.targets[session]; ok || len(s.targets) < maxTargets {
-		s.targets[session] = prefill
-	}
-	s.mu.Unlock()
-}
-
 // sendHints tells r.decode's sidecar the session's new pin and priority (an extended turn:
-// the session stays where it is) by naming its snapshot target again with them: the same
-// target and generation leave its pushes as they are. The target is the one this leader last
-// named (noteTarget), else the prefill worker the record says holds its snapshot (a new leader,
-// as ResendTargets does); a different one would move the snapshot (a full push). With
-// snapshots off the sidecar releases nothing, and nothing is sent.
+// the session stays where it is) on their own command (policy.HintsCommand), which leaves its
+// snapshot target as it is. With snapshots off the sidecar releases nothing, and nothing is
+// sent.
 func (s *Service) sendHints(r *reservation, h *hintsCtx) {
 	if !h.here || !h.changed || !s.policyKnobs().SnapshotsEnabled {
 		return
 	}
-	cur := h.snapP
-	s.mu.Lock()
-	if named, ok := s.targets[r.session]; ok {
-		cur = named
-	}
-	s.mu.Unlock()
-	ws := s.c.Workers()
-	p := policy.SnapshotTargetTP(ws, cur, policy.FindTP(ws, r.decode))
-	if p == nil {
-		return
-	}
-	cmd := &kvcv1.Command{Action: &kvcv1.Command_SetSnapshotTarget{SetSnapshotTarget: &kvcv1.SetSnapshotTargetCommand{
-		SessionId: r.session, PrefillWorkerId: p.WorkerId, PeerAddr: p.PeerAddr, TransferEndpoint: p.TransferEndpoint,
-		Generation: h.gen, PinnedUntilUnixMs: h.until, LowPriority: h.low,
-	}}, Traceparent: r.trace}
-	if err := s.send(r.decode, "set_snapshot_target", cmd); err != nil {
+	c := policy.HintsCommand(r.session, h.until, h.low, h.nowMs, true)
+	cmd := &kvcv1.Command{Action: &kvcv1.Command_SetSessionHints{SetSessionHints: c}, Traceparent: r.trace}
+	if err := s.send(r.decode, "set_session_hints", cmd); err != nil {
 		s.log.Debug().Err(err).Str("session", r.session).Str("worker", r.decode).Msg("agent hints not sent")
 	}
 }

@@ -29,14 +29,26 @@ func (f *fixture) decideHinted(session string, turn int32, input, out, pinMs int
 func lastTarget(t *testing.T, c *routertest.Cluster, worker string) *kvcv1.SetSnapshotTargetCommand {
 	t.Helper()
 	cmds := c.Commands(worker)
-	if len(cmds) == 0 || cmds[len(cmds)-1].GetSetSnapshotTarget() == nil {
-		t.Fatalf("no snapshot target on %s: %v", worker, cmds)
+	for i := len(cmds) - 1; i >= 0; i-- {
+		if tg := cmds[i].GetSetSnapshotTarget(); tg != nil {
+			return tg
+		}
 	}
-	return cmds[len(cmds)-1].GetSetSnapshotTarget()
+	t.Fatalf("no snapshot target on %s: %v", worker, cmds)
+	return nil
+}
+
+func lastHints(t *testing.T, c *routertest.Cluster, worker string) *kvcv1.SetSessionHintsCommand {
+	t.Helper()
+	cmds := c.Commands(worker)
+	if len(cmds) == 0 || cmds[len(cmds)-1].GetSetSessionHints() == nil {
+		t.Fatalf("no session hints last on %s: %v", worker, cmds)
+	}
+	return cmds[len(cmds)-1].GetSetSessionHints()
 }
 
 // TestAgentPin: a pin is granted when the turn's outcome leaves the session resident, reaches
-// the decode sidecar with its snapshot target, keeps the session from migrating after
+// the decode sidecar on its own command after the snapshot target, keeps the session from migrating after
 // rejections until it expires, and is clamped to max_pin_ms; the low-priority hint reaches the
 // sidecar and the prefill priority; a session end drops the pin.
 func TestAgentPin(t *testing.T) {
@@ -56,8 +68,11 @@ func TestAgentPin(t *testing.T) {
 	if rec := f.session("a"); rec.PinnedUntilUnixMs != wantUntil || !rec.LowPriority {
 		t.Fatalf("after the outcome: %v, want pinned until %d", rec, wantUntil)
 	}
-	if tg := lastTarget(t, f.c, "d1"); tg.GetPinnedUntilUnixMs() != wantUntil || !tg.GetLowPriority() || tg.GetGeneration() != 1 {
-		t.Fatalf("target %v", tg)
+	if tg := lastTarget(t, f.c, "d1"); tg.GetPinnedUntilUnixMs() != 0 || tg.GetLowPriority() || tg.GetGeneration() != 1 {
+		t.Fatalf("target %v: want generation 1 without hints", tg)
+	}
+	if h := lastHints(t, f.c, "d1"); h.GetSessionId() != "a" || h.GetPinnedUntilUnixMs() != wantUntil || !h.GetLowPriority() {
+		t.Fatalf("hints %v", h)
 	}
 	// Three rejections by d1 (turns without hints: the pin set earlier holds; the priority
 	// goes back to normal).
@@ -85,8 +100,8 @@ func TestAgentPin(t *testing.T) {
 	}
 	f.report(d.DecisionId, true, okKind, 4300)
 
-	// A pin longer than max_pin_ms (10 min) is clamped to it; the extended turn re-sends the
-	// target with the same prefill worker and generation, the pin and the priority.
+	// A pin longer than max_pin_ms (10 min) is clamped to it; the extended turn sends the pin
+	// and the priority, and no target (the sidecar's stays as it is).
 	n := len(f.c.Commands("d2"))
 	d = f.decideHinted("a", 6, 4400, 100, 3_600_000, true)
 	if d.Mode != kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D || d.Decode.GetWorkerId() != "d2" {
@@ -99,12 +114,10 @@ func TestAgentPin(t *testing.T) {
 	}
 	cmds := f.c.Commands("d2")
 	if len(cmds) != n+1 {
-		t.Fatalf("commands to d2 %v, want one more target", cmds)
+		t.Fatalf("commands to d2 %v, want one more (the hints)", cmds)
 	}
-	tg, first := cmds[n].GetSetSnapshotTarget(), cmds[n-1].GetSetSnapshotTarget()
-	if tg.GetPinnedUntilUnixMs() != want || !tg.GetLowPriority() || tg.GetPrefillWorkerId() != first.GetPrefillWorkerId() ||
-		tg.GetGeneration() != first.GetGeneration() {
-		t.Fatalf("hint target %v after %v", tg, first)
+	if h := cmds[n].GetSetSessionHints(); h.GetPinnedUntilUnixMs() != want || !h.GetLowPriority() {
+		t.Fatalf("hints %v", cmds[n])
 	}
 	// A turn that changes nothing sends nothing.
 	d = f.decideHinted("a", 7, 4600, 100, 0, true)
@@ -176,10 +189,11 @@ func TestAgentPinShare(t *testing.T) {
 	}
 }
 
-// TestAgentHintsKeepTheTarget: the hints of a session whose snapshot has not landed yet go out
-// with the target this leader named at its seed, not with the store that is emptiest now (that
-// would move the snapshot: a full push).
-func TestAgentHintsKeepTheTarget(t *testing.T) {
+// TestAgentHintsLeaveTheTarget: the hints of a session whose snapshot has not landed yet go
+// out on their own command, which names no target: the sidecar keeps the target this leader
+// named at its seed, not the store that is emptiest now (that would move the snapshot: a full
+// push).
+func TestAgentHintsLeaveTheTarget(t *testing.T) {
 	f := newFixture(t, routertest.Prefill("p1"), routertest.Prefill("p2"), routertest.Decode("d1", 100_000, 0))
 	f.c.UpdateWorker("p2", func(w *kvcv1.Worker) { w.Load.SnapshotBytesUsed = 1 << 20 })
 	d := f.decideHinted("a", 0, 4000, 100, 0, false)
@@ -187,6 +201,7 @@ func TestAgentHintsKeepTheTarget(t *testing.T) {
 	if tg := lastTarget(t, f.c, "d1"); tg.GetPrefillWorkerId() != "p1" {
 		t.Fatalf("seed target %v", tg)
 	}
+	n := len(f.c.Commands("d1"))
 	// p1 fills up: the emptiest store is p2 now.
 	f.c.UpdateWorker("p1", func(w *kvcv1.Worker) { w.Load.SnapshotBytesUsed = 1 << 29 })
 	d = f.decideHinted("a", 1, 4200, 100, 60_000, true)
@@ -194,7 +209,8 @@ func TestAgentHintsKeepTheTarget(t *testing.T) {
 	if f.session("a").GetSnapshot() != nil {
 		t.Fatal("the test wants a session without a landed snapshot")
 	}
-	if tg := lastTarget(t, f.c, "d1"); tg.GetPrefillWorkerId() != "p1" || tg.GetPinnedUntilUnixMs() == 0 || !tg.GetLowPriority() || tg.GetGeneration() != 1 {
-		t.Fatalf("hint target %v: want p1's, with the pin", tg)
+	cmds := f.c.Commands("d1")
+	if len(cmds) != n+1 || cmds[n].GetSetSessionHints().GetPinnedUntilUnixMs() == 0 || !cmds[n].GetSetSessionHints().GetLowPriority() {
+		t.Fatalf("after the hinted turn %v: want one hints command with the pin", cmds[n:])
 	}
 }

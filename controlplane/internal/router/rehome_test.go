@@ -49,6 +49,8 @@ func (f *fixture) loaded(d string, l *kvcv1.LoadSessionCommand, ok bool) {
 	kind := kvcv1.SessionEventKind_SESSION_EVENT_KIND_LOADED
 	if !ok {
 		kind = kvcv1.SessionEventKind_SESSION_EVENT_KIND_LOAD_FAILED
+	} else {
+		f.c.Commit(d, l.GetSessionId(), l.GetSeqlen()) // the load's COMMITTED, before LOADED on its stream
 	}
 	f.s.SessionLoaded(d, &kvcv1.SessionEvent{SessionId: l.GetSessionId(), Kind: kind, KvLen: l.GetSeqlen(), Room: l.GetRoom(),
 		Detail: l.GetDecisionId()})

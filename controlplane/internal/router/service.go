@@ -47,7 +47,6 @@ type Service struct {
 	late    lateBook             // expired reservations, for their late outcomes (late.go)
 	nextSeq uint64               // last sequence number issued
 	pins    map[string]pinEntry  // agent pins granted, by session (hints.go)
-	targets map[string]string    // prefill worker last named as a session's snapshot target (hints.go)
 	rehomes map[string]*rehomeOp // re-homes in flight, by session (rehome.go)
 
 	rqMu     sync.Mutex
@@ -77,7 +76,6 @@ func New(c Cluster, log zerolog.Logger, reg prometheus.Registerer) *Service {
 		led:      newLedger(),
 		content:  newContentStore(),
 		pins:     map[string]pinEntry{},
-		targets:  map[string]string{},
 		rehomes:  map[string]*rehomeOp{},
 		rq:       rehomeQueue{kick: make(chan struct{}, 1)},
 	}
@@ -126,7 +124,6 @@ func (s *Service) OnLeadershipChange(leading bool) {
 	s.led = newLedger()
 	s.late.reset()
 	clear(s.pins) // a new term counts pins again from its own grants (hints.go)
-	clear(s.targets)
 	ops := s.resetRehomesLocked()
 	s.mu.Unlock()
 	for _, op := range ops {
@@ -643,7 +640,6 @@ func (s *Service) query(q *kvcv1.RouteQuery) *kvcv1.RouteResponse {
 		s.content.forget(q.SessionId)
 		s.mu.Lock()
 		delete(s.pins, q.SessionId) // the session ends: its pin with it
-		delete(s.targets, q.SessionId)
 		s.mu.Unlock()
 	}
 	x.run()

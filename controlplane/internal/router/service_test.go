@@ -60,12 +60,46 @@ func (f *fixture) decide(session string, turn int32, input, out int64) *kvcv1.Ro
 	return d
 }
 
+// report sends decision id's outcome; a successful one of kvLen tokens on a decode worker
+// that keeps the session is committed there first, as the worker's sidecar does before the
+// worker answers (the commit is kv_committed_len's one writer; the outcome's kv_len_after
+// only names the content's length).
 func (f *fixture) report(id string, ok bool, kind kvcv1.RouteErrorKind, kvLen int64) {
 	f.t.Helper()
+	if ok && kvLen > 0 {
+		f.commitFor(id, kvLen)
+	}
 	resp := f.s.Handle(outcome(id, ok, kind, kvLen))
 	if resp.GetOutcomeAck().GetDecisionId() != id {
 		f.t.Fatalf("outcome %s: %v", id, resp)
 	}
+}
+
+// commitFor is the commit of kvLen tokens by the decode worker of decision id (when it keeps the
+// session), through its sidecar.
+func (f *fixture) commitFor(id string, kvLen int64) {
+	f.t.Helper()
+	if d, session := keeper(f.s, id); d != "" {
+		f.c.Commit(d, session, kvLen)
+	}
+}
+
+// keeper is the decode worker that keeps decision id's session and the session ("" when none).
+func keeper(s *Service, id string) (decode, session string) {
+	seq, ok := s.parseID(id)
+	if !ok {
+		return "", ""
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	r := s.led.pending[seq]
+	if r == nil {
+		r = s.late.m[seq]
+	}
+	if r == nil || r.decode == "" || !r.keep {
+		return "", ""
+	}
+	return r.decode, r.session
 }
 
 func (f *fixture) session(id string) *kvcv1.SessionRecord {
@@ -642,7 +676,7 @@ func TestLargeAppendOutcomes(t *testing.T) {
 	}
 	f.c.UpdateSession("s", func(r *kvcv1.SessionRecord) { r.DecodeWorker, r.PreviousDecodeWorker = "", "d2" })
 	before := f.session("s").KvCommittedLen
-	f.report(d.DecisionId, true, okKind, 40_100)
+	f.s.Handle(outcome(d.DecisionId, true, okKind, 40_100)) // no commit: d2 does not hold it
 	if rec := f.session("s"); rec.DecodeWorker != "" || rec.KvCommittedLen != before {
 		t.Fatalf("an outcome for a left residency changed the session: %v", rec)
 	}

@@ -25,6 +25,13 @@ type Cluster struct {
 	commands map[string][]*kvcv1.Command
 	offline  map[string]bool
 	cmdID    uint64
+	// away: decode workers' commits of sessions the record did not name them for (Commit)
+	away map[string]commit
+}
+
+type commit struct {
+	worker string
+	kvLen  int64
 }
 
 // New returns a cluster with the default policy, epoch 1, generation term 0 (generations
@@ -37,6 +44,7 @@ func New(workers ...*kvcv1.Worker) *Cluster {
 		sessions: make(map[string]*kvcv1.SessionRecord),
 		commands: make(map[string][]*kvcv1.Command),
 		offline:  make(map[string]bool),
+		away:     make(map[string]commit),
 	}
 }
 
@@ -104,7 +112,10 @@ func CopyRecord(r *kvcv1.SessionRecord) *kvcv1.SessionRecord {
 	return out
 }
 
-// UpdateSession implements router.Cluster.
+// UpdateSession implements router.Cluster. As the state does (state.UpdateSession), a record
+// that fn makes resident on another decode worker takes that worker's last commit (Commit) as
+// its kv_committed_len, else 0, whatever fn wrote: the decode sidecar's commit is its one
+// writer.
 func (c *Cluster) UpdateSession(id string, fn func(rec *kvcv1.SessionRecord)) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -113,7 +124,37 @@ func (c *Cluster) UpdateSession(id string, fn func(rec *kvcv1.SessionRecord)) {
 		r = &kvcv1.SessionRecord{SessionId: id}
 		c.sessions[id] = r
 	}
+	before := r.DecodeWorker
 	fn(r)
+	if d := r.DecodeWorker; d != before && d != "" {
+		r.KvCommittedLen = 0
+		if a, ok := c.away[id]; ok && a.worker == d {
+			r.KvCommittedLen = a.kvLen
+		}
+		delete(c.away, id)
+	}
+}
+
+// Commit is a decode sidecar's COMMITTED of kvLen tokens of session id on worker, applied as
+// the state applies it: the record's committed length when it names worker (or no decode
+// worker: then it does from now on), else kept until an update makes worker its decode worker.
+func (c *Cluster) Commit(worker, id string, kvLen int64) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	r, ok := c.sessions[id]
+	if !ok {
+		r = &kvcv1.SessionRecord{SessionId: id}
+		c.sessions[id] = r
+	}
+	if r.DecodeWorker == "" {
+		r.DecodeWorker = worker
+	}
+	if r.DecodeWorker != worker {
+		c.away[id] = commit{worker: worker, kvLen: kvLen}
+		return
+	}
+	r.KvCommittedLen = kvLen
+	delete(c.away, id)
 }
 
 // SendCommand implements router.Cluster.
