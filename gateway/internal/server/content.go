@@ -262,7 +262,8 @@ func (s *Server) prepare(ctx context.Context, req *api.Request) (release func(),
 
 // outcomePages is the chain of the KV the decode worker holds after a successful turn, past
 // the prompt's full pages (RouteOutcome.kv_pages): the prompt's ids then the generated ids,
-// up to ⌊kvLen / page⌋ pages and as far as the ids the gateway saw reach.
+// as far as the ids the gateway saw reach and, when the worker reported its KV length (kvLen >
+// 0), up to ⌊kvLen / page⌋ pages.
 func (s *Server) outcomePages(req *api.Request, out []int64, kvLen int64) []uint64 {
 	c := s.opt.Content
 	if c == nil || req.PageSize <= 0 || len(req.ContentIDs) == 0 {
@@ -276,7 +277,11 @@ func (s *Server) outcomePages(req *api.Request, out []int64, kvLen int64) []uint
 	}
 	ps := int64(req.PageSize)
 	from := int64(len(req.PromptPages)) * ps
-	end := min(kvLen, int64(len(req.ContentIDs))+int64(len(out))) / ps * ps
+	end := int64(len(req.ContentIDs)) + int64(len(out))
+	if kvLen > 0 {
+		end = min(end, kvLen)
+	}
+	end = end / ps * ps
 	if end <= from {
 		return nil
 	}

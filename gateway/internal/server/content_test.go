@@ -101,10 +101,15 @@ type idsWorker struct {
 	mu   sync.Mutex
 	body map[string]any
 	out  []int64
+	// noKVC: a worker without kvcentric's meta_info.kvc (usage counts only)
+	noKVC bool
 }
 
 func newIDsWorker(t *testing.T, out []int64) *idsWorker {
-	w := &idsWorker{out: out}
+	return startIDsWorker(t, &idsWorker{out: out})
+}
+
+func startIDsWorker(t *testing.T, w *idsWorker) *idsWorker {
 	w.Server = httptest.NewServer(http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
 		var b map[string]any
 		_ = json.NewDecoder(r.Body).Decode(&b)
@@ -117,8 +122,11 @@ func newIDsWorker(t *testing.T, out []int64) *idsWorker {
 		}
 		rw.Header().Set("Content-Type", "text/event-stream")
 		for i, id := range w.out {
-			c, _ := json.Marshal(map[string]any{"text": fmt.Sprintf(" t%d", i), "output_ids": []int64{id},
-				"meta_info": map[string]any{"prompt_tokens": n, "completion_tokens": i + 1, "kvc": map[string]any{"kv_len_after": n + i + 1, "truncated_to": 32}}})
+			meta := map[string]any{"prompt_tokens": n, "completion_tokens": i + 1, "kvc": map[string]any{"kv_len_after": n + i + 1, "truncated_to": 32}}
+			if w.noKVC {
+				delete(meta, "kvc")
+			}
+			c, _ := json.Marshal(map[string]any{"text": fmt.Sprintf(" t%d", i), "output_ids": []int64{id}, "meta_info": meta})
 			fmt.Fprintf(rw, "data: %s\n\n", c)
 		}
 		fmt.Fprint(rw, "data: [DONE]\n\n")
@@ -569,4 +577,69 @@ func seqInts(n int) []int {
 		out[i] = i + 1
 	}
 	return out
+}
+
+// TestOutcomeReportsWhatItSaw: the outcome carries the worker's own kv_len_after when it reports
+// one and none when it does not — the gateway never makes one up from the usage counts (the
+// decode sidecar's commit is the control plane's kv_committed_len) — and in both cases the
+// chain of the prompt and the generated ids it saw.
+func TestOutcomeReportsWhatItSaw(t *testing.T) {
+	tok, _ := qwen3(t)
+	out := make([]int64, 40) // past a page boundary (16-token pages)
+	for i := range out {
+		out[i] = int64(100 + i)
+	}
+	for _, tc := range []struct {
+		name  string
+		noKVC bool
+	}{{"meta_info.kvc", false}, {"usage counts only", true}} {
+		t.Run(tc.name, func(t *testing.T) {
+			dw := startIDsWorker(t, &idsWorker{out: out, noKVC: tc.noKVC})
+			rr := &recRouter{decision: func(q *kvcv1.RouteQuery) *kvcv1.RouteDecision {
+				return &kvcv1.RouteDecision{DecisionId: "d-1", Mode: kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D,
+					Decode: &kvcv1.WorkerRef{WorkerId: "d0", WorkerUrl: dw.URL}, Execution: &kvcv1.RouteExecution{CallDecode: true, KeepSession: true}}
+			}}
+			s := New(rr, workers.NewPool(nil, nil), Options{RequestTimeout: 10 * time.Second, ConnectTimeout: time.Second, MaxBodyBytes: 1 << 20,
+				Parse: api.Options{RequireSession: true, DefaultMaxTok: 64}, Content: &Content{Tok: tok, PageSize: 16}}, zerolog.Nop(), NewMetrics(prometheus.NewRegistry()))
+			mux := http.NewServeMux()
+			s.Register(mux)
+			gw := httptest.NewServer(mux)
+			defer gw.Close()
+			req, _ := http.NewRequest(http.MethodPost, gw.URL+"/v1/chat/completions", bytes.NewReader(chatBody()))
+			req.Header.Set("X-Session-ID", "chat-1")
+			resp, err := http.DefaultClient.Do(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			_, _ = io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+			rr.mu.Lock()
+			q, o := rr.queries[0], rr.outcomes[0]
+			rr.mu.Unlock()
+			h, _ := pagehash.New(16, 0)
+			dw.mu.Lock()
+			ids := dw.body["input_ids"].([]any)
+			dw.mu.Unlock()
+			all := make([]uint32, 0, len(ids)+len(out))
+			for _, v := range ids {
+				all = append(all, uint32(v.(float64)))
+			}
+			for _, v := range out {
+				all = append(all, uint32(v))
+			}
+			want := int64(len(all))
+			if tc.noKVC {
+				want = 0
+			}
+			full := h.Chain(all)
+			if !o.GetSuccess() || o.GetKvLenAfter() != want || len(o.GetKvPages()) != len(full)-len(q.GetPromptPages()) {
+				t.Fatalf("outcome: kv_len_after %d (want %d), %d kv_pages (want %d)", o.GetKvLenAfter(), want, len(o.GetKvPages()), len(full)-len(q.GetPromptPages()))
+			}
+			for i, hsh := range o.GetKvPages() {
+				if hsh != full[len(q.GetPromptPages())+i] {
+					t.Fatalf("kv_pages[%d] differs from the chain of prompt + output", i)
+				}
+			}
+		})
+	}
 }

@@ -407,11 +407,10 @@ func (s *Server) report(p *plan, req *api.Request, res result, start time.Time) 
 	if res.ok {
 		o.ErrorKind = kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_NONE
 		if p.keepSession(req) {
-			if o.KvLenAfter == 0 && res.promptTok > 0 {
-				// A worker without kvcentric's meta_info.kvc: D committed the prompt and the
-				// tokens it generated.
-				o.KvLenAfter = res.promptTok + res.outputTok
-			}
+			// What the gateway saw: the worker's own kv_len_after (meta_info.kvc) when it
+			// reports one — never a length made up from the usage counts (the decode sidecar's
+			// commit is the control plane's kv_committed_len) — and the chain of the prompt and
+			// the generated ids it streamed, up to kv_len_after when known.
 			o.KvPages = s.outcomePages(req, res.outputIDs, o.KvLenAfter)
 		}
 	}
