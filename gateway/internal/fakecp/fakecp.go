@@ -134,53 +134,61 @@ func (s *Server) ListWorkers(_ context.Context, r *kvcv1.ListWorkersRequest) (*k
 	return &kvcv1.ListWorkersResponse{Workers: out}, nil
 }
 
-// Decision builds a decision response for q with Exec's plan.
-func Decision(q *kvcv1.RouteQuery, mode kvcv1.RouteMode, reason kvcv1.RouteReason, p, d *kvcv1.WorkerRef) *kvcv1.RouteResponse {
+// Canned is a decision's execution plan and prefill priority as a gateway test gives them. The
+// gateway carries out what the control plane decides; which plan the policy gives a mode and
+// reason is the policy's rule (controlplane/internal/policy, execution.go), tested there and
+// not copied here: a test names the plan it wants the gateway to carry out.
+type Canned struct {
+	Exec            *kvcv1.RouteExecution
+	PrefillPriority int32
+}
+
+func plan(e *kvcv1.RouteExecution) *kvcv1.RouteExecution {
+	e.CallDecode = true
+	e.OnDecodeRefused = kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D
+	if e.OnTransferFailed == kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_UNSPECIFIED {
+		e.OnTransferFailed = kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_TRANSFER_FAILED
+	}
+	e.RetryAllowed = true
+	return e
+}
+
+// Direct is a turn on the session's own decode worker, which keeps it (DIRECT_TO_D).
+func Direct() Canned { return Canned{Exec: plan(&kvcv1.RouteExecution{KeepSession: true})} }
+
+// Seed is a prefill on P sent to D, which opens the session and keeps it (SEED, RESEED_PREFILL),
+// at low prefill priority.
+func Seed() Canned {
+	return Canned{Exec: plan(&kvcv1.RouteExecution{CallPrefill: true, KeepSession: true, OpenSession: true,
+		Transfer: kvcv1.TransferKind_TRANSFER_KIND_SEED}), PrefillPriority: 100}
+}
+
+// ReseedSnapshot is D opening the session from its snapshot in a prefill store (RESEED_SNAPSHOT).
+func ReseedSnapshot() Canned {
+	return Canned{Exec: plan(&kvcv1.RouteExecution{KeepSession: true, OpenSession: true, Transfer: kvcv1.TransferKind_TRANSFER_KIND_SNAPSHOT,
+		OnTransferFailed: kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_SNAPSHOT_FAILED})}
+}
+
+// Fallback is plain P/D: P prefills, D decodes and keeps nothing (PD_FALLBACK).
+func Fallback() Canned {
+	return Canned{Exec: plan(&kvcv1.RouteExecution{CallPrefill: true, Transfer: kvcv1.TransferKind_TRANSFER_KIND_SEED})}
+}
+
+// LargeAppend is plain P/D into the session's own D, which keeps it (PD_FALLBACK with reason
+// REAL_LARGE_APPEND), at low prefill priority.
+func LargeAppend() Canned {
+	return Canned{Exec: plan(&kvcv1.RouteExecution{CallPrefill: true, KeepSession: true, Transfer: kvcv1.TransferKind_TRANSFER_KIND_SEED}),
+		PrefillPriority: 100}
+}
+
+// DecodeOnly is a decision that calls D alone and keeps nothing (a PD_FALLBACK without a prefill
+// worker).
+func DecodeOnly() Canned { return Canned{Exec: plan(&kvcv1.RouteExecution{})} }
+
+// Decision builds a decision response for q with the canned plan c.
+func Decision(q *kvcv1.RouteQuery, mode kvcv1.RouteMode, reason kvcv1.RouteReason, p, d *kvcv1.WorkerRef, c Canned) *kvcv1.RouteResponse {
 	return &kvcv1.RouteResponse{Kind: &kvcv1.RouteResponse_Decision{Decision: &kvcv1.RouteDecision{
 		RequestId: q.GetRequestId(), DecisionId: "d-" + q.GetRequestId(), Mode: mode, Reason: reason,
-		Prefill: p, Decode: d, BootstrapRoom: 4242, Execution: Exec(mode, reason, p != nil, d != nil),
-		PrefillPriority: PrefillPriority(mode, reason),
+		Prefill: p, Decode: d, BootstrapRoom: 4242, Execution: c.Exec, PrefillPriority: c.PrefillPriority,
 	}}}
-}
-
-// PrefillPriority is the prefill priority the control plane's policy gives a decision of this
-// mode and reason (docs/routing.md, "Prefill priority"), copied here for the gateway's tests:
-// 100 (low) when the session is or stays resident on D after a prefill, 0 otherwise.
-func PrefillPriority(mode kvcv1.RouteMode, reason kvcv1.RouteReason) int32 {
-	switch {
-	case mode == kvcv1.RouteMode_ROUTE_MODE_SEED, mode == kvcv1.RouteMode_ROUTE_MODE_RESEED_PREFILL,
-		mode == kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK && reason == kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND:
-		return 100
-	}
-	return 0
-}
-
-// Exec is the execution plan the control plane's policy gives a decision of this mode and
-// reason (controlplane/internal/policy, execution.go), copied here for the gateway's tests: the
-// gateway module does not link the control plane.
-func Exec(mode kvcv1.RouteMode, reason kvcv1.RouteReason, prefill, decode bool) *kvcv1.RouteExecution {
-	e := &kvcv1.RouteExecution{
-		CallDecode:       decode,
-		Transfer:         kvcv1.TransferKind_TRANSFER_KIND_SEED,
-		OnDecodeRefused:  kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D,
-		OnTransferFailed: kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_TRANSFER_FAILED,
-		RetryAllowed:     true,
-	}
-	switch mode {
-	case kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D:
-		e.Transfer, e.KeepSession = kvcv1.TransferKind_TRANSFER_KIND_UNSPECIFIED, true
-	case kvcv1.RouteMode_ROUTE_MODE_SEED, kvcv1.RouteMode_ROUTE_MODE_RESEED_PREFILL:
-		e.CallPrefill, e.KeepSession, e.OpenSession = prefill, true, true
-	case kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT:
-		e.KeepSession, e.OpenSession = true, true
-		e.Transfer = kvcv1.TransferKind_TRANSFER_KIND_SNAPSHOT
-		e.OnTransferFailed = kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_SNAPSHOT_FAILED
-	case kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK:
-		e.CallPrefill = prefill
-		e.KeepSession = reason == kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND
-	}
-	if !decode {
-		e.KeepSession, e.OpenSession = false, false
-	}
-	return e
 }

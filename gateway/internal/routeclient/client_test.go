@@ -17,7 +17,7 @@ import (
 )
 
 func direct(q *kvcv1.RouteQuery) *kvcv1.RouteResponse {
-	return fakecp.Decision(q, kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT, nil, &kvcv1.WorkerRef{WorkerId: "d0"})
+	return fakecp.Decision(q, kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT, nil, &kvcv1.WorkerRef{WorkerId: "d0"}, fakecp.Direct())
 }
 
 // start runs a client against addrs and waits until its stream is up (when wantUp).

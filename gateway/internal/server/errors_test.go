@@ -11,6 +11,7 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
+	"github.com/kvcentric/kvcentric/gateway/internal/fakecp"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -27,9 +28,9 @@ func errBody(t *testing.T, r io.Reader) (code, msg string) {
 }
 
 func TestWorkerFailures(t *testing.T) {
-	seed := decideMode(kvcv1.RouteMode_ROUTE_MODE_SEED, kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION)
-	direct := decideMode(kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT)
-	snap := decideMode(kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT, kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_HIT)
+	seed := decideMode(kvcv1.RouteMode_ROUTE_MODE_SEED, kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION, fakecp.Seed())
+	direct := decideMode(kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT, fakecp.Direct())
+	snap := decideMode(kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT, kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_HIT, fakecp.ReseedSnapshot())
 	always := func(b string) func(int, workerReq) string { return func(int, workerReq) string { return b } }
 	tests := []struct {
 		name       string
@@ -69,9 +70,9 @@ func TestRetryAfter409(t *testing.T) {
 	decide := func(q *kvcv1.RouteQuery, p, d *fakeWorker) *kvcv1.RouteResponse {
 		n++ // the fake control plane answers one query at a time on one stream
 		if n == 1 {
-			return decideMode(kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT)(q, p, d)
+			return decideMode(kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT, fakecp.Direct())(q, p, d)
 		}
-		return decideMode(kvcv1.RouteMode_ROUTE_MODE_RESEED_PREFILL, kvcv1.RouteReason_ROUTE_REASON_SESSION_EVICTED)(q, p, d)
+		return decideMode(kvcv1.RouteMode_ROUTE_MODE_RESEED_PREFILL, kvcv1.RouteReason_ROUTE_REASON_SESSION_EVICTED, fakecp.Seed())(q, p, d)
 	}
 	e := setup(t, decide, nil, func(n int, _ workerReq) string {
 		if n == 0 {
@@ -93,7 +94,7 @@ func TestRetryAfter409(t *testing.T) {
 }
 
 func TestDecodeDiesMidStream(t *testing.T) {
-	e := setup(t, decideMode(kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT), nil,
+	e := setup(t, decideMode(kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT, fakecp.Direct()), nil,
 		func(int, workerReq) string { return "die" }, 0)
 	resp := post(t, e.gw.URL, "/generate", "s1", genBody)
 	if resp.StatusCode != 200 {
@@ -109,7 +110,7 @@ func TestDecodeDiesMidStream(t *testing.T) {
 }
 
 func TestClientGoneIsAborted(t *testing.T) {
-	e := setup(t, decideMode(kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT), nil,
+	e := setup(t, decideMode(kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT, fakecp.Direct()), nil,
 		func(int, workerReq) string { return "slow" }, 0)
 	ctx, cancel := context.WithCancel(context.Background())
 	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, e.gw.URL+"/generate", strings.NewReader(genBody))
@@ -142,7 +143,7 @@ func TestFailOpen(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			var decide func(q *kvcv1.RouteQuery, p, d *fakeWorker) *kvcv1.RouteResponse
 			if tt.withCP {
-				decide = decideMode(kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT)
+				decide = decideMode(kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT, fakecp.Direct())
 			}
 			e := setup(t, decide, nil, nil, 0)
 			if tt.withCP {

@@ -25,22 +25,22 @@ func TestFailOpenOnUnusableDecision(t *testing.T) {
 		wantReport bool   // the decision's outcome (ABORTED) is reported
 	}{
 		{"no decode worker (every D draining or restarting)", func(q *kvcv1.RouteQuery, p, _ *fakeWorker) *kvcv1.RouteResponse {
-			return fakecp.Decision(q, fallback, kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY, ref(p, "p0", "127.0.0.1:7001"), nil)
+			return fakecp.Decision(q, fallback, kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY, ref(p, "p0", "127.0.0.1:7001"), nil, fakecp.Fallback())
 		}, "no_decode_worker", true},
 		{"no worker at all (every sidecar restarting)", func(q *kvcv1.RouteQuery, _, _ *fakeWorker) *kvcv1.RouteResponse {
-			return fakecp.Decision(q, fallback, kvcv1.RouteReason_ROUTE_REASON_NO_PREFILL_WORKER, nil, nil)
+			return fakecp.Decision(q, fallback, kvcv1.RouteReason_ROUTE_REASON_NO_PREFILL_WORKER, nil, nil, fakecp.Fallback())
 		}, "no_decode_worker", true},
 		{"no prefill worker for a plain P/D decision", func(q *kvcv1.RouteQuery, _, d *fakeWorker) *kvcv1.RouteResponse {
-			r := fakecp.Decision(q, fallback, kvcv1.RouteReason_ROUTE_REASON_NO_PREFILL_WORKER, nil, ref(d, "d0", ""))
+			r := fakecp.Decision(q, fallback, kvcv1.RouteReason_ROUTE_REASON_NO_PREFILL_WORKER, nil, ref(d, "d0", ""), fakecp.DecodeOnly())
 			r.GetDecision().Execution.CallPrefill = true // the plan needs P but names none
 			return r
 		}, "no_prefill_worker", true},
 		{"decode worker without a URL", func(q *kvcv1.RouteQuery, p, _ *fakeWorker) *kvcv1.RouteResponse {
 			return fakecp.Decision(q, kvcv1.RouteMode_ROUTE_MODE_SEED, kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION,
-				ref(p, "p0", "127.0.0.1:7001"), &kvcv1.WorkerRef{WorkerId: "d0"})
+				ref(p, "p0", "127.0.0.1:7001"), &kvcv1.WorkerRef{WorkerId: "d0"}, fakecp.Seed())
 		}, "no_decode_worker", true},
 		{"decision without an execution plan", func(q *kvcv1.RouteQuery, p, d *fakeWorker) *kvcv1.RouteResponse {
-			r := fakecp.Decision(q, kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT, nil, ref(d, "d0", ""))
+			r := fakecp.Decision(q, kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT, nil, ref(d, "d0", ""), fakecp.Direct())
 			r.GetDecision().Execution = nil
 			return r
 		}, "no_execution", true},
@@ -105,10 +105,10 @@ func TestRetryExcludesDeadWorker(t *testing.T) {
 						}
 						dref = bad
 					}
-					return fakecp.Decision(q, kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT, nil, dref)
+					return fakecp.Decision(q, kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT, nil, dref, fakecp.Direct())
 				}
 				return fakecp.Decision(q, kvcv1.RouteMode_ROUTE_MODE_SEED, kvcv1.RouteReason_ROUTE_REASON_SESSION_EVICTED,
-					ref(p, "p0", "127.0.0.1:7001"), ref(d, "d1", ""))
+					ref(p, "p0", "127.0.0.1:7001"), ref(d, "d1", ""), fakecp.Seed())
 			}
 			e := setup(t, decide, nil, func(i int, _ workerReq) string {
 				if i == 0 {
@@ -137,10 +137,10 @@ func TestRetryFailOpenAfterDecisionSkipsDeadWorker(t *testing.T) {
 		n++
 		if n == 1 {
 			return fakecp.Decision(q, kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT, nil,
-				ref(deadD, "d-static", ""))
+				ref(deadD, "d-static", ""), fakecp.Direct())
 		}
 		// The retry's decision has no decode worker: fail open.
-		return fakecp.Decision(q, kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY, ref(p, "p0", "127.0.0.1:7001"), nil)
+		return fakecp.Decision(q, kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY, ref(p, "p0", "127.0.0.1:7001"), nil, fakecp.Fallback())
 	}
 	e := setup(t, decide, nil, func(int, workerReq) string { return "close" }, 0)
 	deadD = e.d // the pool's only decode worker drops every connection
@@ -163,7 +163,7 @@ func TestCloseSessionOnMove(t *testing.T) {
 		old := newFakeWorker(t, nil)
 		decide := func(q *kvcv1.RouteQuery, p, d *fakeWorker) *kvcv1.RouteResponse {
 			r := fakecp.Decision(q, kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT, kvcv1.RouteReason_ROUTE_REASON_MIGRATED_AFTER_REJECTS,
-				ref(p, "p0", "127.0.0.1:7001"), ref(d, "d1", ""))
+				ref(p, "p0", "127.0.0.1:7001"), ref(d, "d1", ""), fakecp.ReseedSnapshot())
 			r.GetDecision().SnapshotSeqlen = 800
 			r.GetDecision().Execution.CloseSessionOn = []*kvcv1.WorkerRef{ref(old, "d-old", "")}
 			return r
@@ -200,7 +200,7 @@ func TestCloseSessionOnMove(t *testing.T) {
 // A decode worker that refuses open_session (it still holds the id) gets it closed and opened
 // again: the decision's KV replaces the stale copy.
 func TestOpenSessionReplacesStaleCopy(t *testing.T) {
-	e := setup(t, decideMode(kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT, kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_HIT), nil, nil, 0)
+	e := setup(t, decideMode(kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT, kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_HIT, fakecp.ReseedSnapshot()), nil, nil, 0)
 	e.d.openFails = 1
 	resp := post(t, e.gw.URL, "/generate", "s1", genBody)
 	if resp.StatusCode != 200 {
@@ -253,7 +253,7 @@ func TestFailureKindsFollowThePlan(t *testing.T) {
 			n := 0
 			decide := func(q *kvcv1.RouteQuery, p, d *fakeWorker) *kvcv1.RouteResponse {
 				n++
-				r := fakecp.Decision(q, kvcv1.RouteMode_ROUTE_MODE_SEED, kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION, ref(p, "p0", "127.0.0.1:7001"), ref(d, "d0", ""))
+				r := fakecp.Decision(q, kvcv1.RouteMode_ROUTE_MODE_SEED, kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION, ref(p, "p0", "127.0.0.1:7001"), ref(d, "d0", ""), fakecp.Seed())
 				tt.mutate(r.GetDecision().Execution)
 				return r
 			}
@@ -317,9 +317,9 @@ func TestRetryAfterTransferFailure(t *testing.T) {
 			decide := func(q *kvcv1.RouteQuery, p, d *fakeWorker) *kvcv1.RouteResponse {
 				n++
 				if n == 1 {
-					return fakecp.Decision(q, kvcv1.RouteMode_ROUTE_MODE_SEED, kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION, ref(p, "p0", "127.0.0.1:7001"), ref(d, "d0", ""))
+					return fakecp.Decision(q, kvcv1.RouteMode_ROUTE_MODE_SEED, kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION, ref(p, "p0", "127.0.0.1:7001"), ref(d, "d0", ""), fakecp.Seed())
 				}
-				return fakecp.Decision(q, kvcv1.RouteMode_ROUTE_MODE_SEED, kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION, ref(p, "p1", "127.0.0.1:7002"), ref(d, "d1", ""))
+				return fakecp.Decision(q, kvcv1.RouteMode_ROUTE_MODE_SEED, kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION, ref(p, "p1", "127.0.0.1:7002"), ref(d, "d1", ""), fakecp.Seed())
 			}
 			e := setup(t, decide, tt.pb, tt.db, 2*time.Second)
 			resp := post(t, e.gw.URL, "/generate", "s1", genBody)

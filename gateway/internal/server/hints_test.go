@@ -25,7 +25,7 @@ func TestAgentHintsThroughGateway(t *testing.T) {
 				Execution: &kvcv1.RouteExecution{CloseSessionOn: []*kvcv1.WorkerRef{ref(d, "d0", "")}},
 			}}}
 		}
-		r := fakecp.Decision(q, kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT, nil, ref(d, "d0", ""))
+		r := fakecp.Decision(q, kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT, nil, ref(d, "d0", ""), fakecp.Direct())
 		r.GetDecision().DecisionId = "d-turn-" + q.GetSessionId()
 		return r
 	}
@@ -114,7 +114,7 @@ func TestReleaseHintSkippedOnFailure(t *testing.T) {
 				Execution: &kvcv1.RouteExecution{},
 			}}}
 		}
-		return fakecp.Decision(q, kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT, nil, ref(d, "d0", ""))
+		return fakecp.Decision(q, kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT, nil, ref(d, "d0", ""), fakecp.Direct())
 	}
 	e := setup(t, decide, nil, func(int, workerReq) string { return "503" }, 0)
 	req, _ := http.NewRequest(http.MethodPost, e.gw.URL+"/generate", strings.NewReader(`{"text":"x"}`))

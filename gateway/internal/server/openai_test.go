@@ -6,11 +6,12 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/kvcentric/kvcentric/gateway/internal/fakecp"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
 func TestOpenAI(t *testing.T) {
-	direct := decideMode(kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT)
+	direct := decideMode(kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT, fakecp.Direct())
 	tests := []struct {
 		name, path, body string
 		stream           bool
@@ -91,7 +92,7 @@ func TestOpenAI(t *testing.T) {
 }
 
 func TestBadRequests(t *testing.T) {
-	e := setup(t, decideMode(kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT), nil, nil, 0)
+	e := setup(t, decideMode(kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT, fakecp.Direct()), nil, nil, 0)
 	tests := []struct {
 		name, path, sid, body string
 		wantStatus            int

@@ -65,6 +65,7 @@ func TestRetryAfterWorkerGone(t *testing.T) {
 		{"decode dies after a token (non-streaming)", direct, "", "die", strings.Replace(genBody, `"stream":true`, `"stream":false`, 1), 502, false,
 			kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_WORKER_ERROR, "worker_unreachable: decode worker"},
 	}
+	plans := map[kvcv1.RouteMode]fakecp.Canned{direct: fakecp.Direct(), seed: fakecp.Seed()} // the first decision's plan
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			badRef := func(how, id string, fallback *fakeWorker) *kvcv1.WorkerRef {
@@ -84,11 +85,11 @@ func TestRetryAfterWorkerGone(t *testing.T) {
 				if n == 1 {
 					if first == nil {
 						first = fakecp.Decision(q, tt.mode, kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT,
-							badRef(tt.badP, "p-bad", p), badRef(tt.badD, "d-bad", d))
+							badRef(tt.badP, "p-bad", p), badRef(tt.badD, "d-bad", d), plans[tt.mode])
 					}
 					return first
 				}
-				return fakecp.Decision(q, seed, kvcv1.RouteReason_ROUTE_REASON_SESSION_EVICTED, ref(p, "p0", "127.0.0.1:7001"), ref(d, "d0", ""))
+				return fakecp.Decision(q, seed, kvcv1.RouteReason_ROUTE_REASON_SESSION_EVICTED, ref(p, "p0", "127.0.0.1:7001"), ref(d, "d0", ""), fakecp.Seed())
 			}
 			e := setup(t, decide, nil, nil, 0)
 			resp := post(t, e.gw.URL, "/generate", "s1", tt.body)
@@ -148,7 +149,7 @@ func TestRetryAfterWorkerGone(t *testing.T) {
 func TestRetryBounded(t *testing.T) {
 	decide := func(q *kvcv1.RouteQuery, p, d *fakeWorker) *kvcv1.RouteResponse {
 		return fakecp.Decision(q, kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT,
-			ref(p, "p0", "127.0.0.1:7001"), &kvcv1.WorkerRef{WorkerId: "d-dead", WorkerUrl: deadURL(t)})
+			ref(p, "p0", "127.0.0.1:7001"), &kvcv1.WorkerRef{WorkerId: "d-dead", WorkerUrl: deadURL(t)}, fakecp.Direct())
 	}
 	e := setup(t, decide, nil, nil, 0)
 	resp := post(t, e.gw.URL, "/generate", "s1", genBody)

@@ -261,9 +261,10 @@ func ref(w *fakeWorker, id, peer string) *kvcv1.WorkerRef {
 	return &kvcv1.WorkerRef{WorkerId: id, WorkerUrl: w.URL, PeerAddr: peer}
 }
 
-func decideMode(mode kvcv1.RouteMode, reason kvcv1.RouteReason) func(q *kvcv1.RouteQuery, p, d *fakeWorker) *kvcv1.RouteResponse {
+// decideMode answers every query with a decision of mode and reason and the canned plan c.
+func decideMode(mode kvcv1.RouteMode, reason kvcv1.RouteReason, c fakecp.Canned) func(q *kvcv1.RouteQuery, p, d *fakeWorker) *kvcv1.RouteResponse {
 	return func(q *kvcv1.RouteQuery, p, d *fakeWorker) *kvcv1.RouteResponse {
-		r := fakecp.Decision(q, mode, reason, ref(p, "p0", "127.0.0.1:7001"), ref(d, "d0", ""))
+		r := fakecp.Decision(q, mode, reason, ref(p, "p0", "127.0.0.1:7001"), ref(d, "d0", ""), c)
 		r.GetDecision().CachedTokens = 900
 		r.GetDecision().SnapshotSeqlen = 800
 		return r
@@ -320,17 +321,18 @@ func TestModes(t *testing.T) {
 		name        string
 		mode        kvcv1.RouteMode
 		reason      kvcv1.RouteReason
+		plan        fakecp.Canned
 		wantPrefill bool
 		wantOpen    bool
 		check       func(t *testing.T, pr, dr workerReq)
 	}{
-		{"direct", kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT, false, false, func(t *testing.T, _, dr workerReq) {
+		{"direct", kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT, fakecp.Direct(), false, false, func(t *testing.T, _, dr workerReq) {
 			if dr.KVC.Mode != "DIRECT_TO_D" || dr.KVC.CachedTokens != 900 || !dr.KVC.KeepSession || dr.BootstrapRoom != 0 || dr.KVC.Role != "decode" ||
 				dr.KVC.Transfer != "" || dr.SessionParams == nil || dr.SessionParams.ID != "s1" {
 				t.Fatalf("decode got %+v", dr)
 			}
 		}},
-		{"seed", kvcv1.RouteMode_ROUTE_MODE_SEED, kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION, true, true, func(t *testing.T, pr, dr workerReq) {
+		{"seed", kvcv1.RouteMode_ROUTE_MODE_SEED, kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION, fakecp.Seed(), true, true, func(t *testing.T, pr, dr workerReq) {
 			for _, r := range []workerReq{pr, dr} {
 				if r.BootstrapRoom != 4242 || r.BootstrapHost != "127.0.0.1" || r.BootstrapPort != 7001 || r.KVC.Room != 4242 ||
 					r.KVC.PrefillPeerAddr != "127.0.0.1:7001" || r.KVC.Mode != "SEED" || r.KVC.Transfer != "SEED" || r.Text != "hi" ||
@@ -349,24 +351,24 @@ func TestModes(t *testing.T) {
 				t.Fatalf("roles: %+v / %+v", pr, dr)
 			}
 		}},
-		{"reseed prefill", kvcv1.RouteMode_ROUTE_MODE_RESEED_PREFILL, kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_MISSING, true, true, func(t *testing.T, pr, dr workerReq) {
+		{"reseed prefill", kvcv1.RouteMode_ROUTE_MODE_RESEED_PREFILL, kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_MISSING, fakecp.Seed(), true, true, func(t *testing.T, pr, dr workerReq) {
 			if dr.KVC.Mode != "RESEED_PREFILL" || pr.KVC.Mode != "RESEED_PREFILL" || pr.SessionParams != nil || pr.Priority == nil || *pr.Priority != -100 {
 				t.Fatalf("got %+v", dr)
 			}
 		}},
-		{"pd fallback", kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY, true, false, func(t *testing.T, pr, dr workerReq) {
+		{"pd fallback", kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, kvcv1.RouteReason_ROUTE_REASON_NO_D_CAPACITY, fakecp.Fallback(), true, false, func(t *testing.T, pr, dr workerReq) {
 			if dr.KVC.KeepSession || dr.SessionParams != nil || dr.KVC.SessionID != "s1" || pr.Priority != nil {
 				t.Fatalf("fallback keeps no session: %+v", dr)
 			}
 		}},
-		{"pd fallback for a large append keeps the session", kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND, true, false, func(t *testing.T, pr, dr workerReq) {
+		{"pd fallback for a large append keeps the session", kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND, fakecp.LargeAppend(), true, false, func(t *testing.T, pr, dr workerReq) {
 			if !dr.KVC.KeepSession || dr.KVC.Mode != "PD_FALLBACK" || dr.BootstrapRoom != 4242 || dr.KVC.Room != 4242 ||
 				dr.KVC.SessionID != "s1" || dr.SessionParams == nil || pr.KVC.Mode != "PD_FALLBACK" || pr.KVC.Role != "prefill" || pr.SessionParams != nil ||
 				pr.Priority == nil || *pr.Priority != -100 {
 				t.Fatalf("large append: prefill %+v decode %+v", pr, dr)
 			}
 		}},
-		{"reseed snapshot", kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT, kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_HIT, false, true, func(t *testing.T, _, dr workerReq) {
+		{"reseed snapshot", kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT, kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_HIT, fakecp.ReseedSnapshot(), false, true, func(t *testing.T, _, dr workerReq) {
 			if dr.KVC.Mode != "RESEED_SNAPSHOT" || dr.KVC.SnapshotSeqlen != 800 || dr.KVC.Room != 4242 || dr.KVC.PrefillPeerAddr != "127.0.0.1:7001" ||
 				dr.BootstrapRoom != 0 || dr.KVC.Transfer != "SNAPSHOT" || dr.SessionParams == nil {
 				t.Fatalf("got %+v", dr)
@@ -375,7 +377,7 @@ func TestModes(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			e := setup(t, decideMode(tt.mode, tt.reason), nil, nil, 0)
+			e := setup(t, decideMode(tt.mode, tt.reason, tt.plan), nil, nil, 0)
 			prCh := make(chan workerReq, 1)
 			if tt.wantPrefill {
 				e.d.arrived = make(chan struct{})

@@ -5,12 +5,13 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvcentric/kvcentric/gateway/internal/fakecp"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
 // storeSeed is a SEED decision through the prefill store (RouteExecution.store_generation).
 func storeSeed(q *kvcv1.RouteQuery, p, d *fakeWorker) *kvcv1.RouteResponse {
-	r := decideMode(kvcv1.RouteMode_ROUTE_MODE_SEED, kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION)(q, p, d)
+	r := decideMode(kvcv1.RouteMode_ROUTE_MODE_SEED, kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION, fakecp.Seed())(q, p, d)
 	r.GetDecision().Execution.StoreGeneration = 3
 	r.GetDecision().Execution.StoreLoadRoom = 5151
 	return r

@@ -14,6 +14,7 @@ import (
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/kvcentric/kvcentric/gateway/internal/fakecp"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -40,7 +41,7 @@ func attr(s sdktrace.ReadOnlySpan, key string) string {
 // names the trace in X-KVC-Trace-Id.
 func TestRequestTrace(t *testing.T) {
 	rec := recordSpans(t)
-	direct := decideMode(kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT)
+	direct := decideMode(kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT, fakecp.Direct())
 	queried := make(chan string, 4) // the queries' traceparent, as the control plane received them
 	e := setup(t, func(q *kvcv1.RouteQuery, p, d *fakeWorker) *kvcv1.RouteResponse {
 		queried <- q.GetTraceparent()
