@@ -114,8 +114,8 @@ func CopyRecord(r *kvcv1.SessionRecord) *kvcv1.SessionRecord {
 
 // UpdateSession implements router.Cluster. As the state does (state.UpdateSession), a record
 // that fn makes resident on another decode worker takes that worker's last commit (Commit) as
-// its kv_committed_len, else 0, whatever fn wrote: the decode sidecar's commit is its one
-// writer.
+// its kv_committed_len, else 0, unless fn set it (a test's setup): the decode sidecar's commit is
+// its one writer.
 func (c *Cluster) UpdateSession(id string, fn func(rec *kvcv1.SessionRecord)) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -124,9 +124,9 @@ func (c *Cluster) UpdateSession(id string, fn func(rec *kvcv1.SessionRecord)) {
 		r = &kvcv1.SessionRecord{SessionId: id}
 		c.sessions[id] = r
 	}
-	before := r.DecodeWorker
+	before, kv := r.DecodeWorker, r.KvCommittedLen
 	fn(r)
-	if d := r.DecodeWorker; d != before && d != "" {
+	if d := r.DecodeWorker; d != before && d != "" && r.KvCommittedLen == kv {
 		r.KvCommittedLen = 0
 		if a, ok := c.away[id]; ok && a.worker == d {
 			r.KvCommittedLen = a.kvLen
