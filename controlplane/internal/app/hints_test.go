@@ -11,7 +11,7 @@ import (
 // TestAgentHintsEndToEnd: a real control plane on real etcd. A turn of a resident session
 // carries a pin and the low-priority hint on the Route stream; once its outcome is in, the
 // AdminService shows both on the session (GetSession, ListSessions) and the decode worker's
-// sidecar stream gets its snapshot target again with them.
+// sidecar stream gets them on a SetSessionHintsCommand (its snapshot target is not named again).
 func TestAgentHintsEndToEnd(t *testing.T) {
 	e := etcdtest.Start(t)
 	c := startCP(t, e.Endpoints(), "cp-a")
@@ -25,7 +25,7 @@ func TestAgentHintsEndToEnd(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	targets := make(chan *kvcv1.SetSnapshotTargetCommand, 16)
+	hints := make(chan *kvcv1.SetSessionHintsCommand, 16)
 	go func() {
 		for {
 			m, err := d0.stream.Recv()
@@ -36,8 +36,8 @@ func TestAgentHintsEndToEnd(t *testing.T) {
 			if cmd == nil {
 				continue
 			}
-			if st := cmd.GetSetSnapshotTarget(); st != nil {
-				targets <- st
+			if h := cmd.GetSetSessionHints(); h != nil {
+				hints <- h
 			}
 			_ = d0.send(&kvcv1.ConnectRequest{Msg: &kvcv1.ConnectRequest_Ack{Ack: &kvcv1.CommandAck{CommandId: cmd.GetCommandId(), Ok: true}}})
 		}
@@ -91,12 +91,9 @@ func TestAgentHintsEndToEnd(t *testing.T) {
 	deadline := time.After(10 * time.Second)
 	for {
 		select {
-		case st := <-targets:
-			if st.GetSessionId() != "agent-1" || st.GetPinnedUntilUnixMs() == 0 {
-				continue // the target named after the full resync, before the hints
-			}
-			if st.GetPinnedUntilUnixMs() != until || !st.GetLowPriority() || st.GetPrefillWorkerId() != "p0" {
-				t.Fatalf("target with hints %v", st)
+		case h := <-hints:
+			if h.GetSessionId() != "agent-1" || h.GetPinnedUntilUnixMs() != until || !h.GetLowPriority() {
+				t.Fatalf("hints %v", h)
 			}
 			return
 		case <-deadline:
