@@ -96,7 +96,7 @@ func (s *Service) apply(r *reservation, o *kvcv1.RouteOutcome, nowMs int64) {
 // without a closure allocation per outcome: pooled, with its callback bound once.
 type outcomeCtx struct {
 	r      *reservation
-	t      *policy.Turn
+	t      policy.Turn // r as the policy sees it (a value: no allocation per outcome)
 	s      *Service
 	o      *kvcv1.RouteOutcome // a successful turn's outcome: learn its content (nil: nothing to learn)
 	effect policy.Effect
@@ -115,7 +115,7 @@ var outcomePool = sync.Pool{New: func() any {
 }}
 
 func (x *outcomeCtx) apply(rec *kvcv1.SessionRecord) {
-	x.ed = x.effect.Edit(x.t, rec, x.nowMs, x.term)
+	x.ed = x.effect.Edit(&x.t, rec, x.nowMs, x.term)
 	if x.ed.Here && x.o != nil && (x.effect == policy.EffectExtended || x.o.KvLenAfter > 0) {
 		// A new residency's committed length is its D's commit, which the state applies after
 		// this edit: without the worker's own kv_len_after it is learnt after it (resident).
@@ -167,7 +167,7 @@ func (x *outcomeCtx) learnOnly(rec *kvcv1.SessionRecord) {
 func (s *Service) updateSession(r *reservation, t *policy.Turn, e policy.Effect, o *kvcv1.RouteOutcome, nowMs int64) *outcomeCtx {
 	x := outcomePool.Get().(*outcomeCtx)
 	fn := x.fn
-	*x = outcomeCtx{r: r, t: t, s: s, o: o, effect: e, nowMs: nowMs, fn: fn, term: s.c.GenerationTerm()}
+	*x = outcomeCtx{r: r, t: *t, s: s, o: o, effect: e, nowMs: nowMs, fn: fn, term: s.c.GenerationTerm()}
 	s.c.UpdateSession(r.session, fn)
 	return x
 }
@@ -203,7 +203,11 @@ func (s *Service) resident(r *reservation, t *policy.Turn, e policy.Effect, o *k
 	}
 	for _, c := range cmds {
 		if err := s.send(c.Worker, c.Name, c.Cmd); err != nil {
-			s.log.Warn().Err(err).Str("session", r.session).Str("worker", c.Worker).Msg(c.Name + " not sent")
+			ev := s.log.Warn()
+			if c.Name == "release_session" {
+				ev = s.log.Debug() // the worker left behind is often the one that is gone
+			}
+			ev.Err(err).Str("session", r.session).Str("worker", c.Worker).Msg(c.Name + " not sent")
 		}
 	}
 }
