@@ -127,7 +127,16 @@ func TestGenerationClaimsRefused(t *testing.T) {
 		if d.GetDecode().GetWorkerId() == "" {
 			t.Fatalf("%s: decision %v names no decode worker", rid, d)
 		}
+		// The decode worker commits through its sidecar (kv_committed_len's one writer), then
+		// the gateway reports the outcome; the two streams may arrive in either order.
+		if err := cls[d.GetDecode().GetWorkerId()].send(event(kvcv1.SessionEventKind_SESSION_EVENT_KIND_COMMITTED, id, 1000, 0)); err != nil {
+			t.Fatal(err)
+		}
 		reportOutcome(t, rs, d, 1000)
+		waitFor(t, id+" committed", func() bool {
+			r := session(id)
+			return r.GetDecodeWorker() == d.GetDecode().GetWorkerId() && r.GetKvCommittedLen() == 1000
+		})
 		return d
 	}
 

@@ -51,8 +51,8 @@ func TestTraceCrossesIntoControlPlane(t *testing.T) {
 // TestDecisionTraceEndToEnd (issue 15 item 8): on a real control plane (etcd, gRPC), a query
 // sent over the Route stream with a request span's traceparent — what the gateway sends — is
 // decided in a span of that trace, child of the request span, exported with the decision id;
-// and the command the decision causes on the decode sidecar's Connect stream (the snapshot
-// target with the turn's agent hints) carries the decision span's context.
+// and the command the decision causes on the decode sidecar's Connect stream (the turn's agent
+// hints, SetSessionHintsCommand) carries the decision span's context.
 func TestDecisionTraceEndToEnd(t *testing.T) {
 	exp := tracetest.NewInMemoryExporter()
 	e := etcdtest.Start(t)
@@ -142,8 +142,8 @@ func TestDecisionTraceEndToEnd(t *testing.T) {
 	want := "00-" + decision.TraceID().String() + "-" + decision.SpanID().String() + "-01"
 	select {
 	case cmd := <-traced:
-		if cmd.GetSetSnapshotTarget().GetSessionId() != "tr-1" || cmd.GetTraceparent() != want {
-			t.Fatalf("command %v, want a snapshot target of tr-1 with traceparent %s", cmd, want)
+		if cmd.GetSetSessionHints().GetSessionId() != "tr-1" || cmd.GetTraceparent() != want {
+			t.Fatalf("command %v, want the hints of tr-1 with traceparent %s", cmd, want)
 		}
 	case <-time.After(10 * time.Second):
 		t.Fatal("no command carried the decision's trace")
