@@ -3,6 +3,7 @@ package app
 import (
 	"bytes"
 	"flag"
+	"math"
 	"strings"
 	"testing"
 	"time"
@@ -86,6 +87,10 @@ func TestValidate(t *testing.T) {
 		{"compaction below 1s", func(o *Options) { o.EmbeddedEtcdCompaction = time.Millisecond }, "--embedded-etcd-compaction-retention"},
 		{"compaction off", func(o *Options) { o.EmbeddedEtcdCompaction = 0 }, ""},
 		{"etcd call timeout", func(o *Options) { o.EtcdCallTimeout = time.Millisecond }, "--etcd-call-timeout"},
+		{"new-session share above 1", func(o *Options) { o.NewSessionShare = 1.5 }, "--new-session-share"},
+		{"new-session share negative", func(o *Options) { o.NewSessionShare = -0.1 }, "--new-session-share"},
+		{"new-session share NaN", func(o *Options) { o.NewSessionShare = math.NaN() }, "--new-session-share"},
+		{"new-session share off", func(o *Options) { o.NewSessionShare = 0 }, ""},
 		{"tls without ca", func(o *Options) { o.TLS = tlsx.Files{Cert: "c", Key: "k"} }, "--tls-ca missing"},
 		{"etcd tls needs external etcd", func(o *Options) { o.EtcdTLS.Cert, o.EtcdTLS.Key, o.EtcdTLS.CA = "c", "k", "a" }, "need --etcd-endpoints"},
 		{"etcd tls partial", func(o *Options) { o.EtcdEndpoints = "https://e:2379"; o.EtcdTLS.CA = "a" }, "--etcd-cert, --etcd-key missing"},

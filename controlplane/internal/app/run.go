@@ -218,6 +218,7 @@ func Run(ctx context.Context, opts *Options, log zerolog.Logger) error {
 		OnStale: func() { el.StepDown("a sidecar has seen a newer epoch") },
 	}, reg))
 	rt := router.New(st, log, reg)
+	rt.SetNewSessionShare(opts.NewSessionShare)
 	rt.Register(gsrv)
 	st.SetRehomeHook(rt) // a decode worker that leaves READY: its sessions re-homed (router/rehome.go)
 	onLeadership := func(bool) {}

@@ -194,6 +194,7 @@ func (c *Cycle) placeOnContent(d *Cand) (Decision, bool) {
 			CachedTokens:   o,
 			LocalPrefill:   true,
 			PauseMs:        c.pause(d),
+			NewSession:     true,
 		}, true
 	}
 	return Decision{}, false

@@ -223,7 +223,11 @@ type Knobs struct {
 	// capacity pinned sessions may hold (pin.go).
 	MaxPinMs       int64
 	MaxPinnedShare float64
-	Version        int64
+	// NewSessionShare bounds the reservations of new sessions on a decode worker beyond its
+	// free room to this share of its kv_capacity_tokens (newsession.go); 0 = no bound. Not a
+	// field of the policy record: kvc-controlplane --new-session-share (the router sets it).
+	NewSessionShare float64
+	Version         int64
 }
 
 // Compile fills defaults into p and returns its Knobs. p is not modified.
@@ -251,6 +255,7 @@ func Compile(p *kvcv1.Policy) *Knobs {
 		SeedThroughStore:         f.GetSeedThroughStore(),
 		MaxPinMs:                 f.GetMaxPinMs(),
 		MaxPinnedShare:           f.GetMaxPinnedShare(),
+		NewSessionShare:          DefaultNewSessionShare,
 		Version:                  f.GetVersion(),
 	}
 	if k.MigrationRejectThreshold < 1 {

@@ -35,6 +35,9 @@ type Reserved struct {
 	Seeds          int32 // decode: seeds in flight
 	Prefills       int32 // prefill: decisions that make the worker prefill, in flight
 	Plain          int32 // decode: plain P/D requests (PD_FALLBACK) in flight here, as a P/D router counts them
+	// NewSession (decode): the part of Tokens reserved by decisions that open a new session
+	// here (Decision.NewSession), bounded by Knobs.NewSessionShare (newsession.go).
+	NewSession int64
 }
 
 // Ledger is the reservation view Decide reads (the router's ledger, read under its lock).
@@ -122,6 +125,14 @@ type Decision struct {
 	ReceiveFrom int64
 	// Exec is how the gateway carries the decision out (execution.go).
 	Exec Execution
+	// NewSession: the decision opens a session with no residency history on Decode (a seed, a
+	// first turn prefilled on D, the fallback keeping a refused seed's KV); its ReservedTokens
+	// count toward Reserved.NewSession (newsession.go).
+	NewSession bool
+	// Refused: a new session that no routable decode worker admits within the new-session
+	// bound (newsession.go); nothing is routed or reserved, the router refuses the query
+	// (RESOURCE_EXHAUSTED, NO_D_CAPACITY).
+	Refused bool
 }
 
 // Gate is a named yes/no check on the request; the first gate of a profile that blocks makes
@@ -476,6 +487,7 @@ func (c *Cycle) seed() Decision {
 		UsesPrefill:     true,
 		PrefillPriority: PrefillPriorityLow,
 		PauseMs:         c.pause(d),
+		NewSession:      true,
 	}
 }
 
@@ -539,7 +551,19 @@ func (c *Cycle) fallback(reason kvcv1.RouteReason) Decision {
 	switch {
 	case keep && d != nil && dec.Prefill != nil:
 		c.Need = c.Q.InputTokens + c.Q.MaxOutputTokens
+		if !newSessionRoom(c, d) {
+			// Past d's new-session bound: the best decode worker within its bound, else
+			// refused (newsession.go).
+			if d, _ = c.pick(keepFallbackProfile); d == nil {
+				return c.refused()
+			}
+			if dec.Prefill = c.leastLoadedPrefill(TPSize(d.W)); dec.Prefill == nil {
+				return c.refused()
+			}
+			dec.Decode, dec.PauseMs = d.W, c.pause(d)
+		}
 		dec.KeepsResidency, dec.ReservedTokens, dec.Transfer = true, c.Need, true
+		dec.NewSession = true
 		dec.PrefillPriority = PrefillPriorityLow // the next turn goes direct-to-D
 		if !fits(c, d) {
 			dec.Admission = AdmitOverCapacity

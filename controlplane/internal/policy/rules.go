@@ -149,9 +149,11 @@ func spreadDraw(session string, turn int32, input int64, worker string) float64 
 // Profiles.
 var (
 	// SeedProfile places a new session. No transfer budget: a seed's transfer starts only once
-	// P prefilled (seed_max_inflight_decode bounds seeds).
+	// P prefilled (seed_max_inflight_decode bounds seeds). The new-session bound
+	// (newsession.go) comes before capacity: a seed it refuses everywhere is refused, not kept
+	// by a fallback.
 	SeedProfile = &Profile{"seed",
-		[]Filter{FilterRoutable, FilterCapacity, FilterSeedInflight},
+		[]Filter{FilterRoutable, FilterNewSessionShare, FilterCapacity, FilterSeedInflight},
 		[]Scorer{ScoreHeadroom, ScoreQueues}}
 	// ReseedProfile places a session that lost its D on the best routable D: rejections,
 	// capacity and the store-transfer budget are scores (a reseed is never downgraded to a

@@ -24,6 +24,7 @@ type reservation struct {
 	seed     bool
 	prefills bool
 	plain    bool // a plain P/D request (PD_FALLBACK) with a decode worker: counted in Reserved.Plain
+	newSess  bool // opens a new session on decode (policy.Decision.NewSession): tokens counted in Reserved.NewSession
 	input    int64
 	maxOut   int64
 	snapGen  uint64
@@ -199,6 +200,9 @@ func (l *ledger) add(r *reservation) {
 	if r.holdsDecode() {
 		w := l.worker(r.decode)
 		w.Tokens += r.tokens
+		if r.newSess {
+			w.NewSession += r.tokens
+		}
 		if r.transfer {
 			w.Transfers++
 		}
@@ -235,6 +239,9 @@ func (l *ledger) remove(seq uint64) (*reservation, bool) {
 	if r.holdsDecode() {
 		w := l.workers[r.decode]
 		w.Tokens -= r.tokens
+		if r.newSess {
+			w.NewSession -= r.tokens
+		}
 		if r.transfer {
 			w.Transfers--
 		}

@@ -40,9 +40,12 @@ type metrics struct {
 	queuedByKey        map[[2]int32]prometheus.Counter // by mode, policy.Admission
 	keptFallbacks      prometheus.Counter
 	wastedKV           prometheus.Counter
-	rehomes            *prometheus.CounterVec // rehome.go
-	rehomeSeconds      prometheus.Histogram
-	rehomeWaits        prometheus.Counter
+	// The new-session bound (policy/newsession.go): queries refused, new sessions' tokens held.
+	newRefused    prometheus.Counter
+	newReserved   prometheus.GaugeFunc
+	rehomes       *prometheus.CounterVec // rehome.go
+	rehomeSeconds prometheus.Histogram
+	rehomeWaits   prometheus.Counter
 
 	admittedMu  sync.RWMutex
 	admittedFor map[string]prometheus.Counter
@@ -169,6 +172,21 @@ func newMetrics(reg prometheus.Registerer, s *Service) *metrics {
 		defer s.mu.Unlock()
 		return float64(s.led.heldTokens)
 	})
+	m.newRefused = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "kvc_router_new_session_refusals_total",
+		Help: "Queries of new sessions refused (RESOURCE_EXHAUSTED, NO_D_CAPACITY; the gateway answers 503 no_d_capacity) because no routable decode worker had free room for them and every one's new-session reservations were at --new-session-share of its capacity.",
+	})
+	m.newReserved = prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "kvc_router_new_session_reserved_tokens", Help: "KV tokens reserved on decode workers by decisions opening new sessions (seeds, first turns prefilled on D, kept fallbacks) awaiting their outcome, all workers together (the part of kvc_router_reserved_tokens that --new-session-share bounds per worker).",
+	}, func() float64 {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		n := int64(0)
+		for _, w := range s.led.workers {
+			n += w.NewSession
+		}
+		return float64(n)
+	})
 	m.contentGauge = prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: "kvc_router_content_sessions", Help: "Sessions whose KV content (page hash chain) the leader knows.",
 	}, func() float64 { return float64(s.content.len()) })
@@ -193,7 +211,7 @@ func newMetrics(reg prometheus.Registerer, s *Service) *metrics {
 		reg.MustRegister(m.decisions, m.latency, m.outcomes, m.ttft, m.errors, m.expired, m.lateOutcomes, m.migrations,
 			m.admitted, m.rejected, m.commands, m.reservations, m.streamEnd, m.reservedTokens, m.truncations, m.contentGauge, m.contentLoaded, m.pins,
 			m.fromSnapshot, m.fromSnapshotTokens, m.suffixReceives,
-			m.queued, m.keptFallbacks, m.wastedKV)
+			m.queued, m.keptFallbacks, m.wastedKV, m.newRefused, m.newReserved)
 	}
 	return m
 }

@@ -18,6 +18,7 @@ import (
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/rs/zerolog"
+	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -39,6 +40,8 @@ type Service struct {
 	roomBase uint64
 
 	knobs atomic.Pointer[compiledPolicy]
+	// newShare is the new-session bound (policy.Knobs.NewSessionShare), set before serving.
+	newShare float64
 
 	content *contentStore // the sessions' content addresses (content.go)
 
@@ -78,9 +81,18 @@ func New(c Cluster, log zerolog.Logger, reg prometheus.Registerer) *Service {
 		pins:     map[string]pinEntry{},
 		rehomes:  map[string]*rehomeOp{},
 		rq:       rehomeQueue{kick: make(chan struct{}, 1)},
+		newShare: policy.DefaultNewSessionShare,
 	}
 	s.m = newMetrics(reg, s)
 	return s
+}
+
+// SetNewSessionShare sets the share of a decode worker's kv_capacity_tokens that reservations
+// of new sessions may take beyond its free room (policy/newsession.go; kvc-controlplane
+// --new-session-share; 0: no bound). Call it before serving.
+func (s *Service) SetNewSessionShare(share float64) {
+	s.newShare = share
+	s.knobs.Store(nil)
 }
 
 // Register registers the service on a gRPC server.
@@ -309,6 +321,7 @@ func (s *Service) policyKnobs() *policy.Knobs {
 		return cur.k
 	}
 	k := policy.Compile(p)
+	k.NewSessionShare = s.newShare
 	s.knobs.Store(&compiledPolicy{src: p, k: k})
 	return k
 }
@@ -470,6 +483,7 @@ func (s *Service) record(in *policy.Input, d *policy.Decision, now time.Time) *r
 		seed:     d.Seed,
 		prefills: d.UsesPrefill,
 		plain:    d.Mode == kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK && d.Decode != nil && !d.KeepsResidency,
+		newSess:  d.NewSession,
 		input:    in.Query.InputTokens,
 		maxOut:   in.Query.MaxOutputTokens,
 		snapGen:  d.SnapshotGeneration,
@@ -664,6 +678,9 @@ func (s *Service) query(q *kvcv1.RouteQuery) *kvcv1.RouteResponse {
 			x.run()
 		}
 	}
+	if x.d.Refused {
+		return s.refuse(q, x, span)
+	}
 	d, r, turn := &x.d, x.r, x.d.Turn
 
 	if d.LocalReject != "" {
@@ -706,6 +723,22 @@ func (s *Service) query(q *kvcv1.RouteQuery) *kvcv1.RouteResponse {
 	endDecision(span, q, out)
 	s.m.latency.Observe(time.Since(start).Seconds())
 	return &kvcv1.RouteResponse{Kind: &kvcv1.RouteResponse_Decision{Decision: out}}
+}
+
+// refuse answers a query the policy refused (a new session past every decode worker's
+// new-session bound: policy/newsession.go): its empty reservation is dropped and the query
+// gets RESOURCE_EXHAUSTED with the reason's name first, so that the gateway answers 503
+// no_d_capacity instead of failing open onto a worker that would evict for it.
+func (s *Service) refuse(q *kvcv1.RouteQuery, x *queryCtx, span trace.Span) *kvcv1.RouteResponse {
+	s.mu.Lock()
+	s.led.remove(x.r.seq)
+	s.mu.Unlock()
+	s.m.newRefused.Inc()
+	endDecision(span, q, nil)
+	s.log.Debug().Str("session", q.SessionId).Int64("tokens", q.InputTokens+q.MaxOutputTokens).Msg("new session refused: every decode worker at its new-session bound")
+	return s.errResp(q.RequestId, "", codes.ResourceExhausted, fmt.Sprintf(
+		"NO_D_CAPACITY: no decode worker has room for a new session of %d tokens without evicting past --new-session-share %.2f of its capacity; retry later",
+		q.InputTokens+q.MaxOutputTokens, x.in.Knobs.NewSessionShare))
 }
 
 // execution is the proto form of the policy's execution plan.

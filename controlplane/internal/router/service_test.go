@@ -138,6 +138,9 @@ func (f *fixture) checkLedger() {
 			if r.seed {
 				w.Seeds++
 			}
+			if r.newSess {
+				w.NewSession += r.tokens
+			}
 			want[r.decode] = w
 		}
 		if r.prefills && r.prefill != "" {
@@ -153,7 +156,7 @@ func (f *fixture) checkLedger() {
 		tokens += r.tokens
 	}
 	for id, w := range f.s.led.workers {
-		if w.Tokens < 0 || w.Transfers < 0 || w.StoreTransfers < 0 || w.Seeds < 0 || w.Prefills < 0 || w.Plain < 0 {
+		if w.Tokens < 0 || w.Transfers < 0 || w.StoreTransfers < 0 || w.Seeds < 0 || w.Prefills < 0 || w.Plain < 0 || w.NewSession < 0 || w.NewSession > w.Tokens {
 			f.t.Fatalf("negative reservation on %s: %+v", id, *w)
 		}
 		if *w != want[id] {
@@ -585,9 +588,10 @@ func TestConcurrentDecisionsDoNotOverAdmit(t *testing.T) {
 	defer f.s.mu.Unlock()
 	// Only the fallbacks (never reported here) still hold what they reserved on d0: a refused
 	// seed's fallback keeps the session there, so its pages count (input + max_output) and it
-	// holds the session's transfer; it is no plain P/D request.
+	// holds the session's transfer; it is no plain P/D request. Its pages are a new session's
+	// (Reserved.NewSession: the new-session bound is off here).
 	n := int64(goroutines*each - 100)
-	if w := f.s.led.workers["d0"]; w == nil || *w != (policy.Reserved{Tokens: n * 1000, Transfers: int32(n)}) || f.s.led.heldTokens != n*1000 || len(f.s.led.pending) != int(n) {
+	if w := f.s.led.workers["d0"]; w == nil || *w != (policy.Reserved{Tokens: n * 1000, Transfers: int32(n), NewSession: n * 1000}) || f.s.led.heldTokens != n*1000 || len(f.s.led.pending) != int(n) {
 		t.Fatalf("left over: %v %d %d", f.s.led.workers["d0"], f.s.led.heldTokens, len(f.s.led.pending))
 	}
 }
