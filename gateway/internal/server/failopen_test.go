@@ -1,6 +1,7 @@
 package server
 
 import (
+	"io"
 	"strings"
 	"testing"
 	"time"
@@ -343,5 +344,41 @@ func TestRetryAfterTransferFailure(t *testing.T) {
 				t.Fatalf("retries{transfer_failed} = %v", got)
 			}
 		})
+	}
+}
+
+// A new session the control plane refuses (RESOURCE_EXHAUSTED: every decode worker at its
+// new-session bound, controlplane policy/newsession.go) is answered 503 no_d_capacity with
+// Retry-After, not failed open onto a decode worker that would evict resident sessions for it
+// (issue 23 item 5); no worker is called and no outcome reported. Before, the gateway failed it
+// open (route_error) like any other error.
+func TestRefusedNewSessionNotFailedOpen(t *testing.T) {
+	e := setup(t, func(q *kvcv1.RouteQuery, _, _ *fakeWorker) *kvcv1.RouteResponse {
+		return &kvcv1.RouteResponse{Kind: &kvcv1.RouteResponse_Error{Error: &kvcv1.RouteError{
+			RequestId: q.GetRequestId(), Code: 8, Message: "NO_D_CAPACITY: no decode worker has room"}}}
+	}, nil, nil, 0)
+	resp := post(t, e.gw.URL, "/generate", "s1", genBody)
+	b, err := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if err != nil {
+		t.Fatal(err)
+	}
+	body := string(b)
+	if resp.StatusCode != 503 || resp.Header.Get("Retry-After") != "1" || !strings.Contains(body, `"code":"no_d_capacity"`) ||
+		!strings.Contains(body, "NO_D_CAPACITY") {
+		t.Fatalf("status %d Retry-After %q body %s", resp.StatusCode, resp.Header.Get("Retry-After"), body)
+	}
+	if got := testutil.ToFloat64(e.m.FailOpen.WithLabelValues("route_error")); got != 0 {
+		t.Fatalf("failopen_total{route_error} = %v", got)
+	}
+	if got := testutil.ToFloat64(e.m.BadRequests.WithLabelValues(CodeNoDCapacity)); got != 1 {
+		t.Fatalf("bad_requests_total{no_d_capacity} = %v", got)
+	}
+	select {
+	case dr := <-e.d.got:
+		t.Fatalf("a refused query called the decode worker: %+v", dr)
+	case o := <-e.cp.Outcomes:
+		t.Fatalf("a refused query reported an outcome: %v", o)
+	case <-time.After(50 * time.Millisecond):
 	}
 }

@@ -137,11 +137,17 @@ var failOpenExec = &kvcv1.RouteExecution{
 	RetryAllowed:     true,
 }
 
+// CodeNoDCapacity (503, Retry-After 1): the control plane refused a new session
+// (RESOURCE_EXHAUSTED NO_D_CAPACITY): every decode worker's reservations of new sessions are at
+// its --new-session-share and none has free room for it. Not failed open: any worker would
+// evict resident sessions for it.
+const CodeNoDCapacity = "no_d_capacity"
+
 // Fail-open reasons (kvc_gateway_failopen_total{reason}; upper-cased in X-KVC-Reason).
 const (
 	foUnavailable = "control_plane_unavailable" // no stream, no answer in time, or no control plane configured
 	foNoSession   = "no_session"                // single-shot request (--require-session=false)
-	foRouteError  = "route_error"               // the control plane answered an error other than INVALID_ARGUMENT
+	foRouteError  = "route_error"               // the control plane answered an error other than INVALID_ARGUMENT or RESOURCE_EXHAUSTED
 	foNoDecode    = "no_decode_worker"          // the decision names no usable decode worker
 	foNoPrefill   = "no_prefill_worker"         // the decision needs a prefill worker and names none
 	foNoExecution = "no_execution"              // the decision carries no execution plan (an older control plane)
@@ -220,7 +226,11 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request, kind api.Kind) {
 				break // the retry found nothing to run: the first attempt's error stands
 			}
 			s.m.BadRequests.WithLabelValues(rerr.Code).Inc()
-			writeErr(w, rerr, nil)
+			var extra http.Header
+			if rerr.Code == CodeNoDCapacity {
+				extra = http.Header{"Retry-After": {"1"}}
+			}
+			writeErr(w, rerr, extra)
 			return
 		}
 		p = np
@@ -308,8 +318,9 @@ func retryable(res result, out *sink, p *plan) bool {
 }
 
 // route gets a decision, or a fail-open plan on every path where the control plane cannot give
-// a usable one: no control plane, no answer in time, an error other than INVALID_ARGUMENT, or a
-// decision without a decode (or needed prefill) worker. gone lists the workers a failed attempt
+// a usable one: no control plane, no answer in time, an error other than INVALID_ARGUMENT (a
+// 400) or RESOURCE_EXHAUSTED (a 503 no_d_capacity), or a decision without a decode (or needed
+// prefill) worker. gone lists the workers a failed attempt
 // found dead: the query excludes them and fail-open round robin skips them.
 func (s *Server) route(ctx context.Context, req *api.Request, gone []*kvcv1.WorkerRef) (*plan, *api.Error) {
 	why := foUnavailable
@@ -352,6 +363,12 @@ func (s *Server) route(ctx context.Context, req *api.Request, gone []*kvcv1.Work
 			var rej *routeclient.RejectedError
 			if errors.As(err, &rej) && rej.Code == codes.InvalidArgument {
 				return nil, api.BadRequest("control plane refused the request: %s", rej.Message)
+			}
+			if errors.As(err, &rej) && rej.Code == codes.ResourceExhausted {
+				// A deliberate refusal (a new session past every decode worker's new-session
+				// bound): failing open would evict the resident sessions the bound protects.
+				return nil, &api.Error{Status: http.StatusServiceUnavailable, Code: CodeNoDCapacity,
+					Message: "control plane refused the request: " + rej.Message}
 			}
 			if ctx.Err() != nil {
 				return nil, &api.Error{Status: http.StatusGatewayTimeout, Code: "timeout", Message: "request ended while waiting for a routing decision"}
