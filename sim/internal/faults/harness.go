@@ -79,6 +79,10 @@ type Harness struct {
 // sessions hold up to about 100,000 tokens at their longest turns, 3 pools hold 73,728.
 const DecodePoolTokens = 24576
 
+// NewSessionShare is the control planes' --new-session-share (docs/operations.md's value for
+// clusters shared by tenants).
+const NewSessionShare = 0.5
+
 // ClientTokens is the gateway's --max-inflight-tokens-per-client here: 11 % of the 3 decode
 // pools (DecodePoolTokens each).
 const ClientTokens = 8192
@@ -145,6 +149,9 @@ func Start(t testing.TB, ctx context.Context, cfg Config) (*Harness, error) {
 			"--election-ttl", ElectionTTL.String(), "--flush-delay", "20ms",
 			"--grpc-keepalive-time", kaTime.String(), "--grpc-keepalive-timeout", kaTimeout.String(),
 			"--log-level", "info",
+			// A cluster shared by tenants (issue 23 item 5): new sessions may take at most this
+			// share of a full decode worker's pool before their outcome.
+			"--new-session-share", strconv.FormatFloat(NewSessionShare, 'f', -1, 64),
 		}, insecureArgs("kvc-controlplane")...)})
 	}
 	// cp-0 first, so that it leads and the half-open sidecar (which tries cp-0's proxy first)
@@ -612,6 +619,18 @@ func (h *Harness) sidecarlessReleases(id string) []releaseEvent {
 // simReleasedWithoutSidecar is kvc-sim's log message for a session freed while its sidecar
 // was gone (sim/internal/worker: msgReleasedWithoutSidecar).
 const simReleasedWithoutSidecar = "sidecar gone: session released without it"
+
+// sumCPs adds up one metric sample over the control planes that answer (a router's counters
+// move only on the leader).
+func (h *Harness) sumCPs(ctx context.Context, series string) float64 {
+	var n float64
+	for _, a := range h.cpHTTP {
+		if v, err := scrape(ctx, "http://"+a+"/metrics", series); err == nil {
+			n += v
+		}
+	}
+	return n
+}
 
 // sumSims adds up one metric sample over the decode kvc-sims that answer.
 func (h *Harness) sumSims(ctx context.Context, series string) float64 {

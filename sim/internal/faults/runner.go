@@ -27,6 +27,9 @@ type Scenario struct {
 	// Restore brings the cluster back to full strength after the recovery was measured (e.g.
 	// restarts a killed control plane); nil when nothing is needed.
 	Restore func(ctx context.Context, h *Harness, s *Step) error
+	// Shed, when set, says which failed requests the scenario's fault may legitimately refuse
+	// (load shedding by a stated bound): counted in Outcome.Shed, not as failures.
+	Shed func(Result) bool
 }
 
 // Step lets a scenario leave notes for its report.
@@ -54,18 +57,20 @@ type Outcome struct {
 	// of its engine: its sessions are Drops) when it died: their answer had started, so neither
 	// the gateway nor anything else can finish it — the client sees the stream break, as it
 	// would from a real engine's crash. Counted and noted, not failures of the criterion.
-	KilledMidStream int            `json:"killed_mid_stream"`
-	FailOpen        int            `json:"fail_open"`
-	Lost            int            `json:"lost"`
-	Duplicated      int            `json:"duplicated"`
-	Phantom         int            `json:"phantom"` // the leader names a worker that does not hold the session
-	Illegal         int            `json:"illegal_sessions"`
-	Unknown         int            `json:"unknown_sessions"`
-	Writes          int            `json:"acked_writes"`
-	Ops             int            `json:"ops"`
-	Modes           map[string]int `json:"modes"`
-	Errors          []string       `json:"errors,omitempty"`
-	Notes           []string       `json:"notes,omitempty"`
+	KilledMidStream int `json:"killed_mid_stream"`
+	// Shed are requests refused by a bound the scenario states (Scenario.Shed), not failures.
+	Shed       int            `json:"shed,omitempty"`
+	FailOpen   int            `json:"fail_open"`
+	Lost       int            `json:"lost"`
+	Duplicated int            `json:"duplicated"`
+	Phantom    int            `json:"phantom"` // the leader names a worker that does not hold the session
+	Illegal    int            `json:"illegal_sessions"`
+	Unknown    int            `json:"unknown_sessions"`
+	Writes     int            `json:"acked_writes"`
+	Ops        int            `json:"ops"`
+	Modes      map[string]int `json:"modes"`
+	Errors     []string       `json:"errors,omitempty"`
+	Notes      []string       `json:"notes,omitempty"`
 	// CheckFailed is a scenario-specific criterion that failed (e.g. detection time, memory).
 	CheckFailed string `json:"check_failed,omitempty"`
 	Passed      bool   `json:"passed"`
@@ -212,6 +217,9 @@ func (r *Runner) Run(ctx context.Context, sc Scenario) (Outcome, error) {
 		if !res.OK && killedMidStream(res, drops, st.faultAt) {
 			out.KilledMidStream++
 			st.Note("killed mid-stream: %s turn %d on %s (%s)", res.Session, res.Turn, res.Worker, res.Err)
+		} else if !res.OK && sc.Shed != nil && sc.Shed(res) {
+			out.Shed++
+			st.Note("shed: %s turn %d (%s)", res.Session, res.Turn, firstLine(res.Err))
 		} else if !res.OK {
 			out.Failed++
 			if len(out.Errors) < 8 {
@@ -408,6 +416,9 @@ func (r *Runner) report(o Outcome) {
 	killed := ""
 	if o.KilledMidStream > 0 {
 		killed = fmt.Sprintf(", killed mid-stream %d", o.KilledMidStream)
+	}
+	if o.Shed > 0 {
+		killed += fmt.Sprintf(", shed %d", o.Shed)
 	}
 	r.printf("%s %s recovery %s s, failed %d, lost %d, duplicated %d%s", prefix, o.Name, rec, o.Failed, o.Lost, o.Duplicated, killed)
 }

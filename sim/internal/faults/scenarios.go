@@ -143,6 +143,14 @@ func Scenarios() []Scenario {
 			Inject:    abortBurst,
 		},
 		{
+			// Issue 23 item 5, past the gateway's per-client bounds: the control plane's
+			// per-decode-worker bound on new sessions' reservations (--new-session-share).
+			Name: "abort-burst-clients", CI: true, Bound: RestartBound,
+			Criterion: fmt.Sprintf("%d clients (an API key each, so the gateway's per-client bounds admit every one) open one stream each of a new %d-token session at once and abort it at its first byte (or after %s): the control plane places new sessions on a full decode worker only up to --new-session-share %.1f of its pool and refuses the rest (503 no_d_capacity), and at least half of the load's sessions resident on the decode workers before the burst are still resident after it; the load's new sessions may be refused the same way during the burst (counted, not failures), nothing else fails; ", burstStreams, burstTokens, burstClientsWait, NewSessionShare) + noFail,
+			Inject:    abortBurstClients,
+			Shed:      refusedNewSession,
+		},
+		{
 			// Issue 23 item 3. Out of the CI subset like the body flood: it needs several hundred
 			// MiB free for the bodies the test process sends.
 			Name: "tokenizer-body-flood", CI: false, Bound: RestartBound,
@@ -618,6 +626,32 @@ func (h *Harness) residentLoadSessions(ctx context.Context) (int, error) {
 }
 
 func abortBurst(ctx context.Context, h *Harness, s *Step) (time.Time, []string, error) {
+	return burst(ctx, h, s, 500*time.Millisecond, func(int) string { return "burst-tenant" })
+}
+
+// abortBurstClients is the abort burst from burstStreams clients, one stream each.
+func abortBurstClients(ctx context.Context, h *Harness, s *Step) (time.Time, []string, error) {
+	refusedBefore := h.sumCPs(ctx, "kvc_router_new_session_refusals_total")
+	at, drops, err := burst(ctx, h, s, burstClientsWait, func(i int) string { return fmt.Sprintf("burst-client-%d", i) })
+	s.Note("new sessions refused by the control plane's new-session bound: %.0f", h.sumCPs(ctx, "kvc_router_new_session_refusals_total")-refusedBefore)
+	return at, drops, err
+}
+
+// refusedNewSession: a load request the control plane's new-session bound refused (503
+// no_d_capacity) — a first turn, which the bound may refuse while the burst holds the room.
+func refusedNewSession(r Result) bool {
+	return r.Turn == 0 && r.Status == http.StatusServiceUnavailable && strings.Contains(r.Err, `"no_d_capacity"`)
+}
+
+// burstClientsWait is how long each of abort-burst-clients' streams waits for its first byte:
+// long enough for the seeds to reach the decode workers through one prefill worker on a
+// loaded machine (with 500 ms most did not even get a decision).
+const burstClientsWait = 3 * time.Second
+
+// burst opens burstStreams streams of new sessions at once, stream i with API key key(i),
+// each aborted at its first byte or after wait, and checks that at least half of the load's
+// sessions resident before are resident after.
+func burst(ctx context.Context, h *Harness, s *Step, wait time.Duration, key func(int) string) (time.Time, []string, error) {
 	before, err := h.residentLoadSessions(ctx)
 	if err != nil {
 		return time.Time{}, nil, err
@@ -639,11 +673,11 @@ func abortBurst(ctx context.Context, h *Harness, s *Step) (time.Time, []string, 
 			body, _ := json.Marshal(map[string]any{"input_ids": in, "stream": true,
 				"sampling_params": map[string]any{"max_new_tokens": 64}, "session_params": map[string]any{"id": sid},
 				"kvc": map[string]any{"input_tokens": burstTokens, "turn": 0, "multiturn": true}})
-			cctx, cancel := context.WithTimeout(ctx, 500*time.Millisecond)
+			cctx, cancel := context.WithTimeout(ctx, wait)
 			defer cancel()
 			req, _ := http.NewRequestWithContext(cctx, http.MethodPost, h.GWURL+"/generate", bytes.NewReader(body))
 			req.Header.Set("X-Session-ID", sid)
-			req.Header.Set("X-API-Key", "burst-tenant")
+			req.Header.Set("X-API-Key", key(i))
 			<-start
 			code := -1 // aborted before an answer
 			if resp, err := http.DefaultClient.Do(req); err == nil {
