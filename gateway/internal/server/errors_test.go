@@ -165,3 +165,76 @@ func TestFailOpen(t *testing.T) {
 		})
 	}
 }
+
+// A client that leaves the turn that opened its session on a decode worker (a seed) gets the
+// session closed there (issue 23 item 5: the aborted seeds of a burst stayed on their workers as
+// the most recent idle sessions and pushed the resident ones out); one that leaves a turn of a
+// session already resident there (DIRECT_TO_D: nothing opened) does not.
+func TestAbandonedSessionClosed(t *testing.T) {
+	for _, tt := range []struct {
+		name      string
+		mode      kvcv1.RouteMode
+		reason    kvcv1.RouteReason
+		wantClose bool
+	}{
+		{"seed", kvcv1.RouteMode_ROUTE_MODE_SEED, kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION, true},
+		{"resident turn", kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT, false},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			e := setup(t, decideMode(tt.mode, tt.reason), nil, func(int, workerReq) string { return "slow" }, 0)
+			ctx, cancel := context.WithCancel(context.Background())
+			req, _ := http.NewRequestWithContext(ctx, http.MethodPost, e.gw.URL+"/generate", strings.NewReader(genBody))
+			req.Header.Set("X-Session-ID", "s1")
+			errc := make(chan error, 1)
+			go func() {
+				resp, err := http.DefaultClient.Do(req)
+				if err == nil {
+					resp.Body.Close()
+				}
+				errc <- err
+			}()
+			<-e.d.got // the request reached D; now the client leaves
+			cancel()
+			<-errc
+			if o := outcome(t, e.cp); o.GetErrorKind() != kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_ABORTED {
+				t.Fatalf("outcome %v", o)
+			}
+			// The close follows the outcome; without one expected, 200 ms after it shows none.
+			wait := 200 * time.Millisecond
+			if tt.wantClose {
+				wait = 10 * time.Second
+			}
+			deadline := time.After(wait)
+			var calls []string
+			closed := false
+			for !closed {
+				select {
+				case c := <-e.d.sessions:
+					calls = append(calls, c.Path)
+					if c.Path == "/close_session" {
+						if c.SessionID != "s1" {
+							t.Fatalf("closed %q", c.SessionID)
+						}
+						closed = true
+					}
+					continue
+				case <-deadline:
+				}
+				break
+			}
+			if closed != tt.wantClose {
+				t.Fatalf("session calls on D %v, want a close: %v", calls, tt.wantClose)
+			}
+			if got := testutil.ToFloat64(e.m.AbandonedCloses); got != b2f(tt.wantClose) {
+				t.Fatalf("kvc_gateway_abandoned_sessions_closed_total = %v", got)
+			}
+		})
+	}
+}
+
+func b2f(b bool) float64 {
+	if b {
+		return 1
+	}
+	return 0
+}

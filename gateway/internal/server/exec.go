@@ -487,6 +487,30 @@ func (s *Server) closeSessions(p *plan, req *api.Request) {
 	}
 }
 
+// closeAbandoned closes, in the background, the session a plan opened on its decode worker
+// (open_session: a seed, a reseed) when the client went away before the turn succeeded: the
+// control plane records no residency for it (ABORTED outcome), so the KV the worker holds for it
+// would stay there as its most recently used idle session, and the worker would evict other
+// sessions' KV before it (issue 23 item 5: a burst of streams of new sessions, each aborted at
+// its first byte, flushed every resident session; the control plane's new-session bound holds
+// only while the aborted ones give their pages back).
+func (s *Server) closeAbandoned(p *plan, req *api.Request) {
+	url := p.decode.GetWorkerUrl()
+	if url == "" || req.SessionID == "" {
+		return
+	}
+	s.m.AbandonedCloses.Inc()
+	s.bg.Add(1)
+	go func() {
+		defer s.bg.Done()
+		ctx, cancel := context.WithTimeout(context.Background(), s.opt.ConnectTimeout+5*time.Second)
+		defer cancel()
+		if we := s.sessionCall(ctx, url, "/close_session", closeBody(req.SessionID)); we != nil {
+			s.log.Debug().Str("session", req.SessionID).Str("worker", p.decode.GetWorkerId()).Str("err", we.Error()).Msg("close_session of an abandoned session failed")
+		}
+	}()
+}
+
 // execute carries out p: P and D together when P computes (bootstrap host/port/room in both
 // bodies), D only otherwise; a streaming session is opened on D first when the decision makes
 // the session resident there.

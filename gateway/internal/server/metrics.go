@@ -21,6 +21,9 @@ type Metrics struct {
 	Refresh      *prometheus.CounterVec
 	Outcomes     *prometheus.CounterVec
 	SessionCalls *prometheus.CounterVec
+	// AbandonedCloses counts sessions closed on their decode worker because the client left
+	// the turn that opened them (exec.go closeAbandoned).
+	AbandonedCloses prometheus.Counter
 	// HintReleases counts the agent's release hints carried out after the answer.
 	HintReleases *prometheus.CounterVec
 	// Content (content.go).
@@ -68,6 +71,8 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Help: "RouteOutcomes sent to the control plane, by result (sent or lost)."}, []string{"result"}),
 		SessionCalls: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvc_gateway_session_calls_total",
 			Help: "Streaming-session calls to decode workers, by call (open_session, close_session) and result (ok, error)."}, []string{"call", "result"}),
+		AbandonedCloses: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_gateway_abandoned_sessions_closed_total",
+			Help: "Sessions closed on their decode worker because the client went away before the turn that opened them there (a seed, a reseed) succeeded: their KV is given back instead of staying as the worker's most recent idle session."}),
 		HintReleases: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvc_gateway_hint_releases_total",
 			Help: "Release hints (X-KVC-Release, metadata kvc_release): sessions ended after their answer, by result (ok, error, skipped_failed: the request failed, the session is kept)."}, []string{"result"}),
 		TokenizerLoaded: prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvc_gateway_tokenizer_loaded",
@@ -95,6 +100,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		m.FailOpen.WithLabelValues(why)
 	}
 	reg.MustRegister(m.Requests, m.FailOpen, m.BadRequests, m.TTFT, m.Latency, m.RouteLatency, m.Retries,
-		m.Inflight, m.CPConnected, m.CPSilent, m.Orphans, m.Refresh, m.Outcomes, m.SessionCalls, m.HintReleases)
+		m.Inflight, m.CPConnected, m.CPSilent, m.Orphans, m.Refresh, m.Outcomes, m.SessionCalls, m.HintReleases,
+		m.AbandonedCloses)
 	return m
 }

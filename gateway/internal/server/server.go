@@ -271,6 +271,8 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request, kind api.Kind) {
 	}
 	if res.ok {
 		s.closeSessions(p, req)
+	} else if res.kind == kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_ABORTED && p.exec.GetOpenSession() {
+		s.closeAbandoned(p, req)
 	}
 	result := "ok"
 	if !res.ok {
