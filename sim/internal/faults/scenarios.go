@@ -146,7 +146,7 @@ func Scenarios() []Scenario {
 			// Issue 23 item 5, past the gateway's per-client bounds: the control plane's
 			// per-decode-worker bound on new sessions' reservations (--new-session-share).
 			Name: "abort-burst-clients", CI: true, Bound: RestartBound,
-			Criterion: fmt.Sprintf("%d clients (an API key each, so the gateway's per-client bounds admit every one) open one stream each of a new %d-token session at once and abort it at its first byte (or after %s): the control plane places new sessions on a full decode worker only up to --new-session-share %.1f of its pool and refuses the rest (503 no_d_capacity), and at least half of the load's sessions resident on the decode workers before the burst are still resident after it; the load's new sessions may be refused the same way during the burst (counted, not failures), nothing else fails; ", burstStreams, burstTokens, burstClientsWait, NewSessionShare) + noFail,
+			Criterion: fmt.Sprintf("%d clients (an API key each, so the gateway's per-client bounds admit every one) open one stream each of a new %d-token session at once and abort it at its first byte (or after %s): the control plane places new sessions on a full decode worker only up to --new-session-share %g of its pool and refuses the rest (503 no_d_capacity), and at least half of the load's sessions resident on the decode workers before the burst are still resident after it; the load's new sessions may be refused the same way during the burst (counted, not failures), nothing else fails; ", burstStreams, burstTokens, burstClientsWait, NewSessionShare) + noFail,
 			Inject:    abortBurstClients,
 			Shed:      refusedNewSession,
 		},
