@@ -19,12 +19,13 @@ import (
 // embedded in the committed generated code: a .proto edited without `make proto` fails here.
 func TestGeneratedCodeIsCurrent(t *testing.T) {
 	generated := map[string]protoreflect.FileDescriptor{
-		"kvc/v1/common.proto":  kvcv1.File_kvc_v1_common_proto,
-		"kvc/v1/admin.proto":   kvcv1.File_kvc_v1_admin_proto,
-		"kvc/v1/sidecar.proto": kvcv1.File_kvc_v1_sidecar_proto,
-		"kvc/v1/router.proto":  kvcv1.File_kvc_v1_router_proto,
-		"kvc/v1/bridge.proto":  kvcv1.File_kvc_v1_bridge_proto,
-		"kvc/v1/peer.proto":    kvcv1.File_kvc_v1_peer_proto,
+		"kvc/v1/common.proto":    kvcv1.File_kvc_v1_common_proto,
+		"kvc/v1/admin.proto":     kvcv1.File_kvc_v1_admin_proto,
+		"kvc/v1/sidecar.proto":   kvcv1.File_kvc_v1_sidecar_proto,
+		"kvc/v1/router.proto":    kvcv1.File_kvc_v1_router_proto,
+		"kvc/v1/bridge.proto":    kvcv1.File_kvc_v1_bridge_proto,
+		"kvc/v1/peer.proto":      kvcv1.File_kvc_v1_peer_proto,
+		"kvc/v1/execution.proto": kvcv1.File_kvc_v1_execution_proto,
 	}
 	files, err := filepath.Glob("*.proto")
 	if err != nil {
