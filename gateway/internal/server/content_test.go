@@ -217,11 +217,12 @@ func TestTokenizerAndContentAddresses(t *testing.T) {
 	if len(ids) != len(want) || int(ids[0].(float64)) != int(want[0]) || int(ids[len(ids)-1].(float64)) != int(want[len(want)-1]) {
 		t.Fatalf("worker input_ids (%d) differ from the template's tokens (%d)", len(ids), len(want))
 	}
-	payload := body["kv_hints"].(map[string]any)["actions"].([]any)[0].(map[string]any)["payload"].(map[string]any)
-	if payload["truncate_to"].(float64) != 32 {
-		t.Fatalf("payload truncate_to %v", payload["truncate_to"])
+	raw, _ := json.Marshal(body)
+	payload := bodyPayload(t, raw)
+	if payload.GetTruncateTo() != 32 {
+		t.Fatalf("payload truncate_to %v", payload.GetTruncateTo())
 	}
-	if _, has := payload["local_prefill"]; has {
+	if payload.GetLocalPrefill() {
 		t.Fatal("local_prefill sent without the plan asking for it")
 	}
 	all := append([]uint32(nil), want...)
@@ -565,8 +566,10 @@ func TestLocalFirstTurnPlan(t *testing.T) {
 	dw.mu.Lock()
 	b := dw.body
 	dw.mu.Unlock()
-	payload := b["kv_hints"].(map[string]any)["actions"].([]any)[0].(map[string]any)["payload"].(map[string]any)
-	if payload["local_prefill"] != true || payload["cached_tokens"].(float64) != 16 || b["session_params"] == nil || b["bootstrap_room"] != nil {
+	raw, _ := json.Marshal(b)
+	payload := bodyPayload(t, raw)
+	if !payload.GetLocalPrefill() || payload.GetCachedTokens() != 16 || !payload.GetOpenSession() || payload.GetReceive() != nil ||
+		b["session_params"] == nil || b["bootstrap_room"] != nil {
 		t.Fatalf("decode body %v", b)
 	}
 }

@@ -17,6 +17,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/kvcentric/kvcentric/gateway/internal/api"
+	"github.com/kvcentric/kvcentric/pkg/kvhints"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -182,30 +183,65 @@ func (p *plan) keepSession(req *api.Request) bool {
 	return req.SessionID != "" && p.exec.GetKeepSession()
 }
 
-// kvHintsVersion and the action type of kvcentric's entry in SGLang's kv_hints envelope
-// (sglang.srt.managers.kv_hints.KvHintsEnvelope).
-const (
-	kvHintsProtocol = 1
-	kvHintsAction   = "kvc"
-	kvHintsActionV  = 1
-)
-
-// transferName is the payload's name of a transfer kind ("" for none).
-func transferName(k kvcv1.TransferKind) string {
-	switch k {
-	case kvcv1.TransferKind_TRANSFER_KIND_SEED:
-		return "SEED"
-	case kvcv1.TransferKind_TRANSFER_KIND_SNAPSHOT:
-		return "SNAPSHOT"
+// payloadFor is the ExecutionPayload of one half of the request (role prefill or decode): the
+// decision's RouteExecution for that worker, the one place the gateway turns a plan into what a
+// worker does. The workers act on its fields; the mode rides along as a label.
+func payloadFor(p *plan, req *api.Request, role string) *kvcv1.ExecutionPayload {
+	e := p.exec
+	keep := p.keepSession(req)
+	out := &kvcv1.ExecutionPayload{
+		DecisionId: p.decisionID, Mode: p.mode, SessionId: req.SessionID,
+		InputTokens: req.InputTokens, CachedTokens: p.cached, KeepSession: keep,
 	}
-	return ""
+	if n := e.GetLoadPrefixTokens(); n > 0 && e.GetCallPrefill() {
+		// Prefill from the snapshot: P loads [0, n) of the session's snapshot from its store first
+		// (D gets it too: the KV it receives was computed on loaded KV, not by one full prefill).
+		out.LoadPrefixTokens, out.LoadGeneration = n, e.GetLoadGeneration()
+	}
+	transfer := e.GetTransfer()
+	// A seed through the prefill store (colocated D): P writes the prompt's KV into its
+	// sidecar's store as the session's snapshot of store_generation; D, called after P answered,
+	// loads [0, input) from there in a room of its own, as a snapshot (docs/sglang.md).
+	store := e.GetStoreGeneration() != 0 && transfer == kvcv1.TransferKind_TRANSFER_KIND_SEED
+	// Suffix-only receive: D keeps [0, from) and P sends only the pages past it.
+	var from int64
+	if transfer == kvcv1.TransferKind_TRANSFER_KIND_SEED {
+		from = e.GetReceiveFrom()
+	}
+	if role == rolePrefill {
+		out.Role = kvcv1.WorkerRole_WORKER_ROLE_PREFILL
+		out.Send = &kvcv1.ExecutionSend{Room: p.room, FromToken: from}
+		if store {
+			out.Send.StoreGeneration = e.GetStoreGeneration()
+		}
+		return out
+	}
+	out.Role = kvcv1.WorkerRole_WORKER_ROLE_DECODE
+	out.OpenSession = keep && e.GetOpenSession()
+	out.TruncateTo = e.GetTruncateTo()
+	out.LocalPrefill = e.GetLocalPrefill()
+	if transfer == kvcv1.TransferKind_TRANSFER_KIND_UNSPECIFIED {
+		return out
+	}
+	r := &kvcv1.ExecutionReceive{Kind: transfer, Room: p.room, PeerAddr: p.prefill.GetPeerAddr(),
+		// Tensor parallelism: rank r of D receives from rank r of P (every rank of the worker
+		// gets this body; each takes its own, peer_addr is rank 0's).
+		PeerAddrs: rankPeers(p.prefill), Tokens: req.InputTokens, FromToken: from}
+	switch {
+	case store:
+		r.Kind, r.Room, r.FromToken = kvcv1.TransferKind_TRANSFER_KIND_SNAPSHOT, e.GetStoreLoadRoom(), 0
+	case transfer == kvcv1.TransferKind_TRANSFER_KIND_SNAPSHOT:
+		r.Tokens = p.snapSeqlen
+	}
+	out.Receive = r
+	return out
 }
 
 // workerBody is the SGLang /generate body for one half of the request (role prefill or decode),
 // as a real SGLang worker takes it: the full context (text or input_ids) on both halves;
 // session_params only on D and only when D keeps the session (its streaming session); the
 // bootstrap fields when P computes (host/port = the prefill sidecar's peer address); and the
-// decision in SGLang's kv_hints envelope (one "kvc" action).
+// decision's ExecutionPayload in SGLang's kv_hints envelope (one "kvc" action, pkg/kvhints).
 func workerBody(p *plan, req *api.Request, role string) wireBody {
 	b := map[string]any{
 		"rid":             req.RID,
@@ -215,87 +251,29 @@ func workerBody(p *plan, req *api.Request, role string) wireBody {
 	if len(req.InputIDs) > 0 {
 		b["input_ids"] = req.InputIDs
 	}
-	keep := p.keepSession(req)
-	if role == roleDecode && keep {
+	if role == roleDecode && p.keepSession(req) {
 		b["session_params"] = map[string]any{"id": req.SessionID}
 	}
 	e := p.exec
-	payload := map[string]any{
-		"mode": modeName(p.mode), "role": role, "input_tokens": req.InputTokens,
-		"cached_tokens": p.cached, "keep_session": keep,
-	}
-	if p.decisionID != "" {
-		payload["decision_id"] = p.decisionID
-	}
-	if req.SessionID != "" {
-		payload["session_id"] = req.SessionID
-	}
-	peer := p.prefill.GetPeerAddr()
-	// A seed through the prefill store (colocated D): P writes the prompt's KV into its
-	// sidecar's store as the session's snapshot of store_generation; D, called after P answered,
-	// loads [0, input) from there in a room of its own, as a snapshot (docs/sglang.md).
-	store := e.GetStoreGeneration() != 0
-	if t := transferName(e.GetTransfer()); t != "" {
-		payload["transfer"] = t
-		payload["room"] = p.room
-		if store && role == roleDecode {
-			payload["room"] = e.GetStoreLoadRoom()
-		}
-		if peer != "" {
-			payload["prefill_peer_addr"] = peer
-		}
-		if peers := rankPeers(p.prefill); peers != nil {
-			// Tensor parallelism: rank r of D receives from rank r of P (every rank of the worker
-			// gets this body; each takes its own, prefill_peer_addr is rank 0's).
-			payload["prefill_peer_addrs"] = peers
-		}
-	}
-	if store && role == rolePrefill {
-		payload["to_store"], payload["generation"] = true, e.GetStoreGeneration()
-	}
-	if store && role == roleDecode {
-		payload["snapshot_seqlen"] = req.InputTokens
-	}
 	if role == rolePrefill && p.priority != 0 {
 		b["priority"] = sglangPriority(p.priority)
 	}
+	store := e.GetStoreGeneration() != 0
 	if e.GetCallPrefill() && !(store && role == roleDecode) {
 		b["bootstrap_room"] = p.room
-		if host, port, err := net.SplitHostPort(peer); err == nil {
+		if host, port, err := net.SplitHostPort(p.prefill.GetPeerAddr()); err == nil {
 			if n, err := strconv.Atoi(port); err == nil {
 				b["bootstrap_host"], b["bootstrap_port"] = host, n
 			}
 		}
 	}
-	if e.GetTransfer() == kvcv1.TransferKind_TRANSFER_KIND_SNAPSHOT {
-		payload["snapshot_seqlen"] = p.snapSeqlen
-	}
-	if t := e.GetTruncateTo(); t > 0 && role == roleDecode {
-		payload["truncate_to"] = t
-	}
-	if e.GetLocalPrefill() && role == roleDecode {
-		payload["local_prefill"] = true
-	}
-	if n := e.GetLoadPrefixTokens(); n > 0 && e.GetCallPrefill() {
-		// Prefill from the snapshot: P loads [0, n) of the session's snapshot from its store first
-		// (D gets it too: the KV it receives was computed on loaded KV, not by one full prefill).
-		payload["load_prefix_tokens"], payload["load_generation"] = n, e.GetLoadGeneration()
-	}
-	if f := e.GetReceiveFrom(); f > 0 && e.GetTransfer() == kvcv1.TransferKind_TRANSFER_KIND_SEED {
-		// Suffix-only receive: D keeps [0, f) and P sends only the pages past it.
-		payload["receive_from"] = f
-	}
 	msgID := p.decisionID
 	if msgID == "" {
 		msgID = req.RID
 	}
-	b["kv_hints"] = map[string]any{
-		"protocol_version": kvHintsProtocol,
-		"message_id":       msgID,
-		"actions": []any{map[string]any{
-			"action_id": msgID + "/" + role, "action_type": kvHintsAction, "action_version": kvHintsActionV,
-			"payload": payload,
-		}},
+	// Build fails only on invalid UTF-8 in a string field; the ids and addresses are validated.
+	if env, err := kvhints.Build(msgID, payloadFor(p, req, role)); err == nil {
+		b["kv_hints"] = env
 	}
 	out, _ := json.Marshal(b)
 	return withText(out, req.Text)

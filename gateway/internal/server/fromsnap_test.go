@@ -1,7 +1,6 @@
 package server
 
 import (
-	"encoding/json"
 	"io"
 	"testing"
 
@@ -23,8 +22,9 @@ func TestWorkerBodyLoadAndSuffix(t *testing.T) {
 		name       string
 		exec       *kvcv1.RouteExecution
 		role       string
-		load, gen  float64 // 0: absent
-		receiveFrm float64
+		load       int64
+		gen        uint64
+		receiveFrm int64 // the receive's (D) or the send's (P) from_token
 	}{
 		{"large append, prefill half", largeAppend, rolePrefill, 16_000, 7, 16_384},
 		{"large append, decode half", largeAppend, roleDecode, 16_000, 7, 16_384},
@@ -39,25 +39,15 @@ func TestWorkerBodyLoadAndSuffix(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			var body struct {
-				KVHints struct {
-					Actions []struct {
-						Payload map[string]any `json:"payload"`
-					} `json:"actions"`
-				} `json:"kv_hints"`
+			pl := bodyPayload(t, raw)
+			var from int64
+			if tt.role == roleDecode {
+				from = pl.GetReceive().GetFromToken()
+			} else {
+				from = pl.GetSend().GetFromToken()
 			}
-			if err := json.Unmarshal(raw, &body); err != nil || len(body.KVHints.Actions) != 1 {
-				t.Fatalf("body %s: %v", raw, err)
-			}
-			pl := body.KVHints.Actions[0].Payload
-			num := func(k string) float64 { v, _ := pl[k].(float64); return v }
-			if num("load_prefix_tokens") != tt.load || num("load_generation") != tt.gen || num("receive_from") != tt.receiveFrm {
-				t.Fatalf("payload %v: want load_prefix_tokens %v load_generation %v receive_from %v", pl, tt.load, tt.gen, tt.receiveFrm)
-			}
-			for _, k := range []string{"load_prefix_tokens", "load_generation", "receive_from"} {
-				if _, has := pl[k]; has && num(k) == 0 {
-					t.Fatalf("%s sent as zero: %v", k, pl)
-				}
+			if pl.GetLoadPrefixTokens() != tt.load || pl.GetLoadGeneration() != tt.gen || from != tt.receiveFrm {
+				t.Fatalf("payload %v: want load_prefix_tokens %v load_generation %v from_token %v", pl, tt.load, tt.gen, tt.receiveFrm)
 			}
 		})
 	}

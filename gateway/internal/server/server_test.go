@@ -20,6 +20,7 @@ import (
 	"github.com/kvcentric/kvcentric/gateway/internal/fakecp"
 	"github.com/kvcentric/kvcentric/gateway/internal/routeclient"
 	"github.com/kvcentric/kvcentric/gateway/internal/workers"
+	"github.com/kvcentric/kvcentric/pkg/kvhints"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -34,23 +35,36 @@ type workerReq struct {
 	SessionParams *struct {
 		ID string `json:"id"`
 	} `json:"session_params"`
-	Text    string `json:"text"`
-	KVHints struct {
-		ProtocolVersion int    `json:"protocol_version"`
-		MessageID       string `json:"message_id"`
-		Actions         []struct {
-			ActionID      string     `json:"action_id"`
-			ActionType    string     `json:"action_type"`
-			ActionVersion int        `json:"action_version"`
-			Payload       kvcPayload `json:"payload"`
-		} `json:"actions"`
-	} `json:"kv_hints"`
-	// KVC is the kv_hints envelope's "kvc" action payload (filled by serve).
-	KVC            kvcPayload `json:"-"`
-	OldKVC         *struct{}  `json:"kvc"` // the pre-kv_hints block: must not be sent any more
+	Text    string          `json:"text"`
+	KVHints json.RawMessage `json:"kv_hints"`
+	// Payload is the kv_hints envelope's "kvc" action (kvhints.Parse); KVC its flat view.
+	Payload        *kvcv1.ExecutionPayload `json:"-"`
+	MessageID      string                  `json:"-"`
+	KVC            kvcPayload              `json:"-"`
+	OldKVC         *struct{}               `json:"kvc"` // the pre-kv_hints block: must not be sent any more
 	SamplingParams struct {
 		MaxNewTokens int64 `json:"max_new_tokens"`
 	} `json:"sampling_params"`
+}
+
+// flatten is the tests' flat view of a payload: room, peer and transfer from the receive (D)
+// or the send (P), snapshot_seqlen = a SNAPSHOT receive's tokens.
+func flatten(p *kvcv1.ExecutionPayload) kvcPayload {
+	k := kvcPayload{Mode: strings.TrimPrefix(p.GetMode().String(), "ROUTE_MODE_"), Role: kvhints.RoleName(p.GetRole()),
+		SessionID: p.GetSessionId(), InputTokens: p.GetInputTokens(), CachedTokens: p.GetCachedTokens(),
+		KeepSession: p.GetKeepSession(), OpenSession: p.GetOpenSession(), DecisionID: p.GetDecisionId(), LocalPrefill: p.GetLocalPrefill()}
+	if r := p.GetReceive(); r != nil {
+		k.Room, k.PrefillPeerAddr, k.PrefillPeers = r.GetRoom(), r.GetPeerAddr(), r.GetPeerAddrs()
+		k.Transfer = strings.TrimPrefix(r.GetKind().String(), "TRANSFER_KIND_")
+		if r.GetKind() == kvcv1.TransferKind_TRANSFER_KIND_SNAPSHOT {
+			k.SnapshotSeqlen = r.GetTokens()
+		}
+	}
+	if s := p.GetSend(); s != nil {
+		k.Room, k.Transfer = s.GetRoom(), "SEED"
+		k.ToStore, k.Generation = s.GetStoreGeneration() != 0, s.GetStoreGeneration()
+	}
+	return k
 }
 
 type kvcPayload struct {
@@ -65,6 +79,7 @@ type kvcPayload struct {
 	PrefillPeers    []string `json:"prefill_peer_addrs"`
 	SnapshotSeqlen  int64    `json:"snapshot_seqlen"`
 	KeepSession     bool     `json:"keep_session"`
+	OpenSession     bool     `json:"open_session"`
 	DecisionID      string   `json:"decision_id"`
 	LocalPrefill    bool     `json:"local_prefill"`
 	ToStore         bool     `json:"to_store"`
@@ -132,12 +147,17 @@ func (fw *fakeWorker) serve(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	var wr workerReq
-	if err := json.NewDecoder(r.Body).Decode(&wr); err != nil || wr.OldKVC != nil || len(wr.KVHints.Actions) != 1 ||
-		wr.KVHints.ProtocolVersion != 1 || wr.KVHints.Actions[0].ActionType != "kvc" || wr.KVHints.Actions[0].ActionVersion != 1 {
+	if err := json.NewDecoder(r.Body).Decode(&wr); err != nil || wr.OldKVC != nil {
 		writeWorkerErr(w, 400, "bad_request")
 		return
 	}
-	wr.KVC = wr.KVHints.Actions[0].Payload
+	var env kvhints.Envelope
+	pl, err := kvhints.Parse(wr.KVHints)
+	if err != nil || pl == nil || json.Unmarshal(wr.KVHints, &env) != nil || len(env.Actions) != 1 {
+		writeWorkerErr(w, 400, "bad_request")
+		return
+	}
+	wr.Payload, wr.KVC, wr.MessageID = pl, flatten(pl), env.MessageID
 	fw.mu.Lock()
 	n := fw.n
 	fw.n++
@@ -335,8 +355,8 @@ func TestModes(t *testing.T) {
 		{"seed", kvcv1.RouteMode_ROUTE_MODE_SEED, kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION, fakecp.Seed(), true, true, func(t *testing.T, pr, dr workerReq) {
 			for _, r := range []workerReq{pr, dr} {
 				if r.BootstrapRoom != 4242 || r.BootstrapHost != "127.0.0.1" || r.BootstrapPort != 7001 || r.KVC.Room != 4242 ||
-					r.KVC.PrefillPeerAddr != "127.0.0.1:7001" || r.KVC.Mode != "SEED" || r.KVC.Transfer != "SEED" || r.Text != "hi" ||
-					r.KVC.SessionID != "s1" || !strings.HasPrefix(r.KVHints.MessageID, "d-") {
+					(r.KVC.Role == "decode") != (r.KVC.PrefillPeerAddr == "127.0.0.1:7001") || r.KVC.Mode != "SEED" || r.KVC.Transfer != "SEED" || r.Text != "hi" ||
+					r.KVC.SessionID != "s1" || !strings.HasPrefix(r.MessageID, "d-") {
 					t.Fatalf("got %+v", r)
 				}
 			}
@@ -347,7 +367,7 @@ func TestModes(t *testing.T) {
 				t.Fatalf("priority: P %v D %v", pr.Priority, dr.Priority)
 			}
 			if pr.KVC.Role != "prefill" || pr.Stream || pr.SessionParams != nil || dr.KVC.Role != "decode" || !dr.KVC.KeepSession ||
-				dr.SessionParams == nil || dr.SessionParams.ID != "s1" {
+				!dr.KVC.OpenSession || dr.SessionParams == nil || dr.SessionParams.ID != "s1" {
 				t.Fatalf("roles: %+v / %+v", pr, dr)
 			}
 		}},
@@ -362,7 +382,7 @@ func TestModes(t *testing.T) {
 			}
 		}},
 		{"pd fallback for a large append keeps the session", kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND, fakecp.LargeAppend(), true, false, func(t *testing.T, pr, dr workerReq) {
-			if !dr.KVC.KeepSession || dr.KVC.Mode != "PD_FALLBACK" || dr.BootstrapRoom != 4242 || dr.KVC.Room != 4242 ||
+			if !dr.KVC.KeepSession || dr.KVC.OpenSession || dr.KVC.Mode != "PD_FALLBACK" || dr.BootstrapRoom != 4242 || dr.KVC.Room != 4242 ||
 				dr.KVC.SessionID != "s1" || dr.SessionParams == nil || pr.KVC.Mode != "PD_FALLBACK" || pr.KVC.Role != "prefill" || pr.SessionParams != nil ||
 				pr.Priority == nil || *pr.Priority != -100 {
 				t.Fatalf("large append: prefill %+v decode %+v", pr, dr)
@@ -448,4 +468,20 @@ func TestKeepSession(t *testing.T) {
 			t.Errorf("%s: keepSession %v, want %v", tc.name, got, tc.want)
 		}
 	}
+}
+
+// bodyPayload is the ExecutionPayload of a worker body's kv_hints (the test fails without one).
+func bodyPayload(t *testing.T, raw []byte) *kvcv1.ExecutionPayload {
+	t.Helper()
+	var b struct {
+		KVHints json.RawMessage `json:"kv_hints"`
+	}
+	if err := json.Unmarshal(raw, &b); err != nil {
+		t.Fatalf("body %s: %v", raw, err)
+	}
+	pl, err := kvhints.Parse(b.KVHints)
+	if err != nil || pl == nil {
+		t.Fatalf("body %s: payload %v, %v", raw, pl, err)
+	}
+	return pl
 }

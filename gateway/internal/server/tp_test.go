@@ -1,7 +1,6 @@
 package server
 
 import (
-	"encoding/json"
 	"io"
 	"slices"
 	"testing"
@@ -27,7 +26,7 @@ func TestWorkerBodyTensorParallel(t *testing.T) {
 		want    []string // nil: no prefill_peer_addrs key
 	}{
 		{"seed, decode side", tpPrefill, seed, roleDecode, []string{"10.0.0.1:7000", "10.0.0.1:7001"}},
-		{"seed, prefill side", tpPrefill, seed, rolePrefill, []string{"10.0.0.1:7000", "10.0.0.1:7001"}},
+		{"seed, prefill side (P sends, receives nothing)", tpPrefill, seed, rolePrefill, nil},
 		{"reseed from a snapshot", tpPrefill, snapshot, roleDecode, []string{"10.0.0.1:7000", "10.0.0.1:7001"}},
 		{"no transfer", tpPrefill, direct, roleDecode, nil},
 		{"no tensor parallelism", plain, seed, roleDecode, nil},
@@ -40,30 +39,15 @@ func TestWorkerBodyTensorParallel(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			var body struct {
-				KVHints struct {
-					Actions []struct {
-						Payload map[string]any `json:"payload"`
-					} `json:"actions"`
-				} `json:"kv_hints"`
-			}
-			if err := json.Unmarshal(raw, &body); err != nil || len(body.KVHints.Actions) != 1 {
-				t.Fatalf("body %s: %v", raw, err)
-			}
-			pl := body.KVHints.Actions[0].Payload
-			got, ok := pl["prefill_peer_addrs"].([]any)
+			pl := bodyPayload(t, raw)
+			r := pl.GetReceive()
 			if tt.want == nil {
-				if _, has := pl["prefill_peer_addrs"]; has {
-					t.Fatalf("prefill_peer_addrs sent: %v", pl)
+				if len(r.GetPeerAddrs()) != 0 {
+					t.Fatalf("peer_addrs sent: %v", pl)
 				}
 				return
 			}
-			var addrs []string
-			for _, a := range got {
-				s, _ := a.(string)
-				addrs = append(addrs, s)
-			}
-			if !ok || !slices.Equal(addrs, tt.want) || pl["prefill_peer_addr"] != tt.want[0] {
+			if !slices.Equal(r.GetPeerAddrs(), tt.want) || r.GetPeerAddr() != tt.want[0] {
 				t.Fatalf("payload %v", pl)
 			}
 		})
