@@ -17,6 +17,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/kvcentric/kvcentric/pkg/etcdtest"
+	"github.com/kvcentric/kvcentric/pkg/kvhints"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -45,17 +46,19 @@ type kvcMeta struct {
 	VerifyFailures int64 `json:"verify_failures"`
 }
 
-// generate posts a /generate with the decision in SGLang's kv_hints envelope, as the gateway
-// does, and returns the status, the body and the answer's kvc meta.
-func generate(url, rid string, maxNew int, payload map[string]any) (int, string, kvcMeta) {
-	body := map[string]any{"rid": rid, "stream": false, "sampling_params": map[string]any{"max_new_tokens": maxNew},
-		"kv_hints": map[string]any{"protocol_version": 1, "message_id": rid, "actions": []any{map[string]any{
-			"action_id": rid + "/" + payload["role"].(string), "action_type": "kvc", "action_version": 1, "payload": payload}}}}
-	if room, ok := payload["room"]; ok && payload["transfer"] == "SEED" {
-		body["bootstrap_room"] = room
+// generate posts a /generate with the decision's payload in SGLang's kv_hints envelope, as the
+// gateway does, and returns the status, the body and the answer's kvc meta.
+func generate(url, rid string, maxNew int, payload *kvcv1.ExecutionPayload) (int, string, kvcMeta) {
+	env, err := kvhints.Build(rid, payload)
+	if err != nil {
+		return 0, err.Error(), kvcMeta{}
 	}
-	if payload["keep_session"] == true {
-		body["session_params"] = map[string]any{"id": payload["session_id"]} // the session's streaming session on D
+	body := map[string]any{"rid": rid, "stream": false, "sampling_params": map[string]any{"max_new_tokens": maxNew}, "kv_hints": env}
+	if s := payload.GetSend(); s != nil {
+		body["bootstrap_room"] = s.GetRoom()
+	}
+	if payload.GetKeepSession() {
+		body["session_params"] = map[string]any{"id": payload.GetSessionId()} // the session's streaming session on D
 	}
 	code, out, err := postJSON(url+"/generate", body)
 	if err != nil {
@@ -135,15 +138,10 @@ func execRanks(t *testing.T, d *kvcv1.RouteDecision, session string, input int64
 	for _, r := range d.GetPrefill().GetTpRanks() {
 		peers = append(peers, r.GetPeerAddr())
 	}
-	mode := strings.TrimPrefix(d.GetMode().String(), "ROUTE_MODE_")
-	transfer := "SEED"
-	if d.GetExecution().GetTransfer() == kvcv1.TransferKind_TRANSFER_KIND_SNAPSHOT {
-		transfer = "SNAPSHOT"
-	}
-	base := func(role string) map[string]any {
-		return map[string]any{"mode": mode, "role": role, "session_id": session, "input_tokens": input, "room": d.GetBootstrapRoom(),
-			"transfer": transfer, "decision_id": d.GetDecisionId(), "cached_tokens": d.GetCachedTokens(),
-			"prefill_peer_addr": d.GetPrefill().GetPeerAddr(), "prefill_peer_addrs": peers}
+	e := d.GetExecution()
+	base := func(role kvcv1.WorkerRole) *kvcv1.ExecutionPayload {
+		return &kvcv1.ExecutionPayload{Mode: d.GetMode(), Role: role, SessionId: session, InputTokens: input,
+			DecisionId: d.GetDecisionId(), CachedTokens: d.GetCachedTokens()}
 	}
 	var wg sync.WaitGroup
 	errs := make(chan string, 2*len(dRanks))
@@ -153,7 +151,9 @@ func execRanks(t *testing.T, d *kvcv1.RouteDecision, session string, input int64
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
-				if code, body, _ := generate(pRanks[r].url, fmt.Sprintf("p-%s-%d", d.GetDecisionId(), r), 0, base("prefill")); code != 200 {
+				pl := base(kvcv1.WorkerRole_WORKER_ROLE_PREFILL)
+				pl.Send = &kvcv1.ExecutionSend{Room: d.GetBootstrapRoom()}
+				if code, body, _ := generate(pRanks[r].url, fmt.Sprintf("p-%s-%d", d.GetDecisionId(), r), 0, pl); code != 200 {
 					errs <- fmt.Sprintf("prefill rank %d: %d %s", r, code, body)
 				}
 			}()
@@ -161,10 +161,14 @@ func execRanks(t *testing.T, d *kvcv1.RouteDecision, session string, input int64
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			pl := base("decode")
-			pl["keep_session"] = true
-			if transfer == "SNAPSHOT" {
-				pl["snapshot_seqlen"] = d.GetSnapshotSeqlen()
+			pl := base(kvcv1.WorkerRole_WORKER_ROLE_DECODE)
+			pl.KeepSession, pl.OpenSession = true, e.GetOpenSession()
+			if e.GetTransfer() != kvcv1.TransferKind_TRANSFER_KIND_UNSPECIFIED {
+				pl.Receive = &kvcv1.ExecutionReceive{Kind: e.GetTransfer(), Room: d.GetBootstrapRoom(),
+					PeerAddr: d.GetPrefill().GetPeerAddr(), PeerAddrs: peers, Tokens: input}
+			}
+			if e.GetTransfer() == kvcv1.TransferKind_TRANSFER_KIND_SNAPSHOT {
+				pl.Receive.Tokens = d.GetSnapshotSeqlen()
 			}
 			code, body, meta := generate(dRanks[r].url, fmt.Sprintf("d-%s-%d", d.GetDecisionId(), r), 4, pl)
 			if code != 200 {

@@ -11,6 +11,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/kvcentric/kvcentric/pkg/kvhints"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -56,7 +57,7 @@ func (s *Sidecar) startLoad(ctx context.Context, c *kvcv1.LoadSessionCommand) er
 
 // loadSession has the worker create the session from the prefill store's snapshot, as SGLang's
 // client API allows without a client request: POST /open_session (a streaming session), then a
-// zero-output POST /generate whose kv_hints is a RESEED_SNAPSHOT of [0, seqlen) — the worker's
+// zero-output POST /generate whose kv_hints payload is a SNAPSHOT receive of [0, seqlen) — the worker's
 // receive path (kvc-sim's, or SGLang's cache linker) pre-allocates the pages through this
 // sidecar's bridge (PrepareReceive SNAPSHOT in the command's room), the prefill sidecar writes
 // the snapshot into them, the worker verifies and commits them (COMMITTED) and answers. Only
@@ -117,22 +118,27 @@ func (s *Sidecar) loadOnWorker(ctx context.Context, c *kvcv1.LoadSessionCommand)
 	} else if code/100 != 2 && !strings.Contains(body, "already open") {
 		return 0, 0, fmt.Errorf("open_session: HTTP %d: %s", code, body)
 	}
-	payload := map[string]any{
-		"mode": "RESEED_SNAPSHOT", "role": "decode", "session_id": id, "input_tokens": c.GetSeqlen(),
-		"cached_tokens": c.GetSeqlen(), "keep_session": true, "transfer": "SNAPSHOT", "room": c.GetRoom(),
-		"prefill_peer_addr": c.GetPrefillPeerAddr(), "snapshot_seqlen": c.GetSeqlen(), "load": true,
-	}
-	if c.GetDecisionId() != "" {
-		payload["decision_id"] = c.GetDecisionId()
+	// The worker acts on the payload's fields: a new session (open_session) kept here, whose
+	// whole KV [0, seqlen) arrives from the prefill store (a SNAPSHOT receive); the mode is a
+	// label.
+	payload := &kvcv1.ExecutionPayload{
+		DecisionId: c.GetDecisionId(), Mode: kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT, Role: kvcv1.WorkerRole_WORKER_ROLE_DECODE,
+		SessionId: id, InputTokens: c.GetSeqlen(), CachedTokens: c.GetSeqlen(), KeepSession: true, OpenSession: true,
+		Receive: &kvcv1.ExecutionReceive{Kind: kvcv1.TransferKind_TRANSFER_KIND_SNAPSHOT, Room: c.GetRoom(),
+			PeerAddr: c.GetPrefillPeerAddr(), Tokens: c.GetSeqlen()},
+		Load: true,
 	}
 	msgID := "load-" + id + "-" + fmt.Sprint(c.GetRoom())
+	env, err := kvhints.Build(msgID, payload)
+	if err != nil {
+		return 0, 0, err
+	}
 	gen, _ := json.Marshal(map[string]any{
 		"rid":             msgID,
 		"sampling_params": map[string]any{"max_new_tokens": 0},
 		"stream":          false,
 		"session_params":  map[string]any{"id": id},
-		"kv_hints": map[string]any{"protocol_version": 1, "message_id": msgID, "actions": []any{map[string]any{
-			"action_id": msgID + "/decode", "action_type": "kvc", "action_version": 1, "payload": payload}}},
+		"kv_hints":        env,
 	})
 	code, body, err := post(ctx, base+"/generate", gen)
 	if err != nil {

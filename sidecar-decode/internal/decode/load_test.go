@@ -10,6 +10,7 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/kvcentric/kvcentric/pkg/kvhints"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -116,9 +117,12 @@ func TestLoadSessionCallsTheWorker(t *testing.T) {
 			if strings.Join(paths, ",") != "/open_session,/generate" {
 				t.Fatalf("worker calls %v", paths)
 			}
-			p := gen["kv_hints"].(map[string]any)["actions"].([]any)[0].(map[string]any)["payload"].(map[string]any)
-			if p["mode"] != "RESEED_SNAPSHOT" || p["transfer"] != "SNAPSHOT" || p["snapshot_seqlen"] != float64(100) || p["room"] != float64(7) ||
-				p["load"] != true || gen["sampling_params"].(map[string]any)["max_new_tokens"] != float64(0) ||
+			raw, _ := json.Marshal(gen["kv_hints"])
+			p, err := kvhints.Parse(raw)
+			r := p.GetReceive()
+			if err != nil || r.GetKind() != kvcv1.TransferKind_TRANSFER_KIND_SNAPSHOT || r.GetTokens() != 100 || r.GetRoom() != 7 ||
+				r.GetPeerAddr() != "p:1" || !p.GetOpenSession() || !p.GetKeepSession() || p.GetInputTokens() != 100 ||
+				!p.GetLoad() || gen["sampling_params"].(map[string]any)["max_new_tokens"] != float64(0) ||
 				gen["session_params"].(map[string]any)["id"] != "S" {
 				t.Fatalf("generate body %v", gen)
 			}

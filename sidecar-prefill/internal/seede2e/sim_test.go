@@ -8,16 +8,20 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvcentric/kvcentric/pkg/kvhints"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
 // simGenerate posts a /generate body to a kvc-sim worker, as the gateway builds it (the decision
 // in SGLang's kv_hints envelope), and returns the answer's meta_info.kvc.
-func simGenerate(t *testing.T, url string, payload map[string]any, extra map[string]any) map[string]any {
+func simGenerate(t *testing.T, url string, payload *kvcv1.ExecutionPayload, extra map[string]any) map[string]any {
 	t.Helper()
+	env, err := kvhints.Build("m1", payload)
+	if err != nil {
+		t.Fatal(err)
+	}
 	b := map[string]any{"rid": "r1", "text": "hello", "stream": false, "sampling_params": map[string]any{"max_new_tokens": 4},
-		"kv_hints": map[string]any{"protocol_version": 1, "message_id": "m1", "actions": []any{map[string]any{
-			"action_id": "m1/" + payload["role"].(string), "action_type": "kvc", "action_version": 1, "payload": payload}}}}
+		"kv_hints": env}
 	for k, v := range extra {
 		b[k] = v
 	}
@@ -68,8 +72,8 @@ func TestSimSeedThroughStore(t *testing.T) {
 	purl, durl := sim("prefill", "p0", p0), sim("decode", "d1", d1)
 	const input = 200
 	peer := p0.str("peer_addr")
-	k := simGenerate(t, purl, map[string]any{"mode": "SEED", "role": "prefill", "session_id": "S", "input_tokens": input, "room": 77,
-		"transfer": "SEED", "prefill_peer_addr": peer, "to_store": true, "generation": 1}, map[string]any{"bootstrap_room": 77})
+	k := simGenerate(t, purl, &kvcv1.ExecutionPayload{Mode: kvcv1.RouteMode_ROUTE_MODE_SEED, Role: kvcv1.WorkerRole_WORKER_ROLE_PREFILL,
+		SessionId: "S", InputTokens: input, Send: &kvcv1.ExecutionSend{Room: 77, StoreGeneration: 1}}, map[string]any{"bootstrap_room": 77})
 	const bpt = 2 * 4 * 16 // kvc-sim: 4 layers, 16 bytes per token per buffer
 	if sent, _ := k["sent_bytes"].(float64); int64(sent) != input*bpt {
 		t.Fatalf("P's meta %v, want %d bytes sent", k, input*bpt)
@@ -78,8 +82,9 @@ func TestSimSeedThroughStore(t *testing.T) {
 	if err != nil || !st.GetExists() || st.GetSeqlen() != input || st.GetGeneration() != 1 {
 		t.Fatalf("store: %v %v", st, err)
 	}
-	k = simGenerate(t, durl, map[string]any{"mode": "SEED", "role": "decode", "session_id": "S", "input_tokens": input, "room": 78,
-		"transfer": "SEED", "prefill_peer_addr": peer, "snapshot_seqlen": input, "keep_session": true},
+	k = simGenerate(t, durl, &kvcv1.ExecutionPayload{Mode: kvcv1.RouteMode_ROUTE_MODE_SEED, Role: kvcv1.WorkerRole_WORKER_ROLE_DECODE,
+		SessionId: "S", InputTokens: input, KeepSession: true, OpenSession: true,
+		Receive: &kvcv1.ExecutionReceive{Kind: kvcv1.TransferKind_TRANSFER_KIND_SNAPSHOT, Room: 78, PeerAddr: peer, Tokens: input}},
 		map[string]any{"session_params": map[string]any{"id": "S"}})
 	recv, _ := k["received_bytes"].(float64)
 	ver, _ := k["verified_bytes"].(float64)

@@ -2,7 +2,6 @@ package worker
 
 import (
 	"context"
-	"encoding/json"
 	"net/http"
 	"sync"
 	"testing"
@@ -11,23 +10,19 @@ import (
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
-// idsBody is a /generate body with input_ids (the prompt's content) and the decision in the
-// kvc block; truncate > 0 adds truncate_to.
+// idsBody is a /generate body with input_ids (the prompt's content) and the decision k in
+// kv_hints; truncate > 0 adds truncate_to; Keep set to true marks a local first turn
+// (local_prefill, a new session opened here).
 func idsBody(rid string, ids []int64, maxNew int64, k kvcReq, truncate int64) []byte {
-	kv := map[string]any{"mode": k.Mode, "role": k.Role, "session_id": k.SessionID, "input_tokens": len(ids),
-		"cached_tokens": k.CachedTokens}
-	if k.Room != nil {
-		kv["room"] = *k.Room
+	local := k.Keep != nil && *k.Keep
+	k.Keep, k.InputTokens = nil, int64(len(ids))
+	if local {
+		k.LocalPrefill = bptr(true)
 	}
-	if truncate > 0 {
-		kv["truncate_to"] = truncate
-	}
-	if k.Keep != nil && *k.Keep {
-		kv["local_prefill"] = true // the tests' flag for a local first turn
-	}
-	b, _ := json.Marshal(map[string]any{"rid": rid, "input_ids": ids, "stream": false,
-		"sampling_params": map[string]any{"max_new_tokens": maxNew}, "kvc": kv})
-	return b
+	p := k.payload()
+	p.TruncateTo = truncate
+	return genBody(p, map[string]any{"rid": rid, "input_ids": ids, "stream": false,
+		"sampling_params": map[string]any{"max_new_tokens": maxNew}})
 }
 
 func seqIDs(n int, base int64) []int64 {
@@ -227,8 +222,10 @@ func TestLocalFirstTurnReusesPrefix(t *testing.T) {
 	}
 	residentVerifies(t, d, "c", append(alone, r.ans.OutputIDs...))
 
-	// local_prefill only on a decode worker's DIRECT_TO_D.
-	if r := post(t, ctx, d.url, idsBody("r4", alone, 1, kvcReq{Mode: "SEED", Role: "decode", SessionID: "e", Room: i64(4), Keep: bptr(true)}, 0)); r.status != 400 {
-		t.Fatalf("local_prefill on a SEED: %d %s", r.status, r.code)
+	// local_prefill computes here: a payload that also receives KV is refused.
+	pl := kvcReq{Mode: "SEED", Role: "decode", SessionID: "e", Room: i64(4), InputTokens: int64(len(alone))}.payload()
+	pl.LocalPrefill = true
+	if r := post(t, ctx, d.url, genBody(pl, map[string]any{"rid": "r4", "input_ids": alone, "sampling_params": map[string]any{"max_new_tokens": 1}})); r.status != 400 {
+		t.Fatalf("local_prefill with a receive: %d %s", r.status, r.code)
 	}
 }

@@ -2,7 +2,6 @@ package worker
 
 import (
 	"context"
-	"encoding/json"
 	"testing"
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
@@ -15,15 +14,9 @@ import (
 // localFallbackBody is a PD_FALLBACK decode call with local_prefill (a fallback without a
 // prefill worker, or the gateway's fail-open): no room, no transfer.
 func localFallbackBody(rid, session string, ids []int64, keep bool) []byte {
-	kv := map[string]any{"mode": "PD_FALLBACK", "role": "decode", "session_id": session, "input_tokens": len(ids),
-		"local_prefill": true, "keep_session": keep}
-	b := map[string]any{"rid": rid, "input_ids": ids, "stream": false,
-		"sampling_params": map[string]any{"max_new_tokens": 3}, "kvc": kv}
-	if keep {
-		b["session_params"] = map[string]any{"id": session}
-	}
-	out, _ := json.Marshal(b)
-	return out
+	return genBody(&kvcv1.ExecutionPayload{Mode: kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, Role: kvcv1.WorkerRole_WORKER_ROLE_DECODE,
+		SessionId: session, InputTokens: int64(len(ids)), LocalPrefill: true, KeepSession: keep},
+		map[string]any{"rid": rid, "input_ids": ids, "stream": false, "sampling_params": map[string]any{"max_new_tokens": 3}})
 }
 
 // TestLocalFallbackNeedsNoSidecar (issue 16 findings 2 and 5): a PD_FALLBACK with local_prefill

@@ -235,7 +235,7 @@ func (w *Worker) handleGenerate(rw http.ResponseWriter, r *http.Request) {
 		fail(errf(http.StatusBadRequest, "bad_request", "%v", err))
 		return
 	}
-	mode = p.mode.String()
+	mode = p.mode
 	if p.rid == "" {
 		p.rid = "sim-" + strconv.FormatInt(time.Now().UnixNano(), 36)
 	}
@@ -414,10 +414,12 @@ type turn struct {
 	dirty    bool
 	// recvFrom: a suffix-only receive of a large append: the transfer writes [recvFrom, input).
 	recvFrom int64
-	unlock   func()
-	kv       int64    // tokens of KV computed
-	ids      []uint32 // the content of the turn's KV (content.go), built on first use
-	local    bool     // a new session's first turn prefilled here (local_prefill)
+	// direct: the turn runs on the session held here, nothing received (a failed one keeps it).
+	direct bool
+	unlock func()
+	kv     int64    // tokens of KV computed
+	ids    []uint32 // the content of the turn's KV (content.go), built on first use
+	local  bool     // a new session's first turn prefilled here (local_prefill)
 	// radix: the decode radix's pages (poolradix.go) this plain P/D turn locked for its prefix;
 	// they are the first pages of t.pages.
 	radix []*rnode
@@ -440,7 +442,7 @@ func (w *Worker) begin(ctx context.Context, p *plan, meta *KVCMeta) (*turn, *api
 	t := &turn{p: p, meta: meta}
 	ps := w.cfg.Geometry.PageSize
 	need := pagesFor(p.input+p.maxNew, ps)
-	anonymous := p.mode == ModePDFallback && !p.keep
+	anonymous := !p.keep
 	if !anonymous {
 		unlock, err := w.lockTurn(ctx, p.sessionID)
 		if err != nil {
@@ -452,13 +454,16 @@ func (w *Worker) begin(ctx context.Context, p *plan, meta *KVCMeta) (*turn, *api
 		w.finish(t, false)
 		return nil, e
 	}
-	if p.mode == ModeDirectToD && p.localPrefill {
+	if p.localPrefill && p.keep {
+		// A new session's first turn prefilled here (open_session, local_prefill).
 		if e := w.beginLocal(ctx, t, need); e != nil {
 			return fail(e)
 		}
 		return t, nil
 	}
-	if p.mode == ModeDirectToD {
+	if !p.receives() && !p.localPrefill {
+		// No transfer: the turn runs on the session this worker holds.
+		t.direct = true
 		w.mu.Lock()
 		s := w.sessions[p.sessionID]
 		if s == nil || s.kvLen < p.cached {
@@ -526,9 +531,10 @@ func (w *Worker) begin(ctx context.Context, p *plan, meta *KVCMeta) (*turn, *api
 		return t, nil
 	}
 
-	if p.mode == ModePDFallback && p.keep {
-		// A large append of a session this worker holds: receive the whole context, then
-		// extend the session with it (extend). Without a held prefix of it, plain P/D.
+	if p.receives() && p.keep && !p.open {
+		// A receive into the session kept here that does not replace it: a large append of a
+		// session this worker holds: receive the whole context (or its suffix), then extend the
+		// session with it (extend). Without a held prefix of it, plain P/D.
 		w.mu.Lock()
 		s := w.sessions[p.sessionID]
 		if s != nil && s.kvLen > 0 && s.kvLen <= p.input {
@@ -625,10 +631,10 @@ func (w *Worker) begin(ctx context.Context, p *plan, meta *KVCMeta) (*turn, *api
 	}
 	kind := kvcv1.TransferKind_TRANSFER_KIND_SEED
 	tokens := p.input
-	fromStore := p.mode == ModeReseedSnapshot || p.seqlen > 0 // a snapshot, or a seed P left in its store
+	fromStore := p.recvKind == kvcv1.TransferKind_TRANSFER_KIND_SNAPSHOT // a snapshot, or a seed P left in its store
 	if fromStore {
 		kind = kvcv1.TransferKind_TRANSFER_KIND_SNAPSHOT
-		tokens = p.seqlen
+		tokens = p.recvTokens
 	}
 	if e := w.receive(ctx, t, kind, tokens); e != nil {
 		return fail(e)
@@ -837,7 +843,7 @@ func (w *Worker) decode(ctx context.Context, rw http.ResponseWriter, t *turn, st
 		w.m.decodeTokens.Inc()
 		tok := fmt.Sprintf(" t%d", t.kv-1)
 		if i == 0 {
-			w.m.ttft.WithLabelValues(p.mode.String()).Observe(time.Since(start).Seconds())
+			w.m.ttft.WithLabelValues(p.mode).Observe(time.Since(start).Seconds())
 		}
 		if sse != nil {
 			m := mi(i + 1)
@@ -854,7 +860,7 @@ func (w *Worker) decode(ctx context.Context, rw http.ResponseWriter, t *turn, st
 		}
 	}
 	if p.maxNew == 0 {
-		w.m.ttft.WithLabelValues(p.mode.String()).Observe(time.Since(start).Seconds())
+		w.m.ttft.WithLabelValues(p.mode).Observe(time.Since(start).Seconds())
 	}
 	w.finish(t, true)
 	final := mi(p.maxNew)
@@ -917,7 +923,7 @@ func (w *Worker) finish(t *turn, ok bool) {
 	case !ok && t.local:
 		w.dropSession(s, kvcv1.ReleaseReason_RELEASE_REASON_RELEASED)
 		return
-	case !ok && (t.p.mode == ModeDirectToD || t.extend):
+	case !ok && (t.direct || t.extend):
 		w.trim(s, s.kvLen)
 		return
 	case !ok:

@@ -9,24 +9,18 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/kvcentric/kvcentric/pkg/kvhints"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
 // hintsBody is a /generate body the way kvc-gateway sends it to real SGLang: the decision in
-// the kv_hints envelope, session_params only when D keeps the session.
-func hintsBody(rid string, maxNew int64, stream bool, k kvcReq, transfer string, sessionParams bool) []byte {
-	payload, _ := json.Marshal(k)
-	var pm map[string]any
-	_ = json.Unmarshal(payload, &pm)
-	if transfer != "" || k.Mode != "DIRECT_TO_D" {
-		pm["transfer"] = transfer
-	}
+// the kv_hints envelope beside another orchestrator's action, session_params when asked.
+func hintsBody(rid string, maxNew int64, stream bool, k kvcReq, sessionParams bool) []byte {
+	env, _ := kvhints.Build(rid, k.payload())
+	env.Actions = append([]kvhints.Action{{ActionID: "other", ActionType: "hicache", ActionVersion: 7, Payload: json.RawMessage(`{"x":1}`)}}, env.Actions...)
 	b := map[string]any{
 		"rid": rid, "text": "hello", "stream": stream, "sampling_params": map[string]any{"max_new_tokens": maxNew},
-		"kv_hints": map[string]any{"protocol_version": 1, "message_id": rid, "actions": []any{
-			map[string]any{"action_id": "other", "action_type": "hicache", "action_version": 7, "payload": map[string]any{"x": 1}},
-			map[string]any{"action_id": rid + "/" + k.Role, "action_type": "kvc", "action_version": 1, "payload": pm},
-		}},
+		"kv_hints": env,
 	}
 	if sessionParams {
 		b["session_params"] = map[string]any{"id": k.SessionID}
@@ -66,9 +60,9 @@ func TestSGLangHTTPContract(t *testing.T) {
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
-		pr = post(t, context.Background(), p.url, hintsBody("r1", 5, false, kp, "SEED", false))
+		pr = post(t, context.Background(), p.url, hintsBody("r1", 5, false, kp, false))
 	}()
-	dr := post(t, context.Background(), d.url, hintsBody("r1", 5, true, kd, "SEED", true))
+	dr := post(t, context.Background(), d.url, hintsBody("r1", 5, true, kd, true))
 	wg.Wait()
 	if pr.status != 200 || dr.status != 200 || dr.ans.MetaInfo.KVC.VerifiedBytes != 101*48 || dr.ans.MetaInfo.KVC.KVLenAfter != 106 {
 		t.Fatalf("seed: P %d %s, D %d %s %+v", pr.status, pr.code, dr.status, dr.code, dr.ans.MetaInfo.KVC)
@@ -82,7 +76,7 @@ func TestSGLangHTTPContract(t *testing.T) {
 	}
 	// Direct turn on the streaming session.
 	res := post(t, context.Background(), d.url, hintsBody("r2", 2, false,
-		kvcReq{Mode: "DIRECT_TO_D", Role: "decode", SessionID: "s1", InputTokens: 120, CachedTokens: 106, Keep: bptr(true)}, "", true))
+		kvcReq{Mode: "DIRECT_TO_D", Role: "decode", SessionID: "s1", InputTokens: 120, CachedTokens: 106, Keep: bptr(true)}, true))
 	if res.status != 200 || res.ans.MetaInfo.KVC.PrefillTokens != 14 || res.ans.MetaInfo.KVC.KVLenAfter != 122 {
 		t.Fatalf("direct: %d %s %+v", res.status, res.code, res.ans.MetaInfo.KVC)
 	}
@@ -128,11 +122,11 @@ func TestSessionCallsBadInput(t *testing.T) {
 	}
 }
 
+// TestParseKVHints: the payload's fields become the plan; SGLang's session contract and the
+// envelope's versions are checked.
 func TestParseKVHints(t *testing.T) {
 	dec, pre := kvcv1.WorkerRole_WORKER_ROLE_DECODE, kvcv1.WorkerRole_WORKER_ROLE_PREFILL
-	env := func(payload string) string {
-		return `"kv_hints":{"protocol_version":1,"message_id":"m","actions":[{"action_id":"a","action_type":"kvc","action_version":1,"payload":` + payload + `}]}`
-	}
+	seed := `"receive":{"kind":"TRANSFER_KIND_SEED","room":"3"}`
 	for _, tt := range []struct {
 		name    string
 		role    kvcv1.WorkerRole
@@ -140,25 +134,33 @@ func TestParseKVHints(t *testing.T) {
 		wantErr string
 		check   func(p *plan) bool
 	}{
-		{"seed on D with session_params", dec, `{"session_params":{"id":"s"},` + env(`{"mode":"SEED","session_id":"s","input_tokens":9,"room":3,"transfer":"SEED","keep_session":true}`) + `}`, "",
+		{"seed on D with session_params", dec, `{"session_params":{"id":"s"},` + envelope(`{"mode":"ROUTE_MODE_SEED","session_id":"s","input_tokens":9,"keep_session":true,"open_session":true,`+seed+`}`) + `}`, "",
 			func(p *plan) bool {
-				return p.mode == ModeSeed && p.keep && p.sessionID == "s" && p.room == 3 && p.hinted
+				return p.mode == "SEED" && p.keep && p.open && p.sessionID == "s" && p.room == 3 && p.recvTokens == 9 &&
+					p.recvKind == kvcv1.TransferKind_TRANSFER_KIND_SEED
 			}},
-		{"fallback on D without session_params keeps nothing", dec, `{` + env(`{"mode":"PD_FALLBACK","session_id":"s","input_tokens":9,"room":3,"transfer":"SEED","keep_session":false}`) + `}`, "",
-			func(p *plan) bool { return p.mode == ModePDFallback && !p.keep && p.seedKey == "s" }},
-		{"prefill half by session id in the payload", pre, `{"bootstrap_room":3,` + env(`{"mode":"SEED","role":"prefill","session_id":"s","input_tokens":9,"room":3,"transfer":"SEED","keep_session":true}`) + `}`, "",
-			func(p *plan) bool { return p.seedKey == "s" && p.room == 3 }},
-		{"snapshot", dec, `{"session_params":{"id":"s"},` + env(`{"mode":"RESEED_SNAPSHOT","session_id":"s","input_tokens":9,"room":3,"transfer":"SNAPSHOT","snapshot_seqlen":8,"keep_session":true}`) + `}`, "",
-			func(p *plan) bool { return p.mode == ModeReseedSnapshot && p.seqlen == 8 }},
-		{"keep without session_params", dec, `{` + env(`{"mode":"SEED","session_id":"s","input_tokens":9,"room":3,"keep_session":true}`) + `}`, "session_params missing", nil},
-		{"session_params without keep", dec, `{"session_params":{"id":"s"},` + env(`{"mode":"PD_FALLBACK","session_id":"s","input_tokens":9,"room":3,"keep_session":false}`) + `}`, "session_params given", nil},
-		{"prefill with session_params", pre, `{"session_params":{"id":"s"},` + env(`{"mode":"SEED","session_id":"s","input_tokens":9,"room":3}`) + `}`, "without session_params", nil},
-		{"transfer does not match mode", dec, `{"session_params":{"id":"s"},` + env(`{"mode":"RESEED_SNAPSHOT","session_id":"s","input_tokens":9,"room":3,"transfer":"SEED","snapshot_seqlen":8,"keep_session":true}`) + `}`, "does not match", nil},
-		{"both kv_hints and kvc", dec, `{"kvc":{"mode":"SEED"},` + env(`{"mode":"SEED","session_id":"s","input_tokens":9,"room":3}`) + `}`, "twice", nil},
-		{"two kvc actions", dec, `{"kv_hints":{"protocol_version":1,"actions":[{"action_type":"kvc","action_version":1,"payload":{}},{"action_type":"kvc","action_version":1,"payload":{}}]}}`, "more than one", nil},
+		{"camelCase names (protojson's JSON names)", dec, `{"session_params":{"id":"s"},` + envelope(`{"sessionId":"s","inputTokens":9,"keepSession":true,"openSession":true,"receive":{"kind":2,"room":3,"tokens":4}}`) + `}`, "",
+			func(p *plan) bool {
+				return p.keep && p.open && p.recvKind == kvcv1.TransferKind_TRANSFER_KIND_SNAPSHOT && p.recvTokens == 4 && p.mode == "NONE"
+			}},
+		{"receive without keep_session keeps nothing", dec, `{` + envelope(`{"mode":"ROUTE_MODE_PD_FALLBACK","session_id":"s","input_tokens":9,`+seed+`}`) + `}`, "",
+			func(p *plan) bool { return !p.keep && p.seedKey == "s" && p.receives() }},
+		{"prefill half by session id in the payload", pre, `{"bootstrap_room":3,` + envelope(`{"role":"WORKER_ROLE_PREFILL","session_id":"s","input_tokens":9,"send":{"room":"3","from_token":"4"}}`) + `}`, "",
+			func(p *plan) bool {
+				return p.seedKey == "s" && p.room == 3 && p.sends && p.receiveFrom == 4 && !p.toStore
+			}},
+		{"snapshot", dec, `{"session_params":{"id":"s"},` + envelope(`{"session_id":"s","input_tokens":9,"keep_session":true,"open_session":true,"receive":{"kind":"TRANSFER_KIND_SNAPSHOT","room":"3","tokens":"8"}}`) + `}`, "",
+			func(p *plan) bool {
+				return p.recvKind == kvcv1.TransferKind_TRANSFER_KIND_SNAPSHOT && p.recvTokens == 8
+			}},
+		{"keep without session_params", dec, `{` + envelope(`{"session_id":"s","input_tokens":9,"keep_session":true,`+seed+`}`) + `}`, "session_params missing", nil},
+		{"session_params without keep", dec, `{"session_params":{"id":"s"},` + envelope(`{"session_id":"s","input_tokens":9,`+seed+`}`) + `}`, "session_params given", nil},
+		{"prefill with session_params", pre, `{"session_params":{"id":"s"},` + envelope(`{"session_id":"s","input_tokens":9,"send":{"room":"3"}}`) + `}`, "without session_params", nil},
+		{"the old top-level kvc block is not read", dec, `{"kvc":{"mode":"SEED","session_id":"s","input_tokens":9,"room":3}}`, "no kvcentric decision", nil},
+		{"two kvc actions", dec, `{"kv_hints":{"protocol_version":1,"actions":[{"action_type":"kvc","action_version":2,"payload":{}},{"action_type":"kvc","action_version":2,"payload":{}}]}}`, "more than one", nil},
 		{"protocol version", dec, `{"kv_hints":{"protocol_version":2,"actions":[]}}`, "protocol_version", nil},
-		{"action version", dec, `{"kv_hints":{"protocol_version":1,"actions":[{"action_type":"kvc","action_version":2,"payload":{}}]}}`, "action_version", nil},
-		{"bad payload", dec, `{"kv_hints":{"protocol_version":1,"actions":[{"action_type":"kvc","action_version":1,"payload":[1]}]}}`, "payload", nil},
+		{"action version", dec, `{"kv_hints":{"protocol_version":1,"actions":[{"action_type":"kvc","action_version":1,"payload":{}}]}}`, "action_version", nil},
+		{"bad payload", dec, `{"kv_hints":{"protocol_version":1,"actions":[{"action_type":"kvc","action_version":2,"payload":[1]}]}}`, "payload", nil},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			p, err := parseGenerate([]byte(tt.body), tt.role, 1000)

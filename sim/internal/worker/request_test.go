@@ -12,7 +12,6 @@ func TestParseGenerateDefaults(t *testing.T) {
 	tests := []struct {
 		name     string
 		body     string
-		mode     Mode
 		input    int64
 		keep     bool
 		seedKey  string
@@ -20,11 +19,11 @@ func TestParseGenerateDefaults(t *testing.T) {
 		hasRoom  bool
 		roomWant int64
 	}{
-		{"plain sglang request", `{"rid":"r1","text":"abcdefgh","bootstrap_room":7}`, ModePDFallback, 2, false, "r1", defaultMaxNew, true, 7},
-		{"input ids", `{"input_ids":[1,2,3],"bootstrap_room":1,"sampling_params":{"max_new_tokens":0}}`, ModePDFallback, 3, false, "room-1", 0, true, 1},
-		{"seed keeps", `{"kvc":{"mode":"ROUTE_MODE_SEED","session_id":"s","input_tokens":9,"room":4611686018427387904}}`, ModeSeed, 9, true, "s", defaultMaxNew, true, 1 << 62},
-		{"session params", `{"session_params":{"id":"s2"},"kvc":{"mode":"direct_to_d","input_tokens":9}}`, ModeDirectToD, 9, true, "s2", defaultMaxNew, false, 0},
-		{"fallback with session", `{"kvc":{"mode":"PD_FALLBACK","session_id":"s","input_tokens":9,"room":2}}`, ModePDFallback, 9, false, "s", defaultMaxNew, true, 2},
+		{"input from text, room from bootstrap_room", `{"rid":"r1","text":"abcdefgh","bootstrap_room":7,` + envelope(`{"receive":{"kind":"TRANSFER_KIND_SEED","room":"7"}}`) + `}`, 2, false, "r1", defaultMaxNew, true, 7},
+		{"input ids", `{"input_ids":[1,2,3],"sampling_params":{"max_new_tokens":0},` + envelope(`{"receive":{"kind":"TRANSFER_KIND_SEED","room":"1"}}`) + `}`, 3, false, "room-1", 0, true, 1},
+		{"seed keeps", `{"session_params":{"id":"s"},` + envelope(`{"session_id":"s","input_tokens":9,"keep_session":true,"open_session":true,"receive":{"kind":"TRANSFER_KIND_SEED","room":"4611686018427387904"}}`) + `}`, 9, true, "s", defaultMaxNew, true, 1 << 62},
+		{"direct turn by session_params", `{"session_params":{"id":"s2"},` + envelope(`{"input_tokens":9,"keep_session":true}`) + `}`, 9, true, "s2", defaultMaxNew, false, 0},
+		{"receive with a session, kept nowhere", `{` + envelope(`{"session_id":"s","input_tokens":9,"receive":{"kind":"TRANSFER_KIND_SEED","room":"2"}}`) + `}`, 9, false, "s", defaultMaxNew, true, 2},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -32,7 +31,7 @@ func TestParseGenerateDefaults(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if p.mode != tt.mode || p.input != tt.input || p.keep != tt.keep || p.seedKey != tt.seedKey ||
+			if p.input != tt.input || p.keep != tt.keep || p.seedKey != tt.seedKey ||
 				p.maxNew != tt.maxNew || p.hasRoom != tt.hasRoom || p.room != tt.roomWant {
 				t.Fatalf("got %+v", p)
 			}
@@ -43,15 +42,16 @@ func TestParseGenerateDefaults(t *testing.T) {
 func FuzzParseGenerate(f *testing.F) {
 	for _, s := range []string{
 		`{"rid":"r1","text":"abcdefgh","bootstrap_room":7}`,
-		`{"kvc":{"mode":"SEED","session_id":"s","input_tokens":9,"room":1,"cached_tokens":3}}`,
-		`{"kvc":{"mode":"RESEED_SNAPSHOT","session_id":"s","input_tokens":9,"room":1,"snapshot_seqlen":4}}`,
-		`{"kvc":{"mode":"DIRECT_TO_D","session_id":"s","input_tokens":9,"cached_tokens":9}}`,
 		`{"sampling_params":{"max_new_tokens":-1}}`, `{`, `null`, `[]`, `{"bootstrap_room":1e99}`,
-		`{"rid":"r","input_ids":[1,2],"bootstrap_room":3,"priority":-100}`, `{"input_ids":[1],"bootstrap_room":3,"priority":1e3}`,
-		`{"session_params":{"id":"s"},"kv_hints":{"protocol_version":1,"message_id":"m","actions":[{"action_id":"a","action_type":"kvc","action_version":1,"payload":{"mode":"SEED","session_id":"s","input_tokens":9,"room":1,"transfer":"SEED","keep_session":true}}]}}`,
-		`{"kv_hints":{"protocol_version":1,"actions":[{"action_type":"other","action_version":3,"payload":{"x":1}},{"action_type":"kvc","action_version":1,"payload":{"mode":"PD_FALLBACK","session_id":"s","input_tokens":9,"room":2,"keep_session":false}}]}}`,
-		`{"session_params":{"id":"s"},"kv_hints":{"protocol_version":1,"actions":[{"action_type":"kvc","action_version":1,"payload":{"mode":"RESEED_SNAPSHOT","session_id":"s","input_tokens":9,"room":1,"transfer":"SNAPSHOT","snapshot_seqlen":4,"keep_session":true}}]}}`,
-		`{"kv_hints":{"protocol_version":1,"actions":[{"action_type":"kvc","action_version":1,"payload":null}]}}`,
+		`{"rid":"r","input_ids":[1,2],"bootstrap_room":3,"priority":-100,` + envelope(`{"send":{"room":"3"}}`) + `}`,
+		`{"session_params":{"id":"s"},` + envelope(`{"session_id":"s","input_tokens":9,"cached_tokens":3,"keep_session":true,"open_session":true,"receive":{"kind":"TRANSFER_KIND_SEED","room":"1"}}`) + `}`,
+		`{"session_params":{"id":"s"},` + envelope(`{"session_id":"s","input_tokens":9,"keep_session":true,"open_session":true,"receive":{"kind":"TRANSFER_KIND_SNAPSHOT","room":"1","tokens":"4"}}`) + `}`,
+		`{"session_params":{"id":"s"},` + envelope(`{"session_id":"s","input_tokens":9,"cached_tokens":9,"keep_session":true,"truncate_to":9}`) + `}`,
+		`{"session_params":{"id":"s"},` + envelope(`{"session_id":"s","input_tokens":90,"keep_session":true,"receive":{"kind":"TRANSFER_KIND_SEED","room":"1","from_token":"32"}}`) + `}`,
+		`{` + envelope(`{"session_id":"s","input_tokens":9,"local_prefill":true}`) + `}`,
+		`{` + envelope(`{"role":"WORKER_ROLE_PREFILL","session_id":"s","input_tokens":9,"load_prefix_tokens":"4","send":{"room":"1","store_generation":"2"}}`) + `}`,
+		`{"kv_hints":{"protocol_version":1,"actions":[{"action_type":"other","action_version":3,"payload":{"x":1}},{"action_type":"kvc","action_version":2,"payload":{"session_id":"s","input_tokens":9,"receive":{"kind":"TRANSFER_KIND_SEED","room":"2"}}}]}}`,
+		`{"kv_hints":{"protocol_version":1,"actions":[{"action_type":"kvc","action_version":2,"payload":null}]}}`,
 		`{"kv_hints":null,"kvc":null}`,
 	} {
 		f.Add([]byte(s))
@@ -68,14 +68,17 @@ func FuzzParseGenerate(f *testing.F) {
 			if role == kvcv1.WorkerRole_WORKER_ROLE_DECODE && p.input+p.maxNew > 4096 {
 				t.Fatalf("accepted a plan beyond capacity %+v", p)
 			}
-			if p.transfers() && (!p.hasRoom || p.room < 0) {
+			if (p.receives() || p.sends) && (!p.hasRoom || p.room < 0) {
 				t.Fatalf("transfer without room %+v", p)
 			}
-			if p.sessionID == "" && (p.mode != ModePDFallback || p.keep) {
+			if p.sessionID == "" && p.keep {
 				t.Fatalf("stateful request without session %+v", p)
 			}
-			if p.mode == ModeReseedSnapshot && (p.seqlen <= 0 || p.seqlen > p.input) {
-				t.Fatalf("bad seqlen %+v", p)
+			if p.receives() && (p.recvTokens <= 0 || p.recvTokens > p.input || p.receiveFrom < 0 || p.receiveFrom >= p.input) {
+				t.Fatalf("bad receive %+v", p)
+			}
+			if role == kvcv1.WorkerRole_WORKER_ROLE_DECODE && !p.receives() && !p.localPrefill && !p.keep {
+				t.Fatalf("nothing to serve from %+v", p)
 			}
 		}
 	})
@@ -102,7 +105,7 @@ func TestParseGeneratePriority(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			body := `{"rid":"r1","input_ids":[1,2,3],"bootstrap_room":1`
+			body := `{"rid":"r1","input_ids":[1,2,3],"bootstrap_room":1,` + envelope(`{"send":{"room":"1"}}`)
 			if tt.prio != "" {
 				body += `,"priority":` + tt.prio
 			}
@@ -123,16 +126,13 @@ func TestParseGeneratePriority(t *testing.T) {
 	}
 }
 
-// kv_hints load (a decode sidecar's LoadSessionCommand) is a zero-output RESEED_SNAPSHOT of the
-// whole input that keeps the session, on a decode worker; anything else is a bad request.
+// The payload's load (a decode sidecar's LoadSessionCommand) is a zero-output SNAPSHOT receive
+// of the whole input into a new session kept here, on a decode worker; anything else is a bad
+// request.
 func TestParseGenerateLoad(t *testing.T) {
-	body := func(mode string, input, seqlen, maxNew int64) string {
-		transfer := "SNAPSHOT"
-		if mode != "RESEED_SNAPSHOT" {
-			transfer = "SEED"
-		}
-		return fmt.Sprintf(`{"session_params":{"id":"s"},"sampling_params":{"max_new_tokens":%d},"kv_hints":{"protocol_version":1,"actions":[{"action_type":"kvc","action_version":1,"payload":{"mode":%q,"session_id":"s","input_tokens":%d,"cached_tokens":%d,"room":1,"transfer":%q,"snapshot_seqlen":%d,"keep_session":true,"load":true}}]}}`,
-			maxNew, mode, input, seqlen, transfer, seqlen)
+	body := func(kind string, input, tokens, maxNew int64) string {
+		return fmt.Sprintf(`{"session_params":{"id":"s"},"sampling_params":{"max_new_tokens":%d},`+envelope(`{"session_id":"s","input_tokens":%d,"cached_tokens":%d,"keep_session":true,"open_session":true,"load":true,"receive":{"kind":%q,"room":"1","tokens":%d}}`)+`}`,
+			maxNew, input, tokens, kind, tokens)
 	}
 	tests := []struct {
 		name string
@@ -140,11 +140,11 @@ func TestParseGenerateLoad(t *testing.T) {
 		role kvcv1.WorkerRole
 		ok   bool
 	}{
-		{"load", body("RESEED_SNAPSHOT", 100, 100, 0), kvcv1.WorkerRole_WORKER_ROLE_DECODE, true},
-		{"generates tokens", body("RESEED_SNAPSHOT", 100, 100, 8), kvcv1.WorkerRole_WORKER_ROLE_DECODE, false},
-		{"part of the input", body("RESEED_SNAPSHOT", 100, 60, 0), kvcv1.WorkerRole_WORKER_ROLE_DECODE, false},
-		{"not a snapshot", body("SEED", 100, 100, 0), kvcv1.WorkerRole_WORKER_ROLE_DECODE, false},
-		{"on a prefill worker", body("RESEED_SNAPSHOT", 100, 100, 0), kvcv1.WorkerRole_WORKER_ROLE_PREFILL, false},
+		{"load", body("TRANSFER_KIND_SNAPSHOT", 100, 100, 0), kvcv1.WorkerRole_WORKER_ROLE_DECODE, true},
+		{"generates tokens", body("TRANSFER_KIND_SNAPSHOT", 100, 100, 8), kvcv1.WorkerRole_WORKER_ROLE_DECODE, false},
+		{"part of the input", body("TRANSFER_KIND_SNAPSHOT", 100, 60, 0), kvcv1.WorkerRole_WORKER_ROLE_DECODE, false},
+		{"not a snapshot", body("TRANSFER_KIND_SEED", 100, 100, 0), kvcv1.WorkerRole_WORKER_ROLE_DECODE, false},
+		{"on a prefill worker", body("TRANSFER_KIND_SNAPSHOT", 100, 100, 0), kvcv1.WorkerRole_WORKER_ROLE_PREFILL, false},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

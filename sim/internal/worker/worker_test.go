@@ -82,11 +82,8 @@ type kvcReq struct {
 }
 
 func body(rid string, maxNew int64, stream bool, k kvcReq) []byte {
-	b, _ := json.Marshal(map[string]any{
-		"rid": rid, "text": "hello", "stream": stream,
-		"sampling_params": map[string]any{"max_new_tokens": maxNew}, "kvc": k,
-	})
-	return b
+	return genBody(k.payload(), map[string]any{"rid": rid, "text": "hello", "stream": stream,
+		"sampling_params": map[string]any{"max_new_tokens": maxNew}})
 }
 
 type result struct {
@@ -384,27 +381,36 @@ func TestBadInput(t *testing.T) {
 		url  string
 		body string
 	}{
-		{"malformed json", d.url, `{"kvc": `},
+		{"malformed json", d.url, `{"kv_hints": `},
 		{"not an object", d.url, `[1,2]`},
 		{"trailing data", d.url, `{"text":"x"} {}`},
-		{"no input", d.url, `{"kvc":{"mode":"PD_FALLBACK","room":1}}`},
-		{"missing session id", d.url, `{"kvc":{"mode":"SEED","input_tokens":10,"room":1}}`},
-		{"direct without session", d.url, `{"kvc":{"mode":"DIRECT_TO_D","input_tokens":10}}`},
-		{"keep without session", d.url, `{"kvc":{"mode":"PD_FALLBACK","input_tokens":10,"room":1,"keep_session":true}}`},
-		{"absurd input", d.url, `{"kvc":{"mode":"SEED","session_id":"s","input_tokens":999999999999,"room":1}}`},
-		{"negative input", d.url, `{"kvc":{"mode":"SEED","session_id":"s","input_tokens":-5,"room":1}}`},
-		{"absurd output", d.url, `{"sampling_params":{"max_new_tokens":99999999},"kvc":{"mode":"SEED","session_id":"s","input_tokens":5,"room":1}}`},
-		{"cached > input", d.url, `{"kvc":{"mode":"DIRECT_TO_D","session_id":"s","input_tokens":5,"cached_tokens":6}}`},
-		{"unknown mode", d.url, `{"kvc":{"mode":"TELEPORT","session_id":"s","input_tokens":5,"room":1}}`},
-		{"wrong role", d.url, `{"kvc":{"mode":"SEED","role":"prefill","session_id":"s","input_tokens":5,"room":1}}`},
-		{"no room", d.url, `{"kvc":{"mode":"SEED","session_id":"s","input_tokens":5}}`},
-		{"negative room", d.url, `{"bootstrap_room":-1,"kvc":{"mode":"SEED","session_id":"s","input_tokens":5}}`},
-		{"rooms differ", d.url, `{"bootstrap_room":2,"kvc":{"mode":"SEED","session_id":"s","input_tokens":5,"room":3}}`},
-		{"sessions differ", d.url, `{"session_params":{"id":"a"},"kvc":{"mode":"SEED","session_id":"b","input_tokens":5,"room":3}}`},
-		{"bad session id", d.url, `{"kvc":{"mode":"SEED","session_id":"a/b","input_tokens":5,"room":3}}`},
-		{"snapshot seqlen", d.url, `{"kvc":{"mode":"RESEED_SNAPSHOT","session_id":"s","input_tokens":5,"snapshot_seqlen":9,"room":3}}`},
-		{"batch text", d.url, `{"text":["a","b"],"kvc":{"mode":"SEED","session_id":"s","input_tokens":5,"room":3}}`},
-		{"direct on prefill", p.url, `{"kvc":{"mode":"DIRECT_TO_D","session_id":"s","input_tokens":5}}`},
+		{"no decision", d.url, `{"text":"x","bootstrap_room":1}`},
+		{"mode-name payload (action version 1)", d.url, `{"kv_hints":{"protocol_version":1,"actions":[{"action_type":"kvc","action_version":1,"payload":{"mode":"SEED","session_id":"s","input_tokens":10,"room":1}}]}}`},
+		{"unknown field", d.url, `{` + envelope(`{"session_id":"s","input_tokens":5,"transfer":"SEED"}`) + `}`},
+		{"no input", d.url, `{` + envelope(`{"receive":{"kind":"TRANSFER_KIND_SEED","room":"1"}}`) + `}`},
+		{"missing session id", d.url, `{` + envelope(`{"input_tokens":10,"keep_session":true,"open_session":true,"receive":{"kind":"TRANSFER_KIND_SEED","room":"1"}}`) + `}`},
+		{"nothing to serve from", d.url, `{` + envelope(`{"session_id":"s","input_tokens":10}`) + `}`},
+		{"open without keep", d.url, `{` + envelope(`{"session_id":"s","input_tokens":10,"open_session":true,"receive":{"kind":"TRANSFER_KIND_SEED","room":"1"}}`) + `}`},
+		{"absurd input", d.url, `{"session_params":{"id":"s"},` + envelope(`{"session_id":"s","input_tokens":999999999999,"keep_session":true,"receive":{"kind":"TRANSFER_KIND_SEED","room":"1"}}`) + `}`},
+		{"negative input", d.url, `{"session_params":{"id":"s"},` + envelope(`{"session_id":"s","input_tokens":-5,"keep_session":true,"receive":{"kind":"TRANSFER_KIND_SEED","room":"1"}}`) + `}`},
+		{"absurd output", d.url, `{"sampling_params":{"max_new_tokens":99999999},"session_params":{"id":"s"},` + envelope(`{"session_id":"s","input_tokens":5,"keep_session":true,"receive":{"kind":"TRANSFER_KIND_SEED","room":"1"}}`) + `}`},
+		{"cached > input", d.url, `{"session_params":{"id":"s"},` + envelope(`{"session_id":"s","input_tokens":5,"cached_tokens":6,"keep_session":true}`) + `}`},
+		{"unknown mode", d.url, `{` + envelope(`{"mode":"ROUTE_MODE_TELEPORT","session_id":"s","input_tokens":5}`) + `}`},
+		{"receive without a kind", d.url, `{"session_params":{"id":"s"},` + envelope(`{"session_id":"s","input_tokens":5,"keep_session":true,"receive":{"room":"1"}}`) + `}`},
+		{"wrong role", d.url, `{` + envelope(`{"role":"WORKER_ROLE_PREFILL","session_id":"s","input_tokens":5,"send":{"room":"1"}}`) + `}`},
+		{"send on decode", d.url, `{` + envelope(`{"session_id":"s","input_tokens":5,"local_prefill":true,"send":{"room":"1"}}`) + `}`},
+		{"negative room", d.url, `{"bootstrap_room":-1,"session_params":{"id":"s"},` + envelope(`{"session_id":"s","input_tokens":5,"keep_session":true,"receive":{"kind":"TRANSFER_KIND_SEED"}}`) + `}`},
+		{"rooms differ", d.url, `{"bootstrap_room":2,"session_params":{"id":"s"},` + envelope(`{"session_id":"s","input_tokens":5,"keep_session":true,"receive":{"kind":"TRANSFER_KIND_SEED","room":"3"}}`) + `}`},
+		{"sessions differ", d.url, `{"session_params":{"id":"a"},` + envelope(`{"session_id":"b","input_tokens":5,"keep_session":true,"receive":{"kind":"TRANSFER_KIND_SEED","room":"3"}}`) + `}`},
+		{"bad session id", d.url, `{"session_params":{"id":"a/b"},` + envelope(`{"session_id":"a/b","input_tokens":5,"keep_session":true,"receive":{"kind":"TRANSFER_KIND_SEED","room":"3"}}`) + `}`},
+		{"snapshot longer than the prompt", d.url, `{"session_params":{"id":"s"},` + envelope(`{"session_id":"s","input_tokens":5,"keep_session":true,"open_session":true,"receive":{"kind":"TRANSFER_KIND_SNAPSHOT","room":"3","tokens":"9"}}`) + `}`},
+		{"empty snapshot", d.url, `{"session_params":{"id":"s"},` + envelope(`{"session_id":"s","input_tokens":5,"keep_session":true,"open_session":true,"receive":{"kind":"TRANSFER_KIND_SNAPSHOT","room":"3"}}`) + `}`},
+		{"seed of part of the prompt", d.url, `{"session_params":{"id":"s"},` + envelope(`{"session_id":"s","input_tokens":5,"keep_session":true,"open_session":true,"receive":{"kind":"TRANSFER_KIND_SEED","room":"3","tokens":"4"}}`) + `}`},
+		{"truncate with a receive", d.url, `{"session_params":{"id":"s"},` + envelope(`{"session_id":"s","input_tokens":5,"cached_tokens":4,"truncate_to":4,"keep_session":true,"receive":{"kind":"TRANSFER_KIND_SEED","room":"3"}}`) + `}`},
+		{"suffix receive into a new session", d.url, `{"session_params":{"id":"s"},` + envelope(`{"session_id":"s","input_tokens":50,"keep_session":true,"open_session":true,"receive":{"kind":"TRANSFER_KIND_SEED","room":"3","from_token":"16"}}`) + `}`},
+		{"batch text", d.url, `{"text":["a","b"],"session_params":{"id":"s"},` + envelope(`{"session_id":"s","input_tokens":5,"keep_session":true,"receive":{"kind":"TRANSFER_KIND_SEED","room":"3"}}`) + `}`},
+		{"prefill without a send", p.url, `{` + envelope(`{"session_id":"s","input_tokens":5}`) + `}`},
+		{"receive on prefill", p.url, `{` + envelope(`{"session_id":"s","input_tokens":5,"send":{"room":"1"},"receive":{"kind":"TRANSFER_KIND_SEED","room":"1"}}`) + `}`},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
