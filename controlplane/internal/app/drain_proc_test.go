@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/kvcentric/kvcentric/pkg/etcdtest"
+	"github.com/kvcentric/kvcentric/pkg/kvhints"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -190,12 +191,16 @@ func seed(t *testing.T, d, p *simNode, s string, room, n int64) {
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
+		env, _ := kvhints.Build("p-"+s, &kvcv1.ExecutionPayload{Role: kvcv1.WorkerRole_WORKER_ROLE_PREFILL, SessionId: s,
+			InputTokens: n, Send: &kvcv1.ExecutionSend{Room: room}})
 		pCode, pBody, pErr = postJSON(p.url+"/generate", map[string]any{"rid": "p-" + s, "sampling_params": map[string]any{"max_new_tokens": 0},
-			"kvc": map[string]any{"mode": "SEED", "role": "prefill", "session_id": s, "input_tokens": n, "room": room}})
+			"kv_hints": env})
 	}()
+	env, _ := kvhints.Build("d-"+s, &kvcv1.ExecutionPayload{Role: kvcv1.WorkerRole_WORKER_ROLE_DECODE, SessionId: s, InputTokens: n,
+		KeepSession: true, OpenSession: true,
+		Receive: &kvcv1.ExecutionReceive{Kind: kvcv1.TransferKind_TRANSFER_KIND_SEED, Room: room, PeerAddr: p.sidecar.str("peer_addr")}})
 	code, body, err := postJSON(d.url+"/generate", map[string]any{"rid": "d-" + s, "sampling_params": map[string]any{"max_new_tokens": 4},
-		"kvc": map[string]any{"mode": "SEED", "role": "decode", "session_id": s, "input_tokens": n, "room": room,
-			"prefill_peer_addr": p.sidecar.str("peer_addr"), "keep_session": true}})
+		"session_params": map[string]any{"id": s}, "kv_hints": env})
 	wg.Wait()
 	if err != nil || code != 200 || pErr != nil || pCode != 200 {
 		t.Fatalf("seed %s: decode %d %s (%v); prefill %d %s (%v)", s, code, body, err, pCode, pBody, pErr)

@@ -1,12 +1,14 @@
 """Parsing and validating a /generate body: SGLang's GenerateReqInput subset plus kvcentric's
-per-request block, either the legacy top-level `kvc` object or SGLang's kv_hints envelope
-`{"kv_hints": {"protocol_version": 1, "actions": [{"action_type": "kvc", "payload": {...}}]}}`.
-Every error is a bad_request (400) with a clear message, as kvc-sim answers."""
+decision, the ExecutionPayload of SGLang's kv_hints envelope `{"kv_hints": {"protocol_version": 1,
+"actions": [{"action_type": "kvc", "action_version": 2, "payload": {...}}]}}`, decoded by the one
+Python codec of that payload (kvcentric_sglang.payload). The worker acts on the payload's fields;
+the mode is a label. Every error is a bad_request (400) with a clear message, as kvc-sim answers."""
 
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-MODES = ("DIRECT_TO_D", "SEED", "RESEED_SNAPSHOT", "RESEED_PREFILL", "PD_FALLBACK")
+from kvcentric_sglang import payload as P
+
 MAX_NEW_LIMIT = 1 << 20
 DEFAULT_MAX_NEW = 128
 
@@ -15,21 +17,11 @@ class BadRequest(ValueError):
     pass
 
 
-def parse_mode(s: str) -> str:
-    u = str(s).strip().upper()
-    if u.startswith("ROUTE_MODE_"):
-        u = u[len("ROUTE_MODE_"):]
-    if u not in MODES:
-        raise BadRequest("unknown kvc.mode %r (want DIRECT_TO_D, SEED, RESEED_SNAPSHOT, RESEED_PREFILL or "
-                         "PD_FALLBACK)" % s)
-    return u
-
-
 @dataclass
 class Plan:
     rid: str = ""
     decision_id: str = ""
-    mode: str = "PD_FALLBACK"
+    mode: str = ""  # the decision's mode: a label for meta_info and logs only
     session_id: str = ""
     seed_key: str = ""
     input: int = 0
@@ -39,18 +31,29 @@ class Plan:
     has_room: bool = False
     role: str = ""  # the serving worker's role
     peer: str = ""
-    seqlen: int = 0
-    # prefill from the snapshot (kv_hints load_prefix_tokens / load_generation): P loads
-    # [0, load_prefix) of the session's snapshot from its sidecar's store and prefills the rest;
-    # D learns from it that the KV it receives is not one full prefill's
+    # how KV arrives on D (payload receive.kind; 0: nothing received) and the tokens it covers,
+    # [receive_from, recv_tokens)
+    recv_kind: int = 0
+    recv_tokens: int = 0
+    # P sends what it computes (payload send)
+    sends: bool = False
+    # this request makes the session resident here (open_session): a copy held is stale
+    open: bool = False
+    # D computes the prompt itself (local_prefill): a fail-open, a fallback without a prefill
+    # worker (nothing kept) or a new session's first turn (open_session, kept)
+    local: bool = False
+    truncate_to: int = 0
+    # prefill from the snapshot (load_prefix_tokens / load_generation): P loads [0, load_prefix)
+    # of the session's snapshot from its sidecar's store and prefills the rest; D learns from it
+    # that the KV it receives is not one full prefill's
     load_prefix: int = 0
     load_gen: int = 0
-    # suffix-only receive (kv_hints receive_from): D keeps [0, receive_from), P sends the rest
+    # suffix-only receive (the receive's or the send's from_token): D keeps [0, receive_from),
+    # P sends the rest
     receive_from: int = 0
     keep: bool = False
     stream: bool = False
     ids: Optional[List[int]] = None  # the client's token ids; None: scripted (synthetic) tokens
-    hints: str = ""  # "kvc" or "kv_hints" or ""
     # SGLang's request priority (GenerateReqInput.priority; the gateway sends -prefill_priority on
     # P's half): kept on the plan and echoed in P's meta_info (this worker has no radix cache to
     # evict by it). 0 when absent, as SGLang's req.priority or 0.
@@ -59,14 +62,7 @@ class Plan:
 
     @property
     def transfers(self) -> bool:
-        return self.mode != "DIRECT_TO_D" and not self.local
-
-    @property
-    def local(self) -> bool:
-        """A PD_FALLBACK without a room: the gateway failed open to this decode worker alone
-        (no usable decision or no prefill worker), which serves it as a colocated SGLang worker
-        does: a full prefill here."""
-        return self.mode == "PD_FALLBACK" and not self.has_room and self.role == "decode"
+        return bool(self.recv_kind) or self.sends
 
 
 def _int(v, what: str) -> int:
@@ -89,29 +85,6 @@ def _room(v, what: str):
 def _valid_id(what: str, s: str) -> None:
     if len(s) > 256 or any(ord(c) < 0x21 or ord(c) == 0x7F for c in s):
         raise BadRequest("%s %r must be 1-256 printable characters without spaces" % (what, s))
-
-
-def kvc_block(body: dict) -> (dict, str):
-    """The kvcentric per-request block: kv_hints' kvc action payload, else the `kvc` object."""
-    kh = body.get("kv_hints")
-    if kh is not None:
-        if not isinstance(kh, dict):
-            raise BadRequest("kv_hints must be an object")
-        actions = kh.get("actions") or []
-        if not isinstance(actions, list):
-            raise BadRequest("kv_hints.actions must be a list")
-        for a in actions:
-            if isinstance(a, dict) and a.get("action_type") == "kvc":
-                p = a.get("payload")
-                if not isinstance(p, dict):
-                    raise BadRequest("kv_hints action kvc needs an object payload")
-                return p, "kv_hints"
-    k = body.get("kvc")
-    if k is None:
-        return {}, ""
-    if not isinstance(k, dict):
-        raise BadRequest("kvc must be an object")
-    return k, "kvc"
 
 
 def parse(body, role: str, capacity: int, vocab: int) -> Plan:
@@ -151,45 +124,60 @@ def parse(body, role: str, capacity: int, vocab: int) -> Plan:
         if not isinstance(sess, dict):
             raise BadRequest("session_params must be an object")
         p.session_id = str(sess.get("id") or "")
-    k, p.hints = kvc_block(body)
-    keep_set = False
-    if k:
-        p.decision_id = str(k.get("decision_id") or "")
-        if k.get("mode"):
-            p.mode = parse_mode(k["mode"])
-        r = str(k.get("role") or "").lower()
-        if r not in ("", "prefill", "decode"):
-            raise BadRequest("unknown kvc.role %r (want prefill or decode)" % k.get("role"))
-        if r and r != role:
-            raise BadRequest("kvc.role is %s but this is a %s worker" % (r, role))
-        sid = str(k.get("session_id") or "")
-        if sid:
-            if p.session_id and p.session_id != sid:
-                raise BadRequest("kvc.session_id %r differs from session_params.id %r" % (sid, p.session_id))
-            p.session_id = sid
-        if k.get("input_tokens") is not None:
-            p.input = _int(k["input_tokens"], "kvc.input_tokens")
-            if p.input <= 0:
-                raise BadRequest("kvc.input_tokens %d must be > 0" % p.input)
-        if k.get("cached_tokens") is not None:
-            p.cached = _int(k["cached_tokens"], "kvc.cached_tokens")
-        kr, khas = _room(k.get("room"), "kvc.room")
-        if khas:
-            if p.has_room and p.room != kr:
-                raise BadRequest("kvc.room %d differs from bootstrap_room %d" % (kr, p.room))
-            p.room, p.has_room = kr, True
-        p.peer = str(k.get("prefill_peer_addr") or "")
-        if k.get("snapshot_seqlen") is not None:
-            p.seqlen = _int(k["snapshot_seqlen"], "kvc.snapshot_seqlen")
-        if k.get("keep_session") is not None:
-            p.keep, keep_set = bool(k["keep_session"]), True
-        if k.get("load_prefix_tokens") is not None:
-            p.load_prefix = _int(k["load_prefix_tokens"], "kvc.load_prefix_tokens")
-            p.load_gen = _int(k.get("load_generation") or 0, "kvc.load_generation")
-        if k.get("receive_from") is not None:
-            p.receive_from = _int(k["receive_from"], "kvc.receive_from")
-    if not keep_set:
-        p.keep = p.mode != "PD_FALLBACK"
+    try:
+        k = P.from_envelope(body.get("kv_hints"))
+    except P.PayloadError as e:
+        raise BadRequest(str(e)) from None
+    if k is None:
+        raise BadRequest("no kvcentric decision: kv_hints carries no kvc action (kvc-refworker serves only what "
+                         "kvc-gateway sends)")
+    p.decision_id, p.mode = k.decision_id, k.mode_name
+    if k.role and k.role != {"prefill": P.ROLE_PREFILL, "decode": P.ROLE_DECODE}.get(role):
+        raise BadRequest("the payload's role is %s but this is a %s worker" % (P.enum_name("WorkerRole", k.role), role))
+    if k.session_id:
+        if p.session_id and p.session_id != k.session_id:
+            raise BadRequest("kvc.session_id %r differs from session_params.id %r" % (k.session_id, p.session_id))
+        p.session_id = k.session_id
+    if k.input_tokens < 0:
+        raise BadRequest("kvc.input_tokens %d must be > 0" % k.input_tokens)
+    p.input, p.cached, p.keep, p.open = k.input_tokens, k.cached_tokens, k.keep_session, k.open_session
+    p.local, p.truncate_to = k.local_prefill, k.truncate_to
+    p.load_prefix, p.load_gen = k.load_prefix_tokens, k.load_generation
+
+    def room_of(v: int) -> None:
+        if not 0 <= v < 1 << 63:
+            raise BadRequest("kvc room %d is not in [0, 2^63)" % v)
+        if p.has_room and p.room != v:
+            raise BadRequest("kvc room %d differs from bootstrap_room %d" % (v, p.room))
+        p.room, p.has_room = v, True
+
+    decode = role == "decode"
+    if decode and k.send is not None:
+        raise BadRequest("kvc.send is for a prefill worker; this is a decode worker")
+    if not decode and k.receive is not None:
+        raise BadRequest("kvc.receive is for a decode worker; this is a prefill worker")
+    if not decode and k.send is None:
+        raise BadRequest("a prefill worker needs kvc.send (where the KV it computes goes)")
+    if k.receive is not None:
+        r = k.receive
+        if r.kind not in (P.TRANSFER_SEED, P.TRANSFER_SNAPSHOT):
+            raise BadRequest("kvc.receive.kind must be TRANSFER_KIND_SEED or TRANSFER_KIND_SNAPSHOT")
+        p.recv_kind, p.recv_tokens, p.receive_from = r.kind, r.tokens, r.from_token
+        p.peer = r.peer_addr or (r.peer_addrs[0] if r.peer_addrs else "")
+        room_of(r.room)
+    if k.send is not None:
+        if k.send.store_generation:
+            raise BadRequest("kvc.send.store_generation: kvc-refworker does not seed through the prefill store")
+        p.sends, p.receive_from = True, k.send.from_token
+        room_of(k.send.room)
+    # SGLang's contract: D keeps a session exactly when the request carries session_params (its
+    # streaming session); P never gets session_params (it prefills the full context).
+    has_params = sess is not None and bool(str(sess.get("id") or ""))
+    if not decode and has_params:
+        raise BadRequest("a prefill worker takes the full context without session_params")
+    if decode and p.keep != has_params:
+        raise BadRequest("kv_hints keep_session %s but session_params %s: a decode worker keeps the session exactly "
+                         "when the request names it" % (p.keep, "given" if has_params else "missing"))
     if p.ids is not None:
         if p.input and p.input != len(p.ids):
             raise BadRequest("kvc.input_tokens %d differs from len(input_ids) %d" % (p.input, len(p.ids)))
@@ -199,32 +187,46 @@ def parse(body, role: str, capacity: int, vocab: int) -> Plan:
             p.input = max(1, len(text) // 4)  # as kvc-sim: ~4 characters per token (scripted tokens)
         else:
             raise BadRequest("no input: give input_ids, kvc.input_tokens or text")
+    if p.recv_kind == P.TRANSFER_SEED and p.recv_tokens == 0:
+        p.recv_tokens = p.input  # a receive of the prefill's KV covers the prompt
     if p.session_id:
         _valid_id("session id", p.session_id)
-    if not p.session_id and (p.mode != "PD_FALLBACK" or p.keep):
-        raise BadRequest("missing session id: a request without one is single-shot and may only run as "
-                         "PD_FALLBACK without keep_session (mode %s)" % p.mode)
+    if not p.session_id and (p.keep or p.load_prefix or p.receive_from):
+        raise BadRequest("missing session id: a request without one is single-shot: it keeps nothing, and neither "
+                         "loads nor receives a suffix")
+    if p.open and not p.keep:
+        raise BadRequest("kvc.open_session without keep_session: a session is opened to be kept")
     if p.input > capacity:
         raise BadRequest("input_tokens %d exceeds this worker's KV capacity of %d tokens" % (p.input, capacity))
     if p.cached < 0 or p.cached > p.input:
         raise BadRequest("cached_tokens %d out of range [0, input_tokens %d]" % (p.cached, p.input))
     if p.max_new < 0 or p.max_new > MAX_NEW_LIMIT:
         raise BadRequest("max_new_tokens %d out of range [0, %d]" % (p.max_new, MAX_NEW_LIMIT))
-    if role == "decode" and p.input + p.max_new > capacity:
+    if decode and p.input + p.max_new > capacity:
         raise BadRequest("input_tokens %d + max_new_tokens %d exceed this worker's KV capacity of %d tokens" % (
             p.input, p.max_new, capacity))
-    if role == "prefill" and p.mode in ("DIRECT_TO_D", "RESEED_SNAPSHOT"):
-        raise BadRequest("mode %s has no prefill half" % p.mode)
-    if p.transfers and not p.has_room:
-        raise BadRequest("mode %s moves KV and needs a room (kvc.room or bootstrap_room)" % p.mode)
-    if p.mode == "RESEED_SNAPSHOT" and not (0 < p.seqlen <= p.input):
-        raise BadRequest("kvc.snapshot_seqlen %d out of range [1, input_tokens %d]" % (p.seqlen, p.input))
-    if p.load_prefix and (not p.session_id or not 0 < p.load_prefix < p.input):
+    if decode and not p.recv_kind and not p.local and not p.keep:
+        raise BadRequest("nothing to serve from: a decode worker without kvc.receive and without local_prefill "
+                         "serves the session it holds, which needs keep_session")
+    if p.local and (not decode or p.recv_kind or (p.keep and not p.open)):
+        raise BadRequest("kvc.local_prefill: only a decode worker prefills locally, receiving nothing, for a new "
+                         "session (open_session) or keeping nothing")
+    if p.truncate_to and (p.recv_kind or p.local or p.truncate_to != p.cached):
+        raise BadRequest("kvc.truncate_to %d: only a turn on the session held here truncates, to its cached_tokens "
+                         "(%d)" % (p.truncate_to, p.cached))
+    if p.recv_kind == P.TRANSFER_SEED and p.recv_tokens != p.input:
+        raise BadRequest("kvc.receive.tokens %d: a SEED receive covers the prompt (input_tokens %d)" % (
+            p.recv_tokens, p.input))
+    if p.recv_kind == P.TRANSFER_SNAPSHOT and not (0 < p.recv_tokens <= p.input):
+        raise BadRequest("kvc.receive.tokens (the snapshot's length) %d out of range [1, input_tokens %d]" % (
+            p.recv_tokens, p.input))
+    if p.load_prefix and not 0 < p.load_prefix < p.input:
         raise BadRequest("kvc.load_prefix_tokens %d: only a session's prefill loads from its store, fewer tokens than "
                          "input_tokens %d" % (p.load_prefix, p.input))
-    if p.receive_from and (p.mode != "PD_FALLBACK" or not p.session_id or not 0 < p.receive_from < p.input):
-        raise BadRequest("kvc.receive_from %d: only a large append (PD_FALLBACK of a session) receives a suffix, "
-                         "from below input_tokens %d" % (p.receive_from, p.input))
+    if p.receive_from and (not 0 < p.receive_from < p.input or
+                           decode and (p.recv_kind != P.TRANSFER_SEED or p.open or not p.keep)):
+        raise BadRequest("kvc from_token %d: only a large append (a SEED receive extending the session held here) "
+                         "receives a suffix, from below input_tokens %d" % (p.receive_from, p.input))
     p.seed_key = p.session_id or p.rid or "room-%d" % p.room
     return p
 

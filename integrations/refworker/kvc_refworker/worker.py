@@ -3,14 +3,19 @@
 Prefill role: prefill every input token in one forward, write the KV into the pool's pages,
 SendKV them to the decode side of the room, free them (release-after-transfer).
 
-Decode role, per kvc mode (docs/interfaces.md, docs/simulator.md "Execution per mode"):
-- DIRECT_TO_D: the session's resident KV, up to the longest common prefix of its tokens and the
-  prompt, is gathered from the pool; the rest of the prompt is append-prefilled on it.
-- SEED / RESEED_PREFILL / PD_FALLBACK: PrepareReceive(SEED) + WaitReceive: P's KV lands in this
-  worker's pages; the first token is computed here from the received KV (the last prompt token
-  run over [0, n-1); P's own first token would come in the aux row once the sidecars carry it).
-- RESEED_SNAPSHOT: PrepareReceive(SNAPSHOT): the prefill sidecar writes the session's snapshot
+Decode role, by the fields of the request's ExecutionPayload (docs/interfaces.md; the mode is
+only a label):
+- no receive, no local_prefill (a direct turn): the session's resident KV, up to the longest
+  common prefix of its tokens and the prompt, is gathered from the pool; the rest of the prompt
+  is append-prefilled on it.
+- a SEED receive: PrepareReceive(SEED) + WaitReceive: P's KV lands in this worker's pages (a new
+  session with open_session, a copy held here dropped first; the held session extended with
+  keep_session and no open_session, a large append); the first token is computed here from the
+  received KV (the last prompt token run over [0, n-1); P's own first token would come in the aux
+  row once the sidecars carry it).
+- a SNAPSHOT receive: PrepareReceive(SNAPSHOT): the prefill sidecar writes the session's snapshot
   (D->P pushes of the real KV of an earlier decode worker); the tail is append-prefilled.
+- local_prefill: the whole prompt is prefilled here.
 Then greedy decode steps (each new token's KV scattered into the pool), and with keep_session
 the session is trimmed to input + output tokens and committed (CommitSession): the decode
 sidecar pushes D->P snapshots of exactly these bytes.
@@ -509,7 +514,7 @@ class Worker:
         t.meta = {"mode": p.mode, "role": "decode", "worker_id": self.cfg.worker_id, "received_bytes": 0,
                   "verified_bytes": 0, "verify_failures": 0, "transfer_ms": 0.0, "transfer_real_ms": 0.0,
                   "transfer_model_ms": 0.0, "prefill_tokens": 0, "prefill_ms": 0.0, "evicted_sessions": 0}
-        anonymous = p.mode == "PD_FALLBACK" and not p.keep
+        anonymous = not p.keep
         self._tls.gpu = self._tls.alloc = 0.0
         t0 = time.monotonic()
         if not anonymous:
@@ -529,7 +534,8 @@ class Worker:
     def _begin(self, t: Turn, anonymous: bool) -> None:
         p, ps, n = t.p, self.pool.page_size, t.p.input
         need = pages_for(n + p.max_new, ps)
-        if p.mode == "DIRECT_TO_D":
+        if not p.recv_kind and not p.local:
+            # Nothing received, nothing computed from scratch: the turn runs on the session held here.
             with self.mu:
                 s = self.sessions.get(p.session_id)
                 if s is None or s.kv_len < p.cached:
@@ -559,7 +565,8 @@ class Worker:
             self._append_prefill(t, t.start, resident=True)
             return
 
-        if p.mode == "PD_FALLBACK" and p.keep and not p.local:
+        if p.recv_kind and p.keep and not p.open:
+            # A receive into the session kept here that does not replace it: a large append.
             with self.mu:
                 s = self.sessions.get(p.session_id)
                 if s is not None and 0 < s.kv_len <= n:
@@ -614,12 +621,13 @@ class Worker:
                 self.sessions[s.id] = s
             t.s = s
         if p.local:
-            # Failed open to this worker alone: prefill everything here, as a colocated worker.
+            # local_prefill: prefill everything here, as a colocated worker (a fail-open or a
+            # fallback without a prefill worker keeps nothing; a new session's first turn keeps it).
             t.meta["local_prefill"] = True
             self._append_prefill(t, 0, resident=False)
-        elif p.mode == "RESEED_SNAPSHOT":
-            self._receive(t, TRANSFER_SNAPSHOT, p.seqlen)
-            t.start = min(p.seqlen, n - 1)
+        elif p.recv_kind == TRANSFER_SNAPSHOT:
+            self._receive(t, TRANSFER_SNAPSHOT, p.recv_tokens)
+            t.start = min(p.recv_tokens, n - 1)
             self._append_prefill(t, t.start, resident=False)
         else:
             self._receive(t, TRANSFER_SEED, n)
@@ -751,7 +759,7 @@ class Worker:
                     self.drop_session(s)
                     return
                 if not ok:
-                    if (t.p.mode == "DIRECT_TO_D" or t.extend) and not t.dirty:
+                    if ((not t.p.recv_kind and not t.p.local) or t.extend) and not t.dirty:
                         self._trim(s, s.kv_len)
                     else:
                         self.drop_session(s)

@@ -185,12 +185,14 @@ class TestEveryModeExact(unittest.TestCase):
                     seen = {m for _, m, _, _ in results}
                     big = gone and "RESEED_SNAPSHOT" in seen and "RESEED_PREFILL" not in seen
                     turn(sess, 260 if big else 40)
-            # The gateway's fail-open (no usable decision, or no prefill worker) sends a
-            # PD_FALLBACK without a room to a decode worker alone: it prefills the whole prompt
-            # itself, as a colocated SGLang worker does, and the recompute check holds.
+            # The gateway's fail-open (no usable decision, or no prefill worker) sends a decode
+            # worker alone a payload with local_prefill and no receive: it prefills the whole
+            # prompt itself, as a colocated SGLang worker does, and the recompute check holds.
             st, _, chunks, out_ids, err = post(decode_urls[0] + "/generate", {
                 "rid": tag + "fail-open", "input_ids": [rng.randrange(VOCAB) for _ in range(200)], "stream": True,
-                "sampling_params": {"max_new_tokens": 4}, "kvc": {"mode": "PD_FALLBACK", "keep_session": False}})
+                "sampling_params": {"max_new_tokens": 4}, "kv_hints": {"protocol_version": 1, "actions": [
+                    {"action_type": "kvc", "action_version": 2,
+                     "payload": {"mode": "ROUTE_MODE_PD_FALLBACK", "role": "WORKER_ROLE_DECODE", "local_prefill": True}}]}})
             self.assertEqual((st, err), (200, None), chunks)
             fo = chunks[-1]["meta_info"]["kvc"]
             self.assertTrue(fo.get("local_prefill"), fo)

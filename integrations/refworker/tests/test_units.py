@@ -17,36 +17,52 @@ from kvc_refworker import request as R  # noqa: E402
 from kvc_refworker.pool import KVPool, pages_for  # noqa: E402
 
 
-class TestParse(unittest.TestCase):
-    def hints(self, payload):
-        return {"kv_hints": {"protocol_version": 1, "actions": [
-            {"action_type": "other", "payload": {"mode": "SEED"}},
-            {"action_type": "kvc", "action_version": 1, "payload": payload}]}}
+def hints(**payload):
+    """A kv_hints envelope with another orchestrator's action and the kvc payload (JSON form)."""
+    return {"protocol_version": 1, "actions": [
+        {"action_type": "other", "payload": {"mode": "SEED"}},
+        {"action_type": "kvc", "action_version": 2, "payload": payload}]}
 
+
+SEED = {"kind": "TRANSFER_KIND_SEED", "room": "3"}
+
+
+class TestParse(unittest.TestCase):
     def test_table(self):
         ok = [
-            ("kvc block", {"kvc": {"mode": "ROUTE_MODE_SEED", "session_id": "s", "input_tokens": 10, "room": 3}},
-             "decode", dict(mode="SEED", input=10, room=3, keep=True, seed_key="s", ids=None)),
-            ("kv_hints", dict(self.hints({"mode": "DIRECT_TO_D", "session_id": "s", "cached_tokens": 4}),
-                              input_ids=[1, 2, 3, 4, 5], session_params={"id": "s"}), "decode",
-             dict(mode="DIRECT_TO_D", input=5, cached=4, ids=[1, 2, 3, 4, 5])),
-            ("snapshot", self.hints({"mode": "RESEED_SNAPSHOT", "session_id": "s", "input_tokens": 9, "room": 1,
-                                     "snapshot_seqlen": 8}), "decode", dict(mode="RESEED_SNAPSHOT", seqlen=8)),
-            ("fallback single shot", {"rid": "r1", "input_ids": [7, 7], "bootstrap_room": 5}, "prefill",
-             dict(mode="PD_FALLBACK", keep=False, seed_key="r1", room=5)),
-            ("text only", {"text": "x" * 40, "kvc": {"mode": "PD_FALLBACK", "keep_session": False}, "rid": "r",
-                           "bootstrap_room": 1}, "decode", dict(input=10, local=False, transfers=True)),
+            ("seed", {"session_params": {"id": "s"}, "kv_hints": hints(
+                mode="ROUTE_MODE_SEED", session_id="s", input_tokens="10", keep_session=True, open_session=True,
+                receive=SEED)},
+             "decode", dict(mode="SEED", input=10, room=3, keep=True, open=True, seed_key="s", ids=None, recv_kind=1,
+                            recv_tokens=10)),
+            ("direct turn (camelCase names)", {"input_ids": [1, 2, 3, 4, 5], "session_params": {"id": "s"},
+                                               "kv_hints": hints(sessionId="s", cachedTokens=4, keepSession=True)},
+             "decode", dict(mode="", input=5, cached=4, ids=[1, 2, 3, 4, 5], recv_kind=0, transfers=False)),
+            ("snapshot", {"session_params": {"id": "s"}, "kv_hints": hints(
+                session_id="s", input_tokens=9, keep_session=True, open_session=True,
+                receive={"kind": "TRANSFER_KIND_SNAPSHOT", "room": 1, "tokens": 8})},
+             "decode", dict(recv_kind=2, recv_tokens=8, room=1)),
+            ("prefill single shot", {"rid": "r1", "input_ids": [7, 7], "bootstrap_room": 5,
+                                     "kv_hints": hints(send={"room": "5"})}, "prefill",
+             dict(keep=False, seed_key="r1", room=5, sends=True)),
+            ("text only", {"text": "x" * 40, "rid": "r", "bootstrap_room": 1,
+                           "kv_hints": hints(receive={"kind": "TRANSFER_KIND_SEED", "room": "1"})}, "decode",
+             dict(input=10, local=False, transfers=True)),
             ("P's low prefill priority as SGLang's",
-             {"rid": "r1", "input_ids": [7, 7], "bootstrap_room": 5, "priority": -100}, "prefill", dict(priority=-100)),
-            ("no priority", {"rid": "r1", "input_ids": [7, 7], "bootstrap_room": 5, "priority": None}, "prefill",
-             dict(priority=0)),
+             {"rid": "r1", "input_ids": [7, 7], "bootstrap_room": 5, "priority": -100,
+              "kv_hints": hints(send={"room": "5"})}, "prefill", dict(priority=-100)),
+            ("no priority", {"rid": "r1", "input_ids": [7, 7], "bootstrap_room": 5, "priority": None,
+                             "kv_hints": hints(send={"room": "5"})}, "prefill", dict(priority=0)),
             ("prefill from the snapshot, suffix-only send",
-             self.hints({"mode": "PD_FALLBACK", "session_id": "s", "input_tokens": 40, "room": 2, "keep_session": True,
-                         "load_prefix_tokens": 32, "load_generation": 7, "receive_from": 32}), "prefill",
+             {"kv_hints": hints(session_id="s", input_tokens=40, load_prefix_tokens="32", load_generation="7",
+                                send={"room": "2", "from_token": "32"})}, "prefill",
              dict(load_prefix=32, load_gen=7, receive_from=32)),
-            ("failed open to D alone", {"rid": "r", "input_ids": [1, 2, 3],
-                                        "kvc": {"mode": "PD_FALLBACK", "keep_session": False}}, "decode",
-             dict(mode="PD_FALLBACK", local=True, transfers=False)),
+            ("local prefill, nothing kept", {"rid": "r", "input_ids": [1, 2, 3], "kv_hints": hints(local_prefill=True)},
+             "decode", dict(local=True, transfers=False, keep=False)),
+            ("a new session's first turn prefilled here", {"rid": "r", "input_ids": [1, 2, 3], "session_params": {"id": "s"},
+                                                           "kv_hints": hints(session_id="s", local_prefill=True,
+                                                                             keep_session=True, open_session=True)},
+             "decode", dict(local=True, keep=True, open=True)),
         ]
         for name, body, role, want in ok:
             with self.subTest(name):
@@ -55,42 +71,54 @@ class TestParse(unittest.TestCase):
                     self.assertEqual(getattr(p, k), v, k)
         bad = [
             ("batch", [1], "decode", "object"),
-            ("ids out of vocab", {"input_ids": [99], "rid": "r", "bootstrap_room": 1}, "decode", "vocabulary"),
-            ("count differs", {"input_ids": [1, 2],
-                               "kvc": {"input_tokens": 3, "session_id": "s", "room": 1, "mode": "SEED"}},
+            ("no decision", {"input_ids": [1], "rid": "r", "bootstrap_room": 1}, "decode", "no kvcentric decision"),
+            ("the old kvc block", {"kvc": {"mode": "SEED", "input_tokens": 3, "session_id": "s", "room": 1}}, "decode",
+             "no kvcentric decision"),
+            ("the mode-name payload", {"kv_hints": {"protocol_version": 1, "actions": [
+                {"action_type": "kvc", "action_version": 1, "payload": {"mode": "SEED"}}]}}, "decode", "action_version"),
+            ("ids out of vocab", {"input_ids": [99], "rid": "r", "kv_hints": hints(local_prefill=True)}, "decode",
+             "vocabulary"),
+            ("count differs", {"input_ids": [1, 2], "session_params": {"id": "s"},
+                               "kv_hints": hints(input_tokens=3, session_id="s", keep_session=True, receive=SEED)},
              "decode", "differs"),
-            ("wrong role", {"kvc": {"role": "prefill", "input_tokens": 3}}, "decode", "prefill"),
-            ("no session", {"kvc": {"mode": "SEED", "input_tokens": 3, "room": 1}}, "decode", "missing session id"),
-            ("no room", {"kvc": {"mode": "SEED", "input_tokens": 3, "session_id": "s"}}, "decode", "needs a room"),
-            ("fallback on P without a room", {"rid": "r", "input_ids": [1, 2],
-                                              "kvc": {"mode": "PD_FALLBACK", "keep_session": False}}, "prefill",
-             "needs a room"),
-            ("snapshot on P", {"kvc": {"mode": "RESEED_SNAPSHOT", "input_tokens": 3, "session_id": "s", "room": 1,
-                                       "snapshot_seqlen": 2}}, "prefill", "no prefill half"),
-            ("seqlen", {"kvc": {"mode": "RESEED_SNAPSHOT", "input_tokens": 3, "session_id": "s", "room": 1,
-                                "snapshot_seqlen": 4}}, "decode", "snapshot_seqlen"),
-            ("capacity", {"kvc": {"mode": "SEED", "input_tokens": 990, "session_id": "s", "room": 1}}, "decode",
-             "capacity"),
-            ("mode", {"kvc": {"mode": "WARP"}}, "decode", "unknown kvc.mode"),
-            ("payload", {"kv_hints": {"actions": [{"action_type": "kvc", "payload": 3}]}}, "decode", "payload"),
-            ("space in id", {"kvc": {"mode": "SEED", "input_tokens": 3, "session_id": "a b", "room": 1}}, "decode",
-             "printable"),
-            ("no input", {"kvc": {"mode": "PD_FALLBACK", "keep_session": False}}, "decode", "no input"),
-            ("priority not an integer", {"rid": "r", "input_ids": [1], "bootstrap_room": 1, "priority": "low"},
-             "prefill", "priority"),
-            ("priority a bool", {"rid": "r", "input_ids": [1], "bootstrap_room": 1, "priority": True},
-             "prefill", "priority"),
-            ("priority beyond int64", {"rid": "r", "input_ids": [1], "bootstrap_room": 1, "priority": 1 << 63},
-             "prefill", "priority"),
-            ("load of the whole prompt",
-             {"kvc": {"mode": "RESEED_PREFILL", "input_tokens": 3, "session_id": "s", "room": 1,
-                      "load_prefix_tokens": 3}},
-             "prefill", "load_prefix_tokens"),
-            ("load without a session", {"rid": "r", "input_ids": [1, 2], "bootstrap_room": 1,
-                                        "kvc": {"mode": "PD_FALLBACK", "keep_session": False, "load_prefix_tokens": 1}},
-             "prefill", "load_prefix_tokens"),
-            ("suffix of a seed", {"kvc": {"mode": "SEED", "input_tokens": 9, "session_id": "s", "room": 1,
-                                          "receive_from": 4}}, "prefill", "receive_from"),
+            ("wrong role", {"kv_hints": hints(role="WORKER_ROLE_PREFILL", input_tokens=3, send={"room": "1"})}, "decode",
+             "PREFILL"),
+            ("no session", {"session_params": {"id": ""}, "kv_hints": hints(input_tokens=3, keep_session=True, receive=SEED)},
+             "decode", "session_params missing|missing session id"),
+            ("nothing to serve from", {"kv_hints": hints(input_tokens=3, session_id="s")}, "decode",
+             "nothing to serve from"),
+            ("receive on P", {"kv_hints": hints(input_tokens=3, session_id="s", receive=SEED, send={"room": "3"})},
+             "prefill", "for a decode worker"),
+            ("P without a send", {"rid": "r", "input_ids": [1, 2], "kv_hints": hints()}, "prefill", "needs kvc.send"),
+            ("store seed", {"kv_hints": hints(input_tokens=3, session_id="s", send={"room": "1", "store_generation": "2"})},
+             "prefill", "prefill store"),
+            ("snapshot longer than the prompt", {"session_params": {"id": "s"}, "kv_hints": hints(
+                input_tokens=3, session_id="s", keep_session=True, open_session=True,
+                receive={"kind": "TRANSFER_KIND_SNAPSHOT", "room": "1", "tokens": "4"})}, "decode", "snapshot's length"),
+            ("capacity", {"session_params": {"id": "s"}, "kv_hints": hints(input_tokens=990, session_id="s",
+                                                                          keep_session=True, receive=SEED)},
+             "decode", "capacity"),
+            ("mode", {"kv_hints": hints(mode="WARP")}, "decode", "unknown value"),
+            ("unknown field", {"kv_hints": hints(transfer="SEED")}, "decode", "unknown field"),
+            ("payload", {"kv_hints": {"protocol_version": 1, "actions": [
+                {"action_type": "kvc", "action_version": 2, "payload": 3}]}}, "decode", "payload"),
+            ("space in id", {"session_params": {"id": "a b"}, "kv_hints": hints(input_tokens=3, session_id="a b",
+                                                                               keep_session=True, receive=SEED)},
+             "decode", "printable"),
+            ("no input", {"kv_hints": hints(local_prefill=True)}, "decode", "no input"),
+            ("priority not an integer", {"rid": "r", "input_ids": [1], "bootstrap_room": 1, "priority": "low",
+                                         "kv_hints": hints(send={"room": "1"})}, "prefill", "priority"),
+            ("priority a bool", {"rid": "r", "input_ids": [1], "bootstrap_room": 1, "priority": True,
+                                 "kv_hints": hints(send={"room": "1"})}, "prefill", "priority"),
+            ("priority beyond int64", {"rid": "r", "input_ids": [1], "bootstrap_room": 1, "priority": 1 << 63,
+                                       "kv_hints": hints(send={"room": "1"})}, "prefill", "priority"),
+            ("load of the whole prompt", {"kv_hints": hints(input_tokens=3, session_id="s", load_prefix_tokens=3,
+                                                            send={"room": "1"})}, "prefill", "load_prefix_tokens"),
+            ("load without a session", {"rid": "r", "input_ids": [1, 2], "kv_hints": hints(
+                load_prefix_tokens=1, send={"room": "1"})}, "prefill", "missing session id"),
+            ("suffix into a new session", {"session_params": {"id": "s"}, "kv_hints": hints(
+                input_tokens=9, session_id="s", keep_session=True, open_session=True,
+                receive={"kind": "TRANSFER_KIND_SEED", "room": "1", "from_token": "4"})}, "decode", "from_token"),
         ]
         for name, body, role, msg in bad:
             with self.subTest(name), self.assertRaisesRegex(R.BadRequest, msg):

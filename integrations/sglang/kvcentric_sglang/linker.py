@@ -7,10 +7,10 @@ Launch (colocated decode worker)::
     --unified-cache-external-linker-config '{"linker": "KvcLinker",
         "linker_module_path": "kvcentric_sglang.linker", "linker_extra_config": {}}'
 
-RESEED_SNAPSHOT on D': the request arrives with kv_hints {mode: RESEED_SNAPSHOT, session_id,
-room, snapshot_seqlen, prefill_peer_addr}. (Any kvc hint with snapshot_seqlen > 0 loads the same
-way: it says the prefill store holds [0, snapshot_seqlen) of the context.) SGLang's match path asks
-``lookup`` how many pages of the device-uncached tail are restorable: floor(snapshot_seqlen / page)
+A snapshot receive on D' (RESEED_SNAPSHOT, a seed stored by P first, a sidecar's load): the
+request's kv_hints payload carries receive {kind: TRANSFER_KIND_SNAPSHOT, room, peer_addr,
+tokens}: the prefill store holds [0, tokens) of the context. SGLang's match path asks
+``lookup`` how many pages of the device-uncached tail are restorable: floor(tokens / page)
 pages (only when the tail starts at token 0: the snapshot covers the session from its first token, and a transfer cannot
 start mid-way). ``load`` receives the request-private device slots SGLang allocated;
 ``start_layer_wise_loading`` issues PrepareReceive(room, SNAPSHOT, pages, tokens) and a
@@ -33,18 +33,19 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import LayerWiseLoa
 
 from . import runtime
 from .bridge import TRANSFER_SNAPSHOT, BridgeError
+from .payload import ExecutionPayload, peer_for
 
 logger = logging.getLogger(__name__)
 
 # rid -> the request's kvc hint and first-page tokens (set by the _create_generation_req hook),
 # bounded: the oldest entries go first (a request is matched, and re-matched after a refused
 # admission, within moments of its creation).
-_hints: "OrderedDict[str, Tuple[runtime.KvcHint, Optional[List[int]]]]" = OrderedDict()
+_hints: "OrderedDict[str, Tuple[ExecutionPayload, Optional[List[int]]]]" = OrderedDict()
 _hints_lock = threading.Lock()
 MAX_HINTS = 65536
 
 
-def remember_hint(rid: str, hint: Optional[runtime.KvcHint], first_page_tokens: Optional[List[int]] = None) -> None:
+def remember_hint(rid: str, hint: Optional[ExecutionPayload], first_page_tokens: Optional[List[int]] = None) -> None:
     if hint is None:
         return
     with _hints_lock:
@@ -65,7 +66,7 @@ def _hint(rid: str):
 
 
 class _Load:
-    def __init__(self, rid: str, hint: runtime.KvcHint, pages: List[int], tokens: int):
+    def __init__(self, rid: str, hint: ExecutionPayload, pages: List[int], tokens: int):
         self.rid, self.hint, self.pages, self.tokens = rid, hint, pages, tokens
         self.result = None
 
@@ -99,9 +100,10 @@ class KvcLinker(UnifiedCacheLinker):
         if got is None:
             return []
         hint, first_page = got
-        # snapshot_seqlen > 0 means: the prefill sidecar's store holds [0, snapshot_seqlen) of this
+        # A snapshot receive: the prefill sidecar's store holds [0, receive.tokens) of this
         # request's context (RESEED_SNAPSHOT; a seed stored by P first, docs/sglang.md)
-        if hint.snapshot_seqlen <= 0 or hint.room is None or not hint.prefill_peer_addr:
+        r = hint.receive
+        if r is None or r.kind != TRANSFER_SNAPSHOT or r.tokens <= 0 or not (r.peer_addr or r.peer_addrs):
             return []
         kv = next((t for t in transfers if t.name == PoolName.KV), None)
         if kv is None or not kv.keys:
@@ -111,7 +113,7 @@ class KvcLinker(UnifiedCacheLinker):
             # tree): a snapshot transfer covers [0, n) and cannot land mid-sequence.
             logger.info("kvcentric linker: %s: tail does not start at token 0; no snapshot load", rid)
             return []
-        n = min(len(kv.keys), hint.snapshot_seqlen // self.page_size)
+        n = min(len(kv.keys), r.tokens // self.page_size)
         return list(range(1, n + 1))
 
     def load(self, rid: str, transfers: List[PoolTransfer]) -> bool:
@@ -146,21 +148,21 @@ class KvcLinker(UnifiedCacheLinker):
             for ld in loads:
                 h = ld.hint
                 # With tensor parallelism, the prefill rank of this rank's index.
-                peer = h.peer_for(getattr(reg, "tp_rank", 0), getattr(reg, "tp_size", 0))
-                self.bridge.prepare_receive(h.room, h.session_id, TRANSFER_SNAPSHOT, ld.pages, ld.tokens, peer)
+                peer = peer_for(h.receive, getattr(reg, "tp_rank", 0), getattr(reg, "tp_size", 0))
+                self.bridge.prepare_receive(h.receive.room, h.session_id, TRANSFER_SNAPSHOT, ld.pages, ld.tokens, peer)
         except (BridgeError, ValueError) as e:
             logger.error("kvcentric linker: PrepareReceive: %s", e)
             self.layer_done_counter.fail(index, RuntimeError(str(e)))
             return
         for ld in loads:
             try:
-                ld.result = self.bridge.wait_receive(ld.hint.room, timeout_s=self.wait_timeout_s)
+                ld.result = self.bridge.wait_receive(ld.hint.receive.room, timeout_s=self.wait_timeout_s)
             except BridgeError as e:
-                self.layer_done_counter.fail(index, RuntimeError("WaitReceive room %d: %s" % (ld.hint.room, e)))
+                self.layer_done_counter.fail(index, RuntimeError("WaitReceive room %d: %s" % (ld.hint.receive.room, e)))
                 return
             if not ld.result.ok:
                 self.layer_done_counter.fail(index, RuntimeError("snapshot transfer of room %d failed: %s" %
-                                                                 (ld.hint.room, ld.result.error)))
+                                                                 (ld.hint.receive.room, ld.result.error)))
                 return
         self.loads_done += len(loads)
         for layer in range(self.layer_done_counter.num_layers):

@@ -30,6 +30,7 @@ import pkgutil
 from typing import List, Tuple
 
 from . import runtime, sessions
+from .payload import TRANSFER_SNAPSHOT, peer_for
 
 logger = logging.getLogger(__name__)
 
@@ -128,31 +129,29 @@ def _carry(obj, req):
         obj.refuse("malformed kv_hints: %s" % e)
         return
     obj.session_id = runtime.session_id_of_req(req) or ("room-%d" % obj.bootstrap_room)
-    if isinstance(obj, backend.KvcKVReceiver) and hint is not None and hint.mode == "RESEED_SNAPSHOT":
-        obj.refuse("RESEED_SNAPSHOT needs a colocated decode worker (a P/D decode worker gets no first token "
+    if isinstance(obj, backend.KvcKVReceiver) and hint is not None and hint.receive_kind == TRANSFER_SNAPSHOT:
+        obj.refuse("a snapshot receive needs a colocated decode worker (a P/D decode worker gets no first token "
                    "from a snapshot): route it to one, docs/routing.md section 12")
         return
-    if isinstance(obj, backend.KvcKVSender) and hint is not None and hint.to_store:
+    send = hint.send if hint is not None else None
+    if isinstance(obj, backend.KvcKVSender) and send is not None and send.store_generation:
         # SEED into a colocated D through the prefill store: the whole prompt's KV, as the
-        # session's snapshot of the hint's generation (the session's next one).
-        if hint.generation <= 0:
-            obj.refuse("to_store needs the snapshot generation (kv_hints generation > 0)")
-            return
-        obj.to_store, obj.generation, obj.tokens = True, hint.generation, len(req.origin_input_ids)
+        # session's snapshot of the payload's generation (the session's next one).
+        obj.to_store, obj.generation, obj.tokens = True, send.store_generation, len(req.origin_input_ids)
         return
-    # kv_hints receive_from (a large append: the control plane says D keeps [0, receive_from)) is
+    # The send's from_token (a large append: the control plane says D keeps [0, from_token)) is
     # not turned into the sender's skip_pages here: whether a real SGLang decode worker's pages
     # of the prefix hold the session's KV is its own decode prefix length, which this plugin does
     # not learn yet (docs/sglang.md); sending every page is always correct. kvc-refworker, whose
     # decode side keeps the session's pages, sets skip_pages itself.
     if isinstance(obj, backend.KvcKVReceiver):
-        obj.kind = hint.transfer_kind if hint is not None else obj.kind
         obj.tokens = len(req.origin_input_ids)
-        if hint is not None:
+        if hint is not None and hint.receive is not None:
+            obj.kind = hint.receive.kind
             # With tensor parallelism, the prefill rank of this rank's index (rank r pairs with r).
             reg = getattr(obj.kv_mgr, "registration", None)
             try:
-                peer = hint.peer_for(getattr(reg, "tp_rank", 0), getattr(reg, "tp_size", 0))
+                peer = peer_for(hint.receive, getattr(reg, "tp_rank", 0), getattr(reg, "tp_size", 0))
             except ValueError as e:
                 obj.refuse(str(e))
                 return

@@ -173,7 +173,7 @@ def continuity_around(original, session, req, *args, **kwargs):
         hint = runtime.parse_hint(getattr(req, "kv_hints", None))
     except ValueError:
         hint = None  # _create_generation_req refuses the request with the reason
-    if hint is None or not hint.full_context or not session.streaming or session._inflight:
+    if hint is None or not session.streaming or session._inflight:
         return original(session, req, *args, **kwargs)
     hist = _history(session)
     if hist is None:

@@ -269,11 +269,39 @@ def fill_random(pool, pages, seed: int = 1):
             b[pg * PAGE:(pg + 1) * PAGE] = torch.randn(b[pg * PAGE:(pg + 1) * PAGE].shape, generator=g).to(b.dtype)
 
 
-def kvc_hints(**payload):
+def payload_json(mode="", role="", session_id="", room=None, prefill_peer_addr="", prefill_peer_addrs=(),
+                 snapshot_seqlen=0, to_store=False, generation=0, input_tokens=0, receive_from=0, **fields):
+    """The ExecutionPayload JSON a test's decision shorthand stands for (the fields the policy and
+    the gateway set for that mode; the plugin reads only the fields): a decode half (role
+    "decode" or "") gets a receive unless the mode is DIRECT_TO_D (a SNAPSHOT one when the mode is
+    RESEED_SNAPSHOT or a snapshot_seqlen is given), a prefill half (role "prefill" or "") a send
+    (store_generation = generation with to_store). Other keyword arguments are payload fields."""
+    from kvcentric_sglang import payload as P
+    p = P.ExecutionPayload(mode=P.ENUMS["RouteMode"].get("ROUTE_MODE_" + mode, 0) if mode else 0,
+                           session_id=session_id, input_tokens=input_tokens)
+    if role:
+        p.role = P.ROLE_PREFILL if role == "prefill" else P.ROLE_DECODE
+    if role in ("", "decode") and mode != "DIRECT_TO_D":
+        snap = mode == "RESEED_SNAPSHOT" or snapshot_seqlen > 0
+        p.receive = P.ExecutionReceive(kind=P.TRANSFER_SNAPSHOT if snap else P.TRANSFER_SEED, peer_addr=prefill_peer_addr,
+                                       peer_addrs=list(prefill_peer_addrs), tokens=snapshot_seqlen if snap else 0,
+                                       from_token=receive_from)
+    if role in ("", "prefill") and mode not in ("DIRECT_TO_D", "RESEED_SNAPSHOT"):
+        p.send = P.ExecutionSend(from_token=receive_from, store_generation=generation if to_store else 0)
+    out = P.to_json(p)
+    for half in ("receive", "send"):
+        if half in out and room is not None:
+            out[half]["room"] = room if isinstance(room, str) else str(room)
+    out.update(fields)
+    return out
+
+
+def kvc_hints(**shorthand):
+    """SGLang's KvHintsEnvelope carrying payload_json(**shorthand) as its kvc action."""
     from sglang.srt.managers.kv_hints import KvHintAction, KvHintsEnvelope
-    return KvHintsEnvelope(protocol_version="1", message_id="m-%s" % payload.get("room", 0),
-                           actions=[KvHintAction(action_id="a1", action_type="kvc", action_version="1",
-                                                 payload=payload)])
+    return KvHintsEnvelope(protocol_version="1", message_id="m-%s" % shorthand.get("room", 0),
+                           actions=[KvHintAction(action_id="a1", action_type="kvc", action_version="2",
+                                                 payload=payload_json(**shorthand))])
 
 
 def req(rid: str, input_ids, *, room=None, host=None, port=None, hints=None, max_new_tokens: int = 8, session=None):

@@ -6,12 +6,15 @@ import types
 
 import pytest
 
+import kvctest
 from kvcentric_sglang import runtime
+from kvcentric_sglang.payload import peer_for
 
 
-def hints(**payload):
+def hints(**shorthand):
     return {"protocol_version": 1, "message_id": "m", "actions": [
-        {"action_id": "m/decode", "action_type": "kvc", "action_version": 1, "payload": payload}]}
+        {"action_id": "m/decode", "action_type": "kvc", "action_version": 2,
+         "payload": kvctest.payload_json(role="decode", **shorthand)}]}
 
 
 PEERS = ["10.0.0.1:7000", "10.0.0.1:7001"]
@@ -25,21 +28,23 @@ PEERS = ["10.0.0.1:7000", "10.0.0.1:7001"]
 def test_peer_for_rank(rank, size, peers, want):
     h = runtime.parse_hint(hints(mode="SEED", room=7, prefill_peer_addr="p0" if not peers else PEERS[0],
                                  prefill_peer_addrs=peers))
-    assert h.prefill_peer_addrs == peers
-    assert h.peer_for(rank, size) == want
+    assert h.receive.peer_addrs == peers
+    assert peer_for(h.receive, rank, size) == want
 
 
 @pytest.mark.parametrize("rank,size", [(0, 0), (1, 4), (2, 2)])
 def test_unequal_tensor_parallelism_is_refused(rank, size):
     h = runtime.parse_hint(hints(mode="SEED", room=7, prefill_peer_addr=PEERS[0], prefill_peer_addrs=PEERS))
     with pytest.raises(ValueError, match="equal tensor parallelism"):
-        h.peer_for(rank, size)
+        peer_for(h.receive, rank, size)
 
 
 @pytest.mark.parametrize("bad", ["10.0.0.1:7000", [1, 2], {"0": "x"}])
 def test_malformed_peer_list(bad):
-    with pytest.raises(ValueError, match="prefill_peer_addrs"):
-        runtime.parse_hint(hints(mode="SEED", room=7, prefill_peer_addrs=bad))
+    env = hints(mode="SEED", room=7)
+    env["actions"][0]["payload"]["receive"]["peer_addrs"] = bad
+    with pytest.raises(ValueError, match="peer_addrs"):
+        runtime.parse_hint(env)
 
 
 def test_receiver_takes_its_rank_peer(sglang_installed):

@@ -8,7 +8,10 @@ there with the wire type of its declared type, nested messages too) and decoded 
 values must be the ones bridge.py was given; each answer's fields must come out of bridge.py's
 decoder with the values protobuf put in. The scripted control plane of the tests (kvctest.py, the
 other user of wire.py) is checked the same way against kvc.v1.SidecarService, and the integer
-constants bridge.py and kvctest.py use against the enums of the image. A drift names the field.
+constants bridge.py and kvctest.py use against the enums of the image. payload.py, the codec of the
+kv_hints execution payload (kvc.v1.ExecutionPayload in protojson), is checked field by field (name,
+number, JSON name, type) and enum by enum against the image, and against protobuf's own JSON. A
+drift names the field.
 """
 
 import os
@@ -22,6 +25,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 import kvctest
 from kvcentric_sglang import bridge
+from kvcentric_sglang import payload as kvc_payload
 from kvcentric_sglang.bridge import KVBuffer, WorkerBridge
 
 IMAGE = os.path.join(os.path.dirname(__file__), "..", "..", "..", "proto", "api.binpb")
@@ -437,3 +441,119 @@ def test_scripted_control_plane_matches_image(pool):
     finally:
         inbox.put(None)
         cp.close()
+
+
+# ---- the execution payload (payload.py): kvc.v1.ExecutionPayload in kv_hints, protojson ----------
+
+_KINDS = {"string": _FD.TYPE_STRING, "bool": _FD.TYPE_BOOL, "int64": _FD.TYPE_INT64, "uint64": _FD.TYPE_UINT64}
+
+
+def _payload_field_problems(pool, msg: str):
+    d = pool.FindMessageTypeByName(PKG + msg)
+    problems = []
+    codec = {name: (num, kind) for name, num, kind in kvc_payload.FIELDS[msg]}
+    for fd in d.fields:
+        if fd.name not in codec:
+            problems.append("%s.%s (field %d) is in the image but not in payload.py" % (msg, fd.name, fd.number))
+    for name, (num, kind) in codec.items():
+        fd = d.fields_by_name.get(name)
+        if fd is None:
+            problems.append("payload.py: %s.%s is not in the image" % (msg, name))
+            continue
+        if fd.number != num:
+            problems.append("%s.%s: payload.py says field %d, the image %d" % (msg, name, num, fd.number))
+        if fd.json_name != kvc_payload.json_name(name):
+            problems.append("%s.%s: JSON name %s in the image, %s in payload.py" % (msg, name, fd.json_name,
+                                                                                   kvc_payload.json_name(name)))
+        repeated, base = kind.startswith("repeated "), kind[len("repeated "):] if kind.startswith("repeated ") else kind
+        if repeated != _repeated(fd):
+            problems.append("%s.%s: repeated in one and not the other" % (msg, name))
+        if base.startswith("enum:"):
+            ok = fd.type == _FD.TYPE_ENUM and fd.enum_type.name == base[len("enum:"):]
+        elif base.startswith("message:"):
+            ok = fd.type == _FD.TYPE_MESSAGE and fd.message_type.name == base[len("message:"):]
+            if ok:
+                problems += _payload_field_problems(pool, fd.message_type.name)
+        else:
+            ok = fd.type == _KINDS[base]
+        if not ok:
+            problems.append("%s.%s: payload.py reads it as %s, the image declares %s" % (
+                msg, name, kind, _TYPE_NAMES.get(fd.type, fd.type)))
+    return problems
+
+
+def test_payload_fields_match_image(pool):
+    """Every field of ExecutionPayload (and the messages it holds) is in payload.py with its
+    number, JSON name and type, and payload.py knows no field the image lacks."""
+    problems = _payload_field_problems(pool, "ExecutionPayload")
+    assert set(kvc_payload.FIELDS) == {"ExecutionPayload", "ExecutionReceive", "ExecutionSend"}
+    assert not problems, "\n".join(problems)
+
+
+def test_payload_enums_match_image(pool):
+    problems = []
+    for enum, values in kvc_payload.ENUMS.items():
+        e = pool.FindEnumTypeByName(PKG + enum)
+        image = {v.name: v.number for v in e.values}
+        if image != values:
+            problems.append("%s: payload.py %s, the image %s" % (enum, values, image))
+    assert not problems, "\n".join(problems)
+
+
+def _full_payload(pool):
+    cls = _cls(pool, "ExecutionPayload")
+    m = cls(decision_id="d-1", mode=3, role=2, session_id="s", input_tokens=1 << 40, cached_tokens=7, keep_session=True,
+            open_session=True, truncate_to=4, local_prefill=True, load_prefix_tokens=96, load_generation=U64, load=True)
+    m.receive.kind, m.receive.room, m.receive.peer_addr, m.receive.tokens, m.receive.from_token = 2, (1 << 62) + 1, "p:1", 80, 16
+    m.receive.peer_addrs.extend(["p:1", "p:2"])
+    m.send.room, m.send.from_token, m.send.store_generation = 9, 32, U64
+    return cls, m
+
+
+def test_payload_reads_protojson(pool):
+    """payload.py decodes what protobuf's JSON mapping writes, with proto names (the gateway's
+    form) and with JSON names, to the values protobuf put in; and protobuf parses payload.py's
+    own JSON back to the same message."""
+    import json
+
+    from google.protobuf import json_format
+
+    cls, m = _full_payload(pool)
+    for proto_names in (True, False):
+        raw = json.loads(json_format.MessageToJson(m, preserving_proto_field_name=proto_names))
+        p = kvc_payload.from_json(raw)
+        back = json_format.Parse(json.dumps(kvc_payload.to_json(p)), cls())
+        assert back == m, "proto names %s: payload.py read %r, protobuf wrote %r" % (proto_names, p, raw)
+    env = kvc_payload.envelope(kvc_payload.from_json(json.loads(json_format.MessageToJson(m))), "d-1")
+    assert env["actions"][0]["action_version"] == kvc_payload.ACTION_VERSION == 2
+    assert json_format.Parse(json.dumps(env["actions"][0]["payload"]), cls()) == m
+
+
+@pytest.mark.parametrize("payload,needle", [
+    ({"transfer": "SEED"}, "unknown field"),
+    ({"mode": "SEED"}, "unknown value"),
+    ({"input_tokens": "12x"}, "integer"),
+    ({"load_generation": -1}, "range"),
+    ({"input_tokens": 1 << 63}, "range"),
+    ({"keep_session": 1}, "true or false"),
+    ({"receive": [1]}, "object"),
+    ({"receive": {"peer_addrs": "p:1"}}, "list"),
+    ({"session_id": "a", "sessionId": "b"}, "twice"),
+])
+def test_payload_refuses(payload, needle):
+    with pytest.raises(kvc_payload.PayloadError, match=needle):
+        kvc_payload.from_json(payload)
+
+
+def test_envelope_versions():
+    ok = {"protocol_version": "1", "actions": [{"action_type": "other", "action_version": 9, "payload": [1]},
+                                              {"action_type": "kvc", "action_version": "2", "payload": {"load": True}}]}
+    assert kvc_payload.from_envelope(ok).load is True
+    assert kvc_payload.from_envelope({"protocol_version": 1, "actions": []}) is None
+    for bad, needle in [({"protocol_version": 2, "actions": []}, "protocol_version"),
+                        ({"protocol_version": 1, "actions": [{"action_type": "kvc", "action_version": 1, "payload": {}}]},
+                         "action_version"),
+                        ({"protocol_version": 1, "actions": [{"action_type": "kvc", "action_version": 2, "payload": {}}] * 2},
+                         "more than one")]:
+        with pytest.raises(kvc_payload.PayloadError, match=needle):
+            kvc_payload.from_envelope(bad)

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/kvcentric/kvcentric/pkg/etcdtest"
+	"github.com/kvcentric/kvcentric/pkg/kvhints"
 	"github.com/kvcentric/kvcentric/pkg/sidecar"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 	"github.com/kvcentric/kvcentric/sidecar-decode/internal/decode"
@@ -79,11 +80,14 @@ func seedSession(t *testing.T, simURL string, p *simPrefill, s string, room, n i
 	go func() {
 		defer wg.Done()
 		pCode, pBody, pErr = postGenerate(p.url, map[string]any{"rid": "p-" + s, "sampling_params": map[string]any{"max_new_tokens": 0},
-			"kvc": map[string]any{"mode": "SEED", "role": "prefill", "session_id": s, "input_tokens": n, "room": room}})
+			"kv_hints": hintsOf(&kvcv1.ExecutionPayload{Role: kvcv1.WorkerRole_WORKER_ROLE_PREFILL, SessionId: s, InputTokens: n,
+				Send: &kvcv1.ExecutionSend{Room: room}})})
 	}()
 	code, body, err := postGenerate(simURL, map[string]any{"rid": "d-" + s, "sampling_params": map[string]any{"max_new_tokens": 4},
-		"kvc": map[string]any{"mode": "SEED", "role": "decode", "session_id": s, "input_tokens": n, "room": room,
-			"prefill_peer_addr": p.sc.peerAddr, "keep_session": true}})
+		"session_params": map[string]any{"id": s},
+		"kv_hints": hintsOf(&kvcv1.ExecutionPayload{Role: kvcv1.WorkerRole_WORKER_ROLE_DECODE, SessionId: s, InputTokens: n,
+			KeepSession: true, OpenSession: true,
+			Receive: &kvcv1.ExecutionReceive{Kind: kvcv1.TransferKind_TRANSFER_KIND_SEED, Room: room, PeerAddr: p.sc.peerAddr}})})
 	wg.Wait()
 	if err != nil || code != 200 || pErr != nil || pCode != 200 {
 		t.Fatalf("seed %s: decode HTTP %d %s (%v); prefill HTTP %d %s (%v)", s, code, body, err, pCode, pBody, pErr)
@@ -234,8 +238,9 @@ func TestSidecarRestartReattach(t *testing.T) {
 
 	// A direct-to-D turn of a re-committed session is served from its KV on the worker.
 	code, answer, err := postGenerate(simURL, map[string]any{"rid": "r-ra-2", "sampling_params": map[string]any{"max_new_tokens": 2},
-		"kvc": map[string]any{"mode": "DIRECT_TO_D", "role": "decode", "session_id": "ra", "input_tokens": before["ra"] + 10,
-			"cached_tokens": before["ra"], "keep_session": true}})
+		"session_params": map[string]any{"id": "ra"},
+		"kv_hints": hintsOf(&kvcv1.ExecutionPayload{Role: kvcv1.WorkerRole_WORKER_ROLE_DECODE, SessionId: "ra",
+			InputTokens: before["ra"] + 10, CachedTokens: before["ra"], KeepSession: true})})
 	if err != nil || code != 200 {
 		t.Fatalf("direct turn after the restart: HTTP %d %s (%v)", code, answer, err)
 	}
@@ -309,4 +314,13 @@ func TestPrefillSidecarRestartReattach(t *testing.T) {
 		t.Fatalf("status after the restart %+v (before %+v)", st, st1)
 	}
 	t.Logf("prefill sidecar back → ready and READY in the control plane in %v", time.Since(back).Round(time.Millisecond))
+}
+
+// hintsOf is the kv_hints envelope carrying p, as the gateway sends it.
+func hintsOf(p *kvcv1.ExecutionPayload) *kvhints.Envelope {
+	env, err := kvhints.Build("m", p)
+	if err != nil {
+		panic(err)
+	}
+	return env
 }
