@@ -971,15 +971,15 @@ type RouteExecution struct {
 	RetryAllowed bool `protobuf:"varint,9,opt,name=retry_allowed,json=retryAllowed,proto3" json:"retry_allowed,omitempty"`
 	// The decode worker keeps only the first truncate_to tokens of the session it holds (a page
 	// boundary, the longest common prefix with this prompt), frees the rest and append-prefills
-	// [truncate_to, input) (kv_hints payload "truncate_to"); 0 = no truncation.
+	// [truncate_to, input) (ExecutionPayload.truncate_to); 0 = no truncation.
 	TruncateTo int64 `protobuf:"varint,10,opt,name=truncate_to,json=truncateTo,proto3" json:"truncate_to,omitempty"`
 	// D prefills the whole prompt itself, reusing the first cached_tokens from its own prefix
 	// cache (KV of the same tokens it holds for other sessions), and keeps the new session
 	// (open_session first): a short first turn placed on content (LOCAL_FIRST_TURN).
 	LocalPrefill bool `protobuf:"varint,11,opt,name=local_prefill,json=localPrefill,proto3" json:"local_prefill,omitempty"`
 	// Seed through the prefill store (policy seed_through_store: the decode workers are colocated
-	// SGLang servers, docs/sglang.md): the prefill worker is called FIRST, with kv_hints to_store
-	// and generation = store_generation; its sidecar keeps the prompt's KV in its own snapshot store
+	// SGLang servers, docs/sglang.md): the prefill worker is called FIRST, with an ExecutionPayload
+	// send.store_generation = store_generation; its sidecar keeps the prompt's KV in its own snapshot store
 	// as the session's snapshot of that generation (the generation the session takes on D). D is
 	// called only after P answered, with snapshot_seqlen = input_tokens and room = store_load_room,
 	// and loads that snapshot like a RESEED_SNAPSHOT: no P→D transfer while D's batch waits.
@@ -1001,9 +1001,9 @@ type RouteExecution struct {
 	LoadGeneration   uint64 `protobuf:"varint,15,opt,name=load_generation,json=loadGeneration,proto3" json:"load_generation,omitempty"`
 	// Suffix-only receive: the decode worker keeps the session's KV [0, receive_from) it holds
 	// (a page boundary of the worker's page size) and receives only [receive_from, input) from P,
-	// which sends only those pages (kv_hints "receive_from" on both halves). Set for a large
-	// append into the session's own decode worker (PD_FALLBACK / REAL_LARGE_APPEND). 0 = the
-	// whole context is transferred.
+	// which sends only those pages (ExecutionPayload receive.from_token / send.from_token). Set
+	// for a large append into the session's own decode worker (PD_FALLBACK / REAL_LARGE_APPEND).
+	// 0 = the whole context is transferred.
 	ReceiveFrom   int64 `protobuf:"varint,16,opt,name=receive_from,json=receiveFrom,proto3" json:"receive_from,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
