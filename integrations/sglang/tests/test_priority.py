@@ -85,7 +85,7 @@ def test_request_hook_keeps_the_priority(sglang_installed):
     from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-    hints = kvctest.kvc_hints(mode="SEED", session_id="s-p", room=5, transfer="SEED", role="prefill")
+    hints = kvctest.kvc_hints(mode="SEED", session_id="s-p", room=5, role="prefill")
     for rid, recv in [("p-seed", SimpleNamespace(kv_hints=hints)), ("p-plain", SimpleNamespace(kv_hints=None))]:
         r = Scheduler._create_generation_req(SimpleNamespace(page_size=PAGE), recv, rid, None, array("q", [1, 2, 3]),
                                              SamplingParams(max_new_tokens=1), vocab_size=1000, priority=-100)
