@@ -175,13 +175,14 @@ func TestAbandonedSessionClosed(t *testing.T) {
 		name      string
 		mode      kvcv1.RouteMode
 		reason    kvcv1.RouteReason
+		canned    fakecp.Canned
 		wantClose bool
 	}{
-		{"seed", kvcv1.RouteMode_ROUTE_MODE_SEED, kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION, true},
-		{"resident turn", kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT, false},
+		{"seed", kvcv1.RouteMode_ROUTE_MODE_SEED, kvcv1.RouteReason_ROUTE_REASON_NEW_SESSION, fakecp.Seed(), true},
+		{"resident turn", kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT, fakecp.Direct(), false},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			e := setup(t, decideMode(tt.mode, tt.reason), nil, func(int, workerReq) string { return "slow" }, 0)
+			e := setup(t, decideMode(tt.mode, tt.reason, tt.canned), nil, func(int, workerReq) string { return "slow" }, 0)
 			ctx, cancel := context.WithCancel(context.Background())
 			req, _ := http.NewRequestWithContext(ctx, http.MethodPost, e.gw.URL+"/generate", strings.NewReader(genBody))
 			req.Header.Set("X-Session-ID", "s1")
