@@ -20,15 +20,25 @@ type commitAway struct {
 	gen    uint64
 }
 
+// dropCommitAwayLocked forgets session id's commit away: its record's decode worker committed.
+func (s *State) dropCommitAwayLocked(id string) {
+	if _, ok := s.commitsAway[id]; ok {
+		delete(s.commitsAway, id)
+		s.m.commitsAway.WithLabelValues("superseded").Inc()
+	}
+}
+
 // noteCommitAwayLocked remembers w's commit of session id (kvLen tokens, generation gen).
 func (s *State) noteCommitAwayLocked(id, w string, kvLen int64, gen uint64) {
 	if _, ok := s.commitsAway[id]; !ok && len(s.commitsAway) >= maxCommitsAway {
 		for k := range s.commitsAway {
 			delete(s.commitsAway, k)
+			s.m.commitsAway.WithLabelValues("evicted").Inc()
 			break
 		}
 	}
 	s.commitsAway[id] = commitAway{worker: w, kvLen: kvLen, gen: gen}
+	s.m.commitsAway.WithLabelValues("kept").Inc()
 }
 
 // committedOnLocked is the committed length of session id on decode worker w, which an update
@@ -41,7 +51,9 @@ func (s *State) committedOnLocked(id, w string, gen uint64) int64 {
 	}
 	delete(s.commitsAway, id)
 	if c.worker != w || (c.gen != 0 && c.gen != gen) {
+		s.m.commitsAway.WithLabelValues("superseded").Inc()
 		return 0
 	}
+	s.m.commitsAway.WithLabelValues("taken").Inc()
 	return c.kvLen
 }

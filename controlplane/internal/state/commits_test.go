@@ -3,6 +3,8 @@ package state
 import (
 	"testing"
 
+	"github.com/prometheus/client_golang/prometheus/testutil"
+
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -64,6 +66,9 @@ func TestCommitBeforeTheOutcome(t *testing.T) {
 			})
 			if r, _ := st.Session("s"); r.GetDecodeWorker() != tt.moveTo || r.GetKvCommittedLen() != tt.want {
 				t.Fatalf("after the outcome: %s committed %d, want %s %d", r.GetDecodeWorker(), r.GetKvCommittedLen(), tt.moveTo, tt.want)
+			}
+			if taken := testutil.ToFloat64(st.m.commitsAway.WithLabelValues("taken")); (taken == 1) != (tt.want > 0 && tt.setLen == 0) {
+				t.Fatalf("kvc_cp_commits_before_residency_total{fate=taken} %v", taken)
 			}
 			st.mu.Lock()
 			left := len(st.commitsAway)

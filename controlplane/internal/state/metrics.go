@@ -27,6 +27,7 @@ type metrics struct {
 	termRefused     *prometheus.CounterVec // terms not led on a broken generation term (leader.go)
 	generationTerm  prometheus.Gauge
 	policyCorrupt   *prometheus.CounterVec // a stored policy that did not decode, by what was done
+	commitsAway     *prometheus.CounterVec // commits of a worker the record did not name yet, by fate (commits.go)
 }
 
 func newMetrics(reg prometheus.Registerer, sessions func() float64) *metrics {
@@ -98,6 +99,13 @@ func newMetrics(reg prometheus.Registerer, sessions func() float64) *metrics {
 			Name: "kvc_cp_generation_term", Help: "The generation term this leader numbers KV generations in (0 when not leading).",
 		}),
 	}
+	m.commitsAway = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "kvc_cp_commits_before_residency_total",
+		Help: "Decode commits of sessions the record did not name that worker for yet (a seed's, ahead of its outcome), by fate: kept, taken (the outcome made the worker the session's: its committed length), superseded (the named worker's commit or another residency came first), evicted (the table was full).",
+	}, []string{"fate"})
+	for _, f := range []string{"kept", "taken", "superseded", "evicted"} {
+		m.commitsAway.WithLabelValues(f)
+	}
 	m.policyCorrupt = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "kvc_cp_policy_corrupt_total", Help: "Stored policy records that did not decode, by what was done: kept_last_good (the policy in use stays), refused_to_lead (no earlier version known: this replica did not lead).",
 	}, []string{"action"})
@@ -124,7 +132,7 @@ func newMetrics(reg prometheus.Registerer, sessions func() float64) *metrics {
 	if reg != nil {
 		reg.MustRegister(m.workers, m.commands, m.events, m.transfers, m.expired, m.dropped, m.workerDown, m.loadSeconds, m.writeFailures, m.volatileFlushed,
 			m.journalWritten, m.journalDeleted, m.journalKeys, m.journalBytes, m.drains, m.drainMoves, m.forgotten, m.staleCopies, m.tpProblems,
-			m.claimsRefused, m.termRefused, m.generationTerm, m.policyCorrupt,
+			m.claimsRefused, m.termRefused, m.generationTerm, m.policyCorrupt, m.commitsAway,
 			prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 				Name: "kvc_cp_sessions", Help: "Session records held in memory (leader only).",
 			}, sessions))

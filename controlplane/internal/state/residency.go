@@ -322,7 +322,7 @@ func (s *State) ApplyEvent(st *Stream, ev *kvcv1.SessionEvent) error {
 			if ev.GetGeneration() != 0 {
 				rec.Generation = ev.GetGeneration()
 			}
-			delete(s.commitsAway, id)
+			s.dropCommitAwayLocked(id)
 		} else {
 			// A seed's commit before the decision's outcome: the record's once the outcome makes
 			// w the session's decode worker (commits.go).
