@@ -99,6 +99,13 @@ func TestGenerationClaimsRefused(t *testing.T) {
 	for _, h := range []*kvcv1.Hello{decodeHello("d1"), decodeHello("d2"), prefillHello("p1")} {
 		cls[h.GetWorkerId()] = startClaimant(t, c, h)
 	}
+	for _, d := range []string{"d1", "d2"} {
+		// A decode sidecar's full resync right after it attaches, as every sidecar sends: its
+		// commits are then current (a commit before it may be a replay from a cut-off stream).
+		if err := cls[d].send(resync(true)); err != nil {
+			t.Fatal(err)
+		}
+	}
 	waitFor(t, "3 workers ready", func() bool {
 		r, err := c.admin.ListWorkers(ctx, &kvcv1.ListWorkersRequest{})
 		n := 0
