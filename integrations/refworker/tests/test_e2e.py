@@ -192,7 +192,8 @@ class TestEveryModeExact(unittest.TestCase):
                 "rid": tag + "fail-open", "input_ids": [rng.randrange(VOCAB) for _ in range(200)], "stream": True,
                 "sampling_params": {"max_new_tokens": 4}, "kv_hints": {"protocol_version": 1, "actions": [
                     {"action_type": "kvc", "action_version": 2,
-                     "payload": {"mode": "ROUTE_MODE_PD_FALLBACK", "role": "WORKER_ROLE_DECODE", "local_prefill": True}}]}})
+                     "payload": {"mode": "ROUTE_MODE_PD_FALLBACK", "role": "WORKER_ROLE_DECODE",
+                                 "local_prefill": True}}]}})
             self.assertEqual((st, err), (200, None), chunks)
             fo = chunks[-1]["meta_info"]["kvc"]
             self.assertTrue(fo.get("local_prefill"), fo)

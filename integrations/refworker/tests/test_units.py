@@ -6,6 +6,7 @@ import os
 import sys
 import time
 import unittest
+from types import SimpleNamespace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.join(HERE, ".."), os.path.join(HERE, "..", "..", "sglang")]
@@ -59,7 +60,8 @@ class TestParse(unittest.TestCase):
              dict(load_prefix=32, load_gen=7, receive_from=32)),
             ("local prefill, nothing kept", {"rid": "r", "input_ids": [1, 2, 3], "kv_hints": hints(local_prefill=True)},
              "decode", dict(local=True, transfers=False, keep=False)),
-            ("a new session's first turn prefilled here", {"rid": "r", "input_ids": [1, 2, 3], "session_params": {"id": "s"},
+            ("a new session's first turn prefilled here", {"rid": "r", "input_ids": [1, 2, 3],
+                                                           "session_params": {"id": "s"},
                                                            "kv_hints": hints(session_id="s", local_prefill=True,
                                                                              keep_session=True, open_session=True)},
              "decode", dict(local=True, keep=True, open=True)),
@@ -75,26 +77,31 @@ class TestParse(unittest.TestCase):
             ("the old kvc block", {"kvc": {"mode": "SEED", "input_tokens": 3, "session_id": "s", "room": 1}}, "decode",
              "no kvcentric decision"),
             ("the mode-name payload", {"kv_hints": {"protocol_version": 1, "actions": [
-                {"action_type": "kvc", "action_version": 1, "payload": {"mode": "SEED"}}]}}, "decode", "action_version"),
+                {"action_type": "kvc", "action_version": 1, "payload": {"mode": "SEED"}}]}}, "decode",
+             "action_version"),
             ("ids out of vocab", {"input_ids": [99], "rid": "r", "kv_hints": hints(local_prefill=True)}, "decode",
              "vocabulary"),
             ("count differs", {"input_ids": [1, 2], "session_params": {"id": "s"},
                                "kv_hints": hints(input_tokens=3, session_id="s", keep_session=True, receive=SEED)},
              "decode", "differs"),
-            ("wrong role", {"kv_hints": hints(role="WORKER_ROLE_PREFILL", input_tokens=3, send={"room": "1"})}, "decode",
+            ("wrong role", {"kv_hints": hints(role="WORKER_ROLE_PREFILL", input_tokens=3, send={"room": "1"})},
+             "decode",
              "PREFILL"),
-            ("no session", {"session_params": {"id": ""}, "kv_hints": hints(input_tokens=3, keep_session=True, receive=SEED)},
+            ("no session", {"session_params": {"id": ""},
+                            "kv_hints": hints(input_tokens=3, keep_session=True, receive=SEED)},
              "decode", "session_params missing|missing session id"),
             ("nothing to serve from", {"kv_hints": hints(input_tokens=3, session_id="s")}, "decode",
              "nothing to serve from"),
             ("receive on P", {"kv_hints": hints(input_tokens=3, session_id="s", receive=SEED, send={"room": "3"})},
              "prefill", "for a decode worker"),
             ("P without a send", {"rid": "r", "input_ids": [1, 2], "kv_hints": hints()}, "prefill", "needs kvc.send"),
-            ("store seed", {"kv_hints": hints(input_tokens=3, session_id="s", send={"room": "1", "store_generation": "2"})},
+            ("store seed", {"kv_hints": hints(input_tokens=3, session_id="s",
+                                              send={"room": "1", "store_generation": "2"})},
              "prefill", "prefill store"),
             ("snapshot longer than the prompt", {"session_params": {"id": "s"}, "kv_hints": hints(
                 input_tokens=3, session_id="s", keep_session=True, open_session=True,
-                receive={"kind": "TRANSFER_KIND_SNAPSHOT", "room": "1", "tokens": "4"})}, "decode", "snapshot's length"),
+                receive={"kind": "TRANSFER_KIND_SNAPSHOT", "room": "1", "tokens": "4"})}, "decode",
+             "snapshot's length"),
             ("capacity", {"session_params": {"id": "s"}, "kv_hints": hints(input_tokens=990, session_id="s",
                                                                           keep_session=True, receive=SEED)},
              "decode", "capacity"),
@@ -131,6 +138,60 @@ class TestParse(unittest.TestCase):
         self.assertNotEqual(a, R.scripted_tokens("s2", 0, 100, 1024))
         self.assertTrue(all(0 <= x < 1024 for x in a))
         self.assertGreater(len(set(a)), 80)
+
+
+class TestActsOnFields(unittest.TestCase):
+    """The decode worker does what the payload's fields say, whatever the mode label: a SEED
+    receive into an opened, kept session is a seed under the label DIRECT_TO_D (a mode switch
+    served it from a resident session: 409) and PD_FALLBACK (a mode switch kept nothing);
+    local_prefill under the label RESEED_SNAPSHOT computes here; no receive serves the held
+    session under the label SEED."""
+
+    def test_begin_by_fields(self):
+        from kvc_refworker.worker import ApiError, Config, Session, Worker
+        from kvcentric_sglang.bridge import TRANSFER_SEED
+
+        spec = M.spec_for("tiny")
+        pool = KVPool(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32, 40 * 16, 16, "cpu",
+                      name="kvc-refworker-unit-fields", use_sglang=False)
+        try:
+            w = Worker(Config(role="decode", worker_id="d0", model_name="tiny", prealloc_wait_s=0, snapshot_wait_s=0),
+                       None, spec, pool, SimpleNamespace(bridge=None))
+            calls = []
+            w._receive = lambda t, kind, tokens: calls.append(("receive", kind, tokens))
+            w._first_from_received = lambda t: calls.append(("first",))
+            w._append_prefill = lambda t, start, resident: calls.append(("prefill", start, resident))
+
+            def begin(sid, **payload):
+                body = {"input_ids": list(range(1, 41)), "sampling_params": {"max_new_tokens": 8},
+                        "kv_hints": hints(session_id=sid, **payload)}
+                if payload.get("keep_session"):
+                    body["session_params"] = {"id": sid}
+                calls.clear()
+                t = w.begin(R.parse(body, "decode", pool.size, spec.vocab_size))
+                if t.unlock:
+                    t.unlock()
+                w.gpu.leave()
+                return t
+
+            seed = dict(keep_session=True, open_session=True, receive={"kind": "TRANSFER_KIND_SEED", "room": "1"})
+            for label in ("ROUTE_MODE_DIRECT_TO_D", "ROUTE_MODE_PD_FALLBACK"):
+                with self.subTest(label):
+                    t = begin("s-" + label, mode=label, **seed)
+                    self.assertEqual(calls, [("receive", TRANSFER_SEED, 40), ("first",)])
+                    self.assertIs(w.sessions.get("s-" + label), t.s)  # kept: the session is resident here
+            t = begin("s-local", mode="ROUTE_MODE_RESEED_SNAPSHOT", local_prefill=True)
+            self.assertEqual(calls, [("prefill", 0, False)])
+            self.assertIsNone(t.s)  # nothing kept
+            w.sessions["s-held"] = Session(id="s-held", pages=pool.alloc(3), kv_len=40, committed=True,
+                                           tokens=list(range(1, 41)))
+            t = begin("s-held", mode="ROUTE_MODE_SEED", keep_session=True, cached_tokens=40)
+            self.assertEqual(calls, [("prefill", 39, True)])  # the held session, its last token recomputed
+            self.assertIs(t.s, w.sessions["s-held"])
+            with self.assertRaises(ApiError):  # no receive and not held: 409 whatever the label
+                begin("s-none", mode="ROUTE_MODE_SEED", keep_session=True)
+        finally:
+            pool.close()
 
 
 class TestPool(unittest.TestCase):

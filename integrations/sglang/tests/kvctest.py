@@ -283,7 +283,8 @@ def payload_json(mode="", role="", session_id="", room=None, prefill_peer_addr="
         p.role = P.ROLE_PREFILL if role == "prefill" else P.ROLE_DECODE
     if role in ("", "decode") and mode != "DIRECT_TO_D":
         snap = mode == "RESEED_SNAPSHOT" or snapshot_seqlen > 0
-        p.receive = P.ExecutionReceive(kind=P.TRANSFER_SNAPSHOT if snap else P.TRANSFER_SEED, peer_addr=prefill_peer_addr,
+        p.receive = P.ExecutionReceive(kind=P.TRANSFER_SNAPSHOT if snap else P.TRANSFER_SEED,
+                                       peer_addr=prefill_peer_addr,
                                        peer_addrs=list(prefill_peer_addrs), tokens=snapshot_seqlen if snap else 0,
                                        from_token=receive_from)
     if role in ("", "prefill") and mode not in ("DIRECT_TO_D", "RESEED_SNAPSHOT"):

@@ -69,3 +69,32 @@ def test_receiver_takes_its_rank_peer(sglang_installed):
     bad = receiver(1, 4)
     plugin._carry(bad, req(PEERS))
     assert bad.poll() == backend.KVPoll.Failed
+
+
+def test_carry_acts_on_fields_not_mode(sglang_installed):
+    """The request hook does what the payload's fields say, whatever the mode label: a SNAPSHOT
+    receive is refused on a P/D decode worker under the label RESEED_PREFILL, a SEED receive is
+    taken under the label RESEED_SNAPSHOT (a mode switch refused it), and a send's
+    store_generation makes a store seed under the label PD_FALLBACK."""
+    from kvcentric_sglang import backend, plugin
+    from kvcentric_sglang import payload as P
+
+    mgr = types.SimpleNamespace(registration=types.SimpleNamespace(tp_rank=0, tp_size=0))
+
+    def req(payload):
+        env = {"protocol_version": 1, "actions": [{"action_type": "kvc", "action_version": 2, "payload": payload}]}
+        return types.SimpleNamespace(kv_hints=env, origin_input_ids=[1, 2, 3], session=None)
+
+    snap = backend.KvcKVReceiver(mgr, "bootstrap:1", 7)
+    plugin._carry(snap, req({"mode": "ROUTE_MODE_RESEED_PREFILL", "session_id": "s1",
+                             "receive": {"kind": "TRANSFER_KIND_SNAPSHOT", "room": "7", "peer_addr": PEERS[0],
+                                         "tokens": "3"}}))
+    assert snap.poll() == backend.KVPoll.Failed and "colocated decode worker" in snap._error
+    seed = backend.KvcKVReceiver(mgr, "bootstrap:1", 7)
+    plugin._carry(seed, req({"mode": "ROUTE_MODE_RESEED_SNAPSHOT", "session_id": "s1",
+                             "receive": {"kind": "TRANSFER_KIND_SEED", "room": "7", "peer_addr": PEERS[1]}}))
+    assert seed.poll() != backend.KVPoll.Failed and seed.kind == P.TRANSFER_SEED and seed.bootstrap_addr == PEERS[1]
+    tx = backend.KvcKVSender(mgr, "bootstrap:1", 7)
+    plugin._carry(tx, req({"mode": "ROUTE_MODE_PD_FALLBACK", "session_id": "s1",
+                           "send": {"room": "7", "store_generation": "4"}}))
+    assert (tx.to_store, tx.generation, tx.tokens, tx.session_id) == (True, 4, 3, "s1")

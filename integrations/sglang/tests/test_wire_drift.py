@@ -504,7 +504,8 @@ def _full_payload(pool):
     cls = _cls(pool, "ExecutionPayload")
     m = cls(decision_id="d-1", mode=3, role=2, session_id="s", input_tokens=1 << 40, cached_tokens=7, keep_session=True,
             open_session=True, truncate_to=4, local_prefill=True, load_prefix_tokens=96, load_generation=U64, load=True)
-    m.receive.kind, m.receive.room, m.receive.peer_addr, m.receive.tokens, m.receive.from_token = 2, (1 << 62) + 1, "p:1", 80, 16
+    r = m.receive
+    r.kind, r.room, r.peer_addr, r.tokens, r.from_token = 2, (1 << 62) + 1, "p:1", 80, 16
     m.receive.peer_addrs.extend(["p:1", "p:2"])
     m.send.room, m.send.from_token, m.send.store_generation = 9, 32, U64
     return cls, m
@@ -550,10 +551,10 @@ def test_envelope_versions():
                                               {"action_type": "kvc", "action_version": "2", "payload": {"load": True}}]}
     assert kvc_payload.from_envelope(ok).load is True
     assert kvc_payload.from_envelope({"protocol_version": 1, "actions": []}) is None
+    v1 = {"action_type": "kvc", "action_version": 1, "payload": {}}
+    v2 = {"action_type": "kvc", "action_version": 2, "payload": {}}
     for bad, needle in [({"protocol_version": 2, "actions": []}, "protocol_version"),
-                        ({"protocol_version": 1, "actions": [{"action_type": "kvc", "action_version": 1, "payload": {}}]},
-                         "action_version"),
-                        ({"protocol_version": 1, "actions": [{"action_type": "kvc", "action_version": 2, "payload": {}}] * 2},
-                         "more than one")]:
+                        ({"protocol_version": 1, "actions": [v1]}, "action_version"),
+                        ({"protocol_version": 1, "actions": [v2, v2]}, "more than one")]:
         with pytest.raises(kvc_payload.PayloadError, match=needle):
             kvc_payload.from_envelope(bad)
