@@ -18,6 +18,18 @@ background WaitReceive, and completes every layer of the batch's counter when th
 (the forward waits at layer 0). SGLang then prefills only the tail and the streaming session
 takes over the row; CommitSession follows from the session hook.
 
+Prefill from the snapshot on P (a prefill server launched with the same linker): the request
+arrives with kv_hints {session_id, load_prefix_tokens, load_generation} (RouteExecution's). The
+match path asks ``lookup`` about the device-uncached tail: floor(load_prefix_tokens / page) pages
+when the tail starts at token 0 (a P whose radix tree already holds part of the prompt serves
+that part itself and computes the rest). ``load`` copies them at once from the prefill
+sidecar's own store into the request-private slots SGLang allocated (``LoadFromStore``, the
+entry held while it is read): SGLang counts them as the request's prefix (``req.prefix_indices``
+through ``prefix_device_indices``) and prefills only [load_prefix_tokens, input); the sender then
+sends the whole context as usual. A load the store cannot serve (no snapshot, another
+generation, fewer tokens) makes ``load`` answer False, and SGLang recomputes the whole prompt:
+never slower than without the hint, never wrong.
+
 The linker never offloads: snapshots are pushed by the decode sidecar from CommitSession.
 """
 
@@ -89,8 +101,23 @@ class KvcLinker(UnifiedCacheLinker):
         self._queued: List[_Load] = []
         self._lock = threading.Lock()
         self.loads_done = 0
+        # prefill from the snapshot (P only): loads served from the store, tokens loaded, and
+        # the loads it could not serve (the request then prefills everything)
+        self.store_loads = 0
+        self.store_load_tokens = 0
+        self.store_load_misses = 0
+        self.store_loaded: "OrderedDict[str, int]" = OrderedDict()  # rid -> tokens loaded (bounded)
+        self.prefill = _is_prefill(server_args, extra_config)
+        # Every rank must take the same branch of a load (SGLang reduces the hit, not the
+        # load's answer), and each rank's store may refuse on its own: prefill from the
+        # snapshot runs on tensor-parallel prefill servers only once that is agreed (not built).
+        self.prefill_loads = self.prefill and int(getattr(server_args, "tp_size", 1) or 1) == 1
+        if self.prefill and not self.prefill_loads:
+            logger.warning("kvcentric linker: prefill from the snapshot is off on a tensor-parallel prefill server")
         self.bridge = runtime.state.bridge
-        if self.bridge is None and extra_config.get("register", True):
+        # On P the KV manager (created after the tree cache) registers the pool with the prefill
+        # sidecar; the first load takes its bridge.
+        if not self.prefill and self.bridge is None and extra_config.get("register", True):
             self.bridge = _register_colocated(server_args, kv_pool, extra_config)
 
     # -- match ----------------------------------------------------------------------------------
@@ -100,10 +127,18 @@ class KvcLinker(UnifiedCacheLinker):
         if got is None:
             return []
         hint, first_page = got
-        # A snapshot receive: the prefill sidecar's store holds [0, receive.tokens) of this
-        # request's context (RESEED_SNAPSHOT; a seed stored by P first, docs/sglang.md)
-        r = hint.receive
-        if r is None or r.kind != TRANSFER_SNAPSHOT or r.tokens <= 0 or not (r.peer_addr or r.peer_addrs):
+        if self.prefill:
+            # load_prefix_tokens > 0: P's own store holds the session's snapshot of (at least)
+            # [0, load_prefix_tokens) of this context (prefill from the snapshot)
+            want = hint.load_prefix_tokens if hint.session_id and self.prefill_loads else 0
+        else:
+            # A snapshot receive: the prefill sidecar's store holds [0, receive.tokens) of this
+            # request's context (RESEED_SNAPSHOT; a seed stored by P first, docs/sglang.md)
+            r = hint.receive
+            if r is None or r.kind != TRANSFER_SNAPSHOT or not (r.peer_addr or r.peer_addrs):
+                return []
+            want = r.tokens
+        if want <= 0:
             return []
         kv = next((t for t in transfers if t.name == PoolName.KV), None)
         if kv is None or not kv.keys:
@@ -113,7 +148,7 @@ class KvcLinker(UnifiedCacheLinker):
             # tree): a snapshot transfer covers [0, n) and cannot land mid-sequence.
             logger.info("kvcentric linker: %s: tail does not start at token 0; no snapshot load", rid)
             return []
-        n = min(len(kv.keys), r.tokens // self.page_size)
+        n = min(len(kv.keys), want // self.page_size)
         return list(range(1, n + 1))
 
     def load(self, rid: str, transfers: List[PoolTransfer]) -> bool:
@@ -123,8 +158,39 @@ class KvcLinker(UnifiedCacheLinker):
             return False
         idx = kv.device_indices.tolist()
         pages = [int(x) // self.page_size for x in idx[:: self.page_size]]
+        if self.prefill:
+            return self._load_from_store(rid, got[0], pages, len(idx))
         with self._lock:
             self._queued.append(_Load(rid, got[0], pages, len(idx)))
+        return True
+
+    def _load_from_store(self, rid: str, hint: ExecutionPayload, pages: List[int], tokens: int) -> bool:
+        """P: copies [0, tokens) of the session's snapshot from the prefill sidecar's store into
+        the request's private slots now (the scheduler thread; a copy inside this GPU's sidecar),
+        before SGLang prepares the request, so that a refusal still falls back to recomputing."""
+        bridge = self.bridge or runtime.state.bridge
+        if bridge is None:
+            logger.warning("kvcentric linker: %s: no prefill sidecar registered; prefilling the whole prompt", rid)
+            self.store_load_misses += 1
+            return False
+        self.bridge = bridge
+        try:
+            r = bridge.load_from_store(hint.session_id, hint.load_generation, tokens, pages)
+        except BridgeError as e:
+            # NOT_FOUND / FAILED_PRECONDITION (SNAPSHOT_CHANGED, BASE_MISMATCH) / a failed copy:
+            # the store cannot serve it, SGLang computes the whole prompt
+            logger.info("kvcentric linker: %s: snapshot prefix of %s not loaded (%s); prefilling the whole prompt",
+                        rid, hint.session_id, e)
+            self.store_load_misses += 1
+            return False
+        self.store_loads += 1
+        self.store_load_tokens += tokens
+        with self._lock:
+            self.store_loaded[rid] = tokens
+            while len(self.store_loaded) > MAX_HINTS:
+                self.store_loaded.popitem(last=False)
+        logger.debug("kvcentric linker: %s: loaded %d tokens of %s (generation %d, %d B) from the store", rid,
+                     tokens, hint.session_id, r.generation, r.bytes)
         return True
 
     # -- layer-wise loading ----------------------------------------------------------------------
@@ -213,6 +279,22 @@ def first_page_key(req, page: int) -> "_Key":
 def _first_page_hash(tokens, page: int) -> str:
     from sglang.srt.mem_cache.utils import get_storage_hash_str
     return get_storage_hash_str(tokens, None, page_size=page)[0]
+
+
+def _is_prefill(server_args, extra_config) -> bool:
+    """Whether this scheduler process is a P/D prefill server (extra_config "role" wins, then the
+    server's --disaggregation-mode)."""
+    role = extra_config.get("role")
+    if role:
+        return str(role) == "prefill"
+    mode = getattr(server_args, "disaggregation_mode", None)
+    if mode is None:
+        try:
+            from sglang.srt.runtime_context import get_disagg
+            mode = get_disagg().disaggregation_mode
+        except Exception:
+            mode = None
+    return str(getattr(mode, "value", mode) or "") == "prefill"
 
 
 def _rank_and_gpu(server_args, extra_config):

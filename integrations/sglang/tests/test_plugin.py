@@ -69,13 +69,14 @@ def test_hooks_were_applied_not_skipped(sglang_installed):
     assert StreamingSession.release_session.__wrapped__.__module__ == "sglang.srt.session.streaming_session"
 
 
+LINKER_ARGS = ["--enable-unified-cache-external-linker", "--unified-cache-external-linker-backend", "dynamic",
+               "--unified-cache-external-linker-config",
+               '{"linker": "KvcLinker", "linker_module_path": "kvcentric_sglang.linker", "linker_extra_config": {}}']
 PREFILL_ARGS = ["--model-path", "Qwen/Qwen3-30B-A3B", "--port", "30000", "--base-gpu-id", "0", "--page-size", "16",
                 "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "kvcentric",
-                "--radix-eviction-policy", "priority"]
+                "--radix-eviction-policy", "priority"] + LINKER_ARGS
 DECODE_ARGS = ["--model-path", "Qwen/Qwen3-30B-A3B", "--port", "31000", "--base-gpu-id", "1", "--page-size", "16",
-               "--enable-streaming-session", "--enable-unified-cache-external-linker",
-               "--unified-cache-external-linker-backend", "dynamic", "--unified-cache-external-linker-config",
-               '{"linker": "KvcLinker", "linker_module_path": "kvcentric_sglang.linker", "linker_extra_config": {}}']
+               "--enable-streaming-session"] + LINKER_ARGS
 
 
 def test_launch_commands_of_docs_parse(sglang_installed):
@@ -92,6 +93,8 @@ def test_launch_commands_of_docs_parse(sglang_installed):
     pre = parser.parse_args(PREFILL_ARGS)
     assert (pre.disaggregation_mode, pre.disaggregation_transfer_backend, pre.page_size) == ("prefill", "kvcentric", 16)
     assert pre.radix_eviction_policy == "priority"  # P evicts the prefixes of direct-to-D sessions first
+    # P's KvcLinker: prefill from the snapshot (LoadFromStore into the request's prefix slots)
+    assert pre.enable_unified_cache_external_linker and pre.unified_cache_external_linker_backend == "dynamic"
     dec = parser.parse_args(DECODE_ARGS)
     assert dec.disaggregation_mode == "null" and dec.enable_streaming_session
     assert dec.enable_unified_cache_external_linker and dec.unified_cache_external_linker_backend == "dynamic"
