@@ -298,6 +298,11 @@ class KvcKVReceiver(BaseKVReceiver):
         self.session_id = ""
         self.kind = TRANSFER_SEED
         self.tokens = 0
+        # Suffix-only receive (kv_hints receive_from): P sends only the pages past it; set with
+        # the request and its req_to_token table (whose row names the pages of a decode prefix).
+        self.receive_from = 0
+        self.req = None
+        self.req_to_token = None
         self.require_staging = False
         self.abort_notified = False
         self.bootstrap_infos = None
@@ -320,17 +325,18 @@ class KvcKVReceiver(BaseKVReceiver):
                       decode_prefix_len: Optional[int] = None, destination=None):
         if self.poll() == KVPoll.Failed:
             return
-        if decode_prefix_len:
-            self._fail("decode_prefix_len %d: kvcentric moves whole transfers (run the PD decode worker without "
-                       "--disaggregation-decode-enable-radix-cache; kvcentric decode workers are colocated)" %
-                       decode_prefix_len)
-            return
         if state_indices is not None and any(s is not None for s in state_indices):
             self._fail("state components cannot be received by kvcentric")
             return
-        pages = [int(x) for x in np.asarray(kv_indices).reshape(-1)]
         ps = self.kv_mgr.registration.page_size
-        tokens = self.tokens or len(pages) * ps
+        if decode_prefix_len or self.receive_from:
+            pages = self._pages_with_prefix(int(decode_prefix_len or 0), ps)
+            if pages is None:
+                return
+            tokens = self.tokens
+        else:
+            pages = [int(x) for x in np.asarray(kv_indices).reshape(-1)]
+            tokens = self.tokens or len(pages) * ps
         need = (tokens + ps - 1) // ps
         if need > len(pages):
             self._fail("%d pages cannot hold %d tokens" % (len(pages), tokens))
@@ -345,6 +351,40 @@ class KvcKVReceiver(BaseKVReceiver):
         # network round trip, up to 10 s when P is unreachable): never on the scheduler thread.
         threading.Thread(target=self._wait, args=(pages, tokens), name="kvc-recv-%d" % self.bootstrap_room,
                          daemon=True).start()
+
+    def _pages_with_prefix(self, prefix: int, ps: int) -> Optional[List[int]]:
+        """The room's pages covering [0, tokens) when this worker already holds [0, prefix) of
+        the context (SGLang's decode_prefix_len: its streaming session's or radix cache's match;
+        SGLang gives send_metadata only the pages past it). P sends from page receive_from // ps
+        (kv_hints receive_from: what the control plane says D keeps), so:
+
+        * [0, receive_from): this worker's own pages, never written (P does not send them);
+        * [receive_from, prefix): held here too, but P sends them: they land in page 0 (SGLang's
+          padded page, never read as KV), so KV that the radix tree or the session owns is never
+          overwritten;
+        * [prefix, tokens): the pages SGLang pre-allocated, written by P.
+
+        A receive_from beyond what this worker holds is refused (P would skip KV it lacks).
+        Returns None after failing the room."""
+        rf = self.receive_from // ps * ps
+        if rf > prefix:
+            self._fail("room %d: the control plane says this worker keeps %d tokens of session %s (receive_from) "
+                       "but it holds %d of them (its decode prefix); run the P/D decode worker with "
+                       "--enable-streaming-session --disaggregation-decode-enable-radix-cache so the session's KV "
+                       "is kept, or the gateway reseeds" % (self.bootstrap_room, rf, self.session_id, prefix))
+            return None
+        if self.req is None or self.req_to_token is None or getattr(self.req, "kv", None) is None:
+            self._fail("room %d: a decode prefix of %d tokens without the request's req_to_token row" %
+                       (self.bootstrap_room, prefix))
+            return None
+        tokens = self.tokens
+        if not 0 < tokens or prefix >= tokens:
+            self._fail("room %d: decode prefix %d of a %d-token context" % (self.bootstrap_room, prefix, tokens))
+            return None
+        row = self.req_to_token[self.req.kv.req_pool_idx, :tokens]
+        pages = [int(x) // ps for x in row[::ps].tolist()]
+        held = prefix // ps  # whole pages of [0, prefix); a partial last one is the session's own tail
+        return pages[:rf // ps] + [0] * (held - rf // ps) + pages[held:]
 
     def _wait(self, pages, tokens):
         try:

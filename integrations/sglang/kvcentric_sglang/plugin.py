@@ -139,15 +139,20 @@ def _carry(obj, req):
         # session's snapshot of the payload's generation (the session's next one).
         obj.to_store, obj.generation, obj.tokens = True, send.store_generation, len(req.origin_input_ids)
         return
-    # The send's from_token (a large append: the control plane says D keeps [0, from_token)) is
-    # not turned into the sender's skip_pages here: whether a real SGLang decode worker's pages
-    # of the prefix hold the session's KV is its own decode prefix length, which this plugin does
-    # not learn yet (docs/sglang.md); sending every page is always correct. kvc-refworker, whose
-    # decode side keeps the session's pages, sets skip_pages itself.
+    # The from_token of a large append (the control plane says D keeps [0, from_token) of the
+    # session): P's send skips the pages before it; D's receiver checks that its own decode
+    # prefix (SGLang's decode_prefix_len: the streaming session's or the radix cache's match)
+    # covers them before it prepares the room (KvcKVReceiver.send_metadata).
+    if isinstance(obj, backend.KvcKVSender):
+        rf = max(0, int(send.from_token)) if send is not None else 0
+        obj.skip_pages = rf // obj.kv_mgr.registration.page_size
+        return
     if isinstance(obj, backend.KvcKVReceiver):
         obj.tokens = len(req.origin_input_ids)
+        obj.req = req  # its row of req_to_token names the pages of a decode prefix
         if hint is not None and hint.receive is not None:
             obj.kind = hint.receive.kind
+            obj.receive_from = max(0, int(hint.receive.from_token))
             # With tensor parallelism, the prefill rank of this rank's index (rank r pairs with r).
             reg = getattr(obj.kv_mgr, "registration", None)
             try:
@@ -166,7 +171,11 @@ def create_sender_after(result, queue, req, *args, **kwargs):
 
 
 def create_receiver_after(decode_req, queue, req, *args, **kwargs):
-    _carry(decode_req.kv_receiver, req)
+    rx = decode_req.kv_receiver
+    _carry(rx, req)
+    pool = getattr(queue, "req_to_token_pool", None)
+    if pool is not None and hasattr(rx, "req_to_token"):
+        rx.req_to_token = pool.req_to_token
     return decode_req
 
 

@@ -65,8 +65,8 @@ def seed(pd, *, room, mode="SEED", session="s-seed", n=77, ppages=(3, 7, 8, 12, 
 
     assert pd.pq.create_sender(rp, num_kv_heads=kvctest.HEADS)  # hooked: session onto the sender
     tx = rp.disagg_kv_sender
-    assert tx.skip_pages == 0  # the hook never skips on its own (docs/sglang.md)
-    tx.skip_pages = skip_pages
+    assert tx.skip_pages == (extra_hints or {}).get("receive_from", 0) // PAGE  # the hook: kv_hints receive_from
+    tx.skip_pages = skip_pages or tx.skip_pages
     assert tx.session_id == (session or "room-%d" % room)
     assert tx.poll() == KVPoll.WaitingForInput
     tx.init(len(ppages), p_aux)
@@ -110,17 +110,17 @@ def test_seed_two_chunks_with_aux(pd):
 
 
 def test_suffix_only_send(pd):
-    """A suffix-only send (skip_pages, as kvc-refworker sets it from kv_hints receive_from): the
-    sender skips the pages the decode worker holds and sends only the rest; D's held page is
-    left as it was, the others hold P's bytes, and only the suffix's bytes cross."""
+    """A suffix-only send (skip_pages, as kvc-refworker sets it, its decode side preparing every
+    page of the session; a real SGLang decode worker's is in test_suffix_receive.py): the sender
+    skips the pages the decode worker holds and sends only the rest; D's held page is left as it
+    was, the others hold P's bytes, and only the suffix's bytes cross."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     n, ppages, dpages = 77, [3, 7, 8, 12, 20], [30, 5, 9, 17, 2]
     kvctest.fill_random(pd.dpool, dpages[:1], seed=99)  # the page D holds of the session
     held = kvctest.token_bytes(pd.dpool, dpages[:1], kvctest.PAGE)
     tx, rx, (st, seen_tx, sr, seen_rx) = seed(pd, room=903, mode="PD_FALLBACK", n=n, ppages=ppages, dpages=dpages,
-                                              extra_hints={"receive_from": kvctest.PAGE, "keep_session": True},
-                                              skip_pages=1)
+                                              extra_hints={"keep_session": True}, skip_pages=1)
     assert st == KVPoll.Success, (seen_tx, tx._error, pd.p.tail())
     assert sr == KVPoll.Success, (seen_rx, rx._error, pd.d.tail())
     assert kvctest.token_bytes(pd.dpool, dpages[:1], kvctest.PAGE) == held
