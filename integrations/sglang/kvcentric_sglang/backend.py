@@ -116,8 +116,10 @@ class KvcKVManager(BaseKVManager):
         runtime.state.registration = self.registration
         runtime.state.page_size = self.registration.page_size
         runtime.state.role = self.role
-        from . import watch
+        from . import demand, watch
         watch.start_for_process(self.bridge, self.registration)
+        if self.role == "decode":
+            demand.start_for_process(self.bridge)
         logger.info("kvcentric: registered %s pool with %s: %d layers, %d pages of %d tokens, %d B/token",
                     self.role, path, self.registration.num_layers, self.registration.page_count,
                     self.registration.page_size, self.kv_bytes_per_token)

@@ -249,6 +249,14 @@ class WorkerBridge:
         fn = self._ch.unary_stream(_SERVICE + "WatchCommands", request_serializer=None, response_deserializer=None)
         return CommandStream(fn(wire.Writer().str(1, worker_instance).done()))
 
+    def report_demand(self, waiting_requests: int, waiting_tokens: int, free_tokens: int,
+                      timeout_s: Optional[float] = None) -> None:
+        """Decode side: requests waiting for pages (and the tokens they need in all) against the
+        tokens the pool can give without releasing a session. Sent on every change, 0 waiting
+        when the queue drained."""
+        w = wire.Writer().int(1, waiting_requests).int(2, waiting_tokens).int(3, free_tokens)
+        self._call("ReportDemand", w.done(), timeout=timeout_s)
+
     def ack_command(self, command_id: int, ok: bool, error: str = "", freed_tokens: int = 0) -> None:
         w = wire.Writer().int(1, command_id).bool(2, ok).str(3, error).int(4, freed_tokens)
         self._call("AckCommand", w.done())

@@ -330,6 +330,7 @@ def _register_colocated(server_args, kv_pool, extra_config):
     reg.register(bridge)
     runtime.state.bridge, runtime.state.registration = bridge, reg
     runtime.state.page_size, runtime.state.role = reg.page_size, "decode"
-    from . import watch
+    from . import demand, watch
     watch.start_for_process(bridge, reg)
+    demand.start_for_process(bridge)
     return bridge

@@ -15,7 +15,10 @@ top of every scheduler process), then ``HookRegistry.apply_hooks()``. ``install(
 4. AROUND-hooks ``Scheduler._create_generation_req`` so session requests keep their kv_hints
    (SGLang passes kv_hints only on the non-session path) and the linker can map rid -> hint;
 5. AFTER-hooks ``Scheduler.process_input_requests`` to run queued sidecar commands
-   (watch.py) on the scheduler thread, the only thread that may free KV.
+   (watch.py) on the scheduler thread, the only thread that may free KV;
+6. AFTER-hooks ``Scheduler.get_new_batch_prefill`` (colocated decode) and
+   ``DecodePreallocQueue.pop_preallocated`` (P/D decode) to report the requests waiting for
+   pages to the decode sidecar (demand.py, ReportDemand).
 
 ``apply_hooks`` logs and SKIPS a target that does not resolve. A silently missing hook is the
 worst failure (a transfer without aux rows, a free before the sidecar let go of the pages), so
@@ -29,7 +32,7 @@ import logging
 import pkgutil
 from typing import List, Tuple
 
-from . import runtime, sessions
+from . import demand, runtime, sessions
 from .payload import TRANSFER_SNAPSHOT, peer_for
 
 logger = logging.getLogger(__name__)
@@ -49,6 +52,8 @@ TARGETS: List[Tuple[str, str]] = [
     (_P + "session.session_controller.Session.create_req", "AROUND: full-context continuity"),
     (_P + "managers.scheduler.Scheduler._create_generation_req", "AROUND: kv_hints on session requests"),
     (_P + "managers.scheduler.Scheduler.process_input_requests", "AFTER: sidecar commands"),
+    (_P + "managers.scheduler.Scheduler.get_new_batch_prefill", "AFTER: ReportDemand (colocated decode)"),
+    (_P + "disaggregation.decode.DecodePreallocQueue.pop_preallocated", "AFTER: ReportDemand (P/D decode)"),
     (_P + "mem_cache.unified_cache.unified_cache_linker.UnifiedCacheLinker", "base class of KvcLinker"),
 ]
 
@@ -238,6 +243,9 @@ def install() -> None:
     reg(_P + "session.session_controller.Session.create_req", sessions.continuity_around, HookType.AROUND)
     reg(_P + "managers.scheduler.Scheduler._create_generation_req", create_generation_req_around, HookType.AROUND)
     reg(_P + "managers.scheduler.Scheduler.process_input_requests", process_input_requests_after, HookType.AFTER)
+    reg(_P + "managers.scheduler.Scheduler.get_new_batch_prefill", demand.after_prefill_schedule, HookType.AFTER)
+    reg(_P + "disaggregation.decode.DecodePreallocQueue.pop_preallocated", demand.after_pop_preallocated,
+        HookType.AFTER)
     _installed = True
     logger.info("kvcentric-sglang installed on SGLang %s (checked against %s)", sglang_version(),
                 SGLANG_VERSION_CHECKED)

@@ -47,8 +47,11 @@ class _State:
         self.req_to_token = None  # torch tensor [rows, max_len] of token slots (decode)
         self.role: str = ""
         self.watch = None  # watch.WatchClient
+        self.demand = None  # demand.DemandReporter (decode)
 
     def reset(self):
+        if self.demand is not None:
+            self.demand.close()
         self.__init__()
 
 

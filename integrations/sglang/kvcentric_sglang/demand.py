@@ -1,0 +1,166 @@
+"""The decode worker's prealloc demand -> its sidecar (WorkerBridge ReportDemand).
+
+SGLang never evicts a streaming session for capacity, so a decode worker's requests that wait
+for pages wait until its sidecar releases idle sessions; the sidecar releases above its high
+watermark, and below it only when it knows requests are waiting for more than the pool has free.
+SGLang allocates a request's pages before any PrepareReceive, so the sidecar sees no other sign
+of them: the plugin reports them, as kvc-sim's decode worker does.
+
+* ``after_prefill_schedule`` is an AFTER hook of ``Scheduler.get_new_batch_prefill`` (a colocated
+  decode worker): the requests still in ``waiting_queue`` once SGLang built its next prefill
+  batch wait for room;
+* ``after_pop_preallocated`` is an AFTER hook of ``DecodePreallocQueue.pop_preallocated`` (a P/D
+  decode worker): the requests whose transfer is ready (``waiting_for_input``) but that got no
+  pages wait for room.
+
+Each computes the waiting requests, the tokens they need (whole pages of the uncached context
+plus the output SGLang reserves) and the tokens the pool can give without releasing a session
+(free pages plus the radix cache's evictable ones), and hands them to the process's
+``DemandReporter``, which sends a report only when they changed (0 waiting once, when the queue
+drained), off the scheduler thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Iterable, Optional, Tuple
+
+from . import runtime
+from .bridge import BridgeError
+
+logger = logging.getLogger(__name__)
+
+# SGLang's CLIP_MAX_NEW_TOKENS default: the output it reserves per request at most.
+MAX_NEW_RESERVED = 4096
+REPORT_TIMEOUT_S = 2.0
+
+Demand = Tuple[int, int, int]  # waiting requests, tokens they need, tokens free
+
+
+class DemandReporter:
+    """Sends the latest demand to the sidecar from a thread of its own: ``observe`` never blocks
+    the scheduler; a report that failed is sent again with the next change (or the next
+    observation)."""
+
+    def __init__(self, bridge, timeout_s: float = REPORT_TIMEOUT_S):
+        self.bridge = bridge
+        self.timeout_s = timeout_s
+        self.reports = 0  # sent
+        self.errors = 0
+        self.last: Optional[Demand] = None  # last report the sidecar took
+        self._want: Optional[Demand] = None
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="kvc-demand", daemon=True)
+        self._thread.start()
+
+    def observe(self, requests: int, tokens: int, free: int) -> None:
+        if requests <= 0:
+            requests, tokens, free = 0, 0, 0  # nothing waits: the free room is no demand's business
+        d = (int(requests), int(tokens), int(free))
+        with self._cv:
+            if d == self._want:
+                return
+            if self.last is None and self._want is None and d[0] == 0:
+                return  # nothing ever waited
+            self._want = d
+            self._cv.notify_all()
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Waits until the sidecar took the latest observation (tests, shutdown)."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self._want is None or self._want == self.last, timeout_s)
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._stop or (self._want is not None and self._want != self.last))
+                if self._stop:
+                    return
+                d = self._want
+            try:
+                self.bridge.report_demand(*d, timeout_s=self.timeout_s)
+            except BridgeError as e:
+                self.errors += 1
+                logger.warning("kvcentric: ReportDemand %s: %s", d, e)
+                with self._cv:
+                    self.last = None  # unknown to the sidecar: the next observation reports again
+                    self._cv.wait(1.0)
+                continue
+            with self._cv:
+                self.last = d
+                self.reports += 1
+                self._cv.notify_all()
+
+
+def start_for_process(bridge) -> Optional[DemandReporter]:
+    """The process's reporter (a decode worker's, once its pool is registered)."""
+    if runtime.state.demand is None:
+        runtime.state.demand = DemandReporter(bridge)
+    return runtime.state.demand
+
+
+def _round(tokens: int, page: int) -> int:
+    return (max(0, tokens) + page - 1) // page * page
+
+
+def need_of(req, page: int) -> int:
+    """The tokens (whole pages) a request still needs: its uncached context plus the output
+    SGLang reserves for it."""
+    n = len(req.origin_input_ids) + len(getattr(req, "output_ids", None) or ())
+    prefix = int(getattr(req, "prefix_len", 0) or 0)
+    sp = getattr(req, "sampling_params", None)
+    new = min(int(getattr(sp, "max_new_tokens", 0) or 0), MAX_NEW_RESERVED)
+    return _round(n - prefix + new, page)
+
+
+def free_of(allocator, tree_cache) -> int:
+    """Tokens the pool gives without releasing a session: free pages and the radix cache's
+    evictable ones (streaming sessions' KV is not evictable)."""
+    free = int(allocator.available_size()) if allocator is not None else 0
+    ev = getattr(tree_cache, "evictable_size", None)
+    if callable(ev):
+        try:
+            free += int(ev())
+        except Exception:  # a disabled cache
+            pass
+    return free
+
+
+def report(reqs: Iterable, page: int, allocator, tree_cache) -> Optional[Demand]:
+    """Observes the demand of these waiting requests (None when this process reports none)."""
+    r = runtime.state.demand
+    if r is None or runtime.state.role != "decode":
+        return None
+    reqs = list(reqs)
+    d = (len(reqs), sum(need_of(x, page) for x in reqs), free_of(allocator, tree_cache))
+    r.observe(*d)
+    return d
+
+
+def after_prefill_schedule(result, scheduler, *args, **kwargs):
+    """AFTER Scheduler.get_new_batch_prefill: what is left in the waiting queue waits for room."""
+    try:
+        report(getattr(scheduler, "waiting_queue", ()) or (), int(getattr(scheduler, "page_size", 1) or 1),
+               getattr(scheduler, "token_to_kv_pool_allocator", None), getattr(scheduler, "tree_cache", None))
+    except Exception:  # never the scheduler's failure
+        logger.exception("kvcentric: demand report")
+    return result
+
+
+def after_pop_preallocated(result, queue, *args, **kwargs):
+    """AFTER DecodePreallocQueue.pop_preallocated: ready transfers that got no pages wait."""
+    try:
+        alloc = getattr(queue, "token_to_kv_pool_allocator", None)
+        waiting = [d.req for d in getattr(queue, "queue", ()) or () if getattr(d, "waiting_for_input", False)]
+        report(waiting, int(getattr(alloc, "page_size", 1) or 1), alloc, getattr(queue, "tree_cache", None))
+    except Exception:
+        logger.exception("kvcentric: demand report")
+    return result

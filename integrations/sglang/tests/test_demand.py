@@ -1,0 +1,111 @@
+"""ReportDemand: a decode worker's requests that wait for pages reach its real decode sidecar
+(its prealloc gauges), from SGLang's waiting queue on a colocated worker (the
+get_new_batch_prefill hook) and from the prealloc queue of a P/D decode worker (the
+pop_preallocated hook); a report goes out only on a change, and once with 0 waiting when the
+queue drained."""
+
+import os
+import re
+import urllib.request
+from types import SimpleNamespace
+
+import pytest
+
+import kvctest
+from kvctest import PAGE
+
+
+@pytest.fixture
+def dside(sglang_installed, bins, tmp):
+    from kvcentric_sglang import demand, runtime
+    from kvcentric_sglang import pool as kvpool
+    from kvcentric_sglang.bridge import WorkerBridge
+
+    runtime.state.reset()
+    d = kvctest.Sidecar(bins["decode"], "d0", tmp)
+    w = kvctest.Colocated(tmp, "d")
+    b = WorkerBridge(d.sock)
+    reg = kvpool.from_pool(w.kv)
+    reg.register(b)
+    runtime.state.bridge, runtime.state.registration, runtime.state.role = b, reg, "decode"
+    rep = demand.start_for_process(b)
+    yield d, w, rep
+    runtime.state.reset()
+    b.close()
+    d.stop()
+    for f in os.listdir("/dev/shm"):
+        if f.startswith("kvcpy-%s-" % os.path.basename(tmp)):
+            os.unlink(os.path.join("/dev/shm", f))
+
+
+def gauges(d):
+    with urllib.request.urlopen("http://%s/metrics" % d.ready["http_addr"], timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for name in ("kvc_sidecar_prealloc_waiting_requests", "kvc_sidecar_prealloc_waiting_tokens",
+                 "kvc_sidecar_prealloc_free_tokens", "kvc_sidecar_demand_reports_total"):
+        m = re.search(r"^%s(?:\{[^}]*\})? (\S+)$" % name, text, re.M)
+        out[name.split("kvc_sidecar_")[1]] = float(m.group(1)) if m else None
+    return out
+
+
+def test_hooks_are_the_demand_reporters(sglang_installed):
+    from sglang.srt.disaggregation.decode import DecodePreallocQueue
+    from sglang.srt.managers.scheduler import Scheduler
+    assert getattr(Scheduler.get_new_batch_prefill, "__wrapped__", None) is not None
+    assert getattr(DecodePreallocQueue.pop_preallocated, "__wrapped__", None) is not None
+
+
+def test_colocated_waiting_queue_is_reported(dside):
+    from kvcentric_sglang import demand
+
+    d, w, rep = dside
+    free = w.alloc.available_size()
+    # two requests SGLang could not admit: 100 + 8 tokens -> 112, and 40 + 8 (20 already cached) -> 32
+    r1 = kvctest.req("w1", list(range(100)))
+    r2 = kvctest.req("w2", list(range(40)))
+    r2.prefix_len = 20
+    sched = SimpleNamespace(waiting_queue=[r1, r2], page_size=PAGE, token_to_kv_pool_allocator=w.alloc,
+                            tree_cache=w.cache)
+    assert demand.after_prefill_schedule("batch", sched) == "batch"  # the hook returns SGLang's result
+    assert rep.flush()
+    g = gauges(d)
+    assert (g["prealloc_waiting_requests"], g["prealloc_waiting_tokens"], g["prealloc_free_tokens"]) == \
+        (2, 112 + 32, free), g
+    assert g["demand_reports_total"] == 1
+    demand.after_prefill_schedule(None, sched)  # nothing changed: no report
+    assert rep.flush() and gauges(d)["demand_reports_total"] == 1
+    sched.waiting_queue = []  # admitted: the queue drained, reported once
+    demand.after_prefill_schedule(None, sched)
+    demand.after_prefill_schedule(None, sched)
+    assert rep.flush()
+    g = gauges(d)
+    assert (g["prealloc_waiting_requests"], g["prealloc_waiting_tokens"], g["demand_reports_total"]) == (0, 0, 2), g
+    assert rep.reports == 2 and rep.errors == 0
+
+
+def test_pd_decode_prealloc_queue_is_reported(dside):
+    """The prealloc queue's ready transfers that got no pages wait; those still handshaking do
+    not count yet."""
+    from kvcentric_sglang import demand
+
+    d, w, rep = dside
+    ready = SimpleNamespace(req=kvctest.req("p1", list(range(70)), max_new_tokens=10), waiting_for_input=True)
+    shaking = SimpleNamespace(req=kvctest.req("p2", list(range(500))), waiting_for_input=False)
+    q = SimpleNamespace(queue=[ready, shaking], token_to_kv_pool_allocator=w.alloc, tree_cache=w.cache)
+    out = ([], [])
+    assert demand.after_pop_preallocated(out, q) is out
+    assert rep.flush()
+    g = gauges(d)
+    assert (g["prealloc_waiting_requests"], g["prealloc_waiting_tokens"]) == (1, 80), g
+
+
+def test_prefill_worker_reports_nothing(dside):
+    from kvcentric_sglang import demand, runtime
+
+    d, w, rep = dside
+    runtime.state.role = "prefill"
+    sched = SimpleNamespace(waiting_queue=[kvctest.req("x", list(range(30)))], page_size=PAGE,
+                            token_to_kv_pool_allocator=w.alloc, tree_cache=w.cache)
+    demand.after_prefill_schedule(None, sched)
+    assert rep.flush() and rep.reports == 0
