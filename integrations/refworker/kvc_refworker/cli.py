@@ -128,7 +128,7 @@ def main(argv=None) -> int:
 
     host, _, port = a.http_addr.rpartition(":")
     info = {"model_path": "kvc-refworker/" + a.model, "kvc_role": a.role, "worker_id": a.worker_id,
-            "page_size": a.page_size, "worker_kind": "refworker"}
+            "page_size": a.page_size, "worker_kind": "refworker", "pid": os.getpid()}
     try:
         srv = Server((host or "127.0.0.1", int(port)), info)
     except (OSError, ValueError) as e:

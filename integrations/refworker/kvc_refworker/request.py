@@ -51,6 +51,9 @@ class Plan:
     # suffix-only receive (the receive's or the send's from_token): D keeps [0, receive_from),
     # P sends the rest
     receive_from: int = 0
+    # a LoadSessionCommand's request (payload load, from the decode sidecar, no client): a
+    # zero-output snapshot receive of the whole input that only makes the session resident
+    load: bool = False
     keep: bool = False
     stream: bool = False
     ids: Optional[List[int]] = None  # the client's token ids; None: scripted (synthetic) tokens
@@ -143,6 +146,7 @@ def parse(body, role: str, capacity: int, vocab: int) -> Plan:
     p.input, p.cached, p.keep, p.open = k.input_tokens, k.cached_tokens, k.keep_session, k.open_session
     p.local, p.truncate_to = k.local_prefill, k.truncate_to
     p.load_prefix, p.load_gen = k.load_prefix_tokens, k.load_generation
+    p.load = k.load
 
     def room_of(v: int) -> None:
         if not 0 <= v < 1 << 63:
@@ -227,6 +231,10 @@ def parse(body, role: str, capacity: int, vocab: int) -> Plan:
                            decode and (p.recv_kind != P.TRANSFER_SEED or p.open or not p.keep)):
         raise BadRequest("kvc from_token %d: only a large append (a SEED receive extending the session held here) "
                          "receives a suffix, from below input_tokens %d" % (p.receive_from, p.input))
+    if p.load and not (decode and p.recv_kind == P.TRANSFER_SNAPSHOT and p.keep and p.max_new == 0
+                       and p.recv_tokens == p.input):
+        raise BadRequest("kvc.load is a decode worker's zero-output snapshot receive of the whole input that keeps the "
+                         "session (receive.tokens = input_tokens, max_new_tokens 0, keep_session)")
     p.seed_key = p.session_id or p.rid or "room-%d" % p.room
     return p
 

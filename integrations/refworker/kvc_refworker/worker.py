@@ -169,7 +169,10 @@ class Session:
     id: str
     pages: List[int]
     kv_len: int = 0
-    tokens: List[int] = field(default_factory=list)
+    # the token id of each position of the KV held; None where this worker holds KV it has no
+    # ids of (a session loaded from the prefill store by a LoadSessionCommand: the store keeps
+    # KV bytes only)
+    tokens: List[Optional[int]] = field(default_factory=list)
     pinned: int = 0
     committed: bool = False
     last_used: float = 0.0
@@ -358,6 +361,23 @@ class Worker:
                 del self.sessions[s.id]
             s.gone = True
         self._release_and_free(s, evicted=False)
+
+    @staticmethod
+    def held_prefix(s: Session, ids: List[int], trust: int) -> int:
+        """Tokens of s's KV that are a prefix of ids: positions whose ids it holds must match
+        (continuity on content, DESIGN §7); positions it holds without ids (a session loaded
+        from the store) count only below `trust`, what the control plane says is cached (its
+        decision on the prompt's page hashes when the gateway sends ids). The recompute check
+        then holds the reuse to a full prefill of ids."""
+        lcp = 0
+        for a, b in zip(s.tokens[:s.kv_len], ids):
+            if a is None:
+                if lcp >= trust:
+                    break
+            elif a != b:
+                break
+            lcp += 1
+        return lcp
 
     def _lock_turn(self, sid: str) -> Callable[[], None]:
         # Turns of one session are serialized (SGLang streaming sessions are sequential).
@@ -551,11 +571,7 @@ class Worker:
                 t.s = s
             # Reuse resident KV only up to the longest common prefix of its tokens and the prompt
             # (continuity on content, DESIGN §7); at least the last prompt token is recomputed.
-            lcp, held = 0, s.tokens[:s.kv_len]
-            for a, b in zip(held, t.ids):
-                if a != b:
-                    break
-                lcp += 1
+            lcp = self.held_prefix(s, t.ids, p.cached)
             t.start = min(lcp, n - 1)
             t.meta["prefix_mismatch_tokens"] = max(0, p.cached - lcp)
             if need > len(s.pages):
@@ -581,11 +597,7 @@ class Worker:
             # P sends only the pages past it; the held KV must be the prompt's up to rf.
             rf = p.receive_from // ps * ps
             if rf:
-                lcp = 0
-                for a, b in zip(s.tokens[:s.kv_len], t.ids):
-                    if a != b:
-                        break
-                    lcp += 1
+                lcp = self.held_prefix(s, t.ids, max(p.cached, rf))
                 if lcp < rf:
                     raise ApiError(409, "session_not_resident", "session %r holds %d tokens of this prompt on %s, "
                                    "fewer than receive_from %d" % (p.session_id, lcp, self.cfg.worker_id, rf))
@@ -620,7 +632,15 @@ class Worker:
             with self.mu:
                 self.sessions[s.id] = s
             t.s = s
-        if p.local:
+        if p.load:
+            # A LoadSessionCommand (re-homing): the snapshot becomes the session's KV as it is; no
+            # token ids came with it (the store keeps bytes only), so nothing is computed here
+            # and the session holds [0, tokens) without ids until its next turn (held_prefix).
+            self._receive(t, TRANSFER_SNAPSHOT, p.recv_tokens)
+            t.start = t.kv = p.recv_tokens
+            t.meta.update(load=True, load_unverified=True)
+            self.stats["session_loads"] = self.stats.get("session_loads", 0) + 1
+        elif p.local:
             # local_prefill: prefill everything here, as a colocated worker (a fail-open or a
             # fallback without a prefill worker keeps nothing; a new session's first turn keeps it).
             t.meta["local_prefill"] = True
@@ -765,7 +785,10 @@ class Worker:
                         self.drop_session(s)
                     return
                 pages = self._trim(s, t.kv)
-                s.tokens = list(t.ids) + t.fed[:t.kv - t.p.input]
+                if t.p.load:
+                    s.tokens = [None] * t.kv  # the snapshot's KV, its ids unknown here
+                else:
+                    s.tokens = list(t.ids) + t.fed[:t.kv - t.p.input]
                 try:
                     self.xfer.commit(s.id, t.kv, pages)
                     s.committed = True

@@ -234,5 +234,111 @@ class TestEveryModeExact(unittest.TestCase):
             shutil.rmtree(work, ignore_errors=True)
 
 
+def get_json(url, timeout=10):
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.load(r)
+
+
+def events(path):
+    out = []
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.strip():
+                    out.append(json.loads(line))
+    except FileNotFoundError:
+        pass
+    return out
+
+
+@unittest.skipUnless(os.path.exists(os.path.join(BIN, "kvc-local")), "no %s/kvc-local: run make build" % BIN)
+class TestRehomeWithRealKV(unittest.TestCase):
+    def test_rehomed_session_serves_next_turn_from_loaded_kv(self):
+        """A decode worker holding sessions dies (SIGKILL): the control plane re-homes each of
+        them onto the other decode worker without a client request (LoadSessionCommand: the
+        sidecar's open_session + zero-output RESEED_SNAPSHOT into kvc-refworker, which receives
+        the real attention KV its dead peer computed and pushed D->P, and commits it). Each
+        session's next turn, with the client's real token ids, is DIRECT_TO_D there: it reuses the
+        loaded KV (only the appended tokens are prefilled) and recomputes exactly (0 mismatches
+        against a full prefill in the same worker). On the code before it the load recomputed its
+        last token from made-up ids and the next turn re-prefilled everything."""
+        keep = os.environ.get("KVC_REFWORKER_IT_WORKDIR")
+        work = os.path.join(keep, "rehome") if keep else tempfile.mkdtemp(prefix="kvc-refworker-rh-")
+        os.makedirs(work, exist_ok=True)
+        c = Cluster(work, {"snapshotDeltaTokens": "16"}, capacity=4096)
+        rng = random.Random(11)
+        tag = "%x-" % (int(time.time()) & 0xFFFFFF)
+        hist = {}
+
+        def turn(sess, append, max_new=6):
+            hist[sess] = hist.get(sess, []) + [rng.randrange(VOCAB) for _ in range(append)]
+            body = {"input_ids": hist[sess], "stream": True, "sampling_params": {"max_new_tokens": max_new},
+                    "session_params": {"id": sess}}
+            st, h, chunks, out_ids, err = post(c.gateway + "/generate", body, {"X-Session-ID": sess})
+            self.assertEqual((st, err), (200, None), "%s: %s" % (sess, chunks))
+            hist[sess] += out_ids
+            meta = chunks[-1]["meta_info"]["kvc"]
+            print("%-12s %-12s %-20s on %-9s kv %5d prefill %4d mism %s" % (
+                sess, h.get("X-Kvc-Mode"), h.get("X-Kvc-Reason"), meta.get("worker_id"), meta.get("kv_len_after", 0),
+                meta.get("prefill_tokens", -1), meta.get("recompute_mismatches")), flush=True)
+            return h.get("X-Kvc-Mode"), h.get("X-Kvc-Decode-Worker"), meta
+
+        try:
+            decoders = {w["id"]: w for w in c.info["workers"] if w["role"] == "decode"}
+            prefill = next(w for w in c.info["workers"] if w["role"] == "prefill")
+            on, kv = {}, {}
+            for i in range(4):
+                sess = tag + "rh-%d" % i
+                m, d, meta = turn(sess, 120 + 16 * i)
+                self.assertEqual(m, "SEED")
+                on[sess], kv[sess] = d, meta["kv_len_after"]
+            by_d = {}
+            for sess, d in on.items():
+                by_d.setdefault(d, []).append(sess)
+            victim = max(sorted(by_d), key=lambda d: len(by_d[d]))
+            moved = by_d[victim]
+            # every moved session's whole KV is in the prefill store (pushed D->P)
+            deadline = time.time() + 60
+            while True:
+                stored = {}
+                for e in events(prefill["event_log"]):
+                    if e.get("event") == "snapshot_recv_ingested":
+                        stored[e.get("session")] = max(stored.get(e.get("session"), 0), e.get("seqlen", 0))
+                if all(stored.get(s, 0) >= kv[s] for s in moved):
+                    break
+                self.assertLess(time.time(), deadline, "snapshots not pushed: %s of %s" % (stored, kv))
+                time.sleep(0.2)
+            survivor = next(d for d in decoders if d != victim)
+            pid = get_json(decoders[victim]["worker_url"] + "/get_model_info")["pid"]
+            print("killing %s (pid %d), which holds %s" % (victim, pid, moved), flush=True)
+            os.kill(pid, signal.SIGKILL)
+            # without any request, each of its sessions becomes resident on the survivor, whole
+            deadline = time.time() + 90
+            while True:
+                held = {x["session_id"]: x for x in
+                        get_json(decoders[survivor]["worker_url"] + "/kvc/sessions")["sessions"]}
+                if all(s in held and held[s]["kv_len"] >= kv[s] and held[s]["committed"] for s in moved):
+                    break
+                self.assertLess(time.time(), deadline, "not re-homed: %s" % held)
+                time.sleep(0.2)
+            for sess in moved:
+                m, d, meta = turn(sess, 24)
+                self.assertEqual((m, d), ("DIRECT_TO_D", survivor), sess)
+                self.assertTrue(meta["recompute_checked"], meta)
+                self.assertEqual(meta["recompute_mismatches"], 0, meta)
+                # the loaded KV was reused: the new tokens prefilled, at most a page of the history
+                self.assertGreaterEqual(meta["prefill_tokens"], 24, meta)
+                self.assertLessEqual(meta["prefill_tokens"], 24 + 16, meta)
+                self.assertEqual(meta.get("prefix_mismatch_tokens", 0), 0, meta)
+            # and a turn after that, on what the first one committed
+            for sess in moved:
+                m, d, meta = turn(sess, 10)
+                self.assertEqual((m, d, meta["recompute_mismatches"]), ("DIRECT_TO_D", survivor, 0), meta)
+        finally:
+            c.stop()
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
 if __name__ == "__main__":
     unittest.main()
