@@ -14,8 +14,10 @@ of them: the plugin reports them, as kvc-sim's decode worker does.
   pages wait for room.
 
 Each computes the waiting requests, the tokens they need (whole pages of the uncached context
-plus the output SGLang reserves) and the tokens the pool can give without releasing a session
-(free pages plus the radix cache's evictable ones), and hands them to the process's
+plus the output SGLang reserves), the tokens the pool can give without releasing a session
+(free pages plus the radix cache's evictable ones) and the worker's unevictable KV (the
+committed KV of the streaming sessions its running, pre-allocated or receiving requests are
+using: a turn that only waits does not pin its session), and hands them to the process's
 ``DemandReporter``, which sends a report only when they changed (0 waiting once, when the queue
 drained), off the scheduler thread.
 """
@@ -35,7 +37,7 @@ logger = logging.getLogger(__name__)
 MAX_NEW_RESERVED = 4096
 REPORT_TIMEOUT_S = 2.0
 
-Demand = Tuple[int, int, int]  # waiting requests, tokens they need, tokens free
+Demand = Tuple[int, int, int, int]  # waiting requests, tokens they need, tokens free, unevictable tokens
 
 
 class DemandReporter:
@@ -55,15 +57,15 @@ class DemandReporter:
         self._thread = threading.Thread(target=self._run, name="kvc-demand", daemon=True)
         self._thread.start()
 
-    def observe(self, requests: int, tokens: int, free: int) -> None:
+    def observe(self, requests: int, tokens: int, free: int, unevictable: int = 0) -> None:
         if requests <= 0:
             requests, tokens, free = 0, 0, 0  # nothing waits: the free room is no demand's business
-        d = (int(requests), int(tokens), int(free))
+        d = (int(requests), int(tokens), int(free), max(0, int(unevictable)))
         with self._cv:
             if d == self._want:
                 return
-            if self.last is None and self._want is None and d[0] == 0:
-                return  # nothing ever waited
+            if self.last is None and self._want is None and d == (0, 0, 0, 0):
+                return  # nothing ever waited or was in use
             self._want = d
             self._cv.notify_all()
 
@@ -134,22 +136,38 @@ def free_of(allocator, tree_cache) -> int:
     return free
 
 
-def report(reqs: Iterable, page: int, allocator, tree_cache) -> Optional[Demand]:
-    """Observes the demand of these waiting requests (None when this process reports none)."""
+def pinned_of(req) -> int:
+    """The committed KV of the streaming session a request in use holds (its prefix: the
+    session's KV before this turn), 0 for a request without a session."""
+    if getattr(req, "session", None) is None:
+        return 0
+    kv = getattr(req, "kv", None)
+    return max(0, int(getattr(req, "prefix_len", 0) or 0), int(getattr(kv, "cache_protected_len", 0) or 0))
+
+
+def report(reqs: Iterable, page: int, allocator, tree_cache, in_use: Iterable = ()) -> Optional[Demand]:
+    """Observes the demand of these waiting requests and the sessions the requests in_use pin
+    (None when this process reports none)."""
     r = runtime.state.demand
     if r is None or runtime.state.role != "decode":
         return None
     reqs = list(reqs)
-    d = (len(reqs), sum(need_of(x, page) for x in reqs), free_of(allocator, tree_cache))
+    d = (len(reqs), sum(need_of(x, page) for x in reqs), free_of(allocator, tree_cache),
+         sum(pinned_of(x) for x in in_use))
     r.observe(*d)
     return d
+
+
+def _batch_reqs(batch) -> list:
+    return list(getattr(batch, "reqs", None) or ()) if batch is not None else []
 
 
 def after_prefill_schedule(result, scheduler, *args, **kwargs):
     """AFTER Scheduler.get_new_batch_prefill: what is left in the waiting queue waits for room."""
     try:
         report(getattr(scheduler, "waiting_queue", ()) or (), int(getattr(scheduler, "page_size", 1) or 1),
-               getattr(scheduler, "token_to_kv_pool_allocator", None), getattr(scheduler, "tree_cache", None))
+               getattr(scheduler, "token_to_kv_pool_allocator", None), getattr(scheduler, "tree_cache", None),
+               _batch_reqs(getattr(scheduler, "running_batch", None)))
     except Exception:  # never the scheduler's failure
         logger.exception("kvcentric: demand report")
     return result
@@ -160,7 +178,11 @@ def after_pop_preallocated(result, queue, *args, **kwargs):
     try:
         alloc = getattr(queue, "token_to_kv_pool_allocator", None)
         waiting = [d.req for d in getattr(queue, "queue", ()) or () if getattr(d, "waiting_for_input", False)]
-        report(waiting, int(getattr(alloc, "page_size", 1) or 1), alloc, getattr(queue, "tree_cache", None))
+        # in use: running, and pre-allocated or receiving (this call's result, the transfer queue)
+        in_use = _batch_reqs(getattr(getattr(queue, "scheduler", None), "running_batch", None))
+        in_use += [d.req for d in (result[0] if isinstance(result, tuple) and result else ()) or ()]
+        in_use += [d.req for d in getattr(getattr(queue, "transfer_queue", None), "queue", ()) or ()]
+        report(waiting, int(getattr(alloc, "page_size", 1) or 1), alloc, getattr(queue, "tree_cache", None), in_use)
     except Exception:
         logger.exception("kvcentric: demand report")
     return result

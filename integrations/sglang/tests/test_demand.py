@@ -43,7 +43,8 @@ def gauges(d):
         text = r.read().decode()
     out = {}
     for name in ("kvc_sidecar_prealloc_waiting_requests", "kvc_sidecar_prealloc_waiting_tokens",
-                 "kvc_sidecar_prealloc_free_tokens", "kvc_sidecar_demand_reports_total"):
+                 "kvc_sidecar_prealloc_free_tokens", "kvc_sidecar_demand_reports_total",
+                 "kvc_sidecar_worker_unevictable_tokens"):
         m = re.search(r"^%s(?:\{[^}]*\})? (\S+)$" % name, text, re.M)
         out[name.split("kvc_sidecar_")[1]] = float(m.group(1)) if m else None
     return out
@@ -82,6 +83,15 @@ def test_colocated_waiting_queue_is_reported(dside):
     g = gauges(d)
     assert (g["prealloc_waiting_requests"], g["prealloc_waiting_tokens"], g["demand_reports_total"]) == (0, 0, 2), g
     assert rep.reports == 2 and rep.errors == 0
+    # running: a streaming session's turn on its 48 committed tokens pins them; a plain request
+    # pins nothing; the unevictable KV alone changing is reported too
+    turn = kvctest.req("run-1", list(range(60)), session=SimpleNamespace(session_id="s-run"))
+    turn.prefix_len = 48
+    sched.running_batch = SimpleNamespace(reqs=[turn, kvctest.req("run-2", list(range(30)))])
+    demand.after_prefill_schedule(None, sched)
+    assert rep.flush()
+    g = gauges(d)
+    assert (g["prealloc_waiting_requests"], g["worker_unevictable_tokens"], g["demand_reports_total"]) == (0, 48, 3), g
 
 
 def test_pd_decode_prealloc_queue_is_reported(dside):
