@@ -17,6 +17,14 @@
 //
 // Adding a rule is one small named value appended to a profile's slice (see rules.go).
 //
+// # Outcomes and commands
+//
+// The rules after a decision are here too, as pure functions the router and the state carry
+// out: what an outcome does to the session record and which commands follow (outcome.go:
+// OutcomeEffect, Effect.Edit, ResidentCommands), and the one builder of the snapshot-target and
+// agent-hints commands (target.go: TargetCommand, HintsCommand) for outcomes, drains and
+// resyncs.
+//
 // # Knobs
 //
 // Every knob of the policy record (kvcv1.Policy) has a default (Defaults), a merge rule for
