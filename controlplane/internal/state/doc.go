@@ -54,7 +54,8 @@
 //  2. State.mu, the routing lock
 //  3. router.Service.mu, the reservation ledger: taken inside UpdateSession's fn, which
 //     runs under State.mu (the router decides on the live record); router code must not call
-//     State while holding it
+//     State while holding it; router.contentStore.mu (the content index) is a leaf beside
+//     it, taken alone or inside UpdateSession's fn, never with router.Service.mu held
 //  4. Stream.mu (a stream's pending acks; sendLocked under State.mu, Ack alone)
 //  5. kvstore.Batcher's mutex (writes queued under State.mu)
 //
