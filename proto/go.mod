@@ -4,6 +4,7 @@ go 1.27.0
 
 require (
 	github.com/bufbuild/protocompile v0.14.1
+	go.uber.org/goleak v1.3.0
 	google.golang.org/grpc v1.85.0
 	google.golang.org/protobuf v1.36.12
 )
