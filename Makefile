@@ -48,7 +48,7 @@ API_IMAGE := proto/api.binpb
 .PHONY: grpcurl
 .PHONY: test-faults
 .PHONY: test-sglang test-wire
-.PHONY: check-modules check-deps proto-lint proto-breaking proto-image
+.PHONY: lint-nevers check-modules check-deps proto-lint proto-breaking proto-image
 .PHONY: bench-real
 .PHONY: all build test test-short lint fmt proto proto-check tools demo bench-sweep bench-sweep-parallel bench bench-transfer bench-policy bench-gateway bench-gpu test-mooncake tidy clean
 
@@ -112,8 +112,8 @@ test-short:
 	@for m in $(MODULES); do (cd $$m && $(GO) test -short -count=1 ./...); done
 
 ## lint: gofmt, promtool on the alert rules (check, then the rules' unit tests: each alert fires),
-## then golangci-lint (.golangci.yml: govet, staticcheck, errcheck, ...) on every module on its
-## own go.mod, then ruff on integrations/ (integrations/ruff.toml)
+## then golangci-lint (.golangci.yml: govet, staticcheck, errcheck, depguard's nevers, ...) on every
+## module on its own go.mod, then lint-nevers, then ruff on integrations/ (integrations/ruff.toml)
 lint: $(GOLANGCI_LINT) $(PROMTOOL) $(RUFF)
 	@out=$$(gofmt -l $$(git ls-files '*.go' | grep -v '\.pb\.go$$')); \
 	if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
@@ -124,8 +124,16 @@ lint: $(GOLANGCI_LINT) $(PROMTOOL) $(RUFF)
 		echo "== lint $$m"; \
 		(cd $$m && GOWORK=off $(GOLANGCI_LINT) run --allow-serial-runners --config $(CURDIR)/.golangci.yml ./...); \
 	done
+	@$(MAKE) --no-print-directory lint-nevers
 	@echo "== ruff integrations"
 	@$(RUFF) check --cache-dir $(BIN)/tools/ruff-cache integrations
+
+## lint-nevers: the depguard rules fail on imports that break the architecture's nevers
+## (docs/architecture.md): a temporary copy of the tree with one planted import per rule must fail
+## golangci-lint under that rule, and a test file importing a test helper must pass (.ci/lint-nevers)
+lint-nevers: $(GOLANGCI_LINT)
+	@echo "== lint-nevers"
+	@.ci/lint-nevers $(GOLANGCI_LINT)
 
 ## check-modules: every module stands alone — GOWORK=off go build and go vet, and go mod tidy
 ## leaves go.mod and go.sum as committed; then check-deps
