@@ -13,6 +13,7 @@ require (
 	go.opentelemetry.io/otel v1.45.0
 	go.opentelemetry.io/otel/sdk v1.45.0
 	go.opentelemetry.io/otel/trace v1.45.0
+	go.uber.org/goleak v1.3.0
 	golang.org/x/sync v0.25.0
 	google.golang.org/grpc v1.85.0
 )

@@ -143,12 +143,16 @@ func TestAdmission(t *testing.T) {
 	}
 	b.release = make(chan struct{})
 	close(b.release)
-	go func() {
-		for range b.entered { // drain
-		}
-	}()
 	if got := postBody(t, srv.URL, make([]byte, maxBody), true); got.status != http.StatusOK {
 		t.Fatalf("after release: %+v", got)
+	}
+	select { // the handler ran (entered has room for its send: no goroutine needs to drain it)
+	case n := <-b.entered:
+		if n != int64(maxBody) {
+			t.Fatalf("the handler read %d bytes, want %d", n, maxBody)
+		}
+	default:
+		t.Fatal("the request was answered without reaching the handler")
 	}
 	if n, err := testutil.GatherAndCount(reg); err != nil || n != 5 {
 		t.Fatalf("%d admission series registered (%v), want 5", n, err)
