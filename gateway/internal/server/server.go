@@ -115,7 +115,6 @@ type plan struct {
 	cached     int64
 	snapSeqlen int64
 	pause      time.Duration
-	turn       int32
 	// priority is the decision's prefill_priority (lower is more important): P's request
 	// carries it as SGLang's priority (sglangPriority).
 	priority int32
@@ -353,7 +352,7 @@ func (s *Server) route(ctx context.Context, req *api.Request, gone []*kvcv1.Work
 			p := &plan{
 				mode: d.GetMode(), reason: strings.TrimPrefix(d.GetReason().String(), "ROUTE_REASON_"), decisionID: d.GetDecisionId(),
 				prefill: d.GetPrefill(), decode: d.GetDecode(), room: d.GetBootstrapRoom(), cached: d.GetCachedTokens(),
-				snapSeqlen: d.GetSnapshotSeqlen(), pause: time.Duration(d.GetRecommendedPauseMs()) * time.Millisecond, turn: d.GetTurn(),
+				snapSeqlen: d.GetSnapshotSeqlen(), pause: time.Duration(d.GetRecommendedPauseMs()) * time.Millisecond,
 				priority: d.GetPrefillPriority(), exec: d.GetExecution(),
 			}
 			if why = unusable(p); why == "" {
