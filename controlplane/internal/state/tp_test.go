@@ -332,6 +332,13 @@ func TestTPGroupRoutingAndCommands(t *testing.T) {
 	must(t, err)
 	next(t, c.a0)
 	next(t, c.a1)
+	// A prefill group is drained too, but its sidecars are not told: nothing for them to do.
+	w, err = st.Drain("b0", true)
+	if err != nil || w.GetState() != kvcv1.WorkerState_WORKER_STATE_DRAINING || len(c.b0.Queue()) != 0 || len(c.b1.Queue()) != 0 {
+		t.Fatalf("prefill drain: %v %v, %d and %d commands queued", w, err, len(c.b0.Queue()), len(c.b1.Queue()))
+	}
+	_, err = st.Drain("b0", false)
+	must(t, err)
 
 	// A command naming a peer of another tensor-parallel size is refused, nothing sent.
 	_, err = st.Attach(hello("p-plain", prefillRole))

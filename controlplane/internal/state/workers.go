@@ -268,7 +268,7 @@ func (s *State) workerDownLocked(e *workerEntry, reason string) {
 		Msg("sidecar reports its worker down: not routable")
 }
 
-// Drain sets (or clears) a worker's draining flag, persists it and, when the worker is
+// Drain sets (or clears) a worker's draining flag, persists it and, when a decode worker is
 // connected, sends it a DrainCommand. Setting it starts the drain's mover (drain.go), which
 // moves the worker's resident sessions off; clearing it stops the mover.
 func (s *State) Drain(id string, draining bool) (*kvcv1.Worker, error) {
@@ -293,9 +293,13 @@ func (s *State) Drain(id string, draining bool) (*kvcv1.Worker, error) {
 			}
 		}
 	})
-	for _, st := range s.rankStreamsLocked(id) { // every connected rank of a group
-		if err := s.sendLocked(st, &kvcv1.Command{Action: &kvcv1.Command_Drain{Drain: &kvcv1.DrainCommand{Draining: draining}}}); err != nil {
-			s.log.Warn().Err(err).Str("worker", st.WorkerID).Msg("drain command not sent")
+	// A decode sidecar pushes every session's unpushed tail on it (the mover waits for those
+	// snapshots); a prefill worker's drain only stops new work going to it: its sidecar is not told.
+	if e.w.GetRole() == kvcv1.WorkerRole_WORKER_ROLE_DECODE {
+		for _, st := range s.rankStreamsLocked(id) { // every connected rank of a group
+			if err := s.sendLocked(st, &kvcv1.Command{Action: &kvcv1.Command_Drain{Drain: &kvcv1.DrainCommand{Draining: draining}}}); err != nil {
+				s.log.Warn().Err(err).Str("worker", st.WorkerID).Msg("drain command not sent")
+			}
 		}
 	}
 	if draining {

@@ -114,6 +114,9 @@ func (s *Sidecar) Apply(ctx context.Context, cmd *kvcv1.Command) error {
 		go s.releaseForControlPlane(context.WithoutCancel(ctx), id, a.ReleaseSession.GetReason())
 		return nil
 	case *kvcv1.Command_Drain:
+		if a.Drain.GetDraining() { // undrain: nothing to undo (pushes go back to the delta rule)
+			s.drainFlush() // drain.go
+		}
 		return nil
 	case *kvcv1.Command_LoadSession:
 		return s.startLoad(ctx, a.LoadSession) // load.go: acked at once, LOADED / LOAD_FAILED at the end

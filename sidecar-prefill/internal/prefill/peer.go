@@ -383,9 +383,7 @@ func (s *Sidecar) Apply(_ context.Context, cmd *kvcv1.Command) error {
 	switch a := cmd.GetAction().(type) {
 	case *kvcv1.Command_PushSnapshot:
 		return s.pushSnapshot(a.PushSnapshot)
-	case *kvcv1.Command_Drain:
-		return nil
-	default:
+	default: // DrainCommand too: a prefill worker's drain only stops new work going to it
 		return fmt.Errorf("command %T is not for a prefill sidecar", a)
 	}
 }

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"net/http"
 	"net/http/httptest"
+	"strings"
 	"testing"
 
 	"github.com/rs/zerolog"
@@ -121,6 +122,12 @@ func TestPeerValidation(t *testing.T) {
 	err = s.Apply(ctx, &kvcv1.Command{Action: &kvcv1.Command_PushSnapshot{PushSnapshot: &kvcv1.PushSnapshotCommand{SessionId: "zz", Room: 77}}})
 	if err == nil {
 		t.Fatal("push of a missing snapshot accepted")
+	}
+	// a drain is the control plane's business: it sends a prefill sidecar none, and one that
+	// comes is refused like any command for a decode sidecar (it was acked and ignored before)
+	err = s.Apply(ctx, &kvcv1.Command{Action: &kvcv1.Command_Drain{Drain: &kvcv1.DrainCommand{Draining: true}}})
+	if err == nil || !strings.Contains(err.Error(), "not for a prefill sidecar") {
+		t.Fatalf("drain command: %v, want refused", err)
 	}
 }
 
