@@ -256,6 +256,7 @@ func serve(ctx context.Context, o *options, cfg worker.Config, log zerolog.Logge
 	if err != nil {
 		return err
 	}
+	defer w.Close() // stops its command watcher (started by the registration) before the bridge closes
 	resp, err := w.RegisterPool(wctx)
 	if err != nil {
 		return err
