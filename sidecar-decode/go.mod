@@ -9,6 +9,7 @@ require (
 	github.com/kvcentric/kvcentric/proto v0.0.0-00010101000000-000000000000
 	github.com/prometheus/client_golang v1.25.0
 	github.com/rs/zerolog v1.35.1
+	go.uber.org/goleak v1.3.0
 	google.golang.org/grpc v1.85.0
 )
 

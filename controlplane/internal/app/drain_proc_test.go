@@ -3,74 +3,46 @@ package app
 import (
 	"bytes"
 	"encoding/json"
-	"fmt"
 	"net/http"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
 	"github.com/kvcentric/kvcentric/pkg/etcdtest"
 	"github.com/kvcentric/kvcentric/pkg/kvhints"
+	"github.com/kvcentric/kvcentric/pkg/launch"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
 // Real processes for the drain test: the sidecars and kvc-sim, built from this tree (or taken
 // from $KVC_BIN_DIR). They are binaries, not imports: the modules stay independent.
 var (
-	procBinsOnce sync.Once
-	procBins     map[string]string
-	procBinsErr  error
-	procBinsDir  string // built here; removed by TestMain
+	procBinsOnce    sync.Once
+	procBins        map[string]string
+	procBinsErr     error
+	procBinsCleanup = func() {} // removes what procBinaries built; run by TestMain
 )
 
+// TestMain fails the package's tests when a goroutine they started is still running at the end
+// (with time for the stopped etcd members' connections to close), then removes the binaries it
+// built.
 func TestMain(m *testing.M) {
-	code := m.Run()
-	if procBinsDir != "" {
-		_ = os.RemoveAll(procBinsDir)
-	}
-	os.Exit(code)
+	etcdtest.VerifyTestMain(m, func() { procBinsCleanup() })
 }
 
+// procBinaries finds or builds (once, for the tests that run processes) the binaries.
 func procBinaries(t *testing.T) map[string]string {
 	t.Helper()
 	procBinsOnce.Do(func() {
-		procBins = map[string]string{}
-		pkgs := map[string]string{
-			"kvc-sidecar-decode":  "github.com/kvcentric/kvcentric/sidecar-decode/cmd/kvc-sidecar-decode",
-			"kvc-sidecar-prefill": "github.com/kvcentric/kvcentric/sidecar-prefill/cmd/kvc-sidecar-prefill",
-			"kvc-sim":             "github.com/kvcentric/kvcentric/sim/cmd/kvc-sim",
-			"kvc-controlplane":    "github.com/kvcentric/kvcentric/controlplane/cmd/kvc-controlplane",
-		}
-		dir := os.Getenv("KVC_BIN_DIR")
-		tmp, err := os.MkdirTemp("", "kvc-drain-bin-")
-		if err != nil {
-			procBinsErr = err
-			return
-		}
-		procBinsDir = tmp
-		for name, pkg := range pkgs {
-			if dir != "" {
-				if p, err := filepath.Abs(filepath.Join(dir, name)); err == nil {
-					if _, err := os.Stat(p); err == nil {
-						procBins[name] = p
-						continue
-					}
-				}
-			}
-			out := filepath.Join(tmp, name)
-			cmd := exec.Command("go", "build", "-o", out, pkg)
-			cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-			if b, err := cmd.CombinedOutput(); err != nil {
-				procBinsErr = fmt.Errorf("build %s (or set KVC_BIN_DIR): %v\n%s", name, err, b)
-				return
-			}
-			procBins[name] = out
-		}
+		procBins, procBinsCleanup, procBinsErr = launch.Binaries(os.Getenv("KVC_BIN_DIR"), map[string]string{
+			"kvc-sidecar-decode":  "../../../sidecar-decode",
+			"kvc-sidecar-prefill": "../../../sidecar-prefill",
+			"kvc-sim":             "../../../sim",
+			"kvc-controlplane":    "../..",
+		})
 	})
 	if procBinsErr != nil {
 		t.Fatal(procBinsErr)
@@ -78,75 +50,16 @@ func procBinaries(t *testing.T) map[string]string {
 	return procBins
 }
 
-type proc struct {
-	name  string
-	cmd   *exec.Cmd
-	ready map[string]any
-	out   *syncBuf
-	done  chan struct{}
-}
+// proc is a running binary.
+type proc struct{ *launch.Process }
 
-type syncBuf struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuf) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuf) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
-
-func (p *proc) str(k string) string { s, _ := p.ready[k].(string); return s }
+func (p *proc) str(k string) string { return p.ReadyString(k) }
 
 // startProc runs bin with args and --ready-file, waits for the ready file and stops the
 // process (SIGTERM, then SIGKILL) when the test ends.
 func startProc(t *testing.T, name, bin string, args ...string) *proc {
 	t.Helper()
-	rf := filepath.Join(t.TempDir(), "ready.json")
-	p := &proc{name: name, cmd: exec.Command(bin, append(args, "--ready-file", rf)...), out: &syncBuf{}, done: make(chan struct{})}
-	p.cmd.Stderr = p.out
-	if err := p.cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	go func() { _ = p.cmd.Wait(); close(p.done) }()
-	t.Cleanup(func() {
-		_ = p.cmd.Process.Signal(syscall.SIGTERM)
-		select {
-		case <-p.done:
-		case <-time.After(10 * time.Second):
-			_ = p.cmd.Process.Kill()
-			<-p.done
-		}
-		if t.Failed() {
-			s := p.out.String()
-			if len(s) > 4000 {
-				s = s[len(s)-4000:]
-			}
-			t.Logf("---- %s stderr (tail) ----\n%s", name, s)
-		}
-	})
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		if b, err := os.ReadFile(rf); err == nil && json.Unmarshal(b, &p.ready) == nil {
-			return p
-		}
-		select {
-		case <-p.done:
-			t.Fatalf("%s exited before ready: %s", name, p.out.String())
-		default:
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%s not ready: %s", name, p.out.String())
-		}
-		time.Sleep(20 * time.Millisecond) // polling a file another process writes
-	}
+	return &proc{launch.StartT(t, launch.Spec{Name: name, Bin: bin, Args: args}, 30*time.Second)}
 }
 
 // simNode is a sidecar with a kvc-sim worker on its bridge socket.
@@ -321,7 +234,7 @@ func TestDrainRealProcesses(t *testing.T) {
 			t.Fatalf("%s next turn: %v %v to %s", s, d.GetMode(), d.GetReason(), d.GetDecode().GetWorkerId())
 		}
 	}
-	if strings.Contains(d1.sidecar.out.String(), "control plane's release not carried out") {
+	if strings.Contains(d1.sidecar.Log(), "control plane's release not carried out") {
 		t.Fatal("a release did not reach d1's worker")
 	}
 }

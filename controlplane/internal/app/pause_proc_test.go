@@ -49,7 +49,7 @@ func TestPausedLeaderFollowedRealProcesses(t *testing.T) {
 		return err == nil && r.GetResponderIsLeader()
 	})
 	b, bAdmin := startCPProc(t, bins["kvc-controlplane"], "cp-b", e.Endpoints(), ttl)
-	t.Cleanup(func() { _ = a.cmd.Process.Signal(syscall.SIGCONT) }) // before startProc's SIGTERM (cleanups run last first)
+	t.Cleanup(func() { _ = a.Signal(syscall.SIGCONT) }) // before startProc's SIGTERM (cleanups run last first)
 
 	reg := prometheus.NewRegistry()
 	loop := sidecar.NewControlPlane(sidecar.CPConfig{Endpoints: []string{a.str("grpc_addr"), b.str("grpc_addr")},
@@ -64,8 +64,8 @@ func TestPausedLeaderFollowedRealProcesses(t *testing.T) {
 	})
 
 	paused := time.Now()
-	if err := a.cmd.Process.Signal(syscall.SIGSTOP); err != nil {
-		t.Fatal(err)
+	if !a.Signal(syscall.SIGSTOP) {
+		t.Fatal("SIGSTOP not sent: cp-a has exited")
 	}
 	deadline := paused.Add(ttl + 2*time.Second)
 	for {

@@ -24,6 +24,7 @@ import (
 	"github.com/kvcentric/kvcentric/pkg/etcdtest"
 	"github.com/kvcentric/kvcentric/pkg/grpcx"
 	"github.com/kvcentric/kvcentric/pkg/kvstore"
+	"github.com/kvcentric/kvcentric/pkg/launch"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -108,13 +109,7 @@ func (c *cp) waitLeader(t *testing.T) int64 {
 
 func waitFor(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(20 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(10 * time.Millisecond) // polling a condition with a deadline
-	}
+	launch.WaitForT(t, what, 20*time.Second, 10*time.Millisecond, cond)
 }
 
 type cpStream struct {
@@ -338,10 +333,6 @@ func TestAdminBadInputAndCommands(t *testing.T) {
 		}, codes.InvalidArgument},
 		{"update policy headroom", func() error {
 			_, err := c.admin.UpdatePolicy(ctx, &kvcv1.UpdatePolicyRequest{Policy: &kvcv1.Policy{DCapacityHeadroom: proto.Float64(1.5)}})
-			return err
-		}, codes.InvalidArgument},
-		{"update policy unknown enum", func() error {
-			_, err := c.admin.UpdatePolicy(ctx, &kvcv1.UpdatePolicyRequest{Policy: &kvcv1.Policy{PrefillBackupPolicy: kvcv1.PrefillBackupPolicy(9).Enum()}})
 			return err
 		}, codes.InvalidArgument},
 		{"update policy negative tokens", func() error {

@@ -392,8 +392,7 @@ func TestTensorParallelRealProcesses(t *testing.T) {
 	})
 
 	// One decode rank's sidecar dies: the group is out of routing, its session not sent there.
-	dr[1].sidecar.cmd.Process.Kill()
-	<-dr[1].sidecar.done
+	dr[1].sidecar.Kill()
 	waitFor(t, "the decode group unreachable", func() bool {
 		u := listed(t, c)["d-a0"]
 		return u.GetState() == kvcv1.WorkerState_WORKER_STATE_UNREACHABLE && strings.Contains(u.GetTpProblem(), "rank 1 (d-a1) unreachable")

@@ -153,10 +153,7 @@ func TestLeaderCutOffFromEtcd(t *testing.T) {
 	}
 	// cp-a is a working standby again: it campaigns, and takes over when cp-b dies.
 	killed := time.Now()
-	if err := b.cmd.Process.Kill(); err != nil {
-		t.Fatal(err)
-	}
-	<-b.exit
+	b.Kill() // SIGKILL
 	waitFor(t, "cp-a leads again", electionTTL+10*time.Second, func() bool { return a.leader(t).GetResponderIsLeader() })
 	if took := time.Since(killed); took > electionTTL+2*time.Second {
 		t.Fatalf("cp-a took %s to take over from the killed cp-b", took)

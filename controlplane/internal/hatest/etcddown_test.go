@@ -124,20 +124,20 @@ func TestNoHangWhileEtcdDown(t *testing.T) {
 
 	for _, p := range []*proc{b, a} {
 		stop := time.Now()
-		if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
-			t.Fatal(err)
+		if !p.Signal(syscall.SIGTERM) {
+			t.Fatalf("SIGTERM not sent: %s has exited", p.node)
 		}
 		select {
-		case <-p.exit:
+		case <-p.Exited():
 		case <-time.After(grace + 2*time.Second):
 			t.Fatalf("%s still running %s after SIGTERM (shutdown grace %s) with etcd black-holed", p.node, grace+2*time.Second, grace)
 		}
 		took := time.Since(stop)
-		ws, _ := p.cmd.ProcessState.Sys().(syscall.WaitStatus)
+		ws, _ := p.State().Sys().(syscall.WaitStatus)
 		if ws.Signaled() || took > grace+time.Second {
-			t.Fatalf("%s: exit %v after %s, want an exit within the grace %s", p.node, p.cmd.ProcessState, took, grace)
+			t.Fatalf("%s: exit %v after %s, want an exit within the grace %s", p.node, p.State(), took, grace)
 		}
-		t.Logf("%s exited (%v) %s after SIGTERM with etcd black-holed", p.node, p.cmd.ProcessState, took.Round(time.Millisecond))
+		t.Logf("%s exited (%v) %s after SIGTERM with etcd black-holed", p.node, p.State(), took.Round(time.Millisecond))
 	}
 }
 
@@ -167,18 +167,18 @@ func TestLeaderStopsWhileEtcdDown(t *testing.T) {
 	px.Blackhole()
 	sc.sync(sessionIDs(40)) // writes now pending behind the black hole
 	stop := time.Now()
-	if err := a.cmd.Process.Signal(syscall.SIGTERM); err != nil {
-		t.Fatal(err)
+	if !a.Signal(syscall.SIGTERM) {
+		t.Fatalf("SIGTERM not sent: %s has exited", a.node)
 	}
 	select {
-	case <-a.exit:
+	case <-a.Exited():
 	case <-time.After(grace + 2*time.Second):
 		t.Fatalf("leader still running %s after SIGTERM (grace %s) with etcd black-holed", grace+2*time.Second, grace)
 	}
 	took := time.Since(stop)
-	ws, _ := a.cmd.ProcessState.Sys().(syscall.WaitStatus)
+	ws, _ := a.State().Sys().(syscall.WaitStatus)
 	if ws.Signaled() || took > grace+time.Second {
-		t.Fatalf("leader: %v after %s, want an exit within the grace %s", a.cmd.ProcessState, took, grace)
+		t.Fatalf("leader: %v after %s, want an exit within the grace %s", a.State(), took, grace)
 	}
-	t.Logf("leader exited (%v) %s after SIGTERM with etcd black-holed and writes pending", a.cmd.ProcessState, took.Round(time.Millisecond))
+	t.Logf("leader exited (%v) %s after SIGTERM with etcd black-holed and writes pending", a.State(), took.Round(time.Millisecond))
 }

@@ -2,11 +2,8 @@ package hatest
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"os"
-	"os/exec"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -17,6 +14,7 @@ import (
 	"github.com/kvcentric/kvcentric/pkg/cpclient"
 	"github.com/kvcentric/kvcentric/pkg/etcdtest"
 	"github.com/kvcentric/kvcentric/pkg/grpcx"
+	"github.com/kvcentric/kvcentric/pkg/launch"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -24,86 +22,55 @@ const electionTTL = 2 * time.Second
 
 var binary string
 
+// TestMain takes kvc-controlplane from $KVC_BIN_DIR, or builds it; it fails the tests when a
+// goroutine they started is still running at the end (with time for the stopped etcd members'
+// connections to close).
 func TestMain(m *testing.M) {
-	code, err := setup(m)
+	bins, cleanup, err := launch.Binaries(os.Getenv("KVC_BIN_DIR"), map[string]string{"kvc-controlplane": "../.."})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "hatest:", err)
+		cleanup()
 		os.Exit(1)
 	}
-	os.Exit(code)
+	binary = bins["kvc-controlplane"]
+	etcdtest.VerifyTestMain(m, cleanup)
 }
 
-func setup(m *testing.M) (int, error) {
-	if dir := os.Getenv("KVC_BIN_DIR"); dir != "" {
-		binary = filepath.Join(dir, "kvc-controlplane")
-		if _, err := os.Stat(binary); err != nil {
-			return 0, fmt.Errorf("KVC_BIN_DIR set but %w", err)
-		}
-		return m.Run(), nil
-	}
-	tmp, err := os.MkdirTemp("", "kvc-hatest-")
-	if err != nil {
-		return 0, err
-	}
-	defer os.RemoveAll(tmp)
-	binary = filepath.Join(tmp, "kvc-controlplane")
-	cmd := exec.Command("go", "build", "-o", binary, "github.com/kvcentric/kvcentric/controlplane/cmd/kvc-controlplane")
-	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-	if out, err := cmd.CombinedOutput(); err != nil {
-		return 0, fmt.Errorf("build: %v\n%s", err, out)
-	}
-	return m.Run(), nil
-}
-
+// proc is a running kvc-controlplane.
 type proc struct {
+	*launch.Process
 	node     string
-	cmd      *exec.Cmd
 	addr     string
 	httpAddr string
 	conn     *grpc.ClientConn
 	admin    kvcv1.AdminServiceClient
-	log      string
-	exit     chan struct{}
 }
 
-// start runs a kvc-controlplane with the test's flags plus extra.
+// start runs a kvc-controlplane with the test's flags plus extra; it is killed when the test ends.
 func start(t *testing.T, node string, endpoints []string, prefix string, extra ...string) *proc {
 	t.Helper()
-	dir := t.TempDir()
-	ready := filepath.Join(dir, "ready.json")
-	p := &proc{node: node, log: filepath.Join(dir, "stderr.log"), exit: make(chan struct{})}
-	logf, err := os.Create(p.log)
-	if err != nil {
-		t.Fatal(err)
-	}
 	args := []string{
 		"--node-id", node, "--grpc-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0",
 		"--etcd-endpoints", strings.Join(endpoints, ","), "--etcd-prefix", prefix,
-		"--election-ttl", electionTTL.String(), "--flush-delay", "20ms", "--ready-file", ready, "--insecure",
+		"--election-ttl", electionTTL.String(), "--flush-delay", "20ms", "--insecure",
 	}
-	p.cmd = exec.Command(binary, append(args, extra...)...)
-	p.cmd.Stderr = logf
-	if err := p.cmd.Start(); err != nil {
+	lp, err := launch.Start(launch.Spec{Name: node, Bin: binary, Args: append(args, extra...), Dir: t.TempDir()})
+	if err != nil {
 		t.Fatal(err)
 	}
-	go func() { _ = p.cmd.Wait(); _ = logf.Close(); close(p.exit) }()
+	p := &proc{Process: lp, node: node}
 	t.Cleanup(func() {
-		_ = p.cmd.Process.Kill()
-		<-p.exit
+		p.Kill()
 		if t.Failed() {
-			b, _ := os.ReadFile(p.log)
-			t.Logf("%s stderr (tail):\n%s", node, tail(string(b), 3000))
+			t.Logf("%s log (tail):\n%s", node, p.Tail(60))
 		}
 	})
-	var info struct {
-		GRPCAddr string `json:"grpc_addr"`
-		HTTPAddr string `json:"http_addr"`
+	ctx, cancel := context.WithTimeout(t.Context(), 20*time.Second)
+	defer cancel()
+	if _, err := p.WaitReady(ctx); err != nil {
+		t.Fatal(err)
 	}
-	waitFor(t, node+" ready file", 20*time.Second, func() bool {
-		b, err := os.ReadFile(ready)
-		return err == nil && json.Unmarshal(b, &info) == nil && info.GRPCAddr != ""
-	})
-	p.addr, p.httpAddr = info.GRPCAddr, info.HTTPAddr
+	p.addr, p.httpAddr = p.ReadyString("grpc_addr"), p.ReadyString("http_addr")
 	p.conn = dialConn(t, p.addr)
 	p.admin = kvcv1.NewAdminServiceClient(p.conn)
 	return p
@@ -119,13 +86,6 @@ func dialConn(t *testing.T, addr string) *grpc.ClientConn {
 	return conn
 }
 
-func tail(s string, n int) string {
-	if len(s) > n {
-		return s[len(s)-n:]
-	}
-	return s
-}
-
 func (p *proc) leader(t *testing.T) *kvcv1.GetLeaderResponse {
 	ctx, cancel := context.WithTimeout(t.Context(), time.Second)
 	defer cancel()
@@ -138,13 +98,7 @@ func (p *proc) leader(t *testing.T) *kvcv1.GetLeaderResponse {
 
 func waitFor(t *testing.T, what string, limit time.Duration, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(limit)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %s waiting for %s", limit, what)
-		}
-		time.Sleep(20 * time.Millisecond) // polling a condition with a deadline
-	}
+	launch.WaitForT(t, what, limit, 20*time.Millisecond, cond)
 }
 
 // countSessions pages through ListSessions on p and returns the records resident on worker.
@@ -281,10 +235,7 @@ func failover(t *testing.T, endpoints []string, prefix string) {
 	})
 
 	killed := time.Now()
-	if err := a.cmd.Process.Kill(); err != nil { // SIGKILL
-		t.Fatal(err)
-	}
-	<-a.exit
+	a.Kill() // SIGKILL
 	waitFor(t, "cp-b leads", electionTTL+10*time.Second, func() bool { return b.leader(t).GetResponderIsLeader() })
 	took := time.Since(killed)
 	t.Logf("failover took %s (election TTL %s)", took, electionTTL)

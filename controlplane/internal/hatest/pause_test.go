@@ -76,18 +76,18 @@ func TestLeaderPause(t *testing.T) {
 	sentBefore := metric(t, a, `kvc_cp_commands_total{result="sent"}`)
 
 	paused := time.Now()
-	if err := a.cmd.Process.Signal(syscall.SIGSTOP); err != nil {
-		t.Fatal(err)
+	if !a.Signal(syscall.SIGSTOP) {
+		t.Fatalf("SIGSTOP not sent: %s has exited", a.node)
 	}
 	// kill(2) returns before every thread of the target has stopped: on a loaded machine a
 	// thread may still serve a call that is sent now. Wait until the kernel reports every
 	// thread stopped, so the calls below really queue in the frozen leader's sockets.
-	waitFor(t, "cp-a stopped", 5*time.Second, func() bool { return allThreadsStopped(a.cmd.Process.Pid) })
+	waitFor(t, "cp-a stopped", 5*time.Second, func() bool { return allThreadsStopped(a.PID) })
 	resumed := false
 	resume := func() {
 		if !resumed {
 			resumed = true
-			_ = a.cmd.Process.Signal(syscall.SIGCONT)
+			_ = a.Signal(syscall.SIGCONT)
 		}
 	}
 	t.Cleanup(resume)

@@ -16,6 +16,7 @@ import (
 
 	"github.com/kvcentric/kvcentric/pkg/etcdtest"
 	"github.com/kvcentric/kvcentric/pkg/kvstore"
+	"github.com/kvcentric/kvcentric/pkg/launch"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -70,13 +71,7 @@ func hello(id string, role kvcv1.WorkerRole) *kvcv1.Hello {
 
 func waitFor(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(5 * time.Millisecond) // polling a condition with a deadline
-	}
+	launch.WaitForT(t, what, 10*time.Second, 5*time.Millisecond, cond)
 }
 
 func TestSessionsPersistAndClone(t *testing.T) {
@@ -360,8 +355,6 @@ func TestValidatePolicy(t *testing.T) {
 		{"threshold 0", &kvcv1.Policy{MigrationRejectThreshold: proto.Int32(0)}, "migration_reject_threshold"},
 		{"headroom 1", &kvcv1.Policy{DCapacityHeadroom: proto.Float64(1)}, "d_capacity_headroom"},
 		{"headroom negative", &kvcv1.Policy{DCapacityHeadroom: proto.Float64(-0.1)}, "d_capacity_headroom"},
-		{"unknown enum", &kvcv1.Policy{PrefillBackupPolicy: kvcv1.PrefillBackupPolicy(42).Enum()}, "prefill_backup_policy"},
-		{"unspecified enum", &kvcv1.Policy{PrefillBackupPolicy: kvcv1.PrefillBackupPolicy_PREFILL_BACKUP_POLICY_UNSPECIFIED.Enum()}, "prefill_backup_policy"},
 		{"delta 0", &kvcv1.Policy{SnapshotDeltaTokens: proto.Int64(0)}, "snapshot_delta_tokens"},
 		{"ttl tiny", &kvcv1.Policy{SessionTtlMs: proto.Int64(5)}, "session_ttl_ms"},
 		{"bad worker key", &kvcv1.Policy{MaxConcurrentTransfersPerWorker: map[string]int32{"a/b": 1}}, "forbidden"},

@@ -31,12 +31,12 @@ func startCP(t *testing.T, node string, endpoints []string) *cpProc {
 	t.Helper()
 	p := start(t, node, bins["kvc-controlplane"], "--node-id", node, "--grpc-addr", "127.0.0.1:0", "--http-addr", "127.0.0.1:0",
 		"--etcd-endpoints", strings.Join(endpoints, ","), "--etcd-prefix", "/kvc-e2e/", "--election-ttl", "2s", "--flush-delay", "20ms")
-	conn, err := grpc.NewClient(p.Str("grpc_addr"), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	conn, err := grpc.NewClient(p.ReadyString("grpc_addr"), grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = conn.Close() })
-	return &cpProc{proc: p, node: node, addr: p.Str("grpc_addr"), admin: kvcv1.NewAdminServiceClient(conn)}
+	return &cpProc{proc: p, node: node, addr: p.ReadyString("grpc_addr"), admin: kvcv1.NewAdminServiceClient(conn)}
 }
 
 // leaderOf waits until one of cps leads and returns it.

@@ -18,7 +18,9 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 
+	"github.com/kvcentric/kvcentric/pkg/etcdtest"
 	"github.com/kvcentric/kvcentric/pkg/kvpool"
+	"github.com/kvcentric/kvcentric/pkg/launch"
 	"github.com/kvcentric/kvcentric/pkg/sidecar"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 	"github.com/kvcentric/kvcentric/sidecar-decode/internal/proctest"
@@ -30,7 +32,7 @@ var bins = map[string]string{}
 func TestMain(m *testing.M) {
 	var cleanup func()
 	var err error
-	bins, cleanup, err = proctest.Binaries(os.Getenv("KVC_BIN_DIR"), map[string]string{
+	bins, cleanup, err = launch.Binaries(os.Getenv("KVC_BIN_DIR"), map[string]string{
 		"kvc-sidecar-decode":  "../..",
 		"kvc-sidecar-prefill": "../../../sidecar-prefill",
 		"kvc-controlplane":    "../../../controlplane",
@@ -41,9 +43,7 @@ func TestMain(m *testing.M) {
 		cleanup()
 		os.Exit(1)
 	}
-	code := m.Run()
-	cleanup()
-	os.Exit(code)
+	etcdtest.VerifyTestMain(m, cleanup)
 }
 
 // Geometry of every test pool: 16 tokens per page, 4 layers, 64 bytes per token per buffer.
@@ -78,7 +78,7 @@ var (
 )
 
 // proc is a running binary.
-type proc = proctest.Proc
+type proc = launch.Process
 
 // start runs bin with args plus --ready-file and waits for the ready file.
 func start(t *testing.T, name, bin string, args ...string) *proc {
@@ -86,7 +86,7 @@ func start(t *testing.T, name, bin string, args ...string) *proc {
 	if !slices.Contains(args, "--tls-cert") {
 		args = append(args, plaintext(bin)...)
 	}
-	return proctest.Start(t, name, bin, 30*time.Second, args...)
+	return launch.StartT(t, launch.Spec{Name: name, Bin: bin, Args: args}, 30*time.Second)
 }
 
 // sidecarProc is a running sidecar and its worker's bridge client.
@@ -118,7 +118,7 @@ func startSidecar(t *testing.T, role, id, cp string, extra ...string) *sidecarPr
 	}
 	t.Cleanup(func() { _ = conn.Close() })
 	return &sidecarProc{proc: p, id: id, events: evlog, bridge: kvcv1.NewWorkerBridgeServiceClient(conn),
-		peerAddr: p.Str("peer_addr"), httpAddr: p.Str("http_addr"), transfer: p.Str("transfer_endpoint")}
+		peerAddr: p.ReadyString("peer_addr"), httpAddr: p.ReadyString("http_addr"), transfer: p.ReadyString("transfer_endpoint")}
 }
 
 // worker is the test's stand-in for an SGLang worker: a shared-memory pool and a page allocator.
@@ -188,7 +188,7 @@ func filterEvents(evs []sidecar.Event, name, session string) []sidecar.Event {
 // waitFor polls cond (a read of a file or an HTTP endpoint of another process) until it holds.
 func waitFor(t *testing.T, what string, d time.Duration, cond func() bool) {
 	t.Helper()
-	proctest.WaitFor(t, what, d, 10*time.Millisecond, cond)
+	launch.WaitForT(t, what, d, 10*time.Millisecond, cond)
 }
 
 func getJSON(t *testing.T, url string, v any) int {

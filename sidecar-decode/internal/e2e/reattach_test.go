@@ -26,7 +26,7 @@ func startSidecarAt(t *testing.T, role, id, cp, sock string, extra ...string) *s
 	args := append([]string{"--worker-id", id, "--bridge-socket", sock, "--event-log", evlog, "--transport", "tcp",
 		"--transfer-conns", "2", "--log-level", "debug", "--heartbeat", "100ms", "--control-plane", cp}, extra...)
 	p := start(t, id, bins["kvc-sidecar-"+role], args...)
-	return &sidecarProc{proc: p, id: id, events: evlog, peerAddr: p.Str("peer_addr"), httpAddr: p.Str("http_addr"), transfer: p.Str("transfer_endpoint")}
+	return &sidecarProc{proc: p, id: id, events: evlog, peerAddr: p.ReadyString("peer_addr"), httpAddr: p.ReadyString("http_addr"), transfer: p.ReadyString("transfer_endpoint")}
 }
 
 // startSim runs a kvc-sim worker next to the sidecar on sock; its pool lives in shmDir.
@@ -51,7 +51,7 @@ func startSimPrefill(t *testing.T, id, cp string) *simPrefill {
 	sock := filepath.Join(t.TempDir(), "p.sock")
 	sc := startSidecarAt(t, "prefill", id, cp, sock, "--store-capacity-bytes", "8388608")
 	sim := startSim(t, "prefill", id, sock, t.TempDir())
-	return &simPrefill{sc: sc, url: "http://" + sim.Str("http_addr")}
+	return &simPrefill{sc: sc, url: "http://" + sim.ReadyString("http_addr")}
 }
 
 // postGenerate POSTs a /generate body and returns the status and the answer.
@@ -126,7 +126,7 @@ func TestSidecarRestartReattach(t *testing.T) {
 	shmDir := t.TempDir()
 	d := startSidecarAt(t, "decode", "rd1", cp.addr, sock)
 	sim := startSim(t, "decode", "rd1", sock, shmDir)
-	simURL := "http://" + sim.Str("http_addr")
+	simURL := "http://" + sim.ReadyString("http_addr")
 	workerState := func() kvcv1.WorkerState {
 		r, err := cp.admin.ListWorkers(ctxT(t, time.Second), &kvcv1.ListWorkersRequest{})
 		if err != nil {
@@ -249,7 +249,7 @@ func TestSidecarRestartReattach(t *testing.T) {
 	// SIGTERM: the sidecar ends the worker's command stream and exits without waiting out the
 	// bridge's graceful-stop grace (5 s).
 	stopAt := time.Now()
-	d2.Stop()
+	_ = d2.Stop(10 * time.Second)
 	if took := time.Since(stopAt); took > 3*time.Second {
 		t.Fatalf("the sidecar took %v to stop with a watching worker", took)
 	} else {

@@ -60,7 +60,7 @@ func TestCapacityReleaseProcesses(t *testing.T) {
 	dec := startSidecarAt(t, "decode", "cd1", cp.Addr, sock, "--release-high-watermark", "0.6", "--release-low-watermark", "0.3",
 		"--release-min-idle", "500ms")
 	sim := startSim(t, "decode", "cd1", sock, t.TempDir()) // 8192 tokens
-	url := "http://" + sim.Str("http_addr")
+	url := "http://" + sim.ReadyString("http_addr")
 	if err := cp.Wait(ctxT(t, 20*time.Second), func(v *cptest.View) bool { return v.Connected("cp0") && v.Connected("cd1") }); err != nil {
 		t.Fatal(err)
 	}

@@ -45,7 +45,7 @@ func TestMutualTLS(t *testing.T) {
 	cpProc := start(t, "cp-tls", bins["kvc-controlplane"], append([]string{"--node-id", "cp-tls", "--grpc-addr", "127.0.0.1:0",
 		"--http-addr", "127.0.0.1:0", "--etcd-endpoints", strings.Join(etcd.Endpoints(), ","), "--etcd-prefix", "/kvc-e2e-tls/",
 		"--election-ttl", "2s", "--flush-delay", "20ms"}, tlsArgs(ca.Issue(t, "cp", tlstest.Spec{Role: tlsx.RoleControlPlane}))...)...)
-	cpAddr := cpProc.Str("grpc_addr")
+	cpAddr := cpProc.ReadyString("grpc_addr")
 	dialAs := func(role tlsx.Role) *grpc.ClientConn {
 		t.Helper()
 		src, err := tlsx.Load(ca.Issue(t, "client-"+string(role), tlstest.Spec{Role: role}))
@@ -207,7 +207,7 @@ func TestMutualTLS(t *testing.T) {
 	plain := startSidecar(t, "decode", "d-plain", cpAddr)
 	newWorker(t, plain, 64)
 	waitFor(t, "the plaintext sidecar turned away", 20*time.Second, func() bool {
-		return strings.Count(plain.Stderr(), "control plane stream ended") >= 2
+		return strings.Count(plain.Log(), "control plane stream ended") >= 2
 	})
 	if _, err := admin.GetWorker(ctxT(t, 5*time.Second), &kvcv1.GetWorkerRequest{WorkerId: "d-plain"}); status.Code(err) != codes.NotFound {
 		t.Fatalf("plaintext sidecar registered? %v", err)

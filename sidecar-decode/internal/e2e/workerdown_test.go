@@ -49,7 +49,7 @@ func startMortal(t *testing.T, id, cps string) *mortalWorker {
 // ownBridge gives sc's worker a bridge connection of its own (closing it is the worker dying).
 func ownBridge(t *testing.T, sc *sidecarProc) *grpc.ClientConn {
 	t.Helper()
-	conn, err := grpc.NewClient("unix://"+sc.Ready["bridge_socket"].(string), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	conn, err := grpc.NewClient("unix://"+sc.Ready()["bridge_socket"].(string), grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		t.Fatal(err)
 	}

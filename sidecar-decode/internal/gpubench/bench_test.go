@@ -72,7 +72,7 @@ func startSidecar(t *testing.T, cfg config, role, id, cp string, gpu int, extra 
 	}
 	t.Cleanup(func() { _ = conn.Close() })
 	return &sidecarProc{proc: p, id: id, events: ev, bridge: kvcv1.NewWorkerBridgeServiceClient(conn),
-		peer: p.Str("peer_addr"), http: p.Str("http_addr"), xfer: p.Str("transfer_endpoint")}
+		peer: p.ReadyString("peer_addr"), http: p.ReadyString("http_addr"), xfer: p.ReadyString("transfer_endpoint")}
 }
 
 // fragmented is a sorted random half (pool factor 2) of a pool's pages: the session's page map.

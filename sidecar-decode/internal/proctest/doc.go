@@ -1,5 +1,4 @@
-// Package proctest runs kvcentric binaries as real processes for the sidecar integration tests
-// (internal/e2e) and the GPU benchmark harness (internal/gpubench): it finds them in
-// $KVC_BIN_DIR or builds them, starts them with a ready file and waits for it, stops them, and
-// reads their event logs. It is imported by tests only.
+// Package proctest reads the event logs of sidecar processes for the sidecar integration tests
+// (internal/e2e) and the GPU benchmark harness (internal/gpubench), which start them with
+// pkg/launch. It is imported by tests only.
 package proctest

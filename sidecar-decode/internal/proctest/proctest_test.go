@@ -32,17 +32,3 @@ func TestReadEvents(t *testing.T) {
 		})
 	}
 }
-
-func TestBinariesMissingCommand(t *testing.T) {
-	dir := t.TempDir()
-	bins, cleanup, err := Binaries("", map[string]string{"kvc-nothing": dir})
-	defer cleanup()
-	if err == nil {
-		t.Fatalf("a binary without cmd/: %v", bins)
-	}
-	bins, cleanup2, err := Binaries("", map[string]string{"kvc-nothing": dir}, "kvc-nothing")
-	defer cleanup2()
-	if err != nil || len(bins) != 0 {
-		t.Fatalf("optional binary without cmd/: %v %v", bins, err)
-	}
-}

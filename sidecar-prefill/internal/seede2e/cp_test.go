@@ -12,6 +12,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/kvcentric/kvcentric/pkg/kvpool"
+	"github.com/kvcentric/kvcentric/pkg/launch"
 	"github.com/kvcentric/kvcentric/pkg/sidecar"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
@@ -19,13 +20,7 @@ import (
 // waitFor polls cond (another process's state) until it holds or d passes.
 func waitFor(t *testing.T, what string, d time.Duration, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(d)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	launch.WaitForT(t, what, d, 10*time.Millisecond, cond)
 }
 
 // TestSeedThroughStoreWithControlPlane: the whole control path of a SEED through the prefill

@@ -2,67 +2,42 @@ package seede2e
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strconv"
-	"sync"
-	"syscall"
 	"testing"
 	"time"
 
+	"go.uber.org/goleak"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 
 	"github.com/kvcentric/kvcentric/pkg/kvpool"
+	"github.com/kvcentric/kvcentric/pkg/launch"
 	"github.com/kvcentric/kvcentric/pkg/sidecar"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
 var bins = map[string]string{}
 
-// TestMain takes the two sidecar binaries from $KVC_BIN_DIR, or builds them.
+// TestMain takes the binaries from $KVC_BIN_DIR, or builds them; it fails the tests when a
+// goroutine they started is still running at the end.
 func TestMain(m *testing.M) {
-	tmp := ""
-	for name, mod := range map[string]string{"kvc-sidecar-prefill": "../..", "kvc-sidecar-decode": "../../../sidecar-decode",
-		"kvc-controlplane": "../../../controlplane", "kvc-sim": "../../../sim"} {
-		if dir := os.Getenv("KVC_BIN_DIR"); dir != "" {
-			if p, err := filepath.Abs(filepath.Join(dir, name)); err == nil {
-				if _, err := os.Stat(p); err == nil {
-					bins[name] = p
-					continue
-				}
-			}
-		}
-		if tmp == "" {
-			var err error
-			if tmp, err = os.MkdirTemp("", "kvc-seede2e-bin-"); err != nil {
-				fmt.Fprintln(os.Stderr, err)
-				os.Exit(1)
-			}
-		}
-		out := filepath.Join(tmp, name)
-		cmd := exec.Command("go", "build", "-o", out, "./cmd/"+name)
-		cmd.Dir = mod
-		cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-		if b, err := cmd.CombinedOutput(); err != nil {
-			fmt.Fprintf(os.Stderr, "build %s (or set KVC_BIN_DIR): %v\n%s", name, err, b)
-			_ = os.RemoveAll(tmp)
-			os.Exit(1)
-		}
-		bins[name] = out
+	var cleanup func()
+	var err error
+	bins, cleanup, err = launch.Binaries(os.Getenv("KVC_BIN_DIR"), map[string]string{"kvc-sidecar-prefill": "../..",
+		"kvc-sidecar-decode": "../../../sidecar-decode", "kvc-controlplane": "../../../controlplane", "kvc-sim": "../../../sim"})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		cleanup()
+		os.Exit(1)
 	}
-	code := m.Run()
-	if tmp != "" {
-		_ = os.RemoveAll(tmp)
-	}
-	os.Exit(code)
+	goleak.VerifyTestMain(m, goleak.Cleanup(func(code int) { cleanup(); os.Exit(code) }))
 }
 
 // Geometry of the test pools: 16 tokens per page, 4 layers, 64 bytes per token per buffer.
@@ -73,23 +48,6 @@ const (
 	itemLen    = pageSize * tokenBytes
 	bpt        = 2 * numLayers * tokenBytes
 )
-
-type lockedBuf struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuf) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuf) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}
 
 // sidecarProc is a running sidecar process and its worker's bridge client.
 type sidecarProc struct {
@@ -102,54 +60,10 @@ type sidecarProc struct {
 func (s *sidecarProc) str(k string) string { v, _ := s.ready[k].(string); return v }
 
 // startProc runs bin with args plus --ready-file, waits for the ready file and returns it; the
-// process is stopped when the test ends (its stderr's tail logged if the test failed).
+// process is stopped when the test ends (its log's tail logged if the test failed).
 func startProc(t *testing.T, name, bin string, args ...string) map[string]any {
 	t.Helper()
-	rf := filepath.Join(t.TempDir(), "ready.json")
-	cmd := exec.Command(bin, append(args, "--ready-file", rf)...)
-	var stderr lockedBuf
-	cmd.Stderr = &stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	exited := make(chan struct{})
-	go func() { _ = cmd.Wait(); close(exited) }()
-	t.Cleanup(func() {
-		_ = cmd.Process.Signal(syscall.SIGTERM)
-		select {
-		case <-exited:
-		case <-time.After(10 * time.Second):
-			_ = cmd.Process.Kill()
-			<-exited
-		}
-		if t.Failed() {
-			s := stderr.String()
-			if len(s) > 6000 {
-				s = s[len(s)-6000:]
-			}
-			t.Logf("---- %s stderr (tail) ----\n%s", name, s)
-		}
-	})
-	deadline := time.NewTimer(30 * time.Second)
-	defer deadline.Stop()
-	tick := time.NewTicker(20 * time.Millisecond)
-	defer tick.Stop()
-	for {
-		if b, err := os.ReadFile(rf); err == nil {
-			var ready map[string]any
-			if err := json.Unmarshal(b, &ready); err != nil {
-				t.Fatalf("%s ready file: %v", name, err)
-			}
-			return ready
-		}
-		select {
-		case <-exited:
-			t.Fatalf("%s exited before ready: %s", name, stderr.String())
-		case <-deadline.C:
-			t.Fatalf("%s not ready in time: %s", name, stderr.String())
-		case <-tick.C:
-		}
-	}
+	return launch.StartT(t, launch.Spec{Name: name, Bin: bin, Args: args}, 30*time.Second).Ready()
 }
 
 // startSidecar runs kvc-sidecar-<role> (tcp transport) and connects to its bridge.

@@ -513,7 +513,7 @@ func (c *Cluster) waitAddrs(ctx context.Context, ps []*Process) ([]string, error
 	defer cancel()
 	out := make([]string, len(ps))
 	for i, p := range ps {
-		m, err := p.waitJSON(wctx, c.addrFile(p.Name), "listening")
+		m, err := p.WaitJSON(wctx, c.addrFile(p.Name), "listening")
 		if err != nil {
 			return nil, err
 		}
@@ -579,7 +579,7 @@ func (c *Cluster) retry(ctx context.Context, what string, f func(ctx context.Con
 		for _, p := range c.Processes {
 			if !p.Alive() && !p.killed.Load() {
 				return fmt.Errorf("%s: %s (pid %d) exited (%v); last log lines of %s:\n%s",
-					what, p.Name, p.PID, p.exitErr, p.LogPath, p.logTail(25))
+					what, p.Name, p.PID, p.ExitErr(), p.LogPath, p.Tail(25))
 			}
 		}
 		select {
@@ -751,7 +751,7 @@ func (c *Cluster) Stop() error {
 			_ = os.Remove(w.BridgeSocket)
 		}
 		for _, p := range c.Processes {
-			if s, _ := p.Ready["shm_path"].(string); strings.HasPrefix(s, "/dev/shm/") {
+			if s, _ := p.Ready()["shm_path"].(string); strings.HasPrefix(s, "/dev/shm/") {
 				_ = os.Remove(s)
 			}
 		}

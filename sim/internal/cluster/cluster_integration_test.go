@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvcentric/kvcentric/pkg/launch"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -325,7 +326,7 @@ func ptr[T any](v T) *T { return &v }
 func logs(c *Cluster) string {
 	var b strings.Builder
 	for _, p := range c.Processes {
-		b.WriteString("== " + p.Name + "\n" + p.logTail(15) + "\n")
+		b.WriteString("== " + p.Name + "\n" + p.Tail(15) + "\n")
 	}
 	return b.String()
 }
@@ -361,11 +362,9 @@ func waitSnapshot(t *testing.T, c *Cluster, session string, seqlen int64) {
 
 func waitFor(t *testing.T, cond func() bool, why func() string) {
 	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatal(why())
-		}
-		time.Sleep(20 * time.Millisecond) // polling files written by other processes
+	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+	defer cancel()
+	if launch.WaitFor(ctx, nil, 20*time.Millisecond, cond) != nil { // polling files written by other processes
+		t.Fatal(why())
 	}
 }

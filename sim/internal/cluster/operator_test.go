@@ -377,7 +377,7 @@ func nextNotify(t *testing.T, conn *net.UnixConn, p *Process, prefix string) str
 		n, err := conn.Read(buf)
 		var ne net.Error
 		if errors.As(err, &ne) && ne.Timeout() {
-			t.Fatalf("%s: no %s from the binary; log:\n%s", p.Name, prefix, p.logTail(20))
+			t.Fatalf("%s: no %s from the binary; log:\n%s", p.Name, prefix, p.Tail(20))
 		}
 		if err != nil {
 			t.Fatal(err)
@@ -427,20 +427,20 @@ func TestSystemdNotify(t *testing.T) {
 			for range 2 {
 				nextNotify(t, conn, p, "WATCHDOG=1")
 			}
-			if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
-				t.Fatal(err)
+			if !p.Signal(syscall.SIGTERM) {
+				t.Fatalf("SIGTERM not sent: %s exited\n%s", p.Name, p.Tail(20))
 			}
 			nextNotify(t, conn, p, "STOPPING=1")
 			select {
-			case <-p.exited:
-				if p.exitErr != nil {
-					t.Fatalf("exit after SIGTERM: %v\n%s", p.exitErr, p.logTail(20))
+			case <-p.Exited():
+				if p.ExitErr() != nil {
+					t.Fatalf("exit after SIGTERM: %v\n%s", p.ExitErr(), p.Tail(20))
 				}
 			case <-time.After(60 * time.Second):
-				t.Fatalf("still running 60s after SIGTERM\n%s", p.logTail(20))
+				t.Fatalf("still running 60s after SIGTERM\n%s", p.Tail(20))
 			}
 			if b, _ := os.ReadFile(p.LogPath); !bytes.Contains(b, []byte("systemd watchdog on")) {
-				t.Errorf("no 'systemd watchdog on' in the log:\n%s", p.logTail(20))
+				t.Errorf("no 'systemd watchdog on' in the log:\n%s", p.Tail(20))
 			}
 		})
 	}

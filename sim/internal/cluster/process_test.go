@@ -2,117 +2,17 @@ package cluster
 
 import (
 	"context"
-	"encoding/json"
-	"fmt"
 	"os"
-	"os/signal"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"testing"
-	"time"
+
+	"go.uber.org/goleak"
 )
 
-const helperEnv = "CLUSTER_TEST_HELPER"
-
-// TestMain turns the test binary into a fake kvc-* process when helperEnv is set.
-func TestMain(m *testing.M) {
-	if mode := os.Getenv(helperEnv); mode != "" {
-		os.Exit(helper(mode, os.Args[1:]))
-	}
-	os.Exit(m.Run())
-}
-
-func helper(mode string, args []string) int {
-	var ready string
-	for i := 0; i+1 < len(args); i++ {
-		if args[i] == "--ready-file" {
-			ready = args[i+1]
-		}
-	}
-	sig := make(chan os.Signal, 1)
-	signal.Notify(sig, syscall.SIGTERM)
-	fmt.Println("helper starting", mode)
-	switch mode {
-	case "die":
-		fmt.Println("fatal: cannot bind 127.0.0.1:1 (pretend)")
-		return 3
-	case "ready", "stubborn":
-		b, _ := json.Marshal(map[string]any{"pid": os.Getpid(), "http_addr": "127.0.0.1:9"})
-		if err := os.WriteFile(ready, b, 0o644); err != nil {
-			return 4
-		}
-		if mode == "stubborn" {
-			signal.Ignore(syscall.SIGTERM)
-			select {}
-		}
-		<-sig
-		fmt.Println("helper stopping")
-		return 0
-	case "silent":
-		<-sig
-		return 0
-	}
-	return 5
-}
-
-func spawnHelper(t *testing.T, mode string) *Process {
-	t.Helper()
-	t.Setenv(helperEnv, mode)
-	p, err := spawn(os.Args[0], "h-"+mode, "test", t.TempDir(), []string{"--x", "y"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(p.kill)
-	return p
-}
-
-func TestProcessLifecycle(t *testing.T) {
-	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-	defer cancel()
-	t.Run("ready then SIGTERM", func(t *testing.T) {
-		p := spawnHelper(t, "ready")
-		if err := p.waitReady(ctx); err != nil {
-			t.Fatal(err)
-		}
-		if p.ReadyString("http_addr") != "127.0.0.1:9" {
-			t.Fatalf("ready %v", p.Ready)
-		}
-		if err := p.stop(10 * time.Second); err != nil {
-			t.Fatal(err)
-		}
-		if p.Alive() || !strings.Contains(p.logTail(5), "helper stopping") {
-			t.Fatalf("alive %v, log %q", p.Alive(), p.logTail(5))
-		}
-	})
-	t.Run("exits before ready", func(t *testing.T) {
-		p := spawnHelper(t, "die")
-		err := p.waitReady(ctx)
-		if err == nil || !strings.Contains(err.Error(), "exited before it was ready") || !strings.Contains(err.Error(), "cannot bind") {
-			t.Fatalf("want exit error with log tail, got %v", err)
-		}
-	})
-	t.Run("never ready", func(t *testing.T) {
-		p := spawnHelper(t, "silent")
-		sctx, scancel := context.WithTimeout(ctx, 300*time.Millisecond)
-		defer scancel()
-		if err := p.waitReady(sctx); err == nil || !strings.Contains(err.Error(), "not ready") {
-			t.Fatalf("got %v", err)
-		}
-	})
-	t.Run("ignores SIGTERM", func(t *testing.T) {
-		p := spawnHelper(t, "stubborn")
-		if err := p.waitReady(ctx); err != nil {
-			t.Fatal(err)
-		}
-		if err := p.stop(200 * time.Millisecond); err == nil || !strings.Contains(err.Error(), "killed") {
-			t.Fatalf("got %v", err)
-		}
-		if p.Alive() {
-			t.Fatal("still alive")
-		}
-	})
-}
+// TestMain fails the package's tests when a goroutine they started is still running at the end.
+// (The child-process lifecycle itself is pkg/launch's, tested there.)
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
 func TestStartRejectsBadConfig(t *testing.T) {
 	dir := t.TempDir()

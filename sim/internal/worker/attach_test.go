@@ -14,6 +14,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 
 	"github.com/kvcentric/kvcentric/pkg/grpcx"
+	"github.com/kvcentric/kvcentric/pkg/launch"
 	"github.com/kvcentric/kvcentric/pkg/sidecar"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
@@ -90,13 +91,7 @@ func serveAttachSidecar(t *testing.T, h *hub, sock string) (*attachSidecar, func
 
 func waitUntil(t *testing.T, what string, d time.Duration, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(d)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out after %v waiting for %s", d, what)
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
+	launch.WaitForT(t, what, d, 5*time.Millisecond, cond)
 }
 
 // addSession makes a committed resident session of kv tokens (as a finished turn leaves it).

@@ -19,6 +19,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/kvcentric/kvcentric/pkg/kvpool"
+	"github.com/kvcentric/kvcentric/pkg/launch"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -334,15 +335,7 @@ func TestLRUEvictionAndCapacityRejection(t *testing.T) {
 // waitFor polls cond until it holds, failing the test after 10 s.
 func waitFor(t *testing.T, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	tick := time.NewTicker(time.Millisecond)
-	defer tick.Stop()
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatal("condition not reached within 10s")
-		}
-		<-tick.C
-	}
+	launch.WaitForT(t, "the condition", 10*time.Second, time.Millisecond, cond)
 }
 
 func TestVerifyFailureAndTransferFailure(t *testing.T) {
