@@ -62,7 +62,6 @@ func Defaults() *kvcv1.Policy {
 		BackpressureTransferQueue: proto.Int32(DefaultBackpressureQueue),
 		BackpressurePreallocQueue: proto.Int32(DefaultBackpressureQueue),
 		BackpressurePauseMs:       proto.Int64(DefaultBackpressurePauseMs),
-		PrefillBackupPolicy:       kvcv1.PrefillBackupPolicy_PREFILL_BACKUP_POLICY_RELEASE_AFTER_TRANSFER.Enum(),
 		SnapshotDeltaTokens:       proto.Int64(DefaultSnapshotDeltaTokens),
 		TailToleranceTokens:       proto.Int64(DefaultTailToleranceTokens),
 		SnapshotMaxStalenessMs:    proto.Int64(0),
@@ -170,11 +169,6 @@ func Validate(p *kvcv1.Policy) error {
 	}
 	if h := p.MaxPinnedShare; h != nil && (math.IsNaN(*h) || *h < 0 || *h > 1) {
 		errs = append(errs, fmt.Errorf("max_pinned_share = %v out of range [0, 1]", *h))
-	}
-	if b := p.PrefillBackupPolicy; b != nil {
-		if _, ok := kvcv1.PrefillBackupPolicy_name[int32(*b)]; !ok || *b == kvcv1.PrefillBackupPolicy_PREFILL_BACKUP_POLICY_UNSPECIFIED {
-			errs = append(errs, fmt.Errorf("prefill_backup_policy %d is not a known policy", int32(*b)))
-		}
 	}
 	ids := make([]string, 0, len(p.MaxConcurrentTransfersPerWorker))
 	for id := range p.MaxConcurrentTransfersPerWorker {

@@ -27,8 +27,6 @@ func TestValidate(t *testing.T) {
 		{"headroom NaN", &kvcv1.Policy{DCapacityHeadroom: proto.Float64(math.NaN())}, "d_capacity_headroom"},
 		{"headroom 1", &kvcv1.Policy{DCapacityHeadroom: proto.Float64(1)}, "d_capacity_headroom"},
 		{"reservation timeout too short", &kvcv1.Policy{ReservationTimeoutMs: proto.Int64(5)}, "reservation_timeout_ms"},
-		{"backup policy unspecified", &kvcv1.Policy{PrefillBackupPolicy: kvcv1.PrefillBackupPolicy_PREFILL_BACKUP_POLICY_UNSPECIFIED.Enum()}, "prefill_backup_policy"},
-		{"backup policy unknown", &kvcv1.Policy{PrefillBackupPolicy: kvcv1.PrefillBackupPolicy(9).Enum()}, "prefill_backup_policy"},
 		{"delta 0", &kvcv1.Policy{SnapshotDeltaTokens: proto.Int64(0)}, "snapshot_delta_tokens"},
 		{"per-worker bad id", &kvcv1.Policy{MaxConcurrentTransfersPerWorker: map[string]int32{"a/b": 1}}, "forbidden"},
 		{"per-worker negative", &kvcv1.Policy{MaxConcurrentTransfersPerWorker: map[string]int32{"d1": -1}}, "d1"},

@@ -134,56 +134,6 @@ func (WorkerState) EnumDescriptor() ([]byte, []int) {
 	return file_kvc_v1_common_proto_rawDescGZIP(), []int{1}
 }
 
-// PrefillBackupPolicy says what a prefill worker does with a session's KV after a seed transfer.
-type PrefillBackupPolicy int32
-
-const (
-	PrefillBackupPolicy_PREFILL_BACKUP_POLICY_UNSPECIFIED            PrefillBackupPolicy = 0
-	PrefillBackupPolicy_PREFILL_BACKUP_POLICY_RELEASE_AFTER_TRANSFER PrefillBackupPolicy = 1
-	PrefillBackupPolicy_PREFILL_BACKUP_POLICY_CAPACITY_BACKUP        PrefillBackupPolicy = 2
-)
-
-// Enum value maps for PrefillBackupPolicy.
-var (
-	PrefillBackupPolicy_name = map[int32]string{
-		0: "PREFILL_BACKUP_POLICY_UNSPECIFIED",
-		1: "PREFILL_BACKUP_POLICY_RELEASE_AFTER_TRANSFER",
-		2: "PREFILL_BACKUP_POLICY_CAPACITY_BACKUP",
-	}
-	PrefillBackupPolicy_value = map[string]int32{
-		"PREFILL_BACKUP_POLICY_UNSPECIFIED":            0,
-		"PREFILL_BACKUP_POLICY_RELEASE_AFTER_TRANSFER": 1,
-		"PREFILL_BACKUP_POLICY_CAPACITY_BACKUP":        2,
-	}
-)
-
-func (x PrefillBackupPolicy) Enum() *PrefillBackupPolicy {
-	p := new(PrefillBackupPolicy)
-	*p = x
-	return p
-}
-
-func (x PrefillBackupPolicy) String() string {
-	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
-}
-
-func (PrefillBackupPolicy) Descriptor() protoreflect.EnumDescriptor {
-	return file_kvc_v1_common_proto_enumTypes[2].Descriptor()
-}
-
-func (PrefillBackupPolicy) Type() protoreflect.EnumType {
-	return &file_kvc_v1_common_proto_enumTypes[2]
-}
-
-func (x PrefillBackupPolicy) Number() protoreflect.EnumNumber {
-	return protoreflect.EnumNumber(x)
-}
-
-// Deprecated: Use PrefillBackupPolicy.Descriptor instead.
-func (PrefillBackupPolicy) EnumDescriptor() ([]byte, []int) {
-	return file_kvc_v1_common_proto_rawDescGZIP(), []int{2}
-}
-
 // KVKind says whether a buffer holds keys or values.
 type KVKind int32
 
@@ -222,11 +172,11 @@ func (x KVKind) String() string {
 }
 
 func (KVKind) Descriptor() protoreflect.EnumDescriptor {
-	return file_kvc_v1_common_proto_enumTypes[3].Descriptor()
+	return file_kvc_v1_common_proto_enumTypes[2].Descriptor()
 }
 
 func (KVKind) Type() protoreflect.EnumType {
-	return &file_kvc_v1_common_proto_enumTypes[3]
+	return &file_kvc_v1_common_proto_enumTypes[2]
 }
 
 func (x KVKind) Number() protoreflect.EnumNumber {
@@ -235,7 +185,7 @@ func (x KVKind) Number() protoreflect.EnumNumber {
 
 // Deprecated: Use KVKind.Descriptor instead.
 func (KVKind) EnumDescriptor() ([]byte, []int) {
-	return file_kvc_v1_common_proto_rawDescGZIP(), []int{3}
+	return file_kvc_v1_common_proto_rawDescGZIP(), []int{2}
 }
 
 // WorkerLoad is a sidecar's periodic load report.
@@ -1028,8 +978,7 @@ type Policy struct {
 	// Backpressure: when the chosen D's prealloc queue exceeds this, hint a pause.
 	BackpressurePreallocQueue *int32 `protobuf:"varint,13,opt,name=backpressure_prealloc_queue,json=backpressurePreallocQueue,proto3,oneof" json:"backpressure_prealloc_queue,omitempty"`
 	// The recommended pause (ms) returned when over the thresholds.
-	BackpressurePauseMs *int64               `protobuf:"varint,14,opt,name=backpressure_pause_ms,json=backpressurePauseMs,proto3,oneof" json:"backpressure_pause_ms,omitempty"`
-	PrefillBackupPolicy *PrefillBackupPolicy `protobuf:"varint,15,opt,name=prefill_backup_policy,json=prefillBackupPolicy,proto3,enum=kvc.v1.PrefillBackupPolicy,oneof" json:"prefill_backup_policy,omitempty"`
+	BackpressurePauseMs *int64 `protobuf:"varint,14,opt,name=backpressure_pause_ms,json=backpressurePauseMs,proto3,oneof" json:"backpressure_pause_ms,omitempty"`
 	// D->P snapshot: push when committed_len - last_pushed >= delta_tokens (1024).
 	SnapshotDeltaTokens *int64 `protobuf:"varint,16,opt,name=snapshot_delta_tokens,json=snapshotDeltaTokens,proto3,oneof" json:"snapshot_delta_tokens,omitempty"`
 	// RESEED_SNAPSHOT when snapshot seqlen >= input - tail_tolerance_tokens.
@@ -1187,13 +1136,6 @@ func (x *Policy) GetBackpressurePauseMs() int64 {
 		return *x.BackpressurePauseMs
 	}
 	return 0
-}
-
-func (x *Policy) GetPrefillBackupPolicy() PrefillBackupPolicy {
-	if x != nil && x.PrefillBackupPolicy != nil {
-		return *x.PrefillBackupPolicy
-	}
-	return PrefillBackupPolicy_PREFILL_BACKUP_POLICY_UNSPECIFIED
 }
 
 func (x *Policy) GetSnapshotDeltaTokens() int64 {
@@ -1600,7 +1542,7 @@ const file_kvc_v1_common_proto_rawDesc = "" +
 	"\rcontent_chain\x18\x10 \x01(\fR\fcontentChain\x1a;\n" +
 	"\rDRejectsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\x05R\x05value:\x028\x01\"\xc0\x11\n" +
+	"\x05value\x18\x02 \x01(\x05R\x05value:\x028\x01\"\xed\x10\n" +
 	"\x06Policy\x12@\n" +
 	"\x1adirect_max_uncached_tokens\x18\x01 \x01(\x03H\x00R\x17directMaxUncachedTokens\x88\x01\x01\x12A\n" +
 	"\x1amigration_reject_threshold\x18\x02 \x01(\x05H\x01R\x18migrationRejectThreshold\x88\x01\x01\x12'\n" +
@@ -1617,20 +1559,19 @@ const file_kvc_v1_common_proto_rawDesc = "" +
 	"\x1bbackpressure_transfer_queue\x18\f \x01(\x05H\n" +
 	"R\x19backpressureTransferQueue\x88\x01\x01\x12C\n" +
 	"\x1bbackpressure_prealloc_queue\x18\r \x01(\x05H\vR\x19backpressurePreallocQueue\x88\x01\x01\x127\n" +
-	"\x15backpressure_pause_ms\x18\x0e \x01(\x03H\fR\x13backpressurePauseMs\x88\x01\x01\x12T\n" +
-	"\x15prefill_backup_policy\x18\x0f \x01(\x0e2\x1b.kvc.v1.PrefillBackupPolicyH\rR\x13prefillBackupPolicy\x88\x01\x01\x127\n" +
-	"\x15snapshot_delta_tokens\x18\x10 \x01(\x03H\x0eR\x13snapshotDeltaTokens\x88\x01\x01\x127\n" +
-	"\x15tail_tolerance_tokens\x18\x11 \x01(\x03H\x0fR\x13tailToleranceTokens\x88\x01\x01\x12>\n" +
-	"\x19snapshot_max_staleness_ms\x18\x12 \x01(\x03H\x10R\x16snapshotMaxStalenessMs\x88\x01\x01\x12)\n" +
-	"\x0esession_ttl_ms\x18\x13 \x01(\x03H\x11R\fsessionTtlMs\x88\x01\x01\x120\n" +
-	"\x11snapshots_enabled\x18\x14 \x01(\bH\x12R\x10snapshotsEnabled\x88\x01\x01\x121\n" +
-	"\x12kv_centric_enabled\x18\x15 \x01(\bH\x13R\x10kvCentricEnabled\x88\x01\x01\x125\n" +
-	"\x14unreachable_grace_ms\x18\x16 \x01(\x03H\x14R\x12unreachableGraceMs\x88\x01\x01\x12\x18\n" +
+	"\x15backpressure_pause_ms\x18\x0e \x01(\x03H\fR\x13backpressurePauseMs\x88\x01\x01\x127\n" +
+	"\x15snapshot_delta_tokens\x18\x10 \x01(\x03H\rR\x13snapshotDeltaTokens\x88\x01\x01\x127\n" +
+	"\x15tail_tolerance_tokens\x18\x11 \x01(\x03H\x0eR\x13tailToleranceTokens\x88\x01\x01\x12>\n" +
+	"\x19snapshot_max_staleness_ms\x18\x12 \x01(\x03H\x0fR\x16snapshotMaxStalenessMs\x88\x01\x01\x12)\n" +
+	"\x0esession_ttl_ms\x18\x13 \x01(\x03H\x10R\fsessionTtlMs\x88\x01\x01\x120\n" +
+	"\x11snapshots_enabled\x18\x14 \x01(\bH\x11R\x10snapshotsEnabled\x88\x01\x01\x121\n" +
+	"\x12kv_centric_enabled\x18\x15 \x01(\bH\x12R\x10kvCentricEnabled\x88\x01\x01\x125\n" +
+	"\x14unreachable_grace_ms\x18\x16 \x01(\x03H\x13R\x12unreachableGraceMs\x88\x01\x01\x12\x18\n" +
 	"\aversion\x18\x17 \x01(\x03R\aversion\x121\n" +
-	"\x12seed_through_store\x18\x18 \x01(\bH\x15R\x10seedThroughStore\x88\x01\x01\x12!\n" +
+	"\x12seed_through_store\x18\x18 \x01(\bH\x14R\x10seedThroughStore\x88\x01\x01\x12!\n" +
 	"\n" +
-	"max_pin_ms\x18\x19 \x01(\x03H\x16R\bmaxPinMs\x88\x01\x01\x12-\n" +
-	"\x10max_pinned_share\x18\x1a \x01(\x01H\x17R\x0emaxPinnedShare\x88\x01\x01\x1aR\n" +
+	"max_pin_ms\x18\x19 \x01(\x03H\x15R\bmaxPinMs\x88\x01\x01\x12-\n" +
+	"\x10max_pinned_share\x18\x1a \x01(\x01H\x16R\x0emaxPinnedShare\x88\x01\x01\x1aR\n" +
 	"$MaxConcurrentTransfersPerWorkerEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\x05R\x05value:\x028\x01B\x1d\n" +
@@ -1647,7 +1588,6 @@ const file_kvc_v1_common_proto_rawDesc = "" +
 	"\x1c_backpressure_transfer_queueB\x1e\n" +
 	"\x1c_backpressure_prealloc_queueB\x18\n" +
 	"\x16_backpressure_pause_msB\x18\n" +
-	"\x16_prefill_backup_policyB\x18\n" +
 	"\x16_snapshot_delta_tokensB\x18\n" +
 	"\x16_tail_tolerance_tokensB\x1c\n" +
 	"\x1a_snapshot_max_staleness_msB\x11\n" +
@@ -1657,7 +1597,7 @@ const file_kvc_v1_common_proto_rawDesc = "" +
 	"\x15_unreachable_grace_msB\x15\n" +
 	"\x13_seed_through_storeB\r\n" +
 	"\v_max_pin_msB\x13\n" +
-	"\x11_max_pinned_share\"\xa3\x01\n" +
+	"\x11_max_pinned_shareJ\x04\b\x0f\x10\x10R\x15prefill_backup_policy\"\xa3\x01\n" +
 	"\bKVLayout\x12\x1b\n" +
 	"\tpage_size\x18\x01 \x01(\x05R\bpageSize\x12\x19\n" +
 	"\bitem_len\x18\x02 \x01(\x03R\aitemLen\x12\x1d\n" +
@@ -1691,11 +1631,7 @@ const file_kvc_v1_common_proto_rawDesc = "" +
 	"\x12WORKER_STATE_READY\x10\x01\x12\x19\n" +
 	"\x15WORKER_STATE_DRAINING\x10\x02\x12\x1c\n" +
 	"\x18WORKER_STATE_UNREACHABLE\x10\x03\x12\x1c\n" +
-	"\x18WORKER_STATE_WORKER_DOWN\x10\x04*\x99\x01\n" +
-	"\x13PrefillBackupPolicy\x12%\n" +
-	"!PREFILL_BACKUP_POLICY_UNSPECIFIED\x10\x00\x120\n" +
-	",PREFILL_BACKUP_POLICY_RELEASE_AFTER_TRANSFER\x10\x01\x12)\n" +
-	"%PREFILL_BACKUP_POLICY_CAPACITY_BACKUP\x10\x02*U\n" +
+	"\x18WORKER_STATE_WORKER_DOWN\x10\x04*U\n" +
 	"\x06KVKind\x12\x17\n" +
 	"\x13KV_KIND_UNSPECIFIED\x10\x00\x12\r\n" +
 	"\tKV_KIND_K\x10\x01\x12\r\n" +
@@ -1714,43 +1650,41 @@ func file_kvc_v1_common_proto_rawDescGZIP() []byte {
 	return file_kvc_v1_common_proto_rawDescData
 }
 
-var file_kvc_v1_common_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
+var file_kvc_v1_common_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
 var file_kvc_v1_common_proto_msgTypes = make([]protoimpl.MessageInfo, 12)
 var file_kvc_v1_common_proto_goTypes = []any{
-	(WorkerRole)(0),          // 0: kvc.v1.WorkerRole
-	(WorkerState)(0),         // 1: kvc.v1.WorkerState
-	(PrefillBackupPolicy)(0), // 2: kvc.v1.PrefillBackupPolicy
-	(KVKind)(0),              // 3: kvc.v1.KVKind
-	(*WorkerLoad)(nil),       // 4: kvc.v1.WorkerLoad
-	(*Worker)(nil),           // 5: kvc.v1.Worker
-	(*TPRank)(nil),           // 6: kvc.v1.TPRank
-	(*SnapshotInfo)(nil),     // 7: kvc.v1.SnapshotInfo
-	(*SessionRecord)(nil),    // 8: kvc.v1.SessionRecord
-	(*Policy)(nil),           // 9: kvc.v1.Policy
-	(*KVLayout)(nil),         // 10: kvc.v1.KVLayout
-	(*VolatileEntry)(nil),    // 11: kvc.v1.VolatileEntry
-	(*VolatileBatch)(nil),    // 12: kvc.v1.VolatileBatch
-	nil,                      // 13: kvc.v1.SessionRecord.DRejectsEntry
-	nil,                      // 14: kvc.v1.Policy.MaxConcurrentTransfersPerWorkerEntry
-	nil,                      // 15: kvc.v1.VolatileEntry.DRejectsEntry
+	(WorkerRole)(0),       // 0: kvc.v1.WorkerRole
+	(WorkerState)(0),      // 1: kvc.v1.WorkerState
+	(KVKind)(0),           // 2: kvc.v1.KVKind
+	(*WorkerLoad)(nil),    // 3: kvc.v1.WorkerLoad
+	(*Worker)(nil),        // 4: kvc.v1.Worker
+	(*TPRank)(nil),        // 5: kvc.v1.TPRank
+	(*SnapshotInfo)(nil),  // 6: kvc.v1.SnapshotInfo
+	(*SessionRecord)(nil), // 7: kvc.v1.SessionRecord
+	(*Policy)(nil),        // 8: kvc.v1.Policy
+	(*KVLayout)(nil),      // 9: kvc.v1.KVLayout
+	(*VolatileEntry)(nil), // 10: kvc.v1.VolatileEntry
+	(*VolatileBatch)(nil), // 11: kvc.v1.VolatileBatch
+	nil,                   // 12: kvc.v1.SessionRecord.DRejectsEntry
+	nil,                   // 13: kvc.v1.Policy.MaxConcurrentTransfersPerWorkerEntry
+	nil,                   // 14: kvc.v1.VolatileEntry.DRejectsEntry
 }
 var file_kvc_v1_common_proto_depIdxs = []int32{
 	0,  // 0: kvc.v1.Worker.role:type_name -> kvc.v1.WorkerRole
 	1,  // 1: kvc.v1.Worker.state:type_name -> kvc.v1.WorkerState
-	4,  // 2: kvc.v1.Worker.load:type_name -> kvc.v1.WorkerLoad
-	6,  // 3: kvc.v1.Worker.tp_ranks:type_name -> kvc.v1.TPRank
+	3,  // 2: kvc.v1.Worker.load:type_name -> kvc.v1.WorkerLoad
+	5,  // 3: kvc.v1.Worker.tp_ranks:type_name -> kvc.v1.TPRank
 	1,  // 4: kvc.v1.TPRank.state:type_name -> kvc.v1.WorkerState
-	7,  // 5: kvc.v1.SessionRecord.snapshot:type_name -> kvc.v1.SnapshotInfo
-	13, // 6: kvc.v1.SessionRecord.d_rejects:type_name -> kvc.v1.SessionRecord.DRejectsEntry
-	14, // 7: kvc.v1.Policy.max_concurrent_transfers_per_worker:type_name -> kvc.v1.Policy.MaxConcurrentTransfersPerWorkerEntry
-	2,  // 8: kvc.v1.Policy.prefill_backup_policy:type_name -> kvc.v1.PrefillBackupPolicy
-	15, // 9: kvc.v1.VolatileEntry.d_rejects:type_name -> kvc.v1.VolatileEntry.DRejectsEntry
-	11, // 10: kvc.v1.VolatileBatch.entries:type_name -> kvc.v1.VolatileEntry
-	11, // [11:11] is the sub-list for method output_type
-	11, // [11:11] is the sub-list for method input_type
-	11, // [11:11] is the sub-list for extension type_name
-	11, // [11:11] is the sub-list for extension extendee
-	0,  // [0:11] is the sub-list for field type_name
+	6,  // 5: kvc.v1.SessionRecord.snapshot:type_name -> kvc.v1.SnapshotInfo
+	12, // 6: kvc.v1.SessionRecord.d_rejects:type_name -> kvc.v1.SessionRecord.DRejectsEntry
+	13, // 7: kvc.v1.Policy.max_concurrent_transfers_per_worker:type_name -> kvc.v1.Policy.MaxConcurrentTransfersPerWorkerEntry
+	14, // 8: kvc.v1.VolatileEntry.d_rejects:type_name -> kvc.v1.VolatileEntry.DRejectsEntry
+	10, // 9: kvc.v1.VolatileBatch.entries:type_name -> kvc.v1.VolatileEntry
+	10, // [10:10] is the sub-list for method output_type
+	10, // [10:10] is the sub-list for method input_type
+	10, // [10:10] is the sub-list for extension type_name
+	10, // [10:10] is the sub-list for extension extendee
+	0,  // [0:10] is the sub-list for field type_name
 }
 
 func init() { file_kvc_v1_common_proto_init() }
@@ -1764,7 +1698,7 @@ func file_kvc_v1_common_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvc_v1_common_proto_rawDesc), len(file_kvc_v1_common_proto_rawDesc)),
-			NumEnums:      4,
+			NumEnums:      3,
 			NumMessages:   12,
 			NumExtensions: 0,
 			NumServices:   0,
