@@ -684,9 +684,11 @@ func TestCallTimeout(t *testing.T) {
 			}
 		})
 	}
-	start := time.Now()
-	if err := s.Apply(t.Context(), f, []Op{big}); !errors.Is(err, ErrTooLarge) || time.Since(start) > bound/2 {
-		t.Fatalf("oversized Txn: %v after %s, want ErrTooLarge at once", err, time.Since(start))
+	// Refused before it is sent: through the blackholed link a sent Txn could only end in the
+	// store's bound (ErrUnavailable), so ErrTooLarge itself shows nothing was sent (no wall
+	// time asserted: the machine may be slow).
+	if err := s.Apply(t.Context(), f, []Op{big}); !errors.Is(err, ErrTooLarge) || errors.Is(err, ErrUnavailable) {
+		t.Fatalf("oversized Txn: %v, want ErrTooLarge without reaching etcd", err)
 	}
 }
 

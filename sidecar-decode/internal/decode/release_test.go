@@ -89,10 +89,11 @@ func (rw *releasingWorker) run(t *testing.T, ctx context.Context, s *Sidecar, c 
 		rw.released = append(rw.released, id)
 		rw.current = append(rw.current, cur)
 		rw.mu.Unlock()
-		if _, err := c.ReleaseSession(ctx, &kvcv1.ReleaseSessionRequest{SessionId: id, Reason: kvcv1.ReleaseReason_RELEASE_REASON_EVICTED}); err != nil {
+		// The sidecar may finish (and the test cancel ctx) while these calls' answers are on their
+		// way: the EVICTED event the test waits for is reported inside ReleaseSession.
+		if _, err := c.ReleaseSession(ctx, &kvcv1.ReleaseSessionRequest{SessionId: id, Reason: kvcv1.ReleaseReason_RELEASE_REASON_EVICTED}); err != nil && ctx.Err() == nil {
 			t.Error(err)
 		}
-		// The sidecar may finish (and the test cancel ctx) while this call's answer is on its way.
 		if _, err := c.AckCommand(ctx, &kvcv1.AckCommandRequest{CommandId: m.GetCommandId(), Ok: true, FreedTokens: kv}); err != nil && ctx.Err() == nil {
 			t.Error(err)
 		}
