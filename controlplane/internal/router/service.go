@@ -173,70 +173,110 @@ func (s *Service) expire(now time.Time) int {
 // item 6, a stream closed after one query held its reservation for the 30 s timeout); when the
 // stream breaks they are released after StreamEndGrace, within which an outcome the gateway
 // sends on its next stream still applies.
-func (s *Service) Route(stream grpc.BidiStreamingServer[kvcv1.RouteRequest, kvcv1.RouteResponse]) (err error) {
+//
+// One goroutine receives and answers each message in turn (no hand-over per message: issue 22
+// item 5); the handler waits for it to end or for the stream's context, since Recv does not
+// return when only the gate's context is cancelled.
+func (s *Service) Route(stream grpc.BidiStreamingServer[kvcv1.RouteRequest, kvcv1.RouteResponse]) error {
 	ctx := stream.Context()
-	mine := map[uint64]struct{}{}
-	closed := false
-	defer func() { s.streamEnded(mine, closed) }()
-	type recvd struct {
-		req *kvcv1.RouteRequest
-		err error
-	}
-	in := make(chan recvd)
-	var sendMu sync.Mutex
-	send := func(req *kvcv1.RouteRequest, resp *kvcv1.RouteResponse) error {
-		sendMu.Lock() // mine is the stream's: tracked under the send lock (turns answered off the loop)
-		defer sendMu.Unlock()
-		s.track(mine, req, resp)
-		return stream.Send(resp)
-	}
+	rs := &routeStream{s: s, stream: stream, mine: map[uint64]struct{}{}}
 	var wg sync.WaitGroup // turns waiting for their session's re-home
-	defer wg.Wait()
 	// Cancelled before wg.Wait runs: a stream that ends stops its turns' waits.
 	wctx, stopWaits := context.WithCancel(ctx)
-	defer stopWaits()
-	go func() { // ends when the handler returns (Recv fails then)
+	done := make(chan error, 1)
+	go func() { // ends when the handler returns (Recv fails then) or a send fails
 		for {
 			req, err := stream.Recv()
-			select {
-			case in <- recvd{req, err}:
-			case <-ctx.Done():
+			if err != nil {
+				done <- err
 				return
 			}
-			if err != nil {
+			if ctx.Err() != nil {
+				return // the handler answers UNAVAILABLE; nothing more is decided
+			}
+			if q := req.GetQuery(); q != nil && s.rehomeWait(q.GetSessionId()) != nil {
+				// The session is being re-homed (rehome.go): its turn waits for that, off this
+				// loop, so the stream's other sessions are not held up.
+				if !rs.goWait(&wg) {
+					return // the handler has stopped sending
+				}
+				go func(req *kvcv1.RouteRequest) {
+					defer wg.Done()
+					s.waitRehome(wctx, q.GetSessionId())
+					_ = rs.send(req, s.Handle(req)) // a failed send ends the stream's Recv too
+				}(req)
+				continue
+			}
+			if err := rs.send(req, s.Handle(req)); err != nil {
+				done <- err
 				return
 			}
 		}
 	}()
-	for {
-		var r recvd
-		select {
-		case r = <-in:
-		case <-ctx.Done():
-			return status.Error(codes.Unavailable, "route stream ended (leadership ended or server stopping); reconnect to the leader")
-		}
-		if errors.Is(r.err, io.EOF) {
-			closed = true
-			return nil
-		}
-		if r.err != nil {
-			return r.err
-		}
-		if q := r.req.GetQuery(); q != nil && s.rehomeWait(q.GetSessionId()) != nil {
-			// The session is being re-homed (rehome.go): its turn waits for that, off this loop,
-			// so the stream's other sessions are not held up.
-			wg.Add(1)
-			go func(req *kvcv1.RouteRequest) {
-				defer wg.Done()
-				s.waitRehome(wctx, q.GetSessionId())
-				_ = send(req, s.Handle(req)) // a failed send ends the stream's Recv too
-			}(r.req)
-			continue
-		}
-		if err := send(r.req, s.Handle(r.req)); err != nil {
-			return err
-		}
+	var err error
+	select {
+	case err = <-done:
+	case <-ctx.Done():
+		err = status.Error(codes.Unavailable, "route stream ended (leadership ended or server stopping); reconnect to the leader")
 	}
+	closed := errors.Is(err, io.EOF)
+	if closed {
+		err = nil
+	}
+	stopWaits()
+	rs.end(closed) // no send from here on; what is decided later is released as the stream's end says
+	wg.Wait()
+	s.streamEnded(rs.mine, closed)
+	return err
+}
+
+// routeStream is one Route stream's sending side: its sends, and the decisions it got and has
+// not reported (mine), under one lock; once ended, nothing more is sent.
+type routeStream struct {
+	s      *Service
+	stream grpc.BidiStreamingServer[kvcv1.RouteRequest, kvcv1.RouteResponse]
+	mu     sync.Mutex
+	mine   map[uint64]struct{}
+	ended  bool
+	closed bool // how it ended: the client closed it (EOF)
+}
+
+// errStreamEnded is a send after the handler stopped sending.
+var errStreamEnded = errors.New("route stream ended")
+
+// send tracks resp's decision (and req's outcome) and sends resp. After the stream ended, a
+// decision made meanwhile is released the way the stream's end releases its others.
+func (rs *routeStream) send(req *kvcv1.RouteRequest, resp *kvcv1.RouteResponse) error {
+	rs.mu.Lock()
+	if rs.ended {
+		closed := rs.closed
+		rs.mu.Unlock()
+		late := map[uint64]struct{}{}
+		rs.s.track(late, req, resp)
+		rs.s.streamEnded(late, closed)
+		return errStreamEnded
+	}
+	defer rs.mu.Unlock()
+	rs.s.track(rs.mine, req, resp)
+	return rs.stream.Send(resp)
+}
+
+// goWait counts one more turn waiting off the receive loop (false: the stream ended).
+func (rs *routeStream) goWait(wg *sync.WaitGroup) bool {
+	rs.mu.Lock()
+	defer rs.mu.Unlock()
+	if rs.ended {
+		return false
+	}
+	wg.Add(1)
+	return true
+}
+
+// end stops every send; the handler returns after it.
+func (rs *routeStream) end(closed bool) {
+	rs.mu.Lock()
+	rs.ended, rs.closed = true, closed
+	rs.mu.Unlock()
 }
 
 // StreamEndGrace is how long the reservations of a broken Route stream are kept for an outcome
@@ -448,7 +488,14 @@ func ref(w *kvcv1.Worker) *kvcv1.WorkerRef {
 	if w == nil {
 		return nil
 	}
-	r := &kvcv1.WorkerRef{WorkerId: w.WorkerId, WorkerUrl: w.WorkerUrl, PeerAddr: w.PeerAddr, TransferEndpoint: w.TransferEndpoint}
+	r := new(kvcv1.WorkerRef)
+	fillRef(r, w)
+	return r
+}
+
+// fillRef sets r (a zero WorkerRef) to w's addresses.
+func fillRef(r *kvcv1.WorkerRef, w *kvcv1.Worker) {
+	r.WorkerId, r.WorkerUrl, r.PeerAddr, r.TransferEndpoint = w.WorkerId, w.WorkerUrl, w.PeerAddr, w.TransferEndpoint
 	if n := len(w.TpRanks); n > 0 {
 		// A tensor-parallel group: every rank's addresses (rank r pairs with rank r).
 		r.TpRanks = make([]*kvcv1.TPRank, n)
@@ -456,7 +503,6 @@ func ref(w *kvcv1.Worker) *kvcv1.WorkerRef {
 			r.TpRanks[i] = &kvcv1.TPRank{TpRank: t.GetTpRank(), WorkerId: t.GetWorkerId(), PeerAddr: t.GetPeerAddr(), TransferEndpoint: t.GetTransferEndpoint()}
 		}
 	}
-	return r
 }
 
 func workerID(w *kvcv1.Worker) string {
@@ -469,7 +515,8 @@ func workerID(w *kvcv1.Worker) string {
 // record assigns the decision its sequence number and takes its reservation. Caller holds mu.
 func (s *Service) record(in *policy.Input, d *policy.Decision, now time.Time) *reservation {
 	s.nextSeq++
-	r := &reservation{
+	r := reservationPool.Get().(*reservation)
+	*r = reservation{
 		seq:      s.nextSeq,
 		session:  in.Query.SessionID,
 		mode:     d.Mode,
@@ -509,13 +556,17 @@ func (s *Service) record(in *policy.Input, d *policy.Decision, now time.Time) *r
 	return r
 }
 
+// reservationPool recycles reservations: an outcome applied hands its reservation back
+// (outcome.go); one that expired, or whose stream ended, is left to the collector.
+var reservationPool = sync.Pool{New: func() any { return new(reservation) }}
+
 // queryCtx is one query being decided (pooled: no allocation of its own per decision).
 type queryCtx struct {
 	s       *Service
 	q       *kvcv1.RouteQuery
 	in      policy.Input
 	d       policy.Decision
-	r       *reservation
+	seq     uint64 // the decision's sequence number (its reservation's)
 	decided bool
 	ct      policy.Content
 	entry   *contentEntry  // the session's content entry when the query carries hashes
@@ -550,9 +601,10 @@ func (x *queryCtx) decide(rec *kvcv1.SessionRecord) {
 	x.s.led.prune(x.in.Workers)
 	x.in.Ledger = x.s.led
 	x.d = policy.Decide(&x.in)
-	x.r = x.s.record(&x.in, &x.d, x.now)
-	x.r.pinMs, x.r.lowChanged = x.q.PinMs, x.lowChanged
-	x.r.trace = x.trace
+	r := x.s.record(&x.in, &x.d, x.now)
+	r.pinMs, r.lowChanged = x.q.PinMs, x.lowChanged
+	r.trace = x.trace
+	x.seq = r.seq // r is the ledger's from here on (its outcome recycles it)
 	x.s.mu.Unlock()
 	x.decided = true
 }
@@ -661,18 +713,18 @@ func (s *Service) query(q *kvcv1.RouteQuery) *kvcv1.RouteResponse {
 		// A re-home of the session started between Route's look and this decision (rehome.go):
 		// wait for it instead of a plain fallback, then decide again.
 		s.mu.Lock()
-		s.led.remove(x.r.seq)
+		s.led.remove(x.seq)
 		s.mu.Unlock()
 		s.waitRehome(context.Background(), q.SessionId)
 		x.run()
 	}
 	if x.d.Mode == kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT {
-		if err := s.pushSnapshot(q.SessionId, &x.d, x.r.seq, tp); err != nil {
+		if err := s.pushSnapshot(q.SessionId, &x.d, x.seq, tp); err != nil {
 			// The holder cannot be commanded: decide again without the snapshot.
 			s.log.Warn().Err(err).Str("session", q.SessionId).Str("prefill", workerID(x.d.Prefill)).
 				Msg("push_snapshot not sent; reseeding by prefill")
 			s.mu.Lock()
-			s.led.remove(x.r.seq)
+			s.led.remove(x.seq)
 			s.mu.Unlock()
 			x.in.NoSnapshot = true
 			x.run()
@@ -681,7 +733,7 @@ func (s *Service) query(q *kvcv1.RouteQuery) *kvcv1.RouteResponse {
 	if x.d.Refused {
 		return s.refuse(q, x, span)
 	}
-	d, r, turn := &x.d, x.r, x.d.Turn
+	d, seq, turn := &x.d, x.seq, x.d.Turn
 
 	if d.LocalReject != "" {
 		s.m.rejected.WithLabelValues(d.LocalReject, "local").Inc()
@@ -692,13 +744,15 @@ func (s *Service) query(q *kvcv1.RouteQuery) *kvcv1.RouteResponse {
 	s.m.decision(d.Mode, d.Reason)
 	s.m.plan(d.Mode, d.Reason, &d.Exec)
 	s.m.admission(d)
-	out := &kvcv1.RouteDecision{
+	m := new(decisionMsg) // the answer in one allocation
+	out := &m.dec
+	m.dec = kvcv1.RouteDecision{
 		RequestId:          q.RequestId,
-		DecisionId:         s.id(r.seq),
+		DecisionId:         s.id(seq),
 		Mode:               d.Mode,
 		Reason:             d.Reason,
-		Prefill:            ref(d.Prefill),
-		Decode:             ref(d.Decode),
+		Prefill:            m.ref(0, d.Prefill),
+		Decode:             m.ref(1, d.Decode),
 		ReservedTokens:     d.ReservedTokens,
 		CachedTokens:       d.CachedTokens,
 		PrefillPriority:    d.PrefillPriority,
@@ -707,13 +761,14 @@ func (s *Service) query(q *kvcv1.RouteQuery) *kvcv1.RouteResponse {
 		SnapshotGeneration: d.SnapshotGeneration,
 		Epoch:              epoch,
 		Turn:               turn,
-		Execution:          s.execution(&d.Exec),
+		Execution:          &m.exec,
 	}
+	s.execution(&d.Exec, &m.exec)
 	if d.Exec.Transfer != kvcv1.TransferKind_TRANSFER_KIND_UNSPECIFIED {
-		out.BootstrapRoom = s.room(r.seq) // the plan moves KV: the transfer's room
+		out.BootstrapRoom = s.room(seq) // the plan moves KV: the transfer's room
 	}
 	if out.Execution.StoreGeneration != 0 {
-		out.Execution.StoreLoadRoom = s.room(r.seq + 1<<52) // D's load from P's store: a room of its own
+		out.Execution.StoreLoadRoom = s.room(seq + 1<<52) // D's load from P's store: a room of its own
 	}
 	if e := s.log.Debug(); e.Enabled() {
 		e.Str("decision_id", out.DecisionId).Str("session", q.SessionId).Str("mode", ModeName(d.Mode)).
@@ -722,7 +777,9 @@ func (s *Service) query(q *kvcv1.RouteQuery) *kvcv1.RouteResponse {
 	}
 	endDecision(span, q, out)
 	s.m.latency.Observe(time.Since(start).Seconds())
-	return &kvcv1.RouteResponse{Kind: &kvcv1.RouteResponse_Decision{Decision: out}}
+	m.kind.Decision = out
+	m.resp.Kind = &m.kind
+	return &m.resp
 }
 
 // refuse answers a query the policy refused (a new session past every decode worker's
@@ -731,7 +788,7 @@ func (s *Service) query(q *kvcv1.RouteQuery) *kvcv1.RouteResponse {
 // no_d_capacity instead of failing open onto a worker that would evict for it.
 func (s *Service) refuse(q *kvcv1.RouteQuery, x *queryCtx, span trace.Span) *kvcv1.RouteResponse {
 	s.mu.Lock()
-	s.led.remove(x.r.seq)
+	s.led.remove(x.seq)
 	s.mu.Unlock()
 	s.m.newRefused.Inc()
 	endDecision(span, q, nil)
@@ -741,9 +798,29 @@ func (s *Service) refuse(q *kvcv1.RouteQuery, x *queryCtx, span trace.Span) *kvc
 		q.InputTokens+q.MaxOutputTokens, x.in.Knobs.NewSessionShare))
 }
 
-// execution is the proto form of the policy's execution plan.
-func (s *Service) execution(e *policy.Execution) *kvcv1.RouteExecution {
-	out := &kvcv1.RouteExecution{
+// decisionMsg is a decision's answer with the messages it points to, allocated together (one
+// allocation per decision instead of six). Never copied: its fields are pointed to.
+type decisionMsg struct {
+	resp kvcv1.RouteResponse
+	kind kvcv1.RouteResponse_Decision
+	dec  kvcv1.RouteDecision
+	exec kvcv1.RouteExecution
+	refs [2]kvcv1.WorkerRef
+}
+
+// ref is ref(w) in m.refs[i] (nil for no worker).
+func (m *decisionMsg) ref(i int, w *kvcv1.Worker) *kvcv1.WorkerRef {
+	if w == nil {
+		return nil
+	}
+	r := &m.refs[i]
+	fillRef(r, w)
+	return r
+}
+
+// execution fills out with the proto form of the policy's execution plan.
+func (s *Service) execution(e *policy.Execution, out *kvcv1.RouteExecution) {
+	*out = kvcv1.RouteExecution{
 		CallPrefill:      e.CallPrefill,
 		CallDecode:       e.CallDecode,
 		Transfer:         e.Transfer,
@@ -769,7 +846,6 @@ func (s *Service) execution(e *policy.Execution) *kvcv1.RouteExecution {
 			}
 		}
 	}
-	return out
 }
 
 func (s *Service) pushSnapshot(session string, d *policy.Decision, seq uint64, traceparent string) error {
