@@ -1,6 +1,8 @@
 package policy
 
 import (
+	"sync"
+
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -198,7 +200,8 @@ type Cycle struct {
 // Decide is the routing policy. It is pure: the same Input gives the same Decision, execution
 // plan included.
 func Decide(in *Input) Decision {
-	c := &Cycle{In: in, K: in.Knobs, Q: &in.Query, S: in.Session, Turn: InferTurn(in.Query.Turn, in.Session)}
+	c := getCycle(in)
+	defer putCycle(c)
 	if in.Unavailable {
 		c.Turn = in.Query.Turn // no session state to count from
 	}
@@ -214,6 +217,24 @@ func Decide(in *Input) Decision {
 	seedThroughStore(&d.Exec, in)
 	c.fromSnapshot(&d)
 	return d
+}
+
+// cyclePool recycles the Cycle of a decision (one allocation per decision otherwise: the
+// rules' funcs take it, so it escapes), with its scratch slices.
+var cyclePool = sync.Pool{New: func() any { return new(Cycle) }}
+
+// getCycle is a Cycle for deciding in, from the pool.
+func getCycle(in *Input) *Cycle {
+	c := cyclePool.Get().(*Cycle)
+	*c = Cycle{In: in, K: in.Knobs, Q: &in.Query, S: in.Session, Turn: InferTurn(in.Query.Turn, in.Session),
+		pSizes: c.pSizes[:0]}
+	return c
+}
+
+// putCycle hands c back once its decision is made (nothing of it outlives Decide).
+func putCycle(c *Cycle) {
+	*c = Cycle{pSizes: c.pSizes[:0]} // drop references (input, records, workers) before reuse
+	cyclePool.Put(c)
 }
 
 // endSession: the client ended the session. Nothing is routed and nothing reserved; the plan

@@ -73,15 +73,18 @@ func (h *hintsCtx) apply(rec *kvcv1.SessionRecord) {
 	h.until, h.low = rec.PinnedUntilUnixMs, rec.LowPriority
 }
 
+// noHints is grantHints' answer for a turn without hints (read-only).
+var noHints hintsCtx
+
 // grantHints applies a successful outcome's hints to the session resident on r.decode and
 // returns what the decode sidecar must know (the pin's end, the priority) and whether they
 // changed. The pin is clamped or refused by the policy's knobs (policy.GrantPin), with the
 // reason logged and counted (kvc_router_pins_total).
 func (s *Service) grantHints(r *reservation, nowMs int64) *hintsCtx {
-	h := &hintsCtx{s: s, r: r, nowMs: nowMs, k: s.policyKnobs()}
 	if r.pinMs <= 0 && !r.lowChanged {
-		return h
+		return &noHints // no hint: nothing to apply or tell (most turns)
 	}
+	h := &hintsCtx{s: s, r: r, nowMs: nowMs, k: s.policyKnobs()}
 	for _, w := range s.c.Workers() {
 		if w.GetWorkerId() == r.decode {
 			h.capacity = w.GetKvCapacityTokens()

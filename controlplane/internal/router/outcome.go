@@ -33,7 +33,7 @@ func (s *Service) outcome(o *kvcv1.RouteOutcome) *kvcv1.RouteResponse {
 		// The reservation expired (its tokens are released); what the turn did still counts.
 		s.m.lateOutcomes.Inc()
 		s.apply(r, o, nowMs)
-		return &kvcv1.RouteResponse{Kind: &kvcv1.RouteResponse_OutcomeAck{OutcomeAck: &kvcv1.OutcomeAck{DecisionId: o.DecisionId}}}
+		return outcomeAck(o.DecisionId)
 	}
 	if !ok {
 		if issued {
@@ -42,7 +42,27 @@ func (s *Service) outcome(o *kvcv1.RouteOutcome) *kvcv1.RouteResponse {
 		return s.errResp("", o.DecisionId, codes.NotFound, "unknown decision id")
 	}
 	s.apply(r, o, nowMs)
-	return &kvcv1.RouteResponse{Kind: &kvcv1.RouteResponse_OutcomeAck{OutcomeAck: &kvcv1.OutcomeAck{DecisionId: o.DecisionId}}}
+	// r is this outcome's alone: removed from the ledger above, never in the late book, and
+	// nothing apply started keeps it.
+	*r = reservation{}
+	reservationPool.Put(r)
+	return outcomeAck(o.DecisionId)
+}
+
+// ackMsg is an outcome's acknowledgement with the messages it points to, allocated together.
+type ackMsg struct {
+	resp kvcv1.RouteResponse
+	kind kvcv1.RouteResponse_OutcomeAck
+	ack  kvcv1.OutcomeAck
+}
+
+// outcomeAck is the answer to an applied outcome (one allocation).
+func outcomeAck(decisionID string) *kvcv1.RouteResponse {
+	m := new(ackMsg)
+	m.ack.DecisionId = decisionID
+	m.kind.OutcomeAck = &m.ack
+	m.resp.Kind = &m.kind
+	return &m.resp
 }
 
 // turn is r as the policy's outcome rules see it.
