@@ -65,6 +65,15 @@ type ledger struct {
 	// while settling is not empty): prune skips the per-worker lookups when no first entry
 	// can be old enough for any worker's heartbeat.
 	minFront int64
+	// view is the worker snapshot prune last ran on, viewMaxHb its newest heartbeat; clean:
+	// no settling entry is old enough for view's heartbeats, except perhaps those added since
+	// (newMin: the oldest of them; none when !added). A decision on the same snapshot then
+	// skips prune's per-worker work (a snapshot is immutable: a load report publishes a new one).
+	view      []*kvcv1.Worker
+	viewMaxHb int64
+	clean     bool
+	added     bool
+	newMin    int64
 	// totals for metrics
 	heldTokens int64
 	// prefix: per prefill worker, the prompts routed there (prefixview.go).
@@ -102,6 +111,10 @@ func (l *ledger) settle(id string, tokens, nowMs int64) {
 	if len(l.settling) == 0 || nowMs < l.minFront {
 		l.minFront = nowMs
 	}
+	if !l.added || nowMs < l.newMin {
+		l.newMin = nowMs
+	}
+	l.added = true
 	l.settling[id] = append(l.settling[id], settle{tokens: tokens, atMs: nowMs})
 	l.settleTok[id] += tokens
 }
@@ -111,12 +124,21 @@ func (l *ledger) prune(workers []*kvcv1.Worker) {
 	if len(l.settling) == 0 {
 		return
 	}
-	// Exact shortcut: an entry is dropped only when atMs+margin < its worker's heartbeat, and
-	// only from the front of its list; every front is >= minFront.
-	maxHb := int64(math.MinInt64)
-	for _, w := range workers {
-		maxHb = max(maxHb, w.GetLastHeartbeatUnixMs())
+	// Exact shortcuts: an entry is dropped only when atMs+margin < its worker's heartbeat, and
+	// only from the front of its list; every front is >= minFront. On the snapshot of the last
+	// prune only entries added since can be old enough.
+	if len(workers) == 0 || len(workers) != len(l.view) || &workers[0] != &l.view[0] {
+		maxHb := int64(math.MinInt64)
+		for _, w := range workers {
+			maxHb = max(maxHb, w.GetLastHeartbeatUnixMs())
+		}
+		l.view, l.viewMaxHb, l.clean = workers, maxHb, false
 	}
+	maxHb := l.viewMaxHb
+	if l.clean && (!l.added || l.newMin+settleMarginMs >= maxHb) {
+		return
+	}
+	l.clean, l.added = true, false
 	if l.minFront+settleMarginMs >= maxHb {
 		return
 	}
@@ -137,7 +159,11 @@ func (l *ledger) prune(workers []*kvcv1.Worker) {
 			delete(l.settleTok, w.WorkerId)
 			continue
 		}
-		l.settling[w.WorkerId] = list[n:]
+		if n > 0 {
+			// Kept at the front of its array: appends reuse it instead of growing a slice whose
+			// front was cut off (an allocation every few successes).
+			l.settling[w.WorkerId] = list[:copy(list, list[n:])]
+		}
 	}
 }
 

@@ -29,7 +29,8 @@ func refPrune(settling map[string][]settle, tok map[string]int64, workers []*kvc
 }
 
 // TestPruneMatchesReference drives the ledger's settle/prune with out-of-order settle times
-// and heartbeats (clocks that go back included) and checks every step against refPrune.
+// and heartbeats (clocks that go back included), on new snapshots and on the last one again,
+// and checks every step against refPrune.
 func TestPruneMatchesReference(t *testing.T) {
 	for _, tc := range []struct {
 		name           string
@@ -48,6 +49,7 @@ func TestPruneMatchesReference(t *testing.T) {
 			ids := []string{"d0", "d1", "d2", "d3"}
 			hb := map[string]int64{}
 			now := int64(10_000)
+			var ws []*kvcv1.Worker
 			for step := range 2000 {
 				now += 5
 				switch r.IntN(3) {
@@ -62,9 +64,13 @@ func TestPruneMatchesReference(t *testing.T) {
 					id := ids[r.IntN(len(ids))]
 					hb[id] = now + tc.hbStep*r.Int64N(3) - r.Int64N(tc.jitter+1)
 				}
-				var ws []*kvcv1.Worker
-				for _, id := range ids[:1+r.IntN(len(ids))] {
-					ws = append(ws, &kvcv1.Worker{WorkerId: id, LastHeartbeatUnixMs: hb[id]})
+				if ws == nil || r.IntN(2) == 0 {
+					// A new snapshot; else the same one again (as decisions between two load
+					// reports see it), with settles added since.
+					ws = nil
+					for _, id := range ids[:1+r.IntN(len(ids))] {
+						ws = append(ws, &kvcv1.Worker{WorkerId: id, LastHeartbeatUnixMs: hb[id]})
+					}
 				}
 				l.prune(ws)
 				refPrune(refS, refT, ws)
