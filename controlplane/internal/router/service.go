@@ -366,7 +366,11 @@ func (s *Service) policyKnobs() *policy.Knobs {
 	return k
 }
 
-func (s *Service) id(seq uint64) string { return s.prefix + strconv.FormatUint(seq, 10) }
+// id is decision seq's id: prefix + decimal sequence number (one allocation).
+func (s *Service) id(seq uint64) string {
+	var b [48]byte
+	return string(strconv.AppendUint(append(b[:0], s.prefix...), seq, 10))
+}
 
 func (s *Service) parseID(id string) (uint64, bool) {
 	rest, ok := strings.CutPrefix(id, s.prefix)
