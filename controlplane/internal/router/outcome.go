@@ -9,13 +9,14 @@ import (
 	"google.golang.org/grpc/codes"
 )
 
-func (s *Service) outcome(o *kvcv1.RouteOutcome) *kvcv1.RouteResponse {
+// outcome applies o; the answer is in m (nil for a RouteError).
+func (s *Service) outcome(o *kvcv1.RouteOutcome) (_ *kvcv1.RouteResponse, m *ackMsg) {
 	if err := validateOutcome(o); err != nil {
-		return s.errResp("", o.DecisionId, codes.InvalidArgument, err.Error())
+		return s.errResp("", o.DecisionId, codes.InvalidArgument, err.Error()), nil
 	}
 	seq, ok := s.parseID(o.DecisionId)
 	if !ok {
-		return s.errResp("", o.DecisionId, codes.NotFound, "unknown decision id (not issued by this leader)")
+		return s.errResp("", o.DecisionId, codes.NotFound, "unknown decision id (not issued by this leader)"), nil
 	}
 	nowMs := s.clock().UnixMilli()
 	s.mu.Lock()
@@ -37,9 +38,9 @@ func (s *Service) outcome(o *kvcv1.RouteOutcome) *kvcv1.RouteResponse {
 	}
 	if !ok {
 		if issued {
-			return s.errResp("", o.DecisionId, codes.FailedPrecondition, "decision already completed")
+			return s.errResp("", o.DecisionId, codes.FailedPrecondition, "decision already completed"), nil
 		}
-		return s.errResp("", o.DecisionId, codes.NotFound, "unknown decision id")
+		return s.errResp("", o.DecisionId, codes.NotFound, "unknown decision id"), nil
 	}
 	s.apply(r, o, nowMs)
 	// r is this outcome's alone: removed from the ledger above, never in the late book, and
@@ -56,13 +57,22 @@ type ackMsg struct {
 	ack  kvcv1.OutcomeAck
 }
 
-// outcomeAck is the answer to an applied outcome (one allocation).
-func outcomeAck(decisionID string) *kvcv1.RouteResponse {
-	m := new(ackMsg)
+// outcomeAck is the answer to an applied outcome, in one block.
+func outcomeAck(decisionID string) (*kvcv1.RouteResponse, *ackMsg) {
+	m := ackPool.Get().(*ackMsg)
 	m.ack.DecisionId = decisionID
 	m.kind.OutcomeAck = &m.ack
 	m.resp.Kind = &m.kind
-	return &m.resp
+	return &m.resp, m
+}
+
+// ackPool recycles ackMsg blocks a Route stream has sent (recycle).
+var ackPool = sync.Pool{New: func() any { return new(ackMsg) }}
+
+// recycle hands m back once its answer is sent.
+func (m *ackMsg) recycle() {
+	*m = ackMsg{}
+	ackPool.Put(m)
 }
 
 // turn is r as the policy's outcome rules see it.

@@ -207,7 +207,12 @@ func (s *Service) Route(stream grpc.BidiStreamingServer[kvcv1.RouteRequest, kvcv
 				}(req)
 				continue
 			}
-			if err := rs.send(req, s.Handle(req)); err != nil {
+			resp, m := s.handle(req)
+			err = rs.send(req, resp)
+			if m != nil {
+				m.recycle() // sent (or dropped): its memory serves the next answer
+			}
+			if err != nil {
 				done <- err
 				return
 			}
@@ -330,19 +335,37 @@ func (s *Service) streamEnded(mine map[uint64]struct{}, closed bool) {
 
 // Handle answers one message of the Route stream.
 func (s *Service) Handle(req *kvcv1.RouteRequest) *kvcv1.RouteResponse {
+	resp, _ := s.handle(req)
+	return resp
+}
+
+// recyclable is an answer's memory that its sender may hand back once the answer is sent
+// (decisionMsg, ackMsg); Handle's callers keep theirs.
+type recyclable interface{ recycle() }
+
+// handle is Handle, with the answer's memory when it can be recycled (nil otherwise).
+func (s *Service) handle(req *kvcv1.RouteRequest) (*kvcv1.RouteResponse, recyclable) {
 	switch k := req.GetKind().(type) {
 	case *kvcv1.RouteRequest_Query:
 		if k.Query == nil {
-			return s.errResp("", "", codes.InvalidArgument, "empty query")
+			return s.errResp("", "", codes.InvalidArgument, "empty query"), nil
 		}
-		return s.query(k.Query)
+		resp, m := s.query(k.Query)
+		if m == nil {
+			return resp, nil
+		}
+		return resp, m
 	case *kvcv1.RouteRequest_Outcome:
 		if k.Outcome == nil {
-			return s.errResp("", "", codes.InvalidArgument, "empty outcome")
+			return s.errResp("", "", codes.InvalidArgument, "empty outcome"), nil
 		}
-		return s.outcome(k.Outcome)
+		resp, m := s.outcome(k.Outcome)
+		if m == nil {
+			return resp, nil
+		}
+		return resp, m
 	default:
-		return s.errResp("", "", codes.InvalidArgument, "request carries neither a query nor an outcome")
+		return s.errResp("", "", codes.InvalidArgument, "request carries neither a query nor an outcome"), nil
 	}
 }
 
@@ -669,10 +692,11 @@ func (x *queryCtx) run() {
 	x.decide(nil)
 }
 
-func (s *Service) query(q *kvcv1.RouteQuery) *kvcv1.RouteResponse {
+// query decides q; the answer is in m (nil for a RouteError).
+func (s *Service) query(q *kvcv1.RouteQuery) (_ *kvcv1.RouteResponse, m *decisionMsg) {
 	start := time.Now()
 	if err := validateQuery(q); err != nil {
-		return s.errResp(q.RequestId, "", codes.InvalidArgument, err.Error())
+		return s.errResp(q.RequestId, "", codes.InvalidArgument, err.Error()), nil
 	}
 	epoch := s.c.Epoch()
 	now := start
@@ -735,7 +759,7 @@ func (s *Service) query(q *kvcv1.RouteQuery) *kvcv1.RouteResponse {
 		}
 	}
 	if x.d.Refused {
-		return s.refuse(q, x, span)
+		return s.refuse(q, x, span), nil
 	}
 	d, seq, turn := &x.d, x.seq, x.d.Turn
 
@@ -748,7 +772,7 @@ func (s *Service) query(q *kvcv1.RouteQuery) *kvcv1.RouteResponse {
 	s.m.decision(d.Mode, d.Reason)
 	s.m.plan(d.Mode, d.Reason, &d.Exec)
 	s.m.admission(d)
-	m := new(decisionMsg) // the answer in one allocation
+	m = decisionPool.Get().(*decisionMsg) // the answer in one block
 	out := &m.dec
 	m.dec = kvcv1.RouteDecision{
 		RequestId:          q.RequestId,
@@ -783,7 +807,16 @@ func (s *Service) query(q *kvcv1.RouteQuery) *kvcv1.RouteResponse {
 	s.m.latency.Observe(time.Since(start).Seconds())
 	m.kind.Decision = out
 	m.resp.Kind = &m.kind
-	return &m.resp
+	return &m.resp, m
+}
+
+// decisionPool recycles decisionMsg blocks a Route stream has sent (recycle).
+var decisionPool = sync.Pool{New: func() any { return new(decisionMsg) }}
+
+// recycle hands m back once its answer is sent (nothing refers to it any more).
+func (m *decisionMsg) recycle() {
+	*m = decisionMsg{}
+	decisionPool.Put(m)
 }
 
 // refuse answers a query the policy refused (a new session past every decode worker's
