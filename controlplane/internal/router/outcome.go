@@ -10,7 +10,7 @@ import (
 )
 
 // outcome applies o; the answer is in m (nil for a RouteError).
-func (s *Service) outcome(o *kvcv1.RouteOutcome) (_ *kvcv1.RouteResponse, m *ackMsg) {
+func (s *Service) outcome(o *kvcv1.RouteOutcome, pooled bool) (_ *kvcv1.RouteResponse, m *ackMsg) {
 	if err := validateOutcome(o); err != nil {
 		return s.errResp("", o.DecisionId, codes.InvalidArgument, err.Error()), nil
 	}
@@ -34,7 +34,7 @@ func (s *Service) outcome(o *kvcv1.RouteOutcome) (_ *kvcv1.RouteResponse, m *ack
 		// The reservation expired (its tokens are released); what the turn did still counts.
 		s.m.lateOutcomes.Inc()
 		s.apply(r, o, nowMs)
-		return outcomeAck(o.DecisionId)
+		return outcomeAck(o.DecisionId, pooled)
 	}
 	if !ok {
 		if issued {
@@ -47,7 +47,7 @@ func (s *Service) outcome(o *kvcv1.RouteOutcome) (_ *kvcv1.RouteResponse, m *ack
 	// nothing apply started keeps it.
 	*r = reservation{}
 	reservationPool.Put(r)
-	return outcomeAck(o.DecisionId)
+	return outcomeAck(o.DecisionId, pooled)
 }
 
 // ackMsg is an outcome's acknowledgement with the messages it points to, allocated together.
@@ -58,8 +58,13 @@ type ackMsg struct {
 }
 
 // outcomeAck is the answer to an applied outcome, in one block.
-func outcomeAck(decisionID string) (*kvcv1.RouteResponse, *ackMsg) {
-	m := ackPool.Get().(*ackMsg)
+func outcomeAck(decisionID string, pooled bool) (*kvcv1.RouteResponse, *ackMsg) {
+	var m *ackMsg
+	if pooled {
+		m = ackPool.Get().(*ackMsg)
+	} else {
+		m = new(ackMsg)
+	}
 	m.ack.DecisionId = decisionID
 	m.kind.OutcomeAck = &m.ack
 	m.resp.Kind = &m.kind

@@ -289,7 +289,7 @@ func (s *Service) finishRehome(worker string, ev *kvcv1.SessionEvent) {
 	// snapshot as its valid base (outcome.go), exactly as a turn's RESEED_SNAPSHOT.
 	s.outcome(&kvcv1.RouteOutcome{DecisionId: s.id(op.seq), Success: true, KvLenAfter: ev.GetKvLen(),
 		ExecutedMode: kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT, LatencyUs: now.Sub(op.since).Microseconds(),
-		Detail: "rehome"})
+		Detail: "rehome"}, false)
 	if s.endRehome(id, op, "loaded", false) {
 		s.m.rehomeSeconds.Observe(now.Sub(op.since).Seconds())
 		s.log.Info().Str("session", id).Str("from", op.from).Str("decode", worker).Int64("kv_len", ev.GetKvLen()).

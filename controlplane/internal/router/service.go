@@ -207,7 +207,7 @@ func (s *Service) Route(stream grpc.BidiStreamingServer[kvcv1.RouteRequest, kvcv
 				}(req)
 				continue
 			}
-			resp, m := s.handle(req)
+			resp, m := s.handle(req, true)
 			err = rs.send(req, resp)
 			if m != nil {
 				m.recycle() // sent (or dropped): its memory serves the next answer
@@ -335,7 +335,7 @@ func (s *Service) streamEnded(mine map[uint64]struct{}, closed bool) {
 
 // Handle answers one message of the Route stream.
 func (s *Service) Handle(req *kvcv1.RouteRequest) *kvcv1.RouteResponse {
-	resp, _ := s.handle(req)
+	resp, _ := s.handle(req, false)
 	return resp
 }
 
@@ -343,14 +343,16 @@ func (s *Service) Handle(req *kvcv1.RouteRequest) *kvcv1.RouteResponse {
 // (decisionMsg, ackMsg); Handle's callers keep theirs.
 type recyclable interface{ recycle() }
 
-// handle is Handle, with the answer's memory when it can be recycled (nil otherwise).
-func (s *Service) handle(req *kvcv1.RouteRequest) (*kvcv1.RouteResponse, recyclable) {
+// handle is Handle; with pooled, the answer's memory comes from a pool and is returned for
+// recycling (nil for an answer that cannot be: an error). Without pooled the answer is a new
+// allocation (a pool that is never refilled costs more to ask than to allocate).
+func (s *Service) handle(req *kvcv1.RouteRequest, pooled bool) (*kvcv1.RouteResponse, recyclable) {
 	switch k := req.GetKind().(type) {
 	case *kvcv1.RouteRequest_Query:
 		if k.Query == nil {
 			return s.errResp("", "", codes.InvalidArgument, "empty query"), nil
 		}
-		resp, m := s.query(k.Query)
+		resp, m := s.query(k.Query, pooled)
 		if m == nil {
 			return resp, nil
 		}
@@ -359,7 +361,7 @@ func (s *Service) handle(req *kvcv1.RouteRequest) (*kvcv1.RouteResponse, recycla
 		if k.Outcome == nil {
 			return s.errResp("", "", codes.InvalidArgument, "empty outcome"), nil
 		}
-		resp, m := s.outcome(k.Outcome)
+		resp, m := s.outcome(k.Outcome, pooled)
 		if m == nil {
 			return resp, nil
 		}
@@ -693,7 +695,7 @@ func (x *queryCtx) run() {
 }
 
 // query decides q; the answer is in m (nil for a RouteError).
-func (s *Service) query(q *kvcv1.RouteQuery) (_ *kvcv1.RouteResponse, m *decisionMsg) {
+func (s *Service) query(q *kvcv1.RouteQuery, pooled bool) (_ *kvcv1.RouteResponse, m *decisionMsg) {
 	start := time.Now()
 	if err := validateQuery(q); err != nil {
 		return s.errResp(q.RequestId, "", codes.InvalidArgument, err.Error()), nil
@@ -772,7 +774,11 @@ func (s *Service) query(q *kvcv1.RouteQuery) (_ *kvcv1.RouteResponse, m *decisio
 	s.m.decision(d.Mode, d.Reason)
 	s.m.plan(d.Mode, d.Reason, &d.Exec)
 	s.m.admission(d)
-	m = decisionPool.Get().(*decisionMsg) // the answer in one block
+	if pooled {
+		m = decisionPool.Get().(*decisionMsg) // the answer in one block
+	} else {
+		m = new(decisionMsg)
+	}
 	out := &m.dec
 	m.dec = kvcv1.RouteDecision{
 		RequestId:          q.RequestId,
