@@ -151,11 +151,18 @@ var outcomePool = sync.Pool{New: func() any {
 
 func (x *outcomeCtx) apply(rec *kvcv1.SessionRecord) {
 	x.ed = x.effect.Edit(&x.t, rec, x.nowMs, x.term)
-	if x.ed.Here && x.o != nil && (x.effect == policy.EffectExtended || x.o.KvLenAfter > 0) {
+	if x.ed.Here && x.o != nil && (x.effect == policy.EffectExtended || x.o.KvLenAfter > 0 || !x.r.learnsAtLength()) {
 		// A new residency's committed length is its D's commit, which the state applies after
-		// this edit: without the worker's own kv_len_after it is learnt after it (resident).
+		// this edit: without the worker's own kv_len_after, content that needs it is learnt
+		// after it (resident); content that does not (no hashes: forgotten) is settled here.
 		x.learnContent(rec)
 	}
+}
+
+// learnsAtLength: what learnContent records for r depends on the session's committed length
+// (the query's page hashes, or a re-home's snapshot pages); else it only forgets.
+func (r *reservation) learnsAtLength() bool {
+	return r.pageSize > 0 || r.reason == kvcv1.RouteReason_ROUTE_REASON_REHOME
 }
 
 // learnContent records the session's content after a successful turn that left it resident on
@@ -219,8 +226,9 @@ func (x *outcomeCtx) release() {
 func (s *Service) resident(r *reservation, t *policy.Turn, e policy.Effect, o *kvcv1.RouteOutcome, nowMs int64) {
 	x := s.updateSession(r, t, e, o, nowMs)
 	ed := x.ed
-	if o.KvLenAfter <= 0 && ed.Here {
-		// The state gave the new residency its D's last commit after the edit: learn on it.
+	if o.KvLenAfter <= 0 && ed.Here && r.learnsAtLength() {
+		// The state gave the new residency its D's last commit after the edit: learn on it
+		// (a second trip through the state lock, only for content that needs the length).
 		s.c.UpdateSession(r.session, func(rec *kvcv1.SessionRecord) { x.learnOnly(rec) })
 	}
 	x.release()
