@@ -173,115 +173,75 @@ func (s *Service) expire(now time.Time) int {
 // item 6, a stream closed after one query held its reservation for the 30 s timeout); when the
 // stream breaks they are released after StreamEndGrace, within which an outcome the gateway
 // sends on its next stream still applies.
-//
-// One goroutine receives and answers each message in turn (no hand-over per message: issue 22
-// item 5); the handler waits for it to end or for the stream's context, since Recv does not
-// return when only the gate's context is cancelled.
-func (s *Service) Route(stream grpc.BidiStreamingServer[kvcv1.RouteRequest, kvcv1.RouteResponse]) error {
+func (s *Service) Route(stream grpc.BidiStreamingServer[kvcv1.RouteRequest, kvcv1.RouteResponse]) (err error) {
 	ctx := stream.Context()
-	rs := &routeStream{s: s, stream: stream, mine: map[uint64]struct{}{}}
+	mine := map[uint64]struct{}{}
+	closed := false
+	defer func() { s.streamEnded(mine, closed) }()
+	type recvd struct {
+		req *kvcv1.RouteRequest
+		err error
+	}
+	in := make(chan recvd)
+	var sendMu sync.Mutex
+	send := func(req *kvcv1.RouteRequest, resp *kvcv1.RouteResponse) error {
+		sendMu.Lock() // mine is the stream's: tracked under the send lock (turns answered off the loop)
+		defer sendMu.Unlock()
+		s.track(mine, req, resp)
+		return stream.Send(resp)
+	}
 	var wg sync.WaitGroup // turns waiting for their session's re-home
+	defer wg.Wait()
 	// Cancelled before wg.Wait runs: a stream that ends stops its turns' waits.
 	wctx, stopWaits := context.WithCancel(ctx)
-	done := make(chan error, 1)
-	go func() { // ends when the handler returns (Recv fails then) or a send fails
+	defer stopWaits()
+	go func() { // ends when the handler returns (Recv fails then)
 		for {
 			req, err := stream.Recv()
-			if err != nil {
-				done <- err
+			select {
+			case in <- recvd{req, err}:
+			case <-ctx.Done():
 				return
 			}
-			if ctx.Err() != nil {
-				return // the handler answers UNAVAILABLE; nothing more is decided
-			}
-			if q := req.GetQuery(); q != nil && s.rehomeWait(q.GetSessionId()) != nil {
-				// The session is being re-homed (rehome.go): its turn waits for that, off this
-				// loop, so the stream's other sessions are not held up.
-				if !rs.goWait(&wg) {
-					return // the handler has stopped sending
-				}
-				go func(req *kvcv1.RouteRequest) {
-					defer wg.Done()
-					s.waitRehome(wctx, q.GetSessionId())
-					_ = rs.send(req, s.Handle(req)) // a failed send ends the stream's Recv too
-				}(req)
-				continue
-			}
-			resp, m := s.handle(req, true)
-			err = rs.send(req, resp)
-			if m != nil {
-				m.recycle() // sent (or dropped): its memory serves the next answer
-			}
 			if err != nil {
-				done <- err
 				return
 			}
 		}
 	}()
-	var err error
-	select {
-	case err = <-done:
-	case <-ctx.Done():
-		err = status.Error(codes.Unavailable, "route stream ended (leadership ended or server stopping); reconnect to the leader")
+	for {
+		var r recvd
+		select {
+		case r = <-in:
+		case <-ctx.Done():
+			return status.Error(codes.Unavailable, "route stream ended (leadership ended or server stopping); reconnect to the leader")
+		}
+		if errors.Is(r.err, io.EOF) {
+			closed = true
+			return nil
+		}
+		if r.err != nil {
+			return r.err
+		}
+		if q := r.req.GetQuery(); q != nil && s.rehomeWait(q.GetSessionId()) != nil {
+			// The session is being re-homed (rehome.go): its turn waits for that, off this loop,
+			// so the stream's other sessions are not held up.
+			wg.Add(1)
+			go func(req *kvcv1.RouteRequest) {
+				defer wg.Done()
+				s.waitRehome(wctx, q.GetSessionId())
+				_ = send(req, s.Handle(req)) // a failed send ends the stream's Recv too
+			}(r.req)
+			continue
+		}
+		resp, m := s.handle(r.req, true)
+		err := send(r.req, resp)
+		if m != nil {
+			m.recycle() // sent: its memory serves the next answer
+		}
+		if err != nil {
+			return err
+		}
 	}
-	closed := errors.Is(err, io.EOF)
-	if closed {
-		err = nil
-	}
-	stopWaits()
-	rs.end(closed) // no send from here on; what is decided later is released as the stream's end says
-	wg.Wait()
-	s.streamEnded(rs.mine, closed)
-	return err
-}
-
-// routeStream is one Route stream's sending side: its sends, and the decisions it got and has
-// not reported (mine), under one lock; once ended, nothing more is sent.
-type routeStream struct {
-	s      *Service
-	stream grpc.BidiStreamingServer[kvcv1.RouteRequest, kvcv1.RouteResponse]
-	mu     sync.Mutex
-	mine   map[uint64]struct{}
-	ended  bool
-	closed bool // how it ended: the client closed it (EOF)
-}
-
-// errStreamEnded is a send after the handler stopped sending.
-var errStreamEnded = errors.New("route stream ended")
-
-// send tracks resp's decision (and req's outcome) and sends resp. After the stream ended, a
-// decision made meanwhile is released the way the stream's end releases its others.
-func (rs *routeStream) send(req *kvcv1.RouteRequest, resp *kvcv1.RouteResponse) error {
-	rs.mu.Lock()
-	if rs.ended {
-		closed := rs.closed
-		rs.mu.Unlock()
-		late := map[uint64]struct{}{}
-		rs.s.track(late, req, resp)
-		rs.s.streamEnded(late, closed)
-		return errStreamEnded
-	}
-	defer rs.mu.Unlock()
-	rs.s.track(rs.mine, req, resp)
-	return rs.stream.Send(resp)
-}
-
-// goWait counts one more turn waiting off the receive loop (false: the stream ended).
-func (rs *routeStream) goWait(wg *sync.WaitGroup) bool {
-	rs.mu.Lock()
-	defer rs.mu.Unlock()
-	if rs.ended {
-		return false
-	}
-	wg.Add(1)
-	return true
-}
-
-// end stops every send; the handler returns after it.
-func (rs *routeStream) end(closed bool) {
-	rs.mu.Lock()
-	rs.ended, rs.closed = true, closed
-	rs.mu.Unlock()
 }
 
 // StreamEndGrace is how long the reservations of a broken Route stream are kept for an outcome
