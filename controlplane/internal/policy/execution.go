@@ -67,6 +67,19 @@ func seedThroughStore(e *Execution, in *Input) {
 	e.StoreGeneration = NextGeneration(in.Session.GetGeneration(), in.GenerationTerm)
 }
 
+// LoadsSnapshot reports whether the decision's plan moves the session's snapshot from a prefill
+// store into its decode worker (the holder's sidecar pushes it on the control plane's command
+// and the store-transfer slot is held until the outcome). Callers ask this, not the mode.
+func (d *Decision) LoadsSnapshot() bool {
+	return d.Exec.Transfer == kvcv1.TransferKind_TRANSFER_KIND_SNAPSHOT
+}
+
+// PlainPD reports whether the decision is a plain P/D request on a decode worker that records no
+// residency there (a PD_FALLBACK but a refused seed's): counted in Reserved.Plain.
+func (d *Decision) PlainPD() bool {
+	return d.Mode == kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK && d.Decode != nil && !d.KeepsResidency
+}
+
 // execution derives a decision's execution plan from its mode, reason and cause.
 //
 //   - keep-session: every session mode keeps the session on D, and so does the large append

@@ -171,3 +171,30 @@ func TestSnapshotTarget(t *testing.T) {
 		}
 	}
 }
+
+// The router asks the decision what its plan does instead of branching on the mode.
+func TestDecisionPlanPredicates(t *testing.T) {
+	d := &kvcv1.Worker{WorkerId: "d"}
+	tests := []struct {
+		name         string
+		dec          Decision
+		loads, plain bool
+	}{
+		{"reseed from the snapshot", Decision{Mode: kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT, Decode: d}, true, false},
+		{"reseed by prefill", Decision{Mode: kvcv1.RouteMode_ROUTE_MODE_RESEED_PREFILL, Decode: d}, false, false},
+		{"plain P/D", Decision{Mode: kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, Decode: d}, false, true},
+		{"a refused seed's fallback keeps residency", Decision{Mode: kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, Decode: d, KeepsResidency: true}, false, false},
+		{"direct", Decision{Mode: kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, Decode: d}, false, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			tt.dec.Exec = execution(&tt.dec, false)
+			if got := tt.dec.LoadsSnapshot(); got != tt.loads {
+				t.Errorf("LoadsSnapshot = %v, want %v", got, tt.loads)
+			}
+			if got := tt.dec.PlainPD(); got != tt.plain {
+				t.Errorf("PlainPD = %v, want %v", got, tt.plain)
+			}
+		})
+	}
+}

@@ -197,7 +197,7 @@ func (s *Service) startRehome(it rehomeItem) (retry bool) {
 		s.led.prune(in.Workers)
 		in.Ledger = s.led
 		d = policy.Decide(&in)
-		if d.Mode != kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT || d.Decode == nil || d.Prefill == nil {
+		if !d.LoadsSnapshot() || d.Decode == nil || d.Prefill == nil {
 			result = "not_snapshot"
 			if retryable(d.Reason) {
 				result = "retry"

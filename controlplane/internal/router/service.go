@@ -515,10 +515,10 @@ func (s *Service) record(in *policy.Input, d *policy.Decision, now time.Time) *r
 		from:     d.From,
 		tokens:   d.ReservedTokens,
 		transfer: d.Transfer,
-		store:    d.Transfer && d.Mode == kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT,
+		store:    d.Transfer && d.LoadsSnapshot(),
 		seed:     d.Seed,
 		prefills: d.UsesPrefill,
-		plain:    d.Mode == kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK && d.Decode != nil && !d.KeepsResidency,
+		plain:    d.PlainPD(),
 		newSess:  d.NewSession,
 		input:    in.Query.InputTokens,
 		maxOut:   in.Query.MaxOutputTokens,
@@ -708,7 +708,7 @@ func (s *Service) query(q *kvcv1.RouteQuery, pooled bool) (_ *kvcv1.RouteRespons
 		s.waitRehome(context.Background(), q.SessionId)
 		x.run()
 	}
-	if x.d.Mode == kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT {
+	if x.d.LoadsSnapshot() {
 		if err := s.pushSnapshot(q.SessionId, &x.d, x.seq, tp); err != nil {
 			// The holder cannot be commanded: decide again without the snapshot.
 			s.log.Warn().Err(err).Str("session", q.SessionId).Str("prefill", workerID(x.d.Prefill)).
