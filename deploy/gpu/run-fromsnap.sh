@@ -53,26 +53,11 @@ STORE="--store-capacity-bytes ${KVC_FS_STORE_BYTES:-30064771072} --store-memory 
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/run-fromsnap.log") 2>&1
 
-if [[ ! -x $BIN/kvc-bench && -f bin/real.tar.xz ]]; then
-	echo "unpacking bin/real.tar.xz"
-	tar -C bin -xJf bin/real.tar.xz 2>/dev/null || "$PY" -c 'import tarfile; tarfile.open("bin/real.tar.xz").extractall("bin")'
-fi
+. deploy/gpu/lib.sh
 if [[ $PHASES == *fromsnap* || $PHASES == *rehome* ]]; then
-	for b in kvc-bench kvc-controlplane kvc-sidecar-prefill kvc-sidecar-decode kvc-gateway; do
-		if [[ ! -x $BIN/$b ]]; then
-			echo "missing $BIN/$b: run 'bash deploy/gpu/prepare-real.sh' on a machine with Go and carry bin/real.tar.xz" >&2
-			exit 2
-		fi
-	done
+	real_binaries
 fi
-if [[ -z ${KVC_REAL_DEVICES:-} ]]; then
-	G=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
-	if [[ $G -lt 1 ]]; then
-		echo "no GPU listed by nvidia-smi: set KVC_REAL_DEVICES=cpu KVC_REAL_SIDECAR_ARGS='--transport tcp' KVC_REAL_MODEL=tiny for a dry run" >&2
-		exit 2
-	fi
-	KVC_REAL_DEVICES=$(seq -s, -f 'cuda:%g' 0 $((G - 1)))
-fi
+real_devices
 DEV0=${KVC_REAL_DEVICES%%,*}
 export PYTHONPATH="$PWD/integrations/refworker:$PWD/integrations/sglang${PYTHONPATH:+:$PYTHONPATH}"
 VERIFY=""
