@@ -111,7 +111,9 @@ func TestReportDemandKicksRelease(t *testing.T) {
 	relDone := make(chan struct{})
 	rctx, rcancel := context.WithCancel(ctx)
 	go func() { defer close(relDone); s.runRelease(rctx) }()
-	defer func() { rcancel(); <-relDone; cancel(); <-done }()
+	// The worker stops first (its in-flight calls then end in ctx's cancel, which it ignores);
+	// stopping the release loop first would leave an ack in flight with its command gone.
+	defer func() { cancel(); rcancel(); <-done; <-relDone }()
 	if err := s.Apply(ctx, &kvcv1.Command{Action: &kvcv1.Command_SetSnapshotTarget{SetSnapshotTarget: &kvcv1.SetSnapshotTargetCommand{
 		SessionId: "a", PrefillWorkerId: "p", PeerAddr: "127.0.0.1:1", TransferEndpoint: "127.0.0.1:1", Generation: 1}}}); err != nil {
 		t.Fatal(err)
