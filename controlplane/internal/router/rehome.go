@@ -293,7 +293,7 @@ func (s *Service) finishRehome(worker string, ev *kvcv1.SessionEvent) {
 	if s.endRehome(id, op, "loaded", false) {
 		s.m.rehomeSeconds.Observe(now.Sub(op.since).Seconds())
 		s.log.Info().Str("session", id).Str("from", op.from).Str("decode", worker).Int64("kv_len", ev.GetKvLen()).
-			Dur("time_to_resident", now.Sub(op.since)).Msg("session re-homed")
+			Dur("time_to_resident", now.Sub(op.since)).Int64("unix_ms", now.UnixMilli()).Msg("session re-homed")
 	}
 }
 

@@ -29,6 +29,9 @@ import (
 //     failed DIRECT_TO_D, or a PD_FALLBACK decision: the register may become D (writes only),
 //     stay, or become "" (the control plane drops residency on a failed outcome). Pending
 //     operations are kept, not dropped (porcupine needs them).
+//   - Write(D) too: a re-home, the control plane making a session resident on D from its
+//     snapshot after its decode worker died (the leader's "session re-homed" log line; no
+//     client request).
 //   - Drop(D): a fault that legitimately forgets sessions on D (its kvc-sim killed: the KV is
 //     gone). Over the fault's window the register may become "" if it held D.
 //

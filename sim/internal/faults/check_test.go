@@ -42,6 +42,10 @@ func TestCheckHistory(t *testing.T) {
 		{"seed after a legitimate drop",
 			[]Op{op(opWrite, "d0", 0, 10), op(opDrop, "d0", 15, 35), op(opSeed, "d1", 40, 50)}, false, 0},
 		{"initial state is not resident", []Op{op(opRead, "", 0, 10)}, false, 0},
+		{"a re-home (the control plane's write) explains the read on the new worker",
+			[]Op{op(opWrite, "d0", 0, 10), op(opDrop, "d0", 15, 60), op(opWrite, "d1", 20, 30), op(opRead, "d1", 40, 50)}, false, 0},
+		{"without the re-home the read on another worker is a phantom",
+			[]Op{op(opWrite, "d0", 0, 10), op(opDrop, "d0", 15, 60), op(opRead, "d1", 40, 50)}, true, 0},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

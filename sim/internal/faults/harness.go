@@ -593,6 +593,46 @@ func (h *Harness) releases(from, to time.Time) []release {
 	return out
 }
 
+// rehome is a session the control plane moved to another decode worker without a client
+// request (re-homing: controlplane/internal/router/rehome.go), read from its log line.
+type rehome struct {
+	session, from, to string
+	at                time.Time
+}
+
+// rehomes reads the control planes' logs for sessions re-homed between from and to (the
+// message "session re-homed", at unix_ms: when the leader applied the new decode worker's
+// LOADED event and made the session resident there).
+func (h *Harness) rehomes(from, to time.Time) []rehome {
+	var out []rehome
+	for _, p := range h.CPs {
+		b, err := os.ReadFile(p.LogPath())
+		if err != nil {
+			continue
+		}
+		for _, line := range strings.Split(string(b), "\n") {
+			if !strings.Contains(line, cpRehomed) {
+				continue
+			}
+			var e struct {
+				Message, Session, From, Decode string
+				UnixMS                         int64 `json:"unix_ms"`
+			}
+			if json.Unmarshal([]byte(line), &e) != nil || e.Message != cpRehomed || e.Session == "" || e.UnixMS == 0 {
+				continue
+			}
+			if at := time.UnixMilli(e.UnixMS); !at.Before(from) && !at.After(to) {
+				out = append(out, rehome{session: e.Session, from: e.From, to: e.Decode, at: at})
+			}
+		}
+	}
+	return out
+}
+
+// cpRehomed is the control plane's log message for a session re-homed onto another decode
+// worker (controlplane/internal/router: finishRehome).
+const cpRehomed = "session re-homed"
+
 // sidecarlessReleases reads a decode kvc-sim's log for the sessions it freed while its sidecar
 // was gone (worker.msgReleasedWithoutSidecar: no sidecar event records them), as release
 // events of reason "evicted-without-sidecar".

@@ -248,6 +248,14 @@ func (r *Runner) Run(ctx context.Context, sc Scenario) (Outcome, error) {
 		}
 		st.Note("worker releases (legitimate drops) %v", reasons)
 	}
+	// Sessions the control plane re-homed (their decode worker died; rehome.go) are written to
+	// their new decode worker without a client request: the log line says when.
+	if rh := r.h.rehomes(segStart, segEnd); len(rh) > 0 {
+		for _, e := range rh {
+			ops = append(ops, Op{Session: e.session, Kind: opWrite, Worker: e.to, Call: e.at.Add(-time.Second), Return: e.at.Add(100 * time.Millisecond), Source: "re-home"})
+		}
+		st.Note("sessions re-homed by the control plane: %d", len(rh))
+	}
 	for _, d := range drops {
 		for id := range sessions {
 			ops = append(ops, Op{Session: id, Kind: opDrop, Worker: d, Call: st.faultAt, Return: segEnd, Source: "fault"})
