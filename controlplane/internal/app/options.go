@@ -13,6 +13,7 @@ import (
 
 	"github.com/kvcentric/kvcentric/controlplane/internal/embedetcd"
 	"github.com/kvcentric/kvcentric/controlplane/internal/policy"
+	"github.com/kvcentric/kvcentric/controlplane/internal/router"
 	"github.com/kvcentric/kvcentric/controlplane/internal/state"
 	"github.com/kvcentric/kvcentric/pkg/grpcx"
 	"github.com/kvcentric/kvcentric/pkg/kvstore"
@@ -46,7 +47,10 @@ type Options struct {
 	DrainSnapshotWait time.Duration
 	// NewSessionShare bounds new sessions' reservations per decode worker (router, policy
 	// newsession.go).
-	NewSessionShare      float64
+	NewSessionShare float64
+	// RehomeFill: the share of a decode worker's capacity a re-home may fill it to (router
+	// rehome.go).
+	RehomeFill           float64
 	SessionTTL           time.Duration
 	FlushDelay           time.Duration
 	VolatileFlush        time.Duration
@@ -91,6 +95,7 @@ func NewOptions() *Options {
 		UnreachableGrace:       30 * time.Second,
 		DrainSnapshotWait:      state.DefaultDrainSnapshotWait,
 		NewSessionShare:        policy.DefaultNewSessionShare,
+		RehomeFill:             router.DefaultRehomeFill,
 		SessionTTL:             24 * time.Hour,
 		FlushDelay:             50 * time.Millisecond,
 		VolatileFlush:          2 * time.Second,
@@ -123,6 +128,7 @@ func (o *Options) AddFlags(fs *flag.FlagSet) {
 	fs.DurationVar(&o.UnreachableGrace, "unreachable-grace", o.UnreachableGrace, "default unreachable_grace_ms: an unreachable worker's residency is dropped after this")
 	fs.DurationVar(&o.DrainSnapshotWait, "drain-snapshot-wait", o.DrainSnapshotWait, "a drain releases each resident session once its snapshot can reseed it, or after this long without one (its next turn then re-prefills)")
 	fs.Float64Var(&o.NewSessionShare, "new-session-share", o.NewSessionShare, "share of a decode worker's KV capacity that reservations of new sessions awaiting their outcome may take beyond its free room, in [0, 1] (0: no bound; 0.5 for clusters shared by tenants); past it on every decode worker a new session is refused (RESOURCE_EXHAUSTED NO_D_CAPACITY, the gateway's 503 no_d_capacity) instead of evicting the worker's resident sessions")
+	fs.Float64Var(&o.RehomeFill, "rehome-fill", o.RehomeFill, "share of a decode worker's KV capacity a re-home of a lost decode worker's sessions may fill it to, its idle sessions counted as used, in [0, 1] (0: no re-homes): keep it at or below the decode sidecars' --release-low-watermark so that a re-home never makes a worker release idle sessions (a session with no room stays lost: its next turn reseeds)")
 	fs.StringVar(&o.OTLPEndpoint, "otlp-endpoint", o.OTLPEndpoint, "OpenTelemetry traces: OTLP/gRPC collector host:port (empty: the standard OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT, _PROTOCOL ... variables, and without them no export; W3C trace context is still propagated)")
 	fs.BoolVar(&o.OTLPInsecure, "otlp-insecure", o.OTLPInsecure, "send traces to --otlp-endpoint without TLS")
 	fs.Float64Var(&o.TraceSampleRatio, "trace-sample-ratio", o.TraceSampleRatio, "fraction of new traces sampled, in (0, 1]; OTEL_TRACES_SAMPLER, when set, decides instead (a caller's sampled flag is followed)")
@@ -206,6 +212,9 @@ func (o *Options) Validate() error {
 	pos("--drain-snapshot-wait", o.DrainSnapshotWait, false)
 	if !(o.NewSessionShare >= 0 && o.NewSessionShare <= 1) {
 		errs = append(errs, fmt.Errorf("--new-session-share %v must be in [0, 1] (0: no bound)", o.NewSessionShare))
+	}
+	if !(o.RehomeFill >= 0 && o.RehomeFill <= 1) {
+		errs = append(errs, fmt.Errorf("--rehome-fill %v must be in [0, 1] (0: no re-homes)", o.RehomeFill))
 	}
 	if o.TraceSampleRatio <= 0 || o.TraceSampleRatio > 1 {
 		errs = append(errs, fmt.Errorf("--trace-sample-ratio %v must be in (0, 1]", o.TraceSampleRatio))

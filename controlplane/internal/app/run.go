@@ -219,6 +219,7 @@ func Run(ctx context.Context, opts *Options, log zerolog.Logger) error {
 	}, reg))
 	rt := router.New(st, log, reg)
 	rt.SetNewSessionShare(opts.NewSessionShare)
+	rt.SetRehomeFill(opts.RehomeFill)
 	rt.Register(gsrv)
 	st.SetRehomeHook(rt) // a decode worker that leaves READY: its sessions re-homed (router/rehome.go)
 	onLeadership := func(bool) {}

@@ -46,6 +46,7 @@ type metrics struct {
 	rehomes       *prometheus.CounterVec // rehome.go
 	rehomeSeconds prometheus.Histogram
 	rehomeWaits   prometheus.Counter
+	rehomeNoRoom  prometheus.Counter
 
 	admittedMu  sync.RWMutex
 	admittedFor map[string]prometheus.Counter

@@ -31,6 +31,30 @@ const maxRehomeQueue = 65536
 // waits before it is tried again (a finished re-home or outcome also wakes the queue).
 const rehomeRetry = 100 * time.Millisecond
 
+// DefaultRehomeFill is the share of a decode worker's kv_capacity_tokens a re-home may fill it
+// to (kvc-controlplane --rehome-fill): the decode sidecar's default release low watermark
+// (--release-low-watermark 0.8), so a re-home never lifts its target above the release's high
+// watermark (any above 0.8) and the capacity release never has to make room for it.
+const DefaultRehomeFill = 0.8
+
+// rehomeRoom reports whether decode worker w has free room for a re-home that needs need
+// tokens: its used KV as last reported (idle sessions included: a re-home is no reason to
+// release them), the outcomes' KV its report does not show yet (Settling) and the decisions in
+// flight there (Tokens), plus need, at most fill × its capacity. The capacity rule of a turn
+// (policy.fits) counts idle sessions as room the worker frees on demand; a background re-home
+// must not make the target release them: the released sessions' next turns would reseed and
+// wait for pages (issue 20: the re-homed sessions were the ones released, their turns waited
+// 8.5 s).
+func rehomeRoom(w *kvcv1.Worker, res policy.Reserved, need int64, fill float64) bool {
+	capacity := w.GetKvCapacityTokens()
+	if capacity <= 0 || fill <= 0 {
+		return false
+	}
+	l := w.GetLoad()
+	used := max(0, l.GetUsedTokens(), l.GetUnevictableTokens())
+	return used+max(0, res.Settling)+max(0, res.Tokens)+need <= int64(fill*float64(capacity))
+}
+
 // rehomeItem is a session waiting to be re-homed.
 type rehomeItem struct {
 	session string
@@ -211,6 +235,14 @@ func (s *Service) startRehome(it rehomeItem) (retry bool) {
 			result = "retry"
 			return
 		}
+		if !rehomeRoom(d.Decode, s.led.Reserved(d.Decode.GetWorkerId()), d.ReservedTokens, s.rehomeFill) {
+			// Fits by the capacity rule only if the target releases idle sessions: wait for
+			// free room (another target, a release or an outcome) or give up after the
+			// reservation timeout — lost as before, its next turn reseeds.
+			s.m.rehomeNoRoom.Inc()
+			result = "retry"
+			return
+		}
 		if len(d.Decode.GetTpRanks()) > 0 || len(d.Prefill.GetTpRanks()) > 0 {
 			result = "tensor_parallel" // not re-homed: LoadSessionCommand names one peer
 			return
@@ -364,5 +396,9 @@ func newRehomeMetrics(m *metrics) []prometheus.Collector {
 		Name: "kvc_router_rehome_waits_total",
 		Help: "Turns that arrived while their session was being re-homed and waited for it before being decided.",
 	})
-	return []prometheus.Collector{m.rehomes, m.rehomeSeconds, m.rehomeWaits}
+	m.rehomeNoRoom = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "kvc_router_rehome_no_room_total",
+		Help: "Re-home attempts put back because their best decode worker had no free room below --rehome-fill of its capacity (idle sessions count as used: a re-home never makes a worker release them); retried until the reservation timeout (then gave_up).",
+	})
+	return []prometheus.Collector{m.rehomes, m.rehomeSeconds, m.rehomeWaits, m.rehomeNoRoom}
 }

@@ -268,3 +268,57 @@ func TestRehomeKeepsContent(t *testing.T) {
 			d.Mode, d.Reason, d.Decode.GetWorkerId(), d.CachedTokens, to, len(conv))
 	}
 }
+
+// A re-home is admitted only into free room below --rehome-fill of its target: idle sessions
+// there count as used (the capacity rule of a turn counts them as room the worker releases on
+// demand, and the release took the re-homed sessions first), and so do the re-homes in flight.
+// A session with no room is not sent and, after the reservation timeout, lost as before.
+func TestRehomeOnlyIntoFreeRoom(t *testing.T) {
+	tests := []struct {
+		name       string
+		used, idle int64   // d2's last load report: used tokens, of which evictable
+		sessions   []int64 // the lost sessions' snapshot lengths, re-homed in this order
+		fill       float64
+		want       int // loads sent to d2
+	}{
+		{"empty target: loaded", 0, 0, []int64{1000}, DefaultRehomeFill, 1},
+		{"idle sessions fill it: not sent", 7500, 7500, []int64{1000}, DefaultRehomeFill, 0},
+		{"up to the fill exactly", 7000, 7000, []int64{1000}, DefaultRehomeFill, 1},
+		{"the re-home in flight counts", 0, 0, []int64{4500, 4500}, DefaultRehomeFill, 1},
+		{"both below the fill", 0, 0, []int64{4000, 4000}, DefaultRehomeFill, 2},
+		{"fill 0: no re-homes", 0, 0, []int64{1000}, 0, 0},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			d2 := routertest.Decode("d2", 10_000, tc.used)
+			d2.Load.EvictableTokens = tc.idle
+			f := newFixture(t, routertest.Prefill("p0"), d2)
+			if err := f.c.SetPolicy(&kvcv1.Policy{MaxConcurrentTransfers: proto.Int32(8)}); err != nil {
+				t.Fatal(err)
+			}
+			f.s.SetRehomeFill(tc.fill)
+			var ids []string
+			for i, n := range tc.sessions {
+				id := string(rune('A' + i))
+				f.c.PutSession(lostRecord(id, "d1", n, n))
+				ids = append(ids, id)
+			}
+			f.s.SessionsLost("d1", ids)
+			f.s.rehomePass()
+			if got := loads(f.c, "d2"); len(got) != tc.want {
+				t.Fatalf("%d loads sent to d2, want %d (%v)", len(got), tc.want, got)
+			}
+			f.s.rqMu.Lock()
+			queued := len(f.s.rq.items)
+			f.s.rqMu.Unlock()
+			if queued != len(tc.sessions)-tc.want {
+				t.Fatalf("%d sessions still queued, want %d", queued, len(tc.sessions)-tc.want)
+			}
+			for _, id := range ids[tc.want:] {
+				if rec, _ := f.c.Session(id); rec.GetDecodeWorker() != "" {
+					t.Fatalf("session %s resident on %s without a load", id, rec.GetDecodeWorker())
+				}
+			}
+		})
+	}
+}

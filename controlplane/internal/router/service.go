@@ -42,6 +42,8 @@ type Service struct {
 	knobs atomic.Pointer[compiledPolicy]
 	// newShare is the new-session bound (policy.Knobs.NewSessionShare), set before serving.
 	newShare float64
+	// rehomeFill is the share of a decode worker's capacity a re-home may fill (rehome.go).
+	rehomeFill float64
 
 	content *contentStore // the sessions' content addresses (content.go)
 
@@ -82,6 +84,8 @@ func New(c Cluster, log zerolog.Logger, reg prometheus.Registerer) *Service {
 		rehomes:  map[string]*rehomeOp{},
 		rq:       rehomeQueue{kick: make(chan struct{}, 1)},
 		newShare: policy.DefaultNewSessionShare,
+
+		rehomeFill: DefaultRehomeFill,
 	}
 	s.m = newMetrics(reg, s)
 	return s
@@ -94,6 +98,11 @@ func (s *Service) SetNewSessionShare(share float64) {
 	s.newShare = share
 	s.knobs.Store(nil)
 }
+
+// SetRehomeFill sets the share of a decode worker's kv_capacity_tokens that a re-home may fill
+// it to, idle sessions counted as used (rehome.go; kvc-controlplane --rehome-fill; 0: no
+// re-homes). Call it before serving.
+func (s *Service) SetRehomeFill(fill float64) { s.rehomeFill = fill }
 
 // Register registers the service on a gRPC server.
 func (s *Service) Register(r grpc.ServiceRegistrar) { kvcv1.RegisterRouterServiceServer(r, s) }
