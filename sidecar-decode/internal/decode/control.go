@@ -53,9 +53,9 @@ func (s *Sidecar) Load() *kvcv1.WorkerLoad {
 			// What the capacity release can free: sessions whose snapshot is or can be made
 			// current (release.go); a worker that never evicts frees nothing else.
 			// a pinned session stays; so does one the worker would not release just now (in use),
-			// and one committed less than the release's minimum idle time ago (its conversation
+			// and one committed or loaded less than the release's minimum idle time ago (its conversation
 			// is going on: the release will not take it, so it is not room a plan can count on)
-			if s.releasableLocked(ss) && !pinnedAt(ss, now) && !inUseAt(ss, now) && now.Sub(ss.lastCommit) >= s.rel.cfg.MinIdle {
+			if s.releasableLocked(ss) && !pinnedAt(ss, now) && !inUseAt(ss, now) && !s.recentLocked(ss, now) {
 				l.EvictableTokens += ss.committed
 			}
 		case ss.push == nil:

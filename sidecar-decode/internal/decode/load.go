@@ -80,6 +80,9 @@ func (s *Sidecar) loadSession(ctx context.Context, c *kvcv1.LoadSessionCommand) 
 		s.loadsDone++
 		if ss := s.sessions[c.GetSessionId()]; ss != nil {
 			ev.Generation = ss.gen
+			// Loaded now, whatever its last commit: the capacity release spares it for its
+			// minimum idle time (a re-homed session waits for its next turn, not for a release).
+			ss.loadedAt = time.Now()
 		}
 	}
 	s.mu.Unlock()

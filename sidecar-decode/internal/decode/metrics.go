@@ -39,6 +39,8 @@ func (s *Sidecar) Collectors() []prometheus.Collector {
 			func(d DemandStats) float64 { return float64(d.Reports) }),
 		c("kvc_sidecar_demand_release_passes_total", "Capacity release passes that released or waited for sessions because waiting requests needed more than the free room.",
 			func(d DemandStats) float64 { return float64(d.DeficitReleasePasses) }),
+		c("kvc_sidecar_release_spared_total", "Capacity releases a pass planned and did not send: the session was committed or loaded after the plan, or less than --release-min-idle ago, by the time its turn came (the releases before it wait for the worker's acks).",
+			func(d DemandStats) float64 { return float64(d.SparedReleases) }),
 		g("kvc_sidecar_worker_unevictable_tokens", "The worker's unevictable KV as it last reported it (ReportDemand): committed tokens of the sessions its requests are using; forwarded to the control plane in the load report.",
 			func(d DemandStats) float64 { return float64(d.UnevictableTokens) }),
 	}

@@ -83,6 +83,22 @@ func (s *Sidecar) releasableLocked(ss *session) bool {
 	return true
 }
 
+// activeAt is when ss was last in use here: its last commit or its last load, whichever is
+// later. The capacity release never takes a session active less than MinIdle before now, on
+// any path (the periodic pass, the pass a demand report kicks, the release command sent after
+// its plan) and Load does not count it evictable.
+func activeAt(ss *session) time.Time {
+	if ss.loadedAt.After(ss.lastCommit) {
+		return ss.loadedAt
+	}
+	return ss.lastCommit
+}
+
+// recentLocked reports whether ss was committed or loaded less than MinIdle before now.
+func (s *Sidecar) recentLocked(ss *session, now time.Time) bool {
+	return now.Sub(activeAt(ss)) < s.rel.cfg.MinIdle
+}
+
 // pinnedAt reports whether an agent's pin (SetSessionHintsCommand.pinned_until_unix_ms) still
 // holds at now.
 func pinnedAt(ss *session, now time.Time) bool {
@@ -105,6 +121,8 @@ func (s *Sidecar) capacityLocked() int64 {
 // ranked before them: releases never overtake).
 type ReleasePlan struct {
 	Used, Capacity int64
+	// At is when it was planned: a session committed or loaded since is not released by it.
+	At time.Time
 	// Deficit is the tokens the worker's waiting requests need past its free room (0: none).
 	Deficit int64
 	Release []string
@@ -118,6 +136,7 @@ type demand struct {
 	tokens, free  int64
 	reports       int64 // reports received
 	deficitPasses int64 // release passes that released or waited for a deficit
+	spared        int64 // planned releases not sent: the session was committed or loaded since (releaseOne)
 	// unevictable is the worker's capacity report (ReportDemandRequest.unevictable_tokens): the
 	// committed KV of the sessions its requests are using. Forwarded in Load; 0 once the
 	// worker is down (its sessions are gone).
@@ -159,6 +178,9 @@ type DemandStats struct {
 	WaitingRequests               int32
 	WaitingTokens, FreeTokens     int64
 	Reports, DeficitReleasePasses int64
+	// SparedReleases: releases planned by a pass and not sent, the session committed or
+	// loaded since (or within MinIdle).
+	SparedReleases int64
 	// UnevictableTokens is the worker's last capacity report (ReportDemandRequest.unevictable_tokens).
 	UnevictableTokens int64
 }
@@ -169,7 +191,7 @@ func (s *Sidecar) Demand() DemandStats {
 	defer s.mu.Unlock()
 	d := s.demand
 	return DemandStats{WaitingRequests: d.requests, WaitingTokens: d.tokens, FreeTokens: d.free, Reports: d.reports, DeficitReleasePasses: d.deficitPasses,
-		UnevictableTokens: d.unevictable}
+		UnevictableTokens: d.unevictable, SparedReleases: d.spared}
 }
 
 // planReleaseLocked picks, when the pool is above the high watermark, the idle sessions that
@@ -184,7 +206,7 @@ func (s *Sidecar) Demand() DemandStats {
 // push has landed — and so are the sessions ranked after it (their pushes start meanwhile), so
 // that releases follow the priority order exactly.
 func (s *Sidecar) planReleaseLocked(now time.Time) ReleasePlan {
-	p := ReleasePlan{Capacity: s.capacityLocked()}
+	p := ReleasePlan{Capacity: s.capacityLocked(), At: now}
 	if !s.rel.enabled() || s.pool == nil || p.Capacity <= 0 {
 		return p
 	}
@@ -213,8 +235,8 @@ func (s *Sidecar) planReleaseLocked(now time.Time) ReleasePlan {
 	}
 	var cands []cand
 	for _, ss := range s.sessions {
-		idle := now.Sub(ss.lastCommit)
-		if idle < s.rel.cfg.MinIdle || !s.releasableLocked(ss) || pinnedAt(ss, now) || inUseAt(ss, now) {
+		idle := now.Sub(activeAt(ss))
+		if s.recentLocked(ss, now) || !s.releasableLocked(ss) || pinnedAt(ss, now) || inUseAt(ss, now) {
 			continue
 		}
 		cands = append(cands, cand{ss, int64(idle / time.Second), ss.hints.low})
@@ -276,14 +298,29 @@ func (s *Sidecar) releaseTick(ctx context.Context) ReleasePlan {
 			Strs("waiting", p.Waiting).Msg("pool above the release watermark or requests waiting for pages: releasing idle sessions")
 	}
 	for _, id := range p.Release {
-		s.releaseOne(ctx, id)
+		s.releaseOne(ctx, id, p.At)
 	}
 	return p
 }
 
 // releaseOne asks the worker to free a session (it calls ReleaseSession, then frees the pages,
 // then acks). A refusal (the session is in use) or a missing watcher leaves the session as it is.
-func (s *Sidecar) releaseOne(ctx context.Context, id string) {
+// A session committed or loaded since the pass planned it at planned (the releases before it
+// waited for the worker's acks meanwhile), or less than MinIdle ago, is not sent: it is in use
+// again.
+func (s *Sidecar) releaseOne(ctx context.Context, id string, planned time.Time) {
+	s.mu.Lock()
+	ss := s.sessions[id]
+	if ss != nil && ss.releasing {
+		if now := time.Now(); activeAt(ss).After(planned) || s.recentLocked(ss, now) || pinnedAt(ss, now) {
+			ss.releasing = false
+			s.demand.spared++
+			s.mu.Unlock()
+			s.log.Info().Str("session", id).Msg("capacity release not sent: the session was committed or loaded since the pass planned it")
+			return
+		}
+	}
+	s.mu.Unlock()
 	actx, cancel := context.WithTimeout(ctx, s.rel.cfg.AckTimeout)
 	ack, err := s.att.Send(actx, &kvcv1.WatchCommandsResponse{Reason: kvcv1.WorkerCommandReason_WORKER_COMMAND_REASON_CAPACITY,
 		Command: &kvcv1.WatchCommandsResponse_Release{Release: &kvcv1.WorkerReleaseCommand{SessionId: id}}})
@@ -308,7 +345,7 @@ func (s *Sidecar) releaseOne(ctx context.Context, id string) {
 	// The worker's ReleaseSession dropped and reported it; a worker that acked without calling
 	// it is not trusted to still hold the session.
 	s.mu.Lock()
-	ss := s.sessions[id]
+	ss = s.sessions[id]
 	still := ss != nil && ss.releasing
 	s.mu.Unlock()
 	if still {

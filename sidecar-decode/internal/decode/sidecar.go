@@ -117,6 +117,7 @@ type session struct {
 	push       *pushRun
 	gone       bool
 	lastCommit time.Time // when the worker last committed it (its idle time starts here)
+	loadedAt   time.Time // when a LoadSessionCommand last ended with it loaded here (load.go); its idle time starts here too
 	forcePush  bool      // push even below delta: the capacity release or the idle flush waits for a current snapshot
 	commits    uint64    // commits seen: an idle-flush timer fires only for the newest (idle.go)
 	idle       idleTimer // the idle-flush timer armed by the last commit
