@@ -263,9 +263,22 @@ func (w *Worker) command(ctx context.Context, m *kvcv1.WatchCommandsResponse) {
 	}
 }
 
+// idleOtherLocked reports whether a committed session other than s holds pages no request
+// uses (w.mu held): one the sidecar's capacity release can take instead of s.
+func (w *Worker) idleOtherLocked(s *session) bool {
+	for _, o := range w.sessions {
+		if o != s && o.pinned == 0 && o.committed && len(o.pages) > 0 {
+			return true
+		}
+	}
+	return false
+}
+
 // releaseForSidecar frees a session the sidecar asked to release (capacity release): refused
 // while a request uses it; otherwise ReleaseSession (reason EVICTED) and its pages freed, as
-// for an eviction. It returns the tokens freed.
+// for an eviction. It returns the tokens freed. A capacity release of a session whose turns
+// only wait for pages is refused while another idle session could be released instead (the
+// SGLang plugin's release_for_capacity sees its queued requests the same way).
 func (w *Worker) releaseForSidecar(id string, reason kvcv1.WorkerCommandReason) (int64, error) {
 	w.allocMu.Lock() // not concurrently with an allocation's eviction
 	defer w.allocMu.Unlock()
@@ -279,6 +292,14 @@ func (w *Worker) releaseForSidecar(id string, reason kvcv1.WorkerCommandReason) 
 		n := s.pinned - s.waiting
 		w.mu.Unlock()
 		return 0, fmt.Errorf("session %s is in use by %d running request(s)", id, n)
+	case s.waiting > 0 && reason == kvcv1.WorkerCommandReason_WORKER_COMMAND_REASON_CAPACITY && w.idleOtherLocked(s):
+		// Its turn waits for a few pages; releasing it turns that turn into a reseed of the
+		// whole context into the same full pool (issue 20: 141 of 311 turns retried so, 2-6 s
+		// TTFT). Another session no request uses gives room without it: the sidecar takes that
+		// one (it passes over a refused session until its next commit).
+		n := s.waiting
+		w.mu.Unlock()
+		return 0, fmt.Errorf("session %s is in use by %d turn(s) waiting for pages, and an idle session can be released instead", id, n)
 	}
 	// Only turns still waiting for pages use it (or none): they find it gone and answer 409
 	// (generate.go), as a queued turn of a slot the SGLang plugin released re-prefills.

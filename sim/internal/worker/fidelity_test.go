@@ -3,6 +3,7 @@ package worker
 import (
 	"context"
 	"path/filepath"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -418,5 +419,55 @@ func TestWatermarkReleaseTakesAWaitingTurnsSession(t *testing.T) {
 	// Nothing leaked: b's pages are all that is held.
 	if st, held := d.w.stats(), sessionsOf(t, d); len(held) != 1 || st.FreePages != st.PageCount-11 {
 		t.Fatalf("after: %d sessions, %d free of %d pages; want b's 11 held", len(held), st.FreePages, st.PageCount)
+	}
+}
+
+// TestWatermarkReleaseSparesAWaitingTurnWhileAnotherIsIdle: a session whose direct turn waits
+// for a few pages is not released for capacity while another session no request uses can be
+// released instead — that release makes the room and the waiting turn runs on its resident KV
+// (before: the release took the waiting turn's session, and the turn answered 409 to come back
+// as a reseed of its whole context into the same full pool; issue 20).
+func TestWatermarkReleaseSparesAWaitingTurnWhileAnotherIsIdle(t *testing.T) {
+	h := newHub()
+	p := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_PREFILL, "p0", 4096, zeroTiming())
+	d := newTestWorkerCfg(t, h, kvcv1.WorkerRole_WORKER_ROLE_DECODE, "d0", 64, zeroTiming(), 10*time.Second) // 16 pages of 4
+	d.w.cfg.EvictOnlyByRelease = true
+	for i, id := range []string{"a", "c"} {
+		if _, dr := pd(t, p, d, id, 4, kvcReq{Mode: "SEED", SessionID: id, InputTokens: 20, Room: i64(int64(i + 1))}); dr.status != 200 {
+			t.Fatalf("seed %s: %d %s", id, dr.status, dr.code)
+		}
+	}
+	kv := sessionsOf(t, d)["a"].KVLen // 24 tokens, 6 pages each: 4 pages free
+	// b needs 7 pages: it waits at the head of the queue.
+	bDone := make(chan result, 1)
+	go func() {
+		_, dr := pd(t, p, d, "b", 4, kvcReq{Mode: "SEED", SessionID: "b", InputTokens: 24, Room: i64(3)})
+		bDone <- dr
+	}()
+	waitFor(t, func() bool { return testutil.ToFloat64(d.w.m.preallocWaits) >= 1 })
+	// a's direct turn needs 3 more pages: it queues behind b, holding a.
+	aDone := postAsync(t, context.Background(), d.url, body("a-2", 4, false,
+		kvcReq{Mode: "DIRECT_TO_D", Role: "decode", SessionID: "a", InputTokens: kv + 8, CachedTokens: kv, Keep: bptr(true)}))
+	waitFor(t, func() bool {
+		d.w.mu.Lock()
+		defer d.w.mu.Unlock()
+		s := d.w.sessions["a"]
+		return s != nil && s.waiting == 1
+	})
+	capacity := kvcv1.WorkerCommandReason_WORKER_COMMAND_REASON_CAPACITY
+	if _, err := d.w.releaseForSidecar("a", capacity); err == nil || !strings.Contains(err.Error(), "waiting for pages") {
+		t.Fatalf("release of a waiting turn's session with c idle: %v; want a refusal (waiting for pages)", err)
+	}
+	if freed, err := d.w.releaseForSidecar("c", capacity); err != nil || freed != kv {
+		t.Fatalf("release of idle c: freed %d, %v; want %d", freed, err, kv)
+	}
+	if dr := <-bDone; dr.status != 200 {
+		t.Fatalf("b after c's release: %d %s", dr.status, dr.code)
+	}
+	if r := (<-aDone).r; r.status != 200 {
+		t.Fatalf("a's waiting turn after c's release: %d %s; want 200 on its resident KV", r.status, r.code)
+	}
+	if held := sessionsOf(t, d); len(held) != 2 || held["a"].KVLen <= kv {
+		t.Fatalf("after: sessions %v; want a (grown past %d) and b", held, kv)
 	}
 }
