@@ -30,6 +30,10 @@ func TestCapacityReleaseSeesDemand(t *testing.T) {
 		// with 136 free, 64 short: "old" (idle longest, 40) is not enough, "mid" (40) too.
 		{name: "deficit", demand: &kvcv1.ReportDemandRequest{WaitingRequests: 2, WaitingTokens: 200, FreeTokens: 136},
 			release: []string{"old", "mid"}, deficit: 64},
+		// a deficit past every session idle longer than MinIdle takes the one committed just
+		// now too (release on demand; before, it waited out MinIdle)
+		{name: "deficit past the idle sessions", demand: &kvcv1.ReportDemandRequest{WaitingRequests: 1, WaitingTokens: 250, FreeTokens: 136},
+			release: []string{"old", "mid", "busy"}, deficit: 114},
 		// a deficit that one session covers releases one
 		{name: "small deficit", demand: &kvcv1.ReportDemandRequest{WaitingRequests: 1, WaitingTokens: 150, FreeTokens: 136},
 			release: []string{"old"}, deficit: 14},
@@ -70,7 +74,7 @@ func TestCapacityReleaseSeesDemand(t *testing.T) {
 				add("old", 40, time.Hour, 40)
 			}
 			add("mid", 40, time.Minute, 40)
-			add("busy", 40, 0, 40) // in use: never
+			add("busy", 40, 0, 40) // committed just now: only for a deficit the others leave
 			if tc.demand != nil {
 				if _, err := s.ReportDemand(ctx, tc.demand); err != nil {
 					t.Fatal(err)

@@ -41,11 +41,13 @@ func idleSession(t *testing.T, s *Sidecar, id string, kv int64, idle time.Durati
 // the whole snapshot, so the load committed nothing new); the session idle longer is released.
 func TestReleaseSparesALoadedSession(t *testing.T) {
 	for _, tc := range []struct {
-		name   string
-		demand *kvcv1.ReportDemandRequest // nil: the pool is above the high watermark
+		name    string
+		demand  *kvcv1.ReportDemandRequest // nil: the pool is above the high watermark
+		release []string
 	}{
-		{"periodic pass above the watermark", nil},
-		{"deficit pass", &kvcv1.ReportDemandRequest{WaitingRequests: 1, WaitingTokens: 250, FreeTokens: 136}},
+		{"periodic pass above the watermark", nil, []string{"old"}},
+		// the deficit (114 tokens) also takes the session committed just now, never the loaded one
+		{"deficit pass", &kvcv1.ReportDemandRequest{WaitingRequests: 1, WaitingTokens: 250, FreeTokens: 136}, []string{"old", "busy"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			s := newTestSidecar(t) // 256 tokens
@@ -82,8 +84,8 @@ func TestReleaseSparesALoadedSession(t *testing.T) {
 			s.mu.Lock()
 			p := s.planReleaseLocked(time.Now())
 			s.mu.Unlock()
-			if !slices.Equal(p.Release, []string{"old"}) || len(p.Waiting) != 0 {
-				t.Fatalf("plan %+v: want only the session idle 30 min released", p)
+			if !slices.Equal(p.Release, tc.release) || len(p.Waiting) != 0 {
+				t.Fatalf("plan %+v: want %v released", p, tc.release)
 			}
 			if l := s.Load(); l.GetEvictableTokens() != 0 { // "old" is releasing now; "loaded" and "busy" are recent
 				t.Fatalf("evictable %d, want 0 (the loaded session is not room)", l.GetEvictableTokens())
@@ -132,7 +134,7 @@ func TestReleaseNotSentAfterACommit(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, id := range p.Release {
-		s.releaseOne(ctx, id, p.At)
+		s.releaseOne(ctx, id, p.At, false)
 	}
 	rw.mu.Lock()
 	released := slices.Clone(rw.released)
@@ -149,5 +151,50 @@ func TestReleaseNotSentAfterACommit(t *testing.T) {
 	}
 	if d := s.Demand(); d.SparedReleases != 1 {
 		t.Fatalf("spared %d, want 1", d.SparedReleases)
+	}
+}
+
+// TestReleaseRefusalReplansAtOnce: a release the worker refuses (the session's turn waits for
+// pages) is passed over and the next idlest session is released in the same round, without
+// waiting for the next tick or demand report.
+func TestReleaseRefusalReplansAtOnce(t *testing.T) {
+	s := newTestSidecar(t) // 256 tokens
+	s.rel = newReleaser(ReleaseConfig{High: 0.9, Low: 0.5, MinIdle: time.Minute, Interval: time.Hour})
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	c := serveBridge(t, s)
+	rw := &releasingWorker{refuse: map[string]bool{"a": true}}
+	done := make(chan struct{})
+	go func() { defer close(done); rw.run(t, ctx, s, c) }()
+	defer func() { cancel(); <-done }()
+	var next int64
+	idleSession(t, s, "a", 40, time.Hour, &next)
+	idleSession(t, s, "b", 40, 30*time.Minute, &next)
+	idleSession(t, s, "c", 40, 20*time.Minute, &next)
+	for !s.att.Watcher().AttachAcked {
+		select {
+		case <-ctx.Done():
+			t.Fatal("worker never attached")
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+	// 120 of 256 committed (under the high watermark), 20 tokens short: one session's worth.
+	if _, err := c.ReportDemand(ctx, &kvcv1.ReportDemandRequest{WaitingRequests: 1, WaitingTokens: 156, FreeTokens: 136}); err != nil {
+		t.Fatal(err)
+	}
+	<-s.relKick // the report's kick: this test runs the round itself
+	s.releaseRounds(ctx)
+	rw.mu.Lock()
+	released, refused := slices.Clone(rw.released), slices.Clone(rw.refused)
+	rw.mu.Unlock()
+	if !slices.Equal(refused, []string{"a"}) || !slices.Equal(released, []string{"b"}) {
+		t.Fatalf("refused %v, released %v; want a refused, then b released in the same round", refused, released)
+	}
+	s.mu.Lock()
+	_, kept := s.sessions["a"]
+	_, gone := s.sessions["b"]
+	s.mu.Unlock()
+	if !kept || gone {
+		t.Fatalf("sessions after the round: a kept %v, b still held %v", kept, gone)
 	}
 }

@@ -99,6 +99,14 @@ func (s *Sidecar) recentLocked(ss *session, now time.Time) bool {
 	return now.Sub(activeAt(ss)) < s.rel.cfg.MinIdle
 }
 
+// recentLoadLocked reports whether ss was loaded (LoadSessionCommand: a re-home) less than
+// MinIdle before now: the release spares it even for a deficit, which a session committed
+// less than MinIdle ago is not spared from (its next turn costs one snapshot reseed, the
+// transfer a baseline pays every turn; the request waiting for pages is here now).
+func recentLoadLocked(s *Sidecar, ss *session, now time.Time) bool {
+	return !ss.loadedAt.IsZero() && now.Sub(ss.loadedAt) < s.rel.cfg.MinIdle
+}
+
 // pinnedAt reports whether an agent's pin (SetSessionHintsCommand.pinned_until_unix_ms) still
 // holds at now.
 func pinnedAt(ss *session, now time.Time) bool {
@@ -200,7 +208,12 @@ func (s *Sidecar) Demand() DemandStats {
 // since the last commit, longest first), then size (committed tokens, largest first), then
 // session id; sessions idle less than MinIdle, pinned (an agent hint: pinned_until_unix_ms
 // still ahead of now — its agent waits on a tool and comes back) or not releasable
-// (releasableLocked) are never picked — they are what the worker is using. A session whose snapshot is current (everything
+// (releasableLocked) are never picked — they are what the worker is using — except that
+// requests waiting for pages (a deficit) are given sessions committed less than MinIdle ago,
+// after every idler one and only up to the deficit (release on demand: such a session's next
+// turn costs one snapshot reseed, what a baseline pays every turn; a request that waits for
+// them is here now; issue 20: turns waited seconds for the MinIdle of full pools' sessions);
+// a session loaded less than MinIdle ago (a re-home) is spared still. A session whose snapshot is current (everything
 // committed is pushed, no push queued or running) is released now; one that needs a push gets
 // one queued at once whatever delta_tokens says, and is released by a later pass once that
 // push has landed — and so are the sessions ranked after it (their pushes start meanwhile), so
@@ -229,17 +242,22 @@ func (s *Sidecar) planReleaseLocked(now time.Time) ReleasePlan {
 		return p
 	}
 	type cand struct {
-		ss   *session
-		idle int64
-		low  bool
+		ss     *session
+		idle   int64
+		low    bool
+		recent bool // committed less than MinIdle ago: taken only for the deficit
 	}
 	var cands []cand
 	for _, ss := range s.sessions {
 		idle := now.Sub(activeAt(ss))
-		if s.recentLocked(ss, now) || !s.releasableLocked(ss) || pinnedAt(ss, now) || inUseAt(ss, now) {
+		recent := s.recentLocked(ss, now)
+		if !s.releasableLocked(ss) || pinnedAt(ss, now) || inUseAt(ss, now) || recentLoadLocked(s, ss, now) {
 			continue
 		}
-		cands = append(cands, cand{ss, int64(idle / time.Second), ss.hints.low})
+		if recent && p.Deficit <= 0 {
+			continue
+		}
+		cands = append(cands, cand{ss, int64(idle / time.Second), ss.hints.low, recent})
 	}
 	slices.SortFunc(cands, func(a, b cand) int {
 		if a.low != b.low {
@@ -260,14 +278,18 @@ func (s *Sidecar) planReleaseLocked(now time.Time) ReleasePlan {
 	if watermark {
 		need = p.Used - int64(s.rel.cfg.Low*float64(p.Capacity))
 	}
-	need = max(need, p.Deficit)
+	short := p.Deficit // what the waiting requests still need: recent sessions give only that
 	blocked := false
 	for _, c := range cands {
-		if need <= 0 {
+		if need <= 0 && short <= 0 {
 			break
+		}
+		if c.recent && short <= 0 {
+			continue
 		}
 		ss := c.ss
 		need -= ss.committed
+		short -= ss.committed
 		current := ss.push == nil && !ss.queued && ss.lastPushed >= ss.committed
 		if current && !blocked {
 			ss.releasing = true
@@ -287,6 +309,13 @@ func (s *Sidecar) planReleaseLocked(now time.Time) ReleasePlan {
 // releaseTick runs one pass: it plans and sends each release (WorkerReleaseCommand, reason
 // CAPACITY) in priority order, waiting for the worker's ack of each.
 func (s *Sidecar) releaseTick(ctx context.Context) ReleasePlan {
+	p, _ := s.releasePass(ctx)
+	return p
+}
+
+// releasePass is releaseTick that also reports how many releases the worker refused (a
+// session in use: the next pass ranks past it).
+func (s *Sidecar) releasePass(ctx context.Context) (ReleasePlan, int) {
 	s.mu.Lock()
 	p := s.planReleaseLocked(time.Now())
 	if p.Deficit > 0 && (len(p.Release) > 0 || len(p.Waiting) > 0) {
@@ -297,27 +326,34 @@ func (s *Sidecar) releaseTick(ctx context.Context) ReleasePlan {
 		s.log.Info().Int64("used_tokens", p.Used).Int64("capacity_tokens", p.Capacity).Int64("deficit_tokens", p.Deficit).Strs("release", p.Release).
 			Strs("waiting", p.Waiting).Msg("pool above the release watermark or requests waiting for pages: releasing idle sessions")
 	}
+	refused := 0
 	for _, id := range p.Release {
-		s.releaseOne(ctx, id, p.At)
+		if s.releaseOne(ctx, id, p.At, p.Deficit > 0) {
+			refused++
+		}
 	}
-	return p
+	return p, refused
 }
 
 // releaseOne asks the worker to free a session (it calls ReleaseSession, then frees the pages,
-// then acks). A refusal (the session is in use) or a missing watcher leaves the session as it is.
-// A session committed or loaded since the pass planned it at planned (the releases before it
-// waited for the worker's acks meanwhile), or less than MinIdle ago, is not sent: it is in use
-// again.
-func (s *Sidecar) releaseOne(ctx context.Context, id string, planned time.Time) {
+// then acks). A refusal (the session is in use) or a missing watcher leaves the session as it is;
+// it returns true when the worker refused. A session committed or loaded since the pass planned
+// it at planned (the releases before it waited for the worker's acks meanwhile), or less than
+// MinIdle ago, is not sent: it is in use again — except that a pass for a deficit (onDemand:
+// requests wait for pages) takes a session committed less than MinIdle ago, though never one
+// committed since the plan nor one loaded less than MinIdle ago.
+func (s *Sidecar) releaseOne(ctx context.Context, id string, planned time.Time, onDemand bool) bool {
 	s.mu.Lock()
 	ss := s.sessions[id]
 	if ss != nil && ss.releasing {
-		if now := time.Now(); activeAt(ss).After(planned) || s.recentLocked(ss, now) || pinnedAt(ss, now) {
+		now := time.Now()
+		recent := s.recentLocked(ss, now) && (!onDemand || recentLoadLocked(s, ss, now))
+		if activeAt(ss).After(planned) || recent || pinnedAt(ss, now) {
 			ss.releasing = false
 			s.demand.spared++
 			s.mu.Unlock()
 			s.log.Info().Str("session", id).Msg("capacity release not sent: the session was committed or loaded since the pass planned it")
-			return
+			return false
 		}
 	}
 	s.mu.Unlock()
@@ -339,7 +375,7 @@ func (s *Sidecar) releaseOne(ctx context.Context, id string, planned time.Time) 
 		}
 		s.mu.Unlock()
 		s.log.Warn().Str("session", id).Str("error", status.Convert(err).Message()).Msg("capacity release not done")
-		return
+		return refused
 	}
 	s.log.Info().Str("session", id).Int64("freed_tokens", ack.GetFreedTokens()).Msg("session released for capacity")
 	// The worker's ReleaseSession dropped and reported it; a worker that acked without calling
@@ -353,6 +389,7 @@ func (s *Sidecar) releaseOne(ctx context.Context, id string, planned time.Time) 
 			s.reportCapacityRelease(dropped)
 		}
 	}
+	return false
 }
 
 // releaseInUseRetry: how long a session whose release the worker refused (in use) is passed
@@ -374,6 +411,27 @@ func (s *Sidecar) reportCapacityRelease(ss *session) {
 		Generation: ss.gen, Detail: "capacity release (snapshot current)"})
 }
 
+// maxReleaseRounds bounds the passes one tick or kick runs back to back.
+const maxReleaseRounds = 4
+
+// releaseRounds runs a pass and, while the worker refused some of its releases (sessions whose
+// turns wait for pages, which it passes over now) and requests still wait for pages, plans
+// again at once instead of at the next tick or report.
+func (s *Sidecar) releaseRounds(ctx context.Context) {
+	for range maxReleaseRounds {
+		p, refused := s.releasePass(ctx)
+		if refused == 0 || p.Deficit <= 0 || ctx.Err() != nil {
+			return
+		}
+		s.mu.Lock()
+		short := s.demand.deficit() > 0
+		s.mu.Unlock()
+		if !short {
+			return
+		}
+	}
+}
+
 // runRelease checks the watermarks every Interval until ctx is done.
 func (s *Sidecar) runRelease(ctx context.Context) {
 	if !s.rel.enabled() {
@@ -386,9 +444,9 @@ func (s *Sidecar) runRelease(ctx context.Context) {
 		case <-ctx.Done():
 			return
 		case <-t.C:
-			s.releaseTick(ctx)
+			s.releaseRounds(ctx)
 		case <-s.relKick:
-			s.releaseTick(ctx)
+			s.releaseRounds(ctx)
 		}
 	}
 }

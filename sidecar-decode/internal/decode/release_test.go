@@ -51,6 +51,9 @@ type releasingWorker struct {
 	mu       sync.Mutex
 	released []string
 	current  []bool
+	// refuse: sessions whose release the worker refuses (a turn of theirs waits for pages)
+	refuse  map[string]bool
+	refused []string
 }
 
 func (rw *releasingWorker) run(t *testing.T, ctx context.Context, s *Sidecar, c kvcv1.WorkerBridgeServiceClient) {
@@ -76,6 +79,18 @@ func (rw *releasingWorker) run(t *testing.T, ctx context.Context, s *Sidecar, c 
 		id := m.GetRelease().GetSessionId()
 		if m.GetReason() != kvcv1.WorkerCommandReason_WORKER_COMMAND_REASON_CAPACITY || id == "" {
 			t.Errorf("command %v", m)
+		}
+		rw.mu.Lock()
+		no := rw.refuse[id]
+		if no {
+			rw.refused = append(rw.refused, id)
+		}
+		rw.mu.Unlock()
+		if no {
+			if _, err := c.AckCommand(ctx, &kvcv1.AckCommandRequest{CommandId: m.GetCommandId(), Error: "session " + id + " is in use by 1 turn(s) waiting for pages"}); err != nil && ctx.Err() == nil {
+				t.Error(err)
+			}
+			continue
 		}
 		s.mu.Lock()
 		ss := s.sessions[id]
