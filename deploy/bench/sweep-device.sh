@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# On the device machine (16 cores, no Go): sweep points (each point and arm its own kvc-bench process, at most JOBS at once), outputs
+# The static binaries travel as bin/sweep.tar.xz (a sweep/ folder of kvc-bench, kvc-sim,
+# kvc-controlplane, kvc-gateway and both sidecars, built with CGO_ENABLED=0 -ldflags "-s -w");
+# SWEEP, ARMS, TAG, JOBS (default 7) and BUDGET (seconds, default 540) as below. The points of
+# several calls are gathered on any machine with kvc-bench --sweep-gather --sweep-from DIR,... .
+# (summary.json, report.md, metrics.jsonl, logs, load samples) as one tarball under $OUT.
+set -u
+cd "$(dirname "$0")/../.."
+mkdir -p /tmp/kvc && tar -C /tmp/kvc -xJf bin/sweep.tar.xz
+nproc; uptime
+SWEEP=${SWEEP:-"2P4D=8,6,4,2,1;1P3D=3,2,1,0.5;2P4D@700K=2"}
+ARMS=${ARMS:-PD,SGL,LLMD}
+TAG=${TAG:-base}
+start=$(date +%s)
+JOBS=${JOBS:-7} GATHER=0 SPLIT_ARMS=1 timeout ${BUDGET:-540} bash deploy/bench/sweep-parallel.sh /tmp/kvc/sweep /tmp/kvc/out "$SWEEP" "$ARMS" 8 \
+  --local --bin-dir /tmp/kvc/sweep --time-scale 0.3 --sim-args "--page-size 64 --layers 8 --prealloc-wait 20s" \
+  --decode-capacity-tokens 88000 --send-ids --slo-ttft 2s --slo-tpot 50ms
+echo "sweep rc=$? after $(( $(date +%s) - start )) s"; uptime
+cd /tmp/kvc/out && find . \( -name 'summary.json' -o -name 'report.md' -o -name 'metrics.jsonl' -o -path './logs/*' \) -print0 | xargs -0 tar -czf $OUT/sweep-$TAG.tgz
+for f in logs/*.log; do echo "== $f"; tail -2 "$f"; done 2>&1 | cut -c1-300
+tail -5 logs/loadavg.log; awk '{print $2}' logs/loadavg.log | sort -n | tail -1
+ls -la $OUT
