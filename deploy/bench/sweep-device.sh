@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # On the device machine (16 cores, no Go): sweep points (each point and arm its own kvc-bench process, at most JOBS at once), outputs
+# (summary.json, report.md, metrics.jsonl, logs, load samples) as one tarball under $OUT.
 # The static binaries travel as bin/sweep.tar.xz (a sweep/ folder of kvc-bench, kvc-sim,
 # kvc-controlplane, kvc-gateway and both sidecars, built with CGO_ENABLED=0 -ldflags "-s -w");
 # SWEEP, ARMS, TAG, JOBS (default 7) and BUDGET (seconds, default 540) as below. The points of
 # several calls are gathered on any machine with kvc-bench --sweep-gather --sweep-from DIR,... .
-# (summary.json, report.md, metrics.jsonl, logs, load samples) as one tarball under $OUT.
 set -u
 cd "$(dirname "$0")/../.."
 mkdir -p /tmp/kvc && tar -C /tmp/kvc -xJf bin/sweep.tar.xz
