@@ -210,3 +210,39 @@ func TestLoadForwardsWorkerUnevictable(t *testing.T) {
 		t.Fatalf("after the worker died: %v", l)
 	}
 }
+
+// TestForcedPushLandingKicksRelease: a push the release forced (a session its pass waits for)
+// that lands while requests wait for pages runs a pass at once; one that failed, one nobody
+// waited for, or one landing with no deficit does not.
+func TestForcedPushLandingKicksRelease(t *testing.T) {
+	for _, tc := range []struct {
+		name              string
+		forced, ok, short bool
+		kick              bool
+	}{
+		{"forced push landed, requests short of pages", true, true, true, true},
+		{"forced push failed", true, false, true, false},
+		{"push nobody waited for", false, true, true, false},
+		{"no deficit", true, true, false, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s := newTestSidecar(t)
+			s.rel = newReleaser(ReleaseConfig{High: 0.9, Low: 0.5, MinIdle: time.Second, Interval: time.Hour})
+			s.mu.Lock()
+			if tc.short {
+				s.demand.requests, s.demand.tokens, s.demand.free = 1, 200, 100
+			}
+			s.pushLandedLocked(tc.forced, tc.ok)
+			s.mu.Unlock()
+			kicked := false
+			select {
+			case <-s.relKick:
+				kicked = true
+			default:
+			}
+			if kicked != tc.kick {
+				t.Fatalf("kicked %v, want %v", kicked, tc.kick)
+			}
+		})
+	}
+}

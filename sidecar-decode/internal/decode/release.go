@@ -335,6 +335,20 @@ func (s *Sidecar) releasePass(ctx context.Context) (ReleasePlan, int) {
 	return p, refused
 }
 
+// pushLandedLocked runs a release pass at once when a push the release forced (a session it
+// waits for, planReleaseLocked's Waiting list) landed while requests wait for pages: the release
+// of it, and of the sessions ranked after it, went out only at the next tick (1 s at real
+// speed) or demand report, with the waiting requests' pages held that long (issue 20).
+func (s *Sidecar) pushLandedLocked(forced, ok bool) {
+	if !ok || !forced || !s.rel.enabled() || s.demand.deficit() <= 0 {
+		return
+	}
+	select {
+	case s.relKick <- struct{}{}:
+	default:
+	}
+}
+
 // releaseOne asks the worker to free a session (it calls ReleaseSession, then frees the pages,
 // then acks). A refusal (the session is in use) or a missing watcher leaves the session as it is;
 // it returns true when the worker refused. A session committed or loaded since the pass planned
