@@ -27,6 +27,7 @@ import (
 	"github.com/kvcentric/kvcentric/pkg/obs"
 	"github.com/kvcentric/kvcentric/pkg/sdnotify"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+	"github.com/kvcentric/kvcentric/sim/internal/bench"
 	"github.com/kvcentric/kvcentric/sim/internal/cluster"
 )
 
@@ -61,7 +62,7 @@ func parse(args []string, getenv func(string) string, stderr io.Writer) (*option
 	fs.IntVar(&o.cfg.ControlPlanes, "control-planes", 2, "control-plane replicas (2 = an HA pair)")
 	fs.Int64Var(&o.cfg.DecodeCapacityTokens, "decode-capacity-tokens", 0, "KV capacity of each decode worker in tokens (0 = kvc-sim's default)")
 	fs.Int64Var(&o.cfg.PrefillCapacityTokens, "prefill-capacity-tokens", 0, "KV capacity of each prefill worker in tokens (0 = kvc-sim's default)")
-	fs.Float64Var(&o.timeScale, "time-scale", 1, "kvc-sim --time-scale (multiplies every modeled duration)")
+	fs.Float64Var(&o.timeScale, "time-scale", 1, "kvc-sim --time-scale (multiplies every modeled duration); the sidecars' --time-scale and the policy's reservation/unreachable timers follow it (kvc-bench does the same)")
 	fs.StringVar(&o.simArgs, "sim-args", "", "extra kvc-sim flags, space separated (e.g. \"--bytes-per-token-per-buffer 8\")")
 	fs.StringVar(&o.policy, "policy-json", "", "policy to apply after start, as kvc.v1.Policy JSON (e.g. '{\"snapshotsEnabled\": false}')")
 	fs.BoolVar(&o.noGateway, "no-gateway", false, "do not start kvc-gateway")
@@ -99,6 +100,16 @@ func parse(args []string, getenv func(string) string, stderr io.Writer) (*option
 		o.cfg.Policy = p
 	}
 	o.cfg.SimArgs = append([]string{"--time-scale", strconv.FormatFloat(o.timeScale, 'g', -1, 64)}, strings.Fields(o.simArgs)...)
+	// The sidecars' and the control plane's decision-shaping timers run at the model's speed too
+	// (as kvc-bench runs them): otherwise a heartbeat or a reservation timeout lasts 1/X model
+	// seconds longer than at real speed.
+	o.cfg.SidecarArgs = bench.SidecarTimerArgs(o.timeScale)
+	if o.timeScale > 0 && o.timeScale != 1 {
+		if o.cfg.Policy == nil {
+			o.cfg.Policy = &kvcv1.Policy{}
+		}
+		bench.ScalePolicyTimers(o.cfg.Policy, o.timeScale)
+	}
 	o.cfg.RefworkerArgs = strings.Fields(o.refArgs)
 	o.cfg.Gateway = !o.noGateway
 	return o, nil

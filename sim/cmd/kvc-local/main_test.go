@@ -49,6 +49,21 @@ func TestFlags(t *testing.T) {
 	if got := strings.Join(o.cfg.SimArgs, " "); got != "--time-scale 0.1 --layers 4 --page-size 8" || !o.cfg.Gateway {
 		t.Fatalf("sim args %q gateway %v", got, o.cfg.Gateway)
 	}
+	// The sidecars' timers and the policy's follow the time scale (they did not: a heartbeat
+	// lasted ten model seconds at --time-scale 0.1).
+	if got := strings.Join(o.cfg.SidecarArgs, " "); got != "--time-scale 0.1" {
+		t.Fatalf("sidecar args %q", got)
+	}
+	if o.cfg.Policy.GetReservationTimeoutMs() == 0 || o.cfg.Policy.GetUnreachableGraceMs() == 0 {
+		t.Fatalf("policy timers not scaled: %v", o.cfg.Policy)
+	}
+	real, err := parse(nil, func(string) string { return "" }, &bytes.Buffer{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if real.cfg.SidecarArgs != nil || real.cfg.Policy != nil {
+		t.Fatalf("real speed: sidecar args %q policy %v", real.cfg.SidecarArgs, real.cfg.Policy)
+	}
 }
 
 // The binary's life with the real binaries: up, ready file, SIGTERM-equivalent (ctx), exit 0.
