@@ -139,6 +139,7 @@ func Run(ctx context.Context, opts *Options, log zerolog.Logger) error {
 	}()
 	endpoints := opts.Endpoints()
 	info := readyInfo{PID: os.Getpid(), NodeID: opts.NodeID}
+	var etcdErr <-chan error // the embedded member's fatal errors (nil with --etcd-endpoints)
 	if len(endpoints) == 0 {
 		sctx, cancel := context.WithTimeout(ctx, 60*time.Second)
 		srv, err := embedetcd.Start(sctx, embedetcd.Config{
@@ -151,6 +152,7 @@ func Run(ctx context.Context, opts *Options, log zerolog.Logger) error {
 			return err
 		}
 		defer srv.Close()
+		etcdErr = srv.Err()
 		endpoints = []string{srv.ClientURL()}
 		info.EtcdClientAddr = srv.ClientAddr()
 		log.Info().Str("dir", opts.DataDir).Str("client", srv.ClientURL()).Int64("quota_bytes", opts.EmbeddedEtcdQuota).
@@ -270,6 +272,23 @@ func Run(ctx context.Context, opts *Options, log zerolog.Logger) error {
 	g.Go(func() error { return store.WatchPolicy(gctx, st.SetStoredPolicy, st.PolicyCorrupt) })
 	g.Go(func() error { return el.Run(gctx, lead) })
 	g.Go(func() error { return rt.Run(gctx) })
+	if etcdErr != nil {
+		// A fatal error of the embedded member (its listener or its backend failed) ends the
+		// process with it, so systemd restarts both; before, it was never read and the control
+		// plane kept serving on an etcd that no longer answered.
+		g.Go(func() error {
+			select {
+			case err := <-etcdErr:
+				if err == nil {
+					return nil
+				}
+				log.Error().Err(err).Msg("embedded etcd failed")
+				return fmt.Errorf("embedded etcd: %w", err)
+			case <-gctx.Done():
+				return nil
+			}
+		})
+	}
 	// systemd's watchdog (WatchdogSec=): pinged while the HTTP listener answers /healthz.
 	g.Go(func() error { return sd.Watchdog(gctx, sdnotify.HTTPProbe(hlis.Addr(), "/healthz", false)) })
 
