@@ -221,17 +221,20 @@ demo: build
 	$(BIN)/kvc-bench $(BENCH_FLAGS) --arms $(DEMO_ARMS) --shapes $(DEMO_SHAPES) --sessions 16 --kill-decode most --kill-worker-only --kill-at 45s --out out/demo
 
 ## bench-sweep: the baselines and kvcentric (PD,SGL,LLMD,E3,E4) on both shapes (× 8 sessions: 1P3D at
-## 4 loads, 4-24 sessions; 2P4D at 5, 8-64), plus one 2P4D point with H200-sized decode pools (700K tokens);
-## out/sweep/sweep.json (points, slo_capacity), sweep.md and per-shape plots (about an hour on 2 cores)
+## 6 loads, 4-40 sessions; 2P4D at 7, 8-96: past where the best baseline saturates), plus one 2P4D
+## point with H200-sized decode pools (700K tokens); out/sweep/sweep.json (points, slo_capacity),
+## sweep.md and per-shape plots (one point after another: about two hours on 2 cores)
 SWEEP_ARMS ?= PD,SGL,LLMD,E3,E4
-SWEEP ?= 1P3D=0.5,1,2,3;2P4D=1,2,4,6,8;2P4D@700K=2
+SWEEP ?= 1P3D=0.5,1,2,3,4,5;2P4D=1,2,4,6,8,10,12;2P4D@700K=2
 bench-sweep: build
 	$(BIN)/kvc-bench $(BENCH_FLAGS) --arms $(SWEEP_ARMS) --sessions 8 --sweep "$(SWEEP)" --out out/sweep
 
-## bench-sweep-parallel: the same sweep with each point in its own kvc-bench process side by side
-## (a machine with more cores than the sweep has points), gathered into one sweep.json (--sweep-gather)
+## bench-sweep-parallel: the same sweep with each point and arm in its own kvc-bench process, at most
+## JOBS at once (default 7: a 16-core machine stays below its core count, about 15 min there), gathered
+## into one sweep.json (--sweep-gather); OUT/logs/loadavg.log samples the load average
+JOBS ?= 7
 bench-sweep-parallel: build
-	deploy/bench/sweep-parallel.sh $(BIN) out/sweep "$(SWEEP)" $(SWEEP_ARMS) 8 $(BENCH_FLAGS)
+	JOBS=$(JOBS) SPLIT_ARMS=1 deploy/bench/sweep-parallel.sh $(BIN) out/sweep "$(SWEEP)" $(SWEEP_ARMS) 8 $(BENCH_FLAGS)
 
 ## bench-gateway: the gateway's tokenize + chat template + page hash cost per 32K-token prompt
 ## against the direct-to-D TTFT p50 of out/demo's report (run make demo first; else DESIGN.md's)
