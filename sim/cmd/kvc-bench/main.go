@@ -66,6 +66,7 @@ type opts struct {
 	killDecode     string
 	killWorkerOnly bool
 	killAt         time.Duration
+	killAfter      int
 	sweep          bench.SweepSpec
 	shapes         []bench.Shape
 	snapDelta      int64
@@ -154,6 +155,7 @@ func parse(args []string, stderr io.Writer) (*opts, error) {
 	fs.Int64Var(&o.snapDelta, "snapshot-delta-tokens", 0, "with --local: the policy's snapshot_delta_tokens (a decode sidecar pushes when committed - last pushed reaches it; 0: the control plane's default, 1024). Small values keep idle sessions' snapshots current at the cost of more, smaller pushes")
 	fs.BoolVar(&o.killWorkerOnly, "kill-worker-only", false, "with --kill-decode: SIGKILL only the decode worker's kvc-sim (its sidecar stays up and reports the worker down) instead of the kvc-sim and its sidecar")
 	fs.DurationVar(&o.killAt, "kill-at", 60*time.Second, "with --kill-decode: when, on the workload clock (scaled by --time-scale)")
+	fs.IntVar(&o.killAfter, "kill-after-requests", 0, "with --kill-decode, instead of --kill-at: kill once this many of the arm's requests have completed ok (a trigger that cannot race the requests it waits for; 0: use --kill-at)")
 	fs.StringVar(&o.workerKind, "worker-kind", "sim", "with --local: sim (kvc-sim) or refworker (kvc-refworker: a real model's KV, integrations/refworker; implies --send-ids)")
 	fs.StringVar(&o.refPython, "refworker-python", "python3", "with --worker-kind refworker: the Python that runs -m kvc_refworker")
 	fs.StringVar(&o.refArgs, "refworker-args", "", "with --worker-kind refworker: extra kvc-refworker flags, space separated (e.g. \"--model qwen3-8b-shape --verify-recompute\")")
@@ -166,6 +168,17 @@ func parse(args []string, stderr io.Writer) (*opts, error) {
 		return nil, err
 	}
 	var errs []error
+	killAtSet := false
+	fs.Visit(func(f *flag.Flag) { killAtSet = killAtSet || f.Name == "kill-at" })
+	if o.killAfter < 0 {
+		errs = append(errs, fmt.Errorf("--kill-after-requests %d must be >= 0", o.killAfter))
+	}
+	if o.killAfter > 0 && o.killDecode == "" {
+		errs = append(errs, errors.New("--kill-after-requests needs --kill-decode"))
+	}
+	if o.killAfter > 0 && killAtSet {
+		errs = append(errs, errors.New("--kill-after-requests and --kill-at exclude each other: give one"))
+	}
 	if o.local == (o.gatewayURL != "") {
 		errs = append(errs, errors.New("give exactly one of --local and --gateway-url"))
 	}
@@ -340,6 +353,7 @@ func run(args []string, stderr io.Writer) int {
 		cfg.Decode, cfg.Prefill, cfg.PrefillCapacityTokens = o.decode, o.prefill, o.prefillCap
 		cfg.Baselines = bench.Baselines{PrefixCacheTokens: o.prefixCache, HostTierTokens: o.hostTier}
 		cfg.KillDecode, cfg.KillAt, cfg.KillWorkerOnly = o.killDecode, o.killAt, o.killWorkerOnly
+		cfg.KillAfterRequests = o.killAfter
 		if o.snapDelta > 0 {
 			cfg.Policy = &kvcv1.Policy{SnapshotDeltaTokens: proto.Int64(o.snapDelta)}
 		}

@@ -39,6 +39,10 @@ func TestParseFlags(t *testing.T) {
 		{"kill most", []string{"--local", "--shapes", "1P3D,2P4D", "--kill-decode", "most"}, ""},
 		{"kill bad name", []string{"--local", "--kill-decode", "mostly"}, `want most or decode-N`},
 		{"kill beyond a shape", []string{"--local", "--shapes", "1P3D,2P4D", "--kill-decode", "decode-3"}, "below shape 1P3D's decode workers 3"},
+		{"kill after requests", []string{"--local", "--kill-decode", "decode-0", "--kill-after-requests", "4"}, ""},
+		{"kill after requests negative", []string{"--local", "--kill-decode", "decode-0", "--kill-after-requests", "-1"}, "--kill-after-requests -1 must be >= 0"},
+		{"kill after requests without a kill", []string{"--local", "--kill-after-requests", "4"}, "--kill-after-requests needs --kill-decode"},
+		{"kill after requests and kill at", []string{"--local", "--kill-decode", "decode-0", "--kill-after-requests", "4", "--kill-at", "30s"}, "exclude each other"},
 		{"sweep", []string{"--local", "--sweep", "0.5,1"}, ""},
 		{"sweep per shape", []string{"--local", "--sweep", "1P3D=0.5,1,2,3;2P4D=1,2,4,6;2P4D@700K=2"}, ""},
 		{"sweep load zero", []string{"--local", "--sweep", "0,1"}, `load "0": want a number in (0, 100]`},
@@ -78,6 +82,7 @@ func TestRunExitCodes(t *testing.T) {
 	for _, args := range [][]string{
 		{"--local", "--sweep", "0"}, {"--local", "--sweep", "1P3D=1;17P1D=2"}, {"--local", "--shapes", "1P3D,2P99D"},
 		{"--local", "--shapes", "2P4D@1"}, {"--local", "--sweep", "1,2", "--shapes", "1P3D,1P3D"},
+		{"--local", "--kill-decode", "decode-0", "--kill-after-requests", "2", "--kill-at", "5s"},
 	} {
 		b.Reset()
 		if rc := run(args, &b); rc != 2 || !strings.Contains(b.String(), "kvc-bench:") {

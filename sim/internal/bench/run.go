@@ -136,6 +136,9 @@ type Config struct {
 	// "" = none.
 	KillDecode string
 	KillAt     time.Duration
+	// KillAfterRequests > 0 replaces KillAt: the kill comes once this many of the arm's
+	// requests have completed ok (e.g. every session's first turn), whatever the time.
+	KillAfterRequests int
 	// KillWorkerOnly: the kill takes only the decode worker's kvc-sim (its process died, its
 	// sidecar stays up and reports it: WORKER_DOWN) instead of the kvc-sim and its sidecar.
 	KillWorkerOnly bool
@@ -297,8 +300,21 @@ func runArm(ctx context.Context, cfg Config, arm string, out io.Writer, meta *re
 	kctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	killed := make(chan float64, 1)
+	var after *afterRequests
+	if cfg.KillAfterRequests > 0 {
+		after = newAfterRequests(cfg.KillAfterRequests)
+		opt.Progress = after.wrap(opt.Progress)
+	}
 	go func() {
-		if !sleepUntil(kctx, start.Add(time.Duration(float64(cfg.KillAt)*opt.TimeScale))) {
+		if after != nil {
+			select {
+			case <-after.fired:
+			case <-kctx.Done():
+				fmt.Fprintf(cfg.Log, "%s: no kill: fewer than %d requests completed ok\n", arm, cfg.KillAfterRequests)
+				close(killed)
+				return
+			}
+		} else if !sleepUntil(kctx, start.Add(time.Duration(float64(cfg.KillAt)*opt.TimeScale))) {
 			close(killed)
 			return
 		}
