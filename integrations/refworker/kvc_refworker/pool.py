@@ -190,6 +190,30 @@ class KVPool:
             del self._free[len(self._free) - n:]
             return out
 
+    def alloc_contiguous(self, n: int) -> Optional[List[int]]:
+        """n pages with consecutive numbers when the free pages hold such a run (the lowest
+        one), else as alloc. A prefill worker frees its pages after each transfer, so its pool is
+        mostly free and a request's pages are one run: a load from the store is then one copy
+        per buffer and a gather a slice (SGLang's paged allocator, sorting its free pages,
+        hands a mostly idle prefill worker consecutive pages too)."""
+        with self._lock:
+            if n > len(self._free):
+                return None
+            if n > 0:
+                free = sorted(self._free)
+                run = 1
+                for i in range(1, len(free) + 1):
+                    if run >= n:
+                        out = free[i - n:i]
+                        taken = set(out)
+                        self._free = [pg for pg in self._free if pg not in taken]
+                        return out
+                    if i < len(free) and free[i] == free[i - 1] + 1:
+                        run += 1
+                    else:
+                        run = 1
+        return self.alloc(n)
+
     def free(self, pages: Sequence[int]) -> None:
         with self._lock:
             self._free.extend(reversed(list(pages)))
@@ -205,15 +229,44 @@ class KVPool:
             raise ValueError("tokens up to %d need %d pages, have %d" % (end, pages_for(end, ps), len(pg)))
         return (pg[pos // ps] * ps + pos % ps).to(self.device)
 
-    def gather(self, pages: Sequence[int], start: int, end: int):
-        """Per-layer K and V of tokens [start, end): lists of (tokens, heads, head_dim) copies."""
+    def contiguous_slots(self, pages: Sequence[int], start: int, end: int) -> Optional[int]:
+        """The first token slot of [start, end) when those tokens' pages are consecutive (their
+        slots one range), else None."""
+        ps = self.page_size
+        if end <= start:
+            return None
+        a, b = start // ps, (end - 1) // ps
+        if b >= len(pages):
+            return None
+        first = pages[a]
+        for i in range(a + 1, b + 1):
+            if pages[i] != first + (i - a):
+                return None
+        return first * ps + start % ps
+
+    def gather(self, pages: Sequence[int], start: int, end: int, layer: Optional[int] = None):
+        """Per-layer K and V of tokens [start, end): lists of (tokens, heads, head_dim) tensors
+        (views of the pool when the pages are consecutive, else copies; callers do not write
+        them); with layer, that layer's K and V only."""
+        ks = self.k_buffer if layer is None else [self.k_buffer[layer]]
+        vs = self.v_buffer if layer is None else [self.v_buffer[layer]]
+        s0 = self.contiguous_slots(pages, start, end)
+        if s0 is not None:
+            n = end - start
+            return [k[s0:s0 + n] for k in ks], [v[s0:s0 + n] for v in vs]
         idx = self.locs(pages, start, end)
-        return [k.index_select(0, idx) for k in self.k_buffer], [v.index_select(0, idx) for v in self.v_buffer]
+        return [k.index_select(0, idx) for k in ks], [v.index_select(0, idx) for v in vs]
 
     def scatter(self, pages: Sequence[int], start: int, ks, vs) -> None:
         """Writes per-layer K and V of tokens [start, start + n) into their slots."""
         n = ks[0].shape[0]
         if n == 0:
+            return
+        s0 = self.contiguous_slots(pages, start, start + n)
+        if s0 is not None:  # consecutive pages: one slice per buffer
+            for l in range(self.layers):
+                self.k_buffer[l][s0:s0 + n].copy_(ks[l])
+                self.v_buffer[l][s0:s0 + n].copy_(vs[l])
             return
         idx = self.locs(pages, start, start + n)
         for l in range(self.layers):

@@ -10,7 +10,10 @@
   Success, and reads P's first token from the aux row. Commits and releases go through
   kvcentric_sglang.sessions (commit / release), as its StreamingSession hooks do.
 - BridgeTransport: the plugin's WorkerBridge client called directly (no sglang: the GPU
-  machine). No aux row: the decode worker computes the first token itself.
+  machine), with the same aux rows: the pool is registered with two aux buffers of AUX_ITEM
+  bytes, P's last SendKV carries its first token and that token's logit (SendKVRequest.aux) and
+  the decode side reads them from WaitReceiveResponse.aux, as SGLang's decode worker takes P's
+  first token from the metadata buffer.
 """
 
 import os
@@ -44,6 +47,14 @@ def _pack_aux(token: int, logit: float):
     return [struct.pack("<i", token).ljust(AUX_ITEM, b"\0"), struct.pack("<f", logit).ljust(AUX_ITEM, b"\0")]
 
 
+def _unpack_aux(rows) -> (Optional[int], Optional[float]):
+    """(first token, its logit) from the two aux rows _pack_aux made; (None, None) when the
+    transfer carried none (a snapshot, or a sender without aux rows)."""
+    if len(rows) < 2 or len(rows[0]) < 4 or len(rows[1]) < 4:
+        return None, None
+    return struct.unpack_from("<i", rows[0])[0], struct.unpack_from("<f", rows[1])[0]
+
+
 class BridgeTransport:
     name = "bridge"
 
@@ -51,7 +62,7 @@ class BridgeTransport:
         self.bridge, self.pool, self.timeout_s, self.model_name = bridge, pool, timeout_s, model_name
         self.kv_bytes_per_token, self.endpoint = bridge.register_kv_pool(
             pool.page_size, pool.item_len, pool.rows // pool.page_size, pool.layers, pool.bridge_buffers(),
-            model=model_name)
+            model=model_name, aux_item_lens=[AUX_ITEM, AUX_ITEM])
 
     def send(self, room: int, session_id: str, pages: List[int], tokens: int, first_token: int,
              first_logit: float, first_page: int = 0) -> int:
@@ -59,7 +70,7 @@ class BridgeTransport:
         first_page on are sent."""
         try:
             return self.bridge.send_kv(room, session_id, pages[first_page:], first_page=first_page, last=True,
-                                       tokens=tokens)
+                                       tokens=tokens, aux=_pack_aux(first_token, first_logit))
         except BridgeError as e:
             raise TransferError("SendKV room %d: %s" % (room, e)) from e
 
@@ -82,7 +93,10 @@ class BridgeTransport:
             raise TransferError("transfer of room %d failed: %s" % (room, r.error))
         if r.tokens and r.tokens != tokens:
             raise TransferError("transfer of room %d carried %d tokens, want %d" % (room, r.tokens, tokens))
-        return Received(bytes=r.bytes, duration_us=r.duration_us, wall_s=time.monotonic() - t0)
+        out = Received(bytes=r.bytes, duration_us=r.duration_us, wall_s=time.monotonic() - t0)
+        if kind == TRANSFER_SEED:
+            out.first_token, out.first_logit = _unpack_aux(r.aux)
+        return out
 
     def commit(self, session_id: str, length: int, pages: List[int]) -> None:
         self.bridge.commit_session(session_id, length, pages)
@@ -92,7 +106,8 @@ class BridgeTransport:
 
     def reregister(self) -> None:
         self.bridge.register_kv_pool(self.pool.page_size, self.pool.item_len, self.pool.rows // self.pool.page_size,
-                                     self.pool.layers, self.pool.bridge_buffers(), model=self.model_name)
+                                     self.pool.layers, self.pool.bridge_buffers(), model=self.model_name,
+                                     aux_item_lens=[AUX_ITEM, AUX_ITEM])
 
 
 class PluginTransport:

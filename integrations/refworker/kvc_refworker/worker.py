@@ -11,8 +11,9 @@ only a label):
 - a SEED receive: PrepareReceive(SEED) + WaitReceive: P's KV lands in this worker's pages (a new
   session with open_session, a copy held here dropped first; the held session extended with
   keep_session and no open_session, a large append); the first token is computed here from the
-  received KV (the last prompt token run over [0, n-1); P's own first token would come in the aux
-  row once the sidecars carry it).
+  received KV unless P's first token came with the transfer (its aux row: SendKV's aux, what
+  SGLang's decode worker reads from P's metadata buffer), which is emitted at once: the
+  session's pages are gathered into the dense cache only for the decode step after it.
 - a SNAPSHOT receive: PrepareReceive(SNAPSHOT): the prefill sidecar writes the session's snapshot
   (D->P pushes of the real KV of an earlier decode worker); the tail is append-prefilled.
 - local_prefill: the whole prompt is prefilled here.
@@ -196,6 +197,8 @@ class Turn:
         self.pending: Optional[torch.Tensor] = None  # logits of the next token to emit
         self.active = False  # counted in the worker's served requests in flight
         self.aux = None  # (first token, its logit) from P's aux row
+        self.lazy_cache = 0  # tokens of the pool to gather as the cache before the first forward
+        self.received_at = 0.0  # monotonic time the receive ended (first_step_ms counts from it)
         self.pending_token: Optional[int] = None  # step 0's token when it came from P
         self.first_local = False  # step 0 computed here from received KV (allclose, not bitwise)
         self.bitwise = False  # the KV came from a full prefill (P's): decode from it is bitwise
@@ -230,6 +233,10 @@ class Worker:
 
     def _waited(self, what: str, dt: float) -> None:
         setattr(self._tls, what, getattr(self._tls, what, 0.0) + dt)
+
+    def _sync(self) -> None:
+        if self.pool.device.type == "cuda":
+            torch.cuda.synchronize(self.pool.device)
 
     def _forward(self, ids, cache, all_logits=False, low=False, defer_until=None):
         w0 = time.monotonic()
@@ -268,9 +275,10 @@ class Worker:
     def _touch(self, s: Session) -> None:
         s.last_used = time.monotonic()
 
-    def allocate(self, n: int, for_session: str) -> (List[int], int):
+    def allocate(self, n: int, for_session: str, contiguous: bool = False) -> (List[int], int):
         """n pages, evicting least-recently-used idle sessions (ReleaseSession(EVICTED) first,
-        then free); 503 no_capacity when even that cannot make room (after prealloc_wait)."""
+        then free); 503 no_capacity when even that cannot make room (after prealloc_wait). With
+        contiguous, consecutive pages when the pool has such a run (KVPool.alloc_contiguous)."""
         evicted = 0
         t0 = time.monotonic()
         deadline = t0 + self.cfg.prealloc_wait_s
@@ -278,7 +286,7 @@ class Worker:
         # _snapshot_pending); after it, least recently used first whatever their snapshot.
         snap_deadline = t0 + min(self.cfg.snapshot_wait_s, self.cfg.prealloc_wait_s)
         while True:
-            pages = self.pool.alloc(n)
+            pages = self.pool.alloc_contiguous(n) if contiguous else self.pool.alloc(n)
             if pages is not None:
                 self._waited("alloc", time.monotonic() - t0)
                 return pages, evicted
@@ -469,19 +477,28 @@ class Worker:
         meta = {"mode": p.mode, "role": "prefill", "worker_id": self.cfg.worker_id}
         if p.priority:
             meta["priority"] = p.priority  # the request's SGLang priority, passed through
-        pages, _ = self.allocate(pages_for(p.input, self.pool.page_size), "")
+        # Consecutive pages (P's pool is mostly free): the store's load is then one copy per
+        # buffer, the gather and the scatter one slice each, as limit.py measures them.
+        pages, _ = self.allocate(pages_for(p.input, self.pool.page_size), "", contiguous=True)
+        meta["pages_contiguous"] = self.pool.contiguous_slots(pages, 0, p.input) is not None
         self.gpu.enter()  # a served request: recompute checks of workers sharing the GPU wait
         try:
             t0 = time.monotonic()
             start = self._load_prefix(p, pages, meta)  # prefill from the snapshot: [0, start) from the store
+            # Per-phase times (each phase ends with the device idle): where P's time goes.
+            tg = time.monotonic()
             cache = self._cache_from_pool(pages, start) if start else M.new_cache(self.model)
-            logits, cache = self._forward(ids[start:], cache)
+            self._sync()
+            tf = time.monotonic()
+            logits, cache = self._forward(ids[start:], cache)  # the last position's logits only
+            ts = time.monotonic()
             self._write_back(pages, cache, start, p.input)
-            if self.pool.device.type == "cuda":
-                torch.cuda.synchronize(self.pool.device)
+            self._sync()
             del cache
+            t1 = time.monotonic()
+            meta["gather_ms"], meta["forward_ms"], meta["scatter_ms"] = _ms(tf - tg), _ms(ts - tf), _ms(t1 - ts)
             meta["prefill_tokens"] = p.input - start
-            meta["prefill_ms"] = _ms(time.monotonic() - t0)
+            meta["prefill_ms"] = _ms(t1 - t0)
             first = int(logits.argmax())
             meta["first_token"] = first
             self.stats["prefill_tokens"] += p.input - start
@@ -493,7 +510,7 @@ class Worker:
             except TransferError as e:
                 raise ApiError(502, "transfer_failed", str(e)) from e
             meta["sent_bytes"] = sent
-            meta["transfer_real_ms"] = meta["transfer_ms"] = _ms(time.monotonic() - t1)
+            meta["transfer_real_ms"] = meta["transfer_ms"] = meta["send_ms"] = _ms(time.monotonic() - t1)
             self.stats["sent_bytes"] += sent
         finally:
             self.gpu.leave()
@@ -671,6 +688,7 @@ class Worker:
                       transfer_ms=_ms(moved))
         self.stats["received_bytes"] += r.bytes
         t.kv = tokens
+        t.received_at = time.monotonic()
 
     def _first_from_received(self, t: Turn) -> None:
         """Step 0 after a P->D transfer: the received KV of [0, n) becomes the served cache
@@ -680,8 +698,10 @@ class Worker:
         n, pages = t.p.input, t.page_list()
         t0 = time.monotonic()
         if t.aux is not None and 0 <= t.aux[0] < self.spec.vocab_size:
-            # P's first token from the aux row (SGLang's _commit_transfer_to_req): no forward here.
-            t.cache = self._cache_from_pool(pages, n)
+            # P's first token from the aux row (SGLang's _commit_transfer_to_req): no forward
+            # here, and it is emitted before anything else; the pages become the dense cache
+            # for the next step only (decode_steps).
+            t.cache, t.lazy_cache = None, n
             t.first_local, t.bitwise, t.start = False, True, n
             t.meta["first_token_source"] = "aux"
             t.meta["prefill_tokens"] = 0
@@ -692,6 +712,9 @@ class Worker:
                 t.logits.append(None)
             return
         t.meta["first_token_source"] = "local"
+        if t.aux is not None:
+            t.meta["aux_token_out_of_range"] = t.aux[0]
+            t.aux = None
         probe = self._cache_from_pool(pages, n - 1)
         logits, _ = self._forward(t.ids[n - 1:n], probe)
         del probe
@@ -729,6 +752,7 @@ class Worker:
         scripted = p.ids is None
         logits = t.pending
         t0 = time.monotonic()
+        t.meta["first_step_ms"] = _ms(t0 - t.received_at) if t.received_at else 0.0
         for i in range(p.max_new):
             tok = t.pending_token if (i == 0 and t.pending_token is not None) else int(logits.argmax())
             t.out.append(tok)
@@ -742,6 +766,10 @@ class Worker:
             if i == p.max_new - 1 and not (t.s is not None and p.keep):
                 break
             pos = t.kv
+            if t.cache is None:  # step 0 was P's token: the dense cache now, after it was emitted
+                g0 = time.monotonic()
+                t.cache = self._cache_from_pool(pages, t.lazy_cache)
+                t.meta["gather_ms"] = _ms(time.monotonic() - g0)
             logits, t.cache = self._forward([nxt], t.cache)
             self._write_back(pages, t.cache, pos, pos + 1)
             t.kv = pos + 1
@@ -749,6 +777,7 @@ class Worker:
                     self.cfg.verify_max_steps <= 0 or len(t.logits) < self.cfg.verify_max_steps):
                 t.logits.append(logits)
         t.meta["decode_ms"] = _ms(time.monotonic() - t0)
+        t.cache = None  # the served dense cache: not needed past the last step (the check reads the pool)
         self._leave(t)
 
     def _leave(self, t: Turn) -> None:
@@ -811,6 +840,14 @@ class Worker:
         s.kv_len = kv
         self.pool.free(surplus)
         return list(s.pages)
+
+
+def _max_abs_diff(a: torch.Tensor, b: torch.Tensor, rows: int = 4096) -> float:
+    """max |a - b| over (tokens, ...) tensors, in chunks of rows tokens (no whole float32 copy)."""
+    m = 0.0
+    for i in range(0, a.shape[0], rows):
+        m = max(m, float((a[i:i + rows].float() - b[i:i + rows].float()).abs().max()))
+    return m
 
 
 class Verifier:
@@ -887,21 +924,27 @@ class Verifier:
                 log.warning("recompute mismatch: session %s mode %s step %d |dlogit| %.3g tokens %d/%d",
                             p.seed_key, p.mode, i, d, sa, sb)
         # The KV the served turn left in the pool against the reference's.
+        # One layer at a time (a whole gather of a 42K-token session is another 6 GB on the
+        # device), the reference's layers freed as they are compared.
         kv_end = min(t.kv, M.cache_len(cache))
         kv_diff = 0.0
         if kv_end > 0 and t.page_list():
-            kk, vv = w.pool.gather(t.page_list(), 0, kv_end)
             for l in range(w.spec.num_layers):
+                kk, vv = w.pool.gather(t.page_list(), 0, kv_end, layer=l)
                 rk, rv = M.cache_kv(cache, l, 0, kv_end)
-                kv_diff = max(kv_diff, float((kk[l].float() - rk.float()).abs().max()),
-                              float((vv[l].float() - rv.float()).abs().max()))
+                kv_diff = max(kv_diff, _max_abs_diff(kk[0], rk), _max_abs_diff(vv[0], rv))
+                del kk, vv, rk, rv
+        del cache, refs
+        if w.pool.device.type == "cuda":
+            torch.cuda.empty_cache()  # hand the check's blocks back to the processes sharing the GPU
         kv_bitwise = t.bitwise and w.cfg.bitwise_strict and not t.extend
         if kv_diff > atol or (kv_bitwise and kv_diff != 0.0):
             mism += 1
             log.warning("recompute mismatch: session %s mode %s KV |diff| %.3g over %d tokens", p.seed_key, p.mode,
                         kv_diff, kv_end)
+        n_refs = len(t.fed[:len(t.logits) - 1]) + 1
         w.stats["recompute_checked"] += 1
         w.stats["recompute_mismatches"] += mism
         return {"recompute_checked": True, "recompute_mismatches": mism, "max_abs_logit_diff": max_diff,
-                "max_abs_kv_diff": kv_diff, "recompute_steps": len(refs), "bitwise_steps": bitwise_steps,
+                "max_abs_kv_diff": kv_diff, "recompute_steps": n_refs, "bitwise_steps": bitwise_steps,
                 "bitwise_expected": bool(t.bitwise), "recompute_atol": atol, "recompute_ms": _ms(time.monotonic() - t0)}

@@ -483,3 +483,102 @@ class TestIpcHandle(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class TestFirstTokenFromP(unittest.TestCase):
+    """P's first token travels with the KV (SendKV's aux rows on the plain bridge path, as on the
+    plugin's) and the decode worker emits it before it gathers the session into a dense cache."""
+
+    def test_bridge_transport_carries_the_first_token(self):
+        from kvcentric_sglang.bridge import TRANSFER_SEED, TRANSFER_SNAPSHOT, TransferResult
+        from kvc_refworker.transport import AUX_ITEM, BridgeTransport
+
+        sent = {}
+
+        class FakeBridge:
+            def register_kv_pool(self, *a, **kw):
+                sent["aux_item_lens"] = list(kw.get("aux_item_lens", ()))
+                return 1, "ep"
+
+            def send_kv(self, room, sid, pages, **kw):
+                sent["aux"] = list(kw.get("aux", ()))
+                return 123
+
+            def prepare_receive(self, *a):
+                pass
+
+            def wait_receive(self, room, timeout_s=0):
+                return TransferResult(ok=True, bytes=10, tokens=40, error="", duration_us=5, aux=sent.get("aux", []))
+
+        pool = SimpleNamespace(page_size=16, item_len=64, rows=48, layers=1, bridge_buffers=lambda: [])
+        x = BridgeTransport(FakeBridge(), pool, "tiny", 5.0)
+        self.assertEqual(sent["aux_item_lens"], [AUX_ITEM, AUX_ITEM])
+        self.assertEqual(x.send(1, "s", [1, 2, 3], 40, 517, -2.5), 123)
+        self.assertEqual([len(r) for r in sent["aux"]], [AUX_ITEM, AUX_ITEM])
+        r = x.receive(1, "s", TRANSFER_SEED, [1, 2, 3], 40, "peer")
+        self.assertEqual((r.first_token, r.first_logit), (517, -2.5))
+        r = x.receive(1, "s", TRANSFER_SNAPSHOT, [1, 2, 3], 40, "peer")  # a snapshot carries no first token
+        self.assertIsNone(r.first_token)
+        sent["aux"] = []  # a sender without aux rows: the decode worker computes the token itself
+        self.assertIsNone(x.receive(1, "s", TRANSFER_SEED, [1, 2, 3], 40, "peer").first_token)
+
+    def test_decode_emits_p_token_before_gathering(self):
+        from kvc_refworker.transport import Received
+        from kvc_refworker.worker import Config, Worker
+
+        spec = M.spec_for("tiny")
+        mdl = M.build(spec, "cpu", 1)
+        pool = KVPool(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32, 40 * 16, 16, "cpu",
+                      name="kvc-refworker-unit-aux", use_sglang=False)
+        try:
+            xfer = SimpleNamespace(bridge=None, commit=lambda *a: None, release=lambda *a, **k: None,
+                                   receive=lambda *a: Received(bytes=1, wall_s=0.0, first_token=77, first_logit=1.5))
+            w = Worker(Config(role="decode", worker_id="d0", model_name="tiny", prealloc_wait_s=0, snapshot_wait_s=0),
+                       mdl, spec, pool, xfer)
+            events = []
+            gather = w._cache_from_pool
+            w._cache_from_pool = lambda pages, end: (events.append(("gather", end)), gather(pages, end))[1]
+            body = {"input_ids": list(range(1, 41)), "sampling_params": {"max_new_tokens": 3},
+                    "session_params": {"id": "s1"},
+                    "kv_hints": hints(session_id="s1", keep_session=True, open_session=True, receive=SEED)}
+            t = w.begin(R.parse(body, "decode", pool.size, spec.vocab_size))
+            self.assertEqual(t.meta["first_token_source"], "aux")
+            self.assertEqual(events, [])  # nothing computed nor gathered before the first token
+            w.decode_steps(t, lambda i, tok: events.append(("emit", i, tok)))
+            self.assertEqual(events[:2], [("emit", 0, 77), ("gather", 40)])
+            self.assertEqual([e[1] for e in events if e[0] == "emit"], [0, 1, 2])
+            self.assertIsNone(t.cache)  # the dense cache is dropped after the last step
+            self.assertIn("first_step_ms", t.meta)
+            w.finish(t, ok=True)
+        finally:
+            pool.close()
+
+
+class TestContiguousPages(unittest.TestCase):
+    def test_alloc_gather_scatter(self):
+        pool = KVPool(layers=2, heads=2, head_dim=8, dtype=torch.float32, capacity_tokens=40 * 16, page_size=16,
+                      device="cpu", name="kvc-refworker-unit-contig", use_sglang=False, seed=3)
+        try:
+            frag = pool.alloc(6)  # the shuffled free list: not one run
+            self.assertIsNone(pool.contiguous_slots(frag, 0, 96))
+            pages = pool.alloc_contiguous(10)
+            self.assertEqual(pages, list(range(pages[0], pages[0] + 10)))
+            self.assertEqual(pool.free_pages, 40 - 16)
+            self.assertFalse(set(pages) & set(frag))
+            self.assertEqual(pool.contiguous_slots(pages, 5, 150), pages[0] * 16 + 5)
+            self.assertIsNone(pool.alloc_contiguous(100))
+            for pg in (pages, frag):
+                n = len(pg) * 16 - 3
+                ks = [torch.randn(n - 7, 2, 8) for _ in range(2)]
+                vs = [torch.randn(n - 7, 2, 8) for _ in range(2)]
+                pool.scatter(pg, 7, ks, vs)
+                gk, gv = pool.gather(pg, 7, n)
+                lk, lv = pool.gather(pg, 7, n, layer=1)
+                for l in range(2):
+                    self.assertTrue(torch.equal(gk[l], ks[l]) and torch.equal(gv[l], vs[l]))
+                self.assertTrue(torch.equal(lk[0], ks[1]) and torch.equal(lv[0], vs[1]))
+            pool.free(pages)
+            pool.free(frag)
+            self.assertEqual(sorted(pool.alloc_contiguous(40)), list(range(1, 41)))
+        finally:
+            pool.close()
