@@ -91,11 +91,13 @@ def large_turns(d, arm):
     """arm's large-append turns (PD_FALLBACK, REAL_LARGE_APPEND) joined with P's served line
     (by session and input length: P's answer never reaches the client)."""
     ps = {(s.get("session_id"), s.get("input_tokens")): s for s in served(os.path.join(d, "cluster-" + arm), "prefill")}
+    ds = {(s.get("session_id"), s.get("input_tokens")): s for s in served(os.path.join(d, "cluster-" + arm), "decode")}
     out = []
     for r in records(d):
         if r.get("arm") != arm or r.get("reason") != "ROUTE_REASON_REAL_LARGE_APPEND" and r.get("reason") != "REAL_LARGE_APPEND":
             continue
         r["p"] = ps.get((r.get("session_id"), r.get("input_tokens")))
+        r["d"] = ds.get((r.get("session_id"), r.get("input_tokens")))
         out.append(r)
     return out
 
@@ -150,6 +152,7 @@ def main(argv):
               "P load ms p50 | P prefill ms p50 (load included) | P tokens computed p50 | sent MB p50 |",
               "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     per = []  # (nominal, X, Y, Z, Q)
+    phases = []  # the per-phase breakdown's rows
     for nominal, d in fromsnap_dirs(out):
         every += records(d)
         xs, ys = [], []
@@ -170,6 +173,19 @@ def main(argv):
                     fmt(p50([p.get("loaded_tokens", 0) for p in ps]), 0), fmt(p50([p.get("load_ms", 0) for p in ps])),
                     fmt(p50([p.get("prefill_ms", 0) for p in ps])), fmt(p50([p.get("prefill_tokens", 0) for p in ps]), 0),
                     fmt(p50([p.get("sent_bytes", 0) / 1e6 for p in ps]))))
+                dd = [r["d"] for r in ok if r.get("d")]
+                srcs = {}
+                for x in dd:
+                    srcs[x.get("first_token_source", "?")] = srcs.get(x.get("first_token_source", "?"), 0) + 1
+                phases.append("| %d | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |" % (
+                    nominal, arm, how, fmt(p50([p.get("load_ms", 0) for p in ps])),
+                    fmt(p50([p.get("gather_ms", float("nan")) for p in ps])),
+                    fmt(p50([p.get("forward_ms", float("nan")) for p in ps])),
+                    fmt(p50([p.get("scatter_ms", float("nan")) for p in ps])),
+                    fmt(p50([p.get("send_ms", p.get("transfer_ms", float("nan"))) for p in ps])),
+                    fmt(p50([x.get("receive_wait_ms", float("nan")) for x in dd])),
+                    fmt(p50([x.get("first_step_ms", float("nan")) for x in dd])),
+                    ", ".join("%s %d" % kv for kv in sorted(srcs.items())) or "-"))
                 if arm == "E4" and how == "from snapshot":
                     xs = t
                 if arm == "E3" and how == "whole context":
@@ -182,6 +198,14 @@ def main(argv):
         z = lim["limit_ms"] if lim else float("nan")
         q = x / z if xs and lim else float("nan")
         per.append((nominal, x, y, z, q, lim))
+    lines += ["", "Per phase, p50 over the ok turns (P's and D's served lines; each P phase ends with the device "
+              "idle): P load from the store, gather of the loaded prefix into the cache, the tail's forward "
+              "(last position's logits only), scatter of the tail's KV into the pool, send to D; D's wait for "
+              "the transfer and its first step (receive end to the first token: ~0 when P's token came in "
+              "the aux row).", "",
+              "| prefix (nominal) | arm | how P served it | P load ms | P gather ms | P forward ms | P scatter ms | "
+              "P send ms | D receive wait ms | D first step ms | D first token from |",
+              "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|"] + phases
     lines += ["", "## The limit, in-process on the same GPU (python -m kvc_refworker.limit)", "",
               "| prefix | tail | tail prefill with prefix on GPU ms | host->GPU copy of prefix KV ms | GB/s | "
               "limit Z ms | whole-context prefill ms |", "|---:|---:|---:|---:|---:|---:|---:|"]
@@ -217,6 +241,27 @@ def main(argv):
                 fmt(p50(t)), fmt(max(t) if t else None), len(nxt) - len(ok)))
             if arm == "E4" and (not moved or len(ttr) < len(moved)):
                 rehome_ok = False
+        # Per killed session: when the leader re-homed it, how long until resident, and its next
+        # turn's TTFT with re-homing (E4) against a re-prefill (E3).
+        lines += ["", "| session | E4 re-homed at unix_ms | E4 time to resident ms | E4 next turn mode | "
+                  "E4 next TTFT ms | E3 next turn mode | E3 next TTFT ms |", "|---|---:|---:|---|---:|---|---:|"]
+        by = {}
+        for arm in ("E4", "E3"):
+            ar = [r for r in rs if r.get("arm") == arm]
+            killed = {r["session_id"] for r in ar if r.get("turn") == 0 and r.get("decode_worker") == "decode-0"}
+            for r in ar:
+                if r.get("turn") == 1 and r["session_id"] in killed:
+                    by.setdefault(r["session_id"], {})[arm] = r
+            if arm == "E4":
+                for dl in cp_log_lines(os.path.join(rh, "cluster-E4"), "session re-homed"):
+                    if dl.get("session") in killed:
+                        by.setdefault(dl["session"], {})["cp"] = dl
+        for sid in sorted(by):
+            e4, e3, dl = by[sid].get("E4") or {}, by[sid].get("E3") or {}, by[sid].get("cp") or {}
+            lines.append("| %s | %s | %s | %s | %s | %s | %s |" % (
+                sid, dl.get("unix_ms", "-"), fmt(float(dl["time_to_resident"])) if "time_to_resident" in dl else "-",
+                e4.get("execution_mode", "-"), fmt(e4["ttft_s"] * 1000) if e4.get("ok") else "-",
+                e3.get("execution_mode", "-"), fmt(e3["ttft_s"] * 1000) if e3.get("ok") else "-"))
 
     mism = sum(r.get("recompute_mismatches", 0) for r in every)
     unchecked = sum(1 for r in every if r.get("ok") and not r.get("recompute_checked"))

@@ -20,7 +20,8 @@
 #               at the prefix and tail lengths the fromsnap phases loaded. -> $OUT/limit.json
 #   rehome      E3 and E4 with a decode worker's engine killed (--kill-decode decode-0
 #               --kill-worker-only: its sidecar lives and reports it down, as when an engine
-#               crashes under systemd) after every session's first turn and snapshot: E4 re-homes
+#               crashes under systemd) once every session's first turn completed ok
+#               (--kill-after-requests = sessions: no race with open first turns): E4 re-homes
 #               its sessions onto the other decode worker from the store before their next turn;
 #               E3 re-prefills them at their next turn. -> $OUT/rehome/
 #   report      deploy/gpu/fromsnap_report.py: $OUT/gpu-prefill.md, whose last line (also this
@@ -30,7 +31,9 @@
 # Knobs (environment; defaults in brackets):
 #   KVC_FS_PHASES ["fromsnap:16384 fromsnap:32768 limit rehome report"]
 #   KVC_FS_TAIL [9216]            tokens of the large append
-#   KVC_FS_SESSIONS [5]           sessions per fromsnap phase (rehome: KVC_FS_REHOME_SESSIONS [6])
+#   KVC_FS_SESSIONS [5]           sessions per fromsnap phase (rehome: KVC_FS_REHOME_SESSIONS [4])
+#   KVC_FS_DECODE [1]             decode workers of the fromsnap phases (one GPU: fewer processes, so
+#                                 a 32K prefix + 9K tail and its check fit); rehome: KVC_FS_REHOME_DECODE [2]
 #   KVC_FS_SPACING [12s]          session i starts at i x this (no two timed turns overlap)
 #   KVC_REAL_MODEL [qwen3-8b-shape]   KVC_REAL_DEVICES [cuda:0..]   KVC_REAL_SIDECAR_ARGS [--transport cuda]
 #   KVC_FS_DECODE_CAPACITY [60000]    KV tokens per decode worker's pool; the sidecars advertise 3x it,
@@ -38,7 +41,7 @@
 #   KVC_FS_STORE_BYTES [28 GiB]   KVC_FS_STORE_MEMORY [host]
 #   KVC_REAL_VERIFY [1]           KVC_PYTHON [python3]  KVC_BIN_DIR [bin/real]  OUT [out/fromsnap]
 # For a CPU dry run: KVC_REAL_MODEL=tiny KVC_REAL_DEVICES=cpu KVC_REAL_SIDECAR_ARGS="--transport tcp"
-#   KVC_FS_PHASES="fromsnap:512 limit rehome report" with small KVC_FS_TAIL (deploy/gpu/dry-fromsnap.sh).
+#   KVC_FS_PHASES="fromsnap:10240 limit rehome report" with a tail just above 8192 (deploy/gpu/dry-fromsnap.sh).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BIN=${KVC_BIN_DIR:-bin/real}
@@ -64,12 +67,12 @@ VERIFY=""
 if [[ ${KVC_REAL_VERIFY:-1} == 1 ]]; then VERIFY="--verify-recompute"; fi
 REFARGS="--model $MODEL $VERIFY --prealloc-wait 120 --transfer-timeout 300 --bridge-wait 600 ${KVC_REAL_REFWORKER_ARGS:-}"
 
-bench() { # out-dir extra-flags...
-	local out=$1
-	shift
+bench() { # out-dir decode-workers extra-flags...
+	local out=$1 decode=$2
+	shift 2
 	"$BIN/kvc-bench" --local --bin-dir "$BIN" --arms E3,E4 --out "$out" \
 		--worker-kind refworker --refworker-python "$PY" --refworker-devices "$KVC_REAL_DEVICES" \
-		--refworker-args "$REFARGS" --sidecar-args "$SIDECAR_ARGS" --decode 2 \
+		--refworker-args "$REFARGS" --sidecar-args "$SIDECAR_ARGS" --decode "$decode" \
 		--decode-capacity-tokens "$DCAP" --decode-advertised-tokens $((3 * DCAP)) \
 		--prefill-capacity-tokens "${KVC_FS_PREFILL_CAPACITY:-49152}" \
 		--prefill-sidecar-args "$STORE" --edit-prob 0 --long-think-prob 0 --time-scale 1 \
@@ -82,7 +85,7 @@ for phase in $PHASES; do
 	fromsnap:*)
 		P=${phase#fromsnap:}
 		set -x
-		bench "$OUT/fromsnap-$P" --sessions "${KVC_FS_SESSIONS:-5}" --min-turns 2 --max-turns 2 \
+		bench "$OUT/fromsnap-$P" "${KVC_FS_DECODE:-1}" --sessions "${KVC_FS_SESSIONS:-5}" --min-turns 2 --max-turns 2 \
 			--initial-min-tokens "$P" --initial-max-tokens "$P" --arrival-spacing "${KVC_FS_SPACING:-12s}" \
 			--think-min 6s --think-max 8s --large-append-prob 1 \
 			--large-append-min-tokens "$TAIL" --large-append-max-tokens "$TAIL"
@@ -99,11 +102,12 @@ for phase in $PHASES; do
 		;;
 	rehome)
 		set -x
-		bench "$OUT/rehome" --sessions "${KVC_FS_REHOME_SESSIONS:-6}" --min-turns 2 --max-turns 2 \
+		RS=${KVC_FS_REHOME_SESSIONS:-4}
+		bench "$OUT/rehome" "${KVC_FS_REHOME_DECODE:-2}" --sessions "$RS" --min-turns 2 --max-turns 2 \
 			--initial-min-tokens "${KVC_FS_REHOME_CONTEXT:-16384}" --initial-max-tokens "${KVC_FS_REHOME_CONTEXT:-16384}" \
 			--arrival-spacing "${KVC_FS_REHOME_SPACING:-5s}" --think-min "${KVC_FS_REHOME_THINK:-40s}" \
 			--think-max "${KVC_FS_REHOME_THINK:-40s}" --large-append-prob 0 \
-			--kill-decode decode-0 --kill-worker-only --kill-at "${KVC_FS_KILL_AT:-32s}"
+			--kill-decode decode-0 --kill-worker-only --kill-after-requests "$RS"
 		set +x
 		;;
 	report)
