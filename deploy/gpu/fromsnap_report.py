@@ -207,11 +207,14 @@ def main(argv):
               "P send ms | D receive wait ms | D first step ms | D first token from |",
               "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|"] + phases
     lines += ["", "## The limit, in-process on the same GPU (python -m kvc_refworker.limit)", "",
-              "| prefix | tail | tail prefill with prefix on GPU ms | host->GPU copy of prefix KV ms | GB/s | "
-              "limit Z ms | whole-context prefill ms |", "|---:|---:|---:|---:|---:|---:|---:|"]
+              "| prefix | tail | tail prefill with prefix on GPU ms (gather / forward / scatter) | "
+              "host->GPU copy of prefix KV ms | GB/s | limit Z ms | whole-context prefill ms |",
+              "|---:|---:|---:|---:|---:|---:|---:|"]
     for pre, r in sorted(limits.items()):
-        lines.append("| %d | %d | %s | %s | %s | %s | %s |" % (pre, r["tail"], fmt(r["tail_prefill_ms"]), fmt(r["h2d_ms"]),
-                                                            fmt(r["h2d_gbps"]), fmt(r["limit_ms"]), fmt(r["reprefill_ms"])))
+        split = " / ".join(fmt(r.get("tail_%s_ms" % k)) for k in ("gather", "forward", "scatter"))
+        lines.append("| %d | %d | %s (%s) | %s | %s | %s | %s |" % (
+            pre, r["tail"], fmt(r["tail_prefill_ms"]), split, fmt(r["h2d_ms"]), fmt(r["h2d_gbps"]),
+            fmt(r["limit_ms"]), fmt(r["reprefill_ms"])))
 
     rh = os.path.join(out, "rehome")
     rehome_ok = True

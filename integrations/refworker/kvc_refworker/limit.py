@@ -10,8 +10,9 @@ compared with; the whole context's prefill from scratch (the re-prefill) is meas
     python -m kvc_refworker.limit --model qwen3-8b-shape --device cuda:0 --prefix 16384,32768 --tail 9216
 
 prints one JSON object per prefix length (and with --out writes them as a JSON list):
-    {"prefix": P, "tail": T, "tail_prefill_ms": ..., "h2d_ms": ..., "h2d_gbps": ..., "limit_ms": ...,
-     "reprefill_ms": ..., "kv_bytes_per_token": ..., "reps": R}
+    {"prefix": P, "tail": T, "tail_prefill_ms": ..., "tail_gather_ms": ..., "tail_forward_ms": ...,
+     "tail_scatter_ms": ..., "h2d_ms": ..., "h2d_gbps": ..., "limit_ms": ..., "reprefill_ms": ...,
+     "kv_bytes_per_token": ..., "reps": R}
 each figure the median of --reps timed repetitions after one warm-up.
 """
 
@@ -37,8 +38,10 @@ def _ids(n: int, vocab: int, seed: int) -> list:
     return torch.randint(0, vocab, (n,), generator=g).tolist()
 
 
-def _prefill(mdl, pool: KVPool, pages, ids, start: int, end: int) -> float:
-    """The worker's prefill of ids[start:end] over the KV of [0, start) in pages; seconds."""
+def _prefill(mdl, pool: KVPool, pages, ids, start: int, end: int, phases=None) -> float:
+    """The worker's prefill of ids[start:end] over the KV of [0, start) in pages; seconds. With
+    phases (a dict of lists), each phase's seconds are appended there (gather, forward, scatter:
+    the worker's served line's phases, each ended with the device idle as there)."""
     dev = pool.device
     _sync(dev)
     t0 = time.monotonic()
@@ -47,7 +50,11 @@ def _prefill(mdl, pool: KVPool, pages, ids, start: int, end: int) -> float:
         cache = M.new_cache(mdl, k, v)
     else:
         cache = M.new_cache(mdl)
+    _sync(dev)
+    tf = time.monotonic()
     _, cache = M.forward(mdl, ids[start:end], cache)
+    _sync(dev)
+    ts = time.monotonic()
     ks, vs = [], []
     for layer in range(len(pool.k_buffer)):
         kk, vv = M.cache_kv(cache, layer, start, end)
@@ -56,7 +63,11 @@ def _prefill(mdl, pool: KVPool, pages, ids, start: int, end: int) -> float:
     pool.scatter(pages, start, ks, vs)
     _sync(dev)
     del cache
-    return time.monotonic() - t0
+    t1 = time.monotonic()
+    if phases is not None:
+        for name, dt in (("gather", tf - t0), ("forward", ts - tf), ("scatter", t1 - ts)):
+            phases.setdefault(name, []).append(dt)
+    return t1 - t0
 
 
 def _h2d(pool: KVPool, pages, tokens: int, host) -> float:
@@ -93,13 +104,15 @@ def measure(model_name: str, device: str, prefix: int, tail: int, reps: int, pag
         first = pages[0] * page_size
         for i, buf in enumerate(pool.k_buffer + pool.v_buffer):
             host[i].copy_(buf[first:first + prefix])
-        tail_s = [_prefill(mdl, pool, pages, ids, prefix, total) for _ in range(1 + reps)][1:]
+        ph = {}
+        tail_s = [_prefill(mdl, pool, pages, ids, prefix, total, ph if i else None) for i in range(1 + reps)][1:]
         h2d_s = [_h2d(pool, pages, prefix, host) for _ in range(1 + reps)][1:]
         elsize = torch.empty((), dtype=spec.dtype).element_size()
         per_tok = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * elsize
         tp, hd, rp = (statistics.median(x) * 1000.0 for x in (tail_s, h2d_s, reprefill))
         return {"model": spec.name, "device": str(dev), "prefix": prefix, "tail": tail, "reps": reps,
                 "tail_prefill_ms": round(tp, 2), "h2d_ms": round(hd, 2),
+                **{"tail_%s_ms" % k: round(statistics.median(v) * 1000.0, 2) for k, v in sorted(ph.items())},
                 "h2d_gbps": round(prefix * per_tok / (hd / 1000.0) / 1e9, 1) if hd > 0 else None,
                 "limit_ms": round(tp + hd, 2), "reprefill_ms": round(rp, 2), "kv_bytes_per_token": per_tok}
     finally:

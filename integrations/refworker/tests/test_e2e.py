@@ -145,6 +145,7 @@ class TestEveryModeExact(unittest.TestCase):
             self.assertGreater(meta["received_bytes"], 0)
             self.assertTrue(meta["bitwise_expected"])
             self.assertEqual(meta["max_abs_kv_diff"], 0.0)  # P's KV, received: bitwise a local prefill's
+            self.assertEqual(meta["first_token_source"], "aux")  # P's first token, on either transfer path
             m, _, _ = turn("a", 40)
             self.assertEqual(m, "DIRECT_TO_D")
             m, r, meta = turn("a", 350)  # over the direct limit: plain P/D kept on a's own D

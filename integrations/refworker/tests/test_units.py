@@ -490,8 +490,8 @@ class TestFirstTokenFromP(unittest.TestCase):
     plugin's) and the decode worker emits it before it gathers the session into a dense cache."""
 
     def test_bridge_transport_carries_the_first_token(self):
-        from kvcentric_sglang.bridge import TRANSFER_SEED, TRANSFER_SNAPSHOT, TransferResult
         from kvc_refworker.transport import AUX_ITEM, BridgeTransport
+        from kvcentric_sglang.bridge import TRANSFER_SEED, TRANSFER_SNAPSHOT, TransferResult
 
         sent = {}
 
@@ -582,3 +582,17 @@ class TestContiguousPages(unittest.TestCase):
             self.assertEqual(sorted(pool.alloc_contiguous(40)), list(range(1, 41)))
         finally:
             pool.close()
+
+
+class TestLimit(unittest.TestCase):
+    def test_measure_reports_the_worker_phases(self):
+        from kvc_refworker import limit
+
+        r = limit.measure("tiny", "cpu", 64, 32, 1)
+        self.assertEqual((r["prefix"], r["tail"]), (64, 32))
+        for k in ("tail_gather_ms", "tail_forward_ms", "tail_scatter_ms"):
+            self.assertGreaterEqual(r[k], 0.0)
+        # one repetition: the phases add up to the tail's prefill (rounding aside)
+        self.assertAlmostEqual(r["tail_gather_ms"] + r["tail_forward_ms"] + r["tail_scatter_ms"],
+                               r["tail_prefill_ms"], delta=0.05)
+        self.assertAlmostEqual(r["limit_ms"], r["tail_prefill_ms"] + r["h2d_ms"], delta=0.02)
