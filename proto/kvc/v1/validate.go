@@ -17,6 +17,9 @@ func ValidateID(field, v string) error {
 	if len(v) > MaxIDLen {
 		return fmt.Errorf("%s is %d bytes, longer than %d", field, len(v), MaxIDLen)
 	}
+	if plainASCII(v) {
+		return nil // the common id: one pass over its bytes (the checks below decode runes twice)
+	}
 	if !utf8.ValidString(v) {
 		return fmt.Errorf("%s is not valid UTF-8", field)
 	}
@@ -26,6 +29,17 @@ func ValidateID(field, v string) error {
 		}
 	}
 	return nil
+}
+
+// plainASCII reports whether v is printable ASCII without '/': an id ValidateID accepts, found
+// in one pass over its bytes.
+func plainASCII(v string) bool {
+	for i := 0; i < len(v); i++ {
+		if c := v[i]; c < 0x20 || c >= 0x7f || c == '/' {
+			return false
+		}
+	}
+	return true
 }
 
 // ValidateOptionalID is ValidateID for fields that may be empty.

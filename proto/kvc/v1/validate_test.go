@@ -1,0 +1,64 @@
+package kvcv1
+
+import (
+	"fmt"
+	"strings"
+	"testing"
+	"unicode/utf8"
+)
+
+// validateIDReference is ValidateID as it was before its ASCII fast path (two passes: UTF-8,
+// then every rune).
+func validateIDReference(field, v string) error {
+	if v == "" {
+		return fmt.Errorf("%s is required", field)
+	}
+	if len(v) > MaxIDLen {
+		return fmt.Errorf("%s is %d bytes, longer than %d", field, len(v), MaxIDLen)
+	}
+	if !utf8.ValidString(v) {
+		return fmt.Errorf("%s is not valid UTF-8", field)
+	}
+	for _, r := range v {
+		if r < 0x20 || r == 0x7f || r == '/' {
+			return fmt.Errorf("%s contains a forbidden character %q", field, r)
+		}
+	}
+	return nil
+}
+
+// TestValidateIDMatchesReference: the fast path accepts and refuses exactly what the two-pass
+// check does, with the same error.
+func TestValidateIDMatchesReference(t *testing.T) {
+	for _, v := range []string{
+		"", "a", "sess-000001", "d00", "new-17", "~", " ", "a b", strings.Repeat("x", MaxIDLen),
+		strings.Repeat("x", MaxIDLen+1), "a/b", "/", "tab\there", "nl\n", "del\x7f", "\x00",
+		"héllo", "日本", "é/", "\xff", "a\xffb", "a/\xff", "\xc3", "\xe2\x82", "é\x01", "\u2028",
+		"\u00a0", "\U0010ffff", "a\u0080b",
+	} {
+		got, want := ValidateID("session_id", v), validateIDReference("session_id", v)
+		if fmt.Sprint(got) != fmt.Sprint(want) {
+			t.Errorf("ValidateID(%q) = %v, want %v", v, got, want)
+		}
+	}
+}
+
+func FuzzValidateID(f *testing.F) {
+	for _, s := range []string{"sess-1", "a/b", "é", "\xff", "\x7f"} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, v string) {
+		got, want := ValidateID("id", v), validateIDReference("id", v)
+		if fmt.Sprint(got) != fmt.Sprint(want) {
+			t.Fatalf("ValidateID(%q) = %v, want %v", v, got, want)
+		}
+	})
+}
+
+func BenchmarkValidateID(b *testing.B) {
+	for b.Loop() {
+		if err := ValidateID("session_id", "sess-000123"); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
