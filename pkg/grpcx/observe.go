@@ -3,16 +3,16 @@ package grpcx
 import (
 	"errors"
 
-	grpcprom "github.com/grpc-ecosystem/go-grpc-middleware/providers/prometheus"
 	"github.com/prometheus/client_golang/prometheus"
 	"go.opentelemetry.io/contrib/instrumentation/google.golang.org/grpc/otelgrpc"
 	"go.opentelemetry.io/otel/propagation"
 	"google.golang.org/grpc"
 )
 
-// Per-method gRPC metrics of this process (go-grpc-middleware's Prometheus provider): every
-// server built by NewServer and every client dialled with ClientOptions/DialOptions records
-// into them; RegisterMetrics exposes them in a registry (obs.NewRegistry does it).
+// Per-method gRPC metrics of this process (metrics.go: the names, labels and counting of
+// go-grpc-middleware's Prometheus provider, with a stream's counters looked up once per call):
+// every server built by NewServer and every client dialled with ClientOptions/DialOptions
+// records into them; RegisterMetrics exposes them in a registry (obs.NewRegistry does it).
 //
 //	grpc_server_started_total, grpc_server_handled_total{grpc_code}, grpc_server_msg_received_total,
 //	grpc_server_msg_sent_total, grpc_server_handling_seconds (histogram)
@@ -21,10 +21,8 @@ import (
 //
 // each with grpc_type, grpc_service and grpc_method labels.
 var (
-	serverMetrics = grpcprom.NewServerMetrics(grpcprom.WithServerHandlingTimeHistogram(
-		grpcprom.WithHistogramBuckets([]float64{0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30})))
-	clientMetrics = grpcprom.NewClientMetrics(grpcprom.WithClientHandlingTimeHistogram(
-		grpcprom.WithHistogramBuckets([]float64{0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30})))
+	serverMetrics = newServerMetrics()
+	clientMetrics = newClientMetrics()
 )
 
 // RegisterMetrics adds the process's per-method gRPC server and client metrics to reg (again
@@ -57,7 +55,7 @@ func serverObserve() []grpc.ServerOption {
 func clientObserve() []grpc.DialOption {
 	return []grpc.DialOption{
 		grpc.WithStatsHandler(otelgrpc.NewClientHandler(otelgrpc.WithPropagators(tracePropagator))),
-		grpc.WithChainUnaryInterceptor(clientMetrics.UnaryClientInterceptor()),
-		grpc.WithChainStreamInterceptor(clientMetrics.StreamClientInterceptor()),
+		grpc.WithChainUnaryInterceptor(clientMetrics.unaryClient),
+		grpc.WithChainStreamInterceptor(clientMetrics.streamClient),
 	}
 }

@@ -116,8 +116,8 @@ func NewServer(log zerolog.Logger, opt ...Option) *Server {
 		log.Error().Interface("panic", p).Bytes("stack", debug.Stack()).Msg("grpc handler panic")
 		return status.Errorf(codes.Internal, "internal error")
 	})
-	unary := []grpc.UnaryServerInterceptor{recovery.UnaryServerInterceptor(rec), serverMetrics.UnaryServerInterceptor(), codec.unary}
-	stream := []grpc.StreamServerInterceptor{recovery.StreamServerInterceptor(rec), serverMetrics.StreamServerInterceptor(), codec.stream}
+	unary := []grpc.UnaryServerInterceptor{recovery.UnaryServerInterceptor(rec), serverMetrics.unaryServer, codec.unary}
+	stream := []grpc.StreamServerInterceptor{recovery.StreamServerInterceptor(rec), serverMetrics.streamServer, codec.stream}
 	if o.logCalls {
 		unary = append(unary, logging.UnaryServerInterceptor(lg, logOpts...))
 		stream = append(stream, logging.StreamServerInterceptor(lg, logOpts...))
