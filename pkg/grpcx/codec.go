@@ -3,6 +3,7 @@ package grpcx
 import (
 	"context"
 	"sync"
+	"sync/atomic"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -22,6 +23,9 @@ import (
 type decodeCodec struct {
 	base encoding.CodecV2
 	bad  sync.Map // message pointer (any) -> decode error
+	// nbad counts the entries of bad: while it is 0 (every message decoded, the usual case) a
+	// received message needs no lookup in bad.
+	nbad atomic.Int64
 }
 
 func newDecodeCodec() *decodeCodec {
@@ -34,17 +38,34 @@ func (c *decodeCodec) Marshal(v any) (mem.BufferSlice, error) { return c.base.Ma
 
 func (c *decodeCodec) Unmarshal(data mem.BufferSlice, v any) error {
 	if err := c.base.Unmarshal(data, v); err != nil {
-		c.bad.Store(v, err)
+		c.nbad.Add(1) // before the entry: take never misses a stored one
+		if _, dup := c.bad.Swap(v, err); dup {
+			c.nbad.Add(-1)
+		}
 	}
 	return nil
 }
 
 // take returns (and forgets) the decode error recorded for m.
 func (c *decodeCodec) take(m any) error {
+	if c.nbad.Load() == 0 {
+		return nil
+	}
 	if err, ok := c.bad.LoadAndDelete(m); ok {
+		c.nbad.Add(-1)
 		return status.Errorf(codes.InvalidArgument, "malformed request message: %v", err.(error))
 	}
 	return nil
+}
+
+// forget drops the decode error recorded for m, if any.
+func (c *decodeCodec) forget(m any) {
+	if c.nbad.Load() == 0 {
+		return
+	}
+	if _, ok := c.bad.LoadAndDelete(m); ok {
+		c.nbad.Add(-1)
+	}
 }
 
 func (c *decodeCodec) unary(ctx context.Context, req any, _ *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
@@ -65,7 +86,7 @@ type decodeStream struct {
 
 func (s *decodeStream) RecvMsg(m any) error {
 	if err := s.ServerStream.RecvMsg(m); err != nil {
-		s.c.bad.Delete(m)
+		s.c.forget(m)
 		return err
 	}
 	return s.c.take(m)
