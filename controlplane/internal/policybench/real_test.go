@@ -304,3 +304,21 @@ func BenchmarkRealHandle(b *testing.B) {
 		s.Handle(wrapO(id))
 	}
 }
+
+// BenchmarkRealStream is the headline's stream part alone on the real leader: b.N queries
+// pipelined on one Route stream (at most streamWindow unanswered), every outcome reported on
+// the same stream, for profiling the stream path (go test -bench RealStream -cpuprofile cpu.out).
+func BenchmarkRealStream(b *testing.B) {
+	env := newRealEnv(b)
+	s := router.New(env.st, zerolog.Nop(), nil)
+	defer reportLoads(env.report)()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go func() { _ = s.Run(ctx) }()
+	w := &workload{ids: env.ids, rng: rand.New(rand.NewPCG(1, 2))}
+	overStream(b, s, w, 5_000, streamWindow) // warm up
+	b.ResetTimer()
+	perSec, p99 := overStream(b, s, w, max(b.N, 100), streamWindow)
+	b.ReportMetric(perSec, "decisions/s")
+	b.ReportMetric(float64(p99.Microseconds()), "p99-µs")
+}

@@ -252,6 +252,7 @@ func (s *Service) startRehome(it rehomeItem) (retry bool) {
 		op = &rehomeOp{seq: r.seq, from: it.from, decode: d.Decode.GetWorkerId(), room: s.room(r.seq),
 			since: it.since, done: make(chan struct{})}
 		s.rehomes[it.session] = op
+		s.nRehomes.Store(int64(len(s.rehomes)))
 	})
 	if op == nil {
 		if result == "retry" {
@@ -287,6 +288,7 @@ func (s *Service) endRehome(session string, op *rehomeOp, result string, release
 	mine := s.rehomes[session] == op
 	if mine {
 		delete(s.rehomes, session)
+		s.nRehomes.Store(int64(len(s.rehomes)))
 		if release {
 			s.led.remove(op.seq)
 		}
@@ -345,6 +347,9 @@ func (s *Service) expiredRehome(r *reservation) {
 
 // rehomeWait returns the done channel of the session's re-home in flight, nil when none.
 func (s *Service) rehomeWait(session string) <-chan struct{} {
+	if s.nRehomes.Load() == 0 {
+		return nil // the usual case: no lock trip for a turn's look
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if op := s.rehomes[session]; op != nil {
@@ -379,6 +384,7 @@ func (s *Service) resetRehomesLocked() []*rehomeOp {
 		ops = append(ops, op)
 	}
 	clear(s.rehomes)
+	s.nRehomes.Store(0)
 	return ops
 }
 

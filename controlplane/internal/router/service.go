@@ -53,6 +53,9 @@ type Service struct {
 	nextSeq uint64               // last sequence number issued
 	pins    map[string]pinEntry  // agent pins granted, by session (hints.go)
 	rehomes map[string]*rehomeOp // re-homes in flight, by session (rehome.go)
+	// nRehomes is len(rehomes), stored under mu whenever it changes: a turn looks for its
+	// session's re-home (rehomeWait) without the lock while there is none.
+	nRehomes atomic.Int64
 
 	rqMu     sync.Mutex
 	rq       rehomeQueue
