@@ -88,7 +88,13 @@ func TestRehomeSessionsOfALostWorker(t *testing.T) {
 				if got := testutil.ToFloat64(f.s.m.decisions.WithLabelValues("RESEED_SNAPSHOT", "REHOME")); got != 1 {
 					t.Fatalf("REHOME decisions %v", got)
 				}
+				if f.s.rehomeWait("S") == nil || f.s.nRehomes.Load() != 1 {
+					t.Fatalf("a re-home in flight not seen by a turn's look (%d counted)", f.s.nRehomes.Load())
+				}
 				f.loaded("d2", l, tc.result == "loaded")
+			}
+			if f.s.rehomeWait("S") != nil || f.s.nRehomes.Load() != 0 {
+				t.Fatalf("a re-home ended still seen by a turn's look (%d counted)", f.s.nRehomes.Load())
 			}
 			rec, _ := f.c.Session("S")
 			if got := rec.GetDecodeWorker() == "d2"; got != tc.resident {
@@ -320,5 +326,21 @@ func TestRehomeOnlyIntoFreeRoom(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// A new term drops the re-homes in flight: a turn's look (rehomeWait, lock-free while none is
+// counted) finds none.
+func TestRehomeCountResetWithTheTerm(t *testing.T) {
+	f := newFixture(t, routertest.Prefill("p0"), routertest.Decode("d2", 10_000, 0))
+	f.c.PutSession(lostRecord("S", "d1", 1000, 1000))
+	f.s.SessionsLost("d1", []string{"S"})
+	f.s.rehomePass()
+	if f.s.rehomeWait("S") == nil {
+		t.Fatal("no re-home in flight after the pass")
+	}
+	f.s.OnLeadershipChange(false)
+	if f.s.rehomeWait("S") != nil || f.s.nRehomes.Load() != 0 {
+		t.Fatalf("re-homes of the old term still seen (%d counted)", f.s.nRehomes.Load())
 	}
 }
