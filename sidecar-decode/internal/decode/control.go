@@ -39,8 +39,8 @@ func (s *Sidecar) Resync() *kvcv1.ResidentSessions {
 }
 
 // Load reports used tokens (sum of committed lengths; those of sessions no push pins are
-// evictable), the worker's unevictable tokens as it last reported them (ReportDemand), rooms
-// waiting for their transfer and snapshot pushes running or queued.
+// evictable), the worker's unevictable tokens and prealloc queue as it last reported them
+// (ReportDemand), rooms waiting for their transfer and snapshot pushes running or queued.
 func (s *Sidecar) Load() *kvcv1.WorkerLoad {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -67,8 +67,13 @@ func (s *Sidecar) Load() *kvcv1.WorkerLoad {
 			l.TransferQueueDepth++
 		}
 	}
-	// pushes running plus queued; the worker's own prealloc/retracted queues are not visible here
+	// pushes running plus queued
 	l.InflightPushes += int32(len(s.queue))
+	// The worker's prealloc queue as it last reported it (ReportDemand; a worker that does not
+	// report shows 0): the policy's queue score then sends a reseed to a D where nothing waits
+	// for pages rather than behind the waiting requests of a full one (issue 20). The worker's
+	// retracted queue is not visible here.
+	l.PreallocQueueDepth = s.demand.requests
 	// The worker's own count of what it cannot free (its sessions in use), part of used: the
 	// control plane takes the larger of it and used − evictable as pinned.
 	l.UnevictableTokens = min(s.demand.unevictable, l.UsedTokens)

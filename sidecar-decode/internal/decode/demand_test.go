@@ -162,7 +162,8 @@ type chanReporter chan *kvcv1.SessionEvent
 func (r chanReporter) Report(ev *kvcv1.SessionEvent) { r <- ev }
 
 // TestLoadForwardsWorkerUnevictable: the worker's capacity report (ReportDemandRequest
-// unevictable_tokens) reaches the control plane in the load report, clamped to what the sidecar
+// unevictable_tokens) and its prealloc queue (waiting_requests) reach the control plane in the
+// load report, clamped to what the sidecar
 // counts as used, gone when the worker dies; a report of demand without it, or a negative one,
 // changes nothing else.
 func TestLoadForwardsWorkerUnevictable(t *testing.T) {
@@ -186,20 +187,24 @@ func TestLoadForwardsWorkerUnevictable(t *testing.T) {
 		req  *kvcv1.ReportDemandRequest
 		want int64
 		bad  bool
+		// queue: the prealloc queue depth the load report forwards (issue 20: a reseed's
+		// target is scored by it; before, it was always 0)
+		queue int32
 	}{
-		{"a in use", &kvcv1.ReportDemandRequest{UnevictableTokens: 40}, 40, false},
-		{"more than used: clamped", &kvcv1.ReportDemandRequest{UnevictableTokens: 100}, 64, false},
-		{"negative refused", &kvcv1.ReportDemandRequest{UnevictableTokens: -1}, 64, true},
-		{"idle again", &kvcv1.ReportDemandRequest{WaitingRequests: 1, WaitingTokens: 8, FreeTokens: 100}, 0, false},
-		{"b in use", &kvcv1.ReportDemandRequest{UnevictableTokens: 24}, 24, false},
+		{"a in use", &kvcv1.ReportDemandRequest{UnevictableTokens: 40}, 40, false, 0},
+		{"more than used: clamped", &kvcv1.ReportDemandRequest{UnevictableTokens: 100}, 64, false, 0},
+		{"negative refused", &kvcv1.ReportDemandRequest{UnevictableTokens: -1}, 64, true, 0},
+		{"idle again", &kvcv1.ReportDemandRequest{WaitingRequests: 1, WaitingTokens: 8, FreeTokens: 100}, 0, false, 1},
+		{"three wait", &kvcv1.ReportDemandRequest{WaitingRequests: 3, WaitingTokens: 300, FreeTokens: 100}, 0, false, 3},
+		{"b in use", &kvcv1.ReportDemandRequest{UnevictableTokens: 24}, 24, false, 0},
 	}
 	for _, st := range steps {
 		_, err := c.ReportDemand(ctx, st.req)
 		if (status.Code(err) == codes.InvalidArgument) != st.bad {
 			t.Fatalf("%s: %v", st.name, err)
 		}
-		if l := s.Load(); l.GetUnevictableTokens() != st.want {
-			t.Fatalf("%s: load says %d unevictable, want %d", st.name, l.GetUnevictableTokens(), st.want)
+		if l := s.Load(); l.GetUnevictableTokens() != st.want || l.GetPreallocQueueDepth() != st.queue {
+			t.Fatalf("%s: load says %d unevictable, prealloc queue %d; want %d, %d", st.name, l.GetUnevictableTokens(), l.GetPreallocQueueDepth(), st.want, st.queue)
 		}
 	}
 	if d := s.Demand(); d.UnevictableTokens != 24 {
