@@ -41,6 +41,10 @@ func (s *Sidecar) Collectors() []prometheus.Collector {
 			func(d DemandStats) float64 { return float64(d.DeficitReleasePasses) }),
 		c("kvc_sidecar_release_spared_total", "Capacity releases a pass planned and did not send: the session was committed or loaded after the plan, or less than --release-min-idle ago, by the time its turn came (the releases before it wait for the worker's acks).",
 			func(d DemandStats) float64 { return float64(d.SparedReleases) }),
+		c("kvc_sidecar_release_on_demand_total", "Capacity releases, for requests waiting for pages, of sessions committed less than --release-min-idle ago (each such session's next turn reseeds from its snapshot).",
+			func(d DemandStats) float64 { return float64(d.OnDemandReleases) }),
+		c("kvc_sidecar_release_refused_total", "Capacity releases the worker refused: the session was in use (a running request, or a turn waiting for pages while another session was idle).",
+			func(d DemandStats) float64 { return float64(d.RefusedReleases) }),
 		g("kvc_sidecar_worker_unevictable_tokens", "The worker's unevictable KV as it last reported it (ReportDemand): committed tokens of the sessions its requests are using; forwarded to the control plane in the load report.",
 			func(d DemandStats) float64 { return float64(d.UnevictableTokens) }),
 	}

@@ -155,8 +155,9 @@ func TestReleaseNotSentAfterACommit(t *testing.T) {
 }
 
 // TestReleaseRefusalReplansAtOnce: a release the worker refuses (the session's turn waits for
-// pages) is passed over and the next idlest session is released in the same round, without
-// waiting for the next tick or demand report.
+// pages) is passed over and the next idlest session — here one committed just now, taken for
+// the deficit — is released in the same round, without waiting for the next tick or demand
+// report.
 func TestReleaseRefusalReplansAtOnce(t *testing.T) {
 	s := newTestSidecar(t) // 256 tokens
 	s.rel = newReleaser(ReleaseConfig{High: 0.9, Low: 0.5, MinIdle: time.Minute, Interval: time.Hour})
@@ -169,8 +170,7 @@ func TestReleaseRefusalReplansAtOnce(t *testing.T) {
 	defer func() { cancel(); <-done }()
 	var next int64
 	idleSession(t, s, "a", 40, time.Hour, &next)
-	idleSession(t, s, "b", 40, 30*time.Minute, &next)
-	idleSession(t, s, "c", 40, 20*time.Minute, &next)
+	idleSession(t, s, "b", 40, 0, &next) // committed just now: taken on demand
 	for !s.att.Watcher().AttachAcked {
 		select {
 		case <-ctx.Done():
@@ -178,8 +178,8 @@ func TestReleaseRefusalReplansAtOnce(t *testing.T) {
 		case <-time.After(5 * time.Millisecond):
 		}
 	}
-	// 120 of 256 committed (under the high watermark), 20 tokens short: one session's worth.
-	if _, err := c.ReportDemand(ctx, &kvcv1.ReportDemandRequest{WaitingRequests: 1, WaitingTokens: 156, FreeTokens: 136}); err != nil {
+	// 80 of 256 committed (under the high watermark), 20 tokens short: one session's worth.
+	if _, err := c.ReportDemand(ctx, &kvcv1.ReportDemandRequest{WaitingRequests: 1, WaitingTokens: 196, FreeTokens: 176}); err != nil {
 		t.Fatal(err)
 	}
 	<-s.relKick // the report's kick: this test runs the round itself
@@ -196,5 +196,8 @@ func TestReleaseRefusalReplansAtOnce(t *testing.T) {
 	s.mu.Unlock()
 	if !kept || gone {
 		t.Fatalf("sessions after the round: a kept %v, b still held %v", kept, gone)
+	}
+	if d := s.Demand(); d.RefusedReleases != 1 || d.OnDemandReleases != 1 {
+		t.Fatalf("demand stats %+v; want 1 refused (a), 1 on demand (b)", d)
 	}
 }

@@ -145,6 +145,8 @@ type demand struct {
 	reports       int64 // reports received
 	deficitPasses int64 // release passes that released or waited for a deficit
 	spared        int64 // planned releases not sent: the session was committed or loaded since (releaseOne)
+	onDemand      int64 // releases of sessions committed less than MinIdle ago, for a deficit
+	refused       int64 // releases the worker refused (the session in use)
 	// unevictable is the worker's capacity report (ReportDemandRequest.unevictable_tokens): the
 	// committed KV of the sessions its requests are using. Forwarded in Load; 0 once the
 	// worker is down (its sessions are gone).
@@ -191,6 +193,9 @@ type DemandStats struct {
 	SparedReleases int64
 	// UnevictableTokens is the worker's last capacity report (ReportDemandRequest.unevictable_tokens).
 	UnevictableTokens int64
+	// OnDemandReleases: sessions released for a deficit less than MinIdle after their last
+	// commit; RefusedReleases: releases the worker refused (the session in use).
+	OnDemandReleases, RefusedReleases int64
 }
 
 // Demand returns the worker's last reported prealloc-queue demand.
@@ -199,7 +204,7 @@ func (s *Sidecar) Demand() DemandStats {
 	defer s.mu.Unlock()
 	d := s.demand
 	return DemandStats{WaitingRequests: d.requests, WaitingTokens: d.tokens, FreeTokens: d.free, Reports: d.reports, DeficitReleasePasses: d.deficitPasses,
-		UnevictableTokens: d.unevictable, SparedReleases: d.spared}
+		UnevictableTokens: d.unevictable, SparedReleases: d.spared, OnDemandReleases: d.onDemand, RefusedReleases: d.refused}
 }
 
 // planReleaseLocked picks, when the pool is above the high watermark, the idle sessions that
@@ -359,9 +364,11 @@ func (s *Sidecar) pushLandedLocked(forced, ok bool) {
 func (s *Sidecar) releaseOne(ctx context.Context, id string, planned time.Time, onDemand bool) bool {
 	s.mu.Lock()
 	ss := s.sessions[id]
+	young := false // committed less than MinIdle ago: released on demand
 	if ss != nil && ss.releasing {
 		now := time.Now()
-		recent := s.recentLocked(ss, now) && (!onDemand || recentLoadLocked(s, ss, now))
+		young = s.recentLocked(ss, now)
+		recent := young && (!onDemand || recentLoadLocked(s, ss, now))
 		if activeAt(ss).After(planned) || recent || pinnedAt(ss, now) {
 			ss.releasing = false
 			s.demand.spared++
@@ -387,6 +394,9 @@ func (s *Sidecar) releaseOne(ctx context.Context, id string, planned time.Time, 
 				ss.inUseAt = time.Now()
 			}
 		}
+		if refused {
+			s.demand.refused++
+		}
 		s.mu.Unlock()
 		s.log.Warn().Str("session", id).Str("error", status.Convert(err).Message()).Msg("capacity release not done")
 		return refused
@@ -397,6 +407,9 @@ func (s *Sidecar) releaseOne(ctx context.Context, id string, planned time.Time, 
 	s.mu.Lock()
 	ss = s.sessions[id]
 	still := ss != nil && ss.releasing
+	if young {
+		s.demand.onDemand++
+	}
 	s.mu.Unlock()
 	if still {
 		if dropped, _, ok := s.drop(id); ok {
