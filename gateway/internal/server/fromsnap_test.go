@@ -2,6 +2,7 @@ package server
 
 import (
 	"io"
+	"net/http/httptest"
 	"testing"
 
 	"github.com/kvcentric/kvcentric/gateway/internal/api"
@@ -48,6 +49,31 @@ func TestWorkerBodyLoadAndSuffix(t *testing.T) {
 			}
 			if pl.GetLoadPrefixTokens() != tt.load || pl.GetLoadGeneration() != tt.gen || from != tt.receiveFrm {
 				t.Fatalf("payload %v: want load_prefix_tokens %v load_generation %v from_token %v", pl, tt.load, tt.gen, tt.receiveFrm)
+			}
+		})
+	}
+}
+
+// The answer says how much of the prompt P loads from its store instead of computing
+// (X-KVC-Prefill-Load-Tokens), only when the plan calls P with a load.
+func TestRouteHeadersPrefillLoad(t *testing.T) {
+	tests := []struct {
+		name string
+		exec *kvcv1.RouteExecution
+		want string
+	}{
+		{"large append from the snapshot", &kvcv1.RouteExecution{CallPrefill: true, CallDecode: true, LoadPrefixTokens: 16_000}, "16000"},
+		{"whole-context prefill", &kvcv1.RouteExecution{CallPrefill: true, CallDecode: true}, ""},
+		{"load without a call to P", &kvcv1.RouteExecution{CallDecode: true, LoadPrefixTokens: 16_000}, ""},
+		{"no plan (fail-open)", nil, ""},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			rec := httptest.NewRecorder()
+			s := newSink(rec, &api.Request{RID: "r1", InputTokens: 25_600})
+			s.routeHeaders(&plan{mode: kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, exec: tt.exec}, &api.Request{RID: "r1", InputTokens: 25_600})
+			if got := rec.Header().Get("X-KVC-Prefill-Load-Tokens"); got != tt.want {
+				t.Fatalf("X-KVC-Prefill-Load-Tokens %q, want %q", got, tt.want)
 			}
 		})
 	}

@@ -51,6 +51,11 @@ func (s *sink) routeHeaders(p *plan, req *api.Request) {
 	}
 	h.Set("X-KVC-Input-Tokens", strconv.FormatInt(req.InputTokens, 10))
 	h.Set("X-KVC-Cached-Tokens", strconv.FormatInt(p.cached, 10))
+	if n := p.exec.GetLoadPrefixTokens(); n > 0 && p.exec.GetCallPrefill() {
+		// Prefill from the snapshot: P loads this many tokens of the session's snapshot from its
+		// store and computes only the rest (the workers cut it to whole pages).
+		h.Set("X-KVC-Prefill-Load-Tokens", strconv.FormatInt(n, 10))
+	}
 	if p.decode != nil {
 		h.Set("X-KVC-Decode-Worker", p.decode.GetWorkerId())
 	}

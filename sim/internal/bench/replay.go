@@ -263,7 +263,8 @@ func send(ctx context.Context, hc *http.Client, baseURL, session string, turn in
 		r.RetriedFrom = strings.Split(v, ",")
 	}
 	r.CachedTokens, _ = strconv.ParseInt(h.Get("X-KVC-Cached-Tokens"), 10, 64)
-	r.UncachedTokens = max(r.InputTokens-r.CachedTokens, 0)
+	r.PrefillLoadedTokens, _ = strconv.ParseInt(h.Get("X-KVC-Prefill-Load-Tokens"), 10, 64)
+	r.UncachedTokens = max(r.InputTokens-max(r.CachedTokens, r.PrefillLoadedTokens), 0)
 	r.SnapshotUsed = r.Mode == "RESEED_SNAPSHOT"
 	if resp.StatusCode != http.StatusOK {
 		r.ErrorKind = h.Get("X-KVC-Error-Kind")

@@ -49,6 +49,8 @@ func fakeGateway(t *testing.T, behave func(session string, turn int) string) (*h
 		w.Header().Set("X-KVC-Reason", "SESSION_RESIDENT")
 		w.Header().Set("X-KVC-Cached-Tokens", "100")
 		switch behave(sid, body.KVC.Turn) {
+		case "loaded": // P loads 600 tokens of the snapshot from its store (prefill from the snapshot)
+			w.Header().Set("X-KVC-Prefill-Load-Tokens", "600")
 		case "retried": // served after the gateway retried an attempt on decode-1
 			w.Header().Set("X-KVC-Retries", "1")
 			w.Header().Set("X-KVC-Retried-From", "decode-1")
@@ -100,6 +102,8 @@ func TestReplayRecordsEveryRequest(t *testing.T) {
 			return "cut"
 		case session == "s-a" && turn == 1:
 			return "retried"
+		case session == "s-b" && turn == 0:
+			return "loaded"
 		}
 		return ""
 	})
@@ -123,6 +127,14 @@ func TestReplayRecordsEveryRequest(t *testing.T) {
 	ok := by["s-a/0"]
 	if !ok.OK || ok.Mode != "SEED" || ok.ReceivedBytes != 64 || ok.KVLenAfter != 1003 || ok.TTFTS <= 0 || ok.LatencyS < ok.TTFTS || ok.UncachedTokens != 900 || ok.GotTokens != 3 {
 		t.Fatalf("ok record %+v", ok)
+	}
+	if ok.PrefillLoadedTokens != 0 {
+		t.Fatalf("ok record %+v", ok)
+	}
+	// P loaded 600 of the 1000 tokens: it computed 400 at most (the decision's 100 cached are
+	// within the load).
+	if r := by["s-b/0"]; !r.OK || r.PrefillLoadedTokens != 600 || r.UncachedTokens != 400 {
+		t.Fatalf("loaded record %+v", r)
 	}
 	if r := by["s-a/1"]; !r.OK || r.Retries != 1 || fmt.Sprint(r.RetriedFrom) != "[decode-1]" || len(ok.RetriedFrom) != 0 {
 		t.Fatalf("retried record %+v", r)

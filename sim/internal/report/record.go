@@ -10,7 +10,13 @@ type Record struct {
 	OutputTokens int64   `json:"output_tokens"` // asked for
 	GotTokens    int64   `json:"completion_tokens"`
 	// CachedTokens is what the decision said was already in KV (D's session or the snapshot).
-	CachedTokens   int64  `json:"cached_tokens"`
+	CachedTokens int64 `json:"cached_tokens"`
+	// PrefillLoadedTokens: P loaded this many tokens of the session's snapshot from its store
+	// and prefilled only the rest (prefill from the snapshot, X-KVC-Prefill-Load-Tokens).
+	PrefillLoadedTokens int64 `json:"prefill_loaded_tokens,omitempty"`
+	// UncachedTokens is what the worker that prefills computes at most: the input less what
+	// the decision found in KV (CachedTokens) or P loads (PrefillLoadedTokens); a prefix cache
+	// may serve more of it.
 	UncachedTokens int64  `json:"uncached_tokens"`
 	Mode           string `json:"execution_mode"`
 	Reason         string `json:"reason"`

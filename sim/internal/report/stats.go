@@ -192,6 +192,9 @@ type Arm struct {
 	// PrefillTokens is the work of the prefill worker (whole inputs of SEED, RESEED_PREFILL and
 	// PD_FALLBACK); AppendTokens the uncached tokens decode workers append-prefilled.
 	PrefillTokens, AppendTokens int64
+	// PrefillLoadedTokens: of PrefillTokens, those P loaded from its store (prefill from the
+	// snapshot) instead of computing them.
+	PrefillLoadedTokens int64
 	// LatencyP90 is reported in report.md only (summary.json has a fixed field set).
 	LatencyP90 float64
 	// RecomputeChecked and RecomputeMismatches total the modes' (kvc-refworker, report.md only).
@@ -306,6 +309,7 @@ func ComputeWith(name string, recs []Record, div float64, opt Options) *Arm {
 			a.AppendTokens += r.UncachedTokens
 		case "SEED", "RESEED_PREFILL", "PD_FALLBACK":
 			a.PrefillTokens += r.InputTokens
+			a.PrefillLoadedTokens += min(r.PrefillLoadedTokens, r.InputTokens)
 		}
 		if !r.OK {
 			kind := r.ErrorKind

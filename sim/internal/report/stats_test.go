@@ -45,6 +45,14 @@ func TestCompute(t *testing.T) {
 	if half := Compute("E4", recs, 0.5); half.Summary.TTFTP99 != 4 || half.Summary.LatencyP50 != 2*s.LatencyP50 {
 		t.Fatalf("scaled %+v", half.Summary)
 	}
+	loaded := Compute("E4", []Record{
+		{Mode: "PD_FALLBACK", Reason: "REAL_LARGE_APPEND", OK: true, InputTokens: 1000, PrefillLoadedTokens: 640, UncachedTokens: 360},
+		{Mode: "RESEED_PREFILL", OK: true, InputTokens: 500},
+		{Mode: "DIRECT_TO_D", OK: true, InputTokens: 800, CachedTokens: 700, UncachedTokens: 100},
+	}, 1)
+	if loaded.PrefillTokens != 1500 || loaded.PrefillLoadedTokens != 640 || loaded.AppendTokens != 100 {
+		t.Fatalf("prefill %d loaded %d append %d", loaded.PrefillTokens, loaded.PrefillLoadedTokens, loaded.AppendTokens)
+	}
 	if a.PrefillTokens != 0 || a.ErrorKinds["REJECTED_BY_D"] != 1 || a.Modes["SEED"].Count != 2 || a.Modes["SEED"].OK != 1 {
 		t.Fatalf("%+v %+v", a.ErrorKinds, a.Modes["SEED"])
 	}

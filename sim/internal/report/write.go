@@ -364,13 +364,13 @@ func Markdown(meta Meta, arms []*Arm) string {
 	}
 	p("## Work")
 	p("")
-	p("| arm | tokens prefilled on P (whole inputs) | tokens append-prefilled on D | real KV bytes moved | real KV bytes verified |")
-	p("|---|---:|---:|---:|---:|")
+	p("| arm | tokens prefilled on P (whole inputs) | of them loaded from P's store | tokens append-prefilled on D | real KV bytes moved | real KV bytes verified |")
+	p("|---|---:|---:|---:|---:|---:|")
 	for _, a := range arms {
-		p("| %s | %d | %d | %s | %s |", a.Name, a.PrefillTokens, a.AppendTokens, mib(a.Summary.BytesMoved), mib(a.Verified))
+		p("| %s | %d | %d | %d | %s | %s |", a.Name, a.PrefillTokens, a.PrefillLoadedTokens, a.AppendTokens, mib(a.Summary.BytesMoved), mib(a.Verified))
 	}
 	p("")
-	p("The first column counts whole inputs of the requests P served; in every arm but E1 kvc-sim's prefill worker has a prefix (radix) cache and computes only what it does not hold (and, in SGL/LLMD, what it could not pull from a tier): see docs/simulator.md, *Baseline models*. E1 (no prefix cache) is a pessimistic lower bound. The real bytes of every P→D transfer are the whole context in all arms (the sidecars have no suffix-only transfer); SGL's modeled transfer time counts only the suffix.")
+	p("The second column is the prefill from the snapshot (E4; `prefill_loaded_tokens` per request): P loaded that much of the session's snapshot from its store and computed only the rest, so P computed at most the first column less the second (`uncached_tokens` per request). The first column counts whole inputs of the requests P served; in every arm but E1 kvc-sim's prefill worker has a prefix (radix) cache and computes only what it does not hold (and, in SGL/LLMD, what it could not pull from a tier): see docs/simulator.md, *Baseline models*. E1 (no prefix cache) is a pessimistic lower bound. The real bytes of every P→D transfer are the whole context in all arms (the sidecars have no suffix-only transfer); SGL's modeled transfer time counts only the suffix.")
 	p("")
 	p("## Failures and fallbacks")
 	p("")
