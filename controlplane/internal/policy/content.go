@@ -102,6 +102,18 @@ func (c *Cycle) prefixMismatch(d *kvcv1.Worker, lcp int64) Decision {
 		}
 		return dec
 	}
+	if keep > 0 {
+		// The common prefix stays where it is: the tail past it is too long for D's
+		// append-prefill, so P prefills it (from its store's snapshot where that holds the
+		// prefix, fromsnap.go) and D, cutting its session back to the common prefix, receives
+		// only the pages past it — a large append of the edited history on its own D, not a
+		// whole-context reseed.
+		dec := c.largeAppend(d, uncached, keep)
+		if dec.Reason == kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND && dec.Cause == 0 {
+			dec.Cause = kvcv1.RouteReason_ROUTE_REASON_PREFIX_MISMATCH
+		}
+		return dec
+	}
 	if c.Cause == 0 {
 		c.Cause = kvcv1.RouteReason_ROUTE_REASON_PREFIX_MISMATCH
 	}

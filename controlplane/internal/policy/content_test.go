@@ -68,6 +68,7 @@ func TestDecideOnContent(t *testing.T) {
 		decode   string
 		cached   int64
 		truncate int64
+		recvFrom int64 // a large append's receive_from: what D keeps of its session
 	}
 	residentRec := func() *kvcv1.SessionRecord { return resident("d1", committed) }
 	evicted := func(seqlen int64) *kvcv1.SessionRecord {
@@ -106,8 +107,19 @@ func TestDecideOnContent(t *testing.T) {
 				r.Snapshot = snap("p1", 9_600)
 				return r
 			}(), snap: snapOf(9_600),
-			k:    func(p *kvcv1.Policy) { p.DirectMaxUncachedTokens = i64(512) },
-			mode: mSnap, reason: kvcv1.RouteReason_ROUTE_REASON_PREFIX_MISMATCH, decode: "d1", cached: 8_704}, // the sparse chain: rounded down to a stride page
+			k: func(p *kvcv1.Policy) { p.DirectMaxUncachedTokens = i64(512) },
+			// D keeps the common prefix it holds and receives only the tail P prefills (loading
+			// the snapshot's common prefix): a large append of the edited history on its own D, not
+			// a reseed that reloads the prefix D holds from the store
+			mode: mFallback, reason: kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND, decode: "d1", recvFrom: 8_704}, // the sparse chain: rounded down to a stride page
+		{name: "edited history with a tail past the direct limit: large append from the common prefix on its D",
+			prompt: grow(convo(committed, 1, 9_000), 3_000), resident: sparseOf(t, heldChain), rec: residentRec(),
+			k:    func(p *kvcv1.Policy) { p.DirectMaxUncachedTokens = i64(2048) },
+			mode: mFallback, reason: kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND, decode: "d1", recvFrom: 8_704},
+		{name: "compacted history shorter than the session: large append from the common prefix on its D",
+			prompt: grow(convo(6_000, 1, 5_000), 3_000), resident: sparseOf(t, heldChain), rec: residentRec(),
+			k:    func(p *kvcv1.Policy) { p.DirectMaxUncachedTokens = i64(2048) },
+			mode: mFallback, reason: kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND, decode: "d1", recvFrom: 4_608},
 		// --- the session lost its D: the snapshot's content decides ---
 		{name: "evicted, snapshot is a prefix: reseed from all of it", prompt: grow(held, 300), rec: evicted(9_600), snap: snapOf(9_600),
 			mode: mSnap, reason: kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_HIT, cached: 9_600},
@@ -149,6 +161,12 @@ func TestDecideOnContent(t *testing.T) {
 			if d.CachedTokens != tt.cached || d.TruncateTo != tt.truncate || d.Exec.TruncateTo != tt.truncate {
 				t.Fatalf("cached %d truncate %d (exec %d), want %d, %d", d.CachedTokens, d.TruncateTo, d.Exec.TruncateTo, tt.cached, tt.truncate)
 			}
+			if d.ReceiveFrom != tt.recvFrom || d.Exec.ReceiveFrom != tt.recvFrom {
+				t.Fatalf("receive_from %d (exec %d), want %d", d.ReceiveFrom, d.Exec.ReceiveFrom, tt.recvFrom)
+			}
+			if d.Mode == mFallback && (!d.Exec.KeepSession || d.Exec.OpenSession || d.Prefill == nil) {
+				t.Fatalf("a large append keeps the session on its D without opening it, P computes: %+v", d.Exec)
+			}
 			if d.Mode == mSnap && d.SnapshotSeqlen != tt.cached {
 				t.Fatalf("snapshot_seqlen %d, want %d", d.SnapshotSeqlen, tt.cached)
 			}
@@ -184,6 +202,9 @@ func TestContentNeverReusesMismatchedKV(t *testing.T) {
 			d := Decide(in)
 			if d.CachedTokens > int64(at) {
 				t.Fatalf("edit at %d (snapshot %v): %s/%s reuses %d tokens", at, withSnap, d.Mode, d.Reason, d.CachedTokens)
+			}
+			if d.ReceiveFrom > int64(at) || d.Exec.ReceiveFrom > int64(at) {
+				t.Fatalf("edit at %d (snapshot %v): %s/%s keeps %d tokens on D", at, withSnap, d.Mode, d.Reason, d.ReceiveFrom)
 			}
 			if d.Mode == mDirect && d.TruncateTo != d.CachedTokens {
 				t.Fatalf("edit at %d: direct without truncation to the reused %d tokens", at, d.CachedTokens)

@@ -332,7 +332,7 @@ func (c *Cycle) resident(d *kvcv1.Worker) Decision {
 	cached := min(committed, c.Q.InputTokens)
 	uncached := c.Q.InputTokens - cached
 	if uncached > c.K.DirectMaxUncachedTokens {
-		return c.largeAppend(d, uncached)
+		return c.largeAppend(d, uncached, cached)
 	}
 	c.Need = uncached + c.Q.MaxOutputTokens
 	cand := Cand{W: d, Res: c.In.Ledger.Reserved(d.WorkerId)}
@@ -357,14 +357,16 @@ func (c *Cycle) resident(d *kvcv1.Worker) Decision {
 }
 
 // largeAppend: the uncached append is too large for D's append-prefill, so P prefills the
-// whole input (plain P/D, PD_FALLBACK) — into the session's own D, which keeps it: D receives
-// the context into the session's pages (the prefix lands on the pages that already hold it) and
-// the gateway sends keep_session, so kv_committed_len catches up and the next turn goes
-// direct-to-D again. D needs and reserves what a direct turn would: append + max_output. It is
-// never downgraded for capacity: a D that cannot admit it now queues it (Admission
-// AdmitOverCapacity), and only D's own refusal after its wait is a rejection (enough of them
-// migrate the session).
-func (c *Cycle) largeAppend(d *kvcv1.Worker, uncached int64) Decision {
+// input (plain P/D, PD_FALLBACK; from the snapshot where P's store holds one, fromsnap.go) —
+// into the session's own D, which keeps it: D keeps the held tokens of the prompt, [0, held),
+// and receives only the pages past them (ReceiveFrom), and the gateway sends keep_session, so
+// kv_committed_len catches up and the next turn goes direct-to-D again. held is the committed
+// KV for an append, and the longest common prefix on content for an edited history (D cuts
+// its session there itself). D needs and reserves what a direct turn would: append +
+// max_output. It is never downgraded for capacity: a D that cannot admit it now queues it
+// (Admission AdmitOverCapacity), and only D's own refusal after its wait is a rejection
+// (enough of them migrate the session).
+func (c *Cycle) largeAppend(d *kvcv1.Worker, uncached, held int64) Decision {
 	c.Need = uncached + c.Q.MaxOutputTokens
 	cand := Cand{W: d, Res: c.In.Ledger.Reserved(d.WorkerId)}
 	adm := AdmitFits
@@ -387,7 +389,7 @@ func (c *Cycle) largeAppend(d *kvcv1.Worker, uncached int64) Decision {
 		PrefillPriority: PrefillPriorityLow,
 		PauseMs:         c.pause(&cand),
 		From:            d.WorkerId,
-		ReceiveFrom:     c.receiveFrom(min(c.S.KvCommittedLen, c.Q.InputTokens)),
+		ReceiveFrom:     c.receiveFrom(held),
 	}
 }
 
