@@ -137,6 +137,29 @@ func (w *Worker) reusable(t *turn, s *session, upto int64) (int64, *apiError) {
 		s.id, first, count, upto)
 }
 
+// keptOnExtend is how much of the session it holds (kvLen tokens) a large append keeps before
+// it receives the rest. Without receive_from, reusable over what the prompt covers. With it
+// (from > 0, whole pages), the control plane vouches for [0, from) only: those must match
+// the prompt (reusable: a mismatch there is mis-stitched KV); past them the held session is
+// kept up to its first token that differs from the prompt or the prompt's end — an edited or
+// compacted history whose common prefix the decision cut at from is cut back there, never an
+// error.
+func (w *Worker) keptOnExtend(t *turn, s *session, kvLen, from int64) (int64, *apiError) {
+	upto := min(kvLen, t.p.input)
+	if from <= 0 {
+		return w.reusable(t, s, upto)
+	}
+	keep, e := w.reusable(t, s, min(from, upto))
+	if e != nil || keep < from || upto <= from {
+		return keep, e
+	}
+	w.mu.Lock()
+	pages := append([]int64(nil), s.pages...)
+	w.mu.Unlock()
+	first, _ := w.firstMismatch(t, pages, upto)
+	return max(first, from), nil
+}
+
 // truncateSession keeps only the first keep tokens of the session (a truncation the decision
 // asked for, or the worker's own cut before a rewritten partial last page): the pages past them
 // are freed, and the sidecar forgets the session (ReleaseSession: any snapshot push reading it

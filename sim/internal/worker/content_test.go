@@ -2,6 +2,7 @@ package worker
 
 import (
 	"context"
+	"fmt"
 	"net/http"
 	"sync"
 	"testing"
@@ -227,5 +228,101 @@ func TestLocalFirstTurnReusesPrefix(t *testing.T) {
 	pl.LocalPrefill = true
 	if r := post(t, ctx, d.url, genBody(pl, map[string]any{"rid": "r4", "input_ids": alone, "sampling_params": map[string]any{"max_new_tokens": 1}})); r.status != 400 {
 		t.Fatalf("local_prefill with a receive: %d %s", r.status, r.code)
+	}
+}
+
+// TestLargeAppendOfEditedHistory: a large append whose history was edited or compacted (the
+// control plane cut receive_from back to the common prefix on content) is served on the
+// session's own decode worker: D keeps [0, receive_from) of what it holds, cuts the session
+// there (the sidecar forgets it first, truncated_to), and receives only the pages past it —
+// also when the compacted prompt is shorter than the session. A receive_from past the common
+// prefix is mis-stitched KV and refused.
+func TestLargeAppendOfEditedHistory(t *testing.T) {
+	h := newHub()
+	p := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_PREFILL, "p0", 4096, zeroTiming())
+	d := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_DECODE, "d0", 4096, zeroTiming())
+	ctx := context.Background()
+	const sid = "edit-large"
+	// pdIDs runs both halves of plan k on ids (P's send and D's receive from from).
+	pdIDs := func(rid string, ids []int64, k kvcReq, from int64) (pr, dr result) {
+		t.Helper()
+		kp, kd := k, k
+		kp.Role, kd.Role, kp.ReceiveFrom, kd.ReceiveFrom = "prefill", "decode", from, from
+		kp.InputTokens, kd.InputTokens = int64(len(ids)), int64(len(ids))
+		ctx, cancel := context.WithCancel(ctx)
+		defer cancel()
+		var wg sync.WaitGroup
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			pr = post(t, ctx, p.url, genBody(kp.payload(), map[string]any{"rid": rid, "input_ids": ids, "stream": false,
+				"sampling_params": map[string]any{"max_new_tokens": 3}}))
+		}()
+		dr = post(t, ctx, d.url, genBody(kd.payload(), map[string]any{"rid": rid, "input_ids": ids, "stream": false,
+			"sampling_params": map[string]any{"max_new_tokens": 3}}))
+		if dr.status != http.StatusOK {
+			cancel() // as a router would: the decode half failed, abandon the prefill half
+		}
+		wg.Wait()
+		return pr, dr
+	}
+	// Seed: 40 ids, 5 generated: 45 tokens (page size 4).
+	prompt := seqIDs(40, 100)
+	pr, dr := pdIDs("r1", prompt, kvcReq{Mode: "SEED", SessionID: sid, Room: i64(1)}, 0)
+	if pr.status != 200 || dr.status != 200 {
+		t.Fatalf("seed: P %d %s, D %d %s", pr.status, pr.code, dr.status, dr.code)
+	}
+	conv := append(append([]int64(nil), prompt...), dr.ans.OutputIDs...)
+	residentVerifies(t, d, sid, conv)
+	large := func(room int64) kvcReq {
+		return kvcReq{Mode: "PD_FALLBACK", SessionID: sid, Room: i64(room), Keep: bptr(true)}
+	}
+
+	tests := []struct {
+		name     string
+		edit     func(conv []int64) []int64
+		from     int64
+		status   int
+		code     string
+		truncate int64 // D's truncated_to
+	}{
+		{name: "edited at token 20, tail past it: D keeps 20, receives the rest",
+			edit: func(c []int64) []int64 {
+				e := append([]int64(nil), c[:20]...)
+				return append(e, seqIDs(40, 500)...)
+			}, from: 20, status: 200, truncate: 20},
+		{name: "compacted below the session's length: D keeps 12 of it",
+			edit: func(c []int64) []int64 {
+				e := append([]int64(nil), c[:12]...)
+				return append(e, seqIDs(20, 700)...)
+			}, from: 12, status: 200, truncate: 12},
+		{name: "receive_from past the common prefix: mis-stitched, refused",
+			edit: func(c []int64) []int64 {
+				e := append([]int64(nil), c[:20]...)
+				return append(e, seqIDs(40, 800)...)
+			}, from: 24, status: http.StatusInternalServerError, code: "kv_verify_failed"},
+	}
+	for i, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ids := tt.edit(conv)
+			_, before := d.sc.snapshotOf()
+			_, dr := pdIDs(fmt.Sprint("r-", i), ids, large(int64(10+i)), tt.from)
+			if dr.status != tt.status || dr.code != tt.code {
+				t.Fatalf("D %d %s, want %d %s", dr.status, dr.code, tt.status, tt.code)
+			}
+			if tt.status != 200 {
+				residentVerifies(t, d, sid, conv) // the refused turn left the session as it was
+				return
+			}
+			k := dr.ans.MetaInfo.KVC
+			if k.TruncatedTo != tt.truncate || k.ReceivedFrom != tt.from || k.VerifyFailures != 0 {
+				t.Fatalf("decode meta %+v: want truncated_to %d, received from %d", k, tt.truncate, tt.from)
+			}
+			if _, releases := d.sc.snapshotOf(); len(releases) != len(before)+1 {
+				t.Fatalf("the sidecar was not told to forget the session before the rewrite: %v", releases)
+			}
+			conv = append(ids, dr.ans.OutputIDs...)
+			residentVerifies(t, d, sid, conv)
+		})
 	}
 }

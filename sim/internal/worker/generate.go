@@ -534,10 +534,12 @@ func (w *Worker) begin(ctx context.Context, p *plan, meta *KVCMeta) (*turn, *api
 	if p.receives() && p.keep && !p.open {
 		// A receive into the session kept here that does not replace it: a large append of a
 		// session this worker holds: receive the whole context (or its suffix), then extend the
-		// session with it (extend). Without a held prefix of it, plain P/D.
+		// session with it (extend). Without a held prefix of it, plain P/D. With receive_from
+		// the control plane vouches only for [0, from): the held session may be longer than the
+		// prompt past it (an edited or compacted history, cut back below).
 		w.mu.Lock()
 		s := w.sessions[p.sessionID]
-		if s != nil && s.kvLen > 0 && s.kvLen <= p.input {
+		if s != nil && s.kvLen > 0 && (s.kvLen <= p.input || p.receiveFrom > 0) {
 			w.pinLocked(s)
 			w.touch(s)
 			t.s, t.extend = s, true
@@ -559,7 +561,7 @@ func (w *Worker) begin(ctx context.Context, p *plan, meta *KVCMeta) (*turn, *api
 		w.mu.Lock()
 		kvLen := t.s.kvLen
 		w.mu.Unlock()
-		keep, e := w.reusable(t, t.s, min(kvLen, p.input))
+		keep, e := w.keptOnExtend(t, t.s, kvLen, p.receiveFrom/int64(ps)*int64(ps))
 		if e != nil {
 			return fail(e)
 		}
