@@ -15,7 +15,9 @@ import (
 // snapshot's longest common prefix of pages with the prompt (length only: the snapshot up to
 // the input). P always computes at least the prompt's last token (the first output token comes
 // from it). A seed through the prefill store keeps its plan (P's store write would replace the
-// entry it reads).
+// entry it reads). A holder busier than the plan's own prefill worker (the least loaded) is
+// skipped where its queue costs more than the load spares (holderPays): P re-prefills the
+// whole context on the idler worker (Decision.LoadSkippedBusy).
 func (c *Cycle) fromSnapshot(d *Decision) {
 	in := c.In
 	if in.Unavailable || !c.K.KVCentricEnabled || !c.K.SnapshotsEnabled || in.NoSnapshot || c.S == nil ||
@@ -45,6 +47,10 @@ func (c *Cycle) fromSnapshot(d *Decision) {
 	if tokens <= 0 {
 		return
 	}
+	if alt := d.Prefill; alt != nil && alt.WorkerId != p.WorkerId && !c.holderPays(p, alt, tokens) {
+		d.LoadSkippedBusy = true
+		return
+	}
 	d.Prefill = p
 	d.Exec.LoadPrefixTokens, d.Exec.LoadGeneration = tokens, s.Generation
 }
@@ -57,4 +63,18 @@ func (c *Cycle) receiveFrom(cached int64) int64 {
 		return cached / ct.PageSize * ct.PageSize
 	}
 	return cached
+}
+
+// holderPays reports whether loading tokens of the prompt on the snapshot's holder beats
+// re-prefilling the whole prompt on alt, the plan's least-loaded prefill worker. The holder
+// computes input - tokens after the requests it has beyond alt's (prefillLoad: running,
+// waiting and the control plane's prefills in flight); alt computes the whole input. A
+// request ahead is counted as half a prompt of this size (the one running is half done on
+// average, and the agentic prompts P serves are of one order, many of them loads that compute
+// only a tail), so the holder pays while its extra load × input / 2 ≤ tokens: one request more
+// for a load of half the prompt or more, never two. An equally loaded holder always pays; with
+// a single prefill worker there is no alternative.
+func (c *Cycle) holderPays(holder, alt *kvcv1.Worker, tokens int64) bool {
+	extra := c.prefillLoad(holder) - c.prefillLoad(alt)
+	return extra <= 0 || extra*c.Q.InputTokens <= 2*tokens
 }

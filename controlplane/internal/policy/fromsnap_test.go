@@ -10,9 +10,10 @@ import (
 
 // TestPrefillFromSnapshot: a plan in which P computes for a session whose snapshot P's store
 // holds loads the snapshot's usable prefix there and prefills only the rest — on the holder
-// (p1, although p2 is less loaded), for a large append (whose D also receives only the suffix
-// past what it holds), a long-tailed reseed and a fallback — and keeps the whole-context
-// prefill when nothing of a snapshot is usable.
+// (p1, although p2 has one request fewer: the load spares more than it), for a large append
+// (whose D also receives only the suffix past what it holds), a long-tailed reseed and a
+// fallback — and keeps the whole-context prefill when nothing of a snapshot is usable, or on
+// the idler P when the holder's extra queue costs more than the load spares (holderPays).
 func TestPrefillFromSnapshot(t *testing.T) {
 	const pre, tail = 16_384, 9_216
 	largeAppend := func() *kvcv1.SessionRecord {
@@ -38,6 +39,17 @@ func TestPrefillFromSnapshot(t *testing.T) {
 	state := func(s kvcv1.WorkerState) func([]*kvcv1.Worker) {
 		return func(ws []*kvcv1.Worker) { ws[0].State = s }
 	}
+	// p1 (the holder) runs one request more than p2 by default (cluster runs it at 2).
+	busy := func(running int32) func([]*kvcv1.Worker) {
+		return func(ws []*kvcv1.Worker) { ws[0].Load.RunningRequests = running }
+	}
+	// lowLoad: a snapshot of less than half the prompt (7 000 of 16 100).
+	lowLoad := func() *kvcv1.SessionRecord {
+		r := resident("", 7_000)
+		r.PreviousDecodeWorker = "d1"
+		r.Snapshot = snap("p1", 7_000)
+		return r
+	}
 	tests := []struct {
 		name    string
 		knob    func(p *kvcv1.Policy)
@@ -50,6 +62,9 @@ func TestPrefillFromSnapshot(t *testing.T) {
 		prefill string
 		load    int64
 		recvFr  int64
+		// inFlight: prefills the control plane has in flight on p1 (the ledger)
+		inFlight int32
+		skipped  bool // Decision.LoadSkippedBusy
 	}{
 		{name: "large append loads the snapshot, D receives the suffix", query: q(pre+tail, 100, 4), rec: largeAppend(),
 			mode: kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, reason: kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND,
@@ -63,6 +78,24 @@ func TestPrefillFromSnapshot(t *testing.T) {
 		{name: "a snapshot as long as the prompt leaves P its last token", knob: gated, query: q(12_000, 100, 4), rec: full(),
 			mode: kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, reason: kvcv1.RouteReason_ROUTE_REASON_SEED_FILTER_OUTPUT_TOKENS,
 			prefill: "p1", load: 11_999},
+		// --- the holder's queue (holderPays): a request ahead counts half a prompt ---
+		{name: "holder two requests busier: the whole context on the idle P", query: q(pre+tail, 100, 4), rec: largeAppend(), edit: busy(2),
+			mode: kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, reason: kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND,
+			prefill: "p2", recvFr: pre, skipped: true},
+		{name: "holder busier by prefills in flight: the whole context on the idle P", query: q(pre+tail, 100, 4), rec: lost(), inFlight: 1,
+			mode: kvcv1.RouteMode_ROUTE_MODE_RESEED_PREFILL, reason: kvcv1.RouteReason_ROUTE_REASON_SNAPSHOT_STALE, prefill: "p2", skipped: true},
+		{name: "holder one request busier, a load under half the prompt: the idle P", knob: gated, query: q(16_100, 100, 4), rec: lowLoad(),
+			mode: kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, reason: kvcv1.RouteReason_ROUTE_REASON_SEED_FILTER_OUTPUT_TOKENS,
+			prefill: "p2", skipped: true},
+		{name: "holder as loaded as the other P: the holder loads", query: q(pre+tail, 100, 4), rec: largeAppend(), edit: busy(0),
+			mode: kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, reason: kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND,
+			prefill: "p1", load: 16_000, recvFr: pre},
+		{name: "a single prefill worker loads however busy", query: q(pre+tail, 100, 4), rec: largeAppend(), edit: busy(9),
+			workers: func() []*kvcv1.Worker {
+				return []*kvcv1.Worker{pW("p1", 0), dW("d1", 100_000, 10_000), dW("d2", 100_000, 50_000)}
+			},
+			mode: kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, reason: kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND,
+			prefill: "p1", load: 16_000, recvFr: pre},
 		{name: "snapshots off: whole-context prefill on the least loaded P", knob: func(p *kvcv1.Policy) { p.SnapshotsEnabled = proto.Bool(false) },
 			query: q(pre+tail, 100, 4), rec: largeAppend(),
 			mode: kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, reason: kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND,
@@ -83,6 +116,7 @@ func TestPrefillFromSnapshot(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			ws := cluster()
+			ws[0].Load.RunningRequests = 1
 			if tt.workers != nil {
 				ws = tt.workers()
 			}
@@ -90,7 +124,7 @@ func TestPrefillFromSnapshot(t *testing.T) {
 				tt.edit(ws)
 			}
 			d := Decide(&Input{Knobs: knobs(tt.knob), Query: tt.query, Session: tt.rec, Workers: ws,
-				Ledger: ledger(map[string]Reserved{}), NowMs: nowMs})
+				Ledger: ledger(map[string]Reserved{"p1": {Prefills: tt.inFlight}}), NowMs: nowMs})
 			if d.Mode != tt.mode || d.Reason != tt.reason {
 				t.Fatalf("%s/%s, want %s/%s", d.Mode, d.Reason, tt.mode, tt.reason)
 			}
@@ -99,6 +133,9 @@ func TestPrefillFromSnapshot(t *testing.T) {
 			}
 			if d.Exec.LoadPrefixTokens != tt.load || d.Exec.ReceiveFrom != tt.recvFr {
 				t.Errorf("load_prefix_tokens %d receive_from %d, want %d and %d", d.Exec.LoadPrefixTokens, d.Exec.ReceiveFrom, tt.load, tt.recvFr)
+			}
+			if d.LoadSkippedBusy != tt.skipped {
+				t.Errorf("load skipped for a busy holder %v, want %v", d.LoadSkippedBusy, tt.skipped)
 			}
 			if tt.load > 0 && d.Exec.LoadGeneration != tt.rec.Snapshot.Generation {
 				t.Errorf("load_generation %d, want the snapshot's %d", d.Exec.LoadGeneration, tt.rec.Snapshot.Generation)
@@ -121,7 +158,9 @@ func TestPrefillFromSnapshotOnContent(t *testing.T) {
 		rec.PreviousDecodeWorker = "d1"
 		rec.Snapshot = snap("p1", held)
 		sc := &SnapshotContent{Pages: held / cps, Last: heldChain[held/cps-1], Chain: sparseOf(t, heldChain)}
-		d := Decide(&Input{Knobs: knobs(nil), Query: q(int64(len(prompt)), 50, 5), Session: rec, Workers: cluster(),
+		ws := cluster()
+		ws[0].Load.RunningRequests = 0 // the holder as loaded as p2: its queue does not decide here
+		d := Decide(&Input{Knobs: knobs(nil), Query: q(int64(len(prompt)), 50, 5), Session: rec, Workers: ws,
 			Ledger: ledger(nil), NowMs: nowMs, Content: &Content{PageSize: cps, Prompt: chainOf(t, prompt), Snapshot: sc}})
 		if d.Mode != mPrefill {
 			t.Fatalf("edit at %d: %s/%s, want a re-prefill (the tail is past the tolerance)", at, d.Mode, d.Reason)

@@ -127,6 +127,10 @@ type Decision struct {
 	ReceiveFrom int64
 	// Exec is how the gateway carries the decision out (execution.go).
 	Exec Execution
+	// LoadSkippedBusy: P's store holds a usable prefix of the prompt, but its holder's queue
+	// costs more than the load would spare (fromsnap.go, holderPays): the plan re-prefills the
+	// whole context on its less loaded prefill worker (kvc_router_prefill_load_skipped_busy_total).
+	LoadSkippedBusy bool
 	// NewSession: the decision opens a session with no residency history on Decode (a seed, a
 	// first turn prefilled on D, the fallback keeping a refused seed's KV); its ReservedTokens
 	// count toward Reserved.NewSession (newsession.go).
@@ -752,13 +756,19 @@ func (c *Cycle) leastLoadedPrefill(tp int32) *kvcv1.Worker {
 		if w.Role != kvcv1.WorkerRole_WORKER_ROLE_PREFILL || !routable(w) || c.excluded(w.WorkerId) || (tp > 0 && TPSize(w) != tp) {
 			continue
 		}
-		l := w.GetLoad()
-		load := int64(l.GetRunningRequests()) + int64(l.GetWaitingRequests()) + int64(c.In.Ledger.Reserved(w.WorkerId).Prefills)
+		load := c.prefillLoad(w)
 		if best == nil || load < bestLoad || (load == bestLoad && w.WorkerId < best.WorkerId) {
 			best, bestLoad = w, load
 		}
 	}
 	return best
+}
+
+// prefillLoad is a prefill worker's queue as the control plane sees it: the requests its last
+// load report counted running and waiting, plus the decisions in flight that make it prefill.
+func (c *Cycle) prefillLoad(w *kvcv1.Worker) int64 {
+	l := w.GetLoad()
+	return int64(l.GetRunningRequests()) + int64(l.GetWaitingRequests()) + int64(c.In.Ledger.Reserved(w.WorkerId).Prefills)
 }
 
 // pause is the backpressure hint for the chosen decode worker.

@@ -35,6 +35,7 @@ type metrics struct {
 	// the tokens they load, and large appends whose D receives only the suffix.
 	fromSnapshot       *prometheus.CounterVec
 	fromSnapshotTokens prometheus.Counter
+	loadSkippedBusy    prometheus.Counter
 	suffixReceives     prometheus.Counter
 	queued             *prometheus.CounterVec
 	queuedByKey        map[[2]int32]prometheus.Counter // by mode, policy.Admission
@@ -137,6 +138,10 @@ func newMetrics(reg prometheus.Registerer, s *Service) *metrics {
 		Name: "kvc_router_prefill_from_snapshot_tokens_total",
 		Help: "Prompt tokens those decisions load from the prefill store instead of prefilling them.",
 	})
+	m.loadSkippedBusy = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "kvc_router_prefill_load_skipped_busy_total",
+		Help: "Decisions in which P's store held a usable prefix of the prompt but its holder's extra queue cost more than the load would spare: the whole context was prefilled on a less loaded prefill worker.",
+	})
 	m.suffixReceives = prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "kvc_router_suffix_receives_total",
 		Help: "Large appends whose decode worker keeps the KV it holds and receives only the pages past it (execution.receive_from).",
@@ -211,7 +216,7 @@ func newMetrics(reg prometheus.Registerer, s *Service) *metrics {
 		reg.MustRegister(rehome...)
 		reg.MustRegister(m.decisions, m.latency, m.outcomes, m.ttft, m.errors, m.expired, m.lateOutcomes, m.migrations,
 			m.admitted, m.rejected, m.commands, m.reservations, m.streamEnd, m.reservedTokens, m.truncations, m.contentGauge, m.contentLoaded, m.pins,
-			m.fromSnapshot, m.fromSnapshotTokens, m.suffixReceives,
+			m.fromSnapshot, m.fromSnapshotTokens, m.loadSkippedBusy, m.suffixReceives,
 			m.queued, m.keptFallbacks, m.wastedKV, m.newRefused, m.newReserved)
 	}
 	return m
@@ -241,9 +246,13 @@ func (m *metrics) decision(mode kvcv1.RouteMode, reason kvcv1.RouteReason) {
 	}
 }
 
-// plan counts what an execution plan spares: a prefix loaded from P's store, a suffix-only
-// receive on D.
-func (m *metrics) plan(mode kvcv1.RouteMode, reason kvcv1.RouteReason, e *policy.Execution) {
+// plan counts what a decision's execution plan spares: a prefix loaded from P's store, a
+// suffix-only receive on D; and a load skipped for the holder's queue.
+func (m *metrics) plan(d *policy.Decision) {
+	mode, reason, e := d.Mode, d.Reason, &d.Exec
+	if d.LoadSkippedBusy {
+		m.loadSkippedBusy.Inc()
+	}
 	if e.LoadPrefixTokens > 0 {
 		m.fromSnapshot.WithLabelValues(ModeName(mode), ReasonName(reason)).Inc()
 		m.fromSnapshotTokens.Add(float64(e.LoadPrefixTokens))

@@ -744,7 +744,7 @@ func (s *Service) query(q *kvcv1.RouteQuery, pooled bool) (_ *kvcv1.RouteRespons
 		s.m.admit(d.Decode.WorkerId)
 	}
 	s.m.decision(d.Mode, d.Reason)
-	s.m.plan(d.Mode, d.Reason, &d.Exec)
+	s.m.plan(d)
 	s.m.admission(d)
 	if pooled {
 		m = decisionPool.Get().(*decisionMsg) // the answer in one block
