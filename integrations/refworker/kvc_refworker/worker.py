@@ -599,13 +599,19 @@ class Worker:
             return
 
         if p.recv_kind and p.keep and not p.open:
-            # A receive into the session kept here that does not replace it: a large append.
+            # A receive into the session kept here that does not replace it: a large append. With
+            # receive_from the control plane vouches for [0, rf) only: the session may be longer
+            # than the prompt (an edited or compacted history, cut back to rf below).
             with self.mu:
                 s = self.sessions.get(p.session_id)
-                if s is not None and 0 < s.kv_len <= n:
+                if s is not None and 0 < s.kv_len and (s.kv_len <= n or p.receive_from > 0):
                     s.pinned += 1
                     self._touch(s)
                     t.s, t.extend = s, True
+            if not t.extend and p.receive_from:
+                # P sends only the suffix: without the held prefix the KV cannot be whole here.
+                raise ApiError(409, "session_not_resident", "session %r is not resident on %s, and the transfer sends "
+                               "only tokens from %d (receive_from)" % (p.session_id, self.cfg.worker_id, p.receive_from))
             if not t.extend:
                 p.keep, anonymous = False, True
         if t.extend:
@@ -619,6 +625,10 @@ class Worker:
                     raise ApiError(409, "session_not_resident", "session %r holds %d tokens of this prompt on %s, "
                                    "fewer than receive_from %d" % (p.session_id, lcp, self.cfg.worker_id, rf))
                 t.meta["received_from"] = rf
+                if s.kv_len > n:
+                    # A compacted history shorter than the session: D keeps [0, rf) and P sends
+                    # every page past it, so the session's old tail goes first.
+                    self._trim(s, rf)
             k = pages_for(s.kv_len, ps)
             surplus = s.pages[k:]
             s.pages = s.pages[:k]
