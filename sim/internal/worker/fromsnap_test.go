@@ -48,6 +48,11 @@ func TestPrefillFromStoreSim(t *testing.T) {
 	if got := testutil.ToFloat64(p.w.m.storeLoadTokens); got != 108 {
 		t.Fatalf("kvc_sim_store_load_tokens_total %v, want 108", got)
 	}
+	// The prefix cache's hit rate counts the cache alone: the loaded prefix is neither a hit
+	// nor a prompt token it could have served (the seed's 101 and the tail's 192 are).
+	if hit, prompt := testutil.ToFloat64(p.w.m.prefillCacheHitTokens), testutil.ToFloat64(p.w.m.prefillPromptTokens); hit != 0 || prompt != 101+192 {
+		t.Fatalf("prefix cache hit / prompt tokens %v / %v, want 0 / %d", hit, prompt, 101+192)
+	}
 	commits, releases := d.sc.snapshotOf()
 	if len(releases) != 0 || len(commits) != 2 || commits[1].GetCommittedLen() != 305 {
 		t.Fatalf("commits %v releases %v", commits, releases)

@@ -372,8 +372,10 @@ func (w *Worker) servePrefill(ctx context.Context, p *plan, meta *KVCMeta) *apiE
 	meta.PrefillTokens = p.input - cached - pulled
 	meta.PrefixCachedTokens = cached + pulled
 	meta.PrefillMS = ms(time.Since(t0))
-	w.m.prefillPromptTokens.Add(float64(p.input))
-	w.m.prefillCacheHitTokens.Add(float64(cached))
+	// P's prefix-cache hit rate counts the cache alone: a prefix loaded from the store is
+	// neither a hit nor a prompt token the cache could have served (kvc_sim_store_load_tokens_total).
+	w.m.prefillPromptTokens.Add(float64(p.input - loaded))
+	w.m.prefillCacheHitTokens.Add(float64(cached - loaded))
 	w.m.prefillTokens.Add(float64(meta.PrefillTokens))
 	t1 := time.Now()
 	sctx, cancel := context.WithTimeout(ctx, w.cfg.TransferTimeout)

@@ -83,8 +83,8 @@ func newMetrics(reg prometheus.Registerer, w *Worker) *metrics {
 	m.tailRewrites = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_tail_rewrites_total", Help: "Turns whose prompt diverged from the held KV inside its partial last page (invisible to page hashes)."})
 	m.misStitched = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_mis_stitched_total", Help: "Turns refused because the held KV they were to reuse is not a prefix of the prompt inside its full pages."})
 	m.prefixCachedTokens = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_prefix_cached_tokens_total", Help: "Tokens of new sessions' local first turns reused from KV this worker held for other sessions (not prefilled)."})
-	m.prefillPromptTokens = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_prefill_prompt_tokens_total", Help: "Prompt tokens of the prefill passes this prefill worker ran."})
-	m.prefillCacheHitTokens = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_prefill_cache_hit_tokens_total", Help: "Prompt tokens this prefill worker's prefix cache served instead of prefilling them (not counting tier pulls)."})
+	m.prefillPromptTokens = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_prefill_prompt_tokens_total", Help: "Prompt tokens of the prefill passes this prefill worker ran, less any prefix it loaded from its store (prefill from the snapshot)."})
+	m.prefillCacheHitTokens = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_prefill_cache_hit_tokens_total", Help: "Prompt tokens this prefill worker's prefix cache served instead of prefilling them (not counting tier pulls or prefixes loaded from its store)."})
 	m.bootstrapSeconds = prometheus.NewHistogram(prometheus.HistogramOpts{Name: "kvc_sim_bootstrap_wait_seconds",
 		Help: "Prefill: time a request waited for the decode side's pre-allocation before it could prefill.", Buckets: prometheus.ExponentialBuckets(0.0005, 2, 16)})
 	m.prefillBusy = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_prefill_gpu_seconds_total", Help: "Wall seconds the GPU spent on (append-)prefill compute."})
