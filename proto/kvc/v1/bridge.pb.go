@@ -634,7 +634,13 @@ type CommitSessionRequest struct {
 	SessionId    string                 `protobuf:"bytes,1,opt,name=session_id,json=sessionId,proto3" json:"session_id,omitempty"`
 	CommittedLen int64                  `protobuf:"varint,2,opt,name=committed_len,json=committedLen,proto3" json:"committed_len,omitempty"`
 	// Page indices in token order covering [0, committed_len).
-	Pages         []int64 `protobuf:"varint,3,rep,packed,name=pages,proto3" json:"pages,omitempty"`
+	Pages []int64 `protobuf:"varint,3,rep,packed,name=pages,proto3" json:"pages,omitempty"`
+	// Optional: the token ids of [0, committed_len) in order (SGLang: the slot's origin_input_ids
+	// followed by its output_ids), exactly committed_len of them, each in [0, 2^31). The sidecar
+	// keeps them with the session and sends each snapshot push's range with it, so that a decode
+	// worker that loads the snapshot later (LoadSessionCommand) can rebuild the request from them.
+	// Empty: unknown (the session's snapshot then carries no ids, and a load of it goes without).
+	TokenIds      []int32 `protobuf:"varint,4,rep,packed,name=token_ids,json=tokenIds,proto3" json:"token_ids,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -686,6 +692,13 @@ func (x *CommitSessionRequest) GetCommittedLen() int64 {
 func (x *CommitSessionRequest) GetPages() []int64 {
 	if x != nil {
 		return x.Pages
+	}
+	return nil
+}
+
+func (x *CommitSessionRequest) GetTokenIds() []int32 {
+	if x != nil {
+		return x.TokenIds
 	}
 	return nil
 }
@@ -2128,12 +2141,13 @@ const file_kvc_v1_bridge_proto_rawDesc = "" +
 	" \x03(\x03R\vauxItemLens\"r\n" +
 	"\x16RegisterKVPoolResponse\x12+\n" +
 	"\x12kv_bytes_per_token\x18\x01 \x01(\x03R\x0fkvBytesPerToken\x12+\n" +
-	"\x11transfer_endpoint\x18\x02 \x01(\tR\x10transferEndpoint\"p\n" +
+	"\x11transfer_endpoint\x18\x02 \x01(\tR\x10transferEndpoint\"\x8d\x01\n" +
 	"\x14CommitSessionRequest\x12\x1d\n" +
 	"\n" +
 	"session_id\x18\x01 \x01(\tR\tsessionId\x12#\n" +
 	"\rcommitted_len\x18\x02 \x01(\x03R\fcommittedLen\x12\x14\n" +
-	"\x05pages\x18\x03 \x03(\x03R\x05pages\"<\n" +
+	"\x05pages\x18\x03 \x03(\x03R\x05pages\x12\x1b\n" +
+	"\ttoken_ids\x18\x04 \x03(\x05R\btokenIds\"<\n" +
 	"\x15CommitSessionResponse\x12#\n" +
 	"\rpush_enqueued\x18\x01 \x01(\bR\fpushEnqueued\"e\n" +
 	"\x15ReleaseSessionRequest\x12\x1d\n" +

@@ -388,8 +388,14 @@ type ReserveSnapshotRequest struct {
 	// when the stored entry has exactly that generation and seqlen base_len; at commit the entry
 	// takes the new generation. 0: a plain push.
 	RetagFromGeneration uint64 `protobuf:"varint,11,opt,name=retag_from_generation,json=retagFromGeneration,proto3" json:"retag_from_generation,omitempty"`
-	unknownFields       protoimpl.UnknownFields
-	sizeCache           protoimpl.SizeCache
+	// Optional: the token ids of [base_len, base_len + tokens) in order, exactly tokens of them,
+	// each in [0, 2^31) (the writer's CommitSessionRequest.token_ids). The store keeps them with
+	// the entry (cut back and re-tagged with it) while the entry's ids cover [0, seqlen); an
+	// append without them, or onto an entry without them, leaves the entry without ids. A wrong
+	// count or a negative id is INVALID_ARGUMENT and reserves nothing.
+	TokenIds      []int32 `protobuf:"varint,12,rep,packed,name=token_ids,json=tokenIds,proto3" json:"token_ids,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *ReserveSnapshotRequest) Reset() {
@@ -497,6 +503,13 @@ func (x *ReserveSnapshotRequest) GetRetagFromGeneration() uint64 {
 		return x.RetagFromGeneration
 	}
 	return 0
+}
+
+func (x *ReserveSnapshotRequest) GetTokenIds() []int32 {
+	if x != nil {
+		return x.TokenIds
+	}
+	return nil
 }
 
 type ReserveSnapshotResponse struct {
@@ -775,6 +788,133 @@ func (*AbortSnapshotResponse) Descriptor() ([]byte, []int) {
 	return file_kvc_v1_peer_proto_rawDescGZIP(), []int{9}
 }
 
+type SnapshotTokensRequest struct {
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	SessionId string                 `protobuf:"bytes,1,opt,name=session_id,json=sessionId,proto3" json:"session_id,omitempty"`
+	// The snapshot generation the caller loads; the store's entry must have it.
+	Generation uint64 `protobuf:"varint,2,opt,name=generation,proto3" json:"generation,omitempty"`
+	// The tokens the caller loads, [0, seqlen); the entry must hold at least that many.
+	Seqlen        int64 `protobuf:"varint,3,opt,name=seqlen,proto3" json:"seqlen,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SnapshotTokensRequest) Reset() {
+	*x = SnapshotTokensRequest{}
+	mi := &file_kvc_v1_peer_proto_msgTypes[10]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SnapshotTokensRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SnapshotTokensRequest) ProtoMessage() {}
+
+func (x *SnapshotTokensRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_kvc_v1_peer_proto_msgTypes[10]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SnapshotTokensRequest.ProtoReflect.Descriptor instead.
+func (*SnapshotTokensRequest) Descriptor() ([]byte, []int) {
+	return file_kvc_v1_peer_proto_rawDescGZIP(), []int{10}
+}
+
+func (x *SnapshotTokensRequest) GetSessionId() string {
+	if x != nil {
+		return x.SessionId
+	}
+	return ""
+}
+
+func (x *SnapshotTokensRequest) GetGeneration() uint64 {
+	if x != nil {
+		return x.Generation
+	}
+	return 0
+}
+
+func (x *SnapshotTokensRequest) GetSeqlen() int64 {
+	if x != nil {
+		return x.Seqlen
+	}
+	return 0
+}
+
+// SnapshotTokensResponse: the ids of [0, seqlen) of the entry, or none. NOT_FOUND: no entry of
+// the session; FAILED_PRECONDITION (PeerError BASE_MISMATCH naming what is stored): another
+// generation, or fewer tokens than asked.
+type SnapshotTokensResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Exactly seqlen ids, or empty when the entry was pushed without ids (the load goes without).
+	TokenIds []int32 `protobuf:"varint,1,rep,packed,name=token_ids,json=tokenIds,proto3" json:"token_ids,omitempty"`
+	// The stored entry's generation and seqlen.
+	Generation    uint64 `protobuf:"varint,2,opt,name=generation,proto3" json:"generation,omitempty"`
+	StoredSeqlen  int64  `protobuf:"varint,3,opt,name=stored_seqlen,json=storedSeqlen,proto3" json:"stored_seqlen,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SnapshotTokensResponse) Reset() {
+	*x = SnapshotTokensResponse{}
+	mi := &file_kvc_v1_peer_proto_msgTypes[11]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SnapshotTokensResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SnapshotTokensResponse) ProtoMessage() {}
+
+func (x *SnapshotTokensResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_kvc_v1_peer_proto_msgTypes[11]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SnapshotTokensResponse.ProtoReflect.Descriptor instead.
+func (*SnapshotTokensResponse) Descriptor() ([]byte, []int) {
+	return file_kvc_v1_peer_proto_rawDescGZIP(), []int{11}
+}
+
+func (x *SnapshotTokensResponse) GetTokenIds() []int32 {
+	if x != nil {
+		return x.TokenIds
+	}
+	return nil
+}
+
+func (x *SnapshotTokensResponse) GetGeneration() uint64 {
+	if x != nil {
+		return x.Generation
+	}
+	return 0
+}
+
+func (x *SnapshotTokensResponse) GetStoredSeqlen() int64 {
+	if x != nil {
+		return x.StoredSeqlen
+	}
+	return 0
+}
+
 // PeerError is the detail of a refused TransferPeerService call (status details).
 type PeerError struct {
 	state            protoimpl.MessageState `protogen:"open.v1"`
@@ -788,7 +928,7 @@ type PeerError struct {
 
 func (x *PeerError) Reset() {
 	*x = PeerError{}
-	mi := &file_kvc_v1_peer_proto_msgTypes[10]
+	mi := &file_kvc_v1_peer_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -800,7 +940,7 @@ func (x *PeerError) String() string {
 func (*PeerError) ProtoMessage() {}
 
 func (x *PeerError) ProtoReflect() protoreflect.Message {
-	mi := &file_kvc_v1_peer_proto_msgTypes[10]
+	mi := &file_kvc_v1_peer_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -813,7 +953,7 @@ func (x *PeerError) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PeerError.ProtoReflect.Descriptor instead.
 func (*PeerError) Descriptor() ([]byte, []int) {
-	return file_kvc_v1_peer_proto_rawDescGZIP(), []int{10}
+	return file_kvc_v1_peer_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *PeerError) GetReason() PeerErrorReason {
@@ -868,7 +1008,7 @@ const file_kvc_v1_peer_proto_rawDesc = "" +
 	"\x06tokens\x18\x04 \x01(\x03R\x06tokens\x12\x14\n" +
 	"\x05error\x18\x05 \x01(\tR\x05error\x12\x10\n" +
 	"\x03aux\x18\x06 \x03(\fR\x03aux\"\x16\n" +
-	"\x14TransferDoneResponse\"\xc3\x03\n" +
+	"\x14TransferDoneResponse\"\xe0\x03\n" +
 	"\x16ReserveSnapshotRequest\x12\x1d\n" +
 	"\n" +
 	"session_id\x18\x01 \x01(\tR\tsessionId\x12\x1e\n" +
@@ -884,7 +1024,8 @@ const file_kvc_v1_peer_proto_rawDesc = "" +
 	"\x10use_credit_pages\x18\t \x01(\x03R\x0euseCreditPages\x12\x1b\n" +
 	"\tcredit_id\x18\n" +
 	" \x01(\x04R\bcreditId\x122\n" +
-	"\x15retag_from_generation\x18\v \x01(\x04R\x13retagFromGeneration\"\xf9\x01\n" +
+	"\x15retag_from_generation\x18\v \x01(\x04R\x13retagFromGeneration\x12\x1b\n" +
+	"\ttoken_ids\x18\f \x03(\x05R\btokenIds\"\xf9\x01\n" +
 	"\x17ReserveSnapshotResponse\x12\x1b\n" +
 	"\tingest_id\x18\x01 \x01(\x04R\bingestId\x123\n" +
 	"\fstore_layout\x18\x02 \x01(\v2\x10.kvc.v1.KVLayoutR\vstoreLayout\x12\x14\n" +
@@ -901,7 +1042,20 @@ const file_kvc_v1_peer_proto_rawDesc = "" +
 	"\x14AbortSnapshotRequest\x12\x1b\n" +
 	"\tingest_id\x18\x01 \x01(\x04R\bingestId\x12\x16\n" +
 	"\x06reason\x18\x02 \x01(\tR\x06reason\"\x17\n" +
-	"\x15AbortSnapshotResponse\"\xab\x01\n" +
+	"\x15AbortSnapshotResponse\"n\n" +
+	"\x15SnapshotTokensRequest\x12\x1d\n" +
+	"\n" +
+	"session_id\x18\x01 \x01(\tR\tsessionId\x12\x1e\n" +
+	"\n" +
+	"generation\x18\x02 \x01(\x04R\n" +
+	"generation\x12\x16\n" +
+	"\x06seqlen\x18\x03 \x01(\x03R\x06seqlen\"z\n" +
+	"\x16SnapshotTokensResponse\x12\x1b\n" +
+	"\ttoken_ids\x18\x01 \x03(\x05R\btokenIds\x12\x1e\n" +
+	"\n" +
+	"generation\x18\x02 \x01(\x04R\n" +
+	"generation\x12#\n" +
+	"\rstored_seqlen\x18\x03 \x01(\x03R\fstoredSeqlen\"\xab\x01\n" +
 	"\tPeerError\x12/\n" +
 	"\x06reason\x18\x01 \x01(\x0e2\x17.kvc.v1.PeerErrorReasonR\x06reason\x12#\n" +
 	"\rstored_seqlen\x18\x02 \x01(\x03R\fstoredSeqlen\x12+\n" +
@@ -914,13 +1068,14 @@ const file_kvc_v1_peer_proto_rawDesc = "" +
 	"\x1dPEER_ERROR_REASON_INGEST_BUSY\x10\x03\x12$\n" +
 	" PEER_ERROR_REASON_CREDIT_REFUSED\x10\x04\x12 \n" +
 	"\x1cPEER_ERROR_REASON_STORE_FULL\x10\x05\x12&\n" +
-	"\"PEER_ERROR_REASON_SNAPSHOT_CHANGED\x10\x062\x9e\x03\n" +
+	"\"PEER_ERROR_REASON_SNAPSHOT_CHANGED\x10\x062\xef\x03\n" +
 	"\x13TransferPeerService\x12I\n" +
 	"\fOfferReceive\x12\x1b.kvc.v1.OfferReceiveRequest\x1a\x1c.kvc.v1.OfferReceiveResponse\x12I\n" +
 	"\fTransferDone\x12\x1b.kvc.v1.TransferDoneRequest\x1a\x1c.kvc.v1.TransferDoneResponse\x12R\n" +
 	"\x0fReserveSnapshot\x12\x1e.kvc.v1.ReserveSnapshotRequest\x1a\x1f.kvc.v1.ReserveSnapshotResponse\x12O\n" +
 	"\x0eCommitSnapshot\x12\x1d.kvc.v1.CommitSnapshotRequest\x1a\x1e.kvc.v1.CommitSnapshotResponse\x12L\n" +
-	"\rAbortSnapshot\x12\x1c.kvc.v1.AbortSnapshotRequest\x1a\x1d.kvc.v1.AbortSnapshotResponseB3Z1github.com/kvcentric/kvcentric/proto/kvc/v1;kvcv1b\x06proto3"
+	"\rAbortSnapshot\x12\x1c.kvc.v1.AbortSnapshotRequest\x1a\x1d.kvc.v1.AbortSnapshotResponse\x12O\n" +
+	"\x0eSnapshotTokens\x12\x1d.kvc.v1.SnapshotTokensRequest\x1a\x1e.kvc.v1.SnapshotTokensResponseB3Z1github.com/kvcentric/kvcentric/proto/kvc/v1;kvcv1b\x06proto3"
 
 var (
 	file_kvc_v1_peer_proto_rawDescOnce sync.Once
@@ -935,7 +1090,7 @@ func file_kvc_v1_peer_proto_rawDescGZIP() []byte {
 }
 
 var file_kvc_v1_peer_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_kvc_v1_peer_proto_msgTypes = make([]protoimpl.MessageInfo, 11)
+var file_kvc_v1_peer_proto_msgTypes = make([]protoimpl.MessageInfo, 13)
 var file_kvc_v1_peer_proto_goTypes = []any{
 	(PeerErrorReason)(0),            // 0: kvc.v1.PeerErrorReason
 	(*OfferReceiveRequest)(nil),     // 1: kvc.v1.OfferReceiveRequest
@@ -948,28 +1103,32 @@ var file_kvc_v1_peer_proto_goTypes = []any{
 	(*CommitSnapshotResponse)(nil),  // 8: kvc.v1.CommitSnapshotResponse
 	(*AbortSnapshotRequest)(nil),    // 9: kvc.v1.AbortSnapshotRequest
 	(*AbortSnapshotResponse)(nil),   // 10: kvc.v1.AbortSnapshotResponse
-	(*PeerError)(nil),               // 11: kvc.v1.PeerError
-	(TransferKind)(0),               // 12: kvc.v1.TransferKind
-	(*KVLayout)(nil),                // 13: kvc.v1.KVLayout
+	(*SnapshotTokensRequest)(nil),   // 11: kvc.v1.SnapshotTokensRequest
+	(*SnapshotTokensResponse)(nil),  // 12: kvc.v1.SnapshotTokensResponse
+	(*PeerError)(nil),               // 13: kvc.v1.PeerError
+	(TransferKind)(0),               // 14: kvc.v1.TransferKind
+	(*KVLayout)(nil),                // 15: kvc.v1.KVLayout
 }
 var file_kvc_v1_peer_proto_depIdxs = []int32{
-	12, // 0: kvc.v1.OfferReceiveRequest.kind:type_name -> kvc.v1.TransferKind
-	13, // 1: kvc.v1.OfferReceiveRequest.decode_layout:type_name -> kvc.v1.KVLayout
-	13, // 2: kvc.v1.ReserveSnapshotRequest.source_layout:type_name -> kvc.v1.KVLayout
-	13, // 3: kvc.v1.ReserveSnapshotResponse.store_layout:type_name -> kvc.v1.KVLayout
+	14, // 0: kvc.v1.OfferReceiveRequest.kind:type_name -> kvc.v1.TransferKind
+	15, // 1: kvc.v1.OfferReceiveRequest.decode_layout:type_name -> kvc.v1.KVLayout
+	15, // 2: kvc.v1.ReserveSnapshotRequest.source_layout:type_name -> kvc.v1.KVLayout
+	15, // 3: kvc.v1.ReserveSnapshotResponse.store_layout:type_name -> kvc.v1.KVLayout
 	0,  // 4: kvc.v1.PeerError.reason:type_name -> kvc.v1.PeerErrorReason
 	1,  // 5: kvc.v1.TransferPeerService.OfferReceive:input_type -> kvc.v1.OfferReceiveRequest
 	3,  // 6: kvc.v1.TransferPeerService.TransferDone:input_type -> kvc.v1.TransferDoneRequest
 	5,  // 7: kvc.v1.TransferPeerService.ReserveSnapshot:input_type -> kvc.v1.ReserveSnapshotRequest
 	7,  // 8: kvc.v1.TransferPeerService.CommitSnapshot:input_type -> kvc.v1.CommitSnapshotRequest
 	9,  // 9: kvc.v1.TransferPeerService.AbortSnapshot:input_type -> kvc.v1.AbortSnapshotRequest
-	2,  // 10: kvc.v1.TransferPeerService.OfferReceive:output_type -> kvc.v1.OfferReceiveResponse
-	4,  // 11: kvc.v1.TransferPeerService.TransferDone:output_type -> kvc.v1.TransferDoneResponse
-	6,  // 12: kvc.v1.TransferPeerService.ReserveSnapshot:output_type -> kvc.v1.ReserveSnapshotResponse
-	8,  // 13: kvc.v1.TransferPeerService.CommitSnapshot:output_type -> kvc.v1.CommitSnapshotResponse
-	10, // 14: kvc.v1.TransferPeerService.AbortSnapshot:output_type -> kvc.v1.AbortSnapshotResponse
-	10, // [10:15] is the sub-list for method output_type
-	5,  // [5:10] is the sub-list for method input_type
+	11, // 10: kvc.v1.TransferPeerService.SnapshotTokens:input_type -> kvc.v1.SnapshotTokensRequest
+	2,  // 11: kvc.v1.TransferPeerService.OfferReceive:output_type -> kvc.v1.OfferReceiveResponse
+	4,  // 12: kvc.v1.TransferPeerService.TransferDone:output_type -> kvc.v1.TransferDoneResponse
+	6,  // 13: kvc.v1.TransferPeerService.ReserveSnapshot:output_type -> kvc.v1.ReserveSnapshotResponse
+	8,  // 14: kvc.v1.TransferPeerService.CommitSnapshot:output_type -> kvc.v1.CommitSnapshotResponse
+	10, // 15: kvc.v1.TransferPeerService.AbortSnapshot:output_type -> kvc.v1.AbortSnapshotResponse
+	12, // 16: kvc.v1.TransferPeerService.SnapshotTokens:output_type -> kvc.v1.SnapshotTokensResponse
+	11, // [11:17] is the sub-list for method output_type
+	5,  // [5:11] is the sub-list for method input_type
 	5,  // [5:5] is the sub-list for extension type_name
 	5,  // [5:5] is the sub-list for extension extendee
 	0,  // [0:5] is the sub-list for field type_name
@@ -988,7 +1147,7 @@ func file_kvc_v1_peer_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvc_v1_peer_proto_rawDesc), len(file_kvc_v1_peer_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   11,
+			NumMessages:   13,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -24,6 +24,7 @@ const (
 	TransferPeerService_ReserveSnapshot_FullMethodName = "/kvc.v1.TransferPeerService/ReserveSnapshot"
 	TransferPeerService_CommitSnapshot_FullMethodName  = "/kvc.v1.TransferPeerService/CommitSnapshot"
 	TransferPeerService_AbortSnapshot_FullMethodName   = "/kvc.v1.TransferPeerService/AbortSnapshot"
+	TransferPeerService_SnapshotTokens_FullMethodName  = "/kvc.v1.TransferPeerService/SnapshotTokens"
 )
 
 // TransferPeerServiceClient is the client API for TransferPeerService service.
@@ -42,6 +43,9 @@ type TransferPeerServiceClient interface {
 	CommitSnapshot(ctx context.Context, in *CommitSnapshotRequest, opts ...grpc.CallOption) (*CommitSnapshotResponse, error)
 	// AbortSnapshot (decode -> prefill): free a reservation; the old snapshot stays valid.
 	AbortSnapshot(ctx context.Context, in *AbortSnapshotRequest, opts ...grpc.CallOption) (*AbortSnapshotResponse, error)
+	// SnapshotTokens (decode -> prefill): the token ids the stored snapshot was pushed with, for a
+	// load (LoadSessionCommand) whose worker builds its request from them.
+	SnapshotTokens(ctx context.Context, in *SnapshotTokensRequest, opts ...grpc.CallOption) (*SnapshotTokensResponse, error)
 }
 
 type transferPeerServiceClient struct {
@@ -102,6 +106,16 @@ func (c *transferPeerServiceClient) AbortSnapshot(ctx context.Context, in *Abort
 	return out, nil
 }
 
+func (c *transferPeerServiceClient) SnapshotTokens(ctx context.Context, in *SnapshotTokensRequest, opts ...grpc.CallOption) (*SnapshotTokensResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(SnapshotTokensResponse)
+	err := c.cc.Invoke(ctx, TransferPeerService_SnapshotTokens_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // TransferPeerServiceServer is the server API for TransferPeerService service.
 // All implementations must embed UnimplementedTransferPeerServiceServer
 // for forward compatibility.
@@ -118,6 +132,9 @@ type TransferPeerServiceServer interface {
 	CommitSnapshot(context.Context, *CommitSnapshotRequest) (*CommitSnapshotResponse, error)
 	// AbortSnapshot (decode -> prefill): free a reservation; the old snapshot stays valid.
 	AbortSnapshot(context.Context, *AbortSnapshotRequest) (*AbortSnapshotResponse, error)
+	// SnapshotTokens (decode -> prefill): the token ids the stored snapshot was pushed with, for a
+	// load (LoadSessionCommand) whose worker builds its request from them.
+	SnapshotTokens(context.Context, *SnapshotTokensRequest) (*SnapshotTokensResponse, error)
 	mustEmbedUnimplementedTransferPeerServiceServer()
 }
 
@@ -142,6 +159,9 @@ func (UnimplementedTransferPeerServiceServer) CommitSnapshot(context.Context, *C
 }
 func (UnimplementedTransferPeerServiceServer) AbortSnapshot(context.Context, *AbortSnapshotRequest) (*AbortSnapshotResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method AbortSnapshot not implemented")
+}
+func (UnimplementedTransferPeerServiceServer) SnapshotTokens(context.Context, *SnapshotTokensRequest) (*SnapshotTokensResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method SnapshotTokens not implemented")
 }
 func (UnimplementedTransferPeerServiceServer) mustEmbedUnimplementedTransferPeerServiceServer() {}
 func (UnimplementedTransferPeerServiceServer) testEmbeddedByValue()                             {}
@@ -254,6 +274,24 @@ func _TransferPeerService_AbortSnapshot_Handler(srv interface{}, ctx context.Con
 	return interceptor(ctx, in, info, handler)
 }
 
+func _TransferPeerService_SnapshotTokens_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(SnapshotTokensRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(TransferPeerServiceServer).SnapshotTokens(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: TransferPeerService_SnapshotTokens_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(TransferPeerServiceServer).SnapshotTokens(ctx, req.(*SnapshotTokensRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // TransferPeerService_ServiceDesc is the grpc.ServiceDesc for TransferPeerService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -280,6 +318,10 @@ var TransferPeerService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "AbortSnapshot",
 			Handler:    _TransferPeerService_AbortSnapshot_Handler,
+		},
+		{
+			MethodName: "SnapshotTokens",
+			Handler:    _TransferPeerService_SnapshotTokens_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},
