@@ -50,6 +50,23 @@ func ValidateOptionalID(field, v string) error {
 	return ValidateID(field, v)
 }
 
+// ValidateTokenIDs checks an optional token id field that covers tokens tokens: empty, or
+// exactly tokens ids, each in [0, 2^31) (int32 holds nothing above; negative ids are refused).
+func ValidateTokenIDs(field string, ids []int32, tokens int64) error {
+	if len(ids) == 0 {
+		return nil
+	}
+	if int64(len(ids)) != tokens {
+		return fmt.Errorf("%s: %d ids for %d tokens (want exactly %d, or none)", field, len(ids), tokens, tokens)
+	}
+	for i, id := range ids {
+		if id < 0 {
+			return fmt.Errorf("%s[%d] = %d is negative (ids are in [0, 2^31))", field, i, id)
+		}
+	}
+	return nil
+}
+
 // Validate implements the request validation of AdminService.GetWorker.
 func (r *GetWorkerRequest) Validate() error { return ValidateID("worker_id", r.GetWorkerId()) }
 

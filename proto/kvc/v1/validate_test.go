@@ -62,3 +62,31 @@ func BenchmarkValidateID(b *testing.B) {
 		}
 	}
 }
+
+func TestValidateTokenIDs(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		ids    []int32
+		tokens int64
+		want   string // "" = ok
+	}{
+		{"none", nil, 5, ""},
+		{"exact", []int32{0, 1, 1<<31 - 1}, 3, ""},
+		{"short", []int32{1, 2}, 3, "2 ids for 3 tokens"},
+		{"long", []int32{1, 2, 3, 4}, 3, "4 ids for 3 tokens"},
+		{"negative", []int32{1, -1, 3}, 3, "token_ids[1] = -1 is negative"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			err := ValidateTokenIDs("token_ids", tc.ids, tc.tokens)
+			if tc.want == "" {
+				if err != nil {
+					t.Fatalf("unexpected error: %v", err)
+				}
+				return
+			}
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("error %v, want one containing %q", err, tc.want)
+			}
+		})
+	}
+}

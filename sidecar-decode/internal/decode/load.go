@@ -13,6 +13,8 @@ import (
 
 	"github.com/kvcentric/kvcentric/pkg/kvhints"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 )
 
 // DefaultLoadTimeout bounds a LoadSessionCommand without its own timeout_ms.
@@ -136,13 +138,24 @@ func (s *Sidecar) loadOnWorker(ctx context.Context, c *kvcv1.LoadSessionCommand)
 	if err != nil {
 		return 0, 0, err
 	}
-	gen, _ := json.Marshal(map[string]any{
+	// The context's token ids, when the snapshot was pushed with them: the worker builds the
+	// session's request from them (real SGLang needs them; kvc-sim and kvc-refworker verify the
+	// loaded KV against them). Without, the load goes as before.
+	ids, err := s.snapshotTokens(ctx, c)
+	if err != nil {
+		return 0, 0, err
+	}
+	req := map[string]any{
 		"rid":             msgID,
 		"sampling_params": map[string]any{"max_new_tokens": 0},
 		"stream":          false,
 		"session_params":  map[string]any{"id": id},
 		"kv_hints":        env,
-	})
+	}
+	if ids != nil {
+		req["input_ids"] = ids
+	}
+	gen, _ := json.Marshal(req)
 	code, body, err := post(ctx, base+"/generate", gen)
 	if err != nil {
 		return 0, 0, fmt.Errorf("generate: %w", err)
@@ -184,6 +197,50 @@ func (s *Sidecar) loadOnWorker(ctx context.Context, c *kvcv1.LoadSessionCommand)
 		return 0, 0, fmt.Errorf("the worker answered but committed %d of the %d tokens here", committed, c.GetSeqlen())
 	}
 	return max(committed, k.KVLenAfter), k.VerifiedBytes, nil
+}
+
+// ErrBadTokenIDs marks a prefill peer's SnapshotTokens answer that does not fit the load (a
+// wrong count, a negative id): the load fails (LOAD_FAILED detail "token_ids_invalid: ...")
+// rather than build the session from ids that are not its context.
+var ErrBadTokenIDs = errors.New("token_ids_invalid")
+
+// snapshotTokensTimeout bounds the SnapshotTokens call of a load.
+const snapshotTokensTimeout = 5 * time.Second
+
+// snapshotTokens asks the prefill peer for the token ids of [0, seqlen) of the snapshot the
+// command loads. nil without error: none to be had — the snapshot was pushed without ids, the
+// peer predates SnapshotTokens (UNIMPLEMENTED), does not hold that snapshot or cannot be asked
+// (the transfer then fails on its own, as before); the load goes without ids.
+func (s *Sidecar) snapshotTokens(ctx context.Context, c *kvcv1.LoadSessionCommand) ([]int32, error) {
+	var res *kvcv1.SnapshotTokensResponse
+	cl, err := s.peers.Client(c.GetPrefillPeerAddr())
+	if err == nil {
+		cctx, cancel := context.WithTimeout(ctx, snapshotTokensTimeout)
+		res, err = cl.SnapshotTokens(cctx, &kvcv1.SnapshotTokensRequest{SessionId: c.GetSessionId(),
+			Generation: c.GetSnapshotGeneration(), Seqlen: c.GetSeqlen()})
+		cancel()
+	}
+	if err != nil {
+		src := "error"
+		switch status.Code(err) {
+		case codes.Unimplemented, codes.NotFound, codes.FailedPrecondition:
+			src = "none"
+		}
+		s.loadIDs.WithLabelValues(src).Inc()
+		s.log.Debug().Err(err).Str("session", c.GetSessionId()).Msg("load without token ids")
+		return nil, nil
+	}
+	ids := res.GetTokenIds()
+	if len(ids) == 0 {
+		s.loadIDs.WithLabelValues("none").Inc()
+		return nil, nil
+	}
+	if err := kvcv1.ValidateTokenIDs("token_ids", ids, c.GetSeqlen()); err != nil {
+		s.loadIDs.WithLabelValues("invalid").Inc()
+		return nil, fmt.Errorf("%w: prefill peer %s answered SnapshotTokens of %s: %v", ErrBadTokenIDs, c.GetPrefillWorkerId(), c.GetSessionId(), err)
+	}
+	s.loadIDs.WithLabelValues("ids").Inc()
+	return ids, nil
 }
 
 // post sends a JSON body and returns the status and (up to 64 KiB of) the answer.

@@ -47,6 +47,7 @@ func (s *Sidecar) Collectors() []prometheus.Collector {
 			func(d DemandStats) float64 { return float64(d.RefusedReleases) }),
 		g("kvc_sidecar_worker_unevictable_tokens", "The worker's unevictable KV as it last reported it (ReportDemand): committed tokens of the sessions its requests are using; forwarded to the control plane in the load report.",
 			func(d DemandStats) float64 { return float64(d.UnevictableTokens) }),
+		s.loadIDs,
 	}
 }
 

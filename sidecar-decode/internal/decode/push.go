@@ -33,6 +33,9 @@ func (s *Sidecar) pushSession(ctx context.Context, id string) {
 		job.retag = ss.retagFrom // the base is the store's snapshot of that generation (a reseed)
 	}
 	job.pages = append([]int64(nil), ss.pages[:(job.end+ps-1)/ps]...)
+	if int64(len(ss.ids)) >= job.end {
+		job.ids = ss.ids[:job.end] // the commit's own slice, never written in place
+	}
 	pctx, cancel := context.WithCancelCause(ctx)
 	run := &pushRun{cancel: cancel, readDone: make(chan struct{})}
 	ss.push = run
@@ -75,6 +78,7 @@ type pushJob struct {
 	base, end int64
 	retag     uint64 // ≠ 0: base is the store's snapshot of this generation (re-tag on append)
 	pages     []int64
+	ids       []int32 // the token ids of [0, end), or nil: each attempt sends those of its range
 }
 
 // doPush sends [base, end) (or everything, after a base mismatch), retrying a failure once. When
@@ -244,6 +248,9 @@ func (s *Sidecar) pushOnce(ctx context.Context, pool *kvxfer.Pool, job pushJob, 
 		SourceTransferEndpoint: s.eng.SegmentName(),
 		// keep a standing credit at the store, so that the next full push starts copying at once
 		CreditPages: max(s.cfg.SnapshotCreditPages, 0)}
+	if job.ids != nil {
+		req.TokenIds = job.ids[job.base:job.end] // the store keeps them with the entry (SnapshotTokens)
+	}
 	// A full push with store credit copies its first tokens into the credit pages while its
 	// reservation is on the way (credit.go).
 	var cr *peerCredit

@@ -9,6 +9,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/rs/zerolog"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -100,13 +101,15 @@ type Sidecar struct {
 	after       afterFunc     // idle-flush timers (idle.go)
 	idleFlushes int64         // idle flushes that queued a push
 
-	loadsDone, loadsFailed int64 // LoadSessionCommands that ended (load.go)
+	loadsDone, loadsFailed int64                  // LoadSessionCommands that ended (load.go)
+	loadIDs                *prometheus.CounterVec // loads by where their token ids came from (load.go)
 }
 
 type session struct {
 	id         string
 	committed  int64
 	pages      []int64
+	ids        []int32 // the token ids of [0, committed) from its last commit, or nil (never written in place: a push reads it unlocked)
 	gen        uint64
 	target     *kvcv1.SetSnapshotTargetCommand
 	hints      hints // the agent's pin and priority (SetSessionHintsCommand, hints.go)
@@ -161,6 +164,9 @@ func New(cfg Config, eng rdma.Engine, ev *sidecar.EventLog, log zerolog.Logger) 
 	s.rel = newReleaser(cfg.Release)
 	s.relKick = make(chan struct{}, 1)
 	s.after = realAfterFunc
+	s.loadIDs = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvc_sidecar_load_token_ids_total",
+		Help: "LoadSessionCommands by their token ids: ids (the prefill store's, sent to the worker as input_ids), none (the snapshot has none, or the peer holds no such snapshot or predates the call: loaded without), error (the peer could not be asked: loaded without), invalid (the peer's answer did not fit the load: failed)."},
+		[]string{"source"})
 	return s
 }
 
@@ -378,6 +384,13 @@ func (s *Sidecar) CommitSession(_ context.Context, req *kvcv1.CommitSessionReque
 	if err := pool.CheckPages(req.GetPages()); err != nil {
 		return nil, err
 	}
+	if err := kvcv1.ValidateTokenIDs("token_ids", req.GetTokenIds(), n); err != nil {
+		return nil, status.Error(codes.InvalidArgument, err.Error())
+	}
+	var ids []int32 // nil: a commit without ids leaves the session's range without them
+	if len(req.GetTokenIds()) > 0 {
+		ids = append(ids, req.GetTokenIds()...)
+	}
 	s.mu.Lock()
 	ss, ok := s.sessions[req.GetSessionId()]
 	if ok && n < ss.committed {
@@ -400,6 +413,7 @@ func (s *Sidecar) CommitSession(_ context.Context, req *kvcv1.CommitSessionReque
 		ss.hints = h
 	}
 	ss.pages = append(ss.pages[:0:0], req.GetPages()...)
+	ss.ids = ids
 	ss.lastCommit = time.Now()
 	enq := s.maybeEnqueueLocked(ss)
 	s.armIdleLocked(ss)

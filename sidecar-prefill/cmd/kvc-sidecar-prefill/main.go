@@ -71,6 +71,7 @@ func run(args []string, getenv func(string) string, stderr io.Writer) int {
 		Transport: c.Transport, PeerAddr: rt.PeerAddr, StoreBytes: *storeBytes, StoreMemory: *storeMem, KVCapacity: c.KVCapacityTokens,
 		RoomTimeout: *roomTimeout, CreditTimeout: *creditTimeout, Version: version, PeerDial: rt.PeerDialOptions()}, rt.Engine, rt.Events, rt.Log)
 	defer core.Close()
+	rt.Reg.MustRegister(core.Collectors()...)
 	if err := rt.Serve(ctx, core, func(cp *sidecar.ControlPlane) { core.SetReporter(cp) }); err != nil {
 		rt.Log.Error().Err(err).Msg("sidecar stopped")
 		return 1

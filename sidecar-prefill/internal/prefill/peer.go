@@ -56,9 +56,12 @@ func (s *Sidecar) ReserveSnapshot(ctx context.Context, req *kvcv1.ReserveSnapsho
 	// written, lead a full push's reservation; its credit is topped up to credit_pages after.
 	// A re-tag (retag_from_generation) appends onto the snapshot the writer's worker received by
 	// a reseed and gives the entry the push's generation: no full re-push after a reseed.
-	res, err := st.ReserveRetag(req.GetSessionId(), req.GetGeneration(), req.GetBaseLen(), req.GetTokens(), req.GetSourceWorkerId(),
+	// The range's token ids (optional) stay with the entry: a decode sidecar that loads the
+	// snapshot later asks for them (SnapshotTokens). A wrong count or a negative id refuses the
+	// reservation (INVALID_ARGUMENT).
+	res, err := st.ReserveIDs(req.GetSessionId(), req.GetGeneration(), req.GetBaseLen(), req.GetTokens(), req.GetSourceWorkerId(),
 		req.GetSourceTransferEndpoint(), store.CreditRequest{Pages: req.GetCreditPages(), Use: req.GetUseCreditPages(), ID: req.GetCreditId()},
-		req.GetRetagFromGeneration())
+		req.GetRetagFromGeneration(), req.GetTokenIds())
 	if err != nil {
 		s.ev.Emit(sidecar.Event{Event: sidecar.EvRecvRejected, Session: req.GetSessionId(), Generation: req.GetGeneration(),
 			BaseLen: req.GetBaseLen(), Tokens: req.GetTokens(), Peer: req.GetSourceWorkerId(), Reason: err.Error()})
@@ -68,6 +71,35 @@ func (s *Sidecar) ReserveSnapshot(ctx context.Context, req *kvcv1.ReserveSnapsho
 	// and expiry end it there.
 	return &kvcv1.ReserveSnapshotResponse{IngestId: res.ID, StoreLayout: arena.Layout(), Pages: res.Pages, StoreTransferEndpoint: s.eng.SegmentName(),
 		CreditPages: res.Credit.Pages, CreditId: res.Credit.ID}, nil
+}
+
+// SnapshotTokens answers a loading decode sidecar with the token ids of [0, seqlen) of the
+// stored snapshot of the generation it loads (none when it was pushed without ids): the load's
+// worker builds its request from them (docs/sidecars.md "Loading a session").
+func (s *Sidecar) SnapshotTokens(_ context.Context, req *kvcv1.SnapshotTokensRequest) (*kvcv1.SnapshotTokensResponse, error) {
+	if err := kvcv1.ValidateID("session_id", req.GetSessionId()); err != nil {
+		return nil, status.Error(codes.InvalidArgument, err.Error())
+	}
+	if req.GetSeqlen() <= 0 {
+		return nil, status.Errorf(codes.InvalidArgument, "seqlen %d must be positive", req.GetSeqlen())
+	}
+	st, _, err := s.storeAndArena()
+	if err != nil {
+		return nil, err
+	}
+	ids, v, err := st.TokenIDs(req.GetSessionId(), req.GetGeneration(), req.GetSeqlen())
+	outcome := "ids"
+	switch {
+	case err != nil:
+		outcome = "refused"
+	case ids == nil:
+		outcome = "none"
+	}
+	s.tokenAnswers.WithLabelValues(outcome).Inc()
+	if err != nil {
+		return nil, err
+	}
+	return &kvcv1.SnapshotTokensResponse{TokenIds: ids, Generation: v.Generation, StoredSeqlen: v.Seqlen}, nil
 }
 
 // checkPeerTP refuses a peer whose worker's tensor parallelism differs from this worker's.

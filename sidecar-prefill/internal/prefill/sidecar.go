@@ -8,6 +8,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/rs/zerolog"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -82,6 +83,8 @@ type Sidecar struct {
 
 	// poolRanges are the worker pool's buffers in memory, for the write guard (load.go).
 	poolRanges atomic.Pointer[[]memRange]
+
+	tokenAnswers *prometheus.CounterVec // SnapshotTokens answers by outcome (Collectors)
 }
 
 // room is one transfer room seen by this sidecar: a seed (SendKV chunks) or a reseed
@@ -109,7 +112,10 @@ func New(cfg Config, eng rdma.Engine, ev *sidecar.EventLog, log zerolog.Logger) 
 		cfg.TransferLimit = 120 * time.Second
 	}
 	s := &Sidecar{cfg: cfg, log: log, ev: ev, eng: eng, segs: kvxfer.NewSegments(eng), peers: kvxfer.NewPeers(cfg.PeerDial...),
-		rep: nopReporter{}, rooms: map[int64]*room{}, finished: map[int64]time.Time{}, seeds: map[int64]*storeSeed{}}
+		rep: nopReporter{}, rooms: map[int64]*room{}, finished: map[int64]time.Time{}, seeds: map[int64]*storeSeed{},
+		tokenAnswers: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvc_snapshot_token_ids_answers_total",
+			Help: "SnapshotTokens answers to loading decode sidecars by outcome: ids (the snapshot's token ids), none (pushed without ids), refused (no entry, another generation, fewer tokens)."},
+			[]string{"outcome"})}
 	s.att = sidecar.NewAttach(func() (bool, int32) {
 		s.mu.Lock()
 		defer s.mu.Unlock()

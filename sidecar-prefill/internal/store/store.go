@@ -31,6 +31,9 @@ type Entry struct {
 	Source     string
 	Updated    time.Time
 
+	// ids are the token ids of [0, Seqlen) the entry was pushed with (ReserveIDs), or nil: an
+	// entry holds ids for its whole range or none. Read through TokenIDs (a copy).
+	ids     []int32
 	elem    *list.Element
 	readers int
 	dead    bool // removed from the index; pages freed when the last reader leaves
@@ -45,6 +48,8 @@ type View struct {
 	Source     string
 	Updated    time.Time
 	Bytes      int64
+	// HasIDs: the entry holds the token ids of [0, Seqlen) (TokenIDs).
+	HasIDs bool
 }
 
 // Reservation is the answer to Reserve: the store pages that cover tokens
@@ -89,6 +94,7 @@ type pending struct {
 	created  time.Time
 	deadline time.Time
 	guard    *guardRes // its writable span in the write guard (nil without Config.Buffers)
+	ids      []int32   // the token ids of [base, base+tokens), or nil (ReserveIDs)
 }
 
 // CutFunc is called (without the store lock) with an entry a re-tag append cut back to its base,
@@ -149,6 +155,8 @@ type Store struct {
 	gBufLen uint64
 	gStride uint64 // distance between consecutive buffers when they are equally spaced, else 0
 	gpages  []atomic.Pointer[pageGuard]
+
+	idBytes int64 // bytes of the token ids held by entries and reservations (4 per token)
 }
 
 // New builds an empty store.
@@ -194,7 +202,7 @@ func ceilDiv(a, b int64) int64 { return (a + b - 1) / b }
 
 func (s *Store) view(e *Entry) View {
 	return View{Session: e.Session, Generation: e.Generation, Seqlen: e.Seqlen, Pages: append([]int64(nil), e.Pages...),
-		Source: e.Source, Updated: e.Updated, Bytes: int64(len(e.Pages)) * s.cfg.PageBytes}
+		Source: e.Source, Updated: e.Updated, Bytes: int64(len(e.Pages)) * s.cfg.PageBytes, HasIDs: e.ids != nil}
 }
 
 // Reserve reserves store pages for tokens [base, base+tokens) of (session, gen). base 0 starts a
@@ -235,8 +243,23 @@ func (s *Store) ReserveCredit(session string, gen uint64, base, tokens int64, so
 // the reservation (an abort or expiry leaves [0, base) of generation retag, never bytes the
 // append may have overwritten); Config.OnCut reports it.
 func (s *Store) ReserveRetag(session string, gen uint64, base, tokens int64, source, writer string, cr CreditRequest, retag uint64) (Reservation, error) {
+	return s.ReserveIDs(session, gen, base, tokens, source, writer, cr, retag, nil)
+}
+
+// ReserveIDs is ReserveRetag with the token ids of [base, base+tokens) (nil: none; else exactly
+// tokens ids, each in [0, 2^31), else INVALID_ARGUMENT). They become the entry's at commit when
+// they complete its ids to [0, seqlen): a full push's, or an append onto an entry that holds
+// the ids of [0, base); any other commit leaves the entry without ids. A cut back cuts its ids
+// with it, a re-tag keeps them. Memory: 4 bytes a token held beside the entry's pages (a page's
+// KV is page_size·kv_bytes_per_token, ~100 KB a token for a 70B-class model, so the ids add
+// about 0.004 % to the store's footprint); IDBytes counts them, and since an entry's ids never
+// outnumber its tokens they stay below PageCount·PageSize·4 bytes (IDCapacityBytes).
+func (s *Store) ReserveIDs(session string, gen uint64, base, tokens int64, source, writer string, cr CreditRequest, retag uint64, ids []int32) (Reservation, error) {
 	if tokens <= 0 || base < 0 {
 		return Reservation{}, status.Errorf(codes.InvalidArgument, "bad range: base_len %d, tokens %d", base, tokens)
+	}
+	if err := kvcv1.ValidateTokenIDs("token_ids", ids, tokens); err != nil {
+		return Reservation{}, status.Error(codes.InvalidArgument, err.Error())
 	}
 	if base+tokens < base {
 		return Reservation{}, status.Error(codes.InvalidArgument, "range overflows")
@@ -323,11 +346,19 @@ func (s *Store) ReserveRetag(session string, gen uint64, base, tokens int64, sou
 		s.freeLocked(drop)
 		e.Pages = e.Pages[: len(e.Pages)-len(drop) : len(e.Pages)-len(drop)]
 		e.Seqlen = base // Updated stays: what is left is no newer than it was
+		if e.ids != nil {
+			s.idBytes -= 4 * int64(len(e.ids)-int(base))
+			e.ids = e.ids[:base:base]
+		}
 		v := s.view(e)
 		cut = &v
 	}
 	p.owned = append(s.takeCreditLocked(writer, use), s.allocLocked(need-use)...)
 	p.pages = append(p.pages, p.owned...)
+	if len(ids) > 0 {
+		p.ids = append([]int32(nil), ids...)
+		s.idBytes += 4 * int64(len(p.ids))
+	}
 	s.nextID++
 	p.id = s.nextID
 	s.pend[p.id] = p
@@ -374,6 +405,7 @@ func (s *Store) removeLocked(e *Entry) {
 		e.elem = nil
 	}
 	e.dead = true
+	s.setIDsLocked(e, nil)
 	if e.readers == 0 {
 		s.freeLocked(e.Pages)
 		e.Pages = nil
@@ -442,6 +474,7 @@ func (s *Store) CommitIngest(id uint64) (_ View, in Ingest, _ error) {
 	delete(s.pend, id)
 	delete(s.bySess, p.session)
 	s.unguardLocked(p)
+	s.dropPendingIDsLocked(p) // the entry's ids are counted again below
 	now := s.cfg.Now()
 	cur := s.entries[p.session]
 	var e *Entry
@@ -462,6 +495,7 @@ func (s *Store) CommitIngest(id uint64) (_ View, in Ingest, _ error) {
 		e = &Entry{Session: p.session, Generation: p.gen, Pages: p.owned}
 		e.elem = s.lru.PushFront(e)
 		s.entries[p.session] = e
+		s.setIDsLocked(e, p.ids)
 	} else {
 		e = p.entry
 		if e.dead || cur != e || e.Seqlen != p.base || e.Generation != p.from {
@@ -472,6 +506,11 @@ func (s *Store) CommitIngest(id uint64) (_ View, in Ingest, _ error) {
 		}
 		e.Generation = p.gen // a re-tag: the entry now belongs to the writer's residency
 		e.Pages = append(e.Pages, p.owned...)
+		if e.ids != nil && p.ids != nil {
+			s.setIDsLocked(e, append(e.ids, p.ids...)) // [0, base) then [base, base+tokens)
+		} else {
+			s.setIDsLocked(e, nil) // the range's ids are not all known
+		}
 		s.lru.MoveToFront(e.elem)
 	}
 	e.Seqlen = p.base + p.tokens
@@ -548,6 +587,7 @@ func (s *Store) abortLocked(p *pending) {
 	delete(s.pend, p.id)
 	delete(s.bySess, p.session)
 	s.unguardLocked(p)
+	s.dropPendingIDsLocked(p)
 	s.freeLocked(p.owned)
 }
 
@@ -685,6 +725,54 @@ func (s *Store) notify(v View, reason string) {
 	if s.cfg.OnEvict != nil {
 		s.cfg.OnEvict(v, reason)
 	}
+}
+
+// setIDsLocked replaces e's ids (nil: none), keeping IDBytes.
+func (s *Store) setIDsLocked(e *Entry, ids []int32) {
+	s.idBytes += 4 * int64(len(ids)-len(e.ids))
+	e.ids = ids
+}
+
+// dropPendingIDsLocked forgets a reservation's ids (its commit hands them to the entry).
+func (s *Store) dropPendingIDsLocked(p *pending) {
+	s.idBytes -= 4 * int64(len(p.ids))
+}
+
+// IDBytes is the bytes of the token ids the store holds (entries and reservations, 4 a token).
+func (s *Store) IDBytes() int64 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.idBytes
+}
+
+// IDCapacityBytes bounds IDBytes: an entry's ids never outnumber the tokens its pages hold, nor a
+// reservation's the tokens of its pages, so the ids take at most 4 bytes for every token the
+// store's pages can hold.
+func (s *Store) IDCapacityBytes() int64 { return 4 * s.cfg.PageCount * s.cfg.PageSize }
+
+// TokenIDs returns a copy of the token ids of [0, seqlen) of the session's entry of generation
+// gen, and the entry. It is NOT_FOUND without an entry, FAILED_PRECONDITION (PeerError
+// BASE_MISMATCH naming the stored entry) for another generation or fewer than seqlen tokens;
+// an entry without ids answers nil.
+func (s *Store) TokenIDs(session string, gen uint64, seqlen int64) ([]int32, View, error) {
+	if seqlen <= 0 {
+		return nil, View{}, status.Errorf(codes.InvalidArgument, "seqlen %d must be positive", seqlen)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	e, ok := s.entries[session]
+	if !ok {
+		return nil, View{}, status.Errorf(codes.NotFound, "no snapshot of session %s", session)
+	}
+	if e.Generation != gen || e.Seqlen < seqlen {
+		return nil, View{}, kvxfer.PeerStatus(codes.FailedPrecondition, stored(kvcv1.PeerErrorReason_PEER_ERROR_REASON_BASE_MISMATCH, e),
+			"the snapshot of %s is generation %d with %d tokens, not generation %d with %d or more", session, e.Generation, e.Seqlen, gen, seqlen)
+	}
+	v := s.view(e)
+	if e.ids == nil {
+		return nil, v, nil
+	}
+	return append([]int32(nil), e.ids[:seqlen]...), v, nil
 }
 
 var storeFull = &kvcv1.PeerError{Reason: kvcv1.PeerErrorReason_PEER_ERROR_REASON_STORE_FULL}

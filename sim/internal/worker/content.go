@@ -2,6 +2,7 @@ package worker
 
 import (
 	"context"
+	"math"
 	"net/http"
 
 	"github.com/kvcentric/kvcentric/pkg/kvpool"
@@ -285,4 +286,20 @@ func copyTokens(p kvpool.Buffers, src, dst []int64, n int64) {
 			copy(buf[do:do+uint64(k)], buf[so:so+uint64(k)])
 		}
 	}
+}
+
+// commitIDs are a commit's token ids (CommitSessionRequest.token_ids): the session's content,
+// which its snapshot pushes carry to the prefill store so that a load elsewhere (re-homing)
+// sends them back as input_ids and the loaded KV is verified against them. nil when an id is
+// past the API's [0, 2^31) (a client's input_ids may reach 2^32 here): the commit then goes
+// without ids, and a load of the session keeps today's unverified path.
+func commitIDs(content []uint32) []int32 {
+	out := make([]int32, len(content))
+	for i, id := range content {
+		if id > math.MaxInt32 {
+			return nil
+		}
+		out[i] = int32(id)
+	}
+	return out
 }

@@ -936,7 +936,11 @@ func (w *Worker) finish(t *turn, ok bool) {
 	}
 	pages := w.trim(s, t.kv)
 	ctx, cancel := w.bridgeCtx()
-	_, err := w.bridge.CommitSession(ctx, &kvcv1.CommitSessionRequest{SessionId: s.id, CommittedLen: t.kv, Pages: pages})
+	var ids []int32
+	if !t.meta.LoadUnverified { // a load kept unverified holds KV of ids this worker does not know
+		ids = commitIDs(t.content(t.kv))
+	}
+	_, err := w.bridge.CommitSession(ctx, &kvcv1.CommitSessionRequest{SessionId: s.id, CommittedLen: t.kv, Pages: pages, TokenIds: ids})
 	cancel()
 	if err != nil {
 		w.m.bridgeErrors.WithLabelValues("CommitSession").Inc()
