@@ -50,7 +50,11 @@ type Config struct {
 	PrefillSidecarArgs []string
 	// DecodeSidecarArgs go to decode sidecars only, after SidecarArgs (e.g. --release-high-watermark).
 	DecodeSidecarArgs []string
-	GatewayArgs       []string
+	// SidecarWorkerURL, when set, is the --worker-url each sidecar gets for its worker (given
+	// the worker, whose WorkerURL is set): a test puts a recording proxy in front of a worker's
+	// API there. nil: the worker's own URL.
+	SidecarWorkerURL func(w Worker) string
+	GatewayArgs      []string
 	// PrefillCapacityTokens is --kv-capacity-tokens of every prefill kvc-sim (0: default).
 	PrefillCapacityTokens int64
 	// StartTimeout bounds each start-up step (a group of processes getting ready, the wait for all
@@ -438,9 +442,13 @@ func (c *Cluster) start(ctx context.Context) error {
 	}
 	for _, pr := range pairs {
 		w := pr.w
+		workerURL := w.WorkerURL
+		if cfg.SidecarWorkerURL != nil {
+			workerURL = cfg.SidecarWorkerURL(w)
+		}
 		scArgs := append([]string{
 			"--worker-id", w.ID, "--node", "local", "--gpu-index", strconv.Itoa(pr.gpu),
-			"--worker-url", w.WorkerURL, "--control-plane", cpList, "--bridge-socket", w.BridgeSocket,
+			"--worker-url", workerURL, "--control-plane", cpList, "--bridge-socket", w.BridgeSocket,
 			"--http-addr", "127.0.0.1:0", "--peer-addr", "127.0.0.1:0", "--transport", "tcp",
 			"--transfer-addr", "127.0.0.1:0", "--event-log", w.EventLog, "--insecure",
 		}, cfg.SidecarArgs...)
