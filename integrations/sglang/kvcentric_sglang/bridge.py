@@ -178,9 +178,13 @@ class WorkerBridge:
         r = self._call("RegisterKVPool", w.done())
         return wire.as_int64(r.get(1)), wire.as_str(r.get(2))
 
-    def commit_session(self, session_id: str, committed_len: int, pages: Iterable[int]) -> bool:
-        """pages cover tokens [0, committed_len) in order. Returns whether a push was enqueued."""
-        w = wire.Writer().str(1, session_id).int(2, committed_len).packed(3, pages)
+    def commit_session(self, session_id: str, committed_len: int, pages: Iterable[int],
+                       token_ids: Iterable[int] = ()) -> bool:
+        """pages cover tokens [0, committed_len) in order; token_ids, when given, are the ids of
+        [0, committed_len) (exactly committed_len of them, each in [0, 2^31)): the sidecar pushes
+        them with the snapshot, so a load of it elsewhere rebuilds the request from them.
+        Returns whether a push was enqueued."""
+        w = wire.Writer().str(1, session_id).int(2, committed_len).packed(3, pages).packed(4, token_ids)
         return bool(self._call("CommitSession", w.done()).get(1))
 
     def release_session(self, session_id: str, evicted: bool = False) -> bool:

@@ -2,7 +2,11 @@
 
 * ``commit_after`` is an AFTER hook of ``StreamingSession.try_cache_finished_req``: when the
   slot kept the finished turn (True), the turn is committed: CommitSession(session,
-  kv_committed_len, pages of [0, kv_committed_len)).
+  kv_committed_len, pages of [0, kv_committed_len), token ids of [0, kv_committed_len): the
+  request's origin_input_ids + output_ids). The ids travel with the snapshot to the prefill
+  store, and a decode sidecar that loads the session elsewhere (re-homing) sends them back as
+  the load's input_ids: the fresh streaming slot's request, and so the session's history, is
+  built from them.
 * ``release_around`` is an AROUND hook of ``StreamingSession.release_session``: ReleaseSession
   goes to the sidecar BEFORE SGLang unlocks the tree prefix and frees the pages (the sidecar
   returns only once no snapshot push reads them).
@@ -30,6 +34,7 @@ logger = logging.getLogger(__name__)
 # Sessions committed through this process and their last commit: what a restarted sidecar is
 # told again (watch.py re-commits them).
 _resident: Dict[str, Tuple[int, List[int]]] = {}
+_resident_ids: Dict[str, List[int]] = {}  # their token ids of [0, committed_len), when known
 _resident_lock = threading.Lock()
 _evicting = contextvars.ContextVar("kvc_evicting", default=False)
 
@@ -39,6 +44,32 @@ def resident_sessions() -> Dict[str, Tuple[int, List[int]]]:
         return dict(_resident)
 
 
+def resident_ids(session_id: str) -> List[int]:
+    """The token ids of a resident session's last commit ([] when it had none)."""
+    with _resident_lock:
+        return list(_resident_ids.get(session_id, ()))
+
+
+MAX_TOKEN_ID = (1 << 31) - 1
+
+
+def commit_ids(req, committed_len: int) -> List[int]:
+    """The token ids of [0, committed_len) of a finished request: origin_input_ids, then
+    output_ids. [] when they do not cover the range or an id is outside [0, 2^31) (the commit
+    then goes without ids, and a load of the session elsewhere goes without them too)."""
+    out = list(getattr(req, "output_ids", None) or ())
+    sp = getattr(req, "sampling_params", None)
+    if sp is not None and getattr(sp, "max_new_tokens", None) is not None:
+        out = out[: sp.max_new_tokens]  # as the session's history counts them (_history)
+    ids = list(getattr(req, "origin_input_ids", None) or ()) + out
+    if len(ids) < committed_len:
+        return []
+    ids = [int(x) for x in ids[:committed_len]]
+    if any(x < 0 or x > MAX_TOKEN_ID for x in ids):
+        return []
+    return ids
+
+
 def slot_pages(streaming_session, slot, length: int) -> List[int]:
     """Page indices covering tokens [0, length) of a session slot, in token order."""
     page = streaming_session.cache.page_size
@@ -46,16 +77,24 @@ def slot_pages(streaming_session, slot, length: int) -> List[int]:
     return [int(x) // page for x in row[::page].tolist()]
 
 
-def commit(session_id: str, committed_len: int, pages: List[int]) -> bool:
-    """CommitSession through the process bridge; remembered for re-commits. Errors are logged
-    (a failed commit only delays the snapshot) and re-raised for NOT registered pools."""
+def commit(session_id: str, committed_len: int, pages: List[int], token_ids: Optional[List[int]] = None) -> bool:
+    """CommitSession through the process bridge; remembered for re-commits. token_ids: the ids
+    of [0, committed_len), or None/[] for none. Errors are logged (a failed commit only delays
+    the snapshot) and re-raised for NOT registered pools."""
+    ids = list(token_ids or ())
+    if ids and len(ids) != committed_len:
+        ids = []
     with _resident_lock:
         _resident[session_id] = (committed_len, list(pages))
+        if ids:
+            _resident_ids[session_id] = ids
+        else:
+            _resident_ids.pop(session_id, None)
     b = runtime.state.bridge
     if b is None:
         return False
     try:
-        return b.commit_session(session_id, committed_len, pages)
+        return b.commit_session(session_id, committed_len, pages, ids)
     except BridgeError as e:
         logger.error("kvcentric: CommitSession %s len %d: %s", session_id, committed_len, e)
         return False
@@ -70,7 +109,7 @@ def commit_after(result, streaming_session, req, *args, **kwargs):
     if slot is None or not slot.kv.holds_kv:
         return result
     committed = int(slot.kv.kv_committed_len)
-    commit(sid, committed, slot_pages(streaming_session, slot, committed))
+    commit(sid, committed, slot_pages(streaming_session, slot, committed), commit_ids(req, committed))
     return result
 
 
@@ -78,6 +117,7 @@ def release(session_id: str, evicted: bool = False) -> bool:
     """ReleaseSession through the process bridge; NOT_FOUND (never committed) is fine."""
     with _resident_lock:
         _resident.pop(session_id, None)
+        _resident_ids.pop(session_id, None)
     b = runtime.state.bridge
     if b is None:
         return False
@@ -128,9 +168,11 @@ def truncate(streaming_session, session_id: str, keep_tokens: int) -> int:
     before = int(slot.kv.kv_allocated_len)
     if keep_tokens >= before:
         return 0
+    ids = resident_ids(session_id)
     streaming_session._free_tail(slot.kv, keep_tokens)
     committed = int(slot.kv.kv_committed_len)
-    commit(session_id, committed, slot_pages(streaming_session, slot, committed))
+    commit(session_id, committed, slot_pages(streaming_session, slot, committed),
+           ids[:committed] if len(ids) >= committed else None)
     return before - int(slot.kv.kv_allocated_len)
 
 

@@ -148,7 +148,7 @@ def start_for_process(bridge: WorkerBridge, registration) -> Optional[WatchClien
     def recommit():
         for sid, (n, pages) in sessions.resident_sessions().items():
             try:
-                bridge.commit_session(sid, n, pages)
+                bridge.commit_session(sid, n, pages, sessions.resident_ids(sid))
             except BridgeError as e:
                 logger.error("kvcentric: re-commit of %s: %s", sid, e)
 
