@@ -218,7 +218,9 @@ class Handler(BaseHTTPRequestHandler):
 
         try:
             w.decode_steps(t, emit)
-            if w.cfg.verify_recompute and not p.load:  # a load has no ids to recompute (its next turn does)
+            # a load without ids has nothing to recompute (its next turn does); with the
+            # snapshot's ids it is held to a full prefill of them like any received KV
+            if w.cfg.verify_recompute and (not p.load or p.ids is not None):
                 t.meta.update(Verifier(w).check(t))
                 if t.meta["recompute_mismatches"] == 0 and t.meta.get("received_bytes"):
                     t.meta["verified_bytes"] = t.meta["received_bytes"]

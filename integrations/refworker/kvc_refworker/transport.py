@@ -98,8 +98,9 @@ class BridgeTransport:
             out.first_token, out.first_logit = _unpack_aux(r.aux)
         return out
 
-    def commit(self, session_id: str, length: int, pages: List[int]) -> None:
-        self.bridge.commit_session(session_id, length, pages)
+    def commit(self, session_id: str, length: int, pages: List[int], token_ids: Optional[List[int]] = None) -> None:
+        """token_ids: the ids of [0, length), pushed with the snapshot (None: unknown)."""
+        self.bridge.commit_session(session_id, length, pages, token_ids or ())
 
     def release(self, session_id: str, evicted: bool) -> None:
         self.bridge.release_session(session_id, evicted=evicted)
@@ -216,8 +217,9 @@ class PluginTransport:
         finally:
             self._free_row(row)
 
-    def commit(self, session_id: str, length: int, pages: List[int]) -> None:
-        self.sessions.commit(session_id, length, pages)
+    def commit(self, session_id: str, length: int, pages: List[int], token_ids: Optional[List[int]] = None) -> None:
+        """Through the plugin's sessions.commit: the ids go with CommitSession as SGLang's hook sends them."""
+        self.sessions.commit(session_id, length, pages, token_ids)
 
     def release(self, session_id: str, evicted: bool) -> None:
         self.sessions.release(session_id, evicted=evicted)

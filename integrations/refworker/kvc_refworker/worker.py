@@ -171,14 +171,20 @@ class Session:
     pages: List[int]
     kv_len: int = 0
     # the token id of each position of the KV held; None where this worker holds KV it has no
-    # ids of (a session loaded from the prefill store by a LoadSessionCommand: the store keeps
-    # KV bytes only)
+    # ids of (a session loaded from the prefill store by a LoadSessionCommand whose snapshot was
+    # pushed without ids)
     tokens: List[Optional[int]] = field(default_factory=list)
     pinned: int = 0
     committed: bool = False
     last_used: float = 0.0
     turn_lock: threading.Lock = field(default_factory=threading.Lock)
     gone: bool = False
+
+
+def known_ids(tokens: List[Optional[int]], n: int) -> Optional[List[int]]:
+    """The ids of [0, n) of a session's KV when every one is known (a commit's token_ids), else None."""
+    ids = tokens[:n]
+    return list(ids) if len(ids) == n and None not in ids else None
 
 
 class Turn:
@@ -429,7 +435,7 @@ class Worker:
                 freed = s.kv_len - keep
                 pages = self._trim(s, keep)
                 s.tokens = s.tokens[:keep]
-                self.xfer.commit(s.id, keep, pages)
+                self.xfer.commit(s.id, keep, pages, known_ids(s.tokens, keep))
                 return freed
             finally:
                 with self.mu:
@@ -441,10 +447,11 @@ class Worker:
     def recommit_all(self) -> None:
         """After a sidecar restart re-attached: every resident session committed again."""
         with self.mu:
-            held = [(s.id, s.kv_len, list(s.pages)) for s in self.sessions.values() if s.committed]
-        for sid, n, pages in held:
+            held = [(s.id, s.kv_len, list(s.pages), known_ids(s.tokens, s.kv_len))
+                    for s in self.sessions.values() if s.committed]
+        for sid, n, pages, ids in held:
             try:
-                self.xfer.commit(sid, n, pages)
+                self.xfer.commit(sid, n, pages, ids)
             except BridgeError as e:
                 log.error("re-commit of %s: %s", sid, e)
 
@@ -468,7 +475,8 @@ class Worker:
     def session_list(self) -> List[Dict]:
         with self.mu:
             return [{"session_id": s.id, "kv_len": s.kv_len, "pages": len(s.pages), "pinned": s.pinned,
-                     "committed": s.committed} for s in self.sessions.values()]
+                     "committed": s.committed, "tokens_known": sum(x is not None for x in s.tokens[:s.kv_len])}
+                    for s in self.sessions.values()]
 
     # -- prefill role ---------------------------------------------------------------------------
 
@@ -660,12 +668,17 @@ class Worker:
                 self.sessions[s.id] = s
             t.s = s
         if p.load:
-            # A LoadSessionCommand (re-homing): the snapshot becomes the session's KV as it is; no
-            # token ids came with it (the store keeps bytes only), so nothing is computed here
-            # and the session holds [0, tokens) without ids until its next turn (held_prefix).
+            # A LoadSessionCommand (re-homing): the snapshot becomes the session's KV as it is,
+            # nothing is computed here. With the snapshot's token ids (input_ids: the ids its
+            # pushes carried to the prefill store) the session holds [0, tokens) with them and
+            # the recompute check holds the loaded KV to a full prefill of them; without, it holds
+            # them without ids until its next turn (held_prefix), unverified.
             self._receive(t, TRANSFER_SNAPSHOT, p.recv_tokens)
             t.start = t.kv = p.recv_tokens
-            t.meta.update(load=True, load_unverified=True)
+            t.meta.update(load=True)
+            if p.ids is None:
+                t.meta.update(load_unverified=True)
+            t.bitwise = False  # KV from another worker's prefill and decode steps: allclose
             self.stats["session_loads"] = self.stats.get("session_loads", 0) + 1
         elif p.local:
             # local_prefill: prefill everything here, as a colocated worker (a fail-open or a
@@ -824,12 +837,13 @@ class Worker:
                         self.drop_session(s)
                     return
                 pages = self._trim(s, t.kv)
-                if t.p.load:
+                if t.p.load and t.p.ids is None:
                     s.tokens = [None] * t.kv  # the snapshot's KV, its ids unknown here
                 else:
                     s.tokens = list(t.ids) + t.fed[:t.kv - t.p.input]
+                ids = known_ids(s.tokens, t.kv)  # they go with the commit (and the snapshot)
                 try:
-                    self.xfer.commit(s.id, t.kv, pages)
+                    self.xfer.commit(s.id, t.kv, pages, ids)
                     s.committed = True
                 except BridgeError as e:
                     log.error("CommitSession %s len %d failed: %s", s.id, t.kv, e)

@@ -261,8 +261,10 @@ class TestRehomeWithRealKV(unittest.TestCase):
         the real attention KV its dead peer computed and pushed D->P, and commits it). Each
         session's next turn, with the client's real token ids, is DIRECT_TO_D there: it reuses the
         loaded KV (only the appended tokens are prefilled) and recomputes exactly (0 mismatches
-        against a full prefill in the same worker). On the code before it the load recomputed its
-        last token from made-up ids and the next turn re-prefilled everything."""
+        against a full prefill in the same worker). The loads carry the snapshots' token ids (the
+        commits' ids, pushed with the KV into the prefill store, sent back by the loading sidecar
+        as input_ids), so each load itself is recompute-checked too; before that a load held the
+        KV without ids, unverified until its next turn."""
         keep = os.environ.get("KVC_REFWORKER_IT_WORKDIR")
         work = os.path.join(keep, "rehome") if keep else tempfile.mkdtemp(prefix="kvc-refworker-rh-")
         os.makedirs(work, exist_ok=True)
@@ -310,6 +312,7 @@ class TestRehomeWithRealKV(unittest.TestCase):
                 self.assertLess(time.time(), deadline, "snapshots not pushed: %s of %s" % (stored, kv))
                 time.sleep(0.2)
             survivor = next(d for d in decoders if d != victim)
+            before = get_json(decoders[survivor]["worker_url"] + "/kvc/sessions")["stats"]
             pid = get_json(decoders[victim]["worker_url"] + "/get_model_info")["pid"]
             print("killing %s (pid %d), which holds %s" % (victim, pid, moved), flush=True)
             os.kill(pid, signal.SIGKILL)
@@ -322,6 +325,14 @@ class TestRehomeWithRealKV(unittest.TestCase):
                     break
                 self.assertLess(time.time(), deadline, "not re-homed: %s" % held)
                 time.sleep(0.2)
+            # the loads came with the snapshots' token ids (pushed with them D->P): the survivor
+            # holds every loaded position's id, and recompute-checked each load against a full
+            # prefill of them, without a mismatch
+            after = get_json(decoders[survivor]["worker_url"] + "/kvc/sessions")["stats"]
+            for sess in moved:
+                self.assertEqual(held[sess]["tokens_known"], held[sess]["kv_len"], held[sess])
+            self.assertGreaterEqual(after["recompute_checked"] - before["recompute_checked"], len(moved), (before, after))
+            self.assertEqual(after["recompute_mismatches"], before["recompute_mismatches"], (before, after))
             for sess in moved:
                 m, d, meta = turn(sess, 24)
                 self.assertEqual((m, d), ("DIRECT_TO_D", survivor), sess)
