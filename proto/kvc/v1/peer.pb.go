@@ -389,10 +389,13 @@ type ReserveSnapshotRequest struct {
 	// takes the new generation. 0: a plain push.
 	RetagFromGeneration uint64 `protobuf:"varint,11,opt,name=retag_from_generation,json=retagFromGeneration,proto3" json:"retag_from_generation,omitempty"`
 	// Optional: the token ids of [base_len, base_len + tokens) in order, exactly tokens of them,
-	// each in [0, 2^31) (the writer's CommitSessionRequest.token_ids). The store keeps them with
-	// the entry (cut back and re-tagged with it) while the entry's ids cover [0, seqlen); an
-	// append without them, or onto an entry without them, leaves the entry without ids. A wrong
-	// count or a negative id is INVALID_ARGUMENT and reserves nothing.
+	// or of [0, base_len + tokens), base_len + tokens of them (an append whose writer does not
+	// know that the entry holds the ids of [0, base_len): a seed P stored, a new target, a writer
+	// restarted), each in [0, 2^31) (the writer's CommitSessionRequest.token_ids). The store keeps
+	// them with the entry (cut back and re-tagged with it) while the entry's ids cover
+	// [0, seqlen): ids from 0 replace the entry's, a range's are appended to them; an append of a
+	// range onto an entry without ids, or one without ids, leaves the entry without. A wrong count
+	// or a negative id is INVALID_ARGUMENT and reserves nothing.
 	TokenIds      []int32 `protobuf:"varint,12,rep,packed,name=token_ids,json=tokenIds,proto3" json:"token_ids,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache

@@ -190,7 +190,7 @@ func (s *Sidecar) setTarget(t *kvcv1.SetSnapshotTargetCommand) error {
 	newTarget := old == nil || old.GetGeneration() != t.GetGeneration() || old.GetPrefillWorkerId() != t.GetPrefillWorkerId()
 	ss.target, ss.gen = t, t.GetGeneration()
 	if newTarget {
-		ss.lastPushed, ss.retagFrom = 0, 0
+		ss.lastPushed, ss.retagFrom, ss.idsPushed = 0, 0, false
 		ss.validBaseLocked(t)
 	}
 	ss.failedLen = 0 // a new target deserves a new attempt

@@ -84,11 +84,13 @@ func TestCommitKeepsTokenIDs(t *testing.T) {
 }
 
 // TestPushCarriesTokenIDs: each reservation of a push carries the ids of its own range — the
-// append's [base, end), and after a base mismatch the full push's [0, end) — and a push of a
-// session committed without ids carries none.
+// append's [base, end) (or [0, end) while the store is not known to hold the base's ids: after
+// a seed P stored, a new target), and after a base mismatch the full push's [0, end) — and a
+// push of a session committed without ids carries none.
 func TestPushCarriesTokenIDs(t *testing.T) {
 	const mismatch = kvcv1.PeerErrorReason_PEER_ERROR_REASON_BASE_MISMATCH
-	for _, withIDs := range []bool{true, false} {
+	for _, c := range []struct{ withIDs, from0 bool }{{true, false}, {true, true}, {false, false}} {
+		withIDs := c.withIDs
 		s := newTestSidecar(t)
 		pool, err := s.registeredPool()
 		if err != nil {
@@ -99,7 +101,7 @@ func TestPushCarriesTokenIDs(t *testing.T) {
 		job := pushJob{session: "s", gen: 4, base: 8, end: 16, pages: pages(4),
 			target: &kvcv1.SetSnapshotTargetCommand{SessionId: "s", PrefillWorkerId: "p", PeerAddr: addr, Generation: 4}}
 		if withIDs {
-			job.ids = idRange(0, 16)
+			job.ids, job.idsFrom0 = idRange(0, 16), c.from0
 		}
 		if _, err := s.doPush(context.Background(), pool, job); err == nil {
 			t.Fatal("push succeeded against a store that refuses everything")
@@ -111,6 +113,9 @@ func TestPushCarriesTokenIDs(t *testing.T) {
 			t.Fatalf("%d reserves", len(got))
 		}
 		want := [][]int32{idRange(8, 8), idRange(0, 16)}
+		if c.from0 {
+			want[0] = idRange(0, 16)
+		}
 		for i, r := range got[:2] {
 			if !withIDs {
 				if len(r.GetTokenIds()) != 0 {

@@ -35,6 +35,9 @@ func (s *Sidecar) pushSession(ctx context.Context, id string) {
 	job.pages = append([]int64(nil), ss.pages[:(job.end+ps-1)/ps]...)
 	if int64(len(ss.ids)) >= job.end {
 		job.ids = ss.ids[:job.end] // the commit's own slice, never written in place
+		// an append sends [0, end) until the store is known to hold this session's ids of
+		// [0, base): after a seed P stored, a reseed's base, a new target
+		job.idsFrom0 = !ss.idsPushed
 	}
 	pctx, cancel := context.WithCancelCause(ctx)
 	run := &pushRun{cancel: cancel, readDone: make(chan struct{})}
@@ -57,7 +60,8 @@ func (s *Sidecar) pushSession(ctx context.Context, id string) {
 	}
 	if err == nil && !ss.gone && ss.target == job.target {
 		ss.lastPushed = seqlen
-		ss.retagFrom = 0 // the store's entry is this generation's now
+		ss.retagFrom = 0              // the store's entry is this generation's now
+		ss.idsPushed = job.ids != nil // the entry holds the ids of [0, seqlen) now, or none
 	}
 	if err != nil {
 		ss.failedLen = job.end // dropped: the old snapshot stays valid for what it covers
@@ -79,6 +83,7 @@ type pushJob struct {
 	retag     uint64 // ≠ 0: base is the store's snapshot of this generation (re-tag on append)
 	pages     []int64
 	ids       []int32 // the token ids of [0, end), or nil: each attempt sends those of its range
+	idsFrom0  bool    // an append sends the ids of [0, end), not only of [base, end)
 }
 
 // doPush sends [base, end) (or everything, after a base mismatch), retrying a failure once. When
@@ -249,7 +254,11 @@ func (s *Sidecar) pushOnce(ctx context.Context, pool *kvxfer.Pool, job pushJob, 
 		// keep a standing credit at the store, so that the next full push starts copying at once
 		CreditPages: max(s.cfg.SnapshotCreditPages, 0)}
 	if job.ids != nil {
-		req.TokenIds = job.ids[job.base:job.end] // the store keeps them with the entry (SnapshotTokens)
+		from := job.base
+		if job.idsFrom0 {
+			from = 0
+		}
+		req.TokenIds = job.ids[from:job.end] // the store keeps them with the entry (SnapshotTokens)
 	}
 	// A full push with store credit copies its first tokens into the credit pages while its
 	// reservation is on the way (credit.go).

@@ -110,6 +110,7 @@ type session struct {
 	committed  int64
 	pages      []int64
 	ids        []int32 // the token ids of [0, committed) from its last commit, or nil (never written in place: a push reads it unlocked)
+	idsPushed  bool    // the target store's entry holds this session's ids of [0, lastPushed): a push sends only its range's
 	gen        uint64
 	target     *kvcv1.SetSnapshotTargetCommand
 	hints      hints // the agent's pin and priority (SetSessionHintsCommand, hints.go)

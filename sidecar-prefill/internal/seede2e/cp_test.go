@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"path/filepath"
+	"slices"
 	"testing"
 	"time"
 
@@ -134,7 +135,13 @@ func TestSeedThroughStoreWithControlPlane(t *testing.T) {
 	if err := kvpool.FillTokens(dw, kvpool.SessionSeed("S"), dpages, load, L); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := d1.bridge.CommitSession(ctxT(t, 5*time.Second), &kvcv1.CommitSessionRequest{SessionId: "S", CommittedLen: L, Pages: dpages}); err != nil {
+	// The commit carries the session's token ids: the store's entry (P's seed, pushed without
+	// ids) takes them with D's first push, an append that sends them from token 0.
+	ids := make([]int32, L)
+	for i := range ids {
+		ids[i] = int32(90000 + i)
+	}
+	if _, err := d1.bridge.CommitSession(ctxT(t, 5*time.Second), &kvcv1.CommitSessionRequest{SessionId: "S", CommittedLen: L, Pages: dpages, TokenIds: ids}); err != nil {
 		t.Fatal(err)
 	}
 	if err := rs.Send(&kvcv1.RouteRequest{Kind: &kvcv1.RouteRequest_Outcome{Outcome: &kvcv1.RouteOutcome{DecisionId: dec.GetDecisionId(),
@@ -164,6 +171,16 @@ func TestSeedThroughStoreWithControlPlane(t *testing.T) {
 	}
 	if rec := session(); rec.GetDecodeWorker() != "d1" || rec.GetGeneration() != gen {
 		t.Fatalf("session %v", rec)
+	}
+	pconn, err := grpc.NewClient(p0.str("peer_addr"), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = pconn.Close() })
+	tok, err := kvcv1.NewTransferPeerServiceClient(pconn).SnapshotTokens(ctxT(t, 5*time.Second),
+		&kvcv1.SnapshotTokensRequest{SessionId: "S", Generation: gen, Seqlen: L})
+	if err != nil || !slices.Equal(tok.GetTokenIds(), ids) {
+		t.Fatalf("the store's ids after D's append onto P's seed: %d of %d (%v)", len(tok.GetTokenIds()), L, err)
 	}
 	t.Logf("first push after a store seed: %d bytes (the %d-token append) instead of %d (the whole %d-token session)", pushes[0].Bytes, out, L*bpt, L)
 }

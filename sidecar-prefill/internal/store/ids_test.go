@@ -47,6 +47,9 @@ func TestTokenIDsFollowTheEntry(t *testing.T) {
 			ingestIDs(t, s, "a", gen, 0, n, 0, x)
 		}
 	}
+	from0 := func(gen uint64, base, n int64, retag uint64) step { // an append carrying [0, base+n)
+		return func(t *testing.T, s *Store) { ingestIDs(t, s, "a", gen, base, n, retag, seq(0, base+n)) }
+	}
 	app := func(gen uint64, base, n int64, retag uint64, ids bool) step {
 		return func(t *testing.T, s *Store) {
 			var x []int32
@@ -72,6 +75,10 @@ func TestTokenIDsFollowTheEntry(t *testing.T) {
 		{"a re-tag keeps them", []step{full(1, 10, true), app(2, 10, 4, 1, true)}, 2, 14, 14},
 		{"a re-tag cut back cuts them", []step{full(1, 30, true), app(2, 10, 7, 1, true)}, 2, 17, 17},
 		{"a shorter load of a longer entry", []step{full(1, 30, true)}, 1, 13, 13},
+		{"an append from 0 onto an entry without (P's seed)", []step{full(1, 10, false), from0(1, 10, 5, 0)}, 1, 15, 15},
+		{"an append from 0 onto an entry with ids", []step{full(1, 10, true), from0(1, 10, 5, 0)}, 1, 15, 15},
+		{"a re-tag from 0", []step{full(1, 10, false), from0(2, 10, 4, 1)}, 2, 14, 14},
+		{"a re-tag cut back from 0", []step{full(1, 30, false), from0(2, 10, 7, 1)}, 2, 17, 17},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -112,6 +119,14 @@ func TestTokenIDsBounds(t *testing.T) {
 			t.Fatalf("reserve with %d ids: %v, want InvalidArgument", len(ids), err)
 		}
 	}
+	ingestIDs(t, s, "x", 1, 0, 4, 0, nil)
+	// an append of 6 from 4 takes 6 ids (its range) or 10 (from 0), nothing else
+	for _, ids := range [][]int32{seq(0, 5), seq(0, 7), seq(0, 9), seq(0, 11), append(seq(0, 9), -3)} {
+		if _, err := s.ReserveIDs("x", 1, 4, 6, "d0", "", CreditRequest{}, 0, ids); code(err) != codes.InvalidArgument {
+			t.Fatalf("append with %d ids: %v, want InvalidArgument", len(ids), err)
+		}
+	}
+	s.Release("x")
 	if s.Pending() != 0 || s.UsedBytes() != 0 || s.IDBytes() != 0 {
 		t.Fatalf("a refused reserve left pending %d, used %d, id bytes %d", s.Pending(), s.UsedBytes(), s.IDBytes())
 	}

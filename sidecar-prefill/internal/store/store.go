@@ -94,7 +94,8 @@ type pending struct {
 	created  time.Time
 	deadline time.Time
 	guard    *guardRes // its writable span in the write guard (nil without Config.Buffers)
-	ids      []int32   // the token ids of [base, base+tokens), or nil (ReserveIDs)
+	ids      []int32   // the token ids of [base, base+tokens) or, with idsFrom0, of [0, base+tokens); nil: none (ReserveIDs)
+	idsFrom0 bool
 }
 
 // CutFunc is called (without the store lock) with an entry a re-tag append cut back to its base,
@@ -246,11 +247,12 @@ func (s *Store) ReserveRetag(session string, gen uint64, base, tokens int64, sou
 	return s.ReserveIDs(session, gen, base, tokens, source, writer, cr, retag, nil)
 }
 
-// ReserveIDs is ReserveRetag with the token ids of [base, base+tokens) (nil: none; else exactly
-// tokens ids, each in [0, 2^31), else INVALID_ARGUMENT). They become the entry's at commit when
-// they complete its ids to [0, seqlen): a full push's, or an append onto an entry that holds
-// the ids of [0, base); any other commit leaves the entry without ids. A cut back cuts its ids
-// with it, a re-tag keeps them. Memory: 4 bytes a token held beside the entry's pages (a page's
+// ReserveIDs is ReserveRetag with token ids (nil: none): those of [base, base+tokens) (tokens
+// of them) or, for an append, of [0, base+tokens) (base+tokens of them), each in [0, 2^31),
+// else INVALID_ARGUMENT. They become the entry's at commit when they cover [0, seqlen): a full
+// push's, an append's from 0 (they replace the entry's: the writer's [0, base) is the entry's
+// by the base match), or a range appended onto an entry that holds the ids of [0, base); any
+// other commit leaves the entry without ids. A cut back cuts its ids with it, a re-tag keeps them. Memory: 4 bytes a token held beside the entry's pages (a page's
 // KV is page_size·kv_bytes_per_token, ~100 KB a token for a 70B-class model, so the ids add
 // about 0.004 % to the store's footprint); IDBytes counts them, and since an entry's ids never
 // outnumber its tokens they stay below PageCount·PageSize·4 bytes (IDCapacityBytes).
@@ -258,8 +260,13 @@ func (s *Store) ReserveIDs(session string, gen uint64, base, tokens int64, sourc
 	if tokens <= 0 || base < 0 {
 		return Reservation{}, status.Errorf(codes.InvalidArgument, "bad range: base_len %d, tokens %d", base, tokens)
 	}
-	if err := kvcv1.ValidateTokenIDs("token_ids", ids, tokens); err != nil {
-		return Reservation{}, status.Error(codes.InvalidArgument, err.Error())
+	idsFrom0 := base > 0 && int64(len(ids)) == base+tokens
+	if idsFrom0 {
+		if err := kvcv1.ValidateTokenIDs("token_ids", ids, base+tokens); err != nil {
+			return Reservation{}, status.Error(codes.InvalidArgument, err.Error())
+		}
+	} else if err := kvcv1.ValidateTokenIDs("token_ids", ids, tokens); err != nil {
+		return Reservation{}, status.Errorf(codes.InvalidArgument, "%v (or %d from token 0)", err, base+tokens)
 	}
 	if base+tokens < base {
 		return Reservation{}, status.Error(codes.InvalidArgument, "range overflows")
@@ -356,7 +363,7 @@ func (s *Store) ReserveIDs(session string, gen uint64, base, tokens int64, sourc
 	p.owned = append(s.takeCreditLocked(writer, use), s.allocLocked(need-use)...)
 	p.pages = append(p.pages, p.owned...)
 	if len(ids) > 0 {
-		p.ids = append([]int32(nil), ids...)
+		p.ids, p.idsFrom0 = append([]int32(nil), ids...), idsFrom0
 		s.idBytes += 4 * int64(len(p.ids))
 	}
 	s.nextID++
@@ -506,9 +513,12 @@ func (s *Store) CommitIngest(id uint64) (_ View, in Ingest, _ error) {
 		}
 		e.Generation = p.gen // a re-tag: the entry now belongs to the writer's residency
 		e.Pages = append(e.Pages, p.owned...)
-		if e.ids != nil && p.ids != nil {
+		switch {
+		case p.idsFrom0:
+			s.setIDsLocked(e, p.ids) // the writer's [0, base) is the entry's (the base matched)
+		case e.ids != nil && p.ids != nil:
 			s.setIDsLocked(e, append(e.ids, p.ids...)) // [0, base) then [base, base+tokens)
-		} else {
+		default:
 			s.setIDsLocked(e, nil) // the range's ids are not all known
 		}
 		s.lru.MoveToFront(e.elem)
