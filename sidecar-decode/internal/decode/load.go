@@ -11,10 +11,11 @@ import (
 	"strings"
 	"time"
 
-	"github.com/kvcentric/kvcentric/pkg/kvhints"
-	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+
+	"github.com/kvcentric/kvcentric/pkg/kvhints"
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
 // DefaultLoadTimeout bounds a LoadSessionCommand without its own timeout_ms.
