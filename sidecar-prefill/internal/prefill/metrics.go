@@ -24,7 +24,7 @@ func (s *Sidecar) Collectors() []prometheus.Collector {
 			Help: "Bytes of the token ids the snapshot store holds with its entries and reservations (4 a token)."},
 			ids(func(st *store.Store) int64 { return st.IDBytes() })),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvc_snapshot_store_token_id_capacity_bytes",
-			Help: "The most the snapshot store's token ids can take: 4 bytes for every token its pages hold."},
+			Help: "The most the snapshot store's entries' token ids can take: 4 bytes for every token its pages hold (open reservations' ids come on top, at most as much again)."},
 			ids(func(st *store.Store) int64 { return st.IDCapacityBytes() })),
 		s.tokenAnswers,
 	}

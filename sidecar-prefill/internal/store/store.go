@@ -252,10 +252,10 @@ func (s *Store) ReserveRetag(session string, gen uint64, base, tokens int64, sou
 // else INVALID_ARGUMENT. They become the entry's at commit when they cover [0, seqlen): a full
 // push's, an append's from 0 (they replace the entry's: the writer's [0, base) is the entry's
 // by the base match), or a range appended onto an entry that holds the ids of [0, base); any
-// other commit leaves the entry without ids. A cut back cuts its ids with it, a re-tag keeps them. Memory: 4 bytes a token held beside the entry's pages (a page's
-// KV is page_size·kv_bytes_per_token, ~100 KB a token for a 70B-class model, so the ids add
-// about 0.004 % to the store's footprint); IDBytes counts them, and since an entry's ids never
-// outnumber its tokens they stay below PageCount·PageSize·4 bytes (IDCapacityBytes).
+// other commit leaves the entry without ids. A cut back cuts its ids with it, a re-tag keeps
+// them. Memory: 4 bytes a token held beside the entry's pages (a page's KV is
+// page_size·kv_bytes_per_token, ~100 KB a token for a 70B-class model, so the ids add about
+// 0.004 % to the store's footprint); IDBytes counts them (IDCapacityBytes bounds them).
 func (s *Store) ReserveIDs(session string, gen uint64, base, tokens int64, source, writer string, cr CreditRequest, retag uint64, ids []int32) (Reservation, error) {
 	if tokens <= 0 || base < 0 {
 		return Reservation{}, status.Errorf(codes.InvalidArgument, "bad range: base_len %d, tokens %d", base, tokens)
@@ -755,9 +755,10 @@ func (s *Store) IDBytes() int64 {
 	return s.idBytes
 }
 
-// IDCapacityBytes bounds IDBytes: an entry's ids never outnumber the tokens its pages hold, nor a
-// reservation's the tokens of its pages, so the ids take at most 4 bytes for every token the
-// store's pages can hold.
+// IDCapacityBytes bounds the entries' ids: an entry's never outnumber the tokens its pages
+// hold, so they take at most 4 bytes for every token the store's pages can hold. Reservations
+// add theirs while they are open (an append's ids from token 0 repeat its entry's base until
+// the commit replaces them), so IDBytes stays below twice this.
 func (s *Store) IDCapacityBytes() int64 { return 4 * s.cfg.PageCount * s.cfg.PageSize }
 
 // TokenIDs returns a copy of the token ids of [0, seqlen) of the session's entry of generation
