@@ -63,6 +63,7 @@ var Table = map[string]Rule{
 	kvcv1.TransferPeerService_ReserveSnapshot_FullMethodName: {Roles: []Role{RoleSidecar}},
 	kvcv1.TransferPeerService_CommitSnapshot_FullMethodName:  {Roles: []Role{RoleSidecar}},
 	kvcv1.TransferPeerService_AbortSnapshot_FullMethodName:   {Roles: []Role{RoleSidecar}},
+	kvcv1.TransferPeerService_SnapshotTokens_FullMethodName:  {Roles: []Role{RoleSidecar}},
 	// Sidecar ↔ its own worker over a 0600 Unix socket: no role may call it over TLS.
 	kvcv1.WorkerBridgeService_RegisterKVPool_FullMethodName: noTLSUse,
 	kvcv1.WorkerBridgeService_CommitSession_FullMethodName:  noTLSUse,

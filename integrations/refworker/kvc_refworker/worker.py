@@ -618,8 +618,9 @@ class Worker:
                     t.s, t.extend = s, True
             if not t.extend and p.receive_from:
                 # P sends only the suffix: without the held prefix the KV cannot be whole here.
-                raise ApiError(409, "session_not_resident", "session %r is not resident on %s, and the transfer sends "
-                               "only tokens from %d (receive_from)" % (p.session_id, self.cfg.worker_id, p.receive_from))
+                raise ApiError(409, "session_not_resident",
+                               "session %r is not resident on %s, and the transfer sends only tokens from %d "
+                               "(receive_from)" % (p.session_id, self.cfg.worker_id, p.receive_from))
             if not t.extend:
                 p.keep, anonymous = False, True
         if t.extend:

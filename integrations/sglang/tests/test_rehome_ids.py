@@ -16,10 +16,9 @@ from types import SimpleNamespace
 import grpc
 
 import kvctest
+from kvcentric_sglang import sessions, wire
 from kvctest import PAGE
 from test_linker import cluster, dprime, make_snapshot  # noqa: F401 (cluster is a fixture)
-
-from kvcentric_sglang import sessions, wire
 
 
 def snapshot_tokens(peer_addr: str, sid: str, generation: int, seqlen: int):
@@ -70,7 +69,8 @@ def test_commit_ids_travel_to_the_store_and_back_into_a_load(cluster, tmp):  # n
     ids, gen, stored = snapshot_tokens(p.peer_addr, "s-ids", 1, n)
     assert (ids, gen, stored) == (prompt + out, 1, n)
     assert snapshot_tokens(p.peer_addr, "s-ids", 1, 20)[0] == (prompt + out)[:20]  # a shorter load
-    for bad_gen, bad_len, code in ((2, n, grpc.StatusCode.FAILED_PRECONDITION), (1, n + 1, grpc.StatusCode.FAILED_PRECONDITION)):
+    precondition = grpc.StatusCode.FAILED_PRECONDITION
+    for bad_gen, bad_len, code in ((2, n, precondition), (1, n + 1, precondition)):
         try:
             snapshot_tokens(p.peer_addr, "s-ids", bad_gen, bad_len)
             raise AssertionError("SnapshotTokens answered generation %d of %d tokens" % (bad_gen, bad_len))
@@ -109,7 +109,8 @@ def test_commit_ids_of_a_finished_request():
     session's history counts them), cut to the committed range; none when they do not cover it
     or an id is outside [0, 2^31)."""
     sp = SimpleNamespace(max_new_tokens=3)
-    req = SimpleNamespace(origin_input_ids=array("q", [5, 6, 7]), output_ids=array("q", [8, 9, 10, 11]), sampling_params=sp)
+    req = SimpleNamespace(origin_input_ids=array("q", [5, 6, 7]), output_ids=array("q", [8, 9, 10, 11]),
+                          sampling_params=sp)
     assert sessions.commit_ids(req, 6) == [5, 6, 7, 8, 9, 10]
     assert sessions.commit_ids(req, 5) == [5, 6, 7, 8, 9]
     assert sessions.commit_ids(req, 7) == []  # the 4th output id is past max_new_tokens
