@@ -16,6 +16,9 @@ bin=$1 out=$2 sweep=$3 arms=$4 sessions=$5
 shift 5
 mkdir -p "$out/logs"
 jobs=${JOBS:-0}
+case $jobs in
+''|*[!0-9]*) echo "sweep-parallel: JOBS=$jobs must be a whole number (0: unbounded)" >&2; exit 2 ;;
+esac
 (while :; do echo "$(date -u +%H:%M:%S) $(cat /proc/loadavg)"; sleep 10; done) >>"$out/logs/loadavg.log" 2>/dev/null &
 sampler=$!
 trap 'kill $sampler 2>/dev/null || true' EXIT
