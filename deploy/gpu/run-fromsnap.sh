@@ -20,8 +20,13 @@
 #               at the prefix and tail lengths the fromsnap phases loaded. -> $OUT/limit.json
 #   rehome      E3 and E4 with a decode worker's engine killed (--kill-decode decode-0
 #               --kill-worker-only: its sidecar lives and reports it down, as when an engine
-#               crashes under systemd) once every session's first turn completed ok
-#               (--kill-after-requests = sessions: no race with open first turns): E4 re-homes
+#               crashes under systemd) KVC_FS_REHOME_KILL_DELAY [10s] after every session's first
+#               turn completed ok (--kill-after-requests = sessions: no race with open first turns;
+#               the delay lets the D->P snapshot pushes after the last commits land: killed at once,
+#               the sessions committed last had no snapshot yet, and their next turns re-prefilled,
+#               as the GPU run of 2026-12-02 07:15 showed); each decode pool
+#               KVC_FS_REHOME_DECODE_CAPACITY [80000] tokens, so the survivor holds all four
+#               sessions after their second turns (60000 made it evict one mid-run): E4 re-homes
 #               its sessions onto the other decode worker from the store before their next turn;
 #               E3 re-prefills them at their next turn. -> $OUT/rehome/
 #   report      deploy/gpu/fromsnap_report.py: $OUT/gpu-prefill.md, whose last line (also this
@@ -68,15 +73,18 @@ if [[ ${KVC_REAL_VERIFY:-1} == 1 ]]; then VERIFY="--verify-recompute"; fi
 REFARGS="--model $MODEL $VERIFY --prealloc-wait 120 --transfer-timeout 300 --bridge-wait 600 ${KVC_REAL_REFWORKER_ARGS:-}"
 
 bench() { # out-dir decode-workers extra-flags...
-	local out=$1 decode=$2
+	local out=$1 decode=$2 dcap=${DCAP_OF:-$DCAP}
 	shift 2
 	"$BIN/kvc-bench" --local --bin-dir "$BIN" --arms E3,E4 --out "$out" \
 		--worker-kind refworker --refworker-python "$PY" --refworker-devices "$KVC_REAL_DEVICES" \
 		--refworker-args "$REFARGS" --sidecar-args "$SIDECAR_ARGS" --decode "$decode" \
-		--decode-capacity-tokens "$DCAP" --decode-advertised-tokens $((3 * DCAP)) \
+		--decode-capacity-tokens "$dcap" --decode-advertised-tokens $((3 * dcap)) \
 		--prefill-capacity-tokens "${KVC_FS_PREFILL_CAPACITY:-49152}" \
 		--prefill-sidecar-args "$STORE" --edit-prob 0 --long-think-prob 0 --time-scale 1 \
 		--request-timeout 900s "$@" || echo "kvc-bench exited $?"
+	# The clusters' logs and event files, as one file (a device call returns files, not deep folders).
+	(cd "$out" && find . -path './cluster-*' \( -name '*.log' -o -name '*.events.jsonl' \) -print0 |
+		tar --null -czf cluster-logs.tgz -T -) || true
 }
 
 for phase in $PHASES; do
@@ -103,11 +111,11 @@ for phase in $PHASES; do
 	rehome)
 		set -x
 		RS=${KVC_FS_REHOME_SESSIONS:-4}
-		bench "$OUT/rehome" "${KVC_FS_REHOME_DECODE:-2}" --sessions "$RS" --min-turns 2 --max-turns 2 \
+		DCAP_OF=${KVC_FS_REHOME_DECODE_CAPACITY:-80000} bench "$OUT/rehome" "${KVC_FS_REHOME_DECODE:-2}" --sessions "$RS" --min-turns 2 --max-turns 2 \
 			--initial-min-tokens "${KVC_FS_REHOME_CONTEXT:-16384}" --initial-max-tokens "${KVC_FS_REHOME_CONTEXT:-16384}" \
 			--arrival-spacing "${KVC_FS_REHOME_SPACING:-5s}" --think-min "${KVC_FS_REHOME_THINK:-40s}" \
 			--think-max "${KVC_FS_REHOME_THINK:-40s}" --large-append-prob 0 \
-			--kill-decode decode-0 --kill-worker-only --kill-after-requests "$RS"
+			--kill-decode decode-0 --kill-worker-only --kill-after-requests "$RS" --kill-delay "${KVC_FS_REHOME_KILL_DELAY:-10s}"
 		set +x
 		;;
 	report)

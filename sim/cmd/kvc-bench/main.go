@@ -67,6 +67,7 @@ type opts struct {
 	killWorkerOnly bool
 	killAt         time.Duration
 	killAfter      int
+	killDelay      time.Duration
 	sweep          bench.SweepSpec
 	shapes         []bench.Shape
 	snapDelta      int64
@@ -155,6 +156,7 @@ func parse(args []string, stderr io.Writer) (*opts, error) {
 	fs.Int64Var(&o.snapDelta, "snapshot-delta-tokens", 0, "with --local: the policy's snapshot_delta_tokens (a decode sidecar pushes when committed - last pushed reaches it; 0: the control plane's default, 1024). Small values keep idle sessions' snapshots current at the cost of more, smaller pushes")
 	fs.BoolVar(&o.killWorkerOnly, "kill-worker-only", false, "with --kill-decode: SIGKILL only the decode worker's kvc-sim (its sidecar stays up and reports the worker down) instead of the kvc-sim and its sidecar")
 	fs.DurationVar(&o.killAt, "kill-at", 60*time.Second, "with --kill-decode: when, on the workload clock (scaled by --time-scale)")
+	fs.DurationVar(&o.killDelay, "kill-delay", 0, "with --kill-after-requests: kill this long after the trigger (workload clock, scaled by --time-scale), e.g. so that the sessions' snapshot pushes after their last commits are done")
 	fs.IntVar(&o.killAfter, "kill-after-requests", 0, "with --kill-decode, instead of --kill-at: kill once this many of the arm's requests have completed ok (a trigger that cannot race the requests it waits for; 0: use --kill-at)")
 	fs.StringVar(&o.workerKind, "worker-kind", "sim", "with --local: sim (kvc-sim) or refworker (kvc-refworker: a real model's KV, integrations/refworker; implies --send-ids)")
 	fs.StringVar(&o.refPython, "refworker-python", "python3", "with --worker-kind refworker: the Python that runs -m kvc_refworker")
@@ -175,6 +177,12 @@ func parse(args []string, stderr io.Writer) (*opts, error) {
 	}
 	if o.killAfter > 0 && o.killDecode == "" {
 		errs = append(errs, errors.New("--kill-after-requests needs --kill-decode"))
+	}
+	if o.killDelay < 0 {
+		errs = append(errs, fmt.Errorf("--kill-delay %s must be >= 0", o.killDelay))
+	}
+	if o.killDelay > 0 && o.killAfter == 0 {
+		errs = append(errs, errors.New("--kill-delay needs --kill-after-requests"))
 	}
 	if o.killAfter > 0 && killAtSet {
 		errs = append(errs, errors.New("--kill-after-requests and --kill-at exclude each other: give one"))
@@ -353,7 +361,7 @@ func run(args []string, stderr io.Writer) int {
 		cfg.Decode, cfg.Prefill, cfg.PrefillCapacityTokens = o.decode, o.prefill, o.prefillCap
 		cfg.Baselines = bench.Baselines{PrefixCacheTokens: o.prefixCache, HostTierTokens: o.hostTier}
 		cfg.KillDecode, cfg.KillAt, cfg.KillWorkerOnly = o.killDecode, o.killAt, o.killWorkerOnly
-		cfg.KillAfterRequests = o.killAfter
+		cfg.KillAfterRequests, cfg.KillDelay = o.killAfter, o.killDelay
 		if o.snapDelta > 0 {
 			cfg.Policy = &kvcv1.Policy{SnapshotDeltaTokens: proto.Int64(o.snapDelta)}
 		}

@@ -139,6 +139,9 @@ type Config struct {
 	// KillAfterRequests > 0 replaces KillAt: the kill comes once this many of the arm's
 	// requests have completed ok (e.g. every session's first turn), whatever the time.
 	KillAfterRequests int
+	// KillDelay: with KillAfterRequests, the kill comes this long after the trigger (workload
+	// clock, scaled by Replay.TimeScale).
+	KillDelay time.Duration
 	// KillWorkerOnly: the kill takes only the decode worker's kvc-sim (its process died, its
 	// sidecar stays up and reports it: WORKER_DOWN) instead of the kvc-sim and its sidecar.
 	KillWorkerOnly bool
@@ -311,6 +314,10 @@ func runArm(ctx context.Context, cfg Config, arm string, out io.Writer, meta *re
 			case <-after.fired:
 			case <-kctx.Done():
 				fmt.Fprintf(cfg.Log, "%s: no kill: fewer than %d requests completed ok\n", arm, cfg.KillAfterRequests)
+				close(killed)
+				return
+			}
+			if !sleepUntil(kctx, time.Now().Add(time.Duration(float64(cfg.KillDelay)*opt.TimeScale))) {
 				close(killed)
 				return
 			}
