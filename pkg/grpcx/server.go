@@ -47,6 +47,15 @@ const (
 	ServerKeepaliveTime = 10 * time.Second
 	// ServerKeepaliveTimeout is how long a server waits for a ping ack.
 	ServerKeepaliveTimeout = 3 * time.Second
+	// StreamWindow and ConnWindow are the HTTP/2 flow-control windows of our servers and
+	// clients (a stream's, a connection's), static: with grpc-go's default dynamic windows each
+	// side's bandwidth-delay estimator sends a PING, and its peer an ack, about once per round
+	// trip of data — on a Route stream of small messages two extra frames to write, read and
+	// wake up for per query each way (TestStaticFlowControlWindows; docs/routing.md §10). Our
+	// messages are control messages (KV bytes never travel over gRPC); a message larger than
+	// the window is still received whole (grpc-go widens the window for it).
+	StreamWindow = 1 << 20
+	ConnWindow   = 4 << 20
 )
 
 // Server is a gRPC server with its health service.
@@ -144,6 +153,8 @@ func NewServer(log zerolog.Logger, opt ...Option) *Server {
 			Time:    ServerKeepaliveTime,
 			Timeout: ServerKeepaliveTimeout,
 		}),
+		grpc.StaticStreamWindowSize(StreamWindow),
+		grpc.StaticConnWindowSize(ConnWindow),
 		grpc.ChainUnaryInterceptor(unary...),
 		grpc.ChainStreamInterceptor(stream...),
 	}
@@ -216,6 +227,8 @@ func ClientOptions() []grpc.DialOption {
 			Timeout:             ClientKeepaliveTimeout,
 			PermitWithoutStream: true,
 		}),
+		grpc.WithStaticStreamWindowSize(StreamWindow),
+		grpc.WithStaticConnWindowSize(ConnWindow),
 		grpc.WithDefaultCallOptions(
 			grpc.MaxCallRecvMsgSize(MaxRecvMsgSize),
 			grpc.MaxCallSendMsgSize(MaxSendMsgSize),
