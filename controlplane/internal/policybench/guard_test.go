@@ -29,6 +29,11 @@ const (
 	// maxLockedCallsPerPair: UpdateSession once for the query (decided on the live record) and
 	// at most once for its outcome; Session (a copy under the lock) never.
 	maxLockedCallsPerPair = 2
+	// maxLockedCallsPerQuery: a query reads its session and records the decision's effects in
+	// one trip through the state lock (UpdateSession; the policy runs inside it), never a
+	// Session copy first; maxLockedCallsPerOutcome: an outcome edits the record at most once.
+	maxLockedCallsPerQuery   = 1
+	maxLockedCallsPerOutcome = 1
 )
 
 // countingCluster counts the calls of routertest.Cluster that take the state's lock in the real
@@ -90,22 +95,28 @@ func TestDecisionPathBudget(t *testing.T) {
 		outs[i] = wrapO("") // its decision id is set once decided (outside the counted work)
 	}
 	modes := map[kvcv1.RouteMode]int{}
+	locked := func() int64 { return c.updates.Load() + c.sessions.Load() }
+	var maxQuery, maxOutcome int64 // the most trips through the state lock of one query, one outcome
 	pair := func(i int) {
+		l0 := locked()
 		d := s.Handle(reqs[i]).GetDecision()
 		if d == nil {
 			t.Fatalf("query %d got no decision", i)
 		}
+		l1 := locked()
 		modes[d.GetMode()]++
 		o := outs[i].GetOutcome()
 		o.DecisionId = d.GetDecisionId()
 		if s.Handle(outs[i]).GetOutcomeAck() == nil {
 			t.Fatalf("outcome %d not acknowledged", i)
 		}
+		maxQuery, maxOutcome = max(maxQuery, l1-l0), max(maxOutcome, locked()-l1)
 	}
 	for i := range n / 2 { // warm up: pools, the ledger's tables, the settling lists
 		pair(i)
 	}
 	clear(modes)
+	maxQuery, maxOutcome = 0, 0
 	u0, s0, c0 := c.updates.Load(), c.sessions.Load(), c.commands.Load()
 	i := n / 2
 	const runs = n/2 - 1 // AllocsPerRun calls f once more before counting
@@ -115,8 +126,8 @@ func TestDecisionPathBudget(t *testing.T) {
 	})
 	pairs := int64(i - n/2)
 	updates, sessions, commands := c.updates.Load()-u0, c.sessions.Load()-s0, c.commands.Load()-c0
-	t.Logf("per query and outcome: %.2f allocations, %.2f UpdateSession, %.2f Session, %.3f SendCommand (modes %v)",
-		allocs, float64(updates)/float64(pairs), float64(sessions)/float64(pairs), float64(commands)/float64(pairs), modes)
+	t.Logf("per query and outcome: %.2f allocations, %.2f UpdateSession, %.2f Session, %.3f SendCommand; at most %d trips through the state lock per query, %d per outcome (modes %v)",
+		allocs, float64(updates)/float64(pairs), float64(sessions)/float64(pairs), float64(commands)/float64(pairs), maxQuery, maxOutcome, modes)
 	if modes[kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D] == 0 || modes[kvcv1.RouteMode_ROUTE_MODE_SEED] == 0 {
 		t.Fatalf("the workload's mix is missing (modes %v): the guard measures nothing representative", modes)
 	}
@@ -126,5 +137,9 @@ func TestDecisionPathBudget(t *testing.T) {
 	if lim := maxLockedCallsPerPair * pairs; updates+sessions > lim {
 		t.Errorf("%d UpdateSession and %d Session calls for %d queries and outcomes, budget %d: a trip through the state lock was added",
 			updates, sessions, pairs, lim)
+	}
+	if maxQuery > maxLockedCallsPerQuery || maxOutcome > maxLockedCallsPerOutcome {
+		t.Errorf("a query took the state lock %d times (budget %d), an outcome %d times (budget %d): a trip through the state lock was added",
+			maxQuery, maxLockedCallsPerQuery, maxOutcome, maxLockedCallsPerOutcome)
 	}
 }
