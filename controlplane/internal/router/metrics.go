@@ -11,12 +11,12 @@ import (
 
 type metrics struct {
 	decisions      *prometheus.CounterVec
-	decisionByKey  map[[2]int32]prometheus.Counter
+	decisionByKey  counters2 // by mode, reason (every pair, made up front)
 	latency        prometheus.Histogram
 	outcomes       *prometheus.CounterVec
-	outcomeByKey   map[[2]int32]prometheus.Counter // by mode, error kind (every pair, made up front)
+	outcomeByKey   counters2 // by mode, error kind (every pair, made up front)
 	ttft           *prometheus.HistogramVec
-	ttftByMode     map[int32]prometheus.Observer
+	ttftByMode     []prometheus.Observer // by mode
 	errors         *prometheus.CounterVec
 	expired        prometheus.Counter
 	lateOutcomes   prometheus.Counter
@@ -38,7 +38,7 @@ type metrics struct {
 	loadSkippedBusy    prometheus.Counter
 	suffixReceives     prometheus.Counter
 	queued             *prometheus.CounterVec
-	queuedByKey        map[[2]int32]prometheus.Counter // by mode, policy.Admission
+	queuedByKey        counters2 // by mode, policy.Admission
 	keptFallbacks      prometheus.Counter
 	wastedKV           prometheus.Counter
 	// The new-session bound (policy/newsession.go): queries refused, new sessions' tokens held.
@@ -86,8 +86,7 @@ func newMetrics(reg prometheus.Registerer, s *Service) *metrics {
 		decisions: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvc_router_decisions_total", Help: "Routing decisions by mode and reason.",
 		}, []string{"mode", "reason"}),
-		decisionByKey: make(map[[2]int32]prometheus.Counter),
-		admittedFor:   make(map[string]prometheus.Counter),
+		admittedFor: make(map[string]prometheus.Counter),
 		latency: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name: "kvc_router_decision_seconds", Help: "Time to answer one query (validation, policy, reservation, effects).",
 			Buckets: prometheus.ExponentialBuckets(1e-6, 2, 16),
@@ -150,10 +149,11 @@ func newMetrics(reg prometheus.Registerer, s *Service) *metrics {
 		Name: "kvc_router_queued_admissions_total",
 		Help: "Decisions sent to a decode worker that cannot admit them now by the control plane's count, to wait in its prealloc queue instead of a downgrade to PD_FALLBACK, by mode and why: capacity (the capacity rule), transfer_budget (a reseed from the store with every store-transfer slot of the D taken), rejecter (a reseed onto a D that rejected the session since its last success).",
 	}, []string{"mode", "why"})
-	m.queuedByKey = make(map[[2]int32]prometheus.Counter)
+	nModes := enumLen(kvcv1.RouteMode_name)
+	m.queuedByKey = newCounters2(nModes, int(policy.AdmitRejecter)+1)
 	for mv := range kvcv1.RouteMode_name {
 		for _, a := range []policy.Admission{policy.AdmitOverCapacity, policy.AdmitOverBudget, policy.AdmitRejecter} {
-			m.queuedByKey[[2]int32{mv, int32(a)}] = m.queued.WithLabelValues(ModeName(kvcv1.RouteMode(mv)), a.String())
+			m.queuedByKey.set(mv, int32(a), m.queued.WithLabelValues(ModeName(kvcv1.RouteMode(mv)), a.String()))
 		}
 	}
 	m.keptFallbacks = prometheus.NewCounter(prometheus.CounterOpts{
@@ -200,14 +200,15 @@ func newMetrics(reg prometheus.Registerer, s *Service) *metrics {
 		Name: "kvc_router_content_loaded_total",
 		Help: "Sessions' page chains this leader loaded from their records (content_chain) on their first decision.",
 	})
-	m.outcomeByKey = make(map[[2]int32]prometheus.Counter)
-	m.ttftByMode = make(map[int32]prometheus.Observer)
+	m.decisionByKey = newCounters2(nModes, enumLen(kvcv1.RouteReason_name))
+	m.outcomeByKey = newCounters2(nModes, enumLen(kvcv1.RouteErrorKind_name))
+	m.ttftByMode = make([]prometheus.Observer, nModes)
 	for mv := range kvcv1.RouteMode_name {
 		for rv := range kvcv1.RouteReason_name {
-			m.decisionByKey[[2]int32{mv, rv}] = m.decisions.WithLabelValues(ModeName(kvcv1.RouteMode(mv)), ReasonName(kvcv1.RouteReason(rv)))
+			m.decisionByKey.set(mv, rv, m.decisions.WithLabelValues(ModeName(kvcv1.RouteMode(mv)), ReasonName(kvcv1.RouteReason(rv))))
 		}
 		for kv := range kvcv1.RouteErrorKind_name {
-			m.outcomeByKey[[2]int32{mv, kv}] = m.outcomes.WithLabelValues(ModeName(kvcv1.RouteMode(mv)), errorKindName(kvcv1.RouteErrorKind(kv)))
+			m.outcomeByKey.set(mv, kv, m.outcomes.WithLabelValues(ModeName(kvcv1.RouteMode(mv)), errorKindName(kvcv1.RouteErrorKind(kv))))
 		}
 		m.ttftByMode[mv] = m.ttft.WithLabelValues(ModeName(kvcv1.RouteMode(mv)))
 	}
@@ -224,7 +225,7 @@ func newMetrics(reg prometheus.Registerer, s *Service) *metrics {
 
 // outcome counts an outcome of a decision of mode with error kind (NONE on success).
 func (m *metrics) outcome(mode kvcv1.RouteMode, kind kvcv1.RouteErrorKind) {
-	if c, ok := m.outcomeByKey[[2]int32{int32(mode), int32(kind)}]; ok {
+	if c := m.outcomeByKey.get(int32(mode), int32(kind)); c != nil {
 		c.Inc()
 		return
 	}
@@ -233,15 +234,15 @@ func (m *metrics) outcome(mode kvcv1.RouteMode, kind kvcv1.RouteErrorKind) {
 
 // observeTTFT records a successful request's time to first token, by executed mode.
 func (m *metrics) observeTTFT(mode kvcv1.RouteMode, seconds float64) {
-	if o, ok := m.ttftByMode[int32(mode)]; ok {
-		o.Observe(seconds)
+	if mode >= 0 && int(mode) < len(m.ttftByMode) && m.ttftByMode[mode] != nil {
+		m.ttftByMode[mode].Observe(seconds)
 		return
 	}
 	m.ttft.WithLabelValues(ModeName(mode)).Observe(seconds)
 }
 
 func (m *metrics) decision(mode kvcv1.RouteMode, reason kvcv1.RouteReason) {
-	if c, ok := m.decisionByKey[[2]int32{int32(mode), int32(reason)}]; ok {
+	if c := m.decisionByKey.get(int32(mode), int32(reason)); c != nil {
 		c.Inc()
 	}
 }
@@ -266,7 +267,7 @@ func (m *metrics) plan(d *policy.Decision) {
 // fallback that keeps residency, a plain fallback that wasted KV the cluster held.
 func (m *metrics) admission(d *policy.Decision) {
 	if d.Admission != policy.AdmitFits {
-		if c, ok := m.queuedByKey[[2]int32{int32(d.Mode), int32(d.Admission)}]; ok {
+		if c := m.queuedByKey.get(int32(d.Mode), int32(d.Admission)); c != nil {
 			c.Inc()
 		}
 	}
@@ -276,4 +277,37 @@ func (m *metrics) admission(d *policy.Decision) {
 	if d.WastedKV {
 		m.wastedKV.Inc()
 	}
+}
+
+// counters2 is a dense table of counters by two small non-negative enum values, made up front
+// (an index per decision or outcome instead of a map lookup).
+type counters2 struct {
+	n2 int
+	c  []prometheus.Counter
+}
+
+func newCounters2(n1, n2 int) counters2 {
+	return counters2{n2: n2, c: make([]prometheus.Counter, n1*n2)}
+}
+
+func (t counters2) set(a, b int32, c prometheus.Counter) { t.c[int(a)*t.n2+int(b)] = c }
+
+// get is the counter of (a, b); nil for a value the table was not made for.
+func (t counters2) get(a, b int32) prometheus.Counter {
+	if a < 0 || b < 0 || int(b) >= t.n2 {
+		return nil
+	}
+	if i := int(a)*t.n2 + int(b); i < len(t.c) {
+		return t.c[i]
+	}
+	return nil
+}
+
+// enumLen is one more than the largest value of a proto enum's name map.
+func enumLen(names map[int32]string) int {
+	n := 0
+	for v := range names {
+		n = max(n, int(v)+1)
+	}
+	return n
 }
