@@ -50,8 +50,9 @@ const (
 	// StreamWindow and ConnWindow are the HTTP/2 flow-control windows of our servers and
 	// clients (a stream's, a connection's), static: with grpc-go's default dynamic windows each
 	// side's bandwidth-delay estimator sends a PING, and its peer an ack, about once per round
-	// trip of data — on a Route stream of small messages two extra frames to write, read and
-	// wake up for per query each way (TestStaticFlowControlWindows; docs/routing.md §10). Our
+	// trip of data, and the small default windows call for WINDOW_UPDATEs: on the benchmark's
+	// Route stream one frame more per decision each way beside its two DATA frames, to write,
+	// read and wake up for (TestStaticFlowControlWindows; docs/routing.md §10). Our
 	// messages are control messages (KV bytes never travel over gRPC); a message larger than
 	// the window is still received whole (grpc-go widens the window for it).
 	StreamWindow = 1 << 20
