@@ -13,11 +13,15 @@ of them: the plugin reports them, as kvc-sim's decode worker does.
   decode worker): the requests whose transfer is ready (``waiting_for_input``) but that got no
   pages wait for room.
 
-Each computes the waiting requests, the tokens they need (whole pages of the uncached context
-plus the output SGLang reserves), the tokens the pool can give without releasing a session
-(free pages plus the radix cache's evictable ones) and the worker's unevictable KV (the
-committed KV of the streaming sessions its running, pre-allocated or receiving requests are
-using: a turn that only waits does not pin its session), and hands them to the process's
+Both read the scheduler's requests through ``scheduler_view`` / ``prealloc_view`` (``View``: the
+requests waiting for pages, those queued before it, those in use), which the capacity release
+reads too (sessions.release_for_capacity: a session whose turn waits is not released while
+another session holding KV is idle). Each computes the waiting requests, the tokens they need
+(whole pages of the uncached context plus the output SGLang reserves), the tokens the pool can
+give without releasing a session (free pages plus the radix cache's evictable ones) and the
+worker's unevictable KV (the committed KV of the streaming sessions its running, pre-allocated
+or receiving requests are using: a turn that only waits does not pin its session), and hands
+them to the process's
 ``DemandReporter``, which sends a report only when they changed (0 waiting once, when the queue
 drained), off the scheduler thread.
 """
@@ -26,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Iterable, Optional, Tuple
+from typing import Iterable, List, NamedTuple, Optional, Set, Tuple
 
 from . import runtime
 from .bridge import BridgeError
@@ -162,12 +166,96 @@ def _batch_reqs(batch) -> list:
     return list(getattr(batch, "reqs", None) or ()) if batch is not None else []
 
 
+class View(NamedTuple):
+    """The scheduler's requests by what they do with the pool: ``waiting`` for pages (the
+    demand's), ``queued`` before that (a P/D prealloc entry still handshaking, a retracted
+    request), ``in_use`` (running: the running batch, the last batch still in flight, a chunked
+    prefill; pre-allocated or receiving: the transfer queue, transferred requests not yet in a
+    batch). Finished requests are in none."""
+
+    waiting: List
+    queued: List
+    in_use: List
+
+    def sessions(self, which: str) -> Set[str]:
+        """The session ids of the requests of one part (the streaming session's and the kvc hint's)."""
+        out: Set[str] = set()
+        for r in getattr(self, which):
+            out.update(session_ids_of(r))
+        return out
+
+
+def session_ids_of(req) -> Set[str]:
+    ids = set()
+    sid = getattr(getattr(req, "session", None), "session_id", None)
+    if sid:
+        ids.add(sid)
+    try:
+        h = runtime.hint_of_req(req)
+    except ValueError:
+        h = None
+    if h is not None and h.session_id:
+        ids.add(h.session_id)
+    return ids
+
+
+def _live(reqs) -> List:
+    """reqs without finished ones and duplicates (a prefill batch merged into the running batch
+    is the last batch too)."""
+    out, seen = [], set()
+    for r in reqs:
+        if r is None or id(r) in seen:
+            continue
+        seen.add(id(r))
+        fin = getattr(r, "finished", None)
+        if callable(fin) and fin():
+            continue
+        out.append(r)
+    return out
+
+
+def _running(scheduler) -> List:
+    """Running requests: the running batch, the last batch (in flight until its result is
+    processed: a prefill batch is merged into the running batch only at the next schedule) and a
+    chunked prefill."""
+    if scheduler is None:
+        return []
+    return (_batch_reqs(getattr(scheduler, "running_batch", None)) + _batch_reqs(getattr(scheduler, "last_batch", None))
+            + [getattr(scheduler, "chunked_req", None)])
+
+
+def prealloc_view(queue, popped: Iterable = ()) -> View:
+    """A P/D decode worker's view from its DecodePreallocQueue (``popped``: the entries the last
+    pop_preallocated pre-allocated, not yet on the transfer queue)."""
+    entries = list(getattr(queue, "queue", ()) or ())
+    sched = getattr(queue, "scheduler", None)
+    waiting = [d.req for d in entries if getattr(d, "waiting_for_input", False)]
+    queued = [d.req for d in entries if not getattr(d, "waiting_for_input", False)]
+    queued += list(getattr(queue, "retracted_queue", ()) or ())
+    in_use = _running(sched) + [d.req for d in popped or ()]
+    in_use += [d.req for d in getattr(getattr(queue, "transfer_queue", None), "queue", ()) or ()]
+    in_use += list(getattr(sched, "waiting_queue", ()) or ())  # transferred, not yet in a batch
+    return View(_live(waiting), _live(queued), _live(in_use))
+
+
+def scheduler_view(scheduler, scheduled=None) -> View:
+    """The view of a decode scheduler: its prealloc queue's on a P/D decode worker, else (a
+    colocated worker) ``waiting_queue`` waits and ``scheduled`` (a prefill batch just built) is
+    in use beside the running requests."""
+    pq = getattr(scheduler, "disagg_decode_prealloc_queue", None)
+    if pq is not None:
+        return prealloc_view(pq)
+    waiting = list(getattr(scheduler, "waiting_queue", ()) or ())
+    return View(_live(waiting), [], _live(_running(scheduler) + _batch_reqs(scheduled)))
+
+
 def after_prefill_schedule(result, scheduler, *args, **kwargs):
     """AFTER Scheduler.get_new_batch_prefill: what is left in the waiting queue waits for room."""
     try:
-        report(getattr(scheduler, "waiting_queue", ()) or (), int(getattr(scheduler, "page_size", 1) or 1),
+        v = scheduler_view(scheduler, result)
+        report(v.waiting, int(getattr(scheduler, "page_size", 1) or 1),
                getattr(scheduler, "token_to_kv_pool_allocator", None), getattr(scheduler, "tree_cache", None),
-               _batch_reqs(getattr(scheduler, "running_batch", None)))
+               v.in_use)
     except Exception:  # never the scheduler's failure
         logger.exception("kvcentric: demand report")
     return result
@@ -177,12 +265,8 @@ def after_pop_preallocated(result, queue, *args, **kwargs):
     """AFTER DecodePreallocQueue.pop_preallocated: ready transfers that got no pages wait."""
     try:
         alloc = getattr(queue, "token_to_kv_pool_allocator", None)
-        waiting = [d.req for d in getattr(queue, "queue", ()) or () if getattr(d, "waiting_for_input", False)]
-        # in use: running, and pre-allocated or receiving (this call's result, the transfer queue)
-        in_use = _batch_reqs(getattr(getattr(queue, "scheduler", None), "running_batch", None))
-        in_use += [d.req for d in (result[0] if isinstance(result, tuple) and result else ()) or ()]
-        in_use += [d.req for d in getattr(getattr(queue, "transfer_queue", None), "queue", ()) or ()]
-        report(waiting, int(getattr(alloc, "page_size", 1) or 1), alloc, getattr(queue, "tree_cache", None), in_use)
+        v = prealloc_view(queue, result[0] if isinstance(result, tuple) and result else ())
+        report(v.waiting, int(getattr(alloc, "page_size", 1) or 1), alloc, getattr(queue, "tree_cache", None), v.in_use)
     except Exception:
         logger.exception("kvcentric: demand report")
     return result

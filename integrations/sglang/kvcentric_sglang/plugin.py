@@ -207,8 +207,7 @@ def create_generation_req_around(original, scheduler, recv_req, *args, **kwargs)
 def process_input_requests_after(result, scheduler, *args, **kwargs):
     w = runtime.state.watch
     if w is not None:
-        tree = getattr(scheduler, "tree_cache", None)
-        w.run_pending(getattr(tree, "session", None))
+        w.run_pending(scheduler)  # watch.start_for_process: its streaming sessions, its requests
     return result
 
 

@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Tuple
 import grpc
 
 from . import runtime
-from .bridge import BridgeError
+from .bridge import REASON_CAPACITY, BridgeError
 
 logger = logging.getLogger(__name__)
 
@@ -136,13 +136,44 @@ def release_around(original, streaming_session, session_id, *args, **kwargs):
     return original(streaming_session, session_id, *args, **kwargs)
 
 
-def release_for_capacity(streaming_session, session_id: str) -> int:
+class ReleaseRefused(RuntimeError):
+    """A release command the worker refuses (the watcher acks it ok=false with this message)."""
+
+
+def idle_sessions(streaming_session, view, exclude: str = "") -> List[str]:
+    """Sessions committed through this process whose slot holds KV and that no request of the
+    view uses, waits for or queues: what the sidecar's capacity release could take."""
+    busy = view.sessions("waiting") | view.sessions("queued") | view.sessions("in_use")
+    with _resident_lock:
+        committed = set(_resident)
+    return sorted(sid for sid, slot in streaming_session.slots.items()
+                  if sid != exclude and sid in committed and slot.kv.holds_kv and sid not in busy)
+
+
+def release_for_capacity(streaming_session, session_id: str, reason: int = REASON_CAPACITY, view=None) -> int:
     """A WatchCommands release: frees the session's slot (ReleaseSession with reason EVICTED
     first, through the hook). The SGLang session stays open: its next turn re-prefills from
-    history. Returns the tokens freed."""
+    history. Returns the tokens freed.
+
+    ``view`` (demand.View of the scheduler, when known) refuses, leaving the slot and SGLang's
+    state as they are: a session a request uses (running, pre-allocated, receiving), for any
+    reason; and a capacity release of a session whose turn waits for pages (or is queued for
+    them) while another committed session holding KV is idle (idle_sessions) — releasing it
+    would turn a turn needing a few pages into a reseed of the whole context into the same full
+    pool; the sidecar passes over a refused session and takes the idle one. With no such
+    session the release goes ahead (the waiting turn re-prefills from history)."""
     slot = streaming_session.slots.get(session_id)
     if slot is None:
         raise KeyError("session %s holds no KV on this worker" % session_id)
+    if view is not None:
+        if session_id in view.sessions("in_use"):
+            raise ReleaseRefused("session %s is in use by a running, pre-allocated or receiving request" % session_id)
+        if reason == REASON_CAPACITY and session_id in (view.sessions("waiting") | view.sessions("queued")):
+            idle = idle_sessions(streaming_session, view, exclude=session_id)
+            if idle:
+                raise ReleaseRefused(
+                    "session %s has a turn waiting for pages, and %d idle session(s) can be released instead (%s)" %
+                    (session_id, len(idle), ", ".join(idle[:3])))
     freed = max(0, int(slot.kv.kv_allocated_len) - int(slot.kv.cache_protected_len)) if slot.kv.holds_kv else 0
     tok = _evicting.set(True)
     try:

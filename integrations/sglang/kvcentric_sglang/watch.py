@@ -8,8 +8,11 @@ the client calls ``on_reregister()`` (register the pool again) and then ``on_rec
 
 Release and truncate commands change the worker's KV and so must run where SGLang may free
 pages: the scheduler thread. The client queues them; the scheduler drains the queue
-(``run_pending``, called from the plugin's Scheduler.process_input_requests hook) and every
-command is acknowledged with AckCommand (ok, error, tokens freed).
+(``run_pending(scheduler)``, called from the plugin's Scheduler.process_input_requests hook) and
+every command is acknowledged with AckCommand (ok, error, tokens freed): a callback that raises
+is acked ok=false with the exception as the error (a release the worker refuses).
+``on_release(ctx, session_id, reason)`` and ``on_truncate(ctx, session_id, keep_tokens)`` get
+run_pending's ctx (the plugin's: the scheduler; kvc-refworker's: its worker).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ logger = logging.getLogger(__name__)
 class WatchClient:
     def __init__(self, bridge: WorkerBridge, *, on_reregister: Callable[[], None],
                  on_recommit: Callable[[], None],
-                 on_release: Optional[Callable[[object, str], int]] = None,
+                 on_release: Optional[Callable[[object, str, int], int]] = None,
                  on_truncate: Optional[Callable[[object, str, int], int]] = None,
                  worker_instance: Optional[str] = None, backoff_max_s: float = 5.0):
         self.bridge = bridge
@@ -105,9 +108,9 @@ class WatchClient:
             self.on_recommit()
             self.reregistrations += 1
 
-    def run_pending(self, streaming_session) -> int:
-        """Carries out queued release / truncate commands (on the scheduler thread) and acks
-        each. Returns how many ran."""
+    def run_pending(self, ctx) -> int:
+        """Carries out queued release / truncate commands (on the scheduler thread) with the
+        callbacks (ctx their first argument) and acks each. Returns how many ran."""
         n = 0
         while True:
             try:
@@ -120,11 +123,11 @@ class WatchClient:
                 if cmd.release is not None:
                     if self.on_release is None:
                         raise RuntimeError("this worker carries out no release commands")
-                    freed = int(self.on_release(streaming_session, cmd.release) or 0)
+                    freed = int(self.on_release(ctx, cmd.release, cmd.reason) or 0)
                 elif cmd.truncate is not None:
                     if self.on_truncate is None:
                         raise RuntimeError("this worker carries out no truncate commands")
-                    freed = int(self.on_truncate(streaming_session, cmd.truncate[0], cmd.truncate[1]) or 0)
+                    freed = int(self.on_truncate(ctx, cmd.truncate[0], cmd.truncate[1]) or 0)
                 else:
                     raise RuntimeError("unknown command %d" % cmd.command_id)
             except Exception as e:
@@ -139,8 +142,10 @@ class WatchClient:
 def start_for_process(bridge: WorkerBridge, registration) -> Optional[WatchClient]:
     """Starts the process's WatchClient once the pool is registered (KV manager or linker):
     re-registers the pool and re-commits resident sessions when a restarted sidecar attaches,
-    runs release / truncate commands through sessions.py. KVC_SGLANG_WATCH=0 disables it."""
-    from . import runtime, sessions
+    runs release / truncate commands through sessions.py on the scheduler's streaming sessions,
+    a release with the scheduler's view of its requests (demand.scheduler_view: the refusals of
+    sessions.release_for_capacity). KVC_SGLANG_WATCH=0 disables it."""
+    from . import demand, runtime, sessions
 
     if os.environ.get("KVC_SGLANG_WATCH", "1") == "0" or runtime.state.watch is not None:
         return runtime.state.watch
@@ -152,7 +157,19 @@ def start_for_process(bridge: WorkerBridge, registration) -> Optional[WatchClien
             except BridgeError as e:
                 logger.error("kvcentric: re-commit of %s: %s", sid, e)
 
+    def release(scheduler, sid, reason):
+        return sessions.release_for_capacity(streaming_of(scheduler), sid, reason, demand.scheduler_view(scheduler))
+
     w = WatchClient(bridge, on_reregister=lambda: registration.register(bridge), on_recommit=recommit,
-                    on_release=sessions.release_for_capacity, on_truncate=sessions.truncate)
+                    on_release=release,
+                    on_truncate=lambda scheduler, sid, keep: sessions.truncate(streaming_of(scheduler), sid, keep))
     runtime.state.watch = w
     return w.start()
+
+
+def streaming_of(scheduler):
+    """The scheduler's StreamingSession (its UnifiedRadixCache's); raises when it has none."""
+    ss = getattr(getattr(scheduler, "tree_cache", None), "session", None)
+    if ss is None:
+        raise RuntimeError("this worker's cache holds no streaming sessions (--enable-streaming-session)")
+    return ss

@@ -92,6 +92,15 @@ def test_colocated_waiting_queue_is_reported(dside):
     assert rep.flush()
     g = gauges(d)
     assert (g["prealloc_waiting_requests"], g["worker_unevictable_tokens"], g["demand_reports_total"]) == (0, 48, 3), g
+    # the prefill batch SGLang just built runs too (a turn on 32 committed tokens), and the last
+    # batch, already merged into the running batch, counts once
+    fresh = kvctest.req("run-3", list(range(40)), session=SimpleNamespace(session_id="s-new"))
+    fresh.prefix_len = 32
+    sched.last_batch = sched.running_batch
+    demand.after_prefill_schedule(SimpleNamespace(reqs=[fresh]), sched)
+    assert rep.flush()
+    g = gauges(d)
+    assert (g["worker_unevictable_tokens"], g["demand_reports_total"]) == (48 + 32, 4), g
 
 
 def test_pd_decode_prealloc_queue_is_reported(dside):
@@ -108,6 +117,15 @@ def test_pd_decode_prealloc_queue_is_reported(dside):
     assert rep.flush()
     g = gauges(d)
     assert (g["prealloc_waiting_requests"], g["prealloc_waiting_tokens"]) == (1, 80), g
+    # a transferred turn in the scheduler's waiting queue (not yet in a batch) holds its
+    # session's 64 committed tokens
+    moved = kvctest.req("p3", list(range(80)), session=SimpleNamespace(session_id="s-moved"))
+    moved.prefix_len = 64
+    q.scheduler = SimpleNamespace(running_batch=None, waiting_queue=[moved])
+    demand.after_pop_preallocated(out, q)
+    assert rep.flush()
+    g = gauges(d)
+    assert (g["prealloc_waiting_requests"], g["worker_unevictable_tokens"]) == (1, 64), g
 
 
 def test_prefill_worker_reports_nothing(dside):
