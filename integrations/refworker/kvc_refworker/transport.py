@@ -250,7 +250,7 @@ def start_watch(xfer, worker, stop: threading.Event):
     from kvcentric_sglang.watch import WatchClient
 
     w = WatchClient(xfer.bridge, on_reregister=xfer.reregister, on_recommit=worker.recommit_all,
-                    on_release=lambda wk, sid: wk.release_for_capacity(sid),
+                    on_release=lambda wk, sid, reason: wk.release_for_capacity(sid, reason),
                     on_truncate=lambda wk, sid, keep: wk.truncate(sid, keep)).start()
 
     def run():

@@ -35,7 +35,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from kvcentric_sglang.bridge import TRANSFER_SEED, TRANSFER_SNAPSHOT, BridgeError
+from kvcentric_sglang.bridge import REASON_CAPACITY, TRANSFER_SEED, TRANSFER_SNAPSHOT, BridgeError
 
 from . import model as M
 from .pool import KVPool, pages_for
@@ -175,6 +175,9 @@ class Session:
     # pushed without ids)
     tokens: List[Optional[int]] = field(default_factory=list)
     pinned: int = 0
+    # of pinned: turns waiting in allocate for more pages (the session's KV untouched meanwhile):
+    # release_for_capacity may take the session from under them (they then answer 409)
+    waiting: int = 0
     committed: bool = False
     last_used: float = 0.0
     turn_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -402,15 +405,26 @@ class Worker:
 
     # -- the sidecar's WatchCommands (kvcentric_sglang.watch.WatchClient callbacks) -------------
 
-    def release_for_capacity(self, sid: str) -> int:
-        """A release command: frees an idle session (ReleaseSession EVICTED first); returns the
-        tokens freed. A session in use is refused (the sidecar picks another)."""
+    def release_for_capacity(self, sid: str, reason: int = REASON_CAPACITY) -> int:
+        """A release command: frees a session (ReleaseSession EVICTED first); returns the tokens
+        freed. Refused (the sidecar passes over it and picks another) while a turn runs on the
+        session, and for a capacity release while its only turns wait for pages (Session.waiting)
+        and another committed session no turn uses could go instead: releasing the waiting turn's
+        own session would turn a turn needing a few pages into a reseed of its whole context
+        into the same full pool (issue 20; kvc-sim's rule). With no such session it goes: the
+        waiting turn then answers 409 (_alloc_for_turn) and is re-decided."""
         with self.mu:
             s = self.sessions.get(sid)
             if s is None:
                 return 0
-            if s.pinned > 0:
-                raise RuntimeError("session %s is in use" % sid)
+            if s.pinned > s.waiting:
+                raise RuntimeError("session %s is in use by %d running turn(s)" % (sid, s.pinned - s.waiting))
+            if s.waiting and reason == REASON_CAPACITY:
+                idle = sorted(o.id for o in self.sessions.values()
+                              if o is not s and o.pinned == 0 and o.committed and o.pages and not o.gone)
+                if idle:
+                    raise RuntimeError("session %s has %d turn(s) waiting for pages, and %d idle session(s) can be "
+                                       "released instead (%s)" % (sid, s.waiting, len(idle), ", ".join(idle[:3])))
             del self.sessions[sid]
             s.gone = True
             freed = s.kv_len
@@ -475,6 +489,7 @@ class Worker:
     def session_list(self) -> List[Dict]:
         with self.mu:
             return [{"session_id": s.id, "kv_len": s.kv_len, "pages": len(s.pages), "pinned": s.pinned,
+                     "waiting": s.waiting,
                      "committed": s.committed, "tokens_known": sum(x is not None for x in s.tokens[:s.kv_len])}
                     for s in self.sessions.values()]
 
@@ -600,9 +615,7 @@ class Worker:
             t.start = min(lcp, n - 1)
             t.meta["prefix_mismatch_tokens"] = max(0, p.cached - lcp)
             if need > len(s.pages):
-                more, ev = self.allocate(need - len(s.pages), s.id)
-                t.meta["evicted_sessions"] = ev
-                s.pages.extend(more)
+                s.pages.extend(self._alloc_for_turn(t, need - len(s.pages)))
             self._append_prefill(t, t.start, resident=True)
             return
 
@@ -642,9 +655,7 @@ class Worker:
             surplus = s.pages[k:]
             s.pages = s.pages[:k]
             self.pool.free(surplus)
-            more, ev = self.allocate(need - k, s.id)
-            t.meta["evicted_sessions"] = ev
-            s.pages.extend(more)
+            s.pages.extend(self._alloc_for_turn(t, need - k))
             t.dirty = True
             self._receive(t, TRANSFER_SEED, n)
             self._first_from_received(t)
@@ -695,6 +706,29 @@ class Worker:
             self._first_from_received(t)
             if p.load_prefix:
                 t.bitwise = False  # P computed the tail on KV loaded from its store
+
+    def _alloc_for_turn(self, t: Turn, n: int) -> List[int]:
+        """n more pages for a turn on the session held here (t.s): while allocate waits for
+        them the turn only waits (Session.waiting). When the sidecar's capacity release took
+        the session meanwhile (release_for_capacity), the pages go back and the turn answers 409
+        session_not_resident, to be re-decided."""
+        s = t.s
+        with self.mu:
+            s.waiting += 1
+        try:
+            more, ev = self.allocate(n, s.id)
+        finally:
+            with self.mu:
+                s.waiting -= 1
+                gone = s.gone
+        if gone:
+            self.pool.free(more)
+            with self.mu:
+                self.mu.notify_all()
+            raise ApiError(409, "session_not_resident", "session %r was released on %s while its turn waited for "
+                           "pages" % (s.id, self.cfg.worker_id))
+        t.meta["evicted_sessions"] = ev
+        return more
 
     def _receive(self, t: Turn, kind: int, tokens: int) -> None:
         p = t.p
@@ -828,6 +862,8 @@ class Worker:
                 return
             s = t.s
             try:
+                if s.gone:  # released while the turn waited for pages: nothing of it is held here
+                    return
                 if not t.p.keep:
                     self.drop_session(s)
                     return

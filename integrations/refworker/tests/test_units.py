@@ -388,6 +388,93 @@ class TestEviction(unittest.TestCase):
         self.assertEqual(evict("StatusCode.UNAVAILABLE"), (15, 5, 1))
         self.assertEqual(evict("StatusCode.INTERNAL"), ("no_capacity", 10, 0))
 
+class TestCapacityRelease(unittest.TestCase):
+    def test_waiting_turns_session_goes_only_when_no_other_is_idle(self):
+        """The sidecar's capacity release of a session whose direct turn waits for pages
+        (issue 20): refused while another committed session no turn uses could go (here one
+        the worker's own eviction passes over, its snapshot push pending), leaving the session,
+        its pages and the waiting turn as they were; once no other session is idle it goes, and
+        the waiting turn answers 409 (re-decided) instead of waiting out the prealloc wait. A
+        running turn's session is refused whatever the reason."""
+        import threading
+
+        from kvc_refworker.worker import ApiError, Config, Session, Worker
+        from kvcentric_sglang.bridge import REASON_CONTROL_PLANE
+
+        spec = M.spec_for("tiny")
+
+        class Xfer:
+            released = []
+
+            class bridge:  # the idle session's D->P push is pending: allocate passes over it
+                @staticmethod
+                def snapshot_status(sid):
+                    return SimpleNamespace(prefill_worker="p0", last_pushed_len=0 if sid == "idle" else 160)
+
+            def release(self, sid, evicted):
+                self.released.append((sid, evicted))
+
+        pool = KVPool(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32, 30 * 16, 16, "cpu",
+                      name="kvc-refworker-unit-release", use_sglang=False)
+        xfer = Xfer()
+        try:
+            w = Worker(Config(role="decode", worker_id="d0", model_name="tiny", prealloc_wait_s=60,
+                              snapshot_wait_s=60), None, spec, pool, xfer)
+            w._append_prefill = lambda t, start, resident: None
+            held = list(range(1, 161))
+            for sid in ("w", "idle"):
+                w.sessions[sid] = Session(id=sid, pages=pool.alloc(10), kv_len=160, committed=True, tokens=list(held))
+            ws = w.sessions["w"]
+            w_pages = list(ws.pages)
+            waiting = threading.Event()
+            alloc = w.allocate
+
+            def allocate(n, for_session, contiguous=False):
+                waiting.set()  # Session.waiting is counted before allocate is entered
+                return alloc(n, for_session, contiguous)
+
+            w.allocate = allocate
+            # a direct turn of w: 360 tokens + 8 out = 23 pages, 13 more than it holds, 10 free
+            body = {"input_ids": held + list(range(200, 400)), "sampling_params": {"max_new_tokens": 8},
+                    "session_params": {"id": "w"},
+                    "kv_hints": hints(session_id="w", mode="ROUTE_MODE_DIRECT_TO_D", keep_session=True,
+                                      cached_tokens=160)}
+            got = {}
+
+            def turn():
+                try:
+                    got["turn"] = w.begin(R.parse(body, "decode", pool.size, spec.vocab_size))
+                except ApiError as e:
+                    got["error"] = e
+
+            th = threading.Thread(target=turn)
+            th.start()
+            self.assertTrue(waiting.wait(30))
+            self.assertEqual((ws.pinned, ws.waiting), (1, 1))
+            with self.assertRaisesRegex(RuntimeError, "waiting for pages.*1 idle session.*idle"):
+                w.release_for_capacity("w")
+            self.assertIs(w.sessions.get("w"), ws)
+            self.assertEqual((ws.pages, ws.gone, pool.free_pages, xfer.released), (w_pages, False, 10, []))
+            self.assertTrue(th.is_alive())  # still waiting for its pages
+            # the idle one gets a turn of its own: no other session is idle now
+            with w.mu:
+                w.sessions["idle"].pinned = 1
+            with self.assertRaisesRegex(RuntimeError, "in use by 1 running turn"):
+                w.release_for_capacity("idle", REASON_CONTROL_PLANE)
+            self.assertEqual(w.release_for_capacity("w"), 160)
+            th.join(30)
+            self.assertFalse(th.is_alive())
+            self.assertEqual(xfer.released, [("w", True)])
+            self.assertNotIn("w", w.sessions)
+            e = got.get("error")
+            self.assertIsNotNone(e, got)
+            self.assertEqual((e.status, e.code), (409, "session_not_resident"))
+            self.assertEqual(pool.free_pages, 20)  # w's pages and the turn's came back; idle's are held
+            self.assertEqual(ws.pinned, 0)
+        finally:
+            pool.close()
+
+
 def _start_check(lk):
     """A recompute check's forward on another thread: (set once it got the device, the thread)."""
     import threading
