@@ -21,9 +21,8 @@ another session holding KV is idle). Each computes the waiting requests, the tok
 give without releasing a session (free pages plus the radix cache's evictable ones) and the
 worker's unevictable KV (the committed KV of the streaming sessions its running, pre-allocated
 or receiving requests are using: a turn that only waits does not pin its session), and hands
-them to the process's
-``DemandReporter``, which sends a report only when they changed (0 waiting once, when the queue
-drained), off the scheduler thread.
+them to the process's ``DemandReporter``, which sends a report only when they changed (0 waiting
+once, when the queue drained), off the scheduler thread.
 """
 
 from __future__ import annotations
