@@ -1,7 +1,9 @@
 package router
 
 import (
+	"cmp"
 	"context"
+	"slices"
 	"time"
 
 	"github.com/kvcentric/kvcentric/controlplane/internal/policy"
@@ -44,7 +46,9 @@ const DefaultRehomeFill = 0.8
 // (policy.fits) counts idle sessions as room the worker frees on demand; a background re-home
 // must not make the target release them: the released sessions' next turns would reseed and
 // wait for pages (issue 20: the re-homed sessions were the ones released, their turns waited
-// 8.5 s).
+// 8.5 s). Re-homing into room the release makes was tried and measured (branch p33-release,
+// docs/benchmark.md "Recovery after a decode worker's death: request by request"): it moved
+// the cost to the survivors' own sessions and to re-homed sessions' turns waiting for pages.
 func rehomeRoom(w *kvcv1.Worker, res policy.Reserved, need int64, fill float64) bool {
 	capacity := w.GetKvCapacityTokens()
 	if capacity <= 0 || fill <= 0 {
@@ -60,6 +64,10 @@ type rehomeItem struct {
 	session string
 	from    string    // the decode worker it left
 	since   time.Time // when it lost its residency
+	// From the session record, read once by the first pass (orderRehomes): its last turn's
+	// arrival (last_seen_unix_ms) and its usual gap between turns in ms (0: unknown).
+	read          bool
+	lastSeen, gap int64
 }
 
 // rehomeOp is a re-home in flight (Service.rehomes, guarded by Service.mu).
@@ -141,6 +149,7 @@ func (s *Service) rehomePass() {
 	if len(items) == 0 {
 		return
 	}
+	s.orderRehomes(items, s.clock())
 	var again []rehomeItem
 	for _, it := range items {
 		if s.startRehome(it) {
@@ -152,6 +161,45 @@ func (s *Service) rehomePass() {
 		s.rq.items = append(again, s.rq.items...)
 		s.rqMu.Unlock()
 	}
+}
+
+// orderRehomes sorts the queue soonest due first, so that room and transfer slots go first to
+// the sessions whose next turns are likeliest to come before they could be re-homed. A
+// session's usual gap between turns is its record's (last_seen − created) / turn; its next
+// turn is due at last_seen + that gap. One idle more than twice its usual gap has paused (a
+// slow tool, a human) and goes after every session still in conversation, as does one with a
+// single turn (no gap to go by), most recently used first among them. Measured on issue 20's
+// demo (18 kills, E4): the sessions whose turns came first after the kill were those idle
+// 4-9 s, not the most recently used, and the longest idle (15-17 s, in a long pause) came last;
+// this order put the first-due session first in 8 of 18 kills (most recently used first: 1).
+func (s *Service) orderRehomes(items []rehomeItem, now time.Time) {
+	for i := range items {
+		it := &items[i]
+		if !it.read {
+			it.read = true
+			if rec, ok := s.c.Session(it.session); ok {
+				it.lastSeen = rec.GetLastSeenUnixMs()
+				if t, c := rec.GetTurn(), rec.GetCreatedUnixMs(); t > 0 && c > 0 && it.lastSeen > c {
+					it.gap = (it.lastSeen - c) / int64(t)
+				}
+			}
+		}
+	}
+	nowMs := now.UnixMilli()
+	key := func(it *rehomeItem) (class int, at int64) {
+		switch {
+		case it.gap <= 0:
+			return 2, -it.lastSeen // one turn, or no record: no gap to go by
+		case nowMs-it.lastSeen > 2*it.gap:
+			return 1, -it.lastSeen // paused
+		}
+		return 0, it.lastSeen + it.gap
+	}
+	slices.SortStableFunc(items, func(a, b rehomeItem) int {
+		ca, ta := key(&a)
+		cb, tb := key(&b)
+		return cmp.Or(cmp.Compare(ca, cb), cmp.Compare(ta, tb))
+	})
 }
 
 // retryable: the decision found no decode worker with room or a free transfer slot now.
@@ -220,25 +268,40 @@ func (s *Service) startRehome(it rehomeItem) (retry bool) {
 		}
 		s.led.prune(in.Workers)
 		in.Ledger = s.led
-		d = policy.Decide(&in)
-		if !d.LoadsSnapshot() || d.Decode == nil || d.Prefill == nil {
-			result = "not_snapshot"
-			if retryable(d.Reason) {
-				result = "retry"
+		// The policy's best target first (the reseed profile: capacity, the store-transfer
+		// budget and headroom as scores); one the capacity rule does not admit now, without a
+		// free store-transfer slot (max_concurrent_transfers) or without free room for it is
+		// left out and the next best tried, so that the session does not wait behind the best
+		// while another target has room.
+		admitted := false
+		for range len(in.Workers) + 1 {
+			d = policy.Decide(&in)
+			if !d.LoadsSnapshot() || d.Decode == nil || d.Prefill == nil {
+				result = "not_snapshot"
+				if retryable(d.Reason) || len(in.Exclude) > 1 {
+					s.logRehomeWait(it.session, &d, "not_admitted")
+					result = "retry"
+				}
+				return
 			}
-			return
+			id := d.Decode.GetWorkerId()
+			why := d.Admission.String()
+			if d.Admission == policy.AdmitFits {
+				if rehomeRoom(d.Decode, s.led.Reserved(id), d.ReservedTokens, s.rehomeFill) {
+					admitted = true
+					break
+				}
+				why = "no_free_room"
+			}
+			// A turn's reseed would wait in the target's prealloc queue; a background
+			// re-home waits in this queue instead (rate-limited by the budget), or takes
+			// another target.
+			s.logRehomeWait(it.session, &d, why)
+			in.Exclude = append(in.Exclude, id)
 		}
-		if d.Admission != policy.AdmitFits {
-			// The capacity rule (policy.Admission): a turn's reseed would wait in the target's
-			// prealloc queue; a background re-home waits here instead, until its best target has
-			// room and a free store-transfer slot (max_concurrent_transfers): rate-limited.
-			result = "retry"
-			return
-		}
-		if !rehomeRoom(d.Decode, s.led.Reserved(d.Decode.GetWorkerId()), d.ReservedTokens, s.rehomeFill) {
-			// Fits by the capacity rule only if the target releases idle sessions: wait for
-			// free room (another target, a release or an outcome) or give up after the
-			// reservation timeout — lost as before, its next turn reseeds.
+		if !admitted {
+			// Wait for free room (another target, a release or an outcome) or give up after
+			// the reservation timeout — lost as before, its next turn reseeds.
 			s.m.rehomeNoRoom.Inc()
 			result = "retry"
 			return
@@ -279,6 +342,25 @@ func (s *Service) startRehome(it rehomeItem) (retry bool) {
 	s.log.Debug().Str("session", it.session).Str("from", it.from).Str("decode", op.decode).
 		Str("prefill", d.Prefill.GetWorkerId()).Int64("seqlen", d.SnapshotSeqlen).Msg("re-home started")
 	return false
+}
+
+// logRehomeWait logs (debug) why a session's re-home was put back: its best target and what
+// that target holds.
+func (s *Service) logRehomeWait(session string, d *policy.Decision, why string) {
+	e := s.log.Debug()
+	if !e.Enabled() {
+		return
+	}
+	if d.Decode != nil {
+		l := d.Decode.GetLoad()
+		res := s.led.Reserved(d.Decode.GetWorkerId())
+		e = e.Str("decode", d.Decode.GetWorkerId()).Int64("capacity", d.Decode.GetKvCapacityTokens()).
+			Int64("used", l.GetUsedTokens()).Int64("evictable", l.GetEvictableTokens()).
+			Int64("unevictable", l.GetUnevictableTokens()).Int64("reserved", res.Tokens).
+			Int64("settling", res.Settling).Int32("store_transfers", res.StoreTransfers)
+	}
+	e.Str("session", session).Str("why", why).Str("reason", ReasonName(d.Reason)).
+		Int64("need", d.ReservedTokens).Msg("re-home waits")
 }
 
 // endRehome removes op (when it is still the session's) and, with release, its reservation;
@@ -404,7 +486,7 @@ func newRehomeMetrics(m *metrics) []prometheus.Collector {
 	})
 	m.rehomeNoRoom = prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "kvc_router_rehome_no_room_total",
-		Help: "Re-home attempts put back because their best decode worker had no free room below --rehome-fill of its capacity (idle sessions count as used: a re-home never makes a worker release them); retried until the reservation timeout (then gave_up).",
+		Help: "Re-home attempts put back because no decode worker had free room below --rehome-fill of its capacity for them (idle sessions count as used: a re-home never makes a worker release them), a free store-transfer slot and the capacity rule's admission; retried until the reservation timeout (then gave_up).",
 	})
 	return []prometheus.Collector{m.rehomes, m.rehomeSeconds, m.rehomeWaits, m.rehomeNoRoom}
 }

@@ -3,6 +3,7 @@ package router
 import (
 	"context"
 	"runtime"
+	"slices"
 	"testing"
 	"time"
 
@@ -326,6 +327,67 @@ func TestRehomeOnlyIntoFreeRoom(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// The policy's best target has no free room below the fill for the session (its scores weigh a
+// short transfer queue above a little headroom), another has: the session goes there at once
+// instead of waiting behind the best (on the code before it stayed queued, no load sent).
+func TestRehomeTriesTheNextBestTarget(t *testing.T) {
+	d2 := routertest.Decode("d2", 10_000, 7100) // 7100 + 1000 > 0.8 × 10000
+	d2.Load.EvictableTokens = 7100
+	d3 := routertest.Decode("d3", 10_000, 6900) // fits below the fill, but a longer queue
+	d3.Load.EvictableTokens = 6900
+	d3.Load.TransferQueueDepth = 3
+	f := newFixture(t, routertest.Prefill("p0"), d2, d3)
+	f.c.PutSession(lostRecord("A", "d1", 1000, 1000))
+	f.s.SessionsLost("d1", []string{"A"})
+	f.s.rehomePass()
+	if got := loads(f.c, "d3"); got["A"] == nil {
+		t.Fatalf("A not re-homed onto d3: d3 %v, d2 %v", got, loads(f.c, "d2"))
+	}
+	if got := loads(f.c, "d2"); len(got) != 0 {
+		t.Fatalf("a load sent to d2, which has no free room: %v", got)
+	}
+}
+
+// The queue is tried soonest due first: with one transfer slot, the session whose next turn is
+// due first by its usual gap between turns is re-homed first, then the next due, then one that
+// has paused (idle more than twice its gap), then one with a single turn; whatever order the
+// sidecar reported the losses in (on the code before: that order).
+func TestRehomeSoonestDueFirst(t *testing.T) {
+	f := newFixture(t, routertest.Prefill("p0"), routertest.Decode("d2", 100_000, 0))
+	if err := f.c.SetPolicy(&kvcv1.Policy{MaxConcurrentTransfers: proto.Int32(1)}); err != nil {
+		t.Fatal(err)
+	}
+	now := f.now.UnixMilli()
+	for _, s := range []struct {
+		id            string
+		turn          int32
+		created, seen int64 // ms before now
+	}{
+		{"single", 0, 1_000, 1_000},     // one turn: no gap to go by
+		{"paused", 5, 100_000, 60_000},  // gap 8 s, idle 60 s
+		{"later", 10, 50_000, 3_000},    // gap 4.7 s: due in 1.7 s
+		{"soonest", 10, 100_000, 8_000}, // gap 9.2 s: due in 1.2 s
+	} {
+		rec := lostRecord(s.id, "d1", 1000, 1000)
+		rec.Turn, rec.CreatedUnixMs, rec.LastSeenUnixMs = s.turn, now-s.created, now-s.seen
+		f.c.PutSession(rec)
+	}
+	f.s.SessionsLost("d1", []string{"single", "paused", "later", "soonest"})
+	var order []string
+	for range 4 {
+		f.s.rehomePass()
+		for id, l := range loads(f.c, "d2") {
+			if !slices.Contains(order, id) {
+				order = append(order, id)
+				f.loaded("d2", l, true)
+			}
+		}
+	}
+	if want := []string{"soonest", "later", "paused", "single"}; !slices.Equal(order, want) {
+		t.Fatalf("re-homed in order %v, want %v", order, want)
 	}
 }
 
