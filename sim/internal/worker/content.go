@@ -4,6 +4,7 @@ import (
 	"context"
 	"math"
 	"net/http"
+	"time"
 
 	"github.com/kvcentric/kvcentric/pkg/kvpool"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
@@ -205,7 +206,9 @@ func (w *Worker) beginLocal(ctx context.Context, t *turn, need int64) *apiError 
 	if donor != nil {
 		defer w.unpin(donor)
 	}
+	ta := time.Now()
 	pages, ev, e := w.allocate(ctx, need, p.sessionID)
+	t.meta.AllocMS += ms(time.Since(ta))
 	t.meta.EvictedSessions = ev
 	if e != nil {
 		return e

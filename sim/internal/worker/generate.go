@@ -56,6 +56,11 @@ type KVCMeta struct {
 	LoadMiss          bool    `json:"load_miss,omitempty"`
 	// ReceivedFrom (decode): a suffix-only receive kept [0, received_from) and received the rest.
 	ReceivedFrom int64 `json:"received_from,omitempty"`
+	// TurnWaitMS (decode): the wait for the session's previous turn here; AllocMS: the wait for
+	// KV pages (the prealloc queue: behind earlier requests, for pages the capacity release or
+	// running requests free), evictions included. The names kvc-refworker reports them under.
+	TurnWaitMS float64 `json:"turn_wait_ms,omitempty"`
+	AllocMS    float64 `json:"alloc_ms,omitempty"`
 }
 
 type metaInfo struct {
@@ -446,7 +451,9 @@ func (w *Worker) begin(ctx context.Context, p *plan, meta *KVCMeta) (*turn, *api
 	need := pagesFor(p.input+p.maxNew, ps)
 	anonymous := !p.keep
 	if !anonymous {
+		tw := time.Now()
 		unlock, err := w.lockTurn(ctx, p.sessionID)
+		meta.TurnWaitMS = ms(time.Since(tw))
 		if err != nil {
 			return nil, ctxError(ctx, "waiting for the session's previous turn")
 		}
@@ -503,7 +510,9 @@ func (w *Worker) begin(ctx context.Context, p *plan, meta *KVCMeta) (*turn, *api
 			w.mu.Lock()
 			s.waiting++
 			w.mu.Unlock()
+			ta := time.Now()
 			pages, ev, e := w.allocate(ctx, need-have, p.sessionID)
+			meta.AllocMS += ms(time.Since(ta))
 			meta.EvictedSessions = ev
 			w.mu.Lock()
 			s.waiting--
@@ -609,7 +618,9 @@ func (w *Worker) begin(ctx context.Context, p *plan, meta *KVCMeta) (*turn, *api
 	if anonymous && !p.localPrefill {
 		cached = w.radixBegin(t) // the decode radix's pages of the prompt's prefix, locked
 	}
+	ta := time.Now()
 	pages, ev, e := w.allocate(ctx, need-int64(len(cached)), p.sessionID)
+	meta.AllocMS += ms(time.Since(ta))
 	meta.EvictedSessions = ev
 	if e != nil {
 		t.pages = cached
@@ -666,7 +677,9 @@ func (w *Worker) extendPages(ctx context.Context, t *turn, need int64) *apiError
 	surplus := append([]int64(nil), s.pages[k:]...)
 	w.mu.Unlock()
 	w.freePages(surplus)
+	ta := time.Now()
 	more, ev, e := w.allocate(ctx, need-k, s.id)
+	t.meta.AllocMS += ms(time.Since(ta))
 	t.meta.EvictedSessions = ev
 	if e != nil {
 		w.mu.Lock()
