@@ -52,7 +52,6 @@ func (s *Sidecar) pushSession(ctx context.Context, id string) {
 	s.mu.Lock()
 	s.inflight--
 	ss.push = nil
-	forced := ss.forcePush
 	if job.end >= ss.committed {
 		// the forced push carried the newest commit; a commit that came while it ran keeps
 		// the force, so its tail goes out too (an idle flush fires only once)
@@ -66,7 +65,7 @@ func (s *Sidecar) pushSession(ctx context.Context, id string) {
 	if err != nil {
 		ss.failedLen = job.end // dropped: the old snapshot stays valid for what it covers
 	}
-	s.pushLandedLocked(forced, err == nil)
+	s.pushLandedLocked(err == nil)
 	// A push cut off by shutdown is not re-queued: the sidecar is stopping, and re-queueing
 	// would spin the worker pool until it exits.
 	if !ss.gone && ctx.Err() == nil {

@@ -419,6 +419,7 @@ func (s *Sidecar) CommitSession(_ context.Context, req *kvcv1.CommitSessionReque
 	enq := s.maybeEnqueueLocked(ss)
 	s.armIdleLocked(ss)
 	gen := ss.gen
+	s.kickIfShortLocked() // its turn ended: while requests wait for pages it may go now
 	s.mu.Unlock()
 	s.rep.Report(&kvcv1.SessionEvent{SessionId: req.GetSessionId(), Kind: kvcv1.SessionEventKind_SESSION_EVENT_KIND_COMMITTED, KvLen: n, Generation: gen})
 	return &kvcv1.CommitSessionResponse{PushEnqueued: enq}, nil
