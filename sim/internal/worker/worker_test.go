@@ -600,15 +600,23 @@ func TestPreallocWait(t *testing.T) {
 		fDone <- dr
 	}()
 	waitFor(t, func() bool { return testutil.ToFloat64(d.w.m.preallocWaits) >= 1 })
+	waiting := time.Now() // f's allocation started before this and ends after the cancel
 	select {
 	case r := <-fDone:
 		t.Fatalf("f finished while the pages were pinned: %+v", r)
 	default:
 	}
+	waited := ms(time.Since(waiting)) // the pages free only after the cancel below
 	cancel()
 	<-bigDone
-	if r := <-fDone; r.status != 200 || r.ans.MetaInfo.KVC.VerifyFailures != 0 {
+	r := <-fDone
+	if r.status != 200 || r.ans.MetaInfo.KVC.VerifyFailures != 0 {
 		t.Fatalf("f after the wait: %d %s", r.status, r.code)
+	}
+	// The answer says how long the turn waited for its pages (alloc_ms): at least from when it
+	// was seen waiting to when the pages came.
+	if k := r.ans.MetaInfo.KVC; k.AllocMS < waited || k.TurnWaitMS < 0 {
+		t.Fatalf("alloc_ms %.3f, turn_wait_ms %.3f; the wait was at least %.3f ms", k.AllocMS, k.TurnWaitMS, waited)
 	}
 	if testutil.ToFloat64(d.w.m.capacityRejects) != 0 {
 		t.Fatal("a waited request was counted as rejected")
