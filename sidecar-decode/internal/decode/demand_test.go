@@ -294,3 +294,71 @@ func TestCommitKicksReleaseWhileShort(t *testing.T) {
 		})
 	}
 }
+
+// TestReleasedCountsUntilTheNextReport: the sessions the capacity release freed count against
+// the deficit until the worker's next demand report (which sees their pages free), so a pass
+// that runs in between — a commit's kick right after a pass — does not release again for the
+// same deficit; the next report replaces the count.
+func TestReleasedCountsUntilTheNextReport(t *testing.T) {
+	s := newTestSidecar(t) // 64 pages of 4 tokens: 256 tokens
+	s.rel = newReleaser(ReleaseConfig{High: 0.9, Low: 0.5, MinIdle: time.Second, Interval: time.Hour})
+	ctx := context.Background()
+	now := time.Now()
+	next := int64(0)
+	for i, id := range []string{"a", "b", "c"} {
+		if err := s.Apply(ctx, &kvcv1.Command{Action: &kvcv1.Command_SetSnapshotTarget{SetSnapshotTarget: &kvcv1.SetSnapshotTargetCommand{
+			SessionId: id, PrefillWorkerId: "p", PeerAddr: "127.0.0.1:1", TransferEndpoint: "127.0.0.1:1", Generation: 1}}}); err != nil {
+			t.Fatal(err)
+		}
+		pg := []int64{next, next + 1, next + 2, next + 3, next + 4, next + 5, next + 6, next + 7, next + 8, next + 9}
+		next += 10
+		if _, err := s.CommitSession(ctx, &kvcv1.CommitSessionRequest{SessionId: id, CommittedLen: 40, Pages: pg}); err != nil {
+			t.Fatal(err)
+		}
+		s.mu.Lock()
+		ss := s.sessions[id]
+		ss.lastCommit, ss.lastPushed, ss.queued = now.Add(-time.Duration(3-i)*time.Minute), 40, false // a idlest
+		s.queue = s.queue[:0]
+		s.mu.Unlock()
+	}
+	// 50 tokens short: a and b go.
+	if _, err := s.ReportDemand(ctx, &kvcv1.ReportDemandRequest{WaitingRequests: 1, WaitingTokens: 150, FreeTokens: 100}); err != nil {
+		t.Fatal(err)
+	}
+	plan := func() ReleasePlan {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		p := s.planReleaseLocked(now)
+		for _, id := range p.Release {
+			s.sessions[id].releasing = false // planned, not sent: the next plan may pick it again
+		}
+		return p
+	}
+	if p := plan(); p.Deficit != 50 || !reflect.DeepEqual(p.Release, []string{"a", "b"}) {
+		t.Fatalf("first plan %+v", p)
+	}
+	// The worker carries out a's release (ReleaseSession of a session being released): before
+	// its next report, 10 tokens are still short: one more session (b), not two.
+	s.mu.Lock()
+	s.sessions["a"].releasing = true
+	s.mu.Unlock()
+	if _, err := s.ReleaseSession(ctx, &kvcv1.ReleaseSessionRequest{SessionId: "a", Reason: kvcv1.ReleaseReason_RELEASE_REASON_EVICTED}); err != nil {
+		t.Fatal(err)
+	}
+	if p := plan(); p.Deficit != 10 || !reflect.DeepEqual(p.Release, []string{"b"}) {
+		t.Fatalf("plan after a's release, before the report: %+v; want deficit 10, release [b]", p)
+	}
+	// The worker's next report sees a's pages free; its deficit is the whole truth again.
+	if _, err := s.ReportDemand(ctx, &kvcv1.ReportDemandRequest{WaitingRequests: 1, WaitingTokens: 150, FreeTokens: 140}); err != nil {
+		t.Fatal(err)
+	}
+	if p := plan(); p.Deficit != 10 || !reflect.DeepEqual(p.Release, []string{"b"}) {
+		t.Fatalf("plan after the report: %+v", p)
+	}
+	if _, err := s.ReportDemand(ctx, &kvcv1.ReportDemandRequest{WaitingRequests: 1, WaitingTokens: 150, FreeTokens: 100}); err != nil {
+		t.Fatal(err)
+	}
+	if p := plan(); p.Deficit != 50 || !reflect.DeepEqual(p.Release, []string{"b", "c"}) {
+		t.Fatalf("plan after a report of 50 short: %+v", p)
+	}
+}

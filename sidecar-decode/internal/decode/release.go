@@ -151,14 +151,21 @@ type demand struct {
 	// committed KV of the sessions its requests are using. Forwarded in Load; 0 once the
 	// worker is down (its sessions are gone).
 	unevictable int64
+	// released is the committed tokens of the sessions the capacity release freed since the
+	// worker's last report (ReleaseSession of a session being released comes before the worker
+	// frees its pages, so every later report counts them as free): a pass that runs before
+	// that report — a commit's or a push's kick right after a pass — must not release for the
+	// same deficit again.
+	released int64
 }
 
-// deficit is the tokens the waiting requests need past the free room.
+// deficit is the tokens the waiting requests need past the free room and what the release
+// freed since the report.
 func (d demand) deficit() int64 {
 	if d.requests <= 0 {
 		return 0
 	}
-	return max(0, d.tokens-d.free)
+	return max(0, d.tokens-d.free-d.released)
 }
 
 // ReportDemand records the worker's prealloc-queue demand and, when requests wait for more
@@ -171,6 +178,7 @@ func (s *Sidecar) ReportDemand(_ context.Context, req *kvcv1.ReportDemandRequest
 	s.mu.Lock()
 	s.demand.requests, s.demand.tokens, s.demand.free = req.GetWaitingRequests(), req.GetWaitingTokens(), req.GetFreeTokens()
 	s.demand.unevictable = req.GetUnevictableTokens()
+	s.demand.released = 0 // this report counts the freed pages
 	s.demand.reports++
 	short := s.demand.deficit() > 0
 	s.mu.Unlock()
@@ -427,6 +435,9 @@ func (s *Sidecar) releaseOne(ctx context.Context, id string, planned time.Time, 
 	s.mu.Unlock()
 	if still {
 		if dropped, _, ok := s.drop(id); ok {
+			s.mu.Lock()
+			s.demand.released += dropped.committed
+			s.mu.Unlock()
 			s.reportCapacityRelease(dropped)
 		}
 	}

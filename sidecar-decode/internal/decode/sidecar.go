@@ -443,6 +443,9 @@ func (s *Sidecar) ReleaseSession(_ context.Context, req *kvcv1.ReleaseSessionReq
 		return nil, status.Errorf(codes.NotFound, "session %s unknown", req.GetSessionId())
 	}
 	if ss.releasing { // the worker carries out this sidecar's capacity release
+		s.mu.Lock()
+		s.demand.released += ss.committed // free once the worker's next report comes
+		s.mu.Unlock()
 		s.reportCapacityRelease(ss)
 		return &kvcv1.ReleaseSessionResponse{PushAborted: aborted}, nil
 	}
