@@ -49,3 +49,22 @@ func TestArmPolicyAndSimArgs(t *testing.T) {
 		t.Errorf("explicit prefix cache: %v", p)
 	}
 }
+
+// TestArmPolicyForSeedThroughStore: --seed-through-store sets seed_through_store on E4's policy
+// only; without it no arm has it.
+func TestArmPolicyForSeedThroughStore(t *testing.T) {
+	for _, arm := range Arms {
+		for _, on := range []bool{false, true} {
+			pol, err := ArmPolicyFor(arm, on)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if want := on && arm == "E4"; pol.GetSeedThroughStore() != want {
+				t.Errorf("%s with %v: seed_through_store %v, want %v", arm, on, pol.GetSeedThroughStore(), want)
+			}
+		}
+	}
+	if _, err := ArmPolicyFor("E9", true); err == nil {
+		t.Error("an unknown arm was accepted")
+	}
+}

@@ -40,6 +40,18 @@ func ArmPolicy(arm string) (*kvcv1.Policy, error) {
 	return nil, fmt.Errorf("unknown arm %q (want one of %s)", arm, strings.Join(Arms, ", "))
 }
 
+// ArmPolicyFor is ArmPolicy with E4's seed_through_store set when seedThroughStore (kvc-bench
+// --seed-through-store): E4 as the recommended SGLang deployment, colocated decode workers
+// whose seeds and re-prefills go through P's store, so a decode worker holds no pages while a
+// seed waits in P's queue (docs/routing.md §12). The other arms are unchanged.
+func ArmPolicyFor(arm string, seedThroughStore bool) (*kvcv1.Policy, error) {
+	pol, err := ArmPolicy(arm)
+	if err == nil && seedThroughStore && arm == "E4" {
+		pol.SeedThroughStore = proto.Bool(true)
+	}
+	return pol, err
+}
+
 // Baselines are the sizes of the baseline models' caches (tokens).
 type Baselines struct {
 	// PrefixCacheTokens is every arm's prefill radix cache but E1's (0: the prefill pool's
@@ -149,6 +161,8 @@ type Config struct {
 	SLO report.SLO
 	// Policy is merged over each arm's policy (nil: none).
 	Policy *kvcv1.Policy
+	// SeedThroughStore sets E4's seed_through_store (ArmPolicyFor).
+	SeedThroughStore bool
 	// TimerScale (Local) runs every decision-shaping timer of the sidecars and the control plane
 	// this many times as fast (ScaleTimers): kvc-sim's time scale, so that at --time-scale X the
 	// model sees the same staleness of load reports, idle flushes, release ticks and reservation
@@ -235,7 +249,7 @@ func runArm(ctx context.Context, cfg Config, arm string, out io.Writer, meta *re
 	url := cfg.GatewayURL
 	var cl *cluster.Cluster
 	if cfg.Local {
-		pol, err := ArmPolicy(arm)
+		pol, err := ArmPolicyFor(arm, cfg.SeedThroughStore)
 		if err != nil {
 			return nil, err
 		}
