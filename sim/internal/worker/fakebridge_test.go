@@ -33,6 +33,9 @@ type hub struct {
 	wait         time.Duration // how long a receiver waits for its sender
 	// corruptLoad: LoadFromStore flips a byte of the first token it loads
 	corruptLoad bool
+	// loadGate, when set, runs inside LoadFromStore before it copies (a test's look at what
+	// the loading worker does meanwhile)
+	loadGate func()
 }
 
 type room struct {
@@ -272,8 +275,11 @@ func (f *fakeSidecar) SendKV(ctx context.Context, req *kvcv1.SendKVRequest) (*kv
 func (f *fakeSidecar) LoadFromStore(_ context.Context, req *kvcv1.LoadFromStoreRequest) (*kvcv1.LoadFromStoreResponse, error) {
 	f.h.mu.Lock()
 	s := f.h.snapshots[req.GetSessionId()]
-	corrupt := f.h.corruptLoad
+	corrupt, gate := f.h.corruptLoad, f.h.loadGate
 	f.h.mu.Unlock()
+	if gate != nil {
+		gate()
+	}
 	if s == nil {
 		return nil, status.Errorf(codes.NotFound, "no snapshot of %s", req.GetSessionId())
 	}

@@ -3,6 +3,7 @@ package worker
 import (
 	"net/http"
 	"testing"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus/testutil"
 
@@ -91,5 +92,51 @@ func TestPrefillFromStoreSim(t *testing.T) {
 		if dr.status != http.StatusConflict || dr.code != "session_not_resident" {
 			t.Fatalf("receive_from past the held KV of %s: D %d %s", c.session, dr.status, dr.code)
 		}
+	}
+}
+
+// TestStoreLoadModeledBesideTheRealCopy: the modeled load from the store (the fetch lane's flow
+// into this node) is under way while the sidecar copies the pages, so the real copy and check
+// are not added to the modeled time (before, the flow joined only after LoadFromStore and the
+// check returned: the gate below waited in vain). A load the store cannot serve leaves no flow.
+func TestStoreLoadModeledBesideTheRealCopy(t *testing.T) {
+	h := newHub()
+	tm := DefaultTiming()
+	tm.PrefillTokensPerS, tm.PrefillOverhead, tm.DecodePerToken = 1e9, 0, 0
+	tm.LinkGbps, tm.ModelBytesPerToken = 1, 4<<20 // 108 loaded tokens: ~3.6 s modeled at 125 MB/s
+	tm.Scale = 0.1                                // ~0.36 s of wall time
+	p := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_PREFILL, "p0", 4096, tm)
+	d := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_DECODE, "d0", 4096, zeroTiming())
+	if pr, dr := pd(t, p, d, "r1", 10, kvcReq{Mode: "SEED", SessionID: "s1", InputTokens: 101, Room: i64(1)}); pr.status != 200 || dr.status != 200 {
+		t.Fatalf("seed: P %d %s, D %d %s", pr.status, pr.code, dr.status, dr.code)
+	}
+	flowing := make(chan bool, 1)
+	h.mu.Lock()
+	h.loadGate = func() {
+		deadline := time.Now().Add(5 * time.Second)
+		for p.w.inbound.count() == 0 && time.Now().Before(deadline) {
+			time.Sleep(time.Millisecond)
+		}
+		flowing <- p.w.inbound.count() > 0
+	}
+	h.mu.Unlock()
+	pr, dr := pd(t, p, d, "r2", 5, kvcReq{Mode: "PD_FALLBACK", SessionID: "s1", InputTokens: 300, Room: i64(2), Keep: bptr(true),
+		LoadPrefix: 111, ReceiveFrom: 111})
+	if pr.status != 200 || dr.status != 200 {
+		t.Fatalf("large append from the snapshot: P %d %s, D %d %s", pr.status, pr.code, dr.status, dr.code)
+	}
+	if !<-flowing {
+		t.Fatal("the modeled load had not started while the sidecar copied the pages")
+	}
+	if pk := pr.ans.MetaInfo.KVC; pk.LoadedTokens != 108 || pk.FetchMS <= 0 {
+		t.Fatalf("prefill meta %+v: want 108 tokens loaded and a modeled fetch", pk)
+	}
+	// A miss (no snapshot of s2): the flow is withdrawn, the whole context prefilled.
+	h.mu.Lock()
+	h.loadGate = nil
+	h.mu.Unlock()
+	pr, _ = pd(t, p, d, "r3", 0, kvcReq{Mode: "SEED", SessionID: "s2", InputTokens: 200, Room: i64(3), LoadPrefix: 100})
+	if pr.status != 200 || !pr.ans.MetaInfo.KVC.LoadMiss || pr.ans.MetaInfo.KVC.FetchMS != 0 || p.w.inbound.count() != 0 {
+		t.Fatalf("load miss: P %d %+v, inbound flows %d", pr.status, pr.ans.MetaInfo.KVC, p.w.inbound.count())
 	}
 }
