@@ -1037,7 +1037,8 @@ func (s *sseWriter) done() {
 // loadPrefix is the prefill from the snapshot (kv_hints load_prefix_tokens): the sidecar copies
 // tokens [0, n) of the session's snapshot from its store into this worker's pages (n cut to
 // whole pages), this worker verifies every loaded token against the session's known bytes,
-// and the load costs the fetch lane at link rate (the store's egress; the GPU is not held).
+// and the load costs the fetch lane at link rate (the store's egress; the GPU is not held),
+// modeled beside the copy and the check rather than after them.
 // It returns the tokens loaded. A load the store cannot serve (the entry left, another
 // generation, fewer tokens) is no error: the worker prefills the whole context, as without a
 // load. A loaded token that does not verify is (kv_verify_failed).
