@@ -73,20 +73,7 @@ func TestStreamMetricsCounted(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for range 3 {
-		if err := st.Send(&kvcv1.RouteRequest{}); err != nil {
-			t.Fatal(err)
-		}
-		if _, err := st.Recv(); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if err := st.CloseSend(); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := st.Recv(); !errors.Is(err, io.EOF) {
-		t.Fatalf("Recv after CloseSend: %v, want EOF", err)
-	}
+	pingPong(t, st, &kvcv1.RouteRequest{}, 3)
 	// The server counts its call handled when the handler returns, which the client's EOF
 	// follows; the server's last Recv (EOF) is counted before that.
 	s1, sr1, ss1, sok1, c1, cr1, cs1, cok1 := routeCounts()
@@ -147,5 +134,25 @@ func BenchmarkStreamMessage(b *testing.B) {
 	for b.Loop() {
 		_ = s.RecvMsg(&m)
 		_ = s.SendMsg(&m)
+	}
+}
+
+// pingPong sends req n times on st, reading an answer after each, then closes the send side and
+// expects the server's end of the stream (io.EOF).
+func pingPong(t *testing.T, st grpc.BidiStreamingClient[kvcv1.RouteRequest, kvcv1.RouteResponse], req *kvcv1.RouteRequest, n int) {
+	t.Helper()
+	for range n {
+		if err := st.Send(req); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := st.Recv(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := st.CloseSend(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := st.Recv(); !errors.Is(err, io.EOF) {
+		t.Fatalf("Recv after CloseSend: %v, want EOF", err)
 	}
 }

@@ -111,20 +111,7 @@ func TestStaticFlowControlWindows(t *testing.T) {
 		t.Fatal(err)
 	}
 	req := &kvcv1.RouteRequest{Kind: &kvcv1.RouteRequest_Outcome{Outcome: &kvcv1.RouteOutcome{DecisionId: "d1", Success: true}}}
-	for range 200 {
-		if err := st.Send(req); err != nil {
-			t.Fatal(err)
-		}
-		if _, err := st.Recv(); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if err := st.CloseSend(); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := st.Recv(); !errors.Is(err, io.EOF) {
-		t.Fatalf("Recv after CloseSend: %v, want EOF", err)
-	}
+	pingPong(t, st, req, 200)
 	if err := conn.Close(); err != nil {
 		t.Fatal(err)
 	}

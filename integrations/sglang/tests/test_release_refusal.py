@@ -5,7 +5,6 @@ session holding KV is idle, leaving the slot and SGLang's state as they were; re
 is; a session a running request uses is refused whatever the reason. End to end through the
 real decode sidecar's release pass: the refusal is passed over and the idle session goes."""
 
-import os
 import re
 import time
 import urllib.request
@@ -167,27 +166,13 @@ def test_sidecar_release_pass_passes_over_the_refusal(sglang_installed, bins, tm
     session first (the oldest, the largest); the plugin refuses it (ack ok=false, counted in
     kvc_sidecar_release_refused_total) and the next pass takes the idle session instead."""
     from sglang.srt.managers.scheduler import Scheduler
-    from sglang.srt.session.session_controller import SessionController
 
-    from kvcentric_sglang import pool as kvpool
-    from kvcentric_sglang import watch
-    from kvcentric_sglang.bridge import WorkerBridge
-    from test_watch import _cleanup, _worker
+    from test_watch import _ReleaseCluster, _scheduler
 
     monkeypatch.setenv("KVC_SGLANG_WATCH", "1")
-    cp = kvctest.ScriptedControlPlane(delta_tokens=16)
-    d = kvctest.Sidecar(bins["decode"], "d0", tmp, cp.addr,
-                        extra=["--snapshot-delta-tokens", "16", "--release-high-watermark", "0.7",
-                               "--release-low-watermark", "0.5", "--release-min-idle", "0s"])
-    p = kvctest.Sidecar(bins["prefill"], "p0", tmp, cp.addr, extra=["--store-capacity-bytes", str(16 << 20)])
+    rc = _ReleaseCluster(bins, tmp, 0.5)
+    cp, d, w, wc = rc.cp, rc.d, rc.w, rc.wc
     try:
-        wp = kvctest.Colocated(tmp, "p")
-        pb = WorkerBridge(p.sock)
-        kvpool.from_pool(wp.kv).register(pb)
-        w, b, reg = _worker(tmp, d)
-        assert cp.wait(lambda c: "d0" in c.hellos and "p0" in c.hellos), (d.tail(), p.tail())
-        wc = watch.start_for_process(b, reg)
-        assert wc.wait_for(lambda c: len(c.attaches) >= 1, 20)
         # s-A (its next turn waits) 160, s-B 160, s-C 64 tokens: 384 of the pool's 528, above
         # 0.7 (369.6); the low watermark 0.5 (264) needs one 160-token session to go; rank: s-A
         # first (the oldest; as large as s-B, its id first)
@@ -198,11 +183,7 @@ def test_sidecar_release_pass_passes_over_the_refusal(sglang_installed, bins, tm
         turn = _next_turn(w, held["s-A"], "s-A", 152)
         # the scheduler loop: SGLang's (hooked) process_input_requests runs the queued commands
         # on the scheduler thread, with the scheduler's requests (s-A's turn waits)
-        sched = SimpleNamespace(session_controller=SessionController(w.cache), tree_cache=w.cache,
-                                scheduler_stage_metrics=None, external_corpus_manager=None,
-                                flush_wrapper=SimpleNamespace(check_pending=lambda: None),
-                                _event_loop_should_restart=False, waiting_queue=[turn], running_batch=_batch([]),
-                                last_batch=None, chunked_req=None)
+        sched = _scheduler(w, waiting_queue=[turn], running_batch=_batch([]), last_batch=None, chunked_req=None)
         deadline = time.monotonic() + 40
         while time.monotonic() < deadline and "s-B" in w.streaming.slots:
             wc.wait_for(lambda c: not c.pending.empty(), 1)
@@ -213,10 +194,5 @@ def test_sidecar_release_pass_passes_over_the_refusal(sglang_installed, bins, tm
         assert set(kvctest.sessions_of(d)) == {"s-A", "s-C"}
         assert turn.kv is w.streaming.slots["s-A"].kv  # the waiting turn still has its session's KV
     finally:
-        _cleanup(tmp)
-        for s in (d, p):
-            s.stop()
+        rc.close()
         cp.close()
-        for f in os.listdir("/dev/shm"):
-            if f.startswith("kvcpy-%s-" % os.path.basename(tmp)):
-                os.unlink(os.path.join("/dev/shm", f))

@@ -5,6 +5,7 @@ was current."""
 
 import os
 import time
+from types import SimpleNamespace
 
 import kvctest
 
@@ -30,6 +31,50 @@ def _worker(tmp, sc, name="d"):
     reg.register(b)
     runtime.state.bridge, runtime.state.registration = b, reg
     return w, b, reg
+
+
+class _ReleaseCluster:
+    """A colocated decode worker with the plugin's watcher attached to the real decode sidecar
+    (release watermarks 0.7 / low, minimum idle 0) and a real prefill sidecar whose store takes
+    the snapshots, under a scripted control plane: cp, d, p, pb (P's bridge), w, b, reg, wc."""
+
+    def __init__(self, bins, tmp, low):
+        from kvcentric_sglang import pool as kvpool
+        from kvcentric_sglang import watch
+        from kvcentric_sglang.bridge import WorkerBridge
+
+        self.tmp = tmp
+        self.cp = kvctest.ScriptedControlPlane(delta_tokens=16)
+        self.d = kvctest.Sidecar(bins["decode"], "d0", tmp, self.cp.addr,
+                                 extra=["--snapshot-delta-tokens", "16", "--release-high-watermark", "0.7",
+                                        "--release-low-watermark", str(low), "--release-min-idle", "0s"])
+        self.p = kvctest.Sidecar(bins["prefill"], "p0", tmp, self.cp.addr,
+                                 extra=["--store-capacity-bytes", str(16 << 20)])
+        try:
+            wp = kvctest.Colocated(tmp, "p")
+            self.pb = WorkerBridge(self.p.sock)
+            kvpool.from_pool(wp.kv).register(self.pb)
+            self.w, self.b, self.reg = _worker(tmp, self.d)
+            assert self.cp.wait(lambda c: "d0" in c.hellos and "p0" in c.hellos), (self.d.tail(), self.p.tail())
+            self.wc = watch.start_for_process(self.b, self.reg)
+            assert self.wc.wait_for(lambda c: len(c.attaches) >= 1, 20)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self):
+        _cleanup(self.tmp)
+        for s in (self.d, self.p):
+            s.stop()
+
+
+def _scheduler(w, **extra):
+    """The scheduler attributes SGLang's process_input_requests touches (plus extra)."""
+    from sglang.srt.session.session_controller import SessionController
+    return SimpleNamespace(session_controller=SessionController(w.cache), tree_cache=w.cache,
+                           scheduler_stage_metrics=None, external_corpus_manager=None,
+                           flush_wrapper=SimpleNamespace(check_pending=lambda: None),
+                           _event_loop_should_restart=False, **extra)
 
 
 def test_reregisters_and_recommits_after_sidecar_restart(sglang_installed, bins, tmp, monkeypatch):
@@ -67,24 +112,10 @@ def test_reregisters_and_recommits_after_sidecar_restart(sglang_installed, bins,
 def test_capacity_release_in_priority_order_after_snapshot(sglang_installed, bins, tmp, monkeypatch):
     from sglang.srt.session.session_controller import Session
 
-    from kvcentric_sglang import pool as kvpool
-    from kvcentric_sglang import watch
-    from kvcentric_sglang.bridge import WorkerBridge
-
     monkeypatch.setenv("KVC_SGLANG_WATCH", "1")
-    cp = kvctest.ScriptedControlPlane(delta_tokens=16)
-    d = kvctest.Sidecar(bins["decode"], "d0", tmp, cp.addr,
-                        extra=["--snapshot-delta-tokens", "16", "--release-high-watermark", "0.7",
-                               "--release-low-watermark", "0.4", "--release-min-idle", "0s"])
-    p = kvctest.Sidecar(bins["prefill"], "p0", tmp, cp.addr, extra=["--store-capacity-bytes", str(16 << 20)])
+    rc = _ReleaseCluster(bins, tmp, 0.4)
+    cp, d, pb, w, wc = rc.cp, rc.d, rc.pb, rc.w, rc.wc
     try:
-        wp = kvctest.Colocated(tmp, "p")
-        pb = WorkerBridge(p.sock)
-        kvpool.from_pool(wp.kv).register(pb)
-        w, b, reg = _worker(tmp, d)
-        assert cp.wait(lambda c: "d0" in c.hellos and "p0" in c.hellos), (d.tail(), p.tail())
-        wc = watch.start_for_process(b, reg)
-        assert wc.wait_for(lambda c: len(c.attaches) >= 1, 20)
         # five sessions, oldest first and largest first: C 128, E 96, A 80, B 64, D 32 tokens
         # (400 of the pool's ~512: above the 0.7 high watermark; the low watermark is 0.4)
         sizes = [("s-C", 120), ("s-E", 88), ("s-A", 72), ("s-B", 56), ("s-D", 24)]
@@ -96,15 +127,8 @@ def test_capacity_release_in_priority_order_after_snapshot(sglang_installed, bin
             committed[sid] = prompt + 8
         # the scheduler loop: SGLang's (hooked) process_input_requests runs the queued commands
         # on the scheduler thread
-        from types import SimpleNamespace
-
         from sglang.srt.managers.scheduler import Scheduler
-        from sglang.srt.session.session_controller import SessionController
-        # the scheduler attributes process_input_requests touches with no input requests
-        sched = SimpleNamespace(session_controller=SessionController(w.cache), tree_cache=w.cache,
-                                scheduler_stage_metrics=None, external_corpus_manager=None,
-                                flush_wrapper=SimpleNamespace(check_pending=lambda: None),
-                                _event_loop_should_restart=False)
+        sched = _scheduler(w)
         deadline = time.monotonic() + 40
         while time.monotonic() < deadline and len([s for s in committed if s not in w.streaming.slots]) < 2:
             wc.wait_for(lambda c: not c.pending.empty(), 1)
@@ -125,7 +149,5 @@ def test_capacity_release_in_priority_order_after_snapshot(sglang_installed, bin
             assert pb.snapshot_status(sid).seqlen == committed[sid]
         assert set(kvctest.sessions_of(d)) == {"s-A", "s-B", "s-D"}
     finally:
-        _cleanup(tmp)
-        for s in (d, p):
-            s.stop()
+        rc.close()
         cp.close()
