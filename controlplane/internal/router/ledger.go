@@ -51,19 +51,19 @@ type reservation struct {
 // ledger is the control plane's own account of what it has committed per worker. Guarded by
 // Service.mu.
 type ledger struct {
-	workers  map[string]*policy.Reserved
+	// workers: each worker's account (its reservations and settling tokens), one map lookup
+	// per worker touched. An entry stays when it falls to zero (a worker's reservations come
+	// and go with every decision and its outcome: no delete and re-insert per reservation);
+	// zero entries are swept when the table outgrows twice the worker snapshot (sweep).
+	workers  map[string]*workerAccount
 	pending  map[uint64]*reservation
 	sessions map[string]uint64 // session -> seq of its in-flight seed/reseed
 	expiry   expiryHeap
-	// settling: tokens that successful outcomes added to a decode worker and that its load
-	// report does not show yet (admitted after its last heartbeat). Without them a D looks
-	// emptier than it is for up to one heartbeat after every success, and consecutive new
-	// sessions all land on it.
-	settling  map[string][]settle
-	settleTok map[string]int64
+	// nSettling counts the accounts whose settling list is not empty.
+	nSettling int
 	// minFront is a lower bound on the first entry's atMs of every settling list (meaningful
-	// while settling is not empty): prune skips the per-worker lookups when no first entry
-	// can be old enough for any worker's heartbeat.
+	// while nSettling > 0): prune skips the per-worker lookups when no first entry can be old
+	// enough for any worker's heartbeat.
 	minFront int64
 	// view is the worker snapshot prune last ran on, viewMaxHb its newest heartbeat; clean:
 	// no settling entry is old enough for view's heartbeats, except perhaps those added since
@@ -78,9 +78,29 @@ type ledger struct {
 	heldTokens int64
 	// prefix: per prefill worker, the prompts routed there (prefixview.go).
 	prefix map[string]*prefixView
-	// free recycles the per-worker entries deleted when they fell to zero (a worker's
-	// reservations come and go with every decision and its outcome).
-	free []*policy.Reserved
+}
+
+// workerAccount is one worker's part of the ledger.
+type workerAccount struct {
+	// res: what the worker's pending reservations hold; res.Settling is the sum of settling.
+	res policy.Reserved
+	// settling: tokens that successful outcomes added to a decode worker and that its load
+	// report does not show yet (admitted after its last heartbeat). Without them a D looks
+	// emptier than it is for up to one heartbeat after every success, and consecutive new
+	// sessions all land on it. Its array is kept when it empties (appends reuse it).
+	settling []settle
+}
+
+// held is what the worker's pending reservations hold (res without the settling tokens).
+func (w *workerAccount) held() policy.Reserved {
+	r := w.res
+	r.Settling = 0
+	return r
+}
+
+// idle: the account holds nothing (a sweep may drop it).
+func (w *workerAccount) idle() bool {
+	return w.res == (policy.Reserved{}) && len(w.settling) == 0
 }
 
 // settle is one success's tokens, admitted at atMs.
@@ -95,11 +115,9 @@ const settleMarginMs = 50
 
 func newLedger() *ledger {
 	return &ledger{
-		workers:   make(map[string]*policy.Reserved),
-		pending:   make(map[uint64]*reservation),
-		sessions:  make(map[string]uint64),
-		settling:  make(map[string][]settle),
-		settleTok: make(map[string]int64),
+		workers:  make(map[string]*workerAccount),
+		pending:  make(map[uint64]*reservation),
+		sessions: make(map[string]uint64),
 	}
 }
 
@@ -108,20 +126,27 @@ func (l *ledger) settle(id string, tokens, nowMs int64) {
 	if id == "" || tokens <= 0 {
 		return
 	}
-	if len(l.settling) == 0 || nowMs < l.minFront {
+	if l.nSettling == 0 || nowMs < l.minFront {
 		l.minFront = nowMs
 	}
 	if !l.added || nowMs < l.newMin {
 		l.newMin = nowMs
 	}
 	l.added = true
-	l.settling[id] = append(l.settling[id], settle{tokens: tokens, atMs: nowMs})
-	l.settleTok[id] += tokens
+	w := l.worker(id)
+	if len(w.settling) == 0 {
+		l.nSettling++
+	}
+	w.settling = append(w.settling, settle{tokens: tokens, atMs: nowMs})
+	w.res.Settling += tokens
 }
 
 // prune drops settling tokens that the workers' latest load reports already include.
 func (l *ledger) prune(workers []*kvcv1.Worker) {
-	if len(l.settling) == 0 {
+	if len(l.workers) > 2*len(workers)+16 {
+		l.sweep()
+	}
+	if l.nSettling == 0 {
 		return
 	}
 	// Exact shortcuts: an entry is dropped only when atMs+margin < its worker's heartbeat, and
@@ -143,26 +168,25 @@ func (l *ledger) prune(workers []*kvcv1.Worker) {
 		return
 	}
 	defer l.resetMinFront()
-	for _, w := range workers {
-		list, ok := l.settling[w.WorkerId]
-		if !ok {
+	for _, wk := range workers {
+		w := l.workers[wk.WorkerId]
+		if w == nil || len(w.settling) == 0 {
 			continue
 		}
-		hb := w.GetLastHeartbeatUnixMs()
+		list := w.settling
+		hb := wk.GetLastHeartbeatUnixMs()
 		n := 0
 		for n < len(list) && list[n].atMs+settleMarginMs < hb {
-			l.settleTok[w.WorkerId] -= list[n].tokens
+			w.res.Settling -= list[n].tokens
 			n++
-		}
-		if n == len(list) {
-			delete(l.settling, w.WorkerId)
-			delete(l.settleTok, w.WorkerId)
-			continue
 		}
 		if n > 0 {
 			// Kept at the front of its array: appends reuse it instead of growing a slice whose
 			// front was cut off (an allocation every few successes).
-			l.settling[w.WorkerId] = list[:copy(list, list[n:])]
+			w.settling = list[:copy(list, list[n:])]
+			if len(w.settling) == 0 {
+				l.nSettling--
+			}
 		}
 	}
 }
@@ -170,22 +194,29 @@ func (l *ledger) prune(workers []*kvcv1.Worker) {
 // resetMinFront recomputes minFront from the settling lists' first entries.
 func (l *ledger) resetMinFront() {
 	first := true
-	for _, list := range l.settling {
-		if first || list[0].atMs < l.minFront {
-			l.minFront = list[0].atMs
+	for _, w := range l.workers {
+		if len(w.settling) > 0 && (first || w.settling[0].atMs < l.minFront) {
+			l.minFront = w.settling[0].atMs
 			first = false
+		}
+	}
+}
+
+// sweep drops the accounts that hold nothing (workers that left keep none for long).
+func (l *ledger) sweep() {
+	for id, w := range l.workers {
+		if w.idle() {
+			delete(l.workers, id)
 		}
 	}
 }
 
 // Reserved implements policy.Ledger.
 func (l *ledger) Reserved(workerID string) policy.Reserved {
-	var out policy.Reserved
-	if r := l.workers[workerID]; r != nil {
-		out = *r
+	if w := l.workers[workerID]; w != nil {
+		return w.res
 	}
-	out.Settling = l.settleTok[workerID]
-	return out
+	return policy.Reserved{}
 }
 
 // TransferPending implements policy.Ledger.
@@ -194,25 +225,14 @@ func (l *ledger) TransferPending(sessionID string) bool {
 	return ok
 }
 
-func (l *ledger) worker(id string) *policy.Reserved {
-	r := l.workers[id]
-	if r == nil {
-		if n := len(l.free); n > 0 {
-			r, l.free = l.free[n-1], l.free[:n-1] // zero: deleted only when zero
-		} else {
-			r = &policy.Reserved{}
-		}
-		l.workers[id] = r
+// worker is id's account, made when missing.
+func (l *ledger) worker(id string) *workerAccount {
+	w := l.workers[id]
+	if w == nil {
+		w = new(workerAccount)
+		l.workers[id] = w
 	}
-	return r
-}
-
-// drop deletes worker id's entry w (zero) and keeps it for reuse.
-func (l *ledger) drop(id string, w *policy.Reserved) {
-	delete(l.workers, id)
-	if len(l.free) < 64 {
-		l.free = append(l.free, w)
-	}
+	return w
 }
 
 // holdsDecode: r takes something on its decode worker (a plain P/D fallback names a D but
@@ -224,7 +244,7 @@ func (r *reservation) holdsDecode() bool {
 // add records r and takes its resources.
 func (l *ledger) add(r *reservation) {
 	if r.holdsDecode() {
-		w := l.worker(r.decode)
+		w := &l.worker(r.decode).res
 		w.Tokens += r.tokens
 		if r.newSess {
 			w.NewSession += r.tokens
@@ -240,11 +260,11 @@ func (l *ledger) add(r *reservation) {
 		}
 	}
 	if r.prefills && r.prefill != "" {
-		l.worker(r.prefill).Prefills++
+		l.worker(r.prefill).res.Prefills++
 		l.routedPrompt(r.prefill, r.prompt)
 	}
 	if r.plain {
-		l.worker(r.decode).Plain++
+		l.worker(r.decode).res.Plain++
 	}
 	if r.transfer {
 		l.sessions[r.session] = r.seq
@@ -262,8 +282,9 @@ func (l *ledger) remove(seq uint64) (*reservation, bool) {
 	}
 	delete(l.pending, seq)
 	heap.Remove(&l.expiry, r.idx)
+	// Every account a pending reservation took from exists (only idle ones are swept).
 	if r.holdsDecode() {
-		w := l.workers[r.decode]
+		w := &l.workers[r.decode].res
 		w.Tokens -= r.tokens
 		if r.newSess {
 			w.NewSession -= r.tokens
@@ -277,23 +298,12 @@ func (l *ledger) remove(seq uint64) (*reservation, bool) {
 		if r.seed {
 			w.Seeds--
 		}
-		if *w == (policy.Reserved{}) {
-			l.drop(r.decode, w)
-		}
 	}
 	if r.prefills && r.prefill != "" {
-		w := l.workers[r.prefill]
-		w.Prefills--
-		if *w == (policy.Reserved{}) {
-			l.drop(r.prefill, w)
-		}
+		l.workers[r.prefill].res.Prefills--
 	}
 	if r.plain {
-		w := l.workers[r.decode]
-		w.Plain--
-		if *w == (policy.Reserved{}) {
-			l.drop(r.decode, w)
-		}
+		l.workers[r.decode].res.Plain--
 	}
 	if r.transfer && l.sessions[r.session] == r.seq {
 		delete(l.sessions, r.session)

@@ -189,7 +189,7 @@ func newMetrics(reg prometheus.Registerer, s *Service) *metrics {
 		defer s.mu.Unlock()
 		n := int64(0)
 		for _, w := range s.led.workers {
-			n += w.NewSession
+			n += w.res.NewSession
 		}
 		return float64(n)
 	})

@@ -43,7 +43,12 @@ func TestLedgerPlainInFlightAndPrefixView(t *testing.T) {
 			t.Fatalf("remove %d", seq)
 		}
 	}
-	if l.Reserved("d1").Plain != 0 || len(l.workers) != 0 {
-		t.Fatalf("after the outcomes: d1 plain %d, %d worker entries left", l.Reserved("d1").Plain, len(l.workers))
+	for id, w := range l.workers {
+		if !w.idle() {
+			t.Fatalf("after the outcomes: %s holds %+v", id, w.res)
+		}
+	}
+	if l.Reserved("d1").Plain != 0 {
+		t.Fatalf("after the outcomes: d1 plain %d", l.Reserved("d1").Plain)
 	}
 }

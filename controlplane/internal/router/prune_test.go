@@ -1,9 +1,12 @@
 package router
 
 import (
+	"fmt"
 	"math/rand/v2"
 	"testing"
+	"time"
 
+	"github.com/kvcentric/kvcentric/controlplane/internal/policy"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -74,17 +77,59 @@ func TestPruneMatchesReference(t *testing.T) {
 				}
 				l.prune(ws)
 				refPrune(refS, refT, ws)
-				if len(l.settling) != len(refS) {
-					t.Fatalf("step %d: %d settling lists, want %d", step, len(l.settling), len(refS))
+				lists := 0
+				for _, w := range l.workers {
+					if len(w.settling) > 0 {
+						lists++
+					}
+				}
+				if lists != len(refS) || l.nSettling != len(refS) {
+					t.Fatalf("step %d: %d settling lists (counted %d), want %d", step, lists, l.nSettling, len(refS))
 				}
 				for id, want := range refS {
-					got := l.settling[id]
-					if len(got) != len(want) || l.settleTok[id] != refT[id] {
+					var got []settle
+					var tok int64
+					if w := l.workers[id]; w != nil {
+						got, tok = w.settling, w.res.Settling
+					}
+					if len(got) != len(want) || tok != refT[id] || l.Reserved(id).Settling != refT[id] {
 						t.Fatalf("step %d, %s: %d entries / %d tokens, want %d / %d",
-							step, id, len(got), l.settleTok[id], len(want), refT[id])
+							step, id, len(got), tok, len(want), refT[id])
 					}
 				}
 			}
 		})
+	}
+}
+
+// TestLedgerAccountsKeptAndSwept: a worker's account survives its reservations falling to
+// zero (no delete and re-insert per decision), and accounts that hold nothing are swept once
+// the table outgrows twice the worker snapshot, so workers that left do not pile up.
+func TestLedgerAccountsKeptAndSwept(t *testing.T) {
+	l := newLedger()
+	now := time.Now()
+	ws := []*kvcv1.Worker{{WorkerId: "d0"}, {WorkerId: "p0"}}
+	r := &reservation{seq: 1, decode: "d0", prefill: "p0", prefills: true, tokens: 10, deadline: now.Add(time.Minute)}
+	l.add(r)
+	a := l.workers["d0"]
+	if _, ok := l.remove(1); !ok || a == nil {
+		t.Fatal("reservation 1 not pending")
+	}
+	l.prune(ws)
+	if l.workers["d0"] != a || !a.idle() || l.Reserved("d0") != (policy.Reserved{}) {
+		t.Fatalf("d0's account after its last release: %p %+v, want %p kept and idle", l.workers["d0"], l.workers["d0"], a)
+	}
+	// Workers that came and went (an account each), one still settling, one still holding.
+	for i := range 40 {
+		id := fmt.Sprintf("gone-%d", i)
+		l.add(&reservation{seq: uint64(10 + i), decode: id, tokens: 5, deadline: now.Add(time.Minute)})
+		l.remove(uint64(10 + i))
+	}
+	l.settle("gone-0", 7, 1)
+	l.add(&reservation{seq: 100, decode: "gone-1", tokens: 3, deadline: now.Add(time.Minute)})
+	l.prune(ws)
+	if len(l.workers) != 2 || l.Reserved("gone-0").Settling != 7 || l.Reserved("gone-1").Tokens != 3 {
+		t.Fatalf("after the sweep: %d accounts (want gone-0 settling, gone-1 holding), gone-0 %+v, gone-1 %+v",
+			len(l.workers), l.Reserved("gone-0"), l.Reserved("gone-1"))
 	}
 }

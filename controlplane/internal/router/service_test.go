@@ -155,12 +155,13 @@ func (f *fixture) checkLedger() {
 		}
 		tokens += r.tokens
 	}
-	for id, w := range f.s.led.workers {
+	for id, a := range f.s.led.workers {
+		w := a.held()
 		if w.Tokens < 0 || w.Transfers < 0 || w.StoreTransfers < 0 || w.Seeds < 0 || w.Prefills < 0 || w.Plain < 0 || w.NewSession < 0 || w.NewSession > w.Tokens {
-			f.t.Fatalf("negative reservation on %s: %+v", id, *w)
+			f.t.Fatalf("negative reservation on %s: %+v", id, w)
 		}
-		if *w != want[id] {
-			f.t.Fatalf("ledger of %s is %+v, pending say %+v", id, *w, want[id])
+		if w != want[id] {
+			f.t.Fatalf("ledger of %s is %+v, pending say %+v", id, w, want[id])
 		}
 	}
 	for id, w := range want {
@@ -591,8 +592,8 @@ func TestConcurrentDecisionsDoNotOverAdmit(t *testing.T) {
 	// holds the session's transfer; it is no plain P/D request. Its pages are a new session's
 	// (Reserved.NewSession: the new-session bound is off here).
 	n := int64(goroutines*each - 100)
-	if w := f.s.led.workers["d0"]; w == nil || *w != (policy.Reserved{Tokens: n * 1000, Transfers: int32(n), NewSession: n * 1000}) || f.s.led.heldTokens != n*1000 || len(f.s.led.pending) != int(n) {
-		t.Fatalf("left over: %v %d %d", f.s.led.workers["d0"], f.s.led.heldTokens, len(f.s.led.pending))
+	if w := f.s.led.workers["d0"]; w == nil || w.held() != (policy.Reserved{Tokens: n * 1000, Transfers: int32(n), NewSession: n * 1000}) || f.s.led.heldTokens != n*1000 || len(f.s.led.pending) != int(n) {
+		t.Fatalf("left over: %+v %d %d", f.s.led.workers["d0"], f.s.led.heldTokens, len(f.s.led.pending))
 	}
 }
 
