@@ -34,7 +34,7 @@ func (s *Service) outcome(o *kvcv1.RouteOutcome, pooled bool) (_ *kvcv1.RouteRes
 		// The reservation expired (its tokens are released); what the turn did still counts.
 		s.m.lateOutcomes.Inc()
 		s.apply(r, o, nowMs)
-		return outcomeAck(o.DecisionId, pooled)
+		return outcomeAck(o.DecisionId, seq, pooled)
 	}
 	if !ok {
 		if issued {
@@ -47,24 +47,26 @@ func (s *Service) outcome(o *kvcv1.RouteOutcome, pooled bool) (_ *kvcv1.RouteRes
 	// nothing apply started keeps it.
 	*r = reservation{}
 	reservationPool.Put(r)
-	return outcomeAck(o.DecisionId, pooled)
+	return outcomeAck(o.DecisionId, seq, pooled)
 }
 
 // ackMsg is an outcome's acknowledgement with the messages it points to, allocated together.
 type ackMsg struct {
+	seq  uint64 // the decision's sequence number
 	resp kvcv1.RouteResponse
 	kind kvcv1.RouteResponse_OutcomeAck
 	ack  kvcv1.OutcomeAck
 }
 
 // outcomeAck is the answer to an applied outcome, in one block.
-func outcomeAck(decisionID string, pooled bool) (*kvcv1.RouteResponse, *ackMsg) {
+func outcomeAck(decisionID string, seq uint64, pooled bool) (*kvcv1.RouteResponse, *ackMsg) {
 	var m *ackMsg
 	if pooled {
 		m = ackPool.Get().(*ackMsg)
 	} else {
 		m = new(ackMsg)
 	}
+	m.seq = seq
 	m.ack.DecisionId = decisionID
 	m.kind.OutcomeAck = &m.ack
 	m.resp.Kind = &m.kind

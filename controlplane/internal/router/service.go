@@ -194,13 +194,18 @@ func (s *Service) Route(stream grpc.BidiStreamingServer[kvcv1.RouteRequest, kvcv
 		req *kvcv1.RouteRequest
 		err error
 	}
-	in := make(chan recvd)
+	// Buffered: a message received while the handler is busy waits here and the receiving
+	// goroutine goes on to the next one, instead of parking until the handler takes it (a
+	// wake-up per message on a pipelined stream). Bounded, so the stream's flow control still
+	// holds a gateway that sends faster than it is answered.
+	in := make(chan recvd, recvAhead)
 	var sendMu sync.Mutex
-	send := func(req *kvcv1.RouteRequest, resp *kvcv1.RouteResponse) error {
+	send := func(req *kvcv1.RouteRequest, resp *kvcv1.RouteResponse, m recyclable) error {
 		sendMu.Lock() // mine is the stream's: tracked under the send lock (turns answered off the loop)
-		defer sendMu.Unlock()
-		s.track(mine, req, resp)
-		return stream.Send(resp)
+		s.track(mine, req, resp, m)
+		err := stream.Send(resp)
+		sendMu.Unlock()
+		return err
 	}
 	var wg sync.WaitGroup // turns waiting for their session's re-home
 	defer wg.Wait()
@@ -241,12 +246,12 @@ func (s *Service) Route(stream grpc.BidiStreamingServer[kvcv1.RouteRequest, kvcv
 			go func(req *kvcv1.RouteRequest) {
 				defer wg.Done()
 				s.waitRehome(wctx, q.GetSessionId())
-				_ = send(req, s.Handle(req)) // a failed send ends the stream's Recv too
+				_ = send(req, s.Handle(req), nil) // a failed send ends the stream's Recv too
 			}(r.req)
 			continue
 		}
 		resp, m := s.handle(r.req, true)
-		err := send(r.req, resp)
+		err := send(r.req, resp, m)
 		if m != nil {
 			m.recycle() // sent: its memory serves the next answer
 		}
@@ -260,8 +265,20 @@ func (s *Service) Route(stream grpc.BidiStreamingServer[kvcv1.RouteRequest, kvcv
 // on the gateway's next stream (it reconnects within its backoff ceiling).
 const StreamEndGrace = 2 * time.Second
 
-// track records the decisions a stream got (mine) and forgets those it reported.
-func (s *Service) track(mine map[uint64]struct{}, req *kvcv1.RouteRequest, resp *kvcv1.RouteResponse) {
+// recvAhead is how many received Route messages may wait for the stream's handler.
+const recvAhead = 16
+
+// track records the decisions a stream got (mine) and forgets those it reported; m is the
+// answer's pooled block when it has one (its sequence number is known: no id to parse).
+func (s *Service) track(mine map[uint64]struct{}, req *kvcv1.RouteRequest, resp *kvcv1.RouteResponse, m recyclable) {
+	switch m := m.(type) {
+	case *decisionMsg:
+		mine[m.seq] = struct{}{}
+		return
+	case *ackMsg:
+		delete(mine, m.seq)
+		return
+	}
 	if d := resp.GetDecision(); d != nil {
 		if seq, ok := s.parseID(d.GetDecisionId()); ok {
 			mine[seq] = struct{}{}
@@ -589,6 +606,14 @@ var queryPool = sync.Pool{New: func() any {
 	return x
 }}
 
+// release resets x (dropping its references: records, workers, query) and hands it back to
+// queryPool; x is zero afterwards but for its bound onRec, which the next query starts from.
+func (x *queryCtx) release() {
+	onRec := x.onRec
+	*x = queryCtx{onRec: onRec}
+	queryPool.Put(x)
+}
+
 // decide runs the policy on rec (the live record; nil when not leading) and takes the
 // reservation, under the ledger lock.
 func (x *queryCtx) decide(rec *kvcv1.SessionRecord) {
@@ -678,24 +703,20 @@ func (s *Service) query(q *kvcv1.RouteQuery, pooled bool) (_ *kvcv1.RouteRespons
 		now = s.now()
 	}
 	span, tp := startDecision(q)
-	x := queryPool.Get().(*queryCtx)
-	onRec := x.onRec
-	defer func() {
-		*x = queryCtx{onRec: onRec} // drop references (records, workers, query) before reuse
-		queryPool.Put(x)
-	}()
-	*x = queryCtx{s: s, q: q, now: now, epoch: epoch, onRec: onRec, trace: tp, in: policy.Input{
-		Knobs: s.policyKnobs(),
-		Query: policy.Query{SessionID: q.SessionId, Turn: q.Turn, InputTokens: q.InputTokens,
-			MaxOutputTokens: q.MaxOutputTokens, MultiturnHint: q.MultiturnHint, EndSession: q.EndSession,
-			LowPriority: q.LowPriority},
-		Exclude:        q.ExcludeWorkers,
-		Workers:        s.c.Workers(),
-		NowMs:          now.UnixMilli(),
-		Unavailable:    epoch == 0,
-		Resyncing:      epoch != 0 && s.resyncing(),
-		GenerationTerm: s.c.GenerationTerm(),
-	}}
+	x := queryPool.Get().(*queryCtx) // zero but for onRec (put back reset)
+	defer x.release()
+	x.s, x.q, x.now, x.epoch, x.trace = s, q, now, epoch, tp
+	in := &x.in
+	in.Knobs = s.policyKnobs()
+	in.Query = policy.Query{SessionID: q.SessionId, Turn: q.Turn, InputTokens: q.InputTokens,
+		MaxOutputTokens: q.MaxOutputTokens, MultiturnHint: q.MultiturnHint, EndSession: q.EndSession,
+		LowPriority: q.LowPriority}
+	in.Exclude = q.ExcludeWorkers
+	in.Workers = s.c.Workers()
+	in.NowMs = now.UnixMilli()
+	in.Unavailable = epoch == 0
+	in.Resyncing = epoch != 0 && s.resyncing()
+	in.GenerationTerm = s.c.GenerationTerm()
 	if q.PageSize > 0 && !x.in.Unavailable {
 		x.entry = s.content.get(q.SessionId)
 		if x.entry == nil && len(q.PromptPages) > 0 && !q.EndSession {
@@ -785,6 +806,7 @@ func (s *Service) query(q *kvcv1.RouteQuery, pooled bool) (_ *kvcv1.RouteRespons
 	s.m.latency.Observe(time.Since(start).Seconds())
 	m.kind.Decision = out
 	m.resp.Kind = &m.kind
+	m.seq = seq
 	return &m.resp, m
 }
 
@@ -816,6 +838,7 @@ func (s *Service) refuse(q *kvcv1.RouteQuery, x *queryCtx, span trace.Span) *kvc
 // decisionMsg is a decision's answer with the messages it points to, allocated together (one
 // allocation per decision instead of six). Never copied: its fields are pointed to.
 type decisionMsg struct {
+	seq  uint64 // the decision's sequence number (its id's)
 	resp kvcv1.RouteResponse
 	kind kvcv1.RouteResponse_Decision
 	dec  kvcv1.RouteDecision
