@@ -35,10 +35,32 @@ func TestValidateIDMatchesReference(t *testing.T) {
 		strings.Repeat("x", MaxIDLen+1), "a/b", "/", "tab\there", "nl\n", "del\x7f", "\x00",
 		"héllo", "日本", "é/", "\xff", "a\xffb", "a/\xff", "\xc3", "\xe2\x82", "é\x01", "\u2028",
 		"\u00a0", "\U0010ffff", "a\u0080b",
+		// Eight bytes at a time: a forbidden byte at each position of a word, and after it.
+		"abcdefg/", "/bcdefgh", "abcdefgh/", "abc\x1fefgh", "abcdefg\x7f", "\x80bcdefgh", "abcdefghijklmno\x00",
+		"sess-000123", "d4f2a1b3-123456", " !\"#$%&'()*+,-.0123456789:;<=>?@AZ[\\]^_`az{|}~",
 	} {
 		got, want := ValidateID("session_id", v), validateIDReference("session_id", v)
 		if fmt.Sprint(got) != fmt.Sprint(want) {
 			t.Errorf("ValidateID(%q) = %v, want %v", v, got, want)
+		}
+	}
+}
+
+// TestPlainASCIIEveryByte: the eight-at-a-time check agrees with the byte-by-byte rule for
+// every byte value at every position of ids of 1 to 17 bytes (a refusal it got wrong would
+// only cost the slow path, which TestValidateIDMatchesReference cannot see).
+func TestPlainASCIIEveryByte(t *testing.T) {
+	for n := 1; n <= 17; n++ {
+		b := []byte(strings.Repeat("a", n))
+		for pos := range n {
+			for c := range 256 {
+				b[pos] = byte(c)
+				want := c >= 0x20 && c < 0x7f && c != '/'
+				if got := plainASCII(string(b)); got != want {
+					t.Fatalf("plainASCII(%q) = %v, want %v", b, got, want)
+				}
+			}
+			b[pos] = 'a'
 		}
 	}
 }
