@@ -1,0 +1,42 @@
+package router
+
+import (
+	"strconv"
+	"strings"
+	"testing"
+
+	"github.com/rs/zerolog"
+
+	"github.com/kvcentric/kvcentric/controlplane/internal/router/routertest"
+)
+
+// TestParseIDMatchesParseUint: the decision id parser accepts exactly the ids whose rest after
+// the prefix strconv.ParseUint takes (base 10, 64 bits) with a non-zero value, and gives the
+// same number.
+func TestParseIDMatchesParseUint(t *testing.T) {
+	s := New(routertest.New(), zerolog.Nop(), nil)
+	for _, rest := range []string{
+		"", "0", "1", "007", "42", "-1", "+1", "1_000", " 1", "1 ", "1a", "a1", "١", "9",
+		strconv.FormatUint(1<<63, 10), "9999999999999999999", "18446744073709551615", "18446744073709551616",
+		"99999999999999999999", "00000000000000000001", "000000000000000000001", strings.Repeat("9", 30),
+		"12345678901234567890", "1/", ":", "/",
+	} {
+		want, err := strconv.ParseUint(rest, 10, 64)
+		wantOK := err == nil && want != 0
+		if !wantOK {
+			want = 0
+		}
+		got, ok := s.parseID(s.prefix + rest)
+		if ok != wantOK || got != want {
+			t.Errorf("parseID(prefix+%q) = %d, %v; want %d, %v", rest, got, ok, want, wantOK)
+		}
+	}
+	for seq := uint64(1); seq < 1<<62; seq = seq*7 + 3 {
+		if got, ok := s.parseID(s.id(seq)); !ok || got != seq {
+			t.Fatalf("parseID(id(%d)) = %d, %v", seq, got, ok)
+		}
+	}
+	if _, ok := s.parseID("other-1"); ok {
+		t.Error("an id without the prefix parsed")
+	}
+}
