@@ -204,42 +204,47 @@ type Cycle struct {
 // Decide is the routing policy. It is pure: the same Input gives the same Decision, execution
 // plan included.
 func Decide(in *Input) Decision {
-	c := getCycle(in)
-	defer putCycle(c)
+	var d Decision
+	c := cyclePool.Get().(*Cycle)
+	DecideInto(&d, c, in)
+	c.Release()
+	cyclePool.Put(c)
+	return d
+}
+
+// DecideInto is Decide into d on c, a Cycle the caller keeps for its decisions (the router's
+// pooled query context holds one: no pool trip per decision, no copy of the Decision). c is
+// reset first; it refers to in and its records afterwards, until c.Release.
+func DecideInto(d *Decision, c *Cycle, in *Input) {
+	ps := c.pSizes[:0]
+	*c = Cycle{In: in, K: in.Knobs, Q: &in.Query, S: in.Session, Turn: InferTurn(in.Query.Turn, in.Session),
+		pSizes: ps}
 	if in.Unavailable {
 		c.Turn = in.Query.Turn // no session state to count from
 	}
 	if in.Query.EndSession {
-		return c.endSession()
+		*d = c.endSession()
+		return
 	}
-	d := c.decide()
+	*d = c.decide()
 	d.Turn = c.Turn
 	if in.Query.LowPriority && d.UsesPrefill {
 		d.PrefillPriority = PrefillPriorityLow // the agent said so: P's cache evicts it first
 	}
-	d.Exec = execution(&d, in.Unavailable)
+	d.Exec = execution(d, in.Unavailable)
 	seedThroughStore(&d.Exec, in)
-	c.fromSnapshot(&d)
-	return d
+	c.fromSnapshot(d)
+}
+
+// Release drops c's references (input, records, workers) and keeps its scratch for reuse.
+func (c *Cycle) Release() {
+	ps := c.pSizes[:0]
+	*c = Cycle{pSizes: ps}
 }
 
 // cyclePool recycles the Cycle of a decision (one allocation per decision otherwise: the
 // rules' funcs take it, so it escapes), with its scratch slices.
 var cyclePool = sync.Pool{New: func() any { return new(Cycle) }}
-
-// getCycle is a Cycle for deciding in, from the pool.
-func getCycle(in *Input) *Cycle {
-	c := cyclePool.Get().(*Cycle)
-	*c = Cycle{In: in, K: in.Knobs, Q: &in.Query, S: in.Session, Turn: InferTurn(in.Query.Turn, in.Session),
-		pSizes: c.pSizes[:0]}
-	return c
-}
-
-// putCycle hands c back once its decision is made (nothing of it outlives Decide).
-func putCycle(c *Cycle) {
-	*c = Cycle{pSizes: c.pSizes[:0]} // drop references (input, records, workers) before reuse
-	cyclePool.Put(c)
-}
 
 // endSession: the client ended the session. Nothing is routed and nothing reserved; the plan
 // closes the session on the decode worker it is resident on (known only while leading), whose

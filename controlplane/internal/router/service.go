@@ -609,6 +609,7 @@ type queryCtx struct {
 	lowChanged bool
 	// trace: the decision span's traceparent, for the commands sent for the decision (trace.go).
 	trace string
+	cyc   *policy.Cycle // the policy's (policy.DecideInto), made with x and kept across reuse
 }
 
 // queryPool recycles queryCtx values (and their bound onRecord callback) across decisions;
@@ -616,14 +617,18 @@ type queryCtx struct {
 var queryPool = sync.Pool{New: func() any {
 	x := new(queryCtx)
 	x.onRec = x.onRecord
+	x.cyc = new(policy.Cycle)
 	return x
 }}
 
 // release resets x (dropping its references: records, workers, query) and hands it back to
-// queryPool; x is zero afterwards but for its bound onRec, which the next query starts from.
+// queryPool; x is zero afterwards but for its bound onRec and its Cycle (released: only its
+// scratch), which the next query starts from.
 func (x *queryCtx) release() {
-	onRec := x.onRec
-	*x = queryCtx{onRec: onRec}
+	onRec, cyc := x.onRec, x.cyc
+	cyc.Release()
+	*x = queryCtx{}
+	x.onRec, x.cyc = onRec, cyc
 	queryPool.Put(x)
 }
 
@@ -639,7 +644,7 @@ func (x *queryCtx) decide(rec *kvcv1.SessionRecord) {
 	x.s.mu.Lock()
 	x.s.led.prune(x.in.Workers)
 	x.in.Ledger = x.s.led
-	x.d = policy.Decide(&x.in)
+	policy.DecideInto(&x.d, x.cyc, &x.in)
 	r := x.s.record(&x.in, &x.d, x.now)
 	r.pinMs, r.lowChanged = x.q.PinMs, x.lowChanged
 	r.trace = x.trace
@@ -716,7 +721,7 @@ func (s *Service) query(q *kvcv1.RouteQuery, pooled bool) (_ *kvcv1.RouteRespons
 		now = s.now()
 	}
 	span, tp := startDecision(q)
-	x := queryPool.Get().(*queryCtx) // zero but for onRec (put back reset)
+	x := queryPool.Get().(*queryCtx) // zero but for onRec and cyc (put back reset)
 	defer x.release()
 	x.s, x.q, x.now, x.epoch, x.trace = s, q, now, epoch, tp
 	in := &x.in
