@@ -477,6 +477,27 @@ const maxExclude = 16
 
 const maxOutcomeUs = 24 * 3600 * 1_000_000
 
+// enumSet is the values of a proto enum, for a check per outcome without a map lookup.
+type enumSet []bool
+
+func newEnumSet(names map[int32]string) enumSet {
+	t := make(enumSet, enumLen(names))
+	for v := range names {
+		if v >= 0 {
+			t[v] = true
+		}
+	}
+	return t
+}
+
+// has reports whether v is one of the enum's values (none of ours is negative).
+func (t enumSet) has(v int32) bool { return v >= 0 && int(v) < len(t) && t[v] }
+
+var (
+	knownErrorKinds = newEnumSet(kvcv1.RouteErrorKind_name)
+	knownModes      = newEnumSet(kvcv1.RouteMode_name)
+)
+
 func validateOutcome(o *kvcv1.RouteOutcome) error {
 	if err := kvcv1.ValidateID("decision_id", o.DecisionId); err != nil {
 		return err
@@ -490,10 +511,10 @@ func validateOutcome(o *kvcv1.RouteOutcome) error {
 	if o.KvLenAfter < 0 || o.KvLenAfter > policy.MaxInputTokens+policy.MaxOutputTokens {
 		return fmt.Errorf("kv_len_after %d out of range [0, %d]", o.KvLenAfter, policy.MaxInputTokens+policy.MaxOutputTokens)
 	}
-	if _, ok := kvcv1.RouteErrorKind_name[int32(o.ErrorKind)]; !ok {
+	if !knownErrorKinds.has(int32(o.ErrorKind)) {
 		return fmt.Errorf("unknown error_kind %d", o.ErrorKind)
 	}
-	if _, ok := kvcv1.RouteMode_name[int32(o.ExecutedMode)]; !ok {
+	if !knownModes.has(int32(o.ExecutedMode)) {
 		return fmt.Errorf("unknown executed_mode %d", o.ExecutedMode)
 	}
 	noErr := o.ErrorKind == kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_UNSPECIFIED || o.ErrorKind == kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_NONE
