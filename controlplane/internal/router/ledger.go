@@ -7,6 +7,7 @@ import (
 
 	"github.com/kvcentric/kvcentric/controlplane/internal/policy"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+	"github.com/prometheus/client_golang/prometheus"
 )
 
 // reservation is one decision awaiting its outcome.
@@ -84,6 +85,9 @@ type ledger struct {
 type workerAccount struct {
 	// res: what the worker's pending reservations hold; res.Settling is the sum of settling.
 	res policy.Reserved
+	// admitted: the worker's kvc_router_worker_admitted_total counter once a decision looked
+	// it up (metrics.admitted), kept with the account.
+	admitted prometheus.Counter
 	// settling: tokens that successful outcomes added to a decode worker and that its load
 	// report does not show yet (admitted after its last heartbeat). Without them a D looks
 	// emptier than it is for up to one heartbeat after every success, and consecutive new
@@ -98,7 +102,8 @@ func (w *workerAccount) held() policy.Reserved {
 	return r
 }
 
-// idle: the account holds nothing (a sweep may drop it).
+// idle: the account holds nothing (a sweep may drop it; its admitted counter is looked up
+// again by the next decision that needs it).
 func (w *workerAccount) idle() bool {
 	return w.res == (policy.Reserved{}) && len(w.settling) == 0
 }
@@ -241,10 +246,12 @@ func (r *reservation) holdsDecode() bool {
 	return r.decode != "" && (r.tokens != 0 || r.transfer || r.store || r.seed)
 }
 
-// add records r and takes its resources.
-func (l *ledger) add(r *reservation) {
+// add records r and takes its resources; it returns the account of r's decode worker when r
+// holds something there (nil otherwise).
+func (l *ledger) add(r *reservation) (decode *workerAccount) {
 	if r.holdsDecode() {
-		w := &l.worker(r.decode).res
+		decode = l.worker(r.decode)
+		w := &decode.res
 		w.Tokens += r.tokens
 		if r.newSess {
 			w.NewSession += r.tokens
@@ -272,6 +279,7 @@ func (l *ledger) add(r *reservation) {
 	l.heldTokens += r.tokens
 	l.pending[r.seq] = r
 	heap.Push(&l.expiry, r)
+	return decode
 }
 
 // remove releases r's resources; it reports false when r was not pending (no double release).

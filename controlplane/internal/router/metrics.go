@@ -54,7 +54,10 @@ type metrics struct {
 }
 
 // admit counts a session decision placed on worker (counters cached per worker).
-func (m *metrics) admit(worker string) {
+func (m *metrics) admit(worker string) { m.admittedOn(worker).Inc() }
+
+// admittedOn is worker's admitted counter.
+func (m *metrics) admittedOn(worker string) prometheus.Counter {
 	m.admittedMu.RLock()
 	c, ok := m.admittedFor[worker]
 	m.admittedMu.RUnlock()
@@ -64,7 +67,7 @@ func (m *metrics) admit(worker string) {
 		m.admittedFor[worker] = c
 		m.admittedMu.Unlock()
 	}
-	c.Inc()
+	return c
 }
 
 // ModeName is the short label of a mode (DIRECT_TO_D, SEED, ...).

@@ -311,7 +311,7 @@ func (s *Service) startRehome(it rehomeItem) (retry bool) {
 			return
 		}
 		d.Reason = kvcv1.RouteReason_ROUTE_REASON_REHOME
-		r = s.record(&in, &d, now)
+		r, _ = s.record(&in, &d, now)
 		op = &rehomeOp{seq: r.seq, from: it.from, decode: d.Decode.GetWorkerId(), room: s.room(r.seq),
 			since: it.since, done: make(chan struct{})}
 		s.rehomes[it.session] = op

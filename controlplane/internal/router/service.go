@@ -564,8 +564,10 @@ func workerID(w *kvcv1.Worker) string {
 	return w.WorkerId
 }
 
-// record assigns the decision its sequence number and takes its reservation. Caller holds mu.
-func (s *Service) record(in *policy.Input, d *policy.Decision, now time.Time) *reservation {
+// record assigns the decision its sequence number and takes its reservation; it returns the
+// reservation and the account of its decode worker when it holds something there. Caller
+// holds mu.
+func (s *Service) record(in *policy.Input, d *policy.Decision, now time.Time) (*reservation, *workerAccount) {
 	s.nextSeq++
 	r := reservationPool.Get().(*reservation)
 	*r = reservation{
@@ -604,8 +606,7 @@ func (s *Service) record(in *policy.Input, d *policy.Decision, now time.Time) *r
 	if ct := in.Content; ct != nil && ct.PageSize > 0 {
 		r.pageSize, r.prompt = ct.PageSize, ct.Prompt
 	}
-	s.led.add(r)
-	return r
+	return r, s.led.add(r)
 }
 
 // reservationPool recycles reservations: an outcome applied hands its reservation back
@@ -631,6 +632,9 @@ type queryCtx struct {
 	// trace: the decision span's traceparent, for the commands sent for the decision (trace.go).
 	trace string
 	cyc   *policy.Cycle // the policy's (policy.DecideInto), made with x and kept across reuse
+	// admitted: the decision's decode worker's admitted counter when it keeps the session and
+	// holds a reservation there (its ledger account's); nil: looked up by name.
+	admitted prometheus.Counter
 }
 
 // queryPool recycles queryCtx values (and their bound onRecord callback) across decisions;
@@ -666,8 +670,17 @@ func (x *queryCtx) decide(rec *kvcv1.SessionRecord) {
 	x.s.led.prune(x.in.Workers)
 	x.in.Ledger = x.s.led
 	policy.DecideInto(&x.d, x.cyc, &x.in)
-	r := x.s.record(&x.in, &x.d, x.now)
+	r, acct := x.s.record(&x.in, &x.d, x.now)
 	r.pinMs, r.lowChanged = x.q.PinMs, x.lowChanged
+	x.admitted = nil
+	if x.d.Exec.KeepSession && acct != nil {
+		// The decode worker's admitted counter, kept with its ledger account (counted by query
+		// for the decision it answers).
+		if acct.admitted == nil {
+			acct.admitted = x.s.m.admittedOn(r.decode)
+		}
+		x.admitted = acct.admitted
+	}
 	r.trace = x.trace
 	x.seq = r.seq // r is the ledger's from here on (its outcome recycles it)
 	x.s.mu.Unlock()
@@ -801,7 +814,11 @@ func (s *Service) query(q *kvcv1.RouteQuery, pooled bool) (_ *kvcv1.RouteRespons
 		s.m.rejected.WithLabelValues(d.LocalReject, "local").Inc()
 	}
 	if d.Exec.KeepSession {
-		s.m.admit(d.Decode.WorkerId)
+		if x.admitted != nil {
+			x.admitted.Inc()
+		} else {
+			s.m.admit(d.Decode.WorkerId)
+		}
 	}
 	s.m.decision(d.Mode, d.Reason)
 	s.m.plan(d)
