@@ -194,11 +194,13 @@ func (s *Service) Route(stream grpc.BidiStreamingServer[kvcv1.RouteRequest, kvcv
 		req *kvcv1.RouteRequest
 		err error
 	}
-	// Buffered: a message received while the handler is busy waits here and the receiving
-	// goroutine goes on to the next one, instead of parking until the handler takes it (a
-	// wake-up per message on a pipelined stream). Bounded, so the stream's flow control still
-	// holds a gateway that sends faster than it is answered.
-	in := make(chan recvd, recvAhead)
+	// Unbuffered on purpose: while the handler is busy the receiving goroutine waits here with
+	// its message, and the messages behind it gather in grpc-go's receive buffer without waking
+	// anyone; the handler's take then readies the receiver, which finds the next message there
+	// without waiting. With a buffer of 16 (the receiver going on to the next Recv, to be woken
+	// by the next frame) the benchmark's stream lost 6-23 % of its decisions/s on the device
+	// and its p99 rose (docs/routing.md §10).
+	in := make(chan recvd)
 	var sendMu sync.Mutex
 	send := func(req *kvcv1.RouteRequest, resp *kvcv1.RouteResponse, m recyclable) error {
 		sendMu.Lock() // mine is the stream's: tracked under the send lock (turns answered off the loop)
@@ -264,9 +266,6 @@ func (s *Service) Route(stream grpc.BidiStreamingServer[kvcv1.RouteRequest, kvcv
 // StreamEndGrace is how long the reservations of a broken Route stream are kept for an outcome
 // on the gateway's next stream (it reconnects within its backoff ceiling).
 const StreamEndGrace = 2 * time.Second
-
-// recvAhead is how many received Route messages may wait for the stream's handler.
-const recvAhead = 16
 
 // track records the decisions a stream got (mine) and forgets those it reported; m is the
 // answer's pooled block when it has one (its sequence number is known: no id to parse).
