@@ -71,6 +71,8 @@ type Request struct {
 	PromptPages []uint64
 	// Hints are the agent hints (hints.go): pin, release, priority.
 	Hints Hints
+	// Tools are a chat request's tools and chat-template inputs (chattools.go); nil otherwise.
+	Tools *ChatTools
 }
 
 // Error is a client-facing error: an HTTP status and an OpenAI-style error object.
@@ -91,9 +93,13 @@ func (e *Error) Body() []byte {
 // Stable codes of the 400s for inputs the gateway does not serve (rather than serve them
 // differently from what was asked: issue 23 item 6).
 const (
-	// CodeUnsupportedParameter: n (or sampling_params.n) other than 1: one completion per request.
+	// CodeUnsupportedParameter: n (or sampling_params.n) other than 1: one completion per request;
+	// tool_choice "required" or a named function, strict tools under --tool-call-parser, tools
+	// in a message, a parsed answer streamed, template inputs without the gateway's tokenizer.
 	CodeUnsupportedParameter = "unsupported_parameter"
-	// CodeInvalidParameter: a sampling parameter out of range (a negative temperature).
+	// CodeInvalidParameter: a sampling parameter out of range (a negative temperature); tools,
+	// tool_choice, chat_template_kwargs, reasoning_effort or reasoning that SGLang refuses
+	// (SGLang's message where it has one: chattools.go).
 	CodeInvalidParameter = "invalid_parameter"
 	// CodeInvalidRole: a chat message's role is none of system, developer, user, assistant, tool
 	// and function.
@@ -139,6 +145,7 @@ type chatMessage struct {
 	Name             string               `json:"name"`
 	ToolCallID       string               `json:"tool_call_id"`
 	ToolCalls        []tokenizer.ToolCall `json:"tool_calls"`
+	Tools            json.RawMessage      `json:"tools"`
 }
 
 type body struct {
@@ -160,6 +167,13 @@ type body struct {
 		Temperature  *float64 `json:"temperature"`
 	} `json:"sampling_params"`
 	RID json.RawMessage `json:"rid"`
+	// Chat tools and template inputs (chattools.go).
+	Tools              rawField `json:"tools"`
+	ToolChoice         rawField `json:"tool_choice"`
+	ChatTemplateKwargs rawField `json:"chat_template_kwargs"`
+	ReasoningEffort    rawField `json:"reasoning_effort"`
+	Reasoning          rawField `json:"reasoning"`
+	SeparateReasoning  *bool    `json:"separate_reasoning"`
 	// Both
 	SessionParams *sessionParams `json:"session_params"`
 	KVC           *kvcExt        `json:"kvc"`
@@ -172,6 +186,10 @@ type body struct {
 type Options struct {
 	RequireSession bool
 	DefaultMaxTok  int64
+	// ToolCallParser and ReasoningParser are the gateway's --tool-call-parser and
+	// --reasoning-parser (SGLang's server arguments): "" = the answer is returned as generated.
+	ToolCallParser  string
+	ReasoningParser string
 }
 
 // rawField is a field's JSON text as a slice of the request body itself: unlike
@@ -270,6 +288,11 @@ func Parse(kind Kind, h http.Header, raw []byte, opt Options) (*Request, *Error)
 				Name: m.Name, ToolCallID: m.ToolCallID, ToolCalls: m.ToolCalls})
 		}
 		r.Text = sb.String()
+		ct, e := chatTools(&b, opt)
+		if e != nil {
+			return nil, e
+		}
+		r.Tools = ct
 	case Completion:
 		if len(b.Prompt) == 0 {
 			return nil, BadRequest("prompt is required")
@@ -391,6 +414,39 @@ func Parse(kind Kind, h http.Header, raw []byte, opt Options) (*Request, *Error)
 	}
 	r.Hints = hs
 	return r, nil
+}
+
+// chatTools parses a chat request's tools and template inputs (chattools.go) and refuses
+// what the gateway cannot serve as SGLang would: tools in a system message, a tool choice
+// that needs SGLang's output grammar, and parsed answers streamed.
+func chatTools(b *body, opt Options) (*ChatTools, *Error) {
+	for i, m := range b.Messages {
+		if len(m.Tools) > 0 && string(m.Tools) != "null" && string(m.Tools) != "[]" && (m.Role == "system" || m.Role == "developer") {
+			return nil, badRequestCode(CodeUnsupportedParameter, "messages[%d].tools: tools in a message are not supported (send them as the request's tools)", i)
+		}
+	}
+	ct, e := parseChatTools(chatToolFields{Tools: b.Tools, ToolChoice: b.ToolChoice, ChatTemplateKwargs: b.ChatTemplateKwargs,
+		ReasoningEffort: b.ReasoningEffort, Reasoning: b.Reasoning, SeparateReasoning: b.SeparateReasoning}, false)
+	if e != nil {
+		return nil, e
+	}
+	if len(ct.Tools) > 0 && (ct.Choice == ChoiceRequired || ct.Choice == ChoiceFunction) {
+		return nil, badRequestCode(CodeUnsupportedParameter, "tool_choice %q: SGLang constrains the output to a tool call with a grammar the gateway does not build (send tool_choice \"auto\")", ct.Choice)
+	}
+	if opt.ToolCallParser != "" && ct.HasTools() {
+		for _, f := range ct.Tools {
+			if f.Strict {
+				return nil, badRequestCode(CodeUnsupportedParameter, "tools: function %q is strict: SGLang constrains strict calls with a grammar the gateway does not build", f.Name)
+			}
+		}
+	}
+	if b.Stream && opt.ToolCallParser != "" && ct.HasTools() {
+		return nil, badRequestCode(CodeUnsupportedParameter, "stream with tools: the gateway parses tool calls (--tool-call-parser) only in whole answers (send stream false)")
+	}
+	if b.Stream && opt.ReasoningParser != "" && ct.SeparateReasoning {
+		return nil, badRequestCode(CodeUnsupportedParameter, "stream: the gateway separates reasoning (--reasoning-parser) only in whole answers (send stream false or separate_reasoning false)")
+	}
+	return ct, nil
 }
 
 func samplingMax(b *body) *int64 {
