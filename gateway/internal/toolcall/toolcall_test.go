@@ -1,0 +1,141 @@
+package toolcall
+
+import (
+	"encoding/json"
+	"os"
+	"regexp"
+	"strings"
+	"testing"
+
+	"go.uber.org/goleak"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// golden is one case of testdata/tool_parse.json (gen_tool_parse.py: SGLang 0.5.23's
+// ReasoningParser and FunctionCallParser on the same output).
+type golden struct {
+	Name         string         `json:"name"`
+	ReasoningP   *string        `json:"reasoning_parser"`
+	ToolCallP    *string        `json:"tool_call_parser"`
+	Kwargs       map[string]any `json:"chat_template_kwargs"`
+	Output       string         `json:"output"`
+	Force        *bool          `json:"force_reasoning"`
+	Content      string         `json:"content"`
+	Reasoning    *string        `json:"reasoning_content"`
+	ToolCalls    []Call         `json:"tool_calls"`
+	FinishReason string         `json:"finish_reason"`
+	FailureWant  string         `json:"failure"`
+}
+
+func (c *Call) UnmarshalJSON(b []byte) error {
+	var v struct{ Name, Arguments string }
+	if err := json.Unmarshal(b, &v); err != nil {
+		return err
+	}
+	c.Name, c.Arguments = v.Name, v.Arguments
+	return nil
+}
+
+// TestGolden: reasoning, content, tool calls (arguments byte for byte), finish reason and
+// the failure kind are SGLang's.
+func TestGolden(t *testing.T) {
+	raw, err := os.ReadFile("testdata/tool_parse.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var cases []golden
+	if err := json.Unmarshal(raw, &cases); err != nil {
+		t.Fatal(err)
+	}
+	if len(cases) < 15 {
+		t.Fatalf("%d cases", len(cases))
+	}
+	tools := []string{"get_weather", "get_time"}
+	for _, c := range cases {
+		t.Run(c.Name, func(t *testing.T) {
+			text := c.Output
+			var reasoning string
+			if c.ReasoningP != nil {
+				force := ForceReasoning(*c.ReasoningP, c.Kwargs)
+				if c.Force == nil || force != *c.Force {
+					t.Fatalf("force %v, SGLang %v", force, c.Force)
+				}
+				reasoning, text = Reasoning(*c.ReasoningP, text, force, c.Kwargs["force_nonempty_content"] == true)
+			}
+			var calls []Call
+			var fail Failure
+			finish := "stop"
+			if c.ToolCallP != nil {
+				text, calls, fail = Parse(*c.ToolCallP, text, tools)
+				if len(calls) > 0 {
+					finish = "tool_calls"
+				}
+			}
+			if text != c.Content {
+				t.Errorf("content %q, want %q", text, c.Content)
+			}
+			if want := ""; c.Reasoning != nil {
+				want = *c.Reasoning
+				if reasoning != want {
+					t.Errorf("reasoning %q, want %q", reasoning, want)
+				}
+			} else if reasoning != "" {
+				t.Errorf("reasoning %q, want none", reasoning)
+			}
+			if len(calls) != len(c.ToolCalls) {
+				t.Fatalf("calls %+v, want %+v", calls, c.ToolCalls)
+			}
+			for i := range calls {
+				if calls[i] != c.ToolCalls[i] {
+					t.Errorf("call %d %+v, want %+v", i, calls[i], c.ToolCalls[i])
+				}
+			}
+			if finish != c.FinishReason || string(fail) != c.FailureWant {
+				t.Errorf("finish %q failure %q, want %q %q", finish, fail, c.FinishReason, c.FailureWant)
+			}
+		})
+	}
+}
+
+func TestCallID(t *testing.T) {
+	re := regexp.MustCompile(`^call_[0-9a-f]{12}4[0-9a-f]{3}[89ab][0-9a-f]{7}$`)
+	a, b := CallID(), CallID()
+	if !re.MatchString(a) || a == b {
+		t.Fatalf("ids %q %q", a, b)
+	}
+}
+
+func TestCheckParsers(t *testing.T) {
+	for _, c := range []struct {
+		tool, reasoning string
+		ok              bool
+	}{{"", "", true}, {"qwen25", "qwen3", true}, {"qwen", "deepseek-r1", true}, {"hermes", "", false}, {"", "kimi", false}} {
+		if err := CheckParsers(c.tool, c.reasoning); (err == nil) != c.ok {
+			t.Errorf("%q %q: %v", c.tool, c.reasoning, err)
+		}
+	}
+}
+
+// FuzzParse: any answer splits without a panic, and the parts come from the answer.
+func FuzzParse(f *testing.F) {
+	f.Add("<think>a</think>b<tool_call>\n{\"name\":\"f\",\"arguments\":{\"x\":[1,2.5]}}\n</tool_call>")
+	f.Add("<tool_call>\n[{\"name\":[1]}]\n</tool_call>")
+	f.Add("<tool_call>\n{\"name\":\"f\",\"parameters\":0,\"arguments\":\"\\u00e9\"}\n</tool_call>")
+	f.Fuzz(func(t *testing.T, text string) {
+		r, n := Reasoning("qwen3", text, false, false)
+		if len(r)+len(n) > len(text) {
+			t.Fatalf("parts longer than the answer")
+		}
+		content, calls, fail := Parse("qwen25", n, []string{"f"})
+		if len(calls) > 0 && fail != "" {
+			t.Fatalf("calls and failure %q", fail)
+		}
+		for _, c := range calls {
+			if c.Name != "f" || !json.Valid([]byte(c.Arguments)) && !strings.Contains(c.Arguments, "Infinity") { // 1e400: Python writes Infinity too
+				t.Fatalf("call %+v", c)
+			}
+		}
+		_ = content
+	})
+}
