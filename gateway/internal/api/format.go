@@ -76,3 +76,37 @@ func Full(k Kind, id, model, text, finish string, usage Usage, info *RouteInfo) 
 	b, _ := json.Marshal(map[string]any{"id": id, "object": object(k, false), "created": time.Now().Unix(), "model": model, "choices": []any{choice}, "usage": usage, "kvc": info})
 	return b
 }
+
+// ToolCall is one tool call of a chat answer (OpenAI's message.tool_calls[i], as SGLang writes
+// it: id, index, type "function", the function's name and its arguments as a JSON string).
+type ToolCall struct {
+	ID       string           `json:"id"`
+	Index    int              `json:"index"`
+	Type     string           `json:"type"`
+	Function ToolCallFunction `json:"function"`
+}
+
+// ToolCallFunction is a tool call's function.
+type ToolCallFunction struct {
+	Name      string `json:"name"`
+	Arguments string `json:"arguments"`
+}
+
+// Answer is a parsed chat answer: SGLang's message with --reasoning-parser or
+// --tool-call-parser (reasoning_content null when none, tool_calls only when some).
+type Answer struct {
+	Content          string
+	ReasoningContent *string
+	ToolCalls        []ToolCall
+}
+
+// FullChat encodes a non-streaming chat answer whose message the gateway parsed (Answer).
+func FullChat(id, model string, a Answer, finish string, usage Usage, info *RouteInfo) []byte {
+	msg := map[string]any{"role": "assistant", "content": a.Content, "reasoning_content": a.ReasoningContent}
+	if len(a.ToolCalls) > 0 {
+		msg["tool_calls"] = a.ToolCalls
+	}
+	choice := map[string]any{"index": 0, "finish_reason": finish, "message": msg}
+	b, _ := json.Marshal(map[string]any{"id": id, "object": object(Chat, false), "created": time.Now().Unix(), "model": model, "choices": []any{choice}, "usage": usage, "kvc": info})
+	return b
+}

@@ -13,6 +13,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/kvcentric/kvcentric/gateway/internal/server"
+	"github.com/kvcentric/kvcentric/gateway/internal/toolcall"
 	"github.com/kvcentric/kvcentric/pkg/flagenv"
 	"github.com/kvcentric/kvcentric/pkg/tlsx"
 )
@@ -66,6 +67,10 @@ type Config struct {
 	// Tokenizer is the model's tokenizer folder (tokenizer.json + tokenizer_config.json) or
 	// tokenizer.json file; "" = input tokens estimated from text length.
 	Tokenizer string
+	// ToolCallParser and ReasoningParser are SGLang's server arguments of the same names: the
+	// chat answer's tool calls and reasoning are parsed out (toolcall package); "" = off.
+	ToolCallParser  string
+	ReasoningParser string
 	// KVPageSize is the cluster's KV page size for content addresses; 0 = asked from a decode
 	// worker on first use.
 	KVPageSize int
@@ -122,6 +127,8 @@ func Parse(args []string, getenv func(string) string, usage io.Writer) (*Config,
 	fs.Int64Var(&c.MaxClientTokens, "max-inflight-tokens-per-client", 1<<20, "prompt plus output tokens one client's requests in flight may hold (the KV they make the decode workers keep); past it: 429 client_too_many_tokens with Retry-After; size it below the cluster's decode KV so one tenant cannot flush the others; 0: unbounded")
 	fs.Float64Var(&c.ClientAbortLeak, "client-aborted-tokens-per-second", 16384, "an aborted request's tokens (its client went away) stay charged to the client's --max-inflight-tokens-per-client, leaking out at this rate: a client that opens streams and aborts them at once cannot evict every session; 0: given back at once")
 	fs.StringVar(&c.Tokenizer, "tokenizer", "", "the model's tokenizer: a folder with tokenizer.json and tokenizer_config.json (chat template), or the tokenizer.json path; exact input token counts, chat templates and page hashes of the prompt. Empty: input tokens are estimated as ⌈bytes/4⌉ (logged at start, metric kvc_gateway_tokenizer_loaded 0)")
+	fs.StringVar(&c.ToolCallParser, "tool-call-parser", "", "as SGLang's --tool-call-parser (qwen25, qwen): a whole chat answer's tool calls (tool_choice auto) become message.tool_calls with finish_reason tool_calls; empty: the answer's text as generated. Streaming with tools is then a 400 unsupported_parameter")
+	fs.StringVar(&c.ReasoningParser, "reasoning-parser", "", "as SGLang's --reasoning-parser (qwen3, deepseek-r1): a whole chat answer's reasoning block becomes message.reasoning_content; empty: off. Streaming chat (separate_reasoning true) is then a 400 unsupported_parameter")
 	fs.Int64Var(&c.MaxTokenizeBytes, "max-tokenize-bytes", server.DefaultMaxTokenizeBytes, "with --tokenizer: the longest text one request may have tokenized (the chat messages, then their rendering, or text); longer: 413 tokenize_too_large")
 	fs.IntVar(&c.MaxRequestTokens, "max-request-tokens", server.DefaultMaxRequestTokens, "with --tokenizer: the most prompt tokens one request may have (tokenization stops there); more: 413 too_many_tokens")
 	fs.Int64Var(&c.MaxInflightTokenizeBytes, "max-inflight-tokenize-bytes", server.DefaultMaxInflightTokenizeBytes, "with --tokenizer: bytes being tokenized at once (a byte costs up to ~135 bytes of allocation while it is encoded); past it: 503 tokenizer_saturated with Retry-After; at least --max-tokenize-bytes")
@@ -198,6 +205,9 @@ func (c *Config) validate() error {
 	}
 	if c.RouteTimeout > 0 && c.RequestTimeout > 0 && c.RouteTimeout >= c.RequestTimeout {
 		errs = append(errs, fmt.Errorf("--route-timeout (%v) must be shorter than --request-timeout (%v)", c.RouteTimeout, c.RequestTimeout))
+	}
+	if err := toolcall.CheckParsers(c.ToolCallParser, c.ReasoningParser); err != nil {
+		errs = append(errs, err)
 	}
 	if c.MaxBodyBytes < 1024 {
 		errs = append(errs, fmt.Errorf("--max-body-bytes must be at least 1024, got %d", c.MaxBodyBytes))

@@ -95,6 +95,13 @@ func TestParse(t *testing.T) {
 		{name: "negative per-client bound", args: []string{"--control-plane", "a", "--insecure", "--max-inflight-per-client", "-1"}, wantErr: "--max-inflight-per-client must not be negative"},
 		{name: "negative abort leak", args: []string{"--control-plane", "a", "--insecure", "--client-aborted-tokens-per-second", "-1"}, wantErr: "--client-aborted-tokens-per-second must not be negative"},
 		{name: "negative retry-after", args: []string{"--control-plane", "a", "--insecure", "--admission-retry-after", "-1s"}, wantErr: "--admission-retry-after"},
+		{name: "parsers", args: []string{"--control-plane", "a", "--insecure", "--tool-call-parser", "qwen25", "--reasoning-parser", "qwen3"}, check: func(t *testing.T, c *Config) {
+			if c.ToolCallParser != "qwen25" || c.ReasoningParser != "qwen3" {
+				t.Fatalf("parsers %q %q", c.ToolCallParser, c.ReasoningParser)
+			}
+		}},
+		{name: "unknown tool-call parser", args: []string{"--control-plane", "a", "--insecure", "--tool-call-parser", "hermes"}, wantErr: "--tool-call-parser \"hermes\""},
+		{name: "unknown reasoning parser", args: []string{"--control-plane", "a", "--insecure", "--reasoning-parser", "kimi"}, wantErr: "--reasoning-parser \"kimi\""},
 		{name: "unknown flag", args: []string{"--nope"}, wantErr: "flag provided but not defined"},
 		{name: "stray arg", args: []string{"--control-plane", "a", "x"}, wantErr: "unexpected arguments"},
 	}

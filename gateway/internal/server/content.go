@@ -178,6 +178,13 @@ func (s *Server) prepare(ctx context.Context, req *api.Request) (release func(),
 	if c != nil {
 		tok = c.Tok
 	}
+	if req.Kind == api.Chat && req.Tools.Template() && (tok == nil || !tok.HasChatTemplate()) {
+		// The tools and template kwargs reach the model only through the chat template, which
+		// only the gateway's tokenizer renders (the worker gets input_ids): refused rather than
+		// served without them.
+		return release, &api.Error{Status: http.StatusBadRequest, Code: api.CodeUnsupportedParameter,
+			Message: "tools, chat_template_kwargs and reasoning_effort need the gateway's --tokenizer with the model's chat template"}
+	}
 	if tok != nil && len(req.InputIDs) == 0 {
 		t0 := time.Now()
 		var ids []uint32
@@ -188,6 +195,15 @@ func (s *Server) prepare(ctx context.Context, req *api.Request) (release func(),
 				return release, e // not even rendered
 			}
 			opts := tokenizer.ChatOptions{AddGenerationPrompt: true}
+			if req.Tools != nil {
+				// The tools and template kwargs as SGLang passes them to apply_chat_template
+				// (api/chattools.go), so the prompt — and the KV a SGLang worker caches for it —
+				// is SGLang's.
+				opts.ToolsJSON, opts.Vars = req.Tools.ToolsJSON, req.Tools.Vars
+				if req.Tools.HasTools() {
+					s.m.ToolRequests.WithLabelValues(req.Tools.Choice).Inc()
+				}
+			}
 			// The rendering holds its special tokens as text. With the cache, the template renders
 			// only the messages from the session's last user message on when the history before
 			// it is unchanged (exactly ApplyChatTemplate: tokenizer.RenderChat), and only what

@@ -103,6 +103,8 @@ type idsWorker struct {
 	out  []int64
 	// noKVC: a worker without kvcentric's meta_info.kvc (usage counts only)
 	noKVC bool
+	// texts, when set, are the chunks' texts (one per output id); else " t0", " t1", …
+	texts []string
 }
 
 func newIDsWorker(t *testing.T, out []int64) *idsWorker {
@@ -126,7 +128,11 @@ func startIDsWorker(t *testing.T, w *idsWorker) *idsWorker {
 			if w.noKVC {
 				delete(meta, "kvc")
 			}
-			c, _ := json.Marshal(map[string]any{"text": fmt.Sprintf(" t%d", i), "output_ids": []int64{id}, "meta_info": meta})
+			text := fmt.Sprintf(" t%d", i)
+			if i < len(w.texts) {
+				text = w.texts[i]
+			}
+			c, _ := json.Marshal(map[string]any{"text": text, "output_ids": []int64{id}, "meta_info": meta})
 			fmt.Fprintf(rw, "data: %s\n\n", c)
 		}
 		fmt.Fprint(rw, "data: [DONE]\n\n")

@@ -243,9 +243,15 @@ func payloadFor(p *plan, req *api.Request, role string) *kvcv1.ExecutionPayload 
 // bootstrap fields when P computes (host/port = the prefill sidecar's peer address); and the
 // decision's ExecutionPayload in SGLang's kv_hints envelope (one "kvc" action, pkg/kvhints).
 func workerBody(p *plan, req *api.Request, role string) wireBody {
+	sp := map[string]any{"max_new_tokens": req.MaxTokens}
+	if req.Tools.HasTools() {
+		// As SGLang's serving_chat sets for a request whose model may call tools: the call
+		// markup stays in the text the tool-call parser reads.
+		sp["skip_special_tokens"] = false
+	}
 	b := map[string]any{
 		"rid":             req.RID,
-		"sampling_params": map[string]any{"max_new_tokens": req.MaxTokens},
+		"sampling_params": sp,
 		"stream":          role == roleDecode,
 	}
 	if len(req.InputIDs) > 0 {

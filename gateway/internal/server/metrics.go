@@ -36,6 +36,11 @@ type Metrics struct {
 	ContentQueries *prometheus.CounterVec
 	// PrefillPriority counts calls to a prefill worker by the decision's prefill priority class.
 	PrefillPriority *prometheus.CounterVec
+	// Agent tool calling (api/chattools.go, answer.go).
+	ToolRequests      *prometheus.CounterVec
+	ToolCalls         prometheus.Counter
+	ToolParseFailures *prometheus.CounterVec
+	ReasoningAnswers  prometheus.Counter
 }
 
 // NewMetrics registers the series on reg.
@@ -89,7 +94,20 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Help: "Route queries by content address: hashes (the prompt's page chain sent) or lengths (no token ids: the decision goes on lengths alone)."}, []string{"address"}),
 		PrefillPriority: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvc_gateway_prefill_priority_total",
 			Help: "Calls to a prefill worker by the decision's prefill priority (low: prefill_priority > 0, sent as a negative SGLang priority, its prefix evicted first from P's radix cache under --radix-eviction-policy priority; normal: 0, no priority field; high: < 0)."}, []string{"priority"}),
+		ToolRequests: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvc_gateway_tool_requests_total",
+			Help: "Chat requests whose tools reached the chat template, by tool_choice (auto, none is not counted: its tools do not reach the template)."}, []string{"choice"}),
+		ToolCalls: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_gateway_tool_calls_total",
+			Help: "Tool calls parsed from answers (--tool-call-parser) and returned as message.tool_calls."}),
+		ToolParseFailures: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvc_gateway_tool_parse_failures_total",
+			Help: "Answers with tool-call markup that gave no tool call, returned as content as SGLang does, by reason (no_call: no complete call to a declared tool; error: a call that is not a JSON object or whose name is not a string)."}, []string{"reason"}),
+		ReasoningAnswers: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_gateway_reasoning_answers_total",
+			Help: "Answers whose reasoning was separated into message.reasoning_content (--reasoning-parser)."}),
 	}
+	for _, r := range []string{"no_call", "error"} {
+		m.ToolParseFailures.WithLabelValues(r)
+	}
+	m.ToolRequests.WithLabelValues("auto")
+	reg.MustRegister(m.ToolRequests, m.ToolCalls, m.ToolParseFailures, m.ReasoningAnswers)
 	for _, c := range []string{"low", "normal", "high"} {
 		m.PrefillPriority.WithLabelValues(c)
 	}

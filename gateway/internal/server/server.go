@@ -215,6 +215,9 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request, kind api.Kind) {
 	}
 
 	out := newSink(w, req)
+	if s.parsesAnswers(req) {
+		out.answer = s.answer
+	}
 	var res result
 	var p *plan
 	var gone []*kvcv1.WorkerRef // workers that refused or dropped an attempt: the retry avoids them

@@ -27,6 +27,8 @@ type sink struct {
 	chunks     int
 	cumulative bool // the worker streams cumulative text (SGLang's default)
 	id         string
+	// answer parses a whole chat answer (answer.go); nil: the text is the message's content.
+	answer func(req *api.Request, text, finish string) (api.Answer, string)
 }
 
 func newSink(w http.ResponseWriter, req *api.Request) *sink {
@@ -165,6 +167,9 @@ func (s *sink) finish(p *plan, res result) {
 			meta = json.RawMessage("{}")
 		}
 		body, _ = json.Marshal(map[string]any{"text": s.acc.String(), "meta_info": meta, "kvc_route": s.info(p, res)})
+	} else if s.answer != nil {
+		a, finish := s.answer(s.req, s.acc.String(), finishReason(res, s.req.MaxTokens))
+		body = api.FullChat(s.id, s.req.Model, a, finish, s.usage(res), s.info(p, res))
 	} else {
 		body = api.Full(s.req.Kind, s.id, s.req.Model, s.acc.String(), finishReason(res, s.req.MaxTokens), s.usage(res), s.info(p, res))
 	}

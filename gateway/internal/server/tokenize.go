@@ -225,5 +225,5 @@ func messageBytes(req *api.Request) int64 {
 			n += int64(len(tc.Function.Arguments))
 		}
 	}
-	return n
+	return n + req.Tools.Size()
 }

@@ -1,0 +1,52 @@
+package server
+
+import (
+	"github.com/kvcentric/kvcentric/gateway/internal/api"
+	"github.com/kvcentric/kvcentric/gateway/internal/toolcall"
+)
+
+// parsesAnswers reports whether a chat answer goes through the reasoning or tool-call parser
+// (the gateway's --reasoning-parser, --tool-call-parser).
+func (s *Server) parsesAnswers(req *api.Request) bool {
+	p := s.opt.Parse
+	return req.Kind == api.Chat && !req.Stream && req.Tools != nil &&
+		((p.ReasoningParser != "" && req.Tools.SeparateReasoning) || (p.ToolCallParser != "" && req.Tools.HasTools()))
+}
+
+// answer splits a whole chat answer as SGLang's serving_chat does: the reasoning block into
+// reasoning_content, then the tool calls (tool_choice "auto") into tool_calls with finish_reason
+// "tool_calls" when the answer stopped on its own. finish is the answer's finish reason.
+func (s *Server) answer(req *api.Request, text, finish string) (api.Answer, string) {
+	p, ct := s.opt.Parse, req.Tools
+	var a api.Answer
+	if p.ReasoningParser != "" && ct.SeparateReasoning {
+		force := toolcall.ForceReasoning(p.ReasoningParser, ct.Vars)
+		var r string
+		r, text = toolcall.Reasoning(p.ReasoningParser, text, force, ct.Vars["force_nonempty_content"] == true)
+		if r != "" {
+			a.ReasoningContent = &r
+			s.m.ReasoningAnswers.Inc()
+		}
+	}
+	if p.ToolCallParser != "" && ct.HasTools() {
+		names := make([]string, len(ct.Tools))
+		for i, f := range ct.Tools {
+			names[i] = f.Name
+		}
+		content, calls, fail := toolcall.Parse(p.ToolCallParser, text, names)
+		if fail != "" {
+			s.m.ToolParseFailures.WithLabelValues(string(fail)).Inc()
+		}
+		text = content
+		for i, c := range calls {
+			a.ToolCalls = append(a.ToolCalls, api.ToolCall{ID: toolcall.CallID(), Index: i, Type: "function",
+				Function: api.ToolCallFunction{Name: c.Name, Arguments: c.Arguments}})
+		}
+		s.m.ToolCalls.Add(float64(len(calls)))
+		if len(calls) > 0 && finish == "stop" {
+			finish = "tool_calls"
+		}
+	}
+	a.Content = text
+	return a, finish
+}

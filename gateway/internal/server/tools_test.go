@@ -1,0 +1,184 @@
+package server
+
+import (
+	"bytes"
+	"encoding/json"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"github.com/rs/zerolog"
+
+	"github.com/kvcentric/kvcentric/gateway/internal/api"
+	"github.com/kvcentric/kvcentric/gateway/internal/pyjson"
+	"github.com/kvcentric/kvcentric/gateway/internal/workers"
+	"github.com/kvcentric/kvcentric/pkg/tokenizer"
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+// sglangTemplateInputs is a case of api's SGLang goldens (testdata/chat_params.json): the
+// request body and the tools JSON and template kwargs SGLang renders it with.
+func sglangTemplateInputs(t *testing.T, name string) (body json.RawMessage, tools string, vars map[string]any) {
+	t.Helper()
+	raw, err := os.ReadFile(filepath.Join("..", "api", "testdata", "chat_params.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var cases []struct {
+		Name  string          `json:"name"`
+		Body  json.RawMessage `json:"body"`
+		Tools *string         `json:"tools"`
+		Vars  string          `json:"vars"`
+	}
+	if err := json.Unmarshal(raw, &cases); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range cases {
+		if c.Name == name && c.Tools != nil {
+			v, err := pyjson.Decode([]byte(c.Vars))
+			if err != nil {
+				t.Fatal(err)
+			}
+			vars, _ = pyjson.Plain(v).(map[string]any)
+			return c.Body, *c.Tools, vars
+		}
+	}
+	t.Fatalf("no golden %q with tools", name)
+	return nil, "", nil
+}
+
+// TestChatToolsThroughTheGateway: with --tokenizer (Qwen3) and SGLang's parsers, a chat
+// request with tools reaches the worker as the ids of the chat template rendered with SGLang's
+// tools JSON and kwargs (the tools in the prompt), skip_special_tokens false; the answer comes
+// back with reasoning_content, tool_calls and finish_reason "tool_calls". A streamed request
+// with tools and a request with tools but no tokenizer are 400 unsupported_parameter.
+func TestChatToolsThroughTheGateway(t *testing.T) {
+	tok, _ := qwen3(t)
+	body, toolsJSON, vars := sglangTemplateInputs(t, "tools and effort")
+	dw := startIDsWorker(t, &idsWorker{out: []int64{1, 2, 3}, texts: []string{
+		"<think>\nThe user wants the weather.\n</think>\n\n",
+		"<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"unit\": \"c\"}}",
+		"\n</tool_call>",
+	}})
+	rr := &recRouter{decision: func(q *kvcv1.RouteQuery) *kvcv1.RouteDecision {
+		return &kvcv1.RouteDecision{DecisionId: "d-1", Mode: kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D,
+			Decode:    &kvcv1.WorkerRef{WorkerId: "d0", WorkerUrl: dw.URL},
+			Execution: &kvcv1.RouteExecution{CallDecode: true, KeepSession: true}}
+	}}
+	m := NewMetrics(prometheus.NewRegistry())
+	content := &Content{Tok: tok, PageSize: 16}
+	s := New(rr, workers.NewPool(nil, nil), Options{RequestTimeout: 10 * time.Second, ConnectTimeout: time.Second, MaxBodyBytes: 1 << 20,
+		Parse:   api.Options{RequireSession: true, DefaultMaxTok: 16, ToolCallParser: "qwen25", ReasoningParser: "qwen3"},
+		Content: content}, zerolog.Nop(), m)
+	mux := http.NewServeMux()
+	s.Register(mux)
+	gw := httptest.NewServer(mux)
+	defer gw.Close()
+
+	post := func(b []byte) (*http.Response, []byte) {
+		req, _ := http.NewRequest(http.MethodPost, gw.URL+"/v1/chat/completions", bytes.NewReader(b))
+		req.Header.Set("X-Session-ID", "agent-1")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		out, _ := io.ReadAll(resp.Body)
+		return resp, out
+	}
+	resp, out := post(body)
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("status %d: %s", resp.StatusCode, out)
+	}
+
+	// The worker got the ids of SGLang's rendering: the tools and kwargs in the template.
+	var msgs []tokenizer.Message
+	var b struct {
+		Messages json.RawMessage `json:"messages"`
+	}
+	_ = json.Unmarshal(body, &b)
+	_ = json.Unmarshal(b.Messages, &msgs)
+	text, err := tok.ApplyChatTemplate(msgs, tokenizer.ChatOptions{AddGenerationPrompt: true, ToolsJSON: json.RawMessage(toolsJSON), Vars: vars})
+	if err != nil {
+		t.Fatal(err)
+	}
+	plain, _ := tok.ApplyChatTemplate(msgs, tokenizer.ChatOptions{AddGenerationPrompt: true})
+	if !strings.Contains(text, `"name": "get_weather"`) || text == plain {
+		t.Fatalf("the rendering with tools has no tools:\n%s", text)
+	}
+	want := tok.Encode(text, false)
+	dw.mu.Lock()
+	wb := dw.body
+	dw.mu.Unlock()
+	ids, _ := wb["input_ids"].([]any)
+	if len(ids) != len(want) {
+		t.Fatalf("worker got %d ids, the rendering with tools has %d", len(ids), len(want))
+	}
+	for i := range want {
+		if int64(ids[i].(float64)) != int64(want[i]) {
+			t.Fatalf("input_ids[%d] = %v, want %d", i, ids[i], want[i])
+		}
+	}
+	if sp, _ := wb["sampling_params"].(map[string]any); sp["skip_special_tokens"] != false {
+		t.Fatalf("sampling_params %v: skip_special_tokens false wanted", sp)
+	}
+
+	// The answer, as SGLang's serving_chat returns it.
+	var ans struct {
+		Choices []struct {
+			FinishReason string `json:"finish_reason"`
+			Message      struct {
+				Role             string         `json:"role"`
+				Content          *string        `json:"content"`
+				ReasoningContent *string        `json:"reasoning_content"`
+				ToolCalls        []api.ToolCall `json:"tool_calls"`
+			} `json:"message"`
+		} `json:"choices"`
+	}
+	if err := json.Unmarshal(out, &ans); err != nil || len(ans.Choices) != 1 {
+		t.Fatalf("answer %s: %v", out, err)
+	}
+	c := ans.Choices[0]
+	if c.FinishReason != "tool_calls" || c.Message.Content == nil || *c.Message.Content != "" ||
+		c.Message.ReasoningContent == nil || *c.Message.ReasoningContent != "\nThe user wants the weather.\n" {
+		t.Fatalf("answer %s", out)
+	}
+	if len(c.Message.ToolCalls) != 1 || c.Message.ToolCalls[0].Type != "function" || !strings.HasPrefix(c.Message.ToolCalls[0].ID, "call_") ||
+		c.Message.ToolCalls[0].Function.Name != "get_weather" || c.Message.ToolCalls[0].Function.Arguments != `{"city": "Paris", "unit": "c"}` {
+		t.Fatalf("tool calls %+v", c.Message.ToolCalls)
+	}
+	if testutil.ToFloat64(m.ToolCalls) != 1 || testutil.ToFloat64(m.ReasoningAnswers) != 1 || testutil.ToFloat64(m.ToolRequests.WithLabelValues("auto")) != 1 {
+		t.Fatalf("metrics: tool calls %v, reasoning answers %v, tool requests %v", testutil.ToFloat64(m.ToolCalls),
+			testutil.ToFloat64(m.ReasoningAnswers), testutil.ToFloat64(m.ToolRequests.WithLabelValues("auto")))
+	}
+
+	// Refused rather than served differently.
+	var streamed map[string]any
+	_ = json.Unmarshal(body, &streamed)
+	streamed["stream"] = true
+	sb, _ := json.Marshal(streamed)
+	for _, c := range []struct {
+		name string
+		run  func() (*http.Response, []byte)
+	}{
+		{"stream", func() (*http.Response, []byte) { return post(sb) }},
+		{"no tokenizer", func() (*http.Response, []byte) { s.opt.Content = &Content{PageSize: 16}; return post(body) }},
+	} {
+		name := c.name
+		resp, out := c.run()
+		var e struct {
+			Error struct{ Code string } `json:"error"`
+		}
+		_ = json.Unmarshal(out, &e)
+		if resp.StatusCode != http.StatusBadRequest || e.Error.Code != api.CodeUnsupportedParameter {
+			t.Fatalf("%s: status %d %s", name, resp.StatusCode, out)
+		}
+	}
+}
