@@ -1,13 +1,17 @@
 package api
 
 import (
+	"compress/gzip"
 	"encoding/json"
+	"io"
 	"net/http"
 	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 
 	"github.com/kvcentric/kvcentric/gateway/internal/pyjson"
+	"github.com/kvcentric/kvcentric/pkg/tokenizer"
 )
 
 // chatParamsGolden is one case of testdata/chat_params.json (gen_chat_params.py: SGLang
@@ -20,6 +24,44 @@ type chatParamsGolden struct {
 	ToolChoice json.RawMessage `json:"tool_choice"`
 	Tools      *string         `json:"tools"`
 	Vars       string          `json:"vars"`
+	// PromptQwen3 is transformers' apply_chat_template of the body's messages with those tools
+	// and kwargs, as SGLang renders it, with the committed Qwen3 tokenizer.
+	PromptQwen3 *string `json:"prompt_qwen3"`
+}
+
+// qwen3Tokenizer loads the committed Qwen3 tokenizer (pkg/tokenizer/testdata, gzip).
+func qwen3Tokenizer(t *testing.T) *tokenizer.Tokenizer {
+	t.Helper()
+	src := filepath.Join("..", "..", "..", "pkg", "tokenizer", "testdata", "qwen3")
+	f, err := os.Open(filepath.Join(src, "tokenizer.json.gz"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	zr, err := gzip.NewReader(f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	raw, err := io.ReadAll(zr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := os.ReadFile(filepath.Join(src, "tokenizer_config.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	if err := os.WriteFile(filepath.Join(dir, "tokenizer.json"), raw, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "tokenizer_config.json"), cfg, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	tok, err := tokenizer.Load(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tok
 }
 
 func parseGoldenBody(t *testing.T, raw []byte) (*ChatTools, *Error) {
@@ -33,8 +75,11 @@ func parseGoldenBody(t *testing.T, raw []byte) (*ChatTools, *Error) {
 }
 
 // TestChatParamsGolden: the tools JSON the template gets, its extra variables, the tool choice
-// and the errors are SGLang's, byte for byte.
+// and the errors are SGLang's, byte for byte; and the Qwen3 prompt rendered with them (full and
+// through RenderChat, the gateway's cached path) is the one SGLang renders.
 func TestChatParamsGolden(t *testing.T) {
+	tok := qwen3Tokenizer(t)
+	prompts := 0
 	raw, err := os.ReadFile("testdata/chat_params.json")
 	if err != nil {
 		t.Fatal(err)
@@ -90,7 +135,30 @@ func TestChatParamsGolden(t *testing.T) {
 			if g := pyjson.Dumps(vars, pyjson.Options{Compact: true, SortKeys: true}); g != c.Vars {
 				t.Fatalf("vars\n got %s\nwant %s", g, c.Vars)
 			}
+			if c.PromptQwen3 == nil {
+				t.Fatal("no SGLang prompt in the golden")
+			}
+			prompts++
+			var b struct{ Messages []tokenizer.Message }
+			if err := json.Unmarshal(c.Body, &b); err != nil {
+				t.Fatal(err)
+			}
+			opts := tokenizer.ChatOptions{AddGenerationPrompt: true, ToolsJSON: ct.ToolsJSON, Vars: ct.Vars}
+			got, err = tok.ApplyChatTemplate(b.Messages, opts)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got != *c.PromptQwen3 {
+				t.Fatalf("prompt\n got %q\nwant %q", got, *c.PromptQwen3)
+			}
+			r, err := tok.RenderChat(b.Messages, opts, nil)
+			if err != nil || r.Text != *c.PromptQwen3 {
+				t.Fatalf("RenderChat %v: %q", err, r.Text)
+			}
 		})
+	}
+	if prompts < 20 {
+		t.Fatalf("%d prompts compared", prompts)
 	}
 }
 

@@ -6,10 +6,17 @@ Run with SGLang 0.5.23's venv from this folder:
 Each body goes through SGLang's real ChatCompletionRequest (pydantic validation, Tool and
 Function model_dump, normalize_reasoning_inputs) and OpenAIServingChat._validate_request; the
 tools the chat template gets and its extra kwargs follow _process_messages and
-_apply_jinja_template (serving_chat.py, 0.5.23), quoted below line for line.
+_apply_jinja_template (serving_chat.py, 0.5.23), quoted below line for line. Each accepted
+body's prompt is rendered as _render_and_encode_chat_template renders it —
+tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, tools=tools,
+**template_kwargs) — with the committed Qwen3 tokenizer (pkg/tokenizer/testdata/qwen3).
 """
+import gzip
 import json
+import os
+import shutil
 import sys
+import tempfile
 
 from sglang_stub import Chat, ChatCompletionRequest, fake_serving
 from sglang.srt.entrypoints.openai.protocol import ToolChoice
@@ -108,6 +115,19 @@ def template_inputs(request):
     return tools, extra_template_kwargs
 
 
+def qwen3_tokenizer():
+    from transformers import AutoTokenizer
+
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "..", "pkg", "tokenizer", "testdata", "qwen3")
+    tmp = tempfile.mkdtemp()
+    with gzip.open(os.path.join(src, "tokenizer.json.gz"), "rb") as f, open(os.path.join(tmp, "tokenizer.json"), "wb") as out:
+        shutil.copyfileobj(f, out)
+    shutil.copy(os.path.join(src, "tokenizer_config.json"), tmp)
+    tok = AutoTokenizer.from_pretrained(tmp)
+    shutil.rmtree(tmp)
+    return tok
+
+
 def choice(request):
     if isinstance(request.tool_choice, ToolChoice):
         return {"function": request.tool_choice.function.name}
@@ -115,6 +135,7 @@ def choice(request):
 
 
 def main():
+    tok = qwen3_tokenizer()
     out = []
     for name, body in CASES:
         case = {"name": name, "body": body}
@@ -133,6 +154,9 @@ def main():
         case["tool_choice"] = choice(request)
         case["tools"] = None if tools is None else json.dumps(tools, ensure_ascii=False, separators=(",", ":"))
         case["vars"] = json.dumps(kwargs, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+        case["prompt_qwen3"] = tok.apply_chat_template(
+            body["messages"], tokenize=False, add_generation_prompt=True, tools=tools, **kwargs
+        )
         out.append(case)
     json.dump(out, sys.stdout, indent=1, ensure_ascii=False)
     sys.stdout.write("\n")
