@@ -41,8 +41,11 @@ type ChatTools struct {
 	Named  *string
 	// Tools are the request's tools (the output parser reads calls to them).
 	Tools []ToolFunc
-	// SeparateReasoning is SGLang's separate_reasoning (default true).
+	// SeparateReasoning and StreamReasoning are SGLang's separate_reasoning and
+	// stream_reasoning (default true: a streamed answer's reasoning comes as it is generated,
+	// else in one piece when its block ends).
 	SeparateReasoning bool
+	StreamReasoning   bool
 }
 
 // Template reports whether the chat template gets anything besides the messages.

@@ -183,8 +183,16 @@ func TestParseChatToolsGateway(t *testing.T) {
 		{"strict with choice none", `{` + msgs + `,"tools":[` + strict + `],"tool_choice":"none"}`, parsers, "", nil},
 		{"stream with tools and a parser", `{` + msgs + `,"stream":true,"tools":[` + tool + `]}`, Options{DefaultMaxTok: 8, ToolCallParser: "qwen25"}, CodeUnsupportedParameter, nil},
 		{"stream with tools, no parser", `{` + msgs + `,"stream":true,"tools":[` + tool + `]}`, plain, "", nil},
-		{"stream with a reasoning parser", `{` + msgs + `,"stream":true}`, Options{DefaultMaxTok: 8, ReasoningParser: "qwen3"}, CodeUnsupportedParameter, nil},
-		{"stream, reasoning not separated", `{` + msgs + `,"stream":true,"separate_reasoning":false}`, Options{DefaultMaxTok: 8, ReasoningParser: "qwen3"}, "", nil},
+		{"stream with a reasoning parser", `{` + msgs + `,"stream":true,"stream_reasoning":false}`, Options{DefaultMaxTok: 8, ReasoningParser: "qwen3"}, "", func(t *testing.T, r *Request) {
+			if !r.Tools.SeparateReasoning || r.Tools.StreamReasoning {
+				t.Fatalf("tools %+v", r.Tools)
+			}
+		}},
+		{"stream, reasoning not separated", `{` + msgs + `,"stream":true,"separate_reasoning":false}`, Options{DefaultMaxTok: 8, ReasoningParser: "qwen3"}, "", func(t *testing.T, r *Request) {
+			if r.Tools.SeparateReasoning || !r.Tools.StreamReasoning {
+				t.Fatalf("tools %+v", r.Tools)
+			}
+		}},
 		{"message tools", `{"messages":[{"role":"system","content":"s","tools":[` + tool + `]},{"role":"user","content":"x"}]}`, plain, CodeUnsupportedParameter, nil},
 		{"tools reach the request", `{` + msgs + `,"tools":[` + tool + `],"chat_template_kwargs":{"enable_thinking":false}}`, parsers, "", func(t *testing.T, r *Request) {
 			if !r.Tools.HasTools() || !r.Tools.Template() || r.Tools.Vars["enable_thinking"] != false || !strings.Contains(string(r.Tools.ToolsJSON), `"name":"f"`) {

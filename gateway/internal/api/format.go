@@ -65,6 +65,18 @@ func Chunk(k Kind, id, model, delta string, first bool, finish string, usage *Us
 	return b
 }
 
+// ReasoningChunk encodes one chat streaming chunk carrying reasoning text (delta
+// reasoning_content, as SGLang streams it with --reasoning-parser).
+func ReasoningChunk(id, model, reasoning string, first bool) []byte {
+	d := map[string]any{"reasoning_content": reasoning}
+	if first {
+		d["role"] = "assistant"
+	}
+	choice := map[string]any{"index": 0, "finish_reason": nil, "delta": d}
+	b, _ := json.Marshal(map[string]any{"id": id, "object": object(Chat, true), "created": time.Now().Unix(), "model": model, "choices": []any{choice}})
+	return b
+}
+
 // Full encodes a non-streaming OpenAI answer.
 func Full(k Kind, id, model, text, finish string, usage Usage, info *RouteInfo) []byte {
 	choice := map[string]any{"index": 0, "finish_reason": finish}

@@ -95,7 +95,8 @@ func (e *Error) Body() []byte {
 const (
 	// CodeUnsupportedParameter: n (or sampling_params.n) other than 1: one completion per request;
 	// tool_choice "required" or a named function, strict tools under --tool-call-parser, tools
-	// in a message, a parsed answer streamed, template inputs without the gateway's tokenizer.
+	// in a message, tool calls parsed from a streamed answer, template inputs without the
+	// gateway's tokenizer.
 	CodeUnsupportedParameter = "unsupported_parameter"
 	// CodeInvalidParameter: a sampling parameter out of range (a negative temperature); tools,
 	// tool_choice, chat_template_kwargs, reasoning_effort or reasoning that SGLang refuses
@@ -174,6 +175,7 @@ type body struct {
 	ReasoningEffort    rawField `json:"reasoning_effort"`
 	Reasoning          rawField `json:"reasoning"`
 	SeparateReasoning  *bool    `json:"separate_reasoning"`
+	StreamReasoning    *bool    `json:"stream_reasoning"`
 	// Both
 	SessionParams *sessionParams `json:"session_params"`
 	KVC           *kvcExt        `json:"kvc"`
@@ -418,7 +420,7 @@ func Parse(kind Kind, h http.Header, raw []byte, opt Options) (*Request, *Error)
 
 // chatTools parses a chat request's tools and template inputs (chattools.go) and refuses
 // what the gateway cannot serve as SGLang would: tools in a system message, a tool choice
-// that needs SGLang's output grammar, and parsed answers streamed.
+// that needs SGLang's output grammar, and tool calls parsed from a streamed answer.
 func chatTools(b *body, opt Options) (*ChatTools, *Error) {
 	for i, m := range b.Messages {
 		if len(m.Tools) > 0 && string(m.Tools) != "null" && string(m.Tools) != "[]" && (m.Role == "system" || m.Role == "developer") {
@@ -430,6 +432,7 @@ func chatTools(b *body, opt Options) (*ChatTools, *Error) {
 	if e != nil {
 		return nil, e
 	}
+	ct.StreamReasoning = b.StreamReasoning == nil || *b.StreamReasoning
 	if len(ct.Tools) > 0 && (ct.Choice == ChoiceRequired || ct.Choice == ChoiceFunction) {
 		return nil, badRequestCode(CodeUnsupportedParameter, "tool_choice %q: SGLang constrains the output to a tool call with a grammar the gateway does not build (send tool_choice \"auto\")", ct.Choice)
 	}
@@ -442,9 +445,6 @@ func chatTools(b *body, opt Options) (*ChatTools, *Error) {
 	}
 	if b.Stream && opt.ToolCallParser != "" && ct.HasTools() {
 		return nil, badRequestCode(CodeUnsupportedParameter, "stream with tools: the gateway parses tool calls (--tool-call-parser) only in whole answers (send stream false)")
-	}
-	if b.Stream && opt.ReasoningParser != "" && ct.SeparateReasoning {
-		return nil, badRequestCode(CodeUnsupportedParameter, "stream: the gateway separates reasoning (--reasoning-parser) only in whole answers (send stream false or separate_reasoning false)")
 	}
 	return ct, nil
 }

@@ -13,6 +13,21 @@ func (s *Server) parsesAnswers(req *api.Request) bool {
 		((p.ReasoningParser != "" && req.Tools.SeparateReasoning) || (p.ToolCallParser != "" && req.Tools.HasTools()))
 }
 
+// streamsReasoning sets out to split a streamed chat answer's reasoning (--reasoning-parser,
+// separate_reasoning), as SGLang's _process_reasoning_stream does: reasoning_content deltas,
+// then content deltas. (A streamed answer with tools under --tool-call-parser is refused by
+// api.Parse: its calls are parsed only whole.)
+func (s *Server) streamsReasoning(req *api.Request, out *sink) {
+	p := s.opt.Parse
+	if req.Kind != api.Chat || !req.Stream || req.Tools == nil || p.ReasoningParser == "" || !req.Tools.SeparateReasoning {
+		return
+	}
+	ct := req.Tools
+	out.reasoning = toolcall.NewReasoningStream(p.ReasoningParser, toolcall.ForceReasoning(p.ReasoningParser, ct.Vars),
+		ct.Vars["force_nonempty_content"] == true, ct.StreamReasoning)
+	out.onReason = s.m.ReasoningAnswers.Inc
+}
+
 // answer splits a whole chat answer as SGLang's serving_chat does: the reasoning block into
 // reasoning_content, then the tool calls (tool_choice "auto") into tool_calls with finish_reason
 // "tool_calls" when the answer stopped on its own. finish is the answer's finish reason.

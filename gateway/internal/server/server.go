@@ -218,6 +218,7 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request, kind api.Kind) {
 	if s.parsesAnswers(req) {
 		out.answer = s.answer
 	}
+	s.streamsReasoning(req, out)
 	var res result
 	var p *plan
 	var gone []*kvcv1.WorkerRef // workers that refused or dropped an attempt: the retry avoids them

@@ -7,6 +7,7 @@ import (
 	"strings"
 
 	"github.com/kvcentric/kvcentric/gateway/internal/api"
+	"github.com/kvcentric/kvcentric/gateway/internal/toolcall"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -29,6 +30,10 @@ type sink struct {
 	id         string
 	// answer parses a whole chat answer (answer.go); nil: the text is the message's content.
 	answer func(req *api.Request, text, finish string) (api.Answer, string)
+	// reasoning splits a streamed chat answer's reasoning (answer.go); nil: none.
+	reasoning *toolcall.ReasoningStream
+	sentRole  bool // the first chat chunk (with role) went out
+	onReason  func()
 }
 
 func newSink(w http.ResponseWriter, req *api.Request) *sink {
@@ -115,7 +120,33 @@ func (s *sink) chunk(raw []byte, text string) error {
 	if s.req.Kind == api.Generate {
 		return s.event(raw) // SGLang format: pass the worker's chunk through (meta_info.kvc included)
 	}
+	if s.reasoning != nil {
+		r, n := s.reasoning.Chunk(d)
+		return s.reasoned(r, n)
+	}
 	return s.event(api.Chunk(s.req.Kind, s.id, s.req.Model, d, s.chunks == 1, "", nil, nil))
+}
+
+// reasoned streams what the reasoning split gave: a reasoning_content delta, then a content
+// delta, each only when not empty (the role goes with the first one sent).
+func (s *sink) reasoned(r, n string) error {
+	if r != "" {
+		if s.onReason != nil {
+			s.onReason()
+			s.onReason = nil
+		}
+		if err := s.event(api.ReasoningChunk(s.id, s.req.Model, r, !s.sentRole)); err != nil {
+			return err
+		}
+		s.sentRole = true
+	}
+	if n != "" {
+		if err := s.event(api.Chunk(s.req.Kind, s.id, s.req.Model, n, !s.sentRole, "", nil, nil)); err != nil {
+			return err
+		}
+		s.sentRole = true
+	}
+	return nil
 }
 
 func (s *sink) info(p *plan, res result) *api.RouteInfo {
@@ -150,6 +181,9 @@ func (s *sink) finish(p *plan, res result) {
 	if s.req.Stream {
 		if !s.started { // no token at all (an empty answer)
 			s.begin(p, s.req)
+		}
+		if s.reasoning != nil {
+			_ = s.reasoned(s.reasoning.End()) // what was held back: a tag that never came
 		}
 		if s.req.Kind != api.Generate {
 			u := s.usage(res)

@@ -182,3 +182,102 @@ func TestChatToolsThroughTheGateway(t *testing.T) {
 		}
 	}
 }
+
+// TestChatReasoningStreamed: with --reasoning-parser a streamed chat answer comes as
+// reasoning_content deltas then content deltas, split chunk by chunk as SGLang splits them
+// (the toolcall package's golden "stream split tags", from SGLang's ReasoningParser).
+func TestChatReasoningStreamed(t *testing.T) {
+	raw, err := os.ReadFile(filepath.Join("..", "toolcall", "testdata", "tool_parse.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var cases []struct {
+		Name   string      `json:"name"`
+		Chunks []string    `json:"chunks"`
+		Steps  [][2]string `json:"steps"`
+		End    [2]string   `json:"end"`
+	}
+	if err := json.Unmarshal(raw, &cases); err != nil {
+		t.Fatal(err)
+	}
+	var chunks []string
+	var wantR, wantC string
+	for _, c := range cases {
+		if c.Name == "stream split tags" {
+			chunks = c.Chunks
+			for _, st := range append(c.Steps, c.End) {
+				wantR, wantC = wantR+st[0], wantC+st[1]
+			}
+		}
+	}
+	if len(chunks) == 0 || wantR == "" || wantC == "" {
+		t.Fatal("no golden")
+	}
+	ids := make([]int64, len(chunks))
+	dw := startIDsWorker(t, &idsWorker{out: ids, texts: chunks})
+	rr := &recRouter{decision: func(q *kvcv1.RouteQuery) *kvcv1.RouteDecision {
+		return &kvcv1.RouteDecision{DecisionId: "d-1", Mode: kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D,
+			Decode:    &kvcv1.WorkerRef{WorkerId: "d0", WorkerUrl: dw.URL},
+			Execution: &kvcv1.RouteExecution{CallDecode: true, KeepSession: true}}
+	}}
+	m := NewMetrics(prometheus.NewRegistry())
+	s := New(rr, workers.NewPool(nil, nil), Options{RequestTimeout: 10 * time.Second, ConnectTimeout: time.Second, MaxBodyBytes: 1 << 20,
+		Parse: api.Options{RequireSession: true, DefaultMaxTok: 16, ReasoningParser: "qwen3"}}, zerolog.Nop(), m)
+	mux := http.NewServeMux()
+	s.Register(mux)
+	gw := httptest.NewServer(mux)
+	defer gw.Close()
+
+	req, _ := http.NewRequest(http.MethodPost, gw.URL+"/v1/chat/completions",
+		strings.NewReader(`{"stream":true,"messages":[{"role":"user","content":"weather?"}]}`))
+	req.Header.Set("X-Session-ID", "agent-2")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("status %d: %s", resp.StatusCode, body)
+	}
+	var gotR, gotC string
+	events := 0
+	for _, line := range strings.Split(string(body), "\n") {
+		data, ok := strings.CutPrefix(line, "data: ")
+		if !ok || data == "[DONE]" {
+			continue
+		}
+		var ev struct {
+			Choices []struct {
+				Delta struct {
+					Role             string  `json:"role"`
+					Content          *string `json:"content"`
+					ReasoningContent *string `json:"reasoning_content"`
+				} `json:"delta"`
+			} `json:"choices"`
+		}
+		if err := json.Unmarshal([]byte(data), &ev); err != nil || len(ev.Choices) != 1 {
+			t.Fatalf("event %s: %v", data, err)
+		}
+		d := ev.Choices[0].Delta
+		if (events == 0) != (d.Role == "assistant") {
+			t.Fatalf("event %d role %q", events, d.Role)
+		}
+		if d.ReasoningContent != nil {
+			if gotC != "" {
+				t.Fatalf("reasoning after content: %s", body)
+			}
+			gotR += *d.ReasoningContent
+		}
+		if d.Content != nil {
+			gotC += *d.Content
+		}
+		events++
+	}
+	if gotR != wantR || gotC != wantC {
+		t.Fatalf("reasoning %q content %q, want %q %q\n%s", gotR, gotC, wantR, wantC, body)
+	}
+	if v := testutil.ToFloat64(m.ReasoningAnswers); v != 1 {
+		t.Fatalf("reasoning answers %v", v)
+	}
+}

@@ -26,6 +26,54 @@ type golden struct {
 	ToolCalls    []Call         `json:"tool_calls"`
 	FinishReason string         `json:"finish_reason"`
 	FailureWant  string         `json:"failure"`
+	// Streamed cases: the chunks, SGLang's (reasoning, normal) after each and at the end.
+	Chunks          []string    `json:"chunks"`
+	StreamReasoning bool        `json:"stream_reasoning"`
+	Steps           [][2]string `json:"steps"`
+	End             [2]string   `json:"end"`
+}
+
+func loadGolden(t *testing.T) []golden {
+	t.Helper()
+	raw, err := os.ReadFile("testdata/tool_parse.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var cases []golden
+	if err := json.Unmarshal(raw, &cases); err != nil {
+		t.Fatal(err)
+	}
+	return cases
+}
+
+// TestStreamGolden: chunk by chunk and at the end, the streamed split is SGLang's.
+func TestStreamGolden(t *testing.T) {
+	n := 0
+	for _, c := range loadGolden(t) {
+		if c.Chunks == nil {
+			continue
+		}
+		n++
+		t.Run(c.Name, func(t *testing.T) {
+			force := ForceReasoning(*c.ReasoningP, c.Kwargs)
+			if c.Force == nil || force != *c.Force {
+				t.Fatalf("force %v, SGLang %v", force, c.Force)
+			}
+			rs := NewReasoningStream(*c.ReasoningP, force, c.Kwargs["force_nonempty_content"] == true, c.StreamReasoning)
+			for i, chunk := range c.Chunks {
+				r, n := rs.Chunk(chunk)
+				if [2]string{r, n} != c.Steps[i] {
+					t.Fatalf("chunk %d %q: (%q, %q), want %q", i, chunk, r, n, c.Steps[i])
+				}
+			}
+			if r, n := rs.End(); [2]string{r, n} != c.End {
+				t.Fatalf("end (%q, %q), want %q", r, n, c.End)
+			}
+		})
+	}
+	if n < 10 {
+		t.Fatalf("%d streamed cases", n)
+	}
 }
 
 func (c *Call) UnmarshalJSON(b []byte) error {
@@ -40,13 +88,11 @@ func (c *Call) UnmarshalJSON(b []byte) error {
 // TestGolden: reasoning, content, tool calls (arguments byte for byte), finish reason and
 // the failure kind are SGLang's.
 func TestGolden(t *testing.T) {
-	raw, err := os.ReadFile("testdata/tool_parse.json")
-	if err != nil {
-		t.Fatal(err)
-	}
 	var cases []golden
-	if err := json.Unmarshal(raw, &cases); err != nil {
-		t.Fatal(err)
+	for _, c := range loadGolden(t) {
+		if c.Chunks == nil {
+			cases = append(cases, c)
+		}
 	}
 	if len(cases) < 15 {
 		t.Fatalf("%d cases", len(cases))
@@ -137,5 +183,17 @@ func FuzzParse(f *testing.F) {
 			}
 		}
 		_ = content
+		// Streamed in three pieces: no panic, nothing invented.
+		a, b := len(text)/3, 2*len(text)/3
+		rs := NewReasoningStream("qwen3", true, false, true)
+		out := 0
+		for _, piece := range []string{text[:a], text[a:b], text[b:]} {
+			r, n := rs.Chunk(piece)
+			out += len(r) + len(n)
+		}
+		r, n = rs.End()
+		if out+len(r)+len(n) > len(text) {
+			t.Fatalf("streamed parts longer than the answer")
+		}
 	})
 }

@@ -11,6 +11,7 @@ body's prompt is rendered as _render_and_encode_chat_template renders it —
 tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, tools=tools,
 **template_kwargs) — with the committed Qwen3 tokenizer (pkg/tokenizer/testdata/qwen3).
 """
+
 import gzip
 import json
 import os
@@ -18,58 +19,118 @@ import shutil
 import sys
 import tempfile
 
-from sglang_stub import Chat, ChatCompletionRequest, fake_serving
-from sglang.srt.entrypoints.openai.protocol import ToolChoice
+# sglang_stub first: it stands in for the libraries the venv lacks before SGLang imports them.
+from sglang_stub import Chat, ChatCompletionRequest, fake_serving  # isort: skip
+from sglang.srt.entrypoints.openai.protocol import ToolChoice  # noqa: E402
 
 U = [{"role": "user", "content": "What is the weather in Paris?"}]
 P = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}}, "required": ["city"]}
 W = {"type": "function", "function": {"name": "get_weather", "description": "Weather now", "parameters": P}}
-T = {"type": "function", "function": {"name": "get_time", "description": "Time now", "parameters": {"type": "object", "properties": {}}}}
+T = {
+    "type": "function",
+    "function": {"name": "get_time", "description": "Time now", "parameters": {"type": "object", "properties": {}}},
+}
 
 CASES = [
     ("plain", {"messages": U}),
     ("one tool", {"messages": U, "tools": [W]}),
     ("two tools auto", {"messages": U, "tools": [W, T], "tool_choice": "auto"}),
-    ("function keys reordered", {"messages": U, "tools": [{"function": {"parameters": {"z": 1, "a": {"y": True, "b": None}}, "name": "f", "description": "d"}, "type": "function"}]}),
+    (
+        "function keys reordered",
+        {
+            "messages": U,
+            "tools": [
+                {
+                    "function": {"parameters": {"z": 1, "a": {"y": True, "b": None}}, "name": "f", "description": "d"},
+                    "type": "function",
+                }
+            ],
+        },
+    ),
     ("no description", {"messages": U, "tools": [{"type": "function", "function": {"name": "f", "parameters": P}}]}),
     ("no parameters", {"messages": U, "tools": [{"type": "function", "function": {"description": "d", "name": "f"}}]}),
     ("name only", {"messages": U, "tools": [{"function": {"name": "f"}}]}),
-    ("strict true", {"messages": U, "tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": P}}]}),
+    (
+        "strict true",
+        {"messages": U, "tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": P}}]},
+    ),
     ("strict null", {"messages": U, "tools": [{"type": "function", "function": {"strict": None, "name": "f"}}]}),
-    ("function defer_loading", {"messages": U, "tools": [{"type": "function", "function": {"name": "f", "defer_loading": False}}]}),
-    ("tool defer_loading", {"messages": U, "tools": [{"type": "function", "defer_loading": True, "function": {"name": "f", "description": "d"}}]}),
-    ("tool and function defer_loading", {"messages": U, "tools": [{"defer_loading": False, "type": "function", "function": {"defer_loading": True, "name": "f"}}]}),
-    ("unknown keys dropped", {"messages": U, "tools": [{"type": "function", "x": 1, "function": {"examples": [1], "name": "f", "description": "d"}}]}),
-    ("duplicate key", {"messages": U, "tools": [{"type": "function", "function": {"name": "f", "description": "a", "name2": 0}}]}),
+    (
+        "function defer_loading",
+        {"messages": U, "tools": [{"type": "function", "function": {"name": "f", "defer_loading": False}}]},
+    ),
+    (
+        "tool defer_loading",
+        {
+            "messages": U,
+            "tools": [{"type": "function", "defer_loading": True, "function": {"name": "f", "description": "d"}}],
+        },
+    ),
+    (
+        "tool and function defer_loading",
+        {
+            "messages": U,
+            "tools": [{"defer_loading": False, "type": "function", "function": {"defer_loading": True, "name": "f"}}],
+        },
+    ),
+    (
+        "unknown keys dropped",
+        {
+            "messages": U,
+            "tools": [{"type": "function", "x": 1, "function": {"examples": [1], "name": "f", "description": "d"}}],
+        },
+    ),
+    (
+        "duplicate key",
+        {"messages": U, "tools": [{"type": "function", "function": {"name": "f", "description": "a", "name2": 0}}]},
+    ),
     ("tool type custom", {"messages": U, "tools": [{"type": "custom", "function": {"name": "f"}}]}),
     ("choice none", {"messages": U, "tools": [W, T], "tool_choice": "none"}),
     ("choice null with tools", {"messages": U, "tools": [W], "tool_choice": None}),
     ("choice required", {"messages": U, "tools": [W, T], "tool_choice": "required"}),
     ("choice required no tools", {"messages": U, "tool_choice": "required"}),
     ("choice required empty tools", {"messages": U, "tools": [], "tool_choice": "required"}),
-    ("choice named", {"messages": U, "tools": [W, T], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}),
+    (
+        "choice named",
+        {"messages": U, "tools": [W, T], "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+    ),
     ("choice named no type", {"messages": U, "tools": [W, T], "tool_choice": {"function": {"name": "get_weather"}}}),
-    ("choice named unknown", {"messages": U, "tools": [W, T], "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
+    (
+        "choice named unknown",
+        {"messages": U, "tools": [W, T], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+    ),
     ("choice named no name", {"messages": U, "tools": [W], "tool_choice": {"type": "function", "function": {}}}),
     ("choice named no tools", {"messages": U, "tool_choice": {"type": "function", "function": {"name": "f"}}}),
     ("choice auto no tools", {"messages": U, "tool_choice": "auto"}),
     ("choice bad string", {"messages": U, "tools": [W], "tool_choice": "REQUIRED"}),
-    ("choice bad type", {"messages": U, "tools": [W], "tool_choice": {"type": "tool", "function": {"name": "get_weather"}}}),
+    (
+        "choice bad type",
+        {"messages": U, "tools": [W], "tool_choice": {"type": "tool", "function": {"name": "get_weather"}}},
+    ),
     ("choice number", {"messages": U, "tools": [W], "tool_choice": 3}),
     ("tools not array", {"messages": U, "tools": {"type": "function"}}),
     ("tool without function", {"messages": U, "tools": [{"type": "function"}]}),
     ("function without name", {"messages": U, "tools": [{"type": "function", "function": {"description": "d"}}]}),
     ("function name number", {"messages": U, "tools": [{"type": "function", "function": {"name": 7}}]}),
-    ("description number", {"messages": U, "tools": [{"type": "function", "function": {"name": "f", "description": 7}}]}),
+    (
+        "description number",
+        {"messages": U, "tools": [{"type": "function", "function": {"name": "f", "description": 7}}]},
+    ),
     ("tools null", {"messages": U, "tools": None}),
     ("ctk enable_thinking false", {"messages": U, "chat_template_kwargs": {"enable_thinking": False}}),
-    ("ctk values", {"messages": U, "chat_template_kwargs": {"b": [1, 2.5, "x", None], "a": {"k": 1}, "enable_thinking": True}}),
+    (
+        "ctk values",
+        {"messages": U, "chat_template_kwargs": {"b": [1, 2.5, "x", None], "a": {"k": 1}, "enable_thinking": True}},
+    ),
     ("ctk null", {"messages": U, "chat_template_kwargs": None}),
     ("ctk not object", {"messages": U, "chat_template_kwargs": [1]}),
     ("ctk chat_template", {"messages": U, "chat_template_kwargs": {"chat_template": "{{ x }}"}}),
     ("effort none", {"messages": U, "reasoning_effort": "none"}),
     ("effort low", {"messages": U, "reasoning_effort": "low"}),
-    ("effort high ctk override", {"messages": U, "reasoning_effort": "high", "chat_template_kwargs": {"enable_thinking": False}}),
+    (
+        "effort high ctk override",
+        {"messages": U, "reasoning_effort": "high", "chat_template_kwargs": {"enable_thinking": False}},
+    ),
     ("effort float", {"messages": U, "reasoning_effort": 0.5}),
     ("effort zero", {"messages": U, "reasoning_effort": 0}),
     ("effort numeric string", {"messages": U, "reasoning_effort": "0.25"}),
@@ -118,9 +179,14 @@ def template_inputs(request):
 def qwen3_tokenizer():
     from transformers import AutoTokenizer
 
-    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "..", "pkg", "tokenizer", "testdata", "qwen3")
+    src = os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "..", "pkg", "tokenizer", "testdata", "qwen3"
+    )
     tmp = tempfile.mkdtemp()
-    with gzip.open(os.path.join(src, "tokenizer.json.gz"), "rb") as f, open(os.path.join(tmp, "tokenizer.json"), "wb") as out:
+    with (
+        gzip.open(os.path.join(src, "tokenizer.json.gz"), "rb") as f,
+        open(os.path.join(tmp, "tokenizer.json"), "wb") as out,
+    ):
         shutil.copyfileobj(f, out)
     shutil.copy(os.path.join(src, "tokenizer_config.json"), tmp)
     tok = AutoTokenizer.from_pretrained(tmp)

@@ -5,6 +5,7 @@ not exercise) and xgrammar (output grammars, not used by the parsers' text parsi
 stand in for them. The serving methods are called unbound on a
 namespace that has only what the tool and template-kwargs rules read.
 """
+
 import sys
 import types
 
@@ -55,11 +56,9 @@ for _name in ("xgrammar", "xgrammar.testing", "xgrammar.structural_tag"):
     _stub(_name)
 
 from sglang.srt.entrypoints.openai import serving_chat  # noqa: E402
-from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest  # noqa: E402
+from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest  # noqa: E402, F401 (re-exported)
 
-serving_chat.get_serving = lambda: types.SimpleNamespace(
-    trust_request_chat_template=False, allow_auto_truncate=True
-)
+serving_chat.get_serving = lambda: types.SimpleNamespace(trust_request_chat_template=False, allow_auto_truncate=True)
 serving_chat.get_model = lambda: types.SimpleNamespace(context_length=None)
 
 Chat = serving_chat.OpenAIServingChat

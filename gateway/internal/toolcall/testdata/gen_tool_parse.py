@@ -8,16 +8,18 @@ _build_chat_response computes it: the template's detected reasoning mode, then
 _get_reasoning_from_request) and then, as _process_tool_calls does for tool_choice "auto",
 FunctionCallParser(tools, parser).has_tool_call / parse_non_stream (quoted below).
 """
+
 import json
 import os
 import sys
 import types
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "api", "testdata"))
-from sglang_stub import Chat, ChatCompletionRequest
-from sglang.srt.function_call.function_call_parser import FunctionCallParser
-from sglang.srt.parser.reasoning_parser import ReasoningParser
-from sglang.srt.parser.template_detection import detect_reasoning_pattern
+# sglang_stub first: it stands in for the libraries the venv lacks before SGLang imports them.
+from sglang_stub import Chat, ChatCompletionRequest  # isort: skip
+from sglang.srt.function_call.function_call_parser import FunctionCallParser  # noqa: E402
+from sglang.srt.parser.reasoning_parser import ReasoningParser  # noqa: E402
+from sglang.srt.parser.template_detection import detect_reasoning_pattern  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOK = os.path.join(HERE, "..", "..", "..", "..", "pkg", "tokenizer", "testdata")
@@ -40,20 +42,78 @@ CASES = [
     ("two calls", "qwen3", None, "qwen25", None, C + '\n<tool_call>\n{"name":"get_time","arguments":{}}\n</tool_call>'),
     ("call then text dropped", "qwen3", None, "qwen25", None, C + "\nDone."),
     ("unknown tool", "qwen3", None, "qwen25", None, '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>'),
-    ("known and unknown", "qwen3", None, "qwen25", None, '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>\n' + C),
-    ("bad json skipped", "qwen3", None, "qwen25", None, '<tool_call>\n{"name": "get_time", "arguments": {\n</tool_call>\n' + C),
+    (
+        "known and unknown",
+        "qwen3",
+        None,
+        "qwen25",
+        None,
+        '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>\n' + C,
+    ),
+    (
+        "bad json skipped",
+        "qwen3",
+        None,
+        "qwen25",
+        None,
+        '<tool_call>\n{"name": "get_time", "arguments": {\n</tool_call>\n' + C,
+    ),
     ("only bad json", "qwen3", None, "qwen25", None, 'Hi <tool_call>\n{"name": \n</tool_call>'),
     ("unterminated call", "qwen3", None, "qwen25", None, 'ok <tool_call>\n{"name": "get_time", "arguments": {}}'),
-    ("parameters key", "qwen3", None, "qwen25", None, '<tool_call>\n{"name": "get_time", "parameters": {"tz": "UTC"}}\n</tool_call>'),
-    ("empty parameters falls to arguments", "qwen3", None, "qwen25", None, '<tool_call>\n{"name": "get_time", "parameters": {}, "arguments": {"a": [1, 2.0, 1e20, true, null]}}\n</tool_call>'),
+    (
+        "parameters key",
+        "qwen3",
+        None,
+        "qwen25",
+        None,
+        '<tool_call>\n{"name": "get_time", "parameters": {"tz": "UTC"}}\n</tool_call>',
+    ),
+    (
+        "empty parameters falls to arguments",
+        "qwen3",
+        None,
+        "qwen25",
+        None,
+        '<tool_call>\n{"name": "get_time", "parameters": {}, '
+        '"arguments": {"a": [1, 2.0, 1e20, true, null]}}\n</tool_call>',
+    ),
     ("no arguments", "qwen3", None, "qwen25", None, '<tool_call>\n{"name": "get_time"}\n</tool_call>'),
-    ("arguments as string", "qwen3", None, "qwen25", None, '<tool_call>\n{"name": "get_time", "arguments": "{\\"tz\\": \\"UTC\\"}"}\n</tool_call>'),
-    ("unicode and key order", "qwen3", None, "qwen25", None, '<tool_call>\n{"arguments": {"z": "Zürich \\u00e9 \\ud83d\\ude00", "a": "x\\ty"}, "name": "get_weather"}\n</tool_call>'),
-    ("list of calls in one block", "qwen3", None, "qwen25", None, '<tool_call>\n[{"name": "get_time"}, {"name": "get_weather", "arguments": {"city": "Oslo"}}]\n</tool_call>'),
+    (
+        "arguments as string",
+        "qwen3",
+        None,
+        "qwen25",
+        None,
+        '<tool_call>\n{"name": "get_time", "arguments": "{\\"tz\\": \\"UTC\\"}"}\n</tool_call>',
+    ),
+    (
+        "unicode and key order",
+        "qwen3",
+        None,
+        "qwen25",
+        None,
+        '<tool_call>\n{"arguments": {"z": "Zürich \\u00e9 \\ud83d\\ude00", "a": "x\\ty"}, '
+        '"name": "get_weather"}\n</tool_call>',
+    ),
+    (
+        "list of calls in one block",
+        "qwen3",
+        None,
+        "qwen25",
+        None,
+        '<tool_call>\n[{"name": "get_time"}, {"name": "get_weather", "arguments": {"city": "Oslo"}}]\n</tool_call>',
+    ),
     ("call not an object fails", "qwen3", None, "qwen25", None, 'x <tool_call>\n"get_time"\n</tool_call>'),
     ("name a list fails", "qwen3", None, "qwen25", None, 'x <tool_call>\n{"name": ["get_time"]}\n</tool_call>'),
     ("marker without newline", "qwen3", None, "qwen25", None, '<tool_call>{"name": "get_time"}</tool_call>'),
-    ("reasoning then answer", "qwen3", "qwen3", None, None, "<think>\nThe user wants weather.\n</think>\n\nIt is sunny."),
+    (
+        "reasoning then answer",
+        "qwen3",
+        "qwen3",
+        None,
+        None,
+        "<think>\nThe user wants weather.\n</think>\n\nIt is sunny.",
+    ),
     ("reasoning then call", "qwen3", "qwen3", "qwen25", None, "<think>\nI should call the tool.\n</think>\n\n" + C),
     ("reasoning cut short", "qwen3", "qwen3", "qwen25", None, "<think>\nStill thinking"),
     ("reasoning without start tag", "qwen3", "qwen3", None, None, "thinking...\n</think>\n\nAnswer."),
@@ -67,6 +127,24 @@ CASES = [
     ("r1 without start tag", "qwq", "deepseek-r1", None, None, "Let me think.\n</think>\n\nThe answer is 4."),
     ("r1 cut short", "qwq", "deepseek-r1", None, None, "Let me think"),
     ("r1 with call", "qwq", "deepseek-r1", "qwen25", None, "Think\n</think>\n\n" + C),
+]
+
+
+STREAM_CASES = [
+    # name, template, reasoning parser, chat_template_kwargs, stream_reasoning, chunks
+    ("stream split tags", "qwen3", "qwen3", None, True, ["<th", "ink>\nLet me", " think.</th", "ink>\n\nSunny", "."]),
+    ("stream tag in one chunk", "qwen3", "qwen3", None, True, ["<think>a</think>b"]),
+    ("stream no tags forced", "qwen3", "qwen3", None, True, ["Just ", "an ", "answer."]),
+    ("stream thinking off", "qwen3", "qwen3", {"enable_thinking": False}, True, ["Just ", "<", "an ", "answer."]),
+    ("stream thinking off then tags", "qwen3", "qwen3", {"enable_thinking": False}, True, ["ok <think>x</think>y"]),
+    ("stream cut short", "qwen3", "qwen3", None, True, ["<think>\nStill", " thinking </thi"]),
+    ("stream call interrupts", "qwen3", "qwen3", None, True, ["<think>I will call\n<tool", "_call>\n{}"]),
+    ("stream accumulated", "qwen3", "qwen3", None, False, ["<think>a", "b", "c</think>", "d"]),
+    ("stream accumulated cut short", "qwen3", "qwen3", None, False, ["<think>a", "b"]),
+    ("stream empty chunks", "qwen3", "qwen3", None, True, ["", "<think>", "", "x", "</think>", "", "y"]),
+    ("stream force nonempty", "qwen3", "qwen3", {"force_nonempty_content": True}, True, ["<think>only", " thoughts"]),
+    ("stream r1", "qwq", "deepseek-r1", None, True, ["Let me", " think.\n</", "think>\n\nFour."]),
+    ("stream r1 partial start", "qwq", "deepseek-r1", None, True, ["a <thi", "nk> b"]),
 ]
 
 
@@ -107,8 +185,14 @@ def main():
         if ctk:
             body["chat_template_kwargs"] = ctk
         request = ChatCompletionRequest(**body)
-        case = {"name": name, "template": tmpl, "reasoning_parser": rp, "tool_call_parser": tp,
-                "chat_template_kwargs": ctk, "output": text}
+        case = {
+            "name": name,
+            "template": tmpl,
+            "reasoning_parser": rp,
+            "tool_call_parser": tp,
+            "chat_template_kwargs": ctk,
+            "output": text,
+        }
         reasoning = None
         if rp:
             force = reasoning_force(TEMPLATES[tmpl], rp, request)
@@ -118,14 +202,38 @@ def main():
         calls, finish, fail = None, "stop", ""
         if tp:
             calls, text, finish, fail = process_tool_calls(tp, request.tools, text, finish)
-        case.update({
-            "content": text if text else "",
-            "reasoning_content": reasoning if reasoning else None,
-            "tool_calls": calls,
-            "finish_reason": finish,
-            "failure": fail,
-        })
+        case.update(
+            {
+                "content": text if text else "",
+                "reasoning_content": reasoning if reasoning else None,
+                "tool_calls": calls,
+                "finish_reason": finish,
+                "failure": fail,
+            }
+        )
         out.append(case)
+    for name, tmpl, rp, ctk, stream_reasoning, chunks in STREAM_CASES:
+        body = {"messages": [{"role": "user", "content": "x"}]}
+        if ctk:
+            body["chat_template_kwargs"] = ctk
+        request = ChatCompletionRequest(**body)
+        force = reasoning_force(TEMPLATES[tmpl], rp, request)
+        # _process_reasoning_stream: ReasoningParser(parser, request.stream_reasoning, force, request)
+        parser = ReasoningParser(rp, stream_reasoning, force, request)
+        steps = [list(parser.parse_stream_chunk(c)) for c in chunks]
+        out.append(
+            {
+                "name": name,
+                "template": tmpl,
+                "reasoning_parser": rp,
+                "chat_template_kwargs": ctk,
+                "stream_reasoning": stream_reasoning,
+                "force_reasoning": force,
+                "chunks": chunks,
+                "steps": steps,
+                "end": list(parser.parse_stream_end()),
+            }
+        )
     json.dump(out, sys.stdout, indent=1, ensure_ascii=False)
     sys.stdout.write("\n")
 
