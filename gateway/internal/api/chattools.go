@@ -298,7 +298,8 @@ func parseChatTools(f chatToolFields, hasMessageTools bool) (*ChatTools, *Error)
 // tool as Tool.model_dump() builds it: type (default "function"), function, defer_loading
 // (null when absent); the function's keys in the client's order, then description and
 // parameters (null when missing), strict and defer_loading only when not null, the tool's
-// defer_loading copied into a function that has none. Unknown keys are dropped.
+// defer_loading copied into a function that has none. Unknown keys are dropped; the
+// parameters' database-style type names are rewritten as SGLang rewrites them (schematypes.go).
 func parseTools(raw rawField) ([]any, []ToolFunc, *Error) {
 	if isNull(raw) {
 		return nil, nil, nil
@@ -354,6 +355,9 @@ func parseTools(raw rawField) ([]any, []ToolFunc, *Error) {
 		}
 		if fnDefer == nil {
 			fnDefer = toolDefer
+		}
+		if p := fn.Values["parameters"]; p != nil {
+			normalizeSchemaTypes(p, 0) // SGLang's _validate_request rewrites them before rendering
 		}
 		data := map[string]any{"description": fn.Values["description"], "name": name, "parameters": fn.Values["parameters"]}
 		if strict != nil {

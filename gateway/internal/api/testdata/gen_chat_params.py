@@ -12,6 +12,7 @@ tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=Tr
 **template_kwargs) — with the committed Qwen3 tokenizer (pkg/tokenizer/testdata/qwen3).
 """
 
+import copy
 import gzip
 import json
 import os
@@ -81,8 +82,51 @@ CASES = [
         },
     ),
     (
-        "duplicate key",
+        "unknown function key",
         {"messages": U, "tools": [{"type": "function", "function": {"name": "f", "description": "a", "name2": 0}}]},
+    ),
+    (
+        "schema type aliases",
+        {
+            "messages": U,
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "f",
+                        "parameters": {
+                            "type": "object",
+                            "properties": {
+                                "name": {"type": "VARCHAR(255)"},
+                                "n": {"type": "int32"},
+                                "tags": {"type": "list[str]", "items": {"type": "Text"}},
+                                "price": {"type": ["decimal(10,2)", "null", "Number"]},
+                                "internal": {"type": "internal"},
+                                "m": {"type": "map", "additionalProperties": {"type": "bigint"}},
+                                "u": {"anyOf": [{"type": "uuid"}, {"type": " float "}]},
+                                "s": {"type": "uint8", "not": {"type": "unsigned long"}},
+                            },
+                            "$defs": {"x": {"type": "float64"}},
+                            "items": {"type": "tinyint"},
+                        },
+                    },
+                }
+            ],
+        },
+    ),
+    (
+        "schema type list repeats",
+        {
+            "messages": U,
+            "tools": [
+                {
+                    "function": {
+                        "name": "f",
+                        "parameters": {"type": ["str", "string", "text", 1, True, 1.0, "dict[str, int]"]},
+                    }
+                }
+            ],
+        },
     ),
     ("tool type custom", {"messages": U, "tools": [{"type": "custom", "function": {"name": "f"}}]}),
     ("choice none", {"messages": U, "tools": [W, T], "tool_choice": "none"}),
@@ -206,7 +250,8 @@ def main():
     for name, body in CASES:
         case = {"name": name, "body": body}
         try:
-            request = ChatCompletionRequest(**body)
+            # A copy: SGLang rewrites tool parameter types in place (normalize_json_schema_types).
+            request = ChatCompletionRequest(**copy.deepcopy(body))
         except Exception as e:  # pydantic's ValidationError: SGLang answers 400
             case["invalid"] = str(e).splitlines()[0]
             out.append(case)
