@@ -2,7 +2,6 @@ package api
 
 import (
 	"strings"
-	"unicode"
 
 	"github.com/kvcentric/kvcentric/gateway/internal/pyjson"
 )
@@ -79,7 +78,7 @@ func normalizeSchemaType(raw string) string {
 		return raw
 	}
 	base, _, _ := strings.Cut(raw, "(")
-	base = strings.ToLower(pyStrip(base))
+	base = strings.ToLower(pyjson.Strip(base))
 	if standardSchemaTypes[base] {
 		return base
 	}
@@ -139,9 +138,4 @@ func pyNumber(v any) (float64, bool) {
 		return f, true
 	}
 	return 0, false
-}
-
-// pyStrip is Python's str.strip(): Unicode whitespace and the separators \x1c-\x1f.
-func pyStrip(s string) string {
-	return strings.TrimFunc(s, func(r rune) bool { return unicode.IsSpace(r) || (r >= 0x1c && r <= 0x1f) })
 }

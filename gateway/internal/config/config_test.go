@@ -100,7 +100,7 @@ func TestParse(t *testing.T) {
 				t.Fatalf("parsers %q %q", c.ToolCallParser, c.ReasoningParser)
 			}
 		}},
-		{name: "unknown tool-call parser", args: []string{"--control-plane", "a", "--insecure", "--tool-call-parser", "hermes"}, wantErr: "--tool-call-parser \"hermes\""},
+		{name: "unknown tool-call parser", args: []string{"--control-plane", "a", "--insecure", "--tool-call-parser", "mistral"}, wantErr: "--tool-call-parser \"mistral\""},
 		{name: "unknown reasoning parser", args: []string{"--control-plane", "a", "--insecure", "--reasoning-parser", "kimi"}, wantErr: "--reasoning-parser \"kimi\""},
 		{name: "unknown flag", args: []string{"--nope"}, wantErr: "flag provided but not defined"},
 		{name: "stray arg", args: []string{"--control-plane", "a", "x"}, wantErr: "unexpected arguments"},

@@ -10,6 +10,7 @@ import (
 	"math/big"
 	"strconv"
 	"strings"
+	"unicode"
 )
 
 // Object is a JSON object with its keys in the order they first appeared. A key given twice
@@ -327,4 +328,9 @@ func writeString(sb *strings.Builder, s string, ascii bool) {
 		}
 	}
 	sb.WriteByte('"')
+}
+
+// Strip is Python's str.strip(): Unicode whitespace and the separators \x1c-\x1f.
+func Strip(s string) string {
+	return strings.TrimFunc(s, func(r rune) bool { return unicode.IsSpace(r) || (r >= 0x1c && r <= 0x1f) })
 }

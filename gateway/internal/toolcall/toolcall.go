@@ -6,13 +6,12 @@ import (
 	"fmt"
 	"regexp"
 	"strings"
-	"unicode"
 
 	"github.com/kvcentric/kvcentric/gateway/internal/pyjson"
 )
 
 // ToolCallParsers are the --tool-call-parser values served (SGLang's names).
-var ToolCallParsers = []string{"qwen25", "qwen"}
+var ToolCallParsers = []string{"qwen25", "qwen", "hermes"}
 
 // ReasoningParsers are the --reasoning-parser values served (SGLang's names).
 var ReasoningParsers = []string{"qwen3", "deepseek-r1"}
@@ -102,21 +101,29 @@ type Failure string
 // Failures.
 const (
 	// NoCall: markup, but no complete call to a declared tool (SGLang drops it: the content is
-	// the text before the markup).
+	// the text before the markup; hermes: the whole text when a block is not a call object).
 	NoCall Failure = "no_call"
-	// Error: a call that is not an object, or a name that is not a string (SGLang logs a
-	// parsing error and returns the whole text as content).
+	// Error: qwen25, a call that is not an object, or a list or object as its name (SGLang
+	// logs a parsing error and returns the whole text as content).
 	Error Failure = "error"
 )
 
-var qwen25Block = regexp.MustCompile(`(?s)<tool_call>\n(.*?)\n</tool_call>`)
+var (
+	qwen25Block = regexp.MustCompile(`(?s)<tool_call>\n(.*?)\n</tool_call>`)
+	hermesBlock = regexp.MustCompile(`(?s)<tool_call>(.*?)</tool_call>|<tool_call>(.*)`)
+)
 
 // Parse reads the tool calls of text (the answer after any reasoning) as SGLang's
-// _process_tool_calls does for tool_choice "auto" with parser (qwen25: Hermes-style
-// "<tool_call>\n{json}\n</tool_call>" blocks). tools are the request's function names; a call
-// to another name is dropped. It returns the content, the calls and why markup gave none.
+// _process_tool_calls does for tool_choice "auto" with parser: qwen25 (alias qwen) —
+// "<tool_call>\n{json}\n</tool_call>" blocks, a block that is not JSON skipped — or hermes —
+// "<tool_call>{json}</tool_call>", the last block possibly unclosed, any bad block failing the
+// whole answer. tools are the request's function names; a call to another name is dropped. It
+// returns the content, the calls and why markup gave none.
 func Parse(parser, text string, tools []string) (content string, calls []Call, fail Failure) {
-	const bot = "<tool_call>\n"
+	bot := "<tool_call>\n"
+	if parser == "hermes" {
+		bot = "<tool_call>"
+	}
 	if len(tools) == 0 || !strings.Contains(text, bot) {
 		return text, nil, ""
 	}
@@ -124,50 +131,84 @@ func Parse(parser, text string, tools []string) (content string, calls []Call, f
 	for _, t := range tools {
 		known[t] = true
 	}
-	normal := pyStrip(text[:strings.Index(text, bot)])
-	for _, m := range qwen25Block.FindAllStringSubmatch(text, -1) {
-		v, err := pyjson.Decode([]byte(pyStrip(m[1])))
-		if err != nil {
-			continue // SGLang logs the JSON error and skips the block
-		}
-		list, ok := v.([]any)
-		if !ok {
-			list = []any{v}
-		}
-		for _, a := range list {
-			o, ok := a.(*pyjson.Object)
+	normal := pyjson.Strip(text[:strings.Index(text, bot)])
+	if parser == "hermes" {
+		for _, m := range hermesBlock.FindAllStringSubmatch(text, -1) {
+			raw := m[1]
+			if raw == "" {
+				raw = m[2]
+			}
+			if raw == "" {
+				continue
+			}
+			v, err := pyjson.Decode([]byte(pyjson.Strip(raw)))
+			if err != nil {
+				return text, nil, NoCall // the detector catches it: no call, the whole text
+			}
+			c, ok := baseJSON(v, known)
 			if !ok {
-				return text, nil, Error // act.get on a non-dict raises
+				return text, nil, NoCall
 			}
-			name := o.Values["name"]
-			if !truthyName(name) {
-				continue
+			calls = append(calls, c...)
+		}
+	} else {
+		for _, m := range qwen25Block.FindAllStringSubmatch(text, -1) {
+			v, err := pyjson.Decode([]byte(pyjson.Strip(m[1])))
+			if err != nil {
+				continue // SGLang logs the JSON error and skips the block
 			}
-			s, ok := name.(string)
+			c, ok := baseJSON(v, known)
 			if !ok {
-				switch name.(type) {
-				case []any, *pyjson.Object:
-					return text, nil, Error // unhashable: `name in tool_indices` raises
-				}
-				continue
+				return text, nil, Error
 			}
-			if !known[s] {
-				continue
-			}
-			args := o.Values["parameters"]
-			if !truthyValue(args) {
-				var ok bool
-				if args, ok = o.Values["arguments"]; !ok {
-					args = &pyjson.Object{}
-				}
-			}
-			calls = append(calls, Call{Name: s, Arguments: pyjson.Dumps(args, pyjson.Options{})})
+			calls = append(calls, c...)
 		}
 	}
 	if len(calls) == 0 {
 		return normal, nil, NoCall
 	}
 	return normal, calls, ""
+}
+
+// baseJSON is SGLang's parse_base_json: one call object or a list of them; calls to unknown
+// names dropped; arguments json.dumps'd ("parameters" if truthy, else "arguments", else {}).
+// false where SGLang raises (a call that is not an object, a list or object as the name).
+func baseJSON(v any, known map[string]bool) ([]Call, bool) {
+	list, ok := v.([]any)
+	if !ok {
+		list = []any{v}
+	}
+	var calls []Call
+	for _, a := range list {
+		o, ok := a.(*pyjson.Object)
+		if !ok {
+			return nil, false // act.get on a non-dict raises
+		}
+		name := o.Values["name"]
+		if !truthyName(name) {
+			continue
+		}
+		s, ok := name.(string)
+		if !ok {
+			switch name.(type) {
+			case []any, *pyjson.Object:
+				return nil, false // unhashable: `name in tool_indices` raises
+			}
+			continue
+		}
+		if !known[s] {
+			continue
+		}
+		args := o.Values["parameters"]
+		if !truthyValue(args) {
+			var ok bool
+			if args, ok = o.Values["arguments"]; !ok {
+				args = &pyjson.Object{}
+			}
+		}
+		calls = append(calls, Call{Name: s, Arguments: pyjson.Dumps(args, pyjson.Options{})})
+	}
+	return calls, true
 }
 
 func truthyName(v any) bool { return truthyValue(v) }
@@ -191,11 +232,6 @@ func truthyValue(v any) bool {
 		return len(x.Keys) > 0
 	}
 	return true
-}
-
-// pyStrip is Python's str.strip(): Unicode whitespace and the separators \x1c-\x1f.
-func pyStrip(s string) string {
-	return strings.TrimFunc(s, func(r rune) bool { return unicode.IsSpace(r) || (r >= 0x1c && r <= 0x1f) })
 }
 
 // CallID is a new tool call id as SGLang makes one: "call_" and 24 hex digits of a UUID4.

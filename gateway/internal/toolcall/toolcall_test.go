@@ -156,7 +156,7 @@ func TestCheckParsers(t *testing.T) {
 	for _, c := range []struct {
 		tool, reasoning string
 		ok              bool
-	}{{"", "", true}, {"qwen25", "qwen3", true}, {"qwen", "deepseek-r1", true}, {"hermes", "", false}, {"", "kimi", false}} {
+	}{{"", "", true}, {"qwen25", "qwen3", true}, {"qwen", "deepseek-r1", true}, {"hermes", "", true}, {"mistral", "", false}, {"", "kimi", false}} {
 		if err := CheckParsers(c.tool, c.reasoning); (err == nil) != c.ok {
 			t.Errorf("%q %q: %v", c.tool, c.reasoning, err)
 		}
