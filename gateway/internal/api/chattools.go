@@ -74,6 +74,32 @@ type chatToolFields struct {
 	ReasoningEffort    rawField
 	Reasoning          rawField
 	SeparateReasoning  *bool
+	// Defaults are the server's default template kwargs (--default-chat-template-kwargs);
+	// nil: none.
+	Defaults *pyjson.Object
+}
+
+// ParseDefaultKwargs decodes --default-chat-template-kwargs (SGLang's server argument of the
+// same name): a JSON object, without chat_template (the gateway renders the model's own).
+func ParseDefaultKwargs(raw string) (*pyjson.Object, error) {
+	if strings.TrimSpace(raw) == "" {
+		return nil, nil
+	}
+	v, err := pyjson.Decode([]byte(raw))
+	if err != nil {
+		return nil, fmt.Errorf("--default-chat-template-kwargs: %w", err)
+	}
+	o, ok := v.(*pyjson.Object)
+	if !ok {
+		return nil, fmt.Errorf("--default-chat-template-kwargs must be a JSON object")
+	}
+	if _, ok := o.Values["chat_template"]; ok {
+		return nil, fmt.Errorf("--default-chat-template-kwargs: chat_template is not supported (the gateway renders the tokenizer's template)")
+	}
+	if len(o.Keys) == 0 {
+		return nil, nil
+	}
+	return o, nil
 }
 
 func isNull(f rawField) bool { return len(f) == 0 || string(f) == "null" }
@@ -266,7 +292,22 @@ func parseChatTools(f chatToolFields, hasMessageTools bool) (*ChatTools, *Error)
 		}
 	}
 
-	// _process_messages: the tools the template gets.
+	// _process_messages: the server's default kwargs fill what the request left unset, and
+	// their reasoning_effort stands in for a request without one (unchecked, as SGLang has it).
+	if f.Defaults != nil {
+		if ctk == nil {
+			ctk = &pyjson.Object{Values: map[string]any{}}
+		}
+		for _, k := range f.Defaults.Keys {
+			if _, ok := ctk.Values[k]; !ok {
+				ctk.Set(k, f.Defaults.Values[k])
+			}
+		}
+		if e := ctk.Values["reasoning_effort"]; e != nil && effort == nil {
+			effort = pyjson.Plain(e)
+		}
+	}
+	// The tools the template gets.
 	if len(funcs) > 0 && ct.Choice != ChoiceNone {
 		var picked []any
 		for i, t := range toolsJSON {

@@ -19,8 +19,9 @@ import (
 type chatParamsGolden struct {
 	Name       string          `json:"name"`
 	Body       json.RawMessage `json:"body"`
-	Invalid    string          `json:"invalid"` // pydantic refused the body (any message)
-	Error      string          `json:"error"`   // _validate_request's message
+	Defaults   json.RawMessage `json:"defaults"` // the server's --default-chat-template-kwargs
+	Invalid    string          `json:"invalid"`  // pydantic refused the body (any message)
+	Error      string          `json:"error"`    // _validate_request's message
 	ToolChoice json.RawMessage `json:"tool_choice"`
 	Tools      *string         `json:"tools"`
 	Vars       string          `json:"vars"`
@@ -64,14 +65,34 @@ func qwen3Tokenizer(t *testing.T) *tokenizer.Tokenizer {
 	return tok
 }
 
-func parseGoldenBody(t *testing.T, raw []byte) (*ChatTools, *Error) {
+func parseGoldenBody(t *testing.T, raw, defaults []byte) (*ChatTools, *Error) {
 	t.Helper()
 	var b body
 	if err := json.Unmarshal(raw, &b); err != nil {
 		t.Fatal(err)
 	}
+	var d *pyjson.Object
+	if len(defaults) > 0 && string(defaults) != "null" {
+		var err error
+		if d, err = ParseDefaultKwargs(string(defaults)); err != nil || d == nil {
+			t.Fatalf("defaults %s: %v", defaults, err)
+		}
+	}
 	return parseChatTools(chatToolFields{Tools: b.Tools, ToolChoice: b.ToolChoice, ChatTemplateKwargs: b.ChatTemplateKwargs,
-		ReasoningEffort: b.ReasoningEffort, Reasoning: b.Reasoning, SeparateReasoning: b.SeparateReasoning}, false)
+		ReasoningEffort: b.ReasoningEffort, Reasoning: b.Reasoning, SeparateReasoning: b.SeparateReasoning, Defaults: d}, false)
+}
+
+func TestParseDefaultKwargs(t *testing.T) {
+	for _, c := range []struct {
+		in   string
+		keys int
+		ok   bool
+	}{{"", 0, true}, {"{}", 0, true}, {`{"enable_thinking":false,"a":1}`, 2, true}, {"[1]", 0, false}, {"{", 0, false}, {`{"chat_template":"x"}`, 0, false}} {
+		o, err := ParseDefaultKwargs(c.in)
+		if (err == nil) != c.ok || (o != nil && len(o.Keys) != c.keys) || (o == nil && c.keys > 0) {
+			t.Errorf("%q: %v %v", c.in, o, err)
+		}
+	}
 }
 
 // TestChatParamsGolden: the tools JSON the template gets, its extra variables, the tool choice
@@ -93,7 +114,7 @@ func TestChatParamsGolden(t *testing.T) {
 	}
 	for _, c := range cases {
 		t.Run(c.Name, func(t *testing.T) {
-			ct, e := parseGoldenBody(t, c.Body)
+			ct, e := parseGoldenBody(t, c.Body, c.Defaults)
 			switch {
 			case c.Invalid != "":
 				if e == nil || e.Code != CodeInvalidParameter || e.Status != http.StatusBadRequest {

@@ -11,6 +11,7 @@ import (
 	"unicode/utf8"
 	"unsafe"
 
+	"github.com/kvcentric/kvcentric/gateway/internal/pyjson"
 	"github.com/kvcentric/kvcentric/pkg/tokenizer"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
@@ -192,6 +193,8 @@ type Options struct {
 	// --reasoning-parser (SGLang's server arguments): "" = the answer is returned as generated.
 	ToolCallParser  string
 	ReasoningParser string
+	// DefaultChatTemplateKwargs is --default-chat-template-kwargs (ParseDefaultKwargs); nil: none.
+	DefaultChatTemplateKwargs *pyjson.Object
 }
 
 // rawField is a field's JSON text as a slice of the request body itself: unlike
@@ -428,7 +431,8 @@ func chatTools(b *body, opt Options) (*ChatTools, *Error) {
 		}
 	}
 	ct, e := parseChatTools(chatToolFields{Tools: b.Tools, ToolChoice: b.ToolChoice, ChatTemplateKwargs: b.ChatTemplateKwargs,
-		ReasoningEffort: b.ReasoningEffort, Reasoning: b.Reasoning, SeparateReasoning: b.SeparateReasoning}, false)
+		ReasoningEffort: b.ReasoningEffort, Reasoning: b.Reasoning, SeparateReasoning: b.SeparateReasoning,
+		Defaults: opt.DefaultChatTemplateKwargs}, false)
 	if e != nil {
 		return nil, e
 	}

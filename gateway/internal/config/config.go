@@ -12,6 +12,8 @@ import (
 
 	"github.com/rs/zerolog"
 
+	"github.com/kvcentric/kvcentric/gateway/internal/api"
+	"github.com/kvcentric/kvcentric/gateway/internal/pyjson"
 	"github.com/kvcentric/kvcentric/gateway/internal/server"
 	"github.com/kvcentric/kvcentric/gateway/internal/toolcall"
 	"github.com/kvcentric/kvcentric/pkg/flagenv"
@@ -71,6 +73,10 @@ type Config struct {
 	// chat answer's tool calls and reasoning are parsed out (toolcall package); "" = off.
 	ToolCallParser  string
 	ReasoningParser string
+	// DefaultChatTemplateKwargs is SGLang's --default-chat-template-kwargs (a JSON object);
+	// DefaultKwargs its decoded form.
+	DefaultChatTemplateKwargs string
+	DefaultKwargs             *pyjson.Object
 	// KVPageSize is the cluster's KV page size for content addresses; 0 = asked from a decode
 	// worker on first use.
 	KVPageSize int
@@ -129,6 +135,7 @@ func Parse(args []string, getenv func(string) string, usage io.Writer) (*Config,
 	fs.StringVar(&c.Tokenizer, "tokenizer", "", "the model's tokenizer: a folder with tokenizer.json and tokenizer_config.json (chat template), or the tokenizer.json path; exact input token counts, chat templates and page hashes of the prompt. Empty: input tokens are estimated as ⌈bytes/4⌉ (logged at start, metric kvc_gateway_tokenizer_loaded 0)")
 	fs.StringVar(&c.ToolCallParser, "tool-call-parser", "", "as SGLang's --tool-call-parser (qwen25, qwen, hermes): a whole chat answer's tool calls (tool_choice auto) become message.tool_calls with finish_reason tool_calls; empty: the answer's text as generated. Streaming with tools is then a 400 unsupported_parameter")
 	fs.StringVar(&c.ReasoningParser, "reasoning-parser", "", "as SGLang's --reasoning-parser (qwen3, deepseek-r1): a chat answer's reasoning block becomes message.reasoning_content (streamed: delta.reasoning_content); empty: off")
+	fs.StringVar(&c.DefaultChatTemplateKwargs, "default-chat-template-kwargs", "", `as SGLang's --default-chat-template-kwargs: a JSON object of chat template kwargs filling what a chat request leaves unset (e.g. '{"enable_thinking": false}'); its reasoning_effort stands in for a request without one. Needs --tokenizer`)
 	fs.Int64Var(&c.MaxTokenizeBytes, "max-tokenize-bytes", server.DefaultMaxTokenizeBytes, "with --tokenizer: the longest text one request may have tokenized (the chat messages, then their rendering, or text); longer: 413 tokenize_too_large")
 	fs.IntVar(&c.MaxRequestTokens, "max-request-tokens", server.DefaultMaxRequestTokens, "with --tokenizer: the most prompt tokens one request may have (tokenization stops there); more: 413 too_many_tokens")
 	fs.Int64Var(&c.MaxInflightTokenizeBytes, "max-inflight-tokenize-bytes", server.DefaultMaxInflightTokenizeBytes, "with --tokenizer: bytes being tokenized at once (a byte costs up to ~135 bytes of allocation while it is encoded); past it: 503 tokenizer_saturated with Retry-After; at least --max-tokenize-bytes")
@@ -208,6 +215,14 @@ func (c *Config) validate() error {
 	}
 	if err := toolcall.CheckParsers(c.ToolCallParser, c.ReasoningParser); err != nil {
 		errs = append(errs, err)
+	}
+	if o, err := api.ParseDefaultKwargs(c.DefaultChatTemplateKwargs); err != nil {
+		errs = append(errs, err)
+	} else {
+		c.DefaultKwargs = o
+		if o != nil && c.Tokenizer == "" {
+			errs = append(errs, errors.New("--default-chat-template-kwargs needs --tokenizer (the kwargs reach the model only through the chat template the gateway renders)"))
+		}
 	}
 	if c.MaxBodyBytes < 1024 {
 		errs = append(errs, fmt.Errorf("--max-body-bytes must be at least 1024, got %d", c.MaxBodyBytes))

@@ -100,6 +100,13 @@ func TestParse(t *testing.T) {
 				t.Fatalf("parsers %q %q", c.ToolCallParser, c.ReasoningParser)
 			}
 		}},
+		{name: "default chat template kwargs", args: []string{"--control-plane", "a", "--insecure", "--default-chat-template-kwargs", `{"enable_thinking": false}`, "--tokenizer", "/models/qwen3"}, check: func(t *testing.T, c *Config) {
+			if c.DefaultKwargs == nil || c.DefaultKwargs.Values["enable_thinking"] != false {
+				t.Fatalf("defaults %+v", c.DefaultKwargs)
+			}
+		}},
+		{name: "default chat template kwargs without tokenizer", args: []string{"--control-plane", "a", "--insecure", "--default-chat-template-kwargs", `{"enable_thinking": false}`}, wantErr: "needs --tokenizer"},
+		{name: "bad default chat template kwargs", args: []string{"--control-plane", "a", "--insecure", "--default-chat-template-kwargs", `[1]`}, wantErr: "--default-chat-template-kwargs must be a JSON object"},
 		{name: "unknown tool-call parser", args: []string{"--control-plane", "a", "--insecure", "--tool-call-parser", "mistral"}, wantErr: "--tool-call-parser \"mistral\""},
 		{name: "unknown reasoning parser", args: []string{"--control-plane", "a", "--insecure", "--reasoning-parser", "kimi"}, wantErr: "--reasoning-parser \"kimi\""},
 		{name: "unknown flag", args: []string{"--nope"}, wantErr: "flag provided but not defined"},

@@ -195,11 +195,37 @@ CASES = [
     ("tools and effort", {"messages": U, "tools": [W], "reasoning_effort": "none", "chat_template_kwargs": {"x": 1}}),
 ]
 
+# Bodies served with --default-chat-template-kwargs (the server's defaults, third element).
+DEFAULT_CASES = [
+    ("defaults fill", {"messages": U}, {"enable_thinking": False, "b": [1]}),
+    (
+        "defaults lose to the request",
+        {"messages": U, "chat_template_kwargs": {"enable_thinking": True}},
+        {"enable_thinking": False},
+    ),
+    ("defaults effort", {"messages": U}, {"reasoning_effort": "low"}),
+    ("defaults effort and request effort", {"messages": U, "reasoning_effort": "high"}, {"reasoning_effort": "low"}),
+    (
+        "defaults after effort none",
+        {"messages": U, "reasoning_effort": "none"},
+        {"enable_thinking": True, "thinking": True, "z": 0},
+    ),
+    ("defaults with tools", {"messages": U, "tools": [W]}, {"enable_thinking": False}),
+]
 
-def template_inputs(request):
-    """The tools the template gets and its extra kwargs (no server default kwargs, no
-    template reasoning_config: the templates the gateway ships)."""
+
+def template_inputs(request, default_chat_template_kwargs):
+    """The tools the template gets and its extra kwargs (no template reasoning_config: the
+    templates the gateway ships)."""
     # _process_messages:
+    if default_chat_template_kwargs:
+        ctk = dict(request.chat_template_kwargs or {})
+        for k, v in default_chat_template_kwargs.items():
+            ctk.setdefault(k, v)
+        request.chat_template_kwargs = ctk
+        effort = ctk.get("reasoning_effort")
+        if effort is not None and request.reasoning_effort is None:
+            request.reasoning_effort = effort
     effective_tools = Chat._effective_tools(None, request)
     tools = None
     if effective_tools and request.tool_choice != "none":
@@ -247,8 +273,8 @@ def choice(request):
 def main():
     tok = qwen3_tokenizer()
     out = []
-    for name, body in CASES:
-        case = {"name": name, "body": body}
+    for name, body, defaults in [c + (None,) for c in CASES] + DEFAULT_CASES:
+        case = {"name": name, "body": body, "defaults": defaults}
         try:
             # A copy: SGLang rewrites tool parameter types in place (normalize_json_schema_types).
             request = ChatCompletionRequest(**copy.deepcopy(body))
@@ -261,7 +287,7 @@ def main():
             case["error"] = err
             out.append(case)
             continue
-        tools, kwargs = template_inputs(request)
+        tools, kwargs = template_inputs(request, defaults)
         case["tool_choice"] = choice(request)
         case["tools"] = None if tools is None else json.dumps(tools, ensure_ascii=False, separators=(",", ":"))
         case["vars"] = json.dumps(kwargs, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
