@@ -266,3 +266,20 @@ func FuzzChatTools(f *testing.F) {
 		}
 	})
 }
+
+// BenchmarkParseChatTools: a coding agent's request with 8 tools (the gateway's added work per
+// chat request with tools).
+func BenchmarkParseChatTools(b *testing.B) {
+	var tools []string
+	for i := range 8 {
+		tools = append(tools, `{"type":"function","function":{"name":"tool`+string(rune('a'+i))+`","description":"Runs a shell command in the workspace and returns its output.",`+
+			`"parameters":{"type":"object","properties":{"cmd":{"type":"string","description":"the command"},"timeout":{"type":"integer"},"env":{"type":"object","additionalProperties":{"type":"string"}}},"required":["cmd"]}}}`)
+	}
+	f := chatToolFields{Tools: rawField("[" + strings.Join(tools, ",") + "]"), ChatTemplateKwargs: rawField(`{"enable_thinking":false}`)}
+	b.ReportAllocs()
+	for b.Loop() {
+		if _, e := parseChatTools(f, false); e != nil {
+			b.Fatal(e)
+		}
+	}
+}

@@ -2,6 +2,7 @@ package server
 
 import (
 	"context"
+	"encoding/json"
 	"net/http"
 	"net/http/httptest"
 	"testing"
@@ -42,6 +43,49 @@ func FuzzDecodeStream(f *testing.F) {
 		res := s.execute(context.Background(), context.Background(), time.Now(), p, req, newSink(rec, req))
 		if !res.ok && res.kind == kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_UNSPECIFIED {
 			t.Fatalf("failure without a kind: %+v", res)
+		}
+	})
+}
+
+// FuzzParsedAnswer feeds arbitrary worker answers through the reasoning and tool-call parsers
+// (--reasoning-parser qwen3, --tool-call-parser qwen25), whole and streamed: nothing may panic,
+// and a whole answer is one JSON document.
+func FuzzParsedAnswer(f *testing.F) {
+	f.Add("<think>a</think>b<tool_call>\n{\"name\":\"f\",\"arguments\":{\"x\":1}}\n</tool_call>", "</thi", false)
+	f.Add("<tool_call>\n[{\"name\":[1]}]\n</tool_call>", "", false)
+	f.Add("<th", "ink>x", true)
+	f.Fuzz(func(t *testing.T, a, b string, stream bool) {
+		w := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+			w.Header().Set("Content-Type", "text/event-stream")
+			for _, text := range []string{a, b} {
+				c, _ := json.Marshal(map[string]any{"text": text, "meta_info": map[string]any{"completion_tokens": 1}})
+				_, _ = w.Write([]byte("data: " + string(c) + "\n\n"))
+			}
+			_, _ = w.Write([]byte("data: [DONE]\n\n"))
+		}))
+		defer w.Close()
+		s := New(nil, nil, Options{RequestTimeout: 5 * time.Second, ConnectTimeout: time.Second, MaxBodyBytes: 1 << 20,
+			Parse: api.Options{ToolCallParser: "qwen25", ReasoningParser: "qwen3"}}, zerolog.Nop(), NewMetrics(prometheus.NewRegistry()))
+		defer s.Close()
+		tools := &api.ChatTools{Choice: api.ChoiceAuto, Tools: []api.ToolFunc{{Name: "f"}}, SeparateReasoning: true, StreamReasoning: true}
+		if stream {
+			tools.Tools = nil // a streamed answer with tools under a tool-call parser is refused by Parse
+		}
+		req := &api.Request{Kind: api.Chat, RID: "r", SessionID: "s", InputTokens: 10, MaxTokens: 4, Stream: stream, Tools: tools}
+		p := &plan{mode: kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, decode: &kvcv1.WorkerRef{WorkerUrl: w.URL}}
+		rec := httptest.NewRecorder()
+		out := newSink(rec, req)
+		if s.parsesAnswers(req) {
+			out.answer = s.answer
+		}
+		s.streamsReasoning(req, out)
+		res := s.execute(context.Background(), context.Background(), time.Now(), p, req, out)
+		if !res.ok {
+			return
+		}
+		out.finish(p, res)
+		if !stream && !json.Valid(rec.Body.Bytes()) {
+			t.Fatalf("answer %q", rec.Body.String())
 		}
 	})
 }

@@ -173,6 +173,9 @@ func FuzzParse(f *testing.F) {
 		if len(r)+len(n) > len(text) {
 			t.Fatalf("parts longer than the answer")
 		}
+		if _, hc, hf := Parse("hermes", n, []string{"f"}); len(hc) > 0 && hf != "" {
+			t.Fatalf("hermes calls and failure %q", hf)
+		}
 		content, calls, fail := Parse("qwen25", n, []string{"f"})
 		if len(calls) > 0 && fail != "" {
 			t.Fatalf("calls and failure %q", fail)
@@ -196,4 +199,19 @@ func FuzzParse(f *testing.F) {
 			t.Fatalf("streamed parts longer than the answer")
 		}
 	})
+}
+
+// BenchmarkParse: an answer with reasoning and two tool calls, split and parsed.
+func BenchmarkParse(b *testing.B) {
+	text := "<think>\n" + strings.Repeat("The user wants the weather; I should call the tool. ", 40) + "\n</think>\n\n" +
+		"<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"days\": [1, 2, 3]}}\n</tool_call>\n" +
+		"<tool_call>\n{\"name\": \"get_time\", \"arguments\": {\"tz\": \"Europe/Paris\"}}\n</tool_call>"
+	tools := []string{"get_weather", "get_time"}
+	b.ReportAllocs()
+	for b.Loop() {
+		_, n := Reasoning("qwen3", text, true, false)
+		if _, calls, _ := Parse("qwen25", n, tools); len(calls) != 2 {
+			b.Fatal(calls)
+		}
+	}
 }
