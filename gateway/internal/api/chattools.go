@@ -8,6 +8,7 @@ import (
 	"strings"
 
 	"github.com/kvcentric/kvcentric/gateway/internal/pyjson"
+	"github.com/kvcentric/kvcentric/pkg/tokenizer"
 )
 
 // Tool choices (ChatTools.Choice).
@@ -466,3 +467,31 @@ func truthy(v any) bool {
 
 // pyRepr is Python's repr() of a string, for SGLang's messages.
 func pyRepr(s string) string { return "'" + strings.ReplaceAll(s, "'", `\'`) + "'" }
+
+// toolCallArguments normalizes an assistant message's tool-call arguments as SGLang's
+// normalize_assistant_tool_call_arguments does before rendering: each must be a JSON object,
+// which the template then prints with tojson (json.dumps: the client's key order, ", " and
+// ": "). The gateway hands the template that text, so a template printing the arguments
+// renders SGLang's bytes whatever spacing the client sent.
+func toolCallArguments(role string, calls []tokenizer.ToolCall) ([]tokenizer.ToolCall, *Error) {
+	if role != "assistant" || len(calls) == 0 {
+		return calls, nil
+	}
+	out := make([]tokenizer.ToolCall, len(calls))
+	for i, c := range calls {
+		if c.Function.Arguments == "" { // absent (SGLang normalizes only the strings given)
+			out[i] = c
+			continue
+		}
+		v, err := pyjson.Decode([]byte(c.Function.Arguments))
+		if err != nil {
+			return nil, invalid("Assistant tool call function.arguments must be valid JSON.")
+		}
+		if _, ok := v.(*pyjson.Object); !ok {
+			return nil, invalid("Assistant tool call function.arguments must be a JSON object.")
+		}
+		c.Function.Arguments = pyjson.Dumps(v, pyjson.Options{})
+		out[i] = c
+	}
+	return out, nil
+}

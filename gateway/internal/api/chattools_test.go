@@ -115,6 +115,16 @@ func TestChatParamsGolden(t *testing.T) {
 	for _, c := range cases {
 		t.Run(c.Name, func(t *testing.T) {
 			ct, e := parseGoldenBody(t, c.Body, c.Defaults)
+			var b struct{ Messages []tokenizer.Message }
+			if err := json.Unmarshal(c.Body, &b); err != nil {
+				t.Fatal(err)
+			}
+			for i, m := range b.Messages { // as Parse does: the history's tool-call arguments
+				if e != nil {
+					break
+				}
+				b.Messages[i].ToolCalls, e = toolCallArguments(m.Role, m.ToolCalls)
+			}
 			switch {
 			case c.Invalid != "":
 				if e == nil || e.Code != CodeInvalidParameter || e.Status != http.StatusBadRequest {
@@ -160,10 +170,6 @@ func TestChatParamsGolden(t *testing.T) {
 				t.Fatal("no SGLang prompt in the golden")
 			}
 			prompts++
-			var b struct{ Messages []tokenizer.Message }
-			if err := json.Unmarshal(c.Body, &b); err != nil {
-				t.Fatal(err)
-			}
 			opts := tokenizer.ChatOptions{AddGenerationPrompt: true, ToolsJSON: ct.ToolsJSON, Vars: ct.Vars}
 			got, err = tok.ApplyChatTemplate(b.Messages, opts)
 			if err != nil {

@@ -289,8 +289,12 @@ func Parse(kind Kind, h http.Header, raw []byte, opt Options) (*Request, *Error)
 			sb.WriteString(": ")
 			sb.WriteString(text)
 			sb.WriteByte('\n')
+			calls, e := toolCallArguments(m.Role, m.ToolCalls)
+			if e != nil {
+				return nil, e
+			}
 			r.Messages = append(r.Messages, tokenizer.Message{Role: m.Role, Content: text, ReasoningContent: m.ReasoningContent,
-				Name: m.Name, ToolCallID: m.ToolCallID, ToolCalls: m.ToolCalls})
+				Name: m.Name, ToolCallID: m.ToolCallID, ToolCalls: calls})
 		}
 		r.Text = sb.String()
 		ct, e := chatTools(&b, opt)

@@ -22,6 +22,7 @@ import tempfile
 
 # sglang_stub first: it stands in for the libraries the venv lacks before SGLang imports them.
 from sglang_stub import Chat, ChatCompletionRequest, fake_serving  # isort: skip
+from sglang.srt.entrypoints.openai import serving_chat  # noqa: E402
 from sglang.srt.entrypoints.openai.protocol import ToolChoice  # noqa: E402
 
 U = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -195,6 +196,55 @@ CASES = [
     ("tools and effort", {"messages": U, "tools": [W], "reasoning_effort": "none", "chat_template_kwargs": {"x": 1}}),
 ]
 
+# Assistant tool calls in the history: SGLang parses their arguments and the template prints
+# them with tojson.
+H = [
+    U[0],
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city":"Paris","unit":"c","n":1.50,"é":"\\u00e9"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "18C"},
+    {"role": "user", "content": "And tomorrow?"},
+]
+CASES += [
+    ("history tool call", {"messages": H, "tools": [W]}),
+    ("history tool call without tools", {"messages": H}),
+    (
+        "history arguments not json",
+        {
+            "messages": [
+                U[0],
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{city"}}],
+                },
+            ]
+        },
+    ),
+    (
+        "history arguments not an object",
+        {
+            "messages": [
+                U[0],
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "[1]"}}],
+                },
+            ]
+        },
+    ),
+]
+
 # Bodies served with --default-chat-template-kwargs (the server's defaults, third element).
 DEFAULT_CASES = [
     ("defaults fill", {"messages": U}, {"enable_thinking": False, "b": [1]}),
@@ -291,8 +341,17 @@ def main():
         case["tool_choice"] = choice(request)
         case["tools"] = None if tools is None else json.dumps(tools, ensure_ascii=False, separators=(",", ":"))
         case["vars"] = json.dumps(kwargs, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+        # _apply_jinja_template: the assistant history's arguments parsed (a ValueError is a 400).
+        messages = copy.deepcopy(body["messages"])
+        try:
+            for m in messages:
+                serving_chat.normalize_assistant_tool_call_arguments(m, strict=True)
+        except ValueError as e:
+            case = {"name": name, "body": body, "defaults": defaults, "error": str(e)}
+            out.append(case)
+            continue
         case["prompt_qwen3"] = tok.apply_chat_template(
-            body["messages"], tokenize=False, add_generation_prompt=True, tools=tools, **kwargs
+            messages, tokenize=False, add_generation_prompt=True, tools=tools, **kwargs
         )
         out.append(case)
     json.dump(out, sys.stdout, indent=1, ensure_ascii=False)
