@@ -36,6 +36,9 @@ type hub struct {
 	// loadGate, when set, runs inside LoadFromStore before it copies (a test's look at what
 	// the loading worker does meanwhile)
 	loadGate func()
+	// pushGate, when set, runs inside a snapshot's push into a receiver before it copies (a
+	// test's look at what the receiving worker does meanwhile)
+	pushGate func()
 }
 
 type room struct {
@@ -195,7 +198,13 @@ func (f *fakeSidecar) PrepareReceive(_ context.Context, req *kvcv1.PrepareReceiv
 		f.h.mu.Lock()
 		s := f.h.snapshots[req.GetSessionId()]
 		f.h.mu.Unlock()
+		f.h.mu.Lock()
+		gate := f.h.pushGate
+		f.h.mu.Unlock()
 		go func() {
+			if gate != nil {
+				gate()
+			}
 			if s == nil || s.seqlen < req.GetTokens() {
 				r.err = "snapshot_missing"
 				close(r.done)

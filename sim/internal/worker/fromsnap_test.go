@@ -1,6 +1,7 @@
 package worker
 
 import (
+	"context"
 	"net/http"
 	"testing"
 	"time"
@@ -138,5 +139,59 @@ func TestStoreLoadModeledBesideTheRealCopy(t *testing.T) {
 	pr, _ = pd(t, p, d, "r3", 0, kvcReq{Mode: "SEED", SessionID: "s2", InputTokens: 200, Room: i64(3), LoadPrefix: 100})
 	if pr.status != 200 || !pr.ans.MetaInfo.KVC.LoadMiss || pr.ans.MetaInfo.KVC.FetchMS != 0 || p.w.inbound.count() != 0 {
 		t.Fatalf("load miss: P %d %+v, inbound flows %d", pr.status, pr.ans.MetaInfo.KVC, p.w.inbound.count())
+	}
+}
+
+// TestReceiveModeledBesideTheRealCopy: a decode worker's modeled transfer runs beside the real
+// work it stands for, not after it: a snapshot's flow is on this node's link while the store's
+// push still copies the pages (before, it started only after the copy and the check of every
+// received slot, whose wall time — 3.3x at time scale 0.3 — every reseed paid on top); a seed's
+// flow starts at the end of the real transfer (the sender starts after P's prefill) beside the
+// check; a failed receive withdraws the flow.
+func TestReceiveModeledBesideTheRealCopy(t *testing.T) {
+	h := newHub()
+	tm := DefaultTiming()
+	tm.PrefillTokensPerS, tm.PrefillOverhead, tm.DecodePerToken = 1e9, 0, 0
+	tm.LinkGbps, tm.ModelBytesPerToken = 1, 4<<20 // 160 received tokens: ~5.4 s modeled at 125 MB/s
+	tm.Scale = 0.05                               // ~0.27 s of wall time
+	p := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_PREFILL, "p0", 4096, zeroTiming())
+	d0 := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_DECODE, "d0", 4096, tm)
+	d1 := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_DECODE, "d1", 4096, tm)
+	pr, dr := pd(t, p, d0, "r1", 10, kvcReq{Mode: "SEED", SessionID: "s1", InputTokens: 150, Room: i64(1)})
+	if pr.status != 200 || dr.status != 200 {
+		t.Fatalf("seed: P %d %s, D %d %s", pr.status, pr.code, dr.status, dr.code)
+	}
+	if k := dr.ans.MetaInfo.KVC; k.TransferModelMS <= 0 || k.VerifiedBytes != 150*48 {
+		t.Fatalf("seed meta %+v: want a modeled transfer and every slot verified", k)
+	}
+	flowing := make(chan bool, 1)
+	h.mu.Lock()
+	h.pushGate = func() {
+		deadline := time.Now().Add(2 * time.Second) // below the hub's 5 s receive wait
+		for d1.w.inbound.count() == 0 && time.Now().Before(deadline) {
+			time.Sleep(time.Millisecond)
+		}
+		flowing <- d1.w.inbound.count() > 0
+	}
+	h.mu.Unlock()
+	res := post(t, context.Background(), d1.url, body("r2", 3, false,
+		kvcReq{Mode: "RESEED_SNAPSHOT", Role: "decode", SessionID: "s1", InputTokens: 170, CachedTokens: 160, Room: i64(2), Seqlen: 160}))
+	if res.status != 200 {
+		t.Fatalf("reseed: %d %s", res.status, res.code)
+	}
+	if !<-flowing {
+		t.Fatal("the modeled transfer had not started while the store's push copied the pages")
+	}
+	if k := res.ans.MetaInfo.KVC; k.VerifiedBytes != 160*48 || k.VerifyFailures != 0 || k.TransferModelMS <= 0 || k.TransferMS < k.TransferModelMS {
+		t.Fatalf("reseed meta %+v", k)
+	}
+	// A push that fails (no snapshot of s2): the flow leaves the link, the turn fails.
+	h.mu.Lock()
+	h.pushGate = nil
+	h.mu.Unlock()
+	res = post(t, context.Background(), d1.url, body("r3", 3, false,
+		kvcReq{Mode: "RESEED_SNAPSHOT", Role: "decode", SessionID: "s2", InputTokens: 170, CachedTokens: 160, Room: i64(3), Seqlen: 160}))
+	if res.status == 200 || d1.w.inbound.count() != 0 {
+		t.Fatalf("failed reseed: %d %s, inbound flows %d", res.status, res.code, d1.w.inbound.count())
 	}
 }

@@ -355,9 +355,21 @@ func (w *Worker) servePrefill(ctx context.Context, p *plan, meta *KVCMeta) *apiE
 	case <-ctx.Done():
 		return ctxError(ctx, "waiting for the prefill GPU")
 	}
+	// What the GPU computes: everything past the loaded prefix (the head page, written before
+	// the prefill for the bootstrap chunk, again with the same bytes). Its known bytes are
+	// written beside the modeled compute they stand for, not after it (one prefill, timed
+	// once): after it, the write of the whole context added its wall time (3.3x at time scale
+	// 0.3) to every prefill of every arm.
+	fillFrom := min(first*ps, p.input)
+	if sendFrom > 0 || loaded > 0 {
+		fillFrom = loaded
+	}
+	filled := make(chan *apiError, 1)
 	tg := time.Now()
 	w.m.busy.begin()
+	go func() { filled <- w.fillContent(t, pages, fillFrom, p.input) }()
 	err := sleepCtx(ctx, compute)
+	fe := <-filled
 	w.m.busy.end()
 	w.m.prefillBusy.Add(time.Since(tg).Seconds())
 	<-w.prefillGPU
@@ -365,14 +377,8 @@ func (w *Worker) servePrefill(ctx context.Context, p *plan, meta *KVCMeta) *apiE
 	if err != nil {
 		return ctxError(ctx, "during prefill")
 	}
-	// What the GPU computed: everything past the loaded prefix (the head page, written before
-	// the prefill for the bootstrap chunk, again with the same bytes).
-	fillFrom := min(first*ps, p.input)
-	if sendFrom > 0 || loaded > 0 {
-		fillFrom = loaded
-	}
-	if e := w.fillContent(t, pages, fillFrom, p.input); e != nil {
-		return e
+	if fe != nil {
+		return fe
 	}
 	meta.PrefillTokens = p.input - cached - pulled
 	meta.PrefixCachedTokens = cached + pulled
@@ -709,7 +715,7 @@ func (w *Worker) prefillPeer(p *plan) (string, *apiError) {
 }
 
 // receive pre-allocates the pages of tokens [0, tokens) with the sidecar, waits for the
-// transfer, verifies every received token, then adds the modeled link time.
+// transfer and verifies every received token, with the modeled link time beside them.
 func (w *Worker) receive(ctx context.Context, t *turn, kind kvcv1.TransferKind, tokens int64) *apiError {
 	p := t.p
 	pages := t.pageList()[:pagesFor(tokens, w.cfg.Geometry.PageSize)]
@@ -728,6 +734,46 @@ func (w *Worker) receive(ctx context.Context, t *turn, kind kvcv1.TransferKind, 
 			_, err := w.fetch(rctx, rp.restore, rp.restoreFrom)
 			restored <- err
 		}()
+	}
+	// The modeled link time (a decode-radix restore started with the receive must be ready,
+	// then the part the sender moves crosses this node's NIC and the sender's egress, link.go)
+	// runs beside the real work it stands for — the sidecars' copy of the pages and this
+	// worker's check of every received slot — not after it: one transfer, timed once (as the
+	// store load on P, loadPrefix). A snapshot's push from the store starts with the receive,
+	// so its flow starts here; a seed's sender starts only after P's prefill, which the real
+	// wait holds, so its flow starts when the real transfer has ended, beside the check. Run one
+	// after the other, the real copy and the check added their wall time (3.3x at time scale
+	// 0.3, more under CPU contention) to every received turn's TTFT and page time.
+	mctx, mcancel := context.WithCancel(ctx)
+	defer mcancel()
+	type modeled struct {
+		d   time.Duration
+		err error
+	}
+	var mch chan modeled
+	startModel := func() {
+		mch = make(chan modeled, 1)
+		go func() {
+			tm := time.Now()
+			if restored != nil {
+				if err := <-restored; err != nil {
+					mch <- modeled{time.Since(tm), err}
+					return
+				}
+			}
+			_, err := w.move(mctx, tokens-max(rp.have, t.recvFrom), peer)
+			mch <- modeled{time.Since(tm), err}
+		}()
+	}
+	stop := func() { // the receive failed: the modeled flow leaves the links
+		mcancel()
+		if mch != nil {
+			<-mch
+		}
+	}
+	defer stop()
+	if kind == kvcv1.TransferKind_TRANSFER_KIND_SNAPSHOT {
+		startModel()
 	}
 	pctx, cancel := context.WithTimeout(ctx, w.cfg.BridgeTimeout)
 	_, err := w.bridge.PrepareReceive(pctx, &kvcv1.PrepareReceiveRequest{
@@ -763,6 +809,9 @@ func (w *Worker) receive(ctx context.Context, t *turn, kind kvcv1.TransferKind, 
 	if resp.GetTokens() != 0 && resp.GetTokens() != tokens {
 		return errf(http.StatusBadGateway, "transfer_failed", "transfer of room %d carried %d tokens, want %d", p.room, resp.GetTokens(), tokens)
 	}
+	if mch == nil {
+		startModel()
+	}
 	checked, bad, err := w.checkContent(t, t.pageList(), t.recvFrom, tokens) // what the transfer wrote
 	if err != nil {
 		return errf(http.StatusInternalServerError, "internal", "verifying room %d: %v", p.room, err)
@@ -787,18 +836,11 @@ func (w *Worker) receive(ctx context.Context, t *turn, kind kvcv1.TransferKind, 
 			"%d of %d received (token, buffer) slots of room %d do not hold the session's known bytes",
 			bad, tokens*int64(w.cfg.Geometry.Buffers()), p.room)
 	}
-	// The modeled link time: a decode-radix restore started with the receive must be ready, then
-	// the part the sender moves crosses this node's NIC and the sender's egress (link.go).
-	tm := time.Now()
-	if restored != nil {
-		if err := <-restored; err != nil {
-			return ctxError(ctx, "restoring KV from a tier")
-		}
-	}
-	if _, err := w.move(ctx, tokens-max(rp.have, t.recvFrom), peer); err != nil {
+	m := <-mch // the modeled transfer's end (at once when the real work took longer)
+	mch = nil
+	if m.err != nil {
 		return ctxError(ctx, "during the modeled transfer")
 	}
-	model := time.Since(tm)
 	t.meta.PrefixCachedTokens = max(t.meta.PrefixCachedTokens, rp.have)
 	// The sidecar measures the transfer itself; the wall time from PrepareReceive also holds the
 	// wait for the sender (in SEED modes the prefill).
@@ -808,8 +850,8 @@ func (w *Worker) receive(ctx context.Context, t *turn, kind kvcv1.TransferKind, 
 	}
 	t.meta.ReceiveWaitMS = ms(realDur)
 	t.meta.TransferRealMS = ms(moved)
-	t.meta.TransferModelMS = ms(model)
-	t.meta.TransferMS = ms(moved + model)
+	t.meta.TransferModelMS = ms(m.d)
+	t.meta.TransferMS = ms(time.Since(t0)) // the real and the modeled parts as they overlapped
 	return nil
 }
 
