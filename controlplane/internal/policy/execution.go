@@ -58,13 +58,31 @@ type Execution struct {
 // with this seed (NextGeneration of the record's under Input.GenerationTerm: a seed makes it
 // resident anew, and the router's outcome gives it that generation), and D loads it from there.
 // The store then holds the session's first snapshot, so D's first push appends onto it.
-// Large appends and session-less PD_FALLBACKs keep the direct transfer.
-func seedThroughStore(e *Execution, in *Input) {
-	if in.Knobs == nil || !in.Knobs.SeedThroughStore || in.Unavailable || !e.CallPrefill || !e.OpenSession ||
+// Large appends and session-less PD_FALLBACKs keep the direct transfer. With
+// seed_through_store_when_short instead (decode workers that take both), only a plan whose
+// decode worker is short of pages (shortOfPages) goes through the store.
+func seedThroughStore(d *Decision, in *Input) {
+	e := &d.Exec
+	if in.Knobs == nil || in.Unavailable || !e.CallPrefill || !e.OpenSession ||
 		e.Transfer != kvcv1.TransferKind_TRANSFER_KIND_SEED {
 		return
 	}
+	if !in.Knobs.SeedThroughStore && !(in.Knobs.SeedThroughStoreWhenShort && shortOfPages(d)) {
+		return
+	}
 	e.StoreGeneration = NextGeneration(in.Session.GetGeneration(), in.GenerationTerm)
+}
+
+// shortOfPages reports whether a seed's decode worker is short of pages now: the control
+// plane's count does not admit the plan there (Admission), no decode worker had room for the
+// seed (a refused seed's fallback, KeepsResidency), or the worker reports requests waiting for
+// pages (prealloc_queue_depth). A direct seed would then take pages as they free and hold them
+// while it waits in P's queue, pages the waiting turns need; through the store it holds none
+// until P has computed. Otherwise the direct transfer costs nothing: it overlaps the prefill
+// and the pages it holds meanwhile are room nobody waits for.
+func shortOfPages(d *Decision) bool {
+	return d.Admission != AdmitFits || d.KeepsResidency ||
+		(d.Decode != nil && d.Decode.GetLoad().GetPreallocQueueDepth() > 0)
 }
 
 // LoadsSnapshot reports whether the decision's plan moves the session's snapshot from a prefill

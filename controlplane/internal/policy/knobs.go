@@ -213,6 +213,9 @@ type Knobs struct {
 	// SeedThroughStore: decode workers are colocated SGLang servers; seeds go through the
 	// prefill store (Execution.StoreGeneration).
 	SeedThroughStore bool
+	// SeedThroughStoreWhenShort: decode workers take both (kvc-sim's hybrids); a seed goes
+	// through the prefill store only while its decode worker is short of pages (shortOfPages).
+	SeedThroughStoreWhenShort bool
 	// Agent hints: the longest pin (0 refuses pins) and the share of a decode worker's KV
 	// capacity pinned sessions may hold (pin.go).
 	MaxPinMs       int64
@@ -228,29 +231,30 @@ type Knobs struct {
 func Compile(p *kvcv1.Policy) *Knobs {
 	f := WithDefaults(p)
 	k := &Knobs{
-		DirectMaxUncachedTokens:  f.GetDirectMaxUncachedTokens(),
-		MigrationRejectThreshold: f.GetMigrationRejectThreshold(),
-		SeedMinTurn:              f.GetSeedMinTurn(),
-		SeedMaxResidentTokens:    f.GetSeedMaxResidentTokens(),
-		SeedMaxOutputTokens:      f.GetSeedMaxOutputTokens(),
-		SeedOnlyMultiturn:        f.GetSeedOnlyMultiturn(),
-		SeedMaxInflightDecode:    f.GetSeedMaxInflightDecode(),
-		MaxConcurrentTransfers:   f.GetMaxConcurrentTransfers(),
-		TransfersPerWorker:       f.GetMaxConcurrentTransfersPerWorker(),
-		DCapacityHeadroom:        f.GetDCapacityHeadroom(),
-		ReservationTimeout:       time.Duration(f.GetReservationTimeoutMs()) * time.Millisecond,
-		BackpressureTransferQ:    f.GetBackpressureTransferQueue(),
-		BackpressurePreallocQ:    f.GetBackpressurePreallocQueue(),
-		BackpressurePauseMs:      f.GetBackpressurePauseMs(),
-		TailToleranceTokens:      f.GetTailToleranceTokens(),
-		SnapshotMaxStalenessMs:   f.GetSnapshotMaxStalenessMs(),
-		SnapshotsEnabled:         f.GetSnapshotsEnabled(),
-		KVCentricEnabled:         f.GetKvCentricEnabled(),
-		SeedThroughStore:         f.GetSeedThroughStore(),
-		MaxPinMs:                 f.GetMaxPinMs(),
-		MaxPinnedShare:           f.GetMaxPinnedShare(),
-		NewSessionShare:          DefaultNewSessionShare,
-		Version:                  f.GetVersion(),
+		DirectMaxUncachedTokens:   f.GetDirectMaxUncachedTokens(),
+		MigrationRejectThreshold:  f.GetMigrationRejectThreshold(),
+		SeedMinTurn:               f.GetSeedMinTurn(),
+		SeedMaxResidentTokens:     f.GetSeedMaxResidentTokens(),
+		SeedMaxOutputTokens:       f.GetSeedMaxOutputTokens(),
+		SeedOnlyMultiturn:         f.GetSeedOnlyMultiturn(),
+		SeedMaxInflightDecode:     f.GetSeedMaxInflightDecode(),
+		MaxConcurrentTransfers:    f.GetMaxConcurrentTransfers(),
+		TransfersPerWorker:        f.GetMaxConcurrentTransfersPerWorker(),
+		DCapacityHeadroom:         f.GetDCapacityHeadroom(),
+		ReservationTimeout:        time.Duration(f.GetReservationTimeoutMs()) * time.Millisecond,
+		BackpressureTransferQ:     f.GetBackpressureTransferQueue(),
+		BackpressurePreallocQ:     f.GetBackpressurePreallocQueue(),
+		BackpressurePauseMs:       f.GetBackpressurePauseMs(),
+		TailToleranceTokens:       f.GetTailToleranceTokens(),
+		SnapshotMaxStalenessMs:    f.GetSnapshotMaxStalenessMs(),
+		SnapshotsEnabled:          f.GetSnapshotsEnabled(),
+		KVCentricEnabled:          f.GetKvCentricEnabled(),
+		SeedThroughStore:          f.GetSeedThroughStore(),
+		SeedThroughStoreWhenShort: f.GetSeedThroughStoreWhenShort(),
+		MaxPinMs:                  f.GetMaxPinMs(),
+		MaxPinnedShare:            f.GetMaxPinnedShare(),
+		NewSessionShare:           DefaultNewSessionShare,
+		Version:                   f.GetVersion(),
 	}
 	if k.MigrationRejectThreshold < 1 {
 		k.MigrationRejectThreshold = 1

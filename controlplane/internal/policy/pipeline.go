@@ -232,7 +232,7 @@ func DecideInto(d *Decision, c *Cycle, in *Input) {
 		d.PrefillPriority = PrefillPriorityLow // the agent said so: P's cache evicts it first
 	}
 	d.Exec = execution(d, in.Unavailable)
-	seedThroughStore(&d.Exec, in)
+	seedThroughStore(d, in)
 	c.fromSnapshot(d)
 }
 

@@ -59,3 +59,56 @@ func TestSeedThroughStore(t *testing.T) {
 		})
 	}
 }
+
+// TestSeedThroughStoreWhenShort: with seed_through_store_when_short (decode workers that take
+// both), a seed or re-prefill goes through the prefill store only while its decode worker is
+// short of pages — the count does not admit it, no decode worker had room (a refused seed's
+// fallback), or the worker reports requests waiting for pages — and keeps the direct transfer
+// otherwise; seed_through_store (colocated decode workers) still seeds every one through it.
+func TestSeedThroughStoreWhenShort(t *testing.T) {
+	short := func(p *kvcv1.Policy) { p.SeedThroughStoreWhenShort = proto.Bool(true) }
+	both := func(p *kvcv1.Policy) { short(p); p.SeedThroughStore = proto.Bool(true) }
+	lost := resident("", 10_000)
+	lost.PreviousDecodeWorker, lost.Generation = "d1", 4
+	queued := func() []*kvcv1.Worker { // both decode workers have requests waiting for pages
+		ws := cluster()
+		for _, w := range ws[2:] {
+			w.Load.PreallocQueueDepth = 2
+		}
+		return ws
+	}
+	full := map[string]Reserved{"d1": {Tokens: 95_000}, "d2": {Tokens: 95_000}} // no D admits 10.6K now
+	tests := []struct {
+		name    string
+		knob    func(p *kvcv1.Policy)
+		query   Query
+		session *kvcv1.SessionRecord
+		workers []*kvcv1.Worker
+		res     map[string]Reserved
+		mode    kvcv1.RouteMode
+		store   bool
+	}{
+		{"seed with room: direct", short, q(3_000, 100, 1), nil, cluster(), nil, mSeed, false},
+		{"seed onto a worker with a prealloc queue", short, q(3_000, 100, 1), nil, queued(), nil, mSeed, true},
+		{"refused seed's fallback: no room anywhere", short, q(3_000, 100, 1), nil, cluster(), full, kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, true},
+		{"re-prefill with room: direct", short, q(10_500, 100, 4), lost, cluster(), nil, kvcv1.RouteMode_ROUTE_MODE_RESEED_PREFILL, false},
+		{"re-prefill not admitted now", short, q(10_500, 100, 4), lost, cluster(), full, kvcv1.RouteMode_ROUTE_MODE_RESEED_PREFILL, true},
+		{"knob off, no room", nil, q(10_500, 100, 4), lost, queued(), full, kvcv1.RouteMode_ROUTE_MODE_RESEED_PREFILL, false},
+		{"colocated: always", both, q(3_000, 100, 1), nil, cluster(), nil, mSeed, true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			res := tt.res
+			if res == nil {
+				res = map[string]Reserved{}
+			}
+			in := &Input{Knobs: knobs(tt.knob), Query: tt.query, Session: tt.session, Workers: tt.workers,
+				Ledger: ledger(res), NowMs: nowMs}
+			d := Decide(in)
+			if d.Mode != tt.mode || (d.Exec.StoreGeneration != 0) != tt.store {
+				t.Fatalf("%s/%s (admission %s) store_generation %d, want %s through the store %v",
+					d.Mode, d.Reason, d.Admission, d.Exec.StoreGeneration, tt.mode, tt.store)
+			}
+		})
+	}
+}

@@ -1006,8 +1006,16 @@ type Policy struct {
 	// Agent hints: the share of a decode worker's KV capacity that pinned sessions may hold; a
 	// pin that would go past it is refused (the turn is served, unpinned) (0.5).
 	MaxPinnedShare *float64 `protobuf:"fixed64,26,opt,name=max_pinned_share,json=maxPinnedShare,proto3,oneof" json:"max_pinned_share,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// Decode workers that take both (kvc-sim's hybrids): a SEED or RESEED_PREFILL goes through
+	// the prefill store, as with seed_through_store, only while its decode worker is short of
+	// pages — the control plane's count does not admit it there now, it is a refused seed's
+	// fallback, or the worker reports requests waiting for pages (prealloc_queue_depth) — so a
+	// seed waiting in P's queue holds no pages others wait for; otherwise the direct P→D
+	// transfer, overlapped with the prefill. Ignored when seed_through_store is on (colocated
+	// decode workers always seed through the store). Off by default.
+	SeedThroughStoreWhenShort *bool `protobuf:"varint,27,opt,name=seed_through_store_when_short,json=seedThroughStoreWhenShort,proto3,oneof" json:"seed_through_store_when_short,omitempty"`
+	unknownFields             protoimpl.UnknownFields
+	sizeCache                 protoimpl.SizeCache
 }
 
 func (x *Policy) Reset() {
@@ -1213,6 +1221,13 @@ func (x *Policy) GetMaxPinnedShare() float64 {
 		return *x.MaxPinnedShare
 	}
 	return 0
+}
+
+func (x *Policy) GetSeedThroughStoreWhenShort() bool {
+	if x != nil && x.SeedThroughStoreWhenShort != nil {
+		return *x.SeedThroughStoreWhenShort
+	}
+	return false
 }
 
 // KVLayout describes a paged KV pool as SGLang registers it: per layer a K and a V buffer;
@@ -1542,7 +1557,7 @@ const file_kvc_v1_common_proto_rawDesc = "" +
 	"\rcontent_chain\x18\x10 \x01(\fR\fcontentChain\x1a;\n" +
 	"\rDRejectsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\x05R\x05value:\x028\x01\"\xed\x10\n" +
+	"\x05value\x18\x02 \x01(\x05R\x05value:\x028\x01\"\xd6\x11\n" +
 	"\x06Policy\x12@\n" +
 	"\x1adirect_max_uncached_tokens\x18\x01 \x01(\x03H\x00R\x17directMaxUncachedTokens\x88\x01\x01\x12A\n" +
 	"\x1amigration_reject_threshold\x18\x02 \x01(\x05H\x01R\x18migrationRejectThreshold\x88\x01\x01\x12'\n" +
@@ -1571,7 +1586,8 @@ const file_kvc_v1_common_proto_rawDesc = "" +
 	"\x12seed_through_store\x18\x18 \x01(\bH\x14R\x10seedThroughStore\x88\x01\x01\x12!\n" +
 	"\n" +
 	"max_pin_ms\x18\x19 \x01(\x03H\x15R\bmaxPinMs\x88\x01\x01\x12-\n" +
-	"\x10max_pinned_share\x18\x1a \x01(\x01H\x16R\x0emaxPinnedShare\x88\x01\x01\x1aR\n" +
+	"\x10max_pinned_share\x18\x1a \x01(\x01H\x16R\x0emaxPinnedShare\x88\x01\x01\x12E\n" +
+	"\x1dseed_through_store_when_short\x18\x1b \x01(\bH\x17R\x19seedThroughStoreWhenShort\x88\x01\x01\x1aR\n" +
 	"$MaxConcurrentTransfersPerWorkerEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\x05R\x05value:\x028\x01B\x1d\n" +
@@ -1597,7 +1613,8 @@ const file_kvc_v1_common_proto_rawDesc = "" +
 	"\x15_unreachable_grace_msB\x15\n" +
 	"\x13_seed_through_storeB\r\n" +
 	"\v_max_pin_msB\x13\n" +
-	"\x11_max_pinned_shareJ\x04\b\x0f\x10\x10R\x15prefill_backup_policy\"\xa3\x01\n" +
+	"\x11_max_pinned_shareB \n" +
+	"\x1e_seed_through_store_when_shortJ\x04\b\x0f\x10\x10R\x15prefill_backup_policy\"\xa3\x01\n" +
 	"\bKVLayout\x12\x1b\n" +
 	"\tpage_size\x18\x01 \x01(\x05R\bpageSize\x12\x19\n" +
 	"\bitem_len\x18\x02 \x01(\x03R\aitemLen\x12\x1d\n" +

@@ -50,21 +50,27 @@ func TestArmPolicyAndSimArgs(t *testing.T) {
 	}
 }
 
-// TestArmPolicyForSeedThroughStore: --seed-through-store sets seed_through_store on E4's policy
-// only; without it no arm has it.
+// TestArmPolicyForSeedThroughStore: --seed-through-store sets seed_through_store and
+// --seed-through-store-when-short seed_through_store_when_short on E4's policy only; without
+// them no arm has either.
 func TestArmPolicyForSeedThroughStore(t *testing.T) {
 	for _, arm := range Arms {
 		for _, on := range []bool{false, true} {
-			pol, err := ArmPolicyFor(arm, on)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if want := on && arm == "E4"; pol.GetSeedThroughStore() != want {
-				t.Errorf("%s with %v: seed_through_store %v, want %v", arm, on, pol.GetSeedThroughStore(), want)
+			for _, short := range []bool{false, true} {
+				pol, err := ArmPolicyFor(arm, on, short)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if want := on && arm == "E4"; pol.GetSeedThroughStore() != want {
+					t.Errorf("%s with %v/%v: seed_through_store %v, want %v", arm, on, short, pol.GetSeedThroughStore(), want)
+				}
+				if want := short && arm == "E4"; pol.GetSeedThroughStoreWhenShort() != want {
+					t.Errorf("%s with %v/%v: seed_through_store_when_short %v, want %v", arm, on, short, pol.GetSeedThroughStoreWhenShort(), want)
+				}
 			}
 		}
 	}
-	if _, err := ArmPolicyFor("E9", true); err == nil {
+	if _, err := ArmPolicyFor("E9", true, false); err == nil {
 		t.Error("an unknown arm was accepted")
 	}
 }

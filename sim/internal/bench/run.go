@@ -43,11 +43,19 @@ func ArmPolicy(arm string) (*kvcv1.Policy, error) {
 // ArmPolicyFor is ArmPolicy with E4's seed_through_store set when seedThroughStore (kvc-bench
 // --seed-through-store): E4 as the recommended SGLang deployment, colocated decode workers
 // whose seeds and re-prefills go through P's store, so a decode worker holds no pages while a
-// seed waits in P's queue (docs/routing.md §12). The other arms are unchanged.
-func ArmPolicyFor(arm string, seedThroughStore bool) (*kvcv1.Policy, error) {
+// seed waits in P's queue (docs/routing.md §12); and E4's seed_through_store_when_short when
+// whenShort (--seed-through-store-when-short: kvc-sim's decode workers take both, and a seed
+// goes through the store only while its decode worker is short of pages). The other arms are
+// unchanged.
+func ArmPolicyFor(arm string, seedThroughStore, whenShort bool) (*kvcv1.Policy, error) {
 	pol, err := ArmPolicy(arm)
-	if err == nil && seedThroughStore && arm == "E4" {
-		pol.SeedThroughStore = proto.Bool(true)
+	if err == nil && arm == "E4" {
+		if seedThroughStore {
+			pol.SeedThroughStore = proto.Bool(true)
+		}
+		if whenShort {
+			pol.SeedThroughStoreWhenShort = proto.Bool(true)
+		}
 	}
 	return pol, err
 }
@@ -161,8 +169,10 @@ type Config struct {
 	SLO report.SLO
 	// Policy is merged over each arm's policy (nil: none).
 	Policy *kvcv1.Policy
-	// SeedThroughStore sets E4's seed_through_store (ArmPolicyFor).
-	SeedThroughStore bool
+	// SeedThroughStore sets E4's seed_through_store, SeedThroughStoreWhenShort its
+	// seed_through_store_when_short (ArmPolicyFor).
+	SeedThroughStore          bool
+	SeedThroughStoreWhenShort bool
 	// TimerScale (Local) runs every decision-shaping timer of the sidecars and the control plane
 	// this many times as fast (ScaleTimers): kvc-sim's time scale, so that at --time-scale X the
 	// model sees the same staleness of load reports, idle flushes, release ticks and reservation
@@ -249,7 +259,7 @@ func runArm(ctx context.Context, cfg Config, arm string, out io.Writer, meta *re
 	url := cfg.GatewayURL
 	var cl *cluster.Cluster
 	if cfg.Local {
-		pol, err := ArmPolicyFor(arm, cfg.SeedThroughStore)
+		pol, err := ArmPolicyFor(arm, cfg.SeedThroughStore, cfg.SeedThroughStoreWhenShort)
 		if err != nil {
 			return nil, err
 		}
