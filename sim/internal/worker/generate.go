@@ -890,8 +890,10 @@ func (w *Worker) decode(ctx context.Context, rw http.ResponseWriter, t *turn, st
 	var outIDs []int64
 	w.m.busy.begin()
 	defer w.m.busy.end()
+	var stepEnd time.Time // the GPU's clock of this request's decode steps (gpuDecodeStep)
 	for i := int64(0); i < p.maxNew; i++ {
-		if err := w.gpuDecodeStep(ctx); err != nil {
+		var err error
+		if stepEnd, err = w.gpuDecodeStep(ctx, stepEnd); err != nil {
 			return ctxError(ctx, "during decode")
 		}
 		if e := w.fillContent(t, t.pageList(), t.kv, t.kv+1); e != nil {
@@ -916,6 +918,9 @@ func (w *Worker) decode(ctx context.Context, rw http.ResponseWriter, t *turn, st
 		} else {
 			text.WriteString(tok)
 			outIDs = append(outIDs, id)
+		}
+		if w.stepWork != nil {
+			w.stepWork()
 		}
 	}
 	if p.maxNew == 0 {

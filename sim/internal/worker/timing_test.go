@@ -1,8 +1,11 @@
 package worker
 
 import (
+	"context"
 	"testing"
 	"time"
+
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
 // The defaults must reproduce the seeds' figures (DESIGN §1, V2_DEEP_ANALYSIS §3/§4).
@@ -50,5 +53,34 @@ func TestTimingScaleAndValidate(t *testing.T) {
 		if x.Validate() == nil {
 			t.Errorf("case %d: want error", i)
 		}
+	}
+}
+
+// TestDecodeStepsBesideTheRealWork: a request's decode steps run back to back on the GPU's
+// clock, the real work of each token (its KV write, the stream) beside the next step, not after
+// it: from the first token's real work to the last's, 10 steps of 50 ms with 45 ms of real work
+// each take 9 × 50 ms, not 9 × 95 ms (before, every step waited for the previous token's real
+// work first). The tokens still never come faster than the modeled steps.
+func TestDecodeStepsBesideTheRealWork(t *testing.T) {
+	const steps, step, work = 10, 50 * time.Millisecond, 45 * time.Millisecond
+	tm := DefaultTiming()
+	tm.PrefillTokensPerS, tm.PrefillOverhead, tm.DecodePerToken, tm.Scale = 1e9, 0, step, 1
+	d := newTestWorker(t, newHub(), kvcv1.WorkerRole_WORKER_ROLE_DECODE, "d0", 4096, tm)
+	var at []time.Time // when each token's real work began (the request's own goroutine)
+	d.w.stepWork = func() {
+		at = append(at, time.Now())
+		time.Sleep(work) // the real work of a slow stream, not a wait for anything
+	}
+	res := post(t, context.Background(), d.url, body("r1", steps, true,
+		kvcReq{Mode: "PD_FALLBACK", Role: "decode", InputTokens: 8, LocalPrefill: bptr(true)}))
+	if res.status != 200 || len(res.chunks) != steps || len(at) != steps {
+		t.Fatalf("decode: %d %s, %d chunks, %d steps", res.status, res.code, len(res.chunks), len(at))
+	}
+	took := at[steps-1].Sub(at[0])
+	if took < (steps-1)*step {
+		t.Fatalf("%d steps took %v, faster than the modeled %v", steps-1, took, (steps-1)*step)
+	}
+	if limit := (steps-1)*step + (steps-1)*work/2; took > limit {
+		t.Fatalf("%d steps of %v with %v of real work each took %v (> %v): the real work was charged on top of the steps", steps-1, step, work, took, limit)
 	}
 }

@@ -132,6 +132,10 @@ type Worker struct {
 	demand     demandBook    // the prealloc queue's demand, reported to the sidecar (demand.go)
 
 	att attacher // the command watcher: re-attach after a sidecar restart, release commands (attach.go)
+
+	// stepWork, when set, runs after each decode step's real work (a test's stand-in for a
+	// slow stream: real work the model must not charge on top of the modeled step).
+	stepWork func()
 }
 
 // New builds a worker over mem (its KV pool) talking to its sidecar through bridge.
