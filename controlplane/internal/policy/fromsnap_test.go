@@ -123,7 +123,13 @@ func TestPrefillFromSnapshot(t *testing.T) {
 			if tt.edit != nil {
 				tt.edit(ws)
 			}
-			d := Decide(&Input{Knobs: knobs(tt.knob), Query: tt.query, Session: tt.rec, Workers: ws,
+			// The large appends of this table are the ones P prefills (not an idle D: onP).
+			d := Decide(&Input{Knobs: knobs(func(p *kvcv1.Policy) {
+				onP(p)
+				if tt.knob != nil {
+					tt.knob(p)
+				}
+			}), Query: tt.query, Session: tt.rec, Workers: ws,
 				Ledger: ledger(map[string]Reserved{"p1": {Prefills: tt.inFlight}}), NowMs: nowMs})
 			if d.Mode != tt.mode || d.Reason != tt.reason {
 				t.Fatalf("%s/%s, want %s/%s", d.Mode, d.Reason, tt.mode, tt.reason)

@@ -25,6 +25,15 @@ const (
 	DefaultTailToleranceTokens      = 2048
 	DefaultSessionTTLMs             = 24 * 3600 * 1000
 	DefaultUnreachableGraceMs       = 30_000
+
+	// DefaultLocalAppendMaxTokens: two of SGLang's 8,192-token prefill chunks (the workload's
+	// large appends are 9-16K tokens).
+	DefaultLocalAppendMaxTokens = 16384
+	// DefaultLocalAppendStallTokensPerOutput: the decode-side prefill rate × the TPOT slack per
+	// output token, 20,000 tokens/s × (50 − 5.6) ms ≈ 888 on one H200 (Qwen3-30B-A3B, kvc-sim's
+	// default timing, the bench's 50 ms TPOT SLO), rounded down.
+	DefaultLocalAppendStallTokensPerOutput = 800
+
 	// Agent hints: the longest pin (10 min) and the share of a decode worker's capacity that
 	// pinned sessions may hold (half).
 	DefaultMaxPinMs       = 600_000
@@ -71,6 +80,9 @@ func Defaults() *kvcv1.Policy {
 		UnreachableGraceMs:        proto.Int64(DefaultUnreachableGraceMs),
 		MaxPinMs:                  proto.Int64(DefaultMaxPinMs),
 		MaxPinnedShare:            proto.Float64(DefaultMaxPinnedShare),
+
+		LocalAppendMaxTokens:            proto.Int64(DefaultLocalAppendMaxTokens),
+		LocalAppendStallTokensPerOutput: proto.Int64(DefaultLocalAppendStallTokensPerOutput),
 	}
 }
 
@@ -141,6 +153,8 @@ func Validate(p *kvcv1.Policy) error {
 		{"session_ttl_ms", p.SessionTtlMs, 1000, 365 * 24 * 3600 * 1000},
 		{"unreachable_grace_ms", p.UnreachableGraceMs, 0, 3_600_000},
 		{"max_pin_ms", p.MaxPinMs, 0, MaxPinMsLimit},
+		{"local_append_max_tokens", p.LocalAppendMaxTokens, 0, MaxInputTokens},
+		{"local_append_stall_tokens_per_output", p.LocalAppendStallTokensPerOutput, 0, MaxInputTokens},
 	}
 	for _, r := range i64 {
 		if r.v != nil && (*r.v < r.min || *r.v > r.max) {
@@ -225,6 +239,13 @@ type Knobs struct {
 	// field of the policy record: kvc-controlplane --new-session-share (the router sets it).
 	NewSessionShare float64
 	Version         int64
+
+	// LocalAppendMaxTokens: the largest append over DirectMaxUncachedTokens that the session's
+	// own decode worker may prefill itself (LOCAL_LARGE_APPEND, localAppend); 0 = never.
+	LocalAppendMaxTokens int64
+	// LocalAppendStallTokensPerOutput: the prefill tokens a co-running request's decode may
+	// wait for per output token it asked for and keep its TPOT within the SLO (localAppend).
+	LocalAppendStallTokensPerOutput int64
 }
 
 // Compile fills defaults into p and returns its Knobs. p is not modified.
@@ -255,6 +276,9 @@ func Compile(p *kvcv1.Policy) *Knobs {
 		MaxPinnedShare:            f.GetMaxPinnedShare(),
 		NewSessionShare:           DefaultNewSessionShare,
 		Version:                   f.GetVersion(),
+
+		LocalAppendMaxTokens:            f.GetLocalAppendMaxTokens(),
+		LocalAppendStallTokensPerOutput: f.GetLocalAppendStallTokensPerOutput(),
 	}
 	if k.MigrationRejectThreshold < 1 {
 		k.MigrationRejectThreshold = 1

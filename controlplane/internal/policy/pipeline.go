@@ -88,10 +88,12 @@ type Decision struct {
 	Decode  *kvcv1.Worker
 	// ReservedTokens on Decode until the outcome (or the reservation timeout).
 	ReservedTokens int64
-	Transfer       bool // takes one of Decode's transfer slots
-	Seed           bool // counts toward Decode's in-flight seeds
-	UsesPrefill    bool // Prefill computes (counts toward its in-flight prefills)
-	CachedTokens   int64
+	// LocalAppendTokens: the uncached append a LOCAL_LARGE_APPEND's decode worker prefills.
+	LocalAppendTokens int64
+	Transfer          bool // takes one of Decode's transfer slots
+	Seed              bool // counts toward Decode's in-flight seeds
+	UsesPrefill       bool // Prefill computes (counts toward its in-flight prefills)
+	CachedTokens      int64
 	// TruncateTo: D keeps only this many tokens of the session before its append-prefill
 	// (PREFIX_TRUNCATED); 0 = none.
 	TruncateTo int64
@@ -302,7 +304,7 @@ func (c *Cycle) decide() Decision {
 			// turn says why it was not moved (D_DRAINING); a large append keeps its reason.
 			c.Cause = kvcv1.RouteReason_ROUTE_REASON_D_DRAINING
 			dec = c.resident(d)
-			if dec.Mode == kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D {
+			if dec.Mode == kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D && dec.Reason != kvcv1.RouteReason_ROUTE_REASON_LOCAL_LARGE_APPEND {
 				dec.Reason = kvcv1.RouteReason_ROUTE_REASON_D_DRAINING
 			}
 			return dec
@@ -341,6 +343,9 @@ func (c *Cycle) resident(d *kvcv1.Worker) Decision {
 	cached := min(committed, c.Q.InputTokens)
 	uncached := c.Q.InputTokens - cached
 	if uncached > c.K.DirectMaxUncachedTokens {
+		if dec, ok := c.localAppend(d, uncached, cached); ok {
+			return dec
+		}
 		return c.largeAppend(d, uncached, cached)
 	}
 	c.Need = uncached + c.Q.MaxOutputTokens
@@ -363,6 +368,75 @@ func (c *Cycle) resident(d *kvcv1.Worker) Decision {
 		dec.Reason = kvcv1.RouteReason_ROUTE_REASON_D_QUEUED
 	}
 	return dec
+}
+
+// localAppend: a large append (over direct_max_uncached_tokens) that the session's own decode
+// worker prefills itself, DIRECT_TO_D / LOCAL_LARGE_APPEND, when that is the cheapest way to
+// serve it and its decode batch can absorb it: D holds the session's committed KV — at least as
+// much of the prompt as P's snapshot (D pushes it) or P's radix (P computed only some turns) —
+// and prefills on the same kind of GPU, so D computes no more than P would and needs no P queue,
+// store load, bootstrap or transfer. The cost falls on D's decode batch instead: its prefill
+// chunks hold the GPU alone, stalling every co-running decode by the whole prefill (SGLang's
+// scheduler alternates prefill and decode batches; decodegpu.go in kvc-sim). A co-running
+// request of g output tokens keeps its mean TPOT within the SLO while the stall is at most
+// (g − 1) × (TPOT SLO − TPOT), which local_append_stall_tokens_per_output expresses in prefill
+// tokens (decode-side prefill rate × that slack per output token). So it is taken when:
+//   - the append is at most local_append_max_tokens;
+//   - D's last load report queues nothing (waiting, prealloc, transfer) and no transfer into D is
+//     in flight (those requests would wait behind the prefill for their first token);
+//   - every decision in flight on D that decodes there (max_output > 1) asked for enough output
+//     tokens: uncached ≤ (max_output − 1) × local_append_stall_tokens_per_output
+//     (decodeBatch; a ledger that cannot list them counts any reservation as a batch it cannot
+//     bound);
+//   - D admits it by the capacity rule now (never queued: a D that waits for pages is no
+//     cheaper than P).
+//
+// Otherwise false, and the large append goes to P (largeAppend).
+func (c *Cycle) localAppend(d *kvcv1.Worker, uncached, cached int64) (Decision, bool) {
+	res := c.In.Ledger.Reserved(d.WorkerId)
+	l := d.GetLoad()
+	if c.K.LocalAppendMaxTokens <= 0 || uncached > c.K.LocalAppendMaxTokens ||
+		l.GetWaitingRequests() > 0 || l.GetPreallocQueueDepth() > 0 || l.GetTransferQueueDepth() > 0 ||
+		res.Transfers > 0 || res.StoreTransfers > 0 {
+		return Decision{}, false
+	}
+	if n, minOut := c.decodeBatch(d.WorkerId, res); n > 0 && uncached > (minOut-1)*c.K.LocalAppendStallTokensPerOutput {
+		return Decision{}, false
+	}
+	c.Need = uncached + c.Q.MaxOutputTokens
+	cand := Cand{W: d, Res: res}
+	if !fits(c, &cand) {
+		return Decision{}, false
+	}
+	return Decision{
+		Mode:              kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D,
+		Reason:            kvcv1.RouteReason_ROUTE_REASON_LOCAL_LARGE_APPEND,
+		Cause:             c.Cause,
+		Decode:            d,
+		ReservedTokens:    c.Need,
+		LocalAppendTokens: uncached,
+		CachedTokens:      cached,
+		PauseMs:           c.pause(&cand),
+		From:              d.WorkerId,
+	}, true
+}
+
+// DecodeBatcher is the part of a Ledger that lists a decode worker's batch: the decisions in
+// flight there that decode (max_output > 1), how many and the smallest max_output among them.
+type DecodeBatcher interface {
+	DecodeBatch(workerID string) (requests int32, minOutput int64)
+}
+
+// decodeBatch is the ledger's DecodeBatch; a ledger without it reports any reservation on the
+// worker as one request of one output token (a batch whose TPOT cannot take any stall).
+func (c *Cycle) decodeBatch(workerID string, res Reserved) (int32, int64) {
+	if b, ok := c.In.Ledger.(DecodeBatcher); ok {
+		return b.DecodeBatch(workerID)
+	}
+	if res.Tokens > 0 {
+		return 1, 1
+	}
+	return 0, 0
 }
 
 // largeAppend: the uncached append is too large for D's append-prefill, so P prefills the

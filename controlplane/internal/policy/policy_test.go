@@ -10,10 +10,34 @@ import (
 type fakeLedger struct {
 	res     map[string]Reserved
 	pending map[string]bool
+	// batch: the max_output of the decisions in flight on a decode worker (DecodeBatcher);
+	// nil: the ledger does not list them.
+	batch map[string][]int64
+}
+
+// fakeBatcher is a fakeLedger that lists decode batches.
+type fakeBatcher struct{ fakeLedger }
+
+func (l fakeBatcher) DecodeBatch(id string) (int32, int64) {
+	var minOut int64
+	for i, o := range l.batch[id] {
+		if i == 0 || o < minOut {
+			minOut = o
+		}
+	}
+	return int32(len(l.batch[id])), minOut
 }
 
 func (l fakeLedger) Reserved(id string) Reserved   { return l.res[id] }
 func (l fakeLedger) TransferPending(s string) bool { return l.pending[s] }
+
+// batch is a ledger that lists the decode batches (max_output of each decision in flight).
+func batch(res map[string]Reserved, outs map[string][]int64) fakeLedger {
+	l := ledger(res)
+	l.batch = outs
+	return l
+}
+
 func ledger(res map[string]Reserved, pending ...string) fakeLedger {
 	p := map[string]bool{}
 	for _, s := range pending {
@@ -118,7 +142,7 @@ func TestDecideEveryModeAndReason(t *testing.T) {
 			rec:     with2(resident("d1", 10_000), func(r *kvcv1.SessionRecord) { r.DRejects = map[string]int32{"d1": 2} }),
 			workers: cluster(), mode: mDirect, reason: R(kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT), decode: "d1"},
 		// --- REAL_LARGE_APPEND ---
-		{name: "append over the limit falls back onto the session's own D", q: q(18_193, 7, 4), rec: resident("d2", 10_000), workers: cluster(),
+		{name: "append over the limit falls back onto the session's own D", k: onP, q: q(18_193, 7, 4), rec: resident("d2", 10_000), workers: cluster(),
 			mode: mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND), prefill: "p2", decode: "d2",
 			check: func(t *testing.T, d Decision) {
 				// d2 has less headroom than d1: a plain fallback would pick d1. The append and
@@ -158,9 +182,67 @@ func TestDecideEveryModeAndReason(t *testing.T) {
 		{name: "large append without a prefill worker", q: q(30_000, 100, 4), rec: resident("d1", 10_000),
 			workers: []*kvcv1.Worker{dW("d1", 100_000, 10_000)},
 			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_NO_PREFILL_WORKER)},
-		{name: "direct limit is a knob", k: func(p *kvcv1.Policy) { p.DirectMaxUncachedTokens = i64(2048) },
+		{name: "direct limit is a knob", k: func(p *kvcv1.Policy) { p.DirectMaxUncachedTokens = i64(2048); onP(p) },
 			q: q(12_049, 0, 4), rec: resident("d1", 10_000), workers: cluster(),
 			mode: mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND)},
+		// --- LOCAL_LARGE_APPEND: an idle D prefills the large append itself ---
+		{name: "large append on an idle D is prefilled there", q: q(18_193, 7, 4), rec: resident("d2", 10_000), workers: cluster(),
+			mode: mDirect, reason: R(kvcv1.RouteReason_ROUTE_REASON_LOCAL_LARGE_APPEND), decode: "d2",
+			check: func(t *testing.T, d Decision) {
+				// No prefill worker, no store load, no transfer: D append-prefills [10 000, 18 193)
+				// onto the session it holds and keeps it, as a direct turn.
+				if d.CachedTokens != 10_000 || d.ReservedTokens != 8_200 || d.LocalAppendTokens != 8_193 || d.Prefill != nil || d.UsesPrefill || d.Transfer ||
+					d.Exec.CallPrefill || d.Exec.LoadPrefixTokens != 0 || d.Exec.ReceiveFrom != 0 || !d.Exec.KeepSession ||
+					d.Exec.OpenSession || d.Exec.LocalPrefill || d.Admission != AdmitFits || d.WastedKV {
+					t.Errorf("local large append: %+v", d)
+				}
+			}},
+		{name: "local large append at its limit", q: q(26_384, 100, 4), rec: resident("d1", 10_000), workers: cluster(),
+			mode: mDirect, reason: R(kvcv1.RouteReason_ROUTE_REASON_LOCAL_LARGE_APPEND), decode: "d1"},
+		{name: "an append past the local limit goes to P", q: q(26_385, 100, 4), rec: resident("d1", 10_000), workers: cluster(),
+			mode: mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND), prefill: "p2", decode: "d1"},
+		{name: "the local limit is a knob", k: func(p *kvcv1.Policy) { p.LocalAppendMaxTokens = i64(30_000) },
+			q: q(40_000, 100, 4), rec: resident("d1", 10_000), workers: cluster(),
+			mode: mDirect, reason: R(kvcv1.RouteReason_ROUTE_REASON_LOCAL_LARGE_APPEND), decode: "d1"},
+		{name: "a decision in flight on D that a ledger cannot list: P prefills the append", q: q(20_000, 100, 4), rec: resident("d1", 10_000),
+			workers: cluster(), led: ledger(map[string]Reserved{"d1": {Tokens: 150}}),
+			mode: mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND), prefill: "p2", decode: "d1"},
+		// 10 000 ≤ (362 − 1) × 800: the co-running turn's TPOT takes the stall within the SLO
+		{name: "a co-running turn with a long output absorbs the prefill: local", q: q(20_000, 100, 4), rec: resident("d1", 10_000),
+			workers: cluster(), led: batch(map[string]Reserved{"d1": {Tokens: 400}}, map[string][]int64{"d1": {362}}),
+			mode: mDirect, reason: R(kvcv1.RouteReason_ROUTE_REASON_LOCAL_LARGE_APPEND), decode: "d1"},
+		// 10 000 > (12 − 1) × 800 = 8 800: the 12-token turn's TPOT would pass the SLO
+		{name: "a co-running turn with a short output cannot: P prefills the append", q: q(20_000, 100, 4), rec: resident("d1", 10_000),
+			workers: cluster(), led: batch(map[string]Reserved{"d1": {Tokens: 400}}, map[string][]int64{"d1": {362, 12}}),
+			mode: mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND), prefill: "p2", decode: "d1"},
+		{name: "the stall bound at its limit: local", q: q(18_800, 100, 4), rec: resident("d1", 10_000),
+			workers: cluster(), led: batch(map[string]Reserved{"d1": {Tokens: 400}}, map[string][]int64{"d1": {12}}),
+			mode: mDirect, reason: R(kvcv1.RouteReason_ROUTE_REASON_LOCAL_LARGE_APPEND), decode: "d1"},
+		{name: "the stall bound is a knob (0: only an empty batch)", k: func(p *kvcv1.Policy) { p.LocalAppendStallTokensPerOutput = i64(0) },
+			q: q(20_000, 100, 4), rec: resident("d1", 10_000),
+			workers: cluster(), led: batch(map[string]Reserved{"d1": {Tokens: 400}}, map[string][]int64{"d1": {362}}),
+			mode: mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND), prefill: "p2", decode: "d1"},
+		{name: "batches of other decode workers do not count", q: q(20_000, 100, 4), rec: resident("d1", 10_000),
+			workers: cluster(), led: batch(map[string]Reserved{"d2": {Tokens: 400}}, map[string][]int64{"d2": {2}}),
+			mode: mDirect, reason: R(kvcv1.RouteReason_ROUTE_REASON_LOCAL_LARGE_APPEND), decode: "d1"},
+		{name: "a transfer in flight into D: P prefills the append", q: q(20_000, 100, 4), rec: resident("d1", 10_000),
+			workers: cluster(), led: ledger(map[string]Reserved{"d1": {StoreTransfers: 1, Transfers: 1}}),
+			mode: mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND), prefill: "p2", decode: "d1"},
+		{name: "D reports waiting requests: P prefills the append", q: q(20_000, 100, 4), rec: resident("d1", 10_000),
+			workers: []*kvcv1.Worker{pW("p1", 0), with(dW("d1", 100_000, 10_000), func(w *kvcv1.Worker) { w.Load.WaitingRequests = 1 })},
+			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND), prefill: "p1", decode: "d1"},
+		{name: "D's prealloc queue is not empty: P prefills the append", q: q(20_000, 100, 4), rec: resident("d1", 10_000),
+			workers: []*kvcv1.Worker{pW("p1", 0), with(dW("d1", 100_000, 10_000), func(w *kvcv1.Worker) { w.Load.PreallocQueueDepth = 1 })},
+			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND), prefill: "p1", decode: "d1"},
+		// own 10K + used (pinned) 80K + 10.1K > 95K: an idle D that would queue it is no cheaper than P
+		{name: "an idle D without room now: P prefills the append (queued on D)", q: q(20_000, 100, 4), rec: resident("d1", 10_000),
+			workers: []*kvcv1.Worker{pW("p1", 0), dW("d1", 100_000, 80_000)},
+			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND), prefill: "p1", decode: "d1"},
+		{name: "local large appends off", k: onP, q: q(20_000, 100, 4), rec: resident("d1", 10_000), workers: cluster(),
+			mode: mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND), prefill: "p2", decode: "d1"},
+		{name: "draining D, local large append in place keeps its reason", q: q(40_000, 100, 5), rec: resident("d1", 25_000),
+			workers: []*kvcv1.Worker{pW("p1", 0), draining(dW("d1", 100_000, 0))},
+			mode:    mDirect, reason: R(kvcv1.RouteReason_ROUTE_REASON_LOCAL_LARGE_APPEND), decode: "d1"},
 		// --- D_QUEUED: the resident D cannot admit the turn now; it waits there ---
 		{name: "resident D full: the turn waits on its own D, no local reject", q: q(12_000, 100, 4), rec: resident("d1", 10_000),
 			workers: []*kvcv1.Worker{pW("p1", 0), dW("d1", 100_000, 94_000), dW("d2", 100_000, 0)},
@@ -384,7 +466,7 @@ func TestDecideEveryModeAndReason(t *testing.T) {
 			workers: []*kvcv1.Worker{pW("p1", 0), draining(dW("d1", 100_000, 0)), dW("d2", 100_000, 0)},
 			led:     ledger(map[string]Reserved{"d2": {Transfers: 4, StoreTransfers: 4}}),
 			mode:    mDirect, reason: R(kvcv1.RouteReason_ROUTE_REASON_D_DRAINING), decode: "d1"},
-		{name: "draining D, large append with nowhere to move: in place", q: q(40_000, 100, 5), rec: resident("d1", 25_000),
+		{name: "draining D, large append with nowhere to move: in place", k: onP, q: q(40_000, 100, 5), rec: resident("d1", 25_000),
 			workers: []*kvcv1.Worker{pW("p1", 0), draining(dW("d1", 100_000, 0))},
 			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND), prefill: "p1", decode: "d1"},
 		{name: "draining D and a reseed of the session in flight", q: q(30_000, 100, 5), rec: resident("d1", 25_000),
@@ -595,7 +677,11 @@ func TestDecideEveryModeAndReason(t *testing.T) {
 			if led.res == nil {
 				led.res = map[string]Reserved{}
 			}
-			in := &Input{Knobs: knobs(tt.k), Query: tt.q, Session: tt.rec, Workers: tt.workers, Ledger: led, NowMs: nowMs, Unavailable: tt.unavail, Exclude: tt.exclude}
+			var l Ledger = led
+			if led.batch != nil {
+				l = fakeBatcher{led}
+			}
+			in := &Input{Knobs: knobs(tt.k), Query: tt.q, Session: tt.rec, Workers: tt.workers, Ledger: l, NowMs: nowMs, Unavailable: tt.unavail, Exclude: tt.exclude}
 			d := Decide(in)
 			if d.Mode != tt.mode || d.Reason != tt.reason {
 				t.Fatalf("got %s/%s, want %s/%s", d.Mode, d.Reason, tt.mode, tt.reason)
@@ -654,6 +740,9 @@ func TestDecideEveryModeAndReason(t *testing.T) {
 		}
 	}
 }
+
+// onP turns local large appends off: the case is about a large append that P prefills.
+func onP(p *kvcv1.Policy) { p.LocalAppendMaxTokens = i64(0) }
 
 func workerIDOf(w *kvcv1.Worker) string {
 	if w == nil {

@@ -224,6 +224,25 @@ func (l *ledger) Reserved(workerID string) policy.Reserved {
 	return policy.Reserved{}
 }
 
+// DecodeBatch implements policy.DecodeBatcher: the decisions in flight on workerID that decode
+// there (max_output > 1: a background re-home decodes nothing), how many and the smallest
+// max_output among them. It walks every pending reservation; the policy asks only for large
+// appends.
+func (l *ledger) DecodeBatch(workerID string) (int32, int64) {
+	var n int32
+	var minOut int64
+	for _, r := range l.pending {
+		if r.decode != workerID || r.maxOut <= 1 {
+			continue
+		}
+		if n == 0 || r.maxOut < minOut {
+			minOut = r.maxOut
+		}
+		n++
+	}
+	return n, minOut
+}
+
 // TransferPending implements policy.Ledger.
 func (l *ledger) TransferPending(sessionID string) bool {
 	_, ok := l.sessions[sessionID]

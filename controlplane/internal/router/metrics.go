@@ -37,10 +37,13 @@ type metrics struct {
 	fromSnapshotTokens prometheus.Counter
 	loadSkippedBusy    prometheus.Counter
 	suffixReceives     prometheus.Counter
-	queued             *prometheus.CounterVec
-	queuedByKey        counters2 // by mode, policy.Admission
-	keptFallbacks      prometheus.Counter
-	wastedKV           prometheus.Counter
+	// Large appends the session's own idle decode worker prefills itself (LOCAL_LARGE_APPEND):
+	// the append tokens computed on D instead of on P.
+	localAppendTokens prometheus.Counter
+	queued            *prometheus.CounterVec
+	queuedByKey       counters2 // by mode, policy.Admission
+	keptFallbacks     prometheus.Counter
+	wastedKV          prometheus.Counter
 	// The new-session bound (policy/newsession.go): queries refused, new sessions' tokens held.
 	newRefused    prometheus.Counter
 	newReserved   prometheus.GaugeFunc
@@ -148,6 +151,10 @@ func newMetrics(reg prometheus.Registerer, s *Service) *metrics {
 		Name: "kvc_router_suffix_receives_total",
 		Help: "Large appends whose decode worker keeps the KV it holds and receives only the pages past it (execution.receive_from).",
 	})
+	m.localAppendTokens = prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "kvc_router_local_large_append_tokens_total",
+		Help: "Uncached append tokens of large appends (over direct_max_uncached_tokens) that the session's own idle decode worker prefills itself (DIRECT_TO_D / LOCAL_LARGE_APPEND) instead of a prefill worker; the decisions are kvc_router_decisions_total{reason=\"LOCAL_LARGE_APPEND\"}.",
+	})
 	m.queued = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "kvc_router_queued_admissions_total",
 		Help: "Decisions sent to a decode worker that cannot admit them now by the control plane's count, to wait in its prealloc queue instead of a downgrade to PD_FALLBACK, by mode and why: capacity (the capacity rule), transfer_budget (a reseed from the store with every store-transfer slot of the D taken), rejecter (a reseed onto a D that rejected the session since its last success).",
@@ -220,7 +227,7 @@ func newMetrics(reg prometheus.Registerer, s *Service) *metrics {
 		reg.MustRegister(rehome...)
 		reg.MustRegister(m.decisions, m.latency, m.outcomes, m.ttft, m.errors, m.expired, m.lateOutcomes, m.migrations,
 			m.admitted, m.rejected, m.commands, m.reservations, m.streamEnd, m.reservedTokens, m.truncations, m.contentGauge, m.contentLoaded, m.pins,
-			m.fromSnapshot, m.fromSnapshotTokens, m.loadSkippedBusy, m.suffixReceives,
+			m.fromSnapshot, m.fromSnapshotTokens, m.loadSkippedBusy, m.suffixReceives, m.localAppendTokens,
 			m.queued, m.keptFallbacks, m.wastedKV, m.newRefused, m.newReserved)
 	}
 	return m
@@ -251,7 +258,8 @@ func (m *metrics) decision(mode kvcv1.RouteMode, reason kvcv1.RouteReason) {
 }
 
 // plan counts what a decision's execution plan spares: a prefix loaded from P's store, a
-// suffix-only receive on D; and a load skipped for the holder's queue.
+// suffix-only receive on D, a large append its idle D prefills itself; and a load skipped for
+// the holder's queue.
 func (m *metrics) plan(d *policy.Decision) {
 	mode, reason, e := d.Mode, d.Reason, &d.Exec
 	if d.LoadSkippedBusy {
@@ -263,6 +271,9 @@ func (m *metrics) plan(d *policy.Decision) {
 	}
 	if e.ReceiveFrom > 0 {
 		m.suffixReceives.Inc()
+	}
+	if d.LocalAppendTokens > 0 {
+		m.localAppendTokens.Add(float64(d.LocalAppendTokens))
 	}
 }
 

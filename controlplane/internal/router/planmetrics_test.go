@@ -11,7 +11,8 @@ import (
 )
 
 // TestPlanMetrics: a decision's plan is counted by what it spares — a prefix loaded from P's
-// store (and its tokens), a suffix-only receive — and by a load skipped for a busy holder.
+// store (and its tokens), a suffix-only receive, a large append its idle D prefills (its
+// tokens) — and by a load skipped for a busy holder.
 func TestPlanMetrics(t *testing.T) {
 	m := newMetrics(prometheus.NewRegistry(), nil)
 	la := kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND
@@ -20,6 +21,8 @@ func TestPlanMetrics(t *testing.T) {
 	m.plan(&policy.Decision{Mode: kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, Reason: la, LoadSkippedBusy: true,
 		Exec: policy.Execution{CallPrefill: true, ReceiveFrom: 16_384}})
 	m.plan(&policy.Decision{Mode: kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D})
+	m.plan(&policy.Decision{Mode: kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, Reason: kvcv1.RouteReason_ROUTE_REASON_LOCAL_LARGE_APPEND,
+		LocalAppendTokens: 12_516})
 	if got := testutil.ToFloat64(m.fromSnapshot.WithLabelValues("PD_FALLBACK", ReasonName(la))); got != 1 {
 		t.Fatalf("kvc_router_prefill_from_snapshot_total %v, want 1", got)
 	}
@@ -31,5 +34,8 @@ func TestPlanMetrics(t *testing.T) {
 	}
 	if got := testutil.ToFloat64(m.suffixReceives); got != 2 {
 		t.Fatalf("kvc_router_suffix_receives_total %v, want 2", got)
+	}
+	if got := testutil.ToFloat64(m.localAppendTokens); got != 12_516 {
+		t.Fatalf("kvc_router_local_large_append_tokens_total %v, want 12516", got)
 	}
 }

@@ -324,7 +324,11 @@ func TestSessionLifecycle(t *testing.T) {
 		t.Fatalf("after direct: %v", rec)
 	}
 	// Turn 2: append over the limit -> PD_FALLBACK / REAL_LARGE_APPEND onto the session's own D,
-	// which keeps the received KV as the session's: kv_committed_len catches up.
+	// which keeps the received KV as the session's: kv_committed_len catches up. (With local
+	// large appends on, the idle D would prefill it itself: TestDecideEveryModeAndReason.)
+	if err := f.c.SetPolicy(&kvcv1.Policy{LocalAppendMaxTokens: proto.Int64(0)}); err != nil {
+		t.Fatal(err)
+	}
 	d = f.decide("s", 2, 4700+9000, 100)
 	if d.Mode != kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK || d.Reason != kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND ||
 		d.PrefillPriority != policy.PrefillPriorityLow || d.BootstrapRoom == 0 || d.Prefill == nil ||
@@ -639,6 +643,9 @@ func TestLeadershipChangeDropsReservations(t *testing.T) {
 // meanwhile left changes nothing.
 func TestLargeAppendOutcomes(t *testing.T) {
 	f := newFixture(t, basicCluster()...)
+	if err := f.c.SetPolicy(&kvcv1.Policy{LocalAppendMaxTokens: proto.Int64(0)}); err != nil { // the large appends P prefills
+		t.Fatal(err)
+	}
 	f.c.PutSession(&kvcv1.SessionRecord{SessionId: "s", DecodeWorker: "d2", KvCommittedLen: 10_000, Generation: 1, LastSeenUnixMs: 1})
 	large := kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND
 

@@ -1014,8 +1014,19 @@ type Policy struct {
 	// transfer, overlapped with the prefill. Ignored when seed_through_store is on (colocated
 	// decode workers always seed through the store). Off by default.
 	SeedThroughStoreWhenShort *bool `protobuf:"varint,27,opt,name=seed_through_store_when_short,json=seedThroughStoreWhenShort,proto3,oneof" json:"seed_through_store_when_short,omitempty"`
-	unknownFields             protoimpl.UnknownFields
-	sizeCache                 protoimpl.SizeCache
+	// A resident session's append over direct_max_uncached_tokens of at most this many tokens is
+	// prefilled by its own decode worker when its decode batch can absorb the prefill within the
+	// TPOT SLO (local_append_stall_tokens_per_output) and nothing queues there (DIRECT_TO_D /
+	// LOCAL_LARGE_APPEND); larger appends, or a busy worker, go to P (PD_FALLBACK /
+	// REAL_LARGE_APPEND). 0 = never (16384: two 8,192-token prefill chunks).
+	LocalAppendMaxTokens *int64 `protobuf:"varint,28,opt,name=local_append_max_tokens,json=localAppendMaxTokens,proto3,oneof" json:"local_append_max_tokens,omitempty"`
+	// A local large append goes to a decode worker whose requests in flight can take its prefill's
+	// stall within the TPOT SLO: at most (max_output − 1) × this many prefill tokens for each
+	// (the decode-side prefill rate × (TPOT SLO − TPOT): 20,000 tokens/s × 44.4 ms ≈ 888 on one
+	// H200 at a 50 ms SLO; 800). 0: only onto a decode worker with no request in flight.
+	LocalAppendStallTokensPerOutput *int64 `protobuf:"varint,29,opt,name=local_append_stall_tokens_per_output,json=localAppendStallTokensPerOutput,proto3,oneof" json:"local_append_stall_tokens_per_output,omitempty"`
+	unknownFields                   protoimpl.UnknownFields
+	sizeCache                       protoimpl.SizeCache
 }
 
 func (x *Policy) Reset() {
@@ -1228,6 +1239,20 @@ func (x *Policy) GetSeedThroughStoreWhenShort() bool {
 		return *x.SeedThroughStoreWhenShort
 	}
 	return false
+}
+
+func (x *Policy) GetLocalAppendMaxTokens() int64 {
+	if x != nil && x.LocalAppendMaxTokens != nil {
+		return *x.LocalAppendMaxTokens
+	}
+	return 0
+}
+
+func (x *Policy) GetLocalAppendStallTokensPerOutput() int64 {
+	if x != nil && x.LocalAppendStallTokensPerOutput != nil {
+		return *x.LocalAppendStallTokensPerOutput
+	}
+	return 0
 }
 
 // KVLayout describes a paged KV pool as SGLang registers it: per layer a K and a V buffer;
@@ -1557,7 +1582,7 @@ const file_kvc_v1_common_proto_rawDesc = "" +
 	"\rcontent_chain\x18\x10 \x01(\fR\fcontentChain\x1a;\n" +
 	"\rDRejectsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\x05R\x05value:\x028\x01\"\xd6\x11\n" +
+	"\x05value\x18\x02 \x01(\x05R\x05value:\x028\x01\"\xab\x13\n" +
 	"\x06Policy\x12@\n" +
 	"\x1adirect_max_uncached_tokens\x18\x01 \x01(\x03H\x00R\x17directMaxUncachedTokens\x88\x01\x01\x12A\n" +
 	"\x1amigration_reject_threshold\x18\x02 \x01(\x05H\x01R\x18migrationRejectThreshold\x88\x01\x01\x12'\n" +
@@ -1587,7 +1612,9 @@ const file_kvc_v1_common_proto_rawDesc = "" +
 	"\n" +
 	"max_pin_ms\x18\x19 \x01(\x03H\x15R\bmaxPinMs\x88\x01\x01\x12-\n" +
 	"\x10max_pinned_share\x18\x1a \x01(\x01H\x16R\x0emaxPinnedShare\x88\x01\x01\x12E\n" +
-	"\x1dseed_through_store_when_short\x18\x1b \x01(\bH\x17R\x19seedThroughStoreWhenShort\x88\x01\x01\x1aR\n" +
+	"\x1dseed_through_store_when_short\x18\x1b \x01(\bH\x17R\x19seedThroughStoreWhenShort\x88\x01\x01\x12:\n" +
+	"\x17local_append_max_tokens\x18\x1c \x01(\x03H\x18R\x14localAppendMaxTokens\x88\x01\x01\x12R\n" +
+	"$local_append_stall_tokens_per_output\x18\x1d \x01(\x03H\x19R\x1flocalAppendStallTokensPerOutput\x88\x01\x01\x1aR\n" +
 	"$MaxConcurrentTransfersPerWorkerEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
 	"\x05value\x18\x02 \x01(\x05R\x05value:\x028\x01B\x1d\n" +
@@ -1614,7 +1641,9 @@ const file_kvc_v1_common_proto_rawDesc = "" +
 	"\x13_seed_through_storeB\r\n" +
 	"\v_max_pin_msB\x13\n" +
 	"\x11_max_pinned_shareB \n" +
-	"\x1e_seed_through_store_when_shortJ\x04\b\x0f\x10\x10R\x15prefill_backup_policy\"\xa3\x01\n" +
+	"\x1e_seed_through_store_when_shortB\x1a\n" +
+	"\x18_local_append_max_tokensB'\n" +
+	"%_local_append_stall_tokens_per_outputJ\x04\b\x0f\x10\x10R\x15prefill_backup_policy\"\xa3\x01\n" +
 	"\bKVLayout\x12\x1b\n" +
 	"\tpage_size\x18\x01 \x01(\x05R\bpageSize\x12\x19\n" +
 	"\bitem_len\x18\x02 \x01(\x03R\aitemLen\x12\x1d\n" +

@@ -140,6 +140,13 @@ const (
 	// the background, without a client request (LoadSessionCommand), so the session's next turn
 	// finds it resident. Never sent to a gateway; counted in the decision metrics.
 	RouteReason_ROUTE_REASON_REHOME RouteReason = 29
+	// A resident session's append over direct_max_uncached_tokens (a large append) prefilled by
+	// its own decode worker (a colocated SGLang server) instead of on P: the append is at most
+	// local_append_max_tokens, nothing queues on D, the requests in flight there can take the
+	// prefill's stall within the TPOT SLO (local_append_stall_tokens_per_output) and D admits it
+	// by the capacity rule. DIRECT_TO_D, cached_tokens = the committed KV: no prefill worker, no
+	// store load, no transfer (docs/routing.md, "Large appends").
+	RouteReason_ROUTE_REASON_LOCAL_LARGE_APPEND RouteReason = 30
 )
 
 // Enum value maps for RouteReason.
@@ -175,6 +182,7 @@ var (
 		27: "ROUTE_REASON_LOCAL_FIRST_TURN",
 		28: "ROUTE_REASON_D_QUEUED",
 		29: "ROUTE_REASON_REHOME",
+		30: "ROUTE_REASON_LOCAL_LARGE_APPEND",
 	}
 	RouteReason_value = map[string]int32{
 		"ROUTE_REASON_UNSPECIFIED":                 0,
@@ -207,6 +215,7 @@ var (
 		"ROUTE_REASON_LOCAL_FIRST_TURN":            27,
 		"ROUTE_REASON_D_QUEUED":                    28,
 		"ROUTE_REASON_REHOME":                      29,
+		"ROUTE_REASON_LOCAL_LARGE_APPEND":          30,
 	}
 )
 
@@ -1477,7 +1486,7 @@ const file_kvc_v1_router_proto_rawDesc = "" +
 	"\x0fROUTE_MODE_SEED\x10\x02\x12\x1e\n" +
 	"\x1aROUTE_MODE_RESEED_SNAPSHOT\x10\x03\x12\x1d\n" +
 	"\x19ROUTE_MODE_RESEED_PREFILL\x10\x04\x12\x1a\n" +
-	"\x16ROUTE_MODE_PD_FALLBACK\x10\x05*\xae\b\n" +
+	"\x16ROUTE_MODE_PD_FALLBACK\x10\x05*\xd3\b\n" +
 	"\vRouteReason\x12\x1c\n" +
 	"\x18ROUTE_REASON_UNSPECIFIED\x10\x00\x12!\n" +
 	"\x1dROUTE_REASON_SESSION_RESIDENT\x10\x01\x12\"\n" +
@@ -1509,7 +1518,8 @@ const file_kvc_v1_router_proto_rawDesc = "" +
 	"\x1bROUTE_REASON_PREFIX_OVERLAP\x10\x1a\x12!\n" +
 	"\x1dROUTE_REASON_LOCAL_FIRST_TURN\x10\x1b\x12\x19\n" +
 	"\x15ROUTE_REASON_D_QUEUED\x10\x1c\x12\x17\n" +
-	"\x13ROUTE_REASON_REHOME\x10\x1d*\xc7\x02\n" +
+	"\x13ROUTE_REASON_REHOME\x10\x1d\x12#\n" +
+	"\x1fROUTE_REASON_LOCAL_LARGE_APPEND\x10\x1e*\xc7\x02\n" +
 	"\x0eRouteErrorKind\x12 \n" +
 	"\x1cROUTE_ERROR_KIND_UNSPECIFIED\x10\x00\x12\x19\n" +
 	"\x15ROUTE_ERROR_KIND_NONE\x10\x01\x12\x1c\n" +

@@ -34,7 +34,8 @@ func TestLargeAppendFromSnapshot(t *testing.T) {
 	etcd := etcdtest.Start(t)
 	lead := leaderOf(t, startCP(t, "cp-f", etcd.Endpoints()))
 	if _, err := lead.admin.UpdatePolicy(ctxT(t, 5*time.Second), &kvcv1.UpdatePolicyRequest{Policy: &kvcv1.Policy{
-		SnapshotDeltaTokens: ptr(int64(256))}}); err != nil {
+		// Local large appends off: this is the large append that P prefills from the snapshot.
+		SnapshotDeltaTokens: ptr(int64(256)), LocalAppendMaxTokens: ptr(int64(0))}}); err != nil {
 		t.Fatal(err)
 	}
 	p0 := startSidecar(t, "prefill", "p0", lead.addr, "--store-capacity-bytes", itoa(pages*2*numLayers*itemLen))

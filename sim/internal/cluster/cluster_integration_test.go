@@ -99,8 +99,9 @@ func TestLocalClusterEndToEnd(t *testing.T) {
 		DecodeCapacityTokens: 1536, PrefillCapacityTokens: 16384,
 		SimArgs: []string{"--time-scale", "0.05", "--layers", "4", "--bytes-per-token-per-buffer", "16"},
 		// A direct-to-D limit of 300 tokens lets a 400-token append be a real large append
-		// within these small decode pools.
-		Policy:           &kvcv1.Policy{SnapshotDeltaTokens: ptr(int64(16)), DirectMaxUncachedTokens: ptr(int64(300))},
+		// within these small decode pools; local large appends off: P prefills it.
+		Policy: &kvcv1.Policy{SnapshotDeltaTokens: ptr(int64(16)), DirectMaxUncachedTokens: ptr(int64(300)),
+			LocalAppendMaxTokens: ptr(int64(0))},
 		ControlPlaneArgs: []string{"--election-ttl", "2s"},
 	})
 	if err != nil {

@@ -17,7 +17,10 @@ import (
 // whose next turn appends ~9K (over the direct limit) is served as the large append from the
 // snapshot. The prefill worker loads the session's snapshot prefix from its sidecar's store
 // (every loaded byte verified; kvc_sim_store_load_tokens_total) and prefills only the rest; the
-// decode worker keeps the KV it holds and receives, and verifies, only the tail.
+// decode worker keeps the KV it holds and receives, and verifies, only the tail. Then, with
+// local large appends on, the next ~9K-token append is prefilled by the session's idle decode
+// worker itself (DIRECT_TO_D / LOCAL_LARGE_APPEND): nothing received, nothing loaded on P, the
+// session grown on D by the whole append.
 func TestLocalClusterPrefillFromSnapshot(t *testing.T) {
 	dir := binDir(t)
 	var log strings.Builder
@@ -27,7 +30,7 @@ func TestLocalClusterPrefillFromSnapshot(t *testing.T) {
 		BinDir: dir, WorkDir: t.TempDir(), Prefill: 1, Decode: 1, Gateway: true, Log: &log,
 		DecodeCapacityTokens: 65536, PrefillCapacityTokens: 65536,
 		SimArgs: []string{"--time-scale", "0.05", "--layers", "4", "--bytes-per-token-per-buffer", "16"},
-		Policy:  &kvcv1.Policy{SnapshotDeltaTokens: ptr(int64(256))},
+		Policy:  &kvcv1.Policy{SnapshotDeltaTokens: ptr(int64(256)), LocalAppendMaxTokens: ptr(int64(0))},
 	})
 	if err != nil {
 		t.Fatalf("start: %v\n%s", err, log.String())
@@ -81,6 +84,63 @@ func TestLocalClusterPrefillFromSnapshot(t *testing.T) {
 	if bad := simCounter(t, p.WorkerURL, "kvc_sim_verify_failures_total"); bad != 0 {
 		t.Fatalf("P: %v loaded slots failed verification", bad)
 	}
+
+	// Turn 3: local large appends on (the default limit), the decode worker idle.
+	if err := c.ApplyPolicy(ctx, &kvcv1.Policy{LocalAppendMaxTokens: ptr(int64(16384))}); err != nil {
+		t.Fatal(err)
+	}
+	held2 := int64(k2["kv_len_after"].(float64))
+	// The control plane has turn 2's outcome (its reservation on D released: D's batch is empty).
+	waitFor(t, func() bool {
+		n := 0.0
+		for _, u := range c.ControlPlaneHTTP {
+			n += sumCounter(t, u, "kvc_router_outcomes_total")
+		}
+		return n >= 2
+	}, func() string { return "the control plane never had turn 2's outcome" })
+	loads := simCounter(t, p.WorkerURL, "kvc_sim_store_load_tokens_total")
+	text3 := text2 + strings.Repeat(" another large tool output", 1_500) // ~9K tokens more
+	r3 := generate(t, c.GatewayURL, "fs-1", text3)
+	k3, _ := r3.meta["kvc"].(map[string]any)
+	if r3.status != http.StatusOK || k3 == nil {
+		t.Fatalf("turn 3: %d %s\n%s", r3.status, r3.body, logs(c))
+	}
+	if m, why := r3.header.Get("X-Kvc-Mode"), r3.header.Get("X-Kvc-Reason"); m != "DIRECT_TO_D" || why != "LOCAL_LARGE_APPEND" {
+		t.Fatalf("turn 3 ran as %s (%s), want DIRECT_TO_D (LOCAL_LARGE_APPEND)", m, why)
+	}
+	input3 := int64(r3.meta["prompt_tokens"].(float64))
+	out3 := int64(r3.meta["completion_tokens"].(float64))
+	recv3, _ := k3["received_bytes"].(float64)
+	if input3-held2 <= 8_192 || r3.header.Get("X-Kvc-Cached-Tokens") != strconv.FormatInt(held2, 10) ||
+		recv3 != 0 || int64(k3["kv_len_after"].(float64)) != input3+out3 {
+		t.Fatalf("turn 3 (%d tokens, %d held): cached %s, received %v bytes, kv_len_after %v; want the append prefilled on D",
+			input3, held2, r3.header.Get("X-Kvc-Cached-Tokens"), k3["received_bytes"], k3["kv_len_after"])
+	}
+	if got := simCounter(t, p.WorkerURL, "kvc_sim_store_load_tokens_total"); got != loads {
+		t.Fatalf("P loaded %v tokens from its store for turn 3, want none", got-loads)
+	}
+}
+
+// sumCounter sums every series of one counter on a /metrics page (0 when the page has none).
+func sumCounter(t *testing.T, url, name string) float64 {
+	t.Helper()
+	resp, err := http.Get(url + "/metrics")
+	if err != nil {
+		return 0
+	}
+	defer resp.Body.Close()
+	sum := 0.0
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		line := sc.Text()
+		if !strings.HasPrefix(line, name+"{") && !strings.HasPrefix(line, name+" ") {
+			continue
+		}
+		if f, err := strconv.ParseFloat(line[strings.LastIndexByte(line, ' ')+1:], 64); err == nil {
+			sum += f
+		}
+	}
+	return sum
 }
 
 // simCounter reads one unlabelled counter from a kvc-sim's /metrics.
