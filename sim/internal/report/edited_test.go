@@ -44,3 +44,26 @@ func TestPlacedOnContentSection(t *testing.T) {
 		t.Fatalf("report lacks the placement table:\n%s", md)
 	}
 }
+
+// TestLargeAppendsSection: large appends are counted by where they were prefilled — the
+// session's decode worker (LOCAL_LARGE_APPEND) or P (REAL_LARGE_APPEND) — with their TTFT p50
+// and max in model seconds, and the section is left out when an arm has none.
+func TestLargeAppendsSection(t *testing.T) {
+	recs := []Record{
+		{Mode: "DIRECT_TO_D", Reason: "LOCAL_LARGE_APPEND", Turn: 5, OK: true, TTFTS: 0.6},
+		{Mode: "DIRECT_TO_D", Reason: "LOCAL_LARGE_APPEND", Turn: 7, OK: true, TTFTS: 1.4},
+		{Mode: "DIRECT_TO_D", Reason: "LOCAL_LARGE_APPEND", Turn: 9, OK: true, TTFTS: 0.7},
+		{Mode: "PD_FALLBACK", Reason: "REAL_LARGE_APPEND", Turn: 3, OK: true, TTFTS: 1.8},
+		{Mode: "DIRECT_TO_D", Reason: "SESSION_RESIDENT", Turn: 2, OK: true, TTFTS: 0.1},
+	}
+	a := Compute("E4", recs, 2) // time scale 2: model seconds are half the measured
+	if len(a.LocalAppendTTFTs) != 3 || len(a.PAppendTTFTs) != 1 {
+		t.Fatalf("local %v on P %v", a.LocalAppendTTFTs, a.PAppendTTFTs)
+	}
+	if md := Markdown(Meta{}, []*Arm{a}); !strings.Contains(md, "| E4 | 3 | 350 ms / 700 ms | 1 | 900 ms / 900 ms |") {
+		t.Fatalf("report lacks the large-append table:\n%s", md)
+	}
+	if strings.Contains(Markdown(Meta{}, []*Arm{Compute("SGL", recs[4:], 1)}), "## Large appends") {
+		t.Fatal("an arm without large appends shows the section")
+	}
+}

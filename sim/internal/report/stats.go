@@ -211,6 +211,10 @@ type Arm struct {
 	// the prefill tokens those reused from its prefix cache.
 	OverlapSeeds, LocalFirstTurns int
 	PrefixCachedTokens            int64
+	// Large appends by where they were prefilled (report.md only): on the session's own decode
+	// worker (LOCAL_LARGE_APPEND) or on P (REAL_LARGE_APPEND), each with its sorted TTFTs
+	// (model seconds, failures at the time they failed).
+	LocalAppendTTFTs, PAppendTTFTs []float64
 }
 
 // Percentile is the nearest-rank percentile (q in [0,1]) of sorted values; 0 when empty.
@@ -328,11 +332,19 @@ func ComputeWith(name string, recs []Record, div float64, opt Options) *Arm {
 		if r.Reseed() {
 			reseedTTFT = append(reseedTTFT, ttft)
 		}
+		switch r.Reason {
+		case "LOCAL_LARGE_APPEND":
+			a.LocalAppendTTFTs = append(a.LocalAppendTTFTs, ttft)
+		case "REAL_LARGE_APPEND":
+			a.PAppendTTFTs = append(a.PAppendTTFTs, ttft)
+		}
 		if r.Turn > 0 {
 			contTTFT = append(contTTFT, ttft)
 		}
 	}
 	sort.Float64s(a.TTFTs)
+	sort.Float64s(a.LocalAppendTTFTs)
+	sort.Float64s(a.PAppendTTFTs)
 	sort.Float64s(lat)
 	sort.Float64s(reseedTTFT)
 	sort.Float64s(contTTFT)

@@ -141,6 +141,14 @@ func ms(s float64) string {
 	return fmt.Sprintf("%.0f ms", s*1000)
 }
 
+// p50Max is "p50 / max" of sorted model seconds, or "–" when there are none.
+func p50Max(sorted []float64) string {
+	if len(sorted) == 0 {
+		return "–"
+	}
+	return ms(Percentile(sorted, 0.5)) + " / " + ms(sorted[len(sorted)-1])
+}
+
 func pct(x float64) string { return fmt.Sprintf("%.1f%%", x*100) }
 
 func mib(b int64) string { return fmt.Sprintf("%.1f MiB", float64(b)/(1<<20)) }
@@ -360,6 +368,22 @@ func Markdown(meta Meta, arms []*Arm) string {
 		}
 		p("")
 		p("A seed placed on the overlap prefills on P what P's prefix cache (if the arm has one) does not hold: its saving is the later local turns and shared pages on D, not counted here. A local first turn prefills on D only what D does not already hold for another session. In SGL the last column counts the tokens its decode radix or L3 restore held (not received over the link).")
+		p("")
+	}
+	appends := false
+	for _, a := range arms {
+		appends = appends || len(a.LocalAppendTTFTs) > 0 || len(a.PAppendTTFTs) > 0
+	}
+	if appends {
+		p("## Large appends")
+		p("")
+		p("| arm | prefilled on the session's D (LOCAL_LARGE_APPEND) | TTFT p50 / max | prefilled on P (REAL_LARGE_APPEND) | TTFT p50 / max |")
+		p("|---|---:|---:|---:|---:|")
+		for _, a := range arms {
+			p("| %s | %d | %s | %d | %s |", a.Name, len(a.LocalAppendTTFTs), p50Max(a.LocalAppendTTFTs), len(a.PAppendTTFTs), p50Max(a.PAppendTTFTs))
+		}
+		p("")
+		p("A large append is a resident session's append over `direct_max_uncached_tokens`. Its own decode worker prefills it when its decode batch can take the prefill's stall within the TPOT SLO (docs/routing.md, \"Large appends\"); otherwise P does, from its store's snapshot where it holds one. The baselines' large appends are plain P/D requests like every other turn.")
 		p("")
 	}
 	p("## Work")
