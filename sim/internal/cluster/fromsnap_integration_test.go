@@ -119,6 +119,8 @@ func TestLocalClusterPrefillFromSnapshot(t *testing.T) {
 	if got := simCounter(t, p.WorkerURL, "kvc_sim_store_load_tokens_total"); got != loads {
 		t.Fatalf("P loaded %v tokens from its store for turn 3, want none", got-loads)
 	}
+	t.Logf("turn 3: %d tokens on a session holding %d: prefilled on D (%s), nothing received or loaded", input3, held2,
+		r3.header.Get("X-Kvc-Reason"))
 }
 
 // sumCounter sums every series of one counter on a /metrics page (0 when the page has none).
