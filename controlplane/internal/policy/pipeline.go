@@ -382,22 +382,21 @@ func (c *Cycle) resident(d *kvcv1.Worker) Decision {
 // (g − 1) × (TPOT SLO − TPOT), which local_append_stall_tokens_per_output expresses in prefill
 // tokens (decode-side prefill rate × that slack per output token). So it is taken when:
 //   - the append is at most local_append_max_tokens;
-//   - D's last load report queues nothing (waiting, prealloc, transfer) and no transfer into D is
-//     in flight (those requests would wait behind the prefill for their first token);
+//   - no seed or reseed transfer into D is in flight, by the ledger or D's last load report
+//     (rooms waiting for their transfer): their first tokens would wait behind the prefill;
 //   - every decision in flight on D that decodes there (max_output > 1) asked for enough output
 //     tokens: uncached ≤ (max_output − 1) × local_append_stall_tokens_per_output
 //     (decodeBatch; a ledger that cannot list them counts any reservation as a batch it cannot
-//     bound);
-//   - D admits it by the capacity rule now (never queued: a D that waits for pages is no
-//     cheaper than P).
+//     bound).
 //
-// Otherwise false, and the large append goes to P (largeAppend).
+// D need not admit it now: like a direct turn it then waits in D's prealloc queue
+// (Admission AdmitOverCapacity), which still beats P — P's plan waits for the same pages on D
+// before P computes (P waits for D's bootstrap), and computes at least as much. Otherwise
+// false, and the large append goes to P (largeAppend).
 func (c *Cycle) localAppend(d *kvcv1.Worker, uncached, cached int64) (Decision, bool) {
 	res := c.In.Ledger.Reserved(d.WorkerId)
-	l := d.GetLoad()
 	if c.K.LocalAppendMaxTokens <= 0 || uncached > c.K.LocalAppendMaxTokens ||
-		l.GetWaitingRequests() > 0 || l.GetPreallocQueueDepth() > 0 || l.GetTransferQueueDepth() > 0 ||
-		res.Transfers > 0 || res.StoreTransfers > 0 {
+		d.GetLoad().GetTransferQueueDepth() > 0 || res.Transfers > 0 || res.StoreTransfers > 0 {
 		return Decision{}, false
 	}
 	if n, minOut := c.decodeBatch(d.WorkerId, res); n > 0 && uncached > (minOut-1)*c.K.LocalAppendStallTokensPerOutput {
@@ -405,10 +404,7 @@ func (c *Cycle) localAppend(d *kvcv1.Worker, uncached, cached int64) (Decision, 
 	}
 	c.Need = uncached + c.Q.MaxOutputTokens
 	cand := Cand{W: d, Res: res}
-	if !fits(c, &cand) {
-		return Decision{}, false
-	}
-	return Decision{
+	dec := Decision{
 		Mode:              kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D,
 		Reason:            kvcv1.RouteReason_ROUTE_REASON_LOCAL_LARGE_APPEND,
 		Cause:             c.Cause,
@@ -418,7 +414,11 @@ func (c *Cycle) localAppend(d *kvcv1.Worker, uncached, cached int64) (Decision, 
 		CachedTokens:      cached,
 		PauseMs:           c.pause(&cand),
 		From:              d.WorkerId,
-	}, true
+	}
+	if !fits(c, &cand) {
+		dec.Admission = AdmitOverCapacity
+	}
+	return dec, true
 }
 
 // DecodeBatcher is the part of a Ledger that lists a decode worker's batch: the decisions in

@@ -228,16 +228,19 @@ func TestDecideEveryModeAndReason(t *testing.T) {
 		{name: "a transfer in flight into D: P prefills the append", q: q(20_000, 100, 4), rec: resident("d1", 10_000),
 			workers: cluster(), led: ledger(map[string]Reserved{"d1": {StoreTransfers: 1, Transfers: 1}}),
 			mode: mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND), prefill: "p2", decode: "d1"},
-		{name: "D reports waiting requests: P prefills the append", q: q(20_000, 100, 4), rec: resident("d1", 10_000),
-			workers: []*kvcv1.Worker{pW("p1", 0), with(dW("d1", 100_000, 10_000), func(w *kvcv1.Worker) { w.Load.WaitingRequests = 1 })},
+		{name: "rooms waiting for their transfer on D: P prefills the append", q: q(20_000, 100, 4), rec: resident("d1", 10_000),
+			workers: []*kvcv1.Worker{pW("p1", 0), with(dW("d1", 100_000, 10_000), func(w *kvcv1.Worker) { w.Load.TransferQueueDepth = 1 })},
 			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND), prefill: "p1", decode: "d1"},
-		{name: "D's prealloc queue is not empty: P prefills the append", q: q(20_000, 100, 4), rec: resident("d1", 10_000),
-			workers: []*kvcv1.Worker{pW("p1", 0), with(dW("d1", 100_000, 10_000), func(w *kvcv1.Worker) { w.Load.PreallocQueueDepth = 1 })},
-			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND), prefill: "p1", decode: "d1"},
-		// own 10K + used (pinned) 80K + 10.1K > 95K: an idle D that would queue it is no cheaper than P
-		{name: "an idle D without room now: P prefills the append (queued on D)", q: q(20_000, 100, 4), rec: resident("d1", 10_000),
-			workers: []*kvcv1.Worker{pW("p1", 0), dW("d1", 100_000, 80_000)},
-			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND), prefill: "p1", decode: "d1"},
+		// own 10K + used (pinned) 80K + 10.1K > 95K: D queues it for pages, as P's plan would
+		// (P waits for D's bootstrap), and then computes less than P would
+		{name: "a D without room now: local, queued for pages", q: q(20_000, 100, 4), rec: resident("d1", 10_000),
+			workers: []*kvcv1.Worker{pW("p1", 0), with(dW("d1", 100_000, 80_000), func(w *kvcv1.Worker) { w.Load.PreallocQueueDepth = 2 })},
+			mode:    mDirect, reason: R(kvcv1.RouteReason_ROUTE_REASON_LOCAL_LARGE_APPEND), decode: "d1",
+			check: func(t *testing.T, d Decision) {
+				if d.Admission != AdmitOverCapacity || d.ReservedTokens != 10_100 || d.CachedTokens != 10_000 {
+					t.Errorf("admission %v reserved %d cached %d, want capacity, 10100, 10000", d.Admission, d.ReservedTokens, d.CachedTokens)
+				}
+			}},
 		{name: "local large appends off", k: onP, q: q(20_000, 100, 4), rec: resident("d1", 10_000), workers: cluster(),
 			mode: mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND), prefill: "p2", decode: "d1"},
 		{name: "draining D, local large append in place keeps its reason", q: q(40_000, 100, 5), rec: resident("d1", 25_000),

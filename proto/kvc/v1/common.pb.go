@@ -1016,8 +1016,8 @@ type Policy struct {
 	SeedThroughStoreWhenShort *bool `protobuf:"varint,27,opt,name=seed_through_store_when_short,json=seedThroughStoreWhenShort,proto3,oneof" json:"seed_through_store_when_short,omitempty"`
 	// A resident session's append over direct_max_uncached_tokens of at most this many tokens is
 	// prefilled by its own decode worker when its decode batch can absorb the prefill within the
-	// TPOT SLO (local_append_stall_tokens_per_output) and nothing queues there (DIRECT_TO_D /
-	// LOCAL_LARGE_APPEND); larger appends, or a busy worker, go to P (PD_FALLBACK /
+	// TPOT SLO (local_append_stall_tokens_per_output) and no transfer into it is in flight
+	// (DIRECT_TO_D / LOCAL_LARGE_APPEND); larger appends, or a busy worker, go to P (PD_FALLBACK /
 	// REAL_LARGE_APPEND). 0 = never (16384: two 8,192-token prefill chunks).
 	LocalAppendMaxTokens *int64 `protobuf:"varint,28,opt,name=local_append_max_tokens,json=localAppendMaxTokens,proto3,oneof" json:"local_append_max_tokens,omitempty"`
 	// A local large append goes to a decode worker whose requests in flight can take its prefill's

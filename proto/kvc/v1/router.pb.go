@@ -142,10 +142,11 @@ const (
 	RouteReason_ROUTE_REASON_REHOME RouteReason = 29
 	// A resident session's append over direct_max_uncached_tokens (a large append) prefilled by
 	// its own decode worker (a colocated SGLang server) instead of on P: the append is at most
-	// local_append_max_tokens, nothing queues on D, the requests in flight there can take the
-	// prefill's stall within the TPOT SLO (local_append_stall_tokens_per_output) and D admits it
-	// by the capacity rule. DIRECT_TO_D, cached_tokens = the committed KV: no prefill worker, no
-	// store load, no transfer (docs/routing.md, "Large appends").
+	// local_append_max_tokens, no transfer into D is in flight and the requests in flight there
+	// can take the prefill's stall within the TPOT SLO (local_append_stall_tokens_per_output);
+	// over capacity it waits in D's prealloc queue, as a direct turn. DIRECT_TO_D, cached_tokens
+	// = the committed KV: no prefill worker, no store load, no transfer (docs/routing.md, "Large
+	// appends").
 	RouteReason_ROUTE_REASON_LOCAL_LARGE_APPEND RouteReason = 30
 )
 
