@@ -12,7 +12,8 @@
 # JOBS=4 on 16 cores kept the load average under 5.
 set -u
 cd "$(dirname "$0")/../.."
-mkdir -p /tmp/kvc && tar -C /tmp/kvc -xJf bin/sweep.tar.xz
+# extracted once per machine: a second call beside a running one must not rewrite its binaries
+[ -x /tmp/kvc/sweep/kvc-bench ] || { mkdir -p /tmp/kvc && tar -C /tmp/kvc -xJf bin/sweep.tar.xz; }
 nproc; uptime
 SWEEP=${SWEEP:-"2P4D=8,6,4,2,1;1P3D=3,2,1,0.5;2P4D@700K=2"}
 ARMS=${ARMS:-PD,SGL,LLMD}
