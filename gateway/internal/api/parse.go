@@ -74,6 +74,10 @@ type Request struct {
 	Hints Hints
 	// Tools are a chat request's tools and chat-template inputs (chattools.go); nil otherwise.
 	Tools *ChatTools
+	// Sampling is the worker's sampling_params object, JSON as Python's json.dumps writes
+	// SGLang's dict (compact): built as SGLang 0.5.23 builds it for the request's API
+	// (sampling.go).
+	Sampling []byte
 }
 
 // Error is a client-facing error: an HTTP status and an OpenAI-style error object.
@@ -159,16 +163,15 @@ type body struct {
 	MaxCompletionTokens *int64          `json:"max_completion_tokens"`
 	Stream              bool            `json:"stream"`
 	N                   *int64          `json:"n"`
-	Temperature         *float64        `json:"temperature"`
+	Temperature         rawField        `json:"temperature"`
+	// The other sampling fields (sampling.go).
+	samplingFields
 	// SGLang (slices of the body: the large fields are not copied before they are decoded)
-	Text           rawField `json:"text"`
-	InputIDs       rawField `json:"input_ids"`
-	SamplingParams *struct {
-		MaxNewTokens *int64   `json:"max_new_tokens"`
-		N            *int64   `json:"n"`
-		Temperature  *float64 `json:"temperature"`
-	} `json:"sampling_params"`
-	RID json.RawMessage `json:"rid"`
+	Text     rawField `json:"text"`
+	InputIDs rawField `json:"input_ids"`
+	// SamplingParams is /generate's sampling_params object (sampling.go).
+	SamplingParams rawField        `json:"sampling_params"`
+	RID            json.RawMessage `json:"rid"`
 	// Chat tools and template inputs (chattools.go).
 	Tools              rawField `json:"tools"`
 	ToolChoice         rawField `json:"tool_choice"`
@@ -330,14 +333,18 @@ func Parse(kind Kind, h http.Header, raw []byte, opt Options) (*Request, *Error)
 	}
 
 	// Sampling: what the gateway would otherwise pass on and serve differently from what was asked.
-	for _, n := range []*int64{b.N, samplingN(&b)} {
-		if n != nil && *n != 1 {
-			return nil, badRequestCode(CodeUnsupportedParameter, "n = %d: one completion per request (send n requests)", *n)
+	var spCounts struct {
+		MaxNewTokens *int64 `json:"max_new_tokens"`
+		N            *int64 `json:"n"`
+	}
+	if !isNullRaw(b.SamplingParams) {
+		if err := json.Unmarshal(b.SamplingParams, &spCounts); err != nil {
+			return nil, BadRequest("sampling_params: %v", err)
 		}
 	}
-	for _, v := range []*float64{b.Temperature, samplingTemperature(&b)} {
-		if v != nil && *v < 0 {
-			return nil, badRequestCode(CodeInvalidParameter, "temperature %v is negative", *v)
+	for _, n := range []*int64{b.N, spCounts.N} {
+		if n != nil && *n != 1 {
+			return nil, badRequestCode(CodeUnsupportedParameter, "n = %d: one completion per request (send n requests)", *n)
 		}
 	}
 
@@ -363,7 +370,7 @@ func Parse(kind Kind, h http.Header, raw []byte, opt Options) (*Request, *Error)
 
 	// Output length.
 	r.MaxTokens = opt.DefaultMaxTok
-	for _, v := range []*int64{b.MaxTokens, b.MaxCompletionTokens, samplingMax(&b)} {
+	for _, v := range []*int64{b.MaxTokens, b.MaxCompletionTokens, spCounts.MaxNewTokens} {
 		if v != nil {
 			r.MaxTokens = *v
 		}
@@ -417,6 +424,16 @@ func Parse(kind Kind, h http.Header, raw []byte, opt Options) (*Request, *Error)
 	if r.Turn > 0 {
 		r.Multiturn = true
 	}
+	// The worker's sampling_params, as SGLang builds them for this API (sampling.go).
+	var serr *Error
+	if kind == Generate {
+		r.Sampling, serr = generateSampling(b.SamplingParams, r)
+	} else {
+		r.Sampling, serr = openAISampling(kind, &b, r)
+	}
+	if serr != nil {
+		return nil, serr
+	}
 	hs, herr := parseHints(h, &b, r.SessionID)
 	if herr != nil {
 		return nil, herr
@@ -455,27 +472,6 @@ func chatTools(b *body, opt Options) (*ChatTools, *Error) {
 		return nil, badRequestCode(CodeUnsupportedParameter, "stream with tools: the gateway parses tool calls (--tool-call-parser) only in whole answers (send stream false)")
 	}
 	return ct, nil
-}
-
-func samplingMax(b *body) *int64 {
-	if b.SamplingParams == nil {
-		return nil
-	}
-	return b.SamplingParams.MaxNewTokens
-}
-
-func samplingN(b *body) *int64 {
-	if b.SamplingParams == nil {
-		return nil
-	}
-	return b.SamplingParams.N
-}
-
-func samplingTemperature(b *body) *float64 {
-	if b.SamplingParams == nil {
-		return nil
-	}
-	return b.SamplingParams.Temperature
 }
 
 // partError is a content part of a type other than text.

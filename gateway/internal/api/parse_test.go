@@ -99,7 +99,7 @@ func TestParse(t *testing.T) {
 		{name: "role in capitals", kind: Chat, h: hdr("X-Session-ID", "s"), body: `{"messages":[{"role":"User","content":"x"}]}`, wantErr: "invalid_role"},
 		{name: "image part", kind: Chat, h: hdr("X-Session-ID", "s"), body: `{"messages":[{"role":"user","content":[{"type":"text","text":"ab"},{"type":"image_url","image_url":{"url":"http://x/y.png"}}]}]}`, wantErr: "unsupported_content: messages[0].content[1]: content part type \"image_url\""},
 		{name: "audio part", kind: Chat, h: hdr("X-Session-ID", "s"), body: `{"messages":[{"role":"user","content":[{"type":"input_audio"}]}]}`, wantErr: "unsupported_content"},
-		{name: "negative temperature", kind: Chat, h: hdr("X-Session-ID", "s"), body: `{"messages":[{"role":"user","content":"x"}],"temperature":-0.5}`, wantErr: "invalid_parameter: temperature -0.5"},
+		{name: "negative temperature", kind: Chat, h: hdr("X-Session-ID", "s"), body: `{"messages":[{"role":"user","content":"x"}],"temperature":-0.5}`, wantErr: "invalid_parameter: temperature must be a non-negative finite number, got -0.5."},
 		{name: "negative sampling temperature", kind: Generate, h: hdr("X-Session-ID", "s"), body: `{"text":"x","sampling_params":{"temperature":-1}}`, wantErr: "invalid_parameter"},
 		{name: "two X-Session-ID headers", kind: Generate, h: http.Header{"X-Session-Id": {"s1", "s2"}}, body: `{"text":"x"}`, wantErr: "ambiguous_session_id"},
 		{name: "the same X-Session-ID twice", kind: Generate, h: http.Header{"X-Session-Id": {"s1", "s1"}}, body: `{"text":"x"}`, wantErr: "ambiguous_session_id"},

@@ -243,11 +243,11 @@ func payloadFor(p *plan, req *api.Request, role string) *kvcv1.ExecutionPayload 
 // bootstrap fields when P computes (host/port = the prefill sidecar's peer address); and the
 // decision's ExecutionPayload in SGLang's kv_hints envelope (one "kvc" action, pkg/kvhints).
 func workerBody(p *plan, req *api.Request, role string) wireBody {
-	sp := map[string]any{"max_new_tokens": req.MaxTokens}
-	if req.Tools.HasTools() {
-		// As SGLang's serving_chat sets for a request whose model may call tools: the call
-		// markup stays in the text the tool-call parser reads.
-		sp["skip_special_tokens"] = false
+	// The request's sampling_params as SGLang builds them for its API (api.Request.Sampling:
+	// already JSON, sent as they are); a request built without them gets its max tokens only.
+	var sp any = json.RawMessage(req.Sampling)
+	if len(req.Sampling) == 0 {
+		sp = map[string]any{"max_new_tokens": req.MaxTokens}
 	}
 	b := map[string]any{
 		"rid":             req.RID,

@@ -1,0 +1,154 @@
+package api
+
+import (
+	"encoding/json"
+	"net/http"
+	"os"
+	"strings"
+	"testing"
+)
+
+// samplingGolden is one case of testdata/sampling.json (gen_sampling.py: SGLang 0.5.23's request
+// models, to_sampling_params / _build_sampling_params, and SamplingParams' normalize and verify).
+type samplingGolden struct {
+	Name           string `json:"name"`
+	API            string `json:"api"`
+	Body           string `json:"body"`
+	SamplingParams string `json:"sampling_params"`
+	Error          string `json:"error"`
+	// ErrorKind: "value" (SGLang's ValueError: its message), "type" (SamplingParams' TypeError:
+	// its message), "pydantic" (the request model refused the body: any message).
+	ErrorKind string `json:"error_kind"`
+}
+
+// gatewayRefuses are the bodies SGLang's request model coerces (a number or a bool as a string)
+// that the gateway refuses (invalid_parameter) rather than guess at.
+var gatewayRefuses = map[string]bool{"chat temperature string": true, "chat ignore_eos string": true}
+
+// goldenDefaultMax is gen_sampling.py's DEFAULT_MAX: the gateway's --default-max-tokens.
+const goldenDefaultMax = 256
+
+// TestSamplingGolden: the worker's sampling_params are SGLang's, byte for byte, and SGLang's
+// refusals are invalid_parameter 400s with its messages.
+func TestSamplingGolden(t *testing.T) {
+	raw, err := os.ReadFile("testdata/sampling.json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var cases []samplingGolden
+	if err := json.Unmarshal(raw, &cases); err != nil {
+		t.Fatal(err)
+	}
+	if len(cases) < 30 {
+		t.Fatalf("%d cases", len(cases))
+	}
+	kinds := map[string]Kind{"chat": Chat, "completions": Completion, "generate": Generate}
+	for _, c := range cases {
+		t.Run(c.Name, func(t *testing.T) {
+			r, e := Parse(kinds[c.API], http.Header{}, []byte(c.Body), Options{DefaultMaxTok: goldenDefaultMax})
+			switch {
+			case gatewayRefuses[c.Name]:
+				if c.SamplingParams == "" {
+					t.Fatal("SGLang refuses it: drop it from gatewayRefuses")
+				}
+				if e == nil || e.Code != CodeInvalidParameter {
+					t.Fatalf("got %v, want an invalid_parameter 400", e)
+				}
+			case c.ErrorKind == "pydantic":
+				if e == nil || e.Code != CodeInvalidParameter && e.Code != "bad_request" || e.Status != http.StatusBadRequest {
+					t.Fatalf("SGLang refuses the body; got %v", e)
+				}
+			case c.ErrorKind != "":
+				if e == nil || e.Code != CodeInvalidParameter || e.Message != c.Error {
+					t.Fatalf("got %v, want invalid_parameter: %s", e, c.Error)
+				}
+			default:
+				if e != nil {
+					t.Fatalf("refused: %v", e)
+				}
+				if string(r.Sampling) != c.SamplingParams {
+					t.Fatalf("sampling_params\n got %s\nwant %s", r.Sampling, c.SamplingParams)
+				}
+			}
+		})
+	}
+}
+
+// The parameters the gateway cannot serve as asked are unsupported_parameter 400s.
+func TestSamplingUnsupported(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		kind Kind
+		body string
+	}{
+		{"chat logprobs", Chat, `{"messages":[{"role":"user","content":"x"}],"logprobs":true}`},
+		{"completions logprobs", Completion, `{"prompt":"x","logprobs":0}`},
+		{"completions echo", Completion, `{"prompt":"x","echo":true}`},
+		{"watermark", Chat, `{"messages":[{"role":"user","content":"x"}],"watermark":{"key":"k"}}`},
+		{"structural tag", Chat, `{"messages":[{"role":"user","content":"x"}],"response_format":{"type":"structural_tag","structures":[],"triggers":[]}}`},
+		{"beam search", Generate, `{"text":"x","sampling_params":{"beam_width":2}}`},
+		{"n 2", Chat, `{"messages":[{"role":"user","content":"x"}],"n":2}`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, e := Parse(tc.kind, http.Header{}, []byte(tc.body), Options{DefaultMaxTok: 16})
+			if e == nil || e.Code != CodeUnsupportedParameter || e.Status != http.StatusBadRequest {
+				t.Fatalf("got %v, want unsupported_parameter", e)
+			}
+		})
+	}
+	// What is accepted as the defaults: logprobs false, echo false.
+	for _, body := range []string{`{"messages":[{"role":"user","content":"x"}],"logprobs":false}`} {
+		if _, e := Parse(Chat, http.Header{}, []byte(body), Options{DefaultMaxTok: 16}); e != nil {
+			t.Fatalf("%s: %v", body, e)
+		}
+	}
+	if _, e := Parse(Completion, http.Header{}, []byte(`{"prompt":"x","echo":false,"logprobs":null}`), Options{DefaultMaxTok: 16}); e != nil {
+		t.Fatal(e)
+	}
+}
+
+// A chat request whose model may call tools gets skip_special_tokens false, as serving_chat sets.
+func TestSamplingToolsKeepSpecialTokens(t *testing.T) {
+	body := `{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"f"}}]}`
+	r, e := Parse(Chat, http.Header{}, []byte(body), Options{DefaultMaxTok: 16})
+	if e != nil {
+		t.Fatal(e)
+	}
+	if !strings.Contains(string(r.Sampling), `"skip_special_tokens":false`) {
+		t.Fatalf("sampling_params %s", r.Sampling)
+	}
+}
+
+// FuzzSampling: any body is parsed without a panic; an accepted one's sampling_params are one
+// JSON object.
+func FuzzSampling(f *testing.F) {
+	raw, err := os.ReadFile("testdata/sampling.json")
+	if err != nil {
+		f.Fatal(err)
+	}
+	var cases []samplingGolden
+	if err := json.Unmarshal(raw, &cases); err != nil {
+		f.Fatal(err)
+	}
+	for _, c := range cases {
+		f.Add(c.API == "generate", []byte(c.Body))
+	}
+	f.Fuzz(func(t *testing.T, generate bool, body []byte) {
+		for _, k := range []Kind{Chat, Completion, Generate} {
+			if (k == Generate) != generate {
+				continue
+			}
+			r, e := Parse(k, http.Header{}, body, Options{DefaultMaxTok: 16})
+			if e != nil {
+				if e.Status != http.StatusBadRequest {
+					t.Fatalf("status %d", e.Status)
+				}
+				continue
+			}
+			var m map[string]any
+			if err := json.Unmarshal(r.Sampling, &m); err != nil {
+				t.Fatalf("sampling_params %q: %v", r.Sampling, err)
+			}
+		}
+	})
+}
