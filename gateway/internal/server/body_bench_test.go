@@ -16,6 +16,11 @@ func BenchmarkWorkerBody(b *testing.B) {
 		exec: &kvcv1.RouteExecution{CallPrefill: true, CallDecode: true, Transfer: kvcv1.TransferKind_TRANSFER_KIND_SEED,
 			KeepSession: true, OpenSession: true}}
 	req := &api.Request{RID: "r1", SessionID: "s1", InputTokens: 25_600, MaxTokens: 64}
+	if sp, e := api.Parse(api.Chat, nil, []byte(`{"messages":[{"role":"user","content":"x"}],"max_tokens":64,"temperature":0.7,"stop":["\n\n"]}`), api.Options{}); e == nil {
+		req.Sampling = sp.Sampling // a chat request's sampling_params, as SGLang builds them
+	} else {
+		b.Fatal(e)
+	}
 	b.ReportAllocs()
 	for b.Loop() {
 		for _, role := range []string{rolePrefill, roleDecode} {

@@ -100,7 +100,9 @@ type idsWorker struct {
 	*httptest.Server
 	mu   sync.Mutex
 	body map[string]any
-	out  []int64
+	// sampling is the last body's sampling_params as sent (its bytes).
+	sampling json.RawMessage
+	out      []int64
 	// noKVC: a worker without kvcentric's meta_info.kvc (usage counts only)
 	noKVC bool
 	// texts, when set, are the chunks' texts (one per output id); else " t0", " t1", …
@@ -113,10 +115,15 @@ func newIDsWorker(t *testing.T, out []int64) *idsWorker {
 
 func startIDsWorker(t *testing.T, w *idsWorker) *idsWorker {
 	w.Server = httptest.NewServer(http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
+		raw, _ := io.ReadAll(r.Body)
 		var b map[string]any
-		_ = json.NewDecoder(r.Body).Decode(&b)
+		_ = json.Unmarshal(raw, &b)
+		var sp struct {
+			SamplingParams json.RawMessage `json:"sampling_params"`
+		}
+		_ = json.Unmarshal(raw, &sp)
 		w.mu.Lock()
-		w.body = b
+		w.body, w.sampling = b, sp.SamplingParams
 		w.mu.Unlock()
 		n := 0
 		if ids, ok := b["input_ids"].([]any); ok {

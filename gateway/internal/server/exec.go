@@ -243,16 +243,13 @@ func payloadFor(p *plan, req *api.Request, role string) *kvcv1.ExecutionPayload 
 // bootstrap fields when P computes (host/port = the prefill sidecar's peer address); and the
 // decision's ExecutionPayload in SGLang's kv_hints envelope (one "kvc" action, pkg/kvhints).
 func workerBody(p *plan, req *api.Request, role string) wireBody {
-	// The request's sampling_params as SGLang builds them for its API (api.Request.Sampling:
-	// already JSON, sent as they are); a request built without them gets its max tokens only.
-	var sp any = json.RawMessage(req.Sampling)
-	if len(req.Sampling) == 0 {
-		sp = map[string]any{"max_new_tokens": req.MaxTokens}
-	}
 	b := map[string]any{
-		"rid":             req.RID,
-		"sampling_params": sp,
-		"stream":          role == roleDecode,
+		"rid":    req.RID,
+		"stream": role == roleDecode,
+	}
+	if len(req.Sampling) == 0 {
+		// A request built without them (not through api.Parse) gets its max tokens only.
+		b["sampling_params"] = map[string]any{"max_new_tokens": req.MaxTokens}
 	}
 	if len(req.InputIDs) > 0 {
 		b["input_ids"] = req.InputIDs
@@ -282,6 +279,13 @@ func workerBody(p *plan, req *api.Request, role string) wireBody {
 		b["kv_hints"] = env
 	}
 	out, _ := json.Marshal(b)
+	if len(req.Sampling) > 0 {
+		// The request's sampling_params as SGLang builds them for its API (api.Request.Sampling:
+		// already JSON), spliced in as they are: not re-encoded per call.
+		const key = `,"sampling_params":`
+		full := make([]byte, 0, len(out)+len(key)+len(req.Sampling))
+		out = append(append(append(append(full, out[:len(out)-1]...), key...), req.Sampling...), '}')
+	}
 	return withText(out, req.Text)
 }
 
