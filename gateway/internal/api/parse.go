@@ -99,13 +99,15 @@ func (e *Error) Body() []byte {
 // differently from what was asked: issue 23 item 6).
 const (
 	// CodeUnsupportedParameter: n (or sampling_params.n) other than 1: one completion per request;
+	// logprobs, echo, watermark, a structural-tag response format, beam search (sampling.go);
 	// tool_choice "required" or a named function, strict tools under --tool-call-parser, tools
 	// in a message, tool calls parsed from a streamed answer, template inputs without the
 	// gateway's tokenizer.
 	CodeUnsupportedParameter = "unsupported_parameter"
-	// CodeInvalidParameter: a sampling parameter out of range (a negative temperature); tools,
-	// tool_choice, chat_template_kwargs, reasoning_effort or reasoning that SGLang refuses
-	// (SGLang's message where it has one: chattools.go).
+	// CodeInvalidParameter: a sampling parameter SGLang's request model or SamplingParams
+	// refuses (sampling.go, SGLang's messages from verify); tools, tool_choice,
+	// chat_template_kwargs, reasoning_effort or reasoning that SGLang refuses (SGLang's message
+	// where it has one: chattools.go).
 	CodeInvalidParameter = "invalid_parameter"
 	// CodeInvalidRole: a chat message's role is none of system, developer, user, assistant, tool
 	// and function.

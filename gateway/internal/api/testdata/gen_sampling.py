@@ -131,9 +131,18 @@ CASES = [
     ("completions no max tokens", ("completions", {"prompt": P})),
     ("completions sampling", comp(temperature=0.2, top_p=0.5, top_k=5, seed=1, stop=["x"], min_tokens=1)),
     ("completions json_schema field", comp(json_schema='{"type":"string"}')),
-    ("completions response_format json_schema", comp(response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA}})),
-    ("completions response_format json_object and field", comp(json_schema="{}", response_format={"type": "json_object"})),
-    ("completions response_format no schema", comp(response_format={"type": "json_schema", "json_schema": {"name": "n"}})),
+    (
+        "completions response_format json_schema",
+        comp(response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA}}),
+    ),
+    (
+        "completions response_format json_object and field",
+        comp(json_schema="{}", response_format={"type": "json_object"}),
+    ),
+    (
+        "completions response_format no schema",
+        comp(response_format={"type": "json_schema", "json_schema": {"name": "n"}}),
+    ),
     ("completions max_tokens zero", comp(max_tokens=0)),
     ("completions top_p above one", comp(top_p=2)),
     ("completions temperature null", comp(temperature=None)),
