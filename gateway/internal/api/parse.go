@@ -200,6 +200,9 @@ type Options struct {
 	ReasoningParser string
 	// DefaultChatTemplateKwargs is --default-chat-template-kwargs (ParseDefaultKwargs); nil: none.
 	DefaultChatTemplateKwargs *pyjson.Object
+	// GenerationDefaults are --generation-config's sampling defaults of a chat request
+	// (ParseGenerationConfig: SGLang's --sampling-defaults model); nil: OpenAI's defaults.
+	GenerationDefaults *pyjson.Object
 }
 
 // rawField is a field's JSON text as a slice of the request body itself: unlike
@@ -431,7 +434,7 @@ func Parse(kind Kind, h http.Header, raw []byte, opt Options) (*Request, *Error)
 	if kind == Generate {
 		r.Sampling, serr = generateSampling(b.SamplingParams, r)
 	} else {
-		r.Sampling, serr = openAISampling(kind, &b, r)
+		r.Sampling, serr = openAISampling(kind, &b, r, opt.GenerationDefaults)
 	}
 	if serr != nil {
 		return nil, serr

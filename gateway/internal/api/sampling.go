@@ -2,6 +2,7 @@ package api
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
 	"math"
 	"math/big"
@@ -265,10 +266,43 @@ func coerce(name string, v any, kind sampKind) (any, *Error) {
 
 func isNullRaw(f rawField) bool { return len(f) == 0 || string(bytes.TrimSpace(f)) == "null" }
 
+// generationKeys are the generation_config.json keys SGLang's ModelConfig
+// .get_default_sampling_params reads (--sampling-defaults model), in its order.
+var generationKeys = []string{"repetition_penalty", "temperature", "top_k", "top_p", "min_p"}
+
+// ParseGenerationConfig reads a model's generation_config.json (--generation-config) as SGLang's
+// --sampling-defaults model reads it: its non-null repetition_penalty, temperature, top_k,
+// top_p and min_p, the defaults of a chat request that leaves them unset. nil for empty input.
+func ParseGenerationConfig(raw []byte) (*pyjson.Object, error) {
+	if len(bytes.TrimSpace(raw)) == 0 {
+		return nil, nil
+	}
+	v, err := pyjson.Decode(raw)
+	if err != nil {
+		return nil, fmt.Errorf("generation config: %w", err)
+	}
+	o, ok := v.(*pyjson.Object)
+	if !ok {
+		return nil, errors.New("generation config: not a JSON object")
+	}
+	out := &pyjson.Object{}
+	for _, k := range generationKeys {
+		x, _ := o.Get(k)
+		if x == nil {
+			continue
+		}
+		if _, isNum := num(x); !isNum {
+			return nil, fmt.Errorf("generation config: %s is not a number", k)
+		}
+		out.Set(k, x)
+	}
+	return out, nil
+}
+
 // openAISampling builds a chat or completions request's sampling_params as SGLang 0.5.23's
 // to_sampling_params / _build_sampling_params do, checked as SamplingParams.normalize and
 // verify check them; the refusals are the parameters the gateway cannot serve as asked.
-func openAISampling(kind Kind, b *body, r *Request) ([]byte, *Error) {
+func openAISampling(kind Kind, b *body, r *Request, gen *pyjson.Object) ([]byte, *Error) {
 	f := &b.samplingFields
 	specs := chatSampling
 	if kind == Completion {
@@ -296,9 +330,17 @@ func openAISampling(kind Kind, b *body, r *Request) ([]byte, *Error) {
 			sp.Set(s.out, spacesBetweenSpecialTokens(b))
 			continue
 		}
+		def := s.def
+		if kind == Chat && gen != nil && s.optional {
+			// to_sampling_params' get_param: the request's value, else the model's
+			// generation config (--generation-config), else the OpenAI default.
+			if g, ok := gen.Get(s.in); ok {
+				def = g
+			}
+		}
 		raw := f.field(b, s.in)
 		if len(raw) == 0 {
-			sp.Set(s.out, s.def)
+			sp.Set(s.out, def)
 			continue
 		}
 		v, err := pyjson.Decode(raw)
@@ -309,7 +351,7 @@ func openAISampling(kind Kind, b *body, r *Request) ([]byte, *Error) {
 			if !s.optional {
 				return nil, invalidParam("%s must not be null", s.in)
 			}
-			sp.Set(s.out, s.def)
+			sp.Set(s.out, def)
 			continue
 		}
 		c, e := coerce(s.in, v, s.kind)

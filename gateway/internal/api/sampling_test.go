@@ -19,6 +19,9 @@ type samplingGolden struct {
 	// ErrorKind: "value" (SGLang's ValueError: its message), "type" (SamplingParams' TypeError:
 	// its message), "pydantic" (the request model refused the body: any message).
 	ErrorKind string `json:"error_kind"`
+	// GenerationConfig is the model's generation_config.json the server runs with
+	// (--generation-config; SGLang's --sampling-defaults model), if any.
+	GenerationConfig string `json:"generation_config"`
 }
 
 // gatewayRefuses are the bodies SGLang's request model coerces (a number or a bool as a string)
@@ -45,7 +48,11 @@ func TestSamplingGolden(t *testing.T) {
 	kinds := map[string]Kind{"chat": Chat, "completions": Completion, "generate": Generate}
 	for _, c := range cases {
 		t.Run(c.Name, func(t *testing.T) {
-			r, e := Parse(kinds[c.API], http.Header{}, []byte(c.Body), Options{DefaultMaxTok: goldenDefaultMax})
+			gen, err := ParseGenerationConfig([]byte(c.GenerationConfig))
+			if err != nil {
+				t.Fatal(err)
+			}
+			r, e := Parse(kinds[c.API], http.Header{}, []byte(c.Body), Options{DefaultMaxTok: goldenDefaultMax, GenerationDefaults: gen})
 			switch {
 			case gatewayRefuses[c.Name]:
 				if c.SamplingParams == "" {
@@ -151,4 +158,17 @@ func FuzzSampling(f *testing.F) {
 			}
 		}
 	})
+}
+
+// ParseGenerationConfig refuses what is not a generation config.
+func TestParseGenerationConfigErrors(t *testing.T) {
+	for _, raw := range []string{`[1]`, `{"temperature": "hot"}`, `{`, `{"top_k": true}`} {
+		if _, err := ParseGenerationConfig([]byte(raw)); err == nil {
+			t.Fatalf("%s accepted", raw)
+		}
+	}
+	o, err := ParseGenerationConfig([]byte(`{"top_p": 0.9, "eos_token_id": 2, "temperature": null, "repetition_penalty": 1.1}`))
+	if err != nil || strings.Join(o.Keys, ",") != "repetition_penalty,top_p" {
+		t.Fatalf("%+v, %v", o, err)
+	}
 }

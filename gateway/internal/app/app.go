@@ -141,7 +141,8 @@ func Run(ctx context.Context, cfg *config.Config, logOut io.Writer) error {
 	srv := server.New(router, pool, server.Options{
 		RequestTimeout: cfg.RequestTimeout, ConnectTimeout: cfg.ConnectTimeout, MaxBodyBytes: cfg.MaxBodyBytes,
 		Parse: api.Options{RequireSession: cfg.RequireSession, DefaultMaxTok: cfg.DefaultMaxTok,
-			ToolCallParser: cfg.ToolCallParser, ReasoningParser: cfg.ReasoningParser, DefaultChatTemplateKwargs: cfg.DefaultKwargs},
+			ToolCallParser: cfg.ToolCallParser, ReasoningParser: cfg.ReasoningParser, DefaultChatTemplateKwargs: cfg.DefaultKwargs,
+			GenerationDefaults: cfg.GenerationDefaults},
 		SessionTimeout: cfg.SessionTimeout, Admission: adm, Content: content,
 	}, log, m)
 	defer srv.Close()

@@ -77,6 +77,11 @@ type Config struct {
 	// DefaultKwargs its decoded form.
 	DefaultChatTemplateKwargs string
 	DefaultKwargs             *pyjson.Object
+	// GenerationConfig is the model's generation_config.json (SGLang's --sampling-defaults
+	// model reads it from the model folder): a chat request's unset temperature, top_p, top_k,
+	// min_p and repetition_penalty; "" = OpenAI's defaults. GenerationDefaults its values.
+	GenerationConfig   string
+	GenerationDefaults *pyjson.Object
 	// KVPageSize is the cluster's KV page size for content addresses; 0 = asked from a decode
 	// worker on first use.
 	KVPageSize int
@@ -135,6 +140,7 @@ func Parse(args []string, getenv func(string) string, usage io.Writer) (*Config,
 	fs.StringVar(&c.Tokenizer, "tokenizer", "", "the model's tokenizer: a folder with tokenizer.json and tokenizer_config.json (chat template), or the tokenizer.json path; exact input token counts, chat templates and page hashes of the prompt. Empty: input tokens are estimated as ⌈bytes/4⌉ (logged at start, metric kvc_gateway_tokenizer_loaded 0)")
 	fs.StringVar(&c.ToolCallParser, "tool-call-parser", "", "as SGLang's --tool-call-parser (qwen25, qwen, hermes): a whole chat answer's tool calls (tool_choice auto) become message.tool_calls with finish_reason tool_calls; empty: the answer's text as generated. Streaming with tools is then a 400 unsupported_parameter")
 	fs.StringVar(&c.ReasoningParser, "reasoning-parser", "", "as SGLang's --reasoning-parser (qwen3, deepseek-r1): a chat answer's reasoning block becomes message.reasoning_content (streamed: delta.reasoning_content); empty: off")
+	fs.StringVar(&c.GenerationConfig, "generation-config", "", "the model's generation_config.json: its temperature, top_p, top_k, min_p and repetition_penalty are a chat request's defaults, as SGLang's --sampling-defaults model (its default) takes them from the model folder. Empty: OpenAI's defaults (SGLang's --sampling-defaults openai)")
 	fs.StringVar(&c.DefaultChatTemplateKwargs, "default-chat-template-kwargs", "", `as SGLang's --default-chat-template-kwargs: a JSON object of chat template kwargs filling what a chat request leaves unset (e.g. '{"enable_thinking": false}'); its reasoning_effort stands in for a request without one. Needs --tokenizer`)
 	fs.Int64Var(&c.MaxTokenizeBytes, "max-tokenize-bytes", server.DefaultMaxTokenizeBytes, "with --tokenizer: the longest text one request may have tokenized (the chat messages, then their rendering, or text); longer: 413 tokenize_too_large")
 	fs.IntVar(&c.MaxRequestTokens, "max-request-tokens", server.DefaultMaxRequestTokens, "with --tokenizer: the most prompt tokens one request may have (tokenization stops there); more: 413 too_many_tokens")
@@ -222,6 +228,15 @@ func (c *Config) validate() error {
 		c.DefaultKwargs = o
 		if o != nil && c.Tokenizer == "" {
 			errs = append(errs, errors.New("--default-chat-template-kwargs needs --tokenizer (the kwargs reach the model only through the chat template the gateway renders)"))
+		}
+	}
+	if c.GenerationConfig != "" {
+		raw, err := os.ReadFile(c.GenerationConfig)
+		if err == nil {
+			c.GenerationDefaults, err = api.ParseGenerationConfig(raw)
+		}
+		if err != nil {
+			errs = append(errs, fmt.Errorf("--generation-config: %w", err))
 		}
 	}
 	if c.MaxBodyBytes < 1024 {

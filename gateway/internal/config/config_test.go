@@ -2,6 +2,7 @@ package config
 
 import (
 	"io"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -109,6 +110,12 @@ func TestParse(t *testing.T) {
 		{name: "bad default chat template kwargs", args: []string{"--control-plane", "a", "--insecure", "--default-chat-template-kwargs", `[1]`}, wantErr: "--default-chat-template-kwargs must be a JSON object"},
 		{name: "unknown tool-call parser", args: []string{"--control-plane", "a", "--insecure", "--tool-call-parser", "mistral"}, wantErr: "--tool-call-parser \"mistral\""},
 		{name: "unknown reasoning parser", args: []string{"--control-plane", "a", "--insecure", "--reasoning-parser", "kimi"}, wantErr: "--reasoning-parser \"kimi\""},
+		{name: "generation config", args: []string{"--control-plane", "a", "--insecure", "--generation-config", filepath.Join("..", "api", "testdata", "generation_config_qwen3.json")}, check: func(t *testing.T, c *Config) {
+			if c.GenerationDefaults == nil || strings.Join(c.GenerationDefaults.Keys, ",") != "temperature,top_k,top_p" {
+				t.Fatalf("generation defaults %+v", c.GenerationDefaults)
+			}
+		}},
+		{name: "missing generation config", args: []string{"--control-plane", "a", "--insecure", "--generation-config", "/nonexistent/generation_config.json"}, wantErr: "--generation-config: open /nonexistent"},
 		{name: "unknown flag", args: []string{"--nope"}, wantErr: "flag provided but not defined"},
 		{name: "stray arg", args: []string{"--control-plane", "a", "x"}, wantErr: "unexpected arguments"},
 	}

@@ -23,6 +23,7 @@ Two rules are the gateway's, applied here so the goldens compare what it sends:
 
 import json
 import sys
+import types
 
 from sglang_stub import ChatCompletionRequest, fake_serving  # isort: skip
 from sglang.srt.entrypoints.openai.protocol import (  # noqa: E402
@@ -32,7 +33,9 @@ from sglang.srt.entrypoints.openai.protocol import (  # noqa: E402
 )
 from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat  # noqa: E402
 from sglang.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion  # noqa: E402
+from sglang.srt.configs.model_config import ModelConfig  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
+from transformers import GenerationConfig  # noqa: E402
 
 DEFAULT_MAX = 256
 VOCAB = 1 << 62
@@ -161,6 +164,33 @@ CASES = [
 ]
 
 
+# A model's generation_config.json (the gateway's --generation-config; SGLang's
+# --sampling-defaults model reads it from the model folder) for the cases named here.
+QWEN3_GC = {"bos_token_id": 151643, "do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95}
+GENERATION_CONFIGS = {
+    "chat generation config": QWEN3_GC,
+    "chat generation config overridden": QWEN3_GC,
+    "chat generation config greedy": QWEN3_GC,
+    "chat generation config ints": {"temperature": 1, "repetition_penalty": 1.05, "min_p": None},
+    "completions generation config ignored": QWEN3_GC,
+}
+CASES += [
+    ("chat generation config", chat()),
+    ("chat generation config overridden", chat(temperature=0.2, top_k=None)),
+    ("chat generation config greedy", chat(temperature=0)),
+    ("chat generation config ints", chat(top_p=0.5)),
+    ("completions generation config ignored", comp()),
+]
+
+
+def model_defaults(gc):
+    """ModelConfig.get_default_sampling_params with --sampling-defaults model."""
+    if gc is None:
+        return {}
+    cfg = types.SimpleNamespace(sampling_defaults="model", hf_generation_config=GenerationConfig.from_dict(gc))
+    return ModelConfig.get_default_sampling_params(cfg)
+
+
 def dumps(v):
     return json.dumps(v, separators=(",", ":"), ensure_ascii=False)
 
@@ -171,7 +201,7 @@ def check(sp):
     s.verify(VOCAB)
 
 
-def run(api, body):
+def run(api, body, gc):
     if api == "generate":
         sp = dict(body["sampling_params"])
         if sp.get("max_new_tokens") is None:
@@ -198,7 +228,7 @@ def run(api, body):
             msg = OpenAIServingChat._validate_request(fake_serving(), req)
             if msg:
                 raise ValueError(msg)
-            sp = req.to_sampling_params(stop=req.stop, model_generation_config={})
+            sp = req.to_sampling_params(stop=req.stop, model_generation_config=model_defaults(gc))
         else:
             msg = OpenAIServingCompletion._validate_request(None, req)
             if msg:
@@ -216,7 +246,10 @@ def main():
     out = []
     for name, (api, body) in CASES:
         case = {"name": name, "api": api, "body": dumps(body)}
-        case.update(run(api, body))
+        gc = GENERATION_CONFIGS.get(name)
+        if gc is not None:
+            case["generation_config"] = dumps(gc)
+        case.update(run(api, body, gc))
         out.append(case)
     json.dump(out, sys.stdout, indent=1, ensure_ascii=False)
     sys.stdout.write("\n")
