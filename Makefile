@@ -230,9 +230,10 @@ bench-sweep: build
 	$(BIN)/kvc-bench $(BENCH_FLAGS) --arms $(SWEEP_ARMS) --sessions 8 --sweep "$(SWEEP)" --out out/sweep
 
 ## bench-sweep-parallel: the same sweep with each point and arm in its own kvc-bench process, at most
-## JOBS at once (default 7: a 16-core machine stays below its core count, about 15 min there), gathered
-## into one sweep.json (--sweep-gather); OUT/logs/loadavg.log samples the load average
-JOBS ?= 7
+## JOBS at once (default 4: a 16-core machine stays at a load average of about 5 — E4 at the top of
+## 1P3D is CPU-contention-sensitive, docs/benchmark.md — about 25 min there), gathered into one
+## sweep.json (--sweep-gather); OUT/logs/loadavg.log samples the load average
+JOBS ?= 4
 bench-sweep-parallel: build
 	JOBS=$(JOBS) SPLIT_ARMS=1 deploy/bench/sweep-parallel.sh $(BIN) out/sweep "$(SWEEP)" $(SWEEP_ARMS) 8 $(BENCH_FLAGS)
 

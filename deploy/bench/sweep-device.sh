@@ -3,7 +3,7 @@
 # (summary.json, report.md, metrics.jsonl, logs, load samples) as one tarball under $OUT.
 # The static binaries travel as bin/sweep.tar.xz (a sweep/ folder of kvc-bench, kvc-sim,
 # kvc-controlplane, kvc-gateway and both sidecars, built with CGO_ENABLED=0 -ldflags "-s -w");
-# SWEEP, ARMS, TAG, JOBS (default 7) and BUDGET (seconds, default 540) as below. The points of
+# SWEEP, ARMS, TAG, JOBS (default 4) and BUDGET (seconds, default 540) as below. The points of
 # several calls are gathered on any machine with kvc-bench --sweep-gather --sweep-from DIR,... .
 # EXTRA: more kvc-bench flags for every point (e.g. EXTRA="--seed-through-store"); each TAG has
 # its own output folder, so two calls of this script with different TAGs may run side by side.
@@ -19,7 +19,7 @@ SWEEP=${SWEEP:-"2P4D=8,6,4,2,1;1P3D=3,2,1,0.5;2P4D@700K=2"}
 ARMS=${ARMS:-PD,SGL,LLMD}
 TAG=${TAG:-base}
 start=$(date +%s)
-JOBS=${JOBS:-7} GATHER=0 SPLIT_ARMS=1 timeout ${BUDGET:-540} bash deploy/bench/sweep-parallel.sh /tmp/kvc/sweep /tmp/kvc/out/$TAG "$SWEEP" "$ARMS" 8 \
+JOBS=${JOBS:-4} GATHER=0 SPLIT_ARMS=1 timeout ${BUDGET:-540} bash deploy/bench/sweep-parallel.sh /tmp/kvc/sweep /tmp/kvc/out/$TAG "$SWEEP" "$ARMS" 8 \
   --local --bin-dir /tmp/kvc/sweep --time-scale 0.3 --sim-args "--page-size 64 --layers 8 --prealloc-wait 20s" \
   --decode-capacity-tokens 88000 --send-ids --slo-ttft 2s --slo-tpot 50ms ${EXTRA:-}
 echo "sweep rc=$? after $(( $(date +%s) - start )) s"; uptime
