@@ -164,7 +164,7 @@ func parseChatTools(f chatToolFields, hasMessageTools bool) (*ChatTools, *Error)
 					en = false
 				}
 			}
-			if truthy(en) {
+			if pyjson.Truthy(en) {
 				t := true
 				thinking = &t
 			}
@@ -442,27 +442,6 @@ func optBool(o *pyjson.Object, key, where string) (*bool, *Error) {
 		return &x, nil
 	}
 	return nil, invalid("%s.%s must be a boolean", where, key)
-}
-
-// truthy is Python's bool() of a decoded JSON value.
-func truthy(v any) bool {
-	switch x := v.(type) {
-	case nil:
-		return false
-	case bool:
-		return x
-	case string:
-		return x != ""
-	case pyjson.Int:
-		return strings.Trim(strings.TrimPrefix(x.Digits, "-"), "0") != ""
-	case float64:
-		return x != 0
-	case []any:
-		return len(x) > 0
-	case *pyjson.Object:
-		return len(x.Keys) > 0
-	}
-	return true
 }
 
 // pyRepr is Python's repr() of a string, for SGLang's messages.

@@ -421,9 +421,9 @@ func responseFormat(kind Kind, f *samplingFields, sp *pyjson.Object, r *Request)
 		return badRequestCode(CodeUnsupportedParameter, "response_format with tools: SGLang then parses the answer as JSON, which the gateway does not do")
 	}
 	js, _ := o.Get("json_schema")
-	if kind == Chat && !truthy(js) {
+	if kind == Chat && !pyjson.Truthy(js) {
 		// set_json_schema: a schema at the top builds json_schema {name: its title or "Schema"}.
-		if top, ok := o.Get("schema"); ok && truthy(top) {
+		if top, ok := o.Get("schema"); ok && pyjson.Truthy(top) {
 			so, ok := top.(*pyjson.Object)
 			if !ok {
 				return invalidParam("response_format.schema must be an object")
@@ -636,7 +636,7 @@ func verifySampling(sp *pyjson.Object) *Error {
 	}
 	grammars := 0
 	for _, k := range []string{"json_schema", "regex", "ebnf", "structural_tag"} {
-		if v, _ := sp.Get(k); truthy(v) {
+		if v, _ := sp.Get(k); pyjson.Truthy(v) {
 			grammars++
 		}
 	}

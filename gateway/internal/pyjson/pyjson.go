@@ -334,3 +334,25 @@ func writeString(sb *strings.Builder, s string, ascii bool) {
 func Strip(s string) string {
 	return strings.TrimFunc(s, func(r rune) bool { return unicode.IsSpace(r) || (r >= 0x1c && r <= 0x1f) })
 }
+
+// Truthy is Python's bool() of a decoded value (Decode's types): false for None, False, "", a
+// zero number, an empty list or object.
+func Truthy(v any) bool {
+	switch x := v.(type) {
+	case nil:
+		return false
+	case bool:
+		return x
+	case string:
+		return x != ""
+	case Int:
+		return strings.Trim(strings.TrimPrefix(x.Digits, "-"), "0") != ""
+	case float64:
+		return x != 0
+	case []any:
+		return len(x) > 0
+	case *Object:
+		return len(x.Keys) > 0
+	}
+	return true
+}

@@ -69,3 +69,22 @@ func TestPlain(t *testing.T) {
 		t.Fatalf("plain %#v", m)
 	}
 }
+
+func TestTruthy(t *testing.T) {
+	for _, c := range []struct {
+		json string
+		want bool
+	}{
+		{`null`, false}, {`false`, false}, {`true`, true}, {`""`, false}, {`"0"`, true},
+		{`0`, false}, {`-0`, false}, {`7`, true}, {`-3`, true}, {`0.0`, false}, {`0.5`, true},
+		{`[]`, false}, {`[0]`, true}, {`{}`, false}, {`{"a":null}`, true},
+	} {
+		v, err := Decode([]byte(c.json))
+		if err != nil {
+			t.Fatalf("%s: %v", c.json, err)
+		}
+		if got := Truthy(v); got != c.want {
+			t.Errorf("Truthy(%s) = %v, want %v (Python's bool())", c.json, got, c.want)
+		}
+	}
+}

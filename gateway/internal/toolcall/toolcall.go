@@ -185,7 +185,7 @@ func baseJSON(v any, known map[string]bool) ([]Call, bool) {
 			return nil, false // act.get on a non-dict raises
 		}
 		name := o.Values["name"]
-		if !truthyName(name) {
+		if !pyjson.Truthy(name) {
 			continue
 		}
 		s, ok := name.(string)
@@ -200,7 +200,7 @@ func baseJSON(v any, known map[string]bool) ([]Call, bool) {
 			continue
 		}
 		args := o.Values["parameters"]
-		if !truthyValue(args) {
+		if !pyjson.Truthy(args) {
 			var ok bool
 			if args, ok = o.Values["arguments"]; !ok {
 				args = &pyjson.Object{}
@@ -209,29 +209,6 @@ func baseJSON(v any, known map[string]bool) ([]Call, bool) {
 		calls = append(calls, Call{Name: s, Arguments: pyjson.Dumps(args, pyjson.Options{})})
 	}
 	return calls, true
-}
-
-func truthyName(v any) bool { return truthyValue(v) }
-
-// truthyValue is Python's bool() of a decoded JSON value.
-func truthyValue(v any) bool {
-	switch x := v.(type) {
-	case nil:
-		return false
-	case bool:
-		return x
-	case string:
-		return x != ""
-	case pyjson.Int:
-		return strings.Trim(strings.TrimPrefix(x.Digits, "-"), "0") != ""
-	case float64:
-		return x != 0
-	case []any:
-		return len(x) > 0
-	case *pyjson.Object:
-		return len(x.Keys) > 0
-	}
-	return true
 }
 
 // CallID is a new tool call id as SGLang makes one: "call_" and 24 hex digits of a UUID4.
