@@ -99,7 +99,10 @@ class TestEveryModeExact(unittest.TestCase):
         # Small decode pools (evictions), snapshots pushed every 16 tokens, appends over 300
         # tokens are real large appends, and a snapshot serves a reseed only when the tail is at
         # most 200 tokens (so a larger append of an evicted session re-prefills).
-        policy = {"snapshotDeltaTokens": "16", "directMaxUncachedTokens": "300", "tailToleranceTokens": "200"}
+        # Appends of 301-320 new tokens are prefilled by the session's own decode worker
+        # (LOCAL_LARGE_APPEND), larger ones by P (REAL_LARGE_APPEND, from the snapshot).
+        policy = {"snapshotDeltaTokens": "16", "directMaxUncachedTokens": "300", "tailToleranceTokens": "200",
+                  "localAppendMaxTokens": "320"}
         c = Cluster(work, policy, capacity=1536)
         rng = random.Random(7)
         hist = {}  # session -> token ids the client holds (prompt + answers), as an agent would
@@ -160,6 +163,13 @@ class TestEveryModeExact(unittest.TestCase):
             self.assertEqual(m, "SEED")
             m, _, _ = turn("s", 30, ids=False)
             self.assertEqual(m, "DIRECT_TO_D")
+            # a large append within localAppendMaxTokens: the session's own decode worker prefills
+            # it on its resident KV (a colocated server's streaming-session append), no transfer
+            m, _, _ = turn("l", 250)
+            self.assertEqual(m, "SEED")
+            m, r, meta = turn("l", 310)
+            self.assertEqual((m, r), ("DIRECT_TO_D", "LOCAL_LARGE_APPEND"))
+            self.assertEqual(meta.get("received_bytes", 0), 0, meta)
             # Five sessions of ~500-600 tokens over two 1,536-token decode pools: decode workers evict
             # (ReleaseSession EVICTED, then free) and evicted sessions come back by reseed. An
             # evicted session's next turn appends 40 tokens (within the tail tolerance: its
