@@ -61,8 +61,9 @@ func TestLocalFallbackNeedsNoSidecar(t *testing.T) {
 // TestEvictWithoutSidecar (issue 23 item 1): with its sidecar gone, a decode worker whose pool
 // is full makes room for a fail-open request by evicting an idle session on its own (the
 // sidecar reads no pages any more) instead of answering 503 no_capacity "release failed". A
-// sidecar that is up but fails the release still gets the pages quarantined (it may be
-// reading them).
+// sidecar that does not know the session (restarted, not yet re-committed to) reads none of
+// its pages either; one that is up but fails the release still gets the pages quarantined (it
+// may be reading them).
 func TestEvictWithoutSidecar(t *testing.T) {
 	for _, tc := range []struct {
 		name        string
@@ -72,6 +73,11 @@ func TestEvictWithoutSidecar(t *testing.T) {
 		sidecarless float64
 	}{
 		{"sidecar gone", func(sc *fakeSidecar) { sc.stop() }, 200, 0, 1},
+		{"sidecar restarted, session not re-committed yet", func(sc *fakeSidecar) {
+			sc.mu.Lock()
+			sc.releaseErr = status.Error(codes.NotFound, "session a unknown") // the decode sidecar's answer
+			sc.mu.Unlock()
+		}, 200, 0, 1},
 		{"sidecar up, release fails", func(sc *fakeSidecar) {
 			sc.mu.Lock()
 			sc.releaseErr = status.Error(codes.Internal, "push abort failed")

@@ -12,7 +12,7 @@ type metrics struct {
 	prefillTokens  prometheus.Counter
 	decodeTokens   prometheus.Counter
 	evictions      prometheus.Counter
-	// sidecarlessReleases: sessions freed while the sidecar was gone (ReleaseSession Unavailable).
+	// sidecarlessReleases: sessions freed while the sidecar was gone (ReleaseSession Unavailable, or NotFound from a restarted sidecar not yet re-committed to).
 	sidecarlessReleases prometheus.Counter
 	capacityRejects     prometheus.Counter
 	preallocWaits       prometheus.Counter
@@ -67,7 +67,7 @@ func newMetrics(reg prometheus.Registerer, w *Worker) *metrics {
 		decodeTokens:   prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_decode_tokens_total", Help: "Output tokens decoded."}),
 		evictions:      prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_evictions_total", Help: "Sessions evicted (LRU) to make room."}),
 		sidecarlessReleases: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_releases_without_sidecar_total",
-			Help: "Sessions freed (evicted or released) while the sidecar was gone: ReleaseSession failed Unavailable; the sidecar reads no pages then."}),
+			Help: "Sessions freed (evicted or released) while the sidecar was gone: ReleaseSession failed Unavailable (or NotFound: a restarted sidecar this worker has not re-committed to yet); the sidecar reads no pages then."}),
 		capacityRejects: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_capacity_rejections_total", Help: "Requests rejected with no_capacity."}),
 		preallocWaits:   prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_prealloc_waits_total", Help: "Times a decode allocation waited for running requests to free pages."}),
 		demandReports:   prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_sim_demand_reports_total", Help: "Prealloc-queue demand reports (WorkerBridge ReportDemand) sent to the sidecar (--evict watermark)."}),

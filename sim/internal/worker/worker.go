@@ -344,6 +344,10 @@ func (w *Worker) bridgeCtx() (context.Context, context.CancelFunc) {
 // when the sidecar is back: the evicted session is not re-committed, so the sidecar's resync
 // does not list it; a snapshot of it stays valid for what it covers. Any other failure (a
 // sidecar that is up but does not answer in time) leaves the pages quarantined by the caller.
+// A sidecar that answers NotFound does not know the session — a restarted one before this
+// worker re-committed to it (attach.go), or one that already let it go — so it reads none of
+// its pages either: they are freed the same way (an eviction racing the re-attach had left them
+// quarantined and its request 503 "release failed", and the session's drop unlogged).
 func (w *Worker) release(id string, reason kvcv1.ReleaseReason) error {
 	var err error
 	for attempt := 0; attempt < 2; attempt++ {
@@ -355,7 +359,7 @@ func (w *Worker) release(id string, reason kvcv1.ReleaseReason) error {
 		}
 	}
 	w.m.bridgeErrors.WithLabelValues("ReleaseSession").Inc()
-	if status.Code(err) == codes.Unavailable {
+	if c := status.Code(err); c == codes.Unavailable || c == codes.NotFound {
 		w.m.sidecarlessReleases.Inc()
 		// The faults harness reads this line (message and unix_ms) as a legitimate drop.
 		w.log.Warn().Err(err).Str("session", id).Stringer("reason", reason).Int64("unix_ms", time.Now().UnixMilli()).
