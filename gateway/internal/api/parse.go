@@ -182,12 +182,36 @@ type body struct {
 	Reasoning          rawField `json:"reasoning"`
 	SeparateReasoning  *bool    `json:"separate_reasoning"`
 	StreamReasoning    *bool    `json:"stream_reasoning"`
+	// SGLang fields that change the answer and that the gateway does not carry to the worker:
+	// refused (unsupportedFields), never dropped.
+	LoraPath             rawField `json:"lora_path"`
+	CustomLogitProcessor rawField `json:"custom_logit_processor"`
+	ContinueFinalMessage rawField `json:"continue_final_message"`
 	// Both
 	SessionParams *sessionParams `json:"session_params"`
 	KVC           *kvcExt        `json:"kvc"`
 	// OpenAI request metadata (string values): the agent hints kvc_pin_ms, kvc_release and
 	// kvc_priority.
 	Metadata map[string]json.RawMessage `json:"metadata"`
+}
+
+// unsupportedFields refuses the SGLang request fields that would change the answer but that
+// the gateway does not pass to the worker (a LoRA adapter, a custom logit processor, an
+// assistant message continued instead of answered): 400 unsupported_parameter rather than a
+// different answer. null (and continue_final_message false) is their default and passes.
+func unsupportedFields(b *body) *Error {
+	for _, f := range []struct {
+		name string
+		raw  rawField
+	}{{"lora_path", b.LoraPath}, {"custom_logit_processor", b.CustomLogitProcessor}} {
+		if !isNullRaw(f.raw) {
+			return badRequestCode(CodeUnsupportedParameter, "%s: not passed to the worker (send the request to the SGLang server directly)", f.name)
+		}
+	}
+	if !isNullRaw(b.ContinueFinalMessage) && string(bytes.TrimSpace(b.ContinueFinalMessage)) != "false" {
+		return badRequestCode(CodeUnsupportedParameter, "continue_final_message: the gateway's chat template always opens a new assistant turn")
+	}
+	return nil
 }
 
 // Options are the gateway's defaults for parsing.
@@ -261,6 +285,9 @@ func Parse(kind Kind, h http.Header, raw []byte, opt Options) (*Request, *Error)
 	// only a body it refuses goes through a Decoder, to tell trailing data from bad JSON.
 	if err := json.Unmarshal(raw, &b); err != nil {
 		return nil, decodeError(raw)
+	}
+	if e := unsupportedFields(&b); e != nil {
+		return nil, e
 	}
 	r := &Request{Kind: kind, Stream: b.Stream, Model: b.Model}
 	if len(b.RID) > 0 {

@@ -95,6 +95,10 @@ func TestSamplingUnsupported(t *testing.T) {
 		{"structural tag", Chat, `{"messages":[{"role":"user","content":"x"}],"response_format":{"type":"structural_tag","structures":[],"triggers":[]}}`},
 		{"beam search", Generate, `{"text":"x","sampling_params":{"beam_width":2}}`},
 		{"n 2", Chat, `{"messages":[{"role":"user","content":"x"}],"n":2}`},
+		{"lora adapter", Chat, `{"messages":[{"role":"user","content":"x"}],"lora_path":"adapter-1"}`},
+		{"lora adapter on generate", Generate, `{"text":"x","lora_path":["a"]}`},
+		{"custom logit processor", Generate, `{"text":"x","custom_logit_processor":"{}"}`},
+		{"continue final message", Chat, `{"messages":[{"role":"user","content":"x"},{"role":"assistant","content":"y"}],"continue_final_message":true}`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, e := Parse(tc.kind, http.Header{}, []byte(tc.body), Options{DefaultMaxTok: 16})
@@ -108,6 +112,9 @@ func TestSamplingUnsupported(t *testing.T) {
 		if _, e := Parse(Chat, http.Header{}, []byte(body), Options{DefaultMaxTok: 16}); e != nil {
 			t.Fatalf("%s: %v", body, e)
 		}
+	}
+	if _, e := Parse(Chat, http.Header{}, []byte(`{"messages":[{"role":"user","content":"x"}],"lora_path":null,"custom_logit_processor":null,"continue_final_message":false}`), Options{DefaultMaxTok: 16}); e != nil {
+		t.Fatal(e)
 	}
 	if _, e := Parse(Completion, http.Header{}, []byte(`{"prompt":"x","echo":false,"logprobs":null}`), Options{DefaultMaxTok: 16}); e != nil {
 		t.Fatal(e)
