@@ -1,36 +1,19 @@
 package policy
 
 import (
-	"compress/gzip"
 	"fmt"
-	"io"
-	"os"
-	"path/filepath"
 	"strings"
 	"testing"
 
 	"github.com/kvcentric/kvcentric/pkg/pagehash"
 	"github.com/kvcentric/kvcentric/pkg/tokenizer"
+	"github.com/kvcentric/kvcentric/pkg/tokenizer/tokenizertest"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
 func loadQwen3(t *testing.T) *tokenizer.Tokenizer {
 	t.Helper()
-	src := filepath.Join("..", "..", "..", "pkg", "tokenizer", "testdata", "qwen3")
-	f, err := os.Open(filepath.Join(src, "tokenizer.json.gz"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	zr, err := gzip.NewReader(f)
-	if err != nil {
-		t.Fatal(err)
-	}
-	raw, err := io.ReadAll(zr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg, err := os.ReadFile(filepath.Join(src, "tokenizer_config.json"))
+	raw, cfg, err := tokenizertest.Qwen3Files()
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,17 +1,15 @@
 package api
 
 import (
-	"compress/gzip"
 	"encoding/json"
-	"io"
 	"net/http"
 	"os"
-	"path/filepath"
 	"strings"
 	"testing"
 
 	"github.com/kvcentric/kvcentric/gateway/internal/pyjson"
 	"github.com/kvcentric/kvcentric/pkg/tokenizer"
+	"github.com/kvcentric/kvcentric/pkg/tokenizer/tokenizertest"
 )
 
 // chatParamsGolden is one case of testdata/chat_params.json (gen_chat_params.py: SGLang
@@ -30,32 +28,11 @@ type chatParamsGolden struct {
 	PromptQwen3 *string `json:"prompt_qwen3"`
 }
 
-// qwen3Tokenizer loads the committed Qwen3 tokenizer (pkg/tokenizer/testdata, gzip).
+// qwen3Tokenizer loads the committed Qwen3 tokenizer (pkg/tokenizer/testdata).
 func qwen3Tokenizer(t *testing.T) *tokenizer.Tokenizer {
 	t.Helper()
-	src := filepath.Join("..", "..", "..", "pkg", "tokenizer", "testdata", "qwen3")
-	f, err := os.Open(filepath.Join(src, "tokenizer.json.gz"))
+	dir, err := tokenizertest.Qwen3Dir(t.TempDir())
 	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	zr, err := gzip.NewReader(f)
-	if err != nil {
-		t.Fatal(err)
-	}
-	raw, err := io.ReadAll(zr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg, err := os.ReadFile(filepath.Join(src, "tokenizer_config.json"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	dir := t.TempDir()
-	if err := os.WriteFile(filepath.Join(dir, "tokenizer.json"), raw, 0o644); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(filepath.Join(dir, "tokenizer_config.json"), cfg, 0o644); err != nil {
 		t.Fatal(err)
 	}
 	tok, err := tokenizer.Load(dir)

@@ -2,7 +2,6 @@ package server
 
 import (
 	"bytes"
-	"compress/gzip"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -10,7 +9,6 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os"
-	"path/filepath"
 	"regexp"
 	"slices"
 	"strconv"
@@ -29,6 +27,7 @@ import (
 	"github.com/kvcentric/kvcentric/gateway/internal/workers"
 	"github.com/kvcentric/kvcentric/pkg/pagehash"
 	"github.com/kvcentric/kvcentric/pkg/tokenizer"
+	"github.com/kvcentric/kvcentric/pkg/tokenizer/tokenizertest"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -45,28 +44,7 @@ func qwen3(t testing.TB) (*tokenizer.Tokenizer, string) {
 
 // loadQwen3 writes the committed Qwen3 tokenizer files into dir and loads them.
 func loadQwen3(dir string) (*tokenizer.Tokenizer, error) {
-	src := filepath.Join("..", "..", "..", "pkg", "tokenizer", "testdata", "qwen3")
-	f, err := os.Open(filepath.Join(src, "tokenizer.json.gz"))
-	if err != nil {
-		return nil, err
-	}
-	defer f.Close()
-	zr, err := gzip.NewReader(f)
-	if err != nil {
-		return nil, err
-	}
-	raw, err := io.ReadAll(zr)
-	if err != nil {
-		return nil, err
-	}
-	cfg, err := os.ReadFile(filepath.Join(src, "tokenizer_config.json"))
-	if err != nil {
-		return nil, err
-	}
-	if err := os.WriteFile(filepath.Join(dir, "tokenizer.json"), raw, 0o644); err != nil {
-		return nil, err
-	}
-	if err := os.WriteFile(filepath.Join(dir, "tokenizer_config.json"), cfg, 0o644); err != nil {
+	if _, err := tokenizertest.Qwen3Dir(dir); err != nil {
 		return nil, err
 	}
 	return tokenizer.Load(dir)

@@ -1,7 +1,6 @@
 package faults
 
 import (
-	"compress/gzip"
 	"context"
 	"errors"
 	"fmt"
@@ -26,6 +25,7 @@ import (
 	"github.com/kvcentric/kvcentric/pkg/etcdtest"
 	"github.com/kvcentric/kvcentric/pkg/grpcx"
 	"github.com/kvcentric/kvcentric/pkg/netproxy"
+	"github.com/kvcentric/kvcentric/pkg/tokenizer/tokenizertest"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -261,7 +261,7 @@ func Start(t testing.TB, ctx context.Context, cfg Config) (*Harness, error) {
 	h.GWURL = "http://" + ga
 	// The gateway tokenizes chat and text requests with a real model's tokenizer (the
 	// tokenizer floods; the load sends input_ids, which it does not tokenize).
-	tokDir, err := unpackTokenizer(cfg.WorkDir)
+	tokDir, err := tokenizertest.Qwen3Dir(filepath.Join(cfg.WorkDir, "tokenizer-qwen3"))
 	if err != nil {
 		return nil, err
 	}
@@ -285,39 +285,6 @@ func Start(t testing.TB, ctx context.Context, cfg Config) (*Harness, error) {
 	}
 	h.logf("gateway: %s", h.GWURL)
 	return h, nil
-}
-
-// tokenizerSrc is the committed Qwen3 tokenizer (pkg/tokenizer's test data), relative to
-// this package's directory (where go test runs).
-const tokenizerSrc = "../../../pkg/tokenizer/testdata/qwen3"
-
-// unpackTokenizer lays the test tokenizer out as a model folder under dir.
-func unpackTokenizer(dir string) (string, error) {
-	out := filepath.Join(dir, "tokenizer-qwen3")
-	if err := os.MkdirAll(out, 0o755); err != nil {
-		return "", err
-	}
-	f, err := os.Open(filepath.Join(tokenizerSrc, "tokenizer.json.gz"))
-	if err != nil {
-		return "", fmt.Errorf("test tokenizer: %w", err)
-	}
-	defer f.Close()
-	zr, err := gzip.NewReader(f)
-	if err != nil {
-		return "", err
-	}
-	b, err := io.ReadAll(zr)
-	if err != nil {
-		return "", err
-	}
-	if err := os.WriteFile(filepath.Join(out, "tokenizer.json"), b, 0o644); err != nil {
-		return "", err
-	}
-	cfg, err := os.ReadFile(filepath.Join(tokenizerSrc, "tokenizer_config.json"))
-	if err != nil {
-		return "", err
-	}
-	return out, os.WriteFile(filepath.Join(out, "tokenizer_config.json"), cfg, 0o644)
 }
 
 // restartEtcd restarts killed etcd members together (a lone member of three cannot get ready
