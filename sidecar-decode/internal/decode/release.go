@@ -223,7 +223,7 @@ func (s *Sidecar) Demand() DemandStats {
 // still ahead of now — its agent waits on a tool and comes back) or not releasable
 // (releasableLocked) are never picked — they are what the worker is using — except that
 // requests waiting for pages (a deficit) are given sessions committed less than MinIdle ago,
-// after every idler one and only up to the deficit (release on demand: such a session's next
+// after every idler one, smallest first, and only up to the deficit (release on demand: such a session's next
 // turn costs one snapshot reseed, what a baseline pays every turn; a request that waits for
 // them is here now; issue 20: turns waited seconds for the MinIdle of full pools' sessions);
 // a session loaded less than MinIdle ago (a re-home) is spared still. A session whose snapshot is current (everything
@@ -279,10 +279,24 @@ func (s *Sidecar) planReleaseLocked(now time.Time) ReleasePlan {
 			}
 			return 1
 		}
+		if a.recent != b.recent { // the idle ones before any in conversation
+			if b.recent {
+				return -1
+			}
+			return 1
+		}
 		if c := cmp.Compare(b.idle, a.idle); c != 0 {
 			return c
 		}
-		if c := cmp.Compare(b.ss.committed, a.ss.committed); c != 0 {
+		if a.recent {
+			// Released on demand, a session in conversation comes back soon and pays a reseed
+			// of all it holds: the smallest first, so that the deficit costs several short
+			// reseeds rather than one long one of the largest session (its whole-context
+			// transfer is what sets the TTFT tail).
+			if c := cmp.Compare(a.ss.committed, b.ss.committed); c != 0 {
+				return c
+			}
+		} else if c := cmp.Compare(b.ss.committed, a.ss.committed); c != 0 {
 			return c
 		}
 		return cmp.Compare(a.ss.id, b.ss.id)
