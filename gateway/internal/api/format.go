@@ -16,6 +16,9 @@ type RouteInfo struct {
 	Worker     json.RawMessage `json:"worker,omitempty"` // the decode worker's meta_info.kvc
 	// RetriedFrom: the decode workers of the failed attempts that were retried, in order.
 	RetriedFrom []string `json:"retried_from,omitempty"`
+	// ResumedFrom: the decode worker that died mid-answer; a new decision continued the
+	// answer from the tokens generated there (the gateway's --resume-mid-stream).
+	ResumedFrom string `json:"resumed_from,omitempty"`
 }
 
 // Usage is OpenAI's token usage object.

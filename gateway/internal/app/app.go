@@ -143,7 +143,7 @@ func Run(ctx context.Context, cfg *config.Config, logOut io.Writer) error {
 		Parse: api.Options{RequireSession: cfg.RequireSession, DefaultMaxTok: cfg.DefaultMaxTok,
 			ToolCallParser: cfg.ToolCallParser, ReasoningParser: cfg.ReasoningParser, DefaultChatTemplateKwargs: cfg.DefaultKwargs,
 			GenerationDefaults: cfg.GenerationDefaults},
-		SessionTimeout: cfg.SessionTimeout, Admission: adm, Content: content,
+		SessionTimeout: cfg.SessionTimeout, Admission: adm, Content: content, ResumeMidStream: cfg.ResumeMidStream,
 	}, log, m)
 	defer srv.Close()
 

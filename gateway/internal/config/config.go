@@ -51,8 +51,11 @@ type Config struct {
 	PrefillURLs    []Worker
 	DecodeURLs     []Worker
 	RequireSession bool
-	MaxBodyBytes   int64
-	DefaultMaxTok  int64
+	// ResumeMidStream: a request whose decode worker dies after its first token continues
+	// through a new decision from the tokens generated so far (server.Options).
+	ResumeMidStream bool
+	MaxBodyBytes    int64
+	DefaultMaxTok   int64
 	// Admission limits (server.AdmissionLimits).
 	MaxInflightRequests  int
 	MaxInflightBodyBytes int64
@@ -130,6 +133,7 @@ func Parse(args []string, getenv func(string) string, usage io.Writer) (*Config,
 	fs.StringVar(&pre, "prefill-urls", "", "fail-open prefill workers: comma list of URL or URL|PEER_ADDR")
 	fs.StringVar(&dec, "decode-urls", "", "fail-open decode workers: comma list of URLs")
 	fs.BoolVar(&c.RequireSession, "require-session", true, "reject requests without a session id (400); false serves them as single-shot plain P/D")
+	fs.BoolVar(&c.ResumeMidStream, "resume-mid-stream", true, "a request whose decode worker dies after tokens were streamed continues through a new decision (the prompt extended by the tokens generated so far, the same sampling parameters, the tokens that remain) in the same client answer, once per request; needs the prompt's token ids (input_ids or --tokenizer); false: it fails with the worker's error, as SGLang's router and llm-d do (docs/gateway.md)")
 	fs.Int64Var(&c.MaxBodyBytes, "max-body-bytes", 32<<20, "largest accepted request body")
 	fs.Int64Var(&c.DefaultMaxTok, "default-max-tokens", 256, "max output tokens when the client names none")
 	fs.IntVar(&c.MaxInflightRequests, "max-inflight-requests", 4096, "client requests in flight at once; past it requests are answered 429 too_many_requests with Retry-After")

@@ -51,6 +51,12 @@ type result struct {
 	truncatedTo int64
 }
 
+// carry keeps what D streamed before attempt res failed (its TTFT, ids and counts) in r, the
+// failure as classified: a resume continues from them (resume.go).
+func (r *result) carry(res result) {
+	r.ttft, r.outputIDs, r.promptTok, r.outputTok, r.meta = res.ttft, res.outputIDs, res.promptTok, res.outputTok, res.meta
+}
+
 func failure(kind kvcv1.RouteErrorKind, status int, code, msg string) result {
 	return result{kind: kind, status: status, code: code, message: msg, detail: code + ": " + msg}
 }
@@ -576,14 +582,14 @@ func (s *Server) execute(ctx, clientCtx context.Context, start time.Time, p *pla
 		if !res.ok && pe != nil && res.kind != p.onRefused() {
 			// The prefill side failed first (or explains D's failure): report that.
 			r := classify(pe, p, ctx, clientCtx)
-			r.ttft = res.ttft
+			r.carry(res)
 			return r
 		}
 	}
 	if !res.ok && res.status == 0 {
 		// Transport failure on D: decide with the right contexts.
 		r := classify(&workerError{role: roleDecode, err: errors.New(res.detail)}, p, ctx, clientCtx)
-		r.ttft = res.ttft
+		r.carry(res)
 		res = r
 	}
 	if !res.ok && res.retry && res.ttft == 0 && res.kind == kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_WORKER_ERROR && res.gone != nil {
@@ -679,7 +685,7 @@ func (s *Server) decode(ctx context.Context, start time.Time, p *plan, req *api.
 			}
 		}
 		res.outputIDs = appendOutputIDs(res.outputIDs, c.OutputIDs)
-		if err := out.chunk(payload, c.Text); err != nil {
+		if err := out.chunk(payload, c.Text, c.OutputIDs); err != nil {
 			res = failure(kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_ABORTED, 499, "client_closed", err.Error())
 			return false
 		}
@@ -713,13 +719,14 @@ func (s *Server) decode(ctx context.Context, start time.Time, p *plan, req *api.
 		}
 		if err != nil {
 			if ctx.Err() != nil || !errors.Is(err, io.EOF) {
-				return result{kind: kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_WORKER_ERROR, ttft: res.ttft, detail: "decode stream: " + err.Error()}
+				return result{kind: kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_WORKER_ERROR, ttft: res.ttft, detail: "decode stream: " + err.Error(),
+					outputIDs: res.outputIDs, promptTok: res.promptTok, outputTok: res.outputTok, meta: res.meta}
 			}
 			r := failure(kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_WORKER_ERROR, http.StatusBadGateway, "worker_stream_ended", "decode worker ended the stream before [DONE]")
-			r.ttft = res.ttft
-			if r.retry = res.ttft == 0; r.retry { // D went away before its first token
-				r.gone = p.decode
-			}
+			// D went away: before its first token a retry may serve the request (retryable),
+			// after it a resume (resume.go); outputIDs and the counts so far go with it.
+			r.ttft, r.retry, r.gone = res.ttft, true, p.decode
+			r.outputIDs, r.promptTok, r.outputTok, r.meta = res.outputIDs, res.promptTok, res.outputTok, res.meta
 			return r
 		}
 	}

@@ -41,6 +41,9 @@ type Metrics struct {
 	ToolCalls         prometheus.Counter
 	ToolParseFailures *prometheus.CounterVec
 	ReasoningAnswers  prometheus.Counter
+	// Resumes counts requests whose decode worker died mid-stream, by what the gateway did
+	// (resume.go: ok, failed, or why it did not resume).
+	Resumes *prometheus.CounterVec
 }
 
 // NewMetrics registers the series on reg.
@@ -102,7 +105,13 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Help: "Answers with tool-call markup that gave no tool call, returned as content as SGLang does, by reason (no_call: no complete call to a declared tool; error: a call that is not a JSON object or whose name is not a string)."}, []string{"reason"}),
 		ReasoningAnswers: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_gateway_reasoning_answers_total",
 			Help: "Answers whose reasoning was separated into message.reasoning_content (--reasoning-parser)."}),
+		Resumes: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvc_gateway_resumes_total",
+			Help: "Requests whose decode worker went away after tokens were streamed (or buffered), by result: ok (a new decision continued the answer from the prompt and the tokens so far), failed (the continuation found no decision or failed), or why it was not resumed (disabled: --resume-mid-stream=false; no_prompt_ids: the prompt's token ids are unknown; ids_mismatch: the streamed ids do not add up to the tokens generated; no_tokens_left; constrained: a regex, EBNF or JSON-schema answer; not_allowed: the decision forbids retries)."}, []string{"result"}),
 	}
+	for _, r := range resumeResults {
+		m.Resumes.WithLabelValues(r)
+	}
+	reg.MustRegister(m.Resumes)
 	for _, r := range []string{"no_call", "error"} {
 		m.ToolParseFailures.WithLabelValues(r)
 	}

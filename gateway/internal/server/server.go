@@ -49,6 +49,9 @@ type Options struct {
 	Admission      *Admission // nil: no admission limits (admission.go)
 	// Content: tokenizer and page hashes (content.go); nil: lengths alone.
 	Content *Content
+	// ResumeMidStream: a request whose decode worker dies after its first token continues
+	// through a new decision from the tokens generated so far (resume.go); false: it fails.
+	ResumeMidStream bool
 }
 
 // DefaultSessionTimeout matches the control plane's default session_ttl_ms.
@@ -222,11 +225,18 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request, kind api.Kind) {
 	var res result
 	var p *plan
 	var gone []*kvcv1.WorkerRef // workers that refused or dropped an attempt: the retry avoids them
-	for attempt := 0; ; attempt++ {
-		np, rerr := s.route(ctx, req, gone)
+	cur := req                  // the request as this attempt runs it (a resume's continuation extends it)
+	var first *result           // the interrupted attempt, once resumed
+	attemptStart := start
+	for retries, resumes := 0, 0; ; {
+		np, rerr := s.route(ctx, cur, gone)
 		if rerr != nil {
 			if p != nil {
-				break // the retry found nothing to run: the first attempt's error stands
+				// The retry or the continuation found nothing to run: the failed attempt's error stands.
+				if first != nil {
+					s.resumeDone(req, first, resumeFailed, "no decision: "+rerr.Message)
+				}
+				break
 			}
 			s.m.BadRequests.WithLabelValues(rerr.Code).Inc()
 			var extra http.Header
@@ -237,10 +247,21 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request, kind api.Kind) {
 			return
 		}
 		p = np
-		out.retries = attempt
-		res = s.execute(ctx, r.Context(), start, p, req, out)
-		s.report(p, req, res, start) // before the retry's query: the control plane decides knowing it
-		if attempt < maxRetries && retryable(res, out, p) && ctx.Err() == nil {
+		out.retries = retries
+		res = s.execute(ctx, r.Context(), attemptStart, p, cur, out)
+		s.report(p, cur, res, attemptStart) // before the retry's query: the control plane decides knowing it
+		if first != nil {
+			// The continuation ended: the answer's end either way (maxResumes).
+			if res.ok {
+				s.resumeDone(req, first, resumeOK, "")
+				res = out.base.merged(*first, res)
+			} else {
+				s.resumeDone(req, first, resumeFailed, res.detail)
+			}
+			break
+		}
+		if retries < maxRetries && retryable(res, out, p) && ctx.Err() == nil {
+			retries++
 			why := "worker_unavailable"
 			switch {
 			case res.code == codeNotResident:
@@ -270,6 +291,34 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request, kind api.Kind) {
 				Str("detail", res.detail).Msg("retrying through a new decision")
 			continue
 		}
+		if resumes < maxResumes && midStreamGone(res, out) && ctx.Err() == nil {
+			c, why := s.resumable(ctx, cur, res, out, p)
+			if c == nil {
+				s.m.Resumes.WithLabelValues(why).Inc()
+				s.log.Info().Str("rid", req.RID).Str("session", req.SessionID).Str("decision", p.decisionID).
+					Str("why", why).Int("streamed_tokens", len(res.outputIDs)).Msg("decode worker gone mid-stream: not resumed")
+				break
+			}
+			resumes++
+			from := p.decode.GetWorkerId()
+			if from == "" {
+				from = p.decode.GetWorkerUrl()
+			}
+			prompt := res.promptTok
+			if prompt == 0 {
+				prompt = req.InputTokens
+			}
+			gone = append(gone, res.gone)
+			out.resume(&resumeBase{prompt: prompt, ids: slices.Clip(res.outputIDs), from: from})
+			f := res
+			first = &f
+			cur = c
+			attemptStart = time.Now()
+			s.log.Info().Str("rid", req.RID).Str("session", req.SessionID).Str("decision", p.decisionID).Str("from", from).
+				Int("streamed_tokens", len(res.outputIDs)).Int64("tokens_left", c.MaxTokens).Str("detail", res.detail).
+				Msg("decode worker gone mid-stream: resuming through a new decision")
+			continue
+		}
 		break
 	}
 	if res.ok {
@@ -294,6 +343,9 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request, kind api.Kind) {
 	ev := s.log.Debug()
 	if !res.ok {
 		ev = s.log.Info()
+	}
+	if out.base != nil {
+		ev = ev.Str("resumed_from", out.base.from)
 	}
 	ev.Str("rid", req.RID).Str("session", req.SessionID).Str("mode", mode).Str("reason", p.reason).
 		Str("decision", p.decisionID).Bool("ok", res.ok).Str("error_kind", res.kind.String()).
@@ -320,6 +372,30 @@ const maxRetries = 1
 // buffered text is empty too).
 func retryable(res result, out *sink, p *plan) bool {
 	return !res.ok && res.retry && p.exec.GetRetryAllowed() && !out.started && res.ttft == 0 && out.chunks == 0
+}
+
+// resumable is the continuation of cur after its mid-stream failure res, or nil and why not
+// (resume.go).
+func (s *Server) resumable(ctx context.Context, cur *api.Request, res result, out *sink, p *plan) (*api.Request, string) {
+	if !s.opt.ResumeMidStream {
+		return nil, resumeDisabled
+	}
+	if !p.exec.GetRetryAllowed() {
+		return nil, resumeNotAllowed
+	}
+	c, why := resumeRequest(cur, res, out.segChunks)
+	if c == nil {
+		return nil, why
+	}
+	s.withContent(ctx, cur, c)
+	return c, ""
+}
+
+// resumeDone counts and logs how a continuation ended.
+func (s *Server) resumeDone(req *api.Request, first *result, result, detail string) {
+	s.m.Resumes.WithLabelValues(result).Inc()
+	s.log.Info().Str("rid", req.RID).Str("session", req.SessionID).Str("result", result).
+		Int("tokens_before", len(first.outputIDs)).Str("detail", detail).Msg("mid-stream resume ended")
 }
 
 // route gets a decision, or a fail-open plan on every path where the control plane cannot give

@@ -3,6 +3,7 @@ package server
 import (
 	"encoding/json"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -27,7 +28,15 @@ type sink struct {
 	acc        strings.Builder // text so far (deltas)
 	chunks     int
 	cumulative bool // the worker streams cumulative text (SGLang's default)
-	id         string
+	// cumulativeIDs: the worker streams cumulative output_ids (each chunk repeats the earlier).
+	cumulativeIDs bool
+	// The current attempt's part of the answer: after a resume (resume.go) the continuation's
+	// worker streams its text and ids from the join, not from the answer's start.
+	seg       int     // acc's length where this attempt's text starts
+	segChunks int     // this attempt's chunks
+	segIDs    []int64 // this attempt's output ids so far
+	base      *resumeBase
+	id        string
 	// answer parses a whole chat answer (answer.go); nil: the text is the message's content.
 	answer func(req *api.Request, text, finish string) (api.Answer, string)
 	// reasoning splits a streamed chat answer's reasoning (answer.go); nil: none.
@@ -58,6 +67,9 @@ func (s *sink) routeHeaders(p *plan, req *api.Request) {
 	}
 	h.Set("X-KVC-Input-Tokens", strconv.FormatInt(req.InputTokens, 10))
 	h.Set("X-KVC-Cached-Tokens", strconv.FormatInt(p.cached, 10))
+	if s.base != nil {
+		h.Set("X-KVC-Resumed-From", s.base.from)
+	}
 	if n := p.exec.GetLoadPrefixTokens(); n > 0 && p.exec.GetCallPrefill() {
 		// Prefill from the snapshot: P loads this many tokens of the session's snapshot from its
 		// store and computes only the rest (the workers cut it to whole pages).
@@ -95,11 +107,13 @@ func (s *sink) event(payload []byte) error {
 }
 
 // delta turns a worker chunk's text into the new text, whether the worker streams cumulative
-// text (SGLang's default) or increments; the style is fixed by the second chunk.
+// text (SGLang's default) or increments; the style is fixed by the second chunk (of the first
+// attempt that has two). A continuation's cumulative text starts at the join.
 func (s *sink) delta(text string) string {
 	s.chunks++
-	acc := s.acc.String()
-	if s.chunks == 2 && len(acc) > 0 && len(text) > len(acc) && strings.HasPrefix(text, acc) {
+	s.segChunks++
+	acc := s.acc.String()[s.seg:]
+	if s.segChunks == 2 && len(acc) > 0 && len(text) > len(acc) && strings.HasPrefix(text, acc) {
 		s.cumulative = true
 	}
 	d := text
@@ -112,12 +126,28 @@ func (s *sink) delta(text string) string {
 	return d
 }
 
-func (s *sink) chunk(raw []byte, text string) error {
+// resume starts a continuation's part of the answer (resume.go): its worker's text and ids
+// begin at the join, after what the client has; b is what the client has.
+func (s *sink) resume(b *resumeBase) {
+	s.base = b
+	s.seg = s.acc.Len()
+	s.segChunks = 0
+	s.segIDs = nil
+}
+
+func (s *sink) chunk(raw []byte, text string, ids []int64) error {
 	d := s.delta(text)
+	if len(ids) > len(s.segIDs) && len(s.segIDs) > 0 && slices.Equal(ids[:len(s.segIDs)], s.segIDs) {
+		s.cumulativeIDs = true
+	}
+	s.segIDs = appendOutputIDs(s.segIDs, ids)
 	if !s.req.Stream {
 		return nil
 	}
 	if s.req.Kind == api.Generate {
+		if s.base != nil {
+			raw = s.continued(raw, ids)
+		}
 		return s.event(raw) // SGLang format: pass the worker's chunk through (meta_info.kvc included)
 	}
 	if s.reasoning != nil {
@@ -125,6 +155,42 @@ func (s *sink) chunk(raw []byte, text string) error {
 		return s.reasoned(r, n)
 	}
 	return s.event(api.Chunk(s.req.Kind, s.id, s.req.Model, d, s.chunks == 1, "", nil, nil))
+}
+
+// continued is a continuation's /generate chunk as the uninterrupted stream's would be: its
+// text and output_ids in the worker's style (cumulative: from the answer's start), meta_info's
+// counts over the whole answer (resumeBase.meta). A chunk it cannot read goes as it is.
+func (s *sink) continued(raw []byte, ids []int64) []byte {
+	var m map[string]json.RawMessage
+	if json.Unmarshal(raw, &m) != nil || m == nil {
+		return raw
+	}
+	if _, ok := m["text"]; ok && s.cumulative {
+		m["text"], _ = json.Marshal(s.acc.String())
+	}
+	if _, ok := m["output_ids"]; ok && s.cumulativeIDs {
+		m["output_ids"], _ = json.Marshal(append(slices.Clip(s.base.ids), ids...))
+	}
+	if mi, ok := m["meta_info"]; ok {
+		m["meta_info"] = s.base.meta(mi)
+	}
+	out, err := json.Marshal(m)
+	if err != nil {
+		return raw
+	}
+	return out
+}
+
+// trailers name, at the end of a started stream, the worker it resumed from and the one that
+// finished it (X-KVC-Resumed-From, X-KVC-Resumed-Decode-Worker): the headers went out with
+// the first worker's.
+func (s *sink) trailers(p *plan) {
+	if s.base == nil || !s.started {
+		return
+	}
+	h := s.w.Header()
+	h.Set(http.TrailerPrefix+"X-KVC-Resumed-From", s.base.from)
+	h.Set(http.TrailerPrefix+"X-KVC-Resumed-Decode-Worker", p.decode.GetWorkerId())
 }
 
 // reasoned streams what the reasoning split gave: a reasoning_content delta, then a content
@@ -151,6 +217,9 @@ func (s *sink) reasoned(r, n string) error {
 
 func (s *sink) info(p *plan, res result) *api.RouteInfo {
 	ri := &api.RouteInfo{Mode: modeName(p.mode), Reason: p.reason, DecisionID: p.decisionID, FailOpen: p.failOpen, Retries: s.retries, RetriedFrom: s.retriedFrom}
+	if s.base != nil {
+		ri.ResumedFrom = s.base.from
+	}
 	if len(res.meta) > 0 {
 		var mi struct {
 			KVC json.RawMessage `json:"kvc"`
@@ -190,6 +259,7 @@ func (s *sink) finish(p *plan, res result) {
 			_ = s.event(api.Chunk(s.req.Kind, s.id, s.req.Model, "", false, finishReason(res, s.req.MaxTokens), &u, s.info(p, res)))
 		}
 		_ = s.event([]byte("[DONE]"))
+		s.trailers(p)
 		return
 	}
 	s.routeHeaders(p, s.req)
@@ -225,6 +295,7 @@ func (s *sink) fail(p *plan, res result) {
 		b, _ := json.Marshal(map[string]any{"error": map[string]string{"code": e.Code, "message": e.Message, "kind": errKind}})
 		_ = s.event(b)
 		_ = s.event([]byte("[DONE]"))
+		s.trailers(p)
 		return
 	}
 	if e.Status == 499 {

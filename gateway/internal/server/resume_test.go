@@ -1,0 +1,428 @@
+package server
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"slices"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"github.com/rs/zerolog"
+
+	"github.com/kvcentric/kvcentric/gateway/internal/api"
+	"github.com/kvcentric/kvcentric/gateway/internal/workers"
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
+)
+
+// modelWorker is a decode worker whose next token is a function of the whole context (the
+// prompt's ids and the ids generated so far), as a greedy model's is: a continuation given the
+// prompt extended by the generated ids generates what an uninterrupted run would have. It
+// streams each token's text "w<id> " and id, cumulatively (SGLang's default) or one token per
+// chunk, and when dieAfter > 0 drops the connection after that many tokens of its first call.
+type modelWorker struct {
+	*httptest.Server
+	cumulative bool
+	dieAfter   int
+	calls      chan map[string]any // the /generate bodies
+}
+
+func modelNext(ctx []int64) int64 {
+	h := uint64(1469598103934665603)
+	for _, id := range ctx {
+		h = (h ^ uint64(id)) * 1099511628211
+	}
+	return int64(h % 50000)
+}
+
+func newModelWorker(t *testing.T, cumulative bool, dieAfter int) *modelWorker {
+	w := &modelWorker{cumulative: cumulative, dieAfter: dieAfter, calls: make(chan map[string]any, 8)}
+	var called atomic.Bool
+	w.Server = httptest.NewServer(http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != "/generate" {
+			fmt.Fprint(rw, `"ok"`)
+			return
+		}
+		var b struct {
+			InputIDs []int64 `json:"input_ids"`
+			Sampling struct {
+				MaxNewTokens int64 `json:"max_new_tokens"`
+			} `json:"sampling_params"`
+		}
+		raw, _ := io.ReadAll(r.Body)
+		var all map[string]any
+		_ = json.Unmarshal(raw, &all)
+		w.calls <- all
+		if json.Unmarshal(raw, &b) != nil || len(b.InputIDs) == 0 {
+			writeWorkerErr(rw, 400, "bad_request")
+			return
+		}
+		die := !called.Swap(true) && w.dieAfter > 0
+		rw.Header().Set("Content-Type", "text/event-stream")
+		ctx := slices.Clone(b.InputIDs)
+		var text strings.Builder
+		var out []int64
+		for i := int64(0); i < b.Sampling.MaxNewTokens; i++ {
+			id := modelNext(ctx)
+			ctx = append(ctx, id)
+			out = append(out, id)
+			tok := fmt.Sprintf("w%d ", id)
+			text.WriteString(tok)
+			meta := map[string]any{"prompt_tokens": len(b.InputIDs), "completion_tokens": i + 1,
+				"kvc": map[string]any{"kv_len_after": int64(len(b.InputIDs)) + i + 1}}
+			if i == b.Sampling.MaxNewTokens-1 {
+				meta["finish_reason"] = map[string]any{"type": "length", "length": b.Sampling.MaxNewTokens}
+			}
+			c := map[string]any{"text": tok, "output_ids": []int64{id}, "meta_info": meta}
+			if w.cumulative {
+				c["text"], c["output_ids"] = text.String(), out
+			}
+			j, _ := json.Marshal(c)
+			fmt.Fprintf(rw, "data: %s\n\n", j)
+			rw.(http.Flusher).Flush()
+			if die && int(i+1) == w.dieAfter {
+				if conn, _, err := rw.(http.Hijacker).Hijack(); err == nil {
+					conn.Close()
+				}
+				return
+			}
+		}
+		fmt.Fprint(rw, "data: [DONE]\n\n")
+	}))
+	t.Cleanup(w.Close)
+	return w
+}
+
+// clientAnswer is what a client reads from an answer, whatever its API and form.
+type clientAnswer struct {
+	Text       string
+	IDs        []int64 // /generate streams only
+	Prompt     int64
+	Completion int64
+	Finish     string
+	Error      string
+}
+
+func readAnswer(t *testing.T, kind api.Kind, stream, cumulative bool, resp *http.Response) clientAnswer {
+	t.Helper()
+	var a clientAnswer
+	type usage struct {
+		PromptTokens     int64 `json:"prompt_tokens"`
+		CompletionTokens int64 `json:"completion_tokens"`
+	}
+	type oai struct {
+		Choices []struct {
+			Text    string `json:"text"`
+			Message struct {
+				Content string `json:"content"`
+			} `json:"message"`
+			Delta struct {
+				Content string `json:"content"`
+			} `json:"delta"`
+			Finish *string `json:"finish_reason"`
+		} `json:"choices"`
+		Usage *usage `json:"usage"`
+	}
+	type gen struct {
+		Text      string  `json:"text"`
+		OutputIDs []int64 `json:"output_ids"`
+		MetaInfo  *struct {
+			usage
+			FinishReason *struct {
+				Type string `json:"type"`
+				N    int64  `json:"length"`
+			} `json:"finish_reason"`
+		} `json:"meta_info"`
+		Error *struct {
+			Code string `json:"code"`
+		} `json:"error"`
+	}
+	fromGen := func(g gen) {
+		if g.Error != nil {
+			a.Error = g.Error.Code
+			return
+		}
+		if cumulative {
+			a.Text, a.IDs = g.Text, g.OutputIDs
+		} else {
+			a.Text += g.Text
+			a.IDs = append(a.IDs, g.OutputIDs...)
+		}
+		if m := g.MetaInfo; m != nil {
+			a.Prompt, a.Completion = m.PromptTokens, m.CompletionTokens
+			if m.FinishReason != nil {
+				a.Finish = fmt.Sprintf("%s/%d", m.FinishReason.Type, m.FinishReason.N)
+			}
+		}
+	}
+	fromOAI := func(o oai) {
+		for _, c := range o.Choices {
+			a.Text += c.Text + c.Message.Content + c.Delta.Content
+			if c.Finish != nil {
+				a.Finish = *c.Finish
+			}
+		}
+		if o.Usage != nil {
+			a.Prompt, a.Completion = o.Usage.PromptTokens, o.Usage.CompletionTokens
+		}
+	}
+	if resp.StatusCode != http.StatusOK {
+		code, _ := errBody(t, resp.Body)
+		a.Error = fmt.Sprintf("%d %s", resp.StatusCode, code)
+		return a
+	}
+	if !stream {
+		raw, _ := io.ReadAll(resp.Body)
+		if kind == api.Generate {
+			var g gen
+			if err := json.Unmarshal(raw, &g); err != nil {
+				t.Fatalf("%v: %s", err, raw)
+			}
+			g.OutputIDs = nil // not in a non-streaming answer
+			fromGen(g)
+			return a
+		}
+		var o oai
+		if err := json.Unmarshal(raw, &o); err != nil {
+			t.Fatalf("%v: %s", err, raw)
+		}
+		fromOAI(o)
+		return a
+	}
+	ev := sse(t, resp.Body)
+	for _, e := range ev {
+		if e == "[DONE]" {
+			break
+		}
+		if strings.Contains(e, `"error"`) {
+			var g gen
+			_ = json.Unmarshal([]byte(e), &g)
+			if g.Error != nil {
+				a.Error = g.Error.Code
+				continue
+			}
+		}
+		if kind == api.Generate {
+			var g gen
+			if err := json.Unmarshal([]byte(e), &g); err != nil {
+				t.Fatalf("%v: %s", err, e)
+			}
+			fromGen(g)
+			continue
+		}
+		var o oai
+		if err := json.Unmarshal([]byte(e), &o); err != nil {
+			t.Fatalf("%v: %s", err, e)
+		}
+		fromOAI(o)
+	}
+	if ev[len(ev)-1] != "[DONE]" {
+		t.Fatalf("stream without [DONE]: %v", ev)
+	}
+	return a
+}
+
+// A request whose decode worker dies after some tokens, in every API, streaming or not, from a
+// worker streaming cumulative text and ids (SGLang's default) or increments: the gateway
+// resumes it through a new decision whose prompt is the original prompt's ids and the ids
+// generated so far, for the tokens that remain, avoiding the dead worker; the client reads the
+// answer an uninterrupted run gives (text, ids, usage, finish); the failed attempt and the
+// continuation are reported as two outcomes. With --resume-mid-stream=false the old failure.
+func TestResumeMidStream(t *testing.T) {
+	tok, _ := qwen3(t)
+	const maxTok, dieAfter = 9, 4
+	bodies := map[api.Kind]func(stream bool) string{
+		api.Generate: func(stream bool) string {
+			return fmt.Sprintf(`{"input_ids":[11,22,33,44,55,66,77],"stream":%v,"sampling_params":{"max_new_tokens":%d,"min_new_tokens":6,"temperature":0},"kvc":{"turn":3}}`, stream, maxTok)
+		},
+		api.Chat: func(stream bool) string {
+			return fmt.Sprintf(`{"model":"m","stream":%v,"max_tokens":%d,"messages":[{"role":"user","content":"write the test"}],"kvc":{"turn":3}}`, stream, maxTok)
+		},
+		api.Completion: func(stream bool) string {
+			return fmt.Sprintf(`{"model":"m","stream":%v,"max_tokens":%d,"prompt":"func TestResume(t *testing.T) {","kvc":{"turn":3}}`, stream, maxTok)
+		},
+	}
+	paths := map[api.Kind]string{api.Generate: "/generate", api.Chat: "/v1/chat/completions", api.Completion: "/v1/completions"}
+	for _, kind := range []api.Kind{api.Generate, api.Chat, api.Completion} {
+		for _, stream := range []bool{true, false} {
+			for _, cumulative := range []bool{false, true} {
+				for _, resume := range []bool{true, false} {
+					name := fmt.Sprintf("%s/stream=%v/cumulative=%v/resume=%v", kind, stream, cumulative, resume)
+					t.Run(name, func(t *testing.T) {
+						dying, good := newModelWorker(t, cumulative, dieAfter), newModelWorker(t, cumulative, 0)
+						rr := &recRouter{decision: func(q *kvcv1.RouteQuery) *kvcv1.RouteDecision {
+							d := &kvcv1.WorkerRef{WorkerId: "d-dying", WorkerUrl: dying.URL}
+							if q.GetSessionId() == "ref" || slices.Contains(q.GetExcludeWorkers(), "d-dying") {
+								d = &kvcv1.WorkerRef{WorkerId: "d-good", WorkerUrl: good.URL}
+							}
+							return &kvcv1.RouteDecision{DecisionId: fmt.Sprintf("dec-%s-%d", q.GetSessionId(), len(q.GetExcludeWorkers())),
+								Mode: kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, Decode: d,
+								Execution: &kvcv1.RouteExecution{CallDecode: true, KeepSession: true, RetryAllowed: true}}
+						}}
+						m := NewMetrics(prometheus.NewRegistry())
+						s := New(rr, workers.NewPool(nil, nil), Options{RequestTimeout: 10 * time.Second, ConnectTimeout: time.Second, MaxBodyBytes: 1 << 20,
+							Parse: api.Options{RequireSession: true, DefaultMaxTok: 16}, Content: &Content{Tok: tok, PageSize: 4}, ResumeMidStream: resume},
+							zerolog.Nop(), m)
+						mux := http.NewServeMux()
+						s.Register(mux)
+						gw := httptest.NewServer(mux)
+						defer func() { gw.Close(); s.Close() }()
+						ask := func(session string) (*http.Response, clientAnswer) {
+							req, _ := http.NewRequest(http.MethodPost, gw.URL+paths[kind], strings.NewReader(bodies[kind](stream)))
+							req.Header.Set("X-Session-ID", session)
+							resp, err := http.DefaultClient.Do(req)
+							if err != nil {
+								t.Fatal(err)
+							}
+							defer resp.Body.Close()
+							a := readAnswer(t, kind, stream, cumulative, resp)
+							_, _ = io.Copy(io.Discard, resp.Body) // to the trailers
+							return resp, a
+						}
+						_, want := ask("ref") // uninterrupted, on the good worker
+						<-good.calls
+						if want.Error != "" || want.Completion != maxTok {
+							t.Fatalf("reference answer %+v", want)
+						}
+						resp, got := ask("s1")
+						first := <-dying.calls
+						if !resume {
+							wantErr := "502 worker_unreachable"
+							if stream {
+								wantErr = "worker_unreachable"
+							}
+							if got.Error != wantErr || len(good.calls) != 0 {
+								t.Fatalf("without resume: %+v, want the error %q and no second call", got, wantErr)
+							}
+							if n := testutil.ToFloat64(m.Resumes.WithLabelValues(resumeDisabled)); n != 1 {
+								t.Fatalf("resumes{disabled} = %v", n)
+							}
+							return
+						}
+						if got.Error != "" || got.Text != want.Text || !slices.Equal(got.IDs, want.IDs) || got.Prompt != want.Prompt ||
+							got.Completion != want.Completion || got.Finish != want.Finish {
+							t.Fatalf("resumed answer\n %+v\nwant the uninterrupted one\n %+v", got, want)
+						}
+						// The continuation: the prompt and the streamed ids, the tokens left, min_new_tokens counted down.
+						cont := <-good.calls
+						ids := func(b map[string]any) []int64 {
+							var out []int64
+							for _, v := range b["input_ids"].([]any) {
+								out = append(out, int64(v.(float64)))
+							}
+							return out
+						}
+						p0 := ids(first)
+						// The streamed ids where the client sees them (a /generate stream); elsewhere the
+						// prompt part is checked, the generated part by the answer's text.
+						wantIDs := ids(cont)[:len(p0)+dieAfter]
+						if kind == api.Generate && stream {
+							wantIDs = append(slices.Clone(p0), got.IDs[:dieAfter]...)
+						}
+						sp := cont["sampling_params"].(map[string]any)
+						if !slices.Equal(ids(cont), wantIDs) || !slices.Equal(ids(cont)[:len(p0)], p0) || sp["max_new_tokens"] != float64(maxTok-dieAfter) {
+							t.Fatalf("continuation body: input_ids %v (prompt %v), sampling %v", ids(cont), p0, sp)
+						}
+						if mn, ok := sp["min_new_tokens"]; kind == api.Generate && (!ok || mn != float64(6-dieAfter)) {
+							t.Fatalf("continuation's min_new_tokens %v, want %d", mn, 6-dieAfter)
+						}
+						// Named where the client can see it.
+						if stream {
+							if resp.Trailer.Get("X-KVC-Resumed-From") != "d-dying" || resp.Trailer.Get("X-KVC-Resumed-Decode-Worker") != "d-good" {
+								t.Fatalf("trailers %v", resp.Trailer)
+							}
+						} else if resp.Header.Get("X-KVC-Resumed-From") != "d-dying" || resp.Header.Get("X-KVC-Decode-Worker") != "d-good" {
+							t.Fatalf("headers %v", resp.Header)
+						}
+						if n := testutil.ToFloat64(m.Resumes.WithLabelValues(resumeOK)); n != 1 {
+							t.Fatalf("resumes{ok} = %v", n)
+						}
+						// The control plane: the same session and turn, the extended prompt, the dead
+						// worker excluded; the failed attempt and the continuation as two outcomes.
+						rr.mu.Lock()
+						defer rr.mu.Unlock()
+						qs, os := rr.queries[1:], rr.outcomes[1:] // after the reference's
+						if len(qs) != 2 || qs[1].GetSessionId() != "s1" || qs[1].GetTurn() != qs[0].GetTurn() ||
+							qs[1].GetInputTokens() != qs[0].GetInputTokens()+dieAfter || qs[1].GetMaxOutputTokens() != maxTok-dieAfter ||
+							!slices.Equal(qs[1].GetExcludeWorkers(), []string{"d-dying"}) || len(qs[1].GetPromptPages()) != int(qs[1].GetInputTokens()/4) {
+							t.Fatalf("queries %v", qs)
+						}
+						if len(os) != 2 || os[0].GetSuccess() || os[0].GetErrorKind() != kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_WORKER_ERROR ||
+							!os[1].GetSuccess() || os[1].GetDecisionId() == os[0].GetDecisionId() || os[1].GetKvLenAfter() != qs[0].GetInputTokens()+maxTok {
+							t.Fatalf("outcomes %v", os)
+						}
+					})
+				}
+			}
+		}
+	}
+}
+
+// What cannot be resumed exactly enough is not: a prompt without known ids, streamed ids that
+// do not add up to the tokens generated, nothing left, a grammar-constrained answer.
+func TestResumeRequestRefuses(t *testing.T) {
+	base := api.Request{Kind: api.Generate, SessionID: "s", InputIDs: []int64{1, 2, 3}, InputTokens: 3, MaxTokens: 5,
+		Sampling: []byte(`{"max_new_tokens":5,"min_new_tokens":1}`)}
+	tests := []struct {
+		name      string
+		mod       func(r *api.Request, res *result)
+		segChunks int
+		want      string
+	}{
+		{"resumable", func(*api.Request, *result) {}, 2, ""},
+		{"no ids", func(r *api.Request, _ *result) { r.InputIDs = nil }, 2, resumeNoIDs},
+		{"ids not the prompt's", func(r *api.Request, _ *result) { r.InputTokens = 4 }, 2, resumeNoIDs},
+		{"an id missing", func(_ *api.Request, res *result) { res.outputIDs = res.outputIDs[:1] }, 2, resumeIDsMismatch},
+		{"no meta: one id per chunk", func(_ *api.Request, res *result) { res.outputTok = 0 }, 3, resumeIDsMismatch},
+		{"no meta, ids per chunk", func(_ *api.Request, res *result) { res.outputTok = 0 }, 2, ""},
+		{"nothing streamed", func(_ *api.Request, res *result) { res.outputIDs, res.outputTok = nil, 0 }, 0, resumeIDsMismatch},
+		{"nothing left", func(r *api.Request, _ *result) { r.MaxTokens = 2 }, 2, resumeNoneLeft},
+		{"regex", func(r *api.Request, _ *result) { r.Sampling = []byte(`{"max_new_tokens":5,"regex":"a+"}`) }, 2, resumeConstrained},
+		{"json schema", func(r *api.Request, _ *result) { r.Sampling = []byte(`{"max_new_tokens":5,"json_schema":"{}"}`) }, 2, resumeConstrained},
+		{"null regex", func(r *api.Request, _ *result) { r.Sampling = []byte(`{"max_new_tokens":5,"regex":null}`) }, 2, ""},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			r := base
+			res := result{outputIDs: []int64{7, 8}, outputTok: 2}
+			tt.mod(&r, &res)
+			c, why := resumeRequest(&r, res, tt.segChunks)
+			if why != tt.want || (c == nil) != (tt.want != "") {
+				t.Fatalf("why %q (%v), want %q", why, c, tt.want)
+			}
+			if c == nil {
+				return
+			}
+			if !slices.Equal(c.InputIDs, append(slices.Clone(r.InputIDs), res.outputIDs...)) || c.InputTokens != 5 || c.MaxTokens != r.MaxTokens-2 ||
+				!slices.Equal(r.InputIDs, base.InputIDs) {
+				t.Fatalf("continuation %+v (original %v)", c, r.InputIDs)
+			}
+			if tt.name == "resumable" && !bytes.Equal(c.Sampling, []byte(`{"max_new_tokens":3,"min_new_tokens":0}`)) {
+				t.Fatalf("sampling %s", c.Sampling)
+			}
+		})
+	}
+}
+
+// The continuation's counts are the whole answer's; what is not a count passes as it is.
+func TestResumeBaseMeta(t *testing.T) {
+	b := &resumeBase{prompt: 100, ids: []int64{1, 2, 3}}
+	got := string(b.meta(json.RawMessage(`{"id":"x","prompt_tokens":103,"completion_tokens":2,"finish_reason":{"type":"length","length":5},"kvc":{"kv_len_after":105}}`)))
+	want := `{"completion_tokens":5,"finish_reason":{"length":8,"type":"length"},"id":"x","kvc":{"kv_len_after":105},"prompt_tokens":100}`
+	if got != want {
+		t.Fatalf("meta %s\nwant %s", got, want)
+	}
+	if got := string(b.meta(json.RawMessage(`{"finish_reason":{"type":"stop","matched":"x"}}`))); got != `{"finish_reason":{"type":"stop","matched":"x"}}` {
+		t.Fatalf("stop finish rewritten: %s", got)
+	}
+	if got := string(b.meta(json.RawMessage(`not json`))); got != `not json` {
+		t.Fatalf("unreadable meta: %s", got)
+	}
+}
