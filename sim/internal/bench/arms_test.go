@@ -45,6 +45,16 @@ func TestArmPolicyAndSimArgs(t *testing.T) {
 	if got := strings.Join(ArmDecodeSidecarArgs("E4"), " "); got != "--release-high-watermark 0.9" || ArmDecodeSidecarArgs("SGL") != nil {
 		t.Errorf("decode sidecar args: E4 %q", got)
 	}
+	// Only the kvcentric arms' gateways resume a request whose decode worker died mid-stream.
+	for _, arm := range Arms {
+		want := "--resume-mid-stream=false"
+		if arm == "E3" || arm == "E4" {
+			want = ""
+		}
+		if got := strings.Join(ArmGatewayArgs(arm), " "); got != want {
+			t.Errorf("%s's gateway args %q, want %q", arm, got, want)
+		}
+	}
 	if p, _ := ArmSimArgs("PD", "/w", 1, Baselines{PrefixCacheTokens: 123, PrefillCapacity: 50000}); p[1] != "123" {
 		t.Errorf("explicit prefix cache: %v", p)
 	}

@@ -288,6 +288,15 @@ func send(ctx context.Context, hc *http.Client, baseURL, session string, turn in
 			p = bytes.TrimSpace(p)
 			if bytes.Equal(p, []byte("[DONE]")) {
 				r.OK = r.ErrorKind == ""
+				// The gateway names a resume in trailers (the headers went out with the first
+				// worker's): read to the end of the body for them.
+				_, _ = io.Copy(io.Discard, io.LimitReader(br, 1<<20))
+				if from := resp.Trailer.Get("X-KVC-Resumed-From"); from != "" {
+					r.ResumedFrom, r.ResumedOn = from, resp.Trailer.Get("X-KVC-Resumed-Decode-Worker")
+					if r.OK && r.ResumedOn != "" {
+						opt.Holders.Set(session, r.ResumedOn)
+					}
+				}
 				return r, out
 			}
 			var c streamChunk

@@ -120,6 +120,17 @@ func ArmDecodeSidecarArgs(arm string) []string {
 	return nil
 }
 
+// ArmGatewayArgs are the gateway's flags of an arm: the baselines' gateways do not resume a
+// request whose decode worker dies mid-stream (SGLang's router and llm-d's gateway do not;
+// docs/gateway.md), the kvcentric arms' do (the gateway's default).
+func ArmGatewayArgs(arm string) []string {
+	switch arm {
+	case "E1", "PD", "SGL", "LLMD":
+		return []string{"--resume-mid-stream=false"}
+	}
+	return nil
+}
+
 // hostTier is the CPU tier directory of a decode worker's host (LLMD): it dies with the node.
 func hostTier(work, worker string) string { return filepath.Join(work, "tier-host-"+worker) }
 
@@ -289,6 +300,7 @@ func runArm(ctx context.Context, cfg Config, arm string, out io.Writer, meta *re
 			Gateway: true, Log: prefixWriter{cfg.Log, arm + ": "},
 			WorkerKind: cfg.WorkerKind, RefworkerPython: cfg.RefworkerPython, RefworkerArgs: cfg.RefworkerArgs,
 			RefworkerDevices: cfg.RefworkerDevices, PrefillSidecarArgs: cfg.PrefillSidecarArgs, DecodeSidecarArgs: ArmDecodeSidecarArgs(arm),
+			GatewayArgs: ArmGatewayArgs(arm),
 		}
 		// Every process binds port 0 and reports what it bound: no port race to retry.
 		c, err := cluster.Start(ctx, ccfg)

@@ -116,6 +116,8 @@ type Cluster struct {
 	ownSock  bool
 	stopOnce sync.Once
 	stopErr  error
+	// gatewayArgs are every gateway's flags on this cluster (StartGateway).
+	gatewayArgs []string
 }
 
 func (c *Cluster) logf(format string, a ...any) {
@@ -489,25 +491,37 @@ func (c *Cluster) start(ctx context.Context) error {
 	}
 	c.logf("workers         %d prefill, %d decode registered", cfg.Prefill, cfg.Decode)
 
+	c.gatewayArgs = []string{
+		"--http-addr", "127.0.0.1:0", "--control-plane", cpList, "--insecure",
+		"--prefill-urls", strings.Join(prefillURLs, ","), "--decode-urls", strings.Join(decodeURLs, ","),
+	}
 	if cfg.Gateway {
-		args := append([]string{
-			"--http-addr", "127.0.0.1:0", "--control-plane", cpList, "--insecure",
-			"--prefill-urls", strings.Join(prefillURLs, ","), "--decode-urls", strings.Join(decodeURLs, ","),
-		}, cfg.GatewayArgs...)
-		gw, err := c.spawnProc("kvc-gateway", "gateway", "gateway", args)
+		url, err := c.StartGateway(ctx, "gateway", cfg.GatewayArgs...)
 		if err != nil {
 			return err
 		}
-		if err := c.waitAll(ctx, gw); err != nil {
-			return err
-		}
-		c.GatewayURL = httpURL(gw.ReadyString("http_addr"))
-		if err := c.WaitGatewayConnected(ctx); err != nil {
-			return err
-		}
+		c.GatewayURL = url
 		c.logf("gateway         %s", c.GatewayURL)
 	}
 	return nil
+}
+
+// StartGateway starts one more kvc-gateway process named name on the cluster (its control
+// planes, its workers as the fail-open lists), with extra flags after the cluster's, and returns
+// its URL once its route stream is up. Stop stops it with the cluster.
+func (c *Cluster) StartGateway(ctx context.Context, name string, extra ...string) (string, error) {
+	if c.gatewayArgs == nil {
+		return "", errors.New("start gateway: the cluster's workers are not up")
+	}
+	gw, err := c.spawnProc("kvc-gateway", name, "gateway", append(slices.Clone(c.gatewayArgs), extra...))
+	if err != nil {
+		return "", err
+	}
+	if err := c.waitAll(ctx, gw); err != nil {
+		return "", err
+	}
+	url := httpURL(gw.ReadyString("http_addr"))
+	return url, c.waitGatewayConnected(ctx, url)
 }
 
 func (c *Cluster) addrFile(name string) string {
@@ -661,9 +675,13 @@ func (c *Cluster) WaitGatewayConnected(ctx context.Context) error {
 	if c.GatewayURL == "" {
 		return nil
 	}
+	return c.waitGatewayConnected(ctx, c.GatewayURL)
+}
+
+func (c *Cluster) waitGatewayConnected(ctx context.Context, url string) error {
 	cl := &http.Client{Timeout: 2 * time.Second}
 	return c.retry(ctx, "wait for the gateway's route stream", func(ctx context.Context) error {
-		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, c.GatewayURL+"/metrics", nil)
+		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, url+"/metrics", nil)
 		resp, err := cl.Do(req)
 		if err != nil {
 			return err

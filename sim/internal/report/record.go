@@ -28,6 +28,11 @@ type Record struct {
 	// RetriedFrom names the decode workers of earlier attempts of this request that failed and
 	// that the gateway retried through a new decision (X-KVC-Retried-From), in order.
 	RetriedFrom []string `json:"retried_from,omitempty"`
+	// ResumedFrom is the decode worker that died while this request streamed from it, and
+	// ResumedOn the one a new decision continued the answer on (the gateway's
+	// --resume-mid-stream; its trailers X-KVC-Resumed-From, X-KVC-Resumed-Decode-Worker).
+	ResumedFrom string `json:"resumed_from,omitempty"`
+	ResumedOn   string `json:"resumed_on,omitempty"`
 
 	OK        bool    `json:"ok"`
 	Status    int     `json:"http_status"`

@@ -187,8 +187,11 @@ type Arm struct {
 	ErrorKinds map[string]int
 	FailOpen   int
 	Retries    int
-	Verified   int64
-	TTFTs      []float64 // every request, a failure at the time it failed, sorted (for the CDF plot)
+	// Resumed: requests the gateway finished on another decode worker after theirs died
+	// mid-stream (ResumedFrom, OK).
+	Resumed  int
+	Verified int64
+	TTFTs    []float64 // every request, a failure at the time it failed, sorted (for the CDF plot)
 	// PrefillTokens is the work of the prefill worker (whole inputs of SEED, RESEED_PREFILL and
 	// PD_FALLBACK); AppendTokens the uncached tokens decode workers append-prefilled.
 	PrefillTokens, AppendTokens int64
@@ -293,6 +296,9 @@ func ComputeWith(name string, recs []Record, div float64, opt Options) *Arm {
 			a.FailOpen++
 		}
 		a.Retries += r.Retries
+		if r.ResumedFrom != "" && r.OK {
+			a.Resumed++
+		}
 		a.Summary.BytesMoved += r.ReceivedBytes
 		a.Verified += r.VerifiedBytes
 		a.Summary.KVVerifyFailures += r.VerifyFailures

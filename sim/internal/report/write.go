@@ -398,8 +398,8 @@ func Markdown(meta Meta, arms []*Arm) string {
 	p("")
 	p("## Failures and fallbacks")
 	p("")
-	p("| arm | failed | error kinds | fail-open requests | retries after 409 |")
-	p("|---|---:|---|---:|---:|")
+	p("| arm | failed | error kinds | fail-open requests | retries after 409 | resumed mid-stream |")
+	p("|---|---:|---|---:|---:|---:|")
 	for _, a := range arms {
 		var kinds []string
 		for _, k := range sortedCounts(a.ErrorKinds) {
@@ -408,7 +408,7 @@ func Markdown(meta Meta, arms []*Arm) string {
 		if len(kinds) == 0 {
 			kinds = []string{"none"}
 		}
-		p("| %s | %d | %s | %d | %d |", a.Name, a.Summary.Total-a.Summary.OK, strings.Join(kinds, ", "), a.FailOpen, a.Retries)
+		p("| %s | %d | %s | %d | %d | %d |", a.Name, a.Summary.Total-a.Summary.OK, strings.Join(kinds, ", "), a.FailOpen, a.Retries, a.Resumed)
 	}
 	p("")
 	p("Per-request records (mode, reason, TTFT, latency, uncached tokens, snapshot used, bytes, error kind) are in `metrics.jsonl`.")
