@@ -234,7 +234,7 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request, kind api.Kind) {
 			if p != nil {
 				// The retry or the continuation found nothing to run: the failed attempt's error stands.
 				if first != nil {
-					s.resumeDone(req, first, resumeFailed, "no decision: "+rerr.Message)
+					s.resumeDone(req, first, nil, resumeFailed, "no decision: "+rerr.Message)
 				}
 				break
 			}
@@ -253,10 +253,10 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request, kind api.Kind) {
 		if first != nil {
 			// The continuation ended: the answer's end either way (maxResumes).
 			if res.ok {
-				s.resumeDone(req, first, resumeOK, "")
+				s.resumeDone(req, first, p, resumeOK, "")
 				res = out.base.merged(*first, res)
 			} else {
-				s.resumeDone(req, first, resumeFailed, res.detail)
+				s.resumeDone(req, first, p, resumeFailed, res.detail)
 			}
 			break
 		}
@@ -391,11 +391,15 @@ func (s *Server) resumable(ctx context.Context, cur *api.Request, res result, ou
 	return c, ""
 }
 
-// resumeDone counts and logs how a continuation ended.
-func (s *Server) resumeDone(req *api.Request, first *result, result, detail string) {
+// resumeDone counts and logs how a continuation (its plan p; nil when no decision came) ended.
+func (s *Server) resumeDone(req *api.Request, first *result, p *plan, result, detail string) {
 	s.m.Resumes.WithLabelValues(result).Inc()
-	s.log.Info().Str("rid", req.RID).Str("session", req.SessionID).Str("result", result).
-		Int("tokens_before", len(first.outputIDs)).Str("detail", detail).Msg("mid-stream resume ended")
+	ev := s.log.Info().Str("rid", req.RID).Str("session", req.SessionID).Str("result", result).
+		Int("tokens_before", len(first.outputIDs))
+	if p != nil {
+		ev = ev.Str("mode", modeName(p.mode)).Str("reason", p.reason).Str("decision", p.decisionID).Str("decode_worker", p.decode.GetWorkerId())
+	}
+	ev.Str("detail", detail).Msg("mid-stream resume ended")
 }
 
 // route gets a decision, or a fail-open plan on every path where the control plane cannot give
