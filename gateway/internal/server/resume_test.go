@@ -365,6 +365,40 @@ func TestResumeMidStream(t *testing.T) {
 	}
 }
 
+// A continuation whose own worker dies too ends the answer with its error (one resume per
+// request): an error event after the tokens both streamed, resumes{failed}.
+func TestResumeBounded(t *testing.T) {
+	first, second := newModelWorker(t, false, 3), newModelWorker(t, false, 2)
+	rr := &recRouter{decision: func(q *kvcv1.RouteQuery) *kvcv1.RouteDecision {
+		d := &kvcv1.WorkerRef{WorkerId: "d-1", WorkerUrl: first.URL}
+		if len(q.GetExcludeWorkers()) > 0 {
+			d = &kvcv1.WorkerRef{WorkerId: "d-2", WorkerUrl: second.URL}
+		}
+		return &kvcv1.RouteDecision{DecisionId: fmt.Sprint("dec-", len(q.GetExcludeWorkers())), Mode: kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, Decode: d,
+			Execution: &kvcv1.RouteExecution{CallDecode: true, KeepSession: true, RetryAllowed: true}}
+	}}
+	m := NewMetrics(prometheus.NewRegistry())
+	s := New(rr, workers.NewPool(nil, nil), Options{RequestTimeout: 10 * time.Second, ConnectTimeout: time.Second, MaxBodyBytes: 1 << 20,
+		Parse: api.Options{RequireSession: true, DefaultMaxTok: 16}, ResumeMidStream: true}, zerolog.Nop(), m)
+	mux := http.NewServeMux()
+	s.Register(mux)
+	gw := httptest.NewServer(mux)
+	defer func() { gw.Close(); s.Close() }()
+	resp := post(t, gw.URL, "/generate", "s1", `{"input_ids":[1,2,3],"stream":true,"sampling_params":{"max_new_tokens":8}}`)
+	a := readAnswer(t, api.Generate, true, false, resp)
+	if a.Error != "worker_unreachable" || len(a.IDs) != 5 {
+		t.Fatalf("answer %+v: want the second death's error after 3+2 tokens", a)
+	}
+	if got := testutil.ToFloat64(m.Resumes.WithLabelValues(resumeFailed)); got != 1 {
+		t.Fatalf("resumes{failed} = %v", got)
+	}
+	rr.mu.Lock()
+	defer rr.mu.Unlock()
+	if len(rr.queries) != 2 || len(rr.outcomes) != 2 || rr.outcomes[0].GetSuccess() || rr.outcomes[1].GetSuccess() {
+		t.Fatalf("%d queries, outcomes %v: want two failed attempts, no third", len(rr.queries), rr.outcomes)
+	}
+}
+
 // What cannot be resumed exactly enough is not: a prompt without known ids, streamed ids that
 // do not add up to the tokens generated, nothing left, a grammar-constrained answer.
 func TestResumeRequestRefuses(t *testing.T) {

@@ -257,6 +257,7 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request, kind api.Kind) {
 				res = out.base.merged(*first, res)
 			} else {
 				s.resumeDone(req, first, p, resumeFailed, res.detail)
+				res.ttft = first.ttft // the client's first token came from the first attempt
 			}
 			break
 		}
