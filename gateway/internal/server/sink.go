@@ -181,9 +181,9 @@ func (s *sink) continued(raw []byte, ids []int64) []byte {
 	return out
 }
 
-// trailers name, at the end of a started stream, the worker it resumed from and the one that
-// finished it (X-KVC-Resumed-From, X-KVC-Resumed-Decode-Worker): the headers went out with
-// the first worker's.
+// trailers name, at the end of a started stream, the worker it resumed from, the one that
+// finished it and the continuation's mode (X-KVC-Resumed-From, X-KVC-Resumed-Decode-Worker,
+// X-KVC-Resumed-Mode): the headers went out with the first worker's.
 func (s *sink) trailers(p *plan) {
 	if s.base == nil || !s.started {
 		return
@@ -191,6 +191,7 @@ func (s *sink) trailers(p *plan) {
 	h := s.w.Header()
 	h.Set(http.TrailerPrefix+"X-KVC-Resumed-From", s.base.from)
 	h.Set(http.TrailerPrefix+"X-KVC-Resumed-Decode-Worker", p.decode.GetWorkerId())
+	h.Set(http.TrailerPrefix+"X-KVC-Resumed-Mode", modeName(p.mode))
 }
 
 // reasoned streams what the reasoning split gave: a reasoning_content delta, then a content

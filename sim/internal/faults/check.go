@@ -235,6 +235,13 @@ func lostWrites(h []Op) (int, []string) {
 func OpsFromResults(rs []Result) []Op {
 	var out []Op
 	for _, r := range rs {
+		if r.ResumedFrom != "" {
+			// Resumed mid-stream: the interrupted decision failed (a Maybe, as any failure),
+			// then the continuation's decision is this result's (its mode and worker).
+			first := r
+			first.OK, first.Mode, first.Worker, first.ResumedFrom = false, r.FirstMode, r.ResumedFrom, ""
+			out = append(out, OpsFromResults([]Result{first})...)
+		}
 		if r.FailOpen || r.Mode == "" {
 			if !r.OK && r.Mode == "" && r.Status == 0 {
 				// No answer at all: the decision (if any) is unknown: it may have written.

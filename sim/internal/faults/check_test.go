@@ -75,6 +75,8 @@ func TestOpsFromResults(t *testing.T) {
 		{Session: "a", Status: 502, Mode: "SEED", Worker: "d1"},
 		{Session: "a", Status: 502, Mode: "DIRECT_TO_D", Worker: "d1"},
 		{Session: "a", Err: "transport: refused"},
+		// Resumed mid-stream: DIRECT_TO_D on d1 died, the continuation reseeded onto d2.
+		{Session: "a", OK: true, Status: 200, Mode: "RESEED_SNAPSHOT", Worker: "d2", ResumedFrom: "d1", FirstMode: "DIRECT_TO_D"},
 	}
 	for i := range rs {
 		rs[i].Call, rs[i].Return = t0, t0
@@ -82,7 +84,8 @@ func TestOpsFromResults(t *testing.T) {
 	want := []struct {
 		kind opKind
 		w    string
-	}{{opSeed, "d0"}, {opRead, "d0"}, {opWrite, "d1"}, {opWrite, "d2"}, {opMaybe, ""}, {opMaybe, "d1"}, {opMaybe, ""}, {opMaybe, ""}}
+	}{{opSeed, "d0"}, {opRead, "d0"}, {opWrite, "d1"}, {opWrite, "d2"}, {opMaybe, ""}, {opMaybe, "d1"}, {opMaybe, ""}, {opMaybe, ""},
+		{opMaybe, ""}, {opWrite, "d2"}}
 	got := OpsFromResults(rs)
 	if len(got) != len(want) {
 		t.Fatalf("%d ops, want %d: %+v", len(got), len(want), got)

@@ -6,6 +6,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net/http"
 	"strconv"
 	"sync"
@@ -28,6 +29,11 @@ type Result struct {
 	Worker   string // X-KVC-Decode-Worker
 	FailOpen bool   // X-KVC-Fail-Open
 	Retries  int    // X-KVC-Retries
+	// A request the gateway resumed after its decode worker died mid-stream (the trailers
+	// X-KVC-Resumed-From, -Decode-Worker, -Mode): Mode and Worker are then the continuation's
+	// decision's, FirstMode and ResumedFrom the interrupted one's (OpsFromResults: two ops).
+	ResumedFrom string
+	FirstMode   string
 }
 
 // LoadConfig shapes the session traffic.
@@ -225,6 +231,11 @@ func (l *Load) send(ctx context.Context, session string, turn int, key string) (
 			p = bytes.TrimSpace(p)
 			if bytes.Equal(p, []byte("[DONE]")) {
 				r.OK = r.Err == ""
+				_, _ = io.Copy(io.Discard, io.LimitReader(br, 1<<20)) // to the trailers
+				if from := resp.Trailer.Get("X-KVC-Resumed-From"); from != "" {
+					r.ResumedFrom, r.FirstMode = from, r.Mode
+					r.Mode, r.Worker = resp.Trailer.Get("X-KVC-Resumed-Mode"), resp.Trailer.Get("X-KVC-Resumed-Decode-Worker")
+				}
 				return r
 			}
 			var c struct {

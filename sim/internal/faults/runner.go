@@ -54,10 +54,14 @@ type Outcome struct {
 	Requests  int     `json:"requests"`
 	Failed    int     `json:"failed"`
 	// KilledMidStream are requests that were streaming from a worker the fault killed (kill -9
-	// of its engine: its sessions are Drops) when it died: their answer had started, so neither
-	// the gateway nor anything else can finish it — the client sees the stream break, as it
-	// would from a real engine's crash. Counted and noted, not failures of the criterion.
+	// of its engine: its sessions are Drops) when it died and that the gateway did not resume
+	// (--resume-mid-stream off, or no decision for the continuation): the client sees the stream
+	// break, as it would from a real engine's crash. Counted and noted, not failures of the
+	// criterion.
 	KilledMidStream int `json:"killed_mid_stream"`
+	// Resumed are requests whose decode worker died mid-stream and that the gateway finished
+	// through a new decision (Result.ResumedFrom).
+	Resumed int `json:"resumed_mid_stream,omitempty"`
 	// Shed are requests refused by a bound the scenario states (Scenario.Shed), not failures.
 	Shed       int            `json:"shed,omitempty"`
 	FailOpen   int            `json:"fail_open"`
@@ -213,6 +217,10 @@ func (r *Runner) Run(ctx context.Context, sc Scenario) (Outcome, error) {
 		out.Requests++
 		if res.FailOpen {
 			out.FailOpen++
+		}
+		if res.OK && res.ResumedFrom != "" {
+			out.Resumed++
+			st.Note("resumed mid-stream: %s turn %d from %s on %s (%s)", res.Session, res.Turn, res.ResumedFrom, res.Worker, res.Mode)
 		}
 		if !res.OK && killedMidStream(res, drops, st.faultAt) {
 			out.KilledMidStream++
@@ -424,6 +432,9 @@ func (r *Runner) report(o Outcome) {
 	killed := ""
 	if o.KilledMidStream > 0 {
 		killed = fmt.Sprintf(", killed mid-stream %d", o.KilledMidStream)
+	}
+	if o.Resumed > 0 {
+		killed += fmt.Sprintf(", resumed mid-stream %d", o.Resumed)
 	}
 	if o.Shed > 0 {
 		killed += fmt.Sprintf(", shed %d", o.Shed)
