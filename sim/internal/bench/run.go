@@ -227,6 +227,7 @@ func run(ctx context.Context, cfg Config) ([]*report.Arm, report.Meta, error) {
 	meta.ArmWall = map[string]time.Duration{}
 	meta.ArmKills = map[string]float64{}
 	meta.ArmSimArgs = map[string]string{}
+	meta.ArmGatewayArgs = map[string]string{}
 	meta.ArmPushBytes = map[string]int64{}
 	meta.ArmKillTargets = map[string]report.KillTarget{}
 	meta.SLO = cfg.SLO
@@ -291,6 +292,9 @@ func runArm(ctx context.Context, cfg Config, arm string, out io.Writer, meta *re
 		psa, dsa := ArmSimArgs(arm, work, decode, bl)
 		if len(psa)+len(dsa) > 0 {
 			meta.ArmSimArgs[arm] = fmt.Sprintf("prefill `%s`; decode `%s`", strings.Join(psa, " "), strings.Join(dsa, " "))
+		}
+		if ga := ArmGatewayArgs(arm); len(ga) > 0 {
+			meta.ArmGatewayArgs[arm] = strings.Join(ga, " ")
 		}
 		fmt.Fprintf(cfg.Log, "%s: starting a local cluster (%d P + %d D, 2 control planes, gateway) in %s\n", arm, prefill, decode, work)
 		ccfg := cluster.Config{

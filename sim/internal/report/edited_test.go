@@ -67,3 +67,25 @@ func TestLargeAppendsSection(t *testing.T) {
 		t.Fatal("an arm without large appends shows the section")
 	}
 }
+
+// TestResumedMidStream: a request the gateway resumed after its decode worker died counts in the
+// failures table's resumed column (a failed one does not), and an arm's gateway flags are listed.
+func TestResumedMidStream(t *testing.T) {
+	recs := []Record{
+		{Mode: "DIRECT_TO_D", OK: true, TTFTS: 0.1, DecodeWorker: "decode-0", ResumedFrom: "decode-0", ResumedOn: "decode-3"},
+		{Mode: "DIRECT_TO_D", OK: false, ErrorKind: "WORKER_ERROR", DecodeWorker: "decode-0", ResumedFrom: "decode-0"},
+		{Mode: "DIRECT_TO_D", OK: true, TTFTS: 0.1},
+	}
+	a := Compute("E4", recs, 1)
+	if a.Resumed != 1 {
+		t.Fatalf("resumed %d, want 1", a.Resumed)
+	}
+	md := Markdown(Meta{ArmPolicies: map[string]string{"E4": "p", "SGL": "p"}, ArmGatewayArgs: map[string]string{"SGL": "--resume-mid-stream=false"}},
+		[]*Arm{a, Compute("SGL", recs[2:], 1)})
+	if !strings.Contains(md, "| E4 | 1 | WORKER_ERROR 1 | 0 | 0 | 1 |") || !strings.Contains(md, "| SGL | 0 | none | 0 | 0 | 0 |") {
+		t.Fatalf("failures table:\n%s", md)
+	}
+	if !strings.Contains(md, "SGL's gateway flags: `--resume-mid-stream=false`") || strings.Contains(md, "E4's gateway flags") {
+		t.Fatalf("gateway flags:\n%s", md)
+	}
+}

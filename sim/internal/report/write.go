@@ -44,6 +44,8 @@ type Meta struct {
 	KillWorkerOnly bool
 	// ArmSimArgs are each arm's per-role kvc-sim flags (the baseline models).
 	ArmSimArgs map[string]string
+	// ArmGatewayArgs are each arm's extra gateway flags (the baselines': no mid-stream resume).
+	ArmGatewayArgs map[string]string
 	// ArmPushBytes are the D→P snapshot bytes the decode sidecars pushed per arm (real bytes,
 	// at kvc-sim's reduced bytes per token).
 	ArmPushBytes map[string]int64
@@ -190,6 +192,9 @@ func Markdown(meta Meta, arms []*Arm) string {
 		}
 		if sa := meta.ArmSimArgs[a.Name]; sa != "" {
 			p("  - %s's kvc-sim baseline flags: %s", a.Name, sa)
+		}
+		if ga := meta.ArmGatewayArgs[a.Name]; ga != "" {
+			p("  - %s's gateway flags: `%s`", a.Name, ga)
 		}
 	}
 	p("")
