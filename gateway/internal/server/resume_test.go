@@ -336,7 +336,7 @@ func TestResumeMidStream(t *testing.T) {
 						// Named where the client can see it.
 						if stream {
 							if resp.Trailer.Get("X-KVC-Resumed-From") != "d-dying" || resp.Trailer.Get("X-KVC-Resumed-Decode-Worker") != "d-good" ||
-								resp.Trailer.Get("X-KVC-Resumed-Mode") != "DIRECT_TO_D" {
+								resp.Trailer.Get("X-KVC-Resumed-Mode") != "DIRECT_TO_D" || resp.Trailer.Get("X-KVC-Resumed-Fail-Open") != "false" {
 								t.Fatalf("trailers %v", resp.Trailer)
 							}
 						} else if resp.Header.Get("X-KVC-Resumed-From") != "d-dying" || resp.Header.Get("X-KVC-Decode-Worker") != "d-good" {

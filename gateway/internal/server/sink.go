@@ -182,8 +182,9 @@ func (s *sink) continued(raw []byte, ids []int64) []byte {
 }
 
 // trailers name, at the end of a started stream, the worker it resumed from, the one that
-// finished it and the continuation's mode (X-KVC-Resumed-From, X-KVC-Resumed-Decode-Worker,
-// X-KVC-Resumed-Mode): the headers went out with the first worker's.
+// finished it, the continuation's mode and whether it failed open (X-KVC-Resumed-From,
+// X-KVC-Resumed-Decode-Worker, X-KVC-Resumed-Mode, X-KVC-Resumed-Fail-Open): the headers went
+// out with the first worker's.
 func (s *sink) trailers(p *plan) {
 	if s.base == nil || !s.started {
 		return
@@ -192,6 +193,7 @@ func (s *sink) trailers(p *plan) {
 	h.Set(http.TrailerPrefix+"X-KVC-Resumed-From", s.base.from)
 	h.Set(http.TrailerPrefix+"X-KVC-Resumed-Decode-Worker", p.decode.GetWorkerId())
 	h.Set(http.TrailerPrefix+"X-KVC-Resumed-Mode", modeName(p.mode))
+	h.Set(http.TrailerPrefix+"X-KVC-Resumed-Fail-Open", strconv.FormatBool(p.failOpen))
 }
 
 // reasoned streams what the reasoning split gave: a reasoning_content delta, then a content

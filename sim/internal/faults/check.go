@@ -239,7 +239,7 @@ func OpsFromResults(rs []Result) []Op {
 			// Resumed mid-stream: the interrupted decision failed (a Maybe, as any failure),
 			// then the continuation's decision is this result's (its mode and worker).
 			first := r
-			first.OK, first.Mode, first.Worker, first.ResumedFrom = false, r.FirstMode, r.ResumedFrom, ""
+			first.OK, first.Mode, first.Worker, first.FailOpen, first.ResumedFrom = false, r.FirstMode, r.ResumedFrom, r.FirstFailOpen, ""
 			out = append(out, OpsFromResults([]Result{first})...)
 		}
 		if r.FailOpen || r.Mode == "" {

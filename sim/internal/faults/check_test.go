@@ -77,6 +77,8 @@ func TestOpsFromResults(t *testing.T) {
 		{Session: "a", Err: "transport: refused"},
 		// Resumed mid-stream: DIRECT_TO_D on d1 died, the continuation reseeded onto d2.
 		{Session: "a", OK: true, Status: 200, Mode: "RESEED_SNAPSHOT", Worker: "d2", ResumedFrom: "d1", FirstMode: "DIRECT_TO_D"},
+		// … a failed-open first attempt (no op), its continuation decided.
+		{Session: "a", OK: true, Status: 200, Mode: "RESEED_PREFILL", Worker: "d0", ResumedFrom: "d2", FirstMode: "PD_FALLBACK", FirstFailOpen: true},
 	}
 	for i := range rs {
 		rs[i].Call, rs[i].Return = t0, t0
@@ -85,7 +87,7 @@ func TestOpsFromResults(t *testing.T) {
 		kind opKind
 		w    string
 	}{{opSeed, "d0"}, {opRead, "d0"}, {opWrite, "d1"}, {opWrite, "d2"}, {opMaybe, ""}, {opMaybe, "d1"}, {opMaybe, ""}, {opMaybe, ""},
-		{opMaybe, ""}, {opWrite, "d2"}}
+		{opMaybe, ""}, {opWrite, "d2"}, {opWrite, "d0"}}
 	got := OpsFromResults(rs)
 	if len(got) != len(want) {
 		t.Fatalf("%d ops, want %d: %+v", len(got), len(want), got)

@@ -30,10 +30,12 @@ type Result struct {
 	FailOpen bool   // X-KVC-Fail-Open
 	Retries  int    // X-KVC-Retries
 	// A request the gateway resumed after its decode worker died mid-stream (the trailers
-	// X-KVC-Resumed-From, -Decode-Worker, -Mode): Mode and Worker are then the continuation's
-	// decision's, FirstMode and ResumedFrom the interrupted one's (OpsFromResults: two ops).
-	ResumedFrom string
-	FirstMode   string
+	// X-KVC-Resumed-From, -Decode-Worker, -Mode, -Fail-Open): Mode, Worker and FailOpen are then
+	// the continuation's, FirstMode, ResumedFrom and FirstFailOpen the interrupted attempt's
+	// (OpsFromResults: two ops).
+	ResumedFrom   string
+	FirstMode     string
+	FirstFailOpen bool
 }
 
 // LoadConfig shapes the session traffic.
@@ -233,8 +235,9 @@ func (l *Load) send(ctx context.Context, session string, turn int, key string) (
 				r.OK = r.Err == ""
 				_, _ = io.Copy(io.Discard, io.LimitReader(br, 1<<20)) // to the trailers
 				if from := resp.Trailer.Get("X-KVC-Resumed-From"); from != "" {
-					r.ResumedFrom, r.FirstMode = from, r.Mode
+					r.ResumedFrom, r.FirstMode, r.FirstFailOpen = from, r.Mode, r.FailOpen
 					r.Mode, r.Worker = resp.Trailer.Get("X-KVC-Resumed-Mode"), resp.Trailer.Get("X-KVC-Resumed-Decode-Worker")
+					r.FailOpen = resp.Trailer.Get("X-KVC-Resumed-Fail-Open") == "true"
 				}
 				return r
 			}
