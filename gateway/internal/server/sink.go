@@ -34,7 +34,7 @@ type sink struct {
 	// worker streams its text and ids from the join, not from the answer's start.
 	seg       int     // acc's length where this attempt's text starts
 	segChunks int     // this attempt's chunks
-	segIDs    []int64 // this attempt's output ids so far
+	firstIDs  []int64 // the output ids of this attempt's first chunk (the ids' style, as delta's)
 	base      *resumeBase
 	id        string
 	// answer parses a whole chat answer (answer.go); nil: the text is the message's content.
@@ -132,15 +132,19 @@ func (s *sink) resume(b *resumeBase) {
 	s.base = b
 	s.seg = s.acc.Len()
 	s.segChunks = 0
-	s.segIDs = nil
+	s.firstIDs = nil
 }
 
 func (s *sink) chunk(raw []byte, text string, ids []int64) error {
 	d := s.delta(text)
-	if len(ids) > len(s.segIDs) && len(s.segIDs) > 0 && slices.Equal(ids[:len(s.segIDs)], s.segIDs) {
-		s.cumulativeIDs = true
+	switch s.segChunks { // the ids' style, fixed by the second chunk as the text's
+	case 1:
+		s.firstIDs = slices.Clone(ids)
+	case 2:
+		if n := len(s.firstIDs); n > 0 && len(ids) > n && slices.Equal(ids[:n], s.firstIDs) {
+			s.cumulativeIDs = true
+		}
 	}
-	s.segIDs = appendOutputIDs(s.segIDs, ids)
 	if !s.req.Stream {
 		return nil
 	}
