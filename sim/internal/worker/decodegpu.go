@@ -21,26 +21,30 @@ type decodeGPU struct {
 }
 
 // gpuPrefill models the prefill of n tokens on the decode worker's GPU: Prefill(n) in all,
-// split into chunks of prefillChunkTokens, each holding the GPU alone.
-func (w *Worker) gpuPrefill(ctx context.Context, n int64) error {
+// split into chunks of prefillChunkTokens, each holding the GPU alone. It returns how long its
+// chunks waited for the GPU (a decode step or another request's chunk held it).
+func (w *Worker) gpuPrefill(ctx context.Context, n int64) (time.Duration, error) {
 	total := w.cfg.Timing.Prefill(n)
 	chunks := max(1, (n+prefillChunkTokens-1)/prefillChunkTokens)
 	per := total / time.Duration(chunks)
+	var wait time.Duration
 	for i := int64(0); i < chunks; i++ {
 		d := per
 		if i == chunks-1 {
 			d = total - per*time.Duration(chunks-1)
 		}
+		tw := time.Now()
 		w.gpu.mu.Lock()
 		t0 := time.Now()
+		wait += t0.Sub(tw)
 		err := sleepCtx(ctx, d)
 		w.m.prefillBusy.Add(time.Since(t0).Seconds())
 		w.gpu.mu.Unlock()
 		if err != nil {
-			return err
+			return wait, err
 		}
 	}
-	return nil
+	return wait, nil
 }
 
 // gpuDecodeStep models one decode step of a request in the running batch, the one after the
@@ -53,12 +57,16 @@ func (w *Worker) gpuPrefill(ctx context.Context, n int64) error {
 // modeled step: at 1P3D load 7 on 2 cores at time scale 0.3 a reseed's 80 decode steps took
 // 0.76 model-s where at time scale 1 they took 0.55. A request whose real work falls behind
 // catches up without sleeping, so its tokens never come faster than the modeled steps on
-// average.
-func (w *Worker) gpuDecodeStep(ctx context.Context, prev time.Time) (time.Time, error) {
+// average. wait (may be nil) gets the time the step waited for a prefill chunk.
+func (w *Worker) gpuDecodeStep(ctx context.Context, prev time.Time, wait *time.Duration) (time.Time, error) {
 	start := prev
 	if !w.gpu.mu.TryRLock() {
+		tw := time.Now()
 		w.gpu.mu.RLock() // a prefill chunk holds the GPU: the step starts when it ends
 		start = time.Now()
+		if wait != nil {
+			*wait += start.Sub(tw)
+		}
 	}
 	defer w.gpu.mu.RUnlock()
 	if start.IsZero() {

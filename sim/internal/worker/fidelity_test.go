@@ -215,6 +215,37 @@ func TestDecodeSidePrefillSlowsCoRunningDecode(t *testing.T) {
 	}
 }
 
+// TestDecodeMetaAccountsPhases: a decode worker's answer says where its time to the first token
+// went (issue 20's recovery accounting): ttft_ms from the request's arrival, which holds its
+// append-prefill, and gpu_wait_ms, the time its prefill waited for the running batch's decode
+// step (B's 300 ms prefill arrives while A decodes 60 ms steps back to back).
+func TestDecodeMetaAccountsPhases(t *testing.T) {
+	h := newHub()
+	tm := Timing{PrefillTokensPerS: 1000, DecodePerToken: 60 * time.Millisecond, LinkGbps: 200, ModelBytesPerToken: 1, Scale: 1}
+	d := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_DECODE, "d0", 4096, tm)
+	local := func(rid string, in, maxNew int64) []byte {
+		return body(rid, maxNew, false, kvcReq{Mode: "PD_FALLBACK", Role: "decode", InputTokens: in, Keep: bptr(false), LocalPrefill: bptr(true)})
+	}
+	ctx := context.Background()
+	a := postAsync(t, ctx, d.url, local("a", 4, 8))
+	waitFor(t, func() bool { return testutil.ToFloat64(d.w.m.decodeTokens) >= 1 })
+	b := postAsync(t, ctx, d.url, local("b", 300, 1))
+	ar, br := <-a, <-b
+	if ar.r.status != 200 || br.r.status != 200 {
+		t.Fatalf("A %d %s, B %d %s", ar.r.status, ar.r.code, br.r.status, br.r.code)
+	}
+	k := br.r.ans.MetaInfo.KVC
+	if k.TTFTMS < k.PrefillMS+ms(tm.Decode()) || k.TTFTMS > br.r.ans.MetaInfo.E2ELatency*1000 {
+		t.Fatalf("B: ttft_ms %.3f, want at least its prefill %.3f ms plus a decode step and at most its latency %.3f s", k.TTFTMS, k.PrefillMS, br.r.ans.MetaInfo.E2ELatency)
+	}
+	if k.GPUWaitMS <= 0 || k.GPUWaitMS > ms(tm.Decode())+50 {
+		t.Fatalf("B: gpu_wait_ms %.3f, want the rest of A's 60 ms decode step its prefill waited for", k.GPUWaitMS)
+	}
+	if ka := ar.r.ans.MetaInfo.KVC; ka.TTFTMS <= 0 || ka.TTFTMS > ar.r.ans.MetaInfo.E2ELatency*1000 {
+		t.Fatalf("A: ttft_ms %.3f outside (0, latency %.3f s]", ka.TTFTMS, ar.r.ans.MetaInfo.E2ELatency)
+	}
+}
+
 // TestWatermarkModeNeverEvictsOnDemand: with EvictOnlyByRelease (E4's decode workers, which run
 // SGLang streaming sessions) an idle session is not evicted for a request that needs its pages:
 // the request waits in the prealloc queue until the sidecar's capacity release frees the

@@ -61,6 +61,14 @@ type KVCMeta struct {
 	// running requests free), evictions included. The names kvc-refworker reports them under.
 	TurnWaitMS float64 `json:"turn_wait_ms,omitempty"`
 	AllocMS    float64 `json:"alloc_ms,omitempty"`
+	// TTFTMS (decode): from the request's arrival here to its first token; GPUWaitMS: the time
+	// its append-prefill chunks and its first decode step waited for the GPU (another request's
+	// prefill chunk, or the running batch's step, held it). With TurnWaitMS, AllocMS,
+	// ReceiveWaitMS / TransferMS and PrefillMS they account for a turn's time on this worker
+	// phase by phase (docs/benchmark.md, issue 20's recovery, p42); the client's TTFT minus
+	// TTFTMS is the gateway's and the control plane's part.
+	TTFTMS    float64 `json:"ttft_ms,omitempty"`
+	GPUWaitMS float64 `json:"gpu_wait_ms,omitempty"`
 }
 
 type metaInfo struct {
@@ -859,8 +867,9 @@ func (w *Worker) receive(ctx context.Context, t *turn, kind kvcv1.TransferKind, 
 func (w *Worker) appendPrefill(ctx context.Context, t *turn, from, to int64) *apiError {
 	t0 := time.Now()
 	w.m.busy.begin()
-	err := w.gpuPrefill(ctx, to-from) // decodegpu.go: shares the GPU with the decode batch
+	wait, err := w.gpuPrefill(ctx, to-from) // decodegpu.go: shares the GPU with the decode batch
 	w.m.busy.end()
+	t.meta.GPUWaitMS += ms(wait)
 	if err != nil {
 		return ctxError(ctx, "during append-prefill")
 	}
@@ -893,7 +902,12 @@ func (w *Worker) decode(ctx context.Context, rw http.ResponseWriter, t *turn, st
 	var stepEnd time.Time // the GPU's clock of this request's decode steps (gpuDecodeStep)
 	for i := int64(0); i < p.maxNew; i++ {
 		var err error
-		if stepEnd, err = w.gpuDecodeStep(ctx, stepEnd); err != nil {
+		var firstWait time.Duration
+		var wait *time.Duration
+		if i == 0 {
+			wait = &firstWait
+		}
+		if stepEnd, err = w.gpuDecodeStep(ctx, stepEnd, wait); err != nil {
 			return ctxError(ctx, "during decode")
 		}
 		if e := w.fillContent(t, t.pageList(), t.kv, t.kv+1); e != nil {
@@ -905,6 +919,8 @@ func (w *Worker) decode(ctx context.Context, rw http.ResponseWriter, t *turn, st
 		tok := fmt.Sprintf(" t%d", t.kv-1)
 		if i == 0 {
 			w.m.ttft.WithLabelValues(p.mode).Observe(time.Since(start).Seconds())
+			t.meta.GPUWaitMS += ms(firstWait)
+			t.meta.TTFTMS = ms(time.Since(start))
 		}
 		if sse != nil {
 			m := mi(i + 1)
