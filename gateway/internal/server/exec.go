@@ -556,7 +556,10 @@ func (s *Server) execute(ctx, clientCtx context.Context, start time.Time, p *pla
 	}
 	var res result
 	if p.exec.GetOpenSession() && req.SessionID != "" {
-		if we := s.openSession(dctx, p, req); we != nil {
+		to := time.Now()
+		we := s.openSession(dctx, p, req)
+		p.openDur = time.Since(to)
+		if we != nil {
 			if we.status == 0 {
 				res = result{kind: kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_WORKER_ERROR, detail: "open_session: " + we.err.Error()}
 			} else {

@@ -123,6 +123,10 @@ type plan struct {
 	priority int32
 	// exec is what to do; the gateway applies no routing rule of its own.
 	exec *kvcv1.RouteExecution
+	// routeDur is how long the decision took (the Route query to its answer) and openDur the
+	// open_session calls on D: the gateway's part of a turn before D's request, on the debug
+	// "request" line (issue 20's recovery accounting).
+	routeDur, openDur time.Duration
 }
 
 // modeName is a mode's name for headers, logs and metric labels.
@@ -229,6 +233,7 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request, kind api.Kind) {
 	var first *result           // the interrupted attempt, once resumed
 	attemptStart := start
 	for retries, resumes := 0, 0; ; {
+		tr := time.Now()
 		np, rerr := s.route(ctx, cur, gone)
 		if rerr != nil {
 			if p != nil {
@@ -247,6 +252,7 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request, kind api.Kind) {
 			return
 		}
 		p = np
+		p.routeDur = time.Since(tr)
 		out.retries = retries
 		res = s.execute(ctx, r.Context(), attemptStart, p, cur, out)
 		s.report(p, cur, res, attemptStart) // before the retry's query: the control plane decides knowing it
@@ -350,7 +356,8 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request, kind api.Kind) {
 	}
 	ev.Str("rid", req.RID).Str("session", req.SessionID).Str("mode", mode).Str("reason", p.reason).
 		Str("decision", p.decisionID).Bool("ok", res.ok).Str("error_kind", res.kind.String()).
-		Str("detail", res.detail).Dur("ttft", res.ttft).Dur("latency", time.Since(start)).Msg("request")
+		Str("detail", res.detail).Dur("route", p.routeDur).Dur("open_session", p.openDur).Dur("ttft", res.ttft).
+		Dur("latency", time.Since(start)).Msg("request")
 }
 
 // readBody reads a request body into one buffer of its declared length (io.ReadAll grows its

@@ -56,6 +56,8 @@ type opts struct {
 	sendIDs        bool
 	sidecarArgs    string
 	prefillSCArgs  string
+	cpArgs         string
+	gwArgs         string
 	decode         int
 	prefill        int
 	prefillCap     int64
@@ -167,6 +169,8 @@ func parse(args []string, stderr io.Writer) (*opts, error) {
 	fs.StringVar(&o.refArgs, "refworker-args", "", "with --worker-kind refworker: extra kvc-refworker flags, space separated (e.g. \"--model qwen3-8b-shape --verify-recompute\")")
 	fs.StringVar(&o.refDevices, "refworker-devices", "", "with --worker-kind refworker: comma list of devices (cuda:0,cuda:1,...) cycled over the workers, prefill first; each sidecar gets the matching --gpu-index")
 	fs.StringVar(&o.sidecarArgs, "sidecar-args", "", "with --local: extra flags of every sidecar, space separated (e.g. \"--transport cuda\" on a GPU machine)")
+	fs.StringVar(&o.cpArgs, "controlplane-args", "", "with --local: extra flags of every control plane, space separated (e.g. \"--log-level debug\"; a KVC_* environment variable does not reach them)")
+	fs.StringVar(&o.gwArgs, "gateway-args", "", "with --local: extra flags of the gateway, space separated (e.g. \"--log-level debug\")")
 	fs.StringVar(&o.prefillSCArgs, "prefill-sidecar-args", "", "with --local: extra flags of the prefill sidecars only (e.g. \"--store-capacity-bytes 34359738368\")")
 	fs.BoolVar(&o.sendIDs, "send-ids", false, "send the context as input_ids the client keeps (history + the answers' output_ids + new tokens), as an agent does")
 	fs.BoolVar(&o.sendText, "send-text", false, "send a synthetic prompt of the request's length (for real SGLang workers behind a real gateway)")
@@ -381,6 +385,8 @@ func run(args []string, stderr io.Writer) int {
 		}
 		cfg.SidecarArgs = strings.Fields(o.sidecarArgs)
 		cfg.PrefillSidecarArgs = strings.Fields(o.prefillSCArgs)
+		cfg.ControlPlaneArgs = strings.Fields(o.cpArgs)
+		cfg.GatewayArgs = strings.Fields(o.gwArgs)
 		if o.advertised > 0 {
 			cfg.SidecarArgs = append(cfg.SidecarArgs, "--kv-capacity-tokens", fmt.Sprint(o.advertised))
 			cfg.Meta.Notes = append(cfg.Meta.Notes, fmt.Sprintf("decode sidecars report %d tokens of capacity to the control plane (the pools hold %d): the control plane admits by that count and each decode worker's LRU evicts idle sessions when it runs short", o.advertised, o.capacity))

@@ -151,6 +151,12 @@ type Config struct {
 	SimArgs              []string
 	SidecarArgs          []string
 	PrefillSidecarArgs   []string
+	// ControlPlaneArgs go to every control plane of each arm's cluster (e.g. "--log-level
+	// debug"): a KVC_* environment variable does not reach them (pkg/launch.ChildEnv strips it).
+	ControlPlaneArgs []string
+	// GatewayArgs go to each arm's gateway (e.g. "--log-level debug": its "request" lines then
+	// carry the decision's and open_session's time).
+	GatewayArgs []string
 	// WorkerKind "refworker" runs kvc-refworkers (a real model) instead of kvc-sim; see
 	// cluster.Config for the Refworker fields.
 	WorkerKind       string
@@ -304,7 +310,7 @@ func runArm(ctx context.Context, cfg Config, arm string, out io.Writer, meta *re
 			Gateway: true, Log: prefixWriter{cfg.Log, arm + ": "},
 			WorkerKind: cfg.WorkerKind, RefworkerPython: cfg.RefworkerPython, RefworkerArgs: cfg.RefworkerArgs,
 			RefworkerDevices: cfg.RefworkerDevices, PrefillSidecarArgs: cfg.PrefillSidecarArgs, DecodeSidecarArgs: ArmDecodeSidecarArgs(arm),
-			GatewayArgs: ArmGatewayArgs(arm),
+			GatewayArgs: append(ArmGatewayArgs(arm), cfg.GatewayArgs...), ControlPlaneArgs: cfg.ControlPlaneArgs,
 		}
 		// Every process binds port 0 and reports what it bound: no port race to retry.
 		c, err := cluster.Start(ctx, ccfg)
