@@ -21,7 +21,7 @@ const (
 	DefaultReservationTimeoutMs     = 30_000
 	DefaultBackpressurePauseMs      = 50
 	DefaultBackpressureQueue        = 8
-	DefaultSnapshotDeltaTokens      = 1024
+	DefaultSnapshotDeltaTokens      = 64
 	DefaultTailToleranceTokens      = 2048
 	DefaultSessionTTLMs             = 24 * 3600 * 1000
 	DefaultUnreachableGraceMs       = 30_000

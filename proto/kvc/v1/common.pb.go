@@ -979,7 +979,7 @@ type Policy struct {
 	BackpressurePreallocQueue *int32 `protobuf:"varint,13,opt,name=backpressure_prealloc_queue,json=backpressurePreallocQueue,proto3,oneof" json:"backpressure_prealloc_queue,omitempty"`
 	// The recommended pause (ms) returned when over the thresholds.
 	BackpressurePauseMs *int64 `protobuf:"varint,14,opt,name=backpressure_pause_ms,json=backpressurePauseMs,proto3,oneof" json:"backpressure_pause_ms,omitempty"`
-	// D->P snapshot: push when committed_len - last_pushed >= delta_tokens (1024).
+	// D->P snapshot: push when committed_len - last_pushed >= delta_tokens (64).
 	SnapshotDeltaTokens *int64 `protobuf:"varint,16,opt,name=snapshot_delta_tokens,json=snapshotDeltaTokens,proto3,oneof" json:"snapshot_delta_tokens,omitempty"`
 	// RESEED_SNAPSHOT when snapshot seqlen >= input - tail_tolerance_tokens.
 	TailToleranceTokens *int64 `protobuf:"varint,17,opt,name=tail_tolerance_tokens,json=tailToleranceTokens,proto3,oneof" json:"tail_tolerance_tokens,omitempty"`

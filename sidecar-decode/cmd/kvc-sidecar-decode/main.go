@@ -40,7 +40,7 @@ func parse(args []string, getenv func(string) string, stderr io.Writer) (*settin
 	st := &settings{}
 	c := &st.common
 	c.Register(fs)
-	delta := fs.Int64("snapshot-delta-tokens", 1024, "push a snapshot when committed - last pushed >= this (the control plane's policy overrides)")
+	delta := fs.Int64("snapshot-delta-tokens", decode.DefaultDeltaTokens, "push a snapshot when committed - last pushed >= this (the control plane's policy overrides)")
 	workers := fs.Int("push-workers", 2, "concurrent snapshot pushes")
 	pushTimeout := fs.Duration("push-timeout", 120*time.Second, "budget of one snapshot push attempt")
 	roomTimeout := fs.Duration("room-timeout", 120*time.Second, "a prepared room without TransferDone fails after this")

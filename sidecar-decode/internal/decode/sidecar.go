@@ -40,7 +40,7 @@ type Config struct {
 	Transport   string
 	PeerAddr    string // advertised TransferPeerService address
 	KVCapacity  int64  // override of what the pool implies (0 = pool)
-	DeltaTokens int64  // push when committed − last pushed ≥ this (1024; the policy overrides)
+	DeltaTokens int64  // push when committed − last pushed ≥ this (DefaultDeltaTokens; the policy overrides)
 	PushWorkers int    // concurrent pushes (2)
 	PushTimeout time.Duration
 	RoomTimeout time.Duration
@@ -144,10 +144,21 @@ type recvRoom struct {
 	res     *kvcv1.TransferDoneRequest
 }
 
+// DefaultDeltaTokens is the push threshold without a policy's snapshot_delta_tokens: 64 tokens,
+// so that every turn's commit (an agent's turn adds its append and its answer, hundreds of
+// tokens) is pushed at once and the snapshot is current while the session thinks. At 1024 (the
+// default until issue 20's recovery work, p42) a session's last turns stayed unpushed until the
+// idle flush, and a decode worker's death in that window left each lost session a tail of up
+// to 1023 committed tokens that its reseed re-prefilled on the new decode worker after the
+// snapshot's transfer (0.1 model-s of its TTFT at 1,849 uncached tokens), and left the capacity
+// release's victims behind too, so a reseed's pages waited for their pushes. The bytes pushed
+// are the same (pushes are incremental); only their number grows, to one per turn.
+const DefaultDeltaTokens = 64
+
 // New builds the sidecar; the event log may be nil.
 func New(cfg Config, eng rdma.Engine, ev *sidecar.EventLog, log zerolog.Logger) *Sidecar {
 	if cfg.DeltaTokens <= 0 {
-		cfg.DeltaTokens = 1024
+		cfg.DeltaTokens = DefaultDeltaTokens
 	}
 	if cfg.PushWorkers <= 0 {
 		cfg.PushWorkers = 2

@@ -58,6 +58,61 @@ func pages(n int) []int64 {
 	return out
 }
 
+// TestDefaultDeltaPushesEveryTurn: without a policy's snapshot_delta_tokens, every turn's
+// commit is pushed at once (one page's worth of new tokens or more), so the snapshot is current
+// while the session thinks and a decode worker's death leaves its reseed no committed tail to
+// re-prefill (issue 20's recovery, p42; at the old default, 1024, these turns queued nothing
+// until the idle flush).
+func TestDefaultDeltaPushesEveryTurn(t *testing.T) {
+	eng, err := rdma.New(context.Background(), rdma.Config{Backend: "tcp", ListenAddr: "127.0.0.1:0", Conns: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = eng.Close() })
+	s := New(Config{WorkerID: "d"}, eng, nil, zerolog.Nop()) // no DeltaTokens: the default
+	t.Cleanup(s.Close)
+	p, err := kvpool.Create(t.TempDir(), kvpool.Spec{PageSize: 4, ItemLen: 4 * 8, NumLayers: 1, PageCount: 256})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = p.Close() })
+	req := &kvcv1.RegisterKVPoolRequest{PageSize: 4, ItemLen: 32, PageCount: 256, NumLayers: 1}
+	for i, k := range []kvcv1.KVKind{kvcv1.KVKind_KV_KIND_K, kvcv1.KVKind_KV_KIND_V} {
+		req.Buffers = append(req.Buffers, &kvcv1.KVBuffer{Layer: 0, Kind: k, Memory: &kvcv1.KVBuffer_Shm{Shm: &kvcv1.SharedMemoryRef{Path: p.Path(), Offset: p.Offset(i)}}})
+	}
+	ctx := context.Background()
+	if _, err := s.RegisterKVPool(ctx, req); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Apply(ctx, &kvcv1.Command{Action: &kvcv1.Command_SetSnapshotTarget{SetSnapshotTarget: &kvcv1.SetSnapshotTargetCommand{
+		SessionId: "a", PrefillWorkerId: "p", PeerAddr: "127.0.0.1:1", TransferEndpoint: "127.0.0.1:1", Generation: 1}}}); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		committed int64
+		want      bool
+	}{
+		{300, true},  // a first turn
+		{420, true},  // a turn of 120 new tokens
+		{440, false}, // 20 new tokens: below one page of the demo's pool, left to the idle flush
+		{600, true},
+	} {
+		s.mu.Lock()
+		s.queue = nil // as if the queued push had gone out and landed: each commit is judged on its own
+		if ss := s.sessions["a"]; ss != nil {
+			ss.queued, ss.lastPushed = false, ss.committed
+		}
+		s.mu.Unlock()
+		res, err := s.CommitSession(ctx, &kvcv1.CommitSessionRequest{SessionId: "a", CommittedLen: tc.committed, Pages: pages(int((tc.committed + 3) / 4))})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if res.GetPushEnqueued() != tc.want {
+			t.Fatalf("commit to %d: push enqueued %v, want %v", tc.committed, res.GetPushEnqueued(), tc.want)
+		}
+	}
+}
+
 func TestEnqueueDecisions(t *testing.T) {
 	s := newTestSidecar(t)
 	ctx := context.Background()

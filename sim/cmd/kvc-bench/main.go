@@ -157,7 +157,7 @@ func parse(args []string, stderr io.Writer) (*opts, error) {
 		o.shapes = sh
 		return nil
 	})
-	fs.Int64Var(&o.snapDelta, "snapshot-delta-tokens", 0, "with --local: the policy's snapshot_delta_tokens (a decode sidecar pushes when committed - last pushed reaches it; 0: the control plane's default, 1024). Small values keep idle sessions' snapshots current at the cost of more, smaller pushes")
+	fs.Int64Var(&o.snapDelta, "snapshot-delta-tokens", 0, "with --local: the policy's snapshot_delta_tokens (a decode sidecar pushes when committed - last pushed reaches it; 0: the control plane's default, 64: every turn). Small values keep idle sessions' snapshots current at the cost of more, smaller pushes")
 	fs.BoolVar(&o.seedStore, "seed-through-store", false, "with --local: E4's policy has seed_through_store (its decode workers as colocated SGLang servers, the recommended deployment: a seed's or re-prefill's P computes into its own store first and D loads the session from there, so D holds no pages while the seed waits for P)")
 	fs.BoolVar(&o.seedStoreShort, "seed-through-store-when-short", false, "with --local: E4's policy has seed_through_store_when_short (kvc-sim's decode workers take both: a seed or re-prefill goes through P's store only while its decode worker is short of pages — not admitted now by the control plane's count, a refused seed's fallback, or requests waiting for pages there — and keeps the direct transfer, overlapped with the prefill, otherwise)")
 	fs.BoolVar(&o.killWorkerOnly, "kill-worker-only", false, "with --kill-decode: SIGKILL only the decode worker's kvc-sim (its sidecar stays up and reports the worker down) instead of the kvc-sim and its sidecar")
