@@ -135,18 +135,37 @@ func view(e *contentEntry, pageSize int64, prompt []uint64, rec *kvcv1.SessionRe
 		ct.Resident = e.chain
 	}
 	if sn := rec.GetSnapshot(); sn != nil {
-		for i := len(e.anchors) - 1; i >= 0; i-- {
-			a := e.anchors[i]
-			if a.gen == sn.Generation && a.tokens == sn.Seqlen {
-				sc := &policy.SnapshotContent{Pages: a.pages, Last: a.last}
-				if e.gen == a.gen {
-					sc.Chain = e.chain // the snapshot was pushed from this chain's KV generation
-				}
-				ct.Snapshot = sc
-				break
+		if a := snapshotAnchor(e.anchors, sn, pageSize); a != nil {
+			sc := &policy.SnapshotContent{Pages: a.pages, Last: a.last}
+			if e.gen == a.gen {
+				sc.Chain = e.chain // the snapshot was pushed from this chain's KV generation
 			}
+			ct.Snapshot = sc
 		}
 	}
+}
+
+// snapshotAnchor is the commit among anchors (newest last) the snapshot sn holds the full pages
+// of: the commit it was pushed from (same generation and length), else one of its generation
+// whose full pages are exactly the snapshot's, which is longer only within its partial last
+// page — what a re-tag append's cut-back leaves (the store cuts its entry to the page-aligned
+// base the reseed loaded before the append, and reports that length: sidecar-prefill onCut).
+// When the append never lands (the decode worker that was reseeded died before its first
+// push), that length stays the snapshot's, and without this the next turn's reseed found no
+// content for it — PREFIX_MISMATCH, a whole-context re-prefill on P instead of a reseed
+// (issue 20's demo: 1.22 model-s for 25,863 tokens, the run's recovery maximum). nil: none.
+func snapshotAnchor(anchors []anchor, sn *kvcv1.SnapshotInfo, pageSize int64) *anchor {
+	for i := len(anchors) - 1; i >= 0; i-- {
+		if a := &anchors[i]; a.gen == sn.Generation && a.tokens == sn.Seqlen {
+			return a
+		}
+	}
+	for i := len(anchors) - 1; i >= 0; i-- {
+		if a := &anchors[i]; a.gen == sn.Generation && a.tokens > sn.Seqlen && int64(a.pages) == sn.Seqlen/pageSize {
+			return a
+		}
+	}
+	return nil
 }
 
 // record stores a session's content after a successful turn that left it resident on decode

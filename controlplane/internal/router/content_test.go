@@ -3,6 +3,7 @@ package router
 import (
 	"testing"
 
+	"github.com/kvcentric/kvcentric/controlplane/internal/policy"
 	"github.com/kvcentric/kvcentric/pkg/pagehash"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 	"github.com/prometheus/client_golang/prometheus/testutil"
@@ -171,5 +172,45 @@ func TestPlaceOnContent(t *testing.T) {
 	}
 	if n := len(f.s.content.prefix); n != 0 {
 		t.Fatalf("prefix index keeps %d workers after every session left", n)
+	}
+}
+
+// TestSnapshotCutBackKeepsContent: a re-tag append cuts the store's entry back to the
+// page-aligned base before it lands (sidecar-prefill onCut reports that length); when the
+// append never lands — the decode worker the session was just reseeded onto died — the
+// snapshot stays at the cut length, which no commit has. Its full pages are still those of the
+// commit it was pushed from, so its content stays known and the next turn reseeds from it; on
+// the old code it was unknown (PREFIX_MISMATCH: a whole-context re-prefill). A cut to fewer
+// full pages than any commit of its generation has, or of another generation, stays unknown.
+func TestSnapshotCutBackKeepsContent(t *testing.T) {
+	cs := newContentStore()
+	h, _ := pagehash.New(tps, 0)
+	ids := idsN(1_010, 1) // 63 full pages and 2 tokens
+	chain := h.Chain(ids)
+	const gen = 7
+	if e := cs.record("s", "decode-0", tps, chain, nil, 1_010, gen); e == nil {
+		t.Fatal("nothing recorded")
+	}
+	for _, tc := range []struct {
+		name  string
+		sn    *kvcv1.SnapshotInfo
+		pages int
+		known bool
+	}{
+		{"the commit it was pushed from", &kvcv1.SnapshotInfo{Generation: gen, Seqlen: 1_010}, 63, true},
+		{"cut back within its partial last page", &kvcv1.SnapshotInfo{Generation: gen, Seqlen: 1_008}, 63, true},
+		{"cut back by more than its partial page", &kvcv1.SnapshotInfo{Generation: gen, Seqlen: 992}, 0, false},
+		{"another generation", &kvcv1.SnapshotInfo{Generation: gen + 1, Seqlen: 1_008}, 0, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var ct policy.Content
+			view(cs.get("s"), tps, chain, &kvcv1.SessionRecord{SessionId: "s", Snapshot: tc.sn}, &ct)
+			if (ct.Snapshot != nil) != tc.known {
+				t.Fatalf("snapshot content %+v, want known=%v", ct.Snapshot, tc.known)
+			}
+			if tc.known && (ct.Snapshot.Pages != tc.pages || ct.Snapshot.Last != chain[tc.pages-1]) {
+				t.Fatalf("snapshot content %d pages, last %x; want %d pages ending in %x", ct.Snapshot.Pages, ct.Snapshot.Last, tc.pages, chain[tc.pages-1])
+			}
+		})
 	}
 }
