@@ -7,6 +7,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unsafe"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
@@ -464,12 +465,19 @@ func (s *Store) LoadAll(ctx context.Context) (*Snapshot, error) {
 	if err != nil {
 		return nil, err
 	}
+	// The records are decoded into chunks of loadChunk, one heap object per chunk instead of
+	// one per session: a leader holds them for its whole term, and every GC cycle marks them.
+	var chunk []kvcv1.SessionRecord
 	err = s.scan(ctx, s.sessionsPrefix(), "", snap.Revision, 0, func(_ string, v []byte) (bool, error) {
-		r := &kvcv1.SessionRecord{}
-		if proto.Unmarshal(v, r) != nil {
+		if len(chunk) == 0 {
+			chunk = make([]kvcv1.SessionRecord, loadChunk)
+		}
+		r := &chunk[0]
+		if proto.Unmarshal(v, r) != nil { // the slot serves the next record (Unmarshal resets it)
 			snap.Malformed++
 			return true, nil
 		}
+		chunk = chunk[1:]
 		snap.Sessions = append(snap.Sessions, r)
 		return true, nil
 	})
@@ -496,6 +504,10 @@ func (s *Store) LoadAll(ctx context.Context) (*Snapshot, error) {
 }
 
 const scanPage = 1000
+
+// loadChunk is how many session records LoadAll decodes into one allocation: as many as fit
+// in 64 KiB, so that the allocation fills its pages.
+const loadChunk = int(64 << 10 / unsafe.Sizeof(kvcv1.SessionRecord{}))
 
 // scan visits keys under prefix with name > after, in key order, pageSize at a time, at rev
 // (0 = latest), until fn returns false.

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/rs/zerolog"
+	"google.golang.org/protobuf/proto"
 
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
@@ -24,12 +25,13 @@ func BenchmarkSessionMemory(b *testing.B) {
 		st.mu.Lock()
 		for i := range n {
 			id := fmt.Sprintf("agent-run-%08d-session-%06d", i/7, i)
-			rec := &kvcv1.SessionRecord{
+			rec := st.recs.get() // as createLocked takes it
+			proto.Merge(rec, &kvcv1.SessionRecord{
 				SessionId: id, DecodeWorker: fmt.Sprintf("gpu-node-%02d-decode-%d", i%16, i%8),
 				KvCommittedLen: 40_000, Turn: 12, LastSeenUnixMs: now, CreatedUnixMs: now, Epoch: 1234, Generation: 3,
 				Snapshot: &kvcv1.SnapshotInfo{PrefillWorker: fmt.Sprintf("gpu-node-%02d-prefill-0", i%16), Seqlen: 39_000,
 					Generation: 3, UpdatedUnixMs: now, Bytes: 39_000 * 98_304},
-			}
+			})
 			st.sessions[id] = sessEntry{rec: rec}
 			index(st.byDecode, rec.DecodeWorker, id)
 			index(st.bySnap, rec.Snapshot.PrefillWorker, id)

@@ -7,6 +7,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+	"unsafe"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/rs/zerolog"
@@ -85,6 +86,7 @@ type State struct {
 	mu       sync.Mutex
 	term     *Term // nil when not leading
 	sessions map[string]sessEntry
+	recs     recSlab // the records of sessions (recSlab)
 	workers  map[string]*workerEntry
 	byDecode map[string]map[string]struct{} // decode worker -> session ids resident there
 	bySnap   map[string]map[string]struct{} // prefill worker -> session ids with a snapshot there
@@ -117,6 +119,8 @@ type State struct {
 }
 
 // sessEntry is a session in the leader's table (16 bytes: a million of them sit in a map).
+// Its record comes from recSlab (records created here) or from kvstore.LoadAll's chunks
+// (records loaded): many records per heap object, not one each.
 type sessEntry struct {
 	rec *kvcv1.SessionRecord
 	// js is jseq | dirtyBit when dirty.
@@ -132,6 +136,46 @@ func (e sessEntry) jseq() uint64 { return e.js &^ dirtyBit }
 // dirty: volatile changes not yet handed to the batcher (the id is in State.dirty or
 // State.flushing).
 func (e sessEntry) dirty() bool { return e.js&dirtyBit != 0 }
+
+// recChunk is how many session records one allocation of recSlab holds: as many as fit in
+// 64 KiB (315 of 208 bytes), so that a chunk fills its pages (an allocation this large takes
+// whole 8 KiB pages; 256 records would leave half a page empty).
+const recChunk = int(64 << 10 / unsafe.Sizeof(kvcv1.SessionRecord{}))
+
+// recSlab hands out the records of created sessions from chunks of recChunk and takes back
+// those of deleted ones for the next sessions created: the table's records are one heap
+// object per chunk instead of one per session, so a GC cycle marks and sweeps a few hundred
+// objects for them instead of one per session (docs/routing.md §10). A record handed back is
+// reset and may be handed out again at once: nothing outside the state lock holds a live
+// record (UpdateSession's fn must not keep it; Session and ListSessions return copies). A
+// table that shrank keeps its peak's records (208 bytes per session) in the free list until
+// the term ends (resetLocked starts a new slab).
+type recSlab struct {
+	chunk []kvcv1.SessionRecord
+	free  []*kvcv1.SessionRecord
+}
+
+// get returns a zero record.
+func (a *recSlab) get() *kvcv1.SessionRecord {
+	if n := len(a.free); n > 0 {
+		r := a.free[n-1]
+		a.free[n-1] = nil
+		a.free = a.free[:n-1]
+		return r
+	}
+	if len(a.chunk) == 0 {
+		a.chunk = make([]kvcv1.SessionRecord, recChunk)
+	}
+	r := &a.chunk[0]
+	a.chunk = a.chunk[1:]
+	return r
+}
+
+// put takes back the record of a deleted session.
+func (a *recSlab) put(r *kvcv1.SessionRecord) {
+	r.Reset()
+	a.free = append(a.free, r)
+}
 
 type workerEntry struct {
 	w      *kvcv1.Worker // immutable once published; replaced on change
@@ -171,6 +215,7 @@ func New(cfg Config) *State {
 
 func (s *State) resetLocked() {
 	s.sessions = make(map[string]sessEntry)
+	s.recs = recSlab{}
 	s.workers = make(map[string]*workerEntry)
 	s.byDecode = make(map[string]map[string]struct{})
 	s.bySnap = make(map[string]map[string]struct{})
@@ -446,7 +491,9 @@ func (s *State) getOrCreateLocked(id string) *kvcv1.SessionRecord {
 func (s *State) createLocked(id string) sessEntry {
 	// last_seen stays 0 until a request is routed (idle expiry falls back to created): the
 	// router reads a record never seen as turn 0.
-	e := sessEntry{rec: &kvcv1.SessionRecord{SessionId: id, CreatedUnixMs: time.Now().UnixMilli()}}
+	rec := s.recs.get()
+	rec.SessionId, rec.CreatedUnixMs = id, time.Now().UnixMilli()
+	e := sessEntry{rec: rec}
 	s.sessions[id] = e
 	s.nSessions.Add(1)
 	s.idsGen++
@@ -542,6 +589,7 @@ func (s *State) deleteSessionLocked(id string) {
 	delete(s.tpSnap, id)
 	delete(s.commitsAway, id)
 	delete(s.sessions, id)
+	s.recs.put(rec)
 	s.nSessions.Add(-1)
 	s.idsGen++
 	if s.term != nil {
