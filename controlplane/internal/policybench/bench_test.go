@@ -31,6 +31,7 @@ const (
 	numSessions  = 100_000
 	dCapacity    = 20_000_000 // tokens per decode worker
 	realQueries  = 60_000     // queries timed on the real leader path, in process and over the stream
+	oneAtATime   = 20_000     // queries on the real leader's stream with a window of 1 (its round trip)
 )
 
 // cluster builds 8 P, 32 D and 100,000 sessions resident on the Ds (snapshots on the Ps).
@@ -343,6 +344,11 @@ func BenchmarkPolicy(b *testing.B) {
 	stopReal()
 	wr := env.writes(b).sub(w0)
 	sessions := env.st.SessionCount()
+	// The same stream one query at a time: its round trip with nothing queued (the query's
+	// decision, then its outcome sent with the next query), what a window of 4 pipelines.
+	stopOne := reportLoads(env.report)
+	onePerSec, oneP99 := overStream(b, rs, w, oneAtATime, 1)
+	stopOne()
 
 	// 1,000,000 records take about 35 s to write into etcd on 2 cores; measure a quarter
 	// of them held by the real state and scale (the tables grow linearly).
@@ -365,6 +371,8 @@ func BenchmarkPolicy(b *testing.B) {
 		2*realQueries, wr.ops/float64(2*realQueries))
 	fmt.Printf("policy-detail: Route stream: %d queries (fake: %d) pipelined (at most %d unanswered), each outcome reported on the same stream; grpcx server on 127.0.0.1:0\n",
 		realQueries, 100_000, streamWindow)
+	fmt.Printf("policy-detail: Route stream one query at a time (window 1, %d queries, after the run above): %.0f decisions/s, a round trip of %.0f µs (the query's decision, then its outcome and the next query), p99 %d µs\n",
+		oneAtATime, onePerSec, 1e6/onePerSec, oneP99.Microseconds())
 	per := float64(memTotal) / float64(memN)
 	fmt.Printf("policy-memory: %d sessions held by a state.State leader (loaded from etcd in %.1f s) take %.0f MiB, %.0f bytes/session: 1,000,000 sessions ≈ %.0f MiB (target <= 1024 MiB)\n",
 		memN, loadTime.Seconds(), float64(memTotal)/(1<<20), per, per*1e6/(1<<20))
