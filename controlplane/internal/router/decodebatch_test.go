@@ -1,7 +1,9 @@
 package router
 
 import (
+	"fmt"
 	"testing"
+	"time"
 
 	"github.com/kvcentric/kvcentric/controlplane/internal/policy"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
@@ -71,5 +73,116 @@ func TestLocalLargeAppendSeesTheBatch(t *testing.T) {
 	d = f.decide("s", 3, 30_200, 100)
 	if d.Reason != local || d.CachedTokens != 20_100 {
 		t.Fatalf("after the short turn's outcome: %v, want LOCAL_LARGE_APPEND", d)
+	}
+}
+
+// walkDecodeBatch is the old DecodeBatch: a walk of every pending reservation.
+func walkDecodeBatch(l *ledger, workerID string) (int32, int64) {
+	var n int32
+	var minOut int64
+	for _, r := range l.pending {
+		if r.decode != workerID || r.maxOut <= 1 {
+			continue
+		}
+		if n == 0 || r.maxOut < minOut {
+			minOut = r.maxOut
+		}
+		n++
+	}
+	return n, minOut
+}
+
+// TestDecodeBatchAccountMatchesTheWalk: the per-worker batch account answers as the walk of
+// every pending reservation did, after every add, outcome and expiry of a mixed sequence
+// (plain P/D requests that decode on their D, re-homes that decode nothing, equal max_outputs,
+// the front removed first), and an idle worker's account is swept without losing a batch.
+func TestDecodeBatchAccountMatchesTheWalk(t *testing.T) {
+	direct, plain, snap := kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK, kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT
+	t0 := time.Unix(1_000, 0)
+	type step struct {
+		add    *reservation
+		remove uint64
+		expire time.Duration // expired(t0 + expire)
+	}
+	for _, tc := range []struct {
+		name  string
+		steps []step
+	}{
+		{"front removed first", []step{
+			{add: &reservation{seq: 1, mode: direct, decode: "d1", tokens: 100, maxOut: 40}},
+			{add: &reservation{seq: 2, mode: direct, decode: "d1", tokens: 100, maxOut: 362}},
+			{add: &reservation{seq: 3, mode: direct, decode: "d1", tokens: 100, maxOut: 12}},
+			{remove: 3}, {remove: 1}, {remove: 2},
+		}},
+		{"equal outputs and other workers", []step{
+			{add: &reservation{seq: 1, mode: direct, decode: "d1", tokens: 100, maxOut: 50}},
+			{add: &reservation{seq: 2, mode: direct, decode: "d2", tokens: 100, maxOut: 50}},
+			{add: &reservation{seq: 3, mode: direct, decode: "d1", tokens: 100, maxOut: 50}},
+			{remove: 1}, {add: &reservation{seq: 4, mode: direct, decode: "d1", tokens: 100, maxOut: 2}},
+			{remove: 4}, {remove: 3},
+		}},
+		{"plain requests decode, re-homes and one-token requests do not", []step{
+			{add: &reservation{seq: 1, mode: plain, decode: "d1", plain: true, prefills: true, prefill: "p1", maxOut: 80}},
+			{add: &reservation{seq: 2, mode: snap, decode: "d1", tokens: 9_000, transfer: true, store: true}},
+			{add: &reservation{seq: 3, mode: direct, decode: "d1", tokens: 100, maxOut: 1}},
+			{add: &reservation{seq: 4, mode: plain, prefills: true, prefill: "p1", maxOut: 30}}, // no D named
+			{remove: 2}, {remove: 1}, {remove: 3},
+		}},
+		{"expiry", []step{
+			{add: &reservation{seq: 1, mode: direct, decode: "d1", tokens: 100, maxOut: 20, deadline: t0.Add(time.Second)}},
+			{add: &reservation{seq: 2, mode: direct, decode: "d1", tokens: 100, maxOut: 70, deadline: t0.Add(3 * time.Second)}},
+			{add: &reservation{seq: 3, mode: direct, decode: "d2", tokens: 100, maxOut: 5, deadline: t0.Add(2 * time.Second)}},
+			{expire: 2 * time.Second}, {expire: 5 * time.Second},
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			l := newLedger()
+			for i, st := range tc.steps {
+				switch {
+				case st.add != nil:
+					if st.add.deadline.IsZero() {
+						st.add.deadline = t0.Add(time.Hour)
+					}
+					l.add(st.add)
+				case st.remove != 0:
+					if _, ok := l.remove(st.remove); !ok {
+						t.Fatalf("step %d: remove %d: not pending", i, st.remove)
+					}
+				default:
+					l.expired(t0.Add(st.expire))
+				}
+				l.sweep() // an idle account may go at any time
+				for _, w := range []string{"d1", "d2", "d3", "p1"} {
+					gn, gm := l.DecodeBatch(w)
+					wn, wm := walkDecodeBatch(l, w)
+					if gn != wn || gm != wm {
+						t.Errorf("step %d, %s: %d requests, min output %d; the walk says %d, %d", i, w, gn, gm, wn, wm)
+					}
+				}
+			}
+			if len(l.pending) == 0 {
+				for id, w := range l.workers {
+					if len(w.batch) != 0 {
+						t.Errorf("%s: %d in its batch with nothing pending", id, len(w.batch))
+					}
+				}
+			}
+		})
+	}
+}
+
+// BenchmarkDecodeBatch: one large-append candidate's question with 4,096 decisions in flight
+// on 8 decode workers (the old walk read all of them per call).
+func BenchmarkDecodeBatch(b *testing.B) {
+	l := newLedger()
+	for i := range 4096 {
+		l.add(&reservation{seq: uint64(i + 1), mode: kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, decode: fmt.Sprintf("d%d", i%8),
+			tokens: 100, maxOut: int64(2 + i%500), deadline: time.Unix(1_000, 0)})
+	}
+	b.ResetTimer()
+	for range b.N {
+		if n, _ := l.DecodeBatch("d3"); n != 512 {
+			b.Fatalf("%d requests, want 512", n)
+		}
 	}
 }

@@ -47,6 +47,7 @@ type reservation struct {
 	trace    string
 	deadline time.Time
 	idx      int // position in the expiry heap
+	bidx     int // position in its decode worker's batch heap (decodes: r.decodes())
 }
 
 // ledger is the control plane's own account of what it has committed per worker. Guarded by
@@ -88,6 +89,9 @@ type workerAccount struct {
 	// admitted: the worker's kvc_router_worker_admitted_total counter once a decision looked
 	// it up (metrics.admitted), kept with the account.
 	admitted prometheus.Counter
+	// batch: the pending reservations that decode on this worker (reservation.decodes), a
+	// min-heap by max_output: DecodeBatch reads its size and front.
+	batch batchHeap
 	// settling: tokens that successful outcomes added to a decode worker and that its load
 	// report does not show yet (admitted after its last heartbeat). Without them a D looks
 	// emptier than it is for up to one heartbeat after every success, and consecutive new
@@ -105,7 +109,7 @@ func (w *workerAccount) held() policy.Reserved {
 // idle: the account holds nothing (a sweep may drop it; its admitted counter is looked up
 // again by the next decision that needs it).
 func (w *workerAccount) idle() bool {
-	return w.res == (policy.Reserved{}) && len(w.settling) == 0
+	return w.res == (policy.Reserved{}) && len(w.settling) == 0 && len(w.batch) == 0
 }
 
 // settle is one success's tokens, admitted at atMs.
@@ -226,22 +230,18 @@ func (l *ledger) Reserved(workerID string) policy.Reserved {
 
 // DecodeBatch implements policy.DecodeBatcher: the decisions in flight on workerID that decode
 // there (max_output > 1: a background re-home decodes nothing), how many and the smallest
-// max_output among them. It walks every pending reservation; the policy asks only for large
-// appends.
+// max_output among them — the worker's batch account, kept on add and remove (O(1) here; the
+// policy asks per large-append candidate).
 func (l *ledger) DecodeBatch(workerID string) (int32, int64) {
-	var n int32
-	var minOut int64
-	for _, r := range l.pending {
-		if r.decode != workerID || r.maxOut <= 1 {
-			continue
-		}
-		if n == 0 || r.maxOut < minOut {
-			minOut = r.maxOut
-		}
-		n++
+	w := l.workers[workerID]
+	if w == nil || len(w.batch) == 0 {
+		return 0, 0
 	}
-	return n, minOut
+	return int32(len(w.batch)), w.batch[0].maxOut
 }
+
+// decodes: r decodes on its decode worker (counted in that worker's batch).
+func (r *reservation) decodes() bool { return r.decode != "" && r.maxOut > 1 }
 
 // TransferPending implements policy.Ledger.
 func (l *ledger) TransferPending(sessionID string) bool {
@@ -292,6 +292,9 @@ func (l *ledger) add(r *reservation) (decode *workerAccount) {
 	if r.plain {
 		l.worker(r.decode).res.Plain++
 	}
+	if r.decodes() {
+		heap.Push(&l.worker(r.decode).batch, r)
+	}
 	if r.transfer {
 		l.sessions[r.session] = r.seq
 	}
@@ -331,6 +334,9 @@ func (l *ledger) remove(seq uint64) (*reservation, bool) {
 	}
 	if r.plain {
 		l.workers[r.decode].res.Plain--
+	}
+	if r.decodes() {
+		heap.Remove(&l.workers[r.decode].batch, r.bidx)
 	}
 	if r.transfer && l.sessions[r.session] == r.seq {
 		delete(l.sessions, r.session)
@@ -388,5 +394,35 @@ func (h *expiryHeap) Pop() any {
 	old[n-1] = nil
 	*h = old[:n-1]
 	r.idx = -1
+	return r
+}
+
+// batchHeap is a decode worker's batch: its decoding reservations, smallest max_output first.
+type batchHeap []*reservation
+
+func (h batchHeap) Len() int { return len(h) }
+func (h batchHeap) Less(i, j int) bool {
+	if h[i].maxOut == h[j].maxOut {
+		return h[i].seq < h[j].seq
+	}
+	return h[i].maxOut < h[j].maxOut
+}
+func (h batchHeap) Swap(i, j int) {
+	h[i], h[j] = h[j], h[i]
+	h[i].bidx = i
+	h[j].bidx = j
+}
+func (h *batchHeap) Push(x any) {
+	r := x.(*reservation)
+	r.bidx = len(*h)
+	*h = append(*h, r)
+}
+func (h *batchHeap) Pop() any {
+	old := *h
+	n := len(old)
+	r := old[n-1]
+	old[n-1] = nil
+	*h = old[:n-1]
+	r.bidx = -1
 	return r
 }
