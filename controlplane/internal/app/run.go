@@ -223,7 +223,8 @@ func Run(ctx context.Context, opts *Options, log zerolog.Logger) error {
 	rt.SetNewSessionShare(opts.NewSessionShare)
 	rt.SetRehomeFill(opts.RehomeFill)
 	rt.Register(gsrv)
-	st.SetRehomeHook(rt) // a decode worker that leaves READY: its sessions re-homed (router/rehome.go)
+	st.SetRehomeHook(rt)   // a decode worker that leaves READY: its sessions re-homed (router/rehome.go)
+	st.SetTransferHook(rt) // a transfer's KV landed on its decode worker: its slot ends (router/landed.go)
 	onLeadership := func(bool) {}
 	if l, ok := any(rt).(interface{ OnLeadershipChange(bool) }); ok {
 		onLeadership = l.OnLeadershipChange

@@ -23,6 +23,10 @@ type reservation struct {
 	transfer bool
 	store    bool // a reseed from a prefill store (RESEED_SNAPSHOT): holds a store-transfer slot
 	seed     bool
+	// landed: the decode sidecar reported the transfer done (TRANSFER_DONE of the decision's
+	// room, landed): its transfer, store-transfer and seed slots were given back then; its
+	// tokens stay until the outcome.
+	landed   bool
 	prefills bool
 	plain    bool // a plain P/D request (PD_FALLBACK) with a decode worker: counted in Reserved.Plain
 	newSess  bool // opens a new session on decode (policy.Decision.NewSession): tokens counted in Reserved.NewSession
@@ -319,14 +323,8 @@ func (l *ledger) remove(seq uint64) (*reservation, bool) {
 		if r.newSess {
 			w.NewSession -= r.tokens
 		}
-		if r.transfer {
-			w.Transfers--
-		}
-		if r.store {
-			w.StoreTransfers--
-		}
-		if r.seed {
-			w.Seeds--
+		if !r.landed {
+			releaseSlots(w, r)
 		}
 	}
 	if r.prefills && r.prefill != "" {
@@ -343,6 +341,35 @@ func (l *ledger) remove(seq uint64) (*reservation, bool) {
 	}
 	l.heldTokens -= r.tokens
 	return r, true
+}
+
+// releaseSlots gives back r's transfer, store-transfer and seed slots on its decode worker.
+func releaseSlots(w *policy.Reserved, r *reservation) {
+	if r.transfer {
+		w.Transfers--
+	}
+	if r.store {
+		w.StoreTransfers--
+	}
+	if r.seed {
+		w.Seeds--
+	}
+}
+
+// landed gives back the slots of seq's transfer into decode worker id for session: its KV has
+// landed there (the decode sidecar's TRANSFER_DONE of the decision's room). The reservation
+// stays pending — its tokens, its decode batch entry and its session's pending transfer
+// (TransferPending: the session is not resident until the outcome) — and the outcome releases
+// the rest. It reports whether it gave anything back (false: not pending, another session's or
+// worker's, no transfer, or landed already).
+func (l *ledger) landed(seq uint64, id, session string) bool {
+	r, ok := l.pending[seq]
+	if !ok || r.landed || r.decode != id || r.session != session || !(r.transfer || r.store || r.seed) {
+		return false
+	}
+	r.landed = true
+	releaseSlots(&l.workers[r.decode].res, r)
+	return true
 }
 
 // shorten moves seq's deadline to at when that is earlier; it reports whether seq is pending.

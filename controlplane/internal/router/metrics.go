@@ -51,6 +51,7 @@ type metrics struct {
 	rehomeSeconds prometheus.Histogram
 	rehomeWaits   prometheus.Counter
 	rehomeNoRoom  prometheus.Counter
+	landed        *prometheus.CounterVec // landed.go
 
 	admittedMu  sync.RWMutex
 	admittedFor map[string]prometheus.Counter
@@ -223,8 +224,10 @@ func newMetrics(reg prometheus.Registerer, s *Service) *metrics {
 		m.ttftByMode[mv] = m.ttft.WithLabelValues(ModeName(kvcv1.RouteMode(mv)))
 	}
 	rehome := newRehomeMetrics(m)
+	m.landed = newLandedMetric()
 	if reg != nil {
 		reg.MustRegister(rehome...)
+		reg.MustRegister(m.landed)
 		reg.MustRegister(m.decisions, m.latency, m.outcomes, m.ttft, m.errors, m.expired, m.lateOutcomes, m.migrations,
 			m.admitted, m.rejected, m.commands, m.reservations, m.streamEnd, m.reservedTokens, m.truncations, m.contentGauge, m.contentLoaded, m.pins,
 			m.fromSnapshot, m.fromSnapshotTokens, m.loadSkippedBusy, m.suffixReceives, m.localAppendTokens,

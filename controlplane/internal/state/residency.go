@@ -225,6 +225,19 @@ func (s *State) ApplyEvent(st *Stream, ev *kvcv1.SessionEvent) error {
 	case kvcv1.SessionEventKind_SESSION_EVENT_KIND_TRANSFER_DONE:
 		s.m.transfers.WithLabelValues("done").Inc()
 		s.log.Debug().Str("worker", st.WorkerID).Str("session", ev.GetSessionId()).Int64("room", ev.GetRoom()).Int64("bytes", ev.GetBytes()).Msg("transfer done")
+		// The KV of a seed or reseed has landed on this decode worker: the router ends the
+		// decision's transfer slot now rather than at its outcome (router/landed.go). A rank of
+		// a tensor-parallel group is one part of the KV: the group keeps its slot until the
+		// outcome.
+		if hk := s.landed.Load(); hk != nil {
+			s.mu.Lock()
+			we, ok := s.workers[st.WorkerID]
+			cur := ok && we.stream == st && s.term != nil && we.w.GetRole() == kvcv1.WorkerRole_WORKER_ROLE_DECODE && !grouped(we.w)
+			s.mu.Unlock()
+			if cur {
+				hk.h.TransferLanded(st.WorkerID, ev)
+			}
+		}
 		return nil
 	case kvcv1.SessionEventKind_SESSION_EVENT_KIND_TRANSFER_FAILED:
 		s.m.transfers.WithLabelValues("failed").Inc()

@@ -64,6 +64,7 @@ const DefaultVolatileFlush = 2 * time.Second
 type State struct {
 	cfg      Config
 	rehome   atomic.Pointer[rehomeHook] // the router's re-homing (SetRehomeHook)
+	landed   atomic.Pointer[landedHook] // the router's transfer slots (SetTransferHook)
 	log      zerolog.Logger
 	m        *metrics
 	defaults *kvcv1.Policy
@@ -256,6 +257,25 @@ func (s *State) SetRehomeHook(h RehomeHook) {
 		return
 	}
 	s.rehome.Store(&rehomeHook{h})
+}
+
+// TransferHook is told when a decode sidecar reports a transfer into its worker done
+// (SESSION_EVENT_KIND_TRANSFER_DONE: the KV of the seed or reseed whose bootstrap room the
+// event names has landed; router.Service ends the decision's transfer slot). Called outside
+// the state lock, on the reporting sidecar's stream; not for a rank of a tensor-parallel group.
+type TransferHook interface {
+	TransferLanded(worker string, ev *kvcv1.SessionEvent)
+}
+
+type landedHook struct{ h TransferHook }
+
+// SetTransferHook sets (nil: clears) the transfer hook.
+func (s *State) SetTransferHook(h TransferHook) {
+	if h == nil {
+		s.landed.Store(nil)
+		return
+	}
+	s.landed.Store(&landedHook{h})
 }
 
 // lostLocked tells the re-homing hook that sessions left decode worker from.
