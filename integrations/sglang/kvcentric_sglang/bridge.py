@@ -254,13 +254,14 @@ class WorkerBridge:
         return CommandStream(fn(wire.Writer().str(1, worker_instance).done()))
 
     def report_demand(self, waiting_requests: int, waiting_tokens: int, free_tokens: int,
-                      unevictable_tokens: int = 0, timeout_s: Optional[float] = None) -> None:
+                      unevictable_tokens: int = 0, running_requests: int = 0,
+                      timeout_s: Optional[float] = None) -> None:
         """Decode side: requests waiting for pages (and the tokens they need in all) against the
-        tokens the pool can give without releasing a session, and the committed KV of the
-        sessions its requests are using (unevictable). Sent on every change, 0 waiting when the
-        queue drained."""
+        tokens the pool can give without releasing a session, the committed KV of the sessions
+        its requests are using (unevictable) and how many requests hold their pages (running,
+        pre-allocated or receiving). Sent on every change, 0 waiting when the queue drained."""
         w = (wire.Writer().int(1, waiting_requests).int(2, waiting_tokens).int(3, free_tokens)
-             .int(4, unevictable_tokens))
+             .int(4, unevictable_tokens).int(5, running_requests))
         self._call("ReportDemand", w.done(), timeout=timeout_s)
 
     def ack_command(self, command_id: int, ok: bool, error: str = "", freed_tokens: int = 0) -> None:

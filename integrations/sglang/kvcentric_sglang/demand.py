@@ -20,7 +20,8 @@ another session holding KV is idle). Each computes the waiting requests, the tok
 (whole pages of the uncached context plus the output SGLang reserves), the tokens the pool can
 give without releasing a session (free pages plus the radix cache's evictable ones) and the
 worker's unevictable KV (the committed KV of the streaming sessions its running, pre-allocated
-or receiving requests are using: a turn that only waits does not pin its session), and hands
+or receiving requests are using: a turn that only waits does not pin its session) and its
+running requests (the in-use requests: running, pre-allocated or receiving), and hands
 them to the process's ``DemandReporter``, which sends a report only when they changed (0 waiting
 once, when the queue drained), off the scheduler thread.
 """
@@ -40,7 +41,8 @@ logger = logging.getLogger(__name__)
 MAX_NEW_RESERVED = 4096
 REPORT_TIMEOUT_S = 2.0
 
-Demand = Tuple[int, int, int, int]  # waiting requests, tokens they need, tokens free, unevictable tokens
+# waiting requests, tokens they need, tokens free, unevictable tokens, running requests
+Demand = Tuple[int, int, int, int, int]
 
 
 class DemandReporter:
@@ -60,15 +62,15 @@ class DemandReporter:
         self._thread = threading.Thread(target=self._run, name="kvc-demand", daemon=True)
         self._thread.start()
 
-    def observe(self, requests: int, tokens: int, free: int, unevictable: int = 0) -> None:
+    def observe(self, requests: int, tokens: int, free: int, unevictable: int = 0, running: int = 0) -> None:
         if requests <= 0:
             requests, tokens, free = 0, 0, 0  # nothing waits: the free room is no demand's business
-        d = (int(requests), int(tokens), int(free), max(0, int(unevictable)))
+        d = (int(requests), int(tokens), int(free), max(0, int(unevictable)), max(0, int(running)))
         with self._cv:
             if d == self._want:
                 return
-            if self.last is None and self._want is None and d == (0, 0, 0, 0):
-                return  # nothing ever waited or was in use
+            if self.last is None and self._want is None and d == (0, 0, 0, 0, 0):
+                return  # nothing ever waited, ran or was in use
             self._want = d
             self._cv.notify_all()
 
@@ -149,14 +151,14 @@ def pinned_of(req) -> int:
 
 
 def report(reqs: Iterable, page: int, allocator, tree_cache, in_use: Iterable = ()) -> Optional[Demand]:
-    """Observes the demand of these waiting requests and the sessions the requests in_use pin
-    (None when this process reports none)."""
+    """Observes the demand of these waiting requests, the sessions the requests in_use pin and
+    how many those are (running_requests; None when this process reports none)."""
     r = runtime.state.demand
     if r is None or runtime.state.role != "decode":
         return None
-    reqs = list(reqs)
+    reqs, in_use = list(reqs), list(in_use)
     d = (len(reqs), sum(need_of(x, page) for x in reqs), free_of(allocator, tree_cache),
-         sum(pinned_of(x) for x in in_use))
+         sum(pinned_of(x) for x in in_use), len(in_use))
     r.observe(*d)
     return d
 

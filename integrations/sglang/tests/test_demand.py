@@ -44,7 +44,7 @@ def gauges(d):
     out = {}
     for name in ("kvc_sidecar_prealloc_waiting_requests", "kvc_sidecar_prealloc_waiting_tokens",
                  "kvc_sidecar_prealloc_free_tokens", "kvc_sidecar_demand_reports_total",
-                 "kvc_sidecar_worker_unevictable_tokens"):
+                 "kvc_sidecar_worker_unevictable_tokens", "kvc_sidecar_worker_running_requests"):
         m = re.search(r"^%s(?:\{[^}]*\})? (\S+)$" % name, text, re.M)
         out[name.split("kvc_sidecar_")[1]] = float(m.group(1)) if m else None
     return out
@@ -92,6 +92,7 @@ def test_colocated_waiting_queue_is_reported(dside):
     assert rep.flush()
     g = gauges(d)
     assert (g["prealloc_waiting_requests"], g["worker_unevictable_tokens"], g["demand_reports_total"]) == (0, 48, 3), g
+    assert g["worker_running_requests"] == 2, g  # both run (running_requests)
     # the prefill batch SGLang just built runs too (a turn on 32 committed tokens), and the last
     # batch, already merged into the running batch, counts once
     fresh = kvctest.req("run-3", list(range(40)), session=SimpleNamespace(session_id="s-new"))
@@ -100,7 +101,7 @@ def test_colocated_waiting_queue_is_reported(dside):
     demand.after_prefill_schedule(SimpleNamespace(reqs=[fresh]), sched)
     assert rep.flush()
     g = gauges(d)
-    assert (g["worker_unevictable_tokens"], g["demand_reports_total"]) == (48 + 32, 4), g
+    assert (g["worker_unevictable_tokens"], g["demand_reports_total"], g["worker_running_requests"]) == (48 + 32, 4, 3), g
 
 
 def test_pd_decode_prealloc_queue_is_reported(dside):
@@ -125,7 +126,7 @@ def test_pd_decode_prealloc_queue_is_reported(dside):
     demand.after_pop_preallocated(out, q)
     assert rep.flush()
     g = gauges(d)
-    assert (g["prealloc_waiting_requests"], g["worker_unevictable_tokens"]) == (1, 64), g
+    assert (g["prealloc_waiting_requests"], g["worker_unevictable_tokens"], g["worker_running_requests"]) == (1, 64, 1), g
 
 
 def test_prefill_worker_reports_nothing(dside):

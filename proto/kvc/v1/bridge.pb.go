@@ -2005,8 +2005,15 @@ type ReportDemandRequest struct {
 	// requests that changes only this field says nothing of the prealloc queue. The sidecar
 	// forwards it (WorkerLoad.unevictable_tokens).
 	UnevictableTokens int64 `protobuf:"varint,4,opt,name=unevictable_tokens,json=unevictableTokens,proto3" json:"unevictable_tokens,omitempty"`
-	unknownFields     protoimpl.UnknownFields
-	sizeCache         protoimpl.SizeCache
+	// The requests the worker is serving that hold their pages: pre-allocated, receiving their
+	// KV, prefilling or decoding (not those counted in waiting_requests, nor a turn that waits for
+	// its session's previous one). SGLang: the running batch with the last batch and a chunked
+	// prefill, the pre-allocated, transfer-queue and waiting-queue requests (the plugin's
+	// in-use view). Every decode worker may send it, as unevictable_tokens. The sidecar forwards
+	// it (WorkerLoad.running_requests).
+	RunningRequests int32 `protobuf:"varint,5,opt,name=running_requests,json=runningRequests,proto3" json:"running_requests,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *ReportDemandRequest) Reset() {
@@ -2063,6 +2070,13 @@ func (x *ReportDemandRequest) GetFreeTokens() int64 {
 func (x *ReportDemandRequest) GetUnevictableTokens() int64 {
 	if x != nil {
 		return x.UnevictableTokens
+	}
+	return 0
+}
+
+func (x *ReportDemandRequest) GetRunningRequests() int32 {
+	if x != nil {
+		return x.RunningRequests
 	}
 	return 0
 }
@@ -2252,13 +2266,14 @@ const file_kvc_v1_bridge_proto_rawDesc = "" +
 	"\x02ok\x18\x02 \x01(\bR\x02ok\x12\x14\n" +
 	"\x05error\x18\x03 \x01(\tR\x05error\x12!\n" +
 	"\ffreed_tokens\x18\x04 \x01(\x03R\vfreedTokens\"\x14\n" +
-	"\x12AckCommandResponse\"\xb7\x01\n" +
+	"\x12AckCommandResponse\"\xe2\x01\n" +
 	"\x13ReportDemandRequest\x12)\n" +
 	"\x10waiting_requests\x18\x01 \x01(\x05R\x0fwaitingRequests\x12%\n" +
 	"\x0ewaiting_tokens\x18\x02 \x01(\x03R\rwaitingTokens\x12\x1f\n" +
 	"\vfree_tokens\x18\x03 \x01(\x03R\n" +
 	"freeTokens\x12-\n" +
-	"\x12unevictable_tokens\x18\x04 \x01(\x03R\x11unevictableTokens\"\x16\n" +
+	"\x12unevictable_tokens\x18\x04 \x01(\x03R\x11unevictableTokens\x12)\n" +
+	"\x10running_requests\x18\x05 \x01(\x05R\x0frunningRequests\"\x16\n" +
 	"\x14ReportDemandResponse*S\n" +
 	"\n" +
 	"PoolLayout\x12\x1b\n" +

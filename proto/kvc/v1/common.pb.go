@@ -190,18 +190,24 @@ func (KVKind) EnumDescriptor() ([]byte, []int) {
 
 // WorkerLoad is a sidecar's periodic load report.
 type WorkerLoad struct {
-	state                 protoimpl.MessageState `protogen:"open.v1"`
-	UsedTokens            int64                  `protobuf:"varint,1,opt,name=used_tokens,json=usedTokens,proto3" json:"used_tokens,omitempty"`
-	RunningRequests       int32                  `protobuf:"varint,2,opt,name=running_requests,json=runningRequests,proto3" json:"running_requests,omitempty"`
-	WaitingRequests       int32                  `protobuf:"varint,3,opt,name=waiting_requests,json=waitingRequests,proto3" json:"waiting_requests,omitempty"`
-	TransferQueueDepth    int32                  `protobuf:"varint,4,opt,name=transfer_queue_depth,json=transferQueueDepth,proto3" json:"transfer_queue_depth,omitempty"`
-	PreallocQueueDepth    int32                  `protobuf:"varint,5,opt,name=prealloc_queue_depth,json=preallocQueueDepth,proto3" json:"prealloc_queue_depth,omitempty"`
-	RetractedQueueDepth   int32                  `protobuf:"varint,6,opt,name=retracted_queue_depth,json=retractedQueueDepth,proto3" json:"retracted_queue_depth,omitempty"`
-	SnapshotBytesUsed     int64                  `protobuf:"varint,7,opt,name=snapshot_bytes_used,json=snapshotBytesUsed,proto3" json:"snapshot_bytes_used,omitempty"`
-	SnapshotBytesCapacity int64                  `protobuf:"varint,8,opt,name=snapshot_bytes_capacity,json=snapshotBytesCapacity,proto3" json:"snapshot_bytes_capacity,omitempty"`
-	ResidentSessions      int32                  `protobuf:"varint,9,opt,name=resident_sessions,json=residentSessions,proto3" json:"resident_sessions,omitempty"`
-	SnapshotSessions      int32                  `protobuf:"varint,10,opt,name=snapshot_sessions,json=snapshotSessions,proto3" json:"snapshot_sessions,omitempty"`
-	InflightPushes        int32                  `protobuf:"varint,11,opt,name=inflight_pushes,json=inflightPushes,proto3" json:"inflight_pushes,omitempty"`
+	state      protoimpl.MessageState `protogen:"open.v1"`
+	UsedTokens int64                  `protobuf:"varint,1,opt,name=used_tokens,json=usedTokens,proto3" json:"used_tokens,omitempty"`
+	// The requests the worker is serving. Decode: its last ReportDemandRequest.running_requests
+	// (holding their pages: pre-allocated, receiving, prefilling or decoding; 0 from a worker that
+	// sends none). Prefill: not reported (0); the policy counts a prefill worker's queue from the
+	// control plane's in-flight prefills.
+	RunningRequests int32 `protobuf:"varint,2,opt,name=running_requests,json=runningRequests,proto3" json:"running_requests,omitempty"`
+	// Decode: the requests waiting in its prealloc queue for pages, as last reported
+	// (ReportDemandRequest.waiting_requests; prealloc_queue_depth too). Prefill: 0, as above.
+	WaitingRequests       int32 `protobuf:"varint,3,opt,name=waiting_requests,json=waitingRequests,proto3" json:"waiting_requests,omitempty"`
+	TransferQueueDepth    int32 `protobuf:"varint,4,opt,name=transfer_queue_depth,json=transferQueueDepth,proto3" json:"transfer_queue_depth,omitempty"`
+	PreallocQueueDepth    int32 `protobuf:"varint,5,opt,name=prealloc_queue_depth,json=preallocQueueDepth,proto3" json:"prealloc_queue_depth,omitempty"`
+	RetractedQueueDepth   int32 `protobuf:"varint,6,opt,name=retracted_queue_depth,json=retractedQueueDepth,proto3" json:"retracted_queue_depth,omitempty"`
+	SnapshotBytesUsed     int64 `protobuf:"varint,7,opt,name=snapshot_bytes_used,json=snapshotBytesUsed,proto3" json:"snapshot_bytes_used,omitempty"`
+	SnapshotBytesCapacity int64 `protobuf:"varint,8,opt,name=snapshot_bytes_capacity,json=snapshotBytesCapacity,proto3" json:"snapshot_bytes_capacity,omitempty"`
+	ResidentSessions      int32 `protobuf:"varint,9,opt,name=resident_sessions,json=residentSessions,proto3" json:"resident_sessions,omitempty"`
+	SnapshotSessions      int32 `protobuf:"varint,10,opt,name=snapshot_sessions,json=snapshotSessions,proto3" json:"snapshot_sessions,omitempty"`
+	InflightPushes        int32 `protobuf:"varint,11,opt,name=inflight_pushes,json=inflightPushes,proto3" json:"inflight_pushes,omitempty"`
 	// Of used_tokens, the tokens of idle resident sessions the worker may evict to admit new
 	// work (its KV cache, not pinned by a transfer or push). Admission counts used - evictable.
 	EvictableTokens int64 `protobuf:"varint,12,opt,name=evictable_tokens,json=evictableTokens,proto3" json:"evictable_tokens,omitempty"`

@@ -39,8 +39,8 @@ func (s *Sidecar) Resync() *kvcv1.ResidentSessions {
 }
 
 // Load reports used tokens (sum of committed lengths; those of sessions no push pins are
-// evictable), the worker's unevictable tokens and prealloc queue as it last reported them
-// (ReportDemand), rooms waiting for their transfer and snapshot pushes running or queued.
+// evictable), the worker's unevictable tokens, running requests and prealloc queue as it last
+// reported them (ReportDemand), rooms waiting for their transfer and snapshot pushes running or queued.
 func (s *Sidecar) Load() *kvcv1.WorkerLoad {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -74,6 +74,9 @@ func (s *Sidecar) Load() *kvcv1.WorkerLoad {
 	// for pages rather than behind the waiting requests of a full one (issue 20). The worker's
 	// retracted queue is not visible here.
 	l.PreallocQueueDepth = s.demand.requests
+	// The worker's requests as it last reported them (ReportDemand; 0 from a worker that sends
+	// none): those holding their pages run, those in the prealloc queue wait.
+	l.RunningRequests, l.WaitingRequests = s.demand.running, s.demand.requests
 	// The worker's own count of what it cannot free (its sessions in use), part of used: the
 	// control plane takes the larger of it and used − evictable as pinned.
 	l.UnevictableTokens = min(s.demand.unevictable, l.UsedTokens)

@@ -216,6 +216,44 @@ func TestLoadForwardsWorkerUnevictable(t *testing.T) {
 	}
 }
 
+// TestLoadForwardsRunningRequests: the worker's running requests and its prealloc queue
+// (ReportDemandRequest running_requests, waiting_requests) reach the control plane in the load
+// report as running_requests and waiting_requests (before, both were always 0 from a decode
+// sidecar); a negative count is refused and changes nothing; a dead worker runs nothing.
+func TestLoadForwardsRunningRequests(t *testing.T) {
+	s := newTestSidecar(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	c := serveBridge(t, s)
+	for _, st := range []struct {
+		name             string
+		req              *kvcv1.ReportDemandRequest
+		bad              bool
+		running, waiting int32
+	}{
+		{"two run", &kvcv1.ReportDemandRequest{RunningRequests: 2}, false, 2, 0},
+		{"three run, one waits", &kvcv1.ReportDemandRequest{RunningRequests: 3, WaitingRequests: 1, WaitingTokens: 64, FreeTokens: 8}, false, 3, 1},
+		{"negative refused", &kvcv1.ReportDemandRequest{RunningRequests: -1}, true, 3, 1},
+		{"drained", &kvcv1.ReportDemandRequest{}, false, 0, 0},
+		{"one runs", &kvcv1.ReportDemandRequest{RunningRequests: 1, UnevictableTokens: 8}, false, 1, 0},
+	} {
+		_, err := c.ReportDemand(ctx, st.req)
+		if (status.Code(err) == codes.InvalidArgument) != st.bad {
+			t.Fatalf("%s: %v", st.name, err)
+		}
+		if l := s.Load(); l.GetRunningRequests() != st.running || l.GetWaitingRequests() != st.waiting {
+			t.Fatalf("%s: load says %d running, %d waiting; want %d, %d", st.name, l.GetRunningRequests(), l.GetWaitingRequests(), st.running, st.waiting)
+		}
+	}
+	if d := s.Demand(); d.RunningRequests != 1 {
+		t.Fatalf("demand stats %+v", d)
+	}
+	s.WorkerHealth(true, "test: process gone")
+	if l := s.Load(); l.GetRunningRequests() != 0 || l.GetWaitingRequests() != 0 {
+		t.Fatalf("after the worker died: %v", l)
+	}
+}
+
 // TestPushLandingKicksRelease: a push that lands while requests wait for pages runs a pass at
 // once — the session it made current may go, whether the release forced it or its own commit
 // or idle flush queued it (before, only a forced push kicked: issue 20, E4 at 1P3D load 8, a

@@ -18,7 +18,8 @@ func (s *Sidecar) WorkerHealth(down bool, reason string) {
 		return
 	}
 	s.mu.Lock()
-	s.demand.unevictable = 0 // its sessions died with it; a worker back up reports again
+	s.demand.unevictable = 0                   // its sessions died with it; a worker back up reports again
+	s.demand.running, s.demand.requests = 0, 0 // and its requests
 	s.mu.Unlock()
 	n := s.dropAll("worker down: " + reason)
 	s.log.Warn().Int("sessions_dropped", n).Str("reason", reason).Msg("worker down: its sessions are lost")

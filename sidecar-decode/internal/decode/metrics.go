@@ -31,6 +31,8 @@ func (s *Sidecar) Collectors() []prometheus.Collector {
 		}, func() float64 { _, d := s.staleness(time.Now()); return d.Seconds() }),
 		g("kvc_sidecar_prealloc_waiting_requests", "Requests waiting in the worker's prealloc queue for pages, as last reported (ReportDemand).",
 			func(d DemandStats) float64 { return float64(d.WaitingRequests) }),
+		g("kvc_sidecar_worker_running_requests", "Requests the worker is serving that hold their pages (pre-allocated, receiving, prefilling or decoding), as last reported (ReportDemand); forwarded to the control plane in the load report (running_requests).",
+			func(d DemandStats) float64 { return float64(d.RunningRequests) }),
 		g("kvc_sidecar_prealloc_waiting_tokens", "Tokens the requests waiting in the worker's prealloc queue need, as last reported.",
 			func(d DemandStats) float64 { return float64(d.WaitingTokens) }),
 		g("kvc_sidecar_prealloc_free_tokens", "Tokens the worker's pool had free with its last demand report.",

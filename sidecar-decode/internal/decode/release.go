@@ -141,6 +141,7 @@ type ReleasePlan struct {
 // they need and the tokens it has free.
 type demand struct {
 	requests      int32
+	running       int32 // ReportDemandRequest.running_requests: the requests holding their pages
 	tokens, free  int64
 	reports       int64 // reports received
 	deficitPasses int64 // release passes that released or waited for a deficit
@@ -171,13 +172,15 @@ func (d demand) deficit() int64 {
 // ReportDemand records the worker's prealloc-queue demand and, when requests wait for more
 // than it has free, runs a release pass at once rather than at the next tick.
 func (s *Sidecar) ReportDemand(_ context.Context, req *kvcv1.ReportDemandRequest) (*kvcv1.ReportDemandResponse, error) {
-	if req.GetWaitingRequests() < 0 || req.GetWaitingTokens() < 0 || req.GetFreeTokens() < 0 || req.GetUnevictableTokens() < 0 {
-		return nil, status.Errorf(codes.InvalidArgument, "negative demand: %d requests, %d tokens, %d free, %d unevictable",
-			req.GetWaitingRequests(), req.GetWaitingTokens(), req.GetFreeTokens(), req.GetUnevictableTokens())
+	if req.GetWaitingRequests() < 0 || req.GetWaitingTokens() < 0 || req.GetFreeTokens() < 0 || req.GetUnevictableTokens() < 0 ||
+		req.GetRunningRequests() < 0 {
+		return nil, status.Errorf(codes.InvalidArgument, "negative demand: %d requests, %d tokens, %d free, %d unevictable, %d running",
+			req.GetWaitingRequests(), req.GetWaitingTokens(), req.GetFreeTokens(), req.GetUnevictableTokens(), req.GetRunningRequests())
 	}
 	s.mu.Lock()
 	s.demand.requests, s.demand.tokens, s.demand.free = req.GetWaitingRequests(), req.GetWaitingTokens(), req.GetFreeTokens()
 	s.demand.unevictable = req.GetUnevictableTokens()
+	s.demand.running = req.GetRunningRequests()
 	s.demand.released = 0 // this report counts the freed pages
 	s.demand.reports++
 	short := s.demand.deficit() > 0
@@ -201,6 +204,8 @@ type DemandStats struct {
 	SparedReleases int64
 	// UnevictableTokens is the worker's last capacity report (ReportDemandRequest.unevictable_tokens).
 	UnevictableTokens int64
+	// RunningRequests: the requests holding their pages, as last reported (running_requests).
+	RunningRequests int32
 	// OnDemandReleases: sessions released for a deficit less than MinIdle after their last
 	// commit; RefusedReleases: releases the worker refused (the session in use).
 	OnDemandReleases, RefusedReleases int64
@@ -212,7 +217,7 @@ func (s *Sidecar) Demand() DemandStats {
 	defer s.mu.Unlock()
 	d := s.demand
 	return DemandStats{WaitingRequests: d.requests, WaitingTokens: d.tokens, FreeTokens: d.free, Reports: d.reports, DeficitReleasePasses: d.deficitPasses,
-		UnevictableTokens: d.unevictable, SparedReleases: d.spared, OnDemandReleases: d.onDemand, RefusedReleases: d.refused}
+		UnevictableTokens: d.unevictable, RunningRequests: d.running, SparedReleases: d.spared, OnDemandReleases: d.onDemand, RefusedReleases: d.refused}
 }
 
 // planReleaseLocked picks, when the pool is above the high watermark, the idle sessions that

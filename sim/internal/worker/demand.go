@@ -3,6 +3,7 @@ package worker
 import (
 	"context"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
@@ -23,6 +24,12 @@ type demandBook struct {
 	requests int32
 	pages    int64
 	sent     *kvcv1.ReportDemandRequest // last report sent (nil: none yet)
+
+	// serving: the decode requests in the worker's hands (handleGenerate, from the parse to the
+	// answer); queued: those of them not holding their pages yet — in an allocation (the prealloc
+	// queue) or waiting for their session's previous turn. serving − queued is the report's
+	// running_requests. Atomic: counted outside mu, which a report holds across its call.
+	serving, queued atomic.Int32
 
 	// The capacity report's sender (kickReport): one report goroutine at a time, none after
 	// Close.
@@ -92,15 +99,15 @@ func (w *Worker) reportDemand() {
 	unevictable := w.unevictableLocked()
 	w.mu.Unlock()
 	req := &kvcv1.ReportDemandRequest{WaitingRequests: w.demand.requests, WaitingTokens: w.demand.pages * ps, FreeTokens: free * ps,
-		UnevictableTokens: unevictable}
+		UnevictableTokens: unevictable, RunningRequests: w.runningRequests()}
 	if req.WaitingRequests == 0 {
 		req.FreeTokens = 0 // nothing waits: the free room is no demand's business
 	}
 	if s := w.demand.sent; s != nil && s.WaitingRequests == req.WaitingRequests && s.WaitingTokens == req.WaitingTokens && s.FreeTokens == req.FreeTokens &&
-		s.UnevictableTokens == req.UnevictableTokens {
+		s.UnevictableTokens == req.UnevictableTokens && s.RunningRequests == req.RunningRequests {
 		return
 	}
-	if w.demand.sent == nil && req.WaitingRequests == 0 && req.UnevictableTokens == 0 {
+	if w.demand.sent == nil && req.WaitingRequests == 0 && req.UnevictableTokens == 0 && req.RunningRequests == 0 {
 		return
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), min(demandReportTimeout, w.cfg.BridgeTimeout))
@@ -114,6 +121,44 @@ func (w *Worker) reportDemand() {
 	}
 	w.demand.sent = req
 	w.m.demandReports.Inc()
+}
+
+// runningRequests is the decode requests holding their pages: pre-allocated, receiving,
+// prefilling or decoding (serving less queued).
+func (w *Worker) runningRequests() int32 {
+	return max(0, w.demand.serving.Load()-w.demand.queued.Load())
+}
+
+// serve counts a decode request in the worker's hands, not holding its pages yet, and has the
+// capacity report sent (running_requests): ready marks it past its wait for its session's
+// previous turn (allocations count themselves: queue), end takes it out (ready or not).
+func (w *Worker) serve() (ready, end func()) {
+	w.demand.queued.Add(1) // first: a report never counts it running before ready
+	w.demand.serving.Add(1)
+	var once sync.Once
+	ready = func() {
+		once.Do(func() {
+			w.demand.queued.Add(-1)
+			w.kickReport()
+		})
+	}
+	end = func() {
+		w.demand.serving.Add(-1)
+		once.Do(func() { w.demand.queued.Add(-1) })
+		w.kickReport()
+	}
+	return ready, end
+}
+
+// queue counts a decode request that does not hold its pages yet (an allocation, a wait for
+// its session's previous turn) until the returned func is called.
+func (w *Worker) queue() func() {
+	w.demand.queued.Add(1)
+	w.kickReport()
+	return func() {
+		w.demand.queued.Add(-1)
+		w.kickReport()
+	}
 }
 
 // reportsUnevictable: a decode worker with a sidecar sends its capacity report (the

@@ -270,7 +270,9 @@ func (w *Worker) handleGenerate(rw http.ResponseWriter, r *http.Request) {
 		writeJSON(rw, http.StatusOK, a)
 		return
 	}
-	t, e := w.begin(r.Context(), p, meta)
+	ready, end := w.serve() // running_requests
+	defer end()             // after finish (deferred below)
+	t, e := w.begin(r.Context(), p, meta, ready)
 	if e != nil {
 		fail(e)
 		return
@@ -458,8 +460,9 @@ func (t *turn) pageList() []int64 {
 
 // begin does everything before the first decode step: lock the session's turn, find or drop
 // its resident KV, allocate pages (evicting if needed), receive and verify transferred KV,
-// append-prefill uncached tokens.
-func (w *Worker) begin(ctx context.Context, p *plan, meta *KVCMeta) (*turn, *apiError) {
+// append-prefill uncached tokens. ready is called once the turn is past its wait for its
+// session's previous turn (serve).
+func (w *Worker) begin(ctx context.Context, p *plan, meta *KVCMeta, ready func()) (*turn, *apiError) {
 	t := &turn{p: p, meta: meta}
 	ps := w.cfg.Geometry.PageSize
 	need := pagesFor(p.input+p.maxNew, ps)
@@ -473,6 +476,7 @@ func (w *Worker) begin(ctx context.Context, p *plan, meta *KVCMeta) (*turn, *api
 		}
 		t.unlock = unlock
 	}
+	ready() // past its previous turn: running, unless an allocation queues it (running_requests)
 	fail := func(e *apiError) (*turn, *apiError) {
 		w.finish(t, false)
 		return nil, e

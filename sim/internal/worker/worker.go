@@ -411,6 +411,9 @@ func (w *Worker) allocate(ctx context.Context, n int64, exclude string) ([]int64
 	// capacity release must see (demand.go); the deferred call runs before leave.
 	wt := w.demandWaiter(n)
 	defer wt.done()
+	if w.cfg.Role == kvcv1.WorkerRole_WORKER_ROLE_DECODE {
+		defer w.queue()() // not running until it holds its pages (running_requests)
+	}
 	t0 := time.Now()
 	select {
 	case <-tk.head:
