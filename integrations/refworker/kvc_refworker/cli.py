@@ -198,6 +198,10 @@ def main(argv=None) -> int:
                      bitwise_strict=strict, snapshot_wait_s=a.snapshot_wait,
                      device_activity_dir=_activity_dir(a.device_activity_dir, a.device))
         worker = Worker(cfg, model, spec, pool, xfer)
+        if a.role == "decode" and getattr(xfer, "bridge", None) is not None:
+            from kvcentric_sglang import demand
+
+            worker.demand = demand.start_for_process(xfer.bridge)  # running_requests to the sidecar
         transport.start_watch(xfer, worker, stop)
         srv.set_worker(worker)
         srv.info.update(transfer_api=xfer.name, kv_capacity_tokens=pool.size, kv_bytes_per_token=bpt, pool=pool.source,

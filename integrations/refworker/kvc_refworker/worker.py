@@ -230,6 +230,10 @@ class Worker:
         self.mu = threading.Condition()
         self.sessions: Dict[str, Session] = {}
         self._turn_locks: Dict[str, threading.Lock] = {}
+        self._allocating = 0  # served requests in allocate, waiting for pages: not running
+        # A decode worker's DemandReporter (kvcentric_sglang.demand, set by the cli): its running
+        # requests go to the sidecar (ReportDemand running_requests, the load report's).
+        self.demand = None
         self.stats = {"requests": 0, "errors": 0, "recompute_checked": 0, "recompute_mismatches": 0,
                       "evictions": 0, "releases_without_sidecar": 0, "received_bytes": 0, "sent_bytes": 0,
                       "prefill_tokens": 0, "decode_tokens": 0}
@@ -284,7 +288,32 @@ class Worker:
     def _touch(self, s: Session) -> None:
         s.last_used = time.monotonic()
 
+    def running_requests(self) -> int:
+        """Served requests holding their pages: in flight (begin .. last token) and not in an
+        allocation."""
+        with self.gpu.cv:
+            active = self.gpu.active
+        with self.mu:
+            return max(0, active - self._allocating)
+
+    def _report_running(self) -> None:
+        """Hands the running requests to the reporter (it sends only changes, off this thread)."""
+        if self.demand is not None:
+            self.demand.observe(0, 0, 0, 0, running=self.running_requests())
+
     def allocate(self, n: int, for_session: str, contiguous: bool = False) -> (List[int], int):
+        """n pages (see _allocate); the request does not run meanwhile (running_requests)."""
+        with self.mu:
+            self._allocating += 1
+        self._report_running()
+        try:
+            return self._allocate(n, for_session, contiguous)
+        finally:
+            with self.mu:
+                self._allocating -= 1
+            self._report_running()
+
+    def _allocate(self, n: int, for_session: str, contiguous: bool = False) -> (List[int], int):
         """n pages, evicting least-recently-used idle sessions (ReleaseSession(EVICTED) first,
         then free); 503 no_capacity when even that cannot make room (after prealloc_wait). With
         contiguous, consecutive pages when the pool has such a run (KVPool.alloc_contiguous)."""
@@ -582,6 +611,7 @@ class Worker:
         t.meta["turn_wait_ms"] = _ms(time.monotonic() - t0)
         self.gpu.enter()
         t.active = True
+        self._report_running()
         try:
             self._begin(t, anonymous)
         except BaseException:
@@ -842,6 +872,7 @@ class Worker:
         if t.active:
             t.active = False
             self.gpu.leave()
+            self._report_running()
 
     # -- finish ---------------------------------------------------------------------------------
 

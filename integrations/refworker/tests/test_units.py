@@ -388,6 +388,67 @@ class TestEviction(unittest.TestCase):
         self.assertEqual(evict("StatusCode.UNAVAILABLE"), (15, 5, 1))
         self.assertEqual(evict("StatusCode.INTERNAL"), ("no_capacity", 10, 0))
 
+    def test_reports_running_requests(self):
+        """A decode worker's served requests that hold their pages reach its sidecar as
+        running_requests (ReportDemand; before, the refworker sent none and the sidecar's load
+        report said 0): one waiting in allocate for pages does not run until it has them."""
+        import threading
+
+        from kvc_refworker.worker import Config, Session, Worker
+        from kvcentric_sglang.demand import DemandReporter
+
+        spec = M.spec_for("tiny")
+
+        class Bridge:
+            def __init__(self):
+                self.reports = []
+
+            def report_demand(self, *d, timeout_s=None):
+                self.reports.append(d)
+
+        pool = KVPool(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32, 20 * 16, 16, "cpu",
+                      name="kvc-refworker-unit-running", use_sglang=False)
+        try:
+            b = Bridge()
+            w = Worker(Config(role="decode", worker_id="d0", model_name="tiny", prealloc_wait_s=30,
+                              snapshot_wait_s=0), None, spec, pool, SimpleNamespace(bridge=None))
+            w.demand = DemandReporter(b)
+            held = Session(id="a", pages=pool.alloc(20), kv_len=320, committed=True, last_used=0.0)
+            held.pinned = 1  # in use: no eviction makes room
+            w.sessions["a"] = held
+            w.gpu.enter()  # a served request (begin .. last token)
+            w._report_running()
+            self.assertTrue(w.demand.flush())
+            self.assertEqual(b.reports[-1][4], 1)
+            w.gpu.enter()  # a second one, that waits for pages
+            got = {}
+            t = threading.Thread(target=lambda: got.update(r=w.allocate(4, "x")))
+            t.start()
+            deadline = time.monotonic() + 10
+            while w.running_requests() != 1 or w._allocating != 1:
+                self.assertLess(time.monotonic(), deadline, "the allocation never waited")
+                time.sleep(0.001)
+            self.assertTrue(w.demand.flush())
+            self.assertEqual(b.reports[-1][4], 1)  # the waiting one does not run
+            with w.mu:
+                pool.free(held.pages[:4])
+                held.pages = held.pages[4:]
+                w.mu.notify_all()
+            t.join(10)
+            self.assertEqual(len(got["r"][0]), 4)
+            self.assertTrue(w.demand.flush())
+            self.assertEqual(b.reports[-1][4], 2)  # it has its pages: both run
+            w.gpu.leave()
+            w.gpu.leave()
+            w._report_running()
+            self.assertTrue(w.demand.flush())
+            self.assertEqual(b.reports[-1][4], 0)
+            self.assertTrue(all(r[4] <= 2 for r in b.reports), b.reports)
+            w.demand.close()
+        finally:
+            pool.close()
+
+
 class TestCapacityRelease(unittest.TestCase):
     def test_waiting_turns_session_goes_only_when_no_other_is_idle(self):
         """The sidecar's capacity release of a session whose direct turn waits for pages
