@@ -101,7 +101,8 @@ def test_colocated_waiting_queue_is_reported(dside):
     demand.after_prefill_schedule(SimpleNamespace(reqs=[fresh]), sched)
     assert rep.flush()
     g = gauges(d)
-    assert (g["worker_unevictable_tokens"], g["demand_reports_total"], g["worker_running_requests"]) == (48 + 32, 4, 3), g
+    assert (g["worker_unevictable_tokens"], g["demand_reports_total"], g["worker_running_requests"]) == \
+        (48 + 32, 4, 3), g
 
 
 def test_pd_decode_prealloc_queue_is_reported(dside):
@@ -126,7 +127,8 @@ def test_pd_decode_prealloc_queue_is_reported(dside):
     demand.after_pop_preallocated(out, q)
     assert rep.flush()
     g = gauges(d)
-    assert (g["prealloc_waiting_requests"], g["worker_unevictable_tokens"], g["worker_running_requests"]) == (1, 64, 1), g
+    assert (g["prealloc_waiting_requests"], g["worker_unevictable_tokens"], g["worker_running_requests"]) == \
+        (1, 64, 1), g
 
 
 def test_prefill_worker_reports_nothing(dside):
