@@ -28,10 +28,17 @@ type Reserved struct {
 	// does not show yet. They are idle sessions' KV, which the worker may evict: headroom scores
 	// count them (new sessions do not pile onto a worker that only looks empty), the capacity
 	// rule does not (fits).
-	Settling  int64
-	Transfers int32 // decode: seeds and reseeds in flight
-	// StoreTransfers (decode): reseeds from a prefill store in flight (RESEED_SNAPSHOT), the
-	// transfers max_concurrent_transfers bounds: they start when decided. A transfer P computes
+	Settling int64
+	// Transfers (decode): seeds and reseeds in flight, until their outcome — the queue score's
+	// and the backpressure's count of the work a transfer brings (its turn decodes there).
+	Transfers int32
+	// Landed (decode): of Transfers, those whose KV has landed on the worker (its decode
+	// sidecar's TRANSFER_DONE) and that only decode now: no transfer into the worker is
+	// running while Transfers − Landed is 0 (the local large append's rule).
+	Landed int32
+	// StoreTransfers (decode): reseeds from a prefill store in flight (RESEED_SNAPSHOT) whose KV
+	// has not landed yet, the transfers max_concurrent_transfers bounds: they start when
+	// decided and end when the KV lands (TRANSFER_DONE). A transfer P computes
 	// (SEED, RESEED_PREFILL) starts only once P prefilled; it holds no slot while it waits for P.
 	StoreTransfers int32
 	Seeds          int32 // decode: seeds in flight
@@ -396,7 +403,7 @@ func (c *Cycle) resident(d *kvcv1.Worker) Decision {
 func (c *Cycle) localAppend(d *kvcv1.Worker, uncached, cached int64) (Decision, bool) {
 	res := c.In.Ledger.Reserved(d.WorkerId)
 	if c.K.LocalAppendMaxTokens <= 0 || uncached > c.K.LocalAppendMaxTokens ||
-		d.GetLoad().GetTransferQueueDepth() > 0 || res.Transfers > 0 || res.StoreTransfers > 0 {
+		d.GetLoad().GetTransferQueueDepth() > 0 || res.Transfers > res.Landed || res.StoreTransfers > 0 {
 		return Decision{}, false
 	}
 	if n, minOut := c.decodeBatch(d.WorkerId, res); n > 0 && uncached > (minOut-1)*c.K.LocalAppendStallTokensPerOutput {

@@ -228,6 +228,13 @@ func TestDecideEveryModeAndReason(t *testing.T) {
 		{name: "a transfer in flight into D: P prefills the append", q: q(20_000, 100, 4), rec: resident("d1", 10_000),
 			workers: cluster(), led: ledger(map[string]Reserved{"d1": {StoreTransfers: 1, Transfers: 1}}),
 			mode: mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND), prefill: "p2", decode: "d1"},
+		// a reseed whose KV landed (TRANSFER_DONE) only decodes now: its long output absorbs the stall
+		{name: "a transfer into D that has landed: local", q: q(20_000, 100, 4), rec: resident("d1", 10_000),
+			workers: cluster(), led: batch(map[string]Reserved{"d1": {Tokens: 5_400, Transfers: 1, Landed: 1}}, map[string][]int64{"d1": {400}}),
+			mode: mDirect, reason: R(kvcv1.RouteReason_ROUTE_REASON_LOCAL_LARGE_APPEND), decode: "d1"},
+		{name: "two transfers into D, one landed: P prefills the append", q: q(20_000, 100, 4), rec: resident("d1", 10_000),
+			workers: cluster(), led: batch(map[string]Reserved{"d1": {Tokens: 9_000, Transfers: 2, Landed: 1, StoreTransfers: 1}}, map[string][]int64{"d1": {400, 400}}),
+			mode: mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND), prefill: "p2", decode: "d1"},
 		{name: "rooms waiting for their transfer on D: P prefills the append", q: q(20_000, 100, 4), rec: resident("d1", 10_000),
 			workers: []*kvcv1.Worker{pW("p1", 0), with(dW("d1", 100_000, 10_000), func(w *kvcv1.Worker) { w.Load.TransferQueueDepth = 1 })},
 			mode:    mFallback, reason: R(kvcv1.RouteReason_ROUTE_REASON_REAL_LARGE_APPEND), prefill: "p1", decode: "d1"},

@@ -17,12 +17,12 @@ func (s *Service) roomSeq(room int64) (uint64, bool) {
 
 // TransferLanded is the state's delivery of a decode sidecar's TRANSFER_DONE (ok) event:
 // the KV of the seed or reseed whose bootstrap room is ev.room has landed on decode worker
-// worker. The decision's transfer slot — and its store-transfer and seed slots — end now, not
-// at its outcome after the turn has decoded: a finished transfer no longer counts against
-// max_concurrent_transfers or seed_max_inflight_decode, nor keeps the worker's
-// LOCAL_LARGE_APPEND path shut ("no transfer into D in flight"). Its tokens stay reserved
-// until the outcome. An event of no pending transfer (its outcome came first, another term's
-// room, a store load's room) changes nothing. Called outside the state's lock.
+// worker. The transfer ends now, not at the decision's outcome after the turn has decoded: it
+// no longer keeps the worker's LOCAL_LARGE_APPEND path shut ("no transfer into D in flight":
+// Reserved.Landed) nor counts against max_concurrent_transfers (its store-transfer slot). Its
+// tokens, and its count in the queue score's Transfers and in Seeds (its turn still decodes
+// there), stay until the outcome. An event of no pending transfer (its outcome came first,
+// another term's room, a store load's room) changes nothing. Called outside the state's lock.
 func (s *Service) TransferLanded(worker string, ev *kvcv1.SessionEvent) {
 	seq, ok := s.roomSeq(ev.GetRoom())
 	if !ok {
@@ -42,6 +42,6 @@ func (s *Service) TransferLanded(worker string, ev *kvcv1.SessionEvent) {
 func newLandedMetric() *prometheus.CounterVec {
 	return prometheus.NewCounterVec(prometheus.CounterOpts{
 		Name: "kvc_router_transfers_landed_total",
-		Help: "Decode sidecars' TRANSFER_DONE events of seeds and reseeds, by result: released (the decision's transfer, store-transfer and seed slots ended when its KV landed, before its outcome), unknown (no pending transfer of that room, session and worker: its outcome came first, or another term's).",
+		Help: "Decode sidecars' TRANSFER_DONE events of seeds and reseeds, by result: released (the decision's transfer ended when its KV landed, before its outcome: its store-transfer slot given back, no longer a transfer into the worker for the local large append), unknown (no pending transfer of that room, session and worker: its outcome came first, or another term's).",
 	}, []string{"result"})
 }

@@ -9,11 +9,12 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 )
 
-// TestTransferLandedEndsTheSlot: a reseed's transfer slot on its decode worker ends when the
+// TestTransferLandedEndsTheSlot: a reseed's transfer on its decode worker ends when the
 // decode sidecar reports its KV landed (TRANSFER_DONE of the decision's room), not at the
-// outcome after the turn decoded: the worker's LOCAL_LARGE_APPEND path, shut while the
-// transfer runs, opens again at once; the reseed's tokens stay reserved until its outcome,
-// which gives nothing back twice. Events of another session, worker or room, a second copy
+// outcome after the turn decoded: its store-transfer slot is given back and the worker's
+// LOCAL_LARGE_APPEND path, shut while the transfer runs, opens again at once; the reseed's
+// tokens and its count in Transfers (the queue score's) stay until its outcome, which gives
+// nothing back twice. Events of another session, worker or room, a second copy
 // and one after the outcome change nothing. On the old ledger the slot held until the outcome
 // and the large append went to P.
 func TestTransferLandedEndsTheSlot(t *testing.T) {
@@ -60,9 +61,9 @@ func TestTransferLandedEndsTheSlot(t *testing.T) {
 	}
 	done("d1", "s", reseed.BootstrapRoom)
 	want := held
-	want.Transfers, want.StoreTransfers = 0, 0
+	want.Landed, want.StoreTransfers = 1, 0
 	if got := reserved(); got != want {
-		t.Fatalf("after the KV landed: %+v, want %+v (the tokens until the outcome)", got, want)
+		t.Fatalf("after the KV landed: %+v, want %+v (tokens and the transfer's count until the outcome)", got, want)
 	}
 	done("d1", "s", reseed.BootstrapRoom) // a second copy
 	if got := reserved(); got != want {
@@ -76,7 +77,7 @@ func TestTransferLandedEndsTheSlot(t *testing.T) {
 	f.report(d.DecisionId, false, kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_ABORTED, 0)
 	f.report(reseed.DecisionId, true, okKind, 5_450)
 	done("d1", "s", reseed.BootstrapRoom) // after the outcome
-	if got := reserved(); got.Transfers != 0 || got.StoreTransfers != 0 || got.Tokens != 0 {
+	if got := reserved(); got.Transfers != 0 || got.Landed != 0 || got.StoreTransfers != 0 || got.Tokens != 0 {
 		t.Fatalf("after the outcome: %+v", got)
 	}
 	f.checkLedger()

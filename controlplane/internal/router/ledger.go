@@ -24,8 +24,8 @@ type reservation struct {
 	store    bool // a reseed from a prefill store (RESEED_SNAPSHOT): holds a store-transfer slot
 	seed     bool
 	// landed: the decode sidecar reported the transfer done (TRANSFER_DONE of the decision's
-	// room, landed): its transfer, store-transfer and seed slots were given back then; its
-	// tokens stay until the outcome.
+	// room): its store-transfer slot was given back then and it counts in Reserved.Landed; its
+	// tokens, transfer and seed counts stay until the outcome.
 	landed   bool
 	prefills bool
 	plain    bool // a plain P/D request (PD_FALLBACK) with a decode worker: counted in Reserved.Plain
@@ -323,8 +323,17 @@ func (l *ledger) remove(seq uint64) (*reservation, bool) {
 		if r.newSess {
 			w.NewSession -= r.tokens
 		}
-		if !r.landed {
-			releaseSlots(w, r)
+		if r.transfer {
+			w.Transfers--
+		}
+		if r.seed {
+			w.Seeds--
+		}
+		switch {
+		case r.landed && r.transfer:
+			w.Landed--
+		case !r.landed && r.store:
+			w.StoreTransfers--
 		}
 	}
 	if r.prefills && r.prefill != "" {
@@ -343,32 +352,25 @@ func (l *ledger) remove(seq uint64) (*reservation, bool) {
 	return r, true
 }
 
-// releaseSlots gives back r's transfer, store-transfer and seed slots on its decode worker.
-func releaseSlots(w *policy.Reserved, r *reservation) {
-	if r.transfer {
-		w.Transfers--
-	}
-	if r.store {
-		w.StoreTransfers--
-	}
-	if r.seed {
-		w.Seeds--
-	}
-}
-
-// landed gives back the slots of seq's transfer into decode worker id for session: its KV has
-// landed there (the decode sidecar's TRANSFER_DONE of the decision's room). The reservation
-// stays pending — its tokens, its decode batch entry and its session's pending transfer
-// (TransferPending: the session is not resident until the outcome) — and the outcome releases
-// the rest. It reports whether it gave anything back (false: not pending, another session's or
-// worker's, no transfer, or landed already).
+// landed records that seq's transfer into decode worker id for session has landed there (the
+// decode sidecar's TRANSFER_DONE of the decision's room): the transfer counts in Landed (no
+// transfer is running into the worker for it any more) and gives back its store-transfer slot
+// (max_concurrent_transfers). The reservation stays pending — its tokens, its transfer and seed
+// counts (the work its turn brings: it decodes there), its decode batch entry and its
+// session's pending transfer (TransferPending: the session is not resident until the outcome)
+// — and the outcome releases the rest. It reports whether it changed anything (false: not
+// pending, another session's or worker's, no transfer, or landed already).
 func (l *ledger) landed(seq uint64, id, session string) bool {
 	r, ok := l.pending[seq]
-	if !ok || r.landed || r.decode != id || r.session != session || !(r.transfer || r.store || r.seed) {
+	if !ok || r.landed || r.decode != id || r.session != session || !r.transfer {
 		return false
 	}
 	r.landed = true
-	releaseSlots(&l.workers[r.decode].res, r)
+	w := &l.workers[r.decode].res
+	w.Landed++
+	if r.store {
+		w.StoreTransfers--
+	}
 	return true
 }
 

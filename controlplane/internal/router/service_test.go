@@ -129,13 +129,16 @@ func (f *fixture) checkLedger() {
 		if r.holdsDecode() {
 			w := want[r.decode]
 			w.Tokens += r.tokens
-			if r.transfer && !r.landed {
+			if r.transfer {
 				w.Transfers++
+			}
+			if r.transfer && r.landed {
+				w.Landed++
 			}
 			if r.store && !r.landed {
 				w.StoreTransfers++
 			}
-			if r.seed && !r.landed {
+			if r.seed {
 				w.Seeds++
 			}
 			if r.newSess {
