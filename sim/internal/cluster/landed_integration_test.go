@@ -14,7 +14,8 @@ import (
 // TestLocalClusterTransferSlotEndsWhenKVLands through every real process: a seed's KV lands on
 // its decode worker, the decode sidecar reports TRANSFER_DONE for the decision's room, and the
 // leading control plane ends the decision's transfer slot then — while the turn still decodes
-// (its first token is out, 400 more to come, about 2 s), not at its outcome
+// (its first token is out, 400 more to come, about 2 s), not at its outcome: the transfer no
+// longer shuts the worker's LOCAL_LARGE_APPEND path
 // (kvc_router_transfers_landed_total{result="released"}; before, no such signal was used and
 // the slot held until the outcome).
 func TestLocalClusterTransferSlotEndsWhenKVLands(t *testing.T) {
