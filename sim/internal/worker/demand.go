@@ -129,12 +129,12 @@ func (w *Worker) runningRequests() int32 {
 	return max(0, w.demand.serving.Load()-w.demand.queued.Load())
 }
 
-// serve counts a decode request in the worker's hands, not holding its pages yet, and has the
-// capacity report sent (running_requests): ready marks it past its wait for its session's
-// previous turn (allocations count themselves: queue), end takes it out (ready or not).
+// serve counts a decode request in the worker's hands, not holding its pages yet: ready marks
+// it past its wait for its session's previous turn (allocations count themselves: queue) and
+// end takes it out (ready or not), each having the capacity report sent (running_requests).
 func (w *Worker) serve() (ready, end func()) {
-	w.demand.queued.Add(1) // first: a report never counts it running before ready
-	w.demand.serving.Add(1)
+	w.demand.queued.Add(1)  // first: a report never counts it running before ready
+	w.demand.serving.Add(1) // running_requests unchanged: no report yet
 	var once sync.Once
 	ready = func() {
 		once.Do(func() {

@@ -17,7 +17,11 @@ func TestDecodeReportsUnevictableTokens(t *testing.T) {
 		t.Run(map[bool]string{false: "lru", true: "watermark"}[watermark], func(t *testing.T) {
 			h := newHub()
 			p := newTestWorker(t, h, kvcv1.WorkerRole_WORKER_ROLE_PREFILL, "p0", 4096, zeroTiming())
-			d := newTestWorkerCfg(t, h, kvcv1.WorkerRole_WORKER_ROLE_DECODE, "d0", 256, zeroTiming(), 10*time.Second)
+			// a's direct turn decodes 4 tokens of 50 ms: its pin lasts long enough for a report
+			// to see it (reports go out off the request's path, kickReport)
+			slow := zeroTiming()
+			slow.Scale, slow.DecodePerToken, slow.PrefillTokensPerS, slow.PrefillOverhead, slow.LinkGbps = 1, 50*time.Millisecond, 1e12, 0, 1e9
+			d := newTestWorkerCfg(t, h, kvcv1.WorkerRole_WORKER_ROLE_DECODE, "d0", 256, slow, 10*time.Second)
 			d.w.cfg.EvictOnlyByRelease = watermark
 			for i, s := range []string{"a", "b"} {
 				if _, dr := pd(t, p, d, s, 4, kvcReq{Mode: "SEED", SessionID: s, InputTokens: 40, Room: i64(int64(i + 1))}); dr.status != 200 {
@@ -33,6 +37,8 @@ func TestDecodeReportsUnevictableTokens(t *testing.T) {
 				return r[len(r)-1]
 			}
 			// A seed's KV is its own reservation's until its outcome: the seeds pinned nothing.
+			// Their last report (running_requests back to 0) comes off their path: waited for.
+			waitFor(t, func() bool { return last().GetRunningRequests() == 0 })
 			before := len(d.sc.demandReports())
 			for _, r := range d.sc.demandReports() {
 				if r.GetUnevictableTokens() != 0 {
@@ -45,7 +51,10 @@ func TestDecodeReportsUnevictableTokens(t *testing.T) {
 			if dr.status != 200 {
 				t.Fatalf("direct turn: %d %s", dr.status, dr.code)
 			}
-			waitFor(t, func() bool { l := last(); return len(d.sc.demandReports()) > before && l.GetUnevictableTokens() == 0 })
+			waitFor(t, func() bool {
+				l := last()
+				return len(d.sc.demandReports()) > before && l.GetUnevictableTokens() == 0 && l.GetRunningRequests() == 0
+			})
 			var peak int64
 			for _, r := range d.sc.demandReports()[before:] {
 				peak = max(peak, r.GetUnevictableTokens())
