@@ -67,6 +67,7 @@ type opts struct {
 	sloTPOT        time.Duration
 	killDecode     string
 	killWorkerOnly bool
+	recoveryCtl    bool
 	killAt         time.Duration
 	killAfter      int
 	killDelay      time.Duration
@@ -160,6 +161,7 @@ func parse(args []string, stderr io.Writer) (*opts, error) {
 	fs.Int64Var(&o.snapDelta, "snapshot-delta-tokens", 0, "with --local: the policy's snapshot_delta_tokens (a decode sidecar pushes when committed - last pushed reaches it; 0: the control plane's default, 64: every turn). Small values keep idle sessions' snapshots current at the cost of more, smaller pushes")
 	fs.BoolVar(&o.seedStore, "seed-through-store", false, "with --local: E4's policy has seed_through_store (its decode workers as colocated SGLang servers, the recommended deployment: a seed's or re-prefill's P computes into its own store first and D loads the session from there, so D holds no pages while the seed waits for P)")
 	fs.BoolVar(&o.seedStoreShort, "seed-through-store-when-short", false, "with --local: E4's policy has seed_through_store_when_short (kvc-sim's decode workers take both: a seed or re-prefill goes through P's store only while its decode worker is short of pages — not admitted now by the control plane's count, a refused seed's fallback, or requests waiting for pages there — and keeps the direct transfer, overlapped with the prefill, otherwise)")
+	fs.BoolVar(&o.recoveryCtl, "recovery-control", false, "with --kill-decode: each arm first replays the workload once without the kill (same trace, seed and flags, a fresh cluster; records in metrics-control.jsonl), and recovery adds recovery_excess_paired_s: the delay minus the same (session, turn) request's TTFT in that run (the target still reads recovery_excess_s); doubles the run's time")
 	fs.BoolVar(&o.killWorkerOnly, "kill-worker-only", false, "with --kill-decode: SIGKILL only the decode worker's kvc-sim (its sidecar stays up and reports the worker down) instead of the kvc-sim and its sidecar")
 	fs.DurationVar(&o.killAt, "kill-at", 60*time.Second, "with --kill-decode: when, on the workload clock (scaled by --time-scale)")
 	fs.DurationVar(&o.killDelay, "kill-delay", 0, "with --kill-after-requests: kill this long after the trigger (workload clock, scaled by --time-scale), e.g. so that the sessions' snapshot pushes after their last commits are done")
@@ -182,6 +184,9 @@ func parse(args []string, stderr io.Writer) (*opts, error) {
 	fs.Visit(func(f *flag.Flag) { killAtSet = killAtSet || f.Name == "kill-at" })
 	if o.killAfter < 0 {
 		errs = append(errs, fmt.Errorf("--kill-after-requests %d must be >= 0", o.killAfter))
+	}
+	if o.recoveryCtl && o.killDecode == "" {
+		errs = append(errs, errors.New("--recovery-control needs --kill-decode (it pairs the kill run with a run without the kill)"))
 	}
 	if o.killAfter > 0 && o.killDecode == "" {
 		errs = append(errs, errors.New("--kill-after-requests needs --kill-decode"))
@@ -369,6 +374,7 @@ func run(args []string, stderr io.Writer) int {
 		cfg.Decode, cfg.Prefill, cfg.PrefillCapacityTokens = o.decode, o.prefill, o.prefillCap
 		cfg.Baselines = bench.Baselines{PrefixCacheTokens: o.prefixCache, HostTierTokens: o.hostTier}
 		cfg.KillDecode, cfg.KillAt, cfg.KillWorkerOnly = o.killDecode, o.killAt, o.killWorkerOnly
+		cfg.RecoveryControl = o.recoveryCtl
 		cfg.KillAfterRequests, cfg.KillDelay = o.killAfter, o.killDelay
 		if o.snapDelta > 0 {
 			cfg.Policy = &kvcv1.Policy{SnapshotDeltaTokens: proto.Int64(o.snapDelta)}
@@ -475,6 +481,9 @@ func printArms(stderr io.Writer, cfg bench.Config, arms []*report.Arm) {
 		fmt.Fprintf(stderr, "%s (%s): ok %d/%d  TTFT p50 %.3fs p99 %.3fs  goodput %.3f req/s  direct-to-D %.1f%% (continuing %.1f%%)  reseeds %d (p50 %.3fs, snapshot %.0f%%, stale %d)  recovery %.3fs (excess %.3fs, %d sessions, %d unrecovered)  bytes %d  verify failures %d\n",
 			a.Name, unit, s.OK, s.Total, s.TTFTP50, s.TTFTP99, s.GoodputRPS, 100*s.DirectToDShare, 100*s.DirectToDShareContinuing, s.ReseedCount, s.ReseedTTFTP50, 100*s.SnapshotHitRate, s.SnapshotStale,
 			s.RecoveryS, s.RecoveryExcessS, s.AffectedSessions, s.Unrecovered, s.BytesMoved, s.KVVerifyFailures)
+		if s.RecoveryControl {
+			fmt.Fprintf(stderr, "%s: recovery excess paired with the run without the kill %.3fs (%d fallbacks to the usual TTFT)\n", a.Name, s.RecoveryExcessPairedS, s.RecoveryPairedFallbacks)
+		}
 		fmt.Fprintf(stderr, "%s: TTFT p99 continuing turns %.3fs  within SLO %d/%d  prefill busy %v  decode busy %v\n", a.Name, s.TTFTP99Continuing, s.SLOMet, s.Total, s.PrefillBusyS, s.DecodeBusyS)
 	}
 }

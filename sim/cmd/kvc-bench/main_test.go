@@ -46,6 +46,8 @@ func TestParseFlags(t *testing.T) {
 		{"kill delay negative", []string{"--local", "--kill-decode", "decode-0", "--kill-after-requests", "4", "--kill-delay", "-1s"}, "--kill-delay -1s must be >= 0"},
 		{"kill delay without the trigger", []string{"--local", "--kill-decode", "decode-0", "--kill-delay", "10s"}, "--kill-delay needs --kill-after-requests"},
 		{"kill after requests and kill at", []string{"--local", "--kill-decode", "decode-0", "--kill-after-requests", "4", "--kill-at", "30s"}, "exclude each other"},
+		{"recovery control", []string{"--local", "--kill-decode", "most", "--recovery-control"}, ""},
+		{"recovery control without a kill", []string{"--local", "--recovery-control"}, "--recovery-control needs --kill-decode"},
 		{"sweep", []string{"--local", "--sweep", "0.5,1"}, ""},
 		{"sweep per shape", []string{"--local", "--sweep", "1P3D=0.5,1,2,3;2P4D=1,2,4,6;2P4D@700K=2"}, ""},
 		{"sweep load zero", []string{"--local", "--sweep", "0,1"}, `load "0": want a number in (0, 100]`},
@@ -91,6 +93,10 @@ func TestRunExitCodes(t *testing.T) {
 		if rc := run(args, &b); rc != 2 || !strings.Contains(b.String(), "kvc-bench:") {
 			t.Errorf("%v: rc %d, %q", args, rc, b.String())
 		}
+	}
+	b.Reset()
+	if rc := run([]string{"--local", "--recovery-control"}, &b); rc != 2 || !strings.Contains(b.String(), "kvc-bench: --recovery-control needs --kill-decode") {
+		t.Fatalf("--recovery-control without --kill-decode: rc %d: %s", rc, b.String())
 	}
 	if rc := run([]string{"--local", "--workload", "mooncake", "--trace", "/nonexistent/trace.jsonl"}, &b); rc != 2 || !strings.Contains(b.String(), "workload") {
 		t.Fatalf("rc %d: %s", rc, b.String())

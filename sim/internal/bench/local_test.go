@@ -66,7 +66,8 @@ func TestLocalArm(t *testing.T) {
 		"direct_to_d_share_continuing", "snapshot_stale", "goodput_rps", "recovery_s", "affected_sessions", "recovery_ttft_p50_s", "unrecovered", "recovery_excess_s",
 		"ttft_p99_continuing_s", "slo_met", "slo_attainment", "prefill_busy_s", "decode_busy_s", "link_bytes",
 		"prefill_cache_hit_rate", "prefill_cache_hit_tokens", "prefill_prompt_tokens",
-		"wasted_kv_fallbacks", "killed_worker", "killed_worker_sessions", "killed_worker_resident"}
+		"wasted_kv_fallbacks", "killed_worker", "killed_worker_sessions", "killed_worker_resident",
+		"recovery_excess_paired_s", "recovery_paired_fallbacks", "recovery_control"}
 	if len(sum["E4"]) != len(fields) {
 		t.Fatalf("summary fields %v", sum["E4"])
 	}
@@ -98,5 +99,77 @@ func TestLocalArm(t *testing.T) {
 		if st, err := os.Stat(filepath.Join(out, f)); err != nil || st.Size() == 0 {
 			t.Fatalf("%s: %v", f, err)
 		}
+	}
+}
+
+// TestLocalRecoveryControl: with RecoveryControl each arm first replays the workload without the
+// kill on its own fresh cluster, into metrics-control.jsonl, and the kill run's summary carries
+// the paired figures; metrics.jsonl keeps only the kill run's records.
+func TestLocalRecoveryControl(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts two whole clusters")
+	}
+	bin := os.Getenv("KVC_BIN_DIR")
+	if bin == "" {
+		bin, _ = filepath.Abs("../../../bin")
+		if len(cluster.MissingBinaries(bin, true)) > 0 {
+			t.Skip("binaries not built and KVC_BIN_DIR unset")
+		}
+	}
+	if miss := cluster.MissingBinaries(bin, true); len(miss) > 0 {
+		t.Fatalf("KVC_BIN_DIR=%s lacks %v", bin, miss)
+	}
+	out := t.TempDir()
+	wl := &workload.Workload{Name: "tiny", Sessions: []workload.Session{
+		{ID: "tiny-a", Turns: []workload.Turn{{InputTokens: 3000, OutputTokens: 4}, {Think: 300 * time.Millisecond, InputTokens: 3300, OutputTokens: 4}, {Think: 300 * time.Millisecond, InputTokens: 3600, OutputTokens: 4}}},
+		{ID: "tiny-b", Start: 100 * time.Millisecond, Turns: []workload.Turn{{InputTokens: 2000, OutputTokens: 4}, {Think: 300 * time.Millisecond, InputTokens: 2300, OutputTokens: 4}}},
+	}}
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	arms, err := Run(ctx, Config{
+		Local: true, Arms: []string{"SGL"}, BinDir: bin, OutDir: out, Workload: wl,
+		Meta:                 report.Meta{Command: "test", Workload: wl.Name, Stats: wl.Describe(), TimeScale: 0.2, TimeDiv: 0.2, Started: time.Now()},
+		Replay:               Options{TimeScale: 0.2, RequestTimeout: time.Minute},
+		DecodeCapacityTokens: 20000,
+		SimArgs:              []string{"--bytes-per-token-per-buffer", "2", "--time-scale", "0.2"},
+		TimerScale:           0.2,
+		KillDecode:           KillMost, KillAfterRequests: 1, KillWorkerOnly: true, RecoveryControl: true,
+		Log: io.Discard,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := arms[0].Summary
+	if s.Total != 5 || !s.RecoveryControl || s.KilledWorker == "" {
+		t.Fatalf("summary %+v", s)
+	}
+	count := func(name string) (n, ok int) {
+		f, err := os.Open(filepath.Join(out, name))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		dec := json.NewDecoder(f)
+		for {
+			var r report.Record
+			if err := dec.Decode(&r); err == io.EOF {
+				return n, ok
+			} else if err != nil {
+				t.Fatalf("%s: %v", name, err)
+			}
+			n++
+			if r.OK {
+				ok++
+			}
+		}
+	}
+	if n, ok := count(ControlMetricsFile); n != 5 || ok != 5 {
+		t.Fatalf("control records %d (%d ok), want 5 (5)", n, ok)
+	}
+	if n, _ := count("metrics.jsonl"); n != 5 {
+		t.Fatalf("kill run records %d, want 5", n)
+	}
+	if st, err := os.Stat(filepath.Join(out, "control", "cluster-SGL")); err != nil || !st.IsDir() {
+		t.Fatalf("control cluster dir: %v", err)
 	}
 }

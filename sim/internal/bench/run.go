@@ -182,6 +182,11 @@ type Config struct {
 	// KillWorkerOnly: the kill takes only the decode worker's kvc-sim (its process died, its
 	// sidecar stays up and reports it: WORKER_DOWN) instead of the kvc-sim and its sidecar.
 	KillWorkerOnly bool
+	// RecoveryControl (with KillDecode): each arm first replays the workload once without the
+	// kill on a fresh cluster (same trace, seed and flags; records into metrics-control.jsonl,
+	// cluster under control/), and the kill run's recovery figures add the paired excess against
+	// it (report.Options.Control).
+	RecoveryControl bool
 	// SLO of goodput.
 	SLO report.SLO
 	// Policy is merged over each arm's policy (nil: none).
@@ -241,15 +246,34 @@ func run(ctx context.Context, cfg Config) ([]*report.Arm, report.Meta, error) {
 		meta.KillWorker = cfg.KillDecode
 		meta.KillWorkerOnly = cfg.KillWorkerOnly
 	}
+	var cf io.Writer
+	if cfg.RecoveryControl && cfg.KillDecode != "" {
+		f, err := os.Create(filepath.Join(cfg.OutDir, ControlMetricsFile))
+		if err != nil {
+			return nil, cfg.Meta, err
+		}
+		defer f.Close()
+		cf = f
+	}
 	var arms []*report.Arm
 	var runErr error
 	for _, arm := range cfg.Arms {
+		var control []report.Record
+		if cf != nil {
+			recs, err := runControl(ctx, cfg, arm, cf)
+			if err != nil {
+				runErr = fmt.Errorf("arm %s: the control run without the kill: %w", arm, err)
+				meta.Aborted = runErr.Error()
+				break
+			}
+			control = recs
+		}
 		t0 := time.Now()
 		var nodes report.NodeFigures
 		recs, err := runArm(ctx, cfg, arm, mf, &meta, &nodes)
 		meta.ArmWall[arm] = time.Since(t0)
 		if len(recs) > 0 || err == nil {
-			opt := report.Options{SLO: cfg.SLO}
+			opt := report.Options{SLO: cfg.SLO, Control: control}
 			kt, killed := meta.ArmKillTargets[arm]
 			if at, ok := meta.ArmKills[arm]; ok && killed {
 				opt.Kill = &report.Kill{Worker: kt.Worker, AtS: at}
@@ -271,6 +295,30 @@ func run(ctx context.Context, cfg Config) ([]*report.Arm, report.Meta, error) {
 		return arms, meta, errors.Join(runErr, werr)
 	}
 	return arms, meta, runErr
+}
+
+// ControlMetricsFile holds the records of the replays without the kill (Config.RecoveryControl).
+const ControlMetricsFile = "metrics-control.jsonl"
+
+// runControl replays arm once as the kill run would but without the kill, on a fresh cluster
+// under OutDir/control (its figures other than the records are not kept), and returns its records
+// (never nil on success).
+func runControl(ctx context.Context, cfg Config, arm string, out io.Writer) ([]report.Record, error) {
+	c := cfg
+	c.KillDecode, c.KillAfterRequests = "", 0
+	c.OutDir = filepath.Join(cfg.OutDir, "control")
+	if err := os.MkdirAll(c.OutDir, 0o755); err != nil {
+		return nil, err
+	}
+	c.Log = prefixWriter{cfg.Log, "control "}
+	scratch := report.Meta{ArmPolicies: map[string]string{}, ArmWall: map[string]time.Duration{}, ArmKills: map[string]float64{},
+		ArmSimArgs: map[string]string{}, ArmGatewayArgs: map[string]string{}, ArmPushBytes: map[string]int64{}, ArmKillTargets: map[string]report.KillTarget{}}
+	var nodes report.NodeFigures
+	recs, err := runArm(ctx, c, arm, out, &scratch, &nodes)
+	if err == nil && recs == nil {
+		recs = []report.Record{}
+	}
+	return recs, err
 }
 
 func runArm(ctx context.Context, cfg Config, arm string, out io.Writer, meta *report.Meta, nodes *report.NodeFigures) ([]report.Record, error) {

@@ -270,3 +270,67 @@ func readFile(dir, name string) (string, error) {
 	b, err := os.ReadFile(filepath.Join(dir, name))
 	return string(b), err
 }
+
+// The paired excess subtracts the same (session, turn) request's TTFT in the arm's replay
+// without the kill: a turn expensive in both runs costs the death ~nothing, one slow only in
+// the kill run costs the difference, one with no successful counterpart falls back to the usual.
+func TestRecoveryPaired(t *testing.T) {
+	const kill = 10.0
+	// a's usual TTFT is .2 s (two continuing turns before the kill on decode-1).
+	before := []Record{
+		{SessionID: "a", Turn: 0, StartS: 0, LatencyS: 1, TTFTS: .9, OK: true, DecodeWorker: "decode-1"},
+		{SessionID: "a", Turn: 1, StartS: 2, LatencyS: 1, TTFTS: .2, OK: true, DecodeWorker: "decode-1"},
+		{SessionID: "a", Turn: 2, StartS: 5, LatencyS: 1, TTFTS: .2, OK: true, DecodeWorker: "decode-1"},
+	}
+	with := func(rs ...Record) []Record { return append(append([]Record(nil), before...), rs...) }
+	tests := []struct {
+		name           string
+		kill, control  []Record
+		excess, paired float64
+		fallbacks      int
+	}{
+		{"expensive in both runs: no paired excess",
+			with(Record{SessionID: "a", Turn: 3, StartS: 11, LatencyS: 2, TTFTS: 1.3, OK: true, DecodeWorker: "decode-2"}),
+			with(Record{SessionID: "a", Turn: 3, StartS: 11, LatencyS: 2, TTFTS: 1.25, OK: true, DecodeWorker: "decode-1"}),
+			1.1, .05, 0},
+		{"slow only in the kill run: the difference",
+			with(Record{SessionID: "a", Turn: 3, StartS: 11, LatencyS: 2, TTFTS: 1.3, OK: true, DecodeWorker: "decode-2"}),
+			with(Record{SessionID: "a", Turn: 3, StartS: 11, LatencyS: 1, TTFTS: .3, OK: true, DecodeWorker: "decode-1"}),
+			1.1, 1, 0},
+		{"faster than the control: at least 0",
+			with(Record{SessionID: "a", Turn: 3, StartS: 11, LatencyS: 1, TTFTS: .3, OK: true, DecodeWorker: "decode-2"}),
+			with(Record{SessionID: "a", Turn: 3, StartS: 11, LatencyS: 1, TTFTS: .4, OK: true, DecodeWorker: "decode-1"}),
+			.1, 0, 0},
+		{"a failed turn: the first successful one's counterpart, from the touched one's start",
+			with(Record{SessionID: "a", Turn: 3, StartS: 11, LatencyS: 1, OK: false, DecodeWorker: "decode-1"},
+				Record{SessionID: "a", Turn: 4, StartS: 13, LatencyS: 1, TTFTS: 1, OK: true, DecodeWorker: "decode-2"}),
+			with(Record{SessionID: "a", Turn: 3, StartS: 11, LatencyS: 1, TTFTS: .2, OK: true, DecodeWorker: "decode-1"},
+				Record{SessionID: "a", Turn: 4, StartS: 13, LatencyS: 1, TTFTS: .9, OK: true, DecodeWorker: "decode-1"}),
+			2.8, 2.1, 0},
+		{"no successful counterpart: the usual TTFT, counted",
+			with(Record{SessionID: "a", Turn: 3, StartS: 11, LatencyS: 2, TTFTS: 1.3, OK: true, DecodeWorker: "decode-2"}),
+			with(Record{SessionID: "a", Turn: 3, StartS: 11, LatencyS: 1, OK: false, DecodeWorker: "decode-1"}),
+			1.1, 1.1, 1},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			s := ComputeWith("X", tt.kill, 1, Options{Kill: &Kill{Worker: "decode-1", AtS: kill}, Control: tt.control}).Summary
+			if s.AffectedSessions != 1 || !s.RecoveryControl || s.RecoveryExcessS != round(tt.excess) ||
+				s.RecoveryExcessPairedS != round(tt.paired) || s.RecoveryPairedFallbacks != tt.fallbacks {
+				t.Errorf("affected %d control %v excess %v paired %v fallbacks %d; want 1 true %v %v %d", s.AffectedSessions,
+					s.RecoveryControl, s.RecoveryExcessS, s.RecoveryExcessPairedS, s.RecoveryPairedFallbacks, tt.excess, tt.paired, tt.fallbacks)
+			}
+			// Without a control run the paired figure is not measured and the excess is unchanged.
+			u := ComputeWith("X", tt.kill, 1, Options{Kill: &Kill{Worker: "decode-1", AtS: kill}}).Summary
+			if u.RecoveryControl || u.RecoveryExcessPairedS != 0 || u.RecoveryExcessS != s.RecoveryExcessS {
+				t.Errorf("no control: %v %v %v", u.RecoveryControl, u.RecoveryExcessPairedS, u.RecoveryExcessS)
+			}
+		})
+	}
+	// Divided like every other time.
+	k := with(Record{SessionID: "a", Turn: 3, StartS: 11, LatencyS: 2, TTFTS: 1.3, OK: true, DecodeWorker: "decode-2"})
+	c := with(Record{SessionID: "a", Turn: 3, StartS: 11, LatencyS: 1, TTFTS: .3, OK: true, DecodeWorker: "decode-1"})
+	if s := ComputeWith("X", k, .5, Options{Kill: &Kill{Worker: "decode-1", AtS: kill}, Control: c}).Summary; s.RecoveryExcessPairedS != 2 {
+		t.Errorf("scaled: paired %v", s.RecoveryExcessPairedS)
+	}
+}

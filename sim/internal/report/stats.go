@@ -46,6 +46,15 @@ type Summary struct {
 	// the longest recovery delay minus the session's usual TTFT (at least 0; 0 when no session was
 	// affected). The recovery target compares it (docs/benchmark.md, "Goodput and recovery").
 	RecoveryExcessS float64 `json:"recovery_excess_s"`
+	// RecoveryExcessPairedS (kvc-bench --recovery-control) is the excess against the same request
+	// without the kill: over the affected sessions, the recovery delay minus the TTFT of the same
+	// (session, turn) request in the arm's control replay (no kill), at least 0; a session whose
+	// request did not succeed there falls back to its usual TTFT (RecoveryPairedFallbacks counts
+	// those). 0 without a control run (RecoveryControl false). The target still reads
+	// RecoveryExcessS.
+	RecoveryExcessPairedS   float64 `json:"recovery_excess_paired_s"`
+	RecoveryPairedFallbacks int     `json:"recovery_paired_fallbacks"`
+	RecoveryControl         bool    `json:"recovery_control"`
 	// TTFTP99Continuing is the TTFT p99 over continuing turns (turn > 0), failures included:
 	// the turns a direct-to-D decision can serve without P; first turns are prefilled alike in
 	// every arm.
@@ -163,6 +172,9 @@ type Kill struct {
 type Options struct {
 	SLO  SLO
 	Kill *Kill
+	// Control are the records of the same arm's replay without the kill (kvc-bench
+	// --recovery-control; nil: none): recovery's paired excess compares against them.
+	Control []Record
 }
 
 // ModeStats are per-mode figures.
@@ -390,7 +402,7 @@ func ComputeWith(name string, recs []Record, div float64, opt Options) *Arm {
 		s.SLOAttainment = round(float64(s.SLOMet) / float64(s.Total))
 	}
 	if opt.Kill != nil {
-		recovery(recs, div, *opt.Kill, s)
+		recovery(recs, div, *opt.Kill, opt.Control, s)
 	}
 	for m, v := range modeTTFT {
 		sort.Float64s(v)
@@ -453,7 +465,22 @@ func goodput(recs []Record, div float64, slo SLO) (float64, int) {
 // from there on. Its excess is that delay minus the session's usual TTFT (the median of its
 // successful continuing turns that ended before the kill; the arm's median of those when it has
 // none), at least 0: what the death cost it beyond an ordinary turn.
-func recovery(recs []Record, div float64, k Kill, s *Summary) {
+//
+// With control (the same arm's replay without the kill; nil: none) the paired excess subtracts
+// instead the TTFT of the same (session, turn) request as the first successful one in control,
+// when it succeeded there (else the usual TTFT, counted in RecoveryPairedFallbacks): a turn that
+// is expensive with or without the death costs the death nothing.
+func recovery(recs []Record, div float64, k Kill, control []Record, s *Summary) {
+	type key struct {
+		session string
+		turn    int
+	}
+	ctrl := map[key]float64{}
+	for i := range control {
+		if r := &control[i]; r.OK {
+			ctrl[key{r.SessionID, r.Turn}] = r.TTFTS
+		}
+	}
 	type sess struct {
 		lastBefore *Record
 		after      []*Record
@@ -483,7 +510,7 @@ func recovery(recs []Record, div float64, k Kill, s *Summary) {
 	}
 	sort.Float64s(usualAll)
 	armUsual := Percentile(usualAll, .5)
-	var worst, excess float64
+	var worst, excess, paired float64
 	var ttfts []float64
 	for _, x := range by {
 		sort.Slice(x.after, func(i, j int) bool { return x.after[i].Turn < x.after[j].Turn })
@@ -525,10 +552,20 @@ func recovery(recs []Record, div float64, k Kill, s *Summary) {
 		}
 		worst = max(worst, d)
 		excess = max(excess, d-usual/div)
+		if control != nil {
+			base, ok2 := ctrl[key{ok.SessionID, ok.Turn}]
+			if !ok2 {
+				base = usual
+				s.RecoveryPairedFallbacks++
+			}
+			paired = max(paired, d-base/div)
+		}
 		ttfts = append(ttfts, ok.TTFTS/div)
 	}
 	sort.Float64s(ttfts)
 	s.RecoveryS = round(worst)
 	s.RecoveryExcessS = round(excess)
+	s.RecoveryControl = control != nil
+	s.RecoveryExcessPairedS = round(paired)
 	s.RecoveryTTFTP50 = round(Percentile(ttfts, .5))
 }

@@ -235,9 +235,21 @@ func Markdown(meta Meta, arms []*Arm) string {
 		}
 		p("Recovery: %s (%s) was SIGKILLed mid-run (time per arm below). Affected sessions: those whose last request before the kill ran there, or that had a request tried there and retried elsewhere by the gateway (in flight at the kill or routed there after it). Recovery is the longest time from the arrival of an affected session's first touched request (the one in flight when the gateway's retry rescued it, else its next one) to the first token of its first successful request; the excess subtracts the session's usual TTFT (median of its continuing turns before the kill): what the death cost beyond an ordinary turn, 0 when no session was affected. The target compares the excess. Wasted-KV fallbacks: the control plane's `kvc_router_wasted_kv_fallbacks_total` at the arm's end (plain P/D fallbacks of a session that had a usable snapshot or resident copy; target 0).", who, what)
 	}
+	paired := false
+	for _, a := range arms {
+		paired = paired || a.Summary.RecoveryControl
+	}
+	if paired {
+		p("")
+		p("Paired excess (--recovery-control): each arm first replayed the same trace without the kill on a fresh cluster; per affected session, the recovery delay minus the TTFT of the same (session, turn) request in that control run (its usual TTFT when that request did not succeed there: the fallbacks), at least 0, the longest over the sessions. It does not charge the death with a turn that is as expensive without it; the target still reads the recovery excess.")
+	}
 	p("")
-	p("| arm | goodput (req/s) | direct-to-D share, continuing turns | snapshot hit rate | stale snapshots | wasted-KV fallbacks | snapshot bytes pushed (D→P link) | killed at | killed worker (sessions held / resident) | affected sessions | recovery | recovery excess | their next TTFT p50 | unrecovered |")
-	p("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|")
+	pairedHead, pairedSep := "", ""
+	if paired {
+		pairedHead, pairedSep = " paired excess (fallbacks) |", "---:|"
+	}
+	p("| arm | goodput (req/s) | direct-to-D share, continuing turns | snapshot hit rate | stale snapshots | wasted-KV fallbacks | snapshot bytes pushed (D→P link) | killed at | killed worker (sessions held / resident) | affected sessions | recovery | recovery excess |%s their next TTFT p50 | unrecovered |", pairedHead)
+	p("|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|%s---:|---:|", pairedSep)
 	for _, a := range arms {
 		s := a.Summary
 		kill, victim := "—", "—"
@@ -251,8 +263,15 @@ func Markdown(meta Meta, arms []*Arm) string {
 			}
 			victim = fmt.Sprintf("%s (%d / %s)", s.KilledWorker, s.KilledWorkerSessions, res)
 		}
-		p("| %s | %.3f | %s | %s | %d | %d | %s | %s | %s | %d | %s | %s | %s | %d |", a.Name, s.GoodputRPS, pct(s.DirectToDShareContinuing), pct(s.SnapshotHitRate), s.SnapshotStale,
-			s.WastedKVFallbacks, mib(meta.ArmPushBytes[a.Name]), kill, victim, s.AffectedSessions, ms(s.RecoveryS), ms(s.RecoveryExcessS), ms(s.RecoveryTTFTP50), s.Unrecovered)
+		pairedCell := ""
+		if paired {
+			pairedCell = " — |"
+			if s.RecoveryControl {
+				pairedCell = fmt.Sprintf(" %s (%d) |", ms(s.RecoveryExcessPairedS), s.RecoveryPairedFallbacks)
+			}
+		}
+		p("| %s | %.3f | %s | %s | %d | %d | %s | %s | %s | %d | %s | %s |%s %s | %d |", a.Name, s.GoodputRPS, pct(s.DirectToDShareContinuing), pct(s.SnapshotHitRate), s.SnapshotStale,
+			s.WastedKVFallbacks, mib(meta.ArmPushBytes[a.Name]), kill, victim, s.AffectedSessions, ms(s.RecoveryS), ms(s.RecoveryExcessS), pairedCell, ms(s.RecoveryTTFTP50), s.Unrecovered)
 	}
 	p("")
 	p("![TTFT CDF per arm](%s)", CDFFile)
