@@ -20,21 +20,9 @@ func TestLocalArm(t *testing.T) {
 	if testing.Short() {
 		t.Skip("starts a whole cluster")
 	}
-	bin := os.Getenv("KVC_BIN_DIR")
-	if bin == "" {
-		bin, _ = filepath.Abs("../../../bin")
-		if len(cluster.MissingBinaries(bin, true)) > 0 {
-			t.Skip("binaries not built and KVC_BIN_DIR unset")
-		}
-	}
-	if miss := cluster.MissingBinaries(bin, true); len(miss) > 0 {
-		t.Fatalf("KVC_BIN_DIR=%s lacks %v", bin, miss)
-	}
+	bin := localBinaries(t)
 	out := t.TempDir()
-	wl := &workload.Workload{Name: "tiny", Sessions: []workload.Session{
-		{ID: "tiny-a", Turns: []workload.Turn{{InputTokens: 3000, OutputTokens: 4}, {Think: 50 * time.Millisecond, InputTokens: 3300, OutputTokens: 4}, {Think: 50 * time.Millisecond, InputTokens: 3600, OutputTokens: 4}}},
-		{ID: "tiny-b", Start: 100 * time.Millisecond, Turns: []workload.Turn{{InputTokens: 2000, OutputTokens: 4}, {Think: 50 * time.Millisecond, InputTokens: 2300, OutputTokens: 4}}},
-	}}
+	wl := tinyWorkload(50 * time.Millisecond)
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	arms, err := Run(ctx, Config{
@@ -109,21 +97,9 @@ func TestLocalRecoveryControl(t *testing.T) {
 	if testing.Short() {
 		t.Skip("starts two whole clusters")
 	}
-	bin := os.Getenv("KVC_BIN_DIR")
-	if bin == "" {
-		bin, _ = filepath.Abs("../../../bin")
-		if len(cluster.MissingBinaries(bin, true)) > 0 {
-			t.Skip("binaries not built and KVC_BIN_DIR unset")
-		}
-	}
-	if miss := cluster.MissingBinaries(bin, true); len(miss) > 0 {
-		t.Fatalf("KVC_BIN_DIR=%s lacks %v", bin, miss)
-	}
+	bin := localBinaries(t)
 	out := t.TempDir()
-	wl := &workload.Workload{Name: "tiny", Sessions: []workload.Session{
-		{ID: "tiny-a", Turns: []workload.Turn{{InputTokens: 3000, OutputTokens: 4}, {Think: 300 * time.Millisecond, InputTokens: 3300, OutputTokens: 4}, {Think: 300 * time.Millisecond, InputTokens: 3600, OutputTokens: 4}}},
-		{ID: "tiny-b", Start: 100 * time.Millisecond, Turns: []workload.Turn{{InputTokens: 2000, OutputTokens: 4}, {Think: 300 * time.Millisecond, InputTokens: 2300, OutputTokens: 4}}},
-	}}
+	wl := tinyWorkload(300 * time.Millisecond)
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	arms, err := Run(ctx, Config{
@@ -172,4 +148,29 @@ func TestLocalRecoveryControl(t *testing.T) {
 	if st, err := os.Stat(filepath.Join(out, "control", "cluster-SGL")); err != nil || !st.IsDir() {
 		t.Fatalf("control cluster dir: %v", err)
 	}
+}
+
+// localBinaries is the directory of the built binaries (KVC_BIN_DIR, else the repository's bin/):
+// the test skips when neither is set up and fails when KVC_BIN_DIR lacks one.
+func localBinaries(t *testing.T) string {
+	t.Helper()
+	bin := os.Getenv("KVC_BIN_DIR")
+	if bin == "" {
+		bin, _ = filepath.Abs("../../../bin")
+		if len(cluster.MissingBinaries(bin, true)) > 0 {
+			t.Skip("binaries not built and KVC_BIN_DIR unset")
+		}
+	}
+	if miss := cluster.MissingBinaries(bin, true); len(miss) > 0 {
+		t.Fatalf("KVC_BIN_DIR=%s lacks %v", bin, miss)
+	}
+	return bin
+}
+
+// tinyWorkload is two sessions of five turns in all, think seconds apart.
+func tinyWorkload(think time.Duration) *workload.Workload {
+	return &workload.Workload{Name: "tiny", Sessions: []workload.Session{
+		{ID: "tiny-a", Turns: []workload.Turn{{InputTokens: 3000, OutputTokens: 4}, {Think: think, InputTokens: 3300, OutputTokens: 4}, {Think: think, InputTokens: 3600, OutputTokens: 4}}},
+		{ID: "tiny-b", Start: 100 * time.Millisecond, Turns: []workload.Turn{{InputTokens: 2000, OutputTokens: 4}, {Think: think, InputTokens: 2300, OutputTokens: 4}}},
+	}}
 }
