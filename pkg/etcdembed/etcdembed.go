@@ -9,10 +9,12 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
 	"go.etcd.io/etcd/server/v3/embed"
+	"go.etcd.io/etcd/server/v3/storage/wal"
 	"go.uber.org/zap"
 	"golang.org/x/sys/unix"
 )
@@ -115,6 +117,22 @@ func StartMember(ctx context.Context, c MemberConfig) (*embed.Etcd, error) {
 		e.Close()
 		return nil, fmt.Errorf("member %s: not ready: %w", c.Name, context.Cause(ctx))
 	}
+}
+
+// ThrowawayWALSegmentBytes is the WAL segment size for an etcd whose data is thrown away with
+// its process (tests, kvc-local's cluster): 4 MiB instead of etcd's 64 MB, so that a test run of
+// many members (each preallocates its segment and the next) needs tens of MiB of disk, not GiBs.
+const ThrowawayWALSegmentBytes = 4 << 20
+
+var throwawayOnce sync.Once
+
+// ThrowawayWAL makes every member this process starts afterwards preallocate WAL segments of
+// ThrowawayWALSegmentBytes. etcd keeps the size in a package variable (wal.SegmentSizeBytes), so
+// this is process-wide: call it before the first member starts, from every path that starts one
+// (it is idempotent and safe for concurrent use). A production member (kvc-controlplane's
+// embedded etcd) never calls it.
+func ThrowawayWAL() {
+	throwawayOnce.Do(func() { wal.SegmentSizeBytes = ThrowawayWALSegmentBytes })
 }
 
 // MinFreeBytes is the room CheckDir asks of a data dir: etcd preallocates a 64 MiB WAL segment

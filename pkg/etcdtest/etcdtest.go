@@ -39,6 +39,13 @@ type Member struct {
 	e       *embed.Etcd
 }
 
+// Test members are thrown away with their test: small WAL segments keep a run of hundreds of
+// members within tens of MiB of disk (a CI disk near full failed with "failed to create WAL").
+func init() { etcdembed.ThrowawayWAL() }
+
+// minFreeBytes is the room a test member asks of its data dir: two WAL segments and a database.
+const minFreeBytes = 3*etcdembed.ThrowawayWALSegmentBytes + 4<<20
+
 // Start starts a single-member cluster and registers its shutdown with tb.Cleanup.
 func Start(tb testing.TB) *Cluster { return StartN(tb, 1) }
 
@@ -103,6 +110,10 @@ func tryStart(tb testing.TB, n, attempt int) (*Cluster, error) {
 }
 
 func (m *Member) start(initialCluster, state string) error {
+	// etcd panics inside its own goroutines on a full disk; a test fails with one line instead.
+	if err := etcdembed.CheckDir(m.Dir, minFreeBytes); err != nil {
+		return err
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), StartTimeout)
 	defer cancel()
 	e, err := etcdembed.StartMember(ctx, etcdembed.MemberConfig{

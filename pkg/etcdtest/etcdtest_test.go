@@ -2,8 +2,12 @@ package etcdtest
 
 import (
 	"context"
+	"os"
+	"path/filepath"
 	"testing"
 	"time"
+
+	"github.com/kvcentric/kvcentric/pkg/etcdembed"
 )
 
 func TestSingleMemberPutGetRestart(t *testing.T) {
@@ -48,5 +52,27 @@ func TestThreeMembersSurviveOneKill(t *testing.T) {
 	}
 	if _, err := cli.Put(ctx, "k", "v"); err != nil {
 		t.Fatalf("put with 2 of 3: %v", err)
+	}
+}
+
+// A test member's WAL segments are preallocated at the throwaway size, not etcd's 64 MB: a run of
+// hundreds of members must fit on a nearly full CI disk.
+func TestMembersPreallocateSmallWALSegments(t *testing.T) {
+	c := Start(t)
+	segs, err := filepath.Glob(filepath.Join(c.Member(0).Dir, "member", "wal", "*"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(segs) == 0 {
+		t.Fatalf("no WAL files under %s", c.Member(0).Dir)
+	}
+	for _, p := range segs {
+		st, err := os.Stat(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if st.Size() > etcdembed.ThrowawayWALSegmentBytes {
+			t.Errorf("%s: %d bytes, want at most %d", filepath.Base(p), st.Size(), etcdembed.ThrowawayWALSegmentBytes)
+		}
 	}
 }

@@ -327,6 +327,7 @@ func (c *Cluster) start(ctx context.Context) error {
 	}
 
 	c.logf("starting embedded etcd")
+	etcdembed.ThrowawayWAL() // the cluster's etcd goes with it
 	e, ep, err := etcdembed.StartSingle(ctx, cfg.WorkDir, filepath.Join(cfg.WorkDir, "etcd.log"))
 	if err != nil {
 		return err
