@@ -113,7 +113,8 @@ test-short:
 
 ## lint: gofmt, promtool on the alert rules (check, then the rules' unit tests: each alert fires),
 ## then golangci-lint (.golangci.yml: govet, staticcheck, errcheck, depguard's nevers, ...) on every
-## module on its own go.mod, then lint-nevers, then ruff on integrations/ (integrations/ruff.toml)
+## module on its own go.mod, then lint-nevers, then ruff check and ruff format --check on integrations/
+## (integrations/ruff.toml; `ruff format integrations` fixes the second)
 lint: $(GOLANGCI_LINT) $(PROMTOOL) $(RUFF)
 	@out=$$(gofmt -l $$(git ls-files '*.go' | grep -v '\.pb\.go$$')); \
 	if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
@@ -127,6 +128,7 @@ lint: $(GOLANGCI_LINT) $(PROMTOOL) $(RUFF)
 	@$(MAKE) --no-print-directory lint-nevers
 	@echo "== ruff integrations"
 	@$(RUFF) check --cache-dir $(BIN)/tools/ruff-cache integrations
+	@$(RUFF) format --check --cache-dir $(BIN)/tools/ruff-cache integrations
 
 ## lint-nevers: the depguard rules fail on imports that break the architecture's nevers
 ## (docs/architecture.md): a temporary copy of the tree with one planted import per rule must fail

@@ -78,18 +78,27 @@ def _h2d(pool: KVPool, pages, tokens: int, host) -> float:
     _sync(dev)
     t0 = time.monotonic()
     for i, buf in enumerate(pool.k_buffer + pool.v_buffer):
-        buf[first:first + tokens].copy_(host[i], non_blocking=True)
+        buf[first : first + tokens].copy_(host[i], non_blocking=True)
     _sync(dev)
     return time.monotonic() - t0
 
 
-def measure(model_name: str, device: str, prefix: int, tail: int, reps: int, page_size: int = 16,
-            mdl=None, seed: int = 1234) -> dict:
+def measure(
+    model_name: str, device: str, prefix: int, tail: int, reps: int, page_size: int = 16, mdl=None, seed: int = 1234
+) -> dict:
     spec = M.spec_for(model_name)
     mdl = mdl or M.build(spec, device, seed)
     total = prefix + tail
-    pool = KVPool(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype, total + page_size, page_size, device,
-                  use_sglang=False)
+    pool = KVPool(
+        spec.num_layers,
+        spec.num_kv_heads,
+        spec.head_dim,
+        spec.dtype,
+        total + page_size,
+        page_size,
+        device,
+        use_sglang=False,
+    )
     try:
         pages = list(range(1, pages_for(total, page_size) + 1))
         if pages != sorted(pages) or pages[-1] > pool.num_pages:
@@ -97,24 +106,35 @@ def measure(model_name: str, device: str, prefix: int, tail: int, reps: int, pag
         ids = _ids(total, spec.vocab_size, prefix)
         dev = pool.device
         pin = dev.type == "cuda"
-        host = [torch.empty((prefix, spec.num_kv_heads, spec.head_dim), dtype=spec.dtype, pin_memory=pin)
-                for _ in range(2 * spec.num_layers)]
+        host = [
+            torch.empty((prefix, spec.num_kv_heads, spec.head_dim), dtype=spec.dtype, pin_memory=pin)
+            for _ in range(2 * spec.num_layers)
+        ]
         # The prefix's real KV, computed once (the re-prefill's figure and the warm-up), copied to host.
         reprefill = [_prefill(mdl, pool, pages, ids, 0, total) for _ in range(1 + reps)][1:]
         first = pages[0] * page_size
         for i, buf in enumerate(pool.k_buffer + pool.v_buffer):
-            host[i].copy_(buf[first:first + prefix])
+            host[i].copy_(buf[first : first + prefix])
         ph = {}
         tail_s = [_prefill(mdl, pool, pages, ids, prefix, total, ph if i else None) for i in range(1 + reps)][1:]
         h2d_s = [_h2d(pool, pages, prefix, host) for _ in range(1 + reps)][1:]
         elsize = torch.empty((), dtype=spec.dtype).element_size()
         per_tok = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * elsize
         tp, hd, rp = (statistics.median(x) * 1000.0 for x in (tail_s, h2d_s, reprefill))
-        return {"model": spec.name, "device": str(dev), "prefix": prefix, "tail": tail, "reps": reps,
-                "tail_prefill_ms": round(tp, 2), "h2d_ms": round(hd, 2),
-                **{"tail_%s_ms" % k: round(statistics.median(v) * 1000.0, 2) for k, v in sorted(ph.items())},
-                "h2d_gbps": round(prefix * per_tok / (hd / 1000.0) / 1e9, 1) if hd > 0 else None,
-                "limit_ms": round(tp + hd, 2), "reprefill_ms": round(rp, 2), "kv_bytes_per_token": per_tok}
+        return {
+            "model": spec.name,
+            "device": str(dev),
+            "prefix": prefix,
+            "tail": tail,
+            "reps": reps,
+            "tail_prefill_ms": round(tp, 2),
+            "h2d_ms": round(hd, 2),
+            **{"tail_%s_ms" % k: round(statistics.median(v) * 1000.0, 2) for k, v in sorted(ph.items())},
+            "h2d_gbps": round(prefix * per_tok / (hd / 1000.0) / 1e9, 1) if hd > 0 else None,
+            "limit_ms": round(tp + hd, 2),
+            "reprefill_ms": round(rp, 2),
+            "kv_bytes_per_token": per_tok,
+        }
     finally:
         pool.close()
 

@@ -34,16 +34,41 @@ class ModelSpec:
 
 SPECS = {
     # CPU tests: Qwen3-like, GQA (4 heads over 2 KV heads), fp32 so that equalities are exact.
-    "tiny": ModelSpec("tiny", vocab_size=1024, hidden_size=128, intermediate_size=384, num_layers=3,
-                      num_heads=4, num_kv_heads=2, head_dim=32, dtype=torch.float32, max_positions=1 << 17),
+    "tiny": ModelSpec(
+        "tiny",
+        vocab_size=1024,
+        hidden_size=128,
+        intermediate_size=384,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        dtype=torch.float32,
+        max_positions=1 << 17,
+    ),
     # GPU timing: Qwen3-8B's full configuration (config.json of Qwen/Qwen3-8B), random weights.
-    "qwen3-8b-shape": ModelSpec("qwen3-8b-shape", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-                                num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
-                                max_positions=40960),
+    "qwen3-8b-shape": ModelSpec(
+        "qwen3-8b-shape",
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_layers=36,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        dtype=torch.bfloat16,
+        max_positions=40960,
+    ),
 }
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def spec_for(name: str, dtype: str = "") -> ModelSpec:
@@ -117,11 +142,20 @@ def attention_for(device: str, choice: str = "auto") -> str:
 def _config(spec: ModelSpec, attention: str = "sdpa"):
     from transformers import Qwen3Config
 
-    kw = dict(vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
-              num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
-              num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-              max_position_embeddings=spec.max_positions, rms_norm_eps=spec.rms_norm_eps,
-              tie_word_embeddings=False, use_sliding_window=False, attention_dropout=0.0)
+    kw = dict(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_positions,
+        rms_norm_eps=spec.rms_norm_eps,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+        attention_dropout=0.0,
+    )
     try:  # transformers 5.x: rope settings live in rope_parameters
         cfg = Qwen3Config(**kw, rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta})
     except TypeError:

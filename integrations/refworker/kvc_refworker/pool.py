@@ -32,8 +32,16 @@ def _try_sglang_pool(size, page_size, dtype, heads, head_dim, layers):
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     except Exception:  # noqa: BLE001 - sglang absent or not importable here (GPU machine)
         return None
-    return MHATokenToKVPool(size=size, page_size=page_size, dtype=dtype, head_num=heads, head_dim=head_dim,
-                            layer_num=layers, device="cpu", enable_memory_saver=False)
+    return MHATokenToKVPool(
+        size=size,
+        page_size=page_size,
+        dtype=dtype,
+        head_num=heads,
+        head_dim=head_dim,
+        layer_num=layers,
+        device="cpu",
+        enable_memory_saver=False,
+    )
 
 
 def ipc_handle_bytes(h: bytes) -> bytes:
@@ -45,18 +53,31 @@ def ipc_handle_bytes(h: bytes) -> bytes:
     if len(h) == 66 and h[1:2] == b"c":
         return h[2:]
     if len(h) >= 2 and h[1:2] == b"e":
-        raise RuntimeError("the KV pool is in an expandable segment "
-                           "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): its CUDA IPC handle cannot be "
-                           "opened by the sidecar; unset it")
+        raise RuntimeError(
+            "the KV pool is in an expandable segment "
+            "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): its CUDA IPC handle cannot be "
+            "opened by the sidecar; unset it"
+        )
     raise RuntimeError("unknown CUDA IPC handle format (%d bytes)" % len(h))
 
 
 class KVPool:
     """Paged KV pool plus a page allocator (pages 1..num_pages; page 0 reserved)."""
 
-    def __init__(self, layers: int, heads: int, head_dim: int, dtype: torch.dtype, capacity_tokens: int,
-                 page_size: int, device: str, shm_dir: str = "/dev/shm", name: str = "kvc-refworker",
-                 use_sglang: bool = True, seed: int = 0):
+    def __init__(
+        self,
+        layers: int,
+        heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        capacity_tokens: int,
+        page_size: int,
+        device: str,
+        shm_dir: str = "/dev/shm",
+        name: str = "kvc-refworker",
+        use_sglang: bool = True,
+        seed: int = 0,
+    ):
         if page_size <= 0 or capacity_tokens < page_size:
             raise ValueError("capacity %d tokens must hold at least one page of %d" % (capacity_tokens, page_size))
         self.layers, self.heads, self.head_dim, self.dtype = layers, heads, head_dim, dtype
@@ -115,7 +136,7 @@ class KVPool:
         self._shm_base = raw.data_ptr()
         for l in range(self.layers):
             # One allocation per layer, K then V (SGLang's _create_buffers_normal).
-            a = raw[2 * l * self.buffer_bytes:(2 * l + 2) * self.buffer_bytes].view(self.dtype)
+            a = raw[2 * l * self.buffer_bytes : (2 * l + 2) * self.buffer_bytes].view(self.dtype)
             a = a.view(2, self.rows, self.heads, self.head_dim)
             self._layer_allocs.append(a)
             self.k_buffer.append(a[0])
@@ -124,8 +145,10 @@ class KVPool:
     def _rebind_sglang(self) -> None:
         sp = self.sglang_pool
         if len(sp.k_buffer) != self.layers or tuple(sp.k_buffer[0].shape) != (self.rows, self.heads, self.head_dim):
-            raise RuntimeError("SGLang pool geometry %s differs from the expected %s" % (
-                tuple(sp.k_buffer[0].shape), (self.rows, self.heads, self.head_dim)))
+            raise RuntimeError(
+                "SGLang pool geometry %s differs from the expected %s"
+                % (tuple(sp.k_buffer[0].shape), (self.rows, self.heads, self.head_dim))
+            )
         sp.k_buffer = list(self.k_buffer)
         sp.v_buffer = list(self.v_buffer)
         if hasattr(sp, "_init_data_ptrs_and_strides"):
@@ -153,8 +176,15 @@ class KVPool:
         for l in range(L):
             for kind, idx in ((KV_KIND_K, l), (KV_KIND_V, L + l)):
                 if self.device.type == "cpu":
-                    out.append(KVBuffer(layer=l, kind=kind, size_bytes=lens[idx], shm_path=self.shm_path,
-                                        shm_offset=ptrs[idx] - self._shm_base))
+                    out.append(
+                        KVBuffer(
+                            layer=l,
+                            kind=kind,
+                            size_bytes=lens[idx],
+                            shm_path=self.shm_path,
+                            shm_offset=ptrs[idx] - self._shm_base,
+                        )
+                    )
                 else:
                     t = self.k_buffer[l] if kind == KV_KIND_K else self.v_buffer[l]
                     out.append(self._cuda_ref(t, l, kind, lens[idx]))
@@ -164,8 +194,14 @@ class KVPool:
         st = t.untyped_storage()
         info = st._share_cuda_()  # (device, ipc handle of the allocation, size, offset in it, ...)
         dev, handle, off = info[0], ipc_handle_bytes(bytes(info[1])), info[3]
-        return KVBuffer(layer=layer, kind=kind, size_bytes=size, cuda_ipc_handle=handle, cuda_device=int(dev),
-                        cuda_offset=int(off) + t.storage_offset() * self.elsize)
+        return KVBuffer(
+            layer=layer,
+            kind=kind,
+            size_bytes=size,
+            cuda_ipc_handle=handle,
+            cuda_device=int(dev),
+            cuda_offset=int(off) + t.storage_offset() * self.elsize,
+        )
 
     def close(self) -> None:
         self.k_buffer, self.v_buffer, self._layer_allocs = [], [], []
@@ -187,7 +223,7 @@ class KVPool:
             if n > len(self._free):
                 return None
             out = self._free[-n:][::-1] if n else []
-            del self._free[len(self._free) - n:]
+            del self._free[len(self._free) - n :]
             return out
 
     def alloc_contiguous(self, n: int) -> Optional[List[int]]:
@@ -204,7 +240,7 @@ class KVPool:
                 run = 1
                 for i in range(1, len(free) + 1):
                     if run >= n:
-                        out = free[i - n:i]
+                        out = free[i - n : i]
                         taken = set(out)
                         self._free = [pg for pg in self._free if pg not in taken]
                         return out
@@ -253,7 +289,7 @@ class KVPool:
         s0 = self.contiguous_slots(pages, start, end)
         if s0 is not None:
             n = end - start
-            return [k[s0:s0 + n] for k in ks], [v[s0:s0 + n] for v in vs]
+            return [k[s0 : s0 + n] for k in ks], [v[s0 : s0 + n] for v in vs]
         idx = self.locs(pages, start, end)
         return [k.index_select(0, idx) for k in ks], [v.index_select(0, idx) for v in vs]
 
@@ -265,8 +301,8 @@ class KVPool:
         s0 = self.contiguous_slots(pages, start, start + n)
         if s0 is not None:  # consecutive pages: one slice per buffer
             for l in range(self.layers):
-                self.k_buffer[l][s0:s0 + n].copy_(ks[l])
-                self.v_buffer[l][s0:s0 + n].copy_(vs[l])
+                self.k_buffer[l][s0 : s0 + n].copy_(ks[l])
+                self.v_buffer[l][s0 : s0 + n].copy_(vs[l])
             return
         idx = self.locs(pages, start, start + n)
         for l in range(self.layers):

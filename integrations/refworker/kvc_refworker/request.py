@@ -132,8 +132,9 @@ def parse(body, role: str, capacity: int, vocab: int) -> Plan:
     except P.PayloadError as e:
         raise BadRequest(str(e)) from None
     if k is None:
-        raise BadRequest("no kvcentric decision: kv_hints carries no kvc action (kvc-refworker serves only what "
-                         "kvc-gateway sends)")
+        raise BadRequest(
+            "no kvcentric decision: kv_hints carries no kvc action (kvc-refworker serves only what kvc-gateway sends)"
+        )
     p.decision_id, p.mode = k.decision_id, k.mode_name
     if k.role and k.role != {"prefill": P.ROLE_PREFILL, "decode": P.ROLE_DECODE}.get(role):
         raise BadRequest("the payload's role is %s but this is a %s worker" % (P.enum_name("WorkerRole", k.role), role))
@@ -180,8 +181,10 @@ def parse(body, role: str, capacity: int, vocab: int) -> Plan:
     if not decode and has_params:
         raise BadRequest("a prefill worker takes the full context without session_params")
     if decode and p.keep != has_params:
-        raise BadRequest("kv_hints keep_session %s but session_params %s: a decode worker keeps the session exactly "
-                         "when the request names it" % (p.keep, "given" if has_params else "missing"))
+        raise BadRequest(
+            "kv_hints keep_session %s but session_params %s: a decode worker keeps the session exactly "
+            "when the request names it" % (p.keep, "given" if has_params else "missing")
+        )
     if p.ids is not None:
         if p.input and p.input != len(p.ids):
             raise BadRequest("kvc.input_tokens %d differs from len(input_ids) %d" % (p.input, len(p.ids)))
@@ -196,8 +199,10 @@ def parse(body, role: str, capacity: int, vocab: int) -> Plan:
     if p.session_id:
         _valid_id("session id", p.session_id)
     if not p.session_id and (p.keep or p.load_prefix or p.receive_from):
-        raise BadRequest("missing session id: a request without one is single-shot: it keeps nothing, and neither "
-                         "loads nor receives a suffix")
+        raise BadRequest(
+            "missing session id: a request without one is single-shot: it keeps nothing, and neither "
+            "loads nor receives a suffix"
+        )
     if p.open and not p.keep:
         raise BadRequest("kvc.open_session without keep_session: a session is opened to be kept")
     if p.input > capacity:
@@ -207,34 +212,52 @@ def parse(body, role: str, capacity: int, vocab: int) -> Plan:
     if p.max_new < 0 or p.max_new > MAX_NEW_LIMIT:
         raise BadRequest("max_new_tokens %d out of range [0, %d]" % (p.max_new, MAX_NEW_LIMIT))
     if decode and p.input + p.max_new > capacity:
-        raise BadRequest("input_tokens %d + max_new_tokens %d exceed this worker's KV capacity of %d tokens" % (
-            p.input, p.max_new, capacity))
+        raise BadRequest(
+            "input_tokens %d + max_new_tokens %d exceed this worker's KV capacity of %d tokens"
+            % (p.input, p.max_new, capacity)
+        )
     if decode and not p.recv_kind and not p.local and not p.keep:
-        raise BadRequest("nothing to serve from: a decode worker without kvc.receive and without local_prefill "
-                         "serves the session it holds, which needs keep_session")
+        raise BadRequest(
+            "nothing to serve from: a decode worker without kvc.receive and without local_prefill "
+            "serves the session it holds, which needs keep_session"
+        )
     if p.local and (not decode or p.recv_kind or (p.keep and not p.open)):
-        raise BadRequest("kvc.local_prefill: only a decode worker prefills locally, receiving nothing, for a new "
-                         "session (open_session) or keeping nothing")
+        raise BadRequest(
+            "kvc.local_prefill: only a decode worker prefills locally, receiving nothing, for a new "
+            "session (open_session) or keeping nothing"
+        )
     if p.truncate_to and (p.recv_kind or p.local or p.truncate_to != p.cached):
-        raise BadRequest("kvc.truncate_to %d: only a turn on the session held here truncates, to its cached_tokens "
-                         "(%d)" % (p.truncate_to, p.cached))
+        raise BadRequest(
+            "kvc.truncate_to %d: only a turn on the session held here truncates, to its cached_tokens "
+            "(%d)" % (p.truncate_to, p.cached)
+        )
     if p.recv_kind == P.TRANSFER_SEED and p.recv_tokens != p.input:
-        raise BadRequest("kvc.receive.tokens %d: a SEED receive covers the prompt (input_tokens %d)" % (
-            p.recv_tokens, p.input))
+        raise BadRequest(
+            "kvc.receive.tokens %d: a SEED receive covers the prompt (input_tokens %d)" % (p.recv_tokens, p.input)
+        )
     if p.recv_kind == P.TRANSFER_SNAPSHOT and not (0 < p.recv_tokens <= p.input):
-        raise BadRequest("kvc.receive.tokens (the snapshot's length) %d out of range [1, input_tokens %d]" % (
-            p.recv_tokens, p.input))
+        raise BadRequest(
+            "kvc.receive.tokens (the snapshot's length) %d out of range [1, input_tokens %d]" % (p.recv_tokens, p.input)
+        )
     if p.load_prefix and not 0 < p.load_prefix < p.input:
-        raise BadRequest("kvc.load_prefix_tokens %d: only a session's prefill loads from its store, fewer tokens than "
-                         "input_tokens %d" % (p.load_prefix, p.input))
-    if p.receive_from and (not 0 < p.receive_from < p.input or
-                           decode and (p.recv_kind != P.TRANSFER_SEED or p.open or not p.keep)):
-        raise BadRequest("kvc from_token %d: only a large append (a SEED receive extending the session held here) "
-                         "receives a suffix, from below input_tokens %d" % (p.receive_from, p.input))
-    if p.load and not (decode and p.recv_kind == P.TRANSFER_SNAPSHOT and p.keep and p.max_new == 0
-                       and p.recv_tokens == p.input):
-        raise BadRequest("kvc.load is a decode worker's zero-output snapshot receive of the whole input that keeps the "
-                         "session (receive.tokens = input_tokens, max_new_tokens 0, keep_session)")
+        raise BadRequest(
+            "kvc.load_prefix_tokens %d: only a session's prefill loads from its store, fewer tokens than "
+            "input_tokens %d" % (p.load_prefix, p.input)
+        )
+    if p.receive_from and (
+        not 0 < p.receive_from < p.input or decode and (p.recv_kind != P.TRANSFER_SEED or p.open or not p.keep)
+    ):
+        raise BadRequest(
+            "kvc from_token %d: only a large append (a SEED receive extending the session held here) "
+            "receives a suffix, from below input_tokens %d" % (p.receive_from, p.input)
+        )
+    if p.load and not (
+        decode and p.recv_kind == P.TRANSFER_SNAPSHOT and p.keep and p.max_new == 0 and p.recv_tokens == p.input
+    ):
+        raise BadRequest(
+            "kvc.load is a decode worker's zero-output snapshot receive of the whole input that keeps the "
+            "session (receive.tokens = input_tokens, max_new_tokens 0, keep_session)"
+        )
     p.seed_key = p.session_id or p.rid or "room-%d" % p.room
     return p
 

@@ -75,13 +75,21 @@ class Handler(BaseHTTPRequestHandler):
         if path == "/readyz":
             return self._text(200 if w else 503, "ready\n" if w else "starting\n")
         if path == "/get_model_info":
-            return self._json(200, dict(self.server.info, is_generation=True,
-                                        kv_capacity_tokens=w.capacity_tokens if w else 0))
+            return self._json(
+                200, dict(self.server.info, is_generation=True, kv_capacity_tokens=w.capacity_tokens if w else 0)
+            )
         if path == "/kvc/sessions":
             if not w:
                 return self._error(ApiError(503, "internal", "worker is starting"))
-            return self._json(200, {"worker_id": w.cfg.worker_id, "role": w.cfg.role, "sessions": w.session_list(),
-                                    "stats": dict(w.stats, free_pages=w.pool.free_pages, pages=w.pool.num_pages)})
+            return self._json(
+                200,
+                {
+                    "worker_id": w.cfg.worker_id,
+                    "role": w.cfg.role,
+                    "sessions": w.session_list(),
+                    "stats": dict(w.stats, free_pages=w.pool.free_pages, pages=w.pool.num_pages),
+                },
+            )
         if path == "/metrics":
             lines = []
             if w:
@@ -158,10 +166,19 @@ class Handler(BaseHTTPRequestHandler):
                 w.stats["errors"] += 1
                 return self._error(e)
             log_served(p, meta, time.monotonic() - t_start)
-            ans = {"text": "", "output_ids": [], "meta_info": {
-                "id": p.rid, "prompt_tokens": p.input, "completion_tokens": 0, "cached_tokens": 0,
-                "finish_reason": {"type": "length", "length": 0}, "e2e_latency": time.monotonic() - t_start,
-                "kvc": meta}}
+            ans = {
+                "text": "",
+                "output_ids": [],
+                "meta_info": {
+                    "id": p.rid,
+                    "prompt_tokens": p.input,
+                    "completion_tokens": 0,
+                    "cached_tokens": 0,
+                    "finish_reason": {"type": "length", "length": 0},
+                    "e2e_latency": time.monotonic() - t_start,
+                    "kvc": meta,
+                },
+            }
             if p.stream:
                 self._sse_start()
                 self._sse(ans)
@@ -204,8 +221,13 @@ class Handler(BaseHTTPRequestHandler):
 
         def mi(n):
             t.meta["kv_len_after"] = p.input + n
-            return {"id": p.rid, "prompt_tokens": p.input, "completion_tokens": n, "cached_tokens": p.cached,
-                    "kvc": dict(t.meta)}
+            return {
+                "id": p.rid,
+                "prompt_tokens": p.input,
+                "completion_tokens": n,
+                "cached_tokens": p.cached,
+                "kvc": dict(t.meta),
+            }
 
         def emit(i, tok):
             if i == 0:
@@ -237,8 +259,9 @@ class Handler(BaseHTTPRequestHandler):
                 self._sse({"text": "", "output_ids": [], "meta_info": final})
                 self._sse_done()
             else:
-                self._json(200, {"text": "".join(" t%d" % x for x in t.out), "output_ids": list(t.out),
-                                 "meta_info": final})
+                self._json(
+                    200, {"text": "".join(" t%d" % x for x in t.out), "output_ids": list(t.out), "meta_info": final}
+                )
         except _ClientGone:
             log.info("client went away: %s", p.rid)
         except ApiError as e:
@@ -273,11 +296,23 @@ def log_served(p, meta: dict, elapsed_s: float) -> None:
     figures (the meta_info.kvc it answers): a JSON log line {"message": "served", "served": {...}}
     that a run's analysis can join with the client's records by session and input length (P's
     answer never reaches the client: the gateway streams D's)."""
-    log.info("served", extra={"served": {
-        "rid": p.rid, "decision_id": p.decision_id, "session_id": p.session_id, "mode": p.mode,
-        "input_tokens": p.input, "cached_tokens": p.cached, "load_prefix_tokens": p.load_prefix,
-        "receive_from": p.receive_from, "elapsed_ms": round(elapsed_s * 1000.0, 3),
-        **{k: v for k, v in meta.items() if isinstance(v, (int, float, str, bool))}}})
+    log.info(
+        "served",
+        extra={
+            "served": {
+                "rid": p.rid,
+                "decision_id": p.decision_id,
+                "session_id": p.session_id,
+                "mode": p.mode,
+                "input_tokens": p.input,
+                "cached_tokens": p.cached,
+                "load_prefix_tokens": p.load_prefix,
+                "receive_from": p.receive_from,
+                "elapsed_ms": round(elapsed_s * 1000.0, 3),
+                **{k: v for k, v in meta.items() if isinstance(v, (int, float, str, bool))},
+            }
+        },
+    )
 
 
 def serve_in_thread(srv: Server) -> threading.Thread:

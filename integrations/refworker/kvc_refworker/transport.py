@@ -61,16 +61,37 @@ class BridgeTransport:
     def __init__(self, bridge, pool, model_name: str, timeout_s: float):
         self.bridge, self.pool, self.timeout_s, self.model_name = bridge, pool, timeout_s, model_name
         self.kv_bytes_per_token, self.endpoint = bridge.register_kv_pool(
-            pool.page_size, pool.item_len, pool.rows // pool.page_size, pool.layers, pool.bridge_buffers(),
-            model=model_name, aux_item_lens=[AUX_ITEM, AUX_ITEM])
+            pool.page_size,
+            pool.item_len,
+            pool.rows // pool.page_size,
+            pool.layers,
+            pool.bridge_buffers(),
+            model=model_name,
+            aux_item_lens=[AUX_ITEM, AUX_ITEM],
+        )
 
-    def send(self, room: int, session_id: str, pages: List[int], tokens: int, first_token: int,
-             first_logit: float, first_page: int = 0) -> int:
+    def send(
+        self,
+        room: int,
+        session_id: str,
+        pages: List[int],
+        tokens: int,
+        first_token: int,
+        first_logit: float,
+        first_page: int = 0,
+    ) -> int:
         """pages cover [0, tokens); with first_page > 0 (a suffix-only receive) only the pages from
         first_page on are sent."""
         try:
-            return self.bridge.send_kv(room, session_id, pages[first_page:], first_page=first_page, last=True,
-                                       tokens=tokens, aux=_pack_aux(first_token, first_logit))
+            return self.bridge.send_kv(
+                room,
+                session_id,
+                pages[first_page:],
+                first_page=first_page,
+                last=True,
+                tokens=tokens,
+                aux=_pack_aux(first_token, first_logit),
+            )
         except BridgeError as e:
             raise TransferError("SendKV room %d: %s" % (room, e)) from e
 
@@ -106,9 +127,15 @@ class BridgeTransport:
         self.bridge.release_session(session_id, evicted=evicted)
 
     def reregister(self) -> None:
-        self.bridge.register_kv_pool(self.pool.page_size, self.pool.item_len, self.pool.rows // self.pool.page_size,
-                                     self.pool.layers, self.pool.bridge_buffers(), model=self.model_name,
-                                     aux_item_lens=[AUX_ITEM, AUX_ITEM])
+        self.bridge.register_kv_pool(
+            self.pool.page_size,
+            self.pool.item_len,
+            self.pool.rows // self.pool.page_size,
+            self.pool.layers,
+            self.pool.bridge_buffers(),
+            model=self.model_name,
+            aux_item_lens=[AUX_ITEM, AUX_ITEM],
+        )
 
 
 class PluginTransport:
@@ -179,8 +206,16 @@ class PluginTransport:
         except BridgeError as e:
             raise TransferError("LoadFromStore %s: %s" % (session_id, e)) from e
 
-    def send(self, room: int, session_id: str, pages: List[int], tokens: int, first_token: int,
-             first_logit: float, first_page: int = 0) -> int:
+    def send(
+        self,
+        room: int,
+        session_id: str,
+        pages: List[int],
+        tokens: int,
+        first_token: int,
+        first_logit: float,
+        first_page: int = 0,
+    ) -> int:
         row = self._row()
         try:
             s = self.backend.KvcKVSender(self.mgr, "", room)
@@ -206,8 +241,9 @@ class PluginTransport:
             r.send_metadata(self.np.asarray(pages, dtype=self.np.int32), aux_index=row)
             self._wait(r, "room %d" % room)
             res = r.result
-            out = Received(bytes=res.bytes if res else 0, duration_us=res.duration_us if res else 0,
-                           wall_s=time.monotonic() - t0)
+            out = Received(
+                bytes=res.bytes if res else 0, duration_us=res.duration_us if res else 0, wall_s=time.monotonic() - t0
+            )
             if res is not None and res.tokens and res.tokens != tokens:
                 raise TransferError("transfer of room %d carried %d tokens, want %d" % (room, res.tokens, tokens))
             if kind == TRANSFER_SEED and res is not None and res.aux:
@@ -249,13 +285,18 @@ def start_watch(xfer, worker, stop: threading.Event):
     woken by the client whenever a command arrives, and are acked."""
     from kvcentric_sglang.watch import WatchClient
 
-    w = WatchClient(xfer.bridge, on_reregister=xfer.reregister, on_recommit=worker.recommit_all,
-                    on_release=lambda wk, sid, reason: wk.release_for_capacity(sid, reason),
-                    on_truncate=lambda wk, sid, keep: wk.truncate(sid, keep)).start()
+    w = WatchClient(
+        xfer.bridge,
+        on_reregister=xfer.reregister,
+        on_recommit=worker.recommit_all,
+        on_release=lambda wk, sid, reason: wk.release_for_capacity(sid, reason),
+        on_truncate=lambda wk, sid, keep: wk.truncate(sid, keep),
+    ).start()
 
     def run():
         while not stop.is_set():
             w.wait_for(lambda c: not c.pending.empty() or stop.is_set(), timeout=5.0)
             w.run_pending(worker)
+
     threading.Thread(target=run, name="kvc-commands", daemon=True).start()
     return w

@@ -234,9 +234,18 @@ class Worker:
         # A decode worker's DemandReporter (kvcentric_sglang.demand, set by the cli): its running
         # requests go to the sidecar (ReportDemand running_requests, the load report's).
         self.demand = None
-        self.stats = {"requests": 0, "errors": 0, "recompute_checked": 0, "recompute_mismatches": 0,
-                      "evictions": 0, "releases_without_sidecar": 0, "received_bytes": 0, "sent_bytes": 0,
-                      "prefill_tokens": 0, "decode_tokens": 0}
+        self.stats = {
+            "requests": 0,
+            "errors": 0,
+            "recompute_checked": 0,
+            "recompute_mismatches": 0,
+            "evictions": 0,
+            "releases_without_sidecar": 0,
+            "received_bytes": 0,
+            "sent_bytes": 0,
+            "prefill_tokens": 0,
+            "decode_tokens": 0,
+        }
 
     @property
     def capacity_tokens(self) -> int:
@@ -329,8 +338,10 @@ class Worker:
                 self._waited("alloc", time.monotonic() - t0)
                 return pages, evicted
             with self.mu:
-                idle = sorted((s for s in self.sessions.values() if s.pinned == 0 and s.id != for_session),
-                              key=lambda s: s.last_used)
+                idle = sorted(
+                    (s for s in self.sessions.values() if s.pinned == 0 and s.id != for_session),
+                    key=lambda s: s.last_used,
+                )
             picky = time.monotonic() < snap_deadline
             pending = {s.id for s in idle if self._snapshot_pending(s)} if picky else set()
             with self.mu:
@@ -357,9 +368,12 @@ class Worker:
                 if not victims:
                     left = deadline - time.monotonic()
                     if left <= 0:
-                        raise ApiError(503, "no_capacity",
-                                       "%d pages needed, %d free and no idle session to evict on %s" % (
-                                           n, self.pool.free_pages, self.cfg.worker_id))
+                        raise ApiError(
+                            503,
+                            "no_capacity",
+                            "%d pages needed, %d free and no idle session to evict on %s"
+                            % (n, self.pool.free_pages, self.cfg.worker_id),
+                        )
                     self.mu.wait(timeout=min(left, 0.5))
                     continue
             for s in victims:
@@ -416,7 +430,7 @@ class Worker:
         decision on the prompt's page hashes when the gateway sends ids). The recompute check
         then holds the reuse to a full prefill of ids."""
         lcp = 0
-        for a, b in zip(s.tokens[:s.kv_len], ids):
+        for a, b in zip(s.tokens[: s.kv_len], ids):
             if a is None:
                 if lcp >= trust:
                     break
@@ -449,11 +463,16 @@ class Worker:
             if s.pinned > s.waiting:
                 raise RuntimeError("session %s is in use by %d running turn(s)" % (sid, s.pinned - s.waiting))
             if s.waiting and reason == REASON_CAPACITY:
-                idle = sorted(o.id for o in self.sessions.values()
-                              if o is not s and o.pinned == 0 and o.committed and o.pages and not o.gone)
+                idle = sorted(
+                    o.id
+                    for o in self.sessions.values()
+                    if o is not s and o.pinned == 0 and o.committed and o.pages and not o.gone
+                )
                 if idle:
-                    raise RuntimeError("session %s has %d turn(s) waiting for pages, and %d idle session(s) can be "
-                                       "released instead (%s)" % (sid, s.waiting, len(idle), ", ".join(idle[:3])))
+                    raise RuntimeError(
+                        "session %s has %d turn(s) waiting for pages, and %d idle session(s) can be "
+                        "released instead (%s)" % (sid, s.waiting, len(idle), ", ".join(idle[:3]))
+                    )
             del self.sessions[sid]
             s.gone = True
             freed = s.kv_len
@@ -490,8 +509,11 @@ class Worker:
     def recommit_all(self) -> None:
         """After a sidecar restart re-attached: every resident session committed again."""
         with self.mu:
-            held = [(s.id, s.kv_len, list(s.pages), known_ids(s.tokens, s.kv_len))
-                    for s in self.sessions.values() if s.committed]
+            held = [
+                (s.id, s.kv_len, list(s.pages), known_ids(s.tokens, s.kv_len))
+                for s in self.sessions.values()
+                if s.committed
+            ]
         for sid, n, pages, ids in held:
             try:
                 self.xfer.commit(sid, n, pages, ids)
@@ -517,10 +539,18 @@ class Worker:
 
     def session_list(self) -> List[Dict]:
         with self.mu:
-            return [{"session_id": s.id, "kv_len": s.kv_len, "pages": len(s.pages), "pinned": s.pinned,
-                     "waiting": s.waiting,
-                     "committed": s.committed, "tokens_known": sum(x is not None for x in s.tokens[:s.kv_len])}
-                    for s in self.sessions.values()]
+            return [
+                {
+                    "session_id": s.id,
+                    "kv_len": s.kv_len,
+                    "pages": len(s.pages),
+                    "pinned": s.pinned,
+                    "waiting": s.waiting,
+                    "committed": s.committed,
+                    "tokens_known": sum(x is not None for x in s.tokens[: s.kv_len]),
+                }
+                for s in self.sessions.values()
+            ]
 
     # -- prefill role ---------------------------------------------------------------------------
 
@@ -557,8 +587,9 @@ class Worker:
             t1 = time.monotonic()
             first_page = p.receive_from // self.pool.page_size  # a suffix-only receive: D holds the pages before
             try:
-                sent = self.xfer.send(p.room, p.seed_key, pages, p.input, first, float(logits[first]),
-                                      first_page=first_page)
+                sent = self.xfer.send(
+                    p.room, p.seed_key, pages, p.input, first, float(logits[first]), first_page=first_page
+                )
             except TransferError as e:
                 raise ApiError(502, "transfer_failed", str(e)) from e
             meta["sent_bytes"] = sent
@@ -582,7 +613,7 @@ class Worker:
             return 0
         t0 = time.monotonic()
         try:
-            r = self.xfer.load(p.session_id, p.load_gen, pages[:n // ps], n)
+            r = self.xfer.load(p.session_id, p.load_gen, pages[: n // ps], n)
         except TransferError as e:
             log.warning("snapshot prefix of %s not loaded (%s): prefilling the whole context", p.session_id, e)
             meta["load_miss"] = True
@@ -600,9 +631,20 @@ class Worker:
 
     def begin(self, p: Plan) -> Turn:
         t = Turn(p, self.tokens_for(p))
-        t.meta = {"mode": p.mode, "role": "decode", "worker_id": self.cfg.worker_id, "received_bytes": 0,
-                  "verified_bytes": 0, "verify_failures": 0, "transfer_ms": 0.0, "transfer_real_ms": 0.0,
-                  "transfer_model_ms": 0.0, "prefill_tokens": 0, "prefill_ms": 0.0, "evicted_sessions": 0}
+        t.meta = {
+            "mode": p.mode,
+            "role": "decode",
+            "worker_id": self.cfg.worker_id,
+            "received_bytes": 0,
+            "verified_bytes": 0,
+            "verify_failures": 0,
+            "transfer_ms": 0.0,
+            "transfer_real_ms": 0.0,
+            "transfer_model_ms": 0.0,
+            "prefill_tokens": 0,
+            "prefill_ms": 0.0,
+            "evicted_sessions": 0,
+        }
         anonymous = not p.keep
         self._tls.gpu = self._tls.alloc = 0.0
         t0 = time.monotonic()
@@ -631,11 +673,17 @@ class Worker:
                 if s is None or s.kv_len < p.cached:
                     have = -1 if s is None else s.kv_len
                     if have < 0:
-                        raise ApiError(409, "session_not_resident",
-                                       "session %r is not resident on %s" % (p.session_id, self.cfg.worker_id))
-                    raise ApiError(409, "session_not_resident",
-                                   "session %r holds %d tokens on %s, fewer than cached_tokens %d" % (
-                                       p.session_id, have, self.cfg.worker_id, p.cached))
+                        raise ApiError(
+                            409,
+                            "session_not_resident",
+                            "session %r is not resident on %s" % (p.session_id, self.cfg.worker_id),
+                        )
+                    raise ApiError(
+                        409,
+                        "session_not_resident",
+                        "session %r holds %d tokens on %s, fewer than cached_tokens %d"
+                        % (p.session_id, have, self.cfg.worker_id, p.cached),
+                    )
                 s.pinned += 1
                 self._touch(s)
                 t.s = s
@@ -661,9 +709,12 @@ class Worker:
                     t.s, t.extend = s, True
             if not t.extend and p.receive_from:
                 # P sends only the suffix: without the held prefix the KV cannot be whole here.
-                raise ApiError(409, "session_not_resident",
-                               "session %r is not resident on %s, and the transfer sends only tokens from %d "
-                               "(receive_from)" % (p.session_id, self.cfg.worker_id, p.receive_from))
+                raise ApiError(
+                    409,
+                    "session_not_resident",
+                    "session %r is not resident on %s, and the transfer sends only tokens from %d "
+                    "(receive_from)" % (p.session_id, self.cfg.worker_id, p.receive_from),
+                )
             if not t.extend:
                 p.keep, anonymous = False, True
         if t.extend:
@@ -674,8 +725,12 @@ class Worker:
             if rf:
                 lcp = self.held_prefix(s, t.ids, max(p.cached, rf))
                 if lcp < rf:
-                    raise ApiError(409, "session_not_resident", "session %r holds %d tokens of this prompt on %s, "
-                                   "fewer than receive_from %d" % (p.session_id, lcp, self.cfg.worker_id, rf))
+                    raise ApiError(
+                        409,
+                        "session_not_resident",
+                        "session %r holds %d tokens of this prompt on %s, "
+                        "fewer than receive_from %d" % (p.session_id, lcp, self.cfg.worker_id, rf),
+                    )
                 t.meta["received_from"] = rf
                 if s.kv_len > n:
                     # A compacted history shorter than the session: D keeps [0, rf) and P sends
@@ -755,14 +810,17 @@ class Worker:
             self.pool.free(more)
             with self.mu:
                 self.mu.notify_all()
-            raise ApiError(409, "session_not_resident", "session %r was released on %s while its turn waited for "
-                           "pages" % (s.id, self.cfg.worker_id))
+            raise ApiError(
+                409,
+                "session_not_resident",
+                "session %r was released on %s while its turn waited for pages" % (s.id, self.cfg.worker_id),
+            )
         t.meta["evicted_sessions"] = ev
         return more
 
     def _receive(self, t: Turn, kind: int, tokens: int) -> None:
         p = t.p
-        pages = t.page_list()[:pages_for(tokens, self.pool.page_size)]
+        pages = t.page_list()[: pages_for(tokens, self.pool.page_size)]
         try:
             r = self.xfer.receive(p.room, p.seed_key, kind, pages, tokens, p.peer)
         except TransferError as e:
@@ -772,8 +830,9 @@ class Worker:
         moved = wall
         if r.duration_us and r.duration_us / 1e6 < wall:
             moved = r.duration_us / 1e6
-        t.meta.update(received_bytes=r.bytes, receive_wait_ms=_ms(wall), transfer_real_ms=_ms(moved),
-                      transfer_ms=_ms(moved))
+        t.meta.update(
+            received_bytes=r.bytes, receive_wait_ms=_ms(wall), transfer_real_ms=_ms(moved), transfer_ms=_ms(moved)
+        )
         self.stats["received_bytes"] += r.bytes
         t.kv = tokens
         t.received_at = time.monotonic()
@@ -804,7 +863,7 @@ class Worker:
             t.meta["aux_token_out_of_range"] = t.aux[0]
             t.aux = None
         probe = self._cache_from_pool(pages, n - 1)
-        logits, _ = self._forward(t.ids[n - 1:n], probe)
+        logits, _ = self._forward(t.ids[n - 1 : n], probe)
         del probe
         t.cache = self._cache_from_pool(pages, n)
         t.first_local, t.bitwise, t.start = True, True, n
@@ -846,8 +905,9 @@ class Worker:
             t.out.append(tok)
             # The token at position n+i: the greedy one, or the scripted context's token when
             # the client sends only token counts (so that every worker derives the same context).
-            nxt = (scripted_tokens(p.seed_key, p.input + i, p.input + i + 1, self.spec.vocab_size)[0] if scripted
-                   else tok)
+            nxt = (
+                scripted_tokens(p.seed_key, p.input + i, p.input + i + 1, self.spec.vocab_size)[0] if scripted else tok
+            )
             t.fed.append(nxt)
             self.stats["decode_tokens"] += 1
             emit(i, tok)
@@ -861,8 +921,11 @@ class Worker:
             logits, t.cache = self._forward([nxt], t.cache)
             self._write_back(pages, t.cache, pos, pos + 1)
             t.kv = pos + 1
-            if self.cfg.verify_recompute and i < p.max_new - 1 and (
-                    self.cfg.verify_max_steps <= 0 or len(t.logits) < self.cfg.verify_max_steps):
+            if (
+                self.cfg.verify_recompute
+                and i < p.max_new - 1
+                and (self.cfg.verify_max_steps <= 0 or len(t.logits) < self.cfg.verify_max_steps)
+            ):
                 t.logits.append(logits)
         t.meta["decode_ms"] = _ms(time.monotonic() - t0)
         t.cache = None  # the served dense cache: not needed past the last step (the check reads the pool)
@@ -908,7 +971,7 @@ class Worker:
                 if t.p.load and t.p.ids is None:
                     s.tokens = [None] * t.kv  # the snapshot's KV, its ids unknown here
                 else:
-                    s.tokens = list(t.ids) + t.fed[:t.kv - t.p.input]
+                    s.tokens = list(t.ids) + t.fed[: t.kv - t.p.input]
                 ids = known_ids(s.tokens, t.kv)  # they go with the commit (and the snapshot)
                 try:
                     self.xfer.commit(s.id, t.kv, pages, ids)
@@ -938,7 +1001,7 @@ def _max_abs_diff(a: torch.Tensor, b: torch.Tensor, rows: int = 4096) -> float:
     """max |a - b| over (tokens, ...) tensors, in chunks of rows tokens (no whole float32 copy)."""
     m = 0.0
     for i in range(0, a.shape[0], rows):
-        m = max(m, float((a[i:i + rows].float() - b[i:i + rows].float()).abs().max()))
+        m = max(m, float((a[i : i + rows].float() - b[i : i + rows].float()).abs().max()))
     return m
 
 
@@ -984,7 +1047,7 @@ class Verifier:
         else:
             ref_logits, cache = w._forward(t.ids, M.new_cache(w.model), low=True, defer_until=until)
         refs = [ref_logits]
-        for tok in t.fed[:len(t.logits) - 1]:
+        for tok in t.fed[: len(t.logits) - 1]:
             lg, cache = w._forward([tok], cache, low=True, defer_until=until)
             refs.append(lg)
         mism, max_diff, bitwise_steps = 0, 0.0, 0
@@ -995,12 +1058,21 @@ class Verifier:
                 max_diff = max(max_diff, d)
                 bitwise_steps += d == 0.0
                 sb = int(b.argmax())
-                bad = (d > atol or (t.bitwise and w.cfg.bitwise_strict and d != 0.0)
-                       or (tok != sb and float(b[sb] - b[tok]) > atol))
+                bad = (
+                    d > atol
+                    or (t.bitwise and w.cfg.bitwise_strict and d != 0.0)
+                    or (tok != sb and float(b[sb] - b[tok]) > atol)
+                )
                 if bad:
                     mism += 1
-                    log.warning("recompute mismatch: session %s mode %s first token (aux) %d/%d |dlogit| %.3g",
-                                p.seed_key, p.mode, tok, sb, d)
+                    log.warning(
+                        "recompute mismatch: session %s mode %s first token (aux) %d/%d |dlogit| %.3g",
+                        p.seed_key,
+                        p.mode,
+                        tok,
+                        sb,
+                        d,
+                    )
                 continue
             d = float((a - b).abs().max())
             max_diff = max(max_diff, d)
@@ -1013,8 +1085,15 @@ class Verifier:
                 bad = True
             if bad:
                 mism += 1
-                log.warning("recompute mismatch: session %s mode %s step %d |dlogit| %.3g tokens %d/%d",
-                            p.seed_key, p.mode, i, d, sa, sb)
+                log.warning(
+                    "recompute mismatch: session %s mode %s step %d |dlogit| %.3g tokens %d/%d",
+                    p.seed_key,
+                    p.mode,
+                    i,
+                    d,
+                    sa,
+                    sb,
+                )
         # The KV the served turn left in the pool against the reference's.
         # One layer at a time (a whole gather of a 42K-token session is another 6 GB on the
         # device), the reference's layers freed as they are compared.
@@ -1032,11 +1111,24 @@ class Verifier:
         kv_bitwise = t.bitwise and w.cfg.bitwise_strict and not t.extend
         if kv_diff > atol or (kv_bitwise and kv_diff != 0.0):
             mism += 1
-            log.warning("recompute mismatch: session %s mode %s KV |diff| %.3g over %d tokens", p.seed_key, p.mode,
-                        kv_diff, kv_end)
-        n_refs = len(t.fed[:len(t.logits) - 1]) + 1
+            log.warning(
+                "recompute mismatch: session %s mode %s KV |diff| %.3g over %d tokens",
+                p.seed_key,
+                p.mode,
+                kv_diff,
+                kv_end,
+            )
+        n_refs = len(t.fed[: len(t.logits) - 1]) + 1
         w.stats["recompute_checked"] += 1
         w.stats["recompute_mismatches"] += mism
-        return {"recompute_checked": True, "recompute_mismatches": mism, "max_abs_logit_diff": max_diff,
-                "max_abs_kv_diff": kv_diff, "recompute_steps": n_refs, "bitwise_steps": bitwise_steps,
-                "bitwise_expected": bool(t.bitwise), "recompute_atol": atol, "recompute_ms": _ms(time.monotonic() - t0)}
+        return {
+            "recompute_checked": True,
+            "recompute_mismatches": mism,
+            "max_abs_logit_diff": max_diff,
+            "max_abs_kv_diff": kv_diff,
+            "recompute_steps": n_refs,
+            "bitwise_steps": bitwise_steps,
+            "bitwise_expected": bool(t.bitwise),
+            "recompute_atol": atol,
+            "recompute_ms": _ms(time.monotonic() - t0),
+        }

@@ -32,8 +32,12 @@ VOCAB = 1024  # the tiny model's
 
 
 def post(url, body, headers=None, timeout=120):
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                 headers=dict({"Content-Type": "application/json"}, **(headers or {})))
+    req = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers=dict({"Content-Type": "application/json"}, **(headers or {})),
+    )
     try:
         resp = urllib.request.urlopen(req, timeout=timeout)
     except urllib.error.HTTPError as e:
@@ -60,12 +64,31 @@ class Cluster:
         self.ready = os.path.join(work, "local.ready.json")
         if os.path.exists(self.ready):
             os.remove(self.ready)  # a kept work dir's old one
-        args = [os.path.join(BIN, "kvc-local"), "--bin-dir", BIN, "--work-dir", work, "--worker-kind", "refworker",
-                "--refworker-python", sys.executable, "--prefill", "1", "--decode", "2",
-                "--decode-capacity-tokens", str(capacity), "--prefill-capacity-tokens", "8192",
-                "--policy-json", json.dumps(policy), "--ready-file", self.ready,
-                "--refworker-args", "--verify-recompute --page-size 16 --transfer-api " +
-                os.environ.get("KVC_REFWORKER_IT_API", "auto")]
+        args = [
+            os.path.join(BIN, "kvc-local"),
+            "--bin-dir",
+            BIN,
+            "--work-dir",
+            work,
+            "--worker-kind",
+            "refworker",
+            "--refworker-python",
+            sys.executable,
+            "--prefill",
+            "1",
+            "--decode",
+            "2",
+            "--decode-capacity-tokens",
+            str(capacity),
+            "--prefill-capacity-tokens",
+            "8192",
+            "--policy-json",
+            json.dumps(policy),
+            "--ready-file",
+            self.ready,
+            "--refworker-args",
+            "--verify-recompute --page-size 16 --transfer-api " + os.environ.get("KVC_REFWORKER_IT_API", "auto"),
+        ]
         self.log = open(os.path.join(work, "kvc-local.log"), "w")
         env = dict(os.environ, KVC_REFWORKER_THREADS="1")
         self.p = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, env=env)
@@ -101,8 +124,12 @@ class TestEveryModeExact(unittest.TestCase):
         # most 200 tokens (so a larger append of an evicted session re-prefills).
         # Appends of 301-320 new tokens are prefilled by the session's own decode worker
         # (LOCAL_LARGE_APPEND), larger ones by P (REAL_LARGE_APPEND, from the snapshot).
-        policy = {"snapshotDeltaTokens": "16", "directMaxUncachedTokens": "300", "tailToleranceTokens": "200",
-                  "localAppendMaxTokens": "320"}
+        policy = {
+            "snapshotDeltaTokens": "16",
+            "directMaxUncachedTokens": "300",
+            "tailToleranceTokens": "200",
+            "localAppendMaxTokens": "320",
+        }
         c = Cluster(work, policy, capacity=1536)
         rng = random.Random(7)
         hist = {}  # session -> token ids the client holds (prompt + answers), as an agent would
@@ -134,12 +161,24 @@ class TestEveryModeExact(unittest.TestCase):
                 hist[sess] += out_ids
             elif sess:
                 hist[sess] += max_new
-            print("%-8s %-16s %-22s on %-9s kv %5d recv %7d B  mism %d  max|dlogit| %.2g  max|dKV| %.2g  "
-                  "bitwise %d/%d" % (
-                      sess or "-", mode, reason, meta.get("worker_id"), meta.get("kv_len_after", 0),
-                      meta.get("received_bytes", 0), meta.get("recompute_mismatches", -1),
-                      meta.get("max_abs_logit_diff", -1), meta.get("max_abs_kv_diff", -1),
-                      meta.get("bitwise_steps", 0), meta.get("recompute_steps", 0)), flush=True)
+            print(
+                "%-8s %-16s %-22s on %-9s kv %5d recv %7d B  mism %d  max|dlogit| %.2g  max|dKV| %.2g  "
+                "bitwise %d/%d"
+                % (
+                    sess or "-",
+                    mode,
+                    reason,
+                    meta.get("worker_id"),
+                    meta.get("kv_len_after", 0),
+                    meta.get("received_bytes", 0),
+                    meta.get("recompute_mismatches", -1),
+                    meta.get("max_abs_logit_diff", -1),
+                    meta.get("max_abs_kv_diff", -1),
+                    meta.get("bitwise_steps", 0),
+                    meta.get("recompute_steps", 0),
+                ),
+                flush=True,
+            )
             return mode, reason, meta
 
         try:
@@ -199,12 +238,29 @@ class TestEveryModeExact(unittest.TestCase):
             # The gateway's fail-open (no usable decision, or no prefill worker) sends a decode
             # worker alone a payload with local_prefill and no receive: it prefills the whole
             # prompt itself, as a colocated SGLang worker does, and the recompute check holds.
-            st, _, chunks, out_ids, err = post(decode_urls[0] + "/generate", {
-                "rid": tag + "fail-open", "input_ids": [rng.randrange(VOCAB) for _ in range(200)], "stream": True,
-                "sampling_params": {"max_new_tokens": 4}, "kv_hints": {"protocol_version": 1, "actions": [
-                    {"action_type": "kvc", "action_version": 2,
-                     "payload": {"mode": "ROUTE_MODE_PD_FALLBACK", "role": "WORKER_ROLE_DECODE",
-                                 "local_prefill": True}}]}})
+            st, _, chunks, out_ids, err = post(
+                decode_urls[0] + "/generate",
+                {
+                    "rid": tag + "fail-open",
+                    "input_ids": [rng.randrange(VOCAB) for _ in range(200)],
+                    "stream": True,
+                    "sampling_params": {"max_new_tokens": 4},
+                    "kv_hints": {
+                        "protocol_version": 1,
+                        "actions": [
+                            {
+                                "action_type": "kvc",
+                                "action_version": 2,
+                                "payload": {
+                                    "mode": "ROUTE_MODE_PD_FALLBACK",
+                                    "role": "WORKER_ROLE_DECODE",
+                                    "local_prefill": True,
+                                },
+                            }
+                        ],
+                    },
+                },
+            )
             self.assertEqual((st, err), (200, None), chunks)
             fo = chunks[-1]["meta_info"]["kvc"]
             self.assertTrue(fo.get("local_prefill"), fo)
@@ -217,8 +273,10 @@ class TestEveryModeExact(unittest.TestCase):
         evictions = sum(meta.get("evicted_sessions", 0) for *_, meta in results)
         mism = sum(meta.get("recompute_mismatches", 0) for *_, meta in results)
         unchecked = [(s, m) for s, m, _, meta in results if not meta.get("recompute_checked")]
-        print("modes %s, %d evictions, %d requests, %d recompute mismatches" % (
-            sorted(modes), evictions, len(results), mism))
+        print(
+            "modes %s, %d evictions, %d requests, %d recompute mismatches"
+            % (sorted(modes), evictions, len(results), mism)
+        )
         self.assertEqual(unchecked, [])
         self.assertEqual(mism, 0)
         self.assertGreater(evictions, 0)
@@ -285,15 +343,29 @@ class TestRehomeWithRealKV(unittest.TestCase):
 
         def turn(sess, append, max_new=6):
             hist[sess] = hist.get(sess, []) + [rng.randrange(VOCAB) for _ in range(append)]
-            body = {"input_ids": hist[sess], "stream": True, "sampling_params": {"max_new_tokens": max_new},
-                    "session_params": {"id": sess}}
+            body = {
+                "input_ids": hist[sess],
+                "stream": True,
+                "sampling_params": {"max_new_tokens": max_new},
+                "session_params": {"id": sess},
+            }
             st, h, chunks, out_ids, err = post(c.gateway + "/generate", body, {"X-Session-ID": sess})
             self.assertEqual((st, err), (200, None), "%s: %s" % (sess, chunks))
             hist[sess] += out_ids
             meta = chunks[-1]["meta_info"]["kvc"]
-            print("%-12s %-12s %-20s on %-9s kv %5d prefill %4d mism %s" % (
-                sess, h.get("X-Kvc-Mode"), h.get("X-Kvc-Reason"), meta.get("worker_id"), meta.get("kv_len_after", 0),
-                meta.get("prefill_tokens", -1), meta.get("recompute_mismatches")), flush=True)
+            print(
+                "%-12s %-12s %-20s on %-9s kv %5d prefill %4d mism %s"
+                % (
+                    sess,
+                    h.get("X-Kvc-Mode"),
+                    h.get("X-Kvc-Reason"),
+                    meta.get("worker_id"),
+                    meta.get("kv_len_after", 0),
+                    meta.get("prefill_tokens", -1),
+                    meta.get("recompute_mismatches"),
+                ),
+                flush=True,
+            )
             return h.get("X-Kvc-Mode"), h.get("X-Kvc-Decode-Worker"), meta
 
         try:
@@ -329,8 +401,9 @@ class TestRehomeWithRealKV(unittest.TestCase):
             # without any request, each of its sessions becomes resident on the survivor, whole
             deadline = time.time() + 90
             while True:
-                held = {x["session_id"]: x for x in
-                        get_json(decoders[survivor]["worker_url"] + "/kvc/sessions")["sessions"]}
+                held = {
+                    x["session_id"]: x for x in get_json(decoders[survivor]["worker_url"] + "/kvc/sessions")["sessions"]
+                }
                 if all(s in held and held[s]["kv_len"] >= kv[s] and held[s]["committed"] for s in moved):
                     break
                 self.assertLess(time.time(), deadline, "not re-homed: %s" % held)

@@ -26,8 +26,12 @@ _JUNK = shutil.ignore_patterns("build", "*.egg-info", "__pycache__", "results", 
 
 
 def _pip(*args, timeout=300):
-    p = subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", *args],
-                       capture_output=True, text=True, timeout=timeout)
+    p = subprocess.run(
+        [sys.executable, "-m", "pip", "--disable-pip-version-check", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if p.returncode != 0:
         raise AssertionError("pip %s:\n%s%s" % (" ".join(args), p.stdout[-3000:], p.stderr[-3000:]))
     return p
@@ -41,8 +45,16 @@ class TestInstallsOnItsOwn(unittest.TestCase):
         for name in ("sglang", "refworker"):  # a clean copy: the checkout keeps no build output
             shutil.copytree(os.path.join(INTEGRATIONS, name), os.path.join(src, name), ignore=_JUNK)
         cls.src = src
-        _pip("wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index", "-w", os.path.join(cls.tmp, "dist"),
-             os.path.join(src, "refworker"))
+        _pip(
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-w",
+            os.path.join(cls.tmp, "dist"),
+            os.path.join(src, "refworker"),
+        )
         (cls.wheel,) = [os.path.join(cls.tmp, "dist", f) for f in os.listdir(os.path.join(cls.tmp, "dist"))]
         with zipfile.ZipFile(cls.wheel) as z:
             cls.names = z.namelist()
@@ -64,8 +76,11 @@ class TestInstallsOnItsOwn(unittest.TestCase):
     def test_plugin_requirement_points_at_the_folder_beside_it(self):
         r = {canonicalize_name(r.name): r for r in self.requires()}.get("kvcentric-sglang")
         self.assertIsNotNone(r, "kvc-refworker does not declare kvcentric-sglang (it imports its bridge client)")
-        self.assertEqual(r.url, "file://" + os.path.join(self.src, "sglang"),
-                         "kvcentric-sglang is on no index: the requirement must name the folder beside it")
+        self.assertEqual(
+            r.url,
+            "file://" + os.path.join(self.src, "sglang"),
+            "kvcentric-sglang is on no index: the requirement must name the folder beside it",
+        )
 
     def test_every_import_is_declared(self):
         stdlib = set(sys.stdlib_module_names)
@@ -89,8 +104,10 @@ class TestInstallsOnItsOwn(unittest.TestCase):
             if not dists:
                 problems.append("%s (imported by %s): no installed distribution provides it" % (mod, where))
             elif not dists & declared:
-                problems.append("%s (imported by %s) comes from %s, which kvc-refworker does not declare"
-                                % (mod, where, ", ".join(sorted(dists))))
+                problems.append(
+                    "%s (imported by %s) comes from %s, which kvc-refworker does not declare"
+                    % (mod, where, ", ".join(sorted(dists)))
+                )
         self.assertEqual(problems, [])
         self.assertIn("torch", imported)  # the walk sees the imports it must
 
@@ -98,19 +115,31 @@ class TestInstallsOnItsOwn(unittest.TestCase):
         venv = os.path.join(self.tmp, "venv")
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True, timeout=120)
         py = os.path.join(venv, "bin", "python")
-        site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                              capture_output=True, text=True, check=True).stdout.strip()
+        site = subprocess.run(
+            [py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
         # What is installed here stands in for an index: the fresh venv sees it (a .pth line) but
         # pip may take nothing from the network, so every requirement must be satisfiable as declared.
         with open(os.path.join(site, "kvc-test-deps.pth"), "w") as f:
             f.write(sysconfig.get_paths()["purelib"] + "\n")
         _pip("--python", py, "install", "-q", "--no-index", "--no-build-isolation", os.path.join(self.src, "refworker"))
-        code = ("import importlib, kvc_refworker\n"
-                "for m in %r: importlib.import_module('kvc_refworker.' + m)\n"
-                "import kvcentric_sglang\n"
-                "print(kvc_refworker.__file__); print(kvcentric_sglang.__file__)" % MODULES)
-        p = subprocess.run([py, "-c", code], capture_output=True, text=True, cwd=self.tmp, timeout=300,
-                           env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+        code = (
+            "import importlib, kvc_refworker\n"
+            "for m in %r: importlib.import_module('kvc_refworker.' + m)\n"
+            "import kvcentric_sglang\n"
+            "print(kvc_refworker.__file__); print(kvcentric_sglang.__file__)" % MODULES
+        )
+        p = subprocess.run(
+            [py, "-c", code],
+            capture_output=True,
+            text=True,
+            cwd=self.tmp,
+            timeout=300,
+            env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+        )
         self.assertEqual(p.returncode, 0, p.stderr[-3000:])
         where = p.stdout.split()
         self.assertTrue(where[0].startswith(site), "kvc_refworker imported from %s, not the fresh venv" % where[0])

@@ -20,9 +20,13 @@ from kvc_refworker.pool import KVPool, pages_for  # noqa: E402
 
 def hints(**payload):
     """A kv_hints envelope with another orchestrator's action and the kvc payload (JSON form)."""
-    return {"protocol_version": 1, "actions": [
-        {"action_type": "other", "payload": {"mode": "SEED"}},
-        {"action_type": "kvc", "action_version": 2, "payload": payload}]}
+    return {
+        "protocol_version": 1,
+        "actions": [
+            {"action_type": "other", "payload": {"mode": "SEED"}},
+            {"action_type": "kvc", "action_version": 2, "payload": payload},
+        ],
+    }
 
 
 SEED = {"kind": "TRANSFER_KIND_SEED", "room": "3"}
@@ -31,40 +35,129 @@ SEED = {"kind": "TRANSFER_KIND_SEED", "room": "3"}
 class TestParse(unittest.TestCase):
     def test_table(self):
         ok = [
-            ("seed", {"session_params": {"id": "s"}, "kv_hints": hints(
-                mode="ROUTE_MODE_SEED", session_id="s", input_tokens="10", keep_session=True, open_session=True,
-                receive=SEED)},
-             "decode", dict(mode="SEED", input=10, room=3, keep=True, open=True, seed_key="s", ids=None, recv_kind=1,
-                            recv_tokens=10)),
-            ("direct turn (camelCase names)", {"input_ids": [1, 2, 3, 4, 5], "session_params": {"id": "s"},
-                                               "kv_hints": hints(sessionId="s", cachedTokens=4, keepSession=True)},
-             "decode", dict(mode="", input=5, cached=4, ids=[1, 2, 3, 4, 5], recv_kind=0, transfers=False)),
-            ("snapshot", {"session_params": {"id": "s"}, "kv_hints": hints(
-                session_id="s", input_tokens=9, keep_session=True, open_session=True,
-                receive={"kind": "TRANSFER_KIND_SNAPSHOT", "room": 1, "tokens": 8})},
-             "decode", dict(recv_kind=2, recv_tokens=8, room=1)),
-            ("prefill single shot", {"rid": "r1", "input_ids": [7, 7], "bootstrap_room": 5,
-                                     "kv_hints": hints(send={"room": "5"})}, "prefill",
-             dict(keep=False, seed_key="r1", room=5, sends=True)),
-            ("text only", {"text": "x" * 40, "rid": "r", "bootstrap_room": 1,
-                           "kv_hints": hints(receive={"kind": "TRANSFER_KIND_SEED", "room": "1"})}, "decode",
-             dict(input=10, local=False, transfers=True)),
-            ("P's low prefill priority as SGLang's",
-             {"rid": "r1", "input_ids": [7, 7], "bootstrap_room": 5, "priority": -100,
-              "kv_hints": hints(send={"room": "5"})}, "prefill", dict(priority=-100)),
-            ("no priority", {"rid": "r1", "input_ids": [7, 7], "bootstrap_room": 5, "priority": None,
-                             "kv_hints": hints(send={"room": "5"})}, "prefill", dict(priority=0)),
-            ("prefill from the snapshot, suffix-only send",
-             {"kv_hints": hints(session_id="s", input_tokens=40, load_prefix_tokens="32", load_generation="7",
-                                send={"room": "2", "from_token": "32"})}, "prefill",
-             dict(load_prefix=32, load_gen=7, receive_from=32)),
-            ("local prefill, nothing kept", {"rid": "r", "input_ids": [1, 2, 3], "kv_hints": hints(local_prefill=True)},
-             "decode", dict(local=True, transfers=False, keep=False)),
-            ("a new session's first turn prefilled here", {"rid": "r", "input_ids": [1, 2, 3],
-                                                           "session_params": {"id": "s"},
-                                                           "kv_hints": hints(session_id="s", local_prefill=True,
-                                                                             keep_session=True, open_session=True)},
-             "decode", dict(local=True, keep=True, open=True)),
+            (
+                "seed",
+                {
+                    "session_params": {"id": "s"},
+                    "kv_hints": hints(
+                        mode="ROUTE_MODE_SEED",
+                        session_id="s",
+                        input_tokens="10",
+                        keep_session=True,
+                        open_session=True,
+                        receive=SEED,
+                    ),
+                },
+                "decode",
+                dict(
+                    mode="SEED",
+                    input=10,
+                    room=3,
+                    keep=True,
+                    open=True,
+                    seed_key="s",
+                    ids=None,
+                    recv_kind=1,
+                    recv_tokens=10,
+                ),
+            ),
+            (
+                "direct turn (camelCase names)",
+                {
+                    "input_ids": [1, 2, 3, 4, 5],
+                    "session_params": {"id": "s"},
+                    "kv_hints": hints(sessionId="s", cachedTokens=4, keepSession=True),
+                },
+                "decode",
+                dict(mode="", input=5, cached=4, ids=[1, 2, 3, 4, 5], recv_kind=0, transfers=False),
+            ),
+            (
+                "snapshot",
+                {
+                    "session_params": {"id": "s"},
+                    "kv_hints": hints(
+                        session_id="s",
+                        input_tokens=9,
+                        keep_session=True,
+                        open_session=True,
+                        receive={"kind": "TRANSFER_KIND_SNAPSHOT", "room": 1, "tokens": 8},
+                    ),
+                },
+                "decode",
+                dict(recv_kind=2, recv_tokens=8, room=1),
+            ),
+            (
+                "prefill single shot",
+                {"rid": "r1", "input_ids": [7, 7], "bootstrap_room": 5, "kv_hints": hints(send={"room": "5"})},
+                "prefill",
+                dict(keep=False, seed_key="r1", room=5, sends=True),
+            ),
+            (
+                "text only",
+                {
+                    "text": "x" * 40,
+                    "rid": "r",
+                    "bootstrap_room": 1,
+                    "kv_hints": hints(receive={"kind": "TRANSFER_KIND_SEED", "room": "1"}),
+                },
+                "decode",
+                dict(input=10, local=False, transfers=True),
+            ),
+            (
+                "P's low prefill priority as SGLang's",
+                {
+                    "rid": "r1",
+                    "input_ids": [7, 7],
+                    "bootstrap_room": 5,
+                    "priority": -100,
+                    "kv_hints": hints(send={"room": "5"}),
+                },
+                "prefill",
+                dict(priority=-100),
+            ),
+            (
+                "no priority",
+                {
+                    "rid": "r1",
+                    "input_ids": [7, 7],
+                    "bootstrap_room": 5,
+                    "priority": None,
+                    "kv_hints": hints(send={"room": "5"}),
+                },
+                "prefill",
+                dict(priority=0),
+            ),
+            (
+                "prefill from the snapshot, suffix-only send",
+                {
+                    "kv_hints": hints(
+                        session_id="s",
+                        input_tokens=40,
+                        load_prefix_tokens="32",
+                        load_generation="7",
+                        send={"room": "2", "from_token": "32"},
+                    )
+                },
+                "prefill",
+                dict(load_prefix=32, load_gen=7, receive_from=32),
+            ),
+            (
+                "local prefill, nothing kept",
+                {"rid": "r", "input_ids": [1, 2, 3], "kv_hints": hints(local_prefill=True)},
+                "decode",
+                dict(local=True, transfers=False, keep=False),
+            ),
+            (
+                "a new session's first turn prefilled here",
+                {
+                    "rid": "r",
+                    "input_ids": [1, 2, 3],
+                    "session_params": {"id": "s"},
+                    "kv_hints": hints(session_id="s", local_prefill=True, keep_session=True, open_session=True),
+                },
+                "decode",
+                dict(local=True, keep=True, open=True),
+            ),
         ]
         for name, body, role, want in ok:
             with self.subTest(name):
@@ -74,58 +167,180 @@ class TestParse(unittest.TestCase):
         bad = [
             ("batch", [1], "decode", "object"),
             ("no decision", {"input_ids": [1], "rid": "r", "bootstrap_room": 1}, "decode", "no kvcentric decision"),
-            ("the old kvc block", {"kvc": {"mode": "SEED", "input_tokens": 3, "session_id": "s", "room": 1}}, "decode",
-             "no kvcentric decision"),
-            ("the mode-name payload", {"kv_hints": {"protocol_version": 1, "actions": [
-                {"action_type": "kvc", "action_version": 1, "payload": {"mode": "SEED"}}]}}, "decode",
-             "action_version"),
-            ("ids out of vocab", {"input_ids": [99], "rid": "r", "kv_hints": hints(local_prefill=True)}, "decode",
-             "vocabulary"),
-            ("count differs", {"input_ids": [1, 2], "session_params": {"id": "s"},
-                               "kv_hints": hints(input_tokens=3, session_id="s", keep_session=True, receive=SEED)},
-             "decode", "differs"),
-            ("wrong role", {"kv_hints": hints(role="WORKER_ROLE_PREFILL", input_tokens=3, send={"room": "1"})},
-             "decode",
-             "PREFILL"),
-            ("no session", {"session_params": {"id": ""},
-                            "kv_hints": hints(input_tokens=3, keep_session=True, receive=SEED)},
-             "decode", "session_params missing|missing session id"),
-            ("nothing to serve from", {"kv_hints": hints(input_tokens=3, session_id="s")}, "decode",
-             "nothing to serve from"),
-            ("receive on P", {"kv_hints": hints(input_tokens=3, session_id="s", receive=SEED, send={"room": "3"})},
-             "prefill", "for a decode worker"),
+            (
+                "the old kvc block",
+                {"kvc": {"mode": "SEED", "input_tokens": 3, "session_id": "s", "room": 1}},
+                "decode",
+                "no kvcentric decision",
+            ),
+            (
+                "the mode-name payload",
+                {
+                    "kv_hints": {
+                        "protocol_version": 1,
+                        "actions": [{"action_type": "kvc", "action_version": 1, "payload": {"mode": "SEED"}}],
+                    }
+                },
+                "decode",
+                "action_version",
+            ),
+            (
+                "ids out of vocab",
+                {"input_ids": [99], "rid": "r", "kv_hints": hints(local_prefill=True)},
+                "decode",
+                "vocabulary",
+            ),
+            (
+                "count differs",
+                {
+                    "input_ids": [1, 2],
+                    "session_params": {"id": "s"},
+                    "kv_hints": hints(input_tokens=3, session_id="s", keep_session=True, receive=SEED),
+                },
+                "decode",
+                "differs",
+            ),
+            (
+                "wrong role",
+                {"kv_hints": hints(role="WORKER_ROLE_PREFILL", input_tokens=3, send={"room": "1"})},
+                "decode",
+                "PREFILL",
+            ),
+            (
+                "no session",
+                {"session_params": {"id": ""}, "kv_hints": hints(input_tokens=3, keep_session=True, receive=SEED)},
+                "decode",
+                "session_params missing|missing session id",
+            ),
+            (
+                "nothing to serve from",
+                {"kv_hints": hints(input_tokens=3, session_id="s")},
+                "decode",
+                "nothing to serve from",
+            ),
+            (
+                "receive on P",
+                {"kv_hints": hints(input_tokens=3, session_id="s", receive=SEED, send={"room": "3"})},
+                "prefill",
+                "for a decode worker",
+            ),
             ("P without a send", {"rid": "r", "input_ids": [1, 2], "kv_hints": hints()}, "prefill", "needs kvc.send"),
-            ("store seed", {"kv_hints": hints(input_tokens=3, session_id="s",
-                                              send={"room": "1", "store_generation": "2"})},
-             "prefill", "prefill store"),
-            ("snapshot longer than the prompt", {"session_params": {"id": "s"}, "kv_hints": hints(
-                input_tokens=3, session_id="s", keep_session=True, open_session=True,
-                receive={"kind": "TRANSFER_KIND_SNAPSHOT", "room": "1", "tokens": "4"})}, "decode",
-             "snapshot's length"),
-            ("capacity", {"session_params": {"id": "s"}, "kv_hints": hints(input_tokens=990, session_id="s",
-                                                                          keep_session=True, receive=SEED)},
-             "decode", "capacity"),
+            (
+                "store seed",
+                {"kv_hints": hints(input_tokens=3, session_id="s", send={"room": "1", "store_generation": "2"})},
+                "prefill",
+                "prefill store",
+            ),
+            (
+                "snapshot longer than the prompt",
+                {
+                    "session_params": {"id": "s"},
+                    "kv_hints": hints(
+                        input_tokens=3,
+                        session_id="s",
+                        keep_session=True,
+                        open_session=True,
+                        receive={"kind": "TRANSFER_KIND_SNAPSHOT", "room": "1", "tokens": "4"},
+                    ),
+                },
+                "decode",
+                "snapshot's length",
+            ),
+            (
+                "capacity",
+                {
+                    "session_params": {"id": "s"},
+                    "kv_hints": hints(input_tokens=990, session_id="s", keep_session=True, receive=SEED),
+                },
+                "decode",
+                "capacity",
+            ),
             ("mode", {"kv_hints": hints(mode="WARP")}, "decode", "unknown value"),
             ("unknown field", {"kv_hints": hints(transfer="SEED")}, "decode", "unknown field"),
-            ("payload", {"kv_hints": {"protocol_version": 1, "actions": [
-                {"action_type": "kvc", "action_version": 2, "payload": 3}]}}, "decode", "payload"),
-            ("space in id", {"session_params": {"id": "a b"}, "kv_hints": hints(input_tokens=3, session_id="a b",
-                                                                               keep_session=True, receive=SEED)},
-             "decode", "printable"),
+            (
+                "payload",
+                {
+                    "kv_hints": {
+                        "protocol_version": 1,
+                        "actions": [{"action_type": "kvc", "action_version": 2, "payload": 3}],
+                    }
+                },
+                "decode",
+                "payload",
+            ),
+            (
+                "space in id",
+                {
+                    "session_params": {"id": "a b"},
+                    "kv_hints": hints(input_tokens=3, session_id="a b", keep_session=True, receive=SEED),
+                },
+                "decode",
+                "printable",
+            ),
             ("no input", {"kv_hints": hints(local_prefill=True)}, "decode", "no input"),
-            ("priority not an integer", {"rid": "r", "input_ids": [1], "bootstrap_room": 1, "priority": "low",
-                                         "kv_hints": hints(send={"room": "1"})}, "prefill", "priority"),
-            ("priority a bool", {"rid": "r", "input_ids": [1], "bootstrap_room": 1, "priority": True,
-                                 "kv_hints": hints(send={"room": "1"})}, "prefill", "priority"),
-            ("priority beyond int64", {"rid": "r", "input_ids": [1], "bootstrap_room": 1, "priority": 1 << 63,
-                                       "kv_hints": hints(send={"room": "1"})}, "prefill", "priority"),
-            ("load of the whole prompt", {"kv_hints": hints(input_tokens=3, session_id="s", load_prefix_tokens=3,
-                                                            send={"room": "1"})}, "prefill", "load_prefix_tokens"),
-            ("load without a session", {"rid": "r", "input_ids": [1, 2], "kv_hints": hints(
-                load_prefix_tokens=1, send={"room": "1"})}, "prefill", "missing session id"),
-            ("suffix into a new session", {"session_params": {"id": "s"}, "kv_hints": hints(
-                input_tokens=9, session_id="s", keep_session=True, open_session=True,
-                receive={"kind": "TRANSFER_KIND_SEED", "room": "1", "from_token": "4"})}, "decode", "from_token"),
+            (
+                "priority not an integer",
+                {
+                    "rid": "r",
+                    "input_ids": [1],
+                    "bootstrap_room": 1,
+                    "priority": "low",
+                    "kv_hints": hints(send={"room": "1"}),
+                },
+                "prefill",
+                "priority",
+            ),
+            (
+                "priority a bool",
+                {
+                    "rid": "r",
+                    "input_ids": [1],
+                    "bootstrap_room": 1,
+                    "priority": True,
+                    "kv_hints": hints(send={"room": "1"}),
+                },
+                "prefill",
+                "priority",
+            ),
+            (
+                "priority beyond int64",
+                {
+                    "rid": "r",
+                    "input_ids": [1],
+                    "bootstrap_room": 1,
+                    "priority": 1 << 63,
+                    "kv_hints": hints(send={"room": "1"}),
+                },
+                "prefill",
+                "priority",
+            ),
+            (
+                "load of the whole prompt",
+                {"kv_hints": hints(input_tokens=3, session_id="s", load_prefix_tokens=3, send={"room": "1"})},
+                "prefill",
+                "load_prefix_tokens",
+            ),
+            (
+                "load without a session",
+                {"rid": "r", "input_ids": [1, 2], "kv_hints": hints(load_prefix_tokens=1, send={"room": "1"})},
+                "prefill",
+                "missing session id",
+            ),
+            (
+                "suffix into a new session",
+                {
+                    "session_params": {"id": "s"},
+                    "kv_hints": hints(
+                        input_tokens=9,
+                        session_id="s",
+                        keep_session=True,
+                        open_session=True,
+                        receive={"kind": "TRANSFER_KIND_SEED", "room": "1", "from_token": "4"},
+                    ),
+                },
+                "decode",
+                "from_token",
+            ),
         ]
         for name, body, role, msg in bad:
             with self.subTest(name), self.assertRaisesRegex(R.BadRequest, msg):
@@ -152,19 +367,36 @@ class TestActsOnFields(unittest.TestCase):
         from kvcentric_sglang.bridge import TRANSFER_SEED
 
         spec = M.spec_for("tiny")
-        pool = KVPool(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32, 40 * 16, 16, "cpu",
-                      name="kvc-refworker-unit-fields", use_sglang=False)
+        pool = KVPool(
+            spec.num_layers,
+            spec.num_kv_heads,
+            spec.head_dim,
+            torch.float32,
+            40 * 16,
+            16,
+            "cpu",
+            name="kvc-refworker-unit-fields",
+            use_sglang=False,
+        )
         try:
-            w = Worker(Config(role="decode", worker_id="d0", model_name="tiny", prealloc_wait_s=0, snapshot_wait_s=0),
-                       None, spec, pool, SimpleNamespace(bridge=None))
+            w = Worker(
+                Config(role="decode", worker_id="d0", model_name="tiny", prealloc_wait_s=0, snapshot_wait_s=0),
+                None,
+                spec,
+                pool,
+                SimpleNamespace(bridge=None),
+            )
             calls = []
             w._receive = lambda t, kind, tokens: calls.append(("receive", kind, tokens))
             w._first_from_received = lambda t: calls.append(("first",))
             w._append_prefill = lambda t, start, resident: calls.append(("prefill", start, resident))
 
             def begin(sid, **payload):
-                body = {"input_ids": list(range(1, 41)), "sampling_params": {"max_new_tokens": 8},
-                        "kv_hints": hints(session_id=sid, **payload)}
+                body = {
+                    "input_ids": list(range(1, 41)),
+                    "sampling_params": {"max_new_tokens": 8},
+                    "kv_hints": hints(session_id=sid, **payload),
+                }
                 if payload.get("keep_session"):
                     body["session_params"] = {"id": sid}
                 calls.clear()
@@ -183,8 +415,9 @@ class TestActsOnFields(unittest.TestCase):
             t = begin("s-local", mode="ROUTE_MODE_RESEED_SNAPSHOT", local_prefill=True)
             self.assertEqual(calls, [("prefill", 0, False)])
             self.assertIsNone(t.s)  # nothing kept
-            w.sessions["s-held"] = Session(id="s-held", pages=pool.alloc(3), kv_len=40, committed=True,
-                                           tokens=list(range(1, 41)))
+            w.sessions["s-held"] = Session(
+                id="s-held", pages=pool.alloc(3), kv_len=40, committed=True, tokens=list(range(1, 41))
+            )
             t = begin("s-held", mode="ROUTE_MODE_SEED", keep_session=True, cached_tokens=40)
             self.assertEqual(calls, [("prefill", 39, True)])  # the held session, its last token recomputed
             self.assertIs(t.s, w.sessions["s-held"])
@@ -196,8 +429,17 @@ class TestActsOnFields(unittest.TestCase):
 
 class TestPool(unittest.TestCase):
     def roundtrip(self, use_sglang):
-        pool = KVPool(layers=3, heads=2, head_dim=8, dtype=torch.float32, capacity_tokens=160, page_size=16,
-                      device="cpu", name="kvc-refworker-unit", use_sglang=use_sglang)
+        pool = KVPool(
+            layers=3,
+            heads=2,
+            head_dim=8,
+            dtype=torch.float32,
+            capacity_tokens=160,
+            page_size=16,
+            device="cpu",
+            name="kvc-refworker-unit",
+            use_sglang=use_sglang,
+        )
         try:
             self.assertEqual((pool.num_pages, pool.size, pool.rows), (10, 160, 176))
             self.assertEqual(pool.item_len, 16 * 2 * 8 * 4)
@@ -221,7 +463,7 @@ class TestPool(unittest.TestCase):
             # The bytes are where the sidecar reads them: the page's slot in the shm file.
             raw = open(pool.shm_path, "rb").read()
             off = bufs[2].shm_offset + pages[1] * pool.item_len  # layer 1 K, token 16 = page 1 slot 0
-            self.assertEqual(raw[off:off + 64], ks[1][16].numpy().tobytes())
+            self.assertEqual(raw[off : off + 64], ks[1][16].numpy().tobytes())
             with self.assertRaises(ValueError):
                 pool.locs(pages, 0, 49)
             pool.free(pages)
@@ -259,8 +501,10 @@ class TestModel(unittest.TestCase):
 
     def test_qwen3_8b_shape_config(self):
         s = M.spec_for("qwen3-8b-shape")
-        self.assertEqual((s.num_layers, s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, s.dtype),
-                         (36, 4096, 32, 8, 128, torch.bfloat16))
+        self.assertEqual(
+            (s.num_layers, s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, s.dtype),
+            (36, 4096, 32, 8, 128, torch.bfloat16),
+        )
         with self.assertRaises(ValueError):
             M.spec_for("gpt-5")
 
@@ -270,8 +514,17 @@ class TestModel(unittest.TestCase):
         prefill."""
         ids = R.scripted_tokens("x", 0, 45, self.spec.vocab_size)
         full, cache = M.forward(self.m, ids[:37], M.new_cache(self.m))
-        pool = KVPool(self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim, torch.float32, 256, 16, "cpu",
-                      name="kvc-refworker-unit2", use_sglang=False)
+        pool = KVPool(
+            self.spec.num_layers,
+            self.spec.num_kv_heads,
+            self.spec.head_dim,
+            torch.float32,
+            256,
+            16,
+            "cpu",
+            name="kvc-refworker-unit2",
+            use_sglang=False,
+        )
         try:
             pages = pool.alloc(3)
             pool.scatter(pages, 0, *zip(*[M.cache_kv(cache, l, 0, 37) for l in range(self.spec.num_layers)]))
@@ -332,16 +585,31 @@ class TestEviction(unittest.TestCase):
                 self.released.append((sid, evicted))
 
         def evict(wait):
-            pool = KVPool(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32, 30 * 16, 16, "cpu",
-                          name="kvc-refworker-unit-evict", use_sglang=False)
+            pool = KVPool(
+                spec.num_layers,
+                spec.num_kv_heads,
+                spec.head_dim,
+                torch.float32,
+                30 * 16,
+                16,
+                "cpu",
+                name="kvc-refworker-unit-evict",
+                use_sglang=False,
+            )
             try:
                 xfer = Xfer()
                 xfer.released = []
-                w = Worker(Config(role="decode", worker_id="d0", model_name="tiny", prealloc_wait_s=10,
-                                  snapshot_wait_s=wait), None, spec, pool, xfer)
+                w = Worker(
+                    Config(role="decode", worker_id="d0", model_name="tiny", prealloc_wait_s=10, snapshot_wait_s=wait),
+                    None,
+                    spec,
+                    pool,
+                    xfer,
+                )
                 for i, sid in enumerate(("old", "new")):
-                    w.sessions[sid] = Session(id=sid, pages=pool.alloc(10), kv_len=160, committed=True,
-                                              last_used=float(i))
+                    w.sessions[sid] = Session(
+                        id=sid, pages=pool.alloc(10), kv_len=160, committed=True, last_used=float(i)
+                    )
                 pages, evicted = w.allocate(15, "x")
                 self.assertEqual((len(pages), evicted), (15, 1))
                 return xfer.released
@@ -352,7 +620,6 @@ class TestEviction(unittest.TestCase):
         self.assertEqual(evict(0.0), [("old", True)])  # no wait: least recently used
         pushed["old"] = 160  # once its push is done, it is the first victim again
         self.assertEqual(evict(5.0), [("old", True)])
-
 
     def test_evicts_without_its_sidecar(self):
         """With the sidecar gone (ReleaseSession UNAVAILABLE) an eviction frees the victim's
@@ -370,11 +637,25 @@ class TestEviction(unittest.TestCase):
                 def release(self, sid, evicted):
                     raise BridgeError("ReleaseSession", code, "connection refused")
 
-            pool = KVPool(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32, 20 * 16, 16, "cpu",
-                          name="kvc-refworker-unit-nosidecar", use_sglang=False)
+            pool = KVPool(
+                spec.num_layers,
+                spec.num_kv_heads,
+                spec.head_dim,
+                torch.float32,
+                20 * 16,
+                16,
+                "cpu",
+                name="kvc-refworker-unit-nosidecar",
+                use_sglang=False,
+            )
             try:
-                w = Worker(Config(role="decode", worker_id="d0", model_name="tiny", prealloc_wait_s=0,
-                                  snapshot_wait_s=0), None, spec, pool, Xfer())
+                w = Worker(
+                    Config(role="decode", worker_id="d0", model_name="tiny", prealloc_wait_s=0, snapshot_wait_s=0),
+                    None,
+                    spec,
+                    pool,
+                    Xfer(),
+                )
                 w.sessions["a"] = Session(id="a", pages=pool.alloc(10), kv_len=160, committed=True, last_used=0.0)
                 try:
                     pages, _ = w.allocate(15, "x")
@@ -406,12 +687,26 @@ class TestEviction(unittest.TestCase):
             def report_demand(self, *d, timeout_s=None):
                 self.reports.append(d)
 
-        pool = KVPool(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32, 20 * 16, 16, "cpu",
-                      name="kvc-refworker-unit-running", use_sglang=False)
+        pool = KVPool(
+            spec.num_layers,
+            spec.num_kv_heads,
+            spec.head_dim,
+            torch.float32,
+            20 * 16,
+            16,
+            "cpu",
+            name="kvc-refworker-unit-running",
+            use_sglang=False,
+        )
         try:
             b = Bridge()
-            w = Worker(Config(role="decode", worker_id="d0", model_name="tiny", prealloc_wait_s=30,
-                              snapshot_wait_s=0), None, spec, pool, SimpleNamespace(bridge=None))
+            w = Worker(
+                Config(role="decode", worker_id="d0", model_name="tiny", prealloc_wait_s=30, snapshot_wait_s=0),
+                None,
+                spec,
+                pool,
+                SimpleNamespace(bridge=None),
+            )
             w.demand = DemandReporter(b)
             held = Session(id="a", pages=pool.alloc(20), kv_len=320, committed=True, last_used=0.0)
             held.pinned = 1  # in use: no eviction makes room
@@ -475,12 +770,26 @@ class TestCapacityRelease(unittest.TestCase):
             def release(self, sid, evicted):
                 self.released.append((sid, evicted))
 
-        pool = KVPool(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32, 30 * 16, 16, "cpu",
-                      name="kvc-refworker-unit-release", use_sglang=False)
+        pool = KVPool(
+            spec.num_layers,
+            spec.num_kv_heads,
+            spec.head_dim,
+            torch.float32,
+            30 * 16,
+            16,
+            "cpu",
+            name="kvc-refworker-unit-release",
+            use_sglang=False,
+        )
         xfer = Xfer()
         try:
-            w = Worker(Config(role="decode", worker_id="d0", model_name="tiny", prealloc_wait_s=60,
-                              snapshot_wait_s=60), None, spec, pool, xfer)
+            w = Worker(
+                Config(role="decode", worker_id="d0", model_name="tiny", prealloc_wait_s=60, snapshot_wait_s=60),
+                None,
+                spec,
+                pool,
+                xfer,
+            )
             w._append_prefill = lambda t, start, resident: None
             held = list(range(1, 161))
             for sid in ("w", "idle"):
@@ -496,10 +805,12 @@ class TestCapacityRelease(unittest.TestCase):
 
             w.allocate = allocate
             # a direct turn of w: 360 tokens + 8 out = 23 pages, 13 more than it holds, 10 free
-            body = {"input_ids": held + list(range(200, 400)), "sampling_params": {"max_new_tokens": 8},
-                    "session_params": {"id": "w"},
-                    "kv_hints": hints(session_id="w", mode="ROUTE_MODE_DIRECT_TO_D", keep_session=True,
-                                      cached_tokens=160)}
+            body = {
+                "input_ids": held + list(range(200, 400)),
+                "sampling_params": {"max_new_tokens": 8},
+                "session_params": {"id": "w"},
+                "kv_hints": hints(session_id="w", mode="ROUTE_MODE_DIRECT_TO_D", keep_session=True, cached_tokens=160),
+            }
             got = {}
 
             def turn():
@@ -676,19 +987,40 @@ class TestFirstTokenFromP(unittest.TestCase):
 
         spec = M.spec_for("tiny")
         mdl = M.build(spec, "cpu", 1)
-        pool = KVPool(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32, 40 * 16, 16, "cpu",
-                      name="kvc-refworker-unit-aux", use_sglang=False)
+        pool = KVPool(
+            spec.num_layers,
+            spec.num_kv_heads,
+            spec.head_dim,
+            torch.float32,
+            40 * 16,
+            16,
+            "cpu",
+            name="kvc-refworker-unit-aux",
+            use_sglang=False,
+        )
         try:
-            xfer = SimpleNamespace(bridge=None, commit=lambda *a: None, release=lambda *a, **k: None,
-                                   receive=lambda *a: Received(bytes=1, wall_s=0.0, first_token=77, first_logit=1.5))
-            w = Worker(Config(role="decode", worker_id="d0", model_name="tiny", prealloc_wait_s=0, snapshot_wait_s=0),
-                       mdl, spec, pool, xfer)
+            xfer = SimpleNamespace(
+                bridge=None,
+                commit=lambda *a: None,
+                release=lambda *a, **k: None,
+                receive=lambda *a: Received(bytes=1, wall_s=0.0, first_token=77, first_logit=1.5),
+            )
+            w = Worker(
+                Config(role="decode", worker_id="d0", model_name="tiny", prealloc_wait_s=0, snapshot_wait_s=0),
+                mdl,
+                spec,
+                pool,
+                xfer,
+            )
             events = []
             gather = w._cache_from_pool
             w._cache_from_pool = lambda pages, end: (events.append(("gather", end)), gather(pages, end))[1]
-            body = {"input_ids": list(range(1, 41)), "sampling_params": {"max_new_tokens": 3},
-                    "session_params": {"id": "s1"},
-                    "kv_hints": hints(session_id="s1", keep_session=True, open_session=True, receive=SEED)}
+            body = {
+                "input_ids": list(range(1, 41)),
+                "sampling_params": {"max_new_tokens": 3},
+                "session_params": {"id": "s1"},
+                "kv_hints": hints(session_id="s1", keep_session=True, open_session=True, receive=SEED),
+            }
             t = w.begin(R.parse(body, "decode", pool.size, spec.vocab_size))
             self.assertEqual(t.meta["first_token_source"], "aux")
             self.assertEqual(events, [])  # nothing computed nor gathered before the first token
@@ -704,8 +1036,18 @@ class TestFirstTokenFromP(unittest.TestCase):
 
 class TestContiguousPages(unittest.TestCase):
     def test_alloc_gather_scatter(self):
-        pool = KVPool(layers=2, heads=2, head_dim=8, dtype=torch.float32, capacity_tokens=40 * 16, page_size=16,
-                      device="cpu", name="kvc-refworker-unit-contig", use_sglang=False, seed=3)
+        pool = KVPool(
+            layers=2,
+            heads=2,
+            head_dim=8,
+            dtype=torch.float32,
+            capacity_tokens=40 * 16,
+            page_size=16,
+            device="cpu",
+            name="kvc-refworker-unit-contig",
+            use_sglang=False,
+            seed=3,
+        )
         try:
             frag = pool.alloc(6)  # the shuffled free list: not one run
             self.assertIsNone(pool.contiguous_slots(frag, 0, 96))
@@ -741,6 +1083,7 @@ class TestLimit(unittest.TestCase):
         for k in ("tail_gather_ms", "tail_forward_ms", "tail_scatter_ms"):
             self.assertGreaterEqual(r[k], 0.0)
         # one repetition: the phases add up to the tail's prefill (rounding aside)
-        self.assertAlmostEqual(r["tail_gather_ms"] + r["tail_forward_ms"] + r["tail_scatter_ms"],
-                               r["tail_prefill_ms"], delta=0.05)
+        self.assertAlmostEqual(
+            r["tail_gather_ms"] + r["tail_forward_ms"] + r["tail_scatter_ms"], r["tail_prefill_ms"], delta=0.05
+        )
         self.assertAlmostEqual(r["limit_ms"], r["tail_prefill_ms"] + r["h2d_ms"], delta=0.02)

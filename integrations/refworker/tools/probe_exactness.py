@@ -36,8 +36,10 @@ def main():
             torch.cuda.synchronize()
 
     def kv(c, end):
-        return ([M.cache_kv(c, l, 0, end)[0].clone() for l in range(spec.num_layers)],
-                [M.cache_kv(c, l, 0, end)[1].clone() for l in range(spec.num_layers)])
+        return (
+            [M.cache_kv(c, l, 0, end)[0].clone() for l in range(spec.num_layers)],
+            [M.cache_kv(c, l, 0, end)[1].clone() for l in range(spec.num_layers)],
+        )
 
     def kvdiff(a_, b_):
         return max(float((x.float() - y.float()).abs().max()) for x, y in zip(a_[0] + a_[1], b_[0] + b_[1]))
@@ -50,11 +52,22 @@ def main():
     kv1 = kv(c1, n)
     junk = torch.empty(12345, device=a.device)  # shift the allocator's state
     l2, c2 = M.forward(m, ids[:n], M.new_cache(m))
-    print("prefill twice: logits |d| %.3g, KV |d| %.3g (bitwise: %s)" % (
-        float((l1 - l2).abs().max()), kvdiff(kv1, kv(c2, n)), torch.equal(l1, l2)))
+    print(
+        "prefill twice: logits |d| %.3g, KV |d| %.3g (bitwise: %s)"
+        % (float((l1 - l2).abs().max()), kvdiff(kv1, kv(c2, n)), torch.equal(l1, l2))
+    )
     del c2, junk
-    pool = KVPool(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype, n + 4096, 16, a.device,
-                  name="kvc-probe", use_sglang=False)
+    pool = KVPool(
+        spec.num_layers,
+        spec.num_kv_heads,
+        spec.head_dim,
+        spec.dtype,
+        n + 4096,
+        16,
+        a.device,
+        name="kvc-probe",
+        use_sglang=False,
+    )
     pages = pool.alloc((n + 15) // 16)
     pool.scatter(pages, 0, *kv1)
     k, v = pool.gather(pages, 0, n)
@@ -65,32 +78,36 @@ def main():
     sync()
     print("decode step at %d: %.1f ms" % (n, (time.monotonic() - t) * 1000))
     dr, _ = M.forward(m, [ids[n]], c1)
-    print("decode from paged KV vs from the prefill's cache: |d| %.3g (bitwise: %s)" % (
-        float((dp - dr).abs().max()), torch.equal(dp, dr)))
+    print(
+        "decode from paged KV vs from the prefill's cache: |d| %.3g (bitwise: %s)"
+        % (float((dp - dr).abs().max()), torch.equal(dp, dr))
+    )
     # first token computed from [0, n-1) + the last token vs the prefill's
     k1, v1 = pool.gather(pages, 0, n - 1)
     f, _ = M.forward(m, [ids[n - 1]], M.new_cache(m, k1, v1))
-    print("first token over [0,n-1) vs prefill: |d| %.3g, argmax %d/%d" % (
-        float((f - l1).abs().max()), int(f.argmax()), int(l1.argmax())))
+    print(
+        "first token over [0,n-1) vs prefill: |d| %.3g, argmax %d/%d"
+        % (float((f - l1).abs().max()), int(f.argmax()), int(l1.argmax()))
+    )
     # append-prefill of a tail vs a full prefill
     for tail in (a.tail // 2 + 3, a.tail // 4 + 1):  # other shapes first: is the time a cold start?
         cw = M.new_cache(m, k, v)
         sync()
         t = time.monotonic()
-        M.forward(m, ids[n:n + tail], cw)
+        M.forward(m, ids[n : n + tail], cw)
         sync()
         print("append-prefill of %d on %d (shape seen first): %.1f ms" % (tail, n, (time.monotonic() - t) * 1000))
         del cw
     ca = M.new_cache(m, k, v)
     sync()
     t = time.monotonic()
-    la, ca = M.forward(m, ids[n:n + a.tail], ca)
+    la, ca = M.forward(m, ids[n : n + a.tail], ca)
     sync()
     print("append-prefill of %d on %d: %.1f ms" % (a.tail, n, (time.monotonic() - t) * 1000))
     cw = M.new_cache(m, k, v)
     sync()
     t = time.monotonic()
-    M.forward(m, ids[n:n + a.tail], cw)
+    M.forward(m, ids[n : n + a.tail], cw)
     sync()
     print("append-prefill of %d on %d again: %.1f ms" % (a.tail, n, (time.monotonic() - t) * 1000))
     del cw
@@ -99,15 +116,29 @@ def main():
     M.forward(m, ids[:n], M.new_cache(m))
     sync()
     print("prefill %d tokens again (warm): %.1f ms" % (n, (time.monotonic() - t) * 1000))
-    lf, cf = M.forward(m, ids[:n + a.tail], M.new_cache(m))
-    print("append-prefill vs full prefill: logits |d| %.3g, argmax %d/%d, tail KV |d| %.3g, logit std %.3g" % (
-        float((la - lf).abs().max()), int(la.argmax()), int(lf.argmax()),
-        max(float((M.cache_kv(ca, l, n, n + a.tail)[0].float()
-                   - M.cache_kv(cf, l, n, n + a.tail)[0].float()).abs().max())
-            for l in range(spec.num_layers)), float(lf.float().std())))
+    lf, cf = M.forward(m, ids[: n + a.tail], M.new_cache(m))
+    print(
+        "append-prefill vs full prefill: logits |d| %.3g, argmax %d/%d, tail KV |d| %.3g, logit std %.3g"
+        % (
+            float((la - lf).abs().max()),
+            int(la.argmax()),
+            int(lf.argmax()),
+            max(
+                float(
+                    (M.cache_kv(ca, l, n, n + a.tail)[0].float() - M.cache_kv(cf, l, n, n + a.tail)[0].float())
+                    .abs()
+                    .max()
+                )
+                for l in range(spec.num_layers)
+            ),
+            float(lf.float().std()),
+        )
+    )
     top = torch.topk(lf, 2).values
-    print("reference top-2 gap %.3g; KV magnitude max %.3g" % (
-        float(top[0] - top[1]), float(kv1[0][-1].float().abs().max())))
+    print(
+        "reference top-2 gap %.3g; KV magnitude max %.3g"
+        % (float(top[0] - top[1]), float(kv1[0][-1].float().abs().max()))
+    )
     # a wrong KV for scale: the first half of the pages hold another context's KV (a stale or
     # misdirected transfer), and V rolled by one position (K/V pairs torn apart)
     other = scripted_tokens("other", 0, n, spec.vocab_size)
@@ -115,9 +146,9 @@ def main():
     h = n // 2
     kw = [torch.cat([M.cache_kv(co, l, 0, h)[0], k[l][h:]]) for l in range(spec.num_layers)]
     vw = [torch.cat([M.cache_kv(co, l, 0, h)[1], v[l][h:]]) for l in range(spec.num_layers)]
-    lw, _ = M.forward(m, ids[n:n + a.tail], M.new_cache(m, kw, vw))
+    lw, _ = M.forward(m, ids[n : n + a.tail], M.new_cache(m, kw, vw))
     print("with half the KV from another context: logits |d| %.3g" % float((lw - lf).abs().max()))
-    lw, _ = M.forward(m, ids[n:n + a.tail], M.new_cache(m, k, [x.roll(1, 0) for x in v]))
+    lw, _ = M.forward(m, ids[n : n + a.tail], M.new_cache(m, k, [x.roll(1, 0) for x in v]))
     print("with V shifted by one position: logits |d| %.3g" % float((lw - lf).abs().max()))
     del co
     pool.close()

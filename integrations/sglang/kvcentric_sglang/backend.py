@@ -86,6 +86,7 @@ class KvcKVManager(BaseKVManager):
 
     def __init__(self, args: KVArgs, disaggregation_mode, server_args, is_mla_backend: Optional[bool] = False):
         from .plugin import verify_applied
+
         verify_applied()
         self.kv_args = args
         self.disaggregation_mode = disaggregation_mode
@@ -105,10 +106,15 @@ class KvcKVManager(BaseKVManager):
             if kvpool._device_of(p) is not None:
                 raise kvpool.PoolUnsupported(
                     "SGLang's metadata (aux) buffers are in GPU memory (SGLANG_MOONCAKE_CUSTOM_MEM_POOL="
-                    "INTRA_NODE_NVLINK?); kvcentric reads and writes aux rows in host memory: unset it")
-        self.registration = kvpool.from_kv_args(args, self.is_mla_backend, tp_rank=tp_rank,
-                                                tp_size=tp_size if tp_size > 1 else 0,
-                                                model=str(getattr(server_args, "served_model_name", "") or ""))
+                    "INTRA_NODE_NVLINK?); kvcentric reads and writes aux rows in host memory: unset it"
+                )
+        self.registration = kvpool.from_kv_args(
+            args,
+            self.is_mla_backend,
+            tp_rank=tp_rank,
+            tp_size=tp_size if tp_size > 1 else 0,
+            model=str(getattr(server_args, "served_model_name", "") or ""),
+        )
         path = getattr(server_args, "kvc_bridge_socket", None) or runtime.socket_path(self.role, int(args.gpu_id))
         self.bridge = runtime.bridge_for(path)
         self.kv_bytes_per_token, self.transfer_endpoint = self.registration.register(self.bridge)
@@ -117,12 +123,19 @@ class KvcKVManager(BaseKVManager):
         runtime.state.page_size = self.registration.page_size
         runtime.state.role = self.role
         from . import demand, watch
+
         watch.start_for_process(self.bridge, self.registration)
         if self.role == "decode":
             demand.start_for_process(self.bridge)
-        logger.info("kvcentric: registered %s pool with %s: %d layers, %d pages of %d tokens, %d B/token",
-                    self.role, path, self.registration.num_layers, self.registration.page_count,
-                    self.registration.page_size, self.kv_bytes_per_token)
+        logger.info(
+            "kvcentric: registered %s pool with %s: %d layers, %d pages of %d tokens, %d B/token",
+            self.role,
+            path,
+            self.registration.num_layers,
+            self.registration.page_count,
+            self.registration.page_size,
+            self.kv_bytes_per_token,
+        )
 
     def register_to_bootstrap(self):
         """Nothing to register: the gateway gives decode the prefill sidecar's peer address."""
@@ -152,8 +165,9 @@ class KvcKVManager(BaseKVManager):
 class KvcKVSender(BaseKVSender):
     """Prefill side of one room: SendKV per chunk, in order, on the room's own thread."""
 
-    def __init__(self, mgr: KvcKVManager, bootstrap_addr: str, bootstrap_room: int,
-                 req_has_disagg_prefill_dp_rank: bool = False):
+    def __init__(
+        self, mgr: KvcKVManager, bootstrap_addr: str, bootstrap_room: int, req_has_disagg_prefill_dp_rank: bool = False
+    ):
         self.kv_mgr = mgr
         self.bootstrap_addr = bootstrap_addr
         self.bootstrap_room = int(bootstrap_room) if bootstrap_room is not None else 0
@@ -244,12 +258,28 @@ class KvcKVSender(BaseKVSender):
             pages, first, last, tokens, aux = self._q.get()
             try:
                 if self.to_store:  # the store seed: every chunk names the whole prompt
-                    n = self.kv_mgr.bridge.send_kv(self.bootstrap_room, self.session_id, pages, first_page=first,
-                                                   last=last, tokens=self.tokens, timeout_s=SEND_TIMEOUT_S,
-                                                   to_store=True, generation=self.generation)
+                    n = self.kv_mgr.bridge.send_kv(
+                        self.bootstrap_room,
+                        self.session_id,
+                        pages,
+                        first_page=first,
+                        last=last,
+                        tokens=self.tokens,
+                        timeout_s=SEND_TIMEOUT_S,
+                        to_store=True,
+                        generation=self.generation,
+                    )
                 else:
-                    n = self.kv_mgr.bridge.send_kv(self.bootstrap_room, self.session_id, pages, first_page=first,
-                                                   last=last, tokens=tokens, aux=aux, timeout_s=SEND_TIMEOUT_S)
+                    n = self.kv_mgr.bridge.send_kv(
+                        self.bootstrap_room,
+                        self.session_id,
+                        pages,
+                        first_page=first,
+                        last=last,
+                        tokens=tokens,
+                        aux=aux,
+                        timeout_s=SEND_TIMEOUT_S,
+                    )
             except BridgeError as e:
                 self._fail("SendKV room %d chunk at page %d: %s" % (self.bootstrap_room, first, e))
                 return
@@ -323,8 +353,14 @@ class KvcKVReceiver(BaseKVReceiver):
             if self._state == KVPoll.Bootstrapping:
                 self._state = KVPoll.WaitingForInput
 
-    def send_metadata(self, kv_indices, aux_index: Optional[int] = None, state_indices=None,
-                      decode_prefix_len: Optional[int] = None, destination=None):
+    def send_metadata(
+        self,
+        kv_indices,
+        aux_index: Optional[int] = None,
+        state_indices=None,
+        decode_prefix_len: Optional[int] = None,
+        destination=None,
+    ):
         if self.poll() == KVPoll.Failed:
             return
         if state_indices is not None and any(s is not None for s in state_indices):
@@ -351,8 +387,9 @@ class KvcKVReceiver(BaseKVReceiver):
             self._state = KVPoll.Transferring
         # PrepareReceive makes the decode sidecar offer the pages to the prefill sidecar (a
         # network round trip, up to 10 s when P is unreachable): never on the scheduler thread.
-        threading.Thread(target=self._wait, args=(pages, tokens), name="kvc-recv-%d" % self.bootstrap_room,
-                         daemon=True).start()
+        threading.Thread(
+            target=self._wait, args=(pages, tokens), name="kvc-recv-%d" % self.bootstrap_room, daemon=True
+        ).start()
 
     def _pages_with_prefix(self, prefix: int, ps: int) -> Optional[List[int]]:
         """The room's pages covering [0, tokens) when this worker already holds [0, prefix) of
@@ -370,14 +407,18 @@ class KvcKVReceiver(BaseKVReceiver):
         Returns None after failing the room."""
         rf = self.receive_from // ps * ps
         if rf > prefix:
-            self._fail("room %d: the control plane says this worker keeps %d tokens of session %s (receive_from) "
-                       "but it holds %d of them (its decode prefix); run the P/D decode worker with "
-                       "--enable-streaming-session --disaggregation-decode-enable-radix-cache so the session's KV "
-                       "is kept, or the gateway reseeds" % (self.bootstrap_room, rf, self.session_id, prefix))
+            self._fail(
+                "room %d: the control plane says this worker keeps %d tokens of session %s (receive_from) "
+                "but it holds %d of them (its decode prefix); run the P/D decode worker with "
+                "--enable-streaming-session --disaggregation-decode-enable-radix-cache so the session's KV "
+                "is kept, or the gateway reseeds" % (self.bootstrap_room, rf, self.session_id, prefix)
+            )
             return None
         if self.req is None or self.req_to_token is None or getattr(self.req, "kv", None) is None:
-            self._fail("room %d: a decode prefix of %d tokens without the request's req_to_token row" %
-                       (self.bootstrap_room, prefix))
+            self._fail(
+                "room %d: a decode prefix of %d tokens without the request's req_to_token row"
+                % (self.bootstrap_room, prefix)
+            )
             return None
         tokens = self.tokens
         if not 0 < tokens or prefix >= tokens:
@@ -386,12 +427,13 @@ class KvcKVReceiver(BaseKVReceiver):
         row = self.req_to_token[self.req.kv.req_pool_idx, :tokens]
         pages = [int(x) // ps for x in row[::ps].tolist()]
         held = prefix // ps  # whole pages of [0, prefix); a partial last one is the session's own tail
-        return pages[:rf // ps] + [0] * (held - rf // ps) + pages[held:]
+        return pages[: rf // ps] + [0] * (held - rf // ps) + pages[held:]
 
     def _wait(self, pages, tokens):
         try:
-            self.kv_mgr.bridge.prepare_receive(self.bootstrap_room, self.session_id, self.kind, pages, tokens,
-                                               self.bootstrap_addr)
+            self.kv_mgr.bridge.prepare_receive(
+                self.bootstrap_room, self.session_id, self.kind, pages, tokens, self.bootstrap_addr
+            )
         except BridgeError as e:
             self._fail("PrepareReceive room %d: %s" % (self.bootstrap_room, e))
             return

@@ -164,9 +164,19 @@ class WorkerBridge:
             raise BridgeError(method, e.code(), e.details()) from None
         return wire.parse(raw)
 
-    def register_kv_pool(self, page_size: int, item_len: int, page_count: int, num_layers: int,
-                         buffers: Sequence[KVBuffer], model: str = "", layout: int = 0, tp_rank: int = 0,
-                         tp_size: int = 0, aux_item_lens: Sequence[int] = ()):
+    def register_kv_pool(
+        self,
+        page_size: int,
+        item_len: int,
+        page_count: int,
+        num_layers: int,
+        buffers: Sequence[KVBuffer],
+        model: str = "",
+        layout: int = 0,
+        tp_rank: int = 0,
+        tp_size: int = 0,
+        aux_item_lens: Sequence[int] = (),
+    ):
         """Hands the pool to the sidecar. layout is POOL_LAYOUT_MHA (K0, V0, K1, V1, ...) or
         POOL_LAYOUT_MLA (one KV_KIND_COMBINED buffer per layer); tp_rank/tp_size name this rank;
         aux_item_lens are the bytes of one row of each aux (metadata) buffer.
@@ -178,8 +188,9 @@ class WorkerBridge:
         r = self._call("RegisterKVPool", w.done())
         return wire.as_int64(r.get(1)), wire.as_str(r.get(2))
 
-    def commit_session(self, session_id: str, committed_len: int, pages: Iterable[int],
-                       token_ids: Iterable[int] = ()) -> bool:
+    def commit_session(
+        self, session_id: str, committed_len: int, pages: Iterable[int], token_ids: Iterable[int] = ()
+    ) -> bool:
         """pages cover tokens [0, committed_len) in order; token_ids, when given, are the ids of
         [0, committed_len) (exactly committed_len of them, each in [0, 2^31)): the sidecar pushes
         them with the snapshot, so a load of it elsewhere rebuilds the request from them.
@@ -193,11 +204,19 @@ class WorkerBridge:
         w = wire.Writer().str(1, session_id).int(2, RELEASE_EVICTED if evicted else RELEASE_RELEASED)
         return bool(self._call("ReleaseSession", w.done()).get(1))
 
-    def prepare_receive(self, room: int, session_id: str, kind: int, pages: Sequence[int], tokens: int,
-                        source_peer_addr: str) -> None:
+    def prepare_receive(
+        self, room: int, session_id: str, kind: int, pages: Sequence[int], tokens: int, source_peer_addr: str
+    ) -> None:
         """Decode side: these pages (covering [0, tokens)) receive the transfer of room."""
-        w = (wire.Writer().int(1, room).str(2, session_id).int(3, kind).packed(4, pages)
-             .int(5, tokens).str(6, source_peer_addr))
+        w = (
+            wire.Writer()
+            .int(1, room)
+            .str(2, session_id)
+            .int(3, kind)
+            .packed(4, pages)
+            .int(5, tokens)
+            .str(6, source_peer_addr)
+        )
         self._call("PrepareReceive", w.done())
 
     def wait_receive(self, room: int, timeout_s: float = 60.0) -> TransferResult:
@@ -210,13 +229,28 @@ class WorkerBridge:
             raise BridgeError("WaitReceive", e.code(), e.details()) from None
         a = wire.parse_all(raw)
         r = {k: v[-1] for k, v in a.items()}
-        return TransferResult(ok=bool(r.get(1)), bytes=wire.as_int64(r.get(2)), tokens=wire.as_int64(r.get(3)),
-                              error=wire.as_str(r.get(4)), duration_us=wire.as_int64(r.get(5)),
-                              aux=[bytes(x) for x in a.get(6, [])])
+        return TransferResult(
+            ok=bool(r.get(1)),
+            bytes=wire.as_int64(r.get(2)),
+            tokens=wire.as_int64(r.get(3)),
+            error=wire.as_str(r.get(4)),
+            duration_us=wire.as_int64(r.get(5)),
+            aux=[bytes(x) for x in a.get(6, [])],
+        )
 
-    def send_kv(self, room: int, session_id: str, pages: Sequence[int], first_page: int = 0,
-                last: bool = False, tokens: int = 0, aux: Sequence[bytes] = (), timeout_s: Optional[float] = None,
-                to_store: bool = False, generation: int = 0) -> int:
+    def send_kv(
+        self,
+        room: int,
+        session_id: str,
+        pages: Sequence[int],
+        first_page: int = 0,
+        last: bool = False,
+        tokens: int = 0,
+        aux: Sequence[bytes] = (),
+        timeout_s: Optional[float] = None,
+        to_store: bool = False,
+        generation: int = 0,
+    ) -> int:
         """Prefill side: send these pages (chunk starting at first_page of the transfer) to the
         decode side of room; with last, tokens is the transfer's total and aux the request's aux
         rows (one per aux buffer), which reach the receiver's WaitReceive. Blocks until the
@@ -225,12 +259,23 @@ class WorkerBridge:
         With to_store the chunk goes into the prefill sidecar's own snapshot store instead, as the
         session's snapshot of generation (> 0): the SEED of a colocated decode worker, which loads
         it through the KvcLinker. tokens (the whole transfer's) is then needed on every chunk."""
-        w = (wire.Writer().int(1, room).str(2, session_id).packed(3, pages).int(4, first_page)
-             .bool(5, last).int(6, tokens).rbytes(7, aux).bool(8, to_store).int(9, generation))
+        w = (
+            wire.Writer()
+            .int(1, room)
+            .str(2, session_id)
+            .packed(3, pages)
+            .int(4, first_page)
+            .bool(5, last)
+            .int(6, tokens)
+            .rbytes(7, aux)
+            .bool(8, to_store)
+            .int(9, generation)
+        )
         return wire.as_int64(self._call("SendKV", w.done(), timeout=timeout_s).get(1))
 
-    def load_from_store(self, session_id: str, generation: int, tokens: int, pages: Sequence[int],
-                        timeout_s: Optional[float] = None) -> "StoreLoad":
+    def load_from_store(
+        self, session_id: str, generation: int, tokens: int, pages: Sequence[int], timeout_s: Optional[float] = None
+    ) -> "StoreLoad":
         """Prefill side (prefill from the snapshot): the sidecar copies tokens [0, tokens) of the
         session's snapshot of generation (0 = any) from its own store into these pages of the
         worker's pool (covering [0, tokens) in order), holding the entry while it reads. A
@@ -238,14 +283,24 @@ class WorkerBridge:
         snapshot, another generation, fewer tokens): prefill the whole context instead."""
         w = wire.Writer().str(1, session_id).int(2, generation).int(3, tokens).packed(4, pages)
         r = self._call("LoadFromStore", w.done(), timeout=timeout_s)
-        return StoreLoad(bytes=wire.as_int64(r.get(1)), tokens=wire.as_int64(r.get(2)), generation=r.get(3) or 0,
-                         seqlen=wire.as_int64(r.get(4)), duration_us=wire.as_int64(r.get(5)))
+        return StoreLoad(
+            bytes=wire.as_int64(r.get(1)),
+            tokens=wire.as_int64(r.get(2)),
+            generation=r.get(3) or 0,
+            seqlen=wire.as_int64(r.get(4)),
+            duration_us=wire.as_int64(r.get(5)),
+        )
 
     def snapshot_status(self, session_id: str) -> SnapshotStatus:
         r = self._call("SnapshotStatus", wire.Writer().str(1, session_id).done())
-        return SnapshotStatus(exists=bool(r.get(1)), seqlen=wire.as_int64(r.get(2)), generation=r.get(3) or 0,
-                              freshness_s=wire.as_double(r.get(4)), prefill_worker=wire.as_str(r.get(5)),
-                              last_pushed_len=wire.as_int64(r.get(6)))
+        return SnapshotStatus(
+            exists=bool(r.get(1)),
+            seqlen=wire.as_int64(r.get(2)),
+            generation=r.get(3) or 0,
+            freshness_s=wire.as_double(r.get(4)),
+            prefill_worker=wire.as_str(r.get(5)),
+            last_pushed_len=wire.as_int64(r.get(6)),
+        )
 
     def watch_commands(self, worker_instance: str) -> CommandStream:
         """Opens the worker's standing WatchCommands stream (no deadline): the attach status
@@ -253,15 +308,27 @@ class WorkerBridge:
         fn = self._ch.unary_stream(_SERVICE + "WatchCommands", request_serializer=None, response_deserializer=None)
         return CommandStream(fn(wire.Writer().str(1, worker_instance).done()))
 
-    def report_demand(self, waiting_requests: int, waiting_tokens: int, free_tokens: int,
-                      unevictable_tokens: int = 0, running_requests: int = 0,
-                      timeout_s: Optional[float] = None) -> None:
+    def report_demand(
+        self,
+        waiting_requests: int,
+        waiting_tokens: int,
+        free_tokens: int,
+        unevictable_tokens: int = 0,
+        running_requests: int = 0,
+        timeout_s: Optional[float] = None,
+    ) -> None:
         """Decode side: requests waiting for pages (and the tokens they need in all) against the
         tokens the pool can give without releasing a session, the committed KV of the sessions
         its requests are using (unevictable) and how many requests hold their pages (running,
         pre-allocated or receiving). Sent on every change, 0 waiting when the queue drained."""
-        w = (wire.Writer().int(1, waiting_requests).int(2, waiting_tokens).int(3, free_tokens)
-             .int(4, unevictable_tokens).int(5, running_requests))
+        w = (
+            wire.Writer()
+            .int(1, waiting_requests)
+            .int(2, waiting_tokens)
+            .int(3, free_tokens)
+            .int(4, unevictable_tokens)
+            .int(5, running_requests)
+        )
         self._call("ReportDemand", w.done(), timeout=timeout_s)
 
     def ack_command(self, command_id: int, ok: bool, error: str = "", freed_tokens: int = 0) -> None:

@@ -157,8 +157,13 @@ def report(reqs: Iterable, page: int, allocator, tree_cache, in_use: Iterable = 
     if r is None or runtime.state.role != "decode":
         return None
     reqs, in_use = list(reqs), list(in_use)
-    d = (len(reqs), sum(need_of(x, page) for x in reqs), free_of(allocator, tree_cache),
-         sum(pinned_of(x) for x in in_use), len(in_use))
+    d = (
+        len(reqs),
+        sum(need_of(x, page) for x in reqs),
+        free_of(allocator, tree_cache),
+        sum(pinned_of(x) for x in in_use),
+        len(in_use),
+    )
     r.observe(*d)
     return d
 
@@ -221,8 +226,11 @@ def _running(scheduler) -> List:
     chunked prefill."""
     if scheduler is None:
         return []
-    return (_batch_reqs(getattr(scheduler, "running_batch", None)) + _batch_reqs(getattr(scheduler, "last_batch", None))
-            + [getattr(scheduler, "chunked_req", None)])
+    return (
+        _batch_reqs(getattr(scheduler, "running_batch", None))
+        + _batch_reqs(getattr(scheduler, "last_batch", None))
+        + [getattr(scheduler, "chunked_req", None)]
+    )
 
 
 def prealloc_view(queue, popped: Iterable = ()) -> View:
@@ -254,9 +262,13 @@ def after_prefill_schedule(result, scheduler, *args, **kwargs):
     """AFTER Scheduler.get_new_batch_prefill: what is left in the waiting queue waits for room."""
     try:
         v = scheduler_view(scheduler, result)
-        report(v.waiting, int(getattr(scheduler, "page_size", 1) or 1),
-               getattr(scheduler, "token_to_kv_pool_allocator", None), getattr(scheduler, "tree_cache", None),
-               v.in_use)
+        report(
+            v.waiting,
+            int(getattr(scheduler, "page_size", 1) or 1),
+            getattr(scheduler, "token_to_kv_pool_allocator", None),
+            getattr(scheduler, "tree_cache", None),
+            v.in_use,
+        )
     except Exception:  # never the scheduler's failure
         logger.exception("kvcentric: demand report")
     return result

@@ -88,6 +88,7 @@ class KvcLinker(UnifiedCacheLinker):
 
     def __init__(self, server_args, params, *, components=None, extra_config=None, forward_stream=None):
         from .plugin import verify_applied
+
         verify_applied()
         extra_config = dict(extra_config or {})
         self.server_args = server_args
@@ -179,8 +180,12 @@ class KvcLinker(UnifiedCacheLinker):
         except BridgeError as e:
             # NOT_FOUND / FAILED_PRECONDITION (SNAPSHOT_CHANGED, BASE_MISMATCH) / a failed copy:
             # the store cannot serve it, SGLang computes the whole prompt
-            logger.info("kvcentric linker: %s: snapshot prefix of %s not loaded (%s); prefilling the whole prompt",
-                        rid, hint.session_id, e)
+            logger.info(
+                "kvcentric linker: %s: snapshot prefix of %s not loaded (%s); prefilling the whole prompt",
+                rid,
+                hint.session_id,
+                e,
+            )
             self.store_load_misses += 1
             return False
         self.store_loads += 1
@@ -189,8 +194,14 @@ class KvcLinker(UnifiedCacheLinker):
             self.store_loaded[rid] = tokens
             while len(self.store_loaded) > MAX_HINTS:
                 self.store_loaded.popitem(last=False)
-        logger.debug("kvcentric linker: %s: loaded %d tokens of %s (generation %d, %d B) from the store", rid,
-                     tokens, hint.session_id, r.generation, r.bytes)
+        logger.debug(
+            "kvcentric linker: %s: loaded %d tokens of %s (generation %d, %d B) from the store",
+            rid,
+            tokens,
+            hint.session_id,
+            r.generation,
+            r.bytes,
+        )
         return True
 
     # -- layer-wise loading ----------------------------------------------------------------------
@@ -227,8 +238,10 @@ class KvcLinker(UnifiedCacheLinker):
                 self.layer_done_counter.fail(index, RuntimeError("WaitReceive room %d: %s" % (ld.hint.receive.room, e)))
                 return
             if not ld.result.ok:
-                self.layer_done_counter.fail(index, RuntimeError("snapshot transfer of room %d failed: %s" %
-                                                                 (ld.hint.receive.room, ld.result.error)))
+                self.layer_done_counter.fail(
+                    index,
+                    RuntimeError("snapshot transfer of room %d failed: %s" % (ld.hint.receive.room, ld.result.error)),
+                )
                 return
         self.loads_done += len(loads)
         for layer in range(self.layer_done_counter.num_layers):
@@ -278,6 +291,7 @@ def first_page_key(req, page: int) -> "_Key":
 
 def _first_page_hash(tokens, page: int) -> str:
     from sglang.srt.mem_cache.utils import get_storage_hash_str
+
     return get_storage_hash_str(tokens, None, page_size=page)[0]
 
 
@@ -291,6 +305,7 @@ def _is_prefill(server_args, extra_config) -> bool:
     if mode is None:
         try:
             from sglang.srt.runtime_context import get_disagg
+
             mode = get_disagg().disaggregation_mode
         except Exception:
             mode = None
@@ -304,6 +319,7 @@ def _rank_and_gpu(server_args, extra_config):
     if tp_rank is None:
         try:
             from sglang.srt.runtime_context import get_parallel
+
             tp_rank = int(get_parallel().tp_rank)
         except Exception:
             tp_rank = 0
@@ -311,6 +327,7 @@ def _rank_and_gpu(server_args, extra_config):
     if gpu is None:
         try:
             import torch
+
             gpu = torch.cuda.current_device() if torch.cuda.is_available() else None
         except Exception:
             gpu = None
@@ -322,6 +339,7 @@ def _rank_and_gpu(server_args, extra_config):
 def _register_colocated(server_args, kv_pool, extra_config):
     """A colocated decode worker has no P/D KV manager: the linker registers the pool."""
     from . import pool as kvpool
+
     tp = int(getattr(server_args, "tp_size", 1) or 1)
     tp_rank, gpu = _rank_and_gpu(server_args, extra_config)
     path = extra_config.get("bridge_socket") or runtime.socket_path("decode", gpu)
@@ -331,6 +349,7 @@ def _register_colocated(server_args, kv_pool, extra_config):
     runtime.state.bridge, runtime.state.registration = bridge, reg
     runtime.state.page_size, runtime.state.role = reg.page_size, "decode"
     from . import demand, watch
+
     watch.start_for_process(bridge, reg)
     demand.start_for_process(bridge)
     return bridge

@@ -24,8 +24,19 @@ try:  # pragma: no cover - depends on the environment
 except ImportError:  # pragma: no cover
     _xxhash = None
 
-__all__ = ["VERSION", "xxh64", "root", "next_hash", "chain", "append_chain", "extend",
-           "prefix_hash", "common_pages", "is_prefix", "backend"]
+__all__ = [
+    "VERSION",
+    "xxh64",
+    "root",
+    "next_hash",
+    "chain",
+    "append_chain",
+    "extend",
+    "prefix_hash",
+    "common_pages",
+    "is_prefix",
+    "backend",
+]
 
 VERSION = 1
 _M = (1 << 64) - 1
@@ -126,7 +137,7 @@ def append_chain(prev: int, ids: Sequence[int], page_size: int) -> List[int]:
     out = []
     ids = list(ids)
     for start in range(0, len(ids) - page_size + 1, page_size):
-        prev = next_hash(prev, ids[start:start + page_size])
+        prev = next_hash(prev, ids[start : start + page_size])
         out.append(prev)
     return out
 
@@ -141,7 +152,7 @@ def extend(prev: int, ids: Sequence[int], page_size: int) -> int:
     _check_page_size(page_size)
     ids = list(ids)
     for start in range(0, len(ids), page_size):
-        prev = next_hash(prev, ids[start:start + page_size])
+        prev = next_hash(prev, ids[start : start + page_size])
     return prev
 
 

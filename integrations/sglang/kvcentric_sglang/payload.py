@@ -25,8 +25,14 @@ ACTION_VERSION = 2
 
 # Enums as in the image: name -> number.
 ENUMS: Dict[str, Dict[str, int]] = {
-    "RouteMode": {"ROUTE_MODE_UNSPECIFIED": 0, "ROUTE_MODE_DIRECT_TO_D": 1, "ROUTE_MODE_SEED": 2,
-                  "ROUTE_MODE_RESEED_SNAPSHOT": 3, "ROUTE_MODE_RESEED_PREFILL": 4, "ROUTE_MODE_PD_FALLBACK": 5},
+    "RouteMode": {
+        "ROUTE_MODE_UNSPECIFIED": 0,
+        "ROUTE_MODE_DIRECT_TO_D": 1,
+        "ROUTE_MODE_SEED": 2,
+        "ROUTE_MODE_RESEED_SNAPSHOT": 3,
+        "ROUTE_MODE_RESEED_PREFILL": 4,
+        "ROUTE_MODE_PD_FALLBACK": 5,
+    },
     "WorkerRole": {"WORKER_ROLE_UNSPECIFIED": 0, "WORKER_ROLE_PREFILL": 1, "WORKER_ROLE_DECODE": 2},
     "TransferKind": {"TRANSFER_KIND_UNSPECIFIED": 0, "TRANSFER_KIND_SEED": 1, "TRANSFER_KIND_SNAPSHOT": 2},
 }
@@ -38,19 +44,34 @@ ROLE_PREFILL, ROLE_DECODE = 1, 2
 # "message:<Message>", "repeated string".
 FIELDS: Dict[str, List[Tuple[str, int, str]]] = {
     "ExecutionPayload": [
-        ("decision_id", 1, "string"), ("mode", 2, "enum:RouteMode"), ("role", 3, "enum:WorkerRole"),
-        ("session_id", 4, "string"), ("input_tokens", 5, "int64"), ("cached_tokens", 6, "int64"),
-        ("keep_session", 7, "bool"), ("open_session", 8, "bool"),
-        ("receive", 9, "message:ExecutionReceive"), ("send", 10, "message:ExecutionSend"),
-        ("truncate_to", 11, "int64"), ("local_prefill", 12, "bool"),
-        ("load_prefix_tokens", 13, "int64"), ("load_generation", 14, "uint64"), ("load", 15, "bool"),
+        ("decision_id", 1, "string"),
+        ("mode", 2, "enum:RouteMode"),
+        ("role", 3, "enum:WorkerRole"),
+        ("session_id", 4, "string"),
+        ("input_tokens", 5, "int64"),
+        ("cached_tokens", 6, "int64"),
+        ("keep_session", 7, "bool"),
+        ("open_session", 8, "bool"),
+        ("receive", 9, "message:ExecutionReceive"),
+        ("send", 10, "message:ExecutionSend"),
+        ("truncate_to", 11, "int64"),
+        ("local_prefill", 12, "bool"),
+        ("load_prefix_tokens", 13, "int64"),
+        ("load_generation", 14, "uint64"),
+        ("load", 15, "bool"),
     ],
     "ExecutionReceive": [
-        ("kind", 1, "enum:TransferKind"), ("room", 2, "int64"), ("peer_addr", 3, "string"),
-        ("peer_addrs", 4, "repeated string"), ("tokens", 5, "int64"), ("from_token", 6, "int64"),
+        ("kind", 1, "enum:TransferKind"),
+        ("room", 2, "int64"),
+        ("peer_addr", 3, "string"),
+        ("peer_addrs", 4, "repeated string"),
+        ("tokens", 5, "int64"),
+        ("from_token", 6, "int64"),
     ],
     "ExecutionSend": [
-        ("room", 1, "int64"), ("from_token", 2, "int64"), ("store_generation", 3, "uint64"),
+        ("room", 1, "int64"),
+        ("from_token", 2, "int64"),
+        ("store_generation", 3, "uint64"),
     ],
 }
 
@@ -145,7 +166,7 @@ def _scalar(kind: str, v: Any, where: str):
             raise PayloadError("%s %d is out of the %s range" % (where, v, kind))
         return v
     if kind.startswith("enum:"):
-        names = ENUMS[kind[len("enum:"):]]
+        names = ENUMS[kind[len("enum:") :]]
         if isinstance(v, str):
             if v not in names:
                 raise PayloadError("%s: unknown value %r (want one of %s)" % (where, v, ", ".join(names)))
@@ -176,11 +197,11 @@ def _decode(msg: str, obj: Any, where: str):
         if v is None:
             continue  # null is the field's default
         if kind.startswith("message:"):
-            setattr(out, name, _decode(kind[len("message:"):], v, w))
+            setattr(out, name, _decode(kind[len("message:") :], v, w))
         elif kind.startswith("repeated "):
             if not isinstance(v, list):
                 raise PayloadError("%s must be a list" % w)
-            setattr(out, name, [_scalar(kind[len("repeated "):], x, "%s[%d]" % (w, i)) for i, x in enumerate(v)])
+            setattr(out, name, [_scalar(kind[len("repeated ") :], x, "%s[%d]" % (w, i)) for i, x in enumerate(v)])
         else:
             setattr(out, name, _scalar(kind, v, w))
     return out
@@ -206,7 +227,7 @@ def to_json(p) -> Dict[str, Any]:
         elif kind in _INT_RANGE:
             out[name] = str(int(v))
         elif kind.startswith("enum:"):
-            out[name] = enum_name(kind[len("enum:"):], v)
+            out[name] = enum_name(kind[len("enum:") :], v)
         elif kind.startswith("repeated "):
             out[name] = list(v)
         else:
@@ -246,8 +267,10 @@ def from_envelope(kv_hints: Any) -> Optional[ExecutionPayload]:
         except (TypeError, ValueError):
             av = None
         if av != ACTION_VERSION:
-            raise PayloadError("kv_hints.actions[%d]: kvc action_version %r is not supported (want %d)"
-                               % (i, _get(a, "action_version"), ACTION_VERSION))
+            raise PayloadError(
+                "kv_hints.actions[%d]: kvc action_version %r is not supported (want %d)"
+                % (i, _get(a, "action_version"), ACTION_VERSION)
+            )
         if out is not None:
             raise PayloadError("kv_hints carries more than one kvc action")
         out = _decode("ExecutionPayload", _get(a, "payload", None), "kv_hints.actions[%d].payload" % i)
@@ -257,9 +280,18 @@ def from_envelope(kv_hints: Any) -> Optional[ExecutionPayload]:
 def envelope(p: ExecutionPayload, message_id: str = "m") -> Dict[str, Any]:
     """A kv_hints envelope (dict form) carrying p as its one kvc action."""
     role = {ROLE_PREFILL: "prefill", ROLE_DECODE: "decode"}.get(p.role, "")
-    return {"protocol_version": PROTOCOL_VERSION, "message_id": message_id, "actions": [
-        {"action_id": "%s/%s" % (message_id, role), "action_type": ACTION_TYPE, "action_version": ACTION_VERSION,
-         "payload": to_json(p)}]}
+    return {
+        "protocol_version": PROTOCOL_VERSION,
+        "message_id": message_id,
+        "actions": [
+            {
+                "action_id": "%s/%s" % (message_id, role),
+                "action_type": ACTION_TYPE,
+                "action_version": ACTION_VERSION,
+                "payload": to_json(p),
+            }
+        ],
+    }
 
 
 def peer_for(receive: Optional[ExecutionReceive], tp_rank: int, tp_size: int) -> str:
@@ -273,11 +305,13 @@ def peer_for(receive: Optional[ExecutionReceive], tp_rank: int, tp_size: int) ->
         return receive.peer_addr
     n = max(int(tp_size or 0), 1)
     if len(receive.peer_addrs) != n or not 0 <= int(tp_rank) < n:
-        raise ValueError("kv_hints receive.peer_addrs has %d ranks; this worker is rank %d of tp_size %d "
-                         "(prefill and decode pair only with equal tensor parallelism)"
-                         % (len(receive.peer_addrs), int(tp_rank), n))
+        raise ValueError(
+            "kv_hints receive.peer_addrs has %d ranks; this worker is rank %d of tp_size %d "
+            "(prefill and decode pair only with equal tensor parallelism)" % (len(receive.peer_addrs), int(tp_rank), n)
+        )
     return receive.peer_addrs[int(tp_rank)]
 
 
-assert all(f.name == n for cls, spec in ((_CLASSES[m], FIELDS[m]) for m in FIELDS)
-           for f, (n, _, _) in zip(fields(cls), spec)), "payload.py: the dataclasses and FIELDS differ"
+assert all(
+    f.name == n for cls, spec in ((_CLASSES[m], FIELDS[m]) for m in FIELDS) for f, (n, _, _) in zip(fields(cls), spec)
+), "payload.py: the dataclasses and FIELDS differ"

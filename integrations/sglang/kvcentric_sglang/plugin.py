@@ -65,6 +65,7 @@ class HookTargetMissing(RuntimeError):
 def sglang_version() -> str:
     try:
         from importlib.metadata import version
+
         return version("sglang")
     except Exception:  # pragma: no cover
         return "unknown"
@@ -81,8 +82,9 @@ def verify_hooks(targets=None) -> None:
             missing.append("%s (%s): %s" % (target, why, e))
     if missing:
         raise HookTargetMissing(
-            "kvcentric-sglang: %d hook target(s) missing in SGLang %s (checked against %s): %s" %
-            (len(missing), sglang_version(), SGLANG_VERSION_CHECKED, "; ".join(missing)))
+            "kvcentric-sglang: %d hook target(s) missing in SGLang %s (checked against %s): %s"
+            % (len(missing), sglang_version(), SGLANG_VERSION_CHECKED, "; ".join(missing))
+        )
 
 
 # ---- the transfer backend ------------------------------------------------------------------------
@@ -106,9 +108,11 @@ def add_enum_member(enum_cls, name: str, value: str):
 
 def get_kv_class_around(original, transfer_backend, class_type):
     from sglang.srt.disaggregation.utils import KVClassType
+
     if getattr(transfer_backend, "value", transfer_backend) != BACKEND_NAME:
         return original(transfer_backend, class_type)
     from . import backend
+
     return {
         KVClassType.KVARGS: _kvargs(),
         KVClassType.MANAGER: backend.KvcKVManager,
@@ -120,12 +124,14 @@ def get_kv_class_around(original, transfer_backend, class_type):
 
 def _kvargs():
     from sglang.srt.disaggregation.base import KVArgs
+
     return KVArgs
 
 
 def _carry(obj, req):
     """Session id, transfer kind and token count of req onto a Kvc sender / receiver."""
     from . import backend
+
     if not isinstance(obj, (backend.KvcKVSender, backend.KvcKVReceiver)):
         return
     try:
@@ -135,8 +141,10 @@ def _carry(obj, req):
         return
     obj.session_id = runtime.session_id_of_req(req) or ("room-%d" % obj.bootstrap_room)
     if isinstance(obj, backend.KvcKVReceiver) and hint is not None and hint.receive_kind == TRANSFER_SNAPSHOT:
-        obj.refuse("a snapshot receive needs a colocated decode worker (a P/D decode worker gets no first token "
-                   "from a snapshot): route it to one, docs/routing.md section 12")
+        obj.refuse(
+            "a snapshot receive needs a colocated decode worker (a P/D decode worker gets no first token "
+            "from a snapshot): route it to one, docs/routing.md section 12"
+        )
         return
     send = hint.send if hint is not None else None
     if isinstance(obj, backend.KvcKVSender) and send is not None and send.store_generation:
@@ -194,6 +202,7 @@ def create_generation_req_around(original, scheduler, recv_req, *args, **kwargs)
         req.kv_hints = hints
     if hints is not None:
         from . import linker
+
         try:
             hint = runtime.parse_hint(hints)
         except ValueError as e:  # refuse this request, never the scheduler
@@ -233,21 +242,24 @@ def install() -> None:
     reg = HookRegistry.register
     reg(_P + "disaggregation.utils.get_kv_class", get_kv_class_around, HookType.AROUND)
     reg(_P + "disaggregation.prefill.PrefillBootstrapQueue.create_sender", create_sender_after, HookType.AFTER)
-    reg(_P + "disaggregation.decode.DecodePreallocQueue._create_receiver_and_enqueue", create_receiver_after,
-        HookType.AFTER)
-    reg(_P + "session.streaming_session.StreamingSession.try_cache_finished_req", sessions.commit_after,
-        HookType.AFTER)
-    reg(_P + "session.streaming_session.StreamingSession.release_session", sessions.release_around,
-        HookType.AROUND)
+    reg(
+        _P + "disaggregation.decode.DecodePreallocQueue._create_receiver_and_enqueue",
+        create_receiver_after,
+        HookType.AFTER,
+    )
+    reg(_P + "session.streaming_session.StreamingSession.try_cache_finished_req", sessions.commit_after, HookType.AFTER)
+    reg(_P + "session.streaming_session.StreamingSession.release_session", sessions.release_around, HookType.AROUND)
     reg(_P + "session.session_controller.Session.create_req", sessions.continuity_around, HookType.AROUND)
     reg(_P + "managers.scheduler.Scheduler._create_generation_req", create_generation_req_around, HookType.AROUND)
     reg(_P + "managers.scheduler.Scheduler.process_input_requests", process_input_requests_after, HookType.AFTER)
     reg(_P + "managers.scheduler.Scheduler.get_new_batch_prefill", demand.after_prefill_schedule, HookType.AFTER)
-    reg(_P + "disaggregation.decode.DecodePreallocQueue.pop_preallocated", demand.after_pop_preallocated,
-        HookType.AFTER)
+    reg(
+        _P + "disaggregation.decode.DecodePreallocQueue.pop_preallocated", demand.after_pop_preallocated, HookType.AFTER
+    )
     _installed = True
-    logger.info("kvcentric-sglang installed on SGLang %s (checked against %s)", sglang_version(),
-                SGLANG_VERSION_CHECKED)
+    logger.info(
+        "kvcentric-sglang installed on SGLang %s (checked against %s)", sglang_version(), SGLANG_VERSION_CHECKED
+    )
 
 
 def verify_applied() -> None:
@@ -257,10 +269,13 @@ def verify_applied() -> None:
     if not _installed:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry
+
     missing = [t for t in installed_hooks() if t not in HookRegistry._patched]
     if missing:
-        raise HookTargetMissing("kvcentric-sglang: hooks registered but not applied in SGLang %s: %s" %
-                                (sglang_version(), ", ".join(missing)))
+        raise HookTargetMissing(
+            "kvcentric-sglang: hooks registered but not applied in SGLang %s: %s"
+            % (sglang_version(), ", ".join(missing))
+        )
 
 
 def installed_hooks() -> List[str]:

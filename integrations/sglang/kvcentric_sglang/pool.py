@@ -49,9 +49,18 @@ class PoolRegistration:
 
     def register(self, bridge: WorkerBridge) -> Tuple[int, str]:
         """RegisterKVPool on the sidecar; returns (kv_bytes_per_token, transfer_endpoint)."""
-        return bridge.register_kv_pool(self.page_size, self.item_len, self.page_count, self.num_layers,
-                                       self.buffers, model=self.model, layout=self.layout, tp_rank=self.tp_rank,
-                                       tp_size=self.tp_size, aux_item_lens=self.aux_item_lens)
+        return bridge.register_kv_pool(
+            self.page_size,
+            self.item_len,
+            self.page_count,
+            self.num_layers,
+            self.buffers,
+            model=self.model,
+            layout=self.layout,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            aux_item_lens=self.aux_item_lens,
+        )
 
 
 # ---- memory -> SharedMemoryRef / CudaIpcRef -------------------------------------------------
@@ -90,7 +99,8 @@ def shm_region(ptr: int, length: int, mappings: Optional[List[_Mapping]] = None)
             return m.path, m.offset + (ptr - m.start)
     raise PoolUnsupported(
         "KV buffer at 0x%x (%d bytes) is not backed by a shared file mapping; on CPU the pool must live in "
-        "/dev/shm (kvcentric_sglang.pool.place_pool_in_shm), on GPU pass device=<cuda index>" % (ptr, length))
+        "/dev/shm (kvcentric_sglang.pool.place_pool_in_shm), on GPU pass device=<cuda index>" % (ptr, length)
+    )
 
 
 def cuda_ipc_region(ptr: int) -> Tuple[bytes, int, int]:
@@ -113,14 +123,17 @@ def cuda_ipc_region(ptr: int) -> Tuple[bytes, int, int]:
     ok(cu.cuInit(0), "cuInit")
     base, _size = ok(cu.cuMemGetAddressRange(cu.CUdeviceptr(ptr)), "cuMemGetAddressRange")
     base_i = int(base)
-    (dev,) = ok(cu.cuPointerGetAttribute(cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-                                         cu.CUdeviceptr(ptr)), "cuPointerGetAttribute")
+    (dev,) = ok(
+        cu.cuPointerGetAttribute(cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, cu.CUdeviceptr(ptr)),
+        "cuPointerGetAttribute",
+    )
     res = cu.cuIpcGetMemHandle(cu.CUdeviceptr(base_i))
     if int(res[0]) != 0:
         raise PoolUnsupported(
             "cuIpcGetMemHandle of the allocation at 0x%x (holding KV buffer 0x%x) failed: %s; legacy CUDA IPC "
             "refuses VMM allocations: unset PYTORCH_CUDA_ALLOC_CONF=expandable_segments, do not use "
-            "--enable-memory-saver or SGLANG_MOONCAKE_CUSTOM_MEM_POOL" % (base_i, ptr, res[0]))
+            "--enable-memory-saver or SGLANG_MOONCAKE_CUSTOM_MEM_POOL" % (base_i, ptr, res[0])
+        )
     raw = res[1].reserved
     handle = bytes(raw) if isinstance(raw, (bytes, bytearray)) else bytes((int(x) & 0xFF) for x in raw)
     if len(handle) != 64:
@@ -139,11 +152,23 @@ def _memory(ptr: int, length: int, device, mappings) -> Dict:
 # ---- the conversion ------------------------------------------------------------------------------
 
 
-def buf_infos_to_register(ptrs: Sequence[int], lens: Sequence[int], item_lens: Sequence[int], page_size: int, *,
-                          layout: str = LAYOUT_MHA, device=None, num_draft_entries: int = 0,
-                          state_types: Sequence = (), kv_layout: Optional[str] = None, tp_rank: int = 0,
-                          tp_size: int = 0, aux_item_lens: Sequence[int] = (), model: str = "",
-                          _mappings: Optional[List[_Mapping]] = None) -> PoolRegistration:
+def buf_infos_to_register(
+    ptrs: Sequence[int],
+    lens: Sequence[int],
+    item_lens: Sequence[int],
+    page_size: int,
+    *,
+    layout: str = LAYOUT_MHA,
+    device=None,
+    num_draft_entries: int = 0,
+    state_types: Sequence = (),
+    kv_layout: Optional[str] = None,
+    tp_rank: int = 0,
+    tp_size: int = 0,
+    aux_item_lens: Sequence[int] = (),
+    model: str = "",
+    _mappings: Optional[List[_Mapping]] = None,
+) -> PoolRegistration:
     """Turns SGLang's get_contiguous_buf_infos() (K0..K{L-1}, V0..V{L-1} for MHA; one buffer
     per layer for MLA) into a RegisterKVPool: buffers layer-interleaved, page_count including the
     reserved page 0, memory as shm file+offset (device None/"cpu") or CUDA IPC handle + offset
@@ -151,24 +176,32 @@ def buf_infos_to_register(ptrs: Sequence[int], lens: Sequence[int], item_lens: S
     move."""
     ptrs, lens, item_lens = list(ptrs), list(lens), list(item_lens)
     if state_types:
-        raise PoolUnsupported("the pool has state components %s (mamba/SWA/DSA/...); kvcentric transfers only "
-                              "full-attention KV (MHA or MLA)"
-                              % sorted(str(getattr(s, "value", s)) for s in state_types))
+        raise PoolUnsupported(
+            "the pool has state components %s (mamba/SWA/DSA/...); kvcentric transfers only "
+            "full-attention KV (MHA or MLA)" % sorted(str(getattr(s, "value", s)) for s in state_types)
+        )
     if num_draft_entries:
-        raise PoolUnsupported("the pool carries %d draft-model KV buffers (speculative decoding); kvcentric does not "
-                              "transfer draft KV: run without speculative decoding" % num_draft_entries)
+        raise PoolUnsupported(
+            "the pool carries %d draft-model KV buffers (speculative decoding); kvcentric does not "
+            "transfer draft KV: run without speculative decoding" % num_draft_entries
+        )
     if kv_layout not in (None, "", "nhd"):
-        raise PoolUnsupported("KV layout %r is not supported (kvcentric needs NHD slot rows; unset "
-                              "SGLANG_USE_HND_KVCACHE)" % kv_layout)
+        raise PoolUnsupported(
+            "KV layout %r is not supported (kvcentric needs NHD slot rows; unset SGLANG_USE_HND_KVCACHE)" % kv_layout
+        )
     if not (len(ptrs) == len(lens) == len(item_lens)) or not ptrs:
-        raise PoolUnsupported("buffer infos of unequal or zero length: %d ptrs, %d lens, %d item_lens" %
-                              (len(ptrs), len(lens), len(item_lens)))
+        raise PoolUnsupported(
+            "buffer infos of unequal or zero length: %d ptrs, %d lens, %d item_lens"
+            % (len(ptrs), len(lens), len(item_lens))
+        )
     if page_size <= 0:
         raise PoolUnsupported("page_size %d must be positive" % page_size)
     item = item_lens[0]
     if any(x != item for x in item_lens):
-        raise PoolUnsupported("buffers of unequal item lengths %s (K and V of different head dims?); the "
-                              "sidecars need one bytes-per-page for every buffer" % sorted(set(item_lens)))
+        raise PoolUnsupported(
+            "buffers of unequal item lengths %s (K and V of different head dims?); the "
+            "sidecars need one bytes-per-page for every buffer" % sorted(set(item_lens))
+        )
     if item <= 0 or any(n % item for n in lens):
         raise PoolUnsupported("buffer lengths %s are not whole pages of %d bytes" % (sorted(set(lens)), item))
     page_count = min(lens) // item
@@ -191,14 +224,24 @@ def buf_infos_to_register(ptrs: Sequence[int], lens: Sequence[int], item_lens: S
     elif layout == LAYOUT_MLA:
         nl = len(ptrs)
         for layer, p in enumerate(ptrs):
-            bufs.append(KVBuffer(layer=layer, kind=KV_KIND_COMBINED, size_bytes=size,
-                                 **_memory(p, size, device, _mappings)))
+            bufs.append(
+                KVBuffer(layer=layer, kind=KV_KIND_COMBINED, size_bytes=size, **_memory(p, size, device, _mappings))
+            )
         pl = POOL_LAYOUT_MLA
     else:
         raise PoolUnsupported("unknown layout %r (want %r or %r)" % (layout, LAYOUT_MHA, LAYOUT_MLA))
-    return PoolRegistration(page_size=page_size, item_len=item, page_count=page_count, num_layers=nl, layout=pl,
-                            buffers=bufs, tp_rank=tp_rank, tp_size=tp_size, aux_item_lens=list(aux_item_lens),
-                            model=model)
+    return PoolRegistration(
+        page_size=page_size,
+        item_len=item,
+        page_count=page_count,
+        num_layers=nl,
+        layout=pl,
+        buffers=bufs,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        aux_item_lens=list(aux_item_lens),
+        model=model,
+    )
 
 
 def from_pool(pool, **kw) -> PoolRegistration:
@@ -207,10 +250,21 @@ def from_pool(pool, **kw) -> PoolRegistration:
     refused by name."""
     name = type(pool).__name__
     mro = {c.__name__ for c in type(pool).__mro__}
-    if name in ("DSATokenToKVPool", "HybridLinearKVPool", "MHATokenToKOnlyPool", "MiniMaxSparseKVPool",
-                "SWAKVPool", "NoOpMHATokenToKVPool") or "HybridLinearKVPool" in mro:
-        raise PoolUnsupported("SGLang pool %s is not supported by kvcentric (only MHATokenToKVPool and "
-                              "MLATokenToKVPool)" % name)
+    if (
+        name
+        in (
+            "DSATokenToKVPool",
+            "HybridLinearKVPool",
+            "MHATokenToKOnlyPool",
+            "MiniMaxSparseKVPool",
+            "SWAKVPool",
+            "NoOpMHATokenToKVPool",
+        )
+        or "HybridLinearKVPool" in mro
+    ):
+        raise PoolUnsupported(
+            "SGLang pool %s is not supported by kvcentric (only MHATokenToKVPool and MLATokenToKVPool)" % name
+        )
     if "MLATokenToKVPool" in mro:
         layout = LAYOUT_MLA
     elif "MHATokenToKVPool" in mro:
@@ -220,8 +274,9 @@ def from_pool(pool, **kw) -> PoolRegistration:
         elif getattr(pool, "kv_cache_layout", None) not in (None, "nhd"):
             kw.setdefault("kv_layout", pool.kv_cache_layout)
     else:
-        raise PoolUnsupported("SGLang pool %s is not supported by kvcentric (only MHATokenToKVPool and "
-                              "MLATokenToKVPool)" % name)
+        raise PoolUnsupported(
+            "SGLang pool %s is not supported by kvcentric (only MHATokenToKVPool and MLATokenToKVPool)" % name
+        )
     if kw.get("kv_layout") not in (None, "", "nhd"):
         return buf_infos_to_register([0], [0], [0], pool.page_size, layout=layout, **kw)  # raises
     ptrs, lens, item_lens = pool.get_contiguous_buf_infos()
@@ -236,18 +291,25 @@ def from_kv_args(kv_args, is_mla: bool, **kw) -> PoolRegistration:
     if dev == "auto":
         dev = _device_of(kv_args.kv_data_ptrs[0]) if kv_args.kv_data_ptrs else None
     return buf_infos_to_register(
-        kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens, kv_args.page_size,
-        layout=LAYOUT_MLA if is_mla else LAYOUT_MHA, device=dev,
+        kv_args.kv_data_ptrs,
+        kv_args.kv_data_lens,
+        kv_args.kv_item_lens,
+        kv_args.page_size,
+        layout=LAYOUT_MLA if is_mla else LAYOUT_MHA,
+        device=dev,
         num_draft_entries=getattr(kv_args, "num_draft_entries", 0) or 0,
         state_types=list(getattr(kv_args, "state_types", None) or []),
         kv_layout=getattr(kv_args, "kv_layout", None),
-        aux_item_lens=list(getattr(kv_args, "aux_item_lens", None) or []), **kw)
+        aux_item_lens=list(getattr(kv_args, "aux_item_lens", None) or []),
+        **kw,
+    )
 
 
 def _device_of(ptr: int):
     """None for host memory, else the CUDA device ordinal holding ptr."""
     try:
         import torch
+
         if not torch.cuda.is_available():
             return None
     except ImportError:
@@ -257,12 +319,10 @@ def _device_of(ptr: int):
     except ImportError:  # pragma: no cover
         from cuda import cuda as cu  # type: ignore
     cu.cuInit(0)
-    err, mtype = cu.cuPointerGetAttribute(cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
-                                          cu.CUdeviceptr(ptr))
+    err, mtype = cu.cuPointerGetAttribute(cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, cu.CUdeviceptr(ptr))
     if int(err) != 0 or int(mtype) != int(cu.CUmemorytype.CU_MEMORYTYPE_DEVICE):
         return None
-    err, dev = cu.cuPointerGetAttribute(cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-                                        cu.CUdeviceptr(ptr))
+    err, dev = cu.cuPointerGetAttribute(cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, cu.CUdeviceptr(ptr))
     return int(dev)
 
 
@@ -286,8 +346,7 @@ def place_pool_in_shm(pool, path: str):
         groups = [[b] for b in pool.kv_buffer]
     else:
         groups = [[k, v] for k, v in zip(pool.k_buffer, pool.v_buffer)]
-    spans = [sum(_align(t.numel() * t.element_size(), page) for t in g)
-             for g in groups]
+    spans = [sum(_align(t.numel() * t.element_size(), page) for t in g) for g in groups]
     total = sum(spans)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
@@ -302,7 +361,7 @@ def place_pool_in_shm(pool, path: str):
         ng = []
         for t in g:
             n = t.numel() * t.element_size()
-            dst = base[off:off + n].view(t.dtype).view(t.shape)
+            dst = base[off : off + n].view(t.dtype).view(t.shape)
             dst.copy_(t)
             ng.append(dst)
             off += _align(n, page)
@@ -335,8 +394,10 @@ def write_aux_rows(ptrs: Sequence[int], item_lens: Sequence[int], index: int, ro
     """Writes rows into row `index` of every aux buffer; a row count or size that differs from
     the local buffers is refused (P and D must run the same model and options)."""
     if len(rows) != len(ptrs):
-        raise ValueError("%d aux rows for %d aux buffers (P and D differ in metadata buffers: same model, "
-                         "same speculative/logprob options needed)" % (len(rows), len(ptrs)))
+        raise ValueError(
+            "%d aux rows for %d aux buffers (P and D differ in metadata buffers: same model, "
+            "same speculative/logprob options needed)" % (len(rows), len(ptrs))
+        )
     for i, (n, r) in enumerate(zip(item_lens, rows)):
         if len(r) != n:
             raise ValueError("aux row %d has %d bytes, the local buffer %d" % (i, len(r), n))

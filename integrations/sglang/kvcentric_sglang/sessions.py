@@ -146,8 +146,11 @@ def idle_sessions(streaming_session, view, exclude: str = "") -> List[str]:
     busy = view.sessions("waiting") | view.sessions("queued") | view.sessions("in_use")
     with _resident_lock:
         committed = set(_resident)
-    return sorted(sid for sid, slot in streaming_session.slots.items()
-                  if sid != exclude and sid in committed and slot.kv.holds_kv and sid not in busy)
+    return sorted(
+        sid
+        for sid, slot in streaming_session.slots.items()
+        if sid != exclude and sid in committed and slot.kv.holds_kv and sid not in busy
+    )
 
 
 def release_for_capacity(streaming_session, session_id: str, reason: int = REASON_CAPACITY, view=None) -> int:
@@ -172,8 +175,9 @@ def release_for_capacity(streaming_session, session_id: str, reason: int = REASO
             idle = idle_sessions(streaming_session, view, exclude=session_id)
             if idle:
                 raise ReleaseRefused(
-                    "session %s has a turn waiting for pages, and %d idle session(s) can be released instead (%s)" %
-                    (session_id, len(idle), ", ".join(idle[:3])))
+                    "session %s has a turn waiting for pages, and %d idle session(s) can be released instead (%s)"
+                    % (session_id, len(idle), ", ".join(idle[:3]))
+                )
     freed = max(0, int(slot.kv.kv_allocated_len) - int(slot.kv.cache_protected_len)) if slot.kv.holds_kv else 0
     tok = _evicting.set(True)
     try:
@@ -194,16 +198,22 @@ def truncate(streaming_session, session_id: str, keep_tokens: int) -> int:
     if keep_tokens < 0 or keep_tokens % page:
         raise ValueError("keep_tokens %d is not a page boundary (page %d)" % (keep_tokens, page))
     if keep_tokens < slot.kv.cache_protected_len:
-        raise ValueError("keep_tokens %d is inside the tree-owned prefix (%d tokens); release the session instead" %
-                         (keep_tokens, slot.kv.cache_protected_len))
+        raise ValueError(
+            "keep_tokens %d is inside the tree-owned prefix (%d tokens); release the session instead"
+            % (keep_tokens, slot.kv.cache_protected_len)
+        )
     before = int(slot.kv.kv_allocated_len)
     if keep_tokens >= before:
         return 0
     ids = resident_ids(session_id)
     streaming_session._free_tail(slot.kv, keep_tokens)
     committed = int(slot.kv.kv_committed_len)
-    commit(session_id, committed, slot_pages(streaming_session, slot, committed),
-           ids[:committed] if len(ids) >= committed else None)
+    commit(
+        session_id,
+        committed,
+        slot_pages(streaming_session, slot, committed),
+        ids[:committed] if len(ids) >= committed else None,
+    )
     return before - int(slot.kv.kv_allocated_len)
 
 
@@ -223,7 +233,8 @@ def strip_history(history: List[int], full: List[int], session_id: str) -> List[
         raise ContinuityError(
             "kvcentric: session %s: the resident history (%d tokens) is not a prefix of this turn's %d input tokens "
             "(first difference at token %d); the turn is refused so it never appends to KV of another history "
-            "(close the session and reseed it)" % (session_id, n, len(full), i))
+            "(close the session and reseed it)" % (session_id, n, len(full), i)
+        )
     return list(full[n:])
 
 
@@ -234,7 +245,7 @@ def _history(session) -> Optional[List[int]]:
     last = node.req
     origin = list(last.origin_input_ids)
     if getattr(session, "committed_origin_len", None) is not None:
-        origin = origin[:session.committed_origin_len]
+        origin = origin[: session.committed_origin_len]
     out = list(last.output_ids[: last.sampling_params.max_new_tokens])
     return origin + out
 
@@ -252,8 +263,11 @@ def continuity_around(original, session, req, *args, **kwargs):
     if hist is None:
         return original(session, req, *args, **kwargs)
     try:
-        req.input_ids = type(req.input_ids)(strip_history(hist, list(req.input_ids), session.session_id)) \
-            if not isinstance(req.input_ids, list) else strip_history(hist, req.input_ids, session.session_id)
+        req.input_ids = (
+            type(req.input_ids)(strip_history(hist, list(req.input_ids), session.session_id))
+            if not isinstance(req.input_ids, list)
+            else strip_history(hist, req.input_ids, session.session_id)
+        )
     except ContinuityError as e:
         new_req = original(session, req, *args, **kwargs)
         if new_req.to_finish is None and new_req.finished_reason is None:

@@ -30,11 +30,17 @@ logger = logging.getLogger(__name__)
 
 
 class WatchClient:
-    def __init__(self, bridge: WorkerBridge, *, on_reregister: Callable[[], None],
-                 on_recommit: Callable[[], None],
-                 on_release: Optional[Callable[[object, str, int], int]] = None,
-                 on_truncate: Optional[Callable[[object, str, int], int]] = None,
-                 worker_instance: Optional[str] = None, backoff_max_s: float = 5.0):
+    def __init__(
+        self,
+        bridge: WorkerBridge,
+        *,
+        on_reregister: Callable[[], None],
+        on_recommit: Callable[[], None],
+        on_release: Optional[Callable[[object, str, int], int]] = None,
+        on_truncate: Optional[Callable[[object, str, int], int]] = None,
+        worker_instance: Optional[str] = None,
+        backoff_max_s: float = 5.0,
+    ):
         self.bridge = bridge
         self.on_reregister, self.on_recommit = on_reregister, on_recommit
         self.on_release, self.on_truncate = on_release, on_truncate
@@ -160,9 +166,13 @@ def start_for_process(bridge: WorkerBridge, registration) -> Optional[WatchClien
     def release(scheduler, sid, reason):
         return sessions.release_for_capacity(streaming_of(scheduler), sid, reason, demand.scheduler_view(scheduler))
 
-    w = WatchClient(bridge, on_reregister=lambda: registration.register(bridge), on_recommit=recommit,
-                    on_release=release,
-                    on_truncate=lambda scheduler, sid, keep: sessions.truncate(streaming_of(scheduler), sid, keep))
+    w = WatchClient(
+        bridge,
+        on_reregister=lambda: registration.register(bridge),
+        on_recommit=recommit,
+        on_release=release,
+        on_truncate=lambda scheduler, sid, keep: sessions.truncate(streaming_of(scheduler), sid, keep),
+    )
     runtime.state.watch = w
     return w.start()
 

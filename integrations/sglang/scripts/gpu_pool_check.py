@@ -51,8 +51,9 @@ class Pool:
         return [t.data_ptr() for t in ts], [t.numel() * 2 for t in ts], [self.item] * len(ts)
 
     def tokens(self, pages, n):
-        idx = torch.tensor([pages[t // self.page] * self.page + t % self.page for t in range(n)],
-                           device=self.k[0].device)
+        idx = torch.tensor(
+            [pages[t // self.page] * self.page + t % self.page for t in range(n)], device=self.k[0].device
+        )
         return torch.cat([b[idx].reshape(-1) for b in self.k + self.v])
 
 
@@ -62,9 +63,26 @@ def start(binary, wid, tmp, dev):
     ready = os.path.join(d, "ready.json")
     sock = os.path.join(d, "bridge.sock")
     log = open(os.path.join(d, "log"), "wb")
-    p = subprocess.Popen([binary, "--worker-id", wid, "--bridge-socket", sock, "--transport", "cuda", "--gpu-index",
-                          str(dev), "--ready-file", ready, "--insecure", "--worker-health-interval", "0"],
-                         stdout=log, stderr=log)
+    p = subprocess.Popen(
+        [
+            binary,
+            "--worker-id",
+            wid,
+            "--bridge-socket",
+            sock,
+            "--transport",
+            "cuda",
+            "--gpu-index",
+            str(dev),
+            "--ready-file",
+            ready,
+            "--insecure",
+            "--worker-health-interval",
+            "0",
+        ],
+        stdout=log,
+        stderr=log,
+    )
     t = time.monotonic()
     while not os.path.exists(ready):
         if p.poll() is not None or time.monotonic() - t > 60:
@@ -94,8 +112,15 @@ def main():
     regs = []
     for pool in (P, D):
         ptrs, lens, items = pool.buf_infos()
-        reg = kvpool.buf_infos_to_register(ptrs, lens, items, a.page, device="cuda:%d" % a.device,
-                                           aux_item_lens=[64, 64], layout="mla" if a.mla else "mha")
+        reg = kvpool.buf_infos_to_register(
+            ptrs,
+            lens,
+            items,
+            a.page,
+            device="cuda:%d" % a.device,
+            aux_item_lens=[64, 64],
+            layout="mla" if a.mla else "mha",
+        )
         # K_l and V_l are halves of one allocation: same handle, offsets one span apart
         for l in range(0 if a.mla else a.layers):
             k, v = reg.buffers[2 * l], reg.buffers[2 * l + 1]
@@ -121,13 +146,15 @@ def main():
         room = 4242
         half = npages // 2
         import threading
+
         res = {}
 
         def send():
             t0 = time.monotonic()
             res["sent1"] = pb.send_kv(room, "s-gpu", ppages[:half], first_page=0)
-            res["sent2"] = pb.send_kv(room, "s-gpu", ppages[half:], first_page=half, last=True, tokens=a.tokens,
-                                      aux=aux)
+            res["sent2"] = pb.send_kv(
+                room, "s-gpu", ppages[half:], first_page=half, last=True, tokens=a.tokens, aux=aux
+            )
             res["send_s"] = time.monotonic() - t0
 
         th = threading.Thread(target=send)

@@ -23,6 +23,7 @@ def sglang_installed():
     from sglang.srt.runtime_context import get_parallel
 
     from kvcentric_sglang import plugin
+
     get_parallel().override_permanently(tp_rank=0)
     plugin.install()
     HookRegistry.apply_hooks()
@@ -34,8 +35,11 @@ def sglang_installed():
 @pytest.fixture(scope="session")
 def bins():
     import kvctest
-    return {"decode": kvctest.binary("kvc-sidecar-decode", "sidecar-decode"),
-            "prefill": kvctest.binary("kvc-sidecar-prefill", "sidecar-prefill")}
+
+    return {
+        "decode": kvctest.binary("kvc-sidecar-decode", "sidecar-decode"),
+        "prefill": kvctest.binary("kvc-sidecar-prefill", "sidecar-prefill"),
+    }
 
 
 @pytest.fixture
@@ -43,6 +47,7 @@ def tmp(tmp_path_factory):
     # Unix socket paths must stay short: use /tmp directly.
     import shutil
     import tempfile
+
     d = tempfile.mkdtemp(prefix="kvcpy-")
     yield d
     shutil.rmtree(d, ignore_errors=True)

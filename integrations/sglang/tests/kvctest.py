@@ -21,8 +21,15 @@ from kvcentric_sglang import wire
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 WORKER_ROLE_PREFILL, WORKER_ROLE_DECODE = 1, 2
-EVENT_KINDS = {1: "committed", 2: "released", 3: "evicted", 4: "snapshot_ingested", 5: "snapshot_evicted",
-               6: "transfer_done", 7: "transfer_failed"}
+EVENT_KINDS = {
+    1: "committed",
+    2: "released",
+    3: "evicted",
+    4: "snapshot_ingested",
+    5: "snapshot_evicted",
+    6: "transfer_done",
+    7: "transfer_failed",
+}
 
 
 def binary(name: str, module: str) -> str:
@@ -33,16 +40,27 @@ def binary(name: str, module: str) -> str:
     if not shutil.which("go"):
         raise RuntimeError("%s not in $KVC_BIN_DIR and no Go toolchain to build it" % name)
     out = os.path.join(tempfile.mkdtemp(prefix="kvc-py-bin-"), name)
-    subprocess.run(["go", "build", "-o", out, "./cmd/" + name], cwd=os.path.join(REPO, module), check=True,
-                   env=dict(os.environ, CGO_ENABLED="0", GOTOOLCHAIN=os.environ.get("GOTOOLCHAIN", "go1.27.3")))
+    subprocess.run(
+        ["go", "build", "-o", out, "./cmd/" + name],
+        cwd=os.path.join(REPO, module),
+        check=True,
+        env=dict(os.environ, CGO_ENABLED="0", GOTOOLCHAIN=os.environ.get("GOTOOLCHAIN", "go1.27.3")),
+    )
     return out
 
 
 class Sidecar:
     """One real kvc-sidecar-{prefill,decode} process (tcp transport) with a ready file."""
 
-    def __init__(self, binary_path: str, wid: str, tmp: str, control_plane: str = "", extra: List[str] = (),
-                 sock: Optional[str] = None):
+    def __init__(
+        self,
+        binary_path: str,
+        wid: str,
+        tmp: str,
+        control_plane: str = "",
+        extra: List[str] = (),
+        sock: Optional[str] = None,
+    ):
         self.binary, self.wid, self.cp, self.extra = binary_path, wid, control_plane, list(extra)
         self.dir = os.path.join(tmp, wid)
         os.makedirs(self.dir, exist_ok=True)
@@ -55,9 +73,22 @@ class Sidecar:
         ready = os.path.join(self.dir, "ready.json")
         if os.path.exists(ready):
             os.unlink(ready)
-        args = [self.binary, "--worker-id", self.wid, "--bridge-socket", self.sock, "--transport", "tcp",
-                "--ready-file", ready, "--worker-health-interval", "0", "--log-level", "debug",
-                "--insecure"] + self.extra
+        args = [
+            self.binary,
+            "--worker-id",
+            self.wid,
+            "--bridge-socket",
+            self.sock,
+            "--transport",
+            "tcp",
+            "--ready-file",
+            ready,
+            "--worker-health-interval",
+            "0",
+            "--log-level",
+            "debug",
+            "--insecure",
+        ] + self.extra
         if self.cp:
             args += ["--control-plane", self.cp]
         self.log = open(self.log_path, "ab")
@@ -116,9 +147,14 @@ class ScriptedControlPlane:
         self._cv = threading.Condition()
         self._next = 1
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
-        h = grpc.method_handlers_generic_handler("kvc.v1.SidecarService", {
-            "Connect": grpc.stream_stream_rpc_method_handler(self._connect, request_deserializer=None,
-                                                             response_serializer=None)})
+        h = grpc.method_handlers_generic_handler(
+            "kvc.v1.SidecarService",
+            {
+                "Connect": grpc.stream_stream_rpc_method_handler(
+                    self._connect, request_deserializer=None, response_serializer=None
+                )
+            },
+        )
         self.server.add_generic_rpc_handlers((h,))
         self.port = self.server.add_insecure_port("127.0.0.1:0")
         self.addr = "127.0.0.1:%d" % self.port
@@ -139,8 +175,11 @@ class ScriptedControlPlane:
         wid = wire.as_str(h.get(1))
         q = queue.Queue()
         with self._cv:
-            self.hellos[wid] = {"role": h.get(2) or 0, "peer_addr": wire.as_str(h.get(11)),
-                                "transfer_endpoint": wire.as_str(h.get(6))}
+            self.hellos[wid] = {
+                "role": h.get(2) or 0,
+                "peer_addr": wire.as_str(h.get(11)),
+                "transfer_endpoint": wire.as_str(h.get(6)),
+            }
             self._out[wid] = q
             self._cv.notify_all()
 
@@ -151,10 +190,16 @@ class ScriptedControlPlane:
                     with self._cv:
                         if 4 in m:
                             e = wire.parse(m[4])
-                            self.events.append({"worker": wid, "session": wire.as_str(e.get(1)),
-                                                "kind": EVENT_KINDS.get(e.get(2) or 0, str(e.get(2))),
-                                                "kv_len": wire.as_int64(e.get(3)), "generation": e.get(4) or 0,
-                                                "detail": wire.as_str(e.get(8))})
+                            self.events.append(
+                                {
+                                    "worker": wid,
+                                    "session": wire.as_str(e.get(1)),
+                                    "kind": EVENT_KINDS.get(e.get(2) or 0, str(e.get(2))),
+                                    "kv_len": wire.as_int64(e.get(3)),
+                                    "generation": e.get(4) or 0,
+                                    "detail": wire.as_str(e.get(8)),
+                                }
+                            )
                         elif 5 in m:
                             a = wire.parse(m[5])
                             self.acks.append((wid, a.get(1) or 0, bool(a.get(2)), wire.as_str(a.get(3))))
@@ -185,9 +230,20 @@ class ScriptedControlPlane:
         p = self.hellos[prefill_wid]
         with self._cv:
             cid, self._next = self._next, self._next + 1
-        cmd = (wire.Writer().int(1, cid).int(2, 1).msg(3, wire.Writer().str(1, session).str(2, prefill_wid)
-                                                       .str(3, p["peer_addr"]).str(4, p["transfer_endpoint"])
-                                                       .int(5, generation)))
+        cmd = (
+            wire.Writer()
+            .int(1, cid)
+            .int(2, 1)
+            .msg(
+                3,
+                wire.Writer()
+                .str(1, session)
+                .str(2, prefill_wid)
+                .str(3, p["peer_addr"])
+                .str(4, p["transfer_endpoint"])
+                .int(5, generation),
+            )
+        )
         self._out[decode_wid].put(wire.Writer().msg(2, cmd).done())
         return cid
 
@@ -207,8 +263,17 @@ def mha_pool(tmp: str, name: str, size: int = POOL_TOKENS, layers: int = LAYERS)
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
     from kvcentric_sglang import pool as kvpool
-    p = MHATokenToKVPool(size=size, page_size=PAGE, dtype=torch.bfloat16, head_num=HEADS, head_dim=HEAD_DIM,
-                         layer_num=layers, device="cpu", enable_memory_saver=False)
+
+    p = MHATokenToKVPool(
+        size=size,
+        page_size=PAGE,
+        dtype=torch.bfloat16,
+        head_num=HEADS,
+        head_dim=HEAD_DIM,
+        layer_num=layers,
+        device="cpu",
+        enable_memory_saver=False,
+    )
     p._kvc_mem = kvpool.place_pool_in_shm(p, shm_path(tmp, name))
     return p
 
@@ -218,8 +283,17 @@ def mla_pool(tmp: str, name: str, size: int = POOL_TOKENS, layers: int = LAYERS)
     from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 
     from kvcentric_sglang import pool as kvpool
-    p = MLATokenToKVPool(size=size, page_size=PAGE, dtype=torch.bfloat16, kv_lora_rank=32, qk_rope_head_dim=8,
-                         layer_num=layers, device="cpu", enable_memory_saver=False)
+
+    p = MLATokenToKVPool(
+        size=size,
+        page_size=PAGE,
+        dtype=torch.bfloat16,
+        kv_lora_rank=32,
+        qk_rope_head_dim=8,
+        layer_num=layers,
+        device="cpu",
+        enable_memory_saver=False,
+    )
     p._kvc_mem = kvpool.place_pool_in_shm(p, shm_path(tmp, name))
     return p
 
@@ -227,13 +301,16 @@ def mla_pool(tmp: str, name: str, size: int = POOL_TOKENS, layers: int = LAYERS)
 def metadata_buffers(size: int = 8):
     import torch
     from sglang.srt.disaggregation.utils import MetadataBuffers
-    return MetadataBuffers(size, hidden_size=16, hidden_states_dtype=torch.float32, max_sampling_mask_tokens=16,
-                           max_top_logprobs_num=8)
+
+    return MetadataBuffers(
+        size, hidden_size=16, hidden_states_dtype=torch.float32, max_sampling_mask_tokens=16, max_top_logprobs_num=8
+    )
 
 
 def kv_args(pool, meta, gpu_id: int = 0):
     """KVArgs as SGLang's PrefillBootstrapQueue / DecodePreallocQueue._init_kv_manager fill them."""
     from sglang.srt.disaggregation.base.conn import KVArgs
+
     a = KVArgs()
     a.engine_rank, a.pp_rank, a.system_dp_rank, a.gpu_id = 0, 0, 0, gpu_id
     a.kv_data_ptrs, a.kv_data_lens, a.kv_item_lens = (list(x) for x in pool.get_contiguous_buf_infos())
@@ -249,12 +326,14 @@ def kv_args(pool, meta, gpu_id: int = 0):
 
 def server_args(sock: str, tp_size: int = 1):
     from types import SimpleNamespace
+
     return SimpleNamespace(tp_size=tp_size, kvc_bridge_socket=sock, served_model_name="test-model")
 
 
 def token_bytes(pool, pages, n: int) -> bytes:
     """Bytes of tokens [0, n) laid over pages, every buffer (K0..,V0.. or C0..), in order."""
     import torch
+
     bufs = pool.kv_buffer if hasattr(pool, "kv_buffer") else pool.k_buffer + pool.v_buffer
     slots = torch.tensor([pages[t // PAGE] * PAGE + t % PAGE for t in range(n)], dtype=torch.long)
     return b"".join(b[slots].contiguous().view(torch.uint8).numpy().tobytes() for b in bufs)
@@ -262,31 +341,51 @@ def token_bytes(pool, pages, n: int) -> bytes:
 
 def fill_random(pool, pages, seed: int = 1):
     import torch
+
     g = torch.Generator().manual_seed(seed)
     bufs = pool.kv_buffer if hasattr(pool, "kv_buffer") else pool.k_buffer + pool.v_buffer
     for b in bufs:
         for pg in pages:
-            b[pg * PAGE:(pg + 1) * PAGE] = torch.randn(b[pg * PAGE:(pg + 1) * PAGE].shape, generator=g).to(b.dtype)
+            b[pg * PAGE : (pg + 1) * PAGE] = torch.randn(b[pg * PAGE : (pg + 1) * PAGE].shape, generator=g).to(b.dtype)
 
 
-def payload_json(mode="", role="", session_id="", room=None, prefill_peer_addr="", prefill_peer_addrs=(),
-                 snapshot_seqlen=0, to_store=False, generation=0, input_tokens=0, receive_from=0, **fields):
+def payload_json(
+    mode="",
+    role="",
+    session_id="",
+    room=None,
+    prefill_peer_addr="",
+    prefill_peer_addrs=(),
+    snapshot_seqlen=0,
+    to_store=False,
+    generation=0,
+    input_tokens=0,
+    receive_from=0,
+    **fields,
+):
     """The ExecutionPayload JSON a test's decision shorthand stands for (the fields the policy and
     the gateway set for that mode; the plugin reads only the fields): a decode half (role
     "decode" or "") gets a receive unless the mode is DIRECT_TO_D (a SNAPSHOT one when the mode is
     RESEED_SNAPSHOT or a snapshot_seqlen is given), a prefill half (role "prefill" or "") a send
     (store_generation = generation with to_store). Other keyword arguments are payload fields."""
     from kvcentric_sglang import payload as P
-    p = P.ExecutionPayload(mode=P.ENUMS["RouteMode"].get("ROUTE_MODE_" + mode, 0) if mode else 0,
-                           session_id=session_id, input_tokens=input_tokens)
+
+    p = P.ExecutionPayload(
+        mode=P.ENUMS["RouteMode"].get("ROUTE_MODE_" + mode, 0) if mode else 0,
+        session_id=session_id,
+        input_tokens=input_tokens,
+    )
     if role:
         p.role = P.ROLE_PREFILL if role == "prefill" else P.ROLE_DECODE
     if role in ("", "decode") and mode != "DIRECT_TO_D":
         snap = mode == "RESEED_SNAPSHOT" or snapshot_seqlen > 0
-        p.receive = P.ExecutionReceive(kind=P.TRANSFER_SNAPSHOT if snap else P.TRANSFER_SEED,
-                                       peer_addr=prefill_peer_addr,
-                                       peer_addrs=list(prefill_peer_addrs), tokens=snapshot_seqlen if snap else 0,
-                                       from_token=receive_from)
+        p.receive = P.ExecutionReceive(
+            kind=P.TRANSFER_SNAPSHOT if snap else P.TRANSFER_SEED,
+            peer_addr=prefill_peer_addr,
+            peer_addrs=list(prefill_peer_addrs),
+            tokens=snapshot_seqlen if snap else 0,
+            from_token=receive_from,
+        )
     if role in ("", "prefill") and mode not in ("DIRECT_TO_D", "RESEED_SNAPSHOT"):
         p.send = P.ExecutionSend(from_token=receive_from, store_generation=generation if to_store else 0)
     out = P.to_json(p)
@@ -300,9 +399,14 @@ def payload_json(mode="", role="", session_id="", room=None, prefill_peer_addr="
 def kvc_hints(**shorthand):
     """SGLang's KvHintsEnvelope carrying payload_json(**shorthand) as its kvc action."""
     from sglang.srt.managers.kv_hints import KvHintAction, KvHintsEnvelope
-    return KvHintsEnvelope(protocol_version="1", message_id="m-%s" % shorthand.get("room", 0),
-                           actions=[KvHintAction(action_id="a1", action_type="kvc", action_version="2",
-                                                 payload=payload_json(**shorthand))])
+
+    return KvHintsEnvelope(
+        protocol_version="1",
+        message_id="m-%s" % shorthand.get("room", 0),
+        actions=[
+            KvHintAction(action_id="a1", action_type="kvc", action_version="2", payload=payload_json(**shorthand))
+        ],
+    )
 
 
 def req(rid: str, input_ids, *, room=None, host=None, port=None, hints=None, max_new_tokens: int = 8, session=None):
@@ -311,13 +415,25 @@ def req(rid: str, input_ids, *, room=None, host=None, port=None, hints=None, max
 
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.sampling.sampling_params import SamplingParams
-    return Req(rid, None, array("q", input_ids), SamplingParams(max_new_tokens=max_new_tokens), bootstrap_host=host,
-               bootstrap_port=port, bootstrap_room=room, kv_hints=hints, session=session, vocab_size=1000)
+
+    return Req(
+        rid,
+        None,
+        array("q", input_ids),
+        SamplingParams(max_new_tokens=max_new_tokens),
+        bootstrap_host=host,
+        bootstrap_port=port,
+        bootstrap_room=room,
+        kv_hints=hints,
+        session=session,
+        vocab_size=1000,
+    )
 
 
 def wait_poll(obj, want, timeout: float = 30.0):
     """Polls a sender / receiver like the scheduler does until it reports want (or Failed)."""
     from sglang.srt.disaggregation.base.conn import KVPoll
+
     seen = []
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -332,6 +448,7 @@ def wait_poll(obj, want, timeout: float = 30.0):
 
 def http_json(sidecar: "Sidecar", path: str):
     import urllib.request
+
     with urllib.request.urlopen("http://%s%s" % (sidecar.ready["http_addr"], path), timeout=10) as r:
         return json.loads(r.read())
 
@@ -356,11 +473,17 @@ class Colocated:
 
         set_global_server_args_for_scheduler(ServerArgs(model_path="dummy", page_size=PAGE))
         self.kv = mha_pool(tmp, name, size=size)
-        self.alloc = PagedTokenToKVPoolAllocator(size=size, page_size=PAGE, dtype=torch.bfloat16, device="cpu",
-                                                 kvcache=self.kv, need_sort=False)
+        self.alloc = PagedTokenToKVPoolAllocator(
+            size=size, page_size=PAGE, dtype=torch.bfloat16, device="cpu", kvcache=self.kv, need_sort=False
+        )
         self.rtp = ReqToTokenPool(size=rows, max_context_len=max_context, device="cpu", enable_memory_saver=False)
-        self.params = CacheInitParams(req_to_token_pool=self.rtp, token_to_kv_pool_allocator=self.alloc,
-                                      page_size=PAGE, disable=False, tree_components=(ComponentType.FULL,))
+        self.params = CacheInitParams(
+            req_to_token_pool=self.rtp,
+            token_to_kv_pool_allocator=self.alloc,
+            page_size=PAGE,
+            disable=False,
+            tree_components=(ComponentType.FULL,),
+        )
         self.cache = UnifiedRadixCache(params=self.params)
         self.streaming = self.cache.session
 
@@ -371,8 +494,14 @@ class Colocated:
 
         from sglang.srt.managers.schedule_batch import FINISH_LENGTH, Req
         from sglang.srt.sampling.sampling_params import SamplingParams
-        r = Req(rid="t0-%s" % session.session_id, origin_input_text="", origin_input_ids=array("q", tokens),
-                sampling_params=SamplingParams(temperature=0, max_new_tokens=len(outputs)), session=session)
+
+        r = Req(
+            rid="t0-%s" % session.session_id,
+            origin_input_text="",
+            origin_input_ids=array("q", tokens),
+            sampling_params=SamplingParams(temperature=0, max_new_tokens=len(outputs)),
+            session=session,
+        )
         r.extra_key = None
         n = len(tokens) + len(outputs)
         cap = (n + PAGE - 1) // PAGE * PAGE
@@ -390,4 +519,5 @@ class Colocated:
 
     def slot_pages(self, session_id: str, n: int):
         from kvcentric_sglang import sessions
+
         return sessions.slot_pages(self.streaming, self.streaming.slots[session_id], n)

@@ -23,18 +23,30 @@ def pd(sglang_installed, bins, tmp):
     ppool, dpool = kvctest.mha_pool(tmp, "p"), kvctest.mha_pool(tmp, "d")
     pmeta, dmeta = kvctest.metadata_buffers(), kvctest.metadata_buffers()
     # the classes as SGLang's prefill and decode modules see them (hook propagation)
-    pmgr = sprefill.get_kv_class(be, KVClassType.MANAGER)(kvctest.kv_args(ppool, pmeta), DisaggregationMode.PREFILL,
-                                                        kvctest.server_args(p.sock))
-    dmgr = sdecode.get_kv_class(be, KVClassType.MANAGER)(kvctest.kv_args(dpool, dmeta), DisaggregationMode.DECODE,
-                                                       kvctest.server_args(d.sock))
+    pmgr = sprefill.get_kv_class(be, KVClassType.MANAGER)(
+        kvctest.kv_args(ppool, pmeta), DisaggregationMode.PREFILL, kvctest.server_args(p.sock)
+    )
+    dmgr = sdecode.get_kv_class(be, KVClassType.MANAGER)(
+        kvctest.kv_args(dpool, dmeta), DisaggregationMode.DECODE, kvctest.server_args(d.sock)
+    )
     host, port = p.peer_addr.rsplit(":", 1)
     pq = sprefill.PrefillBootstrapQueue.__new__(sprefill.PrefillBootstrapQueue)
     pq.transfer_backend, pq.kv_manager, pq.bootstrap_port, pq.max_input_len = be, pmgr, int(port), 1 << 20
     dq = sdecode.DecodePreallocQueue.__new__(sdecode.DecodePreallocQueue)
     dq.transfer_backend, dq.kv_manager, dq.queue = be, dmgr, []
     ns = type("PD", (), {})()
-    ns.d, ns.p, ns.ppool, ns.dpool, ns.pmeta, ns.dmeta, ns.pmgr, ns.dmgr, ns.pq, ns.dq = \
-        d, p, ppool, dpool, pmeta, dmeta, pmgr, dmgr, pq, dq
+    ns.d, ns.p, ns.ppool, ns.dpool, ns.pmeta, ns.dmeta, ns.pmgr, ns.dmgr, ns.pq, ns.dq = (
+        d,
+        p,
+        ppool,
+        dpool,
+        pmeta,
+        dmeta,
+        pmgr,
+        dmgr,
+        pq,
+        dq,
+    )
     ns.host, ns.port = host, int(port)
     yield ns
     d.stop()
@@ -44,14 +56,31 @@ def pd(sglang_installed, bins, tmp):
             os.unlink(os.path.join("/dev/shm", f))
 
 
-def seed(pd, *, room, mode="SEED", session="s-seed", n=77, ppages=(3, 7, 8, 12, 20), dpages=(30, 5, 9, 17, 2),
-         p_aux=2, d_aux=5, extra_hints=None, skip_pages=0):
+def seed(
+    pd,
+    *,
+    room,
+    mode="SEED",
+    session="s-seed",
+    n=77,
+    ppages=(3, 7, 8, 12, 20),
+    dpages=(30, 5, 9, 17, 2),
+    p_aux=2,
+    d_aux=5,
+    extra_hints=None,
+    skip_pages=0,
+):
     """Drives one P->D transfer through the real queue methods and the backend, chunk 1 sent
     before D prepares, chunk 2 (the last, partial page) after. Returns (sender, receiver, seen)."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    hints = kvctest.kvc_hints(mode=mode, session_id=session, room=room, prefill_peer_addr=pd.p.peer_addr,
-                              **(extra_hints or {})) if mode else None
+    hints = (
+        kvctest.kvc_hints(
+            mode=mode, session_id=session, room=room, prefill_peer_addr=pd.p.peer_addr, **(extra_hints or {})
+        )
+        if mode
+        else None
+    )
     ids = list(range(1000, 1000 + n))
     rp = kvctest.req("r-%d" % room, ids, room=room, host=pd.host, port=pd.port, hints=hints)
     rd = kvctest.req("r-%d" % room, ids, room=room, host=pd.host, port=pd.port, hints=hints)
@@ -105,8 +134,9 @@ def test_seed_two_chunks_with_aux(pd):
     m = pd.dmeta
     assert int(m.output_ids[5, 0]) == 4242 and int(m.bootstrap_room[5, 0]) == 901
     assert m.cached_tokens[5, :3].tolist() == [7, 7, 7] and float(m.output_token_logprobs_val[5, 0]) == -0.125
-    assert kvpool.read_aux_rows(pd.dmgr.aux_ptrs, pd.dmgr.aux_item_lens, 5) == \
-        kvpool.read_aux_rows(pd.pmgr.aux_ptrs, pd.pmgr.aux_item_lens, 2)
+    assert kvpool.read_aux_rows(pd.dmgr.aux_ptrs, pd.dmgr.aux_item_lens, 5) == kvpool.read_aux_rows(
+        pd.pmgr.aux_ptrs, pd.pmgr.aux_item_lens, 2
+    )
 
 
 def test_suffix_only_send(pd):
@@ -119,8 +149,16 @@ def test_suffix_only_send(pd):
     n, ppages, dpages = 77, [3, 7, 8, 12, 20], [30, 5, 9, 17, 2]
     kvctest.fill_random(pd.dpool, dpages[:1], seed=99)  # the page D holds of the session
     held = kvctest.token_bytes(pd.dpool, dpages[:1], kvctest.PAGE)
-    tx, rx, (st, seen_tx, sr, seen_rx) = seed(pd, room=903, mode="PD_FALLBACK", n=n, ppages=ppages, dpages=dpages,
-                                              extra_hints={"keep_session": True}, skip_pages=1)
+    tx, rx, (st, seen_tx, sr, seen_rx) = seed(
+        pd,
+        room=903,
+        mode="PD_FALLBACK",
+        n=n,
+        ppages=ppages,
+        dpages=dpages,
+        extra_hints={"keep_session": True},
+        skip_pages=1,
+    )
     assert st == KVPoll.Success, (seen_tx, tx._error, pd.p.tail())
     assert sr == KVPoll.Success, (seen_rx, rx._error, pd.d.tail())
     assert kvctest.token_bytes(pd.dpool, dpages[:1], kvctest.PAGE) == held

@@ -59,8 +59,12 @@ def _binary(name, module):
     if not shutil.which("go"):
         return None
     out = os.path.join(tempfile.mkdtemp(prefix="kvc-py-"), name)
-    subprocess.run(["go", "build", "-o", out, "./cmd/" + name], cwd=os.path.join(REPO, module), check=True,
-                   env=dict(os.environ, CGO_ENABLED="0", GOTOOLCHAIN=os.environ.get("GOTOOLCHAIN", "go1.27.3")))
+    subprocess.run(
+        ["go", "build", "-o", out, "./cmd/" + name],
+        cwd=os.path.join(REPO, module),
+        check=True,
+        env=dict(os.environ, CGO_ENABLED="0", GOTOOLCHAIN=os.environ.get("GOTOOLCHAIN", "go1.27.3")),
+    )
     return out
 
 
@@ -76,8 +80,21 @@ class Sidecar:
         os.makedirs(self.dir)
         self.sock = os.path.join(self.dir, "bridge.sock")
         ready = os.path.join(self.dir, "ready.json")
-        self.proc = subprocess.Popen([binary, "--worker-id", wid, "--bridge-socket", self.sock, "--transport", "tcp",
-                                      "--ready-file", ready, "--insecure"], stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [
+                binary,
+                "--worker-id",
+                wid,
+                "--bridge-socket",
+                self.sock,
+                "--transport",
+                "tcp",
+                "--ready-file",
+                ready,
+                "--insecure",
+            ],
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 20
         while not os.path.exists(ready):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -92,8 +109,16 @@ class Sidecar:
             f.truncate(BUF * 2 * LAYERS)
         self.fd = os.open(self.pool_path, os.O_RDWR)
         self.mem = mmap.mmap(self.fd, BUF * 2 * LAYERS)
-        bufs = [KVBuffer(layer=i // 2, kind=KV_KIND_K if i % 2 == 0 else KV_KIND_V, size_bytes=BUF,
-                         shm_path=self.pool_path, shm_offset=i * BUF) for i in range(2 * LAYERS)]
+        bufs = [
+            KVBuffer(
+                layer=i // 2,
+                kind=KV_KIND_K if i % 2 == 0 else KV_KIND_V,
+                size_bytes=BUF,
+                shm_path=self.pool_path,
+                shm_offset=i * BUF,
+            )
+            for i in range(2 * LAYERS)
+        ]
         self.bpt, self.endpoint = self.bridge.register_kv_pool(PAGE, ITEM, PAGES, LAYERS, bufs, model="test")
 
     def tokens(self, pages, n):
@@ -102,7 +127,7 @@ class Sidecar:
         for b in range(2 * LAYERS):
             for t in range(n):
                 off = b * BUF + pages[t // PAGE] * ITEM + (t % PAGE) * TOK
-                out += self.mem[off:off + TOK]
+                out += self.mem[off : off + TOK]
         return bytes(out)
 
     def stop(self):
@@ -140,7 +165,7 @@ class BridgeTest(unittest.TestCase):
         for b in range(2 * LAYERS):  # the prefill worker "computes" its KV
             for pg in ppages:
                 off = b * BUF + pg * ITEM
-                self.p.mem[off:off + ITEM] = os.urandom(ITEM)
+                self.p.mem[off : off + ITEM] = os.urandom(ITEM)
         self.d.bridge.prepare_receive(11, "s-seed", TRANSFER_SEED, dpages, n, self.p.ready["peer_addr"])
         sent = self.p.bridge.send_kv(11, "s-seed", ppages, first_page=0, last=True, tokens=n)
         res = self.d.bridge.wait_receive(11, timeout_s=10)

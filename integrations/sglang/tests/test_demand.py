@@ -42,9 +42,14 @@ def gauges(d):
     with urllib.request.urlopen("http://%s/metrics" % d.ready["http_addr"], timeout=10) as r:
         text = r.read().decode()
     out = {}
-    for name in ("kvc_sidecar_prealloc_waiting_requests", "kvc_sidecar_prealloc_waiting_tokens",
-                 "kvc_sidecar_prealloc_free_tokens", "kvc_sidecar_demand_reports_total",
-                 "kvc_sidecar_worker_unevictable_tokens", "kvc_sidecar_worker_running_requests"):
+    for name in (
+        "kvc_sidecar_prealloc_waiting_requests",
+        "kvc_sidecar_prealloc_waiting_tokens",
+        "kvc_sidecar_prealloc_free_tokens",
+        "kvc_sidecar_demand_reports_total",
+        "kvc_sidecar_worker_unevictable_tokens",
+        "kvc_sidecar_worker_running_requests",
+    ):
         m = re.search(r"^%s(?:\{[^}]*\})? (\S+)$" % name, text, re.M)
         out[name.split("kvc_sidecar_")[1]] = float(m.group(1)) if m else None
     return out
@@ -53,6 +58,7 @@ def gauges(d):
 def test_hooks_are_the_demand_reporters(sglang_installed):
     from sglang.srt.disaggregation.decode import DecodePreallocQueue
     from sglang.srt.managers.scheduler import Scheduler
+
     assert getattr(Scheduler.get_new_batch_prefill, "__wrapped__", None) is not None
     assert getattr(DecodePreallocQueue.pop_preallocated, "__wrapped__", None) is not None
 
@@ -66,13 +72,17 @@ def test_colocated_waiting_queue_is_reported(dside):
     r1 = kvctest.req("w1", list(range(100)))
     r2 = kvctest.req("w2", list(range(40)))
     r2.prefix_len = 20
-    sched = SimpleNamespace(waiting_queue=[r1, r2], page_size=PAGE, token_to_kv_pool_allocator=w.alloc,
-                            tree_cache=w.cache)
+    sched = SimpleNamespace(
+        waiting_queue=[r1, r2], page_size=PAGE, token_to_kv_pool_allocator=w.alloc, tree_cache=w.cache
+    )
     assert demand.after_prefill_schedule("batch", sched) == "batch"  # the hook returns SGLang's result
     assert rep.flush()
     g = gauges(d)
-    assert (g["prealloc_waiting_requests"], g["prealloc_waiting_tokens"], g["prealloc_free_tokens"]) == \
-        (2, 112 + 32, free), g
+    assert (g["prealloc_waiting_requests"], g["prealloc_waiting_tokens"], g["prealloc_free_tokens"]) == (
+        2,
+        112 + 32,
+        free,
+    ), g
     assert g["demand_reports_total"] == 1
     demand.after_prefill_schedule(None, sched)  # nothing changed: no report
     assert rep.flush() and gauges(d)["demand_reports_total"] == 1
@@ -101,8 +111,11 @@ def test_colocated_waiting_queue_is_reported(dside):
     demand.after_prefill_schedule(SimpleNamespace(reqs=[fresh]), sched)
     assert rep.flush()
     g = gauges(d)
-    assert (g["worker_unevictable_tokens"], g["demand_reports_total"], g["worker_running_requests"]) == \
-        (48 + 32, 4, 3), g
+    assert (g["worker_unevictable_tokens"], g["demand_reports_total"], g["worker_running_requests"]) == (
+        48 + 32,
+        4,
+        3,
+    ), g
 
 
 def test_pd_decode_prealloc_queue_is_reported(dside):
@@ -127,8 +140,11 @@ def test_pd_decode_prealloc_queue_is_reported(dside):
     demand.after_pop_preallocated(out, q)
     assert rep.flush()
     g = gauges(d)
-    assert (g["prealloc_waiting_requests"], g["worker_unevictable_tokens"], g["worker_running_requests"]) == \
-        (1, 64, 1), g
+    assert (g["prealloc_waiting_requests"], g["worker_unevictable_tokens"], g["worker_running_requests"]) == (
+        1,
+        64,
+        1,
+    ), g
 
 
 def test_prefill_worker_reports_nothing(dside):
@@ -136,7 +152,11 @@ def test_prefill_worker_reports_nothing(dside):
 
     d, w, rep = dside
     runtime.state.role = "prefill"
-    sched = SimpleNamespace(waiting_queue=[kvctest.req("x", list(range(30)))], page_size=PAGE,
-                            token_to_kv_pool_allocator=w.alloc, tree_cache=w.cache)
+    sched = SimpleNamespace(
+        waiting_queue=[kvctest.req("x", list(range(30)))],
+        page_size=PAGE,
+        token_to_kv_pool_allocator=w.alloc,
+        tree_cache=w.cache,
+    )
     demand.after_prefill_schedule(None, sched)
     assert rep.flush() and rep.reports == 0

@@ -23,6 +23,7 @@ def cluster(sglang_installed, bins, tmp):
         s.stop()
     cp.close()
     from kvcentric_sglang import runtime
+
     runtime.state.reset()
     for f in os.listdir("/dev/shm"):
         if f.startswith("kvcpy-%s-" % os.path.basename(tmp)):
@@ -55,8 +56,11 @@ def make_snapshot(cp, d, p, tmp, sid, prompt, out):
     kvctest.fill_random(w.kv, [x // PAGE for x in w.rtp.req_to_token[r.kv.req_pool_idx, :n:PAGE].tolist()], seed=5)
     assert w.streaming.try_cache_finished_req(r)  # CommitSession -> push
     pages = w.slot_pages(sid, n)
-    assert cp.wait(lambda c: any(e["kind"] == "snapshot_ingested" and e["session"] == sid for e in c.events)), \
-        (cp.events, d.tail(), p.tail())
+    assert cp.wait(lambda c: any(e["kind"] == "snapshot_ingested" and e["session"] == sid for e in c.events)), (
+        cp.events,
+        d.tail(),
+        p.tail(),
+    )
     st = pb.snapshot_status(sid)
     assert st.exists and st.seqlen == n, st
     return w, pages, pb
@@ -66,10 +70,15 @@ def dprime(d2, tmp):
     """D': a colocated worker whose linker registers its pool with its own sidecar."""
     from kvcentric_sglang import runtime
     from kvcentric_sglang.linker import KvcLinker
+
     runtime.state.reset()
     w2 = kvctest.Colocated(tmp, "d2")
-    lk = KvcLinker(SimpleNamespace(tp_size=1), w2.params, components={"full"},
-                   extra_config={"bridge_socket": d2.sock, "wait_timeout_s": 20})
+    lk = KvcLinker(
+        SimpleNamespace(tp_size=1),
+        w2.params,
+        components={"full"},
+        extra_config={"bridge_socket": d2.sock, "wait_timeout_s": 20},
+    )
     w2.cache.init_cache_linker(lk)
     return w2, lk
 
@@ -80,11 +89,20 @@ def reseed_req(w2, sid, full, room, seqlen, peer, rid="rs-1"):
 
     from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.sampling.sampling_params import SamplingParams
-    hints = kvctest.kvc_hints(mode="RESEED_SNAPSHOT", session_id=sid, room=room, snapshot_seqlen=seqlen,
-                              prefill_peer_addr=peer)
+
+    hints = kvctest.kvc_hints(
+        mode="RESEED_SNAPSHOT", session_id=sid, room=room, snapshot_seqlen=seqlen, prefill_peer_addr=peer
+    )
     recv = SimpleNamespace(kv_hints=hints)
-    r = Scheduler._create_generation_req(SimpleNamespace(page_size=PAGE), recv, rid, None, array("q", full),
-                                         SamplingParams(max_new_tokens=4), vocab_size=1000)
+    r = Scheduler._create_generation_req(
+        SimpleNamespace(page_size=PAGE),
+        recv,
+        rid,
+        None,
+        array("q", full),
+        SamplingParams(max_new_tokens=4),
+        vocab_size=1000,
+    )
     r.extra_key = None
     assert r.kv_hints is hints  # the hook carried kv_hints onto the request
     return r
@@ -106,8 +124,9 @@ def test_reseed_snapshot_through_real_match_and_load(cluster, tmp):
     m = w2.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", full[:-1])), req=r))
     assert m.device_prefix_len == 0 and m.host_hit_length == 48, m
     r.last_node = m.last_device_node
-    loaded, _ = w2.cache.init_load_back(InitLoadBackParams(best_match_node=m.best_match_node,
-                                                           host_hit_length=m.host_hit_length, req=r))
+    loaded, _ = w2.cache.init_load_back(
+        InitLoadBackParams(best_match_node=m.best_match_node, host_hit_length=m.host_hit_length, req=r)
+    )
     assert loaded == 48
     slots = w2.cache.linker.private_load_indices[r.rid]
     idx = w2.cache.ready_to_load_host_cache()  # PrepareReceive(SNAPSHOT) + WaitReceive

@@ -33,15 +33,38 @@ def test_direct_to_d_is_a_streaming_append(dside):  # noqa: F811
     assert kvctest.sessions_of(d)["s-dd"]["committed_len"] == 48
     full = prompt + out + [900, 901, 902]
     recv = SimpleNamespace(
-        rid="t1", input_text=None, input_ids=list(full), mm_inputs=None,
+        rid="t1",
+        input_text=None,
+        input_ids=list(full),
+        mm_inputs=None,
         sampling_params=SamplingParams(max_new_tokens=5),
-        return_logprob=False, logprob_start_len=-1, top_logprobs_num=0, token_ids_logprob=None, stream=False,
-        lora_id=None, session_params=SessionParams(id="s-dd"), custom_logit_processor=None, return_hidden_states=False,
-        return_routed_experts=False, routed_experts_start_len=0, bootstrap_host=None, bootstrap_port=None,
-        bootstrap_room=None, routed_dp_rank=None, disagg_prefill_dp_rank=None, priority=None, routing_key=None,
-        extra_key=None, cache_salt=None, http_worker_ipc=None, time_stats=None, require_reasoning=False,
-        return_sampling_mask=False, sampling_logprobs_mode="selected",
-        kv_hints=kvctest.kvc_hints(mode="DIRECT_TO_D", session_id="s-dd"))
+        return_logprob=False,
+        logprob_start_len=-1,
+        top_logprobs_num=0,
+        token_ids_logprob=None,
+        stream=False,
+        lora_id=None,
+        session_params=SessionParams(id="s-dd"),
+        custom_logit_processor=None,
+        return_hidden_states=False,
+        return_routed_experts=False,
+        routed_experts_start_len=0,
+        bootstrap_host=None,
+        bootstrap_port=None,
+        bootstrap_room=None,
+        routed_dp_rank=None,
+        disagg_prefill_dp_rank=None,
+        priority=None,
+        routing_key=None,
+        extra_key=None,
+        cache_salt=None,
+        http_worker_ipc=None,
+        time_stats=None,
+        require_reasoning=False,
+        return_sampling_mask=False,
+        sampling_logprobs_mode="selected",
+        kv_hints=kvctest.kvc_hints(mode="DIRECT_TO_D", session_id="s-dd"),
+    )
     r = s.create_req(recv, None, vocab_size=1000)
     assert list(r.origin_input_ids) == full and r.to_finish is None
     r.extra_key = None
@@ -97,8 +120,9 @@ def test_reseed_snapshot_refused_on_a_pd_decode_worker(pd):  # noqa: F811
 
     from kvcentric_sglang.backend import KvcTransferError
 
-    hints = kvctest.kvc_hints(mode="RESEED_SNAPSHOT", session_id="s-x", room=915, snapshot_seqlen=48,
-                              prefill_peer_addr=pd.p.peer_addr)
+    hints = kvctest.kvc_hints(
+        mode="RESEED_SNAPSHOT", session_id="s-x", room=915, snapshot_seqlen=48, prefill_peer_addr=pd.p.peer_addr
+    )
     r = kvctest.req("r-915", list(range(60)), room=915, host=pd.host, port=pd.port, hints=hints)
     rx = pd.dq._create_receiver_and_enqueue(r).kv_receiver
     assert rx.poll() == KVPoll.Failed
@@ -114,7 +138,13 @@ def test_malformed_hint_refuses_the_request_not_the_scheduler(sglang_installed):
     from sglang.srt.sampling.sampling_params import SamplingParams
 
     bad = kvctest.kvc_hints(mode="SEED", session_id="s-bad", room="not-a-number")
-    r = Scheduler._create_generation_req(SimpleNamespace(page_size=PAGE), SimpleNamespace(kv_hints=bad), "r-bad",
-                                         None, array("q", [1, 2, 3]), SamplingParams(max_new_tokens=1),
-                                         vocab_size=1000)
+    r = Scheduler._create_generation_req(
+        SimpleNamespace(page_size=PAGE),
+        SimpleNamespace(kv_hints=bad),
+        "r-bad",
+        None,
+        array("q", [1, 2, 3]),
+        SamplingParams(max_new_tokens=1),
+        vocab_size=1000,
+    )
     assert r.to_finish is not None and "malformed kv_hints kvc payload" in r.to_finish.message

@@ -14,7 +14,8 @@ REPO = os.path.join(os.path.dirname(__file__), "..", "..", "..")
 def test_xxhash_backend_picked():
     assert pagehash.backend() == "xxhash", (
         "pagehash.py fell back to its pure-Python XXH64: the xxhash package is not importable in this venv "
-        "(requirements-test.txt lists it; rebuild the venv)")
+        "(requirements-test.txt lists it; rebuild the venv)"
+    )
 
 
 def test_hashes_go_through_xxhash(monkeypatch):
@@ -26,8 +27,9 @@ def test_hashes_go_through_xxhash(monkeypatch):
     chain = pagehash.chain(ids, 16, key=7)
     assert len(chain) == 6
     monkeypatch.undo()
-    assert chain == [pagehash.next_hash(p, ids[i * 16:(i + 1) * 16])
-                     for i, p in enumerate([pagehash.root(16, 7)] + chain[:-1])]
+    assert chain == [
+        pagehash.next_hash(p, ids[i * 16 : (i + 1) * 16]) for i, p in enumerate([pagehash.root(16, 7)] + chain[:-1])
+    ]
 
 
 def test_go_vectors_with_both_backends():

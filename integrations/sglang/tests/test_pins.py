@@ -59,8 +59,9 @@ def test_constraints_carry_sglangs_pins():
         elif _key(c) != _key(r):
             problems.append("%s: the constraints file says %s, sglang %s requires %s" % (n, c, version, r))
     for n in sorted(set(pinned) - set(want)):
-        problems.append("%s: in the SGLang section, but sglang %s does not pin it (move it under %r)"
-                        % (n, version, OURS))
+        problems.append(
+            "%s: in the SGLang section, but sglang %s does not pin it (move it under %r)" % (n, version, OURS)
+        )
     for n in sorted(set(ours) & set(want)):
         problems.append("%s: pinned by sglang %s, so not ours to pin" % (n, version))
     assert not problems, "\n".join(problems)

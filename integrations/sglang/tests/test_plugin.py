@@ -11,6 +11,7 @@ def test_entry_point_is_what_load_plugins_finds(sglang_installed):
     assert len(eps) == 1, "pip install integrations/sglang registers the sglang.srt.plugins entry point"
     assert eps[0].load() is sglang_installed.install
     from sglang.srt.plugins import load_plugins_by_group
+
     found = load_plugins_by_group("sglang.srt.plugins")
     assert "kvcentric" in found and found["kvcentric"][0] is sglang_installed.install
 
@@ -35,8 +36,9 @@ def test_backend_choice_enum_and_classes(sglang_installed):
         assert mod.get_kv_class(TransferBackend.FAKE, KVClassType.SENDER).__name__ == "FakeKVSender"
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
-    ns = parser.parse_args(["--model-path", "m", "--disaggregation-mode", "prefill",
-                            "--disaggregation-transfer-backend", "kvcentric"])
+    ns = parser.parse_args(
+        ["--model-path", "m", "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "kvcentric"]
+    )
     assert ns.disaggregation_transfer_backend == "kvcentric"
 
 
@@ -63,20 +65,47 @@ def test_hooks_were_applied_not_skipped(sglang_installed):
 
     from sglang.srt.plugins.hook_registry import HookRegistry
     from sglang.srt.session.streaming_session import StreamingSession
+
     for t in sglang_installed.installed_hooks():
         assert t in HookRegistry._patched, t
         assert getattr(pkgutil.resolve_name(t), "__wrapped__", None) is not None, "%s is not wrapped" % t
     assert StreamingSession.release_session.__wrapped__.__module__ == "sglang.srt.session.streaming_session"
 
 
-LINKER_ARGS = ["--enable-unified-cache-external-linker", "--unified-cache-external-linker-backend", "dynamic",
-               "--unified-cache-external-linker-config",
-               '{"linker": "KvcLinker", "linker_module_path": "kvcentric_sglang.linker", "linker_extra_config": {}}']
-PREFILL_ARGS = ["--model-path", "Qwen/Qwen3-30B-A3B", "--port", "30000", "--base-gpu-id", "0", "--page-size", "16",
-                "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "kvcentric",
-                "--radix-eviction-policy", "priority"] + LINKER_ARGS
-DECODE_ARGS = ["--model-path", "Qwen/Qwen3-30B-A3B", "--port", "31000", "--base-gpu-id", "1", "--page-size", "16",
-               "--enable-streaming-session"] + LINKER_ARGS
+LINKER_ARGS = [
+    "--enable-unified-cache-external-linker",
+    "--unified-cache-external-linker-backend",
+    "dynamic",
+    "--unified-cache-external-linker-config",
+    '{"linker": "KvcLinker", "linker_module_path": "kvcentric_sglang.linker", "linker_extra_config": {}}',
+]
+PREFILL_ARGS = [
+    "--model-path",
+    "Qwen/Qwen3-30B-A3B",
+    "--port",
+    "30000",
+    "--base-gpu-id",
+    "0",
+    "--page-size",
+    "16",
+    "--disaggregation-mode",
+    "prefill",
+    "--disaggregation-transfer-backend",
+    "kvcentric",
+    "--radix-eviction-policy",
+    "priority",
+] + LINKER_ARGS
+DECODE_ARGS = [
+    "--model-path",
+    "Qwen/Qwen3-30B-A3B",
+    "--port",
+    "31000",
+    "--base-gpu-id",
+    "1",
+    "--page-size",
+    "16",
+    "--enable-streaming-session",
+] + LINKER_ARGS
 
 
 def test_launch_commands_of_docs_parse(sglang_installed):
@@ -100,6 +129,7 @@ def test_launch_commands_of_docs_parse(sglang_installed):
     assert dec.enable_unified_cache_external_linker and dec.unified_cache_external_linker_backend == "dynamic"
     cfg = UnifiedCacheLinkerConfig.from_dict(dec.unified_cache_external_linker_config)
     import importlib
+
     assert getattr(importlib.import_module(cfg.linker_module_path), cfg.linker) is KvcLinker
 
 
@@ -110,19 +140,22 @@ def test_sglang_launcher_loads_the_plugin_in_a_fresh_process(sglang_installed):
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--help"], capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "sglang.launch_server", "--help"], capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "mooncake_tcp,kvcentric}" in out.stdout
-    code = ("import warnings; warnings.filterwarnings('ignore')\n"
-            "from sglang.srt.plugins import load_plugins\n"
-            "from sglang.srt.plugins.hook_registry import HookRegistry\n"
-            "load_plugins()\n"
-            "from kvcentric_sglang import plugin\n"
-            "from sglang.srt.disaggregation.utils import TransferBackend\n"
-            "assert TransferBackend('kvcentric').name == 'KVCENTRIC'\n"
-            "plugin.verify_applied()\n"
-            "print('applied', sorted(t for t in plugin.installed_hooks() if t in HookRegistry._patched))\n")
+    code = (
+        "import warnings; warnings.filterwarnings('ignore')\n"
+        "from sglang.srt.plugins import load_plugins\n"
+        "from sglang.srt.plugins.hook_registry import HookRegistry\n"
+        "load_plugins()\n"
+        "from kvcentric_sglang import plugin\n"
+        "from sglang.srt.disaggregation.utils import TransferBackend\n"
+        "assert TransferBackend('kvcentric').name == 'KVCENTRIC'\n"
+        "plugin.verify_applied()\n"
+        "print('applied', sorted(t for t in plugin.installed_hooks() if t in HookRegistry._patched))\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     applied = out.stdout.split("applied", 1)[1]

@@ -84,12 +84,21 @@ def test_unsupported_pools_are_refused(sglang_installed, tmp):
     with pytest.raises(kvpool.PoolUnsupported, match="unequal item lengths"):
         kvpool.buf_infos_to_register(ptrs, lens, items[:-1] + [items[-1] * 2], PAGE)
     # a CPU pool SGLang allocated itself is anonymous memory: the sidecar cannot map it
-    anon = MHATokenToKVPool(size=64, page_size=PAGE, dtype=torch.bfloat16, head_num=HEADS, head_dim=HEAD_DIM,
-                            layer_num=1, device="cpu", enable_memory_saver=False)
+    anon = MHATokenToKVPool(
+        size=64,
+        page_size=PAGE,
+        dtype=torch.bfloat16,
+        head_num=HEADS,
+        head_dim=HEAD_DIM,
+        layer_num=1,
+        device="cpu",
+        enable_memory_saver=False,
+    )
     with pytest.raises(kvpool.PoolUnsupported, match="not backed by a shared file mapping"):
         kvpool.from_pool(anon)
     # a pool class kvcentric does not know is refused by name
     from sglang.srt.mem_cache.memory_pool import MHATokenToKOnlyPool
+
     konly = MHATokenToKOnlyPool.__new__(MHATokenToKOnlyPool)
     with pytest.raises(kvpool.PoolUnsupported, match="MHATokenToKOnlyPool is not supported"):
         kvpool.from_pool(konly)

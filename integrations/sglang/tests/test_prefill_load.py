@@ -30,8 +30,9 @@ def pside(sglang_installed, bins, tmp):
     wp = kvctest.Colocated(tmp, "p")  # P's radix cache, allocator and pool (SGLang's classes)
     # P's KV manager registers P's pool with its sidecar, as PrefillBootstrapQueue does
     be = TransferBackend("kvcentric")
-    pmgr = sprefill.get_kv_class(be, KVClassType.MANAGER)(kvctest.kv_args(wp.kv, kvctest.metadata_buffers()),
-                                                        DisaggregationMode.PREFILL, kvctest.server_args(p.sock))
+    pmgr = sprefill.get_kv_class(be, KVClassType.MANAGER)(
+        kvctest.kv_args(wp.kv, kvctest.metadata_buffers()), DisaggregationMode.PREFILL, kvctest.server_args(p.sock)
+    )
     ns = SimpleNamespace(cp=cp, d=d, p=p, wp=wp, pmgr=pmgr)
     yield ns
     d.stop()
@@ -68,8 +69,11 @@ def snapshot_from_d(ns, tmp, sid, prompt, out):
         assert w.streaming.try_cache_finished_req(r)  # CommitSession -> push D->P
     finally:
         runtime.state.bridge, runtime.state.registration = pstate
-    assert ns.cp.wait(lambda c: any(e["kind"] == "snapshot_ingested" and e["session"] == sid for e in c.events)), \
-        (ns.cp.events, ns.d.tail(), ns.p.tail())
+    assert ns.cp.wait(lambda c: any(e["kind"] == "snapshot_ingested" and e["session"] == sid for e in c.events)), (
+        ns.cp.events,
+        ns.d.tail(),
+        ns.p.tail(),
+    )
     st = ns.pmgr.bridge.snapshot_status(sid)
     assert st.exists and st.seqlen == n, st
     return w, w.slot_pages(sid, n), st.generation
@@ -78,8 +82,10 @@ def snapshot_from_d(ns, tmp, sid, prompt, out):
 def p_linker(ns):
     """The KvcLinker of P's scheduler process (--disaggregation-mode prefill)."""
     from kvcentric_sglang.linker import KvcLinker
-    lk = KvcLinker(SimpleNamespace(tp_size=1, disaggregation_mode="prefill"), ns.wp.params, components={"full"},
-                   extra_config={})
+
+    lk = KvcLinker(
+        SimpleNamespace(tp_size=1, disaggregation_mode="prefill"), ns.wp.params, components={"full"}, extra_config={}
+    )
     ns.wp.cache.init_cache_linker(lk)
     assert lk.prefill and lk.bridge is ns.pmgr.bridge  # no second registration: P's manager's bridge
     return lk
@@ -90,9 +96,17 @@ def p_req(sid, full, rid, **hint):
     _create_generation_req."""
     from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.sampling.sampling_params import SamplingParams
+
     hints = kvctest.kvc_hints(mode="PD_FALLBACK", session_id=sid, room=hint.pop("room", 700), role="prefill", **hint)
-    r = Scheduler._create_generation_req(SimpleNamespace(page_size=PAGE), SimpleNamespace(kv_hints=hints), rid, None,
-                                         array("q", full), SamplingParams(max_new_tokens=1), vocab_size=1000)
+    r = Scheduler._create_generation_req(
+        SimpleNamespace(page_size=PAGE),
+        SimpleNamespace(kv_hints=hints),
+        rid,
+        None,
+        array("q", full),
+        SamplingParams(max_new_tokens=1),
+        vocab_size=1000,
+    )
     r.extra_key = None
     assert r.kv_hints is hints
     return r
@@ -110,8 +124,9 @@ def admit(w, r):
     r.prefix_len = m.device_prefix_len
     if m.host_hit_length == 0:
         return m, 0
-    loaded, r.last_node = w.cache.init_load_back(InitLoadBackParams(best_match_node=m.best_match_node,
-                                                                    host_hit_length=m.host_hit_length, req=r))
+    loaded, r.last_node = w.cache.init_load_back(
+        InitLoadBackParams(best_match_node=m.best_match_node, host_hit_length=m.host_hit_length, req=r)
+    )
     r.prefix_len += loaded
     return m, loaded
 
@@ -151,9 +166,11 @@ def test_prefill_load_the_store_cannot_serve_prefills_everything(pside, tmp):
     _, _, gen = snapshot_from_d(ns, tmp, "s-pm", prompt, out)
     lk = p_linker(ns)
     full = prompt + out + list(range(900, 940))
-    cases = [("pm-gen", "s-pm", dict(load_prefix_tokens=48, load_generation=gen + 1)),
-             ("pm-more", "s-pm", dict(load_prefix_tokens=64, load_generation=gen)),
-             ("pm-none", "s-none", dict(load_prefix_tokens=48, load_generation=0))]
+    cases = [
+        ("pm-gen", "s-pm", dict(load_prefix_tokens=48, load_generation=gen + 1)),
+        ("pm-more", "s-pm", dict(load_prefix_tokens=64, load_generation=gen)),
+        ("pm-none", "s-none", dict(load_prefix_tokens=48, load_generation=0)),
+    ]
     for rid, sid, h in cases:
         ids = full if sid == "s-pm" else [5] * 70
         r = p_req(sid, ids, rid, **h)
@@ -177,7 +194,7 @@ def test_prefill_linker_declines_without_a_load_hint_or_mid_sequence(pside, tmp)
     assert (m.host_hit_length, loaded) == (0, 0)
     # the first page of the prompt is in P's tree (an earlier request's prefill)
     w = ns.wp
-    r0 = kvctest.req("pd-tree", full[:2 * PAGE + 1])  # an earlier plain request, checkpointed as SGLang does
+    r0 = kvctest.req("pd-tree", full[: 2 * PAGE + 1])  # an earlier plain request, checkpointed as SGLang does
     r0.extra_key = None
     w.rtp.alloc([r0])
     w.rtp.write((r0.kv.req_pool_idx, slice(0, 3 * PAGE)), w.alloc.alloc(3 * PAGE))

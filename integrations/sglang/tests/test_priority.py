@@ -24,11 +24,13 @@ def radix(tmp, policy, tokens):
 
     set_global_server_args_for_scheduler(ServerArgs(model_path="dummy", page_size=PAGE))
     kv = kvctest.mha_pool(tmp, "prio-%s" % policy, size=tokens)
-    alloc = PagedTokenToKVPoolAllocator(size=tokens, page_size=PAGE, dtype=torch.bfloat16, device="cpu",
-                                        kvcache=kv, need_sort=False)
+    alloc = PagedTokenToKVPoolAllocator(
+        size=tokens, page_size=PAGE, dtype=torch.bfloat16, device="cpu", kvcache=kv, need_sort=False
+    )
     rtp = ReqToTokenPool(size=4, max_context_len=1024, device="cpu", enable_memory_saver=False)
-    params = CacheInitParams(req_to_token_pool=rtp, token_to_kv_pool_allocator=alloc, page_size=PAGE,
-                             disable=False, eviction_policy=policy)
+    params = CacheInitParams(
+        req_to_token_pool=rtp, token_to_kv_pool_allocator=alloc, page_size=PAGE, disable=False, eviction_policy=policy
+    )
     return RadixCache(params=params), alloc
 
 
@@ -40,7 +42,7 @@ def insert(cache, alloc, ids, priority):
     assert value is not None
     res = cache.insert(InsertParams(key=RadixKey(array("q", ids)), value=value, priority=priority))
     if res.prefix_len:  # already held: SGLang frees the duplicate slots
-        alloc.free(value[:res.prefix_len])
+        alloc.free(value[: res.prefix_len])
 
 
 def held(cache, ids):
@@ -50,25 +52,28 @@ def held(cache, ids):
     return cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", ids)))).device_prefix_len
 
 
-NORMAL = list(range(1000, 1000 + 3 * PAGE))     # a session P will prefill again (priority 0)
-DIRECT = list(range(5000, 5000 + 3 * PAGE))     # a session bound direct-to-D (SGLang's -100)
-SHARED = NORMAL[:2 * PAGE] + list(range(9000, 9000 + PAGE))  # NORMAL's first two pages, then its own
+NORMAL = list(range(1000, 1000 + 3 * PAGE))  # a session P will prefill again (priority 0)
+DIRECT = list(range(5000, 5000 + 3 * PAGE))  # a session bound direct-to-D (SGLang's -100)
+SHARED = NORMAL[: 2 * PAGE] + list(range(9000, 9000 + PAGE))  # NORMAL's first two pages, then its own
 
 
 # A radix leaf holds a whole request's tail, so an eviction of 2 pages takes a whole session.
-@pytest.mark.parametrize("policy, inserts, normal, direct", [
-    # LRU: the older session goes, priorities ignored
-    ("lru", [(NORMAL, 0), (DIRECT, -100)], 0, 3 * PAGE),
-    # priority: the low (direct-to-D) session goes although it is newer
-    ("priority", [(NORMAL, 0), (DIRECT, -100)], 3 * PAGE, 0),
-    # equal priorities: LRU
-    ("priority", [(NORMAL, -100), (DIRECT, -100)], 0, 3 * PAGE),
-    # higher values stay (SGLang's sign: kvcentric's 0 is kept over its 100, sent as -100)
-    ("priority", [(NORMAL, 5), (DIRECT, 0)], 3 * PAGE, 0),
-    # a prefix shared with a normal request keeps priority 0 (TreeNode.priority = max): the low
-    # requests' own tails go, the normal session stays whole
-    ("priority", [(NORMAL, 0), (SHARED, -100), (DIRECT, -100)], 3 * PAGE, 0),
-])
+@pytest.mark.parametrize(
+    "policy, inserts, normal, direct",
+    [
+        # LRU: the older session goes, priorities ignored
+        ("lru", [(NORMAL, 0), (DIRECT, -100)], 0, 3 * PAGE),
+        # priority: the low (direct-to-D) session goes although it is newer
+        ("priority", [(NORMAL, 0), (DIRECT, -100)], 3 * PAGE, 0),
+        # equal priorities: LRU
+        ("priority", [(NORMAL, -100), (DIRECT, -100)], 0, 3 * PAGE),
+        # higher values stay (SGLang's sign: kvcentric's 0 is kept over its 100, sent as -100)
+        ("priority", [(NORMAL, 5), (DIRECT, 0)], 3 * PAGE, 0),
+        # a prefix shared with a normal request keeps priority 0 (TreeNode.priority = max): the low
+        # requests' own tails go, the normal session stays whole
+        ("priority", [(NORMAL, 0), (SHARED, -100), (DIRECT, -100)], 3 * PAGE, 0),
+    ],
+)
 def test_sglang_priority_eviction_drops_low_values_first(sglang_installed, tmp_path, policy, inserts, normal, direct):
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
@@ -87,6 +92,14 @@ def test_request_hook_keeps_the_priority(sglang_installed):
 
     hints = kvctest.kvc_hints(mode="SEED", session_id="s-p", room=5, role="prefill")
     for rid, recv in [("p-seed", SimpleNamespace(kv_hints=hints)), ("p-plain", SimpleNamespace(kv_hints=None))]:
-        r = Scheduler._create_generation_req(SimpleNamespace(page_size=PAGE), recv, rid, None, array("q", [1, 2, 3]),
-                                             SamplingParams(max_new_tokens=1), vocab_size=1000, priority=-100)
+        r = Scheduler._create_generation_req(
+            SimpleNamespace(page_size=PAGE),
+            recv,
+            rid,
+            None,
+            array("q", [1, 2, 3]),
+            SamplingParams(max_new_tokens=1),
+            vocab_size=1000,
+            priority=-100,
+        )
         assert r.priority == -100 and r.to_finish is None, rid

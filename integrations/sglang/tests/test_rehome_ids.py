@@ -26,8 +26,9 @@ def snapshot_tokens(peer_addr: str, sid: str, generation: int, seqlen: int):
     calls it; returns (ids, stored generation, stored seqlen) or raises grpc.RpcError."""
     ch = grpc.insecure_channel(peer_addr)
     try:
-        fn = ch.unary_unary("/kvc.v1.TransferPeerService/SnapshotTokens", request_serializer=None,
-                            response_deserializer=None)
+        fn = ch.unary_unary(
+            "/kvc.v1.TransferPeerService/SnapshotTokens", request_serializer=None, response_deserializer=None
+        )
         raw = fn(wire.Writer().str(1, sid).int(2, generation).int(3, seqlen).done(), timeout=10)
     finally:
         ch.close()
@@ -44,13 +45,30 @@ def load_req(w2, sid, ids, room, peer, rid="load-1"):
     from sglang.srt.session.session_controller import Session
 
     n = len(ids)
-    hints = kvctest.kvc_hints(mode="RESEED_SNAPSHOT", role="decode", session_id=sid, room=room, snapshot_seqlen=n,
-                              prefill_peer_addr=peer, input_tokens=n, cached_tokens=n, keep_session=True,
-                              open_session=True, load=True)
+    hints = kvctest.kvc_hints(
+        mode="RESEED_SNAPSHOT",
+        role="decode",
+        session_id=sid,
+        room=room,
+        snapshot_seqlen=n,
+        prefill_peer_addr=peer,
+        input_tokens=n,
+        cached_tokens=n,
+        keep_session=True,
+        open_session=True,
+        load=True,
+    )
     session = Session(capacity_of_str_len=1 << 20, session_id=sid, streaming=True)
     assert not session.req_nodes  # a fresh slot: no history to strip, the ids are the whole context
-    r = Scheduler._create_generation_req(SimpleNamespace(page_size=PAGE), SimpleNamespace(kv_hints=hints), rid, None,
-                                         array("q", ids), SamplingParams(max_new_tokens=0), vocab_size=1 << 20)
+    r = Scheduler._create_generation_req(
+        SimpleNamespace(page_size=PAGE),
+        SimpleNamespace(kv_hints=hints),
+        rid,
+        None,
+        array("q", ids),
+        SamplingParams(max_new_tokens=0),
+        vocab_size=1 << 20,
+    )
     r.extra_key = None
     assert r.kv_hints is hints
     return r
@@ -91,8 +109,9 @@ def test_commit_ids_travel_to_the_store_and_back_into_a_load(cluster, tmp):  # n
     want = (n - 1) // PAGE * PAGE  # 32: SGLang computes the partial last page itself
     assert m.device_prefix_len == 0 and m.host_hit_length == want, m
     r.last_node = m.last_device_node
-    loaded, _ = w2.cache.init_load_back(InitLoadBackParams(best_match_node=m.best_match_node,
-                                                           host_hit_length=m.host_hit_length, req=r))
+    loaded, _ = w2.cache.init_load_back(
+        InitLoadBackParams(best_match_node=m.best_match_node, host_hit_length=m.host_hit_length, req=r)
+    )
     assert loaded == want
     slots = w2.cache.linker.private_load_indices[r.rid]
     idx = w2.cache.ready_to_load_host_cache()  # PrepareReceive(SNAPSHOT) + WaitReceive
@@ -109,8 +128,9 @@ def test_commit_ids_of_a_finished_request():
     session's history counts them), cut to the committed range; none when they do not cover it
     or an id is outside [0, 2^31)."""
     sp = SimpleNamespace(max_new_tokens=3)
-    req = SimpleNamespace(origin_input_ids=array("q", [5, 6, 7]), output_ids=array("q", [8, 9, 10, 11]),
-                          sampling_params=sp)
+    req = SimpleNamespace(
+        origin_input_ids=array("q", [5, 6, 7]), output_ids=array("q", [8, 9, 10, 11]), sampling_params=sp
+    )
     assert sessions.commit_ids(req, 6) == [5, 6, 7, 8, 9, 10]
     assert sessions.commit_ids(req, 5) == [5, 6, 7, 8, 9]
     assert sessions.commit_ids(req, 7) == []  # the 4th output id is past max_new_tokens

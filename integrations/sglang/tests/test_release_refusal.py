@@ -38,15 +38,38 @@ def _next_turn(w, s, sid, prompt):
 
     full = list(range(1, prompt + 1)) + [7] * 8 + [900, 901, 902]
     recv = SimpleNamespace(
-        rid="t1-" + sid, input_text=None, input_ids=list(full), mm_inputs=None,
+        rid="t1-" + sid,
+        input_text=None,
+        input_ids=list(full),
+        mm_inputs=None,
         sampling_params=SamplingParams(max_new_tokens=5),
-        return_logprob=False, logprob_start_len=-1, top_logprobs_num=0, token_ids_logprob=None, stream=False,
-        lora_id=None, session_params=SessionParams(id=sid), custom_logit_processor=None, return_hidden_states=False,
-        return_routed_experts=False, routed_experts_start_len=0, bootstrap_host=None, bootstrap_port=None,
-        bootstrap_room=None, routed_dp_rank=None, disagg_prefill_dp_rank=None, priority=None, routing_key=None,
-        extra_key=None, cache_salt=None, http_worker_ipc=None, time_stats=None, require_reasoning=False,
-        return_sampling_mask=False, sampling_logprobs_mode="selected",
-        kv_hints=kvctest.kvc_hints(mode="DIRECT_TO_D", session_id=sid))
+        return_logprob=False,
+        logprob_start_len=-1,
+        top_logprobs_num=0,
+        token_ids_logprob=None,
+        stream=False,
+        lora_id=None,
+        session_params=SessionParams(id=sid),
+        custom_logit_processor=None,
+        return_hidden_states=False,
+        return_routed_experts=False,
+        routed_experts_start_len=0,
+        bootstrap_host=None,
+        bootstrap_port=None,
+        bootstrap_room=None,
+        routed_dp_rank=None,
+        disagg_prefill_dp_rank=None,
+        priority=None,
+        routing_key=None,
+        extra_key=None,
+        cache_salt=None,
+        http_worker_ipc=None,
+        time_stats=None,
+        require_reasoning=False,
+        return_sampling_mask=False,
+        sampling_logprobs_mode="selected",
+        kv_hints=kvctest.kvc_hints(mode="DIRECT_TO_D", session_id=sid),
+    )
     r = s.create_req(recv, None, vocab_size=1000)
     assert r.to_finish is None and list(r.origin_input_ids) == full
     r.extra_key = None
@@ -58,6 +81,7 @@ def _next_turn(w, s, sid, prompt):
 
 def _batch(reqs):
     from sglang.srt.managers.schedule_batch import ScheduleBatch
+
     return ScheduleBatch(reqs=list(reqs), batch_is_full=False)
 
 
@@ -65,9 +89,13 @@ def _state(d, w, sid):
     """What a refusal must leave as it was: the slot object, its record, the pool, the sidecar."""
     slot = w.streaming.slots.get(sid)
     kv = slot.kv if slot is not None else None
-    return (slot, kv, None if kv is None else (kv.req_pool_idx, kv.kv_committed_len, kv.kv_allocated_len,
-                                               kv.cache_protected_len),
-            w.alloc.available_size(), kvctest.sessions_of(d).get(sid))
+    return (
+        slot,
+        kv,
+        None if kv is None else (kv.req_pool_idx, kv.kv_committed_len, kv.kv_allocated_len, kv.cache_protected_len),
+        w.alloc.available_size(),
+        kvctest.sessions_of(d).get(sid),
+    )
 
 
 def test_colocated_waiting_turn_refused_while_another_slot_is_idle(dside):  # noqa: F811
@@ -141,8 +169,11 @@ def test_pd_prealloc_queue_turn_refused_while_another_slot_is_idle(dside, ready)
     view = demand.scheduler_view(sched)
     assert view.sessions("waiting" if ready else "queued") == {"s-A"}
     # s-B's turn is receiving (the transfer queue): s-C is still idle
-    tq.queue = [DecodeRequest(req=kvctest.req("t1-s-B", list(range(30)), session=SimpleNamespace(session_id="s-B")),
-                              kv_receiver=None)]
+    tq.queue = [
+        DecodeRequest(
+            req=kvctest.req("t1-s-B", list(range(30)), session=SimpleNamespace(session_id="s-B")), kv_receiver=None
+        )
+    ]
     view = demand.scheduler_view(sched)
     assert view.sessions("in_use") == {"s-B"}
     before = _state(d, w, "s-A")

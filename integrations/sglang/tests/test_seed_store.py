@@ -25,8 +25,9 @@ def seedstore(sglang_installed, bins, tmp):
     d = kvctest.Sidecar(bins["decode"], "d1", tmp, cp.addr)
     be = TransferBackend("kvcentric")
     ppool, pmeta = kvctest.mha_pool(tmp, "p"), kvctest.metadata_buffers()
-    pmgr = sprefill.get_kv_class(be, KVClassType.MANAGER)(kvctest.kv_args(ppool, pmeta), DisaggregationMode.PREFILL,
-                                                        kvctest.server_args(p.sock))
+    pmgr = sprefill.get_kv_class(be, KVClassType.MANAGER)(
+        kvctest.kv_args(ppool, pmeta), DisaggregationMode.PREFILL, kvctest.server_args(p.sock)
+    )
     host, port = p.peer_addr.rsplit(":", 1)
     pq = sprefill.PrefillBootstrapQueue.__new__(sprefill.PrefillBootstrapQueue)
     pq.transfer_backend, pq.kv_manager, pq.bootstrap_port, pq.max_input_len = be, pmgr, int(port), 1 << 20
@@ -36,6 +37,7 @@ def seedstore(sglang_installed, bins, tmp):
     p.stop()
     cp.close()
     from kvcentric_sglang import runtime
+
     runtime.state.reset()
     for f in os.listdir("/dev/shm"):
         if f.startswith("kvcpy-%s-" % os.path.basename(tmp)):
@@ -47,8 +49,14 @@ def p_seed(ss, *, room, session, prompt, ppages, generation=1, seed=3):
     second the last, a partial page). Returns (sender, final poll, polls seen)."""
     from sglang.srt.disaggregation.base.conn import KVPoll
 
-    hints = kvctest.kvc_hints(mode="SEED", session_id=session, room=room, prefill_peer_addr=ss.p.peer_addr,
-                              to_store=True, generation=generation)
+    hints = kvctest.kvc_hints(
+        mode="SEED",
+        session_id=session,
+        room=room,
+        prefill_peer_addr=ss.p.peer_addr,
+        to_store=True,
+        generation=generation,
+    )
     rp = kvctest.req("r-%d" % room, prompt, room=room, host=ss.host, port=ss.port, hints=hints)
     kvctest.fill_random(ss.ppool, ppages, seed=seed)
     assert ss.pq.create_sender(rp, num_kv_heads=kvctest.HEADS)  # hooked: session, to_store, tokens
@@ -64,10 +72,15 @@ def colocated_d(ss, tmp):
     """The colocated decode worker: SGLang's real cache with the KvcLinker on D's sidecar."""
     from kvcentric_sglang import runtime
     from kvcentric_sglang.linker import KvcLinker
+
     runtime.state.reset()
     w = kvctest.Colocated(tmp, "d1")
-    lk = KvcLinker(SimpleNamespace(tp_size=1), w.params, components={"full"},
-                   extra_config={"bridge_socket": ss.d.sock, "wait_timeout_s": 20})
+    lk = KvcLinker(
+        SimpleNamespace(tp_size=1),
+        w.params,
+        components={"full"},
+        extra_config={"bridge_socket": ss.d.sock, "wait_timeout_s": 20},
+    )
     w.cache.init_cache_linker(lk)
     return w, lk
 
@@ -92,23 +105,40 @@ def test_seed_through_prefill_store(seedstore, tmp):
     # the store holds the session's generation-1 snapshot, and the control plane was told
     snap = WorkerBridge(ss.p.sock).snapshot_status("s-st")
     assert snap.exists and snap.seqlen == 53 and snap.generation == 1 and snap.prefill_worker == "p0", snap
-    assert ss.cp.wait(lambda c: any(e["kind"] == "snapshot_ingested" and e["session"] == "s-st" and e["worker"] == "p0"
-                                    and e["kv_len"] == 53 and e["generation"] == 1 and e["detail"] == "seed"
-                                    for e in c.events)), ss.cp.events
+    assert ss.cp.wait(
+        lambda c: any(
+            e["kind"] == "snapshot_ingested"
+            and e["session"] == "s-st"
+            and e["worker"] == "p0"
+            and e["kv_len"] == 53
+            and e["generation"] == 1
+            and e["detail"] == "seed"
+            for e in c.events
+        )
+    ), ss.cp.events
 
     # D's half: the gateway calls D after P answered, with snapshot_seqlen and a room of its own
     w, lk = colocated_d(ss, tmp)
-    hints = kvctest.kvc_hints(mode="SEED", session_id="s-st", room=991, snapshot_seqlen=53,
-                              prefill_peer_addr=ss.p.peer_addr)
-    r = Scheduler._create_generation_req(SimpleNamespace(page_size=PAGE), SimpleNamespace(kv_hints=hints), "d-1", None,
-                                         array("q", prompt), SamplingParams(max_new_tokens=4), vocab_size=1000)
+    hints = kvctest.kvc_hints(
+        mode="SEED", session_id="s-st", room=991, snapshot_seqlen=53, prefill_peer_addr=ss.p.peer_addr
+    )
+    r = Scheduler._create_generation_req(
+        SimpleNamespace(page_size=PAGE),
+        SimpleNamespace(kv_hints=hints),
+        "d-1",
+        None,
+        array("q", prompt),
+        SamplingParams(max_new_tokens=4),
+        vocab_size=1000,
+    )
     r.extra_key = None
     # SGLang matches input-1 tokens: 52 -> 3 whole pages restorable from the store's 53
     m = w.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt[:-1])), req=r))
     assert m.device_prefix_len == 0 and m.host_hit_length == 48, m
     r.last_node = m.last_device_node
-    loaded, _ = w.cache.init_load_back(InitLoadBackParams(best_match_node=m.best_match_node,
-                                                          host_hit_length=m.host_hit_length, req=r))
+    loaded, _ = w.cache.init_load_back(
+        InitLoadBackParams(best_match_node=m.best_match_node, host_hit_length=m.host_hit_length, req=r)
+    )
     assert loaded == 48
     slots = w.cache.linker.private_load_indices[r.rid]
     idx = w.cache.ready_to_load_host_cache()  # PrepareReceive(SNAPSHOT) + WaitReceive on D's sidecar

@@ -91,19 +91,42 @@ def test_continuity_strips_history_or_refuses(dside):
     def turn(ids, rid):
         # the fields Session.create_req reads of a TokenizedGenerateReqInput
         t = SimpleNamespace()
-        for k, v in dict(rid=rid, input_text=None, input_ids=list(ids), mm_inputs=None,
-                         sampling_params=SamplingParams(max_new_tokens=4), return_logprob=False, logprob_start_len=-1,
-                         top_logprobs_num=0, token_ids_logprob=None, stream=False, lora_id=None,
-                         session_params=None, custom_logit_processor=None, return_hidden_states=False,
-                         return_routed_experts=False, routed_experts_start_len=0, bootstrap_host=None,
-                         bootstrap_port=None, bootstrap_room=None, routed_dp_rank=None,
-                         disagg_prefill_dp_rank=None, priority=None, routing_key=None, extra_key=None,
-                         cache_salt=None, http_worker_ipc=None, time_stats=None, require_reasoning=False,
-                         return_sampling_mask=False,
-                         sampling_logprobs_mode="selected",
-                         kv_hints=kvctest.kvc_hints(mode="DIRECT_TO_D", session_id="s-c")).items():
+        for k, v in dict(
+            rid=rid,
+            input_text=None,
+            input_ids=list(ids),
+            mm_inputs=None,
+            sampling_params=SamplingParams(max_new_tokens=4),
+            return_logprob=False,
+            logprob_start_len=-1,
+            top_logprobs_num=0,
+            token_ids_logprob=None,
+            stream=False,
+            lora_id=None,
+            session_params=None,
+            custom_logit_processor=None,
+            return_hidden_states=False,
+            return_routed_experts=False,
+            routed_experts_start_len=0,
+            bootstrap_host=None,
+            bootstrap_port=None,
+            bootstrap_room=None,
+            routed_dp_rank=None,
+            disagg_prefill_dp_rank=None,
+            priority=None,
+            routing_key=None,
+            extra_key=None,
+            cache_salt=None,
+            http_worker_ipc=None,
+            time_stats=None,
+            require_reasoning=False,
+            return_sampling_mask=False,
+            sampling_logprobs_mode="selected",
+            kv_hints=kvctest.kvc_hints(mode="DIRECT_TO_D", session_id="s-c"),
+        ).items():
             setattr(t, k, v)
         from sglang.srt.managers.io_struct import SessionParams
+
         t.session_params = SessionParams(id="s-c")
         return t
 
@@ -147,6 +170,6 @@ def test_truncate_frees_the_tail_and_commits_the_prefix(dside):
     keep = 32
     freed = sessions.truncate(w.streaming, "s-t", keep)
     assert freed == 64 - keep and w.alloc.available_size() == free_before + freed
-    assert slot.kv.kv_committed_len == keep and w.slot_pages("s-t", keep) == keep_pages[:keep // PAGE]
+    assert slot.kv.kv_committed_len == keep and w.slot_pages("s-t", keep) == keep_pages[: keep // PAGE]
     # The shorter CommitSession follows; today's decode sidecar sends no truncate command yet and
     # refuses a shrinking commit outside one (FAILED_PRECONDITION, logged): the worker side only.

@@ -24,8 +24,14 @@ def append(pd, *, room, n, held, receive_from, ppages, dpages):  # noqa: F811
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
     pd.dq.req_to_token_pool = ReqToTokenPool(size=4, max_context_len=256, device="cpu", enable_memory_saver=False)
-    hints = kvctest.kvc_hints(mode="PD_FALLBACK", session_id="s-la", room=room, prefill_peer_addr=pd.p.peer_addr,
-                              keep_session=True, receive_from=receive_from)
+    hints = kvctest.kvc_hints(
+        mode="PD_FALLBACK",
+        session_id="s-la",
+        room=room,
+        prefill_peer_addr=pd.p.peer_addr,
+        keep_session=True,
+        receive_from=receive_from,
+    )
     ids = list(range(1000, 1000 + n))
     rp = kvctest.req("r-%d" % room, ids, room=room, host=pd.host, port=pd.port, hints=hints)
     rd = kvctest.req("r-%d" % room, ids, room=room, host=pd.host, port=pd.port, hints=hints)

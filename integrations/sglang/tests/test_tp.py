@@ -12,22 +12,35 @@ from kvcentric_sglang.payload import peer_for
 
 
 def hints(**shorthand):
-    return {"protocol_version": 1, "message_id": "m", "actions": [
-        {"action_id": "m/decode", "action_type": "kvc", "action_version": 2,
-         "payload": kvctest.payload_json(role="decode", **shorthand)}]}
+    return {
+        "protocol_version": 1,
+        "message_id": "m",
+        "actions": [
+            {
+                "action_id": "m/decode",
+                "action_type": "kvc",
+                "action_version": 2,
+                "payload": kvctest.payload_json(role="decode", **shorthand),
+            }
+        ],
+    }
 
 
 PEERS = ["10.0.0.1:7000", "10.0.0.1:7001"]
 
 
-@pytest.mark.parametrize("rank,size,peers,want", [
-    (0, 0, [], "p0"),            # no tensor parallelism: prefill_peer_addr
-    (0, 2, PEERS, PEERS[0]),
-    (1, 2, PEERS, PEERS[1]),
-])
+@pytest.mark.parametrize(
+    "rank,size,peers,want",
+    [
+        (0, 0, [], "p0"),  # no tensor parallelism: prefill_peer_addr
+        (0, 2, PEERS, PEERS[0]),
+        (1, 2, PEERS, PEERS[1]),
+    ],
+)
 def test_peer_for_rank(rank, size, peers, want):
-    h = runtime.parse_hint(hints(mode="SEED", room=7, prefill_peer_addr="p0" if not peers else PEERS[0],
-                                 prefill_peer_addrs=peers))
+    h = runtime.parse_hint(
+        hints(mode="SEED", room=7, prefill_peer_addr="p0" if not peers else PEERS[0], prefill_peer_addrs=peers)
+    )
     assert h.receive.peer_addrs == peers
     assert peer_for(h.receive, rank, size) == want
 
@@ -57,8 +70,11 @@ def test_receiver_takes_its_rank_peer(sglang_installed):
         return backend.KvcKVReceiver(mgr, "bootstrap:1", 7)
 
     def req(peers):
-        return types.SimpleNamespace(kv_hints=hints(mode="SEED", room=7, session_id="s1", prefill_peer_addr=PEERS[0],
-                                                    prefill_peer_addrs=peers), origin_input_ids=[1, 2, 3], session=None)
+        return types.SimpleNamespace(
+            kv_hints=hints(mode="SEED", room=7, session_id="s1", prefill_peer_addr=PEERS[0], prefill_peer_addrs=peers),
+            origin_input_ids=[1, 2, 3],
+            session=None,
+        )
 
     r1 = receiver(1, 2)
     plugin._carry(r1, req(PEERS))
@@ -86,15 +102,31 @@ def test_carry_acts_on_fields_not_mode(sglang_installed):
         return types.SimpleNamespace(kv_hints=env, origin_input_ids=[1, 2, 3], session=None)
 
     snap = backend.KvcKVReceiver(mgr, "bootstrap:1", 7)
-    plugin._carry(snap, req({"mode": "ROUTE_MODE_RESEED_PREFILL", "session_id": "s1",
-                             "receive": {"kind": "TRANSFER_KIND_SNAPSHOT", "room": "7", "peer_addr": PEERS[0],
-                                         "tokens": "3"}}))
+    plugin._carry(
+        snap,
+        req(
+            {
+                "mode": "ROUTE_MODE_RESEED_PREFILL",
+                "session_id": "s1",
+                "receive": {"kind": "TRANSFER_KIND_SNAPSHOT", "room": "7", "peer_addr": PEERS[0], "tokens": "3"},
+            }
+        ),
+    )
     assert snap.poll() == backend.KVPoll.Failed and "colocated decode worker" in snap._error
     seed = backend.KvcKVReceiver(mgr, "bootstrap:1", 7)
-    plugin._carry(seed, req({"mode": "ROUTE_MODE_RESEED_SNAPSHOT", "session_id": "s1",
-                             "receive": {"kind": "TRANSFER_KIND_SEED", "room": "7", "peer_addr": PEERS[1]}}))
+    plugin._carry(
+        seed,
+        req(
+            {
+                "mode": "ROUTE_MODE_RESEED_SNAPSHOT",
+                "session_id": "s1",
+                "receive": {"kind": "TRANSFER_KIND_SEED", "room": "7", "peer_addr": PEERS[1]},
+            }
+        ),
+    )
     assert seed.poll() != backend.KVPoll.Failed and seed.kind == P.TRANSFER_SEED and seed.bootstrap_addr == PEERS[1]
     tx = backend.KvcKVSender(mgr, "bootstrap:1", 7)
-    plugin._carry(tx, req({"mode": "ROUTE_MODE_PD_FALLBACK", "session_id": "s1",
-                           "send": {"room": "7", "store_generation": "4"}}))
+    plugin._carry(
+        tx, req({"mode": "ROUTE_MODE_PD_FALLBACK", "session_id": "s1", "send": {"room": "7", "store_generation": "4"}})
+    )
     assert (tx.to_store, tx.generation, tx.tokens, tx.session_id) == (True, 4, 3, "s1")

@@ -12,6 +12,7 @@ import kvctest
 
 def _cleanup(tmp):
     from kvcentric_sglang import runtime
+
     if runtime.state.watch is not None:
         runtime.state.watch.stop()
     runtime.state.reset()
@@ -24,6 +25,7 @@ def _worker(tmp, sc, name="d"):
     from kvcentric_sglang import pool as kvpool
     from kvcentric_sglang import runtime
     from kvcentric_sglang.bridge import WorkerBridge
+
     runtime.state.reset()
     w = kvctest.Colocated(tmp, name)
     b = WorkerBridge(sc.sock)
@@ -45,11 +47,25 @@ class _ReleaseCluster:
 
         self.tmp = tmp
         self.cp = kvctest.ScriptedControlPlane(delta_tokens=16)
-        self.d = kvctest.Sidecar(bins["decode"], "d0", tmp, self.cp.addr,
-                                 extra=["--snapshot-delta-tokens", "16", "--release-high-watermark", "0.7",
-                                        "--release-low-watermark", str(low), "--release-min-idle", "0s"])
-        self.p = kvctest.Sidecar(bins["prefill"], "p0", tmp, self.cp.addr,
-                                 extra=["--store-capacity-bytes", str(16 << 20)])
+        self.d = kvctest.Sidecar(
+            bins["decode"],
+            "d0",
+            tmp,
+            self.cp.addr,
+            extra=[
+                "--snapshot-delta-tokens",
+                "16",
+                "--release-high-watermark",
+                "0.7",
+                "--release-low-watermark",
+                str(low),
+                "--release-min-idle",
+                "0s",
+            ],
+        )
+        self.p = kvctest.Sidecar(
+            bins["prefill"], "p0", tmp, self.cp.addr, extra=["--store-capacity-bytes", str(16 << 20)]
+        )
         try:
             wp = kvctest.Colocated(tmp, "p")
             self.pb = WorkerBridge(self.p.sock)
@@ -71,10 +87,16 @@ class _ReleaseCluster:
 def _scheduler(w, **extra):
     """The scheduler attributes SGLang's process_input_requests touches (plus extra)."""
     from sglang.srt.session.session_controller import SessionController
-    return SimpleNamespace(session_controller=SessionController(w.cache), tree_cache=w.cache,
-                           scheduler_stage_metrics=None, external_corpus_manager=None,
-                           flush_wrapper=SimpleNamespace(check_pending=lambda: None),
-                           _event_loop_should_restart=False, **extra)
+
+    return SimpleNamespace(
+        session_controller=SessionController(w.cache),
+        tree_cache=w.cache,
+        scheduler_stage_metrics=None,
+        external_corpus_manager=None,
+        flush_wrapper=SimpleNamespace(check_pending=lambda: None),
+        _event_loop_should_restart=False,
+        **extra,
+    )
 
 
 def test_reregisters_and_recommits_after_sidecar_restart(sglang_installed, bins, tmp, monkeypatch):
@@ -128,6 +150,7 @@ def test_capacity_release_in_priority_order_after_snapshot(sglang_installed, bin
         # the scheduler loop: SGLang's (hooked) process_input_requests runs the queued commands
         # on the scheduler thread
         from sglang.srt.managers.scheduler import Scheduler
+
         sched = _scheduler(w)
         deadline = time.monotonic() + 40
         while time.monotonic() < deadline and len([s for s in committed if s not in w.streaming.slots]) < 2:
@@ -144,8 +167,10 @@ def test_capacity_release_in_priority_order_after_snapshot(sglang_installed, bin
         assert order == ["s-C", "s-E"], ev
         for sid in order:
             i_rel = next(i for i, e in enumerate(ev) if e["kind"] == "evicted" and e["session"] == sid)
-            assert any(e["kind"] == "snapshot_ingested" and e["session"] == sid and e["kv_len"] == committed[sid]
-                       for e in ev[:i_rel]), (sid, ev)
+            assert any(
+                e["kind"] == "snapshot_ingested" and e["session"] == sid and e["kv_len"] == committed[sid]
+                for e in ev[:i_rel]
+            ), (sid, ev)
             assert pb.snapshot_status(sid).seqlen == committed[sid]
         assert set(kvctest.sessions_of(d)) == {"s-A", "s-B", "s-D"}
     finally:

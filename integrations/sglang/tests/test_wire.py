@@ -55,16 +55,23 @@ def test_roundtrip_random_messages():
                 assert wire.unpack_varints(a[num][-1]) == v
 
 
-@pytest.mark.parametrize("cmd", [
-    wire.Writer().int(1, 7).msg(3, wire.Writer().str(1, "sc-1").bool(2, True).int(3, 4)),
-    wire.Writer().int(1, 8).int(2, 1).msg(4, wire.Writer().str(1, "s-1")),
-    wire.Writer().int(1, 9).int(2, 3).msg(5, wire.Writer().str(1, "s-2").int(2, 64)),
-])
+@pytest.mark.parametrize(
+    "cmd",
+    [
+        wire.Writer().int(1, 7).msg(3, wire.Writer().str(1, "sc-1").bool(2, True).int(3, 4)),
+        wire.Writer().int(1, 8).int(2, 1).msg(4, wire.Writer().str(1, "s-1")),
+        wire.Writer().int(1, 9).int(2, 3).msg(5, wire.Writer().str(1, "s-2").int(2, 64)),
+    ],
+)
 def test_worker_command_decoder(cmd):
     c = bridge.decode_worker_command(cmd.done())
     if c.attach is not None:
-        assert (c.command_id, c.attach.sidecar_instance, c.attach.pool_registered, c.attach.resident_sessions) == \
-            (7, "sc-1", True, 4)
+        assert (c.command_id, c.attach.sidecar_instance, c.attach.pool_registered, c.attach.resident_sessions) == (
+            7,
+            "sc-1",
+            True,
+            4,
+        )
     elif c.release is not None:
         assert (c.command_id, c.reason, c.release) == (8, bridge.REASON_CAPACITY, "s-1")
     else:

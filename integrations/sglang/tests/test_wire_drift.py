@@ -35,7 +35,7 @@ _FD = descriptor_pb2.FieldDescriptorProto
 _I64_TYPES = {_FD.TYPE_DOUBLE, _FD.TYPE_FIXED64, _FD.TYPE_SFIXED64}
 _I32_TYPES = {_FD.TYPE_FLOAT, _FD.TYPE_FIXED32, _FD.TYPE_SFIXED32}
 _LEN_TYPES = {_FD.TYPE_STRING, _FD.TYPE_BYTES, _FD.TYPE_MESSAGE}
-_TYPE_NAMES = {v: k[len("TYPE_"):].lower() for k, v in _FD.Type.items()}
+_TYPE_NAMES = {v: k[len("TYPE_") :].lower() for k, v in _FD.Type.items()}
 
 
 @pytest.fixture(scope="module")
@@ -91,10 +91,10 @@ def _fields(raw: bytes):
             v = varint()
         elif wt in (1, 5):
             n = 8 if wt == 1 else 4
-            v, i = raw[i:i + n], i + n
+            v, i = raw[i : i + n], i + n
         elif wt == 2:
             n = varint()
-            v, i = raw[i:i + n], i + n
+            v, i = raw[i : i + n], i + n
         else:
             raise AssertionError("wire type %d at byte %d" % (wt, i))
         out.append((num, wt, v))
@@ -107,12 +107,23 @@ def schema_problems(raw: bytes, desc, path: str):
     for num, wt, v in _fields(raw):
         fd = desc.fields_by_number.get(num)
         if fd is None:
-            problems.append("%s: wire.py writes field %d (wire type %d), which %s in proto/api.binpb does not have"
-                            % (path, num, wt, desc.full_name))
+            problems.append(
+                "%s: wire.py writes field %d (wire type %d), which %s in proto/api.binpb does not have"
+                % (path, num, wt, desc.full_name)
+            )
         elif wt not in _wire_types(fd):
-            problems.append("%s.%s: wire.py writes field %d as wire type %d, the image declares %s%s (wire type %s)"
-                            % (path, fd.name, num, wt, "repeated " if _repeated(fd) else "", _TYPE_NAMES[fd.type],
-                               " or ".join(map(str, sorted(_wire_types(fd))))))
+            problems.append(
+                "%s.%s: wire.py writes field %d as wire type %d, the image declares %s%s (wire type %s)"
+                % (
+                    path,
+                    fd.name,
+                    num,
+                    wt,
+                    "repeated " if _repeated(fd) else "",
+                    _TYPE_NAMES[fd.type],
+                    " or ".join(map(str, sorted(_wire_types(fd)))),
+                )
+            )
         elif fd.type == _FD.TYPE_MESSAGE:
             problems += schema_problems(v, fd.message_type, "%s.%s" % (path, fd.name))
     return problems
@@ -142,8 +153,10 @@ def value_problems(msg, want: dict, path: str):
                 problems.append("%s: protobuf reads %r, the Python encoder was given %r" % (where, g, w))
     for fd, _ in msg.ListFields():
         if fd.name not in want:
-            problems.append("%s.%s (field %d): set, but nothing was given for it (a value under the wrong number?)"
-                            % (path, fd.name, fd.number))
+            problems.append(
+                "%s.%s (field %d): set, but nothing was given for it (a value under the wrong number?)"
+                % (path, fd.name, fd.number)
+            )
     return problems
 
 
@@ -190,12 +203,14 @@ class RecordingSidecar:
         def h(req, ctx):
             self.requests.append((name, req))
             return self.answers.get(name, b"")
+
         return h
 
     def _stream(self, name):
         def h(req, ctx):
             self.requests.append((name, req))
             yield from self.answers.get(name, [])
+
         return h
 
 
@@ -204,83 +219,210 @@ class RecordingSidecar:
 # answer's fields.
 U64 = (1 << 64) - 3  # a uint64 above int64's range
 CASES = [
-    dict(method="RegisterKVPool", client="register_kv_pool",
-         call=lambda b: b.register_kv_pool(
-             16, 4096, 100, 2,
-             [KVBuffer(layer=1, kind=bridge.KV_KIND_V, size_bytes=409600, shm_path="/dev/shm/kvc-x", shm_offset=4096),
-              KVBuffer(layer=1, kind=bridge.KV_KIND_K, size_bytes=8192, cuda_ipc_handle=b"\x01\x02" * 32,
-                       cuda_device=3, cuda_offset=65536)],
-             model="tiny", layout=bridge.POOL_LAYOUT_MLA, tp_rank=1, tp_size=2, aux_item_lens=[4, 8, 3]),
-         request={"page_size": 16, "item_len": 4096, "page_count": 100, "num_layers": 2,
-                  "buffers": [{"layer": 1, "kind": 2, "size_bytes": 409600,
-                               "shm": {"path": "/dev/shm/kvc-x", "offset": 4096}},
-                              {"layer": 1, "kind": 1, "size_bytes": 8192,
-                               "cuda": {"ipc_handle": b"\x01\x02" * 32, "device": 3, "offset": 65536}}],
-                  "model": "tiny", "layout": 2, "tp_rank": 1, "tp_size": 2, "aux_item_lens": [4, 8, 3]},
-         answer={"kv_bytes_per_token": 12288, "transfer_endpoint": "tcp://127.0.0.1:7001"},
-         returns={"kv_bytes_per_token": lambda r: r[0], "transfer_endpoint": lambda r: r[1]}),
-    dict(method="CommitSession", client="commit_session",
-         call=lambda b: b.commit_session("s-1", 5, [3], [7, 0, (1 << 31) - 1, 9, 151643]),
-         request={"session_id": "s-1", "committed_len": 5, "pages": [3],
-                  "token_ids": [7, 0, (1 << 31) - 1, 9, 151643]},
-         answer={"push_enqueued": True}, returns={"push_enqueued": lambda r: r}),
-    dict(method="ReleaseSession", client="release_session",
-         call=lambda b: b.release_session("s-2", evicted=True),
-         request={"session_id": "s-2", "reason": 2},
-         answer={"push_aborted": True}, returns={"push_aborted": lambda r: r}),
-    dict(method="PrepareReceive", client="prepare_receive",
-         call=lambda b: b.prepare_receive(7, "s-3", bridge.TRANSFER_SNAPSHOT, [5, 6], 20, "10.0.0.1:7000"),
-         request={"room": 7, "session_id": "s-3", "kind": 2, "pages": [5, 6], "tokens": 20,
-                  "source_peer_addr": "10.0.0.1:7000"},
-         answer={}, returns={}),
-    dict(method="WaitReceive", client="wait_receive",
-         call=lambda b: b.wait_receive(8, timeout_s=2.5),
-         request={"room": 8, "timeout_ms": 2500},
-         answer={"ok": True, "bytes": 1 << 33, "tokens": 20, "error": "late", "duration_us": 1500,
-                 "aux": [b"a", b"", b"\x00c"]},
-         returns={"ok": lambda r: r.ok, "bytes": lambda r: r.bytes, "tokens": lambda r: r.tokens,
-                  "error": lambda r: r.error, "duration_us": lambda r: r.duration_us, "aux": lambda r: r.aux}),
-    dict(method="SendKV", client="send_kv",
-         call=lambda b: b.send_kv(9, "s-4", [1, 2], first_page=4, last=True, tokens=30, aux=[b"x", b""],
-                                  to_store=True, generation=U64),
-         request={"room": 9, "session_id": "s-4", "pages": [1, 2], "first_page": 4, "last": True, "tokens": 30,
-                  "aux": [b"x", b""], "to_store": True, "generation": U64},
-         answer={"bytes": 999}, returns={"bytes": lambda r: r}),
-    dict(method="LoadFromStore", client="load_from_store",
-         call=lambda b: b.load_from_store("s-6", U64, 48, [3, 9, 4]),
-         request={"session_id": "s-6", "generation": U64, "tokens": 48, "pages": [3, 9, 4]},
-         answer={"bytes": 1 << 33, "tokens": 48, "generation": U64, "seqlen": 50, "duration_us": 700},
-         returns={"bytes": lambda r: r.bytes, "tokens": lambda r: r.tokens, "generation": lambda r: r.generation,
-                  "seqlen": lambda r: r.seqlen, "duration_us": lambda r: r.duration_us}),
-    dict(method="SnapshotStatus", client="snapshot_status",
-         call=lambda b: b.snapshot_status("s-5"),
-         request={"session_id": "s-5"},
-         answer={"exists": True, "seqlen": 77, "generation": U64, "freshness_s": 0.25, "prefill_worker": "p-1",
-                 "last_pushed_len": 64},
-         returns={"exists": lambda r: r.exists, "seqlen": lambda r: r.seqlen, "generation": lambda r: r.generation,
-                  "freshness_s": lambda r: r.freshness_s, "prefill_worker": lambda r: r.prefill_worker,
-                  "last_pushed_len": lambda r: r.last_pushed_len}),
-    dict(method="ReportDemand", client="report_demand",
-         call=lambda b: b.report_demand(3, 1 << 33, 4096, unevictable_tokens=1 << 34, running_requests=7),
-         request={"waiting_requests": 3, "waiting_tokens": 1 << 33, "free_tokens": 4096, "unevictable_tokens": 1 << 34,
-                  "running_requests": 7},
-         answer={}, returns={}),
-    dict(method="AckCommand", client="ack_command",
-         call=lambda b: b.ack_command(U64, True, "boom", freed_tokens=12),
-         request={"command_id": U64, "ok": True, "error": "boom", "freed_tokens": 12},
-         answer={}, returns={}),
+    dict(
+        method="RegisterKVPool",
+        client="register_kv_pool",
+        call=lambda b: b.register_kv_pool(
+            16,
+            4096,
+            100,
+            2,
+            [
+                KVBuffer(layer=1, kind=bridge.KV_KIND_V, size_bytes=409600, shm_path="/dev/shm/kvc-x", shm_offset=4096),
+                KVBuffer(
+                    layer=1,
+                    kind=bridge.KV_KIND_K,
+                    size_bytes=8192,
+                    cuda_ipc_handle=b"\x01\x02" * 32,
+                    cuda_device=3,
+                    cuda_offset=65536,
+                ),
+            ],
+            model="tiny",
+            layout=bridge.POOL_LAYOUT_MLA,
+            tp_rank=1,
+            tp_size=2,
+            aux_item_lens=[4, 8, 3],
+        ),
+        request={
+            "page_size": 16,
+            "item_len": 4096,
+            "page_count": 100,
+            "num_layers": 2,
+            "buffers": [
+                {"layer": 1, "kind": 2, "size_bytes": 409600, "shm": {"path": "/dev/shm/kvc-x", "offset": 4096}},
+                {
+                    "layer": 1,
+                    "kind": 1,
+                    "size_bytes": 8192,
+                    "cuda": {"ipc_handle": b"\x01\x02" * 32, "device": 3, "offset": 65536},
+                },
+            ],
+            "model": "tiny",
+            "layout": 2,
+            "tp_rank": 1,
+            "tp_size": 2,
+            "aux_item_lens": [4, 8, 3],
+        },
+        answer={"kv_bytes_per_token": 12288, "transfer_endpoint": "tcp://127.0.0.1:7001"},
+        returns={"kv_bytes_per_token": lambda r: r[0], "transfer_endpoint": lambda r: r[1]},
+    ),
+    dict(
+        method="CommitSession",
+        client="commit_session",
+        call=lambda b: b.commit_session("s-1", 5, [3], [7, 0, (1 << 31) - 1, 9, 151643]),
+        request={"session_id": "s-1", "committed_len": 5, "pages": [3], "token_ids": [7, 0, (1 << 31) - 1, 9, 151643]},
+        answer={"push_enqueued": True},
+        returns={"push_enqueued": lambda r: r},
+    ),
+    dict(
+        method="ReleaseSession",
+        client="release_session",
+        call=lambda b: b.release_session("s-2", evicted=True),
+        request={"session_id": "s-2", "reason": 2},
+        answer={"push_aborted": True},
+        returns={"push_aborted": lambda r: r},
+    ),
+    dict(
+        method="PrepareReceive",
+        client="prepare_receive",
+        call=lambda b: b.prepare_receive(7, "s-3", bridge.TRANSFER_SNAPSHOT, [5, 6], 20, "10.0.0.1:7000"),
+        request={
+            "room": 7,
+            "session_id": "s-3",
+            "kind": 2,
+            "pages": [5, 6],
+            "tokens": 20,
+            "source_peer_addr": "10.0.0.1:7000",
+        },
+        answer={},
+        returns={},
+    ),
+    dict(
+        method="WaitReceive",
+        client="wait_receive",
+        call=lambda b: b.wait_receive(8, timeout_s=2.5),
+        request={"room": 8, "timeout_ms": 2500},
+        answer={
+            "ok": True,
+            "bytes": 1 << 33,
+            "tokens": 20,
+            "error": "late",
+            "duration_us": 1500,
+            "aux": [b"a", b"", b"\x00c"],
+        },
+        returns={
+            "ok": lambda r: r.ok,
+            "bytes": lambda r: r.bytes,
+            "tokens": lambda r: r.tokens,
+            "error": lambda r: r.error,
+            "duration_us": lambda r: r.duration_us,
+            "aux": lambda r: r.aux,
+        },
+    ),
+    dict(
+        method="SendKV",
+        client="send_kv",
+        call=lambda b: b.send_kv(
+            9, "s-4", [1, 2], first_page=4, last=True, tokens=30, aux=[b"x", b""], to_store=True, generation=U64
+        ),
+        request={
+            "room": 9,
+            "session_id": "s-4",
+            "pages": [1, 2],
+            "first_page": 4,
+            "last": True,
+            "tokens": 30,
+            "aux": [b"x", b""],
+            "to_store": True,
+            "generation": U64,
+        },
+        answer={"bytes": 999},
+        returns={"bytes": lambda r: r},
+    ),
+    dict(
+        method="LoadFromStore",
+        client="load_from_store",
+        call=lambda b: b.load_from_store("s-6", U64, 48, [3, 9, 4]),
+        request={"session_id": "s-6", "generation": U64, "tokens": 48, "pages": [3, 9, 4]},
+        answer={"bytes": 1 << 33, "tokens": 48, "generation": U64, "seqlen": 50, "duration_us": 700},
+        returns={
+            "bytes": lambda r: r.bytes,
+            "tokens": lambda r: r.tokens,
+            "generation": lambda r: r.generation,
+            "seqlen": lambda r: r.seqlen,
+            "duration_us": lambda r: r.duration_us,
+        },
+    ),
+    dict(
+        method="SnapshotStatus",
+        client="snapshot_status",
+        call=lambda b: b.snapshot_status("s-5"),
+        request={"session_id": "s-5"},
+        answer={
+            "exists": True,
+            "seqlen": 77,
+            "generation": U64,
+            "freshness_s": 0.25,
+            "prefill_worker": "p-1",
+            "last_pushed_len": 64,
+        },
+        returns={
+            "exists": lambda r: r.exists,
+            "seqlen": lambda r: r.seqlen,
+            "generation": lambda r: r.generation,
+            "freshness_s": lambda r: r.freshness_s,
+            "prefill_worker": lambda r: r.prefill_worker,
+            "last_pushed_len": lambda r: r.last_pushed_len,
+        },
+    ),
+    dict(
+        method="ReportDemand",
+        client="report_demand",
+        call=lambda b: b.report_demand(3, 1 << 33, 4096, unevictable_tokens=1 << 34, running_requests=7),
+        request={
+            "waiting_requests": 3,
+            "waiting_tokens": 1 << 33,
+            "free_tokens": 4096,
+            "unevictable_tokens": 1 << 34,
+            "running_requests": 7,
+        },
+        answer={},
+        returns={},
+    ),
+    dict(
+        method="AckCommand",
+        client="ack_command",
+        call=lambda b: b.ack_command(U64, True, "boom", freed_tokens=12),
+        request={"command_id": U64, "ok": True, "error": "boom", "freed_tokens": 12},
+        answer={},
+        returns={},
+    ),
 ]
 
 STREAM = [  # WatchCommands: each answer message and what decode_worker_command must make of it
-    ({"command_id": 1, "attach": {"sidecar_instance": "sc-9", "pool_registered": True, "resident_sessions": 4}},
-     {"command_id": lambda c: c.command_id, "attach.sidecar_instance": lambda c: c.attach.sidecar_instance,
-      "attach.pool_registered": lambda c: c.attach.pool_registered,
-      "attach.resident_sessions": lambda c: c.attach.resident_sessions}),
-    ({"command_id": U64, "reason": 1, "release": {"session_id": "s-6"}},
-     {"command_id": lambda c: c.command_id, "reason": lambda c: c.reason, "release.session_id": lambda c: c.release}),
-    ({"command_id": 3, "reason": 3, "truncate": {"session_id": "s-7", "keep_tokens": 96}},
-     {"command_id": lambda c: c.command_id, "reason": lambda c: c.reason,
-      "truncate.session_id": lambda c: c.truncate[0], "truncate.keep_tokens": lambda c: c.truncate[1]}),
+    (
+        {"command_id": 1, "attach": {"sidecar_instance": "sc-9", "pool_registered": True, "resident_sessions": 4}},
+        {
+            "command_id": lambda c: c.command_id,
+            "attach.sidecar_instance": lambda c: c.attach.sidecar_instance,
+            "attach.pool_registered": lambda c: c.attach.pool_registered,
+            "attach.resident_sessions": lambda c: c.attach.resident_sessions,
+        },
+    ),
+    (
+        {"command_id": U64, "reason": 1, "release": {"session_id": "s-6"}},
+        {"command_id": lambda c: c.command_id, "reason": lambda c: c.reason, "release.session_id": lambda c: c.release},
+    ),
+    (
+        {"command_id": 3, "reason": 3, "truncate": {"session_id": "s-7", "keep_tokens": 96}},
+        {
+            "command_id": lambda c: c.command_id,
+            "reason": lambda c: c.reason,
+            "truncate.session_id": lambda c: c.truncate[0],
+            "truncate.keep_tokens": lambda c: c.truncate[1],
+        },
+    ),
 ]
 
 
@@ -305,7 +447,8 @@ def test_every_client_method_has_a_case():
     public = {n for n in dir(WorkerBridge) if not n.startswith("_") and callable(getattr(WorkerBridge, n))}
     covered = {c["client"] for c in CASES} | {"watch_commands"}
     assert public - {"close"} == covered, "WorkerBridge methods without a drift case: %s" % sorted(
-        public - {"close"} - covered)
+        public - {"close"} - covered
+    )
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["method"] for c in CASES])
@@ -328,8 +471,10 @@ def test_unary_call_matches_image(pool, sidecar, case):
         if fd is None:
             problems.append("%s.%s: bridge.py reads it, the image has no such field" % (m.output_type.name, name))
         elif get(result) != case["answer"][name]:
-            problems.append("%s.%s (field %d): bridge.py decoded %r, protobuf sent %r"
-                            % (m.output_type.name, name, fd.number, get(result), case["answer"][name]))
+            problems.append(
+                "%s.%s (field %d): bridge.py decoded %r, protobuf sent %r"
+                % (m.output_type.name, name, fd.number, get(result), case["answer"][name])
+            )
     assert not problems, "\n".join(problems)
 
 
@@ -343,16 +488,18 @@ def test_watch_commands_matches_image(pool, sidecar):
 
     raw = s.requests[0][1]
     problems = schema_problems(raw, m.input_type, m.input_type.name)
-    problems += value_problems(message_factory.GetMessageClass(m.input_type).FromString(raw),
-                               {"worker_instance": "inst-1"}, m.input_type.name)
+    problems += value_problems(
+        message_factory.GetMessageClass(m.input_type).FromString(raw), {"worker_instance": "inst-1"}, m.input_type.name
+    )
     assert len(got) == len(STREAM)
     for i, (cmd, (answer, reads)) in enumerate(zip(got, STREAM)):
         for dotted, get in reads.items():
             want = _lookup(answer, dotted)
             v = get(cmd)
             if v != want:
-                problems.append("%s[%d].%s: bridge.py decoded %r, protobuf sent %r" % (m.output_type.name, i, dotted, v,
-                                                                                       want))
+                problems.append(
+                    "%s[%d].%s: bridge.py decoded %r, protobuf sent %r" % (m.output_type.name, i, dotted, v, want)
+                )
     assert not problems, "\n".join(problems)
 
 
@@ -369,19 +516,34 @@ def _enum_problems(pool, enum_name: str, prefix: str, consts: dict):
 
 
 def test_constants_match_image_enums(pool):
-    problems = _enum_problems(pool, "KVKind", "KV_KIND_", {"K": bridge.KV_KIND_K, "V": bridge.KV_KIND_V,
-                                                           "COMBINED": bridge.KV_KIND_COMBINED})
-    problems += _enum_problems(pool, "PoolLayout", "POOL_LAYOUT_", {"MHA": bridge.POOL_LAYOUT_MHA,
-                                                                    "MLA": bridge.POOL_LAYOUT_MLA})
-    problems += _enum_problems(pool, "WorkerCommandReason", "WORKER_COMMAND_REASON_", {
-        "CAPACITY": bridge.REASON_CAPACITY, "CONTROL_PLANE": bridge.REASON_CONTROL_PLANE,
-        "PREFIX_MISMATCH": bridge.REASON_PREFIX_MISMATCH})
-    problems += _enum_problems(pool, "ReleaseReason", "RELEASE_REASON_", {"RELEASED": bridge.RELEASE_RELEASED,
-                                                                          "EVICTED": bridge.RELEASE_EVICTED})
-    problems += _enum_problems(pool, "TransferKind", "TRANSFER_KIND_", {"SEED": bridge.TRANSFER_SEED,
-                                                                        "SNAPSHOT": bridge.TRANSFER_SNAPSHOT})
-    problems += _enum_problems(pool, "SessionEventKind", "SESSION_EVENT_KIND_",
-                               {v.upper(): k for k, v in kvctest.EVENT_KINDS.items()})
+    problems = _enum_problems(
+        pool, "KVKind", "KV_KIND_", {"K": bridge.KV_KIND_K, "V": bridge.KV_KIND_V, "COMBINED": bridge.KV_KIND_COMBINED}
+    )
+    problems += _enum_problems(
+        pool, "PoolLayout", "POOL_LAYOUT_", {"MHA": bridge.POOL_LAYOUT_MHA, "MLA": bridge.POOL_LAYOUT_MLA}
+    )
+    problems += _enum_problems(
+        pool,
+        "WorkerCommandReason",
+        "WORKER_COMMAND_REASON_",
+        {
+            "CAPACITY": bridge.REASON_CAPACITY,
+            "CONTROL_PLANE": bridge.REASON_CONTROL_PLANE,
+            "PREFIX_MISMATCH": bridge.REASON_PREFIX_MISMATCH,
+        },
+    )
+    problems += _enum_problems(
+        pool,
+        "ReleaseReason",
+        "RELEASE_REASON_",
+        {"RELEASED": bridge.RELEASE_RELEASED, "EVICTED": bridge.RELEASE_EVICTED},
+    )
+    problems += _enum_problems(
+        pool, "TransferKind", "TRANSFER_KIND_", {"SEED": bridge.TRANSFER_SEED, "SNAPSHOT": bridge.TRANSFER_SNAPSHOT}
+    )
+    problems += _enum_problems(
+        pool, "SessionEventKind", "SESSION_EVENT_KIND_", {v.upper(): k for k, v in kvctest.EVENT_KINDS.items()}
+    )
     assert not problems, "\n".join(problems)
 
 
@@ -402,10 +564,17 @@ def test_scripted_control_plane_matches_image(pool):
     req_cls, resp_cls = (message_factory.GetMessageClass(t) for t in (m.input_type, m.output_type))
     cp = kvctest.ScriptedControlPlane(delta_tokens=24)
     try:
-        hello = {"hello": {"worker_id": "p-1", "role": 1, "transfer_endpoint": "tcp://10.0.0.2:7001",
-                           "peer_addr": "10.0.0.2:7000"}}
-        event = {"session_event": {"session_id": "s-1", "kind": 4, "kv_len": 64, "generation": U64,
-                                   "detail": "ingested"}}
+        hello = {
+            "hello": {
+                "worker_id": "p-1",
+                "role": 1,
+                "transfer_endpoint": "tcp://10.0.0.2:7001",
+                "peer_addr": "10.0.0.2:7000",
+            }
+        }
+        event = {
+            "session_event": {"session_id": "s-1", "kind": 4, "kv_len": 64, "generation": U64, "detail": "ingested"}
+        }
         ack = {"ack": {"command_id": 12, "ok": True, "error": "none"}}
         inbox = queue.Queue()
         for x in (hello, event, ack):
@@ -426,19 +595,46 @@ def test_scripted_control_plane_matches_image(pool):
         inbox.put(None)
 
         problems = schema_problems(welcome, m.output_type, "ConnectResponse")
-        problems += value_problems(resp_cls.FromString(welcome), {"welcome": {
-            "epoch": 1, "leader_id": "scripted-cp",
-            "policy": {"snapshot_delta_tokens": 24, "snapshots_enabled": True, "version": 1}}}, "ConnectResponse")
+        problems += value_problems(
+            resp_cls.FromString(welcome),
+            {
+                "welcome": {
+                    "epoch": 1,
+                    "leader_id": "scripted-cp",
+                    "policy": {"snapshot_delta_tokens": 24, "snapshots_enabled": True, "version": 1},
+                }
+            },
+            "ConnectResponse",
+        )
         problems += schema_problems(command, m.output_type, "ConnectResponse")
-        problems += value_problems(resp_cls.FromString(command), {"command": {
-            "command_id": cid, "epoch": 1, "set_snapshot_target": {
-                "session_id": "s-1", "prefill_worker_id": "p-1", "peer_addr": "10.0.0.2:7000",
-                "transfer_endpoint": "tcp://10.0.0.2:7001", "generation": U64}}}, "ConnectResponse")
+        problems += value_problems(
+            resp_cls.FromString(command),
+            {
+                "command": {
+                    "command_id": cid,
+                    "epoch": 1,
+                    "set_snapshot_target": {
+                        "session_id": "s-1",
+                        "prefill_worker_id": "p-1",
+                        "peer_addr": "10.0.0.2:7000",
+                        "transfer_endpoint": "tcp://10.0.0.2:7001",
+                        "generation": U64,
+                    },
+                }
+            },
+            "ConnectResponse",
+        )
         h = cp.hellos.get("p-1")
         if h != {"role": 1, "peer_addr": "10.0.0.2:7000", "transfer_endpoint": "tcp://10.0.0.2:7001"}:
             problems.append("Hello: kvctest decoded %r from %r" % (h, hello))
-        want_event = {"worker": "p-1", "session": "s-1", "kind": "snapshot_ingested", "kv_len": 64,
-                      "generation": U64, "detail": "ingested"}
+        want_event = {
+            "worker": "p-1",
+            "session": "s-1",
+            "kind": "snapshot_ingested",
+            "kv_len": 64,
+            "generation": U64,
+            "detail": "ingested",
+        }
         if cp.events[0] != want_event:
             problems.append("SessionEvent: kvctest decoded %r, protobuf sent %r" % (cp.events[0], event))
         if cp.acks[0] != ("p-1", 12, True, "none"):
@@ -469,22 +665,29 @@ def _payload_field_problems(pool, msg: str):
         if fd.number != num:
             problems.append("%s.%s: payload.py says field %d, the image %d" % (msg, name, num, fd.number))
         if fd.json_name != kvc_payload.json_name(name):
-            problems.append("%s.%s: JSON name %s in the image, %s in payload.py" % (msg, name, fd.json_name,
-                                                                                   kvc_payload.json_name(name)))
-        repeated, base = kind.startswith("repeated "), kind[len("repeated "):] if kind.startswith("repeated ") else kind
+            problems.append(
+                "%s.%s: JSON name %s in the image, %s in payload.py"
+                % (msg, name, fd.json_name, kvc_payload.json_name(name))
+            )
+        repeated, base = (
+            kind.startswith("repeated "),
+            kind[len("repeated ") :] if kind.startswith("repeated ") else kind,
+        )
         if repeated != _repeated(fd):
             problems.append("%s.%s: repeated in one and not the other" % (msg, name))
         if base.startswith("enum:"):
-            ok = fd.type == _FD.TYPE_ENUM and fd.enum_type.name == base[len("enum:"):]
+            ok = fd.type == _FD.TYPE_ENUM and fd.enum_type.name == base[len("enum:") :]
         elif base.startswith("message:"):
-            ok = fd.type == _FD.TYPE_MESSAGE and fd.message_type.name == base[len("message:"):]
+            ok = fd.type == _FD.TYPE_MESSAGE and fd.message_type.name == base[len("message:") :]
             if ok:
                 problems += _payload_field_problems(pool, fd.message_type.name)
         else:
             ok = fd.type == _KINDS[base]
         if not ok:
-            problems.append("%s.%s: payload.py reads it as %s, the image declares %s" % (
-                msg, name, kind, _TYPE_NAMES.get(fd.type, fd.type)))
+            problems.append(
+                "%s.%s: payload.py reads it as %s, the image declares %s"
+                % (msg, name, kind, _TYPE_NAMES.get(fd.type, fd.type))
+            )
     return problems
 
 
@@ -508,8 +711,21 @@ def test_payload_enums_match_image(pool):
 
 def _full_payload(pool):
     cls = _cls(pool, "ExecutionPayload")
-    m = cls(decision_id="d-1", mode=3, role=2, session_id="s", input_tokens=1 << 40, cached_tokens=7, keep_session=True,
-            open_session=True, truncate_to=4, local_prefill=True, load_prefix_tokens=96, load_generation=U64, load=True)
+    m = cls(
+        decision_id="d-1",
+        mode=3,
+        role=2,
+        session_id="s",
+        input_tokens=1 << 40,
+        cached_tokens=7,
+        keep_session=True,
+        open_session=True,
+        truncate_to=4,
+        local_prefill=True,
+        load_prefix_tokens=96,
+        load_generation=U64,
+        load=True,
+    )
     r = m.receive
     r.kind, r.room, r.peer_addr, r.tokens, r.from_token = 2, (1 << 62) + 1, "p:1", 80, 16
     m.receive.peer_addrs.extend(["p:1", "p:2"])
@@ -536,31 +752,41 @@ def test_payload_reads_protojson(pool):
     assert json_format.Parse(json.dumps(env["actions"][0]["payload"]), cls()) == m
 
 
-@pytest.mark.parametrize("payload,needle", [
-    ({"transfer": "SEED"}, "unknown field"),
-    ({"mode": "SEED"}, "unknown value"),
-    ({"input_tokens": "12x"}, "integer"),
-    ({"load_generation": -1}, "range"),
-    ({"input_tokens": 1 << 63}, "range"),
-    ({"keep_session": 1}, "true or false"),
-    ({"receive": [1]}, "object"),
-    ({"receive": {"peer_addrs": "p:1"}}, "list"),
-    ({"session_id": "a", "sessionId": "b"}, "twice"),
-])
+@pytest.mark.parametrize(
+    "payload,needle",
+    [
+        ({"transfer": "SEED"}, "unknown field"),
+        ({"mode": "SEED"}, "unknown value"),
+        ({"input_tokens": "12x"}, "integer"),
+        ({"load_generation": -1}, "range"),
+        ({"input_tokens": 1 << 63}, "range"),
+        ({"keep_session": 1}, "true or false"),
+        ({"receive": [1]}, "object"),
+        ({"receive": {"peer_addrs": "p:1"}}, "list"),
+        ({"session_id": "a", "sessionId": "b"}, "twice"),
+    ],
+)
 def test_payload_refuses(payload, needle):
     with pytest.raises(kvc_payload.PayloadError, match=needle):
         kvc_payload.from_json(payload)
 
 
 def test_envelope_versions():
-    ok = {"protocol_version": "1", "actions": [{"action_type": "other", "action_version": 9, "payload": [1]},
-                                              {"action_type": "kvc", "action_version": "2", "payload": {"load": True}}]}
+    ok = {
+        "protocol_version": "1",
+        "actions": [
+            {"action_type": "other", "action_version": 9, "payload": [1]},
+            {"action_type": "kvc", "action_version": "2", "payload": {"load": True}},
+        ],
+    }
     assert kvc_payload.from_envelope(ok).load is True
     assert kvc_payload.from_envelope({"protocol_version": 1, "actions": []}) is None
     v1 = {"action_type": "kvc", "action_version": 1, "payload": {}}
     v2 = {"action_type": "kvc", "action_version": 2, "payload": {}}
-    for bad, needle in [({"protocol_version": 2, "actions": []}, "protocol_version"),
-                        ({"protocol_version": 1, "actions": [v1]}, "action_version"),
-                        ({"protocol_version": 1, "actions": [v2, v2]}, "more than one")]:
+    for bad, needle in [
+        ({"protocol_version": 2, "actions": []}, "protocol_version"),
+        ({"protocol_version": 1, "actions": [v1]}, "action_version"),
+        ({"protocol_version": 1, "actions": [v2, v2]}, "more than one"),
+    ]:
         with pytest.raises(kvc_payload.PayloadError, match=needle):
             kvc_payload.from_envelope(bad)
