@@ -22,6 +22,7 @@ import (
 const (
 	resumeOK          = "ok"             // the continuation finished the answer
 	resumeFailed      = "failed"         // the continuation found no decision or failed itself
+	resumeRetried     = "retried"        // a continuation failed before its first token: a new decision tries again
 	resumeDisabled    = "disabled"       // --resume-mid-stream=false
 	resumeNoIDs       = "no_prompt_ids"  // the prompt's token ids are unknown (text without --tokenizer)
 	resumeIDsMismatch = "ids_mismatch"   // the streamed ids do not add up to the tokens generated
@@ -30,11 +31,25 @@ const (
 	resumeNotAllowed  = "not_allowed"    // the decision forbids a new attempt (retry_allowed false)
 )
 
-var resumeResults = []string{resumeOK, resumeFailed, resumeDisabled, resumeNoIDs, resumeIDsMismatch, resumeNoneLeft, resumeConstrained, resumeNotAllowed}
+var resumeResults = []string{resumeOK, resumeFailed, resumeRetried, resumeDisabled, resumeNoIDs, resumeIDsMismatch, resumeNoneLeft, resumeConstrained, resumeNotAllowed}
 
-// maxResumes bounds the continuations of one request (a continuation whose worker dies too ends
-// the request with that failure).
+// maxResumes bounds the resumes of one request: a continuation whose worker dies after its own
+// first token ends the request with that failure.
 const maxResumes = 1
+
+// maxResumeRetries bounds the new decisions a resume takes for continuations that fail before
+// their first token (their worker refused or dropped the connection, answered a 503 other than
+// no_capacity or a 409, or its transfer failed): up to 1+maxResumeRetries continuation
+// attempts, each excluding every worker found gone so far. Two, one more than a fresh request's
+// maxRetries: the client already holds part of the answer, so giving up costs it the whole
+// answer, and the workers that die together (a host's) are each excluded once found.
+const maxResumeRetries = 2
+
+// resumeRetryable: continuation res failed before its first token (no chunk of this attempt
+// reached the sink) in a way a new decision may fix, and the decision allows one.
+func resumeRetryable(res result, out *sink, p *plan) bool {
+	return !res.ok && res.retry && p.exec.GetRetryAllowed() && res.ttft == 0 && out.segChunks == 0
+}
 
 // midStreamGone: the attempt failed because its worker went away (the connection refused, reset
 // or closed before [DONE]: the retry classes that name a gone worker; never a client abort, a
@@ -147,6 +162,9 @@ type resumeBase struct {
 	prompt int64   // the original prompt's tokens
 	ids    []int64 // the tokens generated before the continuation
 	from   string  // the decode worker that died
+	// tried are the decode workers of the continuation attempts run so far, in order: all but
+	// the last failed before their first token (X-KVC-Resumed-Attempts, -Retried-From).
+	tried []string
 }
 
 // merged is the whole answer's result from the interrupted attempt's and the continuation's: the

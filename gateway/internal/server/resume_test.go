@@ -366,8 +366,8 @@ func TestResumeMidStream(t *testing.T) {
 	}
 }
 
-// A continuation whose own worker dies too ends the answer with its error (one resume per
-// request): an error event after the tokens both streamed, resumes{failed}.
+// A continuation whose own worker dies too, after its own first token, ends the answer with its
+// error (one resume per request): an error event after the tokens both streamed, resumes{failed}.
 func TestResumeBounded(t *testing.T) {
 	first, second := newModelWorker(t, false, 3), newModelWorker(t, false, 2)
 	rr := &recRouter{decision: func(q *kvcv1.RouteQuery) *kvcv1.RouteDecision {
@@ -459,5 +459,227 @@ func TestResumeBaseMeta(t *testing.T) {
 	}
 	if got := string(b.meta(json.RawMessage(`not json`))); got != `not json` {
 		t.Fatalf("unreadable meta: %s", got)
+	}
+}
+
+// contWorker is a decode worker that fails a continuation before its first token, as how says:
+// "dead" (a closed listener: the connection refused), "close" (the connection dropped before any
+// answer), "503gone" (a worker on its way down), "ends" (a stream that ends before its first
+// chunk), "409" (session_not_resident), "503full" (no_capacity: alive and full).
+func contWorker(t *testing.T, how string, calls *atomic.Int32) string {
+	if how == "dead" {
+		return deadURL(t)
+	}
+	srv := httptest.NewServer(http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != "/generate" {
+			fmt.Fprint(rw, `"ok"`)
+			return
+		}
+		calls.Add(1)
+		switch how {
+		case "close":
+			if conn, _, err := rw.(http.Hijacker).Hijack(); err == nil {
+				conn.Close()
+			}
+		case "503gone":
+			writeWorkerErr(rw, 503, "unavailable")
+		case "503full":
+			writeWorkerErr(rw, 503, "no_capacity")
+		case "409":
+			writeWorkerErr(rw, 409, "session_not_resident")
+		case "ends":
+			rw.Header().Set("Content-Type", "text/event-stream")
+			rw.WriteHeader(http.StatusOK)
+			rw.(http.Flusher).Flush()
+		}
+	}))
+	t.Cleanup(srv.Close)
+	return srv.URL
+}
+
+// A continuation that fails before its first token — its worker died too, refused the
+// connection, answered a 503 going away, or ended its stream at once — is retried through a new
+// decision that avoids every worker found gone, at most maxResumeRetries times: the client reads
+// the uninterrupted answer (nothing twice) when one succeeds, else the last continuation's error
+// (an error event after the first attempt's tokens, or the non-streaming error) with its stable
+// code. Each continuation attempt is counted (resumes{retried}, then ok or failed), reported as
+// its own outcome, and named in X-KVC-Resumed-Attempts / -Retried-From. A full worker
+// (no_capacity) is not retried, and a retry that finds no decision ends the answer with the
+// failed continuation's error.
+func TestResumeRetriesContinuation(t *testing.T) {
+	const maxTok, dieAfter = 9, 4
+	tests := []struct {
+		name string
+		bad  []string // how each continuation attempt before a good worker's fails
+		// noDecision: after the bad ones, the control plane gives no usable decision (and no
+		// fail-open worker is known), instead of the good worker
+		noDecision  bool
+		wantErr     string // "": the whole answer
+		wantStatus  int    // non-streaming, with wantErr
+		wantRetried float64
+		wantKinds   []kvcv1.RouteErrorKind // the continuations' outcomes (UNSPECIFIED: success)
+	}{
+		{name: "refused", bad: []string{"dead"}, wantRetried: 1,
+			wantKinds: []kvcv1.RouteErrorKind{kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D, 0}},
+		{name: "connection dropped before answering", bad: []string{"close"}, wantRetried: 1,
+			wantKinds: []kvcv1.RouteErrorKind{kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D, 0}},
+		{name: "503 going away", bad: []string{"503gone"}, wantRetried: 1,
+			wantKinds: []kvcv1.RouteErrorKind{kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D, 0}},
+		{name: "stream ends before its first token", bad: []string{"ends"}, wantRetried: 1,
+			wantKinds: []kvcv1.RouteErrorKind{kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D, 0}},
+		{name: "session not resident", bad: []string{"409"}, wantRetried: 1,
+			wantKinds: []kvcv1.RouteErrorKind{kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_SESSION_NOT_RESIDENT, 0}},
+		{name: "two gone, the third serves", bad: []string{"dead", "close"}, wantRetried: 2,
+			wantKinds: []kvcv1.RouteErrorKind{kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D, kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D, 0}},
+		{name: "all gone: bounded", bad: []string{"dead", "close", "dead", "dead"}, wantErr: "worker_unreachable", wantStatus: 502, wantRetried: 2,
+			wantKinds: []kvcv1.RouteErrorKind{kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D, kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D,
+				kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D}},
+		{name: "full is not retried", bad: []string{"503full"}, wantErr: "no_capacity", wantStatus: 503,
+			wantKinds: []kvcv1.RouteErrorKind{kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D}},
+		{name: "no decision for the retry", bad: []string{"dead"}, noDecision: true, wantErr: "worker_unreachable", wantStatus: 502, wantRetried: 1,
+			wantKinds: []kvcv1.RouteErrorKind{kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D, kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_ABORTED}},
+	}
+	for _, tt := range tests {
+		for _, stream := range []bool{true, false} {
+			t.Run(fmt.Sprintf("%s/stream=%v", tt.name, stream), func(t *testing.T) {
+				dying, good := newModelWorker(t, false, dieAfter), newModelWorker(t, false, 0)
+				var badCalls atomic.Int32
+				badURLs := make([]string, len(tt.bad))
+				for i, how := range tt.bad {
+					badURLs[i] = contWorker(t, how, &badCalls)
+				}
+				n := 0 // the session's queries, one at a time
+				rr := &recRouter{decision: func(q *kvcv1.RouteQuery) *kvcv1.RouteDecision {
+					d := &kvcv1.WorkerRef{WorkerId: "d-good", WorkerUrl: good.URL}
+					if q.GetSessionId() != "ref" {
+						n++
+						switch {
+						case n == 1:
+							d = &kvcv1.WorkerRef{WorkerId: "d-dying", WorkerUrl: dying.URL}
+						case n-2 < len(badURLs):
+							d = &kvcv1.WorkerRef{WorkerId: fmt.Sprint("d-bad-", n-1), WorkerUrl: badURLs[n-2]}
+						case tt.noDecision:
+							d = nil
+						}
+					}
+					return &kvcv1.RouteDecision{DecisionId: fmt.Sprintf("dec-%s-%d", q.GetSessionId(), n), Mode: kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D,
+						Decode: d, Execution: &kvcv1.RouteExecution{CallDecode: true, KeepSession: true, RetryAllowed: true,
+							OnDecodeRefused: kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D}}
+				}}
+				m := NewMetrics(prometheus.NewRegistry())
+				s := New(rr, workers.NewPool(nil, nil), Options{RequestTimeout: 10 * time.Second, ConnectTimeout: time.Second, MaxBodyBytes: 1 << 20,
+					Parse: api.Options{RequireSession: true, DefaultMaxTok: 16}, ResumeMidStream: true}, zerolog.Nop(), m)
+				mux := http.NewServeMux()
+				s.Register(mux)
+				gw := httptest.NewServer(mux)
+				defer func() { gw.Close(); s.Close() }()
+				body := fmt.Sprintf(`{"input_ids":[11,22,33,44,55],"stream":%v,"sampling_params":{"max_new_tokens":%d,"temperature":0}}`, stream, maxTok)
+				ask := func(session string) (*http.Response, clientAnswer) {
+					resp := post(t, gw.URL, "/generate", session, body)
+					defer resp.Body.Close()
+					a := readAnswer(t, api.Generate, stream, false, resp)
+					_, _ = io.Copy(io.Discard, resp.Body) // to the trailers
+					return resp, a
+				}
+				_, want := ask("ref")
+				<-good.calls
+				if want.Error != "" || want.Completion != maxTok {
+					t.Fatalf("reference answer %+v", want)
+				}
+				ref := append([]int64{11, 22, 33, 44, 55}, func() []int64 { // the reference's ids, from its model
+					ctx := []int64{11, 22, 33, 44, 55}
+					var out []int64
+					for range maxTok {
+						id := modelNext(ctx)
+						ctx, out = append(ctx, id), append(out, id)
+					}
+					return out
+				}()...)[5:]
+
+				resp, got := ask("s1")
+				<-dying.calls
+				h := resp.Header
+				if stream {
+					h = resp.Trailer
+				}
+				attempts := len(tt.wantKinds)
+				if tt.noDecision {
+					attempts-- // the last query's decision could not run
+				}
+				var retriedFrom []string
+				for i := 1; i < attempts; i++ {
+					retriedFrom = append(retriedFrom, fmt.Sprint("d-bad-", i))
+				}
+				if h.Get("X-KVC-Resumed-From") != "d-dying" || h.Get("X-KVC-Resumed-Attempts") != fmt.Sprint(attempts) ||
+					h.Get("X-KVC-Resumed-Retried-From") != strings.Join(retriedFrom, ",") {
+					t.Fatalf("resume headers %v: want %d attempts, retried from %v", h, attempts, retriedFrom)
+				}
+				if tt.wantErr == "" {
+					if got.Error != "" || got.Text != want.Text || got.Completion != want.Completion || got.Finish != want.Finish ||
+						(stream && !slices.Equal(got.IDs, ref)) {
+						t.Fatalf("answer\n %+v\nwant the uninterrupted one\n %+v", got, want)
+					}
+					worker := resp.Header.Get("X-KVC-Decode-Worker")
+					if stream {
+						worker = h.Get("X-KVC-Resumed-Decode-Worker")
+					}
+					if worker != "d-good" {
+						t.Fatalf("finished on %q, want d-good", worker)
+					}
+					if cont := <-good.calls; len(cont["input_ids"].([]any)) != 5+dieAfter {
+						t.Fatalf("the good worker's continuation: %v", cont["input_ids"])
+					}
+				} else {
+					wantErr := tt.wantErr
+					if !stream {
+						wantErr = fmt.Sprint(tt.wantStatus, " ", tt.wantErr)
+					}
+					// Mid-stream: the first attempt's tokens once, then the error; nothing from the
+					// continuations (none sent a token).
+					if got.Error != wantErr || (stream && !slices.Equal(got.IDs, ref[:dieAfter])) || (!stream && got.Text != "") {
+						t.Fatalf("answer %+v: want the error %q after the first %d tokens %v", got, wantErr, dieAfter, ref[:dieAfter])
+					}
+					if len(good.calls) != 0 {
+						t.Fatal("the good worker was called")
+					}
+				}
+				if want := len(tt.bad); int(badCalls.Load()) > want {
+					t.Fatalf("%d calls to the failing workers, want at most %d (one each)", badCalls.Load(), want)
+				}
+				ok := 0.0
+				if tt.wantErr == "" {
+					ok = 1
+				}
+				if r, o, f := testutil.ToFloat64(m.Resumes.WithLabelValues(resumeRetried)), testutil.ToFloat64(m.Resumes.WithLabelValues(resumeOK)),
+					testutil.ToFloat64(m.Resumes.WithLabelValues(resumeFailed)); r != tt.wantRetried || o != ok || f != 1-ok {
+					t.Fatalf("resumes retried/ok/failed = %v/%v/%v, want %v/%v/%v", r, o, f, tt.wantRetried, ok, 1-ok)
+				}
+				// The control plane: the first attempt's failure, then one outcome per continuation
+				// attempt; each continuation's query the same extended prompt, excluding every worker
+				// found gone so far.
+				rr.mu.Lock()
+				defer rr.mu.Unlock()
+				qs, os := rr.queries[1:], rr.outcomes[1:] // after the reference's
+				if len(qs) != 1+len(tt.wantKinds) || len(os) != 1+len(tt.wantKinds) {
+					t.Fatalf("%d queries, %d outcomes, want %d", len(qs), len(os), 1+len(tt.wantKinds))
+				}
+				if os[0].GetSuccess() || os[0].GetErrorKind() != kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_WORKER_ERROR {
+					t.Fatalf("first outcome %v", os[0])
+				}
+				wantExcl := []string{"d-dying"}
+				for i, k := range tt.wantKinds {
+					q, o := qs[i+1], os[i+1]
+					if q.GetInputTokens() != 5+dieAfter || q.GetMaxOutputTokens() != maxTok-dieAfter || !slices.Equal(q.GetExcludeWorkers(), wantExcl) {
+						t.Fatalf("continuation query %d: %v, want excluded %v", i+1, q, wantExcl)
+					}
+					if o.GetSuccess() != (k == 0) || (k != 0 && o.GetErrorKind() != k) {
+						t.Fatalf("continuation outcome %d: %v, want kind %v", i+1, o, k)
+					}
+					if k == kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D {
+						wantExcl = append(wantExcl, fmt.Sprint("d-bad-", i+1))
+					}
+				}
+			})
+		}
 	}
 }

@@ -232,7 +232,7 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request, kind api.Kind) {
 	cur := req                  // the request as this attempt runs it (a resume's continuation extends it)
 	var first *result           // the interrupted attempt, once resumed
 	attemptStart := start
-	for retries, resumes := 0, 0; ; {
+	for retries, resumes, resumeRetries := 0, 0, 0; ; {
 		tr := time.Now()
 		np, rerr := s.route(ctx, cur, gone)
 		if rerr != nil {
@@ -254,9 +254,25 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request, kind api.Kind) {
 		p = np
 		p.routeDur = time.Since(tr)
 		out.retries = retries
+		if first != nil {
+			out.base.tried = append(out.base.tried, workerName(p.decode))
+		}
 		res = s.execute(ctx, r.Context(), attemptStart, p, cur, out)
 		s.report(p, cur, res, attemptStart) // before the retry's query: the control plane decides knowing it
 		if first != nil {
+			if !res.ok && resumeRetries < maxResumeRetries && resumeRetryable(res, out, p) && ctx.Err() == nil {
+				// The continuation failed before its first token (its worker is gone too, or
+				// refused it): nothing of it reached the client, so a new decision, avoiding
+				// every worker found gone, tries again from the same join.
+				resumeRetries++
+				gone = avoid(gone, res, p)
+				s.m.Resumes.WithLabelValues(resumeRetried).Inc()
+				s.log.Info().Str("rid", req.RID).Str("session", req.SessionID).Str("decision", p.decisionID).
+					Str("decode_worker", workerName(p.decode)).Int("attempt", len(out.base.tried)).Str("detail", res.detail).
+					Msg("mid-stream resume: the continuation failed before its first token, retrying through a new decision")
+				res.ttft = first.ttft // should no decision come, the client's first token was the first attempt's
+				continue
+			}
 			// The continuation ended: the answer's end either way (maxResumes).
 			if res.ok {
 				s.resumeDone(req, first, p, resumeOK, "")
@@ -276,22 +292,9 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request, kind api.Kind) {
 			case res.transfer:
 				why = "transfer_failed"
 			}
-			if res.gone != nil {
-				gone = append(gone, res.gone)
-			}
-			if id := p.decode.GetWorkerId(); id != "" {
-				out.retriedFrom = append(out.retriedFrom, id)
-			} else if u := p.decode.GetWorkerUrl(); u != "" {
-				out.retriedFrom = append(out.retriedFrom, u)
-			}
-			if res.transfer {
-				// The transfer failed between these two: the new decision avoids both ends
-				// (without a prefill worker it prefills on a decode worker: no transfer).
-				for _, w := range []*kvcv1.WorkerRef{p.prefill, p.decode} {
-					if w.GetWorkerId() != "" || w.GetWorkerUrl() != "" {
-						gone = append(gone, w)
-					}
-				}
+			gone = avoid(gone, res, p)
+			if w := workerName(p.decode); w != "" {
+				out.retriedFrom = append(out.retriedFrom, w)
 			}
 			s.m.Retries.WithLabelValues(why).Inc()
 			s.log.Debug().Str("session", req.SessionID).Str("decision", p.decisionID).Str("why", why).
@@ -307,10 +310,7 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request, kind api.Kind) {
 				break
 			}
 			resumes++
-			from := p.decode.GetWorkerId()
-			if from == "" {
-				from = p.decode.GetWorkerUrl()
-			}
+			from := workerName(p.decode)
 			prompt := res.promptTok
 			if prompt == 0 {
 				prompt = req.InputTokens
@@ -370,6 +370,31 @@ func readBody(r io.Reader, declared, limit int64) ([]byte, error) {
 	buf := bytes.NewBuffer(make([]byte, 0, declared+bytes.MinRead)) // room for the EOF read
 	_, err := buf.ReadFrom(r)
 	return buf.Bytes(), err
+}
+
+// avoid adds to gone what attempt res (of plan p) found gone: the worker that refused or dropped
+// the connection, and both ends of a failed transfer (without a prefill worker the new decision
+// prefills on a decode worker: no transfer).
+func avoid(gone []*kvcv1.WorkerRef, res result, p *plan) []*kvcv1.WorkerRef {
+	if res.gone != nil {
+		gone = append(gone, res.gone)
+	}
+	if res.transfer {
+		for _, w := range []*kvcv1.WorkerRef{p.prefill, p.decode} {
+			if w.GetWorkerId() != "" || w.GetWorkerUrl() != "" {
+				gone = append(gone, w)
+			}
+		}
+	}
+	return gone
+}
+
+// workerName is how the headers name a worker: its id, else its URL.
+func workerName(w *kvcv1.WorkerRef) string {
+	if id := w.GetWorkerId(); id != "" {
+		return id
+	}
+	return w.GetWorkerUrl()
 }
 
 // maxRetries bounds the new decisions one request may take after a retryable failure.

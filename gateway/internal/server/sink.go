@@ -69,6 +69,7 @@ func (s *sink) routeHeaders(p *plan, req *api.Request) {
 	h.Set("X-KVC-Cached-Tokens", strconv.FormatInt(p.cached, 10))
 	if s.base != nil {
 		h.Set("X-KVC-Resumed-From", s.base.from)
+		s.base.attemptHeaders(h, "")
 	}
 	if n := p.exec.GetLoadPrefixTokens(); n > 0 && p.exec.GetCallPrefill() {
 		// Prefill from the snapshot: P loads this many tokens of the session's snapshot from its
@@ -186,9 +187,11 @@ func (s *sink) continued(raw []byte, ids []int64) []byte {
 }
 
 // trailers name, at the end of a started stream, the worker it resumed from, the one that
-// finished it, the continuation's mode and whether it failed open (X-KVC-Resumed-From,
-// X-KVC-Resumed-Decode-Worker, X-KVC-Resumed-Mode, X-KVC-Resumed-Fail-Open): the headers went
-// out with the first worker's.
+// finished it (the last continuation's), the continuation's mode and whether it failed open
+// (X-KVC-Resumed-From, X-KVC-Resumed-Decode-Worker, X-KVC-Resumed-Mode,
+// X-KVC-Resumed-Fail-Open), the continuation attempts and the workers of those that failed
+// before their first token (X-KVC-Resumed-Attempts, X-KVC-Resumed-Retried-From): the headers
+// went out with the first worker's.
 func (s *sink) trailers(p *plan) {
 	if s.base == nil || !s.started {
 		return
@@ -198,6 +201,17 @@ func (s *sink) trailers(p *plan) {
 	h.Set(http.TrailerPrefix+"X-KVC-Resumed-Decode-Worker", p.decode.GetWorkerId())
 	h.Set(http.TrailerPrefix+"X-KVC-Resumed-Mode", modeName(p.mode))
 	h.Set(http.TrailerPrefix+"X-KVC-Resumed-Fail-Open", strconv.FormatBool(p.failOpen))
+	s.base.attemptHeaders(h, http.TrailerPrefix)
+}
+
+// attemptHeaders sets X-KVC-Resumed-Attempts (the continuation attempts run) and, when some
+// failed before their first token and were retried, X-KVC-Resumed-Retried-From (their decode
+// workers, in order), each name prefixed (a trailer's http.TrailerPrefix).
+func (b *resumeBase) attemptHeaders(h http.Header, prefix string) {
+	h.Set(prefix+"X-KVC-Resumed-Attempts", strconv.Itoa(len(b.tried)))
+	if len(b.tried) > 1 {
+		h.Set(prefix+"X-KVC-Resumed-Retried-From", strings.Join(b.tried[:len(b.tried)-1], ","))
+	}
 }
 
 // reasoned streams what the reasoning split gave: a reasoning_content delta, then a content
