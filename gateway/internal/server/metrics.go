@@ -42,7 +42,8 @@ type Metrics struct {
 	ToolParseFailures *prometheus.CounterVec
 	ReasoningAnswers  prometheus.Counter
 	// Resumes counts requests whose decode worker died mid-stream, by what the gateway did
-	// (resume.go: ok, failed, or why it did not resume).
+	// (resume.go: ok, failed, or why it did not resume), and the continuation attempts tried
+	// again after failing before their first token (retried).
 	Resumes *prometheus.CounterVec
 }
 
@@ -106,7 +107,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		ReasoningAnswers: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_gateway_reasoning_answers_total",
 			Help: "Answers whose reasoning was separated into message.reasoning_content (--reasoning-parser)."}),
 		Resumes: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvc_gateway_resumes_total",
-			Help: "Requests whose decode worker went away after tokens were streamed (or buffered), by result: ok (a new decision continued the answer from the prompt and the tokens so far), failed (the continuation found no decision or failed), or why it was not resumed (disabled: --resume-mid-stream=false; no_prompt_ids: the prompt's token ids are unknown; ids_mismatch: the streamed ids do not add up to the tokens generated; no_tokens_left; constrained: a regex, EBNF or JSON-schema answer; not_allowed: the decision forbids retries)."}, []string{"result"}),
+			Help: "Requests whose decode worker went away after tokens were streamed (or buffered), by result: ok (a new decision continued the answer from the prompt and the tokens so far), failed (the continuation found no decision or failed), retried (one per continuation that failed before its first token and was tried again through a new decision), or why it was not resumed (disabled: --resume-mid-stream=false; no_prompt_ids: the prompt's token ids are unknown; ids_mismatch: the streamed ids do not add up to the tokens generated; no_tokens_left; constrained: a regex, EBNF or JSON-schema answer; not_allowed: the decision forbids retries)."}, []string{"result"}),
 	}
 	for _, r := range resumeResults {
 		m.Resumes.WithLabelValues(r)
