@@ -123,9 +123,10 @@ const (
 	maxStopRegexLen   = 256
 	maxStopRegexCount = 32
 	samplingEps       = 1e-6
-	// unknownVocab stands for the vocabulary size in logit_bias's check: the gateway does not
-	// know it, so only the lower bound is checked here (the worker checks the upper one).
-	unknownVocab = int64(1) << 62
+	// maxLogitBias bounds a logit_bias value on the OpenAI APIs, as OpenAI's reference does ("an
+	// associated bias value from -100 to 100"; SGLang takes any float). A token id's upper bound
+	// (the model's vocabulary) stays the worker's check: the gateway does not know it.
+	maxLogitBias = 100
 )
 
 func invalidParam(format string, a ...any) *Error {
@@ -353,6 +354,11 @@ func openAISampling(kind Kind, b *body, r *Request, gen *pyjson.Object) ([]byte,
 			}
 			sp.Set(s.out, def)
 			continue
+		}
+		if s.in == "logit_bias" {
+			if e := checkLogitBias(v, true); e != nil {
+				return nil, e
+			}
 		}
 		c, e := coerce(s.in, v, s.kind)
 		if e != nil {
@@ -612,19 +618,7 @@ func verifySampling(sp *pyjson.Object) *Error {
 			return invalidParam("min_new_tokens must be in [0, max_new_tokens(%s)], got %s.", pyStr(mv), pyStr(minNewV))
 		}
 	}
-	if v, _ := sp.Get("logit_bias"); v != nil {
-		if o, ok := v.(*pyjson.Object); ok {
-			for _, k := range o.Keys {
-				id, ok := pyInt(k)
-				if !ok {
-					return invalidParam("invalid literal for int() with base 10: %s", pyStrRepr(k))
-				}
-				if id.Sign() < 0 || id.Cmp(big.NewInt(unknownVocab)) >= 0 {
-					return invalidParam("logit_bias must has keys in [0, %d], got %s.", unknownVocab-1, id.String())
-				}
-			}
-		}
-	}
+	// logit_bias: its keys (token ids) were checked as it was read (checkLogitBias).
 	if v, _ := sp.Get("sampling_seed"); v != nil {
 		s, ok := v.(pyjson.Int)
 		if !ok {
@@ -644,6 +638,66 @@ func verifySampling(sp *pyjson.Object) *Error {
 		return invalidParam("Only one of json_schema, regex, ebnf, or structural_tag can be set.")
 	}
 	return nil
+}
+
+// checkLogitBias checks a logit_bias object before any routing, naming the offending key: each
+// key a token id (an integer as Python's int() reads it, not negative: SGLang's verify), each
+// value a number — on the OpenAI APIs (openAI) in OpenAI's [-100, 100], where SGLang takes any
+// float; /generate keeps SGLang's own API (no value bound). The token id's upper bound (the
+// vocabulary) is the worker's check.
+func checkLogitBias(v any, openAI bool) *Error {
+	o, ok := v.(*pyjson.Object)
+	if !ok {
+		return invalidParam("logit_bias must be an object mapping token ids to biases, got %s", jsonTypeName(v))
+	}
+	for _, k := range o.Keys {
+		id, ok := pyInt(k)
+		if !ok {
+			return invalidParam("logit_bias key %s is not a token id (an integer)", shownKey(k))
+		}
+		if id.Sign() < 0 {
+			return invalidParam("logit_bias key %s is not a token id (it is negative)", shownKey(k))
+		}
+		val := o.Values[k]
+		f, isNum := num(val)
+		if !isNum {
+			return invalidParam("logit_bias[%s] must be a number, got %s", shownKey(k), jsonTypeName(val))
+		}
+		if openAI && !(f >= -maxLogitBias && f <= maxLogitBias) {
+			return invalidParam("logit_bias[%s] is %s, outside [-%d, %d]", shownKey(k), pyStr(val), maxLogitBias, maxLogitBias)
+		}
+	}
+	return nil
+}
+
+// shownKey is a client's object key quoted for an error message, cut to 40 bytes.
+func shownKey(k string) string {
+	const max = 40
+	if len(k) <= max {
+		return strconv.Quote(k)
+	}
+	cut := max
+	for cut > 0 && !utf8.RuneStart(k[cut]) {
+		cut--
+	}
+	return strconv.Quote(k[:cut]) + "…"
+}
+
+// jsonTypeName names a decoded JSON value's type for an error message.
+func jsonTypeName(v any) string {
+	switch v.(type) {
+	case nil:
+		return "null"
+	case bool:
+		return "a boolean"
+	case string:
+		return "a string"
+	case []any:
+		return "an array"
+	case *pyjson.Object:
+		return "an object"
+	}
+	return "a number"
 }
 
 // pyInt parses s as Python's int(s) does for ASCII input: surrounding whitespace, a sign, and
@@ -736,6 +790,11 @@ func generateSampling(raw rawField, r *Request) ([]byte, *Error) {
 		v := sp.Values[k]
 		if v == nil {
 			continue
+		}
+		if k == "logit_bias" {
+			if e := checkLogitBias(v, false); e != nil {
+				return nil, e
+			}
 		}
 		if !sameKind(v, kind) {
 			return nil, invalidParam("sampling_params.%s: wrong type", k)

@@ -24,9 +24,27 @@ type samplingGolden struct {
 	GenerationConfig string `json:"generation_config"`
 }
 
-// gatewayRefuses are the bodies SGLang's request model coerces (a number or a bool as a string)
-// that the gateway refuses (invalid_parameter) rather than guess at.
-var gatewayRefuses = map[string]bool{"chat temperature string": true, "chat ignore_eos string": true}
+// gatewayRefuses are the bodies SGLang accepts that the gateway refuses (invalid_parameter, this
+// message): a number or a bool as a string, which SGLang's request model coerces, rather than
+// guess at; a logit_bias value outside OpenAI's [-100, 100] on the OpenAI APIs (SGLang takes any
+// float).
+var gatewayRefuses = map[string]string{
+	"chat temperature string":          "temperature must be a number",
+	"chat ignore_eos string":           "ignore_eos must be a boolean",
+	"chat logit_bias above 100":        `logit_bias["10"] is 100.5, outside [-100, 100]`,
+	"chat logit_bias below -100":       `logit_bias["10"] is -101, outside [-100, 100]`,
+	"chat logit_bias string value":     `logit_bias["5"] must be a number, got a string`,
+	"completions logit_bias above 100": `logit_bias["50256"] is 150, outside [-100, 100]`,
+}
+
+// gatewayWords are SGLang's refusals the gateway words itself (invalid_parameter, this message):
+// SGLang's say "invalid literal for int() with base 10: 'x'" and "logit_bias must has keys in
+// [0, N]" without naming logit_bias or with the gateway's stand-in vocabulary.
+var gatewayWords = map[string]string{
+	"chat logit_bias negative key": `logit_bias key "-1" is not a token id (it is negative)`,
+	"chat logit_bias bad key":      `logit_bias key "x" is not a token id (an integer)`,
+	"generate logit_bias bad key":  `logit_bias key "x" is not a token id (an integer)`,
+}
 
 // goldenDefaultMax is gen_sampling.py's DEFAULT_MAX: the gateway's --default-max-tokens.
 const goldenDefaultMax = 256
@@ -54,12 +72,19 @@ func TestSamplingGolden(t *testing.T) {
 			}
 			r, e := Parse(kinds[c.API], http.Header{}, []byte(c.Body), Options{DefaultMaxTok: goldenDefaultMax, GenerationDefaults: gen})
 			switch {
-			case gatewayRefuses[c.Name]:
+			case gatewayRefuses[c.Name] != "":
 				if c.SamplingParams == "" {
 					t.Fatal("SGLang refuses it: drop it from gatewayRefuses")
 				}
-				if e == nil || e.Code != CodeInvalidParameter {
-					t.Fatalf("got %v, want an invalid_parameter 400", e)
+				if e == nil || e.Code != CodeInvalidParameter || e.Message != gatewayRefuses[c.Name] {
+					t.Fatalf("got %v, want invalid_parameter: %s", e, gatewayRefuses[c.Name])
+				}
+			case gatewayWords[c.Name] != "":
+				if c.ErrorKind == "" {
+					t.Fatal("SGLang accepts it: drop it from gatewayWords")
+				}
+				if e == nil || e.Code != CodeInvalidParameter || e.Message != gatewayWords[c.Name] {
+					t.Fatalf("got %v, want invalid_parameter: %s", e, gatewayWords[c.Name])
 				}
 			case c.ErrorKind == "pydantic":
 				if e == nil || e.Code != CodeInvalidParameter && e.Code != "bad_request" || e.Status != http.StatusBadRequest {
@@ -177,5 +202,79 @@ func TestParseGenerationConfigErrors(t *testing.T) {
 	o, err := ParseGenerationConfig([]byte(`{"top_p": 0.9, "eos_token_id": 2, "temperature": null, "repetition_penalty": 1.1}`))
 	if err != nil || strings.Join(o.Keys, ",") != "repetition_penalty,top_p" {
 		t.Fatalf("%+v, %v", o, err)
+	}
+}
+
+// logit_bias is checked before any routing, each refusal an invalid_parameter 400 naming the
+// offending key: keys must be token ids (integers as Python's int() reads them, not negative),
+// values numbers, and on the OpenAI APIs within OpenAI's [-100, 100] (SGLang takes any float;
+// /generate keeps SGLang's own API). What passes reaches the worker as SGLang's float dict.
+func TestLogitBias(t *testing.T) {
+	long := strings.Repeat("k", 100)
+	tests := []struct {
+		name, bias string
+		wantErr    string // "": accepted
+		wantGen    string // /generate's, when it differs ("-": accepted there)
+		wantDict   string // the worker's logit_bias on the OpenAI APIs, when accepted
+	}{
+		{name: "in range", bias: `{"5":1,"10":-100,"7":100,"8":0.25}`, wantDict: `{"5":1.0,"10":-100.0,"7":100.0,"8":0.25}`},
+		{name: "int() spellings", bias: `{" 5 ":1,"+6":2,"1_0":3}`, wantDict: `{" 5 ":1.0,"+6":2.0,"1_0":3.0}`},
+		{name: "empty", bias: `{}`, wantDict: `{}`},
+		{name: "null", bias: `null`, wantDict: `null`},
+		{name: "above 100", bias: `{"5":1,"10":100.01}`, wantErr: `logit_bias["10"] is 100.01, outside [-100, 100]`, wantGen: "-"},
+		{name: "below -100", bias: `{"3":-1000.5}`, wantErr: `logit_bias["3"] is -1000.5, outside [-100, 100]`, wantGen: "-"},
+		{name: "huge int", bias: `{"3":1000000000000000000000}`, wantErr: `logit_bias["3"] is 1000000000000000000000, outside [-100, 100]`, wantGen: "-"},
+		{name: "key not an integer", bias: `{"5":1,"five":2}`, wantErr: `logit_bias key "five" is not a token id (an integer)`},
+		{name: "key a float", bias: `{"5.0":2}`, wantErr: `logit_bias key "5.0" is not a token id (an integer)`},
+		{name: "key empty", bias: `{"":2}`, wantErr: `logit_bias key "" is not a token id (an integer)`},
+		{name: "key negative", bias: `{"-3":2}`, wantErr: `logit_bias key "-3" is not a token id (it is negative)`},
+		{name: "long key cut", bias: `{"` + long + `":2}`, wantErr: `logit_bias key "` + long[:40] + `"… is not a token id (an integer)`},
+		{name: "value a string", bias: `{"5":"1"}`, wantErr: `logit_bias["5"] must be a number, got a string`},
+		{name: "value null", bias: `{"5":null}`, wantErr: `logit_bias["5"] must be a number, got null`},
+		{name: "value a boolean", bias: `{"5":true}`, wantErr: `logit_bias["5"] must be a number, got a boolean`},
+		{name: "value an object", bias: `{"5":{"b":1}}`, wantErr: `logit_bias["5"] must be a number, got an object`},
+		{name: "not an object", bias: `[5]`, wantErr: `logit_bias must be an object mapping token ids to biases, got an array`},
+	}
+	bodies := map[Kind]func(bias string) string{
+		Chat: func(b string) string {
+			return `{"messages":[{"role":"user","content":"x"}],"max_tokens":4,"logit_bias":` + b + `}`
+		},
+		Completion: func(b string) string { return `{"prompt":"x","max_tokens":4,"logit_bias":` + b + `}` },
+		Generate: func(b string) string {
+			return `{"text":"x","sampling_params":{"max_new_tokens":4,"logit_bias":` + b + `}}`
+		},
+	}
+	for _, tt := range tests {
+		for _, kind := range []Kind{Chat, Completion, Generate} {
+			t.Run(tt.name+"/"+kind.String(), func(t *testing.T) {
+				want := tt.wantErr
+				if kind == Generate && tt.wantGen != "" {
+					want = ""
+				}
+				r, e := Parse(kind, http.Header{}, []byte(bodies[kind](tt.bias)), Options{DefaultMaxTok: 16})
+				if want != "" {
+					if e == nil || e.Status != http.StatusBadRequest || e.Code != CodeInvalidParameter || e.Message != want {
+						t.Fatalf("got %v, want 400 invalid_parameter: %s", e, want)
+					}
+					return
+				}
+				if e != nil {
+					t.Fatalf("refused: %v", e)
+				}
+				var sp struct {
+					LogitBias json.RawMessage `json:"logit_bias"`
+				}
+				if err := json.Unmarshal(r.Sampling, &sp); err != nil {
+					t.Fatal(err)
+				}
+				wantDict := tt.wantDict
+				if kind == Generate {
+					wantDict = tt.bias // as sent
+				}
+				if wantDict != "" && string(sp.LogitBias) != wantDict {
+					t.Fatalf("worker's logit_bias %s, want %s", sp.LogitBias, wantDict)
+				}
+			})
+		}
 	}
 }

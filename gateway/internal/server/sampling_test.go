@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/rs/zerolog"
 
 	"github.com/kvcentric/kvcentric/gateway/internal/api"
@@ -105,5 +106,49 @@ func TestSamplingThroughTheGateway(t *testing.T) {
 				t.Fatalf("worker's sampling_params\n got %s\nwant %s", got, c.SamplingParams)
 			}
 		})
+	}
+}
+
+// A logit_bias the gateway refuses (api.TestLogitBias) is a 400 invalid_parameter naming the key
+// before any routing: no query reaches the control plane, no worker is called.
+func TestLogitBiasRefusedBeforeRouting(t *testing.T) {
+	dw := newIDsWorker(t, []int64{5})
+	rr := &recRouter{decision: func(q *kvcv1.RouteQuery) *kvcv1.RouteDecision {
+		return &kvcv1.RouteDecision{DecisionId: "d-1", Mode: kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D,
+			Decode: &kvcv1.WorkerRef{WorkerId: "d0", WorkerUrl: dw.URL}, Execution: &kvcv1.RouteExecution{CallDecode: true}}
+	}}
+	m := NewMetrics(prometheus.NewRegistry())
+	s := New(rr, workers.NewPool(nil, nil), Options{RequestTimeout: 10 * time.Second, ConnectTimeout: time.Second, MaxBodyBytes: 1 << 20,
+		Parse: api.Options{DefaultMaxTok: 8}}, zerolog.Nop(), m)
+	mux := http.NewServeMux()
+	s.Register(mux)
+	gw := httptest.NewServer(mux)
+	defer func() { gw.Close(); s.Close() }()
+	for _, tc := range []struct{ name, path, body, want string }{
+		{"chat above 100", "/v1/chat/completions", `{"messages":[{"role":"user","content":"x"}],"logit_bias":{"7":1,"50256":150}}`,
+			`logit_bias["50256"] is 150, outside [-100, 100]`},
+		{"completions key not an id", "/v1/completions", `{"prompt":"x","logit_bias":{"<eos>":-100}}`,
+			`logit_bias key "<eos>" is not a token id (an integer)`},
+		{"generate value not a number", "/generate", `{"text":"x","sampling_params":{"logit_bias":{"7":"-100"}}}`,
+			`logit_bias["7"] must be a number, got a string`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			resp := post(t, gw.URL, tc.path, "s-1", tc.body)
+			code, msg := errBody(t, resp.Body)
+			resp.Body.Close()
+			if resp.StatusCode != http.StatusBadRequest || code != api.CodeInvalidParameter || msg != tc.want {
+				t.Fatalf("%d %s %q, want 400 invalid_parameter %q", resp.StatusCode, code, msg, tc.want)
+			}
+		})
+	}
+	rr.mu.Lock()
+	defer rr.mu.Unlock()
+	dw.mu.Lock()
+	defer dw.mu.Unlock()
+	if len(rr.queries) != 0 || dw.body != nil {
+		t.Fatalf("%d queries reached the control plane, worker body %v: want none", len(rr.queries), dw.body)
+	}
+	if got := testutil.ToFloat64(m.BadRequests.WithLabelValues(api.CodeInvalidParameter)); got != 3 {
+		t.Fatalf("bad_requests{invalid_parameter} = %v, want 3", got)
 	}
 }

@@ -19,6 +19,9 @@ Two rules are the gateway's, applied here so the goldens compare what it sends:
   null), 16 (completions) or 128 (/generate);
 - logit_bias keys are bounded by the worker (the gateway does not know the vocabulary):
   verify runs with VOCAB.
+The gateway's own refusals of bodies SGLang accepts (OpenAI's logit_bias bound, a number sent as
+a string) and its own wording of some SGLang refusals are listed in sampling_test.go
+(gatewayRefuses, gatewayWords).
 """
 
 import json
@@ -103,9 +106,14 @@ CASES = [
     ("chat min_tokens negative", chat(min_tokens=-1)),
     ("chat skip_special_tokens false", chat(skip_special_tokens=False)),
     ("chat spaces kwarg", chat(chat_template_kwargs={"spaces_between_special_tokens": False})),
-    ("chat logit_bias", chat(logit_bias={"5": 1, "10": -100.5, "5 ": 2})),
+    ("chat logit_bias", chat(logit_bias={"5": 1, "10": -100, "5 ": 2.5, "7": 100})),
     ("chat logit_bias negative key", chat(logit_bias={"-1": 1})),
     ("chat logit_bias bad key", chat(logit_bias={"x": 1})),
+    ("chat logit_bias above 100", chat(logit_bias={"5": 1, "10": 100.5})),
+    ("chat logit_bias below -100", chat(logit_bias={"10": -101})),
+    ("chat logit_bias string value", chat(logit_bias={"5": "1"})),
+    ("chat logit_bias null value", chat(logit_bias={"5": None})),
+    ("chat logit_bias list", chat(logit_bias=[5])),
     ("chat regex", chat(regex="[a-z]+")),
     ("chat ebnf", chat(ebnf='root ::= "a"')),
     ("chat regex and ebnf", chat(regex="a", ebnf='root ::= "a"')),
@@ -149,6 +157,8 @@ CASES = [
     ("completions max_tokens zero", comp(max_tokens=0)),
     ("completions top_p above one", comp(top_p=2)),
     ("completions temperature null", comp(temperature=None)),
+    ("completions logit_bias", comp(logit_bias={"50256": -100})),
+    ("completions logit_bias above 100", comp(logit_bias={"50256": 150})),
     ("generate max only", gen({"max_new_tokens": 8})),
     ("generate sampling", gen({"temperature": 0, "top_k": 1, "stop": "x", "sampling_seed": 3, "max_new_tokens": 8})),
     ("generate nulls", gen({"temperature": None, "top_p": None, "max_new_tokens": 8})),
@@ -161,6 +171,8 @@ CASES = [
     ("generate empty grammar", gen({"regex": "", "json_schema": "{}", "max_new_tokens": 8})),
     ("generate seed float", gen({"sampling_seed": 1.5, "max_new_tokens": 8})),
     ("generate unknown key", gen({"temprature": 0.5, "max_new_tokens": 8})),
+    ("generate logit_bias beyond 100", gen({"logit_bias": {"5": 150}, "max_new_tokens": 8})),
+    ("generate logit_bias bad key", gen({"logit_bias": {"x": 1}, "max_new_tokens": 8})),
 ]
 
 
