@@ -281,3 +281,82 @@ func TestChatReasoningStreamed(t *testing.T) {
 		t.Fatalf("reasoning answers %v", v)
 	}
 }
+
+// TestToolCallArgumentsAreStrings: a tool call's function.arguments reaches the client as a JSON
+// string (OpenAI's type, as SGLang writes it: json.dumps of what the model wrote) whatever form
+// the model gave its arguments in — an object (the usual case), "parameters" instead of
+// "arguments", none, a list of calls, or a string it had encoded itself (SGLang encodes it
+// again: a JSON string whose text is a JSON string) — for both parsers. Qwen3-Coder's XML call
+// format (<function=…><parameter=…>) is not a JSON call: no tool_calls (its SGLang parser,
+// qwen3_coder, is not one the gateway serves). A streamed request with tools is refused
+// (TestChatToolsThroughTheGateway): no delta form of a tool call exists to carry anything else.
+func TestToolCallArgumentsAreStrings(t *testing.T) {
+	tok, _ := qwen3(t)
+	tests := []struct {
+		name, parser, text string
+		wantArgs           []string // each call's arguments, the exact JSON string; nil: no call
+	}{
+		{"object", "qwen25", "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Zürich\", \"days\": [1, 2.5], \"opts\": {\"u\": null}}}\n</tool_call>",
+			[]string{`{"city": "Zürich", "days": [1, 2.5], "opts": {"u": null}}`}},
+		{"compact object", "qwen25", "<tool_call>\n{\"name\":\"get_weather\",\"arguments\":{\"city\":\"Paris\"}}\n</tool_call>",
+			[]string{`{"city": "Paris"}`}},
+		{"parameters", "qwen25", "<tool_call>\n{\"name\": \"get_time\", \"parameters\": {\"tz\": \"UTC\"}}\n</tool_call>", []string{`{"tz": "UTC"}`}},
+		{"no arguments", "qwen25", "<tool_call>\n{\"name\": \"get_time\"}\n</tool_call>", []string{`{}`}},
+		{"a list of calls", "qwen25", "<tool_call>\n[{\"name\": \"get_time\"}, {\"name\": \"get_weather\", \"arguments\": {\"city\": \"Oslo\"}}]\n</tool_call>",
+			[]string{`{}`, `{"city": "Oslo"}`}},
+		{"arguments already a string", "qwen25", "<tool_call>\n{\"name\": \"get_time\", \"arguments\": \"{\\\"tz\\\": \\\"UTC\\\"}\"}\n</tool_call>",
+			[]string{`"{\"tz\": \"UTC\"}"`}},
+		{"hermes object", "hermes", "<tool_call>{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}</tool_call>", []string{`{"city": "Paris"}`}},
+		{"qwen3-coder xml", "qwen25", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>", nil},
+	}
+	body := []byte(`{"model":"m","max_tokens":4,"messages":[{"role":"user","content":"weather?"}],"tools":[` +
+		`{"type":"function","function":{"name":"get_weather","parameters":{"type":"object","properties":{"city":{"type":"string"}}}}},` +
+		`{"type":"function","function":{"name":"get_time","parameters":{"type":"object","properties":{"tz":{"type":"string"}}}}}]}`)
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			dw := startIDsWorker(t, &idsWorker{out: []int64{1}, texts: []string{tt.text}})
+			rr := &recRouter{decision: func(q *kvcv1.RouteQuery) *kvcv1.RouteDecision {
+				return &kvcv1.RouteDecision{DecisionId: "d-1", Mode: kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D,
+					Decode: &kvcv1.WorkerRef{WorkerId: "d0", WorkerUrl: dw.URL}, Execution: &kvcv1.RouteExecution{CallDecode: true}}
+			}}
+			s := New(rr, workers.NewPool(nil, nil), Options{RequestTimeout: 10 * time.Second, ConnectTimeout: time.Second, MaxBodyBytes: 1 << 20,
+				Parse: api.Options{DefaultMaxTok: 16, ToolCallParser: tt.parser}, Content: &Content{Tok: tok, PageSize: 16}},
+				zerolog.Nop(), NewMetrics(prometheus.NewRegistry()))
+			mux := http.NewServeMux()
+			s.Register(mux)
+			gw := httptest.NewServer(mux)
+			defer func() { gw.Close(); s.Close() }()
+			resp := post(t, gw.URL, "/v1/chat/completions", "s-1", string(body))
+			raw, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			var ans struct {
+				Choices []struct {
+					FinishReason string `json:"finish_reason"`
+					Message      struct {
+						ToolCalls []map[string]any `json:"tool_calls"`
+					} `json:"message"`
+				} `json:"choices"`
+			}
+			if resp.StatusCode != http.StatusOK || json.Unmarshal(raw, &ans) != nil || len(ans.Choices) != 1 {
+				t.Fatalf("%d %s", resp.StatusCode, raw)
+			}
+			calls := ans.Choices[0].Message.ToolCalls
+			if len(calls) != len(tt.wantArgs) {
+				t.Fatalf("%d tool calls, want %d: %s", len(calls), len(tt.wantArgs), raw)
+			}
+			for i, c := range calls {
+				fn, _ := c["function"].(map[string]any)
+				args, isString := fn["arguments"].(string)
+				if !isString || args != tt.wantArgs[i] {
+					t.Fatalf("call %d's arguments %#v (a %T), want the JSON string %q", i, fn["arguments"], fn["arguments"], tt.wantArgs[i])
+				}
+				if !json.Valid([]byte(args)) || c["type"] != "function" {
+					t.Fatalf("call %d: %v", i, c)
+				}
+			}
+			if tt.wantArgs != nil && ans.Choices[0].FinishReason != "tool_calls" {
+				t.Fatalf("finish_reason %q", ans.Choices[0].FinishReason)
+			}
+		})
+	}
+}
