@@ -6,6 +6,8 @@ import (
 	"os"
 	"strings"
 	"testing"
+
+	"github.com/kvcentric/kvcentric/gateway/internal/pyjson"
 )
 
 // samplingGolden is one case of testdata/sampling.json (gen_sampling.py: SGLang 0.5.23's request
@@ -277,4 +279,54 @@ func TestLogitBias(t *testing.T) {
 			})
 		}
 	}
+}
+
+// FuzzLogitBias: any logit_bias value, on the three APIs, is parsed without a panic; a refusal is
+// a 400, and one about logit_bias an invalid_parameter naming it; what the OpenAI APIs accept
+// reaches the worker with token-id keys and values in [-100, 100]. Seeds: testdata/fuzz.
+func FuzzLogitBias(f *testing.F) {
+	for _, s := range []string{`{"5":1}`, `{"5":-100,"6":100}`, `{" 1_0 ":0.5}`, `{"x":1}`, `{"-1":1}`, `{"5":"1"}`,
+		`{"5":null}`, `{"5":100.5}`, `[1]`, `null`, `{"5":1e309}`, `{"":1}`, `{"5":1,"5":200}`} {
+		f.Add([]byte(s))
+	}
+	bodies := map[Kind]func(b []byte) string{
+		Chat: func(b []byte) string {
+			return `{"messages":[{"role":"user","content":"x"}],"logit_bias":` + string(b) + `}`
+		},
+		Completion: func(b []byte) string { return `{"prompt":"x","logit_bias":` + string(b) + `}` },
+		Generate:   func(b []byte) string { return `{"text":"x","sampling_params":{"logit_bias":` + string(b) + `}}` },
+	}
+	f.Fuzz(func(t *testing.T, bias []byte) {
+		for _, k := range []Kind{Chat, Completion, Generate} {
+			r, e := Parse(k, http.Header{}, []byte(bodies[k](bias)), Options{DefaultMaxTok: 16})
+			if e != nil {
+				if e.Status != http.StatusBadRequest {
+					t.Fatalf("%v: status %d", k, e.Status)
+				}
+				if strings.HasPrefix(e.Message, "logit_bias") && e.Code != CodeInvalidParameter {
+					t.Fatalf("%v: %v", k, e)
+				}
+				continue
+			}
+			v, err := pyjson.Decode(r.Sampling)
+			if err != nil {
+				t.Fatalf("%v: sampling_params %q: %v", k, r.Sampling, err)
+			}
+			lb, _ := v.(*pyjson.Object).Get("logit_bias")
+			o, ok := lb.(*pyjson.Object)
+			if lb == nil || k == Generate {
+				continue
+			}
+			if !ok {
+				t.Fatalf("%v: logit_bias %v", k, lb)
+			}
+			for _, key := range o.Keys {
+				id, isInt := pyInt(key)
+				f, isNum := num(o.Values[key])
+				if !isInt || id.Sign() < 0 || !isNum || f < -maxLogitBias || f > maxLogitBias {
+					t.Fatalf("%v: accepted logit_bias[%q] = %v", k, key, o.Values[key])
+				}
+			}
+		}
+	})
 }
