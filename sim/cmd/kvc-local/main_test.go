@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/kvcentric/kvcentric/sim/internal/cluster"
+	"github.com/kvcentric/kvcentric/sim/internal/clustertest"
 )
 
 func TestFlags(t *testing.T) {
@@ -69,17 +70,7 @@ func TestFlags(t *testing.T) {
 // The binary's life with the real binaries: up, ready file, SIGTERM-equivalent (ctx), exit 0.
 // Skipped only when the binaries are missing and KVC_BIN_DIR is unset.
 func TestRunCluster(t *testing.T) {
-	dir := os.Getenv("KVC_BIN_DIR")
-	set := dir != ""
-	if !set {
-		dir, _ = filepath.Abs("../../../bin")
-	}
-	if miss := cluster.MissingBinaries(dir, true); len(miss) > 0 {
-		if set {
-			t.Fatalf("KVC_BIN_DIR=%s lacks %v", dir, miss)
-		}
-		t.Skipf("binaries missing in %s: %v", dir, miss)
-	}
+	dir := clustertest.BinDir(t, cluster.Binaries)
 	work := t.TempDir()
 	ready := filepath.Join(work, "ready.json")
 	ctx, cancel := context.WithCancel(context.Background())

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/kvcentric/kvcentric/sim/internal/cluster"
+	"github.com/kvcentric/kvcentric/sim/internal/clustertest"
 	"github.com/kvcentric/kvcentric/sim/internal/report"
 	"github.com/kvcentric/kvcentric/sim/internal/workload"
 )
@@ -20,23 +21,7 @@ func TestLocalArm(t *testing.T) {
 	if testing.Short() {
 		t.Skip("starts a whole cluster")
 	}
-	bin := localBinaries(t)
-	out := t.TempDir()
-	wl := tinyWorkload(50 * time.Millisecond)
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-	defer cancel()
-	arms, err := Run(ctx, Config{
-		Local: true, Arms: []string{"E4"}, BinDir: bin, OutDir: out, Workload: wl,
-		Meta:                 report.Meta{Command: "test", Workload: wl.Name, Stats: wl.Describe(), TimeScale: 0.2, TimeDiv: 0.2, Started: time.Now()},
-		Replay:               Options{TimeScale: 0.2, RequestTimeout: time.Minute},
-		DecodeCapacityTokens: 20000,
-		SimArgs:              []string{"--bytes-per-token-per-buffer", "2", "--time-scale", "0.2"},
-		TimerScale:           0.2,
-		Log:                  io.Discard,
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	arms, out := runLocal(t, 50*time.Millisecond, Config{Arms: []string{"E4"}})
 	s := arms[0].Summary
 	if s.Total != 5 || s.OK != 5 || s.KVVerifyFailures != 0 || s.BytesMoved <= 0 || s.DirectToDShare < 0.5 {
 		t.Fatalf("summary %+v modes %+v errors %v", s, arms[0].Modes, arms[0].ErrorKinds)
@@ -97,24 +82,9 @@ func TestLocalRecoveryControl(t *testing.T) {
 	if testing.Short() {
 		t.Skip("starts two whole clusters")
 	}
-	bin := localBinaries(t)
-	out := t.TempDir()
-	wl := tinyWorkload(300 * time.Millisecond)
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-	defer cancel()
-	arms, err := Run(ctx, Config{
-		Local: true, Arms: []string{"SGL"}, BinDir: bin, OutDir: out, Workload: wl,
-		Meta:                 report.Meta{Command: "test", Workload: wl.Name, Stats: wl.Describe(), TimeScale: 0.2, TimeDiv: 0.2, Started: time.Now()},
-		Replay:               Options{TimeScale: 0.2, RequestTimeout: time.Minute},
-		DecodeCapacityTokens: 20000,
-		SimArgs:              []string{"--bytes-per-token-per-buffer", "2", "--time-scale", "0.2"},
-		TimerScale:           0.2,
-		KillDecode:           KillMost, KillAfterRequests: 1, KillWorkerOnly: true, RecoveryControl: true,
-		Log: io.Discard,
+	arms, out := runLocal(t, 300*time.Millisecond, Config{
+		Arms: []string{"SGL"}, KillDecode: KillMost, KillAfterRequests: 1, KillWorkerOnly: true, RecoveryControl: true,
 	})
-	if err != nil {
-		t.Fatal(err)
-	}
 	s := arms[0].Summary
 	if s.Total != 5 || !s.RecoveryControl || s.KilledWorker == "" {
 		t.Fatalf("summary %+v", s)
@@ -150,21 +120,27 @@ func TestLocalRecoveryControl(t *testing.T) {
 	}
 }
 
-// localBinaries is the directory of the built binaries (KVC_BIN_DIR, else the repository's bin/):
-// the test skips when neither is set up and fails when KVC_BIN_DIR lacks one.
-func localBinaries(t *testing.T) string {
+// runLocal runs cfg's arms (bench.Run, Local) on fresh clusters of the built binaries over
+// tinyWorkload(think), with what the local tests share: the time scale 0.2 (replay, kvc-sim and
+// the policy's timers), 2 bytes per token per buffer, 20,000-token decode pools, a minute per
+// request, 3 minutes in all. It returns the arms and the output dir.
+func runLocal(t *testing.T, think time.Duration, cfg Config) ([]*report.Arm, string) {
 	t.Helper()
-	bin := os.Getenv("KVC_BIN_DIR")
-	if bin == "" {
-		bin, _ = filepath.Abs("../../../bin")
-		if len(cluster.MissingBinaries(bin, true)) > 0 {
-			t.Skip("binaries not built and KVC_BIN_DIR unset")
-		}
+	cfg.Local, cfg.BinDir, cfg.OutDir, cfg.Log = true, clustertest.BinDir(t, cluster.Binaries), t.TempDir(), io.Discard
+	cfg.Workload = tinyWorkload(think)
+	cfg.Meta = report.Meta{Command: "test", Workload: cfg.Workload.Name, Stats: cfg.Workload.Describe(), TimeScale: 0.2, TimeDiv: 0.2,
+		Started: time.Now()}
+	cfg.Replay = Options{TimeScale: 0.2, RequestTimeout: time.Minute}
+	cfg.DecodeCapacityTokens = 20000
+	cfg.SimArgs = []string{"--bytes-per-token-per-buffer", "2", "--time-scale", "0.2"}
+	cfg.TimerScale = 0.2
+	ctx, cancel := context.WithTimeout(t.Context(), 3*time.Minute)
+	defer cancel()
+	arms, err := Run(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
 	}
-	if miss := cluster.MissingBinaries(bin, true); len(miss) > 0 {
-		t.Fatalf("KVC_BIN_DIR=%s lacks %v", bin, miss)
-	}
-	return bin
+	return arms, cfg.OutDir
 }
 
 // tinyWorkload is two sessions of five turns in all, think seconds apart.

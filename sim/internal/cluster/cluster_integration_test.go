@@ -1,118 +1,27 @@
 package cluster
 
 import (
-	"bufio"
 	"context"
-	"encoding/json"
 	"fmt"
 	"io"
 	"net/http"
 	"os"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
-	"github.com/kvcentric/kvcentric/pkg/launch"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
-// binDir is $KVC_BIN_DIR, else the repository's bin/. The test skips only when binaries are
-// missing AND KVC_BIN_DIR is unset; under `make test` it is set, so it runs.
-func binDir(t *testing.T) string {
-	dir := os.Getenv("KVC_BIN_DIR")
-	set := dir != ""
-	if !set {
-		abs, err := filepath.Abs("../../../bin")
-		if err != nil {
-			t.Fatal(err)
-		}
-		dir = abs
-	}
-	if miss := MissingBinaries(dir, true); len(miss) > 0 {
-		if set {
-			t.Fatalf("KVC_BIN_DIR=%s lacks %v", dir, miss)
-		}
-		t.Skipf("binaries missing in %s (%v); run make build or set KVC_BIN_DIR", dir, miss)
-	}
-	return dir
-}
-
-type genResult struct {
-	status int
-	header http.Header
-	body   string
-	meta   map[string]any
-}
-
-// generate sends one SGLang /generate request through the gateway (streaming) and returns the
-// last chunk's meta_info.
-func generate(t *testing.T, url, session string, text string) genResult {
-	t.Helper()
-	b, _ := json.Marshal(map[string]any{
-		"text": text, "stream": true, "session_params": map[string]any{"id": session},
-		"sampling_params": map[string]any{"max_new_tokens": 8},
-	})
-	req, _ := http.NewRequest(http.MethodPost, url+"/generate", strings.NewReader(string(b)))
-	req.Header.Set("Content-Type", "application/json")
-	req.Header.Set("X-Session-ID", session)
-	cl := &http.Client{Timeout: 60 * time.Second}
-	resp, err := cl.Do(req)
-	if err != nil {
-		t.Fatalf("generate: %v", err)
-	}
-	defer resp.Body.Close()
-	r := genResult{status: resp.StatusCode, header: resp.Header}
-	if resp.StatusCode != http.StatusOK {
-		raw, _ := io.ReadAll(resp.Body)
-		r.body = string(raw)
-		return r
-	}
-	sc := bufio.NewScanner(resp.Body)
-	for sc.Scan() {
-		data, ok := strings.CutPrefix(sc.Text(), "data: ")
-		if !ok || data == "[DONE]" {
-			continue
-		}
-		var chunk struct {
-			MetaInfo map[string]any `json:"meta_info"`
-		}
-		if json.Unmarshal([]byte(data), &chunk) == nil && chunk.MetaInfo != nil {
-			r.meta = chunk.MetaInfo
-		}
-		r.body += data + "\n"
-	}
-	return r
-}
-
 func TestLocalClusterEndToEnd(t *testing.T) {
-	dir := binDir(t)
-	work := t.TempDir()
-	if d := os.Getenv("CLUSTER_IT_WORKDIR"); d != "" {
-		work = d // keep the logs for a post-mortem
-	}
-	var log strings.Builder
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-	defer cancel()
-	c, err := Start(ctx, Config{
-		BinDir: dir, WorkDir: work, Prefill: 1, Decode: 2, Gateway: true, Log: &log,
-		DecodeCapacityTokens: 1536, PrefillCapacityTokens: 16384,
-		SimArgs: []string{"--time-scale", "0.05", "--layers", "4", "--bytes-per-token-per-buffer", "16"},
+	c, ctx := startCluster(t, Config{
+		Prefill: 1, Decode: 2, DecodeCapacityTokens: 1536, PrefillCapacityTokens: 16384,
 		// A direct-to-D limit of 300 tokens lets a 400-token append be a real large append
 		// within these small decode pools; local large appends off: P prefills it.
 		Policy: &kvcv1.Policy{SnapshotDeltaTokens: ptr(int64(16)), DirectMaxUncachedTokens: ptr(int64(300)),
 			LocalAppendMaxTokens: ptr(int64(0))},
 		ControlPlaneArgs: []string{"--election-ttl", "2s"},
 	})
-	if err != nil {
-		t.Fatalf("start: %v\n%s", err, log.String())
-	}
-	stopped := false
-	defer func() {
-		if !stopped {
-			_ = c.Stop()
-		}
-	}()
 	if len(c.Workers) != 3 || c.GatewayURL == "" || len(c.ControlPlaneAddrs) != 2 {
 		t.Fatalf("cluster %+v", c)
 	}
@@ -141,16 +50,16 @@ func TestLocalClusterEndToEnd(t *testing.T) {
 	text := strings.Repeat("lorem ipsum ", 100)
 	r1 := generate(t, c.GatewayURL, "it-1", text)
 	if r1.status != http.StatusOK {
-		t.Fatalf("turn 1: %d %s\n%s", r1.status, r1.body, logs(c))
+		t.Fatalf("turn 1: %d %s", r1.status, r1.body)
 	}
-	kvc1, _ := r1.meta["kvc"].(map[string]any)
+	kvc1 := r1.kvc()
 	if kvc1 == nil || kvc1["verify_failures"] != float64(0) || kvc1["received_bytes"] == float64(0) ||
 		kvc1["received_bytes"] != kvc1["verified_bytes"] || r1.header.Get("X-Kvc-Mode") != "SEED" {
 		t.Fatalf("turn 1 (%s) meta %v", r1.header.Get("X-Kvc-Mode"), r1.meta)
 	}
 	r2 := generate(t, c.GatewayURL, "it-1", text+strings.Repeat(" more words please", 10))
 	if r2.status != http.StatusOK {
-		t.Fatalf("turn 2: %d %s\n%s", r2.status, r2.body, logs(c))
+		t.Fatalf("turn 2: %d %s", r2.status, r2.body)
 	}
 	if m := r2.header.Get("X-Kvc-Mode"); m != "DIRECT_TO_D" {
 		t.Fatalf("turn 2 ran as %s (%s), want DIRECT_TO_D", m, r2.header.Get("X-Kvc-Reason"))
@@ -159,10 +68,10 @@ func TestLocalClusterEndToEnd(t *testing.T) {
 	// decode worker, which keeps the received KV as the session's; turn 4 is direct again.
 	text3 := text + strings.Repeat(" more words please", 10) + strings.Repeat(" a large tool output", 80)
 	la3 := generate(t, c.GatewayURL, "it-1", text3)
-	kla, _ := la3.meta["kvc"].(map[string]any)
+	kla := la3.kvc()
 	if la3.status != http.StatusOK || kla == nil || kla["verify_failures"] != float64(0) || kla["received_bytes"] == float64(0) ||
 		kla["received_bytes"] != kla["verified_bytes"] {
-		t.Fatalf("turn 3: %d %s meta %v\n%s", la3.status, la3.body, la3.meta, logs(c))
+		t.Fatalf("turn 3: %d %s meta %v", la3.status, la3.body, la3.meta)
 	}
 	if m, why, d := la3.header.Get("X-Kvc-Mode"), la3.header.Get("X-Kvc-Reason"), la3.header.Get("X-Kvc-Decode-Worker"); m != "PD_FALLBACK" ||
 		why != "REAL_LARGE_APPEND" || d != r2.header.Get("X-Kvc-Decode-Worker") {
@@ -217,7 +126,7 @@ func TestLocalClusterEndToEnd(t *testing.T) {
 			if r.status != http.StatusOK {
 				t.Fatalf("%s round %d: %d %s", sess, round, r.status, r.body)
 			}
-			k, _ := r.meta["kvc"].(map[string]any)
+			k := r.kvc()
 			if k == nil || k["verify_failures"] != float64(0) || k["received_bytes"] != k["verified_bytes"] {
 				t.Fatalf("%s round %d meta %v", sess, round, r.meta)
 			}
@@ -241,9 +150,9 @@ func TestLocalClusterEndToEnd(t *testing.T) {
 	// D->P snapshots: the prefill sidecar ends up holding every committed token of both sessions
 	// (the decode worker committed kv_len_after before answering).
 	// it-1's snapshot grew through its large append (pushed incrementally from the adopted pages).
-	waitSnapshot(t, c, "it-1", int64(la4.meta["kvc"].(map[string]any)["kv_len_after"].(float64)))
+	waitSnapshot(t, c, "it-1", la4.kvLenAfter())
 	if m := r3.header.Get("X-Kvc-Mode"); m == "SEED" {
-		waitSnapshot(t, c, "it-2", int64(r3.meta["kvc"].(map[string]any)["kv_len_after"].(float64)))
+		waitSnapshot(t, c, "it-2", r3.kvLenAfter())
 	} else {
 		// Right after a failover the gateway may not have its Route stream back yet and serves
 		// fail-open (plain P/D, no session kept): nothing to snapshot.
@@ -257,7 +166,7 @@ func TestLocalClusterEndToEnd(t *testing.T) {
 		t.Fatalf("it-3: %d %s", r4.status, r4.body)
 	}
 	if r4.header.Get("X-Kvc-Mode") != "PD_FALLBACK" {
-		waitSnapshot(t, c, "it-3", int64(r4.meta["kvc"].(map[string]any)["kv_len_after"].(float64)))
+		waitSnapshot(t, c, "it-3", r4.kvLenAfter())
 	}
 	victim := r4.header.Get("X-Kvc-Decode-Worker")
 	if err := c.Kill("sim-" + victim); err != nil {
@@ -279,7 +188,7 @@ func TestLocalClusterEndToEnd(t *testing.T) {
 			return errNotYet
 		})
 	}); err != nil {
-		t.Fatalf("%v\n%s", err, logs(c))
+		t.Fatal(err)
 	}
 	r5 := generate(t, c.GatewayURL, "it-3", text+strings.Repeat(" again", 10))
 	t.Logf("after %s died: %d %s %s %s", victim, r5.status, r5.header.Get("X-Kvc-Mode"), r5.header.Get("X-Kvc-Decode-Worker"), r5.body)
@@ -292,17 +201,16 @@ func TestLocalClusterEndToEnd(t *testing.T) {
 	// (checked above).
 	if m := r5.header.Get("X-Kvc-Mode"); r5.status == http.StatusOK && m != "PD_FALLBACK" {
 		// Served elsewhere and kept: let its snapshot push finish before stopping.
-		waitSnapshot(t, c, "it-3", int64(r5.meta["kvc"].(map[string]any)["kv_len_after"].(float64)))
+		waitSnapshot(t, c, "it-3", r5.kvLenAfter())
 	}
 
 	shm := []string{}
 	for _, w := range c.Workers {
 		shm = append(shm, w.ShmPath)
 	}
-	stopped = true
 	// The killed leader is already gone; the rest must stop cleanly.
 	if err := c.Stop(); err != nil {
-		t.Fatalf("stop: %v\n%s", err, logs(c))
+		t.Fatalf("stop: %v", err)
 	}
 	for _, p := range c.Processes {
 		if p.Alive() {
@@ -313,59 +221,5 @@ func TestLocalClusterEndToEnd(t *testing.T) {
 		if _, err := os.Stat(s); !os.IsNotExist(err) {
 			t.Errorf("pool file %s left behind", s)
 		}
-	}
-}
-
-type notYet struct{}
-
-func (notYet) Error() string { return "not yet" }
-
-var errNotYet = notYet{}
-
-func ptr[T any](v T) *T { return &v }
-
-func logs(c *Cluster) string {
-	var b strings.Builder
-	for _, p := range c.Processes {
-		b.WriteString("== " + p.Name + "\n" + p.Tail(15) + "\n")
-	}
-	return b.String()
-}
-
-// waitSnapshot waits until the prefill sidecar's snapshot of session covers seqlen tokens.
-func waitSnapshot(t *testing.T, c *Cluster, session string, seqlen int64) {
-	t.Helper()
-	var url string
-	for _, w := range c.Workers {
-		if w.Role == "prefill" {
-			url = w.SidecarHTTP + "/v1/sessions/" + session + "/snapshot_status"
-		}
-	}
-	var last string
-	waitFor(t, func() bool {
-		resp, err := http.Get(url)
-		if err != nil {
-			last = err.Error()
-			return false
-		}
-		defer resp.Body.Close()
-		var st struct {
-			Exists bool  `json:"exists"`
-			Seqlen int64 `json:"seqlen"`
-		}
-		b, _ := io.ReadAll(resp.Body)
-		last = string(b)
-		return json.Unmarshal(b, &st) == nil && st.Exists && st.Seqlen == seqlen
-	}, func() string {
-		return fmt.Sprintf("snapshot of %s never reached %d tokens; last status %s", session, seqlen, last)
-	})
-}
-
-func waitFor(t *testing.T, cond func() bool, why func() string) {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
-	defer cancel()
-	if launch.WaitFor(ctx, nil, 20*time.Millisecond, cond) != nil { // polling files written by other processes
-		t.Fatal(why())
 	}
 }

@@ -26,6 +26,8 @@ import (
 	dto "github.com/prometheus/client_model/go"
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
+
+	"github.com/kvcentric/kvcentric/sim/internal/clustertest"
 )
 
 // repoFile is a file of the repository, found from this package's folder.
@@ -215,21 +217,11 @@ func truncate(b []byte, n int) string {
 //   - deploy/grafana/kvcentric.json and deploy/prometheus/kvc-alerts.yml: every kvc_ metric they
 //     name is on some binary's /metrics.
 func TestOperatorFiles(t *testing.T) {
-	dir := binDir(t)
 	gatewayAPI(t, "http://127.0.0.1:8080") // the document is valid before anything starts
-	work := t.TempDir()
-	var log strings.Builder
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-	defer cancel()
-	c, err := Start(ctx, Config{
-		BinDir: dir, WorkDir: work, Prefill: 1, Decode: 1, ControlPlanes: 1, Gateway: true, Log: &log,
-		DecodeCapacityTokens: 4096, PrefillCapacityTokens: 16384,
+	c, ctx := startCluster(t, Config{
+		Prefill: 1, Decode: 1, ControlPlanes: 1, DecodeCapacityTokens: 4096, PrefillCapacityTokens: 16384,
 		SimArgs: []string{"--time-scale", "0.05", "--layers", "2", "--bytes-per-token-per-buffer", "16"},
 	})
-	if err != nil {
-		t.Fatalf("start: %v\n%s", err, log.String())
-	}
-	defer func() { _ = c.Stop() }()
 	if err := c.WaitGatewayConnected(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -253,7 +245,7 @@ func TestOperatorFiles(t *testing.T) {
 		sess := fmt.Sprintf("op-%d", i/2)
 		code, h, body := call(t, router, gw, http.MethodPost, tc.path, map[string]string{"X-Session-ID": sess}, tc.body)
 		if code != http.StatusOK {
-			t.Fatalf("%s: %d %s\n%s", tc.path, code, body, logs(c))
+			t.Fatalf("%s: %d %s", tc.path, code, body)
 		}
 		if ct := h.Get("Content-Type"); strings.HasPrefix(ct, "text/event-stream") != tc.stream {
 			t.Fatalf("%s stream=%v answered %s", tc.path, tc.stream, ct)
@@ -392,7 +384,7 @@ func nextNotify(t *testing.T, conn *net.UnixConn, p *Process, prefix string) str
 // (NOTIFY_SOCKET, WATCHDOG_USEC, WATCHDOG_PID left unset as systemd may), says READY=1 once it
 // serves, pings WATCHDOG=1 while healthy, and says STOPPING=1 on SIGTERM, then exits 0.
 func TestSystemdNotify(t *testing.T) {
-	dir := binDir(t)
+	dir := clustertest.BinDir(t, Binaries)
 	for _, tc := range []struct {
 		bin  string
 		args func(work string) []string
