@@ -185,7 +185,7 @@ func TestParseChatToolsGateway(t *testing.T) {
 		{"strict with a parser", `{` + msgs + `,"tools":[` + strict + `]}`, parsers, CodeUnsupportedParameter, nil},
 		{"strict without a parser", `{` + msgs + `,"tools":[` + strict + `]}`, plain, "", nil},
 		{"strict with choice none", `{` + msgs + `,"tools":[` + strict + `],"tool_choice":"none"}`, parsers, "", nil},
-		{"stream with tools and a parser", `{` + msgs + `,"stream":true,"tools":[` + tool + `]}`, Options{DefaultMaxTok: 8, ToolCallParser: "qwen25"}, CodeUnsupportedParameter, nil},
+		{"stream with tools and a parser", `{` + msgs + `,"stream":true,"tools":[` + tool + `]}`, Options{DefaultMaxTok: 8, ToolCallParser: "qwen25"}, "", nil},
 		{"stream with tools, no parser", `{` + msgs + `,"stream":true,"tools":[` + tool + `]}`, plain, "", nil},
 		{"stream with a reasoning parser", `{` + msgs + `,"stream":true,"stream_reasoning":false}`, Options{DefaultMaxTok: 8, ReasoningParser: "qwen3"}, "", func(t *testing.T, r *Request) {
 			if !r.Tools.SeparateReasoning || r.Tools.StreamReasoning {

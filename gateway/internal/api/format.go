@@ -80,6 +80,19 @@ func ReasoningChunk(id, model, reasoning string, first bool) []byte {
 	return b
 }
 
+// ToolCallsChunk encodes one chat streaming chunk carrying a streamed answer's tool calls, each
+// whole (delta tool_calls: index, id, type, the function's name and its arguments string; OpenAI
+// clients join a call's deltas by index).
+func ToolCallsChunk(id, model string, calls []ToolCall, first bool) []byte {
+	d := map[string]any{"tool_calls": calls}
+	if first {
+		d["role"] = "assistant"
+	}
+	choice := map[string]any{"index": 0, "finish_reason": nil, "delta": d}
+	b, _ := json.Marshal(map[string]any{"id": id, "object": object(Chat, true), "created": time.Now().Unix(), "model": model, "choices": []any{choice}})
+	return b
+}
+
 // Full encodes a non-streaming OpenAI answer.
 func Full(k Kind, id, model, text, finish string, usage Usage, info *RouteInfo) []byte {
 	choice := map[string]any{"index": 0, "finish_reason": finish}

@@ -101,8 +101,7 @@ const (
 	// CodeUnsupportedParameter: n (or sampling_params.n) other than 1: one completion per request;
 	// logprobs, echo, watermark, a structural-tag response format, beam search (sampling.go);
 	// tool_choice "required" or a named function, strict tools under --tool-call-parser, tools
-	// in a message, tool calls parsed from a streamed answer, template inputs without the
-	// gateway's tokenizer.
+	// in a message, template inputs without the gateway's tokenizer.
 	CodeUnsupportedParameter = "unsupported_parameter"
 	// CodeInvalidParameter: a sampling parameter SGLang's request model or SamplingParams
 	// refuses (sampling.go, SGLang's messages from verify); tools, tool_choice,
@@ -475,8 +474,8 @@ func Parse(kind Kind, h http.Header, raw []byte, opt Options) (*Request, *Error)
 }
 
 // chatTools parses a chat request's tools and template inputs (chattools.go) and refuses
-// what the gateway cannot serve as SGLang would: tools in a system message, a tool choice
-// that needs SGLang's output grammar, and tool calls parsed from a streamed answer.
+// what the gateway cannot serve as SGLang would: tools in a system message and a tool choice
+// that needs SGLang's output grammar.
 func chatTools(b *body, opt Options) (*ChatTools, *Error) {
 	for i, m := range b.Messages {
 		if len(m.Tools) > 0 && string(m.Tools) != "null" && string(m.Tools) != "[]" && (m.Role == "system" || m.Role == "developer") {
@@ -499,9 +498,6 @@ func chatTools(b *body, opt Options) (*ChatTools, *Error) {
 				return nil, badRequestCode(CodeUnsupportedParameter, "tools: function %q is strict: SGLang constrains strict calls with a grammar the gateway does not build", f.Name)
 			}
 		}
-	}
-	if b.Stream && opt.ToolCallParser != "" && ct.HasTools() {
-		return nil, badRequestCode(CodeUnsupportedParameter, "stream with tools: the gateway parses tool calls (--tool-call-parser) only in whole answers (send stream false)")
 	}
 	return ct, nil
 }

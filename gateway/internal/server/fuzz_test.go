@@ -49,7 +49,8 @@ func FuzzDecodeStream(f *testing.F) {
 
 // FuzzParsedAnswer feeds arbitrary worker answers through the reasoning and tool-call parsers
 // (--reasoning-parser qwen3, --tool-call-parser qwen25), whole and streamed: nothing may panic,
-// and a whole answer is one JSON document.
+// a whole answer is one JSON document, each streamed event one, and a streamed tool call's
+// arguments a JSON string.
 func FuzzParsedAnswer(f *testing.F) {
 	f.Add("<think>a</think>b<tool_call>\n{\"name\":\"f\",\"arguments\":{\"x\":1}}\n</tool_call>", "</thi", false)
 	f.Add("<tool_call>\n[{\"name\":[1]}]\n</tool_call>", "", false)
@@ -68,9 +69,6 @@ func FuzzParsedAnswer(f *testing.F) {
 			Parse: api.Options{ToolCallParser: "qwen25", ReasoningParser: "qwen3"}}, zerolog.Nop(), NewMetrics(prometheus.NewRegistry()))
 		defer s.Close()
 		tools := &api.ChatTools{Choice: api.ChoiceAuto, Tools: []api.ToolFunc{{Name: "f"}}, SeparateReasoning: true, StreamReasoning: true}
-		if stream {
-			tools.Tools = nil // a streamed answer with tools under a tool-call parser is refused by Parse
-		}
 		req := &api.Request{Kind: api.Chat, RID: "r", SessionID: "s", InputTokens: 10, MaxTokens: 4, Stream: stream, Tools: tools}
 		p := &plan{mode: kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D, decode: &kvcv1.WorkerRef{WorkerUrl: w.URL}}
 		rec := httptest.NewRecorder()
@@ -86,6 +84,32 @@ func FuzzParsedAnswer(f *testing.F) {
 		out.finish(p, res)
 		if !stream && !json.Valid(rec.Body.Bytes()) {
 			t.Fatalf("answer %q", rec.Body.String())
+		}
+		if stream {
+			// Every event is one JSON document; a tool call's arguments are a JSON string.
+			for _, e := range sse(t, rec.Body) {
+				var ch struct {
+					Choices []struct {
+						Delta struct {
+							ToolCalls []struct {
+								Function struct {
+									Arguments string `json:"arguments"`
+								} `json:"function"`
+							} `json:"tool_calls"`
+						} `json:"delta"`
+					} `json:"choices"`
+				}
+				if e != "[DONE]" && json.Unmarshal([]byte(e), &ch) != nil {
+					t.Fatalf("event %q", e)
+				}
+				for _, c := range ch.Choices {
+					for _, tc := range c.Delta.ToolCalls {
+						if !json.Valid([]byte(tc.Function.Arguments)) {
+							t.Fatalf("arguments %q", tc.Function.Arguments)
+						}
+					}
+				}
+			}
 		}
 	})
 }

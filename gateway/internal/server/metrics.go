@@ -101,7 +101,7 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		ToolRequests: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvc_gateway_tool_requests_total",
 			Help: "Chat requests whose tools reached the chat template, by tool_choice (auto, none is not counted: its tools do not reach the template)."}, []string{"choice"}),
 		ToolCalls: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_gateway_tool_calls_total",
-			Help: "Tool calls parsed from answers (--tool-call-parser) and returned as message.tool_calls."}),
+			Help: "Tool calls parsed from answers (--tool-call-parser) and returned as message.tool_calls (a streamed answer: delta.tool_calls)."}),
 		ToolParseFailures: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvc_gateway_tool_parse_failures_total",
 			Help: "Answers with tool-call markup that gave no tool call, returned as content as SGLang does, by reason (no_call: no complete call to a declared tool; error: a call that is not a JSON object or whose name is not a string)."}, []string{"reason"}),
 		ReasoningAnswers: prometheus.NewCounter(prometheus.CounterOpts{Name: "kvc_gateway_reasoning_answers_total",

@@ -41,8 +41,12 @@ type sink struct {
 	answer func(req *api.Request, text, finish string) (api.Answer, string)
 	// reasoning splits a streamed chat answer's reasoning (answer.go); nil: none.
 	reasoning *toolcall.ReasoningStream
-	sentRole  bool // the first chat chunk (with role) went out
-	onReason  func()
+	// tools holds back a streamed chat answer's tool-call markup and parses its calls at the
+	// end (answer.go); nil: none.
+	tools    *toolcall.ToolStream
+	onCalls  func(calls []toolcall.Call, fail toolcall.Failure) // counts a streamed answer's calls
+	sentRole bool                                               // the first chat chunk (with role) went out
+	onReason func()
 }
 
 func newSink(w http.ResponseWriter, req *api.Request) *sink {
@@ -157,9 +161,47 @@ func (s *sink) chunk(raw []byte, text string, ids []int64) error {
 	}
 	if s.reasoning != nil {
 		r, n := s.reasoning.Chunk(d)
-		return s.reasoned(r, n)
+		return s.reasoned(r, s.toolContent(n))
+	}
+	if s.tools != nil {
+		return s.reasoned("", s.tools.Chunk(d))
 	}
 	return s.event(api.Chunk(s.req.Kind, s.id, s.req.Model, d, s.chunks == 1, "", nil, nil))
+}
+
+// toolContent passes a streamed answer's content through the tool-call stream when there is one.
+func (s *sink) toolContent(n string) string {
+	if s.tools == nil {
+		return n
+	}
+	return s.tools.Chunk(n)
+}
+
+// endTools ends a streamed answer's tool-call stream: the content it still held, then its calls
+// as one tool_calls delta (each call whole: its arguments one JSON string); the finish reason
+// becomes "tool_calls" when there are calls and the answer stopped on its own, as SGLang's.
+func (s *sink) endTools(finish string) string {
+	if s.tools == nil {
+		return finish
+	}
+	rest, calls, fail := s.tools.End()
+	_ = s.reasoned("", rest)
+	if s.onCalls != nil {
+		s.onCalls(calls, fail)
+	}
+	if len(calls) == 0 {
+		return finish
+	}
+	tc := make([]api.ToolCall, len(calls))
+	for i, c := range calls {
+		tc[i] = api.ToolCall{ID: toolcall.CallID(), Index: i, Type: "function", Function: api.ToolCallFunction{Name: c.Name, Arguments: c.Arguments}}
+	}
+	_ = s.event(api.ToolCallsChunk(s.id, s.req.Model, tc, !s.sentRole))
+	s.sentRole = true
+	if finish == "stop" {
+		finish = "tool_calls"
+	}
+	return finish
 }
 
 // continued is a continuation's /generate chunk as the uninterrupted stream's would be: its
@@ -273,11 +315,13 @@ func (s *sink) finish(p *plan, res result) {
 			s.begin(p, s.req)
 		}
 		if s.reasoning != nil {
-			_ = s.reasoned(s.reasoning.End()) // what was held back: a tag that never came
+			r, n := s.reasoning.End() // what was held back: a tag that never came
+			_ = s.reasoned(r, s.toolContent(n))
 		}
+		finish := s.endTools(finishReason(res, s.req.MaxTokens))
 		if s.req.Kind != api.Generate {
 			u := s.usage(res)
-			_ = s.event(api.Chunk(s.req.Kind, s.id, s.req.Model, "", false, finishReason(res, s.req.MaxTokens), &u, s.info(p, res)))
+			_ = s.event(api.Chunk(s.req.Kind, s.id, s.req.Model, "", false, finish, &u, s.info(p, res)))
 		}
 		_ = s.event([]byte("[DONE]"))
 		s.trailers(p)

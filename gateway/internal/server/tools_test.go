@@ -3,6 +3,7 @@ package server
 import (
 	"bytes"
 	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -11,6 +12,7 @@ import (
 	"strings"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
@@ -57,8 +59,8 @@ func sglangTemplateInputs(t *testing.T, name string) (body json.RawMessage, tool
 // TestChatToolsThroughTheGateway: with --tokenizer (Qwen3) and SGLang's parsers, a chat
 // request with tools reaches the worker as the ids of the chat template rendered with SGLang's
 // tools JSON and kwargs (the tools in the prompt), skip_special_tokens false; the answer comes
-// back with reasoning_content, tool_calls and finish_reason "tool_calls". A streamed request
-// with tools and a request with tools but no tokenizer are 400 unsupported_parameter.
+// back with reasoning_content, tool_calls and finish_reason "tool_calls", whole or streamed. A
+// request with tools but no tokenizer is a 400 unsupported_parameter.
 func TestChatToolsThroughTheGateway(t *testing.T) {
 	tok, _ := qwen3(t)
 	body, toolsJSON, vars := sglangTemplateInputs(t, "tools and effort")
@@ -159,16 +161,58 @@ func TestChatToolsThroughTheGateway(t *testing.T) {
 			testutil.ToFloat64(m.ReasoningAnswers), testutil.ToFloat64(m.ToolRequests.WithLabelValues("auto")))
 	}
 
-	// Refused rather than served differently.
+	// Streamed: the reasoning as reasoning_content deltas, then the call whole in one tool_calls
+	// delta (its arguments one JSON string), finish_reason "tool_calls"; no markup as content.
 	var streamed map[string]any
 	_ = json.Unmarshal(body, &streamed)
 	streamed["stream"] = true
 	sb, _ := json.Marshal(streamed)
+	resp, out = post(sb)
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("streamed: status %d: %s", resp.StatusCode, out)
+	}
+	var reasoning, contentText, finish string
+	var streamedCalls []map[string]any
+	for _, e := range sse(t, bytes.NewReader(out)) {
+		if e == "[DONE]" {
+			break
+		}
+		var ch struct {
+			Choices []struct {
+				Delta struct {
+					Content          string           `json:"content"`
+					ReasoningContent string           `json:"reasoning_content"`
+					ToolCalls        []map[string]any `json:"tool_calls"`
+				} `json:"delta"`
+				FinishReason *string `json:"finish_reason"`
+			} `json:"choices"`
+		}
+		if err := json.Unmarshal([]byte(e), &ch); err != nil || len(ch.Choices) != 1 {
+			t.Fatalf("event %s: %v", e, err)
+		}
+		d := ch.Choices[0].Delta
+		reasoning, contentText = reasoning+d.ReasoningContent, contentText+d.Content
+		streamedCalls = append(streamedCalls, d.ToolCalls...)
+		if f := ch.Choices[0].FinishReason; f != nil {
+			finish = *f
+		}
+	}
+	if reasoning != "\nThe user wants the weather.\n" || strings.TrimSpace(contentText) != "" || finish != "tool_calls" || len(streamedCalls) != 1 {
+		t.Fatalf("streamed answer: reasoning %q, content %q, finish %q, calls %v", reasoning, contentText, finish, streamedCalls)
+	}
+	if fn, _ := streamedCalls[0]["function"].(map[string]any); fn["name"] != "get_weather" || fn["arguments"] != `{"city": "Paris", "unit": "c"}` ||
+		streamedCalls[0]["type"] != "function" || streamedCalls[0]["index"] != float64(0) || !strings.HasPrefix(fmt.Sprint(streamedCalls[0]["id"]), "call_") {
+		t.Fatalf("streamed call %v", streamedCalls[0])
+	}
+	if testutil.ToFloat64(m.ToolCalls) != 2 {
+		t.Fatalf("tool calls counted %v, want 2", testutil.ToFloat64(m.ToolCalls))
+	}
+
+	// Refused rather than served differently.
 	for _, c := range []struct {
 		name string
 		run  func() (*http.Response, []byte)
 	}{
-		{"stream", func() (*http.Response, []byte) { return post(sb) }},
 		{"no tokenizer", func() (*http.Response, []byte) { s.opt.Content = &Content{PageSize: 16}; return post(body) }},
 	} {
 		name := c.name
@@ -283,13 +327,13 @@ func TestChatReasoningStreamed(t *testing.T) {
 }
 
 // TestToolCallArgumentsAreStrings: a tool call's function.arguments reaches the client as a JSON
-// string (OpenAI's type, as SGLang writes it: json.dumps of what the model wrote) whatever form
-// the model gave its arguments in — an object (the usual case), "parameters" instead of
-// "arguments", none, a list of calls, or a string it had encoded itself (SGLang encodes it
-// again: a JSON string whose text is a JSON string) — for both parsers. Qwen3-Coder's XML call
-// format (<function=…><parameter=…>) is not a JSON call: no tool_calls (its SGLang parser,
-// qwen3_coder, is not one the gateway serves). A streamed request with tools is refused
-// (TestChatToolsThroughTheGateway): no delta form of a tool call exists to carry anything else.
+// string (OpenAI's type, as SGLang writes it: json.dumps of what the model wrote), in the whole
+// answer's message.tool_calls and in a streamed answer's delta.tool_calls (the answer cut into
+// ~5-byte chunks), whatever form the model gave its arguments in — an object (the usual case),
+// "parameters" instead of "arguments", none, a list of calls, or a string it had encoded itself
+// (SGLang encodes it again: a JSON string whose text is a JSON string) — for both parsers.
+// Qwen3-Coder's XML call format (<function=…><parameter=…>) is not a JSON call: no tool_calls
+// (its SGLang parser, qwen3_coder, is not one the gateway serves).
 func TestToolCallArgumentsAreStrings(t *testing.T) {
 	tok, _ := qwen3(t)
 	tests := []struct {
@@ -309,54 +353,104 @@ func TestToolCallArgumentsAreStrings(t *testing.T) {
 		{"hermes object", "hermes", "<tool_call>{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}</tool_call>", []string{`{"city": "Paris"}`}},
 		{"qwen3-coder xml", "qwen25", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>", nil},
 	}
-	body := []byte(`{"model":"m","max_tokens":4,"messages":[{"role":"user","content":"weather?"}],"tools":[` +
+	body := []byte(`{"model":"m","max_tokens":256,"messages":[{"role":"user","content":"weather?"}],"tools":[` +
 		`{"type":"function","function":{"name":"get_weather","parameters":{"type":"object","properties":{"city":{"type":"string"}}}}},` +
 		`{"type":"function","function":{"name":"get_time","parameters":{"type":"object","properties":{"tz":{"type":"string"}}}}}]}`)
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			dw := startIDsWorker(t, &idsWorker{out: []int64{1}, texts: []string{tt.text}})
-			rr := &recRouter{decision: func(q *kvcv1.RouteQuery) *kvcv1.RouteDecision {
-				return &kvcv1.RouteDecision{DecisionId: "d-1", Mode: kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D,
-					Decode: &kvcv1.WorkerRef{WorkerId: "d0", WorkerUrl: dw.URL}, Execution: &kvcv1.RouteExecution{CallDecode: true}}
-			}}
-			s := New(rr, workers.NewPool(nil, nil), Options{RequestTimeout: 10 * time.Second, ConnectTimeout: time.Second, MaxBodyBytes: 1 << 20,
-				Parse: api.Options{DefaultMaxTok: 16, ToolCallParser: tt.parser}, Content: &Content{Tok: tok, PageSize: 16}},
-				zerolog.Nop(), NewMetrics(prometheus.NewRegistry()))
-			mux := http.NewServeMux()
-			s.Register(mux)
-			gw := httptest.NewServer(mux)
-			defer func() { gw.Close(); s.Close() }()
-			resp := post(t, gw.URL, "/v1/chat/completions", "s-1", string(body))
-			raw, _ := io.ReadAll(resp.Body)
-			resp.Body.Close()
-			var ans struct {
-				Choices []struct {
-					FinishReason string `json:"finish_reason"`
-					Message      struct {
-						ToolCalls []map[string]any `json:"tool_calls"`
-					} `json:"message"`
-				} `json:"choices"`
+	for _, tc := range tests {
+		for _, stream := range []bool{false, true} {
+			tt := tc
+			t.Run(fmt.Sprintf("%s/stream=%v", tt.name, stream), func(t *testing.T) {
+				testToolCallArguments(t, tok, body, tt.parser, tt.text, tt.wantArgs, stream)
+			})
+		}
+	}
+}
+
+// chunksOf cuts s into pieces of about n bytes on rune boundaries (the worker's chunks).
+func chunksOf(s string, n int) []string {
+	var out []string
+	for len(s) > 0 {
+		i := min(n, len(s))
+		for i < len(s) && !utf8.RuneStart(s[i]) {
+			i++
+		}
+		out = append(out, s[:i])
+		s = s[i:]
+	}
+	return out
+}
+
+// testToolCallArguments serves one answer text (streamed: in chunks of about 5 bytes) under
+// parser and checks its calls' arguments are the JSON strings wantArgs.
+func testToolCallArguments(t *testing.T, tok *tokenizer.Tokenizer, body []byte, parser, text string, wantArgs []string, stream bool) {
+	texts := []string{text}
+	if stream {
+		texts = chunksOf(text, 5)
+	}
+	out := make([]int64, len(texts))
+	dw := startIDsWorker(t, &idsWorker{out: out, texts: texts})
+	rr := &recRouter{decision: func(q *kvcv1.RouteQuery) *kvcv1.RouteDecision {
+		return &kvcv1.RouteDecision{DecisionId: "d-1", Mode: kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D,
+			Decode: &kvcv1.WorkerRef{WorkerId: "d0", WorkerUrl: dw.URL}, Execution: &kvcv1.RouteExecution{CallDecode: true}}
+	}}
+	s := New(rr, workers.NewPool(nil, nil), Options{RequestTimeout: 10 * time.Second, ConnectTimeout: time.Second, MaxBodyBytes: 1 << 20,
+		Parse: api.Options{DefaultMaxTok: 16, ToolCallParser: parser}, Content: &Content{Tok: tok, PageSize: 16}},
+		zerolog.Nop(), NewMetrics(prometheus.NewRegistry()))
+	mux := http.NewServeMux()
+	s.Register(mux)
+	gw := httptest.NewServer(mux)
+	defer func() { gw.Close(); s.Close() }()
+	b := body
+	if stream {
+		b = append([]byte(`{"stream":true,`), body[1:]...)
+	}
+	resp := post(t, gw.URL, "/v1/chat/completions", "s-1", string(b))
+	raw, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	type choice struct {
+		FinishReason *string `json:"finish_reason"`
+		Message      struct {
+			ToolCalls []map[string]any `json:"tool_calls"`
+		} `json:"message"`
+		Delta struct {
+			ToolCalls []map[string]any `json:"tool_calls"`
+		} `json:"delta"`
+	}
+	var ans struct{ Choices []choice }
+	if !stream && (resp.StatusCode != http.StatusOK || json.Unmarshal(raw, &ans) != nil || len(ans.Choices) != 1) {
+		t.Fatalf("%d %s", resp.StatusCode, raw)
+	}
+	calls := []map[string]any(nil)
+	finish := ""
+	if stream {
+		for _, e := range sse(t, bytes.NewReader(raw)) {
+			var ch struct{ Choices []choice }
+			if e == "[DONE]" || json.Unmarshal([]byte(e), &ch) != nil || len(ch.Choices) != 1 {
+				continue
 			}
-			if resp.StatusCode != http.StatusOK || json.Unmarshal(raw, &ans) != nil || len(ans.Choices) != 1 {
-				t.Fatalf("%d %s", resp.StatusCode, raw)
+			calls = append(calls, ch.Choices[0].Delta.ToolCalls...)
+			if f := ch.Choices[0].FinishReason; f != nil {
+				finish = *f
 			}
-			calls := ans.Choices[0].Message.ToolCalls
-			if len(calls) != len(tt.wantArgs) {
-				t.Fatalf("%d tool calls, want %d: %s", len(calls), len(tt.wantArgs), raw)
-			}
-			for i, c := range calls {
-				fn, _ := c["function"].(map[string]any)
-				args, isString := fn["arguments"].(string)
-				if !isString || args != tt.wantArgs[i] {
-					t.Fatalf("call %d's arguments %#v (a %T), want the JSON string %q", i, fn["arguments"], fn["arguments"], tt.wantArgs[i])
-				}
-				if !json.Valid([]byte(args)) || c["type"] != "function" {
-					t.Fatalf("call %d: %v", i, c)
-				}
-			}
-			if tt.wantArgs != nil && ans.Choices[0].FinishReason != "tool_calls" {
-				t.Fatalf("finish_reason %q", ans.Choices[0].FinishReason)
-			}
-		})
+		}
+	} else {
+		calls = ans.Choices[0].Message.ToolCalls
+		finish = *ans.Choices[0].FinishReason
+	}
+	if len(calls) != len(wantArgs) {
+		t.Fatalf("%d tool calls, want %d: %s", len(calls), len(wantArgs), raw)
+	}
+	for i, c := range calls {
+		fn, _ := c["function"].(map[string]any)
+		args, isString := fn["arguments"].(string)
+		if !isString || args != wantArgs[i] {
+			t.Fatalf("call %d's arguments %#v (a %T), want the JSON string %q", i, fn["arguments"], fn["arguments"], wantArgs[i])
+		}
+		if !json.Valid([]byte(args)) || c["type"] != "function" {
+			t.Fatalf("call %d: %v", i, c)
+		}
+	}
+	if wantArgs != nil && finish != "tool_calls" {
+		t.Fatalf("finish_reason %q", finish)
 	}
 }

@@ -107,3 +107,56 @@ func partialSuffix(buf, tok string) int {
 	}
 	return 0
 }
+
+// ToolStream holds back a streamed answer's tool-call markup (the text after any reasoning):
+// content passes as it comes until the parser's call start ("<tool_call>\n" for qwen25,
+// "<tool_call>" for hermes; text that may be its beginning is held until the next chunk
+// tells), and everything from the start on is kept for End, which parses the whole answer as
+// Parse does — the calls come whole, after the content, as one delta.
+type ToolStream struct {
+	parser string
+	tools  []string
+	bot    string
+	all    strings.Builder // the whole text
+	held   string          // what Chunk has not passed on
+	inCall bool            // the call start was seen: everything after it is held
+}
+
+// NewToolStream starts a stream for parser with the request's function names.
+func NewToolStream(parser string, tools []string) *ToolStream {
+	bot := "<tool_call>\n"
+	if parser == "hermes" {
+		bot = "<tool_call>"
+	}
+	return &ToolStream{parser: parser, tools: tools, bot: bot}
+}
+
+// Chunk takes the next piece of the answer and returns the content now known not to be a call.
+func (s *ToolStream) Chunk(text string) (content string) {
+	s.all.WriteString(text)
+	if s.inCall {
+		s.held += text
+		return ""
+	}
+	cur := s.held + text
+	if i := strings.Index(cur, s.bot); i >= 0 {
+		s.held, s.inCall = cur[i:], true
+		return cur[:i]
+	}
+	h := partialSuffix(cur, s.bot)
+	s.held = cur[len(cur)-h:]
+	return cur[:len(cur)-h]
+}
+
+// End parses the whole answer (Parse) and returns the content still to send — what was held
+// when the whole text is content (no markup, or markup that fails the answer); nothing when
+// the markup gave calls or was dropped — the calls, and why markup gave none.
+func (s *ToolStream) End() (content string, calls []Call, fail Failure) {
+	all := s.all.String()
+	c, calls, fail := Parse(s.parser, all, s.tools)
+	if c == all {
+		content = s.held
+	}
+	s.held = ""
+	return content, calls, fail
+}

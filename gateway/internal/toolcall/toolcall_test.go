@@ -215,3 +215,70 @@ func BenchmarkParse(b *testing.B) {
 		}
 	}
 }
+
+// TestToolStreamGolden: a streamed answer's tool calls are SGLang's non-streaming parse of the
+// whole answer (the golden's calls, arguments byte for byte, and failure), however the answer is
+// cut into chunks (whole, byte by byte, every two-chunk cut); the content streamed is the text
+// before the first call as generated (SGLang's whole answer strips it: equal after a strip) or,
+// when the answer has no call markup or markup that fails it, the whole text.
+func TestToolStreamGolden(t *testing.T) {
+	tools := []string{"get_weather", "get_time"}
+	n := 0
+	for _, c := range loadGolden(t) {
+		if c.Chunks != nil || c.ToolCallP == nil {
+			continue
+		}
+		n++
+		t.Run(c.Name, func(t *testing.T) {
+			text := c.Output
+			if c.ReasoningP != nil {
+				_, text = Reasoning(*c.ReasoningP, text, ForceReasoning(*c.ReasoningP, c.Kwargs), c.Kwargs["force_nonempty_content"] == true)
+			}
+			var cuts [][]string
+			cuts = append(cuts, []string{text})
+			var bytes []string
+			for i := range len(text) {
+				bytes = append(bytes, text[i:i+1])
+			}
+			cuts = append(cuts, bytes)
+			for i := 1; i < len(text); i++ {
+				cuts = append(cuts, []string{text[:i], text[i:]})
+			}
+			for _, chunks := range cuts {
+				ts := NewToolStream(*c.ToolCallP, tools)
+				var streamed strings.Builder
+				for _, ch := range chunks {
+					streamed.WriteString(ts.Chunk(ch))
+				}
+				rest, calls, fail := ts.End()
+				streamed.WriteString(rest)
+				got := streamed.String()
+				if string(fail) != c.FailureWant || len(calls) != len(c.ToolCalls) {
+					t.Fatalf("chunks %q: calls %v, failure %q; want %v, %q", chunks, calls, fail, c.ToolCalls, c.FailureWant)
+				}
+				for i := range calls {
+					if calls[i] != c.ToolCalls[i] {
+						t.Fatalf("chunks %q: call %d %+v, want %+v", chunks, i, calls[i], c.ToolCalls[i])
+					}
+				}
+				switch {
+				case c.Content == text:
+					if got != text {
+						t.Fatalf("chunks %q: streamed %q, want the whole text", chunks, got)
+					}
+				default:
+					bot := "<tool_call>\n"
+					if *c.ToolCallP == "hermes" {
+						bot = "<tool_call>"
+					}
+					if before, _, _ := strings.Cut(text, bot); got != before || strings.TrimSpace(got) != c.Content {
+						t.Fatalf("chunks %q: streamed %q, want the text before the call %q (SGLang's content %q)", chunks, got, before, c.Content)
+					}
+				}
+			}
+		})
+	}
+	if n < 15 {
+		t.Fatalf("%d cases", n)
+	}
+}
