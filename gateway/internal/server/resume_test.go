@@ -465,7 +465,8 @@ func TestResumeBaseMeta(t *testing.T) {
 // contWorker is a decode worker that fails a continuation before its first token, as how says:
 // "dead" (a closed listener: the connection refused), "close" (the connection dropped before any
 // answer), "503gone" (a worker on its way down), "ends" (a stream that ends before its first
-// chunk), "409" (session_not_resident), "503full" (no_capacity: alive and full).
+// chunk), "409" (session_not_resident), "transfer" (a transfer_failed error event before any
+// token), "503full" (no_capacity: alive and full).
 func contWorker(t *testing.T, how string, calls *atomic.Int32) string {
 	if how == "dead" {
 		return deadURL(t)
@@ -491,6 +492,9 @@ func contWorker(t *testing.T, how string, calls *atomic.Int32) string {
 			rw.Header().Set("Content-Type", "text/event-stream")
 			rw.WriteHeader(http.StatusOK)
 			rw.(http.Flusher).Flush()
+		case "transfer": // the KV the continuation was to receive never landed
+			rw.Header().Set("Content-Type", "text/event-stream")
+			fmt.Fprint(rw, "data: {\"error\":{\"code\":\"transfer_failed\",\"message\":\"fake\"}}\n\n")
 		}
 	}))
 	t.Cleanup(srv.Close)
@@ -527,6 +531,8 @@ func TestResumeRetriesContinuation(t *testing.T) {
 			wantKinds: []kvcv1.RouteErrorKind{kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D, 0}},
 		{name: "stream ends before its first token", bad: []string{"ends"}, wantRetried: 1,
 			wantKinds: []kvcv1.RouteErrorKind{kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D, 0}},
+		{name: "transfer failed", bad: []string{"transfer"}, wantRetried: 1,
+			wantKinds: []kvcv1.RouteErrorKind{kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_TRANSFER_FAILED, 0}},
 		{name: "session not resident", bad: []string{"409"}, wantRetried: 1,
 			wantKinds: []kvcv1.RouteErrorKind{kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_SESSION_NOT_RESIDENT, 0}},
 		{name: "two gone, the third serves", bad: []string{"dead", "close"}, wantRetried: 2,
@@ -675,7 +681,7 @@ func TestResumeRetriesContinuation(t *testing.T) {
 					if o.GetSuccess() != (k == 0) || (k != 0 && o.GetErrorKind() != k) {
 						t.Fatalf("continuation outcome %d: %v, want kind %v", i+1, o, k)
 					}
-					if k == kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D {
+					if k == kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D || k == kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_TRANSFER_FAILED {
 						wantExcl = append(wantExcl, fmt.Sprint("d-bad-", i+1))
 					}
 				}
