@@ -136,6 +136,13 @@ func open(t *testing.T, c *cp, h *kvcv1.Hello) (*cpStream, *kvcv1.Welcome, error
 		return nil, nil, err
 	}
 	if err := s.send(&kvcv1.ConnectRequest{Msg: &kvcv1.ConnectRequest_Hello{Hello: h}}); err != nil {
+		// A server that ended the stream before reading the hello (a standby's Unavailable with
+		// its leader hint) makes Send return io.EOF; the stream's status comes with Recv.
+		if errors.Is(err, io.EOF) {
+			if _, rerr := s.stream.Recv(); rerr != nil {
+				return nil, nil, rerr
+			}
+		}
 		return nil, nil, err
 	}
 	m, err := s.stream.Recv()
