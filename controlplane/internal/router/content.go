@@ -2,6 +2,7 @@ package router
 
 import (
 	"sync"
+	"sync/atomic"
 
 	"github.com/kvcentric/kvcentric/controlplane/internal/policy"
 	"github.com/kvcentric/kvcentric/pkg/pagehash"
@@ -54,6 +55,10 @@ type contentEntry struct {
 type contentStore struct {
 	mu sync.Mutex
 	m  map[string]*contentEntry
+	// n is len(m), stored under mu whenever it changes: forget returns at once while the store
+	// holds nothing (every outcome of a turn without page hashes forgets its session's content,
+	// and a cluster whose gateway sends no hashes never stores any).
+	n atomic.Int64
 	// prefix is each decode worker's prefix index: page hash → sessions whose chain holds it
 	// among their first maxIndexPages pages. A chained hash names a whole prefix, so a prompt's
 	// overlap with a worker is the longest prefix of its chain found here. Entries follow the
@@ -103,17 +108,24 @@ func (cs *contentStore) overlaps(prompt []uint64, out map[string]int) {
 }
 
 func (cs *contentStore) get(id string) *contentEntry {
+	if cs.n.Load() == 0 {
+		return nil
+	}
 	cs.mu.Lock()
 	defer cs.mu.Unlock()
 	return cs.m[id]
 }
 
 func (cs *contentStore) forget(id string) {
+	if cs.n.Load() == 0 {
+		return // nothing stored: nothing to forget (a store before this call is seen: n is set under mu)
+	}
 	cs.mu.Lock()
 	if e := cs.m[id]; e != nil {
 		cs.unindexLocked(e)
+		delete(cs.m, id)
+		cs.n.Store(int64(len(cs.m)))
 	}
-	delete(cs.m, id)
 	cs.mu.Unlock()
 }
 
@@ -260,4 +272,5 @@ func (cs *contentStore) store(session string, e *contentEntry, keep bool) {
 		}
 	}
 	cs.m[session] = e
+	cs.n.Store(int64(len(cs.m)))
 }
