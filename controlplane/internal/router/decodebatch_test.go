@@ -80,7 +80,7 @@ func TestLocalLargeAppendSeesTheBatch(t *testing.T) {
 func walkDecodeBatch(l *ledger, workerID string) (int32, int64) {
 	var n int32
 	var minOut int64
-	for _, r := range l.pending {
+	for r := range l.pending.all() {
 		if r.decode != workerID || r.maxOut <= 1 {
 			continue
 		}
@@ -160,7 +160,7 @@ func TestDecodeBatchAccountMatchesTheWalk(t *testing.T) {
 					}
 				}
 			}
-			if len(l.pending) == 0 {
+			if l.pending.len() == 0 {
 				for id, w := range l.workers {
 					if len(w.batch) != 0 {
 						t.Errorf("%s: %d in its batch with nothing pending", id, len(w.batch))

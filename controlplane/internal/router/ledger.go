@@ -1,7 +1,7 @@
 package router
 
 import (
-	"container/heap"
+	"iter"
 	"math"
 	"time"
 
@@ -52,6 +52,9 @@ type reservation struct {
 	deadline time.Time
 	idx      int // position in the expiry heap
 	bidx     int // position in its decode worker's batch heap (decodes: r.decodes())
+	// dacct, pacct: the accounts of its decode and prefill workers that it holds resources of
+	// while pending (ledger.add; nil: none held there).
+	dacct, pacct *workerAccount
 }
 
 // ledger is the control plane's own account of what it has committed per worker. Guarded by
@@ -62,7 +65,7 @@ type ledger struct {
 	// and go with every decision and its outcome: no delete and re-insert per reservation);
 	// zero entries are swept when the table outgrows twice the worker snapshot (sweep).
 	workers  map[string]*workerAccount
-	pending  map[uint64]*reservation
+	pending  pendingTable
 	sessions map[string]uint64 // session -> seq of its in-flight seed/reseed
 	expiry   expiryHeap
 	// nSettling counts the accounts whose settling list is not empty.
@@ -129,7 +132,6 @@ const settleMarginMs = 50
 func newLedger() *ledger {
 	return &ledger{
 		workers:  make(map[string]*workerAccount),
-		pending:  make(map[uint64]*reservation),
 		sessions: make(map[string]uint64),
 	}
 }
@@ -139,6 +141,14 @@ func (l *ledger) settle(id string, tokens, nowMs int64) {
 	if id == "" || tokens <= 0 {
 		return
 	}
+	l.settleOn(l.worker(id), tokens, nowMs)
+}
+
+// settleOn is settle on the worker's account w (an outcome has it from its reservation).
+func (l *ledger) settleOn(w *workerAccount, tokens, nowMs int64) {
+	if tokens <= 0 {
+		return
+	}
 	if l.nSettling == 0 || nowMs < l.minFront {
 		l.minFront = nowMs
 	}
@@ -146,7 +156,6 @@ func (l *ledger) settle(id string, tokens, nowMs int64) {
 		l.newMin = nowMs
 	}
 	l.added = true
-	w := l.worker(id)
 	if len(w.settling) == 0 {
 		l.nSettling++
 	}
@@ -270,11 +279,18 @@ func (r *reservation) holdsDecode() bool {
 }
 
 // add records r and takes its resources; it returns the account of r's decode worker when r
-// holds something there (nil otherwise).
+// holds something there (nil otherwise). r keeps the accounts it takes from (r.dacct,
+// r.pacct): its removal and its outcome's settling look none up again.
 func (l *ledger) add(r *reservation) (decode *workerAccount) {
-	if r.holdsDecode() {
-		decode = l.worker(r.decode)
-		w := &decode.res
+	holds := r.holdsDecode()
+	var d *workerAccount
+	if holds || r.plain || r.decodes() {
+		d = l.worker(r.decode)
+	}
+	r.dacct, r.pacct = d, nil
+	if holds {
+		decode = d
+		w := &d.res
 		w.Tokens += r.tokens
 		if r.newSess {
 			w.NewSession += r.tokens
@@ -290,35 +306,36 @@ func (l *ledger) add(r *reservation) (decode *workerAccount) {
 		}
 	}
 	if r.prefills && r.prefill != "" {
-		l.worker(r.prefill).res.Prefills++
+		r.pacct = l.worker(r.prefill)
+		r.pacct.res.Prefills++
 		l.routedPrompt(r.prefill, r.prompt)
 	}
 	if r.plain {
-		l.worker(r.decode).res.Plain++
+		d.res.Plain++
 	}
 	if r.decodes() {
-		heap.Push(&l.worker(r.decode).batch, r)
+		d.batch.push(r)
 	}
 	if r.transfer {
 		l.sessions[r.session] = r.seq
 	}
 	l.heldTokens += r.tokens
-	l.pending[r.seq] = r
-	heap.Push(&l.expiry, r)
+	l.pending.put(r)
+	l.expiry.push(r)
 	return decode
 }
 
 // remove releases r's resources; it reports false when r was not pending (no double release).
 func (l *ledger) remove(seq uint64) (*reservation, bool) {
-	r, ok := l.pending[seq]
-	if !ok {
+	r := l.pending.take(seq)
+	if r == nil {
 		return nil, false
 	}
-	delete(l.pending, seq)
-	heap.Remove(&l.expiry, r.idx)
-	// Every account a pending reservation took from exists (only idle ones are swept).
+	l.expiry.remove(r.idx)
+	// The accounts a pending reservation took from are its own (r.dacct, r.pacct): they exist
+	// (only idle ones are swept, and r's hold keeps them from idling).
 	if r.holdsDecode() {
-		w := &l.workers[r.decode].res
+		w := &r.dacct.res
 		w.Tokens -= r.tokens
 		if r.newSess {
 			w.NewSession -= r.tokens
@@ -336,14 +353,14 @@ func (l *ledger) remove(seq uint64) (*reservation, bool) {
 			w.StoreTransfers--
 		}
 	}
-	if r.prefills && r.prefill != "" {
-		l.workers[r.prefill].res.Prefills--
+	if r.pacct != nil {
+		r.pacct.res.Prefills--
 	}
 	if r.plain {
-		l.workers[r.decode].res.Plain--
+		r.dacct.res.Plain--
 	}
 	if r.decodes() {
-		heap.Remove(&l.workers[r.decode].batch, r.bidx)
+		r.dacct.batch.remove(r.bidx)
 	}
 	if r.transfer && l.sessions[r.session] == r.seq {
 		delete(l.sessions, r.session)
@@ -361,12 +378,12 @@ func (l *ledger) remove(seq uint64) (*reservation, bool) {
 // — and the outcome releases the rest. It reports whether it changed anything (false: not
 // pending, another session's or worker's, no transfer, or landed already).
 func (l *ledger) landed(seq uint64, id, session string) bool {
-	r, ok := l.pending[seq]
-	if !ok || r.landed || r.decode != id || r.session != session || !r.transfer {
+	r := l.pending.get(seq)
+	if r == nil || r.landed || r.decode != id || r.session != session || !r.transfer {
 		return false
 	}
 	r.landed = true
-	w := &l.workers[r.decode].res
+	w := &r.dacct.res
 	w.Landed++
 	if r.store {
 		w.StoreTransfers--
@@ -376,13 +393,13 @@ func (l *ledger) landed(seq uint64, id, session string) bool {
 
 // shorten moves seq's deadline to at when that is earlier; it reports whether seq is pending.
 func (l *ledger) shorten(seq uint64, at time.Time) bool {
-	r, ok := l.pending[seq]
-	if !ok {
+	r := l.pending.get(seq)
+	if r == nil {
 		return false
 	}
 	if at.Before(r.deadline) {
 		r.deadline = at
-		heap.Fix(&l.expiry, r.idx)
+		l.expiry.fix(r.idx)
 	}
 	return true
 }
@@ -397,61 +414,261 @@ func (l *ledger) expired(now time.Time) []*reservation {
 	return out
 }
 
+// expiryHeap is the pending reservations, earliest deadline first (ties: lower sequence
+// number first). Its operations are container/heap's, written for the type: no interface
+// call per comparison and swap.
 type expiryHeap []*reservation
 
-func (h expiryHeap) Len() int { return len(h) }
-func (h expiryHeap) Less(i, j int) bool {
+func (h expiryHeap) less(i, j int) bool {
 	if h[i].deadline.Equal(h[j].deadline) {
 		return h[i].seq < h[j].seq
 	}
 	return h[i].deadline.Before(h[j].deadline)
 }
-func (h expiryHeap) Swap(i, j int) {
+
+func (h expiryHeap) swap(i, j int) {
 	h[i], h[j] = h[j], h[i]
 	h[i].idx = i
 	h[j].idx = j
 }
-func (h *expiryHeap) Push(x any) {
-	r := x.(*reservation)
+
+func (h expiryHeap) up(j int) {
+	for j > 0 {
+		i := (j - 1) / 2 // parent
+		if !h.less(j, i) {
+			break
+		}
+		h.swap(i, j)
+		j = i
+	}
+}
+
+func (h expiryHeap) down(i0, n int) bool {
+	i := i0
+	for {
+		j1 := 2*i + 1
+		if j1 >= n || j1 < 0 { // j1 < 0 after int overflow
+			break
+		}
+		j := j1 // left child
+		if j2 := j1 + 1; j2 < n && h.less(j2, j1) {
+			j = j2 // = 2*i + 2  // right child
+		}
+		if !h.less(j, i) {
+			break
+		}
+		h.swap(i, j)
+		i = j
+	}
+	return i > i0
+}
+
+// push adds r (heap.Push).
+func (h *expiryHeap) push(r *reservation) {
 	r.idx = len(*h)
 	*h = append(*h, r)
+	h.up(len(*h) - 1)
 }
-func (h *expiryHeap) Pop() any {
+
+// remove takes out the element at i (heap.Remove).
+func (h *expiryHeap) remove(i int) *reservation {
 	old := *h
-	n := len(old)
-	r := old[n-1]
-	old[n-1] = nil
-	*h = old[:n-1]
+	n := len(old) - 1
+	if n != i {
+		old.swap(i, n)
+		if !old.down(i, n) {
+			old.up(i)
+		}
+	}
+	r := old[n]
+	old[n] = nil
+	*h = old[:n]
 	r.idx = -1
 	return r
 }
 
-// batchHeap is a decode worker's batch: its decoding reservations, smallest max_output first.
+// fix restores the order after the element at i changed its deadline (heap.Fix).
+func (h expiryHeap) fix(i int) {
+	if !h.down(i, len(h)) {
+		h.up(i)
+	}
+}
+
+// batchHeap is a decode worker's batch: its decoding reservations, smallest max_output first
+// (ties: lower sequence number first); container/heap's operations written for the type.
 type batchHeap []*reservation
 
-func (h batchHeap) Len() int { return len(h) }
-func (h batchHeap) Less(i, j int) bool {
+func (h batchHeap) less(i, j int) bool {
 	if h[i].maxOut == h[j].maxOut {
 		return h[i].seq < h[j].seq
 	}
 	return h[i].maxOut < h[j].maxOut
 }
-func (h batchHeap) Swap(i, j int) {
+
+func (h batchHeap) swap(i, j int) {
 	h[i], h[j] = h[j], h[i]
 	h[i].bidx = i
 	h[j].bidx = j
 }
-func (h *batchHeap) Push(x any) {
-	r := x.(*reservation)
+
+func (h batchHeap) up(j int) {
+	for j > 0 {
+		i := (j - 1) / 2
+		if !h.less(j, i) {
+			break
+		}
+		h.swap(i, j)
+		j = i
+	}
+}
+
+func (h batchHeap) down(i0, n int) bool {
+	i := i0
+	for {
+		j1 := 2*i + 1
+		if j1 >= n || j1 < 0 {
+			break
+		}
+		j := j1
+		if j2 := j1 + 1; j2 < n && h.less(j2, j1) {
+			j = j2
+		}
+		if !h.less(j, i) {
+			break
+		}
+		h.swap(i, j)
+		i = j
+	}
+	return i > i0
+}
+
+func (h *batchHeap) push(r *reservation) {
 	r.bidx = len(*h)
 	*h = append(*h, r)
+	h.up(len(*h) - 1)
 }
-func (h *batchHeap) Pop() any {
+
+func (h *batchHeap) remove(i int) *reservation {
 	old := *h
-	n := len(old)
-	r := old[n-1]
-	old[n-1] = nil
-	*h = old[:n-1]
+	n := len(old) - 1
+	if n != i {
+		old.swap(i, n)
+		if !old.down(i, n) {
+			old.up(i)
+		}
+	}
+	r := old[n]
+	old[n] = nil
+	*h = old[:n]
 	r.bidx = -1
 	return r
+}
+
+// pendingTable holds the reservations awaiting their outcome by sequence number: one slot per
+// sequence number modulo the table's size, and a map for a reservation whose slot an older one
+// still holds. Sequence numbers are issued in order and outcomes come back within a window of
+// decisions far smaller than the table, so an add, a lookup and a removal are one slot's
+// compare instead of a map's hash, probe and deletion mark each (a map of uint64 keys was
+// about 500 instructions per query and outcome, most of them the delete).
+type pendingTable struct {
+	slots []*reservation // len a power of two (or 0)
+	over  map[uint64]*reservation
+	n     int
+}
+
+// minPendingSlots is a new table's size (it doubles while over half full).
+const minPendingSlots = 1024
+
+// len is the number of reservations held.
+func (t *pendingTable) len() int { return t.n }
+
+// get returns seq's reservation (nil: not pending).
+func (t *pendingTable) get(seq uint64) *reservation {
+	if len(t.slots) > 0 {
+		if r := t.slots[seq&uint64(len(t.slots)-1)]; r != nil && r.seq == seq {
+			return r
+		}
+	}
+	if len(t.over) == 0 {
+		return nil
+	}
+	return t.over[seq]
+}
+
+// put holds r under r.seq (replacing a reservation of the same sequence number).
+func (t *pendingTable) put(r *reservation) {
+	if 2*(t.n+1) > len(t.slots) {
+		t.grow()
+	}
+	i := r.seq & uint64(len(t.slots)-1)
+	switch cur := t.slots[i]; {
+	case cur == nil:
+		if _, ok := t.over[r.seq]; ok {
+			t.over[r.seq] = r
+			return
+		}
+		t.slots[i] = r
+	case cur.seq == r.seq:
+		t.slots[i] = r
+		return
+	default:
+		if t.over == nil {
+			t.over = make(map[uint64]*reservation)
+		}
+		if _, ok := t.over[r.seq]; !ok {
+			t.n++
+		}
+		t.over[r.seq] = r
+		return
+	}
+	t.n++
+}
+
+// take removes and returns seq's reservation (nil: not pending).
+func (t *pendingTable) take(seq uint64) *reservation {
+	if len(t.slots) > 0 {
+		i := seq & uint64(len(t.slots)-1)
+		if r := t.slots[i]; r != nil && r.seq == seq {
+			t.slots[i] = nil
+			t.n--
+			return r
+		}
+	}
+	r, ok := t.over[seq]
+	if !ok {
+		return nil
+	}
+	delete(t.over, seq)
+	t.n--
+	return r
+}
+
+// grow doubles the table (minPendingSlots at first) and places every reservation again.
+func (t *pendingTable) grow() {
+	old, over := t.slots, t.over
+	t.slots, t.over, t.n = make([]*reservation, max(minPendingSlots, 2*len(old))), nil, 0
+	for _, r := range old {
+		if r != nil {
+			t.put(r)
+		}
+	}
+	for _, r := range over {
+		t.put(r)
+	}
+}
+
+// all yields every reservation held, in no particular order (t must not change meanwhile).
+func (t *pendingTable) all() iter.Seq[*reservation] {
+	return func(yield func(*reservation) bool) {
+		for _, r := range t.slots {
+			if r != nil && !yield(r) {
+				return
+			}
+		}
+		for _, r := range t.over {
+			if !yield(r) {
+				return
+			}
+		}
+	}
 }

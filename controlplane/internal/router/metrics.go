@@ -180,7 +180,7 @@ func newMetrics(reg prometheus.Registerer, s *Service) *metrics {
 	}, func() float64 {
 		s.mu.Lock()
 		defer s.mu.Unlock()
-		return float64(len(s.led.pending))
+		return float64(s.led.pending.len())
 	})
 	m.reservedTokens = prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name: "kvc_router_reserved_tokens", Help: "KV tokens reserved on decode workers, all workers together.",

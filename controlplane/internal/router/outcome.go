@@ -22,7 +22,7 @@ func (s *Service) outcome(o *kvcv1.RouteOutcome, pooled bool) (_ *kvcv1.RouteRes
 	s.mu.Lock()
 	r, ok := s.led.remove(seq)
 	if ok && o.Success && r.holdsDecode() {
-		s.led.settle(r.decode, r.tokens, nowMs)
+		s.led.settleOn(r.dacct, r.tokens, nowMs)
 	}
 	issued := seq <= s.nextSeq
 	late := false

@@ -118,7 +118,7 @@ func TestRehomeSessionsOfALostWorker(t *testing.T) {
 				}
 			}
 			f.s.mu.Lock()
-			held := len(f.s.led.pending)
+			held := f.s.led.pending.len()
 			f.s.mu.Unlock()
 			if held != 0 {
 				t.Fatalf("%d reservations left", held)

@@ -144,7 +144,7 @@ func (s *Service) Run(ctx context.Context) error {
 // FAILED_PRECONDITION.
 func (s *Service) OnLeadershipChange(leading bool) {
 	s.mu.Lock()
-	n := len(s.led.pending)
+	n := s.led.pending.len()
 	s.led = newLedger()
 	s.late.reset()
 	clear(s.pins) // a new term counts pins again from its own grants (hints.go)

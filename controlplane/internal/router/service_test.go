@@ -92,7 +92,7 @@ func keeper(s *Service, id string) (decode, session string) {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	r := s.led.pending[seq]
+	r := s.led.pending.get(seq)
 	if r == nil {
 		r = s.late.m[seq]
 	}
@@ -114,7 +114,7 @@ func (f *fixture) session(id string) *kvcv1.SessionRecord {
 func (f *fixture) pending() int {
 	f.s.mu.Lock()
 	defer f.s.mu.Unlock()
-	return len(f.s.led.pending)
+	return f.s.led.pending.len()
 }
 
 // checkLedger verifies the per-worker sums equal the pending reservations and nothing is
@@ -125,7 +125,7 @@ func (f *fixture) checkLedger() {
 	defer f.s.mu.Unlock()
 	want := map[string]policy.Reserved{}
 	var tokens int64
-	for _, r := range f.s.led.pending {
+	for r := range f.s.led.pending.all() {
 		if r.holdsDecode() {
 			w := want[r.decode]
 			w.Tokens += r.tokens
@@ -172,8 +172,8 @@ func (f *fixture) checkLedger() {
 			f.t.Fatalf("ledger lost %s: %+v", id, w)
 		}
 	}
-	if tokens != f.s.led.heldTokens || len(f.s.led.expiry) != len(f.s.led.pending) {
-		f.t.Fatalf("held tokens %d vs %d, heap %d vs pending %d", f.s.led.heldTokens, tokens, len(f.s.led.expiry), len(f.s.led.pending))
+	if tokens != f.s.led.heldTokens || len(f.s.led.expiry) != f.s.led.pending.len() {
+		f.t.Fatalf("held tokens %d vs %d, heap %d vs pending %d", f.s.led.heldTokens, tokens, len(f.s.led.expiry), f.s.led.pending.len())
 	}
 }
 
@@ -599,8 +599,8 @@ func TestConcurrentDecisionsDoNotOverAdmit(t *testing.T) {
 	// holds the session's transfer; it is no plain P/D request. Its pages are a new session's
 	// (Reserved.NewSession: the new-session bound is off here).
 	n := int64(goroutines*each - 100)
-	if w := f.s.led.workers["d0"]; w == nil || w.held() != (policy.Reserved{Tokens: n * 1000, Transfers: int32(n), NewSession: n * 1000}) || f.s.led.heldTokens != n*1000 || len(f.s.led.pending) != int(n) {
-		t.Fatalf("left over: %+v %d %d", f.s.led.workers["d0"], f.s.led.heldTokens, len(f.s.led.pending))
+	if w := f.s.led.workers["d0"]; w == nil || w.held() != (policy.Reserved{Tokens: n * 1000, Transfers: int32(n), NewSession: n * 1000}) || f.s.led.heldTokens != n*1000 || f.s.led.pending.len() != int(n) {
+		t.Fatalf("left over: %+v %d %d", f.s.led.workers["d0"], f.s.led.heldTokens, f.s.led.pending.len())
 	}
 }
 
