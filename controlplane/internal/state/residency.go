@@ -342,7 +342,7 @@ func (s *State) ApplyEvent(st *Stream, ev *kvcv1.SessionEvent) error {
 			s.noteCommitAwayLocked(id, w, ev.GetKvLen(), ev.GetGeneration())
 		}
 		rec.LastSeenUnixMs = time.Now().UnixMilli()
-		s.updatedLocked(e, before, !exists)
+		s.updatedLocked(e, &before, !exists)
 		s.kickDrainLocked(w)
 	case kvcv1.SessionEventKind_SESSION_EVENT_KIND_RELEASED, kvcv1.SessionEventKind_SESSION_EVENT_KIND_EVICTED:
 		if !exists || rec.GetDecodeWorker() != w {

@@ -375,7 +375,7 @@ func (s *State) UpdateSession(id string, fn func(rec *kvcv1.SessionRecord)) {
 		rec.KvCommittedLen = s.committedOnLocked(id, d, rec.GetGeneration())
 	}
 	s.IssueGeneration(rec.GetGeneration()) // the router numbers new residencies here (policy.NextGeneration)
-	s.updatedLocked(e, before, !existed)
+	s.updatedLocked(e, &before, !existed)
 }
 
 // ListSessions pages through the in-memory records in id order: up to limit records with
@@ -546,12 +546,20 @@ func durableOf(r *kvcv1.SessionRecord) durable {
 		pinnedUntil: r.GetPinnedUntilUnixMs(), low: r.GetLowPriority()}
 }
 
+// same reports whether r's durable fields are still d (durableOf(r) == *d, read in place: no
+// copy of r's and no generated comparison of two structs per session update).
+func (d *durable) same(r *kvcv1.SessionRecord) bool {
+	return r.GetGeneration() == d.generation && r.GetSnapshot() == d.snap && r.GetCreatedUnixMs() == d.created &&
+		r.GetPinnedUntilUnixMs() == d.pinnedUntil && r.GetMigrations() == d.migrations && r.GetLowPriority() == d.low &&
+		r.GetDecodeWorker() == d.decode && r.GetPreviousDecodeWorker() == d.previous
+}
+
 // updatedLocked re-indexes e's record after a change and persists it: at once (a full
 // record) when it was just created or a durable field changed, else in the volatile journal
 // at the next flush.
-func (s *State) updatedLocked(e sessEntry, before durable, created bool) {
+func (s *State) updatedLocked(e sessEntry, before *durable, created bool) {
 	rec := e.rec
-	if created || s.cfg.VolatileFlush < 0 || durableOf(rec) != before {
+	if created || s.cfg.VolatileFlush < 0 || !before.same(rec) {
 		s.changedLocked(rec, before.decode, before.snap.GetPrefillWorker())
 		return
 	}
