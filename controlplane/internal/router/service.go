@@ -13,6 +13,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+	"unsafe"
 
 	"github.com/kvcentric/kvcentric/controlplane/internal/policy"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
@@ -830,7 +831,7 @@ func (s *Service) query(q *kvcv1.RouteQuery, pooled bool) (_ *kvcv1.RouteRespons
 	out := &m.dec
 	m.dec = kvcv1.RouteDecision{
 		RequestId:          q.RequestId,
-		DecisionId:         s.id(seq),
+		DecisionId:         m.setID(s.prefix, seq),
 		Mode:               d.Mode,
 		Reason:             d.Reason,
 		Prefill:            m.ref(0, d.Prefill),
@@ -891,7 +892,10 @@ func (s *Service) refuse(q *kvcv1.RouteQuery, x *queryCtx, span trace.Span) *kvc
 }
 
 // decisionMsg is a decision's answer with the messages it points to, allocated together (one
-// allocation per decision instead of six). Never copied: its fields are pointed to.
+// allocation per decision instead of seven: the decision id's bytes too). Never copied: its
+// fields are pointed to. A block a Route stream sent is recycled (decisionPool), its id's
+// bytes with it: nothing may keep the answer's strings past the send (endDecision copies the
+// id into a recording span).
 type decisionMsg struct {
 	seq  uint64 // the decision's sequence number (its id's)
 	resp kvcv1.RouteResponse
@@ -899,6 +903,17 @@ type decisionMsg struct {
 	dec  kvcv1.RouteDecision
 	exec kvcv1.RouteExecution
 	refs [2]kvcv1.WorkerRef
+	id   [idCap]byte // the decision id's bytes (setID)
+}
+
+// idCap holds a decision id: the prefix ("d" + 8 hex digits + "-") and up to 20 digits.
+const idCap = 32
+
+// setID returns the decision id of seq (Service.id) with its bytes in m.id (a longer one, which
+// Service's prefix never makes, gets its own allocation).
+func (m *decisionMsg) setID(prefix string, seq uint64) string {
+	b := strconv.AppendUint(append(m.id[:0], prefix...), seq, 10)
+	return unsafe.String(unsafe.SliceData(b), len(b))
 }
 
 // ref is ref(w) in m.refs[i] (nil for no worker).

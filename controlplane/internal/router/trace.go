@@ -2,6 +2,7 @@ package router
 
 import (
 	"context"
+	"strings"
 
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
@@ -59,7 +60,8 @@ func startDecision(q *kvcv1.RouteQuery) (trace.Span, string) {
 func endDecision(span trace.Span, q *kvcv1.RouteQuery, d *kvcv1.RouteDecision) {
 	if span.IsRecording() {
 		span.SetAttributes(
-			attribute.String("kvc.decision_id", d.GetDecisionId()),
+			// A copy: the id's bytes live in the answer's block, which a Route stream recycles.
+			attribute.String("kvc.decision_id", strings.Clone(d.GetDecisionId())),
 			attribute.String("kvc.mode", ModeName(d.GetMode())),
 			attribute.String("kvc.reason", ReasonName(d.GetReason())),
 			attribute.String("kvc.session_id", q.GetSessionId()),

@@ -100,3 +100,35 @@ func BenchmarkDecisionSpan(b *testing.B) {
 		endDecision(span, q, d)
 	}
 }
+
+// TestDecisionSpanKeepsItsID: a decision id's bytes live in the answer's block, which a Route
+// stream recycles once the answer is sent; the span recorded for the decision keeps its own
+// copy, so the next decisions (reusing the block) do not change it.
+func TestDecisionSpanKeepsItsID(t *testing.T) {
+	rec := tracetest.NewSpanRecorder()
+	prev := otel.GetTracerProvider()
+	otel.SetTracerProvider(sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(rec)))
+	t.Cleanup(func() { otel.SetTracerProvider(prev) })
+
+	f := newFixture(t, basicCluster()...)
+	var ids []string
+	for i := range 4 {
+		req := query("s-recycled-"+string(rune('a'+i)), 0, 1_000, 50)
+		req.GetQuery().Traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+		resp, m := f.s.handle(req, true) // the stream's path: a pooled block
+		if resp.GetDecision() == nil || m == nil {
+			t.Fatalf("query %d: %v", i, resp)
+		}
+		ids = append(ids, strings.Clone(resp.GetDecision().GetDecisionId()))
+		m.recycle() // sent: the block serves the next answer
+	}
+	ended := rec.Ended()
+	if len(ended) != len(ids) {
+		t.Fatalf("%d spans, want %d", len(ended), len(ids))
+	}
+	for i, span := range ended {
+		if got := spanAttr(span, "kvc.decision_id"); got != ids[i] {
+			t.Fatalf("span %d: kvc.decision_id %q after its block was recycled, want %q", i, got, ids[i])
+		}
+	}
+}
