@@ -4,6 +4,7 @@ import (
 	"iter"
 	"math"
 	"time"
+	"unsafe"
 
 	"github.com/kvcentric/kvcentric/controlplane/internal/policy"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
@@ -65,6 +66,10 @@ type ledger struct {
 	// and go with every decision and its outcome: no delete and re-insert per reservation);
 	// zero entries are swept when the table outgrows twice the worker snapshot (sweep).
 	workers  map[string]*workerAccount
+	// byID caches accounts of workers by the identity of their id's string (acctSlot): the
+	// policy asks Reserved with the worker snapshot's ids and a reservation names its workers by
+	// the same strings, so most lookups are a pointer compare instead of a string hash and probe.
+	byID [acctSlots]acctSlot
 	pending  pendingTable
 	sessions map[string]uint64 // session -> seq of its in-flight seed/reseed
 	expiry   expiryHeap
@@ -191,7 +196,7 @@ func (l *ledger) prune(workers []*kvcv1.Worker) {
 	}
 	defer l.resetMinFront()
 	for _, wk := range workers {
-		w := l.workers[wk.WorkerId]
+		w := l.account(wk.WorkerId)
 		if w == nil || len(w.settling) == 0 {
 			continue
 		}
@@ -231,11 +236,42 @@ func (l *ledger) sweep() {
 			delete(l.workers, id)
 		}
 	}
+	l.byID = [acctSlots]acctSlot{} // it may name an account dropped here
+}
+
+// acctSlots is the size of the ledger's account cache (a power of two, above the worker counts
+// of one control plane's clusters; a collision only costs a map lookup).
+const acctSlots = 128
+
+// acctSlot caches w, the account of worker id: a lookup by a string with the same bytes in
+// memory as id (the same string, not only equal) hits it. The slot holds id, so its memory is
+// not reused for another string while cached.
+type acctSlot struct {
+	id string
+	w  *workerAccount
+}
+
+// account is id's account (nil: none), through the cache when id is a string it has seen.
+func (l *ledger) account(id string) *workerAccount {
+	if id == "" {
+		return l.workers[id]
+	}
+	p := unsafe.StringData(id)
+	u := uintptr(unsafe.Pointer(p))
+	slot := &l.byID[(u^u>>7)&(acctSlots-1)]
+	if unsafe.StringData(slot.id) == p && len(slot.id) == len(id) {
+		return slot.w
+	}
+	w := l.workers[id]
+	if w != nil {
+		*slot = acctSlot{id: id, w: w}
+	}
+	return w
 }
 
 // Reserved implements policy.Ledger.
 func (l *ledger) Reserved(workerID string) policy.Reserved {
-	if w := l.workers[workerID]; w != nil {
+	if w := l.account(workerID); w != nil {
 		return w.res
 	}
 	return policy.Reserved{}
@@ -246,7 +282,7 @@ func (l *ledger) Reserved(workerID string) policy.Reserved {
 // max_output among them — the worker's batch account, kept on add and remove (O(1) here; the
 // policy asks per large-append candidate).
 func (l *ledger) DecodeBatch(workerID string) (int32, int64) {
-	w := l.workers[workerID]
+	w := l.account(workerID)
 	if w == nil || len(w.batch) == 0 {
 		return 0, 0
 	}
@@ -264,7 +300,7 @@ func (l *ledger) TransferPending(sessionID string) bool {
 
 // worker is id's account, made when missing.
 func (l *ledger) worker(id string) *workerAccount {
-	w := l.workers[id]
+	w := l.account(id)
 	if w == nil {
 		w = new(workerAccount)
 		l.workers[id] = w

@@ -3,6 +3,7 @@ package router
 import (
 	"fmt"
 	"math/rand/v2"
+	"strings"
 	"testing"
 	"time"
 
@@ -131,5 +132,49 @@ func TestLedgerAccountsKeptAndSwept(t *testing.T) {
 	if len(l.workers) != 2 || l.Reserved("gone-0").Settling != 7 || l.Reserved("gone-1").Tokens != 3 {
 		t.Fatalf("after the sweep: %d accounts (want gone-0 settling, gone-1 holding), gone-0 %+v, gone-1 %+v",
 			len(l.workers), l.Reserved("gone-0"), l.Reserved("gone-1"))
+	}
+}
+
+// TestLedgerAccountCache: the ledger's cache of accounts by id string answers as its map does,
+// for the same string, an equal string in other memory and ids whose slots collide, and a
+// sweep that drops a cached account leaves no stale answer (the next reservation on that id
+// gets a new account, which Reserved then reads).
+func TestLedgerAccountCache(t *testing.T) {
+	l := newLedger()
+	now := time.Now()
+	seq := uint64(0)
+	hold := func(id string, tokens int64) {
+		seq++
+		l.add(&reservation{seq: seq, decode: id, tokens: tokens, deadline: now.Add(time.Minute)})
+	}
+	ids := make([]string, 3*acctSlots) // more ids than slots: some share one
+	for i := range ids {
+		ids[i] = fmt.Sprintf("d%d", i)
+		hold(ids[i], int64(i+1))
+	}
+	for round := range 2 { // the second round hits the slots the first filled
+		for i, id := range ids {
+			for _, ask := range []string{id, strings.Clone(id)} {
+				if got := l.Reserved(ask).Tokens; got != int64(i+1) {
+					t.Fatalf("round %d: Reserved(%q) tokens %d, want %d", round, ask, got, i+1)
+				}
+			}
+		}
+	}
+	if got := l.Reserved("nobody"); got != (policy.Reserved{}) {
+		t.Fatalf("Reserved of a worker without an account: %+v", got)
+	}
+	// Release everything; the sweep drops the idle accounts the cache names.
+	for s := uint64(1); s <= seq; s++ {
+		l.remove(s)
+	}
+	l.Reserved(ids[0]) // cached
+	l.sweep()
+	if len(l.workers) != 0 {
+		t.Fatalf("%d accounts after the sweep, want 0", len(l.workers))
+	}
+	hold(ids[0], 42) // a new account for the same id string
+	if a := l.workers[ids[0]]; a == nil || l.Reserved(ids[0]).Tokens != 42 || a.res.Tokens != 42 {
+		t.Fatalf("after the sweep: Reserved(%q) %+v, account %+v, want 42 tokens in a new account", ids[0], l.Reserved(ids[0]), a)
 	}
 }
