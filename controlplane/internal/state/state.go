@@ -546,12 +546,12 @@ func durableOf(r *kvcv1.SessionRecord) durable {
 		pinnedUntil: r.GetPinnedUntilUnixMs(), low: r.GetLowPriority()}
 }
 
-// same reports whether r's durable fields are still d (durableOf(r) == *d, read in place: no
-// copy of r's and no generated comparison of two structs per session update).
+// same reports whether r (not nil) still has d's durable fields (durableOf(r) == *d, read in
+// place: no copy of r's and no generated comparison of two structs per session update).
 func (d *durable) same(r *kvcv1.SessionRecord) bool {
-	return r.GetGeneration() == d.generation && r.GetSnapshot() == d.snap && r.GetCreatedUnixMs() == d.created &&
-		r.GetPinnedUntilUnixMs() == d.pinnedUntil && r.GetMigrations() == d.migrations && r.GetLowPriority() == d.low &&
-		r.GetDecodeWorker() == d.decode && r.GetPreviousDecodeWorker() == d.previous
+	return r.Generation == d.generation && r.Snapshot == d.snap && r.CreatedUnixMs == d.created &&
+		r.PinnedUntilUnixMs == d.pinnedUntil && r.Migrations == d.migrations && r.LowPriority == d.low &&
+		r.DecodeWorker == d.decode && r.PreviousDecodeWorker == d.previous
 }
 
 // updatedLocked re-indexes e's record after a change and persists it: at once (a full
