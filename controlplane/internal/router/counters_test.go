@@ -65,3 +65,34 @@ func TestMetricTablesCountEveryPair(t *testing.T) {
 		t.Fatalf("outcome of an unknown mode counted %v, want 1", got)
 	}
 }
+
+// TestLazyCountersAndCommands: the prefill-from-snapshot counters, kept in a table once looked
+// up, count each (mode, reason) in its own series and make none for pairs never counted; the
+// commands' children count by kind and result, a kind outside the table through its labels.
+func TestLazyCountersAndCommands(t *testing.T) {
+	m := newMetrics(nil, New(routertest.New(), zerolog.Nop(), nil))
+	reseed, snap := kvcv1.RouteMode_ROUTE_MODE_RESEED_SNAPSHOT, kvcv1.RouteReason_ROUTE_REASON_SESSION_NOT_RESIDENT
+	for range 3 {
+		m.fromSnapshotByKey.inc(int32(reseed), int32(snap))
+	}
+	m.fromSnapshotByKey.inc(int32(kvcv1.RouteMode_ROUTE_MODE_SEED), int32(snap))
+	m.fromSnapshotByKey.inc(99, 1) // outside the table: through the labels
+	if got := testutil.ToFloat64(m.fromSnapshot.WithLabelValues(ModeName(reseed), ReasonName(snap))); got != 3 {
+		t.Errorf("from-snapshot %s/%s = %v, want 3", ModeName(reseed), ReasonName(snap), got)
+	}
+	if n := testutil.CollectAndCount(m.fromSnapshot); n != 3 {
+		t.Errorf("%d from-snapshot series, want 3 (only the pairs counted)", n)
+	}
+	m.command("push_snapshot", true)
+	m.command("push_snapshot", false)
+	m.command("push_snapshot", true)
+	m.command("brand_new_kind", false)
+	for _, tc := range []struct {
+		kind, result string
+		want         float64
+	}{{"push_snapshot", "ok", 2}, {"push_snapshot", "error", 1}, {"brand_new_kind", "error", 1}, {"release_session", "ok", 0}} {
+		if got := testutil.ToFloat64(m.commands.WithLabelValues(tc.kind, tc.result)); got != tc.want {
+			t.Errorf("commands %s/%s = %v, want %v", tc.kind, tc.result, got, tc.want)
+		}
+	}
+}

@@ -65,11 +65,11 @@ type ledger struct {
 	// per worker touched. An entry stays when it falls to zero (a worker's reservations come
 	// and go with every decision and its outcome: no delete and re-insert per reservation);
 	// zero entries are swept when the table outgrows twice the worker snapshot (sweep).
-	workers  map[string]*workerAccount
+	workers map[string]*workerAccount
 	// byID caches accounts of workers by the identity of their id's string (acctSlot): the
 	// policy asks Reserved with the worker snapshot's ids and a reservation names its workers by
 	// the same strings, so most lookups are a pointer compare instead of a string hash and probe.
-	byID [acctSlots]acctSlot
+	byID     [acctSlots]acctSlot
 	pending  pendingTable
 	sessions map[string]uint64 // session -> seq of its in-flight seed/reseed
 	expiry   expiryHeap

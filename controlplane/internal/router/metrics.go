@@ -3,6 +3,7 @@ package router
 import (
 	"strings"
 	"sync"
+	"sync/atomic"
 
 	"github.com/kvcentric/kvcentric/controlplane/internal/policy"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
@@ -29,11 +30,13 @@ type metrics struct {
 	admitted       *prometheus.CounterVec
 	rejected       *prometheus.CounterVec
 	commands       *prometheus.CounterVec
+	cmdByKind      map[string]*[2]prometheus.Counter // commands' children by kind: ok, error (made up front; read only)
 	reservations   prometheus.GaugeFunc
 	reservedTokens prometheus.GaugeFunc
 	// Prefill from the snapshot (policy/fromsnap.go): plans that load a prefix from P's store,
 	// the tokens they load, and large appends whose D receives only the suffix.
 	fromSnapshot       *prometheus.CounterVec
+	fromSnapshotByKey  lazyCounters2 // by mode, reason (a child made on its first count)
 	fromSnapshotTokens prometheus.Counter
 	loadSkippedBusy    prometheus.Counter
 	suffixReceives     prometheus.Counter
@@ -211,6 +214,11 @@ func newMetrics(reg prometheus.Registerer, s *Service) *metrics {
 		Name: "kvc_router_content_loaded_total",
 		Help: "Sessions' page chains this leader loaded from their records (content_chain) on their first decision.",
 	})
+	m.cmdByKind = make(map[string]*[2]prometheus.Counter)
+	for _, kind := range []string{"push_snapshot", "release_session", "set_snapshot_target", "set_session_hints", "load_session"} {
+		m.cmdByKind[kind] = &[2]prometheus.Counter{m.commands.WithLabelValues(kind, "ok"), m.commands.WithLabelValues(kind, "error")}
+	}
+	m.fromSnapshotByKey = newLazyCounters2(m.fromSnapshot, nModes, enumLen(kvcv1.RouteReason_name))
 	m.decisionByKey = newCounters2(nModes, enumLen(kvcv1.RouteReason_name))
 	m.outcomeByKey = newCounters2(nModes, enumLen(kvcv1.RouteErrorKind_name))
 	m.ttftByMode = make([]prometheus.Observer, nModes)
@@ -269,7 +277,7 @@ func (m *metrics) plan(d *policy.Decision) {
 		m.loadSkippedBusy.Inc()
 	}
 	if e.LoadPrefixTokens > 0 {
-		m.fromSnapshot.WithLabelValues(ModeName(mode), ReasonName(reason)).Inc()
+		m.fromSnapshotByKey.inc(int32(mode), int32(reason))
 		m.fromSnapshotTokens.Add(float64(e.LoadPrefixTokens))
 	}
 	if e.ReceiveFrom > 0 {
@@ -318,6 +326,48 @@ func (t counters2) get(a, b int32) prometheus.Counter {
 		return t.c[i]
 	}
 	return nil
+}
+
+// lazyCounters2 is counters2 for a vector whose children appear on their first count (no
+// zero series for pairs that never happen): the child is looked up by its labels once, then
+// kept in the table.
+type lazyCounters2 struct {
+	vec *prometheus.CounterVec
+	n2  int
+	c   []atomic.Pointer[prometheus.Counter]
+}
+
+func newLazyCounters2(vec *prometheus.CounterVec, n1, n2 int) lazyCounters2 {
+	return lazyCounters2{vec: vec, n2: n2, c: make([]atomic.Pointer[prometheus.Counter], n1*n2)}
+}
+
+// inc counts (mode a, reason b); a pair outside the table is counted through its labels.
+func (t lazyCounters2) inc(a, b int32) {
+	i := int(a)*t.n2 + int(b)
+	if a < 0 || b < 0 || int(b) >= t.n2 || i >= len(t.c) {
+		t.vec.WithLabelValues(ModeName(kvcv1.RouteMode(a)), ReasonName(kvcv1.RouteReason(b))).Inc()
+		return
+	}
+	p := t.c[i].Load()
+	if p == nil {
+		c := t.vec.WithLabelValues(ModeName(kvcv1.RouteMode(a)), ReasonName(kvcv1.RouteReason(b)))
+		p = &c
+		t.c[i].Store(p) // a racing first count stores the same child
+	}
+	(*p).Inc()
+}
+
+// command counts a command sent to a sidecar by kind and result.
+func (m *metrics) command(kind string, ok bool) {
+	i, result := 0, "ok"
+	if !ok {
+		i, result = 1, "error"
+	}
+	if c := m.cmdByKind[kind]; c != nil {
+		c[i].Inc()
+		return
+	}
+	m.commands.WithLabelValues(kind, result).Inc()
 }
 
 // enumLen is one more than the largest value of a proto enum's name map.

@@ -972,11 +972,7 @@ func (s *Service) pushSnapshot(session string, d *policy.Decision, seq uint64, t
 
 func (s *Service) send(worker, kind string, cmd *kvcv1.Command) error {
 	err := s.c.SendCommand(worker, cmd)
-	result := "ok"
-	if err != nil {
-		result = "error"
-	}
-	s.m.commands.WithLabelValues(kind, result).Inc()
+	s.m.command(kind, err == nil)
 	return err
 }
 

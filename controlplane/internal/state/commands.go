@@ -19,7 +19,7 @@ func (s *State) SendCommand(workerID string, cmd *kvcv1.Command) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if !s.term.acting() {
-		s.m.commands.WithLabelValues("no_stream").Inc()
+		s.m.cmdNoStream.Inc()
 		return fmt.Errorf("%w: renew deadline passed or term ended", ErrNotLeader)
 	}
 	return s.sendUnitLocked(workerID, cmd)
@@ -31,7 +31,7 @@ func (s *State) sendLocked(st *Stream, cmd *kvcv1.Command) error {
 	select {
 	case st.q <- &kvcv1.ConnectResponse{Msg: &kvcv1.ConnectResponse_Command{Command: cmd}}:
 	default:
-		s.m.commands.WithLabelValues("queue_full").Inc()
+		s.m.cmdQueueFull.Inc()
 		return fmt.Errorf("%w: %s", ErrQueueFull, st.WorkerID)
 	}
 	st.mu.Lock()
@@ -39,7 +39,7 @@ func (s *State) sendLocked(st *Stream, cmd *kvcv1.Command) error {
 		st.pending[cmd.CommandId] = time.Now()
 	}
 	st.mu.Unlock()
-	s.m.commands.WithLabelValues("sent").Inc()
+	s.m.cmdSent.Inc()
 	return nil
 }
 
@@ -54,9 +54,9 @@ func (s *State) Ack(st *Stream, a *kvcv1.CommandAck) bool {
 		return false
 	}
 	if a.GetOk() {
-		s.m.commands.WithLabelValues("acked").Inc()
+		s.m.cmdAcked.Inc()
 	} else {
-		s.m.commands.WithLabelValues("failed").Inc()
+		s.m.cmdFailed.Inc()
 		s.log.Warn().Str("worker", st.WorkerID).Uint64("command_id", a.GetCommandId()).Str("error", a.GetError()).Msg("command failed on sidecar")
 	}
 	return true

@@ -3,15 +3,18 @@ package state
 import "github.com/prometheus/client_golang/prometheus"
 
 type metrics struct {
-	workers       *prometheus.GaugeVec   // by state
-	commands      *prometheus.CounterVec // by result: sent, acked, failed, queue_full, no_stream
-	events        *prometheus.CounterVec // session events by kind
-	transfers     *prometheus.CounterVec // TRANSFER_DONE / TRANSFER_FAILED
-	expired       prometheus.Counter
-	dropped       prometheus.Counter // residencies dropped after the unreachable grace
-	workerDown    prometheus.Counter // sidecars' reports of their worker process down
-	loadSeconds   prometheus.Gauge
-	writeFailures prometheus.Counter
+	workers  *prometheus.GaugeVec   // by state
+	commands *prometheus.CounterVec // by result: sent, acked, failed, queue_full, no_stream
+	// commands' children by result, looked up once (a command's send and its ack count without
+	// a label lookup each).
+	cmdSent, cmdAcked, cmdFailed, cmdQueueFull, cmdNoStream prometheus.Counter
+	events                                                  *prometheus.CounterVec // session events by kind
+	transfers                                               *prometheus.CounterVec // TRANSFER_DONE / TRANSFER_FAILED
+	expired                                                 prometheus.Counter
+	dropped                                                 prometheus.Counter // residencies dropped after the unreachable grace
+	workerDown                                              prometheus.Counter // sidecars' reports of their worker process down
+	loadSeconds                                             prometheus.Gauge
+	writeFailures                                           prometheus.Counter
 	// sessions' volatile states written to the volatile journal
 	volatileFlushed prometheus.Counter
 	journalWritten  prometheus.Counter
@@ -126,8 +129,9 @@ func newMetrics(reg prometheus.Registerer, sessions func() float64) *metrics {
 	for _, r := range []string{"done", "failed"} {
 		m.transfers.WithLabelValues(r) // the alert rules' ratio has both from the start
 	}
-	for _, r := range []string{"sent", "acked", "failed", "queue_full", "no_stream"} {
-		m.commands.WithLabelValues(r)
+	for r, c := range map[string]*prometheus.Counter{"sent": &m.cmdSent, "acked": &m.cmdAcked, "failed": &m.cmdFailed,
+		"queue_full": &m.cmdQueueFull, "no_stream": &m.cmdNoStream} {
+		*c = m.commands.WithLabelValues(r)
 	}
 	if reg != nil {
 		reg.MustRegister(m.workers, m.commands, m.events, m.transfers, m.expired, m.dropped, m.workerDown, m.loadSeconds, m.writeFailures, m.volatileFlushed,

@@ -429,7 +429,7 @@ func (s *State) unitConnectedLocked(unit string) bool {
 func (s *State) sendUnitLocked(unit string, cmd *kvcv1.Command) error {
 	sts, err := s.unitStreamsLocked(unit)
 	if err != nil {
-		s.m.commands.WithLabelValues("no_stream").Inc()
+		s.m.cmdNoStream.Inc()
 		return err
 	}
 	if s.view.unit == nil { // no tensor parallelism anywhere
