@@ -22,10 +22,11 @@ import (
 // take the state's lock, on the benchmark's workload. A change that adds an allocation or a
 // trip through the state lock per request fails here, whatever the machine's load.
 const (
-	// maxAllocsPerPair: a query and its outcome allocate the answer (one block), its decision
-	// id and the outcome's ack; the reservation and the policy's scratch are recycled.
-	// (13 on this workload before issue 22 item 5.)
-	maxAllocsPerPair = 3
+	// maxAllocsPerPair: a query and its outcome allocate the answer, one block that holds its
+	// decision id and the outcome's ack too; the reservation and the policy's scratch are
+	// recycled. (13 on this workload before issue 22 item 5; 3 before its sixth round: the id
+	// and the ack were allocations of their own.)
+	maxAllocsPerPair = 1
 	// maxLockedCallsPerPair: UpdateSession once for the query (decided on the live record) and
 	// at most once for its outcome; Session (a copy under the lock) never.
 	maxLockedCallsPerPair = 2

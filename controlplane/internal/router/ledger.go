@@ -56,6 +56,9 @@ type reservation struct {
 	// dacct, pacct: the accounts of its decode and prefill workers that it holds resources of
 	// while pending (ledger.add; nil: none held there).
 	dacct, pacct *workerAccount
+	// ack: where its outcome's acknowledgement goes when Handle asked (in the decision's answer
+	// block, decisionMsg.ack); nil: allocated or pooled by the outcome.
+	ack *ackMsg
 }
 
 // ledger is the control plane's own account of what it has committed per worker. Guarded by

@@ -34,7 +34,7 @@ func (s *Service) outcome(o *kvcv1.RouteOutcome, pooled bool) (_ *kvcv1.RouteRes
 		// The reservation expired (its tokens are released); what the turn did still counts.
 		s.m.lateOutcomes.Inc()
 		s.apply(r, o, nowMs)
-		return outcomeAck(o.DecisionId, seq, pooled)
+		return outcomeAck(o.DecisionId, seq, pooled, r.ack)
 	}
 	if !ok {
 		if issued {
@@ -43,11 +43,12 @@ func (s *Service) outcome(o *kvcv1.RouteOutcome, pooled bool) (_ *kvcv1.RouteRes
 		return s.errResp("", o.DecisionId, codes.NotFound, "unknown decision id"), nil
 	}
 	s.apply(r, o, nowMs)
+	into := r.ack
 	// r is this outcome's alone: removed from the ledger above, never in the late book, and
 	// nothing apply started keeps it.
 	*r = reservation{}
 	reservationPool.Put(r)
-	return outcomeAck(o.DecisionId, seq, pooled)
+	return outcomeAck(o.DecisionId, seq, pooled, into)
 }
 
 // ackMsg is an outcome's acknowledgement with the messages it points to, allocated together.
@@ -58,12 +59,17 @@ type ackMsg struct {
 	ack  kvcv1.OutcomeAck
 }
 
-// outcomeAck is the answer to an applied outcome, in one block.
-func outcomeAck(decisionID string, seq uint64, pooled bool) (*kvcv1.RouteResponse, *ackMsg) {
+// outcomeAck is the answer to an applied outcome, in one block: from the pool for a Route
+// stream, else into (the block its decision's answer reserved for it, when Handle answered the
+// decision) or a new one.
+func outcomeAck(decisionID string, seq uint64, pooled bool, into *ackMsg) (*kvcv1.RouteResponse, *ackMsg) {
 	var m *ackMsg
-	if pooled {
+	switch {
+	case pooled:
 		m = ackPool.Get().(*ackMsg)
-	} else {
+	case into != nil:
+		m = into
+	default:
 		m = new(ackMsg)
 	}
 	m.seq = seq

@@ -635,6 +635,9 @@ type queryCtx struct {
 	// admitted: the decision's decode worker's admitted counter when it keeps the session and
 	// holds a reservation there (its ledger account's); nil: looked up by name.
 	admitted prometheus.Counter
+	// ack: the acknowledgement block of the decision's outcome, in the answer's block (Handle:
+	// decisionMsg.ack); nil for a Route stream's answer (recycled once sent).
+	ack *ackMsg
 }
 
 // queryPool recycles queryCtx values (and their bound onRecord callback) across decisions;
@@ -682,6 +685,7 @@ func (x *queryCtx) decide(rec *kvcv1.SessionRecord) {
 		x.admitted = acct.admitted
 	}
 	r.trace = x.trace
+	r.ack = x.ack
 	x.seq = r.seq // r is the ledger's from here on (its outcome recycles it)
 	x.s.mu.Unlock()
 	x.decided = true
@@ -783,6 +787,12 @@ func (s *Service) query(q *kvcv1.RouteQuery, pooled bool) (_ *kvcv1.RouteRespons
 		delete(s.pins, q.SessionId) // the session ends: its pin with it
 		s.mu.Unlock()
 	}
+	if pooled {
+		m = decisionPool.Get().(*decisionMsg) // the answer in one block
+	} else {
+		m = new(decisionMsg)
+		x.ack = &m.ack // its outcome's acknowledgement too (decisionMsg.ack)
+	}
 	x.run()
 	if x.d.Reason == kvcv1.RouteReason_ROUTE_REASON_SESSION_NOT_RESIDENT && !q.EndSession && s.rehomeWait(q.SessionId) != nil {
 		// A re-home of the session started between Route's look and this decision (rehome.go):
@@ -806,6 +816,9 @@ func (s *Service) query(q *kvcv1.RouteQuery, pooled bool) (_ *kvcv1.RouteRespons
 		}
 	}
 	if x.d.Refused {
+		if pooled {
+			m.recycle() // never sent
+		}
 		return s.refuse(q, x, span), nil
 	}
 	d, seq, turn := &x.d, x.seq, x.d.Turn
@@ -823,11 +836,6 @@ func (s *Service) query(q *kvcv1.RouteQuery, pooled bool) (_ *kvcv1.RouteRespons
 	s.m.decision(d.Mode, d.Reason)
 	s.m.plan(d)
 	s.m.admission(d)
-	if pooled {
-		m = decisionPool.Get().(*decisionMsg) // the answer in one block
-	} else {
-		m = new(decisionMsg)
-	}
 	out := &m.dec
 	m.dec = kvcv1.RouteDecision{
 		RequestId:          q.RequestId,
@@ -904,6 +912,10 @@ type decisionMsg struct {
 	exec kvcv1.RouteExecution
 	refs [2]kvcv1.WorkerRef
 	id   [idCap]byte // the decision id's bytes (setID)
+	// ack is the acknowledgement of the decision's outcome when the answer is Handle's (its
+	// caller keeps the block, so the ack's memory stays the outcome's: one allocation for the
+	// decision and its outcome); a Route stream's blocks are recycled and leave it unused.
+	ack ackMsg
 }
 
 // idCap holds a decision id: the prefix ("d" + 8 hex digits + "-") and up to 20 digits.

@@ -748,3 +748,39 @@ func TestSessionNotResidentOutcome(t *testing.T) {
 		})
 	}
 }
+
+// TestHandleAckInTheDecisionsBlock: Handle answers a decision and, later, its outcome from one
+// block (the ack's memory is the decision's answer's); the decision the caller keeps is
+// unchanged by the outcome, each outcome gets its own ack, and an outcome through a Route
+// stream's pooled path, or of a decision a stream answered, still gets one.
+func TestHandleAckInTheDecisionsBlock(t *testing.T) {
+	f := newFixture(t, basicCluster()...)
+	var decs []*kvcv1.RouteDecision
+	var ids []string
+	for i := range 3 {
+		d := f.decide(fmt.Sprintf("s-ack-%d", i), 0, 1_000, 50)
+		decs, ids = append(decs, d), append(ids, strings.Clone(d.DecisionId))
+	}
+	snap := proto.Clone(decs[0]).(*kvcv1.RouteDecision)
+	ack0 := f.s.Handle(outcome(ids[0], true, okKind, 1_050)).GetOutcomeAck()
+	ack1 := f.s.Handle(outcome(ids[1], true, okKind, 1_050)).GetOutcomeAck()
+	if ack0.GetDecisionId() != ids[0] || ack1.GetDecisionId() != ids[1] || ack0 == ack1 {
+		t.Fatalf("acks %v %v for %s %s", ack0, ack1, ids[0], ids[1])
+	}
+	if !proto.Equal(decs[0], snap) {
+		t.Fatalf("the decision changed with its outcome: %v, was %v", decs[0], snap)
+	}
+	// The third decision's outcome through the stream's path (a pooled ack).
+	resp, m := f.s.handle(outcome(ids[2], true, okKind, 1_050), true)
+	if resp.GetOutcomeAck().GetDecisionId() != ids[2] || m == nil {
+		t.Fatalf("pooled outcome: %v", resp)
+	}
+	m.recycle()
+	// A decision answered on the stream's path, its outcome through Handle.
+	resp, m = f.s.handle(query("s-ack-pooled", 0, 1_000, 50), true)
+	id := strings.Clone(resp.GetDecision().GetDecisionId())
+	m.recycle()
+	if got := f.s.Handle(outcome(id, true, okKind, 1_050)).GetOutcomeAck().GetDecisionId(); got != id {
+		t.Fatalf("outcome of a stream's decision through Handle: ack for %q, want %q", got, id)
+	}
+}
