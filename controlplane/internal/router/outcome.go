@@ -11,10 +11,10 @@ import (
 
 // outcome applies o; the answer is in m (nil for a RouteError).
 func (s *Service) outcome(o *kvcv1.RouteOutcome, pooled bool) (_ *kvcv1.RouteResponse, m *ackMsg) {
-	if err := validateOutcome(o); err != nil {
+	seq, ok := s.parseID(o.DecisionId)
+	if err := validateOutcome(o, ok); err != nil {
 		return s.errResp("", o.DecisionId, codes.InvalidArgument, err.Error()), nil
 	}
-	seq, ok := s.parseID(o.DecisionId)
 	if !ok {
 		return s.errResp("", o.DecisionId, codes.NotFound, "unknown decision id (not issued by this leader)"), nil
 	}

@@ -6,8 +6,10 @@ import (
 	"testing"
 
 	"github.com/rs/zerolog"
+	"google.golang.org/grpc/codes"
 
 	"github.com/kvcentric/kvcentric/controlplane/internal/router/routertest"
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
 // TestParseIDMatchesParseUint: the decision id parser accepts exactly the ids whose rest after
@@ -38,5 +40,33 @@ func TestParseIDMatchesParseUint(t *testing.T) {
 	}
 	if _, ok := s.parseID("other-1"); ok {
 		t.Error("an id without the prefix parsed")
+	}
+}
+
+// TestOutcomeIDCheckedOnce: an outcome's decision id that parses as this leader's is not
+// validated again; what ValidateID refuses still gets INVALID_ARGUMENT with its message,
+// including an id of ours made longer than MaxIDLen by leading zeros.
+func TestOutcomeIDCheckedOnce(t *testing.T) {
+	s := New(routertest.New(), zerolog.Nop(), nil)
+	for _, tc := range []struct {
+		id, msg string
+	}{
+		{"", "decision_id is required"},
+		{s.prefix + strings.Repeat("0", kvcv1.MaxIDLen) + "1", "longer than"},
+		{"a/b", "forbidden character"},
+		{"\xff", "not valid UTF-8"},
+	} {
+		resp := s.Handle(&kvcv1.RouteRequest{Kind: &kvcv1.RouteRequest_Outcome{Outcome: &kvcv1.RouteOutcome{
+			DecisionId: tc.id, Success: true, ErrorKind: kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_NONE}}})
+		e := resp.GetError()
+		if e == nil || codes.Code(e.Code) != codes.InvalidArgument || !strings.Contains(e.Message, tc.msg) {
+			t.Errorf("outcome for %.40q: %v, want INVALID_ARGUMENT with %q", tc.id, resp, tc.msg)
+		}
+	}
+	// Ours and well formed: past validation (not pending: NOT_FOUND, never issued).
+	resp := s.Handle(&kvcv1.RouteRequest{Kind: &kvcv1.RouteRequest_Outcome{Outcome: &kvcv1.RouteOutcome{
+		DecisionId: s.id(7), Success: true, ErrorKind: kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_NONE}}})
+	if e := resp.GetError(); e == nil || codes.Code(e.Code) != codes.NotFound {
+		t.Errorf("outcome for an id of ours never issued: %v, want NOT_FOUND", resp)
 	}
 }

@@ -498,9 +498,14 @@ var (
 	knownModes      = newEnumSet(kvcv1.RouteMode_name)
 )
 
-func validateOutcome(o *kvcv1.RouteOutcome) error {
-	if err := kvcv1.ValidateID("decision_id", o.DecisionId); err != nil {
-		return err
+// validateOutcome checks o's fields; parsed: its decision id parsed as one of this leader's
+// (its prefix and digits: printable ASCII without '/'), which ValidateID accepts when it is
+// not too long (leading zeros can make it so), so it is not checked again.
+func validateOutcome(o *kvcv1.RouteOutcome, parsed bool) error {
+	if !parsed || len(o.DecisionId) > kvcv1.MaxIDLen {
+		if err := kvcv1.ValidateID("decision_id", o.DecisionId); err != nil {
+			return err
+		}
 	}
 	if o.TtftUs < 0 || o.TtftUs > maxOutcomeUs {
 		return fmt.Errorf("ttft_us %d out of range [0, %d]", o.TtftUs, int64(maxOutcomeUs))
