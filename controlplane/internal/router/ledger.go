@@ -59,6 +59,9 @@ type reservation struct {
 	// ack: where its outcome's acknowledgement goes when Handle asked (in the decision's answer
 	// block, decisionMsg.ack); nil: allocated or pooled by the outcome.
 	ack *ackMsg
+	// out: its outcome's session edit (updateSession), kept across the pool's reuse (a pointer:
+	// a new decision's reservation is written whole without it).
+	out *outcomeCtx
 }
 
 // ledger is the control plane's own account of what it has committed per worker. Guarded by

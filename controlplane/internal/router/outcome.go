@@ -46,7 +46,9 @@ func (s *Service) outcome(o *kvcv1.RouteOutcome, pooled bool) (_ *kvcv1.RouteRes
 	into := r.ack
 	// r is this outcome's alone: removed from the ledger above, never in the late book, and
 	// nothing apply started keeps it.
+	out := r.out
 	*r = reservation{}
+	r.out = out // serves its next decision's outcome
 	reservationPool.Put(r)
 	return outcomeAck(o.DecisionId, seq, pooled, into)
 }
@@ -136,7 +138,9 @@ func (s *Service) apply(r *reservation, o *kvcv1.RouteOutcome, nowMs int64) {
 }
 
 // outcomeCtx carries an outcome's effect on its session record into Cluster.UpdateSession
-// without a closure allocation per outcome: pooled, with its callback bound once.
+// without a closure allocation per outcome: it is its reservation's (reservation.out, made
+// once per pooled reservation; the outcome's alone once removed from the ledger), with its
+// callback bound once.
 type outcomeCtx struct {
 	r      *reservation
 	t      policy.Turn // r as the policy sees it (a value: no allocation per outcome)
@@ -150,12 +154,6 @@ type outcomeCtx struct {
 	ed   policy.Edited                  // what the effect did
 	fn   func(rec *kvcv1.SessionRecord) // x.apply, bound once per pooled outcomeCtx
 }
-
-var outcomePool = sync.Pool{New: func() any {
-	x := new(outcomeCtx)
-	x.fn = x.apply
-	return x
-}}
 
 func (x *outcomeCtx) apply(rec *kvcv1.SessionRecord) {
 	x.ed = x.effect.Edit(&x.t, rec, x.nowMs, x.term)
@@ -215,7 +213,12 @@ func (x *outcomeCtx) learnOnly(rec *kvcv1.SessionRecord) {
 // (which calls it synchronously and keeps no reference to it) and returns the context for its
 // results; the caller hands it back with release.
 func (s *Service) updateSession(r *reservation, t *policy.Turn, e policy.Effect, o *kvcv1.RouteOutcome, nowMs int64) *outcomeCtx {
-	x := outcomePool.Get().(*outcomeCtx)
+	x := r.out
+	if x == nil {
+		x = new(outcomeCtx) // once per reservation: the pool's reservations keep it (record, outcome)
+		x.fn = x.apply
+		r.out = x
+	}
 	fn := x.fn
 	*x = outcomeCtx{r: r, t: *t, s: s, o: o, effect: e, nowMs: nowMs, fn: fn, term: s.c.GenerationTerm()}
 	s.c.UpdateSession(r.session, fn)
@@ -224,8 +227,7 @@ func (s *Service) updateSession(r *reservation, t *policy.Turn, e policy.Effect,
 
 func (x *outcomeCtx) release() {
 	fn := x.fn
-	*x = outcomeCtx{fn: fn} // drop references before reuse
-	outcomePool.Put(x)
+	*x = outcomeCtx{fn: fn} // drop references (the outcome, its turn's strings)
 }
 
 // resident makes the session resident on r.decode after a successful seed or reseed (or a

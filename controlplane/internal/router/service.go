@@ -575,6 +575,7 @@ func workerID(w *kvcv1.Worker) string {
 func (s *Service) record(in *policy.Input, d *policy.Decision, now time.Time) (*reservation, *workerAccount) {
 	s.nextSeq++
 	r := reservationPool.Get().(*reservation)
+	out := r.out // its outcome's context, made once per pooled reservation (updateSession)
 	*r = reservation{
 		seq:      s.nextSeq,
 		session:  in.Query.SessionID,
@@ -600,6 +601,7 @@ func (s *Service) record(in *policy.Input, d *policy.Decision, now time.Time) (*
 		storeGen: d.Exec.StoreGeneration,
 		deadline: now.Add(in.Knobs.ReservationTimeout),
 	}
+	r.out = out
 	if in.Session != nil {
 		r.sessGen = in.Session.Generation
 	}
