@@ -208,6 +208,8 @@ type Cycle struct {
 	pDone  bool
 	// unpaired: pick takes decode workers no prefill worker can be paired with (tp.go).
 	unpaired bool
+	// used: a decision ran on c since it was made or released (DecideInto resets it then).
+	used bool
 }
 
 // Decide is the routing policy. It is pure: the same Input gives the same Decision, execution
@@ -225,9 +227,10 @@ func Decide(in *Input) Decision {
 // pooled query context holds one: no pool trip per decision, no copy of the Decision). c is
 // reset first; it refers to in and its records afterwards, until c.Release.
 func DecideInto(d *Decision, c *Cycle, in *Input) {
-	ps := c.pSizes[:0]
-	*c = Cycle{In: in, K: in.Knobs, Q: &in.Query, S: in.Session, Turn: InferTurn(in.Query.Turn, in.Session),
-		pSizes: ps}
+	if c.used { // else c is new or released: zero but for its scratch
+		c.Release()
+	}
+	c.In, c.K, c.Q, c.S, c.Turn, c.used = in, in.Knobs, &in.Query, in.Session, InferTurn(in.Query.Turn, in.Session), true
 	if in.Unavailable {
 		c.Turn = in.Query.Turn // no session state to count from
 	}
@@ -245,7 +248,8 @@ func DecideInto(d *Decision, c *Cycle, in *Input) {
 	c.fromSnapshot(d)
 }
 
-// Release drops c's references (input, records, workers) and keeps its scratch for reuse.
+// Release drops c's references (input, records, workers) and keeps its scratch for reuse; the
+// next DecideInto on c has nothing to reset.
 func (c *Cycle) Release() {
 	ps := c.pSizes[:0]
 	*c = Cycle{pSizes: ps}

@@ -2,6 +2,7 @@ package policy
 
 import (
 	"math/rand/v2"
+	"reflect"
 	"testing"
 
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
@@ -120,6 +121,7 @@ func cluster() []*kvcv1.Worker {
 
 func TestDecideEveryModeAndReason(t *testing.T) {
 	R := func(r kvcv1.RouteReason) kvcv1.RouteReason { return r }
+	var shared Cycle // DecideInto's, across the cases
 	cases := []tc{
 		// --- DIRECT_TO_D ---
 		{name: "resident small append goes direct", q: q(12_000, 100, 4), rec: resident("d2", 10_000), workers: cluster(),
@@ -720,6 +722,13 @@ func TestDecideEveryModeAndReason(t *testing.T) {
 			if d2.Mode != d.Mode || d2.Reason != d.Reason || workerIDOf(d2.Decode) != workerIDOf(d.Decode) ||
 				workerIDOf(d2.Prefill) != workerIDOf(d.Prefill) || d2.ReservedTokens != d.ReservedTokens {
 				t.Errorf("not deterministic under worker order: %+v vs %+v", d, d2)
+			}
+			// DecideInto on a Cycle every earlier case decided on, never released, decides as
+			// Decide does on a fresh one (it resets what the last decision left).
+			var d3 Decision
+			DecideInto(&d3, &shared, in)
+			if !reflect.DeepEqual(d3, d) {
+				t.Errorf("DecideInto on a used Cycle: %+v, want %+v", d3, d)
 			}
 		})
 	}
