@@ -70,3 +70,22 @@ func TestOutcomeIDCheckedOnce(t *testing.T) {
 		t.Errorf("outcome for an id of ours never issued: %v, want NOT_FOUND", resp)
 	}
 }
+
+// TestDecisionIDDigits: a decision's id written into its answer's block is Service.id's (the
+// prefix and strconv's decimal digits), from one digit to twenty.
+func TestDecisionIDDigits(t *testing.T) {
+	s := New(routertest.New(), zerolog.Nop(), nil)
+	var m decisionMsg
+	seqs := []uint64{1, 9, 10, 99, 100, 12345, 1<<53 - 1, 1<<63 + 5, 1<<64 - 1}
+	for v := uint64(1); v < 1<<62; v = v*10 + 7 {
+		seqs = append(seqs, v, v-1)
+	}
+	for _, seq := range seqs {
+		if got, want := m.setID(s.prefix, seq), s.prefix+strconv.FormatUint(seq, 10); got != want {
+			t.Fatalf("setID(%d) = %q, want %q", seq, got, want)
+		}
+		if got := string(appendDecimal([]byte("x"), seq)); got != "x"+strconv.FormatUint(seq, 10) {
+			t.Fatalf("appendDecimal(%d) = %q", seq, got)
+		}
+	}
+}
