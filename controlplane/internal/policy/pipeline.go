@@ -293,7 +293,7 @@ func (c *Cycle) decide() Decision {
 	}
 	rec := c.S
 	if rec != nil && rec.DecodeWorker != "" {
-		d := findWorker(in.Workers, rec.DecodeWorker, kvcv1.WorkerRole_WORKER_ROLE_DECODE)
+		d := c.findDecode(rec.DecodeWorker)
 		switch {
 		case d == nil || d.State == kvcv1.WorkerState_WORKER_STATE_UNREACHABLE || d.State == kvcv1.WorkerState_WORKER_STATE_WORKER_DOWN ||
 			c.excluded(d.WorkerId):
@@ -430,6 +430,27 @@ func (c *Cycle) localAppend(d *kvcv1.Worker, uncached, cached int64) (Decision, 
 		dec.Admission = AdmitOverCapacity
 	}
 	return dec, true
+}
+
+// WorkerFinder is the part of a Ledger that finds a worker of the decision's snapshot by id
+// (FindWorker's answer), which it may cache per snapshot (the router's ledger does: a session's
+// decode worker is looked up by its record's id, the same string decision after decision).
+type WorkerFinder interface {
+	FindWorker(ws []*kvcv1.Worker, id string, role kvcv1.WorkerRole) *kvcv1.Worker
+}
+
+// FindWorker returns the worker of ws with id and role (nil: none).
+func FindWorker(ws []*kvcv1.Worker, id string, role kvcv1.WorkerRole) *kvcv1.Worker {
+	return findWorker(ws, id, role)
+}
+
+// findDecode is the decode worker id of the decision's snapshot, through the ledger's
+// WorkerFinder when it has one.
+func (c *Cycle) findDecode(id string) *kvcv1.Worker {
+	if f, ok := c.In.Ledger.(WorkerFinder); ok {
+		return f.FindWorker(c.In.Workers, id, kvcv1.WorkerRole_WORKER_ROLE_DECODE)
+	}
+	return findWorker(c.In.Workers, id, kvcv1.WorkerRole_WORKER_ROLE_DECODE)
 }
 
 // DecodeBatcher is the part of a Ledger that lists a decode worker's batch: the decisions in
@@ -718,7 +739,7 @@ func (c *Cycle) residentCopy() bool {
 	if id == "" {
 		return false
 	}
-	d := findWorker(c.In.Workers, id, kvcv1.WorkerRole_WORKER_ROLE_DECODE)
+	d := c.findDecode(id)
 	return d != nil && servesResident(d) && !c.excluded(id)
 }
 

@@ -75,7 +75,11 @@ type ledger struct {
 	// byID caches accounts of workers by the identity of their id's string (acctSlot): the
 	// policy asks Reserved with the worker snapshot's ids and a reservation names its workers by
 	// the same strings, so most lookups are a pointer compare instead of a string hash and probe.
-	byID     [acctSlots]acctSlot
+	byID [acctSlots]acctSlot
+	// found caches FindWorker's answers on the worker snapshot foundIn (findSlot), cleared when
+	// a decision comes with another snapshot.
+	found    [acctSlots]findSlot
+	foundIn  []*kvcv1.Worker
 	pending  pendingTable
 	sessions map[string]uint64 // session -> seq of its in-flight seed/reseed
 	expiry   expiryHeap
@@ -272,6 +276,33 @@ func (l *ledger) account(id string) *workerAccount {
 	if w != nil {
 		*slot = acctSlot{id: id, w: w}
 	}
+	return w
+}
+
+// findSlot caches w, the worker of the snapshot with id (the same string in memory) and role.
+type findSlot struct {
+	id   string
+	role kvcv1.WorkerRole
+	w    *kvcv1.Worker
+}
+
+// FindWorker implements policy.WorkerFinder: policy.FindWorker's answer on ws (an immutable
+// snapshot: a load report publishes a new one), cached by the identity of id's string.
+func (l *ledger) FindWorker(ws []*kvcv1.Worker, id string, role kvcv1.WorkerRole) *kvcv1.Worker {
+	if id == "" || len(ws) == 0 {
+		return policy.FindWorker(ws, id, role)
+	}
+	if len(ws) != len(l.foundIn) || &ws[0] != &l.foundIn[0] {
+		l.found, l.foundIn = [acctSlots]findSlot{}, ws
+	}
+	p := unsafe.StringData(id)
+	u := uintptr(unsafe.Pointer(p))
+	slot := &l.found[(u^u>>7)&(acctSlots-1)]
+	if unsafe.StringData(slot.id) == p && len(slot.id) == len(id) && slot.role == role {
+		return slot.w
+	}
+	w := policy.FindWorker(ws, id, role)
+	*slot = findSlot{id: id, role: role, w: w}
 	return w
 }
 

@@ -178,3 +178,40 @@ func TestLedgerAccountCache(t *testing.T) {
 		t.Fatalf("after the sweep: Reserved(%q) %+v, account %+v, want 42 tokens in a new account", ids[0], l.Reserved(ids[0]), a)
 	}
 }
+
+// TestLedgerFindWorker: the ledger's cached FindWorker answers as policy.FindWorker on the
+// snapshot it is given: the same id string twice, an equal string elsewhere in memory, another
+// role, an id not in the snapshot, and a new snapshot (a load report's) whose worker of the same
+// id is a new record.
+func TestLedgerFindWorker(t *testing.T) {
+	l := newLedger()
+	mk := func(load int64) []*kvcv1.Worker {
+		var ws []*kvcv1.Worker
+		for i := range 8 {
+			ws = append(ws, &kvcv1.Worker{WorkerId: fmt.Sprintf("p%d", i), Role: kvcv1.WorkerRole_WORKER_ROLE_PREFILL})
+		}
+		for i := range 40 {
+			ws = append(ws, &kvcv1.Worker{WorkerId: fmt.Sprintf("d%02d", i), Role: kvcv1.WorkerRole_WORKER_ROLE_DECODE,
+				Load: &kvcv1.WorkerLoad{UsedTokens: load}})
+		}
+		return ws
+	}
+	ids := []string{"d00", "d17", "d39", "p3", "d40", "x"}
+	decode, prefill := kvcv1.WorkerRole_WORKER_ROLE_DECODE, kvcv1.WorkerRole_WORKER_ROLE_PREFILL
+	clones := make([]string, len(ids))
+	for i, id := range ids {
+		clones[i] = strings.Clone(id)
+	}
+	for _, ws := range [][]*kvcv1.Worker{mk(1), mk(2)} {
+		// A role asked twice in a row hits what the first asking cached; the next role must not.
+		for _, role := range []kvcv1.WorkerRole{decode, decode, prefill, prefill, decode} {
+			for i, id := range ids {
+				for _, ask := range []string{id, clones[i]} {
+					if got, want := l.FindWorker(ws, ask, role), policy.FindWorker(ws, ask, role); got != want {
+						t.Fatalf("FindWorker(%q, %s) = %p, want %p (the snapshot's)", ask, role, got, want)
+					}
+				}
+			}
+		}
+	}
+}
