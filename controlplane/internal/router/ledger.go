@@ -62,6 +62,8 @@ type reservation struct {
 	// out: its outcome's session edit (updateSession), kept across the pool's reuse (a pointer:
 	// a new decision's reservation is written whole without it).
 	out *outcomeCtx
+	// nextFree links the reservations handed back for reuse (Service.freed, Service.spare).
+	nextFree *reservation
 }
 
 // ledger is the control plane's own account of what it has committed per worker. Guarded by

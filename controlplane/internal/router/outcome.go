@@ -49,7 +49,7 @@ func (s *Service) outcome(o *kvcv1.RouteOutcome, pooled bool) (_ *kvcv1.RouteRes
 	out := r.out
 	*r = reservation{}
 	r.out = out // serves its next decision's outcome
-	reservationPool.Put(r)
+	s.freeReservation(r)
 	return outcomeAck(o.DecisionId, seq, pooled, into)
 }
 

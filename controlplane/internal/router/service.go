@@ -48,8 +48,12 @@ type Service struct {
 
 	content *contentStore // the sessions' content addresses (content.go)
 
-	mu      sync.Mutex
-	led     *ledger
+	mu  sync.Mutex
+	led *ledger
+	// spare and freed: reservations handed back by outcomes, for record (newReservation);
+	// spare is guarded by mu, freed is pushed to without it.
+	spare   *reservation
+	freed   atomic.Pointer[reservation]
 	late    lateBook             // expired reservations, for their late outcomes (late.go)
 	nextSeq uint64               // last sequence number issued
 	pins    map[string]pinEntry  // agent pins granted, by session (hints.go)
@@ -574,7 +578,7 @@ func workerID(w *kvcv1.Worker) string {
 // holds mu.
 func (s *Service) record(in *policy.Input, d *policy.Decision, now time.Time) (*reservation, *workerAccount) {
 	s.nextSeq++
-	r := reservationPool.Get().(*reservation)
+	r := s.newReservation()
 	out := r.out // its outcome's context, made once per pooled reservation (updateSession)
 	*r = reservation{
 		seq:      s.nextSeq,
@@ -616,9 +620,36 @@ func (s *Service) record(in *policy.Input, d *policy.Decision, now time.Time) (*
 	return r, s.led.add(r)
 }
 
-// reservationPool recycles reservations: an outcome applied hands its reservation back
-// (outcome.go); one that expired, or whose stream ended, is left to the collector.
-var reservationPool = sync.Pool{New: func() any { return new(reservation) }}
+// newReservation is a zero reservation (but for its outcome context) for record, from those
+// outcomes handed back (freeReservation), else a new one. Caller holds mu.
+//
+// Outcomes hand theirs back without the lock, onto freed (a stack pushed by compare-and-swap);
+// record takes the whole stack at once when its own list (spare, under mu) is empty. A sync.Pool
+// did the same with a pin, a per-P lookup and an unpin each way, twice per query and outcome.
+func (s *Service) newReservation() *reservation {
+	if s.spare == nil {
+		s.spare = s.freed.Swap(nil)
+		if s.spare == nil {
+			return new(reservation)
+		}
+	}
+	r := s.spare
+	s.spare, r.nextFree = r.nextFree, nil
+	return r
+}
+
+// freeReservation hands r back for a later decision (an applied outcome's: removed from the
+// ledger, never in the late book, nothing refers to it); one that expired, or whose stream
+// ended, is left to the collector. r must be zero but for its outcome context.
+func (s *Service) freeReservation(r *reservation) {
+	for {
+		top := s.freed.Load()
+		r.nextFree = top
+		if s.freed.CompareAndSwap(top, r) {
+			return
+		}
+	}
+}
 
 // queryCtx is one query being decided (pooled: no allocation of its own per decision).
 type queryCtx struct {

@@ -784,3 +784,53 @@ func TestHandleAckInTheDecisionsBlock(t *testing.T) {
 		t.Fatalf("outcome of a stream's decision through Handle: ack for %q, want %q", got, id)
 	}
 }
+
+// TestReservationsReusedAcrossGoroutines: decisions and outcomes from several goroutines at once
+// hand their reservations back and take them again (Service.freed, pushed without the lock,
+// taken under it); every outcome is acknowledged for its own decision, nothing stays pending and
+// the ledger adds up (run under -race).
+func TestReservationsReusedAcrossGoroutines(t *testing.T) {
+	f := newFixture(t, basicCluster()...)
+	const workers, each = 4, 300
+	var wg sync.WaitGroup
+	errs := make(chan string, workers)
+	for w := range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range each {
+				d := f.s.Handle(query(fmt.Sprintf("s-%d-%d", w, i%7), 0, 1_000, 10)).GetDecision()
+				if d == nil {
+					errs <- "no decision"
+					return
+				}
+				id := strings.Clone(d.DecisionId)
+				if got := f.s.Handle(outcome(id, false, kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_TIMEOUT, 0)).GetOutcomeAck().GetDecisionId(); got != id {
+					errs <- fmt.Sprintf("outcome of %s acknowledged as %q", id, got)
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for e := range errs {
+		t.Fatal(e)
+	}
+	if n := f.pending(); n != 0 {
+		t.Fatalf("%d reservations pending after every outcome", n)
+	}
+	f.checkLedger()
+	f.s.mu.Lock()
+	defer f.s.mu.Unlock()
+	free := 0
+	for r := f.s.spare; r != nil; r = r.nextFree {
+		free++
+	}
+	for r := f.s.freed.Load(); r != nil; r = r.nextFree {
+		free++
+	}
+	if free == 0 || free > workers {
+		t.Fatalf("%d reservations free for reuse after %d decisions of %d goroutines, want 1..%d", free, workers*each, workers, workers)
+	}
+}
