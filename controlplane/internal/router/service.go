@@ -899,7 +899,8 @@ func (s *Service) query(q *kvcv1.RouteQuery, pooled bool) (_ *kvcv1.RouteRespons
 	if out.Execution.StoreGeneration != 0 {
 		out.Execution.StoreLoadRoom = s.room(seq + 1<<52) // D's load from P's store: a room of its own
 	}
-	if e := s.log.Debug(); e.Enabled() {
+	if s.debugOn() {
+		e := s.log.Debug()
 		e.Str("decision_id", out.DecisionId).Str("session", q.SessionId).Str("mode", ModeName(d.Mode)).
 			Str("reason", ReasonName(d.Reason)).Str("cause", ReasonName(d.Cause)).Str("prefill", workerID(d.Prefill)).
 			Str("decode", workerID(d.Decode)).Int64("reserved", d.ReservedTokens).Msg("decision")
@@ -1040,6 +1041,12 @@ func (s *Service) send(worker, kind string, cmd *kvcv1.Command) error {
 	err := s.c.SendCommand(worker, cmd)
 	s.m.command(kind, err == nil)
 	return err
+}
+
+// debugOn reports whether s.log writes debug events (zerolog's check in Debug, without making
+// the event: a call and a pool lookup per decision while debug is off).
+func (s *Service) debugOn() bool {
+	return s.log.GetLevel() <= zerolog.DebugLevel && zerolog.GlobalLevel() <= zerolog.DebugLevel
 }
 
 // clock is the service's time (s.now when a test set it, else time.Now).

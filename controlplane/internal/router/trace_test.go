@@ -1,14 +1,17 @@
 package router
 
 import (
+	"bytes"
 	"strings"
 	"testing"
 
+	"github.com/rs/zerolog"
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 
+	"github.com/kvcentric/kvcentric/controlplane/internal/router/routertest"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -130,5 +133,33 @@ func TestDecisionSpanKeepsItsID(t *testing.T) {
 		if got := spanAttr(span, "kvc.decision_id"); got != ids[i] {
 			t.Fatalf("span %d: kvc.decision_id %q after its block was recycled, want %q", i, got, ids[i])
 		}
+	}
+}
+
+// TestDecisionDebugLine: a router whose logger writes debug events logs each decision; at info
+// (or with zerolog's global level above debug) it logs none.
+func TestDecisionDebugLine(t *testing.T) {
+	for _, tc := range []struct {
+		name          string
+		level, global zerolog.Level
+		want          bool
+	}{
+		{"debug", zerolog.DebugLevel, zerolog.TraceLevel, true},
+		{"info", zerolog.InfoLevel, zerolog.TraceLevel, false},
+		{"global info", zerolog.DebugLevel, zerolog.InfoLevel, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			prev := zerolog.GlobalLevel()
+			zerolog.SetGlobalLevel(tc.global)
+			defer zerolog.SetGlobalLevel(prev)
+			var buf bytes.Buffer
+			s := New(routertest.New(basicCluster()...), zerolog.New(&buf).Level(tc.level), nil)
+			if s.Handle(query("s-log", 0, 1_000, 50)).GetDecision() == nil {
+				t.Fatal("no decision")
+			}
+			if got := strings.Contains(buf.String(), `"message":"decision"`); got != tc.want {
+				t.Fatalf("decision line logged %v, want %v: %s", got, tc.want, buf.String())
+			}
+		})
 	}
 }
