@@ -238,7 +238,7 @@ func DecideInto(d *Decision, c *Cycle, in *Input) {
 		*d = c.endSession()
 		return
 	}
-	*d = c.decide()
+	c.decide(d)
 	d.Turn = c.Turn
 	if in.Query.LowPriority && d.UsesPrefill {
 		d.PrefillPriority = PrefillPriorityLow // the agent said so: P's cache evicts it first
@@ -283,13 +283,16 @@ func InferTurn(clientTurn int32, rec *kvcv1.SessionRecord) int32 {
 	return 0
 }
 
-func (c *Cycle) decide() Decision {
+// decide writes the decision into out (a resident direct turn built there: residentTo).
+func (c *Cycle) decide(out *Decision) {
 	in := c.In
 	if in.Unavailable {
-		return c.fallback(kvcv1.RouteReason_ROUTE_REASON_CONTROL_PLANE_UNAVAILABLE)
+		*out = c.fallback(kvcv1.RouteReason_ROUTE_REASON_CONTROL_PLANE_UNAVAILABLE)
+		return
 	}
 	if !c.K.KVCentricEnabled {
-		return c.fallback(kvcv1.RouteReason_ROUTE_REASON_KV_CENTRIC_DISABLED)
+		*out = c.fallback(kvcv1.RouteReason_ROUTE_REASON_KV_CENTRIC_DISABLED)
+		return
 	}
 	rec := c.S
 	if rec != nil && rec.DecodeWorker != "" {
@@ -299,17 +302,20 @@ func (c *Cycle) decide() Decision {
 			c.excluded(d.WorkerId):
 			// WORKER_DOWN: the sidecar is up but its worker process died, and the session's KV
 			// with it. Excluded: a gateway saw it refuse or drop a connection just now.
-			return c.lost(kvcv1.RouteReason_ROUTE_REASON_D_UNREACHABLE, rec.DecodeWorker)
+			*out = c.lost(kvcv1.RouteReason_ROUTE_REASON_D_UNREACHABLE, rec.DecodeWorker)
+			return
 		case isDraining(d):
 			// A drain moves the session only to a D that admits it now (DrainProfile); the
 			// draining worker still serves it meanwhile, so it is not queued elsewhere.
 			c.Cause = kvcv1.RouteReason_ROUTE_REASON_D_DRAINING
 			dec, _ := c.reseed(0, rec.DecodeWorker, DrainProfile, false)
 			if dec.Mode != kvcv1.RouteMode_ROUTE_MODE_PD_FALLBACK || dec.Reason == kvcv1.RouteReason_ROUTE_REASON_SESSION_NOT_RESIDENT {
-				return dec
+				*out = dec
+				return
 			}
 			if !servesResident(d) {
-				return c.lost(kvcv1.RouteReason_ROUTE_REASON_D_DRAINING, rec.DecodeWorker)
+				*out = c.lost(kvcv1.RouteReason_ROUTE_REASON_D_DRAINING, rec.DecodeWorker)
+				return
 			}
 			// Nowhere to move it: a draining worker still serves the sessions it holds. A direct
 			// turn says why it was not moved (D_DRAINING); a large append keeps its reason.
@@ -318,20 +324,59 @@ func (c *Cycle) decide() Decision {
 			if dec.Mode == kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D && dec.Reason != kvcv1.RouteReason_ROUTE_REASON_LOCAL_LARGE_APPEND {
 				dec.Reason = kvcv1.RouteReason_ROUTE_REASON_D_DRAINING
 			}
-			return dec
+			*out = dec
+			return
 		}
-		return c.resident(d)
+		c.residentTo(out, d)
+		return
 	}
 	if in.Resyncing {
 		// Not resident as far as this new leader knows, but a decode worker that has not
 		// reported yet may hold it (an acknowledged residency etcd did not get): placing it
 		// elsewhere now would forget that residency. Served without session effects meanwhile.
-		return c.fallback(kvcv1.RouteReason_ROUTE_REASON_D_UNREACHABLE)
+		*out = c.fallback(kvcv1.RouteReason_ROUTE_REASON_D_UNREACHABLE)
+		return
 	}
 	if rec != nil && (rec.Generation > 0 || rec.PreviousDecodeWorker != "") {
-		return c.lost(kvcv1.RouteReason_ROUTE_REASON_SESSION_EVICTED, rec.PreviousDecodeWorker)
+		*out = c.lost(kvcv1.RouteReason_ROUTE_REASON_SESSION_EVICTED, rec.PreviousDecodeWorker)
+		return
 	}
-	return c.seed()
+	*out = c.seed()
+}
+
+// residentTo is resident(d) into out, a direct turn (the common decision) built in place
+// instead of returned by value and copied.
+func (c *Cycle) residentTo(out *Decision, d *kvcv1.Worker) {
+	if c.S.DRejects[d.WorkerId] >= c.K.MigrationRejectThreshold || c.In.Content.known() ||
+		c.Q.InputTokens-min(c.S.KvCommittedLen, c.Q.InputTokens) > c.K.DirectMaxUncachedTokens {
+		*out = c.resident(d) // a migration, content or a large append
+		return
+	}
+	c.direct(out, d)
+}
+
+// direct is resident's direct turn on d, into out.
+func (c *Cycle) direct(out *Decision, d *kvcv1.Worker) {
+	cached := min(c.S.KvCommittedLen, c.Q.InputTokens)
+	c.Need = c.Q.InputTokens - cached + c.Q.MaxOutputTokens
+	cand := Cand{W: d, Res: c.In.Ledger.Reserved(d.WorkerId)}
+	// Never downgraded for capacity: the turn needs only its new pages on its own D, which
+	// queues it (prealloc) until they free, as every P/D router's request waits there; a
+	// whole-context PD_FALLBACK would need more pages on some D and a prefill on P.
+	*out = Decision{
+		Mode:           kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D,
+		Reason:         kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT,
+		Cause:          c.Cause,
+		Decode:         d,
+		ReservedTokens: c.Need,
+		CachedTokens:   cached,
+		PauseMs:        c.pause(&cand),
+		From:           d.WorkerId,
+	}
+	if !fits(c, &cand) {
+		out.Admission = AdmitOverCapacity
+		out.Reason = kvcv1.RouteReason_ROUTE_REASON_D_QUEUED
+	}
 }
 
 // resident: the session lives on d, a routable decode worker.
@@ -359,25 +404,8 @@ func (c *Cycle) resident(d *kvcv1.Worker) Decision {
 		}
 		return c.largeAppend(d, uncached, cached)
 	}
-	c.Need = uncached + c.Q.MaxOutputTokens
-	cand := Cand{W: d, Res: c.In.Ledger.Reserved(d.WorkerId)}
-	// Never downgraded for capacity: the turn needs only its new pages on its own D, which
-	// queues it (prealloc) until they free, as every P/D router's request waits there; a
-	// whole-context PD_FALLBACK would need more pages on some D and a prefill on P.
-	dec := Decision{
-		Mode:           kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D,
-		Reason:         kvcv1.RouteReason_ROUTE_REASON_SESSION_RESIDENT,
-		Cause:          c.Cause,
-		Decode:         d,
-		ReservedTokens: c.Need,
-		CachedTokens:   cached,
-		PauseMs:        c.pause(&cand),
-		From:           d.WorkerId,
-	}
-	if !fits(c, &cand) {
-		dec.Admission = AdmitOverCapacity
-		dec.Reason = kvcv1.RouteReason_ROUTE_REASON_D_QUEUED
-	}
+	var dec Decision
+	c.direct(&dec, d)
 	return dec
 }
 
