@@ -55,8 +55,8 @@ func TestMetricTablesCountEveryPair(t *testing.T) {
 			}
 		}
 		m.observeTTFT(mode, 0.01)
-		if n := m.ttftByMode[mv].counts[1].Load(); n != 1 { // 0.01 s: the bucket of 10 ms
-			t.Fatalf("ttft of %s: %d observations in its 10 ms bucket, want 1", ModeName(mode), n)
+		if n := testutil.CollectAndCount(m.ttft.WithLabelValues(ModeName(mode)).(prometheus.Histogram)); n != 1 {
+			t.Fatalf("ttft of %s: %d series", ModeName(mode), n)
 		}
 	}
 	unknown := kvcv1.RouteMode(99)

@@ -12,13 +12,12 @@ import (
 
 type metrics struct {
 	decisions      *prometheus.CounterVec
-	decisionByKey  counters2   // by mode, reason (every pair, made up front)
-	latency        *histograms // histogram.go: one child, latencyAll
-	latencyAll     *histKid
+	decisionByKey  counters2 // by mode, reason (every pair, made up front)
+	latency        prometheus.Histogram
 	outcomes       *prometheus.CounterVec
-	outcomeByKey   counters2   // by mode, error kind (every pair, made up front)
-	ttft           *histograms // by mode
-	ttftByMode     []*histKid  // by mode (every mode's made up front)
+	outcomeByKey   counters2 // by mode, error kind (every pair, made up front)
+	ttft           *prometheus.HistogramVec
+	ttftByMode     []prometheus.Observer // by mode
 	errors         *prometheus.CounterVec
 	expired        prometheus.Counter
 	lateOutcomes   prometheus.Counter
@@ -98,13 +97,17 @@ func newMetrics(reg prometheus.Registerer, s *Service) *metrics {
 			Name: "kvc_router_decisions_total", Help: "Routing decisions by mode and reason.",
 		}, []string{"mode", "reason"}),
 		admittedFor: make(map[string]prometheus.Counter),
-		latency: newHistograms("kvc_router_decision_seconds", "Time to answer one query (validation, policy, reservation, effects).",
-			prometheus.ExponentialBuckets(1e-6, 2, 16)),
+		latency: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name: "kvc_router_decision_seconds", Help: "Time to answer one query (validation, policy, reservation, effects).",
+			Buckets: prometheus.ExponentialBuckets(1e-6, 2, 16),
+		}),
 		outcomes: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvc_router_outcomes_total", Help: "Outcomes reported by gateways, by decided mode and error kind.",
 		}, []string{"mode", "error_kind"}),
-		ttft: newHistograms("kvc_router_ttft_seconds", "Time to first token of successful requests, by mode.",
-			prometheus.ExponentialBuckets(0.005, 2, 14), "mode"),
+		ttft: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "kvc_router_ttft_seconds", Help: "Time to first token of successful requests, by mode.",
+			Buckets: prometheus.ExponentialBuckets(0.005, 2, 14),
+		}, []string{"mode"}),
 		errors: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvc_router_errors_total", Help: "RouteError answers by gRPC code.",
 		}, []string{"code"}),
@@ -218,8 +221,7 @@ func newMetrics(reg prometheus.Registerer, s *Service) *metrics {
 	m.fromSnapshotByKey = newLazyCounters2(m.fromSnapshot, nModes, enumLen(kvcv1.RouteReason_name))
 	m.decisionByKey = newCounters2(nModes, enumLen(kvcv1.RouteReason_name))
 	m.outcomeByKey = newCounters2(nModes, enumLen(kvcv1.RouteErrorKind_name))
-	m.latencyAll = m.latency.child()
-	m.ttftByMode = make([]*histKid, nModes)
+	m.ttftByMode = make([]prometheus.Observer, nModes)
 	for mv := range kvcv1.RouteMode_name {
 		for rv := range kvcv1.RouteReason_name {
 			m.decisionByKey.set(mv, rv, m.decisions.WithLabelValues(ModeName(kvcv1.RouteMode(mv)), ReasonName(kvcv1.RouteReason(rv))))
@@ -227,7 +229,7 @@ func newMetrics(reg prometheus.Registerer, s *Service) *metrics {
 		for kv := range kvcv1.RouteErrorKind_name {
 			m.outcomeByKey.set(mv, kv, m.outcomes.WithLabelValues(ModeName(kvcv1.RouteMode(mv)), errorKindName(kvcv1.RouteErrorKind(kv))))
 		}
-		m.ttftByMode[mv] = m.ttft.child(ModeName(kvcv1.RouteMode(mv)))
+		m.ttftByMode[mv] = m.ttft.WithLabelValues(ModeName(kvcv1.RouteMode(mv)))
 	}
 	rehome := newRehomeMetrics(m)
 	m.landed = newLandedMetric()
@@ -251,16 +253,13 @@ func (m *metrics) outcome(mode kvcv1.RouteMode, kind kvcv1.RouteErrorKind) {
 	m.outcomes.WithLabelValues(ModeName(mode), errorKindName(kind)).Inc() // an unknown value
 }
 
-// observeLatency records a query's time to its answer.
-func (m *metrics) observeLatency(seconds float64) { m.latency.observe(m.latencyAll, seconds) }
-
 // observeTTFT records a successful request's time to first token, by executed mode.
 func (m *metrics) observeTTFT(mode kvcv1.RouteMode, seconds float64) {
 	if mode >= 0 && int(mode) < len(m.ttftByMode) && m.ttftByMode[mode] != nil {
-		m.ttft.observe(m.ttftByMode[mode], seconds)
+		m.ttftByMode[mode].Observe(seconds)
 		return
 	}
-	m.ttft.observe(m.ttft.child(ModeName(mode)), seconds)
+	m.ttft.WithLabelValues(ModeName(mode)).Observe(seconds)
 }
 
 func (m *metrics) decision(mode kvcv1.RouteMode, reason kvcv1.RouteReason) {

@@ -906,7 +906,7 @@ func (s *Service) query(q *kvcv1.RouteQuery, pooled bool) (_ *kvcv1.RouteRespons
 			Str("decode", workerID(d.Decode)).Int64("reserved", d.ReservedTokens).Msg("decision")
 	}
 	endDecision(span, q, out)
-	s.m.observeLatency(time.Since(start).Seconds())
+	s.m.latency.Observe(time.Since(start).Seconds())
 	m.kind.Decision = out
 	m.resp.Kind = &m.kind
 	m.seq = seq
