@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"net/http"
 	"os"
 	"path/filepath"
@@ -12,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvcentric/kvcentric/pkg/launch"
 	"github.com/kvcentric/kvcentric/sim/internal/cluster"
 	"github.com/kvcentric/kvcentric/sim/internal/clustertest"
 )
@@ -77,27 +79,27 @@ func TestRunCluster(t *testing.T) {
 	defer cancel()
 	var out, errb syncBuffer
 	code := make(chan int, 1)
+	exited := make(chan struct{})
 	go func() {
 		code <- run(ctx, []string{"--bin-dir", dir, "--work-dir", filepath.Join(work, "c"), "--decode", "1",
 			"--time-scale", "0", "--sim-args", "--layers 2", "--ready-file", ready}, func(string) string { return "" }, &out, &errb)
+		close(exited)
 	}()
-	deadline := time.Now().Add(2 * time.Minute)
 	var rf struct {
 		GatewayURL string `json:"gateway_url"`
 	}
-	for {
-		if b, err := os.ReadFile(ready); err == nil && json.Unmarshal(b, &rf) == nil {
-			break
-		}
-		select {
-		case c := <-code:
-			t.Fatalf("kvc-local exited %d before ready:\n%s", c, errb.String())
-		default:
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("not ready:\n%s", errb.String())
-		}
-		time.Sleep(20 * time.Millisecond) // polling a file the cluster writes
+	wctx, wcancel := context.WithTimeout(ctx, 2*time.Minute)
+	defer wcancel()
+	// the ready file the cluster writes once every part serves (launch's one wait helper)
+	err := launch.WaitFor(wctx, exited, 20*time.Millisecond, func() bool {
+		b, err := os.ReadFile(ready)
+		return err == nil && json.Unmarshal(b, &rf) == nil
+	})
+	if errors.Is(err, launch.ErrExited) {
+		t.Fatalf("kvc-local exited %d before ready:\n%s", <-code, errb.String())
+	}
+	if err != nil {
+		t.Fatalf("not ready: %v\n%s", err, errb.String())
 	}
 	resp, err := http.Get(rf.GatewayURL + "/healthz")
 	if err != nil || resp.StatusCode != 200 {
