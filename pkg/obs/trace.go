@@ -8,6 +8,7 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"sync/atomic"
 
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
@@ -48,22 +49,34 @@ type Tracing struct {
 var envSamplers = map[string]bool{"always_on": true, "always_off": true, "traceidratio": true,
 	"parentbased_always_on": true, "parentbased_always_off": true, "parentbased_traceidratio": true}
 
-// envSampler reports whether OTEL_TRACES_SAMPLER is set, refusing values the SDK would only log
-// and ignore.
-func envSampler() (bool, error) {
+// unsampledParentsSampled is set by SetupTracing when the sampler it installs may record a span
+// whose remote parent is not sampled (SamplesUnsampledParents).
+var unsampledParentsSampled atomic.Bool
+
+// SamplesUnsampledParents reports whether the TracerProvider SetupTracing installed may sample
+// a span whose remote parent is not sampled: only an OTEL_TRACES_SAMPLER that is not parent-based
+// (always_on, traceidratio). Every other configuration follows the parent's sampled flag, and
+// without SetupTracing the global provider is otel's no-op one, which records nothing. A caller
+// may then skip starting a span for an unsampled parent and pass the parent's context on
+// instead (the control plane's decision spans: nothing would be recorded either way).
+func SamplesUnsampledParents() bool { return unsampledParentsSampled.Load() }
+
+// envSampler reports whether OTEL_TRACES_SAMPLER is set (and its name), refusing values the
+// SDK would only log and ignore.
+func envSampler() (bool, string, error) {
 	name := strings.ToLower(strings.TrimSpace(os.Getenv("OTEL_TRACES_SAMPLER")))
 	if name == "" {
-		return false, nil
+		return false, "", nil
 	}
 	if !envSamplers[name] {
-		return false, fmt.Errorf("OTEL_TRACES_SAMPLER=%q: want always_on, always_off, traceidratio, parentbased_always_on, parentbased_always_off or parentbased_traceidratio", name)
+		return false, "", fmt.Errorf("OTEL_TRACES_SAMPLER=%q: want always_on, always_off, traceidratio, parentbased_always_on, parentbased_always_off or parentbased_traceidratio", name)
 	}
 	if arg := strings.TrimSpace(os.Getenv("OTEL_TRACES_SAMPLER_ARG")); arg != "" && strings.HasSuffix(name, "traceidratio") {
 		if r, err := strconv.ParseFloat(arg, 64); err != nil || r < 0 || r > 1 {
-			return false, fmt.Errorf("OTEL_TRACES_SAMPLER_ARG=%q: want a ratio in [0, 1]", arg)
+			return false, "", fmt.Errorf("OTEL_TRACES_SAMPLER_ARG=%q: want a ratio in [0, 1]", arg)
 		}
 	}
-	return true, nil
+	return true, name, nil
 }
 
 // exporter is the span exporter t and the environment ask for (nil: none) and where it sends.
@@ -140,7 +153,7 @@ func SetupTracing(ctx context.Context, t Tracing) (shutdown func(context.Context
 	if ratio < 0 || ratio > 1 {
 		return nil, fmt.Errorf("trace sample ratio %v out of (0, 1]", ratio)
 	}
-	fromEnv, err := envSampler()
+	fromEnv, envName, err := envSampler()
 	if err != nil {
 		return nil, err
 	}
@@ -171,6 +184,9 @@ func SetupTracing(ctx context.Context, t Tracing) (shutdown func(context.Context
 		}
 	}
 	tp := sdktrace.NewTracerProvider(popts...)
+	// With an exporter and OTEL_TRACES_SAMPLER set the SDK's sampler decides; only its
+	// non-parent-based ones sample under an unsampled parent.
+	unsampledParentsSampled.Store(exp != nil && fromEnv && !strings.HasPrefix(envName, "parentbased_"))
 	otel.SetTracerProvider(tp)
 	return func(ctx context.Context) error {
 		return errors.Join(tp.Shutdown(ctx))

@@ -32,6 +32,7 @@ const (
 	dCapacity    = 20_000_000 // tokens per decode worker
 	realQueries  = 60_000     // queries timed on the real leader path, in process and over the stream
 	oneAtATime   = 20_000     // queries on the real leader's stream with a window of 1 (its round trip)
+	openRate     = 50_000     // queries/s offered on the real leader's stream open loop (issue 22's target)
 )
 
 // cluster builds 8 P, 32 D and 100,000 sessions resident on the Ds (snapshots on the Ps).
@@ -100,25 +101,37 @@ func fakeReport(c *routertest.Cluster) func() {
 }
 
 // workload: the trace's mix — mostly direct-to-D appends of resident sessions, some new
-// sessions, some large appends.
+// sessions, some large appends — each query with its request span's traceparent, as the
+// gateway always sends one (not sampled: a gateway exporting no traces).
 type workload struct {
 	ids  []string
 	rng  *rand.Rand
 	next int
 }
 
+// traceparents are the queries' request spans, one per query in turn (as many traces as a
+// gateway's concurrent requests).
+var traceparents = func() []string {
+	tps := make([]string, 1024)
+	for i := range tps {
+		tps[i] = fmt.Sprintf("00-%032x-%016x-00", 0x4bf92f3577b34da6+i, 0x00f067aa0ba902b7+i)
+	}
+	return tps
+}()
+
 func (w *workload) query(i int) *kvcv1.RouteQuery {
 	r := w.rng.IntN(100)
+	tp := traceparents[i%len(traceparents)]
 	switch {
 	case r < 90: // resident, small append
 		id := w.ids[w.rng.IntN(len(w.ids))]
-		return &kvcv1.RouteQuery{RequestId: fmt.Sprint(i), SessionId: id, InputTokens: 6500, MaxOutputTokens: 256}
+		return &kvcv1.RouteQuery{RequestId: fmt.Sprint(i), SessionId: id, InputTokens: 6500, MaxOutputTokens: 256, Traceparent: tp}
 	case r < 97: // new session
 		w.next++
-		return &kvcv1.RouteQuery{RequestId: fmt.Sprint(i), SessionId: fmt.Sprintf("new-%d", w.next), InputTokens: 3000, MaxOutputTokens: 256, MultiturnHint: true}
+		return &kvcv1.RouteQuery{RequestId: fmt.Sprint(i), SessionId: fmt.Sprintf("new-%d", w.next), InputTokens: 3000, MaxOutputTokens: 256, MultiturnHint: true, Traceparent: tp}
 	default: // large append
 		id := w.ids[w.rng.IntN(len(w.ids))]
-		return &kvcv1.RouteQuery{RequestId: fmt.Sprint(i), SessionId: id, InputTokens: 40_000, MaxOutputTokens: 256}
+		return &kvcv1.RouteQuery{RequestId: fmt.Sprint(i), SessionId: id, InputTokens: 40_000, MaxOutputTokens: 256, Traceparent: tp}
 	}
 }
 
@@ -190,10 +203,23 @@ type emptyLedger struct{}
 func (emptyLedger) Reserved(string) policy.Reserved { return policy.Reserved{} }
 func (emptyLedger) TransferPending(string) bool     { return false }
 
-// overStream sends n queries pipelined (at most window unanswered) on one Route stream over
-// loopback, reports every decision's outcome on the same stream, and measures decisions/s and
-// the p99 of query-to-decision latency.
-func overStream(b *testing.B, s *router.Service, w *workload, n, window int) (perSec float64, p99 time.Duration) {
+// streamLoad is how overStream offers its queries: closed loop (window > 0: at most window
+// unanswered, the next sent when an answer frees a slot, so the rate is window / round trip)
+// or open loop (rate > 0: query i sent at start + i/rate whatever the answers, as a gateway's
+// stream carries the queries of many independent clients; at most openLoopCap unanswered).
+type streamLoad struct {
+	window int
+	rate   float64
+}
+
+// openLoopCap bounds the unanswered queries of an open-loop run: a stream that cannot keep up
+// makes the sender wait here, and the achieved rate falls below the offered one.
+const openLoopCap = 4096
+
+// overStream sends n queries on one Route stream over loopback as load says, reports every
+// decision's outcome on the same stream, and measures decisions/s and the p99 of
+// query-to-decision latency (from the query's Send to its decision's Recv).
+func overStream(b *testing.B, s *router.Service, w *workload, n int, load streamLoad) (perSec float64, p99 time.Duration) {
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		b.Fatal(err)
@@ -220,6 +246,10 @@ func overStream(b *testing.B, s *router.Service, w *workload, n, window int) (pe
 	}
 	sent := make([]time.Time, n)
 	lat := make([]time.Duration, 0, n)
+	window := load.window
+	if load.rate > 0 {
+		window = openLoopCap
+	}
 	slots := make(chan struct{}, window)
 	outcomes := make(chan string, n) // never blocks the receiver (no send/recv cycle through flow control)
 	recvErr := make(chan error, 1)
@@ -256,6 +286,10 @@ func overStream(b *testing.B, s *router.Service, w *workload, n, window int) (pe
 		recvErr <- nil
 	}()
 	i := 0
+	if load.rate > 0 {
+		openLoop(b, st, reqs, sent, slots, outcomes, start, load.rate)
+		i = n
+	}
 	for i < n {
 		select {
 		case id := <-outcomes:
@@ -282,6 +316,38 @@ func overStream(b *testing.B, s *router.Service, w *workload, n, window int) (pe
 	_ = st.CloseSend()
 	slices.Sort(lat)
 	return float64(n) / elapsed.Seconds(), lat[len(lat)*99/100]
+}
+
+// openLoop is overStream's sender at an offered rate: query i is due at start + i/rate and is
+// sent as soon as it is due, with every query already due before it (a late sender catches up
+// in a burst, so the offered rate holds on average); outcomes go out between queries. It waits
+// for the next due time by yielding (runtime.Gosched), not by sleeping: a Go timer shorter than
+// a millisecond fires up to a millisecond late on an idle machine, which would turn 20 µs
+// spacing into bursts of fifty.
+func openLoop(b *testing.B, st kvcv1.RouterService_RouteClient, reqs []*kvcv1.RouteRequest, sent []time.Time,
+	slots chan struct{}, outcomes <-chan string, start time.Time, rate float64) {
+	interval := float64(time.Second) / rate
+	for i := 0; i < len(reqs); {
+		select {
+		case id := <-outcomes:
+			if err := st.Send(wrapO(id)); err != nil {
+				b.Fatal(err)
+			}
+			continue
+		default:
+		}
+		now := time.Now()
+		if now.Sub(start) < time.Duration(float64(i)*interval) {
+			runtime.Gosched()
+			continue
+		}
+		slots <- struct{}{}
+		sent[i] = now
+		if err := st.Send(reqs[i]); err != nil {
+			b.Fatal(err)
+		}
+		i++
+	}
 }
 
 // modeMix formats a count of decisions by mode as percentages, modes in name order.
@@ -316,7 +382,7 @@ func BenchmarkPolicy(b *testing.B) {
 	inProcess(fs, fw, 20_000) // warm up
 	fakeNs, fakeModes := inProcess(fs, fw, 100_000)
 	pure := pureDecide(c, fw, 100_000)
-	fakePerSec, fakeP99 := overStream(b, router.New(c, zerolog.Nop(), nil), fw, 100_000, streamWindow)
+	fakePerSec, fakeP99 := overStream(b, router.New(c, zerolog.Nop(), nil), fw, 100_000, streamLoad{window: streamWindow})
 	stopFake()
 	c, fs = nil, nil //nolint:ineffassign // dropped so that runtime.GC below frees them
 	runtime.GC()
@@ -337,7 +403,7 @@ func BenchmarkPolicy(b *testing.B) {
 	}
 	w0 := env.writes(b)
 	ns, realModes := inProcess(rs, w, realQueries)
-	perSec, p99 := overStream(b, rs, w, realQueries, streamWindow)
+	perSec, p99 := overStream(b, rs, w, realQueries, streamLoad{window: streamWindow})
 	if err := env.st.Flush(fctx); err != nil { // every change of the run reached etcd under the fence
 		b.Fatal(err)
 	}
@@ -347,7 +413,11 @@ func BenchmarkPolicy(b *testing.B) {
 	// The same stream one query at a time: its round trip with nothing queued (the query's
 	// decision, then its outcome sent with the next query), what a window of 4 pipelines.
 	stopOne := reportLoads(env.report)
-	onePerSec, oneP99 := overStream(b, rs, w, oneAtATime, 1)
+	onePerSec, oneP99 := overStream(b, rs, w, oneAtATime, streamLoad{window: 1})
+	// The same stream open loop: queries offered at openRate whatever the answers, as a
+	// gateway's stream carries many clients' turns; the closed loop's rate above is bounded by
+	// window / round trip, this one by what the stream and the router sustain.
+	openPerSec, openP99 := overStream(b, rs, w, realQueries, streamLoad{rate: openRate})
 	stopOne()
 
 	// 1,000,000 records take about 35 s to write into etcd on 2 cores; measure a quarter
@@ -373,11 +443,13 @@ func BenchmarkPolicy(b *testing.B) {
 		realQueries, 100_000, streamWindow)
 	fmt.Printf("policy-detail: Route stream one query at a time (window 1, %d queries, after the run above): %.0f decisions/s, a round trip of %.0f µs (the query's decision, then its outcome and the next query), p99 %d µs\n",
 		oneAtATime, onePerSec, 1e6/onePerSec, oneP99.Microseconds())
+	fmt.Printf("policy-detail: Route stream open loop (%d queries offered at %d/s, each sent when due whatever the answers, after the runs above): %.0f decisions/s, p99 %d µs\n",
+		realQueries, openRate, openPerSec, openP99.Microseconds())
 	per := float64(memTotal) / float64(memN)
 	fmt.Printf("policy-memory: %d sessions held by a state.State leader (loaded from etcd in %.1f s) take %.0f MiB, %.0f bytes/session: 1,000,000 sessions ≈ %.0f MiB (target <= 1024 MiB)\n",
 		memN, loadTime.Seconds(), float64(memTotal)/(1<<20), per, per*1e6/(1<<20))
-	fmt.Printf("policy: %.0f ns/decision in-process, %.0f decisions/s over one Route stream, p99 %d µs\n",
-		ns, perSec, p99.Microseconds())
+	fmt.Printf("policy: %.0f ns/decision in-process, %.0f decisions/s over one Route stream, p99 %d µs; open loop at %d/s: %.0f decisions/s, p99 %d µs\n",
+		ns, perSec, p99.Microseconds(), openRate, openPerSec, openP99.Microseconds())
 }
 
 // BenchmarkHandle is one query and its outcome through Service.Handle, for profiling

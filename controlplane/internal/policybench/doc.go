@@ -8,5 +8,5 @@
 // state's sidecar API, router.New(state) in process and served by pkg/grpcx on a loopback
 // listener:
 //
-//	policy: <ns> ns/decision in-process, <n> decisions/s over one Route stream, p99 <µs> µs
+//	policy: <ns> ns/decision in-process, <n> decisions/s over one Route stream, p99 <µs> µs; open loop at 50000/s: <n> decisions/s, p99 <µs> µs
 package policybench

@@ -2,6 +2,7 @@ package policybench
 
 import (
 	"context"
+	"flag"
 	"fmt"
 	"math/rand/v2"
 	"runtime"
@@ -326,9 +327,29 @@ func BenchmarkRealStream(b *testing.B) {
 	defer cancel()
 	go func() { _ = s.Run(ctx) }()
 	w := &workload{ids: env.ids, rng: rand.New(rand.NewPCG(1, 2))}
-	overStream(b, s, w, 5_000, streamWindow) // warm up
+	overStream(b, s, w, 5_000, streamLoad{window: streamWindow}) // warm up
 	b.ResetTimer()
-	perSec, p99 := overStream(b, s, w, max(b.N, 100), streamWindow)
+	perSec, p99 := overStream(b, s, w, max(b.N, 100), streamLoad{window: streamWindow})
+	b.ReportMetric(perSec, "decisions/s")
+	b.ReportMetric(float64(p99.Microseconds()), "p99-µs")
+}
+
+// BenchmarkRealStreamOpen is the headline's open-loop stream run alone on the real leader:
+// b.N queries offered at -policybench.open-rate (default openRate) per second on one Route stream whatever the answers, every outcome on
+// the same stream, for profiling what bounds the stream's rate.
+var openRateFlag = flag.Float64("policybench.open-rate", openRate, "BenchmarkRealStreamOpen's offered queries per second")
+
+func BenchmarkRealStreamOpen(b *testing.B) {
+	env := newRealEnv(b)
+	s := router.New(env.st, zerolog.Nop(), nil)
+	defer reportLoads(env.report)()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go func() { _ = s.Run(ctx) }()
+	w := &workload{ids: env.ids, rng: rand.New(rand.NewPCG(1, 2))}
+	overStream(b, s, w, 5_000, streamLoad{window: streamWindow}) // warm up
+	b.ResetTimer()
+	perSec, p99 := overStream(b, s, w, max(b.N, 100), streamLoad{rate: *openRateFlag})
 	b.ReportMetric(perSec, "decisions/s")
 	b.ReportMetric(float64(p99.Microseconds()), "p99-µs")
 }

@@ -2,6 +2,7 @@ package router
 
 import (
 	"bytes"
+	"context"
 	"strings"
 	"testing"
 
@@ -10,8 +11,10 @@ import (
 	"go.opentelemetry.io/otel/attribute"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/kvcentric/kvcentric/controlplane/internal/router/routertest"
+	"github.com/kvcentric/kvcentric/pkg/obs"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -92,18 +95,6 @@ func TestDecisionSpan(t *testing.T) {
 	}
 }
 
-// BenchmarkDecisionSpan: a decision's span with a traceparent, no tracer provider installed
-// (what a control plane without --otlp-endpoint pays per gateway query).
-func BenchmarkDecisionSpan(b *testing.B) {
-	q := &kvcv1.RouteQuery{Traceparent: "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}
-	d := &kvcv1.RouteDecision{DecisionId: "d1-1"}
-	b.ReportAllocs()
-	for b.Loop() {
-		span, _ := startDecision(q)
-		endDecision(span, q, d)
-	}
-}
-
 // TestDecisionSpanKeepsItsID: a decision id's bytes live in the answer's block, which a Route
 // stream recycles once the answer is sent; the span recorded for the decision keeps its own
 // copy, so the next decisions (reusing the block) do not change it.
@@ -162,4 +153,105 @@ func TestDecisionDebugLine(t *testing.T) {
 			}
 		})
 	}
+}
+
+// BenchmarkDecisionSpanProduction: the same with the provider obs.SetupTracing installs for a
+// control plane without an exporter (the SDK, parent-based, never sampling a new trace), for a
+// gateway query whose request span is not sampled (a gateway without an exporter either) and
+// for one that is.
+func BenchmarkDecisionSpanProduction(b *testing.B) {
+	prev := otel.GetTracerProvider()
+	stop, err := obs.SetupTracing(b.Context(), obs.Tracing{Service: "kvc-controlplane"})
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { _ = stop(context.Background()); otel.SetTracerProvider(prev) })
+	for _, flags := range []string{"00", "01"} {
+		b.Run("flags-"+flags, func(b *testing.B) {
+			q := &kvcv1.RouteQuery{Traceparent: "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-" + flags}
+			d := &kvcv1.RouteDecision{DecisionId: "d1-1"}
+			b.ReportAllocs()
+			for b.Loop() {
+				span, _ := startDecision(q)
+				endDecision(span, q, d)
+			}
+		})
+	}
+}
+
+// TestUnsampledRequestNoSpan: a query whose request trace is not sampled starts no span while
+// the sampler follows the parent (every configuration but a non-parent-based
+// OTEL_TRACES_SAMPLER), and the decision's commands carry the query's own traceparent, the
+// trace the sidecars' spans join; with OTEL_TRACES_SAMPLER=always_on and an exporter the
+// decision is a span of that trace as before.
+func TestUnsampledRequestNoSpan(t *testing.T) {
+	const tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00"
+	prev := otel.GetTracerProvider()
+	t.Cleanup(func() { otel.SetTracerProvider(prev) })
+	for _, tc := range []struct {
+		name    string
+		sampler string
+		spans   int
+	}{
+		{name: "parent-based", spans: 0},
+		{name: "always_on", sampler: "always_on", spans: 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			exp := tracetest.NewInMemoryExporter()
+			t.Setenv("OTEL_TRACES_SAMPLER", tc.sampler)
+			stop, err := obs.SetupTracing(t.Context(), obs.Tracing{Service: "kvc-controlplane", Exporter: exp})
+			if err != nil {
+				t.Fatal(err)
+			}
+			f := newFixture(t, basicCluster()...)
+			req := query("s-unsampled-"+tc.name, 0, 1_000, 50)
+			req.GetQuery().Traceparent = tp
+			d := f.s.Handle(req).GetDecision()
+			if d == nil {
+				t.Fatal("no decision")
+			}
+			f.report(d.DecisionId, true, okKind, 1_050)
+			spans := exp.GetSpans() // before stop: the exporter's Shutdown drops them
+			if err := stop(context.Background()); err != nil {
+				t.Fatal(err)
+			}
+			if len(spans) != tc.spans {
+				t.Fatalf("%d spans, want %d", len(spans), tc.spans)
+			}
+			want := tp
+			if tc.spans == 1 {
+				want = formatTraceparent(spans[0].SpanContext)
+			}
+			cmds := f.c.Commands(d.Decode.WorkerId)
+			if len(cmds) == 0 || cmds[len(cmds)-1].GetTraceparent() != want {
+				t.Fatalf("commands %v, want the last with traceparent %s", cmds, want)
+			}
+		})
+	}
+}
+
+// FuzzUnsampledTraceparent: unsampledTraceparent accepts exactly the strings that
+// propagation.TraceContext extracts as a valid, unsampled span context and that
+// formatTraceparent writes back unchanged (the canonical version-00 form).
+func FuzzUnsampledTraceparent(f *testing.F) {
+	for _, s := range []string{
+		"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00",
+		"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+		"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-02",
+		"00-00000000000000000000000000000000-00f067aa0ba902b7-00",
+		"00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-00",
+		"00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-00",
+		"01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00",
+		"ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00",
+		"00-xyz", "",
+	} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, s string) {
+		sc := trace.SpanContextFromContext(w3c.Extract(context.Background(), traceparentCarrier(s)))
+		canonical := sc.IsValid() && !sc.IsSampled() && formatTraceparent(sc) == s
+		if got := unsampledTraceparent(s); got != canonical {
+			t.Fatalf("unsampledTraceparent(%q) = %v; extracted %v (valid %v, sampled %v)", s, got, sc, sc.IsValid(), sc.IsSampled())
+		}
+	})
 }
