@@ -85,29 +85,35 @@ func startDecision(q *kvcv1.RouteQuery) (trace.Span, string) {
 // dashes) whose sampled flag is clear — one that propagation.TraceContext extracts as a valid,
 // unsampled span context and formatTraceparent writes back unchanged (FuzzUnsampledTraceparent).
 func unsampledTraceparent(tp string) bool {
-	if len(tp) != 55 || tp[0] != '0' || tp[1] != '0' || tp[2] != '-' || tp[35] != '-' || tp[52] != '-' {
+	if len(tp) != 55 || tp[0] != '0' || tp[1] != '0' || tp[2] != '-' || tp[35] != '-' || tp[52] != '-' ||
+		tp[53] != '0' || (tp[54] != '0' && tp[54] != '2') {
+		// Flags 00 or 02: the sampled bit (0x01) clear, and no bit above 0x02, which
+		// propagation.TraceContext refuses in version 00.
 		return false
 	}
-	var traceBits, spanBits byte
-	for i := 3; i < 55; i++ {
-		c := tp[i]
-		switch {
-		case i == 35 || i == 52:
-			continue
-		case c >= '0' && c <= '9' || c >= 'a' && c <= 'f':
-		default:
-			return false
-		}
-		if i < 35 {
-			traceBits |= c ^ '0'
-		} else if i < 52 {
-			spanBits |= c ^ '0'
+	return lowerHexNotZero(tp[3:35]) && lowerHexNotZero(tp[36:52])
+}
+
+// lowerHexNotZero reports whether s is lowercase hex digits, not all '0'.
+func lowerHexNotZero(s string) bool {
+	var bad, bits byte
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		bad |= notLowerHex[c]
+		bits |= c ^ '0'
+	}
+	return bad == 0 && bits != 0
+}
+
+// notLowerHex is 1 for every byte but '0'-'9' and 'a'-'f'.
+var notLowerHex = func() (t [256]byte) {
+	for c := range t {
+		if !(c >= '0' && c <= '9' || c >= 'a' && c <= 'f') {
+			t[c] = 1
 		}
 	}
-	// Flags 00 or 02: the sampled bit (0x01) clear, and no bit above 0x02, which
-	// propagation.TraceContext refuses in version 00.
-	return traceBits != 0 && spanBits != 0 && tp[53] == '0' && (tp[54] == '0' || tp[54] == '2')
-}
+	return t
+}()
 
 // formatTraceparent is sc as a version-00 W3C traceparent, built in one allocation (the
 // concatenation of the ids' String forms took four).
