@@ -17,8 +17,18 @@ type RouteInfo struct {
 	// RetriedFrom: the decode workers of the failed attempts that were retried, in order.
 	RetriedFrom []string `json:"retried_from,omitempty"`
 	// ResumedFrom: the decode worker that died mid-answer; a new decision continued the
-	// answer from the tokens generated there (the gateway's --resume-mid-stream).
+	// answer from the tokens generated there (the gateway's --resume-mid-stream). Mode,
+	// Reason, DecisionID, FailOpen and Worker are then the last continuation's.
 	ResumedFrom string `json:"resumed_from,omitempty"`
+	// ResumedDecodeWorker: the decode worker of the continuation that finished the answer
+	// (X-KVC-Resumed-Decode-Worker).
+	ResumedDecodeWorker string `json:"resumed_decode_worker,omitempty"`
+	// ResumedAttempts: the continuation attempts run (X-KVC-Resumed-Attempts): all but the
+	// last failed before their first token and were retried through a new decision.
+	ResumedAttempts int `json:"resumed_attempts,omitempty"`
+	// ResumedRetriedFrom: the decode workers of those retried continuation attempts, in order
+	// (X-KVC-Resumed-Retried-From).
+	ResumedRetriedFrom []string `json:"resumed_retried_from,omitempty"`
 }
 
 // Usage is OpenAI's token usage object.

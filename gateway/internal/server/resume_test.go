@@ -108,6 +108,25 @@ type clientAnswer struct {
 	Completion int64
 	Finish     string
 	Error      string
+	// KVC is the answer's kvc object (an OpenAI stream's last chunk that has one, a whole
+	// answer's, a whole /generate answer's kvc_route); nil: none (a /generate stream).
+	KVC *clientKVC
+}
+
+// clientKVC is the answer's kvc object as a client reads it, by its JSON names.
+type clientKVC struct {
+	Mode                string   `json:"mode"`
+	DecisionID          string   `json:"decision_id"`
+	FailOpen            bool     `json:"fail_open"`
+	ResumedFrom         string   `json:"resumed_from"`
+	ResumedDecodeWorker string   `json:"resumed_decode_worker"`
+	ResumedAttempts     int      `json:"resumed_attempts"`
+	ResumedRetriedFrom  []string `json:"resumed_retried_from"`
+}
+
+// noResume: the kvc object names no resume (an uninterrupted answer's).
+func (k *clientKVC) noResume() bool {
+	return k.ResumedFrom == "" && k.ResumedDecodeWorker == "" && k.ResumedAttempts == 0 && k.ResumedRetriedFrom == nil
 }
 
 func readAnswer(t *testing.T, kind api.Kind, stream, cumulative bool, resp *http.Response) clientAnswer {
@@ -128,7 +147,8 @@ func readAnswer(t *testing.T, kind api.Kind, stream, cumulative bool, resp *http
 			} `json:"delta"`
 			Finish *string `json:"finish_reason"`
 		} `json:"choices"`
-		Usage *usage `json:"usage"`
+		Usage *usage     `json:"usage"`
+		KVC   *clientKVC `json:"kvc"`
 	}
 	type gen struct {
 		Text      string  `json:"text"`
@@ -143,11 +163,15 @@ func readAnswer(t *testing.T, kind api.Kind, stream, cumulative bool, resp *http
 		Error *struct {
 			Code string `json:"code"`
 		} `json:"error"`
+		KVCRoute *clientKVC `json:"kvc_route"`
 	}
 	fromGen := func(g gen) {
 		if g.Error != nil {
 			a.Error = g.Error.Code
 			return
+		}
+		if g.KVCRoute != nil {
+			a.KVC = g.KVCRoute
 		}
 		if cumulative {
 			a.Text, a.IDs = g.Text, g.OutputIDs
@@ -171,6 +195,9 @@ func readAnswer(t *testing.T, kind api.Kind, stream, cumulative bool, resp *http
 		}
 		if o.Usage != nil {
 			a.Prompt, a.Completion = o.Usage.PromptTokens, o.Usage.CompletionTokens
+		}
+		if o.KVC != nil {
+			a.KVC = o.KVC
 		}
 	}
 	if resp.StatusCode != http.StatusOK {
@@ -333,7 +360,18 @@ func TestResumeMidStream(t *testing.T) {
 						if mn, ok := sp["min_new_tokens"]; kind == api.Generate && (!ok || mn != float64(6-dieAfter)) {
 							t.Fatalf("continuation's min_new_tokens %v, want %d", mn, 6-dieAfter)
 						}
-						// Named where the client can see it.
+						// Named where the client can see it: in the answer's kvc object too (the
+						// continuation's decision; none in a /generate stream, the worker's chunks).
+						if kvc := !(kind == api.Generate && stream); (got.KVC != nil) != kvc || (want.KVC != nil) != kvc {
+							t.Fatalf("kvc object %+v (the reference's %+v), want one: %v", got.KVC, want.KVC, kvc)
+						}
+						if k := got.KVC; k != nil && (k.ResumedFrom != "d-dying" || k.ResumedDecodeWorker != "d-good" || k.ResumedAttempts != 1 ||
+							k.ResumedRetriedFrom != nil || k.Mode != "DIRECT_TO_D" || k.DecisionID != "dec-s1-1" || k.FailOpen) {
+							t.Fatalf("resumed answer's kvc object %+v: want resumed from d-dying on d-good, 1 attempt, decision dec-s1-1", k)
+						}
+						if want.KVC != nil && !want.KVC.noResume() {
+							t.Fatalf("the uninterrupted answer's kvc object names a resume: %+v", want.KVC)
+						}
 						if stream {
 							if resp.Trailer.Get("X-KVC-Resumed-From") != "d-dying" || resp.Trailer.Get("X-KVC-Resumed-Decode-Worker") != "d-good" ||
 								resp.Trailer.Get("X-KVC-Resumed-Mode") != "DIRECT_TO_D" || resp.Trailer.Get("X-KVC-Resumed-Fail-Open") != "false" {
@@ -507,7 +545,9 @@ func contWorker(t *testing.T, how string, calls *atomic.Int32) string {
 // the uninterrupted answer (nothing twice) when one succeeds, else the last continuation's error
 // (an error event after the first attempt's tokens, or the non-streaming error) with its stable
 // code. Each continuation attempt is counted (resumes{retried}, then ok or failed), reported as
-// its own outcome, and named in X-KVC-Resumed-Attempts / -Retried-From. A full worker
+// its own outcome, and named in X-KVC-Resumed-Attempts / -Retried-From and in the answer's kvc
+// object (resumed_attempts, resumed_retried_from: /generate's kvc_route, /v1/completions'
+// kvc, a stream's in its last chunk; a /generate stream has none). A full worker
 // (no_capacity) is not retried, and a retry that finds no decision ends the answer with the
 // failed continuation's error.
 func TestResumeRetriesContinuation(t *testing.T) {
@@ -545,9 +585,16 @@ func TestResumeRetriesContinuation(t *testing.T) {
 		{name: "no decision for the retry", bad: []string{"dead"}, noDecision: true, wantErr: "worker_unreachable", wantStatus: 502, wantRetried: 1,
 			wantKinds: []kvcv1.RouteErrorKind{kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_REJECTED_BY_D, kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_ABORTED}},
 	}
+	paths := map[api.Kind]string{api.Generate: "/generate", api.Completion: "/v1/completions"}
+	type form struct {
+		kind   api.Kind
+		stream bool
+	}
+	forms := []form{{api.Generate, true}, {api.Generate, false}, {api.Completion, true}, {api.Completion, false}}
 	for _, tt := range tests {
-		for _, stream := range []bool{true, false} {
-			t.Run(fmt.Sprintf("%s/stream=%v", tt.name, stream), func(t *testing.T) {
+		for _, form := range forms {
+			kind, stream := form.kind, form.stream
+			t.Run(fmt.Sprintf("%s/%s/stream=%v", tt.name, kind, stream), func(t *testing.T) {
 				dying, good := newModelWorker(t, false, dieAfter), newModelWorker(t, false, 0)
 				var badCalls atomic.Int32
 				badURLs := make([]string, len(tt.bad))
@@ -580,17 +627,20 @@ func TestResumeRetriesContinuation(t *testing.T) {
 				gw := httptest.NewServer(mux)
 				defer func() { gw.Close(); s.Close() }()
 				body := fmt.Sprintf(`{"input_ids":[11,22,33,44,55],"stream":%v,"sampling_params":{"max_new_tokens":%d,"temperature":0}}`, stream, maxTok)
+				if kind == api.Completion {
+					body = fmt.Sprintf(`{"model":"m","prompt":[11,22,33,44,55],"stream":%v,"max_tokens":%d,"temperature":0}`, stream, maxTok)
+				}
 				ask := func(session string) (*http.Response, clientAnswer) {
-					resp := post(t, gw.URL, "/generate", session, body)
+					resp := post(t, gw.URL, paths[kind], session, body)
 					defer resp.Body.Close()
-					a := readAnswer(t, api.Generate, stream, false, resp)
+					a := readAnswer(t, kind, stream, false, resp)
 					_, _ = io.Copy(io.Discard, resp.Body) // to the trailers
 					return resp, a
 				}
 				_, want := ask("ref")
 				<-good.calls
-				if want.Error != "" || want.Completion != maxTok {
-					t.Fatalf("reference answer %+v", want)
+				if want.Error != "" || want.Completion != maxTok || (want.KVC != nil && !want.KVC.noResume()) {
+					t.Fatalf("reference answer %+v (kvc %+v)", want, want.KVC)
 				}
 				ref := append([]int64{11, 22, 33, 44, 55}, func() []int64 { // the reference's ids, from its model
 					ctx := []int64{11, 22, 33, 44, 55}
@@ -622,8 +672,19 @@ func TestResumeRetriesContinuation(t *testing.T) {
 				}
 				if tt.wantErr == "" {
 					if got.Error != "" || got.Text != want.Text || got.Completion != want.Completion || got.Finish != want.Finish ||
-						(stream && !slices.Equal(got.IDs, ref)) {
+						(kind == api.Generate && stream && !slices.Equal(got.IDs, ref)) {
 						t.Fatalf("answer\n %+v\nwant the uninterrupted one\n %+v", got, want)
+					}
+					// The body names the resume as the headers do: the last continuation's decision
+					// (the dying worker's, each bad one's, then the good one's).
+					if kind == api.Generate && stream {
+						if got.KVC != nil {
+							t.Fatalf("a /generate stream with a kvc object %+v", got.KVC)
+						}
+					} else if k := got.KVC; k == nil || k.ResumedFrom != "d-dying" || k.ResumedDecodeWorker != "d-good" || k.ResumedAttempts != attempts ||
+						!slices.Equal(k.ResumedRetriedFrom, retriedFrom) || k.DecisionID != fmt.Sprint("dec-s1-", len(tt.bad)+2) {
+						t.Fatalf("kvc object %+v: want resumed from d-dying on d-good, %d attempts, retried from %v, decision dec-s1-%d",
+							k, attempts, retriedFrom, len(tt.bad)+2)
 					}
 					worker := resp.Header.Get("X-KVC-Decode-Worker")
 					if stream {
@@ -642,7 +703,12 @@ func TestResumeRetriesContinuation(t *testing.T) {
 					}
 					// Mid-stream: the first attempt's tokens once, then the error; nothing from the
 					// continuations (none sent a token).
-					if got.Error != wantErr || (stream && !slices.Equal(got.IDs, ref[:dieAfter])) || (!stream && got.Text != "") {
+					var firstText strings.Builder
+					for _, id := range ref[:dieAfter] {
+						fmt.Fprintf(&firstText, "w%d ", id)
+					}
+					if got.Error != wantErr || (kind == api.Generate && stream && !slices.Equal(got.IDs, ref[:dieAfter])) ||
+						(stream && got.Text != firstText.String()) || (!stream && got.Text != "") {
 						t.Fatalf("answer %+v: want the error %q after the first %d tokens %v", got, wantErr, dieAfter, ref[:dieAfter])
 					}
 					if len(good.calls) != 0 {

@@ -251,9 +251,18 @@ func (s *sink) trailers(p *plan) {
 // workers, in order), each name prefixed (a trailer's http.TrailerPrefix).
 func (b *resumeBase) attemptHeaders(h http.Header, prefix string) {
 	h.Set(prefix+"X-KVC-Resumed-Attempts", strconv.Itoa(len(b.tried)))
-	if len(b.tried) > 1 {
-		h.Set(prefix+"X-KVC-Resumed-Retried-From", strings.Join(b.tried[:len(b.tried)-1], ","))
+	if r := b.retriedFrom(); len(r) > 0 {
+		h.Set(prefix+"X-KVC-Resumed-Retried-From", strings.Join(r, ","))
 	}
+}
+
+// retriedFrom is the decode workers of the continuation attempts that failed before their
+// first token and were retried (all tried but the last), in order; nil when none.
+func (b *resumeBase) retriedFrom() []string {
+	if len(b.tried) < 2 {
+		return nil
+	}
+	return slices.Clip(b.tried[:len(b.tried)-1])
 }
 
 // reasoned streams what the reasoning split gave: a reasoning_content delta, then a content
@@ -280,8 +289,11 @@ func (s *sink) reasoned(r, n string) error {
 
 func (s *sink) info(p *plan, res result) *api.RouteInfo {
 	ri := &api.RouteInfo{Mode: modeName(p.mode), Reason: p.reason, DecisionID: p.decisionID, FailOpen: p.failOpen, Retries: s.retries, RetriedFrom: s.retriedFrom}
-	if s.base != nil {
+	if s.base != nil { // the resume's trailers (X-KVC-Resumed-*), for a client reading the body
 		ri.ResumedFrom = s.base.from
+		ri.ResumedDecodeWorker = p.decode.GetWorkerId()
+		ri.ResumedAttempts = len(s.base.tried)
+		ri.ResumedRetriedFrom = s.base.retriedFrom()
 	}
 	if len(res.meta) > 0 {
 		var mi struct {
