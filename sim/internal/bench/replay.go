@@ -293,6 +293,10 @@ func send(ctx context.Context, hc *http.Client, baseURL, session string, turn in
 				_, _ = io.Copy(io.Discard, io.LimitReader(br, 1<<20))
 				if from := resp.Trailer.Get("X-KVC-Resumed-From"); from != "" {
 					r.ResumedFrom, r.ResumedOn = from, resp.Trailer.Get("X-KVC-Resumed-Decode-Worker")
+					r.ResumedAttempts, _ = strconv.Atoi(resp.Trailer.Get("X-KVC-Resumed-Attempts"))
+					if v := resp.Trailer.Get("X-KVC-Resumed-Retried-From"); v != "" {
+						r.ResumedRetriedFrom = strings.Split(v, ",")
+					}
 					if r.OK && r.ResumedOn != "" {
 						opt.Holders.Set(session, r.ResumedOn)
 					}

@@ -48,7 +48,8 @@ func fakeGateway(t *testing.T, behave func(session string, turn int) string) (*h
 		w.Header().Set("X-KVC-Mode", mode)
 		w.Header().Set("X-KVC-Reason", "SESSION_RESIDENT")
 		w.Header().Set("X-KVC-Cached-Tokens", "100")
-		switch behave(sid, body.KVC.Turn) {
+		how := behave(sid, body.KVC.Turn)
+		switch how {
 		case "loaded": // P loads 600 tokens of the snapshot from its store (prefill from the snapshot)
 			w.Header().Set("X-KVC-Prefill-Load-Tokens", "600")
 		case "retried": // served after the gateway retried an attempt on decode-1
@@ -75,6 +76,24 @@ func fakeGateway(t *testing.T, behave func(session string, turn int) string) (*h
 			fmt.Fprintf(w, "data: {\"text\":\"t\",\"meta_info\":{\"completion_tokens\":%d,\"kvc\":{\"kv_len_after\":%d,\"received_bytes\":64,\"verified_bytes\":64}}}\n\n", i, body.KVC.InputTokens+i)
 		}
 		fmt.Fprint(w, "data: [DONE]\n\n")
+		// Resumed mid-stream from decode-0 on decode-2, as the gateway names it in trailers;
+		// "resumed-retried": its first continuation failed on decode-3 before its first token.
+		// (A flushed, chunked stream, as the gateway's: a buffered answer gets a Content-Length
+		// and no trailers.)
+		if strings.HasPrefix(how, "resumed") {
+			w.(http.Flusher).Flush()
+		}
+		switch how {
+		case "resumed":
+			w.Header().Set(http.TrailerPrefix+"X-KVC-Resumed-From", "decode-0")
+			w.Header().Set(http.TrailerPrefix+"X-KVC-Resumed-Decode-Worker", "decode-2")
+			w.Header().Set(http.TrailerPrefix+"X-KVC-Resumed-Attempts", "1")
+		case "resumed-retried":
+			w.Header().Set(http.TrailerPrefix+"X-KVC-Resumed-From", "decode-0")
+			w.Header().Set(http.TrailerPrefix+"X-KVC-Resumed-Decode-Worker", "decode-2")
+			w.Header().Set(http.TrailerPrefix+"X-KVC-Resumed-Attempts", "2")
+			w.Header().Set(http.TrailerPrefix+"X-KVC-Resumed-Retried-From", "decode-3")
+		}
 	}))
 	t.Cleanup(srv.Close)
 	return srv, &seen
@@ -156,6 +175,64 @@ func TestReplayRecordsEveryRequest(t *testing.T) {
 	v, _ := seen.Load("s-a")
 	if got := *(v.(*[]int)); fmt.Sprint(got) != "[0 1 2]" {
 		t.Fatalf("turn order %v", got)
+	}
+}
+
+// A resumed request's record names the resume from the gateway's trailers: the dead worker,
+// the one that finished it, the continuation attempts and the workers of those retried.
+func TestReplayRecordsResume(t *testing.T) {
+	gw, _ := fakeGateway(t, func(session string, turn int) string {
+		switch {
+		case session == "s-a" && turn == 1:
+			return "resumed"
+		case session == "s-b" && turn == 2:
+			return "resumed-retried"
+		}
+		return ""
+	})
+	var out bytes.Buffer
+	recs, err := Replay(context.Background(), gw.URL, testWorkload(), Options{Arm: "E9", TimeScale: 1, Out: &out})
+	if err != nil {
+		t.Fatal(err)
+	}
+	type resume struct {
+		from, on string
+		attempts int
+		retried  string
+	}
+	want := map[string]resume{"s-a/1": {"decode-0", "decode-2", 1, "[]"}, "s-b/2": {"decode-0", "decode-2", 2, "[decode-3]"}}
+	for _, r := range recs {
+		key := fmt.Sprintf("%s/%d", r.SessionID, r.Turn)
+		w := want[key]
+		if w.retried == "" {
+			w.retried = "[]"
+		}
+		got := resume{r.ResumedFrom, r.ResumedOn, r.ResumedAttempts, fmt.Sprint(r.ResumedRetriedFrom)}
+		if !r.OK || got != w {
+			t.Errorf("%s: ok %v, resume %+v, want %+v", key, r.OK, got, w)
+		}
+	}
+	// The metrics line carries them by their JSON names.
+	var line struct {
+		Session     string   `json:"session_id"`
+		Turn        int      `json:"turn"`
+		Attempts    int      `json:"resumed_attempts"`
+		RetriedFrom []string `json:"resumed_retried_from"`
+	}
+	n := 0
+	for _, l := range strings.Split(strings.TrimSpace(out.String()), "\n") {
+		if err := json.Unmarshal([]byte(l), &line); err != nil {
+			t.Fatalf("%q: %v", l, err)
+		}
+		if line.Session == "s-b" && line.Turn == 2 {
+			n++
+			if line.Attempts != 2 || fmt.Sprint(line.RetriedFrom) != "[decode-3]" {
+				t.Fatalf("metrics line %q", l)
+			}
+		}
+	}
+	if n != 1 {
+		t.Fatalf("%d metrics lines for s-b turn 2", n)
 	}
 }
 

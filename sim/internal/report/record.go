@@ -33,6 +33,11 @@ type Record struct {
 	// --resume-mid-stream; its trailers X-KVC-Resumed-From, X-KVC-Resumed-Decode-Worker).
 	ResumedFrom string `json:"resumed_from,omitempty"`
 	ResumedOn   string `json:"resumed_on,omitempty"`
+	// ResumedAttempts is the continuation attempts the resume ran (X-KVC-Resumed-Attempts):
+	// all but the last failed before their first token on the decode workers of
+	// ResumedRetriedFrom, in order (X-KVC-Resumed-Retried-From), and were retried.
+	ResumedAttempts    int      `json:"resumed_attempts,omitempty"`
+	ResumedRetriedFrom []string `json:"resumed_retried_from,omitempty"`
 
 	OK        bool    `json:"ok"`
 	Status    int     `json:"http_status"`
