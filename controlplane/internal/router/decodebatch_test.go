@@ -162,8 +162,8 @@ func TestDecodeBatchAccountMatchesTheWalk(t *testing.T) {
 			}
 			if l.pending.len() == 0 {
 				for id, w := range l.workers {
-					if len(w.batch) != 0 {
-						t.Errorf("%s: %d in its batch with nothing pending", id, len(w.batch))
+					if w.batch.len() != 0 {
+						t.Errorf("%s: %d in its batch with nothing pending", id, w.batch.len())
 					}
 				}
 			}

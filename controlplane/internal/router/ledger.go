@@ -51,8 +51,9 @@ type reservation struct {
 	// decision after its outcome; "" when none.
 	trace    string
 	deadline time.Time
-	idx      int // position in the expiry heap
-	bidx     int // position in its decode worker's batch heap (decodes: r.decodes())
+	// pos: its positions in the ledger's expiry heap (pos[byDeadline]) and in its decode
+	// worker's batch heap (pos[byMaxOut], decodes: r.decodes()).
+	pos [2]int
 	// dacct, pacct: the accounts of its decode and prefill workers that it holds resources of
 	// while pending (ledger.add; nil: none held there).
 	dacct, pacct *workerAccount
@@ -84,7 +85,7 @@ type ledger struct {
 	foundIn  []*kvcv1.Worker
 	pending  pendingTable
 	sessions map[string]uint64 // session -> seq of its in-flight seed/reseed
-	expiry   expiryHeap
+	expiry   resHeap // by deadline (the zero value's key)
 	// nSettling counts the accounts whose settling list is not empty.
 	nSettling int
 	// minFront is a lower bound on the first entry's atMs of every settling list (meaningful
@@ -115,7 +116,7 @@ type workerAccount struct {
 	admitted prometheus.Counter
 	// batch: the pending reservations that decode on this worker (reservation.decodes), a
 	// min-heap by max_output: DecodeBatch reads its size and front.
-	batch batchHeap
+	batch resHeap
 	// settling: tokens that successful outcomes added to a decode worker and that its load
 	// report does not show yet (admitted after its last heartbeat). Without them a D looks
 	// emptier than it is for up to one heartbeat after every success, and consecutive new
@@ -133,7 +134,7 @@ func (w *workerAccount) held() policy.Reserved {
 // idle: the account holds nothing (a sweep may drop it; its admitted counter is looked up
 // again by the next decision that needs it).
 func (w *workerAccount) idle() bool {
-	return w.res == (policy.Reserved{}) && len(w.settling) == 0 && len(w.batch) == 0
+	return w.res == (policy.Reserved{}) && len(w.settling) == 0 && w.batch.len() == 0
 }
 
 // settle is one success's tokens, admitted at atMs.
@@ -322,10 +323,10 @@ func (l *ledger) Reserved(workerID string) policy.Reserved {
 // policy asks per large-append candidate).
 func (l *ledger) DecodeBatch(workerID string) (int32, int64) {
 	w := l.account(workerID)
-	if w == nil || len(w.batch) == 0 {
+	if w == nil || w.batch.len() == 0 {
 		return 0, 0
 	}
-	return int32(len(w.batch)), w.batch[0].maxOut
+	return int32(w.batch.len()), w.batch.front().maxOut
 }
 
 // decodes: r decodes on its decode worker (counted in that worker's batch).
@@ -341,7 +342,7 @@ func (l *ledger) TransferPending(sessionID string) bool {
 func (l *ledger) worker(id string) *workerAccount {
 	w := l.account(id)
 	if w == nil {
-		w = new(workerAccount)
+		w = &workerAccount{batch: resHeap{key: byMaxOut}}
 		l.workers[id] = w
 	}
 	return w
@@ -406,7 +407,7 @@ func (l *ledger) remove(seq uint64) (*reservation, bool) {
 	if r == nil {
 		return nil, false
 	}
-	l.expiry.remove(r.idx)
+	l.expiry.remove(r)
 	// The accounts a pending reservation took from are its own (r.dacct, r.pacct): they exist
 	// (only idle ones are swept, and r's hold keeps them from idling).
 	if r.holdsDecode() {
@@ -435,7 +436,7 @@ func (l *ledger) remove(seq uint64) (*reservation, bool) {
 		r.dacct.res.Plain--
 	}
 	if r.decodes() {
-		r.dacct.batch.remove(r.bidx)
+		r.dacct.batch.remove(r)
 	}
 	if r.transfer && l.sessions[r.session] == r.seq {
 		delete(l.sessions, r.session)
@@ -474,7 +475,7 @@ func (l *ledger) shorten(seq uint64, at time.Time) bool {
 	}
 	if at.Before(r.deadline) {
 		r.deadline = at
-		l.expiry.fix(r.idx)
+		l.expiry.fix(r)
 	}
 	return true
 }
@@ -482,32 +483,58 @@ func (l *ledger) shorten(seq uint64, at time.Time) bool {
 // expired removes and returns every reservation whose deadline is not after now.
 func (l *ledger) expired(now time.Time) []*reservation {
 	var out []*reservation
-	for len(l.expiry) > 0 && !l.expiry[0].deadline.After(now) {
-		r, _ := l.remove(l.expiry[0].seq)
+	for l.expiry.len() > 0 && !l.expiry.front().deadline.After(now) {
+		r, _ := l.remove(l.expiry.front().seq)
 		out = append(out, r)
 	}
 	return out
 }
 
-// expiryHeap is the pending reservations, earliest deadline first (ties: lower sequence
-// number first). Its operations are container/heap's, written for the type: no interface
-// call per comparison and swap.
-type expiryHeap []*reservation
+// heapKey is what a resHeap orders its reservations by, and which of a reservation's positions
+// (reservation.pos) it keeps.
+type heapKey uint8
 
-func (h expiryHeap) less(i, j int) bool {
-	if h[i].deadline.Equal(h[j].deadline) {
-		return h[i].seq < h[j].seq
+const (
+	// byDeadline: the ledger's pending reservations, earliest deadline first (ledger.expiry).
+	byDeadline heapKey = iota
+	// byMaxOut: a decode worker's batch, its decoding reservations, smallest max_output first
+	// (workerAccount.batch).
+	byMaxOut
+)
+
+// resHeap is a binary min-heap of reservations by its key, ties by lower sequence number
+// first. Its operations are container/heap's, written for the type: no interface call per
+// comparison and swap (250 instructions per query and outcome with container/heap); each
+// reservation keeps its position in each heap it is in (pos[key]), for remove and fix.
+type resHeap struct {
+	key   heapKey
+	items []*reservation
+}
+
+func (h *resHeap) len() int { return len(h.items) }
+
+// front is the first reservation in the order (the heap must not be empty).
+func (h *resHeap) front() *reservation { return h.items[0] }
+
+func (h *resHeap) less(i, j int) bool {
+	a, b := h.items[i], h.items[j]
+	if h.key == byMaxOut {
+		if a.maxOut != b.maxOut {
+			return a.maxOut < b.maxOut
+		}
+	} else if !a.deadline.Equal(b.deadline) {
+		return a.deadline.Before(b.deadline)
 	}
-	return h[i].deadline.Before(h[j].deadline)
+	return a.seq < b.seq
 }
 
-func (h expiryHeap) swap(i, j int) {
-	h[i], h[j] = h[j], h[i]
-	h[i].idx = i
-	h[j].idx = j
+func (h *resHeap) swap(i, j int) {
+	h.items[i], h.items[j] = h.items[j], h.items[i]
+	h.items[i].pos[h.key] = i
+	h.items[j].pos[h.key] = j
 }
 
-func (h expiryHeap) up(j int) {
+func (h *resHeap) up(j int) {
 	for j > 0 {
 		i := (j - 1) / 2 // parent
 		if !h.less(j, i) {
@@ -518,7 +545,7 @@ func (h expiryHeap) up(j int) {
 	}
 }
 
-func (h expiryHeap) down(i0, n int) bool {
+func (h *resHeap) down(i0, n int) bool {
 	i := i0
 	for {
 		j1 := 2*i + 1
@@ -539,104 +566,31 @@ func (h expiryHeap) down(i0, n int) bool {
 }
 
 // push adds r (heap.Push).
-func (h *expiryHeap) push(r *reservation) {
-	r.idx = len(*h)
-	*h = append(*h, r)
-	h.up(len(*h) - 1)
+func (h *resHeap) push(r *reservation) {
+	r.pos[h.key] = len(h.items)
+	h.items = append(h.items, r)
+	h.up(len(h.items) - 1)
 }
 
-// remove takes out the element at i (heap.Remove).
-func (h *expiryHeap) remove(i int) *reservation {
-	old := *h
-	n := len(old) - 1
+// remove takes r out (heap.Remove at its position).
+func (h *resHeap) remove(r *reservation) {
+	i, n := r.pos[h.key], len(h.items)-1
 	if n != i {
-		old.swap(i, n)
-		if !old.down(i, n) {
-			old.up(i)
+		h.swap(i, n)
+		if !h.down(i, n) {
+			h.up(i)
 		}
 	}
-	r := old[n]
-	old[n] = nil
-	*h = old[:n]
-	r.idx = -1
-	return r
+	h.items[n] = nil
+	h.items = h.items[:n]
+	r.pos[h.key] = -1
 }
 
-// fix restores the order after the element at i changed its deadline (heap.Fix).
-func (h expiryHeap) fix(i int) {
-	if !h.down(i, len(h)) {
+// fix restores the order after r's key changed (heap.Fix at its position).
+func (h *resHeap) fix(r *reservation) {
+	if i := r.pos[h.key]; !h.down(i, len(h.items)) {
 		h.up(i)
 	}
-}
-
-// batchHeap is a decode worker's batch: its decoding reservations, smallest max_output first
-// (ties: lower sequence number first); container/heap's operations written for the type.
-type batchHeap []*reservation
-
-func (h batchHeap) less(i, j int) bool {
-	if h[i].maxOut == h[j].maxOut {
-		return h[i].seq < h[j].seq
-	}
-	return h[i].maxOut < h[j].maxOut
-}
-
-func (h batchHeap) swap(i, j int) {
-	h[i], h[j] = h[j], h[i]
-	h[i].bidx = i
-	h[j].bidx = j
-}
-
-func (h batchHeap) up(j int) {
-	for j > 0 {
-		i := (j - 1) / 2
-		if !h.less(j, i) {
-			break
-		}
-		h.swap(i, j)
-		j = i
-	}
-}
-
-func (h batchHeap) down(i0, n int) bool {
-	i := i0
-	for {
-		j1 := 2*i + 1
-		if j1 >= n || j1 < 0 {
-			break
-		}
-		j := j1
-		if j2 := j1 + 1; j2 < n && h.less(j2, j1) {
-			j = j2
-		}
-		if !h.less(j, i) {
-			break
-		}
-		h.swap(i, j)
-		i = j
-	}
-	return i > i0
-}
-
-func (h *batchHeap) push(r *reservation) {
-	r.bidx = len(*h)
-	*h = append(*h, r)
-	h.up(len(*h) - 1)
-}
-
-func (h *batchHeap) remove(i int) *reservation {
-	old := *h
-	n := len(old) - 1
-	if n != i {
-		old.swap(i, n)
-		if !old.down(i, n) {
-			old.up(i)
-		}
-	}
-	r := old[n]
-	old[n] = nil
-	*h = old[:n]
-	r.bidx = -1
-	return r
 }
 
 // pendingTable holds the reservations awaiting their outcome by sequence number: one slot per

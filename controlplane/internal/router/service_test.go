@@ -172,8 +172,8 @@ func (f *fixture) checkLedger() {
 			f.t.Fatalf("ledger lost %s: %+v", id, w)
 		}
 	}
-	if tokens != f.s.led.heldTokens || len(f.s.led.expiry) != f.s.led.pending.len() {
-		f.t.Fatalf("held tokens %d vs %d, heap %d vs pending %d", f.s.led.heldTokens, tokens, len(f.s.led.expiry), f.s.led.pending.len())
+	if tokens != f.s.led.heldTokens || f.s.led.expiry.len() != f.s.led.pending.len() {
+		f.t.Fatalf("held tokens %d vs %d, heap %d vs pending %d", f.s.led.heldTokens, tokens, f.s.led.expiry.len(), f.s.led.pending.len())
 	}
 }
 
