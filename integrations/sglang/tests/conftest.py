@@ -1,5 +1,6 @@
 """pytest setup: the package on sys.path, the watch thread off unless a test starts one,
-SGLang's (slow) imports done once, the plugin installed and its hooks applied once."""
+SGLang's (slow) imports done once, the plugin installed and its hooks applied once; the sidecar
+binaries, a short temporary directory, and the colocated decode worker most tests start from."""
 
 import os
 import sys
@@ -55,3 +56,30 @@ def tmp(tmp_path_factory):
     for f in os.listdir("/dev/shm"):
         if f.startswith("kvcpy-%s-" % os.path.basename(d)):
             os.unlink(os.path.join("/dev/shm", f))
+
+
+@pytest.fixture
+def dside(sglang_installed, bins, tmp):
+    """A colocated decode worker on a real decode sidecar "d0": kvctest.Colocated (SGLang's real
+    pool in /dev/shm, allocator, radix cache and streaming sessions) whose pool is registered
+    through a WorkerBridge that is the process's bridge, so the hooks commit and release through
+    it. Yields (sidecar, worker); the worker's bridge and registration are w.bridge and
+    w.registration. Afterwards the process's state is reset (a watcher a test started is
+    stopped), the bridge closed and the sidecar stopped."""
+    import kvctest
+    from kvcentric_sglang import runtime
+
+    runtime.state.reset()
+    d = kvctest.Sidecar(bins["decode"], "d0", tmp)
+    try:
+        w = kvctest.Colocated(tmp, "d")
+        w.attach(d.sock)
+    except BaseException:
+        d.stop()
+        raise
+    yield d, w
+    if runtime.state.watch is not None:
+        runtime.state.watch.stop()
+    runtime.state.reset()
+    w.bridge.close()
+    d.stop()

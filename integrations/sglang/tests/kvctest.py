@@ -13,6 +13,7 @@ import tempfile
 import threading
 import time
 from concurrent import futures
+from types import SimpleNamespace
 from typing import Dict, List, Optional
 
 import grpc
@@ -325,8 +326,6 @@ def kv_args(pool, meta, gpu_id: int = 0):
 
 
 def server_args(sock: str, tp_size: int = 1):
-    from types import SimpleNamespace
-
     return SimpleNamespace(tp_size=tp_size, kvc_bridge_socket=sock, served_model_name="test-model")
 
 
@@ -457,6 +456,91 @@ def sessions_of(sidecar: "Sidecar") -> dict:
     return {s["session_id"]: s for s in http_json(sidecar, "/v1/sessions")}
 
 
+def metrics(sidecar: "Sidecar", *names: str) -> Dict[str, Optional[float]]:
+    """The values of the named metrics on the sidecar's /metrics (the first sample of each; None
+    when it is absent)."""
+    import re
+    import urllib.request
+
+    with urllib.request.urlopen("http://%s/metrics" % sidecar.ready["http_addr"], timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for name in names:
+        m = re.search(r"^%s(?:\{[^}]*\})? (\S+)$" % name, text, re.M)
+        out[name] = float(m.group(1)) if m else None
+    return out
+
+
+def streaming_session(session_id: str):
+    """SGLang's streaming Session, as a client's open_session makes it."""
+    from sglang.srt.session.session_controller import Session
+
+    return Session(capacity_of_str_len=1 << 20, session_id=session_id, streaming=True)
+
+
+def generation_req(rid: str, input_ids, hints, *, max_new_tokens: int = 4, vocab_size: int = 1000):
+    """The request as the scheduler creates it (non-session path), through the hooked
+    Scheduler._create_generation_req, its extra_key cleared as the radix cache expects."""
+    from array import array
+
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    r = Scheduler._create_generation_req(
+        SimpleNamespace(page_size=PAGE),
+        SimpleNamespace(kv_hints=hints),
+        rid,
+        None,
+        array("q", input_ids),
+        SamplingParams(max_new_tokens=max_new_tokens),
+        vocab_size=vocab_size,
+    )
+    r.extra_key = None
+    return r
+
+
+def turn_input(rid: str, input_ids, session_id: str, *, max_new_tokens: int = 5):
+    """A session's next turn as the tokenizer hands it to Session.create_req (the fields it reads
+    of a TokenizedGenerateReqInput): the full context on the open session, with the gateway's
+    DIRECT_TO_D hint."""
+    from sglang.srt.managers.io_struct import SessionParams
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    return SimpleNamespace(
+        rid=rid,
+        input_text=None,
+        input_ids=list(input_ids),
+        mm_inputs=None,
+        sampling_params=SamplingParams(max_new_tokens=max_new_tokens),
+        return_logprob=False,
+        logprob_start_len=-1,
+        top_logprobs_num=0,
+        token_ids_logprob=None,
+        stream=False,
+        lora_id=None,
+        session_params=SessionParams(id=session_id),
+        custom_logit_processor=None,
+        return_hidden_states=False,
+        return_routed_experts=False,
+        routed_experts_start_len=0,
+        bootstrap_host=None,
+        bootstrap_port=None,
+        bootstrap_room=None,
+        routed_dp_rank=None,
+        disagg_prefill_dp_rank=None,
+        priority=None,
+        routing_key=None,
+        extra_key=None,
+        cache_salt=None,
+        http_worker_ipc=None,
+        time_stats=None,
+        require_reasoning=False,
+        return_sampling_mask=False,
+        sampling_logprobs_mode="selected",
+        kv_hints=kvc_hints(mode="DIRECT_TO_D", session_id=session_id),
+    )
+
+
 class Colocated:
     """A colocated decode worker's KV side, built from SGLang's real classes as its scheduler
     builds them: MHATokenToKVPool (moved into /dev/shm), PagedTokenToKVPoolAllocator,
@@ -486,6 +570,7 @@ class Colocated:
         )
         self.cache = UnifiedRadixCache(params=self.params)
         self.streaming = self.cache.session
+        self.bridge = self.registration = None  # attach()
 
     def first_turn(self, session, tokens, outputs):
         """A streaming session's first turn, admitted, run and finished the way the scheduler
@@ -521,3 +606,56 @@ class Colocated:
         from kvcentric_sglang import sessions
 
         return sessions.slot_pages(self.streaming, self.streaming.slots[session_id], n)
+
+    def attach(self, sock: str, process: bool = True):
+        """Registers the pool with the sidecar on sock through a WorkerBridge and, when process,
+        makes them the process's bridge and registration (what the hooks commit through).
+        Returns (bridge, registration), also kept as self.bridge, self.registration."""
+        from kvcentric_sglang import pool as kvpool
+        from kvcentric_sglang import runtime
+        from kvcentric_sglang.bridge import WorkerBridge
+
+        self.bridge = WorkerBridge(sock)
+        self.registration = kvpool.from_pool(self.kv)
+        self.registration.register(self.bridge)
+        if process:
+            runtime.state.bridge, runtime.state.registration = self.bridge, self.registration
+        return self.bridge, self.registration
+
+    def committed_session(self, session_id: str, tokens, outputs):
+        """A streaming session whose first turn (tokens, then outputs generated) finished and was
+        cached into the session's slot (the commit hook: CommitSession). Returns the Session."""
+        s = streaming_session(session_id)
+        assert self.streaming.try_cache_finished_req(self.first_turn(s, tokens, outputs))
+        return s
+
+    def next_turn(self, session, full, rid: str, max_new_tokens: int = 5):
+        """The session's next turn on the full context `full` as SGLang builds it
+        (Session.create_req: the continuity hook strips the history, SGLang prepends it again)
+        and as the scheduler tries to admit it (match_prefix over full[:-1]). Returns (the Req,
+        the match result)."""
+        from array import array
+
+        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        r = session.create_req(
+            turn_input(rid, full, session.session_id, max_new_tokens=max_new_tokens), None, vocab_size=1000
+        )
+        assert r.to_finish is None and list(r.origin_input_ids) == list(full), r.to_finish
+        r.extra_key = None
+        return r, self.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", full[:-1])), req=r))
+
+    def linker(self, sock: str):
+        """A KvcLinker on this worker's cache that registers the pool with the sidecar on sock
+        itself (a colocated decode worker). Returns the linker."""
+        from kvcentric_sglang.linker import KvcLinker
+
+        lk = KvcLinker(
+            SimpleNamespace(tp_size=1),
+            self.params,
+            components={"full"},
+            extra_config={"bridge_socket": sock, "wait_timeout_s": 20},
+        )
+        self.cache.init_cache_linker(lk)
+        return lk

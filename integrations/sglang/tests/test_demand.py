@@ -4,9 +4,6 @@ get_new_batch_prefill hook) and from the prealloc queue of a P/D decode worker (
 pop_preallocated hook); a report goes out only on a change, and once with 0 waiting when the
 queue drained."""
 
-import os
-import re
-import urllib.request
 from types import SimpleNamespace
 
 import pytest
@@ -16,43 +13,26 @@ from kvctest import PAGE
 
 
 @pytest.fixture
-def dside(sglang_installed, bins, tmp):
+def reporting(dside):
+    """dside as a decode process: its role decode and its DemandReporter on the worker's bridge.
+    Yields (sidecar, worker, reporter)."""
     from kvcentric_sglang import demand, runtime
-    from kvcentric_sglang import pool as kvpool
-    from kvcentric_sglang.bridge import WorkerBridge
 
-    runtime.state.reset()
-    d = kvctest.Sidecar(bins["decode"], "d0", tmp)
-    w = kvctest.Colocated(tmp, "d")
-    b = WorkerBridge(d.sock)
-    reg = kvpool.from_pool(w.kv)
-    reg.register(b)
-    runtime.state.bridge, runtime.state.registration, runtime.state.role = b, reg, "decode"
-    rep = demand.start_for_process(b)
-    yield d, w, rep
-    runtime.state.reset()
-    b.close()
-    d.stop()
-    for f in os.listdir("/dev/shm"):
-        if f.startswith("kvcpy-%s-" % os.path.basename(tmp)):
-            os.unlink(os.path.join("/dev/shm", f))
+    d, w = dside
+    runtime.state.role = "decode"
+    yield d, w, demand.start_for_process(w.bridge)
 
 
 def gauges(d):
-    with urllib.request.urlopen("http://%s/metrics" % d.ready["http_addr"], timeout=10) as r:
-        text = r.read().decode()
-    out = {}
-    for name in (
+    names = (
         "kvc_sidecar_prealloc_waiting_requests",
         "kvc_sidecar_prealloc_waiting_tokens",
         "kvc_sidecar_prealloc_free_tokens",
         "kvc_sidecar_demand_reports_total",
         "kvc_sidecar_worker_unevictable_tokens",
         "kvc_sidecar_worker_running_requests",
-    ):
-        m = re.search(r"^%s(?:\{[^}]*\})? (\S+)$" % name, text, re.M)
-        out[name.split("kvc_sidecar_")[1]] = float(m.group(1)) if m else None
-    return out
+    )
+    return {name.split("kvc_sidecar_")[1]: v for name, v in kvctest.metrics(d, *names).items()}
 
 
 def test_hooks_are_the_demand_reporters(sglang_installed):
@@ -63,10 +43,10 @@ def test_hooks_are_the_demand_reporters(sglang_installed):
     assert getattr(DecodePreallocQueue.pop_preallocated, "__wrapped__", None) is not None
 
 
-def test_colocated_waiting_queue_is_reported(dside):
+def test_colocated_waiting_queue_is_reported(reporting):
     from kvcentric_sglang import demand
 
-    d, w, rep = dside
+    d, w, rep = reporting
     free = w.alloc.available_size()
     # two requests SGLang could not admit: 100 + 8 tokens -> 112, and 40 + 8 (20 already cached) -> 32
     r1 = kvctest.req("w1", list(range(100)))
@@ -118,12 +98,12 @@ def test_colocated_waiting_queue_is_reported(dside):
     ), g
 
 
-def test_pd_decode_prealloc_queue_is_reported(dside):
+def test_pd_decode_prealloc_queue_is_reported(reporting):
     """The prealloc queue's ready transfers that got no pages wait; those still handshaking do
     not count yet."""
     from kvcentric_sglang import demand
 
-    d, w, rep = dside
+    d, w, rep = reporting
     ready = SimpleNamespace(req=kvctest.req("p1", list(range(70)), max_new_tokens=10), waiting_for_input=True)
     shaking = SimpleNamespace(req=kvctest.req("p2", list(range(500))), waiting_for_input=False)
     q = SimpleNamespace(queue=[ready, shaking], token_to_kv_pool_allocator=w.alloc, tree_cache=w.cache)
@@ -147,10 +127,10 @@ def test_pd_decode_prealloc_queue_is_reported(dside):
     ), g
 
 
-def test_prefill_worker_reports_nothing(dside):
+def test_prefill_worker_reports_nothing(reporting):
     from kvcentric_sglang import demand, runtime
 
-    d, w, rep = dside
+    d, w, rep = reporting
     runtime.state.role = "prefill"
     sched = SimpleNamespace(
         waiting_queue=[kvctest.req("x", list(range(30)))],

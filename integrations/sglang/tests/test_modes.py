@@ -7,68 +7,23 @@ RESEED_SNAPSHOT is in test_linker.py."""
 import pytest
 
 import kvctest
-from kvctest import PAGE
 from test_backend import pd, seed  # noqa: F401  (fixture and driver)
-from test_sessions import dside  # noqa: F401
 
 
-def test_direct_to_d_is_a_streaming_append(dside):  # noqa: F811
+def test_direct_to_d_is_a_streaming_append(dside):
     """DIRECT_TO_D: the gateway sends D the full context on the open session; the continuity
     hook strips the history, SGLang's match hits the session slot (only the tail is prefilled),
     and the finished turn commits the longer length."""
     from array import array
-    from types import SimpleNamespace
 
-    from sglang.srt.managers.io_struct import SessionParams
     from sglang.srt.managers.schedule_batch import FINISH_LENGTH
-    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
-    from sglang.srt.mem_cache.radix_cache import RadixKey
-    from sglang.srt.sampling.sampling_params import SamplingParams
-    from sglang.srt.session.session_controller import Session
 
     d, w = dside
-    s = Session(capacity_of_str_len=1 << 20, session_id="s-dd", streaming=True)
     prompt, out = list(range(1, 41)), [7] * 8
-    assert w.streaming.try_cache_finished_req(w.first_turn(s, prompt, out))
+    s = w.committed_session("s-dd", prompt, out)
     assert kvctest.sessions_of(d)["s-dd"]["committed_len"] == 48
     full = prompt + out + [900, 901, 902]
-    recv = SimpleNamespace(
-        rid="t1",
-        input_text=None,
-        input_ids=list(full),
-        mm_inputs=None,
-        sampling_params=SamplingParams(max_new_tokens=5),
-        return_logprob=False,
-        logprob_start_len=-1,
-        top_logprobs_num=0,
-        token_ids_logprob=None,
-        stream=False,
-        lora_id=None,
-        session_params=SessionParams(id="s-dd"),
-        custom_logit_processor=None,
-        return_hidden_states=False,
-        return_routed_experts=False,
-        routed_experts_start_len=0,
-        bootstrap_host=None,
-        bootstrap_port=None,
-        bootstrap_room=None,
-        routed_dp_rank=None,
-        disagg_prefill_dp_rank=None,
-        priority=None,
-        routing_key=None,
-        extra_key=None,
-        cache_salt=None,
-        http_worker_ipc=None,
-        time_stats=None,
-        require_reasoning=False,
-        return_sampling_mask=False,
-        sampling_logprobs_mode="selected",
-        kv_hints=kvctest.kvc_hints(mode="DIRECT_TO_D", session_id="s-dd"),
-    )
-    r = s.create_req(recv, None, vocab_size=1000)
-    assert list(r.origin_input_ids) == full and r.to_finish is None
-    r.extra_key = None
-    m = w.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", full[:-1])), req=r))
+    r, m = w.next_turn(s, full, "t1")  # the continuity hook strips the history, SGLang prepends it
     assert m.device_prefix_len == 48  # the session's resident KV: only 3 tokens are prefilled
     # the scheduler allocates the tail and runs the turn; 5 tokens are generated
     slot = w.streaming.slots["s-dd"]
@@ -131,20 +86,6 @@ def test_reseed_snapshot_refused_on_a_pd_decode_worker(pd):  # noqa: F811
 
 
 def test_malformed_hint_refuses_the_request_not_the_scheduler(sglang_installed):
-    from array import array
-    from types import SimpleNamespace
-
-    from sglang.srt.managers.scheduler import Scheduler
-    from sglang.srt.sampling.sampling_params import SamplingParams
-
     bad = kvctest.kvc_hints(mode="SEED", session_id="s-bad", room="not-a-number")
-    r = Scheduler._create_generation_req(
-        SimpleNamespace(page_size=PAGE),
-        SimpleNamespace(kv_hints=bad),
-        "r-bad",
-        None,
-        array("q", [1, 2, 3]),
-        SamplingParams(max_new_tokens=1),
-        vocab_size=1000,
-    )
+    r = kvctest.generation_req("r-bad", [1, 2, 3], bad, max_new_tokens=1)
     assert r.to_finish is not None and "malformed kv_hints kvc payload" in r.to_finish.message

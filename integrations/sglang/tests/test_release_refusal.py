@@ -5,75 +5,25 @@ session holding KV is idle, leaving the slot and SGLang's state as they were; re
 is; a session a running request uses is refused whatever the reason. End to end through the
 real decode sidecar's release pass: the refusal is passed over and the idle session goes."""
 
-import re
 import time
-import urllib.request
 from types import SimpleNamespace
 
 import pytest
 
 import kvctest
-from test_sessions import dside  # noqa: F401  (fixture: real decode sidecar, real SGLang cache)
 
 
 def _session(w, sid, prompt):
     """A streaming session of `prompt` + 8 committed tokens (CommitSession through the hook)."""
-    from sglang.srt.session.session_controller import Session
-
-    s = Session(capacity_of_str_len=1 << 20, session_id=sid, streaming=True)
-    assert w.streaming.try_cache_finished_req(w.first_turn(s, list(range(1, prompt + 1)), [7] * 8))
-    return s
+    return w.committed_session(sid, list(range(1, prompt + 1)), [7] * 8)
 
 
 def _next_turn(w, s, sid, prompt):
     """The session's next turn as SGLang builds it (Session.create_req, the continuity hook
     strips the history) and as the scheduler last tried to admit it: SGLang's match lent it the
     slot's record. Returns the Req."""
-    from array import array
-
-    from sglang.srt.managers.io_struct import SessionParams
-    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
-    from sglang.srt.mem_cache.radix_cache import RadixKey
-    from sglang.srt.sampling.sampling_params import SamplingParams
-
     full = list(range(1, prompt + 1)) + [7] * 8 + [900, 901, 902]
-    recv = SimpleNamespace(
-        rid="t1-" + sid,
-        input_text=None,
-        input_ids=list(full),
-        mm_inputs=None,
-        sampling_params=SamplingParams(max_new_tokens=5),
-        return_logprob=False,
-        logprob_start_len=-1,
-        top_logprobs_num=0,
-        token_ids_logprob=None,
-        stream=False,
-        lora_id=None,
-        session_params=SessionParams(id=sid),
-        custom_logit_processor=None,
-        return_hidden_states=False,
-        return_routed_experts=False,
-        routed_experts_start_len=0,
-        bootstrap_host=None,
-        bootstrap_port=None,
-        bootstrap_room=None,
-        routed_dp_rank=None,
-        disagg_prefill_dp_rank=None,
-        priority=None,
-        routing_key=None,
-        extra_key=None,
-        cache_salt=None,
-        http_worker_ipc=None,
-        time_stats=None,
-        require_reasoning=False,
-        return_sampling_mask=False,
-        sampling_logprobs_mode="selected",
-        kv_hints=kvctest.kvc_hints(mode="DIRECT_TO_D", session_id=sid),
-    )
-    r = s.create_req(recv, None, vocab_size=1000)
-    assert r.to_finish is None and list(r.origin_input_ids) == full
-    r.extra_key = None
-    m = w.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", full[:-1])), req=r))
+    r, m = w.next_turn(s, full, "t1-" + sid)
     assert m.device_prefix_len == prompt + 8
     assert r.kv is w.streaming.slots[sid].kv
     return r
@@ -98,7 +48,7 @@ def _state(d, w, sid):
     )
 
 
-def test_colocated_waiting_turn_refused_while_another_slot_is_idle(dside):  # noqa: F811
+def test_colocated_waiting_turn_refused_while_another_slot_is_idle(dside):
     from kvcentric_sglang import demand, sessions
     from kvcentric_sglang.bridge import REASON_CAPACITY, REASON_CONTROL_PLANE
 
@@ -130,7 +80,7 @@ def test_colocated_waiting_turn_refused_while_another_slot_is_idle(dside):  # no
     assert w.alloc.available_size() == free + freed
 
 
-def test_non_capacity_release_of_a_waiting_turns_session_goes(dside):  # noqa: F811
+def test_non_capacity_release_of_a_waiting_turns_session_goes(dside):
     """The rule is the capacity release's: the control plane's release (the session moved away)
     is not refused for a waiting turn."""
     from kvcentric_sglang import demand, sessions
@@ -145,7 +95,7 @@ def test_non_capacity_release_of_a_waiting_turns_session_goes(dside):  # noqa: F
 
 
 @pytest.mark.parametrize("ready", [True, False], ids=["waiting for pages", "handshaking"])
-def test_pd_prealloc_queue_turn_refused_while_another_slot_is_idle(dside, ready):  # noqa: F811
+def test_pd_prealloc_queue_turn_refused_while_another_slot_is_idle(dside, ready):
     """A P/D decode worker: the turn's entry in SGLang's DecodePreallocQueue (ready and without
     pages, or still handshaking with P) is a waiting turn; a turn on the transfer queue is in use."""
     from sglang.srt.disaggregation.decode import DecodePreallocQueue, DecodeRequest, DecodeTransferQueue
@@ -186,12 +136,6 @@ def test_pd_prealloc_queue_turn_refused_while_another_slot_is_idle(dside, ready)
     assert "s-A" not in w.streaming.slots and "s-A" not in kvctest.sessions_of(d)
 
 
-def _metric(d, name):
-    with urllib.request.urlopen("http://%s/metrics" % d.ready["http_addr"], timeout=10) as r:
-        m = re.search(r"^%s(?:\{[^}]*\})? (\S+)$" % name, r.read().decode(), re.M)
-    return float(m.group(1)) if m else None
-
-
 def test_sidecar_release_pass_passes_over_the_refusal(sglang_installed, bins, tmp, monkeypatch):
     """The real decode sidecar's capacity release above its watermark ranks the waiting turn's
     session first (the oldest, the largest); the plugin refuses it (ack ok=false, counted in
@@ -220,7 +164,8 @@ def test_sidecar_release_pass_passes_over_the_refusal(sglang_installed, bins, tm
             wc.wait_for(lambda c: not c.pending.empty(), 1)
             Scheduler.process_input_requests(sched, [])
         assert [s for s in held if s not in w.streaming.slots] == ["s-B"], (cp.events, d.tail())
-        assert _metric(d, "kvc_sidecar_release_refused_total") >= 1, d.tail()
+        refused = kvctest.metrics(d, "kvc_sidecar_release_refused_total")["kvc_sidecar_release_refused_total"]
+        assert refused >= 1, d.tail()
         assert [e["session"] for e in cp.events if e["kind"] == "evicted"] == ["s-B"], cp.events
         assert set(kvctest.sessions_of(d)) == {"s-A", "s-C"}
         assert turn.kv is w.streaming.slots["s-A"].kv  # the waiting turn still has its session's KV

@@ -1,42 +1,15 @@
 """Session hooks through SGLang's real StreamingSession / UnifiedRadixCache and the real decode
 sidecar: commit, release before free, the full-context continuity rule."""
 
-import os
-
 import pytest
 
 import kvctest
 from kvctest import PAGE
 
 
-@pytest.fixture
-def dside(sglang_installed, bins, tmp):
-    from kvcentric_sglang import pool as kvpool
-    from kvcentric_sglang import runtime
-    from kvcentric_sglang.bridge import WorkerBridge
-
-    d = kvctest.Sidecar(bins["decode"], "d0", tmp)
-    w = kvctest.Colocated(tmp, "d")
-    b = WorkerBridge(d.sock)
-    reg = kvpool.from_pool(w.kv)
-    reg.register(b)
-    runtime.state.reset()
-    runtime.state.bridge, runtime.state.registration = b, reg
-    yield d, w
-    runtime.state.reset()
-    b.close()
-    d.stop()
-    for f in os.listdir("/dev/shm"):
-        if f.startswith("kvcpy-%s-" % os.path.basename(tmp)):
-            os.unlink(os.path.join("/dev/shm", f))
-
-
 def test_commit_then_release_before_free(dside):
-    from sglang.srt.session.session_controller import Session
-
     d, w = dside
-    s = Session(capacity_of_str_len=1 << 20, session_id="s-9", streaming=True)
-    r = w.first_turn(s, list(range(1, 41)), [7] * 8)
+    r = w.first_turn(kvctest.streaming_session("s-9"), list(range(1, 41)), [7] * 8)
     assert w.streaming.try_cache_finished_req(r)  # hooked: CommitSession
     slot = w.streaming.slots["s-9"]
     got = kvctest.sessions_of(d)["s-9"]
@@ -63,11 +36,9 @@ def test_commit_then_release_before_free(dside):
 
 def test_aborted_turn_commits_nothing(dside):
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
-    from sglang.srt.session.session_controller import Session
 
     d, w = dside
-    s = Session(capacity_of_str_len=1 << 20, session_id="s-ab", streaming=True)
-    r = w.first_turn(s, list(range(1, 33)), [5] * 4)
+    r = w.first_turn(kvctest.streaming_session("s-ab"), list(range(1, 33)), [5] * 4)
     r.finished_reason = FINISH_ABORT("client went away")
     assert not w.streaming.try_cache_finished_req(r)
     assert "s-ab" not in kvctest.sessions_of(d)
@@ -76,71 +47,26 @@ def test_aborted_turn_commits_nothing(dside):
 def test_continuity_strips_history_or_refuses(dside):
     """D gets the full context: an exact-prefix history is stripped (SGLang prepends it again),
     a different history refuses the turn."""
-    from types import SimpleNamespace
-
-    from sglang.srt.sampling.sampling_params import SamplingParams
-    from sglang.srt.session.session_controller import Session
-
     d, w = dside
-    s = Session(capacity_of_str_len=1 << 20, session_id="s-c", streaming=True)
+    s = kvctest.streaming_session("s-c")
     prompt, out = list(range(1, 41)), [7] * 8
     r0 = w.first_turn(s, prompt, out)
     assert w.streaming.try_cache_finished_req(r0)  # -> session.finish_req(r0)
     assert s.req_nodes, "the first turn is the session's last request"
 
-    def turn(ids, rid):
-        # the fields Session.create_req reads of a TokenizedGenerateReqInput
-        t = SimpleNamespace()
-        for k, v in dict(
-            rid=rid,
-            input_text=None,
-            input_ids=list(ids),
-            mm_inputs=None,
-            sampling_params=SamplingParams(max_new_tokens=4),
-            return_logprob=False,
-            logprob_start_len=-1,
-            top_logprobs_num=0,
-            token_ids_logprob=None,
-            stream=False,
-            lora_id=None,
-            session_params=None,
-            custom_logit_processor=None,
-            return_hidden_states=False,
-            return_routed_experts=False,
-            routed_experts_start_len=0,
-            bootstrap_host=None,
-            bootstrap_port=None,
-            bootstrap_room=None,
-            routed_dp_rank=None,
-            disagg_prefill_dp_rank=None,
-            priority=None,
-            routing_key=None,
-            extra_key=None,
-            cache_salt=None,
-            http_worker_ipc=None,
-            time_stats=None,
-            require_reasoning=False,
-            return_sampling_mask=False,
-            sampling_logprobs_mode="selected",
-            kv_hints=kvctest.kvc_hints(mode="DIRECT_TO_D", session_id="s-c"),
-        ).items():
-            setattr(t, k, v)
-        from sglang.srt.managers.io_struct import SessionParams
-
-        t.session_params = SessionParams(id="s-c")
-        return t
-
     full = prompt + out + [900, 901, 902]
     # a turn whose history differs (an edited earlier token) is refused, never appended
     bad = list(full)
     bad[3] = 4242
-    nr = s.create_req(turn(bad, "t1"), None, vocab_size=1000)  # hooked: continuity
+    t1 = kvctest.turn_input("t1", bad, "s-c", max_new_tokens=4)
+    nr = s.create_req(t1, None, vocab_size=1000)  # hooked: continuity
     assert nr.to_finish is not None  # SGLang's abort, as create_req's own refusals
     msg = str(nr.to_finish.message)
     assert "not a prefix" in msg and "first difference at token 3" in msg, msg
     assert not s._inflight
     # the exact-prefix turn: history stripped, SGLang prepends it again -> the full context
-    nr = s.create_req(turn(full, "t2"), None, vocab_size=1000)
+    t2 = kvctest.turn_input("t2", full, "s-c", max_new_tokens=4)
+    nr = s.create_req(t2, None, vocab_size=1000)
     assert nr.to_finish is None and nr.finished_reason is None, nr.to_finish
     assert list(nr.origin_input_ids) == full
     assert s._inflight
@@ -149,13 +75,10 @@ def test_continuity_strips_history_or_refuses(dside):
 def test_truncate_frees_the_tail_and_commits_the_prefix(dside):
     """A WatchCommands truncate (the sidecar's PREFIX_MISMATCH), worker side: keep [0, keep) of
     the session's KV, free the rest through SGLang's own slot code."""
-    from sglang.srt.session.session_controller import Session
-
     from kvcentric_sglang import sessions
 
     d, w = dside
-    s = Session(capacity_of_str_len=1 << 20, session_id="s-t", streaming=True)
-    assert w.streaming.try_cache_finished_req(w.first_turn(s, list(range(1, 57)), [7] * 8))  # 64 tokens
+    w.committed_session("s-t", list(range(1, 57)), [7] * 8)  # 64 tokens
     slot = w.streaming.slots["s-t"]
     keep_pages = w.slot_pages("s-t", 64)[:2]
     free_before = w.alloc.available_size()

@@ -3,36 +3,10 @@ process is restarted, and capacity releases of streaming sessions (SGLang never 
 carried out through SGLang's real session code, in priority order, each after its snapshot
 was current."""
 
-import os
 import time
 from types import SimpleNamespace
 
 import kvctest
-
-
-def _cleanup(tmp):
-    from kvcentric_sglang import runtime
-
-    if runtime.state.watch is not None:
-        runtime.state.watch.stop()
-    runtime.state.reset()
-    for f in os.listdir("/dev/shm"):
-        if f.startswith("kvcpy-%s-" % os.path.basename(tmp)):
-            os.unlink(os.path.join("/dev/shm", f))
-
-
-def _worker(tmp, sc, name="d"):
-    from kvcentric_sglang import pool as kvpool
-    from kvcentric_sglang import runtime
-    from kvcentric_sglang.bridge import WorkerBridge
-
-    runtime.state.reset()
-    w = kvctest.Colocated(tmp, name)
-    b = WorkerBridge(sc.sock)
-    reg = kvpool.from_pool(w.kv)
-    reg.register(b)
-    runtime.state.bridge, runtime.state.registration = b, reg
-    return w, b, reg
 
 
 class _ReleaseCluster:
@@ -41,11 +15,8 @@ class _ReleaseCluster:
     the snapshots, under a scripted control plane: cp, d, p, pb (P's bridge), w, b, reg, wc."""
 
     def __init__(self, bins, tmp, low):
-        from kvcentric_sglang import pool as kvpool
-        from kvcentric_sglang import watch
-        from kvcentric_sglang.bridge import WorkerBridge
+        from kvcentric_sglang import runtime, watch
 
-        self.tmp = tmp
         self.cp = kvctest.ScriptedControlPlane(delta_tokens=16)
         self.d = kvctest.Sidecar(
             bins["decode"],
@@ -67,10 +38,10 @@ class _ReleaseCluster:
             bins["prefill"], "p0", tmp, self.cp.addr, extra=["--store-capacity-bytes", str(16 << 20)]
         )
         try:
-            wp = kvctest.Colocated(tmp, "p")
-            self.pb = WorkerBridge(self.p.sock)
-            kvpool.from_pool(wp.kv).register(self.pb)
-            self.w, self.b, self.reg = _worker(tmp, self.d)
+            self.pb, _ = kvctest.Colocated(tmp, "p").attach(self.p.sock, process=False)
+            runtime.state.reset()
+            self.w = kvctest.Colocated(tmp, "d")
+            self.b, self.reg = self.w.attach(self.d.sock)
             assert self.cp.wait(lambda c: "d0" in c.hellos and "p0" in c.hellos), (self.d.tail(), self.p.tail())
             self.wc = watch.start_for_process(self.b, self.reg)
             assert self.wc.wait_for(lambda c: len(c.attaches) >= 1, 20)
@@ -79,7 +50,11 @@ class _ReleaseCluster:
             raise
 
     def close(self):
-        _cleanup(self.tmp)
+        from kvcentric_sglang import runtime
+
+        if runtime.state.watch is not None:
+            runtime.state.watch.stop()
+        runtime.state.reset()
         for s in (self.d, self.p):
             s.stop()
 
@@ -99,41 +74,32 @@ def _scheduler(w, **extra):
     )
 
 
-def test_reregisters_and_recommits_after_sidecar_restart(sglang_installed, bins, tmp, monkeypatch):
-    from sglang.srt.session.session_controller import Session
-
+def test_reregisters_and_recommits_after_sidecar_restart(dside, monkeypatch):
     from kvcentric_sglang import watch
 
     monkeypatch.setenv("KVC_SGLANG_WATCH", "1")
-    d = kvctest.Sidecar(bins["decode"], "d0", tmp)
-    try:
-        w, b, reg = _worker(tmp, d)
-        s = Session(capacity_of_str_len=1 << 20, session_id="s-w", streaming=True)
-        assert w.streaming.try_cache_finished_req(w.first_turn(s, list(range(1, 41)), [7] * 8))
-        wc = watch.start_for_process(b, reg)
-        assert wc.wait_for(lambda c: len(c.attaches) >= 1, 20), wc.errors
-        first = wc.attaches[0]
-        assert first.pool_registered and first.resident_sessions == 1
-        assert wc.reregistrations == 0
+    d, w = dside
+    b = w.bridge
+    w.committed_session("s-w", list(range(1, 41)), [7] * 8)
+    wc = watch.start_for_process(b, w.registration)
+    assert wc.wait_for(lambda c: len(c.attaches) >= 1, 20), wc.errors
+    first = wc.attaches[0]
+    assert first.pool_registered and first.resident_sessions == 1
+    assert wc.reregistrations == 0
 
-        d.kill()  # the sidecar crashes; systemd starts a new one on the same socket
-        d.start()
-        assert kvctest.sessions_of(d) == {}  # the new process knows nothing yet
-        assert wc.wait_for(lambda c: c.reregistrations >= 1, 30), (wc.attaches, wc.errors, d.tail())
-        new = [a for a in wc.attaches if a.sidecar_instance != first.sidecar_instance]
-        assert new and not new[0].pool_registered
-        got = kvctest.sessions_of(d)
-        assert got["s-w"]["committed_len"] == 48  # re-committed from the worker's own record
-        # the pool is registered again: the next commit of the session is accepted
-        assert not b.commit_session("s-w", 48, w.slot_pages("s-w", 48))
-    finally:
-        _cleanup(tmp)
-        d.stop()
+    d.kill()  # the sidecar crashes; systemd starts a new one on the same socket
+    d.start()
+    assert kvctest.sessions_of(d) == {}  # the new process knows nothing yet
+    assert wc.wait_for(lambda c: c.reregistrations >= 1, 30), (wc.attaches, wc.errors, d.tail())
+    new = [a for a in wc.attaches if a.sidecar_instance != first.sidecar_instance]
+    assert new and not new[0].pool_registered
+    got = kvctest.sessions_of(d)
+    assert got["s-w"]["committed_len"] == 48  # re-committed from the worker's own record
+    # the pool is registered again: the next commit of the session is accepted
+    assert not b.commit_session("s-w", 48, w.slot_pages("s-w", 48))
 
 
 def test_capacity_release_in_priority_order_after_snapshot(sglang_installed, bins, tmp, monkeypatch):
-    from sglang.srt.session.session_controller import Session
-
     monkeypatch.setenv("KVC_SGLANG_WATCH", "1")
     rc = _ReleaseCluster(bins, tmp, 0.4)
     cp, d, pb, w, wc = rc.cp, rc.d, rc.pb, rc.w, rc.wc
@@ -144,8 +110,7 @@ def test_capacity_release_in_priority_order_after_snapshot(sglang_installed, bin
         committed = {}
         for sid, prompt in sizes:
             cp.set_snapshot_target("d0", sid, "p0")
-            s = Session(capacity_of_str_len=1 << 20, session_id=sid, streaming=True)
-            assert w.streaming.try_cache_finished_req(w.first_turn(s, list(range(1, prompt + 1)), [7] * 8))
+            w.committed_session(sid, list(range(1, prompt + 1)), [7] * 8)
             committed[sid] = prompt + 8
         # the scheduler loop: SGLang's (hooked) process_input_requests runs the queued commands
         # on the scheduler thread
