@@ -329,6 +329,32 @@ def server_args(sock: str, tp_size: int = 1):
     return SimpleNamespace(tp_size=tp_size, kvc_bridge_socket=sock, served_model_name="test-model")
 
 
+def kv_manager(role: str, pool, meta, sidecar: "Sidecar"):
+    """The kvcentric KV manager of a P/D worker (role "prefill" or "decode") on pool and meta, as
+    SGLang's PrefillBootstrapQueue / DecodePreallocQueue make it: the class the hooked
+    get_kv_class of that role's module returns, registering the pool with the sidecar."""
+    from sglang.srt.disaggregation import decode as sdecode
+    from sglang.srt.disaggregation import prefill as sprefill
+    from sglang.srt.disaggregation.utils import DisaggregationMode, KVClassType, TransferBackend
+
+    mod, mode = (sprefill, DisaggregationMode.PREFILL) if role == "prefill" else (sdecode, DisaggregationMode.DECODE)
+    be = TransferBackend("kvcentric")  # the enum member install() added
+    return mod.get_kv_class(be, KVClassType.MANAGER)(kv_args(pool, meta), mode, server_args(sidecar.sock))
+
+
+def bootstrap_queue(pmgr, p: "Sidecar"):
+    """SGLang's PrefillBootstrapQueue around P's manager, with the fields create_sender reads
+    (its bootstrap port: the prefill sidecar's peer port). Returns (queue, host, port)."""
+    from sglang.srt.disaggregation import prefill as sprefill
+    from sglang.srt.disaggregation.utils import TransferBackend
+
+    host, port = p.peer_addr.rsplit(":", 1)
+    pq = sprefill.PrefillBootstrapQueue.__new__(sprefill.PrefillBootstrapQueue)
+    pq.transfer_backend, pq.kv_manager = TransferBackend("kvcentric"), pmgr
+    pq.bootstrap_port, pq.max_input_len = int(port), 1 << 20
+    return pq, host, int(port)
+
+
 def token_bytes(pool, pages, n: int) -> bytes:
     """Bytes of tokens [0, n) laid over pages, every buffer (K0..,V0.. or C0..), in order."""
     import torch
@@ -539,6 +565,27 @@ def turn_input(rid: str, input_ids, session_id: str, *, max_new_tokens: int = 5)
         sampling_logprobs_mode="selected",
         kv_hints=kvc_hints(mode="DIRECT_TO_D", session_id=session_id),
     )
+
+
+def push_snapshot(cp: ScriptedControlPlane, d: "Sidecar", p: "Sidecar", w: "Colocated", store, sid, prompt, out):
+    """D's first turn of session sid (random KV), committed through the hook on w (attached to
+    D's sidecar d and the process's bridge); the control plane points D's snapshots at P, so D's
+    sidecar pushes the session into P's store. store: a WorkerBridge on P's sidecar. Returns (the
+    pages of [0, n) in D's pool, the stored snapshot's status)."""
+    assert cp.wait(lambda c: d.wid in c.hellos and p.wid in c.hellos), (d.tail(), p.tail())
+    cp.set_snapshot_target(d.wid, sid, p.wid)
+    r = w.first_turn(streaming_session(sid), prompt, out)
+    n = len(prompt) + len(out)
+    fill_random(w.kv, [x // PAGE for x in w.rtp.req_to_token[r.kv.req_pool_idx, :n:PAGE].tolist()], seed=5)
+    assert w.streaming.try_cache_finished_req(r)  # CommitSession -> push D->P
+    assert cp.wait(lambda c: any(e["kind"] == "snapshot_ingested" and e["session"] == sid for e in c.events)), (
+        cp.events,
+        d.tail(),
+        p.tail(),
+    )
+    st = store.snapshot_status(sid)
+    assert st.exists and st.seqlen == n, st
+    return w.slot_pages(sid, n), st
 
 
 class Colocated:

@@ -1,8 +1,6 @@
 """The kvcentric P/D transfer backend on SGLang's real classes and hooks, against the real
 sidecar binaries: a two-chunk SEED with aux rows, and failures as KVPoll.Failed."""
 
-import os
-
 import numpy as np
 import pytest
 
@@ -13,27 +11,19 @@ from kvctest import PAGE
 @pytest.fixture
 def pd(sglang_installed, bins, tmp):
     from sglang.srt.disaggregation import decode as sdecode
-    from sglang.srt.disaggregation import prefill as sprefill
-    from sglang.srt.disaggregation.utils import DisaggregationMode, KVClassType, TransferBackend
+    from sglang.srt.disaggregation.utils import TransferBackend
 
     # a prepared room whose sender never finishes fails after 3 s (default 120 s)
     d = kvctest.Sidecar(bins["decode"], "d0", tmp, extra=["--room-timeout", "3s"])
     p = kvctest.Sidecar(bins["prefill"], "p0", tmp)
-    be = TransferBackend("kvcentric")  # the enum member install() added
     ppool, dpool = kvctest.mha_pool(tmp, "p"), kvctest.mha_pool(tmp, "d")
     pmeta, dmeta = kvctest.metadata_buffers(), kvctest.metadata_buffers()
     # the classes as SGLang's prefill and decode modules see them (hook propagation)
-    pmgr = sprefill.get_kv_class(be, KVClassType.MANAGER)(
-        kvctest.kv_args(ppool, pmeta), DisaggregationMode.PREFILL, kvctest.server_args(p.sock)
-    )
-    dmgr = sdecode.get_kv_class(be, KVClassType.MANAGER)(
-        kvctest.kv_args(dpool, dmeta), DisaggregationMode.DECODE, kvctest.server_args(d.sock)
-    )
-    host, port = p.peer_addr.rsplit(":", 1)
-    pq = sprefill.PrefillBootstrapQueue.__new__(sprefill.PrefillBootstrapQueue)
-    pq.transfer_backend, pq.kv_manager, pq.bootstrap_port, pq.max_input_len = be, pmgr, int(port), 1 << 20
+    pmgr = kvctest.kv_manager("prefill", ppool, pmeta, p)
+    dmgr = kvctest.kv_manager("decode", dpool, dmeta, d)
+    pq, host, port = kvctest.bootstrap_queue(pmgr, p)
     dq = sdecode.DecodePreallocQueue.__new__(sdecode.DecodePreallocQueue)
-    dq.transfer_backend, dq.kv_manager, dq.queue = be, dmgr, []
+    dq.transfer_backend, dq.kv_manager, dq.queue = TransferBackend("kvcentric"), dmgr, []
     ns = type("PD", (), {})()
     ns.d, ns.p, ns.ppool, ns.dpool, ns.pmeta, ns.dmeta, ns.pmgr, ns.dmgr, ns.pq, ns.dq = (
         d,
@@ -47,13 +37,10 @@ def pd(sglang_installed, bins, tmp):
         pq,
         dq,
     )
-    ns.host, ns.port = host, int(port)
+    ns.host, ns.port = host, port
     yield ns
     d.stop()
     p.stop()
-    for f in os.listdir("/dev/shm"):
-        if f.startswith("kvcpy-%s-" % os.path.basename(tmp)):
-            os.unlink(os.path.join("/dev/shm", f))
 
 
 def seed(
@@ -213,6 +200,3 @@ def test_tp_rank_registers_and_pairs(sglang_installed, bins, tmp):
         assert mgr.registration.aux_item_lens == list(meta.get_buf_infos()[2])
     finally:
         d.stop()
-        for f in os.listdir("/dev/shm"):
-            if f.startswith("kvcpy-%s-" % os.path.basename(tmp)):
-                os.unlink(os.path.join("/dev/shm", f))

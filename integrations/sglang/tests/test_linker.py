@@ -3,9 +3,6 @@ snapshot is pushed by the real decode sidecar (D) into the real prefill sidecar'
 second colocated worker (D') loads it into its own request slots; SGLang would prefill only the
 tail."""
 
-import os
-from types import SimpleNamespace
-
 import pytest
 
 import kvctest
@@ -25,85 +22,33 @@ def cluster(sglang_installed, bins, tmp):
     from kvcentric_sglang import runtime
 
     runtime.state.reset()
-    for f in os.listdir("/dev/shm"):
-        if f.startswith("kvcpy-%s-" % os.path.basename(tmp)):
-            os.unlink(os.path.join("/dev/shm", f))
 
 
 def make_snapshot(cp, d, p, tmp, sid, prompt, out):
     """D's first turn of session sid, committed through the hook; D's sidecar pushes it to P's
-    store. Returns (D's worker, the pages of [0, n))."""
-    from sglang.srt.session.session_controller import Session
-
-    from kvcentric_sglang import pool as kvpool
-    from kvcentric_sglang import runtime
-    from kvcentric_sglang.bridge import WorkerBridge
-
-    wp = kvctest.Colocated(tmp, "p")  # P's pool: the store takes its geometry
-    pb = WorkerBridge(p.sock)
-    kvpool.from_pool(wp.kv).register(pb)
+    store. Returns (D's worker, the pages of [0, n), P's bridge)."""
+    pb, _ = kvctest.Colocated(tmp, "p").attach(p.sock, process=False)  # P's pool: the store takes its geometry
     w = kvctest.Colocated(tmp, "d")
-    db = WorkerBridge(d.sock)
-    reg = kvpool.from_pool(w.kv)
-    reg.register(db)
-    runtime.state.bridge, runtime.state.registration = db, reg
-    assert cp.wait(lambda c: "d0" in c.hellos and "p0" in c.hellos), (d.tail(), p.tail())
-    cp.set_snapshot_target("d0", sid, "p0")
-    s = Session(capacity_of_str_len=1 << 20, session_id=sid, streaming=True)
-    r = w.first_turn(s, prompt, out)
-    n = len(prompt) + len(out)
-    pages = None
-    kvctest.fill_random(w.kv, [x // PAGE for x in w.rtp.req_to_token[r.kv.req_pool_idx, :n:PAGE].tolist()], seed=5)
-    assert w.streaming.try_cache_finished_req(r)  # CommitSession -> push
-    pages = w.slot_pages(sid, n)
-    assert cp.wait(lambda c: any(e["kind"] == "snapshot_ingested" and e["session"] == sid for e in c.events)), (
-        cp.events,
-        d.tail(),
-        p.tail(),
-    )
-    st = pb.snapshot_status(sid)
-    assert st.exists and st.seqlen == n, st
+    w.attach(d.sock)
+    pages, _ = kvctest.push_snapshot(cp, d, p, w, pb, sid, prompt, out)
     return w, pages, pb
 
 
 def dprime(d2, tmp):
     """D': a colocated worker whose linker registers its pool with its own sidecar."""
     from kvcentric_sglang import runtime
-    from kvcentric_sglang.linker import KvcLinker
 
     runtime.state.reset()
     w2 = kvctest.Colocated(tmp, "d2")
-    lk = KvcLinker(
-        SimpleNamespace(tp_size=1),
-        w2.params,
-        components={"full"},
-        extra_config={"bridge_socket": d2.sock, "wait_timeout_s": 20},
-    )
-    w2.cache.init_cache_linker(lk)
-    return w2, lk
+    return w2, w2.linker(d2.sock)
 
 
 def reseed_req(w2, sid, full, room, seqlen, peer, rid="rs-1"):
     """The request as the scheduler creates it, through the hooked _create_generation_req."""
-    from array import array
-
-    from sglang.srt.managers.scheduler import Scheduler
-    from sglang.srt.sampling.sampling_params import SamplingParams
-
     hints = kvctest.kvc_hints(
         mode="RESEED_SNAPSHOT", session_id=sid, room=room, snapshot_seqlen=seqlen, prefill_peer_addr=peer
     )
-    recv = SimpleNamespace(kv_hints=hints)
-    r = Scheduler._create_generation_req(
-        SimpleNamespace(page_size=PAGE),
-        recv,
-        rid,
-        None,
-        array("q", full),
-        SamplingParams(max_new_tokens=4),
-        vocab_size=1000,
-    )
-    r.extra_key = None
+    r = kvctest.generation_req(rid, full, hints)
     assert r.kv_hints is hints  # the hook carried kv_hints onto the request
     return r
 

@@ -1,7 +1,5 @@
 """Pool registration from SGLang's real pools, against the real sidecars."""
 
-import os
-
 import grpc
 import pytest
 
@@ -26,9 +24,6 @@ def sidecars(bins, tmp):
     yield d, p
     d.stop()
     p.stop()
-    for f in os.listdir("/dev/shm"):
-        if f.startswith("kvcpy-%s-" % os.path.basename(tmp)):
-            os.unlink(os.path.join("/dev/shm", f))
 
 
 def test_mha_pool_registers_layer_interleaved(sglang_installed, sidecars, tmp):

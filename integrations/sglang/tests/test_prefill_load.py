@@ -6,7 +6,6 @@ P. The linker loads [0, load_prefix_tokens) from P's own store into the request'
 (LoadFromStore), SGLang counts them as the request's prefix (prefix_len, prefix_device_indices)
 and prefills only the rest; a load the store cannot serve falls back to the whole prompt."""
 
-import os
 from array import array
 from types import SimpleNamespace
 
@@ -18,9 +17,6 @@ from kvctest import PAGE
 
 @pytest.fixture
 def pside(sglang_installed, bins, tmp):
-    from sglang.srt.disaggregation import prefill as sprefill
-    from sglang.srt.disaggregation.utils import DisaggregationMode, KVClassType, TransferBackend
-
     from kvcentric_sglang import runtime
 
     runtime.state.reset()
@@ -29,54 +25,28 @@ def pside(sglang_installed, bins, tmp):
     p = kvctest.Sidecar(bins["prefill"], "p0", tmp, cp.addr, extra=["--store-capacity-bytes", str(16 << 20)])
     wp = kvctest.Colocated(tmp, "p")  # P's radix cache, allocator and pool (SGLang's classes)
     # P's KV manager registers P's pool with its sidecar, as PrefillBootstrapQueue does
-    be = TransferBackend("kvcentric")
-    pmgr = sprefill.get_kv_class(be, KVClassType.MANAGER)(
-        kvctest.kv_args(wp.kv, kvctest.metadata_buffers()), DisaggregationMode.PREFILL, kvctest.server_args(p.sock)
-    )
+    pmgr = kvctest.kv_manager("prefill", wp.kv, kvctest.metadata_buffers(), p)
     ns = SimpleNamespace(cp=cp, d=d, p=p, wp=wp, pmgr=pmgr)
     yield ns
     d.stop()
     p.stop()
     cp.close()
     runtime.state.reset()
-    for f in os.listdir("/dev/shm"):
-        if f.startswith("kvcpy-%s-" % os.path.basename(tmp)):
-            os.unlink(os.path.join("/dev/shm", f))
 
 
 def snapshot_from_d(ns, tmp, sid, prompt, out):
     """D's first turn of sid committed through the hook; D's sidecar pushes it to P's store.
     Returns (D's worker, the pages of [0, n), the snapshot's generation)."""
-    from sglang.srt.session.session_controller import Session
-
-    from kvcentric_sglang import pool as kvpool
     from kvcentric_sglang import runtime
-    from kvcentric_sglang.bridge import WorkerBridge
 
     w = kvctest.Colocated(tmp, "d")
-    db = WorkerBridge(ns.d.sock)
-    reg = kvpool.from_pool(w.kv)
-    reg.register(db)
-    assert ns.cp.wait(lambda c: "d0" in c.hellos and "p0" in c.hellos), (ns.d.tail(), ns.p.tail())
-    ns.cp.set_snapshot_target("d0", sid, "p0")
-    s = Session(capacity_of_str_len=1 << 20, session_id=sid, streaming=True)
-    r = w.first_turn(s, prompt, out)
-    n = len(prompt) + len(out)
-    kvctest.fill_random(w.kv, [x // PAGE for x in w.rtp.req_to_token[r.kv.req_pool_idx, :n:PAGE].tolist()], seed=5)
     pstate = (runtime.state.bridge, runtime.state.registration)
-    runtime.state.bridge, runtime.state.registration = db, reg  # D's process commits through D's sidecar
+    w.attach(ns.d.sock)  # D's process commits through D's sidecar
     try:
-        assert w.streaming.try_cache_finished_req(r)  # CommitSession -> push D->P
+        pages, st = kvctest.push_snapshot(ns.cp, ns.d, ns.p, w, ns.pmgr.bridge, sid, prompt, out)
     finally:
         runtime.state.bridge, runtime.state.registration = pstate
-    assert ns.cp.wait(lambda c: any(e["kind"] == "snapshot_ingested" and e["session"] == sid for e in c.events)), (
-        ns.cp.events,
-        ns.d.tail(),
-        ns.p.tail(),
-    )
-    st = ns.pmgr.bridge.snapshot_status(sid)
-    assert st.exists and st.seqlen == n, st
-    return w, w.slot_pages(sid, n), st.generation
+    return w, pages, st.generation
 
 
 def p_linker(ns):
@@ -94,20 +64,8 @@ def p_linker(ns):
 def p_req(sid, full, rid, **hint):
     """P's request as the scheduler creates it (non-session path), through the hooked
     _create_generation_req."""
-    from sglang.srt.managers.scheduler import Scheduler
-    from sglang.srt.sampling.sampling_params import SamplingParams
-
     hints = kvctest.kvc_hints(mode="PD_FALLBACK", session_id=sid, room=hint.pop("room", 700), role="prefill", **hint)
-    r = Scheduler._create_generation_req(
-        SimpleNamespace(page_size=PAGE),
-        SimpleNamespace(kv_hints=hints),
-        rid,
-        None,
-        array("q", full),
-        SamplingParams(max_new_tokens=1),
-        vocab_size=1000,
-    )
-    r.extra_key = None
+    r = kvctest.generation_req(rid, full, hints, max_new_tokens=1)
     assert r.kv_hints is hints
     return r
 

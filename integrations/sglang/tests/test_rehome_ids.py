@@ -40,10 +40,6 @@ def load_req(w2, sid, ids, room, peer, rid="load-1"):
     """The load's request as SGLang builds it from the decode sidecar's /generate (input_ids =
     the store's ids, max_new_tokens 0, the load's kv_hints) on a fresh streaming session,
     through the hooked _create_generation_req."""
-    from sglang.srt.managers.scheduler import Scheduler
-    from sglang.srt.sampling.sampling_params import SamplingParams
-    from sglang.srt.session.session_controller import Session
-
     n = len(ids)
     hints = kvctest.kvc_hints(
         mode="RESEED_SNAPSHOT",
@@ -58,18 +54,9 @@ def load_req(w2, sid, ids, room, peer, rid="load-1"):
         open_session=True,
         load=True,
     )
-    session = Session(capacity_of_str_len=1 << 20, session_id=sid, streaming=True)
+    session = kvctest.streaming_session(sid)
     assert not session.req_nodes  # a fresh slot: no history to strip, the ids are the whole context
-    r = Scheduler._create_generation_req(
-        SimpleNamespace(page_size=PAGE),
-        SimpleNamespace(kv_hints=hints),
-        rid,
-        None,
-        array("q", ids),
-        SamplingParams(max_new_tokens=0),
-        vocab_size=1 << 20,
-    )
-    r.extra_key = None
+    r = kvctest.generation_req(rid, ids, hints, max_new_tokens=0, vocab_size=1 << 20)
     assert r.kv_hints is hints
     return r
 

@@ -4,7 +4,6 @@ prompt's KV into the real prefill sidecar's own store as the session's snapshot 
 generation, without any decode side; the colocated D's KvcLinker then loads it through SGLang's
 real match / load-back path like a RESEED_SNAPSHOT. The K/V bytes in D's slots are P's."""
 
-import os
 from array import array
 from types import SimpleNamespace
 
@@ -17,21 +16,12 @@ from kvctest import PAGE
 
 @pytest.fixture
 def seedstore(sglang_installed, bins, tmp):
-    from sglang.srt.disaggregation import prefill as sprefill
-    from sglang.srt.disaggregation.utils import DisaggregationMode, KVClassType, TransferBackend
-
     cp = kvctest.ScriptedControlPlane(delta_tokens=16)
     p = kvctest.Sidecar(bins["prefill"], "p0", tmp, cp.addr, extra=["--store-capacity-bytes", str(16 << 20)])
     d = kvctest.Sidecar(bins["decode"], "d1", tmp, cp.addr)
-    be = TransferBackend("kvcentric")
     ppool, pmeta = kvctest.mha_pool(tmp, "p"), kvctest.metadata_buffers()
-    pmgr = sprefill.get_kv_class(be, KVClassType.MANAGER)(
-        kvctest.kv_args(ppool, pmeta), DisaggregationMode.PREFILL, kvctest.server_args(p.sock)
-    )
-    host, port = p.peer_addr.rsplit(":", 1)
-    pq = sprefill.PrefillBootstrapQueue.__new__(sprefill.PrefillBootstrapQueue)
-    pq.transfer_backend, pq.kv_manager, pq.bootstrap_port, pq.max_input_len = be, pmgr, int(port), 1 << 20
-    ns = SimpleNamespace(cp=cp, p=p, d=d, ppool=ppool, pq=pq, host=host, port=int(port))
+    pq, host, port = kvctest.bootstrap_queue(kvctest.kv_manager("prefill", ppool, pmeta, p), p)
+    ns = SimpleNamespace(cp=cp, p=p, d=d, ppool=ppool, pq=pq, host=host, port=port)
     yield ns
     d.stop()
     p.stop()
@@ -39,9 +29,6 @@ def seedstore(sglang_installed, bins, tmp):
     from kvcentric_sglang import runtime
 
     runtime.state.reset()
-    for f in os.listdir("/dev/shm"):
-        if f.startswith("kvcpy-%s-" % os.path.basename(tmp)):
-            os.unlink(os.path.join("/dev/shm", f))
 
 
 def p_seed(ss, *, room, session, prompt, ppages, generation=1, seed=3):
@@ -71,26 +58,16 @@ def p_seed(ss, *, room, session, prompt, ppages, generation=1, seed=3):
 def colocated_d(ss, tmp):
     """The colocated decode worker: SGLang's real cache with the KvcLinker on D's sidecar."""
     from kvcentric_sglang import runtime
-    from kvcentric_sglang.linker import KvcLinker
 
     runtime.state.reset()
     w = kvctest.Colocated(tmp, "d1")
-    lk = KvcLinker(
-        SimpleNamespace(tp_size=1),
-        w.params,
-        components={"full"},
-        extra_config={"bridge_socket": ss.d.sock, "wait_timeout_s": 20},
-    )
-    w.cache.init_cache_linker(lk)
-    return w, lk
+    return w, w.linker(ss.d.sock)
 
 
 def test_seed_through_prefill_store(seedstore, tmp):
     from sglang.srt.disaggregation.base.conn import KVPoll
-    from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
-    from sglang.srt.sampling.sampling_params import SamplingParams
 
     from kvcentric_sglang.bridge import WorkerBridge
 
@@ -122,16 +99,7 @@ def test_seed_through_prefill_store(seedstore, tmp):
     hints = kvctest.kvc_hints(
         mode="SEED", session_id="s-st", room=991, snapshot_seqlen=53, prefill_peer_addr=ss.p.peer_addr
     )
-    r = Scheduler._create_generation_req(
-        SimpleNamespace(page_size=PAGE),
-        SimpleNamespace(kv_hints=hints),
-        "d-1",
-        None,
-        array("q", prompt),
-        SamplingParams(max_new_tokens=4),
-        vocab_size=1000,
-    )
-    r.extra_key = None
+    r = kvctest.generation_req("d-1", prompt, hints)
     # SGLang matches input-1 tokens: 52 -> 3 whole pages restorable from the store's 53
     m = w.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", prompt[:-1])), req=r))
     assert m.device_prefix_len == 0 and m.host_hit_length == 48, m
