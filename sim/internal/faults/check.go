@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"time"
 
@@ -28,7 +29,9 @@ import (
 //   - Maybe(D): a request that failed (or timed out) after a decision of a write mode on D, a
 //     failed DIRECT_TO_D, or a PD_FALLBACK decision: the register may become D (writes only),
 //     stay, or become "" (the control plane drops residency on a failed outcome). Pending
-//     operations are kept, not dropped (porcupine needs them).
+//     operations are kept, not dropped (porcupine needs them). Every attempt the gateway
+//     retried through a new decision (X-KVC-Retried-From, X-KVC-Resumed-Retried-From) is a
+//     Maybe(D) of its decode worker D too, over its request's interval.
 //   - Write(D) too: a re-home, the control plane making a session resident on D from its
 //     snapshot after its decode worker died (the leader's "session re-homed" log line; no
 //     client request).
@@ -231,15 +234,24 @@ func lostWrites(h []Op) (int, []string) {
 	return len(lost), out
 }
 
-// OpsFromResults turns client answers into history operations (see the model above).
+// OpsFromResults turns client answers into history operations (see the model above). Every
+// attempt of a request is an operation: an attempt the gateway retried (Result.RetriedFrom,
+// ResumedRetriedFrom) is a failed decision on its decode worker, Maybe(D) over the request's
+// interval (the gateway names only its worker: whatever its mode, a failure there may have left
+// the session resident on D, kept it or dropped it), then the interrupted attempt of a resumed
+// request, then the last attempt.
 func OpsFromResults(rs []Result) []Op {
 	var out []Op
 	for _, r := range rs {
+		for _, w := range slices.Concat(r.RetriedFrom, r.ResumedRetriedFrom) {
+			out = append(out, Op{Session: r.Session, Kind: opMaybe, Worker: w, Call: r.Call, Return: r.Return, Source: "retried attempt"})
+		}
 		if r.ResumedFrom != "" {
 			// Resumed mid-stream: the interrupted decision failed (a Maybe, as any failure),
 			// then the continuation's decision is this result's (its mode and worker).
 			first := r
 			first.OK, first.Mode, first.Worker, first.FailOpen, first.ResumedFrom = false, r.FirstMode, r.ResumedFrom, r.FirstFailOpen, ""
+			first.RetriedFrom, first.ResumedRetriedFrom = nil, nil // counted above
 			out = append(out, OpsFromResults([]Result{first})...)
 		}
 		if r.FailOpen || r.Mode == "" {

@@ -79,6 +79,14 @@ func TestOpsFromResults(t *testing.T) {
 		{Session: "a", OK: true, Status: 200, Mode: "RESEED_SNAPSHOT", Worker: "d2", ResumedFrom: "d1", FirstMode: "DIRECT_TO_D"},
 		// … a failed-open first attempt (no op), its continuation decided.
 		{Session: "a", OK: true, Status: 200, Mode: "RESEED_PREFILL", Worker: "d0", ResumedFrom: "d2", FirstMode: "PD_FALLBACK", FirstFailOpen: true},
+		// Retried: the attempt on d1 failed before its first token, the retry reseeded onto d2.
+		{Session: "a", OK: true, Status: 200, Mode: "RESEED_SNAPSHOT", Worker: "d2", Retries: 1, RetriedFrom: []string{"d1"}},
+		// Retried twice, then failed on d0.
+		{Session: "a", Status: 502, Mode: "SEED", Worker: "d0", Retries: 2, RetriedFrom: []string{"d1", "d2"}},
+		// Retried before the first token (d0), resumed from d1 mid-stream, the continuation
+		// retried off d2 and finished on d0.
+		{Session: "a", OK: true, Status: 200, Mode: "RESEED_SNAPSHOT", Worker: "d0", RetriedFrom: []string{"d0"},
+			ResumedFrom: "d1", FirstMode: "DIRECT_TO_D", ResumedRetriedFrom: []string{"d2"}},
 	}
 	for i := range rs {
 		rs[i].Call, rs[i].Return = t0, t0
@@ -87,7 +95,10 @@ func TestOpsFromResults(t *testing.T) {
 		kind opKind
 		w    string
 	}{{opSeed, "d0"}, {opRead, "d0"}, {opWrite, "d1"}, {opWrite, "d2"}, {opMaybe, ""}, {opMaybe, "d1"}, {opMaybe, ""}, {opMaybe, ""},
-		{opMaybe, ""}, {opWrite, "d2"}, {opWrite, "d0"}}
+		{opMaybe, ""}, {opWrite, "d2"}, {opWrite, "d0"},
+		{opMaybe, "d1"}, {opWrite, "d2"},
+		{opMaybe, "d1"}, {opMaybe, "d2"}, {opMaybe, "d0"},
+		{opMaybe, "d0"}, {opMaybe, "d2"}, {opMaybe, ""}, {opWrite, "d0"}}
 	got := OpsFromResults(rs)
 	if len(got) != len(want) {
 		t.Fatalf("%d ops, want %d: %+v", len(got), len(want), got)
@@ -96,6 +107,47 @@ func TestOpsFromResults(t *testing.T) {
 		if got[i].Kind != w.kind || got[i].Worker != w.w {
 			t.Errorf("op %d = %s(%q), want %s(%q)", i, got[i].Kind, got[i].Worker, w.kind, w.w)
 		}
+	}
+}
+
+// TestRetriedAttemptsInTheHistory: a request the gateway retried onto another decode worker
+// was a decision on each worker it tried. The control plane may have made the session resident
+// on the first one (its sidecar's LOADED applied after the failed outcome): a later read on it
+// is explained by the retried attempt, not a phantom; a read on a worker no attempt tried still
+// is.
+func TestRetriedAttemptsInTheHistory(t *testing.T) {
+	t0 := time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+	at := func(ms int) time.Time { return t0.Add(time.Duration(ms) * time.Millisecond) }
+	retried := Result{Session: "s", OK: true, Status: 200, Mode: "RESEED_SNAPSHOT", Worker: "d2", Retries: 1,
+		RetriedFrom: []string{"d1"}, Call: at(0), Return: at(100)}
+	read := func(w string) Op {
+		return Op{Session: "s", Kind: opRead, Worker: w, Call: at(200), Return: at(210), Source: "GetSession"}
+	}
+	resumed := Result{Session: "s", OK: true, Status: 200, Mode: "RESEED_SNAPSHOT", Worker: "d2", ResumedFrom: "d0",
+		FirstMode: "SEED", ResumedRetriedFrom: []string{"d1"}, Call: at(0), Return: at(100)}
+	for _, tc := range []struct {
+		name    string
+		res     Result
+		read    string
+		illegal bool
+		lost    int
+	}{
+		{"read on the last attempt's worker", retried, "d2", false, 0},
+		{"read on the retried attempt's worker", retried, "d1", false, 0},
+		// Not linearizable; not counted lost: the retried attempt overlaps the write (lostWrites).
+		{"read on a worker no attempt tried", retried, "d0", true, 0},
+		{"read on the resumed continuation's retried worker", resumed, "d1", false, 0},
+		{"read on a worker no continuation tried", resumed, "d3", true, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			v := CheckHistory(append(OpsFromResults([]Result{tc.res}), read(tc.read)), 5*time.Second)
+			if got := len(v.Illegal) > 0; got != tc.illegal {
+				t.Errorf("illegal = %v, want %v", got, tc.illegal)
+			}
+			if v.Lost != tc.lost {
+				t.Errorf("lost = %d, want %d (%v)", v.Lost, tc.lost, v.LostDetails)
+			}
+		})
 	}
 }
 

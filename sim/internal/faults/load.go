@@ -9,6 +9,7 @@ import (
 	"io"
 	"net/http"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -29,6 +30,10 @@ type Result struct {
 	Worker   string // X-KVC-Decode-Worker
 	FailOpen bool   // X-KVC-Fail-Open
 	Retries  int    // X-KVC-Retries
+	// RetriedFrom are the decode workers of the attempts that failed before their first token
+	// and that the gateway retried through a new decision, in order (X-KVC-Retried-From); Mode
+	// and Worker are the last attempt's. Each was a decision too (OpsFromResults: a Maybe).
+	RetriedFrom []string
 	// A request the gateway resumed after its decode worker died mid-stream (the trailers
 	// X-KVC-Resumed-From, -Decode-Worker, -Mode, -Fail-Open): Mode, Worker and FailOpen are then
 	// the continuation's, FirstMode, ResumedFrom and FirstFailOpen the interrupted attempt's
@@ -36,6 +41,9 @@ type Result struct {
 	ResumedFrom   string
 	FirstMode     string
 	FirstFailOpen bool
+	// ResumedRetriedFrom are the decode workers of the continuation's attempts that failed
+	// before their first token and were retried (the trailer X-KVC-Resumed-Retried-From).
+	ResumedRetriedFrom []string
 }
 
 // LoadConfig shapes the session traffic.
@@ -221,6 +229,7 @@ func (l *Load) send(ctx context.Context, session string, turn int, key string) (
 	r.Mode, r.Reason, r.Worker = h.Get("X-KVC-Mode"), h.Get("X-KVC-Reason"), h.Get("X-KVC-Decode-Worker")
 	r.FailOpen = h.Get("X-KVC-Fail-Open") == "true"
 	r.Retries, _ = strconv.Atoi(h.Get("X-KVC-Retries"))
+	r.RetriedFrom = workerList(h.Get("X-KVC-Retried-From"))
 	br := bufio.NewReaderSize(resp.Body, 64<<10)
 	if resp.StatusCode != http.StatusOK {
 		b, _ := br.Peek(300)
@@ -238,6 +247,7 @@ func (l *Load) send(ctx context.Context, session string, turn int, key string) (
 					r.ResumedFrom, r.FirstMode, r.FirstFailOpen = from, r.Mode, r.FailOpen
 					r.Mode, r.Worker = resp.Trailer.Get("X-KVC-Resumed-Mode"), resp.Trailer.Get("X-KVC-Resumed-Decode-Worker")
 					r.FailOpen = resp.Trailer.Get("X-KVC-Resumed-Fail-Open") == "true"
+					r.ResumedRetriedFrom = workerList(resp.Trailer.Get("X-KVC-Resumed-Retried-From"))
 				}
 				return r
 			}
@@ -255,4 +265,15 @@ func (l *Load) send(ctx context.Context, session string, turn int, key string) (
 			return r
 		}
 	}
+}
+
+// workerList splits a header's comma-separated worker names (nil when empty).
+func workerList(v string) []string {
+	var out []string
+	for _, w := range strings.Split(v, ",") {
+		if w = strings.TrimSpace(w); w != "" {
+			out = append(out, w)
+		}
+	}
+	return out
 }

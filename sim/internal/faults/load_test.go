@@ -7,6 +7,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -31,6 +32,35 @@ func TestLoadSend(t *testing.T) {
 			fmt.Fprint(w, "data: {\"text\": \"x\"}\n\ndata: [DONE]\n\n")
 		}, func(t *testing.T, r Result) {
 			if !r.OK || r.Mode != "DIRECT_TO_D" || r.Worker != "decode-1" || r.FailOpen || r.Retries != 1 || r.Status != 200 {
+				t.Errorf("got %+v", r)
+			}
+		}},
+		{"retried onto another worker", func(w http.ResponseWriter) {
+			h := w.Header()
+			h.Set("X-KVC-Mode", "RESEED_SNAPSHOT")
+			h.Set("X-KVC-Decode-Worker", "decode-2")
+			h.Set("X-KVC-Retries", "2")
+			h.Set("X-KVC-Retried-From", "decode-0,decode-1")
+			fmt.Fprint(w, "data: {\"text\": \"x\"}\n\ndata: [DONE]\n\n")
+		}, func(t *testing.T, r Result) {
+			if !r.OK || r.Worker != "decode-2" || r.Retries != 2 || !slices.Equal(r.RetriedFrom, []string{"decode-0", "decode-1"}) {
+				t.Errorf("got %+v", r)
+			}
+		}},
+		{"resumed, the continuation retried", func(w http.ResponseWriter) {
+			h := w.Header()
+			h.Set("Trailer", "X-KVC-Resumed-From, X-KVC-Resumed-Decode-Worker, X-KVC-Resumed-Mode, X-KVC-Resumed-Fail-Open, X-KVC-Resumed-Retried-From")
+			h.Set("X-KVC-Mode", "DIRECT_TO_D")
+			h.Set("X-KVC-Decode-Worker", "decode-1")
+			fmt.Fprint(w, "data: {\"text\": \"x\"}\n\ndata: [DONE]\n\n")
+			h.Set("X-KVC-Resumed-From", "decode-1")
+			h.Set("X-KVC-Resumed-Decode-Worker", "decode-0")
+			h.Set("X-KVC-Resumed-Mode", "RESEED_SNAPSHOT")
+			h.Set("X-KVC-Resumed-Fail-Open", "false")
+			h.Set("X-KVC-Resumed-Retried-From", "decode-2")
+		}, func(t *testing.T, r Result) {
+			if !r.OK || r.ResumedFrom != "decode-1" || r.FirstMode != "DIRECT_TO_D" || r.Worker != "decode-0" || r.Mode != "RESEED_SNAPSHOT" ||
+				len(r.RetriedFrom) != 0 || !slices.Equal(r.ResumedRetriedFrom, []string{"decode-2"}) {
 				t.Errorf("got %+v", r)
 			}
 		}},
@@ -60,11 +90,13 @@ func TestLoadSend(t *testing.T) {
 		}},
 		{"502 with an error kind", func(w http.ResponseWriter) {
 			w.Header().Set("X-KVC-Error-Kind", "WORKER_ERROR")
+			w.Header().Set("X-KVC-Retried-From", "decode-1")
 			w.Header().Set("X-KVC-Mode", "SEED")
 			w.WriteHeader(http.StatusBadGateway)
 			fmt.Fprint(w, `{"error": {"code": "no_decode_worker"}}`)
 		}, func(t *testing.T, r Result) {
-			if r.OK || r.Status != 502 || !strings.Contains(r.Err, "WORKER_ERROR") || !strings.Contains(r.Err, "no_decode_worker") {
+			if r.OK || r.Status != 502 || !strings.Contains(r.Err, "WORKER_ERROR") || !strings.Contains(r.Err, "no_decode_worker") ||
+				!slices.Equal(r.RetriedFrom, []string{"decode-1"}) {
 				t.Errorf("got %+v", r)
 			}
 		}},

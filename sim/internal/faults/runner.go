@@ -62,6 +62,10 @@ type Outcome struct {
 	// Resumed are requests whose decode worker died mid-stream and that the gateway finished
 	// through a new decision (Result.ResumedFrom).
 	Resumed int `json:"resumed_mid_stream,omitempty"`
+	// Retried are requests the gateway retried through a new decision after an attempt failed
+	// before its first token (Result.RetriedFrom, ResumedRetriedFrom): each attempt is in the
+	// history (OpsFromResults).
+	Retried int `json:"retried,omitempty"`
 	// Shed are requests refused by a bound the scenario states (Scenario.Shed), not failures.
 	Shed       int            `json:"shed,omitempty"`
 	FailOpen   int            `json:"fail_open"`
@@ -217,6 +221,9 @@ func (r *Runner) Run(ctx context.Context, sc Scenario) (Outcome, error) {
 		out.Requests++
 		if res.FailOpen {
 			out.FailOpen++
+		}
+		if len(res.RetriedFrom)+len(res.ResumedRetriedFrom) > 0 {
+			out.Retried++
 		}
 		if res.OK && res.ResumedFrom != "" {
 			out.Resumed++
