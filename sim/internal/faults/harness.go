@@ -7,7 +7,6 @@ import (
 	"io"
 	"net/http"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -24,6 +23,7 @@ import (
 
 	"github.com/kvcentric/kvcentric/pkg/etcdtest"
 	"github.com/kvcentric/kvcentric/pkg/grpcx"
+	"github.com/kvcentric/kvcentric/pkg/launch"
 	"github.com/kvcentric/kvcentric/pkg/netproxy"
 	"github.com/kvcentric/kvcentric/pkg/tokenizer/tokenizertest"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
@@ -55,15 +55,15 @@ type Harness struct {
 	tb   testing.TB
 	etcd *etcdtest.Cluster
 
-	CPs      []*proc
+	CPs      []*launch.Restartable
 	cpAddrs  []string
 	cpHTTP   []string
-	etcdPx   map[string][]*netproxy.Proxy // control plane name -> its proxies to the etcd members
-	sidePx   []*netproxy.Proxy            // HalfOpenWorker's sidecar -> each control plane
-	Sims     map[string]*proc             // worker id -> kvc-sim
-	Sidecars map[string]*proc             // worker id -> sidecar
-	Gateway  *proc
-	paused   []*proc // control planes stopped (SIGSTOP) by leaderPause, resumed by resumePausedCPs
+	etcdPx   map[string][]*netproxy.Proxy   // control plane name -> its proxies to the etcd members
+	sidePx   []*netproxy.Proxy              // HalfOpenWorker's sidecar -> each control plane
+	Sims     map[string]*launch.Restartable // worker id -> kvc-sim
+	Sidecars map[string]*launch.Restartable // worker id -> sidecar
+	Gateway  *launch.Restartable
+	paused   []*launch.Restartable // control planes stopped (SIGSTOP) by leaderPause, resumed by resumePausedCPs
 	GWURL    string
 	workers  []string // worker ids, prefill first
 	// the gateway's fail-open lists (a second, tokenizer-less gateway of the tokenizer flood)
@@ -103,8 +103,8 @@ func (h *Harness) logf(format string, a ...any) {
 // Start brings the cluster up and waits until the leader lists every worker READY and the
 // gateway's route stream is up. Everything is stopped at the test's cleanup.
 func Start(t testing.TB, ctx context.Context, cfg Config) (*Harness, error) {
-	h := &Harness{cfg: cfg, tb: t, etcdPx: map[string][]*netproxy.Proxy{}, Sims: map[string]*proc{},
-		Sidecars: map[string]*proc{}, simURL: map[string]string{}, conns: map[string]*grpc.ClientConn{}}
+	h := &Harness{cfg: cfg, tb: t, etcdPx: map[string][]*netproxy.Proxy{}, Sims: map[string]*launch.Restartable{},
+		Sidecars: map[string]*launch.Restartable{}, simURL: map[string]string{}, conns: map[string]*grpc.ClientConn{}}
 	t.Cleanup(h.stop)
 	if err := os.MkdirAll(cfg.WorkDir, 0o755); err != nil {
 		return nil, err
@@ -119,7 +119,7 @@ func Start(t testing.TB, ctx context.Context, cfg Config) (*Harness, error) {
 	}
 	// Plaintext gRPC on loopback: binaries that require the explicit choice get --insecure.
 	insecureArgs := func(b string) []string {
-		if supportsFlag(bin(b), "insecure") {
+		if launch.SupportsFlag(bin(b), "insecure") {
 			return []string{"--insecure"}
 		}
 		return nil
@@ -136,17 +136,17 @@ func Start(t testing.TB, ctx context.Context, cfg Config) (*Harness, error) {
 			h.etcdPx[name] = append(h.etcdPx[name], px)
 			eps = append(eps, "http://"+px.Addr())
 		}
-		ga, err := freeAddr()
+		ga, err := launch.FreeAddr()
 		if err != nil {
 			return nil, err
 		}
-		ha, err := freeAddr()
+		ha, err := launch.FreeAddr()
 		if err != nil {
 			return nil, err
 		}
 		h.cpAddrs = append(h.cpAddrs, ga)
 		h.cpHTTP = append(h.cpHTTP, ha)
-		h.CPs = append(h.CPs, &proc{name: name, bin: bin("kvc-controlplane"), dir: cfg.WorkDir, args: append([]string{
+		h.CPs = append(h.CPs, launch.NewRestartable(launch.Spec{Name: name, Bin: bin("kvc-controlplane"), Dir: cfg.WorkDir, Args: append([]string{
 			"--node-id", name, "--grpc-addr", ga, "--http-addr", ha,
 			"--etcd-endpoints", strings.Join(eps, ","), "--etcd-prefix", prefix,
 			"--election-ttl", ElectionTTL.String(), "--flush-delay", "20ms",
@@ -155,11 +155,11 @@ func Start(t testing.TB, ctx context.Context, cfg Config) (*Harness, error) {
 			// A cluster shared by tenants (issue 23 item 5): new sessions may take at most this
 			// share of a full decode worker's pool before their outcome.
 			"--new-session-share", strconv.FormatFloat(NewSessionShare, 'f', -1, 64),
-		}, insecureArgs("kvc-controlplane")...)})
+		}, insecureArgs("kvc-controlplane")...)}))
 	}
 	// cp-0 first, so that it leads and the half-open sidecar (which tries cp-0's proxy first)
 	// attaches to the leader through its proxy.
-	if err := h.CPs[0].start(ctx, startLimit); err != nil {
+	if err := h.CPs[0].StartReady(ctx, startLimit); err != nil {
 		return nil, err
 	}
 	if err := h.waitFor(ctx, "cp-0 leads", startLimit, func(ctx context.Context) error {
@@ -171,7 +171,7 @@ func Start(t testing.TB, ctx context.Context, cfg Config) (*Harness, error) {
 	}); err != nil {
 		return nil, err
 	}
-	if err := h.CPs[1].start(ctx, startLimit); err != nil {
+	if err := h.CPs[1].StartReady(ctx, startLimit); err != nil {
 		return nil, err
 	}
 	for _, a := range h.cpAddrs {
@@ -204,7 +204,7 @@ func Start(t testing.TB, ctx context.Context, cfg Config) (*Harness, error) {
 		}
 		addrs := make([]string, 4) // sim http, sidecar http, peer, transfer
 		for j := range addrs {
-			if addrs[j], err = freeAddr(); err != nil {
+			if addrs[j], err = launch.FreeAddr(); err != nil {
 				return nil, err
 			}
 		}
@@ -217,44 +217,44 @@ func Start(t testing.TB, ctx context.Context, cfg Config) (*Harness, error) {
 		if role == "decode" {
 			capTokens = strconv.Itoa(DecodePoolTokens)
 		}
-		h.Sims[id] = &proc{name: "sim-" + id, bin: bin("kvc-sim"), dir: cfg.WorkDir, args: []string{
+		h.Sims[id] = launch.NewRestartable(launch.Spec{Name: "sim-" + id, Bin: bin("kvc-sim"), Dir: cfg.WorkDir, Args: []string{
 			"--role", role, "--worker-id", id, "--http-addr", addrs[0], "--bridge-socket", sock,
 			"--time-scale", "0.05", "--bridge-wait", "10m", "--shm-dir", shmDir,
 			"--layers", "4", "--bytes-per-token-per-buffer", "2", "--kv-capacity-tokens", capTokens,
-		}}
+		}})
 		cps := strings.Join(h.cpAddrs, ",")
 		if id == HalfOpenWorker {
 			cps = h.sidePx[0].Addr() + "," + h.sidePx[1].Addr()
 		}
-		h.Sidecars[id] = &proc{name: "sidecar-" + id, bin: bin("kvc-sidecar-" + role), dir: cfg.WorkDir, args: append([]string{
+		h.Sidecars[id] = launch.NewRestartable(launch.Spec{Name: "sidecar-" + id, Bin: bin("kvc-sidecar-" + role), Dir: cfg.WorkDir, Args: append([]string{
 			"--worker-id", id, "--node", "local", "--gpu-index", strconv.Itoa(gpu),
 			"--worker-url", h.simURL[id], "--control-plane", cps, "--bridge-socket", sock,
 			"--http-addr", addrs[1], "--peer-addr", addrs[2], "--transport", "tcp", "--transfer-addr", addrs[3],
 			"--event-log", filepath.Join(cfg.WorkDir, id+".events.jsonl"), "--cp-lease", ElectionTTL.String(),
-		}, insecureArgs("kvc-sidecar-"+role)...)}
+		}, insecureArgs("kvc-sidecar-"+role)...)})
 		if role == "prefill" {
 			prefillURLs = append(prefillURLs, h.simURL[id]+"|"+addrs[2])
 		} else {
 			decodeURLs = append(decodeURLs, h.simURL[id])
 		}
 	}
-	var all []*proc
+	var all []*launch.Restartable
 	for _, id := range h.workers {
 		all = append(all, h.Sims[id], h.Sidecars[id])
 	}
 	for _, p := range all {
-		if err := p.spawn(); err != nil {
+		if err := p.Start(); err != nil {
 			return nil, err
 		}
 	}
-	if err := waitAll(ctx, startLimit, all...); err != nil {
+	if err := launch.WaitReadyAll(ctx, startLimit, all...); err != nil {
 		return nil, err
 	}
 	if err := h.waitFor(ctx, "every worker READY", startLimit, h.checkWhole); err != nil {
 		return nil, err
 	}
 	h.logf("workers: %s", strings.Join(h.workers, ","))
-	ga, err := freeAddr()
+	ga, err := launch.FreeAddr()
 	if err != nil {
 		return nil, err
 	}
@@ -266,7 +266,7 @@ func Start(t testing.TB, ctx context.Context, cfg Config) (*Harness, error) {
 		return nil, err
 	}
 	h.prefillURLs, h.decodeURLs = prefillURLs, decodeURLs
-	h.Gateway = &proc{name: "gateway", bin: bin("kvc-gateway"), dir: cfg.WorkDir, args: append([]string{
+	h.Gateway = launch.NewRestartable(launch.Spec{Name: "gateway", Bin: bin("kvc-gateway"), Dir: cfg.WorkDir, Args: append([]string{
 		"--http-addr", ga, "--control-plane", strings.Join(h.cpAddrs, ","),
 		"--prefill-urls", strings.Join(prefillURLs, ","), "--decode-urls", strings.Join(decodeURLs, ","),
 		"--request-timeout", "20s", "--worker-refresh", "1s", "--cp-lease", ElectionTTL.String(), "--tokenizer", tokDir,
@@ -276,8 +276,8 @@ func Start(t testing.TB, ctx context.Context, cfg Config) (*Harness, error) {
 		// burst does not.
 		"--max-inflight-per-client", "64", "--max-inflight-tokens-per-client", strconv.Itoa(ClientTokens),
 		"--client-aborted-tokens-per-second", strconv.Itoa(ClientTokens / 2),
-	}, insecureArgs("kvc-gateway")...)}
-	if err := h.Gateway.start(ctx, startLimit); err != nil {
+	}, insecureArgs("kvc-gateway")...)})
+	if err := h.Gateway.StartReady(ctx, startLimit); err != nil {
 		return nil, err
 	}
 	if err := h.waitFor(ctx, "gateway route stream", startLimit, h.gatewayConnected); err != nil {
@@ -304,42 +304,22 @@ func (h *Harness) restartEtcd(ms ...*etcdtest.Member) error {
 	return nil
 }
 
-// supportsFlag reports whether bin lists --name in its -h output.
-func supportsFlag(bin, name string) bool {
-	out, _ := exec.Command(bin, "-h").CombinedOutput()
-	return strings.Contains(string(out), "-"+name+" ") || strings.Contains(string(out), "-"+name+"\n")
-}
-
-func waitAll(ctx context.Context, limit time.Duration, ps ...*proc) error {
-	errs := make([]error, len(ps))
-	var wg sync.WaitGroup
-	for i, p := range ps {
-		wg.Add(1)
-		go func() { defer wg.Done(); errs[i] = p.waitReady(ctx, limit) }()
-	}
-	wg.Wait()
-	return errors.Join(errs...)
-}
-
-// waitFor calls f every 50 ms until it succeeds or limit passes.
+// waitFor calls f every 50 ms (each call bounded by 3 s) until it succeeds or limit passes
+// (launch.WaitFor).
 func (h *Harness) waitFor(ctx context.Context, what string, limit time.Duration, f func(ctx context.Context) error) error {
 	ctx, cancel := context.WithTimeout(ctx, limit)
 	defer cancel()
-	tick := time.NewTicker(50 * time.Millisecond)
-	defer tick.Stop()
-	for {
+	var last error
+	err := launch.WaitFor(ctx, nil, 50*time.Millisecond, func() bool {
 		cctx, ccancel := context.WithTimeout(ctx, 3*time.Second)
-		err := f(cctx)
-		ccancel()
-		if err == nil {
-			return nil
-		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("%s: not within %s (last: %v)", what, limit, err)
-		case <-tick.C:
-		}
+		defer ccancel()
+		last = f(cctx)
+		return last == nil
+	})
+	if err != nil {
+		return fmt.Errorf("%s: not within %s (last: %v)", what, limit, last)
 	}
+	return nil
 }
 
 func (h *Harness) conn(addr string) (*grpc.ClientConn, error) {
@@ -378,12 +358,12 @@ func (h *Harness) Leader(ctx context.Context) (string, error) {
 	answers := make(chan answer, len(h.CPs))
 	asked := 0
 	for i, p := range h.CPs {
-		if !p.alive() {
+		if !p.Alive() {
 			continue
 		}
 		a, e := h.admin(i)
 		if e != nil {
-			answers <- answer{p.name, false, e}
+			answers <- answer{p.Name(), false, e}
 			asked++
 			continue
 		}
@@ -392,11 +372,11 @@ func (h *Harness) Leader(ctx context.Context) (string, error) {
 			r, e := a.GetLeader(cctx, &kvcv1.GetLeaderRequest{})
 			switch {
 			case e != nil:
-				answers <- answer{p.name, false, fmt.Errorf("%s: %w", p.name, e)}
+				answers <- answer{p.Name(), false, fmt.Errorf("%s: %w", p.Name(), e)}
 			case r.GetResponderIsLeader():
-				answers <- answer{p.name, true, nil}
+				answers <- answer{p.Name(), true, nil}
 			default:
-				answers <- answer{p.name, false, fmt.Errorf("%s: not leader (names %q)", p.name, r.GetLeaderId())}
+				answers <- answer{p.Name(), false, fmt.Errorf("%s: not leader (names %q)", p.Name(), r.GetLeaderId())}
 			}
 		}()
 	}
@@ -413,7 +393,7 @@ func (h *Harness) Leader(ctx context.Context) (string, error) {
 
 func (h *Harness) cpIndex(name string) int {
 	for i, p := range h.CPs {
-		if p.name == name {
+		if p.Name() == name {
 			return i
 		}
 	}
@@ -725,9 +705,9 @@ func rssMiB(pid int) float64 {
 // leftover KV pool files of killed workers are removed.
 func (h *Harness) stop() {
 	if h.Gateway != nil {
-		h.Gateway.stop(5 * time.Second)
+		_ = h.Gateway.Stop(5 * time.Second)
 	}
-	var ps []*proc
+	var ps []*launch.Restartable
 	for _, id := range h.workers {
 		ps = append(ps, h.Sims[id])
 	}
@@ -735,10 +715,10 @@ func (h *Harness) stop() {
 		ps = append(ps, h.Sidecars[id])
 	}
 	for _, p := range ps {
-		p.stop(5 * time.Second)
+		_ = p.Stop(5 * time.Second)
 	}
 	for _, p := range h.CPs {
-		p.stop(5 * time.Second)
+		_ = p.Stop(5 * time.Second)
 	}
 	for _, pxs := range h.etcdPx {
 		for _, px := range pxs {

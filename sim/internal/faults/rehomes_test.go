@@ -5,6 +5,8 @@ import (
 	"path/filepath"
 	"testing"
 	"time"
+
+	"github.com/kvcentric/kvcentric/pkg/launch"
 )
 
 // The control planes' "session re-homed" lines become the re-homes of a window: in the window,
@@ -27,7 +29,7 @@ not json session re-homed
 		if err := os.WriteFile(filepath.Join(dir, name+".log"), []byte(body), 0o644); err != nil {
 			t.Fatal(err)
 		}
-		h.CPs = append(h.CPs, &proc{name: name, dir: dir})
+		h.CPs = append(h.CPs, launch.NewRestartable(launch.Spec{Name: name, Dir: dir}))
 	}
 	got := map[string]rehome{}
 	for _, r := range h.rehomes(t0, t0.Add(time.Minute)) {

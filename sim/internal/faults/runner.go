@@ -11,6 +11,8 @@ import (
 	"sort"
 	"strings"
 	"time"
+
+	"github.com/kvcentric/kvcentric/pkg/launch"
 )
 
 // Scenario is one fault injected under load.
@@ -488,10 +490,11 @@ func (r *Runner) waitWhole(ctx context.Context, from time.Time, st *Step) (time.
 // (200, not failed open) to a request started at or after ref; it returns the latest of
 // those answers' return times.
 func (r *Runner) waitServed(ctx context.Context, ref time.Time) (time.Time, error) {
-	deadline := ref.Add(r.cfg.WaitLimit)
-	tick := time.NewTicker(50 * time.Millisecond)
-	defer tick.Stop()
-	for {
+	var latest time.Time
+	missing := 0
+	dctx, cancel := context.WithDeadline(ctx, ref.Add(r.cfg.WaitLimit))
+	defer cancel()
+	err := launch.WaitFor(dctx, nil, 50*time.Millisecond, func() bool {
 		res, _ := r.load.Results(r.consumed)
 		// Per session slot (a finished session is replaced by a new one in the same slot): the
 		// first answer to a request started at or after ref.
@@ -504,8 +507,7 @@ func (r *Runner) waitServed(ctx context.Context, ref time.Time) (time.Time, erro
 				}
 			}
 		}
-		var latest time.Time
-		missing := 0
+		latest, missing = time.Time{}, 0
 		for _, id := range r.load.Sessions() {
 			t, ok := firstOK[slot(id)]
 			if !ok {
@@ -516,18 +518,15 @@ func (r *Runner) waitServed(ctx context.Context, ref time.Time) (time.Time, erro
 				latest = t
 			}
 		}
-		if missing == 0 {
-			return latest, nil
-		}
-		if time.Now().After(deadline) {
-			return time.Time{}, fmt.Errorf("%d sessions without a decision-served answer %s after the reference", missing, r.cfg.WaitLimit)
-		}
-		select {
-		case <-ctx.Done():
-			return time.Time{}, ctx.Err()
-		case <-tick.C:
-		}
+		return missing == 0
+	})
+	switch {
+	case err == nil:
+		return latest, nil
+	case ctx.Err() != nil:
+		return time.Time{}, ctx.Err()
 	}
+	return time.Time{}, fmt.Errorf("%d sessions without a decision-served answer %s after the reference", missing, r.cfg.WaitLimit)
 }
 
 // killedMidStream reports whether res failed because the engine serving it was killed by the

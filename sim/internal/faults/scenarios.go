@@ -18,6 +18,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/kvcentric/kvcentric/pkg/launch"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -91,26 +92,26 @@ func Scenarios() []Scenario {
 		{
 			Name: "decode-sidecar-restart", CI: true, Bound: RestartBound,
 			Criterion: "kill -9 of decode-0's sidecar, restarted 1 s later while its kvc-sim stays up: whole ≤ 5 s after the sidecar is back (ready file), sessions kept; " + noFail,
-			Inject:    restartProcs(func(h *Harness) []*proc { return []*proc{h.Sidecars["decode-0"]} }, nil),
+			Inject:    restartProcs(func(h *Harness) []*launch.Restartable { return []*launch.Restartable{h.Sidecars["decode-0"]} }, nil),
 			Restore:   repairWorkers,
 		},
 		{
 			Name: "prefill-sidecar-restart", CI: true, Bound: RestartBound,
 			Criterion: "kill -9 of prefill-0's sidecar, restarted 1 s later while its kvc-sim stays up: whole ≤ 5 s after it is back; " + noFail,
-			Inject:    restartProcs(func(h *Harness) []*proc { return []*proc{h.Sidecars["prefill-0"]} }, nil),
+			Inject:    restartProcs(func(h *Harness) []*launch.Restartable { return []*launch.Restartable{h.Sidecars["prefill-0"]} }, nil),
 			Restore:   repairWorkers,
 		},
 		{
 			Name: "decode-worker-restart", CI: true, Bound: RestartBound,
 			Criterion: "kill -9 of decode-1's kvc-sim, restarted 1 s later (its sessions are legitimately lost: Drop(decode-1)): whole ≤ 5 s after it is back; " + noFail,
-			Inject:    restartProcs(func(h *Harness) []*proc { return []*proc{h.Sims["decode-1"]} }, []string{"decode-1"}),
+			Inject:    restartProcs(func(h *Harness) []*launch.Restartable { return []*launch.Restartable{h.Sims["decode-1"]} }, []string{"decode-1"}),
 			Restore:   repairWorkers,
 		},
 		{
 			Name: "all-sidecars-restart", CI: true, Bound: RestartBound,
 			Criterion: "kill -9 of all 4 sidecars, restarted 1 s later while every kvc-sim stays up: whole ≤ 5 s after they are back; " + noFail,
-			Inject: restartProcs(func(h *Harness) []*proc {
-				var ps []*proc
+			Inject: restartProcs(func(h *Harness) []*launch.Restartable {
+				var ps []*launch.Restartable
 				for _, id := range h.workers {
 					ps = append(ps, h.Sidecars[id])
 				}
@@ -240,7 +241,7 @@ func (h *Harness) waitOneLeader(ctx context.Context, s *Step, what string) error
 	err := h.waitFor(ctx, "replicas agree on the leader after "+what, restartLimit, func(ctx context.Context) error {
 		names := map[string]bool{}
 		for i, p := range h.CPs {
-			if !p.alive() {
+			if !p.Alive() {
 				continue
 			}
 			a, err := h.admin(i)
@@ -249,7 +250,7 @@ func (h *Harness) waitOneLeader(ctx context.Context, s *Step, what string) error
 			}
 			r, err := a.GetLeader(ctx, &kvcv1.GetLeaderRequest{})
 			if err != nil {
-				return fmt.Errorf("%s: %w", p.name, err)
+				return fmt.Errorf("%s: %w", p.Name(), err)
 			}
 			names[r.GetLeaderId()] = true
 		}
@@ -271,10 +272,10 @@ func killCP(leader bool) func(ctx context.Context, h *Harness, s *Step) (time.Ti
 			return time.Time{}, nil, err
 		}
 		for _, p := range h.CPs {
-			if (p.name == lead) == leader {
+			if (p.Name() == lead) == leader {
 				s.faultAt = time.Now()
-				p.kill()
-				s.Note("killed %s (leader: %v)", p.name, leader)
+				p.Kill()
+				s.Note("killed %s (leader: %v)", p.Name(), leader)
 				return s.faultAt, nil, nil
 			}
 		}
@@ -291,7 +292,7 @@ func leaderPause(ctx context.Context, h *Harness, s *Step) (time.Time, []string,
 	}
 	p := h.CPs[h.cpIndex(lead)]
 	s.faultAt = time.Now()
-	if !p.signal(syscall.SIGSTOP) {
+	if !p.Signal(syscall.SIGSTOP) {
 		return time.Time{}, nil, fmt.Errorf("%s: SIGSTOP not sent", lead)
 	}
 	h.paused = append(h.paused, p)
@@ -419,8 +420,8 @@ func rogueClaim(ctx context.Context, c *grpc.ClientConn, msg *kvcv1.ConnectReque
 // replica names the same leader (the resumed one a standby).
 func resumePausedCPs(ctx context.Context, h *Harness, s *Step) error {
 	for _, p := range h.paused {
-		p.signal(syscall.SIGCONT)
-		s.Note("resumed %s (SIGCONT) %.1f s after the stop", p.name, time.Since(s.faultAt).Seconds())
+		p.Signal(syscall.SIGCONT)
+		s.Note("resumed %s (SIGCONT) %.1f s after the stop", p.Name(), time.Since(s.faultAt).Seconds())
 	}
 	h.paused = nil
 	return h.waitOneLeader(ctx, s, "resumed")
@@ -429,8 +430,8 @@ func resumePausedCPs(ctx context.Context, h *Harness, s *Step) error {
 func restartDeadCPs(ctx context.Context, h *Harness, s *Step) error {
 	var errs []error
 	for _, p := range h.CPs {
-		if !p.alive() {
-			if err := p.start(ctx, restartLimit); err != nil {
+		if !p.Alive() {
+			if err := p.StartReady(ctx, restartLimit); err != nil {
 				errs = append(errs, err)
 			}
 		}
@@ -440,12 +441,12 @@ func restartDeadCPs(ctx context.Context, h *Harness, s *Step) error {
 
 // restartProcs kills the processes with SIGKILL, starts them again 1 s later and returns the
 // moment the last one is ready (its ready file) as the reference.
-func restartProcs(pick func(h *Harness) []*proc, drops []string) func(ctx context.Context, h *Harness, s *Step) (time.Time, []string, error) {
+func restartProcs(pick func(h *Harness) []*launch.Restartable, drops []string) func(ctx context.Context, h *Harness, s *Step) (time.Time, []string, error) {
 	return func(ctx context.Context, h *Harness, s *Step) (time.Time, []string, error) {
 		ps := pick(h)
 		s.faultAt = time.Now()
 		for _, p := range ps {
-			p.kill()
+			p.Kill()
 		}
 		select {
 		case <-time.After(time.Second): // the time a supervisor takes to restart it
@@ -453,17 +454,17 @@ func restartProcs(pick func(h *Harness) []*proc, drops []string) func(ctx contex
 			return time.Time{}, drops, ctx.Err()
 		}
 		for _, p := range ps {
-			if err := p.spawn(); err != nil {
+			if err := p.Start(); err != nil {
 				return time.Time{}, drops, err
 			}
 		}
-		if err := waitAll(ctx, restartLimit, ps...); err != nil {
+		if err := launch.WaitReadyAll(ctx, restartLimit, ps...); err != nil {
 			s.Note("not back: %v", firstLine(err.Error()))
 			return time.Now(), drops, err
 		}
 		names := make([]string, len(ps))
 		for i, p := range ps {
-			names[i] = p.name
+			names[i] = p.Name()
 		}
 		s.Note("%s back (ready) %.1f s after the kill", strings.Join(names, ","), time.Since(s.faultAt).Seconds())
 		return time.Now(), drops, nil
@@ -490,21 +491,21 @@ func repairWorkers(ctx context.Context, h *Harness, s *Step) error {
 	var errs []error
 	for _, id := range h.workers {
 		sc, sim := h.Sidecars[id], h.Sims[id]
-		if st[id] == kvcv1.WorkerState_WORKER_STATE_READY && sc.alive() && sim.alive() {
+		if st[id] == kvcv1.WorkerState_WORKER_STATE_READY && sc.Alive() && sim.Alive() {
 			continue
 		}
 		s.Note("repair: %s is %s after the measurement: restarting its kvc-sim and sidecar", id, strings.TrimPrefix(st[id].String(), "WORKER_STATE_"))
-		sim.kill()
-		sc.kill()
-		if err := sim.spawn(); err != nil {
+		sim.Kill()
+		sc.Kill()
+		if err := sim.Start(); err != nil {
 			errs = append(errs, err)
 			continue
 		}
-		if err := sc.spawn(); err != nil {
+		if err := sc.Start(); err != nil {
 			errs = append(errs, err)
 			continue
 		}
-		if err := waitAll(ctx, restartLimit, sim, sc); err != nil {
+		if err := launch.WaitReadyAll(ctx, restartLimit, sim, sc); err != nil {
 			errs = append(errs, err)
 		}
 	}
@@ -538,13 +539,13 @@ func sidecarsDownFullPools(ctx context.Context, h *Harness, s *Step) (time.Time,
 	before := h.sumSims(ctx, "kvc_sim_releases_without_sidecar_total")
 	evBefore := h.sumSims(ctx, "kvc_sim_evictions_total")
 	s.Note("every decode pool full (< %d free pages)", fullPoolPages)
-	var ps []*proc
+	var ps []*launch.Restartable
 	for _, id := range h.workers {
 		ps = append(ps, h.Sidecars[id])
 	}
 	s.faultAt = time.Now()
 	for _, p := range ps {
-		p.kill()
+		p.Kill()
 	}
 	select {
 	case <-time.After(sidecarsDownFor):
@@ -554,11 +555,11 @@ func sidecarsDownFullPools(ctx context.Context, h *Harness, s *Step) (time.Time,
 	without := h.sumSims(ctx, "kvc_sim_releases_without_sidecar_total") - before
 	evicted := h.sumSims(ctx, "kvc_sim_evictions_total") - evBefore
 	for _, p := range ps {
-		if err := p.spawn(); err != nil {
+		if err := p.Start(); err != nil {
 			return time.Time{}, nil, err
 		}
 	}
-	if err := waitAll(ctx, restartLimit, ps...); err != nil {
+	if err := launch.WaitReadyAll(ctx, restartLimit, ps...); err != nil {
 		s.Note("not back: %v", firstLine(err.Error()))
 		return time.Now(), nil, err
 	}
@@ -758,7 +759,7 @@ func chatPayload(size int, c byte) []byte {
 }
 
 func tokenizerFlood(ctx context.Context, h *Harness, s *Step) (time.Time, []string, error) {
-	pid := h.Gateway.pid()
+	pid := h.Gateway.PID()
 	var errs []error
 	before := rssMiB(pid)
 	s.faultAt = time.Now()
@@ -815,21 +816,28 @@ func tokenizerFlood(ctx context.Context, h *Harness, s *Step) (time.Time, []stri
 		errs = append(errs, fmt.Errorf("tokenizations not stopped within 2 s of the clients leaving (%s)", stopped))
 	}
 	// The same 31 MiB bodies to a gateway without --tokenizer (fail-open lists only).
-	ga, err := freeAddr()
+	ga, err := launch.FreeAddr()
 	if err != nil {
 		return time.Time{}, nil, err
 	}
-	plain := &proc{name: "gateway-plain", bin: h.Gateway.bin, dir: h.cfg.WorkDir, args: []string{
-		"--http-addr", ga, "--prefill-urls", strings.Join(h.prefillURLs, ","), "--decode-urls", strings.Join(h.decodeURLs, ","),
-		"--request-timeout", "20s", "--insecure"}}
-	if !supportsFlag(plain.bin, "insecure") {
-		plain.args = plain.args[:len(plain.args)-1]
+	bin := h.Gateway.Spec().Bin
+	args := []string{"--http-addr", ga, "--prefill-urls", strings.Join(h.prefillURLs, ","), "--decode-urls", strings.Join(h.decodeURLs, ","),
+		"--request-timeout", "20s"}
+	if launch.SupportsFlag(bin, "insecure") {
+		args = append(args, "--insecure")
 	}
-	if err := plain.start(ctx, startLimit); err != nil {
+	plain, err := launch.Start(launch.Spec{Name: "gateway-plain", Bin: bin, Args: args, Dir: h.cfg.WorkDir})
+	if err != nil {
 		return time.Time{}, nil, err
 	}
-	defer plain.stop(5 * time.Second)
-	ppid := plain.pid()
+	defer func() { _ = plain.Stop(5 * time.Second) }()
+	rctx, rcancel := context.WithTimeout(ctx, startLimit)
+	_, err = plain.WaitReady(rctx)
+	rcancel()
+	if err != nil {
+		return time.Time{}, nil, err
+	}
+	ppid := plain.PID
 	pb := rssMiB(ppid)
 	codes, peak = flood(ctx, ppid, "http://"+ga+"/v1/chat/completions", 8, big, 30*time.Second)
 	s.Note("without --tokenizer: gateway RSS %.0f MiB before, peak %.0f MiB (+%.0f) during 8 × 31 MiB chat bodies (answers %v)", pb, peak, peak-pb, codes)
@@ -840,7 +848,7 @@ func tokenizerFlood(ctx context.Context, h *Harness, s *Step) (time.Time, []stri
 }
 
 func bodyFlood(ctx context.Context, h *Harness, s *Step) (time.Time, []string, error) {
-	pid := h.Gateway.pid()
+	pid := h.Gateway.PID()
 	before := rssMiB(pid)
 	s.faultAt = time.Now()
 	const n, size = 8, 31 << 20
