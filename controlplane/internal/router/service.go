@@ -258,7 +258,15 @@ func (s *Service) Route(stream grpc.BidiStreamingServer[kvcv1.RouteRequest, kvcv
 			continue
 		}
 		resp, m := s.handle(r.req, true)
-		err := send(r.req, resp, m)
+		var err error
+		if r.req.GetOutcome().GetNoAck() && resp.GetOutcomeAck() != nil {
+			// Applied, and its sender reads no acknowledgement (the gateway): nothing to send.
+			sendMu.Lock()
+			s.track(mine, r.req, resp, m)
+			sendMu.Unlock()
+		} else {
+			err = send(r.req, resp, m)
+		}
 		if m != nil {
 			m.recycle() // sent: its memory serves the next answer
 		}

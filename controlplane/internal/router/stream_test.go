@@ -117,3 +117,59 @@ func TestRouteStreamOverGRPC(t *testing.T) {
 		t.Fatalf("after CloseSend: %v", err)
 	}
 }
+
+// TestRouteOutcomeNoAck: an outcome marked no_ack is applied without an answer (the next
+// answer on the stream is the next query's decision), while one the router refuses — unknown,
+// or reported twice — is still answered with its error.
+func TestRouteOutcomeNoAck(t *testing.T) {
+	f := newFixture(t, basicCluster()...)
+	conn := serve(t, f.s)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	st, err := kvcv1.NewRouterServiceClient(conn).Route(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	send := func(req *kvcv1.RouteRequest) {
+		t.Helper()
+		if err := st.Send(req); err != nil {
+			t.Fatalf("send: %v", err)
+		}
+	}
+	recv := func() *kvcv1.RouteResponse {
+		t.Helper()
+		resp, err := st.Recv()
+		if err != nil {
+			t.Fatalf("recv: %v", err)
+		}
+		return resp
+	}
+	noAck := func(req *kvcv1.RouteRequest) *kvcv1.RouteRequest {
+		req.GetOutcome().NoAck = true
+		return req
+	}
+	send(query("s", 0, 3000, 100))
+	d := recv().GetDecision()
+	if d.GetMode() != kvcv1.RouteMode_ROUTE_MODE_SEED {
+		t.Fatalf("decision: %v", d)
+	}
+	send(noAck(outcome(d.DecisionId, true, okKind, 3100)))
+	send(query("s", 1, 3500, 100))
+	if got := recv(); got.GetDecision().GetMode() != kvcv1.RouteMode_ROUTE_MODE_DIRECT_TO_D {
+		t.Fatalf("after a no_ack outcome the next answer is %v, want the next turn's direct-to-D decision (the outcome applied, unanswered)", got)
+	}
+	send(noAck(outcome(d.DecisionId, true, okKind, 3100)))
+	if e := recv().GetError(); e.GetCode() != int32(codes.FailedPrecondition) || e.GetDecisionId() != d.DecisionId {
+		t.Fatalf("duplicate no_ack outcome: %v, want its FailedPrecondition", e)
+	}
+	send(noAck(outcome("nope", true, okKind, 0)))
+	if e := recv().GetError(); e.GetCode() != int32(codes.NotFound) {
+		t.Fatalf("unknown no_ack outcome: %v, want NotFound", e)
+	}
+	if err := st.CloseSend(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := st.Recv(); !errors.Is(err, io.EOF) {
+		t.Fatalf("after CloseSend: %v", err)
+	}
+}

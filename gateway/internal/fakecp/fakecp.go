@@ -114,6 +114,9 @@ func (s *Server) Route(stream grpc.BidiStreamingServer[kvcv1.RouteRequest, kvcv1
 			case s.Outcomes <- k.Outcome:
 			default:
 			}
+			if k.Outcome.GetNoAck() {
+				continue // as the control plane: no acknowledgement asked
+			}
 			if err := send(&kvcv1.RouteResponse{Kind: &kvcv1.RouteResponse_OutcomeAck{OutcomeAck: &kvcv1.OutcomeAck{DecisionId: k.Outcome.GetDecisionId()}}}); err != nil {
 				return err
 			}

@@ -176,7 +176,7 @@ func (c *Client) dispatch(cn *conn, resp *kvcv1.RouteResponse) {
 				c.obs.Orphan()
 			}
 			_ = c.send(cn, &kvcv1.RouteRequest{Kind: &kvcv1.RouteRequest_Outcome{Outcome: &kvcv1.RouteOutcome{
-				DecisionId: d.GetDecisionId(), ErrorKind: kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_ABORTED,
+				DecisionId: d.GetDecisionId(), ErrorKind: kvcv1.RouteErrorKind_ROUTE_ERROR_KIND_ABORTED, NoAck: true,
 				Detail: "gateway stopped waiting for this decision (route timeout)", ExecutedMode: d.GetMode(),
 			}}})
 		}
@@ -266,8 +266,10 @@ func (c *Client) Decide(ctx context.Context, q *kvcv1.RouteQuery) (*kvcv1.RouteD
 }
 
 // Report sends an outcome on the current stream (best effort: a lost outcome is released by the
-// control plane's reservation timeout).
+// control plane's reservation timeout). It marks o no_ack: the client acts on no acknowledgement,
+// so the control plane sends none (an outcome it refuses is still answered, and logged).
 func (c *Client) Report(o *kvcv1.RouteOutcome) error {
+	o.NoAck = true
 	c.mu.Lock()
 	cn := c.cur
 	c.mu.Unlock()

@@ -97,7 +97,10 @@ func TestConcurrentDecideAndReport(t *testing.T) {
 	}
 	for i := 0; i < n; i++ {
 		select {
-		case <-cp.Outcomes:
+		case o := <-cp.Outcomes:
+			if !o.GetNoAck() { // the client reads no acknowledgement: it asks for none
+				t.Fatalf("outcome %s reported without no_ack", o.GetDecisionId())
+			}
 		case <-time.After(5 * time.Second):
 			t.Fatalf("only %d outcomes arrived", i)
 		}

@@ -589,7 +589,12 @@ type RouteOutcome struct {
 	// its own content check of the partial last page, which page hashes cannot see): it released
 	// the session on its sidecar and committed the new content anew, so the control plane starts
 	// a new KV generation (a new snapshot target). 0 = nothing rewritten.
-	TruncatedTo   int64 `protobuf:"varint,10,opt,name=truncated_to,json=truncatedTo,proto3" json:"truncated_to,omitempty"`
+	TruncatedTo int64 `protobuf:"varint,10,opt,name=truncated_to,json=truncatedTo,proto3" json:"truncated_to,omitempty"`
+	// The sender reads no acknowledgement of this outcome: the control plane sends no OutcomeAck
+	// once it applied it (an outcome it refuses is still answered with a RouteError). The gateway
+	// sets it (it acts on no acknowledgement); a client that wants the confirmation, such as an
+	// operator with grpcurl, leaves it unset.
+	NoAck         bool `protobuf:"varint,11,opt,name=no_ack,json=noAck,proto3" json:"no_ack,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -692,6 +697,13 @@ func (x *RouteOutcome) GetTruncatedTo() int64 {
 		return x.TruncatedTo
 	}
 	return 0
+}
+
+func (x *RouteOutcome) GetNoAck() bool {
+	if x != nil {
+		return x.NoAck
+	}
+	return false
 }
 
 type WorkerRef struct {
@@ -1399,7 +1411,7 @@ const file_kvc_v1_router_proto_rawDesc = "" +
 	" \x03(\x06R\vpromptPages\x12\x15\n" +
 	"\x06pin_ms\x18\v \x01(\x03R\x05pinMs\x12!\n" +
 	"\flow_priority\x18\f \x01(\bR\vlowPriority\x12 \n" +
-	"\vtraceparent\x18\r \x01(\tR\vtraceparent\"\xe8\x02\n" +
+	"\vtraceparent\x18\r \x01(\tR\vtraceparent\"\xff\x02\n" +
 	"\fRouteOutcome\x12\x1f\n" +
 	"\vdecision_id\x18\x01 \x01(\tR\n" +
 	"decisionId\x12\x18\n" +
@@ -1415,7 +1427,8 @@ const file_kvc_v1_router_proto_rawDesc = "" +
 	"\rexecuted_mode\x18\b \x01(\x0e2\x11.kvc.v1.RouteModeR\fexecutedMode\x12\x19\n" +
 	"\bkv_pages\x18\t \x03(\x06R\akvPages\x12!\n" +
 	"\ftruncated_to\x18\n" +
-	" \x01(\x03R\vtruncatedTo\"\xbc\x01\n" +
+	" \x01(\x03R\vtruncatedTo\x12\x15\n" +
+	"\x06no_ack\x18\v \x01(\bR\x05noAck\"\xbc\x01\n" +
 	"\tWorkerRef\x12\x1b\n" +
 	"\tworker_id\x18\x01 \x01(\tR\bworkerId\x12\x1d\n" +
 	"\n" +
