@@ -85,7 +85,7 @@ type ledger struct {
 	foundIn  []*kvcv1.Worker
 	pending  pendingTable
 	sessions map[string]uint64 // session -> seq of its in-flight seed/reseed
-	expiry   resHeap           // by deadline (the zero value's key)
+	expiry   resHeap           // by deadline
 	// nSettling counts the accounts whose settling list is not empty.
 	nSettling int
 	// minFront is a lower bound on the first entry's atMs of every settling list (meaningful
@@ -151,6 +151,7 @@ func newLedger() *ledger {
 	return &ledger{
 		workers:  make(map[string]*workerAccount),
 		sessions: make(map[string]uint64),
+		expiry:   resHeap{key: byDeadline},
 	}
 }
 
