@@ -69,35 +69,49 @@ func cluster() (*routertest.Cluster, []string) {
 // second); each report lets the router drop the tokens it settled before it.
 const loadEvery = time.Second
 
-// reportLoads calls report every loadEvery until the returned stop is called.
-func reportLoads(report func()) (stop func()) {
+// loads are a cluster's load reports: report(i) sends worker i's, for i in [0, n).
+type loads struct {
+	n      int
+	report func(i int)
+}
+
+// all sends every worker's report once.
+func (l loads) all() {
+	for i := range l.n {
+		l.report(i)
+	}
+}
+
+// reportLoads has every worker report once per loadEvery, each at its own phase (worker i at
+// i/n of the interval, as the sidecars' heartbeats are spread), until the returned stop is
+// called. (All 40 at once each second, as before, made a burst of 40 state-lock holds and
+// worker snapshots that no cluster of independent sidecars sends.)
+func reportLoads(l loads) (stop func()) {
 	done := make(chan struct{})
 	var wg sync.WaitGroup
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
-		t := time.NewTicker(loadEvery)
+		t := time.NewTicker(loadEvery / time.Duration(l.n))
 		defer t.Stop()
-		for {
+		for i := 0; ; i = (i + 1) % l.n {
 			select {
 			case <-done:
 				return
 			case <-t.C:
-				report()
+				l.report(i)
 			}
 		}
 	}()
 	return func() { close(done); wg.Wait() }
 }
 
-// fakeReport refreshes every worker's heartbeat in the fake cluster (load unchanged: steady state).
-func fakeReport(c *routertest.Cluster) func() {
-	return func() {
-		now := time.Now().UnixMilli()
-		for _, w := range c.Workers() {
-			c.UpdateWorker(w.WorkerId, func(w *kvcv1.Worker) { w.LastHeartbeatUnixMs = now })
-		}
-	}
+// fakeReport refreshes each worker's heartbeat in the fake cluster (load unchanged: steady state).
+func fakeReport(c *routertest.Cluster) loads {
+	ws := c.Workers()
+	return loads{n: len(ws), report: func(i int) {
+		c.UpdateWorker(ws[i].WorkerId, func(w *kvcv1.Worker) { w.LastHeartbeatUnixMs = time.Now().UnixMilli() })
+	}}
 }
 
 // workload: the trace's mix — mostly direct-to-D appends of resident sessions, some new
@@ -391,7 +405,7 @@ func BenchmarkPolicy(b *testing.B) {
 	// Fake cluster: isolates the policy and the router from the state.
 	c, ids := cluster()
 	fs := router.New(c, zerolog.Nop(), nil)
-	fakeReport(c)()
+	fakeReport(c).all()
 	stopFake := reportLoads(fakeReport(c))
 	fw := &workload{ids: ids, rng: rand.New(rand.NewPCG(1, 2))}
 	inProcess(fs, fw, 20_000) // warm up

@@ -80,7 +80,7 @@ func guardCluster(n int) (*countingCluster, []string) {
 				UpdatedUnixMs: time.Now().UnixMilli()},
 		})
 	}
-	fakeReport(c.Cluster)()
+	fakeReport(c.Cluster).all()
 	return c, ids
 }
 

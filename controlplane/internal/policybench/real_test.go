@@ -35,8 +35,8 @@ type realEnv struct {
 	fence kvstore.Fence
 	ids   []string
 	setup time.Duration // attach + reconcile + flush of the 100,000 sessions
-	// report sends every worker's load report once (a sidecar sends one every loadEvery).
-	report func()
+	// report sends the workers' load reports (a sidecar sends one every loadEvery).
+	report loads
 }
 
 // etcdWrites counts what the leader has written to etcd so far.
@@ -177,18 +177,17 @@ func newRealEnv(tb testing.TB) *realEnv {
 	}
 	// Steady state: each D's KV usage stays where it is (evictions balance growth), so its
 	// reports carry the same figure; what the router settled since is pruned by each report.
-	env.report = func() {
-		for i, s := range ds {
-			if err := st.ApplyLoad(s, &kvcv1.WorkerLoad{UsedTokens: used[i]}); err != nil {
-				panic(err)
-			}
+	env.report = loads{n: len(ds) + len(ps), report: func(i int) {
+		var err error
+		if i < len(ds) {
+			err = st.ApplyLoad(ds[i], &kvcv1.WorkerLoad{UsedTokens: used[i]})
+		} else {
+			err = st.ApplyLoad(ps[i-len(ds)], &kvcv1.WorkerLoad{SnapshotBytesCapacity: 1 << 40})
 		}
-		for _, s := range ps {
-			if err := st.ApplyLoad(s, &kvcv1.WorkerLoad{SnapshotBytesCapacity: 1 << 40}); err != nil {
-				panic(err)
-			}
+		if err != nil {
+			panic(err)
 		}
-	}
+	}}
 	for i, s := range ds {
 		if err := st.Reconcile(s, dRep[i]); err != nil {
 			tb.Fatal(err)
@@ -199,7 +198,7 @@ func newRealEnv(tb testing.TB) *realEnv {
 			tb.Fatal(err)
 		}
 	}
-	env.report()
+	env.report.all()
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
 	if err := st.Flush(ctx); err != nil {
