@@ -70,7 +70,7 @@ func (s *Sidecar) Load() *kvcv1.WorkerLoad {
 	// pushes running plus queued
 	l.InflightPushes += int32(len(s.queue))
 	// The worker's prealloc queue as it last reported it (ReportDemand; a worker that does not
-	// report shows 0): the policy's queue score then sends a reseed to a D where nothing waits
+	// report shows 0, and so does one seen down until it reports again: demand.forget): the policy's queue score then sends a reseed to a D where nothing waits
 	// for pages rather than behind the waiting requests of a full one (issue 20). The worker's
 	// retracted queue is not visible here.
 	l.PreallocQueueDepth = s.demand.requests

@@ -11,16 +11,22 @@ import (
 // the control plane stops routing direct-to-D here and reseeds the session elsewhere (from its
 // snapshot when one is usable), and rooms waiting for a transfer are failed. Sessions are also
 // remembered as dropped, so a worker that was only slow and later releases one gets OK, not
-// NOT_FOUND. Coming back needs nothing: the worker commits again (or re-registers its pool).
+// NOT_FOUND. Its last demand report is forgotten (demand.forget): no release pass, load report
+// or gauge counts its waiting requests once it is seen down. Coming back needs nothing: the
+// worker commits again (or re-registers its pool) and reports its demand again.
 func (s *Sidecar) WorkerHealth(down bool, reason string) {
 	if !down {
-		s.log.Info().Str("reason", reason).Msg("worker up: accepting sessions again")
+		s.log.Info().Str("reason", reason).Msg("worker up: accepting sessions again (no demand counted until it reports)")
 		return
 	}
 	s.mu.Lock()
-	s.demand.unevictable = 0                   // its sessions died with it; a worker back up reports again
-	s.demand.running, s.demand.requests = 0, 0 // and its requests
+	old, had := s.demand.forget() // its requests and sessions died with it; a worker back up reports again
 	s.mu.Unlock()
+	if had {
+		s.log.Warn().Int32("waiting_requests", old.requests).Int64("waiting_tokens", old.tokens).Int64("free_tokens", old.free).
+			Int32("running_requests", old.running).Int64("unevictable_tokens", old.unevictable).Str("reason", reason).
+			Msg("worker down: its last demand report is forgotten (nothing waits here until the worker reports again)")
+	}
 	n := s.dropAll("worker down: " + reason)
 	s.log.Warn().Int("sessions_dropped", n).Str("reason", reason).Msg("worker down: its sessions are lost")
 }

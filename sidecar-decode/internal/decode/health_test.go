@@ -7,6 +7,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
@@ -93,5 +97,149 @@ func TestWorkerDownDropsEverySession(t *testing.T) {
 	}
 	if got := s.Resync().GetSessions(); len(got) != 1 || got[0].GetSessionId() != "a" {
 		t.Fatalf("resync after recovery %v", got)
+	}
+}
+
+// gauges gathers the sidecar's collectors by metric name.
+func gauges(t *testing.T, s *Sidecar) map[string]float64 {
+	t.Helper()
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(s.Collectors()...)
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := map[string]float64{}
+	for _, mf := range mfs {
+		for _, m := range mf.GetMetric() {
+			if g := m.GetGauge(); g != nil {
+				out[mf.GetName()] = g.GetValue()
+			} else if c := m.GetCounter(); c != nil {
+				out[mf.GetName()] = c.GetValue()
+			}
+		}
+	}
+	return out
+}
+
+// TestWorkerDownForgetsDemand: the worker reports its demand and dies. From the moment the
+// sidecar sees it down until the restarted worker reports again nothing waits here: no release
+// pass acts on the dead worker's deficit, the load report to the control plane carries no
+// waiting or running requests nor unevictable KV, the demand gauges read 0 and
+// kvc_sidecar_demand_reported 0; a report of the dead worker handled late (its caller gone) is
+// not recorded. Before, the waiting tokens and free room stayed in the gauges, and a late report
+// brought the whole demand back for the restarted worker's first moments.
+func TestWorkerDownForgetsDemand(t *testing.T) {
+	cases := []struct {
+		name   string
+		report *kvcv1.ReportDemandRequest // the dead worker's last (nil: none)
+		late   bool                       // one more report of it handled after the down, its caller gone
+		// before the death: the plan's deficit and the load's waiting requests
+		deficit int64
+	}{
+		{name: "no report"},
+		{name: "deficit", report: &kvcv1.ReportDemandRequest{WaitingRequests: 2, WaitingTokens: 200, FreeTokens: 136, RunningRequests: 1, UnevictableTokens: 40},
+			deficit: 64},
+		{name: "waiting within the free room", report: &kvcv1.ReportDemandRequest{WaitingRequests: 1, WaitingTokens: 40, FreeTokens: 136}},
+		{name: "running only", report: &kvcv1.ReportDemandRequest{RunningRequests: 3, UnevictableTokens: 40}},
+		{name: "late report of the dead worker", report: &kvcv1.ReportDemandRequest{WaitingRequests: 2, WaitingTokens: 200, FreeTokens: 136, RunningRequests: 1},
+			late: true, deficit: 64},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			s := newTestSidecar(t) // 64 pages of 4 tokens: 256 tokens
+			s.rel = newReleaser(ReleaseConfig{High: 0.5, Low: 0.25, MinIdle: time.Second})
+			ctx := context.Background()
+			next := int64(0)
+			commit := func(id string, kv int64) { // an idle session with its snapshot current: the release may take it
+				t.Helper()
+				if err := s.Apply(ctx, &kvcv1.Command{Action: &kvcv1.Command_SetSnapshotTarget{SetSnapshotTarget: &kvcv1.SetSnapshotTargetCommand{
+					SessionId: id, PrefillWorkerId: "p", PeerAddr: "127.0.0.1:1", TransferEndpoint: "127.0.0.1:1", Generation: 1}}}); err != nil {
+					t.Fatal(err)
+				}
+				pg := make([]int64, (kv+3)/4)
+				for i := range pg {
+					pg[i], next = next, next+1
+				}
+				if _, err := s.CommitSession(ctx, &kvcv1.CommitSessionRequest{SessionId: id, CommittedLen: kv, Pages: pg}); err != nil {
+					t.Fatal(err)
+				}
+				s.mu.Lock()
+				ss := s.sessions[id]
+				ss.lastCommit, ss.lastPushed, ss.queued = time.Now().Add(-time.Hour), kv, false
+				s.queue = s.queue[:0]
+				s.mu.Unlock()
+			}
+			plan := func() ReleasePlan {
+				s.mu.Lock()
+				defer s.mu.Unlock()
+				return s.planReleaseLocked(time.Now())
+			}
+			commit("old", 40)
+			commit("mid", 40)
+			if tc.report != nil {
+				if _, err := s.ReportDemand(ctx, tc.report); err != nil {
+					t.Fatal(err)
+				}
+			}
+			// Before the death the demand counts (the test sees what it then checks is gone).
+			if p := plan(); p.Deficit != tc.deficit {
+				t.Fatalf("before the death: deficit %d, want %d", p.Deficit, tc.deficit)
+			}
+			if l := s.Load(); l.GetWaitingRequests() != tc.report.GetWaitingRequests() || l.GetRunningRequests() != tc.report.GetRunningRequests() {
+				t.Fatalf("before the death: load %v", l)
+			}
+			if g := gauges(t, s); g["kvc_sidecar_demand_reported"] != b2f(tc.report != nil) || g["kvc_sidecar_prealloc_waiting_tokens"] != float64(tc.report.GetWaitingTokens()) {
+				t.Fatalf("before the death: gauges %v", g)
+			}
+
+			s.WorkerHealth(true, "bridge closed")
+			if tc.late {
+				dead, cancel := context.WithCancel(ctx)
+				cancel() // its bridge connection closed: gRPC cancelled the call
+				if _, err := s.ReportDemand(dead, tc.report); status.Code(err) != codes.Canceled {
+					t.Fatalf("late report of the dead worker: %v, want Canceled", err)
+				}
+			}
+			// The worker restarts: its pool comes back, its sessions are committed anew (idle,
+			// snapshots current), and it has not reported its demand yet.
+			s.WorkerHealth(false, "worker registered its KV pool")
+			commit("new-a", 40)
+			commit("new-b", 40)
+			for _, when := range []string{"down", "restarted, no report yet"} {
+				if p := plan(); p.Deficit != 0 || len(p.Release) != 0 || len(p.Waiting) != 0 {
+					t.Fatalf("%s: a release for the dead worker's deficit: %+v", when, p)
+				}
+				l := s.Load()
+				if l.GetWaitingRequests() != 0 || l.GetPreallocQueueDepth() != 0 || l.GetRunningRequests() != 0 || l.GetUnevictableTokens() != 0 {
+					t.Fatalf("%s: the load report carries the dead worker's demand: %v", when, l)
+				}
+				g := gauges(t, s)
+				for _, name := range []string{"kvc_sidecar_demand_reported", "kvc_sidecar_prealloc_waiting_requests", "kvc_sidecar_prealloc_waiting_tokens",
+					"kvc_sidecar_prealloc_free_tokens", "kvc_sidecar_worker_running_requests", "kvc_sidecar_worker_unevictable_tokens"} {
+					if g[name] != 0 {
+						t.Fatalf("%s: %s = %v, want 0", when, name, g[name])
+					}
+				}
+				if g["kvc_sidecar_demand_forgotten_total"] != b2f(tc.report != nil) || g["kvc_sidecar_demand_reports_discarded_total"] != b2f(tc.late) ||
+					g["kvc_sidecar_demand_reports_total"] != b2f(tc.report != nil) {
+					t.Fatalf("%s: counters %v", when, g)
+				}
+			}
+
+			// The restarted worker reports: its demand counts, and its deficit is released for.
+			if _, err := s.ReportDemand(ctx, &kvcv1.ReportDemandRequest{WaitingRequests: 1, WaitingTokens: 200, FreeTokens: 176, RunningRequests: 2}); err != nil {
+				t.Fatal(err)
+			}
+			if p := plan(); p.Deficit != 24 || len(p.Release) != 1 {
+				t.Fatalf("the restarted worker's deficit: %+v, want 24 and one release", p)
+			}
+			if l := s.Load(); l.GetWaitingRequests() != 1 || l.GetRunningRequests() != 2 {
+				t.Fatalf("the restarted worker's load: %v", l)
+			}
+			if g := gauges(t, s); g["kvc_sidecar_demand_reported"] != 1 || g["kvc_sidecar_prealloc_waiting_tokens"] != 200 {
+				t.Fatalf("the restarted worker's gauges: %v", g)
+			}
+		})
 	}
 }

@@ -47,6 +47,12 @@ func (s *Sidecar) Collectors() []prometheus.Collector {
 			func(d DemandStats) float64 { return float64(d.OnDemandReleases) }),
 		c("kvc_sidecar_release_refused_total", "Capacity releases the worker refused: the session was in use (a running request, or a turn waiting for pages while another session was idle).",
 			func(d DemandStats) float64 { return float64(d.RefusedReleases) }),
+		g("kvc_sidecar_demand_reported", "1 while the demand gauges hold a report the worker sent since it last came up; 0 before its first report and from the worker's down until it reports again (the gauges then read 0: a dead worker's demand is forgotten).",
+			func(d DemandStats) float64 { return b2f(d.Reported) }),
+		c("kvc_sidecar_demand_forgotten_total", "Demand reports dropped because the worker went down with them current (its waiting and running requests and unevictable KV died with it).",
+			func(d DemandStats) float64 { return float64(d.ForgottenReports) }),
+		c("kvc_sidecar_demand_reports_discarded_total", "Demand reports not recorded because their caller was gone by the time they were handled (timed out, or its bridge connection closed: the worker died).",
+			func(d DemandStats) float64 { return float64(d.DiscardedReports) }),
 		g("kvc_sidecar_worker_unevictable_tokens", "The worker's unevictable KV as it last reported it (ReportDemand): committed tokens of the sessions its requests are using; forwarded to the control plane in the load report.",
 			func(d DemandStats) float64 { return float64(d.UnevictableTokens) }),
 		s.loadIDs,
@@ -67,4 +73,11 @@ func (s *Sidecar) staleness(now time.Time) (tokens int64, oldest time.Duration) 
 		}
 	}
 	return tokens, oldest
+}
+
+func b2f(b bool) float64 {
+	if b {
+		return 1
+	}
+	return 0
 }

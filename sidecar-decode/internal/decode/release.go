@@ -158,6 +158,29 @@ type demand struct {
 	// that report — a commit's or a push's kick right after a pass — must not release for the
 	// same deficit again.
 	released int64
+	// current: the fields above are a report the worker sent since it last came up; false
+	// before its first report and from the moment it is seen down (forget) until it reports
+	// again, the fields then all 0 (kvc_sidecar_demand_reported).
+	current bool
+	// forgotten counts the reports forget discarded (the worker went down with one current);
+	// discarded, the reports not recorded because their caller was gone (ReportDemand).
+	forgotten, discarded int64
+}
+
+// forget drops the worker's last report when it is seen down: its waiting requests, their
+// tokens, its free room, its running requests and its unevictable KV all died with it. Until
+// the restarted worker reports again nothing waits here: no release pass acts on the dead
+// worker's deficit, the load report to the control plane shows no waiting or running requests
+// and the demand gauges read 0. The counters stay. It returns the report it dropped and
+// whether there was one.
+func (d *demand) forget() (demand, bool) {
+	old := *d
+	d.requests, d.running, d.tokens, d.free, d.unevictable, d.released = 0, 0, 0, 0, 0, 0
+	d.current = false
+	if old.current {
+		d.forgotten++
+	}
+	return old, old.current
 }
 
 // deficit is the tokens the waiting requests need past the free room and what the release
@@ -170,14 +193,25 @@ func (d demand) deficit() int64 {
 }
 
 // ReportDemand records the worker's prealloc-queue demand and, when requests wait for more
-// than it has free, runs a release pass at once rather than at the next tick.
-func (s *Sidecar) ReportDemand(_ context.Context, req *kvcv1.ReportDemandRequest) (*kvcv1.ReportDemandResponse, error) {
+// than it has free, runs a release pass at once rather than at the next tick. A report whose
+// caller is gone (its context done: it gave up, or its bridge connection closed — the worker
+// died) is not recorded: gRPC cancels a connection's calls before the health tracker sees the
+// connection end, so a dead worker's report handled late cannot bring its demand back after
+// WorkerHealth forgot it; a live caller that timed out sends its next report anyway (kvc-sim
+// and the SGLang plugin treat a failed report as unknown to the sidecar).
+func (s *Sidecar) ReportDemand(ctx context.Context, req *kvcv1.ReportDemandRequest) (*kvcv1.ReportDemandResponse, error) {
 	if req.GetWaitingRequests() < 0 || req.GetWaitingTokens() < 0 || req.GetFreeTokens() < 0 || req.GetUnevictableTokens() < 0 ||
 		req.GetRunningRequests() < 0 {
 		return nil, status.Errorf(codes.InvalidArgument, "negative demand: %d requests, %d tokens, %d free, %d unevictable, %d running",
 			req.GetWaitingRequests(), req.GetWaitingTokens(), req.GetFreeTokens(), req.GetUnevictableTokens(), req.GetRunningRequests())
 	}
 	s.mu.Lock()
+	if err := ctx.Err(); err != nil {
+		s.demand.discarded++
+		s.mu.Unlock()
+		return nil, status.FromContextError(err).Err()
+	}
+	s.demand.current = true
 	s.demand.requests, s.demand.tokens, s.demand.free = req.GetWaitingRequests(), req.GetWaitingTokens(), req.GetFreeTokens()
 	s.demand.unevictable = req.GetUnevictableTokens()
 	s.demand.running = req.GetRunningRequests()
@@ -209,6 +243,12 @@ type DemandStats struct {
 	// OnDemandReleases: sessions released for a deficit less than MinIdle after their last
 	// commit; RefusedReleases: releases the worker refused (the session in use).
 	OnDemandReleases, RefusedReleases int64
+	// Reported: the fields above are a report the worker sent since it last came up (false
+	// before its first and from its down until its next: they are 0 then).
+	Reported bool
+	// ForgottenReports: reports dropped because the worker went down with them current;
+	// DiscardedReports: reports not recorded, their caller gone (ReportDemand).
+	ForgottenReports, DiscardedReports int64
 }
 
 // Demand returns the worker's last reported prealloc-queue demand.
@@ -217,7 +257,8 @@ func (s *Sidecar) Demand() DemandStats {
 	defer s.mu.Unlock()
 	d := s.demand
 	return DemandStats{WaitingRequests: d.requests, WaitingTokens: d.tokens, FreeTokens: d.free, Reports: d.reports, DeficitReleasePasses: d.deficitPasses,
-		UnevictableTokens: d.unevictable, RunningRequests: d.running, SparedReleases: d.spared, OnDemandReleases: d.onDemand, RefusedReleases: d.refused}
+		UnevictableTokens: d.unevictable, RunningRequests: d.running, SparedReleases: d.spared, OnDemandReleases: d.onDemand, RefusedReleases: d.refused,
+		Reported: d.current, ForgottenReports: d.forgotten, DiscardedReports: d.discarded}
 }
 
 // planReleaseLocked picks, when the pool is above the high watermark, the idle sessions that
