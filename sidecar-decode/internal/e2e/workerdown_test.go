@@ -153,6 +153,33 @@ func TestWorkerProcessDeath(t *testing.T) {
 		rt.outcome(t, d, 160) // not executed: nothing changes on D
 	}
 
+	// Before it dies the worker reports requests waiting for pages: the sidecar's gauges and the
+	// control plane's view of its load carry them.
+	if _, err := dead.sc.bridge.ReportDemand(ctxT(t, 5*time.Second), &kvcv1.ReportDemandRequest{WaitingRequests: 2, WaitingTokens: 300,
+		FreeTokens: 100, RunningRequests: 1, UnevictableTokens: 160}); err != nil {
+		t.Fatal(err)
+	}
+	demandIs := func(what string, sc *sidecarProc, waiting, tokens, reported int) {
+		t.Helper()
+		want := []string{fmt.Sprintf("\nkvc_sidecar_prealloc_waiting_requests %d\n", waiting), fmt.Sprintf("\nkvc_sidecar_prealloc_waiting_tokens %d\n", tokens),
+			fmt.Sprintf("\nkvc_sidecar_demand_reported %d\n", reported)}
+		var last string
+		waitFor(t, what+": the demand gauges", 5*time.Second, func() bool {
+			_, last = httpText(t, "http://"+sc.httpAddr+"/metrics")
+			for _, w := range want {
+				if !strings.Contains(last, w) {
+					return false
+				}
+			}
+			return true
+		})
+		waitFor(t, what+": the control plane's view of the load", 20*time.Second, func() bool {
+			l := workers()[sc.id].GetLoad()
+			return l.GetWaitingRequests() == int32(waiting) && l.GetPreallocQueueDepth() == int32(waiting)
+		})
+	}
+	demandIs("before the death", dead.sc, 2, 300, 1)
+
 	// The worker process dies; its sidecar stays up and connected.
 	died := time.Now()
 	dead.die()
@@ -179,6 +206,15 @@ func TestWorkerProcessDeath(t *testing.T) {
 	})
 	if !strings.Contains(metrics, `kvc_sidecar_worker_down_total{cause="bridge"} 1`) {
 		t.Fatalf("worker_down_total not counted:\n%s", metrics)
+	}
+	// Its demand died with it: nothing waits there, in the gauges or the load report (the
+	// control plane gets one at once on the transition), and the forgotten report is counted.
+	demandIs("worker down", dead.sc, 0, 0, 0)
+	if w := workers()[dead.sc.id].GetLoad(); w.GetRunningRequests() != 0 || w.GetUnevictableTokens() != 0 {
+		t.Fatalf("the dead worker's load still carries its requests: %v", w)
+	}
+	if _, m := httpText(t, "http://"+dead.sc.httpAddr+"/metrics"); !strings.Contains(m, "\nkvc_sidecar_demand_forgotten_total 1\n") {
+		t.Fatal("kvc_sidecar_demand_forgotten_total is not 1")
 	}
 
 	// Next turn of A: reseeded from p0's snapshot onto the other D, verified byte for byte.
@@ -211,8 +247,18 @@ func TestWorkerProcessDeath(t *testing.T) {
 		w := workers()[dead.sc.id]
 		return w.GetState() == kvcv1.WorkerState_WORKER_STATE_READY && w.GetWorkerDownReason() == "" && w.GetWorkerDownSinceUnixMs() == 0
 	})
+	// Back up, it has not reported its demand yet: none counts.
+	demandIs("restarted, no report yet", dead.sc, 0, 0, 0)
 	if d := rt.query(t, "after-restart", 0, 100, 10); d.GetMode() != kvcv1.RouteMode_ROUTE_MODE_SEED || d.GetDecode().GetWorkerId() != dead.sc.id {
 		t.Fatalf("after the restart a new session went %s to %s; the restarted worker is the emptiest", d.GetMode(), d.GetDecode().GetWorkerId())
+	}
+	// Its first report counts again (and its queue drains).
+	for _, n := range []int32{1, 0} {
+		if _, err := dead.sc.bridge.ReportDemand(ctxT(t, 5*time.Second), &kvcv1.ReportDemandRequest{WaitingRequests: n, WaitingTokens: 50 * int64(n),
+			FreeTokens: 10 * int64(n)}); err != nil {
+			t.Fatal(err)
+		}
+		demandIs(fmt.Sprintf("the restarted worker's report of %d waiting", n), dead.sc, int(n), 50*int(n), 1)
 	}
 
 	// The prefill worker dies: p0 prefills nothing more, but its snapshot store is the
