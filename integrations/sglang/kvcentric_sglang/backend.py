@@ -47,8 +47,8 @@ from sglang.srt.disaggregation.base.conn import (
     KVTransferMetric,
 )
 
+from . import metrics, runtime
 from . import pool as kvpool
-from . import runtime
 from .bridge import TRANSFER_SEED, BridgeError
 
 logger = logging.getLogger(__name__)
@@ -281,8 +281,10 @@ class KvcKVSender(BaseKVSender):
                         timeout_s=SEND_TIMEOUT_S,
                     )
             except BridgeError as e:
+                metrics.transfer_failed("send_store" if self.to_store else "send")
                 self._fail("SendKV room %d chunk at page %d: %s" % (self.bootstrap_room, first, e))
                 return
+            metrics.kv_bytes("stored" if self.to_store else "sent", n)
             with self._lock:
                 self._bytes += n
                 if last:
@@ -435,17 +437,21 @@ class KvcKVReceiver(BaseKVReceiver):
                 self.bootstrap_room, self.session_id, self.kind, pages, tokens, self.bootstrap_addr
             )
         except BridgeError as e:
+            metrics.transfer_failed("receive")
             self._fail("PrepareReceive room %d: %s" % (self.bootstrap_room, e))
             return
         try:
             res = self.kv_mgr.bridge.wait_receive(self.bootstrap_room, timeout_s=WAIT_TIMEOUT_S)
         except BridgeError as e:
+            metrics.transfer_failed("receive")
             self._fail("WaitReceive room %d: %s" % (self.bootstrap_room, e))
             return
         self.result = res
         if not res.ok:
+            metrics.transfer_failed("receive")
             self._fail("transfer of room %d failed: %s" % (self.bootstrap_room, res.error))
             return
+        metrics.kv_bytes("received", res.bytes)  # landed in this worker's pages
         err = None
         with self._lock:  # an aborted receiver's metadata row may already be someone else's
             if self._state == KVPoll.Failed:
@@ -458,6 +464,7 @@ class KvcKVReceiver(BaseKVReceiver):
             if err is None:
                 self._state = KVPoll.Success  # only after the aux row is in place
         if err is not None:
+            metrics.transfer_failed("receive")
             self._fail(err)
 
     def _fail(self, msg: str):

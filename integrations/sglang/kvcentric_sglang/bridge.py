@@ -5,7 +5,7 @@ from typing import Iterable, Iterator, List, Optional, Sequence
 
 import grpc
 
-from . import wire
+from . import metrics, wire
 
 KV_KIND_K, KV_KIND_V, KV_KIND_COMBINED = 1, 2, 3
 POOL_LAYOUT_MHA, POOL_LAYOUT_MLA = 1, 2
@@ -126,6 +126,8 @@ class CommandStream:
             for raw in self._call:
                 yield decode_worker_command(raw)
         except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.CANCELLED:  # not our own cancel()
+                metrics.bridge_error("WatchCommands", e.code())
             raise BridgeError("WatchCommands", e.code(), e.details()) from None
 
     def cancel(self) -> None:
@@ -161,6 +163,7 @@ class WorkerBridge:
         try:
             raw = fn(body, timeout=timeout or self._timeout)
         except grpc.RpcError as e:
+            metrics.bridge_error(method, e.code())
             raise BridgeError(method, e.code(), e.details()) from None
         return wire.parse(raw)
 
@@ -226,6 +229,7 @@ class WorkerBridge:
         try:
             raw = fn(w.done(), timeout=timeout_s + 5)
         except grpc.RpcError as e:
+            metrics.bridge_error("WaitReceive", e.code())
             raise BridgeError("WaitReceive", e.code(), e.details()) from None
         a = wire.parse_all(raw)
         r = {k: v[-1] for k, v in a.items()}

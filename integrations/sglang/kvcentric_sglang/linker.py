@@ -43,7 +43,7 @@ from typing import List, Optional, Tuple
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 from sglang.srt.mem_cache.unified_cache.unified_cache_linker import LayerWiseLoadCounter, UnifiedCacheLinker
 
-from . import runtime
+from . import metrics, runtime
 from .bridge import TRANSFER_SNAPSHOT, BridgeError
 from .payload import ExecutionPayload, peer_for
 
@@ -163,16 +163,19 @@ class KvcLinker(UnifiedCacheLinker):
             return self._load_from_store(rid, got[0], pages, len(idx))
         with self._lock:
             self._queued.append(_Load(rid, got[0], pages, len(idx)))
+        metrics.turn("receive_snapshot")
         return True
 
     def _load_from_store(self, rid: str, hint: ExecutionPayload, pages: List[int], tokens: int) -> bool:
         """P: copies [0, tokens) of the session's snapshot from the prefill sidecar's store into
         the request's private slots now (the scheduler thread; a copy inside this GPU's sidecar),
         before SGLang prepares the request, so that a refusal still falls back to recomputing."""
+        metrics.turn("load")
         bridge = self.bridge or runtime.state.bridge
         if bridge is None:
             logger.warning("kvcentric linker: %s: no prefill sidecar registered; prefilling the whole prompt", rid)
             self.store_load_misses += 1
+            metrics.store_load("error")
             return False
         self.bridge = bridge
         try:
@@ -187,8 +190,11 @@ class KvcLinker(UnifiedCacheLinker):
                 e,
             )
             self.store_load_misses += 1
+            metrics.store_load(_load_result(e.code))
             return False
         self.store_loads += 1
+        metrics.store_load("hit", tokens)
+        metrics.kv_bytes("loaded", r.bytes)
         self.store_load_tokens += tokens
         with self._lock:
             self.store_loaded[rid] = tokens
@@ -228,6 +234,7 @@ class KvcLinker(UnifiedCacheLinker):
                 peer = peer_for(h.receive, getattr(reg, "tp_rank", 0), getattr(reg, "tp_size", 0))
                 self.bridge.prepare_receive(h.receive.room, h.session_id, TRANSFER_SNAPSHOT, ld.pages, ld.tokens, peer)
         except (BridgeError, ValueError) as e:
+            metrics.transfer_failed("receive_snapshot")
             logger.error("kvcentric linker: PrepareReceive: %s", e)
             self.layer_done_counter.fail(index, RuntimeError(str(e)))
             return
@@ -235,14 +242,17 @@ class KvcLinker(UnifiedCacheLinker):
             try:
                 ld.result = self.bridge.wait_receive(ld.hint.receive.room, timeout_s=self.wait_timeout_s)
             except BridgeError as e:
+                metrics.transfer_failed("receive_snapshot")
                 self.layer_done_counter.fail(index, RuntimeError("WaitReceive room %d: %s" % (ld.hint.receive.room, e)))
                 return
             if not ld.result.ok:
+                metrics.transfer_failed("receive_snapshot")
                 self.layer_done_counter.fail(
                     index,
                     RuntimeError("snapshot transfer of room %d failed: %s" % (ld.hint.receive.room, ld.result.error)),
                 )
                 return
+            metrics.kv_bytes("received", ld.result.bytes)
         self.loads_done += len(loads)
         for layer in range(self.layer_done_counter.num_layers):
             self.layer_done_counter.complete(index, layer)
@@ -274,6 +284,19 @@ class KvcLinker(UnifiedCacheLinker):
 
     def close(self) -> None:
         self.reset()
+
+
+def _load_result(code) -> str:
+    """kvc_plugin_store_loads_total's result of a refused LoadFromStore: NOT_FOUND (no snapshot
+    of the session) a miss, FAILED_PRECONDITION (another generation, fewer tokens) a mismatch,
+    anything else (the copy failed, the sidecar unreachable) an error."""
+    import grpc
+
+    if code == grpc.StatusCode.NOT_FOUND:
+        return "miss"
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        return "mismatch"
+    return "error"
 
 
 class _Key(list):

@@ -32,7 +32,7 @@ import logging
 import pkgutil
 from typing import List, Tuple
 
-from . import demand, runtime, sessions
+from . import demand, metrics, runtime, sessions
 from .payload import TRANSFER_SNAPSHOT, peer_for
 
 logger = logging.getLogger(__name__)
@@ -151,6 +151,7 @@ def _carry(obj, req):
         # SEED into a colocated D through the prefill store: the whole prompt's KV, as the
         # session's snapshot of the payload's generation (the session's next one).
         obj.to_store, obj.generation, obj.tokens = True, send.store_generation, len(req.origin_input_ids)
+        metrics.turn("send_store")
         return
     # The from_token of a large append (the control plane says D keeps [0, from_token) of the
     # session): P's send skips the pages before it; D's receiver checks that its own decode
@@ -159,6 +160,8 @@ def _carry(obj, req):
     if isinstance(obj, backend.KvcKVSender):
         rf = max(0, int(send.from_token)) if send is not None else 0
         obj.skip_pages = rf // obj.kv_mgr.registration.page_size
+        if send is not None:
+            metrics.turn("send")
         return
     if isinstance(obj, backend.KvcKVReceiver):
         obj.tokens = len(req.origin_input_ids)
@@ -175,6 +178,7 @@ def _carry(obj, req):
                 return
             if peer:
                 obj.bootstrap_addr = peer
+            metrics.turn("receive")
 
 
 def create_sender_after(result, queue, req, *args, **kwargs):
@@ -210,6 +214,13 @@ def create_generation_req_around(original, scheduler, recv_req, *args, **kwargs)
             return req
         page = int(getattr(scheduler, "page_size", 0) or runtime.state.page_size or 1)
         linker.remember_hint(req.rid, hint, linker.first_page_key(req, page))
+        if hint is not None:
+            # what SGLang does itself for the turn (the receive, send and load parts are counted
+            # where the plugin carries them out)
+            if hint.open_session:
+                metrics.turn("open")
+            if hint.local_prefill:
+                metrics.turn("local_prefill")
     return req
 
 

@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Tuple
 
 import grpc
 
-from . import runtime
+from . import metrics, runtime
 from .bridge import REASON_CAPACITY, BridgeError
 
 logger = logging.getLogger(__name__)
@@ -94,10 +94,12 @@ def commit(session_id: str, committed_len: int, pages: List[int], token_ids: Opt
     if b is None:
         return False
     try:
-        return b.commit_session(session_id, committed_len, pages, ids)
+        pushed = b.commit_session(session_id, committed_len, pages, ids)
     except BridgeError as e:
         logger.error("kvcentric: CommitSession %s len %d: %s", session_id, committed_len, e)
         return False
+    metrics.session("committed")
+    return pushed
 
 
 def commit_after(result, streaming_session, req, *args, **kwargs):
@@ -122,11 +124,13 @@ def release(session_id: str, evicted: bool = False) -> bool:
     if b is None:
         return False
     try:
-        return b.release_session(session_id, evicted=evicted)
+        aborted = b.release_session(session_id, evicted=evicted)
     except BridgeError as e:
         if e.code != grpc.StatusCode.NOT_FOUND:
             logger.error("kvcentric: ReleaseSession %s: %s (freeing anyway)", session_id, e)
         return False
+    metrics.session("evicted" if evicted else "released")
+    return aborted
 
 
 def release_around(original, streaming_session, session_id, *args, **kwargs):

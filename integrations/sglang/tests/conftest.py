@@ -1,9 +1,14 @@
 """pytest setup: the package on sys.path, the watch thread off unless a test starts one,
-SGLang's (slow) imports done once, the plugin installed and its hooks applied once; the sidecar
-binaries, a short temporary directory, and the colocated decode worker most tests start from."""
+prometheus_client in multiprocess mode over a temporary directory (as SGLang's --enable-metrics
+runs its scheduler processes), SGLang's (slow) imports done once, the plugin installed and its
+hooks applied once; the sidecar binaries, a short temporary directory, and the colocated decode
+worker most tests start from."""
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 import warnings
 
 import pytest
@@ -11,6 +16,11 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("KVC_SGLANG_WATCH", "0")
+# Before anything imports prometheus_client (it picks its value store at import): the plugin's
+# metrics go to files here, read back by test_metrics.py as SGLang's /metrics reads them.
+if "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="kvcpy-prom-")
+    atexit.register(shutil.rmtree, os.environ["PROMETHEUS_MULTIPROC_DIR"], True)
 warnings.filterwarnings("ignore")
 
 
