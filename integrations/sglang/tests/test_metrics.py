@@ -7,7 +7,7 @@ moved, by exactly how much."""
 import os
 
 import kvctest
-from kvctest import HEAD_DIM, HEADS, LAYERS, PAGE
+from kvctest import HEAD_DIM, HEADS, LAYERS
 from test_backend import pd, seed  # noqa: F401  (fixture and driver)
 from test_prefill_load import admit, p_linker, p_req, pside, snapshot_from_d  # noqa: F401  (pside: fixture)
 
@@ -123,6 +123,30 @@ def test_pd_seed_counts_the_send_the_receive_and_their_bytes(pd):  # noqa: F811
         key("kvc_plugin_kv_bytes_total", direction="sent"): n * PER_TOKEN,
         key("kvc_plugin_kv_bytes_total", direction="received"): n * PER_TOKEN,
     }
+
+
+def test_failed_receive_counts_a_failure_and_the_bridge_error(pd):  # noqa: F811
+    """A P/D receive whose pages lie outside D's pool: PrepareReceive OUT_OF_RANGE, KVPoll.Failed,
+    one receive failure, no bytes."""
+    import numpy as np
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    hints = kvctest.kvc_hints(mode="SEED", session_id="s-mfail", room=932, prefill_peer_addr=pd.p.peer_addr)
+    before = samples()
+    rx = pd.dq._create_receiver_and_enqueue(
+        kvctest.req("r-932", list(range(1000, 1077)), room=932, host=pd.host, port=pd.port, hints=hints)
+    ).kv_receiver
+    rx.init(0)
+    rx.send_metadata(np.array([30, 5, 9, 17, 999], dtype=np.int32), 5)
+    st, seen = kvctest.wait_poll(rx, KVPoll.Failed)
+    assert st == KVPoll.Failed, seen
+    after = samples()
+    assert moved(before, after) == {
+        key("kvc_plugin_turns_total", kind="receive"): 1,
+        key("kvc_plugin_transfer_failures_total", direction="receive"): 1,
+    }
+    errs = moved(before, after, errors=True)
+    assert errs.get(key("kvc_plugin_bridge_errors_total", call="PrepareReceive", code="OUT_OF_RANGE")) == 1, errs
 
 
 def test_store_loads_by_result(pside, tmp):  # noqa: F811
