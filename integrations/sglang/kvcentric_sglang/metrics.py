@@ -16,6 +16,9 @@ imported, so it is imported, and the metrics made, at the first count, never at 
 Every metric has a ``tp_rank`` label (the scheduler process's tensor-parallel rank, 0 without
 TP): the collector adds the processes' counters up per label set, so a turn of a TP-N worker
 counts once per rank; bytes are each rank's own shard. docs/sglang.md lists the metrics.
+
+The package declares grpcio only (prometheus_client comes with SGLang): where prometheus_client
+is not installed (kvc-refworker's bridge client without SGLang) every count is a no-op.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any, Dict
 
 _lock = threading.Lock()
 _m: Dict[str, Any] = {}
+_off = False  # prometheus_client is not installed: nothing is counted
 
 # kvc_plugin_turns_total{kind}: the execution payload's parts the plugin took on
 TURN_KINDS = ("open", "local_prefill", "receive", "receive_snapshot", "send", "send_store", "load")
@@ -39,12 +43,17 @@ SESSION_OPS = ("committed", "released", "evicted")
 
 
 def _metrics() -> Dict[str, Any]:
-    if _m:
+    global _off
+    if _m or _off:
         return _m
     with _lock:
-        if _m:
+        if _m or _off:
             return _m
-        from prometheus_client import Counter
+        try:
+            from prometheus_client import Counter
+        except ImportError:
+            _off = True
+            return _m
 
         def c(name, doc, *labels):
             return Counter(name, doc, labelnames=labels + ("tp_rank",))
@@ -98,7 +107,9 @@ def _rank() -> str:
 def _inc(metric: str, n: float = 1, **labels) -> None:
     if n <= 0:
         return
-    _metrics()[metric].labels(tp_rank=_rank(), **labels).inc(n)
+    m = _metrics().get(metric)
+    if m is not None:
+        m.labels(tp_rank=_rank(), **labels).inc(n)
 
 
 def turn(kind: str) -> None:

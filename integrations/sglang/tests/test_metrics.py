@@ -182,3 +182,30 @@ def test_store_loads_by_result(pside, tmp):  # noqa: F811
     errs = moved(before, after, errors=True)
     assert errs.get(key("kvc_plugin_bridge_errors_total", call="LoadFromStore", code="FAILED_PRECONDITION")) == 2
     assert errs.get(key("kvc_plugin_bridge_errors_total", call="LoadFromStore", code="NOT_FOUND")) == 1
+
+
+def test_without_prometheus_client_nothing_is_counted_and_nothing_fails(tmp):
+    """The package declares grpcio only: in a process without prometheus_client (kvc-refworker's
+    bridge client without SGLang) a count, here a failed bridge call, is a no-op, not an
+    ImportError inside the error path. A fresh interpreter, prometheus_client made unimportable."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['prometheus_client'] = None\n"
+        "from kvcentric_sglang import metrics\n"
+        "from kvcentric_sglang.bridge import BridgeError, WorkerBridge\n"
+        "b = WorkerBridge(%r, timeout_s=2)\n"
+        "try:\n"
+        "    b.release_session('s')\n"
+        "except BridgeError as e:\n"
+        "    print('code', e.code.name)\n"
+        "metrics.session('committed')\n"
+        "print('off', metrics._off, len(metrics._m))\n"
+    ) % os.path.join(tmp, "none.sock")
+    env = dict(os.environ)
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    pkg = os.path.join(os.path.dirname(__file__), "..")
+    r = subprocess.run([sys.executable, "-c", code], cwd=pkg, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[:2] == ["code UNAVAILABLE", "off True 0"], r.stdout
