@@ -150,6 +150,17 @@ func (c *ControlPlane) Report(ev *kvcv1.SessionEvent) {
 	}
 }
 
+// KickLoad sends a load report now instead of at the next heartbeat: for a change the control
+// plane's decisions read and should not see a heartbeat late (a decode sidecar's last waiting
+// transfer room done: its transfer_queue_depth back to 0). It never blocks; kicks before the
+// next report's send are one report.
+func (c *ControlPlane) KickLoad() {
+	select {
+	case c.loadKick <- struct{}{}:
+	default:
+	}
+}
+
 // PendingEvents is the number of session events not yet sent.
 func (c *ControlPlane) PendingEvents() int { return c.events.len() }
 

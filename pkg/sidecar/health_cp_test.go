@@ -2,6 +2,7 @@ package sidecar_test
 
 import (
 	"context"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -9,6 +10,7 @@ import (
 
 	"github.com/kvcentric/kvcentric/pkg/sidecar"
 	"github.com/kvcentric/kvcentric/pkg/sidecar/cptest"
+	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
 // The worker's health rides on the hello and on a load report sent at once on every change
@@ -46,3 +48,37 @@ func TestControlPlaneWorkerDownSentAtOnce(t *testing.T) {
 		t.Fatalf("second outage not sent at once: %v", err)
 	}
 }
+
+// KickLoad sends a load report at once (the heartbeat here is an hour: only the kick can send
+// a second one).
+func TestControlPlaneKickLoadSendsAtOnce(t *testing.T) {
+	srv, err := cptest.Start(1, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Close()
+	h := &loadHandler{fakeHandler: &fakeHandler{id: "d0"}}
+	h.used.Store(42)
+	cp := sidecar.NewControlPlane(sidecar.CPConfig{Endpoints: []string{srv.Addr}, Heartbeat: time.Hour}, h, zerolog.Nop())
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { _ = cp.Run(ctx); close(done) }()
+	defer func() { cancel(); <-done }()
+	wctx := wctx(t)
+	if err := srv.Wait(wctx, func(v *cptest.View) bool { return v.Load("d0").GetUsedTokens() == 42 }); err != nil {
+		t.Fatalf("first load: %v", err)
+	}
+	h.used.Store(7)
+	cp.KickLoad()
+	if err := srv.Wait(wctx, func(v *cptest.View) bool { return v.Load("d0").GetUsedTokens() == 7 }); err != nil {
+		t.Fatalf("kicked load not sent at once: %v", err)
+	}
+}
+
+// loadHandler is a fakeHandler whose load reports used tokens the test sets.
+type loadHandler struct {
+	*fakeHandler
+	used atomic.Int64
+}
+
+func (h *loadHandler) Load() *kvcv1.WorkerLoad { return &kvcv1.WorkerLoad{UsedTokens: h.used.Load()} }

@@ -62,11 +62,7 @@ func (s *Sidecar) Load() *kvcv1.WorkerLoad {
 			l.EvictableTokens += ss.committed // the worker's LRU may evict it; a push pins it
 		}
 	}
-	for _, r := range s.rooms {
-		if r.res == nil {
-			l.TransferQueueDepth++
-		}
-	}
+	l.TransferQueueDepth = s.waitingRoomsLocked()
 	// pushes running plus queued
 	l.InflightPushes += int32(len(s.queue))
 	// The worker's prealloc queue as it last reported it (ReportDemand; a worker that does not

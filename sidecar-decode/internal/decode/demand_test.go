@@ -160,6 +160,7 @@ func TestReportDemandKicksRelease(t *testing.T) {
 type chanReporter chan *kvcv1.SessionEvent
 
 func (r chanReporter) Report(ev *kvcv1.SessionEvent) { r <- ev }
+func (chanReporter) KickLoad()                       {}
 
 // TestLoadForwardsWorkerUnevictable: the worker's capacity report (ReportDemandRequest
 // unevictable_tokens) and its prealloc queue (waiting_requests) reach the control plane in the

@@ -15,14 +15,27 @@ import (
 )
 
 type recordingReporter struct {
-	mu  sync.Mutex
-	evs []*kvcv1.SessionEvent
+	mu    sync.Mutex
+	evs   []*kvcv1.SessionEvent
+	kicks int // KickLoad calls
 }
 
 func (r *recordingReporter) Report(ev *kvcv1.SessionEvent) {
 	r.mu.Lock()
 	r.evs = append(r.evs, ev)
 	r.mu.Unlock()
+}
+
+func (r *recordingReporter) KickLoad() {
+	r.mu.Lock()
+	r.kicks++
+	r.mu.Unlock()
+}
+
+func (r *recordingReporter) kicked() int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.kicks
 }
 
 func (r *recordingReporter) kinds(kind kvcv1.SessionEventKind) map[string]*kvcv1.SessionEvent {

@@ -347,6 +347,41 @@ func TestAuxRowsReachWaitReceive(t *testing.T) {
 	}
 }
 
+// TestLastTransferDoneKicksLoad: when the last room waiting for its transfer is done (landed or
+// failed), the sidecar sends a load report at once (its transfer_queue_depth back to 0, which
+// the control plane's local large append waits for), not at the next heartbeat; a room done
+// while another still waits sends none.
+func TestLastTransferDoneKicksLoad(t *testing.T) {
+	s := newTestSidecar(t)
+	rep := &recordingReporter{}
+	s.SetReporter(rep)
+	ctx := context.Background()
+	for id := int64(1); id <= 2; id++ {
+		s.mu.Lock()
+		s.rooms[id] = &recvRoom{req: &kvcv1.PrepareReceiveRequest{Room: id, SessionId: "s", Kind: kvcv1.TransferKind_TRANSFER_KIND_SEED, Tokens: 4}, created: time.Now(), done: make(chan struct{})}
+		s.mu.Unlock()
+	}
+	if d := s.Load().GetTransferQueueDepth(); d != 2 {
+		t.Fatalf("transfer queue depth %d, want 2", d)
+	}
+	for _, tt := range []struct {
+		room      int64
+		ok        bool
+		depth     int32
+		wantKicks int
+	}{
+		{room: 1, ok: true, depth: 1, wantKicks: 0}, // room 2 still waits
+		{room: 2, ok: false, depth: 0, wantKicks: 1},
+	} {
+		if _, err := s.TransferDone(ctx, &kvcv1.TransferDoneRequest{Room: tt.room, Ok: tt.ok, Tokens: 4, Error: map[bool]string{false: "boom"}[tt.ok]}); err != nil {
+			t.Fatal(err)
+		}
+		if d, k := s.Load().GetTransferQueueDepth(), rep.kicked(); d != tt.depth || k != tt.wantKicks {
+			t.Fatalf("after room %d: depth %d, load kicks %d; want %d, %d", tt.room, d, k, tt.depth, tt.wantKicks)
+		}
+	}
+}
+
 // TestCapacityReleaseAgentHints: the agent hints carried by SetSnapshotTargetCommand — a pinned
 // session is never picked (nor counted evictable) while its pin holds and is picked once it
 // has expired; a low-priority session is picked before any other, whatever its idle time.

@@ -21,14 +21,17 @@ import (
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
 )
 
-// Reporter sends session events to the control plane (sidecar.ControlPlane).
+// Reporter sends session events to the control plane (sidecar.ControlPlane), and a load
+// report at once when asked (KickLoad).
 type Reporter interface {
 	Report(ev *kvcv1.SessionEvent)
+	KickLoad()
 }
 
 type nopReporter struct{}
 
 func (nopReporter) Report(*kvcv1.SessionEvent) {}
+func (nopReporter) KickLoad()                  {}
 
 // Config configures the sidecar.
 type Config struct {
@@ -603,6 +606,17 @@ func (s *Sidecar) SnapshotStatus(_ context.Context, req *kvcv1.SnapshotStatusReq
 
 // ---- peer service ----
 
+// waitingRoomsLocked counts the rooms waiting for their transfer (the load report's
+// transfer_queue_depth).
+func (s *Sidecar) waitingRoomsLocked() (n int32) {
+	for _, r := range s.rooms {
+		if r.res == nil {
+			n++
+		}
+	}
+	return n
+}
+
 // TransferDone completes a room.
 func (s *Sidecar) TransferDone(_ context.Context, req *kvcv1.TransferDoneRequest) (*kvcv1.TransferDoneResponse, error) {
 	s.mu.Lock()
@@ -619,7 +633,14 @@ func (s *Sidecar) TransferDone(_ context.Context, req *kvcv1.TransferDoneRequest
 	}
 	r.res = req
 	close(r.done)
+	idle := s.waitingRoomsLocked() == 0
 	s.mu.Unlock()
+	if idle {
+		// The load report's transfer_queue_depth is back to 0: the control plane's local
+		// large append waits for an empty queue (policy.localAppend), so it hears it now,
+		// not up to a heartbeat later.
+		s.rep.KickLoad()
+	}
 	kind := "seed"
 	if r.req.GetKind() == kvcv1.TransferKind_TRANSFER_KIND_SNAPSHOT {
 		kind = "snapshot"
