@@ -318,27 +318,20 @@ func handlePair(s *router.Service, req *kvcv1.RouteRequest) {
 // BenchmarkRealStream is the headline's stream part alone on the real leader: b.N queries
 // pipelined on one Route stream (at most streamWindow unanswered), every outcome reported on
 // the same stream, for profiling the stream path (go test -bench RealStream -cpuprofile cpu.out).
-func BenchmarkRealStream(b *testing.B) {
-	env := newRealEnv(b)
-	s := router.New(env.st, zerolog.Nop(), nil)
-	defer reportLoads(env.report)()
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	go func() { _ = s.Run(ctx) }()
-	w := &workload{ids: env.ids, rng: rand.New(rand.NewPCG(1, 2))}
-	overStream(b, s, w, 5_000, streamLoad{window: streamWindow}) // warm up
-	b.ResetTimer()
-	perSec, p99 := overStream(b, s, w, max(b.N, 100), streamLoad{window: streamWindow})
-	b.ReportMetric(perSec, "decisions/s")
-	b.ReportMetric(float64(p99.Microseconds()), "p99-µs")
-}
+func BenchmarkRealStream(b *testing.B) { realStream(b, streamLoad{window: streamWindow}) }
 
-// BenchmarkRealStreamOpen is the headline's open-loop stream run alone on the real leader:
-// b.N queries offered at -policybench.open-rate (default openRate) per second on one Route stream whatever the answers, every outcome on
-// the same stream, for profiling what bounds the stream's rate.
+// openRateFlag is BenchmarkRealStreamOpen's offered rate.
 var openRateFlag = flag.Float64("policybench.open-rate", openRate, "BenchmarkRealStreamOpen's offered queries per second")
 
-func BenchmarkRealStreamOpen(b *testing.B) {
+// BenchmarkRealStreamOpen is the headline's open-loop stream run alone on the real leader: b.N
+// queries offered at -policybench.open-rate (default openRate) per second on one Route stream
+// whatever the answers, every outcome on the same stream, for profiling what bounds the
+// stream's rate.
+func BenchmarkRealStreamOpen(b *testing.B) { realStream(b, streamLoad{rate: *openRateFlag}) }
+
+// realStream runs b.N queries on one Route stream over the real leader as load says, after a
+// closed-loop warm-up, and reports decisions/s and the p99.
+func realStream(b *testing.B, load streamLoad) {
 	env := newRealEnv(b)
 	s := router.New(env.st, zerolog.Nop(), nil)
 	defer reportLoads(env.report)()
@@ -348,7 +341,7 @@ func BenchmarkRealStreamOpen(b *testing.B) {
 	w := &workload{ids: env.ids, rng: rand.New(rand.NewPCG(1, 2))}
 	overStream(b, s, w, 5_000, streamLoad{window: streamWindow}) // warm up
 	b.ResetTimer()
-	perSec, p99 := overStream(b, s, w, max(b.N, 100), streamLoad{rate: *openRateFlag})
+	perSec, p99 := overStream(b, s, w, max(b.N, 100), load)
 	b.ReportMetric(perSec, "decisions/s")
 	b.ReportMetric(float64(p99.Microseconds()), "p99-µs")
 }
