@@ -1,11 +1,9 @@
 package router
 
 import (
-	"context"
 	"runtime"
 	"slices"
 	"testing"
-	"time"
 
 	"github.com/kvcentric/kvcentric/controlplane/internal/router/routertest"
 	kvcv1 "github.com/kvcentric/kvcentric/proto/kvc/v1"
@@ -205,13 +203,7 @@ func TestRehomeWaitDoesNotHoldTheStream(t *testing.T) {
 	if l == nil {
 		t.Fatal("no load")
 	}
-	conn := serve(t, f.s)
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	st, err := kvcv1.NewRouterServiceClient(conn).Route(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
+	st := openRoute(t, f.s)
 	if err := st.Send(query("S", 3, 1100, 50)); err != nil {
 		t.Fatal(err)
 	}

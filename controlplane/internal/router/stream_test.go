@@ -45,6 +45,19 @@ func serve(t *testing.T, s *Service) *grpc.ClientConn {
 	return conn
 }
 
+// openRoute serves s (serve) and opens one Route stream on it, ended with the test.
+func openRoute(t *testing.T, s *Service) kvcv1.RouterService_RouteClient {
+	t.Helper()
+	conn := serve(t, s)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	t.Cleanup(cancel)
+	st, err := kvcv1.NewRouterServiceClient(conn).Route(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return st
+}
+
 func TestRouteStreamOverGRPC(t *testing.T) {
 	f := newFixture(t, basicCluster()...)
 	conn := serve(t, f.s)
@@ -123,13 +136,7 @@ func TestRouteStreamOverGRPC(t *testing.T) {
 // or reported twice — is still answered with its error.
 func TestRouteOutcomeNoAck(t *testing.T) {
 	f := newFixture(t, basicCluster()...)
-	conn := serve(t, f.s)
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	st, err := kvcv1.NewRouterServiceClient(conn).Route(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
+	st := openRoute(t, f.s)
 	send := func(req *kvcv1.RouteRequest) {
 		t.Helper()
 		if err := st.Send(req); err != nil {

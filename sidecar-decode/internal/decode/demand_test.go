@@ -47,27 +47,7 @@ func TestCapacityReleaseSeesDemand(t *testing.T) {
 			s.rel = newReleaser(ReleaseConfig{High: 0.5, Low: 0.25, MinIdle: time.Second})
 			ctx := context.Background()
 			now := time.Now()
-			next := int64(0)
-			add := func(id string, kv int64, idle time.Duration, pushed int64) {
-				t.Helper()
-				if err := s.Apply(ctx, &kvcv1.Command{Action: &kvcv1.Command_SetSnapshotTarget{SetSnapshotTarget: &kvcv1.SetSnapshotTargetCommand{
-					SessionId: id, PrefillWorkerId: "p", PeerAddr: "127.0.0.1:1", TransferEndpoint: "127.0.0.1:1", Generation: 1}}}); err != nil {
-					t.Fatal(err)
-				}
-				pg := make([]int64, (kv+3)/4)
-				for i := range pg {
-					pg[i] = next
-					next++
-				}
-				if _, err := s.CommitSession(ctx, &kvcv1.CommitSessionRequest{SessionId: id, CommittedLen: kv, Pages: pg}); err != nil {
-					t.Fatal(err)
-				}
-				s.mu.Lock()
-				ss := s.sessions[id]
-				ss.lastCommit, ss.lastPushed, ss.queued = now.Add(-idle), pushed, false
-				s.queue = s.queue[:0]
-				s.mu.Unlock()
-			}
+			add := idleSessions(t, s, now)
 			if tc.name == "deficit behind a push" {
 				add("behind", 40, time.Hour, 32) // idlest, its snapshot 8 tokens behind
 			} else {
@@ -153,6 +133,33 @@ func TestReportDemandKicksRelease(t *testing.T) {
 	}
 	if _, err := c.ReportDemand(ctx, &kvcv1.ReportDemandRequest{WaitingRequests: -1}); status.Code(err) != codes.InvalidArgument {
 		t.Fatalf("negative demand: %v, want InvalidArgument", err)
+	}
+}
+
+// idleSessions returns add(id, kv, idle, pushed): a session committed on s with kv tokens in
+// pages of its own, its snapshot target set and pushed up to pushed, last committed idle before
+// now, and no push queued — what the capacity release ranks.
+func idleSessions(t *testing.T, s *Sidecar, now time.Time) func(id string, kv int64, idle time.Duration, pushed int64) {
+	next := int64(0)
+	return func(id string, kv int64, idle time.Duration, pushed int64) {
+		t.Helper()
+		ctx := context.Background()
+		if err := s.Apply(ctx, &kvcv1.Command{Action: &kvcv1.Command_SetSnapshotTarget{SetSnapshotTarget: &kvcv1.SetSnapshotTargetCommand{
+			SessionId: id, PrefillWorkerId: "p", PeerAddr: "127.0.0.1:1", TransferEndpoint: "127.0.0.1:1", Generation: 1}}}); err != nil {
+			t.Fatal(err)
+		}
+		pg := make([]int64, (kv+3)/4)
+		for i := range pg {
+			pg[i], next = next, next+1
+		}
+		if _, err := s.CommitSession(ctx, &kvcv1.CommitSessionRequest{SessionId: id, CommittedLen: kv, Pages: pg}); err != nil {
+			t.Fatal(err)
+		}
+		s.mu.Lock()
+		ss := s.sessions[id]
+		ss.lastCommit, ss.lastPushed, ss.queued = now.Add(-idle), pushed, false
+		s.queue = s.queue[:0]
+		s.mu.Unlock()
 	}
 }
 

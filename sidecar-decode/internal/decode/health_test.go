@@ -163,26 +163,9 @@ func TestWorkerDownForgetsDemand(t *testing.T) {
 			s := newTestSidecar(t) // 64 pages of 4 tokens: 256 tokens
 			s.rel = newReleaser(ReleaseConfig{High: 0.5, Low: 0.25, MinIdle: time.Second})
 			ctx := context.Background()
-			next := int64(0)
-			commit := func(id string, kv int64) { // an idle session with its snapshot current: the release may take it
-				t.Helper()
-				if err := s.Apply(ctx, &kvcv1.Command{Action: &kvcv1.Command_SetSnapshotTarget{SetSnapshotTarget: &kvcv1.SetSnapshotTargetCommand{
-					SessionId: id, PrefillWorkerId: "p", PeerAddr: "127.0.0.1:1", TransferEndpoint: "127.0.0.1:1", Generation: 1}}}); err != nil {
-					t.Fatal(err)
-				}
-				pg := make([]int64, (kv+3)/4)
-				for i := range pg {
-					pg[i], next = next, next+1
-				}
-				if _, err := s.CommitSession(ctx, &kvcv1.CommitSessionRequest{SessionId: id, CommittedLen: kv, Pages: pg}); err != nil {
-					t.Fatal(err)
-				}
-				s.mu.Lock()
-				ss := s.sessions[id]
-				ss.lastCommit, ss.lastPushed, ss.queued = time.Now().Add(-time.Hour), kv, false
-				s.queue = s.queue[:0]
-				s.mu.Unlock()
-			}
+			add := idleSessions(t, s, time.Now())
+			// an idle session with its snapshot current: the release may take it
+			commit := func(id string, kv int64) { add(id, kv, time.Hour, kv) }
 			plan := func() ReleasePlan {
 				s.mu.Lock()
 				defer s.mu.Unlock()
