@@ -4,6 +4,7 @@ import (
 	"context"
 	"flag"
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"runtime"
 	"testing"
@@ -327,7 +328,12 @@ var openRateFlag = flag.Float64("policybench.open-rate", openRate, "BenchmarkRea
 // queries offered at -policybench.open-rate (default openRate) per second on one Route stream
 // whatever the answers, every outcome on the same stream, for profiling what bounds the
 // stream's rate.
-func BenchmarkRealStreamOpen(b *testing.B) { realStream(b, streamLoad{rate: *openRateFlag}) }
+func BenchmarkRealStreamOpen(b *testing.B) {
+	if r := *openRateFlag; !(r > 0) || math.IsInf(r, 0) {
+		b.Fatalf("-policybench.open-rate %v: want a finite rate above 0 queries/s", r)
+	}
+	realStream(b, streamLoad{rate: *openRateFlag})
+}
 
 // realStream runs b.N queries on one Route stream over the real leader as load says, after a
 // closed-loop warm-up, and reports decisions/s and the p99.
